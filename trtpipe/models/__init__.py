@@ -1,0 +1,1 @@
+"""One module per architecture family, each declaring its HF -> TensorRT-LLM mapping as data."""
