@@ -1,0 +1,32 @@
+"""Project-wide test settings: deterministic seeds, and the paths of the shared tiny model."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# shared/ sits beside the repository checkout (../shared from the repo root).
+SHARED = Path(os.environ.get("TRTPIPE_SHARED", REPO_ROOT.parent / "shared"))
+STORIES = SHARED / "models" / "stories260k"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    import numpy as np
+    import torch
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    if not (STORIES / "config.json").is_file():
+        pytest.fail(f"the shared tiny model is missing: {STORIES}")
+    return STORIES
