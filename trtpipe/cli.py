@@ -49,7 +49,7 @@ OVERRIDES = click.option(
 
 
 @main.command()
-@click.argument("recipes", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("recipes", nargs=-1, required=True, type=click.Path(path_type=Path))
 @OVERRIDES
 def validate(recipes: tuple[Path, ...], overrides: tuple[str, ...]) -> None:
     """Check recipes (schema and cross-field rules) without loading weights. Exit 2 on any error."""
@@ -65,40 +65,408 @@ def validate(recipes: tuple[Path, ...], overrides: tuple[str, ...]) -> None:
             click.echo(str(exc), err=True)
             failed = True
     if failed:
-        sys.exit(2)
+        sys.exit(RecipeError.exit_code)
 
 
 @main.command()
 def schema() -> None:
     """Print the recipe JSON Schema (for editor completion)."""
-    from trtpipe.recipe.schema import Recipe
+    from trtpipe.recipe.describe import recipe_json_schema
 
-    click.echo(json.dumps(Recipe.model_json_schema(), indent=2))
+    click.echo(json.dumps(recipe_json_schema(), indent=2))
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(path_type=Path))
+@OVERRIDES
+@click.option("--json", "as_json", is_flag=True, help="Plain JSON instead of annotated YAML.")
+def explain(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
+    """Print the fully resolved recipe, every default shown and marked."""
+    from trtpipe.recipe.describe import explain as explain_recipe
+
+    click.echo(explain_recipe(recipe, overrides, as_json=as_json), nl=False)
+
+
+# --- build pipeline commands -----------------------------------------------------------------------
 
 
 @main.command()
 @click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
 @OVERRIDES
-@click.option("--json", "as_json", is_flag=True, help="JSON instead of YAML.")
-def explain(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
-    """Print the fully resolved recipe, every default shown."""
-    import yaml
-
+@click.option("--force", multiple=True, metavar="STAGE", help="Rerun STAGE even if cached (repeatable; 'all').")
+@click.option("--from", "from_stage", metavar="STAGE", help="Rerun STAGE and all later ones; earlier must be cached.")
+@click.option("--until", metavar="STAGE", help="Stop after STAGE.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (the manifest summary), nothing else.")
+@click.pass_context
+def build(ctx, recipe: Path, overrides, force, from_stage, until, as_json: bool) -> None:
+    """Run the build stages that exist, reusing cached artifacts; write <work_dir>/manifest.json."""
+    from trtpipe.errors import StageError
+    from trtpipe.pipeline.runner import run_build
     from trtpipe.recipe import load_recipe
 
-    data = load_recipe(recipe, overrides).model_dump(mode="json")
-    click.echo(json.dumps(data, indent=2) if as_json else yaml.safe_dump(data, sort_keys=False))
+    loaded = load_recipe(recipe, overrides)
+    stages = (ctx.obj or {}).get("stages")  # a program embedding the CLI (the tests) may pass its own stages
+    try:
+        result = run_build(loaded, stages, force, from_stage, until, quiet=as_json, overrides=overrides)
+    except StageError as exc:
+        if as_json and getattr(exc, "result", None) is not None:
+            click.echo(json.dumps(exc.result.summary(), indent=2))
+        raise
+    if as_json:
+        click.echo(json.dumps(result.summary(), indent=2))
+        return
+    click.echo(f"manifest: {result.manifest_path}")
 
 
-# --- build pipeline commands -----------------------------------------------------------------------
+@main.command()
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@OVERRIDES
+@click.option("--verify", is_flag=True, help="Re-hash every file listed in the last manifest (exit 1 on mismatch).")
+@click.option("--json", "as_json", is_flag=True, help="JSON instead of a table.")
+@click.pass_context
+def status(ctx, recipe: Path, overrides, verify: bool, as_json: bool) -> None:
+    """Show each stage's key, whether its artifact is cached, and the last build."""
+    from trtpipe.pipeline.runner import build_status
+    from trtpipe.recipe import load_recipe
+
+    report = build_status(load_recipe(recipe, overrides), (ctx.obj or {}).get("stages"), verify=verify)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        for row in report["stages"]:
+            where = row.get("artifact") or row["reason"]
+            click.echo(f"{row['name']:<11} {row['state']:<9} {where}")
+        last = report["last_build"]
+        click.echo(f"last build: {last['build_id']} {last['status']}" if last else "last build: none")
+        for problem in report.get("verify") or []:
+            click.echo(f"mismatch: {problem}")
+    if verify and report.get("verify"):
+        sys.exit(1)
 
 # --- checkpoint commands (convert, inspect, generate) ----------------------------------------------
 
+
+@main.command()
+@click.argument("hf_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--tp", default=1, show_default=True, help="Tensor-parallel size.")
+@click.option("--pp", default=1, show_default=True, help="Pipeline-parallel size.")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float16", "bfloat16", "float32"]))
+@click.option("--moe-ep", default=-1, show_default=True, help="MoE expert-parallel size (-1: derived).")
+@click.option("--moe-tp", default=-1, show_default=True, help="MoE tensor-parallel size (-1: derived).")
+@click.option("--parallel-embedding", is_flag=True, help="Shard the embedding table over tp (vocab dim).")
+@click.option("--allow-pickle", is_flag=True, help="Accept .bin checkpoints (loaded with weights_only=True).")
+@click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists.")
+def convert(hf_dir, out_dir, tp, pp, dtype, moe_ep, moe_tp, parallel_embedding, allow_pickle, overwrite) -> None:
+    """Convert a Hugging Face model to a TensorRT-LLM checkpoint (rank files for tp x pp)."""
+    from trtpipe.checkpoint.convert import convert as run_convert
+
+    run_convert(hf_dir, out_dir, tp=tp, pp=pp, dtype=dtype, moe_tp=moe_tp, moe_ep=moe_ep, allow_pickle=allow_pickle,
+                use_parallel_embedding=parallel_embedding, overwrite=overwrite)
+    click.echo(str(out_dir))
+
+
+@main.command()
+@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+def inspect(path: Path, as_json: bool) -> None:
+    """Summarize an HF model directory or a TensorRT-LLM checkpoint (dims, quantization, per-rank tensors)."""
+    from trtpipe.checkpoint.inspect import format_summary, inspect_path
+
+    summary = inspect_path(path)
+    click.echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
+
+
+@main.command()
+@click.argument("ckpt_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("prompt")
+@click.option("--max-tokens", default=64, show_default=True)
+@click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--temperature", default=0.0, show_default=True)
+@click.option("--top-k", default=0, show_default=True)
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+def generate(ckpt_dir, prompt, max_tokens, tokenizer_dir, temperature, top_k, top_p, seed) -> None:
+    """Generate text with the CPU reference runtime from a TensorRT-LLM checkpoint (streams to stdout)."""
+    from trtpipe.runtime.text import generate_text
+
+    click.echo(prompt, nl=False)
+    generate_text(ckpt_dir, prompt, max_tokens, tokenizer_dir, temperature, top_k, top_p, seed,
+                  on_text=lambda piece: click.echo(piece, nl=False))
+    click.echo()
+
 # --- quantization commands (calibrate, quantize, eval) ---------------------------------------------
+
+
+def _build_until(recipe: Path, overrides, stage: str, force: tuple[str, ...] = ()):
+    """Run the build up to ``stage`` (earlier stages reused when cached); return its artifact directory."""
+    from trtpipe.pipeline.runner import run_build
+    from trtpipe.recipe import load_recipe
+
+    result = run_build(load_recipe(recipe, overrides), None, force, None, stage, overrides=overrides)
+    return result, result.artifact(stage)
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@OVERRIDES
+@click.option("--force", is_flag=True, help="Recompute even when cached statistics exist.")
+def calibrate(recipe: Path, overrides, force: bool) -> None:
+    """Run calibration alone; print where its statistics are (reused by every algorithm that can)."""
+    _, path = _build_until(recipe, overrides, "calibrate", ("calibrate",) if force else ())
+    click.echo(f"calibration statistics: {path}")
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@OVERRIDES
+def quantize(recipe: Path, overrides) -> None:
+    """Write the quantized TensorRT-LLM checkpoint (calibrating first when needed); print its path."""
+    _, path = _build_until(recipe, overrides, "quantize")
+    click.echo(f"quantized checkpoint: {path}")
+
+
+@main.command(name="eval")
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@OVERRIDES
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON report instead of the table.")
+def eval_(recipe: Path, overrides, as_json: bool) -> None:
+    """Accuracy report of the quantized model against the unquantized one; fails when the recipe's gate does."""
+    _, path = _build_until(recipe, overrides, "verify")
+    click.echo((path / "accuracy.json").read_text() if as_json else (path / "accuracy.txt").read_text())
 
 # --- engine commands (plan, engine, doctor) --------------------------------------------------------
 
+_MODEL_CONFIG = click.option("--model-config", type=click.Path(dir_okay=False, path_type=Path),
+                             help="A Hugging Face config.json for a model not on this disk (e.g. recipes/configs/...).")
+_CHECKPOINT = click.option("--checkpoint", type=click.Path(file_okay=False, path_type=Path),
+                           help="A built TensorRT-LLM checkpoint: its config.json and real weight bytes are used.")
+
+
+@main.command()
+@click.argument("recipe", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@OVERRIDES
+@click.option("--gpu", help="Target GPU from the catalog (default: the recipe's engine.gpu).")
+@_MODEL_CONFIG
+@_CHECKPOINT
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--list-gpus", is_flag=True, help="Print the GPU catalog and exit.")
+def plan(recipe, overrides, gpu, model_config, checkpoint, as_json, list_gpus) -> None:
+    """Memory plan per GPU: weights, activations, KV pool and concurrent sequences; exit 3 if it does not fit."""
+    from trtpipe.engine import report
+
+    if list_gpus:
+        click.echo(report.gpu_table())
+        return
+    if recipe is None:
+        raise click.UsageError("RECIPE is required (or --list-gpus)")
+    r = report.resolve(recipe, overrides, gpu=gpu, model_config=model_config, checkpoint=checkpoint)
+    click.echo(json.dumps(report.plan_json(r), indent=2) if as_json else report.render_plan(r))
+    if not r.plan.fits:
+        sys.exit(3)
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@OVERRIDES
+@click.option("--gpu", help="Target GPU from the catalog (default: the recipe's engine.gpu).")
+@_MODEL_CONFIG
+@_CHECKPOINT
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="Build into this (empty) directory: TensorRT engines, or the CPU twin without TensorRT-LLM.")
+def engine(recipe, overrides, gpu, model_config, checkpoint, out) -> None:
+    """Print the trtllm-build command and build_config JSON; with --checkpoint and --out, build."""
+    import logging
+
+    from trtpipe.engine import report
+
+    r = report.resolve(recipe, overrides, gpu=gpu, model_config=model_config, checkpoint=checkpoint)
+    if out is None:
+        click.echo(report.render_build(r))
+        return
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    info = report.build_engine(r, out, logging.getLogger("trtpipe.engine"))
+    click.echo(f"{out}: {info['engine']} engine")
+
+
+@main.command()
+@click.argument("engine_dir", required=False, type=click.Path(file_okay=False, exists=True, path_type=Path))
+def doctor(engine_dir) -> None:
+    """Check python, torch, GPU, driver, CUDA, TensorRT, TensorRT-LLM, MPI and tritonserver (against ENGINE_DIR)."""
+    from trtpipe.engine import doctor as doc
+
+    checks = doc.diagnose(engine_dir)
+    click.echo(doc.render(checks, engine_dir))
+    if doc.failed(checks):
+        sys.exit(1)
+
+
 # --- triton commands (repo, serve, stop, infer, bench) ---------------------------------------------
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@OVERRIDES
+@click.option("--engine", "engine_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Use this engine dir (TensorRT or CPU twin) instead of building the recipe.")
+@click.option("--tokenizer", "tokenizer_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Tokenizer + generation_config.json dir (with --engine; default <engine>/checkpoint).")
+@click.option("--out", type=click.Path(path_type=Path), help="Output dir (with --engine; default triton.repo_dir).")
+def repo(recipe: Path, overrides, engine_dir, tokenizer_dir, out) -> None:
+    """Write the Triton model repository: build the recipe up to the repo stage, or from --engine."""
+    from trtpipe.recipe import load_recipe
+    from trtpipe.triton.serve import resolve_repo
+
+    if engine_dir is None:
+        click.echo(resolve_repo(recipe, overrides))
+        return
+    from trtpipe.triton.repo import write_repo
+
+    loaded = load_recipe(recipe, overrides)
+    out = out or loaded.resolve(loaded.triton.repo_dir or str(loaded.work_path / "repo"))
+    configs = write_repo(loaded, engine_dir, tokenizer_dir or engine_dir / "checkpoint", out)
+    click.echo(f"{out} ({', '.join(sorted(configs))})")
+
+
+def _ports(http, grpc, metrics):
+    from trtpipe.triton.server import Ports, free_ports
+
+    if http is None and grpc is None and metrics is None:
+        return None
+    free = iter(free_ports(3))
+    return Ports(http or next(free), grpc or next(free), metrics or next(free))
+
+
+@main.command()
+@click.argument("target", type=click.Path(exists=True, path_type=Path))
+@OVERRIDES
+@click.option("--bind", default=None, help="Address of all endpoints (default: recipe triton.bind, else 127.0.0.1).")
+@click.option("--http-port", type=int)
+@click.option("--grpc-port", type=int)
+@click.option("--metrics-port", type=int)
+@click.option("--timeout", default=180.0, show_default=True, help="Seconds to wait for readiness.")
+@click.option("--detach", is_flag=True, help="Return once ready; stop it later with trtpipe stop.")
+@click.option("--dry-run", is_flag=True, help="Print the launch command (mpirun leader mode for TensorRT engines).")
+@click.option("--tritonserver", default="/opt/tritonserver/bin/tritonserver", show_default=True,
+              help="tritonserver binary of the TensorRT-LLM container (TensorRT engines).")
+def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, timeout, detach, dry_run, tritonserver) -> None:
+    """Serve a model repository, or a recipe (built first if needed); Ctrl-C stops it cleanly."""
+    import shlex
+
+    from trtpipe.triton import server as srv
+    from trtpipe.triton.serve import plan_launch, resolve_repo, run_mpirun
+
+    if bind is None and target.is_file():
+        from trtpipe.recipe import load_recipe
+
+        bind = load_recipe(target, overrides).triton.bind
+    bind = bind or "127.0.0.1"
+    repo = resolve_repo(target, overrides)
+    ports = _ports(http_port, grpc_port, metrics_port)
+    plan = plan_launch(repo, bind, ports, tritonserver)
+    if dry_run:
+        if plan.command is None:
+            root = srv.cache_dir() / "tritonserver"
+            shown = ports or srv.Ports(0, 0, 0)
+            cmd = srv.server_command(root / "bin" / "tritonserver", root / "backends", repo, bind, shown, "trtpipe_")
+            click.echo("# CPU twin: one tritonserver (ports 0 = chosen free at start)")
+        else:
+            cmd = plan.command
+            click.echo(f"# TensorRT engines, leader mode: world_size {plan.world_size}")
+        click.echo(shlex.join(cmd))
+        return
+    if plan.command is not None:
+        sys.exit(run_mpirun(plan))
+    server = srv.start_server(repo, bind, ports, timeout=timeout, detach=detach)
+    click.echo(f"serving {repo}\n  http {server.http_url}\n  grpc {server.grpc_url}\n  log  {server.log}")
+    if detach:
+        click.echo(f"  pid  {server.pid} (trtpipe stop {repo})")
+        return
+    click.echo("Ctrl-C to stop")
+    srv.serve_forever(server)
+    click.echo("stopped")
+
+
+@main.command()
+@click.argument("target", required=False, type=click.Path(exists=True, path_type=Path))
+@OVERRIDES
+def stop(target, overrides) -> None:
+    """Stop servers started with serve --detach (TARGET: repository or recipe; default: the only one running)."""
+    from trtpipe.errors import ServingError
+    from trtpipe.triton.serve import find_detached
+
+    servers = find_detached(target, overrides)
+    if target is None and len(servers) > 1:
+        raise ServingError(f"{len(servers)} detached servers run; name one: " + ", ".join(s.repo for s in servers))
+    if not servers:
+        click.echo("no detached server is running" + (f" for {target}" if target else ""))
+    for s in servers:
+        s.stop()
+        click.echo(f"stopped pid {s.pid} ({s.repo})")
+
+
+def _client_url(url, protocol, server=None):
+    if url:
+        return url
+    from trtpipe.triton.serve import one_detached
+
+    s = one_detached(server)
+    return s.grpc_url if protocol == "grpc" else s.http_url.split("://", 1)[1]
+
+
+GEN_OPTIONS = [
+    click.option("--url", help="HOST:PORT (gRPC, or HTTP with --protocol http); default: the detached server."),
+    click.option("--server", type=click.Path(exists=True, path_type=Path),
+                 help="Use the detached server of this repository or recipe (instead of --url)."),
+    click.option("--protocol", type=click.Choice(["grpc", "http"]), default="grpc", show_default=True),
+    click.option("--model", help="Front model (default: tensorrt_llm_bls for streams if present, else the ensemble)."),
+    click.option("--max-tokens", default=64, show_default=True, type=int),
+    click.option("--temperature", type=float),
+    click.option("--top-k", type=int),
+    click.option("--top-p", type=float),
+    click.option("--seed", type=int),
+]
+
+
+def _gen_options(fn):
+    for opt in reversed(GEN_OPTIONS):
+        fn = opt(fn)
+    return fn
+
+
+@main.command()
+@click.argument("prompt")
+@_gen_options
+@click.option("--stream", is_flag=True, help="Print the answer as it is generated (gRPC, decoupled repository).")
+def infer(prompt, url, server, protocol, model, max_tokens, temperature, top_k, top_p, seed, stream) -> None:
+    """Ask the served model PROMPT and print the answer."""
+    from trtpipe.triton.client import Client, GenerateOptions
+
+    opts = GenerateOptions(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    with Client(_client_url(url, protocol, server), protocol, model) as client:
+        if stream:
+            for piece in client.stream(prompt, opts):
+                click.echo(piece, nl=False)
+            click.echo()
+        else:
+            click.echo(client.generate(prompt, opts))
+
+
+@main.command()
+@click.option("--prompt", default="Once upon a time", show_default=True)
+@_gen_options
+@click.option("--concurrency", "-c", default=4, show_default=True, type=click.IntRange(1, 256))
+@click.option("--requests", "-n", "num_requests", default=32, show_default=True, type=click.IntRange(1, 100_000))
+@click.option("--json", "as_json", is_flag=True)
+def bench(prompt, url, server, protocol, model, max_tokens, temperature, top_k, top_p, seed, concurrency, num_requests, as_json) -> None:
+    """Send N requests with C in flight; print throughput and latency percentiles."""
+    from trtpipe.triton.bench import run_bench
+    from trtpipe.triton.client import GenerateOptions
+
+    opts = GenerateOptions(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    report = run_bench(_client_url(url, protocol, server), protocol, prompt, opts, concurrency, num_requests, model)
+    click.echo(json.dumps(report, indent=2) if as_json else report["text"])
+
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,1 +1,30 @@
-"""One module per architecture family, each declaring its HF -> TensorRT-LLM mapping as data."""
+"""One module per architecture family, each declaring its HF -> TensorRT-LLM mapping as data.
+
+The registry is keyed by ``config.json`` ``architectures[0]``; a new family is a new module plus one
+entry in ``FAMILIES``.
+"""
+
+from __future__ import annotations
+
+from trtpipe.errors import CheckpointError
+from trtpipe.models.family import Family, Rule
+from trtpipe.models.llama import LLAMA
+from trtpipe.models.mixtral import MIXTRAL
+from trtpipe.models.qwen2 import QWEN2
+
+FAMILIES: tuple[Family, ...] = (LLAMA, QWEN2, MIXTRAL)
+
+REGISTRY: dict[str, Family] = {arch: fam for fam in FAMILIES for arch in fam.architectures}
+
+
+def get_family(architecture: str) -> Family:
+    """The family handling an HF architecture; a one-line error listing the supported ones."""
+    try:
+        return REGISTRY[architecture]
+    except KeyError:
+        raise CheckpointError(
+            f"config.json: architectures[0] '{architecture}' is not supported (supported: {', '.join(sorted(REGISTRY))})"
+        ) from None
+
+
+__all__ = ["FAMILIES", "Family", "REGISTRY", "Rule", "get_family"]

@@ -2,14 +2,18 @@
 
 A rule is a function ``(recipe, model) -> iterable of (dotted.key, message)``; ``model`` is the model's
 :class:`HFModelInfo` (or None when the model directory cannot be read, which is itself reported).
-Other packages add rules by appending to :data:`RULES` (the engine adds the builder's enforcement rules).
+Other packages add rules by appending to :data:`RULES` (the quantization and engine packages add theirs from
+``trtpipe/quant/rules.py`` and ``trtpipe/engine/rules.py``, imported by :func:`check_recipe`).
+The rules here are the layout facts of shared/spec/TRTLLM_CONTRACT.md §1.3 and §2 (what shards) and the
+recipe's own consistency (lengths, ports, data files).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from trtpipe.errors import CheckpointError, Problem
+from trtpipe.errors import CheckpointError, Problem, TrtpipeError
 from trtpipe.models.hfconfig import HFModelInfo, read_hf_config
 from trtpipe.recipe.schema import Recipe
 
@@ -18,13 +22,15 @@ Rule = Callable[[Recipe, Optional[HFModelInfo]], Iterable[Finding]]
 
 RULES: list[Rule] = []
 
+DATA_SUFFIXES = (".txt", ".jsonl", ".json")
+
 
 def rule(fn: Rule) -> Rule:
     RULES.append(fn)
     return fn
 
 
-def model_dir(recipe: Recipe):
+def model_dir(recipe: Recipe) -> Path:
     """The local model directory a recipe names (``hf://`` sources resolve through the hub cache)."""
     src = recipe.model.source
     if src.startswith("hf://"):
@@ -34,49 +40,65 @@ def model_dir(recipe: Recipe):
     return recipe.resolve(src)
 
 
+def _hf_config_dir(uri: str) -> Path:
+    """Fetch only ``config.json`` of a hub model (validation must not download weights).
+
+    The local cache comes first, so validating an already downloaded model works offline and fast.
+    """
+    import logging
+
+    from trtpipe.models.hub import parse_hf_uri
+
+    repo, revision = parse_hf_uri(uri)
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError:  # pragma: no cover - huggingface_hub ships with transformers
+        raise CheckpointError("hf:// sources need huggingface_hub (pip install huggingface_hub)") from None
+    try:
+        return Path(hf_hub_download(repo, "config.json", revision=revision, local_files_only=True)).parent
+    except Exception:  # not cached (the hub raises several types for that): ask the hub
+        pass
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)  # its retry chatter would break the one-line-per-problem output
+    try:
+        return Path(hf_hub_download(repo, "config.json", revision=revision)).parent
+    except Exception as exc:  # offline, 401, 404, ... all mean "cannot read the model config"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"cannot fetch config.json of {uri}: {first}") from None
+    finally:
+        hub_log.setLevel(level)
+
+
+def _strip_key(message: str) -> str:
+    return message[len("model.source: "):] if message.startswith("model.source: ") else message
+
+
 def load_model_info(recipe: Recipe) -> tuple[Optional[HFModelInfo], list[Finding]]:
+    """The model's config facts, or None and the finding that says why they cannot be read."""
+    src = recipe.model.source
     try:
-        path = model_dir(recipe)
+        path = _hf_config_dir(src) if src.startswith("hf://") else recipe.resolve(src)
+        if not path.is_dir():
+            what = "is a file, not a model directory" if path.exists() else "model directory not found"
+            return None, [("model.source", f"{what}: {path}")]
+        info = read_hf_config(path)
     except CheckpointError as exc:
-        return None, [("model.source", str(exc))]
-    if not path.is_dir():
-        return None, [("model.source", f"model directory not found: {path}")]
-    try:
-        return read_hf_config(path), []
-    except CheckpointError as exc:
-        return None, [("model.source", str(exc))]
-
-
-@rule
-def _parallel_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
-    p = recipe.parallel
-    if p.world_size > 64:
-        yield "parallel", f"tp*pp = {p.world_size} ranks; at most 64 are supported"
-    if m is None:
-        return
-    if m.num_heads % p.tp:
-        yield "parallel.tp", f"{m.num_heads} attention heads do not divide by tp={p.tp}"
-    if m.num_kv_heads >= p.tp and m.num_kv_heads % p.tp:
-        yield "parallel.tp", f"{m.num_kv_heads} KV heads do not divide by tp={p.tp}"
-    if m.num_kv_heads < p.tp and p.tp % m.num_kv_heads:
-        yield "parallel.tp", (
-            f"tp={p.tp} is not a multiple of the {m.num_kv_heads} KV heads (KV heads are replicated tp/kv times)"
-        )
-    if m.num_layers < p.pp:
-        yield "parallel.pp", f"pp={p.pp} exceeds the model's {m.num_layers} layers"
-    if not m.is_moe:
-        if m.intermediate_size % p.tp:
-            yield "parallel.tp", f"intermediate_size {m.intermediate_size} does not divide by tp={p.tp}"
-        if p.moe_ep != -1 or p.moe_tp != -1:
-            yield "parallel.moe_ep", "moe_ep/moe_tp apply only to mixture-of-experts models"
-        return
-    ep, mtp = resolve_moe_sizes(p.tp, p.moe_ep, p.moe_tp)
-    if ep * mtp != p.tp:
-        yield "parallel.moe_ep", f"moe_ep ({ep}) x moe_tp ({mtp}) must equal tp ({p.tp})"
-    elif m.num_experts % ep:
-        yield "parallel.moe_ep", f"{m.num_experts} experts do not divide by moe_ep={ep}"
-    elif m.intermediate_size % mtp:
-        yield "parallel.moe_tp", f"expert intermediate_size {m.intermediate_size} does not divide by moe_tp={mtp}"
+        return None, [("model.source", _strip_key(str(exc)))]
+    except (OSError, ValueError, TypeError, AttributeError, ZeroDivisionError) as exc:
+        # A config.json that is JSON but not a model config (a list, strings for sizes, zero heads, ...).
+        return None, [("model.source", f"config.json is not a usable Hugging Face config: {exc}")]
+    sizes = {
+        "num_attention_heads": info.num_heads,
+        "num_key_value_heads": info.num_kv_heads,
+        "num_hidden_layers": info.num_layers,
+        "intermediate_size": info.intermediate_size,
+        "hidden_size": info.hidden_size,
+    }
+    bad = [f"{k}={v}" for k, v in sizes.items() if v < 1]
+    if bad:
+        return None, [("model.source", f"config.json has non-positive sizes: {', '.join(bad)}")]
+    return info, []
 
 
 def resolve_moe_sizes(tp: int, moe_ep: int, moe_tp: int) -> tuple[int, int]:
@@ -90,30 +112,125 @@ def resolve_moe_sizes(tp: int, moe_ep: int, moe_tp: int) -> tuple[int, int]:
     return moe_ep, moe_tp
 
 
+def deduced_max_seq_len(m: HFModelInfo) -> int:
+    """trtllm-build's default max_seq_len: max_position_embeddings (2048 if absent) x the rope scaling factor,
+    except for rope types whose factor does not extend the window (su, longrope, llama3). Contract §4.1."""
+    length = m.max_position_embeddings or 2048
+    scaling = m.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = scaling.get("factor")
+    if kind not in ("su", "longrope", "llama3") and isinstance(factor, (int, float)) and factor > 1:
+        length = int(length * factor)
+    return int(length)
+
+
+@rule
+def _parallel_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
+    p = recipe.parallel
+    if p.world_size > 64:
+        yield "parallel", f"tp*pp = {p.world_size} ranks; at most 64 are supported"
+    if m is None:
+        return
+    if m.num_heads % p.tp:
+        yield "parallel.tp", f"the model's {m.num_heads} attention heads do not divide by tp={p.tp}"
+    if m.num_kv_heads >= p.tp and m.num_kv_heads % p.tp:
+        yield "parallel.tp", f"the model's {m.num_kv_heads} KV heads do not divide by tp={p.tp}"
+    if m.num_kv_heads < p.tp and p.tp % m.num_kv_heads:
+        yield "parallel.tp", (
+            f"tp={p.tp} is not a multiple of the model's {m.num_kv_heads} KV heads (KV heads are replicated tp/kv times)"
+        )
+    if m.num_layers < p.pp:
+        yield "parallel.pp", f"pp={p.pp} exceeds the model's {m.num_layers} layers"
+    if not m.is_moe:
+        if m.intermediate_size % p.tp:
+            yield "parallel.tp", f"the model's intermediate_size {m.intermediate_size} does not divide by tp={p.tp}"
+        if p.moe_ep != -1 or p.moe_tp != -1:
+            key = "parallel.moe_ep" if p.moe_ep != -1 else "parallel.moe_tp"
+            yield key, f"moe_ep/moe_tp apply only to mixture-of-experts models ({m.architecture} has no experts)"
+        return
+    ep, mtp = resolve_moe_sizes(p.tp, p.moe_ep, p.moe_tp)
+    key = "parallel.moe_ep" if p.moe_ep != -1 else ("parallel.moe_tp" if p.moe_tp != -1 else "parallel.tp")
+    if ep * mtp != p.tp:
+        yield key, f"moe_ep ({ep}) x moe_tp ({mtp}) must equal tp ({p.tp})"
+    elif m.num_experts % ep:
+        yield key, f"the model's {m.num_experts} experts do not divide by moe_ep={ep}"
+    elif m.intermediate_size % mtp:
+        yield key, f"the experts' intermediate_size {m.intermediate_size} does not divide by moe_tp={mtp}"
+
+
 @rule
 def _engine_limits(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
     e = recipe.engine
     if e.max_seq_len is not None and e.max_input_len > e.max_seq_len:
         yield "engine.max_input_len", f"{e.max_input_len} exceeds engine.max_seq_len {e.max_seq_len}"
+    elif e.max_seq_len is None and m is not None and recipe.written("engine.max_input_len"):
+        limit = deduced_max_seq_len(m)
+        if e.max_input_len > limit:
+            yield "engine.max_input_len", (
+                f"{e.max_input_len} exceeds the max_seq_len {limit} deduced from the model (trtllm-build would clip it); "
+                "set engine.max_seq_len or lower max_input_len"
+            )
+    if e.workers > recipe.parallel.world_size:
+        yield "engine.workers", (
+            f"{e.workers} workers for {recipe.parallel.world_size} engine(s) (tp*pp); trtllm-build caps workers at that"
+        )
     if recipe.triton.max_batch_size > e.max_batch_size:
-        yield "triton.max_batch_size", (
-            f"{recipe.triton.max_batch_size} exceeds engine.max_batch_size {e.max_batch_size}"
-        )
+        yield "triton.max_batch_size", f"{recipe.triton.max_batch_size} exceeds engine.max_batch_size {e.max_batch_size}"
     if e.kv_cache.enable_reuse and recipe.quantization.kv_cache == "int8":
-        yield "engine.kv_cache.enable_reuse", (
-            "KV reuse needs paged context FMHA, which INT8 KV cache disables; use kv_cache: fp8 or enable_reuse: false"
-        )
+        # Contract §4.2/§5: INT8 KV turns paged context FMHA off, and the runtime then drops reuse silently.
+        if recipe.written("engine.kv_cache.enable_reuse"):
+            yield "engine.kv_cache.enable_reuse", (
+                "KV reuse needs paged context FMHA, which INT8 KV cache disables; use kv_cache: fp8 or enable_reuse: false"
+            )
+        else:
+            yield "quantization.kv_cache", (
+                "int8 KV cache disables paged context FMHA and with it KV reuse (engine.kv_cache.enable_reuse "
+                "defaults to true); use kv_cache: fp8 or set engine.kv_cache.enable_reuse: false"
+            )
 
 
 @rule
-def _calibration_data(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
+def _triton_ports(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
+    t = recipe.triton
+    seen: dict[int, str] = {}
+    for name in ("http_port", "grpc_port", "metrics_port"):
+        port = getattr(t, name)
+        if port is None:
+            continue
+        if port in seen:
+            yield f"triton.{name}", f"port {port} is already triton.{seen[port]}"
+        seen.setdefault(port, name)
+
+
+def _exists(path: Path) -> Optional[bool]:
+    """Path.exists that says None (cannot tell) instead of raising on odd names."""
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return None
+
+
+def _data_findings(recipe: Recipe, key: str, value: str) -> Iterable[Finding]:
+    if value == "self":
+        return
+    path = recipe.resolve(value)
+    exists = _exists(path)
+    if exists is None:
+        yield key, f"cannot check path {value!r}"
+    elif not exists:
+        yield key, f"not found: {path} (or use 'self')"
+    elif path.is_file() and path.suffix.lower() not in DATA_SUFFIXES:
+        yield key, f"{path.name}: must be a .txt, .jsonl or .json file, a directory, or 'self'"
+
+
+@rule
+def _data_files(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
     q = recipe.quantization
     needs_data = q.algo in ("fp8", "int8_sq", "int4_awq", "w4a8_awq") or q.kv_cache != "none"
-    if needs_data and q.calibration.dataset != "self" and not recipe.resolve(q.calibration.dataset).exists():
-        yield "quantization.calibration.dataset", f"not found: {recipe.resolve(q.calibration.dataset)}"
-    if recipe.accuracy.enabled and recipe.accuracy.eval_data != "self":
-        if not recipe.resolve(recipe.accuracy.eval_data).exists():
-            yield "accuracy.eval_data", f"not found: {recipe.resolve(recipe.accuracy.eval_data)}"
+    if needs_data:
+        yield from _data_findings(recipe, "quantization.calibration.dataset", q.calibration.dataset)
+    if recipe.accuracy.enabled:
+        yield from _data_findings(recipe, "accuracy.eval_data", recipe.accuracy.eval_data)
 
 
 def check_recipe(recipe: Recipe) -> list[Problem]:
@@ -122,12 +239,15 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
     model, findings = load_model_info(recipe)
     findings = list(findings)
     for fn in RULES:
-        findings.extend(fn(recipe, model))
-    name = str(recipe.path) if recipe.path else "<recipe>"
+        try:
+            findings.extend(fn(recipe, model))
+        except TrtpipeError as exc:  # a rule that needs more than it has says so in its own error
+            findings.append(("", str(exc)))
     problems = []
     for key, message in findings:
-        line, col = recipe.position(key)
+        name, line, col = recipe.locate(key)
         problems.append(Problem(name, line, col, key, message))
+    problems.sort(key=lambda p: (p.line, p.col))
     return problems
 
 

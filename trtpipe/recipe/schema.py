@@ -1,74 +1,103 @@
 """The recipe schema: one YAML file describes a whole deployment.
 
-Every model forbids unknown keys (a typo fails at load time, not after an hour of calibration).
-Cross-field rules that need no weights live in ``trtpipe.recipe.rules``; this module only declares
-fields, their ranges and their defaults.
+Policy:
+- Every section forbids unknown keys (a typo fails at load time, not after an hour of calibration).
+- Types are strict: YAML already types scalars, so ``tp: "2"`` or ``max_batch_size: 1.5`` is an error,
+  never a silent conversion.
+- Integer fields carry the bounds of the tool they end up in (TensorRT-LLM stores lengths as int32).
+
+Cross-field rules that need the model's ``config.json`` live in :mod:`trtpipe.recipe.rules`; this module only
+declares fields, their ranges and their defaults.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional
-
+import ipaddress
+import re
 from pathlib import Path
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
+INT32_MAX = 2**31 - 1
+HF_URI = re.compile(r"^hf://[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
 
 DType = Literal["auto", "float16", "bfloat16", "float32"]
 QuantAlgoName = Literal["none", "fp8", "int8_sq", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq"]
 KVCacheQuant = Literal["none", "fp8", "int8"]
+GroupSize = Literal[32, 64, 128, 256]
+
+
+def _path_text(v: str) -> str:
+    """A path written in a recipe: non-empty and free of NUL bytes (which no file system accepts)."""
+    if not v.strip():
+        raise ValueError("must not be empty")
+    if "\x00" in v:
+        raise ValueError("must not contain a NUL character")
+    return v
 
 
 class ModelSection(_Section):
-    source: str = Field(description="Local Hugging Face model directory, or hf://org/name[@revision].")
+    source: str = Field(description="Local Hugging Face model directory (relative to the recipe), or hf://org/name[@revision].")
     dtype: DType = Field("auto", description="Model dtype; auto follows TensorRT-LLM (float32 sources become float16).")
     trust_remote_code: bool = Field(False, description="Allow running code shipped with the checkpoint.")
     allow_pickle: bool = Field(False, description="Allow .bin (pickle) checkpoints; loaded with weights_only=True.")
 
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str) -> str:
+        _path_text(v)
+        if v.startswith("hf://") and not HF_URI.match(v):
+            raise ValueError("must look like hf://org/name or hf://org/name@revision")
+        return v
+
 
 class CalibrationSection(_Section):
     dataset: str = Field("self", description="A .txt/.jsonl/.json file or directory, or 'self' (text the model generates).")
-    text_field: str = Field("text", description="Field holding the text in .jsonl/.json records.")
-    num_samples: int = Field(64, ge=1, le=100_000)
-    seq_len: int = Field(256, ge=8, le=131_072)
-    batch_size: int = Field(8, ge=1, le=4096)
-    seed: int = Field(1234, ge=0)
+    text_field: str = Field("text", min_length=1, description="Field holding the text in .jsonl/.json records.")
+    num_samples: int = Field(64, ge=1, le=100_000, description="Calibration samples.")
+    seq_len: int = Field(256, ge=8, le=131_072, description="Tokens per calibration sample.")
+    batch_size: int = Field(8, ge=1, le=4096, description="Samples per calibration forward pass.")
+    seed: int = Field(1234, ge=0, le=2**32 - 1, description="Seed for sampling and for self-generated text.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto uses CUDA when present.")
+
+    _dataset = field_validator("dataset")(classmethod(lambda cls, v: _path_text(v)))
 
 
 class QuantizationSection(_Section):
-    algo: QuantAlgoName = "none"
-    kv_cache: KVCacheQuant = "none"
-    group_size: int = Field(128, description="Group size for int4_wo/int4_awq/w4a8_awq.")
-    smoothquant_alpha: float = Field(0.5, ge=0.0, le=1.0)
+    algo: QuantAlgoName = Field("none", description="Weight/activation quantization (ModelOpt qformat names).")
+    kv_cache: KVCacheQuant = Field("none", description="KV-cache quantization.")
+    group_size: GroupSize = Field(128, description="Group size for int4_wo/int4_awq/w4a8_awq.")
+    smoothquant_alpha: float = Field(0.5, ge=0.0, le=1.0, description="SmoothQuant migration strength (int8_sq).")
     exclude: list[str] = Field(
         default_factory=lambda: ["*lm_head"],
-        description="fnmatch patterns of modules kept unquantized (written as exclude_modules).",
+        description="fnmatch patterns of TensorRT-LLM module names kept unquantized (written as exclude_modules).",
     )
-    calibration: CalibrationSection = Field(default_factory=CalibrationSection)
-
-    @field_validator("group_size")
-    @classmethod
-    def _group_size(cls, v: int) -> int:
-        if v not in (32, 64, 128, 256):
-            raise ValueError("must be one of 32, 64, 128, 256")
-        return v
+    calibration: CalibrationSection = Field(default_factory=CalibrationSection, description="Calibration data.")
 
     @field_validator("exclude", mode="before")
     @classmethod
     def _one_pattern_is_a_list(cls, v):
         return [v] if isinstance(v, str) else v
 
+    @field_validator("exclude")
+    @classmethod
+    def _patterns(cls, v: list[str]) -> list[str]:
+        if any(not p.strip() for p in v):
+            raise ValueError("patterns must not be empty")
+        return v
+
 
 class ParallelSection(_Section):
     tp: int = Field(1, ge=1, le=64, description="Tensor-parallel size.")
-    pp: int = Field(1, ge=1, le=64, description="Pipeline-parallel size.")
-    moe_ep: int = Field(-1, ge=-1, le=64, description="MoE expert-parallel size (-1: derived).")
-    moe_tp: int = Field(-1, ge=-1, le=64, description="MoE tensor-parallel size (-1: derived).")
+    pp: int = Field(1, ge=1, le=64, description="Pipeline-parallel size (world size is tp*pp).")
+    moe_ep: int = Field(-1, ge=-1, le=64, description="MoE expert-parallel size (-1: derived from tp and moe_tp).")
+    moe_tp: int = Field(-1, ge=-1, le=64, description="MoE tensor-parallel size (-1: derived from tp and moe_ep).")
 
     @property
     def world_size(self) -> int:
@@ -82,36 +111,52 @@ class ParallelSection(_Section):
         return v
 
 
+
+
 class PluginsSection(_Section):
-    preset: str = Field("auto", description="A preset from plugins/ (auto: chosen from the GPU and precision).")
-    overrides: dict[str, object] = Field(default_factory=dict, description="PluginConfig fields to override.")
+    preset: str = Field(
+        "auto", pattern=r"^[A-Za-z0-9][\w.-]*$", description="A preset from plugins/ (auto: chosen from the GPU and precision)."
+    )
+    overrides: dict[str, object] = Field(
+        default_factory=dict, description="PluginConfig fields to override (scalars: dtype names, enable/disable, numbers)."
+    )
+
+    @field_validator("overrides")
+    @classmethod
+    def _scalars(cls, v: dict[str, object]) -> dict[str, object]:
+        for key, value in v.items():
+            if value is not None and not isinstance(value, (str, bool, int)):
+                raise ValueError(f"'{key}' must be a string, number, true/false or null")
+        return v
 
 
 class KVCacheSection(_Section):
     tokens_per_block: int = Field(32, description="Paged KV block size in tokens (power of two).")
-    free_gpu_memory_fraction: float = Field(0.9, gt=0.0, lt=1.0)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    enable_reuse: bool = True
-    host_memory_bytes: int = Field(0, ge=0)
+    free_gpu_memory_fraction: float = Field(0.9, gt=0.0, lt=1.0, description="Share of free GPU memory for the KV pool.")
+    max_tokens: Optional[int] = Field(None, ge=1, le=INT32_MAX, description="Cap on KV-cache tokens (default: no cap).")
+    enable_reuse: bool = Field(True, description="Reuse KV blocks of shared prefixes.")
+    host_memory_bytes: int = Field(0, ge=0, le=2**48, description="Host memory for KV offload (0: none).")
 
     @field_validator("tokens_per_block")
     @classmethod
     def _power_of_two(cls, v: int) -> int:
         if v < 1 or v & (v - 1) or v > 1024:
-            raise ValueError("must be a power of two between 1 and 1024")
+            raise ValueError("must be a power of two from 1 to 1024")
         return v
 
 
 class EngineSection(_Section):
-    gpu: str = Field("h100-sxm-80gb", description="Target GPU from the catalog (trtpipe plan --list-gpus).")
-    max_batch_size: int = Field(64, ge=1, le=4096)
-    max_input_len: int = Field(1024, ge=1)
-    max_seq_len: Optional[int] = Field(None, ge=2, description="Default: deduced from the model as trtllm-build does.")
-    max_num_tokens: int = Field(8192, ge=1)
-    max_beam_width: int = Field(1, ge=1, le=16)
-    plugins: PluginsSection = Field(default_factory=PluginsSection)
-    kv_cache: KVCacheSection = Field(default_factory=KVCacheSection)
-    workers: int = Field(1, ge=1, le=64)
+    gpu: str = Field("h100-sxm-80gb", pattern=r"^[a-z0-9][a-z0-9-]*$", description="Target GPU from the catalog.")
+    max_batch_size: int = Field(64, ge=1, le=4096, description="Largest runtime batch.")
+    max_input_len: int = Field(1024, ge=1, le=INT32_MAX, description="Longest prompt in tokens.")
+    max_seq_len: Optional[int] = Field(
+        None, ge=2, le=INT32_MAX, description="Prompt + output tokens. Default: deduced from the model as trtllm-build does."
+    )
+    max_num_tokens: int = Field(8192, ge=1, le=INT32_MAX, description="Tokens per engine step (packed batch).")
+    max_beam_width: int = Field(1, ge=1, le=16, description="Beam-search width (1: no beam search).")
+    plugins: PluginsSection = Field(default_factory=PluginsSection, description="Plugin preset and overrides.")
+    kv_cache: KVCacheSection = Field(default_factory=KVCacheSection, description="Paged KV cache.")
+    workers: int = Field(1, ge=1, le=64, description="Engines built in parallel.")
 
     @field_validator("plugins", mode="before")
     @classmethod
@@ -120,51 +165,74 @@ class EngineSection(_Section):
 
 
 class AccuracySection(_Section):
-    enabled: bool = True
+    enabled: bool = Field(True, description="Measure the quantized model against the unquantized one.")
     eval_data: str = Field("self", description="Held-out text file/dir for perplexity, or 'self'.")
-    num_samples: int = Field(16, ge=1)
-    seq_len: int = Field(128, ge=8)
-    max_ppl_increase_pct: Optional[float] = Field(None, ge=0.0, description="Fail the build above this increase.")
-    min_top1_agreement: Optional[float] = Field(None, ge=0.0, le=1.0)
-    max_kl_divergence: Optional[float] = Field(None, ge=0.0)
+    num_samples: int = Field(16, ge=1, le=100_000, description="Evaluation samples.")
+    seq_len: int = Field(128, ge=8, le=131_072, description="Tokens per evaluation sample.")
+    max_ppl_increase_pct: Optional[float] = Field(None, ge=0.0, description="Fail the build above this perplexity increase (%).")
+    min_top1_agreement: Optional[float] = Field(None, ge=0.0, le=1.0, description="Fail below this top-1 token agreement (0..1).")
+    max_kl_divergence: Optional[float] = Field(None, ge=0.0, description="Fail above this mean KL divergence (nats/token).")
+
+    _eval_data = field_validator("eval_data")(classmethod(lambda cls, v: _path_text(v)))
 
 
 class InstanceCounts(_Section):
-    preprocessing: int = Field(1, ge=1, le=256)
-    postprocessing: int = Field(1, ge=1, le=256)
-    tensorrt_llm: int = Field(1, ge=1, le=256)
-    bls: int = Field(1, ge=1, le=1024)
+    preprocessing: int = Field(1, ge=1, le=256, description="Tokenizer model instances.")
+    postprocessing: int = Field(1, ge=1, le=256, description="Detokenizer model instances.")
+    tensorrt_llm: int = Field(1, ge=1, le=256, description="tensorrt_llm model instances.")
+    bls: int = Field(1, ge=1, le=1024, description="BLS instances (about the engine max batch).")
 
 
 class TritonSection(_Section):
-    model_name: str = Field("ensemble", pattern=r"^[A-Za-z0-9_.-]+$")
-    max_batch_size: int = Field(64, ge=1, le=4096)
-    streaming: bool = False
-    batching_strategy: Literal["inflight_fused_batching", "inflight_batching", "v1"] = "inflight_fused_batching"
-    scheduler_policy: Literal["max_utilization", "guaranteed_no_evict"] = "guaranteed_no_evict"
-    instances: InstanceCounts = Field(default_factory=InstanceCounts)
-    exclude_input_in_output: bool = True
-    bls: bool = False
-    max_queue_delay_microseconds: int = Field(0, ge=0)
-    bind: str = "127.0.0.1"
+    model_name: str = Field("ensemble", pattern=r"^[A-Za-z0-9_.-]+$", description="Name clients send requests to.")
+    max_batch_size: int = Field(64, ge=1, le=4096, description="Triton's request batching bound (<= engine.max_batch_size).")
+    streaming: bool = Field(False, description="Decoupled (streaming) transaction policy.")
+    batching_strategy: Literal["inflight_fused_batching", "inflight_batching", "v1"] = Field(
+        "inflight_fused_batching", description="gpt_model_type of the tensorrt_llm model."
+    )
+    scheduler_policy: Literal["max_utilization", "guaranteed_no_evict"] = Field(
+        "guaranteed_no_evict", description="batch_scheduler_policy."
+    )
+    instances: InstanceCounts = Field(default_factory=InstanceCounts, description="Instance counts per model.")
+    exclude_input_in_output: bool = Field(True, description="Return only the new tokens.")
+    bls: bool = Field(False, description="Serve through tensorrt_llm_bls instead of the ensemble.")
+    max_queue_delay_microseconds: int = Field(0, ge=0, le=INT32_MAX, description="Dynamic batching queue delay.")
+    bind: str = Field("127.0.0.1", description="Address the server listens on (loopback unless you mean it).")
     http_port: Optional[int] = Field(None, ge=1, le=65535, description="Default: a free port.")
     grpc_port: Optional[int] = Field(None, ge=1, le=65535, description="Default: a free port.")
     metrics_port: Optional[int] = Field(None, ge=1, le=65535, description="Default: a free port.")
     repo_dir: Optional[str] = Field(None, description="Where to write the model repository (default: in work_dir).")
 
+    @field_validator("bind")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        if v == "localhost":
+            return v
+        try:
+            ipaddress.ip_address(v)
+        except ValueError:
+            raise ValueError("must be an IP address such as 127.0.0.1 or 0.0.0.0, or localhost") from None
+        return v
+
+    _repo_dir = field_validator("repo_dir")(classmethod(lambda cls, v: v if v is None else _path_text(v)))
+
 
 class Recipe(_Section):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Names the build (letters, digits, _ . -).")
     work_dir: str = Field("work", description="Artifacts, logs and manifests; relative to the recipe file.")
-    model: ModelSection
-    quantization: QuantizationSection = Field(default_factory=QuantizationSection)
-    parallel: ParallelSection = Field(default_factory=ParallelSection)
-    engine: EngineSection = Field(default_factory=EngineSection)
-    accuracy: AccuracySection = Field(default_factory=AccuracySection)
-    triton: TritonSection = Field(default_factory=TritonSection)
+    model: ModelSection = Field(description="The model to deploy.")
+    quantization: QuantizationSection = Field(default_factory=QuantizationSection, description="Quantization.")
+    parallel: ParallelSection = Field(default_factory=ParallelSection, description="Tensor/pipeline/expert parallelism.")
+    engine: EngineSection = Field(default_factory=EngineSection, description="TensorRT-LLM engine build.")
+    accuracy: AccuracySection = Field(default_factory=AccuracySection, description="Accuracy gate.")
+    triton: TritonSection = Field(default_factory=TritonSection, description="Triton model repository and server.")
 
     _path: Optional[Path] = PrivateAttr(None)
     _positions: dict = PrivateAttr(default_factory=dict)
+    _overrides: dict = PrivateAttr(default_factory=dict)
+    _display: Optional[str] = PrivateAttr(None)
+
+    _work_dir = field_validator("work_dir")(classmethod(lambda cls, v: _path_text(v)))
 
     @property
     def path(self) -> Optional[Path]:
@@ -178,8 +246,17 @@ class Recipe(_Section):
 
     def resolve(self, value: str) -> Path:
         """Resolve a path written in the recipe (``~`` expanded, relative to the recipe file)."""
-        p = Path(value).expanduser()
-        return p if p.is_absolute() else (self.base_dir / p).resolve()
+        p = Path(value)
+        try:
+            p = p.expanduser()
+        except RuntimeError:  # "~user" of a user that does not exist: keep it literal
+            pass
+        if p.is_absolute():
+            return p
+        try:
+            return (self.base_dir / p).resolve()
+        except (OSError, RuntimeError):  # symlink loops and the like: absolute, unresolved
+            return self.base_dir / p
 
     @property
     def work_path(self) -> Path:
@@ -187,12 +264,26 @@ class Recipe(_Section):
 
     def position(self, dotted: str) -> tuple[int, int]:
         """1-based (line, col) of a dotted key in the recipe file, or of its nearest written parent."""
-        loc = tuple(dotted.split("."))
+        loc = tuple(dotted.split(".")) if dotted else ()
         for cut in range(len(loc), -1, -1):
             for key in (loc[:cut] + ("<value>",), loc[:cut]):
                 if key in self._positions:
                     return self._positions[key]
         return (1, 1) if self._path else (0, 0)
+
+    def locate(self, dotted: str) -> tuple[str, int, int]:
+        """(file, line, col) for an error about ``dotted``; a key set by ``--set`` names the override instead."""
+        name = self._display or (str(self._path) if self._path else "<recipe>")
+        loc = tuple(dotted.split(".")) if dotted else ()
+        for cut in range(len(loc), 0, -1):
+            if loc[:cut] in self._overrides:
+                return f"{name} (--set {self._overrides[loc[:cut]]})", 0, 0
+        return (name, *self.position(dotted))
+
+    def written(self, dotted: str) -> bool:
+        """Whether the recipe file or an override sets this key (False: the default applies)."""
+        loc = tuple(dotted.split("."))
+        return loc in self._positions or any(loc[:cut] in self._overrides for cut in range(len(loc), 0, -1))
 
     def section(self, dotted: str) -> dict:
         """The resolved (defaults filled) dict of a section, e.g. ``"quantization.calibration"``."""

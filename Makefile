@@ -1,0 +1,25 @@
+# trtpipe: `make demo` and `make test` on a fresh clone (README.md). Everything installs into $(VENV).
+VENV ?= .venv
+BIN := $(VENV)/bin
+DEMO_RECIPE ?= recipes/stories-fp16.yaml
+DEMO_PROMPT ?= Once upon a time
+
+.PHONY: install test demo
+
+install: $(VENV)/.trtpipe-installed
+
+$(VENV)/.trtpipe-installed: pyproject.toml scripts/install.sh
+	VENV=$(VENV) bash scripts/install.sh
+
+test: install
+	$(BIN)/pytest -q
+
+# Build the tiny stories260k recipe (convert -> CPU twin engine -> Triton repository), serve it on a real
+# tritonserver bound to 127.0.0.1, ask one question, print the answer, stop the server whatever happened.
+demo: install
+	$(BIN)/trtpipe build $(DEMO_RECIPE)
+	$(BIN)/trtpipe serve $(DEMO_RECIPE) --detach
+	@status=0; \
+	$(BIN)/trtpipe infer "$(DEMO_PROMPT)" --max-tokens 48 --server $(DEMO_RECIPE) || status=$$?; \
+	$(BIN)/trtpipe stop $(DEMO_RECIPE); \
+	exit $$status

@@ -1,0 +1,48 @@
+"""Triton python model ``postprocessing``: ``output_ids[:sequence_length]`` → text (contract §6.5).
+
+Each request's tokens are decoded on their own, so when the ensemble streams, every chunk is decoded
+independently (tokens whose text depends on their neighbours may come out differently); the
+``tensorrt_llm_bls`` model with ``accumulate_tokens`` streams exact text deltas instead.
+"""
+
+import json
+import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+_TRUE = {"true", "1", "t", "y", "yes"}
+
+
+def _param(params, key, default=None):
+    value = params.get(key, {}).get("string_value", "")
+    return default if value == "" or value.startswith("${") else value
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from transformers import AutoTokenizer
+
+        params = json.loads(args["model_config"]).get("parameters", {})
+        tok_dir = _param(params, "tokenizer_dir")
+        if tok_dir is None:
+            raise pb_utils.TritonModelException("postprocessing: parameter tokenizer_dir is not set")
+        if not os.path.isabs(tok_dir):
+            tok_dir = os.path.join(args["model_repository"], tok_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(tok_dir, legacy=False, padding_side="left")
+        self.skip_special_tokens = str(_param(params, "skip_special_tokens", "true")).lower() in _TRUE
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            tokens = pb_utils.get_input_tensor_by_name(request, "TOKENS_BATCH").as_numpy()
+            lengths = pb_utils.get_input_tensor_by_name(request, "SEQUENCE_LENGTH").as_numpy()
+            if tokens.ndim == 2:  # [beam, T] without a batch dimension
+                tokens, lengths = tokens[None], lengths.reshape(1, -1)
+            texts = []
+            for b in range(tokens.shape[0]):
+                seqs = [tokens[b, k, : int(lengths[b, k])].tolist() for k in range(tokens.shape[1])]
+                texts.append(self.tokenizer.batch_decode(seqs, skip_special_tokens=self.skip_special_tokens))
+            out = np.array([[t.encode("utf-8") for t in row] for row in texts], dtype=object)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", out)]))
+        return responses

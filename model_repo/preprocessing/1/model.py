@@ -1,0 +1,132 @@
+"""Triton python model ``preprocessing``: text → token ids (contract §6.4), with trtpipe's default stop ids.
+
+Parameters: ``tokenizer_dir`` (relative paths are relative to this model's directory), ``add_special_tokens``,
+``end_id`` / ``pad_id`` (from generation_config.json and the tokenizer, written by trtpipe) and
+``stop_token_ids`` (comma list: the model's other EOS ids, e.g. Llama-3's ``<|eot_id|>``), which are appended
+to every request's stop words so generation stops on all of them by default.
+"""
+
+import json
+import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+_TRUE = {"true", "1", "t", "y", "yes"}
+
+
+def _param(params, key, default=None):
+    value = params.get(key, {}).get("string_value", "")
+    return default if value == "" or value.startswith("${") else value
+
+
+def _tensor(request, name):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return None if t is None else t.as_numpy()
+
+
+def _texts(array):
+    """STRING tensor [b, k] → list of lists of str (bytes decoded as UTF-8)."""
+    out = []
+    for row in array.reshape(array.shape[0], -1):
+        out.append([v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in row])
+    return out
+
+
+def word_list(words, tokenizer, extra_ids=()):
+    """One request's words → ``[2, L]`` int32: token ids, then cumulative end offsets padded with -1."""
+    ids, offsets = [], []
+    for word in words:
+        if not word:
+            continue
+        enc = tokenizer.encode(word, add_special_tokens=False)
+        if enc:
+            ids += enc
+            offsets.append(len(ids))
+    for tid in extra_ids:
+        ids.append(int(tid))
+        offsets.append(len(ids))
+    if not ids:
+        return np.zeros((2, 0), np.int32)
+    out = np.full((2, len(ids)), -1, np.int32)
+    out[0] = ids
+    out[1, : len(offsets)] = offsets
+    return out
+
+
+def _stack_word_lists(lists):
+    width = max(w.shape[1] for w in lists)
+    out = np.zeros((len(lists), 2, width), np.int32)
+    out[:, 1, :] = -1
+    for i, w in enumerate(lists):
+        out[i, :, : w.shape[1]] = w
+    return out
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from transformers import AutoTokenizer
+
+        config = json.loads(args["model_config"])
+        params = config.get("parameters", {})
+        tok_dir = _param(params, "tokenizer_dir")
+        if tok_dir is None:
+            raise pb_utils.TritonModelException("preprocessing: parameter tokenizer_dir is not set")
+        if not os.path.isabs(tok_dir):
+            tok_dir = os.path.join(args["model_repository"], tok_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(tok_dir, legacy=False, padding_side="left")
+        self.add_special_tokens = str(_param(params, "add_special_tokens", "true")).lower() in _TRUE
+        eos = self.tokenizer.encode(self.tokenizer.eos_token, add_special_tokens=False) if self.tokenizer.eos_token else []
+        end = _param(params, "end_id")
+        self.end_id = int(end) if end is not None else (eos[0] if eos else 0)
+        pad = _param(params, "pad_id")
+        self.pad_id = int(pad) if pad is not None else self.end_id
+        stop = _param(params, "stop_token_ids", "")
+        self.stop_token_ids = [int(s) for s in stop.split(",") if s.strip()]
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                responses.append(pb_utils.InferenceResponse(output_tensors=self._one(request)))
+            except ValueError as exc:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))
+        return responses
+
+    def _one(self, request):
+        queries = _texts(_tensor(request, "QUERY"))
+        batch = len(queries)
+        ids = []
+        for q in queries:
+            text = q[0] if q else ""
+            if not text.strip():
+                raise ValueError("text_input (QUERY) is empty: send a non-empty prompt")
+            ids.append(self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens))
+        lengths = np.array([[len(x)] for x in ids], np.int32)
+        input_ids = np.full((batch, int(lengths.max())), self.pad_id, np.int32)  # right-padded (contract §6.4)
+        for i, x in enumerate(ids):
+            input_ids[i, : len(x)] = x
+
+        out_len = _tensor(request, "REQUEST_OUTPUT_LEN")
+        if out_len.dtype != np.int32:
+            raise ValueError(f"max_tokens (REQUEST_OUTPUT_LEN) must be INT32, got {out_len.dtype}")
+        stop = _tensor(request, "STOP_WORDS_DICT")
+        bad = _tensor(request, "BAD_WORDS_DICT")
+        stop_rows = _texts(stop) if stop is not None else [[] for _ in range(batch)]
+        bad_rows = _texts(bad) if bad is not None else [[] for _ in range(batch)]
+        stop_ids = _stack_word_lists([word_list(w, self.tokenizer, self.stop_token_ids) for w in stop_rows])
+        bad_ids = _stack_word_lists([word_list(w, self.tokenizer) for w in bad_rows])
+
+        end = _tensor(request, "END_ID")
+        pad = _tensor(request, "PAD_ID")
+        end = np.full((batch, 1), self.end_id, np.int32) if end is None else end.astype(np.int32).reshape(batch, 1)
+        pad = np.full((batch, 1), self.pad_id, np.int32) if pad is None else pad.astype(np.int32).reshape(batch, 1)
+        return [
+            pb_utils.Tensor("INPUT_ID", input_ids),
+            pb_utils.Tensor("REQUEST_INPUT_LEN", lengths),
+            pb_utils.Tensor("REQUEST_OUTPUT_LEN", out_len.astype(np.int32).reshape(batch, -1)),
+            pb_utils.Tensor("STOP_WORDS_IDS", stop_ids),
+            pb_utils.Tensor("BAD_WORDS_IDS", bad_ids),
+            pb_utils.Tensor("OUT_END_ID", end),
+            pb_utils.Tensor("OUT_PAD_ID", pad),
+        ]

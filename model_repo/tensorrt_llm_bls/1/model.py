@@ -1,0 +1,125 @@
+"""Triton python model ``tensorrt_llm_bls`` (contract §6.7): preprocessing → tensorrt_llm in python.
+
+With ``accumulate_tokens`` (trtpipe writes true) a streamed answer is re-decoded from all tokens so far and
+only the new text is sent: the pieces join to exactly the non-streamed text, with no broken words or
+half UTF-8 characters (a trailing U+FFFD is held back until the next token completes it).
+"""
+
+import json
+import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+_TRUE = {"true", "1", "t", "y", "yes"}
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# front input → (model, its input name)
+_PRE = {"text_input": "QUERY", "max_tokens": "REQUEST_OUTPUT_LEN", "bad_words": "BAD_WORDS_DICT",
+        "stop_words": "STOP_WORDS_DICT", "end_id": "END_ID", "pad_id": "PAD_ID"}
+_LLM = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "temperature": "temperature", "seed": "seed",
+        "exclude_input_in_output": "exclude_input_in_output", "stream": "streaming"}
+_PRE_OUT = {"INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths", "REQUEST_OUTPUT_LEN": "request_output_len",
+            "STOP_WORDS_IDS": "stop_words_list", "BAD_WORDS_IDS": "bad_words_list", "OUT_END_ID": "end_id",
+            "OUT_PAD_ID": "pad_id"}
+
+
+def _param(params, key, default=None):
+    value = params.get(key, {}).get("string_value", "")
+    return default if value == "" or value.startswith("${") else value
+
+
+class _Failed(Exception):
+    pass
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from transformers import AutoTokenizer
+
+        self.config = json.loads(args["model_config"])
+        params = self.config.get("parameters", {})
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.config)
+        self.accumulate = str(_param(params, "accumulate_tokens", "false")).lower() in _TRUE
+        self.llm_name = _param(params, "tensorrt_llm_model_name", "tensorrt_llm")
+        tok_dir = _param(params, "tokenizer_dir", "tokenizer")
+        if not os.path.isabs(tok_dir):
+            tok_dir = os.path.join(args["model_repository"], tok_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(tok_dir, legacy=False)
+        llm_cfg = os.path.join(os.path.dirname(args["model_repository"]), self.llm_name, "config.pbtxt")
+        with open(llm_cfg) as fh:  # whether tensorrt_llm must be called as a decoupled model
+            self.llm_decoupled = "decoupled: true" in fh.read()
+
+    def _text(self, text):
+        return pb_utils.InferenceResponse(
+            output_tensors=[pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object))]
+        )
+
+    def _call(self, model, inputs, outputs, decoupled=False):
+        req = pb_utils.InferenceRequest(model_name=model, requested_output_names=outputs, inputs=inputs)
+        if decoupled:
+            return req.exec(decoupled=True)
+        resp = req.exec()
+        if resp.has_error():
+            raise _Failed(resp.error().message())
+        return resp
+
+    def _generate(self, request):
+        """Yield (new text, final) pairs for one request."""
+        pre_inputs = []
+        for name, target in _PRE.items():
+            t = pb_utils.get_input_tensor_by_name(request, name)
+            if t is not None:
+                pre_inputs.append(pb_utils.Tensor(target, t.as_numpy().reshape(1, -1)))
+        pre = self._call("preprocessing", pre_inputs, list(_PRE_OUT))
+        llm_inputs = [pb_utils.Tensor(dst, pb_utils.get_output_tensor_by_name(pre, src).as_numpy())
+                      for src, dst in _PRE_OUT.items()]
+        stream = False
+        for name, target in _LLM.items():
+            t = pb_utils.get_input_tensor_by_name(request, name)
+            if t is not None:
+                a = t.as_numpy().reshape(1, -1)
+                llm_inputs.append(pb_utils.Tensor(target, a))
+                stream = stream or (name == "stream" and bool(a.reshape(-1)[0]))
+        outputs = ["output_ids", "sequence_length"]
+        responses = (self._call(self.llm_name, llm_inputs, outputs, decoupled=True) if self.llm_decoupled
+                     else [self._call(self.llm_name, llm_inputs, outputs)])
+        tokens, sent = [], ""
+        for resp in responses:
+            if resp.has_error():
+                raise _Failed(resp.error().message())
+            ids_t = pb_utils.get_output_tensor_by_name(resp, "output_ids")
+            if ids_t is None:  # the final flag-only response
+                continue
+            ids = ids_t.as_numpy().reshape(-1, ids_t.as_numpy().shape[-1])[0]
+            n = int(pb_utils.get_output_tensor_by_name(resp, "sequence_length").as_numpy().reshape(-1)[0])
+            tokens += ids[:n].tolist()
+            if stream:
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                if text.endswith("\ufffd") or not text.startswith(sent):
+                    continue
+                if len(text) > len(sent):
+                    yield text[len(sent):], False
+                    sent = text
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        yield (text[len(sent):] if text.startswith(sent) else text), True
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            sender = request.get_response_sender() if self.decoupled else None
+            try:
+                if sender is None:
+                    text = "".join(piece for piece, _ in self._generate(request))
+                    responses.append(self._text(text))
+                    continue
+                for piece, final in self._generate(request):
+                    if piece:
+                        sender.send(self._text(piece))
+                sender.send(flags=FINAL)
+            except _Failed as exc:
+                err = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
+                if sender is None:
+                    responses.append(err)
+                else:
+                    sender.send(err, flags=FINAL)
+        return None if self.decoupled else responses

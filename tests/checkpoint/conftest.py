@@ -1,0 +1,68 @@
+"""Fixtures for conversion tests: tiny HF models (the real stories260k and synthetic ones) and their oracle outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from trtpipe.models.synthetic import load_hf, make_synthetic
+
+# The synthetic models the issue names; llama3 is written sharded (index.json) in the transformers-4 rope layout.
+SYNTHETIC = {
+    "llama3": dict(shard_bytes=60_000, rope_layout="v4"),
+    "qwen2": dict(),
+    "mixtral": dict(),
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _threads():
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory, stories_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    models = {"stories": stories_dir}
+    for kind, kw in SYNTHETIC.items():
+        models[kind] = make_synthetic(kind, root / kind, seed=1, **kw)
+    return models
+
+
+@pytest.fixture(scope="session")
+def prompts() -> dict[str, list[list[int]]]:
+    """A batch of equal-length prompts per model (token ids), plus the stories prompt from SOURCE.md."""
+    g = torch.Generator().manual_seed(7)
+    synthetic = torch.randint(3, 250, (4, 12), generator=g).tolist()
+    stories = [[1, 403, 407, 261, 378], [1, 365, 1, 300, 400], [1, 22, 301, 402, 260], [1, 420, 270, 280, 290]]
+    return {"stories": stories, **{k: synthetic for k in SYNTHETIC}}
+
+
+class Oracle:
+    """transformers' float32 logits and 64-token greedy continuations for one model."""
+
+    def __init__(self, model_dir: Path, prompts: list[list[int]], eos: int | None):
+        model = load_hf(model_dir)
+        ids = torch.tensor(prompts)
+        with torch.no_grad():
+            self.logits = model(ids).logits.float()
+        self.greedy = []
+        for p in prompts[:2]:
+            out = model.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False, eos_token_id=eos,
+                                 pad_token_id=eos if eos is not None else 0)[0, len(p):].tolist()
+            self.greedy.append(out[: out.index(eos)] if eos is not None and eos in out else out)
+        self.eos = eos
+
+
+@pytest.fixture(scope="session")
+def oracle(hf_models, prompts):
+    cache: dict[str, Oracle] = {}
+
+    def get(name: str) -> Oracle:
+        if name not in cache:
+            cache[name] = Oracle(hf_models[name], prompts[name], 2 if name == "stories" else None)
+        return cache[name]
+
+    return get

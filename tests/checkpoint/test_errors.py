@@ -1,0 +1,127 @@
+"""Bad input: a one-line CheckpointError naming the tensor or key, and nothing left at the output path."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from trtpipe.checkpoint.convert import convert
+from trtpipe.errors import CheckpointError
+from trtpipe.models.synthetic import make_synthetic
+from trtpipe.runtime import load_checkpoint
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return make_synthetic("llama", tmp_path_factory.mktemp("base") / "hf", num_hidden_layers=2)
+
+
+@pytest.fixture
+def model(base, tmp_path):
+    d = tmp_path / "hf"
+    shutil.copytree(base, d)
+    return d
+
+
+def _edit(model_dir, fn):
+    path = model_dir / "model.safetensors"
+    state = load_file(path)
+    fn(state)
+    save_file(state, path, metadata={"format": "pt"})
+
+
+def _fails(model_dir, out, match, **kw):
+    with pytest.raises(CheckpointError) as err:
+        convert(model_dir, out, **kw)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert match in msg, msg
+    assert not out.exists()
+    assert [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}")] == []
+    return msg
+
+
+def test_missing_tensor(model, tmp_path):
+    _edit(model, lambda s: s.pop("model.layers.1.mlp.up_proj.weight"))
+    _fails(model, tmp_path / "out", "'model.layers.1.mlp.up_proj.weight' is missing")
+
+
+def test_extra_tensor(model, tmp_path):
+    _edit(model, lambda s: s.__setitem__("model.layers.0.self_attn.extra.weight", torch.zeros(2)))
+    _fails(model, tmp_path / "out", "'model.layers.0.self_attn.extra.weight' is not part of the LlamaForCausalLM mapping")
+
+
+def test_layer_beyond_config_is_extra(model, tmp_path):
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1
+    (model / "config.json").write_text(json.dumps(cfg))
+    _fails(model, tmp_path / "out", "'model.layers.1.")
+
+
+def test_shape_contradicting_config(model, tmp_path):
+    _edit(model, lambda s: s.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(32, 64)))
+    _fails(model, tmp_path / "out", "'model.layers.0.self_attn.k_proj.weight' has shape [32, 64] but config.json implies [64, 64]")
+
+
+@pytest.mark.parametrize("value,word", [(float("nan"), "NaN"), (float("inf"), "Inf")])
+def test_non_finite_weight(model, tmp_path, value, word):
+    def poison(s):
+        s["model.layers.1.self_attn.o_proj.weight"][3, 5] = value
+
+    _edit(model, poison)
+    _fails(model, tmp_path / "out", f"'model.layers.1.self_attn.o_proj.weight' contains {word}")
+
+
+def test_truncated_file(model, tmp_path):
+    path = model / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])
+    msg = _fails(model, tmp_path / "out", "truncated")
+    assert "model.safetensors" in msg and "tensor '" in msg
+
+
+def test_heads_not_divisible_by_tp(model, tmp_path):
+    _fails(model, tmp_path / "out", "num_attention_heads=4 is not divisible by tp=3", tp=3)
+
+
+def test_unknown_architecture(model, tmp_path):
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (model / "config.json").write_text(json.dumps(cfg))
+    _fails(model, tmp_path / "out", "'GPT2LMHeadModel' is not supported")
+
+
+def test_non_empty_output_is_not_overwritten(model, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(CheckpointError, match="exists and is not empty"):
+        convert(model, out)
+    assert (out / "keep.txt").exists()
+
+
+def test_pickle_refused_unless_allowed(model, tmp_path):
+    state = load_file(model / "model.safetensors")
+    (model / "model.safetensors").unlink()
+    torch.save(state, model / "pytorch_model.bin")
+    _fails(model, tmp_path / "out", "pickle checkpoints can run code")
+    ckpt = convert(model, tmp_path / "ok", allow_pickle=True, dtype="float32")
+    assert load_checkpoint(ckpt)(torch.tensor([[1, 2, 3]])).shape == (1, 3, 250)
+
+
+def test_pickle_with_code_is_refused_even_when_allowed(model, tmp_path):
+    import pickle
+
+    (model / "model.safetensors").unlink()
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    with open(model / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"x": Evil()}, f)
+    _fails(model, tmp_path / "out", "weights_only=True", allow_pickle=True)

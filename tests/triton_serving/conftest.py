@@ -1,0 +1,89 @@
+"""Fixtures of the Triton tests: stories260k converted (fp16, tp 1/2), its CPU twin engine, a repository,
+a real tritonserver per module, and transformers' greedy generation of the same fp16 weights as the oracle."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+STORIES = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260k"
+if not STORIES.is_dir():
+    STORIES = Path("/work/shared/models/stories260k")
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+BUILD_CONFIG = {"max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512, "max_beam_width": 1, "max_num_tokens": 2048}
+
+
+@pytest.fixture(scope="session")
+def stories_engine(tmp_path_factory):
+    """tp -> CPU twin engine dir of stories260k at float16 (converted once per session)."""
+    from trtpipe.checkpoint.convert import convert
+    from trtpipe.engine.twin import write_twin_engine
+
+    made: dict[int, Path] = {}
+
+    def make(tp: int) -> Path:
+        if tp not in made:
+            root = tmp_path_factory.mktemp(f"stories_tp{tp}")
+            ckpt = convert(STORIES, root / "ckpt", tp=tp, dtype="float16")
+            made[tp] = write_twin_engine(ckpt, root / "engine", dict(BUILD_CONFIG))
+        return made[tp]
+
+    return make
+
+
+def tokenizer_with_eos(tmp: Path, eos_ids: list[int]) -> Path:
+    """The stories tokenizer with ``generation_config.json`` listing several EOS ids (as Llama-3 does)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(STORIES / f, tmp / f)
+    gen = json.loads((STORIES / "generation_config.json").read_text())
+    gen["eos_token_id"] = eos_ids
+    (tmp / "generation_config.json").write_text(json.dumps(gen))
+    return tmp
+
+
+@pytest.fixture(scope="session")
+def hf_stories():
+    """(tokenizer, model): transformers' Llama with the weights rounded to float16, computed in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(STORIES)
+    model = AutoModelForCausalLM.from_pretrained(STORIES).half().float().eval()
+    return tok, model
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_stories):
+    """prompt, max_new_tokens, eos ids -> (new token ids, completion text) from transformers' generate."""
+    import torch
+
+    tok, model = hf_stories
+    cache: dict = {}
+
+    def run(prompt: str, max_new_tokens: int, eos=(2,)):
+        key = (prompt, max_new_tokens, tuple(eos))
+        if key not in cache:
+            ids = tok(prompt, return_tensors="pt").input_ids
+            with torch.no_grad():
+                out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos),
+                                     pad_token_id=eos[0])
+            new = out[0, ids.shape[1]:].tolist()
+            cache[key] = (new, tok.decode(new, skip_special_tokens=True))
+        return cache[key]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def stories_recipe():
+    from trtpipe.recipe import load_recipe
+
+    def load(*overrides: str):
+        return load_recipe(RECIPES / "stories-fp16.yaml", list(overrides))
+
+    return load

@@ -1,0 +1,132 @@
+"""stories260k fp16, tp=1, on a real tritonserver with the CPU twin, streaming repository (decoupled models).
+
+One server for the module; every check runs against it: greedy text == transformers, streaming pieces,
+16 concurrent requests, end ids, bad requests (the server keeps answering after each).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from trtpipe.errors import ServingError
+from trtpipe.triton.client import Client, GenerateOptions
+from trtpipe.triton.repo import write_repo
+from trtpipe.triton.server import start_server
+
+pytestmark = [pytest.mark.triton, pytest.mark.slow]
+
+PROMPTS = ["Once upon a time", "Lily wanted to", "Tom had a big red ball.", "One day, a cat saw a bird"]
+
+
+@pytest.fixture(scope="module")
+def server(stories_engine, stories_recipe, tmp_path_factory):
+    engine = stories_engine(1)
+    repo = tmp_path_factory.mktemp("tp1") / "repo"
+    write_repo(stories_recipe("triton.streaming=true"), engine, engine / "checkpoint", repo)
+    with start_server(repo, timeout=240) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server.grpc_url) as c:
+        yield c
+
+
+def test_greedy_text_equals_transformers(client, hf_greedy):
+    for prompt in PROMPTS[:2]:
+        _, expected = hf_greedy(prompt, 40)
+        got = client.generate(prompt, GenerateOptions(max_tokens=40))
+        assert got == expected, prompt
+    assert client.generate("Once upon a time", GenerateOptions(max_tokens=12)).startswith(", there was a little girl")
+
+
+def test_streaming_yields_the_same_text_piece_by_piece(client, hf_greedy):
+    _, expected = hf_greedy("Once upon a time", 40)
+    pieces = list(client.stream("Once upon a time", GenerateOptions(max_tokens=40)))
+    assert len(pieces) > 20  # one piece per token or so, not one blob
+    assert "".join(pieces) == expected
+    assert pieces[:3] == [",", " there", " was"]
+
+
+def test_sixteen_concurrent_requests_all_correct(server, hf_greedy):
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def ask(i: int) -> None:
+        try:
+            with Client(server.grpc_url) as c:
+                results[i] = c.generate(PROMPTS[i % 4], GenerateOptions(max_tokens=24))
+        except BaseException as exc:  # noqa: BLE001 - collected and re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[0]
+    assert len(results) == 16
+    for i, text in results.items():
+        assert text == hf_greedy(PROMPTS[i % 4], 24)[1], (i, PROMPTS[i % 4])
+
+
+def test_generation_stops_at_the_end_id(client, hf_stories, hf_greedy):
+    tok, _ = hf_stories
+    lily = tok.encode("Lily", add_special_tokens=False)[0]  # greedy reaches "... named Lily" at token 9
+    new, _ = hf_greedy("Once upon a time", 40, eos=(lily,))
+    assert new[-1] == lily and len(new) < 40
+    got = client.generate("Once upon a time", GenerateOptions(max_tokens=40, end_id=lily))
+    assert got == tok.decode(new[:-1], skip_special_tokens=True)  # the end id itself is not returned
+    streamed = "".join(client.stream("Once upon a time", GenerateOptions(max_tokens=40, end_id=lily)))
+    assert streamed == got
+
+
+def test_seeded_sampling_is_reproducible(client):
+    opts = GenerateOptions(max_tokens=24, temperature=1.0, top_k=50, seed=7)
+    first = client.generate("Once upon a time", opts)
+    assert client.generate("Once upon a time", opts) == first
+    assert first  # sampled text, non-empty
+
+
+@pytest.mark.parametrize(
+    "prompt, max_tokens, needle",
+    [
+        ("", 8, "text_input (QUERY) is empty"),
+        ("Once upon a time", 0, "max_tokens) must be at least 1"),
+        ("Once upon a time", 100_000, "exceeds the limit 507"),
+        ("word " * 300, 8, "exceeds the engine's max_input_len 256"),
+    ],
+)
+def test_bad_requests_name_the_problem_and_the_server_keeps_answering(client, prompt, max_tokens, needle):
+    with pytest.raises(ServingError, match=None) as info:
+        client.generate(prompt, GenerateOptions(max_tokens=max_tokens))
+    assert needle in str(info.value)
+    assert client.generate("Once upon a time", GenerateOptions(max_tokens=4)) == ", there was a"
+
+
+def test_wrong_dtype_is_rejected_by_name(server, client):
+    import tritonclient.grpc as grpcclient
+
+    text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b"Once upon a time"]], dtype=object))
+    max_tokens = grpcclient.InferInput("max_tokens", [1, 1], "FP32")
+    max_tokens.set_data_from_numpy(np.array([[8.0]], dtype=np.float32))
+    raw = grpcclient.InferenceServerClient(server.grpc_url)
+    done = threading.Event()
+    seen: list = []
+    raw.start_stream(callback=lambda result, error: (seen.append(error), done.set()))
+    try:
+        raw.async_stream_infer("ensemble", [text, max_tokens])
+        assert done.wait(30)
+    finally:
+        raw.stop_stream()
+        raw.close()
+    assert seen[0] is not None
+    message = str(seen[0])
+    assert "max_tokens" in message and "TYPE_FP32" in message and "TYPE_INT32" in message
+    assert client.generate("Once upon a time", GenerateOptions(max_tokens=4)) == ", there was a"
+    assert server.alive()

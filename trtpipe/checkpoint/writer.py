@@ -1,0 +1,118 @@
+"""Streaming safetensors writer: the header is planned from shapes, then tensor data is streamed in.
+
+A rank file's header (names, dtypes, shapes, offsets) is known before any weight is read, because the
+conversion is first run on ``meta`` tensors. Each tensor is then written at its planned offset with
+``pwrite`` in chunks of a few tens of MB, cast chunk by chunk: a strided shard or a float32 -> float16
+cast never needs a full contiguous copy. Files are written into a temporary directory that is renamed
+into place only when everything succeeded (:func:`atomic_dir`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from trtpipe.checkpoint.hf import has_non_finite, non_finite_error, row_chunks
+from trtpipe.errors import CheckpointError
+
+TORCH_TO_ST = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+CHUNK_BYTES = 32 << 20
+
+
+class RankFile:
+    """One ``rank{N}.safetensors`` laid out from ``(name, dtype, shape)`` entries, then filled by ``write``."""
+
+    def __init__(self, path: Path, entries: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]):
+        self.path = Path(path)
+        header: dict = {"__metadata__": {"format": "pt"}}
+        self.slots: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
+        offset = 0
+        for name, dtype, shape in entries:
+            if name in self.slots:
+                raise CheckpointError(f"{self.path.name}: tensor '{name}' planned twice")
+            nbytes = dtype.itemsize
+            for s in shape:
+                nbytes *= int(s)
+            header[name] = {"dtype": TORCH_TO_ST[dtype], "shape": [int(s) for s in shape], "data_offsets": [offset, offset + nbytes]}
+            self.slots[name] = (dtype, tuple(int(s) for s in shape), offset)
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # keep tensor data 8-byte aligned
+        self.base = 8 + len(raw)
+        self.size = self.base + offset
+        self.written: set[str] = set()
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(self.fd, len(raw).to_bytes(8, "little") + raw, 0)
+        os.ftruncate(self.fd, self.size)
+
+    def write(self, name: str, t: torch.Tensor, check: Optional[str] = None,
+              after_chunk: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+        """Write ``t`` (any strides; cast to the planned dtype chunk by chunk) into its slot.
+
+        Args:
+            check: when given, refuse NaN/Inf in the source data; the error starts with this text.
+            after_chunk: called with each source chunk once written (drops mapped pages).
+        """
+        if name not in self.slots:
+            raise CheckpointError(f"{self.path.name}: tensor '{name}' was not planned")
+        dtype, shape, offset = self.slots[name]
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"{self.path.name}: tensor '{name}' has shape {list(t.shape)}, planned {list(shape)}")
+        pos = self.base + offset
+        for chunk in row_chunks(t, CHUNK_BYTES):
+            if check is not None and has_non_finite(chunk):
+                raise non_finite_error(chunk, check)
+            buf = chunk.to(dtype).contiguous().reshape(-1).view(torch.uint8)
+            data = memoryview(buf.numpy())
+            while data:
+                n = os.pwrite(self.fd, data, pos)
+                data, pos = data[n:], pos + n
+            if after_chunk is not None:
+                after_chunk(chunk)
+        self.written.add(name)
+
+    def close(self) -> None:
+        missing = set(self.slots) - self.written
+        os.close(self.fd)
+        if missing:
+            raise CheckpointError(f"{self.path.name}: tensor '{sorted(missing)[0]}' was planned but never written")
+
+
+@contextlib.contextmanager
+def atomic_dir(out_dir: Path, overwrite: bool = False):
+    """Yield a temporary sibling directory; on success it replaces ``out_dir``, on failure it is removed.
+
+    An existing non-empty ``out_dir`` is an error unless ``overwrite``.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise CheckpointError(f"{out_dir}: exists and is not empty (pass --overwrite to replace it)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out_dir.exists():
+        if out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        else:
+            shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")

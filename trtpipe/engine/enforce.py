@@ -1,0 +1,144 @@
+"""The builder's enforced combinations (contract §4.2), applied by trtpipe itself before anything is emitted.
+
+``trtllm-build`` silently rewrites some plugin settings and raises on others. trtpipe applies the same
+rewrites (:func:`enforce`) so the flags it emits are the values the engine will really have, and lists
+every rewrite (:class:`Change`) and every combination the builder rejects (:func:`rejections`), each with
+its reason, so validation can report them before a long build.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+# Architectures for which reduce_fusion survives (builder: Llama, Gemma2, Medusa).
+REDUCE_FUSION_ARCHS = ("LlamaForCausalLM", "Gemma2ForCausalLM", "MedusaForCausalLM")
+LLAMA_ARCHS = ("LlamaForCausalLM",)
+FP8_CONTEXT_FMHA_ALGOS = ("FP8", "W4A8_AWQ", "NVFP4")
+FP8_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES", "W4A8_AWQ")
+WEIGHT_ONLY_ALGOS = ("W8A16", "W4A16", "W4A16_AWQ", "W4A16_GPTQ", "W8A16_GPTQ")
+SMOOTHQUANT_ALGOS = (
+    "W8A8_SQ_PER_CHANNEL",
+    "W8A8_SQ_PER_TENSOR_PLUGIN",
+    "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",
+    "W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN",
+    "W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN",
+)
+PER_CHANNEL_PER_TOKEN_ALGOS = ("FP8_PER_CHANNEL_PER_TOKEN",)
+# PluginConfig.validate rejects these plugins on SM100.
+SM100_REJECTED_PLUGINS = (
+    "gemm_swiglu_plugin",
+    "fp8_rowwise_gemm_plugin",
+    "low_latency_gemm_plugin",
+    "low_latency_gemm_swiglu_plugin",
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the builder decides with: the GPU's SM, the checkpoint's architecture/quantization, the mapping."""
+
+    sm: int
+    architecture: str
+    quant_algo: Optional[str]
+    kv_cache_quant_algo: Optional[str]
+    tp: int = 1
+    pp: int = 1
+
+
+@dataclass(frozen=True)
+class Change:
+    field: str
+    old: Any
+    new: Any
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {_spell(self.old)} -> {_spell(self.new)} ({self.reason})"
+
+
+def _spell(v: Any) -> str:
+    return ("enable" if v else "disable") if isinstance(v, bool) else str(v)
+
+
+def is_blackwell_dc(sm: int) -> bool:
+    """SM 100-119: the range where the builder rejects weight-only, INT8 KV and SmoothQuant."""
+    return 100 <= sm < 120
+
+
+def enforce(plugins: dict[str, Any], t: Target) -> tuple[dict[str, Any], list[Change]]:
+    """Apply §4.2's rewrites in the builder's order; return the final fields and what changed (with why)."""
+    p = dict(plugins)
+    changes: list[Change] = []
+
+    def force(name: str, value: Any, reason: str) -> None:
+        if p[name] != value:
+            changes.append(Change(name, p[name], value, reason))
+            p[name] = value
+
+    if p["reduce_fusion"] and not (t.tp > 1 and t.architecture in REDUCE_FUSION_ARCHS):
+        why = "needs tp > 1" if t.tp <= 1 else f"not supported for {t.architecture}"
+        force("reduce_fusion", False, f"reduce_fusion {why} (Llama, Gemma2 or Medusa)")
+    if p["user_buffer"] and not p["reduce_fusion"]:
+        force("user_buffer", False, "user_buffer needs reduce_fusion")
+    nvfp4_llama = t.architecture in LLAMA_ARCHS and t.quant_algo == "NVFP4" and not p["reduce_fusion"]
+    if p["norm_quant_fusion"] and not nvfp4_llama:
+        force("norm_quant_fusion", False, "norm_quant_fusion needs a Llama NVFP4 model without reduce_fusion")
+
+    fp8_kv = t.kv_cache_quant_algo == "FP8"
+    if not p["context_fmha"]:
+        force("use_fp8_context_fmha", False, "context_fmha is off")
+        force("use_paged_context_fmha", False, "context_fmha is off")
+    if t.quant_algo not in FP8_CONTEXT_FMHA_ALGOS:
+        force("use_fp8_context_fmha", False, f"FP8 context FMHA needs quant_algo FP8, W4A8_AWQ or NVFP4 (got {t.quant_algo})")
+        if fp8_kv:
+            force("use_paged_context_fmha", False, f"an FP8 KV cache with quant_algo {t.quant_algo} disables paged context FMHA")
+    if t.sm < 89:
+        force("use_fp8_context_fmha", False, f"FP8 context FMHA needs SM >= 8.9 (target is {t.sm // 10}.{t.sm % 10})")
+        if fp8_kv:
+            force("use_paged_context_fmha", False, "an FP8 KV cache below SM 8.9 disables paged context FMHA")
+    if p["use_paged_context_fmha"]:
+        if not fp8_kv:
+            force("use_fp8_context_fmha", False, "FP8 paged context FMHA needs an FP8 KV cache")
+        else:
+            force("use_fp8_context_fmha", True, "paged context FMHA with an FP8 KV cache is always FP8")
+    if t.kv_cache_quant_algo == "INT8":
+        force("use_paged_context_fmha", False, "an INT8 KV cache disables paged context FMHA (and with it KV reuse)")
+    return p, changes
+
+
+def rejections(plugins: dict[str, Any], t: Target) -> list[tuple[str, str]]:
+    """Combinations the builder raises on (§4.2), plus FP8 GEMMs below SM 8.9; as (field or recipe key, reason)."""
+    out: list[tuple[str, str]] = []
+    sm = f"SM {t.sm // 10}.{t.sm % 10}"
+    if is_blackwell_dc(t.sm):
+        if t.quant_algo in WEIGHT_ONLY_ALGOS:
+            out.append(("quantization.algo", f"weight-only {t.quant_algo} is rejected by the builder on {sm} (SM 100-119)"))
+        if t.quant_algo in SMOOTHQUANT_ALGOS:
+            out.append(("quantization.algo", f"SmoothQuant {t.quant_algo} is rejected by the builder on {sm} (SM 100-119)"))
+        if t.quant_algo in PER_CHANNEL_PER_TOKEN_ALGOS:
+            out.append(("quantization.algo", f"per-channel/per-token {t.quant_algo} is rejected by the builder on {sm}"))
+        if t.kv_cache_quant_algo == "INT8":
+            out.append(("quantization.kv_cache", f"an INT8 KV cache is rejected by the builder on {sm} (SM 100-119)"))
+    if 100 <= t.sm < 110:
+        for name in SM100_REJECTED_PLUGINS:
+            if plugins.get(name, "disable") != "disable":
+                out.append((name, f"{name} is rejected on {sm} (PluginConfig.validate)"))
+        if plugins.get("bert_context_fmha_fp32_acc"):
+            out.append(("bert_context_fmha_fp32_acc", f"rejected on {sm} (PluginConfig.validate)"))
+    if t.sm < 89 and t.quant_algo in FP8_ALGOS:  # an FP8 KV cache alone is allowed (§4.2 handles it)
+        out.append(("quantization.algo", f"{t.quant_algo} needs FP8 tensor cores (SM >= 8.9); the target is {sm}"))
+    if plugins.get("streamingllm"):
+        out.append(("streamingllm", "StreamingLLM is no longer supported in TensorRT-LLM 1.x (the builder asserts)"))
+    if plugins.get("pp_reduce_scatter") and t.architecture != "MixtralForCausalLM":
+        out.append(("pp_reduce_scatter", f"pp_reduce_scatter is only for Mixtral (the builder asserts; got {t.architecture})"))
+    if plugins.get("gemm_swiglu_plugin", "disable") != "disable":
+        if not plugins.get("use_fused_mlp"):
+            out.append(("gemm_swiglu_plugin", "gemm_swiglu_plugin needs use_fused_mlp"))
+        if t.sm != 90:
+            out.append(("gemm_swiglu_plugin", f"gemm_swiglu_plugin runs on Hopper (SM 9.0) only; the target is {sm}"))
+    if plugins.get("gemm_plugin") == "fp8" and t.quant_algo not in FP8_ALGOS:
+        out.append(("gemm_plugin", f"gemm_plugin fp8 needs an FP8 model (quant_algo is {t.quant_algo})"))
+    if plugins.get("gemm_plugin") == "nvfp4" and t.quant_algo != "NVFP4":
+        out.append(("gemm_plugin", f"gemm_plugin nvfp4 needs an NVFP4 model (quant_algo is {t.quant_algo})"))
+    return out

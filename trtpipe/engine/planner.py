@@ -1,0 +1,345 @@
+"""The memory planner: will this recipe fit the target GPU, and how many sequences will the KV pool hold?
+
+Per rank (contract §5): device memory = engine weights + activations/workspace + a runtime reserve + the KV
+pool. The pool is ``free_gpu_memory_fraction`` of what is left (or ``max_tokens``); its tokens are split into
+``tokens_per_block`` blocks and the block count is the minimum over ranks. KV bytes per token per rank =
+2 x layers_on_rank x ceil(num_kv_heads / tp) x head_size x bytes(kv dtype): a KV head that is shared by several
+TP ranks (num_kv_heads < tp) is stored on each of them.
+
+Weights come from the checkpoint's ``rank{N}.safetensors`` when there is one, else from config.json shapes
+and the quantization's bytes per element. Activations and the reserve are estimates (stated as such):
+activations = max_num_tokens x (3 x hidden + local qkv width + local gated-MLP width) x activation bytes, plus
+float32 logits for max_batch_size x max_beam_width sequences; the reserve (CUDA context, cuBLAS workspaces,
+decoder buffers) is a fixed :data:`RUNTIME_RESERVE_BYTES`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional
+
+from trtpipe.engine import ckptconfig
+from trtpipe.engine.build_config import EngineBuild
+from trtpipe.engine.gpus import GPU
+from trtpipe.errors import EngineError
+from trtpipe.recipe.schema import Recipe
+
+GiB = 1 << 30
+RUNTIME_RESERVE_BYTES = 1 * GiB  # assumption: CUDA context + cuBLAS/cuBLASLt workspaces + decoder buffers
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+# bytes per element of a quantized linear weight (scales counted separately below)
+QUANT_WEIGHT_BYTES = {
+    None: None, "FP8": 1, "FP8_PER_CHANNEL_PER_TOKEN": 1, "FP8_BLOCK_SCALES": 1,
+    "W8A16": 1, "W8A16_GPTQ": 1, "W8A8_SQ_PER_CHANNEL": 1, "W8A8_SQ_PER_TENSOR_PLUGIN": 1,
+    "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": 1, "W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN": 1,
+    "W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN": 1,
+    "W4A16": 0.5, "W4A16_AWQ": 0.5, "W4A16_GPTQ": 0.5, "W4A8_AWQ": 0.5, "NVFP4": 0.5 + 1 / 16,
+}
+GROUPWISE = ("W4A16_AWQ", "W4A16_GPTQ", "W4A8_AWQ", "W8A16_GPTQ")
+KV_BYTES = {"FP8": 1, "INT8": 1, "NVFP4": 0.5 + 1 / 16}
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The model dimensions the arithmetic needs, read from a checkpoint config.json (or its prediction)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_size: int
+    intermediate: int
+    vocab: int
+    experts: int
+    top_k: int
+    dtype: str
+    quant_algo: Optional[str]
+    kv_quant: Optional[str]
+    group_size: int
+    parallel_embedding: bool
+
+    @classmethod
+    def of(cls, cfg: dict) -> "Shapes":
+        q = cfg.get("quantization") or {}
+        moe = cfg.get("moe") or {}
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return cls(
+            hidden=hidden,
+            layers=int(cfg["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_size=int(cfg.get("head_size") or hidden // heads),
+            intermediate=int(cfg.get("intermediate_size") or 4 * hidden),
+            vocab=int(cfg["vocab_size"]),
+            experts=int(moe.get("num_experts") or cfg.get("moe_num_experts") or 0),
+            top_k=int(moe.get("top_k") or cfg.get("moe_top_k") or 0),
+            dtype=str(cfg["dtype"]),
+            quant_algo=q.get("quant_algo"),
+            kv_quant=q.get("kv_cache_quant_algo"),
+            group_size=int(q.get("group_size") or 128),
+            parallel_embedding=bool(cfg.get("use_parallel_embedding", False)),
+        )
+
+    @property
+    def model_bytes(self) -> int:
+        if self.dtype not in DTYPE_BYTES:
+            raise EngineError(f"config.json: dtype '{self.dtype}' is not float16, bfloat16 or float32")
+        return DTYPE_BYTES[self.dtype]
+
+
+def pp_layers(layers: int, pp: int) -> list[int]:
+    """Layers per PP rank as torch.tensor_split gives them (the first ``layers % pp`` ranks get one more)."""
+    return [layers // pp + (1 if r < layers % pp else 0) for r in range(pp)]
+
+
+def kv_bytes_per_token(s: Shapes, layers_on_rank: int, tp: int) -> float:
+    """2 (K and V) x layers x ceil(kv_heads / tp) x head_size x bytes(kv dtype), for one rank."""
+    kv = KV_BYTES.get(s.kv_quant, s.model_bytes) if s.kv_quant else s.model_bytes
+    return 2 * layers_on_rank * math.ceil(s.kv_heads / tp) * s.head_size * kv
+
+
+def weight_bytes(s: Shapes, tp: int, pp: int) -> list[int]:
+    """Engine weight bytes of one TP rank on each PP rank, from shapes (lm_head and embeddings unquantized)."""
+    h, d = s.hidden, s.head_size
+    q_local, kv_local = s.heads // tp, math.ceil(s.kv_heads / tp)
+    attn = h * (q_local + 2 * kv_local) * d + q_local * d * h
+    mlp = 3 * h * s.intermediate * max(1, s.experts) // tp
+    linear = attn + mlp
+    qb = QUANT_WEIGHT_BYTES.get(s.quant_algo, s.model_bytes) or s.model_bytes
+    linear_bytes = linear * qb + (linear * 2 / s.group_size if s.quant_algo in GROUPWISE else 0)
+    router = h * s.experts * 4 if s.experts > 1 else 0  # kept in float32, never quantized
+    per_layer = linear_bytes + router + 2 * h * s.model_bytes
+    vocab_local = math.ceil(s.vocab / tp)
+    embed = (vocab_local if s.parallel_embedding else s.vocab) * h * s.model_bytes
+    head = vocab_local * h * s.model_bytes + h * s.model_bytes  # lm_head + ln_f
+    out = []
+    for r, n in enumerate(pp_layers(s.layers, pp)):
+        out.append(int(n * per_layer + (embed if r == 0 else 0) + (head if r == pp - 1 else 0)))
+    return out
+
+
+def checkpoint_weight_bytes(ckpt_dir: Path, tp: int, pp: int) -> list[int]:
+    """Tensor bytes of each PP rank's largest TP shard, read from the safetensors headers."""
+    out = []
+    for p in range(pp):
+        sizes = []
+        for t in range(tp):
+            f = ckpt_dir / f"rank{p * tp + t}.safetensors"
+            if not f.is_file():
+                raise EngineError(f"{f}: missing (checkpoint has tp={tp}, pp={pp})")
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+            sizes.append(sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"))
+        out.append(max(sizes))
+    return out
+
+
+def activation_bytes(s: Shapes, tp: int, max_num_tokens: int, max_batch: int, beam: int) -> int:
+    act = 4 if s.dtype == "float32" else 2
+    qkv = (s.heads // tp + 2 * math.ceil(s.kv_heads / tp)) * s.head_size
+    mlp = 2 * s.intermediate // tp * (max(1, s.top_k) if s.experts > 1 else 1)
+    logits = max_batch * beam * s.vocab * 4
+    return int(max_num_tokens * (3 * s.hidden + qkv + mlp) * act + logits)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    pp_rank: int
+    layers: int
+    weight_bytes: int
+    activation_bytes: int
+    reserve_bytes: int
+    free_bytes: int  # after weights, activations and the reserve
+    kv_bytes_per_token: float
+    kv_pool_bytes: int
+    kv_tokens: int
+    kv_blocks: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    gpu: GPU
+    tp: int
+    pp: int
+    weights_from: str  # "checkpoint" or "config.json"
+    kv_dtype: str
+    ranks: tuple[RankPlan, ...]
+    tokens_per_block: int
+    max_seq_len: int
+    max_input_len: int
+    max_batch_size: int
+    max_beam_width: int
+    blocks_per_sequence: int
+    kv_blocks: int  # MIN over ranks
+    kv_tokens: int
+    concurrent_sequences: int  # full-length sequences the pool holds
+    host_bytes: dict[str, int] = field(default_factory=dict)
+    refusal: str = ""
+    kv_bytes_per_token_model: int = 0  # whole model, one copy of each KV head
+
+    @property
+    def fits(self) -> bool:
+        return not self.refusal
+
+    def summary(self) -> dict[str, Any]:
+        r0 = max(self.ranks, key=lambda r: r.weight_bytes)
+        return {
+            "gpu": self.gpu.key, "tp": self.tp, "pp": self.pp, "fits": self.fits, "refusal": self.refusal or None,
+            "weights_from": self.weights_from, "weight_bytes_per_gpu": r0.weight_bytes,
+            "activation_bytes": r0.activation_bytes, "reserve_bytes": r0.reserve_bytes,
+            "kv_dtype": self.kv_dtype, "kv_bytes_per_token_model": self.kv_bytes_per_token_model,
+            "kv_bytes_per_token_per_gpu": [r.kv_bytes_per_token for r in self.ranks],
+            "kv_pool_bytes": [r.kv_pool_bytes for r in self.ranks], "kv_tokens": self.kv_tokens,
+            "kv_blocks": self.kv_blocks, "tokens_per_block": self.tokens_per_block,
+            "max_seq_len": self.max_seq_len, "blocks_per_sequence": self.blocks_per_sequence,
+            "concurrent_sequences": self.concurrent_sequences, "max_batch_size": self.max_batch_size,
+            "host_bytes": self.host_bytes,
+        }
+
+
+def blocks_per_sequence(seq: int, inp: int, tpb: int, beam: int) -> int:
+    """Blocks one sequence needs (§5.7): beam 1 = ceil(seq/tpb); beams share the full context blocks."""
+    if beam == 1:
+        return math.ceil(seq / tpb)
+    shared = inp // tpb
+    return shared + (math.ceil(seq / tpb) - shared) * beam
+
+
+def _kv_dtype(s: Shapes) -> str:
+    return s.kv_quant.lower() if s.kv_quant else s.dtype
+
+
+def host_estimates(s_full: Shapes, source_dtype_bytes: int, rank_bytes: int, workers: int, recipe: Recipe) -> dict[str, int]:
+    """Host RAM each build stage needs (estimates): see docs in the module and each line."""
+    full_unquant = sum(weight_bytes(replace(s_full, quant_algo=None), 1, 1))
+    params = full_unquant // s_full.model_bytes
+    source = params * source_dtype_bytes
+    c = recipe.quantization.calibration
+    act = c.batch_size * c.seq_len * (s_full.hidden + s_full.intermediate) * 4
+    layer = (full_unquant - 2 * s_full.vocab * s_full.hidden * s_full.model_bytes) // max(1, s_full.layers)
+    unit = max(layer, s_full.vocab * s_full.hidden * s_full.model_bytes) // s_full.model_bytes
+    return {
+        # the converter streams one unit (a layer, or the embedding) at a time: source + fused + rank shards
+        "checkpoint": unit * (source_dtype_bytes + 2 * s_full.model_bytes),
+        "calibrate": params * 4 + act if c.device == "cpu" else source,  # float32 model on CPU, else staging
+        "quantize": full_unquant + rank_bytes,  # model + one quantized rank being written
+        "engine": 2 * rank_bytes * max(1, workers),  # per worker: rank weights + TensorRT's network copy
+    }
+
+
+def plan_build(recipe: Recipe, cfg: dict, build: EngineBuild, checkpoint_dir: Optional[Path] = None,
+               source_dtype_bytes: int = 2) -> Plan:
+    """Plan one rank layout. Never raises for a recipe that does not fit: ``Plan.refusal`` says why and what to turn."""
+    s = Shapes.of(cfg)
+    tp, pp = ckptconfig.mapping(cfg)
+    c = build.config
+    gpu = build.gpu
+    tpb = c.plugins["tokens_per_block"]
+    kvc = recipe.engine.kv_cache
+    if checkpoint_dir is not None and any(Path(checkpoint_dir).glob("rank*.safetensors")):
+        weights, source = checkpoint_weight_bytes(Path(checkpoint_dir), tp, pp), "checkpoint"
+    else:
+        weights, source = weight_bytes(s, tp, pp), "config.json"
+    act = activation_bytes(s, tp, c.max_num_tokens, c.max_batch_size, c.max_beam_width)
+    ranks = []
+    for r, n in enumerate(pp_layers(s.layers, pp)):
+        free = gpu.memory_bytes - weights[r] - act - RUNTIME_RESERVE_BYTES
+        per_tok = kv_bytes_per_token(s, n, tp)
+        pool = int(max(free, 0) * kvc.free_gpu_memory_fraction)
+        tokens = int(pool // per_tok) if per_tok else 0
+        if kvc.max_tokens is not None:
+            tokens = min(tokens, kvc.max_tokens)
+        ranks.append(RankPlan(r, n, weights[r], act, RUNTIME_RESERVE_BYTES, free, per_tok, pool, tokens,
+                              math.ceil(tokens / tpb)))
+    blocks = min(r.kv_blocks for r in ranks)
+    per_seq = blocks_per_sequence(c.max_seq_len, c.max_input_len, tpb, c.max_beam_width)
+    plan = Plan(
+        gpu=gpu, tp=tp, pp=pp, weights_from=source, kv_dtype=_kv_dtype(s), ranks=tuple(ranks),
+        tokens_per_block=tpb, max_seq_len=c.max_seq_len, max_input_len=c.max_input_len,
+        max_batch_size=c.max_batch_size, max_beam_width=c.max_beam_width, blocks_per_sequence=per_seq,
+        kv_blocks=blocks, kv_tokens=min(r.kv_tokens for r in ranks), concurrent_sequences=blocks // per_seq,
+        kv_bytes_per_token_model=int(kv_bytes_per_token(s, s.layers, 1)),
+        host_bytes=host_estimates(s, source_dtype_bytes, max(weights), build.workers, recipe),
+    )
+    return replace(plan, refusal=_refusal(plan, recipe, cfg, build))
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def _refusal(plan: Plan, recipe: Recipe, cfg: dict, build: EngineBuild) -> str:
+    worst = min(plan.ranks, key=lambda r: r.free_bytes)
+    name = f"{plan.tp * plan.pp}x {plan.gpu.key}"
+    if worst.free_bytes <= 0:
+        need = worst.weight_bytes + worst.activation_bytes + worst.reserve_bytes
+        return (f"does not fit: per-GPU weights {_gib(worst.weight_bytes)} + activations {_gib(worst.activation_bytes)} "
+                f"+ runtime reserve {_gib(worst.reserve_bytes)} = {_gib(need)} exceed one {plan.gpu.key} "
+                f"({_gib(plan.gpu.memory_bytes)}) at tp={plan.tp} pp={plan.pp}; turn a knob: {_knobs(recipe, cfg, build, kv_only=False)}")
+    if plan.kv_blocks < plan.blocks_per_sequence:
+        return (f"does not fit: the KV pool ({plan.kv_tokens} tokens, {plan.kv_blocks} blocks of {plan.tokens_per_block}) "
+                f"cannot hold one sequence of max_seq_len {plan.max_seq_len} ({plan.blocks_per_sequence} blocks) on {name}; "
+                f"turn a knob: {_knobs(recipe, cfg, build, kv_only=True, tokens=plan.kv_tokens)}")
+    return ""
+
+
+def _quick_fits(recipe: Recipe, cfg: dict, build: EngineBuild) -> bool:
+    """Whether weights, activations and one full sequence of KV fit every rank (for the knob suggestions)."""
+    s = Shapes.of(cfg)
+    tp, pp = ckptconfig.mapping(cfg)
+    c = build.config
+    tpb = c.plugins["tokens_per_block"]
+    act = activation_bytes(s, tp, c.max_num_tokens, c.max_batch_size, c.max_beam_width)
+    need = blocks_per_sequence(c.max_seq_len, c.max_input_len, tpb, c.max_beam_width) * tpb
+    for r, (w, n) in enumerate(zip(weight_bytes(s, tp, pp), pp_layers(s.layers, pp))):
+        free = build.gpu.memory_bytes - w - act - RUNTIME_RESERVE_BYTES
+        if free <= 0 or free * recipe.engine.kv_cache.free_gpu_memory_fraction < need * kv_bytes_per_token(s, n, tp):
+            return False
+    return True
+
+
+def _knobs(recipe: Recipe, cfg: dict, build: EngineBuild, kv_only: bool, tokens: int = 0) -> str:
+    s = Shapes.of(cfg)
+    tp, pp = ckptconfig.mapping(cfg)
+    out = []
+    for t in (2, 4, 8, 16, 32, 64):
+        if t > tp and s.heads % t == 0 and _quick_fits(recipe, _with(cfg, tp=t), build):
+            out.append(f"parallel.tp: {t}")
+            break
+    qa, kv = ckptconfig.quant(cfg)
+    if kv is None and _quick_fits(recipe, _with(cfg, kv_cache_quant_algo="FP8"), build) and build.gpu.sm >= 89:
+        out.append("quantization.kv_cache: fp8")
+    if not kv_only:
+        current = QUANT_WEIGHT_BYTES.get(qa) or s.model_bytes
+        for algo, name in (("FP8", "fp8"), ("W4A16_AWQ", "int4_awq")):
+            smaller = QUANT_WEIGHT_BYTES[algo] < current
+            if smaller and (algo != "FP8" or build.gpu.sm >= 89) and _quick_fits(recipe, _with(cfg, quant_algo=algo), build):
+                out.append(f"quantization.algo: {name}")
+                break
+    if kv_only and tokens >= build.config.plugins["tokens_per_block"]:
+        tpb = build.config.plugins["tokens_per_block"]
+        out.append(f"engine.max_seq_len <= {tokens // tpb * tpb}")
+    if kv_only:
+        out.append("a larger engine.kv_cache.free_gpu_memory_fraction or a smaller engine.max_num_tokens")
+    if not out:
+        out.append("a GPU with more memory (engine.gpu) or more pipeline stages (parallel.pp)")
+    return ", or ".join(out)
+
+
+def _with(cfg: dict, **changes) -> dict:
+    cfg2 = json.loads(json.dumps(cfg))
+    m = cfg2.setdefault("mapping", {})
+    if "tp" in changes:
+        m["tp_size"] = changes["tp"]
+        m["world_size"] = changes["tp"] * int(m.get("pp_size", 1))
+    q = cfg2.setdefault("quantization", {})
+    for k in ("quant_algo", "kv_cache_quant_algo"):
+        if k in changes:
+            q[k] = changes[k]
+    return cfg2

@@ -1,0 +1,91 @@
+"""Engine rules for ``trtpipe validate``: what trtllm-build would silently change or reject, and the planner's refusal.
+
+Fast by construction: only config.json is read (through the ``HFModelInfo`` the validator passes in), the
+build config is predicted from it, and the planner does arithmetic only.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from trtpipe.engine import build_config as bc
+from trtpipe.engine.ckptconfig import predicted_checkpoint_config
+from trtpipe.engine.enforce import rejections
+from trtpipe.engine.gpus import get_gpu
+from trtpipe.engine.presets import FIELDS, get_preset, normalize
+from trtpipe.errors import EngineError
+from trtpipe.models.hfconfig import HFModelInfo
+from trtpipe.recipe.rules import RULES, Finding
+from trtpipe.recipe.schema import Recipe
+
+IFB_STRATEGIES = ("inflight_fused_batching", "inflight_batching")
+
+
+def _as_finding(exc: EngineError, default_key: str) -> Finding:
+    """Split 'engine.x.y: message' into (key, message); the recipe position comes from the key."""
+    text = str(exc)
+    head, sep, rest = text.partition(": ")
+    return (head, rest) if sep and head.startswith(("engine.", "quantization.", "parallel.")) else (default_key, text)
+
+
+def _names(recipe: Recipe) -> Iterable[Finding]:
+    """GPU, preset and override names and values: checkable without the model."""
+    e = recipe.engine
+    try:
+        get_gpu(e.gpu)
+    except EngineError as exc:
+        yield _as_finding(exc, "engine.gpu")
+    if e.plugins.preset != "auto":
+        try:
+            get_preset(e.plugins.preset)
+        except EngineError as exc:
+            yield _as_finding(exc, "engine.plugins.preset")
+    for key, value in e.plugins.overrides.items():
+        try:
+            normalize(key, value, f"engine.plugins.overrides.{key}")
+        except EngineError as exc:
+            yield _as_finding(exc, f"engine.plugins.overrides.{key}")
+    tpb = e.plugins.overrides.get("tokens_per_block")
+    if tpb is not None and "tokens_per_block" in e.kv_cache.model_fields_set and tpb != e.kv_cache.tokens_per_block:
+        yield "engine.plugins.overrides.tokens_per_block", (
+            f"{tpb} conflicts with engine.kv_cache.tokens_per_block {e.kv_cache.tokens_per_block}; set only the latter")
+
+
+def engine_findings(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
+    names = list(_names(recipe))
+    yield from names
+    if names or m is None:
+        return
+    cfg = predicted_checkpoint_config(m, recipe)
+    gpu = get_gpu(recipe.engine.gpu)
+    defaults = {f.name: f.default for f in FIELDS}
+    early = rejections(defaults, bc._target(cfg, gpu))
+    if early:  # the quantization itself is rejected on this GPU: no preset could help
+        for key, reason in early:
+            yield key, f"trtllm-build rejects this: {reason}"
+        return
+    try:
+        build = bc.resolve_build(recipe, cfg, gpu)
+    except EngineError as exc:
+        yield _as_finding(exc, "engine.plugins")
+        return
+    yield from bc.findings(build)
+    p = build.config.plugins
+    if recipe.triton.batching_strategy in IFB_STRATEGIES:
+        missing = [n for n, ok in (("gpt_attention_plugin", p["gpt_attention_plugin"] != "disable"),
+                                   ("remove_input_padding", p["remove_input_padding"]),
+                                   ("paged_kv_cache", p["paged_kv_cache"])) if not ok]
+        if missing:
+            yield "engine.plugins", (f"in-flight batching (triton.batching_strategy {recipe.triton.batching_strategy}) "
+                                     f"needs {', '.join(missing)} enabled")
+    if recipe.engine.kv_cache.enable_reuse and not p["use_paged_context_fmha"] and recipe.quantization.kv_cache != "int8":
+        yield "engine.kv_cache.enable_reuse", ("KV reuse needs paged context FMHA, which this build has off "
+                                               "(the runtime would silently disable reuse); set enable_reuse: false")
+    from trtpipe.engine.planner import plan_build
+
+    plan = plan_build(recipe, cfg, build)
+    if not plan.fits:
+        yield "engine.gpu", plan.refusal
+
+
+RULES.append(engine_findings)

@@ -1,0 +1,99 @@
+"""The ``engine`` stage: TensorRT engines with trtllm-build, or the CPU twin engine where that cannot run.
+
+Input: the quantized checkpoint (``ctx.inputs["quantize"]``) when quantization ran, else the converted one.
+The build config is resolved from the recipe and the checkpoint's own config.json; any setting the builder
+would change or reject fails the stage before anything runs (validation reports the same earlier). The
+installed TensorRT-LLM and GPU enter the content key, so a twin is rebuilt as a real engine where they appear.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from trtpipe.engine import build_config as bc
+from trtpipe.engine import trtllm, versions
+from trtpipe.engine.ckptconfig import read_checkpoint_config
+from trtpipe.engine.doctor import LOCK_FILE
+from trtpipe.engine.presets import preset_dir
+from trtpipe.engine.twin import write_twin_engine
+from trtpipe.errors import EngineError
+from trtpipe.pipeline.stage import Stage, StageContext
+from trtpipe.recipe.schema import Recipe
+
+
+def input_checkpoint(ctx: StageContext):
+    if "quantize" in ctx.inputs:
+        return ctx.inputs["quantize"]
+    if "checkpoint" in ctx.inputs:
+        return ctx.inputs["checkpoint"]
+    raise EngineError("engine stage: no checkpoint input (the checkpoint stage did not run)")
+
+
+def run_engine(ctx: StageContext) -> None:
+    ckpt = input_checkpoint(ctx)
+    cfg = read_checkpoint_config(ckpt)
+    build = bc.resolve_build(ctx.recipe, cfg)
+    problems = bc.findings(build)
+    if problems:
+        raise EngineError("; ".join(f"{k}: {m}" for k, m in problems))
+    from trtpipe.engine.planner import plan_build
+
+    plan = plan_build(ctx.recipe, cfg, build, checkpoint_dir=ckpt)
+    ctx.info["plan"] = plan.summary()
+    if not plan.fits:
+        raise EngineError(plan.refusal)
+    engine_cfg = bc.engine_config_json(cfg, build.config)
+    ctx.info["preset"] = build.preset
+    ctx.info["build_config"] = engine_cfg["build_config"]
+    ctx.info["adjusted"] = [str(c) for c in build.changes]
+    recipe_path = str(ctx.recipe.path) if ctx.recipe.path else "RECIPE"
+    avail = trtllm.availability()
+    ctx.info["lockfile"] = versions.lockfile()
+    if avail.ok:
+        (ctx.out_dir / "build_config.json").write_text(json.dumps(engine_cfg["build_config"], indent=2) + "\n")
+        argv = bc.to_argv(build, ckpt, ctx.out_dir)
+        ctx.info["command"] = argv
+        ctx.info["build"] = trtllm.run_trtllm_build(argv, ctx.out_dir, build.config.world_size, ctx.log)
+        ctx.info["engine"] = "tensorrt"
+        _write_lock(ctx)
+        return
+    argv = bc.to_argv(build, "CHECKPOINT_DIR", "ENGINE_DIR")
+    ctx.info["command"] = argv
+    ctx.log.warning(
+        "TensorRT engines need TensorRT-LLM 1.2.x on a GPU (%s); writing the CPU twin engine instead. "
+        "On a GPU machine with TensorRT-LLM 1.2.x run: trtpipe build %s --from engine", avail.reason, recipe_path)
+    ctx.log.info("the build there will run: %s", " ".join(argv))
+    write_twin_engine(ckpt, ctx.out_dir, engine_cfg, reason=avail.reason, recipe_path=recipe_path)
+    ctx.info["engine"] = "cpu-twin"
+    _write_lock(ctx)
+
+
+def _write_lock(ctx: StageContext) -> None:
+    """The lockfile beside the engine (``trtpipe doctor ENGINE_DIR`` compares the environment against it)."""
+    keep = ("engine", "preset", "command", "build", "lockfile")
+    (ctx.out_dir / LOCK_FILE).write_text(json.dumps({k: ctx.info[k] for k in keep if k in ctx.info}, indent=2) + "\n")
+
+
+def _extra_key(recipe: Recipe) -> dict:
+    """The toolchain that would build (TRT-LLM version, GPUs) and the preset files' content."""
+    h = hashlib.sha256()
+    d = preset_dir()
+    for p in sorted(d.glob("*.yaml")) if d.is_dir() else []:
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    avail = trtllm.availability()
+    return {
+        "tensorrt_llm": avail.trtllm_version if avail.ok else None,
+        "gpus": list(avail.gpus) if avail.ok else [],
+        "presets": h.hexdigest()[:16],
+    }
+
+
+ENGINE_STAGE = Stage(
+    name="engine",
+    sections=("engine", "parallel"),
+    inputs=("checkpoint", "quantize"),
+    run=run_engine,
+    extra_key=_extra_key,
+    description="TensorRT engines (trtllm-build), or the CPU twin engine without TensorRT-LLM",
+)

@@ -1,0 +1,91 @@
+"""What an architecture family declares: rules mapping HF tensors to TensorRT-LLM tensors, as data.
+
+A :class:`Rule` names one TRT-LLM tensor, its HF sources (with their expected shapes in symbols of the
+model's dimensions), how the sources combine (fusion) and how the result splits across ranks (TP plan).
+Adding a family means writing one module of rules; ``trtpipe.checkpoint.convert`` never branches on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from trtpipe.models.hfconfig import HFModelInfo
+
+# Combine ops: how a rule's sources become one tensor.
+#   one          a single source, renamed
+#   cat          concatenate on dim 0 (q;k;v)
+#   experts      stack the per-expert source over experts -> [E, ...]
+#   experts_cat  stack each source over experts, then concatenate on dim -2 ([w3; w1] -> [E, 2I, H])
+COMBINES = ("one", "cat", "experts", "experts_cat")
+
+# Split styles: how the unsharded TRT-LLM tensor is cut per rank (see trtpipe.checkpoint.shard).
+#   replicate | column | row | qkv | vocab (lm_head) | embedding | moe_fc | moe_proj
+SPLITS = ("replicate", "column", "row", "qkv", "vocab", "embedding", "moe_fc", "moe_proj")
+
+
+def always(info: HFModelInfo) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One TRT-LLM tensor.
+
+    Attributes:
+        trt: TRT-LLM name; per-layer rules are relative to ``transformer.layers.{i}.``.
+        hf: HF source names; per-layer ones relative to the family's HF layer prefix; ``{e}`` = expert.
+        shapes: expected shape of each source, in symbols (``H`` hidden, ``Q`` heads*head_size, ``KV``
+            kv_heads*head_size, ``I`` intermediate, ``V`` vocab, ``E`` experts).
+        split: split style (``SPLITS``).
+        combine: combine op (``COMBINES``).
+        when: the rule applies to this model (e.g. biases only when config.json says so).
+        dtype: force this dtype instead of the model dtype (the MoE router stays float32).
+    """
+
+    trt: str
+    hf: tuple[str, ...]
+    shapes: tuple[tuple[str, ...], ...]
+    split: str
+    combine: str = "one"
+    when: Callable[[HFModelInfo], bool] = always
+    dtype: Optional[str] = None
+
+    def __post_init__(self):
+        assert self.combine in COMBINES and self.split in SPLITS, self
+        assert len(self.hf) == len(self.shapes), self
+
+
+@dataclass(frozen=True)
+class Family:
+    """An architecture family: its rules and the config.json fields it adds.
+
+    Attributes:
+        name: short name (``llama``).
+        architectures: HF ``architectures[0]`` values handled (``MistralForCausalLM`` shares Llama's rules).
+        global_rules: embedding, final norm, lm_head (names are full).
+        layer_rules: per-layer rules.
+        hf_layer_prefix: where an HF layer's tensors live, ``{}`` = layer index.
+        ignored: HF suffixes that carry no weights (e.g. rotary caches); any other unused tensor is an error.
+        config_fields: HFModelInfo -> extra config.json fields of this family.
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    global_rules: tuple[Rule, ...]
+    layer_rules: tuple[Rule, ...]
+    hf_layer_prefix: str = "model.layers.{}."
+    ignored: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    config_fields: Callable[[HFModelInfo], dict] = field(default=lambda info: {})
+
+
+def dims(info: HFModelInfo) -> dict[str, int]:
+    """Values of the shape symbols for one model."""
+    return {
+        "H": info.hidden_size,
+        "Q": info.num_heads * info.head_dim,
+        "KV": info.num_kv_heads * info.head_dim,
+        "I": info.intermediate_size,
+        "V": info.vocab_size,
+        "E": info.num_experts,
+    }

@@ -1,0 +1,98 @@
+"""Small random Hugging Face checkpoints, made offline with the real transformers classes (for tests).
+
+``make_synthetic("llama3", out_dir)`` writes ``config.json`` + safetensors (optionally sharded with
+``model.safetensors.index.json``) that ``AutoModelForCausalLM.from_pretrained`` loads. Weights are
+re-drawn at a scale (~1/sqrt(fan_in), norms around 1) that gives well-separated logits, so greedy
+continuations are not decided by float noise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+# kind -> (transformers config class name, model class name, config kwargs)
+SPECS: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=250, max_position_embeddings=256, rope_theta=10000.0)),
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        vocab_size=250, max_position_embeddings=512, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=250, max_position_embeddings=256, sliding_window=8)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=250, max_position_embeddings=256, tie_word_embeddings=False)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=2, vocab_size=250, max_position_embeddings=256)),
+}
+
+
+def _reinit(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 1:  # biases
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+
+
+def _to_v4_rope(path: Path) -> None:
+    """Rewrite config.json's rope settings in the transformers-4 form (rope_theta + rope_scaling)."""
+    cfg = json.loads(path.read_text())
+    params = cfg.pop("rope_parameters", None) or {}
+    cfg["rope_theta"] = params.pop("rope_theta", 10000.0)
+    if params.get("rope_type", "default") != "default":
+        params["type"] = params["rope_type"]
+        cfg["rope_scaling"] = params
+    path.write_text(json.dumps(cfg, indent=2))
+
+
+def make_synthetic(kind: str, out_dir: str | Path, seed: int = 0, shard_bytes: Optional[int] = None,
+                   dtype: torch.dtype = torch.float32, rope_layout: str = "v5", **overrides) -> Path:
+    """Write a random HF checkpoint of family ``kind`` (``SPECS``) to ``out_dir`` and return it.
+
+    Args:
+        shard_bytes: split the weights into files of about this size (writes the index json).
+        rope_layout: ``v5`` (rope_parameters, as transformers 5 saves) or ``v4`` (rope_theta + rope_scaling).
+        overrides: config fields to change (e.g. ``num_hidden_layers=3``).
+    """
+    import transformers
+
+    cfg_name, model_name, kwargs = SPECS[kind]
+    kwargs = {**kwargs, **overrides}
+    if "rope_theta" in kwargs and "rope_parameters" not in kwargs:
+        kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta")}
+    config = getattr(transformers, cfg_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config)
+    _reinit(model, seed)
+    model = model.to(dtype).eval()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_kwargs = {"max_shard_size": shard_bytes} if shard_bytes else {}
+    model.save_pretrained(out_dir, **save_kwargs)
+    if rope_layout == "v4":
+        _to_v4_rope(out_dir / "config.json")
+    return out_dir
+
+
+def load_hf(model_dir: str | Path) -> torch.nn.Module:
+    """The HF reference model in float32 eval mode (the oracle for parity tests)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -1,0 +1,61 @@
+"""Activation-aware weight quantization (AWQ, the "lite" grid search ModelOpt uses by default).
+
+For each group of linears that read one input: with ``s = mean|x|^a / mean|W_norm|^(1-a)`` (normalized so that
+``sqrt(max(s) min(s)) = 1``), pick the ``a`` in ``0, 0.1, ..., 1`` that minimizes the output error
+``|| x W^T - (x / s) Q(W s)^T ||^2`` on calibration samples. The pre-quant scale stored in the checkpoint is
+``pqs = 1 / s`` (the runtime computes ``x * pqs``), and the weight quantized is ``W / pqs``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trtpipe.quant.primitives import choose_qparams, dequantize, observe_amax, quantize
+
+
+def int4_roundtrip(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Group-wise symmetric int4 quantize-dequantize (round to nearest), float32."""
+    scale = choose_qparams(observe_amax(w, group_size), "int4")
+    return dequantize(quantize(w, scale, "int4", group_size), scale, "int4", group_size)
+
+
+def weight_mean(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Mean over output rows of ``|W|`` normalized by its group amax: ``[in]``."""
+    w = w.float()
+    amax = observe_amax(w, group_size).repeat_interleave(group_size, dim=-1).clamp_min(1e-12)
+    return (w.abs() / amax).mean(dim=0)
+
+
+def awq_scales(
+    samples: torch.Tensor,
+    act_mean: torch.Tensor,
+    weights: list[torch.Tensor],
+    group_size: int,
+    grid: int = 10,
+) -> tuple[torch.Tensor, float]:
+    """Search the AWQ pre-quant scale of one input group.
+
+    Args:
+        samples: ``[N, in]`` calibration inputs of the group (a subsample of tokens is enough).
+        act_mean: ``[in]`` mean absolute input over all calibration tokens.
+        weights: the ``[out_k, in]`` weights that read this input.
+        group_size: int4 group size.
+        grid: number of alpha steps in [0, 1].
+
+    Returns:
+        ``(pqs [in] float32, best alpha)``.
+    """
+    w = torch.cat([x.float() for x in weights])  # [out, in]
+    x = samples.float()
+    ref = x @ w.T
+    w_mean = weight_mean(w, group_size)
+    best, best_loss, best_alpha = torch.ones_like(act_mean, dtype=torch.float32), float("inf"), 0.0
+    for step in range(grid + 1):
+        alpha = step / grid
+        s = act_mean.float().clamp_min(1e-4).pow(alpha) / w_mean.clamp_min(1e-4).pow(1 - alpha)
+        s = (s / (s.max() * s.min()).sqrt()).clamp(1e-4, 1e4)
+        out = (x / s) @ int4_roundtrip(w * s, group_size).T
+        loss = (out - ref).pow(2).mean().item()
+        if loss < best_loss:
+            best, best_loss, best_alpha = s, loss, alpha
+    return 1.0 / best, best_alpha

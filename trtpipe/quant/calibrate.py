@@ -1,0 +1,232 @@
+"""Layer-sequential calibration: one decoder layer in memory at a time, all calibration activations through it.
+
+Embed the samples once; then for each layer: load only its weights (from a memory-mapped source), run every
+batch through it with observers on the linear inputs (per-channel max|x| and mean|x|; a token subsample and the
+AWQ scale search when the algorithm needs them) and on the post-rope keys/values, pass the layer's outputs on
+as the next layer's inputs, free the layer. Host memory: one layer plus two activation buffers, which spill to
+memory-mapped files when larger than ``spill_bytes``. The statistics do not depend on the algorithm (except the
+optional AWQ search), so one artifact serves fp8, int8_sq and the KV cache alike.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Protocol
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from trtpipe.errors import QuantizationError
+from trtpipe.quant.awq import awq_scales
+from trtpipe.quant.layouts import LINEAR_GROUPS
+from trtpipe.quant.primitives import observe_channel_amax
+from trtpipe.quant.quantize import GroupStats, LayerStats
+from trtpipe.runtime.model import DecoderLayer, ModelArgs
+
+log = logging.getLogger("trtpipe.quant")
+# module name inside a layer -> the group whose input it reads (fc and gate share one observer)
+_INPUT_OF = {m: g for g, (members, _) in LINEAR_GROUPS.items() for m in members}
+
+
+class LayerSource(Protocol):
+    """Unsharded float TRT-LLM tensors of a model, read one layer at a time (memory-mapped)."""
+
+    args: ModelArgs  # unsharded (tp = pp = 1)
+
+    def embedding(self) -> torch.Tensor: ...  # [V, H]
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]: ...  # names relative to transformer.layers.{i}.
+
+
+@dataclass(frozen=True)
+class CalibSettings:
+    """What calibration collects. ``awq_group_size``: run the AWQ search at that group size (None: no AWQ)."""
+
+    batch_size: int = 8
+    awq_group_size: Optional[int] = None
+    awq_tokens: int = 512  # tokens per input group kept for the AWQ search
+    spill_bytes: int = 1 << 30
+    device: str = "cpu"
+
+
+class ActivationBuffer:
+    """``[N, T, H]`` float32 hidden states: in RAM, or a memory-mapped file when large."""
+
+    def __init__(self, shape: tuple[int, ...], spill_bytes: int, spill_dir: Optional[Path] = None):
+        nbytes = int(np.prod(shape)) * 4
+        self._file = None
+        if nbytes > spill_bytes:
+            self._file = tempfile.NamedTemporaryFile(prefix="trtpipe-act-", suffix=".f32", dir=spill_dir)
+            arr = np.memmap(self._file.name, dtype=np.float32, mode="w+", shape=shape)
+            self.data = torch.from_numpy(arr)
+        else:
+            self.data = torch.empty(shape, dtype=torch.float32)
+
+    @property
+    def spilled(self) -> bool:
+        return self._file is not None
+
+    def close(self) -> None:
+        self.data = None
+        if self._file is not None:
+            self._file.close()
+
+
+class _Observer:
+    """Forward pre-hooks on one layer's linears plus a KV observer; accumulates :class:`LayerStats` inputs."""
+
+    def __init__(self, keep_tokens: int, total_tokens: int):
+        self.amax: dict[str, torch.Tensor] = {}
+        self.abssum: dict[str, torch.Tensor] = {}
+        self.samples: dict[str, list[torch.Tensor]] = {}
+        self.count = 0
+        self.keep_every = max(1, total_tokens // keep_tokens) if keep_tokens else 0
+        self.k_amax = torch.zeros(1)
+        self.v_amax = torch.zeros(1)
+        self._kv_calls = 0
+
+    def linear_hook(self, group: str):
+        def hook(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()  # [tokens, in]
+            a = observe_channel_amax(x).cpu()
+            self.amax[group] = a if group not in self.amax else torch.maximum(self.amax[group], a)
+            s = x.abs().sum(0).cpu()
+            self.abssum[group] = s if group not in self.abssum else self.abssum[group] + s
+            if self.keep_every:
+                self.samples.setdefault(group, []).append(x[:: self.keep_every].cpu().clone())
+        return hook
+
+    def kv(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Stands in for the runtime's KV quantizer: records max|k| then max|v| (post-rope), changes nothing."""
+        target = "k_amax" if self._kv_calls % 2 == 0 else "v_amax"
+        setattr(self, target, torch.maximum(getattr(self, target), x.detach().abs().amax().float().cpu().reshape(1)))
+        self._kv_calls += 1
+        return x
+
+
+def _attach(layer: DecoderLayer, obs: _Observer) -> list:
+    handles = []
+    prefix = f"transformer.layers.{layer.layer_idx}."
+    seen_groups = set()
+    for name, _rank, module in layer.named_linears():
+        group = _INPUT_OF[name[len(prefix):]]
+        if group in seen_groups:  # fc and gate read the same input: observe it once
+            continue
+        seen_groups.add(group)
+        handles.append(module.register_forward_pre_hook(obs.linear_hook(group)))
+    for shard in layer.attention:
+        shard.kv_quant, shard.kv_scale = obs.kv, torch.ones(1)
+    return handles
+
+
+def _stats(obs: _Observer, tokens: int, layer_tensors: dict, settings: CalibSettings) -> LayerStats:
+    st = LayerStats(k_amax=obs.k_amax, v_amax=obs.v_amax)
+    for group, (members, _) in LINEAR_GROUPS.items():
+        if group not in obs.amax:
+            raise QuantizationError(f"calibration: no input observed for {group}")
+        g = GroupStats(amax=obs.amax[group], absmean=obs.abssum[group] / tokens)
+        in_features = g.amax.numel()
+        if settings.awq_group_size and in_features % settings.awq_group_size == 0:  # else it cannot be int4
+            samples = torch.cat(obs.samples[group])
+            ws = [layer_tensors[f"{m}.weight"] for m in members]
+            g.awq_pqs = awq_scales(samples.to(settings.device), g.absmean.to(settings.device),
+                                   [w.to(settings.device) for w in ws], settings.awq_group_size)[0].cpu()
+        st.groups[group] = g
+    return st
+
+
+def calibrate(source: LayerSource, tokens: torch.Tensor, settings: CalibSettings,
+              on_layer: Optional[Callable[[int, LayerStats], None]] = None,
+              progress: Optional[Callable[[str], None]] = None, spill_dir: Optional[Path] = None) -> list[LayerStats]:
+    """Run layer-sequential calibration.
+
+    Args:
+        source: the model's unsharded float tensors, one layer at a time.
+        tokens: ``[N, T]`` calibration token ids.
+        settings: what to collect.
+        on_layer: called with each layer's statistics as soon as they exist (e.g. to write them).
+        progress: called with "(i/N) Calibrating" labels.
+
+    Returns:
+        Per-layer statistics.
+    """
+    args, dev = source.args, settings.device
+    n, t = tokens.shape
+    buf_in = ActivationBuffer((n, t, args.hidden_size), settings.spill_bytes, spill_dir)
+    buf_out = ActivationBuffer((n, t, args.hidden_size), settings.spill_bytes, spill_dir)
+    emb = source.embedding()
+    for lo in range(0, n, settings.batch_size):
+        buf_in.data[lo:lo + settings.batch_size] = torch.nn.functional.embedding(tokens[lo:lo + settings.batch_size], emb).float()
+    del emb
+    cos_sin = tuple(c.to(dev) for c in args.rope().cos_sin(0, t))
+    out: list[LayerStats] = []
+    try:
+        for i in range(args.num_layers):
+            if progress:
+                progress(f"({i + 1}/{args.num_layers}) Calibrating")
+            tensors = source.layer(i)
+            layer = DecoderLayer.from_unsharded(args, {k: v.to(dev) for k, v in tensors.items()}, i)
+            obs = _Observer(settings.awq_tokens if settings.awq_group_size else 0, n * t)
+            handles = _attach(layer, obs)
+            with torch.no_grad():
+                for lo in range(0, n, settings.batch_size):
+                    x = buf_in.data[lo:lo + settings.batch_size].to(dev)
+                    buf_out.data[lo:lo + settings.batch_size] = layer(x, 0, None, cos_sin).cpu()
+            for h in handles:
+                h.remove()
+            stats = _stats(obs, n * t, tensors, settings)
+            out.append(stats)
+            if on_layer:
+                on_layer(i, stats)
+            del layer, tensors, obs
+            gc.collect()
+            buf_in, buf_out = buf_out, buf_in  # this layer's outputs are the next one's inputs
+    finally:
+        buf_in.close()
+        buf_out.close()
+    return out
+
+
+# --- the statistics artifact ----------------------------------------------------------------------------------
+
+STATS_FILE = "layer{}.safetensors"
+
+
+def save_layer_stats(out_dir: Path, i: int, st: LayerStats) -> None:
+    t = {"k_amax": st.k_amax, "v_amax": st.v_amax}
+    for group, g in st.groups.items():
+        for key in ("amax", "absmean", "awq_pqs"):
+            v = getattr(g, key, None)
+            if v is not None:
+                t[f"{group}.{key}"] = v.contiguous()
+    save_file(t, str(out_dir / STATS_FILE.format(i)))
+
+
+def load_layer_stats(stats_dir: Path, i: int) -> LayerStats:
+    path = stats_dir / STATS_FILE.format(i)
+    if not path.exists():
+        raise QuantizationError(f"{path}: calibration statistics for layer {i} are missing (re-run trtpipe calibrate)")
+    t = load_file(str(path))
+    st = LayerStats(k_amax=t["k_amax"], v_amax=t["v_amax"])
+    for group in LINEAR_GROUPS:
+        g = GroupStats(amax=t[f"{group}.amax"], absmean=t.get(f"{group}.absmean"))
+        g.awq_pqs = t.get(f"{group}.awq_pqs")
+        st.groups[group] = g
+    return st
+
+
+def write_meta(out_dir: Path, meta: dict) -> None:
+    (out_dir / "stats.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def read_meta(stats_dir: Path) -> dict:
+    path = stats_dir / "stats.json"
+    if not path.exists():
+        raise QuantizationError(f"{path}: not a calibration artifact (stats.json missing)")
+    return json.loads(path.read_text())

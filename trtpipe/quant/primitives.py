@@ -1,0 +1,113 @@
+"""Quantization as pure tensor functions: observe -> choose_qparams -> quantize / dequantize, plus int4 packing.
+
+One ``granularity`` argument covers every layout TensorRT-LLM uses (torchao's ``block_size`` idea):
+
+* ``"tensor"``   one scale for the whole tensor, shape ``[1]``            (FP8 weights and activations)
+* ``"channel"``  one scale per output row, shape ``[out]``                (INT8 SmoothQuant / weight-only)
+* ``int g``      one scale per row and group of g input columns, ``[out, in/g]``  (INT4 AWQ)
+
+Scales are *dequantization* scales (real ~= code * scale) = amax / qmax, as TRT-LLM stores them (contract §3).
+Packing is a separate step: :func:`pack_int4_rows` / :func:`unpack_int4_rows` (contract §3.5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+Granularity = Union[str, int]
+
+
+@dataclass(frozen=True)
+class Format:
+    """A number format: its code dtype, the largest code, and whether codes are integers (rounded)."""
+
+    name: str
+    dtype: torch.dtype
+    qmax: float
+    integer: bool
+
+
+FORMATS: dict[str, Format] = {
+    "fp8": Format("fp8", torch.float8_e4m3fn, 448.0, False),
+    "int8": Format("int8", torch.int8, 127.0, True),
+    "int4": Format("int4", torch.int8, 7.0, True),  # stored one code per int8 until packed
+}
+_INT_MIN = {"int8": -128, "int4": -8}
+
+
+def _grouped(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
+    """View ``x`` [out, in] as [out, in/g, g] (group), [out, 1, in] (channel) or [1, 1, numel] (tensor)."""
+    if granularity == "tensor":
+        return x.reshape(1, 1, -1)
+    if granularity == "channel":
+        return x.reshape(x.shape[0], 1, -1)
+    g = int(granularity)
+    if x.shape[-1] % g:
+        raise ValueError(f"in_features {x.shape[-1]} is not a multiple of group size {g}")
+    return x.reshape(x.shape[0], x.shape[-1] // g, g)
+
+
+def observe_amax(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
+    """Absolute maximum at ``granularity`` (float32): ``[1]``, ``[out]`` or ``[out, in/g]``."""
+    amax = _grouped(x.detach().float(), granularity).abs().amax(dim=-1)
+    return amax.reshape(1) if granularity == "tensor" else amax.squeeze(1) if granularity == "channel" else amax
+
+
+def observe_channel_amax(x: torch.Tensor) -> torch.Tensor:
+    """Per-input-channel absolute maximum of activations ``[..., in]`` -> ``[in]`` (float32)."""
+    return x.detach().reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+
+
+def choose_qparams(amax: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Dequantization scale amax/qmax (float32). A zero amax gets scale 1 so codes stay 0, never NaN."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / FORMATS[fmt].qmax, torch.ones_like(amax))
+
+
+def _expand(scale: torch.Tensor, x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
+    """Broadcast a scale of any granularity to ``x``'s shape."""
+    if granularity == "tensor":
+        return scale.reshape(1, 1).expand_as(x) if x.dim() == 2 else scale.reshape(()).expand_as(x)
+    if granularity == "channel":
+        return scale.reshape(-1, 1).expand_as(x)
+    return scale.repeat_interleave(int(granularity), dim=-1)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: str, granularity: Granularity) -> torch.Tensor:
+    """Codes of ``x`` for ``scale``: round-to-nearest-even and clamp for integers, saturating cast for FP8."""
+    f = FORMATS[fmt]
+    y = x.float() / _expand(scale.float(), x, granularity)
+    if f.integer:
+        return y.round().clamp(_INT_MIN[fmt], f.qmax).to(f.dtype)
+    return y.clamp(-f.qmax, f.qmax).to(f.dtype)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, fmt: str, granularity: Granularity) -> torch.Tensor:
+    """float32 values ``q * scale``."""
+    return q.float() * _expand(scale.float(), q, granularity)
+
+
+def fake_quant(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Per-tensor quantize-dequantize of activations, as a static-scale TRT-LLM kernel sees them (x's dtype)."""
+    return dequantize(quantize(x, scale, fmt, "tensor"), scale, fmt, "tensor").to(x.dtype)
+
+
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """Pack int4 codes ``[out, in]`` (int8 in -8..7) into ``[out/2, in]`` int8: pairs of consecutive OUTPUT rows,
+    the even row in the low nibble (``byte = (q[2k] & 0xF) | (q[2k+1] << 4)``), as ModelOpt and TRT-LLM use it."""
+    if q.shape[0] % 2:
+        raise ValueError(f"cannot pack int4: {q.shape[0]} output rows is odd")
+    lo, hi = q[0::2].to(torch.int16), q[1::2].to(torch.int16)
+    packed = (lo & 0xF) | ((hi & 0xF) << 4)
+    return packed.to(torch.uint8).view(torch.int8)
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4_rows`: ``[out/2, in]`` int8 -> ``[out, in]`` int8 codes in -8..7."""
+    b = packed.view(torch.uint8).to(torch.int16)
+    lo, hi = b & 0xF, (b >> 4) & 0xF
+    lo, hi = torch.where(lo > 7, lo - 16, lo), torch.where(hi > 7, hi - 16, hi)
+    return torch.stack([lo, hi], dim=1).reshape(-1, packed.shape[-1]).to(torch.int8)

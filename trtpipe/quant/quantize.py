@@ -1,0 +1,140 @@
+"""Quantize one decoder layer: calibration statistics + unsharded float weights -> per-rank checkpoint tensors.
+
+Two passes, so tensor parallelism never changes a number:
+1. :func:`layer_params` (unsharded): pre-quant scales (SmoothQuant / AWQ / unit), the weight to quantize
+   ``W / pqs`` and every scale, with the shared-scale rules of :mod:`trtpipe.quant.layouts`.
+2. :func:`rank_tensors`: split weights and scales with the same plan, then quantize and pack each rank's shard.
+   Codes are elementwise given their scale, so ``quantize(shard(W), shard(s)) == shard(quantize(W, s))``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from trtpipe.errors import QuantizationError
+from trtpipe.checkpoint.shard import Layout, split_linear_tensor
+from trtpipe.quant.awq import awq_scales
+from trtpipe.quant.layouts import KV_ALGOS, LINEAR_GROUPS, STYLE, Algo, group_granularity
+from trtpipe.quant.primitives import choose_qparams, observe_amax, pack_int4_rows, quantize
+from trtpipe.quant.smoothquant import smooth_scales, smoothed_act_amax
+
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class GroupStats:
+    """What calibration saw at one linear group's input (``[in]`` vectors, float32)."""
+
+    amax: torch.Tensor  # per-channel max |x|
+    absmean: Optional[torch.Tensor] = None  # per-channel mean |x| (AWQ)
+    samples: Optional[torch.Tensor] = None  # [N, in] a subsample of input rows (AWQ search)
+    awq_pqs: Optional[torch.Tensor] = None  # the AWQ search's result, when calibration already ran it
+
+
+@dataclass
+class LayerStats:
+    groups: dict[str, GroupStats] = field(default_factory=dict)  # LINEAR_GROUPS key -> stats
+    k_amax: Optional[torch.Tensor] = None  # [1] max |k| after rope
+    v_amax: Optional[torch.Tensor] = None  # [1]
+
+
+def layer_params(algo: Algo, weights: dict[str, torch.Tensor], stats: LayerStats, group_size: int,
+                 alpha: float, excluded: Callable[[str], bool],
+                 model_dtype: str = "float32") -> dict[str, dict[str, torch.Tensor]]:
+    """Unsharded quantization parameters of one layer's linears.
+
+    Args:
+        weights: ``{linear name: [out, in] weight}`` (TRT-LLM names relative to the layer, e.g. ``mlp.fc``).
+        excluded: linear name -> whether it stays unquantized (exclude_modules).
+        model_dtype: the pre-quant scale is rounded to it first (it is stored so), then divides the weight.
+
+    Returns:
+        ``{linear: {"weight": W / pqs (float32), "weights_scaling_factor": ..., ["prequant_scaling_factor",
+        "activation_scaling_factor", "weights_scaling_factor_2"]}}`` for every quantized linear.
+    """
+    gran = group_granularity(algo, group_size)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for group, (members, _) in LINEAR_GROUPS.items():
+        members = [m for m in members if not excluded(m)]
+        if not members:
+            continue
+        ws = [weights[m].float() for m in members]
+        st = stats.groups.get(group) if stats is not None else None
+        pqs = _prequant(algo, ws, st, group_size, alpha)
+        if pqs is not None:
+            pqs = pqs.to(TORCH_DTYPES[model_dtype]).float()
+        ws = [w / pqs if pqs is not None else w for w in ws]
+        shared_amax = torch.stack([w.abs().amax() for w in ws]).amax().reshape(1)
+        for m, w in zip(members, ws):
+            amax = shared_amax if gran == "tensor" else observe_amax(w, gran)
+            p = {"weight": w, "weights_scaling_factor": choose_qparams(amax, algo.weight_fmt)}
+            if pqs is not None:
+                p["prequant_scaling_factor"] = pqs
+            if algo.act_fmt:
+                a = smoothed_act_amax(st.amax, pqs) if pqs is not None else st.amax.amax().reshape(1)
+                p["activation_scaling_factor"] = choose_qparams(a, algo.act_fmt)
+            if algo.weight_scale_2:
+                p["weights_scaling_factor_2"] = choose_qparams(shared_amax, "fp8")
+            out[m] = p
+    return out
+
+
+def _prequant(algo: Algo, ws: list[torch.Tensor], st: Optional[GroupStats], group_size: int,
+              alpha: float) -> Optional[torch.Tensor]:
+    if algo.prequant is None:
+        return None
+    if algo.prequant == "unit":
+        return torch.ones(ws[0].shape[1])
+    if algo.prequant == "smooth":
+        return smooth_scales(st.amax, ws, alpha)
+    if st.awq_pqs is not None:
+        return st.awq_pqs
+    if st.samples is None:
+        raise QuantizationError("AWQ needs calibration statistics collected for AWQ (re-run calibrate)")
+    return awq_scales(st.samples, st.absmean, ws, group_size)[0]
+
+
+def kv_scales(kv: str, stats: LayerStats) -> dict[str, torch.Tensor]:
+    """``attention.{k,v,kv}_cache_scaling_factor`` [1] float32 (the kv one is the max of the two)."""
+    a = KV_ALGOS[kv]
+    k = choose_qparams(stats.k_amax.reshape(1), a.fmt).clamp_min(a.min_scale)
+    v = choose_qparams(stats.v_amax.reshape(1), a.fmt).clamp_min(a.min_scale)
+    return {"attention.k_cache_scaling_factor": k, "attention.v_cache_scaling_factor": v,
+            "attention.kv_cache_scaling_factor": torch.maximum(k, v)}
+
+
+def shard_params(name: str, p: dict[str, torch.Tensor], rank: int, layout: Layout) -> dict[str, torch.Tensor]:
+    """One rank's float weight and scales, split by the checkpoint's own plan (``checkpoint.shard``):
+    per-tensor replicated, per-channel with the rows, groups like the weight, pre-quant scale with the input."""
+    style = "qkv" if name == "attention.qkv" else STYLE[name]
+    return {k: split_linear_tensor(t, k, style, rank, layout, what=f"{name}.{k}") for k, t in p.items()}
+
+
+def finalize(algo: Algo, p: dict[str, torch.Tensor], group_size: int, model_dtype: str) -> dict[str, torch.Tensor]:
+    """Quantize and pack one rank's weight; cast every tensor to its stored dtype (layouts.TENSOR_DTYPES)."""
+    gran = group_granularity(algo, group_size)
+    q = quantize(p["weight"], p["weights_scaling_factor"], algo.weight_fmt, gran)
+    if algo.weight_fmt == "int4":
+        q = pack_int4_rows(q)
+    out = {"weight": q.contiguous()}
+    for key, t in p.items():
+        if key == "weight":
+            continue
+        dtype = TORCH_DTYPES[model_dtype] if key == "prequant_scaling_factor" else torch.float32
+        out[key] = t.to(dtype).contiguous()
+    return out
+
+
+def rank_tensors(algo: Algo, params: dict[str, dict[str, torch.Tensor]], rank: int, layout: Layout,
+                 group_size: int, model_dtype: str) -> dict[str, torch.Tensor]:
+    """``{"<linear>.<suffix>": tensor}`` of one rank for every quantized linear of a layer."""
+    out = {}
+    for name, p in params.items():
+        for key, t in finalize(algo, shard_params(name, p, rank, layout), group_size, model_dtype).items():
+            out[f"{name}.{key}"] = t
+    return out
+
+

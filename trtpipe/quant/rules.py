@@ -1,0 +1,83 @@
+"""Quantization layout rules, checked when the recipe is validated (before any weight is read).
+
+Policy (MODELOPT_LAYOUTS.md, contract §3.4-3.6): an int4 linear must have an even number of output rows per
+rank and whole groups in every rank's input slice (no partial groups: ModelOpt and the TRT-LLM AWQ layers
+reject them). Every linear that breaks this is listed with the fix: a smaller ``group_size`` that works, or an
+``exclude`` pattern that keeps it unquantized. ``lm_head`` stays unquantized (the quantized layouts here do
+not cover it), so ``*lm_head`` must stay in ``exclude``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Iterable, Optional
+
+from trtpipe.models.hfconfig import HFModelInfo
+from trtpipe.quant.layouts import ALGOS, LINEARS, STYLE
+from trtpipe.recipe.rules import Finding, rule
+from trtpipe.recipe.schema import Recipe
+
+GROUP_SIZES = (32, 64, 128, 256)
+
+
+def linear_dims(m: HFModelInfo) -> dict[str, tuple[int, int]]:
+    """(out, in) of each decoder linear, unsharded, in TRT-LLM names."""
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    return {
+        "attention.qkv": (q + 2 * kv, m.hidden_size),
+        "attention.dense": (m.hidden_size, q),
+        "mlp.fc": (m.intermediate_size, m.hidden_size),
+        "mlp.gate": (m.intermediate_size, m.hidden_size),
+        "mlp.proj": (m.hidden_size, m.intermediate_size),
+    }
+
+
+def per_rank(name: str, out_f: int, in_f: int, tp: int) -> tuple[int, int]:
+    return (out_f // tp, in_f) if STYLE[name] == "column" else (out_f, in_f // tp)
+
+
+def int4_problems(m: HFModelInfo, tp: int, group_size: int) -> dict[str, str]:
+    """linear -> why it cannot be int4 at this tp and group size (empty: all fine)."""
+    bad = {}
+    for name, (o, i) in linear_dims(m).items():
+        o_r, i_r = per_rank(name, o, i, tp)
+        if i_r % group_size:
+            bad[name] = f"in_features {i_r}{' per rank' if tp > 1 and STYLE[name] == 'row' else ''} " \
+                        f"is not a multiple of group_size {group_size}"
+        elif o_r % 2:
+            bad[name] = f"{o_r} output rows per rank is odd (int4 packs row pairs)"
+    return bad
+
+
+def _excluded(name: str, patterns: list[str]) -> bool:
+    full = f"transformer.layers.0.{name}"
+    return any(fnmatch.fnmatchcase(full, p) for p in patterns)
+
+
+@rule
+def _quant_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
+    q = recipe.quantization
+    algo = ALGOS.get(q.algo)
+    if algo is None and q.kv_cache == "none":
+        return
+    if not any(fnmatch.fnmatchcase("lm_head", p) for p in q.exclude):
+        yield "quantization.exclude", "lm_head is kept unquantized: keep '*lm_head' in the list"
+    if m is None or algo is None:
+        return
+    if m.is_moe:
+        yield "quantization.algo", f"{q.algo} for mixture-of-experts models is not supported yet; use algo: none"
+        return
+    if algo.weight_fmt != "int4":
+        return
+    tp = recipe.parallel.tp
+    bad = {n: why for n, why in int4_problems(m, tp, q.group_size).items() if not _excluded(n, q.exclude)}
+    if not bad:
+        return
+    remaining = {g: sorted(n for n in int4_problems(m, tp, g) if not _excluded(n, q.exclude)) for g in GROUP_SIZES}
+    best = min(GROUP_SIZES, key=lambda g: (len(remaining[g]), -g))
+    parts = [f"group_size {best}"] if best != q.group_size else []
+    if remaining[best]:
+        parts.append("add " + ", ".join(repr("*" + n) for n in remaining[best]) + " to quantization.exclude")
+    fix = " and ".join(parts)
+    for name, why in bad.items():
+        yield "quantization.group_size", f"{q.algo} at tp={tp}: {name} {why}; fix: {fix}"

@@ -1,0 +1,186 @@
+"""The ``calibrate``, ``quantize`` and ``verify`` build stages, and the library calls behind the CLI commands.
+
+* calibrate: statistics of the unquantized checkpoint on the recipe's calibration data. Its key holds the
+  calibration settings and, only for AWQ algorithms, the group size (the AWQ search result is stored too), so
+  switching fp8 -> int8_sq -> a KV-cache change reuses the same artifact.
+* quantize: the quantized TRT-LLM checkpoint at the recipe's tp/pp, with the tokenizer files beside it.
+* verify: the accuracy report (JSON + table) and the recipe's accuracy gate, before any engine is built.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from safetensors.torch import save_file
+
+from trtpipe.checkpoint.convert import TOKENIZER_FILES
+from trtpipe.pipeline.stage import Stage, StageContext
+from trtpipe.quant import accuracy
+from trtpipe.quant.calibrate import CalibSettings, calibrate, save_layer_stats, write_meta
+from trtpipe.quant.data import batched_decode, load_tokenizer, token_batches
+from trtpipe.quant.layouts import ALGOS
+from trtpipe.quant.writer import TrtllmSource, quantize_checkpoint
+from trtpipe.recipe.schema import Recipe
+from trtpipe.runtime import load_checkpoint
+
+log = logging.getLogger("trtpipe.quant")
+EVAL_SEED_OFFSET = 7919  # held-out 'self' samples use another seed than calibration
+
+
+def _device(choice: str) -> str:
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return choice
+
+
+def needs_calibration(recipe: Recipe) -> bool:
+    a = ALGOS.get(recipe.quantization.algo)
+    return (a is not None and a.needs_data) or recipe.quantization.kv_cache != "none"
+
+
+def is_quantized(recipe: Recipe) -> bool:
+    return recipe.quantization.algo != "none" or recipe.quantization.kv_cache != "none"
+
+
+def awq_group_size(recipe: Recipe) -> Optional[int]:
+    a = ALGOS.get(recipe.quantization.algo)
+    return recipe.quantization.group_size if a is not None and a.needs_samples else None
+
+
+def _tokens(spec: str, recipe: Recipe, ckpt_dir: Path, num_samples: int, seq_len: int, seed: int,
+            text_field: str) -> torch.Tensor:
+    """Token samples of a data spec; ``self`` samples the unquantized checkpoint from BOS with ``seed``."""
+    tokenizer = load_tokenizer(ckpt_dir)
+    gen = None
+    if spec == "self":
+        model = load_checkpoint(ckpt_dir)
+        gen = lambda prompts, n, s: batched_decode(model, torch.tensor(prompts), n, 1.0, s).tolist()  # noqa: E731
+    return token_batches(spec, recipe.resolve, text_field, tokenizer, num_samples, seq_len, gen, seed)
+
+
+def run_calibration(recipe: Recipe, ckpt_dir: Path, out_dir: Path,
+                    progress: Optional[Callable[[str], None]] = None) -> dict:
+    """Calibrate the unquantized checkpoint ``ckpt_dir``; write ``layer{i}.safetensors`` + ``stats.json``."""
+    c = recipe.quantization.calibration
+    tokens = _tokens(c.dataset, recipe, ckpt_dir, c.num_samples, c.seq_len, c.seed, c.text_field)
+    settings = CalibSettings(batch_size=c.batch_size, awq_group_size=awq_group_size(recipe), device=_device(c.device))
+    save_file({"tokens": tokens}, str(out_dir / "tokens.safetensors"))
+    calibrate(TrtllmSource(ckpt_dir), tokens, settings, on_layer=lambda i, st: save_layer_stats(out_dir, i, st),
+              progress=progress, spill_dir=out_dir)
+    meta = {"dataset": c.dataset, "num_samples": int(tokens.shape[0]), "seq_len": int(tokens.shape[1]),
+            "seed": c.seed, "device": settings.device, "awq_group_size": settings.awq_group_size}
+    write_meta(out_dir, meta)
+    return meta
+
+
+def run_quantization(recipe: Recipe, ckpt_dir: Path, stats_dir: Optional[Path], out_dir: Path,
+                     progress: Optional[Callable[[str], None]] = None) -> dict:
+    """Write the quantized checkpoint (and the tokenizer files) into ``out_dir``; return its config.json."""
+    q = recipe.quantization
+    cfg = quantize_checkpoint(ckpt_dir, TrtllmSource(ckpt_dir), stats_dir, out_dir, algo=q.algo, kv_cache=q.kv_cache,
+                              group_size=q.group_size, alpha=q.smoothquant_alpha, exclude=list(q.exclude),
+                              progress=progress)
+    for name in TOKENIZER_FILES:
+        if (ckpt_dir / name).is_file():
+            shutil.copyfile(ckpt_dir / name, out_dir / name)
+    return cfg
+
+
+def run_accuracy(recipe: Recipe, ckpt_dir: Path, quant_dir: Path, out_dir: Optional[Path] = None,
+                 gate: bool = True) -> list[accuracy.Metrics]:
+    """Accuracy report of ``quant_dir`` against ``ckpt_dir``; with the KV cache quantized and without."""
+    acc, c = recipe.accuracy, recipe.quantization.calibration
+    tokens = _tokens(acc.eval_data, recipe, ckpt_dir, acc.num_samples, acc.seq_len, c.seed + EVAL_SEED_OFFSET,
+                     c.text_field)
+    ref = load_checkpoint(ckpt_dir)
+    quant = load_checkpoint(quant_dir)
+    kv = (quant.config.get("quantization") or {}).get("kv_cache_quant_algo")
+    models = {}
+    if kv:
+        models[f"quantized, KV {kv}"] = quant
+        models["quantized, KV unquantized"] = accuracy.drop_kv_quant(load_checkpoint(quant_dir))
+    else:
+        models["quantized"] = quant
+    rows = accuracy.compare(ref, models, tokens, batch=c.batch_size)
+    if out_dir is not None:
+        accuracy.write_report(out_dir, rows, {"quant_algo": quant.config["quantization"].get("quant_algo"),
+                                              "kv_cache_quant_algo": kv, "eval_data": acc.eval_data,
+                                              "num_samples": int(tokens.shape[0]), "seq_len": int(tokens.shape[1])})
+    if gate:
+        accuracy.check_gate(rows[1], acc.max_ppl_increase_pct, acc.min_top1_agreement, acc.max_kl_divergence)
+    return rows
+
+
+# --- stages -------------------------------------------------------------------------------------------------
+
+
+def _calibrate(ctx: StageContext) -> None:
+    with ctx.progress("calibrate", total=None) as bar:
+        meta = run_calibration(ctx.recipe, ctx.inputs["checkpoint"], ctx.out_dir, progress=lambda s: bar.advance(1))
+    ctx.info.update(meta)
+
+
+def _quantize(ctx: StageContext) -> None:
+    with ctx.progress("quantize", total=None) as bar:
+        cfg = run_quantization(ctx.recipe, ctx.inputs["checkpoint"], ctx.inputs.get("calibrate"), ctx.out_dir,
+                               progress=lambda s: bar.advance(1))
+    ctx.info.update(quantization=cfg["quantization"],
+                    bytes=sum(p.stat().st_size for p in ctx.out_dir.glob("rank*.safetensors")))
+
+
+def _verify(ctx: StageContext) -> None:
+    try:
+        rows = run_accuracy(ctx.recipe, ctx.inputs["checkpoint"], ctx.inputs["quantize"], ctx.out_dir, gate=False)
+    finally:
+        report = ctx.out_dir / "accuracy.txt"
+        if report.exists():
+            ctx.log.info("accuracy:\n%s", report.read_text())
+    ctx.info.update(accuracy=json.loads((ctx.out_dir / "accuracy.json").read_text())["rows"])
+    acc = ctx.recipe.accuracy
+    accuracy.check_gate(rows[1], acc.max_ppl_increase_pct, acc.min_top1_agreement, acc.max_kl_divergence)
+
+
+def _calibration_files(recipe: Recipe) -> list[Path]:
+    ds = recipe.quantization.calibration.dataset
+    return [] if ds == "self" else [recipe.resolve(ds)]
+
+
+def _eval_files(recipe: Recipe) -> list[Path]:
+    ev = recipe.accuracy.eval_data
+    return [] if ev == "self" else [recipe.resolve(ev)]
+
+
+CALIBRATE_STAGE = Stage(
+    name="calibrate",
+    sections=("quantization.calibration",),
+    inputs=("checkpoint",),
+    run=_calibrate,
+    files=_calibration_files,
+    enabled=needs_calibration,
+    extra_key=lambda recipe: {"awq_group_size": awq_group_size(recipe)},
+    description="calibration statistics (per-channel amax, KV amax, AWQ scales when needed)",
+)
+
+QUANTIZE_STAGE = Stage(
+    name="quantize",
+    sections=("quantization",),
+    inputs=("checkpoint", "calibrate"),
+    run=_quantize,
+    enabled=is_quantized,
+    description="quantized TensorRT-LLM checkpoint",
+)
+
+VERIFY_STAGE = Stage(
+    name="verify",
+    sections=("accuracy", "quantization.calibration"),
+    inputs=("checkpoint", "quantize"),
+    run=_verify,
+    files=_eval_files,
+    enabled=lambda recipe: recipe.accuracy.enabled and is_quantized(recipe),
+    description="accuracy report and gate",
+)

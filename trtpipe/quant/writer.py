@@ -1,0 +1,187 @@
+"""Write a quantized TRT-LLM checkpoint: the unquantized checkpoint's ranks with every quantized linear replaced.
+
+Everything that is not a quantized linear (embedding, norms, lm_head, excluded modules) is copied tensor for
+tensor from the unquantized checkpoint at the same tp/pp, so sharding, vocab padding and PP layer placement
+stay the checkpoint stage's. For each layer: unsharded float weights from a :class:`LayerSource`, statistics
+from the calibration artifact -> :func:`layer_params` -> each rank's tensors (quantize after the split).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import shutil
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from trtpipe.checkpoint.shard import Layout, pp_layers
+from trtpipe.checkpoint.writer import TORCH_TO_ST, RankFile
+from trtpipe.errors import QuantizationError
+from trtpipe.quant.calibrate import LayerSource, load_layer_stats
+from trtpipe.quant.layouts import ALGOS, LINEARS, quantization_config
+from trtpipe.quant.quantize import kv_scales, layer_params, rank_tensors
+from trtpipe.runtime.model import ModelArgs
+
+ST_TO_TORCH = {v: k for k, v in TORCH_TO_ST.items()}
+
+
+
+class TrtllmSource:
+    """A :class:`LayerSource` over an unquantized TRT-LLM checkpoint of any tp/pp: each layer is read
+    (memory-mapped) from its PP group's rank files and un-split into the unsharded TRT-LLM tensors."""
+
+    def __init__(self, ckpt_dir: Path):
+        self.dir = Path(ckpt_dir)
+        self.config = json.loads((self.dir / "config.json").read_text())
+        if (self.config.get("quantization") or {}).get("quant_algo"):
+            raise QuantizationError(f"{self.dir}: the calibration source must be an unquantized checkpoint")
+        self.full = ModelArgs.from_config(self.config)
+        self.args = self.full.unsharded()
+        self._where = {i: (p, local) for p in range(self.full.pp)
+                       for local, i in enumerate(pp_layers(self.full.num_layers, self.full.pp, p))}
+
+    def _ranks(self, p: int, prefix: str) -> list[dict[str, torch.Tensor]]:
+        tp = self.full.tp
+        return [_read(self.dir / f"rank{p * tp + r}.safetensors", prefix) for r in range(tp)]
+
+    def embedding(self) -> torch.Tensor:
+        name = "transformer.vocab_embedding.weight"
+        shards = [r[name] for r in self._ranks(0, name)]
+        if len(shards) == 1 or not self.config.get("use_parallel_embedding"):
+            return shards[0]
+        dim = int(self.config.get("embedding_sharding_dim", 0))
+        return torch.cat(shards, dim=dim)[: self.full.vocab_size] if dim == 0 else torch.cat(shards, dim=dim)
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        p, local = self._where[i]
+        prefix = f"transformer.layers.{local}."
+        ranks = [{k[len(prefix):]: t for k, t in r.items()} for r in self._ranks(p, prefix)]
+        return {k: unsplit(k, [r[k] for r in ranks], self.full) for k in ranks[0]}
+
+
+def unsplit(name: str, shards: list[torch.Tensor], a: ModelArgs) -> torch.Tensor:
+    """Inverse of the checkpoint's TP split of one float tensor of a layer (KV-head replicas dropped)."""
+    tp = len(shards)
+    if tp == 1:
+        return shards[0]
+    if name.startswith("attention.qkv."):
+        d, nh, nkv_r = a.head_size, a.num_heads // tp, a.kv_heads_per_rank
+        parts = [s.split([nh * d, nkv_r * d, nkv_r * d], dim=0) for s in shards]
+        step = max(1, tp // a.num_kv_heads)  # ranks holding copies of the same KV head
+        q = torch.cat([x[0] for x in parts])
+        k = torch.cat([x[1] for x in parts[::step]])
+        v = torch.cat([x[2] for x in parts[::step]])
+        return torch.cat([q, k, v])
+    if name in ("attention.dense.weight", "mlp.proj.weight"):
+        return torch.cat(shards, dim=1)
+    if name.startswith(("mlp.fc.", "mlp.gate.")):
+        return torch.cat(shards, dim=0)
+    return shards[0]  # norms and row-parallel biases are replicated
+
+
+def excluded_fn(patterns: list[str], layer_idx: int) -> Callable[[str], bool]:
+    """linear name (relative) -> whether the recipe's exclude patterns keep it unquantized."""
+    def fn(name: str) -> bool:
+        full = f"transformer.layers.{layer_idx}.{name}"
+        return any(fnmatch.fnmatchcase(full, p) for p in patterns)
+    return fn
+
+
+def quantize_checkpoint(base_dir: Path, source: LayerSource, stats_dir: Optional[Path], out_dir: Path, *,
+                        algo: str, kv_cache: str, group_size: int, alpha: float, exclude: list[str],
+                        progress: Optional[Callable[[str], None]] = None) -> dict:
+    """Write ``config.json`` and ``rank{N}.safetensors`` of the quantized checkpoint into ``out_dir``.
+
+    Memory: one layer (all its tp shards) at a time; each finished layer goes to a part file, and the rank
+    files are then assembled with the checkpoint's streaming writer from memory-mapped parts.
+
+    Args:
+        base_dir: the unquantized TRT-LLM checkpoint at the target tp/pp.
+        source: unsharded float tensors of the same model, one layer at a time.
+        stats_dir: calibration artifact (None for data-free algorithms without KV quantization).
+        algo / kv_cache / group_size / alpha / exclude: the recipe's quantization settings.
+
+    Returns:
+        The written config.json dict.
+    """
+    cfg = json.loads((base_dir / "config.json").read_text())
+    args = ModelArgs.from_config(cfg)
+    a = ALGOS.get(algo)
+    layout = Layout(args.num_heads, args.num_kv_heads, args.head_size, args.tp)
+    stats_needed = (a is not None and a.needs_data) or kv_cache != "none"
+    if stats_needed and stats_dir is None:
+        raise QuantizationError(f"quantization.algo={algo} kv_cache={kv_cache} needs calibration statistics")
+    parts = out_dir / ".parts"
+    parts.mkdir(parents=True, exist_ok=True)
+    part_files: dict[int, list[Path]] = {}
+    for p in range(args.pp):
+        for local, i in enumerate(pp_layers(args.num_layers, args.pp, p)):
+            if progress:
+                progress(f"({i + 1}/{args.num_layers}) Quantizing")
+            stats = load_layer_stats(stats_dir, i) if stats_needed else None
+            prefix = f"transformer.layers.{local}."
+            params = {}
+            if a is not None:
+                tensors = source.layer(i)
+                weights = {m: tensors[f"{m}.weight"] for m in LINEARS}
+                params = layer_params(a, weights, stats, group_size, alpha, excluded_fn(exclude, i), args.dtype)
+                del tensors, weights
+            for r in range(args.tp):
+                rank = p * args.tp + r
+                layer = _read(base_dir / f"rank{rank}.safetensors", prefix)
+                for m in params:
+                    for k in [k for k in layer if k.startswith(prefix + m + ".") and not k.endswith(".bias")]:
+                        del layer[k]
+                if params:
+                    layer.update({prefix + k: t for k, t in
+                                  rank_tensors(a, params, r, layout, group_size, args.dtype).items()})
+                if kv_cache != "none":
+                    layer.update({prefix + k: t for k, t in kv_scales(kv_cache, stats).items()})
+                path = parts / f"rank{rank}.layer{local}.safetensors"
+                save_file({k: t.contiguous() for k, t in layer.items()}, str(path))
+                part_files.setdefault(rank, []).append(path)
+            del params
+    for rank in range(args.tp * args.pp):
+        _assemble(base_dir / f"rank{rank}.safetensors", part_files.get(rank, []),
+                  out_dir / f"rank{rank}.safetensors")
+    shutil.rmtree(parts)
+    cfg["quantization"] = quantization_config(algo, kv_cache, group_size, exclude)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=4) + "\n")
+    return cfg
+
+
+def _read(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    if not path.exists():
+        raise QuantizationError(f"{path}: rank file of the unquantized checkpoint is missing")
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+
+
+def _assemble(base: Path, parts: list[Path], out: Path) -> None:
+    """rank file = the base file's non-layer tensors + every layer part, streamed one tensor at a time."""
+    handles = [safe_open(str(base), framework="pt")] + [safe_open(str(p), framework="pt") for p in parts]
+    where = {}
+    for n, h in enumerate(handles):
+        for k in h.keys():
+            if n == 0 and k.startswith("transformer.layers."):
+                continue
+            where[k] = h
+    entries = []
+    for k in sorted(where):
+        sl = where[k].get_slice(k)
+        entries.append((k, ST_TO_TORCH[sl.get_dtype()], tuple(sl.get_shape())))
+    f = RankFile(out, entries)
+    for k in sorted(where):
+        f.write(k, where[k].get_tensor(k))
+    f.close()
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """Tokenizer and generation files beside the checkpoint, as the checkpoint stage writes them."""
+    for f in Path(src).iterdir():
+        if f.is_file() and f.name not in ("config.json",) and not f.name.endswith(".safetensors"):
+            shutil.copy2(f, dst / f.name)

@@ -1,0 +1,100 @@
+"""Token generation on a :class:`ReferenceModel` with a KV cache: greedy or sampled, stop words, streaming.
+
+Semantics follow TensorRT-LLM's executor: the end id is not part of the output; a stop word ends the
+sequence and stays in it; ``temperature == 0`` is greedy. Each sequence runs with its own cache and its
+own seeded generator (results do not depend on what else is in the batch), in lockstep so ``on_step``
+sees one step of every sequence at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from trtpipe.runtime.model import KVCache, ReferenceModel
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+           generator: Optional[torch.Generator] = None) -> int:
+    """One token from float32 logits [V]: greedy at temperature 0, else top-k then top-p (nucleus) sampling."""
+    if temperature <= 0.0 or top_k == 1:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < top_p  # keep the smallest prefix whose mass reaches top_p
+        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+        probs = probs / probs.sum()
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _per_sequence(value, n: int, nested_depth: int) -> list:
+    """Broadcast a scalar/shared argument to one entry per sequence."""
+    if value is None:
+        return [None] * n
+    if nested_depth == 0:
+        return list(value) if isinstance(value, (list, tuple)) else [value] * n
+    # stop words: list[list[int]] shared, or list[list[list[int]]] per sequence
+    if value and value[0] and isinstance(value[0][0], (list, tuple)):
+        return list(value)
+    return [value] * n
+
+
+def _hits_stop(tokens: list[int], stop_words: Optional[Sequence[Sequence[int]]]) -> bool:
+    return bool(stop_words) and any(w and tokens[-len(w):] == list(w) for w in stop_words)
+
+
+@torch.no_grad()
+def generate(model: ReferenceModel, prompts: list[list[int]], max_new_tokens: int, end_ids=None,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
+             stop_words=None, on_step: Optional[Callable[[list], None]] = None) -> list[list[int]]:
+    """Generate up to ``max_new_tokens`` new tokens for each prompt.
+
+    Args:
+        prompts: token ids per sequence (lengths may differ).
+        end_ids: one end id for all, one per sequence, or None.
+        seed: sampling seed (sequence i uses seed + i); None draws from torch's global generator.
+        stop_words: token sequences that end generation (shared, or one list per sequence).
+        on_step: called after each decode step with, per sequence, ``[new_token]`` or None once finished.
+    Returns:
+        The new tokens of each sequence (no prompt, no end id).
+    """
+    n = len(prompts)
+    ends, stops = _per_sequence(end_ids, n, 0), _per_sequence(stop_words, n, 1)
+    gens = []
+    for i in range(n):
+        g = None
+        if seed is not None:
+            g = torch.Generator().manual_seed(int(seed) + i)
+        gens.append(g)
+    caches = [KVCache() for _ in range(n)]
+    outputs: list[list[int]] = [[] for _ in range(n)]
+    done = [max_new_tokens <= 0 or not p for p in prompts]
+    pending = [torch.tensor([p], dtype=torch.long) for p in prompts]  # what each sequence feeds next
+    positions = [0] * n
+    for _ in range(max(0, max_new_tokens)):
+        if all(done):
+            break
+        step: list = [None] * n
+        for i in range(n):
+            if done[i]:
+                continue
+            logits = model(pending[i], caches[i], positions[i])[0, -1]  # [V]
+            positions[i] += pending[i].shape[1]
+            tok = sample(logits, temperature, top_k, top_p, gens[i])
+            if ends[i] is not None and tok == ends[i]:
+                done[i] = True
+                continue
+            outputs[i].append(tok)
+            step[i] = [tok]
+            pending[i] = torch.tensor([[tok]], dtype=torch.long)
+            if len(outputs[i]) >= max_new_tokens or _hits_stop(outputs[i], stops[i]):
+                done[i] = True
+        if on_step is not None:
+            on_step(step)
+    return outputs

@@ -1,0 +1,92 @@
+"""Load a TensorRT-LLM checkpoint directory (any tp/pp layout) into a :class:`ReferenceModel`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from trtpipe.checkpoint.shard import pp_layers
+from trtpipe.errors import CheckpointError
+from trtpipe.runtime.linear import Float32Linear, LinearSpec, build_linear, module_quant_algo
+from trtpipe.runtime.model import DecoderLayer, ModelArgs, ReferenceModel
+
+
+def read_config(ckpt_dir: Path) -> tuple[dict, Optional[dict]]:
+    """config.json (and quant_cfg.json for MIXED_PRECISION) of a TRT-LLM checkpoint."""
+    path = ckpt_dir / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found (is {ckpt_dir} a TensorRT-LLM checkpoint?)") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
+    qpath = ckpt_dir / "quant_cfg.json"
+    return cfg, (json.loads(qpath.read_text()) if qpath.exists() else None)
+
+
+def read_rank(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    if not path.exists():
+        raise CheckpointError(f"{path}: rank file not found")
+    try:
+        with safe_open(str(path), framework="pt", device=device) as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path}: cannot read safetensors: {exc}") from None
+
+
+def _with_prefix(tensors: dict, prefix: str) -> dict:
+    return {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
+
+
+def _embedding(cfg: dict, args: ModelArgs, first_ranks: list[dict]) -> torch.Tensor:
+    name = "transformer.vocab_embedding.weight"
+    if name not in first_ranks[0]:
+        raise CheckpointError(f"checkpoint: tensor '{name}' is missing from rank0.safetensors")
+    if not cfg.get("use_parallel_embedding") or args.tp == 1:
+        return first_ranks[0][name]
+    dim = int(cfg.get("embedding_sharding_dim", 0))
+    full = torch.cat([r[name] for r in first_ranks], dim=dim)  # the all-gather of a sharded table
+    return full[: args.vocab_size] if dim == 0 else full
+
+
+def _lm_head(args: ModelArgs, last_ranks: list[dict], embedding: torch.Tensor) -> list:
+    if "lm_head.weight" not in last_ranks[0]:  # shared embedding table
+        return [Float32Linear(embedding)]
+    algo = module_quant_algo("lm_head", args.quantization, args.quant_cfg)
+    return [
+        build_linear(_with_prefix(r, "lm_head."), LinearSpec("lm_head", algo, args.quantization or {}, args.dtype, "column", i, args.tp))
+        for i, r in enumerate(last_ranks)
+    ]
+
+
+def load_checkpoint(ckpt_dir: str | Path, device: str = "cpu") -> ReferenceModel:
+    """Read config.json and every rank{N}.safetensors; build the model that runs all ranks in one process.
+
+    Args:
+        ckpt_dir: a TRT-LLM checkpoint directory (quantized or not, any tp x pp).
+        device: where tensors are loaded (computation is float32).
+    Raises:
+        CheckpointError: naming the missing file/tensor or the bad config key.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    cfg, quant_cfg = read_config(ckpt_dir)
+    args = ModelArgs.from_config(cfg, quant_cfg)
+    ranks = [read_rank(ckpt_dir / f"rank{r}.safetensors", device) for r in range(args.tp * args.pp)]
+    by_pp = [ranks[p * args.tp:(p + 1) * args.tp] for p in range(args.pp)]
+    rope = args.rope()
+    layers = []
+    for p, group in enumerate(by_pp):
+        for local, global_idx in enumerate(pp_layers(args.num_layers, args.pp, p)):
+            shards = [_with_prefix(r, f"transformer.layers.{local}.") for r in group]
+            if not shards[0]:
+                raise CheckpointError(f"rank{p * args.tp}.safetensors: layer {local} (global {global_idx}) has no tensors")
+            layers.append(DecoderLayer(args, shards, global_idx, rope))
+    embedding = _embedding(cfg, args, by_pp[0])
+    if "transformer.ln_f.weight" not in by_pp[-1][0]:
+        raise CheckpointError(f"checkpoint: tensor 'transformer.ln_f.weight' is missing from the last PP rank")
+    ln_f = by_pp[-1][0]["transformer.ln_f.weight"]
+    return ReferenceModel(cfg, args, embedding, layers, ln_f, _lm_head(args, by_pp[-1], embedding.float()))

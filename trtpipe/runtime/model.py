@@ -1,0 +1,351 @@
+"""The reference model: a gpt-fast style decoder that runs TensorRT-LLM checkpoint shards on CPU in float32.
+
+Parameter names are TensorRT-LLM's (``attention.qkv``, ``mlp.fc``/``mlp.gate``/``mlp.proj``, ``ln_f``).
+Tensor parallelism is simulated in one process: every layer holds one module per tp rank, column-parallel
+outputs stay per rank (each rank's heads/experts), row-parallel partial outputs are summed (the all-reduce)
+and their bias is added once. Pipeline ranks are just consecutive slices of ``layers``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trtpipe.errors import CheckpointError
+from trtpipe.runtime.linear import LinearSpec, build_linear, kv_quant, module_quant_algo
+from trtpipe.runtime.rope import Rope, apply_rope
+
+ACTIVATIONS = {"silu": F.silu, "swiglu": F.silu, "gelu": F.gelu, "gelu_new": F.gelu, "relu": F.relu}
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The numbers of a TRT-LLM ``config.json`` the forward pass needs, with the per-rank sizes derived."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    intermediate_size: int
+    norm_epsilon: float = 1e-5
+    hidden_act: str = "silu"
+    rotary_base: float = 10000.0
+    rotary_scaling: Optional[dict] = None
+    rotary_dim: Optional[int] = None
+    max_position_embeddings: Optional[int] = None
+    sliding_window: Optional[int] = None
+    num_experts: int = 0
+    top_k: int = 0
+    tp: int = 1
+    pp: int = 1
+    moe_tp: int = 1
+    moe_ep: int = 1
+    dtype: str = "float32"
+    quantization: Optional[dict] = None
+    quant_cfg: Optional[dict] = None
+
+    @classmethod
+    def from_config(cls, cfg: dict, quant_cfg: Optional[dict] = None) -> "ModelArgs":
+        def need(key):
+            if cfg.get(key) is None:
+                raise CheckpointError(f"config.json: required key '{key}' is missing")
+            return cfg[key]
+
+        heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        mapping = cfg.get("mapping") or {}
+        moe = cfg.get("moe") or {}
+        tp, pp = int(mapping.get("tp_size", 1)), int(mapping.get("pp_size", 1))
+        num_experts = int(moe.get("num_experts", cfg.get("moe_num_experts", 0)) or 0)
+        moe_tp, moe_ep = int(mapping.get("moe_tp_size", -1)), int(mapping.get("moe_ep_size", -1))
+        if moe_tp == -1 and moe_ep == -1:
+            moe_tp, moe_ep = tp, 1
+        elif moe_tp == -1:
+            moe_tp = tp // moe_ep
+        elif moe_ep == -1:
+            moe_ep = tp // moe_tp
+        head_size = int(cfg.get("head_size") or hidden // heads)
+        return cls(
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_size=head_size,
+            intermediate_size=int(cfg.get("intermediate_size") or 4 * hidden),
+            norm_epsilon=float(cfg.get("norm_epsilon", 1e-5)),
+            hidden_act=str(cfg.get("hidden_act", "silu")),
+            rotary_base=float(cfg.get("rotary_base", 10000.0)),
+            rotary_scaling=cfg.get("rotary_scaling"),
+            rotary_dim=cfg.get("rotary_embedding_dim") or int(head_size * float(cfg.get("rotary_pct", 1.0))),
+            max_position_embeddings=cfg.get("max_position_embeddings"),
+            sliding_window=cfg.get("sliding_window"),
+            num_experts=num_experts if num_experts > 1 else 0,
+            top_k=int(moe.get("top_k", cfg.get("moe_top_k", 0)) or 0),
+            tp=tp,
+            pp=pp,
+            moe_tp=moe_tp,
+            moe_ep=moe_ep,
+            dtype=str(cfg.get("dtype", "float32")),
+            quantization=cfg.get("quantization") or {},
+            quant_cfg=quant_cfg,
+        )
+
+    def unsharded(self) -> "ModelArgs":
+        """The same model seen as tp=1, pp=1 (for tensors before sharding, e.g. layer-by-layer calibration)."""
+        return replace(self, tp=1, pp=1, moe_tp=1, moe_ep=1)
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_heads // self.tp
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return -(-self.num_kv_heads // self.tp)  # ceil: KV heads are replicated when fewer than tp
+
+    def rope(self) -> Rope:
+        return Rope(self.rotary_dim or self.head_size, self.rotary_base, self.rotary_scaling, self.max_position_embeddings)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+class KVCache:
+    """Keys and values per (layer, tp rank): [B, kv_heads_r, S, d], grown by concatenation."""
+
+    def __init__(self):
+        self.store: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, key: tuple[int, int], k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if key in self.store:
+            k0, v0 = self.store[key]
+            k, v = torch.cat([k0, k], dim=2), torch.cat([v0, v], dim=2)
+        self.store[key] = (k, v)
+        return k, v
+
+
+def _linear(tensors: dict, prefix: str, name: str, style: str, args: ModelArgs, rank: int) -> nn.Module:
+    """Build ``prefix+name`` of one rank; row-parallel linears get no bias (added after the all-reduce)."""
+    sub = {k[len(name) + 1:]: t for k, t in tensors.items() if k.startswith(name + ".")}
+    if style == "row":
+        sub.pop("bias", None)
+    full = prefix + name
+    spec = LinearSpec(full, module_quant_algo(full, args.quantization, args.quant_cfg), args.quantization or {},
+                      args.dtype, style, rank, args.tp)
+    return build_linear(sub, spec)
+
+
+class AttentionShard(nn.Module):
+    """One tp rank's attention: its fused qkv heads, causal (optionally windowed) softmax, its slice of dense."""
+
+    def __init__(self, tensors: dict, prefix: str, args: ModelArgs, rank: int):
+        super().__init__()
+        self.nh, self.nkv, self.d = args.heads_per_rank, args.kv_heads_per_rank, args.head_size
+        self.qkv = _linear(tensors, prefix, "attention.qkv", "column", args, rank)
+        self.dense = _linear(tensors, prefix, "attention.dense", "row", args, rank)
+        self.window = args.sliding_window
+        self.kv_quant = kv_quant((args.quantization or {}).get("kv_cache_quant_algo"))
+        self.kv_scale = tensors.get("attention.kv_cache_scaling_factor")
+        if self.kv_quant is not None and self.kv_scale is None:
+            raise CheckpointError(f"checkpoint: tensor '{prefix}attention.kv_cache_scaling_factor' is missing")
+
+    def forward(self, x, cos, sin, start_pos, cache, key):
+        B, T, _ = x.shape
+        qkv = self.qkv(x)  # [B, T, (nh + 2 nkv) d]
+        q, k, v = qkv.split([self.nh * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
+        q = q.view(B, T, self.nh, self.d).transpose(1, 2)  # [B, nh, T, d]
+        k = k.view(B, T, self.nkv, self.d).transpose(1, 2)  # [B, nkv, T, d]
+        v = v.view(B, T, self.nkv, self.d).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_quant is not None:
+            k, v = self.kv_quant(k, self.kv_scale.float()), self.kv_quant(v, self.kv_scale.float())
+        if cache is not None:
+            k, v = cache.update(key, k, v)  # [B, nkv, S, d]
+        rep = self.nh // self.nkv
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        S = k.shape[2]
+        q_pos = torch.arange(start_pos, start_pos + T)[:, None]
+        k_pos = torch.arange(start_pos + T - S, start_pos + T)[None, :]  # the cache holds the S latest positions
+        allowed = k_pos <= q_pos
+        if self.window:
+            allowed &= (q_pos - k_pos) < self.window
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.d)  # [B, nh, T, S]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ v  # [B, nh, T, d]
+        return self.dense(out.transpose(1, 2).reshape(B, T, self.nh * self.d))  # partial [B, T, H]
+
+
+class GatedMLPShard(nn.Module):
+    """proj( act(fc(x)) * gate(x) ): fc is the activated branch (HF gate_proj), gate the linear one (up_proj)."""
+
+    def __init__(self, tensors: dict, prefix: str, args: ModelArgs, rank: int):
+        super().__init__()
+        self.fc = _linear(tensors, prefix, "mlp.fc", "column", args, rank)
+        self.gate = _linear(tensors, prefix, "mlp.gate", "column", args, rank)
+        self.proj = _linear(tensors, prefix, "mlp.proj", "row", args, rank)
+        self.act = ACTIVATIONS[args.hidden_act]
+
+    def forward(self, x):
+        return self.proj(self.act(self.fc(x)) * self.gate(x))  # partial [B, T, H]
+
+
+def _expert_slice(tensors: dict, e: int, num_local: int) -> dict:
+    """Expert e's tensors: per-expert tensors ([E_r, ...]) are indexed, shared ones (e.g. [1] scales) kept."""
+    return {k: (t[e] if t.dim() >= 2 and t.shape[0] == num_local else t) for k, t in tensors.items()}
+
+
+class MoEShard(nn.Module):
+    """One tp rank's experts: a contiguous block of E/moe_ep experts, each holding I/moe_tp of the hidden units."""
+
+    def __init__(self, tensors: dict, prefix: str, args: ModelArgs, rank: int):
+        super().__init__()
+        ep_rank, num_local = rank % args.moe_ep, args.num_experts // args.moe_ep
+        self.first = ep_rank * num_local
+        self.act = ACTIVATIONS[args.hidden_act]
+        fc = {k[len("mlp.fc."):]: t for k, t in tensors.items() if k.startswith("mlp.fc.")}
+        proj = {k[len("mlp.proj."):]: t for k, t in tensors.items() if k.startswith("mlp.proj.")}
+        proj.pop("bias", None)
+        self.fc, self.proj = nn.ModuleList(), nn.ModuleList()
+        for e in range(num_local):
+            for store, sub, name, style in ((self.fc, fc, "mlp.fc", "column"), (self.proj, proj, "mlp.proj", "row")):
+                full = f"{prefix}{name}"
+                spec = LinearSpec(full, module_quant_algo(full, args.quantization, args.quant_cfg), args.quantization or {},
+                                  args.dtype, style, rank, args.tp)
+                store.append(build_linear(_expert_slice(sub, e, num_local), spec))
+
+    def forward(self, x, weights):
+        """x: [N, H]; weights: [N, E] routing weights (0 for unselected experts)."""
+        out = torch.zeros_like(x)
+        for i, (fc, proj) in enumerate(zip(self.fc, self.proj)):
+            rows = weights[:, self.first + i].nonzero().squeeze(-1)
+            if rows.numel() == 0:
+                continue
+            up, gate = fc(x[rows]).chunk(2, dim=-1)  # [w3 (linear); w1 (activated)]
+            out.index_add_(0, rows, proj(self.act(gate) * up) * weights[rows, self.first + i, None])
+        return out  # partial [N, H]
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Softmax over experts in float32, keep top_k, renormalize (TRT-LLM RENORMALIZE). Returns [N, E]."""
+    probs = torch.softmax(x.float() @ router.float().t(), dim=-1)  # [N, E]
+    top, idx = probs.topk(top_k, dim=-1)
+    return torch.zeros_like(probs).scatter_(-1, idx, top / top.sum(-1, keepdim=True))
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer over all tp ranks' shards of it.
+
+    Args:
+        args: model numbers (``args.tp`` = len(rank_tensors)).
+        rank_tensors: per tp rank, that rank's tensors of this layer keyed relative to the layer
+            (``attention.qkv.weight``, ``mlp.fc.weight``...).
+        layer_idx: global layer index (names the modules for quantization rules and keys the KV cache).
+    """
+
+    def __init__(self, args: ModelArgs, rank_tensors: list[dict], layer_idx: int, rope: Optional[Rope] = None):
+        super().__init__()
+        if len(rank_tensors) != args.tp:
+            raise CheckpointError(f"layer {layer_idx}: {len(rank_tensors)} rank shards for tp={args.tp}")
+        prefix = f"transformer.layers.{layer_idx}."
+        self.layer_idx, self.eps, self.top_k = layer_idx, args.norm_epsilon, args.top_k
+        self.rope = rope or args.rope()
+        t0 = rank_tensors[0]
+        for name in ("input_layernorm.weight", "post_layernorm.weight"):
+            if name not in t0:
+                raise CheckpointError(f"checkpoint: tensor '{prefix}{name}' is missing")
+        self.input_ln = t0["input_layernorm.weight"].float()
+        self.post_ln = t0["post_layernorm.weight"].float()
+        self.attention = nn.ModuleList(AttentionShard(t, prefix, args, r) for r, t in enumerate(rank_tensors))
+        self.dense_bias = _opt_float(t0.get("attention.dense.bias"))
+        self.is_moe = args.num_experts > 0
+        if self.is_moe:
+            if "mlp.router.weight" not in t0:
+                raise CheckpointError(f"checkpoint: tensor '{prefix}mlp.router.weight' is missing")
+            self.router = t0["mlp.router.weight"].float()
+            self.mlp = nn.ModuleList(MoEShard(t, prefix, args, r) for r, t in enumerate(rank_tensors))
+        else:
+            self.mlp = nn.ModuleList(GatedMLPShard(t, prefix, args, r) for r, t in enumerate(rank_tensors))
+        self.proj_bias = _opt_float(t0.get("mlp.proj.bias"))
+
+    @classmethod
+    def from_unsharded(cls, args: ModelArgs, tensors: dict, layer_idx: int = 0) -> "DecoderLayer":
+        """Build from one layer's UNSHARDED TRT-LLM tensors (full names or relative to the layer)."""
+        prefix = f"transformer.layers.{layer_idx}."
+        rel = {k[len(prefix):] if k.startswith(prefix) else k: t for k, t in tensors.items()}
+        return cls(args.unsharded(), [rel], layer_idx)
+
+    def named_linears(self):
+        """(TRT-LLM module name, module) of every linear on every rank, e.g. for calibration hooks."""
+        prefix = f"transformer.layers.{self.layer_idx}."
+        for r, (attn, mlp) in enumerate(zip(self.attention, self.mlp)):
+            yield from ((f"{prefix}attention.{n}", r, getattr(attn, n)) for n in ("qkv", "dense"))
+            if self.is_moe:
+                yield from ((f"{prefix}mlp.fc", r, m) for m in mlp.fc)
+                yield from ((f"{prefix}mlp.proj", r, m) for m in mlp.proj)
+            else:
+                yield from ((f"{prefix}mlp.{n}", r, getattr(mlp, n)) for n in ("fc", "gate", "proj"))
+
+    def forward(self, x: torch.Tensor, start_pos: int = 0, cache: Optional[KVCache] = None,
+                cos_sin: Optional[tuple] = None) -> torch.Tensor:
+        """x: [B, T, H] float32 hidden states at positions start_pos..start_pos+T-1 -> [B, T, H]."""
+        cos, sin = cos_sin if cos_sin is not None else self.rope.cos_sin(start_pos, x.shape[1])
+        h = rms_norm(x, self.input_ln, self.eps)
+        attn = sum(s(h, cos, sin, start_pos, cache, (self.layer_idx, r)) for r, s in enumerate(self.attention))
+        x = x + _add_bias(attn, self.dense_bias)  # the all-reduce of the row-parallel dense
+        h = rms_norm(x, self.post_ln, self.eps)
+        if self.is_moe:
+            flat = h.reshape(-1, h.shape[-1])
+            weights = route(flat, self.router, self.top_k)
+            mlp = sum(s(flat, weights) for s in self.mlp).view_as(h)
+        else:
+            mlp = sum(s(h) for s in self.mlp)
+        return x + _add_bias(mlp, self.proj_bias)
+
+
+def _opt_float(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.float()
+
+
+def _add_bias(x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return x if bias is None else x + bias
+
+
+class ReferenceModel(nn.Module):
+    """Embedding -> decoder layers of every PP rank in order -> ln_f -> lm_head (tp shards concatenated).
+
+    ``config`` is the checkpoint's config.json dict; ``forward`` returns float32 logits [B, T, V] (V unpadded).
+    """
+
+    def __init__(self, config: dict, args: ModelArgs, embedding: torch.Tensor, layers: list[DecoderLayer],
+                 ln_f: torch.Tensor, lm_head: list[nn.Module]):
+        super().__init__()
+        self.config, self.args = config, args
+        self.embedding = embedding.float()  # [V, H]
+        self.layers = nn.ModuleList(layers)
+        self.ln_f = ln_f.float()
+        self.lm_head = nn.ModuleList(lm_head)
+        self.rope = layers[0].rope if layers else args.rope()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embedding)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        logits = torch.cat([m(rms_norm(h, self.ln_f, self.args.norm_epsilon)) for m in self.lm_head], dim=-1)
+        return logits[..., : self.args.vocab_size]  # drop the zero-padded rows of lm_head
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, cache: Optional[KVCache] = None, start_pos: int = 0) -> torch.Tensor:
+        """input_ids: [B, T] at positions start_pos..; with a cache, keys/values of earlier calls are reused."""
+        x = self.embed(input_ids)  # [B, T, H]
+        cos_sin = self.rope.cos_sin(start_pos, input_ids.shape[1])
+        for layer in self.layers:
+            x = layer(x, start_pos, cache, cos_sin)
+        return self.head(x).float()

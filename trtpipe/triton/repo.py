@@ -1,0 +1,528 @@
+"""The Triton model repository as protobuf messages (contract §6), one function per model, one writer.
+
+Every ``config.pbtxt`` is a ``tritonclient.grpc.model_config_pb2.ModelConfig`` built from the recipe and the
+engine's facts and written with ``google.protobuf.text_format``, then parsed back and compared: a typo in a
+field name fails here, and no ``${...}`` placeholder can exist. Every parameter the ``tensorrtllm`` backend
+reads is written with a deliberate value (an empty string only where "unset" is the deliberate choice, e.g.
+``cross_kv_cache_fraction`` which is forbidden for decoder-only models).
+
+Layout written by :func:`write_repo` (self-contained and relocatable: relative paths are resolved by the
+python models against their own directory)::
+
+    preprocessing/   config.pbtxt  1/model.py  tokenizer/
+    tensorrt_llm/    config.pbtxt  1/model.py  engine/      (CPU twin: engine dir hardlinked in)
+                     config.pbtxt  1/.gitkeep               (TensorRT engine: gpt_model_path = engine dir)
+    postprocessing/  config.pbtxt  1/model.py  tokenizer/
+    ensemble/        config.pbtxt  1/
+    tensorrt_llm_bls/ config.pbtxt 1/model.py  tokenizer/   (when the recipe asks for it, or streams)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from trtpipe.errors import ServingError
+from trtpipe.recipe.schema import Recipe
+
+MODEL_CODE = Path(__file__).resolve().parents[2] / "model_repo"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "vocab.txt", "spiece.model", "tiktoken.model", "generation_config.json",
+)
+EXECUTOR_WORKER = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
+
+T = mc.DataType
+# (name, dtype, dims, optional) of the tensorrt_llm model's inputs (contract §6.3, decoder-only rows).
+TRTLLM_INPUTS = [
+    ("input_ids", T.TYPE_INT32, [-1], False),
+    ("input_lengths", T.TYPE_INT32, [1], False),
+    ("request_output_len", T.TYPE_INT32, [1], False),
+    ("num_return_sequences", T.TYPE_INT32, [1], True),
+    ("beam_width", T.TYPE_INT32, [1], True),
+    ("draft_input_ids", T.TYPE_INT32, [-1], True),
+    ("draft_logits", T.TYPE_FP32, [-1, -1], True),
+    ("draft_acceptance_threshold", T.TYPE_FP32, [1], True),
+    ("end_id", T.TYPE_INT32, [1], True),
+    ("pad_id", T.TYPE_INT32, [1], True),
+    ("stop_words_list", T.TYPE_INT32, [2, -1], True),
+    ("bad_words_list", T.TYPE_INT32, [2, -1], True),
+    ("embedding_bias", T.TYPE_FP32, [-1], True),
+    ("temperature", T.TYPE_FP32, [1], True),
+    ("runtime_top_k", T.TYPE_INT32, [1], True),
+    ("runtime_top_p", T.TYPE_FP32, [1], True),
+    ("runtime_top_p_min", T.TYPE_FP32, [1], True),
+    ("runtime_top_p_decay", T.TYPE_FP32, [1], True),
+    ("runtime_top_p_reset_ids", T.TYPE_INT32, [1], True),
+    ("len_penalty", T.TYPE_FP32, [1], True),
+    ("early_stopping", T.TYPE_BOOL, [1], True),
+    ("repetition_penalty", T.TYPE_FP32, [1], True),
+    ("min_tokens", T.TYPE_INT32, [1], True),
+    ("beam_search_diversity_rate", T.TYPE_FP32, [1], True),
+    ("presence_penalty", T.TYPE_FP32, [1], True),
+    ("frequency_penalty", T.TYPE_FP32, [1], True),
+    ("seed", T.TYPE_UINT64, [1], True),
+    ("return_log_probs", T.TYPE_BOOL, [1], True),
+    ("return_context_logits", T.TYPE_BOOL, [1], True),
+    ("return_generation_logits", T.TYPE_BOOL, [1], True),
+    ("return_perf_metrics", T.TYPE_BOOL, [1], True),
+    ("return_num_input_tokens", T.TYPE_BOOL, [1], True),
+    ("return_num_output_tokens", T.TYPE_BOOL, [1], True),
+    ("exclude_input_in_output", T.TYPE_BOOL, [1], True),
+    ("stop", T.TYPE_BOOL, [1], True),
+    ("streaming", T.TYPE_BOOL, [1], True),
+    ("prompt_embedding_table", T.TYPE_FP16, [-1, -1], True),
+    ("prompt_table_extra_ids", T.TYPE_UINT64, [-1], True),
+    ("prompt_vocab_size", T.TYPE_INT32, [1], True),
+    ("lora_task_id", T.TYPE_UINT64, [1], True),
+    ("lora_weights", T.TYPE_FP16, [-1, -1], True),
+    ("lora_config", T.TYPE_INT32, [-1, 3], True),
+    ("context_phase_params", T.TYPE_UINT8, [-1], True),
+    ("retention_token_range_starts", T.TYPE_INT32, [-1], True),
+    ("retention_token_range_ends", T.TYPE_INT32, [-1], True),
+    ("retention_token_range_priorities", T.TYPE_INT32, [-1], True),
+    ("retention_token_range_durations_ms", T.TYPE_INT32, [-1], True),
+    ("retention_decode_priority", T.TYPE_INT32, [1], True),
+    ("retention_decode_duration_ms", T.TYPE_INT32, [1], True),
+    ("guided_decoding_guide_type", T.TYPE_STRING, [1], True),
+    ("guided_decoding_guide", T.TYPE_STRING, [1], True),
+    ("lookahead_window_size", T.TYPE_INT32, [1], True),
+    ("lookahead_ngram_size", T.TYPE_INT32, [1], True),
+    ("lookahead_verification_set_size", T.TYPE_INT32, [1], True),
+]
+TRTLLM_OUTPUTS = [
+    ("output_ids", T.TYPE_INT32, [-1, -1]),
+    ("sequence_length", T.TYPE_INT32, [-1]),
+    ("cum_log_probs", T.TYPE_FP32, [-1]),
+    ("output_log_probs", T.TYPE_FP32, [-1, -1]),
+    ("context_logits", T.TYPE_FP32, [-1, -1]),
+    ("generation_logits", T.TYPE_FP32, [-1, -1, -1]),
+    ("batch_index", T.TYPE_INT32, [1]),
+    ("sequence_index", T.TYPE_INT32, [1]),
+    ("context_phase_params", T.TYPE_UINT8, [-1]),
+    ("kv_cache_alloc_new_blocks", T.TYPE_INT32, [1]),
+    ("kv_cache_reused_blocks", T.TYPE_INT32, [1]),
+    ("kv_cache_alloc_total_blocks", T.TYPE_INT32, [1]),
+    ("arrival_time_ns", T.TYPE_INT64, [1]),
+    ("first_scheduled_time_ns", T.TYPE_INT64, [1]),
+    ("first_token_time_ns", T.TYPE_INT64, [1]),
+    ("last_token_time_ns", T.TYPE_INT64, [1]),
+    ("acceptance_rate", T.TYPE_FP32, [1]),
+    ("total_accepted_draft_tokens", T.TYPE_INT32, [1]),
+    ("total_draft_tokens", T.TYPE_INT32, [1]),
+    ("num_input_tokens", T.TYPE_INT32, [1]),
+    ("num_output_tokens", T.TYPE_INT32, [1]),
+]
+# What the CPU twin implements (model_repo/tensorrt_llm/1/model.py); it declares nothing it would ignore.
+TWIN_INPUTS = (
+    "input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list", "bad_words_list",
+    "temperature", "runtime_top_k", "runtime_top_p", "seed", "exclude_input_in_output", "streaming",
+)
+TWIN_OUTPUTS = ("output_ids", "sequence_length")
+
+# Ensemble / BLS inputs: (name, dtype, dims, optional, tensorrt_llm or preprocessing input it feeds).
+FRONT_INPUTS = [
+    ("text_input", T.TYPE_STRING, [1], False, "pre:QUERY"),
+    ("max_tokens", T.TYPE_INT32, [1], False, "pre:REQUEST_OUTPUT_LEN"),
+    ("bad_words", T.TYPE_STRING, [-1], True, "pre:BAD_WORDS_DICT"),
+    ("stop_words", T.TYPE_STRING, [-1], True, "pre:STOP_WORDS_DICT"),
+    ("end_id", T.TYPE_INT32, [1], True, "pre:END_ID"),
+    ("pad_id", T.TYPE_INT32, [1], True, "pre:PAD_ID"),
+    ("top_k", T.TYPE_INT32, [1], True, "llm:runtime_top_k"),
+    ("top_p", T.TYPE_FP32, [1], True, "llm:runtime_top_p"),
+    ("temperature", T.TYPE_FP32, [1], True, "llm:temperature"),
+    ("seed", T.TYPE_UINT64, [1], True, "llm:seed"),
+    ("exclude_input_in_output", T.TYPE_BOOL, [1], True, "llm:exclude_input_in_output"),
+    ("stream", T.TYPE_BOOL, [1], True, "llm:streaming"),
+]
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the repository needs to know about the engine stage's output."""
+
+    path: Path
+    twin: bool  # True: CPU twin engine dir (trtpipe_twin.json), False: TensorRT engines
+    world_size: int
+    max_batch_size: int
+    max_beam_width: int
+    max_input_len: int
+    max_seq_len: int
+    version: Optional[str] = None  # TensorRT-LLM version that built the engine (config.json "version")
+
+    @classmethod
+    def read(cls, engine_dir: Path) -> "EngineInfo":
+        cfg_path = Path(engine_dir) / "config.json"
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ServingError(f"{cfg_path}: cannot read the engine config ({exc})") from exc
+        build = cfg.get("build_config") or {}
+        mapping = (cfg.get("pretrained_config") or {}).get("mapping") or {}
+        missing = [k for k in ("max_batch_size", "max_input_len", "max_seq_len") if k not in build]
+        if missing:
+            raise ServingError(f"{cfg_path}: build_config.{missing[0]} is missing")
+        world = int(mapping.get("world_size") or int(mapping.get("tp_size", 1)) * int(mapping.get("pp_size", 1)))
+        return cls(
+            path=Path(engine_dir).resolve(),
+            twin=(Path(engine_dir) / "trtpipe_twin.json").exists(),
+            world_size=world,
+            max_batch_size=int(build["max_batch_size"]),
+            max_beam_width=int(build.get("max_beam_width", 1)),
+            max_input_len=int(build["max_input_len"]),
+            max_seq_len=int(build["max_seq_len"]),
+            version=cfg.get("version"),
+        )
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    """Default end/pad ids and the other EOS ids every request stops on (from generation_config + tokenizer)."""
+
+    end_id: int
+    pad_id: int
+    stop_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+def token_ids(tokenizer_dir: Path) -> TokenIds:
+    """All EOS ids of ``generation_config.json`` (int or list) and the tokenizer; the first is ``end_id``."""
+    eos: list[int] = []
+    pad = None
+    gen = Path(tokenizer_dir) / "generation_config.json"
+    if gen.exists():
+        g = json.loads(gen.read_text())
+        e = g.get("eos_token_id")
+        eos += [int(x) for x in (e if isinstance(e, list) else [e] if e is not None else [])]
+        pad = g.get("pad_token_id")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    except Exception as exc:  # transformers raises many types; name the directory
+        raise ServingError(f"{tokenizer_dir}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from exc
+    if tok.eos_token_id is not None and int(tok.eos_token_id) not in eos:
+        eos.append(int(tok.eos_token_id))
+    if not eos:
+        raise ServingError(f"{tokenizer_dir}: no eos_token_id in generation_config.json or the tokenizer")
+    if pad is None:
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    return TokenIds(end_id=eos[0], pad_id=int(pad), stop_ids=tuple(eos[1:]))
+
+
+# ---- message helpers ------------------------------------------------------------------------------
+
+def _io(msg_cls, name, dtype, dims, optional=None):
+    m = msg_cls(name=name, data_type=dtype, dims=dims)
+    if optional is not None:
+        m.optional = optional
+    if dims == [1] and msg_cls is mc.ModelInput:
+        m.reshape.SetInParent()  # reshape: { shape: [ ] }
+    return m
+
+
+def _params(config: mc.ModelConfig, values: dict) -> None:
+    for key, value in values.items():
+        v = str(value).lower() if isinstance(value, bool) else str(value)
+        config.parameters[key].string_value = v
+
+
+def _batching(config: mc.ModelConfig, recipe: Recipe, preferred: Optional[int] = None) -> None:
+    db = config.dynamic_batching
+    db.SetInParent()
+    if preferred:
+        db.preferred_batch_size.append(preferred)
+    db.max_queue_delay_microseconds = recipe.triton.max_queue_delay_microseconds
+    db.default_queue_policy.max_queue_size = 0
+
+
+def _python(name: str, recipe: Recipe, count: int, decoupled: bool = False) -> mc.ModelConfig:
+    c = mc.ModelConfig(name=name, backend="python", max_batch_size=recipe.triton.max_batch_size)
+    c.instance_group.add(count=count, kind=mc.ModelInstanceGroup.KIND_CPU)
+    if decoupled:
+        c.model_transaction_policy.decoupled = True
+    return c
+
+
+# ---- one function per model -----------------------------------------------------------------------
+
+def preprocessing_config(recipe: Recipe, ids: TokenIds) -> mc.ModelConfig:
+    c = _python("preprocessing", recipe, recipe.triton.instances.preprocessing)
+    _batching(c, recipe)
+    c.input.extend([
+        _io(mc.ModelInput, "QUERY", T.TYPE_STRING, [1]),
+        _io(mc.ModelInput, "REQUEST_OUTPUT_LEN", T.TYPE_INT32, [1]),
+        _io(mc.ModelInput, "BAD_WORDS_DICT", T.TYPE_STRING, [-1], True),
+        _io(mc.ModelInput, "STOP_WORDS_DICT", T.TYPE_STRING, [-1], True),
+        _io(mc.ModelInput, "END_ID", T.TYPE_INT32, [1], True),
+        _io(mc.ModelInput, "PAD_ID", T.TYPE_INT32, [1], True),
+    ])
+    c.output.extend([
+        _io(mc.ModelOutput, "INPUT_ID", T.TYPE_INT32, [-1]),
+        _io(mc.ModelOutput, "REQUEST_INPUT_LEN", T.TYPE_INT32, [1]),
+        _io(mc.ModelOutput, "BAD_WORDS_IDS", T.TYPE_INT32, [2, -1]),
+        _io(mc.ModelOutput, "STOP_WORDS_IDS", T.TYPE_INT32, [2, -1]),
+        _io(mc.ModelOutput, "REQUEST_OUTPUT_LEN", T.TYPE_INT32, [-1]),
+        _io(mc.ModelOutput, "OUT_END_ID", T.TYPE_INT32, [1]),
+        _io(mc.ModelOutput, "OUT_PAD_ID", T.TYPE_INT32, [1]),
+    ])
+    _params(c, {
+        "tokenizer_dir": "tokenizer",
+        "add_special_tokens": True,
+        "end_id": ids.end_id,
+        "pad_id": ids.pad_id,
+        "stop_token_ids": ",".join(str(i) for i in ids.stop_ids),
+    })
+    return c
+
+
+def postprocessing_config(recipe: Recipe) -> mc.ModelConfig:
+    c = _python("postprocessing", recipe, recipe.triton.instances.postprocessing)
+    _batching(c, recipe)
+    c.input.extend([
+        _io(mc.ModelInput, "TOKENS_BATCH", T.TYPE_INT32, [-1, -1]),
+        _io(mc.ModelInput, "SEQUENCE_LENGTH", T.TYPE_INT32, [-1]),
+    ])
+    c.output.append(_io(mc.ModelOutput, "OUTPUT", T.TYPE_STRING, [-1]))
+    _params(c, {"tokenizer_dir": "tokenizer", "skip_special_tokens": True})
+    return c
+
+
+def _trtllm_skeleton(recipe: Recipe, engine: EngineInfo, backend: str, inputs, outputs) -> mc.ModelConfig:
+    t = recipe.triton
+    c = mc.ModelConfig(name="tensorrt_llm", backend=backend, max_batch_size=t.max_batch_size)
+    c.model_transaction_policy.decoupled = t.streaming
+    _batching(c, recipe, preferred=t.max_batch_size)
+    c.instance_group.add(count=t.instances.tensorrt_llm, kind=mc.ModelInstanceGroup.KIND_CPU)
+    c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt in inputs)
+    c.output.extend(_io(mc.ModelOutput, n, d, dims) for n, d, dims in outputs)
+    return c
+
+
+def trtllm_parameters(recipe: Recipe, engine: EngineInfo) -> dict:
+    """Every parameter the ``tensorrtllm`` C++ backend reads (contract §6.3), valued from the recipe/engine."""
+    kv, t = recipe.engine.kv_cache, recipe.triton
+    return {
+        "gpt_model_type": t.batching_strategy,
+        "gpt_model_path": str(engine.path),
+        "encoder_model_path": "",
+        "max_beam_width": engine.max_beam_width,
+        "batch_scheduler_policy": t.scheduler_policy,
+        "kv_cache_free_gpu_mem_fraction": kv.free_gpu_memory_fraction,
+        "max_tokens_in_paged_kv_cache": kv.max_tokens if kv.max_tokens is not None else "",
+        "cross_kv_cache_fraction": "",  # enc-dec only; forbidden for decoder-only models
+        "kv_cache_host_memory_bytes": kv.host_memory_bytes,
+        "kv_cache_onboard_blocks": True,
+        "max_attention_window_size": engine.max_seq_len,
+        "sink_token_length": "",
+        "enable_kv_cache_reuse": kv.enable_reuse,
+        "enable_chunked_context": False,
+        "normalize_log_probs": True,
+        "exclude_input_in_output": t.exclude_input_in_output,
+        "cancellation_check_period_ms": 100,
+        "stats_check_period_ms": 100,
+        "iter_stats_max_iterations": 1000,
+        "request_stats_max_iterations": 0,
+        "decoding_mode": "top_k_top_p" if engine.max_beam_width == 1 else "beam_search",
+        "lookahead_window_size": "",
+        "lookahead_ngram_size": "",
+        "lookahead_verification_set_size": "",
+        "medusa_choices": "",
+        "eagle_choices": "",
+        "gpu_weights_percent": 1.0,
+        "multi_block_mode": True,
+        "enable_context_fmha_fp32_acc": False,
+        "cuda_graph_mode": False,
+        "cuda_graph_cache_size": 0,
+        "gpu_device_ids": "",
+        "participant_ids": "",
+        "num_nodes": 1,
+        "lora_cache_optimal_adapter_size": 8,
+        "lora_cache_max_adapter_size": 64,
+        "lora_cache_gpu_memory_fraction": 0.05,
+        "lora_cache_host_memory_bytes": 1 << 30,
+        "lora_prefetch_dir": "",
+        "speculative_decoding_fast_logits": False,
+        "guided_decoding_backend": "",
+        "xgrammar_tokenizer_info_path": "",
+        "tokenizer_dir": "../preprocessing/tokenizer",
+        "executor_worker_path": EXECUTOR_WORKER,
+        "recv_poll_period_ms": 0,
+        "enable_trt_overlap": False,
+        "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
+    }
+
+
+def tensorrt_llm_config(recipe: Recipe, engine: EngineInfo) -> mc.ModelConfig:
+    """The ``tensorrt_llm`` model: the C++ ``tensorrtllm`` backend on TensorRT engines, else the CPU twin."""
+    if not engine.twin:
+        c = _trtllm_skeleton(recipe, engine, "tensorrtllm", TRTLLM_INPUTS, TRTLLM_OUTPUTS)
+        _params(c, trtllm_parameters(recipe, engine))
+        return c
+    inputs = [row for row in TRTLLM_INPUTS if row[0] in TWIN_INPUTS]
+    outputs = [row for row in TRTLLM_OUTPUTS if row[0] in TWIN_OUTPUTS]
+    c = _trtllm_skeleton(recipe, engine, "python", inputs, outputs)
+    _params(c, {
+        "gpt_model_path": "engine",
+        "gpt_model_type": recipe.triton.batching_strategy,
+        "exclude_input_in_output": recipe.triton.exclude_input_in_output,
+        "cpu_threads": 1,
+    })
+    return c
+
+
+def ensemble_config(recipe: Recipe) -> mc.ModelConfig:
+    """pre → tensorrt_llm → post (contract §6.6), restricted to the inputs the models here implement."""
+    c = mc.ModelConfig(name=recipe.triton.model_name, platform="ensemble", max_batch_size=recipe.triton.max_batch_size)
+    c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt, _ in FRONT_INPUTS)
+    for inp in c.input:
+        inp.ClearField("reshape")
+    c.output.append(_io(mc.ModelOutput, "text_output", T.TYPE_STRING, [-1]))
+    steps = c.ensemble_scheduling.step
+    pre = steps.add(model_name="preprocessing", model_version=-1)
+    for name, *_, target in FRONT_INPUTS:
+        if target.startswith("pre:"):
+            pre.input_map[target[4:]] = name
+    for out in ("INPUT_ID", "REQUEST_INPUT_LEN", "REQUEST_OUTPUT_LEN", "STOP_WORDS_IDS", "BAD_WORDS_IDS"):
+        pre.output_map[out] = f"_{out}"
+    pre.output_map["OUT_END_ID"] = "_PREPROCESSOR_END_ID"
+    pre.output_map["OUT_PAD_ID"] = "_PREPROCESSOR_PAD_ID"
+    llm = steps.add(model_name="tensorrt_llm", model_version=-1)
+    llm.input_map.update({
+        "input_ids": "_INPUT_ID", "input_lengths": "_REQUEST_INPUT_LEN", "request_output_len": "_REQUEST_OUTPUT_LEN",
+        "end_id": "_PREPROCESSOR_END_ID", "pad_id": "_PREPROCESSOR_PAD_ID",
+        "stop_words_list": "_STOP_WORDS_IDS", "bad_words_list": "_BAD_WORDS_IDS",
+    })
+    for name, *_, target in FRONT_INPUTS:
+        if target.startswith("llm:"):
+            llm.input_map[target[4:]] = name
+    llm.output_map.update({"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH"})
+    post = steps.add(model_name="postprocessing", model_version=-1)
+    post.input_map.update({"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH"})
+    post.output_map["OUTPUT"] = "text_output"
+    return c
+
+
+def bls_config(recipe: Recipe) -> mc.ModelConfig:
+    """``tensorrt_llm_bls`` (contract §6.7): the ensemble's inputs, decoupled when streaming, exact text deltas."""
+    c = _python("tensorrt_llm_bls", recipe, recipe.triton.instances.bls, decoupled=recipe.triton.streaming)
+    c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt, _ in FRONT_INPUTS)
+    for inp in c.input:
+        inp.ClearField("reshape")
+    c.output.append(_io(mc.ModelOutput, "text_output", T.TYPE_STRING, [-1]))
+    _params(c, {
+        "accumulate_tokens": True,
+        "tensorrt_llm_model_name": "tensorrt_llm",
+        "tensorrt_llm_draft_model_name": "",
+        "multimodal_encoders_name": "",
+        "tokenizer_dir": "tokenizer",
+    })
+    return c
+
+
+def repo_configs(recipe: Recipe, engine: EngineInfo, ids: TokenIds) -> dict[str, mc.ModelConfig]:
+    """Model directory name → config message for everything the recipe asks for."""
+    configs = {
+        "preprocessing": preprocessing_config(recipe, ids),
+        "tensorrt_llm": tensorrt_llm_config(recipe, engine),
+        "postprocessing": postprocessing_config(recipe),
+        recipe.triton.model_name: ensemble_config(recipe),
+    }
+    if recipe.triton.bls or recipe.triton.streaming:
+        configs["tensorrt_llm_bls"] = bls_config(recipe)
+    return configs
+
+
+# ---- the writer -----------------------------------------------------------------------------------
+
+def to_pbtxt(config: mc.ModelConfig) -> str:
+    """Text format, parsed back and compared (the check that what we wrote is what we meant)."""
+    text = text_format.MessageToString(config)
+    back = text_format.Parse(text, mc.ModelConfig())
+    if back != config or "${" in text:
+        raise ServingError(f"{config.name}: config.pbtxt does not round-trip")
+    return text
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """Hardlink a directory tree (copy across filesystems): relocatable without doubling the disk use."""
+
+    def link(s, d):
+        try:
+            os.link(s, d)
+        except OSError:
+            shutil.copy2(s, d)
+
+    shutil.copytree(src, dst, copy_function=link)
+
+
+def copy_tokenizer(tokenizer_dir: Path, dst: Path) -> None:
+    files = [Path(tokenizer_dir) / f for f in TOKENIZER_FILES if (Path(tokenizer_dir) / f).exists()]
+    if not any(f.name in ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model") for f in files):
+        raise ServingError(f"{tokenizer_dir}: no tokenizer files (tokenizer.json / tokenizer.model) to copy")
+    dst.mkdir(parents=True)
+    for f in files:
+        shutil.copy2(f, dst / f.name)
+
+
+def write_repo(recipe: Recipe, engine_dir: Path, tokenizer_dir: Path, out: Path) -> dict[str, mc.ModelConfig]:
+    """Write the whole repository into ``out`` (which must not exist yet); return the configs written.
+
+    Args:
+        recipe: the resolved recipe (its ``triton`` and ``engine.kv_cache`` sections are read).
+        engine_dir: the engine stage's output (TensorRT engines, or the CPU twin dir with ``checkpoint/``).
+        tokenizer_dir: directory with the tokenizer files and ``generation_config.json``.
+        out: destination (absent or empty); written under a temporary name and renamed at the end, so a
+            failure leaves nothing behind.
+    """
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ServingError(f"{out}: already exists; remove it or choose another directory")
+    engine = EngineInfo.read(engine_dir)
+    ids = token_ids(tokenizer_dir)
+    configs = repo_configs(recipe, engine, ids)
+    texts = {name: to_pbtxt(c) for name, c in configs.items()}
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        for name, text in texts.items():
+            model_dir = tmp / name
+            (model_dir / "1").mkdir(parents=True)
+            (model_dir / "config.pbtxt").write_text(text)
+            code_name = "tensorrt_llm" if name == "tensorrt_llm" else name
+            code = MODEL_CODE / code_name / "1" / "model.py"
+            if name == "tensorrt_llm" and not engine.twin:
+                (model_dir / "1" / ".gitkeep").touch()
+            elif name != recipe.triton.model_name:
+                shutil.copy2(code, model_dir / "1" / "model.py")
+            if name in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
+                copy_tokenizer(tokenizer_dir, model_dir / "tokenizer")
+        if engine.twin:
+            _link_tree(engine.path, tmp / "tensorrt_llm" / "engine")
+        (tmp / "trtpipe_repo.json").write_text(json.dumps({
+            "recipe": recipe.name, "engine": str(engine.path), "twin": engine.twin, "world_size": engine.world_size,
+            "engine_version": engine.version, "model_name": recipe.triton.model_name,
+            "streaming": recipe.triton.streaming, "end_id": ids.end_id, "pad_id": ids.pad_id,
+            "stop_ids": list(ids.stop_ids), "max_input_len": engine.max_input_len, "max_seq_len": engine.max_seq_len,
+        }, indent=2) + "\n")
+        if out.exists():  # an empty directory (the build stage's output folder)
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return configs
+
+
+def read_configs(repo: Path) -> dict[str, mc.ModelConfig]:
+    """Parse every ``config.pbtxt`` of a repository back into messages."""
+    return {
+        p.parent.name: text_format.Parse(p.read_text(), mc.ModelConfig())
+        for p in sorted(Path(repo).glob("*/config.pbtxt"))
+    }

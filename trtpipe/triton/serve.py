@@ -1,0 +1,125 @@
+"""What ``trtpipe serve`` runs: resolve a repository (or build it from a recipe) and plan the launch.
+
+CPU twin repositories run on the tritonserver shipped in nvidia-pytriton (one process: the twin executes
+every tp/pp rank's shards itself). TensorRT-engine repositories need the ``tensorrtllm`` backend and one
+tritonserver per rank under ``mpirun`` (leader mode, contract §7.1); that command is always printable
+with ``--dry-run``, and it is only run when the installed TensorRT-LLM is the one that built the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from trtpipe.errors import ServingError
+from trtpipe.triton.server import Ports, free_ports, mpirun_command
+
+REPO_INFO = "trtpipe_repo.json"
+
+
+def repo_info(repo: Path) -> dict:
+    path = Path(repo) / REPO_INFO
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ServingError(f"{repo}: not a trtpipe model repository (no {REPO_INFO}; write one with trtpipe repo)") from None
+    except ValueError as exc:
+        raise ServingError(f"{path}: invalid JSON ({exc})") from None
+
+
+def resolve_repo(target: Path, overrides: Sequence[str] = (), quiet: bool = False) -> Path:
+    """A repository directory as is; a recipe file is built up to the ``repo`` stage (cached stages reused)."""
+    target = Path(target)
+    if target.is_dir():
+        repo_info(target)
+        return target.resolve()
+    if not target.is_file():
+        raise ServingError(f"{target}: neither a model repository directory nor a recipe file")
+    from trtpipe.pipeline.runner import run_build
+    from trtpipe.recipe import load_recipe
+
+    recipe = load_recipe(target, overrides)
+    result = run_build(recipe, until="repo", quiet=quiet, overrides=overrides)
+    entry = result.stage("repo")
+    if not entry.get("artifact") or not (result.artifact("repo") / REPO_INFO).exists():
+        raise ServingError(f"{target}: the repo stage did not produce a repository (status {entry.get('status')})")
+    return result.artifact("repo")
+
+
+def installed_trtllm() -> Optional[str]:
+    from trtpipe.engine.versions import package_version
+
+    return package_version("tensorrt_llm", "tensorrt-llm")
+
+
+def check_engine_versions(info: dict, installed: Optional[str]) -> None:
+    """Refuse an engine built by another TensorRT-LLM release (plans do not deserialize across versions, §8)."""
+    built = info.get("engine_version")
+    if installed is None:
+        raise ServingError(
+            f"the engine {info.get('engine')} needs TensorRT-LLM {built} and its Triton backend, which are not installed "
+            "here; serve it in the matching tritonserver container (trtpipe serve --dry-run prints the command)"
+        )
+    if built != installed:
+        raise ServingError(
+            f"the engine {info.get('engine')} was built with TensorRT-LLM {built} but {installed} is installed; "
+            "rebuild it (trtpipe build RECIPE --from engine) or serve it with TensorRT-LLM " + str(built)
+        )
+
+
+@dataclass
+class LaunchPlan:
+    repo: Path
+    twin: bool
+    world_size: int
+    command: Optional[list[str]]  # the mpirun command (TensorRT engines), None for the CPU twin
+
+
+def plan_launch(repo: Path, bind: str = "127.0.0.1", ports: Optional[Ports] = None,
+                tritonserver: str = "/opt/tritonserver/bin/tritonserver") -> LaunchPlan:
+    info = repo_info(repo)
+    if info.get("twin"):
+        return LaunchPlan(Path(repo), True, int(info.get("world_size", 1)), None)
+    ports = ports or Ports(*free_ports(3))
+    world = int(info.get("world_size", 1))
+    cmd = mpirun_command(Path(repo).resolve(), world, ports, bind, tritonserver)
+    return LaunchPlan(Path(repo), False, world, cmd)
+
+
+def run_mpirun(plan: LaunchPlan) -> int:
+    """Run the leader-mode launch in the foreground (TensorRT-LLM container); returns mpirun's exit code."""
+    check_engine_versions(repo_info(plan.repo), installed_trtllm())
+    if shutil.which("mpirun") is None:
+        raise ServingError("mpirun is not on PATH (the TensorRT-LLM container ships OpenMPI)")
+    return subprocess.call(plan.command)
+
+
+def find_detached(target: Optional[Path] = None, overrides: Sequence[str] = ()) -> list:
+    """Detached servers of ``target``: a repository dir, or a recipe (servers of repos under its work dir)."""
+    from trtpipe.triton.server import detached_servers
+
+    servers = detached_servers()
+    if target is None:
+        return servers
+    target = Path(target)
+    if target.is_file():
+        from trtpipe.recipe import load_recipe
+
+        work = str(load_recipe(target, overrides, check_rules=False).work_path) + "/"
+        return [s for s in servers if s.repo.startswith(work)]
+    want = str(target.resolve())
+    return [s for s in servers if s.repo == want]
+
+
+def one_detached(target: Optional[Path] = None, overrides: Sequence[str] = ()):
+    servers = find_detached(target, overrides)
+    if len(servers) != 1:
+        where = f" for {target}" if target else ""
+        listing = "; ".join(f"pid {s.pid} {s.repo}" for s in servers)
+        raise ServingError(f"{len(servers)} detached servers run{where}" + (f" ({listing})" if listing else "")
+                           + ": name one (--server REPO_OR_RECIPE) or pass --url")
+    return servers[0]

@@ -1,0 +1,406 @@
+"""Start, watch and stop a real ``tritonserver``; build the ``mpirun`` leader-mode command for TensorRT engines.
+
+Policy (shared/spec/ENVIRONMENT.md): the CPU server is the tritonserver 2.51 shipped inside nvidia-pytriton,
+copied once into a cache directory of our own (never named ``triton``: that would shadow OpenAI Triton in
+the models' imports), with the python-backend stub of this interpreter's version beside the backend. The
+stub runs Python isolated, so it finds this venv's packages through ``PATH`` (venv ``bin`` first), and it
+needs this interpreter's ``LIBDIR`` on ``LD_LIBRARY_PATH``. Port 0 does not work in tritonserver, so we pick
+free ports and retry when one is taken in between. Every launch gets its own python-backend shared-memory
+prefix so that cleaning ``/dev/shm`` after a stop only touches our own regions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from trtpipe.errors import ServingError
+
+SHM_DIR = Path("/dev/shm")
+READY_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 30.0
+EXIT_TIMEOUT_S = 5  # how long tritonserver waits for open connections / in-flight requests on SIGTERM
+LOG_TAIL_LINES = 25
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TRTPIPE_CACHE", Path.home() / ".cache" / "trtpipe"))
+
+
+def _pytriton_server_dir() -> Path:
+    try:
+        import pytriton
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ServingError("nvidia-pytriton is not installed: pip install 'trtpipe[serve]'") from exc
+    src = Path(pytriton.__file__).parent / "tritonserver"
+    if not (src / "bin" / "tritonserver").exists():
+        raise ServingError(f"{src}: no bin/tritonserver in the nvidia-pytriton wheel")
+    return src
+
+
+def prepare_server() -> Path:
+    """Copy the wheel's tritonserver into the cache (once, atomically); return that directory."""
+    import pytriton
+
+    version = getattr(pytriton, "__version__", "unknown")
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    root = cache_dir() / f"tritonserver-pytriton{version}-py{py}"
+    if (root / "bin" / "tritonserver").exists():
+        return root
+    src = _pytriton_server_dir()
+    stub = src / "python_backend_stubs" / py / "triton_python_backend_stub"
+    if not stub.exists():
+        raise ServingError(f"{stub.parent}: no python-backend stub for Python {py} in nvidia-pytriton")
+    tmp = root.with_name(f"{root.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, symlinks=True)
+    shutil.copy2(stub, tmp / "backends" / "python" / "triton_python_backend_stub")
+    try:
+        tmp.rename(root)
+    except OSError:  # another process won the race: use its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+def server_env(base: Optional[dict] = None) -> dict:
+    """The environment the CPU tritonserver and its python stubs need (see the module docstring)."""
+    import pytriton
+
+    env = dict(os.environ if base is None else base)
+    libs = [str(Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR")]
+    if env.get("LD_LIBRARY_PATH"):
+        libs.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = ":".join(p for p in libs if p)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "/usr/bin:/bin")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports that were free a moment ago (the caller retries on 'already in use')."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class Ports:
+    http: int
+    grpc: int
+    metrics: int
+
+
+def server_command(
+    binary: Path, backends: Path, repo: Path, bind: str, ports: Ports, shm_prefix: str, extra: tuple[str, ...] = ()
+) -> list[str]:
+    """One tritonserver command line (CPU server, loopback by default)."""
+    return [
+        str(binary),
+        f"--model-repository={repo}",
+        f"--backend-directory={backends}",
+        f"--http-address={bind}",
+        f"--grpc-address={bind}",
+        f"--metrics-address={bind}",
+        f"--http-port={ports.http}",
+        f"--grpc-port={ports.grpc}",
+        f"--metrics-port={ports.metrics}",
+        "--disable-auto-complete-config",
+        "--exit-on-error=true",
+        f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+        "--strict-readiness=true",
+        f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
+        *extra,
+    ]
+
+
+def mpirun_command(
+    repo: Path,
+    world_size: int,
+    ports: Ports,
+    bind: str = "127.0.0.1",
+    tritonserver: str = "/opt/tritonserver/bin/tritonserver",
+    trtllm_models: tuple[str, ...] = ("tensorrt_llm",),
+    log_file: Optional[str] = None,
+) -> list[str]:
+    """The leader-mode MPMD launch of contract §7.1: one tritonserver per rank under one ``mpirun``.
+
+    Rank 0 serves the ports; ranks > 0 load only the TensorRT-LLM model(s) explicitly and open no endpoint.
+    Each rank gets its own python-backend shm prefix so their regions do not collide.
+    """
+    cmd = ["mpirun", "--allow-run-as-root"]
+    for rank in range(world_size):
+        if rank:
+            cmd.append(":")
+        cmd += ["-n", "1", tritonserver, f"--model-repository={repo}"]
+        if rank == 0:
+            cmd += [
+                f"--http-address={bind}",
+                f"--grpc-address={bind}",
+                f"--metrics-address={bind}",
+                f"--http-port={ports.http}",
+                f"--grpc-port={ports.grpc}",
+                f"--metrics-port={ports.metrics}",
+            ]
+            if log_file:
+                cmd += ["--log-verbose=3", f"--log-file={log_file}"]
+        else:
+            cmd += ["--allow-http=false", "--allow-grpc=false", "--allow-metrics=false", "--model-control-mode=explicit"]
+            cmd += [f"--load-model={name}" for name in trtllm_models]
+        cmd += ["--disable-auto-complete-config", f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
+    return cmd
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(text[-lines:])
+
+
+def _ready(http_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def clean_shm(prefix: str) -> list[str]:
+    """Remove python-backend shm regions left by a server launched with ``prefix`` (killed stubs leave them)."""
+    removed = []
+    for p in SHM_DIR.glob(f"{prefix}*"):
+        try:
+            p.unlink()
+            removed.append(p.name)
+        except OSError:
+            pass
+    return removed
+
+
+@dataclass
+class Server:
+    """A running tritonserver we started (or found through its state file, for ``trtpipe stop``)."""
+
+    pid: int
+    repo: str
+    bind: str
+    ports: Ports
+    log: str
+    shm_prefix: str
+    state_file: Optional[str] = None
+    _proc: Optional[subprocess.Popen] = field(default=None, repr=False, compare=False)
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.bind}:{self.ports.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.bind}:{self.ports.grpc}"
+
+    def alive(self) -> bool:
+        if self._proc is not None:
+            return self._proc.poll() is None
+        try:
+            os.kill(self.pid, 0)
+        except OSError:
+            return False
+        return True
+
+    def ready(self) -> bool:
+        return _ready(self.http_url)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM, wait, SIGKILL if it hangs; then clean our shm regions and the state file."""
+        if self.alive():
+            try:
+                os.kill(self.pid, signal.SIGTERM)
+            except OSError:
+                pass
+            deadline = time.monotonic() + timeout
+            while self.alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if self.alive():
+                try:
+                    os.killpg(self.pid, signal.SIGKILL)
+                except OSError:
+                    os.kill(self.pid, signal.SIGKILL)
+                if self._proc is not None:
+                    self._proc.wait(10)
+        clean_shm(self.shm_prefix)
+        if self.state_file:
+            Path(self.state_file).unlink(missing_ok=True)
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def to_json(self) -> str:
+        d = {k: getattr(self, k) for k in ("pid", "repo", "bind", "log", "shm_prefix", "state_file")}
+        d["ports"] = asdict(self.ports)
+        return json.dumps(d, indent=2)
+
+
+def state_dir() -> Path:
+    return cache_dir() / "servers"
+
+
+def _state_path(repo: Path) -> Path:
+    import hashlib
+
+    return state_dir() / (hashlib.sha256(str(repo.resolve()).encode()).hexdigest()[:16] + ".json")
+
+
+def _spawn(cmd: list[str], env: dict, log: Path, cwd: Path) -> subprocess.Popen:
+    with open(log, "ab") as fh:
+        return subprocess.Popen(
+            cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True, stdin=subprocess.DEVNULL
+        )
+
+
+def start_server(
+    repo: Path,
+    bind: str = "127.0.0.1",
+    ports: Optional[Ports] = None,
+    log: Optional[Path] = None,
+    timeout: float = READY_TIMEOUT_S,
+    detach: bool = False,
+    attempts: int = 3,
+) -> Server:
+    """Start tritonserver on ``repo`` and wait until it is ready; raise with the cause and log tail on failure.
+
+    Args:
+        repo: a model repository (``trtpipe.triton.repo.write_repo``'s output).
+        bind: address for all three endpoints (loopback unless told otherwise).
+        ports: fixed ports; default free ones, re-picked when the server reports one in use.
+        log: server log file (default ``<cache>/logs/<repo name>-<hash>.tritonserver.log``).
+        timeout: seconds to wait for ``/v2/health/ready``.
+        detach: record a state file so ``trtpipe stop`` can find the server later.
+    """
+    repo = Path(repo).resolve()
+    if not repo.is_dir():
+        raise ServingError(f"{repo}: model repository not found")
+    root = prepare_server()
+    state = _state_path(repo)
+    log = Path(log) if log else cache_dir() / "logs" / f"{repo.name}-{state.stem}.tritonserver.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    if state.exists():
+        old = load_state(state)
+        if old is not None and old.alive():
+            raise ServingError(f"{repo}: already served by pid {old.pid} at {old.http_url} (trtpipe stop {repo})")
+    last_error = ""
+    for attempt in range(attempts):
+        use = ports or Ports(*free_ports(3, bind if bind != "0.0.0.0" else "127.0.0.1"))
+        prefix = f"trtpipe{os.getpid()}_{use.grpc}_"
+        cmd = server_command(root / "bin" / "tritonserver", root / "backends", repo, bind, use, prefix)
+        log.write_text(f"# {' '.join(cmd)}\n")
+        proc = _spawn(cmd, server_env(), log, cwd=log.parent)
+        server = Server(proc.pid, str(repo), bind, use, str(log), prefix, _proc=proc)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                break
+            if server.ready():
+                if detach:
+                    try:
+                        state.parent.mkdir(parents=True, exist_ok=True)
+                        server.state_file = str(state)
+                        state.write_text(server.to_json())
+                    except BaseException:
+                        server.stop()
+                        raise
+                return server
+            time.sleep(0.25)
+        tail = log_tail(log)
+        if proc.poll() is None:  # timed out while alive
+            server.stop()
+            raise ServingError(f"tritonserver on {repo} not ready after {timeout:.0f} s; log {log}:\n{tail}")
+        clean_shm(prefix)
+        last_error = tail
+        if "already in use" in tail and ports is None:
+            continue
+        break
+    raise ServingError(f"tritonserver on {repo} exited during start-up; log {log}:\n{last_error}")
+
+
+def load_state(path: Path) -> Optional[Server]:
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    d["ports"] = Ports(**d["ports"])
+    return Server(**d)
+
+
+def detached_servers() -> list[Server]:
+    """Servers started with ``detach`` that still have a state file (stale files of dead servers are removed)."""
+    found = []
+    for p in sorted(state_dir().glob("*.json")) if state_dir().is_dir() else []:
+        s = load_state(p)
+        if s is None or not s.alive():
+            p.unlink(missing_ok=True)
+            if s is not None:
+                clean_shm(s.shm_prefix)
+            continue
+        found.append(s)
+    return found
+
+
+def stop_detached(repo: Optional[Path] = None) -> list[Server]:
+    """Stop the detached server of ``repo`` (or the only one running); return what was stopped."""
+    servers = detached_servers()
+    if repo is not None:
+        want = str(Path(repo).resolve())
+        servers = [s for s in servers if s.repo == want]
+        if not servers:
+            raise ServingError(f"{repo}: no detached trtpipe server serves this repository")
+    elif len(servers) > 1:
+        names = ", ".join(f"{s.repo} (pid {s.pid})" for s in servers)
+        raise ServingError(f"several detached servers run; name one: {names}")
+    for s in servers:
+        s.stop()
+    return servers
+
+
+def serve_forever(server: Server) -> int:
+    """Block until the server exits or we get Ctrl-C/SIGTERM; then stop it cleanly. Returns its exit code."""
+    stopping = {"flag": False}
+
+    def _term(signum, frame):
+        stopping["flag"] = True
+
+    old = signal.signal(signal.SIGTERM, _term)
+    try:
+        while server.alive() and not stopping["flag"]:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        was_alive = server.alive()
+        server.stop()
+    if not was_alive:
+        raise ServingError(f"tritonserver exited; log {server.log}:\n{log_tail(Path(server.log))}")
+    return 0

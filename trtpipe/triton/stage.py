@@ -1,0 +1,45 @@
+"""The ``repo`` build stage: the Triton model repository from the engine stage's output.
+
+It reads the engine dir (TensorRT engines or the CPU twin) and the checkpoint artifact, beside which the
+tokenizer files and ``generation_config.json`` were copied (TEAM_NOTES). The installed tritonclient
+version (the config messages come from its ``model_config_pb2``) and the python model code enter the key.
+"""
+
+from __future__ import annotations
+
+from trtpipe.pipeline.stage import Stage, StageContext
+
+
+def _run(ctx: StageContext) -> None:
+    from trtpipe.triton.repo import write_repo
+
+    configs = write_repo(ctx.recipe, ctx.inputs["engine"], ctx.inputs["checkpoint"], ctx.out_dir)
+    ctx.info["models"] = sorted(configs)
+    ctx.info["backend"] = configs["tensorrt_llm"].backend
+    ctx.log.info("model repository: %s (%s)", ctx.out_dir, ", ".join(sorted(configs)))
+
+
+def _extra_key(recipe):
+    """tritonclient's version and the python model code: either changes what the repository holds."""
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, version
+
+    from trtpipe.triton.repo import MODEL_CODE
+
+    try:
+        tc = version("tritonclient")
+    except PackageNotFoundError:
+        tc = None
+    code = {str(p.relative_to(MODEL_CODE)): hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+            for p in sorted(MODEL_CODE.glob("*/1/model.py"))}
+    return {"tritonclient": tc, "model_code": code}
+
+
+REPO_STAGE = Stage(
+    name="repo",
+    sections=("triton", "engine.kv_cache"),
+    inputs=("checkpoint", "engine"),
+    run=_run,
+    extra_key=_extra_key,
+    description="Triton model repository (preprocessing, tensorrt_llm, postprocessing, ensemble[, bls])",
+)
