@@ -69,11 +69,12 @@ def validate(recipes: tuple[Path, ...], overrides: tuple[str, ...]) -> None:
 
 
 @main.command()
-def schema() -> None:
+@click.option("--markdown", is_flag=True, help="The recipe reference as Markdown tables instead (recipes/README.md).")
+def schema(markdown: bool) -> None:
     """Print the recipe JSON Schema (for editor completion)."""
-    from trtpipe.recipe.describe import recipe_json_schema
+    from trtpipe.recipe.describe import recipe_json_schema, reference_markdown
 
-    click.echo(json.dumps(recipe_json_schema(), indent=2))
+    click.echo(reference_markdown() if markdown else json.dumps(recipe_json_schema(), indent=2), nl=not markdown)
 
 
 @main.command()
@@ -377,12 +378,14 @@ def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, tim
         return
     if plan.command is not None:
         sys.exit(run_mpirun(plan))
+    srv.sigterm_as_interrupt()
     server = srv.start_server(repo, bind, ports, timeout=timeout, detach=detach)
     click.echo(f"serving {repo}\n  http {server.http_url}\n  grpc {server.grpc_url}\n  log  {server.log}")
     if detach:
         click.echo(f"  pid  {server.pid} (trtpipe stop {repo})")
         return
     click.echo("Ctrl-C to stop")
+    sys.stdout.flush()
     srv.serve_forever(server)
     click.echo("stopped")
 

@@ -254,3 +254,27 @@ def test_engine_config_json_shape():
     assert set(out) == {"version", "pretrained_config", "build_config"} and out["version"] == "1.2.1"
     assert "rank" not in out["pretrained_config"]["mapping"] and out["pretrained_config"]["mapping"]["tp_size"] == 2
     assert out["build_config"]["max_num_tokens"] == 8192
+
+
+def test_field_defaults_match_the_contract_table():
+    """Every CLI plugin field's default equals the 1.x default in the contract's §4.1 flag table."""
+    import re
+
+    from engine_helpers import CONTRACT
+
+    text = CONTRACT.read_text()
+    section = text[text.index("### 4.1"):text.index("### 4.2")]
+    table = {}
+    for row in section.splitlines():
+        cells = [c.strip() for c in row.split("|")]
+        if len(cells) > 3 and cells[1].startswith("`--"):
+            for flag in re.findall(r"`--([a-z0-9_]+)`", cells[1]):
+                table[flag] = cells[2]
+    spell = {"auto": "auto", "None (off)": "disable", "disable": "disable", "enable": "enable"}
+    for f in FIELDS:
+        if not f.cli:
+            continue
+        want = spell.get(table[f.name], table[f.name])
+        got = f.default if f.kind == "dtype" else ("enable" if f.default else "disable") if f.kind == "bool" else str(f.default)
+        assert got == want, (f.name, got, table[f.name])
+    assert {f.name for f in FIELDS if f.cli} <= set(table)

@@ -155,3 +155,15 @@ def test_checkpoint_weight_bytes_from_safetensors_headers(tmp_path):
 def test_beam_blocks_share_context():
     assert planner.blocks_per_sequence(1024, 512, 32, 1) == 32
     assert planner.blocks_per_sequence(1024, 512, 32, 4) == 16 + 16 * 4
+
+
+def test_gpu_catalog_lookup():
+    from trtpipe.engine.gpus import CATALOG, get_gpu
+    from trtpipe.errors import EngineError
+
+    assert get_gpu("H100_SXM_80GB").key == "h100-sxm-80gb" and get_gpu("h100").sm == 90
+    assert get_gpu("rtx-4090").memory_bytes == 24564 << 20 and get_gpu("rtx-4090").arch == "ada"
+    assert get_gpu("b200").arch == "blackwell" and get_gpu("a10g-24gb").compute_capability == "8.6"
+    assert len({g.key for g in CATALOG}) == len(CATALOG)
+    with pytest.raises(EngineError, match="did you mean 'l40s-48gb'"):
+        get_gpu("l40s-48")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from trtpipe.checkpoint.convert import convert
-from trtpipe.quant.data import batched_decode, load_tokenizer
-from trtpipe.runtime import load_checkpoint
+from quant_helpers import self_tokens
+from trtpipe.quant.data import load_tokenizer
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -22,13 +22,6 @@ def stories_ckpts(tmp_path_factory, stories_dir) -> dict[int, Path]:
     """Unquantized bf16 TRT-LLM checkpoints of stories260k at tp=1 and tp=2 (the checkpoint stage's output)."""
     root = tmp_path_factory.mktemp("stories_ckpt")
     return {tp: convert(stories_dir, root / f"tp{tp}", tp=tp, dtype="bfloat16") for tp in (1, 2)}
-
-
-def self_tokens(ckpt: Path, n: int, seq_len: int, seed: int) -> torch.Tensor:
-    """Text the model writes from BOS (token 1) with a fixed seed: [n, seq_len]."""
-    model = load_checkpoint(ckpt)
-    prompts = torch.ones(n, 1, dtype=torch.long)
-    return torch.cat([prompts, batched_decode(model, prompts, seq_len - 1, 1.0, seed)], dim=1)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from trtpipe.quant.data import batched_decode
 from trtpipe.quant.calibrate import CalibSettings, calibrate, save_layer_stats
 from trtpipe.quant.writer import TrtllmSource, quantize_checkpoint
 from trtpipe.runtime import load_checkpoint
@@ -62,3 +63,10 @@ def kl_to_reference(ref_logits: torch.Tensor, ckpt: Path, tokens: torch.Tensor) 
     logits = load_checkpoint(ckpt)(tokens)
     p = F.log_softmax(ref_logits, -1)
     return (p.exp() * (p - F.log_softmax(logits, -1))).sum(-1).mean().item()
+
+
+def self_tokens(ckpt: Path, n: int, seq_len: int, seed: int) -> torch.Tensor:
+    """Text the model writes from BOS (token 1) with a fixed seed: [n, seq_len]."""
+    model = load_checkpoint(ckpt)
+    prompts = torch.ones(n, 1, dtype=torch.long)
+    return torch.cat([prompts, batched_decode(model, prompts, seq_len - 1, 1.0, seed)], dim=1)

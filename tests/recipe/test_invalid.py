@@ -6,6 +6,7 @@ Each case is (recipe text, line, col, dotted key, message regex). ``{S}`` is the
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -69,9 +70,11 @@ CASES = {
     "moe-on-dense": (HEAD + "parallel:\n  tp: 2\n  moe_ep: 2\n", 6, 11, "parallel.moe_ep", r"moe_ep/moe_tp apply only to mixture-of-experts models \(LlamaForCausalLM has no experts\)"),
     "moe-product": ("name: t\nmodel:\n  source: {MIX}\nparallel:\n  tp: 4\n  moe_ep: 3\n", 6, 11, "parallel.moe_ep", r"moe_ep \(3\) x moe_tp \(1\) must equal tp \(4\)"),
     "moe-experts": ("name: t\nmodel:\n  source: {MIX}\nparallel:\n  tp: 16\n  moe_ep: 16\n", 6, 11, "parallel.moe_ep", r"the model's 8 experts do not divide by moe_ep=16"),
-    "input-vs-seq-len": (HEAD + "engine:\n  max_input_len: 600\n  max_seq_len: 512\n", 5, 18, "engine.max_input_len", r"600 exceeds engine.max_seq_len 512"),
+    "input-vs-seq-len": (HEAD + "engine:\n  max_input_len: 600\n  max_seq_len: 512\n", 5, 18, "engine.max_input_len", r"engine.max_input_len 600 exceeds engine.max_seq_len 512"),
+    "seq-len-below-default-input": (HEAD + "engine:\n  max_seq_len: 512\n", 5, 16, "engine.max_seq_len", r"engine.max_input_len 1024 exceeds engine.max_seq_len 512"),
     "input-vs-deduced-seq-len": (HEAD + "engine:\n  max_input_len: 1024\n", 5, 18, "engine.max_input_len", r"1024 exceeds the max_seq_len 512 deduced from the model \(trtllm-build would clip it\); .*"),
-    "triton-batch": (HEAD + "engine:\n  max_batch_size: 8\ntriton:\n  max_batch_size: 16\n", 7, 19, "triton.max_batch_size", r"16 exceeds engine.max_batch_size 8"),
+    "triton-batch": (HEAD + "engine:\n  max_batch_size: 8\ntriton:\n  max_batch_size: 16\n", 7, 19, "triton.max_batch_size", r"triton.max_batch_size 16 exceeds engine.max_batch_size 8"),
+    "engine-batch-below-triton-default": (HEAD + "engine:\n  max_batch_size: 8\n", 5, 19, "engine.max_batch_size", r"triton.max_batch_size 64 exceeds engine.max_batch_size 8"),
     "int8-kv-reuse": (HEAD + "quantization:\n  kv_cache: int8\n", 5, 13, "quantization.kv_cache", r"int8 KV cache disables paged context FMHA and with it KV reuse .*"),
     "ports-clash": (HEAD + "triton:\n  http_port: 8000\n  grpc_port: 8000\n", 6, 14, "triton.grpc_port", r"port 8000 is already triton.http_port"),
     "workers-vs-ranks": (HEAD + "engine:\n  workers: 4\n", 5, 12, "engine.workers", r"4 workers for 1 engine\(s\) \(tp\*pp\); trtllm-build caps workers at that"),
@@ -213,3 +216,31 @@ def test_real_subprocess_exit_code_and_message(write, stories_dir):
     assert proc.stdout == ""
     assert proc.stderr == (f"{path}:5:9: quantization.algo: 'int3' is not allowed "
                            "(allowed: none, fp8, int8_sq, int8_wo, int4_wo, int4_awq, w4a8_awq)\n")
+
+
+def test_special_files_are_refused_not_read(tmp_path):
+    fifo = tmp_path / "pipe.yaml"
+    os.mkfifo(fifo)  # reading it would block forever
+    result = run_cli("validate", str(fifo))
+    assert (result.exit_code, result.stderr) == (2, f"{fifo}: is not a regular file\n")
+
+
+def test_oversized_file_is_refused(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_text("# padding\n" * 200_000)
+    result = run_cli("validate", str(big))
+    assert (result.exit_code, result.stderr) == (2, f"{big}: is 2000000 bytes; a recipe is a small YAML file\n")
+
+
+def test_yaml_alias_bomb_is_reported_quickly(write, stories_dir):
+    """9 levels of 9 aliases: 387 million strings if expanded; positions and validation must not expand them."""
+    lines = ["a: &a [" + ", ".join(["lol"] * 9) + "]"]
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        lines.append(f"{name}: &{name} [" + ", ".join([f"*{prev}"] * 9) + "]")
+    lines += ["name: t", "model:", f"  source: {stories_dir}", "quantization:", "  exclude: *i"]
+    path = write("\n".join(lines) + "\n")
+    result = run_cli("validate", str(path))
+    assert result.exit_code == 2
+    assert f"{path}:1:1: a: unknown key (allowed: name, work_dir, model, quantization, parallel, engine, accuracy, triton)" in result.stderr
+    # an aliased value is reported where it is defined: exclude's items are *h, anchored at line 8 column 4
+    assert f"{path}:8:4: quantization.exclude.8: must be a string (got a list)" in result.stderr

@@ -116,3 +116,37 @@ def test_arbitrary_files_raise_only_recipe_error(text, recipe_path):
     st.text(max_size=15)), max_size=4))
 def test_overrides_raise_only_recipe_error(overrides, stories_dir):
     _check(RECIPES / "stories-fp8.yaml", overrides)
+
+
+MODEL_DIRS = [RECIPES / "configs" / m for m in ("llama-3.1-70b", "llama-3-8b", "llama-2-13b", "mixtral-8x7b")]
+VALID_SHAPED = st.fixed_dictionaries({
+    "name": st.just("p"),
+    "model": st.fixed_dictionaries({"source": st.sampled_from(["STORIES"] + [str(d) for d in MODEL_DIRS]),
+                                    "dtype": st.sampled_from(["auto", "float16", "bfloat16", "float32"])}),
+    "quantization": st.fixed_dictionaries({
+        "algo": st.sampled_from(["none", "fp8", "int8_sq", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq"]),
+        "kv_cache": st.sampled_from(["none", "fp8", "int8"]), "group_size": st.sampled_from([32, 64, 128, 256])}),
+    "parallel": st.fixed_dictionaries({"tp": st.sampled_from([1, 2, 4, 8]), "pp": st.integers(1, 6),
+                                       "moe_ep": st.sampled_from([-1, 1, 2]), "moe_tp": st.sampled_from([-1, 1, 2])}),
+    "engine": st.fixed_dictionaries({
+        "gpu": st.sampled_from(["h100-sxm-80gb", "a100-sxm-80gb", "l4-24gb", "b200-180gb", "a10g-24gb", "no-such-gpu"]),
+        "max_batch_size": st.integers(1, 4096), "max_input_len": st.integers(1, 10**6),
+        "max_seq_len": st.none() | st.integers(2, 10**6), "max_num_tokens": st.integers(1, 10**6),
+        "max_beam_width": st.integers(1, 16), "workers": st.integers(1, 8), "plugins": st.sampled_from(["auto", "no-such-preset"]),
+        "kv_cache": st.fixed_dictionaries({
+            "tokens_per_block": st.sampled_from([1, 8, 32, 64, 1024]), "free_gpu_memory_fraction": st.floats(0.01, 0.99),
+            "max_tokens": st.none() | st.integers(1, 2**31 - 1), "enable_reuse": st.booleans()})}),
+    "triton": st.fixed_dictionaries({
+        "max_batch_size": st.integers(1, 4096), "streaming": st.booleans(), "bls": st.booleans(),
+        "batching_strategy": st.sampled_from(["inflight_fused_batching", "inflight_batching", "v1"])}),
+})
+
+
+@SETTINGS
+@given(recipe=VALID_SHAPED)
+def test_schema_valid_recipes_never_crash_a_rule(recipe, recipe_path, stories_dir):
+    """Every registered rule (this package's, quantization's, the engine's) on in-range values of every kind."""
+    if recipe["model"]["source"] == "STORIES":
+        recipe["model"]["source"] = str(stories_dir)
+    recipe_path.write_text(yaml.safe_dump(recipe))
+    _check(recipe_path)

@@ -175,3 +175,9 @@ def test_explain_of_a_bad_recipe_exits_2(tmp_path):
     result = run_cli("explain", str(path))
     assert result.exit_code == 2
     assert result.stderr.startswith(f"{path}:3:11: model.source: model directory not found: ")
+
+
+def test_recipes_readme_reference_is_current():
+    text = (RECIPES / "README.md").read_text()
+    block = text.split("<!-- reference: begin -->\n", 1)[1].split("<!-- reference: end -->", 1)[0]
+    assert block == run_cli("schema", "--markdown").stdout, "regenerate with: trtpipe schema --markdown"

@@ -34,15 +34,20 @@ def stories_engine(tmp_path_factory):
     return make
 
 
-def tokenizer_with_eos(tmp: Path, eos_ids: list[int]) -> Path:
-    """The stories tokenizer with ``generation_config.json`` listing several EOS ids (as Llama-3 does)."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
-        shutil.copy(STORIES / f, tmp / f)
-    gen = json.loads((STORIES / "generation_config.json").read_text())
-    gen["eos_token_id"] = eos_ids
-    (tmp / "generation_config.json").write_text(json.dumps(gen))
-    return tmp
+@pytest.fixture(scope="session")
+def tokenizer_with_eos():
+    """(dir, eos ids) -> the stories tokenizer with a generation_config listing several EOS ids (as Llama-3 does)."""
+
+    def make(tmp: Path, eos_ids: list[int]) -> Path:
+        tmp.mkdir(parents=True, exist_ok=True)
+        for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+            shutil.copy(STORIES / f, tmp / f)
+        gen = json.loads((STORIES / "generation_config.json").read_text())
+        gen["eos_token_id"] = eos_ids
+        (tmp / "generation_config.json").write_text(json.dumps(gen))
+        return tmp
+
+    return make
 
 
 @pytest.fixture(scope="session")

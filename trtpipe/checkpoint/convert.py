@@ -21,7 +21,7 @@ import torch
 
 from trtpipe.checkpoint.hf import FLOATS, HFReader, open_hf
 from trtpipe.checkpoint.shard import Layout, pp_layers, split_even, split_experts, split_linear_tensor, split_vocab, pad_dim
-from trtpipe.checkpoint.writer import RankFile, atomic_dir, write_json
+from trtpipe.checkpoint.writer import RankFile, atomic_dir, write_json, write_same
 from trtpipe.errors import CheckpointError
 from trtpipe.models import Family, Rule, get_family
 from trtpipe.models.family import dims
@@ -355,12 +355,15 @@ def _write_tensor(pool, files, reader, plan, name, t, what) -> None:
     ranks = plan.ranks_of(name)
     local = local_name(name, plan)
 
-    def one(rank):
-        shard = _split(t, rule, suffix, plan, rank % plan.tp, name)
-        check = what if (what and (rank == ranks[0] or shard is not t)) else None
-        files[rank].write(local, shard, check=check, after_chunk=reader.drop_pages)
-
-    for job in [pool.submit(one, r) for r in ranks]:
+    shards = {r: _split(t, rule, suffix, plan, r % plan.tp, name) for r in ranks}  # views, or small copies
+    same = [r for r in ranks if shards[r] is t]
+    jobs = []
+    if same:  # replicated: read each chunk once, write it to every rank file
+        jobs.append(pool.submit(write_same, [files[r] for r in same], local, t, what, reader.drop_pages))
+    for r in ranks:
+        if shards[r] is not t:
+            jobs.append(pool.submit(files[r].write, local, shards[r], what, reader.drop_pages))
+    for job in jobs:
         job.result()
 
 

@@ -55,6 +55,15 @@ class RankFile:
         os.pwrite(self.fd, len(raw).to_bytes(8, "little") + raw, 0)
         os.ftruncate(self.fd, self.size)
 
+    def slot(self, name: str, t: torch.Tensor) -> tuple[torch.dtype, int]:
+        """(planned dtype, absolute file offset) of ``name``, after checking ``t`` has the planned shape."""
+        if name not in self.slots:
+            raise CheckpointError(f"{self.path.name}: tensor '{name}' was not planned")
+        dtype, shape, offset = self.slots[name]
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"{self.path.name}: tensor '{name}' has shape {list(t.shape)}, planned {list(shape)}")
+        return dtype, self.base + offset
+
     def write(self, name: str, t: torch.Tensor, check: Optional[str] = None,
               after_chunk: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         """Write ``t`` (any strides; cast to the planned dtype chunk by chunk) into its slot.
@@ -63,29 +72,39 @@ class RankFile:
             check: when given, refuse NaN/Inf in the source data; the error starts with this text.
             after_chunk: called with each source chunk once written (drops mapped pages).
         """
-        if name not in self.slots:
-            raise CheckpointError(f"{self.path.name}: tensor '{name}' was not planned")
-        dtype, shape, offset = self.slots[name]
-        if tuple(t.shape) != shape:
-            raise CheckpointError(f"{self.path.name}: tensor '{name}' has shape {list(t.shape)}, planned {list(shape)}")
-        pos = self.base + offset
-        for chunk in row_chunks(t, CHUNK_BYTES):
-            if check is not None and has_non_finite(chunk):
-                raise non_finite_error(chunk, check)
-            buf = chunk.to(dtype).contiguous().reshape(-1).view(torch.uint8)
-            data = memoryview(buf.numpy())
-            while data:
-                n = os.pwrite(self.fd, data, pos)
-                data, pos = data[n:], pos + n
-            if after_chunk is not None:
-                after_chunk(chunk)
-        self.written.add(name)
+        write_same([self], name, t, check, after_chunk)
 
     def close(self) -> None:
         missing = set(self.slots) - self.written
         os.close(self.fd)
         if missing:
             raise CheckpointError(f"{self.path.name}: tensor '{sorted(missing)[0]}' was planned but never written")
+
+
+def _pwrite_all(fd: int, data: memoryview, pos: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, pos)
+        data, pos = data[n:], pos + n
+
+
+def write_same(files: list[RankFile], name: str, t: torch.Tensor, check: Optional[str] = None,
+               after_chunk: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+    """Write one tensor into several files (a replicated tensor): each chunk is read, checked and cast once."""
+    slots = [f.slot(name, t) for f in files]
+    positions = [pos for _, pos in slots]
+    for chunk in row_chunks(t, CHUNK_BYTES):
+        if check is not None and has_non_finite(chunk):
+            raise non_finite_error(chunk, check)
+        cast: dict = {}
+        for i, (f, (dtype, _)) in enumerate(zip(files, slots)):
+            if dtype not in cast:
+                cast[dtype] = memoryview(chunk.to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy())
+            _pwrite_all(f.fd, cast[dtype], positions[i])
+            positions[i] += len(cast[dtype])
+        if after_chunk is not None:
+            after_chunk(chunk)
+    for f in files:
+        f.written.add(name)
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from trtpipe.engine.ckptconfig import predicted_checkpoint_config, read_checkpoi
 from trtpipe.engine.gpus import CATALOG, get_gpu
 from trtpipe.engine.planner import GiB, Plan, plan_build
 from trtpipe.errors import EngineError, Problem, RecipeError
-from trtpipe.models.hfconfig import HFModelInfo, parse_hf_config, read_hf_config
+from trtpipe.models.hfconfig import HFModelInfo, parse_hf_config
 from trtpipe.recipe import load_recipe
 from trtpipe.recipe.rules import RULES, _load_plugin_rules, load_model_info
 from trtpipe.recipe.schema import Recipe
@@ -60,12 +60,33 @@ def _check(recipe: Recipe, info: HFModelInfo) -> None:
         raise RecipeError(problems)
 
 
+def built_checkpoint(recipe: Recipe) -> Optional[Path]:
+    """The engine stage's input artifact if this recipe already built it (quantize if enabled, else checkpoint)."""
+    from trtpipe.pipeline.cache import ArtifactStore
+    from trtpipe.pipeline.runner import plan_build as plan_stages
+    from trtpipe.errors import TrtpipeError
+
+    try:
+        plans, _ = plan_stages(recipe)
+    except (TrtpipeError, OSError):  # e.g. a model directory that is not on this disk
+        return None
+    by_name = {p.name: p for p in plans}
+    for name in ("quantize", "checkpoint"):
+        p = by_name.get(name)
+        if p is None or p.disabled:
+            continue
+        return ArtifactStore(recipe.work_path).path(name, p.key) if p.cached and p.key else None
+    return None
+
+
 def resolve(recipe_path: Path, overrides: Iterable[str] = (), gpu: Optional[str] = None,
             model_config: Optional[Path] = None, checkpoint: Optional[Path] = None) -> Resolved:
     """Load the recipe, predict (or read) the checkpoint config, resolve the build and plan memory."""
     overrides = list(overrides) + ([f"engine.gpu={gpu}"] if gpu else [])
     recipe = load_recipe(recipe_path, overrides, check_rules=False)
     get_gpu(recipe.engine.gpu)
+    if checkpoint is None and model_config is None:
+        checkpoint = built_checkpoint(recipe)
     if checkpoint is not None:
         cfg = read_checkpoint_config(checkpoint)
         source_bytes = 2
@@ -145,7 +166,8 @@ def build_engine(r: Resolved, out_dir: Path, log) -> dict:
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise EngineError(f"{out_dir}: output directory is not empty")
-    tmp = Path(tempfile.mkdtemp(prefix=".engine-", dir=out_dir.parent if out_dir.parent.exists() else None))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".engine-", dir=out_dir.parent))  # same filesystem: the rename is atomic
     ctx = StageContext(recipe=r.recipe, out_dir=tmp, inputs={"checkpoint": r.checkpoint},
                        log=log or logging.getLogger("trtpipe.engine"), work_dir=tmp.parent, quiet=True)
     try:

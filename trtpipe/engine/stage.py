@@ -86,12 +86,17 @@ def _extra_key(recipe: Recipe) -> dict:
         "tensorrt_llm": avail.trtllm_version if avail.ok else None,
         "gpus": list(avail.gpus) if avail.ok else [],
         "presets": h.hexdigest()[:16],
+        # an explicit engine.kv_cache.tokens_per_block wins over the preset's; a default one does not
+        "tokens_per_block_written": "tokens_per_block" in recipe.engine.kv_cache.model_fields_set,
     }
 
 
 ENGINE_STAGE = Stage(
     name="engine",
-    sections=("engine", "parallel"),
+    # What changes the engine; the runtime-only KV settings (memory fraction, reuse, ...) and workers do not.
+    sections=("engine.gpu", "engine.max_batch_size", "engine.max_input_len", "engine.max_seq_len",
+              "engine.max_num_tokens", "engine.max_beam_width", "engine.plugins", "engine.kv_cache.tokens_per_block",
+              "parallel"),
     inputs=("checkpoint", "quantize"),
     run=run_engine,
     extra_key=_extra_key,

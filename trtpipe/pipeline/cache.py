@@ -221,6 +221,10 @@ class ArtifactStore:
         Returns one line per action, for the build log.
         """
         actions: list[str] = []
+        for folder in (self.work_dir, self.work_dir / "manifests"):  # half-written manifests
+            for entry in sorted(folder.glob(f"{TMP_PREFIX}*")) if folder.is_dir() else []:
+                _remove(entry)
+                actions.append(f"removed stale {entry}")
         if not self.root.is_dir():
             return actions
         for stage_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
@@ -234,9 +238,16 @@ class ArtifactStore:
                         fsync_dir(stage_dir)
                         actions.append(f"restored {final} (a build was killed while replacing it)")
                         continue
-                    shutil.rmtree(entry, ignore_errors=True)
+                    _remove(entry)
                     actions.append(f"removed {entry}")
                 elif entry.name.startswith(TMP_PREFIX):
-                    shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+                    _remove(entry)
                     actions.append(f"removed stale {entry}")
         return actions
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 from rich.console import Console
+from rich.markup import escape
 
 from trtpipe.errors import StageError, TrtpipeError
 from trtpipe.pipeline.cache import ArtifactStore, WorkDirLock, sha256_file
@@ -24,9 +25,9 @@ from trtpipe.pipeline.logs import BuildLogs, new_build_id, timestamp
 from trtpipe.pipeline.manifest import MANIFEST_FORMAT, summary, write_manifest
 from trtpipe.pipeline.measure import PeakRss
 from trtpipe.pipeline.stage import Stage, StageContext
+from trtpipe.pipeline.stages import STAGE_NAMES, StageLoadError, load_stages
 from trtpipe.pipeline.versions import collect_versions
 from trtpipe.recipe.schema import Recipe
-
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class StagePlan:
     stage: Optional[Stage]  # None when its module is not available
     runnable: bool = False  # available, enabled, and every input it reads is available
     reason: str = ""  # why it is not runnable
+    disabled: bool = False  # enabled(recipe) is False: skipped, and absent from later stages' inputs
     key: Optional[str] = None
     material: Optional[dict] = None
     cached: bool = False
@@ -63,7 +65,11 @@ class BuildResult:
         return next(s for s in self.manifest["stages"] if s["name"] == name)
 
     def artifact(self, name: str) -> Path:
-        return Path(self.manifest["work_dir"]) / self.stage(name)["artifact"]
+        """The artifact folder of a stage this build ran or found cached."""
+        entry = self.stage(name)
+        if entry["status"] not in ("ran", "cached"):
+            raise StageError(f"stage {name} has no artifact in this build ({entry.get('reason') or entry['status']})")
+        return Path(self.manifest["work_dir"]) / entry["artifact"]
 
     def summary(self) -> dict:
         return summary(self.manifest)
@@ -88,7 +94,6 @@ def _stage_list(stages: Optional[Sequence[Stage]]) -> tuple[list[tuple[str, Opti
     if stages is not None:
         _check_order(stages)
         return [(s.name, s) for s in stages], {}
-    from trtpipe.pipeline.stages import STAGE_NAMES, load_stages
 
     table = load_stages()
     by_name = {s.name: s for s in table.stages}
@@ -113,10 +118,13 @@ def plan_build(recipe: Recipe, stages: Optional[Sequence[Stage]] = None) -> tupl
             plan.reason = f"not available: {unavailable[name]}"
             continue
         if not stage.enabled(recipe):
-            plan.reason = "disabled by the recipe"
+            plan.reason, plan.disabled = "disabled by the recipe", True
             continue
-        inputs = [plans[i] for i in stage.inputs if i in plans]
-        blocked = [i.name for i in inputs if i.reason and i.reason != "disabled by the recipe"]
+        unknown = [i for i in stage.inputs if i not in plans]
+        if unknown:
+            raise StageLoadError(f"stage {name} reads {', '.join(unknown)}, which is not an earlier stage")
+        inputs = [plans[i] for i in stage.inputs]
+        blocked = [i.name for i in inputs if not i.runnable and not i.disabled]
         if blocked:
             plan.reason = f"needs {', '.join(blocked)}, which cannot run"
             continue
@@ -229,7 +237,7 @@ class _Build:
         if error is not None:
             self.store.discard(tmp)
             entry.update(status="failed", error=_one_line(error))
-            self.report.line(plan.name, f"[red]failed[/red] after {entry['wall_s']:.1f} s: {entry['error']}")
+            self.report.line(plan.name, f"[red]failed[/red] after {entry['wall_s']:.1f} s: {escape(entry['error'])}")
             return entry
         entry.update(status="ran", info=marker["info"], files=marker["files"])
         self.report.line(plan.name, f"[green]ran[/green] in {entry['wall_s']:.1f} s, peak RSS {_gb(peak.total_bytes)}")
@@ -323,12 +331,12 @@ def _run_stages(build: _Build, plans: list[StagePlan], first: int, last: int, fo
             entry["artifact"] = _rel(build.store.path(plan.name, plan.key), work_dir)
         if not plan.runnable:
             entry.update(status="skipped", reason=plan.reason)
-            build.report.line(plan.name, f"[dim]skipped: {plan.reason}[/dim]")
+            build.report.line(plan.name, f"[dim]skipped: {escape(plan.reason)}[/dim]")
             continue
         if failed is not None or i > last:
             reason = f"{failed} failed" if failed else f"after --until {plans[last].name}"
             entry.update(status="skipped", reason=reason, cached=build.store.marker(plan.name, plan.key) is not None)
-            build.report.line(plan.name, f"[dim]skipped: {reason}[/dim]")
+            build.report.line(plan.name, f"[dim]skipped: {escape(reason)}[/dim]")
             continue
         marker = build.store.marker(plan.name, plan.key)
         if marker is not None and plan.name not in forced:

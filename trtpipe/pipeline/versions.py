@@ -101,3 +101,21 @@ def collect_versions() -> dict:
         }
     )
     return out
+
+
+# What an engine is bound to (TRTLLM_CONTRACT.md §8): a plan deserializes only with the TensorRT (and TensorRT-LLM)
+# release that built it, on a GPU of the same compute capability.
+ENGINE_BOUND = ("tensorrt_llm", "tensorrt", "gpu_compute_capability")
+
+
+def version_mismatches(recorded: dict, current: Optional[dict] = None, keys: tuple[str, ...] = ENGINE_BOUND) -> list[str]:
+    """One line per ``key`` whose recorded (manifest) value differs from this machine's; empty when all match.
+
+    Serving calls this with ``manifest["versions"]`` before loading engines.
+    """
+    current = collect_versions() if current is None else current
+    return [
+        f"{key}: built with {recorded.get(key)!s}, this machine has {current.get(key)!s}"
+        for key in keys
+        if recorded.get(key) != current.get(key)
+    ]

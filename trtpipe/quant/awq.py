@@ -59,3 +59,39 @@ def awq_scales(
         if loss < best_loss:
             best, best_loss, best_alpha = s, loss, alpha
     return 1.0 / best, best_alpha
+
+
+CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # 1.0 ... 0.5
+
+
+def awq_clip(samples: torch.Tensor, w: torch.Tensor, group_size: int, ratios=CLIP_RATIOS,
+             rows_per_chunk: int = 256) -> torch.Tensor:
+    """AWQ's weight-clipping search: per (output row, group) the clipped amax minimizing the error of that
+    group's partial dot products on the samples, ``mean_n (x_ng . (w_og - Q(w_og)))^2``.
+
+    Args:
+        samples: ``[N, in]`` inputs as the quantized weight sees them (pre-quant scale applied).
+        w: ``[out, in]`` the weight to quantize (``W / pqs``).
+
+    Returns:
+        ``[out, in/g]`` float32 amax to take the int4 scales from (amax/7).
+    """
+    x = samples.float()
+    n, d = x.shape
+    xg = x.view(n, d // group_size, group_size)  # [N, G, g]
+    out = []
+    for w_chunk in w.float().split(rows_per_chunk, dim=0):
+        wg = w_chunk.view(w_chunk.shape[0], d // group_size, group_size)  # [o, G, g]
+        amax0 = wg.abs().amax(-1)  # [o, G]
+        best_err = torch.full_like(amax0, float("inf"))
+        best = amax0.clone()
+        for r in ratios:
+            amax = (amax0 * r).clamp_min(1e-12)
+            s = (amax / 7.0).unsqueeze(-1)
+            dq = (wg / s).round().clamp(-8, 7) * s
+            err = torch.einsum("ngk,ogk->ngo", xg, wg - dq).pow(2).mean(0).T  # [o, G]
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best = torch.where(better, amax, best)
+        out.append(best)
+    return torch.cat(out)

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trtpipe.errors import QuantizationError
-from trtpipe.quant.awq import awq_scales
+from trtpipe.quant.awq import awq_clip, awq_scales
 from trtpipe.quant.layouts import LINEAR_GROUPS
 from trtpipe.quant.primitives import observe_channel_amax
 from trtpipe.quant.quantize import GroupStats, LayerStats
@@ -133,10 +133,14 @@ def _stats(obs: _Observer, tokens: int, layer_tensors: dict, settings: CalibSett
         g = GroupStats(amax=obs.amax[group], absmean=obs.abssum[group] / tokens)
         in_features = g.amax.numel()
         if settings.awq_group_size and in_features % settings.awq_group_size == 0:  # else it cannot be int4
-            samples = torch.cat(obs.samples[group])
-            ws = [layer_tensors[f"{m}.weight"] for m in members]
-            g.awq_pqs = awq_scales(samples.to(settings.device), g.absmean.to(settings.device),
-                                   [w.to(settings.device) for w in ws], settings.awq_group_size)[0].cpu()
+            dev, gs = settings.device, settings.awq_group_size
+            samples = torch.cat(obs.samples[group]).to(dev)
+            ws = [layer_tensors[f"{m}.weight"].to(dev) for m in members]
+            pqs = awq_scales(samples, g.absmean.to(dev), ws, gs)[0]
+            pqs = pqs.to(layer_tensors[f"{members[0]}.weight"].dtype).float()  # stored in the model dtype
+            g.awq_pqs = pqs.cpu()
+            for m, w in zip(members, ws):
+                g.awq_amax[m] = awq_clip(samples * pqs, w.float() / pqs, gs).cpu()
         st.groups[group] = g
     return st
 
@@ -205,6 +209,8 @@ def save_layer_stats(out_dir: Path, i: int, st: LayerStats) -> None:
             v = getattr(g, key, None)
             if v is not None:
                 t[f"{group}.{key}"] = v.contiguous()
+        for m, v in g.awq_amax.items():
+            t[f"{group}.awq_amax.{m}"] = v.contiguous()
     save_file(t, str(out_dir / STATS_FILE.format(i)))
 
 
@@ -217,6 +223,7 @@ def load_layer_stats(stats_dir: Path, i: int) -> LayerStats:
     for group in LINEAR_GROUPS:
         g = GroupStats(amax=t[f"{group}.amax"], absmean=t.get(f"{group}.absmean"))
         g.awq_pqs = t.get(f"{group}.awq_pqs")
+        g.awq_amax = {k[len(group) + len(".awq_amax."):]: v for k, v in t.items() if k.startswith(f"{group}.awq_amax.")}
         st.groups[group] = g
     return st
 

@@ -32,6 +32,7 @@ class GroupStats:
     absmean: Optional[torch.Tensor] = None  # per-channel mean |x| (AWQ)
     samples: Optional[torch.Tensor] = None  # [N, in] a subsample of input rows (AWQ search)
     awq_pqs: Optional[torch.Tensor] = None  # the AWQ search's result, when calibration already ran it
+    awq_amax: dict = field(default_factory=dict)  # member linear -> [out, in/g] clipped amax (AWQ clip search)
 
 
 @dataclass
@@ -69,7 +70,12 @@ def layer_params(algo: Algo, weights: dict[str, torch.Tensor], stats: LayerStats
         ws = [w / pqs if pqs is not None else w for w in ws]
         shared_amax = torch.stack([w.abs().amax() for w in ws]).amax().reshape(1)
         for m, w in zip(members, ws):
-            amax = shared_amax if gran == "tensor" else observe_amax(w, gran)
+            if gran == "tensor":
+                amax = shared_amax
+            elif st is not None and m in st.awq_amax and algo.prequant == "awq":
+                amax = st.awq_amax[m]  # clipped by the AWQ search, for this same W / pqs
+            else:
+                amax = observe_amax(w, gran)
             p = {"weight": w, "weights_scaling_factor": choose_qparams(amax, algo.weight_fmt)}
             if pqs is not None:
                 p["prequant_scaling_factor"] = pqs

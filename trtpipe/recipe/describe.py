@@ -111,14 +111,14 @@ def reference_markdown() -> str:
     """The recipe reference (every key, type, default, range), generated from the schema for recipes/README.md."""
     from pydantic import BaseModel
 
-    from trtpipe.recipe.loader import _first_model
+    from trtpipe.recipe.messages import first_model
 
     out: list[str] = []
 
     def table(model: type[BaseModel], prefix: str) -> None:
         rows, subs = [], []
         for name, field in model.model_fields.items():
-            sub = _first_model(field.annotation)
+            sub = first_model(field.annotation)
             if sub is not None:
                 subs.append((sub, prefix + name))
                 continue

@@ -124,6 +124,11 @@ def deduced_max_seq_len(m: HFModelInfo) -> int:
     return int(length)
 
 
+def _written(recipe: Recipe, *keys: str) -> str:
+    """The first of ``keys`` the recipe sets (errors point at what the user wrote, not at a default)."""
+    return next((k for k in keys if recipe.written(k)), keys[0])
+
+
 @rule
 def _parallel_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
     p = recipe.parallel
@@ -162,7 +167,8 @@ def _parallel_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findi
 def _engine_limits(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
     e = recipe.engine
     if e.max_seq_len is not None and e.max_input_len > e.max_seq_len:
-        yield "engine.max_input_len", f"{e.max_input_len} exceeds engine.max_seq_len {e.max_seq_len}"
+        key = _written(recipe, "engine.max_input_len", "engine.max_seq_len")
+        yield key, f"engine.max_input_len {e.max_input_len} exceeds engine.max_seq_len {e.max_seq_len}"
     elif e.max_seq_len is None and m is not None and recipe.written("engine.max_input_len"):
         limit = deduced_max_seq_len(m)
         if e.max_input_len > limit:
@@ -175,7 +181,8 @@ def _engine_limits(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding
             f"{e.workers} workers for {recipe.parallel.world_size} engine(s) (tp*pp); trtllm-build caps workers at that"
         )
     if recipe.triton.max_batch_size > e.max_batch_size:
-        yield "triton.max_batch_size", f"{recipe.triton.max_batch_size} exceeds engine.max_batch_size {e.max_batch_size}"
+        key = _written(recipe, "triton.max_batch_size", "engine.max_batch_size")
+        yield key, f"triton.max_batch_size {recipe.triton.max_batch_size} exceeds engine.max_batch_size {e.max_batch_size}"
     if e.kv_cache.enable_reuse and recipe.quantization.kv_cache == "int8":
         # Contract §4.2/§5: INT8 KV turns paged context FMHA off, and the runtime then drops reuse silently.
         if recipe.written("engine.kv_cache.enable_reuse"):

@@ -205,8 +205,9 @@ def token_ids(tokenizer_dir: Path) -> TokenIds:
 
     try:
         tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    except Exception as exc:  # transformers raises many types; name the directory
-        raise ServingError(f"{tokenizer_dir}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from exc
+    except Exception as exc:  # transformers raises many types; name the directory, keep one line
+        why = " ".join(str(exc).split())[:300]
+        raise ServingError(f"{tokenizer_dir}: cannot load the tokenizer ({type(exc).__name__}: {why})") from exc
     if tok.eos_token_id is not None and int(tok.eos_token_id) not in eos:
         eos.append(int(tok.eos_token_id))
     if not eos:
@@ -462,12 +463,16 @@ def _link_tree(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, copy_function=link)
 
 
-def copy_tokenizer(tokenizer_dir: Path, dst: Path) -> None:
+def tokenizer_files(tokenizer_dir: Path) -> list[Path]:
     files = [Path(tokenizer_dir) / f for f in TOKENIZER_FILES if (Path(tokenizer_dir) / f).exists()]
     if not any(f.name in ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model") for f in files):
         raise ServingError(f"{tokenizer_dir}: no tokenizer files (tokenizer.json / tokenizer.model) to copy")
+    return files
+
+
+def copy_tokenizer(tokenizer_dir: Path, dst: Path) -> None:
     dst.mkdir(parents=True)
-    for f in files:
+    for f in tokenizer_files(tokenizer_dir):
         shutil.copy2(f, dst / f.name)
 
 
@@ -485,6 +490,7 @@ def write_repo(recipe: Recipe, engine_dir: Path, tokenizer_dir: Path, out: Path)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ServingError(f"{out}: already exists; remove it or choose another directory")
     engine = EngineInfo.read(engine_dir)
+    tokenizer_files(tokenizer_dir)
     ids = token_ids(tokenizer_dir)
     configs = repo_configs(recipe, engine, ids)
     texts = {name: to_pbtxt(c) for name, c in configs.items()}

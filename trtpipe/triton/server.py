@@ -169,6 +169,24 @@ def mpirun_command(
     return cmd
 
 
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie counts as gone (and is reaped when it is our own child)."""
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
         text = path.read_text(errors="replace").splitlines()
@@ -221,11 +239,7 @@ class Server:
     def alive(self) -> bool:
         if self._proc is not None:
             return self._proc.poll() is None
-        try:
-            os.kill(self.pid, 0)
-        except OSError:
-            return False
-        return True
+        return pid_alive(self.pid)
 
     def ready(self) -> bool:
         return _ready(self.http_url)
@@ -319,30 +333,50 @@ def start_server(
         proc = _spawn(cmd, server_env(), log, cwd=log.parent)
         server = Server(proc.pid, str(repo), bind, use, str(log), prefix, _proc=proc)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                break
-            if server.ready():
-                if detach:
-                    try:
-                        state.parent.mkdir(parents=True, exist_ok=True)
-                        server.state_file = str(state)
-                        state.write_text(server.to_json())
-                    except BaseException:
-                        server.stop()
-                        raise
-                return server
-            time.sleep(0.25)
+        try:
+            up = _wait_ready(server, deadline)
+        except BaseException:  # Ctrl-C / SIGTERM during start-up: do not leave the server behind
+            server.stop()
+            raise
+        if up:
+            if detach:
+                try:
+                    state.parent.mkdir(parents=True, exist_ok=True)
+                    server.state_file = str(state)
+                    state.write_text(server.to_json())
+                except BaseException:
+                    server.stop()
+                    raise
+            return server
         tail = log_tail(log)
         if proc.poll() is None:  # timed out while alive
             server.stop()
-            raise ServingError(f"tritonserver on {repo} not ready after {timeout:.0f} s; log {log}:\n{tail}")
+            raise ServingError(f"tritonserver on {repo} not ready after {timeout:.0f} s ({_cause(tail)}); "
+                               f"log {log}:\n{tail}")
         clean_shm(prefix)
         last_error = tail
         if "already in use" in tail and ports is None:
             continue
         break
-    raise ServingError(f"tritonserver on {repo} exited during start-up; log {log}:\n{last_error}")
+    raise ServingError(f"tritonserver on {repo} exited during start-up: {_cause(last_error)}; log {log}:\n{last_error}")
+
+
+def _cause(tail: str) -> str:
+    """The last error line of a tritonserver log (``E1130 12:00:00.0 123 file.cc:42] "message"``)."""
+    errors = [ln for ln in tail.splitlines() if ln[:1] == "E" and ln[1:5].isdigit()]
+    line = errors[-1] if errors else (tail.splitlines() or ["no log output"])[-1]
+    return line.split("] ", 1)[-1].strip().strip('"')
+
+
+def _wait_ready(server: Server, deadline: float) -> bool:
+    """Poll readiness until ``deadline``; False when the process exited or time ran out."""
+    while time.monotonic() < deadline:
+        if not server.alive():
+            return False
+        if server.ready():
+            return True
+        time.sleep(0.25)
+    return False
 
 
 def load_state(path: Path) -> Optional[Server]:
@@ -384,21 +418,24 @@ def stop_detached(repo: Optional[Path] = None) -> list[Server]:
     return servers
 
 
-def serve_forever(server: Server) -> int:
-    """Block until the server exits or we get Ctrl-C/SIGTERM; then stop it cleanly. Returns its exit code."""
-    stopping = {"flag": False}
+def sigterm_as_interrupt() -> None:
+    """Make SIGTERM behave like Ctrl-C (KeyboardInterrupt), so every wait below cleans up the same way."""
 
     def _term(signum, frame):
-        stopping["flag"] = True
+        raise KeyboardInterrupt
 
-    old = signal.signal(signal.SIGTERM, _term)
+    signal.signal(signal.SIGTERM, _term)
+
+
+def serve_forever(server: Server) -> int:
+    """Block until the server exits or we get Ctrl-C (or SIGTERM, see :func:`sigterm_as_interrupt`); then stop
+    it cleanly. Returns 0 after an interrupt; raises with the log tail when the server died on its own."""
     try:
-        while server.alive() and not stopping["flag"]:
+        while server.alive():
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
     finally:
-        signal.signal(signal.SIGTERM, old)
         was_alive = server.alive()
         server.stop()
     if not was_alive:

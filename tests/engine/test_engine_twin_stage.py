@@ -1,0 +1,161 @@
+"""The CPU twin engine and the engine stage on this machine (no TensorRT-LLM, no GPU)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from engine_helpers import SHARED, write_checkpoint
+from trtpipe.cli import main
+from trtpipe.engine import build_config as bc
+from trtpipe.engine.ckptconfig import read_checkpoint_config
+from trtpipe.engine.stage import ENGINE_STAGE, run_engine
+from trtpipe.engine.trtllm import availability
+from trtpipe.engine.twin import TWIN_FILE, write_twin_engine
+from trtpipe.errors import EngineError
+from trtpipe.pipeline.stage import StageContext
+from trtpipe.recipe import load_recipe
+
+STORIES = SHARED / "models" / "stories260k"
+TINY = {"architecture": "LlamaForCausalLM", "dtype": "float16", "hidden_size": 64, "num_hidden_layers": 5,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_size": 8, "intermediate_size": 172,
+        "vocab_size": 512, "max_position_embeddings": 512,
+        "mapping": {"world_size": 2, "tp_size": 2, "pp_size": 1, "rank": 0},
+        "quantization": {"quant_algo": None, "kv_cache_quant_algo": None}}
+
+
+@pytest.fixture(scope="module")
+def stories_tp2(tmp_path_factory):
+    """stories260k converted by the real converter at tp=2, float16."""
+    from trtpipe.checkpoint.convert import convert
+
+    return convert(STORIES, tmp_path_factory.mktemp("ckpt") / "tp2", tp=2, dtype="float16")
+
+
+def recipe_file(tmp_path, extra: str = "", tp: int = 2):
+    p = tmp_path / "stories.yaml"
+    p.write_text(f"name: stories\nmodel:\n  source: {STORIES}\n  dtype: float16\nparallel:\n  tp: {tp}\n"
+                 f"engine:\n  max_batch_size: 8\n  max_input_len: 256\n  max_num_tokens: 2048\n  workers: 2\n"
+                 f"triton:\n  max_batch_size: 8\n{extra}")
+    return p
+
+
+def test_this_machine_has_no_trtllm():
+    a = availability()
+    assert not a.ok and "TensorRT-LLM is not installed" in a.reason
+
+
+def test_write_twin_engine_layout(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "ckpt", TINY, world_size=2)
+    build_cfg = {"max_batch_size": 8, "plugin_config": {"tokens_per_block": 32}}
+    out = write_twin_engine(ckpt, tmp_path / "engine", build_cfg, recipe_path="r.yaml")
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint", "config.json", TWIN_FILE]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["version"] == "1.2.1" and cfg["build_config"] == build_cfg
+    assert cfg["pretrained_config"]["mapping"] == {"world_size": 2, "tp_size": 2, "pp_size": 1}  # rank stripped
+    twin = json.loads((out / TWIN_FILE).read_text())
+    assert twin["kind"] == "cpu-twin" and twin["command"] == "trtpipe build r.yaml --from engine" and twin["reason"]
+    copied = sorted(p.name for p in (out / "checkpoint").iterdir())
+    assert copied == sorted(p.name for p in ckpt.iterdir())
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "rank1.safetensors"} <= set(copied)
+    for name in copied:  # hardlinked: the same inode, no bytes copied
+        assert os.stat(out / "checkpoint" / name).st_ino == os.stat(ckpt / name).st_ino
+    assert not list(out.glob("rank*.engine"))
+
+
+def test_write_twin_engine_refuses_bad_input(tmp_path):
+    with pytest.raises(EngineError, match="no config.json"):
+        write_twin_engine(tmp_path, tmp_path / "e1", {})
+    ckpt = write_checkpoint(tmp_path / "ckpt", TINY, world_size=1)  # config says world_size 2
+    with pytest.raises(EngineError, match="1 rank files for world_size 2"):
+        write_twin_engine(ckpt, tmp_path / "e2", {})
+    assert not (tmp_path / "e2").exists()
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("x")
+    ok = write_checkpoint(tmp_path / "ok", {**TINY, "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1}})
+    with pytest.raises(EngineError, match="not empty"):
+        write_twin_engine(ok, busy, {})
+
+
+def _ctx(tmp_path, recipe, inputs):
+    out = tmp_path / "out"
+    out.mkdir()
+    return StageContext(recipe=recipe, out_dir=out, inputs=inputs, log=logging.getLogger("test.engine"),
+                        work_dir=tmp_path, quiet=True)
+
+
+def test_engine_stage_writes_the_twin_of_a_converted_checkpoint(tmp_path, stories_tp2, caplog):
+    recipe = load_recipe(recipe_file(tmp_path))
+    ctx = _ctx(tmp_path, recipe, {"checkpoint": stories_tp2})
+    with caplog.at_level(logging.INFO, logger="test.engine"):
+        run_engine(ctx)
+    text = caplog.text
+    assert "TensorRT engines need TensorRT-LLM 1.2.x on a GPU" in text
+    assert f"trtpipe build {recipe.path} --from engine" in text
+    out = ctx.out_dir
+    cfg = json.loads((out / "config.json").read_text())
+    ckpt_cfg = read_checkpoint_config(stories_tp2)
+    build = bc.resolve_build(recipe, ckpt_cfg)
+    assert cfg["build_config"] == bc.to_json(build.config)
+    assert cfg["build_config"]["max_seq_len"] == 512  # deduced from max_position_embeddings
+    assert cfg["pretrained_config"]["num_key_value_heads"] == 4 and cfg["pretrained_config"]["mapping"]["tp_size"] == 2
+    assert "rank" not in cfg["pretrained_config"]["mapping"]
+    assert sorted(p.name for p in (out / "checkpoint").glob("rank*.safetensors")) == ["rank0.safetensors", "rank1.safetensors"]
+    assert (out / "checkpoint" / "tokenizer.json").is_file()
+    lock = json.loads((out / "trtpipe_lock.json").read_text())
+    assert lock["engine"] == "cpu-twin" and lock["lockfile"]["tensorrt_llm"] is None and lock["lockfile"]["gpus"] == []
+    assert ctx.info["plan"]["fits"] and ctx.info["plan"]["weights_from"] == "checkpoint"
+    assert ctx.info["command"][:3] == ["trtllm-build", "--checkpoint_dir", "CHECKPOINT_DIR"]
+
+
+def test_engine_stage_prefers_the_quantized_checkpoint(tmp_path, stories_tp2):
+    recipe = load_recipe(recipe_file(tmp_path))
+    ctx = _ctx(tmp_path, recipe, {"checkpoint": tmp_path / "does-not-exist", "quantize": stories_tp2})
+    run_engine(ctx)
+    assert (ctx.out_dir / "checkpoint" / "rank1.safetensors").is_file()
+    assert ENGINE_STAGE.name == "engine" and ENGINE_STAGE.inputs == ("checkpoint", "quantize")
+    key = ENGINE_STAGE.extra_key(recipe)
+    assert key["tensorrt_llm"] is None and len(key["presets"]) == 16
+
+
+def test_engine_stage_refuses_what_the_builder_would_change(tmp_path, stories_tp2):
+    recipe = load_recipe(recipe_file(tmp_path, tp=2), check_rules=False)
+    recipe.engine.plugins.overrides = {"user_buffer": True}  # without reduce_fusion: the builder turns it off
+    ctx = _ctx(tmp_path, recipe, {"checkpoint": stories_tp2})
+    with pytest.raises(EngineError, match="user_buffer needs reduce_fusion"):
+        run_engine(ctx)
+    assert list(ctx.out_dir.iterdir()) == []
+
+
+def test_cli_engine_prints_and_builds(tmp_path, stories_tp2):
+    path = recipe_file(tmp_path)
+    res = CliRunner().invoke(main, ["engine", str(path), "--checkpoint", str(stories_tp2)])
+    assert res.exit_code == 0, res.output
+    assert "trtllm-build --checkpoint_dir" in res.output and '"max_seq_len": 512' in res.output
+    out = tmp_path / "engine"
+    res = CliRunner().invoke(main, ["engine", str(path), "--checkpoint", str(stories_tp2), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "cpu-twin engine" in res.output and (out / TWIN_FILE).is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".engine-")]
+    res = CliRunner().invoke(main, ["engine", str(path), "--checkpoint", str(stories_tp2), "--out", str(out)])
+    assert res.exit_code == 1 and "not empty" in res.output
+
+
+def test_predicted_weight_bytes_equal_the_converted_checkpoint(tmp_path, stories_tp2):
+    """The planner's config.json arithmetic against the bytes the real converter wrote (tp=2, float16)."""
+    from trtpipe.engine import planner
+    from trtpipe.engine.ckptconfig import predicted_checkpoint_config
+    from trtpipe.models.hfconfig import read_hf_config
+
+    recipe = load_recipe(recipe_file(tmp_path))
+    predicted = predicted_checkpoint_config(read_hf_config(STORIES), recipe)
+    real = read_checkpoint_config(stories_tp2)
+    s = planner.Shapes.of(predicted)
+    assert planner.weight_bytes(s, 2, 1) == planner.checkpoint_weight_bytes(stories_tp2, 2, 1)
+    build = bc.resolve_build(recipe, real)
+    assert bc.to_json(build.config) == bc.to_json(bc.resolve_build(recipe, predicted).config)

@@ -1,0 +1,87 @@
+"""Calibration: data loading, observers against a direct computation, spilling, the stats artifact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trtpipe.errors import QuantizationError
+from trtpipe.quant.calibrate import ActivationBuffer, CalibSettings, calibrate, load_layer_stats, save_layer_stats
+from trtpipe.quant.data import read_texts, token_windows
+from trtpipe.quant.writer import TrtllmSource
+from trtpipe.runtime import load_checkpoint
+from trtpipe.runtime.model import rms_norm
+
+
+def test_read_texts_formats(tmp_path):
+    (tmp_path / "a.txt").write_text("one story")
+    (tmp_path / "b.jsonl").write_text('{"body": "two"}\n\n{"body": "three"}\n')
+    (tmp_path / "c.json").write_text(json.dumps([{"body": "four"}, "five"]))
+    (tmp_path / "ignored.csv").write_text("x")
+    assert read_texts(tmp_path / "b.jsonl", "body") == ["two", "three"]
+    assert read_texts(tmp_path, "body") == ["one story", "two", "three", "four", "five"]
+
+
+def test_read_texts_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{oops\n')
+    with pytest.raises(QuantizationError, match=r"bad.jsonl:2: invalid JSON"):
+        read_texts(bad)
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text('{"content": "x"}\n')
+    with pytest.raises(QuantizationError, match=r"wrong.jsonl: record 0 has no string field 'text'"):
+        read_texts(wrong)
+    with pytest.raises(QuantizationError, match="unsupported file type"):
+        (tmp_path / "x.csv").write_text("a")
+        read_texts(tmp_path / "x.csv")
+
+
+def test_token_windows_use_the_models_tokenizer(stories_tokenizer):
+    t = token_windows(["Once upon a time there was a girl."] * 20, stories_tokenizer, 4, 16, "mem")
+    assert t.shape == (4, 16) and t[0, 0] == stories_tokenizer.bos_token_id
+    assert stories_tokenizer.decode(t[0, 1:6]).startswith("Once upon a time")
+    with pytest.raises(QuantizationError, match="less than one sample of seq_len=4096"):
+        token_windows(["short"], stories_tokenizer, 4, 4096, "mem")
+
+
+def test_observed_amax_matches_a_direct_forward(stories_ckpts, stories_tokens):
+    """Layer 0's qkv input amax equals max|rmsnorm(embedding)| computed without any calibration code; later
+    layers see what the full reference model computes (the activations are passed on correctly)."""
+    tokens = stories_tokens["calib"][:4]
+    src = TrtllmSource(stories_ckpts[2])  # un-split from tp=2 files
+    stats = calibrate(src, tokens, CalibSettings(batch_size=3))
+    model = load_checkpoint(stories_ckpts[1])
+    x = model.embed(tokens)
+    h = rms_norm(x, model.layers[0].input_ln, model.args.norm_epsilon)
+    torch.testing.assert_close(stats[0].groups["attention.qkv"].amax, h.abs().amax(dim=(0, 1)))
+    for layer in model.layers[:3]:
+        x = layer(x)
+    h = rms_norm(x, model.layers[3].input_ln, model.args.norm_epsilon)
+    torch.testing.assert_close(stats[3].groups["attention.qkv"].amax, h.abs().amax(dim=(0, 1)), rtol=1e-4, atol=1e-5)
+    assert stats[0].k_amax.item() > 0 and stats[0].v_amax.item() > 0
+
+
+def test_spilled_buffer_gives_the_same_statistics(stories_ckpts, stories_tokens, tmp_path):
+    tokens = stories_tokens["calib"][:4]
+    src = TrtllmSource(stories_ckpts[1])
+    ram = calibrate(src, tokens, CalibSettings(batch_size=2))
+    buf = ActivationBuffer((4, 64, 64), spill_bytes=1, spill_dir=tmp_path)
+    assert buf.spilled and any(tmp_path.iterdir())
+    buf.close()
+    spilled = calibrate(src, tokens, CalibSettings(batch_size=2, spill_bytes=1), spill_dir=tmp_path)
+    for a, b in zip(ram, spilled):
+        assert torch.equal(a.groups["mlp.proj"].amax, b.groups["mlp.proj"].amax)
+    assert not any(tmp_path.iterdir())  # spill files are removed
+
+
+def test_stats_roundtrip_and_missing_layer(stories_ckpts, stories_tokens, tmp_path):
+    st = calibrate(TrtllmSource(stories_ckpts[1]), stories_tokens["calib"][:2], CalibSettings(awq_group_size=32))
+    save_layer_stats(tmp_path, 0, st[0])
+    back = load_layer_stats(tmp_path, 0)
+    assert torch.equal(back.groups["mlp.fc+gate"].awq_pqs, st[0].groups["mlp.fc+gate"].awq_pqs)
+    assert set(back.groups["mlp.fc+gate"].awq_amax) == {"mlp.fc", "mlp.gate"}
+    assert back.groups["mlp.proj"].awq_pqs is None  # 172 inputs: no int4 groups, no search
+    with pytest.raises(QuantizationError, match="layer1.safetensors: calibration statistics for layer 1"):
+        load_layer_stats(tmp_path, 1)

@@ -1,0 +1,84 @@
+"""The CLI against real servers: ``serve --detach`` / ``infer`` / ``bench`` / ``stop`` on a repository that was
+moved after writing (relocatable), and a foreground ``serve`` stopped by SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from trtpipe.cli import main
+from trtpipe.triton.repo import write_repo
+from trtpipe.triton.server import SHM_DIR
+
+pytestmark = [pytest.mark.triton, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def moved_repo(stories_engine, stories_recipe, tmp_path_factory):
+    engine = stories_engine(1)
+    root = tmp_path_factory.mktemp("cli")
+    write_repo(stories_recipe("triton.streaming=true"), engine, engine / "checkpoint", root / "written")
+    shutil.move(root / "written", root / "moved")  # served from elsewhere: nothing may point back
+    return root / "moved"
+
+
+def _run(*args: str) -> str:
+    res = CliRunner().invoke(main, list(args))
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def test_detach_infer_stream_bench_stop(moved_repo):
+    out = _run("serve", str(moved_repo), "--detach")
+    pid = int(re.search(r"pid\s+(\d+)", out).group(1))
+    try:
+        assert "http http://127.0.0.1:" in out  # loopback by default
+        answer = _run("infer", "Once upon a time", "--server", str(moved_repo), "--max-tokens", "12")
+        assert answer.startswith(", there was a little girl named Lily")
+        streamed = _run("infer", "Once upon a time", "--server", str(moved_repo), "--max-tokens", "12", "--stream")
+        assert streamed == answer
+        report = json.loads(_run("bench", "--server", str(moved_repo), "-c", "4", "-n", "12", "--max-tokens", "8",
+                                 "--json"))
+        assert report["ok"] == 12 and report["errors"] == 0
+        assert 0 < report["latency_ms"]["p50"] <= report["latency_ms"]["p99"]
+        assert report["requests_per_s"] > 0
+    finally:
+        stopped = _run("stop", str(moved_repo))
+    assert f"stopped pid {pid}" in stopped
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not list(SHM_DIR.glob(f"trtpipe*_{pid}_*"))
+
+
+def test_foreground_serve_stops_cleanly_on_sigterm(moved_repo):
+    proc = subprocess.Popen([sys.executable, "-m", "trtpipe.cli", "serve", str(moved_repo)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "Ctrl-C to stop" in line:
+                break
+        grpc = re.search(r"grpc (\S+)", "".join(lines)).group(1)
+        answer = _run("infer", "Once upon a time", "--url", grpc, "--max-tokens", "4")
+        assert answer.strip() == ", there was a"
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, "".join(lines) + (rest or "")
+    assert "stopped" in rest
+    with pytest.raises(Exception):
+        _run("infer", "Once upon a time", "--url", grpc, "--max-tokens", "4")

@@ -1,0 +1,188 @@
+"""Repository generation without a server: config messages, the llama70b-fp8 TensorRT config (every contract
+§6.3 parameter), the ensemble wiring, default stop ids, the mpirun leader-mode dry run for tp=4, refusal of an
+engine built by another TensorRT-LLM, and atomic writing."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from trtpipe.cli import main
+from trtpipe.errors import ServingError
+from trtpipe.recipe.loader import load_recipe
+from trtpipe.triton import repo as R
+from trtpipe.triton.serve import check_engine_versions, repo_info
+
+HERE = Path(__file__).parent
+RECIPES = HERE.parents[1] / "recipes"
+
+# Contract §6.3 "Parameters read by the C++ backend" (every row of the table, names verbatim).
+SECTION_6_3 = """gpt_model_type gpt_model_path encoder_model_path max_beam_width batch_scheduler_policy
+kv_cache_free_gpu_mem_fraction max_tokens_in_paged_kv_cache cross_kv_cache_fraction kv_cache_host_memory_bytes
+kv_cache_onboard_blocks max_attention_window_size sink_token_length enable_kv_cache_reuse enable_chunked_context
+normalize_log_probs exclude_input_in_output cancellation_check_period_ms stats_check_period_ms
+iter_stats_max_iterations request_stats_max_iterations decoding_mode lookahead_window_size lookahead_ngram_size
+lookahead_verification_set_size medusa_choices eagle_choices gpu_weights_percent multi_block_mode
+enable_context_fmha_fp32_acc cuda_graph_mode cuda_graph_cache_size gpu_device_ids participant_ids num_nodes
+lora_cache_optimal_adapter_size lora_cache_max_adapter_size lora_cache_gpu_memory_fraction
+lora_cache_host_memory_bytes lora_prefetch_dir speculative_decoding_fast_logits guided_decoding_backend
+xgrammar_tokenizer_info_path tokenizer_dir executor_worker_path recv_poll_period_ms enable_trt_overlap""".split()
+
+
+@pytest.fixture(scope="module")
+def llama70b():
+    return load_recipe(RECIPES / "llama70b-fp8.yaml", check_rules=False)
+
+
+@pytest.fixture(scope="module")
+def llama70b_engine(llama70b, tmp_path_factory):
+    """The engine config.json trtllm-build would write for llama70b-fp8 (TP4), from the engine planner."""
+    from trtpipe.engine import build_config as bc
+    from trtpipe.engine.ckptconfig import predicted_checkpoint_config
+    from trtpipe.models.hfconfig import read_hf_config
+
+    cfg = predicted_checkpoint_config(read_hf_config(llama70b.resolve(llama70b.model.source)), llama70b)
+    engine = tmp_path_factory.mktemp("llama70b") / "engine"
+    engine.mkdir()
+    (engine / "config.json").write_text(json.dumps(bc.engine_config_json(cfg, bc.resolve_build(llama70b, cfg).config)))
+    return engine
+
+
+@pytest.fixture(scope="module")
+def llama70b_repo(llama70b, llama70b_engine, tmp_path_factory, tokenizer_with_eos):
+    tok = tokenizer_with_eos(tmp_path_factory.mktemp("tok") / "tokenizer", [2, 3])
+    out = tmp_path_factory.mktemp("llama70b_repo") / "repo"
+    R.write_repo(llama70b, llama70b_engine, tok, out)
+    return out
+
+
+def test_llama70b_tensorrt_llm_config_has_every_contract_parameter(llama70b, llama70b_engine):
+    config = R.tensorrt_llm_config(llama70b, R.EngineInfo.read(llama70b_engine))
+    text = R.to_pbtxt(config)
+    assert "${" not in text
+    assert config.backend == "tensorrtllm"
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    missing = [k for k in SECTION_6_3 if k not in params]
+    assert not missing
+    assert params["gpt_model_type"] == "inflight_fused_batching"
+    assert params["gpt_model_path"] == str(llama70b_engine.resolve())
+    assert params["batch_scheduler_policy"] == "max_utilization"
+    assert params["kv_cache_free_gpu_mem_fraction"] == "0.9"
+    assert params["enable_kv_cache_reuse"] == "true"
+    assert params["kv_cache_host_memory_bytes"] == "0"
+    assert params["max_attention_window_size"] == "8192"
+    assert params["exclude_input_in_output"] == "true"
+    assert params["max_beam_width"] == "1" and params["decoding_mode"] == "top_k_top_p"
+    assert params["max_tokens_in_paged_kv_cache"] == ""  # the recipe leaves it unset: the pool follows the fraction
+    assert config.max_batch_size == 64
+    assert config.model_transaction_policy.decoupled  # triton.streaming: true
+    assert list(config.dynamic_batching.preferred_batch_size) == [64]
+    assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
+    inputs = {i.name: i for i in config.input}
+    assert inputs["input_ids"].data_type == mc.TYPE_INT32 and list(inputs["input_ids"].dims) == [-1]
+    assert not inputs["input_lengths"].optional and not inputs["request_output_len"].optional
+    assert inputs["seed"].data_type == mc.TYPE_UINT64 and inputs["seed"].HasField("reshape")
+    assert list(inputs["stop_words_list"].dims) == [2, -1]
+
+
+def test_llama70b_recipe_max_tokens_reaches_the_config(llama70b_engine):
+    recipe = load_recipe(RECIPES / "llama70b-fp8.yaml", ["engine.kv_cache.max_tokens=500000",
+                                                           "engine.kv_cache.enable_reuse=false"], check_rules=False)
+    params = R.tensorrt_llm_config(recipe, R.EngineInfo.read(llama70b_engine)).parameters
+    assert params["max_tokens_in_paged_kv_cache"].string_value == "500000"
+    assert params["enable_kv_cache_reuse"].string_value == "false"
+
+
+def test_written_repo_parses_back_and_is_wired(llama70b_repo):
+    configs = R.read_configs(llama70b_repo)
+    assert set(configs) == {"preprocessing", "tensorrt_llm", "postprocessing", "ensemble", "tensorrt_llm_bls"}
+    for name, config in configs.items():
+        assert config.name == name
+        assert "${" not in (llama70b_repo / name / "config.pbtxt").read_text()
+    assert (llama70b_repo / "tensorrt_llm" / "1").is_dir() and not (llama70b_repo / "tensorrt_llm" / "1" / "model.py").exists()
+    assert (llama70b_repo / "preprocessing" / "tokenizer" / "tokenizer.json").exists()
+    # every ensemble step reads only tensors that exist and feeds only inputs its model declares
+    ens = configs["ensemble"]
+    available = {i.name for i in ens.input}
+    for step in ens.ensemble_scheduling.step:
+        model = configs[step.model_name]
+        model_inputs = {i.name: i for i in model.input}
+        assert set(step.input_map) <= set(model_inputs), step.model_name
+        assert set(step.input_map.values()) <= available, step.model_name
+        required = {n for n, i in model_inputs.items() if not i.optional}
+        assert required <= set(step.input_map), step.model_name
+        assert set(step.output_map) <= {o.name for o in model.output}, step.model_name
+        available |= set(step.output_map.values())
+    assert "text_output" in available
+
+
+def test_postprocessing_matches_the_golden_file(stories_recipe):
+    golden = (HERE / "golden" / "postprocessing.pbtxt").read_text()
+    assert R.to_pbtxt(R.postprocessing_config(stories_recipe())) == golden
+    assert text_format.Parse(golden, mc.ModelConfig()).parameters["tokenizer_dir"].string_value == "tokenizer"
+
+
+def test_twin_declares_only_what_it_implements(stories_recipe, stories_engine):
+    config = R.tensorrt_llm_config(stories_recipe(), R.EngineInfo.read(stories_engine(1)))
+    assert config.backend == "python"
+    assert {i.name for i in config.input} == set(R.TWIN_INPUTS)
+    assert config.parameters["gpt_model_path"].string_value == "engine"  # relative: the repo is relocatable
+
+
+def test_token_ids_from_generation_config_and_tokenizer(tmp_path, tokenizer_with_eos):
+    ids = R.token_ids(tokenizer_with_eos(tmp_path / "tok", [128001, 128009]))
+    assert (ids.end_id, ids.stop_ids) == (128001, (128009, 2))  # the tokenizer's </s> (2) is an EOS too
+    assert ids.pad_id == 128001  # no pad token: pad = end
+
+
+def test_failed_write_leaves_nothing(tmp_path, stories_recipe, stories_engine):
+    out = tmp_path / "repo"
+    with pytest.raises(ServingError, match="no tokenizer files"):
+        R.write_repo(stories_recipe(), stories_engine(1), tmp_path, out)  # tmp_path holds no tokenizer
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_mpirun_dry_run_for_tp4(llama70b_repo):
+    res = CliRunner().invoke(main, ["serve", str(llama70b_repo), "--dry-run", "--http-port", "8000",
+                                    "--grpc-port", "8001", "--metrics-port", "8002"])
+    assert res.exit_code == 0, res.output
+    assert "world_size 4" in res.output
+    cmd = shlex.split(res.output.strip().splitlines()[-1])
+    assert cmd[:2] == ["mpirun", "--allow-run-as-root"]
+    segments, seg = [], []
+    for arg in cmd[2:] + [":"]:
+        if arg == ":":
+            segments.append(seg)
+            seg = []
+        else:
+            seg.append(arg)
+    assert len(segments) == 4
+    repo = str(llama70b_repo.resolve())
+    for rank, s in enumerate(segments):
+        assert s[:4] == ["-n", "1", "/opt/tritonserver/bin/tritonserver", f"--model-repository={repo}"]
+        assert "--disable-auto-complete-config" in s
+        assert f"--backend-config=python,shm-region-prefix-name=prefix{rank}_" in s
+        if rank == 0:
+            assert {"--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", "--http-address=127.0.0.1"} <= set(s)
+            assert not any(a.startswith("--load-model") for a in s)
+        else:
+            assert {"--model-control-mode=explicit", "--load-model=tensorrt_llm", "--allow-http=false",
+                    "--allow-grpc=false", "--allow-metrics=false"} <= set(s)
+            assert not any(a.startswith("--http-port") for a in s)
+
+
+def test_engine_of_another_trtllm_is_refused(llama70b_repo):
+    info = repo_info(llama70b_repo)
+    assert info["engine_version"] == "1.2.1"
+    check_engine_versions(info, "1.2.1")
+    with pytest.raises(ServingError, match="built with TensorRT-LLM 1.2.1 but 1.1.0 is installed"):
+        check_engine_versions(info, "1.1.0")
+    res = CliRunner().invoke(main, ["serve", str(llama70b_repo)])  # TensorRT-LLM is not installed here
+    assert res.exit_code == 1
+    assert "needs TensorRT-LLM 1.2.1" in res.output and "--dry-run" in res.output
