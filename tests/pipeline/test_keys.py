@@ -103,3 +103,17 @@ def test_canonical_json_is_order_independent_and_refuses_unstable_objects():
     assert stable_json({"b": 1, "a": {2, 1}, "p": Path("/x")}) == stable_json({"p": "/x", "a": [1, 2], "b": 1})
     with pytest.raises(TypeError, match="object"):
         canonical({"x": object()})
+
+
+def test_extra_key_and_trtpipe_version_enter_the_key(make_recipe, monkeypatch):
+    import dataclasses
+
+    import trtpipe.pipeline.keys as keys_module
+
+    recipe = load_recipe(make_recipe(), check_rules=False)
+    source = STAGES[0]
+    base, _ = keys_module.stage_key(source, recipe, {})
+    other_tool = dataclasses.replace(source, extra_key=lambda r: {"tensorrt_llm": "1.2.1"})
+    assert keys_module.stage_key(other_tool, recipe, {})[0] != base
+    monkeypatch.setattr(keys_module, "__version__", "9.9.9")
+    assert keys_module.stage_key(source, recipe, {})[0] != base

@@ -82,3 +82,29 @@ def test_foreground_serve_stops_cleanly_on_sigterm(moved_repo):
     assert "stopped" in rest
     with pytest.raises(Exception):
         _run("infer", "Once upon a time", "--url", grpc, "--max-tokens", "4")
+
+
+def test_a_failing_start_names_the_cause_and_leaves_nothing(moved_repo, tmp_path):
+    from trtpipe.errors import ServingError
+    from trtpipe.triton.server import start_server
+
+    broken = tmp_path / "broken"
+    shutil.copytree(moved_repo, broken)
+    (broken / "tensorrt_llm" / "engine" / "checkpoint" / "rank0.safetensors").unlink()
+    with pytest.raises(ServingError) as info:
+        start_server(broken, timeout=120)
+    first = str(info.value).splitlines()[0]
+    assert "exited during start-up: failed to load 'tensorrt_llm'" in first and "rank0.safetensors" in first
+    assert "log " in first  # the log tail follows
+    leftover = subprocess.run(["pgrep", "-f", f"--model-repository={broken}"], capture_output=True, text=True)
+    assert leftover.stdout.strip() == ""
+
+
+def test_repo_command_builds_a_recipe_through_the_pipeline(tmp_path):
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "stories-tp2.yaml"
+    out = _run("repo", str(recipe), "--set", f"work_dir={tmp_path / 'work'}").strip().splitlines()[-1]
+    repo = Path(out)
+    info = json.loads((repo / "trtpipe_repo.json").read_text())
+    assert info["twin"] and info["world_size"] == 2
+    assert sorted(p.name for p in (repo / "tensorrt_llm" / "engine" / "checkpoint").glob("rank*.safetensors")) == [
+        "rank0.safetensors", "rank1.safetensors"]

@@ -175,7 +175,9 @@ def calibrate(source: LayerSource, tokens: torch.Tensor, settings: CalibSettings
             if progress:
                 progress(f"({i + 1}/{args.num_layers}) Calibrating")
             tensors = source.layer(i)
-            layer = DecoderLayer.from_unsharded(args, {k: v.to(dev) for k, v in tensors.items()}, i)
+            for k in list(tensors):  # one tensor at a time, so the source copy is freed as we go
+                tensors[k] = tensors[k].to(dev, torch.float32)
+            layer = DecoderLayer.from_unsharded(args, tensors, i)  # shares these float32 storages
             obs = _Observer(settings.awq_tokens if settings.awq_group_size else 0, n * t)
             handles = _attach(layer, obs)
             with torch.no_grad():

@@ -351,21 +351,32 @@ def start_server(
         tail = log_tail(log)
         if proc.poll() is None:  # timed out while alive
             server.stop()
-            raise ServingError(f"tritonserver on {repo} not ready after {timeout:.0f} s ({_cause(tail)}); "
+            raise ServingError(f"tritonserver on {repo} not ready after {timeout:.0f} s ({_cause(log)}); "
                                f"log {log}:\n{tail}")
         clean_shm(prefix)
         last_error = tail
         if "already in use" in tail and ports is None:
             continue
         break
-    raise ServingError(f"tritonserver on {repo} exited during start-up: {_cause(last_error)}; log {log}:\n{last_error}")
+    raise ServingError(f"tritonserver on {repo} exited during start-up: {_cause(log)}; log {log}:\n{last_error}")
 
 
-def _cause(tail: str) -> str:
-    """The last error line of a tritonserver log (``E1130 12:00:00.0 123 file.cc:42] "message"``)."""
-    errors = [ln for ln in tail.splitlines() if ln[:1] == "E" and ln[1:5].isdigit()]
-    line = errors[-1] if errors else (tail.splitlines() or ["no log output"])[-1]
-    return line.split("] ", 1)[-1].strip().strip('"')
+NOISE = ("CudaDriverHelper", "NVML", "DCGM", "pinned memory", "CUDA stream", "cuda stream")
+
+
+def _cause(log: Path) -> str:
+    """The first real error of a tritonserver log (CPU start-up noise skipped), its python traceback cut off."""
+    try:
+        lines = Path(log).read_text(errors="replace").splitlines()
+    except OSError:
+        return "no log"
+    errors = [ln for ln in lines if ln[:1] == "E" and ln[1:5].isdigit() and not any(n in ln for n in NOISE)]
+    if not errors:
+        rest = [ln for ln in lines if ln.strip() and not any(n in ln for n in NOISE)]
+        return rest[-1].strip() if rest else "no error in the log"
+    named = [ln for ln in errors if "failed to load '" in ln]  # names the model
+    msg = (named or errors)[0].split("] ", 1)[-1].strip().strip('"')
+    return msg.split("\\n", 1)[0].strip()
 
 
 def _wait_ready(server: Server, deadline: float) -> bool:
