@@ -312,18 +312,23 @@ def doctor(engine_dir) -> None:
               help="Use this engine dir (TensorRT or CPU twin) instead of building the recipe.")
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Tokenizer + generation_config.json dir (with --engine; default <engine>/checkpoint).")
-@click.option("--out", type=click.Path(path_type=Path), help="Output dir (with --engine; default triton.repo_dir).")
+@click.option("--out", type=click.Path(path_type=Path), help="Output dir (default: triton.repo_dir, else the build artifact).")
 def repo(recipe: Path, overrides, engine_dir, tokenizer_dir, out) -> None:
     """Write the Triton model repository: build the recipe up to the repo stage, or from --engine."""
     from trtpipe.recipe import load_recipe
     from trtpipe.triton.serve import resolve_repo
 
+    loaded = load_recipe(recipe, overrides)
     if engine_dir is None:
-        click.echo(resolve_repo(recipe, overrides))
+        built = resolve_repo(recipe, overrides)
+        if loaded.triton.repo_dir or out:
+            from trtpipe.triton.repo import export_repo
+
+            built = export_repo(built, out or loaded.resolve(loaded.triton.repo_dir))
+        click.echo(built)
         return
     from trtpipe.triton.repo import write_repo
 
-    loaded = load_recipe(recipe, overrides)
     out = out or loaded.resolve(loaded.triton.repo_dir or str(loaded.work_path / "repo"))
     configs = write_repo(loaded, engine_dir, tokenizer_dir or engine_dir / "checkpoint", out)
     click.echo(f"{out} ({', '.join(sorted(configs))})")
@@ -357,10 +362,12 @@ def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, tim
     from trtpipe.triton import server as srv
     from trtpipe.triton.serve import plan_launch, resolve_repo, run_mpirun
 
-    if bind is None and target.is_file():
+    if target.is_file():  # a recipe: its triton section gives the defaults
         from trtpipe.recipe import load_recipe
 
-        bind = load_recipe(target, overrides).triton.bind
+        t = load_recipe(target, overrides).triton
+        bind = bind or t.bind
+        http_port, grpc_port, metrics_port = http_port or t.http_port, grpc_port or t.grpc_port, metrics_port or t.metrics_port
     bind = bind or "127.0.0.1"
     repo = resolve_repo(target, overrides)
     ports = _ports(http_port, grpc_port, metrics_port)

@@ -159,3 +159,37 @@ def test_predicted_weight_bytes_equal_the_converted_checkpoint(tmp_path, stories
     assert planner.weight_bytes(s, 2, 1) == planner.checkpoint_weight_bytes(stories_tp2, 2, 1)
     build = bc.resolve_build(recipe, real)
     assert bc.to_json(build.config) == bc.to_json(bc.resolve_build(recipe, predicted).config)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_real_trtllm_build_on_a_gpu(tmp_path, stories_tp2):
+    """Where TensorRT-LLM 1.0-1.2 and GPUs are present: real rank engines, the builder's config.json, the lockfile."""
+    avail = availability()
+    if not avail.ok:
+        pytest.skip(f"needs TensorRT-LLM 1.2.x on a GPU: {avail.reason}")
+    if len(avail.gpus) < 2:
+        pytest.skip("the tp=2 stories checkpoint needs 2 GPUs")
+    from trtpipe.engine.gpus import gpu_from_device_name
+
+    card = gpu_from_device_name(avail.gpus[0])
+    if card is None:
+        pytest.skip(f"{avail.gpus[0]} is not in the GPU catalog")
+    recipe = load_recipe(recipe_file(tmp_path, extra=""), [f"engine.gpu={card.key}"], check_rules=False)
+    ctx = _ctx(tmp_path, recipe, {"checkpoint": stories_tp2})
+    run_engine(ctx)
+    assert (ctx.out_dir / "rank0.engine").is_file() and (ctx.out_dir / "rank1.engine").is_file()
+    cfg = json.loads((ctx.out_dir / "config.json").read_text())
+    assert cfg["version"] == avail.trtllm_version
+    assert cfg["build_config"]["max_num_tokens"] == ctx.info["build_config"]["max_num_tokens"]
+    assert cfg["build_config"]["plugin_config"]["use_paged_context_fmha"] is True
+    assert ctx.info["build"]["seconds"] > 0 and ctx.info["lockfile"]["gpus"]
+
+
+def test_real_build_refuses_a_gpu_other_than_the_target():
+    from trtpipe.engine.gpus import get_gpu
+    from trtpipe.engine.stage import _check_target_gpu
+
+    _check_target_gpu(get_gpu("h100-sxm-80gb"), [{"name": "NVIDIA H200", "compute_capability": "9.0"}])
+    with pytest.raises(EngineError, match=r"targets h100-sxm-80gb \(SM 9.0\) but this machine has NVIDIA A10G \(SM 8.6\)"):
+        _check_target_gpu(get_gpu("h100-sxm-80gb"), [{"name": "NVIDIA A10G", "compute_capability": "8.6"}])

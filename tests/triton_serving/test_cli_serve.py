@@ -102,8 +102,10 @@ def test_a_failing_start_names_the_cause_and_leaves_nothing(moved_repo, tmp_path
 
 def test_repo_command_builds_a_recipe_through_the_pipeline(tmp_path):
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "stories-tp2.yaml"
-    out = _run("repo", str(recipe), "--set", f"work_dir={tmp_path / 'work'}").strip().splitlines()[-1]
+    out = _run("repo", str(recipe), "--set", f"work_dir={tmp_path / 'work'}", "--set",
+               f"triton.repo_dir={tmp_path / 'exported'}").strip().splitlines()[-1]
     repo = Path(out)
+    assert repo == tmp_path / "exported"  # triton.repo_dir: the artifact hardlinked there
     info = json.loads((repo / "trtpipe_repo.json").read_text())
     assert info["twin"] and info["world_size"] == 2
     assert sorted(p.name for p in (repo / "tensorrt_llm" / "engine" / "checkpoint").glob("rank*.safetensors")) == [

@@ -186,3 +186,15 @@ def test_engine_of_another_trtllm_is_refused(llama70b_repo):
     res = CliRunner().invoke(main, ["serve", str(llama70b_repo)])  # TensorRT-LLM is not installed here
     assert res.exit_code == 1
     assert "needs TensorRT-LLM 1.2.1" in res.output and "--dry-run" in res.output
+
+
+def test_repo_command_from_an_engine_dir(tmp_path, stories_engine):
+    out = tmp_path / "repo"
+    res = CliRunner().invoke(main, ["repo", str(RECIPES / "stories-fp16.yaml"), "--engine", str(stories_engine(1)),
+                                    "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert res.output.strip() == f"{out} (ensemble, postprocessing, preprocessing, tensorrt_llm)"
+    assert (out / "tensorrt_llm" / "engine" / "checkpoint" / "rank0.safetensors").exists()
+    again = CliRunner().invoke(main, ["repo", str(RECIPES / "stories-fp16.yaml"), "--engine", str(stories_engine(1)),
+                                      "--out", str(out)])
+    assert again.exit_code == 1 and "already exists" in again.output

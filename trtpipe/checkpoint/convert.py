@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from trtpipe.checkpoint.hf import FLOATS, HFReader, open_hf
-from trtpipe.checkpoint.shard import Layout, pp_layers, split_even, split_experts, split_linear_tensor, split_vocab, pad_dim
+from trtpipe.checkpoint.shard import Layout, pp_layers, split_experts, split_linear_tensor, split_vocab
 from trtpipe.checkpoint.writer import RankFile, atomic_dir, write_json, write_same
 from trtpipe.errors import CheckpointError
 from trtpipe.models import Family, Rule, get_family

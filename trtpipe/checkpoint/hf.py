@@ -15,7 +15,7 @@ import os
 import struct
 import warnings
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 

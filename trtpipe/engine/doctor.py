@@ -160,6 +160,10 @@ def _versioned(name: str, found: Optional[str], want: Optional[str], real: bool,
 
 def render(checks: list[Check], engine_dir: Optional[Path]) -> str:
     head = f"engine: {engine_dir}" if engine_dir else "environment (no engine given)"
+    twin = Path(engine_dir) / TWIN_FILE if engine_dir else None
+    if twin is not None and twin.is_file():
+        command = json.loads(twin.read_text()).get("command", "trtpipe build RECIPE --from engine")
+        head += f" (CPU twin: served by the reference runtime; for TensorRT engines run on a GPU: {command})"
     return "\n".join([head] + [c.render() for c in checks])
 
 

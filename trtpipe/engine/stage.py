@@ -51,6 +51,7 @@ def run_engine(ctx: StageContext) -> None:
     avail = trtllm.availability()
     ctx.info["lockfile"] = versions.lockfile()
     if avail.ok:
+        _check_target_gpu(build.gpu, ctx.info["lockfile"]["gpus"])
         (ctx.out_dir / "build_config.json").write_text(json.dumps(engine_cfg["build_config"], indent=2) + "\n")
         argv = bc.to_argv(build, ckpt, ctx.out_dir)
         ctx.info["command"] = argv
@@ -67,6 +68,16 @@ def run_engine(ctx: StageContext) -> None:
     write_twin_engine(ckpt, ctx.out_dir, engine_cfg, reason=avail.reason, recipe_path=recipe_path)
     ctx.info["engine"] = "cpu-twin"
     _write_lock(ctx)
+
+
+def _check_target_gpu(target, gpus: list[dict]) -> None:
+    """A plan only loads on the SM it was built for (contract §8): the visible GPUs must be the recipe's target."""
+    wrong = [g for g in gpus if g["compute_capability"] != target.compute_capability]
+    if wrong:
+        raise EngineError(
+            f"engine.gpu: the recipe targets {target.key} (SM {target.compute_capability}) but this machine has "
+            f"{wrong[0]['name']} (SM {wrong[0]['compute_capability']}); set engine.gpu to this card "
+            f"(trtpipe plan --list-gpus) or build on a {target.name}")
 
 
 def _write_lock(ctx: StageContext) -> None:

@@ -26,7 +26,7 @@ from trtpipe.errors import QuantizationError
 from trtpipe.quant.awq import awq_clip, awq_scales
 from trtpipe.quant.layouts import LINEAR_GROUPS
 from trtpipe.quant.primitives import observe_channel_amax
-from trtpipe.quant.quantize import GroupStats, LayerStats
+from trtpipe.quant.quantize import TORCH_DTYPES, GroupStats, LayerStats
 from trtpipe.runtime.model import DecoderLayer, ModelArgs
 
 log = logging.getLogger("trtpipe.quant")
@@ -125,7 +125,7 @@ def _attach(layer: DecoderLayer, obs: _Observer) -> list:
     return handles
 
 
-def _stats(obs: _Observer, tokens: int, layer_tensors: dict, settings: CalibSettings) -> LayerStats:
+def _stats(obs: _Observer, tokens: int, layer_tensors: dict, settings: CalibSettings, model_dtype: str) -> LayerStats:
     st = LayerStats(k_amax=obs.k_amax, v_amax=obs.v_amax)
     for group, (members, _) in LINEAR_GROUPS.items():
         if group not in obs.amax:
@@ -137,7 +137,7 @@ def _stats(obs: _Observer, tokens: int, layer_tensors: dict, settings: CalibSett
             samples = torch.cat(obs.samples[group]).to(dev)
             ws = [layer_tensors[f"{m}.weight"].to(dev) for m in members]
             pqs = awq_scales(samples, g.absmean.to(dev), ws, gs)[0]
-            pqs = pqs.to(layer_tensors[f"{members[0]}.weight"].dtype).float()  # stored in the model dtype
+            pqs = pqs.to(TORCH_DTYPES[model_dtype]).float()  # rounded as it is stored (model dtype)
             g.awq_pqs = pqs.cpu()
             for m, w in zip(members, ws):
                 g.awq_amax[m] = awq_clip(samples * pqs, w.float() / pqs, gs).cpu()
@@ -186,7 +186,7 @@ def calibrate(source: LayerSource, tokens: torch.Tensor, settings: CalibSettings
                     buf_out.data[lo:lo + settings.batch_size] = layer(x, 0, None, cos_sin).cpu()
             for h in handles:
                 h.remove()
-            stats = _stats(obs, n * t, tensors, settings)
+            stats = _stats(obs, n * t, tensors, settings, args.dtype)
             out.append(stats)
             if on_layer:
                 on_layer(i, stats)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import shutil
+import struct
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -46,7 +47,7 @@ class TrtllmSource:
 
     def _ranks(self, p: int, prefix: str) -> list[dict[str, torch.Tensor]]:
         tp = self.full.tp
-        return [_read(self.dir / f"rank{p * tp + r}.safetensors", prefix) for r in range(tp)]
+        return [_read(self.dir / f"rank{p * tp + r}.safetensors", prefix, to_float=True) for r in range(tp)]
 
     def embedding(self) -> torch.Tensor:
         name = "transformer.vocab_embedding.weight"
@@ -154,11 +155,28 @@ def quantize_checkpoint(base_dir: Path, source: LayerSource, stats_dir: Optional
     return cfg
 
 
-def _read(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+def _read(path: Path, prefix: str = "", to_float: bool = False) -> dict[str, torch.Tensor]:
+    """Tensors of ``path`` whose names start with ``prefix``, read with ``pread`` (no mapping stays resident,
+    so host memory is what is returned); ``to_float`` converts each one to float32 as soon as it is read."""
     if not path.exists():
         raise QuantizationError(f"{path}: rank file of the unquantized checkpoint is missing")
-    with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+    out = {}
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        for name, e in header.items():
+            if not name.startswith(prefix):
+                continue
+            begin, end = e["data_offsets"]
+            buf = bytearray(end - begin)
+            f.seek(8 + n + begin)
+            f.readinto(buf)
+            t = torch.frombuffer(buf, dtype=ST_TO_TORCH[e["dtype"]]) if buf else torch.empty(0, dtype=ST_TO_TORCH[e["dtype"]])
+            t = t.view(e["shape"])
+            out[name] = t.float() if to_float else t
+            del buf
+    return out
 
 
 def _assemble(base: Path, parts: list[Path], out: Path) -> None:

@@ -526,6 +526,23 @@ def write_repo(recipe: Recipe, engine_dir: Path, tokenizer_dir: Path, out: Path)
     return configs
 
 
+def export_repo(src: Path, dst: Path) -> Path:
+    """Hardlink a built repository to ``dst`` (``triton.repo_dir``), replacing an older export atomically."""
+    dst = Path(dst)
+    if dst.exists() and not (dst / "trtpipe_repo.json").exists():
+        raise ServingError(f"{dst}: exists and is not a trtpipe model repository; choose another triton.repo_dir")
+    tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    _link_tree(Path(src), tmp)
+    old = dst.with_name(f".{dst.name}.old{os.getpid()}")
+    if dst.exists():
+        dst.rename(old)
+    tmp.rename(dst)
+    shutil.rmtree(old, ignore_errors=True)
+    return dst
+
+
 def read_configs(repo: Path) -> dict[str, mc.ModelConfig]:
     """Parse every ``config.pbtxt`` of a repository back into messages."""
     return {
