@@ -19,7 +19,7 @@ test: install
 demo: install
 	$(BIN)/trtpipe build $(DEMO_RECIPE)
 	$(BIN)/trtpipe serve $(DEMO_RECIPE) --detach
-	@status=0; \
+	@status=0; printf '%s' "$(DEMO_PROMPT)"; \
 	$(BIN)/trtpipe infer "$(DEMO_PROMPT)" --max-tokens 48 --server $(DEMO_RECIPE) || status=$$?; \
 	$(BIN)/trtpipe stop $(DEMO_RECIPE); \
 	exit $$status

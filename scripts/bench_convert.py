@@ -8,9 +8,12 @@ in the same run:
 
 * a plain read-and-write copy of the same bytes: the input files read sequentially (16 MB ``readinto``)
   and written to ``world_size`` files until as many bytes as the conversion writes have been written
-  (the conversion writes more than it reads: the embedding is replicated on every tp rank), run once
-  before and once after the conversion (the ratio uses their mean);
+  (the conversion writes more than it reads: the embedding is replicated on every tp rank);
 * the conversion at tp=4, in a fresh subprocess so its peak RSS (``ru_maxrss``) is its own.
+
+After one discarded warm-up copy (the first large write after generating the model was up to 2x slower
+than the following ones here), copies and conversions alternate ``--repeat`` times and the ratio is
+median(convert) / median(copy): on a shared disk single timings vary by +-40 %.
 
 Every timing ends with ``os.sync()`` so dirty pages are flushed inside the measured interval.
 Everything lives in a temporary directory under ``--tmp`` (default /tmp) and is deleted afterwards.
@@ -25,6 +28,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -144,25 +148,33 @@ def convert_worker(model_dir: str, out_dir: str, tp: int) -> None:
     print(json.dumps({"seconds": seconds, "peak_rss": peak, "rss_after_imports": rss_before, "out_bytes": out_bytes}))
 
 
-def bench_one(layers: int, tp: int, tmp_root: Path) -> dict:
+def convert_once(hf: Path, out: Path, tp: int) -> dict:
+    res = subprocess.run([sys.executable, __file__, "--convert-worker", str(hf), str(out), str(tp)],
+                         check=True, capture_output=True, text=True)
+    shutil.rmtree(out)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def bench_one(layers: int, tp: int, tmp_root: Path, repeat: int) -> dict:
+    """Generate, one discarded warm-up copy, then ``repeat`` x (copy, convert) interleaved; medians compared."""
     with tempfile.TemporaryDirectory(prefix="trtpipe-bench-", dir=tmp_root) as tmp:
         tmp = Path(tmp)
         hf = tmp / "hf"
         t0 = time.perf_counter()
         in_bytes = write_synthetic(hf, layers)
         gen_s = time.perf_counter() - t0
-        # the conversion's output size, from the plan alone (headers only, no data)
-        out_bytes = planned_bytes(hf, tp)
-        copy_before = plain_copy(hf, tmp / "copy", out_bytes, tp)
-        res = subprocess.run([sys.executable, __file__, "--convert-worker", str(hf), str(tmp / "ckpt"), str(tp)],
-                             check=True, capture_output=True, text=True)
-        conv = json.loads(res.stdout.strip().splitlines()[-1])
-        shutil.rmtree(tmp / "ckpt")
-        copy_after = plain_copy(hf, tmp / "copy", out_bytes, tp)
-    copy_s = (copy_before + copy_after) / 2
-    return {"layers": layers, "tp": tp, "in_bytes": in_bytes, "out_bytes": conv["out_bytes"], "generate_s": gen_s,
-            "copy_s_before": copy_before, "copy_s_after": copy_after, "convert_s": conv["seconds"],
-            "ratio": conv["seconds"] / copy_s, "peak_rss": conv["peak_rss"], "rss_after_imports": conv["rss_after_imports"]}
+        out_bytes = planned_bytes(hf, tp)  # the conversion's output size, from the plan (headers only)
+        warmup = plain_copy(hf, tmp / "copy", out_bytes, tp)  # the first big write after generating is slow
+        copies, converts = [], []
+        for _ in range(repeat):
+            copies.append(plain_copy(hf, tmp / "copy", out_bytes, tp))
+            converts.append(convert_once(hf, tmp / "ckpt", tp))
+    conv_s = statistics.median(c["seconds"] for c in converts)
+    copy_s = statistics.median(copies)
+    return {"layers": layers, "tp": tp, "in_bytes": in_bytes, "out_bytes": converts[0]["out_bytes"],
+            "generate_s": gen_s, "copy_s_warmup": warmup, "copy_s": copies, "convert_s": [c["seconds"] for c in converts],
+            "ratio": conv_s / copy_s, "copy_median_s": copy_s, "convert_median_s": conv_s,
+            "peak_rss": max(c["peak_rss"] for c in converts), "rss_after_imports": converts[0]["rss_after_imports"]}
 
 
 def planned_bytes(hf: Path, tp: int) -> int:
@@ -187,6 +199,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--tp", type=int, default=4)
     ap.add_argument("--tmp", type=Path, default=Path("/tmp"))
+    ap.add_argument("--repeat", type=int, default=2, help="interleaved (copy, convert) pairs per N; medians are compared")
     ap.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     ap.add_argument("--convert-worker", nargs=3, metavar=("HF_DIR", "OUT_DIR", "TP"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -197,15 +210,14 @@ def main() -> None:
     need = max(args.layers) * 2 * 1.75e9 + 4 * 2.2e9 * 2
     if free < need:
         sys.exit(f"{args.tmp}: {free / 1e9:.0f} GB free, the largest run needs about {need / 1e9:.0f} GB")
-    print(f"{'layers':>6} {'in GB':>7} {'out GB':>7} {'copy s':>13} {'convert s':>9} {'ratio':>6} {'peak RSS GB':>11}")
+    print(f"{'layers':>6} {'in GB':>6} {'out GB':>6} {'copy s (median)':>15} {'convert s (median)':>18} {'ratio':>6} "
+          f"{'peak RSS GB':>11}", flush=True)
     for n in sorted(args.layers):
-        r = bench_one(n, args.tp, args.tmp)
+        r = bench_one(n, args.tp, args.tmp, args.repeat)
         if args.json:
             print(json.dumps(r), flush=True)
-        else:
-            print(f"{n:>6} {r['in_bytes'] / 1e9:>7.2f} {r['out_bytes'] / 1e9:>7.2f} "
-                  f"{r['copy_s_before']:>6.1f}/{r['copy_s_after']:<6.1f} {r['convert_s']:>9.1f} {r['ratio']:>6.2f} "
-                  f"{r['peak_rss'] / 1e9:>11.2f}", flush=True)
+        print(f"{n:>6} {r['in_bytes'] / 1e9:>6.1f} {r['out_bytes'] / 1e9:>6.1f} {r['copy_median_s']:>15.1f} "
+              f"{r['convert_median_s']:>18.1f} {r['ratio']:>6.2f} {r['peak_rss'] / 1e9:>11.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -357,10 +357,8 @@ def _ports(http, grpc, metrics):
               help="tritonserver binary of the TensorRT-LLM container (TensorRT engines).")
 def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, timeout, detach, dry_run, tritonserver) -> None:
     """Serve a model repository, or a recipe (built first if needed); Ctrl-C stops it cleanly."""
-    import shlex
-
     from trtpipe.triton import server as srv
-    from trtpipe.triton.serve import plan_launch, resolve_repo, run_mpirun
+    from trtpipe.triton.serve import dry_run_lines, plan_launch, resolve_repo, run_mpirun
 
     if target.is_file():  # a recipe: its triton section gives the defaults
         from trtpipe.recipe import load_recipe
@@ -369,20 +367,12 @@ def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, tim
         bind = bind or t.bind
         http_port, grpc_port, metrics_port = http_port or t.http_port, grpc_port or t.grpc_port, metrics_port or t.metrics_port
     bind = bind or "127.0.0.1"
-    repo = resolve_repo(target, overrides)
     ports = _ports(http_port, grpc_port, metrics_port)
-    plan = plan_launch(repo, bind, ports, tritonserver)
     if dry_run:
-        if plan.command is None:
-            root = srv.cache_dir() / "tritonserver"
-            shown = ports or srv.Ports(0, 0, 0)
-            cmd = srv.server_command(root / "bin" / "tritonserver", root / "backends", repo, bind, shown, "trtpipe_")
-            click.echo("# CPU twin: one tritonserver (ports 0 = chosen free at start)")
-        else:
-            cmd = plan.command
-            click.echo(f"# TensorRT engines, leader mode: world_size {plan.world_size}")
-        click.echo(shlex.join(cmd))
+        click.echo("\n".join(dry_run_lines(target, overrides, bind, ports, tritonserver)))
         return
+    repo = resolve_repo(target, overrides)
+    plan = plan_launch(repo, bind, ports, tritonserver)
     if plan.command is not None:
         sys.exit(run_mpirun(plan))
     srv.sigterm_as_interrupt()
@@ -415,12 +405,12 @@ def stop(target, overrides) -> None:
         click.echo(f"stopped pid {s.pid} ({s.repo})")
 
 
-def _client_url(url, protocol, server=None):
+def _client_url(url, protocol, server=None, overrides=()):
     if url:
         return url
     from trtpipe.triton.serve import one_detached
 
-    s = one_detached(server)
+    s = one_detached(server, overrides)
     return s.grpc_url if protocol == "grpc" else s.http_url.split("://", 1)[1]
 
 
@@ -428,6 +418,7 @@ GEN_OPTIONS = [
     click.option("--url", help="HOST:PORT (gRPC, or HTTP with --protocol http); default: the detached server."),
     click.option("--server", type=click.Path(exists=True, path_type=Path),
                  help="Use the detached server of this repository or recipe (instead of --url)."),
+    OVERRIDES,
     click.option("--protocol", type=click.Choice(["grpc", "http"]), default="grpc", show_default=True),
     click.option("--model", help="Front model (default: tensorrt_llm_bls for streams if present, else the ensemble)."),
     click.option("--max-tokens", default=64, show_default=True, type=int),
@@ -448,12 +439,12 @@ def _gen_options(fn):
 @click.argument("prompt")
 @_gen_options
 @click.option("--stream", is_flag=True, help="Print the answer as it is generated (gRPC, decoupled repository).")
-def infer(prompt, url, server, protocol, model, max_tokens, temperature, top_k, top_p, seed, stream) -> None:
+def infer(prompt, url, server, overrides, protocol, model, max_tokens, temperature, top_k, top_p, seed, stream) -> None:
     """Ask the served model PROMPT and print the answer."""
     from trtpipe.triton.client import Client, GenerateOptions
 
     opts = GenerateOptions(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    with Client(_client_url(url, protocol, server), protocol, model) as client:
+    with Client(_client_url(url, protocol, server, overrides), protocol, model) as client:
         if stream:
             for piece in client.stream(prompt, opts):
                 click.echo(piece, nl=False)
@@ -468,13 +459,13 @@ def infer(prompt, url, server, protocol, model, max_tokens, temperature, top_k, 
 @click.option("--concurrency", "-c", default=4, show_default=True, type=click.IntRange(1, 256))
 @click.option("--requests", "-n", "num_requests", default=32, show_default=True, type=click.IntRange(1, 100_000))
 @click.option("--json", "as_json", is_flag=True)
-def bench(prompt, url, server, protocol, model, max_tokens, temperature, top_k, top_p, seed, concurrency, num_requests, as_json) -> None:
+def bench(prompt, url, server, overrides, protocol, model, max_tokens, temperature, top_k, top_p, seed, concurrency, num_requests, as_json) -> None:
     """Send N requests with C in flight; print throughput and latency percentiles."""
     from trtpipe.triton.bench import run_bench
     from trtpipe.triton.client import GenerateOptions
 
     opts = GenerateOptions(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    report = run_bench(_client_url(url, protocol, server), protocol, prompt, opts, concurrency, num_requests, model)
+    report = run_bench(_client_url(url, protocol, server, overrides), protocol, prompt, opts, concurrency, num_requests, model)
     click.echo(json.dumps(report, indent=2) if as_json else report["text"])
 
 

@@ -15,10 +15,10 @@ LAYOUTS = [  # (tp, pp, moe_ep)
     (1, 2, -1),
     (2, 2, -1),
 ]
-CASES = [(m, *lay) for m in ("stories", "llama3", "qwen2", "mixtral") for lay in LAYOUTS] + [("mixtral", 2, 1, 2)]
+# Mixtral: experts split into 2 contiguous blocks (ep=2, moe_tp=1), and ep=2 x moe_tp=2 at tp=4.
+CASES = [(m, *lay) for m in ("stories", "llama3", "qwen2", "mixtral") for lay in LAYOUTS] + [("mixtral", 2, 1, 2), ("mixtral", 4, 1, 2)]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("model,tp,pp,ep", CASES, ids=[f"{m}-tp{t}-pp{p}" + (f"-ep{e}" if e > 0 else "") for m, t, p, e in CASES])
 def test_logits_and_greedy_match_transformers(model, tp, pp, ep, hf_models, prompts, oracle, tmp_path):
     ckpt = convert(hf_models[model], tmp_path / "ckpt", tp=tp, pp=pp, moe_ep=ep, dtype="float32")

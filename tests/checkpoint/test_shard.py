@@ -119,3 +119,16 @@ def test_moe_expert_parallel_blocks_and_tp_halves():
 def test_sections_must_add_up():
     with pytest.raises(CheckpointError, match="expected 10"):
         split_sections(torch.zeros(12, 2), 0, [4, 6], 0, 2, "x")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_non_finite_detection_exact(dtype):
+    from trtpipe.checkpoint.hf import has_non_finite
+
+    big = torch.full((64, 64), torch.finfo(dtype).max, dtype=dtype)  # finite, but its sum overflows
+    assert not has_non_finite(big)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.randn(64, 64).to(dtype)
+        t[17, 3] = bad
+        assert has_non_finite(t) and has_non_finite(t[:, :8])  # also through a strided view
+    assert not has_non_finite(torch.randn(64, 64).to(dtype)[:, 8:])

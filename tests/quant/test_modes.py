@@ -3,7 +3,6 @@ MODELOPT_LAYOUTS.md lists them (per rank), dequantization within each format's e
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -129,3 +128,32 @@ def test_tp2_runs_the_same_model_as_tp1(quantized, stories_tokens, algo):
     one = load_checkpoint(quantized[algo, 1])(tokens)
     two = load_checkpoint(quantized[algo, 2])(tokens)
     torch.testing.assert_close(two, one, rtol=1e-3, atol=1e-3)
+
+
+def test_pipeline_parallel_and_kv_only(stories_ckpts, stories_tokens, quantized, tmp_path, stories_dir):
+    """pp=2 places each quantized layer in its PP rank's file under its local index; a KV-cache-only
+    quantization keeps every weight and adds the cache scales."""
+    from trtpipe.checkpoint.convert import convert
+
+    base_pp = convert(stories_dir, tmp_path / "pp2", tp=1, pp=2, dtype="bfloat16")
+    stats = our_stats(stories_ckpts[1], stories_tokens["calib"][:4], tmp_path / "stats")
+    pp = our_quant(base_pp, base_pp, stats, tmp_path / "fp8_pp2", "fp8", kv="fp8")
+    flat = our_quant(stories_ckpts[1], stories_ckpts[1], stats, tmp_path / "fp8_pp1", "fp8", kv="fp8")
+    r1 = load_file(str(pp / "rank1.safetensors"))
+    assert r1["transformer.layers.0.attention.qkv.weight"].dtype == F8  # global layer 3 is rank 1's layer 0
+    full = load_file(str(flat / "rank0.safetensors"))
+    assert torch.equal(r1["transformer.layers.0.mlp.fc.weight"].view(torch.uint8),
+                       full["transformer.layers.3.mlp.fc.weight"].view(torch.uint8))
+    tokens = stories_tokens["heldout"][:2]
+    torch.testing.assert_close(load_checkpoint(pp)(tokens), load_checkpoint(flat)(tokens))
+    kv_only = our_quant(stories_ckpts[1], stories_ckpts[1], stats, tmp_path / "kv", "none", kv="int8")
+    got, base = load_file(str(kv_only / "rank0.safetensors")), load_file(str(stories_ckpts[1] / "rank0.safetensors"))
+    assert set(got) - set(base) == {f"transformer.layers.{i}.attention.{s}_cache_scaling_factor"
+                                     for i in range(5) for s in ("k", "v", "kv")}
+    assert all(torch.equal(got[k], base[k]) for k in base)
+    import json
+
+    q = json.loads((kv_only / "config.json").read_text())["quantization"]
+    assert q["quant_algo"] is None and q["kv_cache_quant_algo"] == "INT8"
+    m = load_checkpoint(kv_only)
+    assert m(tokens).shape == (2, 64, 512)

@@ -9,15 +9,12 @@ from pathlib import Path
 
 import pytest
 
-STORIES = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260k"
-if not STORIES.is_dir():
-    STORIES = Path("/work/shared/models/stories260k")
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 BUILD_CONFIG = {"max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512, "max_beam_width": 1, "max_num_tokens": 2048}
 
 
 @pytest.fixture(scope="session")
-def stories_engine(tmp_path_factory):
+def stories_engine(tmp_path_factory, stories_dir):
     """tp -> CPU twin engine dir of stories260k at float16 (converted once per session)."""
     from trtpipe.checkpoint.convert import convert
     from trtpipe.engine.twin import write_twin_engine
@@ -27,7 +24,7 @@ def stories_engine(tmp_path_factory):
     def make(tp: int) -> Path:
         if tp not in made:
             root = tmp_path_factory.mktemp(f"stories_tp{tp}")
-            ckpt = convert(STORIES, root / "ckpt", tp=tp, dtype="float16")
+            ckpt = convert(stories_dir, root / "ckpt", tp=tp, dtype="float16")
             made[tp] = write_twin_engine(ckpt, root / "engine", dict(BUILD_CONFIG))
         return made[tp]
 
@@ -35,14 +32,14 @@ def stories_engine(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tokenizer_with_eos():
+def tokenizer_with_eos(stories_dir):
     """(dir, eos ids) -> the stories tokenizer with a generation_config listing several EOS ids (as Llama-3 does)."""
 
     def make(tmp: Path, eos_ids: list[int]) -> Path:
         tmp.mkdir(parents=True, exist_ok=True)
         for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
-            shutil.copy(STORIES / f, tmp / f)
-        gen = json.loads((STORIES / "generation_config.json").read_text())
+            shutil.copy(stories_dir / f, tmp / f)
+        gen = json.loads((stories_dir / "generation_config.json").read_text())
         gen["eos_token_id"] = eos_ids
         (tmp / "generation_config.json").write_text(json.dumps(gen))
         return tmp
@@ -51,14 +48,14 @@ def tokenizer_with_eos():
 
 
 @pytest.fixture(scope="session")
-def hf_stories():
+def hf_stories(stories_dir):
     """(tokenizer, model): transformers' Llama with the weights rounded to float16, computed in float32."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(1)
-    tok = AutoTokenizer.from_pretrained(STORIES)
-    model = AutoModelForCausalLM.from_pretrained(STORIES).half().float().eval()
+    tok = AutoTokenizer.from_pretrained(stories_dir)
+    model = AutoModelForCausalLM.from_pretrained(stories_dir).half().float().eval()
     return tok, model
 
 

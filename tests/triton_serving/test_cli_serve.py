@@ -55,6 +55,7 @@ def test_detach_infer_stream_bench_stop(moved_repo):
     finally:
         stopped = _run("stop", str(moved_repo))
     assert f"stopped pid {pid}" in stopped
+    assert not [p for p in moved_repo.rglob("*.pyc")]  # serving leaves the repository (a build artifact) unchanged
     time.sleep(0.2)
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)

@@ -183,6 +183,10 @@ def test_engine_of_another_trtllm_is_refused(llama70b_repo):
     check_engine_versions(info, "1.2.1")
     with pytest.raises(ServingError, match="built with TensorRT-LLM 1.2.1 but 1.1.0 is installed"):
         check_engine_versions(info, "1.1.0")
+    lock = {"tensorrt_llm": "1.2.1", "tensorrt": "10.14.1.48"}
+    check_engine_versions(info, "1.2.1", "10.14.1.48", lock)
+    with pytest.raises(ServingError, match="built with TensorRT 10.14.1.48 but 10.13.3.9 is installed"):
+        check_engine_versions(info, "1.2.1", "10.13.3.9", lock)
     res = CliRunner().invoke(main, ["serve", str(llama70b_repo)])  # TensorRT-LLM is not installed here
     assert res.exit_code == 1
     assert "needs TensorRT-LLM 1.2.1" in res.output and "--dry-run" in res.output
@@ -198,3 +202,14 @@ def test_repo_command_from_an_engine_dir(tmp_path, stories_engine):
     again = CliRunner().invoke(main, ["repo", str(RECIPES / "stories-fp16.yaml"), "--engine", str(stories_engine(1)),
                                       "--out", str(out)])
     assert again.exit_code == 1 and "already exists" in again.output
+
+
+def test_recipe_dry_run_prints_the_launch_without_building(tmp_path):
+    res = CliRunner().invoke(main, ["serve", str(RECIPES / "llama70b-fp8.yaml"), "--dry-run", "--set",
+                                    f"work_dir={tmp_path}", "--grpc-port", "9001"])
+    assert res.exit_code == 0, res.output
+    lines = res.output.strip().splitlines()
+    assert f"writes {tmp_path}/artifacts/repo/" in lines[0]
+    cmd = shlex.split(lines[-1])
+    assert cmd.count(":") == 3 and cmd.count("--load-model=tensorrt_llm") == 3 and "--grpc-port=9001" in cmd
+    assert not (tmp_path / "artifacts").exists()  # nothing was built

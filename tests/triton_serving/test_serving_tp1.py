@@ -85,6 +85,15 @@ def test_generation_stops_at_the_end_id(client, hf_stories, hf_greedy):
     assert streamed == got
 
 
+def test_stop_words_end_generation_and_stay_in_the_text(client, hf_stories, hf_greedy):
+    tok, _ = hf_stories
+    new, _ = hf_greedy("Once upon a time", 40)
+    stop = tok.encode("little girl", add_special_tokens=False)  # a multi-token stop word
+    at = next(i for i in range(len(new)) if new[i:i + len(stop)] == stop)
+    got = client.generate("Once upon a time", GenerateOptions(max_tokens=40, stop_words=["little girl"]))
+    assert got == tok.decode(new[: at + len(stop)], skip_special_tokens=True) == ", there was a little girl"
+
+
 def test_seeded_sampling_is_reproducible(client):
     opts = GenerateOptions(max_tokens=24, temperature=1.0, top_k=50, seed=7)
     first = client.generate("Once upon a time", opts)

@@ -80,3 +80,26 @@ def test_bls_and_prompt_included_output(server, hf_stories, hf_greedy, period):
         full = c.generate("Lily wanted to", GenerateOptions(max_tokens=40, exclude_input_in_output=False))
     assert full == tok.decode(tok.encode("Lily wanted to") + new, skip_special_tokens=True)
     assert full == "Lily wanted to go on a walk."
+
+
+def test_tensorrt_llm_model_called_directly_with_token_ids(server, hf_greedy):
+    """The twin's own contract (§6.3 tensors): input_ids/input_lengths/request_output_len → output_ids/sequence_length."""
+    import numpy as np
+    import tritonclient.http as httpclient
+
+    new, _ = hf_greedy("Once upon a time", 8)
+    prompt = np.array([[1, 403, 407, 261, 378]], dtype=np.int32)  # "Once upon a time" (SOURCE.md)
+    rows = [("input_ids", prompt), ("input_lengths", np.array([[5]], np.int32)),
+            ("request_output_len", np.array([[8]], np.int32))]
+    inputs = []
+    for name, array in rows:
+        i = httpclient.InferInput(name, list(array.shape), "INT32")
+        i.set_data_from_numpy(array)
+        inputs.append(i)
+    c = httpclient.InferenceServerClient(server.http_url.split("://")[1])
+    try:
+        result = c.infer("tensorrt_llm", inputs)
+    finally:
+        c.close()
+    assert result.as_numpy("output_ids").tolist() == [[new]]  # [batch, beam, tokens], new tokens only
+    assert result.as_numpy("sequence_length").tolist() == [[8]]

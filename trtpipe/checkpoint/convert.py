@@ -50,19 +50,17 @@ class ConversionPlan:
     pp: int
     layout: Layout
     config: dict
-    rules: dict[str, Rule] = field(default_factory=dict)  # relative TRT-LLM module name -> rule of its weight
+    rules: dict[str, Rule] = field(default_factory=dict)  # relative TRT-LLM tensor name -> its rule
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp
 
     def rule_for(self, name: str) -> tuple[Optional[Rule], str]:
-        """(rule of the module that owns tensor ``name``, suffix); per-layer names are relative."""
+        """(rule of tensor ``name``, or of its module's weight for tensors a transform adds; suffix)."""
         rel = _relative(name)
-        if rel in self.rules:
-            return self.rules[rel], "weight"
         module, _, suffix = rel.rpartition(".")
-        return self.rules.get(module), suffix
+        return self.rules.get(rel) or self.rules.get(module + ".weight"), suffix
 
     def ranks_of(self, name: str) -> list[int]:
         """Ranks whose file holds ``name`` (its PP stage's tp ranks)."""
@@ -98,11 +96,7 @@ def make_plan(model_dir: str | Path, tp: int = 1, pp: int = 1, dtype: str = "aut
     layout = Layout(info.num_heads, info.num_kv_heads, info.head_dim, tp, info.num_experts if info.is_moe else 0,
                     m["moe_tp_size"], m["moe_ep_size"], use_parallel_embedding, embedding_sharding_dim)
     layout.check()
-    rules = {}
-    for rule in family.global_rules + family.layer_rules:
-        if rule.when(info):
-            module, _, suffix = rule.trt.rpartition(".")
-            rules[rule.trt if suffix != "weight" else module] = rule
+    rules = {rule.trt: rule for rule in family.global_rules + family.layer_rules if rule.when(info)}
     return ConversionPlan(info, family, dtype, tp, pp, layout, config, rules)
 
 
@@ -191,26 +185,43 @@ def unsharded_globals(reader: HFReader, plan: ConversionPlan, meta: bool = False
 # --- pass 2: shard --------------------------------------------------------------------------------
 
 
-def _split(t: torch.Tensor, rule: Optional[Rule], suffix: str, plan: ConversionPlan, tp_rank: int, what: str) -> torch.Tensor:
-    lay = plan.layout
-    if rule is None or rule.split == "replicate":
-        return t
-    if rule.split in ("column", "row", "qkv"):
-        return split_linear_tensor(t, suffix, rule.split, tp_rank, lay, what=what)
-    if rule.split == "vocab":
-        if t.numel() == 1:
-            return t
-        return split_vocab(t, tp_rank, lay.tp, dim=0)
-    if rule.split == "embedding":
-        if not lay.use_parallel_embedding:
-            return t
-        return split_vocab(t, tp_rank, lay.tp, dim=lay.embedding_sharding_dim)
-    experts = lay.num_experts // lay.moe_ep
-    t = split_experts(t, tp_rank, lay, what)
-    if rule.split == "moe_fc":
+def _moe(style: str):
+    def split(t, suffix, plan, tp_rank, what):
+        lay = plan.layout
+        experts = lay.num_experts // lay.moe_ep
+        t = split_experts(t, tp_rank, lay, what)
         inter = plan.info.intermediate_size
-        return split_linear_tensor(t, suffix, "column", tp_rank, lay, sections=(inter, inter), experts=experts, what=what)
-    return split_linear_tensor(t, suffix, "row", tp_rank, lay, experts=experts, what=what)
+        sections = (inter, inter) if style == "column" else ()
+        return split_linear_tensor(t, suffix, style, tp_rank, lay, sections=sections, experts=experts, what=what)
+
+    return split
+
+
+def _embedding(t, suffix, plan, tp_rank, what):
+    lay = plan.layout
+    return split_vocab(t, tp_rank, lay.tp, dim=lay.embedding_sharding_dim) if lay.use_parallel_embedding else t
+
+
+def _linear(style: str):
+    return lambda t, suffix, plan, tp_rank, what: split_linear_tensor(t, suffix, style, tp_rank, plan.layout, what=what)
+
+
+# Split style (a Rule's ``split``) -> fn(tensor, suffix, plan, tp_rank, what) returning the rank's shard.
+SPLITTERS = {
+    "replicate": lambda t, suffix, plan, tp_rank, what: t,
+    "column": _linear("column"),
+    "row": _linear("row"),
+    "qkv": _linear("qkv"),
+    "vocab": lambda t, suffix, plan, tp_rank, what: t if t.numel() == 1 else split_vocab(t, tp_rank, plan.layout.tp),
+    "embedding": _embedding,
+    "moe_fc": _moe("column"),
+    "moe_proj": _moe("row"),
+}
+
+
+def _split(t: torch.Tensor, rule: Optional[Rule], suffix: str, plan: ConversionPlan, tp_rank: int, what: str) -> torch.Tensor:
+    """One rank's shard; tensors no rule owns (e.g. a KV-cache scale a transform adds) are replicated."""
+    return SPLITTERS[rule.split if rule else "replicate"](t, suffix, plan, tp_rank, what)
 
 
 def local_name(name: str, plan: ConversionPlan) -> str:

@@ -242,8 +242,15 @@ _EXPONENT = {
 
 
 def has_non_finite(chunk: torch.Tensor) -> bool:
-    """True when ``chunk`` holds a NaN or Inf; a bit test, several times faster than ``isfinite`` on bf16."""
+    """True when ``chunk`` holds a NaN or Inf.
+
+    A sum is non-finite whenever a NaN or Inf is summed, and is many times faster than ``isfinite``;
+    only when it is non-finite (which an overflow of large finite weights can also cause) is the exact
+    exponent-bit test run.
+    """
     if chunk.dtype not in _EXPONENT or chunk.numel() == 0:
+        return False
+    if bool(torch.isfinite(chunk.sum())):
         return False
     int_type, mask = _EXPONENT[chunk.dtype]
     if chunk.dim() == 0:

@@ -16,7 +16,7 @@ import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import numpy as np
 import torch
@@ -113,13 +113,12 @@ class _Observer:
 def _attach(layer: DecoderLayer, obs: _Observer) -> list:
     handles = []
     prefix = f"transformer.layers.{layer.layer_idx}."
-    seen_groups = set()
     for name, _rank, module in layer.named_linears():
-        group = _INPUT_OF[name[len(prefix):]]
-        if group in seen_groups:  # fc and gate read the same input: observe it once
+        rel = name[len(prefix):]
+        if rel == "mlp.gate":  # reads the same input as mlp.fc: observe it once
             continue
-        seen_groups.add(group)
-        handles.append(module.register_forward_pre_hook(obs.linear_hook(group)))
+        # every expert's fc / proj feeds the same group (one activation scale per MoE linear)
+        handles.append(module.register_forward_pre_hook(obs.linear_hook(_INPUT_OF[rel])))
     for shard in layer.attention:
         shard.kv_quant, shard.kv_scale = obs.kv, torch.ones(1)
     return handles

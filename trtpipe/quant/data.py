@@ -4,7 +4,9 @@ Files: ``.txt`` (the whole file is one document), ``.jsonl`` (one record per lin
 ``{"data": [...]}``); records are strings or objects holding ``text_field``. A directory means every such file
 under it, in sorted order. Documents are tokenized with the model's own tokenizer, BOS-prefixed, concatenated
 and cut into ``seq_len`` windows; the first ``num_samples`` windows are used (a deterministic choice).
-``self``: ``num_samples`` sequences sampled from BOS with a fixed seed (works offline, with no dataset).
+``self``: ``num_samples`` sequences sampled from BOS with a fixed seed (works offline, with no dataset). It runs
+the whole unquantized model on the reference runtime, so for models that do not fit in host memory name a
+dataset instead (calibration itself stays layer by layer either way).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ One ``granularity`` argument covers every layout TensorRT-LLM uses (torchao's ``
 * ``"tensor"``   one scale for the whole tensor, shape ``[1]``            (FP8 weights and activations)
 * ``"channel"``  one scale per output row, shape ``[out]``                (INT8 SmoothQuant / weight-only)
 * ``int g``      one scale per row and group of g input columns, ``[out, in/g]``  (INT4 AWQ)
+* ``"expert"``   one scale per expert of a stacked ``[E, out, in]`` weight, shape ``[E, 1]``   (FP8 MoE)
 
 Scales are *dequantization* scales (real ~= code * scale) = amax / qmax, as TRT-LLM stores them (contract §3).
 Packing is a separate step: :func:`pack_int4_rows` / :func:`unpack_int4_rows` (contract §3.5).
@@ -42,6 +43,8 @@ def _grouped(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
     """View ``x`` [out, in] as [out, in/g, g] (group), [out, 1, in] (channel) or [1, 1, numel] (tensor)."""
     if granularity == "tensor":
         return x.reshape(1, 1, -1)
+    if granularity == "expert":
+        return x.reshape(x.shape[0], 1, -1)
     if granularity == "channel":
         return x.reshape(x.shape[0], 1, -1)
     g = int(granularity)
@@ -51,7 +54,7 @@ def _grouped(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
 
 
 def observe_amax(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
-    """Absolute maximum at ``granularity`` (float32): ``[1]``, ``[out]`` or ``[out, in/g]``."""
+    """Absolute maximum at ``granularity`` (float32): ``[1]``, ``[out]``, ``[out, in/g]`` or ``[E, 1]``."""
     amax = _grouped(x.detach().float(), granularity).abs().amax(dim=-1)
     return amax.reshape(1) if granularity == "tensor" else amax.squeeze(1) if granularity == "channel" else amax
 
@@ -70,7 +73,9 @@ def choose_qparams(amax: torch.Tensor, fmt: str) -> torch.Tensor:
 def _expand(scale: torch.Tensor, x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
     """Broadcast a scale of any granularity to ``x``'s shape."""
     if granularity == "tensor":
-        return scale.reshape(1, 1).expand_as(x) if x.dim() == 2 else scale.reshape(()).expand_as(x)
+        return scale.reshape(()).expand_as(x)
+    if granularity == "expert":
+        return scale.reshape(-1, *([1] * (x.dim() - 1))).expand_as(x)
     if granularity == "channel":
         return scale.reshape(-1, 1).expand_as(x)
     return scale.repeat_interleave(int(granularity), dim=-1)

@@ -15,9 +15,9 @@ from typing import Callable, Optional
 import torch
 
 from trtpipe.errors import QuantizationError
-from trtpipe.checkpoint.shard import Layout, split_linear_tensor
+from trtpipe.checkpoint.shard import Layout, split_experts, split_linear_tensor
 from trtpipe.quant.awq import awq_scales
-from trtpipe.quant.layouts import KV_ALGOS, LINEAR_GROUPS, STYLE, Algo, group_granularity
+from trtpipe.quant.layouts import KV_ALGOS, LINEAR_GROUPS, STYLE, TENSOR_DTYPES, Algo, group_granularity
 from trtpipe.quant.primitives import choose_qparams, observe_amax, pack_int4_rows, quantize
 from trtpipe.quant.smoothquant import smooth_scales, smoothed_act_amax
 
@@ -59,10 +59,12 @@ def layer_params(algo: Algo, weights: dict[str, torch.Tensor], stats: LayerStats
     gran = group_granularity(algo, group_size)
     out: dict[str, dict[str, torch.Tensor]] = {}
     for group, (members, _) in LINEAR_GROUPS.items():
-        members = [m for m in members if not excluded(m)]
+        members = [m for m in members if m in weights and not excluded(m)]
         if not members:
             continue
         ws = [weights[m].float() for m in members]
+        if ws[0].dim() == 3 and gran != "tensor":  # stacked experts [E, out, in]
+            raise QuantizationError(f"{members[0]}: only fp8 (per-expert scales) is supported for MoE experts")
         st = stats.groups.get(group) if stats is not None else None
         pqs = _prequant(algo, ws, st, group_size, alpha)
         if pqs is not None:
@@ -70,7 +72,9 @@ def layer_params(algo: Algo, weights: dict[str, torch.Tensor], stats: LayerStats
         ws = [w / pqs if pqs is not None else w for w in ws]
         shared_amax = torch.stack([w.abs().amax() for w in ws]).amax().reshape(1)
         for m, w in zip(members, ws):
-            if gran == "tensor":
+            if gran == "tensor" and w.dim() == 3:
+                amax = observe_amax(w, "expert")  # [E, 1]: one scale per expert (contract §3.1)
+            elif gran == "tensor":
                 amax = shared_amax
             elif st is not None and m in st.awq_amax and algo.prequant == "awq":
                 amax = st.awq_amax[m]  # clipped by the AWQ search, for this same W / pqs
@@ -112,16 +116,30 @@ def kv_scales(kv: str, stats: LayerStats) -> dict[str, torch.Tensor]:
             "attention.kv_cache_scaling_factor": torch.maximum(k, v)}
 
 
-def shard_params(name: str, p: dict[str, torch.Tensor], rank: int, layout: Layout) -> dict[str, torch.Tensor]:
+def shard_params(name: str, p: dict[str, torch.Tensor], rank: int, layout: Layout,
+                 intermediate_size: int = 0) -> dict[str, torch.Tensor]:
     """One rank's float weight and scales, split by the checkpoint's own plan (``checkpoint.shard``):
-    per-tensor replicated, per-channel with the rows, groups like the weight, pre-quant scale with the input."""
+    per-tensor replicated, per-channel with the rows, groups like the weight, pre-quant scale with the input.
+    Stacked experts: this rank's experts (moe_ep), then the weight's moe_tp slice ([w3; w1] halves for fc);
+    per-expert scales follow the experts only."""
     style = "qkv" if name == "attention.qkv" else STYLE[name]
-    return {k: split_linear_tensor(t, k, style, rank, layout, what=f"{name}.{k}") for k, t in p.items()}
+    if p["weight"].dim() != 3:
+        return {k: split_linear_tensor(t, k, style, rank, layout, what=f"{name}.{k}") for k, t in p.items()}
+    out = {}
+    for k, t in p.items():
+        t = split_experts(t, rank, layout, what=f"{name}.{k}")
+        if k == "weight":
+            sections = (intermediate_size, intermediate_size) if style == "column" else ()
+            t = split_linear_tensor(t, k, style, rank, layout, sections=sections, experts=t.shape[0], what=f"{name}.{k}")
+        out[k] = t
+    return out
 
 
 def finalize(algo: Algo, p: dict[str, torch.Tensor], group_size: int, model_dtype: str) -> dict[str, torch.Tensor]:
     """Quantize and pack one rank's weight; cast every tensor to its stored dtype (layouts.TENSOR_DTYPES)."""
     gran = group_granularity(algo, group_size)
+    if gran == "tensor" and p["weight"].dim() == 3:
+        gran = "expert"
     q = quantize(p["weight"], p["weights_scaling_factor"], algo.weight_fmt, gran)
     if algo.weight_fmt == "int4":
         q = pack_int4_rows(q)
@@ -129,17 +147,19 @@ def finalize(algo: Algo, p: dict[str, torch.Tensor], group_size: int, model_dtyp
     for key, t in p.items():
         if key == "weight":
             continue
-        dtype = TORCH_DTYPES[model_dtype] if key == "prequant_scaling_factor" else torch.float32
+        stored = TENSOR_DTYPES[key]
+        dtype = TORCH_DTYPES[model_dtype if stored == "model" else stored]
         out[key] = t.to(dtype).contiguous()
     return out
 
 
 def rank_tensors(algo: Algo, params: dict[str, dict[str, torch.Tensor]], rank: int, layout: Layout,
-                 group_size: int, model_dtype: str) -> dict[str, torch.Tensor]:
+                 group_size: int, model_dtype: str, intermediate_size: int = 0) -> dict[str, torch.Tensor]:
     """``{"<linear>.<suffix>": tensor}`` of one rank for every quantized linear of a layer."""
     out = {}
     for name, p in params.items():
-        for key, t in finalize(algo, shard_params(name, p, rank, layout), group_size, model_dtype).items():
+        shard = shard_params(name, p, rank, layout, intermediate_size)
+        for key, t in finalize(algo, shard, group_size, model_dtype).items():
             out[f"{name}.{key}"] = t
     return out
 

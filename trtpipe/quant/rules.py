@@ -4,7 +4,8 @@ Policy (MODELOPT_LAYOUTS.md, contract §3.4-3.6): an int4 linear must have an ev
 rank and whole groups in every rank's input slice (no partial groups: ModelOpt and the TRT-LLM AWQ layers
 reject them). Every linear that breaks this is listed with the fix: a smaller ``group_size`` that works, or an
 ``exclude`` pattern that keeps it unquantized. ``lm_head`` stays unquantized (the quantized layouts here do
-not cover it), so ``*lm_head`` must stay in ``exclude``.
+not cover it), so ``*lm_head`` must stay in ``exclude``. Mixture-of-experts models: fp8 (per-expert weight
+scales, contract §3.1) and KV-cache quantization only.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import fnmatch
 from typing import Iterable, Optional
 
 from trtpipe.models.hfconfig import HFModelInfo
-from trtpipe.quant.layouts import ALGOS, LINEARS, STYLE
+from trtpipe.quant.layouts import ALGOS, STYLE
 from trtpipe.recipe.rules import Finding, rule
 from trtpipe.recipe.schema import Recipe
 
@@ -64,8 +65,8 @@ def _quant_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]
         yield "quantization.exclude", "lm_head is kept unquantized: keep '*lm_head' in the list"
     if m is None or algo is None:
         return
-    if m.is_moe:
-        yield "quantization.algo", f"{q.algo} for mixture-of-experts models is not supported yet; use algo: none"
+    if m.is_moe and algo.granularity != "tensor":
+        yield "quantization.algo", f"{q.algo} is not supported for mixture-of-experts models yet; use fp8 or none"
         return
     if algo.weight_fmt != "int4":
         return

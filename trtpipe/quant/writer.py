@@ -69,6 +69,8 @@ def unsplit(name: str, shards: list[torch.Tensor], a: ModelArgs) -> torch.Tensor
     tp = len(shards)
     if tp == 1:
         return shards[0]
+    if a.num_experts and name in ("mlp.fc.weight", "mlp.proj.weight"):
+        return _unsplit_experts(name, shards, a)
     if name.startswith("attention.qkv."):
         d, nh, nkv_r = a.head_size, a.num_heads // tp, a.kv_heads_per_rank
         parts = [s.split([nh * d, nkv_r * d, nkv_r * d], dim=0) for s in shards]
@@ -82,6 +84,19 @@ def unsplit(name: str, shards: list[torch.Tensor], a: ModelArgs) -> torch.Tensor
     if name.startswith(("mlp.fc.", "mlp.gate.")):
         return torch.cat(shards, dim=0)
     return shards[0]  # norms and row-parallel biases are replicated
+
+
+def _unsplit_experts(name: str, shards: list[torch.Tensor], a: ModelArgs) -> torch.Tensor:
+    """Stacked experts: rank r holds expert block r % moe_ep, moe_tp slice r // moe_ep ([w3_r; w1_r] for fc)."""
+    blocks = []
+    for ep in range(a.moe_ep):
+        parts = [shards[mtp * a.moe_ep + ep] for mtp in range(a.moe_tp)]
+        if name == "mlp.proj.weight":
+            blocks.append(torch.cat(parts, dim=-1))
+        else:
+            halves = [p.chunk(2, dim=-2) for p in parts]
+            blocks.append(torch.cat([torch.cat([h[0] for h in halves], -2), torch.cat([h[1] for h in halves], -2)], -2))
+    return torch.cat(blocks, dim=0)
 
 
 def excluded_fn(patterns: list[str], layer_idx: int) -> Callable[[str], bool]:
@@ -112,7 +127,8 @@ def quantize_checkpoint(base_dir: Path, source: LayerSource, stats_dir: Optional
     cfg = json.loads((base_dir / "config.json").read_text())
     args = ModelArgs.from_config(cfg)
     a = ALGOS.get(algo)
-    layout = Layout(args.num_heads, args.num_kv_heads, args.head_size, args.tp)
+    layout = Layout(args.num_heads, args.num_kv_heads, args.head_size, args.tp, num_experts=args.num_experts,
+                    moe_tp=args.moe_tp, moe_ep=args.moe_ep)
     stats_needed = (a is not None and a.needs_data) or kv_cache != "none"
     if stats_needed and stats_dir is None:
         raise QuantizationError(f"quantization.algo={algo} kv_cache={kv_cache} needs calibration statistics")
@@ -128,7 +144,7 @@ def quantize_checkpoint(base_dir: Path, source: LayerSource, stats_dir: Optional
             params = {}
             if a is not None:
                 tensors = source.layer(i)
-                weights = {m: tensors[f"{m}.weight"] for m in LINEARS}
+                weights = {m: tensors[f"{m}.weight"] for m in LINEARS if f"{m}.weight" in tensors}
                 params = layer_params(a, weights, stats, group_size, alpha, excluded_fn(exclude, i), args.dtype)
                 del tensors, weights
             for r in range(args.tp):
@@ -139,7 +155,8 @@ def quantize_checkpoint(base_dir: Path, source: LayerSource, stats_dir: Optional
                         del layer[k]
                 if params:
                     layer.update({prefix + k: t for k, t in
-                                  rank_tensors(a, params, r, layout, group_size, args.dtype).items()})
+                                  rank_tensors(a, params, r, layout, group_size, args.dtype,
+                                                               args.intermediate_size).items()})
                 if kv_cache != "none":
                     layer.update({prefix + k: t for k, t in kv_scales(kv_cache, stats).items()})
                 path = parts / f"rank{rank}.layer{local}.safetensors"

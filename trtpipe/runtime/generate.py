@@ -18,6 +18,7 @@ from trtpipe.runtime.model import KVCache, ReferenceModel
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
            generator: Optional[torch.Generator] = None) -> int:
     """One token from float32 logits [V]: greedy at temperature 0, else top-k then top-p (nucleus) sampling."""
+    logits = logits.float().cpu()  # sampling on the CPU: seeded generators give the same draws everywhere
     if temperature <= 0.0 or top_k == 1:
         return int(logits.argmax())
     logits = logits / temperature
@@ -75,7 +76,8 @@ def generate(model: ReferenceModel, prompts: list[list[int]], max_new_tokens: in
     caches = [KVCache() for _ in range(n)]
     outputs: list[list[int]] = [[] for _ in range(n)]
     done = [max_new_tokens <= 0 or not p for p in prompts]
-    pending = [torch.tensor([p], dtype=torch.long) for p in prompts]  # what each sequence feeds next
+    device = model.embedding.device
+    pending = [torch.tensor([p], dtype=torch.long, device=device) for p in prompts]  # what each sequence feeds next
     positions = [0] * n
     for _ in range(max(0, max_new_tokens)):
         if all(done):
@@ -92,7 +94,7 @@ def generate(model: ReferenceModel, prompts: list[list[int]], max_new_tokens: in
                 continue
             outputs[i].append(tok)
             step[i] = [tok]
-            pending[i] = torch.tensor([[tok]], dtype=torch.long)
+            pending[i] = torch.tensor([[tok]], dtype=torch.long, device=device)
             if len(outputs[i]) >= max_new_tokens or _hits_stop(outputs[i], stops[i]):
                 done[i] = True
         if on_step is not None:

@@ -154,6 +154,8 @@ class AttentionShard(nn.Module):
         self.window = args.sliding_window
         self.kv_quant = kv_quant((args.quantization or {}).get("kv_cache_quant_algo"))
         self.kv_scale = tensors.get("attention.kv_cache_scaling_factor")
+        if self.kv_scale is None and "attention.k_cache_scaling_factor" in tensors:  # merged as TRT-LLM's loader does
+            self.kv_scale = torch.maximum(tensors["attention.k_cache_scaling_factor"], tensors["attention.v_cache_scaling_factor"])
         if self.kv_quant is not None and self.kv_scale is None:
             raise CheckpointError(f"checkpoint: tensor '{prefix}attention.kv_cache_scaling_factor' is missing")
 
@@ -172,8 +174,8 @@ class AttentionShard(nn.Module):
         rep = self.nh // self.nkv
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         S = k.shape[2]
-        q_pos = torch.arange(start_pos, start_pos + T)[:, None]
-        k_pos = torch.arange(start_pos + T - S, start_pos + T)[None, :]  # the cache holds the S latest positions
+        q_pos = torch.arange(start_pos, start_pos + T, device=x.device)[:, None]
+        k_pos = torch.arange(start_pos + T - S, start_pos + T, device=x.device)[None, :]  # the cache holds the S latest
         allowed = k_pos <= q_pos
         if self.window:
             allowed &= (q_pos - k_pos) < self.window
@@ -297,6 +299,7 @@ class DecoderLayer(nn.Module):
                 cos_sin: Optional[tuple] = None) -> torch.Tensor:
         """x: [B, T, H] float32 hidden states at positions start_pos..start_pos+T-1 -> [B, T, H]."""
         cos, sin = cos_sin if cos_sin is not None else self.rope.cos_sin(start_pos, x.shape[1])
+        cos, sin = cos.to(x.device), sin.to(x.device)
         h = rms_norm(x, self.input_ln, self.eps)
         attn = sum(s(h, cos, sin, start_pos, cache, (self.layer_idx, r)) for r, s in enumerate(self.attention))
         x = x + _add_bias(attn, self.dense_bias)  # the all-reduce of the row-parallel dense

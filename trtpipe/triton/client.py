@@ -139,6 +139,8 @@ class Client:
         opts = opts or GenerateOptions()
         model = self.front_model(stream=False)
         if self.decoupled(model):
+            if self.protocol != "grpc":
+                raise ServingError(f"{model} is decoupled (streaming repository): use gRPC (--protocol grpc)")
             return "".join(self._stream(model, prompt, opts, stream=False))
         try:
             return _text(self.client.infer(model, _inputs(self.mod, prompt, opts, stream=False)))

@@ -37,6 +37,10 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "merges.txt", "vocab.txt", "spiece.model", "tiktoken.model", "generation_config.json",
 )
+# The python-backend stub runs Python isolated (PYTHONDONTWRITEBYTECODE is ignored) and would write
+# __pycache__/ into the repository, changing a sealed build artifact. A plain file of that name makes the
+# import system skip writing bytecode (it cannot create the directory) without any other effect.
+NO_PYCACHE = "a file, not a directory: keeps the Triton python stub from writing bytecode into this repository\n"
 EXECUTOR_WORKER = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
 
 T = mc.DataType
@@ -507,6 +511,7 @@ def write_repo(recipe: Recipe, engine_dir: Path, tokenizer_dir: Path, out: Path)
                 (model_dir / "1" / ".gitkeep").touch()
             elif name != recipe.triton.model_name:
                 shutil.copy2(code, model_dir / "1" / "model.py")
+                (model_dir / "1" / "__pycache__").write_text(NO_PYCACHE)
             if name in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
                 copy_tokenizer(tokenizer_dir, model_dir / "tokenizer")
         if engine.twin:

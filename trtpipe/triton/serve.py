@@ -56,8 +56,20 @@ def installed_trtllm() -> Optional[str]:
     return package_version("tensorrt_llm", "tensorrt-llm")
 
 
-def check_engine_versions(info: dict, installed: Optional[str]) -> None:
-    """Refuse an engine built by another TensorRT-LLM release (plans do not deserialize across versions, §8)."""
+def engine_lock(engine_dir: Path) -> dict:
+    """The build environment the engine stage recorded (``trtpipe_lock.json``: TensorRT-LLM, TensorRT, ...)."""
+    path = Path(engine_dir) / "trtpipe_lock.json"
+    try:
+        lock = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return lock.get("lockfile", lock)
+
+
+def check_engine_versions(info: dict, installed: Optional[str], installed_trt: Optional[str] = None,
+                          lock: Optional[dict] = None) -> None:
+    """Refuse an engine built by another TensorRT-LLM (or TensorRT) release: plans do not deserialize across
+    versions (contract §8). ``lock``: the engine's recorded build environment, when there is one."""
     built = info.get("engine_version")
     if installed is None:
         raise ServingError(
@@ -68,6 +80,12 @@ def check_engine_versions(info: dict, installed: Optional[str]) -> None:
         raise ServingError(
             f"the engine {info.get('engine')} was built with TensorRT-LLM {built} but {installed} is installed; "
             "rebuild it (trtpipe build RECIPE --from engine) or serve it with TensorRT-LLM " + str(built)
+        )
+    want_trt = (lock or {}).get("tensorrt")
+    if want_trt and installed_trt != want_trt:
+        raise ServingError(
+            f"the engine {info.get('engine')} was built with TensorRT {want_trt} but {installed_trt or 'no TensorRT'} "
+            "is installed; rebuild it here (trtpipe build RECIPE --from engine)"
         )
 
 
@@ -92,7 +110,11 @@ def plan_launch(repo: Path, bind: str = "127.0.0.1", ports: Optional[Ports] = No
 
 def run_mpirun(plan: LaunchPlan) -> int:
     """Run the leader-mode launch in the foreground (TensorRT-LLM container); returns mpirun's exit code."""
-    check_engine_versions(repo_info(plan.repo), installed_trtllm())
+    from trtpipe.engine.versions import package_version
+
+    info = repo_info(plan.repo)
+    check_engine_versions(info, installed_trtllm(), package_version("tensorrt", "tensorrt-cu12", "tensorrt_cu12"),
+                          engine_lock(Path(info.get("engine", ""))))
     if shutil.which("mpirun") is None:
         raise ServingError("mpirun is not on PATH (the TensorRT-LLM container ships OpenMPI)")
     return subprocess.call(plan.command)
@@ -123,3 +145,57 @@ def one_detached(target: Optional[Path] = None, overrides: Sequence[str] = ()):
         raise ServingError(f"{len(servers)} detached servers run{where}" + (f" ({listing})" if listing else "")
                            + ": name one (--server REPO_OR_RECIPE) or pass --url")
     return servers[0]
+
+
+def planned_launch(recipe_path: Path, overrides: Sequence[str], bind: str, ports: Optional[Ports],
+                   tritonserver: str) -> tuple[LaunchPlan, bool]:
+    """The launch of a recipe without building it (``serve RECIPE --dry-run``): the repository path its repo
+    stage has or will have, and the TensorRT leader-mode command for the recipe's world size.
+
+    Returns the plan and whether the repository is already built (then it is read, not predicted).
+    """
+    from trtpipe.pipeline.cache import ArtifactStore
+    from trtpipe.pipeline.runner import plan_build
+    from trtpipe.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path, overrides)
+    plans, _ = plan_build(recipe)
+    repo_plan = next((p for p in plans if p.name == "repo"), None)
+    if repo_plan is None or repo_plan.key is None:
+        raise ServingError(f"{recipe_path}: the repo stage cannot be planned ({getattr(repo_plan, 'reason', 'absent')})")
+    repo = ArtifactStore(recipe.work_path).path("repo", repo_plan.key)
+    if repo_plan.cached and (repo / REPO_INFO).exists():
+        return plan_launch(repo, bind, ports, tritonserver), True
+    world = recipe.parallel.world_size
+    ports = ports or Ports(*free_ports(3))
+    return LaunchPlan(repo, False, world, mpirun_command(repo, world, ports, bind, tritonserver)), False
+
+
+def dry_run_lines(target: Path, overrides: Sequence[str], bind: str, ports: Optional[Ports],
+                  tritonserver: str) -> list[str]:
+    """What ``serve --dry-run`` prints: comment lines, then the command (a recipe is planned, never built)."""
+    import shlex
+
+    from trtpipe.triton import server as srv
+
+    lines = []
+    if Path(target).is_file():
+        plan, built = planned_launch(Path(target), overrides, bind, ports, tritonserver)
+        if not built:
+            from trtpipe.engine.trtllm import availability
+
+            lines.append(f"# not built yet: trtpipe build {target} writes {plan.repo}")
+            avail = availability()
+            if not avail.ok:
+                lines.append(f"# here the build writes the CPU twin ({avail.reason}); below is the TensorRT launch")
+    else:
+        plan = plan_launch(Path(target).resolve(), bind, ports, tritonserver)
+    if plan.command is None:
+        root = srv.server_root()
+        cmd = srv.server_command(root / "bin" / "tritonserver", root / "backends", plan.repo, bind,
+                                 ports or Ports(0, 0, 0), "trtpipe_")
+        lines.append("# CPU twin: one tritonserver (ports 0: free ones are chosen at start)")
+    else:
+        cmd = plan.command
+        lines.append(f"# TensorRT engines, leader mode: world_size {plan.world_size}")
+    return lines + [shlex.join(cmd)]

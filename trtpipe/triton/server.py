@@ -50,13 +50,18 @@ def _pytriton_server_dir() -> Path:
     return src
 
 
-def prepare_server() -> Path:
-    """Copy the wheel's tritonserver into the cache (once, atomically); return that directory."""
+def server_root() -> Path:
+    """Where :func:`prepare_server` keeps the tritonserver copy for this nvidia-pytriton and Python."""
     import pytriton
 
     version = getattr(pytriton, "__version__", "unknown")
+    return cache_dir() / f"tritonserver-pytriton{version}-py{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def prepare_server() -> Path:
+    """Copy the wheel's tritonserver into the cache (once, atomically); return that directory."""
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
-    root = cache_dir() / f"tritonserver-pytriton{version}-py{py}"
+    root = server_root()
     if (root / "bin" / "tritonserver").exists():
         return root
     src = _pytriton_server_dir()

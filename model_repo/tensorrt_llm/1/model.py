@@ -49,6 +49,17 @@ def word_lists(array):
     return words
 
 
+def _default_end_id(path):
+    """The first EOS id of the checkpoint's generation_config.json (the ensemble always sends end_id)."""
+    try:
+        with open(path) as fh:
+            eos = json.load(fh).get("eos_token_id")
+    except (OSError, ValueError):
+        return None
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    return int(eos) if isinstance(eos, int) else None
+
+
 class _Job:
     """One request: its prompt, limits, sampling settings and where its tokens go."""
 
@@ -78,6 +89,7 @@ class TritonPythonModel:
         self.max_input_len = int(build.get("max_input_len", 1 << 30))
         self.max_seq_len = int(build.get("max_seq_len", 1 << 30))
         self.exclude_input_default = str(_param(params, "exclude_input_in_output", "false")).lower() in _TRUE
+        self.default_end_id = _default_end_id(os.path.join(engine, "checkpoint", "generation_config.json"))
         torch.set_num_threads(int(_param(params, "cpu_threads", "1")))
         self.model = load_checkpoint(os.path.join(engine, "checkpoint"), device="cpu")
         self.generate = generate
@@ -116,9 +128,7 @@ class TritonPythonModel:
         bad = pb_utils.get_input_tensor_by_name(request, "bad_words_list")
         if bad is not None and word_lists(bad.as_numpy()):
             raise ValueError("bad_words_list is not supported by the CPU twin (the TensorRT engine supports it)")
-        end_id = _scalar(request, "end_id", None, int)
-        if end_id is None:
-            raise ValueError("end_id is missing")
+        end_id = _scalar(request, "end_id", self.default_end_id, int)  # None: no end id, run to the limit
         stop = pb_utils.get_input_tensor_by_name(request, "stop_words_list")
         stops = word_lists(stop.as_numpy()) if stop is not None else []
         temperature = _scalar(request, "temperature", 1.0, float)
