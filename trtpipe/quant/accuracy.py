@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from trtpipe.errors import AccuracyGateError
+from trtpipe.quant import reference  # noqa: F401  (runtime handlers for quantized checkpoints)
 from trtpipe.quant.data import batched_decode
 from trtpipe.runtime.model import ReferenceModel
 

@@ -78,7 +78,13 @@ def layer_params(algo: Algo, weights: dict[str, torch.Tensor], stats: LayerStats
                 amax = shared_amax
             elif st is not None and m in st.awq_amax and algo.prequant == "awq":
                 amax = st.awq_amax[m]  # clipped by the AWQ search, for this same W / pqs
+                if amax.shape != (w.shape[0], w.shape[1] // gran):
+                    raise QuantizationError(f"{m}: AWQ statistics were collected for another group size "
+                                            f"({list(amax.shape)} scales); re-run calibration for group_size {gran}")
             else:
+                if gran not in ("tensor", "channel") and w.shape[-1] % gran:
+                    raise QuantizationError(f"{m}: in_features {w.shape[-1]} is not a multiple of group_size {gran} "
+                                            f"(add '*{m}' to quantization.exclude or pick another group_size)")
                 amax = observe_amax(w, gran)
             p = {"weight": w, "weights_scaling_factor": choose_qparams(amax, algo.weight_fmt)}
             if pqs is not None:

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from trtpipe.checkpoint.shard import Layout, pp_layers
 from trtpipe.checkpoint.writer import TORCH_TO_ST, RankFile
 from trtpipe.errors import QuantizationError
+from trtpipe.quant import reference  # noqa: F401  (runtime handlers for quantized checkpoints)
 from trtpipe.quant.calibrate import LayerSource, load_layer_stats
 from trtpipe.quant.layouts import ALGOS, LINEARS, quantization_config
 from trtpipe.quant.quantize import kv_scales, layer_params, rank_tensors
@@ -134,6 +135,18 @@ def quantize_checkpoint(base_dir: Path, source: LayerSource, stats_dir: Optional
         raise QuantizationError(f"quantization.algo={algo} kv_cache={kv_cache} needs calibration statistics")
     parts = out_dir / ".parts"
     parts.mkdir(parents=True, exist_ok=True)
+    try:
+        cfg["quantization"] = _write_ranks(base_dir, source, stats_dir, out_dir, parts, args, a, layout, stats_needed,
+                                           algo, kv_cache, group_size, alpha, exclude, progress)
+    finally:
+        shutil.rmtree(parts, ignore_errors=True)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=4) + "\n")
+    return cfg
+
+
+def _write_ranks(base_dir, source, stats_dir, out_dir, parts, args, a, layout, stats_needed, algo, kv_cache,
+                 group_size, alpha, exclude, progress) -> dict:
+    """Every layer into part files, then each rank file assembled; returns the config's quantization dict."""
     part_files: dict[int, list[Path]] = {}
     for p in range(args.pp):
         for local, i in enumerate(pp_layers(args.num_layers, args.pp, p)):
@@ -166,10 +179,7 @@ def quantize_checkpoint(base_dir: Path, source: LayerSource, stats_dir: Optional
     for rank in range(args.tp * args.pp):
         _assemble(base_dir / f"rank{rank}.safetensors", part_files.get(rank, []),
                   out_dir / f"rank{rank}.safetensors")
-    shutil.rmtree(parts)
-    cfg["quantization"] = quantization_config(algo, kv_cache, group_size, exclude)
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=4) + "\n")
-    return cfg
+    return quantization_config(algo, kv_cache, group_size, exclude)
 
 
 def _read(path: Path, prefix: str = "", to_float: bool = False) -> dict[str, torch.Tensor]:
