@@ -8,6 +8,10 @@ from pathlib import Path
 
 import pytest
 
+# Tiny models run ~20x slower with several OpenMP threads on a busy 2-core machine; tritonserver's python
+# stubs started by the tests inherit this too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # shared/ sits beside the repository checkout (../shared from the repo root).
 SHARED = Path(os.environ.get("TRTPIPE_SHARED", REPO_ROOT.parent / "shared"))
