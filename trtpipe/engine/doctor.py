@@ -108,7 +108,7 @@ def diagnose(engine_dir: Optional[Path] = None) -> list[Check]:
     checks.append(Check("torch", "ok" if torch_ver else "missing", torch_ver or "not installed",
                         fix="" if torch_ver else "pip install torch"))
     gpus = versions.nvidia_smi()
-    gpu_text = "; ".join(f"{g['name']} (SM {g['compute_capability']}, {g['memory_mib']} MiB)" for g in gpus) or "no CUDA GPU visible (nvidia-smi not found or no devices)"
+    gpu_text = "; ".join(f"{g['name']} (SM {g['compute_capability']}, {g['memory_total']})" for g in gpus) or "no CUDA GPU visible (nvidia-smi not found or no devices)"
     gpu_need = ", ".join(f"{g['name']} SM {g['compute_capability']}" for g in lock.get("gpus", [])[:1])
     status, fix = ("ok" if gpus else "missing"), ""
     if real:
@@ -126,7 +126,7 @@ def diagnose(engine_dir: Optional[Path] = None) -> list[Check]:
     checks.append(Check("driver", "ok" if driver else "info", driver or "none (no NVIDIA driver)", lock.get("driver") or ""))
     cuda = versions.cuda_version()
     checks.append(Check("CUDA", "ok" if cuda else "info", cuda or "none (torch is a CPU build)", lock.get("cuda") or ""))
-    checks += _versioned("TensorRT", versions.package_version("tensorrt", "tensorrt-cu12", "tensorrt_cu12"),
+    checks += _versioned("TensorRT", versions.package_version(*versions.PACKAGES["tensorrt"]),
                          lock.get("tensorrt"), real, "TensorRT plans only load with the TensorRT version that built them")
     trtllm = versions.package_version("tensorrt_llm", "tensorrt-llm")
     want = need["version"] if real else None

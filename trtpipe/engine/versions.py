@@ -9,54 +9,25 @@ from __future__ import annotations
 
 import os
 import platform
-import shutil
-import subprocess
-from importlib import metadata
 from typing import Any, Optional
 
 SUPPORTED_TRTLLM = ("1.0", "1.1", "1.2")  # releases with the trtllm-build TensorRT-engine path (contract §0)
 _CONTAINER_ENV = ("TRTPIPE_CONTAINER_TAG", "NVIDIA_TRITON_SERVER_VERSION", "NVIDIA_PYTORCH_VERSION", "NVIDIA_BUILD_ID")
 
 
-def package_version(*names: str) -> Optional[str]:
-    """The installed distribution version of the first of ``names`` that is installed, else None."""
-    for name in names:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
+from trtpipe.pipeline.versions import PACKAGES, package_version, query_gpus, torch_cuda_version
+
+__all__ = ["package_version", "nvidia_smi", "cuda_version", "container_tag", "trtllm_supported", "lockfile"]
 
 
-def nvidia_smi(timeout: float = 10.0) -> list[dict[str, Any]]:
-    """Visible GPUs (name, compute capability, driver, memory) from nvidia-smi; [] when there is none."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return []
-    query = "name,compute_cap,driver_version,memory.total"
-    try:
-        out = subprocess.run([exe, f"--query-gpu={query}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    if out.returncode != 0:
-        return []
-    gpus = []
-    for line in out.stdout.strip().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 4:
-            gpus.append({"name": parts[0], "compute_capability": parts[1], "driver": parts[2],
-                         "memory_mib": int(float(parts[3])) if parts[3].replace(".", "").isdigit() else None})
-    return gpus
+def nvidia_smi() -> list[dict[str, Any]]:
+    """Visible GPUs (name, driver, compute capability, memory) from nvidia-smi; [] when there is none."""
+    return query_gpus()[0]
 
 
 def cuda_version() -> Optional[str]:
     """CUDA runtime version torch was built with (the TRT-LLM containers ship a CUDA torch); None on CPU builds."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return None
-    return torch.version.cuda
+    return torch_cuda_version()
 
 
 def container_tag() -> Optional[str]:
@@ -74,8 +45,8 @@ def lockfile() -> dict[str, Any]:
     """The environment an engine is built in: TensorRT-LLM, TensorRT, CUDA, driver, GPUs, container, Python."""
     gpus = nvidia_smi()
     return {
-        "tensorrt_llm": package_version("tensorrt_llm", "tensorrt-llm"),
-        "tensorrt": package_version("tensorrt", "tensorrt-cu12", "tensorrt_cu12"),
+        "tensorrt_llm": package_version(*PACKAGES["tensorrt_llm"]),
+        "tensorrt": package_version(*PACKAGES["tensorrt"]),
         "cuda": cuda_version(),
         "driver": gpus[0]["driver"] if gpus else None,
         "gpus": [{"name": g["name"], "compute_capability": g["compute_capability"]} for g in gpus],
