@@ -91,6 +91,21 @@ def test_llama70b_tensorrt_llm_config_has_every_contract_parameter(llama70b, lla
     assert list(inputs["stop_words_list"].dims) == [2, -1]
 
 
+def test_sliding_window_becomes_the_attention_window(llama70b, llama70b_engine, tmp_path):
+    """A Mistral-style engine (pretrained_config.sliding_window) tells the runtime its window; others use max_seq_len."""
+    cfg = json.loads((llama70b_engine / "config.json").read_text())
+    cfg["pretrained_config"]["sliding_window"] = 4096
+    mistral = tmp_path / "engine"
+    mistral.mkdir()
+    (mistral / "config.json").write_text(json.dumps(cfg))
+    params = R.tensorrt_llm_config(llama70b, R.EngineInfo.read(mistral)).parameters
+    assert params["max_attention_window_size"].string_value == "4096"
+    cfg["pretrained_config"]["sliding_window"] = 100_000  # wider than the engine's max_seq_len: no window at all
+    (mistral / "config.json").write_text(json.dumps(cfg))
+    params = R.tensorrt_llm_config(llama70b, R.EngineInfo.read(mistral)).parameters
+    assert params["max_attention_window_size"].string_value == "8192"
+
+
 def test_llama70b_recipe_max_tokens_reaches_the_config(llama70b_engine):
     recipe = load_recipe(RECIPES / "llama70b-fp8.yaml", ["engine.kv_cache.max_tokens=500000",
                                                            "engine.kv_cache.enable_reuse=false"], check_rules=False)

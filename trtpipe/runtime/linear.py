@@ -70,10 +70,8 @@ def register_kv_quant(kv_cache_quant_algo: str, fn: KVQuant) -> None:
 
 def _lookup(table: dict, key: str, what: str):
     if key not in table:
-        try:  # the quantization package registers its handlers when imported
-            importlib.import_module("trtpipe.quant")
-        except ImportError:
-            pass
+        # The quantization package's reference module registers every quantized handler on import.
+        importlib.import_module("trtpipe.quant.reference")
     if key not in table:
         raise CheckpointError(f"config.json: {what} '{key}' has no runtime handler (known: {sorted(table)})")
     return table[key]

@@ -160,6 +160,12 @@ class EngineInfo:
     max_input_len: int
     max_seq_len: int
     version: Optional[str] = None  # TensorRT-LLM version that built the engine (config.json "version")
+    sliding_window: Optional[int] = None  # Mistral: attention window; the runtime must be told (contract §5)
+
+    @property
+    def attention_window(self) -> int:
+        """``max_attention_window_size``: the model's sliding window when it has one, else max_seq_len."""
+        return min(self.sliding_window, self.max_seq_len) if self.sliding_window else self.max_seq_len
 
     @classmethod
     def read(cls, engine_dir: Path) -> "EngineInfo":
@@ -183,6 +189,7 @@ class EngineInfo:
             max_input_len=int(build["max_input_len"]),
             max_seq_len=int(build["max_seq_len"]),
             version=cfg.get("version"),
+            sliding_window=(cfg.get("pretrained_config") or {}).get("sliding_window"),
         )
 
 
@@ -324,7 +331,7 @@ def trtllm_parameters(recipe: Recipe, engine: EngineInfo) -> dict:
         "cross_kv_cache_fraction": "",  # enc-dec only; forbidden for decoder-only models
         "kv_cache_host_memory_bytes": kv.host_memory_bytes,
         "kv_cache_onboard_blocks": True,
-        "max_attention_window_size": engine.max_seq_len,
+        "max_attention_window_size": engine.attention_window,
         "sink_token_length": "",
         "enable_kv_cache_reuse": kv.enable_reuse,
         "enable_chunked_context": False,
