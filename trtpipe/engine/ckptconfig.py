@@ -11,63 +11,33 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from trtpipe.errors import EngineError
+from trtpipe.errors import CheckpointError, EngineError
 from trtpipe.models.hfconfig import HFModelInfo
 from trtpipe.recipe.schema import Recipe
 
-# recipe quantization.algo -> checkpoint quant_algo (modelopt export names, contract §1.4)
-QUANT_ALGO = {
-    "none": None,
-    "fp8": "FP8",
-    "int8_sq": "W8A8_SQ_PER_CHANNEL",
-    "int8_wo": "W8A16",
-    "int4_wo": "W4A16",
-    "int4_awq": "W4A16_AWQ",
-    "w4a8_awq": "W4A8_AWQ",
-}
-KV_CACHE_QUANT_ALGO = {"none": None, "fp8": "FP8", "int8": "INT8"}
 # rope scaling types whose factor does not extend max_position_embeddings (contract §4.1, --max_seq_len)
 _NO_FACTOR_ROPE = ("su", "longrope", "llama3")
 
 
-def model_dtype(recipe_dtype: str, source_dtype: str) -> str:
-    """``auto`` follows TensorRT-LLM: float32 sources become float16, others keep their dtype."""
-    if recipe_dtype != "auto":
-        return recipe_dtype
-    return "float16" if source_dtype in ("float32", "float", "torch.float32") else source_dtype.replace("torch.", "")
-
-
 def predicted_checkpoint_config(info: HFModelInfo, recipe: Recipe) -> dict[str, Any]:
-    """The checkpoint ``config.json`` fields trtpipe reads, as the converter will write them for this recipe."""
-    p = recipe.parallel
-    q = recipe.quantization
-    cfg: dict[str, Any] = {
-        "architecture": info.architecture,
-        "dtype": model_dtype(recipe.model.dtype, info.torch_dtype),
-        "vocab_size": info.vocab_size,
-        "hidden_size": info.hidden_size,
-        "num_hidden_layers": info.num_layers,
-        "num_attention_heads": info.num_heads,
-        "num_key_value_heads": info.num_kv_heads,
-        "head_size": info.head_dim,
-        "intermediate_size": info.intermediate_size,
-        "hidden_act": "swiglu" if info.is_moe else info.hidden_act,
-        "max_position_embeddings": info.max_position_embeddings,
-        "rotary_scaling": info.rope_scaling,
-        "tie_word_embeddings": info.tie_word_embeddings,
-        "mapping": {"world_size": p.world_size, "tp_size": p.tp, "pp_size": p.pp},
-        "quantization": {
-            "quant_algo": QUANT_ALGO[q.algo],
-            "kv_cache_quant_algo": KV_CACHE_QUANT_ALGO[q.kv_cache],
-            "group_size": q.group_size,
-        },
-    }
-    if info.is_moe:
-        from trtpipe.recipe.rules import resolve_moe_sizes
+    """The checkpoint ``config.json`` the checkpoint/quantize stages will write for this recipe.
 
-        ep, mtp = resolve_moe_sizes(p.tp, p.moe_ep, p.moe_tp)
-        cfg["moe"] = {"num_experts": info.num_experts, "top_k": info.experts_per_token}
-        cfg["mapping"].update(moe_ep_size=ep, moe_tp_size=mtp)
+    Made by the same functions those stages use (the converter's config writer and the quantization layouts
+    table), so a plan made before conversion describes exactly the checkpoint that conversion produces.
+    """
+    from trtpipe.models import get_family
+    from trtpipe.models.trtllm_config import build_config, resolve_dtype
+    from trtpipe.quant.layouts import quantization_config
+
+    p, q = recipe.parallel, recipe.quantization
+    try:
+        family = get_family(info.architecture)
+        dtype = resolve_dtype(recipe.model.dtype, info.torch_dtype)
+    except CheckpointError as exc:
+        raise EngineError(str(exc)) from None
+    cfg = build_config(info, family, dtype, p.tp, p.pp, p.moe_tp, p.moe_ep)
+    if q.algo != "none" or q.kv_cache != "none":
+        cfg["quantization"] = quantization_config(q.algo, q.kv_cache, q.group_size, q.exclude)
     return cfg
 
 
