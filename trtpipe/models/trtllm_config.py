@@ -41,17 +41,20 @@ def rotary_scaling(info: HFModelInfo) -> Optional[dict]:
     return scaling
 
 
+def resolve_moe_sizes(tp: int, moe_ep: int = -1, moe_tp: int = -1) -> tuple[int, int]:
+    """``(moe_ep, moe_tp)`` as TensorRT-LLM's Mapping resolves them: both -1 means (1, tp); one derives the other."""
+    if moe_ep == -1 and moe_tp == -1:
+        return 1, tp
+    if moe_ep == -1:
+        return max(1, tp // moe_tp), moe_tp
+    if moe_tp == -1:
+        return moe_ep, max(1, tp // moe_ep)
+    return moe_ep, moe_tp
+
+
 def mapping(tp: int, pp: int, moe_tp: int = -1, moe_ep: int = -1, num_experts: int = 0) -> dict:
     """``mapping`` with the MoE sizes resolved as TensorRT-LLM's Mapping does."""
-    if num_experts:
-        if moe_tp == -1 and moe_ep == -1:
-            moe_tp, moe_ep = tp, 1
-        elif moe_tp == -1:
-            moe_tp = tp // moe_ep
-        elif moe_ep == -1:
-            moe_ep = tp // moe_tp
-    else:
-        moe_tp, moe_ep = tp, 1
+    moe_ep, moe_tp = resolve_moe_sizes(tp, moe_ep, moe_tp) if num_experts else (1, tp)
     return {
         "world_size": tp * pp,
         "gpus_per_node": 8,

@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Optional
 
 from trtpipe.errors import CheckpointError, Problem, TrtpipeError
 from trtpipe.models.hfconfig import HFModelInfo, read_hf_config
+from trtpipe.models.trtllm_config import resolve_moe_sizes
 from trtpipe.recipe.schema import Recipe
 
 Finding = tuple[str, str]
@@ -99,17 +100,6 @@ def load_model_info(recipe: Recipe) -> tuple[Optional[HFModelInfo], list[Finding
     if bad:
         return None, [("model.source", f"config.json has non-positive sizes: {', '.join(bad)}")]
     return info, []
-
-
-def resolve_moe_sizes(tp: int, moe_ep: int, moe_tp: int) -> tuple[int, int]:
-    """TensorRT-LLM's Mapping rule: both -1 means (ep=1, tp=tp); one given derives the other."""
-    if moe_ep == -1 and moe_tp == -1:
-        return 1, tp
-    if moe_ep == -1:
-        return max(1, tp // moe_tp), moe_tp
-    if moe_tp == -1:
-        return moe_ep, max(1, tp // moe_ep)
-    return moe_ep, moe_tp
 
 
 def deduced_max_seq_len(m: HFModelInfo) -> int:

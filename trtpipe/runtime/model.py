@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trtpipe.errors import CheckpointError
+from trtpipe.models.trtllm_config import resolve_moe_sizes
 from trtpipe.runtime.linear import LinearSpec, build_linear, kv_quant, module_quant_algo
 from trtpipe.runtime.rope import Rope, apply_rope
 
@@ -64,13 +65,7 @@ class ModelArgs:
         moe = cfg.get("moe") or {}
         tp, pp = int(mapping.get("tp_size", 1)), int(mapping.get("pp_size", 1))
         num_experts = int(moe.get("num_experts", cfg.get("moe_num_experts", 0)) or 0)
-        moe_tp, moe_ep = int(mapping.get("moe_tp_size", -1)), int(mapping.get("moe_ep_size", -1))
-        if moe_tp == -1 and moe_ep == -1:
-            moe_tp, moe_ep = tp, 1
-        elif moe_tp == -1:
-            moe_tp = tp // moe_ep
-        elif moe_ep == -1:
-            moe_ep = tp // moe_tp
+        moe_ep, moe_tp = resolve_moe_sizes(tp, int(mapping.get("moe_ep_size", -1)), int(mapping.get("moe_tp_size", -1)))
         head_size = int(cfg.get("head_size") or hidden // heads)
         return cls(
             vocab_size=int(need("vocab_size")),
