@@ -15,7 +15,6 @@ preset (``engine.plugins.preset``) or leaves ``auto``, which takes the first pre
 from __future__ import annotations
 
 import difflib
-import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -116,9 +115,10 @@ def normalize(name: str, value: Any, where: str) -> Any:
 
 
 def preset_dir() -> Path:
-    """``plugins/`` at the repository root (``TRTPIPE_PLUGINS_DIR`` overrides it)."""
-    env = os.environ.get("TRTPIPE_PLUGINS_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "plugins"
+    """``plugins/`` (``TRTPIPE_PLUGINS_DIR`` overrides it; see :mod:`trtpipe.resources`)."""
+    from trtpipe.resources import data_dir
+
+    return data_dir("plugins")
 
 
 _MATCH_KEYS = ("sm", "quant_algo", "kv_cache_quant_algo")

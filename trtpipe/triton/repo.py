@@ -30,9 +30,10 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from trtpipe.errors import ServingError
+from trtpipe.resources import data_dir
 from trtpipe.recipe.schema import Recipe
 
-MODEL_CODE = Path(__file__).resolve().parents[2] / "model_repo"
+MODEL_CODE = data_dir("model_repo")
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "merges.txt", "vocab.txt", "spiece.model", "tiktoken.model", "generation_config.json",
