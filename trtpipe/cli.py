@@ -29,6 +29,11 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except TrtpipeError as exc:
             _fail(exc)
+        except click.UsageError as exc:  # bad arguments: one line naming the command and the argument
+            where = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
+            message = " ".join(exc.format_message().split())
+            click.echo(f"{where}: {message} (see {where} --help)", err=True)
+            sys.exit(exc.exit_code)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
@@ -191,9 +196,17 @@ def generate(ckpt_dir, prompt, max_tokens, tokenizer_dir, temperature, top_k, to
     """Generate text with the CPU reference runtime from a TensorRT-LLM checkpoint (streams to stdout)."""
     from trtpipe.runtime.text import generate_text
 
-    click.echo(prompt, nl=False)
-    generate_text(ckpt_dir, prompt, max_tokens, tokenizer_dir, temperature, top_k, top_p, seed,
-                  on_text=lambda piece: click.echo(piece, nl=False))
+    started = []  # the prompt is printed once the model and tokenizer loaded: a bad input leaves stdout empty
+
+    def emit(piece: str) -> None:
+        if not started:
+            started.append(True)
+            click.echo(prompt, nl=False)
+        click.echo(piece, nl=False)
+
+    generate_text(ckpt_dir, prompt, max_tokens, tokenizer_dir, temperature, top_k, top_p, seed, on_text=emit)
+    if not started:
+        click.echo(prompt, nl=False)
     click.echo()
 
 # --- quantization commands (calibrate, quantize, eval) ---------------------------------------------

@@ -53,3 +53,11 @@ def test_checkpoint_stage(stories_dir, tmp_path):
     assert (out / "tokenizer.model").exists() and (out / "generation_config.json").exists()
     logits = load_checkpoint(out)(torch.tensor([[1, 403, 407, 261, 378]]))
     assert int(logits[0, -1].argmax()) == 432  # "," as in ", there was a little girl"
+
+
+def test_generate_on_a_non_checkpoint_prints_nothing_but_the_error(stories_dir):
+    """A Hugging Face directory is not a TensorRT-LLM checkpoint: one line on stderr, nothing on stdout."""
+    res = CliRunner().invoke(main, ["generate", str(stories_dir), "Once upon a time"])
+    assert res.exit_code == 1
+    assert res.stdout == ""  # the prompt is not echoed before the checkpoint loaded
+    assert res.stderr == f"{stories_dir / 'rank0.safetensors'}: rank file not found\n"

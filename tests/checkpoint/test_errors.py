@@ -125,3 +125,17 @@ def test_pickle_with_code_is_refused_even_when_allowed(model, tmp_path):
     with open(model / "pytorch_model.bin", "wb") as f:
         pickle.dump({"x": Evil()}, f)
     _fails(model, tmp_path / "out", "weights_only=True", allow_pickle=True)
+
+
+@pytest.mark.parametrize("header,match", [
+    (b"[1, 2, 3]", "invalid safetensors header: a JSON list, not an object"),
+    (b'{"model.embed_tokens.weight": 5}', "invalid safetensors header: tensor 'model.embed_tokens.weight' is not an object"),
+    (b'{"model.embed_tokens.weight": {"dtype": "F32", "shape": [2]}}',
+     "invalid safetensors header: tensor 'model.embed_tokens.weight' needs an integer shape and data_offsets"),
+])
+def test_malformed_safetensors_header(model, tmp_path, header, match):
+    import struct
+
+    (model / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    msg = _fails(model, tmp_path / "out", match)
+    assert msg.startswith(f"{model / 'model.safetensors'}: ")

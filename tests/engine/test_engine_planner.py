@@ -167,3 +167,44 @@ def test_gpu_catalog_lookup():
     assert len({g.key for g in CATALOG}) == len(CATALOG)
     with pytest.raises(EngineError, match="did you mean 'l40s-48gb'"):
         get_gpu("l40s-48")
+
+
+def test_sliding_window_bounds_the_blocks_of_a_sequence():
+    # Mistral-style: the KV cache of a sequence holds min(seq_len, attention window) tokens (contract §5.7)
+    r, cfg, build, p = setup("llama-3-8b", max_seq_len=32768, max_input_len=1024, max_num_tokens=8192)
+    assert p.blocks_per_sequence == 32768 // 32
+    windowed = {**cfg, "sliding_window": 4096}
+    q = planner.plan_build(r, windowed, bc.resolve_build(r, windowed))
+    assert q.blocks_per_sequence == 4096 // 32
+    assert q.kv_blocks == p.kv_blocks and q.concurrent_sequences == q.kv_blocks // 128
+    wide = {**cfg, "sliding_window": 100_000}  # wider than max_seq_len: no effect
+    assert planner.plan_build(r, wide, bc.resolve_build(r, wide)).blocks_per_sequence == 32768 // 32
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"\x05\x00", "truncated safetensors file (2 bytes, no header)"),
+    (b"\xff" * 6 + b"\0\0{}", "truncated safetensors file (header of 281474976710655 bytes, file of 10)"),
+    (b"\x07" + b"\0" * 7 + b"{\"a\":1}", "invalid safetensors header"),
+    (b"\x07" + b"\0" * 7 + b"[1,2,3]", "invalid safetensors header"),
+    (b"\x06" + b"\0" * 7 + b"{\"a\":1", "invalid safetensors header"),
+])
+def test_checkpoint_weight_bytes_refuses_a_bad_header(tmp_path, content, message):
+    from trtpipe.errors import EngineError
+
+    (tmp_path / "rank0.safetensors").write_bytes(content)
+    with pytest.raises(EngineError) as err:
+        planner.checkpoint_weight_bytes(tmp_path, 1, 1)
+    assert str(err.value).startswith(f"{tmp_path / 'rank0.safetensors'}: {message}"), str(err.value)
+
+
+def test_checkpoint_weight_bytes_refuses_a_truncated_file(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from trtpipe.errors import EngineError
+
+    save_file({"a": torch.zeros(100, 4, dtype=torch.float16)}, str(tmp_path / "rank0.safetensors"))
+    data = (tmp_path / "rank0.safetensors").read_bytes()
+    (tmp_path / "rank0.safetensors").write_bytes(data[:-10])
+    with pytest.raises(EngineError, match=rf"rank0.safetensors: truncated: its tensors end at byte {len(data)} of {len(data) - 10}"):
+        planner.checkpoint_weight_bytes(tmp_path, 1, 1)

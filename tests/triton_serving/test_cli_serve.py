@@ -81,8 +81,9 @@ def test_foreground_serve_stops_cleanly_on_sigterm(moved_repo):
             proc.kill()
     assert proc.returncode == 0, "".join(lines) + (rest or "")
     assert "stopped" in rest
-    with pytest.raises(Exception):
-        _run("infer", "Once upon a time", "--url", grpc, "--max-tokens", "4")
+    gone = CliRunner().invoke(main, ["infer", "Once upon a time", "--url", grpc, "--max-tokens", "4"])
+    assert gone.exit_code == 1 and len(gone.output.strip().splitlines()) == 1, gone.output
+    assert f"{grpc.split('://')[-1]}: cannot reach the server" in gone.output  # one line, no traceback
 
 
 def test_a_failing_start_names_the_cause_and_leaves_nothing(moved_repo, tmp_path):

@@ -94,11 +94,15 @@ def test_stop_words_end_generation_and_stay_in_the_text(client, hf_stories, hf_g
     assert got == tok.decode(new[: at + len(stop)], skip_special_tokens=True) == ", there was a little girl"
 
 
-def test_seeded_sampling_is_reproducible(client):
+def test_seeded_sampling_is_reproducible(client, hf_greedy):
     opts = GenerateOptions(max_tokens=24, temperature=1.0, top_k=50, seed=7)
     first = client.generate("Once upon a time", opts)
     assert client.generate("Once upon a time", opts) == first
-    assert first  # sampled text, non-empty
+    # it really sampled: not the greedy answer, and other seeds give other texts
+    assert first and first != hf_greedy("Once upon a time", 24)[1]
+    others = {client.generate("Once upon a time", GenerateOptions(max_tokens=24, temperature=1.0, top_k=50, seed=s))
+              for s in (8, 9, 10)}
+    assert others - {first}, "every seed gave the same text: the seed (or sampling) is ignored"
 
 
 @pytest.mark.parametrize(

@@ -47,15 +47,23 @@ class _SafetensorsFile:
                 header = json.loads(f.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise CheckpointError(f"{path}: invalid safetensors header: {exc}") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: invalid safetensors header: a JSON {type(header).__name__}, not an object")
         header.pop("__metadata__", None)
         self.base = 8 + n
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         for name, e in header.items():
+            if not isinstance(e, dict):
+                raise CheckpointError(f"{path}: invalid safetensors header: tensor '{name}' is not an object")
             dtype = ST_DTYPES.get(e.get("dtype"))
             if dtype is None:
                 raise CheckpointError(f"{path}: tensor '{name}' has unsupported dtype {e.get('dtype')}")
-            shape = tuple(int(s) for s in e["shape"])
-            begin, end = e["data_offsets"]
+            try:
+                shape = tuple(int(s) for s in e["shape"])
+                begin, end = (int(x) for x in e["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{path}: invalid safetensors header: tensor '{name}' needs an integer shape "
+                                      f"and data_offsets [begin, end]") from None
             numel = 1
             for s in shape:
                 numel *= s

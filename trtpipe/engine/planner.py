@@ -132,12 +132,35 @@ def checkpoint_weight_bytes(ckpt_dir: Path, tp: int, pp: int) -> list[int]:
             f = ckpt_dir / f"rank{p * tp + t}.safetensors"
             if not f.is_file():
                 raise EngineError(f"{f}: missing (checkpoint has tp={tp}, pp={pp})")
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n))
-            sizes.append(sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"))
+            sizes.append(_tensor_bytes(f))
         out.append(max(sizes))
     return out
+
+
+def _tensor_bytes(f: Path) -> int:
+    """Sum of the tensors' bytes in one safetensors file, from its header; a bad or truncated file is an EngineError."""
+    size = f.stat().st_size
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise EngineError(f"{f}: truncated safetensors file ({size} bytes, no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise EngineError(f"{f}: truncated safetensors file (header of {n} bytes, file of {size})")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw)
+        spans = [(k, v["data_offsets"]) for k, v in header.items() if k != "__metadata__"]
+        total, end = 0, 0
+        for name, (begin, stop) in spans:
+            if not (isinstance(begin, int) and isinstance(stop, int)) or not 0 <= begin <= stop:
+                raise ValueError(f"tensor '{name}' has data_offsets {[begin, stop]}")
+            total, end = total + stop - begin, max(end, stop)
+    except (ValueError, UnicodeDecodeError, TypeError, KeyError, AttributeError) as exc:
+        raise EngineError(f"{f}: invalid safetensors header ({exc})") from None
+    if 8 + n + end > size:
+        raise EngineError(f"{f}: truncated: its tensors end at byte {8 + n + end} of {size}")
+    return total
 
 
 def activation_bytes(s: Shapes, tp: int, max_num_tokens: int, max_batch: int, beam: int) -> int:
@@ -211,6 +234,14 @@ def blocks_per_sequence(seq: int, inp: int, tpb: int, beam: int) -> int:
     return shared + (math.ceil(seq / tpb) - shared) * beam
 
 
+def sequence_blocks(cfg: dict, c, tpb: int) -> int:
+    """Blocks one sequence of max_seq_len needs (§5.7): the KV cache holds min(seq_len, attention_window) tokens;
+    the window is the model's sliding_window (what the repository passes as max_attention_window_size)."""
+    window = cfg.get("sliding_window")
+    seq = min(c.max_seq_len, int(window)) if window else c.max_seq_len
+    return blocks_per_sequence(seq, min(c.max_input_len, seq), tpb, c.max_beam_width)
+
+
 def _kv_dtype(s: Shapes) -> str:
     return s.kv_quant.lower() if s.kv_quant else s.dtype
 
@@ -258,7 +289,7 @@ def plan_build(recipe: Recipe, cfg: dict, build: EngineBuild, checkpoint_dir: Op
         ranks.append(RankPlan(r, n, weights[r], act, RUNTIME_RESERVE_BYTES, free, per_tok, pool, tokens,
                               math.ceil(tokens / tpb)))
     blocks = min(r.kv_blocks for r in ranks)
-    per_seq = blocks_per_sequence(c.max_seq_len, c.max_input_len, tpb, c.max_beam_width)
+    per_seq = sequence_blocks(cfg, c, tpb)
     plan = Plan(
         gpu=gpu, tp=tp, pp=pp, weights_from=source, kv_dtype=_kv_dtype(s), ranks=tuple(ranks),
         tokens_per_block=tpb, max_seq_len=c.max_seq_len, max_input_len=c.max_input_len,
@@ -296,7 +327,7 @@ def _quick_fits(recipe: Recipe, cfg: dict, build: EngineBuild) -> bool:
     c = build.config
     tpb = c.plugins["tokens_per_block"]
     act = activation_bytes(s, tp, c.max_num_tokens, c.max_batch_size, c.max_beam_width)
-    need = blocks_per_sequence(c.max_seq_len, c.max_input_len, tpb, c.max_beam_width) * tpb
+    need = sequence_blocks(cfg, c, tpb) * tpb
     for r, (w, n) in enumerate(zip(weight_bytes(s, tp, pp), pp_layers(s.layers, pp))):
         free = build.gpu.memory_bytes - w - act - RUNTIME_RESERVE_BYTES
         if free <= 0 or free * recipe.engine.kv_cache.free_gpu_memory_fraction < need * kv_bytes_per_token(s, n, tp):

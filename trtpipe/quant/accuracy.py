@@ -5,23 +5,38 @@ distributions, top-1 agreement, and the greedy continuation match length (new to
 difference). The quantized model is measured twice, with its KV cache quantized and without, so a loss can be
 attributed to the weights/activations or to the cache. The recipe's ``accuracy`` gate is checked on the
 configuration that will be deployed (KV quantized when the recipe says so).
+
+Host memory (:func:`evaluate`): the teacher-forced numbers run layer by layer, like calibration. The samples are
+embedded once per checkpoint; then for each layer the unquantized and the quantized layer are built in turn
+from their rank files, every hidden-state stream goes through its layer (the KV-unquantized stream through the
+quantized layer with the KV round trip off), and the layer is freed; streams live in activation buffers that
+spill to memory-mapped files when large. ln_f + lm_head of both checkpoints then score the streams batch by
+batch. The greedy continuation needs autoregressive decoding with a whole model, so it runs (one model at a
+time) only when the float32 model fits in host memory (:mod:`trtpipe.quant.hostmem`); otherwise it is reported
+as skipped, with the reason. The gate does not read it.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 
-from trtpipe.errors import AccuracyGateError
+from trtpipe.errors import AccuracyGateError, CheckpointError
 from trtpipe.quant import reference  # noqa: F401  (runtime handlers for quantized checkpoints)
+from trtpipe.quant.calibrate import ActivationBuffer
 from trtpipe.quant.data import batched_decode
-from trtpipe.runtime.model import ReferenceModel
+from trtpipe.quant.hostmem import whole_model_misfit
+from trtpipe.quant.writer import CheckpointLayers
+from trtpipe.runtime.loader import _embedding, _lm_head, load_checkpoint
+from trtpipe.runtime.model import DecoderLayer, ReferenceModel
 
 
 @dataclass
@@ -31,7 +46,7 @@ class Metrics:
     ppl_increase_pct: float
     kl_divergence: float
     top1_agreement: float
-    greedy_match_len: float
+    greedy_match_len: Optional[float]  # None: skipped (the report says why)
 
 
 def drop_kv_quant(model: ReferenceModel) -> ReferenceModel:
@@ -66,7 +81,8 @@ def _match_len(a: list[int], b: list[int]) -> int:
 
 def compare(ref: ReferenceModel, models: dict[str, ReferenceModel], tokens: torch.Tensor, batch: int = 8,
             prompt_len: int = 8, new_tokens: int = 32) -> list[Metrics]:
-    """Metrics of the reference itself (first row) and of every model in ``models`` on ``tokens [N, T]``."""
+    """Metrics of the reference itself (first row) and of every model in ``models`` on ``tokens [N, T]``, with
+    every model whole in memory (the oracle :func:`evaluate` is tested against; small models only)."""
     ref_logits = _logits(ref, tokens, batch)
     ref_ppl = _ppl(ref_logits, tokens)
     prompts = [row[:prompt_len].tolist() for row in tokens]
@@ -85,13 +101,154 @@ def compare(ref: ReferenceModel, models: dict[str, ReferenceModel], tokens: torc
     return rows
 
 
-def table(rows: list[Metrics]) -> str:
-    """A fixed-width table for people."""
+def stream_names(kv: Optional[str]) -> list[str]:
+    """Row names of the quantized checkpoint: with its KV cache quantized and without, or one row."""
+    return [f"quantized, KV {kv}", "quantized, KV unquantized"] if kv else ["quantized"]
+
+
+def _embedder(src: CheckpointLayers) -> ReferenceModel:
+    """A :class:`ReferenceModel` without layers that holds only the embedding (first PP rank files)."""
+    emb = _embedding(src.config, src.full, src.ranks(0, "transformer.vocab_embedding."))
+    return ReferenceModel(src.config, src.full, emb, [], torch.empty(0), [])
+
+
+def _scorer(src: CheckpointLayers) -> ReferenceModel:
+    """A :class:`ReferenceModel` without layers that holds ln_f + lm_head (last PP rank files; the embedding too
+    when lm_head is tied to it)."""
+    a = src.full
+    last = src.ranks(a.pp - 1, ("lm_head.", "transformer.ln_f."))
+    if "transformer.ln_f.weight" not in last[0]:
+        raise CheckpointError(f"{src.dir}: tensor 'transformer.ln_f.weight' is missing from the last PP rank")
+    tied = "lm_head.weight" not in last[0]
+    emb = _embedder(src).embedding if tied else torch.empty(0, a.hidden_size)
+    return ReferenceModel(src.config, a, emb, [], last[0]["transformer.ln_f.weight"], _lm_head(a, last, emb))
+
+
+def _set_kv_quant(layer: DecoderLayer, on: bool, saved: list) -> None:
+    for shard, fn in zip(layer.attention, saved):
+        shard.kv_quant = fn if on else None
+
+
+@torch.no_grad()
+def teacher_forced(ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, batch: int = 8,
+                   spill_bytes: int = 1 << 30, spill_dir: Optional[Path] = None,
+                   progress: Optional[Callable[[str], None]] = None) -> list[Metrics]:
+    """Perplexity, KL and top-1 of ``quant_dir`` against ``ref_dir`` on ``tokens [N, T]``, one layer in memory at
+    a time (see the module docstring); ``greedy_match_len`` is left None. Rows as :func:`compare` gives them."""
+    ref, quant = CheckpointLayers(ref_dir), CheckpointLayers(quant_dir)
+    names = stream_names((quant.full.quantization or {}).get("kv_cache_quant_algo"))
+    plan = ((ref, ["unquantized"]), (quant, names))
+    n, t = tokens.shape
+    bufs = {s: ActivationBuffer((n, t, ref.full.hidden_size), spill_bytes, spill_dir) for s in ["unquantized"] + names}
+    try:
+        for src, streams in plan:  # embed once per checkpoint
+            shell = _embedder(src)
+            for lo in range(0, n, batch):
+                x = shell.embed(tokens[lo:lo + batch])
+                for s in streams:
+                    bufs[s].data[lo:lo + batch] = x
+            del shell, x
+        ropes = {id(src): src.full.rope() for src, _ in plan}
+        cos_sin = {k: r.cos_sin(0, t) for k, r in ropes.items()}
+        for i in range(ref.full.num_layers):
+            if progress:
+                progress(f"({i + 1}/{ref.full.num_layers}) Evaluating")
+            for src, streams in plan:
+                layer = DecoderLayer(src.full, src.rank_layer(i), i, ropes[id(src)])
+                saved = [shard.kv_quant for shard in layer.attention]
+                for s in streams:
+                    _set_kv_quant(layer, s != "quantized, KV unquantized", saved)
+                    d = bufs[s].data
+                    for lo in range(0, n, batch):  # each sample is independent: in place, batch by batch
+                        d[lo:lo + batch] = layer(d[lo:lo + batch], 0, None, cos_sin[id(src)])
+                del layer, saved
+                gc.collect()
+        ref_head, quant_head = _scorer(ref), _scorer(quant)
+        nll = {s: 0.0 for s in bufs}
+        kl = {s: 0.0 for s in names}
+        top1 = {s: 0 for s in names}
+        for lo in range(0, n, batch):
+            tok = tokens[lo:lo + batch]
+            ref_logits = ref_head.head(bufs["unquantized"].data[lo:lo + batch]).float()
+            ref_logp = F.log_softmax(ref_logits, dim=-1)
+            nll["unquantized"] += _nll_sum(ref_logits, tok)
+            for s in names:
+                logits = quant_head.head(bufs[s].data[lo:lo + batch]).float()
+                logp = F.log_softmax(logits, dim=-1)
+                kl[s] += (ref_logp.exp() * (ref_logp - logp)).sum(-1).double().sum().item()
+                top1[s] += int((ref_logits.argmax(-1) == logits.argmax(-1)).sum())
+                nll[s] += _nll_sum(logits, tok)
+    finally:
+        for b in bufs.values():
+            b.close()
+    ppl = {s: math.exp(v / (n * (t - 1))) for s, v in nll.items()}
+    rows = [Metrics("unquantized", ppl["unquantized"], 0.0, 0.0, 1.0, None)]
+    for s in names:
+        rows.append(Metrics(s, ppl[s], 100.0 * (ppl[s] / ppl["unquantized"] - 1.0), kl[s] / (n * t), top1[s] / (n * t),
+                            None))
+    return rows
+
+
+def _nll_sum(logits: torch.Tensor, tokens: torch.Tensor) -> float:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1),
+                           reduction="sum").double().item()
+
+
+def float32_bytes(ckpt_dir: Path) -> int:
+    """4 bytes x every element of the checkpoint's rank files: about what :func:`load_checkpoint` holds."""
+    n = 0
+    for path in sorted(Path(ckpt_dir).glob("rank*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            n += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return 4 * n
+
+
+def greedy_matches(ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, prompt_len: int = 8,
+                   new_tokens: int = 32) -> dict[str, float]:
+    """Mean greedy continuation match length per quantized row name; one whole model in memory at a time."""
+    prompts = [row[:prompt_len].tolist() for row in tokens]
+    model = load_checkpoint(ref_dir)
+    ref_greedy = _greedy(model, prompts, new_tokens)
+    del model
+    gc.collect()
+    model = load_checkpoint(quant_dir)
+    out = {}
+    for name in stream_names((model.config.get("quantization") or {}).get("kv_cache_quant_algo")):
+        if name == "quantized, KV unquantized":
+            drop_kv_quant(model)
+        greedy = _greedy(model, prompts, new_tokens)
+        out[name] = sum(_match_len(a, b) for a, b in zip(ref_greedy, greedy)) / len(prompts)
+    return out
+
+
+def evaluate(ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, batch: int = 8, spill_dir: Optional[Path] = None,
+             progress: Optional[Callable[[str], None]] = None, prompt_len: int = 8,
+             new_tokens: int = 32) -> tuple[list[Metrics], Optional[str]]:
+    """:func:`teacher_forced` rows plus the greedy match length when the whole float32 model fits in host memory.
+
+    Returns:
+        The rows (reference first) and, when the greedy continuation was skipped, why (else None).
+    """
+    rows = teacher_forced(ref_dir, quant_dir, tokens, batch, spill_dir=spill_dir, progress=progress)
+    skipped = whole_model_misfit(float32_bytes(ref_dir))
+    if skipped is None:
+        matches = greedy_matches(ref_dir, quant_dir, tokens, prompt_len, new_tokens)
+        rows[0].greedy_match_len = float(new_tokens)
+        for r in rows[1:]:
+            r.greedy_match_len = matches[r.name]
+    return rows, skipped
+
+
+def table(rows: list[Metrics], note: Optional[str] = None) -> str:
+    """A fixed-width table for people; ``note``: why the greedy match was skipped."""
     head = f"{'model':<24} {'ppl':>10} {'ppl +%':>8} {'KL':>10} {'top-1':>7} {'greedy match':>13}"
     lines = [head, "-" * len(head)]
     for r in rows:
+        greedy = "skipped" if r.greedy_match_len is None else f"{r.greedy_match_len:.2f}"
         lines.append(f"{r.name:<24} {r.perplexity:>10.4f} {r.ppl_increase_pct:>8.3f} {r.kl_divergence:>10.6f} "
-                     f"{r.top1_agreement:>7.4f} {r.greedy_match_len:>13.2f}")
+                     f"{r.top1_agreement:>7.4f} {greedy:>13}")
+    if any(r.greedy_match_len is None for r in rows) and note:
+        lines.append(f"greedy match skipped: {note}")
     return "\n".join(lines)
 
 
@@ -109,6 +266,8 @@ def check_gate(row: Metrics, max_ppl_increase_pct: Optional[float], min_top1_agr
         raise AccuracyGateError(f"accuracy gate failed for {row.name}: " + "; ".join(failed))
 
 
-def write_report(out_dir: Path, rows: list[Metrics], meta: dict) -> None:
-    (out_dir / "accuracy.json").write_text(json.dumps({**meta, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
-    (out_dir / "accuracy.txt").write_text(table(rows) + "\n")
+def write_report(out_dir: Path, rows: list[Metrics], meta: dict, greedy_skipped: Optional[str] = None) -> None:
+    """accuracy.json (``greedy_skipped``: why the greedy match is null, or null) and accuracy.txt."""
+    doc = {**meta, "greedy_skipped": greedy_skipped, "rows": [asdict(r) for r in rows]}
+    (out_dir / "accuracy.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out_dir / "accuracy.txt").write_text(table(rows, greedy_skipped) + "\n")

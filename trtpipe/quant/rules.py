@@ -14,6 +14,7 @@ import fnmatch
 from typing import Iterable, Optional
 
 from trtpipe.models.hfconfig import HFModelInfo
+from trtpipe.quant.hostmem import whole_model_misfit
 from trtpipe.quant.layouts import ALGOS, STYLE
 from trtpipe.recipe.rules import Finding, rule
 from trtpipe.recipe.schema import Recipe
@@ -82,3 +83,22 @@ def _quant_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]
     fix = " and ".join(parts)
     for name, why in bad.items():
         yield "quantization.group_size", f"{q.algo} at tp={tp}: {name} {why}; fix: {fix}"
+
+
+@rule
+def _self_data_fits(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
+    """``self`` data is sampled from the whole unquantized model in float32 on the host: refuse it up front for a
+    model that does not fit (calibration and verification themselves run one layer at a time)."""
+    if m is None:
+        return
+    q, acc = recipe.quantization, recipe.accuracy
+    algo = ALGOS.get(q.algo)
+    keys = []
+    if q.calibration.dataset == "self" and ((algo is not None and algo.needs_data) or q.kv_cache != "none"):
+        keys.append("quantization.calibration.dataset")
+    if acc.eval_data == "self" and acc.enabled and (algo is not None or q.kv_cache != "none"):
+        keys.append("accuracy.eval_data")
+    why = whole_model_misfit(4 * m.num_params()) if keys else None
+    if why:
+        for key in keys:
+            yield key, f"'self' samples text from the whole model, and {why}; name a .txt, .jsonl or .json dataset instead"

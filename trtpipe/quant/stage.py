@@ -92,25 +92,24 @@ def run_quantization(recipe: Recipe, ckpt_dir: Path, stats_dir: Optional[Path], 
 
 
 def run_accuracy(recipe: Recipe, ckpt_dir: Path, quant_dir: Path, out_dir: Optional[Path] = None,
-                 gate: bool = True) -> list[accuracy.Metrics]:
-    """Accuracy report of ``quant_dir`` against ``ckpt_dir``; with the KV cache quantized and without."""
+                 gate: bool = True, progress: Optional[Callable[[str], None]] = None) -> list[accuracy.Metrics]:
+    """Accuracy report of ``quant_dir`` against ``ckpt_dir``; with the KV cache quantized and without.
+
+    Layer by layer (:func:`accuracy.evaluate`); activation buffers spill into ``out_dir`` when large.
+    """
     acc, c = recipe.accuracy, recipe.quantization.calibration
     tokens = _tokens(acc.eval_data, recipe, ckpt_dir, acc.num_samples, acc.seq_len, c.seed + EVAL_SEED_OFFSET,
                      c.text_field)
-    ref = load_checkpoint(ckpt_dir)
-    quant = load_checkpoint(quant_dir)
-    kv = (quant.config.get("quantization") or {}).get("kv_cache_quant_algo")
-    models = {}
-    if kv:
-        models[f"quantized, KV {kv}"] = quant
-        models["quantized, KV unquantized"] = accuracy.drop_kv_quant(load_checkpoint(quant_dir))
-    else:
-        models["quantized"] = quant
-    rows = accuracy.compare(ref, models, tokens, batch=c.batch_size)
+    rows, greedy_skipped = accuracy.evaluate(ckpt_dir, quant_dir, tokens, batch=c.batch_size, spill_dir=out_dir,
+                                             progress=progress)
+    if greedy_skipped:
+        log.warning("accuracy: greedy continuation match skipped: %s", greedy_skipped)
     if out_dir is not None:
-        accuracy.write_report(out_dir, rows, {"quant_algo": quant.config["quantization"].get("quant_algo"),
-                                              "kv_cache_quant_algo": kv, "eval_data": acc.eval_data,
-                                              "num_samples": int(tokens.shape[0]), "seq_len": int(tokens.shape[1])})
+        q = json.loads((quant_dir / "config.json").read_text()).get("quantization") or {}
+        accuracy.write_report(out_dir, rows, {"quant_algo": q.get("quant_algo"),
+                                              "kv_cache_quant_algo": q.get("kv_cache_quant_algo"),
+                                              "eval_data": acc.eval_data, "num_samples": int(tokens.shape[0]),
+                                              "seq_len": int(tokens.shape[1])}, greedy_skipped)
     if gate:
         accuracy.check_gate(rows[1], acc.max_ppl_increase_pct, acc.min_top1_agreement, acc.max_kl_divergence)
     return rows
@@ -135,7 +134,9 @@ def _quantize(ctx: StageContext) -> None:
 
 def _verify(ctx: StageContext) -> None:
     try:
-        rows = run_accuracy(ctx.recipe, ctx.inputs["checkpoint"], ctx.inputs["quantize"], ctx.out_dir, gate=False)
+        with ctx.progress("verify", total=None) as bar:
+            rows = run_accuracy(ctx.recipe, ctx.inputs["checkpoint"], ctx.inputs["quantize"], ctx.out_dir, gate=False,
+                                progress=lambda s: bar.advance(1))
     finally:
         report = ctx.out_dir / "accuracy.txt"
         if report.exists():

@@ -26,42 +26,56 @@ from trtpipe.quant import reference  # noqa: F401  (runtime handlers for quantiz
 from trtpipe.quant.calibrate import LayerSource, load_layer_stats
 from trtpipe.quant.layouts import ALGOS, LINEARS, quantization_config
 from trtpipe.quant.quantize import kv_scales, layer_params, rank_tensors
+from trtpipe.runtime.loader import read_config
 from trtpipe.runtime.model import ModelArgs
 
 ST_TO_TORCH = {v: k for k, v in TORCH_TO_ST.items()}
 
 
 
-class TrtllmSource:
+class CheckpointLayers:
+    """A TRT-LLM checkpoint of any tp/pp, quantized or not, read one layer at a time: each layer's tensors come
+    from its PP group's rank files (``pread``, no mapping stays resident), per tp rank as stored."""
+
+    def __init__(self, ckpt_dir: Path):
+        self.dir = Path(ckpt_dir)
+        self.config, quant_cfg = read_config(self.dir)
+        self.full = ModelArgs.from_config(self.config, quant_cfg)
+        self._where = {i: (p, local) for p in range(self.full.pp)
+                       for local, i in enumerate(pp_layers(self.full.num_layers, self.full.pp, p))}
+
+    def ranks(self, p: int, prefix: str | tuple[str, ...], to_float: bool = False) -> list[dict[str, torch.Tensor]]:
+        """Tensors whose names start with ``prefix`` (full names) of every tp rank of PP rank ``p``."""
+        tp = self.full.tp
+        return [_read(self.dir / f"rank{p * tp + r}.safetensors", prefix, to_float) for r in range(tp)]
+
+    def rank_layer(self, i: int, to_float: bool = False) -> list[dict[str, torch.Tensor]]:
+        """Global layer ``i`` as every tp rank stores it, names relative to the layer (what DecoderLayer takes)."""
+        p, local = self._where[i]
+        prefix = f"transformer.layers.{local}."
+        return [{k[len(prefix):]: t for k, t in r.items()} for r in self.ranks(p, prefix, to_float)]
+
+
+class TrtllmSource(CheckpointLayers):
     """A :class:`LayerSource` over an unquantized TRT-LLM checkpoint of any tp/pp: each layer is read
     (memory-mapped) from its PP group's rank files and un-split into the unsharded TRT-LLM tensors."""
 
     def __init__(self, ckpt_dir: Path):
-        self.dir = Path(ckpt_dir)
-        self.config = json.loads((self.dir / "config.json").read_text())
+        super().__init__(ckpt_dir)
         if (self.config.get("quantization") or {}).get("quant_algo"):
             raise QuantizationError(f"{self.dir}: the calibration source must be an unquantized checkpoint")
-        self.full = ModelArgs.from_config(self.config)
         self.args = self.full.unsharded()
-        self._where = {i: (p, local) for p in range(self.full.pp)
-                       for local, i in enumerate(pp_layers(self.full.num_layers, self.full.pp, p))}
-
-    def _ranks(self, p: int, prefix: str) -> list[dict[str, torch.Tensor]]:
-        tp = self.full.tp
-        return [_read(self.dir / f"rank{p * tp + r}.safetensors", prefix, to_float=True) for r in range(tp)]
 
     def embedding(self) -> torch.Tensor:
         name = "transformer.vocab_embedding.weight"
-        shards = [r[name] for r in self._ranks(0, name)]
+        shards = [r[name] for r in self.ranks(0, name, to_float=True)]
         if len(shards) == 1 or not self.config.get("use_parallel_embedding"):
             return shards[0]
         dim = int(self.config.get("embedding_sharding_dim", 0))
         return torch.cat(shards, dim=dim)[: self.full.vocab_size] if dim == 0 else torch.cat(shards, dim=dim)
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
-        p, local = self._where[i]
-        prefix = f"transformer.layers.{local}."
-        ranks = [{k[len(prefix):]: t for k, t in r.items()} for r in self._ranks(p, prefix)]
+        ranks = self.rank_layer(i, to_float=True)
         return {k: unsplit(k, [r[k] for r in ranks], self.full) for k in ranks[0]}
 
 
@@ -182,11 +196,11 @@ def _write_ranks(base_dir, source, stats_dir, out_dir, parts, args, a, layout, s
     return quantization_config(algo, kv_cache, group_size, exclude)
 
 
-def _read(path: Path, prefix: str = "", to_float: bool = False) -> dict[str, torch.Tensor]:
+def _read(path: Path, prefix: str | tuple[str, ...] = "", to_float: bool = False) -> dict[str, torch.Tensor]:
     """Tensors of ``path`` whose names start with ``prefix``, read with ``pread`` (no mapping stays resident,
     so host memory is what is returned); ``to_float`` converts each one to float32 as soon as it is read."""
     if not path.exists():
-        raise QuantizationError(f"{path}: rank file of the unquantized checkpoint is missing")
+        raise QuantizationError(f"{path}: rank file of the checkpoint is missing")
     out = {}
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))

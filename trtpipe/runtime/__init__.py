@@ -7,9 +7,10 @@ expected output for engine and serving tests.
 from trtpipe.runtime.generate import generate, sample
 from trtpipe.runtime.linear import LinearSpec, build_linear, register_kv_quant, register_linear_loader
 from trtpipe.runtime.loader import load_checkpoint
-from trtpipe.runtime.model import DecoderLayer, KVCache, ModelArgs, ReferenceModel
+from trtpipe.runtime.model import BatchKVCache, DecoderLayer, KVCache, ModelArgs, ReferenceModel
 
 __all__ = [
+    "BatchKVCache",
     "DecoderLayer",
     "KVCache",
     "LinearSpec",

@@ -1,9 +1,11 @@
 """Token generation on a :class:`ReferenceModel` with a KV cache: greedy or sampled, stop words, streaming.
 
 Semantics follow TensorRT-LLM's executor: the end id is not part of the output; a stop word ends the
-sequence and stays in it; ``temperature == 0`` is greedy. Each sequence runs with its own cache and its
-own seeded generator (results do not depend on what else is in the batch), in lockstep so ``on_step``
-sees one step of every sequence at a time.
+sequence and stays in it; ``temperature == 0`` is greedy. Each sequence has its own seeded generator and
+its own positions, so its tokens do not depend on what else is in the batch. Sequences advance in lockstep
+so ``on_step`` sees one step of every sequence at a time: each prompt is prefilled on its own (lengths
+differ), then every decode step runs all unfinished sequences as one [B, 1] forward pass over a
+:class:`BatchKVCache` (per-row positions, rope and masks), which is what makes a batch faster than its parts.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from trtpipe.runtime.model import KVCache, ReferenceModel
+from trtpipe.runtime.model import BatchKVCache, KVCache, ReferenceModel
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -53,7 +55,8 @@ def _hits_stop(tokens: list[int], stop_words: Optional[Sequence[Sequence[int]]])
 @torch.no_grad()
 def generate(model: ReferenceModel, prompts: list[list[int]], max_new_tokens: int, end_ids=None,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
-             stop_words=None, on_step: Optional[Callable[[list], None]] = None) -> list[list[int]]:
+             stop_words=None, on_step: Optional[Callable[[list], None]] = None,
+             batched: bool = True) -> list[list[int]]:
     """Generate up to ``max_new_tokens`` new tokens for each prompt.
 
     Args:
@@ -62,41 +65,55 @@ def generate(model: ReferenceModel, prompts: list[list[int]], max_new_tokens: in
         seed: sampling seed (sequence i uses seed + i); None draws from torch's global generator.
         stop_words: token sequences that end generation (shared, or one list per sequence).
         on_step: called after each decode step with, per sequence, ``[new_token]`` or None once finished.
+        batched: decode the unfinished sequences as one [B, 1] forward per step; False runs each sequence's
+            forward on its own (the per-sequence path, kept to check and time the batched one against).
     Returns:
         The new tokens of each sequence (no prompt, no end id).
     """
     n = len(prompts)
     ends, stops = _per_sequence(end_ids, n, 0), _per_sequence(stop_words, n, 1)
-    gens = []
-    for i in range(n):
-        g = None
-        if seed is not None:
-            g = torch.Generator().manual_seed(int(seed) + i)
-        gens.append(g)
-    caches = [KVCache() for _ in range(n)]
+    gens = [None if seed is None else torch.Generator().manual_seed(int(seed) + i) for i in range(n)]
     outputs: list[list[int]] = [[] for _ in range(n)]
     done = [max_new_tokens <= 0 or not p for p in prompts]
     device = model.embedding.device
-    pending = [torch.tensor([p], dtype=torch.long, device=device) for p in prompts]  # what each sequence feeds next
-    positions = [0] * n
-    for _ in range(max(0, max_new_tokens)):
-        if all(done):
+    caches = [KVCache() for _ in range(n)]
+    batch: Optional[BatchKVCache] = None  # the decode cache once batched decoding starts
+    in_batch: list[int] = []  # sequence of each row of `batch`
+    lengths = [len(p) for p in prompts]  # tokens in each sequence's cache once prefilled = next position
+    max_len = max(lengths, default=0) + max(0, max_new_tokens)
+    for step in range(max(0, max_new_tokens)):
+        rows = [i for i in range(n) if not done[i]]
+        if not rows:
             break
-        step: list = [None] * n
-        for i in range(n):
-            if done[i]:
-                continue
-            logits = model(pending[i], caches[i], positions[i])[0, -1]  # [V]
-            positions[i] += pending[i].shape[1]
-            tok = sample(logits, temperature, top_k, top_p, gens[i])
+        if step == 0:  # prefill, one sequence at a time (prompts differ in length)
+            logits = [model(torch.tensor([prompts[i]], device=device), caches[i], 0)[0, -1] for i in rows]  # [V] each
+        elif batched:
+            if batch is None:
+                batch, caches = BatchKVCache.from_caches([caches[i] for i in rows], max_len), None
+            elif rows != in_batch:  # some finished: drop their rows
+                batch.keep(torch.tensor([in_batch.index(i) for i in rows], device=device))
+            in_batch = rows
+            ids = torch.tensor([[outputs[i][-1]] for i in rows], device=device)  # [B, 1]
+            start = torch.tensor([lengths[i] for i in rows], device=device)  # [B]
+            logits = model(ids, batch, start)[:, -1]  # [B, V]
+            for i in rows:
+                lengths[i] += 1
+        else:
+            logits = []
+            for i in rows:
+                ids = torch.tensor([[outputs[i][-1]]], device=device)  # [1, 1]
+                logits.append(model(ids, caches[i], lengths[i])[0, -1])  # [V]
+                lengths[i] += 1
+        new: list = [None] * n
+        for i, row_logits in zip(rows, logits):
+            tok = sample(row_logits, temperature, top_k, top_p, gens[i])
             if ends[i] is not None and tok == ends[i]:
                 done[i] = True
                 continue
             outputs[i].append(tok)
-            step[i] = [tok]
-            pending[i] = torch.tensor([[tok]], dtype=torch.long, device=device)
+            new[i] = [tok]
             if len(outputs[i]) >= max_new_tokens or _hits_stop(outputs[i], stops[i]):
                 done[i] = True
         if on_step is not None:
-            on_step(step)
+            on_step(new)
     return outputs

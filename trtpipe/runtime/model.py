@@ -114,7 +114,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class KVCache:
-    """Keys and values per (layer, tp rank): [B, kv_heads_r, S, d], grown by concatenation."""
+    """Keys and values per (layer, tp rank): [B, kv_heads_r, S, d], grown by concatenation.
+
+    Every row of the batch sits at the same positions (one ``start_pos``); see :class:`BatchKVCache` for rows
+    at different positions.
+    """
 
     def __init__(self):
         self.store: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -125,6 +129,53 @@ class KVCache:
             k, v = torch.cat([k0, k], dim=2), torch.cat([v0, v], dim=2)
         self.store[key] = (k, v)
         return k, v
+
+
+class BatchKVCache:
+    """Keys and values of sequences at different positions, gpt-fast style: preallocated [B, kv_heads_r, S_max, d]
+    per (layer, tp rank) where row b's key of position p sits at index p.
+
+    Why: batched decoding feeds one token per row at per-row positions; with index == position, a row's
+    causal mask also hides the unused slots past its length (the padding of shorter rows).
+    """
+
+    def __init__(self, store: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]):
+        self.store = store
+
+    @classmethod
+    def from_caches(cls, caches: list[KVCache], max_len: int) -> "BatchKVCache":
+        """Stack per-sequence caches (one row each, e.g. after per-sequence prefill) right-padded to ``max_len``."""
+        store = {}
+        for key, (k0, _) in caches[0].store.items():
+            _, nkv, _, d = k0.shape
+            k = torch.zeros(len(caches), nkv, max_len, d, dtype=k0.dtype, device=k0.device)  # [B, nkv, S_max, d]
+            v = torch.zeros_like(k)
+            for b, c in enumerate(caches):
+                ck, cv = c.store[key]  # [1, nkv, S_b, d]
+                k[b, :, : ck.shape[2]], v[b, :, : cv.shape[2]] = ck[0], cv[0]
+            store[key] = (k, v)
+        return cls(store)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only these rows (e.g. drop finished sequences), in this order."""
+        self.store = {key: (k[rows], v[rows]) for key, (k, v) in self.store.items()}
+
+    def update(self, key: tuple[int, int], k: torch.Tensor, v: torch.Tensor,
+               pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, nkv, T, d] at positions pos [B, T]; return the cache up to the longest row [B, nkv, S, d]."""
+        ck, cv = self.store[key]
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
+        ck[rows, :, pos] = k.transpose(1, 2)  # index [B, T] -> values [B, T, nkv, d]
+        cv[rows, :, pos] = v.transpose(1, 2)
+        S = int(pos.max()) + 1
+        return ck[:, :, :S], cv[:, :, :S]
+
+
+def positions(start_pos, T: int, device=None) -> torch.Tensor:
+    """Positions of T new tokens: [1, T] for one int ``start_pos``, [B, T] for per-row starts (LongTensor [B])."""
+    if isinstance(start_pos, torch.Tensor) and start_pos.dim() == 1:
+        return start_pos.to(device)[:, None] + torch.arange(T, device=device)  # [B, T]
+    return torch.arange(int(start_pos), int(start_pos) + T, device=device)[None]  # [1, T]
 
 
 def _linear(tensors: dict, prefix: str, name: str, style: str, args: ModelArgs, rank: int) -> nn.Module:
@@ -155,6 +206,7 @@ class AttentionShard(nn.Module):
             raise CheckpointError(f"checkpoint: tensor '{prefix}attention.kv_cache_scaling_factor' is missing")
 
     def forward(self, x, cos, sin, start_pos, cache, key):
+        """x: [B, T, H] at positions start_pos.. (one int, or a LongTensor [B] of per-row starts)."""
         B, T, _ = x.shape
         qkv = self.qkv(x)  # [B, T, (nh + 2 nkv) d]
         q, k, v = qkv.split([self.nh * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
@@ -164,18 +216,22 @@ class AttentionShard(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_quant is not None:
             k, v = self.kv_quant(k, self.kv_scale.float()), self.kv_quant(v, self.kv_scale.float())
-        if cache is not None:
-            k, v = cache.update(key, k, v)  # [B, nkv, S, d]
+        q_pos = positions(start_pos, T, x.device)  # [B|1, T]
+        if isinstance(cache, BatchKVCache):
+            k, v = cache.update(key, k, v, q_pos)  # [B, nkv, S, d], index == position, padding past each row's end
+            k_pos = torch.arange(k.shape[2], device=x.device)[None]  # [1, S]
+        else:
+            if cache is not None:
+                k, v = cache.update(key, k, v)  # [B, nkv, S, d]
+            S = k.shape[2]
+            k_pos = q_pos[:, -1:] + 1 - S + torch.arange(S, device=x.device)  # [B|1, S]: the cache holds the S latest
         rep = self.nh // self.nkv
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        S = k.shape[2]
-        q_pos = torch.arange(start_pos, start_pos + T, device=x.device)[:, None]
-        k_pos = torch.arange(start_pos + T - S, start_pos + T, device=x.device)[None, :]  # the cache holds the S latest
-        allowed = k_pos <= q_pos
+        allowed = k_pos[:, None, :] <= q_pos[:, :, None]  # [B|1, T, S] causal per row; hides padding too
         if self.window:
-            allowed &= (q_pos - k_pos) < self.window
+            allowed &= (q_pos[:, :, None] - k_pos[:, None, :]) < self.window
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.d)  # [B, nh, T, S]
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
         out = torch.softmax(scores, dim=-1) @ v  # [B, nh, T, d]
         return self.dense(out.transpose(1, 2).reshape(B, T, self.nh * self.d))  # partial [B, T, H]
 
@@ -290,10 +346,14 @@ class DecoderLayer(nn.Module):
             else:
                 yield from ((f"{prefix}mlp.{n}", r, getattr(mlp, n)) for n in ("fc", "gate", "proj"))
 
-    def forward(self, x: torch.Tensor, start_pos: int = 0, cache: Optional[KVCache] = None,
-                cos_sin: Optional[tuple] = None) -> torch.Tensor:
-        """x: [B, T, H] float32 hidden states at positions start_pos..start_pos+T-1 -> [B, T, H]."""
-        cos, sin = cos_sin if cos_sin is not None else self.rope.cos_sin(start_pos, x.shape[1])
+    def forward(self, x: torch.Tensor, start_pos: int | torch.Tensor = 0,
+                cache: Optional[KVCache | BatchKVCache] = None, cos_sin: Optional[tuple] = None) -> torch.Tensor:
+        """x: [B, T, H] float32 hidden states at positions start_pos..start_pos+T-1 -> [B, T, H].
+
+        ``start_pos`` is one int for every row, or a LongTensor [B] of per-row starts (batched decoding,
+        with a :class:`BatchKVCache`).
+        """
+        cos, sin = cos_sin if cos_sin is not None else self.rope.cos_sin_for(start_pos, x.shape[1])
         cos, sin = cos.to(x.device), sin.to(x.device)
         h = rms_norm(x, self.input_ln, self.eps)
         attn = sum(s(h, cos, sin, start_pos, cache, (self.layer_idx, r)) for r, s in enumerate(self.attention))
@@ -340,10 +400,14 @@ class ReferenceModel(nn.Module):
         return logits[..., : self.args.vocab_size]  # drop the zero-padded rows of lm_head
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, cache: Optional[KVCache] = None, start_pos: int = 0) -> torch.Tensor:
-        """input_ids: [B, T] at positions start_pos..; with a cache, keys/values of earlier calls are reused."""
+    def forward(self, input_ids: torch.Tensor, cache: Optional[KVCache | BatchKVCache] = None,
+                start_pos: int | torch.Tensor = 0) -> torch.Tensor:
+        """input_ids: [B, T] at positions start_pos..; with a cache, keys/values of earlier calls are reused.
+
+        ``start_pos``: one int for all rows, or a LongTensor [B] of per-row starts with a :class:`BatchKVCache`.
+        """
         x = self.embed(input_ids)  # [B, T, H]
-        cos_sin = self.rope.cos_sin(start_pos, input_ids.shape[1])
+        cos_sin = self.rope.cos_sin_for(start_pos, input_ids.shape[1])
         for layer in self.layers:
             x = layer(x, start_pos, cache, cos_sin)
         return self.head(x).float()

@@ -109,6 +109,30 @@ class Rope:
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, dim]
         return emb.cos() * attn_factor, emb.sin() * attn_factor
 
+    def cos_sin_rows(self, starts: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row tables for rows at different positions (batched decoding): row b covers
+        ``starts[b] .. starts[b]+length``. Returns cos, sin [B, 1, T, dim] (broadcast over heads).
+
+        Why per row: "dynamic" NTK scaling picks its base from the sequence length, so each row gets the
+        inverse frequencies its own sequence would get (as :meth:`cos_sin` gives a single sequence).
+        """
+        starts = starts.cpu()
+        if self.kind == "dynamic":
+            rows = [self.cos_sin(int(s), length) for s in starts]
+            return torch.stack([c for c, _ in rows])[:, None], torch.stack([s for _, s in rows])[:, None]
+        # only "dynamic" reads seq_len: the others share one table
+        inv_freq, attn_factor = INV_FREQ[self.kind](self.base, self.dim, self.scaling, self.max_pos, 0)
+        pos = (starts[:, None] + torch.arange(length)).float()  # [B, T]
+        freqs = pos[:, :, None] * inv_freq  # [B, T, dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, dim]
+        return emb.cos() * attn_factor, emb.sin() * attn_factor
+
+    def cos_sin_for(self, start_pos, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`cos_sin` for one int start ([T, dim]), :meth:`cos_sin_rows` for a LongTensor [B] of starts."""
+        if isinstance(start_pos, torch.Tensor) and start_pos.dim() == 1:
+            return self.cos_sin_rows(start_pos, length)
+        return self.cos_sin(int(start_pos), length)
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -116,7 +140,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, d]; rotate_half (GPT-NeoX) layout on the first cos.shape[-1] channels."""
+    """x: [B, heads, T, d]; cos/sin [T, rot] or per row [B, 1, T, rot]; rotate_half (GPT-NeoX) layout on the
+    first ``rot`` channels."""
     rot = cos.shape[-1]
     if rot == x.shape[-1]:
         return x * cos + _rotate_half(x) * sin

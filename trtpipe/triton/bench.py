@@ -52,6 +52,8 @@ def run_bench(url: str, protocol: str, prompt: str, opts: GenerateOptions, concu
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
+    if not latencies:  # nothing was measured: no throughput or latency to report
+        raise ServingError(f"all {num_requests} requests failed; first error: {errors[0]}")
     lat = np.array(latencies) * 1000.0
     report = {
         "url": url,

@@ -98,7 +98,10 @@ class Client:
         self.close()
 
     def models(self) -> list[str]:
-        index = self.client.get_model_repository_index()
+        try:
+            index = self.client.get_model_repository_index()
+        except Exception as exc:  # connection refused (OSError) or tritonclient's InferenceServerException
+            raise ServingError(f"{self.url}: cannot reach the server ({_message(exc)})") from None
         if self.protocol == "grpc":
             return [m.name for m in index.models if m.state == "READY"]
         return [m["name"] for m in index if m.get("state") == "READY"]
@@ -116,10 +119,13 @@ class Client:
         return ensembles[0]
 
     def _config(self, model: str) -> dict:
+        try:
+            cfg = self.client.get_model_config(model)
+        except Exception as exc:  # unknown model, or the server went away
+            raise ServingError(f"{self.url}: model {model}: {_message(exc)}") from None
         if self.protocol == "grpc":
-            cfg = self.client.get_model_config(model).config
+            cfg = cfg.config
             return {"platform": cfg.platform, "decoupled": cfg.model_transaction_policy.decoupled}
-        cfg = self.client.get_model_config(model)
         return {"platform": cfg.get("platform", ""), "decoupled": cfg.get("model_transaction_policy", {}).get("decoupled", False)}
 
     def _platform(self, model: str) -> str:
