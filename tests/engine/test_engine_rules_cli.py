@@ -13,6 +13,10 @@ from trtpipe.cli import main
 from trtpipe.errors import RecipeError
 from trtpipe.recipe import load_recipe
 
+# 'self' data needs the whole float32 model on the host (refused for these models): name the sample files
+CALIB = f"  calibration: {{dataset: {REPO}/recipes/data/calibration-sample.jsonl}}\n"
+EVAL = f"accuracy: {{eval_data: {REPO}/recipes/data/eval-sample.jsonl}}\n"
+
 
 def problems(path) -> list[str]:
     with pytest.raises(RecipeError) as exc:
@@ -21,9 +25,9 @@ def problems(path) -> list[str]:
 
 
 def test_named_fp8_preset_without_fp8_kv_is_reported_at_the_preset_line(make_recipe):
-    path = make_recipe("quantization:\n  algo: fp8\nengine:\n  plugins: hopper-fp8\n")
+    path = make_recipe("quantization:\n  algo: fp8\n" + CALIB + "engine:\n  plugins: hopper-fp8\n" + EVAL)
     (msg,) = problems(path)
-    assert msg.startswith(f"{path}:7:12: engine.plugins.preset: use_fp8_context_fmha would be changed by trtllm-build")
+    assert msg.startswith(f"{path}:8:12: engine.plugins.preset: use_fp8_context_fmha would be changed by trtllm-build")
     assert "FP8 paged context FMHA needs an FP8 KV cache" in msg
 
 
@@ -50,16 +54,18 @@ def test_rejections_and_names(make_recipe, body, needle):
 
 
 def test_planner_refusal_at_validation(make_recipe):
-    body = "quantization:\n  algo: fp8\n  kv_cache: fp8\nengine:\n  gpu: rtx-4090-24gb\n  max_seq_len: 8192\n"
+    body = ("quantization:\n  algo: fp8\n  kv_cache: fp8\n" + CALIB + "engine:\n  gpu: rtx-4090-24gb\n"
+            "  max_seq_len: 8192\n" + EVAL)
     (msg,) = problems(make_recipe(body, config="llama-3.1-70b"))
-    assert ":8:8: engine.gpu: does not fit: per-GPU weights 67.7 GiB" in msg and msg.endswith("turn a knob: parallel.tp: 4")
+    assert ":9:8: engine.gpu: does not fit: per-GPU weights 67.7 GiB" in msg and msg.endswith("turn a knob: parallel.tp: 4")
     # at the deduced 131072-token context one sequence's KV needs tp 8 on 24 GB cards
     (msg,) = problems(make_recipe(body.replace("  max_seq_len: 8192\n", ""), config="llama-3.1-70b", name="long"))
     assert msg.endswith("turn a knob: parallel.tp: 8")
 
 
 def test_valid_recipe_and_rules_are_fast(make_recipe):
-    path = make_recipe("quantization:\n  algo: fp8\n  kv_cache: fp8\nparallel:\n  tp: 4\n", config="llama-3.1-70b")
+    path = make_recipe("quantization:\n  algo: fp8\n  kv_cache: fp8\n" + CALIB + "parallel:\n  tp: 4\n" + EVAL,
+                       config="llama-3.1-70b")
     load_recipe(path)
     start = time.perf_counter()
     for _ in range(10):

@@ -89,3 +89,16 @@ def test_greedy_skip_is_reported_not_invented(tmp_path):
     assert report["greedy_skipped"] == why and [r["greedy_match_len"] for r in report["rows"]] == [None, None]
     text = (tmp_path / "accuracy.txt").read_text().splitlines()
     assert text[2].split()[-1] == "skipped" and text[-1] == f"greedy match skipped: {why}"
+
+
+def test_checkpoints_of_different_models_are_refused(stories_ckpts, stories_tokens, tmp_path):
+    import torch
+
+    from trtpipe.checkpoint.convert import convert
+    from trtpipe.errors import QuantizationError
+    from trtpipe.models.synthetic import make_synthetic
+
+    other = convert(make_synthetic("llama", tmp_path / "hf", dtype=torch.bfloat16), tmp_path / "ck", dtype="bfloat16")
+    with pytest.raises(QuantizationError,
+                       match=r"/ck/config.json: num_layers 2 differs from 5 in .* \(not a quantization"):
+        accuracy.teacher_forced(stories_ckpts[1], other, stories_tokens["heldout"][:1])

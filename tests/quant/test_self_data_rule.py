@@ -52,7 +52,8 @@ def test_only_the_stages_that_run_are_checked(tmp_path):
     code, err = _validate(tmp_path, L70B, "quantization:\n  algo: int8_wo\naccuracy:\n  enabled: false\n")
     assert (code, err) == (0, [])
     code, err = _validate(tmp_path, L70B, f"quantization:\n  algo: fp8\n  calibration:\n    dataset: "
-                                          f"{data}/calibration-sample.jsonl\naccuracy:\n  eval_data: {data}/eval-sample.jsonl\n")
+                                          f"{data}/calibration-sample.jsonl\n"
+                                          f"accuracy:\n  eval_data: {data}/eval-sample.jsonl\n")
     assert (code, err) == (0, [])
     code, err = _validate(tmp_path, L70B, "")  # unquantized: neither stage runs
     assert (code, err) == (0, [])
@@ -60,6 +61,7 @@ def test_only_the_stages_that_run_are_checked(tmp_path):
 
 def test_self_data_allowed_for_a_model_that_fits(tmp_path, stories_dir):
     path = tmp_path / "recipe.yaml"
-    path.write_text(f"name: t\nwork_dir: w\nmodel:\n  source: {stories_dir}\nquantization:\n  algo: fp8\n  kv_cache: fp8\n")
+    path.write_text(f"name: t\nwork_dir: w\nmodel:\n  source: {stories_dir}\n"
+                    "quantization:\n  algo: fp8\n  kv_cache: fp8\n")
     r = CliRunner().invoke(main, ["validate", str(path)])
     assert r.exit_code == 0, r.stderr

@@ -246,20 +246,55 @@ def _kv_dtype(s: Shapes) -> str:
     return s.kv_quant.lower() if s.kv_quant else s.dtype
 
 
+def _layer_work(s: Shapes, batch: int, seq: int) -> int:
+    """float32 bytes one batch of ``seq`` tokens allocates going through one unsharded decoder layer: norms and
+    residuals (4 x hidden), the fused qkv output, the gated MLP (3 x intermediate per active expert) and the
+    attention scores and probabilities (2 x heads x seq x seq)."""
+    width = 4 * s.hidden + (s.heads + 2 * s.kv_heads) * s.head_size + 3 * s.intermediate * max(1, s.top_k)
+    return 4 * (batch * seq * width + 2 * batch * s.heads * seq * seq)
+
+
 def host_estimates(s_full: Shapes, source_dtype_bytes: int, rank_bytes: int, workers: int, recipe: Recipe) -> dict[str, int]:
-    """Host RAM each build stage needs (estimates): see docs in the module and each line."""
+    """Host RAM each build stage needs (estimates of what the code holds at its peak; see each line).
+
+    calibrate / quantize / verify run one decoder layer at a time (trtpipe/quant): about one float32 layer, its
+    largest weight in working copies, one batch's activations, and the hidden-state buffers of every sample
+    (``num_samples x seq_len x hidden`` float32 each; they spill to memory-mapped files past 1 GiB, so this is an
+    upper bound). ``self`` data is sampled from the whole float32 model first (then freed), so the stage needs
+    the larger of the two. ``verify_greedy`` is the greedy-continuation metric: one whole float32 model at a
+    time, run only when that fits in the available host memory (else the report says it was skipped). The
+    synthetic-model test (tests/quant/test_host_memory.py) measures peaks 6-33% above these numbers (allocator
+    slack; it allows 40%), flat in the number of layers.
+    """
+    mb = s_full.model_bytes
     full_unquant = sum(weight_bytes(replace(s_full, quant_algo=None), 1, 1))
-    params = full_unquant // s_full.model_bytes
-    source = params * source_dtype_bytes
-    c = recipe.quantization.calibration
-    act = c.batch_size * c.seq_len * (s_full.hidden + s_full.intermediate) * 4
-    layer = (full_unquant - 2 * s_full.vocab * s_full.hidden * s_full.model_bytes) // max(1, s_full.layers)
-    unit = max(layer, s_full.vocab * s_full.hidden * s_full.model_bytes) // s_full.model_bytes
+    params = full_unquant // mb
+    h, v = s_full.hidden, s_full.vocab
+    layer = (full_unquant - 2 * v * h * mb) // max(1, s_full.layers)  # unquantized bytes of one layer
+    unit = max(layer, v * h * mb) // mb
+    layer_params = layer // mb
+    experts = max(1, s_full.experts)
+    largest = max(h * (s_full.heads + 2 * s_full.kv_heads) * s_full.head_size, experts * s_full.intermediate * h)
+    qb = QUANT_WEIGHT_BYTES.get(s_full.quant_algo) or mb  # bytes per element of a quantized layer's weights
+    whole_f32 = params * (4 + mb)  # load_checkpoint: float32 copies while the stored tensors are read
+    embed = v * h * (4 + mb)  # the embedding read, then in float32
+    c, acc = recipe.quantization.calibration, recipe.accuracy
+    calib = 2 * c.num_samples * c.seq_len * h * 4 + max(
+        embed, layer_params * 4 + largest * mb + _layer_work(s_full, c.batch_size, c.seq_len))
+    streams = 3 if s_full.kv_quant else 2  # unquantized, quantized (and quantized with the KV cache unquantized)
+    verify = streams * acc.num_samples * acc.seq_len * h * 4 + max(
+        embed,
+        layer_params * (4 + qb) + largest * 4 + _layer_work(s_full, c.batch_size, acc.seq_len),  # f32 + stored
+        2 * v * h * 4 + v * h * mb + 6 * c.batch_size * acc.seq_len * v * 4)  # both lm_heads + a batch's logits
     return {
         # the converter streams one unit (a layer, or the embedding) at a time: source + fused + rank shards
-        "checkpoint": unit * (source_dtype_bytes + 2 * s_full.model_bytes),
-        "calibrate": params * 4 + act if c.device == "cpu" else source,  # float32 model on CPU, else staging
-        "quantize": full_unquant + rank_bytes,  # model + one quantized rank being written
+        "checkpoint": unit * (source_dtype_bytes + 2 * mb),
+        # one float32 layer (read on the host, also when calibrating on a GPU) + the sample buffers (in and out)
+        "calibrate": max(calib, whole_f32 if c.dataset == "self" else 0),
+        # one unsharded float32 layer, its quantized tensors, working copies of its largest weight
+        "quantize": max(layer_params * (4 + qb) + 2 * largest * 4, v * h * mb),
+        "verify": max(verify, whole_f32 if acc.eval_data == "self" else 0),
+        "verify_greedy": whole_f32,
         "engine": 2 * rank_bytes * max(1, workers),  # per worker: rank weights + TensorRT's network copy
     }
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from trtpipe.errors import AccuracyGateError, CheckpointError
+from trtpipe.errors import AccuracyGateError, CheckpointError, QuantizationError
 from trtpipe.quant import reference  # noqa: F401  (runtime handlers for quantized checkpoints)
 from trtpipe.quant.calibrate import ActivationBuffer
 from trtpipe.quant.data import batched_decode
@@ -101,9 +101,12 @@ def compare(ref: ReferenceModel, models: dict[str, ReferenceModel], tokens: torc
     return rows
 
 
+NO_KV = "quantized, KV unquantized"  # the quantized model with its KV cache kept in full precision
+
+
 def stream_names(kv: Optional[str]) -> list[str]:
     """Row names of the quantized checkpoint: with its KV cache quantized and without, or one row."""
-    return [f"quantized, KV {kv}", "quantized, KV unquantized"] if kv else ["quantized"]
+    return [f"quantized, KV {kv}", NO_KV] if kv else ["quantized"]
 
 
 def _embedder(src: CheckpointLayers) -> ReferenceModel:
@@ -136,6 +139,10 @@ def teacher_forced(ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, batch: 
     """Perplexity, KL and top-1 of ``quant_dir`` against ``ref_dir`` on ``tokens [N, T]``, one layer in memory at
     a time (see the module docstring); ``greedy_match_len`` is left None. Rows as :func:`compare` gives them."""
     ref, quant = CheckpointLayers(ref_dir), CheckpointLayers(quant_dir)
+    for key in ("num_layers", "hidden_size", "vocab_size"):
+        if getattr(ref.full, key) != getattr(quant.full, key):
+            raise QuantizationError(f"{quant.dir}/config.json: {key} {getattr(quant.full, key)} differs from "
+                                    f"{getattr(ref.full, key)} in {ref.dir} (not a quantization of that checkpoint)")
     names = stream_names((quant.full.quantization or {}).get("kv_cache_quant_algo"))
     plan = ((ref, ["unquantized"]), (quant, names))
     n, t = tokens.shape
@@ -154,10 +161,11 @@ def teacher_forced(ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, batch: 
             if progress:
                 progress(f"({i + 1}/{ref.full.num_layers}) Evaluating")
             for src, streams in plan:
-                layer = DecoderLayer(src.full, src.rank_layer(i), i, ropes[id(src)])
+                # the unquantized layer is converted tensor by tensor as it is read (no second copy)
+                layer = DecoderLayer(src.full, src.rank_layer(i, to_float=src is ref), i, ropes[id(src)])
                 saved = [shard.kv_quant for shard in layer.attention]
                 for s in streams:
-                    _set_kv_quant(layer, s != "quantized, KV unquantized", saved)
+                    _set_kv_quant(layer, s != NO_KV, saved)
                     d = bufs[s].data
                     for lo in range(0, n, batch):  # each sample is independent: in place, batch by batch
                         d[lo:lo + batch] = layer(d[lo:lo + batch], 0, None, cos_sin[id(src)])
@@ -214,7 +222,7 @@ def greedy_matches(ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, prompt_
     model = load_checkpoint(quant_dir)
     out = {}
     for name in stream_names((model.config.get("quantization") or {}).get("kv_cache_quant_algo")):
-        if name == "quantized, KV unquantized":
+        if name == NO_KV:
             drop_kv_quant(model)
         greedy = _greedy(model, prompts, new_tokens)
         out[name] = sum(_match_len(a, b) for a, b in zip(ref_greedy, greedy)) / len(prompts)

@@ -6,7 +6,8 @@ under it, in sorted order. Documents are tokenized with the model's own tokenize
 and cut into ``seq_len`` windows; the first ``num_samples`` windows are used (a deterministic choice).
 ``self``: ``num_samples`` sequences sampled from BOS with a fixed seed (works offline, with no dataset). It runs
 the whole unquantized model on the reference runtime, so for models that do not fit in host memory name a
-dataset instead (calibration itself stays layer by layer either way).
+dataset instead (validation refuses 'self' for them: trtpipe/quant/rules.py; calibration and verification
+themselves stay layer by layer either way).
 """
 
 from __future__ import annotations

@@ -101,4 +101,5 @@ def _self_data_fits(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findin
     why = whole_model_misfit(4 * m.num_params()) if keys else None
     if why:
         for key in keys:
-            yield key, f"'self' samples text from the whole model, and {why}; name a .txt, .jsonl or .json dataset instead"
+            yield key, (f"'self' samples text from the whole model, and {why}; "
+                        "name a .txt, .jsonl or .json dataset instead")

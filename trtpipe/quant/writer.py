@@ -221,21 +221,23 @@ def _read(path: Path, prefix: str | tuple[str, ...] = "", to_float: bool = False
 
 
 def _assemble(base: Path, parts: list[Path], out: Path) -> None:
-    """rank file = the base file's non-layer tensors + every layer part, streamed one tensor at a time."""
-    handles = [safe_open(str(base), framework="pt")] + [safe_open(str(p), framework="pt") for p in parts]
-    where = {}
-    for n, h in enumerate(handles):
-        for k in h.keys():
-            if n == 0 and k.startswith("transformer.layers."):
-                continue
-            where[k] = h
-    entries = []
-    for k in sorted(where):
-        sl = where[k].get_slice(k)
-        entries.append((k, ST_TO_TORCH[sl.get_dtype()], tuple(sl.get_shape())))
-    f = RankFile(out, entries)
-    for k in sorted(where):
-        f.write(k, where[k].get_tensor(k))
+    """rank file = the base file's non-layer tensors + every layer part. Data is read with ``pread`` one base
+    tensor or one layer part at a time (no mapping accumulates resident pages), so host memory stays one unit."""
+    where: dict[str, Path] = {}
+    entries = {}
+    for n, path in enumerate([base] + parts):
+        with safe_open(str(path), framework="pt") as h:  # headers only
+            for k in h.keys():
+                if n == 0 and k.startswith("transformer.layers."):
+                    continue
+                sl = h.get_slice(k)
+                where[k], entries[k] = path, (k, ST_TO_TORCH[sl.get_dtype()], tuple(sl.get_shape()))
+    f = RankFile(out, [entries[k] for k in sorted(entries)])
+    for k in sorted(k for k, path in where.items() if path == base):
+        f.write(k, _read(base, k)[k])
+    for path in parts:
+        for k, t in _read(path).items():
+            f.write(k, t)
     f.close()
 
 
