@@ -206,5 +206,5 @@ def test_checkpoint_weight_bytes_refuses_a_truncated_file(tmp_path):
     save_file({"a": torch.zeros(100, 4, dtype=torch.float16)}, str(tmp_path / "rank0.safetensors"))
     data = (tmp_path / "rank0.safetensors").read_bytes()
     (tmp_path / "rank0.safetensors").write_bytes(data[:-10])
-    with pytest.raises(EngineError, match=rf"rank0.safetensors: truncated: its tensors end at byte {len(data)} of {len(data) - 10}"):
+    with pytest.raises(EngineError, match=rf"rank0.safetensors: truncated: tensor 'a' ends at byte {len(data)} of {len(data) - 10}"):
         planner.checkpoint_weight_bytes(tmp_path, 1, 1)

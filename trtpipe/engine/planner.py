@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -25,7 +24,7 @@ from typing import Any, Optional
 from trtpipe.engine import ckptconfig
 from trtpipe.engine.build_config import EngineBuild
 from trtpipe.engine.gpus import GPU
-from trtpipe.errors import EngineError
+from trtpipe.errors import CheckpointError, EngineError
 from trtpipe.recipe.schema import Recipe
 
 GiB = 1 << 30
@@ -138,29 +137,17 @@ def checkpoint_weight_bytes(ckpt_dir: Path, tp: int, pp: int) -> list[int]:
 
 
 def _tensor_bytes(f: Path) -> int:
-    """Sum of the tensors' bytes in one safetensors file, from its header; a bad or truncated file is an EngineError."""
-    size = f.stat().st_size
-    with open(f, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise EngineError(f"{f}: truncated safetensors file ({size} bytes, no header)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise EngineError(f"{f}: truncated safetensors file (header of {n} bytes, file of {size})")
-        raw = fh.read(n)
+    """Sum of the tensors' bytes in one safetensors file, from its header (the checkpoint reader's own checks)."""
+    from trtpipe.checkpoint.hf import _SafetensorsFile  # lazy: torch is only needed when a checkpoint is given
+
     try:
-        header = json.loads(raw)
-        spans = [(k, v["data_offsets"]) for k, v in header.items() if k != "__metadata__"]
-        total, end = 0, 0
-        for name, (begin, stop) in spans:
-            if not (isinstance(begin, int) and isinstance(stop, int)) or not 0 <= begin <= stop:
-                raise ValueError(f"tensor '{name}' has data_offsets {[begin, stop]}")
-            total, end = total + stop - begin, max(end, stop)
-    except (ValueError, UnicodeDecodeError, TypeError, KeyError, AttributeError) as exc:
-        raise EngineError(f"{f}: invalid safetensors header ({exc})") from None
-    if 8 + n + end > size:
-        raise EngineError(f"{f}: truncated: its tensors end at byte {8 + n + end} of {size}")
-    return total
+        st = _SafetensorsFile(f)
+    except CheckpointError as exc:
+        raise EngineError(str(exc)) from None
+    try:
+        return sum(numel * dtype.itemsize for dtype, _, _, numel in st.entries.values())
+    finally:
+        st.close()
 
 
 def activation_bytes(s: Shapes, tp: int, max_num_tokens: int, max_batch: int, beam: int) -> int:
