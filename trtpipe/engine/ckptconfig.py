@@ -7,11 +7,11 @@ the planner read, from the Hugging Face config and the recipe. After conversion 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
 from trtpipe.errors import CheckpointError, EngineError
+from trtpipe.jsonfile import read_json
 from trtpipe.models.hfconfig import HFModelInfo
 from trtpipe.recipe.schema import Recipe
 
@@ -43,12 +43,7 @@ def predicted_checkpoint_config(info: HFModelInfo, recipe: Recipe) -> dict[str, 
 
 def read_checkpoint_config(ckpt_dir: str | Path) -> dict[str, Any]:
     path = Path(ckpt_dir) / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise EngineError(f"{path}: not found (is {ckpt_dir} a TensorRT-LLM checkpoint?)") from None
-    except json.JSONDecodeError as exc:
-        raise EngineError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
+    cfg = read_json(path, f"{ckpt_dir} a TensorRT-LLM checkpoint", EngineError)
     for key in ("architecture", "dtype", "num_hidden_layers", "num_attention_heads", "hidden_size"):
         if key not in cfg:
             raise EngineError(f"{path}: required key '{key}' is missing")

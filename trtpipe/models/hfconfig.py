@@ -6,12 +6,12 @@ Handles both rope layouts: transformers 4 (``rope_theta`` + ``rope_scaling``) an
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from trtpipe.errors import CheckpointError
+from trtpipe.jsonfile import read_json
 
 
 @dataclass(frozen=True)
@@ -117,10 +117,5 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "config.json") -> HFModel
 def read_hf_config(model_dir: str | Path) -> HFModelInfo:
     """Read ``<model_dir>/config.json``; a clear error when it is missing or not JSON."""
     path = Path(model_dir) / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: not found (is {model_dir} a Hugging Face model directory?)") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
+    cfg = read_json(path, f"{model_dir} a Hugging Face model directory", CheckpointError)
     return parse_hf_config(cfg, str(path))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -11,21 +10,16 @@ from safetensors import SafetensorError, safe_open
 
 from trtpipe.checkpoint.shard import pp_layers
 from trtpipe.errors import CheckpointError
+from trtpipe.jsonfile import read_json
 from trtpipe.runtime.linear import Float32Linear, LinearSpec, build_linear, module_quant_algo
 from trtpipe.runtime.model import DecoderLayer, ModelArgs, ReferenceModel
 
 
 def read_config(ckpt_dir: Path) -> tuple[dict, Optional[dict]]:
     """config.json (and quant_cfg.json for MIXED_PRECISION) of a TRT-LLM checkpoint."""
-    path = ckpt_dir / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: not found (is {ckpt_dir} a TensorRT-LLM checkpoint?)") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
+    cfg = read_json(ckpt_dir / "config.json", f"{ckpt_dir} a TensorRT-LLM checkpoint", CheckpointError)
     qpath = ckpt_dir / "quant_cfg.json"
-    return cfg, (json.loads(qpath.read_text()) if qpath.exists() else None)
+    return cfg, (read_json(qpath, "a quant_cfg.json", CheckpointError) if qpath.exists() else None)
 
 
 def read_rank(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
