@@ -149,6 +149,28 @@ def status(ctx, recipe: Path, overrides, verify: bool, as_json: bool) -> None:
     if verify and report.get("verify"):
         sys.exit(1)
 
+@main.command()
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@OVERRIDES
+@click.option("--delete", is_flag=True, help="Delete the unused artifacts (default: only list them).")
+@click.option("--json", "as_json", is_flag=True, help="JSON instead of lines.")
+@click.pass_context
+def gc(ctx, recipe: Path, overrides, delete: bool, as_json: bool) -> None:
+    """List (or --delete) artifacts that neither the recipe's current keys nor the last build use."""
+    from trtpipe.pipeline.runner import collect_garbage
+    from trtpipe.recipe import load_recipe
+
+    report = collect_garbage(load_recipe(recipe, overrides), (ctx.obj or {}).get("stages"), delete=delete)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    verb = "deleted" if report["deleted"] else "unused"
+    for u in report["unused"]:
+        click.echo(f"{verb:<8} {u['artifact']}  {u['bytes'] / 2**30:.2f} GiB")
+    total = f"{len(report['unused'])} artifacts, {report['bytes'] / 2**30:.2f} GiB"
+    click.echo(f"{verb} {total}" + ("" if delete or not report["unused"] else " (trtpipe gc RECIPE --delete frees them)"))
+
+
 # --- checkpoint commands (convert, inspect, generate) ----------------------------------------------
 
 

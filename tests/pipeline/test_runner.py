@@ -254,3 +254,56 @@ def test_asking_for_the_artifact_of_a_skipped_stage_is_a_clear_error(make_recipe
         result.artifact("calib")
     with pytest.raises(StageError, match=r"^stage pack has no artifact in this build \(after --until scale\)$"):
         result.artifact("pack")
+
+
+def test_gc_lists_then_deletes_only_what_neither_the_recipe_nor_the_last_build_uses(make_recipe):
+    from trtpipe.pipeline.runner import collect_garbage
+
+    path = make_recipe(body=FP8)
+    first = build(path)
+    other = build(path, "quantization.calibration.seq_len=32")  # new scale, calib and pack keys (source is shared)
+    old = {s: other.artifact(s) for s in ("scale", "calib", "pack")}
+    assert other.artifact("source") == first.artifact("source")
+    build(path)  # the last manifest is the first recipe again
+    stale = path.parent / "work" / "artifacts" / "pack" / ".tmp-deadbeef-1-0"
+    stale.mkdir()
+    recipe = load_recipe(path, check_rules=False)
+
+    listed = collect_garbage(recipe, STAGES)
+    assert sorted(u["artifact"] for u in listed["unused"]) == sorted(
+        str(p.relative_to(path.parent / "work")) for p in old.values())
+    assert listed["bytes"] == sum(f.stat().st_size for p in old.values() for f in p.rglob("*") if f.is_file())
+    assert not listed["deleted"] and all(p.is_dir() for p in old.values()) and stale.is_dir()
+
+    deleted = collect_garbage(recipe, STAGES, delete=True)
+    assert deleted["deleted"] and not any(p.exists() for p in old.values()) and not stale.exists()
+    again = build(path)
+    assert set(statuses(again).values()) == {"cached"}
+    assert artifact_hashes(again) == artifact_hashes(first)
+    assert collect_garbage(recipe, STAGES)["unused"] == []
+
+
+def test_gc_keeps_what_the_last_build_used(make_recipe):
+    from trtpipe.pipeline.runner import collect_garbage
+
+    path = make_recipe(body=FP8)
+    build(path)
+    other = build(path, "quantization.calibration.seq_len=32")  # the last manifest: a server may serve it
+    report = collect_garbage(load_recipe(path, check_rules=False), STAGES, delete=True)
+    assert report["unused"] == [] and other.artifact("pack").is_dir()
+
+
+def test_gc_cli_lists_without_deleting(make_recipe, driver):
+    path = make_recipe(body=FP8)
+    build(path)
+    build(path, "quantization.calibration.seq_len=32")
+    build(path)
+    listed = driver("gc", str(path))
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    assert [l.split()[0] for l in lines[:-1]] == ["unused"] * 3  # scale, calib and pack of the other settings
+    assert lines[-1].startswith("unused 3 artifacts,") and lines[-1].endswith("(trtpipe gc RECIPE --delete frees them)")
+    deleted = driver("gc", str(path), "--delete")
+    assert deleted.returncode == 0, deleted.stderr
+    assert deleted.stdout.splitlines()[-1].startswith("deleted 3 artifacts,")
+    assert driver("gc", str(path)).stdout.strip() == "unused 0 artifacts, 0.00 GiB"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -405,4 +406,41 @@ def build_status(recipe: Recipe, stages: Optional[Sequence[Stage]] = None, verif
         last = None
     if verify:
         out["verify"] = [str(m) for m in verify_manifest(manifest_path)]  # no manifest: ManifestError
+    return out
+
+
+def collect_garbage(recipe: Recipe, stages: Optional[Sequence[Stage]] = None, delete: bool = False) -> dict:
+    """Artifacts of ``recipe``'s work dir that neither its current keys nor the last manifest use.
+
+    A 70B build leaves a few hundred GB per key, and every changed setting makes new keys, so old ones pile up.
+    Kept: every artifact the recipe (with its overrides) would use now, and every artifact the last build's
+    manifest names (a server may be serving it). Leftovers of killed builds are always removed. Nothing is
+    deleted unless ``delete`` is true; the result lists each folder and its size either way.
+    """
+    from trtpipe.pipeline.manifest import MANIFEST_NAME, ManifestError, load_manifest
+
+    work_dir = recipe.work_path
+    store = ArtifactStore(work_dir)
+    plans, _ = plan_build(recipe, stages)
+    keep = {(p.name, p.key) for p in plans if p.key is not None}
+    try:
+        last = load_manifest(work_dir / MANIFEST_NAME)
+        keep |= {(s["name"], s["key"]) for s in last["stages"] if s.get("key")}
+    except ManifestError:
+        pass
+    unused = []
+    if store.root.is_dir():
+        for stage_dir in sorted(p for p in store.root.iterdir() if p.is_dir()):
+            for folder in sorted(p for p in stage_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+                if (stage_dir.name, folder.name) not in keep:
+                    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+                    unused.append({"artifact": _rel(folder, work_dir), "bytes": size})
+    out = {"work_dir": str(work_dir), "unused": unused, "bytes": sum(u["bytes"] for u in unused), "deleted": False,
+           "kept": sorted(f"{stage}/{key}" for stage, key in keep)}
+    if delete:
+        with WorkDirLock(work_dir):  # no build may be writing (or reading inputs) while folders go away
+            out["stale"] = store.clean_stale()
+            for u in unused:
+                shutil.rmtree(work_dir / u["artifact"])
+        out["deleted"] = True
     return out
