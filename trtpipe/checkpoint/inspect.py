@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from trtpipe.checkpoint.hf import HFReader, _SafetensorsFile
 from trtpipe.errors import CheckpointError
+from trtpipe.jsonfile import read_json
 from trtpipe.models.hfconfig import read_hf_config
 
 
@@ -29,7 +29,7 @@ def _quant_summary(q: dict) -> dict:
 
 
 def inspect_trtllm(ckpt: Path) -> dict:
-    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg = read_json(ckpt / "config.json", f"{ckpt} a TensorRT-LLM checkpoint", CheckpointError)
     m = cfg.get("mapping", {})
     world = int(m.get("world_size", int(m.get("tp_size", 1)) * int(m.get("pp_size", 1))))
     ranks = []
@@ -87,10 +87,7 @@ def inspect_path(path: str | Path) -> dict:
     cfg_path = path / "config.json"
     if not cfg_path.exists():
         raise CheckpointError(f"{path}: no config.json (not an HF model or TRT-LLM checkpoint)")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{cfg_path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
+    cfg = read_json(cfg_path, "an HF model or TRT-LLM checkpoint", CheckpointError)
     if "architecture" in cfg and "mapping" in cfg:
         return inspect_trtllm(path)
     return inspect_hf(path)

@@ -122,12 +122,7 @@ def server_command(
         str(binary),
         f"--model-repository={repo}",
         f"--backend-directory={backends}",
-        f"--http-address={bind}",
-        f"--grpc-address={bind}",
-        f"--metrics-address={bind}",
-        f"--http-port={ports.http}",
-        f"--grpc-port={ports.grpc}",
-        f"--metrics-port={ports.metrics}",
+        *endpoint_flags(bind, ports),
         "--disable-auto-complete-config",
         "--exit-on-error=true",
         f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
@@ -135,6 +130,12 @@ def server_command(
         f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
         *extra,
     ]
+
+
+def endpoint_flags(bind: str, ports: Ports) -> list[str]:
+    """The address and port flags of the one tritonserver that serves clients."""
+    return [f"--{kind}-address={bind}" for kind in ("http", "grpc", "metrics")] + [
+        f"--http-port={ports.http}", f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}"]
 
 
 def mpirun_command(
@@ -157,14 +158,7 @@ def mpirun_command(
             cmd.append(":")
         cmd += ["-n", "1", tritonserver, f"--model-repository={repo}"]
         if rank == 0:
-            cmd += [
-                f"--http-address={bind}",
-                f"--grpc-address={bind}",
-                f"--metrics-address={bind}",
-                f"--http-port={ports.http}",
-                f"--grpc-port={ports.grpc}",
-                f"--metrics-port={ports.metrics}",
-            ]
+            cmd += endpoint_flags(bind, ports)
             if log_file:
                 cmd += ["--log-verbose=3", f"--log-file={log_file}"]
         else:
