@@ -1,0 +1,193 @@
+"""The executor's vocabulary: requests, responses, per-step batches and the step-engine interface.
+
+Names follow TensorRT-LLM's C++ executor (``Request``, ``Response``, ``FinishReason``, ``RequestPerfMetrics``,
+``CapacitySchedulerPolicy``) so that a reader of its docs finds the same ideas here. Everything in this module is
+plain data; the behaviour lives in :mod:`trtpipe.serving.kv_pool`, :mod:`trtpipe.serving.scheduler` and
+:mod:`trtpipe.serving.executor`.
+
+A step engine is what the executor runs each iteration: the reference runtime on CPU (real tokens, measured time),
+the same runtime split over ``mpirun`` ranks, or a cost model in simulated time. The executor owns scheduling and
+the KV block tables; the engine owns the KV storage those tables index into.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol, Sequence
+
+
+class FinishReason(enum.IntEnum):
+    """executor ``FinishReason`` values, as the backend reports them."""
+
+    NOT_FINISHED = 0
+    END_ID = 1
+    STOP_WORDS = 2
+    LENGTH = 3
+    TIMED_OUT = 4
+    CANCELLED = 5
+
+
+class CapacityPolicy(str, enum.Enum):
+    """executor ``CapacitySchedulerPolicy`` (Triton ``batch_scheduler_policy`` spells the first two)."""
+
+    MAX_UTILIZATION = "max_utilization"
+    GUARANTEED_NO_EVICT = "guaranteed_no_evict"
+    STATIC_BATCH = "static_batch"
+
+
+DEFAULT_PRIORITY = 0.5  # executor Request::kDefaultPriority
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """The engine limits and executor knobs that decide scheduling (engine build_config + Triton parameters)."""
+
+    max_batch_size: int
+    max_num_tokens: int
+    max_input_len: int
+    max_seq_len: int
+    num_blocks: int
+    tokens_per_block: int = 64
+    capacity_policy: CapacityPolicy = CapacityPolicy.GUARANTEED_NO_EVICT
+    enable_chunked_context: bool = False
+    enable_kv_cache_reuse: bool = False
+    max_queue_size: int = 0  # 0: unlimited
+    max_beam_width: int = 1
+
+    @property
+    def max_context_length(self) -> int:
+        """microBatchScheduler's cap on one context: max_num_tokens when chunking, else max_input_len."""
+        return self.max_num_tokens if self.enable_chunked_context else self.max_input_len
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 (or top_k 1) is greedy; a seed makes sampling repeatable per request."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+@dataclass
+class Request:
+    """One generation request, as a front end hands it to :meth:`Executor.submit`."""
+
+    prompt: Sequence[int]
+    max_new_tokens: int
+    end_id: Optional[int] = None
+    stop_words: Sequence[Sequence[int]] = ()
+    sampling: SamplingParams = SamplingParams()
+    streaming: bool = False
+    exclude_input_from_output: bool = False
+    priority: float = DEFAULT_PRIORITY
+    return_perf_metrics: bool = False
+    client_tag: Any = None  # opaque to the executor (the front end's handle, e.g. a Triton response sender)
+
+
+@dataclass
+class PerfMetrics:
+    """``RequestPerfMetrics``: steady-clock nanoseconds and KV block counters of one request."""
+
+    arrival_ns: int = 0  # when the request left the executor queue (as in TensorRT-LLM)
+    enqueue_ns: int = 0  # when submit() was called (trtpipe's addition: queue wait = arrival - enqueue)
+    first_scheduled_ns: int = 0
+    first_token_ns: int = 0
+    last_token_ns: int = 0
+    kv_alloc_total_blocks: int = 0
+    kv_alloc_new_blocks: int = 0
+    kv_reused_blocks: int = 0
+    kv_missed_blocks: int = 0
+    first_iter: int = -1
+    last_iter: int = -1
+
+    @property
+    def kv_cache_hit_rate(self) -> float:
+        seen = self.kv_reused_blocks + self.kv_missed_blocks
+        return self.kv_reused_blocks / seen if seen else 0.0
+
+
+@dataclass
+class Response:
+    """What the executor says about a request: new tokens (streaming) or the whole output (final), or an error.
+
+    ``tokens`` is what the client should see in this response: for streaming the new tokens since the last
+    response, otherwise (only at the end) prompt + output, or output alone with ``exclude_input_from_output``.
+    """
+
+    request_id: int
+    tokens: list[int]
+    is_final: bool
+    finish_reason: FinishReason = FinishReason.NOT_FINISHED
+    error: Optional[str] = None
+    perf: Optional[PerfMetrics] = None
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+    client_tag: Any = None
+
+    @property
+    def has_error(self) -> bool:
+        return self.error is not None
+
+
+@dataclass
+class StepEntry:
+    """One request's share of a step: ``tokens`` at positions ``start_pos``.. written through ``block_table``.
+
+    Context entries carry a chunk of the prompt (the whole remaining prompt without chunking); generation
+    entries carry the one token sampled last step. ``sample`` is true when this entry's last position must
+    produce a token (the last context chunk, or any generation step).
+    """
+
+    request_id: int
+    tokens: list[int]
+    start_pos: int
+    block_table: list[int]
+    is_context: bool
+    sample: bool
+    sampling: SamplingParams = SamplingParams()
+    generator: Any = None  # the request's own torch.Generator when sampling with a seed
+
+
+@dataclass
+class StepBatch:
+    """One engine step: context entries first, then generation entries (``utils::sortRequests`` order)."""
+
+    iteration: int
+    entries: list[StepEntry] = field(default_factory=list)
+
+    @property
+    def num_context_tokens(self) -> int:
+        return sum(len(e.tokens) for e in self.entries if e.is_context)
+
+    @property
+    def num_generation_requests(self) -> int:
+        return sum(1 for e in self.entries if not e.is_context)
+
+
+@dataclass
+class StepResult:
+    """Sampled token per entry that asked for one, and how long the step took (measured or simulated)."""
+
+    tokens: dict[int, int]
+    elapsed_s: float
+
+
+class StepEngine(Protocol):
+    """What runs a step. ``allocate`` is called once with the pool size the executor chose."""
+
+    def allocate(self, num_blocks: int, tokens_per_block: int) -> None:
+        ...
+
+    def step(self, batch: StepBatch) -> StepResult:
+        ...
+
+    def copy_block(self, src: int, dst: int, num_tokens: int) -> None:
+        """Copy the first ``num_tokens`` token slots of block ``src`` into ``dst`` (partial prefix reuse)."""
+        ...
