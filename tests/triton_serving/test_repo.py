@@ -146,7 +146,8 @@ def test_postprocessing_matches_the_golden_file(stories_recipe):
 def test_twin_declares_only_what_it_implements(stories_recipe, stories_engine):
     config = R.tensorrt_llm_config(stories_recipe(), R.EngineInfo.read(stories_engine(1)))
     assert config.backend == "python"
-    assert {i.name for i in config.input} == set(R.TWIN_INPUTS)
+    assert {i.name for i in config.input} == set(R.TWIN_INPUTS) | {row[0] for row in R.TWIN_EXTRA_INPUTS}
+    assert config.parameters["batch_scheduler_policy"].string_value == "guaranteed_no_evict"
     assert config.parameters["gpt_model_path"].string_value == "engine"  # relative: the repo is relocatable
 
 
@@ -228,3 +229,14 @@ def test_recipe_dry_run_prints_the_launch_without_building(tmp_path):
     cmd = shlex.split(lines[-1])
     assert cmd.count(":") == 3 and cmd.count("--load-model=tensorrt_llm") == 3 and "--grpc-port=9001" in cmd
     assert not (tmp_path / "artifacts").exists()  # nothing was built
+
+
+def test_priority_levels_reach_the_entry_queues(stories_recipe, stories_engine):
+    recipe = stories_recipe("triton.priority_levels=3", "triton.max_queue_size=32")
+    llm = R.tensorrt_llm_config(recipe, R.EngineInfo.read(stories_engine(1)))
+    bls = R.bls_config(recipe)
+    for c in (llm, bls):
+        assert (c.dynamic_batching.priority_levels, c.dynamic_batching.default_priority_level) == (3, 2)
+    assert llm.dynamic_batching.default_queue_policy.max_queue_size == 32
+    pre = R.preprocessing_config(recipe, R.token_ids(stories_engine(1) / "checkpoint"))
+    assert pre.dynamic_batching.priority_levels == 0  # only the models that queue generation work

@@ -254,13 +254,17 @@ def _params(config: mc.ModelConfig, values: dict) -> None:
         config.parameters[key].string_value = v
 
 
-def _batching(config: mc.ModelConfig, recipe: Recipe, preferred: Optional[int] = None, queue: int = 0) -> None:
+def _batching(config: mc.ModelConfig, recipe: Recipe, preferred: Optional[int] = None, queue: int = 0,
+              priority: bool = False) -> None:
     db = config.dynamic_batching
     db.SetInParent()
     if preferred:
         db.preferred_batch_size.append(preferred)
     db.max_queue_delay_microseconds = recipe.triton.max_queue_delay_microseconds
     db.default_queue_policy.max_queue_size = queue
+    if priority and recipe.triton.priority_levels:  # Triton orders its own queue; the 1.2 backend has no priority
+        db.priority_levels = recipe.triton.priority_levels
+        db.default_priority_level = (recipe.triton.priority_levels + 1) // 2
 
 
 def _python(name: str, recipe: Recipe, count: int, decoupled: bool = False) -> mc.ModelConfig:
@@ -319,7 +323,7 @@ def _trtllm_skeleton(recipe: Recipe, engine: EngineInfo, backend: str, inputs, o
     t = recipe.triton
     c = mc.ModelConfig(name="tensorrt_llm", backend=backend, max_batch_size=t.max_batch_size)
     c.model_transaction_policy.decoupled = t.streaming
-    _batching(c, recipe, preferred=t.max_batch_size, queue=t.max_queue_size)  # the backend's maxQueueSize
+    _batching(c, recipe, preferred=t.max_batch_size, queue=t.max_queue_size, priority=True)  # queue: maxQueueSize
     c.instance_group.add(count=t.instances.tensorrt_llm, kind=mc.ModelInstanceGroup.KIND_CPU)
     c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt in inputs)
     c.output.extend(_io(mc.ModelOutput, n, d, dims) for n, d, dims in outputs)
@@ -444,6 +448,8 @@ def bls_config(recipe: Recipe) -> mc.ModelConfig:
     for inp in c.input:
         inp.ClearField("reshape")
     c.output.append(_io(mc.ModelOutput, "text_output", T.TYPE_STRING, [-1]))
+    if recipe.triton.priority_levels:
+        _batching(c, recipe, priority=True)
     _params(c, {
         "accumulate_tokens": True,
         "tensorrt_llm_model_name": "tensorrt_llm",
