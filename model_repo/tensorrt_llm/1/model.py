@@ -25,6 +25,11 @@ def _param(params, key, default=None):
     return default if value == "" or value.startswith("${") else value
 
 
+def _array(request, name):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return None if t is None else t.as_numpy()
+
+
 def _scalar(request, name, default, kind):
     t = pb_utils.get_input_tensor_by_name(request, name)
     if t is None:
@@ -75,6 +80,7 @@ class TritonPythonModel:
         import torch
 
         from trtpipe.runtime import generate, load_checkpoint
+        from trtpipe.triton.twin_inputs import refusal
 
         self.config = json.loads(args["model_config"])
         params = self.config.get("parameters", {})
@@ -93,11 +99,15 @@ class TritonPythonModel:
         torch.set_num_threads(int(_param(params, "cpu_threads", "1")))
         self.model = load_checkpoint(os.path.join(engine, "checkpoint"), device="cpu")
         self.generate = generate
+        self.refusal = refusal  # what the twin cannot honour of the declared inputs (one-line error)
         self.lock = threading.Lock()
 
     # ---- request parsing -------------------------------------------------------------------------
     def _job(self, request):
         """Parse and validate one request (ValueError names the problem)."""
+        why = self.refusal(lambda name: _array(request, name))
+        if why:
+            raise ValueError(why)
         ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
         if ids_t is None:
             raise ValueError("input_ids is missing")
