@@ -88,7 +88,7 @@ def normalize(name: str, value: Any, where: str) -> Any:
         return "disable"
     if isinstance(value, str) and value in f.choices():
         return value
-    raise EngineError(f"{where}: {name} must be one of {', '.join(f.choices())}, got {value!r}")
+    raise EngineError(f"{where}: {name} must be one of {', '.join(f.choices())} (trtllm-build's choices), got {value!r}")
 
 
 def preset_dir() -> Path:
