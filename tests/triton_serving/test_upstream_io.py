@@ -75,7 +75,7 @@ def test_preprocessing_follows_the_template(llama70b, llama70b_engine):  # noqa:
 
 def test_every_declared_input_has_a_twin_policy():
     """No declared input is silently ignored by accident: each is honoured, ignored on purpose, or refused."""
-    declared = {r.name for r in upstream_io.declared(upstream_io.TRTLLM_INPUTS)}
+    declared = {r.name for r in upstream_io.declared(upstream_io.TRTLLM_INPUTS) + R.TWIN_ONLY_INPUTS}
     assert declared == twin_inputs.known_inputs()
     parts = [twin_inputs.HONOURED, twin_inputs.IGNORED, set(twin_inputs.OFF_WHEN), set(twin_inputs.NEVER)]
     assert sum(len(p) for p in parts) == len(declared)  # disjoint

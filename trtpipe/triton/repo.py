@@ -51,6 +51,9 @@ T = mc.DataType
 # (trtpipe/triton/twin_inputs.py).
 TRTLLM_INPUTS = upstream_io.declared(upstream_io.TRTLLM_INPUTS)
 TRTLLM_OUTPUTS = upstream_io.declared(upstream_io.TRTLLM_OUTPUTS)
+# Inputs only the twin declares, beyond upstream's template (none today). Each one also needs a policy row in
+# trtpipe/triton/twin_inputs.py; the tests hold the twin to "the real model's I/O plus these".
+TWIN_ONLY_INPUTS: tuple[upstream_io.Tensor, ...] = ()
 PREPROCESSING_INPUTS = upstream_io.declared(upstream_io.PREPROCESSING_INPUTS)
 PREPROCESSING_OUTPUTS = upstream_io.declared(upstream_io.PREPROCESSING_OUTPUTS)
 
@@ -327,6 +330,7 @@ def tensorrt_llm_config(recipe: Recipe, engine: EngineInfo) -> mc.ModelConfig:
         _params(c, trtllm_parameters(recipe, engine))
         return c
     c = _trtllm_skeleton(recipe, engine, "python")
+    c.input.extend(_declare(mc.ModelInput, row, engine.placeholders()) for row in TWIN_ONLY_INPUTS)
     _params(c, {
         "gpt_model_path": "engine",
         "gpt_model_type": recipe.triton.batching_strategy,
