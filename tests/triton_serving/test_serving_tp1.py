@@ -195,3 +195,27 @@ def test_twin_refuses_declared_inputs_it_cannot_honour(server, client, name, val
         errors, outputs = _direct_tensorrt_llm(server, {name: neutral[name]})
         assert not errors and outputs
     assert client.generate("Once upon a time", GenerateOptions(max_tokens=4)) == ", there was a"
+
+
+def test_preprocessing_refuses_template_inputs_it_does_not_implement(server, client):
+    """preprocessing declares upstream's template inputs (so upstream's model.py can be swapped in); trtpipe's
+    model names the one it does not implement instead of ignoring it."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    def tensor(name, array, dtype):
+        t = grpcclient.InferInput(name, list(array.shape), dtype)
+        t.set_data_from_numpy(array)
+        return t
+
+    base = [tensor("QUERY", np.array([[b"Once upon a time"]], dtype=object), "BYTES"),
+            tensor("REQUEST_OUTPUT_LEN", np.array([[4]], np.int32), "INT32")]
+    raw = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        ok = raw.infer("preprocessing", base)
+        assert ok.as_numpy("REQUEST_INPUT_LEN").reshape(-1).tolist() == [5]
+        with pytest.raises(InferenceServerException, match="EMBEDDING_BIAS_WORDS: declared as in upstream's template"):
+            raw.infer("preprocessing", base + [tensor("EMBEDDING_BIAS_WORDS", np.array([[b"girl"]], dtype=object), "BYTES")])
+    finally:
+        raw.close()
+    assert client.generate("Once upon a time", GenerateOptions(max_tokens=4)) == ", there was a"
