@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
-from test_repo import RECIPES, llama70b, llama70b_engine  # noqa: F401 - module fixtures
-from trtpipe.recipe.loader import load_recipe
+from test_repo import llama70b, llama70b_engine  # noqa: F401 - module fixtures
 from trtpipe.triton import repo as R
 from trtpipe.triton import twin_inputs, upstream_io
 
