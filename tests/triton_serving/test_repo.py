@@ -243,5 +243,6 @@ def test_priority_levels_reach_the_entry_queues(stories_recipe, stories_engine):
     for c in (llm, bls):
         assert (c.dynamic_batching.priority_levels, c.dynamic_batching.default_priority_level) == (3, 2)
     assert llm.dynamic_batching.default_queue_policy.max_queue_size == 32
-    pre = R.preprocessing_config(recipe, R.token_ids(stories_engine(1) / "checkpoint"))
+    engine = R.EngineInfo.read(stories_engine(1))
+    pre = R.preprocessing_config(recipe, engine, R.token_ids(stories_engine(1) / "checkpoint"))
     assert pre.dynamic_batching.priority_levels == 0  # only the models that queue generation work
