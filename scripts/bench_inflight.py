@@ -88,7 +88,7 @@ def run_level(host, port, concurrency, work):
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    ttfts = [r[0] for r in results]
+    ttfts = [r[0] for r in results] or [float("nan")]
     return {"concurrency": concurrency, "requests": len(results), "errors": len(errors),
             "ttft_p50_ms": 1e3 * percentile(ttfts, 50), "ttft_p99_ms": 1e3 * percentile(ttfts, 99),
             "output_tok_s": sum(r[2] for r in results) / wall, "wall_s": wall,
@@ -113,6 +113,8 @@ def main() -> int:
     ap.add_argument("--prompt-words", type=int, default=24, help="about 32 tokens")
     ap.add_argument("--prefix-tokens", type=int, default=256)
     ap.add_argument("--out", type=Path, help="write the results as JSON")
+    ap.add_argument("--modes", default="inflight,static", help="which batching modes to run")
+    ap.add_argument("--skip-reuse", action="store_true", help="skip the prefix-reuse comparison")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
 
@@ -128,6 +130,8 @@ def main() -> int:
     common = ["engine.max_batch_size=16", "triton.max_batch_size=16", "engine.kv_cache.enable_reuse=false"]
     report = {"batching": {}, "reuse": {}}
     for mode, extra in (("inflight", []), ("static", ["triton.batching_strategy=v1"])):
+        if mode not in args.modes.split(","):
+            continue
         with serve(engine, common + extra, tmp) as server:
             host, port = server.http_url.replace("http://", "").split(":")
             stream_once(host, int(port), "warm up", 4)
@@ -135,15 +139,20 @@ def main() -> int:
                 row = run_level(host, int(port), c, work)
                 report["batching"].setdefault(mode, []).append(row)
                 print(f"{mode:8s} c={c:<3d} ttft p50 {row['ttft_p50_ms']:8.1f} ms  p99 {row['ttft_p99_ms']:8.1f} ms  "
-                      f"{row['output_tok_s']:7.1f} tok/s  errors {row['errors']}", flush=True)
-    inflight = {r["concurrency"]: r for r in report["batching"]["inflight"]}
-    static = {r["concurrency"]: r for r in report["batching"]["static"]}
-    base = inflight[levels[0]]
-    print("\nratios (same run):")
-    for c in levels:
-        print(f"  c={c:<3d} TTFT p50 vs c={levels[0]}: {inflight[c]['ttft_p50_ms'] / base['ttft_p50_ms']:5.2f}x   "
-              f"tok/s vs c={levels[0]}: {inflight[c]['output_tok_s'] / base['output_tok_s']:5.2f}x   "
-              f"tok/s vs static: {inflight[c]['output_tok_s'] / static[c]['output_tok_s']:5.2f}x")
+                      f"{row['output_tok_s']:7.1f} tok/s  errors {row['errors']}"
+                      + (f" (first: {row['first_error'][:160]})" if row["errors"] else ""), flush=True)
+    inflight = {r["concurrency"]: r for r in report["batching"].get("inflight", [])}
+    static = {r["concurrency"]: r for r in report["batching"].get("static", [])}
+    if inflight:
+        base = inflight[levels[0]]
+        print("\nratios (same run):")
+        for c in levels:
+            vs_static = (f"   tok/s vs static: {inflight[c]['output_tok_s'] / static[c]['output_tok_s']:5.2f}x"
+                         if static else "")
+            print(f"  c={c:<3d} TTFT p50 vs c={levels[0]}: {inflight[c]['ttft_p50_ms'] / base['ttft_p50_ms']:5.2f}x   "
+                  f"tok/s vs c={levels[0]}: {inflight[c]['output_tok_s'] / base['output_tok_s']:5.2f}x" + vs_static)
+    if args.skip_reuse:
+        return 0
 
     # Prefix reuse: one shared prefix of about --prefix-tokens tokens, then a short distinct question.
     prefix = prompt_text(random.Random(1), int(args.prefix_tokens * 0.75))
