@@ -155,7 +155,12 @@ def main() -> int:
         return 0
 
     # Prefix reuse: one shared prefix of about --prefix-tokens tokens, then a short distinct question.
-    prefix = prompt_text(random.Random(1), int(args.prefix_tokens * 0.75))
+    from transformers import AutoTokenizer
+
+    tok, prng, prefix = AutoTokenizer.from_pretrained(STORIES), random.Random(1), ""
+    while len(tok(prefix).input_ids) < args.prefix_tokens:
+        prefix = (prefix + " " + prng.choice(WORDS)).strip()
+    print(f"shared prefix: {len(tok(prefix).input_ids)} tokens", flush=True)
     questions = [(prefix + " " + prompt_text(rng, 6), 8) for _ in range(24)]
     for mode, flag in (("reuse-on", "true"), ("reuse-off", "false")):
         with serve(engine, ["engine.max_input_len=384", f"engine.kv_cache.enable_reuse={flag}"], tmp) as server:
