@@ -38,3 +38,11 @@ def test_wrong_world_size_is_one_clear_error(run_mpi, stories_ckpt):
     proc = run_mpi(2, "forward_check.py", stories_ckpt(2, 2), 1, 4, timeout=60)
     assert proc.returncode != 0
     assert "the checkpoint needs 4 ranks (tp 2 x pp 2) but the MPI job has 2" in proc.stderr
+
+
+def test_mpi_step_engine_generates_what_the_one_process_runtime_does(run_mpi, stories_ckpt):
+    """Paged KV per rank, prompts of different lengths in one padded step, greedy and seeded sampling."""
+    proc = run_mpi(4, "generate_check.py", stories_ckpt(2, 2))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["greedy"] and out["sampled"]

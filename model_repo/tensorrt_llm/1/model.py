@@ -91,8 +91,13 @@ class TritonPythonModel:
         self.exclude_input_default = str(_param(params, "exclude_input_in_output", "false")).lower() in _TRUE
         self.default_end_id = _default_end_id(os.path.join(engine, "checkpoint", "generation_config.json"))
         torch.set_num_threads(int(_param(params, "cpu_threads", "1")))
-        self.model = load_checkpoint(os.path.join(engine, "checkpoint"), device="cpu")
-        self.generate = generate
+        if os.environ.get("TRTPIPE_MPI_RUN_DIR"):  # rank 0 of a leader-mode mpiexec job: one shard, MPI steps
+            from trtpipe.serving.mpi_engine import generate_steps, start_leader
+
+            self.model, self.generate = start_leader(engine, os.environ["TRTPIPE_MPI_RUN_DIR"]), generate_steps
+        else:
+            self.model = load_checkpoint(os.path.join(engine, "checkpoint"), device="cpu")
+            self.generate = generate
         self.lock = threading.Lock()
 
     # ---- request parsing -------------------------------------------------------------------------
@@ -245,4 +250,6 @@ class TritonPythonModel:
         ]
 
     def finalize(self):
+        if hasattr(self.model, "shutdown"):  # release the worker ranks
+            self.model.shutdown()
         self.model = None
