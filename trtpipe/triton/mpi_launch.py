@@ -34,6 +34,7 @@ from trtpipe.errors import ServingError
 
 TEARDOWN_GRACE_S = 12.0  # tritonserver's exit timeout (5 s) + the twin's finalize + the workers' exit
 POLL_S = 0.2
+LAUNCHER_REPORT_S = 3.0  # how long to wait for mpiexec's "BAD TERMINATION" report after a rank died
 SHM = Path("/dev/shm")
 
 
@@ -272,6 +273,11 @@ class Supervisor:
         launcher_done = self.proc is not None and self.proc.poll() is not None
         if not dead and not launcher_done:
             return None
+        if not launcher_done:  # the launcher is cleaning up: its report of who went first comes when it exits
+            try:
+                self.proc.wait(LAUNCHER_REPORT_S)
+            except subprocess.TimeoutExpired:
+                pass
         first = self._first_bad_termination()
         if first is not None:  # the launcher saw which process went first (the others are its clean-up)
             for r, pid, what in dead:
