@@ -154,10 +154,11 @@ class RankModel:
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache=None, start_pos: int | torch.Tensor = 0,
-                rows: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                rows: Optional[torch.Tensor] = None, cos_sin: Optional[tuple] = None) -> Optional[torch.Tensor]:
         """input_ids [B, T] at positions start_pos.. -> float32 logits on global rank 0 (None elsewhere).
 
         ``rows``: flat indices into the B*T positions whose logits are wanted (default: all, as [B, T, V]).
+        ``cos_sin``: rope tables of every position (a packed step's tokens are not consecutive).
         """
         lay, comm = self.layout, self.comm
         B, T = input_ids.shape
@@ -166,7 +167,7 @@ class RankModel:
             x = F.embedding(input_ids, self.embedding)  # [B, T, H]
         else:
             x = comm.recv((B, T, H), lay.peer(lay.pp_rank - 1))
-        cos_sin = self.rope.cos_sin_for(start_pos, T)
+        cos_sin = cos_sin if cos_sin is not None else self.rope.cos_sin_for(start_pos, T)
         for layer in self.layers:
             x = layer(x, start_pos, cache, cos_sin)
         n = B * T if rows is None else int(rows.numel())

@@ -1,5 +1,6 @@
 """The step engine split over MPI ranks (leader mode): rank 0's executor calls ``step(batch)``; the batch is
-broadcast; every rank runs its shard of the same step on its own paged KV pool; tokens come back on rank 0.
+broadcast; every rank runs its shard of the same packed step (the reference engine's packing and paged
+attention) on its own KV pool; tokens come back on rank 0.
 
 Workers (ranks > 0) run :func:`worker_loop`: they hold no scheduling state, only their KV pool, and do whatever
 rank 0 broadcasts (``allocate``, ``step``, ``copy``, ``stop``), so a dead worker means a dead job, not a confused
@@ -8,139 +9,79 @@ one. Sampling happens on rank 0 (it holds each request's seeded generator).
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Optional
 
 import torch
 
 from trtpipe.runtime.distributed import RankModel
-from trtpipe.runtime.generate import sample
-from trtpipe.runtime.model import BatchKVCache
 from trtpipe.serving.api import SamplingParams, StepBatch, StepEntry, StepResult
+from trtpipe.serving.reference_engine import ReferenceEngine
 
 
-class RankKV:
-    """One rank's paged KV pool: per local layer, keys and values [num_blocks, kv_heads_r, tokens_per_block, d]."""
+def _wire(batch: StepBatch) -> tuple:
+    """What the workers need of a step (no sampling state: rank 0 samples)."""
+    return batch.iteration, [(e.request_id, list(map(int, e.tokens)), int(e.start_pos), list(map(int, e.block_table)),
+                              bool(e.is_context), bool(e.sample)) for e in batch.entries]
+
+
+def _unwire(wire: tuple) -> StepBatch:
+    iteration, entries = wire
+    return StepBatch(iteration, [StepEntry(*e) for e in entries])
+
+
+class RankEngine(ReferenceEngine):
+    """Every rank's shard of a packed step: the reference engine's packing and paged pool (this rank's KV heads
+    of its stage's layers), run through :meth:`RankModel.forward` (all-reduces, pipeline sends)."""
 
     def __init__(self, model: RankModel):
-        self.model = model
-        self.pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.tokens_per_block = 0
+        super().__init__(model)
 
-    def allocate(self, num_blocks: int, tokens_per_block: int) -> None:
-        a = self.model.args
-        shape = (num_blocks, a.kv_heads_per_rank, tokens_per_block, a.head_size)
-        # zeros, not empty: attention weights of masked slots are 0, and 0 * NaN garbage would still be NaN
-        self.pools = {layer.layer_idx: (torch.zeros(shape), torch.zeros(shape)) for layer in self.model.layers}
-        self.tokens_per_block = tokens_per_block
-
-    def copy(self, src: int, dst: int, num_tokens: int) -> None:
-        for k, v in self.pools.values():
-            k[dst, :, :num_tokens] = k[src, :, :num_tokens]
-            v[dst, :, :num_tokens] = v[src, :, :num_tokens]
-
-
-class PagedCache(BatchKVCache):
-    """The runtime's batched-decoding cache interface (index == position per row) over block tables.
-
-    A step is run as a right-padded batch [B, T]: row b holds entry b's tokens at positions ``start_b..``;
-    only positions below ``ends[b]`` are written, and reads gather positions 0..S-1 through the row's table
-    (slots past a row's end are masked by causality).
-    """
-
-    def __init__(self, kv: RankKV, tables: torch.Tensor, ends: torch.Tensor):
-        super().__init__({})
-        self.kv, self.tables, self.ends = kv, tables, ends  # [B, max_blocks], [B]
-
-    def update(self, key, k, v, pos):
-        K, V = self.kv.pools[key[0]]
-        tpb = self.kv.tokens_per_block
-        b, t = (pos < self.ends[:, None]).nonzero(as_tuple=True)  # the real (unpadded) tokens
-        p = pos[b, t]
-        blk, off = self.tables[b, p // tpb], p % tpb
-        K[blk, :, off] = k[b, :, t]  # [M, nkv, d]
-        V[blk, :, off] = v[b, :, t]
-        S = int(pos.max()) + 1
-        sp = torch.arange(S)
-        blocks = self.tables[:, (sp // tpb).clamp(max=self.tables.shape[1] - 1)]  # [B, S]
-        offs = (sp % tpb).expand_as(blocks)
-        return K[blocks, :, offs].transpose(1, 2), V[blocks, :, offs].transpose(1, 2)  # [B, nkv, S, d]
-
-
-def run_step(model: RankModel, kv: RankKV, wire: list[tuple]) -> Optional[torch.Tensor]:
-    """Every rank's part of one step; ``wire``: (tokens, start_pos, block_table, sample) per entry.
-
-    Returns, on rank 0, the logits [n, V] of the entries that sample (in entry order); None elsewhere.
-    """
-    B, T = len(wire), max(len(w[0]) for w in wire)
-    ids = torch.zeros(B, T, dtype=torch.long)
-    width = max(len(w[2]) for w in wire) or 1
-    tables = torch.zeros(B, width, dtype=torch.long)
-    starts = torch.tensor([w[1] for w in wire], dtype=torch.long)
-    ends = torch.tensor([w[1] + len(w[0]) for w in wire], dtype=torch.long)
-    for b, (tokens, _, table, _) in enumerate(wire):
-        ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        tables[b, : len(table)] = torch.tensor(table, dtype=torch.long)
-    rows = torch.tensor([b * T + len(w[0]) - 1 for b, w in enumerate(wire) if w[3]], dtype=torch.long)
-    return model.forward(ids, PagedCache(kv, tables, ends), starts, rows=rows)
-
-
-def execute(model: RankModel, kv: RankKV, command: tuple):
-    """Run one broadcast command on this rank (the same code on rank 0 and on the workers)."""
-    kind = command[0]
-    if kind == "step":
-        return run_step(model, kv, command[1])
-    if kind == "allocate":
-        kv.allocate(command[1], command[2])
-    elif kind == "copy":
-        kv.copy(*command[1:])
-    return None
+    @torch.no_grad()
+    def logits(self, batch: StepBatch) -> Optional[torch.Tensor]:
+        ids, paged, cos_sin, ends = self.packed(batch)
+        return self.model.forward(ids, paged, 0, rows=torch.tensor(ends, dtype=torch.long), cos_sin=cos_sin)
 
 
 def worker_loop(model: RankModel) -> None:
-    """A worker rank: follow rank 0's broadcasts until ``stop``."""
-    kv = RankKV(model)
-    with torch.no_grad():
-        while True:
-            command = model.comm.bcast(None)
-            if command[0] == "stop":
-                return
-            execute(model, kv, command)
+    """A worker rank: follow rank 0's broadcasts (allocate, step, copy) until ``stop``."""
+    engine = RankEngine(model)
+    while True:
+        kind, *rest = model.comm.bcast(None)
+        if kind == "stop":
+            return
+        if kind == "step":
+            engine.logits(_unwire(rest[0]))
+        elif kind == "allocate":
+            engine.allocate(*rest)
+        elif kind == "copy":
+            engine.copy_block(*rest)
 
 
-class MpiStepEngine:
-    """The :class:`~trtpipe.serving.api.StepEngine` of rank 0: broadcast, run its own shard, sample."""
+class MpiStepEngine(RankEngine):
+    """The :class:`~trtpipe.serving.api.StepEngine` of rank 0: broadcast each call, run its own shard, sample."""
 
     def __init__(self, model: RankModel):
         if model.layout.rank != 0:
             raise ValueError("MpiStepEngine runs on rank 0; other ranks run worker_loop")
-        self.model = model
-        self.kv = RankKV(model)
+        super().__init__(model)
         self.stopped = False
 
-    def _command(self, command: tuple):
-        self.model.comm.bcast(command)
-        return execute(self.model, self.kv, command)
-
     def allocate(self, num_blocks: int, tokens_per_block: int) -> None:
-        self._command(("allocate", int(num_blocks), int(tokens_per_block)))
+        self.model.comm.bcast(("allocate", int(num_blocks), int(tokens_per_block)))
+        super().allocate(num_blocks, tokens_per_block)
 
     def copy_block(self, src: int, dst: int, num_tokens: int) -> None:
-        self._command(("copy", int(src), int(dst), int(num_tokens)))
+        self.model.comm.bcast(("copy", int(src), int(dst), int(num_tokens)))
+        super().copy_block(src, dst, num_tokens)
 
-    @torch.no_grad()
+    def logits(self, batch: StepBatch) -> torch.Tensor:
+        self.model.comm.bcast(("step", _wire(batch)))
+        return super().logits(batch)
+
     def step(self, batch: StepBatch) -> StepResult:
-        t0 = time.perf_counter()
-        tokens: dict[int, int] = {}
-        if batch.entries:
-            wire = [(list(map(int, e.tokens)), int(e.start_pos), list(map(int, e.block_table)), bool(e.sample))
-                    for e in batch.entries]
-            logits = self._command(("step", wire))
-            sampled = [e for e in batch.entries if e.sample]
-            for e, row in zip(sampled, logits):
-                s = e.sampling
-                tokens[e.request_id] = sample(row, s.temperature, s.top_k, s.top_p, e.generator)
-        return StepResult(tokens, time.perf_counter() - t0)
+        if not batch.entries:
+            return StepResult({}, 0.0)
+        return super().step(batch)
 
     def shutdown(self) -> None:
         """Release the workers (they return from :func:`worker_loop`)."""
