@@ -42,7 +42,16 @@ def test_wrong_world_size_is_one_clear_error(run_mpi, stories_ckpt):
 
 def test_mpi_step_engine_generates_what_the_one_process_runtime_does(run_mpi, stories_ckpt):
     """Paged KV per rank, prompts of different lengths in one padded step, greedy and seeded sampling."""
-    proc = run_mpi(4, "generate_check.py", stories_ckpt(2, 2))
+    proc = run_mpi(2, "generate_check.py", stories_ckpt(2, 1))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["greedy"] and out["sampled"]
+
+
+def test_in_flight_executor_over_mpi_ranks_equals_one_process(run_mpi, stories_ckpt):
+    """Rank 0's executor drives the ranks: in-flight, chunked, prefix reuse (block copies), pauses."""
+    proc = run_mpi(4, "executor_check.py", stories_ckpt(2, 2), timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(r["equal"] for r in out.values()), out
+    assert out["reuse"]["reused_blocks"] > 0 and out["max-util-tiny-pool"]["paused"] > 0
