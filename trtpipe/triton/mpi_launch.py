@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 from trtpipe.errors import ServingError
 
 TEARDOWN_GRACE_S = 12.0  # tritonserver's exit timeout (5 s) + the twin's finalize + the workers' exit
+FAILED_GRACE_S = 2.0  # after a rank died: SIGTERM to every process of the job, SIGKILL after this
 POLL_S = 0.2
 LAUNCHER_REPORT_S = 3.0  # how long to wait for mpiexec's "BAD TERMINATION" report after a rank died
 SHM = Path("/dev/shm")
@@ -302,24 +303,29 @@ class Supervisor:
 
     # -- tearing down --
     def teardown(self, code: int, reason: str) -> int:
+        """A stop is graceful (SIGTERM to tritonserver: the twin's finalize releases the workers); after a failure
+        the job is already broken, so everything gets SIGTERM at once. Whatever is left after the grace time
+        gets SIGKILL; zombies re-parented to us are reaped."""
         self.state("stopping", error=reason if code else None)
         t0 = time.monotonic()
-        rank0 = self.rank_pids.get(0)
-        if _alive(rank0):  # graceful: tritonserver unloads the twin, whose finalize releases the workers
-            try:
-                os.kill(rank0, signal.SIGTERM)
-            except OSError:
-                pass
-        while time.monotonic() - t0 < TEARDOWN_GRACE_S and descendants(os.getpid()):
+        grace = TEARDOWN_GRACE_S if code == 0 else FAILED_GRACE_S
+        targets = [self.rank_pids.get(0)] if code == 0 else descendants(os.getpid())
+        for pid in targets:
+            if _alive(pid):
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except OSError:
+                    pass
+        while time.monotonic() - t0 < grace and self._live_descendants():
             _reap()
             time.sleep(POLL_S)
-        left = descendants(os.getpid())
+        left = self._live_descendants()
         for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        while descendants(os.getpid()) and time.monotonic() - t0 < TEARDOWN_GRACE_S + 10:
+        while descendants(os.getpid()) and time.monotonic() - t0 < grace + 10:
             _reap()
             time.sleep(0.05)
         _reap()
@@ -327,6 +333,9 @@ class Supervisor:
         self.state("failed" if code else "stopped", error=reason if code else None, exit_code=code,
                    teardown_s=round(time.monotonic() - t0, 2), killed=left, shm_removed=removed)
         return code
+
+    def _live_descendants(self) -> list[int]:
+        return [p for p in descendants(os.getpid()) if _alive(p)]
 
     def _clean_shm(self) -> list[str]:
         from trtpipe.triton.server import clean_shm
@@ -361,7 +370,9 @@ def launch_spec(repo: Path, info: dict, bind: str, ports, run_dir: Path, hostfil
 
     world = int(info["world_size"])
     shm_prefix = f"trtpipe{os.getpid()}_{ports.grpc}_"
-    segments = twin_segments(repo, Path(info["engine"]), world, bind, ports, shm_prefix)
+    engine = Path(repo) / "tensorrt_llm" / "engine"  # the copy rank 0's twin loads (gpt_model_path)
+    engine = engine if engine.is_dir() else Path(info["engine"])
+    segments = twin_segments(repo, engine, world, bind, ports, shm_prefix)
     command = mpmd(launcher_argv(mpiexec or venv_mpiexec(), hostfile),
                    [rank_wrapper(seg, run_dir, r) for r, seg in enumerate(segments)])
     env = server_env({})
