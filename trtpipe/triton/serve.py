@@ -200,12 +200,11 @@ def dry_run_lines(target: Path, overrides: Sequence[str], bind: str, ports: Opti
     else:
         cmd = plan.command
         lines.append(f"# TensorRT engines, leader mode: world_size {plan.world_size}")
-    lines.append(shlex.join(cmd))
     if plan.world_size > 1:
         from trtpipe.triton.mpi_launch import slurm_lines
 
         lines += slurm_lines(_segments(cmd))
-    return lines
+    return lines + [shlex.join(cmd)]
 
 
 def _segments(cmd: list[str]) -> list[list[str]]:
@@ -232,12 +231,11 @@ def _twin_leader_lines(plan: LaunchPlan, bind: str, ports: Optional[Ports], trit
     info = repo_info(plan.repo)
     run_dir = Path("<run dir>")
     spec = mpi_launch.launch_spec(plan.repo, info, bind, ports, run_dir, hostfile)
-    lines = [f"# CPU twin, leader mode: {plan.world_size} ranks under mpiexec (rank 0 tritonserver + twin, "
-             f"ranks 1..{plan.world_size - 1} workers); serve runs it under a supervisor with "
-             f"{mpi_launch.__name__.split('.')[-1]}'s run dir",
-             shlex.join(spec["command"])]
-    lines += mpi_launch.slurm_lines(spec["segments"])
     trt = mpirun_command(plan.repo, plan.world_size, ports, bind, tritonserver, hostfile=hostfile)
-    lines += [f"# with TensorRT engines (tensorrtllm backend) the same launch runs: world_size {plan.world_size}",
-              shlex.join(trt)]
+    lines = [f"# with TensorRT engines (tensorrtllm backend) the same launch runs: world_size {plan.world_size}",
+             "#   " + shlex.join(trt)]
+    lines += mpi_launch.slurm_lines(spec["segments"])
+    lines += [f"# CPU twin, leader mode: {plan.world_size} ranks under mpiexec (rank 0 tritonserver + twin executor, "
+              f"ranks 1..{plan.world_size - 1} workers); serve runs it under a supervisor (run dir in the cache)",
+              shlex.join(spec["command"])]
     return lines
