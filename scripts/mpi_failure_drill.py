@@ -33,12 +33,13 @@ def job_processes(marks) -> list[str]:
 
 
 def drill(repo: Path, event: str, trtpipe: str) -> dict:
-    proc = subprocess.Popen([trtpipe, "serve", str(repo), "--timeout", "240"], stdout=subprocess.PIPE,
+    detach = ["--detach"] if event == "stop" else []  # trtpipe stop ends detached jobs
+    proc = subprocess.Popen([trtpipe, "serve", str(repo), "--timeout", "240", *detach], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith("Ctrl-C to stop"):
+        if line.startswith("Ctrl-C to stop") or line.startswith("  pid "):
             break
     run_dir = Path(next(ln.split()[1] for ln in lines if ln.startswith("  run ")))
     ranks = json.loads((run_dir / "ranks.json").read_text())
@@ -52,17 +53,23 @@ def drill(repo: Path, event: str, trtpipe: str) -> dict:
     elif event == "ctrl-c":
         proc.send_signal(signal.SIGINT)
     else:
-        subprocess.run([trtpipe, "stop", str(repo)], check=False, capture_output=True)
-    rest = proc.stdout.read()
-    code = proc.wait(120)
+        stop = subprocess.run([trtpipe, "stop", str(repo)], check=False, capture_output=True, text=True)
+        lines.append(stop.stdout)
+    if event == "stop":
+        rest, code = lines[-1], proc.wait(120)
+    else:
+        rest = proc.stdout.read()
+        code = proc.wait(120)
     took = time.monotonic() - t0
     state = json.loads((run_dir / "state.json").read_text())
     job_shm = [n for n in state.get("shm_removed", []) if os.path.exists(f"/dev/shm/{n}")]
-    new_shm = sorted(set(os.listdir("/dev/shm")) - shm_before)
+    prefix = json.loads((run_dir / "launch.json").read_text())["shm_prefix"]
+    new_shm = sorted(n for n in set(os.listdir("/dev/shm")) - shm_before  # other users' servers come and go
+                     if n.startswith((prefix, "mpich_shm_")))
     return {"event": event, "serve_exit_code": code, "seconds_to_exit": round(took, 2),
             "serve_printed": rest.strip().splitlines()[:3], "state": state["state"],
             "processes_left": job_processes([str(repo), str(run_dir)]), "job_shm_left": job_shm,
-            "new_shm_since_event": new_shm}
+            "new_job_or_mpich_shm_since_event": new_shm}
 
 
 def main() -> None:

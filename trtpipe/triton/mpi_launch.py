@@ -252,11 +252,10 @@ class Supervisor:
         return "worker" if self.launch.get("twin") else "tritonserver"
 
     def _tail_of(self, rank: int, lines: int = 15) -> str:
-        from trtpipe.triton.server import _cause, log_tail
+        from trtpipe.triton.server import log_tail
 
         path = self.run_dir / f"rank{rank}.log"
-        cause = f"tritonserver: {_cause(path)}\n" if rank == 0 else ""
-        return f"{cause}log {path}:\n{log_tail(path, lines)}"
+        return f"log {path}:\n{log_tail(path, lines)}"
 
     def failure(self) -> Optional[str]:
         """What went wrong, naming the rank (None while everything runs)."""
