@@ -15,13 +15,17 @@ from pathlib import Path
 
 
 def rank_main(ckpt: str) -> None:
-    from trtpipe.runtime.distributed import load_all_ranks, rss_mb
+    from trtpipe.runtime.distributed import load_all_ranks, mpi, rss_mb
 
+    start = rss_mb()
+    world = mpi().COMM_WORLD
+    world.Barrier()  # MPI initialised and its shared memory touched: counted apart from the weights
     before = rss_mb()
     model, statuses = load_all_ranks(ckpt)
-    grown = model.comm.world.gather(rss_mb() - before, root=0)
+    grown = world.gather((before - start, rss_mb() - before), root=0)
     if model.layout.rank == 0:
-        print(json.dumps({"grown_mb": grown, "weights_mb": [s["weights_mb"] for s in statuses]}))
+        print(json.dumps({"grown_mb": [g for _, g in grown], "mpi_mb": [m for m, _ in grown],
+                          "weights_mb": [s["weights_mb"] for s in statuses]}))
 
 
 def single_main(ckpt: str) -> None:
@@ -62,9 +66,10 @@ def main() -> None:
     world = a.tp * a.pp
     print(f"checkpoint: {files:.1f} MiB float16 in {world} rank files (tp {a.tp} x pp {a.pp})")
     print(f"one process (all ranks): RSS grew {single['grown_mb']:.1f} MiB while loading")
-    for r, (g, w) in enumerate(zip(ranks["grown_mb"], ranks["weights_mb"])):
-        print(f"rank {r}: read {w:.1f} MiB, RSS grew {g:.1f} MiB = {g / single['grown_mb']:.3f} of one process "
-              f"(1/world = {1 / world:.3f})")
+    for r, (g, m, w) in enumerate(zip(ranks["grown_mb"], ranks["mpi_mb"], ranks["weights_mb"])):
+        print(f"rank {r}: MPI init {m:.1f} MiB; read {w:.1f} MiB, RSS grew {g:.1f} MiB while loading = "
+              f"{g / single['grown_mb']:.3f} of one process (1/world = {1 / world:.3f})")
+    print(f"sum over ranks: {sum(ranks['grown_mb']):.1f} MiB vs {single['grown_mb']:.1f} MiB in one process")
 
 
 if __name__ == "__main__":
