@@ -133,6 +133,17 @@ def _set_subreaper() -> None:
         pass
 
 
+def _die_with_parent() -> None:
+    """In the launcher's child before exec: SIGTERM it if the supervisor dies (even by SIGKILL); the launcher then
+    ends the ranks itself, so a lost supervisor does not leave a headless job."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _reap() -> None:
     while True:
         try:
@@ -188,7 +199,7 @@ class Supervisor:
         env.update(self.launch.get("env", {}))
         with open(self.run_dir / "mpiexec.log", "ab") as log:
             self.proc = subprocess.Popen(self.launch["command"], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         stdin=subprocess.DEVNULL, cwd=self.run_dir)
+                                         stdin=subprocess.DEVNULL, cwd=self.run_dir, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + float(self.launch.get("timeout", 180))
         ready, t_start = False, time.monotonic()
         while True:
