@@ -116,6 +116,9 @@ class TritonPythonModel:
             if resp.has_error:
                 deliver(_error(f"Executor failed process requestId {resp.request_id} due to the following error: {resp.error}"), True)
                 return
+            if resp.is_final and parsed.request.streaming and not resp.tokens and not parsed.wants_outputs_at_end:
+                deliver(None, True)  # a flag-only final response, as the backend sends after the last token
+                return
             tensors = [pb_utils.Tensor(n, a) for n, a in self.twin.response_outputs(resp, parsed)]
             deliver(pb_utils.InferenceResponse(output_tensors=tensors), resp.is_final)
 
@@ -131,7 +134,9 @@ class TritonPythonModel:
             sender = request.get_response_sender() if self.decoupled else None
 
             def deliver(response, final, i=i, sender=sender):
-                if sender is not None:
+                if sender is not None and response is None:
+                    sender.send(flags=FINAL)
+                elif sender is not None:
                     sender.send(response, flags=FINAL if final else 0)
                 elif final:
                     results[i] = response
