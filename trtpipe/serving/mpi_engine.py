@@ -9,6 +9,7 @@ one. Sampling happens on rank 0 (it holds each request's seeded generator).
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, Optional
 
 import torch
@@ -58,36 +59,53 @@ def worker_loop(model: RankModel) -> None:
 
 
 class MpiStepEngine(RankEngine):
-    """The :class:`~trtpipe.serving.api.StepEngine` of rank 0: broadcast each call, run its own shard, sample."""
+    """The :class:`~trtpipe.serving.api.StepEngine` of rank 0: broadcast each call, run its own shard, sample.
+
+    One lock covers each broadcast and the collective work after it, so :meth:`shutdown` (from another thread)
+    never interleaves with a step on the same communicator.
+    """
 
     def __init__(self, model: RankModel):
         if model.layout.rank != 0:
             raise ValueError("MpiStepEngine runs on rank 0; other ranks run worker_loop")
         super().__init__(model)
         self.stopped = False
+        self._lock = threading.Lock()
+
+    def _broadcast(self, command: tuple) -> None:
+        if self.stopped:
+            raise RuntimeError("the MPI step engine was shut down (the worker ranks are gone)")
+        self.model.comm.bcast(command)
 
     def allocate(self, num_blocks: int, tokens_per_block: int) -> None:
-        self.model.comm.bcast(("allocate", int(num_blocks), int(tokens_per_block)))
-        super().allocate(num_blocks, tokens_per_block)
+        with self._lock:
+            self._broadcast(("allocate", int(num_blocks), int(tokens_per_block)))
+            super().allocate(num_blocks, tokens_per_block)
 
     def copy_block(self, src: int, dst: int, num_tokens: int) -> None:
-        self.model.comm.bcast(("copy", int(src), int(dst), int(num_tokens)))
-        super().copy_block(src, dst, num_tokens)
+        with self._lock:
+            self._broadcast(("copy", int(src), int(dst), int(num_tokens)))
+            super().copy_block(src, dst, num_tokens)
 
     def logits(self, batch: StepBatch) -> torch.Tensor:
-        self.model.comm.bcast(("step", _wire(batch)))
-        return super().logits(batch)
+        with self._lock:
+            self._broadcast(("step", _wire(batch)))
+            return super().logits(batch)
 
     def step(self, batch: StepBatch) -> StepResult:
         if not batch.entries:
             return StepResult({}, 0.0)
         return super().step(batch)
 
-    def shutdown(self) -> None:
-        """Release the workers (they return from :func:`worker_loop`)."""
-        if not self.stopped:
-            self.stopped = True
-            self.model.comm.bcast(("stop",))
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Release the workers (they return from :func:`worker_loop`) once no step is in flight."""
+        if self._lock.acquire(timeout=timeout):
+            try:
+                if not self.stopped:
+                    self.model.comm.bcast(("stop",))
+            finally:
+                self.stopped = True
+                self._lock.release()
 
 
 def generate_steps(engine, prompts: list[list[int]], max_new_tokens: int, end_ids=None, temperature: float = 0.0,
