@@ -390,7 +390,12 @@ def _ports(http, grpc, metrics):
 @click.option("--dry-run", is_flag=True, help="Print the launch command (mpirun leader mode for TensorRT engines).")
 @click.option("--tritonserver", default="/opt/tritonserver/bin/tritonserver", show_default=True,
               help="tritonserver binary of the TensorRT-LLM container (TensorRT engines).")
-def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, timeout, detach, dry_run, tritonserver) -> None:
+@click.option("--hostfile", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="MPI hostfile (host:slots per line) for a multi-node leader-mode launch.")
+@click.option("--single-process", is_flag=True,
+              help="CPU twin of a tp/pp>1 repository: run every rank's shard in one tritonserver (no MPI).")
+def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, timeout, detach, dry_run, tritonserver,
+          hostfile, single_process) -> None:
     """Serve a model repository, or a recipe (built first if needed); Ctrl-C stops it cleanly."""
     from trtpipe.triton import server as srv
     from trtpipe.triton.serve import dry_run_lines, plan_launch, resolve_repo, run_mpirun
@@ -404,13 +409,30 @@ def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, tim
     bind = bind or "127.0.0.1"
     ports = _ports(http_port, grpc_port, metrics_port)
     if dry_run:
-        click.echo("\n".join(dry_run_lines(target, overrides, bind, ports, tritonserver)))
+        click.echo("\n".join(dry_run_lines(target, overrides, bind, ports, tritonserver, hostfile)))
         return
     repo = resolve_repo(target, overrides)
-    plan = plan_launch(repo, bind, ports, tritonserver)
+    plan = plan_launch(repo, bind, ports, tritonserver, hostfile)
     if plan.command is not None:
         sys.exit(run_mpirun(plan))
     srv.sigterm_as_interrupt()
+    if plan.world_size > 1 and not single_process:  # leader mode: one process per rank under mpiexec
+        from trtpipe.triton import mpi_launch
+        from trtpipe.triton.serve import repo_info
+
+        server, state = mpi_launch.start_job(repo, repo_info(repo), bind, ports or srv.Ports(*srv.free_ports(3)),
+                                             timeout, hostfile, detach)
+        click.echo(f"serving {repo} (leader mode, {plan.world_size} ranks under mpiexec)\n  http {server.http_url}\n"
+                   f"  grpc {server.grpc_url}\n  run  {server.run_dir}")
+        for r in state.get("ranks", []):
+            click.echo(f"  rank {r['rank']} (tp {r['tp_rank']}, pp {r['pp_rank']}) pid {r['pid']} on {r['host']}: "
+                       f"layers {r['layers']}, {r['weights_mb']} MiB of weights, RSS {r['rss_mb']} MiB")
+        if detach:
+            click.echo(f"  pid  {server.pid} (trtpipe stop {repo})")
+            return
+        click.echo("Ctrl-C to stop")
+        sys.stdout.flush()
+        sys.exit(mpi_launch.serve_job_forever(server, server.run_dir))
     server = srv.start_server(repo, bind, ports, timeout=timeout, detach=detach)
     click.echo(f"serving {repo}\n  http {server.http_url}\n  grpc {server.grpc_url}\n  log  {server.log}")
     if detach:

@@ -23,6 +23,7 @@ def _error(message):
 class TritonPythonModel:
     def initialize(self, args):
         import json
+        import os
 
         import torch
 
@@ -36,8 +37,14 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.settings = triton_twin.settings_from_model_config(config, args["model_repository"])
         torch.set_num_threads(self.settings.cpu_threads)
-        model = load_checkpoint(self.settings.engine_dir / "checkpoint", device="cpu")
-        self.executor = Executor(self.settings.executor, ReferenceEngine(model))
+        run_dir = os.environ.get("TRTPIPE_MPI_RUN_DIR")
+        if run_dir:  # rank 0 of a leader-mode mpiexec job: its shard here, the other ranks follow each step
+            from trtpipe.serving.mpi_engine import start_leader
+
+            self.engine = start_leader(str(self.settings.engine_dir), run_dir)
+        else:
+            self.engine = ReferenceEngine(load_checkpoint(self.settings.engine_dir / "checkpoint", device="cpu"))
+        self.executor = Executor(self.settings.executor, self.engine)
         params = config.get("parameters", {})
         self.cancel_period = int(triton_twin.param(params, "cancellation_check_period_ms", "100")) / 1000
         self.stats_period = int(triton_twin.param(params, "stats_check_period_ms", "100")) / 1000
@@ -173,3 +180,5 @@ class TritonPythonModel:
         self.stopping.set()
         self.executor.shutdown()
         self.outbox.put(None)
+        if hasattr(self.engine, "shutdown"):  # leader mode: release the worker ranks
+            self.engine.shutdown()
