@@ -23,7 +23,7 @@ from trtpipe.triton.repo import write_repo
 from trtpipe.triton.serve import repo_info
 from trtpipe.triton.server import Ports, free_ports
 
-from conftest import BUILD_CONFIG
+from triton_helpers import BUILD_CONFIG
 
 pytestmark = [pytest.mark.triton, pytest.mark.mpi, pytest.mark.slow]
 TEARDOWN_LIMIT_S = 30.0

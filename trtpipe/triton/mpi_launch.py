@@ -26,6 +26,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -183,6 +184,8 @@ class Supervisor:
         self.stop_reason: Optional[str] = None
         self.shm_seen: set[str] = set()
         self.rank_pids: dict[int, int] = {}
+        self.first_dead: Optional[int] = None  # the one pid seen dead alone by the fast watcher (who went first)
+        self._watching = False
 
     def state(self, state: str, **extra) -> None:
         _write_json(self.run_dir / "state.json", {"state": state, "supervisor_pid": os.getpid(), **extra})
@@ -208,6 +211,9 @@ class Supervisor:
             if self.stop_reason:
                 return self.teardown(0, self.stop_reason)
             self._note_pids_and_shm()
+            if not self._watching and len(self.rank_pids) == self.world:
+                self._watching = True
+                threading.Thread(target=self._watch_deaths, daemon=True).start()
             failure = self.failure()
             if failure:
                 return self.teardown(1, failure)
@@ -223,6 +229,18 @@ class Supervisor:
                                             + self._tail_of(0))
 
     # -- watching --
+    def _watch_deaths(self) -> None:
+        """Every 10 ms: when a process of the job dies, the launcher kills the others within moments; seeing
+        one dead alone names who went first, more surely than the launcher's report on a loaded machine."""
+        while self.first_dead is None:
+            pids = [p for p in [self._leader_pid(), *self.rank_pids.values()] if p]
+            dead = [p for p in pids if not _alive(p)]
+            if len(dead) == 1:
+                self.first_dead = dead[0]
+            if dead:
+                return
+            time.sleep(0.01)
+
     def _http_ready(self) -> bool:
         from trtpipe.triton.server import _ready
 
@@ -290,6 +308,11 @@ class Supervisor:
                 self.proc.wait(LAUNCHER_REPORT_S)
             except subprocess.TimeoutExpired:
                 pass
+        for r, pid, what in dead:
+            if pid == self.first_dead:
+                first = self._first_bad_termination()
+                how = first[1] if first is not None and first[0] == pid else "it was the first process of the job to exit"
+                return f"rank {r} ({what}, pid {pid}) died: {how}\n" + self._tail_of(r)
         first = self._first_bad_termination()
         if first is not None:  # the launcher saw which process went first (the others are its clean-up)
             for r, pid, what in dead:
