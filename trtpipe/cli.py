@@ -337,7 +337,7 @@ def doctor(engine_dir) -> None:
         sys.exit(1)
 
 
-# --- triton commands (repo, serve, stop, infer, bench) ---------------------------------------------
+# --- triton commands (repo, serve, stop, infer, bench, report) ---------------------------------------------
 
 
 @main.command()
@@ -488,21 +488,125 @@ def infer(prompt, url, server, overrides, protocol, model, max_tokens, temperatu
             click.echo(client.generate(prompt, opts))
 
 
-@main.command()
-@click.option("--prompt", default="Once upon a time", show_default=True)
-@_gen_options
-@click.option("--concurrency", "-c", default=4, show_default=True, type=click.IntRange(1, 256))
-@click.option("--requests", "-n", "num_requests", default=32, show_default=True, type=click.IntRange(1, 100_000))
+class _DefaultGroup(_Group):
+    """A group whose first argument may be a subcommand or, if not, the arguments of ``default_cmd``."""
+
+    default_cmd = "run"
+
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
+            args = [self.default_cmd, *args]
+        elif not args:
+            args = [self.default_cmd]
+        return super().parse_args(ctx, args)
+
+
+@main.group(cls=_DefaultGroup)
+def bench() -> None:
+    """Benchmark a served model with NVIDIA AIPerf (default: bench run); compare results; cold start."""
+
+
+def _int_list(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return [int(v) for v in str(value).split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+
+
+def _float_list(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return [float(v) for v in str(value).split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers, got {value!r}") from None
+
+
+@bench.command(name="run")
+@click.argument("target", required=False, type=click.Path(exists=True, path_type=Path))
+@OVERRIDES
+@click.option("--server", "server", type=click.Path(exists=True, path_type=Path), help="Same as TARGET.")
+@click.option("--url", help="HTTP HOST:PORT of a running server (instead of TARGET; needs --tokenizer).")
+@click.option("--model", help="Front model (default: tensorrt_llm_bls when it streams, else the ensemble).")
+@click.option("--tokenizer", help="Tokenizer directory (default: the repository's).")
+@click.option("--metrics-url", help="tritonserver metrics endpoint (default: the served repository's metrics port).")
+@click.option("--concurrency", "-c", callback=_int_list, help="Closed loop: requests in flight; a list sweeps (1,2,4,8).")
+@click.option("--request-rate", callback=_float_list, help="Open loop: requests/s; a list sweeps.")
+@click.option("--arrival", type=click.Choice(["poisson", "constant"]), default="poisson", show_default=True,
+              help="Arrival process of --request-rate.")
+@click.option("--requests", "-n", "num_requests", type=click.IntRange(1, 1_000_000), help="Requests per point (default 32).")
+@click.option("--duration", type=click.FloatRange(0.1), help="Seconds per point instead of a request count.")
+@click.option("--warmup", type=click.IntRange(0, 100_000), default=2, show_default=True, help="Warm-up requests per point.")
+@click.option("--isl", type=click.IntRange(1), help="Prompt tokens (default: min(128, max_input_len)).")
+@click.option("--isl-stddev", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--osl", type=click.IntRange(1), help="Output tokens (default: min(64, max_seq_len - ISL)).")
+@click.option("--no-fixed-osl", is_flag=True, help="Let the model stop at EOS (default: end_id=-1 / min_tokens force OSL).")
+@click.option("--slo", help="Goodput SLOs, e.g. ttft:200ms,itl:50ms.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="Result directory (default: <work_dir>/bench/<time>-<label>, or ./bench-results/...).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result JSON (one point) or the sweep index.")
+def bench_run(target, overrides, server, url, model, tokenizer, metrics_url, concurrency, request_rate, arrival,
+              num_requests, duration, warmup, isl, isl_stddev, osl, no_fixed_osl, slo, seed, out, as_json) -> None:
+    """Benchmark TARGET (recipe or repository) with AIPerf; one result.json per load point, plots for sweeps."""
+    from trtpipe.bench.command import bench_command
+
+    bench_command(target or server, overrides, url, model, tokenizer, metrics_url, concurrency, request_rate, arrival,
+                  num_requests, duration, warmup, isl, isl_stddev, osl, not no_fixed_osl, slo, seed, out, as_json,
+                  echo=click.echo)
+
+
+@bench.command(name="compare")
+@click.argument("a", type=click.Path(exists=True, path_type=Path))
+@click.argument("b", type=click.Path(exists=True, path_type=Path))
+@click.option("--fail-if", "fail_if", multiple=True, metavar="METRIC.STAT>+N%",
+              help="Exit 1 when B crosses this (and its 95% CI excludes no change), e.g. 'ttft.p99>+10%'.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed.")
 @click.option("--json", "as_json", is_flag=True)
-def bench(prompt, url, server, overrides, protocol, model, max_tokens, temperature, top_k, top_p, seed, concurrency, num_requests, as_json) -> None:
-    """Send N requests with C in flight; print throughput and latency percentiles."""
-    from trtpipe.triton.bench import run_bench
-    from trtpipe.triton.client import GenerateOptions
+def bench_compare(a, b, fail_if, seed, as_json) -> None:
+    """Compare two bench results (result.json or its directory): deltas, bootstrap CIs, gates."""
+    from trtpipe.bench import compare as cmp
+    from trtpipe.bench.run import load_result
 
-    opts = GenerateOptions(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    report = run_bench(_client_url(url, protocol, server, overrides), protocol, prompt, opts, concurrency, num_requests, model)
-    click.echo(json.dumps(report, indent=2) if as_json else report["text"])
+    gates = [cmp.parse_gate(g) for g in fail_if]
+    da, db = load_result(a), load_result(b)
+    result = cmp.compare(da, db, gates, seed=seed)
+    warn = cmp.check_comparable(da, db)
+    click.echo(json.dumps(result, indent=1) if as_json else cmp.render(result))
+    if warn:
+        click.echo(f"warning: {warn}", err=True)
+    if result["failed"]:
+        sys.exit(1)
 
+
+@bench.command(name="cold")
+@click.argument("recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@OVERRIDES
+@click.option("--warm-requests", type=click.IntRange(1, 1000), default=5, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(1), default=16, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_cold(recipe, overrides, warm_requests, max_tokens, as_json) -> None:
+    """Start a fresh server for RECIPE; time its load, its first (cold) request and the warm ones after it."""
+    from trtpipe.bench.coldstart import measure_cold, render
+
+    result = measure_cold(recipe, overrides, warm_requests=warm_requests, max_tokens=max_tokens)
+    click.echo(json.dumps(result, indent=1) if as_json else render(result))
+
+
+@main.command()
+@click.argument("recipes", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@OVERRIDES
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("report"), show_default=True,
+              help="Where report.json, report.md and report.png go.")
+@click.option("--json", "as_json", is_flag=True)
+def report(recipes, overrides, out, as_json) -> None:
+    """Which build to deploy: accuracy (verify), memory (plan) and bench numbers of several recipes, side by side."""
+    from trtpipe.bench.report import build_report
+
+    doc = build_report(list(recipes), overrides, out)
+    click.echo(json.dumps(doc, indent=1) if as_json else doc["text"])
 
 
 if __name__ == "__main__":  # pragma: no cover
