@@ -411,8 +411,14 @@ def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, tim
     if plan.command is not None:
         sys.exit(run_mpirun(plan))
     srv.sigterm_as_interrupt()
+    import time
+
+    t0 = time.perf_counter()
     server = srv.start_server(repo, bind, ports, timeout=timeout, detach=detach)
-    click.echo(f"serving {repo}\n  http {server.http_url}\n  grpc {server.grpc_url}\n  log  {server.log}")
+    ready_s = time.perf_counter() - t0
+    click.echo(f"serving {repo}\n  http {server.http_url}\n  grpc {server.grpc_url}\n  metrics http://{server.bind}:"
+               f"{server.ports.metrics}/metrics\n  log  {server.log}\n  ready in {ready_s:.1f} s (models loaded"
+               f"{' and warmed up' if _warmed(repo) else ', no warm-up'})")
     if detach:
         click.echo(f"  pid  {server.pid} (trtpipe stop {repo})")
         return
@@ -420,6 +426,12 @@ def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, tim
     sys.stdout.flush()
     srv.serve_forever(server)
     click.echo("stopped")
+
+
+def _warmed(repo) -> bool:
+    from trtpipe.bench.coldstart import has_warmup
+
+    return has_warmup(repo)
 
 
 @main.command()

@@ -35,7 +35,7 @@ class Gate:
 
 def parse_gate(text: str) -> Gate:
     """``ttft.p99>+10%`` / ``output_token_throughput<-5%`` / ``itl.avg>5%``."""
-    m = re.fullmatch(r"\s*([a-z_]+)(?:\.([a-z0-9]+))?\s*([<>])\s*([+-]?[0-9]*\.?[0-9]+)\s*%\s*", text)
+    m = re.fullmatch(r"\s*([a-z_][a-z0-9_]*)(?:\.([a-z0-9]+))?\s*([<>])\s*([+-]?[0-9]*\.?[0-9]+)\s*%\s*", text)
     if not m:
         raise BenchError(f"--fail-if: cannot read {text!r} (expected METRIC.STAT>+N% or METRIC<-N%, "
                          "e.g. ttft.p99>+10%)")

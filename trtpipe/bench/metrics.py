@@ -116,7 +116,7 @@ def parse_slo(text: str) -> dict[str, float]:
     """``ttft:200ms,itl:50ms`` -> {"ttft": 200.0, "itl": 50.0} (milliseconds; units ms, s, us)."""
     out: dict[str, float] = {}
     for part in filter(None, (p.strip() for p in (text or "").split(","))):
-        m = re.fullmatch(r"([a-z_]+)\s*[:=]\s*([0-9]*\.?[0-9]+)\s*(ms|s|us)?", part)
+        m = re.fullmatch(r"([a-z_][a-z0-9_]*)\s*[:=]\s*([0-9]*\.?[0-9]+)\s*(ms|s|us)?", part)
         if not m or m.group(1) not in _SLO_KEYS:
             raise BenchError(f"--slo: cannot read {part!r} (expected e.g. ttft:200ms,itl:50ms; metrics: "
                              f"{', '.join(_SLO_KEYS)})")
