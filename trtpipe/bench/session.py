@@ -29,8 +29,13 @@ def bench_target(target: Optional[Path] = None, overrides: Sequence[str] = (), u
         from trtpipe.recipe import load_recipe
 
         recipe = load_recipe(target, overrides)
-    if url:
-        yield resolve_target(url, tokenizer, model, metrics_url, recipe=recipe.name if recipe else None), recipe
+    if url:  # a running server; a repository or recipe given too supplies tokenizer, limits and provenance
+        repo = None
+        if target is not None:
+            from trtpipe.triton.serve import resolve_repo
+
+            repo = Path(target) if Path(target).is_dir() else resolve_repo(target, overrides, quiet=True)
+        yield resolve_target(url, tokenizer, model, metrics_url, repo, recipe.name if recipe else None), recipe
         return
     if target is None:
         raise BenchError("name a recipe or repository to benchmark, or pass --url (with --tokenizer)")
