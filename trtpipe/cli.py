@@ -593,6 +593,19 @@ def bench_compare(a, b, fail_if, seed, as_json) -> None:
         sys.exit(1)
 
 
+@bench.command(name="show")
+@click.argument("result", type=click.Path(exists=True, path_type=Path))
+@click.option("--aiperf", "side_by_side", is_flag=True, help="Also print trtpipe's numbers next to AIPerf's export.")
+def bench_show(result, side_by_side) -> None:
+    """Print a bench result (result.json or its directory)."""
+    from trtpipe.bench.run import agreement_table, load_result, render
+
+    doc = load_result(result)
+    click.echo(render(doc))
+    if side_by_side:
+        click.echo(agreement_table(doc))
+
+
 @bench.command(name="cold")
 @click.argument("recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @OVERRIDES

@@ -89,3 +89,19 @@ def test_loads_of_a_sweep():
     assert [x.label() for x in rates] == ["rate1-constant-c8", "rate2.5-constant-c8"]
     with pytest.raises(BenchError, match="not both"):
         make_loads([1, 2], [1.0], "poisson", 10, None, 0, 16, 8, 0, 0)
+
+
+def test_server_split_from_streamed_perf_outputs():
+    from trtpipe.bench.aiperf import _server_fields
+    from trtpipe.bench.metrics import server_split
+
+    # two streamed responses as SSE text, the way the generate_stream endpoint sends them
+    ev = [{"text_output": "a", "num_output_tokens": 1},
+          {"text_output": "bc", "num_output_tokens": 2, "arrival_time_ns": 1_000_000, "first_scheduled_time_ns": 3_000_000,
+           "first_token_time_ns": 10_000_000, "last_token_time_ns": 25_000_000}]
+    found: list = []
+    _server_fields([{"perf_ns": 1, "text": "data: " + json.dumps(e) + "\n\n"} for e in ev], found)
+    split = server_split(found, client_ttft_ms=12.5)
+    assert split == {"num_output_tokens": 3, "server_queue": 2.0, "server_prefill": 7.0, "server_decode": 15.0,
+                     "outside_executor": 12.5 - 9.0}
+    assert server_split([{"text_output": "x"}], 5.0) == {}

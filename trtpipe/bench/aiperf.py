@@ -22,13 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from trtpipe.bench.metrics import BenchError, Request
+from trtpipe.bench.metrics import PERF_FIELDS, BenchError, Request, server_split
 from trtpipe.bench.target import Target
 
 AIPERF_VERSION = "0.13.0"
 DEFAULT_VENV = ".venv-aiperf"
 SUMMARY = "profile_export_aiperf.json"
 RECORDS = "profile_export.jsonl"
+RAW = "profile_export_raw.jsonl"
+SERVER_FLAGS = ("return_perf_metrics", "return_num_output_tokens")
 # trtpipe metric -> AIPerf's tag for the same formula (the side-by-side check in every run JSON).
 AIPERF_TAGS = {
     "ttft": "time_to_first_token", "ttst": "time_to_second_token", "itl": "inter_token_latency",
@@ -118,7 +120,9 @@ def command(binary: Path, target: Target, load: Load, out_dir: Path, template: P
            "--extra-inputs", f"payload_template:{template}", "--extra-inputs", "response_field:text_output",
            "--tokenizer", target.tokenizer, "--isl", str(load.isl), "--isl-stddev", str(load.isl_stddev),
            "--osl", str(load.osl), "--random-seed", str(load.seed), "--ui", "none",
-           "--artifact-dir", str(out_dir), "--export-level", "records", "--no-gpu-telemetry",
+           "--artifact-dir", str(out_dir),
+           "--export-level", "raw" if any(f in target.inputs for f in SERVER_FLAGS) else "records",
+           "--no-gpu-telemetry",
            "--no-server-metrics"]  # trtpipe scrapes tritonserver's own metrics port itself
     if target.streaming:
         cmd.append("--streaming")
@@ -170,11 +174,55 @@ def parse_record(rec: dict) -> Request:
                    isl=int(isl) if isl is not None else None)
 
 
+def _server_fields(node, found: list) -> None:
+    """Collect every dict holding per-response server outputs, parsing JSON / SSE ``data:`` strings on the way."""
+    if isinstance(node, str):
+        text = node.strip()
+        for line in text.splitlines() if "data:" in text else [text]:
+            line = line.strip()
+            if line.startswith("data:"):
+                line = line[5:].strip()
+            if line.startswith("{"):
+                try:
+                    _server_fields(json.loads(line), found)
+                except ValueError:
+                    pass
+    elif isinstance(node, dict):
+        if any(k in node for k in (*PERF_FIELDS, "num_output_tokens")):
+            found.append(node)
+        else:
+            for v in node.values():
+                _server_fields(v, found)
+    elif isinstance(node, list):
+        for v in node:
+            _server_fields(v, found)
+
+
+def read_raw_server_fields(out_dir: Path) -> dict[str, list[dict]]:
+    """x_request_id -> the server output fields of each of its responses (``--export-level raw`` only)."""
+    path = Path(out_dir) / RAW
+    out: dict[str, list[dict]] = {}
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        found: list = []
+        _server_fields(rec.get("responses", []), found)
+        rid = rec.get("metadata", {}).get("x_request_id")
+        if rid and found:
+            out[rid] = found
+    return out
+
+
 def read_records(out_dir: Path) -> list[Request]:
     path = Path(out_dir) / RECORDS
     if not path.exists():
         raise BenchError(f"{path}: AIPerf wrote no per-request records")
     out = []
+    raw = read_raw_server_fields(out_dir)
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -184,7 +232,11 @@ def read_records(out_dir: Path) -> list[Request]:
             raise BenchError(f"{path}:{i}: not JSON ({exc})") from None
         if rec.get("metadata", {}).get("benchmark_phase", "profiling") != "profiling":
             continue
-        out.append(parse_record(rec))
+        r = parse_record(rec)
+        fields = raw.get(rec.get("metadata", {}).get("x_request_id"))
+        if fields and r.ok:
+            r.server = server_split(fields, (r.responses_ns[0] - r.start_ns) / 1e6)
+        out.append(r)
     return out
 
 

@@ -52,6 +52,8 @@ def bench_command(target, overrides, url, model, tokenizer, metrics_url, concurr
     from trtpipe.bench.sweep import run_sweep
 
     slo = parse_slo(slo_text) if slo_text else None
+    if out is not None and Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
+        raise BenchError(f"{out}: already exists and is not empty; choose another --out (results are never overwritten)")
     binary = find_aiperf()
     with bench_target(target, overrides, url, model, tokenizer, metrics_url) as (tgt, recipe):
         i, o = default_lengths(tgt, isl, osl)

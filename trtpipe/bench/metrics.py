@@ -187,3 +187,55 @@ def samples(requests: Sequence[Request]) -> dict[str, list[float]]:
             if vals:
                 out[name] = vals
     return out
+
+
+# --- server-side per-request timing (return_perf_metrics) --------------------------------------------
+
+PERF_FIELDS = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+SERVER_METRICS = {
+    "server_queue": "first_scheduled_time_ns - arrival_time_ns (waiting in the executor before the first step)",
+    "server_prefill": "first_token_time_ns - first_scheduled_time_ns (context phase until the first token)",
+    "server_decode": "last_token_time_ns - first_token_time_ns",
+    "outside_executor": "client ttft - (first_token_time_ns - arrival_time_ns): transport, front end, "
+                        "pre/postprocessing and delivery of the first token",
+}
+
+
+def server_split(responses: Sequence[dict], client_ttft_ms: Optional[float]) -> dict:
+    """Per-request server timing from the ``return_perf_metrics`` outputs of a request's responses.
+
+    The backend stamps these on its own steady clock, so only differences between them are used (never a
+    join of server and client absolute times); ``outside_executor`` subtracts the server's part of TTFT
+    from the client's TTFT. ``num_output_tokens`` of every response is summed (they count per response).
+    """
+    fields: dict = {}
+    tokens = 0
+    seen_tokens = False
+    for r in responses:
+        for k in PERF_FIELDS:
+            if r.get(k) is not None:
+                fields[k] = int(r[k])  # the last response carries the final values
+        if r.get("num_output_tokens") is not None:
+            tokens += int(r["num_output_tokens"])
+            seen_tokens = True
+    out: dict = {}
+    if seen_tokens:
+        out["num_output_tokens"] = tokens
+    if all(k in fields for k in PERF_FIELDS):
+        a, s, f, last = (fields[k] for k in PERF_FIELDS)
+        out["server_queue"] = (s - a) / NS_PER_MS
+        out["server_prefill"] = (f - s) / NS_PER_MS
+        out["server_decode"] = (last - f) / NS_PER_MS
+        if client_ttft_ms is not None:
+            out["outside_executor"] = client_ttft_ms - (f - a) / NS_PER_MS
+    return out
+
+
+def server_split_summary(requests: Sequence[Request]) -> dict:
+    """Distributions of the server split over the requests that carried it (empty when none did)."""
+    out = {}
+    for name, formula in SERVER_METRICS.items():
+        s = stats([r.server.get(name) for r in requests if r.ok])
+        if s is not None:
+            out[name] = {"unit": "ms", "formula": formula, **s}
+    return out

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from trtpipe.bench import aiperf
-from trtpipe.bench.metrics import METRICS, BenchError, Request, samples, summarize
+from trtpipe.bench.metrics import METRICS, BenchError, Request, samples, server_split_summary, summarize
 from trtpipe.bench.server_view import Sampler, scrape, server_tokens, server_view
 from trtpipe.bench.target import Target, provenance
 
@@ -128,7 +128,12 @@ def run_point(target: Target, load: aiperf.Load, out_dir: Path, slo: Optional[di
     if fixed_output:
         body = target.body_template(True)
         fixed = "min_tokens=max_tokens" if "min_tokens" in body else "end_id=-1" if "end_id" in body else None
-    tokens = token_check(reqs, load.osl, fixed, server_tokens(view) if view else None)
+    per_request = [r.server["num_output_tokens"] for r in ok if "num_output_tokens" in r.server]
+    server_total = float(sum(per_request)) if per_request and len(per_request) == len(ok) else (
+        server_tokens(view) if view else None)
+    tokens = token_check(reqs, load.osl, fixed, server_total)
+    if per_request and len(per_request) == len(ok):
+        tokens["server_source"] = "num_output_tokens of every streamed response (return_num_output_tokens)"
     warnings = []
     if tokens.get("warning"):
         warnings.append(tokens["warning"])
@@ -154,6 +159,9 @@ def run_point(target: Target, load: aiperf.Load, out_dir: Path, slo: Optional[di
                    "note": "AIPerf divides request and token throughput by its profiling phase window, which "
                            "can be slightly longer than the first-send-to-last-response duration used here"},
         "server": view,
+        "server_split": server_split_summary(reqs) or {
+            "note": f"{target.model} returns no per-request perf metrics (return_perf_metrics is not one of its "
+                    "inputs): TTFT is not split into queue, prefill and delivery"},
         "token_counts": tokens,
         "warnings": warnings,
         "provenance": provenance(target, recipe, ar.summary.get("aiperf_version")),
@@ -189,6 +197,11 @@ def render(doc: dict) -> str:
     for name in ("request_throughput", "output_token_throughput", "goodput", "good_request_fraction"):
         if name in m:
             lines.append(f"  {name} {m[name]['value']:.3f} {m[name]['unit']}  ({m[name]['formula']})")
+    split = doc.get("server_split") or {}
+    for name in ("server_queue", "server_prefill", "server_decode", "outside_executor"):
+        if name in split:
+            s = split[name]
+            lines.append(f"  {name:<16} ms avg {s['avg']:9.2f}  p50 {s['p50']:9.2f}  p99 {s['p99']:9.2f}  ({s['formula']})")
     view = doc.get("server")
     if view:
         lines.append(f"  server: limiter {view['limiter']} ({view['evidence']})")
@@ -200,4 +213,19 @@ def render(doc: dict) -> str:
             lines.append("    (no nv_trt_llm_* metrics on this server: batch slots and KV blocks are not reported)")
     for w in doc.get("warnings", []):
         lines.append(f"  warning: {w}")
+    return "\n".join(lines)
+
+
+def agreement_table(doc: dict) -> str:
+    """trtpipe's numbers next to AIPerf's own export of the same run (the 'same tool' check)."""
+    lines = [f"{'metric':<26}{'stat':<7}{'trtpipe':>14}{'AIPerf':>14}{'rel diff':>11}"]
+    worst = 0.0
+    for name, row in doc["aiperf"]["agreement"].items():
+        for stat, (ours, theirs, rel) in row.items():
+            lines.append(f"{name:<26}{stat:<7}{ours:>14.4f}{theirs:>14.4f}{rel:>11.2e}")
+            if name not in ("request_throughput", "output_token_throughput", "goodput"):
+                worst = max(worst, rel)
+    lines.append(f"largest relative difference on per-request metrics: {worst:.1e} "
+                 f"(AIPerf export: {doc['aiperf']['export_dir']})")
+    lines.append(f"note: {doc['aiperf']['note']}")
     return "\n".join(lines)
