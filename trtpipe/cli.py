@@ -606,6 +606,16 @@ def bench_show(result, side_by_side) -> None:
         click.echo(agreement_table(doc))
 
 
+@bench.command(name="plot")
+@click.argument("sweep_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def bench_plot(sweep_dir) -> None:
+    """Redraw a sweep's plots and sweep.csv from its result files."""
+    from trtpipe.bench.sweep import load_sweep, write_sweep
+
+    index = write_sweep(sweep_dir, load_sweep(sweep_dir))
+    click.echo("plots: " + ", ".join(index["plots"]))
+
+
 @bench.command(name="cold")
 @click.argument("recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @OVERRIDES

@@ -35,19 +35,27 @@ def _accuracy(recipe) -> dict:
     plan = next((p for p in plans if p.name == "verify"), None)
     if plan is None or plan.disabled:
         return {"status": "verify disabled (accuracy.enabled: false)"}
-    if not plan.cached or plan.key is None:
-        return {"status": f"not verified yet (trtpipe build {recipe.path})"}
-    doc = json.loads((ArtifactStore(recipe.work_path).path("verify", plan.key) / "accuracy.json").read_text())
+    store = ArtifactStore(recipe.work_path)
+    source = "this recipe's verify artifact"
+    if plan.cached and plan.key is not None:
+        folder = store.path("verify", plan.key)
+    else:  # e.g. only a gate threshold changed (it is part of the key): judge the newest measured numbers
+        older = sorted((store.path("verify", k) for k in store.keys("verify")), key=lambda p: p.stat().st_mtime)
+        if not older:
+            return {"status": f"not verified yet (trtpipe build {recipe.path})"}
+        folder = older[-1]
+        source = f"verify artifact {folder.name} (an earlier key of this recipe: same model, other accuracy settings)"
+    doc = json.loads((folder / "accuracy.json").read_text())
     row = doc["rows"][1]
     acc = recipe.accuracy
     limits = {"max_ppl_increase_pct": acc.max_ppl_increase_pct, "min_top1_agreement": acc.min_top1_agreement,
               "max_kl_divergence": acc.max_kl_divergence}
     try:
         check_gate(Metrics(**row), **limits)
-        gate = "pass" if any(v is not None for v in limits.values()) else "no limits set"
+        gate = "pass" if any(v is not None for v in limits.values()) else "no limits"
     except TrtpipeError as exc:
         gate = f"FAIL: {str(exc).split(': ', 1)[-1]}"
-    return {"status": "verified", "row": row["name"], "ppl_increase_pct": row["ppl_increase_pct"],
+    return {"status": "verified", "source": source, "row": row["name"], "ppl_increase_pct": row["ppl_increase_pct"],
             "kl_divergence": row["kl_divergence"], "top1_agreement": row["top1_agreement"], "gate": gate,
             "limits": limits}
 
@@ -103,7 +111,7 @@ def _fmt(v, spec: str, missing: str = "-") -> str:
 
 
 def render(rows: list[dict]) -> str:
-    head = (f"{'recipe':<20}{'quant':<10}{'kv':<6}{'ppl +%':>8}{'KL':>9}{'top1':>7}  {'gate':<12}{'weights/GPU':>12}"
+    head = (f"{'recipe':<20}{'quant':<10}{'kv':<6}{'ppl +%':>8}{'KL':>9}{'top1':>7}  {'gate':<14}{'weights/GPU':>12}"
             f"{'KV tokens':>11}{'ttft p50':>10}{'itl p50':>9}{'out tok/s':>10}  load")
     lines = [head]
     for r in rows:
@@ -112,7 +120,7 @@ def render(rows: list[dict]) -> str:
         w = mem.get("weight_bytes_per_gpu")
         lines.append(
             f"{r['recipe']:<20}{r['quantization']:<10}{r['kv_cache']:<6}{_fmt(a.get('ppl_increase_pct'), '8.3f'):>8}"
-            f"{_fmt(a.get('kl_divergence'), '9.5f'):>9}{_fmt(a.get('top1_agreement'), '7.3f'):>7}  {gate[:12]:<12}"
+            f"{_fmt(a.get('kl_divergence'), '9.5f'):>9}{_fmt(a.get('top1_agreement'), '7.3f'):>7}  {gate[:14]:<14}"
             f"{(_fmt(w / 2**20, '.2f') + ' MiB') if w is not None else '-':>12}{_fmt(mem.get('kv_tokens'), 'd'):>11}"
             f"{_fmt(b.get('ttft_p50'), '10.1f'):>10}{_fmt(b.get('itl_p50'), '9.2f'):>9}"
             f"{_fmt(b.get('output_token_throughput'), '10.1f'):>10}  {b.get('label', '')} {b.get('engine') or ''}")
@@ -124,6 +132,8 @@ def render(rows: list[dict]) -> str:
                 notes.append(f"{r['recipe']}: {part}: {st}")
             elif part == "accuracy" and str(r[part].get("gate", "")).startswith("FAIL"):
                 notes.append(f"{r['recipe']}: accuracy gate {r[part]['gate']}")
+            if part == "accuracy" and r[part].get("source", "").startswith("verify artifact "):
+                notes.append(f"{r['recipe']}: accuracy numbers from {r[part]['source']}")
     gpu = next((r["memory"]["gpu"] for r in rows if r["memory"].get("gpu")), None)
     lines.append(f"memory: planner prediction for {gpu or 'the recipe GPU'} (weights per GPU, KV-cache tokens); "
                  "latency/throughput: newest trtpipe bench result of each recipe, as measured on its server")

@@ -21,7 +21,7 @@ from trtpipe.bench.run import load_result, run_point
 
 COLUMNS = ("label", "concurrency", "request_rate", "ok", "failed", "request_throughput", "output_token_throughput",
            "ttft_p50", "ttft_p90", "ttft_p99", "itl_p50", "itl_p99", "e2e_p50", "e2e_p99", "goodput",
-           "good_request_fraction", "limiter", "evidence")
+           "good_request_fraction", "limiter", "limiter_model", "evidence")
 
 
 def row(doc: dict) -> dict:
@@ -42,7 +42,7 @@ def row(doc: dict) -> dict:
         "itl_p50": stat("itl", "p50"), "itl_p99": stat("itl", "p99"),
         "e2e_p50": stat("e2e", "p50"), "e2e_p99": stat("e2e", "p99"),
         "goodput": value("goodput"), "good_request_fraction": value("good_request_fraction"),
-        "limiter": view.get("limiter"), "evidence": view.get("evidence"),
+        "limiter": view.get("limiter"), "limiter_model": view.get("model"), "evidence": view.get("evidence"),
     }
 
 
@@ -105,7 +105,7 @@ def plot_sweep(out_dir: Path, docs: list[dict]) -> list[Path]:
         for r in rows:
             y = r.get(f"{metric}_p99")
             if y is not None:
-                ax.annotate(f"{r['label']}\n{r['limiter']}", (r["output_token_throughput"], y), fontsize=7,
+                ax.annotate(f"{r['label']}\n{_limit(r)}", (r["output_token_throughput"], y), fontsize=7,
                             textcoords="offset points", xytext=(4, 4))
         ax.set_xlabel("output tokens/s (sum over requests / duration)")
         ax.set_ylabel(f"{name} ms")
@@ -136,7 +136,7 @@ def plot_sweep(out_dir: Path, docs: list[dict]) -> list[Path]:
     users = [(d["metrics"]["user_tps"]["p50"] if "user_tps" in d["metrics"] else np.nan) for d in docs]
     ax.plot(users, x, "o-")
     for r, u in zip(rows, users):
-        ax.annotate(f"{r['label']} ({r['limiter']})", (u, r["output_token_throughput"]), fontsize=7,
+        ax.annotate(f"{r['label']} ({_limit(r)})", (u, r["output_token_throughput"]), fontsize=7,
                     textcoords="offset points", xytext=(4, 4))
     ax.set_xlabel("tokens/s per user, p50 (1000 / itl)")
     ax.set_ylabel("output tokens/s (all users)")
@@ -147,6 +147,10 @@ def plot_sweep(out_dir: Path, docs: list[dict]) -> list[Path]:
     fig.savefig(out[-1], dpi=110)
     plt.close(fig)
     return out
+
+
+def _limit(r: dict) -> str:
+    return f"{r['limiter']} @ {r['limiter_model']}" if r.get("limiter_model") else str(r["limiter"])
 
 
 def _title(doc: dict) -> str:
