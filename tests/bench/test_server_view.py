@@ -94,6 +94,10 @@ def test_limiter_names_kv_then_batch_then_waiting_then_queueing():
     calm = {k: {**v, "queue_ms": 0.0} for k, v in models.items()}
     assert limiter(view({}, calm))["limiter"] == "none"
     assert limiter(view({}, {}))["limiter"] == "unknown"
+    tiny = {"postprocessing": {"queue_ms": 0.3, "request_ms": 0.8}, "tensorrt_llm": {"queue_ms": 0.1, "request_ms": 300}}
+    assert limiter({**view({}, tiny), "client_e2e_ms": 400.0})["limiter"] == "none"  # 45% of 0.8 ms is nothing
+    waits = {"tensorrt_llm": {"queue_ms": 80.0, "request_ms": 900.0}}
+    assert limiter({**view({}, waits), "client_e2e_ms": 400.0})["model"] == "tensorrt_llm"  # 20% of what clients see
 
 
 def test_gauge_summary_uses_only_samples_inside_the_run():

@@ -137,6 +137,9 @@ def render(rows: list[dict]) -> str:
     gpu = next((r["memory"]["gpu"] for r in rows if r["memory"].get("gpu")), None)
     lines.append(f"memory: planner prediction for {gpu or 'the recipe GPU'} (weights per GPU, KV-cache tokens); "
                  "latency/throughput: newest trtpipe bench result of each recipe, as measured on its server")
+    if any(r["bench"].get("engine") == "cpu-twin" for r in rows):
+        notes.append("bench numbers of cpu-twin rows come from trtpipe's PyTorch reference runtime standing in for "
+                     "TensorRT: they compare the serving pipeline, not the speed of the quantized GPU kernels")
     return "\n".join(lines + notes)
 
 

@@ -123,7 +123,8 @@ def run_point(target: Target, load: aiperf.Load, out_dir: Path, slo: Optional[di
     ok = [r for r in reqs if r.ok]
     start = min(r.start_ns for r in ok)
     end = max(r.responses_ns[-1] for r in ok)
-    view = server_view(before, after, series, start, end, sampler_errors) if target.metrics_url else None
+    view = (server_view(before, after, series, start, end, sampler_errors, summary["e2e"]["avg"])
+            if target.metrics_url else None)
     fixed = None
     if fixed_output:
         body = target.body_template(True)

@@ -196,11 +196,14 @@ def limiter(view: dict) -> dict:
     if waiting is not None and waiting >= 0.5:
         return {"limiter": "executor_waiting", "evidence": f"{waiting:.1f} active requests not scheduled on average"}
     models = view.get("models", {})
-    worst, share = None, 0.0
-    for name, m in models.items():
-        if m["request_ms"] > 0 and m["queue_ms"] / m["request_ms"] > share:
-            worst, share = name, m["queue_ms"] / m["request_ms"]
-    if worst is not None and share >= 0.2:
+    # the model whose requests wait longest in Triton's queue; it limits the point when that wait is a real
+    # part of what the client sees (>= 10% of the client's mean E2E, else >= 20% of the model's own time)
+    worst = max(models, key=lambda n: models[n]["queue_ms"], default=None)
+    client = view.get("client_e2e_ms")
+    share = models[worst]["queue_ms"] / models[worst]["request_ms"] if worst and models[worst]["request_ms"] else 0.0
+    big = worst is not None and models[worst]["queue_ms"] >= 1.0 and (
+        models[worst]["queue_ms"] >= 0.1 * client if client else share >= 0.2)
+    if big:
         m = models[worst]
         pending = mean(f"pending:{worst}")
         more = f", {pending:.1f} pending on average" if pending is not None else ""
@@ -213,7 +216,7 @@ def limiter(view: dict) -> dict:
 
 
 def server_view(before: Samples, after: Samples, series: list, start_ns: int, end_ns: int,
-                sampler_errors: int = 0) -> dict:
+                sampler_errors: int = 0, client_e2e_ms: Optional[float] = None) -> dict:
     """The run's server view: per-model counter breakdown, token histograms, gauge summary, limiter."""
     view = {
         "models": model_breakdown(counter_deltas(before, after)),
@@ -222,6 +225,7 @@ def server_view(before: Samples, after: Samples, series: list, start_ns: int, en
         "trt_llm_metrics": any(name.startswith("nv_trt_llm_") for name, _ in after),
         "samples": len(series),
         "sampler_errors": sampler_errors,
+        "client_e2e_ms": client_e2e_ms,
     }
     view.update(limiter(view))
     return view

@@ -67,15 +67,26 @@ def write_sweep(out_dir: Path, docs: list[dict]) -> dict:
         w.writeheader()
         w.writerows(rows)
     plots = plot_sweep(out_dir, docs)
-    index = {"points": rows, "results": [str(Path(d["aiperf"]["export_dir"]).parent / "result.json") for d in docs],
+    index = {"points": rows, "results": [f"{d['label']}/result.json" for d in docs],  # relative: the dir can move
              "plots": [str(p) for p in plots]}
     (out_dir / "sweep.json").write_text(json.dumps(index, indent=1) + "\n")
     return index
 
 
-def load_sweep(out_dir: Path) -> list[dict]:
+def load_sweep(out_dir: Path, relabel: bool = True) -> list[dict]:
+    """The results of a sweep; ``relabel`` re-derives each point's limiter from its stored server view."""
+    from trtpipe.bench.server_view import limiter
+
     index = json.loads((Path(out_dir) / "sweep.json").read_text())
-    return [load_result(p) for p in index["results"]]
+    docs = [load_result(Path(out_dir) / p) for p in index["results"]]
+    for d in docs if relabel else []:
+        view = d.get("server")
+        if view:
+            view.setdefault("client_e2e_ms", d["metrics"]["e2e"]["avg"])
+            for k in ("limiter", "model", "evidence"):
+                view.pop(k, None)
+            view.update(limiter(view))
+    return docs
 
 
 def _cdf(ax, values, label):
