@@ -571,19 +571,21 @@ def bench_run(target, overrides, server, url, model, tokenizer, metrics_url, con
 
 
 @bench.command(name="compare")
-@click.argument("a", type=click.Path(exists=True, path_type=Path))
-@click.argument("b", type=click.Path(exists=True, path_type=Path))
+@click.argument("a")
+@click.argument("b")
 @click.option("--fail-if", "fail_if", multiple=True, metavar="METRIC.STAT>+N%",
               help="Exit 1 when B crosses this (and its 95% CI excludes no change), e.g. 'ttft.p99>+10%'.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed.")
 @click.option("--json", "as_json", is_flag=True)
 def bench_compare(a, b, fail_if, seed, as_json) -> None:
-    """Compare two bench results (result.json or its directory): deltas, bootstrap CIs, gates."""
+    """Compare bench results A and B (result.json or its directory; several runs of one side: A1,A2,A3):
+    deltas, bootstrap CIs, gates."""
     from trtpipe.bench import compare as cmp
     from trtpipe.bench.run import load_result
 
     gates = [cmp.parse_gate(g) for g in fail_if]
-    da, db = load_result(a), load_result(b)
+    da = [load_result(Path(p)) for p in a.split(",") if p]
+    db = [load_result(Path(p)) for p in b.split(",") if p]
     result = cmp.compare(da, db, gates, seed=seed)
     warn = cmp.check_comparable(da, db)
     click.echo(json.dumps(result, indent=1) if as_json else cmp.render(result))

@@ -78,3 +78,21 @@ def test_cli_exit_codes(tmp_path):
     (tmp_path / "c.json").write_text("{}")
     res = CliRunner().invoke(main, ["bench", "compare", str(tmp_path / "a"), str(tmp_path / "c.json")])
     assert res.exit_code == 1 and "not a trtpipe bench result" in res.output
+
+
+def test_repeated_runs_put_run_to_run_drift_into_the_interval():
+    rng = np.random.default_rng(4)
+    base = rng.lognormal(4.0, 0.1, size=100)
+    # the same build measured three times on a machine whose load drifts by +-25% between runs
+    runs_a = [result(base * f) for f in (1.0, 1.25, 0.8)]
+    runs_b = [result(rng.permutation(base) * f) for f in (1.2, 0.85, 1.0)]
+    gate = [parse_gate("ttft.p50>+10%")]
+    # one run each: the drift looks like a significant +20% change
+    assert compare(runs_a[0], runs_b[0], gate)["failed"]
+    # three runs each: the interval spans the drift, so the same build passes
+    assert not compare(runs_a, runs_b, gate)["failed"]
+    # a real slowdown of 2x still fails through the same drift
+    slow = [result(base * f * 2.0) for f in (1.1, 0.9, 1.0)]
+    res = compare(runs_a, slow, gate + [parse_gate("request_throughput<-10%")])
+    assert res["failed"] and all(v["failed"] for v in res["gates"][:1])
+    assert res["a"]["runs"] == 3 and res["rows"][-1]["ci_pct"] is not None

@@ -1,13 +1,15 @@
-"""``trtpipe bench compare A.json B.json``: per-metric deltas with a bootstrap confidence interval, and a gate.
+"""``trtpipe bench compare A B``: per-metric deltas with a bootstrap confidence interval, and a gate.
 
 For per-request metrics (ttft, itl, e2e, ...) each run keeps its per-request samples, so the delta of any
-statistic (avg, p50, p99, ...) gets a percentile-bootstrap interval: both sample sets are resampled with
+statistic (avg, p50, p99, ...) gets a percentile-bootstrap interval: both sides are resampled with
 replacement (seeded), the statistic recomputed, and the 2.5/97.5 percentiles of the relative change taken.
-Run-level numbers (throughputs) have one value per run: their delta is shown without an interval.
+One run per side covers request-to-request noise only; a side may be several runs of the same build
+(``A1,A2,A3``), and then runs are resampled first, so run-to-run drift (a busy machine, a noisy neighbour)
+widens the interval instead of passing for a change. Run-level numbers (throughputs) get an interval only
+from repeated runs.
 
 ``--fail-if 'ttft.p99>+10%'`` fails (exit 1) when B's change crosses the threshold **and** the interval lies
-entirely on that side of zero, i.e. the change is both large and not explained by run-to-run noise. For
-run-level metrics only the point change can be tested.
+entirely on that side of zero, i.e. the change is both large and not explained by the measured noise.
 """
 
 from __future__ import annotations
@@ -57,20 +59,41 @@ def _stat(a: np.ndarray, stat: str) -> float:
     return float(a.mean()) if stat == "avg" else float(np.percentile(a, float(stat[1:])))
 
 
-def bootstrap_delta(a: Sequence[float], b: Sequence[float], stat: str, n: int = 2000, seed: int = 0,
+def _runs(x) -> list[np.ndarray]:
+    """One run (a flat sequence of samples) or several (a list of sequences) -> list of arrays."""
+    if len(x) and isinstance(x[0], (list, tuple, np.ndarray)):
+        return [np.asarray(r, dtype=np.float64) for r in x]
+    return [np.asarray(x, dtype=np.float64)]
+
+
+def _resample(runs: list[np.ndarray], rng, n: int, stat: str) -> np.ndarray:
+    """``n`` bootstrap values of ``stat``: runs drawn with replacement (when there are several, so run-to-run
+    drift is in the interval), then each drawn run's requests drawn with replacement, pooled."""
+    k = len(runs)
+    if k == 1:  # one run: vectorised
+        r = runs[0]
+        draws = r[rng.integers(0, r.size, size=(n, r.size))]
+        return draws.mean(axis=1) if stat == "avg" else np.percentile(draws, float(stat[1:]), axis=1)
+    out = np.empty(n)
+    for i in range(n):
+        picked = [runs[j] for j in (rng.integers(0, k, size=k) if k > 1 else [0])]
+        pooled = np.concatenate([r[rng.integers(0, r.size, size=r.size)] for r in picked])
+        out[i] = _stat(pooled, stat)
+    return out
+
+
+def bootstrap_delta(a, b, stat: str, n: int = 1000, seed: int = 0,
                     level: float = 0.95) -> tuple[float, float, float]:
-    """(point, low, high) of the relative change (B - A) / A of ``stat``, in percent."""
-    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    base = _stat(x, stat)
-    point = 100.0 * (_stat(y, stat) - base) / base if base else float("nan")
+    """(point, low, high) of the relative change (B - A) / A of ``stat``, in percent.
+
+    ``a``/``b``: the per-request samples of one run, or a list of runs. Percentile bootstrap; with several
+    runs per side it is hierarchical (runs, then requests), so the interval also covers run-to-run drift.
+    """
+    ra, rb = _runs(a), _runs(b)
+    base = _stat(np.concatenate(ra), stat)
+    point = 100.0 * (_stat(np.concatenate(rb), stat) - base) / base if base else float("nan")
     rng = np.random.default_rng(seed)
-    xs = x[rng.integers(0, x.size, size=(n, x.size))]
-    ys = y[rng.integers(0, y.size, size=(n, y.size))]
-    if stat == "avg":
-        sa, sb = xs.mean(axis=1), ys.mean(axis=1)
-    else:
-        q = float(stat[1:])
-        sa, sb = np.percentile(xs, q, axis=1), np.percentile(ys, q, axis=1)
+    sa, sb = _resample(ra, rng, n, stat), _resample(rb, rng, n, stat)
     with np.errstate(divide="ignore", invalid="ignore"):
         rel = 100.0 * (sb - sa) / sa
     rel = rel[np.isfinite(rel)]
@@ -79,26 +102,47 @@ def bootstrap_delta(a: Sequence[float], b: Sequence[float], stat: str, n: int = 
     return point, low, high
 
 
-def compare(a: dict, b: dict, gates: Sequence[Gate] = (), seed: int = 0) -> dict:
-    """Every metric both runs have: A, B, change %, its interval; then each gate's verdict."""
+def _run_level_ci(va: list[float], vb: list[float], seed: int, n: int = 2000) -> Optional[list[float]]:
+    """Bootstrap over runs of the change of a run-level mean; None with one run on either side."""
+    if len(va) < 2 or len(vb) < 2:
+        return None
+    rng = np.random.default_rng(seed)
+    x, y = np.asarray(va), np.asarray(vb)
+    ma = x[rng.integers(0, x.size, size=(n, x.size))].mean(axis=1)
+    mb = y[rng.integers(0, y.size, size=(n, y.size))].mean(axis=1)
+    rel = 100.0 * (mb - ma) / ma
+    return [float(np.percentile(rel, 2.5)), float(np.percentile(rel, 97.5))]
+
+
+def compare(a, b, gates: Sequence[Gate] = (), seed: int = 0) -> dict:
+    """Every metric both sides have: A, B, change %, its interval; then each gate's verdict.
+
+    ``a``/``b``: one result document, or a list of results of the same build and workload (repeated runs).
+    """
+    a_docs = a if isinstance(a, list) else [a]
+    b_docs = b if isinstance(b, list) else [b]
     rows = []
     wanted = {(g.metric, g.stat) for g in gates}
     for name in METRICS:
         if name in RUN_LEVEL:
-            va, vb = a["metrics"].get(name, {}).get("value"), b["metrics"].get(name, {}).get("value")
-            if va is None or vb is None:
+            va = [d["metrics"].get(name, {}).get("value") for d in a_docs]
+            vb = [d["metrics"].get(name, {}).get("value") for d in b_docs]
+            if any(v is None for v in va + vb):
                 continue
-            rows.append({"metric": name, "stat": "value", "a": va, "b": vb,
-                         "change_pct": 100.0 * (vb - va) / va if va else None, "ci_pct": None})
+            ma, mb = float(np.mean(va)), float(np.mean(vb))
+            rows.append({"metric": name, "stat": "value", "a": ma, "b": mb,
+                         "change_pct": 100.0 * (mb - ma) / ma if ma else None,
+                         "ci_pct": _run_level_ci(va, vb, seed)})
             continue
-        sa, sb = a.get("samples", {}).get(name), b.get("samples", {}).get(name)
-        if not sa or not sb:
+        sa = [d.get("samples", {}).get(name) for d in a_docs]
+        sb = [d.get("samples", {}).get(name) for d in b_docs]
+        if not all(sa) or not all(sb):
             continue
         stats = list(STATS) + sorted({s for m, s in wanted if m == name and s not in STATS})
         for stat in stats:
             point, low, high = bootstrap_delta(sa, sb, stat, seed=seed)
-            rows.append({"metric": name, "stat": stat, "a": _stat(np.asarray(sa), stat),
-                         "b": _stat(np.asarray(sb), stat), "change_pct": point, "ci_pct": [low, high]})
+            rows.append({"metric": name, "stat": stat, "a": _stat(np.concatenate(_runs(sa)), stat),
+                         "b": _stat(np.concatenate(_runs(sb)), stat), "change_pct": point, "ci_pct": [low, high]})
     verdicts = []
     for g in gates:
         r = next((r for r in rows if r["metric"] == g.metric and r["stat"] == g.stat), None)
@@ -112,24 +156,24 @@ def compare(a: dict, b: dict, gates: Sequence[Gate] = (), seed: int = 0) -> dict
         why = f"change {ch:+.1f}%" + (f" (95% CI {ci[0]:+.1f}% .. {ci[1]:+.1f}%)" if ci else " (one value per run)")
         verdicts.append({"gate": g.text, "failed": crossed, "detail": why})
     return {"rows": rows, "gates": verdicts, "failed": any(v["failed"] for v in verdicts),
-            "a": _ident(a), "b": _ident(b)}
+            "a": _ident(a_docs), "b": _ident(b_docs)}
 
 
-def _ident(doc: dict) -> dict:
-    prov = doc.get("provenance") or {}
-    return {"label": doc.get("label"), "created": doc.get("created"),
-            "recipe": (prov.get("recipe") or {}).get("name"),
+def _ident(docs: list[dict]) -> dict:
+    prov = docs[0].get("provenance") or {}
+    return {"label": docs[0].get("label"), "created": ", ".join(str(d.get("created")) for d in docs),
+            "recipe": (prov.get("recipe") or {}).get("name"), "runs": len(docs),
             "engine_config_sha256": (prov.get("repo") or {}).get("engine_config_sha256"),
-            "requests": doc.get("run", {}).get("ok")}
+            "requests": sum(d.get("run", {}).get("ok", 0) for d in docs)}
 
 
 def render(result: dict) -> str:
     a, b = result["a"], result["b"]
-    lines = [f"A: {a['recipe'] or '-'} {a['label']} {a['created']} ({a['requests']} requests)",
-             f"B: {b['recipe'] or '-'} {b['label']} {b['created']} ({b['requests']} requests)",
+    lines = [f"A: {a['recipe'] or '-'} {a['label']}, {a['runs']} run(s), {a['requests']} requests ({a['created']})",
+             f"B: {b['recipe'] or '-'} {b['label']}, {b['runs']} run(s), {b['requests']} requests ({b['created']})",
              f"{'metric':<26}{'A':>12}{'B':>12}{'change':>10}   95% CI (bootstrap)"]
     for r in result["rows"]:
-        ci = f"{r['ci_pct'][0]:+7.1f}% .. {r['ci_pct'][1]:+7.1f}%" if r["ci_pct"] else "(one value per run)"
+        ci = f"{r['ci_pct'][0]:+7.1f}% .. {r['ci_pct'][1]:+7.1f}%" if r["ci_pct"] else "(one value per side)"
         ch = f"{r['change_pct']:+.1f}%" if r["change_pct"] is not None else "-"
         name = r["metric"] if r["stat"] == "value" else f"{r['metric']}.{r['stat']}"
         lines.append(f"{name:<26}{r['a']:>12.3f}{r['b']:>12.3f}{ch:>10}   {ci}")
@@ -140,6 +184,7 @@ def render(result: dict) -> str:
 
 def check_comparable(a: dict, b: dict) -> Optional[str]:
     """A warning when the two runs used different workloads (the deltas then mix workload and build)."""
+    a, b = (a[0] if isinstance(a, list) else a), (b[0] if isinstance(b, list) else b)
     la, lb = a.get("load", {}), b.get("load", {})
     diff = [k for k in ("concurrency", "request_rate", "arrival", "isl", "osl") if la.get(k) != lb.get(k)]
     return f"the runs differ in workload ({', '.join(diff)}): deltas mix workload and build" if diff else None
