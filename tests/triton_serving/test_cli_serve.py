@@ -1,4 +1,4 @@
-"""The CLI against real servers: ``serve --detach`` / ``infer`` / ``bench`` / ``stop`` on a repository that was
+"""The CLI against real servers: ``serve --detach`` / ``infer`` / ``stop`` on a repository that was
 moved after writing (relocatable), and a foreground ``serve`` stopped by SIGTERM."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _run(*args: str) -> str:
     return res.output
 
 
-def test_detach_infer_stream_bench_stop(moved_repo):
+def test_detach_infer_stream_stop(moved_repo):
     out = _run("serve", str(moved_repo), "--detach")
     pid = int(re.search(r"pid\s+(\d+)", out).group(1))
     try:

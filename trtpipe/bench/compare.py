@@ -103,8 +103,9 @@ def bootstrap_delta(a, b, stat: str, n: int = 1000, seed: int = 0,
 
 
 def _run_level_ci(va: list[float], vb: list[float], seed: int, n: int = 2000) -> Optional[list[float]]:
-    """Bootstrap over runs of the change of a run-level mean; None with one run on either side."""
-    if len(va) < 2 or len(vb) < 2:
+    """Bootstrap over runs of the change of a run-level mean; None with fewer than 3 runs on a side (two runs
+    give only three distinct resampled means: no interval worth the name)."""
+    if len(va) < 3 or len(vb) < 3:
         return None
     rng = np.random.default_rng(seed)
     x, y = np.asarray(va), np.asarray(vb)
