@@ -202,6 +202,7 @@ class TritonSection(_Section):
     exclude_input_in_output: bool = Field(True, description="Return only the new tokens.")
     bls: bool = Field(False, description="Serve through tensorrt_llm_bls instead of the ensemble.")
     max_queue_delay_microseconds: int = Field(0, ge=0, le=INT32_MAX, description="Dynamic batching queue delay.")
+    warmup: bool = Field(True, description="Warm models up (Triton model_warmup) before the server reports ready.")
     bind: str = Field("127.0.0.1", description="Address the server listens on (loopback unless you mean it).")
     http_port: Optional[int] = Field(None, ge=1, le=65535, description="Default: a free port.")
     grpc_port: Optional[int] = Field(None, ge=1, le=65535, description="Default: a free port.")

@@ -171,6 +171,49 @@ def token_ids(tokenizer_dir: Path) -> TokenIds:
     return TokenIds(end_id=eos[0], pad_id=int(pad), stop_ids=tuple(eos[1:]))
 
 
+# ---- warm-up (model_warmup): the first request's lazy start-up cost is paid before the server is ready ----
+# (model, input) -> (dtype, dims, values). Token ids 1..8 exist in every vocabulary; 4 new tokens exercise
+# both the context and the generation phase. Data files live in <model>/warmup/ (Triton's layout).
+WARMUP_DIR = "warmup"
+WARMUP_DATA = {
+    "tensorrt_llm": {
+        "input_ids": (T.TYPE_INT32, [8], list(range(1, 9))),
+        "input_lengths": (T.TYPE_INT32, [1], [8]),
+        "request_output_len": (T.TYPE_INT32, [1], [4]),
+    },
+    "preprocessing": {
+        "QUERY": (T.TYPE_STRING, [1], ["Once upon a time"]),
+        "REQUEST_OUTPUT_LEN": (T.TYPE_INT32, [1], [4]),
+    },
+    "postprocessing": {
+        "TOKENS_BATCH": (T.TYPE_INT32, [1, 8], list(range(1, 9))),
+        "SEQUENCE_LENGTH": (T.TYPE_INT32, [1], [8]),
+    },
+}
+
+
+def add_warmup(config: mc.ModelConfig) -> None:
+    """One warm-up request (batch 1) for a model of WARMUP_DATA, read from files written by warmup_files."""
+    w = config.model_warmup.add(name=f"{config.name}_warmup", batch_size=1, count=1)
+    for name, (dtype, dims, _) in WARMUP_DATA[config.name].items():
+        w.inputs[name].data_type = dtype
+        w.inputs[name].dims.extend(dims)
+        w.inputs[name].input_data_file = name
+
+
+def warmup_files(model: str) -> dict[str, bytes]:
+    """File name -> raw bytes of each warm-up input (row-major; BYTES elements length-prefixed, Triton's format)."""
+    import struct
+
+    out = {}
+    for name, (dtype, _, values) in WARMUP_DATA[model].items():
+        if dtype == T.TYPE_STRING:
+            out[name] = b"".join(struct.pack("<I", len(v.encode())) + v.encode() for v in values)
+        else:
+            out[name] = struct.pack(f"<{len(values)}i", *values)
+    return out
+
+
 # ---- message helpers ------------------------------------------------------------------------------
 
 def _io(msg_cls, name, dtype, dims, optional=None):
@@ -410,6 +453,9 @@ def repo_configs(recipe: Recipe, engine: EngineInfo, ids: TokenIds) -> dict[str,
     }
     if recipe.triton.bls or recipe.triton.streaming:
         configs["tensorrt_llm_bls"] = bls_config(recipe)
+    if recipe.triton.warmup:
+        for name in WARMUP_DATA:
+            add_warmup(configs[name])
     return configs
 
 
@@ -483,6 +529,10 @@ def write_repo(recipe: Recipe, engine_dir: Path, tokenizer_dir: Path, out: Path)
                 (model_dir / "1" / "__pycache__").write_text(NO_PYCACHE)
             if name in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
                 copy_tokenizer(tokenizer_dir, model_dir / "tokenizer")
+            if configs[name].model_warmup:
+                (model_dir / WARMUP_DIR).mkdir()
+                for fname, data in warmup_files(name).items():
+                    (model_dir / WARMUP_DIR / fname).write_bytes(data)
         if engine.twin:
             _link_tree(engine.path, tmp / "tensorrt_llm" / "engine")
         (tmp / "trtpipe_repo.json").write_text(json.dumps({

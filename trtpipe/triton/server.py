@@ -263,6 +263,9 @@ class Server:
                     os.kill(self.pid, signal.SIGKILL)
                 if self._proc is not None:
                     self._proc.wait(10)
+                deadline = time.monotonic() + 10  # a child of ours stays a zombie until reaped (alive() reaps it)
+                while self.alive() and time.monotonic() < deadline:
+                    time.sleep(0.1)
         clean_shm(self.shm_prefix)
         if self.state_file:
             Path(self.state_file).unlink(missing_ok=True)
