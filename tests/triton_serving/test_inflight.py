@@ -178,3 +178,21 @@ def test_perf_metric_outputs(server, hf_stories):
     assert 0 < t["arrival_time_ns"] <= t["first_scheduled_time_ns"] < t["first_token_time_ns"] <= t["last_token_time_ns"]
     assert int(result.as_numpy("num_output_tokens").reshape(-1)[0]) == 8
     assert int(result.as_numpy("kv_cache_alloc_total_blocks").reshape(-1)[0]) >= 1
+
+
+def test_bls_returns_the_server_measurements_when_asked(server):
+    import http.client
+    import json
+
+    host, port = server.http_url.replace("http://", "").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = {"text_input": "Once upon a time", "max_tokens": 8, "end_id": -1, "stream": True,
+            "return_perf_metrics": True, "return_num_output_tokens": True}
+    conn.request("POST", "/v2/models/tensorrt_llm_bls/generate_stream", json.dumps(body))
+    events = [json.loads(line[5:]) for line in conn.getresponse() if line.startswith(b"data:")]
+    conn.close()
+    last = events[-1]
+    assert "error" not in last, last
+    assert last["num_output_tokens"] == 8
+    assert 0 < last["arrival_time_ns"] <= last["first_scheduled_time_ns"] < last["first_token_time_ns"] <= last["last_token_time_ns"]
+    assert all("arrival_time_ns" not in e for e in events[:-1])  # measurements come once, with the last response

@@ -74,6 +74,17 @@ FRONT_INPUTS = [
     ("exclude_input_in_output", T.TYPE_BOOL, [1], True, "llm:exclude_input_in_output"),
     ("stream", T.TYPE_BOOL, [1], True, "llm:streaming"),
 ]
+# The BLS also forwards the per-request server measurements (as upstream's BLS does) and returns them with
+# its last response: the executor's timestamps and KV counters, and exact token counts.
+BLS_PERF_INPUTS = [(name, T.TYPE_BOOL, [1], True) for name in
+                   ("return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens")]
+BLS_PERF_OUTPUTS = [
+    ("kv_cache_alloc_new_blocks", T.TYPE_INT32, [1]), ("kv_cache_reused_blocks", T.TYPE_INT32, [1]),
+    ("kv_cache_alloc_total_blocks", T.TYPE_INT32, [1]), ("arrival_time_ns", T.TYPE_INT64, [1]),
+    ("first_scheduled_time_ns", T.TYPE_INT64, [1]), ("first_token_time_ns", T.TYPE_INT64, [1]),
+    ("last_token_time_ns", T.TYPE_INT64, [1]), ("num_input_tokens", T.TYPE_INT32, [1]),
+    ("num_output_tokens", T.TYPE_INT32, [1]),
+]
 
 
 @dataclass(frozen=True)
@@ -430,7 +441,9 @@ def bls_config(recipe: Recipe) -> mc.ModelConfig:
     """``tensorrt_llm_bls`` (contract §6.7): the ensemble's inputs, decoupled when streaming, exact text deltas."""
     c = _python("tensorrt_llm_bls", recipe, recipe.triton.instances.bls, decoupled=recipe.triton.streaming)
     c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt, _ in FRONT_INPUTS)
+    c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt in BLS_PERF_INPUTS)
     c.output.append(_io(mc.ModelOutput, "text_output", T.TYPE_STRING, [-1]))
+    c.output.extend(_io(mc.ModelOutput, n, d, dims) for n, d, dims in BLS_PERF_OUTPUTS)
     if recipe.triton.priority_levels:
         _batching(c, recipe, priority=True)
     _params(c, {
