@@ -95,11 +95,12 @@ class TritonPythonModel:
     # ---- requests --------------------------------------------------------------------------------
     def _watch_cancellation(self):
         while not self.stopping.wait(self.cancel_period):
+            # Under the lock: a request leaves ``live`` (under the lock) before its final response is sent, and
+            # asking a finished request's sender would touch a response factory the server already freed.
             with self.lock:
-                live = list(self.live.items())
-            for rid, (sender, _) in live:
-                if sender.is_cancelled():
-                    self.executor.cancel(rid)
+                for rid, (sender, _) in self.live.items():
+                    if sender.is_cancelled():
+                        self.executor.cancel(rid)
 
     def _stop(self, request):
         """``stop=true``: cancel every executor request of this Triton request id; answer with an empty final."""
