@@ -252,7 +252,7 @@ def _load_plugin_rules() -> None:
     """Import the modules that register rules of their own (quantization layout, builder enforcement)."""
     import importlib
 
-    for module in ("trtpipe.quant.rules", "trtpipe.engine.rules"):
+    for module in ("trtpipe.quant.rules", "trtpipe.engine.rules", "trtpipe.export.rules"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:
