@@ -18,6 +18,7 @@ STAGE_TABLE: tuple[tuple[str, str, str], ...] = (
     ("calibrate", "trtpipe.quant.stage", "CALIBRATE_STAGE"),
     ("quantize", "trtpipe.quant.stage", "QUANTIZE_STAGE"),
     ("verify", "trtpipe.quant.stage", "VERIFY_STAGE"),
+    ("export", "trtpipe.export.stage", "EXPORT_STAGE"),
     ("engine", "trtpipe.engine.stage", "ENGINE_STAGE"),
     ("repo", "trtpipe.triton.stage", "REPO_STAGE"),
 )
