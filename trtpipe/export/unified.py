@@ -86,7 +86,12 @@ def _hf_linear(fmt_algo: str, p: dict[str, torch.Tensor], fold: bool, group_size
     ws = p["weights_scaling_factor"]
     if own_scale:  # FP8: every projection its own per-tensor scale (the loader re-quantizes fused ones to the max)
         ws = choose_qparams(observe_amax(w, "tensor"), algo.weight_fmt)
-    q = quantize(w, ws, algo.weight_fmt, gran)
+    if gran == "tensor" and algo.weight_fmt == "fp8":
+        # ModelOpt divides the model-dtype weight by a 0-d float32 scale, which stays in the model dtype: the
+        # quotient is rounded to it before the FP8 cast. Same here, so the codes are ModelOpt's bit for bit.
+        q = quantize((w.to(model_dtype) / ws.reshape(())).float(), torch.ones(1), "fp8", "tensor")
+    else:
+        q = quantize(w, ws, algo.weight_fmt, gran)
     if algo.weight_fmt == "int4":
         q = pack_int4_rows(q).view(torch.uint8)
     out = {"weight": q.contiguous(), "weight_scale": (ws.reshape(()) if gran == "tensor" else ws).float()}
