@@ -53,3 +53,22 @@ EXPORT_STAGE = Stage(
     enabled=is_llmapi,
     description="unified HF checkpoint (ModelOpt format) for trtllm-serve / Triton llmapi [+ compressed-tensors]",
 )
+
+
+def run_serving(ctx: StageContext) -> None:
+    from trtpipe.export.serving import write_serving
+
+    info = write_serving(ctx.recipe, ctx.inputs["export"] / HF_DIR, ctx.out_dir)
+    ctx.info.update(info)
+    ctx.log.info("serve with: %s", info["serve"])
+
+
+LLMAPI_STAGE = Stage(
+    name="llmapi",
+    sections=("llmapi", "engine", "parallel", "triton.streaming", "triton.scheduler_policy",
+              "quantization.kv_cache"),
+    inputs=("export",),
+    run=run_serving,
+    enabled=is_llmapi,
+    description="extra_llm_api_options YAML, trtllm-serve / srun / mpirun lines, Triton llmapi repository",
+)

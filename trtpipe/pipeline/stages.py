@@ -19,6 +19,7 @@ STAGE_TABLE: tuple[tuple[str, str, str], ...] = (
     ("quantize", "trtpipe.quant.stage", "QUANTIZE_STAGE"),
     ("verify", "trtpipe.quant.stage", "VERIFY_STAGE"),
     ("export", "trtpipe.export.stage", "EXPORT_STAGE"),
+    ("llmapi", "trtpipe.export.stage", "LLMAPI_STAGE"),
     ("engine", "trtpipe.engine.stage", "ENGINE_STAGE"),
     ("repo", "trtpipe.triton.stage", "REPO_STAGE"),
 )
