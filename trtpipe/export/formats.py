@@ -77,7 +77,7 @@ def hf_quant_config(algo: str, kv_cache: str, group_size: int, exclude_modules: 
     """hf_quant_config.json: the nested form every TRT-LLM release reads (key order as ModelOpt writes it)."""
     f = HF_FORMATS.get(algo)
     q: dict = {"quant_algo": f.quant_algo if f else None,
-               "kv_cache_quant_algo": HF_KV[kv_cache] if kv_cache != "none" else None}
+               "kv_cache_quant_algo": HF_KV.get(kv_cache, kv_cache.upper()) if kv_cache != "none" else None}
     if f is not None and f.group_keys:
         q.update(group_size=group_size, has_zero_point=False, pre_quant_scale=True)
     q["exclude_modules"] = list(exclude_modules)

@@ -170,7 +170,7 @@ def _engine_limits(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding
         yield "engine.workers", (
             f"{e.workers} workers for {recipe.parallel.world_size} engine(s) (tp*pp); trtllm-build caps workers at that"
         )
-    if recipe.triton.max_batch_size > e.max_batch_size:
+    if recipe.triton.max_batch_size > e.max_batch_size and recipe.target == "engine":  # llmapi: Triton does not batch
         key = _written(recipe, "triton.max_batch_size", "engine.max_batch_size")
         yield key, f"triton.max_batch_size {recipe.triton.max_batch_size} exceeds engine.max_batch_size {e.max_batch_size}"
     if e.kv_cache.enable_reuse and recipe.quantization.kv_cache == "int8":
