@@ -33,7 +33,9 @@ MODES = {
     "fp8_kv": ("fp8", "fp8", ("FP8_DEFAULT_CFG", "FP8_KV_CFG")),
     "int4_awq": ("int4_awq", "none", ("INT4_AWQ_CFG",)),
     "w4a8_awq": ("w4a8_awq", "none", ("W4A8_AWQ_BETA_CFG",)),
+    "nvfp4": ("nvfp4", "none", ("NVFP4_DEFAULT_CFG",)),
 }
+BLOCKED = ("int4_awq", "w4a8_awq", "nvfp4")  # modes whose blocks need stories' down_proj (172 inputs) excluded
 # model -> (int4 group size, HF modules kept unquantized in int4 modes: stories' 172 inputs have no whole groups)
 CASES = {"stories": (32, ("down_proj",)), "synth128": (128, ())}
 
@@ -58,12 +60,13 @@ def _modelopt_export(mtq, export, hf: Path, tokens: torch.Tensor, mode: str, out
     for extra in cfgs[1:]:
         cfg["quant_cfg"] = list(cfg["quant_cfg"]) + list(extra["quant_cfg"])
     int4 = MODES[mode][0] in ("int4_awq", "w4a8_awq")
+    blocked = MODES[mode][0] in BLOCKED
     for entry in cfg["quant_cfg"]:
         c = entry.get("cfg")
         for cc in c if isinstance(c, list) else [c]:
             if int4 and isinstance(cc, dict) and "block_sizes" in cc:
                 cc["block_sizes"] = {-1: group, "type": "static"}
-    for m in disable if int4 else ():
+    for m in disable if blocked else ():
         cfg["quant_cfg"].append({"quantizer_name": f"*{m}*", "enable": False})
 
     def loop(mm):
@@ -98,7 +101,8 @@ def case(request, tmp_path_factory, stories_dir, modelopt):
         int4 = algo in ("int4_awq", "w4a8_awq")
         out = root / f"ours_{mode}"
         out.mkdir()
-        exclude = ["*lm_head"] + ([f"*{'mlp.proj' if m == 'down_proj' else m}" for m in disable] if int4 else [])
+        exclude = ["*lm_head"] + ([f"*{'mlp.proj' if m == 'down_proj' else m}" for m in disable] if algo in BLOCKED
+                                  else [])
         export_unified(base, hf, stats_awq if int4 else stats, out, algo=algo, kv_cache=kv, group_size=group,
                        alpha=0.5, exclude=exclude)
         ours[mode] = out
@@ -160,6 +164,21 @@ def test_fp8_codes_and_scales(case, mode):
         else:
             assert torch.equal(_bytes(a[k]), _bytes(b[k])), k  # norms and embeddings untouched
     assert n_codes == 7 * (5 if case["name"] == "stories" else 2)
+
+
+def test_nvfp4_codes_and_scales(case):
+    """NVFP4 (E2M1 codes two per byte, FP8 block scales, shared second-level scale): byte-identical weights and
+    block scales, equal weight_scale_2 (functions of the same bf16 weights); input scales within the bf16-forward
+    tolerance of the FP8 tests."""
+    a, b = _tensors(case["ours"]["nvfp4"]), _tensors(case["theirs"]["nvfp4"])
+    n = 0
+    for k in a:
+        if k.endswith(".input_scale"):
+            torch.testing.assert_close(a[k], b[k], rtol=2**-5, atol=0)
+        else:
+            assert a[k].dtype == b[k].dtype and torch.equal(_bytes(a[k].reshape(-1)), _bytes(b[k].reshape(-1))), k
+            n += k.endswith(".weight_scale")
+    assert n == (5 * 6 if case["name"] == "stories" else 2 * 7)
 
 
 @pytest.mark.parametrize("mode", ["int4_awq", "w4a8_awq"])

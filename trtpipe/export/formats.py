@@ -11,6 +11,7 @@ FP8_PER_CHANNEL_PER_TOKEN   F8_E4M3         F32 [out]              -            
 W8A16                       I8              F32 [out]              -             -               -
 W4A16_AWQ                   U8 [out/2, in]  F32 [out, in/g]        -             -               o/down only
 W4A8_AWQ                    U8 [out/2, in]  F32 [out, in/g]        F32 []        F32 []          o/down only
+NVFP4                       U8 [out, in/2]  F8_E4M3 [out, in/16]   F32 []        F32 []          -
 ==========================  ==============  =====================  ============  ==============  ===============
 
 The pre-quant scale of q/k/v and of gate/up is folded into the RMSNorm before them (its weight times the
@@ -50,6 +51,8 @@ class HFFormat:
         group_keys: hf_quant_config.json carries ``group_size``, ``has_zero_point``, ``pre_quant_scale``.
         own_weight_scale: per-tensor weight scales per projection (FP8), not the fused group's.
         config_groups: the inline ``config_groups`` ModelOpt writes for this algo (None: none).
+        needs_data: calibration statistics are needed (static activation scales) although ``base`` is None.
+        group_size: a fixed block size written as ``group_size`` (NVFP4: 16), instead of the recipe's.
     """
 
     quant_algo: str
@@ -57,6 +60,8 @@ class HFFormat:
     group_keys: bool = False
     own_weight_scale: bool = False
     config_groups: Optional[dict] = None
+    needs_data: bool = False
+    group_size: Optional[int] = None
 
 
 HF_FORMATS: dict[str, HFFormat] = {
@@ -68,7 +73,16 @@ HF_FORMATS: dict[str, HFFormat] = {
     "int4_wo": HFFormat("W4A16_AWQ", "int4_wo", group_keys=True),
     "int4_awq": HFFormat("W4A16_AWQ", "int4_awq", group_keys=True),
     "w4a8_awq": HFFormat("W4A8_AWQ", "w4a8_awq", group_keys=True),
+    "nvfp4": HFFormat("NVFP4", None, needs_data=True, group_size=16, config_groups={"group_0": {
+        "input_activations": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
+        "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}, "targets": ["Linear"]}}),
 }
+
+
+def needs_data(algo: str) -> bool:
+    """Whether the unified HF export of ``algo`` needs calibration statistics (beyond trtpipe's ALGOS)."""
+    f = HF_FORMATS.get(algo)
+    return f is not None and f.needs_data
 HF_KV = {"fp8": "FP8"}
 KV_SCHEME = {"FP8": FP8_SCHEME}
 
@@ -80,6 +94,8 @@ def hf_quant_config(algo: str, kv_cache: str, group_size: int, exclude_modules: 
                "kv_cache_quant_algo": HF_KV.get(kv_cache, kv_cache.upper()) if kv_cache != "none" else None}
     if f is not None and f.group_keys:
         q.update(group_size=group_size, has_zero_point=False, pre_quant_scale=True)
+    elif f is not None and f.group_size:
+        q["group_size"] = f.group_size
     q["exclude_modules"] = list(exclude_modules)
     return {"producer": dict(producer), "quantization": q}
 

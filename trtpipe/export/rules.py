@@ -27,7 +27,7 @@ LLMAPI_REFUSED_KV = {
              "use kv_cache: fp8, or target: engine (TensorRT-LLM <= 1.2)"),
 }
 # recipe algos that only the llmapi export writes (no TRT-LLM-checkpoint layout in trtpipe)
-LLMAPI_ONLY_ALGOS = ("fp8_pc_pt",)
+LLMAPI_ONLY_ALGOS = ("fp8_pc_pt", "nvfp4")
 
 
 @rule
@@ -46,6 +46,15 @@ def _llmapi_target(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding
         yield "quantization.kv_cache", f"kv_cache {q.kv_cache} is refused for target llmapi: {why}; {alternatives}"
     if m is not None and m.is_moe:
         yield "target", "the llmapi export does not cover mixture-of-experts models yet; use target: engine"
+    if m is not None and q.algo == "nvfp4":
+        import fnmatch
+
+        from trtpipe.quant.rules import linear_dims
+
+        for name, (_, in_f) in linear_dims(m).items():
+            if in_f % 16 and not any(fnmatch.fnmatchcase(f"transformer.layers.0.{name}", p) for p in q.exclude):
+                yield "quantization.algo", (f"nvfp4: {name} has in_features {in_f}, not a multiple of 16 (NVFP4 "
+                                            f"blocks); add '*{name}' to quantization.exclude")
     if recipe.llmapi.compressed_tensors and q.algo not in COMPRESSED_TENSORS_ALGOS:
         yield "llmapi.compressed_tensors", (f"no compressed-tensors scheme for quantization.algo {q.algo}; "
                                             f"supported: {', '.join(COMPRESSED_TENSORS_ALGOS)}")

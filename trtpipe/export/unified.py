@@ -103,6 +103,57 @@ def _hf_linear(fmt_algo: str, p: dict[str, torch.Tensor], fold: bool, group_size
     return out
 
 
+E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+NVFP4_BLOCK = 16
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """float -> 4-bit E2M1 codes (sign bit 3), round to nearest, ties to the even code (ModelOpt's _cast_fp4)."""
+    a = x.abs()
+    code = torch.searchsorted(E2M1_BOUNDS, a.contiguous(), right=False).to(torch.uint8)
+    code += (a.unsqueeze(-1) == E2M1_BOUNDS[[1, 3, 5]]).any(-1).to(torch.uint8)  # 0.75, 1.75, 3.5 round up
+    return ((x < 0).to(torch.uint8) << 3) + code
+
+
+def nvfp4_block_scales(w: torch.Tensor, wsf2: torch.Tensor) -> torch.Tensor:
+    """Per-16 block scales [out, in/16] as FP8: amax_block / (6 * wsf2), zero -> 1, clamped to [2^-9, 448]."""
+    amax = w.float().reshape(w.shape[0], -1, NVFP4_BLOCK).abs().amax(-1)
+    s = amax / (6.0 * wsf2.float())
+    s[s == 0] = 1.0
+    return s.clamp(2.0**-9, 448.0).to(torch.float8_e4m3fn)
+
+
+def _nvfp4(w: torch.Tensor, wsf2: torch.Tensor, input_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """NVFP4: E2M1 codes packed two per byte along the input (low nibble = even column), FP8 block scales, F32
+    second-level scale wsf2 = amax/(6*448) (shared by fused members) and input_scale = amax(x)/(6*448)."""
+    bs = nvfp4_block_scales(w, wsf2)
+    scaled = w.float().reshape(w.shape[0], -1, NVFP4_BLOCK) / (bs.float() * wsf2.float()).unsqueeze(-1)
+    q = e2m1_codes(scaled.reshape(w.shape))
+    packed = (q[:, 1::2] << 4) | q[:, 0::2]
+    return {"weight": packed.contiguous(), "weight_scale": bs, "weight_scale_2": wsf2.float().reshape(()),
+            "input_scale": input_scale.float().reshape(())}
+
+
+def _nvfp4_params(weights: dict, stats, excluded) -> dict:
+    """Per TRT-LLM linear: the weight, the group's shared wsf2 and input scale (the loader asserts them equal)."""
+    out = {}
+    for group, (members, _) in LINEAR_GROUPS.items():
+        members = [m for m in members if m in weights and not excluded(m)]
+        if not members:
+            continue
+        ws = [weights[m].float() for m in members]
+        for m, w in zip(members, ws):
+            if w.shape[-1] % NVFP4_BLOCK:
+                raise QuantizationError(f"{m}: in_features {w.shape[-1]} is not a multiple of 16 (NVFP4 blocks); "
+                                        f"add '*{m}' to quantization.exclude")
+        wsf2 = torch.stack([w.abs().amax() for w in ws]).amax() / (6.0 * 448.0)
+        in_scale = stats.groups[group].amax.amax() / (6.0 * 448.0)
+        for m, w in zip(members, ws):
+            out[m] = {"weight": w, "nvfp4": (wsf2, in_scale)}
+    return out
+
+
 def _fp8_rowwise(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """FP8_PER_CHANNEL_PER_TOKEN: per-output-row weight scale, activations quantized per token at run time."""
     ws = choose_qparams(observe_amax(w, "channel"), "fp8")
@@ -118,6 +169,8 @@ def layer_tensors(names: HFNames, tensors: dict[str, torch.Tensor], i: int, algo
     weights = {m: tensors[f"{m}.weight"] for m in LINEARS if f"{m}.weight" in tensors}
     if fmt is None:
         params = {}
+    elif algo == "nvfp4":
+        params = _nvfp4_params(weights, stats, excluded)
     elif fmt.base is None:
         params = {m: {"weight": w} for m, w in weights.items() if not excluded(m)}
     else:
@@ -141,8 +194,12 @@ def layer_tensors(names: HFNames, tensors: dict[str, torch.Tensor], i: int, algo
             for j, (hf_name, _) in enumerate(names.split(rel, t, i)):
                 module = hf_name.rsplit(".", 1)[0]
                 pj = {k: v[j] for k, v in pieces.items()}
-                stored = _fp8_rowwise(pj["weight"]) if fmt.base is None else \
-                    _hf_linear(algo, pj, fold, group_size, dt, fmt.own_weight_scale)
+                if "nvfp4" in pj:
+                    stored = _nvfp4(pj["weight"], *pj["nvfp4"])
+                elif fmt.base is None:
+                    stored = _fp8_rowwise(pj["weight"])
+                else:
+                    stored = _hf_linear(algo, pj, fold, group_size, dt, fmt.own_weight_scale)
                 out.update({f"{module}.{k}": v for k, v in stored.items()})
             continue
         for hf_name, piece in names.split(rel, t, i):
@@ -212,7 +269,8 @@ def export_unified(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], out_
         raise QuantizationError(f"quantization.algo: {algo} has no unified HF format (supported: "
                                 f"{', '.join(HF_FORMATS)})")
     fmt = HF_FORMATS.get(algo)
-    needs_stats = (fmt is not None and fmt.base is not None and ALGOS[fmt.base].needs_data) or kv_cache != "none"
+    needs_stats = (fmt is not None and (fmt.needs_data or fmt.base is not None and ALGOS[fmt.base].needs_data)) \
+        or kv_cache != "none"
     if needs_stats and stats_dir is None:
         raise QuantizationError(f"quantization.algo={algo} kv_cache={kv_cache} needs calibration statistics")
     model_dtype = source.args.dtype

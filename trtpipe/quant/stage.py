@@ -39,8 +39,11 @@ def _device(choice: str) -> str:
 
 
 def needs_calibration(recipe: Recipe) -> bool:
+    from trtpipe.export.formats import needs_data  # formats only the llmapi export writes (nvfp4)
+
     a = ALGOS.get(recipe.quantization.algo)
-    return (a is not None and a.needs_data) or recipe.quantization.kv_cache != "none"
+    return (a is not None and a.needs_data) or recipe.quantization.kv_cache != "none" or \
+        (recipe.target == "llmapi" and needs_data(recipe.quantization.algo))
 
 
 def is_quantized(recipe: Recipe) -> bool:

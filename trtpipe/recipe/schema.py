@@ -28,7 +28,7 @@ class _Section(BaseModel):
 
 
 DType = Literal["auto", "float16", "bfloat16", "float32"]
-QuantAlgoName = Literal["none", "fp8", "fp8_pc_pt", "int8_sq", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq"]
+QuantAlgoName = Literal["none", "fp8", "fp8_pc_pt", "int8_sq", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "nvfp4"]
 KVCacheQuant = Literal["none", "fp8", "int8"]
 GroupSize = Literal[32, 64, 128, 256]
 
