@@ -7,6 +7,7 @@ every ``cancellation_check_period_ms``) and ``stop=true`` requests cancel at the
 Prometheus families are updated every ``stats_check_period_ms`` from the executor's last iteration record.
 """
 
+import queue
 import threading
 
 import numpy as np
@@ -44,7 +45,9 @@ class TritonPythonModel:
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self._metrics(args)
-        self.threads = [threading.Thread(target=f, daemon=True) for f in (self._watch_cancellation, self._report_stats)]
+        self.outbox = queue.SimpleQueue()
+        self.threads = [threading.Thread(target=f, daemon=True)
+                        for f in (self._watch_cancellation, self._report_stats, self._send_responses)]
         for t in self.threads:
             t.start()
 
@@ -101,16 +104,31 @@ class TritonPythonModel:
                 if owner == tid:
                     self.executor.cancel(rid)
 
+    def _send_responses(self):
+        """Responses leave on their own thread (as in the backend), so the step loop never waits on IPC."""
+        while True:
+            item = self.outbox.get()
+            if item is None:
+                return
+            respond, resp = item
+            respond(resp)
+
     def _submit(self, request, parsed, deliver):
-        def on_response(resp):
+        def respond(resp):
             if resp.is_final:
                 with self.lock:
                     self.live.pop(resp.request_id, None)
             if resp.has_error:
                 deliver(_error(f"Executor failed process requestId {resp.request_id} due to the following error: {resp.error}"), True)
                 return
+            if resp.is_final and parsed.request.streaming and not resp.tokens and not parsed.wants_outputs_at_end:
+                deliver(None, True)  # a flag-only final response, as the backend sends after the last token
+                return
             tensors = [pb_utils.Tensor(n, a) for n, a in self.twin.response_outputs(resp, parsed)]
             deliver(pb_utils.InferenceResponse(output_tensors=tensors), resp.is_final)
+
+        def on_response(resp):  # on the executor thread: hand over and go back to stepping
+            self.outbox.put((respond, resp))
 
         with self.lock:  # registered before the first response can arrive
             rid = self.executor.submit(parsed.request, on_response)
@@ -124,7 +142,9 @@ class TritonPythonModel:
             sender = request.get_response_sender() if self.decoupled else None
 
             def deliver(response, final, i=i, sender=sender):
-                if sender is not None:
+                if sender is not None and response is None:
+                    sender.send(flags=FINAL)
+                elif sender is not None:
                     sender.send(response, flags=FINAL if final else 0)
                 elif final:
                     results[i] = response
@@ -152,3 +172,4 @@ class TritonPythonModel:
     def finalize(self):
         self.stopping.set()
         self.executor.shutdown()
+        self.outbox.put(None)

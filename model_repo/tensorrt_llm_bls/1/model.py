@@ -91,7 +91,7 @@ class TritonPythonModel:
             ids_t = pb_utils.get_output_tensor_by_name(resp, "output_ids")
             if ids_t is None:  # the final flag-only response
                 continue
-            ids = ids_t.as_numpy().reshape(-1, ids_t.as_numpy().shape[-1])[0]
+            ids = ids_t.as_numpy().reshape(-1)  # [1, 1, L]: one sequence, beam 1
             n = int(pb_utils.get_output_tensor_by_name(resp, "sequence_length").as_numpy().reshape(-1)[0])
             tokens += ids[:n].tolist()
             if stream:
@@ -113,8 +113,9 @@ class TritonPythonModel:
                 if piece:
                     sender.send(self._text(piece))
             sender.send(flags=FINAL)
-        except _Failed as exc:
-            err = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
+        except Exception as exc:  # noqa: BLE001 - every request ends with a final response, whatever failed
+            message = str(exc) if isinstance(exc, _Failed) else f"tensorrt_llm_bls: {type(exc).__name__}: {exc}"
+            err = pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
             if sender is None:
                 return err
             sender.send(err, flags=FINAL)
