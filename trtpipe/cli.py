@@ -668,5 +668,42 @@ def report(recipes, overrides, out, as_json) -> None:
     click.echo(json.dumps(doc, indent=1) if as_json else doc["text"])
 
 
+@main.command(name="serve-openai")
+@click.argument("target", type=click.Path(exists=True, path_type=Path))
+@OVERRIDES
+@click.option("--host", default=None, help="Address (default: recipe llmapi.host, else 127.0.0.1).")
+@click.option("--port", type=int, default=None, help="Port (default: recipe llmapi.port, else 8000).")
+@click.option("--served-model-name", default=None, help="Model name clients send (default: recipe name / dir name).")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Jinja chat template file, for tokenizers without one (as trtllm-serve --chat_template).")
+def serve_openai(target: Path, overrides, host, port, served_model_name, chat_template) -> None:
+    """Serve an llmapi recipe's export (built first if needed) or an HF checkpoint directory with the
+    OpenAI-compatible twin of trtllm-serve, on the in-flight batching executor (CPU reference runtime)."""
+    import logging
+
+    from trtpipe.serving.openai_server import config_from_recipe, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    config = None
+    if target.is_dir():
+        model_dir, name = target, served_model_name or target.name
+    else:
+        from trtpipe.recipe import load_recipe
+
+        recipe = load_recipe(target, overrides)
+        if recipe.target != "llmapi":
+            raise click.UsageError(f"{target}: target is {recipe.target}; serve-openai serves target: llmapi recipes "
+                                   "(use trtpipe serve for the Triton repository)")
+        _, artifact = _build_until(target, overrides, "export")
+        model_dir = artifact / "hf"
+        name = served_model_name or recipe.llmapi.served_model_name or recipe.name
+        host, port = host or recipe.llmapi.host, port or recipe.llmapi.port
+        max_pos = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings") or 2048
+        config = config_from_recipe(recipe, int(max_pos))
+    serve(model_dir, host or "127.0.0.1", port or 8000, name, config,
+          chat_template.read_text() if chat_template else None)
+
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -39,6 +39,10 @@ def predicted_checkpoint_config(info: HFModelInfo, recipe: Recipe) -> dict[str, 
     cfg = build_config(info, family, dtype, p.tp, p.pp, p.moe_tp, p.moe_ep)
     if q.algo != "none" or q.kv_cache != "none":
         cfg["quantization"] = quantization_config(q.algo, q.kv_cache, q.group_size, q.exclude)
+    if recipe.target == "llmapi" and (q.algo != "none" or q.kv_cache != "none"):  # the unified HF format's algo
+        from trtpipe.export.formats import hf_quant_config
+
+        cfg["quantization"] = hf_quant_config(q.algo, q.kv_cache, q.group_size, list(q.exclude), {})["quantization"]
     return cfg
 
 

@@ -165,7 +165,7 @@ def _engine_limits(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding
         yield "engine.workers", (
             f"{e.workers} workers for {recipe.parallel.world_size} engine(s) (tp*pp); trtllm-build caps workers at that"
         )
-    if recipe.triton.max_batch_size > e.max_batch_size:
+    if recipe.triton.max_batch_size > e.max_batch_size and recipe.target == "engine":  # llmapi: Triton does not batch
         key = _written(recipe, "triton.max_batch_size", "engine.max_batch_size")
         yield key, f"triton.max_batch_size {recipe.triton.max_batch_size} exceeds engine.max_batch_size {e.max_batch_size}"
     if e.kv_cache.enable_reuse and recipe.quantization.kv_cache == "int8":
@@ -247,7 +247,7 @@ def _load_plugin_rules() -> None:
     """Import the modules that register rules of their own (quantization layout, builder enforcement)."""
     import importlib
 
-    for module in ("trtpipe.quant.rules", "trtpipe.engine.rules"):
+    for module in ("trtpipe.quant.rules", "trtpipe.engine.rules", "trtpipe.export.rules"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:
