@@ -2,7 +2,8 @@
 """In-flight vs static batching on the served CPU twin, and prefix reuse on vs off, in one run.
 
 Builds stories260k (fp16) as a twin engine, serves it on a real tritonserver twice per comparison (same
-executor; only the scheduling knob differs), and drives ``tensorrt_llm_bls/generate_stream`` over HTTP with a
+executor, both streaming; only the capacity policy differs: in-flight guaranteed_no_evict vs the executor's
+STATIC_BATCH, set in the twin's config.pbtxt since Triton's parameter table does not offer it), and drives ``tensorrt_llm_bls/generate_stream`` over HTTP with a
 closed loop of C streaming clients. Output lengths are fixed per request (end_id -1: no early stop) and mixed
 (uniform 16..112, i.e. 64 +- 48). Prints TTFT p50/p99 and output tokens/s per concurrency and the ratios the
 executor issue asks for. Machines here are noisy: compare numbers from the same run only.
@@ -95,7 +96,8 @@ def run_level(host, port, concurrency, work):
             "first_error": errors[0] if errors else None}
 
 
-def serve(engine, overrides, tmp):
+def serve(engine, overrides, tmp, policy=None):
+    """A real tritonserver on a fresh repository; ``policy`` overrides the twin's batch_scheduler_policy."""
     from trtpipe.recipe import load_recipe
     from trtpipe.triton.repo import write_repo
     from trtpipe.triton.server import start_server
@@ -103,6 +105,13 @@ def serve(engine, overrides, tmp):
     recipe = load_recipe(REPO / "recipes" / "stories-fp16.yaml", ["triton.streaming=true", *overrides])
     repo = Path(tempfile.mkdtemp(dir=tmp)) / "repo"
     write_repo(recipe, engine, engine / "checkpoint", repo)
+    if policy:  # static_batch: the executor's own static batching, which Triton's parameter table does not offer
+        cfg = repo / "tensorrt_llm" / "config.pbtxt"
+        text = cfg.read_text()
+        key = 'key: "batch_scheduler_policy"\n  value {\n    string_value: "guaranteed_no_evict"'
+        if key not in text:
+            raise RuntimeError(f"{cfg}: batch_scheduler_policy not found")
+        cfg.write_text(text.replace(key, key.replace("guaranteed_no_evict", policy)))
     return start_server(repo, timeout=240)
 
 
@@ -129,10 +138,11 @@ def main() -> int:
     work = [(prompt_text(rng, args.prompt_words), rng.randint(16, 112)) for _ in range(args.requests)]
     common = ["engine.max_batch_size=16", "triton.max_batch_size=16", "engine.kv_cache.enable_reuse=false"]
     report = {"batching": {}, "reuse": {}}
-    for mode, extra in (("inflight", []), ("static", ["triton.batching_strategy=v1"])):
+    # static: the same executor with STATIC_BATCH (a batch runs to completion before the next forms), streaming on
+    for mode, policy in (("inflight", None), ("static", "static_batch")):
         if mode not in args.modes.split(","):
             continue
-        with serve(engine, common + extra, tmp) as server:
+        with serve(engine, common, tmp, policy) as server:
             host, port = server.http_url.replace("http://", "").split(":")
             stream_once(host, int(port), "warm up", 4)
             for c in levels:

@@ -78,7 +78,9 @@ def settings_from_model_config(model_config: dict, model_repository: str) -> Twi
     max_tokens = param(params, "max_tokens_in_paged_kv_cache")
     tokens = int(max_tokens) if max_tokens is not None else max_batch * max_seq
     policy = str(param(params, "batch_scheduler_policy", "guaranteed_no_evict")).lower()
-    if policy not in (CapacityPolicy.MAX_UTILIZATION.value, CapacityPolicy.GUARANTEED_NO_EVICT.value):
+    # static_batch is the executor's kSTATIC_BATCH, which the real backend does not accept (it warns and keeps the
+    # default): the twin takes it so a benchmark can compare against static batching with streaming left on.
+    if policy not in [p.value for p in CapacityPolicy]:
         policy = CapacityPolicy.GUARANTEED_NO_EVICT.value  # the backend warns and keeps the default
     static = str(param(params, "gpt_model_type", "inflight_fused_batching")).lower() == "v1"
     if static:  # V1: a batch runs to completion before the next forms; no streaming, input excluded
