@@ -60,17 +60,20 @@ class PagedStep:
                 ctx.append((t, t + n, kv, q_pos))
             else:
                 gen_rows.append(t)
-                gen_slots.append(_slots(e.block_table, 0, e.start_pos + 1, tpb))
+                gen_slots.append(e.block_table)
                 gen_pos.append(e.start_pos)
             t += n
         self.slots = torch.tensor(slots, device=device)
         self.ctx = ctx
         self.gen_rows = torch.tensor(gen_rows, dtype=torch.long, device=device)
         if gen_rows:
-            width = max(len(s) for s in gen_slots)
-            self.gen_slots = torch.tensor([s + [0] * (width - len(s)) for s in gen_slots], device=device)  # [G, S]
-            self.gen_pos = torch.tensor(gen_pos, device=device)  # [G]
+            # slots of positions 0..S-1 through each row's block table, padded with block 0 (masked below)
+            blocks = max(len(b) for b in gen_slots)
+            tables = torch.tensor([list(b) + [0] * (blocks - len(b)) for b in gen_slots], device=device)  # [G, B]
+            width = max(gen_pos) + 1
             self.gen_kpos = torch.arange(width, device=device)  # [S]
+            self.gen_slots = tables[:, self.gen_kpos // tpb] * tpb + self.gen_kpos % tpb  # [G, S]
+            self.gen_pos = torch.tensor(gen_pos, device=device)  # [G]
         self._masks: dict = {}
 
     def _mask(self, window: Optional[int]):
@@ -105,6 +108,18 @@ class PagedStep:
             og = _attention(qg, kg, vg, gen_mask)  # [G, nkv, g, 1, d]
             out[:, :, self.gen_rows] = og[:, :, :, 0].permute(1, 2, 0, 3)
         return out.view(nh, N, d).transpose(0, 1).reshape(1, N, nh * d)
+
+
+def sample_entries(batch: StepBatch, logits: torch.Tensor) -> dict[int, int]:
+    """One token per sampling entry from its row of ``logits`` [S, V]: one argmax for every greedy row at once,
+    the request's own settings and generator for the others."""
+    rows = [e for e in batch.entries if e.sample]
+    greedy = logits.argmax(-1).tolist()  # what sample() returns at temperature 0, for all rows in one call
+    tokens = {}
+    for i, e in enumerate(rows):
+        s = e.sampling
+        tokens[e.request_id] = greedy[i] if s.greedy else sample(logits[i], s.temperature, s.top_k, s.top_p, e.generator)
+    return tokens
 
 
 class ReferenceEngine:
@@ -172,10 +187,4 @@ class ReferenceEngine:
     def step(self, batch: StepBatch) -> StepResult:
         t0 = time.perf_counter()
         logits = self.logits(batch)
-        tokens, i = {}, 0
-        for e in batch.entries:
-            if e.sample:
-                s = e.sampling
-                tokens[e.request_id] = sample(logits[i], s.temperature, s.top_k, s.top_p, e.generator)
-                i += 1
-        return StepResult(tokens, time.perf_counter() - t0)
+        return StepResult(sample_entries(batch, logits), time.perf_counter() - t0)
