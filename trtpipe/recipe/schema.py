@@ -193,6 +193,9 @@ class TritonSection(_Section):
     scheduler_policy: Literal["max_utilization", "guaranteed_no_evict"] = Field(
         "guaranteed_no_evict", description="batch_scheduler_policy."
     )
+    enable_chunked_context: bool = Field(False, description="Split long prompts into max_num_tokens chunks.")
+    max_queue_size: int = Field(0, ge=0, le=INT32_MAX, description="Requests waiting beyond the running batch before "
+                                "new ones are refused at once (0: unlimited).")
     instances: InstanceCounts = Field(default_factory=InstanceCounts, description="Instance counts per model.")
     exclude_input_in_output: bool = Field(True, description="Return only the new tokens.")
     bls: bool = Field(False, description="Serve through tensorrt_llm_bls instead of the ensemble.")

@@ -216,6 +216,8 @@ class AttentionShard(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_quant is not None:
             k, v = self.kv_quant(k, self.kv_scale.float()), self.kv_quant(v, self.kv_scale.float())
+        if hasattr(cache, "attend"):  # a paged KV pool (the serving executor's packed steps) does the attention
+            return self.dense(cache.attend(key, q, k, v, self.window))
         q_pos = positions(start_pos, T, x.device)  # [B|1, T]
         if isinstance(cache, BatchKVCache):
             k, v = cache.update(key, k, v, q_pos)  # [B, nkv, S, d], index == position, padding past each row's end

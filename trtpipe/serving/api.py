@@ -57,8 +57,8 @@ class ExecutorConfig:
 
     @property
     def max_context_length(self) -> int:
-        """microBatchScheduler's cap on one context: max_num_tokens when chunking, else max_input_len."""
-        return self.max_num_tokens if self.enable_chunked_context else self.max_input_len
+        """microBatchScheduler's cap on one context (engines here always have context FMHA: max_num_tokens)."""
+        return self.max_num_tokens
 
 
 @dataclass(frozen=True)

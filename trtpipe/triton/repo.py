@@ -128,9 +128,17 @@ TRTLLM_OUTPUTS = [
 # What the CPU twin implements (model_repo/tensorrt_llm/1/model.py); it declares nothing it would ignore.
 TWIN_INPUTS = (
     "input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list", "bad_words_list",
-    "temperature", "runtime_top_k", "runtime_top_p", "seed", "exclude_input_in_output", "streaming",
+    "temperature", "runtime_top_k", "runtime_top_p", "seed", "exclude_input_in_output", "streaming", "stop",
+    "return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens",
 )
-TWIN_OUTPUTS = ("output_ids", "sequence_length")
+TWIN_OUTPUTS = (
+    "output_ids", "sequence_length", "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
+    "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns", "num_input_tokens",
+    "num_output_tokens",
+)
+# The twin's one input the 1.2 backend lacks: executor request priority (0..1, default 0.5), so priority
+# scheduling can be tried before deploying (the real backend gives every request 0.5).
+TWIN_EXTRA_INPUTS = [("priority", T.TYPE_FP32, [1], True)]
 
 # Ensemble / BLS inputs: (name, dtype, dims, optional, tensorrt_llm or preprocessing input it feeds).
 FRONT_INPUTS = [
@@ -246,13 +254,13 @@ def _params(config: mc.ModelConfig, values: dict) -> None:
         config.parameters[key].string_value = v
 
 
-def _batching(config: mc.ModelConfig, recipe: Recipe, preferred: Optional[int] = None) -> None:
+def _batching(config: mc.ModelConfig, recipe: Recipe, preferred: Optional[int] = None, queue: int = 0) -> None:
     db = config.dynamic_batching
     db.SetInParent()
     if preferred:
         db.preferred_batch_size.append(preferred)
     db.max_queue_delay_microseconds = recipe.triton.max_queue_delay_microseconds
-    db.default_queue_policy.max_queue_size = 0
+    db.default_queue_policy.max_queue_size = queue
 
 
 def _python(name: str, recipe: Recipe, count: int, decoupled: bool = False) -> mc.ModelConfig:
@@ -311,7 +319,7 @@ def _trtllm_skeleton(recipe: Recipe, engine: EngineInfo, backend: str, inputs, o
     t = recipe.triton
     c = mc.ModelConfig(name="tensorrt_llm", backend=backend, max_batch_size=t.max_batch_size)
     c.model_transaction_policy.decoupled = t.streaming
-    _batching(c, recipe, preferred=t.max_batch_size)
+    _batching(c, recipe, preferred=t.max_batch_size, queue=t.max_queue_size)  # the backend's maxQueueSize
     c.instance_group.add(count=t.instances.tensorrt_llm, kind=mc.ModelInstanceGroup.KIND_CPU)
     c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt in inputs)
     c.output.extend(_io(mc.ModelOutput, n, d, dims) for n, d, dims in outputs)
@@ -335,7 +343,7 @@ def trtllm_parameters(recipe: Recipe, engine: EngineInfo) -> dict:
         "max_attention_window_size": engine.attention_window,
         "sink_token_length": "",
         "enable_kv_cache_reuse": kv.enable_reuse,
-        "enable_chunked_context": False,
+        "enable_chunked_context": t.enable_chunked_context,
         "normalize_log_probs": True,
         "exclude_input_in_output": t.exclude_input_in_output,
         "cancellation_check_period_ms": 100,
@@ -372,20 +380,27 @@ def trtllm_parameters(recipe: Recipe, engine: EngineInfo) -> dict:
     }
 
 
+# The backend parameters the twin's executor honours (same names and values as the real model's).
+TWIN_PARAMETERS = (
+    "gpt_model_type", "batch_scheduler_policy", "max_tokens_in_paged_kv_cache", "enable_kv_cache_reuse",
+    "enable_chunked_context", "exclude_input_in_output", "cancellation_check_period_ms", "stats_check_period_ms",
+)
+
+
 def tensorrt_llm_config(recipe: Recipe, engine: EngineInfo) -> mc.ModelConfig:
     """The ``tensorrt_llm`` model: the C++ ``tensorrtllm`` backend on TensorRT engines, else the CPU twin."""
     if not engine.twin:
         c = _trtllm_skeleton(recipe, engine, "tensorrtllm", TRTLLM_INPUTS, TRTLLM_OUTPUTS)
         _params(c, trtllm_parameters(recipe, engine))
         return c
-    inputs = [row for row in TRTLLM_INPUTS if row[0] in TWIN_INPUTS]
+    inputs = [row for row in TRTLLM_INPUTS if row[0] in TWIN_INPUTS] + TWIN_EXTRA_INPUTS
     outputs = [row for row in TRTLLM_OUTPUTS if row[0] in TWIN_OUTPUTS]
     c = _trtllm_skeleton(recipe, engine, "python", inputs, outputs)
+    real = trtllm_parameters(recipe, engine)
     _params(c, {
         "gpt_model_path": "engine",
-        "gpt_model_type": recipe.triton.batching_strategy,
-        "exclude_input_in_output": recipe.triton.exclude_input_in_output,
         "cpu_threads": 1,
+        **{k: real[k] for k in TWIN_PARAMETERS},
     })
     return c
 

@@ -7,6 +7,7 @@ half UTF-8 characters (a trailing U+FFFD is held back until the next token compl
 
 import json
 import os
+import threading
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -103,23 +104,37 @@ class TritonPythonModel:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         yield (text[len(sent):] if text.startswith(sent) else text), True
 
+    def _serve(self, request, sender):
+        """Answer one request through ``sender`` (decoupled), or return its response."""
+        try:
+            if sender is None:
+                return self._text("".join(piece for piece, _ in self._generate(request)))
+            for piece, final in self._generate(request):
+                if piece:
+                    sender.send(self._text(piece))
+            sender.send(flags=FINAL)
+        except _Failed as exc:
+            err = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
+            if sender is None:
+                return err
+            sender.send(err, flags=FINAL)
+        return None
+
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            sender = request.get_response_sender() if self.decoupled else None
-            try:
-                if sender is None:
-                    text = "".join(piece for piece, _ in self._generate(request))
-                    responses.append(self._text(text))
-                    continue
-                for piece, final in self._generate(request):
-                    if piece:
-                        sender.send(self._text(piece))
-                sender.send(flags=FINAL)
-            except _Failed as exc:
-                err = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
-                if sender is None:
-                    responses.append(err)
-                else:
-                    sender.send(err, flags=FINAL)
-        return None if self.decoupled else responses
+        """Each request on its own thread, so concurrent requests reach tensorrt_llm together and share its
+        in-flight batch (one request at a time here would serialize every client behind the slowest)."""
+        if self.decoupled:
+            for request in requests:
+                threading.Thread(target=self._serve, args=(request, request.get_response_sender()), daemon=True).start()
+            return None
+        responses = [None] * len(requests)
+
+        def run(i, request):
+            responses[i] = self._serve(request, None)
+
+        threads = [threading.Thread(target=run, args=(i, r), daemon=True) for i, r in enumerate(requests)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return responses

@@ -1,0 +1,418 @@
+"""The in-flight batching executor: one loop that admits, schedules, runs one packed step and responds.
+
+Between two engine steps, in TensorRT-LLM's order (``executionLoop``): apply cancellations, send responses
+(finished requests leave and free their blocks), admit from the priority queue, run the capacity scheduler
+(pausing under MAX_UTILIZATION), the micro-batch scheduler, allocate KV blocks, run the step. A request
+submitted while a step runs joins at the next step.
+
+:class:`ExecutorCore` is single-threaded and clock-agnostic: the served twin drives it from a thread with the
+real clock (:class:`Executor`), the performance simulator drives it with a :class:`SimClock` that advances by
+each step's simulated cost. Everything above the step engine is the same code in both.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from trtpipe.serving.api import (CapacityPolicy, ExecutorConfig, FinishReason, Request, Response, StepBatch, StepEngine,
+                                 StepEntry)
+from trtpipe.serving.kv_pool import BlockPool, KVStats
+from trtpipe.serving.scheduler import ActiveRequest, capacity_schedule, insert_by_priority, micro_batch
+
+
+class QueueFullError(RuntimeError):
+    """``maxQueueSize`` reached: the request is refused at once (back-pressure)."""
+
+
+class Clock:
+    """Steady clock in nanoseconds (TensorRT-LLM's perf metrics are steady-clock too)."""
+
+    def now_ns(self) -> int:
+        return time.monotonic_ns()
+
+    def advance(self, seconds: float) -> None:
+        """Real time advances by itself."""
+
+
+class SimClock(Clock):
+    """Simulated time: moves only when a step's simulated cost is added (or the simulator jumps to an arrival)."""
+
+    def __init__(self, start_ns: int = 0):
+        self.t = start_ns
+
+    def now_ns(self) -> int:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += int(round(seconds * 1e9))
+
+
+@dataclass
+class IterationStats:
+    """One record per step (``IterationStats``): what the backend's Prometheus gauges show."""
+
+    iteration: int
+    timestamp_ns: int
+    num_active: int
+    max_active: int
+    num_queued: int
+    num_scheduled: int
+    num_context_requests: int
+    num_context_tokens: int
+    num_generation_requests: int
+    num_paused: int
+    step_time_s: float
+    kv: KVStats
+
+    @property
+    def num_waiting(self) -> int:
+        """Active but not scheduled this step (the backend's ``waiting``; not the executor queue)."""
+        return self.num_active - self.num_scheduled
+
+
+@dataclass
+class _Queued:
+    id: int
+    request: Request
+    enqueue_ns: int
+
+    @property
+    def priority(self) -> float:
+        return self.request.priority
+
+
+def _hits_stop(tokens: list[int], stop_words) -> bool:
+    return any(w and len(tokens) >= len(w) and tokens[-len(w):] == list(w) for w in stop_words)
+
+
+class ExecutorCore:
+    """The executor without a thread. ``submit``/``cancel`` are thread-safe; ``iterate`` runs on one thread."""
+
+    def __init__(self, config: ExecutorConfig, engine: StepEngine, on_response: Callable[[Response], None],
+                 clock: Optional[Clock] = None, stats_history: int = 1000):
+        if config.max_beam_width != 1:
+            raise ValueError("the executor runs beam width 1 only")
+        need = -(-config.max_seq_len // config.tokens_per_block)
+        if config.num_blocks < need:
+            raise ValueError(f"KV pool of {config.num_blocks} blocks cannot hold one sequence of max_seq_len "
+                             f"{config.max_seq_len} ({need} blocks of {config.tokens_per_block} tokens)")
+        self.config, self.engine, self.on_response = config, engine, on_response
+        self.clock = clock or Clock()
+        self.pool = BlockPool(config.num_blocks, config.tokens_per_block, config.enable_kv_cache_reuse)
+        engine.allocate(config.num_blocks, config.tokens_per_block)
+        self.max_active = config.max_batch_size
+        self.queue: list[_Queued] = []
+        self.active: list[ActiveRequest] = []
+        self.iteration = 0
+        self.iterations: deque[IterationStats] = deque(maxlen=stats_history)
+        self.finished_lengths: deque[tuple[int, int]] = deque(maxlen=100_000)  # (input, output) per finished request
+        self._cancel: set[int] = set()
+        self._lock = threading.Lock()  # guards queue, _cancel and ids against submit/cancel from other threads
+        self._next_id = 1
+        self.stalled = False  # the last turn had requests but could schedule none (waiting for blocks)
+
+    # ---- the front ends' side (any thread) ------------------------------------------------------
+    def submit(self, request: Request) -> int:
+        with self._lock:
+            limit = self.config.max_queue_size
+            if limit > 0 and len(self.queue) + 1 > limit:
+                raise QueueFullError(f"Maximum queue size of {limit} has been reached, please try again later")
+            rid, self._next_id = self._next_id, self._next_id + 1
+            insert_by_priority(self.queue, _Queued(rid, request, self.clock.now_ns()))
+            return rid
+
+    def cancel(self, request_id: int) -> None:
+        with self._lock:
+            self._cancel.add(request_id)
+
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self.active or self.queue or self._cancel)
+
+    @property
+    def last_stats(self) -> Optional[IterationStats]:
+        return self.iterations[-1] if self.iterations else None
+
+    # ---- the loop (one thread) ------------------------------------------------------------------
+    def iterate(self) -> bool:
+        """One turn of the loop. Returns whether anything is left to do."""
+        was_active = bool(self.active)
+        self._apply_cancellations()
+        self._respond()
+        if was_active and not self.active:
+            self._record(0.0, StepBatch(self.iteration), paused=0)  # the "all zero" record: gauges fall to 0
+        self._admit()
+        if self.active:
+            self._step()
+        with self._lock:
+            return bool(self.active or self.queue or self._cancel)
+
+    def run_until_idle(self, max_iterations: int = 10_000_000) -> None:
+        for _ in range(max_iterations):
+            if not self.iterate():
+                return
+        raise RuntimeError(f"executor still busy after {max_iterations} iterations")
+
+    # ---- cancellation and responses --------------------------------------------------------------
+    def _apply_cancellations(self) -> None:
+        with self._lock:
+            ids, self._cancel = self._cancel, set()
+            dropped = [q for q in self.queue if q.id in ids]
+            self.queue = [q for q in self.queue if q.id not in ids]
+        for q in dropped:  # never admitted: answer with the prompt only, as a cancelled request
+            self._send(Response(q.id, [] if q.request.streaming or q.request.exclude_input_from_output
+                                else list(q.request.prompt), True, FinishReason.CANCELLED,
+                                num_input_tokens=len(q.request.prompt), client_tag=q.request.client_tag))
+        for r in self.active:
+            if r.id in ids and not r.finish_reason:
+                r.finish_reason = FinishReason.CANCELLED
+                del r.tokens[r.prompt_len:]  # generated tokens are dropped; only the prompt stays
+
+    def _respond(self) -> None:
+        keep = []
+        for r in self.active:
+            done = bool(r.finish_reason)
+            req = r.request
+            if req.streaming:
+                new = r.output[r.sent:]
+                if new or done:
+                    r.sent = len(r.output)
+                    self._send(self._response(r, new, done))
+            elif done:
+                out = r.output if req.exclude_input_from_output else r.tokens
+                self._send(self._response(r, list(out), True))
+            if done:
+                self._release(r)
+                self.finished_lengths.append((r.prompt_len, len(r.output)))
+            else:
+                keep.append(r)
+        self.active = keep
+
+    def _response(self, r: ActiveRequest, tokens: list[int], final: bool) -> Response:
+        return Response(r.id, tokens, final, FinishReason(r.finish_reason) if final else FinishReason.NOT_FINISHED,
+                        perf=r.perf if (final and r.request.return_perf_metrics) else None,
+                        num_input_tokens=r.prompt_len, num_output_tokens=len(r.output), client_tag=r.request.client_tag)
+
+    def _send(self, response: Response) -> None:
+        self.on_response(response)
+
+    def _error(self, rid: int, request: Request, message: str) -> None:
+        self._send(Response(rid, [], True, FinishReason.NOT_FINISHED, error=message,
+                            num_input_tokens=len(request.prompt), client_tag=request.client_tag))
+
+    def _release(self, r: ActiveRequest) -> None:
+        """Publish the sequence's full blocks for reuse (prompt and output), then free them."""
+        if r.block_table:
+            self.pool.store(r.block_table, r.tokens[:r.kv_len])
+            self.pool.release(r.block_table)
+            r.block_table = []
+
+    # ---- admission ---------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        with self._lock:
+            room = self.max_active - len(self.active)
+            taken = []
+            while self.queue and room > 0:
+                taken.append(self.queue.pop(0))
+                room -= 1
+            if self.active or taken:  # priority overflow: strictly higher than the lowest active priority
+                floor = min([a.priority for a in self.active] + [q.priority for q in taken])
+                while self.queue and self.queue[0].priority > floor:
+                    taken.append(self.queue.pop(0))
+        for q in taken:
+            problem = self._validate(q.request)
+            if problem:
+                self._error(q.id, q.request, f"Encountered an error when fetching new request: {problem}")
+                continue
+            insert_by_priority(self.active, self._activate(q))
+
+    def _validate(self, req: Request) -> Optional[str]:
+        c = self.config
+        if len(req.prompt) < 1:
+            return "the prompt is empty"
+        if req.max_new_tokens < 1:
+            return f"max_new_tokens must be at least 1, got {req.max_new_tokens}"
+        if len(req.prompt) > c.max_input_len:
+            return f"Prompt length ({len(req.prompt)}) exceeds maximum input length ({c.max_input_len})."
+        if not c.enable_chunked_context and len(req.prompt) > c.max_num_tokens:
+            return (f"Prompt length ({len(req.prompt)}) exceeds max_num_tokens ({c.max_num_tokens}) and chunked "
+                    f"context is disabled: enable chunked context or raise max_num_tokens.")
+        if (req.streaming and c.capacity_policy is not CapacityPolicy.GUARANTEED_NO_EVICT
+                and not c.enable_chunked_context and len(req.prompt) + req.max_new_tokens - 1 > c.max_input_len):
+            return ("Request sequence length is potentially greater than max input length. This cannot be run "
+                    "with streaming, a pausing capacity policy and chunked context disabled.")
+        return None
+
+    def _activate(self, q: _Queued) -> ActiveRequest:
+        req, c = q.request, self.config
+        max_new = min(req.max_new_tokens, c.max_seq_len - len(req.prompt))  # silently shortened, as TRT-LLM does
+        r = ActiveRequest(q.id, req, list(req.prompt), len(req.prompt), max_new)
+        r.perf.enqueue_ns, r.perf.arrival_ns = q.enqueue_ns, self.clock.now_ns()
+        if req.sampling.seed is not None and not req.sampling.greedy:
+            import torch
+
+            r.generator = torch.Generator().manual_seed(int(req.sampling.seed))
+        return r
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def _step(self) -> None:
+        c, tpb = self.config, self.config.tokens_per_block
+        for r in self.active:  # what the cache already holds of each first context
+            if not r.started:
+                r.context_pos = len(self.pool.match_prefix(r.tokens[:r.context_len])) * tpb
+        decision = capacity_schedule(self.active, self.pool.num_free, c, self.max_active)
+        for r in decision.paused:
+            self._pause(r)
+        try:
+            chosen = micro_batch(decision.scheduled, c)
+        except Exception as exc:  # the real step throws: every active request fails
+            self._fail_all(f"Encountered an error in forwardAsync function: {exc}")
+            return
+        self.stalled = False
+        start = self.clock.now_ns()
+        batch = StepBatch(self.iteration)
+        contexts = [r for r in chosen if not r.generating]
+        for r in contexts:  # reused prefixes first, so new allocations cannot evict a block matched this step
+            if not r.started:
+                end = r.context_pos + r.chunk
+                r.block_table = self.pool.take_prefix(r.tokens[:r.context_len])
+                r.context_pos = len(r.block_table) * tpb
+                r.chunk = end - r.context_pos
+                r.perf.kv_reused_blocks += len(r.block_table)
+        for r in contexts:
+            if r.perf.first_scheduled_ns == 0:
+                r.perf.first_scheduled_ns, r.perf.first_iter = start, self.iteration
+            new = self.pool.grow(r.block_table, r.context_len, prompt=True)
+            r.perf.kv_alloc_new_blocks += new
+            r.perf.kv_missed_blocks += new
+            r.perf.kv_alloc_total_blocks = len(r.block_table)
+            end = r.context_pos + r.chunk
+            batch.entries.append(StepEntry(r.id, r.tokens[r.context_pos:end], r.context_pos, r.block_table, True,
+                                           end == r.context_len, r.request.sampling, r.generator))
+        for r in chosen:
+            if r.generating:
+                new = self.pool.grow(r.block_table, r.kv_len + 1)
+                r.perf.kv_alloc_new_blocks += new
+                r.perf.kv_alloc_total_blocks = len(r.block_table)
+                batch.entries.append(StepEntry(r.id, [r.tokens[-1]], r.kv_len, r.block_table, False, True,
+                                               r.request.sampling, r.generator))
+        if not batch.entries:
+            # nothing fits this turn (head-of-line blocked on KV): an empty record, then wait for the pool to change
+            self._record(0.0, batch, len(decision.paused), 0)
+            self.iteration += 1
+            self.stalled = True
+            return
+        try:
+            result = self.engine.step(batch)
+        except Exception as exc:
+            self._fail_all(f"Encountered an error in forwardAsync function: {type(exc).__name__}: {exc}")
+            return
+        self.clock.advance(result.elapsed_s)
+        now = self.clock.now_ns()
+        by_id = {r.id: r for r in chosen}
+        for e in batch.entries:
+            r = by_id[e.request_id]
+            if e.is_context:
+                r.context_pos += len(e.tokens)
+                if not e.sample:
+                    continue
+                r.generating = True
+                self.pool.store(r.block_table, r.tokens[:r.context_len])  # early reuse: at the end of the context
+            self._accept(r, result.tokens[e.request_id], now)
+        self._record(result.elapsed_s, batch, len(decision.paused), len(chosen))
+        self.iteration += 1
+
+    def _accept(self, r: ActiveRequest, token: int, now: int) -> None:
+        """A sampled token: end id (not kept), stop word (kept), or length ends the request."""
+        if r.perf.first_token_ns == 0:
+            r.perf.first_token_ns = now
+        r.perf.last_token_ns, r.perf.last_iter = now, self.iteration
+        req = r.request
+        if req.end_id is not None and token == req.end_id:
+            r.finish_reason = FinishReason.END_ID
+            return
+        r.tokens.append(int(token))
+        if req.stop_words and _hits_stop(r.output, req.stop_words):
+            r.finish_reason = FinishReason.STOP_WORDS
+        elif len(r.output) >= r.max_new_tokens:
+            r.finish_reason = FinishReason.LENGTH
+
+    def _pause(self, r: ActiveRequest) -> None:
+        """MAX_UTILIZATION pause: drop the KV, keep the output, recompute prompt + output later (not a swap)."""
+        self._release(r)
+        r.generating, r.context_pos, r.context_len = False, 0, len(r.tokens)
+        r.num_pauses += 1
+        if not self.config.enable_chunked_context and r.context_len > self.config.max_context_length:
+            r.finish_reason = FinishReason.LENGTH  # its recompute could never be scheduled without chunking
+
+    def _fail_all(self, message: str) -> None:
+        for r in self.active:
+            self._release(r)
+            self._error(r.id, r.request, message)
+        self.active = []
+
+    def _record(self, elapsed: float, batch: StepBatch, paused: int, scheduled: Optional[int] = None) -> None:
+        with self._lock:
+            queued = len(self.queue)
+        self.iterations.append(IterationStats(
+            iteration=self.iteration, timestamp_ns=self.clock.now_ns(), num_active=len(self.active),
+            max_active=self.max_active, num_queued=queued,
+            num_scheduled=len(batch.entries) if scheduled is None else scheduled,
+            num_context_requests=sum(1 for e in batch.entries if e.is_context),
+            num_context_tokens=batch.num_context_tokens, num_generation_requests=batch.num_generation_requests,
+            num_paused=paused, step_time_s=elapsed, kv=self.pool.stats()))
+
+
+class Executor:
+    """:class:`ExecutorCore` on a background thread with the real clock, for servers and Python callers.
+
+    ``submit(request, on_response)``: ``on_response(Response)`` runs on the executor thread, once per response;
+    the last one has ``is_final``. ``QueueFullError`` is raised at once when the queue is full.
+    """
+
+    def __init__(self, config: ExecutorConfig, engine: StepEngine, idle_wait_s: float = 0.05):
+        self._callbacks: dict[int, Callable[[Response], None]] = {}
+        self._cb_lock = threading.Lock()
+        self.core = ExecutorCore(config, engine, self._dispatch)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._idle_wait = idle_wait_s
+        self._thread = threading.Thread(target=self._loop, name="trtpipe-executor", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request, on_response: Callable[[Response], None]) -> int:
+        with self._cb_lock:
+            rid = self.core.submit(request)
+            self._callbacks[rid] = on_response
+        self._wake.set()
+        return rid
+
+    def cancel(self, request_id: int) -> None:
+        self.core.cancel(request_id)
+        self._wake.set()
+
+    def stats(self) -> Optional[IterationStats]:
+        return self.core.last_stats
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _dispatch(self, response: Response) -> None:
+        with self._cb_lock:
+            cb = self._callbacks.pop(response.request_id) if response.is_final else self._callbacks.get(response.request_id)
+        if cb is not None:
+            cb(response)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            busy = self.core.iterate()
+            if not busy or self.core.stalled:
+                self._wake.wait(self._idle_wait)
+                self._wake.clear()

@@ -1,0 +1,175 @@
+"""The reference runtime as a step engine: one packed forward per step over a paged KV pool.
+
+Every scheduled token of a step (context chunks and one token per generating request) is packed into one
+``[1, N]`` sequence: embedding, norms, linears and MLPs run once over all N tokens, with no padding to the
+longest row. Only attention is per request: each query reads its own request's keys through its block table.
+Contexts attend causally over their cached prefix plus the chunk; generation tokens are gathered into one
+``[G, S_max]`` batch (masked past each row's length), as a decode kernel would.
+
+The pool is one ``[num_blocks * tokens_per_block, kv_heads, head_dim]`` tensor per (layer, tp rank) for keys
+and one for values; slot ``block * tokens_per_block + offset`` holds position ``i * tokens_per_block + offset``
+of the request whose table has ``block`` at index ``i``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Optional
+
+import torch
+
+from trtpipe.runtime.generate import sample
+from trtpipe.runtime.model import ReferenceModel
+from trtpipe.serving.api import StepBatch, StepResult
+
+
+def _slots(block_table: list[int], start: int, end: int, tpb: int) -> list[int]:
+    """Pool slots of positions start..end-1 through ``block_table``."""
+    return [block_table[p // tpb] * tpb + p % tpb for p in range(start, end)]
+
+
+def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+    """[..., T, S] mask: causal (key position <= query position), within the sliding window if any."""
+    allowed = k_pos[..., None, :] <= q_pos[..., :, None]
+    if window:
+        allowed &= (q_pos[..., :, None] - k_pos[..., None, :]) < window
+    return allowed
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention. q [R, nkv, g, T, d]; k, v [R, nkv, S, d]; allowed [R, T, S] -> [R, nkv, g, T, d]."""
+    scores = (q @ k[:, :, None].transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [R, nkv, g, T, S]
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v[:, :, None]
+
+
+class PagedStep:
+    """One step's view of the pool, handed to the attention shards as their ``cache`` (they call :meth:`attend`)."""
+
+    def __init__(self, pools: dict, batch: StepBatch, tpb: int, device):
+        self.pools = pools
+        slots, ctx, gen_rows, gen_slots, gen_pos = [], [], [], [], []
+        t = 0
+        for e in batch.entries:
+            n = len(e.tokens)
+            slots += _slots(e.block_table, e.start_pos, e.start_pos + n, tpb)
+            if e.is_context:
+                kv = torch.tensor(_slots(e.block_table, 0, e.start_pos + n, tpb), device=device)
+                q_pos = torch.arange(e.start_pos, e.start_pos + n, device=device)
+                ctx.append((t, t + n, kv, q_pos))
+            else:
+                gen_rows.append(t)
+                gen_slots.append(_slots(e.block_table, 0, e.start_pos + 1, tpb))
+                gen_pos.append(e.start_pos)
+            t += n
+        self.slots = torch.tensor(slots, device=device)
+        self.ctx = ctx
+        self.gen_rows = torch.tensor(gen_rows, dtype=torch.long, device=device)
+        if gen_rows:
+            width = max(len(s) for s in gen_slots)
+            self.gen_slots = torch.tensor([s + [0] * (width - len(s)) for s in gen_slots], device=device)  # [G, S]
+            self.gen_pos = torch.tensor(gen_pos, device=device)  # [G]
+            self.gen_kpos = torch.arange(width, device=device)  # [S]
+        self._masks: dict = {}
+
+    def _mask(self, window: Optional[int]):
+        """Per-window masks (computed once per step, shared by every layer)."""
+        if window not in self._masks:
+            ctx = [_allowed(q_pos, torch.arange(len(kv), device=kv.device), window)[None] for _, _, kv, q_pos in self.ctx]
+            gen = None
+            if len(self.gen_rows):
+                gen = _allowed(self.gen_pos[:, None], self.gen_kpos, window)  # [G, 1, S]; hides the padding too
+            self._masks[window] = (ctx, gen)
+        return self._masks[window]
+
+    def attend(self, key, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+        """q [1, nh, N, d], k/v [1, nkv, N, d] of the packed tokens -> attention output [1, N, nh * d]."""
+        kp, vp = self.pools[key]
+        _, nh, N, d = q.shape
+        nkv = k.shape[1]
+        g = nh // nkv
+        kp[self.slots] = k[0].transpose(0, 1)  # [N, nkv, d]
+        vp[self.slots] = v[0].transpose(0, 1)
+        qt = q[0].view(nkv, g, N, d)
+        out = torch.empty(nkv, g, N, d, dtype=q.dtype, device=q.device)
+        ctx_masks, gen_mask = self._mask(window)
+        for (t0, t1, kv, _), allowed in zip(self.ctx, ctx_masks):
+            kc = kp[kv].permute(1, 0, 2)[None]  # [1, nkv, S, d]
+            vc = vp[kv].permute(1, 0, 2)[None]
+            out[:, :, t0:t1] = _attention(qt[None, :, :, t0:t1], kc, vc, allowed)[0]
+        if len(self.gen_rows):
+            qg = qt[:, :, self.gen_rows].permute(2, 0, 1, 3)[:, :, :, None]  # [G, nkv, g, 1, d]
+            kg = kp[self.gen_slots].permute(0, 2, 1, 3)  # [G, nkv, S, d]
+            vg = vp[self.gen_slots].permute(0, 2, 1, 3)
+            og = _attention(qg, kg, vg, gen_mask)  # [G, nkv, g, 1, d]
+            out[:, :, self.gen_rows] = og[:, :, :, 0].permute(1, 2, 0, 3)
+        return out.view(nh, N, d).transpose(0, 1).reshape(1, N, nh * d)
+
+
+class ReferenceEngine:
+    """:class:`~trtpipe.serving.api.StepEngine` over a :class:`ReferenceModel` (any tp/pp, quantized or not)."""
+
+    def __init__(self, model: ReferenceModel):
+        self.model = model
+        self.device = model.embedding.device
+        self.pools: dict = {}
+        self.tokens_per_block = 0
+        rope = model.rope
+        self._table = None
+        if rope.kind != "dynamic":  # every other rope kind has one table for all positions
+            limit = int(model.config.get("max_position_embeddings") or 0) or 4096
+            self._table = rope.cos_sin(0, limit)
+
+    def allocate(self, num_blocks: int, tokens_per_block: int) -> None:
+        self.tokens_per_block = tokens_per_block
+        self.pools = {}
+        for layer in self.model.layers:
+            for r, shard in enumerate(layer.attention):
+                shape = (num_blocks * tokens_per_block, shard.nkv, shard.d)
+                self.pools[(layer.layer_idx, r)] = (torch.zeros(shape, device=self.device),
+                                                    torch.zeros(shape, device=self.device))
+
+    def copy_block(self, src: int, dst: int, num_tokens: int) -> None:
+        tpb = self.tokens_per_block
+        for k, v in self.pools.values():
+            k[dst * tpb:dst * tpb + num_tokens] = k[src * tpb:src * tpb + num_tokens]
+            v[dst * tpb:dst * tpb + num_tokens] = v[src * tpb:src * tpb + num_tokens]
+
+    def _cos_sin(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, rot] tables of every packed token's position."""
+        top = max(e.start_pos + len(e.tokens) for e in batch.entries)
+        if self._table is not None and top > self._table[0].shape[0]:
+            self._table = self.model.rope.cos_sin(0, max(top, 2 * self._table[0].shape[0]))
+        if self._table is not None:
+            pos = torch.cat([torch.arange(e.start_pos, e.start_pos + len(e.tokens)) for e in batch.entries])
+            return self._table[0][pos].to(self.device), self._table[1][pos].to(self.device)
+        parts = [self.model.rope.cos_sin(e.start_pos, len(e.tokens)) for e in batch.entries]
+        return torch.cat([c for c, _ in parts]).to(self.device), torch.cat([s for _, s in parts]).to(self.device)
+
+    @torch.no_grad()
+    def logits(self, batch: StepBatch) -> torch.Tensor:
+        """float32 logits [S, V] of the last token of every entry that samples, in entry order."""
+        ids = torch.tensor([[t for e in batch.entries for t in e.tokens]], device=self.device)  # [1, N]
+        paged = PagedStep(self.pools, batch, self.tokens_per_block, self.device)
+        cos_sin = self._cos_sin(batch)
+        x = self.model.embed(ids)  # [1, N, H]
+        for layer in self.model.layers:
+            x = layer(x, 0, paged, cos_sin)
+        ends, t = [], 0
+        for e in batch.entries:
+            t += len(e.tokens)
+            if e.sample:
+                ends.append(t - 1)
+        return self.model.head(x[:, ends]).float()[0]
+
+    def step(self, batch: StepBatch) -> StepResult:
+        t0 = time.perf_counter()
+        logits = self.logits(batch)
+        tokens, i = {}, 0
+        for e in batch.entries:
+            if e.sample:
+                s = e.sampling
+                tokens[e.request_id] = sample(logits[i], s.temperature, s.top_k, s.top_p, e.generator)
+                i += 1
+        return StepResult(tokens, time.perf_counter() - t0)

@@ -1,0 +1,262 @@
+"""What the Triton twin ``tensorrt_llm`` model needs from the library: settings from its config, request tensors
+to executor requests, responses to output tensors, and the backend's Prometheus metric families.
+
+The model file (``model_repo/tensorrt_llm/1/model.py``) only moves tensors between Triton and these functions,
+so everything here runs and is tested without Triton. Semantics are the ``tensorrtllm`` backend's: request
+inputs and defaults (``end_id`` unset means no end id; ``top_k`` 1 or ``top_k`` 0 with ``top_p`` 0 is greedy),
+per-request outputs (``output_ids`` [1, 1, L], ``sequence_length`` [1, 1], perf metrics when asked), and the
+metric families and labels of the 1.x backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from trtpipe.serving.api import CapacityPolicy, ExecutorConfig, Request, Response, SamplingParams
+from trtpipe.serving.executor import IterationStats
+
+_TRUE = {"true", "1", "t", "y", "yes"}
+
+
+def param(params: dict, key: str, default=None):
+    """A config.pbtxt parameter; empty or an unfilled ``${...}`` template value means "not set"."""
+    value = params.get(key, {}).get("string_value", "")
+    return default if value == "" or value.startswith("${") else value
+
+
+def _flag(params: dict, key: str, default: bool) -> bool:
+    return str(param(params, key, str(default))).lower() in _TRUE
+
+
+@dataclass(frozen=True)
+class TwinSettings:
+    """Everything the twin reads at load time."""
+
+    engine_dir: Path
+    executor: ExecutorConfig
+    exclude_input_default: bool
+    default_end_id: Optional[int]
+    cpu_threads: int
+    vocab_size: int
+    static_batching: bool = False
+
+
+def _default_end_id(path: Path) -> Optional[int]:
+    """The first EOS id of generation_config.json (the ensemble's preprocessing always sends end_id)."""
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        return None
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    return int(eos) if isinstance(eos, int) else None
+
+
+def settings_from_model_config(model_config: dict, model_repository: str) -> TwinSettings:
+    """Engine limits from the engine's config.json, executor knobs from the model's parameters (as the backend).
+
+    The KV pool holds ``max_tokens_in_paged_kv_cache`` tokens when set, else one max-length sequence per batch
+    slot (``max_batch_size * max_seq_len``): on a GPU the pool is what free memory allows, which on the CPU twin
+    would be host memory the model does not need.
+    """
+    params = model_config.get("parameters", {})
+    engine = param(params, "gpt_model_path")
+    if engine is None:
+        raise ValueError("tensorrt_llm twin: parameter gpt_model_path is not set")
+    engine_dir = Path(engine if os.path.isabs(engine) else os.path.join(model_repository, engine))
+    cfg = json.loads((engine_dir / "config.json").read_text())
+    build = cfg.get("build_config", {})
+    pretrained = cfg.get("pretrained_config", {})
+    tpb = int((build.get("plugin_config") or {}).get("tokens_per_block") or 32)
+    max_batch, max_seq = int(build.get("max_batch_size", 8)), int(build.get("max_seq_len", 2048))
+    max_tokens = param(params, "max_tokens_in_paged_kv_cache")
+    tokens = int(max_tokens) if max_tokens is not None else max_batch * max_seq
+    policy = str(param(params, "batch_scheduler_policy", "guaranteed_no_evict")).lower()
+    if policy not in (CapacityPolicy.MAX_UTILIZATION.value, CapacityPolicy.GUARANTEED_NO_EVICT.value):
+        policy = CapacityPolicy.GUARANTEED_NO_EVICT.value  # the backend warns and keeps the default
+    static = str(param(params, "gpt_model_type", "inflight_fused_batching")).lower() == "v1"
+    if static:  # V1: a batch runs to completion before the next forms; no streaming, input excluded
+        policy = CapacityPolicy.STATIC_BATCH.value
+    queue = ((model_config.get("dynamic_batching") or {}).get("default_queue_policy") or {}).get("max_queue_size", 0)
+    executor = ExecutorConfig(
+        max_batch_size=max_batch,
+        max_num_tokens=int(build.get("max_num_tokens") or max_batch * int(build.get("max_input_len", max_seq))),
+        max_input_len=int(build.get("max_input_len", max_seq)),
+        max_seq_len=max_seq,
+        num_blocks=max(-(-tokens // tpb), -(-max_seq // tpb)),
+        tokens_per_block=tpb,
+        capacity_policy=CapacityPolicy(policy),
+        enable_chunked_context=_flag(params, "enable_chunked_context", False),
+        enable_kv_cache_reuse=_flag(params, "enable_kv_cache_reuse", True),
+        max_queue_size=int(queue or 0),
+    )
+    return TwinSettings(
+        engine_dir=engine_dir,
+        executor=executor,
+        exclude_input_default=_flag(params, "exclude_input_in_output", False),
+        default_end_id=_default_end_id(engine_dir / "checkpoint" / "generation_config.json"),
+        cpu_threads=int(param(params, "cpu_threads", "1")),
+        vocab_size=int(pretrained.get("vocab_size") or 0),
+        static_batching=static,
+    )
+
+
+def word_lists(array: Optional[np.ndarray]) -> list[list[int]]:
+    """``[1, 2, L]`` (ids row, cumulative end offsets padded with -1) -> list of token-id lists."""
+    if array is None or array.size == 0:
+        return []
+    if array.ndim < 2 or array.shape[-2] != 2:
+        raise ValueError(f"word lists must have shape [1, 2, L], got {list(array.shape)}")
+    a = array.reshape(-1, 2, array.shape[-1])[0]
+    words, start = [], 0
+    for end in a[1]:
+        if end < 0:
+            break
+        if end < start or end > a.shape[-1]:
+            raise ValueError(f"word list offsets must grow within the list, got {a[1].tolist()}")
+        words.append([int(x) for x in a[0, start:end]])
+        start = int(end)
+    return words
+
+
+def _scalar(get: Callable[[str], Optional[np.ndarray]], name: str, default, kind):
+    a = get(name)
+    if a is None or a.size == 0:
+        return default
+    return kind(a.reshape(-1)[0])
+
+
+@dataclass
+class ParsedRequest:
+    request: Request
+    return_perf_metrics: bool
+    return_num_input_tokens: bool
+    return_num_output_tokens: bool
+    stop: bool
+
+
+def parse_request(get: Callable[[str], Optional[np.ndarray]], s: TwinSettings, decoupled: bool) -> ParsedRequest:
+    """Request tensors (``get(name)`` -> numpy or None) to an executor :class:`Request`; ValueError names the input."""
+    if _scalar(get, "stop", False, bool):
+        return ParsedRequest(Request([], 0), False, False, False, True)
+    ids = get("input_ids")
+    if ids is None:
+        raise ValueError("input_ids is missing")
+    if ids.dtype != np.int32:
+        raise ValueError(f"input_ids must be INT32, got {ids.dtype}")
+    if ids.ndim == 2 and ids.shape[0] != 1:
+        raise ValueError(f"the CPU twin takes one sequence per request, got a batch of {ids.shape[0]}")
+    ids = ids.reshape(-1)
+    in_len = _scalar(get, "input_lengths", ids.size, int)
+    if in_len < 1 or ids.size == 0:
+        raise ValueError("input_ids is empty: the prompt has no tokens")
+    if in_len > ids.size:
+        raise ValueError(f"input_lengths {in_len} is larger than input_ids ({ids.size} tokens)")
+    prompt = ids[:in_len]
+    if s.vocab_size and (prompt.min() < 0 or prompt.max() >= s.vocab_size):
+        raise ValueError(f"input_ids must be token ids in [0, {s.vocab_size}), got {int(prompt.min())}..{int(prompt.max())}")
+    if in_len > s.executor.max_input_len:
+        raise ValueError(f"prompt of {in_len} tokens exceeds the engine's max_input_len {s.executor.max_input_len}")
+    out_len = _scalar(get, "request_output_len", None, int)
+    if out_len is None:
+        raise ValueError("request_output_len (max_tokens) is missing")
+    if out_len < 1:
+        raise ValueError(f"request_output_len (max_tokens) must be at least 1, got {out_len}")
+    if word_lists(get("bad_words_list")):
+        raise ValueError("bad_words_list is not supported by the CPU twin (the TensorRT engine supports it)")
+    end_id = _scalar(get, "end_id", s.default_end_id, int)
+    if end_id is not None and end_id < 0:
+        end_id = None  # -1: no end id
+    if end_id is not None and s.vocab_size and end_id >= s.vocab_size:
+        raise ValueError(f"end_id {end_id} is outside the vocabulary [0, {s.vocab_size})")
+    temperature = _scalar(get, "temperature", 1.0, float)
+    top_k = _scalar(get, "runtime_top_k", 0, int)
+    top_p = _scalar(get, "runtime_top_p", 0.0, float)
+    if top_k < 0 or not 0.0 <= top_p <= 1.0 or not temperature >= 0:
+        raise ValueError(f"bad sampling settings: temperature {temperature}, runtime_top_k {top_k}, runtime_top_p {top_p}")
+    greedy = top_k == 1 or (top_k == 0 and top_p == 0.0) or temperature == 0.0
+    seed = _scalar(get, "seed", None, int)
+    sampling = SamplingParams(0.0, 0, 1.0, None) if greedy else SamplingParams(
+        temperature, top_k, 1.0 if top_p == 0.0 else top_p, seed)
+    streaming = _scalar(get, "streaming", False, bool) and not s.static_batching
+    if streaming and not decoupled:
+        raise ValueError("streaming needs the decoupled tensorrt_llm model (recipe triton.streaming: true)")
+    priority = _scalar(get, "priority", 0.5, float)
+    if not 0.0 <= priority <= 1.0:
+        raise ValueError(f"priority must be within [0, 1], got {priority}")
+    request = Request(
+        prompt=[int(t) for t in prompt],
+        max_new_tokens=out_len,
+        end_id=end_id,
+        stop_words=[w for w in word_lists(get("stop_words_list")) if w],
+        sampling=sampling,
+        streaming=streaming,
+        exclude_input_from_output=s.static_batching or _scalar(get, "exclude_input_in_output", s.exclude_input_default, bool),
+        priority=priority,
+        return_perf_metrics=_scalar(get, "return_perf_metrics", False, bool),
+    )
+    return ParsedRequest(request, request.return_perf_metrics, _scalar(get, "return_num_input_tokens", False, bool),
+                         _scalar(get, "return_num_output_tokens", False, bool), False)
+
+
+def response_outputs(resp: Response, parsed: ParsedRequest) -> list[tuple[str, np.ndarray]]:
+    """Output tensors of one response, as the backend names and shapes them."""
+    out = [("output_ids", np.array(resp.tokens, np.int32).reshape(1, 1, len(resp.tokens))),
+           ("sequence_length", np.array([[len(resp.tokens)]], np.int32))]
+    if resp.is_final and parsed.return_perf_metrics and resp.perf is not None:
+        p = resp.perf
+        out += [(name, np.array([value], dtype)) for name, value, dtype in (
+            ("arrival_time_ns", p.arrival_ns, np.int64), ("first_scheduled_time_ns", p.first_scheduled_ns, np.int64),
+            ("first_token_time_ns", p.first_token_ns, np.int64), ("last_token_time_ns", p.last_token_ns, np.int64),
+            ("kv_cache_alloc_new_blocks", p.kv_alloc_new_blocks, np.int32),
+            ("kv_cache_reused_blocks", p.kv_reused_blocks, np.int32),
+            ("kv_cache_alloc_total_blocks", p.kv_alloc_total_blocks, np.int32))]
+    if resp.is_final and parsed.return_num_input_tokens:
+        out.append(("num_input_tokens", np.array([resp.num_input_tokens], np.int32)))
+    if resp.is_final and parsed.return_num_output_tokens:
+        out.append(("num_output_tokens", np.array([resp.num_output_tokens], np.int32)))
+    return out
+
+
+# ---- Prometheus: the 1.x backend's families (custom_metrics_reporter.cc) ------------------------------
+GAUGES = {
+    "nv_trt_llm_request_metrics": ("request_type", "TRT LLM request metrics"),
+    "nv_trt_llm_kv_cache_block_metrics": ("kv_cache_block_type", "TRT LLM KV cache block metrics"),
+    "nv_trt_llm_inflight_batcher_metrics": ("inflight_batcher_specific_metric", "TRT LLM inflight_batcher-specific metrics"),
+    "nv_trt_llm_general_metrics": ("general_type", "General TRT LLM metrics"),
+}
+HISTOGRAMS = {
+    "nv_llm_input_token_len": ("response_metric_type", "total_input_tokens", "TRT LLM response input token length"),
+    "nv_llm_output_token_len": ("response_metric_type", "total_output_tokens", "TRT LLM response output token length"),
+}
+TOKEN_BUCKETS = [10, 50, 100, 500, 1000]
+
+
+def gauge_values(stats: IterationStats) -> dict[tuple[str, str], float]:
+    """(family, category label value) -> value, from the last iteration record."""
+    kv = stats.kv
+    return {
+        ("nv_trt_llm_request_metrics", "active"): stats.num_active,
+        ("nv_trt_llm_request_metrics", "max"): stats.max_active,
+        ("nv_trt_llm_request_metrics", "scheduled"): stats.num_scheduled,
+        ("nv_trt_llm_request_metrics", "context"): stats.num_context_requests,
+        ("nv_trt_llm_request_metrics", "waiting"): stats.num_waiting,
+        ("nv_trt_llm_kv_cache_block_metrics", "max"): kv.max_blocks,
+        ("nv_trt_llm_kv_cache_block_metrics", "free"): kv.free_blocks,
+        ("nv_trt_llm_kv_cache_block_metrics", "used"): kv.used_blocks,
+        ("nv_trt_llm_kv_cache_block_metrics", "tokens_per"): kv.tokens_per_block,
+        ("nv_trt_llm_kv_cache_block_metrics", "reused"): kv.reused_blocks,
+        ("nv_trt_llm_kv_cache_block_metrics", "fraction"): kv.fraction_used,
+        ("nv_trt_llm_inflight_batcher_metrics", "total_context_tokens"): stats.num_context_tokens,
+        ("nv_trt_llm_inflight_batcher_metrics", "generation_requests"): stats.num_generation_requests,
+        ("nv_trt_llm_inflight_batcher_metrics", "micro_batch_id"): 0,
+        ("nv_trt_llm_inflight_batcher_metrics", "paused_requests"): stats.num_paused,
+        ("nv_trt_llm_general_metrics", "iteration_counter"): stats.iteration,
+        ("nv_trt_llm_general_metrics", "timestamp"): time.time_ns() // 1000,  # µs since epoch, as the 1.x backend
+    }
