@@ -80,18 +80,19 @@ def test_grouped_terms_equal_the_per_entry_terms():
     d = Deployment(published_spec("Mixtral 8x7B"), get_gpu("h100"), "fp8", "fp8", tp=2)
     a = step_terms(d, context=[(0, 100), (0, 100)], generation=[7, 7, 9])
     b = group_terms(d, [(0, 100, 2.0)], [(7, 2.0), (9, 1.0)], 5)
-    for name in ("mem", "kv", "gemm", "attn", "comm", "act", "seqs"):
+    for name in ("mem", "kv", "gemm", "attn", "comm", "seqs"):
         assert getattr(a, name) == pytest.approx(getattr(b, name), rel=1e-12)
 
 
 def test_step_time_formula_and_bound():
-    t = Terms(mem=1.0, kv=0.5, gemm=0.3, attn=0.1, comm=0.2, act=0.05, seqs=10, layers=4, pp=2)
-    c = Constants(bw_eff=0.5, kv_eff=0.25, gemm_eff=0.5, attn_eff=0.5, link_eff=0.5, act_passes=2, seq_us=100,
-                  layer_us=1000, step_ms=10, pp_bubble=0.5)
-    body = max(1.0 / 0.5 + 0.5 / 0.25, 0.3 / 0.5 + 0.1 / 0.5) + 0.05 * 2 / 0.5 + 0.2 / 0.5 + 4 * 1e-3
-    assert step_time(t, c) == pytest.approx(body * 1.5 + 0.01 + 10 * 1e-4, rel=1e-12)
+    t = Terms(mem=1.0, kv=0.5, gemm=0.3, attn=0.1, comm=0.2, seqs=10, layers=4, pp=2)
+    c = Constants(bw_eff=0.5, kv_eff=0.25, gemm_eff=0.5, attn_eff=0.5, link_eff=0.5, seq_layer_us=100,
+                  serial=0.5, layer_us=1000, pp_bubble=0.5)
+    memory, compute = 1.0 / 0.5 + 0.5 / 0.25, 0.3 / 0.5 + 0.1 / 0.5
+    body = memory + 0.5 * compute + 0.2 / 0.5 + 4 * 1e-3 + 10 * 4 * 1e-4
+    assert step_time(t, c) == pytest.approx(body * 1.5, rel=1e-12)
     assert bound(t, c) == "bandwidth"
-    arr = Terms(*(np.array([v, v]) for v in (1.0, 0.5, 0.3, 0.1, 0.2, 0.05, 10, 4)), pp=np.array([2, 2]))
+    arr = Terms(*(np.array([v, v]) for v in (1.0, 0.5, 0.3, 0.1, 0.2, 10, 4)), pp=np.array([2, 2]))
     assert np.allclose(step_time(arr, c), step_time(t, c))
 
 

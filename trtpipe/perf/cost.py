@@ -11,16 +11,19 @@ request). Per GPU and per step, the model counts
   parallelism, the MoE all-to-all, over the GPU link.
 
 These raw terms are seconds at 100% of the catalog's peaks (:class:`Terms`); :class:`Constants` turns them into a
-time with a small number of named efficiencies fitted on NVIDIA's published numbers (scripts/fit_perf.py)::
+time with a small number of named constants fitted on NVIDIA's published numbers (scripts/fit_perf.py)::
 
-    t = (max(weights / bw_eff + kv / kv_eff, gemm / gemm_eff + attn / attn_eff) + comm / link_eff
-         + layers x layer_us)
-        x (1 + pp_bubble x (pp - 1)) + step_ms
+    memory  = weights / bw_eff + kv / kv_eff            compute = gemm / gemm_eff + attn / attn_eff
+    t = (max(memory, compute) + serial x min(memory, compute) + comm / link_eff
+         + layers x (layer_us + sequences x seq_layer_us)) x (1 + pp_bubble x (pp - 1))
 
-The roofline max is taken over the whole step (memory and compute overlap across a layer's kernels); per-layer
-fixed costs (norms, rope, launches, all-reduce latency) are ``layer_us``; the scheduler, sampling and host work
-of a step is ``step_ms``. With pipeline parallelism the terms are those of the busiest stage, and the executor's
-batch is assumed to be spread over pp micro-batches that keep every stage busy (``pp_bubble`` is the loss).
+``serial`` is how much of the smaller of memory and compute time is not hidden under the larger (0: a perfect
+roofline; the published engine numbers fit 1, i.e. the kernels of a step do not overlap the two). ``layer_us``
+is the fixed cost of a layer per step (norms, rope, launches, all-reduce latency); ``seq_layer_us`` the cost of
+each sequence in each layer (per-request attention work). With pipeline parallelism the terms are those of the
+busiest stage, and the executor's batch is assumed spread over pp micro-batches that keep every stage busy
+(``pp_bubble`` is the loss). ``other_gb`` (memory the KV pool cannot use) is not a time constant but is fitted
+with the others, since the KV pool decides the batch.
 """
 
 from __future__ import annotations
@@ -134,14 +137,13 @@ class Terms:
     gemm: float  # GEMM FLOPs / the precision's dense tensor peak
     attn: float  # attention FLOPs / the 16-bit tensor peak
     comm: float  # collective bytes / link bandwidth
-    act: float  # one 16-bit pass over each token's hidden + local MLP activations, all layers / peak HBM bandwidth
     seqs: float  # sequences in the step (per-sequence host and sampling work)
     layers: float  # decoder layers on the stage (fixed per-layer costs)
     pp: int = 1
 
     def __add__(self, other: "Terms") -> "Terms":
         return Terms(self.mem + other.mem, self.kv + other.kv, self.gemm + other.gemm, self.attn + other.attn,
-                     self.comm + other.comm, self.act + other.act, self.seqs + other.seqs, self.layers, self.pp)
+                     self.comm + other.comm, self.seqs + other.seqs, self.layers, self.pp)
 
 
 @dataclass(frozen=True)
@@ -153,10 +155,9 @@ class Constants:
     gemm_eff: float = 0.6  # achieved fraction of the dense tensor peak on GEMMs
     attn_eff: float = 0.4  # achieved fraction of the 16-bit peak on attention kernels
     link_eff: float = 0.7  # achieved fraction of the link bandwidth on all-reduce / all-to-all
-    act_passes: float = 4.0  # elementwise passes over the activations (norms, residual, rope, gating, quantize)
-    seq_us: float = 2.0  # microseconds per sequence in the step (host-side batch bookkeeping, sampling)
+    seq_layer_us: float = 0.5  # microseconds per sequence per layer (per-request attention work and launches)
+    serial: float = 0.3  # fraction of the smaller of memory and compute time not hidden under the larger
     layer_us: float = 15.0  # fixed microseconds per decoder layer per step
-    step_ms: float = 1.0  # fixed milliseconds per step (scheduling, sampling, launch)
     pp_bubble: float = 0.1  # throughput lost per extra pipeline stage
     other_gb: float = 3.5  # GB per GPU the KV pool cannot use besides weights (context, workspaces, activations)
 
@@ -173,15 +174,17 @@ def step_time(t: Terms, c: Constants):
     import numpy as np
 
     compute = t.gemm / c.gemm_eff + t.attn / c.attn_eff
-    body = np.maximum(t.mem / c.bw_eff + t.kv / c.kv_eff, compute) + t.act * c.act_passes / c.bw_eff + t.comm / c.link_eff + t.layers * c.layer_us * 1e-6
-    return body * (1 + c.pp_bubble * (t.pp - 1)) + c.step_ms * 1e-3 + t.seqs * c.seq_us * 1e-6
+    memory = t.mem / c.bw_eff + t.kv / c.kv_eff
+    body = np.maximum(memory, compute) + c.serial * np.minimum(memory, compute) + t.comm / c.link_eff + t.layers * c.layer_us * 1e-6
+    body = body + t.seqs * t.layers * c.seq_layer_us * 1e-6
+    return body * (1 + c.pp_bubble * (t.pp - 1))
 
 
 def bound(t: Terms, c: Constants) -> str:
     """What dominates a step: 'bandwidth', 'compute', 'communication' or 'overhead'."""
     parts = {"bandwidth": t.mem / c.bw_eff + t.kv / c.kv_eff, "compute": t.gemm / c.gemm_eff + t.attn / c.attn_eff,
-             "communication": t.comm / c.link_eff, "activations": t.act * c.act_passes / c.bw_eff,
-             "overhead": t.layers * c.layer_us * 1e-6 + c.step_ms * 1e-3 + t.seqs * c.seq_us * 1e-6}
+             "communication": t.comm / c.link_eff,
+             "overhead": (t.layers * c.layer_us + t.seqs * t.layers * c.seq_layer_us) * 1e-6}
     return max(parts, key=parts.get)
 
 
@@ -221,7 +224,7 @@ def group_terms(d: Deployment, context: Sequence[tuple[int, int, float]], genera
     frac = d.stage_layers
     bw, peak16, link = g.bandwidth_gbs * GB, g.tflops_16 * TERA, g.link_gbs * GB
 
-    mem = kvr = gemm = attn = comm = act = 0.0
+    mem = kvr = gemm = attn = comm = 0.0
     for k in m.layers:
         n = k.count * frac
         dense_params = (k.attn_params + k.mlp_params) / split
@@ -238,8 +241,6 @@ def group_terms(d: Deployment, context: Sequence[tuple[int, int, float]], genera
         pairs = attended + sum((_pairs(s, n) if not k.window else n * min(s + n, k.window)) * c
                                for s, n, c in context)
         mem += n * w / bw
-        width = m.hidden + (k.mlp_params + k.top_k * k.expert_params) / (3 * m.hidden) / split
-        act += n * tokens / dp * width * ACT_BYTES / bw
         kvr += n * attended * kv_local / dp / bw
         gemm += n * flops / d.gemm_peak
         attn += n * 2 * heads * (m.qk_dim + m.v_dim) * pairs / dp / peak16
@@ -253,4 +254,4 @@ def group_terms(d: Deployment, context: Sequence[tuple[int, int, float]], genera
     mem += head * 2 / bw if tokens else 0.0
     gemm += 2 * sampled * head / peak16
     seqs = sum(c for _, c in generation) + sum(c for _, _, c in context)
-    return Terms(mem, kvr, gemm, attn, comm, act, seqs, m.num_layers * frac, d.pp)
+    return Terms(mem, kvr, gemm, attn, comm, seqs, m.num_layers * frac, d.pp)

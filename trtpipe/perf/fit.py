@@ -23,8 +23,8 @@ from trtpipe.perf.published import Case, published_value, regime, row_case, to_p
 
 CONSTANTS_FILE = Path(__file__).with_name("constants.json")
 # bounds keep every efficiency physical (a fraction of peak) and overheads non-negative
-BOUNDS = {"bw_eff": (0.2, 1.0), "kv_eff": (0.1, 1.0), "gemm_eff": (0.1, 1.0), "attn_eff": (0.05, 1.0), "link_eff": (0.05, 1.0),
-          "act_passes": (0.0, 40.0), "seq_us": (0.0, 100.0), "layer_us": (0.5, 200.0), "step_ms": (0.01, 50.0), "pp_bubble": (0.0, 1.0)}
+BOUNDS = {"bw_eff": (0.2, 1.0), "kv_eff": (0.1, 1.0), "gemm_eff": (0.1, 1.0), "attn_eff": (0.05, 1.0),
+          "link_eff": (0.05, 1.0), "seq_layer_us": (0.0, 20.0), "serial": (0.0, 1.0), "layer_us": (0.5, 200.0), "pp_bubble": (0.0, 1.0)}
 
 
 @dataclass
@@ -58,7 +58,7 @@ def compile_rows(rows: Sequence[dict], other_gb: float = Constants.other_gb) -> 
             pw.append(w)
             ts.append(t)
     arr = lambda name: np.array([getattr(t, name) for t in ts], dtype=float)  # noqa: E731
-    terms = Terms(arr("mem"), arr("kv"), arr("gemm"), arr("attn"), arr("comm"), arr("act"), arr("seqs"), arr("layers"), arr("pp"))
+    terms = Terms(*(arr(n) for n in ("mem", "kv", "gemm", "attn", "comm", "seqs", "layers", "pp")))
     numer = np.array([c.numer if c else 0.0 for c in cases])
     pub = np.array([published_value(r) if c else math.nan for r, c in zip(rows, cases)])
     return Compiled(list(rows), ok, numer, pub, np.array(pr, dtype=int), np.array(pw), terms, cases, errors,

@@ -100,22 +100,31 @@ def summary(setup: Setup, res: SimResult) -> dict:
     }
 
 
-def nearest_published(rows: list[dict], model: str, gpu: GPU, precision: str, isl: int, osl: int,
-                      k: int = 3) -> list[dict]:
-    """The published rows closest to a prediction: same model family and GPU, nearest ISL/OSL."""
-    fam = re.sub(r"^(Llama \d)(\.\d)?", r"\1", model)
+def same_model_names(spec) -> list[str]:
+    """Published model names whose shapes are the recipe's (Llama 3, 3.1 and 3.3 70B share one)."""
+    from trtpipe.perf.models import PUBLISHED, published_spec
+
+    return [n for n in PUBLISHED if replace(published_spec(n), name=spec.name) == spec]
+
+
+def nearest_published(rows: list[dict], spec, gpu: GPU, precision: str, isl: int, osl: int,
+                      k: int = 4) -> list[dict]:
+    """The published throughput rows closest to a prediction: same model shapes and GPU, the same precision
+    first, then the nearest ISL/OSL (log distance) and the newest release."""
+    names = set(same_model_names(spec))
     cand = []
     for r in rows:
+        if r["model"] not in names or not r["isl"] or not r["osl"]:
+            continue
+        if r["metric"] not in ("output_tok_s_total", "output_tok_s_per_gpu"):
+            continue
         try:
-            same_gpu = deployment_of(r).gpu.key == gpu.key
+            if deployment_of(r).gpu.key != gpu.key:
+                continue
         except TrtpipeError:
             continue
-        if not same_gpu or re.sub(r"^(Llama \d)(\.\d)?", r"\1", r["model"]) != fam:
-            continue
-        if not r["isl"] or not r["osl"] or r["metric"] not in ("output_tok_s_total", "output_tok_s_per_gpu"):
-            continue
         dist = abs(math.log(int(r["isl"]) / isl)) + abs(math.log(int(r["osl"]) / osl))
-        dist += 0 if r["precision"].lower().startswith(precision[:3]) else 1
+        dist += 0 if r["precision"].lower().startswith(precision[:3]) else 10
         cand.append((dist, r))
     cand.sort(key=lambda x: x[0])
     return [r for _, r in cand[:k]]

@@ -221,7 +221,10 @@ def row_case(row: dict, other_gb: float = 3.5) -> Optional[Case]:
 
 def published_value(row: dict) -> float:
     """The row's value in the unit the model predicts: total output tok/s for throughput, ms for latency."""
-    v = float(row["value"])
+    try:
+        v = float(row.get("value") or "nan")
+    except ValueError:
+        return math.nan
     if row["metric"] == "output_tok_s_per_gpu":
         return v * _int(row["num_gpus"], 1)
     return v

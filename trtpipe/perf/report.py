@@ -24,11 +24,11 @@ def predict_command(recipe: Path, overrides: Iterable[str], gpu: Optional[str], 
     s["kv_pool_tokens"] = setup.kv_tokens
     s["engine_limits"] = {"max_batch_size": setup.max_batch_size, "max_num_tokens": setup.max_num_tokens}
     if published:
-        near = P.nearest_published(read_rows(published), setup.deployment.model.name, setup.deployment.gpu,
+        near = P.nearest_published(read_rows(published), setup.deployment.model, setup.deployment.gpu,
                                    setup.deployment.precision, isl, osl)
-        s["nearest_published"] = [{k: r[k] for k in ("trtllm_version", "model", "precision", "gpu", "tp", "isl",
-                                                       "osl", "metric", "concurrency_or_batch", "value")}
-                                  for r in near]
+        keys = ("trtllm_version", "backend", "model", "precision", "gpu", "tp", "pp", "isl", "osl", "metric",
+                "concurrency_or_batch", "value")
+        s["nearest_published"] = [{k: r[k] for k in keys} for r in near]
     if as_json:
         click.echo(json.dumps(s, indent=2))
         return

@@ -172,12 +172,14 @@ def closed_loop(config: ExecutorConfig, engine: CostModelEngine, concurrency: in
     seen = 0
     while True:
         more = d.turn()
+        submitted = False
         while seen < len(d.finals) and sent < n:
             seen += 1
             d.submit(isl, osl)
             sent += 1
+            submitted = True
         seen = len(d.finals)
-        if not more and sent >= n:
+        if not more and not submitted:
             break
     return d.result()
 
