@@ -16,13 +16,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Optional
 
-from trtpipe.engine.gpus import CATALOG, GPU, get_gpu
+from trtpipe.engine.gpus import GPU, get_gpu
 from trtpipe.errors import TrtpipeError
 from trtpipe.perf.cost import Constants, Deployment
 from trtpipe.perf.fit import family, load_constants, predict_rows
 from trtpipe.perf.models import spec_of
-from trtpipe.perf.published import (COLUMNS, bench_heuristic, deployment_of, kv_capacity_tokens, limits_of,
-                                    read_rows, regime, to_published_unit)
+from trtpipe.perf.published import (COLUMNS, deployment_of, kv_capacity_tokens, limits_of, read_rows, regime,
+                                    to_published_unit)
 from trtpipe.perf.simulate import CostModelEngine, SimResult, closed_loop, executor_config, poisson
 
 # recipe quantization.algo -> cost-model precision
@@ -53,7 +53,7 @@ def recipe_setup(recipe_path: Path, overrides: Iterable[str] = (), gpu: Optional
     """The deployment and engine limits a recipe builds, with the memory planner's KV pool."""
     from trtpipe.engine import report
 
-    ov = list(overrides) + ([f"parallel.tp={tp}"] if tp else [])
+    ov = list(overrides) + ([f"parallel.tp={tp}", f"engine.workers={tp}"] if tp else [])
     r = report.resolve(recipe_path, ov, gpu=gpu, model_config=model_config)
     rec = r.recipe
     if not r.plan.fits:
@@ -107,24 +107,23 @@ def same_model_names(spec) -> list[str]:
     return [n for n in PUBLISHED if replace(published_spec(n), name=spec.name) == spec]
 
 
-def nearest_published(rows: list[dict], spec, gpu: GPU, precision: str, isl: int, osl: int,
-                      k: int = 4) -> list[dict]:
-    """The published throughput rows closest to a prediction: same model shapes and GPU, the same precision
-    first, then the nearest ISL/OSL (log distance) and the newest release."""
+def nearest_published(rows: list[dict], spec, gpu: GPU, precision: str, isl: int, osl: int, tp: int = 1,
+                      k: int = 6) -> list[dict]:
+    """The published rows closest to a prediction: same model shapes and GPU, the same precision first, then
+    the nearest ISL/OSL and GPU count (log distances)."""
     names = set(same_model_names(spec))
     cand = []
     for r in rows:
         if r["model"] not in names or not r["isl"] or not r["osl"]:
             continue
-        if r["metric"] not in ("output_tok_s_total", "output_tok_s_per_gpu"):
-            continue
         try:
-            if deployment_of(r).gpu.key != gpu.key:
-                continue
+            d = deployment_of(r)
         except TrtpipeError:
             continue
+        if d.gpu.key != gpu.key:
+            continue
         dist = abs(math.log(int(r["isl"]) / isl)) + abs(math.log(int(r["osl"]) / osl))
-        dist += 0 if r["precision"].lower().startswith(precision[:3]) else 10
+        dist += abs(math.log2(d.tp * d.pp / tp)) + (0 if d.precision == precision else 10)
         cand.append((dist, r))
     cand.sort(key=lambda x: x[0])
     return [r for _, r in cand[:k]]
@@ -230,54 +229,68 @@ def meets(res: SimResult, slo: dict[str, float]) -> tuple[bool, dict[str, float]
     return all(h >= 1 for h in head.values()), head
 
 
+DEFAULT_PLAN_GPUS = ("a100-sxm-80gb", "l40s-48gb", "h100-sxm-80gb", "h200-141gb", "b200-180gb", "rtx-pro-6000-96gb")
+REPLICAS = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
 def capacity_plan(recipe_path: Path, slo: dict[str, float], rate: float, isl: int, osl: int,
                   overrides: Iterable[str] = (), gpus: Optional[list[str]] = None,
                   model_config: Optional[Path] = None, constants: Optional[Constants] = None,
-                  num_requests: int = 0) -> list[dict]:
-    """Every layout (GPU x tp) of the recipe that fits, simulated at ``rate``; sorted cheapest (fewest GPUs,
-    then least HBM bandwidth) first, with whether it meets the SLO and its headroom."""
+                  num_requests: int = 200, log=None) -> list[dict]:
+    """For every layout (GPU type x tp) of the recipe that fits memory and can run its precision: the fewest
+    data-parallel replicas (each taking rate / replicas, Poisson) whose simulated latencies meet ``slo``.
+    Sorted by total GPUs, then by the GPU's memory bandwidth (a proxy for its price: the catalog has no prices)."""
     c = constants or load_constants()["engine"]
-    keys = gpus or [g.key for g in CATALOG if g.tflops_16]
     out = []
-    for key in keys:
+    for key in gpus or DEFAULT_PLAN_GPUS:
         for tp in (1, 2, 4, 8):
             try:
                 setup = recipe_setup(recipe_path, overrides, gpu=key, model_config=model_config, tp=tp)
             except TrtpipeError as exc:
-                out.append({"layout": f"{tp}x {key} tp{tp}", "fits": False, "why": str(exc)[:160]})
+                out.append({"layout": f"{tp}x {key} tp{tp}", "fits": False, "why": str(exc)[:200]})
                 continue
-            res = simulate(setup, c, isl, osl, rate=rate, num_requests=num_requests)
-            ok, head = meets(res, slo)
+            best = None
+            for replicas in REPLICAS:
+                res = simulate(setup, c, isl, osl, rate=rate / replicas, num_requests=num_requests)
+                ok, head = meets(res, slo)
+                best = (replicas, res, ok, head)
+                if log:
+                    log(f"{setup.label} x{replicas}: {'meets' if ok else 'misses'} "
+                        f"({', '.join(f'{k} x{v:.2f}' for k, v in head.items())})")
+                if ok:
+                    break
+            replicas, res, ok, head = best
             s = summary(setup, res)
-            s.update({"fits": True, "meets_slo": ok, "headroom": {k: round(v, 2) for k, v in head.items()},
-                      "gpu_key": key, "bandwidth_gbs": setup.deployment.gpu.bandwidth_gbs})
+            s.update({"fits": True, "meets_slo": ok, "replicas": replicas, "total_gpus": replicas * s["gpus"],
+                      "headroom": {k: round(v, 2) for k, v in head.items()}, "gpu_key": key,
+                      "bandwidth_gbs": setup.deployment.gpu.bandwidth_gbs, "rate_per_replica": rate / replicas})
             out.append(s)
     fit = [o for o in out if o.get("fits")]
-    fit.sort(key=lambda o: (not o["meets_slo"], o["gpus"], o["bandwidth_gbs"]))
+    fit.sort(key=lambda o: (not o["meets_slo"], o["total_gpus"], o["bandwidth_gbs"]))
     return fit + [o for o in out if not o.get("fits")]
 
 
 def plot_plan(rows: list[dict], path: Path, title: str) -> None:
+    """Predicted throughput per GPU against ITL p99 per layout (at its chosen replica count)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise TrtpipeError(f"{path}: the plot needs matplotlib (pip install matplotlib)") from None
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    fig, ax = plt.subplots(figsize=(9, 6))
     for o in rows:
         if not o.get("fits"):
             continue
-        ax.scatter(o["itl_ms"]["p99"], o["output_tok_s_per_gpu"], marker="o" if o["meets_slo"] else "x")
-        ax.annotate(o["layout"], (o["itl_ms"]["p99"], o["output_tok_s_per_gpu"]), fontsize=7)
+        x, y = o["itl_ms"]["p99"], o["output_tok_s_per_gpu"]
+        ax.scatter(x, y, marker="o" if o["meets_slo"] else "x", color="tab:green" if o["meets_slo"] else "tab:red")
+        ax.annotate(f"{o['replicas']}x[{o['layout']}] TTFT99 {o['ttft_ms']['p99']:.0f}ms", (x, y), fontsize=7)
     ax.set_xlabel("predicted ITL p99 (ms)")
     ax.set_ylabel("predicted output tok/s per GPU")
     ax.set_xscale("log")
-    ax.set_title(title + "  (o meets the SLO, x misses)")
+    ax.set_title(title + "\n(o meets the SLO, x misses at 16 replicas)", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
 
 
-__all__ = ["recipe_setup", "simulate", "summary", "predict_scenarios", "write_scenarios", "capacity_plan",
-           "parse_slo", "meets", "plot_plan", "nearest_published", "bench_heuristic", "replace"]

@@ -9,7 +9,7 @@ from typing import Iterable, Optional
 import click
 
 from trtpipe.perf import predict as P
-from trtpipe.perf.fit import load_constants
+from trtpipe.perf.fit import load_constants, predict_rows
 from trtpipe.perf.published import read_rows
 
 
@@ -24,11 +24,12 @@ def predict_command(recipe: Path, overrides: Iterable[str], gpu: Optional[str], 
     s["kv_pool_tokens"] = setup.kv_tokens
     s["engine_limits"] = {"max_batch_size": setup.max_batch_size, "max_num_tokens": setup.max_num_tokens}
     if published:
-        near = P.nearest_published(read_rows(published), setup.deployment.model, setup.deployment.gpu,
-                                   setup.deployment.precision, isl, osl)
+        d = setup.deployment
+        near = P.nearest_published(read_rows(published), d.model, d.gpu, d.precision, isl, osl, d.num_gpus)
+        ours = predict_rows(near, load_constants())
         keys = ("trtllm_version", "backend", "model", "precision", "gpu", "tp", "pp", "isl", "osl", "metric",
                 "concurrency_or_batch", "value")
-        s["nearest_published"] = [{k: r[k] for k in keys} for r in near]
+        s["nearest_published"] = [{**{k: r[k] for k in keys}, "predicted": p} for r, p in zip(near, ours)]
     if as_json:
         click.echo(json.dumps(s, indent=2))
         return
@@ -42,9 +43,13 @@ def predict_command(recipe: Path, overrides: Iterable[str], gpu: Optional[str], 
     shares = ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(s["step_time_share"].items(), key=lambda x: -x[1]))
     click.echo(f"  bounds: step time by {s['step_time_bound']} ({shares}); batch by {s['batch_bound']} "
                f"(mean batch {s['mean_batch']})")
+    if s.get("nearest_published"):
+        click.echo("  nearest published numbers (their method), with this model's prediction for the same row:")
     for r in s.get("nearest_published", []):
-        click.echo(f"  published: {r['model']} {r['precision']} {r['gpu']} tp{r['tp']} {r['isl']}/{r['osl']} "
-                   f"{r['concurrency_or_batch']} (TRT-LLM {r['trtllm_version']}): {r['metric']} = {r['value']}")
+        pred = "not predicted" if r["predicted"] is None else f"{r['predicted']:,.1f}"
+        click.echo(f"    {r['model']} {r['precision']} {r['gpu']} tp{r['tp']} {r['isl']}/{r['osl']} "
+                   f"{r['concurrency_or_batch']} (TRT-LLM {r['trtllm_version']}): {r['metric']} published "
+                   f"{float(r['value']):,.1f}, predicted {pred}")
 
 
 def scenarios_command(src: Path, dst: Path) -> None:
@@ -56,22 +61,25 @@ def plan_command(recipe: Path, overrides: Iterable[str], model_config: Optional[
                  isl: int, osl: int, gpus: Optional[str], plot: Optional[Path], as_json: bool) -> None:
     targets = P.parse_slo(slo)
     keys = [g.strip() for g in gpus.split(",")] if gpus else None
-    rows = P.capacity_plan(recipe, targets, rate, isl, osl, overrides, keys, model_config)
+    log = None if as_json else (lambda m: click.echo(f"  .. {m}", err=True))
+    rows = P.capacity_plan(recipe, targets, rate, isl, osl, overrides, keys, model_config, log=log)
     if plot:
-        P.plot_plan(rows, plot, f"{recipe.name} at {rate:g} req/s, ISL {isl}/OSL {osl}")
+        P.plot_plan(rows, plot, f"{recipe.name}: SLO {slo} at {rate:g} req/s, ISL {isl}/OSL {osl}")
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    click.echo(f"SLO {slo} at {rate:g} req/s (Poisson), ISL {isl} / OSL {osl}; cheapest first:")
+    click.echo(f"SLO {slo} at {rate:g} req/s (Poisson arrivals), ISL {isl} / OSL {osl}; fewest GPUs first "
+               f"(ties: lower-bandwidth, usually cheaper, GPU first):")
     for o in rows:
         if not o.get("fits"):
             continue
         mark = "MEETS" if o["meets_slo"] else "misses"
         head = ", ".join(f"{k} x{v}" for k, v in o["headroom"].items())
-        click.echo(f"  {mark:6s} {o['layout']:34s} TTFT p99 {o['ttft_ms']['p99']:>9.1f} ms  ITL p99 "
-                   f"{o['itl_ms']['p99']:>7.1f} ms  {o['output_tok_s_per_gpu']:>8.1f} tok/s/GPU  headroom {head}")
-    skipped = [o["layout"] for o in rows if not o.get("fits")]
+        click.echo(f"  {mark:6s} {o['total_gpus']:3d} GPUs = {o['replicas']:2d} x [{o['layout']}]  TTFT p99 "
+                   f"{o['ttft_ms']['p99']:>8.1f} ms  ITL p99 {o['itl_ms']['p99']:>6.1f} ms  "
+                   f"{o['output_tok_s_per_gpu']:>7.1f} tok/s/GPU  headroom {head}")
+    skipped = [f"{o['layout']}" for o in rows if not o.get("fits")]
     if skipped:
-        click.echo(f"  ({len(skipped)} layouts do not fit memory and were skipped)")
+        click.echo(f"  not modelled or not fitting: {', '.join(skipped)}")
     if plot:
         click.echo(f"wrote {plot}")
