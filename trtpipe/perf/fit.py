@@ -144,7 +144,11 @@ def fit_all(compiled: Sequence[Compiled], mask: np.ndarray) -> tuple[Constants, 
         score = loss(comp, mask, c)
         if best is None or score < best[0]:
             best = (score, c, comp)
-    return best[1], best[2]
+    c, comp = best[1], best[2]
+    rows = np.isin(comp.part_row, np.where(mask)[0])
+    if not np.any(comp.terms.pp[rows] > 1):  # no pipeline-parallel rows: the data says nothing about the bubble
+        c = replace(c, pp_bubble=Constants.pp_bubble)
+    return c, comp
 
 
 def abs_rel_errors(comp: Compiled, mask: np.ndarray, pred: np.ndarray) -> np.ndarray:
