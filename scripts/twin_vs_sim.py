@@ -188,8 +188,8 @@ def main(argv=None) -> int:
             s = simulated(config, coef, host, conc, n, a.isl, a.osl)
             r = {k: s[k] / m[k] for k in m}
             worst = max(worst, *(abs(v - 1) for v in r.values()))
-            print(f"| {conc} | {m['ttft'] * 1e3:.2f} | {s['ttft'] * 1e3:.2f} | {r['ttft']:.2f} | {m['itl'] * 1e3:.2f} | "
-                  f"{s['itl'] * 1e3:.2f} | {r['itl']:.2f} | {m['tok_s']:.0f} | {s['tok_s']:.0f} | {r['tok_s']:.2f} |")
+            print(f"| {conc} | {m['ttft'] * 1e3:.2f} | {s['ttft'] * 1e3:.2f} | {r['ttft']:.2f} | "
+                  f"{m['itl'] * 1e3:.2f} | {s['itl'] * 1e3:.2f} | {r['itl']:.2f} | {m['tok_s']:.0f} | {s['tok_s']:.0f} | {r['tok_s']:.2f} |")
         print(f"worst |sim/measured - 1| = {worst:.1%}")
     return 0
 

@@ -175,7 +175,8 @@ def step_time(t: Terms, c: Constants):
 
     compute = t.gemm / c.gemm_eff + t.attn / c.attn_eff
     memory = t.mem / c.bw_eff + t.kv / c.kv_eff
-    body = np.maximum(memory, compute) + c.serial * np.minimum(memory, compute) + t.comm / c.link_eff + t.layers * c.layer_us * 1e-6
+    body = (np.maximum(memory, compute) + c.serial * np.minimum(memory, compute) + t.comm / c.link_eff
+            + t.layers * c.layer_us * 1e-6)
     body = body + t.seqs * t.layers * c.seq_layer_us * 1e-6
     return body * (1 + c.pp_bubble * (t.pp - 1))
 

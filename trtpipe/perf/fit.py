@@ -24,7 +24,8 @@ from trtpipe.perf.published import Case, published_value, regime, row_case, to_p
 CONSTANTS_FILE = Path(__file__).with_name("constants.json")
 # bounds keep every efficiency physical (a fraction of peak) and overheads non-negative
 BOUNDS = {"bw_eff": (0.2, 1.0), "kv_eff": (0.1, 1.0), "gemm_eff": (0.1, 1.0), "attn_eff": (0.05, 1.0),
-          "link_eff": (0.05, 1.0), "seq_layer_us": (0.0, 20.0), "serial": (0.0, 1.0), "layer_us": (0.5, 200.0), "pp_bubble": (0.0, 1.0)}
+          "link_eff": (0.05, 1.0), "seq_layer_us": (0.0, 20.0), "serial": (0.0, 1.0), "layer_us": (0.5, 200.0),
+          "pp_bubble": (0.0, 1.0)}
 
 
 @dataclass

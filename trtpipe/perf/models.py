@@ -62,7 +62,8 @@ PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
         "model_type": "llama4_text", "hidden_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 40,
         "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
         "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "vocab_size": 202048}}),
-    "Llama 4 Maverick 17B-128E": ("meta-llama/Llama-4-Maverick-17B-128E-Instruct", {"model_type": "llama4", "text_config": {
+    "Llama 4 Maverick 17B-128E": ("meta-llama/Llama-4-Maverick-17B-128E-Instruct", {
+        "model_type": "llama4", "text_config": {
         "model_type": "llama4_text", "hidden_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 40,
         "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
         "num_local_experts": 128, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "vocab_size": 202048}}),

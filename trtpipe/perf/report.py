@@ -39,7 +39,8 @@ def predict_command(recipe: Path, overrides: Iterable[str], gpu: Optional[str], 
     click.echo(f"  output tok/s   {s['output_tok_s']:>10,.1f} total   {s['output_tok_s_per_gpu']:>9,.1f} per GPU")
     for name in ("ttft_ms", "itl_ms"):
         v = s[name]
-        click.echo(f"  {name[:-3].upper():5s} ms      p50 {v['p50']:>9.2f}   p90 {v['p90']:>9.2f}   p99 {v['p99']:>9.2f}")
+        click.echo(f"  {name[:-3].upper():5s} ms      p50 {v['p50']:>9.2f}   p90 {v['p90']:>9.2f}   "
+                   f"p99 {v['p99']:>9.2f}")
     shares = ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(s["step_time_share"].items(), key=lambda x: -x[1]))
     click.echo(f"  bounds: step time by {s['step_time_bound']} ({shares}); batch by {s['batch_bound']} "
                f"(mean batch {s['mean_batch']})")
