@@ -3,12 +3,12 @@
 
     python scripts/twin_vs_sim.py --model ../shared/models/stories260k [--isl 24 --osl 24]
 
-1. Calibrate: serve a mixed workload with the real executor (``ExecutorCore`` + ``ReferenceEngine``, real
-   tokens, real clock) and record every step's batch and measured time, plus the host time of each loop turn
-   outside the step. Fit a CPU step-cost model by least squares:
-   ``t = a + b x entries + c x tokens + d x attended KV tokens`` (+ the host time per turn). A warm-up run
-   first; calibration and serving runs are interleaved and repeated, and the best of each kept, since on a
-   shared machine noise only ever adds time.
+1. Calibrate: serve a mixed workload (other prompts, batches of 1-16 requests) with the threaded executor the
+   twin runs (``Executor`` + ``ReferenceEngine``, real tokens, real clock) and record every step's batch and
+   measured time, plus the host time between steps. Fit a CPU step-cost model by least squares:
+   ``t = a + b x generating requests + c x context tokens + d x attended KV tokens`` (+ the host time between steps). A warm-up
+   run first; calibration and serving runs are interleaved and repeated, and the served side summarised by
+   medians over the repeats, so that on a shared machine both sides carry the same share of its noise.
 2. Evaluate on fresh requests (other seeds): closed-loop clients at concurrency 1, 2, 4, 8, 16 against the
    threaded ``Executor`` (what the Triton twin model runs) -- measured TTFT / ITL / throughput from the
    executor's perf metrics -- and the same workload through the simulator (the same ``ExecutorCore`` in
@@ -44,9 +44,10 @@ from trtpipe.serving.reference_engine import ReferenceEngine  # noqa: E402
 
 
 def features(batch: StepBatch) -> list[float]:
-    tokens = sum(len(e.tokens) for e in batch.entries)
+    ctx = sum(len(e.tokens) for e in batch.entries if e.is_context)
+    gen = sum(1 for e in batch.entries if not e.is_context)
     kv = sum(e.start_pos + len(e.tokens) for e in batch.entries)
-    return [1.0, float(len(batch.entries)), float(tokens), float(kv)]
+    return [1.0, float(gen), float(ctx), float(kv)]
 
 
 class Recording:
@@ -73,42 +74,52 @@ def prompts(n: int, isl: int, seed: int) -> list[list[int]]:
 
 
 def _run_mixed(model, config: ExecutorConfig, isl: int, osl: int, warm: bool = False):
+    """A mixed-concurrency workload through the threaded executor (as the twin serves): every step's features
+    and measured time, and the host time between steps (loop, scheduling, responses)."""
     eng = Recording(ReferenceEngine(model))
-    core = ExecutorCore(config, eng, lambda r: None)
-    host = []
+    ex = Executor(config, eng, idle_wait_s=0.01)
     loads = ((1, 100), (16, 99)) if warm else ((1, 100), (2, 101), (4, 105), (6, 102), (8, 106), (12, 103), (16, 104))
+    host = []
     for conc, seed in loads:
-        for p in prompts(conc * 3, isl, seed):
-            core.submit(Request(p, max_new_tokens=osl))
-        while True:
-            n = len(eng.log)
-            t0 = time.perf_counter()
-            more = core.iterate()
-            wall = time.perf_counter() - t0
-            if len(eng.log) > n:
-                host.append(wall - eng.log[-1][1])
-            if not more:
-                break
+        work = prompts(conc * 3, isl, seed)
+        left = [len(work)]
+        done = threading.Event()
+
+        def final(r, left=left, done=done):
+            if r.is_final:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
+
+        for p in work:
+            ex.submit(Request(p, max_new_tokens=osl), final)
+        done.wait()
+        its = [i for i in ex.core.iterations if i.step_time_s > 0]
+        host += [(b.timestamp_ns - a.timestamp_ns) / 1e9 - b.step_time_s for a, b in zip(its, its[1:])
+                 if b.iteration == a.iteration + 1]
+        ex.core.iterations.clear()
+    ex.shutdown()
     return eng.log, host
 
 
 def calibrate(runs: list) -> tuple[np.ndarray, float]:
-    """Step-cost coefficients and host seconds per loop turn from repeated mixed-concurrency runs: the
-    synchronous loop schedules identically every time, so each step's time is its minimum over the repeats (on a
-    shared machine noise only ever adds time)."""
-    logs = [r[0] for r in runs]
-    if len({len(log) for log in logs}) != 1 or any(a[0] != b[0] for log in logs[1:] for a, b in zip(logs[0], log)):
-        raise RuntimeError("calibration runs scheduled differently; the executor loop is not deterministic")
-    x = np.array([f for f, _ in logs[0]])
-    y = np.min([[t for _, t in log] for log in logs], axis=0)
-    host = float(np.median(np.min([r[1] for r in runs], axis=0)))
-    w = 1.0 / y  # relative least squares: each step weighs the same whatever its length
-    coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+    """Step-cost coefficients (Huber-weighted least squares over every recorded step of every run: a loaded
+    machine adds rare stalls of tens of milliseconds that plain least squares would spread over every step) and
+    the median host seconds between consecutive steps."""
+    x = np.array([f for log, _ in runs for f, _ in log])
+    y = np.array([t for log, _ in runs for _, t in log])
+    host = float(np.median([h for _, hs in runs for h in hs]))
+    w = np.ones_like(y)
+    for _ in range(30):  # iteratively reweighted least squares, Huber weights at 1.345 robust sigmas
+        coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+        r = y - x @ coef
+        sigma = 1.4826 * np.median(np.abs(r - np.median(r))) + 1e-12
+        w = np.sqrt(np.minimum(1.0, 1.345 * sigma / np.maximum(np.abs(r), 1e-12)))
     coef = np.maximum(coef, 0.0)
     err = np.abs(x @ coef / y - 1)
-    print(f"calibration: {len(y)} steps x {len(runs)} runs, step-time fit median |err| {np.median(err):.1%}, "
-          f"p90 {np.percentile(err, 90):.1%}; coef (s) base {coef[0]:.2e} per-entry {coef[1]:.2e} per-token "
-          f"{coef[2]:.2e} per-kv-token {coef[3]:.2e}; host per turn {host * 1e3:.3f} ms", file=sys.stderr)
+    print(f"calibration: {len(y)} steps in {len(runs)} runs, step-time fit median |err| {np.median(err):.1%}, "
+          f"p90 {np.percentile(err, 90):.1%}; coef (s) base {coef[0]:.2e} per-generating-request {coef[1]:.2e} "
+          f"per-context-token {coef[2]:.2e} per-kv-token {coef[3]:.2e}; host between steps {host * 1e3:.3f} ms", file=sys.stderr)
     return coef, host
 
 
@@ -160,7 +171,7 @@ def main(argv=None) -> int:
     ap.add_argument("--osl", type=int, default=24)
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--requests-per-client", type=int, default=6)
-    ap.add_argument("--repeat", type=int, default=3, help="runs of each measurement; the best is kept")
+    ap.add_argument("--repeat", type=int, default=5, help="runs of each measurement (medians are compared)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -182,9 +193,7 @@ def main(argv=None) -> int:
         worst = 0.0
         for conc in concs:
             n = max(conc * a.requests_per_client, 8)
-            # noise only adds time: the best of the repeats (lowest latencies, highest throughput)
-            m = {"ttft": min(r["ttft"] for r in runs[conc]), "itl": min(r["itl"] for r in runs[conc]),
-                 "tok_s": max(r["tok_s"] for r in runs[conc])}
+            m = {k: float(np.median([r[k] for r in runs[conc]])) for k in ("ttft", "itl", "tok_s")}
             s = simulated(config, coef, host, conc, n, a.isl, a.osl)
             r = {k: s[k] / m[k] for k in m}
             worst = max(worst, *(abs(v - 1) for v in r.values()))
