@@ -95,6 +95,9 @@ def test_predict_scenarios_keeps_rows_order_and_blanks_unsupported(tmp_path):
     assert filled == [True, False, True, False, False, True]
     assert all(float(r["predicted"]) > 0 for r in out if r["predicted"])
     assert res.output.strip().endswith(": 3 rows predicted")
+    again = CliRunner().invoke(main, ["predict", "--scenarios", str(src), "--out", str(dst)])
+    assert again.exit_code != 0 and "already exists" in again.output
+    assert len(list(csv.DictReader(open(dst)))) == len(rows)  # the first output is intact
 
 
 def test_predict_scenarios_missing_column_is_one_line(tmp_path):

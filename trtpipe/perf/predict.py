@@ -186,9 +186,11 @@ def predict_scenarios(rows: list[dict], constants: dict[str, Constants], simulat
 
 def write_scenarios(src: Path, dst: Path, constants: dict[str, Constants], simulate_serving: bool = True) -> int:
     """OUT = the same rows, same order, plus ``predicted`` (blank where unsupported). Returns rows predicted."""
+    dst = Path(dst)
+    if dst.exists():
+        raise TrtpipeError(f"{dst}: already exists; choose another --out (nothing is overwritten)")
     rows = read_rows(src)
     preds = predict_scenarios(rows, constants, simulate_serving)
-    dst = Path(dst)
     tmp = dst.with_name(dst.name + ".tmp")
     fields = list(rows[0].keys()) if rows else list(COLUMNS)
     try:
@@ -278,6 +280,8 @@ def plot_plan(rows: list[dict], path: Path, title: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise TrtpipeError(f"{path}: the plot needs matplotlib (pip install matplotlib)") from None
+    if path.exists():
+        raise TrtpipeError(f"{path}: already exists; choose another --plot (nothing is overwritten)")
     fig, ax = plt.subplots(figsize=(9, 6))
     for o in rows:
         if not o.get("fits"):

@@ -8,6 +8,7 @@ from typing import Iterable, Optional
 
 import click
 
+from trtpipe.errors import TrtpipeError
 from trtpipe.perf import predict as P
 from trtpipe.perf.fit import load_constants, predict_rows
 from trtpipe.perf.published import read_rows
@@ -61,6 +62,8 @@ def scenarios_command(src: Path, dst: Path) -> None:
 def plan_command(recipe: Path, overrides: Iterable[str], model_config: Optional[Path], slo: str, rate: float,
                  isl: int, osl: int, gpus: Optional[str], plot: Optional[Path], as_json: bool) -> None:
     targets = P.parse_slo(slo)
+    if plot and plot.exists():
+        raise TrtpipeError(f"{plot}: already exists; choose another --plot (nothing is overwritten)")
     keys = [g.strip() for g in gpus.split(",")] if gpus else None
     log = None if as_json else (lambda m: click.echo(f"  .. {m}", err=True))
     rows = P.capacity_plan(recipe, targets, rate, isl, osl, overrides, keys, model_config, log=log)
