@@ -293,8 +293,9 @@ _CHECKPOINT = click.option("--checkpoint", type=click.Path(file_okay=False, path
 @click.option("--osl", type=int, default=256, show_default=True, help="Output tokens per request (with --slo).")
 @click.option("--gpus", help="Comma-separated catalog keys to consider (with --slo; default: every modelled GPU).")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Write throughput vs latency PNG.")
+@click.option("--precisions", help="With --slo: quantization.algo variants to compare, e.g. fp8,int4_awq,none.")
 def plan(recipe, overrides, gpu, model_config, checkpoint, as_json, list_gpus, slo, rate, isl, osl, gpus,
-         plot) -> None:
+         plot, precisions) -> None:
     """Memory plan per GPU: weights, activations, KV pool and concurrent sequences; exit 3 if it does not fit.
 
     With --slo and --rate: the cheapest layouts (GPU type and count, tp) predicted to meet the SLO."""
@@ -305,7 +306,8 @@ def plan(recipe, overrides, gpu, model_config, checkpoint, as_json, list_gpus, s
             raise click.UsageError("--slo needs RECIPE and --rate")
         from trtpipe.perf import report as perf_report
 
-        perf_report.plan_command(recipe, overrides, model_config, slo, rate, isl, osl, gpus, plot, as_json)
+        perf_report.plan_command(recipe, overrides, model_config, slo, rate, isl, osl, gpus, plot, as_json,
+                                 precisions)
         return
     if list_gpus:
         click.echo(report.gpu_table())

@@ -238,35 +238,36 @@ REPLICAS = (1, 2, 3, 4, 6, 8, 12, 16)
 def capacity_plan(recipe_path: Path, slo: dict[str, float], rate: float, isl: int, osl: int,
                   overrides: Iterable[str] = (), gpus: Optional[list[str]] = None,
                   model_config: Optional[Path] = None, constants: Optional[Constants] = None,
-                  num_requests: int = 200, log=None) -> list[dict]:
-    """For every layout (GPU type x tp) of the recipe that fits memory and can run its precision: the fewest
-    data-parallel replicas (each taking rate / replicas, Poisson) whose simulated latencies meet ``slo``.
+                  num_requests: int = 200, log=None, precisions: Iterable[str] = ()) -> list[dict]:
+    """For every layout (GPU type x tp, x each of ``precisions`` if given) of the recipe that fits memory and can
+    run its precision: the fewest data-parallel replicas (each taking rate / replicas, Poisson) whose simulated latencies meet ``slo``.
     Sorted by total GPUs, then by the GPU's memory bandwidth (a proxy for its price: the catalog has no prices)."""
     c = constants or load_constants()["engine"]
     out = []
-    for key in gpus or DEFAULT_PLAN_GPUS:
-        for tp in (1, 2, 4, 8):
-            try:
-                setup = recipe_setup(recipe_path, overrides, gpu=key, model_config=model_config, tp=tp)
-            except TrtpipeError as exc:
-                out.append({"layout": f"{tp}x {key} tp{tp}", "fits": False, "why": str(exc)[:200]})
-                continue
-            best = None
-            for replicas in REPLICAS:
-                res = simulate(setup, c, isl, osl, rate=rate / replicas, num_requests=num_requests)
-                ok, head = meets(res, slo)
-                best = (replicas, res, ok, head)
-                if log:
-                    log(f"{setup.label} x{replicas}: {'meets' if ok else 'misses'} "
-                        f"({', '.join(f'{k} x{v:.2f}' for k, v in head.items())})")
-                if ok:
-                    break
-            replicas, res, ok, head = best
-            s = summary(setup, res)
-            s.update({"fits": True, "meets_slo": ok, "replicas": replicas, "total_gpus": replicas * s["gpus"],
-                      "headroom": {k: round(v, 2) for k, v in head.items()}, "gpu_key": key,
-                      "bandwidth_gbs": setup.deployment.gpu.bandwidth_gbs, "rate_per_replica": rate / replicas})
-            out.append(s)
+    variants = [list(overrides) + [f"quantization.algo={p}"] for p in precisions] or [list(overrides)]
+    for key, tp, ov in ((k, t, v) for k in gpus or DEFAULT_PLAN_GPUS for t in (1, 2, 4, 8) for v in variants):
+        try:
+            setup = recipe_setup(recipe_path, ov, gpu=key, model_config=model_config, tp=tp)
+        except TrtpipeError as exc:
+            algo = next((o.split("=", 1)[1] for o in ov if o.startswith("quantization.algo=")), "")
+            out.append({"layout": f"{tp}x {key} tp{tp} {algo}".strip(), "fits": False, "why": str(exc)[:200]})
+            continue
+        best = None
+        for replicas in REPLICAS:
+            res = simulate(setup, c, isl, osl, rate=rate / replicas, num_requests=num_requests)
+            ok, head = meets(res, slo)
+            best = (replicas, res, ok, head)
+            if log:
+                log(f"{setup.label} x{replicas}: {'meets' if ok else 'misses'} "
+                    f"({', '.join(f'{k} x{v:.2f}' for k, v in head.items())})")
+            if ok:
+                break
+        replicas, res, ok, head = best
+        s = summary(setup, res)
+        s.update({"fits": True, "meets_slo": ok, "replicas": replicas, "total_gpus": replicas * s["gpus"],
+                  "headroom": {k: round(v, 2) for k, v in head.items()}, "gpu_key": key,
+                  "bandwidth_gbs": setup.deployment.gpu.bandwidth_gbs, "rate_per_replica": rate / replicas})
+        out.append(s)
     fit = [o for o in out if o.get("fits")]
     fit.sort(key=lambda o: (not o["meets_slo"], o["total_gpus"], o["bandwidth_gbs"]))
     return fit + [o for o in out if not o.get("fits")]

@@ -60,13 +60,16 @@ def scenarios_command(src: Path, dst: Path) -> None:
 
 
 def plan_command(recipe: Path, overrides: Iterable[str], model_config: Optional[Path], slo: str, rate: float,
-                 isl: int, osl: int, gpus: Optional[str], plot: Optional[Path], as_json: bool) -> None:
+                 isl: int, osl: int, gpus: Optional[str], plot: Optional[Path], as_json: bool,
+                 precisions: Optional[str] = None) -> None:
     targets = P.parse_slo(slo)
     if plot and plot.exists():
         raise TrtpipeError(f"{plot}: already exists; choose another --plot (nothing is overwritten)")
     keys = [g.strip() for g in gpus.split(",")] if gpus else None
     log = None if as_json else (lambda m: click.echo(f"  .. {m}", err=True))
-    rows = P.capacity_plan(recipe, targets, rate, isl, osl, overrides, keys, model_config, log=log)
+    algos = [p.strip() for p in precisions.split(",")] if precisions else []
+    rows = P.capacity_plan(recipe, targets, rate, isl, osl, overrides, keys, model_config, log=log,
+                           precisions=algos)
     if plot:
         P.plot_plan(rows, plot, f"{recipe.name}: SLO {slo} at {rate:g} req/s, ISL {isl}/OSL {osl}")
     if as_json:
@@ -82,8 +85,10 @@ def plan_command(recipe: Path, overrides: Iterable[str], model_config: Optional[
         click.echo(f"  {mark:6s} {o['total_gpus']:3d} GPUs = {o['replicas']:2d} x [{o['layout']}]  TTFT p99 "
                    f"{o['ttft_ms']['p99']:>8.1f} ms  ITL p99 {o['itl_ms']['p99']:>6.1f} ms  "
                    f"{o['output_tok_s_per_gpu']:>7.1f} tok/s/GPU  headroom {head}")
-    skipped = [f"{o['layout']}" for o in rows if not o.get("fits")]
+    skipped = [o for o in rows if not o.get("fits")]
     if skipped:
-        click.echo(f"  not modelled or not fitting: {', '.join(skipped)}")
+        click.echo(f"  not modelled or not fitting: {', '.join(o['layout'] for o in skipped)}")
+        for why in dict.fromkeys(o["why"] for o in skipped):
+            click.echo(f"    because: {why}")
     if plot:
         click.echo(f"wrote {plot}")
