@@ -54,6 +54,14 @@ def test_closed_loop_sends_the_next_request_when_one_finishes():
     assert r.throughput == pytest.approx(6 / (6 * STEP))
 
 
+def test_closed_loop_next_request_arrives_when_the_final_response_is_sent():
+    # one slot, two clients: A runs 0-20 ms; B is admitted at 20 (first token 30, done 40); C is sent when A's
+    # final response goes out (20 ms) and waits for B: first token at 50 -> TTFT 30 ms
+    r = closed_loop(cfg(max_batch=1), fixed_engine(), concurrency=2, n=3, isl=4, osl=2)
+    assert sorted(r.ttft) == pytest.approx([STEP, 3 * STEP, 3 * STEP])
+    assert r.makespan_s == pytest.approx(6 * STEP)
+
+
 def test_poisson_arrivals_far_apart_never_queue():
     r = poisson(cfg(), fixed_engine(), rate=1.0, n=5, isl=4, osl=2, seed=3)
     assert len(r.ttft) == 5

@@ -102,11 +102,13 @@ class SimResult:
 class _Driver:
     def __init__(self, config: ExecutorConfig, engine: CostModelEngine):
         self.clock = SimClock()
-        self.done: list[Response] = []
-        self.core = ExecutorCore(config, engine, self.done.append, clock=self.clock)
+        self.done: list[tuple[Response, int]] = []  # with the simulated time the response was sent
+        self.core = ExecutorCore(config, engine, lambda r: self.done.append((r, self.clock.now_ns())),
+                                 clock=self.clock)
         self.engine, self.config = engine, config
         self.arrival: dict[int, int] = {}
         self.finals: dict[int, Response] = {}
+        self.final_at: list[int] = []  # when each final response was sent, in order
         self.slots_full = self.stalled = self.turns = 0
 
     def submit(self, isl: int, osl: int, at_ns: Optional[int] = None) -> int:
@@ -123,9 +125,10 @@ class _Driver:
             self.slots_full += 1
         elif self.core.queue and self.core.active:
             self.stalled += 1
-        for r in self.done:
+        for r, at in self.done:
             if r.is_final:
                 self.finals[r.request_id] = r
+                self.final_at.append(at)
         self.done.clear()
         del st
         return more
@@ -163,7 +166,8 @@ def max_load(config: ExecutorConfig, engine: CostModelEngine, n: int, isl: int, 
 
 def closed_loop(config: ExecutorConfig, engine: CostModelEngine, concurrency: int, n: int, isl: int,
                 osl: int) -> SimResult:
-    """``concurrency`` clients; each submits its next request as soon as its previous one finished, n in all."""
+    """``concurrency`` clients; each submits its next request as soon as its previous one's final response is
+    sent (that is its arrival time: the executor admits it at the next loop turn, as a real one would), n in all."""
     d = _Driver(config, engine)
     sent = 0
     for _ in range(min(concurrency, n)):
@@ -174,8 +178,8 @@ def closed_loop(config: ExecutorConfig, engine: CostModelEngine, concurrency: in
         more = d.turn()
         submitted = False
         while seen < len(d.finals) and sent < n:
+            d.submit(isl, osl, d.final_at[seen])
             seen += 1
-            d.submit(isl, osl)
             sent += 1
             submitted = True
         seen = len(d.finals)
