@@ -39,7 +39,7 @@ from trtpipe.checkpoint.convert import convert  # noqa: E402
 from trtpipe.perf.simulate import CostModelEngine, closed_loop  # noqa: E402
 from trtpipe.runtime import load_checkpoint  # noqa: E402
 from trtpipe.serving.api import ExecutorConfig, Request, StepBatch  # noqa: E402
-from trtpipe.serving.executor import Executor, ExecutorCore  # noqa: E402
+from trtpipe.serving.executor import Executor  # noqa: E402
 from trtpipe.serving.reference_engine import ReferenceEngine  # noqa: E402
 
 

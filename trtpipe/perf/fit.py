@@ -19,7 +19,7 @@ import numpy as np
 
 from trtpipe.errors import TrtpipeError
 from trtpipe.perf.cost import Constants, Terms, step_time
-from trtpipe.perf.published import Case, published_value, regime, row_case, to_published_unit
+from trtpipe.perf.published import Case, published_value, row_case, to_published_unit
 
 CONSTANTS_FILE = Path(__file__).with_name("constants.json")
 # bounds keep every efficiency physical (a fraction of peak) and overheads non-negative
