@@ -387,7 +387,7 @@ def doctor(engine_dir) -> None:
         sys.exit(1)
 
 
-# --- triton commands (repo, serve, stop, infer, bench) ---------------------------------------------
+# --- triton commands (repo, serve, stop, infer, bench, report) ---------------------------------------------
 
 
 @main.command()
@@ -440,7 +440,12 @@ def _ports(http, grpc, metrics):
 @click.option("--dry-run", is_flag=True, help="Print the launch command (mpirun leader mode for TensorRT engines).")
 @click.option("--tritonserver", default="/opt/tritonserver/bin/tritonserver", show_default=True,
               help="tritonserver binary of the TensorRT-LLM container (TensorRT engines).")
-def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, timeout, detach, dry_run, tritonserver) -> None:
+@click.option("--hostfile", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="MPI hostfile (host:slots per line) for a multi-node leader-mode launch.")
+@click.option("--single-process", is_flag=True,
+              help="CPU twin of a tp/pp>1 repository: run every rank's shard in one tritonserver (no MPI).")
+def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, timeout, detach, dry_run, tritonserver,
+          hostfile, single_process) -> None:
     """Serve a model repository, or a recipe (built first if needed); Ctrl-C stops it cleanly."""
     from trtpipe.triton import server as srv
     from trtpipe.triton.serve import dry_run_lines, plan_launch, resolve_repo, run_mpirun
@@ -454,15 +459,38 @@ def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, tim
     bind = bind or "127.0.0.1"
     ports = _ports(http_port, grpc_port, metrics_port)
     if dry_run:
-        click.echo("\n".join(dry_run_lines(target, overrides, bind, ports, tritonserver)))
+        click.echo("\n".join(dry_run_lines(target, overrides, bind, ports, tritonserver, hostfile)))
         return
     repo = resolve_repo(target, overrides)
-    plan = plan_launch(repo, bind, ports, tritonserver)
+    plan = plan_launch(repo, bind, ports, tritonserver, hostfile)
     if plan.command is not None:
         sys.exit(run_mpirun(plan))
     srv.sigterm_as_interrupt()
+    import time
+
+    t0 = time.perf_counter()
+    if plan.world_size > 1 and not single_process:  # leader mode: one process per rank under mpiexec
+        from trtpipe.triton import mpi_launch
+        from trtpipe.triton.serve import repo_info
+
+        server, state = mpi_launch.start_job(repo, repo_info(repo), bind, ports or srv.Ports(*srv.free_ports(3)),
+                                             timeout, hostfile, detach)
+        click.echo(f"serving {repo} (leader mode, {plan.world_size} ranks under mpiexec)\n  http {server.http_url}\n"
+                   f"  grpc {server.grpc_url}\n  run  {server.run_dir}\n  ready in {time.perf_counter() - t0:.1f} s")
+        for r in state.get("ranks", []):
+            click.echo(f"  rank {r['rank']} (tp {r['tp_rank']}, pp {r['pp_rank']}) pid {r['pid']} on {r['host']}: "
+                       f"layers {r['layers']}, {r['weights_mb']} MiB of weights, RSS {r['rss_mb']} MiB")
+        if detach:
+            click.echo(f"  pid  {server.pid} (trtpipe stop {repo})")
+            return
+        click.echo("Ctrl-C to stop")
+        sys.stdout.flush()
+        sys.exit(mpi_launch.serve_job_forever(server, server.run_dir))
     server = srv.start_server(repo, bind, ports, timeout=timeout, detach=detach)
-    click.echo(f"serving {repo}\n  http {server.http_url}\n  grpc {server.grpc_url}\n  log  {server.log}")
+    ready_s = time.perf_counter() - t0
+    click.echo(f"serving {repo}\n  http {server.http_url}\n  grpc {server.grpc_url}\n  metrics http://{server.bind}:"
+               f"{server.ports.metrics}/metrics\n  log  {server.log}\n  ready in {ready_s:.1f} s (models loaded"
+               f"{' and warmed up' if _warmed(repo) else ', no warm-up'})")
     if detach:
         click.echo(f"  pid  {server.pid} (trtpipe stop {repo})")
         return
@@ -470,6 +498,12 @@ def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, tim
     sys.stdout.flush()
     srv.serve_forever(server)
     click.echo("stopped")
+
+
+def _warmed(repo) -> bool:
+    from trtpipe.bench.coldstart import has_warmup
+
+    return has_warmup(repo)
 
 
 @main.command()
@@ -538,20 +572,186 @@ def infer(prompt, url, server, overrides, protocol, model, max_tokens, temperatu
             click.echo(client.generate(prompt, opts))
 
 
-@main.command()
-@click.option("--prompt", default="Once upon a time", show_default=True)
-@_gen_options
-@click.option("--concurrency", "-c", default=4, show_default=True, type=click.IntRange(1, 256))
-@click.option("--requests", "-n", "num_requests", default=32, show_default=True, type=click.IntRange(1, 100_000))
-@click.option("--json", "as_json", is_flag=True)
-def bench(prompt, url, server, overrides, protocol, model, max_tokens, temperature, top_k, top_p, seed, concurrency, num_requests, as_json) -> None:
-    """Send N requests with C in flight; print throughput and latency percentiles."""
-    from trtpipe.triton.bench import run_bench
-    from trtpipe.triton.client import GenerateOptions
+class _DefaultGroup(_Group):
+    """A group whose first argument may be a subcommand or, if not, the arguments of ``default_cmd``."""
 
-    opts = GenerateOptions(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    report = run_bench(_client_url(url, protocol, server, overrides), protocol, prompt, opts, concurrency, num_requests, model)
-    click.echo(json.dumps(report, indent=2) if as_json else report["text"])
+    default_cmd = "run"
+
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
+            args = [self.default_cmd, *args]
+        elif not args:
+            args = [self.default_cmd]
+        return super().parse_args(ctx, args)
+
+
+@main.group(cls=_DefaultGroup)
+def bench() -> None:
+    """Benchmark a served model with NVIDIA AIPerf (default: bench run); compare results; cold start."""
+
+
+def _int_list(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return [int(v) for v in str(value).split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+
+
+def _float_list(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return [float(v) for v in str(value).split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers, got {value!r}") from None
+
+
+@bench.command(name="run")
+@click.argument("target", required=False, type=click.Path(exists=True, path_type=Path))
+@OVERRIDES
+@click.option("--server", "server", type=click.Path(exists=True, path_type=Path), help="Same as TARGET.")
+@click.option("--url", help="HTTP HOST:PORT of a running server (instead of TARGET; needs --tokenizer).")
+@click.option("--model", help="Front model (default: tensorrt_llm_bls when it streams, else the ensemble).")
+@click.option("--tokenizer", help="Tokenizer directory (default: the repository's).")
+@click.option("--metrics-url", help="tritonserver metrics endpoint (default: the served repository's metrics port).")
+@click.option("--concurrency", "-c", callback=_int_list, help="Closed loop: requests in flight; a list sweeps (1,2,4,8).")
+@click.option("--request-rate", callback=_float_list, help="Open loop: requests/s; a list sweeps.")
+@click.option("--arrival", type=click.Choice(["poisson", "constant"]), default="poisson", show_default=True,
+              help="Arrival process of --request-rate.")
+@click.option("--requests", "-n", "num_requests", type=click.IntRange(1, 1_000_000), help="Requests per point (default 32).")
+@click.option("--duration", type=click.FloatRange(0.1), help="Seconds per point instead of a request count.")
+@click.option("--warmup", type=click.IntRange(0, 100_000), default=2, show_default=True, help="Warm-up requests per point.")
+@click.option("--isl", type=click.IntRange(1), help="Prompt tokens (default: min(128, max_input_len)).")
+@click.option("--isl-stddev", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--osl", type=click.IntRange(1), help="Output tokens (default: min(64, max_seq_len - ISL)).")
+@click.option("--no-fixed-osl", is_flag=True, help="Let the model stop at EOS (default: end_id=-1 / min_tokens force OSL).")
+@click.option("--slo", help="Goodput SLOs, e.g. ttft:200ms,itl:50ms.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="Result directory (default: <work_dir>/bench/<time>-<label>, or ./bench-results/...).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result JSON (one point) or the sweep index.")
+def bench_run(target, overrides, server, url, model, tokenizer, metrics_url, concurrency, request_rate, arrival,
+              num_requests, duration, warmup, isl, isl_stddev, osl, no_fixed_osl, slo, seed, out, as_json) -> None:
+    """Benchmark TARGET (recipe or repository) with AIPerf; one result.json per load point, plots for sweeps."""
+    from trtpipe.bench.command import bench_command
+
+    bench_command(target or server, overrides, url, model, tokenizer, metrics_url, concurrency, request_rate, arrival,
+                  num_requests, duration, warmup, isl, isl_stddev, osl, not no_fixed_osl, slo, seed, out, as_json,
+                  echo=click.echo)
+
+
+@bench.command(name="compare")
+@click.argument("a")
+@click.argument("b")
+@click.option("--fail-if", "fail_if", multiple=True, metavar="METRIC.STAT>+N%",
+              help="Exit 1 when B crosses this (and its 95% CI excludes no change), e.g. 'ttft.p99>+10%'.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_compare(a, b, fail_if, seed, as_json) -> None:
+    """Compare bench results A and B (result.json or its directory; several runs of one side: A1,A2,A3):
+    deltas, bootstrap CIs, gates."""
+    from trtpipe.bench import compare as cmp
+    from trtpipe.bench.run import load_result
+
+    gates = [cmp.parse_gate(g) for g in fail_if]
+    da = [load_result(Path(p)) for p in a.split(",") if p]
+    db = [load_result(Path(p)) for p in b.split(",") if p]
+    result = cmp.compare(da, db, gates, seed=seed)
+    warn = cmp.check_comparable(da, db)
+    click.echo(json.dumps(result, indent=1) if as_json else cmp.render(result))
+    if warn:
+        click.echo(f"warning: {warn}", err=True)
+    if result["failed"]:
+        sys.exit(1)
+
+
+@bench.command(name="show")
+@click.argument("result", type=click.Path(exists=True, path_type=Path))
+@click.option("--aiperf", "side_by_side", is_flag=True, help="Also print trtpipe's numbers next to AIPerf's export.")
+def bench_show(result, side_by_side) -> None:
+    """Print a bench result (result.json or its directory)."""
+    from trtpipe.bench.run import agreement_table, load_result, render
+
+    doc = load_result(result)
+    click.echo(render(doc))
+    if side_by_side:
+        click.echo(agreement_table(doc))
+
+
+@bench.command(name="plot")
+@click.argument("sweep_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def bench_plot(sweep_dir) -> None:
+    """Redraw a sweep's plots and sweep.csv from its result files."""
+    from trtpipe.bench.sweep import load_sweep, write_sweep
+
+    index = write_sweep(sweep_dir, load_sweep(sweep_dir))
+    click.echo("plots: " + ", ".join(index["plots"]))
+
+
+@bench.command(name="cold")
+@click.argument("recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@OVERRIDES
+@click.option("--warm-requests", type=click.IntRange(1, 1000), default=5, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(1), default=16, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_cold(recipe, overrides, warm_requests, max_tokens, as_json) -> None:
+    """Start a fresh server for RECIPE; time its load, its first (cold) request and the warm ones after it."""
+    from trtpipe.bench.coldstart import measure_cold, render
+
+    result = measure_cold(recipe, overrides, warm_requests=warm_requests, max_tokens=max_tokens)
+    click.echo(json.dumps(result, indent=1) if as_json else render(result))
+
+
+@main.command()
+@click.argument("recipes", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@OVERRIDES
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("report"), show_default=True,
+              help="Where report.json, report.md and report.png go.")
+@click.option("--json", "as_json", is_flag=True)
+def report(recipes, overrides, out, as_json) -> None:
+    """Which build to deploy: accuracy (verify), memory (plan) and bench numbers of several recipes, side by side."""
+    from trtpipe.bench.report import build_report
+
+    doc = build_report(list(recipes), overrides, out)
+    click.echo(json.dumps(doc, indent=1) if as_json else doc["text"])
+
+
+@main.command(name="serve-openai")
+@click.argument("target", type=click.Path(exists=True, path_type=Path))
+@OVERRIDES
+@click.option("--host", default=None, help="Address (default: recipe llmapi.host, else 127.0.0.1).")
+@click.option("--port", type=int, default=None, help="Port (default: recipe llmapi.port, else 8000).")
+@click.option("--served-model-name", default=None, help="Model name clients send (default: recipe name / dir name).")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Jinja chat template file, for tokenizers without one (as trtllm-serve --chat_template).")
+def serve_openai(target: Path, overrides, host, port, served_model_name, chat_template) -> None:
+    """Serve an llmapi recipe's export (built first if needed) or an HF checkpoint directory with the
+    OpenAI-compatible twin of trtllm-serve, on the in-flight batching executor (CPU reference runtime)."""
+    import logging
+
+    from trtpipe.serving.openai_server import config_from_recipe, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    config = None
+    if target.is_dir():
+        model_dir, name = target, served_model_name or target.name
+    else:
+        from trtpipe.recipe import load_recipe
+
+        recipe = load_recipe(target, overrides)
+        if recipe.target != "llmapi":
+            raise click.UsageError(f"{target}: target is {recipe.target}; serve-openai serves target: llmapi recipes "
+                                   "(use trtpipe serve for the Triton repository)")
+        _, artifact = _build_until(target, overrides, "export")
+        model_dir = artifact / "hf"
+        name = served_model_name or recipe.llmapi.served_model_name or recipe.name
+        host, port = host or recipe.llmapi.host, port or recipe.llmapi.port
+        max_pos = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings") or 2048
+        config = config_from_recipe(recipe, int(max_pos))
+    serve(model_dir, host or "127.0.0.1", port or 8000, name, config,
+          chat_template.read_text() if chat_template else None)
 
 
 

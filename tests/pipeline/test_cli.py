@@ -71,7 +71,7 @@ def test_status_of_the_real_stage_table_lists_every_stage_in_order(make_recipe):
     assert code == 0, err
     report = json.loads(out)
     assert [r["name"] for r in report["stages"]] == list(STAGE_NAMES)
-    assert STAGE_NAMES == ("checkpoint", "calibrate", "quantize", "verify", "engine", "repo")
+    assert STAGE_NAMES == ("checkpoint", "calibrate", "quantize", "verify", "export", "llmapi", "engine", "repo")
     for row in report["stages"]:  # a stage either exists (and has a key or a reason) or says why not
         assert row["key"] or row["reason"]
     for name, reason in report["unavailable"].items():

@@ -53,7 +53,7 @@ CASES = {
     "tokens-per-block": (HEAD + "engine:\n  kv_cache:\n    tokens_per_block: 48\n", 6, 23, "engine.kv_cache.tokens_per_block", r"must be a power of two from 1 to 1024 \(got 48\)"),
     "moe-ep-zero": (HEAD + "parallel:\n  moe_ep: 0\n", 5, 11, "parallel.moe_ep", r"must be -1 \(derived\) or a positive size \(got 0\)"),
     # --- bad enum / pattern values ---
-    "bad-algo": (HEAD + "quantization:\n  algo: int3\n", 5, 9, "quantization.algo", r"'int3' is not allowed \(allowed: none, fp8, int8_sq, int8_wo, int4_wo, int4_awq, w4a8_awq\)"),
+    "bad-algo": (HEAD + "quantization:\n  algo: int3\n", 5, 9, "quantization.algo", r"'int3' is not allowed \(allowed: none, fp8, fp8_pc_pt, int8_sq, int8_wo, int4_wo, int4_awq, w4a8_awq, nvfp4\)"),
     "bad-kv-cache": (HEAD + "quantization:\n  kv_cache: fp4\n", 5, 13, "quantization.kv_cache", r"'fp4' is not allowed \(allowed: none, fp8, int8\)"),
     "bad-group-size": (HEAD + "quantization:\n  group_size: 100\n", 5, 15, "quantization.group_size", r"100 is not allowed \(allowed: 32, 64, 128, 256\)"),
     "bad-dtype": (HEAD + "  dtype: fp16\n", 4, 10, "model.dtype", r"'fp16' is not allowed \(allowed: auto, float16, bfloat16, float32\)"),
@@ -215,7 +215,7 @@ def test_real_subprocess_exit_code_and_message(write, stories_dir):
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr == (f"{path}:5:9: quantization.algo: 'int3' is not allowed "
-                           "(allowed: none, fp8, int8_sq, int8_wo, int4_wo, int4_awq, w4a8_awq)\n")
+                           "(allowed: none, fp8, fp8_pc_pt, int8_sq, int8_wo, int4_wo, int4_awq, w4a8_awq, nvfp4)\n")
 
 
 def test_special_files_are_refused_not_read(tmp_path):
@@ -241,6 +241,7 @@ def test_yaml_alias_bomb_is_reported_quickly(write, stories_dir):
     path = write("\n".join(lines) + "\n")
     result = run_cli("validate", str(path))
     assert result.exit_code == 2
-    assert f"{path}:1:1: a: unknown key (allowed: name, work_dir, model, quantization, parallel, engine, accuracy, triton)" in result.stderr
+    assert (f"{path}:1:1: a: unknown key (allowed: name, work_dir, model, quantization, parallel, engine, accuracy, "
+            "triton, target, llmapi)") in result.stderr
     # an aliased value is reported where it is defined: exclude's items are *h, anchored at line 8 column 4
     assert f"{path}:8:4: quantization.exclude.8: must be a string (got a list)" in result.stderr

@@ -110,7 +110,8 @@ def test_schema_covers_every_field(schema):
     engine = _resolve(schema, schema["properties"]["engine"])
     assert _resolve(schema, engine["properties"]["kv_cache"])["properties"]["tokens_per_block"]["default"] == 32
     quant = _resolve(schema, schema["properties"]["quantization"])
-    assert quant["properties"]["algo"]["enum"] == ["none", "fp8", "int8_sq", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq"]
+    assert quant["properties"]["algo"]["enum"] == ["none", "fp8", "fp8_pc_pt", "int8_sq", "int8_wo", "int4_wo", "int4_awq",
+                                                  "w4a8_awq", "nvfp4"]
     assert quant["properties"]["group_size"]["enum"] == [32, 64, 128, 256]
 
 

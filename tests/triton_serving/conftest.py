@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
-BUILD_CONFIG = {"max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512, "max_beam_width": 1, "max_num_tokens": 2048}
+from triton_helpers import BUILD_CONFIG  # noqa: E402
 
 
 @pytest.fixture(scope="session")

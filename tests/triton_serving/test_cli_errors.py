@@ -27,13 +27,20 @@ def test_infer_without_a_server_is_one_line(protocol, extra):
     assert len(lines) == 1 and lines[0].startswith(f"{url}: "), res.output
 
 
-@pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_bench_where_every_request_fails_exits_non_zero(protocol):
+def test_bench_without_a_server_is_one_line(monkeypatch):
+    monkeypatch.setenv("TRTPIPE_AIPERF", "/bin/true")  # found; the server check comes first and fails
     url = f"127.0.0.1:{_closed_port()}"
-    res = CliRunner().invoke(main, ["bench", "--url", url, "--protocol", protocol, "-n", "2", "-c", "1", "--json"])
+    res = CliRunner().invoke(main, ["bench", "--url", url, "--tokenizer", "/tmp", "-n", "2", "-c", "1"])
     assert res.exit_code == 1, res.output
     lines = res.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("all 2 requests failed; first error: " + url), res.output
+    assert len(lines) == 1 and lines[0].startswith(f"http://{url}: cannot reach the server"), res.output
+
+
+def test_bench_without_aiperf_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRTPIPE_AIPERF", str(tmp_path / "missing-aiperf"))
+    res = CliRunner().invoke(main, ["bench", "--url", "127.0.0.1:1", "--tokenizer", "/tmp"])
+    assert res.exit_code == 1
+    assert res.output.strip() == f"TRTPIPE_AIPERF={tmp_path / 'missing-aiperf'}: no such file"
 
 
 @pytest.mark.parametrize("args,message", [

@@ -1,4 +1,4 @@
-"""The CLI against real servers: ``serve --detach`` / ``infer`` / ``bench`` / ``stop`` on a repository that was
+"""The CLI against real servers: ``serve --detach`` / ``infer`` / ``stop`` on a repository that was
 moved after writing (relocatable), and a foreground ``serve`` stopped by SIGTERM."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _run(*args: str) -> str:
     return res.output
 
 
-def test_detach_infer_stream_bench_stop(moved_repo):
+def test_detach_infer_stream_stop(moved_repo):
     out = _run("serve", str(moved_repo), "--detach")
     pid = int(re.search(r"pid\s+(\d+)", out).group(1))
     try:
@@ -47,11 +47,6 @@ def test_detach_infer_stream_bench_stop(moved_repo):
         assert answer.startswith(", there was a little girl named Lily")
         streamed = _run("infer", "Once upon a time", "--server", str(moved_repo), "--max-tokens", "12", "--stream")
         assert streamed == answer
-        report = json.loads(_run("bench", "--server", str(moved_repo), "-c", "4", "-n", "12", "--max-tokens", "8",
-                                 "--json"))
-        assert report["ok"] == 12 and report["errors"] == 0
-        assert 0 < report["latency_ms"]["p50"] <= report["latency_ms"]["p99"]
-        assert report["requests_per_s"] > 0
     finally:
         stopped = _run("stop", str(moved_repo))
     assert f"stopped pid {pid}" in stopped

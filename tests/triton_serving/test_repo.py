@@ -32,7 +32,8 @@ lookahead_verification_set_size medusa_choices eagle_choices gpu_weights_percent
 enable_context_fmha_fp32_acc cuda_graph_mode cuda_graph_cache_size gpu_device_ids participant_ids num_nodes
 lora_cache_optimal_adapter_size lora_cache_max_adapter_size lora_cache_gpu_memory_fraction
 lora_cache_host_memory_bytes lora_prefetch_dir speculative_decoding_fast_logits guided_decoding_backend
-xgrammar_tokenizer_info_path tokenizer_dir executor_worker_path recv_poll_period_ms enable_trt_overlap""".split()
+xgrammar_tokenizer_info_path tokenizer_dir executor_worker_path recv_poll_period_ms""".split()
+# enable_trt_overlap (in the table as "deprecated, ignored") is left out, as upstream's template leaves it out
 
 
 @pytest.fixture(scope="module")
@@ -143,11 +144,16 @@ def test_postprocessing_matches_the_golden_file(stories_recipe):
     assert text_format.Parse(golden, mc.ModelConfig()).parameters["tokenizer_dir"].string_value == "tokenizer"
 
 
-def test_twin_declares_only_what_it_implements(stories_recipe, stories_engine):
-    config = R.tensorrt_llm_config(stories_recipe(), R.EngineInfo.read(stories_engine(1)))
-    assert config.backend == "python"
-    assert {i.name for i in config.input} == set(R.TWIN_INPUTS)
-    assert config.parameters["gpt_model_path"].string_value == "engine"  # relative: the repo is relocatable
+def test_twin_declares_what_the_real_model_declares(stories_recipe, stories_engine):
+    engine = R.EngineInfo.read(stories_engine(1))
+    twin = R.tensorrt_llm_config(stories_recipe(), engine)
+    assert twin.backend == "python"
+    real = R.tensorrt_llm_config(stories_recipe(), R.EngineInfo(**{**engine.__dict__, "twin": False}))
+    assert real.backend == "tensorrtllm"
+    assert [i.name for i in twin.input] == [i.name for i in real.input] + [r.name for r in R.TWIN_ONLY_INPUTS]
+    assert list(twin.input)[:len(real.input)] == list(real.input) and list(twin.output) == list(real.output)
+    assert twin.parameters["gpt_model_path"].string_value == "engine"  # relative: the repo is relocatable
+    assert twin.parameters["batch_scheduler_policy"].string_value == "guaranteed_no_evict"
 
 
 def test_token_ids_from_generation_config_and_tokenizer(tmp_path, tokenizer_with_eos):
@@ -228,3 +234,15 @@ def test_recipe_dry_run_prints_the_launch_without_building(tmp_path):
     cmd = shlex.split(lines[-1])
     assert cmd.count(":") == 3 and cmd.count("--load-model=tensorrt_llm") == 3 and "--grpc-port=9001" in cmd
     assert not (tmp_path / "artifacts").exists()  # nothing was built
+
+
+def test_priority_levels_reach_the_entry_queues(stories_recipe, stories_engine):
+    recipe = stories_recipe("triton.priority_levels=3", "triton.max_queue_size=32")
+    llm = R.tensorrt_llm_config(recipe, R.EngineInfo.read(stories_engine(1)))
+    bls = R.bls_config(recipe)
+    for c in (llm, bls):
+        assert (c.dynamic_batching.priority_levels, c.dynamic_batching.default_priority_level) == (3, 2)
+    assert llm.dynamic_batching.default_queue_policy.max_queue_size == 32
+    engine = R.EngineInfo.read(stories_engine(1))
+    pre = R.preprocessing_config(recipe, engine, R.token_ids(stories_engine(1) / "checkpoint"))
+    assert pre.dynamic_batching.priority_levels == 0  # only the models that queue generation work

@@ -110,7 +110,6 @@ def test_seeded_sampling_is_reproducible(client, hf_greedy):
     [
         ("", 8, "text_input (QUERY) is empty"),
         ("Once upon a time", 0, "max_tokens) must be at least 1"),
-        ("Once upon a time", 100_000, "exceeds the limit 507"),
         ("word " * 300, 8, "exceeds the engine's max_input_len 256"),
     ],
 )
@@ -119,6 +118,11 @@ def test_bad_requests_name_the_problem_and_the_server_keeps_answering(client, pr
         client.generate(prompt, GenerateOptions(max_tokens=max_tokens))
     assert needle in str(info.value)
     assert client.generate("Once upon a time", GenerateOptions(max_tokens=4)) == ", there was a"
+
+
+def test_max_tokens_beyond_max_seq_len_is_shortened_silently(client, hf_greedy):
+    """As TensorRT-LLM's executor does (a warning, not an error): prompt 5 + output <= max_seq_len 512."""
+    assert client.generate("Once upon a time", GenerateOptions(max_tokens=100_000)) == hf_greedy("Once upon a time", 507)[1]
 
 
 def test_wrong_dtype_is_rejected_by_name(server, client):
@@ -143,3 +147,79 @@ def test_wrong_dtype_is_rejected_by_name(server, client):
     assert "input 'max_tokens' data-type is 'FP32'" in message and "expects 'INT32'" in message
     assert client.generate("Once upon a time", GenerateOptions(max_tokens=4)) == ", there was a"
     assert server.alive()
+
+
+def _direct_tensorrt_llm(server, extra: dict) -> tuple[list, list]:
+    """One request straight to the tensorrt_llm model (decoupled here): (errors, output_ids arrays) received."""
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name, array):
+        t = grpcclient.InferInput(name, list(array.shape), grpcclient.np_to_triton_dtype(array.dtype))
+        t.set_data_from_numpy(array)
+        return t
+
+    ids = np.array([[1, 403, 407, 261, 378]], np.int32)  # "Once upon a time" in the stories tokenizer
+    inputs = [tensor("input_ids", ids), tensor("input_lengths", np.array([[ids.shape[1]]], np.int32)),
+              tensor("request_output_len", np.array([[4]], np.int32))]
+    inputs += [tensor(name, value) for name, value in extra.items()]
+    raw = grpcclient.InferenceServerClient(server.grpc_url)
+    done, errors, outputs = threading.Event(), [], []
+
+    def on(result, error):
+        if error is not None:
+            errors.append(error)
+            done.set()
+        else:
+            outputs.append(result.as_numpy("output_ids"))
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                done.set()
+
+    raw.start_stream(callback=on)
+    try:
+        raw.async_stream_infer("tensorrt_llm", inputs, enable_empty_final_response=True)
+        assert done.wait(60)
+    finally:
+        raw.stop_stream()
+        raw.close()
+    return errors, outputs
+
+
+@pytest.mark.parametrize("name, value, needle", [
+    ("return_log_probs", np.array([[True]]), "return_log_probs: the CPU twin serves only return_log_probs=false"),
+    ("beam_width", np.array([[2]], np.int32), "beam_width: the CPU twin serves only beam_width=1"),
+    ("lora_task_id", np.array([[7]], np.uint64), "lora_task_id: LoRA is not supported by the CPU twin"),
+])
+def test_twin_refuses_declared_inputs_it_cannot_honour(server, client, name, value, needle):
+    """The twin declares the real backend's inputs; a request that needs one it cannot honour gets a one-line
+    error naming it, the neutral value is served, and the server keeps answering."""
+    errors, _ = _direct_tensorrt_llm(server, {name: value})
+    assert len(errors) == 1 and needle in str(errors[0])
+    neutral = {"return_log_probs": np.array([[False]]), "beam_width": np.array([[1]], np.int32)}
+    if name in neutral:
+        errors, outputs = _direct_tensorrt_llm(server, {name: neutral[name]})
+        assert not errors and outputs
+    assert client.generate("Once upon a time", GenerateOptions(max_tokens=4)) == ", there was a"
+
+
+def test_preprocessing_refuses_template_inputs_it_does_not_implement(server, client):
+    """preprocessing declares upstream's template inputs (so upstream's model.py can be swapped in); trtpipe's
+    model names the one it does not implement instead of ignoring it."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    def tensor(name, array, dtype):
+        t = grpcclient.InferInput(name, list(array.shape), dtype)
+        t.set_data_from_numpy(array)
+        return t
+
+    base = [tensor("QUERY", np.array([[b"Once upon a time"]], dtype=object), "BYTES"),
+            tensor("REQUEST_OUTPUT_LEN", np.array([[4]], np.int32), "INT32")]
+    raw = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        ok = raw.infer("preprocessing", base)
+        assert ok.as_numpy("REQUEST_INPUT_LEN").reshape(-1).tolist() == [5]
+        with pytest.raises(InferenceServerException, match="EMBEDDING_BIAS_WORDS: declared as in upstream's template"):
+            raw.infer("preprocessing", base + [tensor("EMBEDDING_BIAS_WORDS", np.array([[b"girl"]], dtype=object), "BYTES")])
+    finally:
+        raw.close()
+    assert client.generate("Once upon a time", GenerateOptions(max_tokens=4)) == ", there was a"

@@ -9,14 +9,16 @@ the 1.2.x CLI, §4.1) and the equivalent ``build_config`` JSON (every BuildConfi
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from trtpipe.engine import ckptconfig
+from trtpipe.engine import ckptconfig, upstream
 from trtpipe.engine.enforce import Change, Target, enforce, rejections
 from trtpipe.engine.gpus import GPU, get_gpu
 from trtpipe.engine.presets import BY_NAME, FIELDS, auto_preset, get_preset, normalize
+from trtpipe.errors import EngineError
 from trtpipe.recipe.schema import Recipe
 
 TARGET_TRTLLM_VERSION = "1.2.1"  # contract §0: the TensorRT-engine path this build config is written for
@@ -46,6 +48,7 @@ class BuildConfig:
     world_size: int = 1
     quant_algo: Optional[str] = None
     kv_cache_quant_algo: Optional[str] = None
+    disable_weight_only_quant_plugin: bool = False  # the checkpoint config's flag (Llama family)
 
     @property
     def kv_cache_type(self) -> str:
@@ -113,6 +116,8 @@ def resolve_limits(recipe: Recipe, cfg: dict, plugins: Mapping[str, Any]) -> tup
             changes.append(Change("max_num_tokens", tokens, batch * seq, "without remove_input_padding it is max_batch_size x max_seq_len"))
         tokens = batch * seq
         return {"max_seq_len": seq, "max_input_len": inp, "max_num_tokens": tokens, "opt_num_tokens": None}, changes
+    if not plugins["multiple_profiles"]:  # computed before max_num_tokens is clamped or raised
+        opt = min(batch * beam, tokens)
     if tokens > batch * seq:
         changes.append(Change("max_num_tokens", tokens, batch * seq, f"clamped to max_batch_size x max_seq_len = {batch * seq}"))
         tokens = batch * seq
@@ -122,8 +127,8 @@ def resolve_limits(recipe: Recipe, cfg: dict, plugins: Mapping[str, Any]) -> tup
     elif plugins["context_fmha"] and tokens < plugins["tokens_per_block"]:
         changes.append(Change("max_num_tokens", tokens, plugins["tokens_per_block"], "raised to tokens_per_block"))
         tokens = plugins["tokens_per_block"]
-    if not plugins["multiple_profiles"]:
-        opt = min(batch * beam, tokens)
+    if opt is not None and opt > tokens:
+        opt = tokens
     return {"max_seq_len": seq, "max_input_len": inp, "max_num_tokens": tokens, "opt_num_tokens": opt}, changes
 
 
@@ -136,7 +141,7 @@ def resolve_build(recipe: Recipe, checkpoint_config: dict, gpu: Optional[GPU] = 
     gpu = gpu or get_gpu(recipe.engine.gpu)
     target = _target(checkpoint_config, gpu)
     preset, is_auto, values, sources = _plugins(recipe, target)
-    values, changes = enforce(values, target)
+    values, changes = enforce(values, target, explicit=set(sources))
     rejected = rejections(values, target)
     limits, limit_changes = resolve_limits(recipe, checkpoint_config, values)
     tp, pp = target.tp, target.pp
@@ -148,6 +153,7 @@ def resolve_build(recipe: Recipe, checkpoint_config: dict, gpu: Optional[GPU] = 
         world_size=tp * pp,
         quant_algo=target.quant_algo,
         kv_cache_quant_algo=target.kv_cache_quant_algo,
+        disable_weight_only_quant_plugin=bool(checkpoint_config.get("disable_weight_only_quant_plugin", False)),
         **limits,
     )
     return EngineBuild(
@@ -170,10 +176,33 @@ def _cli_value(name: str, value: Any) -> str:
     return str(value)
 
 
+def check_argv(argv: list[str]) -> None:
+    """Every ``--flag value`` of a trtllm-build command is a flag of the targeted version, with a value its
+    argparse accepts (the upstream table). Raises EngineError naming the flag and the allowed values."""
+    for flag, value in zip(argv[1::2], argv[2::2]):
+        name = flag[2:]
+        plugin = upstream.PLUGIN_BY_NAME.get(name)
+        general = upstream.BUILD_FLAG_BY_NAME.get(name)
+        if plugin is not None and plugin.cli:
+            kind, choices, fold = plugin.kind, plugin.choices(), False
+        elif general is not None:
+            kind, choices, fold = general.kind, general.choices, general.case_insensitive
+        else:
+            raise EngineError(f"trtllm-build has no flag {flag} in TensorRT-LLM {TARGET_TRTLLM_VERSION}")
+        if kind == "int":
+            if not value.lstrip("-").isdigit():
+                raise EngineError(f"trtllm-build {flag}: {value!r} is not an integer")
+        elif choices and (value.lower() if fold else value) not in choices:
+            raise EngineError(f"trtllm-build {flag}: {value!r} is not accepted (allowed: {', '.join(choices)})")
+
+
 def to_argv(build: EngineBuild, checkpoint_dir: str | Path, output_dir: str | Path,
             build_config_json: str | Path | None = None) -> list[str]:
-    """The ``trtllm-build`` command. With ``build_config_json`` the shape flags are replaced by
-    ``--build_config`` (the builder ignores them then) while plugin flags are still given, as it still applies them."""
+    """The ``trtllm-build`` command, checked value by value against the upstream flag table.
+
+    With ``build_config_json`` the shape flags are replaced by ``--build_config``. The plugin flags are still
+    given: the JSON's ``plugin_config`` overrides every one of them (``BuildConfig.from_dict`` overlays it), but
+    ``--gemm_plugin disable`` on the command line is what keeps an NVFP4 model off the NVFP4 GEMM plugin."""
     c = build.config
     argv = ["trtllm-build", "--checkpoint_dir", str(checkpoint_dir), "--output_dir", str(output_dir)]
     if build_config_json is not None:
@@ -190,37 +219,46 @@ def to_argv(build: EngineBuild, checkpoint_dir: str | Path, output_dir: str | Pa
     for name in build.emitted_fields():
         argv += [f"--{name}", _cli_value(name, c.plugins[name])]
     argv += ["--workers", str(build.workers)]
+    check_argv(argv)
     return argv
 
 
-def _dtype_field(value: str, dtype: str) -> Optional[str]:
-    return None if value == "disable" else dtype if value == "auto" else value
+def _stored(value: Any) -> Optional[str]:
+    """A dtype field as PluginConfig stores it: "disable" is None, anything else (``auto`` included) literally.
+    PluginConfig resolves ``auto`` to its dtype only on attribute access; model_dump writes the stored value."""
+    return None if value == "disable" else value
 
 
 def plugin_config_json(c: BuildConfig) -> dict[str, Any]:
-    """PluginConfig as the builder serializes it: plugin fields as dtype strings or null, features as bools."""
-    out: dict[str, Any] = {"dtype": c.dtype}
-    for f in FIELDS:
-        v = c.plugins[f.name]
-        out[f.name] = _dtype_field(v, c.dtype) if f.kind == "dtype" else v
-    # Set by the builder itself, never by a flag (contract §4.1, "Non-CLI PluginConfig fields").
-    out["nccl_plugin"] = c.dtype if c.world_size > 1 else None
+    """``build_config.plugin_config`` as 1.2's ``Engine.save`` writes it (``PluginConfig.model_dump()``).
+
+    Every field of the upstream table in its declaration order: CLI fields from the final (enforced) values,
+    the builder-set fields as ``builder.build`` sets them from the model's quantization and mapping.
+    """
+    out: dict[str, Any] = {}
+    for f in upstream.PLUGIN_CONFIG:
+        if f.cli:
+            v = c.plugins[f.name]
+            out[f.name] = _stored(v) if f.kind == "dtype" else v
+        else:
+            out[f.name] = f.default
+    out["dtype"] = c.dtype  # builder.build: plugin_config.dtype = model dtype
+    out["paged_kv_cache"] = bool(c.plugins["paged_kv_cache"])  # update_kv_cache_type, from kv_cache_type
     qa = c.quant_algo
-    out["weight_only_quant_matmul_plugin"] = c.dtype if qa in WEIGHT_ONLY_PER_CHANNEL else None
-    out["weight_only_groupwise_quant_matmul_plugin"] = c.dtype if qa in WEIGHT_ONLY_GROUPWISE else None
-    sq = qa in SQ_PLUGIN_ALGOS
-    out["smooth_quant_plugins"] = True
-    for name in ("smooth_quant_gemm_plugin", "rmsnorm_quantization_plugin", "layernorm_quantization_plugin"):
-        out[name] = c.dtype if sq else None
-    out["quantize_per_token_plugin"] = sq
-    out["quantize_tensor_plugin"] = sq
-    if qa == "FP8_PER_CHANNEL_PER_TOKEN" and out["fp8_rowwise_gemm_plugin"] is None:
-        out["fp8_rowwise_gemm_plugin"] = c.dtype
-    if qa == "NVFP4" and c.plugins["gemm_plugin"] == "auto":
-        out["gemm_plugin"] = "nvfp4"
-    out["qserve_gemm_plugin"] = None
-    out["identity_plugin"] = None
-    out["manage_weights"] = False
+    if not c.disable_weight_only_quant_plugin:
+        if qa in WEIGHT_ONLY_GROUPWISE:
+            out["weight_only_groupwise_quant_matmul_plugin"] = c.dtype
+        elif qa in WEIGHT_ONLY_PER_CHANNEL:
+            out["weight_only_quant_matmul_plugin"] = c.dtype
+    if qa in SQ_PLUGIN_ALGOS and out["smooth_quant_plugins"]:  # set_smooth_quant_plugins(dtype)
+        for name in ("smooth_quant_gemm_plugin", "rmsnorm_quantization_plugin", "layernorm_quantization_plugin"):
+            out[name] = c.dtype
+        out["quantize_per_token_plugin"] = out["quantize_tensor_plugin"] = True
+    rowwise_algos, _ = upstream.FP8_ROWWISE_ALGOS
+    if qa in rowwise_algos:  # set_fp8_rowwise_quant_plugins(dtype), whatever the command line said
+        for name, value in upstream.FP8_ROWWISE_SETS[0]:
+            out[name] = c.dtype if value == "dtype" else value
+    out["nccl_plugin"] = c.dtype if c.world_size > 1 else None  # set_nccl_plugin(dtype or None)
     return out
 
 
@@ -248,13 +286,7 @@ def to_json(c: BuildConfig) -> dict[str, Any]:
         "use_refit": False,
         "input_timing_cache": None,
         "output_timing_cache": "model.cache",
-        "lora_config": {
-            "lora_dir": [],
-            "lora_ckpt_source": "hf",
-            "max_lora_rank": 64,
-            "lora_target_modules": [],
-            "trtllm_modules_to_hf_modules": {},
-        },
+        "lora_config": {name: json.loads(json.dumps(default)) for name, default, _ in upstream.LORA_CONFIG},
         "weight_sparsity": False,
         "weight_streaming": False,
         "plugin_config": plugin_config_json(c),

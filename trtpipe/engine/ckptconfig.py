@@ -7,6 +7,7 @@ the planner read, from the Hugging Face config and the recipe. After conversion 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Optional
 
@@ -38,6 +39,10 @@ def predicted_checkpoint_config(info: HFModelInfo, recipe: Recipe) -> dict[str, 
     cfg = build_config(info, family, dtype, p.tp, p.pp, p.moe_tp, p.moe_ep)
     if q.algo != "none" or q.kv_cache != "none":
         cfg["quantization"] = quantization_config(q.algo, q.kv_cache, q.group_size, q.exclude)
+    if recipe.target == "llmapi" and (q.algo != "none" or q.kv_cache != "none"):  # the unified HF format's algo
+        from trtpipe.export.formats import hf_quant_config
+
+        cfg["quantization"] = hf_quant_config(q.algo, q.kv_cache, q.group_size, list(q.exclude), {})["quantization"]
     return cfg
 
 
@@ -60,10 +65,18 @@ def mapping(cfg: dict) -> tuple[int, int]:
     return int(m.get("tp_size", 1)), int(m.get("pp_size", 1))
 
 
-def deduced_max_seq_len(cfg: dict) -> int:
-    """trtllm-build's default max_seq_len: max_position_embeddings (2048 if null) x the rope factor."""
-    base = cfg.get("max_position_embeddings") or 2048
-    scaling = cfg.get("rotary_scaling") or {}
+def deduce_max_seq_len(max_position_embeddings: Optional[int], rope_scaling: Optional[dict]) -> int:
+    """builder._init_max_seq_len: max_position_embeddings (2048 if null), times the rope factor rounded up
+    (``math.ceil``) unless the rope type's factor does not extend the window (su, longrope, llama3)."""
+    base = max_position_embeddings or 2048
+    scaling = rope_scaling or {}
     kind = scaling.get("type", scaling.get("rope_type"))
-    factor = scaling.get("factor", 1.0) if kind not in _NO_FACTOR_ROPE else 1.0
-    return int(base * (factor or 1.0))
+    factor = scaling.get("factor", 1.0) if kind not in _NO_FACTOR_ROPE else 1
+    if isinstance(factor, (int, float)) and factor and factor != 1:
+        return int(math.ceil(base * factor))
+    return int(base)
+
+
+def deduced_max_seq_len(cfg: dict) -> int:
+    """trtllm-build's default max_seq_len for a checkpoint config.json (see :func:`deduce_max_seq_len`)."""
+    return deduce_max_seq_len(cfg.get("max_position_embeddings"), cfg.get("rotary_scaling"))

@@ -9,7 +9,9 @@ its reason, so validation can report them before a long build.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Collection, Optional
+
+from trtpipe.engine import upstream
 
 # Architectures for which reduce_fusion survives (builder: Llama, Gemma2, Medusa).
 REDUCE_FUSION_ARCHS = ("LlamaForCausalLM", "Gemma2ForCausalLM", "MedusaForCausalLM")
@@ -25,13 +27,9 @@ SMOOTHQUANT_ALGOS = (
     "W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN",
 )
 PER_CHANNEL_PER_TOKEN_ALGOS = ("FP8_PER_CHANNEL_PER_TOKEN",)
-# PluginConfig.validate rejects these plugins on SM100.
-SM100_REJECTED_PLUGINS = (
-    "gemm_swiglu_plugin",
-    "fp8_rowwise_gemm_plugin",
-    "low_latency_gemm_plugin",
-    "low_latency_gemm_swiglu_plugin",
-)
+# PluginConfig.validate: {exact SM: fields it rejects} (upstream table).
+VALIDATE_REJECTS_BY_SM = upstream.VALIDATE_REJECTS_BY_SM[0]
+PAGED_STATE_ARCHITECTURES = upstream.PAGED_STATE_ARCHITECTURES[0]
 
 
 @dataclass(frozen=True)
@@ -63,11 +61,16 @@ def _spell(v: Any) -> str:
 
 def is_blackwell_dc(sm: int) -> bool:
     """SM 100-119: the range where the builder rejects weight-only, INT8 KV and SmoothQuant."""
-    return 100 <= sm < 120
+    low, high = upstream.BLACKWELL_DC_SM_RANGE[0]
+    return low <= sm < high
 
 
-def enforce(plugins: dict[str, Any], t: Target) -> tuple[dict[str, Any], list[Change]]:
-    """Apply §4.2's rewrites in the builder's order; return the final fields and what changed (with why)."""
+def enforce(plugins: dict[str, Any], t: Target, explicit: Collection[str] = ()) -> tuple[dict[str, Any], list[Change]]:
+    """Apply §4.2's rewrites in the builder's order; return the final fields and what changed (with why).
+
+    ``explicit``: the plugin fields given on the command line (only ``--gemm_plugin disable`` matters: it is
+    the one way to keep an NVFP4 model off the NVFP4 GEMM plugin).
+    """
     p = dict(plugins)
     changes: list[Change] = []
 
@@ -76,6 +79,8 @@ def enforce(plugins: dict[str, Any], t: Target) -> tuple[dict[str, Any], list[Ch
             changes.append(Change(name, p[name], value, reason))
             p[name] = value
 
+    if t.architecture not in PAGED_STATE_ARCHITECTURES:  # BuildConfig.update_kv_cache_type
+        force("paged_state", False, f"paged_state is for Mamba/RecurrentGemma; the builder sets it off for {t.architecture}")
     if p["reduce_fusion"] and not (t.tp > 1 and t.architecture in REDUCE_FUSION_ARCHS):
         why = "needs tp > 1" if t.tp <= 1 else f"not supported for {t.architecture}"
         force("reduce_fusion", False, f"reduce_fusion {why} (Llama, Gemma2 or Medusa)")
@@ -104,6 +109,9 @@ def enforce(plugins: dict[str, Any], t: Target) -> tuple[dict[str, Any], list[Ch
             force("use_fp8_context_fmha", True, "paged context FMHA with an FP8 KV cache is always FP8")
     if t.kv_cache_quant_algo == "INT8":
         force("use_paged_context_fmha", False, "an INT8 KV cache disables paged context FMHA (and with it KV reuse)")
+    (algo, gemm), _ = upstream.NVFP4_GEMM
+    if t.quant_algo == algo and not ("gemm_plugin" in explicit and p["gemm_plugin"] == "disable"):
+        force("gemm_plugin", gemm, "an NVFP4 model gets the NVFP4 GEMM plugin unless --gemm_plugin disable is given")
     return p, changes
 
 
@@ -120,23 +128,18 @@ def rejections(plugins: dict[str, Any], t: Target) -> list[tuple[str, str]]:
             out.append(("quantization.algo", f"per-channel/per-token {t.quant_algo} is rejected by the builder on {sm}"))
         if t.kv_cache_quant_algo == "INT8":
             out.append(("quantization.kv_cache", f"an INT8 KV cache is rejected by the builder on {sm} (SM 100-119)"))
-    if 100 <= t.sm < 110:
-        for name in SM100_REJECTED_PLUGINS:
-            if plugins.get(name, "disable") != "disable":
-                out.append((name, f"{name} is rejected on {sm} (PluginConfig.validate)"))
-        if plugins.get("bert_context_fmha_fp32_acc"):
-            out.append(("bert_context_fmha_fp32_acc", f"rejected on {sm} (PluginConfig.validate)"))
+    for name in VALIDATE_REJECTS_BY_SM.get(t.sm, ()):
+        if plugins.get(name, "disable") not in ("disable", False):
+            out.append((name, f"{name} is rejected on {sm} (PluginConfig.validate)"))
     if t.sm < 89 and t.quant_algo in FP8_ALGOS:  # an FP8 KV cache alone is allowed (§4.2 handles it)
         out.append(("quantization.algo", f"{t.quant_algo} needs FP8 tensor cores (SM >= 8.9); the target is {sm}"))
     if plugins.get("streamingllm"):
         out.append(("streamingllm", "StreamingLLM is no longer supported in TensorRT-LLM 1.x (the builder asserts)"))
     if plugins.get("pp_reduce_scatter") and t.architecture != "MixtralForCausalLM":
         out.append(("pp_reduce_scatter", f"pp_reduce_scatter is only for Mixtral (the builder asserts; got {t.architecture})"))
-    if plugins.get("gemm_swiglu_plugin", "disable") != "disable":
-        if not plugins.get("use_fused_mlp"):
-            out.append(("gemm_swiglu_plugin", "gemm_swiglu_plugin needs use_fused_mlp"))
-        if t.sm != 90:
-            out.append(("gemm_swiglu_plugin", f"gemm_swiglu_plugin runs on Hopper (SM 9.0) only; the target is {sm}"))
+    for name in upstream.SWIGLU_PLUGINS_NEED_FUSED_MLP[0]:
+        if plugins.get(name, "disable") != "disable" and not plugins.get("use_fused_mlp"):
+            out.append((name, f"{name} needs use_fused_mlp (the builder raises)"))
     if plugins.get("gemm_plugin") == "fp8" and t.quant_algo not in FP8_ALGOS:
         out.append(("gemm_plugin", f"gemm_plugin fp8 needs an FP8 model (quant_algo is {t.quant_algo})"))
     if plugins.get("gemm_plugin") == "nvfp4" and t.quant_algo != "NVFP4":

@@ -7,7 +7,7 @@ A preset file::
     plugins: {gpt_attention_plugin: auto, gemm_plugin: fp8, use_fp8_context_fmha: true, ...}
 
 ``plugins`` may only name fields of :data:`FIELDS` (the PluginConfig fields ``trtllm-build`` exposes on its
-command line, contract §4.1, plus ``paged_kv_cache``, which is emitted as ``--kv_cache_type``). A recipe names a
+command line, from :mod:`trtpipe.engine.upstream`, plus ``paged_kv_cache``, which is emitted as ``--kv_cache_type``). A recipe names a
 preset (``engine.plugins.preset``) or leaves ``auto``, which takes the first preset (sorted by name) whose
 ``match`` fits the target GPU and the checkpoint's quantization; ``engine.plugins.overrides`` then replaces fields.
 """
@@ -22,57 +22,34 @@ from typing import Any, Optional
 
 import yaml
 
+from trtpipe.engine import upstream
 from trtpipe.errors import EngineError
-
-DTYPES = ("auto", "float16", "float32", "bfloat16", "int32", "disable")
-
 
 @dataclass(frozen=True)
 class Field:
-    """One PluginConfig field: its kind, the 1.x default (as the CLI spells it) and whether it is a CLI flag."""
+    """One PluginConfig field a preset or recipe may set: its kind, its default when trtllm-build is not given
+    the flag (in the CLI spelling: dtype off = "disable"), its allowed values, and whether it is a CLI flag."""
 
     name: str
     kind: str  # "dtype" (a plugin: dtype string or disable), "bool" (enable/disable feature), "int"
-    default: Any  # dtype fields: "auto"/"disable"/...; bool fields: True/False
+    default: Any
     cli: bool = True
-    extra: tuple[str, ...] = ()  # dtype values beyond DTYPES (e.g. gemm_plugin fp8)
+    allowed: tuple[str, ...] = ()  # dtype fields: the argparse choices (upstream table), "disable" included
+    source: str = ""
 
     def choices(self) -> tuple[str, ...]:
-        return DTYPES + self.extra
+        return self.allowed
 
 
-# Contract §4.1, "Plugin and feature flags" (1.x pydantic defaults). Order = the order flags are emitted.
-FIELDS: tuple[Field, ...] = (
-    Field("bert_attention_plugin", "dtype", "auto"),
-    Field("gpt_attention_plugin", "dtype", "auto"),
-    Field("gemm_plugin", "dtype", "disable", extra=("fp8", "nvfp4")),
-    Field("gemm_swiglu_plugin", "dtype", "disable", extra=("fp8",)),
-    Field("fp8_rowwise_gemm_plugin", "dtype", "disable"),
-    Field("low_latency_gemm_plugin", "dtype", "disable", extra=("fp8",)),
-    Field("low_latency_gemm_swiglu_plugin", "dtype", "disable", extra=("fp8",)),
-    Field("gemm_allreduce_plugin", "dtype", "disable"),
-    Field("lora_plugin", "dtype", "disable"),
-    Field("dora_plugin", "bool", False),
-    Field("moe_plugin", "dtype", "auto"),
-    Field("mamba_conv1d_plugin", "dtype", "auto"),
-    Field("nccl_plugin", "dtype", "auto"),
-    Field("context_fmha", "bool", True),
-    Field("bert_context_fmha_fp32_acc", "bool", False),
-    Field("remove_input_padding", "bool", True),
-    Field("tokens_per_block", "int", 32),
-    Field("use_paged_context_fmha", "bool", True),
-    Field("use_fp8_context_fmha", "bool", True),
-    Field("fuse_fp4_quant", "bool", False),
-    Field("multiple_profiles", "bool", False),
-    Field("paged_state", "bool", True),
-    Field("streamingllm", "bool", False),
-    Field("norm_quant_fusion", "bool", False),
-    Field("reduce_fusion", "bool", False),
-    Field("user_buffer", "bool", False),
-    Field("use_fused_mlp", "bool", True),
-    Field("pp_reduce_scatter", "bool", False),
+def _field(f: upstream.PluginField) -> Field:
+    return Field(f.name, f.kind, upstream.cli_default(f), True, f.choices() if f.kind == "dtype" else (), f.source)
+
+
+# The PluginConfig fields trtllm-build exposes (cli_plugin_args), in upstream's declaration order, with the values
+# upstream's argparse accepts (trtpipe/engine/upstream.py). Order = the order flags are emitted.
+FIELDS: tuple[Field, ...] = tuple(_field(f) for f in upstream.PLUGIN_CONFIG if f.cli) + (
     # Not a trtllm-build flag: selects --kv_cache_type paged|continuous.
-    Field("paged_kv_cache", "bool", True, cli=False),
+    Field("paged_kv_cache", "bool", True, cli=False, source=upstream.BUILD_PY),
 )
 BY_NAME = {f.name: f for f in FIELDS}
 
@@ -111,7 +88,7 @@ def normalize(name: str, value: Any, where: str) -> Any:
         return "disable"
     if isinstance(value, str) and value in f.choices():
         return value
-    raise EngineError(f"{where}: {name} must be one of {', '.join(f.choices())}, got {value!r}")
+    raise EngineError(f"{where}: {name} must be one of {', '.join(f.choices())} (trtllm-build's choices), got {value!r}")
 
 
 def preset_dir() -> Path:

@@ -85,8 +85,8 @@ def resolve(recipe_path: Path, overrides: Iterable[str] = (), gpu: Optional[str]
     overrides = list(overrides) + ([f"engine.gpu={gpu}"] if gpu else [])
     recipe = load_recipe(recipe_path, overrides, check_rules=False)
     get_gpu(recipe.engine.gpu)
-    if checkpoint is None and model_config is None:
-        checkpoint = built_checkpoint(recipe)
+    if checkpoint is None and model_config is None and recipe.target == "engine":
+        checkpoint = built_checkpoint(recipe)  # llmapi: weights predicted from the unified HF format instead
     if checkpoint is not None:
         cfg = read_checkpoint_config(checkpoint)
         source_bytes = 2
@@ -112,6 +112,9 @@ def render_plan(r: Resolved) -> str:
         f"recipe {r.recipe.name}: {cfg['architecture']} {cfg['dtype']}, quant_algo {qa}, KV cache {p.kv_dtype}",
         f"target: {p.tp * p.pp} x {p.gpu.name} ({p.gpu.key}, {_size(p.gpu.memory_bytes)}, SM {p.gpu.compute_capability}, "
         f"{p.gpu.bandwidth_gbs} GB/s), tp={p.tp} pp={p.pp}, preset {b.preset}{' (auto)' if b.preset_is_auto else ''}",
+        *([f"target llmapi: TensorRT-LLM PyTorch backend (no engine); weights as the unified HF checkpoint "
+           f"({qa}), KV pool = kv_cache_config.free_gpu_memory_fraction of what is left"]
+          if r.recipe.target == "llmapi" else []),
         f"KV bytes/token: {p.kv_bytes_per_token_model} for the whole model; per GPU "
         + ", ".join(f"{int(x.kv_bytes_per_token)} (pp rank {x.pp_rank}, {x.layers} layers)" for x in p.ranks),
     ]

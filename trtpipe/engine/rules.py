@@ -58,17 +58,30 @@ def engine_findings(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findin
         return
     cfg = predicted_checkpoint_config(m, recipe)
     gpu = get_gpu(recipe.engine.gpu)
+    llmapi = recipe.target == "llmapi"  # no trtllm-build: only the memory plan applies
     defaults = {f.name: f.default for f in FIELDS}
     early = rejections(defaults, bc._target(cfg, gpu))
-    if early:  # the quantization itself is rejected on this GPU: no preset could help
+    if early and not llmapi:  # the quantization itself is rejected on this GPU: no preset could help
         for key, reason in early:
             yield key, f"trtllm-build rejects this: {reason}"
         return
     try:
         build = bc.resolve_build(recipe, cfg, gpu)
     except EngineError as exc:
-        yield _as_finding(exc, "engine.plugins")
+        if not llmapi:
+            yield _as_finding(exc, "engine.plugins")
         return
+    if not llmapi:
+        yield from _build_findings(recipe, build)
+    from trtpipe.engine.planner import plan_build
+
+    plan = plan_build(recipe, cfg, build)
+    if not plan.fits:
+        yield "engine.gpu", plan.refusal
+
+
+def _build_findings(recipe: Recipe, build) -> Iterable[Finding]:
+    """What trtllm-build and the engine's runtime would refuse or silently change (engine target only)."""
     yield from bc.findings(build)
     p = build.config.plugins
     if recipe.triton.batching_strategy in IFB_STRATEGIES:
@@ -81,11 +94,6 @@ def engine_findings(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findin
     if recipe.engine.kv_cache.enable_reuse and not p["use_paged_context_fmha"] and recipe.quantization.kv_cache != "int8":
         yield "engine.kv_cache.enable_reuse", ("KV reuse needs paged context FMHA, which this build has off "
                                                "(the runtime would silently disable reuse); set enable_reuse: false")
-    from trtpipe.engine.planner import plan_build
-
-    plan = plan_build(recipe, cfg, build)
-    if not plan.fits:
-        yield "engine.gpu", plan.refusal
 
 
 RULES.append(engine_findings)

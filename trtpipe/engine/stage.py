@@ -111,5 +111,6 @@ ENGINE_STAGE = Stage(
     inputs=("checkpoint", "quantize"),
     run=run_engine,
     extra_key=_extra_key,
+    enabled=lambda recipe: recipe.target == "engine",
     description="TensorRT engines (trtllm-build), or the CPU twin engine without TensorRT-LLM",
 )

@@ -87,7 +87,7 @@ def write_twin_engine(checkpoint_dir: str | Path, out_dir: str | Path, build_con
         if created:
             shutil.rmtree(out, ignore_errors=True)
         raise EngineError(f"{out}: cannot write the twin engine: {exc}") from None
-    (out / "config.json").write_text(json.dumps(engine_cfg, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(engine_cfg, indent=4) + "\n")  # Engine.save: indent=4
     command = f"trtpipe build {recipe_path or 'RECIPE'} --from engine"
     twin = {
         "kind": TWIN_KIND,

@@ -18,6 +18,8 @@ STAGE_TABLE: tuple[tuple[str, str, str], ...] = (
     ("calibrate", "trtpipe.quant.stage", "CALIBRATE_STAGE"),
     ("quantize", "trtpipe.quant.stage", "QUANTIZE_STAGE"),
     ("verify", "trtpipe.quant.stage", "VERIFY_STAGE"),
+    ("export", "trtpipe.export.stage", "EXPORT_STAGE"),
+    ("llmapi", "trtpipe.export.stage", "LLMAPI_STAGE"),
     ("engine", "trtpipe.engine.stage", "ENGINE_STAGE"),
     ("repo", "trtpipe.triton.stage", "REPO_STAGE"),
 )

@@ -39,12 +39,20 @@ def _device(choice: str) -> str:
 
 
 def needs_calibration(recipe: Recipe) -> bool:
+    from trtpipe.export.formats import needs_data  # formats only the llmapi export writes (nvfp4)
+
     a = ALGOS.get(recipe.quantization.algo)
-    return (a is not None and a.needs_data) or recipe.quantization.kv_cache != "none"
+    return (a is not None and a.needs_data) or recipe.quantization.kv_cache != "none" or \
+        (recipe.target == "llmapi" and needs_data(recipe.quantization.algo))
 
 
 def is_quantized(recipe: Recipe) -> bool:
     return recipe.quantization.algo != "none" or recipe.quantization.kv_cache != "none"
+
+
+def has_trtllm_layout(recipe: Recipe) -> bool:
+    """The quantized TRT-LLM checkpoint (and its accuracy gate) exists for this algo (fp8_pc_pt: llmapi only)."""
+    return is_quantized(recipe) and recipe.quantization.algo in ("none", *ALGOS)
 
 
 def awq_group_size(recipe: Recipe) -> Optional[int]:
@@ -172,7 +180,7 @@ QUANTIZE_STAGE = Stage(
     sections=("quantization",),
     inputs=("checkpoint", "calibrate"),
     run=_quantize,
-    enabled=is_quantized,
+    enabled=has_trtllm_layout,
     description="quantized TensorRT-LLM checkpoint",
 )
 
@@ -182,6 +190,6 @@ VERIFY_STAGE = Stage(
     inputs=("checkpoint", "quantize"),
     run=_verify,
     files=_eval_files,
-    enabled=lambda recipe: recipe.accuracy.enabled and is_quantized(recipe),
+    enabled=lambda recipe: recipe.accuracy.enabled and has_trtllm_layout(recipe),
     description="accuracy report and gate",
 )

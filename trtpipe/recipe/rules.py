@@ -103,15 +103,10 @@ def load_model_info(recipe: Recipe) -> tuple[Optional[HFModelInfo], list[Finding
 
 
 def deduced_max_seq_len(m: HFModelInfo) -> int:
-    """trtllm-build's default max_seq_len: max_position_embeddings (2048 if absent) x the rope scaling factor,
-    except for rope types whose factor does not extend the window (su, longrope, llama3). Contract §4.1."""
-    length = m.max_position_embeddings or 2048
-    scaling = m.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
-    factor = scaling.get("factor")
-    if kind not in ("su", "longrope", "llama3") and isinstance(factor, (int, float)) and factor > 1:
-        length = int(length * factor)
-    return int(length)
+    """trtllm-build's default max_seq_len for this model (the engine stage's own deduction, one function)."""
+    from trtpipe.engine.ckptconfig import deduce_max_seq_len
+
+    return deduce_max_seq_len(m.max_position_embeddings, m.rope_scaling)
 
 
 def _written(recipe: Recipe, *keys: str) -> str:
@@ -170,7 +165,7 @@ def _engine_limits(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding
         yield "engine.workers", (
             f"{e.workers} workers for {recipe.parallel.world_size} engine(s) (tp*pp); trtllm-build caps workers at that"
         )
-    if recipe.triton.max_batch_size > e.max_batch_size:
+    if recipe.triton.max_batch_size > e.max_batch_size and recipe.target == "engine":  # llmapi: Triton does not batch
         key = _written(recipe, "triton.max_batch_size", "engine.max_batch_size")
         yield key, f"triton.max_batch_size {recipe.triton.max_batch_size} exceeds engine.max_batch_size {e.max_batch_size}"
     if e.kv_cache.enable_reuse and recipe.quantization.kv_cache == "int8":
@@ -252,7 +247,7 @@ def _load_plugin_rules() -> None:
     """Import the modules that register rules of their own (quantization layout, builder enforcement)."""
     import importlib
 
-    for module in ("trtpipe.quant.rules", "trtpipe.engine.rules"):
+    for module in ("trtpipe.quant.rules", "trtpipe.engine.rules", "trtpipe.export.rules"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:

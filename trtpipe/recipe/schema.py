@@ -28,7 +28,7 @@ class _Section(BaseModel):
 
 
 DType = Literal["auto", "float16", "bfloat16", "float32"]
-QuantAlgoName = Literal["none", "fp8", "int8_sq", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq"]
+QuantAlgoName = Literal["none", "fp8", "fp8_pc_pt", "int8_sq", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "nvfp4"]
 KVCacheQuant = Literal["none", "fp8", "int8"]
 GroupSize = Literal[32, 64, 128, 256]
 
@@ -196,10 +196,13 @@ class TritonSection(_Section):
     enable_chunked_context: bool = Field(False, description="Split long prompts into max_num_tokens chunks.")
     max_queue_size: int = Field(0, ge=0, le=INT32_MAX, description="Requests waiting beyond the running batch before "
                                 "new ones are refused at once (0: unlimited).")
+    priority_levels: int = Field(0, ge=0, le=16, description="Triton queue priority levels on tensorrt_llm and BLS "
+                                 "(request parameter 'priority', 1 = highest; 0: off).")
     instances: InstanceCounts = Field(default_factory=InstanceCounts, description="Instance counts per model.")
     exclude_input_in_output: bool = Field(True, description="Return only the new tokens.")
     bls: bool = Field(False, description="Serve through tensorrt_llm_bls instead of the ensemble.")
     max_queue_delay_microseconds: int = Field(0, ge=0, le=INT32_MAX, description="Dynamic batching queue delay.")
+    warmup: bool = Field(True, description="Warm models up (Triton model_warmup) before the server reports ready.")
     bind: str = Field("127.0.0.1", description="Address the server listens on (loopback unless you mean it).")
     http_port: Optional[int] = Field(None, ge=1, le=65535, description="Default: a free port.")
     grpc_port: Optional[int] = Field(None, ge=1, le=65535, description="Default: a free port.")
@@ -220,6 +223,22 @@ class TritonSection(_Section):
     _repo_dir = field_validator("repo_dir")(classmethod(lambda cls, v: v if v is None else _path_text(v)))
 
 
+class LLMAPISection(_Section):
+    """The TensorRT-LLM PyTorch-backend / LLM-API deployment (``target: llmapi``)."""
+
+    version: Literal["1.0", "1.1", "1.2"] = Field(
+        "1.2", description="TensorRT-LLM release whose trtllm-serve flags and extra_llm_api_options keys are written."
+    )
+    compressed_tensors: bool = Field(False, description="Also write a compressed-tensors checkpoint (vLLM, SGLang).")
+    host: str = Field("127.0.0.1", description="Address trtllm-serve (and the CPU twin) listens on.")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port of trtllm-serve (and the CPU twin).")
+    served_model_name: Optional[str] = Field(
+        None, pattern=r"^[A-Za-z0-9][\w.:/-]*$", description="Model name clients send (default: the recipe name)."
+    )
+    nodes: int = Field(1, ge=1, le=1024, description="Nodes for the multi-node launch lines (world = tp * pp).")
+    max_shard_bytes: int = Field(10 * 10**9, ge=2**20, description="Largest model-*.safetensors shard (ModelOpt: 10GB).")
+
+
 class Recipe(_Section):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Names the build (letters, digits, _ . -).")
     work_dir: str = Field("work", description="Artifacts, logs and manifests; relative to the recipe file.")
@@ -229,6 +248,11 @@ class Recipe(_Section):
     engine: EngineSection = Field(default_factory=EngineSection, description="TensorRT-LLM engine build.")
     accuracy: AccuracySection = Field(default_factory=AccuracySection, description="Accuracy gate.")
     triton: TritonSection = Field(default_factory=TritonSection, description="Triton model repository and server.")
+    target: Literal["engine", "llmapi"] = Field(
+        "engine", description="engine: TensorRT engines (TensorRT-LLM <= 1.2); llmapi: quantized HF checkpoint for "
+        "the PyTorch backend (trtllm-serve, Triton llmapi model)."
+    )
+    llmapi: LLMAPISection = Field(default_factory=LLMAPISection, description="The llmapi target's deployment.")
 
     _path: Optional[Path] = PrivateAttr(None)
     _positions: dict = PrivateAttr(default_factory=dict)

@@ -305,9 +305,11 @@ class DecoderLayer(nn.Module):
         layer_idx: global layer index (names the modules for quantization rules and keys the KV cache).
     """
 
-    def __init__(self, args: ModelArgs, rank_tensors: list[dict], layer_idx: int, rope: Optional[Rope] = None):
+    def __init__(self, args: ModelArgs, rank_tensors: list[dict], layer_idx: int, rope: Optional[Rope] = None,
+                 tp_ranks: Optional[list[int]] = None, all_reduce=None):
         super().__init__()
-        if len(rank_tensors) != args.tp:
+        tp_ranks = list(range(args.tp)) if tp_ranks is None else list(tp_ranks)
+        if len(rank_tensors) != len(tp_ranks):
             raise CheckpointError(f"layer {layer_idx}: {len(rank_tensors)} rank shards for tp={args.tp}")
         prefix = f"transformer.layers.{layer_idx}."
         self.layer_idx, self.eps, self.top_k = layer_idx, args.norm_epsilon, args.top_k
@@ -318,16 +320,18 @@ class DecoderLayer(nn.Module):
                 raise CheckpointError(f"checkpoint: tensor '{prefix}{name}' is missing")
         self.input_ln = t0["input_layernorm.weight"].float()
         self.post_ln = t0["post_layernorm.weight"].float()
-        self.attention = nn.ModuleList(AttentionShard(t, prefix, args, r) for r, t in enumerate(rank_tensors))
+        self.attention = nn.ModuleList(AttentionShard(t, prefix, args, r) for r, t in zip(tp_ranks, rank_tensors))
+        # One process per rank (trtpipe.runtime.distributed) holds one shard and sums the others' partials here.
+        self.all_reduce = all_reduce or _identity
         self.dense_bias = _opt_float(t0.get("attention.dense.bias"))
         self.is_moe = args.num_experts > 0
         if self.is_moe:
             if "mlp.router.weight" not in t0:
                 raise CheckpointError(f"checkpoint: tensor '{prefix}mlp.router.weight' is missing")
             self.router = t0["mlp.router.weight"].float()
-            self.mlp = nn.ModuleList(MoEShard(t, prefix, args, r) for r, t in enumerate(rank_tensors))
+            self.mlp = nn.ModuleList(MoEShard(t, prefix, args, r) for r, t in zip(tp_ranks, rank_tensors))
         else:
-            self.mlp = nn.ModuleList(GatedMLPShard(t, prefix, args, r) for r, t in enumerate(rank_tensors))
+            self.mlp = nn.ModuleList(GatedMLPShard(t, prefix, args, r) for r, t in zip(tp_ranks, rank_tensors))
         self.proj_bias = _opt_float(t0.get("mlp.proj.bias"))
 
     @classmethod
@@ -358,16 +362,20 @@ class DecoderLayer(nn.Module):
         cos, sin = cos_sin if cos_sin is not None else self.rope.cos_sin_for(start_pos, x.shape[1])
         cos, sin = cos.to(x.device), sin.to(x.device)
         h = rms_norm(x, self.input_ln, self.eps)
-        attn = sum(s(h, cos, sin, start_pos, cache, (self.layer_idx, r)) for r, s in enumerate(self.attention))
+        attn = self.all_reduce(sum(s(h, cos, sin, start_pos, cache, (self.layer_idx, r)) for r, s in enumerate(self.attention)))
         x = x + _add_bias(attn, self.dense_bias)  # the all-reduce of the row-parallel dense
         h = rms_norm(x, self.post_ln, self.eps)
         if self.is_moe:
             flat = h.reshape(-1, h.shape[-1])
             weights = route(flat, self.router, self.top_k)
-            mlp = sum(s(flat, weights) for s in self.mlp).view_as(h)
+            mlp = self.all_reduce(sum(s(flat, weights) for s in self.mlp)).view_as(h)
         else:
-            mlp = sum(s(h) for s in self.mlp)
+            mlp = self.all_reduce(sum(s(h) for s in self.mlp))
         return x + _add_bias(mlp, self.proj_bias)
+
+
+def _identity(x):
+    return x
 
 
 def _opt_float(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

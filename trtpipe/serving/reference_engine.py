@@ -112,7 +112,8 @@ class ReferenceEngine:
 
     def __init__(self, model: ReferenceModel):
         self.model = model
-        self.device = model.embedding.device
+        # a pipeline stage other than the first (trtpipe.runtime.distributed) holds no embedding
+        self.device = model.embedding.device if model.embedding is not None else torch.device("cpu")
         self.pools: dict = {}
         self.tokens_per_block = 0
         rope = model.rope
@@ -147,20 +148,25 @@ class ReferenceEngine:
         parts = [self.model.rope.cos_sin(e.start_pos, len(e.tokens)) for e in batch.entries]
         return torch.cat([c for c, _ in parts]).to(self.device), torch.cat([s for _, s in parts]).to(self.device)
 
-    @torch.no_grad()
-    def logits(self, batch: StepBatch) -> torch.Tensor:
-        """float32 logits [S, V] of the last token of every entry that samples, in entry order."""
+    def packed(self, batch: StepBatch):
+        """The packed step's inputs: ids [1, N], the paged view of the pool, cos/sin [N, rot], and the packed
+        index of the last token of every entry that samples (shared with the one-process-per-rank engine)."""
         ids = torch.tensor([[t for e in batch.entries for t in e.tokens]], device=self.device)  # [1, N]
         paged = PagedStep(self.pools, batch, self.tokens_per_block, self.device)
-        cos_sin = self._cos_sin(batch)
-        x = self.model.embed(ids)  # [1, N, H]
-        for layer in self.model.layers:
-            x = layer(x, 0, paged, cos_sin)
         ends, t = [], 0
         for e in batch.entries:
             t += len(e.tokens)
             if e.sample:
                 ends.append(t - 1)
+        return ids, paged, self._cos_sin(batch), ends
+
+    @torch.no_grad()
+    def logits(self, batch: StepBatch) -> torch.Tensor:
+        """float32 logits [S, V] of the last token of every entry that samples, in entry order."""
+        ids, paged, cos_sin, ends = self.packed(batch)
+        x = self.model.embed(ids)  # [1, N, H]
+        for layer in self.model.layers:
+            x = layer(x, 0, paged, cos_sin)
         return self.model.head(x[:, ends]).float()[0]
 
     def step(self, batch: StepBatch) -> StepResult:

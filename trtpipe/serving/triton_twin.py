@@ -140,11 +140,21 @@ class ParsedRequest:
     return_num_output_tokens: bool
     stop: bool
 
+    @property
+    def wants_outputs_at_end(self) -> bool:
+        """Whether the final response carries tensors even with no new tokens."""
+        return self.return_perf_metrics or self.return_num_input_tokens or self.return_num_output_tokens
+
 
 def parse_request(get: Callable[[str], Optional[np.ndarray]], s: TwinSettings, decoupled: bool) -> ParsedRequest:
     """Request tensors (``get(name)`` -> numpy or None) to an executor :class:`Request`; ValueError names the input."""
+    from trtpipe.triton.twin_inputs import refusal
+
     if _scalar(get, "stop", False, bool):
         return ParsedRequest(Request([], 0), False, False, False, True)
+    why = refusal(get)  # declared like the real model's inputs, but not computed by the reference runtime
+    if why:
+        raise ValueError(why)
     ids = get("input_ids")
     if ids is None:
         raise ValueError("input_ids is missing")

@@ -30,6 +30,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from trtpipe.errors import ServingError
+from trtpipe.triton import upstream_io
 from trtpipe.resources import data_dir
 from trtpipe.recipe.schema import Recipe
 
@@ -45,100 +46,18 @@ NO_PYCACHE = "a file, not a directory: keeps the Triton python stub from writing
 EXECUTOR_WORKER = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
 
 T = mc.DataType
-# (name, dtype, dims, optional) of the tensorrt_llm model's inputs (contract §6.3, decoder-only rows).
-TRTLLM_INPUTS = [
-    ("input_ids", T.TYPE_INT32, [-1], False),
-    ("input_lengths", T.TYPE_INT32, [1], False),
-    ("request_output_len", T.TYPE_INT32, [1], False),
-    ("num_return_sequences", T.TYPE_INT32, [1], True),
-    ("beam_width", T.TYPE_INT32, [1], True),
-    ("draft_input_ids", T.TYPE_INT32, [-1], True),
-    ("draft_logits", T.TYPE_FP32, [-1, -1], True),
-    ("draft_acceptance_threshold", T.TYPE_FP32, [1], True),
-    ("end_id", T.TYPE_INT32, [1], True),
-    ("pad_id", T.TYPE_INT32, [1], True),
-    ("stop_words_list", T.TYPE_INT32, [2, -1], True),
-    ("bad_words_list", T.TYPE_INT32, [2, -1], True),
-    ("embedding_bias", T.TYPE_FP32, [-1], True),
-    ("temperature", T.TYPE_FP32, [1], True),
-    ("runtime_top_k", T.TYPE_INT32, [1], True),
-    ("runtime_top_p", T.TYPE_FP32, [1], True),
-    ("runtime_top_p_min", T.TYPE_FP32, [1], True),
-    ("runtime_top_p_decay", T.TYPE_FP32, [1], True),
-    ("runtime_top_p_reset_ids", T.TYPE_INT32, [1], True),
-    ("len_penalty", T.TYPE_FP32, [1], True),
-    ("early_stopping", T.TYPE_BOOL, [1], True),
-    ("repetition_penalty", T.TYPE_FP32, [1], True),
-    ("min_tokens", T.TYPE_INT32, [1], True),
-    ("beam_search_diversity_rate", T.TYPE_FP32, [1], True),
-    ("presence_penalty", T.TYPE_FP32, [1], True),
-    ("frequency_penalty", T.TYPE_FP32, [1], True),
-    ("seed", T.TYPE_UINT64, [1], True),
-    ("return_log_probs", T.TYPE_BOOL, [1], True),
-    ("return_context_logits", T.TYPE_BOOL, [1], True),
-    ("return_generation_logits", T.TYPE_BOOL, [1], True),
-    ("return_perf_metrics", T.TYPE_BOOL, [1], True),
-    ("return_num_input_tokens", T.TYPE_BOOL, [1], True),
-    ("return_num_output_tokens", T.TYPE_BOOL, [1], True),
-    ("exclude_input_in_output", T.TYPE_BOOL, [1], True),
-    ("stop", T.TYPE_BOOL, [1], True),
-    ("streaming", T.TYPE_BOOL, [1], True),
-    ("prompt_embedding_table", T.TYPE_FP16, [-1, -1], True),
-    ("prompt_table_extra_ids", T.TYPE_UINT64, [-1], True),
-    ("prompt_vocab_size", T.TYPE_INT32, [1], True),
-    ("lora_task_id", T.TYPE_UINT64, [1], True),
-    ("lora_weights", T.TYPE_FP16, [-1, -1], True),
-    ("lora_config", T.TYPE_INT32, [-1, 3], True),
-    ("context_phase_params", T.TYPE_UINT8, [-1], True),
-    ("retention_token_range_starts", T.TYPE_INT32, [-1], True),
-    ("retention_token_range_ends", T.TYPE_INT32, [-1], True),
-    ("retention_token_range_priorities", T.TYPE_INT32, [-1], True),
-    ("retention_token_range_durations_ms", T.TYPE_INT32, [-1], True),
-    ("retention_decode_priority", T.TYPE_INT32, [1], True),
-    ("retention_decode_duration_ms", T.TYPE_INT32, [1], True),
-    ("guided_decoding_guide_type", T.TYPE_STRING, [1], True),
-    ("guided_decoding_guide", T.TYPE_STRING, [1], True),
-    ("lookahead_window_size", T.TYPE_INT32, [1], True),
-    ("lookahead_ngram_size", T.TYPE_INT32, [1], True),
-    ("lookahead_verification_set_size", T.TYPE_INT32, [1], True),
-]
-TRTLLM_OUTPUTS = [
-    ("output_ids", T.TYPE_INT32, [-1, -1]),
-    ("sequence_length", T.TYPE_INT32, [-1]),
-    ("cum_log_probs", T.TYPE_FP32, [-1]),
-    ("output_log_probs", T.TYPE_FP32, [-1, -1]),
-    ("context_logits", T.TYPE_FP32, [-1, -1]),
-    ("generation_logits", T.TYPE_FP32, [-1, -1, -1]),
-    ("batch_index", T.TYPE_INT32, [1]),
-    ("sequence_index", T.TYPE_INT32, [1]),
-    ("context_phase_params", T.TYPE_UINT8, [-1]),
-    ("kv_cache_alloc_new_blocks", T.TYPE_INT32, [1]),
-    ("kv_cache_reused_blocks", T.TYPE_INT32, [1]),
-    ("kv_cache_alloc_total_blocks", T.TYPE_INT32, [1]),
-    ("arrival_time_ns", T.TYPE_INT64, [1]),
-    ("first_scheduled_time_ns", T.TYPE_INT64, [1]),
-    ("first_token_time_ns", T.TYPE_INT64, [1]),
-    ("last_token_time_ns", T.TYPE_INT64, [1]),
-    ("acceptance_rate", T.TYPE_FP32, [1]),
-    ("total_accepted_draft_tokens", T.TYPE_INT32, [1]),
-    ("total_draft_tokens", T.TYPE_INT32, [1]),
-    ("num_input_tokens", T.TYPE_INT32, [1]),
-    ("num_output_tokens", T.TYPE_INT32, [1]),
-]
-# What the CPU twin implements (model_repo/tensorrt_llm/1/model.py); it declares nothing it would ignore.
-TWIN_INPUTS = (
-    "input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list", "bad_words_list",
-    "temperature", "runtime_top_k", "runtime_top_p", "seed", "exclude_input_in_output", "streaming", "stop",
-    "return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens",
-)
-TWIN_OUTPUTS = (
-    "output_ids", "sequence_length", "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
-    "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns", "num_input_tokens",
-    "num_output_tokens",
-)
-# The twin's one input the 1.2 backend lacks: executor request priority (0..1, default 0.5), so priority
-# scheduling can be tried before deploying (the real backend gives every request 0.5).
-TWIN_EXTRA_INPUTS = [("priority", T.TYPE_FP32, [1], True)]
+# The tensorrt_llm model's I/O: upstream's template rows (trtpipe/triton/upstream_io.py) a decoder-only
+# engine declares. The CPU twin declares the same and refuses, per request, what it cannot honour
+# (trtpipe/triton/twin_inputs.py).
+TRTLLM_INPUTS = upstream_io.declared(upstream_io.TRTLLM_INPUTS)
+TRTLLM_OUTPUTS = upstream_io.declared(upstream_io.TRTLLM_OUTPUTS)
+# Inputs only the twin declares, beyond upstream's template. Each one also needs a policy row in
+# trtpipe/triton/twin_inputs.py; the tests hold the twin to "the real model's I/O plus these".
+# priority: executor request priority (0..1, default 0.5), so priority scheduling can be tried before deploying
+# (the 1.2 backend has no such input and gives every request 0.5).
+TWIN_ONLY_INPUTS: tuple[upstream_io.Tensor, ...] = (upstream_io.Tensor("priority", "TYPE_FP32", (1,), optional=True),)
+PREPROCESSING_INPUTS = upstream_io.declared(upstream_io.PREPROCESSING_INPUTS)
+PREPROCESSING_OUTPUTS = upstream_io.declared(upstream_io.PREPROCESSING_OUTPUTS)
 
 # Ensemble / BLS inputs: (name, dtype, dims, optional, tensorrt_llm or preprocessing input it feeds).
 FRONT_INPUTS = [
@@ -155,6 +74,17 @@ FRONT_INPUTS = [
     ("exclude_input_in_output", T.TYPE_BOOL, [1], True, "llm:exclude_input_in_output"),
     ("stream", T.TYPE_BOOL, [1], True, "llm:streaming"),
 ]
+# The BLS also forwards the per-request server measurements (as upstream's BLS does) and returns them with
+# its last response: the executor's timestamps and KV counters, and exact token counts.
+BLS_PERF_INPUTS = [(name, T.TYPE_BOOL, [1], True) for name in
+                   ("return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens")]
+BLS_PERF_OUTPUTS = [
+    ("kv_cache_alloc_new_blocks", T.TYPE_INT32, [1]), ("kv_cache_reused_blocks", T.TYPE_INT32, [1]),
+    ("kv_cache_alloc_total_blocks", T.TYPE_INT32, [1]), ("arrival_time_ns", T.TYPE_INT64, [1]),
+    ("first_scheduled_time_ns", T.TYPE_INT64, [1]), ("first_token_time_ns", T.TYPE_INT64, [1]),
+    ("last_token_time_ns", T.TYPE_INT64, [1]), ("num_input_tokens", T.TYPE_INT32, [1]),
+    ("num_output_tokens", T.TYPE_INT32, [1]),
+]
 
 
 @dataclass(frozen=True)
@@ -170,6 +100,8 @@ class EngineInfo:
     max_seq_len: int
     version: Optional[str] = None  # TensorRT-LLM version that built the engine (config.json "version")
     sliding_window: Optional[int] = None  # Mistral: attention window; the runtime must be told (contract §5)
+    dtype: str = "float16"  # pretrained_config.dtype: the prompt embedding table's dtype
+    logits_dtype: str = "float32"  # pretrained_config.logits_dtype: the logits tensors' dtype
 
     @property
     def attention_window(self) -> int:
@@ -199,7 +131,20 @@ class EngineInfo:
             max_seq_len=int(build["max_seq_len"]),
             version=cfg.get("version"),
             sliding_window=(cfg.get("pretrained_config") or {}).get("sliding_window"),
+            dtype=str((cfg.get("pretrained_config") or {}).get("dtype", "float16")),
+            logits_dtype=str((cfg.get("pretrained_config") or {}).get("logits_dtype", "float32")),
         )
+
+    def placeholders(self) -> dict[str, str]:
+        """The template placeholders a tensorrt_llm config fills from the engine (fill_template's values)."""
+        for what, dtype in (("dtype", self.dtype), ("logits_dtype", self.logits_dtype)):
+            if dtype not in upstream_io.TRITON_DTYPE:
+                raise ServingError(f"{self.path / 'config.json'}: pretrained_config.{what} {dtype!r} has no Triton type "
+                                   f"(expected one of {', '.join(upstream_io.TRITON_DTYPE)})")
+        return {
+            "${logits_datatype}": upstream_io.TRITON_DTYPE[self.logits_dtype],
+            "${prompt_embedding_table_data_type}": upstream_io.TRITON_DTYPE[self.dtype],
+        }
 
 
 @dataclass(frozen=True)
@@ -237,14 +182,71 @@ def token_ids(tokenizer_dir: Path) -> TokenIds:
     return TokenIds(end_id=eos[0], pad_id=int(pad), stop_ids=tuple(eos[1:]))
 
 
+# ---- warm-up (model_warmup): the first request's lazy start-up cost is paid before the server is ready ----
+# (model, input) -> (dtype, dims, values). Token ids 1..8 exist in every vocabulary; 4 new tokens exercise
+# both the context and the generation phase. Data files live in <model>/warmup/ (Triton's layout).
+WARMUP_DIR = "warmup"
+WARMUP_DATA = {
+    "tensorrt_llm": {
+        "input_ids": (T.TYPE_INT32, [8], list(range(1, 9))),
+        "input_lengths": (T.TYPE_INT32, [1], [8]),
+        "request_output_len": (T.TYPE_INT32, [1], [4]),
+    },
+    "preprocessing": {
+        "QUERY": (T.TYPE_STRING, [1], ["Once upon a time"]),
+        "REQUEST_OUTPUT_LEN": (T.TYPE_INT32, [1], [4]),
+    },
+    "postprocessing": {
+        "TOKENS_BATCH": (T.TYPE_INT32, [1, 8], list(range(1, 9))),
+        "SEQUENCE_LENGTH": (T.TYPE_INT32, [1], [8]),
+    },
+}
+
+
+def add_warmup(config: mc.ModelConfig) -> None:
+    """One warm-up request (batch 1) for a model of WARMUP_DATA, read from files written by warmup_files."""
+    w = config.model_warmup.add(name=f"{config.name}_warmup", batch_size=1, count=1)
+    for name, (dtype, dims, _) in WARMUP_DATA[config.name].items():
+        w.inputs[name].data_type = dtype
+        w.inputs[name].dims.extend(dims)
+        w.inputs[name].input_data_file = name
+
+
+def warmup_files(model: str) -> dict[str, bytes]:
+    """File name -> raw bytes of each warm-up input (row-major; BYTES elements length-prefixed, Triton's format)."""
+    import struct
+
+    out = {}
+    for name, (dtype, _, values) in WARMUP_DATA[model].items():
+        if dtype == T.TYPE_STRING:
+            out[name] = b"".join(struct.pack("<I", len(v.encode())) + v.encode() for v in values)
+        else:
+            out[name] = struct.pack(f"<{len(values)}i", *values)
+    return out
+
+
 # ---- message helpers ------------------------------------------------------------------------------
 
 def _io(msg_cls, name, dtype, dims, optional=None):
     m = msg_cls(name=name, data_type=dtype, dims=dims)
     if optional is not None:
         m.optional = optional
-    if dims == [1] and msg_cls is mc.ModelInput:
-        m.reshape.SetInParent()  # reshape: { shape: [ ] }
+    return m
+
+
+def _declare(msg_cls, row: upstream_io.Tensor, placeholders: dict[str, str]):
+    """One template row as a config message, its flags exactly as the template has them."""
+    dtype = placeholders.get(row.dtype, row.dtype)
+    if dtype.startswith("${"):
+        raise ServingError(f"{row.name}: no value for the template placeholder {dtype}")
+    m = msg_cls(name=row.name, data_type=T.Value(dtype), dims=list(row.dims))
+    if msg_cls is mc.ModelInput:
+        if row.optional:
+            m.optional = True
+        if row.ragged:
+            m.allow_ragged_batch = True
+        if row.reshape:
+            m.reshape.SetInParent()  # reshape: { shape: [ ] }
     return m
 
 
@@ -254,13 +256,17 @@ def _params(config: mc.ModelConfig, values: dict) -> None:
         config.parameters[key].string_value = v
 
 
-def _batching(config: mc.ModelConfig, recipe: Recipe, preferred: Optional[int] = None, queue: int = 0) -> None:
+def _batching(config: mc.ModelConfig, recipe: Recipe, preferred: Optional[int] = None, queue: int = 0,
+              priority: bool = False) -> None:
     db = config.dynamic_batching
     db.SetInParent()
     if preferred:
         db.preferred_batch_size.append(preferred)
     db.max_queue_delay_microseconds = recipe.triton.max_queue_delay_microseconds
     db.default_queue_policy.max_queue_size = queue
+    if priority and recipe.triton.priority_levels:  # Triton orders its own queue; the 1.2 backend has no priority
+        db.priority_levels = recipe.triton.priority_levels
+        db.default_priority_level = (recipe.triton.priority_levels + 1) // 2
 
 
 def _python(name: str, recipe: Recipe, count: int, decoupled: bool = False) -> mc.ModelConfig:
@@ -273,29 +279,23 @@ def _python(name: str, recipe: Recipe, count: int, decoupled: bool = False) -> m
 
 # ---- one function per model -----------------------------------------------------------------------
 
-def preprocessing_config(recipe: Recipe, ids: TokenIds) -> mc.ModelConfig:
+def preprocessing_config(recipe: Recipe, engine: EngineInfo, ids: TokenIds) -> mc.ModelConfig:
+    """Upstream's preprocessing template (I/O, flags, preferred batch size, parameter keys), text-only.
+
+    Upstream's own ``model.py`` can be dropped in: it looks up every parameter key and output it expects here.
+    trtpipe's ``model.py`` reads three more keys (``end_id``, ``pad_id``, ``stop_token_ids``: the model's EOS
+    ids) and refuses the template's inputs it does not implement (embedding bias words, prompt-table ids).
+    """
     c = _python("preprocessing", recipe, recipe.triton.instances.preprocessing)
-    _batching(c, recipe)
-    c.input.extend([
-        _io(mc.ModelInput, "QUERY", T.TYPE_STRING, [1]),
-        _io(mc.ModelInput, "REQUEST_OUTPUT_LEN", T.TYPE_INT32, [1]),
-        _io(mc.ModelInput, "BAD_WORDS_DICT", T.TYPE_STRING, [-1], True),
-        _io(mc.ModelInput, "STOP_WORDS_DICT", T.TYPE_STRING, [-1], True),
-        _io(mc.ModelInput, "END_ID", T.TYPE_INT32, [1], True),
-        _io(mc.ModelInput, "PAD_ID", T.TYPE_INT32, [1], True),
-    ])
-    c.output.extend([
-        _io(mc.ModelOutput, "INPUT_ID", T.TYPE_INT32, [-1]),
-        _io(mc.ModelOutput, "REQUEST_INPUT_LEN", T.TYPE_INT32, [1]),
-        _io(mc.ModelOutput, "BAD_WORDS_IDS", T.TYPE_INT32, [2, -1]),
-        _io(mc.ModelOutput, "STOP_WORDS_IDS", T.TYPE_INT32, [2, -1]),
-        _io(mc.ModelOutput, "REQUEST_OUTPUT_LEN", T.TYPE_INT32, [-1]),
-        _io(mc.ModelOutput, "OUT_END_ID", T.TYPE_INT32, [1]),
-        _io(mc.ModelOutput, "OUT_PAD_ID", T.TYPE_INT32, [1]),
-    ])
+    _batching(c, recipe, preferred=recipe.triton.max_batch_size)
+    c.input.extend(_declare(mc.ModelInput, row, {}) for row in PREPROCESSING_INPUTS)
+    c.output.extend(_declare(mc.ModelOutput, row, {}) for row in PREPROCESSING_OUTPUTS)
     _params(c, {
         "tokenizer_dir": "tokenizer",
         "add_special_tokens": True,
+        "multimodal_model_path": "",  # text-only: upstream's model.py treats "" as "no multimodal encoder"
+        "gpt_model_path": "../tensorrt_llm/engine" if engine.twin else str(engine.path),  # read only for multimodal
+        "max_num_images": "",
         "end_id": ids.end_id,
         "pad_id": ids.pad_id,
         "stop_token_ids": ",".join(str(i) for i in ids.stop_ids),
@@ -315,14 +315,15 @@ def postprocessing_config(recipe: Recipe) -> mc.ModelConfig:
     return c
 
 
-def _trtllm_skeleton(recipe: Recipe, engine: EngineInfo, backend: str, inputs, outputs) -> mc.ModelConfig:
+def _trtllm_skeleton(recipe: Recipe, engine: EngineInfo, backend: str) -> mc.ModelConfig:
     t = recipe.triton
     c = mc.ModelConfig(name="tensorrt_llm", backend=backend, max_batch_size=t.max_batch_size)
     c.model_transaction_policy.decoupled = t.streaming
-    _batching(c, recipe, preferred=t.max_batch_size, queue=t.max_queue_size)  # the backend's maxQueueSize
+    _batching(c, recipe, preferred=t.max_batch_size, queue=t.max_queue_size, priority=True)  # queue: maxQueueSize
     c.instance_group.add(count=t.instances.tensorrt_llm, kind=mc.ModelInstanceGroup.KIND_CPU)
-    c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt in inputs)
-    c.output.extend(_io(mc.ModelOutput, n, d, dims) for n, d, dims in outputs)
+    fill = engine.placeholders()
+    c.input.extend(_declare(mc.ModelInput, row, fill) for row in TRTLLM_INPUTS)
+    c.output.extend(_declare(mc.ModelOutput, row, fill) for row in TRTLLM_OUTPUTS)
     return c
 
 
@@ -375,7 +376,6 @@ def trtllm_parameters(recipe: Recipe, engine: EngineInfo) -> dict:
         "tokenizer_dir": "../preprocessing/tokenizer",
         "executor_worker_path": EXECUTOR_WORKER,
         "recv_poll_period_ms": 0,
-        "enable_trt_overlap": False,
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
     }
 
@@ -388,14 +388,16 @@ TWIN_PARAMETERS = (
 
 
 def tensorrt_llm_config(recipe: Recipe, engine: EngineInfo) -> mc.ModelConfig:
-    """The ``tensorrt_llm`` model: the C++ ``tensorrtllm`` backend on TensorRT engines, else the CPU twin."""
+    """The ``tensorrt_llm`` model: the C++ ``tensorrtllm`` backend on TensorRT engines, else the CPU twin.
+
+    Both declare the same I/O (upstream's template); the twin's parameters are its own.
+    """
     if not engine.twin:
-        c = _trtllm_skeleton(recipe, engine, "tensorrtllm", TRTLLM_INPUTS, TRTLLM_OUTPUTS)
+        c = _trtllm_skeleton(recipe, engine, "tensorrtllm")
         _params(c, trtllm_parameters(recipe, engine))
         return c
-    inputs = [row for row in TRTLLM_INPUTS if row[0] in TWIN_INPUTS] + TWIN_EXTRA_INPUTS
-    outputs = [row for row in TRTLLM_OUTPUTS if row[0] in TWIN_OUTPUTS]
-    c = _trtllm_skeleton(recipe, engine, "python", inputs, outputs)
+    c = _trtllm_skeleton(recipe, engine, "python")
+    c.input.extend(_declare(mc.ModelInput, row, engine.placeholders()) for row in TWIN_ONLY_INPUTS)
     real = trtllm_parameters(recipe, engine)
     _params(c, {
         "gpt_model_path": "engine",
@@ -409,8 +411,6 @@ def ensemble_config(recipe: Recipe) -> mc.ModelConfig:
     """pre → tensorrt_llm → post (contract §6.6), restricted to the inputs the models here implement."""
     c = mc.ModelConfig(name=recipe.triton.model_name, platform="ensemble", max_batch_size=recipe.triton.max_batch_size)
     c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt, _ in FRONT_INPUTS)
-    for inp in c.input:
-        inp.ClearField("reshape")
     c.output.append(_io(mc.ModelOutput, "text_output", T.TYPE_STRING, [-1]))
     steps = c.ensemble_scheduling.step
     pre = steps.add(model_name="preprocessing", model_version=-1)
@@ -441,9 +441,11 @@ def bls_config(recipe: Recipe) -> mc.ModelConfig:
     """``tensorrt_llm_bls`` (contract §6.7): the ensemble's inputs, decoupled when streaming, exact text deltas."""
     c = _python("tensorrt_llm_bls", recipe, recipe.triton.instances.bls, decoupled=recipe.triton.streaming)
     c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt, _ in FRONT_INPUTS)
-    for inp in c.input:
-        inp.ClearField("reshape")
+    c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt in BLS_PERF_INPUTS)
     c.output.append(_io(mc.ModelOutput, "text_output", T.TYPE_STRING, [-1]))
+    c.output.extend(_io(mc.ModelOutput, n, d, dims) for n, d, dims in BLS_PERF_OUTPUTS)
+    if recipe.triton.priority_levels:
+        _batching(c, recipe, priority=True)
     _params(c, {
         "accumulate_tokens": True,
         "tensorrt_llm_model_name": "tensorrt_llm",
@@ -457,13 +459,16 @@ def bls_config(recipe: Recipe) -> mc.ModelConfig:
 def repo_configs(recipe: Recipe, engine: EngineInfo, ids: TokenIds) -> dict[str, mc.ModelConfig]:
     """Model directory name → config message for everything the recipe asks for."""
     configs = {
-        "preprocessing": preprocessing_config(recipe, ids),
+        "preprocessing": preprocessing_config(recipe, engine, ids),
         "tensorrt_llm": tensorrt_llm_config(recipe, engine),
         "postprocessing": postprocessing_config(recipe),
         recipe.triton.model_name: ensemble_config(recipe),
     }
     if recipe.triton.bls or recipe.triton.streaming:
         configs["tensorrt_llm_bls"] = bls_config(recipe)
+    if recipe.triton.warmup:
+        for name in WARMUP_DATA:
+            add_warmup(configs[name])
     return configs
 
 
@@ -537,6 +542,10 @@ def write_repo(recipe: Recipe, engine_dir: Path, tokenizer_dir: Path, out: Path)
                 (model_dir / "1" / "__pycache__").write_text(NO_PYCACHE)
             if name in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
                 copy_tokenizer(tokenizer_dir, model_dir / "tokenizer")
+            if configs[name].model_warmup:
+                (model_dir / WARMUP_DIR).mkdir()
+                for fname, data in warmup_files(name).items():
+                    (model_dir / WARMUP_DIR / fname).write_bytes(data)
         if engine.twin:
             _link_tree(engine.path, tmp / "tensorrt_llm" / "engine")
         (tmp / "trtpipe_repo.json").write_text(json.dumps({

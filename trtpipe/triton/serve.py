@@ -98,13 +98,13 @@ class LaunchPlan:
 
 
 def plan_launch(repo: Path, bind: str = "127.0.0.1", ports: Optional[Ports] = None,
-                tritonserver: str = "/opt/tritonserver/bin/tritonserver") -> LaunchPlan:
+                tritonserver: str = "/opt/tritonserver/bin/tritonserver", hostfile: Optional[Path] = None) -> LaunchPlan:
     info = repo_info(repo)
     if info.get("twin"):
         return LaunchPlan(Path(repo), True, int(info.get("world_size", 1)), None)
     ports = ports or Ports(*free_ports(3))
     world = int(info.get("world_size", 1))
-    cmd = mpirun_command(Path(repo).resolve(), world, ports, bind, tritonserver)
+    cmd = mpirun_command(Path(repo).resolve(), world, ports, bind, tritonserver, hostfile=hostfile)
     return LaunchPlan(Path(repo), False, world, cmd)
 
 
@@ -148,7 +148,7 @@ def one_detached(target: Optional[Path] = None, overrides: Sequence[str] = ()):
 
 
 def planned_launch(recipe_path: Path, overrides: Sequence[str], bind: str, ports: Optional[Ports],
-                   tritonserver: str) -> tuple[LaunchPlan, bool]:
+                   tritonserver: str, hostfile: Optional[Path] = None) -> tuple[LaunchPlan, bool]:
     """The launch of a recipe without building it (``serve RECIPE --dry-run``): the repository path its repo
     stage has or will have, and the TensorRT leader-mode command for the recipe's world size.
 
@@ -165,14 +165,14 @@ def planned_launch(recipe_path: Path, overrides: Sequence[str], bind: str, ports
         raise ServingError(f"{recipe_path}: the repo stage cannot be planned ({getattr(repo_plan, 'reason', 'absent')})")
     repo = ArtifactStore(recipe.work_path).path("repo", repo_plan.key)
     if repo_plan.cached and (repo / REPO_INFO).exists():
-        return plan_launch(repo, bind, ports, tritonserver), True
+        return plan_launch(repo, bind, ports, tritonserver, hostfile), True
     world = recipe.parallel.world_size
     ports = ports or Ports(*free_ports(3))
-    return LaunchPlan(repo, False, world, mpirun_command(repo, world, ports, bind, tritonserver)), False
+    return LaunchPlan(repo, False, world, mpirun_command(repo, world, ports, bind, tritonserver, hostfile=hostfile)), False
 
 
 def dry_run_lines(target: Path, overrides: Sequence[str], bind: str, ports: Optional[Ports],
-                  tritonserver: str) -> list[str]:
+                  tritonserver: str, hostfile: Optional[Path] = None) -> list[str]:
     """What ``serve --dry-run`` prints: comment lines, then the command (a recipe is planned, never built)."""
     import shlex
 
@@ -180,7 +180,7 @@ def dry_run_lines(target: Path, overrides: Sequence[str], bind: str, ports: Opti
 
     lines = []
     if Path(target).is_file():
-        plan, built = planned_launch(Path(target), overrides, bind, ports, tritonserver)
+        plan, built = planned_launch(Path(target), overrides, bind, ports, tritonserver, hostfile)
         if not built:
             from trtpipe.engine.trtllm import availability
 
@@ -189,7 +189,9 @@ def dry_run_lines(target: Path, overrides: Sequence[str], bind: str, ports: Opti
             if not avail.ok:
                 lines.append(f"# here the build writes the CPU twin ({avail.reason}); below is the TensorRT launch")
     else:
-        plan = plan_launch(Path(target).resolve(), bind, ports, tritonserver)
+        plan = plan_launch(Path(target).resolve(), bind, ports, tritonserver, hostfile)
+    if plan.command is None and plan.world_size > 1:
+        return lines + _twin_leader_lines(plan, bind, ports, tritonserver, hostfile)
     if plan.command is None:
         root = srv.server_root()
         cmd = srv.server_command(root / "bin" / "tritonserver", root / "backends", plan.repo, bind,
@@ -198,4 +200,42 @@ def dry_run_lines(target: Path, overrides: Sequence[str], bind: str, ports: Opti
     else:
         cmd = plan.command
         lines.append(f"# TensorRT engines, leader mode: world_size {plan.world_size}")
+    if plan.world_size > 1:
+        from trtpipe.triton.mpi_launch import slurm_lines
+
+        lines += slurm_lines(_segments(cmd))
     return lines + [shlex.join(cmd)]
+
+
+def _segments(cmd: list[str]) -> list[list[str]]:
+    """The per-rank argv of an MPMD command (``... -n 1 ARGV : -n 1 ARGV``)."""
+    first = cmd.index("-n")
+    segs, cur = [], []
+    for tok in cmd[first:] + [":"]:
+        if tok == ":":
+            segs.append(cur[2:])
+            cur = []
+        else:
+            cur.append(tok)
+    return segs
+
+
+def _twin_leader_lines(plan: LaunchPlan, bind: str, ports: Optional[Ports], tritonserver: str,
+                       hostfile: Optional[Path]) -> list[str]:
+    """A CPU-twin tp/pp > 1 repository: the mpiexec job serve runs, then the same launch with TensorRT engines."""
+    import shlex
+
+    from trtpipe.triton import mpi_launch
+
+    ports = ports or Ports(*free_ports(3))
+    info = repo_info(plan.repo)
+    run_dir = Path("<run dir>")
+    spec = mpi_launch.launch_spec(plan.repo, info, bind, ports, run_dir, hostfile)
+    trt = mpirun_command(plan.repo, plan.world_size, ports, bind, tritonserver, hostfile=hostfile)
+    lines = [f"# with TensorRT engines (tensorrtllm backend) the same launch runs: world_size {plan.world_size}",
+             "#   " + shlex.join(trt)]
+    lines += mpi_launch.slurm_lines(spec["segments"])
+    lines += [f"# CPU twin, leader mode: {plan.world_size} ranks under mpiexec (rank 0 tritonserver + twin executor, "
+              f"ranks 1..{plan.world_size - 1} workers); serve runs it under a supervisor (run dir in the cache)",
+              shlex.join(spec["command"])]
+    return lines

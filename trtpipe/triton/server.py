@@ -146,26 +146,29 @@ def mpirun_command(
     tritonserver: str = "/opt/tritonserver/bin/tritonserver",
     trtllm_models: tuple[str, ...] = ("tensorrt_llm",),
     log_file: Optional[str] = None,
+    hostfile: Optional[Path] = None,
 ) -> list[str]:
     """The leader-mode MPMD launch of contract §7.1: one tritonserver per rank under one ``mpirun``.
 
     Rank 0 serves the ports; ranks > 0 load only the TensorRT-LLM model(s) explicitly and open no endpoint.
     Each rank gets its own python-backend shm prefix so their regions do not collide.
     """
-    cmd = ["mpirun", "--allow-run-as-root"]
+    from trtpipe.triton.mpi_launch import mpmd
+
+    segments = []
     for rank in range(world_size):
-        if rank:
-            cmd.append(":")
-        cmd += ["-n", "1", tritonserver, f"--model-repository={repo}"]
+        seg = [tritonserver, f"--model-repository={repo}"]
         if rank == 0:
-            cmd += endpoint_flags(bind, ports)
+            seg += endpoint_flags(bind, ports)
             if log_file:
-                cmd += ["--log-verbose=3", f"--log-file={log_file}"]
+                seg += ["--log-verbose=3", f"--log-file={log_file}"]
         else:
-            cmd += ["--allow-http=false", "--allow-grpc=false", "--allow-metrics=false", "--model-control-mode=explicit"]
-            cmd += [f"--load-model={name}" for name in trtllm_models]
-        cmd += ["--disable-auto-complete-config", f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
-    return cmd
+            seg += ["--allow-http=false", "--allow-grpc=false", "--allow-metrics=false", "--model-control-mode=explicit"]
+            seg += [f"--load-model={name}" for name in trtllm_models]
+        seg += ["--disable-auto-complete-config", f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
+        segments.append(seg)
+    launcher = ["mpirun", "--allow-run-as-root"] + (["--hostfile", str(hostfile)] if hostfile else [])
+    return mpmd(launcher, segments)
 
 
 def pid_alive(pid: int) -> bool:
@@ -260,6 +263,9 @@ class Server:
                     os.kill(self.pid, signal.SIGKILL)
                 if self._proc is not None:
                     self._proc.wait(10)
+                deadline = time.monotonic() + 10  # a child of ours stays a zombie until reaped (alive() reaps it)
+                while self.alive() and time.monotonic() < deadline:
+                    time.sleep(0.1)
         clean_shm(self.shm_prefix)
         if self.state_file:
             Path(self.state_file).unlink(missing_ok=True)

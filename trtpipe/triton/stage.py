@@ -41,5 +41,6 @@ REPO_STAGE = Stage(
     inputs=("checkpoint", "engine"),
     run=_run,
     extra_key=_extra_key,
+    enabled=lambda recipe: recipe.target == "engine",
     description="Triton model repository (preprocessing, tensorrt_llm, postprocessing, ensemble[, bls])",
 )

@@ -1,5 +1,8 @@
 """Triton python model ``preprocessing``: text → token ids (contract §6.4), with trtpipe's default stop ids.
 
+I/O and parameter keys are upstream's template's (text-only rows); the template's embedding-bias and prompt-table
+inputs are declared but refused with a one-line error.
+
 Parameters: ``tokenizer_dir`` (relative paths are relative to this model's directory), ``add_special_tokens``,
 ``end_id`` / ``pad_id`` (from generation_config.json and the tokenizer, written by trtpipe) and
 ``stop_token_ids`` (comma list: the model's other EOS ids, e.g. Llama-3's ``<|eot_id|>``), which are appended
@@ -13,6 +16,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 _TRUE = {"true", "1", "t", "y", "yes"}
+# Inputs of upstream's template this model declares (so upstream's model.py can be swapped in) but does not use.
+NOT_IMPLEMENTED = ("EMBEDDING_BIAS_WORDS", "EMBEDDING_BIAS_WEIGHTS", "PROMPT_TABLE_EXTRA_ID")
 
 
 def _param(params, key, default=None):
@@ -94,6 +99,10 @@ class TritonPythonModel:
         return responses
 
     def _one(self, request):
+        for name in NOT_IMPLEMENTED:
+            value = _tensor(request, name)
+            if value is not None and value.size:
+                raise ValueError(f"{name}: declared as in upstream's template, not implemented by trtpipe's preprocessing")
         queries = _texts(_tensor(request, "QUERY"))
         batch = len(queries)
         ids = []

@@ -7,6 +7,7 @@ every ``cancellation_check_period_ms``) and ``stop=true`` requests cancel at the
 Prometheus families are updated every ``stats_check_period_ms`` from the executor's last iteration record.
 """
 
+import queue
 import threading
 
 import numpy as np
@@ -22,6 +23,7 @@ def _error(message):
 class TritonPythonModel:
     def initialize(self, args):
         import json
+        import os
 
         import torch
 
@@ -35,8 +37,14 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.settings = triton_twin.settings_from_model_config(config, args["model_repository"])
         torch.set_num_threads(self.settings.cpu_threads)
-        model = load_checkpoint(self.settings.engine_dir / "checkpoint", device="cpu")
-        self.executor = Executor(self.settings.executor, ReferenceEngine(model))
+        run_dir = os.environ.get("TRTPIPE_MPI_RUN_DIR")
+        if run_dir:  # rank 0 of a leader-mode mpiexec job: its shard here, the other ranks follow each step
+            from trtpipe.serving.mpi_engine import start_leader
+
+            self.engine = start_leader(str(self.settings.engine_dir), run_dir)
+        else:
+            self.engine = ReferenceEngine(load_checkpoint(self.settings.engine_dir / "checkpoint", device="cpu"))
+        self.executor = Executor(self.settings.executor, self.engine)
         params = config.get("parameters", {})
         self.cancel_period = int(triton_twin.param(params, "cancellation_check_period_ms", "100")) / 1000
         self.stats_period = int(triton_twin.param(params, "stats_check_period_ms", "100")) / 1000
@@ -44,7 +52,9 @@ class TritonPythonModel:
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self._metrics(args)
-        self.threads = [threading.Thread(target=f, daemon=True) for f in (self._watch_cancellation, self._report_stats)]
+        self.outbox = queue.SimpleQueue()
+        self.threads = [threading.Thread(target=f, daemon=True)
+                        for f in (self._watch_cancellation, self._report_stats, self._send_responses)]
         for t in self.threads:
             t.start()
 
@@ -85,11 +95,12 @@ class TritonPythonModel:
     # ---- requests --------------------------------------------------------------------------------
     def _watch_cancellation(self):
         while not self.stopping.wait(self.cancel_period):
+            # Under the lock: a request leaves ``live`` (under the lock) before its final response is sent, and
+            # asking a finished request's sender would touch a response factory the server already freed.
             with self.lock:
-                live = list(self.live.items())
-            for rid, (sender, _) in live:
-                if sender.is_cancelled():
-                    self.executor.cancel(rid)
+                for rid, (sender, _) in self.live.items():
+                    if sender.is_cancelled():
+                        self.executor.cancel(rid)
 
     def _stop(self, request):
         """``stop=true``: cancel every executor request of this Triton request id; answer with an empty final."""
@@ -101,16 +112,31 @@ class TritonPythonModel:
                 if owner == tid:
                     self.executor.cancel(rid)
 
+    def _send_responses(self):
+        """Responses leave on their own thread (as in the backend), so the step loop never waits on IPC."""
+        while True:
+            item = self.outbox.get()
+            if item is None:
+                return
+            respond, resp = item
+            respond(resp)
+
     def _submit(self, request, parsed, deliver):
-        def on_response(resp):
+        def respond(resp):
             if resp.is_final:
                 with self.lock:
                     self.live.pop(resp.request_id, None)
             if resp.has_error:
                 deliver(_error(f"Executor failed process requestId {resp.request_id} due to the following error: {resp.error}"), True)
                 return
+            if resp.is_final and parsed.request.streaming and not resp.tokens and not parsed.wants_outputs_at_end:
+                deliver(None, True)  # a flag-only final response, as the backend sends after the last token
+                return
             tensors = [pb_utils.Tensor(n, a) for n, a in self.twin.response_outputs(resp, parsed)]
             deliver(pb_utils.InferenceResponse(output_tensors=tensors), resp.is_final)
+
+        def on_response(resp):  # on the executor thread: hand over and go back to stepping
+            self.outbox.put((respond, resp))
 
         with self.lock:  # registered before the first response can arrive
             rid = self.executor.submit(parsed.request, on_response)
@@ -124,7 +150,9 @@ class TritonPythonModel:
             sender = request.get_response_sender() if self.decoupled else None
 
             def deliver(response, final, i=i, sender=sender):
-                if sender is not None:
+                if sender is not None and response is None:
+                    sender.send(flags=FINAL)
+                elif sender is not None:
                     sender.send(response, flags=FINAL if final else 0)
                 elif final:
                     results[i] = response
@@ -152,3 +180,6 @@ class TritonPythonModel:
     def finalize(self):
         self.stopping.set()
         self.executor.shutdown()
+        self.outbox.put(None)
+        if hasattr(self.engine, "shutdown"):  # leader mode: release the worker ranks
+            self.engine.shutdown()

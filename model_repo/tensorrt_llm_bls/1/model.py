@@ -18,7 +18,13 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 _PRE = {"text_input": "QUERY", "max_tokens": "REQUEST_OUTPUT_LEN", "bad_words": "BAD_WORDS_DICT",
         "stop_words": "STOP_WORDS_DICT", "end_id": "END_ID", "pad_id": "PAD_ID"}
 _LLM = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "temperature": "temperature", "seed": "seed",
-        "exclude_input_in_output": "exclude_input_in_output", "stream": "streaming"}
+        "exclude_input_in_output": "exclude_input_in_output", "stream": "streaming",
+        "return_perf_metrics": "return_perf_metrics", "return_num_input_tokens": "return_num_input_tokens",
+        "return_num_output_tokens": "return_num_output_tokens"}
+# tensorrt_llm outputs passed through with the last text response when the request asked for them
+_MEASURED = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "arrival_time_ns",
+             "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns", "num_input_tokens",
+             "num_output_tokens")
 _PRE_OUT = {"INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths", "REQUEST_OUTPUT_LEN": "request_output_len",
             "STOP_WORDS_IDS": "stop_words_list", "BAD_WORDS_IDS": "bad_words_list", "OUT_END_ID": "end_id",
             "OUT_PAD_ID": "pad_id"}
@@ -50,9 +56,10 @@ class TritonPythonModel:
         with open(llm_cfg) as fh:  # whether tensorrt_llm must be called as a decoupled model
             self.llm_decoupled = "decoupled: true" in fh.read()
 
-    def _text(self, text):
+    def _text(self, text, measured=()):
         return pb_utils.InferenceResponse(
-            output_tensors=[pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object))]
+            output_tensors=[pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object)),
+                            *measured]
         )
 
     def _call(self, model, inputs, outputs, decoupled=False):
@@ -82,16 +89,21 @@ class TritonPythonModel:
                 llm_inputs.append(pb_utils.Tensor(target, a))
                 stream = stream or (name == "stream" and bool(a.reshape(-1)[0]))
         outputs = ["output_ids", "sequence_length"]
+        asked = [n for n in _LLM if n.startswith("return_") and pb_utils.get_input_tensor_by_name(request, n) is not None]
+        if asked:
+            outputs += list(_MEASURED)
         responses = (self._call(self.llm_name, llm_inputs, outputs, decoupled=True) if self.llm_decoupled
                      else [self._call(self.llm_name, llm_inputs, outputs)])
-        tokens, sent = [], ""
+        tokens, sent, measured = [], "", []
         for resp in responses:
             if resp.has_error():
                 raise _Failed(resp.error().message())
+            got = [pb_utils.get_output_tensor_by_name(resp, n) for n in _MEASURED] if asked else []
+            measured = [pb_utils.Tensor(t.name(), t.as_numpy()) for t in got if t is not None] or measured
             ids_t = pb_utils.get_output_tensor_by_name(resp, "output_ids")
             if ids_t is None:  # the final flag-only response
                 continue
-            ids = ids_t.as_numpy().reshape(-1, ids_t.as_numpy().shape[-1])[0]
+            ids = ids_t.as_numpy().reshape(-1)  # [1, 1, L]: one sequence, beam 1
             n = int(pb_utils.get_output_tensor_by_name(resp, "sequence_length").as_numpy().reshape(-1)[0])
             tokens += ids[:n].tolist()
             if stream:
@@ -99,22 +111,27 @@ class TritonPythonModel:
                 if text.endswith("\ufffd") or not text.startswith(sent):
                     continue
                 if len(text) > len(sent):
-                    yield text[len(sent):], False
+                    yield text[len(sent):], False, ()
                     sent = text
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        yield (text[len(sent):] if text.startswith(sent) else text), True
+        yield (text[len(sent):] if text.startswith(sent) else text), True, measured
 
     def _serve(self, request, sender):
         """Answer one request through ``sender`` (decoupled), or return its response."""
         try:
             if sender is None:
-                return self._text("".join(piece for piece, _ in self._generate(request)))
-            for piece, final in self._generate(request):
+                parts = list(self._generate(request))
+                return self._text("".join(piece for piece, _, _ in parts), parts[-1][2])
+            for piece, final, measured in self._generate(request):
+                if final and measured:
+                    sender.send(self._text(piece, measured), flags=FINAL)
+                    return None
                 if piece:
                     sender.send(self._text(piece))
             sender.send(flags=FINAL)
-        except _Failed as exc:
-            err = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
+        except Exception as exc:  # noqa: BLE001 - every request ends with a final response, whatever failed
+            message = str(exc) if isinstance(exc, _Failed) else f"tensorrt_llm_bls: {type(exc).__name__}: {exc}"
+            err = pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
             if sender is None:
                 return err
             sender.send(err, flags=FINAL)

@@ -1,0 +1,189 @@
+"""The OpenAI-compatible twin of trtllm-serve, queried over real HTTP (127.0.0.1) with the official ``openai``
+client: completions and chat, streaming and not, ``usage``, stop strings, errors, /v1/models, /health, /metrics.
+The model is stories260k exported in float16 by the llmapi export; greedy text must equal transformers' greedy
+``generate`` on the same float16 checkpoint (both compute in float32), also with 8 requests in flight at once."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+NAME = "stories-twin"
+TEMPLATE = (Path(__file__).parent / "data" / "chat_template.jinja").read_text()
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day, a big"]
+
+
+@pytest.fixture(scope="module")
+def fp16_export(tmp_path_factory, stories_dir):
+    from trtpipe.checkpoint.convert import convert
+    from trtpipe.export.unified import export_unified
+
+    root = tmp_path_factory.mktemp("twin")
+    base = convert(stories_dir, root / "base", tp=1, dtype="float16")
+    out = root / "hf"
+    out.mkdir()
+    export_unified(base, stories_dir, None, out, algo="none", kv_cache="none", group_size=128, alpha=0.5,
+                   exclude=["*lm_head"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(fp16_export):
+    from aiohttp import web
+
+    from trtpipe.serving.openai_server import OpenAIServer, ServedModel
+
+    served = ServedModel(fp16_export, NAME, chat_template=TEMPLATE)
+    app = OpenAIServer(served).app
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    started = threading.Event()
+
+    def run():
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        started.set()
+        loop.run_forever()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert started.wait(30)
+    yield f"http://127.0.0.1:{port}", served
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    t.join(10)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(fp16_export):
+    """transformers' greedy continuation of token ids (float16 weights, float32 compute), new tokens only."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(fp16_export, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+
+    def run(ids: list[int], n: int) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
+                                 pad_token_id=eos)
+        new = out[0, len(ids):].tolist()
+        return new[: new.index(eos)] if eos in new else new
+
+    return run
+
+
+def _tok(server):
+    return server[1].tokenizer
+
+
+def test_models_health_metrics(server, client):
+    import json
+    import urllib.request
+
+    assert [m.id for m in client.models.list().data] == [NAME]
+    with urllib.request.urlopen(server[0] + "/health") as r:
+        assert r.status == 200 and r.read() == b""
+    client.completions.create(model=NAME, prompt="Hi", max_tokens=2)
+    with urllib.request.urlopen(server[0] + "/metrics") as r:
+        stats = json.loads(r.read())
+    assert stats and {"iter", "numActiveRequests", "kvCacheStats", "inflightBatchingStats"} <= set(stats[0])
+    with urllib.request.urlopen(server[0] + "/prometheus/metrics") as r:
+        text = r.read().decode()
+    assert "trtllm_request_success_total{" in text and "trtllm_generation_tokens_total{" in text
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_completion_greedy_equals_transformers(client, server, hf_greedy, prompt):
+    tok = _tok(server)
+    ids = tok.encode(prompt)
+    want = hf_greedy(ids, 24)
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0)
+    assert r.choices[0].text == tok.decode(want, skip_special_tokens=True)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(want)
+    assert r.usage.total_tokens == len(ids) + len(want)
+    assert r.choices[0].finish_reason == ("length" if len(want) == 24 else "stop")
+
+
+def test_completion_streaming(client, server, hf_greedy):
+    tok = _tok(server)
+    want = tok.decode(hf_greedy(tok.encode(PROMPTS[0]), 32), skip_special_tokens=True)
+    parts, usage, finish = [], None, None
+    for chunk in client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=32, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}):
+        if chunk.choices:
+            parts.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(parts) == want and len([p for p in parts if p]) > 5  # really incremental
+    assert usage is not None and usage.completion_tokens == 32 and finish == "length"
+
+
+def test_chat_equals_transformers_on_the_template(client, server, hf_greedy):
+    tok = _tok(server)
+    messages = [{"role": "user", "content": "Tell me a story about a cat."}]
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False)
+    want = tok.decode(hf_greedy(ids, 20), skip_special_tokens=True)
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=20)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want
+    assert r.usage.prompt_tokens == len(ids)
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_concurrent_requests_match_sequential(client, server, hf_greedy):
+    """8 streams in flight together (in-flight batching) give each its own greedy text."""
+    tok = _tok(server)
+    prompts = [f"{p} {i}" for i in range(2) for p in PROMPTS]
+    want = [tok.decode(hf_greedy(tok.encode(p), 16), skip_special_tokens=True) for p in prompts]
+
+    def one(p):
+        return "".join(c.choices[0].text for c in client.completions.create(
+            model=NAME, prompt=p, max_tokens=16, temperature=0, stream=True) if c.choices)
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(one, prompts))
+    assert got == want
+
+
+def test_stop_string(client, server, hf_greedy):
+    tok = _tok(server)
+    full = tok.decode(hf_greedy(tok.encode(PROMPTS[0]), 40), skip_special_tokens=True)
+    assert "." in full
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0, stop=["."])
+    assert r.choices[0].text == full[: full.index(".")] and r.choices[0].finish_reason == "stop"
+
+
+def test_errors(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="does not exist"):
+        client.completions.create(model="other", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=NAME, messages=[])

@@ -1,0 +1,198 @@
+"""The twin's in-flight batching executor behind a real tritonserver: concurrent streams, cancellation, a tiny KV
+pool under max_utilization, the queue limit, perf-metric outputs and the backend's Prometheus families."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from trtpipe.triton.client import Client, GenerateOptions
+from trtpipe.triton.repo import write_repo
+from trtpipe.triton.server import start_server
+
+pytestmark = [pytest.mark.triton, pytest.mark.slow]
+
+PROMPTS = ["Once upon a time", "Lily wanted to", "Tom had a big red ball.", "One day, a cat saw a bird"]
+# 16 blocks of 32 tokens: exactly one max_seq_len (512) sequence, so concurrent requests must pause and resume
+OVERRIDES = ("triton.streaming=true", "triton.scheduler_policy=max_utilization", "engine.kv_cache.max_tokens=512",
+             "triton.max_queue_size=48")
+
+
+@pytest.fixture(scope="module")
+def server(stories_engine, stories_recipe, tmp_path_factory):
+    engine = stories_engine(1)
+    repo = tmp_path_factory.mktemp("inflight") / "repo"
+    write_repo(stories_recipe(*OVERRIDES), engine, engine / "checkpoint", repo)
+    with start_server(repo, timeout=240) as s:
+        yield s
+
+
+def metrics(server) -> dict[tuple[str, str], float]:
+    """(family, category label value) -> value of the nv_trt_llm_* gauges."""
+    text = urllib.request.urlopen(f"http://{server.bind}:{server.ports.metrics}/metrics", timeout=10).read().decode()
+    out = {}
+    for family, label, value in re.findall(r'^(nv_trt_llm_\w+)\{[^}]*?(?:request_type|kv_cache_block_type|'
+                                           r'inflight_batcher_specific_metric|general_type)="(\w+)"[^}]*\} (\S+)$',
+                                           text, re.M):
+        out[(family, label)] = float(value)
+    return out
+
+
+def wait_for(server, key, value=None, timeout=10.0, above=None):
+    """Poll the metrics port (gauges refresh every stats_check_period_ms) until key == value (or > above)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = metrics(server).get(key)
+        if got is not None and (got > above if above is not None else got == value):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _llm_inputs(ids, max_tokens, **extra):
+    rows = [("input_ids", np.array([ids], np.int32), "INT32"), ("input_lengths", np.array([[len(ids)]], np.int32), "INT32"),
+            ("request_output_len", np.array([[max_tokens]], np.int32), "INT32")]
+    rows += [(k, np.array([[v]], dtype=dt), tt) for k, (v, dt, tt) in extra.items()]
+    out = []
+    for name, arr, tt in rows:
+        i = grpcclient.InferInput(name, list(arr.shape), tt)
+        i.set_data_from_numpy(arr)
+        out.append(i)
+    return out
+
+
+def test_sixteen_concurrent_streams_through_a_tiny_pool_are_exact(server, hf_greedy):
+    results, errors = {}, []
+
+    def ask(i):
+        try:
+            with Client(server.grpc_url) as c:
+                results[i] = "".join(c.stream(PROMPTS[i % 4], GenerateOptions(max_tokens=48 + 8 * (i % 3))))
+        except BaseException as exc:  # noqa: BLE001 - collected below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors[0]
+    for i, text in results.items():
+        assert text == hf_greedy(PROMPTS[i % 4], 48 + 8 * (i % 3))[1], i
+    assert wait_for(server, ("nv_trt_llm_kv_cache_block_metrics", "used"), 0.0)
+    assert metrics(server)[("nv_trt_llm_kv_cache_block_metrics", "max")] == 16
+
+
+def test_fifty_cancelled_streams_leave_no_used_blocks(server, hf_stories):
+    tok, _ = hf_stories
+    ids = tok("Once upon a time").input_ids
+    raw = grpcclient.InferenceServerClient(server.grpc_url)
+    first_tokens, errors = threading.Semaphore(0), []
+    raw.start_stream(callback=lambda result, error: errors.append(error) if error else first_tokens.release())
+    try:
+        for i in range(50):
+            raw.async_stream_infer("tensorrt_llm", _llm_inputs(ids, 200, streaming=(True, bool, "BOOL"),
+                                                               end_id=(-1, np.int32, "INT32")), request_id=str(i))
+        assert first_tokens.acquire(timeout=60), errors[:1]  # generation is under way
+        assert wait_for(server, ("nv_trt_llm_kv_cache_block_metrics", "used"), above=0)
+    finally:
+        raw.stop_stream(cancel_requests=True)
+        raw.close()
+    assert wait_for(server, ("nv_trt_llm_kv_cache_block_metrics", "used"), 0.0, timeout=20)
+    assert wait_for(server, ("nv_trt_llm_request_metrics", "active"), 0.0)
+    # the client's own cancellation is the only error it saw (no server-side failure)
+    assert all("Locally cancelled" in str(e) for e in errors), [str(e) for e in errors[:2]]
+
+
+def test_stop_request_cancels_by_request_id(server, hf_stories):
+    tok, _ = hf_stories
+    ids = tok("Once upon a time").input_ids
+    raw = grpcclient.InferenceServerClient(server.grpc_url)
+    finals, got = [], threading.Event()
+
+    def on(result, error):
+        if error is None and result.get_response(as_json=True)["parameters"].get("triton_final_response", {}).get("bool_param"):
+            finals.append(result.get_response(as_json=True)["id"])
+            if "long" in finals:
+                got.set()
+
+    raw.start_stream(callback=on)
+    try:
+        raw.async_stream_infer("tensorrt_llm", _llm_inputs(ids, 200, streaming=(True, bool, "BOOL"),
+                                                           end_id=(-1, np.int32, "INT32")), request_id="long")
+        time.sleep(0.5)
+        raw.async_stream_infer("tensorrt_llm", _llm_inputs(ids, 1, stop=(True, bool, "BOOL")), request_id="long")
+        assert got.wait(20), "stop=true did not end the request"
+    finally:
+        raw.stop_stream()
+        raw.close()
+
+
+def test_queue_full_is_refused_at_once(server):
+    errors, answers = [], []
+    lock = threading.Lock()
+
+    def ask():
+        try:
+            with Client(server.grpc_url) as c:
+                c.generate("Once upon a time", GenerateOptions(max_tokens=200, end_id=-1))
+            with lock:
+                answers.append(1)
+        except Exception as exc:  # noqa: BLE001 - the refusals are the point
+            with lock:
+                errors.append((time.monotonic(), str(exc)))
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=ask) for _ in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    full = [(t, e) for t, e in errors if "Maximum queue size of 48 has been reached" in e]
+    assert full, errors[:3]
+    assert len(full) == len(errors), errors[:3]  # nothing else failed
+    assert min(t for t, _ in full) - t0 < 5.0  # refused at once, not after waiting for a slot
+    assert len(answers) + len(full) == 64
+
+
+def test_perf_metric_outputs(server, hf_stories):
+    tok, _ = hf_stories
+    ids = tok("Once upon a time").input_ids
+    with grpcclient.InferenceServerClient(server.grpc_url) as raw:
+        done, out = threading.Event(), []
+        raw.start_stream(callback=lambda result, error: (out.append((result, error)), done.set()))
+        raw.async_stream_infer("tensorrt_llm", _llm_inputs(ids, 8, return_perf_metrics=(True, bool, "BOOL"),
+                                                           return_num_output_tokens=(True, bool, "BOOL")))
+        assert done.wait(30)
+        raw.stop_stream()
+    result, error = out[0]
+    assert error is None, error
+    t = {n: int(result.as_numpy(n).reshape(-1)[0]) for n in ("arrival_time_ns", "first_scheduled_time_ns",
+                                                             "first_token_time_ns", "last_token_time_ns")}
+    assert 0 < t["arrival_time_ns"] <= t["first_scheduled_time_ns"] < t["first_token_time_ns"] <= t["last_token_time_ns"]
+    assert int(result.as_numpy("num_output_tokens").reshape(-1)[0]) == 8
+    assert int(result.as_numpy("kv_cache_alloc_total_blocks").reshape(-1)[0]) >= 1
+
+
+def test_bls_returns_the_server_measurements_when_asked(server):
+    import http.client
+    import json
+
+    host, port = server.http_url.replace("http://", "").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = {"text_input": "Once upon a time", "max_tokens": 8, "end_id": -1, "stream": True,
+            "return_perf_metrics": True, "return_num_output_tokens": True}
+    conn.request("POST", "/v2/models/tensorrt_llm_bls/generate_stream", json.dumps(body))
+    events = [json.loads(line[5:]) for line in conn.getresponse() if line.startswith(b"data:")]
+    conn.close()
+    last = events[-1]
+    assert "error" not in last, last
+    assert last["num_output_tokens"] == 8
+    assert 0 < last["arrival_time_ns"] <= last["first_scheduled_time_ns"] < last["first_token_time_ns"] <= last["last_token_time_ns"]
+    assert all("arrival_time_ns" not in e for e in events[:-1])  # measurements come once, with the last response

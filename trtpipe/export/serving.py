@@ -1,0 +1,260 @@
+"""Serving artifacts of the llmapi target: the ``extra_llm_api_options`` YAML, the ``trtllm-serve`` command, the
+multi-GPU / multi-node launch lines, and a Triton repository holding TensorRT-LLM's ``llmapi`` Python model.
+
+The YAML is a dict of ``TorchLlmArgs`` fields, whose pydantic models forbid unknown keys: one misspelled or
+too-new key and the server does not start. So every key written comes from :data:`LLM_API_KEYS`, a table of
+dotted keys and the TensorRT-LLM releases known to accept them; :func:`llm_api_options` refuses anything else
+(a bug here, never a file the server rejects).
+
+Sources (TensorRT-LLM ``tensorrt_llm/llmapi/llm_args.py``, ``commands/serve.py``; ``triton_backend/all_models/
+llmapi``): the key set was read from a 1.1-era revision; keys also present in the 1.4 reference are taken to be
+in 1.2; for 1.0 only the long-standing core keys are written (``kv_cache_config.tokens_per_block``,
+``return_perf_metrics`` and ``enable_iter_perf_stats`` are left out there, unverified for 1.0).
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from trtpipe.errors import TrtpipeError
+from trtpipe.recipe.schema import Recipe
+
+VERSIONS = ("1.0", "1.1", "1.2")
+_ALL = frozenset(VERSIONS)
+_SINCE_11 = frozenset(("1.1", "1.2"))
+
+# dotted TorchLlmArgs key -> releases that accept it (only keys trtpipe writes are listed)
+LLM_API_KEYS: dict[str, frozenset] = {
+    "max_batch_size": _ALL,
+    "max_num_tokens": _ALL,
+    "max_seq_len": _ALL,
+    "max_beam_width": _ALL,
+    "tensor_parallel_size": _ALL,
+    "pipeline_parallel_size": _ALL,
+    "moe_expert_parallel_size": _ALL,
+    "enable_chunked_prefill": _ALL,
+    "kv_cache_config.free_gpu_memory_fraction": _ALL,
+    "kv_cache_config.enable_block_reuse": _ALL,
+    "kv_cache_config.max_tokens": _ALL,
+    "kv_cache_config.host_cache_size": _ALL,
+    "kv_cache_config.dtype": _ALL,
+    "kv_cache_config.tokens_per_block": _SINCE_11,
+    "scheduler_config.capacity_scheduler_policy": _ALL,
+    "cuda_graph_config.max_batch_size": _ALL,
+    "cuda_graph_config.enable_padding": _ALL,
+    "enable_iter_perf_stats": _SINCE_11,
+    "return_perf_metrics": _SINCE_11,
+}
+
+# trtllm-serve flags per release (1.2 adds long aliases and --config for the YAML; the short ones still work)
+SERVE_FLAGS: dict[str, dict[str, str]] = {
+    "1.0": {"tp": "--tp_size", "pp": "--pp_size", "ep": "--ep_size", "kv_fraction": "--kv_cache_free_gpu_memory_fraction",
+            "yaml": "--extra_llm_api_options"},
+    "1.1": {"tp": "--tp_size", "pp": "--pp_size", "ep": "--ep_size", "kv_fraction": "--kv_cache_free_gpu_memory_fraction",
+            "yaml": "--extra_llm_api_options"},
+    "1.2": {"tp": "--tensor_parallel_size", "pp": "--pipeline_parallel_size", "ep": "--moe_expert_parallel_size",
+            "kv_fraction": "--free_gpu_memory_fraction", "yaml": "--config"},
+}
+
+YAML_NAME = "extra_llm_api_options.yaml"
+_PLACEHOLDER = "@EXTRA_LLM_API_OPTIONS@"
+_HERE = 'HERE="$(cd "$(dirname "$0")" && pwd)"\n'
+
+
+class UnknownLLMAPIKey(TrtpipeError):
+    """A key that the target TensorRT-LLM release does not accept was about to be written."""
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def checked(options: dict, version: str) -> dict:
+    """``options`` unchanged if every (dotted) key is accepted by ``version``; else :class:`UnknownLLMAPIKey`."""
+    if version not in VERSIONS:
+        raise UnknownLLMAPIKey(f"llmapi.version: no key table for TensorRT-LLM {version} (known: {', '.join(VERSIONS)})")
+    for key in _flatten(options):
+        if version not in LLM_API_KEYS.get(key, frozenset()):
+            raise UnknownLLMAPIKey(f"extra_llm_api_options: '{key}' is not a TorchLlmArgs key of TensorRT-LLM "
+                                   f"{version} (the server would refuse the file)")
+    return options
+
+
+def _set(d: dict, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for p in parents:
+        d = d.setdefault(p, {})
+    d[last] = value
+
+
+def llm_api_options(recipe: Recipe, version: Optional[str] = None, max_seq_len: Optional[int] = None) -> dict:
+    """The ``extra_llm_api_options`` dict for ``version`` (default: the recipe's ``llmapi.version``)."""
+    version = version or recipe.llmapi.version
+    e, kv, p, q = recipe.engine, recipe.engine.kv_cache, recipe.parallel, recipe.quantization
+    want: dict[str, Any] = {
+        "max_batch_size": e.max_batch_size,
+        "max_num_tokens": e.max_num_tokens,
+        "max_seq_len": max_seq_len or e.max_seq_len,
+        "max_beam_width": e.max_beam_width,
+        "tensor_parallel_size": p.tp,
+        "pipeline_parallel_size": p.pp,
+        "kv_cache_config.free_gpu_memory_fraction": kv.free_gpu_memory_fraction,
+        "kv_cache_config.enable_block_reuse": kv.enable_reuse,
+        "kv_cache_config.max_tokens": kv.max_tokens,
+        "kv_cache_config.host_cache_size": kv.host_memory_bytes or None,
+        "kv_cache_config.dtype": "fp8" if q.kv_cache == "fp8" else None,  # the checkpoint says so too
+        "kv_cache_config.tokens_per_block": kv.tokens_per_block,
+        "scheduler_config.capacity_scheduler_policy": recipe.triton.scheduler_policy.upper(),
+        "cuda_graph_config.max_batch_size": e.max_batch_size,
+        "cuda_graph_config.enable_padding": True,
+        "enable_iter_perf_stats": True,  # /metrics returns per-iteration stats only with it
+        "return_perf_metrics": True,  # mounts /prometheus/metrics
+    }
+    if p.moe_ep > 0:
+        want["moe_expert_parallel_size"] = p.moe_ep
+    out: dict = {}
+    for key, value in want.items():
+        if value is None:
+            continue
+        if version not in LLM_API_KEYS[key]:  # written only where the release is known to take it
+            continue
+        _set(out, key, value)
+    return checked(out, version)
+
+
+def options_yaml(options: dict, version: str) -> str:
+    head = (f"# extra_llm_api_options for TensorRT-LLM {version} (trtllm-serve {SERVE_FLAGS[version]['yaml']}, "
+            f"Triton llmapi model.yaml, Dynamo --extra-engine-args).\n# Generated by trtpipe from a per-release key "
+            f"table: every key here is a TorchLlmArgs field of {version}.\n")
+    return head + yaml.safe_dump(checked(options, version), sort_keys=False)
+
+
+def serve_command(recipe: Recipe, model_dir: str, yaml_path: str, version: Optional[str] = None,
+                  host: Optional[str] = None) -> list[str]:
+    """``trtllm-serve <model_dir> ...`` (the LLM API starts its own workers for tp*pp GPUs on one node)."""
+    version = version or recipe.llmapi.version
+    f, e, p = SERVE_FLAGS[version], recipe.engine, recipe.parallel
+    cmd = ["trtllm-serve", model_dir, "--backend", "pytorch", "--host", host or recipe.llmapi.host,
+           "--port", str(recipe.llmapi.port), f["tp"], str(p.tp), f["pp"], str(p.pp)]
+    if p.moe_ep > 0:
+        cmd += [f["ep"], str(p.moe_ep)]
+    cmd += ["--max_batch_size", str(e.max_batch_size), "--max_num_tokens", str(e.max_num_tokens)]
+    if e.max_seq_len:
+        cmd += ["--max_seq_len", str(e.max_seq_len)]
+    cmd += [f["kv_fraction"], str(e.kv_cache.free_gpu_memory_fraction), f["yaml"], yaml_path]
+    return cmd
+
+
+def launch_lines(recipe: Recipe, model_dir: str, yaml_path: str) -> dict[str, str]:
+    """Shell lines: one node (``trtllm-serve`` alone), Slurm (``srun`` + ``trtllm-llmapi-launch``, one rank per
+    GPU, MPI world = tp*pp), and ``mpirun`` over a host list (same wrapper)."""
+    world, nodes = recipe.parallel.world_size, recipe.llmapi.nodes
+    per_node = -(-world // nodes)
+    inner = shlex.join(serve_command(recipe, model_dir, yaml_path, host="0.0.0.0"))
+    single = shlex.join(serve_command(recipe, model_dir, yaml_path))
+    return {
+        "single_node": single,
+        "slurm": f"srun --mpi=pmix -N {nodes} --ntasks-per-node={per_node} trtllm-llmapi-launch {inner}",
+        "mpirun": (f"mpirun -np {world} --hostfile \"${{HOSTFILE:?one line per node: host slots={per_node}}}\" "
+                   f"--bind-to none trtllm-llmapi-launch {inner}"),
+    }
+
+
+# --- Triton llmapi model -------------------------------------------------------------------------------------
+
+# config.pbtxt of triton_backend/all_models/llmapi/tensorrt_llm (max_batch_size and the transaction policy are
+# set by its model.py from model.yaml's triton_config, so they are not written here)
+_INPUTS = [("text_input", "TYPE_STRING", [-1], False), ("image_url", "TYPE_STRING", [-1], True),
+           ("streaming", "TYPE_BOOL", [1], True), ("sampling_param_best_of", "TYPE_INT32", [1], True),
+           ("sampling_param_temperature", "TYPE_FP32", [1], True), ("sampling_param_top_k", "TYPE_INT32", [1], True),
+           ("sampling_param_top_p", "TYPE_FP32", [1], True),
+           ("sampling_param_frequency_penalty", "TYPE_FP32", [1], True),
+           ("sampling_param_presence_penalty", "TYPE_FP32", [1], True),
+           ("sampling_param_max_tokens", "TYPE_INT32", [1], True), ("sampling_param_stop", "TYPE_STRING", [-1], True),
+           ("sampling_param_seed", "TYPE_UINT64", [1], True),
+           ("sampling_param_exclude_input_from_output", "TYPE_BOOL", [1], True),
+           ("sampling_param_return_perf_metrics", "TYPE_BOOL", [1], True),
+           ("return_finish_reason", "TYPE_BOOL", [1], True), ("return_stop_reason", "TYPE_BOOL", [1], True),
+           ("return_cumulative_logprob", "TYPE_BOOL", [1], True), ("stop", "TYPE_BOOL", [1], True),
+           ("lora_id", "TYPE_UINT64", [1], True), ("lora_name", "TYPE_STRING", [1], True),
+           ("lora_path", "TYPE_STRING", [1], True), ("lora_ckpt_source", "TYPE_STRING", [1], True)]
+_OUTPUTS = [("text_output", "TYPE_STRING", [-1]), ("finish_reason", "TYPE_STRING", [1]),
+            ("stop_reason", "TYPE_STRING", [1]), ("cumulative_logprob", "TYPE_FP32", [1]),
+            ("kv_cache_reused_block", "TYPE_INT32", [1]), ("kv_cache_missed_block", "TYPE_INT32", [1]),
+            ("kv_cache_alloc_new_blocks", "TYPE_INT32", [1]), ("kv_cache_alloc_total_blocks", "TYPE_INT32", [1]),
+            ("kv_cache_hit_rate", "TYPE_FP32", [1]), ("arrival_time_ns", "TYPE_INT64", [1]),
+            ("first_scheduled_time_ns", "TYPE_INT64", [1]), ("first_token_time_ns", "TYPE_INT64", [1]),
+            ("last_token_time_ns", "TYPE_INT64", [1]), ("acceptance_rate", "TYPE_FP32", [1]),
+            ("total_accepted_draft_tokens", "TYPE_INT32", [1]), ("total_draft_tokens", "TYPE_INT32", [1])]
+
+
+def llmapi_pbtxt() -> str:
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from trtpipe.triton.repo import to_pbtxt
+
+    c = mc.ModelConfig(name="tensorrt_llm", backend="python")
+    c.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
+    for name, dtype, dims, optional in _INPUTS:
+        i = c.input.add(name=name, data_type=mc.DataType.Value(dtype), dims=dims)
+        i.optional = optional
+    for name, dtype, dims in _OUTPUTS:
+        c.output.add(name=name, data_type=mc.DataType.Value(dtype), dims=dims)
+    return to_pbtxt(c)
+
+
+def model_yaml(recipe: Recipe, model_dir: str, version: Optional[str] = None) -> dict:
+    """``1/model.yaml``: ``LLM()`` kwargs (the same TorchLlmArgs keys) plus ``triton_config``."""
+    version = version or recipe.llmapi.version
+    opts = llm_api_options(recipe, version)
+    out = {"model": model_dir, "backend": "pytorch"}
+    out.update(opts)
+    out["triton_config"] = {"max_batch_size": 0,  # the llmapi model does not batch in Triton; TRT-LLM does
+                            "decoupled": recipe.triton.streaming}
+    return out
+
+
+def write_serving(recipe: Recipe, hf_dir: Path, out: Path, model_ref: Optional[str] = None) -> dict:
+    """Write every serving artifact into ``out``; ``model_ref`` is the model path as the serving host sees it
+    (default: ``hf_dir``, absolute)."""
+    version = recipe.llmapi.version
+    model_ref = model_ref or str(Path(hf_dir).resolve())
+    opts = llm_api_options(recipe, version)
+    (out / YAML_NAME).write_text(options_yaml(opts, version))
+    here = '"$HERE/' + YAML_NAME + '"'  # the scripts find the YAML beside themselves
+    lines = {k: v.replace(_PLACEHOLDER, here) for k, v in launch_lines(recipe, model_ref, _PLACEHOLDER).items()}
+    (out / "serve.sh").write_text(
+        "#!/usr/bin/env bash\n# One node, tp*pp GPUs: trtllm-serve starts its own workers.\nset -euo pipefail\n"
+        f"{_HERE}exec {lines['single_node']}\n")
+    (out / "launch-slurm.sh").write_text(
+        "#!/usr/bin/env bash\n# Multi-node under Slurm: one MPI rank per GPU; trtllm-llmapi-launch makes rank 0 the "
+        "server and\n# the others workers (needs openssl and python3 on every node; a local model path on each).\n"
+        f"set -euo pipefail\n{_HERE}{lines['slurm']}\n")
+    (out / "launch-mpirun.sh").write_text(
+        "#!/usr/bin/env bash\n# Multi-node with mpirun: HOSTFILE lists the nodes; one rank per GPU.\n"
+        f"set -euo pipefail\n{_HERE}{lines['mpirun']}\n")
+    for name in ("serve.sh", "launch-slurm.sh", "launch-mpirun.sh"):
+        (out / name).chmod(0o755)
+    model = out / "triton_repo" / "tensorrt_llm"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text(llmapi_pbtxt())
+    (model / "1" / "model.yaml").write_text(yaml.safe_dump(model_yaml(recipe, model_ref, version), sort_keys=False))
+    (out / "triton_repo" / "README.md").write_text(
+        "Triton repository for TensorRT-LLM's `llmapi` Python model. Copy `model.py` and `helpers.py` from\n"
+        "`triton_backend/all_models/llmapi/tensorrt_llm/1/` of the TensorRT-LLM release you serve with into\n"
+        "`tensorrt_llm/1/` (they ship in the `tritonserver:<yy.mm>-trtllm-python-py3` containers), then:\n\n"
+        "    python3 <TensorRT-LLM>/triton_backend/scripts/launch_triton_server.py --model_repo=triton_repo\n\n"
+        "Multi-node: `srun -N <nodes> --ntasks-per-node=<gpus> --mpi=pmix trtllm-llmapi-launch "
+        "/opt/tritonserver/bin/tritonserver --model-repository triton_repo`.\n"
+        "Request: `POST /v2/models/tensorrt_llm/generate {\"text_input\": \"...\", \"sampling_param_max_tokens\": 50}`.\n")
+    return {"version": version, "serve": lines["single_node"], "yaml": opts}

@@ -1,0 +1,352 @@
+"""Write ModelOpt's unified HF checkpoint (what TensorRT-LLM's PyTorch backend calls "pre-quantized") from the
+unquantized checkpoint and the calibration statistics already collected: no recalibration.
+
+Layer by layer: the unsharded float tensors of one layer (TRT-LLM names, from the checkpoint artifact), the
+same quantization parameters the engine path computes (:func:`trtpipe.quant.quantize.layer_params`), then the
+fused q/k/v and gate/up of TRT-LLM split back into the HF projections by the architecture's own mapping rules,
+renamed and stored as :mod:`trtpipe.export.formats` says. Each finished layer goes to a part file; the shards
+(``model-0000x-of-0000y.safetensors`` + index, or one ``model.safetensors``) are then assembled one tensor at a
+time, so host memory stays one layer whatever the model size.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from safetensors.torch import save_file
+
+from trtpipe.checkpoint.convert import TOKENIZER_FILES
+from trtpipe.checkpoint.writer import RankFile
+from trtpipe.errors import QuantizationError
+from trtpipe.export.formats import HF_FORMATS, SCALARS, SUFFIX, hf_quant_config, inline_quantization_config
+from trtpipe.models import get_family
+from trtpipe.models.family import dims
+from trtpipe.models.hfconfig import read_hf_config
+from trtpipe.quant.calibrate import load_layer_stats
+from trtpipe.quant.layouts import ALGOS, LINEAR_GROUPS, LINEARS
+from trtpipe.quant.primitives import choose_qparams, observe_amax, pack_int4_rows, quantize
+from trtpipe.quant.quantize import TORCH_DTYPES, layer_params
+from trtpipe.quant.writer import TrtllmSource, _read, excluded_fn
+
+HF_QUANT_CONFIG = "hf_quant_config.json"
+INDEX = "model.safetensors.index.json"
+# the RMSNorm in front of each fused group, where AWQ's pre-quant scale folds (TRT-LLM names)
+NORM_BEFORE = {"attention.qkv": "input_layernorm.weight", "mlp.fc+gate": "post_layernorm.weight"}
+ROW_KEYS = ("weight", "weights_scaling_factor")  # indexed by output row: split with q/k/v
+_GROUP_OF = {m: g for g, (members, _) in LINEAR_GROUPS.items() for m in members}
+
+
+def producer() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        v = version("trtpipe")
+    except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+        v = "0"
+    return {"name": "trtpipe", "version": v}
+
+
+class HFNames:
+    """TRT-LLM tensor name -> HF names and row splits, inverted from the family's conversion rules (data, not
+    branches): a ``cat`` rule (q;k;v) splits on dim 0 by its sources' sizes."""
+
+    def __init__(self, hf_dir: Path):
+        self.info = read_hf_config(hf_dir)
+        family = get_family(self.info.architecture)
+        d = dims(self.info)
+        self.prefix = family.hf_layer_prefix
+        self.layer: dict[str, list[tuple[str, int]]] = {}
+        self.globals: dict[str, str] = {}
+        for r in family.layer_rules:
+            if r.when(self.info):
+                self.layer[r.trt] = [(h, d[s[0]]) for h, s in zip(r.hf, r.shapes)]
+        for r in family.global_rules:
+            if r.when(self.info) and not (r.trt == "lm_head.weight" and self.info.tie_word_embeddings):
+                self.globals[r.trt] = r.hf[0]
+
+    def split(self, trt_rel: str, t: torch.Tensor, layer: int) -> list[tuple[str, torch.Tensor]]:
+        """(full HF name, tensor) of each source of a layer tensor; ``t``'s dim 0 split by the sources' rows."""
+        parts = self.layer[trt_rel]
+        pre = self.prefix.format(layer)
+        if len(parts) == 1:
+            return [(pre + parts[0][0], t)]
+        return [(pre + h, piece) for (h, _), piece in zip(parts, t.split([n for _, n in parts], dim=0))]
+
+
+def _hf_linear(fmt_algo: str, p: dict[str, torch.Tensor], fold: bool, group_size: int, model_dtype: torch.dtype,
+               own_scale: bool) -> dict[str, torch.Tensor]:
+    """One HF projection's stored tensors from its (row-split) float parameters."""
+    algo = ALGOS[HF_FORMATS[fmt_algo].base]
+    w = p["weight"]
+    gran = group_size if algo.granularity == "group" else algo.granularity
+    ws = p["weights_scaling_factor"]
+    if own_scale:  # FP8: every projection its own per-tensor scale (the loader re-quantizes fused ones to the max)
+        ws = choose_qparams(observe_amax(w, "tensor"), algo.weight_fmt)
+    if gran == "tensor" and algo.weight_fmt == "fp8":
+        # ModelOpt divides the model-dtype weight by a 0-d float32 scale, which stays in the model dtype: the
+        # quotient is rounded to it before the FP8 cast. Same here, so the codes are ModelOpt's bit for bit.
+        q = quantize((w.to(model_dtype) / ws.reshape(())).float(), torch.ones(1), "fp8", "tensor")
+    else:
+        q = quantize(w, ws, algo.weight_fmt, gran)
+    if algo.weight_fmt == "int4":
+        q = pack_int4_rows(q).view(torch.uint8)
+    out = {"weight": q.contiguous(), "weight_scale": (ws.reshape(()) if gran == "tensor" else ws).float()}
+    for key in ("activation_scaling_factor", "weights_scaling_factor_2"):
+        if key in p:
+            out[SUFFIX[key]] = p[key].float().reshape(())
+    if "prequant_scaling_factor" in p and not fold:
+        out["pre_quant_scale"] = p["prequant_scaling_factor"].to(model_dtype)
+    return out
+
+
+E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+NVFP4_BLOCK = 16
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """float -> 4-bit E2M1 codes (sign bit 3), round to nearest, ties to the even code (ModelOpt's _cast_fp4)."""
+    a = x.abs()
+    code = torch.searchsorted(E2M1_BOUNDS, a.contiguous(), right=False).to(torch.uint8)
+    code += (a.unsqueeze(-1) == E2M1_BOUNDS[[1, 3, 5]]).any(-1).to(torch.uint8)  # 0.75, 1.75, 3.5 round up
+    return ((x < 0).to(torch.uint8) << 3) + code
+
+
+def nvfp4_block_scales(w: torch.Tensor, wsf2: torch.Tensor) -> torch.Tensor:
+    """Per-16 block scales [out, in/16] as FP8: amax_block / (6 * wsf2), zero -> 1, clamped to [2^-9, 448]."""
+    amax = w.float().reshape(w.shape[0], -1, NVFP4_BLOCK).abs().amax(-1)
+    s = amax / (6.0 * wsf2.float())
+    s[s == 0] = 1.0
+    return s.clamp(2.0**-9, 448.0).to(torch.float8_e4m3fn)
+
+
+def _nvfp4(w: torch.Tensor, wsf2: torch.Tensor, input_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """NVFP4: E2M1 codes packed two per byte along the input (low nibble = even column), FP8 block scales, F32
+    second-level scale wsf2 = amax/(6*448) (shared by fused members) and input_scale = amax(x)/(6*448)."""
+    bs = nvfp4_block_scales(w, wsf2)
+    scaled = w.float().reshape(w.shape[0], -1, NVFP4_BLOCK) / (bs.float() * wsf2.float()).unsqueeze(-1)
+    q = e2m1_codes(scaled.reshape(w.shape))
+    packed = (q[:, 1::2] << 4) | q[:, 0::2]
+    return {"weight": packed.contiguous(), "weight_scale": bs, "weight_scale_2": wsf2.float().reshape(()),
+            "input_scale": input_scale.float().reshape(())}
+
+
+def _nvfp4_params(weights: dict, stats, excluded) -> dict:
+    """Per TRT-LLM linear: the weight, the group's shared wsf2 and input scale (the loader asserts them equal)."""
+    out = {}
+    for group, (members, _) in LINEAR_GROUPS.items():
+        members = [m for m in members if m in weights and not excluded(m)]
+        if not members:
+            continue
+        ws = [weights[m].float() for m in members]
+        for m, w in zip(members, ws):
+            if w.shape[-1] % NVFP4_BLOCK:
+                raise QuantizationError(f"{m}: in_features {w.shape[-1]} is not a multiple of 16 (NVFP4 blocks); "
+                                        f"add '*{m}' to quantization.exclude")
+        wsf2 = torch.stack([w.abs().amax() for w in ws]).amax() / (6.0 * 448.0)
+        in_scale = stats.groups[group].amax.amax() / (6.0 * 448.0)
+        for m, w in zip(members, ws):
+            out[m] = {"weight": w, "nvfp4": (wsf2, in_scale)}
+    return out
+
+
+def _fp8_rowwise(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """FP8_PER_CHANNEL_PER_TOKEN: per-output-row weight scale, activations quantized per token at run time."""
+    ws = choose_qparams(observe_amax(w, "channel"), "fp8")
+    return {"weight": quantize(w, ws, "fp8", "channel").contiguous(), "weight_scale": ws}
+
+
+def layer_tensors(names: HFNames, tensors: dict[str, torch.Tensor], i: int, algo: str, stats, group_size: int,
+                  alpha: float, exclude: list[str], model_dtype: str, kv_cache: str) -> tuple[dict, list[str]]:
+    """HF tensors of decoder layer ``i`` and the HF modules left unquantized (for exclude_modules)."""
+    dt = TORCH_DTYPES[model_dtype]
+    fmt = HF_FORMATS.get(algo)
+    excluded = excluded_fn(exclude, i)
+    weights = {m: tensors[f"{m}.weight"] for m in LINEARS if f"{m}.weight" in tensors}
+    if fmt is None:
+        params = {}
+    elif algo == "nvfp4":
+        params = _nvfp4_params(weights, stats, excluded)
+    elif fmt.base is None:
+        params = {m: {"weight": w} for m, w in weights.items() if not excluded(m)}
+    else:
+        params = layer_params(ALGOS[fmt.base], weights, stats, group_size, alpha, excluded, model_dtype)
+    tensors = dict(tensors)
+    for group, norm in NORM_BEFORE.items():  # fold the group's pre-quant scale into the norm before it
+        member = LINEAR_GROUPS[group][0][0]
+        pqs = params.get(member, {}).get("prequant_scaling_factor")
+        if pqs is not None:
+            tensors[norm] = (tensors[norm].float() * pqs.float())
+    out: dict[str, torch.Tensor] = {}
+    unquantized: list[str] = []
+    for rel, t in tensors.items():
+        linear = rel.rsplit(".", 1)[0]
+        if linear in params and rel.endswith(".weight"):
+            p = params[linear]
+            fold = _GROUP_OF[linear] in NORM_BEFORE
+            rows = [n for _, n in names.layer[rel]]
+            pieces = {k: (v.split(rows, dim=0) if k in ROW_KEYS and v.dim() >= 1 and v.shape[0] == t.shape[0]
+                          else [v] * len(rows)) for k, v in p.items()}
+            for j, (hf_name, _) in enumerate(names.split(rel, t, i)):
+                module = hf_name.rsplit(".", 1)[0]
+                pj = {k: v[j] for k, v in pieces.items()}
+                if "nvfp4" in pj:
+                    stored = _nvfp4(pj["weight"], *pj["nvfp4"])
+                elif fmt.base is None:
+                    stored = _fp8_rowwise(pj["weight"])
+                else:
+                    stored = _hf_linear(algo, pj, fold, group_size, dt, fmt.own_weight_scale)
+                out.update({f"{module}.{k}": v for k, v in stored.items()})
+            continue
+        for hf_name, piece in names.split(rel, t, i):
+            out[hf_name] = piece.to(dt)
+        if rel.endswith(".weight") and linear in weights:
+            unquantized += [n.rsplit(".", 1)[0] for n, _ in names.split(rel, t, i)]
+    if kv_cache != "none":
+        pre = names.prefix.format(i)
+        out[f"{pre}self_attn.k_proj.k_scale"] = choose_qparams(stats.k_amax.reshape(()), "fp8")
+        out[f"{pre}self_attn.v_proj.v_scale"] = choose_qparams(stats.v_amax.reshape(()), "fp8")
+    for k in list(out):
+        if k.rsplit(".", 1)[1] in SCALARS:
+            out[k] = out[k].reshape(())
+    return out, unquantized
+
+
+def _global_tensors(source: TrtllmSource, names: HFNames, dt: torch.dtype) -> dict[str, torch.Tensor]:
+    """Embedding, final norm and (untied) lm_head, un-padded and un-split from the checkpoint."""
+    a = source.full
+    out = {names.globals["transformer.vocab_embedding.weight"]: source.embedding().to(dt)}
+    last = a.pp - 1
+    ranks = source.ranks(last, ("transformer.ln_f.", "lm_head."))
+    out[names.globals["transformer.ln_f.weight"]] = ranks[0]["transformer.ln_f.weight"].to(dt)
+    if "lm_head.weight" in names.globals:
+        head = torch.cat([r["lm_head.weight"] for r in ranks], dim=0) if a.tp > 1 else ranks[0]["lm_head.weight"]
+        out[names.globals["lm_head.weight"]] = head[: names.info.vocab_size].to(dt)
+    return out
+
+
+def hf_config(hf_dir: Path, model_dtype: str, quantization_config: Optional[dict]) -> dict:
+    """The model's config.json in both transformers spellings (4.x reads ``rope_theta``/``torch_dtype``, 5.x
+    ``rope_parameters``/``dtype``; TRT-LLM 1.1/1.2 pin 4.57), plus the inline quantization_config."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg["dtype"] = cfg["torch_dtype"] = model_dtype
+    info = read_hf_config(hf_dir)
+    rope = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    rope.setdefault("rope_theta", info.rope_theta)
+    rope.setdefault("rope_type", (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")))
+    cfg["rope_parameters"], cfg["rope_theta"] = rope, info.rope_theta
+    if scaling:
+        cfg["rope_scaling"] = {k: v for k, v in scaling.items() if k != "rope_theta"}
+    cfg.pop("quantization_config", None)
+    if quantization_config is not None:
+        cfg["quantization_config"] = quantization_config
+    return cfg
+
+
+def export_unified(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], out_dir: Path, *, algo: str,
+                   kv_cache: str, group_size: int, alpha: float, exclude: list[str],
+                   max_shard_bytes: int = 10 * 10**9, progress: Optional[Callable[[str], None]] = None) -> dict:
+    """Write the unified HF checkpoint of ``ckpt_dir`` (unquantized TRT-LLM checkpoint, any tp/pp) into ``out_dir``.
+
+    Args:
+        hf_dir: the source HF model (its config.json; the mapping rules of its architecture).
+        stats_dir: the calibration artifact (None when nothing needs data).
+        algo / kv_cache / group_size / alpha / exclude: the recipe's quantization (exclude in TRT-LLM names).
+
+    Returns:
+        The hf_quant_config.json dict (``quant_algo`` None for an unquantized export).
+    """
+    source = TrtllmSource(ckpt_dir)
+    names = HFNames(hf_dir)
+    if names.info.is_moe:
+        raise QuantizationError(f"{hf_dir}: the unified HF export does not cover mixture-of-experts models yet")
+    if algo != "none" and algo not in HF_FORMATS:
+        raise QuantizationError(f"quantization.algo: {algo} has no unified HF format (supported: "
+                                f"{', '.join(HF_FORMATS)})")
+    fmt = HF_FORMATS.get(algo)
+    needs_stats = (fmt is not None and (fmt.needs_data or fmt.base is not None and ALGOS[fmt.base].needs_data)) \
+        or kv_cache != "none"
+    if needs_stats and stats_dir is None:
+        raise QuantizationError(f"quantization.algo={algo} kv_cache={kv_cache} needs calibration statistics")
+    model_dtype = source.args.dtype
+    dt = TORCH_DTYPES[model_dtype]
+    parts_dir = out_dir / ".parts"
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        parts = [parts_dir / "globals.safetensors"]
+        save_file(_global_tensors(source, names, dt), str(parts[0]))
+        unquantized: list[str] = []
+        for i in range(source.args.num_layers):
+            if progress:
+                progress(f"({i + 1}/{source.args.num_layers}) Exporting")
+            stats = load_layer_stats(stats_dir, i) if needs_stats else None
+            out, unq = layer_tensors(names, source.layer(i), i, algo, stats, group_size, alpha, exclude,
+                                     model_dtype, kv_cache)
+            unquantized += unq
+            parts.append(parts_dir / f"layer{i}.safetensors")
+            save_file({k: v.contiguous().clone() for k, v in out.items()}, str(parts[-1]))
+            del out
+        _assemble_shards(parts, out_dir, max_shard_bytes)
+    finally:
+        shutil.rmtree(parts_dir, ignore_errors=True)
+    quantized = algo != "none" or kv_cache != "none"
+    exclude_modules = sorted(["lm_head", names.globals["transformer.vocab_embedding.weight"].rsplit(".", 1)[0]]
+                             + (unquantized if algo != "none" else []))
+    hq = hf_quant_config(algo, kv_cache, group_size, exclude_modules, producer())
+    (out_dir / "config.json").write_text(
+        json.dumps(hf_config(hf_dir, model_dtype, inline_quantization_config(hq) if quantized else None), indent=2)
+        + "\n")
+    if quantized:
+        (out_dir / HF_QUANT_CONFIG).write_text(json.dumps(hq, indent=4) + "\n")
+    for name in TOKENIZER_FILES:  # trtllm-serve reads the tokenizer from the model directory
+        if (ckpt_dir / name).is_file():
+            shutil.copyfile(ckpt_dir / name, out_dir / name)
+    return hq
+
+
+def _assemble_shards(parts: list[Path], out_dir: Path, max_shard_bytes: int) -> None:
+    """Part files -> ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` + index when larger than
+    ``max_shard_bytes`` (transformers' rule: a tensor starts a new shard when it would overflow one)."""
+    from safetensors import safe_open
+
+    from trtpipe.quant.writer import ST_TO_TORCH
+
+    entries, where = [], {}
+    for path in parts:
+        with safe_open(str(path), framework="pt") as h:
+            for k in h.keys():
+                sl = h.get_slice(k)
+                dtype, shape = ST_TO_TORCH[sl.get_dtype()], tuple(sl.get_shape())
+                nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+                entries.append((k, dtype, shape, nbytes))
+                where[k] = path
+    entries.sort(key=lambda e: e[0])
+    shards: list[list] = [[]]
+    size = 0
+    for e in entries:
+        if shards[-1] and size + e[3] > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += e[3]
+    n = len(shards)
+    files = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    weight_map = {}
+    for fname, shard in zip(files, shards):
+        f = RankFile(out_dir / fname, [(k, d, s) for k, d, s, _ in shard])
+        for path in dict.fromkeys(where[k] for k, *_ in shard):  # one part file read at a time
+            wanted = {k for k, *_ in shard if where[k] == path}
+            for k, t in _read(path).items():
+                if k in wanted:
+                    f.write(k, t)
+        f.close()
+        weight_map.update({k: fname for k, *_ in shard})
+    if n > 1:
+        total = sum(e[3] for e in entries)
+        (out_dir / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                indent=2) + "\n")

@@ -1,0 +1,460 @@
+"""The OpenAI-compatible twin of ``trtllm-serve``: its HTTP endpoints over the in-flight batching executor.
+
+A second front end over the same :class:`~trtpipe.serving.executor.Executor` the Triton twin uses (no scheduling
+here): it translates OpenAI requests into executor :class:`Request` s, bridges the executor thread's responses
+into asyncio, detokenizes incrementally and answers as ``trtllm-serve`` does:
+
+* ``POST /v1/completions`` and ``POST /v1/chat/completions`` (the tokenizer's chat template, or ``chat_template``
+  given at start, as ``trtllm-serve --chat_template``), with ``stream: true`` as server-sent events ending in
+  ``data: [DONE]``, ``stream_options.include_usage``, and the ``usage`` field;
+* ``GET /v1/models``, ``GET /health`` (200, empty body), ``GET /version``;
+* ``GET /metrics``: JSON per-iteration statistics since the last call (the executor's records), and
+  ``GET /prometheus/metrics``: Prometheus text (request, token and latency counters, running/waiting gauges).
+
+Sampling without a ``temperature`` is greedy (TensorRT-LLM's default when no sampling parameter is set).
+String ``stop`` sequences are matched on the detokenized text; the request is then cancelled in the executor
+and the text cut before the stop string (finish_reason ``stop``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from aiohttp import web
+
+from trtpipe.serving.api import CapacityPolicy, ExecutorConfig, FinishReason, Request, Response, SamplingParams
+from trtpipe.serving.executor import Executor, QueueFullError
+
+log = logging.getLogger("trtpipe.openai")
+
+FINISH = {FinishReason.END_ID: "stop", FinishReason.STOP_WORDS: "stop", FinishReason.LENGTH: "length",
+          FinishReason.TIMED_OUT: "length", FinishReason.CANCELLED: "stop"}
+
+
+class BadRequest(Exception):
+    """A request the server refuses with 400 and OpenAI's error body."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _error(status: int, message: str, param: Optional[str] = None, etype: str = "BadRequestError") -> web.Response:
+    body = {"object": "error", "message": message, "type": etype, "param": param, "code": status,
+            "error": {"message": message, "type": etype, "param": param, "code": status}}
+    return web.json_response(body, status=status)
+
+
+@dataclass
+class Counters:
+    """What /prometheus/metrics reports (lock: updated from the event loop only)."""
+
+    success: dict = field(default_factory=dict)  # finish reason -> count
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    e2e_sum: float = 0.0
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+    requests: int = 0
+    running: int = 0
+
+
+class ServedModel:
+    """Tokenizer + executor over the reference runtime of one model directory."""
+
+    def __init__(self, model_dir: Path, name: str, config: Optional[ExecutorConfig] = None,
+                 chat_template: Optional[str] = None):
+        from transformers import AutoTokenizer
+
+        from trtpipe.runtime.hf_loader import load_hf_checkpoint
+        from trtpipe.serving.reference_engine import ReferenceEngine
+
+        self.dir, self.name, self.created = Path(model_dir), name, int(time.time())
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.dir))
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
+        model = load_hf_checkpoint(self.dir)
+        self.max_seq_len = int(model.config.get("max_position_embeddings") or 2048)
+        self.config = config or default_config(self.max_seq_len)
+        self.eos_id = self.tokenizer.eos_token_id
+        gen = self.dir / "generation_config.json"
+        if gen.exists():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            self.eos_id = eos[0] if isinstance(eos, list) else eos if eos is not None else self.eos_id
+        self.executor = Executor(self.config, ReferenceEngine(model))
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def default_config(max_seq_len: int, max_batch_size: int = 8, tokens_per_block: int = 32) -> ExecutorConfig:
+    """One max-length sequence per batch slot in the KV pool (host memory the CPU twin needs, no more)."""
+    return ExecutorConfig(max_batch_size=max_batch_size, max_num_tokens=max(2048, max_seq_len),
+                          max_input_len=max_seq_len - 1, max_seq_len=max_seq_len,
+                          num_blocks=max_batch_size * -(-max_seq_len // tokens_per_block),
+                          tokens_per_block=tokens_per_block, capacity_policy=CapacityPolicy.GUARANTEED_NO_EVICT,
+                          enable_kv_cache_reuse=True)
+
+
+# --- request translation --------------------------------------------------------------------------------------
+
+
+def _num(body: dict, key: str, typ, default, lo=None, hi=None):
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if typ is int and (isinstance(v, bool) or not isinstance(v, int)):
+        raise BadRequest(f"'{key}' must be an integer", key)
+    if typ is float and (isinstance(v, bool) or not isinstance(v, (int, float))):
+        raise BadRequest(f"'{key}' must be a number", key)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise BadRequest(f"'{key}' must be in [{lo}, {hi}], got {v}", key)
+    return typ(v)
+
+
+def _sampling(body: dict) -> SamplingParams:
+    temperature = _num(body, "temperature", float, None, 0.0, 2.0)
+    top_p = _num(body, "top_p", float, 1.0, 0.0, 1.0)
+    top_k = _num(body, "top_k", int, 0, 0, None)
+    seed = _num(body, "seed", int, None, 0, None)
+    if temperature is None:
+        temperature = 0.0 if top_k == 0 and top_p == 1.0 else 1.0
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest("'stop' must be a string or a list of non-empty strings", "stop")
+    return stops
+
+
+def _check_unsupported(body: dict) -> None:
+    if _num(body, "n", int, 1, 1, None) != 1 or _num(body, "best_of", int, 1, 1, None) != 1:
+        raise BadRequest("only n=1 (and best_of=1) is supported", "n")
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs"):
+        raise BadRequest("logprobs are not supported by this server", "logprobs")
+
+
+class Generation:
+    """One request in flight: the executor's responses arrive on ``queue`` (thread-safe hand-off)."""
+
+    def __init__(self, served: ServedModel, prompt: list[int], max_tokens: int, sampling: SamplingParams,
+                 stops: list[str], loop: asyncio.AbstractEventLoop):
+        self.served, self.prompt, self.stops = served, prompt, stops
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0  # characters of text already given to the client
+        self.finish: Optional[str] = None
+        self.t0 = time.perf_counter()
+        self.ttft: Optional[float] = None
+        self.stopped = False
+        req = Request(prompt=prompt, max_new_tokens=max_tokens, end_id=served.eos_id, sampling=sampling,
+                      streaming=True, exclude_input_from_output=True)
+        self.rid = served.executor.submit(req, lambda r: loop.call_soon_threadsafe(self.queue.put_nowait, r))
+
+    def cancel(self) -> None:
+        self.served.executor.cancel(self.rid)
+
+    async def deltas(self):
+        """Yield text deltas until the request ends; ``finish`` is set at the end."""
+        while True:
+            resp: Response = await self.queue.get()
+            if resp.has_error:
+                raise BadRequest(resp.error)
+            if self.stopped:  # already cut at a stop string: drain to the final response
+                if resp.is_final:
+                    return
+                continue
+            if resp.tokens and self.ttft is None:
+                self.ttft = time.perf_counter() - self.t0
+            self.ids.extend(resp.tokens)
+            text = self.served.tokenizer.decode(self.ids, skip_special_tokens=True)
+            cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+            if cut >= 0:
+                text, self.stopped, self.finish = text[:cut], True, "stop"
+                self.cancel()
+            self.text = text
+            if not text.endswith("\ufffd") and len(text) > self.sent:  # hold back a partial UTF-8 character
+                delta, self.sent = text[self.sent:], len(text)
+                yield delta
+            if resp.is_final:
+                if not self.stopped:
+                    self.finish = FINISH.get(resp.finish_reason, "length")
+                if len(self.text) > self.sent:
+                    delta, self.sent = self.text[self.sent:], len(self.text)
+                    yield delta
+                return
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.ids)
+
+
+# --- the app ---------------------------------------------------------------------------------------------------
+
+
+class OpenAIServer:
+    def __init__(self, served: ServedModel):
+        self.served = served
+        self.counters = Counters()
+        self._last_iter = -1
+        self.app = web.Application()
+        self.app.add_routes([
+            web.get("/health", self.health), web.get("/version", self.version), web.get("/v1/models", self.models),
+            web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
+            web.get("/metrics", self.metrics), web.get("/prometheus/metrics", self.prometheus),
+        ])
+        self.app.on_shutdown.append(self._on_shutdown)
+
+    async def _on_shutdown(self, app) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.served.shutdown)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("trtpipe")
+        except PackageNotFoundError:  # pragma: no cover
+            v = "0"
+        return web.json_response({"version": f"trtpipe-twin {v}"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        s = self.served
+        return web.json_response({"object": "list", "data": [
+            {"id": s.name, "object": "model", "created": s.created, "owned_by": "tensorrt_llm"}]})
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise BadRequest("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.served.name:
+            raise BadRequest(f"The model `{model}` does not exist.", "model")
+        _check_unsupported(body)
+        return body
+
+    def _max_tokens(self, body: dict, prompt_len: int, default: Optional[int]) -> int:
+        room = self.served.max_seq_len - prompt_len
+        if room < 1:
+            raise BadRequest(f"the prompt ({prompt_len} tokens) leaves no room in max_seq_len "
+                             f"{self.served.max_seq_len}", "messages")
+        given = body.get("max_completion_tokens", body.get("max_tokens"))
+        if given is None:
+            return min(default, room) if default else room
+        n = _num({"max_tokens": given}, "max_tokens", int, None, 1, None)
+        return min(n, room)
+
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        tok = self.served.tokenizer
+        if isinstance(prompt, str):
+            ids = tok.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            ids = tok.encode(prompt[0], add_special_tokens=True)
+        else:
+            raise BadRequest("'prompt' must be a string, a list of one string, or a list of token ids", "prompt")
+        if not ids:
+            raise BadRequest("the prompt is empty", "prompt")
+        return ids
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._body(request)
+            ids = self._prompt_ids(body.get("prompt"))
+            max_tokens = self._max_tokens(body, len(ids), 16)
+            return await self._serve(request, body, ids, max_tokens, chat=False)
+        except BadRequest as exc:
+            return _error(400, str(exc), exc.param)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._body(request)
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+                raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
+            tok = self.served.tokenizer
+            if not tok.chat_template:
+                raise BadRequest("this model's tokenizer has no chat template (start the server with one)",
+                                 "messages")
+            try:
+                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except Exception as exc:  # jinja errors from the template itself
+                raise BadRequest(f"chat template failed: {exc}", "messages") from None
+            ids = tok.encode(text, add_special_tokens=False)
+            max_tokens = self._max_tokens(body, len(ids), None)
+            return await self._serve(request, body, ids, max_tokens, chat=True)
+        except BadRequest as exc:
+            return _error(400, str(exc), exc.param)
+
+    async def _serve(self, request: web.Request, body: dict, ids: list[int], max_tokens: int,
+                     chat: bool) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        stream = bool(body.get("stream", False))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+        try:
+            g = Generation(self.served, ids, max_tokens, _sampling(body), _stops(body), loop)
+        except QueueFullError as exc:
+            return _error(429, str(exc), etype="RateLimitError")
+        self.counters.requests += 1
+        self.counters.running += 1
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        try:
+            if stream:
+                return await self._stream(request, g, rid, created, chat, include_usage)
+            async for _ in g.deltas():
+                pass
+        except BadRequest as exc:
+            return _error(400, str(exc))
+        except asyncio.CancelledError:  # client went away: free the executor slot
+            g.cancel()
+            raise
+        finally:
+            self.counters.running -= 1
+            self._account(g)
+        usage = self._usage(g)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": g.text}, "logprobs": None,
+                      "finish_reason": g.finish}
+            return web.json_response({"id": rid, "object": "chat.completion", "created": created,
+                                      "model": self.served.name, "choices": [choice], "usage": usage})
+        choice = {"index": 0, "text": g.text, "logprobs": None, "finish_reason": g.finish}
+        return web.json_response({"id": rid, "object": "text_completion", "created": created,
+                                  "model": self.served.name, "choices": [choice], "usage": usage})
+
+    async def _stream(self, request, g: Generation, rid: str, created: int, chat: bool, include_usage: bool):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: Optional[str], finish: Optional[str], first: bool = False) -> bytes:
+            if chat:
+                d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta is not None else {})
+                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            payload = {"id": rid, "object": obj, "created": created, "model": self.served.name, "choices": [choice]}
+            if include_usage:
+                payload["usage"] = None
+            return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+        try:
+            if chat:
+                await resp.write(chunk(None, None, first=True))
+            async for delta in g.deltas():
+                await resp.write(chunk(delta, None))
+            await resp.write(chunk(None if chat else "", g.finish))
+            if include_usage:
+                payload = {"id": rid, "object": obj, "created": created, "model": self.served.name, "choices": [],
+                           "usage": self._usage(g)}
+                await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            g.cancel()
+            raise
+        except BadRequest as exc:
+            await resp.write(b"data: " + json.dumps({"error": {"message": str(exc), "code": 400}}).encode() + b"\n\n")
+        await resp.write_eof()
+        return resp
+
+    def _usage(self, g: Generation) -> dict:
+        n = g.completion_tokens
+        return {"prompt_tokens": len(g.prompt), "completion_tokens": n, "total_tokens": len(g.prompt) + n}
+
+    def _account(self, g: Generation) -> None:
+        c = self.counters
+        c.success[g.finish or "error"] = c.success.get(g.finish or "error", 0) + 1
+        c.prompt_tokens += len(g.prompt)
+        c.generation_tokens += g.completion_tokens
+        c.e2e_sum += time.perf_counter() - g.t0
+        if g.ttft is not None:
+            c.ttft_sum += g.ttft
+            c.ttft_count += 1
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        s = self.served.executor.stats()
+        if s is None or s.iteration == self._last_iter:
+            return web.json_response([])
+        self._last_iter = s.iteration
+        return web.json_response([{
+            "iter": s.iteration, "iterLatencyMS": s.step_time_s * 1e3, "timestamp_ns": s.timestamp_ns,
+            "numActiveRequests": s.num_active, "maxNumActiveRequests": s.max_active,
+            "numQueuedRequests": s.num_queued,
+            "inflightBatchingStats": {"numScheduledRequests": s.num_scheduled,
+                                      "numContextRequests": s.num_context_requests,
+                                      "numCtxTokens": s.num_context_tokens,
+                                      "numGenRequests": s.num_generation_requests,
+                                      "numPausedRequests": s.num_paused},
+            "kvCacheStats": {"maxNumBlocks": s.kv.max_blocks, "freeNumBlocks": s.kv.free_blocks,
+                             "usedNumBlocks": s.kv.used_blocks, "tokensPerBlock": s.kv.tokens_per_block,
+                             "allocTotalBlocks": s.kv.alloc_total_blocks, "allocNewBlocks": s.kv.alloc_new_blocks,
+                             "reusedBlocks": s.kv.reused_blocks, "missedBlocks": s.kv.missed_blocks,
+                             "cacheHitRate": s.kv.cache_hit_rate},
+        }])
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        c, s, name = self.counters, self.served.executor.stats(), self.served.name
+        labels = f'model_name="{name}",engine_type="trtllm"'
+        lines = ["# TYPE trtllm_request_success_total counter"]
+        for reason, n in sorted(c.success.items()):
+            lines.append(f'trtllm_request_success_total{{{labels},finished_reason="{reason}"}} {n}')
+        lines += ["# TYPE trtllm_prompt_tokens_total counter", f"trtllm_prompt_tokens_total{{{labels}}} {c.prompt_tokens}",
+                  "# TYPE trtllm_generation_tokens_total counter",
+                  f"trtllm_generation_tokens_total{{{labels}}} {c.generation_tokens}",
+                  "# TYPE trtllm_e2e_request_latency_seconds summary",
+                  f"trtllm_e2e_request_latency_seconds_sum{{{labels}}} {c.e2e_sum}",
+                  f"trtllm_e2e_request_latency_seconds_count{{{labels}}} {sum(c.success.values())}",
+                  "# TYPE trtllm_time_to_first_token_seconds summary",
+                  f"trtllm_time_to_first_token_seconds_sum{{{labels}}} {c.ttft_sum}",
+                  f"trtllm_time_to_first_token_seconds_count{{{labels}}} {c.ttft_count}",
+                  "# TYPE trtllm_num_requests_running gauge",
+                  f"trtllm_num_requests_running{{{labels}}} {s.num_scheduled if s else 0}",
+                  "# TYPE trtllm_num_requests_waiting gauge",
+                  f"trtllm_num_requests_waiting{{{labels}}} {(s.num_queued + s.num_waiting) if s else 0}",
+                  "# TYPE trtllm_kv_cache_utilization gauge",
+                  f"trtllm_kv_cache_utilization{{{labels}}} "
+                  f"{(s.kv.used_blocks / s.kv.max_blocks) if s and s.kv.max_blocks else 0.0}"]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+def serve(model_dir: Path, host: str, port: int, name: str, config: Optional[ExecutorConfig] = None,
+          chat_template: Optional[str] = None) -> None:
+    """Run the server until interrupted (blocking)."""
+    served = ServedModel(model_dir, name, config, chat_template)
+    server = OpenAIServer(served)
+    log.info("serving %s as %r on http://%s:%d (OpenAI-compatible; trtllm-serve twin)", model_dir, name, host, port)
+    web.run_app(server.app, host=host, port=port, print=None, handle_signals=True, shutdown_timeout=2.0)
+
+
+def config_from_recipe(recipe, model_max_seq_len: int) -> ExecutorConfig:
+    """The executor limits trtllm-serve would get from the recipe's engine section (KV pool: one max-length
+    sequence per batch slot, or engine.kv_cache.max_tokens)."""
+    e, kv = recipe.engine, recipe.engine.kv_cache
+    seq = min(e.max_seq_len or model_max_seq_len, model_max_seq_len)
+    tokens = kv.max_tokens or e.max_batch_size * seq
+    return ExecutorConfig(max_batch_size=e.max_batch_size, max_num_tokens=e.max_num_tokens,
+                          max_input_len=min(e.max_input_len, seq - 1), max_seq_len=seq,
+                          num_blocks=max(-(-tokens // kv.tokens_per_block), -(-seq // kv.tokens_per_block)),
+                          tokens_per_block=kv.tokens_per_block,
+                          capacity_policy=CapacityPolicy(recipe.triton.scheduler_policy),
+                          enable_kv_cache_reuse=kv.enable_reuse)
