@@ -287,10 +287,28 @@ _CHECKPOINT = click.option("--checkpoint", type=click.Path(file_okay=False, path
 @_CHECKPOINT
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--list-gpus", is_flag=True, help="Print the GPU catalog and exit.")
-def plan(recipe, overrides, gpu, model_config, checkpoint, as_json, list_gpus) -> None:
-    """Memory plan per GPU: weights, activations, KV pool and concurrent sequences; exit 3 if it does not fit."""
+@click.option("--slo", help="Capacity answer: latency targets, e.g. ttft_p99=500ms,itl_p99=50ms (with --rate).")
+@click.option("--rate", type=float, default=0.0, help="Poisson request rate (req/s) the SLO must hold at.")
+@click.option("--isl", type=int, default=1024, show_default=True, help="Input tokens per request (with --slo).")
+@click.option("--osl", type=int, default=256, show_default=True, help="Output tokens per request (with --slo).")
+@click.option("--gpus", help="Comma-separated catalog keys to consider (with --slo; default: every modelled GPU).")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Write throughput vs latency PNG.")
+@click.option("--precisions", help="With --slo: quantization.algo variants to compare, e.g. fp8,int4_awq,none.")
+def plan(recipe, overrides, gpu, model_config, checkpoint, as_json, list_gpus, slo, rate, isl, osl, gpus,
+         plot, precisions) -> None:
+    """Memory plan per GPU: weights, activations, KV pool and concurrent sequences; exit 3 if it does not fit.
+
+    With --slo and --rate: the cheapest layouts (GPU type and count, tp) predicted to meet the SLO."""
     from trtpipe.engine import report
 
+    if slo:
+        if recipe is None or rate <= 0:
+            raise click.UsageError("--slo needs RECIPE and --rate")
+        from trtpipe.perf import report as perf_report
+
+        perf_report.plan_command(recipe, overrides, model_config, slo, rate, isl, osl, gpus, plot, as_json,
+                                 precisions)
+        return
     if list_gpus:
         click.echo(report.gpu_table())
         return
@@ -300,6 +318,38 @@ def plan(recipe, overrides, gpu, model_config, checkpoint, as_json, list_gpus) -
     click.echo(json.dumps(report.plan_json(r), indent=2) if as_json else report.render_plan(r))
     if not r.plan.fits:
         sys.exit(3)
+
+
+@main.command()
+@click.argument("recipe", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@OVERRIDES
+@click.option("--gpu", help="Target GPU from the catalog (default: the recipe's engine.gpu).")
+@_MODEL_CONFIG
+@click.option("--isl", type=int, default=1024, show_default=True, help="Input tokens per request.")
+@click.option("--osl", type=int, default=256, show_default=True, help="Output tokens per request.")
+@click.option("--concurrency", type=int, default=16, show_default=True, help="Closed-loop clients.")
+@click.option("--rate", type=float, default=0.0, help="Poisson request rate (req/s) instead of --concurrency.")
+@click.option("--num-requests", type=int, default=0, help="Requests to simulate (default: 4 x concurrency).")
+@click.option("--published", type=click.Path(dir_okay=False, path_type=Path),
+              help="A published-numbers CSV: quote the rows nearest to the prediction.")
+@click.option("--scenarios", type=click.Path(dir_okay=False, path_type=Path),
+              help="Predict every row of a published-format CSV (first 15 columns) instead of a recipe.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="With --scenarios: the output CSV.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def predict(recipe, overrides, gpu, model_config, isl, osl, concurrency, rate, num_requests, published, scenarios,
+            out, as_json) -> None:
+    """Predicted serving performance (tok/s, TTFT/ITL percentiles, bounds) from the fitted cost model."""
+    from trtpipe.perf import report as perf_report
+
+    if scenarios:
+        if out is None:
+            raise click.UsageError("--scenarios needs --out")
+        perf_report.scenarios_command(scenarios, out)
+        return
+    if recipe is None:
+        raise click.UsageError("RECIPE is required (or --scenarios FILE --out OUT)")
+    perf_report.predict_command(recipe, overrides, gpu, model_config, isl, osl, concurrency, rate, num_requests,
+                                published, as_json)
 
 
 @main.command()

@@ -1,0 +1,258 @@
+"""The step-cost model: how long one engine step takes, from roofline terms per layer.
+
+A step runs every decoder layer once over the batch's tokens (context chunks and one token per generating
+request). Per GPU and per step, the model counts
+
+- bytes read from HBM: the rank's weights once per step (MoE: only the experts some token was routed to), plus
+  the KV cache every generating request attends over (sliding-window layers read at most their window);
+- GEMM FLOPs at the precision's dense tensor peak (2 x tokens x parameters, routed experts by top-k);
+- attention FLOPs (causal context pairs, and decode pairs) at the 16-bit tensor peak;
+- the tensor-parallel all-reduces (two per layer, ring: 2 (tp-1)/tp x bytes) or, with attention data
+  parallelism, the MoE all-to-all, over the GPU link.
+
+These raw terms are seconds at 100% of the catalog's peaks (:class:`Terms`); :class:`Constants` turns them into a
+time with a small number of named constants fitted on NVIDIA's published numbers (scripts/fit_perf.py)::
+
+    memory  = weights / bw_eff + kv / kv_eff            compute = gemm / gemm_eff + attn / attn_eff
+    t = (max(memory, compute) + serial x min(memory, compute) + comm / link_eff
+         + layers x (layer_us + sequences x seq_layer_us)) x (1 + pp_bubble x (pp - 1))
+
+``serial`` is how much of the smaller of memory and compute time is not hidden under the larger (0: a perfect
+roofline; the published engine numbers fit 1, i.e. the kernels of a step do not overlap the two). ``layer_us``
+is the fixed cost of a layer per step (norms, rope, launches, all-reduce latency); ``seq_layer_us`` the cost of
+each sequence in each layer (per-request attention work). With pipeline parallelism the terms are those of the
+busiest stage, and the executor's batch is assumed spread over pp micro-batches that keep every stage busy
+(``pp_bubble`` is the loss). ``other_gb`` (memory the KV pool cannot use) is not a time constant but is fitted
+with the others, since the KV pool decides the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Iterable, Sequence
+
+from trtpipe.engine.gpus import GPU
+from trtpipe.errors import TrtpipeError
+from trtpipe.perf.models import ModelSpec
+
+GB = 1e9
+TERA = 1e12
+ACT_BYTES = 2  # activations (all-reduce payloads) are 16-bit
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per weight of the quantized linears and the tensor peak their GEMMs run at."""
+
+    weight_bytes: float
+    peak: str  # GPU attribute: tflops_16, tflops_fp8, tflops_fp4, tops_int8
+
+
+PRECISIONS: dict[str, Precision] = {
+    "fp16": Precision(2, "tflops_16"),
+    "bf16": Precision(2, "tflops_16"),
+    "fp8": Precision(1, "tflops_fp8"),
+    "fp4": Precision(0.5 + 1 / 16, "tflops_fp4"),  # NVFP4: 4-bit values + one FP8 scale per 16
+    "int8_sq": Precision(1, "tops_int8"),
+    "w8a16": Precision(1, "tflops_16"),
+    "w4a16": Precision(0.5 + 2 / 128, "tflops_16"),  # group-wise scales (group 128, 16-bit)
+    "w4a8": Precision(0.5 + 2 / 128, "tflops_fp8"),
+}
+KV_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
+MXFP4_BYTES = 0.5 + 1 / 32  # GPT-OSS experts: 4-bit values + one 8-bit scale per 32
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One model on ``tp x pp`` GPUs of one type: what the step cost depends on besides the batch."""
+
+    model: ModelSpec
+    gpu: GPU
+    precision: str = "fp16"
+    kv: str = "fp16"
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1  # expert parallel size inside the tp group (1: every rank holds 1/tp of every expert)
+    attn_dp: bool = False  # attention data parallel over the tp GPUs (each holds all attention weights)
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise TrtpipeError(f"precision '{self.precision}' has no performance model ({', '.join(PRECISIONS)})")
+        if self.kv not in KV_BYTES:
+            raise TrtpipeError(f"kv cache dtype '{self.kv}' has no performance model ({', '.join(KV_BYTES)})")
+        peak = getattr(self.gpu, PRECISIONS[self.precision].peak)
+        if not peak or not self.gpu.tflops_16:
+            raise TrtpipeError(f"GPU '{self.gpu.key}' has no {PRECISIONS[self.precision].peak} in the catalog "
+                               f"(trtpipe/engine/gpus.py); {self.precision} cannot be modelled on it")
+        if self.tp * self.pp > 1 and not self.gpu.link_gbs:
+            raise TrtpipeError(f"GPU '{self.gpu.key}' has no link bandwidth in the catalog; tp/pp cannot be modelled")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def stage_layers(self) -> float:
+        """Fraction of the model's layers on the busiest pipeline stage."""
+        n = self.model.num_layers
+        return math.ceil(n / self.pp) / n
+
+    @property
+    def gemm_peak(self) -> float:
+        return getattr(self.gpu, PRECISIONS[self.precision].peak) * TERA
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """KV bytes one token stores on one GPU of the busiest stage (KV heads replicated when tp > heads)."""
+        m = self.model
+        heads_local = m.kv_heads if self.attn_dp else math.ceil(m.kv_heads / self.tp)
+        per_layer = m.kv_elems * heads_local / m.kv_heads
+        return per_layer * m.num_layers * self.stage_layers * KV_BYTES[self.kv]
+
+    def _weight_bytes(self, params: float, expert: bool = False) -> float:
+        if expert and self.model.mxfp4_experts:
+            return params * MXFP4_BYTES
+        return params * PRECISIONS[self.precision].weight_bytes
+
+    @property
+    def weight_bytes_per_gpu(self) -> float:
+        """All weights one GPU of the busiest stage holds (embedding and lm_head in 16-bit, split over tp)."""
+        dense_split = 1 if self.attn_dp else self.tp
+        total = 0.0
+        for k in self.model.layers:
+            dense = (k.attn_params + k.mlp_params) / dense_split
+            experts = k.experts * k.expert_params / self.tp
+            total += k.count * (self._weight_bytes(dense) + self._weight_bytes(experts, True))
+        total *= self.stage_layers
+        return total + 2 * self.model.vocab * self.model.hidden * 2 / self.tp
+
+
+@dataclass(frozen=True)
+class Terms:
+    """Seconds at 100% of the catalog's peaks, for one GPU of the busiest stage (numpy arrays work too)."""
+
+    mem: float  # weight bytes / peak HBM bandwidth
+    kv: float  # KV-cache bytes the attention kernels read / peak HBM bandwidth
+    gemm: float  # GEMM FLOPs / the precision's dense tensor peak
+    attn: float  # attention FLOPs / the 16-bit tensor peak
+    comm: float  # collective bytes / link bandwidth
+    seqs: float  # sequences in the step (per-sequence host and sampling work)
+    layers: float  # decoder layers on the stage (fixed per-layer costs)
+    pp: int = 1
+
+    def __add__(self, other: "Terms") -> "Terms":
+        return Terms(self.mem + other.mem, self.kv + other.kv, self.gemm + other.gemm, self.attn + other.attn,
+                     self.comm + other.comm, self.seqs + other.seqs, self.layers, self.pp)
+
+
+@dataclass(frozen=True)
+class Constants:
+    """The fitted efficiencies. Defaults are AIConfigurator-like priors, used only before a fit exists."""
+
+    bw_eff: float = 0.8  # achieved fraction of peak HBM bandwidth reading weights
+    kv_eff: float = 0.6  # achieved fraction of peak HBM bandwidth reading the KV cache (decode attention)
+    gemm_eff: float = 0.6  # achieved fraction of the dense tensor peak on GEMMs
+    attn_eff: float = 0.4  # achieved fraction of the 16-bit peak on attention kernels
+    link_eff: float = 0.7  # achieved fraction of the link bandwidth on all-reduce / all-to-all
+    seq_layer_us: float = 0.5  # microseconds per sequence per layer (per-request attention work and launches)
+    serial: float = 0.3  # fraction of the smaller of memory and compute time not hidden under the larger
+    layer_us: float = 15.0  # fixed microseconds per decoder layer per step
+    pp_bubble: float = 0.1  # throughput lost per extra pipeline stage
+    other_gb: float = 3.5  # GB per GPU the KV pool cannot use besides weights (context, workspaces, activations)
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def step_time(t: Terms, c: Constants):
+    """Seconds of one step (works on numpy arrays of terms)."""
+    import numpy as np
+
+    compute = t.gemm / c.gemm_eff + t.attn / c.attn_eff
+    memory = t.mem / c.bw_eff + t.kv / c.kv_eff
+    body = (np.maximum(memory, compute) + c.serial * np.minimum(memory, compute) + t.comm / c.link_eff
+            + t.layers * c.layer_us * 1e-6)
+    body = body + t.seqs * t.layers * c.seq_layer_us * 1e-6
+    return body * (1 + c.pp_bubble * (t.pp - 1))
+
+
+def bound(t: Terms, c: Constants) -> str:
+    """What dominates a step: 'bandwidth', 'compute', 'communication' or 'overhead'."""
+    parts = {"bandwidth": t.mem / c.bw_eff + t.kv / c.kv_eff, "compute": t.gemm / c.gemm_eff + t.attn / c.attn_eff,
+             "communication": t.comm / c.link_eff,
+             "overhead": (t.layers * c.layer_us + t.seqs * t.layers * c.seq_layer_us) * 1e-6}
+    return max(parts, key=parts.get)
+
+
+def experts_touched(experts: int, top_k: int, tokens: float) -> float:
+    """Expected distinct experts ``tokens`` uniformly routed tokens hit: E (1 - (1 - k/E)^T)."""
+    if not experts:
+        return 0.0
+    return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+
+
+def _pairs(start: int, length: int) -> float:
+    """Causal query-key pairs of a chunk of ``length`` tokens starting at position ``start``."""
+    return length * start + length * (length + 1) / 2
+
+
+def step_terms(d: Deployment, context: Sequence[tuple[int, int]] = (), generation: Iterable[int] = (),
+               sampled: int | None = None) -> Terms:
+    """Raw terms of one step: ``context`` = (start position, chunk length) per context entry, ``generation`` = the
+    KV length (tokens already cached) of each generating request. ``sampled`` = rows that go through lm_head
+    (default: every generating request and every context entry)."""
+    gen = list(generation)
+    sampled = len(gen) + len(context) if sampled is None else sampled
+    return group_terms(d, [(s, n, 1.0) for s, n in context], [(L, 1.0) for L in gen], sampled)
+
+
+def group_terms(d: Deployment, context: Sequence[tuple[int, int, float]], generation: Sequence[tuple[int, float]],
+                sampled: float) -> Terms:
+    """:func:`step_terms` over groups: (start, length, how many) context chunks, (KV length, how many) generating
+    requests -- counts may be fractional (the average step of a steady state)."""
+    m, g = d.model, d.gpu
+    ctx_tokens = sum(n * c for _, n, c in context)
+    tokens = ctx_tokens + sum(c for _, c in generation)
+    dp = d.tp if d.attn_dp else 1  # attention data-parallel: each GPU holds 1/dp of the batch
+    split = 1 if d.attn_dp else d.tp  # how the dense weights are split
+    heads = m.heads / split
+    kv_local = d.kv_bytes_per_token / (m.num_layers * d.stage_layers)  # bytes per token per layer per GPU
+    frac = d.stage_layers
+    bw, peak16, link = g.bandwidth_gbs * GB, g.tflops_16 * TERA, g.link_gbs * GB
+
+    mem = kvr = gemm = attn = comm = 0.0
+    for k in m.layers:
+        n = k.count * frac
+        dense_params = (k.attn_params + k.mlp_params) / split
+        w = d._weight_bytes(dense_params) if tokens else 0.0
+        flops = 2 * tokens / dp * dense_params
+        if k.experts:
+            per_gpu_experts = k.experts / d.ep
+            touched = experts_touched(k.experts, k.top_k, tokens) / d.ep
+            shard = k.expert_params / (d.tp // d.ep if not d.attn_dp else 1)
+            w += d._weight_bytes(min(touched, per_gpu_experts) * shard, True)
+            flops += 2 * tokens * k.top_k * shard / (d.ep if not d.attn_dp else d.tp)
+        window = k.window or math.inf
+        attended = sum(min(L + 1, window) * c for L, c in generation)  # KV tokens the generating rows read
+        pairs = attended + sum((_pairs(s, n) if not k.window else n * min(s + n, k.window)) * c
+                               for s, n, c in context)
+        mem += n * w / bw
+        kvr += n * attended * kv_local / dp / bw
+        gemm += n * flops / d.gemm_peak
+        attn += n * 2 * heads * (m.qk_dim + m.v_dim) * pairs / dp / peak16
+        if d.attn_dp and k.experts and d.tp > 1:  # dispatch + combine of each token's top-k copies
+            comm += n * 2 * (tokens / dp) * k.top_k * m.hidden * ACT_BYTES * (d.tp - 1) / d.tp / link
+        elif d.tp > 1:
+            comm += n * 2 * 2 * (d.tp - 1) / d.tp * tokens * m.hidden * ACT_BYTES / link
+    if d.pp > 1:  # activations handed to the next stage
+        comm += tokens * m.hidden * ACT_BYTES / link
+    head = m.vocab * m.hidden / d.tp  # lm_head (16-bit), on the rows that sample
+    mem += head * 2 / bw if tokens else 0.0
+    gemm += 2 * sampled * head / peak16
+    seqs = sum(c for _, c in generation) + sum(c for _, _, c in context)
+    return Terms(mem, kvr, gemm, attn, comm, seqs, m.num_layers * frac, d.pp)

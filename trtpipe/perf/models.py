@@ -1,0 +1,246 @@
+"""The published models' shapes, as their Hugging Face ``config.json`` files state them, and one reader for all.
+
+``PUBLISHED`` holds, per model name used in NVIDIA's TensorRT-LLM performance tables, the Hugging Face repository
+and the ``config.json`` fields the performance model needs (key names and values exactly as in that file; fields
+that do not change a step's cost, such as rope settings or token ids, are left out). ``spec_of(config)`` turns any
+such dict -- or a recipe's own config.json -- into a :class:`ModelSpec`: parameter counts per layer kind, KV bytes
+per token, attention widths. One parser per ``model_type``, a table rather than branches spread around.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from trtpipe.errors import TrtpipeError
+
+_LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+              "tie_word_embeddings": False}
+_LLAMA3_70B = {"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+               "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256,
+               "tie_word_embeddings": False}
+
+# name in the published tables -> (Hugging Face repository, config.json facts)
+PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
+    "GPT-J 6B": ("EleutherAI/gpt-j-6b", {
+        "model_type": "gptj", "n_embd": 4096, "n_layer": 28, "n_head": 16, "n_inner": None, "rotary_dim": 64,
+        "vocab_size": 50400, "tie_word_embeddings": False}),
+    "Llama 2 7B": ("meta-llama/Llama-2-7b-hf", {
+        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000, "tie_word_embeddings": False}),
+    "Llama 2 13B": ("meta-llama/Llama-2-13b-hf", {
+        "model_type": "llama", "hidden_size": 5120, "num_hidden_layers": 40, "num_attention_heads": 40,
+        "num_key_value_heads": 40, "intermediate_size": 13824, "vocab_size": 32000, "tie_word_embeddings": False}),
+    "Llama 2 70B": ("meta-llama/Llama-2-70b-hf", {
+        "model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 32000, "tie_word_embeddings": False}),
+    "Falcon 180B": ("tiiuae/falcon-180B", {
+        "model_type": "falcon", "hidden_size": 14848, "num_hidden_layers": 80, "num_attention_heads": 232,
+        "num_kv_heads": 8, "new_decoder_architecture": True, "parallel_attn": True, "vocab_size": 65024}),
+    "Mistral 7B": ("mistralai/Mistral-7B-v0.1", {
+        "model_type": "mistral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000, "sliding_window": 4096,
+        "tie_word_embeddings": False}),
+    "Mixtral 8x7B": ("mistralai/Mixtral-8x7B-v0.1", {
+        "model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "vocab_size": 32000, "tie_word_embeddings": False}),
+    "Mixtral 8x22B": ("mistralai/Mixtral-8x22B-Instruct-v0.1", {
+        "model_type": "mixtral", "hidden_size": 6144, "num_hidden_layers": 56, "num_attention_heads": 48,
+        "num_key_value_heads": 8, "intermediate_size": 16384, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "vocab_size": 32768, "tie_word_embeddings": False}),
+    "Llama 3 8B": ("meta-llama/Meta-Llama-3-8B", _LLAMA3_8B),
+    "Llama 3.1 8B": ("meta-llama/Llama-3.1-8B-Instruct", _LLAMA3_8B),
+    "Llama 3 70B": ("meta-llama/Meta-Llama-3-70B", _LLAMA3_70B),
+    "Llama 3.1 70B": ("meta-llama/Llama-3.1-70B-Instruct", _LLAMA3_70B),
+    "Llama 3.3 70B": ("meta-llama/Llama-3.3-70B-Instruct", _LLAMA3_70B),
+    "Llama 3.1 405B": ("meta-llama/Llama-3.1-405B-Instruct", {
+        "model_type": "llama", "hidden_size": 16384, "num_hidden_layers": 126, "num_attention_heads": 128,
+        "num_key_value_heads": 8, "intermediate_size": 53248, "vocab_size": 128256, "tie_word_embeddings": False}),
+    "Llama 4 Scout": ("meta-llama/Llama-4-Scout-17B-16E-Instruct", {"model_type": "llama4", "text_config": {
+        "model_type": "llama4_text", "hidden_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 40,
+        "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+        "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "vocab_size": 202048}}),
+    "Llama 4 Maverick 17B-128E": ("meta-llama/Llama-4-Maverick-17B-128E-Instruct", {
+        "model_type": "llama4", "text_config": {
+        "model_type": "llama4_text", "hidden_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 40,
+        "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+        "num_local_experts": 128, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "vocab_size": 202048}}),
+    "Qwen3-30B-A3B": ("Qwen/Qwen3-30B-A3B", {
+        "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "moe_intermediate_size": 768, "num_experts": 128,
+        "num_experts_per_tok": 8, "vocab_size": 151936, "tie_word_embeddings": False}),
+    "Qwen3-235B-A22B": ("Qwen/Qwen3-235B-A22B", {
+        "model_type": "qwen3_moe", "hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64,
+        "num_key_value_heads": 4, "head_dim": 128, "moe_intermediate_size": 1536, "num_experts": 128,
+        "num_experts_per_tok": 8, "vocab_size": 151936, "tie_word_embeddings": False}),
+    "DeepSeek R1 0528": ("deepseek-ai/DeepSeek-R1-0528", {
+        "model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+        "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "vocab_size": 129280,
+        "tie_word_embeddings": False}),
+    "GPT-OSS 20B": ("openai/gpt-oss-20b", {
+        "model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880, "num_local_experts": 32,
+        "num_experts_per_tok": 4, "sliding_window": 128, "vocab_size": 201088, "tie_word_embeddings": False,
+        "quantization_config": {"quant_method": "mxfp4"}}),
+    "GPT-OSS 120B": ("openai/gpt-oss-120b", {
+        "model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880, "num_local_experts": 128,
+        "num_experts_per_tok": 4, "sliding_window": 128, "vocab_size": 201088, "tie_word_embeddings": False,
+        "quantization_config": {"quant_method": "mxfp4"}}),
+}
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """``count`` identical decoder layers: attention params, dense-MLP params, and routed experts (if any)."""
+
+    count: int
+    attn_params: int  # q/k/v/o projections (incl. MLA down/up projections)
+    mlp_params: int  # dense MLP, plus shared experts of an MoE layer
+    experts: int = 0
+    top_k: int = 0
+    expert_params: int = 0  # one routed expert
+    window: int = 0  # sliding attention window (0: full attention)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a step's cost depends on. Parameter counts are unsharded; the cost model shards them."""
+
+    name: str
+    hidden: int
+    vocab: int
+    heads: int
+    kv_heads: int  # KV heads that tp can split (1 for MLA: one latent shared by all heads)
+    qk_dim: int  # per head, for attention FLOPs (MLA: the absorbed latent + rope width)
+    v_dim: int
+    kv_elems: int  # K+V elements one token stores per layer (whole model, one copy of each KV head)
+    layers: tuple[LayerKind, ...]
+    tied_embeddings: bool = False
+    mxfp4_experts: bool = False  # experts shipped in MXFP4 whatever the run's precision label
+
+    @property
+    def num_layers(self) -> int:
+        return sum(k.count for k in self.layers)
+
+    @property
+    def is_moe(self) -> bool:
+        return any(k.experts for k in self.layers)
+
+    @property
+    def total_params(self) -> int:
+        body = sum(k.count * (k.attn_params + k.mlp_params + k.experts * k.expert_params) for k in self.layers)
+        return body + self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    @property
+    def active_params(self) -> int:
+        body = sum(k.count * (k.attn_params + k.mlp_params + k.top_k * k.expert_params) for k in self.layers)
+        return body + self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+
+def _gqa_attn(h: int, heads: int, kv: int, d: int) -> int:
+    return h * (heads + 2 * kv) * d + heads * d * h
+
+
+def _llama(c: dict, name: str) -> ModelSpec:
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or heads
+    d = c.get("head_dim") or h // heads
+    experts = c.get("num_local_experts") or c.get("num_experts") or 0
+    inter = c.get("moe_intermediate_size") or c["intermediate_size"]
+    attn = _gqa_attn(h, heads, kv, d)
+    window = int(c.get("sliding_window") or 0)
+    if experts:
+        kind = LayerKind(c["num_hidden_layers"], attn, 0, experts, c["num_experts_per_tok"], 3 * h * inter, window)
+    else:
+        kind = LayerKind(c["num_hidden_layers"], attn, 3 * h * inter, window=window)
+    return ModelSpec(name, h, c["vocab_size"], heads, kv, d, d, 2 * kv * d, (kind,),
+                     bool(c.get("tie_word_embeddings", False)))
+
+
+def _gptj(c: dict, name: str) -> ModelSpec:
+    h, heads = c["n_embd"], c["n_head"]
+    inner = c.get("n_inner") or 4 * h
+    kind = LayerKind(c["n_layer"], 4 * h * h, 2 * h * inner)
+    return ModelSpec(name, h, c["vocab_size"], heads, heads, h // heads, h // heads, 2 * h, (kind,))
+
+
+def _falcon(c: dict, name: str) -> ModelSpec:
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    kv = c.get("num_kv_heads") or (heads if c.get("new_decoder_architecture") else 1)
+    d = h // heads
+    kind = LayerKind(c["num_hidden_layers"], _gqa_attn(h, heads, kv, d), 2 * h * 4 * h)
+    return ModelSpec(name, h, c["vocab_size"], heads, kv, d, d, 2 * kv * d, (kind,), True)
+
+
+def _llama4(c: dict, name: str) -> ModelSpec:
+    t = c.get("text_config", c)
+    h, heads, kv, d = t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+    attn = _gqa_attn(h, heads, kv, d)
+    n, step = t["num_hidden_layers"], t.get("interleave_moe_layer_step", 1)
+    moe = n // step
+    expert = 3 * h * t["intermediate_size"]
+    kinds = [LayerKind(moe, attn, expert, t["num_local_experts"], t["num_experts_per_tok"], expert)]  # +1 shared
+    if n - moe:
+        kinds.append(LayerKind(n - moe, attn, 3 * h * t["intermediate_size_mlp"]))
+    return ModelSpec(name, h, t["vocab_size"], heads, kv, d, d, 2 * kv * d, tuple(kinds))
+
+
+def _deepseek(c: dict, name: str) -> ModelSpec:
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    qr, kvr, nope, rope, vd = (c["q_lora_rank"], c["kv_lora_rank"], c["qk_nope_head_dim"], c["qk_rope_head_dim"],
+                               c["v_head_dim"])
+    attn = h * qr + qr * heads * (nope + rope) + h * (kvr + rope) + kvr * heads * (nope + vd) + heads * vd * h
+    dense = c["first_k_dense_replace"]
+    expert = 3 * h * c["moe_intermediate_size"]
+    kinds = (LayerKind(dense, attn, 3 * h * c["intermediate_size"]),
+             LayerKind(c["num_hidden_layers"] - dense, attn, c["n_shared_experts"] * expert, c["n_routed_experts"],
+                       c["num_experts_per_tok"], expert))
+    # MLA caches one latent (kv_lora_rank + rope) per token per layer; decode attends in the latent space
+    return ModelSpec(name, h, c["vocab_size"], heads, 1, kvr + rope, kvr, kvr + rope, kinds)
+
+
+def _gpt_oss(c: dict, name: str) -> ModelSpec:
+    h, heads, kv, d = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    attn = _gqa_attn(h, heads, kv, d)
+    n = c["num_hidden_layers"]
+    expert = 3 * h * c["intermediate_size"]
+    e, k = c["num_local_experts"], c["num_experts_per_tok"]
+    kinds = (LayerKind(n // 2, attn, 0, e, k, expert, c.get("sliding_window") or 0),
+             LayerKind(n - n // 2, attn, 0, e, k, expert))
+    mx = (c.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    return ModelSpec(name, h, c["vocab_size"], heads, kv, d, d, 2 * kv * d, kinds, mxfp4_experts=mx)
+
+
+PARSERS: dict[str, Callable[[dict, str], ModelSpec]] = {
+    "llama": _llama, "mistral": _llama, "mixtral": _llama, "qwen2": _llama, "qwen3": _llama, "qwen3_moe": _llama,
+    "gptj": _gptj, "falcon": _falcon, "llama4": _llama4, "llama4_text": _llama4, "deepseek_v3": _deepseek,
+    "gpt_oss": _gpt_oss,
+}
+
+
+def spec_of(config: dict, name: str = "") -> ModelSpec:
+    """A :class:`ModelSpec` from a Hugging Face config.json dict (or a published entry)."""
+    mt = config.get("model_type")
+    if mt not in PARSERS:
+        raise TrtpipeError(f"config.json: model_type '{mt}' has no performance model "
+                           f"(supported: {', '.join(sorted(PARSERS))})")
+    try:
+        return PARSERS[mt](config, name or mt)
+    except KeyError as exc:
+        raise TrtpipeError(f"config.json: '{exc.args[0]}' is missing (needed for the {mt} performance model)") from None
+
+
+def published_spec(name: str) -> ModelSpec:
+    if name not in PUBLISHED:
+        raise TrtpipeError(f"model '{name}' has no published config in trtpipe.perf.models.PUBLISHED")
+    return spec_of(PUBLISHED[name][1], name)
+
+
+def billions(n: int) -> float:
+    return round(n / 1e9, 2) if n else 0.0
+
