@@ -195,3 +195,34 @@ def test_threaded_executor_streams_to_many_callers(model_tp1):
             assert len(tokens) == 10 and streams[i][-1].finish_reason == FinishReason.LENGTH
     finally:
         ex.shutdown()
+
+
+def test_pauses_credit_only_blocks_the_victim_owns_alone(model_tp1):
+    """Identical requests reuse each other's published blocks; pausing one frees only the blocks no running
+    request shares, so max_utilization must not count shared ones as freed (that overran the pool on a server)."""
+    config = _config(capacity_policy=CapacityPolicy.MAX_UTILIZATION, enable_kv_cache_reuse=True, num_blocks=12,
+                     max_seq_len=96, max_num_tokens=128)
+    out, core = _serve(model_tp1, config, [[1, 403, 407, 261, 378]] * 20, [80] * 20, stagger=0)
+    assert all(not r.has_error for r in out), [r.error for r in out if r.has_error][:1]
+    assert len({tuple(r.tokens) for r in out}) == 1 and len(out[0].tokens) == 80
+    assert max(s.num_paused for s in core.iterations) > 0 and core.pool.stats().reused_blocks > 0
+    assert core.pool.num_free == core.pool.num_blocks
+
+
+class _FailingEngine(ReferenceEngine):
+    def step(self, batch):
+        if batch.iteration == 3:
+            raise RuntimeError("device lost")
+        return super().step(batch)
+
+
+def test_a_failed_step_fails_the_active_requests_and_the_executor_goes_on(model_tp1):
+    got = {}
+    core = ExecutorCore(_config(), _FailingEngine(model_tp1), lambda r: got.__setitem__(r.request_id, r) if r.is_final else None)
+    first = [core.submit(Request([1, 403, 407], 10)) for _ in range(3)]
+    core.run_until_idle()
+    assert all("Encountered an error in forwardAsync function: RuntimeError: device lost" in got[i].error for i in first)
+    assert core.pool.num_free == core.pool.num_blocks
+    later = core.submit(Request([1, 403, 407], 10, exclude_input_from_output=True))
+    core.run_until_idle()
+    assert not got[later].has_error and len(got[later].tokens) == 10

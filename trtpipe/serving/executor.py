@@ -12,6 +12,7 @@ each step's simulated cost. Everything above the step engine is the same code in
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -22,6 +23,9 @@ from trtpipe.serving.api import (CapacityPolicy, ExecutorConfig, FinishReason, R
                                  StepEntry)
 from trtpipe.serving.kv_pool import BlockPool, KVStats
 from trtpipe.serving.scheduler import ActiveRequest, capacity_schedule, insert_by_priority, micro_batch
+
+
+log = logging.getLogger(__name__)
 
 
 class QueueFullError(RuntimeError):
@@ -148,7 +152,11 @@ class ExecutorCore:
             self._record(0.0, StepBatch(self.iteration), paused=0)  # the "all zero" record: gauges fall to 0
         self._admit()
         if self.active:
-            self._step()
+            try:
+                self._step()
+            except Exception as exc:  # as in TensorRT-LLM: a failed step fails every active request, the loop goes on
+                self._fail_all(f"Encountered an error in forwardAsync function: {type(exc).__name__}: {exc}")
+                self.iteration += 1
         with self._lock:
             return bool(self.active or self.queue or self._cancel)
 
@@ -199,7 +207,10 @@ class ExecutorCore:
                         num_input_tokens=r.prompt_len, num_output_tokens=len(r.output), client_tag=r.request.client_tag)
 
     def _send(self, response: Response) -> None:
-        self.on_response(response)
+        try:
+            self.on_response(response)
+        except Exception:  # a front end that cannot deliver (client gone) must not stop the loop for everyone
+            log.exception("response %d could not be delivered", response.request_id)
 
     def _error(self, rid: int, request: Request, message: str) -> None:
         self._send(Response(rid, [], True, FinishReason.NOT_FINISHED, error=message,
@@ -265,14 +276,10 @@ class ExecutorCore:
         for r in self.active:  # what the cache already holds of each first context
             if not r.started:
                 r.context_pos = len(self.pool.match_prefix(r.tokens[:r.context_len])) * tpb
-        decision = capacity_schedule(self.active, self.pool.num_free, c, self.max_active)
+        decision = capacity_schedule(self.active, self.pool.num_free, c, self.max_active, self.pool.refs)
         for r in decision.paused:
             self._pause(r)
-        try:
-            chosen = micro_batch(decision.scheduled, c)
-        except Exception as exc:  # the real step throws: every active request fails
-            self._fail_all(f"Encountered an error in forwardAsync function: {exc}")
-            return
+        chosen = micro_batch(decision.scheduled, c)
         self.stalled = False
         start = self.clock.now_ns()
         batch = StepBatch(self.iteration)
@@ -307,11 +314,7 @@ class ExecutorCore:
             self.iteration += 1
             self.stalled = True
             return
-        try:
-            result = self.engine.step(batch)
-        except Exception as exc:
-            self._fail_all(f"Encountered an error in forwardAsync function: {type(exc).__name__}: {exc}")
-            return
+        result = self.engine.step(batch)
         self.clock.advance(result.elapsed_s)
         now = self.clock.now_ns()
         by_id = {r.id: r for r in chosen}

@@ -9,7 +9,7 @@ nothing is allocated here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from trtpipe.serving.api import CapacityPolicy, ExecutorConfig, PerfMetrics, Request
 
@@ -83,11 +83,15 @@ class CapacityDecision:
 
 
 def capacity_schedule(active: list[ActiveRequest], free_blocks: int, config: ExecutorConfig,
-                      max_requests: int) -> CapacityDecision:
-    """``CapacityScheduler``: ``active`` is in priority order; ``free_blocks`` counts cached reusable blocks."""
+                      max_requests: int, refs: Optional[Callable[[int], int]] = None) -> CapacityDecision:
+    """``CapacityScheduler``: ``active`` is in priority order; ``free_blocks`` counts cached reusable blocks.
+
+    ``refs(block)``: how many sequences hold a block (the pool's count). Pausing a request frees only the blocks
+    no other request holds; without ``refs`` every block of the victim is taken as its own.
+    """
     tpb = config.tokens_per_block
     if config.capacity_policy is CapacityPolicy.MAX_UTILIZATION:
-        return _max_utilization(active, free_blocks, tpb, max_requests)
+        return _max_utilization(active, free_blocks, tpb, max_requests, refs or (lambda b: 1))
     static = config.capacity_policy is CapacityPolicy.STATIC_BATCH
     available, scheduled, pending = free_blocks, [], []
     for r in active:
@@ -109,9 +113,11 @@ def capacity_schedule(active: list[ActiveRequest], free_blocks: int, config: Exe
     return CapacityDecision(scheduled, [])
 
 
-def _max_utilization(active: list[ActiveRequest], free_blocks: int, tpb: int, max_requests: int) -> CapacityDecision:
+def _max_utilization(active: list[ActiveRequest], free_blocks: int, tpb: int, max_requests: int,
+                     refs: Callable[[int], int]) -> CapacityDecision:
     """Admit while next-step blocks fit; on a misfit pause the last started request at or after the current one."""
     view, scheduled, paused = free_blocks, [], []
+    released: dict[int, int] = {}  # block -> holders paused so far (a block shared by two victims frees with both)
     end, i = len(active), 0
     while i < end and len(scheduled) < max_requests:
         r = active[i]
@@ -125,7 +131,9 @@ def _max_utilization(active: list[ActiveRequest], free_blocks: int, tpb: int, ma
         if victim is None:
             break
         paused.append(active[victim])
-        view += len(active[victim].block_table)
+        for b in active[victim].block_table:  # only blocks that no request left running still holds come free
+            released[b] = released.get(b, 0) + 1
+            view += released[b] == refs(b)
         end = victim
     return CapacityDecision(scheduled, paused)
 
