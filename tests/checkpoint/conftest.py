@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from trtpipe.models.synthetic import load_hf, make_synthetic
+from numerics import suite_threads
 
 # The synthetic models the issue names; llama3 is written sharded (index.json) in the transformers-4 rope layout.
 SYNTHETIC = {
@@ -19,7 +20,7 @@ SYNTHETIC = {
 
 @pytest.fixture(scope="session", autouse=True)
 def _threads():
-    torch.set_num_threads(1)
+    torch.set_num_threads(suite_threads())
 
 
 @pytest.fixture(scope="session")

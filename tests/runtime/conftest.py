@@ -7,11 +7,12 @@ import torch
 
 from trtpipe.checkpoint.convert import convert
 from trtpipe.runtime import load_checkpoint
+from numerics import suite_threads
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _threads():
-    torch.set_num_threads(1)
+    torch.set_num_threads(suite_threads())
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from numerics import suite_threads
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 BUILD_CONFIG = {"max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512, "max_beam_width": 1, "max_num_tokens": 2048}
@@ -53,7 +54,7 @@ def hf_stories(stories_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(suite_threads())
     tok = AutoTokenizer.from_pretrained(stories_dir)
     model = AutoModelForCausalLM.from_pretrained(stories_dir).half().float().eval()
     return tok, model
