@@ -82,3 +82,80 @@ def greedy_is_decided(logits64: torch.Tensor, bound: float) -> bool:
     """True when the argmax cannot change under a per-logit error of ``bound``: any float32 evaluation within
     ``bound`` of the float64 logits must pick the same token (margin > 2 * bound). False is a genuine near-tie."""
     return top2_margin(logits64) > 2 * bound
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    """transformers' logits [T, V] of one sequence, in the model's own dtype."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def first_near_tie(hf32, hf64, prompt: list[int], tokens: list[int]) -> tuple[int, str]:
+    """Where greedy decoding of ``tokens`` after ``prompt`` stops being decided by the model.
+
+    Runs transformers in float32 and float64 over the whole sequence; the float32 error scale is measured on
+    it and each step's float64 top-2 margin must exceed 2 x ORDER_FACTOR x that scale for every correct
+    float32 implementation to pick the same token. Returns (index of the first undecided token, or
+    len(tokens); a description of that near-tie, or "").
+    """
+    if not tokens:
+        return 0, ""
+    ids = prompt + tokens
+    l32, l64 = hf_logits(hf32, ids), hf_logits(hf64, ids)
+    steps = slice(len(prompt) - 1, len(ids) - 1)  # the position that predicts each token
+    bound = ORDER_FACTOR * error_scale(l32[steps], l64[steps])
+    for i, row in enumerate(l64[steps]):
+        if not greedy_is_decided(row, bound):
+            return i, (f"token {i}: float64 top-2 margin {top2_margin(row):.3g} <= 2 x float32 error bound "
+                       f"{bound:.3g} (a genuine near-tie)")
+    return len(tokens), ""
+
+
+def assert_greedy_equal(ours: list[int], ref: list[int], hf32, hf64, prompt: list[int], what: str = "",
+                        eos=()) -> int:
+    """Greedy tokens == transformers' ``ref`` (as generated, end id included), up to the first genuine near-tie.
+
+    ``ours`` stops before an end id in ``eos``. Returns how many tokens were compared. A near-tie is
+    reported, never silently widened: the tokens before it must match exactly; a divergence at or after it
+    is what float32 summation order may legally cause.
+    """
+    eos = {eos} if isinstance(eos, int) else set(eos)
+    end = next((i for i, t in enumerate(ref) if t in eos), len(ref))
+    n, tie = first_near_tie(hf32, hf64, prompt, ref)
+    if n == len(ref):
+        assert ours == ref[:end], what
+        return end
+    print(f"{what}: comparing {min(n, end)} of {end} tokens; {tie}")
+    assert ours[:min(n, end)] == ref[:min(n, end)], what
+    return min(n, end)
+
+
+def hf_float64(model):
+    """A float64 copy of a transformers model (MoE experts on the eager path: grouped_mm has no float64)."""
+    ref = copy.deepcopy(model).double()
+    if getattr(ref.config, "num_local_experts", None) or getattr(ref.config, "num_experts", None):
+        ref.set_experts_implementation("eager")
+    return ref
+
+
+U64 = 2.0 ** -53  # float64
+
+
+def assert_same_model(a, b, ids: torch.Tensor, what: str = "") -> float:
+    """Two layouts (tp/pp/ep splits) of one quantized model compute the same function: checked in float64.
+
+    In float32, summation order can move an activation across a fake-quant rounding boundary (one code
+    step, far above float32's error). Run in float64 the two layouts' inputs to each quantizer round to the
+    same float32 value except within 2^-53 of a boundary, so they must agree to float64's error: the
+    model's float32 error scale (``b`` in float32 against float64) times U64/U32.
+    """
+    with torch.no_grad():
+        x, y = float64_copy(a)(ids), float64_copy(b)(ids)
+        scale32 = error_scale(b(ids), y)
+    return assert_as_accurate(x, y, scale32 * U64 / U32, what)
+
+
+def float32_scale(model, ids: torch.Tensor) -> float:
+    """float32's error on this model's logits for ``ids``, measured against its float64 copy."""
+    with torch.no_grad():
+        return error_scale(model(ids), float64_copy(model)(ids))

@@ -30,3 +30,12 @@ def stories_hf(stories_dir):
     from trtpipe.models.synthetic import load_hf
 
     return load_hf(stories_dir)
+
+
+@pytest.fixture(scope="session")
+def stories_hf64(stories_hf):
+    """The same transformers model in float64: the reference that float32 tolerances are measured against."""
+
+    from numerics import hf_float64
+
+    return hf_float64(stories_hf)
