@@ -402,6 +402,8 @@ def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, tim
         bind = bind or t.bind
         http_port, grpc_port, metrics_port = http_port or t.http_port, grpc_port or t.grpc_port, metrics_port or t.metrics_port
     bind = bind or "127.0.0.1"
+    if srv.exposure_warning(bind):
+        click.echo(srv.exposure_warning(bind), err=True)
     ports = _ports(http_port, grpc_port, metrics_port)
     if dry_run:
         click.echo("\n".join(dry_run_lines(target, overrides, bind, ports, tritonserver)))
