@@ -16,6 +16,8 @@ import threading
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from trtpipe.triton import request_checks  # per-request validation (keep: a bad request must not fail a batch)
+
 _TRUE = {"true", "1", "t", "y", "yes"}
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -107,6 +109,7 @@ class TritonPythonModel:
         if ids.ndim == 2 and ids.shape[0] != 1:
             raise ValueError(f"the CPU twin takes one sequence per request, got a batch of {ids.shape[0]}")
         ids = ids.reshape(-1)
+        vocab = self.model.args.vocab_size
         in_len = _scalar(request, "input_lengths", ids.size, int)
         if in_len < 1 or ids.size == 0:
             raise ValueError("input_ids is empty: the prompt has no tokens")
@@ -125,12 +128,13 @@ class TritonPythonModel:
                 f"request_output_len (max_tokens) {out_len} exceeds the limit {limit} "
                 f"(max_seq_len {self.max_seq_len} - {in_len} prompt tokens)"
             )
+        request_checks.check_token_ids(ids[:in_len], vocab)  # trtpipe/triton/request_checks.py (keep these calls)
         bad = pb_utils.get_input_tensor_by_name(request, "bad_words_list")
-        if bad is not None and word_lists(bad.as_numpy()):
+        if bad is not None and request_checks.word_lists(bad.as_numpy(), "bad_words_list", vocab):
             raise ValueError("bad_words_list is not supported by the CPU twin (the TensorRT engine supports it)")
         end_id = _scalar(request, "end_id", self.default_end_id, int)  # None: no end id, run to the limit
         stop = pb_utils.get_input_tensor_by_name(request, "stop_words_list")
-        stops = word_lists(stop.as_numpy()) if stop is not None else []
+        stops = request_checks.word_lists(stop.as_numpy(), "stop_words_list", vocab) if stop is not None else []
         temperature = _scalar(request, "temperature", 1.0, float)
         top_k = _scalar(request, "runtime_top_k", 0, int)
         top_p = _scalar(request, "runtime_top_p", 0.0, float)
@@ -140,6 +144,7 @@ class TritonPythonModel:
         # (the model's other EOS ids): they end the sequence and stay in it, as in TensorRT-LLM.
         greedy = top_k == 1 or (top_k == 0 and top_p == 0.0) or temperature == 0.0
         seed = _scalar(request, "seed", None, int)
+        request_checks.check_sampling(temperature, top_k, top_p, seed)
         settings = (0.0 if greedy else temperature, 0 if greedy else top_k, 1.0 if greedy or top_p == 0.0 else top_p,
                     None if greedy else seed)
         streaming = _scalar(request, "streaming", False, bool)
