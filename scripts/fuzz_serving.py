@@ -152,8 +152,12 @@ def _check(client, mod, protocol: str) -> str:
 
 
 def run(http_url: str, grpc_url: str, limit: Optional[int] = None, seed: int = 0, check_every: int = 50,
-        alive: Optional[Callable[[], bool]] = None) -> dict:
-    """Send every case over both protocols; returns the summary (``failures`` lists what broke)."""
+        alive: Optional[Callable[[], bool]] = None, keep: tuple[str, ...] = ("valid", "holds id")) -> dict:
+    """Send every case over both protocols; returns the summary (``failures`` lists what broke).
+
+    ``limit``: a random sample of that many cases, always including those whose description contains one
+    of ``keep`` (by default the valid requests and the out-of-vocabulary ids, the bugs found so far).
+    """
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 
@@ -165,8 +169,9 @@ def run(http_url: str, grpc_url: str, limit: Optional[int] = None, seed: int = 0
     rng = random.Random(seed)
     todo = cases(configs, rng)
     if limit is not None and len(todo) > limit:
-        keep = [c for c in todo if c.what == "valid"]
-        todo = keep + rng.sample([c for c in todo if c.what != "valid"], limit - len(keep))
+        kept = [c for c in todo if any(k in c.what for k in keep)]
+        chosen = {id(c) for c in kept}
+        todo = kept + rng.sample([c for c in todo if id(c) not in chosen], max(0, limit - len(kept)))
     counts: Counter = Counter()
     failures: list[str] = []
     started = time.monotonic()
