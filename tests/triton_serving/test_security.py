@@ -144,8 +144,10 @@ def test_pickle_checkpoint_needs_consent(stories_dir, tmp_path):
     model = tmp_path / "pickled"
     shutil.copytree(stories_dir, model, ignore=shutil.ignore_patterns("*.safetensors"))
     torch.save(load_file(str(stories_dir / "model.safetensors")), model / "pytorch_model.bin")
-    res = _cli("convert", str(model), str(tmp_path / "out"), cwd=tmp_path)
-    assert res.returncode != 0 and len(res.stderr.strip().splitlines()) == 1, res.stderr
-    assert "pytorch_model.bin" in res.stderr and "pickle" in res.stderr
+    res = CliRunner().invoke(main, ["convert", str(model), str(tmp_path / "out")])
+    err = getattr(res, "stderr", res.output)
+    assert res.exit_code != 0 and len(err.strip().splitlines()) == 1, err
+    assert "pytorch_model.bin" in err and "pickle" in err
     assert not (tmp_path / "out").exists()  # nothing half-written
-    assert _cli("convert", str(model), str(tmp_path / "out"), "--allow-pickle", cwd=tmp_path).returncode == 0
+    ok = CliRunner().invoke(main, ["convert", str(model), str(tmp_path / "out"), "--allow-pickle"])
+    assert ok.exit_code == 0, ok.output
