@@ -92,6 +92,7 @@ def main() -> int:
                 with lock:
                     n = done[0]
                 samples.append((round(time.monotonic() - started, 1), n, rss_mb(procs)))
+                print(f"{samples[-1][0]:>7} s {n:>5} done  {dict(counts)}  rss MB {samples[-1][2]}", flush=True)
                 shm_peak[0] = max(shm_peak[0], len(list(SHM_DIR.glob(f"{server.shm_prefix}*"))))
                 stop.wait(args.sample_s)
 
@@ -116,7 +117,7 @@ def main() -> int:
 
         t = threading.Thread(target=sampler, daemon=True)
         t.start()
-        workers = [threading.Thread(target=worker, args=(k,)) for k in range(args.concurrency)]
+        workers = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(args.concurrency)]
         for w in workers:
             w.start()
         for w in workers:
