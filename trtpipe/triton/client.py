@@ -172,6 +172,7 @@ class Client:
             self.client.start_stream(callback=lambda result, error: results.put((result, error)))
         except Exception as exc:  # the server went away between calls
             raise ServingError(f"{model}: {_message(exc)}") from None
+        finished = False
         try:
             try:
                 self.client.async_stream_infer(
@@ -193,10 +194,11 @@ class Client:
                     if piece:
                         yield piece
                 if final is not None and final.bool_param:
+                    finished = True
                     return
         finally:
-            try:
-                self.client.stop_stream()
+            try:  # left early (caller stopped reading, error, timeout): cancel, never wait for a server that may not answer
+                self.client.stop_stream(cancel_requests=not finished)
             except Exception:  # a broken stream: its error was raised above, do not replace it
                 pass
 
