@@ -82,6 +82,21 @@ def _streams(url: str, n: int, max_tokens: int):
     return threads, started, outcome
 
 
+def _cleanup(proc: subprocess.Popen, server_pid: int) -> None:
+    """After a failed check: stop the serve CLI and its tritonserver (its own session: killing the CLI leaves it)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)  # serve stops its server on Ctrl-C
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    if psutil.pid_exists(server_pid):
+        try:
+            os.killpg(server_pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def _first_piece(started: list, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not any(e.is_set() for e in started):
@@ -120,8 +135,7 @@ def test_kill9_of_tritonserver_under_8_streams(streaming_repo):
         assert max(delays) <= ERROR_WITHIN_S, outcome
         _, err = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _cleanup(proc, server_pid)
     assert proc.returncode not in (0, None)
     assert f"tritonserver (pid {server_pid}) was killed by SIGKILL" in err.strip().splitlines()[0], err
     assert not _gone(server_pid, streaming_repo), "processes of the dead server are left"
@@ -147,8 +161,7 @@ def test_sigint_of_a_foreground_serve_with_streams_in_flight(streaming_repo):
         for t in threads:
             t.join(ERROR_WITHIN_S + 10)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _cleanup(proc, server_pid)
     assert proc.returncode == 0 and "stopped" in out, (out, err)
     assert not any(t.is_alive() for t in threads)
     assert not _gone(server_pid, streaming_repo)
