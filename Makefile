@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 DEMO_RECIPE ?= recipes/stories-fp16.yaml
 DEMO_PROMPT ?= Once upon a time
 
-.PHONY: install test demo
+.PHONY: install test test-portable demo
 
 install: $(VENV)/.trtpipe-installed
 
@@ -13,6 +13,13 @@ $(VENV)/.trtpipe-installed: pyproject.toml scripts/install.sh
 
 test: install
 	$(BIN)/pytest -q
+	$(MAKE) test-portable
+
+# The numeric tests again with another CPU kernel set and thread count (AVX2 kernels, 2 torch threads): their
+# tolerances come from float64 references (tests/numerics.py), so they must hold on any x86-64 CPU.
+PORTABLE_TESTS ?= tests/runtime tests/checkpoint/test_parity.py
+test-portable: install
+	ATEN_CPU_CAPABILITY=avx2 TRTPIPE_TEST_THREADS=2 $(BIN)/pytest -q $(PORTABLE_TESTS)
 
 # Build the tiny stories260k recipe (convert -> CPU twin engine -> Triton repository), serve it on a real
 # tritonserver bound to 127.0.0.1, ask one question, print the answer, stop the server whatever happened.

@@ -10,7 +10,8 @@ import pytest
 
 # Tiny models run ~20x slower with several OpenMP threads on a busy 2-core machine; tritonserver's python
 # stubs started by the tests inherit this too.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# TRTPIPE_TEST_THREADS=2 runs the suite's torch code with 2 threads (tests/numerics.py: results must not depend on it).
+os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("TRTPIPE_TEST_THREADS", "1"))
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # shared/ sits beside the repository checkout (../shared from the repo root).

@@ -96,6 +96,17 @@ def explain(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
 # --- build pipeline commands -----------------------------------------------------------------------
 
 
+def _sigterm_as_interrupt() -> None:
+    import signal
+    import threading
+
+    def _term(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread only
+        signal.signal(signal.SIGTERM, _term)
+
+
 @main.command()
 @click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
 @OVERRIDES
@@ -112,6 +123,7 @@ def build(ctx, recipe: Path, overrides, force, from_stage, until, as_json: bool)
 
     loaded = load_recipe(recipe, overrides)
     stages = (ctx.obj or {}).get("stages")  # a program embedding the CLI (the tests) may pass its own stages
+    _sigterm_as_interrupt()  # SIGTERM cleans up like Ctrl-C: temporary artifacts removed, manifest "interrupted"
     try:
         result = run_build(loaded, stages, force, from_stage, until, quiet=as_json, overrides=overrides)
     except StageError as exc:
@@ -457,6 +469,8 @@ def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, tim
         bind = bind or t.bind
         http_port, grpc_port, metrics_port = http_port or t.http_port, grpc_port or t.grpc_port, metrics_port or t.metrics_port
     bind = bind or "127.0.0.1"
+    if srv.exposure_warning(bind):
+        click.echo(srv.exposure_warning(bind), err=True)
     ports = _ports(http_port, grpc_port, metrics_port)
     if dry_run:
         click.echo("\n".join(dry_run_lines(target, overrides, bind, ports, tritonserver, hostfile)))

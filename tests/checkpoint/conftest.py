@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
 import torch
 
 from trtpipe.models.synthetic import load_hf, make_synthetic
+from numerics import assert_as_accurate, assert_greedy_equal, error_scale, hf_float64, suite_threads
 
 # The synthetic models the issue names; llama3 is written sharded (index.json) in the transformers-4 rope layout.
 SYNTHETIC = {
@@ -19,7 +21,7 @@ SYNTHETIC = {
 
 @pytest.fixture(scope="session", autouse=True)
 def _threads():
-    torch.set_num_threads(1)
+    torch.set_num_threads(suite_threads())
 
 
 @pytest.fixture(scope="session")
@@ -41,19 +43,31 @@ def prompts() -> dict[str, list[list[int]]]:
 
 
 class Oracle:
-    """transformers' float32 logits and 64-token greedy continuations for one model."""
+    """transformers' logits (float32, and float64 as the reference) and 64-token greedy continuations."""
 
     def __init__(self, model_dir: Path, prompts: list[list[int]], eos: int | None):
-        model = load_hf(model_dir)
+        self.model = load_hf(model_dir)
+        self.model64 = hf_float64(self.model)
         ids = torch.tensor(prompts)
         with torch.no_grad():
-            self.logits = model(ids).logits.float()
-        self.greedy = []
+            self.logits = self.model(ids).logits.float()
+            self.logits64 = self.model64(ids).logits
+        self.scale = error_scale(self.logits, self.logits64)  # float32's error on these logits
+        self.prompts, self.full = prompts, []
         for p in prompts[:2]:
-            out = model.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False, eos_token_id=eos,
-                                 pad_token_id=eos if eos is not None else 0)[0, len(p):].tolist()
-            self.greedy.append(out[: out.index(eos)] if eos is not None and eos in out else out)
+            out = self.model.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False, eos_token_id=eos,
+                                      pad_token_id=eos if eos is not None else 0)[0, len(p):].tolist()
+            self.full.append(out[: out.index(eos) + 1] if eos is not None and eos in out else out)
         self.eos = eos
+
+    def assert_logits(self, logits: torch.Tensor, what: str) -> None:
+        """Our float32 logits are as close to the float64 oracle as transformers' float32 ones (x ORDER_FACTOR)."""
+        assert logits.shape == self.logits64.shape
+        assert_as_accurate(logits, self.logits64, self.scale, what)
+
+    def assert_greedy(self, ours: list[list[int]], what: str) -> None:
+        for p, o, ref in zip(self.prompts, ours, self.full):
+            assert_greedy_equal(o, ref, self.model, self.model64, p, what, eos=() if self.eos is None else self.eos)
 
 
 @pytest.fixture(scope="session")

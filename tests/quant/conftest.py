@@ -10,11 +10,12 @@ import torch
 from trtpipe.checkpoint.convert import convert
 from quant_helpers import self_tokens
 from trtpipe.quant.data import load_tokenizer
+from numerics import suite_threads
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _one_thread():
-    torch.set_num_threads(1)  # tiny models: threads only fight the other test processes for the 2 cores
+    torch.set_num_threads(suite_threads())  # tiny models: threads only fight the other test processes for the 2 cores
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from numerics import UBF16
 from quant_helpers import kl_to_reference, modelopt_quant, our_quant, our_stats, self_tokens
 from trtpipe.checkpoint.convert import convert
 from trtpipe.models.synthetic import make_synthetic
@@ -66,6 +67,9 @@ def case(request, tmp_path_factory, stories_dir, modelopt):
     return dict(name=name, hf=hf, base=base, ours=ours, theirs=theirs, heldout=heldout, ref=ref_logits, group=group)
 
 
+NUM_LAYERS = 5  # the deepest model here (stories260k; synth128 has 2)
+
+
 def _load(path: Path) -> dict:
     return load_file(str(path / "rank0.safetensors"))
 
@@ -88,11 +92,13 @@ def test_fp8_codes_and_scales(case):
         if k.endswith(".weight") and a[k].dtype == torch.float8_e4m3fn:
             assert torch.equal(_bytes(a[k]), _bytes(b[k])), k
         elif k.endswith("weights_scaling_factor"):
-            torch.testing.assert_close(a[k], b[k], rtol=2**-8, atol=0)
+            # amax of the same bf16 weights / 448: ModelOpt rounds the quotient to bf16 once
+            torch.testing.assert_close(a[k], b[k], rtol=UBF16, atol=0)
         elif k.endswith("activation_scaling_factor"):
-            # activations come from the forward pass: ours runs in float32, ModelOpt's in bf16, whose rounding
-            # compounds over the layers (measured: up to ~1 % on layer 4 of stories260k)
-            torch.testing.assert_close(a[k], b[k], rtol=2**-5, atol=0)
+            # activations come from the forward pass: ours runs in float32, ModelOpt's in bf16, which rounds
+            # the residual stream twice per layer (attention, MLP): up to 2 x layers x u_bf16 before the last
+            # layer (measured: ~1 % on layer 4 of stories260k; the bound is 3.9 %)
+            torch.testing.assert_close(a[k], b[k], rtol=2 * NUM_LAYERS * UBF16, atol=0)
 
 
 def test_int8_weight_only_identical(case):

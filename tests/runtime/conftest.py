@@ -7,11 +7,12 @@ import torch
 
 from trtpipe.checkpoint.convert import convert
 from trtpipe.runtime import load_checkpoint
+from numerics import suite_threads
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _threads():
-    torch.set_num_threads(1)
+    torch.set_num_threads(suite_threads())
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +30,12 @@ def stories_hf(stories_dir):
     from trtpipe.models.synthetic import load_hf
 
     return load_hf(stories_dir)
+
+
+@pytest.fixture(scope="session")
+def stories_hf64(stories_hf):
+    """The same transformers model in float64: the reference that float32 tolerances are measured against."""
+
+    from numerics import hf_float64
+
+    return hf_float64(stories_hf)

@@ -52,8 +52,9 @@ class RankFile:
         self.size = self.base + offset
         self.written: set[str] = set()
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.pwrite(self.fd, len(raw).to_bytes(8, "little") + raw, 0)
-        os.ftruncate(self.fd, self.size)
+        with _naming(self.path):
+            os.pwrite(self.fd, len(raw).to_bytes(8, "little") + raw, 0)
+            os.ftruncate(self.fd, self.size)
 
     def slot(self, name: str, t: torch.Tensor) -> tuple[torch.dtype, int]:
         """(planned dtype, absolute file offset) of ``name``, after checking ``t`` has the planned shape."""
@@ -81,6 +82,17 @@ class RankFile:
             raise CheckpointError(f"{self.path.name}: tensor '{sorted(missing)[0]}' was planned but never written")
 
 
+@contextlib.contextmanager
+def _naming(path: Path):
+    """A failed write (disk full, file size limit) names the file it was writing: os.pwrite's error does not."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None:
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
+        raise
+
+
 def _pwrite_all(fd: int, data: memoryview, pos: int) -> None:
     while data:
         n = os.pwrite(fd, data, pos)
@@ -99,7 +111,8 @@ def write_same(files: list[RankFile], name: str, t: torch.Tensor, check: Optiona
         for i, (f, (dtype, _)) in enumerate(zip(files, slots)):
             if dtype not in cast:
                 cast[dtype] = memoryview(chunk.to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy())
-            _pwrite_all(f.fd, cast[dtype], positions[i])
+            with _naming(f.path):
+                _pwrite_all(f.fd, cast[dtype], positions[i])
             positions[i] += len(cast[dtype])
         if after_chunk is not None:
             after_chunk(chunk)

@@ -95,4 +95,4 @@ def load_hf(model_dir: str | Path) -> torch.nn.Module:
     """The HF reference model in float32 eval mode (the oracle for parity tests)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, trust_remote_code=False).eval()

@@ -8,8 +8,10 @@ manifest is written whatever happens (ok, failed, interrupted).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -193,6 +195,28 @@ def _one_line(exc: BaseException) -> str:
     return text if isinstance(exc, TrtpipeError) else f"{type(exc).__name__}: {text}"
 
 
+_NO_SPACE = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EFBIG: "file size limit reached"}
+
+
+def _out_of_space(exc: BaseException, tmp: Path) -> Optional[str]:
+    """'disk full writing PATH (...)' when a stage ran out of space, naming the file it was writing.
+
+    A failed ``write()`` carries no file name, so the file is the newest one in the stage's temporary folder
+    (the artifact is discarded either way: nothing half-written is kept).
+    """
+    code = getattr(exc, "errno", None)
+    text = str(exc)
+    if code not in _NO_SPACE:
+        code = next((c for c in _NO_SPACE if os.strerror(c) in text), None)
+        if code is None:
+            return None
+    path = getattr(exc, "filename", None)
+    if not path:
+        files = [p for p in tmp.rglob("*") if p.is_file()] if tmp.exists() else []
+        path = max(files, key=lambda p: p.stat().st_mtime_ns) if files else tmp
+    return f"{_NO_SPACE[code]} writing {path} ({os.strerror(code)}): free space and build again"
+
+
 def _json_data(info: dict) -> dict:
     return json.loads(json.dumps(info, default=str))
 
@@ -236,8 +260,9 @@ class _Build:
             peak_rss_children_bytes=peak.children_bytes,
         )
         if error is not None:
+            message = _out_of_space(error, tmp) or _one_line(error)  # before discard: it names the file
             self.store.discard(tmp)
-            entry.update(status="failed", error=_one_line(error))
+            entry.update(status="failed", error=message)
             self.report.line(plan.name, f"[red]failed[/red] after {entry['wall_s']:.1f} s: {escape(entry['error'])}")
             return entry
         entry.update(status="ran", info=marker["info"], files=marker["files"])

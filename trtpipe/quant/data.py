@@ -73,9 +73,9 @@ def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)  # never run shipped code
     except Exception as exc:  # transformers raises many types; the message names the file
-        raise QuantizationError(f"{model_dir}: cannot load the tokenizer: {exc}") from None
+        raise QuantizationError(f"{model_dir}: cannot load the tokenizer: {' '.join(str(exc).split())}") from None
 
 
 def token_windows(texts: list[str], tokenizer, num_samples: int, seq_len: int, where: str) -> torch.Tensor:

@@ -289,8 +289,9 @@ class MoEShard(nn.Module):
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Softmax over experts in float32, keep top_k, renormalize (TRT-LLM RENORMALIZE). Returns [N, E]."""
-    probs = torch.softmax(x.float() @ router.float().t(), dim=-1)  # [N, E]
+    """Softmax over experts in float32 (or wider), keep top_k, renormalize (TRT-LLM RENORMALIZE). Returns [N, E]."""
+    dt = torch.promote_types(x.dtype, torch.float32)  # float64 when the model runs as a float64 oracle
+    probs = torch.softmax(x.to(dt) @ router.to(dt).t(), dim=-1)  # [N, E]
     top, idx = probs.topk(top_k, dim=-1)
     return torch.zeros_like(probs).scatter_(-1, idx, top / top.sum(-1, keepdim=True))
 
@@ -420,4 +421,5 @@ class ReferenceModel(nn.Module):
         cos_sin = self.rope.cos_sin_for(start_pos, input_ids.shape[1])
         for layer in self.layers:
             x = layer(x, start_pos, cache, cos_sin)
-        return self.head(x).float()
+        logits = self.head(x)
+        return logits if logits.dtype == torch.float64 else logits.float()  # float64: a float64 oracle copy

@@ -13,7 +13,7 @@ def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)  # never run shipped code
     except Exception as exc:  # transformers raises OSError/ValueError/... for a dir without a tokenizer
         raise CheckpointError(f"{path}: cannot load a tokenizer ({str(exc).splitlines()[0]}); pass --tokenizer DIR") from None
 

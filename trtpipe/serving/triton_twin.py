@@ -21,6 +21,7 @@ import numpy as np
 
 from trtpipe.serving.api import CapacityPolicy, ExecutorConfig, Request, Response, SamplingParams
 from trtpipe.serving.executor import IterationStats
+from trtpipe.triton import request_checks
 
 _TRUE = {"true", "1", "t", "y", "yes"}
 
@@ -109,24 +110,6 @@ def settings_from_model_config(model_config: dict, model_repository: str) -> Twi
     )
 
 
-def word_lists(array: Optional[np.ndarray]) -> list[list[int]]:
-    """``[1, 2, L]`` (ids row, cumulative end offsets padded with -1) -> list of token-id lists."""
-    if array is None or array.size == 0:
-        return []
-    if array.ndim < 2 or array.shape[-2] != 2:
-        raise ValueError(f"word lists must have shape [1, 2, L], got {list(array.shape)}")
-    a = array.reshape(-1, 2, array.shape[-1])[0]
-    words, start = [], 0
-    for end in a[1]:
-        if end < 0:
-            break
-        if end < start or end > a.shape[-1]:
-            raise ValueError(f"word list offsets must grow within the list, got {a[1].tolist()}")
-        words.append([int(x) for x in a[0, start:end]])
-        start = int(end)
-    return words
-
-
 def _scalar(get: Callable[[str], Optional[np.ndarray]], name: str, default, kind):
     a = get(name)
     if a is None or a.size == 0:
@@ -171,8 +154,8 @@ def parse_request(get: Callable[[str], Optional[np.ndarray]], s: TwinSettings, d
     if in_len > ids.size:
         raise ValueError(f"input_lengths {in_len} is larger than input_ids ({ids.size} tokens)")
     prompt = ids[:in_len]
-    if s.vocab_size and (prompt.min() < 0 or prompt.max() >= s.vocab_size):
-        raise ValueError(f"input_ids must be token ids in [0, {s.vocab_size}), got {int(prompt.min())}..{int(prompt.max())}")
+    vocab = s.vocab_size or (1 << 31)
+    request_checks.check_token_ids(prompt, vocab)  # a bad id must fail this request, not the batched step
     if in_len > s.executor.max_input_len:
         raise ValueError(f"prompt of {in_len} tokens exceeds the engine's max_input_len {s.executor.max_input_len}")
     out_len = _scalar(get, "request_output_len", None, int)
@@ -180,7 +163,7 @@ def parse_request(get: Callable[[str], Optional[np.ndarray]], s: TwinSettings, d
         raise ValueError("request_output_len (max_tokens) is missing")
     if out_len < 1:
         raise ValueError(f"request_output_len (max_tokens) must be at least 1, got {out_len}")
-    if word_lists(get("bad_words_list")):
+    if request_checks.word_lists(get("bad_words_list"), "bad_words_list", vocab):
         raise ValueError("bad_words_list is not supported by the CPU twin (the TensorRT engine supports it)")
     end_id = _scalar(get, "end_id", s.default_end_id, int)
     if end_id is not None and end_id < 0:
@@ -190,10 +173,9 @@ def parse_request(get: Callable[[str], Optional[np.ndarray]], s: TwinSettings, d
     temperature = _scalar(get, "temperature", 1.0, float)
     top_k = _scalar(get, "runtime_top_k", 0, int)
     top_p = _scalar(get, "runtime_top_p", 0.0, float)
-    if top_k < 0 or not 0.0 <= top_p <= 1.0 or not temperature >= 0:
-        raise ValueError(f"bad sampling settings: temperature {temperature}, runtime_top_k {top_k}, runtime_top_p {top_p}")
-    greedy = top_k == 1 or (top_k == 0 and top_p == 0.0) or temperature == 0.0
     seed = _scalar(get, "seed", None, int)
+    request_checks.check_sampling(temperature, top_k, top_p, seed)
+    greedy = top_k == 1 or (top_k == 0 and top_p == 0.0) or temperature == 0.0
     sampling = SamplingParams(0.0, 0, 1.0, None) if greedy else SamplingParams(
         temperature, top_k, 1.0 if top_p == 0.0 else top_p, seed)
     streaming = _scalar(get, "streaming", False, bool) and not s.static_batching
@@ -206,7 +188,7 @@ def parse_request(get: Callable[[str], Optional[np.ndarray]], s: TwinSettings, d
         prompt=[int(t) for t in prompt],
         max_new_tokens=out_len,
         end_id=end_id,
-        stop_words=[w for w in word_lists(get("stop_words_list")) if w],
+        stop_words=[w for w in request_checks.word_lists(get("stop_words_list"), "stop_words_list", vocab) if w],
         sampling=sampling,
         streaming=streaming,
         exclude_input_from_output=s.static_batching or _scalar(get, "exclude_input_in_output", s.exclude_input_default, bool),

@@ -89,7 +89,10 @@ class Client:
         self._decoupled: dict[str, bool] = {}
 
     def close(self) -> None:
-        self.client.close()
+        try:
+            self.client.close()
+        except Exception:  # closing a connection to a dead server must not hide the error that ended the work
+            pass
 
     def __enter__(self) -> "Client":
         return self
@@ -165,11 +168,18 @@ class Client:
 
     def _stream(self, model: str, prompt: str, opts: GenerateOptions, stream: bool) -> Iterator[str]:
         results: queue.Queue = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: results.put((result, error)))
         try:
-            self.client.async_stream_infer(
-                model, _inputs(self.mod, prompt, opts, stream), enable_empty_final_response=True
-            )
+            self.client.start_stream(callback=lambda result, error: results.put((result, error)))
+        except Exception as exc:  # the server went away between calls
+            raise ServingError(f"{model}: {_message(exc)}") from None
+        finished = False
+        try:
+            try:
+                self.client.async_stream_infer(
+                    model, _inputs(self.mod, prompt, opts, stream), enable_empty_final_response=True
+                )
+            except Exception as exc:  # the stream broke before the request went out (server gone)
+                raise ServingError(f"{model}: {_message(exc)}") from None
             while True:
                 try:
                     result, error = results.get(timeout=STREAM_TIMEOUT_S)
@@ -184,9 +194,13 @@ class Client:
                     if piece:
                         yield piece
                 if final is not None and final.bool_param:
+                    finished = True
                     return
         finally:
-            self.client.stop_stream()
+            try:  # left early (caller stopped reading, error, timeout): cancel, never wait for a server that may not answer
+                self.client.stop_stream(cancel_requests=not finished)
+            except Exception:  # a broken stream: its error was raised above, do not replace it
+                pass
 
 
 def _message(exc: BaseException) -> str:

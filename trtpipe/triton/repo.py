@@ -169,7 +169,7 @@ def token_ids(tokenizer_dir: Path) -> TokenIds:
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)  # never run shipped code
     except Exception as exc:  # transformers raises many types; name the directory, keep one line
         why = " ".join(str(exc).split())[:300]
         raise ServingError(f"{tokenizer_dir}: cannot load the tokenizer ({type(exc).__name__}: {why})") from exc

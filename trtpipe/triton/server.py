@@ -11,8 +11,10 @@ prefix so that cleaning ``/dev/shm`` after a stop only touches our own regions.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -136,6 +138,19 @@ def endpoint_flags(bind: str, ports: Ports) -> list[str]:
     """The address and port flags of the one tritonserver that serves clients."""
     return [f"--{kind}-address={bind}" for kind in ("http", "grpc", "metrics")] + [
         f"--http-port={ports.http}", f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}"]
+
+
+def exposure_warning(bind: str) -> Optional[str]:
+    """A one-line warning when the endpoints are reachable from other hosts (tritonserver has no authentication)."""
+    if bind == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(bind).is_loopback:
+            return None
+    except ValueError:
+        pass
+    return (f"warning: serving on {bind}: the HTTP, gRPC and metrics endpoints accept requests from other hosts, "
+            "without authentication (default and recommended: 127.0.0.1 behind your own proxy)")
 
 
 def mpirun_command(
@@ -334,7 +349,7 @@ def start_server(
         use = ports or Ports(*free_ports(3, bind if bind != "0.0.0.0" else "127.0.0.1"))
         prefix = f"trtpipe{os.getpid()}_{use.grpc}_"
         cmd = server_command(root / "bin" / "tritonserver", root / "backends", repo, bind, use, prefix)
-        log.write_text(f"# {' '.join(cmd)}\n")
+        log.write_text(f"# {shlex.join(cmd)}\n")
         proc = _spawn(cmd, server_env(), log, cwd=log.parent)
         server = Server(proc.pid, str(repo), bind, use, str(log), prefix, _proc=proc)
         deadline = time.monotonic() + timeout
@@ -455,5 +470,19 @@ def serve_forever(server: Server) -> int:
         was_alive = server.alive()
         server.stop()
     if not was_alive:
-        raise ServingError(f"tritonserver exited; log {server.log}:\n{log_tail(Path(server.log))}")
+        raise ServingError(f"{exit_cause(server)}; log {server.log}:\n{log_tail(Path(server.log))}")
     return 0
+
+
+def exit_cause(server: Server) -> str:
+    """'tritonserver (pid N) was killed by SIGKILL' / 'exited with status 3' / 'exited' (status unknown)."""
+    code = server._proc.poll() if server._proc is not None else None
+    what = f"tritonserver (pid {server.pid})"
+    if code is None:
+        return f"{what} exited"
+    if code < 0:
+        try:
+            return f"{what} was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"{what} was killed by signal {-code}"
+    return f"{what} exited with status {code}"

@@ -29,7 +29,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("postprocessing: parameter tokenizer_dir is not set")
         if not os.path.isabs(tok_dir):
             tok_dir = os.path.join(args["model_repository"], tok_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(tok_dir, legacy=False, padding_side="left")
+        self.tokenizer = AutoTokenizer.from_pretrained(tok_dir, legacy=False, padding_side="left", trust_remote_code=False)
         self.skip_special_tokens = str(_param(params, "skip_special_tokens", "true")).lower() in _TRUE
 
     def execute(self, requests):

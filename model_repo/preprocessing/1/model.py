@@ -79,7 +79,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("preprocessing: parameter tokenizer_dir is not set")
         if not os.path.isabs(tok_dir):
             tok_dir = os.path.join(args["model_repository"], tok_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(tok_dir, legacy=False, padding_side="left")
+        self.tokenizer = AutoTokenizer.from_pretrained(tok_dir, legacy=False, padding_side="left", trust_remote_code=False)
         self.add_special_tokens = str(_param(params, "add_special_tokens", "true")).lower() in _TRUE
         eos = self.tokenizer.encode(self.tokenizer.eos_token, add_special_tokens=False) if self.tokenizer.eos_token else []
         end = _param(params, "end_id")
