@@ -137,7 +137,7 @@ def awq_bench(tmp: Path, samples: int, seq_len: int) -> dict:
     import modelopt.torch.quantization as mtq
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16, trust_remote_code=False).eval()
 
     def loop(m):
         with torch.no_grad():

@@ -167,7 +167,7 @@ def main() -> int:
     # Prefix reuse: one shared prefix of about --prefix-tokens tokens, then a short distinct question.
     from transformers import AutoTokenizer
 
-    tok, prng, prefix = AutoTokenizer.from_pretrained(STORIES), random.Random(1), ""
+    tok, prng, prefix = AutoTokenizer.from_pretrained(STORIES, trust_remote_code=False), random.Random(1), ""
     while len(tok(prefix).input_ids) < args.prefix_tokens:
         prefix = (prefix + " " + prng.choice(WORDS)).strip()
     print(f"shared prefix: {len(tok(prefix).input_ids)} tokens", flush=True)

@@ -378,13 +378,15 @@ class Executor:
     the last one has ``is_final``. ``QueueFullError`` is raised at once when the queue is full.
     """
 
-    def __init__(self, config: ExecutorConfig, engine: StepEngine, idle_wait_s: float = 0.05):
+    def __init__(self, config: ExecutorConfig, engine: StepEngine, idle_wait_s: float = 0.05,
+                 threads: Optional[int] = None):
         self._callbacks: dict[int, Callable[[Response], None]] = {}
         self._cb_lock = threading.Lock()
         self.core = ExecutorCore(config, engine, self._dispatch)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._idle_wait = idle_wait_s
+        self._threads = threads
         self._thread = threading.Thread(target=self._loop, name="trtpipe-executor", daemon=True)
         self._thread.start()
 
@@ -414,6 +416,10 @@ class Executor:
             cb(response)
 
     def _loop(self) -> None:
+        if self._threads:  # torch's intra-op thread count is per thread: set it where the steps run
+            import torch
+
+            torch.set_num_threads(self._threads)
         while not self._stop.is_set():
             busy = self.core.iterate()
             if not busy or self.core.stalled:

@@ -38,6 +38,13 @@ FINISH = {FinishReason.END_ID: "stop", FinishReason.STOP_WORDS: "stop", FinishRe
           FinishReason.TIMED_OUT: "length", FinishReason.CANCELLED: "stop"}
 
 
+def torch_threads() -> int:
+    """The intra-op thread count chosen in this thread (torch's setting is per thread; the executor's is its own)."""
+    import torch
+
+    return torch.get_num_threads()
+
+
 class BadRequest(Exception):
     """A request the server refuses with 400 and OpenAI's error body."""
 
@@ -77,7 +84,7 @@ class ServedModel:
         from trtpipe.serving.reference_engine import ReferenceEngine
 
         self.dir, self.name, self.created = Path(model_dir), name, int(time.time())
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.dir))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.dir), trust_remote_code=False)
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
         model = load_hf_checkpoint(self.dir)
@@ -88,7 +95,7 @@ class ServedModel:
         if gen.exists():
             eos = json.loads(gen.read_text()).get("eos_token_id")
             self.eos_id = eos[0] if isinstance(eos, list) else eos if eos is not None else self.eos_id
-        self.executor = Executor(self.config, ReferenceEngine(model))
+        self.executor = Executor(self.config, ReferenceEngine(model), threads=torch_threads())
 
     def shutdown(self) -> None:
         self.executor.shutdown()

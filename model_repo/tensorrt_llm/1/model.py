@@ -44,7 +44,7 @@ class TritonPythonModel:
             self.engine = start_leader(str(self.settings.engine_dir), run_dir)
         else:
             self.engine = ReferenceEngine(load_checkpoint(self.settings.engine_dir / "checkpoint", device="cpu"))
-        self.executor = Executor(self.settings.executor, self.engine)
+        self.executor = Executor(self.settings.executor, self.engine, threads=self.settings.cpu_threads)
         params = config.get("parameters", {})
         self.cancel_period = int(triton_twin.param(params, "cancellation_check_period_ms", "100")) / 1000
         self.stats_period = int(triton_twin.param(params, "stats_check_period_ms", "100")) / 1000

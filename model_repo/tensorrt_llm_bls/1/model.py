@@ -51,7 +51,7 @@ class TritonPythonModel:
         tok_dir = _param(params, "tokenizer_dir", "tokenizer")
         if not os.path.isabs(tok_dir):
             tok_dir = os.path.join(args["model_repository"], tok_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(tok_dir, legacy=False)
+        self.tokenizer = AutoTokenizer.from_pretrained(tok_dir, legacy=False, trust_remote_code=False)
         llm_cfg = os.path.join(os.path.dirname(args["model_repository"]), self.llm_name, "config.pbtxt")
         with open(llm_cfg) as fh:  # whether tensorrt_llm must be called as a decoupled model
             self.llm_decoupled = "decoupled: true" in fh.read()
