@@ -71,8 +71,12 @@ class TritonPythonModel:
             raise _Failed(resp.error().message())
         return resp
 
-    def _generate(self, request):
-        """Yield (new text, final) pairs for one request."""
+    def _generate(self, request, cancelled=lambda: False):
+        """Yield (new text, final, measurements) for one request; nothing more once ``cancelled()``.
+
+        After a client cancel the inner tensorrt_llm request is cancelled too and its remaining responses are
+        drained unread: a response nobody takes would hold up the model sending it.
+        """
         pre_inputs = []
         for name, target in _PRE.items():
             t = pb_utils.get_input_tensor_by_name(request, name)
@@ -94,8 +98,14 @@ class TritonPythonModel:
             outputs += list(_MEASURED)
         responses = (self._call(self.llm_name, llm_inputs, outputs, decoupled=True) if self.llm_decoupled
                      else [self._call(self.llm_name, llm_inputs, outputs)])
-        tokens, sent, measured = [], "", []
+        tokens, sent, measured, gone = [], "", [], False
         for resp in responses:
+            if not gone and cancelled():
+                gone = True
+                if hasattr(responses, "cancel"):
+                    responses.cancel()
+            if gone:
+                continue
             if resp.has_error():
                 raise _Failed(resp.error().message())
             got = [pb_utils.get_output_tensor_by_name(resp, n) for n in _MEASURED] if asked else []
@@ -113,6 +123,8 @@ class TritonPythonModel:
                 if len(text) > len(sent):
                     yield text[len(sent):], False, ()
                     sent = text
+        if gone:
+            return
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         yield (text[len(sent):] if text.startswith(sent) else text), True, measured
 
@@ -122,13 +134,13 @@ class TritonPythonModel:
             if sender is None:
                 parts = list(self._generate(request))
                 return self._text("".join(piece for piece, _, _ in parts), parts[-1][2])
-            for piece, final, measured in self._generate(request):
+            for piece, final, measured in self._generate(request, sender.is_cancelled):
                 if final and measured:
                     sender.send(self._text(piece, measured), flags=FINAL)
                     return None
                 if piece:
                     sender.send(self._text(piece))
-            sender.send(flags=FINAL)
+            sender.send(flags=FINAL)  # also what a cancelled request gets: the end of its stream
         except Exception as exc:  # noqa: BLE001 - every request ends with a final response, whatever failed
             message = str(exc) if isinstance(exc, _Failed) else f"tensorrt_llm_bls: {type(exc).__name__}: {exc}"
             err = pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
