@@ -196,3 +196,31 @@ def test_bls_returns_the_server_measurements_when_asked(server):
     assert last["num_output_tokens"] == 8
     assert 0 < last["arrival_time_ns"] <= last["first_scheduled_time_ns"] < last["first_token_time_ns"] <= last["last_token_time_ns"]
     assert all("arrival_time_ns" not in e for e in events[:-1])  # measurements come once, with the last response
+
+
+def test_cancelled_bls_streams_end_cleanly_and_the_server_keeps_serving(server, hf_greedy):
+    """A client that leaves BLS streams mid-way: the inner tensorrt_llm requests are cancelled and drained, their
+    blocks come back, and later requests are answered (an unread inner stream used to stall the server)."""
+    def text_input(prompt, max_tokens):
+        rows = [("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"),
+                ("max_tokens", np.array([[max_tokens]], np.int32), "INT32"), ("stream", np.array([[True]]), "BOOL"),
+                ("end_id", np.array([[-1]], np.int32), "INT32")]
+        out = []
+        for name, arr, tt in rows:
+            i = grpcclient.InferInput(name, list(arr.shape), tt)
+            i.set_data_from_numpy(arr)
+            out.append(i)
+        return out
+
+    for _ in range(3):
+        raw = grpcclient.InferenceServerClient(server.grpc_url)
+        pieces = threading.Semaphore(0)
+        raw.start_stream(callback=lambda result, error: pieces.release())
+        for k in range(6):
+            raw.async_stream_infer("tensorrt_llm_bls", text_input(PROMPTS[k % 4], 200), request_id=f"c{k}")
+        assert pieces.acquire(timeout=60)
+        raw.stop_stream(cancel_requests=True)
+        raw.close()
+    assert wait_for(server, ("nv_trt_llm_kv_cache_block_metrics", "used"), 0.0, timeout=30)
+    with Client(server.grpc_url) as c:
+        assert "".join(c.stream("Once upon a time", GenerateOptions(max_tokens=24))) == hf_greedy("Once upon a time", 24)[1]
