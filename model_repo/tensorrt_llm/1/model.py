@@ -7,6 +7,7 @@ every ``cancellation_check_period_ms``) and ``stop=true`` requests cancel at the
 Prometheus families are updated every ``stats_check_period_ms`` from the executor's last iteration record.
 """
 
+import os
 import queue
 import threading
 
@@ -29,10 +30,12 @@ class TritonPythonModel:
 
         from trtpipe.runtime import load_checkpoint
         from trtpipe.serving import triton_twin
+        from trtpipe.serving.api import FinishReason
         from trtpipe.serving.executor import Executor
         from trtpipe.serving.reference_engine import ReferenceEngine
 
         self.twin = triton_twin
+        self.cancelled_reason = FinishReason.CANCELLED
         config = json.loads(args["model_config"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.settings = triton_twin.settings_from_model_config(config, args["model_repository"])
@@ -51,6 +54,7 @@ class TritonPythonModel:
         self.live = {}  # executor id -> (response sender, Triton request id)
         self.lock = threading.Lock()
         self.stopping = threading.Event()
+        self.parent = os.getppid()
         self._metrics(args)
         self.outbox = queue.SimpleQueue()
         self.threads = [threading.Thread(target=f, daemon=True)
@@ -95,6 +99,8 @@ class TritonPythonModel:
     # ---- requests --------------------------------------------------------------------------------
     def _watch_cancellation(self):
         while not self.stopping.wait(self.cancel_period):
+            if os.getppid() != self.parent:  # tritonserver died (kill -9): end with it, mid-step or not
+                os._exit(1)
             # Under the lock: a request leaves ``live`` (under the lock) before its final response is sent, and
             # asking a finished request's sender would touch a response factory the server already freed.
             with self.lock:
@@ -119,13 +125,20 @@ class TritonPythonModel:
             if item is None:
                 return
             respond, resp = item
-            respond(resp)
+            try:
+                respond(resp)
+            except Exception as exc:  # one undeliverable response must not stop everyone's
+                pb_utils.Logger.log_error(f"tensorrt_llm twin: response {resp.request_id} not delivered: {exc}")
 
     def _submit(self, request, parsed, deliver):
         def respond(resp):
             if resp.is_final:
                 with self.lock:
-                    self.live.pop(resp.request_id, None)
+                    entry = self.live.pop(resp.request_id, None)
+                # A request its client cancelled gets nothing more: a send to a cancelled request never returns
+                # on this python backend and holds one of the server's stub-message threads for good.
+                if entry is not None and resp.finish_reason == self.cancelled_reason and entry[0].is_cancelled():
+                    return
             if resp.has_error:
                 deliver(_error(f"Executor failed process requestId {resp.request_id} due to the following error: {resp.error}"), True)
                 return

@@ -140,7 +140,11 @@ class TritonPythonModel:
                     return None
                 if piece:
                     sender.send(self._text(piece))
-            sender.send(flags=FINAL)  # also what a cancelled request gets: the end of its stream
+            if sender.is_cancelled():
+                # Nothing more goes to a stream the client cancelled: on this python backend a send to a cancelled
+                # gRPC stream never returns and holds one of the server's stub-message threads for good.
+                return None
+            sender.send(flags=FINAL)
         except Exception as exc:  # noqa: BLE001 - every request ends with a final response, whatever failed
             message = str(exc) if isinstance(exc, _Failed) else f"tensorrt_llm_bls: {type(exc).__name__}: {exc}"
             err = pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
