@@ -10,7 +10,8 @@ from trtpipe.recipe.rules import load_model_info
 
 from recipe_helpers import RECIPES, run_cli
 
-EXAMPLES = sorted(RECIPES.rglob("*.yaml"))
+# example recipes, not what builds write under a recipe's work dir (e.g. an llmapi build's YAML)
+EXAMPLES = sorted(p for p in RECIPES.rglob("*.yaml") if "work" not in p.relative_to(RECIPES).parts)
 REQUIRED = {
     "llama70b-fp8", "llama3-8b-int4-awq", "llama2-13b-int8-sq", "mixtral-8x7b-fp8",
     "stories-fp16", "stories-fp8", "stories-int8-sq", "stories-int4-awq", "stories-tp2",
