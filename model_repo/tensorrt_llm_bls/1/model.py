@@ -8,6 +8,7 @@ half UTF-8 characters (a trailing U+FFFD is held back until the next token compl
 import json
 import os
 import threading
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -52,9 +53,18 @@ class TritonPythonModel:
         if not os.path.isabs(tok_dir):
             tok_dir = os.path.join(args["model_repository"], tok_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(tok_dir, legacy=False, trust_remote_code=False)
+        self.parent = os.getppid()
+        threading.Thread(target=self._exit_with_parent, daemon=True).start()
         llm_cfg = os.path.join(os.path.dirname(args["model_repository"]), self.llm_name, "config.pbtxt")
         with open(llm_cfg) as fh:  # whether tensorrt_llm must be called as a decoupled model
             self.llm_decoupled = "decoupled: true" in fh.read()
+
+    def _exit_with_parent(self):
+        """Request threads may wait on tensorrt_llm forever once tritonserver is gone (kill -9): end with it."""
+        while True:
+            time.sleep(0.2)
+            if os.getppid() != self.parent:
+                os._exit(1)
 
     def _text(self, text, measured=()):
         return pb_utils.InferenceResponse(
