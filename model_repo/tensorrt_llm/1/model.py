@@ -57,8 +57,8 @@ class TritonPythonModel:
         self.parent = os.getppid()
         self._metrics(args)
         self.outbox = queue.SimpleQueue()
-        self.threads = [threading.Thread(target=f, daemon=True)
-                        for f in (self._watch_cancellation, self._report_stats, self._send_responses)]
+        self.threads = [threading.Thread(target=f, daemon=True) for f in
+                        (self._watch_cancellation, self._report_stats, self._send_responses, self._exit_with_parent)]
         for t in self.threads:
             t.start()
 
@@ -97,10 +97,14 @@ class TritonPythonModel:
                 self.histograms["nv_llm_output_token_len"].observe(n_out)
 
     # ---- requests --------------------------------------------------------------------------------
+    def _exit_with_parent(self):
+        """tritonserver died (kill -9): end with it. Its own thread, since a call into the dead server never returns."""
+        while not self.stopping.wait(0.2):
+            if os.getppid() != self.parent:
+                os._exit(1)
+
     def _watch_cancellation(self):
         while not self.stopping.wait(self.cancel_period):
-            if os.getppid() != self.parent:  # tritonserver died (kill -9): end with it, mid-step or not
-                os._exit(1)
             # Under the lock: a request leaves ``live`` (under the lock) before its final response is sent, and
             # asking a finished request's sender would touch a response factory the server already freed.
             with self.lock:
