@@ -52,6 +52,19 @@ def _hits_stop(tokens: list[int], stop_words: Optional[Sequence[Sequence[int]]])
     return bool(stop_words) and any(w and tokens[-len(w):] == list(w) for w in stop_words)
 
 
+def accept_step(tokens: dict, outputs: list, done: list, new: list, ends: list, stops: list,
+                max_new_tokens: int) -> None:
+    """One step's sampled token per sequence: an end id ends it (not kept), a stop word ends it (kept), or length."""
+    for i, tok in tokens.items():
+        if ends[i] is not None and tok == ends[i]:
+            done[i] = True
+            continue
+        outputs[i].append(tok)
+        new[i] = [tok]
+        if len(outputs[i]) >= max_new_tokens or _hits_stop(outputs[i], stops[i]):
+            done[i] = True
+
+
 @torch.no_grad()
 def generate(model: ReferenceModel, prompts: list[list[int]], max_new_tokens: int, end_ids=None,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
@@ -105,15 +118,8 @@ def generate(model: ReferenceModel, prompts: list[list[int]], max_new_tokens: in
                 logits.append(model(ids, caches[i], lengths[i])[0, -1])  # [V]
                 lengths[i] += 1
         new: list = [None] * n
-        for i, row_logits in zip(rows, logits):
-            tok = sample(row_logits, temperature, top_k, top_p, gens[i])
-            if ends[i] is not None and tok == ends[i]:
-                done[i] = True
-                continue
-            outputs[i].append(tok)
-            new[i] = [tok]
-            if len(outputs[i]) >= max_new_tokens or _hits_stop(outputs[i], stops[i]):
-                done[i] = True
+        tokens = {i: sample(row_logits, temperature, top_k, top_p, gens[i]) for i, row_logits in zip(rows, logits)}
+        accept_step(tokens, outputs, done, new, ends, stops, max_new_tokens)
         if on_step is not None:
             on_step(new)
     return outputs

@@ -115,7 +115,7 @@ def generate_steps(engine, prompts: list[list[int]], max_new_tokens: int, end_id
     every step decodes all unfinished sequences. Each sequence gets contiguous blocks of a pool allocated for
     this call. (A static batch: the in-flight executor replaces this for serving.)
     """
-    from trtpipe.runtime.generate import _hits_stop, _per_sequence
+    from trtpipe.runtime.generate import _per_sequence, accept_step
 
     n = len(prompts)
     ends, stops = _per_sequence(end_ids, n, 0), _per_sequence(stop_words, n, 1)
@@ -136,15 +136,7 @@ def generate_steps(engine, prompts: list[list[int]], max_new_tokens: int, end_id
                              params, gens[i]) for i in rows]
         got = engine.step(StepBatch(it, entries)).tokens
         new: list = [None] * n
-        for i in rows:
-            tok = got[i]
-            if ends[i] is not None and tok == ends[i]:
-                done[i] = True
-                continue
-            outputs[i].append(tok)
-            new[i] = [tok]
-            if len(outputs[i]) >= max_new_tokens or _hits_stop(outputs[i], stops[i]):
-                done[i] = True
+        accept_step({i: got[i] for i in rows}, outputs, done, new, ends, stops, max_new_tokens)
         if on_step is not None:
             on_step(new)
     return outputs
