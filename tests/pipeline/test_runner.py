@@ -189,6 +189,25 @@ def test_a_python_bug_in_a_stage_is_also_a_stage_error(make_recipe, monkeypatch)
     assert list((path.parent / "work" / "artifacts" / "source").iterdir()) == []
 
 
+def test_ctrl_c_inside_begin_leaves_no_temporary_folder(make_recipe, monkeypatch):
+    """The signal can land after begin()'s mkdir and before the runner holds the path (seen under load)."""
+    from trtpipe.pipeline.cache import ArtifactStore
+
+    path = make_recipe()
+    real_begin = ArtifactStore.begin
+
+    def begin_then_interrupted(self, stage, key):
+        real_begin(self, stage, key)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ArtifactStore, "begin", begin_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build(path)
+    assert leftovers(path.parent / "work") == []
+    manifest = load_manifest(path.parent / "work" / "manifest.json")
+    assert manifest["status"] == "interrupted"
+
+
 @pytest.mark.parametrize("damage", ["no marker", "truncated file", "marker of another key", "garbage marker"])
 def test_half_written_or_damaged_artifact_is_never_reused(make_recipe, damage):
     path = make_recipe()

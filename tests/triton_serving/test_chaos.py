@@ -27,9 +27,6 @@ from trtpipe.triton.client import Client, GenerateOptions
 from trtpipe.triton.repo import write_repo
 from trtpipe.triton.server import SHM_DIR
 
-# Out of the default run for now (``pytest -m chaos tests/triton_serving/test_chaos.py`` runs them): since the
-# twin became a threaded executor, a kill -9 of tritonserver can leave its tensorrt_llm stub running (its parent
-# watchdog thread was seen waiting, cause not found), and the disk-full case then leaves a .tmp- folder. Open work.
 pytestmark = [pytest.mark.triton, pytest.mark.slow, pytest.mark.chaos]
 
 PROMPTS = ["Once upon a time", "Lily wanted to", "The cat", "One day, a little boy"]
@@ -224,7 +221,7 @@ def _build(recipe: Path, limit_bytes: int | None = None, signal_at: str | None =
 
 def _no_partial_folders(work: Path) -> None:
     hidden = [p for p in (work / "artifacts").glob("*/.*")]
-    assert not hidden, hidden
+    assert not hidden, [(p, sorted(q.relative_to(p).as_posix() for q in p.rglob("*"))) for p in hidden]
 
 
 def test_build_interrupted_or_out_of_space_then_resumed_gives_identical_artifacts(stories_dir, tmp_path):

@@ -214,6 +214,12 @@ class ArtifactStore:
     def discard(tmp: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
+    def discard_mine(self, stage: str, key: str) -> None:
+        """Remove every temporary folder this process began for (stage, key): a Ctrl-C can land inside
+        :meth:`begin`, after the mkdir and before the caller holds the path."""
+        for tmp in (self.root / stage).glob(f"{TMP_PREFIX}{key}-{os.getpid()}-*"):
+            _remove(tmp)
+
     def clean_stale(self) -> list[str]:
         """Delete leftovers of killed builds; put back an old artifact a crash left renamed aside.
 

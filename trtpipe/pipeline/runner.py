@@ -245,13 +245,13 @@ class _Build:
         """Run one stage into a temporary folder and seal it; return its manifest entry."""
         entry = {"log": _rel(self.logs.stage_log(plan.name), self.store.work_dir)}
         self.report.line(plan.name, f"running (key {plan.key}) ...")
-        tmp = self.store.begin(plan.name, plan.key)
         started = time.perf_counter()
         try:
+            tmp = self.store.begin(plan.name, plan.key)
             with PeakRss() as peak, self.logs.capture_stage(plan.name) as log:
                 marker, error = self._run_and_seal(plan, tmp, inputs, log)
-        except BaseException:  # interrupted (Ctrl-C): leave nothing that could be mistaken for output
-            self.store.discard(tmp)
+        except BaseException:  # interrupted (Ctrl-C), even inside begin(): leave nothing that looks like output
+            self.store.discard_mine(plan.name, plan.key)
             raise
         entry.update(
             wall_s=round(time.perf_counter() - started, 3),

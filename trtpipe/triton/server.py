@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from trtpipe.errors import ServingError
+from trtpipe.triton import stub_watchdog
 
 SHM_DIR = Path("/dev/shm")
 READY_TIMEOUT_S = 180.0
@@ -92,6 +93,7 @@ def server_env(base: Optional[dict] = None) -> dict:
     env["LD_LIBRARY_PATH"] = ":".join(p for p in libs if p)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "/usr/bin:/bin")])
     env.setdefault("OMP_NUM_THREADS", "1")
+    env[stub_watchdog.PYTHON_ENV] = sys.executable  # the stubs' watchdogs run on this interpreter
     return env
 
 

@@ -33,7 +33,12 @@ class TritonPythonModel:
         from trtpipe.serving.api import FinishReason
         from trtpipe.serving.executor import Executor
         from trtpipe.serving.reference_engine import ReferenceEngine
+        from trtpipe.triton import stub_watchdog
 
+        # A send to a dead tritonserver blocks holding the GIL: only another process can end this stub then.
+        if stub_watchdog.start() is None:
+            pb_utils.Logger.log_warn("tensorrt_llm twin: no python3 for the stub watchdog; a kill -9 of "
+                                     "tritonserver can leave this stub running")
         self.twin = triton_twin
         self.cancelled_reason = FinishReason.CANCELLED
         config = json.loads(args["model_config"])
@@ -54,11 +59,10 @@ class TritonPythonModel:
         self.live = {}  # executor id -> (response sender, Triton request id)
         self.lock = threading.Lock()
         self.stopping = threading.Event()
-        self.parent = os.getppid()
         self._metrics(args)
         self.outbox = queue.SimpleQueue()
         self.threads = [threading.Thread(target=f, daemon=True) for f in
-                        (self._watch_cancellation, self._report_stats, self._send_responses, self._exit_with_parent)]
+                        (self._watch_cancellation, self._report_stats, self._send_responses)]
         for t in self.threads:
             t.start()
 
@@ -97,12 +101,6 @@ class TritonPythonModel:
                 self.histograms["nv_llm_output_token_len"].observe(n_out)
 
     # ---- requests --------------------------------------------------------------------------------
-    def _exit_with_parent(self):
-        """tritonserver died (kill -9): end with it. Its own thread, since a call into the dead server never returns."""
-        while not self.stopping.wait(0.2):
-            if os.getppid() != self.parent:
-                os._exit(1)
-
     def _watch_cancellation(self):
         while not self.stopping.wait(self.cancel_period):
             # Under the lock: a request leaves ``live`` (under the lock) before its final response is sent, and

@@ -36,6 +36,28 @@ def _param(params, key, default=None):
     return default if value == "" or value.startswith("${") else value
 
 
+def _start_watchdog():
+    """End this stub if tritonserver dies (kill -9): its request threads could wait on tensorrt_llm forever.
+
+    Under ``trtpipe serve`` a watchdog process does it (a blocked send can hold the GIL, so a thread cannot
+    be relied on); where trtpipe is not installed (a stock Triton image), a thread that checks the parent."""
+    try:
+        from trtpipe.triton import stub_watchdog
+    except ImportError:
+        stub_watchdog = None
+    if stub_watchdog is not None and stub_watchdog.start() is not None:
+        return
+    parent = os.getppid()
+
+    def exit_with_parent():
+        while True:
+            time.sleep(0.2)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=exit_with_parent, daemon=True).start()
+
+
 class _Failed(Exception):
     pass
 
@@ -53,18 +75,10 @@ class TritonPythonModel:
         if not os.path.isabs(tok_dir):
             tok_dir = os.path.join(args["model_repository"], tok_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(tok_dir, legacy=False, trust_remote_code=False)
-        self.parent = os.getppid()
-        threading.Thread(target=self._exit_with_parent, daemon=True).start()
+        _start_watchdog()
         llm_cfg = os.path.join(os.path.dirname(args["model_repository"]), self.llm_name, "config.pbtxt")
         with open(llm_cfg) as fh:  # whether tensorrt_llm must be called as a decoupled model
             self.llm_decoupled = "decoupled: true" in fh.read()
-
-    def _exit_with_parent(self):
-        """Request threads may wait on tensorrt_llm forever once tritonserver is gone (kill -9): end with it."""
-        while True:
-            time.sleep(0.2)
-            if os.getppid() != self.parent:
-                os._exit(1)
 
     def _text(self, text, measured=()):
         return pb_utils.InferenceResponse(
