@@ -32,6 +32,9 @@ def prompt(rng: random.Random) -> str:
     return " ".join(WORDS[(start + i) % len(WORDS)] for i in range(n))
 
 
+INSTANCE = ("_0_0", "_0_1", "_0_2", "_0_3")  # a stub's model instance name ends its command line
+
+
 def processes(server_pid: int) -> dict[str, psutil.Process]:
     """tritonserver and its descendants, named by role (stub: its model instance)."""
     root = psutil.Process(server_pid)
@@ -41,7 +44,14 @@ def processes(server_pid: int) -> dict[str, psutil.Process]:
             cmd = p.cmdline()
         except psutil.Error:
             continue
-        name = next((c for c in cmd if c.endswith(("_0_0", "_0_1", "_0_2", "_0_3"))), p.name())
+        if "trtpipe.triton.stub_watchdog" in cmd:  # a stub's watchdog process: named after its stub
+            try:
+                stub = next(c for c in psutil.Process(p.ppid()).cmdline() if c.endswith(INSTANCE))
+            except (psutil.Error, StopIteration):
+                stub = str(p.ppid())
+            out[f"watchdog of {stub}"] = p
+            continue
+        name = next((c for c in cmd if c.endswith(INSTANCE)), p.name())
         out[name] = p
     return out
 

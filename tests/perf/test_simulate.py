@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from trtpipe.engine.gpus import get_gpu
@@ -60,6 +62,25 @@ def test_closed_loop_next_request_arrives_when_the_final_response_is_sent():
     r = closed_loop(cfg(max_batch=1), fixed_engine(), concurrency=2, n=3, isl=4, osl=2)
     assert sorted(r.ttft) == pytest.approx([STEP, 3 * STEP, 3 * STEP])
     assert r.makespan_s == pytest.approx(6 * STEP)
+
+
+def test_closed_loop_client_gap_delays_the_next_arrival_not_the_first_token():
+    # one client, 5 ms outside the executor between a final response and the next request's arrival:
+    # each request still takes 20 ms inside (TTFT 10 ms, from its arrival), the run gains 2 gaps
+    r = closed_loop(cfg(), fixed_engine(), concurrency=1, n=3, isl=4, osl=2, client_gap_s=0.005)
+    assert list(r.ttft) == pytest.approx([STEP] * 3)
+    assert r.steps == 6
+    assert r.makespan_s == pytest.approx(6 * STEP + 2 * 0.005)
+
+
+def test_simulated_prompts_share_no_prefix_even_with_kv_reuse_on():
+    # benchmark prompts are distinct: with reuse enabled every request still computes its whole prompt
+    seen = []
+    engine = CostModelEngine(step_cost=lambda b: (seen.append(sum(len(e.tokens) for e in b.entries)) or STEP, "fixed"))
+    config = dataclasses.replace(executor_config(1, 256, 256, 256, kv_tokens=4096, tokens_per_block=16),
+                                 enable_kv_cache_reuse=True)
+    closed_loop(config, engine, concurrency=1, n=3, isl=64, osl=2)
+    assert seen == [64, 1, 64, 1, 64, 1]
 
 
 def test_poisson_arrivals_far_apart_never_queue():

@@ -226,3 +226,25 @@ def test_a_failed_step_fails_the_active_requests_and_the_executor_goes_on(model_
     later = core.submit(Request([1, 403, 407], 10, exclude_input_from_output=True))
     core.run_until_idle()
     assert not got[later].has_error and len(got[later].tokens) == 10
+
+
+def test_iteration_log_writes_each_step_once_with_what_it_computed(model_tp1, tmp_path):
+    """``TRTPIPE_ITER_STATS``: one JSON line per step (TensorRT-LLM's IterationStats names), none twice."""
+    import json
+
+    from trtpipe.serving.triton_twin import IterationLog
+
+    prompts, _ = _workload(3, seed=5)
+    log = IterationLog(str(tmp_path / "iters.jsonl"))
+    _, core = _serve(model_tp1, _config(), prompts, [6, 3, 5], stagger=2)
+    assert log.write_new(core.iterations) == len(core.iterations) > 0
+    assert log.write_new(core.iterations) == 0
+    log.close()
+    lines = [json.loads(line) for line in (tmp_path / "iters.jsonl").read_text().splitlines()]
+    assert [r["iter"] for r in lines] == [s.iteration for s in core.iterations]
+    first = lines[0]["inflightBatchingStats"]
+    assert first["numContextRequests"] == 1 and first["numCtxTokens"] == len(prompts[0])
+    assert lines[0]["numAttendedTokens"] == len(prompts[0])  # a lone context attends to its own prompt
+    # a generation row attends to everything before it, plus the token it writes
+    solo = [s for s in core.iterations if s.num_generation_requests == 1 and not s.num_context_requests]
+    assert solo and all(s.num_attended_tokens > len(min(prompts, key=len)) for s in solo)

@@ -112,7 +112,9 @@ class _Driver:
         self.slots_full = self.stalled = self.turns = 0
 
     def submit(self, isl: int, osl: int, at_ns: Optional[int] = None) -> int:
-        req = Request(prompt=[TOKEN + 1] * isl, max_new_tokens=osl, return_perf_metrics=True)
+        # a distinct first token per request: benchmark prompts share no prefix, so KV reuse must not find one
+        req = Request(prompt=[TOKEN + 1 + len(self.arrival)] + [TOKEN + 1] * (isl - 1), max_new_tokens=osl,
+                      return_perf_metrics=True)
         rid = self.core.submit(req)
         self.arrival[rid] = self.clock.now_ns() if at_ns is None else at_ns
         return rid
@@ -165,26 +167,30 @@ def max_load(config: ExecutorConfig, engine: CostModelEngine, n: int, isl: int, 
 
 
 def closed_loop(config: ExecutorConfig, engine: CostModelEngine, concurrency: int, n: int, isl: int,
-                osl: int) -> SimResult:
-    """``concurrency`` clients; each submits its next request as soon as its previous one's final response is
-    sent (that is its arrival time: the executor admits it at the next loop turn, as a real one would), n in all."""
+                osl: int, client_gap_s: float = 0.0) -> SimResult:
+    """``concurrency`` clients, n requests in all; each sends its next request when its previous one's final
+    response leaves the executor, and it arrives ``client_gap_s`` later (the path outside the executor: network,
+    tokenization, detokenization; 0 for clients in the executor's process). Arrivals join at the next loop turn."""
     d = _Driver(config, engine)
-    sent = 0
+    gap_ns = int(client_gap_s * 1e9)
+    on_the_way: list[int] = []  # arrival times of sent requests not yet at the executor
+    sent = seen = 0
     for _ in range(min(concurrency, n)):
         d.submit(isl, osl)
         sent += 1
-    seen = 0
     while True:
+        while on_the_way and on_the_way[0] <= d.clock.now_ns():
+            d.submit(isl, osl, heapq.heappop(on_the_way))
         more = d.turn()
-        submitted = False
-        while seen < len(d.finals) and sent < n:
-            d.submit(isl, osl, d.final_at[seen])
+        while seen < len(d.final_at) and sent < n:
+            heapq.heappush(on_the_way, d.final_at[seen] + gap_ns)
             seen += 1
             sent += 1
-            submitted = True
-        seen = len(d.finals)
-        if not more and not submitted:
-            break
+        seen = len(d.final_at)
+        if not more:
+            if not on_the_way:
+                break
+            d.clock.advance(max(0, on_the_way[0] - d.clock.now_ns()) / 1e9)  # idle until the next arrival
     return d.result()
 
 

@@ -71,6 +71,7 @@ class IterationStats:
     num_paused: int
     step_time_s: float
     kv: KVStats
+    num_attended_tokens: int = 0  # KV positions the step's attention read (context and generation rows)
 
     @property
     def num_waiting(self) -> int:
@@ -368,7 +369,8 @@ class ExecutorCore:
             num_scheduled=len(batch.entries) if scheduled is None else scheduled,
             num_context_requests=sum(1 for e in batch.entries if e.is_context),
             num_context_tokens=batch.num_context_tokens, num_generation_requests=batch.num_generation_requests,
-            num_paused=paused, step_time_s=elapsed, kv=self.pool.stats()))
+            num_paused=paused, step_time_s=elapsed, kv=self.pool.stats(),
+            num_attended_tokens=sum(e.start_pos + len(e.tokens) for e in batch.entries)))
 
 
 class Executor:

@@ -232,6 +232,52 @@ HISTOGRAMS = {
 TOKEN_BUCKETS = [10, 50, 100, 500, 1000]
 
 
+ITER_STATS_ENV = "TRTPIPE_ITER_STATS"  # a file: the twin appends one JSON line per executor iteration
+
+
+def iteration_record(stats: IterationStats) -> dict:
+    """One iteration as TensorRT-LLM's executor serializes ``IterationStats`` (its JSON field names), plus the
+    twin's ``numAttendedTokens``: what a step-cost model of the twin is fitted on."""
+    kv = stats.kv
+    return {
+        "iter": stats.iteration,
+        "timestamp": stats.timestamp_ns,  # the executor clock (monotonic ns): differences only
+        "iterLatencyMS": stats.step_time_s * 1e3,
+        "numActiveRequests": stats.num_active,
+        "numQueuedRequests": stats.num_queued,
+        "maxNumActiveRequests": stats.max_active,
+        "kvCacheStats": {"maxNumBlocks": kv.max_blocks, "freeNumBlocks": kv.free_blocks,
+                         "usedNumBlocks": kv.used_blocks, "tokensPerBlock": kv.tokens_per_block,
+                         "reusedBlocks": kv.reused_blocks},
+        "inflightBatchingStats": {"numScheduledRequests": stats.num_scheduled,
+                                  "numContextRequests": stats.num_context_requests,
+                                  "numGenRequests": stats.num_generation_requests,
+                                  "numPausedRequests": stats.num_paused, "numCtxTokens": stats.num_context_tokens,
+                                  "microBatchId": 0},
+        "numAttendedTokens": stats.num_attended_tokens,
+    }
+
+
+class IterationLog:
+    """Appends the executor's new iteration records to a JSON-lines file (``TRTPIPE_ITER_STATS``)."""
+
+    def __init__(self, path: str):
+        self.fh = open(path, "a", buffering=1)
+        self.last = -1
+
+    def write_new(self, history) -> int:
+        """Write the records of ``history`` (the executor's bounded deque) newer than the last call's."""
+        records = [r for r in list(history) if r.iteration > self.last]  # list(): one atomic copy
+        for r in records:
+            self.fh.write(json.dumps(iteration_record(r)) + "\n")
+        if records:
+            self.last = records[-1].iteration
+        return len(records)
+
+    def close(self) -> None:
+        self.fh.close()
+
+
 def gauge_values(stats: IterationStats) -> dict[tuple[str, str], float]:
     """(family, category label value) -> value, from the last iteration record."""
     kv = stats.kv

@@ -89,7 +89,11 @@ class TritonPythonModel:
                               self.executor.core.pool.stats())
 
     def _report_stats(self):
+        path = os.environ.get(self.twin.ITER_STATS_ENV)
+        log = self.twin.IterationLog(path) if path else None
         while not self.stopping.wait(self.stats_period):
+            if log is not None:
+                log.write_new(self.executor.core.iterations)
             stats = self.executor.stats()
             if stats is not None:
                 for key, value in self.twin.gauge_values(stats).items():

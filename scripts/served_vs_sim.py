@@ -1,0 +1,181 @@
+#!/usr/bin/env python
+"""The simulator against the served twin, end to end: fit on one workload, predict another, measure with the bench.
+
+    python scripts/served_vs_sim.py [--recipe recipes/stories-fp16.yaml] [--work DIR] [--concurrency 1,2,4,8,16]
+
+1. Build the recipe (streaming, 16 batch slots) and serve it detached on the CPU twin, with the twin writing one
+   JSON line per executor iteration (``TRTPIPE_ITER_STATS``: TensorRT-LLM's IterationStats fields).
+2. Calibrate with ``trtpipe bench`` on workloads that are NOT the one evaluated (other prompt/output lengths and
+   concurrencies). From the served twin's own iteration records, fit the step cost by robust least squares:
+   ``t = a + b x generating requests + c x context tokens + d x context requests + e x attended KV tokens``, and
+   the host time between consecutive steps. From the bench's server split (client TTFT minus the executor's
+   TTFT: gRPC/HTTP, BLS, tokenizer, detokenizer), fit the time outside the executor as ``f0 + f1 x concurrency``
+   (those processes share the CPU with the executor, so it grows with load).
+3. Evaluate: ``trtpipe bench`` at each concurrency on the evaluation workload, and the same closed loop in the
+   simulator (the serving ``ExecutorCore`` in simulated time, with the served repository's executor limits and
+   the fitted costs). Prints measured vs simulated TTFT, ITL and output tok/s, and the ratios.
+
+Numbers are this machine's, measured in this run. Not a test (timing); see README "Performance model".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from trtpipe.perf.simulate import CostModelEngine, closed_loop
+from trtpipe.serving import triton_twin
+from trtpipe.serving.api import StepBatch
+from trtpipe.triton.serve import one_detached
+
+ROOT = Path(__file__).resolve().parent.parent
+# (concurrency list, isl, osl): calibration workloads, disjoint from the evaluation's lengths
+CALIBRATION = (("2,6,12", 32, 96), ("3,10", 160, 24), ("1,16", 96, 40))
+
+
+def features(ctx_tokens: float, gen: float, ctx_requests: float, attended: float) -> list[float]:
+    return [1.0, gen, ctx_tokens, ctx_requests, attended]
+
+
+def batch_features(batch: StepBatch) -> list[float]:
+    ctx = [e for e in batch.entries if e.is_context]
+    return features(sum(len(e.tokens) for e in ctx), len(batch.entries) - len(ctx), len(ctx),
+                    sum(e.start_pos + len(e.tokens) for e in batch.entries))
+
+
+def record_features(r: dict) -> list[float]:
+    b = r["inflightBatchingStats"]
+    return features(b["numCtxTokens"], b["numGenRequests"], b["numContextRequests"], r["numAttendedTokens"])
+
+
+def huber_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with Huber weights (a shared machine adds rare stalls that plain LS spreads everywhere)."""
+    w = np.ones_like(y)
+    for _ in range(30):
+        coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+        r = y - x @ coef
+        sigma = 1.4826 * np.median(np.abs(r - np.median(r))) + 1e-12
+        w = np.sqrt(np.minimum(1.0, 1.345 * sigma / np.maximum(np.abs(r), 1e-12)))
+    return np.maximum(coef, 0.0)
+
+
+def fit_steps(records: list[dict]) -> tuple[np.ndarray, float]:
+    steps = [r for r in records if r["iterLatencyMS"] > 0]
+    x = np.array([record_features(r) for r in steps])
+    y = np.array([r["iterLatencyMS"] / 1e3 for r in steps])
+    coef = huber_fit(x, y)
+    err = np.abs(x @ coef / y - 1)
+    # host time between consecutive steps of a busy executor (loop, scheduling, handing responses over)
+    gaps = [(b["timestamp"] - a["timestamp"]) / 1e9 - b["iterLatencyMS"] / 1e3 for a, b in zip(steps, steps[1:])
+            if b["iter"] == a["iter"] + 1 and a["numActiveRequests"] > 0]
+    host = float(np.median(gaps))
+    print(f"step cost: {len(y)} served steps, fit median |err| {np.median(err):.1%} p90 {np.percentile(err, 90):.1%};"
+          f" base {coef[0] * 1e3:.3f} ms, per generating request {coef[1] * 1e6:.1f} us, per context token "
+          f"{coef[2] * 1e6:.2f} us, per context request {coef[3] * 1e6:.1f} us, per attended token "
+          f"{coef[4] * 1e9:.1f} ns; host between steps {host * 1e3:.3f} ms (median of {len(gaps)})")
+    return coef, host
+
+
+def cli(*args: str, env: dict | None = None, capture: bool = False) -> str:
+    res = subprocess.run([sys.executable, "-m", "trtpipe.cli", *args], env=env, text=True,
+                         stdout=subprocess.PIPE if capture else None)
+    if res.returncode != 0:
+        raise SystemExit(f"trtpipe {' '.join(args)}: exit {res.returncode}")
+    return res.stdout or ""
+
+
+def bench(recipe: str, sets: list[str], out: Path, conc: str, isl: int, osl: int, n: int) -> list[dict]:
+    cli("bench", "run", recipe, *sets, "-c", conc, "--isl", str(isl), "--osl", str(osl), "-n", str(n),
+        "--out", str(out), capture=True)
+    return [json.loads(p.read_text()) for p in sorted(out.rglob("result.json"))]
+
+
+def point(doc: dict) -> dict:
+    m = doc["metrics"]
+    return {"c": doc["load"]["concurrency"], "ttft_p50": m["ttft"]["p50"] / 1e3, "ttft_avg": m["ttft"]["avg"] / 1e3,
+            "itl_p50": m["itl"]["p50"] / 1e3, "itl_avg": m["itl"]["avg"] / 1e3,
+            "tok_s": m["output_token_throughput"]["value"],
+            "outside_p50": doc["server_split"]["outside_executor"]["p50"] / 1e3}
+
+
+def executor_settings(http_url: str, repo: Path):
+    with urllib.request.urlopen(f"{http_url}/v2/models/tensorrt_llm/config", timeout=10) as fh:
+        return triton_twin.settings_from_model_config(json.load(fh), str(repo / "tensorrt_llm")).executor  # as the stub sees it
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    ap.add_argument("--recipe", default=str(ROOT / "recipes" / "stories-fp16.yaml"))
+    ap.add_argument("--work", type=Path, default=Path("/tmp/trtpipe-served-vs-sim"))
+    ap.add_argument("--concurrency", default="1,2,4,8,16")
+    ap.add_argument("--isl", type=int, default=64)
+    ap.add_argument("--osl", type=int, default=64)
+    ap.add_argument("--requests-per-client", type=int, default=8)
+    ap.add_argument("--min-requests", type=int, default=32)
+    a = ap.parse_args(argv)
+    work = a.work.resolve()
+    sets = [f"--set={s}" for s in (f"work_dir={work}", "triton.streaming=true", "engine.max_batch_size=16",
+                                   "triton.max_batch_size=16")]
+    cli("build", a.recipe, *sets)
+    iters = work / "iters.jsonl"
+    iters.unlink(missing_ok=True)
+    for d in ("calibration", "evaluation"):
+        shutil.rmtree(work / d, ignore_errors=True)
+    env = {**os.environ, triton_twin.ITER_STATS_ENV: str(iters)}
+    cli("serve", a.recipe, *sets, "--detach", env=env, capture=True)
+    try:
+        server = one_detached(Path(a.recipe), [s.split("=", 1)[1] for s in sets])
+        config = executor_settings(server.http_url, Path(server.repo))
+        cal_points = []
+        for k, (conc, isl, osl) in enumerate(CALIBRATION):
+            n = 8 * max(int(c) for c in conc.split(","))
+            cal_points += [point(d) for d in bench(a.recipe, sets, work / "calibration" / str(k), conc, isl, osl, n)]
+        records = [json.loads(line) for line in iters.read_text().splitlines()]
+        evals = []
+        for c in (int(x) for x in a.concurrency.split(",")):
+            evals += [point(d) for d in bench(a.recipe, sets, work / "evaluation" / f"c{c}", str(c), a.isl, a.osl,
+                                              max(c * a.requests_per_client, a.min_requests))]
+    finally:
+        cli("stop", a.recipe, *sets)
+
+    coef, host = fit_steps(records)
+    cs = np.array([p["c"] for p in cal_points], dtype=float)
+    outside = np.array([p["outside_p50"] for p in cal_points])
+    f1, f0 = np.polyfit(cs, outside, 1)
+    print(f"outside the executor (p50 per calibration point): {f0 * 1e3:.2f} ms + {f1 * 1e3:.2f} ms x concurrency "
+          f"(points: {', '.join(f'c{int(c)} {o * 1e3:.1f}' for c, o in zip(cs, outside))} ms)")
+
+    cost = lambda b: (float(np.dot(batch_features(b), coef)) + host, "cpu")  # noqa: E731
+    rows, worst = [], 0.0
+    print("| concurrency | TTFT p50 measured ms | sim ms | ratio | ITL p50 measured ms | sim ms | ratio | "
+          "tok/s measured | sim | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for m in evals:
+        c = m["c"]
+        front = max(f0 + f1 * c, 0.0)
+        n = max(c * a.requests_per_client, a.min_requests)
+        r = closed_loop(config, CostModelEngine(step_cost=cost), c, n, a.isl + 1, a.osl, client_gap_s=front)  # +1: BOS
+        s = {"ttft_p50": r.pct("ttft", 50) + front, "itl_p50": r.pct("itl", 50), "tok_s": r.throughput}
+        ratio = {k: s[k] / m[k] for k in s}
+        worst = max(worst, *(abs(v - 1) for v in ratio.values()))
+        rows.append({"measured": m, "simulated": s, "ratio": ratio})
+        print(f"| {c} | {m['ttft_p50'] * 1e3:.1f} | {s['ttft_p50'] * 1e3:.1f} | {ratio['ttft_p50']:.2f} | "
+              f"{m['itl_p50'] * 1e3:.2f} | {s['itl_p50'] * 1e3:.2f} | {ratio['itl_p50']:.2f} | {m['tok_s']:.0f} | "
+              f"{s['tok_s']:.0f} | {ratio['tok_s']:.2f} |")
+    print(f"worst |sim/measured - 1| = {worst:.1%} over {3 * len(rows)} numbers")
+    (work / "served_vs_sim.json").write_text(json.dumps({"coef": coef.tolist(), "host_s": host, "outside": [f0, f1],
+                                                         "executor": repr(config), "steps_fitted": len(records),
+                                                         "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
