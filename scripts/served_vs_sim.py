@@ -6,11 +6,12 @@
 1. Build the recipe (streaming, 16 batch slots) and serve it detached on the CPU twin, with the twin writing one
    JSON line per executor iteration (``TRTPIPE_ITER_STATS``: TensorRT-LLM's IterationStats fields).
 2. Calibrate with ``trtpipe bench`` on workloads that are NOT the one evaluated (other prompt/output lengths and
-   concurrencies). From the served twin's own iteration records, fit the step cost by robust least squares:
+   concurrencies). From the served twin's own iteration records, fit the step cost by least squares (the mean step):
    ``t = a + b x generating requests + c x context tokens + d x context requests + e x attended KV tokens``, and
    the host time between consecutive steps. From the bench's server split (client TTFT minus the executor's
-   TTFT: gRPC/HTTP, BLS, tokenizer, detokenizer), fit the time outside the executor as ``f0 + f1 x concurrency``
-   (those processes share the CPU with the executor, so it grows with load).
+   TTFT: gRPC/HTTP, BLS, tokenizer, detokenizer), take the median time outside the executor at each calibration
+   concurrency (those processes share the CPU with the executor, so it grows with load; interpolated in between)
+   and its spread around the median: each simulated request draws its own, as real requests do.
 3. Evaluate: ``trtpipe bench`` at each concurrency on the evaluation workload, and the same closed loop in the
    simulator (the serving ``ExecutorCore`` in simulated time, with the served repository's executor limits and
    the fitted costs). Prints measured vs simulated TTFT, ITL and output tok/s, and the ratios.
@@ -21,6 +22,7 @@ Numbers are this machine's, measured in this run. Not a test (timing); see READM
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -33,6 +35,7 @@ import numpy as np
 
 from trtpipe.perf.simulate import CostModelEngine, closed_loop
 from trtpipe.serving import triton_twin
+from trtpipe.serving import api
 from trtpipe.serving.api import StepBatch
 from trtpipe.triton.serve import one_detached
 
@@ -56,32 +59,38 @@ def record_features(r: dict) -> list[float]:
     return features(b["numCtxTokens"], b["numGenRequests"], b["numContextRequests"], r["numAttendedTokens"])
 
 
-def huber_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with Huber weights (a shared machine adds rare stalls that plain LS spreads everywhere)."""
-    w = np.ones_like(y)
-    for _ in range(30):
-        coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
-        r = y - x @ coef
-        sigma = 1.4826 * np.median(np.abs(r - np.median(r))) + 1e-12
-        w = np.sqrt(np.minimum(1.0, 1.345 * sigma / np.maximum(np.abs(r), 1e-12)))
-    return np.maximum(coef, 0.0)
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Ordinary least squares (the mean, stalls included: ITL and throughput add up many steps, so the expected
+    step time is what they see), refitted without any term that came out negative."""
+    keep = np.ones(x.shape[1], dtype=bool)
+    while True:
+        coef = np.zeros(x.shape[1])
+        coef[keep], *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        if (coef >= 0).all():
+            return coef
+        keep &= coef > 0
 
 
 def fit_steps(records: list[dict]) -> tuple[np.ndarray, float]:
     steps = [r for r in records if r["iterLatencyMS"] > 0]
     x = np.array([record_features(r) for r in steps])
     y = np.array([r["iterLatencyMS"] / 1e3 for r in steps])
-    coef = huber_fit(x, y)
+    coef = nonnegative_lstsq(x, y)
     err = np.abs(x @ coef / y - 1)
     # host time between consecutive steps of a busy executor (loop, scheduling, handing responses over)
     gaps = [(b["timestamp"] - a["timestamp"]) / 1e9 - b["iterLatencyMS"] / 1e3 for a, b in zip(steps, steps[1:])
             if b["iter"] == a["iter"] + 1 and a["numActiveRequests"] > 0]
-    host = float(np.median(gaps))
+    host = float(np.mean(gaps))
     print(f"step cost: {len(y)} served steps, fit median |err| {np.median(err):.1%} p90 {np.percentile(err, 90):.1%};"
           f" base {coef[0] * 1e3:.3f} ms, per generating request {coef[1] * 1e6:.1f} us, per context token "
           f"{coef[2] * 1e6:.2f} us, per context request {coef[3] * 1e6:.1f} us, per attended token "
-          f"{coef[4] * 1e9:.1f} ns; host between steps {host * 1e3:.3f} ms (median of {len(gaps)})")
+          f"{coef[4] * 1e9:.1f} ns; host between steps {host * 1e3:.3f} ms (mean of {len(gaps)})")
     return coef, host
+
+
+def _plain(o):
+    """JSON for numpy numbers and enums."""
+    return o.value if hasattr(o, "value") else float(o)
 
 
 def cli(*args: str, env: dict | None = None, capture: bool = False) -> str:
@@ -92,9 +101,11 @@ def cli(*args: str, env: dict | None = None, capture: bool = False) -> str:
     return res.stdout or ""
 
 
-def bench(recipe: str, sets: list[str], out: Path, conc: str, isl: int, osl: int, n: int) -> list[dict]:
-    cli("bench", "run", recipe, *sets, "-c", conc, "--isl", str(isl), "--osl", str(osl), "-n", str(n),
-        "--out", str(out), capture=True)
+def bench(repo: str, out: Path, conc: str, isl: int, osl: int, n: int) -> list[dict]:
+    """``trtpipe bench run`` against the detached server of ``repo`` (the served repository itself, so that it
+    can never start a server of its own)."""
+    cli("bench", "run", repo, "-c", conc, "--isl", str(isl), "--osl", str(osl), "-n", str(n), "--out", str(out),
+        capture=True)
     return [json.loads(p.read_text()) for p in sorted(out.rglob("result.json"))]
 
 
@@ -103,12 +114,55 @@ def point(doc: dict) -> dict:
     return {"c": doc["load"]["concurrency"], "ttft_p50": m["ttft"]["p50"] / 1e3, "ttft_avg": m["ttft"]["avg"] / 1e3,
             "itl_p50": m["itl"]["p50"] / 1e3, "itl_avg": m["itl"]["avg"] / 1e3,
             "tok_s": m["output_token_throughput"]["value"],
-            "outside_p50": doc["server_split"]["outside_executor"]["p50"] / 1e3}
+            "outside_p50": doc["server_split"]["outside_executor"]["p50"] / 1e3,
+            "outside": np.array(doc["samples"]["outside_executor"]) / 1e3}
 
 
 def executor_settings(http_url: str, repo: Path):
     with urllib.request.urlopen(f"{http_url}/v2/models/tensorrt_llm/config", timeout=10) as fh:
         return triton_twin.settings_from_model_config(json.load(fh), str(repo / "tensorrt_llm")).executor  # as the stub sees it
+
+
+def measure(a, work: Path, sets: list[str]) -> None:
+    """Build, serve with the iteration log on, then ``--rounds`` rounds of (calibration workloads, evaluation
+    points): interleaved, so that both sides see the same machine (on a shared one its speed drifts by 10-20 %
+    over minutes). Writes every bench result and the calibration steps under ``work``."""
+    cli("build", a.recipe, *sets)
+    iters = work / "iters.jsonl"
+    iters.unlink(missing_ok=True)
+    shutil.rmtree(work / "runs", ignore_errors=True)
+    env = {**os.environ, triton_twin.ITER_STATS_ENV: str(iters)}
+    cli("serve", a.recipe, *sets, "--detach", env=env, capture=True)
+    try:
+        server = one_detached(Path(a.recipe), [s.split("=", 1)[1] for s in sets])
+        config = executor_settings(server.http_url, Path(server.repo))
+        (work / "executor.json").write_text(json.dumps(dataclasses.asdict(config), default=_plain))
+        seen = 0
+        for r in range(a.rounds):
+            run = work / "runs" / f"round{r}"
+            for k, (conc, isl, osl) in enumerate(CALIBRATION):
+                bench(server.repo, run / "calibration" / str(k), conc, isl, osl, 8 * max(map(int, conc.split(","))))
+            lines = iters.read_text().splitlines()
+            with open(work / "runs" / "calibration_steps.jsonl", "a") as fh:  # the calibration workloads' steps only
+                fh.writelines(line + "\n" for line in lines[seen:])
+            for c in (int(x) for x in a.concurrency.split(",")):
+                bench(server.repo, run / "evaluation" / f"c{c}", str(c), a.isl, a.osl,
+                      max(c * a.requests_per_client, a.min_requests))
+            seen = len(iters.read_text().splitlines())
+    finally:
+        cli("stop", a.recipe, *sets)
+
+
+def load(work: Path):
+    """What :func:`measure` wrote: executor limits, calibration points and steps, evaluation points by concurrency."""
+    fields = json.loads((work / "executor.json").read_text())
+    config = api.ExecutorConfig(**{**fields, "capacity_policy": api.CapacityPolicy(fields["capacity_policy"])})
+    records = [json.loads(line) for line in (work / "runs" / "calibration_steps.jsonl").read_text().splitlines()]
+    docs = lambda part: [json.loads(p.read_text()) for p in sorted((work / "runs").glob(f"round*/{part}/*/result.json"))]  # noqa: E731
+    evals: dict[int, list[dict]] = {}
+    for m in (point(d) for d in docs("evaluation")):
+        evals.setdefault(m["c"], []).append(m)
+    return config, [point(d) for d in docs("calibration")], records, dict(sorted(evals.items()))
 
 
 def main(argv=None) -> int:
@@ -120,60 +174,55 @@ def main(argv=None) -> int:
     ap.add_argument("--osl", type=int, default=64)
     ap.add_argument("--requests-per-client", type=int, default=8)
     ap.add_argument("--min-requests", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of calibration and evaluation")
+    ap.add_argument("--reuse", action="store_true", help="fit and simulate on the last run's measurements")
     a = ap.parse_args(argv)
     work = a.work.resolve()
     sets = [f"--set={s}" for s in (f"work_dir={work}", "triton.streaming=true", "engine.max_batch_size=16",
                                    "triton.max_batch_size=16")]
-    cli("build", a.recipe, *sets)
-    iters = work / "iters.jsonl"
-    iters.unlink(missing_ok=True)
-    for d in ("calibration", "evaluation"):
-        shutil.rmtree(work / d, ignore_errors=True)
-    env = {**os.environ, triton_twin.ITER_STATS_ENV: str(iters)}
-    cli("serve", a.recipe, *sets, "--detach", env=env, capture=True)
-    try:
-        server = one_detached(Path(a.recipe), [s.split("=", 1)[1] for s in sets])
-        config = executor_settings(server.http_url, Path(server.repo))
-        cal_points = []
-        for k, (conc, isl, osl) in enumerate(CALIBRATION):
-            n = 8 * max(int(c) for c in conc.split(","))
-            cal_points += [point(d) for d in bench(a.recipe, sets, work / "calibration" / str(k), conc, isl, osl, n)]
-        records = [json.loads(line) for line in iters.read_text().splitlines()]
-        evals = []
-        for c in (int(x) for x in a.concurrency.split(",")):
-            evals += [point(d) for d in bench(a.recipe, sets, work / "evaluation" / f"c{c}", str(c), a.isl, a.osl,
-                                              max(c * a.requests_per_client, a.min_requests))]
-    finally:
-        cli("stop", a.recipe, *sets)
+    if not a.reuse:
+        measure(a, work, sets)
+    config, cal_points, records, evals = load(work)
 
     coef, host = fit_steps(records)
-    cs = np.array([p["c"] for p in cal_points], dtype=float)
-    outside = np.array([p["outside_p50"] for p in cal_points])
-    f1, f0 = np.polyfit(cs, outside, 1)
-    print(f"outside the executor (p50 per calibration point): {f0 * 1e3:.2f} ms + {f1 * 1e3:.2f} ms x concurrency "
-          f"(points: {', '.join(f'c{int(c)} {o * 1e3:.1f}' for c, o in zip(cs, outside))} ms)")
-
+    # time outside the executor: its median per calibration point, the median over points at one concurrency,
+    # interpolated linearly between the calibration concurrencies
+    by_c: dict[int, list[float]] = {}
+    for p in cal_points:
+        by_c.setdefault(p["c"], []).append(p["outside_p50"])
+    cs = sorted(by_c)
+    outside = [float(np.median(by_c[c])) for c in cs]
+    print("outside the executor, median per calibration concurrency: "
+          + ", ".join(f"c{c} {o * 1e3:.1f} ms" for c, o in zip(cs, outside)))
+    # its spread around that median: what keeps real clients out of lockstep, so each simulated request draws
+    # its own (seeded)
+    spread = np.concatenate([p["outside"] / p["outside_p50"] for p in cal_points])
+    rng = np.random.default_rng(0)
     cost = lambda b: (float(np.dot(batch_features(b), coef)) + host, "cpu")  # noqa: E731
     rows, worst = [], 0.0
-    print("| concurrency | TTFT p50 measured ms | sim ms | ratio | ITL p50 measured ms | sim ms | ratio | "
-          "tok/s measured | sim | ratio |")
+    rounds = len(next(iter(evals.values())))
+    print(f"| concurrency | TTFT p50 measured ms | sim ms | ratio | ITL p50 measured ms | sim ms | ratio | "
+          f"tok/s measured | sim | ratio |   (measured: median of {rounds} rounds)")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for m in evals:
-        c = m["c"]
-        front = max(f0 + f1 * c, 0.0)
+    for c, ms in evals.items():
+        m = {k: float(np.median([x[k] for x in ms])) for k in ("ttft_p50", "itl_p50", "tok_s")}
+        front = float(np.interp(c, cs, outside))
         n = max(c * a.requests_per_client, a.min_requests)
-        r = closed_loop(config, CostModelEngine(step_cost=cost), c, n, a.isl + 1, a.osl, client_gap_s=front)  # +1: BOS
-        s = {"ttft_p50": r.pct("ttft", 50) + front, "itl_p50": r.pct("itl", 50), "tok_s": r.throughput}
+        gaps = front * rng.choice(spread, size=n)
+        r = closed_loop(config, CostModelEngine(step_cost=cost), c, n, a.isl + 1, a.osl, client_gap_s=gaps)  # +1: BOS
+        s = {"ttft_p50": float(np.median(r.ttft + gaps)), "itl_p50": r.pct("itl", 50), "tok_s": r.throughput}
         ratio = {k: s[k] / m[k] for k in s}
         worst = max(worst, *(abs(v - 1) for v in ratio.values()))
-        rows.append({"measured": m, "simulated": s, "ratio": ratio})
+        rows.append({"concurrency": c, "measured": m, "measured_rounds": [{k: x[k] for k in m} for x in ms],
+                     "simulated": s, "ratio": ratio})
         print(f"| {c} | {m['ttft_p50'] * 1e3:.1f} | {s['ttft_p50'] * 1e3:.1f} | {ratio['ttft_p50']:.2f} | "
               f"{m['itl_p50'] * 1e3:.2f} | {s['itl_p50'] * 1e3:.2f} | {ratio['itl_p50']:.2f} | {m['tok_s']:.0f} | "
               f"{s['tok_s']:.0f} | {ratio['tok_s']:.2f} |")
     print(f"worst |sim/measured - 1| = {worst:.1%} over {3 * len(rows)} numbers")
-    (work / "served_vs_sim.json").write_text(json.dumps({"coef": coef.tolist(), "host_s": host, "outside": [f0, f1],
-                                                         "executor": repr(config), "steps_fitted": len(records),
-                                                         "rows": rows}, indent=1))
+    (work / "served_vs_sim.json").write_text(json.dumps(
+        {"coef": coef.tolist(), "host_s": host, "outside_by_concurrency": dict(zip(cs, outside)),
+         "executor": dataclasses.asdict(config), "steps_fitted": len(records), "rows": rows},
+        indent=1, default=_plain))
     return 0
 
 

@@ -73,6 +73,15 @@ def test_closed_loop_client_gap_delays_the_next_arrival_not_the_first_token():
     assert r.makespan_s == pytest.approx(6 * STEP + 2 * 0.005)
 
 
+def test_closed_loop_per_request_gaps_stagger_even_the_first_wave():
+    # A arrives at 0 (first token 10 ms); B arrives at 5 ms, mid-step: it joins at the next turn (10 ms) and
+    # shares A's generation step, first token at 20 ms -> TTFT 15 ms. Results come in submission order.
+    r = closed_loop(cfg(), fixed_engine(), concurrency=2, n=2, isl=4, osl=2, client_gap_s=[0.0, 0.005])
+    assert list(r.ttft) == pytest.approx([STEP, 1.5 * STEP])
+    with pytest.raises(ValueError, match="1 values for 2 requests"):
+        closed_loop(cfg(), fixed_engine(), concurrency=2, n=2, isl=4, osl=2, client_gap_s=[0.0])
+
+
 def test_simulated_prompts_share_no_prefix_even_with_kv_reuse_on():
     # benchmark prompts are distinct: with reuse enabled every request still computes its whole prompt
     seen = []

@@ -186,6 +186,10 @@ def samples(requests: Sequence[Request]) -> dict[str, list[float]]:
             vals = [round(v[name], 4) for v in per if v.get(name) is not None]
             if vals:
                 out[name] = vals
+    for name in SERVER_METRICS:  # the server split, where the server returned perf metrics
+        vals = [round(r.server[name], 4) for r in requests if r.ok and r.server.get(name) is not None]
+        if vals:
+            out[name] = vals
     return out
 
 

@@ -17,7 +17,7 @@ import heapq
 import random
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -139,7 +139,7 @@ class _Driver:
         ttft, itl, e2e, out = [], [], [], 0
         first = min(self.arrival.values()) if self.arrival else 0
         last = first
-        for rid, r in self.finals.items():
+        for rid, r in sorted(self.finals.items()):  # submission order (ids are issued in order)
             p = r.perf
             if r.has_error or p is None:
                 continue
@@ -167,23 +167,31 @@ def max_load(config: ExecutorConfig, engine: CostModelEngine, n: int, isl: int, 
 
 
 def closed_loop(config: ExecutorConfig, engine: CostModelEngine, concurrency: int, n: int, isl: int,
-                osl: int, client_gap_s: float = 0.0) -> SimResult:
+                osl: int, client_gap_s: Union[float, Sequence[float]] = 0.0) -> SimResult:
     """``concurrency`` clients, n requests in all; each sends its next request when its previous one's final
-    response leaves the executor, and it arrives ``client_gap_s`` later (the path outside the executor: network,
-    tokenization, detokenization; 0 for clients in the executor's process). Arrivals join at the next loop turn."""
+    response leaves the executor. ``client_gap_s`` is the time outside the executor (network, tokenization,
+    detokenization) before a request arrives: one number for every request after the first wave (which arrives
+    at t=0), or one per request in submission order, the first wave included. Measured gaps vary from request
+    to request, and that variation is what keeps real clients from moving in lockstep."""
     d = _Driver(config, engine)
-    gap_ns = int(client_gap_s * 1e9)
+    per_request = not isinstance(client_gap_s, (int, float))
+    gap_ns = [int(g * 1e9) for g in client_gap_s] if per_request else [int(client_gap_s * 1e9)] * n
+    if len(gap_ns) < n:
+        raise ValueError(f"client_gap_s has {len(gap_ns)} values for {n} requests")
     on_the_way: list[int] = []  # arrival times of sent requests not yet at the executor
     sent = seen = 0
     for _ in range(min(concurrency, n)):
-        d.submit(isl, osl)
+        if per_request:
+            heapq.heappush(on_the_way, gap_ns[sent])
+        else:
+            d.submit(isl, osl)
         sent += 1
     while True:
         while on_the_way and on_the_way[0] <= d.clock.now_ns():
             d.submit(isl, osl, heapq.heappop(on_the_way))
         more = d.turn()
         while seen < len(d.final_at) and sent < n:
-            heapq.heappush(on_the_way, d.final_at[seen] + gap_ns)
+            heapq.heappush(on_the_way, d.final_at[seen] + gap_ns[sent])
             seen += 1
             sent += 1
         seen = len(d.final_at)

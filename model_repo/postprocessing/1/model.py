@@ -23,6 +23,13 @@ class TritonPythonModel:
     def initialize(self, args):
         from transformers import AutoTokenizer
 
+        try:  # under trtpipe serve: end this stub if tritonserver is killed (a stock Triton image has no trtpipe)
+            from trtpipe.triton import stub_watchdog
+
+            stub_watchdog.start()
+        except ImportError:
+            pass
+
         params = json.loads(args["model_config"]).get("parameters", {})
         tok_dir = _param(params, "tokenizer_dir")
         if tok_dir is None:

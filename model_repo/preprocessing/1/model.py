@@ -72,6 +72,13 @@ class TritonPythonModel:
     def initialize(self, args):
         from transformers import AutoTokenizer
 
+        try:  # under trtpipe serve: end this stub if tritonserver is killed (a stock Triton image has no trtpipe)
+            from trtpipe.triton import stub_watchdog
+
+            stub_watchdog.start()
+        except ImportError:
+            pass
+
         config = json.loads(args["model_config"])
         params = config.get("parameters", {})
         tok_dir = _param(params, "tokenizer_dir")
