@@ -6,9 +6,10 @@
 1. Build the recipe (streaming, 16 batch slots) and serve it detached on the CPU twin, with the twin writing one
    JSON line per executor iteration (``TRTPIPE_ITER_STATS``: TensorRT-LLM's IterationStats fields).
 2. Calibrate with ``trtpipe bench`` on workloads that are NOT the one evaluated (other prompt/output lengths and
-   concurrencies). From the served twin's own iteration records, fit the step cost by least squares (the mean step):
-   ``t = a + b x generating requests + c x context tokens + d x context requests + e x attended KV tokens``, and
-   the host time between consecutive steps. From the bench's server split (client TTFT minus the executor's
+   concurrencies). From the served twin's own iteration records, fit the typical step cost by robust least squares:
+   ``t = a + b x generating requests + c x context tokens + d x context requests + e x attended KV tokens
+   + f x prompt length x context tokens``, the measured steps' spread around it and the host time between
+   consecutive steps (each simulated step draws its factor and gap from those). From the bench's server split (client TTFT minus the executor's
    TTFT: gRPC/HTTP, BLS, tokenizer, detokenizer), take the median time outside the executor at each calibration
    concurrency (those processes share the CPU with the executor, so it grows with load; interpolated in between)
    and its spread around the median: each simulated request draws its own, as real requests do.
@@ -45,7 +46,9 @@ CALIBRATION = (("2,6,12", 32, 96), ("3,10", 160, 24), ("1,16", 96, 40))
 
 
 def features(ctx_tokens: float, gen: float, ctx_requests: float, attended: float) -> list[float]:
-    return [1.0, gen, ctx_tokens, ctx_requests, attended]
+    """Step-cost terms. The last is causal attention over the prompts (quadratic in prompt length), written with
+    what the iteration log records: exact when a step's prompts have one length, as in one bench workload."""
+    return [1.0, gen, ctx_tokens, ctx_requests, attended, ctx_tokens ** 2 / max(ctx_requests, 1)]
 
 
 def batch_features(batch: StepBatch) -> list[float]:
@@ -59,33 +62,55 @@ def record_features(r: dict) -> list[float]:
     return features(b["numCtxTokens"], b["numGenRequests"], b["numContextRequests"], r["numAttendedTokens"])
 
 
-def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Ordinary least squares (the mean, stalls included: ITL and throughput add up many steps, so the expected
-    step time is what they see), refitted without any term that came out negative."""
+def robust_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with Huber weights (the typical step; stalls are modelled apart, as noise), refitted without
+    any term that came out negative."""
     keep = np.ones(x.shape[1], dtype=bool)
     while True:
         coef = np.zeros(x.shape[1])
-        coef[keep], *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        w = np.ones_like(y)
+        for _ in range(30):
+            c, *_ = np.linalg.lstsq(x[:, keep] * w[:, None], y * w, rcond=None)
+            r = y - x[:, keep] @ c
+            sigma = 1.4826 * np.median(np.abs(r - np.median(r))) + 1e-12
+            w = np.sqrt(np.minimum(1.0, 1.345 * sigma / np.maximum(np.abs(r), 1e-12)))
+        coef[keep] = c
         if (coef >= 0).all():
             return coef
         keep &= coef > 0
 
 
-def fit_steps(records: list[dict]) -> tuple[np.ndarray, float]:
+class StepCost:
+    """The fitted step time, times a factor drawn from the measured steps' own spread around the fit (stalls of a
+    shared machine included), plus a drawn host gap between steps. Seeded: the same simulation every run. A single
+    step (TTFT) then sees the typical time and an average over many steps (ITL, throughput) the mean, as measured."""
+
+    def __init__(self, coef: np.ndarray, ratios: np.ndarray, gaps: np.ndarray, seed: int = 0):
+        self.coef, self.ratios, self.gaps = coef, ratios, gaps
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, batch: StepBatch) -> tuple[float, str]:
+        typical = float(np.dot(batch_features(batch), self.coef))
+        return typical * float(self.rng.choice(self.ratios)) + float(self.rng.choice(self.gaps)), "cpu"
+
+
+def fit_steps(records: list[dict]) -> StepCost:
     steps = [r for r in records if r["iterLatencyMS"] > 0]
     x = np.array([record_features(r) for r in steps])
     y = np.array([r["iterLatencyMS"] / 1e3 for r in steps])
-    coef = nonnegative_lstsq(x, y)
-    err = np.abs(x @ coef / y - 1)
+    coef = robust_fit(x, y)
+    ratios = y / (x @ coef)
     # host time between consecutive steps of a busy executor (loop, scheduling, handing responses over)
-    gaps = [(b["timestamp"] - a["timestamp"]) / 1e9 - b["iterLatencyMS"] / 1e3 for a, b in zip(steps, steps[1:])
-            if b["iter"] == a["iter"] + 1 and a["numActiveRequests"] > 0]
-    host = float(np.mean(gaps))
-    print(f"step cost: {len(y)} served steps, fit median |err| {np.median(err):.1%} p90 {np.percentile(err, 90):.1%};"
-          f" base {coef[0] * 1e3:.3f} ms, per generating request {coef[1] * 1e6:.1f} us, per context token "
-          f"{coef[2] * 1e6:.2f} us, per context request {coef[3] * 1e6:.1f} us, per attended token "
-          f"{coef[4] * 1e9:.1f} ns; host between steps {host * 1e3:.3f} ms (mean of {len(gaps)})")
-    return coef, host
+    gaps = np.array([(b["timestamp"] - a["timestamp"]) / 1e9 - b["iterLatencyMS"] / 1e3 for a, b in zip(steps, steps[1:])
+                     if b["iter"] == a["iter"] + 1 and a["numActiveRequests"] > 0])
+    gaps = np.maximum(gaps, 0.0)
+    print(f"step cost: {len(y)} served steps; typical-step fit median |err| {np.median(np.abs(ratios - 1)):.1%}, "
+          f"measured/fit p10 {np.percentile(ratios, 10):.2f} p90 {np.percentile(ratios, 90):.2f} mean "
+          f"{ratios.mean():.2f}; base {coef[0] * 1e3:.3f} ms, per generating request {coef[1] * 1e6:.1f} us, per "
+          f"context token {coef[2] * 1e6:.2f} us, per context request {coef[3] * 1e6:.1f} us, per attended token "
+          f"{coef[4] * 1e9:.1f} ns, per prompt-token pair {coef[5] * 1e9:.1f} ns; host between steps median "
+          f"{np.median(gaps) * 1e3:.3f} ms mean {gaps.mean() * 1e3:.3f} ms ({len(gaps)})")
+    return StepCost(coef, ratios, gaps)
 
 
 def _plain(o):
@@ -115,7 +140,10 @@ def point(doc: dict) -> dict:
             "itl_p50": m["itl"]["p50"] / 1e3, "itl_avg": m["itl"]["avg"] / 1e3,
             "tok_s": m["output_token_throughput"]["value"],
             "outside_p50": doc["server_split"]["outside_executor"]["p50"] / 1e3,
-            "outside": np.array(doc["samples"]["outside_executor"]) / 1e3}
+            "outside": np.array(doc["samples"]["outside_executor"]) / 1e3,
+            # TTFT inside the executor (first token - left the queue), per request, from the perf metrics
+            "exec_ttft_p50": float(np.median(np.add(doc["samples"]["server_queue"],
+                                                    doc["samples"]["server_prefill"]))) / 1e3}
 
 
 def executor_settings(http_url: str, repo: Path):
@@ -158,7 +186,7 @@ def load(work: Path):
     fields = json.loads((work / "executor.json").read_text())
     config = api.ExecutorConfig(**{**fields, "capacity_policy": api.CapacityPolicy(fields["capacity_policy"])})
     records = [json.loads(line) for line in (work / "runs" / "calibration_steps.jsonl").read_text().splitlines()]
-    docs = lambda part: [json.loads(p.read_text()) for p in sorted((work / "runs").glob(f"round*/{part}/*/result.json"))]  # noqa: E731
+    docs = lambda part: [json.loads(p.read_text()) for p in sorted((work / "runs").glob(f"round*/{part}/**/result.json"))]  # noqa: E731
     evals: dict[int, list[dict]] = {}
     for m in (point(d) for d in docs("evaluation")):
         evals.setdefault(m["c"], []).append(m)
@@ -184,7 +212,7 @@ def main(argv=None) -> int:
         measure(a, work, sets)
     config, cal_points, records, evals = load(work)
 
-    coef, host = fit_steps(records)
+    cost = fit_steps(records)
     # time outside the executor: its median per calibration point, the median over points at one concurrency,
     # interpolated linearly between the calibration concurrencies
     by_c: dict[int, list[float]] = {}
@@ -198,29 +226,33 @@ def main(argv=None) -> int:
     # its own (seeded)
     spread = np.concatenate([p["outside"] / p["outside_p50"] for p in cal_points])
     rng = np.random.default_rng(0)
-    cost = lambda b: (float(np.dot(batch_features(b), coef)) + host, "cpu")  # noqa: E731
     rows, worst = [], 0.0
+    keys = ("ttft_p50", "exec_ttft_p50", "itl_p50", "tok_s")
     rounds = len(next(iter(evals.values())))
-    print(f"| concurrency | TTFT p50 measured ms | sim ms | ratio | ITL p50 measured ms | sim ms | ratio | "
-          f"tok/s measured | sim | ratio |   (measured: median of {rounds} rounds)")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| concurrency | TTFT p50 ms: measured | sim | ratio | executor TTFT p50 ms: measured | sim | ratio | "
+          f"ITL p50 ms: measured | sim | ratio | tok/s: measured | sim | ratio |   (measured: median of {rounds} rounds)")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c, ms in evals.items():
-        m = {k: float(np.median([x[k] for x in ms])) for k in ("ttft_p50", "itl_p50", "tok_s")}
+        m = {k: float(np.median([x[k] for x in ms])) for k in keys}
         front = float(np.interp(c, cs, outside))
         n = max(c * a.requests_per_client, a.min_requests)
         gaps = front * rng.choice(spread, size=n)
-        r = closed_loop(config, CostModelEngine(step_cost=cost), c, n, a.isl + 1, a.osl, client_gap_s=gaps)  # +1: BOS
-        s = {"ttft_p50": float(np.median(r.ttft + gaps)), "itl_p50": r.pct("itl", 50), "tok_s": r.throughput}
-        ratio = {k: s[k] / m[k] for k in s}
+        r = closed_loop(config, CostModelEngine(step_cost=cost), c, n, a.isl, a.osl, client_gap_s=gaps)
+        # the measured time outside the executor includes the wait in its queue; so does the gap drawn here
+        s = {"ttft_p50": float(np.median(r.executor_ttft + gaps)), "exec_ttft_p50": float(np.median(r.executor_ttft)),
+             "itl_p50": r.pct("itl", 50), "tok_s": r.throughput}
+        ratio = {k: s[k] / m[k] for k in keys}
         worst = max(worst, *(abs(v - 1) for v in ratio.values()))
-        rows.append({"concurrency": c, "measured": m, "measured_rounds": [{k: x[k] for k in m} for x in ms],
+        rows.append({"concurrency": c, "measured": m, "measured_rounds": [{k: x[k] for k in keys} for x in ms],
                      "simulated": s, "ratio": ratio})
-        print(f"| {c} | {m['ttft_p50'] * 1e3:.1f} | {s['ttft_p50'] * 1e3:.1f} | {ratio['ttft_p50']:.2f} | "
-              f"{m['itl_p50'] * 1e3:.2f} | {s['itl_p50'] * 1e3:.2f} | {ratio['itl_p50']:.2f} | {m['tok_s']:.0f} | "
-              f"{s['tok_s']:.0f} | {ratio['tok_s']:.2f} |")
-    print(f"worst |sim/measured - 1| = {worst:.1%} over {3 * len(rows)} numbers")
+        cells = []
+        for k in keys:
+            scale, fmt = (1, "{:.0f}") if k == "tok_s" else (1e3, "{:.2f}" if k == "itl_p50" else "{:.1f}")
+            cells += [fmt.format(m[k] * scale), fmt.format(s[k] * scale), f"{ratio[k]:.2f}"]
+        print(f"| {c} | " + " | ".join(cells) + " |")
+    print(f"worst |sim/measured - 1| = {worst:.1%} over {len(keys) * len(rows)} numbers")
     (work / "served_vs_sim.json").write_text(json.dumps(
-        {"coef": coef.tolist(), "host_s": host, "outside_by_concurrency": dict(zip(cs, outside)),
+        {"coef": cost.coef.tolist(), "outside_by_concurrency": dict(zip(cs, outside)),
          "executor": dataclasses.asdict(config), "steps_fitted": len(records), "rows": rows},
         indent=1, default=_plain))
     return 0

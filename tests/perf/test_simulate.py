@@ -78,6 +78,8 @@ def test_closed_loop_per_request_gaps_stagger_even_the_first_wave():
     # shares A's generation step, first token at 20 ms -> TTFT 15 ms. Results come in submission order.
     r = closed_loop(cfg(), fixed_engine(), concurrency=2, n=2, isl=4, osl=2, client_gap_s=[0.0, 0.005])
     assert list(r.ttft) == pytest.approx([STEP, 1.5 * STEP])
+    assert list(r.queue_wait) == pytest.approx([0.0, 0.5 * STEP])  # B left the queue at the 10 ms turn
+    assert list(r.executor_ttft) == pytest.approx([STEP, STEP])
     with pytest.raises(ValueError, match="1 values for 2 requests"):
         closed_loop(cfg(), fixed_engine(), concurrency=2, n=2, isl=4, osl=2, client_gap_s=[0.0])
 

@@ -76,6 +76,12 @@ class SimResult:
     busy_s: dict = field(default_factory=dict)
     slots_full: float = 0.0  # fraction of steps that ran max_batch_size requests
     kv_stalled: float = 0.0  # fraction of steps that could not admit a waiting request for lack of KV blocks
+    queue_wait: np.ndarray = field(default_factory=lambda: np.zeros(0))  # arrival -> left the executor queue (s)
+
+    @property
+    def executor_ttft(self) -> np.ndarray:
+        """First token - left the executor queue: TTFT as the backend's perf metrics report it."""
+        return self.ttft - self.queue_wait
 
     @property
     def throughput(self) -> float:
@@ -136,7 +142,7 @@ class _Driver:
         return more
 
     def result(self) -> SimResult:
-        ttft, itl, e2e, out = [], [], [], 0
+        ttft, itl, e2e, queue, out = [], [], [], [], 0
         first = min(self.arrival.values()) if self.arrival else 0
         last = first
         for rid, r in sorted(self.finals.items()):  # submission order (ids are issued in order)
@@ -146,6 +152,7 @@ class _Driver:
             n = r.num_output_tokens
             out += n
             ttft.append((p.first_token_ns - self.arrival[rid]) / 1e9)
+            queue.append((p.arrival_ns - self.arrival[rid]) / 1e9)
             e2e.append((p.last_token_ns - self.arrival[rid]) / 1e9)
             if n > 1:
                 itl.append((p.last_token_ns - p.first_token_ns) / 1e9 / (n - 1))
@@ -154,7 +161,7 @@ class _Driver:
         steps = max(e.steps, 1)
         return SimResult(np.array(ttft), np.array(itl), np.array(e2e), out, (last - first) / 1e9, e.steps,
                          float(np.mean(e.scheduled)) if e.scheduled else 0.0, dict(e.busy_s),
-                         self.slots_full / max(self.turns, 1), self.stalled / steps)
+                         self.slots_full / max(self.turns, 1), self.stalled / steps, np.array(queue))
 
 
 def max_load(config: ExecutorConfig, engine: CostModelEngine, n: int, isl: int, osl: int) -> SimResult:
