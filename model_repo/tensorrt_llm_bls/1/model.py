@@ -62,50 +62,6 @@ class _Failed(Exception):
     pass
 
 
-class _IteratorGate:
-    """Keeps ``exec(decoupled=True)`` and waits in a response iterator's ``next()`` apart.
-
-    The python backend's decoupled BLS (2.51, and the same locks upstream since) takes three locks in a cycle:
-    a thread woken inside ``next()`` holds its iterator's mutex while it waits for the GIL; the stub's response
-    thread holds the iterator map's mutex while it waits for that iterator's mutex; and ``exec(decoupled=True)``
-    holds the GIL while it waits for the map's mutex. With several streams in flight a new request can hang the
-    whole stub (seen after a few thousand requests at concurrency 4). So a new call waits until the streams in
-    flight have each taken their next response (about one engine step), and they wait until it has returned.
-    """
-
-    def __init__(self):
-        self.cv = threading.Condition()
-        self.inside = 0  # threads inside next()
-        self.calling = 0  # threads waiting for, or inside, exec(decoupled=True)
-
-    def call(self, request):
-        with self.cv:
-            self.calling += 1
-            self.cv.wait_for(lambda: self.inside == 0)
-        try:
-            return request.exec(decoupled=True)
-        finally:
-            with self.cv:
-                self.calling -= 1
-                self.cv.notify_all()
-
-    def next(self, iterator):
-        """The iterator's next response, or None after the last."""
-        with self.cv:
-            self.cv.wait_for(lambda: self.calling == 0)
-            self.inside += 1
-        try:
-            return next(iterator, None)
-        finally:
-            with self.cv:
-                self.inside -= 1
-                self.cv.notify_all()
-
-    def drain(self, iterator):
-        while self.next(iterator) is not None:
-            pass
-
-
 class TritonPythonModel:
     def initialize(self, args):
         from transformers import AutoTokenizer
@@ -119,7 +75,6 @@ class TritonPythonModel:
         if not os.path.isabs(tok_dir):
             tok_dir = os.path.join(args["model_repository"], tok_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(tok_dir, legacy=False, trust_remote_code=False)
-        self.gate = _IteratorGate()
         _start_watchdog()
         llm_cfg = os.path.join(os.path.dirname(args["model_repository"]), self.llm_name, "config.pbtxt")
         with open(llm_cfg) as fh:  # whether tensorrt_llm must be called as a decoupled model
@@ -134,7 +89,7 @@ class TritonPythonModel:
     def _call(self, model, inputs, outputs, decoupled=False):
         req = pb_utils.InferenceRequest(model_name=model, requested_output_names=outputs, inputs=inputs)
         if decoupled:
-            return self.gate.call(req)
+            return req.exec(decoupled=True)
         resp = req.exec()
         if resp.has_error():
             raise _Failed(resp.error().message())
@@ -165,23 +120,17 @@ class TritonPythonModel:
         asked = [n for n in _LLM if n.startswith("return_") and pb_utils.get_input_tensor_by_name(request, n) is not None]
         if asked:
             outputs += list(_MEASURED)
-        if self.llm_decoupled:
-            responses = self._call(self.llm_name, llm_inputs, outputs, decoupled=True)
-            upcoming = iter(lambda: self.gate.next(responses), None)
-        else:
-            responses = None
-            upcoming = iter([self._call(self.llm_name, llm_inputs, outputs)])
+        responses = (self._call(self.llm_name, llm_inputs, outputs, decoupled=True) if self.llm_decoupled
+                     else [self._call(self.llm_name, llm_inputs, outputs)])
         tokens, sent, measured, gone = [], "", [], False
-        for resp in upcoming:
+        for resp in responses:
             if not gone and cancelled():
                 gone = True
-                if responses is not None:
+                if hasattr(responses, "cancel"):
                     responses.cancel()
             if gone:
                 continue
             if resp.has_error():
-                if responses is not None:  # read to the end here: the iterator's destructor would wait ungated
-                    self.gate.drain(responses)
                 raise _Failed(resp.error().message())
             got = [pb_utils.get_output_tensor_by_name(resp, n) for n in _MEASURED] if asked else []
             measured = [pb_utils.Tensor(t.name(), t.as_numpy()) for t in got if t is not None] or measured
