@@ -9,6 +9,7 @@ import json
 import os
 import threading
 import time
+import uuid
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -62,6 +63,51 @@ class _Failed(Exception):
     pass
 
 
+class _IteratorGate:
+    """Keeps ``exec(decoupled=True)`` and waits in a response iterator's ``next()`` apart.
+
+    The python backend's decoupled BLS (2.51, and the same locks upstream since) takes three locks in a cycle:
+    a thread woken inside ``next()`` holds its iterator's mutex while it waits for the GIL; the stub's response
+    thread holds the iterator map's mutex while it waits for that iterator's mutex; and ``exec(decoupled=True)``
+    holds the GIL while it waits for the map's mutex. With several streams in flight a new request can hang the
+    whole stub (seen after a few thousand requests at concurrency 4). So a new call waits until the streams in
+    flight have each taken their next response (about one engine step), and they wait until it has returned.
+    """
+
+    def __init__(self):
+        self.cv = threading.Condition()
+        self.inside = 0  # threads inside next()
+        self.calling = 0  # threads waiting for, or inside, exec(decoupled=True)
+
+    def call(self, request):
+        with self.cv:
+            self.calling += 1
+            self.cv.wait_for(lambda: self.inside == 0)
+        try:
+            return request.exec(decoupled=True)
+        finally:
+            with self.cv:
+                self.calling -= 1
+                self.cv.notify_all()
+
+    def responses(self, responses):
+        """A decoupled call's responses, each wait for the next one inside the gate."""
+        it = iter(responses)
+        while True:
+            with self.cv:
+                self.cv.wait_for(lambda: self.calling == 0)
+                self.inside += 1
+            try:
+                resp = next(it)
+            except StopIteration:
+                return
+            finally:
+                with self.cv:
+                    self.inside -= 1
+                    self.cv.notify_all()
+            yield resp
+
+
 class TritonPythonModel:
     def initialize(self, args):
         from transformers import AutoTokenizer
@@ -75,6 +121,7 @@ class TritonPythonModel:
         if not os.path.isabs(tok_dir):
             tok_dir = os.path.join(args["model_repository"], tok_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(tok_dir, legacy=False, trust_remote_code=False)
+        self.gate = _IteratorGate()
         _start_watchdog()
         llm_cfg = os.path.join(os.path.dirname(args["model_repository"]), self.llm_name, "config.pbtxt")
         with open(llm_cfg) as fh:  # whether tensorrt_llm must be called as a decoupled model
@@ -86,10 +133,11 @@ class TritonPythonModel:
                             *measured]
         )
 
-    def _call(self, model, inputs, outputs, decoupled=False):
-        req = pb_utils.InferenceRequest(model_name=model, requested_output_names=outputs, inputs=inputs)
+    def _call(self, model, inputs, outputs, decoupled=False, request_id=""):
+        req = pb_utils.InferenceRequest(model_name=model, requested_output_names=outputs, inputs=inputs,
+                                        request_id=request_id)
         if decoupled:
-            return req.exec(decoupled=True)
+            return self.gate.call(req)
         resp = req.exec()
         if resp.has_error():
             raise _Failed(resp.error().message())
@@ -120,17 +168,24 @@ class TritonPythonModel:
         asked = [n for n in _LLM if n.startswith("return_") and pb_utils.get_input_tensor_by_name(request, n) is not None]
         if asked:
             outputs += list(_MEASURED)
-        responses = (self._call(self.llm_name, llm_inputs, outputs, decoupled=True) if self.llm_decoupled
-                     else [self._call(self.llm_name, llm_inputs, outputs)])
+        inner_id = f"bls-{uuid.uuid4().hex}"
+        if self.llm_decoupled:
+            upcoming = self.gate.responses(self._call(self.llm_name, llm_inputs, outputs, True, inner_id))
+        else:
+            upcoming = iter([self._call(self.llm_name, llm_inputs, outputs, request_id=inner_id)])
         tokens, sent, measured, gone = [], "", [], False
-        for resp in responses:
+        for resp in upcoming:
             if not gone and cancelled():
                 gone = True
-                if hasattr(responses, "cancel"):
-                    responses.cancel()
+                if self.llm_decoupled:  # stop the inner request by its id; its stream still ends with a final
+                    stop = llm_inputs + [pb_utils.Tensor("stop", np.array([[True]], dtype=bool))]
+                    for _ in self.gate.responses(self._call(self.llm_name, stop, [], True, inner_id)):
+                        pass
             if gone:
                 continue
             if resp.has_error():
+                for _ in upcoming:  # read to the end here: the iterator's destructor would wait ungated
+                    pass
                 raise _Failed(resp.error().message())
             got = [pb_utils.get_output_tensor_by_name(resp, n) for n in _MEASURED] if asked else []
             measured = [pb_utils.Tensor(t.name(), t.as_numpy()) for t in got if t is not None] or measured
