@@ -7,8 +7,9 @@ thread included) ever runs again, and the stub keeps its memory and its threads 
 which tritonserver's model-loading threads do while the server lives on.
 
 So each stub starts this module as a small child process (``python -m trtpipe.triton.stub_watchdog STUB
-SERVER``). It holds pidfds of both and sleeps in ``poll``: when the server exits it sends SIGKILL to the
-stub; when the stub exits first (a normal unload or shutdown) it just ends. pidfds make this exact: no
+SERVER``). It holds pidfds of both and sleeps in ``poll``: when the server exits, the stub has ``GRACE_S``
+to end by itself (a normal shutdown may still be running its finalize), then gets SIGKILL; when the stub exits
+first (a normal unload or shutdown) the watchdog just ends. pidfds make this exact: no
 polling interval and no chance of signalling a reused pid.
 """
 
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 PYTHON_ENV = "TRTPIPE_PYTHON"  # set by ``trtpipe serve``: the interpreter that runs the watchdog
+GRACE_S = 5.0  # how long a stub may outlive its server before the kill
 
 
 def _python() -> Optional[str]:
@@ -69,12 +71,17 @@ def watch(stub: int, server: int) -> str:
         server_fd = os.pidfd_open(server)
     except ProcessLookupError:
         server_fd = None
+    poller = select.poll()
+    poller.register(stub_fd, select.POLLIN)
     if server_fd is not None and _parent_of(stub) == server:  # the pidfd is the stub's server, not a reused pid
-        poller = select.poll()
-        poller.register(stub_fd, select.POLLIN)
         poller.register(server_fd, select.POLLIN)
         if stub_fd in {fd for fd, _ in poller.poll()}:
             return "stub exited"
+        poller.unregister(server_fd)
+    # The server is gone. On a normal shutdown the stub is finishing its finalize (a leader-mode twin releases
+    # its MPI ranks there): give it a moment before the kill, which is for stubs that can no longer run.
+    if poller.poll(int(GRACE_S * 1000)):
+        return "stub exited"
     try:
         signal.pidfd_send_signal(stub_fd, signal.SIGKILL)
     except ProcessLookupError:
@@ -85,6 +92,11 @@ def watch(stub: int, server: int) -> str:
 def _watch_by_polling(stub: int, server: int, period: float = 0.2) -> str:
     while os.getppid() == stub:
         if _parent_of(stub) != server:
+            deadline = time.monotonic() + GRACE_S
+            while os.getppid() == stub and time.monotonic() < deadline:
+                time.sleep(period)
+            if os.getppid() != stub:
+                return "stub exited"
             os.kill(stub, signal.SIGKILL)
             return "server died: stub killed"
         time.sleep(period)
