@@ -28,8 +28,8 @@ from trtpipe.triton.repo import write_repo
 from trtpipe.triton.server import SHM_DIR
 
 # Deselected by default (pyproject addopts; ``pytest -m chaos`` runs them): alone they pass, but after the rest of
-# the suite in one pytest process the SIGINT-of-serve case times out, its server left up, and the later cases fail
-# on that. Open work (README, docs/serving.md).
+# the suite in one pytest process the SIGINT-of-serve case times out, its server left up, and two later signal
+# cases fail too. Open work (README).
 pytestmark = [pytest.mark.triton, pytest.mark.slow, pytest.mark.chaos]
 
 PROMPTS = ["Once upon a time", "Lily wanted to", "The cat", "One day, a little boy"]
