@@ -103,6 +103,9 @@ class TritonPythonModel:
                 n_in, n_out = finished.popleft()
                 self.histograms["nv_llm_input_token_len"].observe(n_in)
                 self.histograms["nv_llm_output_token_len"].observe(n_out)
+        if log is not None:  # the last steps before the stop, then the file is closed
+            log.write_new(self.executor.core.iterations)
+            log.close()
 
     # ---- requests --------------------------------------------------------------------------------
     def _watch_cancellation(self):
