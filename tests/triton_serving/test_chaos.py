@@ -26,10 +26,8 @@ from trtpipe.pipeline.cache import MARKER
 from trtpipe.triton.client import Client, GenerateOptions
 from trtpipe.triton.repo import write_repo
 from trtpipe.triton.server import SHM_DIR
+from triton_helpers import like_a_terminal, tiny_recipe
 
-# Deselected by default (pyproject addopts; ``pytest -m chaos`` runs them): alone they pass, but after the rest of
-# the suite in one pytest process the SIGINT-of-serve case times out, its server left up, and two later signal
-# cases fail too. Open work (README).
 pytestmark = [pytest.mark.triton, pytest.mark.slow, pytest.mark.chaos]
 
 PROMPTS = ["Once upon a time", "Lily wanted to", "The cat", "One day, a little boy"]
@@ -47,7 +45,7 @@ def streaming_repo(stories_engine, stories_recipe, tmp_path_factory):
 def _serve_foreground(repo: Path):
     """`trtpipe serve REPO` in the foreground; returns (process, grpc url, tritonserver pid) once it is ready."""
     proc = subprocess.Popen([sys.executable, "-m", "trtpipe.cli", "serve", str(repo)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=like_a_terminal)
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -173,22 +171,6 @@ def test_sigint_of_a_foreground_serve_with_streams_in_flight(streaming_repo):
 
 # --- builds ------------------------------------------------------------------------------------------------
 
-RECIPE = """name: chaos
-work_dir: {work}
-model:
-  source: {model}
-  dtype: float16
-engine:
-  max_batch_size: 8
-  max_input_len: 256
-  max_seq_len: 512
-  max_num_tokens: 2048
-accuracy:
-  num_samples: 8
-  seq_len: 64
-triton:
-  max_batch_size: 8
-"""
 
 
 def _artifacts(work: Path) -> dict[str, str]:
@@ -201,6 +183,7 @@ def _build(recipe: Path, limit_bytes: int | None = None, signal_at: str | None =
     """`trtpipe build` in a child; optionally under a file-size limit, or signalled once ``signal_at`` shows."""
 
     def limits():
+        like_a_terminal()
         if limit_bytes is not None:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
@@ -230,7 +213,7 @@ def _no_partial_folders(work: Path) -> None:
 def test_build_interrupted_or_out_of_space_then_resumed_gives_identical_artifacts(stories_dir, tmp_path):
     # artifacts quote the recipe path and the work dir (notes for the reader): the reference is built there too
     recipe, work = tmp_path / "chaos.yaml", tmp_path / "work"
-    recipe.write_text(RECIPE.format(work=work, model=stories_dir))
+    recipe.write_text(tiny_recipe("chaos", work=work, model=stories_dir))
     assert _build(recipe)[0] == 0
     reference = _artifacts(work)
     shutil.rmtree(work)

@@ -15,6 +15,7 @@ import tritonclient.grpc as grpcclient
 from trtpipe.triton.client import Client, GenerateOptions
 from trtpipe.triton.repo import write_repo
 from trtpipe.triton.server import start_server
+from triton_helpers import run_concurrently
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 
@@ -68,21 +69,11 @@ def _llm_inputs(ids, max_tokens, **extra):
 
 
 def test_sixteen_concurrent_streams_through_a_tiny_pool_are_exact(server, hf_greedy):
-    results, errors = {}, []
-
     def ask(i):
-        try:
-            with Client(server.grpc_url) as c:
-                results[i] = "".join(c.stream(PROMPTS[i % 4], GenerateOptions(max_tokens=48 + 8 * (i % 3))))
-        except BaseException as exc:  # noqa: BLE001 - collected below
-            errors.append(exc)
+        with Client(server.grpc_url) as c:
+            return "".join(c.stream(PROMPTS[i % 4], GenerateOptions(max_tokens=48 + 8 * (i % 3))))
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    assert not errors, errors[0]
+    results = run_concurrently(ask, 16, timeout=180)
     for i, text in results.items():
         assert text == hf_greedy(PROMPTS[i % 4], 48 + 8 * (i % 3))[1], i
     assert wait_for(server, ("nv_trt_llm_kv_cache_block_metrics", "used"), 0.0)

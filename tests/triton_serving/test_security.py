@@ -14,27 +14,12 @@ import pytest
 from click.testing import CliRunner
 
 from trtpipe.cli import main
+from triton_helpers import tiny_recipe
 
 pytestmark = pytest.mark.slow
 
 SHELL_BAIT = "w$(touch MARK1);touch MARK2 `touch MARK3`|touch MARK4"  # every way a shell would run code
 TOKENS = {"HF_TOKEN": "hf_trtpipeSECRETtoken1", "HUGGING_FACE_HUB_TOKEN": "hf_trtpipeSECRETtoken2"}
-RECIPE = """name: sec
-work_dir: '{work}'
-model:
-  source: {model}
-  dtype: float16
-engine:
-  max_batch_size: 8
-  max_input_len: 256
-  max_seq_len: 512
-  max_num_tokens: 2048
-accuracy:
-  num_samples: 8
-  seq_len: 64
-triton:
-  max_batch_size: 8
-"""
 
 
 def _cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -52,7 +37,7 @@ def bait_build(tmp_path_factory, stories_dir):
     """A whole build (convert -> twin -> repository) whose work dir is shell syntax, with HF tokens set."""
     root = tmp_path_factory.mktemp("sec")
     recipe = root / "recipe.yaml"
-    recipe.write_text(RECIPE.format(work=SHELL_BAIT, model=stories_dir))
+    recipe.write_text(tiny_recipe("sec", work=SHELL_BAIT, model=stories_dir))
     res = _cli("build", str(recipe), cwd=root, env=TOKENS)
     assert res.returncode == 0, res.stderr
     return root, recipe

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from trtpipe.triton.repo import write_repo
 from trtpipe.triton.serve import repo_info
 from trtpipe.triton.server import Ports, free_ports
 
-from triton_helpers import BUILD_CONFIG
+from triton_helpers import BUILD_CONFIG, like_a_terminal, run_concurrently
 
 pytestmark = [pytest.mark.triton, pytest.mark.mpi, pytest.mark.slow]
 TEARDOWN_LIMIT_S = 30.0
@@ -105,21 +104,11 @@ def test_tp2_greedy_streaming_and_kill_of_a_worker(cache, repo_tp2, hf_greedy):
             assert c.generate("Once upon a time", GenerateOptions(max_tokens=40)) == expected
         # 16 concurrent streaming requests through the in-flight executor on rank 0
         prompts = ["Once upon a time", "Lily wanted to", "Tom had a big red ball.", "One day, a cat saw a bird"]
-        results, errors = {}, []
-
         def ask(i):
-            try:
-                with Client(server.grpc_url) as c:
-                    results[i] = "".join(c.stream(prompts[i % 4], GenerateOptions(max_tokens=32)))
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
-                errors.append(exc)
+            with Client(server.grpc_url) as c:
+                return "".join(c.stream(prompts[i % 4], GenerateOptions(max_tokens=32)))
 
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
-        assert not errors, errors[0]
+        results = run_concurrently(ask, 16, timeout=180)
         assert results == {i: hf_greedy(prompts[i % 4], 32)[1] for i in range(16)}
         # kill -9 of the worker rank: the job is torn down and the worker is named
         os.kill(worker, signal.SIGKILL)
@@ -156,7 +145,7 @@ def test_tp2_pp2_on_two_hosts_then_ctrl_c(cache, tmp_path_factory, stories_dir, 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([str(Path(sys.executable).parent / "trtpipe"), "serve", str(repo), "--hostfile", str(hostfile),
                              "--http-port", str(http), "--timeout", "240"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+                            stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=like_a_terminal)
     lines = []
     try:
         for line in proc.stdout:

@@ -5,13 +5,13 @@ by default. Also the BLS model (recipe triton.bls) and the prompt-included outpu
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 
 from trtpipe.triton.client import Client, GenerateOptions
 from trtpipe.triton.repo import read_configs, write_repo
 from trtpipe.triton.server import start_server
+from triton_helpers import run_concurrently
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 
@@ -53,21 +53,11 @@ def test_greedy_tp2_equals_transformers_and_stops_at_either_eos(server, hf_greed
 
 def test_sixteen_concurrent_http_requests(server, hf_greedy, period):
     prompts = ["Once upon a time", "Lily wanted to", "Tom had a big red ball.", "One day, a cat saw a bird"]
-    results, errors = {}, []
-
     def ask(i):
-        try:
-            with Client(server.http_url, protocol="http") as c:
-                results[i] = c.generate(prompts[i % 4], GenerateOptions(max_tokens=32))
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
+        with Client(server.http_url, protocol="http") as c:
+            return c.generate(prompts[i % 4], GenerateOptions(max_tokens=32))
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors[0]
+    results = run_concurrently(ask, 16, timeout=120)
     assert {i: results[i] for i in range(16)} == {i: hf_greedy(prompts[i % 4], 32, eos=(2, period))[1] for i in range(16)}
 
 
