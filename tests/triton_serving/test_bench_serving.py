@@ -8,7 +8,10 @@ with itself passes its gate. The AIPerf parts skip when its venv is absent (scri
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import struct
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -73,8 +76,13 @@ def test_timed_request_streams_and_not(server):
     assert whole["pieces"] == 1 and 0 < whole["ttft_ms"] <= whole["e2e_ms"]
 
 
-def test_sweep_numbers_equal_aiperf_export_and_join_the_server_view(repo, server, tmp_path):
+def test_sweep_numbers_equal_aiperf_export_and_join_the_server_view(repo, server, tmp_path, monkeypatch):
     _aiperf_or_skip()
+    # the temp dir (short: AIPerf's ZMQ socket paths live there): the bench must leave nothing in it (AIPerf alone
+    # leaves its socket folders and an aiperf_mmap_* folder per run)
+    temp = Path(tempfile.mkdtemp(prefix="tp"))
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # this process's too (Python reads TMPDIR once)
     out = tmp_path / "sweep"
     res = CliRunner().invoke(main, ["bench", str(repo), "--url", server.http_url, "--metrics-url",
                                     f"http://{server.bind}:{server.ports.metrics}/metrics", "-c", "1,2", "-n", "6", "--warmup", "1", "--isl", "16",
@@ -107,5 +115,8 @@ def test_sweep_numbers_equal_aiperf_export_and_join_the_server_view(repo, server
         assert prov["repo"]["engine"] == "cpu-twin" and len(prov["repo"]["engine_config_sha256"]) == 64
         assert set(prov["repo"]["config_pbtxt_sha256"]) >= {"tensorrt_llm", "tensorrt_llm_bls", "ensemble"}
         assert prov["versions"]["aiperf"] == "0.13.0" and prov["server"]["version"] == "2.51.0"
+    left = list(temp.iterdir())
+    shutil.rmtree(temp)
+    assert not left and not list(out.rglob("aiperf_mmap_*")), left
     same = CliRunner().invoke(main, ["bench", "compare", str(out / "c1"), str(out / "c1"), "--fail-if", "ttft.p99>+10%"])
     assert same.exit_code == 0 and "pass ttft.p99>+10%" in same.output

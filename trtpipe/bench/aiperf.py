@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -257,12 +258,19 @@ def run(binary: Path, target: Target, load: Load, out_dir: Path, goodput: Option
     template.write_text(target.template_text(load.osl))
     cmd = command(binary, target, load, out_dir / "aiperf", template, goodput)
     log = out_dir / "aiperf.log"
+    # AIPerf gets a temp dir of its own, removed after it: it leaves folders in the temp dir on every run (its
+    # ZMQ socket folders and an emptied aiperf_mmap_* folder), and the system's would fill with them. The path
+    # stays short: a ZMQ socket path must fit in 107 bytes.
+    temp = tempfile.mkdtemp(prefix="trtpipe-aiperf-")
+    env = {**os.environ, "NO_COLOR": "1", "TMPDIR": temp}
     with open(log, "w") as fh:
         try:
             proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                  stdin=subprocess.DEVNULL, env={**os.environ, "NO_COLOR": "1"})
+                                  stdin=subprocess.DEVNULL, env=env)
         except subprocess.TimeoutExpired:
             raise BenchError(f"AIPerf did not finish in {timeout_s:.0f} s; log {log}") from None
+        finally:
+            shutil.rmtree(temp, ignore_errors=True)
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
     if proc.returncode != 0:
         raise BenchError(f"AIPerf exited with {proc.returncode}; log {log}:\n{tail}")
