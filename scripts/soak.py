@@ -1,7 +1,7 @@
 """Soak the served twin: many streaming requests of mixed lengths, some cancelled by the client, while the RSS of
 every server process (tritonserver and each python-backend stub) and the server's /dev/shm regions are sampled.
 
-    python scripts/soak.py REPO [--requests 2000] [--concurrency 4] [--cancel 0.1] [--seed 0] [--out soak.json]
+    python scripts/soak.py REPO [--requests 2000] [--concurrency 4] [--cancel 0.1] [--model M] [--seed 0] [--out soak.json]
 
 REPO must be a streaming repository (recipe ``triton.streaming: true``); a server is started on 127.0.0.1 and
 stopped at the end. Prints a table of RSS over time (MB per process) and a JSON summary: requests done,
@@ -72,6 +72,9 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--cancel", type=float, default=0.1, help="fraction of requests the client cancels midway")
+    ap.add_argument("--model", default=None,
+                    help="the model the clients stream through (default: the client's front model, the BLS when "
+                         "the repository has one; 'ensemble' or 'tensorrt_llm' exercise the other paths)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sample-s", type=float, default=2.0)
     ap.add_argument("--out", type=Path)
@@ -107,7 +110,7 @@ def main() -> int:
                 stop.wait(args.sample_s)
 
         def worker(k: int):
-            with Client(server.grpc_url) as client:
+            with Client(server.grpc_url, model=args.model) as client:
                 for i in range(k, len(plan), args.concurrency):
                     if args.max_seconds is not None and time.monotonic() - started > args.max_seconds:
                         return

@@ -30,7 +30,6 @@ class TritonPythonModel:
 
         from trtpipe.runtime import load_checkpoint
         from trtpipe.serving import triton_twin
-        from trtpipe.serving.api import FinishReason
         from trtpipe.serving.executor import Executor
         from trtpipe.serving.reference_engine import ReferenceEngine
         from trtpipe.triton import stub_watchdog
@@ -40,7 +39,6 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn("tensorrt_llm twin: no python3 for the stub watchdog; a kill -9 of "
                                      "tritonserver can leave this stub running")
         self.twin = triton_twin
-        self.cancelled_reason = FinishReason.CANCELLED
         config = json.loads(args["model_config"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.settings = triton_twin.settings_from_model_config(config, args["model_repository"])
@@ -141,13 +139,9 @@ class TritonPythonModel:
 
     def _submit(self, request, parsed, deliver):
         def respond(resp):
-            if resp.is_final:
+            if resp.is_final:  # also a request its client cancelled: the server keeps its state until the final
                 with self.lock:
-                    entry = self.live.pop(resp.request_id, None)
-                # A request its client cancelled gets nothing more: a send to a cancelled request never returns
-                # on this python backend and holds one of the server's stub-message threads for good.
-                if entry is not None and resp.finish_reason == self.cancelled_reason and entry[0].is_cancelled():
-                    return
+                    self.live.pop(resp.request_id, None)
             if resp.has_error:
                 deliver(_error(f"Executor failed process requestId {resp.request_id} due to the following error: {resp.error}"), True)
                 return

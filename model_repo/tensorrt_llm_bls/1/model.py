@@ -5,6 +5,7 @@ only the new text is sent: the pieces join to exactly the non-streamed text, wit
 half UTF-8 characters (a trailing U+FFFD is held back until the next token completes it).
 """
 
+import collections
 import json
 import os
 import threading
@@ -74,10 +75,14 @@ class _IteratorGate:
     flight have each taken their next response (about one engine step), and they wait until it has returned.
     """
 
+    # A finished response iterator is let go only this long after its last response (see ``_retire``).
+    HOLD_S = 2.0
+
     def __init__(self):
         self.cv = threading.Condition()
         self.inside = 0  # threads inside next()
         self.calling = 0  # threads waiting for, or inside, exec(decoupled=True)
+        self.retired = collections.deque()  # (time finished, iterator)
 
     def call(self, request):
         with self.cv:
@@ -91,21 +96,49 @@ class _IteratorGate:
                 self.cv.notify_all()
 
     def responses(self, responses):
-        """A decoupled call's responses, each wait for the next one inside the gate."""
+        """A decoupled call's responses, each wait for the next one inside the gate. Left early (an error, or
+        the consumer stopped), the rest is read here: only an iterator read to its end is let go by the stub."""
         it = iter(responses)
-        while True:
+        finished = False
+        try:
+            while True:
+                resp = self._next(it)
+                if resp is None:
+                    finished = True
+                    return
+                yield resp
+        finally:
+            while not finished:
+                finished = self._next(it) is None
+            self._retire(it)
+
+    def _next(self, it):
+        with self.cv:
+            self.cv.wait_for(lambda: self.calling == 0)
+            self.inside += 1
+        try:
+            return next(it, None)
+        finally:
             with self.cv:
-                self.cv.wait_for(lambda: self.calling == 0)
-                self.inside += 1
-            try:
-                resp = next(it)
-            except StopIteration:
-                return
-            finally:
-                with self.cv:
-                    self.inside -= 1
-                    self.cv.notify_all()
-            yield resp
+                self.inside -= 1
+                self.cv.notify_all()
+
+    def _retire(self, it):
+        """Keep a finished iterator a while, so that this thread, holding the GIL, drops the last reference.
+
+        On its last response the iterator queues its removal from the stub's iterator map, which another stub
+        thread carries out without the GIL. If that map entry were the last reference, the iterator's kept
+        responses would free their numpy arrays there, without the GIL, and corrupt the interpreter's heap (the
+        BLS stub then dies in pymalloc; seen in soaks with client cancellations, gdb stack in docs/serving.md).
+        The removal takes well under a millisecond; ``HOLD_S`` leaves it thousands of times that.
+        """
+        now = time.monotonic()
+        done = []
+        with self.cv:
+            self.retired.append((now, it))
+            while self.retired and now - self.retired[0][0] > self.HOLD_S:
+                done.append(self.retired.popleft())
+        del done  # dropped here, with the GIL held
 
 
 class TritonPythonModel:
@@ -127,11 +160,12 @@ class TritonPythonModel:
         with open(llm_cfg) as fh:  # whether tensorrt_llm must be called as a decoupled model
             self.llm_decoupled = "decoupled: true" in fh.read()
 
-    def _text(self, text, measured=()):
-        return pb_utils.InferenceResponse(
-            output_tensors=[pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object)),
-                            *measured]
-        )
+    @staticmethod
+    def _text(text, measured=()):
+        """A response and its tensors: the caller keeps the tensors until the response is sent. The sender drops
+        outputs the client did not ask for without the GIL, which must not free the last reference to them."""
+        tensors = [pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object)), *measured]
+        return pb_utils.InferenceResponse(output_tensors=tensors), tensors
 
     def _call(self, model, inputs, outputs, decoupled=False, request_id=""):
         req = pb_utils.InferenceRequest(model_name=model, requested_output_names=outputs, inputs=inputs,
@@ -212,17 +246,17 @@ class TritonPythonModel:
         try:
             if sender is None:
                 parts = list(self._generate(request))
-                return self._text("".join(piece for piece, _, _ in parts), parts[-1][2])
+                return self._text("".join(piece for piece, _, _ in parts), parts[-1][2])[0]
             for piece, final, measured in self._generate(request, sender.is_cancelled):
                 if final and measured:
-                    sender.send(self._text(piece, measured), flags=FINAL)
+                    response, tensors = self._text(piece, measured)
+                    sender.send(response, flags=FINAL)
                     return None
                 if piece:
-                    sender.send(self._text(piece))
-            if sender.is_cancelled():
-                # Nothing more goes to a stream the client cancelled: on this python backend a send to a cancelled
-                # gRPC stream never returns and holds one of the server's stub-message threads for good.
-                return None
+                    response, tensors = self._text(piece)
+                    sender.send(response)
+            # Also a stream the client cancelled ends with its final flag: the server keeps the state of a stream
+            # until then (about 40 KB in tritonserver per cancelled request, measured).
             sender.send(flags=FINAL)
         except Exception as exc:  # noqa: BLE001 - every request ends with a final response, whatever failed
             message = str(exc) if isinstance(exc, _Failed) else f"tensorrt_llm_bls: {type(exc).__name__}: {exc}"
