@@ -245,6 +245,13 @@ def test_iteration_log_writes_each_step_once_with_what_it_computed(model_tp1, tm
     first = lines[0]["inflightBatchingStats"]
     assert first["numContextRequests"] == 1 and first["numCtxTokens"] == len(prompts[0])
     assert lines[0]["numAttendedTokens"] == len(prompts[0])  # a lone context attends to its own prompt
+    assert lines[0]["scheduledEntries"] == [[0, len(prompts[0]), 1]]
+    for r in lines:  # each entry: [start, tokens, is context]; the counts agree with them
+        b, entries = r["inflightBatchingStats"], r["scheduledEntries"]
+        assert sum(ctx for _, _, ctx in entries) == b["numContextRequests"]
+        assert sum(n for _, n, ctx in entries if ctx) == b["numCtxTokens"]
+        assert sum(start + n for start, n, _ in entries) == r["numAttendedTokens"]
+        assert all(n == 1 for _, n, ctx in entries if not ctx)
     # a generation row attends to everything before it, plus the token it writes
     solo = [s for s in core.iterations if s.num_generation_requests == 1 and not s.num_context_requests]
     assert solo and all(s.num_attended_tokens > len(min(prompts, key=len)) for s in solo)

@@ -72,6 +72,8 @@ class IterationStats:
     step_time_s: float
     kv: KVStats
     num_attended_tokens: int = 0  # KV positions the step's attention read (context and generation rows)
+    # (start position, tokens, is context) of each scheduled entry: what a step-cost model of the twin needs
+    entries: tuple = ()
 
     @property
     def num_waiting(self) -> int:
@@ -370,7 +372,8 @@ class ExecutorCore:
             num_context_requests=sum(1 for e in batch.entries if e.is_context),
             num_context_tokens=batch.num_context_tokens, num_generation_requests=batch.num_generation_requests,
             num_paused=paused, step_time_s=elapsed, kv=self.pool.stats(),
-            num_attended_tokens=sum(e.start_pos + len(e.tokens) for e in batch.entries)))
+            num_attended_tokens=sum(e.start_pos + len(e.tokens) for e in batch.entries),
+            entries=tuple((e.start_pos, len(e.tokens), e.is_context) for e in batch.entries)))
 
 
 class Executor:

@@ -237,7 +237,8 @@ ITER_STATS_ENV = "TRTPIPE_ITER_STATS"  # a file: the twin appends one JSON line 
 
 def iteration_record(stats: IterationStats) -> dict:
     """One iteration as TensorRT-LLM's executor serializes ``IterationStats`` (its JSON field names), plus the
-    twin's ``numAttendedTokens``: what a step-cost model of the twin is fitted on."""
+    twin's ``numAttendedTokens`` and ``scheduledEntries`` ([start position, tokens, is context] per scheduled
+    request): what a step-cost model of the twin is fitted on."""
     kv = stats.kv
     return {
         "iter": stats.iteration,
@@ -255,6 +256,7 @@ def iteration_record(stats: IterationStats) -> dict:
                                   "numPausedRequests": stats.num_paused, "numCtxTokens": stats.num_context_tokens,
                                   "microBatchId": 0},
         "numAttendedTokens": stats.num_attended_tokens,
+        "scheduledEntries": [[start, n, int(ctx)] for start, n, ctx in stats.entries],
     }
 
 
