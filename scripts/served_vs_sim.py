@@ -6,11 +6,12 @@
 1. Build the recipe (streaming, 16 batch slots) and serve it detached on the CPU twin, with the twin writing one
    JSON line per executor iteration (``TRTPIPE_ITER_STATS``: TensorRT-LLM's IterationStats fields).
 2. Calibrate with ``trtpipe bench`` on workloads that are NOT the one evaluated (other prompt/output lengths and
-   concurrencies). From the served twin's own iteration records, fit the typical step cost by robust least squares:
-   ``t = a + b x generating requests + c x context tokens + d x context requests + e x attended KV tokens
-   + f x prompt length x context tokens``, the measured steps' spread around it and the host time between
-   consecutive steps (each simulated step draws its factor and gap from those). From the bench's server split (client TTFT minus the executor's
-   TTFT: gRPC/HTTP, BLS, tokenizer, detokenizer), take the median time outside the executor at each calibration
+   concurrencies; every bench call with its own prompt seed). From the served twin's own iteration records, fit the
+   typical step cost by robust least squares: ``t = a + b x generating requests + c x context tokens + d x context
+   requests + e x context query-key pairs + f x generating requests x longest generating position``, the measured
+   steps' spread around it and the host time between consecutive steps (each simulated step draws its factor and
+   gap from those). From the bench's server split (client TTFT minus the executor's TTFT: gRPC/HTTP, BLS,
+   tokenizer, detokenizer), take the median time outside the executor at each calibration
    concurrency (those processes share the CPU with the executor, so it grows with load; interpolated in between)
    and its spread around the median: each simulated request draws its own, as real requests do.
 3. Evaluate: ``trtpipe bench`` at each concurrency on the evaluation workload, and the same closed loop in the
@@ -45,21 +46,23 @@ ROOT = Path(__file__).resolve().parent.parent
 CALIBRATION = (("2,6,12", 32, 96), ("3,10", 160, 24), ("1,16", 96, 40))
 
 
-def features(ctx_tokens: float, gen: float, ctx_requests: float, attended: float) -> list[float]:
-    """Step-cost terms. The last is causal attention over the prompts (quadratic in prompt length), written with
-    what the iteration log records: exact when a step's prompts have one length, as in one bench workload."""
-    return [1.0, gen, ctx_tokens, ctx_requests, attended, ctx_tokens ** 2 / max(ctx_requests, 1)]
+def features(entries) -> list[float]:
+    """Step-cost terms from the step's (start position, tokens, is context) entries, following how the twin computes
+    a step: linear layers over all packed tokens; per context request, its own attention over its queries times
+    every key up to its end (cached prefix included) and a Python loop turn per layer; the generating rows'
+    attention over one gathered [rows, longest position] block (padded to the longest)."""
+    ctx = [(start, n) for start, n, is_ctx in entries if is_ctx]
+    gen = [start for start, _, is_ctx in entries if not is_ctx]
+    return [1.0, len(gen), sum(n for _, n in ctx), len(ctx), sum(n * (start + n) for start, n in ctx),
+            len(gen) * (max(gen) + 1) if gen else 0]
 
 
 def batch_features(batch: StepBatch) -> list[float]:
-    ctx = [e for e in batch.entries if e.is_context]
-    return features(sum(len(e.tokens) for e in ctx), len(batch.entries) - len(ctx), len(ctx),
-                    sum(e.start_pos + len(e.tokens) for e in batch.entries))
+    return features([(e.start_pos, len(e.tokens), e.is_context) for e in batch.entries])
 
 
 def record_features(r: dict) -> list[float]:
-    b = r["inflightBatchingStats"]
-    return features(b["numCtxTokens"], b["numGenRequests"], b["numContextRequests"], r["numAttendedTokens"])
+    return features(r["scheduledEntries"])
 
 
 def robust_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -107,8 +110,9 @@ def fit_steps(records: list[dict]) -> StepCost:
     print(f"step cost: {len(y)} served steps; typical-step fit median |err| {np.median(np.abs(ratios - 1)):.1%}, "
           f"measured/fit p10 {np.percentile(ratios, 10):.2f} p90 {np.percentile(ratios, 90):.2f} mean "
           f"{ratios.mean():.2f}; base {coef[0] * 1e3:.3f} ms, per generating request {coef[1] * 1e6:.1f} us, per "
-          f"context token {coef[2] * 1e6:.2f} us, per context request {coef[3] * 1e6:.1f} us, per attended token "
-          f"{coef[4] * 1e9:.1f} ns, per prompt-token pair {coef[5] * 1e9:.1f} ns; host between steps median "
+          f"context token {coef[2] * 1e6:.2f} us, per context request {coef[3] * 1e6:.1f} us, per context "
+          f"query-key pair {coef[4] * 1e9:.1f} ns, per gathered generation key {coef[5] * 1e9:.1f} ns; host between "
+          f"steps median "
           f"{np.median(gaps) * 1e3:.3f} ms mean {gaps.mean() * 1e3:.3f} ms ({len(gaps)})")
     return StepCost(coef, ratios, gaps)
 
@@ -126,11 +130,12 @@ def cli(*args: str, env: dict | None = None, capture: bool = False) -> str:
     return res.stdout or ""
 
 
-def bench(repo: str, out: Path, conc: str, isl: int, osl: int, n: int) -> list[dict]:
+def bench(repo: str, out: Path, conc: str, isl: int, osl: int, n: int, seed: int) -> list[dict]:
     """``trtpipe bench run`` against the detached server of ``repo`` (the served repository itself, so that it
-    can never start a server of its own)."""
+    can never start a server of its own). Each call gets its own ``seed``: AIPerf's prompts of one seed start
+    alike, and later calls would find their first KV blocks cached (the simulated prompts share nothing)."""
     cli("bench", "run", repo, "-c", conc, "--isl", str(isl), "--osl", str(osl), "-n", str(n), "--out", str(out),
-        capture=True)
+        "--seed", str(seed), capture=True)
     return [json.loads(p.read_text()) for p in sorted(out.rglob("result.json"))]
 
 
@@ -169,13 +174,14 @@ def measure(a, work: Path, sets: list[str]) -> None:
         for r in range(a.rounds):
             run = work / "runs" / f"round{r}"
             for k, (conc, isl, osl) in enumerate(CALIBRATION):
-                bench(server.repo, run / "calibration" / str(k), conc, isl, osl, 8 * max(map(int, conc.split(","))))
+                bench(server.repo, run / "calibration" / str(k), conc, isl, osl, 8 * max(map(int, conc.split(","))),
+                      seed=1000 * r + k + 1)
             lines = iters.read_text().splitlines()
             with open(work / "runs" / "calibration_steps.jsonl", "a") as fh:  # the calibration workloads' steps only
                 fh.writelines(line + "\n" for line in lines[seen:])
             for c in (int(x) for x in a.concurrency.split(",")):
                 bench(server.repo, run / "evaluation" / f"c{c}", str(c), a.isl, a.osl,
-                      max(c * a.requests_per_client, a.min_requests))
+                      max(c * a.requests_per_client, a.min_requests), seed=1000 * r + 100 + c)
             seen = len(iters.read_text().splitlines())
     finally:
         cli("stop", a.recipe, *sets)
