@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trtpipe.bench.aiperf import read_raw_server_fields
 from trtpipe.perf.simulate import CostModelEngine, closed_loop
 from trtpipe.serving import triton_twin
 from trtpipe.serving import api
@@ -139,9 +140,36 @@ def bench(repo: str, out: Path, conc: str, isl: int, osl: int, n: int, seed: int
     return [json.loads(p.read_text()) for p in sorted(out.rglob("result.json"))]
 
 
-def point(doc: dict) -> dict:
+def returns(aiperf_dir: Path, concurrency: int) -> dict:
+    """Seconds from a request's last token to the next request's arrival, both on the executor's clock: what a
+    closed-loop client spends outside the executor between two requests (final response path, the client's own
+    turnaround, request path, the wait for the executor's next step). Matched first in, first out: with
+    ``concurrency`` clients the k-th final frees the client of the (concurrency + k)-th arrival (the mean is exact
+    under any matching).
+
+    Requests freed by one step come back together (within a few ms; groups tens of ms apart), so besides the
+    times (``returns``) this gives each group's median over the point's median (``group``) and each request's
+    offset from its group's median over the point's median (``jitter``)."""
+    arrivals, finals = [], []
+    for fields in read_raw_server_fields(aiperf_dir).values():
+        f = next((x for x in fields if "arrival_time_ns" in x and "last_token_time_ns" in x), None)
+        if f is not None:
+            arrivals.append(int(f["arrival_time_ns"]))
+            finals.append(int(f["last_token_time_ns"]))
+    arrivals, finals = np.sort(arrivals), np.sort(finals)
+    gaps = (arrivals[concurrency:] - finals[:len(arrivals) - concurrency]) / 1e9
+    typical = float(np.median(gaps))
+    by_step: dict[int, list[float]] = {}
+    for f, g in zip(finals, gaps):
+        by_step.setdefault(int(f), []).append(float(g))
+    medians = {k: float(np.median(v)) for k, v in by_step.items()}
+    return {"returns": gaps, "group": np.array(list(medians.values())) / typical,
+            "jitter": np.array([g - medians[int(f)] for f, g in zip(finals, gaps)]) / typical}
+
+
+def point(doc: dict, aiperf_dir: Path) -> dict:
     m = doc["metrics"]
-    return {"c": doc["load"]["concurrency"], "ttft_p50": m["ttft"]["p50"] / 1e3, "ttft_avg": m["ttft"]["avg"] / 1e3,
+    return {"c": doc["load"]["concurrency"], **returns(aiperf_dir, doc["load"]["concurrency"]), "ttft_p50": m["ttft"]["p50"] / 1e3, "ttft_avg": m["ttft"]["avg"] / 1e3,
             "itl_p50": m["itl"]["p50"] / 1e3, "itl_avg": m["itl"]["avg"] / 1e3,
             "tok_s": m["output_token_throughput"]["value"],
             "outside_p50": doc["server_split"]["outside_executor"]["p50"] / 1e3,
@@ -156,6 +184,32 @@ def executor_settings(http_url: str, repo: Path):
         return triton_twin.settings_from_model_config(json.load(fh), str(repo / "tensorrt_llm")).executor  # as the stub sees it
 
 
+def pin(server_pid: int) -> str:
+    """The twin's executor (the ``tensorrt_llm`` stub) alone on the first CPU; tritonserver, the other stubs, this
+    script and the benches it starts on the others. On a GPU the engine computes apart from the host's front end;
+    here, unpinned, the BLS, tritonserver and AIPerf take most of a 2-core machine at concurrency 16 and the
+    executor's steps slow down with their load, which no step model of the executor alone can follow."""
+    import psutil
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return "not pinned: one CPU"
+    engine, rest = {cpus[0]}, set(cpus[1:])
+    root = psutil.Process(server_pid)
+    pinned = []
+    for p in [root, *root.children(recursive=True)]:
+        mine = "tensorrt_llm/1/model.py" in " ".join(p.cmdline())
+        for tid in os.listdir(f"/proc/{p.pid}/task"):  # every thread: affinity is per thread
+            try:
+                os.sched_setaffinity(int(tid), engine if mine else rest)
+            except OSError:  # a thread that just ended
+                pass
+        if mine:
+            pinned.append(p.pid)
+    os.sched_setaffinity(0, rest)
+    return f"executor stub {pinned} on CPU {cpus[0]}, the rest on CPU {sorted(rest)}"
+
+
 def measure(a, work: Path, sets: list[str]) -> None:
     """Build, serve with the iteration log on, then ``--rounds`` rounds of (calibration workloads, evaluation
     points): interleaved, so that both sides see the same machine (on a shared one its speed drifts by 10-20 %
@@ -168,6 +222,8 @@ def measure(a, work: Path, sets: list[str]) -> None:
     cli("serve", a.recipe, *sets, "--detach", env=env, capture=True)
     try:
         server = one_detached(Path(a.recipe), [s.split("=", 1)[1] for s in sets])
+        if a.pin:
+            print(pin(server.pid))
         config = executor_settings(server.http_url, Path(server.repo))
         (work / "executor.json").write_text(json.dumps(dataclasses.asdict(config), default=_plain))
         seen = 0
@@ -192,11 +248,32 @@ def load(work: Path):
     fields = json.loads((work / "executor.json").read_text())
     config = api.ExecutorConfig(**{**fields, "capacity_policy": api.CapacityPolicy(fields["capacity_policy"])})
     records = [json.loads(line) for line in (work / "runs" / "calibration_steps.jsonl").read_text().splitlines()]
-    docs = lambda part: [json.loads(p.read_text()) for p in sorted((work / "runs").glob(f"round*/{part}/**/result.json"))]  # noqa: E731
+    points = lambda part: [point(json.loads(p.read_text()), p.parent / "aiperf")  # noqa: E731
+                           for p in sorted((work / "runs").glob(f"round*/{part}/**/result.json"))]
     evals: dict[int, list[dict]] = {}
-    for m in (point(d) for d in docs("evaluation")):
+    for m in points("evaluation"):
         evals.setdefault(m["c"], []).append(m)
-    return config, [point(d) for d in docs("calibration")], records, dict(sorted(evals.items()))
+    return config, points("calibration"), records, dict(sorted(evals.items()))
+
+
+class ByConcurrency:
+    """A per-request time measured at the calibration points: its median at each calibration concurrency (the
+    median over points with that concurrency), interpolated linearly in between, times a factor drawn from its
+    pooled spread around those medians (each simulated request draws its own, as real requests differ)."""
+
+    def __init__(self, name: str, cal_points: list[dict], key: str):
+        by_c: dict[int, list[float]] = {}
+        for p in cal_points:
+            by_c.setdefault(p["c"], []).append(float(np.median(p[key])))
+        self.cs = sorted(by_c)
+        self.medians = [float(np.median(by_c[c])) for c in self.cs]
+        self.spread = np.concatenate([p[key] / np.median(p[key]) for p in cal_points])
+        print(f"{name}, median per calibration concurrency: "
+              + ", ".join(f"c{c} {m * 1e3:.1f} ms" for c, m in zip(self.cs, self.medians))
+              + f"; spread p10 {np.percentile(self.spread, 10):.2f} p90 {np.percentile(self.spread, 90):.2f}")
+
+    def draw(self, c: int, n: int, rng) -> np.ndarray:
+        return float(np.interp(c, self.cs, self.medians)) * rng.choice(self.spread, size=n)
 
 
 def main(argv=None) -> int:
@@ -211,6 +288,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of calibration and evaluation")
     ap.add_argument("--sim-seeds", type=int, default=9, help="simulated runs per point (medians are compared)")
     ap.add_argument("--reuse", action="store_true", help="fit and simulate on the last run's measurements")
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="leave the executor sharing every CPU with the front end and the bench")
     a = ap.parse_args(argv)
     work = a.work.resolve()
     sets = [f"--set={s}" for s in (f"work_dir={work}", "triton.streaming=true", "engine.max_batch_size=16",
@@ -220,18 +299,16 @@ def main(argv=None) -> int:
     config, cal_points, records, evals = load(work)
 
     cost = fit_steps(records)
-    # time outside the executor: its median per calibration point, the median over points at one concurrency,
-    # interpolated linearly between the calibration concurrencies
-    by_c: dict[int, list[float]] = {}
-    for p in cal_points:
-        by_c.setdefault(p["c"], []).append(p["outside_p50"])
-    cs = sorted(by_c)
-    outside = [float(np.median(by_c[c])) for c in cs]
-    print("outside the executor, median per calibration concurrency: "
-          + ", ".join(f"c{c} {o * 1e3:.1f} ms" for c, o in zip(cs, outside)))
-    # its spread around that median: what keeps real clients out of lockstep, so each simulated request draws
-    # its own (seeded)
-    spread = np.concatenate([p["outside"] / p["outside_p50"] for p in cal_points])
+    # outside the executor, measured at the calibration points: the time a request's first token spends there
+    # (client TTFT - executor TTFT), and the time a client takes to come back with its next request
+    outside = ByConcurrency("first token outside the executor", cal_points, "outside")
+    comeback = ByConcurrency("last token to the next request's arrival", cal_points, "returns")
+    # ... which requests freed by one step share: one draw per step, plus each request's own small offset
+    group = np.concatenate([p["group"] for p in cal_points])
+    jitter = np.concatenate([p["jitter"] for p in cal_points])
+    print(f"  per step that frees requests: p10 {np.percentile(group, 10):.2f} p90 {np.percentile(group, 90):.2f} "
+          f"of the median; each request's offset from its step's: p10 {np.percentile(jitter, 10):+.2f} "
+          f"p90 {np.percentile(jitter, 90):+.2f}")
     rows, worst = [], 0.0
     keys = ("ttft_p50", "exec_ttft_p50", "itl_p50", "tok_s")
     rounds = len(next(iter(evals.values())))
@@ -240,15 +317,17 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c, ms in evals.items():
         m = {k: float(np.median([x[k] for x in ms])) for k in keys}
-        front = float(np.interp(c, cs, outside))
         n = max(c * a.requests_per_client, a.min_requests)
         runs = []
         for seed in range(a.sim_seeds):  # the drawn stalls are rare and large: the median over seeded runs
             rng, cost.rng = np.random.default_rng(seed), np.random.default_rng(seed)
-            gaps = front * rng.choice(spread, size=n)
-            r = closed_loop(config, CostModelEngine(step_cost=cost), c, n, a.isl, a.osl, client_gap_s=gaps)
-            # the measured time outside the executor includes the wait in its queue; so does the gap drawn here
-            runs.append({"ttft_p50": float(np.median(r.executor_ttft + gaps)),
+            # measured up to the step that took the request in; the simulator adds its own wait for a step (half a
+            # step on average: a few % of this time)
+            typical = float(np.interp(c, comeback.cs, comeback.medians))
+            r = closed_loop(config, CostModelEngine(step_cost=cost), c, n, a.isl, a.osl,
+                            client_gap_s=typical * rng.choice(jitter, size=n),
+                            step_gap_s=typical * rng.choice(group, size=n))
+            runs.append({"ttft_p50": float(np.median(r.executor_ttft + outside.draw(c, n, rng))),
                          "exec_ttft_p50": float(np.median(r.executor_ttft)), "itl_p50": r.pct("itl", 50),
                          "tok_s": r.throughput})
         s = {k: float(np.median([x[k] for x in runs])) for k in keys}
@@ -263,7 +342,8 @@ def main(argv=None) -> int:
         print(f"| {c} | " + " | ".join(cells) + " |")
     print(f"worst |sim/measured - 1| = {worst:.1%} over {len(keys) * len(rows)} numbers")
     (work / "served_vs_sim.json").write_text(json.dumps(
-        {"coef": cost.coef.tolist(), "outside_by_concurrency": dict(zip(cs, outside)),
+        {"coef": cost.coef.tolist(), "outside_by_concurrency": dict(zip(outside.cs, outside.medians)),
+         "comeback_by_concurrency": dict(zip(comeback.cs, comeback.medians)),
          "executor": dataclasses.asdict(config), "steps_fitted": len(records), "rows": rows},
         indent=1, default=_plain))
     return 0

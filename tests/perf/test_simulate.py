@@ -84,6 +84,22 @@ def test_closed_loop_per_request_gaps_stagger_even_the_first_wave():
         closed_loop(cfg(), fixed_engine(), concurrency=2, n=2, isl=4, osl=2, client_gap_s=[0.0])
 
 
+def test_closed_loop_step_gap_is_shared_by_the_requests_one_step_frees():
+    # A and B run in lockstep (0-20 ms) and free their clients in the same step, which draws one shared delay
+    # (5 ms); each request adds its own gap (0 and 3 ms): C arrives at 25 ms to an idle executor and starts at
+    # once; D arrives at 28 ms, mid-step, and waits for the 35 ms turn
+    r = closed_loop(cfg(), fixed_engine(), concurrency=2, n=4, isl=4, osl=2,
+                    client_gap_s=[0.0, 0.0, 0.0, 0.003], step_gap_s=[0.005, 0.0, 0.0, 0.0])
+    assert list(r.ttft[:2]) == pytest.approx([STEP, STEP])
+    assert list(r.queue_wait) == pytest.approx([0.0, 0.0, 0.0, 0.007])
+    shared = closed_loop(cfg(), fixed_engine(), concurrency=2, n=4, isl=4, osl=2,
+                         client_gap_s=[0.0] * 4, step_gap_s=[0.005] * 4)
+    assert list(shared.queue_wait) == pytest.approx([0.0] * 4)  # a group that comes back together starts together
+    assert shared.makespan_s == pytest.approx(4 * STEP + 0.005)
+    with pytest.raises(ValueError, match="step_gap_s has 1 values for 4 requests"):
+        closed_loop(cfg(), fixed_engine(), concurrency=2, n=4, isl=4, osl=2, step_gap_s=[0.0])
+
+
 def test_simulated_prompts_share_no_prefix_even_with_kv_reuse_on():
     # benchmark prompts are distinct: with reuse enabled every request still computes its whole prompt
     seen = []

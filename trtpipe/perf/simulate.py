@@ -174,22 +174,31 @@ def max_load(config: ExecutorConfig, engine: CostModelEngine, n: int, isl: int, 
 
 
 def closed_loop(config: ExecutorConfig, engine: CostModelEngine, concurrency: int, n: int, isl: int,
-                osl: int, client_gap_s: Union[float, Sequence[float]] = 0.0) -> SimResult:
+                osl: int, client_gap_s: Union[float, Sequence[float]] = 0.0,
+                step_gap_s: Optional[Sequence[float]] = None) -> SimResult:
     """``concurrency`` clients, n requests in all; each sends its next request when its previous one's final
     response leaves the executor. ``client_gap_s`` is the time outside the executor (network, tokenization,
     detokenization) before a request arrives: one number for every request after the first wave (which arrives
     at t=0), or one per request in submission order, the first wave included. Measured gaps vary from request
-    to request, and that variation is what keeps real clients from moving in lockstep."""
+    to request, and that variation is what keeps real clients from moving in lockstep.
+
+    ``step_gap_s``: one more delay per step that sends final responses, shared by every request those finals
+    free (the k-th such step takes the k-th value), added to each one's ``client_gap_s``. A front end moves the
+    requests that finish together as a group (measured on the served twin: requests freed by one step come back
+    within a few ms of each other, groups tens of ms apart), and that is what keeps real clients *in* step."""
     d = _Driver(config, engine)
     per_request = not isinstance(client_gap_s, (int, float))
     gap_ns = [int(g * 1e9) for g in client_gap_s] if per_request else [int(client_gap_s * 1e9)] * n
     if len(gap_ns) < n:
         raise ValueError(f"client_gap_s has {len(gap_ns)} values for {n} requests")
+    if step_gap_s is not None and len(step_gap_s) < n:  # at most one step per request sends finals
+        raise ValueError(f"step_gap_s has {len(step_gap_s)} values for {n} requests")
+    shared_ns = iter([int(g * 1e9) for g in step_gap_s]) if step_gap_s is not None else None
     on_the_way: list[int] = []  # arrival times of sent requests not yet at the executor
     sent = seen = 0
     for _ in range(min(concurrency, n)):
         if per_request:
-            heapq.heappush(on_the_way, gap_ns[sent])
+            heapq.heappush(on_the_way, max(0, gap_ns[sent]))
         else:
             d.submit(isl, osl)
         sent += 1
@@ -197,10 +206,12 @@ def closed_loop(config: ExecutorConfig, engine: CostModelEngine, concurrency: in
         while on_the_way and on_the_way[0] <= d.clock.now_ns():
             d.submit(isl, osl, heapq.heappop(on_the_way))
         more = d.turn()
-        while seen < len(d.final_at) and sent < n:
-            heapq.heappush(on_the_way, d.final_at[seen] + gap_ns[sent])
-            seen += 1
-            sent += 1
+        if seen < len(d.final_at) and sent < n:
+            shared = 0 if shared_ns is None else next(shared_ns)
+            while seen < len(d.final_at) and sent < n:
+                heapq.heappush(on_the_way, d.final_at[seen] + max(0, shared + gap_ns[sent]))  # never before
+                seen += 1
+                sent += 1
         seen = len(d.final_at)
         if not more:
             if not on_the_way:
