@@ -149,7 +149,7 @@ def returns(aiperf_dir: Path, concurrency: int) -> dict:
 
     Requests freed by one step come back together (within a few ms; groups tens of ms apart), so besides the
     times (``returns``) this gives each group's median over the point's median (``group``) and each request's
-    offset from its group's median over the point's median (``jitter``)."""
+    offset from its group's median over the point's median (``jitter``, from groups of two or more)."""
     arrivals, finals = [], []
     for fields in read_raw_server_fields(aiperf_dir).values():
         f = next((x for x in fields if "arrival_time_ns" in x and "last_token_time_ns" in x), None)
@@ -164,7 +164,9 @@ def returns(aiperf_dir: Path, concurrency: int) -> dict:
         by_step.setdefault(int(f), []).append(float(g))
     medians = {k: float(np.median(v)) for k, v in by_step.items()}
     return {"returns": gaps, "group": np.array(list(medians.values())) / typical,
-            "jitter": np.array([g - medians[int(f)] for f, g in zip(finals, gaps)]) / typical}
+            # from steps that freed two or more: a lone request's offset from itself is 0 and says nothing
+            "jitter": np.array([g - medians[int(f)] for f, g in zip(finals, gaps) if len(by_step[int(f)]) > 1])
+            / typical}
 
 
 def point(doc: dict, aiperf_dir: Path) -> dict:
