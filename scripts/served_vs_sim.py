@@ -214,8 +214,9 @@ def pin(server_pid: int) -> str:
 
 def measure(a, work: Path, sets: list[str]) -> None:
     """Build, serve with the iteration log on, then ``--rounds`` rounds of (calibration workloads, evaluation
-    points): interleaved, so that both sides see the same machine (on a shared one its speed drifts by 10-20 %
-    over minutes). Writes every bench result and the calibration steps under ``work``."""
+    points): each round's evaluation is predicted from the same round's calibration, minutes apart (on a shared
+    machine the same load runs 10-70 % faster or slower from one round to the next). Writes every bench result and
+    each round's calibration steps under ``work``."""
     cli("build", a.recipe, *sets)
     iters = work / "iters.jsonl"
     iters.unlink(missing_ok=True)
@@ -235,7 +236,7 @@ def measure(a, work: Path, sets: list[str]) -> None:
                 bench(server.repo, run / "calibration" / str(k), conc, isl, osl, 8 * max(map(int, conc.split(","))),
                       seed=1000 * r + k + 1)
             lines = iters.read_text().splitlines()
-            with open(work / "runs" / "calibration_steps.jsonl", "a") as fh:  # the calibration workloads' steps only
+            with open(run / "calibration_steps.jsonl", "w") as fh:  # this round's calibration workloads' steps only
                 fh.writelines(line + "\n" for line in lines[seen:])
             for c in (int(x) for x in a.concurrency.split(",")):
                 bench(server.repo, run / "evaluation" / f"c{c}", str(c), a.isl, a.osl,
@@ -246,16 +247,17 @@ def measure(a, work: Path, sets: list[str]) -> None:
 
 
 def load(work: Path):
-    """What :func:`measure` wrote: executor limits, calibration points and steps, evaluation points by concurrency."""
+    """What :func:`measure` wrote: executor limits, then per round its calibration points, calibration steps and
+    evaluation points by concurrency."""
     fields = json.loads((work / "executor.json").read_text())
     config = api.ExecutorConfig(**{**fields, "capacity_policy": api.CapacityPolicy(fields["capacity_policy"])})
-    records = [json.loads(line) for line in (work / "runs" / "calibration_steps.jsonl").read_text().splitlines()]
-    points = lambda part: [point(json.loads(p.read_text()), p.parent / "aiperf")  # noqa: E731
-                           for p in sorted((work / "runs").glob(f"round*/{part}/**/result.json"))]
-    evals: dict[int, list[dict]] = {}
-    for m in points("evaluation"):
-        evals.setdefault(m["c"], []).append(m)
-    return config, points("calibration"), records, dict(sorted(evals.items()))
+    rounds = []
+    for run in sorted((work / "runs").glob("round*"), key=lambda p: int(p.name[5:])):
+        points = lambda part: [point(json.loads(p.read_text()), p.parent / "aiperf")  # noqa: E731
+                               for p in sorted(run.glob(f"{part}/**/result.json"))]
+        records = [json.loads(line) for line in (run / "calibration_steps.jsonl").read_text().splitlines()]
+        rounds.append((points("calibration"), records, {m["c"]: m for m in points("evaluation")}))
+    return config, rounds
 
 
 class ByConcurrency:
@@ -298,8 +300,38 @@ def main(argv=None) -> int:
                                    "triton.max_batch_size=16")]
     if not a.reuse:
         measure(a, work, sets)
-    config, cal_points, records, evals = load(work)
+    config, rounds = load(work)
+    keys = ("ttft_p50", "exec_ttft_p50", "itl_p50", "tok_s")
+    per_round = []  # per round: {c: (measured, simulated)}
+    for r, (cal_points, records, evals) in enumerate(rounds):
+        print(f"round {r}:")
+        per_round.append(predict_round(a, config, cal_points, records, evals, keys))
+    cs = sorted(set.intersection(*(set(x) for x in per_round)))
+    rows, worst = [], 0.0
+    print(f"| concurrency | TTFT p50 ms: measured | sim | ratio | executor TTFT p50 ms: measured | sim | ratio | "
+          f"ITL p50 ms: measured | sim | ratio | tok/s: measured | sim | ratio |   (medians over {len(rounds)} rounds; "
+          f"ratio: median of each round's sim/measured)")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for c in cs:
+        m = {k: float(np.median([x[c][0][k] for x in per_round])) for k in keys}
+        s = {k: float(np.median([x[c][1][k] for x in per_round])) for k in keys}
+        ratio = {k: float(np.median([x[c][1][k] / x[c][0][k] for x in per_round])) for k in keys}
+        worst = max(worst, *(abs(v - 1) for v in ratio.values()))
+        rows.append({"concurrency": c, "measured": m, "simulated": s, "ratio": ratio,
+                     "rounds": [{"measured": x[c][0], "simulated": x[c][1]} for x in per_round]})
+        cells = []
+        for k in keys:
+            scale, fmt = (1, "{:.0f}") if k == "tok_s" else (1e3, "{:.2f}" if k == "itl_p50" else "{:.1f}")
+            cells += [fmt.format(m[k] * scale), fmt.format(s[k] * scale), f"{ratio[k]:.2f}"]
+        print(f"| {c} | " + " | ".join(cells) + " |")
+    print(f"worst |sim/measured - 1| = {worst:.1%} over {len(keys) * len(rows)} numbers")
+    (work / "served_vs_sim.json").write_text(json.dumps(
+        {"executor": dataclasses.asdict(config), "rows": rows}, indent=1, default=_plain))
+    return 0
 
+
+def predict_round(a, config, cal_points, records, evals, keys) -> dict:
+    """Fit on one round's calibration, simulate that round's evaluation points: {c: (measured, simulated)}."""
     cost = fit_steps(records)
     # outside the executor, measured at the calibration points: the time a request's first token spends there
     # (client TTFT - executor TTFT), and the time a client takes to come back with its next request
@@ -311,14 +343,8 @@ def main(argv=None) -> int:
     print(f"  per step that frees requests: p10 {np.percentile(group, 10):.2f} p90 {np.percentile(group, 90):.2f} "
           f"of the median; each request's offset from its step's: p10 {np.percentile(jitter, 10):+.2f} "
           f"p90 {np.percentile(jitter, 90):+.2f}")
-    rows, worst = [], 0.0
-    keys = ("ttft_p50", "exec_ttft_p50", "itl_p50", "tok_s")
-    rounds = len(next(iter(evals.values())))
-    print(f"| concurrency | TTFT p50 ms: measured | sim | ratio | executor TTFT p50 ms: measured | sim | ratio | "
-          f"ITL p50 ms: measured | sim | ratio | tok/s: measured | sim | ratio |   (measured: median of {rounds} rounds)")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for c, ms in evals.items():
-        m = {k: float(np.median([x[k] for x in ms])) for k in keys}
+    out = {}
+    for c, measured in sorted(evals.items()):
         n = max(c * a.requests_per_client, a.min_requests)
         runs = []
         for seed in range(a.sim_seeds):  # the drawn stalls are rare and large: the median over seeded runs
@@ -332,23 +358,8 @@ def main(argv=None) -> int:
             runs.append({"ttft_p50": float(np.median(r.executor_ttft + outside.draw(c, n, rng))),
                          "exec_ttft_p50": float(np.median(r.executor_ttft)), "itl_p50": r.pct("itl", 50),
                          "tok_s": r.throughput})
-        s = {k: float(np.median([x[k] for x in runs])) for k in keys}
-        ratio = {k: s[k] / m[k] for k in keys}
-        worst = max(worst, *(abs(v - 1) for v in ratio.values()))
-        rows.append({"concurrency": c, "measured": m, "measured_rounds": [{k: x[k] for k in keys} for x in ms],
-                     "simulated": s, "ratio": ratio})
-        cells = []
-        for k in keys:
-            scale, fmt = (1, "{:.0f}") if k == "tok_s" else (1e3, "{:.2f}" if k == "itl_p50" else "{:.1f}")
-            cells += [fmt.format(m[k] * scale), fmt.format(s[k] * scale), f"{ratio[k]:.2f}"]
-        print(f"| {c} | " + " | ".join(cells) + " |")
-    print(f"worst |sim/measured - 1| = {worst:.1%} over {len(keys) * len(rows)} numbers")
-    (work / "served_vs_sim.json").write_text(json.dumps(
-        {"coef": cost.coef.tolist(), "outside_by_concurrency": dict(zip(outside.cs, outside.medians)),
-         "comeback_by_concurrency": dict(zip(comeback.cs, comeback.medians)),
-         "executor": dataclasses.asdict(config), "steps_fitted": len(records), "rows": rows},
-        indent=1, default=_plain))
-    return 0
+        out[c] = ({k: measured[k] for k in keys}, {k: float(np.median([x[k] for x in runs])) for k in keys})
+    return out
 
 
 if __name__ == "__main__":
