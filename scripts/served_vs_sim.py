@@ -2,23 +2,27 @@
 """The simulator against the served twin, end to end: fit on one workload, predict another, measure with the bench.
 
     python scripts/served_vs_sim.py [--recipe recipes/stories-fp16.yaml] [--work DIR] [--concurrency 1,2,4,8,16]
+                                    [--rounds 4] [--no-pin] [--reuse]
 
 1. Build the recipe (streaming, 16 batch slots) and serve it detached on the CPU twin, with the twin writing one
-   JSON line per executor iteration (``TRTPIPE_ITER_STATS``: TensorRT-LLM's IterationStats fields).
-2. Calibrate with ``trtpipe bench`` on workloads that are NOT the one evaluated (other prompt/output lengths and
-   concurrencies; every bench call with its own prompt seed). From the served twin's own iteration records, fit the
-   typical step cost by robust least squares: ``t = a + b x generating requests + c x context tokens + d x context
-   requests + e x context query-key pairs + f x generating requests x longest generating position``, the measured
-   steps' spread around it and the host time between consecutive steps (each simulated step draws its factor and
-   gap from those). From the bench's server split (client TTFT minus the executor's TTFT: gRPC/HTTP, BLS,
-   tokenizer, detokenizer), take the median time outside the executor at each calibration
-   concurrency (those processes share the CPU with the executor, so it grows with load; interpolated in between)
-   and its spread around the median: each simulated request draws its own, as real requests do.
+   JSON line per executor iteration (``TRTPIPE_ITER_STATS``: TensorRT-LLM's IterationStats fields). The twin's
+   executor gets the first CPU to itself, everything else (tritonserver, the other stubs, this script, AIPerf)
+   the others: on a GPU the engine does not share the host's cores with the front end.
+2. Each round, calibrate with ``trtpipe bench`` on workloads that are NOT the one evaluated (other prompt/output
+   lengths and concurrencies; every bench call with its own prompt seed). From the served twin's own iteration
+   records, fit the typical step cost by robust least squares: ``t = a + b x generating requests + c x context
+   tokens + d x context requests + e x context query-key pairs + f x generating requests x longest generating
+   position``, the measured steps' spread around it and the host time between consecutive steps (each simulated
+   step draws its factor and gap from those). From the bench's per-request records: the time a first token spends
+   outside the executor (client TTFT minus the executor's TTFT), and the time from a request's last token to the
+   next request's arrival (executor clock), which the requests one step finishes share (they come back together),
+   each by calibration concurrency (interpolated in between) with its spread.
 3. Evaluate: ``trtpipe bench`` at each concurrency on the evaluation workload, and the same closed loop in the
    simulator (the serving ``ExecutorCore`` in simulated time, with the served repository's executor limits and
-   the fitted costs). Prints measured vs simulated TTFT, ITL and output tok/s, and the ratios.
+   that round's fitted costs). Prints measured vs simulated TTFT, TTFT inside the executor, ITL and output tok/s:
+   medians over rounds, and the median of each round's ratio.
 
-Numbers are this machine's, measured in this run. Not a test (timing); see README "Performance model".
+Numbers are this machine's, measured in this run. Not a test (timing); see docs/perf-model.md.
 """
 
 from __future__ import annotations
@@ -289,7 +293,8 @@ def main(argv=None) -> int:
     ap.add_argument("--osl", type=int, default=64)
     ap.add_argument("--requests-per-client", type=int, default=8)
     ap.add_argument("--min-requests", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of calibration and evaluation")
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="rounds of calibration then evaluation (each predicted from its own calibration)")
     ap.add_argument("--sim-seeds", type=int, default=9, help="simulated runs per point (medians are compared)")
     ap.add_argument("--reuse", action="store_true", help="fit and simulate on the last run's measurements")
     ap.add_argument("--no-pin", dest="pin", action="store_false",
