@@ -9,6 +9,7 @@ import time
 import urllib.request
 
 import numpy as np
+import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 
@@ -217,11 +218,6 @@ def test_cancelled_bls_streams_end_cleanly_and_the_server_keeps_serving(server, 
         assert "".join(c.stream("Once upon a time", GenerateOptions(max_tokens=24))) == hf_greedy("Once upon a time", 24)[1]
 
 
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1024
-
-
 def test_cancelled_streams_end_with_their_final_so_the_server_keeps_nothing_of_them(server, hf_stories):
     """tritonserver keeps a stream's state until the model sends its final flag, also after the client cancelled:
     a twin or BLS that skipped it left about 40 KB behind per cancelled stream (measured: +8 MB over 200 here).
@@ -252,10 +248,10 @@ def test_cancelled_streams_end_with_their_final_so_the_server_keeps_nothing_of_t
 
     rounds(40)  # warm-up: thread pools, arenas and caches reach their working size
     assert wait_for(server, ("nv_trt_llm_request_metrics", "active"), 0.0, timeout=30)
-    before = _rss_mb(server.pid)
+    before = psutil.Process(server.pid).memory_info().rss / 2**20
     rounds(200)
     assert wait_for(server, ("nv_trt_llm_request_metrics", "active"), 0.0, timeout=30)
-    grown = _rss_mb(server.pid) - before
+    grown = psutil.Process(server.pid).memory_info().rss / 2**20 - before
     assert grown < 3.0, f"tritonserver grew {grown:.1f} MB over 200 cancelled streams"
     with Client(server.grpc_url) as c:  # and it still answers
         assert c.generate("Once upon a time", GenerateOptions(max_tokens=8))

@@ -218,7 +218,7 @@ class TritonPythonModel:
             if gone:
                 continue
             if resp.has_error():
-                for _ in upcoming:  # read to the end here: the iterator's destructor would wait ungated
+                for _ in upcoming:  # read to the end (through the gate) before the error goes out
                     pass
                 raise _Failed(resp.error().message())
             got = [pb_utils.get_output_tensor_by_name(resp, n) for n in _MEASURED] if asked else []
