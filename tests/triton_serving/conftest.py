@@ -98,3 +98,20 @@ def stories_recipe():
         return load_recipe(RECIPES / "stories-fp16.yaml", list(overrides))
 
     return load
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that used a tritonserver gets the server's fate and log tail in its report: CI keeps no
+    server logs, and 'connection reset' alone cannot tell a crashed server from a refused request."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    from trtpipe.triton.server import Server, exit_cause, log_tail
+
+    for name, value in getattr(item, "funcargs", {}).items():
+        if isinstance(value, Server):
+            fate = "still running" if value.alive() else exit_cause(value)
+            report.sections.append((f"tritonserver of fixture {name!r}: {fate}; log {value.log}",
+                                    log_tail(Path(value.log), 80)))
