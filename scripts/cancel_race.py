@@ -68,6 +68,9 @@ def main() -> int:
     ap.add_argument("--pattern", choices=("streamed", "unstreamed"), default="streamed")
     ap.add_argument("--delay-ms", type=int, default=3)
     args = ap.parse_args()
+    from trtpipe.triton.server import sigterm_as_interrupt
+
+    sigterm_as_interrupt()  # a kill stops the server too: it runs in its own session and would outlive us
     if args.delay_ms:
         os.environ["TRITONSERVER_DELAY_GRPC_RESPONSE"] = str(args.delay_ms)
     with start_server(args.repo, timeout=240) as server:
