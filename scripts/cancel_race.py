@@ -26,6 +26,7 @@ import numpy as np
 import psutil
 import tritonclient.grpc as grpcclient
 
+from trtpipe.triton.client import infer_inputs
 from trtpipe.triton.server import start_server
 
 PROMPT_IDS = [1, 403, 407, 261, 378]  # "Once upon a time" in stories260k's tokenizer; any ids work for the twin
@@ -36,12 +37,7 @@ def llm_inputs(max_tokens: int, streaming: bool) -> list:
             ("input_lengths", np.array([[len(PROMPT_IDS)]], np.int32), "INT32"),
             ("request_output_len", np.array([[max_tokens]], np.int32), "INT32"),
             ("streaming", np.array([[streaming]], bool), "BOOL"), ("end_id", np.array([[-1]], np.int32), "INT32")]
-    out = []
-    for name, arr, tt in rows:
-        t = grpcclient.InferInput(name, list(arr.shape), tt)
-        t.set_data_from_numpy(arr)
-        out.append(t)
-    return out
+    return infer_inputs(grpcclient, rows)
 
 
 def cancel_one(url: str, pattern: str, i: int) -> None:

@@ -13,7 +13,7 @@ import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 
-from trtpipe.triton.client import Client, GenerateOptions
+from trtpipe.triton.client import Client, GenerateOptions, infer_inputs, text_inputs
 from trtpipe.triton.repo import write_repo
 from trtpipe.triton.server import start_server
 from triton_helpers import run_concurrently
@@ -61,24 +61,11 @@ def _llm_inputs(ids, max_tokens, **extra):
     rows = [("input_ids", np.array([ids], np.int32), "INT32"), ("input_lengths", np.array([[len(ids)]], np.int32), "INT32"),
             ("request_output_len", np.array([[max_tokens]], np.int32), "INT32")]
     rows += [(k, np.array([[v]], dtype=dt), tt) for k, (v, dt, tt) in extra.items()]
-    out = []
-    for name, arr, tt in rows:
-        i = grpcclient.InferInput(name, list(arr.shape), tt)
-        i.set_data_from_numpy(arr)
-        out.append(i)
-    return out
+    return infer_inputs(grpcclient, rows)
 
 
 def _bls_inputs(prompt, max_tokens, stream=True):
-    rows = [("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"),
-            ("max_tokens", np.array([[max_tokens]], np.int32), "INT32"), ("stream", np.array([[stream]]), "BOOL"),
-            ("end_id", np.array([[-1]], np.int32), "INT32")]
-    out = []
-    for name, arr, tt in rows:
-        i = grpcclient.InferInput(name, list(arr.shape), tt)
-        i.set_data_from_numpy(arr)
-        out.append(i)
-    return out
+    return text_inputs(grpcclient, prompt, GenerateOptions(max_tokens=max_tokens, end_id=-1), stream)
 
 
 def test_sixteen_concurrent_streams_through_a_tiny_pool_are_exact(server, hf_greedy):

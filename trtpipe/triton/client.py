@@ -34,8 +34,18 @@ class GenerateOptions:
     exclude_input_in_output: Optional[bool] = None
 
 
-def _inputs(mod, prompt: str, opts: GenerateOptions, stream: bool) -> list:
-    """The ensemble's inputs as tritonclient InferInput objects (``mod``: tritonclient.grpc or .http)."""
+def infer_inputs(mod, rows) -> list:
+    """(name, array, Triton datatype) rows as tritonclient InferInput objects (``mod``: tritonclient.grpc or .http)."""
+    out = []
+    for name, array, dtype in rows:
+        i = mod.InferInput(name, list(array.shape), dtype)
+        i.set_data_from_numpy(array)
+        out.append(i)
+    return out
+
+
+def text_inputs(mod, prompt: str, opts: GenerateOptions, stream: bool) -> list:
+    """The inputs of the text front models (ensemble, BLS) as tritonclient InferInput objects."""
     rows: list[tuple[str, np.ndarray, str]] = [
         ("text_input", np.array([[prompt.encode("utf-8")]], dtype=object), "BYTES"),
         ("max_tokens", np.array([[opts.max_tokens]], dtype=np.int32), "INT32"),
@@ -55,12 +65,7 @@ def _inputs(mod, prompt: str, opts: GenerateOptions, stream: bool) -> list:
     rows += [(n, np.array([[v]], dtype=dt), tt) for n, v, dt, tt in optional if v is not None]
     if opts.stop_words:
         rows.append(("stop_words", np.array([[w.encode() for w in opts.stop_words]], dtype=object), "BYTES"))
-    out = []
-    for name, array, dtype in rows:
-        i = mod.InferInput(name, list(array.shape), dtype)
-        i.set_data_from_numpy(array)
-        out.append(i)
-    return out
+    return infer_inputs(mod, rows)
 
 
 def _text(result) -> str:
@@ -152,7 +157,7 @@ class Client:
                 raise ServingError(f"{model} is decoupled (streaming repository): use gRPC (--protocol grpc)")
             return "".join(self._stream(model, prompt, opts, stream=False))
         try:
-            return _text(self.client.infer(model, _inputs(self.mod, prompt, opts, stream=False)))
+            return _text(self.client.infer(model, text_inputs(self.mod, prompt, opts, stream=False)))
         except Exception as exc:  # tritonclient raises InferenceServerException with the server's message
             raise ServingError(f"{model}: {_message(exc)}") from None
 
@@ -176,7 +181,7 @@ class Client:
         try:
             try:
                 self.client.async_stream_infer(
-                    model, _inputs(self.mod, prompt, opts, stream), enable_empty_final_response=True
+                    model, text_inputs(self.mod, prompt, opts, stream), enable_empty_final_response=True
                 )
             except Exception as exc:  # the stream broke before the request went out (server gone)
                 raise ServingError(f"{model}: {_message(exc)}") from None

@@ -65,11 +65,10 @@ class _Failed(Exception):
     pass
 
 
-def _pbtxt_param(text, key, default=None):
-    """A string parameter of a config.pbtxt; unset, empty or an unfilled ``${...}`` is ``default``."""
-    m = re.search(r'key:\s*"%s"\s*value\s*\{\s*string_value:\s*"([^"]*)"' % re.escape(key), text)
-    value = m.group(1) if m else ""
-    return default if value == "" or value.startswith("${") else value
+def _pbtxt_params(text):
+    """A config.pbtxt's string parameters, shaped as in the model config JSON (for ``_param``)."""
+    pairs = re.findall(r'key:\s*"([^"]+)"\s*value\s*\{\s*string_value:\s*"([^"]*)"', text)
+    return {key: {"string_value": value} for key, value in pairs}
 
 
 class _InnerStreaming:
@@ -79,11 +78,13 @@ class _InnerStreaming:
     unstreamed request would hold up every request that arrives after it (measured: 8 tokens took 0.87 s instead
     of 0.07 s behind a 400-token request), and a client's cancel would only be seen at its end. Streamed, the wait
     ends every step. Not where the executor refuses streaming: a pausing capacity policy without chunked context
-    for a request that may outgrow max_input_len, and static batching.
+    for a request that may outgrow max_input_len, and static batching (the executor's admission rule, as in
+    trtpipe.serving.executor: this model also runs on stock Triton images, without trtpipe).
     """
 
     def __init__(self, llm_config_text, llm_dir):
-        p = lambda key, default=None: _pbtxt_param(llm_config_text, key, default)  # noqa: E731
+        params = _pbtxt_params(llm_config_text)
+        p = lambda key, default=None: _param(params, key, default)  # noqa: E731
         self.static = str(p("gpt_model_type", "inflight_fused_batching")).lower() == "v1"
         self.pausing = str(p("batch_scheduler_policy", "guaranteed_no_evict")).lower() != "guaranteed_no_evict"
         self.chunked = str(p("enable_chunked_context", "false")).lower() in _TRUE
