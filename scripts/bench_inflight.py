@@ -100,7 +100,7 @@ def serve(engine, overrides, tmp, policy=None):
     """A real tritonserver on a fresh repository; ``policy`` overrides the twin's batch_scheduler_policy."""
     from trtpipe.recipe import load_recipe
     from trtpipe.triton.repo import write_repo
-    from trtpipe.triton.server import start_server
+    from trtpipe.triton.server_process import start_server
 
     recipe = load_recipe(REPO / "recipes" / "stories-fp16.yaml", ["triton.streaming=true", *overrides])
     repo = Path(tempfile.mkdtemp(dir=tmp)) / "repo"
@@ -125,13 +125,13 @@ def main() -> int:
     ap.add_argument("--modes", default="inflight,static", help="which batching modes to run")
     ap.add_argument("--skip-reuse", action="store_true", help="skip the prefix-reuse comparison")
     args = ap.parse_args()
-    from trtpipe.triton.server import sigterm_as_interrupt
+    from trtpipe.triton.server_process import sigterm_as_interrupt
 
     sigterm_as_interrupt()  # a kill stops the server too: it runs in its own session and would outlive us
     levels = [int(c) for c in args.concurrency.split(",")]
 
     from trtpipe.checkpoint.convert import convert
-    from trtpipe.engine.twin import write_twin_engine
+    from trtpipe.engine.twin_engine_dir import write_twin_engine
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-inflight-"))
     build = {"max_batch_size": 16, "max_input_len": 384, "max_seq_len": 512, "max_beam_width": 1, "max_num_tokens": 2048,

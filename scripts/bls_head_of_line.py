@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from trtpipe.triton.client import Client, GenerateOptions
-from trtpipe.triton.server import start_server
+from trtpipe.triton.server_process import start_server
 
 
 def ask(url: str, max_tokens: int, stream: bool) -> float:
@@ -39,7 +39,7 @@ def main() -> int:
     ap.add_argument("--short", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    from trtpipe.triton.server import sigterm_as_interrupt
+    from trtpipe.triton.server_process import sigterm_as_interrupt
 
     sigterm_as_interrupt()  # a kill stops the server too: it runs in its own session and would outlive us
     with start_server(args.repo, timeout=240) as server:

@@ -27,7 +27,7 @@ import psutil
 import tritonclient.grpc as grpcclient
 
 from trtpipe.triton.client import infer_inputs
-from trtpipe.triton.server import start_server
+from trtpipe.triton.server_process import start_server
 
 PROMPT_IDS = [1, 403, 407, 261, 378]  # "Once upon a time" in stories260k's tokenizer; any ids work for the twin
 
@@ -64,7 +64,7 @@ def main() -> int:
     ap.add_argument("--pattern", choices=("streamed", "unstreamed"), default="streamed")
     ap.add_argument("--delay-ms", type=int, default=3)
     args = ap.parse_args()
-    from trtpipe.triton.server import sigterm_as_interrupt
+    from trtpipe.triton.server_process import sigterm_as_interrupt
 
     sigterm_as_interrupt()  # a kill stops the server too: it runs in its own session and would outlive us
     if args.delay_ms:

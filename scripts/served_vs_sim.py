@@ -41,10 +41,10 @@ import numpy as np
 
 from trtpipe.bench.aiperf import read_raw_server_fields
 from trtpipe.perf.simulate import CostModelEngine, closed_loop
-from trtpipe.serving import triton_twin
+from trtpipe.serving import triton_adapter
 from trtpipe.serving import api
 from trtpipe.serving.api import StepBatch
-from trtpipe.triton.serve import one_detached
+from trtpipe.triton.launch import one_detached
 
 ROOT = Path(__file__).resolve().parent.parent
 # (concurrency list, isl, osl): calibration workloads, disjoint from the evaluation's lengths
@@ -187,7 +187,7 @@ def point(doc: dict, aiperf_dir: Path) -> dict:
 
 def executor_settings(http_url: str, repo: Path):
     with urllib.request.urlopen(f"{http_url}/v2/models/tensorrt_llm/config", timeout=10) as fh:
-        return triton_twin.settings_from_model_config(json.load(fh), str(repo / "tensorrt_llm")).executor  # as the stub sees it
+        return triton_adapter.settings_from_model_config(json.load(fh), str(repo / "tensorrt_llm")).executor  # as the stub sees it
 
 
 def pin(server_pid: int) -> str:
@@ -225,7 +225,7 @@ def measure(a, work: Path, sets: list[str]) -> None:
     iters = work / "iters.jsonl"
     iters.unlink(missing_ok=True)
     shutil.rmtree(work / "runs", ignore_errors=True)
-    env = {**os.environ, triton_twin.ITER_STATS_ENV: str(iters)}
+    env = {**os.environ, triton_adapter.ITER_STATS_ENV: str(iters)}
     cli("serve", a.recipe, *sets, "--detach", env=env, capture=True)
     try:
         server = one_detached(Path(a.recipe), [s.split("=", 1)[1] for s in sets])

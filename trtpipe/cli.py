@@ -311,23 +311,23 @@ def plan(recipe, overrides, gpu, model_config, checkpoint, as_json, list_gpus, s
     """Memory plan per GPU: weights, activations, KV pool and concurrent sequences; exit 3 if it does not fit.
 
     With --slo and --rate: the cheapest layouts (GPU type and count, tp) predicted to meet the SLO."""
-    from trtpipe.engine import report
+    from trtpipe.engine import planning
 
     if slo:
         if recipe is None or rate <= 0:
             raise click.UsageError("--slo needs RECIPE and --rate")
-        from trtpipe.perf import report as perf_report
+        from trtpipe.perf import predict_command
 
-        perf_report.plan_command(recipe, overrides, model_config, slo, rate, isl, osl, gpus, plot, as_json,
+        predict_command.plan_command(recipe, overrides, model_config, slo, rate, isl, osl, gpus, plot, as_json,
                                  precisions)
         return
     if list_gpus:
-        click.echo(report.gpu_table())
+        click.echo(planning.gpu_table())
         return
     if recipe is None:
         raise click.UsageError("RECIPE is required (or --list-gpus)")
-    r = report.resolve(recipe, overrides, gpu=gpu, model_config=model_config, checkpoint=checkpoint)
-    click.echo(json.dumps(report.plan_json(r), indent=2) if as_json else report.render_plan(r))
+    r = planning.resolve(recipe, overrides, gpu=gpu, model_config=model_config, checkpoint=checkpoint)
+    click.echo(json.dumps(planning.plan_json(r), indent=2) if as_json else planning.render_plan(r))
     if not r.plan.fits:
         sys.exit(3)
 
@@ -351,16 +351,16 @@ def plan(recipe, overrides, gpu, model_config, checkpoint, as_json, list_gpus, s
 def predict(recipe, overrides, gpu, model_config, isl, osl, concurrency, rate, num_requests, published, scenarios,
             out, as_json) -> None:
     """Predicted serving performance (tok/s, TTFT/ITL percentiles, bounds) from the fitted cost model."""
-    from trtpipe.perf import report as perf_report
+    from trtpipe.perf import predict_command
 
     if scenarios:
         if out is None:
             raise click.UsageError("--scenarios needs --out")
-        perf_report.scenarios_command(scenarios, out)
+        predict_command.scenarios_command(scenarios, out)
         return
     if recipe is None:
         raise click.UsageError("RECIPE is required (or --scenarios FILE --out OUT)")
-    perf_report.predict_command(recipe, overrides, gpu, model_config, isl, osl, concurrency, rate, num_requests,
+    predict_command.predict_command(recipe, overrides, gpu, model_config, isl, osl, concurrency, rate, num_requests,
                                 published, as_json)
 
 
@@ -376,14 +376,14 @@ def engine(recipe, overrides, gpu, model_config, checkpoint, out) -> None:
     """Print the trtllm-build command and build_config JSON; with --checkpoint and --out, build."""
     import logging
 
-    from trtpipe.engine import report
+    from trtpipe.engine import planning
 
-    r = report.resolve(recipe, overrides, gpu=gpu, model_config=model_config, checkpoint=checkpoint)
+    r = planning.resolve(recipe, overrides, gpu=gpu, model_config=model_config, checkpoint=checkpoint)
     if out is None:
-        click.echo(report.render_build(r))
+        click.echo(planning.render_build(r))
         return
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    info = report.build_engine(r, out, logging.getLogger("trtpipe.engine"))
+    info = planning.build_engine(r, out, logging.getLogger("trtpipe.engine"))
     click.echo(f"{out}: {info['engine']} engine")
 
 
@@ -413,7 +413,7 @@ def doctor(engine_dir) -> None:
 def repo(recipe: Path, overrides, engine_dir, tokenizer_dir, out) -> None:
     """Write the Triton model repository: build the recipe up to the repo stage, or from --engine."""
     from trtpipe.recipe import load_recipe
-    from trtpipe.triton.serve import resolve_repo
+    from trtpipe.triton.launch import resolve_repo
 
     loaded = load_recipe(recipe, overrides)
     if engine_dir is None:
@@ -432,7 +432,7 @@ def repo(recipe: Path, overrides, engine_dir, tokenizer_dir, out) -> None:
 
 
 def _ports(http, grpc, metrics):
-    from trtpipe.triton.server import Ports, free_ports
+    from trtpipe.triton.server_process import Ports, free_ports
 
     if http is None and grpc is None and metrics is None:
         return None
@@ -459,8 +459,8 @@ def _ports(http, grpc, metrics):
 def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, timeout, detach, dry_run, tritonserver,
           hostfile, single_process) -> None:
     """Serve a model repository, or a recipe (built first if needed); Ctrl-C stops it cleanly."""
-    from trtpipe.triton import server as srv
-    from trtpipe.triton.serve import dry_run_lines, plan_launch, resolve_repo, run_mpirun
+    from trtpipe.triton import server_process
+    from trtpipe.triton.launch import dry_run_lines, plan_launch, resolve_repo, run_mpirun
 
     if target.is_file():  # a recipe: its triton section gives the defaults
         from trtpipe.recipe import load_recipe
@@ -469,8 +469,8 @@ def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, tim
         bind = bind or t.bind
         http_port, grpc_port, metrics_port = http_port or t.http_port, grpc_port or t.grpc_port, metrics_port or t.metrics_port
     bind = bind or "127.0.0.1"
-    if srv.exposure_warning(bind):
-        click.echo(srv.exposure_warning(bind), err=True)
+    if server_process.exposure_warning(bind):
+        click.echo(server_process.exposure_warning(bind), err=True)
     ports = _ports(http_port, grpc_port, metrics_port)
     if dry_run:
         click.echo("\n".join(dry_run_lines(target, overrides, bind, ports, tritonserver, hostfile)))
@@ -479,15 +479,15 @@ def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, tim
     plan = plan_launch(repo, bind, ports, tritonserver, hostfile)
     if plan.command is not None:
         sys.exit(run_mpirun(plan))
-    srv.sigterm_as_interrupt()
+    server_process.sigterm_as_interrupt()
     import time
 
     t0 = time.perf_counter()
     if plan.world_size > 1 and not single_process:  # leader mode: one process per rank under mpiexec
         from trtpipe.triton import mpi_launch
-        from trtpipe.triton.serve import repo_info
+        from trtpipe.triton.launch import repo_info
 
-        server, state = mpi_launch.start_job(repo, repo_info(repo), bind, ports or srv.Ports(*srv.free_ports(3)),
+        server, state = mpi_launch.start_job(repo, repo_info(repo), bind, ports or server_process.Ports(*server_process.free_ports(3)),
                                              timeout, hostfile, detach)
         click.echo(f"serving {repo} (leader mode, {plan.world_size} ranks under mpiexec)\n  http {server.http_url}\n"
                    f"  grpc {server.grpc_url}\n  run  {server.run_dir}\n  ready in {time.perf_counter() - t0:.1f} s")
@@ -500,7 +500,7 @@ def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, tim
         click.echo("Ctrl-C to stop")
         sys.stdout.flush()
         sys.exit(mpi_launch.serve_job_forever(server, server.run_dir))
-    server = srv.start_server(repo, bind, ports, timeout=timeout, detach=detach)
+    server = server_process.start_server(repo, bind, ports, timeout=timeout, detach=detach)
     ready_s = time.perf_counter() - t0
     click.echo(f"serving {repo}\n  http {server.http_url}\n  grpc {server.grpc_url}\n  metrics http://{server.bind}:"
                f"{server.ports.metrics}/metrics\n  log  {server.log}\n  ready in {ready_s:.1f} s (models loaded"
@@ -510,7 +510,7 @@ def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, tim
         return
     click.echo("Ctrl-C to stop")
     sys.stdout.flush()
-    srv.serve_forever(server)
+    server_process.serve_forever(server)
     click.echo("stopped")
 
 
@@ -526,7 +526,7 @@ def _warmed(repo) -> bool:
 def stop(target, overrides) -> None:
     """Stop servers started with serve --detach (TARGET: repository or recipe; default: the only one running)."""
     from trtpipe.errors import ServingError
-    from trtpipe.triton.serve import find_detached
+    from trtpipe.triton.launch import find_detached
 
     servers = find_detached(target, overrides)
     if target is None and len(servers) > 1:
@@ -541,7 +541,7 @@ def stop(target, overrides) -> None:
 def _client_url(url, protocol, server=None, overrides=()):
     if url:
         return url
-    from trtpipe.triton.serve import one_detached
+    from trtpipe.triton.launch import one_detached
 
     s = one_detached(server, overrides)
     return s.grpc_url if protocol == "grpc" else s.http_url.split("://", 1)[1]
@@ -726,7 +726,7 @@ def bench_cold(recipe, overrides, warm_requests, max_tokens, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def report(recipes, overrides, out, as_json) -> None:
     """Which build to deploy: accuracy (verify), memory (plan) and bench numbers of several recipes, side by side."""
-    from trtpipe.bench.report import build_report
+    from trtpipe.bench.deploy_report import build_report
 
     doc = build_report(list(recipes), overrides, out)
     click.echo(json.dumps(doc, indent=1) if as_json else doc["text"])

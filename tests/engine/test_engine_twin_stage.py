@@ -15,7 +15,7 @@ from trtpipe.engine import build_config as bc
 from trtpipe.engine.ckptconfig import read_checkpoint_config
 from trtpipe.engine.stage import ENGINE_STAGE, run_engine
 from trtpipe.engine.trtllm import availability
-from trtpipe.engine.twin import TWIN_FILE, write_twin_engine
+from trtpipe.engine.twin_engine_dir import TWIN_FILE, write_twin_engine
 from trtpipe.errors import EngineError
 from trtpipe.pipeline.stage import StageContext
 from trtpipe.recipe import load_recipe

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from pipeline_test_stages import STAGES
 
 from trtpipe.cli import main
-from trtpipe.pipeline.stages import STAGE_NAMES
+from trtpipe.pipeline.stage_table import STAGE_NAMES
 
 
 def cli(*args, env=None, stages=STAGES):

@@ -232,7 +232,7 @@ def test_iteration_log_writes_each_step_once_with_what_it_computed(model_tp1, tm
     """``TRTPIPE_ITER_STATS``: one JSON line per step (TensorRT-LLM's IterationStats names), none twice."""
     import json
 
-    from trtpipe.serving.triton_twin import IterationLog
+    from trtpipe.serving.triton_adapter import IterationLog
 
     prompts, _ = _workload(3, seed=5)
     log = IterationLog(str(tmp_path / "iters.jsonl"))

@@ -18,7 +18,7 @@ from triton_helpers import BUILD_CONFIG  # noqa: E402
 def stories_engine(tmp_path_factory, stories_dir):
     """tp -> CPU twin engine dir of stories260k at float16 (converted once per session)."""
     from trtpipe.checkpoint.convert import convert
-    from trtpipe.engine.twin import write_twin_engine
+    from trtpipe.engine.twin_engine_dir import write_twin_engine
 
     made: dict[int, Path] = {}
 
@@ -108,7 +108,7 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.when != "call" or not report.failed:
         return
-    from trtpipe.triton.server import Server, exit_cause, log_tail
+    from trtpipe.triton.server_process import Server, exit_cause, log_tail
 
     for name, value in getattr(item, "funcargs", {}).items():
         if isinstance(value, Server):

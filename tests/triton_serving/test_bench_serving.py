@@ -21,7 +21,7 @@ from trtpipe.bench.server_view import scrape
 from trtpipe.cli import main
 from trtpipe.errors import TrtpipeError
 from trtpipe.triton.repo import WARMUP_DATA, read_configs, write_repo
-from trtpipe.triton.server import start_server
+from trtpipe.triton.server_process import start_server
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from trtpipe.cli import main
 from trtpipe.triton.repo import write_repo
-from trtpipe.triton.server import SHM_DIR
+from trtpipe.triton.server_process import SHM_DIR
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 
@@ -83,7 +83,7 @@ def test_foreground_serve_stops_cleanly_on_sigterm(moved_repo):
 
 def test_a_failing_start_names_the_cause_and_leaves_nothing(moved_repo, tmp_path):
     from trtpipe.errors import ServingError
-    from trtpipe.triton.server import start_server
+    from trtpipe.triton.server_process import start_server
 
     broken = tmp_path / "broken"
     shutil.copytree(moved_repo, broken)

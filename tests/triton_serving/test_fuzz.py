@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from trtpipe.triton.repo import write_repo
-from trtpipe.triton.server import start_server
+from trtpipe.triton.server_process import start_server
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))

@@ -15,7 +15,7 @@ import tritonclient.grpc as grpcclient
 
 from trtpipe.triton.client import Client, GenerateOptions, infer_inputs, text_inputs
 from trtpipe.triton.repo import write_repo
-from trtpipe.triton.server import start_server
+from trtpipe.triton.server_process import start_server
 from triton_helpers import run_concurrently
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]

@@ -17,7 +17,7 @@ from trtpipe.cli import main
 from trtpipe.errors import ServingError
 from trtpipe.recipe.loader import load_recipe
 from trtpipe.triton import repo as R
-from trtpipe.triton.serve import check_engine_versions, repo_info
+from trtpipe.triton.launch import check_engine_versions, repo_info
 
 HERE = Path(__file__).parent
 RECIPES = HERE.parents[1] / "recipes"

@@ -84,7 +84,7 @@ def test_loopback_by_default_and_a_warning_otherwise(bait_build):
         out, err = _dry_run(recipe, *extra)
         assert "--http-address=0.0.0.0" in out
         assert err.startswith("warning: serving on 0.0.0.0:") and "without authentication" in err, err
-    from trtpipe.triton.server import exposure_warning
+    from trtpipe.triton.server_process import exposure_warning
 
     assert exposure_warning("127.0.0.1") is None and exposure_warning("::1") is None
     assert exposure_warning("localhost") is None and exposure_warning("10.0.0.5")

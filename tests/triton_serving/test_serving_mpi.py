@@ -19,8 +19,8 @@ from trtpipe.errors import ServingError
 from trtpipe.triton import mpi_launch
 from trtpipe.triton.client import Client, GenerateOptions
 from trtpipe.triton.repo import write_repo
-from trtpipe.triton.serve import repo_info
-from trtpipe.triton.server import Ports, free_ports
+from trtpipe.triton.launch import repo_info
+from trtpipe.triton.server_process import Ports, free_ports
 
 from triton_helpers import BUILD_CONFIG, like_a_terminal, run_concurrently
 
@@ -43,7 +43,7 @@ def cache(tmp_path_factory):
 
 def _repo(root: Path, stories_dir, recipe, tp: int, pp: int, *overrides) -> Path:
     from trtpipe.checkpoint.convert import convert
-    from trtpipe.engine.twin import write_twin_engine
+    from trtpipe.engine.twin_engine_dir import write_twin_engine
 
     ckpt = convert(stories_dir, root / "ckpt", tp=tp, pp=pp, dtype="float16")
     engine = write_twin_engine(ckpt, root / "engine", dict(BUILD_CONFIG))

@@ -14,7 +14,7 @@ import pytest
 from trtpipe.errors import ServingError
 from trtpipe.triton.client import Client, GenerateOptions
 from trtpipe.triton.repo import write_repo
-from trtpipe.triton.server import start_server
+from trtpipe.triton.server_process import start_server
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 

@@ -10,7 +10,7 @@ import pytest
 
 from trtpipe.triton.client import Client, GenerateOptions
 from trtpipe.triton.repo import read_configs, write_repo
-from trtpipe.triton.server import start_server
+from trtpipe.triton.server_process import start_server
 from triton_helpers import run_concurrently
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]

@@ -13,7 +13,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from test_repo import llama70b, llama70b_engine  # noqa: F401 - module fixtures
 from trtpipe.triton import repo as R
-from trtpipe.triton import twin_inputs, upstream_io
+from trtpipe.triton import twin_input_policy, upstream_io
 
 
 def _assert_rows(messages, rows, fill):
@@ -75,8 +75,8 @@ def test_preprocessing_follows_the_template(llama70b, llama70b_engine):  # noqa:
 def test_every_declared_input_has_a_twin_policy():
     """No declared input is silently ignored by accident: each is honoured, ignored on purpose, or refused."""
     declared = {r.name for r in upstream_io.declared(upstream_io.TRTLLM_INPUTS) + R.TWIN_ONLY_INPUTS}
-    assert declared == twin_inputs.known_inputs()
-    parts = [twin_inputs.HONOURED, twin_inputs.IGNORED, set(twin_inputs.OFF_WHEN), set(twin_inputs.NEVER)]
+    assert declared == twin_input_policy.known_inputs()
+    parts = [twin_input_policy.HONOURED, twin_input_policy.IGNORED, set(twin_input_policy.OFF_WHEN), set(twin_input_policy.NEVER)]
     assert sum(len(p) for p in parts) == len(declared)  # disjoint
 
 
@@ -84,12 +84,12 @@ def test_twin_refusal_names_the_input():
     def request(**arrays):
         return lambda name: arrays.get(name)
 
-    assert twin_inputs.refusal(request(input_ids=np.array([1, 2], np.int32))) is None
+    assert twin_input_policy.refusal(request(input_ids=np.array([1, 2], np.int32))) is None
     neutral = dict(beam_width=np.array([1], np.int32), return_log_probs=np.array([False]),
                    repetition_penalty=np.array([1.0], np.float32), min_tokens=np.array([1], np.int32),
                    retention_decode_priority=np.array([90], np.int32), lora_weights=np.zeros((0, 0), np.float16))
-    assert twin_inputs.refusal(request(**neutral)) is None
-    why = twin_inputs.refusal(request(presence_penalty=np.array([0.5], np.float32)))
+    assert twin_input_policy.refusal(request(**neutral)) is None
+    why = twin_input_policy.refusal(request(presence_penalty=np.array([0.5], np.float32)))
     assert why.startswith("presence_penalty: the CPU twin serves only presence_penalty=0.0") and "[0.5]" in why
-    why = twin_inputs.refusal(request(guided_decoding_guide=np.array([b"{}"], object)))
+    why = twin_input_policy.refusal(request(guided_decoding_guide=np.array([b"{}"], object)))
     assert why.startswith("guided_decoding_guide: guided decoding is not supported by the CPU twin")

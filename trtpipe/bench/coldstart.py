@@ -73,8 +73,8 @@ def has_warmup(repo: Path) -> bool:
 def measure_cold(recipe: Path, overrides: Sequence[str] = (), warm_requests: int = 5, max_tokens: int = 16,
                  timeout: float = 300.0) -> dict:
     """Start a fresh server for ``recipe`` (built if needed), time readiness, the first and the next requests."""
-    from trtpipe.triton.serve import resolve_repo
-    from trtpipe.triton.server import start_server
+    from trtpipe.triton.launch import resolve_repo
+    from trtpipe.triton.server_process import start_server
 
     repo = resolve_repo(recipe, overrides, quiet=True)
     t0 = time.perf_counter()

@@ -32,14 +32,14 @@ def bench_target(target: Optional[Path] = None, overrides: Sequence[str] = (), u
     if url:  # a running server; a repository or recipe given too supplies tokenizer, limits and provenance
         repo = None
         if target is not None:
-            from trtpipe.triton.serve import resolve_repo
+            from trtpipe.triton.launch import resolve_repo
 
             repo = Path(target) if Path(target).is_dir() else resolve_repo(target, overrides, quiet=True)
         yield resolve_target(url, tokenizer, model, metrics_url, repo, recipe.name if recipe else None), recipe
         return
     if target is None:
         raise BenchError("name a recipe or repository to benchmark, or pass --url (with --tokenizer)")
-    from trtpipe.triton.serve import find_detached, resolve_repo
+    from trtpipe.triton.launch import find_detached, resolve_repo
 
     servers = find_detached(target, overrides)
     if recipe is not None and servers:  # only servers of this recipe's current repository
@@ -54,7 +54,7 @@ def bench_target(target: Optional[Path] = None, overrides: Sequence[str] = (), u
         return
     if recipe is None:
         raise BenchError(f"{target}: no detached server serves this repository (trtpipe serve {target} --detach)")
-    from trtpipe.triton.server import start_server
+    from trtpipe.triton.server_process import start_server
 
     repo = resolve_repo(target, overrides, quiet=True)
     say(f"no server runs {target}: starting one on {repo} for this benchmark")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from trtpipe.engine import versions
-from trtpipe.engine.twin import TWIN_FILE
+from trtpipe.engine.twin_engine_dir import TWIN_FILE
 
 LOCK_FILE = "trtpipe_lock.json"
 

@@ -16,7 +16,7 @@ from trtpipe.engine import trtllm, versions
 from trtpipe.engine.ckptconfig import read_checkpoint_config
 from trtpipe.engine.doctor import LOCK_FILE
 from trtpipe.engine.presets import preset_dir
-from trtpipe.engine.twin import write_twin_engine
+from trtpipe.engine.twin_engine_dir import write_twin_engine
 from trtpipe.errors import EngineError
 from trtpipe.pipeline.stage import Stage, StageContext
 from trtpipe.recipe.schema import Recipe

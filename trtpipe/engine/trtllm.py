@@ -1,7 +1,7 @@
 """Running the real ``trtllm-build``: availability, the subprocess with its log, timing and peak memory.
 
 Only used where TensorRT-LLM 1.0–1.2 is installed and a CUDA GPU is visible; elsewhere the engine stage
-writes the CPU twin (:mod:`trtpipe.engine.twin`) and says so.
+writes the CPU twin (:mod:`trtpipe.engine.twin_engine_dir`) and says so.
 """
 
 from __future__ import annotations

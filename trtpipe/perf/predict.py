@@ -51,14 +51,14 @@ class Setup:
 def recipe_setup(recipe_path: Path, overrides: Iterable[str] = (), gpu: Optional[str] = None,
                  model_config: Optional[Path] = None, tp: Optional[int] = None) -> Setup:
     """The deployment and engine limits a recipe builds, with the memory planner's KV pool."""
-    from trtpipe.engine import report
+    from trtpipe.engine import planning
 
     ov = list(overrides) + ([f"parallel.tp={tp}", f"engine.workers={tp}"] if tp else [])
-    r = report.resolve(recipe_path, ov, gpu=gpu, model_config=model_config)
+    r = planning.resolve(recipe_path, ov, gpu=gpu, model_config=model_config)
     rec = r.recipe
     if not r.plan.fits:
         raise TrtpipeError(f"{recipe_path}: {r.plan.refusal}")
-    info = report._model_info(rec, model_config)
+    info = planning._model_info(rec, model_config)
     spec = spec_of(info.raw, rec.name)
     q = rec.quantization
     prec = RECIPE_PRECISION.get(q.algo, "bf16" if rec.model.dtype == "bfloat16" else "fp16")

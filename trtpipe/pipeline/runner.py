@@ -28,7 +28,7 @@ from trtpipe.pipeline.logs import BuildLogs, new_build_id, timestamp
 from trtpipe.pipeline.manifest import MANIFEST_FORMAT, summary, write_manifest
 from trtpipe.pipeline.measure import PeakRss
 from trtpipe.pipeline.stage import Stage, StageContext
-from trtpipe.pipeline.stages import STAGE_NAMES, StageLoadError, load_stages
+from trtpipe.pipeline.stage_table import STAGE_NAMES, StageLoadError, load_stages
 from trtpipe.pipeline.versions import collect_versions
 from trtpipe.recipe.schema import Recipe
 
@@ -107,7 +107,7 @@ def plan_build(recipe: Recipe, stages: Optional[Sequence[Stage]] = None) -> tupl
     """Every stage's key and whether its artifact is complete, computed from the recipe and files only.
 
     Args:
-        stages: the stages to build, in order (default: the table in ``trtpipe.pipeline.stages``).
+        stages: the stages to build, in order (default: the table in ``trtpipe.pipeline.stage_table``).
 
     Returns:
         The plan, and ``{stage: reason}`` for stages whose module is not available.
@@ -295,7 +295,7 @@ def run_build(
     """Build ``recipe``: run every stage whose artifact is not cached, then write the manifest.
 
     Args:
-        stages: the stages, in order (default: ``trtpipe.pipeline.stages``; tests pass their own).
+        stages: the stages, in order (default: ``trtpipe.pipeline.stage_table``; tests pass their own).
         force: stage names to rerun even when cached (``"all"`` for every stage).
         from_stage: rerun this stage and every later one; earlier stages must be cached.
         until: stop after this stage.

@@ -69,7 +69,7 @@ def venv_mpiexec() -> str:
 
 def twin_segments(repo: Path, engine_dir: Path, world: int, bind: str, ports, shm_prefix: str) -> list[list[str]]:
     """Rank 0: the CPU tritonserver (the twin model is the leader); ranks > 0: MPI workers that serve nothing."""
-    from trtpipe.triton.server import prepare_server, server_command
+    from trtpipe.triton.server_process import prepare_server, server_command
 
     root = prepare_server()
     rank0 = server_command(root / "bin" / "tritonserver", root / "backends", repo, bind, ports, shm_prefix)
@@ -119,7 +119,7 @@ def descendants(pid: int) -> list[int]:
 
 
 def _alive(pid: Optional[int]) -> bool:
-    from trtpipe.triton.server import pid_alive
+    from trtpipe.triton.server_process import pid_alive
 
     return bool(pid) and pid_alive(pid)
 
@@ -242,7 +242,7 @@ class Supervisor:
             time.sleep(0.01)
 
     def _http_ready(self) -> bool:
-        from trtpipe.triton.server import _ready
+        from trtpipe.triton.server_process import _ready
 
         return _ready(self.launch["http_url"])
 
@@ -281,7 +281,7 @@ class Supervisor:
         return "worker" if self.launch.get("twin") else "tritonserver"
 
     def _tail_of(self, rank: int, lines: int = 15) -> str:
-        from trtpipe.triton.server import log_tail
+        from trtpipe.triton.server_process import log_tail
 
         path = self.run_dir / f"rank{rank}.log"
         return f"log {path}:\n{log_tail(path, lines)}"
@@ -372,7 +372,7 @@ class Supervisor:
         return [p for p in descendants(os.getpid()) if _alive(p)]
 
     def _clean_shm(self) -> list[str]:
-        from trtpipe.triton.server import clean_shm
+        from trtpipe.triton.server_process import clean_shm
 
         removed = clean_shm(self.launch["shm_prefix"])
         for path in sorted(self.shm_seen):
@@ -390,7 +390,7 @@ class Supervisor:
 
 
 def run_dir_for(repo: Path) -> Path:
-    from trtpipe.triton.server import cache_dir
+    from trtpipe.triton.server_process import cache_dir
 
     d = cache_dir() / "runs" / f"{Path(repo).name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     d.mkdir(parents=True, exist_ok=False)
@@ -400,7 +400,7 @@ def run_dir_for(repo: Path) -> Path:
 def launch_spec(repo: Path, info: dict, bind: str, ports, run_dir: Path, hostfile: Optional[Path] = None,
                 timeout: float = 180.0, mpiexec: Optional[str] = None) -> dict:
     from trtpipe.serving.mpi_engine import RUN_DIR_ENV
-    from trtpipe.triton.server import server_env
+    from trtpipe.triton.server_process import server_env
 
     world = int(info["world_size"])
     shm_prefix = f"trtpipe{os.getpid()}_{ports.grpc}_"
@@ -421,9 +421,9 @@ def start_job(repo: Path, info: dict, bind: str, ports, timeout: float, hostfile
               detach: bool = False, echo=print):
     """Start the supervised job and wait until it is ready; raise :class:`ServingError` naming the failing rank.
 
-    Returns a :class:`trtpipe.triton.server.Server` whose pid is the supervisor's (``stop`` ends the job).
+    Returns a :class:`trtpipe.triton.server_process.Server` whose pid is the supervisor's (``stop`` ends the job).
     """
-    from trtpipe.triton.server import Server, _state_path, load_state
+    from trtpipe.triton.server_process import Server, _state_path, load_state
 
     repo = Path(repo).resolve()
     state_file = _state_path(repo)

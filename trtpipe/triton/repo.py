@@ -48,11 +48,11 @@ EXECUTOR_WORKER = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
 T = mc.DataType
 # The tensorrt_llm model's I/O: upstream's template rows (trtpipe/triton/upstream_io.py) a decoder-only
 # engine declares. The CPU twin declares the same and refuses, per request, what it cannot honour
-# (trtpipe/triton/twin_inputs.py).
+# (trtpipe/triton/twin_input_policy.py).
 TRTLLM_INPUTS = upstream_io.declared(upstream_io.TRTLLM_INPUTS)
 TRTLLM_OUTPUTS = upstream_io.declared(upstream_io.TRTLLM_OUTPUTS)
 # Inputs only the twin declares, beyond upstream's template. Each one also needs a policy row in
-# trtpipe/triton/twin_inputs.py; the tests hold the twin to "the real model's I/O plus these".
+# trtpipe/triton/twin_input_policy.py; the tests hold the twin to "the real model's I/O plus these".
 # priority: executor request priority (0..1, default 0.5), so priority scheduling can be tried before deploying
 # (the 1.2 backend has no such input and gives every request 0.5).
 TWIN_ONLY_INPUTS: tuple[upstream_io.Tensor, ...] = (upstream_io.Tensor("priority", "TYPE_FP32", (1,), optional=True),)

@@ -1,7 +1,7 @@
 """Triton python model ``tensorrt_llm``, CPU twin: the ``tensorrtllm`` backend's inputs, outputs, scheduling and
 metrics, served by trtpipe's in-flight batching executor over the reference runtime (real tokens, not TensorRT).
 
-A thin adapter: requests become executor requests (``trtpipe.serving.triton_twin``), which join the running
+A thin adapter: requests become executor requests (``trtpipe.serving.triton_adapter``), which join the running
 batch at the next step; responses are sent from the executor thread as tokens come. Client cancellation (checked
 every ``cancellation_check_period_ms``) and ``stop=true`` requests cancel at the next step. The backend's
 Prometheus families are updated every ``stats_check_period_ms`` from the executor's last iteration record.
@@ -29,7 +29,7 @@ class TritonPythonModel:
         import torch
 
         from trtpipe.runtime import load_checkpoint
-        from trtpipe.serving import triton_twin
+        from trtpipe.serving import triton_adapter
         from trtpipe.serving.executor import Executor
         from trtpipe.serving.reference_engine import ReferenceEngine
         from trtpipe.triton import stub_watchdog
@@ -41,7 +41,7 @@ class TritonPythonModel:
         self.twin = triton_twin
         config = json.loads(args["model_config"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        self.settings = triton_twin.settings_from_model_config(config, args["model_repository"])
+        self.settings = triton_adapter.settings_from_model_config(config, args["model_repository"])
         torch.set_num_threads(self.settings.cpu_threads)
         run_dir = os.environ.get("TRTPIPE_MPI_RUN_DIR")
         if run_dir:  # rank 0 of a leader-mode mpiexec job: its shard here, the other ranks follow each step
@@ -52,8 +52,8 @@ class TritonPythonModel:
             self.engine = ReferenceEngine(load_checkpoint(self.settings.engine_dir / "checkpoint", device="cpu"))
         self.executor = Executor(self.settings.executor, self.engine, threads=self.settings.cpu_threads)
         params = config.get("parameters", {})
-        self.cancel_period = int(triton_twin.param(params, "cancellation_check_period_ms", "100")) / 1000
-        self.stats_period = int(triton_twin.param(params, "stats_check_period_ms", "100")) / 1000
+        self.cancel_period = int(triton_adapter.param(params, "cancellation_check_period_ms", "100")) / 1000
+        self.stats_period = int(triton_adapter.param(params, "stats_check_period_ms", "100")) / 1000
         self.live = {}  # executor id -> (response sender, Triton request id)
         self.lock = threading.Lock()
         self.stopping = threading.Event()

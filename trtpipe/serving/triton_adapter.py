@@ -133,7 +133,7 @@ class ParsedRequest:
 
 def parse_request(get: Callable[[str], Optional[np.ndarray]], s: TwinSettings, decoupled: bool) -> ParsedRequest:
     """Request tensors (``get(name)`` -> numpy or None) to an executor :class:`Request`; ValueError names the input."""
-    from trtpipe.triton.twin_inputs import refusal
+    from trtpipe.triton.twin_input_policy import refusal
 
     if _scalar(get, "stop", False, bool):
         return ParsedRequest(Request([], 0), False, False, False, True)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from trtpipe.errors import ServingError
-from trtpipe.triton.server import Ports, free_ports, mpirun_command
+from trtpipe.triton.server_process import Ports, free_ports, mpirun_command
 
 REPO_INFO = "trtpipe_repo.json"
 
@@ -122,7 +122,7 @@ def run_mpirun(plan: LaunchPlan) -> int:
 
 def find_detached(target: Optional[Path] = None, overrides: Sequence[str] = ()) -> list:
     """Detached servers of ``target``: a repository dir, or a recipe (servers of repos under its work dir)."""
-    from trtpipe.triton.server import detached_servers
+    from trtpipe.triton.server_process import detached_servers
 
     servers = detached_servers()
     if target is None:
@@ -176,7 +176,7 @@ def dry_run_lines(target: Path, overrides: Sequence[str], bind: str, ports: Opti
     """What ``serve --dry-run`` prints: comment lines, then the command (a recipe is planned, never built)."""
     import shlex
 
-    from trtpipe.triton import server as srv
+    from trtpipe.triton import server_process
 
     lines = []
     if Path(target).is_file():
@@ -193,8 +193,8 @@ def dry_run_lines(target: Path, overrides: Sequence[str], bind: str, ports: Opti
     if plan.command is None and plan.world_size > 1:
         return lines + _twin_leader_lines(plan, bind, ports, tritonserver, hostfile)
     if plan.command is None:
-        root = srv.server_root()
-        cmd = srv.server_command(root / "bin" / "tritonserver", root / "backends", plan.repo, bind,
+        root = server_process.server_root()
+        cmd = server_process.server_command(root / "bin" / "tritonserver", root / "backends", plan.repo, bind,
                                  ports or Ports(0, 0, 0), "trtpipe_")
         lines.append("# CPU twin: one tritonserver (ports 0: free ones are chosen at start)")
     else:

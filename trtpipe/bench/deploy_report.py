@@ -61,7 +61,7 @@ def _accuracy(recipe) -> dict:
 
 
 def _memory(recipe_path: Path, overrides: Sequence[str]) -> dict:
-    from trtpipe.engine.report import resolve
+    from trtpipe.engine.planning import resolve
 
     try:
         r = resolve(recipe_path, overrides)

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-# Computed by the twin (trtpipe/serving/triton_twin.py over the in-flight batching executor).
+# Computed by the twin (trtpipe/serving/triton_adapter.py over the in-flight batching executor).
 HONOURED = frozenset({
     "input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list", "bad_words_list",
     "temperature", "runtime_top_k", "runtime_top_p", "seed", "exclude_input_in_output", "streaming",
