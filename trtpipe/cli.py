@@ -299,7 +299,8 @@ _CHECKPOINT = click.option("--checkpoint", type=click.Path(file_okay=False, path
 @_CHECKPOINT
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--list-gpus", is_flag=True, help="Print the GPU catalog and exit.")
-@click.option("--slo", help="Capacity answer: latency targets, e.g. ttft_p99=500ms,itl_p99=50ms (with --rate).")
+@click.option("--slo", help="Capacity answer: latency targets METRIC[_pQ]:VALUE[ms|s|us] (ttft, itl, e2e; no _pQ: "
+              "every request), e.g. ttft_p99=500ms,itl_p99=50ms (with --rate).")
 @click.option("--rate", type=float, default=0.0, help="Poisson request rate (req/s) the SLO must hold at.")
 @click.option("--isl", type=int, default=1024, show_default=True, help="Input tokens per request (with --slo).")
 @click.option("--osl", type=int, default=256, show_default=True, help="Output tokens per request (with --slo).")
@@ -641,7 +642,8 @@ def _float_list(ctx, param, value):
 @click.option("--isl-stddev", type=click.IntRange(0), default=0, show_default=True)
 @click.option("--osl", type=click.IntRange(1), help="Output tokens (default: min(64, max_seq_len - ISL)).")
 @click.option("--no-fixed-osl", is_flag=True, help="Let the model stop at EOS (default: end_id=-1 / min_tokens force OSL).")
-@click.option("--slo", help="Goodput SLOs, e.g. ttft:200ms,itl:50ms.")
+@click.option("--slo", help="Goodput SLOs, per-request bounds METRIC:VALUE[ms|s|us] (ttft, ttst, itl, tpot, e2e), "
+              "e.g. ttft:200ms,itl:50ms.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="Result directory (default: <work_dir>/bench/<time>-<label>, or ./bench-results/...).")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from trtpipe.errors import TrtpipeError
 from trtpipe.bench.metrics import METRICS, BenchError, Request, parse_slo, request_values, samples, stats, summarize
 
 MS = 1_000_000  # ns
@@ -69,8 +70,14 @@ def test_parse_slo(text, expected):
 
 @pytest.mark.parametrize("text", ["ttft", "latency:5ms", "ttft:fast"])
 def test_bad_slo_names_the_part(text):
-    with pytest.raises(BenchError, match="--slo: cannot read"):
+    with pytest.raises(TrtpipeError, match=f"--slo: cannot read '{text}'"):
         parse_slo(text)
+
+
+def test_bench_slo_refuses_a_percentile_target():
+    # goodput counts requests; a run percentile is plan --slo's term, named with the per-request spelling to use
+    with pytest.raises(TrtpipeError, match=r"'ttft_p99=200ms' is a percentile target.*ttft:200ms"):
+        parse_slo("ttft_p99=200ms")
 
 
 def test_no_successful_request_is_an_error():

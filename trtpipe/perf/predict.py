@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Optional
 
+from trtpipe import slo as slo_syntax
 from trtpipe.engine.gpus import GPU, get_gpu
 from trtpipe.errors import TrtpipeError
 from trtpipe.perf.cost import Constants, Deployment
@@ -208,26 +209,22 @@ def write_scenarios(src: Path, dst: Path, constants: dict[str, Constants], simul
 
 # ---- capacity planning ----------------------------------------------------------------------------------------
 
+PLAN_SLO_METRICS = ("ttft", "itl", "e2e")
+
+
 def parse_slo(text: str) -> dict[str, float]:
-    """``ttft_p99=500ms,itl_p99=50ms`` -> {"ttft_p99": 0.5, "itl_p99": 0.05} (seconds)."""
-    out = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        m = re.fullmatch(r"(ttft|itl|e2e)_p(\d+(?:\.\d+)?)=(\d+(?:\.\d+)?)(ms|s)", part)
-        if not m:
-            raise TrtpipeError(f"--slo: cannot read '{part}' (want e.g. ttft_p99=500ms,itl_p99=50ms)")
-        out[f"{m.group(1)}_p{m.group(2)}"] = float(m.group(3)) * (1e-3 if m.group(4) == "ms" else 1.0)
-    if not out:
-        raise TrtpipeError("--slo: empty")
-    return out
+    """``ttft_p99=500ms,itl:50ms`` -> {"ttft_p99": 500.0, "itl": 50.0} (milliseconds), in the one SLO syntax of
+    :mod:`trtpipe.slo`: ``METRIC_pQ`` bounds the run's Q-th percentile, a bare ``METRIC`` every request (p100)."""
+    return slo_syntax.parse_slo(text, PLAN_SLO_METRICS)
 
 
 def meets(res: SimResult, slo: dict[str, float]) -> tuple[bool, dict[str, float]]:
-    """Whether a run meets every SLO target, and the headroom (target / predicted) of each."""
+    """Whether a run meets every SLO target (milliseconds), and the headroom (target / predicted) of each."""
     head = {}
-    for key, target in slo.items():
-        metric, q = key.split("_p")
-        got = res.pct(metric, float(q))
-        head[key] = target / got if got > 0 else math.inf
+    for key, target_ms in slo.items():
+        metric, q = slo_syntax.split_term(key)
+        got_ms = res.pct(metric, 100.0 if q is None else q) * 1e3
+        head[key] = target_ms / got_ms if got_ms > 0 else math.inf
     return all(h >= 1 for h in head.values()), head
 
 
