@@ -13,7 +13,7 @@ from trtpipe.pipeline.cache import BuildLockedError, WorkDirLock, atomic_write_j
 from trtpipe.pipeline.progress import progress_bar
 from trtpipe.pipeline.stage import Stage
 from trtpipe.pipeline.stage_table import STAGE_NAMES, StageLoadError, load_stages
-from trtpipe.pipeline.versions import collect_versions, parse_nvidia_smi, torch_cuda_version, version_mismatches
+from trtpipe.pipeline.versions import collect_versions, parse_nvidia_smi, torch_cuda_version
 
 
 def test_stage_table_loads_what_exists_and_names_what_does_not(tmp_path, monkeypatch):
@@ -90,13 +90,3 @@ def test_atomic_write_replaces_whole_file_and_leaves_no_temp(tmp_path):
     atomic_write_json(target, {"b": 2})
     assert target.read_text() == '{\n  "b": 2\n}\n'
     assert [p.name for p in target.parent.iterdir()] == ["m.json"]
-
-
-def test_version_mismatches_name_each_engine_bound_difference():
-    here = collect_versions()
-    assert version_mismatches(here) == []
-    built = {**here, "tensorrt_llm": "1.2.1-test", "gpu_compute_capability": "0.1-test"}
-    assert version_mismatches(built, here) == [
-        f"tensorrt_llm: built with 1.2.1-test, this machine has {here['tensorrt_llm']}",
-        f"gpu_compute_capability: built with 0.1-test, this machine has {here['gpu_compute_capability']}",
-    ]

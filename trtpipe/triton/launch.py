@@ -51,9 +51,9 @@ def resolve_repo(target: Path, overrides: Sequence[str] = (), quiet: bool = Fals
 
 
 def installed_trtllm() -> Optional[str]:
-    from trtpipe.engine.versions import package_version
+    from trtpipe.pipeline.versions import PACKAGES, package_version
 
-    return package_version("tensorrt_llm", "tensorrt-llm")
+    return package_version(*PACKAGES["tensorrt_llm"])
 
 
 def engine_lock(engine_dir: Path) -> dict:
@@ -110,10 +110,10 @@ def plan_launch(repo: Path, bind: str = "127.0.0.1", ports: Optional[Ports] = No
 
 def run_mpirun(plan: LaunchPlan) -> int:
     """Run the leader-mode launch in the foreground (TensorRT-LLM container); returns mpirun's exit code."""
-    from trtpipe.engine.versions import package_version
+    from trtpipe.pipeline.versions import PACKAGES, package_version
 
     info = repo_info(plan.repo)
-    check_engine_versions(info, installed_trtllm(), package_version("tensorrt", "tensorrt-cu12", "tensorrt_cu12"),
+    check_engine_versions(info, installed_trtllm(), package_version(*PACKAGES["tensorrt"]),
                           engine_lock(Path(info.get("engine", ""))))
     if shutil.which("mpirun") is None:
         raise ServingError("mpirun is not on PATH (the TensorRT-LLM container ships OpenMPI)")
