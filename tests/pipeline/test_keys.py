@@ -14,7 +14,7 @@ from trtpipe.recipe import load_recipe
 
 
 def keys(recipe_path: Path, *overrides: str) -> dict[str, str]:
-    plans, _ = plan_build(load_recipe(recipe_path, overrides, check_rules=False), STAGES)
+    plans = plan_build(load_recipe(recipe_path, overrides, check_rules=False), STAGES)
     return {p.name: p.key for p in plans}
 
 

@@ -29,7 +29,7 @@ def _accuracy(recipe) -> dict:
         return {"status": "baseline", "ppl_increase_pct": 0.0, "kl_divergence": 0.0, "top1_agreement": 1.0,
                 "gate": "baseline"}
     try:
-        plans, _ = plan_build(recipe)
+        plans = plan_build(recipe)
     except (TrtpipeError, OSError) as exc:
         return {"status": f"cannot plan the build ({exc})"}
     plan = next((p for p in plans if p.name == "verify"), None)

@@ -67,7 +67,7 @@ def built_checkpoint(recipe: Recipe) -> Optional[Path]:
     from trtpipe.errors import TrtpipeError
 
     try:
-        plans, _ = plan_stages(recipe)
+        plans = plan_stages(recipe)
     except (TrtpipeError, OSError):  # e.g. a model directory that is not on this disk
         return None
     by_name = {p.name: p for p in plans}

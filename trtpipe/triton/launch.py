@@ -159,7 +159,7 @@ def planned_launch(recipe_path: Path, overrides: Sequence[str], bind: str, ports
     from trtpipe.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, overrides)
-    plans, _ = plan_build(recipe)
+    plans = plan_build(recipe)
     repo_plan = next((p for p in plans if p.name == "repo"), None)
     if repo_plan is None or repo_plan.key is None:
         raise ServingError(f"{recipe_path}: the repo stage cannot be planned ({getattr(repo_plan, 'reason', 'absent')})")
