@@ -14,7 +14,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 from urllib.parse import urlparse
 
 from trtpipe.bench.metrics import BenchError
@@ -103,11 +103,3 @@ def render(r: dict) -> str:
         f"  next {len(r['warm'])} (warm), median: ttft {med['ttft_ms']:.1f} ms, e2e {med['e2e_ms']:.1f} ms",
         f"  cold / warm: ttft {ratio['ttft_ms']:.2f}x, e2e {ratio['e2e_ms']:.2f}x",
     ])
-
-
-def compare_table(results: list[dict]) -> str:
-    lines = [f"{'model_warmup':<13}{'ready s':>9}{'cold ttft':>11}{'warm ttft':>11}{'cold e2e':>10}{'warm e2e':>10}"]
-    for r in results:
-        lines.append(f"{'on' if r['model_warmup'] else 'off':<13}{r['ready_s']:>9.2f}{r['cold']['ttft_ms']:>11.1f}"
-                     f"{r['warm_median']['ttft_ms']:>11.1f}{r['cold']['e2e_ms']:>10.1f}{r['warm_median']['e2e_ms']:>10.1f}")
-    return "\n".join(lines)

@@ -231,10 +231,3 @@ def load_layer_stats(stats_dir: Path, i: int) -> LayerStats:
 
 def write_meta(out_dir: Path, meta: dict) -> None:
     (out_dir / "stats.json").write_text(json.dumps(meta, indent=2) + "\n")
-
-
-def read_meta(stats_dir: Path) -> dict:
-    path = stats_dir / "stats.json"
-    if not path.exists():
-        raise QuantizationError(f"{path}: not a calibration artifact (stats.json missing)")
-    return json.loads(path.read_text())

@@ -435,22 +435,6 @@ def detached_servers() -> list[Server]:
     return found
 
 
-def stop_detached(repo: Optional[Path] = None) -> list[Server]:
-    """Stop the detached server of ``repo`` (or the only one running); return what was stopped."""
-    servers = detached_servers()
-    if repo is not None:
-        want = str(Path(repo).resolve())
-        servers = [s for s in servers if s.repo == want]
-        if not servers:
-            raise ServingError(f"{repo}: no detached trtpipe server serves this repository")
-    elif len(servers) > 1:
-        names = ", ".join(f"{s.repo} (pid {s.pid})" for s in servers)
-        raise ServingError(f"several detached servers run; name one: {names}")
-    for s in servers:
-        s.stop()
-    return servers
-
-
 def sigterm_as_interrupt() -> None:
     """Make SIGTERM behave like Ctrl-C (KeyboardInterrupt), so every wait below cleans up the same way."""
 
