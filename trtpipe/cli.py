@@ -432,20 +432,12 @@ def repo(recipe: Path, overrides, engine_dir, tokenizer_dir, out) -> None:
     click.echo(f"{out} ({', '.join(sorted(configs))})")
 
 
-def _ports(http, grpc, metrics):
-    from trtpipe.triton.server_process import Ports, free_ports
-
-    if http is None and grpc is None and metrics is None:
-        return None
-    free = iter(free_ports(3))
-    return Ports(http or next(free), grpc or next(free), metrics or next(free))
-
-
 @main.command()
 @click.argument("target", type=click.Path(exists=True, path_type=Path))
 @OVERRIDES
-@click.option("--bind", default=None, help="Address of all endpoints (default: recipe triton.bind, else 127.0.0.1).")
-@click.option("--http-port", type=int)
+@click.option("--bind", default=None, help="Address of all endpoints (default: recipe triton.bind or llmapi.host, "
+              "else 127.0.0.1).")
+@click.option("--http-port", type=int, help="HTTP port (llmapi target: the OpenAI API's, default llmapi.port).")
 @click.option("--grpc-port", type=int)
 @click.option("--metrics-port", type=int)
 @click.option("--timeout", default=180.0, show_default=True, help="Seconds to wait for readiness.")
@@ -457,86 +449,38 @@ def _ports(http, grpc, metrics):
               help="MPI hostfile (host:slots per line) for a multi-node leader-mode launch.")
 @click.option("--single-process", is_flag=True,
               help="CPU twin of a tp/pp>1 repository: run every rank's shard in one tritonserver (no MPI).")
+@click.option("--served-model-name", default=None, help="llmapi target: the model name clients send "
+              "(default: recipe llmapi.served_model_name, else its name).")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="llmapi target: Jinja chat template file, for tokenizers without one.")
 def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, timeout, detach, dry_run, tritonserver,
-          hostfile, single_process) -> None:
-    """Serve a model repository, or a recipe (built first if needed); Ctrl-C stops it cleanly."""
-    from trtpipe.triton import server_process
-    from trtpipe.triton.launch import dry_run_lines, plan_launch, resolve_repo, run_mpirun
+          hostfile, single_process, served_model_name, chat_template) -> None:
+    """Serve any target; Ctrl-C stops it cleanly. A Triton model repository or an engine recipe (built first if
+    needed) runs on tritonserver; a target: llmapi recipe (or an HF checkpoint dir) on the OpenAI-compatible
+    twin of trtllm-serve (what serve-openai runs)."""
+    from trtpipe.serving.openai_launch import is_openai_target, serve_openai
+    from trtpipe.triton.launch import serve_repository
 
-    if target.is_file():  # a recipe: its triton section gives the defaults
-        from trtpipe.recipe import load_recipe
-
-        t = load_recipe(target, overrides).triton
-        bind = bind or t.bind
-        http_port, grpc_port, metrics_port = http_port or t.http_port, grpc_port or t.grpc_port, metrics_port or t.metrics_port
-    bind = bind or "127.0.0.1"
-    if server_process.exposure_warning(bind):
-        click.echo(server_process.exposure_warning(bind), err=True)
-    ports = _ports(http_port, grpc_port, metrics_port)
-    if dry_run:
-        click.echo("\n".join(dry_run_lines(target, overrides, bind, ports, tritonserver, hostfile)))
+    if is_openai_target(target, overrides):
+        triton_only = {"--grpc-port": grpc_port, "--metrics-port": metrics_port, "--dry-run": dry_run,
+                       "--hostfile": hostfile, "--single-process": single_process}
+        if any(triton_only.values()):
+            raise click.UsageError(f"{', '.join(k for k, v in triton_only.items() if v)}: for Triton targets; {target} "
+                                   "is served by the OpenAI twin (options: --bind, --http-port, --detach, --timeout)")
+        serve_openai(target, overrides, bind, http_port, served_model_name, chat_template, detach, timeout, click.echo)
         return
-    repo = resolve_repo(target, overrides)
-    plan = plan_launch(repo, bind, ports, tritonserver, hostfile)
-    if plan.command is not None:
-        sys.exit(run_mpirun(plan))
-    server_process.sigterm_as_interrupt()
-    import time
-
-    t0 = time.perf_counter()
-    if plan.world_size > 1 and not single_process:  # leader mode: one process per rank under mpiexec
-        from trtpipe.triton import mpi_launch
-        from trtpipe.triton.launch import repo_info
-
-        server, state = mpi_launch.start_job(repo, repo_info(repo), bind, ports or server_process.Ports(*server_process.free_ports(3)),
-                                             timeout, hostfile, detach)
-        click.echo(f"serving {repo} (leader mode, {plan.world_size} ranks under mpiexec)\n  http {server.http_url}\n"
-                   f"  grpc {server.grpc_url}\n  run  {server.run_dir}\n  ready in {time.perf_counter() - t0:.1f} s")
-        for r in state.get("ranks", []):
-            click.echo(f"  rank {r['rank']} (tp {r['tp_rank']}, pp {r['pp_rank']}) pid {r['pid']} on {r['host']}: "
-                       f"layers {r['layers']}, {r['weights_mb']} MiB of weights, RSS {r['rss_mb']} MiB")
-        if detach:
-            click.echo(f"  pid  {server.pid} (trtpipe stop {repo})")
-            return
-        click.echo("Ctrl-C to stop")
-        sys.stdout.flush()
-        sys.exit(mpi_launch.serve_job_forever(server, server.run_dir))
-    server = server_process.start_server(repo, bind, ports, timeout=timeout, detach=detach)
-    ready_s = time.perf_counter() - t0
-    click.echo(f"serving {repo}\n  http {server.http_url}\n  grpc {server.grpc_url}\n  metrics http://{server.bind}:"
-               f"{server.ports.metrics}/metrics\n  log  {server.log}\n  ready in {ready_s:.1f} s (models loaded"
-               f"{' and warmed up' if _warmed(repo) else ', no warm-up'})")
-    if detach:
-        click.echo(f"  pid  {server.pid} (trtpipe stop {repo})")
-        return
-    click.echo("Ctrl-C to stop")
-    sys.stdout.flush()
-    server_process.serve_forever(server)
-    click.echo("stopped")
-
-
-def _warmed(repo) -> bool:
-    from trtpipe.bench.coldstart import has_warmup
-
-    return has_warmup(repo)
+    sys.exit(serve_repository(target, overrides, bind, http_port, grpc_port, metrics_port, timeout, detach, dry_run,
+                              tritonserver, hostfile, single_process, click.echo))
 
 
 @main.command()
 @click.argument("target", required=False, type=click.Path(exists=True, path_type=Path))
 @OVERRIDES
 def stop(target, overrides) -> None:
-    """Stop servers started with serve --detach (TARGET: repository or recipe; default: the only one running)."""
-    from trtpipe.errors import ServingError
-    from trtpipe.triton.launch import find_detached
+    """Stop servers started with serve --detach (TARGET: repository, recipe or model dir; default: the only one)."""
+    from trtpipe.triton.launch import stop_servers
 
-    servers = find_detached(target, overrides)
-    if target is None and len(servers) > 1:
-        raise ServingError(f"{len(servers)} detached servers run; name one: " + ", ".join(s.repo for s in servers))
-    if not servers:
-        click.echo("no detached server is running" + (f" for {target}" if target else ""))
-    for s in servers:
-        s.stop()
-        click.echo(f"stopped pid {s.pid} ({s.repo})")
+    stop_servers(target, overrides, click.echo)
 
 
 def _client_url(url, protocol, server=None, overrides=()):
@@ -744,31 +688,13 @@ def report(recipes, overrides, out, as_json) -> None:
               help="Jinja chat template file, for tokenizers without one (as trtllm-serve --chat_template).")
 def serve_openai(target: Path, overrides, host, port, served_model_name, chat_template) -> None:
     """Serve an llmapi recipe's export (built first if needed) or an HF checkpoint directory with the
-    OpenAI-compatible twin of trtllm-serve, on the in-flight batching executor (CPU reference runtime)."""
-    import logging
+    OpenAI-compatible twin of trtllm-serve, in the foreground (trtpipe serve does the same for these targets)."""
+    from trtpipe.serving.openai_launch import is_openai_target, serve_openai as run
 
-    from trtpipe.serving.openai_server import config_from_recipe, serve
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    config = None
-    if target.is_dir():
-        model_dir, name = target, served_model_name or target.name
-    else:
-        from trtpipe.recipe import load_recipe
-
-        recipe = load_recipe(target, overrides)
-        if recipe.target != "llmapi":
-            raise click.UsageError(f"{target}: target is {recipe.target}; serve-openai serves target: llmapi recipes "
-                                   "(use trtpipe serve for the Triton repository)")
-        _, artifact = _build_until(target, overrides, "export")
-        model_dir = artifact / "hf"
-        name = served_model_name or recipe.llmapi.served_model_name or recipe.name
-        host, port = host or recipe.llmapi.host, port or recipe.llmapi.port
-        max_pos = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings") or 2048
-        config = config_from_recipe(recipe, int(max_pos))
-    serve(model_dir, host or "127.0.0.1", port or 8000, name, config,
-          chat_template.read_text() if chat_template else None)
-
+    if target.is_file() and not is_openai_target(target, overrides):
+        raise click.UsageError(f"{target}: not a target: llmapi recipe; serve-openai serves those "
+                               "(use trtpipe serve for the Triton repository)")
+    run(target, overrides, host, port, served_model_name, chat_template, False, 0.0, click.echo)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -66,14 +66,10 @@ def timed_request(http_url: str, model: str, streaming: bool, prompt: str, max_t
     return {"ttft_ms": 1000.0 * ((first or end) - t0), "e2e_ms": 1000.0 * (end - t0), "pieces": pieces}
 
 
-def has_warmup(repo: Path) -> bool:
-    return any("model_warmup" in p.read_text() for p in Path(repo).glob("*/config.pbtxt"))
-
-
 def measure_cold(recipe: Path, overrides: Sequence[str] = (), warm_requests: int = 5, max_tokens: int = 16,
                  timeout: float = 300.0) -> dict:
     """Start a fresh server for ``recipe`` (built if needed), time readiness, the first and the next requests."""
-    from trtpipe.triton.launch import resolve_repo
+    from trtpipe.triton.launch import has_warmup, resolve_repo
     from trtpipe.triton.server_process import start_server
 
     repo = resolve_repo(recipe, overrides, quiet=True)

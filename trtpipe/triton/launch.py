@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from trtpipe.errors import ServingError
 from trtpipe.triton.server_process import Ports, free_ports, mpirun_command
@@ -138,7 +139,8 @@ def find_detached(target: Optional[Path] = None, overrides: Sequence[str] = ()) 
 
 
 def one_detached(target: Optional[Path] = None, overrides: Sequence[str] = ()):
-    servers = find_detached(target, overrides)
+    """The one detached tritonserver of ``target`` (or the only one running) that ``infer`` and ``bench`` talk to."""
+    servers = [s for s in find_detached(target, overrides) if s.kind == "tritonserver"]
     if len(servers) != 1:
         where = f" for {target}" if target else ""
         listing = "; ".join(f"pid {s.pid} {s.repo}" for s in servers)
@@ -239,3 +241,93 @@ def _twin_leader_lines(plan: LaunchPlan, bind: str, ports: Optional[Ports], trit
               f"ranks 1..{plan.world_size - 1} workers); serve runs it under a supervisor (run dir in the cache)",
               shlex.join(spec["command"])]
     return lines
+
+
+# --- trtpipe serve / trtpipe stop ------------------------------------------------------------------------------
+
+def has_warmup(repo: Path) -> bool:
+    """Whether the repository's models declare ``model_warmup`` (run before the server reports ready)."""
+    return any("model_warmup" in p.read_text() for p in Path(repo).glob("*/config.pbtxt"))
+
+
+def requested_ports(http: Optional[int], grpc: Optional[int], metrics: Optional[int]) -> Optional[Ports]:
+    """The ports asked for, free ones filling the gaps; None when none was asked for (the server picks)."""
+    if http is None and grpc is None and metrics is None:
+        return None
+    free = iter(free_ports(3))
+    return Ports(http or next(free), grpc or next(free), metrics or next(free))
+
+
+def serve_repository(target: Path, overrides: Sequence[str], bind: Optional[str], http_port: Optional[int],
+                     grpc_port: Optional[int], metrics_port: Optional[int], timeout: float, detach: bool,
+                     dry_run: bool, tritonserver: str, hostfile: Optional[Path], single_process: bool,
+                     echo: Callable[..., None]) -> int:
+    """``trtpipe serve`` of a Triton repository or an engine recipe (built first): print the dry-run launch, run
+    mpirun (TensorRT engines), or start the CPU twin (one tritonserver, or leader mode under mpiexec) and serve
+    until Ctrl-C, or return once it is ready (``detach``). Returns the exit status."""
+    import time
+
+    from trtpipe.triton import server_process
+
+    if Path(target).is_file():  # a recipe: its triton section gives the defaults
+        from trtpipe.recipe import load_recipe
+
+        t = load_recipe(target, overrides).triton
+        bind = bind or t.bind
+        http_port, grpc_port, metrics_port = http_port or t.http_port, grpc_port or t.grpc_port, metrics_port or t.metrics_port
+    bind = bind or "127.0.0.1"
+    if server_process.exposure_warning(bind):
+        echo(server_process.exposure_warning(bind), err=True)
+    ports = requested_ports(http_port, grpc_port, metrics_port)
+    if dry_run:
+        echo("\n".join(dry_run_lines(target, overrides, bind, ports, tritonserver, hostfile)))
+        return 0
+    repo = resolve_repo(target, overrides)
+    plan = plan_launch(repo, bind, ports, tritonserver, hostfile)
+    if plan.command is not None:
+        return run_mpirun(plan)
+    server_process.sigterm_as_interrupt()
+    t0 = time.perf_counter()
+    if plan.world_size > 1 and not single_process:  # leader mode: one process per rank under mpiexec
+        from trtpipe.triton import mpi_launch
+
+        server, state = mpi_launch.start_job(repo, repo_info(repo), bind,
+                                             ports or server_process.Ports(*server_process.free_ports(3)),
+                                             timeout, hostfile, detach)
+        echo(f"serving {repo} (leader mode, {plan.world_size} ranks under mpiexec)\n  http {server.http_url}\n"
+             f"  grpc {server.grpc_url}\n  run  {server.run_dir}\n  ready in {time.perf_counter() - t0:.1f} s")
+        for r in state.get("ranks", []):
+            echo(f"  rank {r['rank']} (tp {r['tp_rank']}, pp {r['pp_rank']}) pid {r['pid']} on {r['host']}: "
+                 f"layers {r['layers']}, {r['weights_mb']} MiB of weights, RSS {r['rss_mb']} MiB")
+        if detach:
+            echo(f"  pid  {server.pid} (trtpipe stop {repo})")
+            return 0
+        echo("Ctrl-C to stop")
+        sys.stdout.flush()
+        return mpi_launch.serve_job_forever(server, server.run_dir)
+    server = server_process.start_server(repo, bind, ports, timeout=timeout, detach=detach)
+    ready_s = time.perf_counter() - t0
+    echo(f"serving {repo}\n  http {server.http_url}\n  grpc {server.grpc_url}\n  metrics http://{server.bind}:"
+         f"{server.ports.metrics}/metrics\n  log  {server.log}\n  ready in {ready_s:.1f} s (models loaded"
+         f"{' and warmed up' if has_warmup(repo) else ', no warm-up'})")
+    if detach:
+        echo(f"  pid  {server.pid} (trtpipe stop {repo})")
+        return 0
+    echo("Ctrl-C to stop")
+    sys.stdout.flush()
+    server_process.serve_forever(server)
+    echo("stopped")
+    return 0
+
+
+def stop_servers(target: Optional[Path], overrides: Sequence[str], echo: Callable[[str], None]) -> None:
+    """``trtpipe stop``: stop the detached servers of ``target`` (a repository, model dir or recipe; any kind),
+    or the only one running."""
+    servers = find_detached(target, overrides)
+    if target is None and len(servers) > 1:
+        raise ServingError(f"{len(servers)} detached servers run; name one: " + ", ".join(s.repo for s in servers))
+    if not servers:
+        echo("no detached server is running" + (f" for {target}" if target else ""))
+    for s in servers:
+        s.stop()
+        echo(f"stopped pid {s.pid} ({s.repo})")

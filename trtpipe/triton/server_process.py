@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from trtpipe.errors import ServingError
+from trtpipe.extras import require
 from trtpipe.triton import stub_watchdog
 
 SHM_DIR = Path("/dev/shm")
@@ -43,10 +44,7 @@ def cache_dir() -> Path:
 
 
 def _pytriton_server_dir() -> Path:
-    try:
-        import pytriton
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ServingError("nvidia-pytriton is not installed: pip install 'trtpipe[serve]'") from exc
+    pytriton = require("pytriton", "the CPU tritonserver (trtpipe serve)")
     src = Path(pytriton.__file__).parent / "tritonserver"
     if not (src / "bin" / "tritonserver").exists():
         raise ServingError(f"{src}: no bin/tritonserver in the nvidia-pytriton wheel")
@@ -55,7 +53,7 @@ def _pytriton_server_dir() -> Path:
 
 def server_root() -> Path:
     """Where :func:`prepare_server` keeps the tritonserver copy for this nvidia-pytriton and Python."""
-    import pytriton
+    pytriton = require("pytriton", "the CPU tritonserver (trtpipe serve)")
 
     version = getattr(pytriton, "__version__", "unknown")
     return cache_dir() / f"tritonserver-pytriton{version}-py{sys.version_info.major}.{sys.version_info.minor}"
@@ -84,7 +82,7 @@ def prepare_server() -> Path:
 
 def server_env(base: Optional[dict] = None) -> dict:
     """The environment the CPU tritonserver and its python stubs need (see the module docstring)."""
-    import pytriton
+    pytriton = require("pytriton", "the CPU tritonserver (trtpipe serve)")
 
     env = dict(os.environ if base is None else base)
     libs = [str(Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR")]
@@ -214,9 +212,14 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text[-lines:])
 
 
-def _ready(http_url: str) -> bool:
+# The readiness endpoint of each kind of server ``trtpipe serve`` starts: tritonserver, or the OpenAI twin of
+# trtllm-serve (``trtpipe.serving.openai_launch``, a ``target: llmapi`` recipe).
+READY_PATHS = {"tritonserver": "/v2/health/ready", "openai": "/health"}
+
+
+def _ready(http_url: str, path: str = READY_PATHS["tritonserver"]) -> bool:
     try:
-        with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=2) as r:
+        with urllib.request.urlopen(f"{http_url}{path}", timeout=2) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError):
         return False
@@ -236,7 +239,8 @@ def clean_shm(prefix: str) -> list[str]:
 
 @dataclass
 class Server:
-    """A running tritonserver we started (or found through its state file, for ``trtpipe stop``)."""
+    """A running server we started (or found through its state file, for ``trtpipe stop``): a tritonserver on
+    a model repository, or (``kind="openai"``) the OpenAI twin on an llmapi export (``repo`` is its model dir)."""
 
     pid: int
     repo: str
@@ -245,6 +249,7 @@ class Server:
     log: str
     shm_prefix: str
     state_file: Optional[str] = None
+    kind: str = "tritonserver"  # a key of READY_PATHS
     _proc: Optional[subprocess.Popen] = field(default=None, repr=False, compare=False)
 
     @property
@@ -261,7 +266,7 @@ class Server:
         return pid_alive(self.pid)
 
     def ready(self) -> bool:
-        return _ready(self.http_url)
+        return _ready(self.http_url, READY_PATHS[self.kind])
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM, wait, SIGKILL if it hangs; then clean our shm regions and the state file."""
@@ -294,7 +299,7 @@ class Server:
         self.stop()
 
     def to_json(self) -> str:
-        d = {k: getattr(self, k) for k in ("pid", "repo", "bind", "log", "shm_prefix", "state_file")}
+        d = {k: getattr(self, k) for k in ("pid", "repo", "bind", "log", "shm_prefix", "state_file", "kind")}
         d["ports"] = asdict(self.ports)
         return json.dumps(d, indent=2)
 
