@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from trtpipe.errors import TrtpipeError
+from trtpipe.extras import pyplot
 
 
 def _accuracy(recipe) -> dict:
@@ -145,11 +146,7 @@ def render(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path) -> Optional[Path]:
     """Accuracy cost against serving throughput and memory: one panel each; gate failures in red."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("trtpipe report")
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for r in rows:
         a, mem, b = r["accuracy"], r["memory"], r["bench"]
@@ -182,6 +179,7 @@ def plot(rows: list[dict], path: Path) -> Optional[Path]:
 def build_report(recipe_paths: Sequence[Path], overrides: Sequence[str], out: Path) -> dict:
     from trtpipe.recipe import load_recipe
 
+    pyplot("trtpipe report")  # before any build or file: a missing extra leaves nothing half-written
     rows = []
     for path in recipe_paths:
         recipe = load_recipe(path, overrides, check_rules=False)

@@ -19,6 +19,7 @@ from typing import Iterable, Optional
 from trtpipe import slo as slo_syntax
 from trtpipe.engine.gpus import GPU, get_gpu
 from trtpipe.errors import TrtpipeError
+from trtpipe.extras import pyplot
 from trtpipe.perf.cost import Constants, Deployment
 from trtpipe.perf.fit import family, load_constants, predict_rows
 from trtpipe.perf.models import spec_of
@@ -272,12 +273,7 @@ def capacity_plan(recipe_path: Path, slo: dict[str, float], rate: float, isl: in
 
 def plot_plan(rows: list[dict], path: Path, title: str) -> None:
     """Predicted throughput per GPU against ITL p99 per layout (at its chosen replica count)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise TrtpipeError(f"{path}: the plot needs matplotlib (pip install matplotlib)") from None
+    plt = pyplot("trtpipe plan --plot")
     if path.exists():
         raise TrtpipeError(f"{path}: already exists; choose another --plot (nothing is overwritten)")
     fig, ax = plt.subplots(figsize=(9, 6))

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from trtpipe.checkpoint.shard import pp_layers
 from trtpipe.errors import CheckpointError
+from trtpipe.extras import require
 from trtpipe.runtime.linear import Float32Linear, LinearSpec, build_linear, module_quant_algo
 from trtpipe.runtime.loader import _with_prefix, read_config, read_rank
 from trtpipe.runtime.model import DecoderLayer, ModelArgs, rms_norm
@@ -35,12 +36,8 @@ from trtpipe.runtime.model import DecoderLayer, ModelArgs, rms_norm
 
 def mpi():
     """mpi4py's MPI module, initialised for threads (rank 0 calls MPI from the executor's thread)."""
-    import mpi4py
-
-    mpi4py.rc.thread_level = "multiple"
-    from mpi4py import MPI
-
-    return MPI
+    require("mpi4py", "a tp/pp > 1 leader-mode job (mpiexec)").rc.thread_level = "multiple"
+    return require("mpi4py.MPI", "a tp/pp > 1 leader-mode job (mpiexec)")
 
 
 @dataclass(frozen=True)

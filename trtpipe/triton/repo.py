@@ -26,13 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2 as mc
-
 from trtpipe.errors import ServingError
+from trtpipe.extras import require
 from trtpipe.triton import upstream_io
 from trtpipe.resources import data_dir
 from trtpipe.recipe.schema import Recipe
+
+# tritonclient's own protobuf messages write config.pbtxt (the serve extra)
+mc = require("tritonclient.grpc.model_config_pb2", "a Triton model repository (trtpipe repo, the repo stage)")
+text_format = require("google.protobuf.text_format", "a Triton model repository (trtpipe repo, the repo stage)")
 
 MODEL_CODE = data_dir("model_repo")
 TOKENIZER_FILES = (
