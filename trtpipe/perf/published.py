@@ -236,7 +236,25 @@ def to_published_unit(row: dict, total: float) -> float:
     return total
 
 
+INTEGER_COLUMNS = ("num_gpus", "tp", "pp", "ep", "isl", "osl")  # blank allowed (unknown), else a whole number
+
+
+def check_row(path: Path, line: int, number: int, row: dict) -> None:
+    """Row ``number`` (1 = the first after the header, ending on ``line``) as ``csv.DictReader`` read it: every
+    field present, no extra cell, whole numbers where counts go; else a one-line TrtpipeError naming all three."""
+    where = f"{path}:{line}: row {number}"
+    if None in row:
+        raise TrtpipeError(f"{where}: {len(row) - 1 + len(row[None])} fields, the header has {len(row) - 1}")
+    for column in COLUMNS:
+        value = row[column]
+        if value is None:
+            raise TrtpipeError(f"{where}: field '{column}' is missing (the row ends early)")
+        if column in INTEGER_COLUMNS and value.strip() and not value.strip().isdigit():
+            raise TrtpipeError(f"{where}: field '{column}': expected a whole number, got {value!r}")
+
+
 def read_rows(path: Path) -> list[dict]:
+    """The rows of a published-format CSV (header :data:`COLUMNS`, any extra columns kept), each checked."""
     path = Path(path)
     try:
         with open(path, newline="") as f:
@@ -244,6 +262,12 @@ def read_rows(path: Path) -> list[dict]:
             missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
             if missing:
                 raise TrtpipeError(f"{path}: missing column(s) {', '.join(missing)}")
-            return list(reader)
+            rows = []
+            for number, row in enumerate(reader, 1):
+                check_row(path, reader.line_num, number, row)
+                rows.append(row)
+            return rows
     except OSError as exc:
         raise TrtpipeError(f"{path}: {exc.strerror}") from None
+    except (csv.Error, UnicodeDecodeError) as exc:
+        raise TrtpipeError(f"{path}: not a readable CSV ({exc})") from None
