@@ -144,20 +144,11 @@ def build(ctx, recipe: Path, overrides, force, from_stage, until, as_json: bool)
 @click.pass_context
 def status(ctx, recipe: Path, overrides, verify: bool, as_json: bool) -> None:
     """Show each stage's key, whether its artifact is cached, and the last build."""
-    from trtpipe.pipeline.runner import build_status
+    from trtpipe.pipeline.runner import build_status, render_status
     from trtpipe.recipe import load_recipe
 
     report = build_status(load_recipe(recipe, overrides), (ctx.obj or {}).get("stages"), verify=verify)
-    if as_json:
-        click.echo(json.dumps(report, indent=2))
-    else:
-        for row in report["stages"]:
-            where = row.get("artifact") or row["reason"]
-            click.echo(f"{row['name']:<11} {row['state']:<9} {where}")
-        last = report["last_build"]
-        click.echo(f"last build: {last['build_id']} {last['status']}" if last else "last build: none")
-        for problem in report.get("verify") or []:
-            click.echo(f"mismatch: {problem}")
+    click.echo(json.dumps(report, indent=2) if as_json else render_status(report))
     if verify and report.get("verify"):
         sys.exit(1)
 
@@ -169,18 +160,11 @@ def status(ctx, recipe: Path, overrides, verify: bool, as_json: bool) -> None:
 @click.pass_context
 def gc(ctx, recipe: Path, overrides, delete: bool, as_json: bool) -> None:
     """List (or --delete) artifacts that neither the recipe's current keys nor the last build use."""
-    from trtpipe.pipeline.runner import collect_garbage
+    from trtpipe.pipeline.runner import collect_garbage, render_garbage
     from trtpipe.recipe import load_recipe
 
     report = collect_garbage(load_recipe(recipe, overrides), (ctx.obj or {}).get("stages"), delete=delete)
-    if as_json:
-        click.echo(json.dumps(report, indent=2))
-        return
-    verb = "deleted" if report["deleted"] else "unused"
-    for u in report["unused"]:
-        click.echo(f"{verb:<8} {u['artifact']}  {u['bytes'] / 2**30:.2f} GiB")
-    total = f"{len(report['unused'])} artifacts, {report['bytes'] / 2**30:.2f} GiB"
-    click.echo(f"{verb} {total}" + ("" if delete or not report["unused"] else " (trtpipe gc RECIPE --delete frees them)"))
+    click.echo(json.dumps(report, indent=2) if as_json else render_garbage(report, delete))
 
 
 # --- checkpoint commands (convert, inspect, generate) ----------------------------------------------
@@ -228,20 +212,10 @@ def inspect(path: Path, as_json: bool) -> None:
 @click.option("--seed", type=int, default=None)
 def generate(ckpt_dir, prompt, max_tokens, tokenizer_dir, temperature, top_k, top_p, seed) -> None:
     """Generate text with the CPU reference runtime from a TensorRT-LLM checkpoint (streams to stdout)."""
-    from trtpipe.runtime.text import generate_text
+    from trtpipe.runtime.text import stream_text
 
-    started = []  # the prompt is printed once the model and tokenizer loaded: a bad input leaves stdout empty
-
-    def emit(piece: str) -> None:
-        if not started:
-            started.append(True)
-            click.echo(prompt, nl=False)
-        click.echo(piece, nl=False)
-
-    generate_text(ckpt_dir, prompt, max_tokens, tokenizer_dir, temperature, top_k, top_p, seed, on_text=emit)
-    if not started:
-        click.echo(prompt, nl=False)
-    click.echo()
+    stream_text(ckpt_dir, prompt, max_tokens, tokenizer_dir, temperature, top_k, top_p, seed,
+                write=lambda text: click.echo(text, nl=False))
 
 # --- quantization commands (calibrate, quantize, eval) ---------------------------------------------
 
@@ -413,23 +387,9 @@ def doctor(engine_dir) -> None:
 @click.option("--out", type=click.Path(path_type=Path), help="Output dir (default: triton.repo_dir, else the build artifact).")
 def repo(recipe: Path, overrides, engine_dir, tokenizer_dir, out) -> None:
     """Write the Triton model repository: build the recipe up to the repo stage, or from --engine."""
-    from trtpipe.recipe import load_recipe
-    from trtpipe.triton.launch import resolve_repo
+    from trtpipe.triton.launch import write_repository
 
-    loaded = load_recipe(recipe, overrides)
-    if engine_dir is None:
-        built = resolve_repo(recipe, overrides)
-        if loaded.triton.repo_dir or out:
-            from trtpipe.triton.repo import export_repo
-
-            built = export_repo(built, out or loaded.resolve(loaded.triton.repo_dir))
-        click.echo(built)
-        return
-    from trtpipe.triton.repo import write_repo
-
-    out = out or loaded.resolve(loaded.triton.repo_dir or str(loaded.work_path / "repo"))
-    configs = write_repo(loaded, engine_dir, tokenizer_dir or engine_dir / "checkpoint", out)
-    click.echo(f"{out} ({', '.join(sorted(configs))})")
+    click.echo(write_repository(recipe, overrides, engine_dir, tokenizer_dir, out))
 
 
 @main.command()
@@ -483,15 +443,6 @@ def stop(target, overrides) -> None:
     stop_servers(target, overrides, click.echo)
 
 
-def _client_url(url, protocol, server=None, overrides=()):
-    if url:
-        return url
-    from trtpipe.triton.launch import one_detached
-
-    s = one_detached(server, overrides)
-    return s.grpc_url if protocol == "grpc" else s.http_url.split("://", 1)[1]
-
-
 GEN_OPTIONS = [
     click.option("--url", help="HOST:PORT (gRPC, or HTTP with --protocol http); default: the detached server."),
     click.option("--server", type=click.Path(exists=True, path_type=Path),
@@ -520,9 +471,10 @@ def _gen_options(fn):
 def infer(prompt, url, server, overrides, protocol, model, max_tokens, temperature, top_k, top_p, seed, stream) -> None:
     """Ask the served model PROMPT and print the answer."""
     from trtpipe.triton.client import Client, GenerateOptions
+    from trtpipe.triton.launch import client_url
 
     opts = GenerateOptions(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    with Client(_client_url(url, protocol, server, overrides), protocol, model) as client:
+    with Client(client_url(url, protocol, server, overrides), protocol, model) as client:
         if stream:
             for piece in client.stream(prompt, opts):
                 click.echo(piece, nl=False)
@@ -612,15 +564,10 @@ def bench_run(target, overrides, server, url, model, tokenizer, metrics_url, con
 def bench_compare(a, b, fail_if, seed, as_json) -> None:
     """Compare bench results A and B (result.json or its directory; several runs of one side: A1,A2,A3):
     deltas, bootstrap CIs, gates."""
-    from trtpipe.bench import compare as cmp
-    from trtpipe.bench.run import load_result
+    from trtpipe.bench.compare import compare_paths, render
 
-    gates = [cmp.parse_gate(g) for g in fail_if]
-    da = [load_result(Path(p)) for p in a.split(",") if p]
-    db = [load_result(Path(p)) for p in b.split(",") if p]
-    result = cmp.compare(da, db, gates, seed=seed)
-    warn = cmp.check_comparable(da, db)
-    click.echo(json.dumps(result, indent=1) if as_json else cmp.render(result))
+    result, warn = compare_paths(a, b, fail_if, seed)
+    click.echo(json.dumps(result, indent=1) if as_json else render(result))
     if warn:
         click.echo(f"warning: {warn}", err=True)
     if result["failed"]:

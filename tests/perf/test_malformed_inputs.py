@@ -47,7 +47,7 @@ def test_model_config_with_a_wrong_type_names_the_key(tmp_path):
 
 @pytest.mark.parametrize("doc,why", [
     ([1, 2], "not a trtpipe bench result (format 'a JSON list', expected trtpipe-bench/1)"),
-    ({"format": "trtpipe-bench/1", "run": {}}, "bench result without 'target', 'metrics' (truncated or edited?)"),
+    ({"format": "trtpipe-bench/1", "run": {}}, "bench result without 'metrics' (truncated or edited?)"),
 ])
 def test_bench_show_of_a_malformed_result_is_one_line(tmp_path, doc, why):
     path = tmp_path / "result.json"

@@ -23,7 +23,7 @@ from trtpipe.bench.server_view import Sampler, scrape, server_tokens, server_vie
 from trtpipe.bench.target import Target, provenance
 
 FORMAT = "trtpipe-bench/1"
-RESULT_KEYS = ("run", "target", "metrics")  # what show / compare read from every result
+RESULT_KEYS = ("metrics",)  # what show and compare read from every result (show also reads run, target)
 # Client and server token counts disagree when they differ by more than this (AIPerf's OSL-mismatch rule:
 # min(5% of OSL, 50 tokens)).
 MISMATCH_PCT, MISMATCH_ABS = 5.0, 50

@@ -452,3 +452,21 @@ def collect_garbage(recipe: Recipe, stages: Optional[Sequence[Stage]] = None, de
                 shutil.rmtree(work_dir / u["artifact"])
         out["deleted"] = True
     return out
+
+
+def render_status(report: dict) -> str:
+    """``trtpipe status``'s table: one line per stage (state, artifact or reason), the last build, mismatches."""
+    lines = [f"{row['name']:<11} {row['state']:<9} {row.get('artifact') or row['reason']}" for row in report["stages"]]
+    last = report["last_build"]
+    lines.append(f"last build: {last['build_id']} {last['status']}" if last else "last build: none")
+    lines += [f"mismatch: {problem}" for problem in report.get("verify") or []]
+    return "\n".join(lines)
+
+
+def render_garbage(report: dict, delete: bool) -> str:
+    """``trtpipe gc``'s lines: each unused (or deleted) artifact and its size, then the total."""
+    verb = "deleted" if report["deleted"] else "unused"
+    lines = [f"{verb:<8} {u['artifact']}  {u['bytes'] / 2**30:.2f} GiB" for u in report["unused"]]
+    total = f"{len(report['unused'])} artifacts, {report['bytes'] / 2**30:.2f} GiB"
+    lines.append(f"{verb} {total}" + ("" if delete or not report["unused"] else " (trtpipe gc RECIPE --delete frees them)"))
+    return "\n".join(lines)

@@ -331,3 +331,31 @@ def stop_servers(target: Optional[Path], overrides: Sequence[str], echo: Callabl
     for s in servers:
         s.stop()
         echo(f"stopped pid {s.pid} ({s.repo})")
+
+
+def write_repository(recipe_path: Path, overrides: Sequence[str], engine_dir: Optional[Path],
+                     tokenizer_dir: Optional[Path], out: Optional[Path]) -> str:
+    """``trtpipe repo``: build the recipe up to its repo stage (then copy it to ``out`` or triton.repo_dir when
+    one is given), or write a repository for ``engine_dir``. Returns what to print: the repository path (with
+    its models when written from an engine dir)."""
+    from trtpipe.recipe import load_recipe
+    from trtpipe.triton.repo import export_repo, write_repo
+
+    loaded = load_recipe(recipe_path, overrides)
+    if engine_dir is None:
+        built = resolve_repo(recipe_path, overrides)
+        if loaded.triton.repo_dir or out:
+            built = export_repo(built, out or loaded.resolve(loaded.triton.repo_dir))
+        return str(built)
+    out = out or loaded.resolve(loaded.triton.repo_dir or str(loaded.work_path / "repo"))
+    configs = write_repo(loaded, engine_dir, tokenizer_dir or engine_dir / "checkpoint", out)
+    return f"{out} ({', '.join(sorted(configs))})"
+
+
+def client_url(url: Optional[str], protocol: str, server: Optional[Path] = None, overrides: Sequence[str] = ()) -> str:
+    """Where ``trtpipe infer`` connects: ``url`` as given, else the gRPC or HTTP address of the detached server
+    (of ``server``, a repository or recipe, or the only one running)."""
+    if url:
+        return url
+    s = one_detached(server, overrides)
+    return s.grpc_url if protocol == "grpc" else s.http_url.split("://", 1)[1]
