@@ -83,7 +83,6 @@ def serve_foreground(t: OpenAITarget) -> None:
     """Serve until Ctrl-C or SIGTERM (blocking), logging requests to stderr."""
     from trtpipe.serving.openai_server import serve
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     serve(t.model_dir, t.host, t.port, t.name, t.config, t.chat_template.read_text() if t.chat_template else None)
 
 
@@ -137,6 +136,8 @@ def serve_openai(target: Path, overrides: Sequence[str], host: Optional[str], po
                  name: Optional[str], chat_template: Optional[Path], detach: bool, timeout: float,
                  echo: Callable[[str], None]) -> None:
     """``trtpipe serve`` of an OpenAI target: in the foreground, or detached with what it started printed."""
+    if not detach:  # the server logs its requests, and the build its stages, to stderr (as serve-openai always did)
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
     t = resolve_openai_target(target, overrides, host, port, name, chat_template)
     if not detach:
         serve_foreground(t)
