@@ -103,8 +103,8 @@ def collect_versions() -> dict:
     return out
 
 
-# What an engine is bound to (TRTLLM_CONTRACT.md §8): a plan deserializes only with the TensorRT (and TensorRT-LLM)
-# release that built it, on a GPU of the same compute capability.
+# What an engine is bound to (docs/reference/trtllm-build.md#version-compatibility): a plan deserializes only with the
+# TensorRT (and TensorRT-LLM) release that built it, on a GPU of the same compute capability.
 ENGINE_BOUND = ("tensorrt_llm", "tensorrt", "gpu_compute_capability")
 
 

@@ -1,4 +1,5 @@
-"""The Triton model repository as protobuf messages (contract §6), one function per model, one writer.
+"""The Triton model repository as protobuf messages (docs/reference/triton-repository.md),
+one function per model, one writer.
 
 Every ``config.pbtxt`` is a ``tritonclient.grpc.model_config_pb2.ModelConfig`` built from the recipe and the
 engine's facts and written with ``google.protobuf.text_format``, then parsed back and compared: a typo in a
@@ -99,7 +100,7 @@ class EngineInfo:
     max_input_len: int
     max_seq_len: int
     version: Optional[str] = None  # TensorRT-LLM version that built the engine (config.json "version")
-    sliding_window: Optional[int] = None  # Mistral: attention window; the runtime must be told (contract §5)
+    sliding_window: Optional[int] = None  # Mistral: attention window; tell the runtime (max_attention_window_size)
     dtype: str = "float16"  # pretrained_config.dtype: the prompt embedding table's dtype
     logits_dtype: str = "float32"  # pretrained_config.logits_dtype: the logits tensors' dtype
 
@@ -328,7 +329,8 @@ def _trtllm_skeleton(recipe: Recipe, engine: EngineInfo, backend: str) -> mc.Mod
 
 
 def trtllm_parameters(recipe: Recipe, engine: EngineInfo) -> dict:
-    """Every parameter the ``tensorrtllm`` C++ backend reads (contract §6.3), valued from the recipe/engine."""
+    """Every parameter the ``tensorrtllm`` C++ backend reads (triton-repository.md#tensorrt_llm), valued from the
+    recipe/engine."""
     kv, t = recipe.engine.kv_cache, recipe.triton
     return {
         "gpt_model_type": t.batching_strategy,
@@ -408,7 +410,8 @@ def tensorrt_llm_config(recipe: Recipe, engine: EngineInfo) -> mc.ModelConfig:
 
 
 def ensemble_config(recipe: Recipe) -> mc.ModelConfig:
-    """pre → tensorrt_llm → post (contract §6.6), restricted to the inputs the models here implement."""
+    """pre → tensorrt_llm → post (triton-repository.md#ensemble), restricted to the inputs the models here
+    implement."""
     c = mc.ModelConfig(name=recipe.triton.model_name, platform="ensemble", max_batch_size=recipe.triton.max_batch_size)
     c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt, _ in FRONT_INPUTS)
     c.output.append(_io(mc.ModelOutput, "text_output", T.TYPE_STRING, [-1]))
@@ -438,7 +441,8 @@ def ensemble_config(recipe: Recipe) -> mc.ModelConfig:
 
 
 def bls_config(recipe: Recipe) -> mc.ModelConfig:
-    """``tensorrt_llm_bls`` (contract §6.7): the ensemble's inputs, decoupled when streaming, exact text deltas."""
+    """``tensorrt_llm_bls`` (triton-repository.md#tensorrt_llm_bls): the ensemble's inputs, decoupled when
+    streaming, exact text deltas."""
     c = _python("tensorrt_llm_bls", recipe, recipe.triton.instances.bls, decoupled=recipe.triton.streaming)
     c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt, _ in FRONT_INPUTS)
     c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt in BLS_PERF_INPUTS)

@@ -1,4 +1,5 @@
-"""Triton python model ``postprocessing``: ``output_ids[:sequence_length]`` → text (contract §6.5).
+"""Triton python model ``postprocessing``: ``output_ids[:sequence_length]`` → text
+(docs/reference/triton-repository.md#postprocessing).
 
 Each request's tokens are decoded on their own, so when the ensemble streams, every chunk is decoded
 independently (tokens whose text depends on their neighbours may come out differently); the

@@ -1,4 +1,5 @@
-"""Triton python model ``preprocessing``: text → token ids (contract §6.4), with trtpipe's default stop ids.
+"""Triton python model ``preprocessing``: text → token ids
+(docs/reference/triton-repository.md#preprocessing), with trtpipe's default stop ids.
 
 I/O and parameter keys are upstream's template's (text-only rows); the template's embedding-bias and prompt-table
 inputs are declared but refused with a one-line error.
@@ -119,7 +120,7 @@ class TritonPythonModel:
                 raise ValueError("text_input (QUERY) is empty: send a non-empty prompt")
             ids.append(self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens))
         lengths = np.array([[len(x)] for x in ids], np.int32)
-        input_ids = np.full((batch, int(lengths.max())), self.pad_id, np.int32)  # right-padded (contract §6.4)
+        input_ids = np.full((batch, int(lengths.max())), self.pad_id, np.int32)  # right-padded, as upstream's
         for i, x in enumerate(ids):
             input_ids[i, : len(x)] = x
 

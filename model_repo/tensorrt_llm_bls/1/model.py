@@ -1,4 +1,5 @@
-"""Triton python model ``tensorrt_llm_bls`` (contract §6.7): preprocessing → tensorrt_llm in python.
+"""Triton python model ``tensorrt_llm_bls`` (docs/reference/triton-repository.md#tensorrt_llm_bls):
+preprocessing → tensorrt_llm in python.
 
 With ``accumulate_tokens`` (trtpipe writes true) a streamed answer is re-decoded from all tokens so far and
 only the new text is sent: the pieces join to exactly the non-streamed text, with no broken words or
