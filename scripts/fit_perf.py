@@ -2,7 +2,7 @@
 """Fit the step-cost model's named constants on NVIDIA's published TensorRT-LLM numbers and cross-validate.
 
     python scripts/fit_perf.py --data published_trtllm.csv [--out-constants trtpipe/perf/constants.json]
-                               [--plot docs/perf_cv.png] [--table docs/perf_fit.md]
+                               [--plot docs/results/perf_cv.png] [--table docs/results/perf_fit.md]
 
 Two constant sets are fitted (same names, same model): ``engine`` (TensorRT engines, 0.5-0.17: max-load,
 static batch, batch-1 latency rows) and ``pytorch`` (the PyTorch backend, 0.19+: max-load rows). Errors are
@@ -32,8 +32,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--data", required=True, type=Path)
     ap.add_argument("--out-constants", type=Path, default=F.CONSTANTS_FILE)
-    ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "perf_cv.png")
-    ap.add_argument("--table", type=Path, default=ROOT / "docs" / "perf_fit.md")
+    ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "results" / "perf_cv.png")
+    ap.add_argument("--table", type=Path, default=ROOT / "docs" / "results" / "perf_fit.md")
     ap.add_argument("--no-cv", action="store_true", help="fit only")
     a = ap.parse_args(argv)
 
