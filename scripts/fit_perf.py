@@ -3,7 +3,7 @@
 
     python scripts/fit_perf.py [--data trtpipe/perf/data/published_trtllm.csv]
                                [--out-constants trtpipe/perf/constants.json]
-                               [--plot docs/perf_cv.png] [--table docs/perf_fit.md]
+                               [--plot docs/results/perf_cv.png] [--table docs/results/perf_fit.md]
 
 Two constant sets are fitted (same names, same model): ``engine`` (TensorRT engines, 0.5-0.17: max-load,
 static batch, batch-1 latency rows) and ``pytorch`` (the PyTorch backend, 0.19+: max-load rows). Errors are
@@ -34,8 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--data", type=Path, default=PUBLISHED_CSV,
                     help="the published numbers (default: the copy in trtpipe/perf/data/, sources in SOURCES.md)")
     ap.add_argument("--out-constants", type=Path, default=F.CONSTANTS_FILE)
-    ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "perf_cv.png")
-    ap.add_argument("--table", type=Path, default=ROOT / "docs" / "perf_fit.md")
+    ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "results" / "perf_cv.png")
+    ap.add_argument("--table", type=Path, default=ROOT / "docs" / "results" / "perf_fit.md")
     ap.add_argument("--no-cv", action="store_true", help="fit only")
     a = ap.parse_args(argv)
 

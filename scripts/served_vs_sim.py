@@ -22,7 +22,7 @@
    that round's fitted costs). Prints measured vs simulated TTFT, TTFT inside the executor, ITL and output tok/s:
    medians over rounds, and the median of each round's ratio.
 
-Numbers are this machine's, measured in this run. Not a test (timing); see docs/perf-model.md.
+Numbers are this machine's, measured in this run. Not a test (timing); see docs/reference/perf-model.md.
 """
 
 from __future__ import annotations

@@ -212,7 +212,7 @@ def test_cancelled_streams_end_with_their_final_so_the_server_keeps_nothing_of_t
 
     The requests are not streamed, so the twin has nothing to send when the cancel arrives: tritonserver 2.51's
     gRPC stream handler takes two locks in opposite orders when it writes a response while it handles a cancel,
-    and can hang or crash (docs/serving.md); the final flag then goes out after the server has taken the cancel in.
+    and can hang or crash (docs/reference/serving.md); the final flag then goes out after the server has taken the cancel in.
     Straight to tensorrt_llm: through the BLS a cancelled request costs a step or more of the twin, so 80 cancels
     a second pile up a backlog whose memory would hide what this measures.
     """

@@ -172,7 +172,7 @@ class _IteratorGate:
         On its last response the iterator queues its removal from the stub's iterator map, which another stub
         thread carries out without the GIL. If that map entry were the last reference, the iterator's kept
         responses would free their numpy arrays there, without the GIL, and corrupt the interpreter's heap (the
-        BLS stub then dies in pymalloc; seen in soaks with client cancellations, gdb stack in docs/serving.md).
+        BLS stub then dies in pymalloc; seen in soaks with client cancellations, gdb stack in docs/reference/serving.md).
         The removal takes well under a millisecond; ``HOLD_S`` leaves it thousands of times that.
         """
         now = time.monotonic()
