@@ -7,8 +7,9 @@ field name fails here, and no ``${...}`` placeholder can exist. Every parameter 
 reads is written with a deliberate value (an empty string only where "unset" is the deliberate choice, e.g.
 ``cross_kv_cache_fraction`` which is forbidden for decoder-only models).
 
-Layout written by :func:`write_repo` (self-contained and relocatable: relative paths are resolved by the
-python models against their own directory)::
+Layout written by :func:`write_repo` (self-contained and relocatable for trtpipe's python models: relative paths
+resolve against their own directory, and ``tokenizer_dir``, absolute so that upstream's models can be swapped in,
+falls back to the ``tokenizer/`` copy beside each model when it no longer exists; see :func:`point_tokenizer_dirs`)::
 
     preprocessing/   config.pbtxt  1/model.py  tokenizer/
     tensorrt_llm/    config.pbtxt  1/model.py  engine/      (CPU twin: engine dir hardlinked in)
@@ -460,6 +461,27 @@ def bls_config(recipe: Recipe) -> mc.ModelConfig:
     return c
 
 
+def point_tokenizer_dirs(configs: dict[str, mc.ModelConfig], tokenizer_dir: Path) -> None:
+    """Set every model's ``tokenizer_dir`` parameter to ``tokenizer_dir`` made absolute.
+
+    Why absolute: upstream's python models (preprocessing, postprocessing, BLS) and the ``tensorrtllm`` backend
+    pass ``tokenizer_dir`` to ``AutoTokenizer.from_pretrained`` as it is, so a relative one resolves against
+    tritonserver's working directory, not the model's (NVIDIA/TensorRT-LLM
+    ``triton_backend/all_models/inflight_batcher_llm/preprocessing/1/model.py@beb339f5``:
+    ``AutoTokenizer.from_pretrained(tokenizer_dir, ...)``). An absolute path works for them from any directory.
+
+    Why this directory: the repository is written under a temporary name and renamed into place (here and by the
+    build cache), so its own final path is not known while it is written; the tokenizer files it copies from (the
+    checkpoint artifact, sealed before this stage runs) are, and hold the same files as the copy beside each
+    model. trtpipe's own models read this path and fall back to that copy when it is gone (a repository moved to
+    another machine), so the repository stays relocatable for them; upstream's need the path to exist.
+    """
+    path = str(Path(tokenizer_dir).resolve())
+    for config in configs.values():
+        if "tokenizer_dir" in config.parameters:
+            config.parameters["tokenizer_dir"].string_value = path
+
+
 def repo_configs(recipe: Recipe, engine: EngineInfo, ids: TokenIds) -> dict[str, mc.ModelConfig]:
     """Model directory name → config message for everything the recipe asks for."""
     configs = {
@@ -529,6 +551,7 @@ def write_repo(recipe: Recipe, engine_dir: Path, tokenizer_dir: Path, out: Path)
     tokenizer_files(tokenizer_dir)
     ids = token_ids(tokenizer_dir)
     configs = repo_configs(recipe, engine, ids)
+    point_tokenizer_dirs(configs, tokenizer_dir)
     texts = {name: to_pbtxt(c) for name, c in configs.items()}
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -196,6 +196,9 @@ class TritonPythonModel:
         tok_dir = _param(params, "tokenizer_dir", "tokenizer")
         if not os.path.isabs(tok_dir):
             tok_dir = os.path.join(args["model_repository"], tok_dir)
+        elif not os.path.isdir(tok_dir):  # moved away from the files it was built from: the copy beside this model
+            pb_utils.Logger.log_warn(f"tokenizer_dir {tok_dir} does not exist; using this model's tokenizer/")
+            tok_dir = os.path.join(args["model_repository"], "tokenizer")
         self.tokenizer = AutoTokenizer.from_pretrained(tok_dir, legacy=False, trust_remote_code=False)
         self.gate = _IteratorGate()
         _start_watchdog()
