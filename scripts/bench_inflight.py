@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-STORIES = REPO.parent / "shared" / "models" / "stories260k"
+STORIES = REPO / "models" / "stories260k"
 WORDS = ("the a little girl boy dog cat ball park tree sun big red happy sad went saw played ran jumped wanted "
          "mom dad friend house garden flower bird fish toy car day night time once upon there was").split()
 

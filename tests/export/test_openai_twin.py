@@ -176,7 +176,7 @@ def test_stop_string(client, server, hf_greedy):
     assert r.choices[0].text == full[: full.index(".")] and r.choices[0].finish_reason == "stop"
 
 
-def test_errors(client):
+def test_errors(client, server, hf_greedy):
     import openai
 
     with pytest.raises(openai.BadRequestError, match="does not exist"):
@@ -187,3 +187,10 @@ def test_errors(client):
         client.completions.create(model=NAME, prompt="x", max_tokens=0)
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=NAME, messages=[])
+    # A seed past uint64 used to kill the executor thread (every later request hung): now a 400, and the server serves.
+    with pytest.raises(openai.BadRequestError, match="seed"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=1, seed=1 << 64)
+    tok = _tok(server)
+    want = hf_greedy(tok.encode(PROMPTS[0]), 16)
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=16, temperature=0)
+    assert r.choices[0].text == tok.decode(want, skip_special_tokens=True)

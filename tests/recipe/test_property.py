@@ -94,7 +94,7 @@ def test_mutated_recipes_raise_only_recipe_error(data, recipe_path, stories_dir)
 @given(pos=st.integers(0, len(BASE_TEXT)), cut=st.integers(0, 40), insert=st.text(max_size=30)
        | st.sampled_from([":", "- ", "\t", "{", "[", "&a", "*a", "!!python/name:os.system", "<<: *a", "\n  ", "? ", "%YAML 9", "---"]))
 def test_edited_yaml_text_raises_only_recipe_error(pos, cut, insert, recipe_path, stories_dir):
-    text = BASE_TEXT.replace("../../shared/models/stories260k", str(stories_dir))
+    text = BASE_TEXT.replace("../models/stories260k", str(stories_dir))
     pos = min(pos, len(text))
     recipe_path.write_text(text[:pos] + insert + text[pos + cut:], encoding="utf-8")
     _check(recipe_path)

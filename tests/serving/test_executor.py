@@ -3,6 +3,7 @@ spec's behaviour for queue limits, cancellation, pool exhaustion, priorities and
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -12,6 +13,7 @@ from trtpipe.serving.api import CapacityPolicy, ExecutorConfig, FinishReason, Re
 from trtpipe.serving.executor import Executor, ExecutorCore, QueueFullError, SimClock
 from trtpipe.serving.reference_engine import ReferenceEngine
 
+from sampling_odds import sequence_probability
 from serving_oracle import check_greedy
 
 EOS = 2
@@ -165,15 +167,21 @@ def test_perf_metrics_are_ordered_and_count_reused_blocks(model_tp1):
 
 
 def test_seeded_sampling_is_repeatable_across_batches(model_tp1):
-    def run(n_other):
+    def run(n_other, seed=11):
         got = {}
         core = ExecutorCore(_config(), ReferenceEngine(model_tp1), lambda r: got.__setitem__(r.request_id, r))
-        rid = core.submit(Request([1, 403, 407], 12, sampling=SamplingParams(1.5, 0, 0.95, seed=11)))
+        rid = core.submit(Request([1, 403, 407], 24, sampling=SamplingParams(1.5, 0, 0.95, seed=seed)))
         for k in range(n_other):
             core.submit(Request([1, 300 + k], 12))
         core.run_until_idle()
         return got[rid].tokens
-    assert run(0) == run(5)
+    first = run(0)
+    assert run(5) == first
+    # ... and the seed is what decides: another seed draws these same 24 tokens with probability p(first), computed
+    # here (7e-12 for this model; asserted below 1e-6), so a seed ignored (a fixed generator) fails this
+    assert first[:3] == [1, 403, 407]  # the output starts with the prompt
+    assert sequence_probability(model_tp1, [1, 403, 407], first[3:], 1.5, 0, 0.95) < 1e-6
+    assert run(0, seed=12) != first
 
 
 def test_threaded_executor_streams_to_many_callers(model_tp1):
@@ -255,3 +263,32 @@ def test_iteration_log_writes_each_step_once_with_what_it_computed(model_tp1, tm
     # a generation row attends to everything before it, plus the token it writes
     solo = [s for s in core.iterations if s.num_generation_requests == 1 and not s.num_context_requests]
     assert solo and all(s.num_attended_tokens > len(min(prompts, key=len)) for s in solo)
+
+
+@pytest.mark.parametrize("sampling, message", [
+    (SamplingParams(temperature=1.0, seed=1 << 64), r"seed must be in \[0, 2\^64\), got 18446744073709551616"),
+    (SamplingParams(temperature=float("nan")), "temperature must be a finite number >= 0"),
+    (SamplingParams(temperature=1.0, top_p=2.0), r"top_p must be in \[0, 1\]"),
+])
+def test_a_request_with_bad_sampling_fails_alone_and_the_loop_goes_on(model_tp1, sampling, message):
+    # The seed case is the one that killed the executor thread: torch.Generator.manual_seed raised OverflowError in
+    # admission, outside the step's guard, and every later request waited forever.
+    got = {}
+    core = ExecutorCore(_config(), ReferenceEngine(model_tp1), lambda r: got.__setitem__(r.request_id, r) if r.is_final else None)
+    bad = core.submit(Request([1, 403, 407], 10, sampling=sampling))
+    good = core.submit(Request([1, 403, 407], 10, exclude_input_from_output=True))
+    core.run_until_idle()
+    assert got[bad].has_error and re.search(message, got[bad].error), got[bad].error
+    assert not got[good].has_error and len(got[good].tokens) == 10
+
+
+def test_an_exception_while_admitting_fails_only_that_request(model_tp1, monkeypatch):
+    got = {}
+    core = ExecutorCore(_config(), ReferenceEngine(model_tp1), lambda r: got.__setitem__(r.request_id, r) if r.is_final else None)
+    real = core._activate
+    first = core.submit(Request([1, 403, 407], 10))
+    monkeypatch.setattr(core, "_activate", lambda q: (_ for _ in ()).throw(OverflowError("boom")) if q.id == first else real(q))
+    later = core.submit(Request([1, 403, 407], 10, exclude_input_from_output=True))
+    core.run_until_idle()
+    assert "Encountered an error when fetching new request: OverflowError: boom" in got[first].error
+    assert not got[later].has_error and len(got[later].tokens) == 10

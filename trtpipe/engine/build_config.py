@@ -1,10 +1,11 @@
 """The engine build configuration: one frozen dataclass from (recipe, checkpoint config, preset), two spellings.
 
 :func:`resolve_build` is pure: it picks the preset, applies the recipe's overrides and the builder's own
-rewrites (contract §4.2, :mod:`trtpipe.engine.enforce`), resolves the shape limits as ``trtllm-build`` does
-(max_seq_len deduction, max_input_len clipping, §4.3 max_num_tokens), and records every rewrite with its reason.
+rewrites (:mod:`trtpipe.engine.enforce`), resolves the shape limits as ``trtllm-build`` does (max_seq_len
+deduction, max_input_len clipping, max_num_tokens), and records every rewrite with its reason.
+Reference: docs/reference/trtllm-build.md (builder-enforced combinations, max_num_tokens, output directory).
 :func:`to_argv` and :func:`to_json` are the only serializers: the ``trtllm-build`` command line (every flag in
-the 1.2.x CLI, §4.1) and the equivalent ``build_config`` JSON (every BuildConfig field, §4.4).
+the 1.2.x CLI) and the equivalent ``build_config`` JSON (every BuildConfig field).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from trtpipe.engine.presets import BY_NAME, FIELDS, auto_preset, get_preset, nor
 from trtpipe.errors import EngineError
 from trtpipe.recipe.schema import Recipe
 
-TARGET_TRTLLM_VERSION = "1.2.1"  # contract §0: the TensorRT-engine path this build config is written for
+TARGET_TRTLLM_VERSION = "1.2.1"  # the TensorRT-engine path this build config is written for (trtllm-build.md#versions)
 OPT_NUM_TOKENS_WARN = 16384
 SQ_PLUGIN_ALGOS = (
     "W8A8_SQ_PER_TENSOR_PLUGIN",

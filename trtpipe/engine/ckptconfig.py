@@ -1,8 +1,8 @@
 """The TensorRT-LLM checkpoint facts the engine stage needs, from a real checkpoint or predicted from the recipe.
 
 Before conversion (``trtpipe validate``, ``trtpipe plan``) there is no checkpoint ``config.json`` yet, so
-:func:`predicted_checkpoint_config` writes the subset of one (contract §1.2–1.4) that the build config and
-the planner read, from the Hugging Face config and the recipe. After conversion the real file is used.
+:func:`predicted_checkpoint_config` writes the subset of one (docs/reference/trtllm-checkpoint.md#configjson) that the
+build config and the planner read, from the Hugging Face config and the recipe. After conversion the real file is used.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from trtpipe.jsonfile import read_json
 from trtpipe.models.hfconfig import HFModelInfo
 from trtpipe.recipe.schema import Recipe
 
-# rope scaling types whose factor does not extend max_position_embeddings (contract §4.1, --max_seq_len)
+# rope scaling types whose factor does not extend max_position_embeddings (trtllm-build's --max_seq_len deduction,
+# docs/reference/trtllm-build.md#general-flags)
 _NO_FACTOR_ROPE = ("su", "longrope", "llama3")
 
 

@@ -39,7 +39,7 @@ class Check:
 
 def _mpi() -> tuple[str, bool]:
     """mpiexec and mpi4py from the same MPI: a 2-rank job must see COMM_WORLD size 2 on both ranks."""
-    beside = Path(sys.executable).parent / "mpiexec"  # an MPI wheel in this environment wins (ENVIRONMENT.md)
+    beside = Path(sys.executable).parent / "mpiexec"  # an MPI wheel in this environment wins (cpu-environment.md)
     on_path = shutil.which("mpiexec")
     exe = str(beside) if beside.is_file() else on_path
     mpi4py_ver = versions.package_version("mpi4py")
@@ -131,7 +131,7 @@ def diagnose(engine_dir: Optional[Path] = None) -> list[Check]:
     trtllm = versions.package_version(*versions.PACKAGES["tensorrt_llm"])
     want = need["version"] if real else None
     checks += _versioned("TensorRT-LLM", trtllm, want, real,
-                         "engines are valid only for the TensorRT-LLM release that built them (contract §8)",
+                         "engines are valid only for the TensorRT-LLM release that built them",
                          note="" if trtllm else "TensorRT engines need TensorRT-LLM 1.2.x on a GPU (pip install tensorrt_llm==1.2.1 from pypi.nvidia.com, or the tritonserver 25.12 TRT-LLM container)")
     mpi_text, mpi_ok = _mpi()
     multi = need is not None and need["world_size"] > 1

@@ -1,8 +1,9 @@
-"""What is installed: the version facts an engine is coupled to (contract §8), gathered without importing them.
+"""What is installed: the version facts an engine is coupled to, gathered without importing them.
 
-A TensorRT plan only loads with the TensorRT version and GPU SM it was built with, and TRT-LLM engines only
-with the TRT-LLM release that built them; the engine's config.json records none of TensorRT, CUDA or SM, so
-the engine stage records them here (the lockfile) and ``trtpipe doctor`` compares against it.
+A TensorRT plan only loads with the TensorRT version and GPU SM it was built with, and TRT-LLM engines only with the
+TRT-LLM release that built them; the engine's config.json records none of TensorRT, CUDA or SM, so the engine stage
+records them here (the lockfile) and ``trtpipe doctor`` compares against it
+(docs/reference/trtllm-build.md#version-compatibility).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any, Optional
 
 from trtpipe.pipeline.versions import PACKAGES, package_version, query_gpus, torch_cuda_version
 
-SUPPORTED_TRTLLM = ("1.0", "1.1", "1.2")  # releases with the trtllm-build TensorRT-engine path (contract §0)
+# releases with the trtllm-build TensorRT-engine path (docs/reference/trtllm-build.md#versions)
+SUPPORTED_TRTLLM = ("1.0", "1.1", "1.2")
 _CONTAINER_ENV = ("TRTPIPE_CONTAINER_TAG", "NVIDIA_TRITON_SERVER_VERSION", "NVIDIA_PYTORCH_VERSION", "NVIDIA_BUILD_ID")
 
 

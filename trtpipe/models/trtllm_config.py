@@ -1,4 +1,4 @@
-"""The TensorRT-LLM checkpoint ``config.json`` for a converted HF model (contract §1.2-1.5).
+"""The TensorRT-LLM checkpoint ``config.json`` for a converted HF model (trtllm-checkpoint.md#configjson).
 
 Every field the builder and the C++ runtime read is written explicitly, including ``rotary_base`` and
 ``rotary_scaling`` (taken from either HF rope layout by ``hfconfig``), so nothing falls back to a default

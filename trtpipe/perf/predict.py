@@ -241,6 +241,11 @@ def capacity_plan(recipe_path: Path, slo: dict[str, float], rate: float, isl: in
     run its precision: the fewest data-parallel replicas (each taking rate / replicas, Poisson) whose simulated latencies meet ``slo``.
     Sorted by total GPUs, then by the GPU's memory bandwidth (a proxy for its price: the catalog has no prices)."""
     c = constants or load_constants()["engine"]
+    for key in gpus or ():  # a typo is bad input, not a layout that "does not fit"
+        try:
+            get_gpu(key)
+        except TrtpipeError as exc:
+            raise TrtpipeError(str(exc).replace("engine.gpu:", "--gpus:", 1)) from None
     out = []
     variants = [list(overrides) + [f"quantization.algo={p}"] for p in precisions] or [list(overrides)]
     for key, tp, ov in ((k, t, v) for k in gpus or DEFAULT_PLAN_GPUS for t in (1, 2, 4, 8) for v in variants):

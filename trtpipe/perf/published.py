@@ -57,6 +57,8 @@ TUNED_011 = {("GPT-J 6B", 1, ""): (2048, 128), ("GPT-J 6B", 1, "128/128"): (2048
              ("Llama 3 70B", 8, ""): (16384, 8192), ("Mixtral 8x7B", 2, ""): (3072, 2048),
              ("Mixtral 8x7B", 4, ""): (8192, 8192), ("Mistral 7B", 1, ""): (8192, 4098)}
 THROUGHPUT_METRICS = ("output_tok_s_total", "output_tok_s_per_gpu", "output_tok_s_unspecified")
+# The published numbers themselves, shipped with the package; where each was published: data/SOURCES.md
+PUBLISHED_CSV = Path(__file__).resolve().parent / "data" / "published_trtllm.csv"
 
 
 def gpu_of(label: str) -> GPU:

@@ -104,4 +104,3 @@ def collect_versions() -> dict:
         }
     )
     return out
-

@@ -73,7 +73,7 @@ def layer_params(algo: Algo, weights: dict[str, torch.Tensor], stats: LayerStats
         shared_amax = torch.stack([w.abs().amax() for w in ws]).amax().reshape(1)
         for m, w in zip(members, ws):
             if gran == "tensor" and w.dim() == 3:
-                amax = observe_amax(w, "expert")  # [E, 1]: one scale per expert (contract §3.1)
+                amax = observe_amax(w, "expert")  # [E, 1]: one scale per expert (trtllm-checkpoint.md)
             elif gran == "tensor":
                 amax = shared_amax
             elif st is not None and m in st.awq_amax and algo.prequant == "awq":

@@ -1,11 +1,11 @@
 """Quantization layout rules, checked when the recipe is validated (before any weight is read).
 
-Policy (MODELOPT_LAYOUTS.md, contract §3.4-3.6): an int4 linear must have an even number of output rows per
-rank and whole groups in every rank's input slice (no partial groups: ModelOpt and the TRT-LLM AWQ layers
-reject them). Every linear that breaks this is listed with the fix: a smaller ``group_size`` that works, or an
-``exclude`` pattern that keeps it unquantized. ``lm_head`` stays unquantized (the quantized layouts here do
-not cover it), so ``*lm_head`` must stay in ``exclude``. Mixture-of-experts models: fp8 (per-expert weight
-scales, contract §3.1) and KV-cache quantization only.
+Policy (docs/reference/trtllm-checkpoint.md#quantized-tensors): an int4 linear must have an even number of output rows
+per rank and whole groups in every rank's input slice (no partial groups: ModelOpt and the TRT-LLM AWQ layers reject
+them). Every linear that breaks this is listed with the fix: a smaller ``group_size`` that works, or an ``exclude``
+pattern that keeps it unquantized. ``lm_head`` stays unquantized (the quantized layouts here do not cover it), so
+``*lm_head`` must stay in ``exclude``. Mixture-of-experts models: fp8 (per-expert weight scales) and KV-cache
+quantization only.
 """
 
 from __future__ import annotations

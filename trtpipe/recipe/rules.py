@@ -4,8 +4,9 @@ A rule is a function ``(recipe, model) -> iterable of (dotted.key, message)``; `
 :class:`HFModelInfo` (or None when the model directory cannot be read, which is itself reported).
 Other packages add rules by appending to :data:`RULES` (the quantization and engine packages add theirs from
 ``trtpipe/quant/rules.py`` and ``trtpipe/engine/rules.py``, imported by :func:`check_recipe`).
-The rules here are the layout facts of shared/spec/TRTLLM_CONTRACT.md §1.3 and §2 (what shards) and the
-recipe's own consistency (lengths, ports, data files).
+The rules here are the layout facts of the TRT-LLM checkpoint (docs/reference/trtllm-checkpoint.md#mapping and
+#weight-names-and-per-rank-shapes-llama-unquantized: what shards) and the recipe's own consistency (lengths,
+ports, data files).
 """
 
 from __future__ import annotations
@@ -169,7 +170,8 @@ def _engine_limits(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding
         key = _written(recipe, "triton.max_batch_size", "engine.max_batch_size")
         yield key, f"triton.max_batch_size {recipe.triton.max_batch_size} exceeds engine.max_batch_size {e.max_batch_size}"
     if e.kv_cache.enable_reuse and recipe.quantization.kv_cache == "int8":
-        # Contract §4.2/§5: INT8 KV turns paged context FMHA off, and the runtime then drops reuse silently.
+        # INT8 KV turns paged context FMHA off, and the runtime then drops reuse silently
+        # (docs/reference/trtllm-build.md#builder-enforced-combinations, #kv-cache-memory).
         if recipe.written("engine.kv_cache.enable_reuse"):
             yield "engine.kv_cache.enable_reuse", (
                 "KV reuse needs paged context FMHA, which INT8 KV cache disables; use kv_cache: fp8 or enable_reuse: false"

@@ -13,6 +13,7 @@ the KV block tables; the engine owns the KV storage those tables index into.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence
 
@@ -61,6 +62,30 @@ class ExecutorConfig:
         return self.max_num_tokens
 
 
+UINT64_MAX = (1 << 64) - 1  # TensorRT-LLM's SamplingConfig.randomSeed is a uint64
+
+
+def sampling_problem(temperature: float, top_k: int, top_p: float, seed: Optional[int],
+                     names: tuple[str, str, str, str] = ("temperature", "top_k", "top_p", "seed")) -> Optional[str]:
+    """The first sampling setting outside TensorRT-LLM's SamplingConfig ranges, as one line, or None.
+
+    One check for every front end (each passes its own field names): a value that reaches a step unchecked (a NaN
+    temperature, a seed torch cannot take) would fail the whole batch, or the executor loop itself.
+    """
+    t_name, k_name, p_name, s_name = names
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        return f"{t_name} must be a finite number >= 0, got {temperature!r}"
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        return f"{k_name} must be >= 0, got {top_k!r}"
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not math.isfinite(top_p) \
+            or not 0.0 <= top_p <= 1.0:
+        return f"{p_name} must be in [0, 1], got {top_p!r}"
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= UINT64_MAX):
+        return f"{s_name} must be in [0, 2^64), got {seed!r}"
+    return None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 (or top_k 1) is greedy; a seed makes sampling repeatable per request."""
@@ -73,6 +98,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
+
+    def problem(self) -> Optional[str]:
+        """What is out of range (one line), or None: see :func:`sampling_problem`."""
+        return sampling_problem(self.temperature, self.top_k, self.top_p, self.seed)
 
 
 @dataclass

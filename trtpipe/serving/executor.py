@@ -240,15 +240,22 @@ class ExecutorCore:
                     taken.append(self.queue.pop(0))
         for q in taken:
             problem = self._validate(q.request)
-            if problem:
-                self._error(q.id, q.request, f"Encountered an error when fetching new request: {problem}")
-                continue
-            insert_by_priority(self.active, self._activate(q))
+            if problem is None:
+                try:
+                    insert_by_priority(self.active, self._activate(q))
+                    continue
+                except Exception as exc:  # one request's bad settings must not end the loop for every other one
+                    log.exception("request %d could not be admitted", q.id)
+                    problem = f"{type(exc).__name__}: {exc}"
+            self._error(q.id, q.request, f"Encountered an error when fetching new request: {problem}")
 
     def _validate(self, req: Request) -> Optional[str]:
         c = self.config
         if len(req.prompt) < 1:
             return "the prompt is empty"
+        sampling = req.sampling.problem()
+        if sampling:
+            return sampling
         if req.max_new_tokens < 1:
             return f"max_new_tokens must be at least 1, got {req.max_new_tokens}"
         if len(req.prompt) > c.max_input_len:

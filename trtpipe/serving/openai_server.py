@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trtpipe.extras import require
-from trtpipe.serving.api import CapacityPolicy, ExecutorConfig, FinishReason, Request, Response, SamplingParams
+from trtpipe.serving.api import (UINT64_MAX, CapacityPolicy, ExecutorConfig, FinishReason, Request, Response,
+                                 SamplingParams)
 from trtpipe.serving.executor import Executor, QueueFullError
 
 web = require("aiohttp.web", "the OpenAI twin (trtpipe serve of an llmapi target)")
@@ -131,7 +132,7 @@ def _sampling(body: dict) -> SamplingParams:
     temperature = _num(body, "temperature", float, None, 0.0, 2.0)
     top_p = _num(body, "top_p", float, 1.0, 0.0, 1.0)
     top_k = _num(body, "top_k", int, 0, 0, None)
-    seed = _num(body, "seed", int, None, 0, None)
+    seed = _num(body, "seed", int, None, 0, UINT64_MAX)
     if temperature is None:
         temperature = 0.0 if top_k == 0 and top_p == 1.0 else 1.0
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)

@@ -1,9 +1,9 @@
 """What ``trtpipe serve`` runs: resolve a repository (or build it from a recipe) and plan the launch.
 
-CPU twin repositories run on the tritonserver shipped in nvidia-pytriton (one process: the twin executes
-every tp/pp rank's shards itself). TensorRT-engine repositories need the ``tensorrtllm`` backend and one
-tritonserver per rank under ``mpirun`` (leader mode, contract §7.1); that command is always printable
-with ``--dry-run``, and it is only run when the installed TensorRT-LLM is the one that built the engine.
+CPU twin repositories run on the tritonserver shipped in nvidia-pytriton (one process: the twin executes every tp/pp
+rank's shards itself). TensorRT-engine repositories need the ``tensorrtllm`` backend and one tritonserver per rank under
+``mpirun`` (leader mode, docs/reference/multi-gpu-launch.md); that command is always printable with ``--dry-run``, and
+it is only run when the installed TensorRT-LLM is the one that built the engine.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def engine_lock(engine_dir: Path) -> dict:
 
 def check_engine_versions(info: dict, installed: Optional[str], installed_trt: Optional[str] = None,
                           lock: Optional[dict] = None) -> None:
-    """Refuse an engine built by another TensorRT-LLM (or TensorRT) release: plans do not deserialize across
-    versions (contract §8). ``lock``: the engine's recorded build environment, when there is one."""
+    """Refuse an engine built by another TensorRT-LLM (or TensorRT) release: plans do not deserialize across versions
+    (trtllm-build.md#version-compatibility). ``lock``: the engine's recorded build environment, when there is one."""
     built = info.get("engine_version")
     if installed is None:
         raise ServingError(

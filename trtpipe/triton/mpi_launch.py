@@ -1,9 +1,9 @@
 """Leader-mode serving of a tp x pp > 1 repository: one OS process per rank under one MPI launcher, supervised.
 
-One launch, two payloads (contract §7.1 leader mode): with TensorRT engines every rank is a ``tritonserver`` of
-the ``tensorrtllm`` backend (rank 0 serves the ports, the others load only the TensorRT-LLM model); with the CPU
-twin, rank 0 is the ``tritonserver`` whose twin model holds rank 0's shard and runs the executor, and ranks > 0
-are ``trtpipe.serving.mpi_worker`` processes that serve nothing and run their shard of each broadcast step.
+One launch, two payloads (leader mode, docs/reference/multi-gpu-launch.md): with TensorRT engines every rank is a
+``tritonserver`` of the ``tensorrtllm`` backend (rank 0 serves the ports, the others load only the TensorRT-LLM model);
+with the CPU twin, rank 0 is the ``tritonserver`` whose twin model holds rank 0's shard and runs the executor, and ranks
+> 0 are ``trtpipe.serving.mpi_worker`` processes that serve nothing and run their shard of each broadcast step.
 
 The supervisor (``python -m trtpipe.triton.mpi_launch RUN_DIR``, its own session) starts the launcher as its
 child and becomes the child subreaper, so every process of the job stays its descendant even when MPI's

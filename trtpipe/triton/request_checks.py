@@ -8,12 +8,11 @@ error response and keeps serving. Found by ``scripts/fuzz_serving.py``.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import numpy as np
 
-UINT64_MAX = (1 << 64) - 1
+from trtpipe.serving.api import sampling_problem
 
 
 def check_token_ids(ids: np.ndarray, vocab_size: int, name: str = "input_ids") -> None:
@@ -25,15 +24,10 @@ def check_token_ids(ids: np.ndarray, vocab_size: int, name: str = "input_ids") -
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float, seed: Optional[int]) -> None:
-    """Finite, in-range sampling settings (TensorRT-LLM's SamplingConfig ranges)."""
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-    if top_k < 0:
-        raise ValueError(f"runtime_top_k must be >= 0, got {top_k}")
-    if not math.isfinite(top_p) or not 0.0 <= top_p <= 1.0:
-        raise ValueError(f"runtime_top_p must be in [0, 1], got {top_p}")
-    if seed is not None and not 0 <= seed <= UINT64_MAX:
-        raise ValueError(f"seed must be in [0, 2^64), got {seed}")
+    """Finite, in-range sampling settings (TensorRT-LLM's SamplingConfig ranges), named as the Triton inputs."""
+    problem = sampling_problem(temperature, top_k, top_p, seed, ("temperature", "runtime_top_k", "runtime_top_p", "seed"))
+    if problem:
+        raise ValueError(problem)
 
 
 def word_lists(array: Optional[np.ndarray], name: str, vocab_size: int) -> list[list[int]]:

@@ -1,12 +1,12 @@
 """Start, watch and stop a real ``tritonserver``; build the ``mpirun`` leader-mode command for TensorRT engines.
 
-Policy (shared/spec/ENVIRONMENT.md): the CPU server is the tritonserver 2.51 shipped inside nvidia-pytriton,
-copied once into a cache directory of our own (never named ``triton``: that would shadow OpenAI Triton in
-the models' imports), with the python-backend stub of this interpreter's version beside the backend. The
-stub runs Python isolated, so it finds this venv's packages through ``PATH`` (venv ``bin`` first), and it
-needs this interpreter's ``LIBDIR`` on ``LD_LIBRARY_PATH``. Port 0 does not work in tritonserver, so we pick
-free ports and retry when one is taken in between. Every launch gets its own python-backend shared-memory
-prefix so that cleaning ``/dev/shm`` after a stop only touches our own regions.
+Policy (docs/reference/cpu-environment.md): the CPU server is the tritonserver 2.51 shipped inside nvidia-pytriton,
+copied once into a cache directory of our own (never named ``triton``: that would shadow OpenAI Triton in the models'
+imports), with the python-backend stub of this interpreter's version beside the backend. The stub runs Python isolated,
+so it finds this venv's packages through ``PATH`` (venv ``bin`` first), and it needs this interpreter's ``LIBDIR`` on
+``LD_LIBRARY_PATH``. Port 0 does not work in tritonserver, so we pick free ports and retry when one is taken in between.
+Every launch gets its own python-backend shared-memory prefix so that cleaning ``/dev/shm`` after a stop only touches
+our own regions.
 """
 
 from __future__ import annotations
@@ -163,7 +163,8 @@ def mpirun_command(
     log_file: Optional[str] = None,
     hostfile: Optional[Path] = None,
 ) -> list[str]:
-    """The leader-mode MPMD launch of contract §7.1: one tritonserver per rank under one ``mpirun``.
+    """The leader-mode MPMD launch of upstream's launch_triton_server.py (docs/reference/multi-gpu-launch.md):
+    one tritonserver per rank under one ``mpirun``.
 
     Rank 0 serves the ports; ranks > 0 load only the TensorRT-LLM model(s) explicitly and open no endpoint.
     Each rank gets its own python-backend shm prefix so their regions do not collide.
