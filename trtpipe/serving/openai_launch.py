@@ -22,6 +22,7 @@ from typing import Callable, Optional, Sequence
 
 from trtpipe.errors import ServingError
 from trtpipe.serving.api import ExecutorConfig
+from trtpipe.triton.launch import REPO_INFO
 from trtpipe.triton.server_process import (READY_TIMEOUT_S, Ports, Server, cache_dir, load_state, log_tail,
                                            state_dir)
 
@@ -44,8 +45,6 @@ class OpenAITarget:
 def is_openai_target(target: Path, overrides: Sequence[str] = ()) -> bool:
     """True for a ``target: llmapi`` recipe, or a directory holding an HF checkpoint rather than a Triton
     repository (``trtpipe serve`` serves both with the OpenAI twin)."""
-    from trtpipe.triton.launch import REPO_INFO
-
     target = Path(target)
     if target.is_dir():
         return (target / "config.json").is_file() and not (target / REPO_INFO).exists()
