@@ -38,7 +38,7 @@ class TritonPythonModel:
         if stub_watchdog.start() is None:
             pb_utils.Logger.log_warn("tensorrt_llm twin: no python3 for the stub watchdog; a kill -9 of "
                                      "tritonserver can leave this stub running")
-        self.twin = triton_twin
+        self.twin = triton_adapter
         config = json.loads(args["model_config"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.settings = triton_adapter.settings_from_model_config(config, args["model_repository"])
