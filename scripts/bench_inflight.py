@@ -125,7 +125,7 @@ def main() -> int:
     ap.add_argument("--modes", default="inflight,static", help="which batching modes to run")
     ap.add_argument("--skip-reuse", action="store_true", help="skip the prefix-reuse comparison")
     args = ap.parse_args()
-    from trtpipe.triton.server_process import sigterm_as_interrupt
+    from trtpipe.processes import sigterm_as_interrupt
 
     sigterm_as_interrupt()  # a kill stops the server too: it runs in its own session and would outlive us
     levels = [int(c) for c in args.concurrency.split(",")]

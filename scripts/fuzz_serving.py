@@ -214,7 +214,7 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=None, help="cases (each sent over HTTP and gRPC); default: all")
     ap.add_argument("--check-every", type=int, default=50)
     args = ap.parse_args()
-    from trtpipe.triton.server_process import sigterm_as_interrupt
+    from trtpipe.processes import sigterm_as_interrupt
 
     sigterm_as_interrupt()  # a kill stops the server too: it runs in its own session and would outlive us
     from trtpipe.triton.server_process import start_server

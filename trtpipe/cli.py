@@ -96,17 +96,6 @@ def explain(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
 # --- build pipeline commands -----------------------------------------------------------------------
 
 
-def _sigterm_as_interrupt() -> None:
-    import signal
-    import threading
-
-    def _term(signum, frame):
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread only
-        signal.signal(signal.SIGTERM, _term)
-
-
 @main.command()
 @click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
 @OVERRIDES
@@ -119,11 +108,12 @@ def build(ctx, recipe: Path, overrides, force, from_stage, until, as_json: bool)
     """Run the build stages that exist, reusing cached artifacts; write <work_dir>/manifest.json."""
     from trtpipe.errors import StageError
     from trtpipe.pipeline.runner import run_build
+    from trtpipe.processes import sigterm_as_interrupt
     from trtpipe.recipe import load_recipe
 
     loaded = load_recipe(recipe, overrides)
     stages = (ctx.obj or {}).get("stages")  # a program embedding the CLI (the tests) may pass its own stages
-    _sigterm_as_interrupt()  # SIGTERM cleans up like Ctrl-C: temporary artifacts removed, manifest "interrupted"
+    sigterm_as_interrupt()  # SIGTERM cleans up like Ctrl-C: temporary artifacts removed, manifest "interrupted"
     try:
         result = run_build(loaded, stages, force, from_stage, until, quiet=as_json, overrides=overrides)
     except StageError as exc:
@@ -459,6 +449,7 @@ def _ports(http, grpc, metrics):
 def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, timeout, detach, dry_run, tritonserver,
           hostfile, single_process) -> None:
     """Serve a model repository, or a recipe (built first if needed); Ctrl-C stops it cleanly."""
+    from trtpipe.processes import sigterm_as_interrupt
     from trtpipe.triton import server_process
     from trtpipe.triton.launch import dry_run_lines, plan_launch, resolve_repo, run_mpirun
 
@@ -479,7 +470,7 @@ def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, tim
     plan = plan_launch(repo, bind, ports, tritonserver, hostfile)
     if plan.command is not None:
         sys.exit(run_mpirun(plan))
-    server_process.sigterm_as_interrupt()
+    sigterm_as_interrupt()
     import time
 
     t0 = time.perf_counter()

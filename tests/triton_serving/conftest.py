@@ -108,7 +108,8 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.when != "call" or not report.failed:
         return
-    from trtpipe.triton.server_process import Server, exit_cause, log_tail
+    from trtpipe.processes import log_tail
+    from trtpipe.triton.server_process import Server, exit_cause
 
     for name, value in getattr(item, "funcargs", {}).items():
         if isinstance(value, Server):

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from trtpipe.errors import ServingError
-from trtpipe.triton.server_process import Ports, free_ports, mpirun_command
+from trtpipe.triton.mpi_launch import mpirun_command
+from trtpipe.triton.server_process import Ports, free_ports
 
 REPO_INFO = "trtpipe_repo.json"
 
