@@ -28,7 +28,7 @@ def predicted_checkpoint_config(info: HFModelInfo, recipe: Recipe) -> dict[str, 
     """
     from trtpipe.models import get_family
     from trtpipe.models.trtllm_config import build_config, resolve_dtype
-    from trtpipe.quant.layouts import quantization_config
+    from trtpipe.checkpoint.quant_layouts import quantization_config
 
     p, q = recipe.parallel, recipe.quantization
     try:

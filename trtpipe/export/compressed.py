@@ -35,8 +35,8 @@ from trtpipe.checkpoint.convert import TOKENIZER_FILES
 from trtpipe.errors import QuantizationError
 from trtpipe.export.unified import HFNames, _assemble_shards, _global_tensors, hf_config
 from trtpipe.quant.calibrate import load_layer_stats
-from trtpipe.quant.layouts import LINEAR_GROUPS, LINEARS
-from trtpipe.quant.primitives import choose_qparams, observe_amax, quantize
+from trtpipe.checkpoint.quant_layouts import LINEAR_GROUPS, LINEARS
+from trtpipe.checkpoint.quant_primitives import choose_qparams, observe_amax, quantize
 from trtpipe.quant.quantize import TORCH_DTYPES
 from trtpipe.quant.writer import TrtllmSource, excluded_fn
 

@@ -27,8 +27,8 @@ from trtpipe.models import get_family
 from trtpipe.models.family import dims
 from trtpipe.models.hfconfig import read_hf_config
 from trtpipe.quant.calibrate import load_layer_stats
-from trtpipe.quant.layouts import ALGOS, LINEAR_GROUPS, LINEARS
-from trtpipe.quant.primitives import choose_qparams, observe_amax, pack_int4_rows, quantize
+from trtpipe.checkpoint.quant_layouts import ALGOS, LINEAR_GROUPS, LINEARS
+from trtpipe.checkpoint.quant_primitives import choose_qparams, observe_amax, pack_int4_rows, quantize
 from trtpipe.quant.quantize import TORCH_DTYPES, layer_params
 from trtpipe.quant.writer import TrtllmSource, _read, excluded_fn
 

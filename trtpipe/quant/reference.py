@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from trtpipe.errors import CheckpointError
-from trtpipe.quant.layouts import BY_QUANT_ALGO
-from trtpipe.quant.primitives import FORMATS, dequantize, fake_quant, unpack_int4_rows
+from trtpipe.checkpoint.quant_layouts import BY_QUANT_ALGO
+from trtpipe.checkpoint.quant_primitives import FORMATS, dequantize, fake_quant, unpack_int4_rows
 from trtpipe.runtime.linear import LinearSpec, register_kv_quant, register_linear_loader
 
 

@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 
 from trtpipe.models.hfconfig import HFModelInfo
 from trtpipe.quant.hostmem import whole_model_misfit
-from trtpipe.quant.layouts import ALGOS, STYLE
+from trtpipe.checkpoint.quant_layouts import ALGOS, STYLE
 from trtpipe.recipe.rules import Finding, rule
 from trtpipe.recipe.schema import Recipe
 

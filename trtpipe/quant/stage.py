@@ -23,7 +23,7 @@ from trtpipe.pipeline.stage import Stage, StageContext
 from trtpipe.quant import accuracy, reference  # noqa: F401  (reference: runtime handlers)
 from trtpipe.quant.calibrate import CalibSettings, calibrate, save_layer_stats, write_meta
 from trtpipe.quant.data import batched_decode, load_tokenizer, token_batches
-from trtpipe.quant.layouts import ALGOS
+from trtpipe.checkpoint.quant_layouts import ALGOS
 from trtpipe.quant.writer import TrtllmSource, quantize_checkpoint
 from trtpipe.recipe.schema import Recipe
 from trtpipe.runtime import load_checkpoint

@@ -24,7 +24,7 @@ from trtpipe.checkpoint.writer import TORCH_TO_ST, RankFile
 from trtpipe.errors import QuantizationError
 from trtpipe.quant import reference  # noqa: F401  (runtime handlers for quantized checkpoints)
 from trtpipe.quant.calibrate import LayerSource, load_layer_stats
-from trtpipe.quant.layouts import ALGOS, LINEARS, quantization_config
+from trtpipe.checkpoint.quant_layouts import ALGOS, LINEARS, quantization_config
 from trtpipe.quant.quantize import kv_scales, layer_params, rank_tensors
 from trtpipe.runtime.loader import read_config
 from trtpipe.runtime.model import ModelArgs
