@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from trtpipe.errors import AccuracyGateError, CheckpointError, QuantizationError
-from trtpipe.quant import reference  # noqa: F401  (runtime handlers for quantized checkpoints)
 from trtpipe.quant.calibrate import ActivationBuffer
 from trtpipe.quant.data import batched_decode
 from trtpipe.quant.hostmem import whole_model_misfit
