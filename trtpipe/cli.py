@@ -59,7 +59,7 @@ OVERRIDES = click.option(
 def validate(recipes: tuple[Path, ...], overrides: tuple[str, ...]) -> None:
     """Check recipes (schema and cross-field rules) without loading weights. Exit 2 on any error."""
     from trtpipe.errors import RecipeError
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     failed = False
     for path in recipes:
@@ -89,8 +89,9 @@ def schema(markdown: bool) -> None:
 def explain(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
     """Print the fully resolved recipe, every default shown and marked."""
     from trtpipe.recipe.describe import explain as explain_recipe
+    from trtpipe.validation import load_recipe
 
-    click.echo(explain_recipe(recipe, overrides, as_json=as_json), nl=False)
+    click.echo(explain_recipe(load_recipe(recipe, overrides), as_json=as_json), nl=False)
 
 
 # --- build pipeline commands -----------------------------------------------------------------------
@@ -109,7 +110,7 @@ def build(ctx, recipe: Path, overrides, force, from_stage, until, as_json: bool)
     from trtpipe.errors import StageError
     from trtpipe.pipeline.runner import run_build
     from trtpipe.processes import sigterm_as_interrupt
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     loaded = load_recipe(recipe, overrides)
     stages = (ctx.obj or {}).get("stages")  # a program embedding the CLI (the tests) may pass its own stages
@@ -135,7 +136,7 @@ def build(ctx, recipe: Path, overrides, force, from_stage, until, as_json: bool)
 def status(ctx, recipe: Path, overrides, verify: bool, as_json: bool) -> None:
     """Show each stage's key, whether its artifact is cached, and the last build."""
     from trtpipe.pipeline.runner import build_status
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     report = build_status(load_recipe(recipe, overrides), (ctx.obj or {}).get("stages"), verify=verify)
     if as_json:
@@ -160,7 +161,7 @@ def status(ctx, recipe: Path, overrides, verify: bool, as_json: bool) -> None:
 def gc(ctx, recipe: Path, overrides, delete: bool, as_json: bool) -> None:
     """List (or --delete) artifacts that neither the recipe's current keys nor the last build use."""
     from trtpipe.pipeline.runner import collect_garbage
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     report = collect_garbage(load_recipe(recipe, overrides), (ctx.obj or {}).get("stages"), delete=delete)
     if as_json:
@@ -239,7 +240,7 @@ def generate(ckpt_dir, prompt, max_tokens, tokenizer_dir, temperature, top_k, to
 def _build_until(recipe: Path, overrides, stage: str, force: tuple[str, ...] = ()):
     """Run the build up to ``stage`` (earlier stages reused when cached); return its artifact directory."""
     from trtpipe.pipeline.runner import run_build
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     result = run_build(load_recipe(recipe, overrides), None, force, None, stage, overrides=overrides)
     return result, result.artifact(stage)
@@ -402,8 +403,8 @@ def doctor(engine_dir) -> None:
 @click.option("--out", type=click.Path(path_type=Path), help="Output dir (default: triton.repo_dir, else the build artifact).")
 def repo(recipe: Path, overrides, engine_dir, tokenizer_dir, out) -> None:
     """Write the Triton model repository: build the recipe up to the repo stage, or from --engine."""
-    from trtpipe.recipe import load_recipe
     from trtpipe.triton.launch import resolve_repo
+    from trtpipe.validation import load_recipe
 
     loaded = load_recipe(recipe, overrides)
     if engine_dir is None:
@@ -454,7 +455,7 @@ def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, tim
     from trtpipe.triton.launch import dry_run_lines, plan_launch, resolve_repo, run_mpirun
 
     if target.is_file():  # a recipe: its triton section gives the defaults
-        from trtpipe.recipe import load_recipe
+        from trtpipe.validation import load_recipe
 
         t = load_recipe(target, overrides).triton
         bind = bind or t.bind
@@ -743,7 +744,7 @@ def serve_openai(target: Path, overrides, host, port, served_model_name, chat_te
     if target.is_dir():
         model_dir, name = target, served_model_name or target.name
     else:
-        from trtpipe.recipe import load_recipe
+        from trtpipe.validation import load_recipe
 
         recipe = load_recipe(target, overrides)
         if recipe.target != "llmapi":

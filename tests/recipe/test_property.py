@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from recipe_helpers import RECIPES
 
 from trtpipe.errors import RecipeError
-from trtpipe.recipe import Recipe, load_recipe
+from trtpipe.recipe import Recipe
+from trtpipe.validation import load_recipe
 
 BASE_TEXT = (RECIPES / "stories-fp8.yaml").read_text()
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))

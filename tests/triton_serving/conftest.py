@@ -92,7 +92,7 @@ def hf_greedy(hf_stories):
 
 @pytest.fixture(scope="session")
 def stories_recipe():
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     def load(*overrides: str):
         return load_recipe(RECIPES / "stories-fp16.yaml", list(overrides))

@@ -41,7 +41,7 @@ def resolve_repo(target: Path, overrides: Sequence[str] = (), quiet: bool = Fals
     if not target.is_file():
         raise ServingError(f"{target}: neither a model repository directory nor a recipe file")
     from trtpipe.pipeline.runner import run_build
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     recipe = load_recipe(target, overrides)
     result = run_build(recipe, until="repo", quiet=quiet, overrides=overrides)
@@ -130,7 +130,7 @@ def find_detached(target: Optional[Path] = None, overrides: Sequence[str] = ()) 
         return servers
     target = Path(target)
     if target.is_file():
-        from trtpipe.recipe import load_recipe
+        from trtpipe.validation import load_recipe
 
         work = str(load_recipe(target, overrides, check_rules=False).work_path) + "/"
         return [s for s in servers if s.repo.startswith(work)]
@@ -157,7 +157,7 @@ def planned_launch(recipe_path: Path, overrides: Sequence[str], bind: str, ports
     """
     from trtpipe.pipeline.cache import ArtifactStore
     from trtpipe.pipeline.runner import plan_build
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     recipe = load_recipe(recipe_path, overrides)
     plans, _ = plan_build(recipe)
