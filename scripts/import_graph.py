@@ -19,8 +19,8 @@ and strings passed to other calls (``logging.getLogger("trtpipe.engine")`` names
 
 A private name is a ``_name`` (not ``__dunder__``) of module ``B`` used in module ``A != B``: ``from B import
 _name``, or ``alias._name`` / ``getattr(alias, "_name")`` where ``alias`` is bound to ``B`` by an import or
-``importlib.import_module``. Private attributes of objects (``server._proc``) cannot be seen without types and
-are not reported.
+``importlib.import_module``, or a private keyword argument of a callable defined there (``Server(..., _proc=p)``).
+Private attributes of objects (``server._proc``) cannot be seen without types and are not reported.
 
 The logic is in this file, standard library only, so it runs on any checkout without installing it;
 ``tests/test_architecture.py`` loads this file by its path and asserts that both lists are empty.
@@ -60,7 +60,7 @@ class PrivateUse:
     name: str
     path: str
     line: int
-    how: str  # "from-import", "attribute" or "getattr"
+    how: str  # "from-import", "attribute", "getattr" or "keyword" (a private parameter of another module's callable)
 
 
 @dataclass
@@ -104,6 +104,7 @@ class _ModuleVisitor(ast.NodeVisitor):
         self.edges: list[Edge] = []
         self.private: list[PrivateUse] = []
         self.aliases: dict[str, str] = {}  # local name -> module it is bound to (one table per file)
+        self.imported: dict[str, str] = {}  # local name -> the trtpipe module it was imported from (``from M import``)
         self.argv_strings: set[int] = set()  # ids of string nodes that are a subprocess's "-m MODULE"
 
     # -- helpers --
@@ -144,6 +145,13 @@ class _ModuleVisitor(ast.NodeVisitor):
             module, rest = f"{module}.{rest[0]}", rest[1:]
         return module, rest
 
+    def _owner(self, func: list[str]) -> Optional[str]:
+        """The trtpipe module that defines a called name (``f`` from ``from M import f``, or ``alias.f``)."""
+        if len(func) == 1:
+            return self.imported.get(func[0])
+        resolved = self._resolve_chain(func) if func else None
+        return resolved[0] if resolved and len(resolved[1]) == 1 else None
+
     def _import_kind(self) -> str:
         return "local" if self.depth else "import"
 
@@ -183,6 +191,7 @@ class _ModuleVisitor(ast.NodeVisitor):
                 continue
             if base in self.modules:
                 self._edge(base, node.lineno, self._import_kind())
+                self.imported[a.asname or a.name] = base
                 if _is_private(a.name) and base != self.name:
                     self.private.append(PrivateUse(self.name, base, a.name, self.path, node.lineno, "from-import"))
 
@@ -194,6 +203,11 @@ class _ModuleVisitor(ast.NodeVisitor):
             target = self._module_of(literal)
             if target:
                 self._edge(target, node.lineno, "importlib")
+        owner = self._owner(func)
+        for kw in node.keywords:
+            if owner and kw.arg and _is_private(kw.arg) and owner != self.name:
+                self.private.append(PrivateUse(self.name, owner, f"{'.'.join(func)}({kw.arg}=)", self.path,
+                                               node.lineno, "keyword"))
         if func == ["getattr"] and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
             chain = self._dotted(node.args[0])
             resolved = self._resolve_chain(chain) if chain else None

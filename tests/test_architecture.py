@@ -89,10 +89,11 @@ def test_not_imports_are_not_edges(tmp_path):
 
 def test_private_uses_are_found(tmp_path):
     root = _tree(tmp_path, {
-        "__init__.py": "", "p/__init__.py": "", "p/a.py": "_x = 1\n",
-        "b.py": "from trtpipe.p.a import _x\nimport trtpipe.p.a as m\nfrom trtpipe.p import a\n"
-                "def f():\n    return m._x, a._x, getattr(a, '_x'), trtpipe.p.a.__name__\n",
+        "__init__.py": "", "p/__init__.py": "", "p/a.py": "_x = 1\ndef F(_y=0):\n    return _y\n",
+        "b.py": "from trtpipe.p.a import _x, F\nimport trtpipe.p.a as m\nfrom trtpipe.p import a\n"
+                "def f():\n    return m._x, a._x, getattr(a, '_x'), trtpipe.p.a.__name__, F(_y=1), F(y=1)\n",
     })
     got = sorted((p.target, p.name, p.how, p.line) for p in import_graph.build(root).private)
-    assert got == [("trtpipe.p.a", "_x", "attribute", 5), ("trtpipe.p.a", "_x", "attribute", 5),
-                   ("trtpipe.p.a", "_x", "from-import", 1), ("trtpipe.p.a", "_x", "getattr", 5)]
+    assert got == [("trtpipe.p.a", "F(_y=)", "keyword", 5), ("trtpipe.p.a", "_x", "attribute", 5),
+                   ("trtpipe.p.a", "_x", "attribute", 5), ("trtpipe.p.a", "_x", "from-import", 1),
+                   ("trtpipe.p.a", "_x", "getattr", 5)]
