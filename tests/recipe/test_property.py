@@ -146,7 +146,8 @@ VALID_SHAPED = st.fixed_dictionaries({
 @SETTINGS
 @given(recipe=VALID_SHAPED)
 def test_schema_valid_recipes_never_crash_a_rule(recipe, recipe_path, stories_dir):
-    """Every registered rule (this package's, quantization's, the engine's) on in-range values of every kind."""
+    """Every rule of trtpipe.validation.RULES (the recipe's, quantization's, the engine's, the export's) on
+    in-range values of every kind."""
     if recipe["model"]["source"] == "STORIES":
         recipe["model"]["source"] = str(stories_dir)
     recipe_path.write_text(yaml.safe_dump(recipe))

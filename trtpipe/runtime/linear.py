@@ -91,7 +91,7 @@ def module_quant_algo(name: str, quantization: dict, quant_cfg: Optional[dict] =
 
 
 def build_linear(tensors: dict, spec: LinearSpec) -> nn.Module:
-    """One rank's linear from its tensors (suffix -> tensor) via the loader registered for its quant_algo."""
+    """One rank's linear from its tensors (suffix -> tensor) via the loader of its quant_algo in :data:`LINEAR_LOADERS`."""
     if "weight" not in tensors:
         raise CheckpointError(f"checkpoint: tensor '{spec.name}.weight' is missing")
     return _lookup(LINEAR_LOADERS, spec.quant_algo or "NONE", "quant_algo")(tensors, spec)
