@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 
 from quant_helpers import our_stats, self_tokens
 from trtpipe.checkpoint.convert import TOKENIZER_FILES, convert
+from trtpipe.checkpoint.quant_primitives import pack_int4_rows, quantize
 from trtpipe.export.unified import export_unified
 from trtpipe.models.synthetic import make_synthetic
-from trtpipe.checkpoint.quant_primitives import pack_int4_rows, quantize
 
 pytestmark = [pytest.mark.oracle, pytest.mark.slow]
 

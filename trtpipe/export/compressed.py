@@ -32,11 +32,11 @@ import torch
 from safetensors.torch import save_file
 
 from trtpipe.checkpoint.convert import TOKENIZER_FILES
+from trtpipe.checkpoint.quant_layouts import LINEAR_GROUPS, LINEARS
+from trtpipe.checkpoint.quant_primitives import choose_qparams, observe_amax, quantize
 from trtpipe.errors import QuantizationError
 from trtpipe.export.unified import HFNames, assemble_shards, global_tensors, hf_config
 from trtpipe.quant.calibrate import load_layer_stats
-from trtpipe.checkpoint.quant_layouts import LINEAR_GROUPS, LINEARS
-from trtpipe.checkpoint.quant_primitives import choose_qparams, observe_amax, quantize
 from trtpipe.quant.quantize import TORCH_DTYPES
 from trtpipe.quant.writer import TrtllmSource, excluded_fn
 

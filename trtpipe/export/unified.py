@@ -20,6 +20,8 @@ import torch
 from safetensors.torch import save_file
 
 from trtpipe.checkpoint.convert import TOKENIZER_FILES
+from trtpipe.checkpoint.quant_layouts import ALGOS, LINEAR_GROUPS, LINEARS
+from trtpipe.checkpoint.quant_primitives import choose_qparams, observe_amax, pack_int4_rows, quantize
 from trtpipe.checkpoint.writer import RankFile
 from trtpipe.errors import QuantizationError
 from trtpipe.export.formats import HF_FORMATS, SCALARS, SUFFIX, hf_quant_config, inline_quantization_config
@@ -27,8 +29,6 @@ from trtpipe.models import get_family
 from trtpipe.models.family import dims
 from trtpipe.models.hfconfig import read_hf_config
 from trtpipe.quant.calibrate import load_layer_stats
-from trtpipe.checkpoint.quant_layouts import ALGOS, LINEAR_GROUPS, LINEARS
-from trtpipe.checkpoint.quant_primitives import choose_qparams, observe_amax, pack_int4_rows, quantize
 from trtpipe.quant.quantize import TORCH_DTYPES, layer_params
 from trtpipe.quant.writer import TrtllmSource, excluded_fn, read_tensors
 

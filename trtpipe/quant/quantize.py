@@ -14,11 +14,11 @@ from typing import Callable, Optional
 
 import torch
 
-from trtpipe.errors import QuantizationError
-from trtpipe.checkpoint.shard import Layout, split_experts, split_linear_tensor
-from trtpipe.quant.awq import awq_scales
 from trtpipe.checkpoint.quant_layouts import KV_ALGOS, LINEAR_GROUPS, STYLE, TENSOR_DTYPES, Algo, group_granularity
 from trtpipe.checkpoint.quant_primitives import choose_qparams, observe_amax, pack_int4_rows, quantize
+from trtpipe.checkpoint.shard import Layout, split_experts, split_linear_tensor
+from trtpipe.errors import QuantizationError
+from trtpipe.quant.awq import awq_scales
 from trtpipe.quant.smoothquant import smooth_scales, smoothed_act_amax
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}

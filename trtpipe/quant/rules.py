@@ -13,9 +13,9 @@ from __future__ import annotations
 import fnmatch
 from typing import Iterable, Optional
 
+from trtpipe.checkpoint.quant_layouts import ALGOS, STYLE
 from trtpipe.models.hfconfig import HFModelInfo
 from trtpipe.quant.hostmem import whole_model_misfit
-from trtpipe.checkpoint.quant_layouts import ALGOS, STYLE
 from trtpipe.recipe.rules import Finding, Rule
 from trtpipe.recipe.schema import Recipe
 

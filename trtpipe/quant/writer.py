@@ -19,11 +19,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from trtpipe.checkpoint.quant_layouts import ALGOS, LINEARS, quantization_config
 from trtpipe.checkpoint.shard import Layout, pp_layers
 from trtpipe.checkpoint.writer import TORCH_TO_ST, RankFile
 from trtpipe.errors import QuantizationError
 from trtpipe.quant.calibrate import LayerSource, load_layer_stats
-from trtpipe.checkpoint.quant_layouts import ALGOS, LINEARS, quantization_config
 from trtpipe.quant.quantize import kv_scales, layer_params, rank_tensors
 from trtpipe.runtime.loader import read_config
 from trtpipe.runtime.model import ModelArgs
