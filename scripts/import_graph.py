@@ -1,6 +1,6 @@
 """The module import graph of ``trtpipe/``: its cycles, and the private names one module takes from another.
 
-    python scripts/import_graph.py            # a readable report; exit 1 when there is a cycle or a private use
+    python scripts/import_graph.py            # a readable report; exit 1 on a cycle, a private use or a dead import
     python scripts/import_graph.py --json     # the same as JSON (every edge included)
     python scripts/import_graph.py --root /tmp/before   # another checkout (e.g. a ``git worktree`` of an old commit)
 
@@ -21,6 +21,9 @@ A private name is a ``_name`` (not ``__dunder__``) of module ``B`` used in modul
 _name``, or ``alias._name`` / ``getattr(alias, "_name")`` where ``alias`` is bound to ``B`` by an import or
 ``importlib.import_module``, or a private keyword argument of a callable defined there (``Server(..., _proc=p)``).
 Private attributes of objects (``server._proc``) cannot be seen without types and are not reported.
+
+It also lists each ``from trtpipe.x import name`` where ``trtpipe.x`` binds no ``name`` at import time (a name a
+move or rename left behind: inside a function such an import fails only when the function first runs).
 
 The logic is in this file, standard library only, so it runs on any checkout without installing it;
 ``tests/test_architecture.py`` loads this file by its path and asserts that both lists are empty.
@@ -63,12 +66,25 @@ class PrivateUse:
     how: str  # "from-import", "attribute", "getattr" or "keyword" (a private parameter of another module's callable)
 
 
+@dataclass(frozen=True)
+class Unresolved:
+    """``from target import name`` in module ``user``, where ``target`` defines no ``name`` and has no such submodule
+    (a name left behind by a move or a rename; such an import fails only when its function first runs)."""
+
+    user: str
+    target: str
+    name: str
+    path: str
+    line: int
+
+
 @dataclass
 class Graph:
     root: str
     modules: dict[str, str]  # module name -> path relative to root
     edges: list[Edge] = field(default_factory=list)
     private: list[PrivateUse] = field(default_factory=list)
+    unresolved: list[Unresolved] = field(default_factory=list)
 
     def graph_edges(self) -> list[Edge]:
         return [e for e in self.edges if e.kind in GRAPH_KINDS and e.src != e.dst]
@@ -105,6 +121,7 @@ class _ModuleVisitor(ast.NodeVisitor):
         self.private: list[PrivateUse] = []
         self.aliases: dict[str, str] = {}  # local name -> module it is bound to (one table per file)
         self.imported: dict[str, str] = {}  # local name -> the trtpipe module it was imported from (``from M import``)
+        self.from_imports: list[tuple[str, str, int]] = []  # (module, name, line) of each ``from M import name``
         self.argv_strings: set[int] = set()  # ids of string nodes that are a subprocess's "-m MODULE"
 
     # -- helpers --
@@ -192,6 +209,7 @@ class _ModuleVisitor(ast.NodeVisitor):
             if base in self.modules:
                 self._edge(base, node.lineno, self._import_kind())
                 self.imported[a.asname or a.name] = base
+                self.from_imports.append((base, a.name, node.lineno))
                 if _is_private(a.name) and base != self.name:
                     self.private.append(PrivateUse(self.name, base, a.name, self.path, node.lineno, "from-import"))
 
@@ -253,17 +271,59 @@ class _ModuleVisitor(ast.NodeVisitor):
         self.generic_visit(node)
 
 
+def top_level_names(tree: ast.Module) -> Optional[set[str]]:
+    """The names a module binds at import time (defs, classes, assignments, imports, also under top-level
+    ``if`` / ``try``); None when it has ``from x import *`` or a module ``__getattr__`` (anything may exist)."""
+    names: set[str] = set()
+
+    def bind(target) -> None:
+        for n in ast.walk(target):
+            if isinstance(n, ast.Name):
+                names.add(n.id)
+
+    def scan(body) -> bool:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                if any(a.name == "*" for a in node.names):
+                    return False
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, ast.Assign):
+                for t in node.targets:
+                    bind(t)
+            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+                bind(node.target)
+            elif isinstance(node, (ast.For, ast.With)):
+                bind(node.target if isinstance(node, ast.For) else ast.Tuple([i.optional_vars for i in node.items
+                                                                              if i.optional_vars], ast.Load()))
+                if not scan(node.body):
+                    return False
+            elif isinstance(node, (ast.If, ast.Try, ast.While)):
+                for part in (node.body, getattr(node, "orelse", []), getattr(node, "finalbody", []),
+                             *[h.body for h in getattr(node, "handlers", [])]):
+                    if not scan(part):
+                        return False
+        return "__getattr__" not in names
+
+    return names if scan(tree.body) else None
+
+
 def build(root: Path) -> Graph:
     """Parse every module under ``root/trtpipe`` and return its import graph and private uses."""
     root = Path(root).resolve()
     files = module_names(root)
     graph = Graph(str(root), {m: str(p.relative_to(root)) for m, p in files.items()})
+    trees = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in files.items()}
+    defined = {name: top_level_names(tree) for name, tree in trees.items()}
     for name, path in files.items():
-        tree = ast.parse(path.read_text(), filename=str(path))
         v = _ModuleVisitor(name, graph.modules[name], path.name == "__init__.py", set(files))
-        v.visit(tree)
+        v.visit(trees[name])
         graph.edges += v.edges
         graph.private += v.private
+        graph.unresolved += [Unresolved(name, target, what, graph.modules[name], line)
+                             for target, what, line in v.from_imports
+                             if defined[target] is not None and what != "*" and what not in defined[target]]
     return graph
 
 
@@ -323,6 +383,7 @@ def summary(graph: Graph) -> dict:
         "edges_by_kind": dict(sorted(kinds.items())),
         "cycles": [{"modules": c, "edges": [asdict(e) for e in cycle_edges(graph, c)]} for c in comps],
         "private_uses": [asdict(p) for p in sorted(graph.private, key=lambda p: (p.path, p.line))],
+        "unresolved_imports": [asdict(u) for u in sorted(graph.unresolved, key=lambda u: (u.path, u.line))],
         "edges": [asdict(e) for e in graph.edges if e.src != e.dst],
     }
 
@@ -338,6 +399,9 @@ def text_report(s: dict) -> str:
     lines.append(f"private names used across modules: {len(s['private_uses'])}")
     for p in s["private_uses"]:
         lines.append(f"  {p['path']}:{p['line']}  {p['user']} uses {p['target']}.{p['name']}  ({p['how']})")
+    lines.append(f"imports of names their module does not define: {len(s['unresolved_imports'])}")
+    for u in s["unresolved_imports"]:
+        lines.append(f"  {u['path']}:{u['line']}  from {u['target']} import {u['name']}")
     return "\n".join(lines)
 
 
@@ -352,7 +416,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     s = summary(build(args.root))
     print(json.dumps(s, indent=1) if args.json else text_report(s))
-    return 1 if s["cycles"] or s["private_uses"] else 0
+    return 1 if s["cycles"] or s["private_uses"] or s["unresolved_imports"] else 0
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The package's shape: no import cycles (function-local and string imports included), no private names across modules.
+"""The package's shape: no import cycles (function-local and string imports included), no private names across
+modules, no import of a name its module no longer defines.
 
 The graph comes from ``scripts/import_graph.py`` (the committed command that prints the same findings with their
 lines). It is loaded from its file path: it is development tooling, so it is not part of the ``trtpipe`` package,
@@ -57,6 +58,11 @@ def test_no_private_names_across_modules(graph):
     assert not graph.private, f"private names used across modules (make them public or keep them home):\n{uses}"
 
 
+def test_every_from_import_names_something_that_exists(graph):
+    dead = "\n".join(f"    {u.path}:{u.line} from {u.target} import {u.name}" for u in graph.unresolved)
+    assert not graph.unresolved, f"imports of names their module does not define (moved or renamed?):\n{dead}"
+
+
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     for name, text in files.items():
         path = tmp_path / "trtpipe" / name
@@ -97,3 +103,14 @@ def test_private_uses_are_found(tmp_path):
     assert got == [("trtpipe.p.a", "F(_y=)", "keyword", 5), ("trtpipe.p.a", "_x", "attribute", 5),
                    ("trtpipe.p.a", "_x", "attribute", 5), ("trtpipe.p.a", "_x", "from-import", 1),
                    ("trtpipe.p.a", "_x", "getattr", 5)]
+
+
+def test_dead_imports_are_found(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "", "p/__init__.py": "import sys\nif sys:\n    from trtpipe.p import a as kept\n",
+        "p/a.py": "X = 1\ntry:\n    import json\nexcept ImportError:\n    json = None\n",
+        "b.py": "from trtpipe.p import a, kept\nfrom trtpipe.p.a import X, json\n"
+                "def f():\n    from trtpipe.p import gone\n    from trtpipe.p.a import Y\n",
+    })
+    got = sorted((u.target, u.name, u.line) for u in import_graph.build(root).unresolved)
+    assert got == [("trtpipe.p", "gone", 4), ("trtpipe.p.a", "Y", 5)]
