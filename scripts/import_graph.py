@@ -189,6 +189,8 @@ class _ModuleVisitor(ast.NodeVisitor):
             target = a.name
             while target not in self.modules and "." in target:
                 target = target.rpartition(".")[0]
+            if target != a.name:  # import trtpipe.x.gone
+                self.from_imports.append((target, a.name[len(target) + 1:].split(".")[0], node.lineno))
             if target in self.modules:
                 self._edge(target, node.lineno, self._import_kind())
             if a.asname:
@@ -221,6 +223,9 @@ class _ModuleVisitor(ast.NodeVisitor):
             target = self._module_of(literal)
             if target:
                 self._edge(target, node.lineno, "importlib")
+            elif literal.split(".")[0] == PACKAGE:  # importlib.import_module("trtpipe.x.gone")
+                parent, _, rest = literal.rpartition(".")
+                self.from_imports.append((parent, rest, node.lineno))
         owner = self._owner(func)
         for kw in node.keywords:
             if owner and kw.arg and _is_private(kw.arg) and owner != self.name:
@@ -323,7 +328,8 @@ def build(root: Path) -> Graph:
         graph.private += v.private
         graph.unresolved += [Unresolved(name, target, what, graph.modules[name], line)
                              for target, what, line in v.from_imports
-                             if defined[target] is not None and what != "*" and what not in defined[target]]
+                             if what != "*" and (target not in defined
+                                                 or defined[target] is not None and what not in defined[target])]
     return graph
 
 

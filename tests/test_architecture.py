@@ -110,7 +110,9 @@ def test_dead_imports_are_found(tmp_path):
         "__init__.py": "", "p/__init__.py": "import sys\nif sys:\n    from trtpipe.p import a as kept\n",
         "p/a.py": "X = 1\ntry:\n    import json\nexcept ImportError:\n    json = None\n",
         "b.py": "from trtpipe.p import a, kept\nfrom trtpipe.p.a import X, json\n"
-                "def f():\n    from trtpipe.p import gone\n    from trtpipe.p.a import Y\n",
+                "def f():\n    from trtpipe.p import gone\n    from trtpipe.p.a import Y\n"
+                "    import trtpipe.p.old\n    import importlib\n    importlib.import_module('trtpipe.p.older')\n",
     })
     got = sorted((u.target, u.name, u.line) for u in import_graph.build(root).unresolved)
-    assert got == [("trtpipe.p", "gone", 4), ("trtpipe.p.a", "Y", 5)]
+    assert got == [("trtpipe.p", "gone", 4), ("trtpipe.p", "old", 6), ("trtpipe.p", "older", 8),
+                   ("trtpipe.p.a", "Y", 5)]
