@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 from trtpipe.triton import fuzz
-from trtpipe.triton.server_process import sigterm_as_interrupt, start_server
+from trtpipe.processes import sigterm_as_interrupt
+from trtpipe.triton.server_process import start_server
 
 
 def main() -> int:

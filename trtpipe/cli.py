@@ -59,7 +59,7 @@ OVERRIDES = click.option(
 def validate(recipes: tuple[Path, ...], overrides: tuple[str, ...]) -> None:
     """Check recipes (schema and cross-field rules) without loading weights. Exit 2 on any error."""
     from trtpipe.errors import RecipeError
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     failed = False
     for path in recipes:
@@ -89,22 +89,12 @@ def schema(markdown: bool) -> None:
 def explain(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
     """Print the fully resolved recipe, every default shown and marked."""
     from trtpipe.recipe.describe import explain as explain_recipe
+    from trtpipe.validation import load_recipe
 
-    click.echo(explain_recipe(recipe, overrides, as_json=as_json), nl=False)
+    click.echo(explain_recipe(load_recipe(recipe, overrides), as_json=as_json), nl=False)
 
 
 # --- build pipeline commands -----------------------------------------------------------------------
-
-
-def _sigterm_as_interrupt() -> None:
-    import signal
-    import threading
-
-    def _term(signum, frame):
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread only
-        signal.signal(signal.SIGTERM, _term)
 
 
 @main.command()
@@ -119,11 +109,12 @@ def build(ctx, recipe: Path, overrides, force, from_stage, until, as_json: bool)
     """Run the build stages that exist, reusing cached artifacts; write <work_dir>/manifest.json."""
     from trtpipe.errors import StageError
     from trtpipe.pipeline.runner import run_build
-    from trtpipe.recipe import load_recipe
+    from trtpipe.processes import sigterm_as_interrupt
+    from trtpipe.validation import load_recipe
 
     loaded = load_recipe(recipe, overrides)
     stages = (ctx.obj or {}).get("stages")  # a program embedding the CLI (the tests) may pass its own stages
-    _sigterm_as_interrupt()  # SIGTERM cleans up like Ctrl-C: temporary artifacts removed, manifest "interrupted"
+    sigterm_as_interrupt()  # SIGTERM cleans up like Ctrl-C: temporary artifacts removed, manifest "interrupted"
     try:
         result = run_build(loaded, stages, force, from_stage, until, quiet=as_json, overrides=overrides)
     except StageError as exc:
@@ -145,7 +136,7 @@ def build(ctx, recipe: Path, overrides, force, from_stage, until, as_json: bool)
 def status(ctx, recipe: Path, overrides, verify: bool, as_json: bool) -> None:
     """Show each stage's key, whether its artifact is cached, and the last build."""
     from trtpipe.pipeline.runner import build_status, render_status
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     report = build_status(load_recipe(recipe, overrides), (ctx.obj or {}).get("stages"), verify=verify)
     click.echo(json.dumps(report, indent=2) if as_json else render_status(report))
@@ -161,7 +152,7 @@ def status(ctx, recipe: Path, overrides, verify: bool, as_json: bool) -> None:
 def gc(ctx, recipe: Path, overrides, delete: bool, as_json: bool) -> None:
     """List (or --delete) artifacts that neither the recipe's current keys nor the last build use."""
     from trtpipe.pipeline.runner import collect_garbage, render_garbage
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     report = collect_garbage(load_recipe(recipe, overrides), (ctx.obj or {}).get("stages"), delete=delete)
     click.echo(json.dumps(report, indent=2) if as_json else render_garbage(report, delete))
@@ -223,7 +214,7 @@ def generate(ckpt_dir, prompt, max_tokens, tokenizer_dir, temperature, top_k, to
 def _build_until(recipe: Path, overrides, stage: str, force: tuple[str, ...] = ()):
     """Run the build up to ``stage`` (earlier stages reused when cached); return its artifact directory."""
     from trtpipe.pipeline.runner import run_build
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     result = run_build(load_recipe(recipe, overrides), None, force, None, stage, overrides=overrides)
     return result, result.artifact(stage)

@@ -18,7 +18,7 @@ from trtpipe.engine.trtllm import availability
 from trtpipe.engine.twin_engine_dir import TWIN_FILE, write_twin_engine
 from trtpipe.errors import EngineError
 from trtpipe.pipeline.stage import StageContext
-from trtpipe.recipe import load_recipe
+from trtpipe.validation import load_recipe
 
 TINY = {"architecture": "LlamaForCausalLM", "dtype": "float16", "hidden_size": 64, "num_hidden_layers": 5,
         "num_attention_heads": 8, "num_key_value_heads": 4, "head_size": 8, "intermediate_size": 172,

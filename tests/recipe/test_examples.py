@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from trtpipe.errors import RecipeError
-from trtpipe.recipe import load_recipe
 from trtpipe.recipe.rules import load_model_info
+from trtpipe.validation import load_recipe
 
 from recipe_helpers import RECIPES, run_cli
 

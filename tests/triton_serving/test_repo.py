@@ -15,9 +15,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from trtpipe.cli import main
 from trtpipe.errors import ServingError
-from trtpipe.recipe.loader import load_recipe
 from trtpipe.triton import repo as R
 from trtpipe.triton.launch import check_engine_versions, repo_info
+from trtpipe.validation import load_recipe
 
 HERE = Path(__file__).parent
 RECIPES = HERE.parents[1] / "recipes"

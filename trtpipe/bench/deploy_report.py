@@ -220,7 +220,7 @@ def plot(rows: list[dict], path: Path) -> Optional[Path]:
 
 
 def build_report(recipe_paths: Sequence[Path], overrides: Sequence[str], out: Path) -> dict:
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     pyplot("trtpipe report")  # before any build or file: a missing extra leaves nothing half-written
     rows = []

@@ -77,7 +77,9 @@ class EngineBuild:
         return [f.name for f in FIELDS if f.cli and f.name in named]
 
 
-def _target(cfg: dict, gpu: GPU) -> Target:
+def builder_target(cfg: dict, gpu: GPU) -> Target:
+    """What trtllm-build's enforcement checks are keyed by (GPU sm, architecture, quant algos, tp, pp) for the
+    checkpoint config ``cfg`` on ``gpu``; the validation rules ask it before resolving a build."""
     qa, kv = ckptconfig.quant(cfg)
     tp, pp = ckptconfig.mapping(cfg)
     return Target(sm=gpu.sm, architecture=cfg["architecture"], quant_algo=qa, kv_cache_quant_algo=kv, tp=tp, pp=pp)
@@ -140,7 +142,7 @@ def resolve_build(recipe: Recipe, checkpoint_config: dict, gpu: Optional[GPU] = 
         EngineError: unknown GPU, preset or plugin field, or a value a field does not take.
     """
     gpu = gpu or get_gpu(recipe.engine.gpu)
-    target = _target(checkpoint_config, gpu)
+    target = builder_target(checkpoint_config, gpu)
     preset, is_auto, values, sources = _plugins(recipe, target)
     values, changes = enforce(values, target, explicit=set(sources))
     rejected = rejections(values, target)

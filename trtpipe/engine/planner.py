@@ -138,10 +138,10 @@ def checkpoint_weight_bytes(ckpt_dir: Path, tp: int, pp: int) -> list[int]:
 
 def _tensor_bytes(f: Path) -> int:
     """Sum of the tensors' bytes in one safetensors file, from its header (the checkpoint reader's own checks)."""
-    from trtpipe.checkpoint.hf import _SafetensorsFile  # lazy: torch is only needed when a checkpoint is given
+    from trtpipe.checkpoint.hf import SafetensorsFile  # lazy: torch is only needed when a checkpoint is given
 
     try:
-        st = _SafetensorsFile(f)
+        st = SafetensorsFile(f)
     except CheckpointError as exc:
         raise EngineError(str(exc)) from None
     try:

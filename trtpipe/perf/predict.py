@@ -60,7 +60,7 @@ def recipe_setup(recipe_path: Path, overrides: Iterable[str] = (), gpu: Optional
     rec = r.recipe
     if not r.plan.fits:
         raise TrtpipeError(f"{recipe_path}: {r.plan.refusal}")
-    info = planning._model_info(rec, model_config)
+    info = planning.model_info(rec, model_config)
     spec = spec_of(info.raw, rec.name)
     q = rec.quantization
     prec = RECIPE_PRECISION.get(q.algo, "bf16" if rec.model.dtype == "bfloat16" else "fp16")

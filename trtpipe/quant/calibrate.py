@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from trtpipe.checkpoint.quant_layouts import LINEAR_GROUPS
+from trtpipe.checkpoint.quant_primitives import observe_channel_amax
 from trtpipe.errors import QuantizationError
 from trtpipe.quant.awq import awq_clip, awq_scales
-from trtpipe.quant.layouts import LINEAR_GROUPS
-from trtpipe.quant.primitives import observe_channel_amax
 from trtpipe.quant.quantize import TORCH_DTYPES, GroupStats, LayerStats
 from trtpipe.runtime.model import DecoderLayer, ModelArgs
 

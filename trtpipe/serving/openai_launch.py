@@ -9,7 +9,6 @@ as a :class:`~trtpipe.triton.server_process.Server` of kind ``openai`` whose ``r
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -23,8 +22,8 @@ from typing import Callable, Optional, Sequence
 from trtpipe.errors import ServingError
 from trtpipe.serving.api import ExecutorConfig
 from trtpipe.triton.launch import REPO_INFO
-from trtpipe.triton.server_process import (READY_TIMEOUT_S, Ports, Server, cache_dir, load_state, log_tail,
-                                           state_dir)
+from trtpipe.processes import cache_dir, log_tail
+from trtpipe.triton.server_process import READY_TIMEOUT_S, Ports, Server, refuse_if_served
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 
@@ -48,7 +47,7 @@ def is_openai_target(target: Path, overrides: Sequence[str] = ()) -> bool:
     target = Path(target)
     if target.is_dir():
         return (target / "config.json").is_file() and not (target / REPO_INFO).exists()
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     return target.is_file() and load_recipe(target, overrides, check_rules=False).target == "llmapi"
 
@@ -65,7 +64,7 @@ def resolve_openai_target(target: Path, overrides: Sequence[str] = (), host: Opt
         return OpenAITarget(target, target.resolve(), name or target.name, host or DEFAULT_HOST, port or DEFAULT_PORT,
                             None, chat_template)
     from trtpipe.pipeline.runner import run_build
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     recipe = load_recipe(target, overrides)
     if recipe.target != "llmapi":
@@ -85,10 +84,6 @@ def serve_foreground(t: OpenAITarget) -> None:
     serve(t.model_dir, t.host, t.port, t.name, t.config, t.chat_template.read_text() if t.chat_template else None)
 
 
-def _state_path(model_dir: Path) -> Path:
-    return state_dir() / ("openai-" + hashlib.sha256(str(model_dir).encode()).hexdigest()[:16] + ".json")
-
-
 def child_command(t: OpenAITarget, overrides: Sequence[str]) -> list[str]:
     """The foreground ``trtpipe serve`` the detached child runs (the build is cached by then)."""
     cmd = [sys.executable, "-m", "trtpipe.cli", "serve", str(t.source)]
@@ -102,18 +97,14 @@ def child_command(t: OpenAITarget, overrides: Sequence[str]) -> list[str]:
 
 def start_detached(t: OpenAITarget, overrides: Sequence[str] = (), timeout: float = READY_TIMEOUT_S) -> Server:
     """Start the twin as a child process, wait until ``/health`` answers, record it for ``trtpipe stop``."""
-    state = _state_path(t.model_dir)
-    old = load_state(state) if state.exists() else None
-    if old is not None and old.alive():
-        raise ServingError(f"{t.model_dir}: already served by pid {old.pid} at {old.http_url} "
-                           f"(trtpipe stop {t.source})")
+    state = refuse_if_served(t.model_dir)  # one state file per served directory, whichever launcher started it
     log = cache_dir() / "logs" / f"{t.name.replace('/', '_')}-{state.stem}.openai.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as fh:
         proc = subprocess.Popen(child_command(t, overrides), stdout=fh, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, env=dict(os.environ))
     server = Server(proc.pid, str(t.model_dir), t.host, Ports(t.port, 0, 0), str(log),
-                    f"trtpipe-openai{proc.pid}_", kind="openai", _proc=proc)
+                    f"trtpipe-openai{proc.pid}_", kind="openai", process=proc)
     deadline = time.monotonic() + timeout
     try:
         while server.alive() and not server.ready() and time.monotonic() < deadline:
@@ -122,9 +113,7 @@ def start_detached(t: OpenAITarget, overrides: Sequence[str] = (), timeout: floa
             why = "exited during start-up" if not server.alive() else f"not ready after {timeout:.0f} s"
             server.stop()
             raise ServingError(f"the OpenAI twin on {t.model_dir} {why}; log {log}:\n{log_tail(log)}")
-        state.parent.mkdir(parents=True, exist_ok=True)
-        server.state_file = str(state)
-        state.write_text(server.to_json())
+        server.detach(state)
     except BaseException:  # Ctrl-C during start-up too: never leave the child behind
         server.stop()
         raise

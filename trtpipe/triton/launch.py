@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from trtpipe.errors import ServingError
-from trtpipe.triton.server_process import Ports, free_ports, mpirun_command
+from trtpipe.processes import sigterm_as_interrupt
+from trtpipe.triton.mpi_launch import mpirun_command
+from trtpipe.triton.server_process import Ports, free_ports
 
 REPO_INFO = "trtpipe_repo.json"
 
@@ -41,7 +43,7 @@ def resolve_repo(target: Path, overrides: Sequence[str] = (), quiet: bool = Fals
     if not target.is_file():
         raise ServingError(f"{target}: neither a model repository directory nor a recipe file")
     from trtpipe.pipeline.runner import run_build
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     recipe = load_recipe(target, overrides)
     result = run_build(recipe, until="repo", quiet=quiet, overrides=overrides)
@@ -130,7 +132,7 @@ def find_detached(target: Optional[Path] = None, overrides: Sequence[str] = ()) 
         return servers
     target = Path(target)
     if target.is_file():
-        from trtpipe.recipe import load_recipe
+        from trtpipe.validation import load_recipe
 
         work = str(load_recipe(target, overrides, check_rules=False).work_path) + "/"
         return [s for s in servers if s.repo.startswith(work)]
@@ -158,7 +160,7 @@ def planned_launch(recipe_path: Path, overrides: Sequence[str], bind: str, ports
     """
     from trtpipe.pipeline.cache import ArtifactStore
     from trtpipe.pipeline.runner import plan_build
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     recipe = load_recipe(recipe_path, overrides)
     plans = plan_build(recipe)
@@ -270,7 +272,7 @@ def serve_repository(target: Path, overrides: Sequence[str], bind: Optional[str]
     from trtpipe.triton import server_process
 
     if Path(target).is_file():  # a recipe: its triton section gives the defaults
-        from trtpipe.recipe import load_recipe
+        from trtpipe.validation import load_recipe
 
         t = load_recipe(target, overrides).triton
         bind = bind or t.bind
@@ -286,7 +288,7 @@ def serve_repository(target: Path, overrides: Sequence[str], bind: Optional[str]
     plan = plan_launch(repo, bind, ports, tritonserver, hostfile)
     if plan.command is not None:
         return run_mpirun(plan)
-    server_process.sigterm_as_interrupt()
+    sigterm_as_interrupt()
     t0 = time.perf_counter()
     if plan.world_size > 1 and not single_process:  # leader mode: one process per rank under mpiexec
         from trtpipe.triton import mpi_launch
@@ -338,7 +340,7 @@ def write_repository(recipe_path: Path, overrides: Sequence[str], engine_dir: Op
     """``trtpipe repo``: build the recipe up to its repo stage (then copy it to ``out`` or triton.repo_dir when
     one is given), or write a repository for ``engine_dir``. Returns what to print: the repository path (with
     its models when written from an engine dir)."""
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
     from trtpipe.triton.repo import export_repo, write_repo
 
     loaded = load_recipe(recipe_path, overrides)
