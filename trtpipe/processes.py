@@ -15,7 +15,7 @@ import signal
 import subprocess
 import threading
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 SHM_DIR = Path("/dev/shm")
 LOG_TAIL_LINES = 25
@@ -67,8 +67,13 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 def clean_shm(prefix: str) -> list[str]:
     """Remove the shared-memory files named ``prefix*`` (a killed python-backend stub leaves its regions behind);
     return the names removed."""
+    return remove_files(SHM_DIR.glob(f"{prefix}*"))
+
+
+def remove_files(paths: Iterable[Path]) -> list[str]:
+    """Unlink each path that can be unlinked (one already gone or not ours is skipped); return the names removed."""
     removed = []
-    for p in SHM_DIR.glob(f"{prefix}*"):
+    for p in paths:
         try:
             p.unlink()
             removed.append(p.name)

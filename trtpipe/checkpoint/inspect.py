@@ -8,6 +8,7 @@ from trtpipe.checkpoint.hf import HFReader, SafetensorsFile
 from trtpipe.errors import CheckpointError
 from trtpipe.jsonfile import read_json
 from trtpipe.models.hfconfig import read_hf_config
+from trtpipe.models.trtllm_config import shape_fields
 
 
 def _file_summary(path: Path) -> dict:
@@ -61,13 +62,7 @@ def inspect_hf(model_dir: Path) -> dict:
             "path": str(model_dir),
             "architecture": info.architecture,
             "dtype": info.torch_dtype,
-            "vocab_size": info.vocab_size,
-            "hidden_size": info.hidden_size,
-            "num_hidden_layers": info.num_layers,
-            "num_attention_heads": info.num_heads,
-            "num_key_value_heads": info.num_kv_heads,
-            "head_size": info.head_dim,
-            "intermediate_size": info.intermediate_size,
+            **shape_fields(info),
             "rope_theta": info.rope_theta,
             "rope_scaling": info.rope_scaling,
             "num_experts": info.num_experts or None,

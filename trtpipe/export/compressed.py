@@ -29,13 +29,12 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-from safetensors.torch import save_file
 
 from trtpipe.checkpoint.convert import TOKENIZER_FILES
 from trtpipe.checkpoint.quant_layouts import LINEAR_GROUPS, LINEARS
 from trtpipe.checkpoint.quant_primitives import choose_qparams, observe_amax, quantize
 from trtpipe.errors import QuantizationError
-from trtpipe.export.unified import HFNames, assemble_shards, global_tensors, hf_config
+from trtpipe.export.unified import HFNames, ShardParts, global_tensors, hf_config
 from trtpipe.quant.calibrate import load_layer_stats
 from trtpipe.quant.quantize import TORCH_DTYPES
 from trtpipe.quant.writer import TrtllmSource, excluded_fn
@@ -126,12 +125,9 @@ def export_compressed(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], o
     source = TrtllmSource(ckpt_dir)
     names = HFNames(hf_dir)
     dt = TORCH_DTYPES[source.args.dtype]
-    parts_dir = out_dir / ".parts"
-    parts_dir.mkdir(parents=True, exist_ok=True)
     ignore = ["lm_head"]
-    try:
-        parts = [parts_dir / "globals.safetensors"]
-        save_file(global_tensors(source, names, dt), str(parts[0]))
+    with ShardParts(out_dir, max_shard_bytes) as parts:
+        parts.add("globals", global_tensors(source, names, dt))
         for i in range(source.args.num_layers):
             if progress:
                 progress(f"({i + 1}/{source.args.num_layers}) Exporting")
@@ -154,12 +150,8 @@ def export_compressed(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], o
                 if rel.endswith(".weight") and linear in LINEARS:
                     ignore += [n.rsplit(".", 1)[0] for n, _ in pieces]
                 out.update({n: p.to(dt) for n, p in pieces})
-            parts.append(parts_dir / f"layer{i}.safetensors")
-            save_file({k: v.contiguous().clone() for k, v in out.items()}, str(parts[-1]))
+            parts.add(f"layer{i}", out)
             del out
-        assemble_shards(parts, out_dir, max_shard_bytes)
-    finally:
-        shutil.rmtree(parts_dir, ignore_errors=True)
     qc = quantization_config(algo, group_size, ignore)
     (out_dir / "config.json").write_text(json.dumps(hf_config(hf_dir, source.args.dtype, qc), indent=2) + "\n")
     for name in TOKENIZER_FILES:

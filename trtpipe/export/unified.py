@@ -275,12 +275,9 @@ def export_unified(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], out_
         raise QuantizationError(f"quantization.algo={algo} kv_cache={kv_cache} needs calibration statistics")
     model_dtype = source.args.dtype
     dt = TORCH_DTYPES[model_dtype]
-    parts_dir = out_dir / ".parts"
-    parts_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        parts = [parts_dir / "globals.safetensors"]
-        save_file(global_tensors(source, names, dt), str(parts[0]))
-        unquantized: list[str] = []
+    unquantized: list[str] = []
+    with ShardParts(out_dir, max_shard_bytes) as parts:
+        parts.add("globals", global_tensors(source, names, dt))
         for i in range(source.args.num_layers):
             if progress:
                 progress(f"({i + 1}/{source.args.num_layers}) Exporting")
@@ -288,12 +285,8 @@ def export_unified(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], out_
             out, unq = layer_tensors(names, source.layer(i), i, algo, stats, group_size, alpha, exclude,
                                      model_dtype, kv_cache)
             unquantized += unq
-            parts.append(parts_dir / f"layer{i}.safetensors")
-            save_file({k: v.contiguous().clone() for k, v in out.items()}, str(parts[-1]))
+            parts.add(f"layer{i}", out)
             del out
-        assemble_shards(parts, out_dir, max_shard_bytes)
-    finally:
-        shutil.rmtree(parts_dir, ignore_errors=True)
     quantized = algo != "none" or kv_cache != "none"
     exclude_modules = sorted(["lm_head", names.globals["transformer.vocab_embedding.weight"].rsplit(".", 1)[0]]
                              + (unquantized if algo != "none" else []))
@@ -307,6 +300,35 @@ def export_unified(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], out_
         if (ckpt_dir / name).is_file():
             shutil.copyfile(ckpt_dir / name, out_dir / name)
     return hq
+
+
+class ShardParts:
+    """One part file per layer (and one for the globals) under ``out_dir/.parts``, assembled into the HF shards when
+    the ``with`` block ends without an error; the parts are removed either way.
+
+    Why parts: a layer's tensors are written as soon as they are made, so an export holds one layer in memory, and
+    the final shards (sorted names, transformers' size rule) are cut from the parts by reading slices.
+    """
+
+    def __init__(self, out_dir: Path, max_shard_bytes: int):
+        self.out_dir, self.max_shard_bytes = out_dir, max_shard_bytes
+        self.dir = out_dir / ".parts"
+        self.parts: list[Path] = []
+
+    def add(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        self.parts.append(self.dir / f"{name}.safetensors")
+        save_file({k: v.contiguous().clone() for k, v in tensors.items()}, str(self.parts[-1]))
+
+    def __enter__(self) -> "ShardParts":
+        self.dir.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        try:
+            if exc_type is None:
+                assemble_shards(self.parts, self.out_dir, self.max_shard_bytes)
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def assemble_shards(parts: list[Path], out_dir: Path, max_shard_bytes: int) -> None:

@@ -88,13 +88,10 @@ def quantization(quant_algo=None, kv_cache_quant_algo=None, exclude_modules=None
     }
 
 
-def build_config(info: HFModelInfo, family: Family, dtype: str, tp: int = 1, pp: int = 1, moe_tp: int = -1,
-                 moe_ep: int = -1, use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0) -> dict:
-    """The config.json dict of the unquantized checkpoint."""
-    cfg = {
-        "architecture": info.architecture,
-        "dtype": dtype,
-        "logits_dtype": "float32",
+def shape_fields(info: HFModelInfo) -> dict:
+    """The model's sizes under TensorRT-LLM's config.json names (the checkpoint writes them; ``trtpipe inspect``
+    shows an HF model in the same words)."""
+    return {
         "vocab_size": info.vocab_size,
         "hidden_size": info.hidden_size,
         "num_hidden_layers": info.num_layers,
@@ -102,6 +99,17 @@ def build_config(info: HFModelInfo, family: Family, dtype: str, tp: int = 1, pp:
         "num_key_value_heads": info.num_kv_heads,
         "head_size": info.head_dim,
         "intermediate_size": info.intermediate_size,
+    }
+
+
+def build_config(info: HFModelInfo, family: Family, dtype: str, tp: int = 1, pp: int = 1, moe_tp: int = -1,
+                 moe_ep: int = -1, use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0) -> dict:
+    """The config.json dict of the unquantized checkpoint."""
+    cfg = {
+        "architecture": info.architecture,
+        "dtype": dtype,
+        "logits_dtype": "float32",
+        **shape_fields(info),
         "hidden_act": info.hidden_act,
         "norm_epsilon": info.rms_norm_eps,
         "position_embedding_type": "rope_gpt_neox",

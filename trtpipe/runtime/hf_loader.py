@@ -129,7 +129,7 @@ def _modelopt_module(algo: str, t: dict, bias) -> nn.Module:
 def _ct_module(group: dict, t: dict, bias) -> nn.Module:
     from trtpipe.export.compressed import unpack_int32_to_int4
 
-    wargs, aargs = group["weights"], group.get("input_activations")
+    aargs = group.get("input_activations")
     ws = t["weight_scale"].float()
     if "weight_packed" in t:
         out_f, in_f = (int(x) for x in t["weight_shape"].tolist())

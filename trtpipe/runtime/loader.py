@@ -84,6 +84,6 @@ def load_checkpoint(ckpt_dir: str | Path, device: str = "cpu") -> ReferenceModel
             layers.append(DecoderLayer(args, shards, global_idx, rope))
     embedding = embedding_table(cfg, args, by_pp[0])
     if "transformer.ln_f.weight" not in by_pp[-1][0]:
-        raise CheckpointError(f"checkpoint: tensor 'transformer.ln_f.weight' is missing from the last PP rank")
+        raise CheckpointError("checkpoint: tensor 'transformer.ln_f.weight' is missing from the last PP rank")
     ln_f = by_pp[-1][0]["transformer.ln_f.weight"]
     return ReferenceModel(cfg, args, embedding, layers, ln_f, lm_head_linears(args, by_pp[-1], embedding.float()))

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from trtpipe.errors import ServingError
-from trtpipe.processes import SHM_DIR, cache_dir, clean_shm, log_tail, pid_alive, read_state, spawn, write_state
+from trtpipe.processes import (SHM_DIR, cache_dir, clean_shm, log_tail, pid_alive, read_state, remove_files, spawn,
+                               write_state)
 from trtpipe.triton.server_process import (Ports, Server, endpoint_flags, http_ready, prepare_server, refuse_if_served,
                                            server_command, server_env)
 
@@ -379,16 +380,8 @@ class Supervisor:
         return [p for p in descendants(os.getpid()) if pid_alive(p)]
 
     def _clean_shm(self) -> list[str]:
-        removed = clean_shm(self.launch["shm_prefix"])
-        for path in sorted(self.shm_seen):
-            p = Path(path)
-            if p.parent == SHM_DIR and p.exists():
-                try:
-                    p.unlink()
-                    removed.append(p.name)
-                except OSError:
-                    pass
-        return removed
+        seen = [Path(path) for path in sorted(self.shm_seen)]
+        return clean_shm(self.launch["shm_prefix"]) + remove_files(p for p in seen if p.parent == SHM_DIR)
 
 
 # --- the serve side ----------------------------------------------------------------------------------
