@@ -16,7 +16,8 @@ from trtpipe.models.hfconfig import HFModelInfo
 
 DTYPES = ("float16", "bfloat16", "float32")
 
-# rope scaling types whose factor does not extend max_position_embeddings (contract §4.1, --max_seq_len)
+# rope scaling types whose factor does not extend max_position_embeddings (trtllm-build's --max_seq_len deduction,
+# docs/reference/trtllm-build.md#general-flags)
 _NO_FACTOR_ROPE = ("su", "longrope", "llama3")
 
 # TRT-LLM convert_checkpoint --dtype auto: float32 sources become float16, half types are kept.

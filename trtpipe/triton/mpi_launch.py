@@ -71,7 +71,8 @@ def mpirun_command(
     log_file: Optional[str] = None,
     hostfile: Optional[Path] = None,
 ) -> list[str]:
-    """The leader-mode MPMD launch of contract §7.1: one tritonserver per rank under one ``mpirun``.
+    """The leader-mode MPMD launch of upstream's launch_triton_server.py (docs/reference/multi-gpu-launch.md): one
+    tritonserver per rank under one ``mpirun``.
 
     Rank 0 serves the ports; ranks > 0 load only the TensorRT-LLM model(s) explicitly and open no endpoint.
     Each rank gets its own python-backend shm prefix so their regions do not collide.
