@@ -109,3 +109,17 @@ def sigterm_as_interrupt() -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _term)
+
+
+EXIT_RECORD_ENV = "TRTPIPE_EXIT_RECORD"  # where a process that ends by itself writes why (a rank's ``rank{N}.exit``)
+
+
+def record_exit(reason: str) -> None:
+    """One line saying why this process is ending by itself (a worker rank whose leader is gone, or that was told to
+    stop), at ``$TRTPIPE_EXIT_RECORD``. A dead rank without one was killed or crashed: the one the job lost first."""
+    path = os.environ.get(EXIT_RECORD_ENV)
+    if path:
+        try:
+            Path(path).write_text((reason.strip().splitlines() or [""])[0][:500] + "\n")
+        except OSError:
+            pass

@@ -157,8 +157,11 @@ def test_tp2_pp2_on_two_hosts_then_ctrl_c(cache, tmp_path_factory, stories_dir, 
         assert "leader mode, 4 ranks" in text and text.count("  rank ") == 4
         run_dir = Path(next(ln.split()[1] for ln in lines if ln.startswith("  run ")))
         hosts = {r["pid"]: r for r in json.loads((run_dir / "ranks.json").read_text())}
-        proxies = {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in hosts
-                   if pid != next(r["pid"] for r in hosts.values() if r["rank"] == 0)}
+        def ppid(pid: int) -> int:
+            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+        # a rank's parent is its wrapper (which records how it ends), the wrapper's parent its host's MPI proxy
+        proxies = {ppid(ppid(pid)) for pid in hosts if pid != next(r["pid"] for r in hosts.values() if r["rank"] == 0)}
         assert len(hosts) == 4 and len(proxies) == 2  # ranks 1 | 2, 3: two proxies, one per "host"
         _, expected = hf_greedy("Lily wanted to", 40)
         with Client(f"127.0.0.1:{http}", protocol="http") as c:

@@ -18,6 +18,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
+    from trtpipe.processes import record_exit
     from trtpipe.runtime.distributed import RankLoadError, load_all_ranks
     from trtpipe.serving.mpi_engine import worker_loop
 
@@ -26,11 +27,20 @@ def main(argv=None) -> int:
         model, _ = load_all_ranks(os.path.join(args.engine_dir, "checkpoint"))
     except RankLoadError as exc:
         print(f"trtpipe worker: {exc}", file=sys.stderr, flush=True)
+        record_exit(f"failed to load its shard: {exc}")
         return 1
     print(f"trtpipe worker: rank {model.layout.rank} loaded layers {[l.layer_idx for l in model.layers]}", flush=True)
-    worker_loop(model)
+    try:
+        worker_loop(model)
+    except BaseException as exc:  # the leader is gone (an MPI error) or we are told to end: say so, then go
+        record_exit(f"ended by {type(exc).__name__}: {exc}")
+        raise
+    record_exit("stopped by rank 0")
     print(f"trtpipe worker: rank {model.layout.rank} stopped", flush=True)
-    return 0
+    # Out at once, without MPI_Finalize: rank 0 is already leaving (tritonserver is stopping), and with the launcher's
+    # clean-up off nothing would end a finalize that waits for it.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

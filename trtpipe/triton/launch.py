@@ -296,27 +296,37 @@ def serve_repository(target: Path, overrides: Sequence[str], bind: Optional[str]
         server, state = mpi_launch.start_job(repo, repo_info(repo), bind,
                                              ports or server_process.Ports(*server_process.free_ports(3)),
                                              timeout, hostfile, detach)
-        echo(f"serving {repo} (leader mode, {plan.world_size} ranks under mpiexec)\n  http {server.http_url}\n"
-             f"  grpc {server.grpc_url}\n  run  {server.run_dir}\n  ready in {time.perf_counter() - t0:.1f} s")
-        for r in state.get("ranks", []):
-            echo(f"  rank {r['rank']} (tp {r['tp_rank']}, pp {r['pp_rank']}) pid {r['pid']} on {r['host']}: "
-                 f"layers {r['layers']}, {r['weights_mb']} MiB of weights, RSS {r['rss_mb']} MiB")
+        try:  # a Ctrl-C that lands before the wait below must not leave the job (its own session) running
+            echo(f"serving {repo} (leader mode, {plan.world_size} ranks under mpiexec)\n  http {server.http_url}\n"
+                 f"  grpc {server.grpc_url}\n  run  {server.run_dir}\n  ready in {time.perf_counter() - t0:.1f} s")
+            for r in state.get("ranks", []):
+                echo(f"  rank {r['rank']} (tp {r['tp_rank']}, pp {r['pp_rank']}) pid {r['pid']} on {r['host']}: "
+                     f"layers {r['layers']}, {r['weights_mb']} MiB of weights, RSS {r['rss_mb']} MiB")
+            if detach:
+                echo(f"  pid  {server.pid} (trtpipe stop {repo})")
+                return 0
+            echo("Ctrl-C to stop")
+            sys.stdout.flush()
+        except KeyboardInterrupt:
+            if not detach:
+                server.stop()
+            return 0
+        return mpi_launch.serve_job_forever(server, server.run_dir)
+    server = server_process.start_server(repo, bind, ports, timeout=timeout, detach=detach)
+    ready_s = time.perf_counter() - t0
+    try:  # as above: the server runs in its own session
+        echo(f"serving {repo}\n  http {server.http_url}\n  grpc {server.grpc_url}\n  metrics http://{server.bind}:"
+             f"{server.ports.metrics}/metrics\n  log  {server.log}\n  ready in {ready_s:.1f} s (models loaded"
+             f"{' and warmed up' if has_warmup(repo) else ', no warm-up'})")
         if detach:
             echo(f"  pid  {server.pid} (trtpipe stop {repo})")
             return 0
         echo("Ctrl-C to stop")
         sys.stdout.flush()
-        return mpi_launch.serve_job_forever(server, server.run_dir)
-    server = server_process.start_server(repo, bind, ports, timeout=timeout, detach=detach)
-    ready_s = time.perf_counter() - t0
-    echo(f"serving {repo}\n  http {server.http_url}\n  grpc {server.grpc_url}\n  metrics http://{server.bind}:"
-         f"{server.ports.metrics}/metrics\n  log  {server.log}\n  ready in {ready_s:.1f} s (models loaded"
-         f"{' and warmed up' if has_warmup(repo) else ', no warm-up'})")
-    if detach:
-        echo(f"  pid  {server.pid} (trtpipe stop {repo})")
+    except KeyboardInterrupt:
+        if not detach:
+            server.stop()
         return 0
-    echo("Ctrl-C to stop")
-    sys.stdout.flush()
     server_process.serve_forever(server)
     echo("stopped")
     return 0

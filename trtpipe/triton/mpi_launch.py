@@ -31,23 +31,35 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from trtpipe.errors import ServingError
-from trtpipe.processes import (SHM_DIR, cache_dir, clean_shm, log_tail, pid_alive, read_state, remove_files, spawn,
-                               write_state)
+from trtpipe.processes import (EXIT_RECORD_ENV, SHM_DIR, cache_dir, clean_shm, log_tail, pid_alive, read_state,
+                               remove_files, spawn, write_state)
 from trtpipe.triton.server_process import (Ports, Server, endpoint_flags, http_ready, prepare_server, refuse_if_served,
                                            server_command, server_env)
 
 TEARDOWN_GRACE_S = 12.0  # tritonserver's exit timeout (5 s) + the twin's finalize + the workers' exit
 FAILED_GRACE_S = 2.0  # after a rank died: SIGTERM to every process of the job, SIGKILL after this
 POLL_S = 0.2
-LAUNCHER_REPORT_S = 3.0  # how long to wait for mpiexec's "BAD TERMINATION" report after a rank died
+LAUNCHER_REPORT_S = 3.0  # how long to wait for a dead rank's wrapper record, or for mpiexec's report
 
 
 # --- commands ----------------------------------------------------------------------------------------
 
 
 def rank_wrapper(argv: Sequence[str], run_dir: Path, rank: int) -> list[str]:
-    """``sh -c`` that records the rank's pid (the exec keeps it) and sends its output to ``rank{N}.log``."""
-    script = f'echo $$ > "$0/rank{rank}.pid"; exec "$@" >> "$0/rank{rank}.log" 2>&1'
+    """``sh -c`` that runs the rank as its child and records how it ended, in the order things happen.
+
+    The rank's pid goes to ``rank{N}.pid``, its output to ``rank{N}.log``, and when it ends its wait status (128 +
+    the signal for a kill) to ``rank{N}.status``, written before the wrapper itself exits. The launcher sees a rank
+    end only when its wrapper exits, after that record, so the rank that was killed or crashed is the one whose
+    record says so: evidence that does not depend on how fast anyone polls. A rank that ends by itself (a worker
+    whose leader is gone) also says why in ``rank{N}.exit`` (:func:`trtpipe.processes.record_exit`). MPICH's
+    notice to the survivors (SIGUSR1, with its clean-up off) is ignored, so they live until the supervisor acts.
+    """
+    # The rank runs in the foreground (a background job would start with SIGINT ignored) of an inner sh that writes
+    # its own pid and execs it, so rank{N}.pid is the rank's pid.
+    script = (f'trap "" USR1; export {EXIT_RECORD_ENV}="$0/rank{rank}.exit"; '
+              f'sh -c \'echo $$ > "$0"; exec "$@"\' "$0/rank{rank}.pid" "$@" >> "$0/rank{rank}.log" 2>&1; '
+              f'code=$?; echo $code > "$0/rank{rank}.status"; exit $code')
     return ["sh", "-c", script, str(run_dir), *map(str, argv)]
 
 
@@ -110,7 +122,10 @@ def twin_segments(repo: Path, engine_dir: Path, world: int, bind: str, ports, sh
 
 
 def launcher_argv(mpiexec: str, hostfile: Optional[Path] = None) -> list[str]:
-    return [mpiexec] + (["-f", str(hostfile)] if hostfile else [])
+    """MPICH's launcher with its clean-up on error turned off: when a rank dies, hydra would SIGKILL the others at
+    once, and which of several dead ranks went first would then be a race. Left alone, the others keep running (or
+    end by themselves, writing an exit record) until the supervisor names the dead one and tears the job down."""
+    return [mpiexec, "-disable-auto-cleanup"] + (["-f", str(hostfile)] if hostfile else [])
 
 
 def slurm_lines(segments: Sequence[Sequence[str]], conf: str = "trtpipe_ranks.conf") -> list[str]:
@@ -312,11 +327,20 @@ class Supervisor:
         launcher_done = self.proc is not None and self.proc.poll() is not None
         if not dead and not launcher_done:
             return None
-        if not launcher_done:  # the launcher is cleaning up: its report of who went first comes when it exits
+        self._await_records(dead)
+        killed = self._killed_ranks(dead)
+        if len(killed) == 1:  # its wrapper saw it die of a signal, and it did not end by itself
+            (r, pid, what), how = killed[0]
+            return f"rank {r} ({what}, pid {pid}) died: {how}\n" + self._tail_of(r)
+        if not launcher_done:  # no record names one rank: the launcher's own report comes when it exits
             try:
                 self.proc.wait(LAUNCHER_REPORT_S)
             except subprocess.TimeoutExpired:
                 pass
+        unexplained = [d for d in dead if not (self.run_dir / f"rank{d[0]}.exit").exists()]
+        if len(unexplained) == 1:  # the others said they ended because of it
+            r, pid, what = unexplained[0]
+            return f"rank {r} ({what}, pid {pid}) died (the ranks that ended after it said why)\n" + self._tail_of(r)
         for r, pid, what in dead:
             if pid == self.first_dead:
                 first = self._first_bad_termination()
@@ -331,6 +355,36 @@ class Supervisor:
             r, pid, what = dead[0]
             return f"rank {r} ({what}, pid {pid}) exited\n" + self._tail_of(r)
         return f"the MPI launcher exited with code {self.proc.returncode}\n" + self._tail_of(0)
+
+    def _await_records(self, dead: list[tuple[int, int, str]]) -> None:
+        """A dead rank's wrapper writes its status just after the rank ends: wait for those records (bounded; a
+        wrapper that was killed too never writes one)."""
+        deadline = time.monotonic() + LAUNCHER_REPORT_S
+        pending = [r for r, pid, _ in dead if pid == self.rank_pids.get(r)]
+        while pending and time.monotonic() < deadline:
+            pending = [r for r in pending if not (self.run_dir / f"rank{r}.status").exists()]
+            if pending:
+                time.sleep(0.02)
+
+    def _killed_ranks(self, dead: list[tuple[int, int, str]]) -> list[tuple[tuple[int, int, str], str]]:
+        """The dead ranks whose wrapper recorded a death by signal (``rank{N}.status`` > 128) and that did not
+        record ending by themselves (``rank{N}.exit``), with how they died."""
+        out = []
+        for entry in dead:
+            r, pid, _ = entry
+            if pid != self.rank_pids.get(r) or (self.run_dir / f"rank{r}.exit").exists():
+                continue
+            try:
+                code = int((self.run_dir / f"rank{r}.status").read_text().strip())
+            except (OSError, ValueError):
+                continue
+            if code > 128:
+                try:
+                    how = f"killed by {signal.Signals(code - 128).name}"
+                except ValueError:
+                    how = f"killed by signal {code - 128}"
+                out.append((entry, how))
+        return out
 
     def _first_bad_termination(self) -> Optional[tuple[int, str]]:
         try:
