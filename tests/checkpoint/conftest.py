@@ -15,6 +15,7 @@ from numerics import assert_as_accurate, assert_greedy_equal, error_scale, hf_fl
 SYNTHETIC = {
     "llama3": dict(shard_bytes=60_000, rope_layout="v4"),
     "qwen2": dict(),
+    "qwen3": dict(),
     "mixtral": dict(),
 }
 

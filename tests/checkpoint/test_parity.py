@@ -17,7 +17,7 @@ LAYOUTS = [  # (tp, pp, moe_ep)
     (2, 2, -1),
 ]
 # Mixtral: experts split into 2 contiguous blocks (ep=2, moe_tp=1), and ep=2 x moe_tp=2 at tp=4.
-CASES = [(m, *lay) for m in ("stories", "llama3", "qwen2", "mixtral") for lay in LAYOUTS] + [("mixtral", 2, 1, 2), ("mixtral", 4, 1, 2)]
+CASES = [(m, *lay) for m in ("stories", "llama3", "qwen2", "qwen3", "mixtral") for lay in LAYOUTS] + [("mixtral", 2, 1, 2), ("mixtral", 4, 1, 2)]
 
 
 @pytest.mark.parametrize("model,tp,pp,ep", CASES, ids=[f"{m}-tp{t}-pp{p}" + (f"-ep{e}" if e > 0 else "") for m, t, p, e in CASES])

@@ -11,8 +11,9 @@ from trtpipe.models.family import Family, Rule
 from trtpipe.models.llama import LLAMA
 from trtpipe.models.mixtral import MIXTRAL
 from trtpipe.models.qwen2 import QWEN2
+from trtpipe.models.qwen3 import QWEN3
 
-FAMILIES: tuple[Family, ...] = (LLAMA, QWEN2, MIXTRAL)
+FAMILIES: tuple[Family, ...] = (LLAMA, QWEN2, QWEN3, MIXTRAL)
 
 REGISTRY: dict[str, Family] = {arch: fam for fam in FAMILIES for arch in fam.architectures}
 

@@ -36,7 +36,7 @@ class Rule:
         trt: TRT-LLM name; per-layer rules are relative to ``transformer.layers.{i}.``.
         hf: HF source names; per-layer ones relative to the family's HF layer prefix; ``{e}`` = expert.
         shapes: expected shape of each source, in symbols (``H`` hidden, ``Q`` heads*head_size, ``KV``
-            kv_heads*head_size, ``I`` intermediate, ``V`` vocab, ``E`` experts).
+            kv_heads*head_size, ``D`` head_size, ``I`` intermediate, ``V`` vocab, ``E`` experts).
         split: split style (``SPLITS``).
         combine: combine op (``COMBINES``).
         when: the rule applies to this model (e.g. biases only when config.json says so).
@@ -85,6 +85,7 @@ def dims(info: HFModelInfo) -> dict[str, int]:
         "H": info.hidden_size,
         "Q": info.num_heads * info.head_dim,
         "KV": info.num_kv_heads * info.head_dim,
+        "D": info.head_dim,
         "I": info.intermediate_size,
         "V": info.vocab_size,
         "E": info.num_experts,

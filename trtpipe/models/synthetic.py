@@ -31,6 +31,12 @@ SPECS: dict[str, tuple[str, str, dict]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=250, max_position_embeddings=256, tie_word_embeddings=False)),
+    # Qwen3-4B's ratios shrunk: 32 heads / 8 KV heads -> 8 / 2, head_dim 128 with hidden 2560 (q wider than hidden)
+    # -> head_dim 16 with hidden 64 (q width 128), tied embeddings as in 0.6B-4B, rope_theta 1e6, eps 1e-6.
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=16, vocab_size=250, max_position_embeddings=256, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         num_local_experts=4, num_experts_per_tok=2, vocab_size=250, max_position_embeddings=256)),

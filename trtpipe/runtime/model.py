@@ -198,6 +198,13 @@ class AttentionShard(nn.Module):
         self.qkv = _linear(tensors, prefix, "attention.qkv", "column", args, rank)
         self.dense = _linear(tensors, prefix, "attention.dense", "row", args, rank)
         self.window = args.sliding_window
+        # Qwen3: RMSNorm of each q and k head over head_size before RoPE (one weight shared by the heads).
+        self.q_norm = _opt_float(tensors.get("attention.q_layernorm.weight"))
+        self.k_norm = _opt_float(tensors.get("attention.k_layernorm.weight"))
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise CheckpointError(f"checkpoint: '{prefix}attention.q_layernorm.weight' and "
+                                  f"'{prefix}attention.k_layernorm.weight' come together; one is missing")
+        self.eps = args.norm_epsilon
         self.kv_quant = kv_quant((args.quantization or {}).get("kv_cache_quant_algo"))
         self.kv_scale = tensors.get("attention.kv_cache_scaling_factor")
         if self.kv_scale is None and "attention.k_cache_scaling_factor" in tensors:  # merged as TRT-LLM's loader does
@@ -213,6 +220,8 @@ class AttentionShard(nn.Module):
         q = q.view(B, T, self.nh, self.d).transpose(1, 2)  # [B, nh, T, d]
         k = k.view(B, T, self.nkv, self.d).transpose(1, 2)  # [B, nkv, T, d]
         v = v.view(B, T, self.nkv, self.d).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_quant is not None:
             k, v = self.kv_quant(k, self.kv_scale.float()), self.kv_quant(v, self.kv_scale.float())
