@@ -16,6 +16,7 @@ SYNTHETIC = {
     "llama3": dict(shard_bytes=60_000, rope_layout="v4"),
     "qwen2": dict(),
     "qwen3": dict(),
+    "qwen3_moe": dict(),
     "mixtral": dict(),
 }
 

@@ -73,7 +73,8 @@ class Shapes:
             heads=heads,
             kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_size=int(cfg.get("head_size") or hidden // heads),
-            intermediate=int(cfg.get("intermediate_size") or 4 * hidden),
+            # an expert's width (Qwen3-MoE writes it apart from the dense MLP's intermediate_size)
+            intermediate=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 4 * hidden),
             vocab=int(cfg["vocab_size"]),
             experts=int(moe.get("num_experts") or cfg.get("moe_num_experts") or 0),
             top_k=int(moe.get("top_k") or cfg.get("moe_top_k") or 0),

@@ -12,8 +12,9 @@ from trtpipe.models.llama import LLAMA
 from trtpipe.models.mixtral import MIXTRAL
 from trtpipe.models.qwen2 import QWEN2
 from trtpipe.models.qwen3 import QWEN3
+from trtpipe.models.qwen3_moe import QWEN3_MOE
 
-FAMILIES: tuple[Family, ...] = (LLAMA, QWEN2, QWEN3, MIXTRAL)
+FAMILIES: tuple[Family, ...] = (LLAMA, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE)
 
 REGISTRY: dict[str, Family] = {arch: fam for fam in FAMILIES for arch in fam.architectures}
 

@@ -8,7 +8,7 @@ Adding a family means writing one module of rules; ``trtpipe.checkpoint.convert`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from trtpipe.models.hfconfig import HFModelInfo
 
@@ -36,7 +36,7 @@ class Rule:
         trt: TRT-LLM name; per-layer rules are relative to ``transformer.layers.{i}.``.
         hf: HF source names; per-layer ones relative to the family's HF layer prefix; ``{e}`` = expert.
         shapes: expected shape of each source, in symbols (``H`` hidden, ``Q`` heads*head_size, ``KV``
-            kv_heads*head_size, ``D`` head_size, ``I`` intermediate, ``V`` vocab, ``E`` experts).
+            kv_heads*head_size, ``D`` head_size, ``I`` intermediate, ``M`` one expert's intermediate, ``V`` vocab, ``E`` experts).
         split: split style (``SPLITS``).
         combine: combine op (``COMBINES``).
         when: the rule applies to this model (e.g. biases only when config.json says so).
@@ -68,6 +68,8 @@ class Family:
         hf_layer_prefix: where an HF layer's tensors live, ``{}`` = layer index.
         ignored: HF suffixes that carry no weights (e.g. rotary caches); any other unused tensor is an error.
         config_fields: HFModelInfo -> extra config.json fields of this family.
+        unsupported: HFModelInfo -> (config.json key, why) for each setting this family cannot honour; ``trtpipe
+            validate`` reports them before any weight is read.
     """
 
     name: str
@@ -77,6 +79,7 @@ class Family:
     hf_layer_prefix: str = "model.layers.{}."
     ignored: tuple[str, ...] = ("rotary_emb.inv_freq",)
     config_fields: Callable[[HFModelInfo], dict] = field(default=lambda info: {})
+    unsupported: Callable[[HFModelInfo], Iterable[tuple[str, str]]] = field(default=lambda info: ())
 
 
 def dims(info: HFModelInfo) -> dict[str, int]:
@@ -87,6 +90,7 @@ def dims(info: HFModelInfo) -> dict[str, int]:
         "KV": info.num_kv_heads * info.head_dim,
         "D": info.head_dim,
         "I": info.intermediate_size,
+        "M": info.expert_intermediate_size,
         "V": info.vocab_size,
         "E": info.num_experts,
     }

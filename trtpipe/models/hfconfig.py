@@ -14,6 +14,9 @@ from trtpipe.errors import CheckpointError
 from trtpipe.jsonfile import read_json
 
 
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # a per-head RMSNorm of q and of k (head_dim weights each) per layer
+
+
 @dataclass(frozen=True)
 class HFModelInfo:
     architecture: str
@@ -37,18 +40,28 @@ class HFModelInfo:
     sliding_window: Optional[int] = None
     num_experts: int = 0
     experts_per_token: int = 0
+    moe_intermediate_size: int = 0  # Qwen3-MoE: each expert's width (intermediate_size is the dense MLP's)
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 1
 
+    @property
+    def expert_intermediate_size(self) -> int:
+        """The width of one expert's MLP: ``moe_intermediate_size`` where the config has it, else the MLP's."""
+        return self.moe_intermediate_size or self.intermediate_size
+
     def num_params(self) -> int:
         """Parameter count from the shapes (no weights read)."""
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * (self.num_heads * d) + 2 * h * (self.num_kv_heads * d) + (self.num_heads * d) * h
-        mlp = 3 * h * i * max(1, self.num_experts) + (h * self.num_experts if self.is_moe else 0)
-        per_layer = attn + mlp + 2 * h
+        if self.is_moe:
+            mlp = 3 * h * self.expert_intermediate_size * self.num_experts + h * self.num_experts
+        else:
+            mlp = 3 * h * i
+        qk_norms = 2 * d if self.model_type in QK_NORM_MODEL_TYPES else 0
+        per_layer = attn + mlp + 2 * h + qk_norms
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
 
@@ -110,6 +123,7 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "config.json") -> HFModel
         sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
         num_experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
         experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
         raw=cfg,
     )
 

@@ -37,6 +37,14 @@ SPECS: dict[str, tuple[str, str, dict]] = {
         hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
         head_dim=16, vocab_size=250, max_position_embeddings=256, rope_theta=1000000.0, rms_norm_eps=1e-6,
         tie_word_embeddings=True)),
+    # Qwen3-30B-A3B's ratios shrunk: 32 heads / 4 KV heads -> 8 / 2, head_dim 128 with hidden 2048 -> 16 with 64
+    # (q wider than hidden), 128 experts top-8 -> 8 top-2, expert width 768 (3/8 of hidden) -> 32 (1/2: the smallest
+    # that AWQ's group 32 divides); norm_topk_prob true as released; the dense intermediate_size no layer uses.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        hidden_size=64, intermediate_size=192, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        vocab_size=250, max_position_embeddings=256, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         num_local_experts=4, num_experts_per_tok=2, vocab_size=250, max_position_embeddings=256)),

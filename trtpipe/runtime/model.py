@@ -44,6 +44,7 @@ class ModelArgs:
     sliding_window: Optional[int] = None
     num_experts: int = 0
     top_k: int = 0
+    moe_renormalize: bool = True  # moe.normalization_mode 1 (RENORMALIZE); 0 (NONE) keeps the full-softmax weights
     tp: int = 1
     pp: int = 1
     moe_tp: int = 1
@@ -84,6 +85,7 @@ class ModelArgs:
             sliding_window=cfg.get("sliding_window"),
             num_experts=num_experts if num_experts > 1 else 0,
             top_k=int(moe.get("top_k", cfg.get("moe_top_k", 0)) or 0),
+            moe_renormalize=int(moe.get("normalization_mode", 1)) == 1,
             tp=tp,
             pp=pp,
             moe_tp=moe_tp,
@@ -297,12 +299,14 @@ class MoEShard(nn.Module):
         return out  # partial [N, H]
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Softmax over experts in float32 (or wider), keep top_k, renormalize (TRT-LLM RENORMALIZE). Returns [N, E]."""
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool = True) -> torch.Tensor:
+    """Softmax over experts in float32 (or wider), keep top_k; with ``renormalize`` (TRT-LLM RENORMALIZE, HF
+    Mixtral and Qwen3-MoE's ``norm_topk_prob``) the kept weights are divided by their sum, else (NONE) they stay the
+    full softmax's. Returns [N, E]."""
     dt = torch.promote_types(x.dtype, torch.float32)  # float64 when the model runs as a float64 oracle
     probs = torch.softmax(x.to(dt) @ router.to(dt).t(), dim=-1)  # [N, E]
     top, idx = probs.topk(top_k, dim=-1)
-    return torch.zeros_like(probs).scatter_(-1, idx, top / top.sum(-1, keepdim=True))
+    return torch.zeros_like(probs).scatter_(-1, idx, top / top.sum(-1, keepdim=True) if renormalize else top)
 
 
 class DecoderLayer(nn.Module):
@@ -322,7 +326,7 @@ class DecoderLayer(nn.Module):
         if len(rank_tensors) != len(tp_ranks):
             raise CheckpointError(f"layer {layer_idx}: {len(rank_tensors)} rank shards for tp={args.tp}")
         prefix = f"transformer.layers.{layer_idx}."
-        self.layer_idx, self.eps, self.top_k = layer_idx, args.norm_epsilon, args.top_k
+        self.layer_idx, self.eps, self.top_k, self.renormalize = layer_idx, args.norm_epsilon, args.top_k, args.moe_renormalize
         self.rope = rope or args.rope()
         t0 = rank_tensors[0]
         for name in ("input_layernorm.weight", "post_layernorm.weight"):
@@ -377,7 +381,7 @@ class DecoderLayer(nn.Module):
         h = rms_norm(x, self.post_ln, self.eps)
         if self.is_moe:
             flat = h.reshape(-1, h.shape[-1])
-            weights = route(flat, self.router, self.top_k)
+            weights = route(flat, self.router, self.top_k, self.renormalize)
             mlp = self.all_reduce(sum(s(flat, weights) for s in self.mlp)).view_as(h)
         else:
             mlp = self.all_reduce(sum(s(h) for s in self.mlp))
