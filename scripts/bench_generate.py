@@ -20,7 +20,7 @@ import torch
 from trtpipe.checkpoint.convert import convert
 from trtpipe.runtime import generate, load_checkpoint
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260k"
+STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260k"
 STORY = [1, 403, 407, 261, 378, 261, 300, 400, 410, 300, 261, 403]
 
 

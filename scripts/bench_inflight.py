@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-STORIES = REPO.parent / "shared" / "models" / "stories260k"
+STORIES = REPO / "models" / "stories260k"
 WORDS = ("the a little girl boy dog cat ball park tree sun big red happy sad went saw played ran jumped wanted "
          "mom dad friend house garden flower bird fish toy car day night time once upon there was").split()
 
@@ -98,9 +98,9 @@ def run_level(host, port, concurrency, work):
 
 def serve(engine, overrides, tmp, policy=None):
     """A real tritonserver on a fresh repository; ``policy`` overrides the twin's batch_scheduler_policy."""
-    from trtpipe.recipe import load_recipe
     from trtpipe.triton.repo import write_repo
     from trtpipe.triton.server_process import start_server
+    from trtpipe.validation import load_recipe
 
     recipe = load_recipe(REPO / "recipes" / "stories-fp16.yaml", ["triton.streaming=true", *overrides])
     repo = Path(tempfile.mkdtemp(dir=tmp)) / "repo"
@@ -125,7 +125,7 @@ def main() -> int:
     ap.add_argument("--modes", default="inflight,static", help="which batching modes to run")
     ap.add_argument("--skip-reuse", action="store_true", help="skip the prefix-reuse comparison")
     args = ap.parse_args()
-    from trtpipe.triton.server_process import sigterm_as_interrupt
+    from trtpipe.processes import sigterm_as_interrupt
 
     sigterm_as_interrupt()  # a kill stops the server too: it runs in its own session and would outlive us
     levels = [int(c) for c in args.concurrency.split(",")]

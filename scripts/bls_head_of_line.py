@@ -39,7 +39,7 @@ def main() -> int:
     ap.add_argument("--short", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    from trtpipe.triton.server_process import sigterm_as_interrupt
+    from trtpipe.processes import sigterm_as_interrupt
 
     sigterm_as_interrupt()  # a kill stops the server too: it runs in its own session and would outlive us
     with start_server(args.repo, timeout=240) as server:

@@ -64,7 +64,7 @@ def main() -> int:
     ap.add_argument("--pattern", choices=("streamed", "unstreamed"), default="streamed")
     ap.add_argument("--delay-ms", type=int, default=3)
     args = ap.parse_args()
-    from trtpipe.triton.server_process import sigterm_as_interrupt
+    from trtpipe.processes import sigterm_as_interrupt
 
     sigterm_as_interrupt()  # a kill stops the server too: it runs in its own session and would outlive us
     if args.delay_ms:

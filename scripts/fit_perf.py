@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Fit the step-cost model's named constants on NVIDIA's published TensorRT-LLM numbers and cross-validate.
 
-    python scripts/fit_perf.py --data published_trtllm.csv [--out-constants trtpipe/perf/constants.json]
-                               [--plot docs/perf_cv.png] [--table docs/perf_fit.md]
+    python scripts/fit_perf.py [--data trtpipe/perf/data/published_trtllm.csv]
+                               [--out-constants trtpipe/perf/constants.json]
+                               [--plot docs/results/perf_cv.png] [--table docs/results/perf_fit.md]
 
 Two constant sets are fitted (same names, same model): ``engine`` (TensorRT engines, 0.5-0.17: max-load,
 static batch, batch-1 latency rows) and ``pytorch`` (the PyTorch backend, 0.19+: max-load rows). Errors are
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from trtpipe.perf import fit as F
-from trtpipe.perf.published import read_rows, regime
+from trtpipe.perf.published import PUBLISHED_CSV, read_rows, regime
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_REGIMES = {"engine": ("engine max-load", "static batch", "batch-1 TTFT", "batch-1 ITL"),
@@ -30,10 +31,11 @@ TRAIN_REGIMES = {"engine": ("engine max-load", "static batch", "batch-1 TTFT", "
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    ap.add_argument("--data", required=True, type=Path)
+    ap.add_argument("--data", type=Path, default=PUBLISHED_CSV,
+                    help="the published numbers (default: the copy in trtpipe/perf/data/, sources in SOURCES.md)")
     ap.add_argument("--out-constants", type=Path, default=F.CONSTANTS_FILE)
-    ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "perf_cv.png")
-    ap.add_argument("--table", type=Path, default=ROOT / "docs" / "perf_fit.md")
+    ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "results" / "perf_cv.png")
+    ap.add_argument("--table", type=Path, default=ROOT / "docs" / "results" / "perf_fit.md")
     ap.add_argument("--no-cv", action="store_true", help="fit only")
     a = ap.parse_args(argv)
 

@@ -22,7 +22,9 @@
    that round's fitted costs). Prints measured vs simulated TTFT, TTFT inside the executor, ITL and output tok/s:
    medians over rounds, and the median of each round's ratio.
 
-Numbers are this machine's, measured in this run. Not a test (timing); see docs/perf-model.md.
+The fit, the grouping of returning requests and the comparison are ``trtpipe/perf/step_fit.py`` (tested in
+tests/perf/test_step_fit.py); this script measures and drives them. Numbers are this machine's, measured in this
+run. Not a test (timing); see docs/reference/perf-model.md.
 """
 
 from __future__ import annotations
@@ -41,85 +43,14 @@ import numpy as np
 
 from trtpipe.bench.aiperf import read_raw_server_fields
 from trtpipe.perf.simulate import CostModelEngine, closed_loop
+from trtpipe.perf.step_fit import ByConcurrency, StepCost, compare_rounds, fit_steps, return_gaps, worst_ratio_error
 from trtpipe.serving import triton_adapter
 from trtpipe.serving import api
-from trtpipe.serving.api import StepBatch
 from trtpipe.triton.launch import one_detached
 
 ROOT = Path(__file__).resolve().parent.parent
 # (concurrency list, isl, osl): calibration workloads, disjoint from the evaluation's lengths
 CALIBRATION = (("2,6,12", 32, 96), ("3,10", 160, 24), ("1,16", 96, 40))
-
-
-def features(entries) -> list[float]:
-    """Step-cost terms from the step's (start position, tokens, is context) entries, following how the twin computes
-    a step: linear layers over all packed tokens; per context request, its own attention over its queries times
-    every key up to its end (cached prefix included) and a Python loop turn per layer; the generating rows'
-    attention over one gathered [rows, longest position] block (padded to the longest)."""
-    ctx = [(start, n) for start, n, is_ctx in entries if is_ctx]
-    gen = [start for start, _, is_ctx in entries if not is_ctx]
-    return [1.0, len(gen), sum(n for _, n in ctx), len(ctx), sum(n * (start + n) for start, n in ctx),
-            len(gen) * (max(gen) + 1) if gen else 0]
-
-
-def batch_features(batch: StepBatch) -> list[float]:
-    return features([(e.start_pos, len(e.tokens), e.is_context) for e in batch.entries])
-
-
-def record_features(r: dict) -> list[float]:
-    return features(r["scheduledEntries"])
-
-
-def robust_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with Huber weights (the typical step; stalls are modelled apart, as noise), refitted without
-    any term that came out negative."""
-    keep = np.ones(x.shape[1], dtype=bool)
-    while True:
-        coef = np.zeros(x.shape[1])
-        w = np.ones_like(y)
-        for _ in range(30):
-            c, *_ = np.linalg.lstsq(x[:, keep] * w[:, None], y * w, rcond=None)
-            r = y - x[:, keep] @ c
-            sigma = 1.4826 * np.median(np.abs(r - np.median(r))) + 1e-12
-            w = np.sqrt(np.minimum(1.0, 1.345 * sigma / np.maximum(np.abs(r), 1e-12)))
-        coef[keep] = c
-        if (coef >= 0).all():
-            return coef
-        keep &= coef > 0
-
-
-class StepCost:
-    """The fitted step time, times a factor drawn from the measured steps' own spread around the fit (stalls of a
-    shared machine included), plus a drawn host gap between steps. Seeded: the same simulation every run. A single
-    step (TTFT) then sees the typical time and an average over many steps (ITL, throughput) the mean, as measured."""
-
-    def __init__(self, coef: np.ndarray, ratios: np.ndarray, gaps: np.ndarray, seed: int = 0):
-        self.coef, self.ratios, self.gaps = coef, ratios, gaps
-        self.rng = np.random.default_rng(seed)
-
-    def __call__(self, batch: StepBatch) -> tuple[float, str]:
-        typical = float(np.dot(batch_features(batch), self.coef))
-        return typical * float(self.rng.choice(self.ratios)) + float(self.rng.choice(self.gaps)), "cpu"
-
-
-def fit_steps(records: list[dict]) -> StepCost:
-    steps = [r for r in records if r["iterLatencyMS"] > 0]
-    x = np.array([record_features(r) for r in steps])
-    y = np.array([r["iterLatencyMS"] / 1e3 for r in steps])
-    coef = robust_fit(x, y)
-    ratios = y / (x @ coef)
-    # host time between consecutive steps of a busy executor (loop, scheduling, handing responses over)
-    gaps = np.array([(b["timestamp"] - a["timestamp"]) / 1e9 - b["iterLatencyMS"] / 1e3 for a, b in zip(steps, steps[1:])
-                     if b["iter"] == a["iter"] + 1 and a["numActiveRequests"] > 0])
-    gaps = np.maximum(gaps, 0.0)
-    print(f"step cost: {len(y)} served steps; typical-step fit median |err| {np.median(np.abs(ratios - 1)):.1%}, "
-          f"measured/fit p10 {np.percentile(ratios, 10):.2f} p90 {np.percentile(ratios, 90):.2f} mean "
-          f"{ratios.mean():.2f}; base {coef[0] * 1e3:.3f} ms, per generating request {coef[1] * 1e6:.1f} us, per "
-          f"context token {coef[2] * 1e6:.2f} us, per context request {coef[3] * 1e6:.1f} us, per context "
-          f"query-key pair {coef[4] * 1e9:.1f} ns, per gathered generation key {coef[5] * 1e9:.1f} ns; host between "
-          f"steps median "
-          f"{np.median(gaps) * 1e3:.3f} ms mean {gaps.mean() * 1e3:.3f} ms ({len(gaps)})")
-    return StepCost(coef, ratios, gaps)
 
 
 def _plain(o):
@@ -145,32 +76,15 @@ def bench(repo: str, out: Path, conc: str, isl: int, osl: int, n: int, seed: int
 
 
 def returns(aiperf_dir: Path, concurrency: int) -> dict:
-    """Seconds from a request's last token to the next request's arrival, both on the executor's clock: what a
-    closed-loop client spends outside the executor between two requests (final response path, the client's own
-    turnaround, request path, the wait for the executor's next step). Matched first in, first out: with
-    ``concurrency`` clients the k-th final frees the client of the (concurrency + k)-th arrival (the mean is exact
-    under any matching).
-
-    Requests freed by one step come back together (within a few ms; groups tens of ms apart), so besides the
-    times (``returns``) this gives each group's median over the point's median (``group``) and each request's
-    offset from its group's median over the point's median (``jitter``, from groups of two or more)."""
+    """:func:`trtpipe.perf.step_fit.return_gaps` of one bench point, from its server-side request fields."""
     arrivals, finals = [], []
     for fields in read_raw_server_fields(aiperf_dir).values():
         f = next((x for x in fields if "arrival_time_ns" in x and "last_token_time_ns" in x), None)
         if f is not None:
             arrivals.append(int(f["arrival_time_ns"]))
             finals.append(int(f["last_token_time_ns"]))
-    arrivals, finals = np.sort(arrivals), np.sort(finals)
-    gaps = (arrivals[concurrency:] - finals[:len(arrivals) - concurrency]) / 1e9
-    typical = float(np.median(gaps))
-    by_step: dict[int, list[float]] = {}
-    for f, g in zip(finals, gaps):
-        by_step.setdefault(int(f), []).append(float(g))
-    medians = {k: float(np.median(v)) for k, v in by_step.items()}
-    return {"returns": gaps, "group": np.array(list(medians.values())) / typical,
-            # from steps that freed two or more: a lone request's offset from itself is 0 and says nothing
-            "jitter": np.array([g - medians[int(f)] for f, g in zip(finals, gaps) if len(by_step[int(f)]) > 1])
-            / typical}
+    g = return_gaps(arrivals, finals, concurrency)
+    return {"returns": g.returns, "group": g.group, "jitter": g.jitter}
 
 
 def point(doc: dict, aiperf_dir: Path) -> dict:
@@ -264,24 +178,11 @@ def load(work: Path):
     return config, rounds
 
 
-class ByConcurrency:
-    """A per-request time measured at the calibration points: its median at each calibration concurrency (the
-    median over points with that concurrency), interpolated linearly in between, times a factor drawn from its
-    pooled spread around those medians (each simulated request draws its own, as real requests differ)."""
-
-    def __init__(self, name: str, cal_points: list[dict], key: str):
-        by_c: dict[int, list[float]] = {}
-        for p in cal_points:
-            by_c.setdefault(p["c"], []).append(float(np.median(p[key])))
-        self.cs = sorted(by_c)
-        self.medians = [float(np.median(by_c[c])) for c in self.cs]
-        self.spread = np.concatenate([p[key] / np.median(p[key]) for p in cal_points])
-        print(f"{name}, median per calibration concurrency: "
-              + ", ".join(f"c{c} {m * 1e3:.1f} ms" for c, m in zip(self.cs, self.medians))
-              + f"; spread p10 {np.percentile(self.spread, 10):.2f} p90 {np.percentile(self.spread, 90):.2f}")
-
-    def draw(self, c: int, n: int, rng) -> np.ndarray:
-        return float(np.interp(c, self.cs, self.medians)) * rng.choice(self.spread, size=n)
+def by_concurrency(name: str, cal_points: list[dict], key: str) -> ByConcurrency:
+    """One per-request time of the calibration points, by concurrency (printed as it is fitted)."""
+    t = ByConcurrency.from_points((p["c"], p[key]) for p in cal_points)
+    print(t.summary(name))
+    return t
 
 
 def main(argv=None) -> int:
@@ -311,24 +212,21 @@ def main(argv=None) -> int:
     for r, (cal_points, records, evals) in enumerate(rounds):
         print(f"round {r}:")
         per_round.append(predict_round(a, config, cal_points, records, evals, keys))
-    cs = sorted(set.intersection(*(set(x) for x in per_round)))
-    rows, worst = [], 0.0
+    comparison = compare_rounds(per_round, keys)
+    worst = worst_ratio_error(comparison)
+    rows = [{"concurrency": r.concurrency, "measured": r.measured, "simulated": r.simulated, "ratio": r.ratio,
+             "rounds": [{"measured": x[r.concurrency][0], "simulated": x[r.concurrency][1]} for x in per_round]}
+            for r in comparison]
     print(f"| concurrency | TTFT p50 ms: measured | sim | ratio | executor TTFT p50 ms: measured | sim | ratio | "
           f"ITL p50 ms: measured | sim | ratio | tok/s: measured | sim | ratio |   (medians over {len(rounds)} rounds; "
           f"ratio: median of each round's sim/measured)")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for c in cs:
-        m = {k: float(np.median([x[c][0][k] for x in per_round])) for k in keys}
-        s = {k: float(np.median([x[c][1][k] for x in per_round])) for k in keys}
-        ratio = {k: float(np.median([x[c][1][k] / x[c][0][k] for x in per_round])) for k in keys}
-        worst = max(worst, *(abs(v - 1) for v in ratio.values()))
-        rows.append({"concurrency": c, "measured": m, "simulated": s, "ratio": ratio,
-                     "rounds": [{"measured": x[c][0], "simulated": x[c][1]} for x in per_round]})
+    for r in comparison:
         cells = []
         for k in keys:
             scale, fmt = (1, "{:.0f}") if k == "tok_s" else (1e3, "{:.2f}" if k == "itl_p50" else "{:.1f}")
-            cells += [fmt.format(m[k] * scale), fmt.format(s[k] * scale), f"{ratio[k]:.2f}"]
-        print(f"| {c} | " + " | ".join(cells) + " |")
+            cells += [fmt.format(r.measured[k] * scale), fmt.format(r.simulated[k] * scale), f"{r.ratio[k]:.2f}"]
+        print(f"| {r.concurrency} | " + " | ".join(cells) + " |")
     print(f"worst |sim/measured - 1| = {worst:.1%} over {len(keys) * len(rows)} numbers")
     (work / "served_vs_sim.json").write_text(json.dumps(
         {"executor": dataclasses.asdict(config), "rows": rows}, indent=1, default=_plain))
@@ -337,11 +235,13 @@ def main(argv=None) -> int:
 
 def predict_round(a, config, cal_points, records, evals, keys) -> dict:
     """Fit on one round's calibration, simulate that round's evaluation points: {c: (measured, simulated)}."""
-    cost = fit_steps(records)
+    fit = fit_steps(records)
+    print(fit.summary())
+    cost = StepCost(fit)
     # outside the executor, measured at the calibration points: the time a request's first token spends there
     # (client TTFT - executor TTFT), and the time a client takes to come back with its next request
-    outside = ByConcurrency("first token outside the executor", cal_points, "outside")
-    comeback = ByConcurrency("last token to the next request's arrival", cal_points, "returns")
+    outside = by_concurrency("first token outside the executor", cal_points, "outside")
+    comeback = by_concurrency("last token to the next request's arrival", cal_points, "returns")
     # ... which requests freed by one step share: one draw per step, plus each request's own small offset
     group = np.concatenate([p["group"] for p in cal_points])
     jitter = np.concatenate([p["jitter"] for p in cal_points])
@@ -356,7 +256,7 @@ def predict_round(a, config, cal_points, records, evals, keys) -> dict:
             rng, cost.rng = np.random.default_rng(seed), np.random.default_rng(seed)
             # measured up to the step that took the request in; the simulator adds its own wait for a step (half a
             # step on average: a few % of this time)
-            typical = float(np.interp(c, comeback.cs, comeback.medians))
+            typical = comeback.median_at(c)
             r = closed_loop(config, CostModelEngine(step_cost=cost), c, n, a.isl, a.osl,
                             client_gap_s=typical * rng.choice(jitter, size=n),
                             step_gap_s=typical * rng.choice(group, size=n))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Serving regime (TTFT / ITL under load) of the published tables, through the simulator.
 
-    python scripts/serving_cv.py --data published_trtllm.csv [--requests 500]
+    python scripts/serving_cv.py [--data trtpipe/perf/data/published_trtllm.csv] [--requests 500]
 
 The published serving rows (Triton backend request-rate sweep, NIM closed-loop concurrency) are all on one GPU
 type, so "leave one GPU out" means: fit the engine constants without that GPU's rows (every regime), then run
@@ -21,14 +21,14 @@ import numpy as np
 
 from trtpipe.perf import fit as F
 from trtpipe.perf.predict import predict_scenarios
-from trtpipe.perf.published import read_rows, regime
+from trtpipe.perf.published import PUBLISHED_CSV, read_rows, regime
 
 TRAIN = ("engine max-load", "static batch", "batch-1 TTFT", "batch-1 ITL")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    ap.add_argument("--data", required=True, type=Path)
+    ap.add_argument("--data", type=Path, default=PUBLISHED_CSV, help="default: trtpipe/perf/data/published_trtllm.csv")
     ap.add_argument("--requests", type=int, default=500, help="requests per rate point (the published sweep: 500)")
     ap.add_argument("--out", type=Path, help="write the per-row predictions as JSON")
     a = ap.parse_args(argv)

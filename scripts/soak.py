@@ -81,12 +81,13 @@ def main() -> int:
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="stop issuing requests after this long (the summary says how many ran)")
     args = ap.parse_args()
-    from trtpipe.triton.server_process import sigterm_as_interrupt
+    from trtpipe.processes import sigterm_as_interrupt
 
     sigterm_as_interrupt()  # a kill stops the server too: it runs in its own session and would outlive us
 
+    from trtpipe.processes import SHM_DIR
     from trtpipe.triton.client import Client, GenerateOptions
-    from trtpipe.triton.server_process import SHM_DIR, start_server
+    from trtpipe.triton.server_process import start_server
 
     rng = random.Random(args.seed)
     plan = [(prompt(rng), rng.choice([4, 16, 32, 64, 128, 200]), rng.random() < args.cancel)

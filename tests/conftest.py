@@ -1,4 +1,4 @@
-"""Project-wide test settings: deterministic seeds, and the paths of the shared tiny model."""
+"""Project-wide test settings: deterministic seeds, and the path of the tiny model shipped in models/."""
 
 from __future__ import annotations
 
@@ -14,9 +14,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("TRTPIPE_TEST_THREADS", "1"))
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# shared/ sits beside the repository checkout (../shared from the repo root).
-SHARED = Path(os.environ.get("TRTPIPE_SHARED", REPO_ROOT.parent / "shared"))
-STORIES = SHARED / "models" / "stories260k"
+STORIES = REPO_ROOT / "models" / "stories260k"  # the tiny trained Llama (MIT), models/stories260k/SOURCE.md
 
 
 @pytest.fixture(autouse=True)
@@ -33,5 +31,5 @@ def _seed():
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
     if not (STORIES / "config.json").is_file():
-        pytest.fail(f"the shared tiny model is missing: {STORIES}")
+        pytest.fail(f"the tiny model is missing: {STORIES}")
     return STORIES

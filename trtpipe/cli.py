@@ -59,7 +59,7 @@ OVERRIDES = click.option(
 def validate(recipes: tuple[Path, ...], overrides: tuple[str, ...]) -> None:
     """Check recipes (schema and cross-field rules) without loading weights. Exit 2 on any error."""
     from trtpipe.errors import RecipeError
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     failed = False
     for path in recipes:
@@ -89,22 +89,12 @@ def schema(markdown: bool) -> None:
 def explain(recipe: Path, overrides: tuple[str, ...], as_json: bool) -> None:
     """Print the fully resolved recipe, every default shown and marked."""
     from trtpipe.recipe.describe import explain as explain_recipe
+    from trtpipe.validation import load_recipe
 
-    click.echo(explain_recipe(recipe, overrides, as_json=as_json), nl=False)
+    click.echo(explain_recipe(load_recipe(recipe, overrides), as_json=as_json), nl=False)
 
 
 # --- build pipeline commands -----------------------------------------------------------------------
-
-
-def _sigterm_as_interrupt() -> None:
-    import signal
-    import threading
-
-    def _term(signum, frame):
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread only
-        signal.signal(signal.SIGTERM, _term)
 
 
 @main.command()
@@ -119,11 +109,12 @@ def build(ctx, recipe: Path, overrides, force, from_stage, until, as_json: bool)
     """Run the build stages that exist, reusing cached artifacts; write <work_dir>/manifest.json."""
     from trtpipe.errors import StageError
     from trtpipe.pipeline.runner import run_build
-    from trtpipe.recipe import load_recipe
+    from trtpipe.processes import sigterm_as_interrupt
+    from trtpipe.validation import load_recipe
 
     loaded = load_recipe(recipe, overrides)
     stages = (ctx.obj or {}).get("stages")  # a program embedding the CLI (the tests) may pass its own stages
-    _sigterm_as_interrupt()  # SIGTERM cleans up like Ctrl-C: temporary artifacts removed, manifest "interrupted"
+    sigterm_as_interrupt()  # SIGTERM cleans up like Ctrl-C: temporary artifacts removed, manifest "interrupted"
     try:
         result = run_build(loaded, stages, force, from_stage, until, quiet=as_json, overrides=overrides)
     except StageError as exc:
@@ -144,20 +135,11 @@ def build(ctx, recipe: Path, overrides, force, from_stage, until, as_json: bool)
 @click.pass_context
 def status(ctx, recipe: Path, overrides, verify: bool, as_json: bool) -> None:
     """Show each stage's key, whether its artifact is cached, and the last build."""
-    from trtpipe.pipeline.runner import build_status
-    from trtpipe.recipe import load_recipe
+    from trtpipe.pipeline.runner import build_status, render_status
+    from trtpipe.validation import load_recipe
 
     report = build_status(load_recipe(recipe, overrides), (ctx.obj or {}).get("stages"), verify=verify)
-    if as_json:
-        click.echo(json.dumps(report, indent=2))
-    else:
-        for row in report["stages"]:
-            where = row.get("artifact") or row["reason"]
-            click.echo(f"{row['name']:<11} {row['state']:<9} {where}")
-        last = report["last_build"]
-        click.echo(f"last build: {last['build_id']} {last['status']}" if last else "last build: none")
-        for problem in report.get("verify") or []:
-            click.echo(f"mismatch: {problem}")
+    click.echo(json.dumps(report, indent=2) if as_json else render_status(report))
     if verify and report.get("verify"):
         sys.exit(1)
 
@@ -169,18 +151,11 @@ def status(ctx, recipe: Path, overrides, verify: bool, as_json: bool) -> None:
 @click.pass_context
 def gc(ctx, recipe: Path, overrides, delete: bool, as_json: bool) -> None:
     """List (or --delete) artifacts that neither the recipe's current keys nor the last build use."""
-    from trtpipe.pipeline.runner import collect_garbage
-    from trtpipe.recipe import load_recipe
+    from trtpipe.pipeline.runner import collect_garbage, render_garbage
+    from trtpipe.validation import load_recipe
 
     report = collect_garbage(load_recipe(recipe, overrides), (ctx.obj or {}).get("stages"), delete=delete)
-    if as_json:
-        click.echo(json.dumps(report, indent=2))
-        return
-    verb = "deleted" if report["deleted"] else "unused"
-    for u in report["unused"]:
-        click.echo(f"{verb:<8} {u['artifact']}  {u['bytes'] / 2**30:.2f} GiB")
-    total = f"{len(report['unused'])} artifacts, {report['bytes'] / 2**30:.2f} GiB"
-    click.echo(f"{verb} {total}" + ("" if delete or not report["unused"] else " (trtpipe gc RECIPE --delete frees them)"))
+    click.echo(json.dumps(report, indent=2) if as_json else render_garbage(report, delete))
 
 
 # --- checkpoint commands (convert, inspect, generate) ----------------------------------------------
@@ -228,20 +203,10 @@ def inspect(path: Path, as_json: bool) -> None:
 @click.option("--seed", type=int, default=None)
 def generate(ckpt_dir, prompt, max_tokens, tokenizer_dir, temperature, top_k, top_p, seed) -> None:
     """Generate text with the CPU reference runtime from a TensorRT-LLM checkpoint (streams to stdout)."""
-    from trtpipe.runtime.text import generate_text
+    from trtpipe.runtime.text import stream_text
 
-    started = []  # the prompt is printed once the model and tokenizer loaded: a bad input leaves stdout empty
-
-    def emit(piece: str) -> None:
-        if not started:
-            started.append(True)
-            click.echo(prompt, nl=False)
-        click.echo(piece, nl=False)
-
-    generate_text(ckpt_dir, prompt, max_tokens, tokenizer_dir, temperature, top_k, top_p, seed, on_text=emit)
-    if not started:
-        click.echo(prompt, nl=False)
-    click.echo()
+    stream_text(ckpt_dir, prompt, max_tokens, tokenizer_dir, temperature, top_k, top_p, seed,
+                write=lambda text: click.echo(text, nl=False))
 
 # --- quantization commands (calibrate, quantize, eval) ---------------------------------------------
 
@@ -249,7 +214,7 @@ def generate(ckpt_dir, prompt, max_tokens, tokenizer_dir, temperature, top_k, to
 def _build_until(recipe: Path, overrides, stage: str, force: tuple[str, ...] = ()):
     """Run the build up to ``stage`` (earlier stages reused when cached); return its artifact directory."""
     from trtpipe.pipeline.runner import run_build
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     result = run_build(load_recipe(recipe, overrides), None, force, None, stage, overrides=overrides)
     return result, result.artifact(stage)
@@ -299,7 +264,8 @@ _CHECKPOINT = click.option("--checkpoint", type=click.Path(file_okay=False, path
 @_CHECKPOINT
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--list-gpus", is_flag=True, help="Print the GPU catalog and exit.")
-@click.option("--slo", help="Capacity answer: latency targets, e.g. ttft_p99=500ms,itl_p99=50ms (with --rate).")
+@click.option("--slo", help="Capacity answer: latency targets METRIC[_pQ]:VALUE[ms|s|us] (ttft, itl, e2e; no _pQ: "
+              "every request), e.g. ttft_p99=500ms,itl_p99=50ms (with --rate).")
 @click.option("--rate", type=float, default=0.0, help="Poisson request rate (req/s) the SLO must hold at.")
 @click.option("--isl", type=int, default=1024, show_default=True, help="Input tokens per request (with --slo).")
 @click.option("--osl", type=int, default=256, show_default=True, help="Output tokens per request (with --slo).")
@@ -412,39 +378,17 @@ def doctor(engine_dir) -> None:
 @click.option("--out", type=click.Path(path_type=Path), help="Output dir (default: triton.repo_dir, else the build artifact).")
 def repo(recipe: Path, overrides, engine_dir, tokenizer_dir, out) -> None:
     """Write the Triton model repository: build the recipe up to the repo stage, or from --engine."""
-    from trtpipe.recipe import load_recipe
-    from trtpipe.triton.launch import resolve_repo
+    from trtpipe.triton.launch import write_repository
 
-    loaded = load_recipe(recipe, overrides)
-    if engine_dir is None:
-        built = resolve_repo(recipe, overrides)
-        if loaded.triton.repo_dir or out:
-            from trtpipe.triton.repo import export_repo
-
-            built = export_repo(built, out or loaded.resolve(loaded.triton.repo_dir))
-        click.echo(built)
-        return
-    from trtpipe.triton.repo import write_repo
-
-    out = out or loaded.resolve(loaded.triton.repo_dir or str(loaded.work_path / "repo"))
-    configs = write_repo(loaded, engine_dir, tokenizer_dir or engine_dir / "checkpoint", out)
-    click.echo(f"{out} ({', '.join(sorted(configs))})")
-
-
-def _ports(http, grpc, metrics):
-    from trtpipe.triton.server_process import Ports, free_ports
-
-    if http is None and grpc is None and metrics is None:
-        return None
-    free = iter(free_ports(3))
-    return Ports(http or next(free), grpc or next(free), metrics or next(free))
+    click.echo(write_repository(recipe, overrides, engine_dir, tokenizer_dir, out))
 
 
 @main.command()
 @click.argument("target", type=click.Path(exists=True, path_type=Path))
 @OVERRIDES
-@click.option("--bind", default=None, help="Address of all endpoints (default: recipe triton.bind, else 127.0.0.1).")
-@click.option("--http-port", type=int)
+@click.option("--bind", default=None, help="Address of all endpoints (default: recipe triton.bind or llmapi.host, "
+              "else 127.0.0.1).")
+@click.option("--http-port", type=int, help="HTTP port (llmapi target: the OpenAI API's, default llmapi.port).")
 @click.option("--grpc-port", type=int)
 @click.option("--metrics-port", type=int)
 @click.option("--timeout", default=180.0, show_default=True, help="Seconds to wait for readiness.")
@@ -456,95 +400,38 @@ def _ports(http, grpc, metrics):
               help="MPI hostfile (host:slots per line) for a multi-node leader-mode launch.")
 @click.option("--single-process", is_flag=True,
               help="CPU twin of a tp/pp>1 repository: run every rank's shard in one tritonserver (no MPI).")
+@click.option("--served-model-name", default=None, help="llmapi target: the model name clients send "
+              "(default: recipe llmapi.served_model_name, else its name).")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="llmapi target: Jinja chat template file, for tokenizers without one.")
 def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, timeout, detach, dry_run, tritonserver,
-          hostfile, single_process) -> None:
-    """Serve a model repository, or a recipe (built first if needed); Ctrl-C stops it cleanly."""
-    from trtpipe.triton import server_process
-    from trtpipe.triton.launch import dry_run_lines, plan_launch, resolve_repo, run_mpirun
+          hostfile, single_process, served_model_name, chat_template) -> None:
+    """Serve any target; Ctrl-C stops it cleanly. A Triton model repository or an engine recipe (built first if
+    needed) runs on tritonserver; a target: llmapi recipe (or an HF checkpoint dir) on the OpenAI-compatible
+    twin of trtllm-serve (what serve-openai runs)."""
+    from trtpipe.serving.openai_launch import is_openai_target, serve_openai
+    from trtpipe.triton.launch import serve_repository
 
-    if target.is_file():  # a recipe: its triton section gives the defaults
-        from trtpipe.recipe import load_recipe
-
-        t = load_recipe(target, overrides).triton
-        bind = bind or t.bind
-        http_port, grpc_port, metrics_port = http_port or t.http_port, grpc_port or t.grpc_port, metrics_port or t.metrics_port
-    bind = bind or "127.0.0.1"
-    if server_process.exposure_warning(bind):
-        click.echo(server_process.exposure_warning(bind), err=True)
-    ports = _ports(http_port, grpc_port, metrics_port)
-    if dry_run:
-        click.echo("\n".join(dry_run_lines(target, overrides, bind, ports, tritonserver, hostfile)))
+    if is_openai_target(target, overrides):
+        triton_only = {"--grpc-port": grpc_port, "--metrics-port": metrics_port, "--dry-run": dry_run,
+                       "--hostfile": hostfile, "--single-process": single_process}
+        if any(triton_only.values()):
+            raise click.UsageError(f"{', '.join(k for k, v in triton_only.items() if v)}: for Triton targets; {target} "
+                                   "is served by the OpenAI twin (options: --bind, --http-port, --detach, --timeout)")
+        serve_openai(target, overrides, bind, http_port, served_model_name, chat_template, detach, timeout, click.echo)
         return
-    repo = resolve_repo(target, overrides)
-    plan = plan_launch(repo, bind, ports, tritonserver, hostfile)
-    if plan.command is not None:
-        sys.exit(run_mpirun(plan))
-    server_process.sigterm_as_interrupt()
-    import time
-
-    t0 = time.perf_counter()
-    if plan.world_size > 1 and not single_process:  # leader mode: one process per rank under mpiexec
-        from trtpipe.triton import mpi_launch
-        from trtpipe.triton.launch import repo_info
-
-        server, state = mpi_launch.start_job(repo, repo_info(repo), bind, ports or server_process.Ports(*server_process.free_ports(3)),
-                                             timeout, hostfile, detach)
-        click.echo(f"serving {repo} (leader mode, {plan.world_size} ranks under mpiexec)\n  http {server.http_url}\n"
-                   f"  grpc {server.grpc_url}\n  run  {server.run_dir}\n  ready in {time.perf_counter() - t0:.1f} s")
-        for r in state.get("ranks", []):
-            click.echo(f"  rank {r['rank']} (tp {r['tp_rank']}, pp {r['pp_rank']}) pid {r['pid']} on {r['host']}: "
-                       f"layers {r['layers']}, {r['weights_mb']} MiB of weights, RSS {r['rss_mb']} MiB")
-        if detach:
-            click.echo(f"  pid  {server.pid} (trtpipe stop {repo})")
-            return
-        click.echo("Ctrl-C to stop")
-        sys.stdout.flush()
-        sys.exit(mpi_launch.serve_job_forever(server, server.run_dir))
-    server = server_process.start_server(repo, bind, ports, timeout=timeout, detach=detach)
-    ready_s = time.perf_counter() - t0
-    click.echo(f"serving {repo}\n  http {server.http_url}\n  grpc {server.grpc_url}\n  metrics http://{server.bind}:"
-               f"{server.ports.metrics}/metrics\n  log  {server.log}\n  ready in {ready_s:.1f} s (models loaded"
-               f"{' and warmed up' if _warmed(repo) else ', no warm-up'})")
-    if detach:
-        click.echo(f"  pid  {server.pid} (trtpipe stop {repo})")
-        return
-    click.echo("Ctrl-C to stop")
-    sys.stdout.flush()
-    server_process.serve_forever(server)
-    click.echo("stopped")
-
-
-def _warmed(repo) -> bool:
-    from trtpipe.bench.coldstart import has_warmup
-
-    return has_warmup(repo)
+    sys.exit(serve_repository(target, overrides, bind, http_port, grpc_port, metrics_port, timeout, detach, dry_run,
+                              tritonserver, hostfile, single_process, click.echo))
 
 
 @main.command()
 @click.argument("target", required=False, type=click.Path(exists=True, path_type=Path))
 @OVERRIDES
 def stop(target, overrides) -> None:
-    """Stop servers started with serve --detach (TARGET: repository or recipe; default: the only one running)."""
-    from trtpipe.errors import ServingError
-    from trtpipe.triton.launch import find_detached
+    """Stop servers started with serve --detach (TARGET: repository, recipe or model dir; default: the only one)."""
+    from trtpipe.triton.launch import stop_servers
 
-    servers = find_detached(target, overrides)
-    if target is None and len(servers) > 1:
-        raise ServingError(f"{len(servers)} detached servers run; name one: " + ", ".join(s.repo for s in servers))
-    if not servers:
-        click.echo("no detached server is running" + (f" for {target}" if target else ""))
-    for s in servers:
-        s.stop()
-        click.echo(f"stopped pid {s.pid} ({s.repo})")
-
-
-def _client_url(url, protocol, server=None, overrides=()):
-    if url:
-        return url
-    from trtpipe.triton.launch import one_detached
-
-    s = one_detached(server, overrides)
-    return s.grpc_url if protocol == "grpc" else s.http_url.split("://", 1)[1]
+    stop_servers(target, overrides, click.echo)
 
 
 GEN_OPTIONS = [
@@ -575,9 +462,10 @@ def _gen_options(fn):
 def infer(prompt, url, server, overrides, protocol, model, max_tokens, temperature, top_k, top_p, seed, stream) -> None:
     """Ask the served model PROMPT and print the answer."""
     from trtpipe.triton.client import Client, GenerateOptions
+    from trtpipe.triton.launch import client_url
 
     opts = GenerateOptions(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    with Client(_client_url(url, protocol, server, overrides), protocol, model) as client:
+    with Client(client_url(url, protocol, server, overrides), protocol, model) as client:
         if stream:
             for piece in client.stream(prompt, opts):
                 click.echo(piece, nl=False)
@@ -641,7 +529,8 @@ def _float_list(ctx, param, value):
 @click.option("--isl-stddev", type=click.IntRange(0), default=0, show_default=True)
 @click.option("--osl", type=click.IntRange(1), help="Output tokens (default: min(64, max_seq_len - ISL)).")
 @click.option("--no-fixed-osl", is_flag=True, help="Let the model stop at EOS (default: end_id=-1 / min_tokens force OSL).")
-@click.option("--slo", help="Goodput SLOs, e.g. ttft:200ms,itl:50ms.")
+@click.option("--slo", help="Goodput SLOs, per-request bounds METRIC:VALUE[ms|s|us] (ttft, ttst, itl, tpot, e2e), "
+              "e.g. ttft:200ms,itl:50ms.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="Result directory (default: <work_dir>/bench/<time>-<label>, or ./bench-results/...).")
@@ -666,15 +555,10 @@ def bench_run(target, overrides, server, url, model, tokenizer, metrics_url, con
 def bench_compare(a, b, fail_if, seed, as_json) -> None:
     """Compare bench results A and B (result.json or its directory; several runs of one side: A1,A2,A3):
     deltas, bootstrap CIs, gates."""
-    from trtpipe.bench import compare as cmp
-    from trtpipe.bench.run import load_result
+    from trtpipe.bench.compare import compare_paths, render
 
-    gates = [cmp.parse_gate(g) for g in fail_if]
-    da = [load_result(Path(p)) for p in a.split(",") if p]
-    db = [load_result(Path(p)) for p in b.split(",") if p]
-    result = cmp.compare(da, db, gates, seed=seed)
-    warn = cmp.check_comparable(da, db)
-    click.echo(json.dumps(result, indent=1) if as_json else cmp.render(result))
+    result, warn = compare_paths(a, b, fail_if, seed)
+    click.echo(json.dumps(result, indent=1) if as_json else render(result))
     if warn:
         click.echo(f"warning: {warn}", err=True)
     if result["failed"]:
@@ -742,31 +626,13 @@ def report(recipes, overrides, out, as_json) -> None:
               help="Jinja chat template file, for tokenizers without one (as trtllm-serve --chat_template).")
 def serve_openai(target: Path, overrides, host, port, served_model_name, chat_template) -> None:
     """Serve an llmapi recipe's export (built first if needed) or an HF checkpoint directory with the
-    OpenAI-compatible twin of trtllm-serve, on the in-flight batching executor (CPU reference runtime)."""
-    import logging
+    OpenAI-compatible twin of trtllm-serve, in the foreground (trtpipe serve does the same for these targets)."""
+    from trtpipe.serving.openai_launch import is_openai_target, serve_openai as run
 
-    from trtpipe.serving.openai_server import config_from_recipe, serve
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    config = None
-    if target.is_dir():
-        model_dir, name = target, served_model_name or target.name
-    else:
-        from trtpipe.recipe import load_recipe
-
-        recipe = load_recipe(target, overrides)
-        if recipe.target != "llmapi":
-            raise click.UsageError(f"{target}: target is {recipe.target}; serve-openai serves target: llmapi recipes "
-                                   "(use trtpipe serve for the Triton repository)")
-        _, artifact = _build_until(target, overrides, "export")
-        model_dir = artifact / "hf"
-        name = served_model_name or recipe.llmapi.served_model_name or recipe.name
-        host, port = host or recipe.llmapi.host, port or recipe.llmapi.port
-        max_pos = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings") or 2048
-        config = config_from_recipe(recipe, int(max_pos))
-    serve(model_dir, host or "127.0.0.1", port or 8000, name, config,
-          chat_template.read_text() if chat_template else None)
-
+    if target.is_file() and not is_openai_target(target, overrides):
+        raise click.UsageError(f"{target}: not a target: llmapi recipe; serve-openai serves those "
+                               "(use trtpipe serve for the Triton repository)")
+    run(target, overrides, host, port, served_model_name, chat_template, False, 0.0, click.echo)
 
 
 if __name__ == "__main__":  # pragma: no cover

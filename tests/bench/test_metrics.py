@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from trtpipe.errors import TrtpipeError
 from trtpipe.bench.metrics import METRICS, BenchError, Request, parse_slo, request_values, samples, stats, summarize
 
 MS = 1_000_000  # ns
@@ -69,8 +70,14 @@ def test_parse_slo(text, expected):
 
 @pytest.mark.parametrize("text", ["ttft", "latency:5ms", "ttft:fast"])
 def test_bad_slo_names_the_part(text):
-    with pytest.raises(BenchError, match="--slo: cannot read"):
+    with pytest.raises(TrtpipeError, match=f"--slo: cannot read '{text}'"):
         parse_slo(text)
+
+
+def test_bench_slo_refuses_a_percentile_target():
+    # goodput counts requests; a run percentile is plan --slo's term, named with the per-request spelling to use
+    with pytest.raises(TrtpipeError, match=r"'ttft_p99=200ms' is a percentile target.*ttft:200ms"):
+        parse_slo("ttft_p99=200ms")
 
 
 def test_no_successful_request_is_an_error():
@@ -78,9 +85,33 @@ def test_no_successful_request_is_an_error():
         summarize([req(0, [], osl=None, error="boom")])
 
 
-def test_percentiles_match_numpy_on_random_data():
+def test_stats_by_hand():
+    # linear interpolation between closest ranks (AIPerf's and numpy's default): the p-th percentile of n sorted
+    # values sits at rank (n - 1) * p / 100; here n = 5, so p25 is rank 1 (20), p1 rank 0.04 (10 + 0.04 * 10)
+    s = stats([50.0, 10.0, None, 40.0, 20.0, 30.0])  # unsorted, and a request without the value
+    assert s["n"] == 5 and s["avg"] == 30.0 and s["min"] == 10.0 and s["max"] == 50.0
+    assert s["std"] == pytest.approx(200.0 ** 0.5, rel=1e-12)  # population std: sqrt(mean of (20, 10, 0, 10, 20)^2)
+    want = {1: 10.4, 5: 12.0, 10: 14.0, 25: 20.0, 50: 30.0, 75: 40.0, 90: 46.0, 95: 48.0, 99: 49.6}
+    assert {p: s[f"p{p}"] for p in want} == pytest.approx(want, rel=1e-12)
+    assert stats([7.0])["p1"] == stats([7.0])["p99"] == 7.0
+    assert stats([]) is None and stats([None]) is None
+
+
+def _closest_ranks(values, p):
+    """The same definition written out another way: sort, then interpolate between the two ranks around
+    (n - 1) * p / 100 with exact fractions (no numpy)."""
+    from fractions import Fraction
+
+    v = sorted(Fraction(x) for x in values)
+    rank = Fraction(len(v) - 1) * Fraction(p, 100)
+    lo = int(rank)
+    hi = min(lo + 1, len(v) - 1)
+    return float(v[lo] + (v[hi] - v[lo]) * (rank - lo))
+
+
+def test_percentiles_agree_with_closest_ranks_on_random_data():
     rng = np.random.default_rng(1)
-    vals = rng.exponential(50.0, size=257)
-    s = stats(vals.tolist())
-    for p in (1, 25, 75, 99):
-        assert s[f"p{p}"] == float(np.percentile(vals, p))
+    vals = rng.exponential(50.0, size=257).tolist()
+    s = stats(vals)
+    for p in (1, 5, 10, 25, 50, 75, 90, 95, 99):
+        assert s[f"p{p}"] == pytest.approx(_closest_ranks(vals, p), rel=1e-12, abs=0), p

@@ -52,3 +52,38 @@ def test_report_joins_plan_accuracy_and_the_newest_bench(tmp_path, stories_dir):
     assert q["bench"]["status"].startswith("not benchmarked")
     assert (tmp_path / "rep" / "report.png").read_bytes()[:4] == b"\x89PNG"
     assert "q: accuracy: not verified yet" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def _verified(rows, gate="pass"):
+    return {"status": "verified", "rows": rows, "gate": gate, "source": "this recipe's verify artifact",
+            "eval": {"eval_data": "self", "num_samples": 8, "seq_len": 64},
+            "calibration": {"dataset": "self", "num_samples": 16, "seq_len": 64}}
+
+
+def _metrics(name, ppl, inc, kl, top1, greedy):
+    return {"name": name, "perplexity": ppl, "ppl_increase_pct": inc, "kl_divergence": kl, "top1_agreement": top1,
+            "greedy_match_len": greedy}
+
+
+def test_accuracy_markdown_is_the_verify_rows_with_the_unquantized_kv_in_brackets():
+    from trtpipe.bench.deploy_report import accuracy_markdown
+
+    ref = _metrics("unquantized", 2.6407, 0.0, 0.0, 1.0, 32.0)
+    rows = [
+        {"recipe": "base", "quantization": "none", "kv_cache": "none", "accuracy": {"status": "baseline"}},
+        {"recipe": "q8", "quantization": "fp8", "kv_cache": "fp8", "accuracy": _verified([
+            ref, _metrics("quantized, KV fp8", 2.7247, 3.184, 0.02430, 0.9277, 29.5),
+            _metrics("quantized, KV unquantized", 2.6741, 1.266, 0.01010, 0.9531, None)])},
+        {"recipe": "q4", "quantization": "int4_awq", "kv_cache": "none", "accuracy": _verified([
+            ref, _metrics("quantized", 2.8339, 7.319, 0.06656, 0.8848, 12.88)], gate="FAIL: perplexity")},
+        {"recipe": "new", "quantization": "int8_sq", "kv_cache": "none",
+         "accuracy": {"status": "not verified yet (trtpipe build new.yaml)"}},
+    ]
+    lines = accuracy_markdown(rows).splitlines()
+    assert lines[0].startswith("| recipe | quantization | KV cache | perplexity |")
+    assert not any(line.startswith("| base ") for line in lines)  # the baseline is the reference, not a row
+    assert lines[2] == ("| q8 | fp8 | fp8 | 2.7247 (2.6741) | 3.18 (1.27) | 0.0243 (0.0101) | 0.928 (0.953) "
+                        "| 29.5 of 32 | pass |")  # no bracket where the unquantized-KV value is missing
+    assert lines[3] == "| q4 | int4_awq | none | 2.8339 | 7.32 | 0.0666 | 0.885 | 12.9 of 32 | FAIL: perplexity |"
+    assert lines[4].startswith("| new | int8_sq | none | not verified yet (trtpipe build new.yaml) |")
+    assert "- q8: unquantized perplexity 2.6407; held-out 8x64 tokens (self), calibration 16x64 (self)" in lines[6]

@@ -1,4 +1,4 @@
-"""Fixtures for the engine tests: recipes written into tmp_path, the contract's flag table."""
+"""Fixtures for the engine tests: recipes written into tmp_path, the trtllm-build flag tables of docs/reference."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from engine_helpers import CONTRACT, hf_config
+from engine_helpers import BUILD_REFERENCE, hf_config
 
 
 @pytest.fixture(scope="session")
 def contract_flags() -> set[str]:
-    """Every ``--flag`` named in the contract's 1.2.x trtllm-build table (section 4.1)."""
-    if not CONTRACT.is_file():
-        pytest.fail(f"the contract is missing: {CONTRACT}")
-    text = CONTRACT.read_text()
-    section = text[text.index("### 4.1"):text.index("### 4.2")]
+    """Every ``--flag`` named in the 1.2.x trtllm-build flag tables (docs/reference/trtllm-build.md)."""
+    if not BUILD_REFERENCE.is_file():
+        pytest.fail(f"the trtllm-build reference is missing: {BUILD_REFERENCE}")
+    text = BUILD_REFERENCE.read_text()
+    section = text[text.index("## General flags"):text.index("## Builder-enforced combinations")]
     flags = set(re.findall(r"`(--[a-z0-9_]+)", section))
     flags |= set(re.findall(r"(?<=[`, ])(--[a-z0-9_]+)", section))
     removed = {"--auto_parallel", "--gpus_per_node", "--cluster_key"}  # "<=1.0 only: removed in 1.1+"

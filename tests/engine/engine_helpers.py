@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "recipes" / "configs"
-SHARED = Path(os.environ.get("TRTPIPE_SHARED", REPO.parent / "shared"))
-CONTRACT = SHARED / "spec" / "TRTLLM_CONTRACT.md"
+STORIES = REPO / "models" / "stories260k"
+BUILD_REFERENCE = REPO / "docs" / "reference" / "trtllm-build.md"  # the trtllm-build flag tables, with their sources
 
 
 def hf_config(name: str) -> dict:
@@ -29,6 +28,6 @@ def write_checkpoint(d: Path, config: dict, world_size: int = 1) -> Path:
                    "lm_head.weight": torch.zeros(8, config["hidden_size"], dtype=torch.float16)},
                   str(d / f"rank{r}.safetensors"))
     for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "generation_config.json"):
-        src = SHARED / "models" / "stories260k" / name
+        src = STORIES / name
         (d / name).write_bytes(src.read_bytes())
     return d

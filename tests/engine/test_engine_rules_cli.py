@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from engine_helpers import CONFIGS, REPO
 from trtpipe.cli import main
 from trtpipe.errors import RecipeError
-from trtpipe.recipe import load_recipe
+from trtpipe.validation import load_recipe
 
 # 'self' data needs the whole float32 model on the host (refused for these models): name the sample files
 CALIB = f"  calibration: {{dataset: {REPO}/recipes/data/calibration-sample.jsonl}}\n"

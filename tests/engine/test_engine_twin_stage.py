@@ -9,7 +9,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from engine_helpers import SHARED, write_checkpoint
+from engine_helpers import STORIES, write_checkpoint
 from trtpipe.cli import main
 from trtpipe.engine import build_config as bc
 from trtpipe.engine.ckptconfig import read_checkpoint_config
@@ -18,9 +18,8 @@ from trtpipe.engine.trtllm import availability
 from trtpipe.engine.twin_engine_dir import TWIN_FILE, write_twin_engine
 from trtpipe.errors import EngineError
 from trtpipe.pipeline.stage import StageContext
-from trtpipe.recipe import load_recipe
+from trtpipe.validation import load_recipe
 
-STORIES = SHARED / "models" / "stories260k"
 TINY = {"architecture": "LlamaForCausalLM", "dtype": "float16", "hidden_size": 64, "num_hidden_layers": 5,
         "num_attention_heads": 8, "num_key_value_heads": 4, "head_size": 8, "intermediate_size": 172,
         "vocab_size": 512, "max_position_embeddings": 512,

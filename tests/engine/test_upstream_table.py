@@ -14,11 +14,11 @@ from test_engine_build_config import ckpt_config, gpu_for, recipe
 from trtpipe.cli import main
 from trtpipe.engine import build_config as bc
 from trtpipe.engine import upstream
-from trtpipe.engine.ckptconfig import deduce_max_seq_len
 from trtpipe.engine.enforce import Target, rejections
 from trtpipe.engine.gpus import get_gpu
 from trtpipe.engine.presets import BY_NAME, FIELDS, normalize
 from trtpipe.errors import EngineError
+from trtpipe.models.trtllm_config import deduce_max_seq_len
 
 CLI_PLUGINS = [f for f in upstream.PLUGIN_CONFIG if f.cli]
 # every dtype spelling any plugin field takes: each field must refuse the ones outside its own row

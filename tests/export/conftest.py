@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quant"))  # quant_helpers (our_stats, self_tokens)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from trtpipe.export.serving import (LLM_API_KEYS, UnknownLLMAPIKey, checked, launch_lines, llm_api_options,
                                     llmapi_pbtxt, serve_command, write_serving)
-from trtpipe.recipe import load_recipe
+from trtpipe.validation import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -72,10 +72,8 @@ def test_status_of_the_real_stage_table_lists_every_stage_in_order(make_recipe):
     report = json.loads(out)
     assert [r["name"] for r in report["stages"]] == list(STAGE_NAMES)
     assert STAGE_NAMES == ("checkpoint", "calibrate", "quantize", "verify", "export", "llmapi", "engine", "repo")
-    for row in report["stages"]:  # a stage either exists (and has a key or a reason) or says why not
+    for row in report["stages"]:  # a stage has a key, or the reason it does not run
         assert row["key"] or row["reason"]
-    for name, reason in report["unavailable"].items():
-        assert next(r for r in report["stages"] if r["name"] == name)["reason"] == f"not available: {reason}"
 
 
 def test_status_verify_without_a_build_is_a_one_line_error(make_recipe, tmp_path):

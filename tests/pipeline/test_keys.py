@@ -10,11 +10,11 @@ from pipeline_test_stages import STAGES
 
 from trtpipe.pipeline.keys import SMALL_FILE_BYTES, canonical, fingerprint, stable_json
 from trtpipe.pipeline.runner import plan_build
-from trtpipe.recipe import load_recipe
+from trtpipe.validation import load_recipe
 
 
 def keys(recipe_path: Path, *overrides: str) -> dict[str, str]:
-    plans, _ = plan_build(load_recipe(recipe_path, overrides, check_rules=False), STAGES)
+    plans = plan_build(load_recipe(recipe_path, overrides, check_rules=False), STAGES)
     return {p.name: p.key for p in plans}
 
 

@@ -1,4 +1,4 @@
-"""The pipeline's parts on their own: stage table loading, progress bars, versions, lock, atomic writes."""
+"""The pipeline's parts on their own: the stage table, progress bars, versions, lock, atomic writes."""
 
 from __future__ import annotations
 
@@ -12,32 +12,16 @@ import torch
 from trtpipe.pipeline.cache import BuildLockedError, WorkDirLock, atomic_write_json
 from trtpipe.pipeline.progress import progress_bar
 from trtpipe.pipeline.stage import Stage
-from trtpipe.pipeline.stage_table import STAGE_NAMES, StageLoadError, load_stages
-from trtpipe.pipeline.versions import collect_versions, parse_nvidia_smi, torch_cuda_version, version_mismatches
+from trtpipe.pipeline.stage_table import STAGE_NAMES, STAGE_TABLE
+from trtpipe.pipeline.versions import collect_versions, parse_nvidia_smi, torch_cuda_version
 
 
-def test_stage_table_loads_what_exists_and_names_what_does_not(tmp_path, monkeypatch):
-    (tmp_path / "half_written_stage.py").write_text("OTHER = 1\n")
-    (tmp_path / "broken_stage.py").write_text("import a_dependency_that_is_not_installed_xyz\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    table = load_stages(
-        (("a", "trtpipe.no_such_area.stage", "A_STAGE"), ("b", "half_written_stage", "B_STAGE"))
-    )
-    assert table.stages == []
-    assert table.unavailable == {
-        "a": "trtpipe.no_such_area.stage is not implemented yet",
-        "b": "half_written_stage does not define B_STAGE yet",
-    }
-    with pytest.raises(StageLoadError, match="^stage c: cannot import broken_stage: No module named 'a_dependency"):
-        load_stages((("c", "broken_stage", "C_STAGE"),))
-
-
-def test_real_stage_table_is_in_build_order():
-    table = load_stages()
-    assert [s.name for s in table.stages] == [n for n in STAGE_NAMES if n not in table.unavailable]
-    assert all(isinstance(s, Stage) for s in table.stages)
-    for stage in table.stages:  # every input a stage reads comes earlier in the table
-        assert set(stage.inputs) <= set(STAGE_NAMES[: STAGE_NAMES.index(stage.name)])
+def test_stage_table_rows_are_stages_named_as_their_row_in_build_order():
+    assert [name for name, _ in STAGE_TABLE] == list(STAGE_NAMES)
+    for name, stage in STAGE_TABLE:
+        assert isinstance(stage, Stage) and stage.name == name
+        # every input a stage reads comes earlier in the table
+        assert set(stage.inputs) <= set(STAGE_NAMES[: STAGE_NAMES.index(name)])
 
 
 def test_progress_bar_draws_on_stderr_only_when_enabled(capfd):
@@ -90,13 +74,3 @@ def test_atomic_write_replaces_whole_file_and_leaves_no_temp(tmp_path):
     atomic_write_json(target, {"b": 2})
     assert target.read_text() == '{\n  "b": 2\n}\n'
     assert [p.name for p in target.parent.iterdir()] == ["m.json"]
-
-
-def test_version_mismatches_name_each_engine_bound_difference():
-    here = collect_versions()
-    assert version_mismatches(here) == []
-    built = {**here, "tensorrt_llm": "1.2.1-test", "gpu_compute_capability": "0.1-test"}
-    assert version_mismatches(built, here) == [
-        f"tensorrt_llm: built with 1.2.1-test, this machine has {here['tensorrt_llm']}",
-        f"gpu_compute_capability: built with 0.1-test, this machine has {here['gpu_compute_capability']}",
-    ]

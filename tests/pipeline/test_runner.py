@@ -13,7 +13,7 @@ from trtpipe.errors import StageError
 from trtpipe.pipeline.cache import MARKER
 from trtpipe.pipeline.manifest import load_manifest, verify_manifest
 from trtpipe.pipeline.runner import StageSelectionError, run_build
-from trtpipe.recipe import load_recipe
+from trtpipe.validation import load_recipe
 
 FP8 = "quantization:\n  algo: fp8\n  calibration:\n    num_samples: 4\n    seq_len: 16\n"
 

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 
 from numerics import assert_same_model
 from quant_helpers import our_quant, our_stats
+from trtpipe.checkpoint.quant_primitives import unpack_int4_rows
 from trtpipe.checkpoint.shard import Layout, split_linear_tensor
-from trtpipe.quant.primitives import unpack_int4_rows
 from trtpipe.runtime import load_checkpoint
 
 F32, BF16, I8, F8 = torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn

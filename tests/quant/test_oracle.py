@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from numerics import UBF16
 from quant_helpers import kl_to_reference, modelopt_quant, our_quant, our_stats, self_tokens
 from trtpipe.checkpoint.convert import convert
+from trtpipe.checkpoint.quant_primitives import pack_int4_rows, quantize, unpack_int4_rows
 from trtpipe.models.synthetic import make_synthetic
-from trtpipe.quant.primitives import pack_int4_rows, quantize, unpack_int4_rows
 from trtpipe.runtime import load_checkpoint
 
 pytestmark = [pytest.mark.oracle, pytest.mark.slow]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from numerics import U32
-from trtpipe.quant.primitives import (
+from trtpipe.checkpoint.quant_primitives import (
     choose_qparams, dequantize, fake_quant, observe_amax, pack_int4_rows, quantize, unpack_int4_rows,
 )
 

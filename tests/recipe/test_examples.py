@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from trtpipe.errors import RecipeError
-from trtpipe.recipe import load_recipe
 from trtpipe.recipe.rules import load_model_info
+from trtpipe.validation import load_recipe
 
 from recipe_helpers import RECIPES, run_cli
 
@@ -54,7 +54,7 @@ def test_llama70b_is_what_the_issue_asks():
     assert (model.num_layers, model.num_heads, model.num_kv_heads, model.hidden_size) == (80, 64, 8, 8192)
 
 
-def test_tiny_recipes_use_the_shared_model(stories_dir):
+def test_tiny_recipes_use_the_model_in_the_repository(stories_dir):
     for name, algo, tp in [("stories-fp16", "none", 1), ("stories-fp8", "fp8", 1), ("stories-int8-sq", "int8_sq", 1),
                            ("stories-int4-awq", "int4_awq", 1), ("stories-tp2", "none", 2)]:
         r = load_recipe(RECIPES / f"{name}.yaml")

@@ -15,7 +15,7 @@ import pytest
 from recipe_helpers import MIXTRAL, RECIPES, run_cli
 
 from trtpipe.errors import RecipeError
-from trtpipe.recipe import load_recipe
+from trtpipe.validation import load_recipe
 
 HEAD = "name: t\nmodel:\n  source: {S}\n"  # lines 1-3 of most cases
 

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from recipe_helpers import RECIPES
 
 from trtpipe.errors import RecipeError
-from trtpipe.recipe import Recipe, load_recipe
+from trtpipe.recipe import Recipe
+from trtpipe.validation import load_recipe
 
 BASE_TEXT = (RECIPES / "stories-fp8.yaml").read_text()
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
@@ -94,7 +95,7 @@ def test_mutated_recipes_raise_only_recipe_error(data, recipe_path, stories_dir)
 @given(pos=st.integers(0, len(BASE_TEXT)), cut=st.integers(0, 40), insert=st.text(max_size=30)
        | st.sampled_from([":", "- ", "\t", "{", "[", "&a", "*a", "!!python/name:os.system", "<<: *a", "\n  ", "? ", "%YAML 9", "---"]))
 def test_edited_yaml_text_raises_only_recipe_error(pos, cut, insert, recipe_path, stories_dir):
-    text = BASE_TEXT.replace("../../shared/models/stories260k", str(stories_dir))
+    text = BASE_TEXT.replace("../models/stories260k", str(stories_dir))
     pos = min(pos, len(text))
     recipe_path.write_text(text[:pos] + insert + text[pos + cut:], encoding="utf-8")
     _check(recipe_path)
@@ -145,7 +146,8 @@ VALID_SHAPED = st.fixed_dictionaries({
 @SETTINGS
 @given(recipe=VALID_SHAPED)
 def test_schema_valid_recipes_never_crash_a_rule(recipe, recipe_path, stories_dir):
-    """Every registered rule (this package's, quantization's, the engine's) on in-range values of every kind."""
+    """Every rule of trtpipe.validation.RULES (the recipe's, quantization's, the engine's, the export's) on
+    in-range values of every kind."""
     if recipe["model"]["source"] == "STORIES":
         recipe["model"]["source"] = str(stories_dir)
     recipe_path.write_text(yaml.safe_dump(recipe))

@@ -12,7 +12,8 @@ from recipe_helpers import RECIPES, run_cli
 
 from pydantic import BaseModel
 
-from trtpipe.recipe import Recipe, load_recipe
+from trtpipe.recipe import Recipe
+from trtpipe.validation import load_recipe
 
 JSON_TYPES = {"object", "array", "string", "integer", "number", "boolean", "null"}
 

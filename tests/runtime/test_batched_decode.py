@@ -36,7 +36,7 @@ def assert_batched_matches(model, prompts, max_new_tokens, **kw):
 
 def _kv_codes(model, key, x: torch.Tensor):
     """Quantized KV-cache codes of dequantized cache values ``x`` as integers ordered like the values."""
-    from trtpipe.quant.primitives import quantize
+    from trtpipe.checkpoint.quant_primitives import quantize
 
     layer, rank = key
     attn = next(m for m in model.layers if m.layer_idx == layer).attention[rank]

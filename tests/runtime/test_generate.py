@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from numerics import assert_as_accurate, assert_greedy_equal, error_scale, float64_copy
+from sampling_odds import sequence_probability
 from trtpipe.runtime import KVCache, generate, sample
 
 PROMPT = [1, 403, 407, 261, 378]  # "Once upon a time"
@@ -50,7 +51,11 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch(stories_model)
     a = generate(stories_model, [PROMPT, PROMPT], 16, temperature=3.0, top_p=0.95, seed=5)
     b = generate(stories_model, [PROMPT], 16, temperature=3.0, top_p=0.95, seed=5)
     assert a[0] == b[0]
+    # another seed draws a[0] again with probability p(a[0]) (7e-28 here; asserted below 1e-6 first): a seed that were ignored
+    # (a fixed generator per row) would repeat a[0] and fail here
+    assert sequence_probability(stories_model, PROMPT, a[0], 3.0, 0, 0.95) < 1e-6
     assert a[1] != a[0]  # sequence 1 draws with seed 6
+    assert generate(stories_model, [PROMPT], 16, temperature=3.0, top_p=0.95, seed=40)[0] != a[0]
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy(stories_model):

@@ -13,6 +13,7 @@ from trtpipe.serving.api import CapacityPolicy, ExecutorConfig, FinishReason, Re
 from trtpipe.serving.executor import Executor, ExecutorCore, QueueFullError, SimClock
 from trtpipe.serving.reference_engine import ReferenceEngine
 
+from sampling_odds import sequence_probability
 from serving_oracle import check_greedy
 
 EOS = 2
@@ -166,15 +167,21 @@ def test_perf_metrics_are_ordered_and_count_reused_blocks(model_tp1):
 
 
 def test_seeded_sampling_is_repeatable_across_batches(model_tp1):
-    def run(n_other):
+    def run(n_other, seed=11):
         got = {}
         core = ExecutorCore(_config(), ReferenceEngine(model_tp1), lambda r: got.__setitem__(r.request_id, r))
-        rid = core.submit(Request([1, 403, 407], 12, sampling=SamplingParams(1.5, 0, 0.95, seed=11)))
+        rid = core.submit(Request([1, 403, 407], 24, sampling=SamplingParams(1.5, 0, 0.95, seed=seed)))
         for k in range(n_other):
             core.submit(Request([1, 300 + k], 12))
         core.run_until_idle()
         return got[rid].tokens
-    assert run(0) == run(5)
+    first = run(0)
+    assert run(5) == first
+    # ... and the seed is what decides: another seed draws these same 24 tokens with probability p(first), computed
+    # here (7e-12 for this model; asserted below 1e-6), so a seed ignored (a fixed generator) fails this
+    assert first[:3] == [1, 403, 407]  # the output starts with the prompt
+    assert sequence_probability(model_tp1, [1, 403, 407], first[3:], 1.5, 0, 0.95) < 1e-6
+    assert run(0, seed=12) != first
 
 
 def test_threaded_executor_streams_to_many_callers(model_tp1):

@@ -92,7 +92,7 @@ def hf_greedy(hf_stories):
 
 @pytest.fixture(scope="session")
 def stories_recipe():
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     def load(*overrides: str):
         return load_recipe(RECIPES / "stories-fp16.yaml", list(overrides))
@@ -108,7 +108,8 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.when != "call" or not report.failed:
         return
-    from trtpipe.triton.server_process import Server, exit_cause, log_tail
+    from trtpipe.processes import log_tail
+    from trtpipe.triton.server_process import Server, exit_cause
 
     for name, value in getattr(item, "funcargs", {}).items():
         if isinstance(value, Server):

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from trtpipe.bench.coldstart import has_warmup, timed_request
+from trtpipe.bench.coldstart import timed_request
+from trtpipe.triton.launch import has_warmup
 from trtpipe.bench.server_view import scrape
 from trtpipe.cli import main
 from trtpipe.errors import TrtpipeError

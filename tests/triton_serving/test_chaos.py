@@ -23,9 +23,9 @@ from click.testing import CliRunner
 
 from trtpipe.cli import main
 from trtpipe.pipeline.cache import MARKER
+from trtpipe.processes import SHM_DIR
 from trtpipe.triton.client import Client, GenerateOptions
 from trtpipe.triton.repo import write_repo
-from trtpipe.triton.server_process import SHM_DIR
 from triton_helpers import like_a_terminal, tiny_recipe
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow, pytest.mark.chaos]

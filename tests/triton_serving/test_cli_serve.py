@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from trtpipe.cli import main
 from trtpipe.triton.repo import write_repo
-from trtpipe.triton.server_process import SHM_DIR
+from trtpipe.processes import SHM_DIR
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 

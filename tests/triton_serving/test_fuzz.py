@@ -1,21 +1,16 @@
-"""A fixed sample of scripts/fuzz_serving.py's cases against a real server (ensemble, BLS, pre/post-processing,
+"""A fixed sample of the fuzz cases (trtpipe/triton/fuzz.py) against a real server (ensemble, BLS, pre/post-processing,
 tensorrt_llm; HTTP and gRPC): every request gets an answer or an error, none fails inside a batch, the server
 stays up and still answers a valid request correctly. The whole campaign: python scripts/fuzz_serving.py REPO."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
+from trtpipe.triton import fuzz
 from trtpipe.triton.repo import write_repo
 from trtpipe.triton.server_process import start_server
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-import fuzz_serving  # noqa: E402
 
 
 def test_fuzzed_requests_get_an_answer_or_an_error(stories_engine, stories_recipe, tmp_path):
@@ -23,7 +18,7 @@ def test_fuzzed_requests_get_an_answer_or_an_error(stories_engine, stories_recip
     repo = tmp_path / "repo"
     write_repo(stories_recipe("triton.bls=true"), engine, engine / "checkpoint", repo)
     with start_server(repo, timeout=300) as server:
-        summary = fuzz_serving.run(server.http_url, server.grpc_url, limit=100, seed=1, check_every=40,
+        summary = fuzz.run(server.http_url, server.grpc_url, limit=100, seed=1, check_every=40,
                                    alive=server.alive)
     print(summary)
     assert summary["failures"] == []

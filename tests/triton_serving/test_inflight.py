@@ -102,27 +102,58 @@ def test_fifty_cancelled_streams_leave_no_used_blocks(server, hf_stories):
 
 
 def test_stop_request_cancels_by_request_id(server, hf_stories):
+    """``stop=true`` with a request's id ends that request. The request asks for every token this server allows
+    (a streaming request under max_utilization without chunking must fit max_input_len 256, as in TensorRT-LLM:
+    251 tokens after the 5 of the prompt, hundreds of steps after its first token, where the stop is sent), so it
+    cannot end by itself in the wait; the stop travels on a second stream, so the final awaited on the first
+    one is the cancelled request's own (the stop's reply, also carrying the id, lands on the second)."""
     tok, _ = hf_stories
     ids = tok("Once upon a time").input_ids
-    raw = grpcclient.InferenceServerClient(server.grpc_url)
-    finals, got = [], threading.Event()
+    max_tokens = 256 - len(ids)
+    streamed, finals, stop_replies = [], [], []
+    first, ended, stopped = threading.Event(), threading.Event(), threading.Event()
 
-    def on(result, error):
-        if error is None and result.get_response(as_json=True)["parameters"].get("triton_final_response", {}).get("bool_param"):
-            finals.append(result.get_response(as_json=True)["id"])
-            if "long" in finals:
-                got.set()
+    def on_request(result, error):
+        if error is not None:
+            finals.append(("error", str(error)))
+            ended.set()
+            return
+        resp = result.get_response(as_json=True)
+        out = result.as_numpy("output_ids")
+        if out is not None:
+            streamed.extend(int(t) for t in out.reshape(-1))
+            first.set()
+        if resp["parameters"].get("triton_final_response", {}).get("bool_param"):
+            finals.append((resp["id"], [o["name"] for o in resp.get("outputs", [])]))
+            ended.set()
 
-    raw.start_stream(callback=on)
+    def on_stop(result, error):
+        stop_replies.append(error if error is not None else result.get_response(as_json=True))
+        stopped.set()
+
+    raw, control = (grpcclient.InferenceServerClient(server.grpc_url) for _ in range(2))
+    raw.start_stream(callback=on_request)
+    control.start_stream(callback=on_stop)
     try:
-        raw.async_stream_infer("tensorrt_llm", _llm_inputs(ids, 200, streaming=(True, bool, "BOOL"),
-                                                           end_id=(-1, np.int32, "INT32")), request_id="long")
-        time.sleep(0.5)
-        raw.async_stream_infer("tensorrt_llm", _llm_inputs(ids, 1, stop=(True, bool, "BOOL")), request_id="long")
-        assert got.wait(20), "stop=true did not end the request"
+        raw.async_stream_infer("tensorrt_llm", _llm_inputs(ids, max_tokens, streaming=(True, bool, "BOOL"),
+                                                           end_id=(-1, np.int32, "INT32")), request_id="long",
+                               enable_empty_final_response=True)
+        assert first.wait(60), ("no first token", finals)
+        control.async_stream_infer("tensorrt_llm", _llm_inputs(ids, 1, stop=(True, bool, "BOOL")), request_id="long")
+        assert ended.wait(120), "no final response for the request"
+        assert stopped.wait(60), "no reply to the stop request"
     finally:
         raw.stop_stream()
+        control.stop_stream()
         raw.close()
+        control.close()
+    # the cancelled request's own final: a flag-only response (no tensors) for its id, as after a last token
+    assert finals == [("long", [])], finals
+    assert 0 < len(streamed) < max_tokens, len(streamed)  # cut short: it did not run to its length
+    assert wait_for(server, ("nv_trt_llm_request_metrics", "active"), 0.0)
+    (reply,) = stop_replies  # the stop's own reply: final, for the same id, without output tensors
+    assert not isinstance(reply, Exception), reply
+    assert reply["id"] == "long" and not reply.get("outputs")
 
 
 def test_queue_full_is_refused_at_once(server):
@@ -212,7 +243,7 @@ def test_cancelled_streams_end_with_their_final_so_the_server_keeps_nothing_of_t
 
     The requests are not streamed, so the twin has nothing to send when the cancel arrives: tritonserver 2.51's
     gRPC stream handler takes two locks in opposite orders when it writes a response while it handles a cancel,
-    and can hang or crash (docs/serving.md); the final flag then goes out after the server has taken the cancel in.
+    and can hang or crash (docs/reference/serving.md); the final flag then goes out after the server has taken the cancel in.
     Straight to tensorrt_llm: through the BLS a cancelled request costs a step or more of the twin, so 80 cancels
     a second pile up a backlog whose memory would hide what this measures.
     """

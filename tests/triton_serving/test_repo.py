@@ -15,9 +15,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from trtpipe.cli import main
 from trtpipe.errors import ServingError
-from trtpipe.recipe.loader import load_recipe
 from trtpipe.triton import repo as R
 from trtpipe.triton.launch import check_engine_versions, repo_info
+from trtpipe.validation import load_recipe
 
 HERE = Path(__file__).parent
 RECIPES = HERE.parents[1] / "recipes"
@@ -246,3 +246,47 @@ def test_priority_levels_reach_the_entry_queues(stories_recipe, stories_engine):
     engine = R.EngineInfo.read(stories_engine(1))
     pre = R.preprocessing_config(recipe, engine, R.token_ids(stories_engine(1) / "checkpoint"))
     assert pre.dynamic_batching.priority_levels == 0  # only the models that queue generation work
+
+
+# How upstream's python models load their tokenizer (NVIDIA/TensorRT-LLM
+# triton_backend/all_models/inflight_batcher_llm/preprocessing/1/model.py@beb339f5; postprocessing and the BLS
+# alike): the tokenizer_dir parameter straight into AutoTokenizer.from_pretrained, in tritonserver's working
+# directory. Run from a directory that is neither the repository nor a model's (trust_remote_code off: nothing
+# shipped is executed, and a local tokenizer loads the same either way).
+UPSTREAM_LOAD = """\
+import json, sys
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+from transformers import AutoTokenizer
+
+out = {}
+for name in sys.argv[1:]:
+    config = text_format.Parse(open(name).read(), mc.ModelConfig())
+    tokenizer_dir = config.parameters["tokenizer_dir"].string_value
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir, legacy=False, padding_side="left", trust_remote_code=False)
+    out[config.name] = tok("Once upon a time").input_ids
+print(json.dumps(out))
+"""
+
+
+def test_upstream_models_load_the_tokenizer_from_any_working_directory(tmp_path, stories_recipe, stories_engine):
+    import subprocess
+    import sys
+
+    engine = stories_engine(1)
+    repo = tmp_path / "repo"
+    R.write_repo(stories_recipe("triton.bls=true"), engine, engine / "checkpoint", repo)
+    pbtxts = [str(repo / m / "config.pbtxt") for m in ("preprocessing", "postprocessing", "tensorrt_llm_bls")]
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "tokenizer").mkdir(parents=True)  # a relative "tokenizer" would find this empty folder and fail
+    done = subprocess.run([sys.executable, "-c", UPSTREAM_LOAD, *pbtxts], cwd=elsewhere, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # stories260k's own ids for the prompt (the BOS, then "Once upon a time"), as the fuzz baseline uses them
+    assert json.loads(done.stdout) == {m: [1, 403, 407, 261, 378]
+                                       for m in ("preprocessing", "postprocessing", "tensorrt_llm_bls")}
+    paths = {m: c.parameters["tokenizer_dir"].string_value for m, c in R.read_configs(repo).items()
+             if "tokenizer_dir" in c.parameters}
+    assert set(paths) >= {"preprocessing", "postprocessing", "tensorrt_llm_bls"}
+    for m, path in paths.items():  # the real tensorrt_llm's too (the backend reads it for guided decoding)
+        assert Path(path).is_absolute() and (Path(path) / "tokenizer.json").is_file(), (m, path)

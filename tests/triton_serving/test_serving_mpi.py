@@ -112,8 +112,8 @@ def test_tp2_greedy_streaming_and_kill_of_a_worker(cache, repo_tp2, hf_greedy):
         assert results == {i: hf_greedy(prompts[i % 4], 32)[1] for i in range(16)}
         # kill -9 of the worker rank: the job is torn down and the worker is named
         os.kill(worker, signal.SIGKILL)
-        took = wait_gone(server._proc, TEARDOWN_LIMIT_S)
-        assert server._proc.poll() == 1, f"supervisor still running after {took:.1f} s"
+        took = wait_gone(server.process, TEARDOWN_LIMIT_S)
+        assert server.process.poll() == 1, f"supervisor still running after {took:.1f} s"
         final = json.loads((run_dir / "state.json").read_text())
         assert final["state"] == "failed" and final["error"].startswith(f"rank 1 (worker, pid {worker}) died")
         assert job_processes(repo_tp2) == []
@@ -127,7 +127,7 @@ def test_tp2_greedy_streaming_and_kill_of_a_worker(cache, repo_tp2, hf_greedy):
             assert c.generate("Once upon a time", GenerateOptions(max_tokens=40)) == expected
         triton = int((server.run_dir / "rank0.pid").read_text())
         os.kill(triton, signal.SIGKILL)
-        wait_gone(server._proc, TEARDOWN_LIMIT_S)
+        wait_gone(server.process, TEARDOWN_LIMIT_S)
         final = json.loads((server.run_dir / "state.json").read_text())
         assert final["state"] == "failed" and f"rank 0 (tritonserver, pid {triton})" in final["error"]
         assert job_processes(repo_tp2) == [] and shm_left(final, server.shm_prefix) == []

@@ -14,7 +14,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 from urllib.parse import urlparse
 
 from trtpipe.bench.metrics import BenchError
@@ -66,14 +66,10 @@ def timed_request(http_url: str, model: str, streaming: bool, prompt: str, max_t
     return {"ttft_ms": 1000.0 * ((first or end) - t0), "e2e_ms": 1000.0 * (end - t0), "pieces": pieces}
 
 
-def has_warmup(repo: Path) -> bool:
-    return any("model_warmup" in p.read_text() for p in Path(repo).glob("*/config.pbtxt"))
-
-
 def measure_cold(recipe: Path, overrides: Sequence[str] = (), warm_requests: int = 5, max_tokens: int = 16,
                  timeout: float = 300.0) -> dict:
     """Start a fresh server for ``recipe`` (built if needed), time readiness, the first and the next requests."""
-    from trtpipe.triton.launch import resolve_repo
+    from trtpipe.triton.launch import has_warmup, resolve_repo
     from trtpipe.triton.server_process import start_server
 
     repo = resolve_repo(recipe, overrides, quiet=True)
@@ -103,11 +99,3 @@ def render(r: dict) -> str:
         f"  next {len(r['warm'])} (warm), median: ttft {med['ttft_ms']:.1f} ms, e2e {med['e2e_ms']:.1f} ms",
         f"  cold / warm: ttft {ratio['ttft_ms']:.2f}x, e2e {ratio['e2e_ms']:.2f}x",
     ])
-
-
-def compare_table(results: list[dict]) -> str:
-    lines = [f"{'model_warmup':<13}{'ready s':>9}{'cold ttft':>11}{'warm ttft':>11}{'cold e2e':>10}{'warm e2e':>10}"]
-    for r in results:
-        lines.append(f"{'on' if r['model_warmup'] else 'off':<13}{r['ready_s']:>9.2f}{r['cold']['ttft_ms']:>11.1f}"
-                     f"{r['warm_median']['ttft_ms']:>11.1f}{r['cold']['e2e_ms']:>10.1f}{r['warm_median']['e2e_ms']:>10.1f}")
-    return "\n".join(lines)

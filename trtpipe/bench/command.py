@@ -9,6 +9,7 @@ from typing import Callable, Optional, Sequence
 
 from trtpipe.bench.aiperf import Load
 from trtpipe.bench.metrics import BenchError, parse_slo
+from trtpipe.extras import pyplot
 
 DEFAULT_REQUESTS = 32
 
@@ -67,6 +68,7 @@ def bench_command(target, overrides, url, model, tokenizer, metrics_url, concurr
             doc = run_point(tgt, loads[0], out, slo, recipe, binary=binary, fixed_output=fixed_osl)
             echo(json.dumps(doc, indent=1) if as_json else render(doc) + f"\nresult: {out / 'result.json'}")
             return doc
+        pyplot("trtpipe bench (sweep plots)")  # before the sweep runs, not after
         log = (lambda msg: None) if as_json else echo
         index = run_sweep(tgt, loads, out, slo, recipe, log=log, binary=binary, fixed_output=fixed_osl)
         echo(json.dumps(index, indent=1) if as_json else

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
 from trtpipe.bench.metrics import METRICS, BenchError
+from trtpipe.bench.run import load_result
 
 STATS = ("avg", "p50", "p90", "p99")
 RUN_LEVEL = ("request_throughput", "output_token_throughput", "goodput", "good_request_fraction")
@@ -189,3 +191,12 @@ def check_comparable(a: dict, b: dict) -> Optional[str]:
     la, lb = a.get("load", {}), b.get("load", {})
     diff = [k for k in ("concurrency", "request_rate", "arrival", "isl", "osl") if la.get(k) != lb.get(k)]
     return f"the runs differ in workload ({', '.join(diff)}): deltas mix workload and build" if diff else None
+
+
+def compare_paths(a: str, b: str, fail_if: Sequence[str], seed: int = 0) -> tuple[dict, Optional[str]]:
+    """``trtpipe bench compare A B``: each side a comma-separated list of results (files or directories);
+    returns the comparison and a warning when the two sides were not measured alike."""
+    gates = [parse_gate(g) for g in fail_if]
+    da = [load_result(Path(p)) for p in a.split(",") if p]
+    db = [load_result(Path(p)) for p in b.split(",") if p]
+    return compare(da, db, gates, seed=seed), check_comparable(da, db)

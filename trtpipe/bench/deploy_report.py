@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from trtpipe.errors import TrtpipeError
+from trtpipe.extras import pyplot
 
 
 def _accuracy(recipe) -> dict:
@@ -29,7 +30,7 @@ def _accuracy(recipe) -> dict:
         return {"status": "baseline", "ppl_increase_pct": 0.0, "kl_divergence": 0.0, "top1_agreement": 1.0,
                 "gate": "baseline"}
     try:
-        plans, _ = plan_build(recipe)
+        plans = plan_build(recipe)
     except (TrtpipeError, OSError) as exc:
         return {"status": f"cannot plan the build ({exc})"}
     plan = next((p for p in plans if p.name == "verify"), None)
@@ -55,9 +56,12 @@ def _accuracy(recipe) -> dict:
         gate = "pass" if any(v is not None for v in limits.values()) else "no limits"
     except TrtpipeError as exc:
         gate = f"FAIL: {str(exc).split(': ', 1)[-1]}"
+    cal = recipe.quantization.calibration
     return {"status": "verified", "source": source, "row": row["name"], "ppl_increase_pct": row["ppl_increase_pct"],
             "kl_divergence": row["kl_divergence"], "top1_agreement": row["top1_agreement"], "gate": gate,
-            "limits": limits}
+            "limits": limits, "rows": doc["rows"],
+            "eval": {k: doc.get(k) for k in ("eval_data", "num_samples", "seq_len")},
+            "calibration": {"dataset": cal.dataset, "num_samples": cal.num_samples, "seq_len": cal.seq_len}}
 
 
 def _memory(recipe_path: Path, overrides: Sequence[str]) -> dict:
@@ -143,13 +147,49 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines + notes)
 
 
+def _pair(with_kv: Optional[float], without_kv: Optional[float], spec: str) -> str:
+    """``with (without)`` when the KV cache is quantized and the two differ in print, else one value."""
+    a, b = _fmt(with_kv, spec, "skipped"), _fmt(without_kv, spec, "skipped")
+    return a if without_kv is None or a == b else f"{a} ({b})"
+
+
+def accuracy_markdown(rows: list[dict]) -> str:
+    """The verify stage's numbers of every quantized recipe as a markdown table (README's accuracy table).
+
+    One row per recipe: the deployed configuration (KV cache quantized when the recipe says so) and, in
+    brackets, the same weights with the KV cache unquantized; the reference perplexity is the unquantized
+    checkpoint's on the same held-out tokens.
+    """
+    lines = ["| recipe | quantization | KV cache | perplexity | ppl +% | KL | top-1 | greedy match | gate |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for r in rows:
+        a = r["accuracy"]
+        if a["status"] == "baseline":
+            continue
+        if a["status"] != "verified":
+            lines.append(f"| {r['recipe']} | {r['quantization']} | {r['kv_cache']} | {a['status']} | | | | | |")
+            continue
+        ref, deployed = a["rows"][0], a["rows"][1]
+        other = a["rows"][2] if len(a["rows"]) > 2 else {}
+        lines.append(
+            f"| {r['recipe']} | {r['quantization']} | {r['kv_cache']} "
+            f"| {_pair(deployed['perplexity'], other.get('perplexity'), '.4f')} "
+            f"| {_pair(deployed['ppl_increase_pct'], other.get('ppl_increase_pct'), '.2f')} "
+            f"| {_pair(deployed['kl_divergence'], other.get('kl_divergence'), '.4f')} "
+            f"| {_pair(deployed['top1_agreement'], other.get('top1_agreement'), '.3f')} "
+            f"| {_pair(deployed['greedy_match_len'], other.get('greedy_match_len'), '.1f')} "
+            f"of {_fmt(ref['greedy_match_len'], '.0f')} | {a['gate']} |")
+        e, c = a["eval"], a["calibration"]
+        notes.append(f"{r['recipe']}: unquantized perplexity {ref['perplexity']:.4f}; held-out {e['num_samples']}x"
+                     f"{e['seq_len']} tokens ({e['eval_data']}), calibration {c['num_samples']}x{c['seq_len']} "
+                     f"({c['dataset']}); {a.get('source', '')}")
+    return "\n".join(lines + [""] + [f"- {n}" for n in notes])
+
+
 def plot(rows: list[dict], path: Path) -> Optional[Path]:
     """Accuracy cost against serving throughput and memory: one panel each; gate failures in red."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("trtpipe report")
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for r in rows:
         a, mem, b = r["accuracy"], r["memory"], r["bench"]
@@ -180,8 +220,9 @@ def plot(rows: list[dict], path: Path) -> Optional[Path]:
 
 
 def build_report(recipe_paths: Sequence[Path], overrides: Sequence[str], out: Path) -> dict:
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
+    pyplot("trtpipe report")  # before any build or file: a missing extra leaves nothing half-written
     rows = []
     for path in recipe_paths:
         recipe = load_recipe(path, overrides, check_rules=False)
@@ -192,8 +233,9 @@ def build_report(recipe_paths: Sequence[Path], overrides: Sequence[str], out: Pa
     out.mkdir(parents=True, exist_ok=True)
     text = render(rows)
     png = plot(rows, out / "report.png")
-    doc = {"rows": rows, "text": text, "plot": str(png)}
+    table = accuracy_markdown(rows)
+    doc = {"rows": rows, "text": text, "accuracy_table": table, "plot": str(png)}
     (out / "report.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (out / "report.md").write_text("```\n" + text + "\n```\n\n![report](report.png)\n")
+    (out / "report.md").write_text("```\n" + text + "\n```\n\n" + table + "\n\n![report](report.png)\n")
     doc["text"] = text + f"\nwritten: {out / 'report.json'}, {out / 'report.md'}, {png}"
     return doc

@@ -10,12 +10,12 @@ and when each non-empty response arrived, plus its token counts.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
 
+from trtpipe import slo as slo_syntax
 from trtpipe.errors import TrtpipeError
 
 PERCENTILES = (1, 5, 10, 25, 50, 75, 90, 95, 99)
@@ -108,20 +108,13 @@ def stats(values: Sequence[float]) -> Optional[dict]:
 
 # --- SLOs and goodput ------------------------------------------------------------------------------
 
-_UNITS_MS = {"ms": 1.0, "s": 1000.0, "us": 1e-3}
-_SLO_KEYS = ("ttft", "ttst", "itl", "tpot", "e2e")
+SLO_METRICS = ("ttft", "ttst", "itl", "tpot", "e2e")
 
 
 def parse_slo(text: str) -> dict[str, float]:
-    """``ttft:200ms,itl:50ms`` -> {"ttft": 200.0, "itl": 50.0} (milliseconds; units ms, s, us)."""
-    out: dict[str, float] = {}
-    for part in filter(None, (p.strip() for p in (text or "").split(","))):
-        m = re.fullmatch(r"([a-z_][a-z0-9_]*)\s*[:=]\s*([0-9]*\.?[0-9]+)\s*(ms|s|us)?", part)
-        if not m or m.group(1) not in _SLO_KEYS:
-            raise BenchError(f"--slo: cannot read {part!r} (expected e.g. ttft:200ms,itl:50ms; metrics: "
-                             f"{', '.join(_SLO_KEYS)})")
-        out[m.group(1)] = float(m.group(2)) * _UNITS_MS[m.group(3) or "ms"]
-    return out
+    """``ttft:200ms,itl:50ms`` -> {"ttft": 200.0, "itl": 50.0} (milliseconds): per-request bounds in the one
+    SLO syntax of :mod:`trtpipe.slo` (goodput counts requests, so percentile terms are refused)."""
+    return slo_syntax.parse_slo(text, SLO_METRICS, percentiles=False)
 
 
 def meets(values: dict, slo: dict[str, float]) -> bool:

@@ -23,6 +23,7 @@ from trtpipe.bench.server_view import Sampler, scrape, server_tokens, server_vie
 from trtpipe.bench.target import Target, provenance
 
 FORMAT = "trtpipe-bench/1"
+RESULT_KEYS = ("metrics",)  # what show and compare read from every result (show also reads run, target)
 # Client and server token counts disagree when they differ by more than this (AIPerf's OSL-mismatch rule:
 # min(5% of OSL, 50 tokens)).
 MISMATCH_PCT, MISMATCH_ABS = 5.0, 50
@@ -180,8 +181,12 @@ def load_result(path: Path) -> dict:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise BenchError(f"{path}: cannot read a bench result ({exc})") from None
-    if doc.get("format") != FORMAT:
-        raise BenchError(f"{path}: not a trtpipe bench result (format {doc.get('format')!r}, expected {FORMAT})")
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        found = doc.get("format") if isinstance(doc, dict) else f"a JSON {type(doc).__name__}"
+        raise BenchError(f"{path}: not a trtpipe bench result (format {found!r}, expected {FORMAT})")
+    missing = [k for k in RESULT_KEYS if not isinstance(doc.get(k), dict)]
+    if missing:
+        raise BenchError(f"{path}: bench result without {', '.join(repr(k) for k in missing)} (truncated or edited?)")
     return doc
 
 

@@ -26,7 +26,7 @@ def bench_target(target: Optional[Path] = None, overrides: Sequence[str] = (), u
     say = log or (lambda msg: print(msg, file=sys.stderr))
     recipe = None
     if target is not None and Path(target).is_file():
-        from trtpipe.recipe import load_recipe
+        from trtpipe.validation import load_recipe
 
         recipe = load_recipe(target, overrides)
     if url:  # a running server; a repository or recipe given too supplies tokenizer, limits and provenance

@@ -18,6 +18,7 @@ import numpy as np
 
 from trtpipe.bench.aiperf import Load
 from trtpipe.bench.run import load_result, run_point
+from trtpipe.extras import pyplot
 
 COLUMNS = ("label", "concurrency", "request_rate", "ok", "failed", "request_throughput", "output_token_throughput",
            "ttft_p50", "ttft_p90", "ttft_p99", "itl_p50", "itl_p99", "e2e_p50", "e2e_p99", "goodput",
@@ -97,11 +98,7 @@ def _cdf(ax, values, label):
 
 def plot_sweep(out_dir: Path, docs: list[dict]) -> list[Path]:
     """PNG plots of a sweep (matplotlib, no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("trtpipe bench (sweep plots)")
     rows = [row(d) for d in docs]
     title = _title(docs[0]) if docs else ""
     x = [r["output_token_throughput"] for r in rows]

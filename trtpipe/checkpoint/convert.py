@@ -173,15 +173,6 @@ def unsharded_layer(reader: HFReader, plan: ConversionPlan, layer: int, meta: bo
     return {name: t for name, t, _ in _unit_iter(reader, plan, layer, meta, used)}
 
 
-def unsharded_globals(reader: HFReader, plan: ConversionPlan, meta: bool = False,
-                      used: Optional[set] = None) -> dict[str, torch.Tensor]:
-    """vocab_embedding, ln_f and lm_head (before padding/sharding)."""
-    out = {}
-    for unit in ("embedding", "head"):
-        out.update({name: t for name, t, _ in _unit_iter(reader, plan, unit, meta, used)})
-    return out
-
-
 # --- pass 2: shard --------------------------------------------------------------------------------
 
 

@@ -30,8 +30,9 @@ FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 CHECK_ROWS_BYTES = 64 << 20  # finite check granularity
 
 
-class _SafetensorsFile:
-    """One mmapped safetensors file: header entries and zero-copy tensor views."""
+class SafetensorsFile:
+    """One mmapped safetensors file: header entries and zero-copy tensor views (the checkpoint inspector and the
+    engine planner read headers and sizes through it without loading any tensor)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -123,13 +124,13 @@ class HFReader:
     def __init__(self, model_dir: str | Path, allow_pickle: bool = False, check_finite: bool = True):
         self.dir = Path(model_dir)
         self.check_finite = check_finite
-        self._files: dict[str, _SafetensorsFile] = {}
+        self._files: dict[str, SafetensorsFile] = {}
         self._where: dict[str, str] = {}
         self._pickled: dict[str, torch.Tensor] = {}
         st = self._weight_files("model.safetensors")
         if st:
             for rel in st:
-                self._files[rel] = _SafetensorsFile(self.dir / rel)
+                self._files[rel] = SafetensorsFile(self.dir / rel)
                 for name in self._files[rel].entries:
                     self._where[name] = rel
             self._check_index(st)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trtpipe.checkpoint.hf import HFReader, _SafetensorsFile
+from trtpipe.checkpoint.hf import HFReader, SafetensorsFile
 from trtpipe.errors import CheckpointError
 from trtpipe.jsonfile import read_json
 from trtpipe.models.hfconfig import read_hf_config
 
 
 def _file_summary(path: Path) -> dict:
-    f = _SafetensorsFile(path)
+    f = SafetensorsFile(path)
     try:
         dtypes: dict[str, int] = {}
         for dtype, _, _, numel in f.entries.values():

@@ -7,7 +7,7 @@ A linear's tensors are split by *axis roles*: the weight ``[out, in]`` (``[E, ou
 an out axis and an in axis; a bias or per-channel scale only an out axis; a pre-quant scale only an in
 axis; a per-tensor scale neither. Column-parallel splits the out axis, row-parallel the in axis. A packed
 or grouped axis (int4 pairs, group scales) is split in proportion to its length, so the same plan splits
-weights and scales (STYLE.md §6).
+weights and scales (tensor parallelism as pure split functions).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The engine build configuration: one frozen dataclass from (recipe, checkpoint config, preset), two spellings.
 
 :func:`resolve_build` is pure: it picks the preset, applies the recipe's overrides and the builder's own
-rewrites (contract §4.2, :mod:`trtpipe.engine.enforce`), resolves the shape limits as ``trtllm-build`` does
-(max_seq_len deduction, max_input_len clipping, §4.3 max_num_tokens), and records every rewrite with its reason.
+rewrites (:mod:`trtpipe.engine.enforce`), resolves the shape limits as ``trtllm-build`` does (max_seq_len
+deduction, max_input_len clipping, max_num_tokens), and records every rewrite with its reason.
+Reference: docs/reference/trtllm-build.md (builder-enforced combinations, max_num_tokens, output directory).
 :func:`to_argv` and :func:`to_json` are the only serializers: the ``trtllm-build`` command line (every flag in
-the 1.2.x CLI, §4.1) and the equivalent ``build_config`` JSON (every BuildConfig field, §4.4).
+the 1.2.x CLI) and the equivalent ``build_config`` JSON (every BuildConfig field).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from trtpipe.engine.presets import BY_NAME, FIELDS, auto_preset, get_preset, nor
 from trtpipe.errors import EngineError
 from trtpipe.recipe.schema import Recipe
 
-TARGET_TRTLLM_VERSION = "1.2.1"  # contract §0: the TensorRT-engine path this build config is written for
+TARGET_TRTLLM_VERSION = "1.2.1"  # the TensorRT-engine path this build config is written for (trtllm-build.md#versions)
 OPT_NUM_TOKENS_WARN = 16384
 SQ_PLUGIN_ALGOS = (
     "W8A8_SQ_PER_TENSOR_PLUGIN",
@@ -76,7 +77,9 @@ class EngineBuild:
         return [f.name for f in FIELDS if f.cli and f.name in named]
 
 
-def _target(cfg: dict, gpu: GPU) -> Target:
+def builder_target(cfg: dict, gpu: GPU) -> Target:
+    """What trtllm-build's enforcement checks are keyed by (GPU sm, architecture, quant algos, tp, pp) for the
+    checkpoint config ``cfg`` on ``gpu``; the validation rules ask it before resolving a build."""
     qa, kv = ckptconfig.quant(cfg)
     tp, pp = ckptconfig.mapping(cfg)
     return Target(sm=gpu.sm, architecture=cfg["architecture"], quant_algo=qa, kv_cache_quant_algo=kv, tp=tp, pp=pp)
@@ -139,7 +142,7 @@ def resolve_build(recipe: Recipe, checkpoint_config: dict, gpu: Optional[GPU] = 
         EngineError: unknown GPU, preset or plugin field, or a value a field does not take.
     """
     gpu = gpu or get_gpu(recipe.engine.gpu)
-    target = _target(checkpoint_config, gpu)
+    target = builder_target(checkpoint_config, gpu)
     preset, is_auto, values, sources = _plugins(recipe, target)
     values, changes = enforce(values, target, explicit=set(sources))
     rejected = rejections(values, target)

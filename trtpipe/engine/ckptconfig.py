@@ -1,23 +1,20 @@
 """The TensorRT-LLM checkpoint facts the engine stage needs, from a real checkpoint or predicted from the recipe.
 
 Before conversion (``trtpipe validate``, ``trtpipe plan``) there is no checkpoint ``config.json`` yet, so
-:func:`predicted_checkpoint_config` writes the subset of one (contract §1.2–1.4) that the build config and
-the planner read, from the Hugging Face config and the recipe. After conversion the real file is used.
+:func:`predicted_checkpoint_config` writes the subset of one (docs/reference/trtllm-checkpoint.md#configjson) that the
+build config and the planner read, from the Hugging Face config and the recipe. After conversion the real file is used.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Optional
 
 from trtpipe.errors import CheckpointError, EngineError
 from trtpipe.jsonfile import read_json
 from trtpipe.models.hfconfig import HFModelInfo
+from trtpipe.models.trtllm_config import deduce_max_seq_len
 from trtpipe.recipe.schema import Recipe
-
-# rope scaling types whose factor does not extend max_position_embeddings (contract §4.1, --max_seq_len)
-_NO_FACTOR_ROPE = ("su", "longrope", "llama3")
 
 
 def predicted_checkpoint_config(info: HFModelInfo, recipe: Recipe) -> dict[str, Any]:
@@ -28,7 +25,7 @@ def predicted_checkpoint_config(info: HFModelInfo, recipe: Recipe) -> dict[str, 
     """
     from trtpipe.models import get_family
     from trtpipe.models.trtllm_config import build_config, resolve_dtype
-    from trtpipe.quant.layouts import quantization_config
+    from trtpipe.checkpoint.quant_layouts import quantization_config
 
     p, q = recipe.parallel, recipe.quantization
     try:
@@ -63,18 +60,6 @@ def quant(cfg: dict) -> tuple[Optional[str], Optional[str]]:
 def mapping(cfg: dict) -> tuple[int, int]:
     m = cfg.get("mapping") or {}
     return int(m.get("tp_size", 1)), int(m.get("pp_size", 1))
-
-
-def deduce_max_seq_len(max_position_embeddings: Optional[int], rope_scaling: Optional[dict]) -> int:
-    """builder._init_max_seq_len: max_position_embeddings (2048 if null), times the rope factor rounded up
-    (``math.ceil``) unless the rope type's factor does not extend the window (su, longrope, llama3)."""
-    base = max_position_embeddings or 2048
-    scaling = rope_scaling or {}
-    kind = scaling.get("type", scaling.get("rope_type"))
-    factor = scaling.get("factor", 1.0) if kind not in _NO_FACTOR_ROPE else 1
-    if isinstance(factor, (int, float)) and factor and factor != 1:
-        return int(math.ceil(base * factor))
-    return int(base)
 
 
 def deduced_max_seq_len(cfg: dict) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from trtpipe.engine import versions
+from trtpipe.pipeline import versions
 from trtpipe.engine.twin_engine_dir import TWIN_FILE
 
 LOCK_FILE = "trtpipe_lock.json"
@@ -39,7 +39,7 @@ class Check:
 
 def _mpi() -> tuple[str, bool]:
     """mpiexec and mpi4py from the same MPI: a 2-rank job must see COMM_WORLD size 2 on both ranks."""
-    beside = Path(sys.executable).parent / "mpiexec"  # an MPI wheel in this environment wins (ENVIRONMENT.md)
+    beside = Path(sys.executable).parent / "mpiexec"  # an MPI wheel in this environment wins (cpu-environment.md)
     on_path = shutil.which("mpiexec")
     exe = str(beside) if beside.is_file() else on_path
     mpi4py_ver = versions.package_version("mpi4py")
@@ -107,7 +107,7 @@ def diagnose(engine_dir: Optional[Path] = None) -> list[Check]:
     torch_ver = versions.package_version("torch")
     checks.append(Check("torch", "ok" if torch_ver else "missing", torch_ver or "not installed",
                         fix="" if torch_ver else "pip install torch"))
-    gpus = versions.nvidia_smi()
+    gpus = versions.query_gpus()[0]
     gpu_text = "; ".join(f"{g['name']} (SM {g['compute_capability']}, {g['memory_total']})" for g in gpus) or "no CUDA GPU visible (nvidia-smi not found or no devices)"
     gpu_need = ", ".join(f"{g['name']} SM {g['compute_capability']}" for g in lock.get("gpus", [])[:1])
     status, fix = ("ok" if gpus else "missing"), ""
@@ -124,14 +124,14 @@ def diagnose(engine_dir: Optional[Path] = None) -> list[Check]:
     checks.append(Check("GPU", status, gpu_text, gpu_need or (f"{need['world_size']} GPU(s)" if real else ""), fix))
     driver = gpus[0]["driver"] if gpus else None
     checks.append(Check("driver", "ok" if driver else "info", driver or "none (no NVIDIA driver)", lock.get("driver") or ""))
-    cuda = versions.cuda_version()
+    cuda = versions.torch_cuda_version()
     checks.append(Check("CUDA", "ok" if cuda else "info", cuda or "none (torch is a CPU build)", lock.get("cuda") or ""))
     checks += _versioned("TensorRT", versions.package_version(*versions.PACKAGES["tensorrt"]),
                          lock.get("tensorrt"), real, "TensorRT plans only load with the TensorRT version that built them")
-    trtllm = versions.package_version("tensorrt_llm", "tensorrt-llm")
+    trtllm = versions.package_version(*versions.PACKAGES["tensorrt_llm"])
     want = need["version"] if real else None
     checks += _versioned("TensorRT-LLM", trtllm, want, real,
-                         "engines are valid only for the TensorRT-LLM release that built them (contract §8)",
+                         "engines are valid only for the TensorRT-LLM release that built them",
                          note="" if trtllm else "TensorRT engines need TensorRT-LLM 1.2.x on a GPU (pip install tensorrt_llm==1.2.1 from pypi.nvidia.com, or the tritonserver 25.12 TRT-LLM container)")
     mpi_text, mpi_ok = _mpi()
     multi = need is not None and need["world_size"] > 1

@@ -1,4 +1,7 @@
-"""The builder's enforced combinations (contract §4.2), applied by trtpipe itself before anything is emitted.
+"""The builder's enforced combinations, applied by trtpipe itself before anything is emitted.
+
+Source: ``builder.build`` of TensorRT-LLM 1.0–1.2 ``tensorrt_llm/builder.py``, restated in
+docs/reference/trtllm-build.md#builder-enforced-combinations.
 
 ``trtllm-build`` silently rewrites some plugin settings and raises on others. trtpipe applies the same
 rewrites (:func:`enforce`) so the flags it emits are the values the engine will really have, and lists
@@ -66,7 +69,7 @@ def is_blackwell_dc(sm: int) -> bool:
 
 
 def enforce(plugins: dict[str, Any], t: Target, explicit: Collection[str] = ()) -> tuple[dict[str, Any], list[Change]]:
-    """Apply §4.2's rewrites in the builder's order; return the final fields and what changed (with why).
+    """Apply the builder's rewrites in its order; return the final fields and what changed (with why).
 
     ``explicit``: the plugin fields given on the command line (only ``--gemm_plugin disable`` matters: it is
     the one way to keep an NVFP4 model off the NVFP4 GEMM plugin).
@@ -116,7 +119,7 @@ def enforce(plugins: dict[str, Any], t: Target, explicit: Collection[str] = ()) 
 
 
 def rejections(plugins: dict[str, Any], t: Target) -> list[tuple[str, str]]:
-    """Combinations the builder raises on (§4.2), plus FP8 GEMMs below SM 8.9; as (field or recipe key, reason)."""
+    """Combinations the builder raises on, plus FP8 GEMMs below SM 8.9; as (field or recipe key, reason)."""
     out: list[tuple[str, str]] = []
     sm = f"SM {t.sm // 10}.{t.sm % 10}"
     if is_blackwell_dc(t.sm):
@@ -131,7 +134,7 @@ def rejections(plugins: dict[str, Any], t: Target) -> list[tuple[str, str]]:
     for name in VALIDATE_REJECTS_BY_SM.get(t.sm, ()):
         if plugins.get(name, "disable") not in ("disable", False):
             out.append((name, f"{name} is rejected on {sm} (PluginConfig.validate)"))
-    if t.sm < 89 and t.quant_algo in FP8_ALGOS:  # an FP8 KV cache alone is allowed (§4.2 handles it)
+    if t.sm < 89 and t.quant_algo in FP8_ALGOS:  # an FP8 KV cache alone is allowed (the rewrites handle it)
         out.append(("quantization.algo", f"{t.quant_algo} needs FP8 tensor cores (SM >= 8.9); the target is {sm}"))
     if plugins.get("streamingllm"):
         out.append(("streamingllm", "StreamingLLM is no longer supported in TensorRT-LLM 1.x (the builder asserts)"))

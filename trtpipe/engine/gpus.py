@@ -6,8 +6,9 @@ One row per card, a table rather than branches. ``memory_mib`` is the total a ca
 The roofline columns (for ``trtpipe predict``) are dense (non-sparse) tensor-core peaks in TFLOPS per precision
 (datasheets usually print the 2:4-sparse figure, twice these) and the GPU-to-GPU link bandwidth per GPU per
 direction in GB/s (NVLink, else the PCIe slot); 0 means not recorded, and the performance model refuses such a card.
-A TensorRT engine is valid only for the compute capability it was built on (contract §8), so the
-catalog's SM is also what the builder's SM-dependent rules (§4.2) are checked against.
+A TensorRT engine is valid only for the compute capability it was built on
+(docs/reference/trtllm-build.md#version-compatibility), so the catalog's SM is also what the builder's SM-dependent
+rules (docs/reference/trtllm-build.md#builder-enforced-combinations) are checked against.
 """
 
 from __future__ import annotations

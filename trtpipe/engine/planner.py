@@ -1,10 +1,10 @@
 """The memory planner: will this recipe fit the target GPU, and how many sequences will the KV pool hold?
 
-Per rank (contract §5): device memory = engine weights + activations/workspace + a runtime reserve + the KV
-pool. The pool is ``free_gpu_memory_fraction`` of what is left (or ``max_tokens``); its tokens are split into
-``tokens_per_block`` blocks and the block count is the minimum over ranks. KV bytes per token per rank =
-2 x layers_on_rank x ceil(num_kv_heads / tp) x head_size x bytes(kv dtype): a KV head that is shared by several
-TP ranks (num_kv_heads < tp) is stored on each of them.
+Per rank (docs/reference/trtllm-build.md#kv-cache-memory): device memory = engine weights + activations/workspace + a
+runtime reserve + the KV pool. The pool is ``free_gpu_memory_fraction`` of what is left (or ``max_tokens``); its tokens
+are split into ``tokens_per_block`` blocks and the block count is the minimum over ranks. KV bytes per token per rank =
+2 x layers_on_rank x ceil(num_kv_heads / tp) x head_size x bytes(kv dtype): a KV head that is shared by several TP ranks
+(num_kv_heads < tp) is stored on each of them.
 
 Weights come from the checkpoint's ``rank{N}.safetensors`` when there is one, else from config.json shapes
 and the quantization's bytes per element. Activations and the reserve are estimates (stated as such):
@@ -139,10 +139,10 @@ def checkpoint_weight_bytes(ckpt_dir: Path, tp: int, pp: int) -> list[int]:
 
 def _tensor_bytes(f: Path) -> int:
     """Sum of the tensors' bytes in one safetensors file, from its header (the checkpoint reader's own checks)."""
-    from trtpipe.checkpoint.hf import _SafetensorsFile  # lazy: torch is only needed when a checkpoint is given
+    from trtpipe.checkpoint.hf import SafetensorsFile  # lazy: torch is only needed when a checkpoint is given
 
     try:
-        st = _SafetensorsFile(f)
+        st = SafetensorsFile(f)
     except CheckpointError as exc:
         raise EngineError(str(exc)) from None
     try:
@@ -215,7 +215,7 @@ class Plan:
 
 
 def blocks_per_sequence(seq: int, inp: int, tpb: int, beam: int) -> int:
-    """Blocks one sequence needs (§5.7): beam 1 = ceil(seq/tpb); beams share the full context blocks."""
+    """Blocks one sequence needs (kvCacheManager.cpp): beam 1 = ceil(seq/tpb); beams share the full context blocks."""
     if beam == 1:
         return math.ceil(seq / tpb)
     shared = inp // tpb
@@ -223,8 +223,9 @@ def blocks_per_sequence(seq: int, inp: int, tpb: int, beam: int) -> int:
 
 
 def sequence_blocks(cfg: dict, c, tpb: int) -> int:
-    """Blocks one sequence of max_seq_len needs (§5.7): the KV cache holds min(seq_len, attention_window) tokens;
-    the window is the model's sliding_window (what the repository passes as max_attention_window_size)."""
+    """Blocks one sequence of max_seq_len needs (kvCacheManager.cpp): the KV cache holds min(seq_len,
+    attention_window) tokens; the window is the model's sliding_window (what the repository passes as
+    max_attention_window_size)."""
     window = cfg.get("sliding_window")
     seq = min(c.max_seq_len, int(window)) if window else c.max_seq_len
     return blocks_per_sequence(seq, min(c.max_input_len, seq), tpb, c.max_beam_width)

@@ -18,9 +18,9 @@ from trtpipe.engine.gpus import CATALOG, get_gpu
 from trtpipe.engine.planner import GiB, Plan, plan_build
 from trtpipe.errors import EngineError, Problem, RecipeError
 from trtpipe.models.hfconfig import HFModelInfo, parse_hf_config
-from trtpipe.recipe import load_recipe
-from trtpipe.recipe.rules import RULES, _load_plugin_rules, load_model_info
+from trtpipe.recipe.rules import load_model_info
 from trtpipe.recipe.schema import Recipe
+from trtpipe.validation import RULES, load_recipe
 
 _SOURCE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -34,7 +34,9 @@ class Resolved:
     checkpoint: Optional[Path]
 
 
-def _model_info(recipe: Recipe, model_config: Optional[Path]) -> HFModelInfo:
+def model_info(recipe: Recipe, model_config: Optional[Path]) -> HFModelInfo:
+    """The model facts ``plan`` and ``predict`` work from: an explicit ``config.json`` (``--model-config``, for a
+    model not on this disk) or the recipe's model; an :class:`EngineError` that says which flag helps otherwise."""
     if model_config is not None:
         try:
             return parse_hf_config(json.loads(Path(model_config).read_text()), str(model_config))
@@ -49,7 +51,6 @@ def _model_info(recipe: Recipe, model_config: Optional[Path]) -> HFModelInfo:
 
 def _check(recipe: Recipe, info: HFModelInfo) -> None:
     """Every validation rule except the planner's own refusal (plan prints that itself)."""
-    _load_plugin_rules()
     name = str(recipe.path) if recipe.path else "<recipe>"
     problems = []
     for fn in RULES:
@@ -67,7 +68,7 @@ def built_checkpoint(recipe: Recipe) -> Optional[Path]:
     from trtpipe.errors import TrtpipeError
 
     try:
-        plans, _ = plan_stages(recipe)
+        plans = plan_stages(recipe)
     except (TrtpipeError, OSError):  # e.g. a model directory that is not on this disk
         return None
     by_name = {p.name: p for p in plans}
@@ -91,7 +92,7 @@ def resolve(recipe_path: Path, overrides: Iterable[str] = (), gpu: Optional[str]
         cfg = read_checkpoint_config(checkpoint)
         source_bytes = 2
     else:
-        info = _model_info(recipe, model_config)
+        info = model_info(recipe, model_config)
         _check(recipe, info)
         cfg = predicted_checkpoint_config(info, recipe)
         source_bytes = _SOURCE_BYTES.get(info.torch_dtype, 2)

@@ -15,7 +15,7 @@ from trtpipe.engine.gpus import get_gpu
 from trtpipe.engine.presets import FIELDS, get_preset, normalize
 from trtpipe.errors import EngineError
 from trtpipe.models.hfconfig import HFModelInfo
-from trtpipe.recipe.rules import RULES, Finding
+from trtpipe.recipe.rules import Finding, Rule
 from trtpipe.recipe.schema import Recipe
 
 IFB_STRATEGIES = ("inflight_fused_batching", "inflight_batching")
@@ -60,7 +60,7 @@ def engine_findings(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findin
     gpu = get_gpu(recipe.engine.gpu)
     llmapi = recipe.target == "llmapi"  # no trtllm-build: only the memory plan applies
     defaults = {f.name: f.default for f in FIELDS}
-    early = rejections(defaults, bc._target(cfg, gpu))
+    early = rejections(defaults, bc.builder_target(cfg, gpu))
     if early and not llmapi:  # the quantization itself is rejected on this GPU: no preset could help
         for key, reason in early:
             yield key, f"trtllm-build rejects this: {reason}"
@@ -96,4 +96,4 @@ def _build_findings(recipe: Recipe, build) -> Iterable[Finding]:
                                                "(the runtime would silently disable reuse); set enable_reuse: false")
 
 
-RULES.append(engine_findings)
+ENGINE_RULES: tuple[Rule, ...] = (engine_findings,)

@@ -71,7 +71,8 @@ def run_engine(ctx: StageContext) -> None:
 
 
 def _check_target_gpu(target, gpus: list[dict]) -> None:
-    """A plan only loads on the SM it was built for (contract §8): the visible GPUs must be the recipe's target."""
+    """A plan only loads on the SM it was built for (docs/reference/trtllm-build.md#version-compatibility): the
+    visible GPUs must be the recipe's target."""
     wrong = [g for g in gpus if g["compute_capability"] != target.compute_capability]
     if wrong:
         raise EngineError(

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from trtpipe.engine import versions
+from trtpipe.engine.versions import trtllm_supported
+from trtpipe.pipeline.versions import PACKAGES, package_version, query_gpus
 from trtpipe.errors import EngineError
 
 
@@ -29,12 +30,12 @@ class Availability:
 
 def availability() -> Availability:
     """Whether a real engine can be built here: TRT-LLM 1.0–1.2 installed, ``trtllm-build`` on PATH, a GPU."""
-    ver = versions.package_version("tensorrt_llm", "tensorrt-llm")
-    gpus = tuple(g["name"] for g in versions.nvidia_smi())
+    ver = package_version(*PACKAGES["tensorrt_llm"])
+    gpus = tuple(g["name"] for g in query_gpus()[0])
     if ver is None:
         why = "TensorRT-LLM is not installed" + ("" if gpus else " and no CUDA GPU is visible")
         return Availability(False, why, None, gpus)
-    if not versions.trtllm_supported(ver):
+    if not trtllm_supported(ver):
         return Availability(False, f"TensorRT-LLM {ver} has no trtllm-build TensorRT-engine path (needs 1.0-1.2.x)", ver, gpus)
     if shutil.which("trtllm-build") is None:
         return Availability(False, f"TensorRT-LLM {ver} is installed but trtllm-build is not on PATH", ver, gpus)

@@ -98,7 +98,3 @@ def write_twin_engine(checkpoint_dir: str | Path, out_dir: str | Path, build_con
     }
     (out / TWIN_FILE).write_text(json.dumps(twin, indent=2) + "\n")
     return out
-
-
-def is_twin(engine_dir: str | Path) -> bool:
-    return (Path(engine_dir) / TWIN_FILE).is_file()

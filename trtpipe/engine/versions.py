@@ -1,8 +1,9 @@
-"""What is installed: the version facts an engine is coupled to (contract §8), gathered without importing them.
+"""What is installed: the version facts an engine is coupled to, gathered without importing them.
 
-A TensorRT plan only loads with the TensorRT version and GPU SM it was built with, and TRT-LLM engines only
-with the TRT-LLM release that built them; the engine's config.json records none of TensorRT, CUDA or SM, so
-the engine stage records them here (the lockfile) and ``trtpipe doctor`` compares against it.
+A TensorRT plan only loads with the TensorRT version and GPU SM it was built with, and TRT-LLM engines only with the
+TRT-LLM release that built them; the engine's config.json records none of TensorRT, CUDA or SM, so the engine stage
+records them here (the lockfile) and ``trtpipe doctor`` compares against it
+(docs/reference/trtllm-build.md#version-compatibility).
 """
 
 from __future__ import annotations
@@ -11,23 +12,11 @@ import os
 import platform
 from typing import Any, Optional
 
-SUPPORTED_TRTLLM = ("1.0", "1.1", "1.2")  # releases with the trtllm-build TensorRT-engine path (contract §0)
-_CONTAINER_ENV = ("TRTPIPE_CONTAINER_TAG", "NVIDIA_TRITON_SERVER_VERSION", "NVIDIA_PYTORCH_VERSION", "NVIDIA_BUILD_ID")
-
-
 from trtpipe.pipeline.versions import PACKAGES, package_version, query_gpus, torch_cuda_version
 
-__all__ = ["package_version", "nvidia_smi", "cuda_version", "container_tag", "trtllm_supported", "lockfile"]
-
-
-def nvidia_smi() -> list[dict[str, Any]]:
-    """Visible GPUs (name, driver, compute capability, memory) from nvidia-smi; [] when there is none."""
-    return query_gpus()[0]
-
-
-def cuda_version() -> Optional[str]:
-    """CUDA runtime version torch was built with (the TRT-LLM containers ship a CUDA torch); None on CPU builds."""
-    return torch_cuda_version()
+# releases with the trtllm-build TensorRT-engine path (docs/reference/trtllm-build.md#versions)
+SUPPORTED_TRTLLM = ("1.0", "1.1", "1.2")
+_CONTAINER_ENV = ("TRTPIPE_CONTAINER_TAG", "NVIDIA_TRITON_SERVER_VERSION", "NVIDIA_PYTORCH_VERSION", "NVIDIA_BUILD_ID")
 
 
 def container_tag() -> Optional[str]:
@@ -43,11 +32,11 @@ def trtllm_supported(version: Optional[str]) -> bool:
 
 def lockfile() -> dict[str, Any]:
     """The environment an engine is built in: TensorRT-LLM, TensorRT, CUDA, driver, GPUs, container, Python."""
-    gpus = nvidia_smi()
+    gpus = query_gpus()[0]
     return {
         "tensorrt_llm": package_version(*PACKAGES["tensorrt_llm"]),
         "tensorrt": package_version(*PACKAGES["tensorrt"]),
-        "cuda": cuda_version(),
+        "cuda": torch_cuda_version(),  # the CUDA torch was built with (None on CPU builds)
         "driver": gpus[0]["driver"] if gpus else None,
         "gpus": [{"name": g["name"], "compute_capability": g["compute_capability"]} for g in gpus],
         "container": container_tag(),

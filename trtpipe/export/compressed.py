@@ -32,11 +32,11 @@ import torch
 from safetensors.torch import save_file
 
 from trtpipe.checkpoint.convert import TOKENIZER_FILES
+from trtpipe.checkpoint.quant_layouts import LINEAR_GROUPS, LINEARS
+from trtpipe.checkpoint.quant_primitives import choose_qparams, observe_amax, quantize
 from trtpipe.errors import QuantizationError
-from trtpipe.export.unified import HFNames, _assemble_shards, _global_tensors, hf_config
+from trtpipe.export.unified import HFNames, assemble_shards, global_tensors, hf_config
 from trtpipe.quant.calibrate import load_layer_stats
-from trtpipe.quant.layouts import LINEAR_GROUPS, LINEARS
-from trtpipe.quant.primitives import choose_qparams, observe_amax, quantize
 from trtpipe.quant.quantize import TORCH_DTYPES
 from trtpipe.quant.writer import TrtllmSource, excluded_fn
 
@@ -131,7 +131,7 @@ def export_compressed(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], o
     ignore = ["lm_head"]
     try:
         parts = [parts_dir / "globals.safetensors"]
-        save_file(_global_tensors(source, names, dt), str(parts[0]))
+        save_file(global_tensors(source, names, dt), str(parts[0]))
         for i in range(source.args.num_layers):
             if progress:
                 progress(f"({i + 1}/{source.args.num_layers}) Exporting")
@@ -157,7 +157,7 @@ def export_compressed(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], o
             parts.append(parts_dir / f"layer{i}.safetensors")
             save_file({k: v.contiguous().clone() for k, v in out.items()}, str(parts[-1]))
             del out
-        _assemble_shards(parts, out_dir, max_shard_bytes)
+        assemble_shards(parts, out_dir, max_shard_bytes)
     finally:
         shutil.rmtree(parts_dir, ignore_errors=True)
     qc = quantization_config(algo, group_size, ignore)

@@ -46,8 +46,8 @@ class HFFormat:
 
     Attributes:
         quant_algo: ``quantization.quant_algo`` of hf_quant_config.json (and the inline config).
-        base: the trtpipe algorithm (``trtpipe.quant.layouts.ALGOS``) whose scales are written; None = computed
-            here (FP8 per channel, data-free).
+        base: the trtpipe algorithm (``trtpipe.checkpoint.quant_layouts.ALGOS``) whose scales are written;
+            None = computed here (FP8 per channel, data-free).
         group_keys: hf_quant_config.json carries ``group_size``, ``has_zero_point``, ``pre_quant_scale``.
         own_weight_scale: per-tensor weight scales per projection (FP8), not the fused group's.
         config_groups: the inline ``config_groups`` ModelOpt writes for this algo (None: none).

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from trtpipe.models.hfconfig import HFModelInfo
-from trtpipe.recipe.rules import Finding, rule
+from trtpipe.recipe.rules import Finding, Rule
 from trtpipe.recipe.schema import Recipe
 
 # recipe algo -> why the llmapi target cannot take it, and what to use instead
@@ -30,7 +30,6 @@ LLMAPI_REFUSED_KV = {
 LLMAPI_ONLY_ALGOS = ("fp8_pc_pt", "nvfp4")
 
 
-@rule
 def _llmapi_target(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
     q = recipe.quantization
     if recipe.target != "llmapi":
@@ -62,3 +61,6 @@ def _llmapi_target(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding
 
 # recipe algo -> compressed-tensors scheme written (see trtpipe.export.compressed)
 COMPRESSED_TENSORS_ALGOS = ("fp8", "fp8_pc_pt", "int4_wo")
+
+
+EXPORT_RULES: tuple[Rule, ...] = (_llmapi_target,)

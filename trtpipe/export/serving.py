@@ -199,9 +199,7 @@ _OUTPUTS = [("text_output", "TYPE_STRING", [-1]), ("finish_reason", "TYPE_STRING
 
 
 def llmapi_pbtxt() -> str:
-    from tritonclient.grpc import model_config_pb2 as mc
-
-    from trtpipe.triton.repo import to_pbtxt
+    from trtpipe.triton.repo import mc, to_pbtxt
 
     c = mc.ModelConfig(name="tensorrt_llm", backend="python")
     c.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)

@@ -20,6 +20,8 @@ import torch
 from safetensors.torch import save_file
 
 from trtpipe.checkpoint.convert import TOKENIZER_FILES
+from trtpipe.checkpoint.quant_layouts import ALGOS, LINEAR_GROUPS, LINEARS
+from trtpipe.checkpoint.quant_primitives import choose_qparams, observe_amax, pack_int4_rows, quantize
 from trtpipe.checkpoint.writer import RankFile
 from trtpipe.errors import QuantizationError
 from trtpipe.export.formats import HF_FORMATS, SCALARS, SUFFIX, hf_quant_config, inline_quantization_config
@@ -27,10 +29,8 @@ from trtpipe.models import get_family
 from trtpipe.models.family import dims
 from trtpipe.models.hfconfig import read_hf_config
 from trtpipe.quant.calibrate import load_layer_stats
-from trtpipe.quant.layouts import ALGOS, LINEAR_GROUPS, LINEARS
-from trtpipe.quant.primitives import choose_qparams, observe_amax, pack_int4_rows, quantize
 from trtpipe.quant.quantize import TORCH_DTYPES, layer_params
-from trtpipe.quant.writer import TrtllmSource, _read, excluded_fn
+from trtpipe.quant.writer import TrtllmSource, excluded_fn, read_tensors
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 INDEX = "model.safetensors.index.json"
@@ -216,7 +216,7 @@ def layer_tensors(names: HFNames, tensors: dict[str, torch.Tensor], i: int, algo
     return out, unquantized
 
 
-def _global_tensors(source: TrtllmSource, names: HFNames, dt: torch.dtype) -> dict[str, torch.Tensor]:
+def global_tensors(source: TrtllmSource, names: HFNames, dt: torch.dtype) -> dict[str, torch.Tensor]:
     """Embedding, final norm and (untied) lm_head, un-padded and un-split from the checkpoint."""
     a = source.full
     out = {names.globals["transformer.vocab_embedding.weight"]: source.embedding().to(dt)}
@@ -279,7 +279,7 @@ def export_unified(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], out_
     parts_dir.mkdir(parents=True, exist_ok=True)
     try:
         parts = [parts_dir / "globals.safetensors"]
-        save_file(_global_tensors(source, names, dt), str(parts[0]))
+        save_file(global_tensors(source, names, dt), str(parts[0]))
         unquantized: list[str] = []
         for i in range(source.args.num_layers):
             if progress:
@@ -291,7 +291,7 @@ def export_unified(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], out_
             parts.append(parts_dir / f"layer{i}.safetensors")
             save_file({k: v.contiguous().clone() for k, v in out.items()}, str(parts[-1]))
             del out
-        _assemble_shards(parts, out_dir, max_shard_bytes)
+        assemble_shards(parts, out_dir, max_shard_bytes)
     finally:
         shutil.rmtree(parts_dir, ignore_errors=True)
     quantized = algo != "none" or kv_cache != "none"
@@ -309,7 +309,7 @@ def export_unified(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], out_
     return hq
 
 
-def _assemble_shards(parts: list[Path], out_dir: Path, max_shard_bytes: int) -> None:
+def assemble_shards(parts: list[Path], out_dir: Path, max_shard_bytes: int) -> None:
     """Part files -> ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` + index when larger than
     ``max_shard_bytes`` (transformers' rule: a tensor starts a new shard when it would overflow one)."""
     from safetensors import safe_open
@@ -341,7 +341,7 @@ def _assemble_shards(parts: list[Path], out_dir: Path, max_shard_bytes: int) -> 
         f = RankFile(out_dir / fname, [(k, d, s) for k, d, s, _ in shard])
         for path in dict.fromkeys(where[k] for k, *_ in shard):  # one part file read at a time
             wanted = {k for k, *_ in shard if where[k] == path}
-            for k, t in _read(path).items():
+            for k, t in read_tensors(path).items():
                 if k in wanted:
                     f.write(k, t)
         f.close()

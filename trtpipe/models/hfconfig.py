@@ -95,24 +95,39 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "config.json") -> HFModel
                 return cfg[k]
         raise CheckpointError(f"{source}: required key '{key}' is missing")
 
+    def whole(key: str, default: Any = None) -> int:
+        """``cfg[key]`` (or ``default`` when absent, null or 0) as an int; a one-line error naming the key."""
+        value = cfg.get(key) or default
+        if value is None:
+            return int(need(key))
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+            raise CheckpointError(f"{source}: key '{key}': expected a whole number, got {value!r}")
+        return int(value)
+
+    def number(key: str, default: float) -> float:
+        value = cfg.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CheckpointError(f"{source}: key '{key}': expected a number, got {value!r}")
+        return float(value)
+
     archs = cfg.get("architectures") or []
-    hidden = int(need("hidden_size"))
-    heads = int(need("num_attention_heads"))
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    hidden = whole("hidden_size")
+    heads = whole("num_attention_heads")
+    kv_heads = whole("num_key_value_heads", heads)
+    head_dim = whole("head_dim", hidden // heads if heads else None)
     theta, scaling = _rope(cfg)
     return HFModelInfo(
         architecture=archs[0] if archs else need("architectures"),
         model_type=str(cfg.get("model_type", "")),
         hidden_size=hidden,
-        num_layers=int(need("num_hidden_layers")),
+        num_layers=whole("num_hidden_layers"),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        intermediate_size=int(need("intermediate_size")),
-        vocab_size=int(need("vocab_size")),
+        intermediate_size=whole("intermediate_size"),
+        vocab_size=whole("vocab_size"),
         max_position_embeddings=cfg.get("max_position_embeddings"),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        rms_norm_eps=number("rms_norm_eps", 1e-5),
         rope_theta=theta,
         rope_scaling=scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -121,9 +136,9 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "config.json") -> HFModel
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         hidden_act=str(cfg.get("hidden_act", "silu")),
         sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
-        num_experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
-        experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
-        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+        num_experts=whole("num_local_experts", cfg.get("num_experts") or 0),
+        experts_per_token=whole("num_experts_per_tok", 0),
+        moe_intermediate_size=whole("moe_intermediate_size", 0),
         raw=cfg,
     )
 

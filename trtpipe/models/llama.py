@@ -1,6 +1,7 @@
 """Llama 2/3 and Mistral: HF ``LlamaForCausalLM``/``MistralForCausalLM`` -> TRT-LLM ``LLaMAForCausalLM``.
 
-Contract §2.1. The MLP naming quirk: TRT-LLM ``mlp.fc`` is the activated branch (HF ``gate_proj``) and
+Names and shards: docs/reference/trtllm-checkpoint.md#weight-names-and-per-rank-shapes-llama-unquantized.
+The MLP naming quirk: TRT-LLM ``mlp.fc`` is the activated branch (HF ``gate_proj``) and
 ``mlp.gate`` the linear one (HF ``up_proj``).
 """
 

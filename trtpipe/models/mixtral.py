@@ -1,4 +1,5 @@
-"""Mixtral: Llama attention plus a sparse MoE block (contract §2.2).
+"""Mixtral: Llama attention plus a sparse MoE block
+(docs/reference/trtllm-checkpoint.md#weight-names-and-per-rank-shapes-llama-unquantized).
 
 Experts fuse as ``mlp.fc = cat([stack(w3); stack(w1)], dim=-2)`` (linear half first, activated half
 second: the reverse of GatedMLP's naming) and ``mlp.proj = stack(w2)``. The router stays float32.

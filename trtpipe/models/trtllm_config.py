@@ -1,4 +1,4 @@
-"""The TensorRT-LLM checkpoint ``config.json`` for a converted HF model (contract §1.2-1.5).
+"""The TensorRT-LLM checkpoint ``config.json`` for a converted HF model (trtllm-checkpoint.md#configjson).
 
 Every field the builder and the C++ runtime read is written explicitly, including ``rotary_base`` and
 ``rotary_scaling`` (taken from either HF rope layout by ``hfconfig``), so nothing falls back to a default
@@ -7,6 +7,7 @@ that differs from the HF model.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from trtpipe.errors import CheckpointError
@@ -14,6 +15,9 @@ from trtpipe.models.family import Family
 from trtpipe.models.hfconfig import HFModelInfo
 
 DTYPES = ("float16", "bfloat16", "float32")
+
+# rope scaling types whose factor does not extend max_position_embeddings (contract §4.1, --max_seq_len)
+_NO_FACTOR_ROPE = ("su", "longrope", "llama3")
 
 # TRT-LLM convert_checkpoint --dtype auto: float32 sources become float16, half types are kept.
 AUTO_DTYPE = {"float32": "float16", "float16": "float16", "bfloat16": "bfloat16"}
@@ -132,3 +136,15 @@ def build_config(info: HFModelInfo, family: Family, dtype: str, tp: int = 1, pp:
         cfg["sliding_window"] = int(info.sliding_window)
     cfg.update(family.config_fields(info))
     return cfg
+
+
+def deduce_max_seq_len(max_position_embeddings: Optional[int], rope_scaling: Optional[dict]) -> int:
+    """builder._init_max_seq_len: max_position_embeddings (2048 if null), times the rope factor rounded up
+    (``math.ceil``) unless the rope type's factor does not extend the window (su, longrope, llama3)."""
+    base = max_position_embeddings or 2048
+    scaling = rope_scaling or {}
+    kind = scaling.get("type", scaling.get("rope_type"))
+    factor = scaling.get("factor", 1.0) if kind not in _NO_FACTOR_ROPE else 1
+    if isinstance(factor, (int, float)) and factor and factor != 1:
+        return int(math.ceil(base * factor))
+    return int(base)

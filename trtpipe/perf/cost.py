@@ -29,7 +29,7 @@ with the others, since the KV pool decides the batch.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Iterable, Sequence
 
 from trtpipe.engine.gpus import GPU
@@ -164,9 +164,6 @@ class Constants:
     @classmethod
     def names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
-
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)
 
 
 def step_time(t: Terms, c: Constants):

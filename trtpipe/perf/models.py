@@ -239,8 +239,3 @@ def published_spec(name: str) -> ModelSpec:
     if name not in PUBLISHED:
         raise TrtpipeError(f"model '{name}' has no published config in trtpipe.perf.models.PUBLISHED")
     return spec_of(PUBLISHED[name][1], name)
-
-
-def billions(n: int) -> float:
-    return round(n / 1e9, 2) if n else 0.0
-

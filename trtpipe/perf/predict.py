@@ -16,8 +16,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Optional
 
+from trtpipe import slo as slo_syntax
 from trtpipe.engine.gpus import GPU, get_gpu
 from trtpipe.errors import TrtpipeError
+from trtpipe.extras import pyplot
 from trtpipe.perf.cost import Constants, Deployment
 from trtpipe.perf.fit import family, load_constants, predict_rows
 from trtpipe.perf.models import spec_of
@@ -58,7 +60,7 @@ def recipe_setup(recipe_path: Path, overrides: Iterable[str] = (), gpu: Optional
     rec = r.recipe
     if not r.plan.fits:
         raise TrtpipeError(f"{recipe_path}: {r.plan.refusal}")
-    info = planning._model_info(rec, model_config)
+    info = planning.model_info(rec, model_config)
     spec = spec_of(info.raw, rec.name)
     q = rec.quantization
     prec = RECIPE_PRECISION.get(q.algo, "bf16" if rec.model.dtype == "bfloat16" else "fp16")
@@ -208,26 +210,22 @@ def write_scenarios(src: Path, dst: Path, constants: dict[str, Constants], simul
 
 # ---- capacity planning ----------------------------------------------------------------------------------------
 
+PLAN_SLO_METRICS = ("ttft", "itl", "e2e")
+
+
 def parse_slo(text: str) -> dict[str, float]:
-    """``ttft_p99=500ms,itl_p99=50ms`` -> {"ttft_p99": 0.5, "itl_p99": 0.05} (seconds)."""
-    out = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        m = re.fullmatch(r"(ttft|itl|e2e)_p(\d+(?:\.\d+)?)=(\d+(?:\.\d+)?)(ms|s)", part)
-        if not m:
-            raise TrtpipeError(f"--slo: cannot read '{part}' (want e.g. ttft_p99=500ms,itl_p99=50ms)")
-        out[f"{m.group(1)}_p{m.group(2)}"] = float(m.group(3)) * (1e-3 if m.group(4) == "ms" else 1.0)
-    if not out:
-        raise TrtpipeError("--slo: empty")
-    return out
+    """``ttft_p99=500ms,itl:50ms`` -> {"ttft_p99": 500.0, "itl": 50.0} (milliseconds), in the one SLO syntax of
+    :mod:`trtpipe.slo`: ``METRIC_pQ`` bounds the run's Q-th percentile, a bare ``METRIC`` every request (p100)."""
+    return slo_syntax.parse_slo(text, PLAN_SLO_METRICS)
 
 
 def meets(res: SimResult, slo: dict[str, float]) -> tuple[bool, dict[str, float]]:
-    """Whether a run meets every SLO target, and the headroom (target / predicted) of each."""
+    """Whether a run meets every SLO target (milliseconds), and the headroom (target / predicted) of each."""
     head = {}
-    for key, target in slo.items():
-        metric, q = key.split("_p")
-        got = res.pct(metric, float(q))
-        head[key] = target / got if got > 0 else math.inf
+    for key, target_ms in slo.items():
+        metric, q = slo_syntax.split_term(key)
+        got_ms = res.pct(metric, 100.0 if q is None else q) * 1e3
+        head[key] = target_ms / got_ms if got_ms > 0 else math.inf
     return all(h >= 1 for h in head.values()), head
 
 
@@ -243,6 +241,11 @@ def capacity_plan(recipe_path: Path, slo: dict[str, float], rate: float, isl: in
     run its precision: the fewest data-parallel replicas (each taking rate / replicas, Poisson) whose simulated latencies meet ``slo``.
     Sorted by total GPUs, then by the GPU's memory bandwidth (a proxy for its price: the catalog has no prices)."""
     c = constants or load_constants()["engine"]
+    for key in gpus or ():  # a typo is bad input, not a layout that "does not fit"
+        try:
+            get_gpu(key)
+        except TrtpipeError as exc:
+            raise TrtpipeError(str(exc).replace("engine.gpu:", "--gpus:", 1)) from None
     out = []
     variants = [list(overrides) + [f"quantization.algo={p}"] for p in precisions] or [list(overrides)]
     for key, tp, ov in ((k, t, v) for k in gpus or DEFAULT_PLAN_GPUS for t in (1, 2, 4, 8) for v in variants):
@@ -275,12 +278,7 @@ def capacity_plan(recipe_path: Path, slo: dict[str, float], rate: float, isl: in
 
 def plot_plan(rows: list[dict], path: Path, title: str) -> None:
     """Predicted throughput per GPU against ITL p99 per layout (at its chosen replica count)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise TrtpipeError(f"{path}: the plot needs matplotlib (pip install matplotlib)") from None
+    plt = pyplot("trtpipe plan --plot")
     if path.exists():
         raise TrtpipeError(f"{path}: already exists; choose another --plot (nothing is overwritten)")
     fig, ax = plt.subplots(figsize=(9, 6))

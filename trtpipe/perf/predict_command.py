@@ -9,6 +9,7 @@ from typing import Iterable, Optional
 import click
 
 from trtpipe.errors import TrtpipeError
+from trtpipe.extras import pyplot
 from trtpipe.perf import predict as P
 from trtpipe.perf.fit import load_constants, predict_rows
 from trtpipe.perf.published import read_rows
@@ -65,6 +66,8 @@ def plan_command(recipe: Path, overrides: Iterable[str], model_config: Optional[
     targets = P.parse_slo(slo)
     if plot and plot.exists():
         raise TrtpipeError(f"{plot}: already exists; choose another --plot (nothing is overwritten)")
+    if plot:
+        pyplot("trtpipe plan --plot")  # before the simulations, not after
     keys = [g.strip() for g in gpus.split(",")] if gpus else None
     log = None if as_json else (lambda m: click.echo(f"  .. {m}", err=True))
     algos = [p.strip() for p in precisions.split(",")] if precisions else []

@@ -57,6 +57,8 @@ TUNED_011 = {("GPT-J 6B", 1, ""): (2048, 128), ("GPT-J 6B", 1, "128/128"): (2048
              ("Llama 3 70B", 8, ""): (16384, 8192), ("Mixtral 8x7B", 2, ""): (3072, 2048),
              ("Mixtral 8x7B", 4, ""): (8192, 8192), ("Mistral 7B", 1, ""): (8192, 4098)}
 THROUGHPUT_METRICS = ("output_tok_s_total", "output_tok_s_per_gpu", "output_tok_s_unspecified")
+# The published numbers themselves, shipped with the package; where each was published: data/SOURCES.md
+PUBLISHED_CSV = Path(__file__).resolve().parent / "data" / "published_trtllm.csv"
 
 
 def gpu_of(label: str) -> GPU:
@@ -236,7 +238,25 @@ def to_published_unit(row: dict, total: float) -> float:
     return total
 
 
+INTEGER_COLUMNS = ("num_gpus", "tp", "pp", "ep", "isl", "osl")  # blank allowed (unknown), else a whole number
+
+
+def check_row(path: Path, line: int, number: int, row: dict) -> None:
+    """Row ``number`` (1 = the first after the header, ending on ``line``) as ``csv.DictReader`` read it: every
+    field present, no extra cell, whole numbers where counts go; else a one-line TrtpipeError naming all three."""
+    where = f"{path}:{line}: row {number}"
+    if None in row:
+        raise TrtpipeError(f"{where}: {len(row) - 1 + len(row[None])} fields, the header has {len(row) - 1}")
+    for column in COLUMNS:
+        value = row[column]
+        if value is None:
+            raise TrtpipeError(f"{where}: field '{column}' is missing (the row ends early)")
+        if column in INTEGER_COLUMNS and value.strip() and not value.strip().isdigit():
+            raise TrtpipeError(f"{where}: field '{column}': expected a whole number, got {value!r}")
+
+
 def read_rows(path: Path) -> list[dict]:
+    """The rows of a published-format CSV (header :data:`COLUMNS`, any extra columns kept), each checked."""
     path = Path(path)
     try:
         with open(path, newline="") as f:
@@ -244,6 +264,12 @@ def read_rows(path: Path) -> list[dict]:
             missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
             if missing:
                 raise TrtpipeError(f"{path}: missing column(s) {', '.join(missing)}")
-            return list(reader)
+            rows = []
+            for number, row in enumerate(reader, 1):
+                check_row(path, reader.line_num, number, row)
+                rows.append(row)
+            return rows
     except OSError as exc:
         raise TrtpipeError(f"{path}: {exc.strerror}") from None
+    except (csv.Error, UnicodeDecodeError) as exc:
+        raise TrtpipeError(f"{path}: not a readable CSV ({exc})") from None

@@ -50,7 +50,6 @@ def summary(manifest: dict) -> dict:
     keep = ("build_id", "status", "error", "work_dir", "manifest", "recipe_path", "wall_s", "peak_rss_bytes")
     out = {k: manifest.get(k) for k in keep}
     out["stages"] = [{k: v for k, v in s.items() if k not in ("files", "material")} for s in manifest["stages"]]
-    out["unavailable"] = manifest.get("unavailable", {})
     out["versions"] = manifest.get("versions", {})
     return out
 

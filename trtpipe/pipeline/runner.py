@@ -28,7 +28,7 @@ from trtpipe.pipeline.logs import BuildLogs, new_build_id, timestamp
 from trtpipe.pipeline.manifest import MANIFEST_FORMAT, summary, write_manifest
 from trtpipe.pipeline.measure import PeakRss
 from trtpipe.pipeline.stage import Stage, StageContext
-from trtpipe.pipeline.stage_table import STAGE_NAMES, StageLoadError, load_stages
+from trtpipe.pipeline.stage_table import STAGES
 from trtpipe.pipeline.versions import collect_versions
 from trtpipe.recipe.schema import Recipe
 
@@ -92,40 +92,23 @@ def _check_order(stages: Sequence[Stage]) -> None:
         seen.add(stage.name)
 
 
-def _stage_list(stages: Optional[Sequence[Stage]]) -> tuple[list[tuple[str, Optional[Stage]]], dict[str, str]]:
-    """``[(name, stage or None)]`` in build order, and the unavailable stages' reasons."""
-    if stages is not None:
-        _check_order(stages)
-        return [(s.name, s) for s in stages], {}
-
-    table = load_stages()
-    by_name = {s.name: s for s in table.stages}
-    return [(name, by_name.get(name)) for name in STAGE_NAMES], dict(table.unavailable)
-
-
-def plan_build(recipe: Recipe, stages: Optional[Sequence[Stage]] = None) -> tuple[list[StagePlan], dict[str, str]]:
+def plan_build(recipe: Recipe, stages: Optional[Sequence[Stage]] = None) -> list[StagePlan]:
     """Every stage's key and whether its artifact is complete, computed from the recipe and files only.
 
     Args:
         stages: the stages to build, in order (default: the table in ``trtpipe.pipeline.stage_table``).
 
-    Returns:
-        The plan, and ``{stage: reason}`` for stages whose module is not available.
     """
-    listed, unavailable = _stage_list(stages)
+    stages = STAGES if stages is None else stages
+    _check_order(stages)
     store = ArtifactStore(recipe.work_path)
     plans: dict[str, StagePlan] = {}
-    for name, stage in listed:
+    for stage in stages:
+        name = stage.name
         plan = plans[name] = StagePlan(name, stage)
-        if stage is None:
-            plan.reason = f"not available: {unavailable[name]}"
-            continue
         if not stage.enabled(recipe):
             plan.reason, plan.disabled = "disabled by the recipe", True
             continue
-        unknown = [i for i in stage.inputs if i not in plans]
-        if unknown:
-            raise StageLoadError(f"stage {name} reads {', '.join(unknown)}, which is not an earlier stage")
         inputs = [plans[i] for i in stage.inputs]
         blocked = [i.name for i in inputs if not i.runnable and not i.disabled]
         if blocked:
@@ -135,7 +118,7 @@ def plan_build(recipe: Recipe, stages: Optional[Sequence[Stage]] = None) -> tupl
         plan.key, plan.material = stage_key(stage, recipe, input_keys)
         plan.runnable = True
         plan.cached = store.marker(name, plan.key) is not None
-    return list(plans.values()), unavailable
+    return list(plans.values())
 
 
 def _index(plans: list[StagePlan], name: Optional[str], flag: str) -> Optional[int]:
@@ -313,14 +296,14 @@ def run_build(
     started_at, started = timestamp(), time.perf_counter()
     with WorkDirLock(work_dir):
         cleaned = store.clean_stale()
-        plans, unavailable = plan_build(recipe, stages)
+        plans = plan_build(recipe, stages)
         first, last, forced = _selection(plans, force, from_stage, until)
         with BuildLogs(work_dir, build_id) as logs:
             for action in cleaned:
                 logger.info("%s", action)
             build = _Build(recipe, store, logs, build_id, quiet, _Reporter(quiet))
             manifest = _manifest_head(recipe, work_dir, build_id, started_at, overrides, force, from_stage, until)
-            manifest.update(versions=collect_versions(), unavailable=unavailable, cleaned=cleaned)
+            manifest.update(versions=collect_versions(), cleaned=cleaned)
             status, failure = "interrupted", None
             try:
                 failure = _run_stages(build, plans, first, last, forced)
@@ -413,7 +396,7 @@ def build_status(recipe: Recipe, stages: Optional[Sequence[Stage]] = None, verif
 
     work_dir = recipe.work_path
     store = ArtifactStore(work_dir)
-    plans, unavailable = plan_build(recipe, stages)
+    plans = plan_build(recipe, stages)
     rows = []
     for plan in plans:
         state = ("cached" if plan.cached else "to build") if plan.runnable else "skipped"
@@ -422,7 +405,7 @@ def build_status(recipe: Recipe, stages: Optional[Sequence[Stage]] = None, verif
             row["artifact"] = _rel(store.path(plan.name, plan.key), work_dir)
         row["other_keys"] = [k for k in store.keys(plan.name) if k != plan.key]
         rows.append(row)
-    out: dict = {"work_dir": str(work_dir), "stages": rows, "unavailable": unavailable, "last_build": None}
+    out: dict = {"work_dir": str(work_dir), "stages": rows, "last_build": None}
     manifest_path = work_dir / MANIFEST_NAME
     try:
         last = load_manifest(manifest_path)
@@ -446,7 +429,7 @@ def collect_garbage(recipe: Recipe, stages: Optional[Sequence[Stage]] = None, de
 
     work_dir = recipe.work_path
     store = ArtifactStore(work_dir)
-    plans, _ = plan_build(recipe, stages)
+    plans = plan_build(recipe, stages)
     keep = {(p.name, p.key) for p in plans if p.key is not None}
     try:
         last = load_manifest(work_dir / MANIFEST_NAME)
@@ -469,3 +452,21 @@ def collect_garbage(recipe: Recipe, stages: Optional[Sequence[Stage]] = None, de
                 shutil.rmtree(work_dir / u["artifact"])
         out["deleted"] = True
     return out
+
+
+def render_status(report: dict) -> str:
+    """``trtpipe status``'s table: one line per stage (state, artifact or reason), the last build, mismatches."""
+    lines = [f"{row['name']:<11} {row['state']:<9} {row.get('artifact') or row['reason']}" for row in report["stages"]]
+    last = report["last_build"]
+    lines.append(f"last build: {last['build_id']} {last['status']}" if last else "last build: none")
+    lines += [f"mismatch: {problem}" for problem in report.get("verify") or []]
+    return "\n".join(lines)
+
+
+def render_garbage(report: dict, delete: bool) -> str:
+    """``trtpipe gc``'s lines: each unused (or deleted) artifact and its size, then the total."""
+    verb = "deleted" if report["deleted"] else "unused"
+    lines = [f"{verb:<8} {u['artifact']}  {u['bytes'] / 2**30:.2f} GiB" for u in report["unused"]]
+    total = f"{len(report['unused'])} artifacts, {report['bytes'] / 2**30:.2f} GiB"
+    lines.append(f"{verb} {total}" + ("" if delete or not report["unused"] else " (trtpipe gc RECIPE --delete frees them)"))
+    return "\n".join(lines)

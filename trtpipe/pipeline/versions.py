@@ -1,4 +1,7 @@
-"""The software and hardware a build ran on, recorded in every manifest (serving checks against it).
+"""The software and hardware a build ran on, recorded in every manifest.
+
+Serving checks an engine against the lockfile the engine stage wrote (``triton.launch.check_engine_versions``),
+the one version check; this module only reads what is installed.
 
 Policy: read versions from installed package metadata and ``nvidia-smi`` without importing heavy packages
 (importing TensorRT-LLM takes seconds and initialises CUDA). Anything absent is ``None``, never guessed.
@@ -101,21 +104,3 @@ def collect_versions() -> dict:
         }
     )
     return out
-
-
-# What an engine is bound to (TRTLLM_CONTRACT.md §8): a plan deserializes only with the TensorRT (and TensorRT-LLM)
-# release that built it, on a GPU of the same compute capability.
-ENGINE_BOUND = ("tensorrt_llm", "tensorrt", "gpu_compute_capability")
-
-
-def version_mismatches(recorded: dict, current: Optional[dict] = None, keys: tuple[str, ...] = ENGINE_BOUND) -> list[str]:
-    """One line per ``key`` whose recorded (manifest) value differs from this machine's; empty when all match.
-
-    Serving calls this with ``manifest["versions"]`` before loading engines.
-    """
-    current = collect_versions() if current is None else current
-    return [
-        f"{key}: built with {recorded.get(key)!s}, this machine has {current.get(key)!s}"
-        for key in keys
-        if recorded.get(key) != current.get(key)
-    ]

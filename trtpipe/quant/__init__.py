@@ -1,12 +1,7 @@
-"""Quantization: calibration, FP8 / INT8 / INT4 layouts for TensorRT-LLM, the quantized reference, accuracy.
+"""Quantization: calibration, FP8 / INT8 / INT4 quantized TensorRT-LLM checkpoints, accuracy against the unquantized.
 
-The reference runtime finds its quantized-linear and KV-cache handlers by importing this package
-(``trtpipe.runtime.linear._lookup``), so they are registered here, but only once torch is loaded: recipe
-validation imports ``trtpipe.quant.rules`` and must stay fast (no torch). Every module here that runs
-quantized checkpoints imports :mod:`trtpipe.quant.reference` itself, so the order never matters for them.
+The layouts it writes and their number formats are in :mod:`trtpipe.checkpoint.quant_layouts` and
+:mod:`trtpipe.checkpoint.quant_primitives`; the reference runtime reads the same layouts with its own tables
+(:mod:`trtpipe.runtime.linear`), so quantization depends on the runtime (it runs models to calibrate and to
+measure accuracy) and the runtime never on quantization.
 """
-
-import sys
-
-if "torch" in sys.modules:
-    from trtpipe.quant import reference as _reference  # noqa: F401  (registers the runtime handlers)

@@ -30,12 +30,11 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from trtpipe.errors import AccuracyGateError, CheckpointError, QuantizationError
-from trtpipe.quant import reference  # noqa: F401  (runtime handlers for quantized checkpoints)
 from trtpipe.quant.calibrate import ActivationBuffer
 from trtpipe.quant.data import batched_decode
 from trtpipe.quant.hostmem import whole_model_misfit
 from trtpipe.quant.writer import CheckpointLayers
-from trtpipe.runtime.loader import _embedding, _lm_head, load_checkpoint
+from trtpipe.runtime.loader import embedding_table, lm_head_linears, load_checkpoint
 from trtpipe.runtime.model import DecoderLayer, ReferenceModel
 
 
@@ -111,7 +110,7 @@ def stream_names(kv: Optional[str]) -> list[str]:
 
 def _embedder(src: CheckpointLayers) -> ReferenceModel:
     """A :class:`ReferenceModel` without layers that holds only the embedding (first PP rank files)."""
-    emb = _embedding(src.config, src.full, src.ranks(0, "transformer.vocab_embedding."))
+    emb = embedding_table(src.config, src.full, src.ranks(0, "transformer.vocab_embedding."))
     return ReferenceModel(src.config, src.full, emb, [], torch.empty(0), [])
 
 
@@ -124,7 +123,7 @@ def _scorer(src: CheckpointLayers) -> ReferenceModel:
         raise CheckpointError(f"{src.dir}: tensor 'transformer.ln_f.weight' is missing from the last PP rank")
     tied = "lm_head.weight" not in last[0]
     emb = _embedder(src).embedding if tied else torch.empty(0, a.hidden_size)
-    return ReferenceModel(src.config, a, emb, [], last[0]["transformer.ln_f.weight"], _lm_head(a, last, emb))
+    return ReferenceModel(src.config, a, emb, [], last[0]["transformer.ln_f.weight"], lm_head_linears(a, last, emb))
 
 
 def _set_kv_quant(layer: DecoderLayer, on: bool, saved: list) -> None:

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from trtpipe.checkpoint.quant_layouts import LINEAR_GROUPS
+from trtpipe.checkpoint.quant_primitives import observe_channel_amax
 from trtpipe.errors import QuantizationError
 from trtpipe.quant.awq import awq_clip, awq_scales
-from trtpipe.quant.layouts import LINEAR_GROUPS
-from trtpipe.quant.primitives import observe_channel_amax
 from trtpipe.quant.quantize import TORCH_DTYPES, GroupStats, LayerStats
 from trtpipe.runtime.model import DecoderLayer, ModelArgs
 
@@ -231,10 +231,3 @@ def load_layer_stats(stats_dir: Path, i: int) -> LayerStats:
 
 def write_meta(out_dir: Path, meta: dict) -> None:
     (out_dir / "stats.json").write_text(json.dumps(meta, indent=2) + "\n")
-
-
-def read_meta(stats_dir: Path) -> dict:
-    path = stats_dir / "stats.json"
-    if not path.exists():
-        raise QuantizationError(f"{path}: not a calibration artifact (stats.json missing)")
-    return json.loads(path.read_text())

@@ -106,10 +106,6 @@ def self_samples(generate_fn: Callable[[list[list[int]], int, int], list[list[in
     return torch.tensor(rows, dtype=torch.long)
 
 
-def batches(tokens: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
-    return list(tokens.split(batch_size, dim=0))
-
-
 def token_batches(spec: str, resolve: Callable[[str], Path], text_field: str, tokenizer, num_samples: int,
                   seq_len: int, generate_fn: Optional[Callable] = None, seed: int = 0) -> torch.Tensor:
     """Tokens for a recipe data spec (a path or ``self``)."""

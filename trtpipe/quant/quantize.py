@@ -2,7 +2,7 @@
 
 Two passes, so tensor parallelism never changes a number:
 1. :func:`layer_params` (unsharded): pre-quant scales (SmoothQuant / AWQ / unit), the weight to quantize
-   ``W / pqs`` and every scale, with the shared-scale rules of :mod:`trtpipe.quant.layouts`.
+   ``W / pqs`` and every scale, with the shared-scale rules of :mod:`trtpipe.checkpoint.quant_layouts`.
 2. :func:`rank_tensors`: split weights and scales with the same plan, then quantize and pack each rank's shard.
    Codes are elementwise given their scale, so ``quantize(shard(W), shard(s)) == shard(quantize(W, s))``.
 """
@@ -14,11 +14,11 @@ from typing import Callable, Optional
 
 import torch
 
-from trtpipe.errors import QuantizationError
+from trtpipe.checkpoint.quant_layouts import KV_ALGOS, LINEAR_GROUPS, STYLE, TENSOR_DTYPES, Algo, group_granularity
+from trtpipe.checkpoint.quant_primitives import choose_qparams, observe_amax, pack_int4_rows, quantize
 from trtpipe.checkpoint.shard import Layout, split_experts, split_linear_tensor
+from trtpipe.errors import QuantizationError
 from trtpipe.quant.awq import awq_scales
-from trtpipe.quant.layouts import KV_ALGOS, LINEAR_GROUPS, STYLE, TENSOR_DTYPES, Algo, group_granularity
-from trtpipe.quant.primitives import choose_qparams, observe_amax, pack_int4_rows, quantize
 from trtpipe.quant.smoothquant import smooth_scales, smoothed_act_amax
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -73,7 +73,7 @@ def layer_params(algo: Algo, weights: dict[str, torch.Tensor], stats: LayerStats
         shared_amax = torch.stack([w.abs().amax() for w in ws]).amax().reshape(1)
         for m, w in zip(members, ws):
             if gran == "tensor" and w.dim() == 3:
-                amax = observe_amax(w, "expert")  # [E, 1]: one scale per expert (contract §3.1)
+                amax = observe_amax(w, "expert")  # [E, 1]: one scale per expert (trtllm-checkpoint.md)
             elif gran == "tensor":
                 amax = shared_amax
             elif st is not None and m in st.awq_amax and algo.prequant == "awq":

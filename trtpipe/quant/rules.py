@@ -1,11 +1,11 @@
 """Quantization layout rules, checked when the recipe is validated (before any weight is read).
 
-Policy (MODELOPT_LAYOUTS.md, contract §3.4-3.6): an int4 linear must have an even number of output rows per
-rank and whole groups in every rank's input slice (no partial groups: ModelOpt and the TRT-LLM AWQ layers
-reject them). Every linear that breaks this is listed with the fix: a smaller ``group_size`` that works, or an
-``exclude`` pattern that keeps it unquantized. ``lm_head`` stays unquantized (the quantized layouts here do
-not cover it), so ``*lm_head`` must stay in ``exclude``. Mixture-of-experts models: fp8 (per-expert weight
-scales, contract §3.1) and KV-cache quantization only.
+Policy (docs/reference/trtllm-checkpoint.md#quantized-tensors): an int4 linear must have an even number of output rows
+per rank and whole groups in every rank's input slice (no partial groups: ModelOpt and the TRT-LLM AWQ layers reject
+them). Every linear that breaks this is listed with the fix: a smaller ``group_size`` that works, or an ``exclude``
+pattern that keeps it unquantized. ``lm_head`` stays unquantized (the quantized layouts here do not cover it), so
+``*lm_head`` must stay in ``exclude``. Mixture-of-experts models: fp8 (per-expert weight scales) and KV-cache
+quantization only.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 import fnmatch
 from typing import Iterable, Optional
 
+from trtpipe.checkpoint.quant_layouts import ALGOS, STYLE
 from trtpipe.models.hfconfig import HFModelInfo
 from trtpipe.quant.hostmem import whole_model_misfit
-from trtpipe.quant.layouts import ALGOS, STYLE
-from trtpipe.recipe.rules import Finding, rule
+from trtpipe.recipe.rules import Finding, Rule
 from trtpipe.recipe.schema import Recipe
 
 GROUP_SIZES = (32, 64, 128, 256)
@@ -56,7 +56,6 @@ def _excluded(name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(full, p) for p in patterns)
 
 
-@rule
 def _quant_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
     q = recipe.quantization
     algo = ALGOS.get(q.algo)
@@ -85,7 +84,6 @@ def _quant_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]
         yield "quantization.group_size", f"{q.algo} at tp={tp}: {name} {why}; fix: {fix}"
 
 
-@rule
 def _self_data_fits(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
     """``self`` data is sampled from the whole unquantized model in float32 on the host: refuse it up front for a
     model that does not fit (calibration and verification themselves run one layer at a time)."""
@@ -103,3 +101,6 @@ def _self_data_fits(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findin
         for key in keys:
             yield key, (f"'self' samples text from the whole model, and {why}; "
                         "name a .txt, .jsonl or .json dataset instead")
+
+
+QUANT_RULES: tuple[Rule, ...] = (_quant_layout, _self_data_fits)

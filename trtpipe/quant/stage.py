@@ -19,11 +19,11 @@ import torch
 from safetensors.torch import save_file
 
 from trtpipe.checkpoint.convert import TOKENIZER_FILES
+from trtpipe.checkpoint.quant_layouts import ALGOS
 from trtpipe.pipeline.stage import Stage, StageContext
-from trtpipe.quant import accuracy, reference  # noqa: F401  (reference: runtime handlers)
+from trtpipe.quant import accuracy
 from trtpipe.quant.calibrate import CalibSettings, calibrate, save_layer_stats, write_meta
 from trtpipe.quant.data import batched_decode, load_tokenizer, token_batches
-from trtpipe.quant.layouts import ALGOS
 from trtpipe.quant.writer import TrtllmSource, quantize_checkpoint
 from trtpipe.recipe.schema import Recipe
 from trtpipe.runtime import load_checkpoint

@@ -19,12 +19,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from trtpipe.checkpoint.quant_layouts import ALGOS, LINEARS, quantization_config
 from trtpipe.checkpoint.shard import Layout, pp_layers
 from trtpipe.checkpoint.writer import TORCH_TO_ST, RankFile
 from trtpipe.errors import QuantizationError
-from trtpipe.quant import reference  # noqa: F401  (runtime handlers for quantized checkpoints)
 from trtpipe.quant.calibrate import LayerSource, load_layer_stats
-from trtpipe.quant.layouts import ALGOS, LINEARS, quantization_config
 from trtpipe.quant.quantize import kv_scales, layer_params, rank_tensors
 from trtpipe.runtime.loader import read_config
 from trtpipe.runtime.model import ModelArgs
@@ -47,7 +46,7 @@ class CheckpointLayers:
     def ranks(self, p: int, prefix: str | tuple[str, ...], to_float: bool = False) -> list[dict[str, torch.Tensor]]:
         """Tensors whose names start with ``prefix`` (full names) of every tp rank of PP rank ``p``."""
         tp = self.full.tp
-        return [_read(self.dir / f"rank{p * tp + r}.safetensors", prefix, to_float) for r in range(tp)]
+        return [read_tensors(self.dir / f"rank{p * tp + r}.safetensors", prefix, to_float) for r in range(tp)]
 
     def rank_layer(self, i: int, to_float: bool = False) -> list[dict[str, torch.Tensor]]:
         """Global layer ``i`` as every tp rank stores it, names relative to the layer (what DecoderLayer takes)."""
@@ -176,7 +175,7 @@ def _write_ranks(base_dir, source, stats_dir, out_dir, parts, args, a, layout, s
                 del tensors, weights
             for r in range(args.tp):
                 rank = p * args.tp + r
-                layer = _read(base_dir / f"rank{rank}.safetensors", prefix)
+                layer = read_tensors(base_dir / f"rank{rank}.safetensors", prefix)
                 for m in params:
                     for k in [k for k in layer if k.startswith(prefix + m + ".") and not k.endswith(".bias")]:
                         del layer[k]
@@ -196,7 +195,7 @@ def _write_ranks(base_dir, source, stats_dir, out_dir, parts, args, a, layout, s
     return quantization_config(algo, kv_cache, group_size, exclude)
 
 
-def _read(path: Path, prefix: str | tuple[str, ...] = "", to_float: bool = False) -> dict[str, torch.Tensor]:
+def read_tensors(path: Path, prefix: str | tuple[str, ...] = "", to_float: bool = False) -> dict[str, torch.Tensor]:
     """Tensors of ``path`` whose names start with ``prefix``, read with ``pread`` (no mapping stays resident,
     so host memory is what is returned); ``to_float`` converts each one to float32 as soon as it is read."""
     if not path.exists():
@@ -234,9 +233,9 @@ def _assemble(base: Path, parts: list[Path], out: Path) -> None:
                 where[k], entries[k] = path, (k, ST_TO_TORCH[sl.get_dtype()], tuple(sl.get_shape()))
     f = RankFile(out, [entries[k] for k in sorted(entries)])
     for k in sorted(k for k, path in where.items() if path == base):
-        f.write(k, _read(base, k)[k])
+        f.write(k, read_tensors(base, k)[k])
     for path in parts:
-        for k, t in _read(path).items():
+        for k, t in read_tensors(path).items():
             f.write(k, t)
     f.close()
 

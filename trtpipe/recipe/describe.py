@@ -68,14 +68,12 @@ def explain_yaml(recipe: Recipe, deduced: dict[str, Any] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def explain(path, overrides=(), as_json: bool = False) -> str:
-    """``trtpipe explain``: load and check a recipe, then show every setting (YAML with notes, or plain JSON)."""
+def explain(recipe: Recipe, as_json: bool = False) -> str:
+    """``trtpipe explain``: every setting of a loaded and checked recipe (YAML with notes, or plain JSON)."""
     import json
 
-    from trtpipe.recipe.loader import load_recipe
     from trtpipe.recipe.rules import deduced_max_seq_len, load_model_info
 
-    recipe = load_recipe(path, overrides)
     if as_json:
         return json.dumps(recipe.model_dump(mode="json"), indent=2) + "\n"
     deduced = {}

@@ -2,7 +2,8 @@
 
 Policy: every way a recipe can be wrong ends in one :class:`RecipeError` that lists all problems found, one
 line each: ``recipe.yaml:LINE:COL: dotted.key: what is wrong (allowed: ...)``. Nothing else escapes
-:func:`load_recipe` (unreadable files, bad YAML, wrong types at any depth, odd keys, overrides).
+:func:`parse_recipe` (unreadable files, bad YAML, wrong types at any depth, odd keys, overrides). The
+cross-field rules run after it, in :func:`trtpipe.validation.load_recipe`.
 """
 
 from __future__ import annotations
@@ -243,25 +244,4 @@ def parse_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:
     recipe._display = name
     recipe._positions = positions
     recipe._overrides = overridden
-    return recipe
-
-
-def load_recipe(path: str | Path, overrides: Iterable[str] = (), check_rules: bool = True) -> Recipe:
-    """Read, validate and cross-check a recipe; raise :class:`RecipeError` with every problem found.
-
-    Args:
-        path: the recipe YAML file.
-        overrides: ``dotted.key=value`` strings applied on top of the file (``--set``).
-        check_rules: also run the cross-field rules of :mod:`trtpipe.recipe.rules` (reads the model's config.json).
-
-    Raises:
-        RecipeError: one problem per line; nothing else escapes.
-    """
-    recipe = parse_recipe(path, overrides)
-    if check_rules:
-        from trtpipe.recipe.rules import check_recipe
-
-        problems = check_recipe(recipe)
-        if problems:
-            raise RecipeError(problems)
     return recipe

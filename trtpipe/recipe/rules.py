@@ -2,10 +2,13 @@
 
 A rule is a function ``(recipe, model) -> iterable of (dotted.key, message)``; ``model`` is the model's
 :class:`HFModelInfo` (or None when the model directory cannot be read, which is itself reported).
-Other packages add rules by appending to :data:`RULES` (the quantization and engine packages add theirs from
-``trtpipe/quant/rules.py`` and ``trtpipe/engine/rules.py``, imported by :func:`check_recipe`).
-The rules here are the layout facts of shared/spec/TRTLLM_CONTRACT.md §1.3 and §2 (what shards) and the
-recipe's own consistency (lengths, ports, data files).
+Each package keeps the rules about its own facts (:data:`RECIPE_RULES` here, ``QUANT_RULES`` in
+``trtpipe/quant/rules.py``, ``ENGINE_RULES`` in ``trtpipe/engine/rules.py``, ``EXPORT_RULES`` in
+``trtpipe/export/rules.py``); :data:`trtpipe.validation.RULES` is the one list of all of them, and
+:func:`check_recipe` runs the list it is given. Nothing here imports those packages (they import the schema).
+The rules here are the layout facts of the TRT-LLM checkpoint (docs/reference/trtllm-checkpoint.md#mapping and
+#weight-names-and-per-rank-shapes-llama-unquantized: what shards) and the recipe's own consistency (lengths,
+ports, data files).
 """
 
 from __future__ import annotations
@@ -16,20 +19,13 @@ from typing import Callable, Iterable, Optional
 from trtpipe.errors import CheckpointError, Problem, TrtpipeError
 from trtpipe.models import get_family
 from trtpipe.models.hfconfig import HFModelInfo, read_hf_config
-from trtpipe.models.trtllm_config import resolve_moe_sizes
+from trtpipe.models.trtllm_config import deduce_max_seq_len, resolve_moe_sizes
 from trtpipe.recipe.schema import Recipe
 
 Finding = tuple[str, str]
 Rule = Callable[[Recipe, Optional[HFModelInfo]], Iterable[Finding]]
 
-RULES: list[Rule] = []
-
 DATA_SUFFIXES = (".txt", ".jsonl", ".json")
-
-
-def rule(fn: Rule) -> Rule:
-    RULES.append(fn)
-    return fn
 
 
 def model_dir(recipe: Recipe) -> Path:
@@ -105,8 +101,6 @@ def load_model_info(recipe: Recipe) -> tuple[Optional[HFModelInfo], list[Finding
 
 def deduced_max_seq_len(m: HFModelInfo) -> int:
     """trtllm-build's default max_seq_len for this model (the engine stage's own deduction, one function)."""
-    from trtpipe.engine.ckptconfig import deduce_max_seq_len
-
     return deduce_max_seq_len(m.max_position_embeddings, m.rope_scaling)
 
 
@@ -115,7 +109,6 @@ def _written(recipe: Recipe, *keys: str) -> str:
     return next((k for k in keys if recipe.written(k)), keys[0])
 
 
-@rule
 def _model_family(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
     """The architecture has a family, and its config asks for nothing that family cannot honour (before weights)."""
     if m is None:
@@ -129,7 +122,6 @@ def _model_family(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]
         yield "model.source", f"config.json: {key} {why}"
 
 
-@rule
 def _parallel_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
     p = recipe.parallel
     if p.world_size > 64:
@@ -163,7 +155,6 @@ def _parallel_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findi
         yield key, f"the experts' intermediate size {m.expert_intermediate_size} does not divide by moe_tp={mtp}"
 
 
-@rule
 def _engine_limits(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
     e = recipe.engine
     if e.max_seq_len is not None and e.max_input_len > e.max_seq_len:
@@ -184,7 +175,8 @@ def _engine_limits(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding
         key = _written(recipe, "triton.max_batch_size", "engine.max_batch_size")
         yield key, f"triton.max_batch_size {recipe.triton.max_batch_size} exceeds engine.max_batch_size {e.max_batch_size}"
     if e.kv_cache.enable_reuse and recipe.quantization.kv_cache == "int8":
-        # Contract §4.2/§5: INT8 KV turns paged context FMHA off, and the runtime then drops reuse silently.
+        # INT8 KV turns paged context FMHA off, and the runtime then drops reuse silently
+        # (docs/reference/trtllm-build.md#builder-enforced-combinations, #kv-cache-memory).
         if recipe.written("engine.kv_cache.enable_reuse"):
             yield "engine.kv_cache.enable_reuse", (
                 "KV reuse needs paged context FMHA, which INT8 KV cache disables; use kv_cache: fp8 or enable_reuse: false"
@@ -196,7 +188,6 @@ def _engine_limits(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding
             )
 
 
-@rule
 def _triton_ports(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
     t = recipe.triton
     seen: dict[int, str] = {}
@@ -230,7 +221,6 @@ def _data_findings(recipe: Recipe, key: str, value: str) -> Iterable[Finding]:
         yield key, f"{path.name}: must be a .txt, .jsonl or .json file, a directory, or 'self'"
 
 
-@rule
 def _data_files(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
     q = recipe.quantization
     needs_data = q.algo in ("fp8", "int8_sq", "int4_awq", "w4a8_awq") or q.kv_cache != "none"
@@ -240,12 +230,15 @@ def _data_files(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
         yield from _data_findings(recipe, "accuracy.eval_data", recipe.accuracy.eval_data)
 
 
-def check_recipe(recipe: Recipe) -> list[Problem]:
-    """Run every rule; return all problems with the file position of the key each one names."""
-    _load_plugin_rules()
+RECIPE_RULES: tuple[Rule, ...] = (_model_family, _parallel_layout, _engine_limits, _triton_ports, _data_files)
+
+
+def check_recipe(recipe: Recipe, rules: Iterable[Rule]) -> list[Problem]:
+    """Run ``rules`` (all of them: :data:`trtpipe.validation.RULES`); return every problem with the file position of
+    the key it names, in file order."""
     model, findings = load_model_info(recipe)
     findings = list(findings)
-    for fn in RULES:
+    for fn in rules:
         try:
             findings.extend(fn(recipe, model))
         except TrtpipeError as exc:  # a rule that needs more than it has says so in its own error
@@ -259,15 +252,3 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
         problems.append(Problem(name, line, col, key, message))
     problems.sort(key=lambda p: (p.line, p.col))
     return problems
-
-
-def _load_plugin_rules() -> None:
-    """Import the modules that register rules of their own (quantization layout, builder enforcement)."""
-    import importlib
-
-    for module in ("trtpipe.quant.rules", "trtpipe.engine.rules", "trtpipe.export.rules"):
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise

@@ -5,7 +5,7 @@ expected output for engine and serving tests.
 """
 
 from trtpipe.runtime.generate import generate, sample
-from trtpipe.runtime.linear import LinearSpec, build_linear, register_kv_quant, register_linear_loader
+from trtpipe.runtime.linear import KV_QUANT, LINEAR_LOADERS, LinearSpec, build_linear
 from trtpipe.runtime.loader import load_checkpoint
 from trtpipe.runtime.model import BatchKVCache, DecoderLayer, KVCache, ModelArgs, ReferenceModel
 
@@ -13,13 +13,13 @@ __all__ = [
     "BatchKVCache",
     "DecoderLayer",
     "KVCache",
+    "KV_QUANT",
+    "LINEAR_LOADERS",
     "LinearSpec",
     "ModelArgs",
     "ReferenceModel",
     "build_linear",
     "generate",
     "load_checkpoint",
-    "register_kv_quant",
-    "register_linear_loader",
     "sample",
 ]

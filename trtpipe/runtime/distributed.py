@@ -28,19 +28,16 @@ import torch.nn.functional as F
 
 from trtpipe.checkpoint.shard import pp_layers
 from trtpipe.errors import CheckpointError
+from trtpipe.extras import require
 from trtpipe.runtime.linear import Float32Linear, LinearSpec, build_linear, module_quant_algo
-from trtpipe.runtime.loader import _with_prefix, read_config, read_rank
+from trtpipe.runtime.loader import read_config, read_rank, with_prefix
 from trtpipe.runtime.model import DecoderLayer, ModelArgs, rms_norm
 
 
 def mpi():
     """mpi4py's MPI module, initialised for threads (rank 0 calls MPI from the executor's thread)."""
-    import mpi4py
-
-    mpi4py.rc.thread_level = "multiple"
-    from mpi4py import MPI
-
-    return MPI
+    require("mpi4py", "a tp/pp > 1 leader-mode job (mpiexec)").rc.thread_level = "multiple"
+    return require("mpi4py.MPI", "a tp/pp > 1 leader-mode job (mpiexec)")
 
 
 @dataclass(frozen=True)
@@ -211,7 +208,7 @@ def load_rank(ckpt_dir: str | Path, comm_or_layout=None, device: str = "cpu") ->
     rope = args.rope()
     layers = []
     for local, global_idx in enumerate(pp_layers(args.num_layers, args.pp, lay.pp_rank)):
-        shard = _with_prefix(tensors, f"transformer.layers.{local}.")
+        shard = with_prefix(tensors, f"transformer.layers.{local}.")
         if not shard:
             raise CheckpointError(f"{path}: layer {local} (global {global_idx}) has no tensors")
         layers.append(DecoderLayer(args, [shard], global_idx, rope, tp_ranks=[lay.tp_rank], all_reduce=comm.all_reduce))
@@ -247,7 +244,7 @@ def _rank_lm_head(args: ModelArgs, lay: RankLayout, tensors: dict, embedding, pa
         return Float32Linear(embedding)  # tied embeddings, one stage, one rank
     algo = module_quant_algo("lm_head", args.quantization, args.quant_cfg)
     spec = LinearSpec("lm_head", algo, args.quantization or {}, args.dtype, "column", lay.tp_rank, args.tp)
-    return build_linear(_with_prefix(tensors, "lm_head."), spec)
+    return build_linear(with_prefix(tensors, "lm_head."), spec)
 
 
 def rank_status(model: Optional[RankModel], layout: RankLayout, error: Optional[str]) -> dict:

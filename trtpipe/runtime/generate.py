@@ -36,8 +36,9 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def _per_sequence(value, n: int, nested_depth: int) -> list:
-    """Broadcast a scalar/shared argument to one entry per sequence."""
+def per_sequence(value, n: int, nested_depth: int) -> list:
+    """Broadcast a scalar/shared argument to one entry per sequence (``end_ids`` at depth 0, ``stop_words`` at 1);
+    the MPI step engine reads its arguments the same way."""
     if value is None:
         return [None] * n
     if nested_depth == 0:
@@ -84,7 +85,7 @@ def generate(model: ReferenceModel, prompts: list[list[int]], max_new_tokens: in
         The new tokens of each sequence (no prompt, no end id).
     """
     n = len(prompts)
-    ends, stops = _per_sequence(end_ids, n, 0), _per_sequence(stop_words, n, 1)
+    ends, stops = per_sequence(end_ids, n, 0), per_sequence(stop_words, n, 1)
     gens = [None if seed is None else torch.Generator().manual_seed(int(seed) + i) for i in range(n)]
     outputs: list[list[int]] = [[] for _ in range(n)]
     done = [max_new_tokens <= 0 or not p for p in prompts]

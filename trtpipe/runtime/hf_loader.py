@@ -25,10 +25,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from trtpipe.checkpoint.quant_primitives import unpack_int4_rows
 from trtpipe.errors import CheckpointError
-from trtpipe.quant.primitives import unpack_int4_rows
-from trtpipe.quant.reference import QuantLinear
-from trtpipe.runtime.linear import Float32Linear
+from trtpipe.runtime.linear import Float32Linear, QuantLinear
 from trtpipe.runtime.model import DecoderLayer, ModelArgs, ReferenceModel
 
 FP8_MAX = 448.0

@@ -1,11 +1,16 @@
-"""Build each linear layer of a TRT-LLM checkpoint from its tensors, through a registry keyed by quant_algo.
+"""Build each linear layer of a TRT-LLM checkpoint from its tensors, through tables keyed by quant_algo.
 
 Policy: dequantize (or fake-quantize) at load time and compute in float32: the runtime checks numbers,
-not speed. The unquantized handler lives here; the quantization package registers the others with one
-line each::
+not speed. The runtime reads every quantized layout TensorRT-LLM's does, so the handlers are data here:
+:data:`LINEAR_LOADERS` (``quant_algo -> fn(tensors, spec) -> nn.Module``) and :data:`KV_QUANT`
+(``kv_cache_quant_algo -> fn(x, scale) -> x`` after a quantize round trip), built from the layout table of
+:mod:`trtpipe.checkpoint.quant_layouts` that the quantization package writes by. Nothing here imports
+``trtpipe.quant``: quantization runs models on this runtime, never the other way.
 
-    register_linear_loader("FP8", load_fp8_linear)      # fn(tensors, spec) -> nn.Module
-    register_kv_quant("FP8", fake_quant_fp8_kv)          # fn(x, scale) -> x after a quantize round trip
+Each quantized loader dequantizes the stored weight once and fake-quantizes activations the way the TensorRT-LLM
+kernel sees them: FP8 / INT8 static per-tensor input scales, the SmoothQuant / AWQ pre-quant scale multiplied
+into the input first (``x * pqs``), W4A8's group scale divided by ``weights_scaling_factor_2`` in fp16 as the
+builder does. KV-cache handlers round-trip keys and values through FP8 / INT8 with the layer's scale.
 
 A loader receives the tensors of one linear on one rank, keyed by suffix (``weight``, ``bias``,
 ``weights_scaling_factor``, ...) and a :class:`LinearSpec`; it returns a module mapping
@@ -16,13 +21,14 @@ it once, after the simulated all-reduce, as TensorRT-LLM's RowLinear does.
 from __future__ import annotations
 
 import fnmatch
-import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
+from trtpipe.checkpoint.quant_layouts import BY_QUANT_ALGO
+from trtpipe.checkpoint.quant_primitives import FORMATS, dequantize, fake_quant, unpack_int4_rows
 from trtpipe.errors import CheckpointError
 
 # TensorRT-LLM's QuantConfig: when exclude_modules is null the builder excludes these.
@@ -54,31 +60,16 @@ class LinearSpec:
 LinearLoader = Callable[[dict, LinearSpec], nn.Module]
 KVQuant = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-_LINEAR_LOADERS: dict[str, LinearLoader] = {}
-_KV_QUANT: dict[str, KVQuant] = {}
-
-
-def register_linear_loader(quant_algo: str, fn: LinearLoader) -> None:
-    """Register the loader for one ``quant_algo`` (``"NONE"`` is the unquantized one)."""
-    _LINEAR_LOADERS[quant_algo] = fn
-
-
-def register_kv_quant(kv_cache_quant_algo: str, fn: KVQuant) -> None:
-    """Register the KV-cache quantize round trip for ``FP8`` / ``INT8``: ``fn(x[B,h,T,d], scale[1]) -> x``."""
-    _KV_QUANT[kv_cache_quant_algo] = fn
-
 
 def _lookup(table: dict, key: str, what: str):
-    if key not in table:
-        # The quantization package's reference module registers every quantized handler on import.
-        importlib.import_module("trtpipe.quant.reference")
     if key not in table:
         raise CheckpointError(f"config.json: {what} '{key}' has no runtime handler (known: {sorted(table)})")
     return table[key]
 
 
 def kv_quant(kv_cache_quant_algo: Optional[str]) -> Optional[KVQuant]:
-    return None if not kv_cache_quant_algo else _lookup(_KV_QUANT, kv_cache_quant_algo, "kv_cache_quant_algo")
+    """The KV-cache round trip of ``FP8`` / ``INT8`` (``fn(x[B,h,T,d], scale[1]) -> x``); None when unquantized."""
+    return None if not kv_cache_quant_algo else _lookup(KV_QUANT, kv_cache_quant_algo, "kv_cache_quant_algo")
 
 
 def module_quant_algo(name: str, quantization: dict, quant_cfg: Optional[dict] = None) -> Optional[str]:
@@ -100,10 +91,10 @@ def module_quant_algo(name: str, quantization: dict, quant_cfg: Optional[dict] =
 
 
 def build_linear(tensors: dict, spec: LinearSpec) -> nn.Module:
-    """One rank's linear from its tensors (suffix -> tensor) via the loader registered for its quant_algo."""
+    """One rank's linear from its tensors (suffix -> tensor) via the loader of its quant_algo in :data:`LINEAR_LOADERS`."""
     if "weight" not in tensors:
         raise CheckpointError(f"checkpoint: tensor '{spec.name}.weight' is missing")
-    return _lookup(_LINEAR_LOADERS, spec.quant_algo or "NONE", "quant_algo")(tensors, spec)
+    return _lookup(LINEAR_LOADERS, spec.quant_algo or "NONE", "quant_algo")(tensors, spec)
 
 
 class Float32Linear(nn.Module):
@@ -128,4 +119,67 @@ def _load_unquantized(tensors: dict, spec: LinearSpec) -> nn.Module:
     return Float32Linear(weight, tensors.get("bias"))
 
 
-register_linear_loader("NONE", _load_unquantized)
+class QuantLinear(nn.Module):
+    """``y = Qa(x * pqs) @ W_deq^T``; every piece optional."""
+
+    def __init__(self, weight: torch.Tensor, pqs=None, act_scale=None, act_fmt=None, bias=None):
+        super().__init__()
+        self.weight = nn.Parameter(weight.float(), requires_grad=False)  # [out, in] dequantized
+        self.pqs = None if pqs is None else pqs.float()
+        self.act_scale = None if act_scale is None else act_scale.float()
+        self.act_fmt = act_fmt
+        self.bias = None if bias is None else bias.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pqs is not None:
+            x = x * self.pqs
+        if self.act_fmt is not None:
+            x = fake_quant(x, self.act_scale, self.act_fmt)
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+def _need(tensors: dict, key: str, spec: LinearSpec) -> torch.Tensor:
+    if key not in tensors:
+        raise CheckpointError(f"checkpoint: tensor '{spec.name}.{key}' is missing for quant_algo {spec.quant_algo}")
+    return tensors[key]
+
+
+def dequantize_weight(tensors: dict, spec: LinearSpec) -> torch.Tensor:
+    """The float32 ``[out, in]`` weight a quantized linear multiplies by (pre-quant scale not folded in)."""
+    algo = BY_QUANT_ALGO[spec.quant_algo]
+    q, wsf = _need(tensors, "weight", spec), _need(tensors, "weights_scaling_factor", spec).float()
+    if algo.weight_fmt == "int4":
+        q = unpack_int4_rows(q)
+        g = q.shape[1] // wsf.shape[1]
+        if "weights_scaling_factor_2" in tensors:  # builder: wsf /= wsf2 in fp16, alpha = act_sf * wsf2
+            wsf2 = tensors["weights_scaling_factor_2"].float()
+            wsf = (wsf / wsf2).half().float() * wsf2
+        return dequantize(q, wsf, "int4", g)
+    want = FORMATS[algo.weight_fmt].dtype
+    if q.dtype == torch.int8 and want == torch.float8_e4m3fn:
+        q = q.view(want)  # TRT-LLM also accepts FP8 weights stored as int8 bit patterns
+    if q.dtype != want:
+        raise CheckpointError(f"checkpoint: '{spec.name}.weight' is {q.dtype}, {spec.quant_algo} needs {want}")
+    return dequantize(q, wsf, algo.weight_fmt, algo.granularity)
+
+
+def load_quantized(tensors: dict, spec: LinearSpec) -> nn.Module:
+    """A quantized linear of any quant_algo in the layout table (its row of the table says what it holds)."""
+    algo = BY_QUANT_ALGO[spec.quant_algo]
+    w = dequantize_weight(tensors, spec)
+    pqs = _need(tensors, "prequant_scaling_factor", spec) if algo.prequant else None
+    asf = _need(tensors, "activation_scaling_factor", spec) if algo.act_fmt else None
+    return QuantLinear(w, pqs, asf, algo.act_fmt, tensors.get("bias"))
+
+
+def kv_roundtrip(fmt: str) -> KVQuant:
+    """The KV-cache handler of one format: keys and values through a quantize round trip with the layer's scale."""
+    def fn(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return fake_quant(x, scale.reshape(1), fmt)
+
+    return fn
+
+
+LINEAR_LOADERS: dict[str, LinearLoader] = {"NONE": _load_unquantized,
+                                           **{algo: load_quantized for algo in BY_QUANT_ALGO}}
+KV_QUANT: dict[str, KVQuant] = {"FP8": kv_roundtrip("fp8"), "INT8": kv_roundtrip("int8")}

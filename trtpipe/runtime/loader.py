@@ -32,11 +32,13 @@ def read_rank(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: cannot read safetensors: {exc}") from None
 
 
-def _with_prefix(tensors: dict, prefix: str) -> dict:
+def with_prefix(tensors: dict, prefix: str) -> dict:
+    """The tensors whose names start with ``prefix``, keyed by the rest of the name (one layer's or module's)."""
     return {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
 
 
-def _embedding(cfg: dict, args: ModelArgs, first_ranks: list[dict]) -> torch.Tensor:
+def embedding_table(cfg: dict, args: ModelArgs, first_ranks: list[dict]) -> torch.Tensor:
+    """The whole vocabulary embedding from the first PP stage's rank files (all-gathered when it is sharded)."""
     name = "transformer.vocab_embedding.weight"
     if name not in first_ranks[0]:
         raise CheckpointError(f"checkpoint: tensor '{name}' is missing from rank0.safetensors")
@@ -47,12 +49,13 @@ def _embedding(cfg: dict, args: ModelArgs, first_ranks: list[dict]) -> torch.Ten
     return full[: args.vocab_size] if dim == 0 else full
 
 
-def _lm_head(args: ModelArgs, last_ranks: list[dict], embedding: torch.Tensor) -> list:
+def lm_head_linears(args: ModelArgs, last_ranks: list[dict], embedding: torch.Tensor) -> list:
+    """One lm_head linear per tp rank of the last PP stage (the embedding table itself when they share it)."""
     if "lm_head.weight" not in last_ranks[0]:  # shared embedding table
         return [Float32Linear(embedding)]
     algo = module_quant_algo("lm_head", args.quantization, args.quant_cfg)
     return [
-        build_linear(_with_prefix(r, "lm_head."), LinearSpec("lm_head", algo, args.quantization or {}, args.dtype, "column", i, args.tp))
+        build_linear(with_prefix(r, "lm_head."), LinearSpec("lm_head", algo, args.quantization or {}, args.dtype, "column", i, args.tp))
         for i, r in enumerate(last_ranks)
     ]
 
@@ -75,12 +78,12 @@ def load_checkpoint(ckpt_dir: str | Path, device: str = "cpu") -> ReferenceModel
     layers = []
     for p, group in enumerate(by_pp):
         for local, global_idx in enumerate(pp_layers(args.num_layers, args.pp, p)):
-            shards = [_with_prefix(r, f"transformer.layers.{local}.") for r in group]
+            shards = [with_prefix(r, f"transformer.layers.{local}.") for r in group]
             if not shards[0]:
                 raise CheckpointError(f"rank{p * args.tp}.safetensors: layer {local} (global {global_idx}) has no tensors")
             layers.append(DecoderLayer(args, shards, global_idx, rope))
-    embedding = _embedding(cfg, args, by_pp[0])
+    embedding = embedding_table(cfg, args, by_pp[0])
     if "transformer.ln_f.weight" not in by_pp[-1][0]:
         raise CheckpointError(f"checkpoint: tensor 'transformer.ln_f.weight' is missing from the last PP rank")
     ln_f = by_pp[-1][0]["transformer.ln_f.weight"]
-    return ReferenceModel(cfg, args, embedding, layers, ln_f, _lm_head(args, by_pp[-1], embedding.float()))
+    return ReferenceModel(cfg, args, embedding, layers, ln_f, lm_head_linears(args, by_pp[-1], embedding.float()))

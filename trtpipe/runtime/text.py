@@ -54,3 +54,22 @@ def generate_text(ckpt_dir: str | Path, prompt: str, max_tokens: int = 64, token
     out = generate(model, [ids], max_tokens, end_ids=end_id(ckpt_dir, tok), temperature=temperature, top_k=top_k,
                    top_p=top_p, seed=seed, on_step=step)
     return tok.decode(out[0], skip_special_tokens=True)
+
+
+def stream_text(ckpt_dir: str | Path, prompt: str, max_tokens: int, tokenizer_dir: Optional[str | Path],
+                temperature: float, top_k: int, top_p: float, seed: Optional[int],
+                write: Callable[[str], None]) -> None:
+    """``trtpipe generate``: write the prompt, then each new piece of text, then a newline. The prompt is written
+    once the model and tokenizer loaded, so a bad input leaves the output empty."""
+    started = []
+
+    def emit(piece: str) -> None:
+        if not started:
+            started.append(True)
+            write(prompt)
+        write(piece)
+
+    generate_text(ckpt_dir, prompt, max_tokens, tokenizer_dir, temperature, top_k, top_p, seed, on_text=emit)
+    if not started:
+        write(prompt)
+    write("\n")

@@ -136,11 +136,6 @@ class PerfMetrics:
     first_iter: int = -1
     last_iter: int = -1
 
-    @property
-    def kv_cache_hit_rate(self) -> float:
-        seen = self.kv_reused_blocks + self.kv_missed_blocks
-        return self.kv_reused_blocks / seen if seen else 0.0
-
 
 @dataclass
 class Response:

@@ -115,10 +115,10 @@ def generate_steps(engine, prompts: list[list[int]], max_new_tokens: int, end_id
     every step decodes all unfinished sequences. Each sequence gets contiguous blocks of a pool allocated for
     this call. (A static batch: the in-flight executor replaces this for serving.)
     """
-    from trtpipe.runtime.generate import _per_sequence, accept_step
+    from trtpipe.runtime.generate import accept_step, per_sequence
 
     n = len(prompts)
-    ends, stops = _per_sequence(end_ids, n, 0), _per_sequence(stop_words, n, 1)
+    ends, stops = per_sequence(end_ids, n, 0), per_sequence(stop_words, n, 1)
     params = SamplingParams(temperature, top_k, top_p, seed)
     gens = [None if seed is None else torch.Generator().manual_seed(int(seed) + i) for i in range(n)]
     need = [-(-(len(p) + max(0, max_new_tokens)) // tokens_per_block) for p in prompts]

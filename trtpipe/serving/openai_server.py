@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from aiohttp import web
-
+from trtpipe.extras import require
 from trtpipe.serving.api import (UINT64_MAX, CapacityPolicy, ExecutorConfig, FinishReason, Request, Response,
                                  SamplingParams)
 from trtpipe.serving.executor import Executor, QueueFullError
+
+web = require("aiohttp.web", "the OpenAI twin (trtpipe serve of an llmapi target)")
 
 log = logging.getLogger("trtpipe.openai")
 

@@ -15,6 +15,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from trtpipe.errors import ServingError
+from trtpipe.extras import require
 
 STREAM_TIMEOUT_S = 120.0
 BLS_MODEL = "tensorrt_llm_bls"
@@ -82,12 +83,9 @@ class Client:
     def __init__(self, url: str, protocol: str = "grpc", model: Optional[str] = None):
         self.url = url.split("://", 1)[-1]
         self.protocol = protocol
-        if protocol == "grpc":
-            import tritonclient.grpc as mod
-        elif protocol == "http":
-            import tritonclient.http as mod
-        else:
+        if protocol not in ("grpc", "http"):
             raise ServingError(f"protocol must be grpc or http, got {protocol!r}")
+        mod = require(f"tritonclient.{protocol}", "a Triton client (trtpipe infer, bench)")
         self.mod = mod
         self.client = mod.InferenceServerClient(self.url)
         self._model = model

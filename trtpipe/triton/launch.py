@@ -1,9 +1,9 @@
 """What ``trtpipe serve`` runs: resolve a repository (or build it from a recipe) and plan the launch.
 
-CPU twin repositories run on the tritonserver shipped in nvidia-pytriton (one process: the twin executes
-every tp/pp rank's shards itself). TensorRT-engine repositories need the ``tensorrtllm`` backend and one
-tritonserver per rank under ``mpirun`` (leader mode, contract §7.1); that command is always printable
-with ``--dry-run``, and it is only run when the installed TensorRT-LLM is the one that built the engine.
+CPU twin repositories run on the tritonserver shipped in nvidia-pytriton (one process: the twin executes every tp/pp
+rank's shards itself). TensorRT-engine repositories need the ``tensorrtllm`` backend and one tritonserver per rank under
+``mpirun`` (leader mode, docs/reference/multi-gpu-launch.md); that command is always printable with ``--dry-run``, and
+it is only run when the installed TensorRT-LLM is the one that built the engine.
 """
 
 from __future__ import annotations
@@ -11,12 +11,15 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from trtpipe.errors import ServingError
-from trtpipe.triton.server_process import Ports, free_ports, mpirun_command
+from trtpipe.processes import sigterm_as_interrupt
+from trtpipe.triton.mpi_launch import mpirun_command
+from trtpipe.triton.server_process import Ports, free_ports
 
 REPO_INFO = "trtpipe_repo.json"
 
@@ -40,7 +43,7 @@ def resolve_repo(target: Path, overrides: Sequence[str] = (), quiet: bool = Fals
     if not target.is_file():
         raise ServingError(f"{target}: neither a model repository directory nor a recipe file")
     from trtpipe.pipeline.runner import run_build
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     recipe = load_recipe(target, overrides)
     result = run_build(recipe, until="repo", quiet=quiet, overrides=overrides)
@@ -51,9 +54,9 @@ def resolve_repo(target: Path, overrides: Sequence[str] = (), quiet: bool = Fals
 
 
 def installed_trtllm() -> Optional[str]:
-    from trtpipe.engine.versions import package_version
+    from trtpipe.pipeline.versions import PACKAGES, package_version
 
-    return package_version("tensorrt_llm", "tensorrt-llm")
+    return package_version(*PACKAGES["tensorrt_llm"])
 
 
 def engine_lock(engine_dir: Path) -> dict:
@@ -68,8 +71,8 @@ def engine_lock(engine_dir: Path) -> dict:
 
 def check_engine_versions(info: dict, installed: Optional[str], installed_trt: Optional[str] = None,
                           lock: Optional[dict] = None) -> None:
-    """Refuse an engine built by another TensorRT-LLM (or TensorRT) release: plans do not deserialize across
-    versions (contract §8). ``lock``: the engine's recorded build environment, when there is one."""
+    """Refuse an engine built by another TensorRT-LLM (or TensorRT) release: plans do not deserialize across versions
+    (trtllm-build.md#version-compatibility). ``lock``: the engine's recorded build environment, when there is one."""
     built = info.get("engine_version")
     if installed is None:
         raise ServingError(
@@ -110,10 +113,10 @@ def plan_launch(repo: Path, bind: str = "127.0.0.1", ports: Optional[Ports] = No
 
 def run_mpirun(plan: LaunchPlan) -> int:
     """Run the leader-mode launch in the foreground (TensorRT-LLM container); returns mpirun's exit code."""
-    from trtpipe.engine.versions import package_version
+    from trtpipe.pipeline.versions import PACKAGES, package_version
 
     info = repo_info(plan.repo)
-    check_engine_versions(info, installed_trtllm(), package_version("tensorrt", "tensorrt-cu12", "tensorrt_cu12"),
+    check_engine_versions(info, installed_trtllm(), package_version(*PACKAGES["tensorrt"]),
                           engine_lock(Path(info.get("engine", ""))))
     if shutil.which("mpirun") is None:
         raise ServingError("mpirun is not on PATH (the TensorRT-LLM container ships OpenMPI)")
@@ -129,7 +132,7 @@ def find_detached(target: Optional[Path] = None, overrides: Sequence[str] = ()) 
         return servers
     target = Path(target)
     if target.is_file():
-        from trtpipe.recipe import load_recipe
+        from trtpipe.validation import load_recipe
 
         work = str(load_recipe(target, overrides, check_rules=False).work_path) + "/"
         return [s for s in servers if s.repo.startswith(work)]
@@ -138,7 +141,8 @@ def find_detached(target: Optional[Path] = None, overrides: Sequence[str] = ()) 
 
 
 def one_detached(target: Optional[Path] = None, overrides: Sequence[str] = ()):
-    servers = find_detached(target, overrides)
+    """The one detached tritonserver of ``target`` (or the only one running) that ``infer`` and ``bench`` talk to."""
+    servers = [s for s in find_detached(target, overrides) if s.kind == "tritonserver"]
     if len(servers) != 1:
         where = f" for {target}" if target else ""
         listing = "; ".join(f"pid {s.pid} {s.repo}" for s in servers)
@@ -156,10 +160,10 @@ def planned_launch(recipe_path: Path, overrides: Sequence[str], bind: str, ports
     """
     from trtpipe.pipeline.cache import ArtifactStore
     from trtpipe.pipeline.runner import plan_build
-    from trtpipe.recipe import load_recipe
+    from trtpipe.validation import load_recipe
 
     recipe = load_recipe(recipe_path, overrides)
-    plans, _ = plan_build(recipe)
+    plans = plan_build(recipe)
     repo_plan = next((p for p in plans if p.name == "repo"), None)
     if repo_plan is None or repo_plan.key is None:
         raise ServingError(f"{recipe_path}: the repo stage cannot be planned ({getattr(repo_plan, 'reason', 'absent')})")
@@ -239,3 +243,121 @@ def _twin_leader_lines(plan: LaunchPlan, bind: str, ports: Optional[Ports], trit
               f"ranks 1..{plan.world_size - 1} workers); serve runs it under a supervisor (run dir in the cache)",
               shlex.join(spec["command"])]
     return lines
+
+
+# --- trtpipe serve / trtpipe stop ------------------------------------------------------------------------------
+
+def has_warmup(repo: Path) -> bool:
+    """Whether the repository's models declare ``model_warmup`` (run before the server reports ready)."""
+    return any("model_warmup" in p.read_text() for p in Path(repo).glob("*/config.pbtxt"))
+
+
+def requested_ports(http: Optional[int], grpc: Optional[int], metrics: Optional[int]) -> Optional[Ports]:
+    """The ports asked for, free ones filling the gaps; None when none was asked for (the server picks)."""
+    if http is None and grpc is None and metrics is None:
+        return None
+    free = iter(free_ports(3))
+    return Ports(http or next(free), grpc or next(free), metrics or next(free))
+
+
+def serve_repository(target: Path, overrides: Sequence[str], bind: Optional[str], http_port: Optional[int],
+                     grpc_port: Optional[int], metrics_port: Optional[int], timeout: float, detach: bool,
+                     dry_run: bool, tritonserver: str, hostfile: Optional[Path], single_process: bool,
+                     echo: Callable[..., None]) -> int:
+    """``trtpipe serve`` of a Triton repository or an engine recipe (built first): print the dry-run launch, run
+    mpirun (TensorRT engines), or start the CPU twin (one tritonserver, or leader mode under mpiexec) and serve
+    until Ctrl-C, or return once it is ready (``detach``). Returns the exit status."""
+    import time
+
+    from trtpipe.triton import server_process
+
+    if Path(target).is_file():  # a recipe: its triton section gives the defaults
+        from trtpipe.validation import load_recipe
+
+        t = load_recipe(target, overrides).triton
+        bind = bind or t.bind
+        http_port, grpc_port, metrics_port = http_port or t.http_port, grpc_port or t.grpc_port, metrics_port or t.metrics_port
+    bind = bind or "127.0.0.1"
+    if server_process.exposure_warning(bind):
+        echo(server_process.exposure_warning(bind), err=True)
+    ports = requested_ports(http_port, grpc_port, metrics_port)
+    if dry_run:
+        echo("\n".join(dry_run_lines(target, overrides, bind, ports, tritonserver, hostfile)))
+        return 0
+    repo = resolve_repo(target, overrides)
+    plan = plan_launch(repo, bind, ports, tritonserver, hostfile)
+    if plan.command is not None:
+        return run_mpirun(plan)
+    sigterm_as_interrupt()
+    t0 = time.perf_counter()
+    if plan.world_size > 1 and not single_process:  # leader mode: one process per rank under mpiexec
+        from trtpipe.triton import mpi_launch
+
+        server, state = mpi_launch.start_job(repo, repo_info(repo), bind,
+                                             ports or server_process.Ports(*server_process.free_ports(3)),
+                                             timeout, hostfile, detach)
+        echo(f"serving {repo} (leader mode, {plan.world_size} ranks under mpiexec)\n  http {server.http_url}\n"
+             f"  grpc {server.grpc_url}\n  run  {server.run_dir}\n  ready in {time.perf_counter() - t0:.1f} s")
+        for r in state.get("ranks", []):
+            echo(f"  rank {r['rank']} (tp {r['tp_rank']}, pp {r['pp_rank']}) pid {r['pid']} on {r['host']}: "
+                 f"layers {r['layers']}, {r['weights_mb']} MiB of weights, RSS {r['rss_mb']} MiB")
+        if detach:
+            echo(f"  pid  {server.pid} (trtpipe stop {repo})")
+            return 0
+        echo("Ctrl-C to stop")
+        sys.stdout.flush()
+        return mpi_launch.serve_job_forever(server, server.run_dir)
+    server = server_process.start_server(repo, bind, ports, timeout=timeout, detach=detach)
+    ready_s = time.perf_counter() - t0
+    echo(f"serving {repo}\n  http {server.http_url}\n  grpc {server.grpc_url}\n  metrics http://{server.bind}:"
+         f"{server.ports.metrics}/metrics\n  log  {server.log}\n  ready in {ready_s:.1f} s (models loaded"
+         f"{' and warmed up' if has_warmup(repo) else ', no warm-up'})")
+    if detach:
+        echo(f"  pid  {server.pid} (trtpipe stop {repo})")
+        return 0
+    echo("Ctrl-C to stop")
+    sys.stdout.flush()
+    server_process.serve_forever(server)
+    echo("stopped")
+    return 0
+
+
+def stop_servers(target: Optional[Path], overrides: Sequence[str], echo: Callable[[str], None]) -> None:
+    """``trtpipe stop``: stop the detached servers of ``target`` (a repository, model dir or recipe; any kind),
+    or the only one running."""
+    servers = find_detached(target, overrides)
+    if target is None and len(servers) > 1:
+        raise ServingError(f"{len(servers)} detached servers run; name one: " + ", ".join(s.repo for s in servers))
+    if not servers:
+        echo("no detached server is running" + (f" for {target}" if target else ""))
+    for s in servers:
+        s.stop()
+        echo(f"stopped pid {s.pid} ({s.repo})")
+
+
+def write_repository(recipe_path: Path, overrides: Sequence[str], engine_dir: Optional[Path],
+                     tokenizer_dir: Optional[Path], out: Optional[Path]) -> str:
+    """``trtpipe repo``: build the recipe up to its repo stage (then copy it to ``out`` or triton.repo_dir when
+    one is given), or write a repository for ``engine_dir``. Returns what to print: the repository path (with
+    its models when written from an engine dir)."""
+    from trtpipe.validation import load_recipe
+    from trtpipe.triton.repo import export_repo, write_repo
+
+    loaded = load_recipe(recipe_path, overrides)
+    if engine_dir is None:
+        built = resolve_repo(recipe_path, overrides)
+        if loaded.triton.repo_dir or out:
+            built = export_repo(built, out or loaded.resolve(loaded.triton.repo_dir))
+        return str(built)
+    out = out or loaded.resolve(loaded.triton.repo_dir or str(loaded.work_path / "repo"))
+    configs = write_repo(loaded, engine_dir, tokenizer_dir or engine_dir / "checkpoint", out)
+    return f"{out} ({', '.join(sorted(configs))})"
+
+
+def client_url(url: Optional[str], protocol: str, server: Optional[Path] = None, overrides: Sequence[str] = ()) -> str:
+    """Where ``trtpipe infer`` connects: ``url`` as given, else the gRPC or HTTP address of the detached server
+    (of ``server``, a repository or recipe, or the only one running)."""
+    if url:
+        return url
+    s = one_detached(server, overrides)
+    return s.grpc_url if protocol == "grpc" else s.http_url.split("://", 1)[1]

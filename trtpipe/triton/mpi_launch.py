@@ -1,9 +1,9 @@
 """Leader-mode serving of a tp x pp > 1 repository: one OS process per rank under one MPI launcher, supervised.
 
-One launch, two payloads (contract §7.1 leader mode): with TensorRT engines every rank is a ``tritonserver`` of
-the ``tensorrtllm`` backend (rank 0 serves the ports, the others load only the TensorRT-LLM model); with the CPU
-twin, rank 0 is the ``tritonserver`` whose twin model holds rank 0's shard and runs the executor, and ranks > 0
-are ``trtpipe.serving.mpi_worker`` processes that serve nothing and run their shard of each broadcast step.
+One launch, two payloads (leader mode, docs/reference/multi-gpu-launch.md): with TensorRT engines every rank is a
+``tritonserver`` of the ``tensorrtllm`` backend (rank 0 serves the ports, the others load only the TensorRT-LLM model);
+with the CPU twin, rank 0 is the ``tritonserver`` whose twin model holds rank 0's shard and runs the executor, and ranks
+> 0 are ``trtpipe.serving.mpi_worker`` processes that serve nothing and run their shard of each broadcast step.
 
 The supervisor (``python -m trtpipe.triton.mpi_launch RUN_DIR``, its own session) starts the launcher as its
 child and becomes the child subreaper, so every process of the job stays its descendant even when MPI's
@@ -19,7 +19,6 @@ The run dir must be on a file system every host sees for a multi-node twin launc
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -32,12 +31,14 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from trtpipe.errors import ServingError
+from trtpipe.processes import SHM_DIR, cache_dir, clean_shm, log_tail, pid_alive, read_state, spawn, write_state
+from trtpipe.triton.server_process import (Ports, Server, endpoint_flags, http_ready, prepare_server, refuse_if_served,
+                                           server_command, server_env)
 
 TEARDOWN_GRACE_S = 12.0  # tritonserver's exit timeout (5 s) + the twin's finalize + the workers' exit
 FAILED_GRACE_S = 2.0  # after a rank died: SIGTERM to every process of the job, SIGKILL after this
 POLL_S = 0.2
 LAUNCHER_REPORT_S = 3.0  # how long to wait for mpiexec's "BAD TERMINATION" report after a rank died
-SHM = Path("/dev/shm")
 
 
 # --- commands ----------------------------------------------------------------------------------------
@@ -59,6 +60,37 @@ def mpmd(launcher: Sequence[str], segments: Sequence[Sequence[str]]) -> list[str
     return cmd
 
 
+def mpirun_command(
+    repo: Path,
+    world_size: int,
+    ports: Ports,
+    bind: str = "127.0.0.1",
+    tritonserver: str = "/opt/tritonserver/bin/tritonserver",
+    trtllm_models: tuple[str, ...] = ("tensorrt_llm",),
+    log_file: Optional[str] = None,
+    hostfile: Optional[Path] = None,
+) -> list[str]:
+    """The leader-mode MPMD launch of contract §7.1: one tritonserver per rank under one ``mpirun``.
+
+    Rank 0 serves the ports; ranks > 0 load only the TensorRT-LLM model(s) explicitly and open no endpoint.
+    Each rank gets its own python-backend shm prefix so their regions do not collide.
+    """
+    segments = []
+    for rank in range(world_size):
+        seg = [tritonserver, f"--model-repository={repo}"]
+        if rank == 0:
+            seg += endpoint_flags(bind, ports)
+            if log_file:
+                seg += ["--log-verbose=3", f"--log-file={log_file}"]
+        else:
+            seg += ["--allow-http=false", "--allow-grpc=false", "--allow-metrics=false", "--model-control-mode=explicit"]
+            seg += [f"--load-model={name}" for name in trtllm_models]
+        seg += ["--disable-auto-complete-config", f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
+        segments.append(seg)
+    launcher = ["mpirun", "--allow-run-as-root"] + (["--hostfile", str(hostfile)] if hostfile else [])
+    return mpmd(launcher, segments)
+
+
 def venv_mpiexec() -> str:
     """The MPICH mpiexec of this interpreter's environment (it must be the MPI that mpi4py loads)."""
     path = Path(sys.executable).parent / "mpiexec"
@@ -69,8 +101,6 @@ def venv_mpiexec() -> str:
 
 def twin_segments(repo: Path, engine_dir: Path, world: int, bind: str, ports, shm_prefix: str) -> list[list[str]]:
     """Rank 0: the CPU tritonserver (the twin model is the leader); ranks > 0: MPI workers that serve nothing."""
-    from trtpipe.triton.server_process import prepare_server, server_command
-
     root = prepare_server()
     rank0 = server_command(root / "bin" / "tritonserver", root / "backends", repo, bind, ports, shm_prefix)
     worker = [sys.executable, "-m", "mpi4py", "-m", "trtpipe.serving.mpi_worker", str(engine_dir)]
@@ -118,12 +148,6 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def _alive(pid: Optional[int]) -> bool:
-    from trtpipe.triton.server_process import pid_alive
-
-    return bool(pid) and pid_alive(pid)
-
-
 def _set_subreaper() -> None:
     """Orphans of the job (ranks whose MPI proxy died) are re-parented to us, so we can find and reap them."""
     import ctypes
@@ -155,19 +179,6 @@ def _reap() -> None:
             return
 
 
-def _read_json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _write_json(path: Path, data) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
-
-
 # --- the supervisor ----------------------------------------------------------------------------------
 
 
@@ -176,7 +187,7 @@ class Supervisor:
 
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
-        self.launch = _read_json(self.run_dir / "launch.json")
+        self.launch = read_state(self.run_dir / "launch.json")
         if not self.launch:
             raise ServingError(f"{self.run_dir}/launch.json: missing or invalid")
         self.world = int(self.launch["world_size"])
@@ -188,7 +199,7 @@ class Supervisor:
         self._watching = False
 
     def state(self, state: str, **extra) -> None:
-        _write_json(self.run_dir / "state.json", {"state": state, "supervisor_pid": os.getpid(), **extra})
+        write_state(self.run_dir / "state.json", {"state": state, "supervisor_pid": os.getpid(), **extra})
 
     def _on_signal(self, signum, frame) -> None:
         self.stop_reason = f"stopped by {signal.Signals(signum).name}"
@@ -218,7 +229,7 @@ class Supervisor:
             if failure:
                 return self.teardown(1, failure)
             if not ready:
-                ranks = _read_json(self.run_dir / "ranks.json")
+                ranks = read_state(self.run_dir / "ranks.json")
                 if ranks and all(r["ok"] for r in ranks) and self._http_ready():
                     ready = True
                     self.state("ready", ranks=ranks, startup_s=round(time.monotonic() - t_start, 2),
@@ -234,7 +245,7 @@ class Supervisor:
         one dead alone names who went first, more surely than the launcher's report on a loaded machine."""
         while self.first_dead is None:
             pids = [p for p in [self._leader_pid(), *self.rank_pids.values()] if p]
-            dead = [p for p in pids if not _alive(p)]
+            dead = [p for p in pids if not pid_alive(p)]
             if len(dead) == 1:
                 self.first_dead = dead[0]
             if dead:
@@ -242,9 +253,7 @@ class Supervisor:
             time.sleep(0.01)
 
     def _http_ready(self) -> bool:
-        from trtpipe.triton.server_process import _ready
-
-        return _ready(self.launch["http_url"])
+        return http_ready(self.launch["http_url"])
 
     def _note_pids_and_shm(self) -> None:
         for r in range(self.world):
@@ -263,7 +272,7 @@ class Supervisor:
                 pass
 
     def _leader_pid(self) -> Optional[int]:
-        ranks = _read_json(self.run_dir / "ranks.json") or []
+        ranks = read_state(self.run_dir / "ranks.json") or []
         return next((r["pid"] for r in ranks if r.get("rank") == 0), None)
 
     def _pids(self) -> dict[str, Optional[int]]:
@@ -273,7 +282,7 @@ class Supervisor:
         return pids
 
     def _loaded(self) -> int:
-        return sum(1 for r in (_read_json(self.run_dir / "ranks.json") or []) if r.get("ok"))
+        return sum(1 for r in (read_state(self.run_dir / "ranks.json") or []) if r.get("ok"))
 
     def _what(self, rank: int) -> str:
         if rank == 0:
@@ -281,24 +290,22 @@ class Supervisor:
         return "worker" if self.launch.get("twin") else "tritonserver"
 
     def _tail_of(self, rank: int, lines: int = 15) -> str:
-        from trtpipe.triton.server_process import log_tail
-
         path = self.run_dir / f"rank{rank}.log"
         return f"log {path}:\n{log_tail(path, lines)}"
 
     def failure(self) -> Optional[str]:
         """What went wrong, naming the rank (None while everything runs)."""
-        ranks = _read_json(self.run_dir / "ranks.json")
+        ranks = read_state(self.run_dir / "ranks.json")
         if ranks and not all(r["ok"] for r in ranks):
             bad = [r for r in ranks if not r["ok"]]
             return "; ".join(f"rank {r['rank']} ({r['host']}) failed to load its shard: {r['error']}" for r in bad) \
                 + "\n" + self._tail_of(bad[0]["rank"])
         dead = []
         leader = self._leader_pid()
-        if leader and not _alive(leader):
+        if leader and not pid_alive(leader):
             dead.append((0, leader, "the leader (tensorrt_llm model process)"))
         for r, pid in sorted(self.rank_pids.items()):
-            if not _alive(pid):
+            if not pid_alive(pid):
                 dead.append((r, pid, self._what(r)))
         launcher_done = self.proc is not None and self.proc.poll() is not None
         if not dead and not launcher_done:
@@ -345,7 +352,7 @@ class Supervisor:
         grace = TEARDOWN_GRACE_S if code == 0 else FAILED_GRACE_S
         targets = [self.rank_pids.get(0)] if code == 0 else descendants(os.getpid())
         for pid in targets:
-            if _alive(pid):
+            if pid_alive(pid):
                 try:
                     os.kill(pid, signal.SIGTERM)
                 except OSError:
@@ -369,15 +376,13 @@ class Supervisor:
         return code
 
     def _live_descendants(self) -> list[int]:
-        return [p for p in descendants(os.getpid()) if _alive(p)]
+        return [p for p in descendants(os.getpid()) if pid_alive(p)]
 
     def _clean_shm(self) -> list[str]:
-        from trtpipe.triton.server_process import clean_shm
-
         removed = clean_shm(self.launch["shm_prefix"])
         for path in sorted(self.shm_seen):
             p = Path(path)
-            if p.parent == SHM and p.exists():
+            if p.parent == SHM_DIR and p.exists():
                 try:
                     p.unlink()
                     removed.append(p.name)
@@ -390,8 +395,6 @@ class Supervisor:
 
 
 def run_dir_for(repo: Path) -> Path:
-    from trtpipe.triton.server_process import cache_dir
-
     d = cache_dir() / "runs" / f"{Path(repo).name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     d.mkdir(parents=True, exist_ok=False)
     return d
@@ -400,7 +403,6 @@ def run_dir_for(repo: Path) -> Path:
 def launch_spec(repo: Path, info: dict, bind: str, ports, run_dir: Path, hostfile: Optional[Path] = None,
                 timeout: float = 180.0, mpiexec: Optional[str] = None) -> dict:
     from trtpipe.serving.mpi_engine import RUN_DIR_ENV
-    from trtpipe.triton.server_process import server_env
 
     world = int(info["world_size"])
     shm_prefix = f"trtpipe{os.getpid()}_{ports.grpc}_"
@@ -423,21 +425,14 @@ def start_job(repo: Path, info: dict, bind: str, ports, timeout: float, hostfile
 
     Returns a :class:`trtpipe.triton.server_process.Server` whose pid is the supervisor's (``stop`` ends the job).
     """
-    from trtpipe.triton.server_process import Server, _state_path, load_state
-
     repo = Path(repo).resolve()
-    state_file = _state_path(repo)
-    if state_file.exists():
-        old = load_state(state_file)
-        if old is not None and old.alive():
-            raise ServingError(f"{repo}: already served by pid {old.pid} at {old.http_url} (trtpipe stop {repo})")
+    state_file = refuse_if_served(repo)
     run_dir = run_dir_for(repo)
     spec = launch_spec(repo, info, bind, ports, run_dir, hostfile, timeout)
-    _write_json(run_dir / "launch.json", spec)
-    with open(run_dir / "supervisor.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "trtpipe.triton.mpi_launch", str(run_dir)], stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    server = Server(proc.pid, str(repo), bind, ports, str(run_dir / "rank0.log"), spec["shm_prefix"], _proc=proc)
+    write_state(run_dir / "launch.json", spec)
+    proc = spawn([sys.executable, "-m", "trtpipe.triton.mpi_launch", str(run_dir)], run_dir / "supervisor.log")
+    server = Server(proc.pid, str(repo), bind, ports, str(run_dir / "rank0.log"), spec["shm_prefix"], process=proc,
+                    run_dir=run_dir)
     try:
         state = wait_state(run_dir, proc, ("ready", "failed", "stopped"))
     except BaseException:  # Ctrl-C during start-up: end the job
@@ -446,20 +441,17 @@ def start_job(repo: Path, info: dict, bind: str, ports, timeout: float, hostfile
     if state.get("state") != "ready":
         raise ServingError(f"leader-mode launch of {repo} failed: {state.get('error') or state}")
     if detach:
-        state_file.parent.mkdir(parents=True, exist_ok=True)
-        server.state_file = str(state_file)
-        state_file.write_text(server.to_json())
-    server.run_dir = run_dir  # type: ignore[attr-defined]
+        server.detach(state_file)
     return server, state
 
 
 def wait_state(run_dir: Path, proc: subprocess.Popen, want: Sequence[str]) -> dict:
     while True:
-        state = _read_json(run_dir / "state.json") or {}
+        state = read_state(run_dir / "state.json") or {}
         if state.get("state") in want:
             return state
         if proc.poll() is not None:
-            state = _read_json(run_dir / "state.json") or {}
+            state = read_state(run_dir / "state.json") or {}
             if state.get("state") in want:
                 return state
             tail = (run_dir / "supervisor.log").read_text(errors="replace")[-2000:]
@@ -475,7 +467,7 @@ def serve_job_forever(server, run_dir: Path) -> int:
     except KeyboardInterrupt:
         server.stop()
         return 0
-    state = _read_json(Path(run_dir) / "state.json") or {}
+    state = read_state(Path(run_dir) / "state.json") or {}
     if state.get("state") == "stopped":
         return 0
     raise ServingError(f"leader-mode job failed: {state.get('error') or state}")

@@ -1,4 +1,5 @@
-"""The Triton model repository as protobuf messages (contract §6), one function per model, one writer.
+"""The Triton model repository as protobuf messages (docs/reference/triton-repository.md),
+one function per model, one writer.
 
 Every ``config.pbtxt`` is a ``tritonclient.grpc.model_config_pb2.ModelConfig`` built from the recipe and the
 engine's facts and written with ``google.protobuf.text_format``, then parsed back and compared: a typo in a
@@ -6,8 +7,9 @@ field name fails here, and no ``${...}`` placeholder can exist. Every parameter 
 reads is written with a deliberate value (an empty string only where "unset" is the deliberate choice, e.g.
 ``cross_kv_cache_fraction`` which is forbidden for decoder-only models).
 
-Layout written by :func:`write_repo` (self-contained and relocatable: relative paths are resolved by the
-python models against their own directory)::
+Layout written by :func:`write_repo` (self-contained and relocatable for trtpipe's python models: relative paths
+resolve against their own directory, and ``tokenizer_dir``, absolute so that upstream's models can be swapped in,
+falls back to the ``tokenizer/`` copy beside each model when it no longer exists; see :func:`point_tokenizer_dirs`)::
 
     preprocessing/   config.pbtxt  1/model.py  tokenizer/
     tensorrt_llm/    config.pbtxt  1/model.py  engine/      (CPU twin: engine dir hardlinked in)
@@ -26,13 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2 as mc
-
 from trtpipe.errors import ServingError
+from trtpipe.extras import require
 from trtpipe.triton import upstream_io
 from trtpipe.resources import data_dir
 from trtpipe.recipe.schema import Recipe
+
+# tritonclient's own protobuf messages write config.pbtxt (the serve extra)
+mc = require("tritonclient.grpc.model_config_pb2", "a Triton model repository (trtpipe repo, the repo stage)")
+text_format = require("google.protobuf.text_format", "a Triton model repository (trtpipe repo, the repo stage)")
 
 MODEL_CODE = data_dir("model_repo")
 TOKENIZER_FILES = (
@@ -99,7 +103,7 @@ class EngineInfo:
     max_input_len: int
     max_seq_len: int
     version: Optional[str] = None  # TensorRT-LLM version that built the engine (config.json "version")
-    sliding_window: Optional[int] = None  # Mistral: attention window; the runtime must be told (contract §5)
+    sliding_window: Optional[int] = None  # Mistral: attention window; tell the runtime (max_attention_window_size)
     dtype: str = "float16"  # pretrained_config.dtype: the prompt embedding table's dtype
     logits_dtype: str = "float32"  # pretrained_config.logits_dtype: the logits tensors' dtype
 
@@ -328,7 +332,8 @@ def _trtllm_skeleton(recipe: Recipe, engine: EngineInfo, backend: str) -> mc.Mod
 
 
 def trtllm_parameters(recipe: Recipe, engine: EngineInfo) -> dict:
-    """Every parameter the ``tensorrtllm`` C++ backend reads (contract §6.3), valued from the recipe/engine."""
+    """Every parameter the ``tensorrtllm`` C++ backend reads (triton-repository.md#tensorrt_llm), valued from the
+    recipe/engine."""
     kv, t = recipe.engine.kv_cache, recipe.triton
     return {
         "gpt_model_type": t.batching_strategy,
@@ -408,7 +413,8 @@ def tensorrt_llm_config(recipe: Recipe, engine: EngineInfo) -> mc.ModelConfig:
 
 
 def ensemble_config(recipe: Recipe) -> mc.ModelConfig:
-    """pre → tensorrt_llm → post (contract §6.6), restricted to the inputs the models here implement."""
+    """pre → tensorrt_llm → post (triton-repository.md#ensemble), restricted to the inputs the models here
+    implement."""
     c = mc.ModelConfig(name=recipe.triton.model_name, platform="ensemble", max_batch_size=recipe.triton.max_batch_size)
     c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt, _ in FRONT_INPUTS)
     c.output.append(_io(mc.ModelOutput, "text_output", T.TYPE_STRING, [-1]))
@@ -438,7 +444,8 @@ def ensemble_config(recipe: Recipe) -> mc.ModelConfig:
 
 
 def bls_config(recipe: Recipe) -> mc.ModelConfig:
-    """``tensorrt_llm_bls`` (contract §6.7): the ensemble's inputs, decoupled when streaming, exact text deltas."""
+    """``tensorrt_llm_bls`` (triton-repository.md#tensorrt_llm_bls): the ensemble's inputs, decoupled when
+    streaming, exact text deltas."""
     c = _python("tensorrt_llm_bls", recipe, recipe.triton.instances.bls, decoupled=recipe.triton.streaming)
     c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt, _ in FRONT_INPUTS)
     c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt in BLS_PERF_INPUTS)
@@ -454,6 +461,27 @@ def bls_config(recipe: Recipe) -> mc.ModelConfig:
         "tokenizer_dir": "tokenizer",
     })
     return c
+
+
+def point_tokenizer_dirs(configs: dict[str, mc.ModelConfig], tokenizer_dir: Path) -> None:
+    """Set every model's ``tokenizer_dir`` parameter to ``tokenizer_dir`` made absolute.
+
+    Why absolute: upstream's python models (preprocessing, postprocessing, BLS) and the ``tensorrtllm`` backend
+    pass ``tokenizer_dir`` to ``AutoTokenizer.from_pretrained`` as it is, so a relative one resolves against
+    tritonserver's working directory, not the model's (NVIDIA/TensorRT-LLM
+    ``triton_backend/all_models/inflight_batcher_llm/preprocessing/1/model.py@beb339f5``:
+    ``AutoTokenizer.from_pretrained(tokenizer_dir, ...)``). An absolute path works for them from any directory.
+
+    Why this directory: the repository is written under a temporary name and renamed into place (here and by the
+    build cache), so its own final path is not known while it is written; the tokenizer files it copies from (the
+    checkpoint artifact, sealed before this stage runs) are, and hold the same files as the copy beside each
+    model. trtpipe's own models read this path and fall back to that copy when it is gone (a repository moved to
+    another machine), so the repository stays relocatable for them; upstream's need the path to exist.
+    """
+    path = str(Path(tokenizer_dir).resolve())
+    for config in configs.values():
+        if "tokenizer_dir" in config.parameters:
+            config.parameters["tokenizer_dir"].string_value = path
 
 
 def repo_configs(recipe: Recipe, engine: EngineInfo, ids: TokenIds) -> dict[str, mc.ModelConfig]:
@@ -525,6 +553,7 @@ def write_repo(recipe: Recipe, engine_dir: Path, tokenizer_dir: Path, out: Path)
     tokenizer_files(tokenizer_dir)
     ids = token_ids(tokenizer_dir)
     configs = repo_configs(recipe, engine, ids)
+    point_tokenizer_dirs(configs, tokenizer_dir)
     texts = {name: to_pbtxt(c) for name, c in configs.items()}
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -1,18 +1,20 @@
-"""Start, watch and stop a real ``tritonserver``; build the ``mpirun`` leader-mode command for TensorRT engines.
+"""Start, watch and stop a real ``tritonserver``; find it again through its state file (``trtpipe stop``).
 
-Policy (shared/spec/ENVIRONMENT.md): the CPU server is the tritonserver 2.51 shipped inside nvidia-pytriton,
+Policy (docs/reference/cpu-environment.md): the CPU server is the tritonserver 2.51 shipped inside nvidia-pytriton,
 copied once into a cache directory of our own (never named ``triton``: that would shadow OpenAI Triton in
 the models' imports), with the python-backend stub of this interpreter's version beside the backend. The
 stub runs Python isolated, so it finds this venv's packages through ``PATH`` (venv ``bin`` first), and it
 needs this interpreter's ``LIBDIR`` on ``LD_LIBRARY_PATH``. Port 0 does not work in tritonserver, so we pick
 free ports and retry when one is taken in between. Every launch gets its own python-backend shared-memory
-prefix so that cleaning ``/dev/shm`` after a stop only touches our own regions.
+prefix so that cleaning ``/dev/shm`` after a stop only touches our own regions. The leader-mode launch
+(:mod:`trtpipe.triton.mpi_launch`) builds on this module (its rank 0 is this server); the process helpers both
+use are in :mod:`trtpipe.processes`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
-import json
 import os
 import shlex
 import shutil
@@ -29,24 +31,17 @@ from pathlib import Path
 from typing import Optional
 
 from trtpipe.errors import ServingError
+from trtpipe.extras import require
+from trtpipe.processes import cache_dir, clean_shm, log_tail, pid_alive, read_state, spawn, write_state
 from trtpipe.triton import stub_watchdog
 
-SHM_DIR = Path("/dev/shm")
 READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
 EXIT_TIMEOUT_S = 5  # how long tritonserver waits for open connections / in-flight requests on SIGTERM
-LOG_TAIL_LINES = 25
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TRTPIPE_CACHE", Path.home() / ".cache" / "trtpipe"))
 
 
 def _pytriton_server_dir() -> Path:
-    try:
-        import pytriton
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ServingError("nvidia-pytriton is not installed: pip install 'trtpipe[serve]'") from exc
+    pytriton = require("pytriton", "the CPU tritonserver (trtpipe serve)")
     src = Path(pytriton.__file__).parent / "tritonserver"
     if not (src / "bin" / "tritonserver").exists():
         raise ServingError(f"{src}: no bin/tritonserver in the nvidia-pytriton wheel")
@@ -55,7 +50,7 @@ def _pytriton_server_dir() -> Path:
 
 def server_root() -> Path:
     """Where :func:`prepare_server` keeps the tritonserver copy for this nvidia-pytriton and Python."""
-    import pytriton
+    pytriton = require("pytriton", "the CPU tritonserver (trtpipe serve)")
 
     version = getattr(pytriton, "__version__", "unknown")
     return cache_dir() / f"tritonserver-pytriton{version}-py{sys.version_info.major}.{sys.version_info.minor}"
@@ -84,7 +79,7 @@ def prepare_server() -> Path:
 
 def server_env(base: Optional[dict] = None) -> dict:
     """The environment the CPU tritonserver and its python stubs need (see the module docstring)."""
-    import pytriton
+    pytriton = require("pytriton", "the CPU tritonserver (trtpipe serve)")
 
     env = dict(os.environ if base is None else base)
     libs = [str(Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR")]
@@ -155,88 +150,24 @@ def exposure_warning(bind: str) -> Optional[str]:
             "without authentication (default and recommended: 127.0.0.1 behind your own proxy)")
 
 
-def mpirun_command(
-    repo: Path,
-    world_size: int,
-    ports: Ports,
-    bind: str = "127.0.0.1",
-    tritonserver: str = "/opt/tritonserver/bin/tritonserver",
-    trtllm_models: tuple[str, ...] = ("tensorrt_llm",),
-    log_file: Optional[str] = None,
-    hostfile: Optional[Path] = None,
-) -> list[str]:
-    """The leader-mode MPMD launch of contract §7.1: one tritonserver per rank under one ``mpirun``.
-
-    Rank 0 serves the ports; ranks > 0 load only the TensorRT-LLM model(s) explicitly and open no endpoint.
-    Each rank gets its own python-backend shm prefix so their regions do not collide.
-    """
-    from trtpipe.triton.mpi_launch import mpmd
-
-    segments = []
-    for rank in range(world_size):
-        seg = [tritonserver, f"--model-repository={repo}"]
-        if rank == 0:
-            seg += endpoint_flags(bind, ports)
-            if log_file:
-                seg += ["--log-verbose=3", f"--log-file={log_file}"]
-        else:
-            seg += ["--allow-http=false", "--allow-grpc=false", "--allow-metrics=false", "--model-control-mode=explicit"]
-            seg += [f"--load-model={name}" for name in trtllm_models]
-        seg += ["--disable-auto-complete-config", f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
-        segments.append(seg)
-    launcher = ["mpirun", "--allow-run-as-root"] + (["--hostfile", str(hostfile)] if hostfile else [])
-    return mpmd(launcher, segments)
+# The readiness endpoint of each kind of server ``trtpipe serve`` starts: tritonserver, or the OpenAI twin of
+# trtllm-serve (``trtpipe.serving.openai_launch``, a ``target: llmapi`` recipe).
+READY_PATHS = {"tritonserver": "/v2/health/ready", "openai": "/health"}
 
 
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs; a zombie counts as gone (and is reaped when it is our own child)."""
+def http_ready(http_url: str, path: str = READY_PATHS["tritonserver"]) -> bool:
+    """True when the server at ``http_url`` answers ``path`` with 200 (tritonserver: every model loaded)."""
     try:
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return False
-    except ChildProcessError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")
-
-
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        text = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "(no log)"
-    return "\n".join(text[-lines:])
-
-
-def _ready(http_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=2) as r:
+        with urllib.request.urlopen(f"{http_url}{path}", timeout=2) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError):
         return False
 
 
-def clean_shm(prefix: str) -> list[str]:
-    """Remove python-backend shm regions left by a server launched with ``prefix`` (killed stubs leave them)."""
-    removed = []
-    for p in SHM_DIR.glob(f"{prefix}*"):
-        try:
-            p.unlink()
-            removed.append(p.name)
-        except OSError:
-            pass
-    return removed
-
-
 @dataclass
 class Server:
-    """A running tritonserver we started (or found through its state file, for ``trtpipe stop``)."""
+    """A running server we started (or found through its state file, for ``trtpipe stop``): a tritonserver on
+    a model repository, or (``kind="openai"``) the OpenAI twin on an llmapi export (``repo`` is its model dir)."""
 
     pid: int
     repo: str
@@ -245,7 +176,10 @@ class Server:
     log: str
     shm_prefix: str
     state_file: Optional[str] = None
-    _proc: Optional[subprocess.Popen] = field(default=None, repr=False, compare=False)
+    kind: str = "tritonserver"  # a key of READY_PATHS
+    # the Popen when this process started it (None when found through a state file): its exit status names the cause
+    process: Optional[subprocess.Popen] = field(default=None, repr=False, compare=False)
+    run_dir: Optional[Path] = field(default=None, compare=False)  # a leader-mode job's run dir (mpi_launch)
 
     @property
     def http_url(self) -> str:
@@ -256,12 +190,12 @@ class Server:
         return f"{self.bind}:{self.ports.grpc}"
 
     def alive(self) -> bool:
-        if self._proc is not None:
-            return self._proc.poll() is None
+        if self.process is not None:
+            return self.process.poll() is None
         return pid_alive(self.pid)
 
     def ready(self) -> bool:
-        return _ready(self.http_url)
+        return http_ready(self.http_url, READY_PATHS[self.kind])
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM, wait, SIGKILL if it hangs; then clean our shm regions and the state file."""
@@ -278,8 +212,8 @@ class Server:
                     os.killpg(self.pid, signal.SIGKILL)
                 except OSError:
                     os.kill(self.pid, signal.SIGKILL)
-                if self._proc is not None:
-                    self._proc.wait(10)
+                if self.process is not None:
+                    self.process.wait(10)
                 deadline = time.monotonic() + 10  # a child of ours stays a zombie until reaped (alive() reaps it)
                 while self.alive() and time.monotonic() < deadline:
                     time.sleep(0.1)
@@ -293,27 +227,35 @@ class Server:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def to_json(self) -> str:
-        d = {k: getattr(self, k) for k in ("pid", "repo", "bind", "log", "shm_prefix", "state_file")}
-        d["ports"] = asdict(self.ports)
-        return json.dumps(d, indent=2)
+    def detach(self, state_file: Path) -> None:
+        """Record this server in ``state_file`` (``trtpipe stop`` and :func:`detached_servers` find it there);
+        stop it when that fails, so no server runs that nothing can find."""
+        try:
+            state_file.parent.mkdir(parents=True, exist_ok=True)
+            self.state_file = str(state_file)
+            d = {k: getattr(self, k) for k in ("pid", "repo", "bind", "log", "shm_prefix", "state_file", "kind")}
+            write_state(state_file, {**d, "ports": asdict(self.ports)})
+        except BaseException:
+            self.stop()
+            raise
 
 
 def state_dir() -> Path:
     return cache_dir() / "servers"
 
 
-def _state_path(repo: Path) -> Path:
-    import hashlib
+def state_path(repo: Path) -> Path:
+    """The state file of the detached server of ``repo`` (one per repository, whichever launcher started it)."""
+    return state_dir() / (hashlib.sha256(str(Path(repo).resolve()).encode()).hexdigest()[:16] + ".json")
 
-    return state_dir() / (hashlib.sha256(str(repo.resolve()).encode()).hexdigest()[:16] + ".json")
 
-
-def _spawn(cmd: list[str], env: dict, log: Path, cwd: Path) -> subprocess.Popen:
-    with open(log, "ab") as fh:
-        return subprocess.Popen(
-            cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True, stdin=subprocess.DEVNULL
-        )
+def refuse_if_served(repo: Path) -> Path:
+    """Raise when a live detached server already serves ``repo``; return the state file a new one would use."""
+    state = state_path(repo)
+    old = load_state(state) if state.exists() else None
+    if old is not None and old.alive():
+        raise ServingError(f"{repo}: already served by pid {old.pid} at {old.http_url} (trtpipe stop {repo})")
+    return state
 
 
 def start_server(
@@ -339,21 +281,17 @@ def start_server(
     if not repo.is_dir():
         raise ServingError(f"{repo}: model repository not found")
     root = prepare_server()
-    state = _state_path(repo)
+    state = refuse_if_served(repo)
     log = Path(log) if log else cache_dir() / "logs" / f"{repo.name}-{state.stem}.tritonserver.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    if state.exists():
-        old = load_state(state)
-        if old is not None and old.alive():
-            raise ServingError(f"{repo}: already served by pid {old.pid} at {old.http_url} (trtpipe stop {repo})")
     last_error = ""
     for attempt in range(attempts):
         use = ports or Ports(*free_ports(3, bind if bind != "0.0.0.0" else "127.0.0.1"))
         prefix = f"trtpipe{os.getpid()}_{use.grpc}_"
         cmd = server_command(root / "bin" / "tritonserver", root / "backends", repo, bind, use, prefix)
         log.write_text(f"# {shlex.join(cmd)}\n")
-        proc = _spawn(cmd, server_env(), log, cwd=log.parent)
-        server = Server(proc.pid, str(repo), bind, use, str(log), prefix, _proc=proc)
+        proc = spawn(cmd, log, env=server_env(), cwd=log.parent)
+        server = Server(proc.pid, str(repo), bind, use, str(log), prefix, process=proc)
         deadline = time.monotonic() + timeout
         try:
             up = _wait_ready(server, deadline)
@@ -362,13 +300,7 @@ def start_server(
             raise
         if up:
             if detach:
-                try:
-                    state.parent.mkdir(parents=True, exist_ok=True)
-                    server.state_file = str(state)
-                    state.write_text(server.to_json())
-                except BaseException:
-                    server.stop()
-                    raise
+                server.detach(state)
             return server
         tail = log_tail(log)
         if proc.poll() is None:  # timed out while alive
@@ -413,9 +345,9 @@ def _wait_ready(server: Server, deadline: float) -> bool:
 
 
 def load_state(path: Path) -> Optional[Server]:
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, ValueError):
+    """The server a state file records (None when the file is missing or unreadable)."""
+    d = read_state(path)
+    if not isinstance(d, dict):
         return None
     d["ports"] = Ports(**d["ports"])
     return Server(**d)
@@ -435,34 +367,12 @@ def detached_servers() -> list[Server]:
     return found
 
 
-def stop_detached(repo: Optional[Path] = None) -> list[Server]:
-    """Stop the detached server of ``repo`` (or the only one running); return what was stopped."""
-    servers = detached_servers()
-    if repo is not None:
-        want = str(Path(repo).resolve())
-        servers = [s for s in servers if s.repo == want]
-        if not servers:
-            raise ServingError(f"{repo}: no detached trtpipe server serves this repository")
-    elif len(servers) > 1:
-        names = ", ".join(f"{s.repo} (pid {s.pid})" for s in servers)
-        raise ServingError(f"several detached servers run; name one: {names}")
-    for s in servers:
-        s.stop()
-    return servers
-
-
-def sigterm_as_interrupt() -> None:
-    """Make SIGTERM behave like Ctrl-C (KeyboardInterrupt), so every wait below cleans up the same way."""
-
-    def _term(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _term)
 
 
 def serve_forever(server: Server) -> int:
-    """Block until the server exits or we get Ctrl-C (or SIGTERM, see :func:`sigterm_as_interrupt`); then stop
-    it cleanly. Returns 0 after an interrupt; raises with the log tail when the server died on its own."""
+    """Block until the server exits or we get Ctrl-C (or SIGTERM, see
+    :func:`trtpipe.processes.sigterm_as_interrupt`); then stop it cleanly. Returns 0 after an interrupt; raises
+    with the log tail when the server died on its own."""
     try:
         while server.alive():
             time.sleep(0.5)
@@ -478,7 +388,7 @@ def serve_forever(server: Server) -> int:
 
 def exit_cause(server: Server) -> str:
     """'tritonserver (pid N) was killed by SIGKILL' / 'exited with status 3' / 'exited' (status unknown)."""
-    code = server._proc.poll() if server._proc is not None else None
+    code = server.process.poll() if server.process is not None else None
     what = f"tritonserver (pid {server.pid})"
     if code is None:
         return f"{what} exited"

@@ -1,7 +1,7 @@
 """The ``repo`` build stage: the Triton model repository from the engine stage's output.
 
 It reads the engine dir (TensorRT engines or the CPU twin) and the checkpoint artifact, beside which the
-tokenizer files and ``generation_config.json`` were copied (TEAM_NOTES). The installed tritonclient
+tokenizer files and ``generation_config.json`` were copied (docs/architecture.md). The installed tritonclient
 version (the config messages come from its ``model_config_pb2``) and the python model code enter the key.
 """
 

@@ -1,4 +1,5 @@
-"""Triton python model ``postprocessing``: ``output_ids[:sequence_length]`` → text (contract §6.5).
+"""Triton python model ``postprocessing``: ``output_ids[:sequence_length]`` → text
+(docs/reference/triton-repository.md#postprocessing).
 
 Each request's tokens are decoded on their own, so when the ensemble streams, every chunk is decoded
 independently (tokens whose text depends on their neighbours may come out differently); the
@@ -36,6 +37,9 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("postprocessing: parameter tokenizer_dir is not set")
         if not os.path.isabs(tok_dir):
             tok_dir = os.path.join(args["model_repository"], tok_dir)
+        elif not os.path.isdir(tok_dir):  # moved away from the files it was built from: the copy beside this model
+            pb_utils.Logger.log_warn(f"tokenizer_dir {tok_dir} does not exist; using this model's tokenizer/")
+            tok_dir = os.path.join(args["model_repository"], "tokenizer")
         self.tokenizer = AutoTokenizer.from_pretrained(tok_dir, legacy=False, padding_side="left", trust_remote_code=False)
         self.skip_special_tokens = str(_param(params, "skip_special_tokens", "true")).lower() in _TRUE
 

@@ -1,9 +1,12 @@
-"""Triton python model ``preprocessing``: text → token ids (contract §6.4), with trtpipe's default stop ids.
+"""Triton python model ``preprocessing``: text → token ids
+(docs/reference/triton-repository.md#preprocessing), with trtpipe's default stop ids.
 
 I/O and parameter keys are upstream's template's (text-only rows); the template's embedding-bias and prompt-table
 inputs are declared but refused with a one-line error.
 
-Parameters: ``tokenizer_dir`` (relative paths are relative to this model's directory), ``add_special_tokens``,
+Parameters: ``tokenizer_dir`` (relative paths are relative to this model's directory; trtpipe writes an absolute
+one, which upstream's model.py also resolves, and an absolute one that no longer exists falls back to this model's
+own ``tokenizer/``), ``add_special_tokens``,
 ``end_id`` / ``pad_id`` (from generation_config.json and the tokenizer, written by trtpipe) and
 ``stop_token_ids`` (comma list: the model's other EOS ids, e.g. Llama-3's ``<|eot_id|>``), which are appended
 to every request's stop words so generation stops on all of them by default.
@@ -86,6 +89,9 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("preprocessing: parameter tokenizer_dir is not set")
         if not os.path.isabs(tok_dir):
             tok_dir = os.path.join(args["model_repository"], tok_dir)
+        elif not os.path.isdir(tok_dir):  # moved away from the files it was built from: the copy beside this model
+            pb_utils.Logger.log_warn(f"tokenizer_dir {tok_dir} does not exist; using this model's tokenizer/")
+            tok_dir = os.path.join(args["model_repository"], "tokenizer")
         self.tokenizer = AutoTokenizer.from_pretrained(tok_dir, legacy=False, padding_side="left", trust_remote_code=False)
         self.add_special_tokens = str(_param(params, "add_special_tokens", "true")).lower() in _TRUE
         eos = self.tokenizer.encode(self.tokenizer.eos_token, add_special_tokens=False) if self.tokenizer.eos_token else []
@@ -119,7 +125,7 @@ class TritonPythonModel:
                 raise ValueError("text_input (QUERY) is empty: send a non-empty prompt")
             ids.append(self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens))
         lengths = np.array([[len(x)] for x in ids], np.int32)
-        input_ids = np.full((batch, int(lengths.max())), self.pad_id, np.int32)  # right-padded (contract §6.4)
+        input_ids = np.full((batch, int(lengths.max())), self.pad_id, np.int32)  # right-padded, as upstream's
         for i, x in enumerate(ids):
             input_ids[i, : len(x)] = x
 

@@ -1,4 +1,5 @@
-"""Triton python model ``tensorrt_llm_bls`` (contract §6.7): preprocessing → tensorrt_llm in python.
+"""Triton python model ``tensorrt_llm_bls`` (docs/reference/triton-repository.md#tensorrt_llm_bls):
+preprocessing → tensorrt_llm in python.
 
 With ``accumulate_tokens`` (trtpipe writes true) a streamed answer is re-decoded from all tokens so far and
 only the new text is sent: the pieces join to exactly the non-streamed text, with no broken words or
@@ -171,7 +172,7 @@ class _IteratorGate:
         On its last response the iterator queues its removal from the stub's iterator map, which another stub
         thread carries out without the GIL. If that map entry were the last reference, the iterator's kept
         responses would free their numpy arrays there, without the GIL, and corrupt the interpreter's heap (the
-        BLS stub then dies in pymalloc; seen in soaks with client cancellations, gdb stack in docs/serving.md).
+        BLS stub then dies in pymalloc; seen in soaks with client cancellations, gdb stack in docs/reference/serving.md).
         The removal takes well under a millisecond; ``HOLD_S`` leaves it thousands of times that.
         """
         now = time.monotonic()
@@ -195,6 +196,9 @@ class TritonPythonModel:
         tok_dir = _param(params, "tokenizer_dir", "tokenizer")
         if not os.path.isabs(tok_dir):
             tok_dir = os.path.join(args["model_repository"], tok_dir)
+        elif not os.path.isdir(tok_dir):  # moved away from the files it was built from: the copy beside this model
+            pb_utils.Logger.log_warn(f"tokenizer_dir {tok_dir} does not exist; using this model's tokenizer/")
+            tok_dir = os.path.join(args["model_repository"], "tokenizer")
         self.tokenizer = AutoTokenizer.from_pretrained(tok_dir, legacy=False, trust_remote_code=False)
         self.gate = _IteratorGate()
         _start_watchdog()

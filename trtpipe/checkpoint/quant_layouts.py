@@ -1,8 +1,9 @@
 """THE table of quantized checkpoint layouts: recipe algo -> TRT-LLM quant_algo, formats, tensors, dtypes.
 
-Source of truth: shared/spec/MODELOPT_LAYOUTS.md (what ModelOpt 0.47.0 writes and trtllm-build 1.x reads) and
-TRTLLM_CONTRACT.md §3. Every difference between algorithms is a field of :class:`Algo`; code never branches on
-the algorithm's name. Per-linear tensors (suffixes of ``transformer.layers.{i}.<linear>``):
+Source of truth: what NVIDIA ModelOpt 0.47.0 writes (``modelopt/torch/export/``, checked by running it:
+tests/quant/test_oracle.py) and trtllm-build 1.x reads (docs/reference/trtllm-checkpoint.md#quantized-tensors). Every
+difference between algorithms is a field of :class:`Algo`; code never branches on the algorithm's name. Per-linear
+tensors (suffixes of ``transformer.layers.{i}.<linear>``):
 
 ==============  ===========  =======================  ================  ===============  ==========
 algo            weight       weights_scaling_factor   prequant (dtype)  activation sf    wsf_2

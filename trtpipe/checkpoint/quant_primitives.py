@@ -7,8 +7,9 @@ One ``granularity`` argument covers every layout TensorRT-LLM uses (torchao's ``
 * ``int g``      one scale per row and group of g input columns, ``[out, in/g]``  (INT4 AWQ)
 * ``"expert"``   one scale per expert of a stacked ``[E, out, in]`` weight, shape ``[E, 1]``   (FP8 MoE)
 
-Scales are *dequantization* scales (real ~= code * scale) = amax / qmax, as TRT-LLM stores them (contract §3).
-Packing is a separate step: :func:`pack_int4_rows` / :func:`unpack_int4_rows` (contract §3.5).
+Scales are *dequantization* scales (real ~= code * scale) = amax / qmax, as TRT-LLM stores them
+(docs/reference/trtllm-checkpoint.md#quantized-tensors).
+Packing is a separate step: :func:`pack_int4_rows` / :func:`unpack_int4_rows`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Helpers for quantization tests: our pipeline on a checkpoint, ModelOpt 0.47.0 on the HF model, error metrics."""
+"""Helpers for the quantization and export tests: our pipeline on a checkpoint, ModelOpt 0.47.0 on the HF model,
+error metrics. At tests/ root, like numerics.py: importable from every test directory (pytest puts tests/ on
+sys.path for tests/conftest.py), with no sys.path edit."""
 
 from __future__ import annotations
 
