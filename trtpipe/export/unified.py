@@ -24,7 +24,8 @@ from trtpipe.checkpoint.quant_layouts import ALGOS, LINEAR_GROUPS, LINEARS
 from trtpipe.checkpoint.quant_primitives import choose_qparams, observe_amax, pack_int4_rows, quantize
 from trtpipe.checkpoint.writer import RankFile
 from trtpipe.errors import QuantizationError
-from trtpipe.export.formats import HF_FORMATS, SCALARS, SUFFIX, hf_quant_config, inline_quantization_config
+from trtpipe.export.formats import (HF_FORMATS, MOE_EXPORT_ALGOS, SCALARS, SUFFIX, hf_quant_config,
+                                    inline_quantization_config)
 from trtpipe.models import get_family
 from trtpipe.models.family import dims
 from trtpipe.models.hfconfig import read_hf_config
@@ -61,17 +62,28 @@ class HFNames:
         self.prefix = family.hf_layer_prefix
         self.layer: dict[str, list[tuple[str, int]]] = {}
         self.globals: dict[str, str] = {}
+        self.experts: set[str] = set()  # stacked-expert tensors ([E, ...]): their HF names hold ``{e}``
         for r in family.layer_rules:
             if r.when(self.info):
                 self.layer[r.trt] = [(h, d[s[0]]) for h, s in zip(r.hf, r.shapes)]
+                if "experts" in r.combine:
+                    self.experts.add(r.trt)
         for r in family.global_rules:
             if r.when(self.info) and not (r.trt == "lm_head.weight" and self.info.tie_word_embeddings):
                 self.globals[r.trt] = r.hf[0]
 
     def split(self, trt_rel: str, t: torch.Tensor, layer: int) -> list[tuple[str, torch.Tensor]]:
-        """(full HF name, tensor) of each source of a layer tensor; ``t``'s dim 0 split by the sources' rows."""
+        """(full HF name, tensor) of each source of a layer tensor; ``t``'s dim 0 split by the sources' rows.
+
+        A stacked-expert tensor ``[E, rows, in]`` gives each expert's sources in expert order (``{e}`` filled in),
+        each expert's rows split the same way (``mlp.fc = [up; gate]`` -> ``experts.{e}.up_proj``, ``gate_proj``).
+        """
         parts = self.layer[trt_rel]
         pre = self.prefix.format(layer)
+        if trt_rel in self.experts:
+            sizes = [n for _, n in parts]
+            return [(pre + h.format(e=e), piece) for e in range(t.shape[0])
+                    for (h, _), piece in zip(parts, t[e].split(sizes, dim=0))]
         if len(parts) == 1:
             return [(pre + parts[0][0], t)]
         return [(pre + h, piece) for (h, _), piece in zip(parts, t.split([n for _, n in parts], dim=0))]
@@ -166,7 +178,7 @@ def layer_tensors(names: HFNames, tensors: dict[str, torch.Tensor], i: int, algo
     dt = TORCH_DTYPES[model_dtype]
     fmt = HF_FORMATS.get(algo)
     excluded = excluded_fn(exclude, i)
-    weights = {m: tensors[f"{m}.weight"] for m in LINEARS if f"{m}.weight" in tensors}
+    weights = {m: tensors[f"{m}.weight"] for m in LINEARS if f"{m}.weight" in tensors and f"{m}.weight" not in names.experts}
     if fmt is None:
         params = {}
     elif algo == "nvfp4":
@@ -185,6 +197,9 @@ def layer_tensors(names: HFNames, tensors: dict[str, torch.Tensor], i: int, algo
     unquantized: list[str] = []
     for rel, t in tensors.items():
         linear = rel.rsplit(".", 1)[0]
+        if rel in names.experts and fmt is not None and not excluded(linear):
+            out.update(_expert_tensors(names, rel, t, i, algo, stats, group_size, dt))
+            continue
         if linear in params and rel.endswith(".weight"):
             p = params[linear]
             fold = _GROUP_OF[linear] in NORM_BEFORE
@@ -204,8 +219,8 @@ def layer_tensors(names: HFNames, tensors: dict[str, torch.Tensor], i: int, algo
             continue
         for hf_name, piece in names.split(rel, t, i):
             out[hf_name] = piece.to(dt)
-        if rel.endswith(".weight") and linear in weights:
-            unquantized += [n.rsplit(".", 1)[0] for n, _ in names.split(rel, t, i)]
+        if rel.endswith(".weight") and (linear in weights or rel in names.experts or linear == "mlp.router"):
+            unquantized += [n.rsplit(".", 1)[0] for n, _ in names.split(rel, t, i)]  # the router stays unquantized
     if kv_cache != "none":
         pre = names.prefix.format(i)
         out[f"{pre}self_attn.k_proj.k_scale"] = choose_qparams(stats.k_amax.reshape(()), "fp8")
@@ -214,6 +229,30 @@ def layer_tensors(names: HFNames, tensors: dict[str, torch.Tensor], i: int, algo
         if k.rsplit(".", 1)[1] in SCALARS:
             out[k] = out[k].reshape(())
     return out, unquantized
+
+
+def _expert_tensors(names: HFNames, rel: str, t: torch.Tensor, i: int, algo: str, stats, group_size: int,
+                    dt: torch.dtype) -> dict[str, torch.Tensor]:
+    """One MoE linear's experts as ModelOpt writes them: every expert's projections quantized on their own.
+
+    FP8: a per-tensor weight scale per projection and a static input scale per expert from the max |x| of the
+    tokens calibration routed to that expert (:meth:`GroupStats.expert_input_amax`, with its stated fallback for an
+    expert no token reached); up_proj and gate_proj read the same input, so they share it.
+    """
+    if algo not in MOE_EXPORT_ALGOS:
+        raise QuantizationError(f"layer {i} {rel}: quantization.algo {algo} is not exported for MoE experts "
+                                f"(supported: {', '.join(MOE_EXPORT_ALGOS)})")
+    amax = stats.groups[_GROUP_OF[rel.rsplit(".", 1)[0]]].expert_input_amax()  # [E]
+    pieces = names.split(rel, t, i)
+    per_expert = len(pieces) // t.shape[0]
+    out: dict[str, torch.Tensor] = {}
+    for k, (hf_name, w) in enumerate(pieces):
+        w = w.float()
+        p = {"weight": w, "weights_scaling_factor": choose_qparams(observe_amax(w, "tensor"), "fp8"),
+             "activation_scaling_factor": choose_qparams(amax[k // per_expert].reshape(1), "fp8")}
+        stored = _hf_linear(algo, p, False, group_size, dt, own_scale=False)
+        out.update({f"{hf_name.rsplit('.', 1)[0]}.{s}": v for s, v in stored.items()})
+    return out
 
 
 def global_tensors(source: TrtllmSource, names: HFNames, dt: torch.dtype) -> dict[str, torch.Tensor]:
@@ -263,8 +302,9 @@ def export_unified(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], out_
     """
     source = TrtllmSource(ckpt_dir)
     names = HFNames(hf_dir)
-    if names.info.is_moe:
-        raise QuantizationError(f"{hf_dir}: the unified HF export does not cover mixture-of-experts models yet")
+    if names.info.is_moe and algo not in MOE_EXPORT_ALGOS:
+        raise QuantizationError(f"{hf_dir}: quantization.algo {algo} is not exported for mixture-of-experts models "
+                                f"(supported: {', '.join(MOE_EXPORT_ALGOS)})")
     if algo != "none" and algo not in HF_FORMATS:
         raise QuantizationError(f"quantization.algo: {algo} has no unified HF format (supported: "
                                 f"{', '.join(HF_FORMATS)})")

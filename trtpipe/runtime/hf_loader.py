@@ -197,7 +197,8 @@ def quant_scheme(d: Path, cfg: dict) -> tuple[str, dict]:
 
 
 def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
-    """Build the reference model of an HF checkpoint directory (Llama family), quantized or not."""
+    """Build the reference model of an HF checkpoint directory of any family trtpipe converts, quantized or not
+    (MoE experts as modules of their own, as ModelOpt writes them)."""
     import fnmatch
 
     from trtpipe.checkpoint.convert import make_plan
@@ -239,7 +240,14 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
         tensors: dict[str, torch.Tensor] = {}
         modules: dict[str, nn.Module] = {}
         pre = names.prefix.format(i)
+        experts: dict[str, list[nn.Module]] = {}  # stacked-expert linear -> one module per expert
         for trt_rel, parts in names.layer.items():
+            if trt_rel in names.experts:  # MoE: each expert's projections are modules of their own
+                linear = trt_rel.rsplit(".", 1)[0]
+                mods = [[build(pre + h.format(e=e).rsplit(".", 1)[0]) for h, _ in parts] for e in range(args.num_experts)]
+                experts[linear] = [m[0] if len(m) == 1 else ConcatLinear(m) for m in mods]
+                tensors[trt_rel] = torch.stack([torch.cat([_weight_of(x) for x in m], dim=0) for m in mods])
+                continue
             hf_full = [pre + h for h, _ in parts]
             if trt_rel.endswith(".weight") and trt_rel.rsplit(".", 1)[0] in _LINEAR_ATTR:
                 mods = [build(h.rsplit(".", 1)[0]) for h in hf_full]
@@ -253,6 +261,8 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
         for linear, module in modules.items():
             owner, attr = _LINEAR_ATTR[linear]
             setattr(getattr(layer, owner)[0], attr, module)
+        for linear, mods in experts.items():  # fc = [up; gate] of each expert, proj = its down_proj
+            setattr(layer.mlp[0], linear.split(".")[1], nn.ModuleList(mods))
         layers.append(layer)
         del tensors
     embedding = r.get(names.globals["transformer.vocab_embedding.weight"]).float()

@@ -338,7 +338,7 @@ class DecoderLayer(nn.Module):
         # One process per rank (trtpipe.runtime.distributed) holds one shard and sums the others' partials here.
         self.all_reduce = all_reduce or _identity
         self.dense_bias = _opt_float(t0.get("attention.dense.bias"))
-        self.is_moe = args.num_experts > 0
+        self.is_moe, self.num_experts = args.num_experts > 0, args.num_experts
         if self.is_moe:
             if "mlp.router.weight" not in t0:
                 raise CheckpointError(f"checkpoint: tensor '{prefix}mlp.router.weight' is missing")
