@@ -233,7 +233,7 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
             raise CheckpointError(f"{d}: '{module}.weight' is {t['weight'].dtype} but the module is not quantized")
         return Float32Linear(t["weight"].float(), bias)
 
-    rope = args.rope()
+    rope = args.ropes()
     layers = []
     for i in range(args.num_layers):
         tensors: dict[str, torch.Tensor] = {}
