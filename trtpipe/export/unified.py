@@ -27,7 +27,7 @@ from trtpipe.errors import QuantizationError
 from trtpipe.export.formats import HF_FORMATS, SCALARS, SUFFIX, hf_quant_config, inline_quantization_config
 from trtpipe.models import get_family
 from trtpipe.models.family import dims
-from trtpipe.models.hfconfig import read_hf_config
+from trtpipe.models.hfconfig import nested_rope, read_hf_config
 from trtpipe.quant.calibrate import load_layer_stats
 from trtpipe.quant.quantize import TORCH_DTYPES, layer_params
 from trtpipe.quant.writer import TrtllmSource, excluded_fn, read_tensors
@@ -52,25 +52,41 @@ def producer() -> dict:
 
 class HFNames:
     """TRT-LLM tensor name -> HF names and row splits, inverted from the family's conversion rules (data, not
-    branches): a ``cat`` rule (q;k;v) splits on dim 0 by its sources' sizes."""
+    branches): a ``cat`` rule (q;k;v) splits on dim 0 by its sources' sizes, a rule's ``offset`` (Gemma's +1 norms)
+    is subtracted, and names carry the checkpoint's ``weight_prefix`` (``language_model.`` of a multimodal model)."""
 
     def __init__(self, hf_dir: Path):
         self.info = read_hf_config(hf_dir)
         family = get_family(self.info.architecture)
         d = dims(self.info)
-        self.prefix = family.hf_layer_prefix
+        top = self.info.weight_prefix
+        self.prefix = top + family.hf_layer_prefix
         self.layer: dict[str, list[tuple[str, int]]] = {}
         self.globals: dict[str, str] = {}
+        self.offsets: dict[str, float] = {}  # TRT-LLM name (relative for layer tensors) -> the rule's offset
         for r in family.layer_rules:
             if r.when(self.info):
                 self.layer[r.trt] = [(h, d[s[0]]) for h, s in zip(r.hf, r.shapes)]
+                self.offsets[r.trt] = r.offset
         for r in family.global_rules:
             if r.when(self.info) and not (r.trt == "lm_head.weight" and self.info.tie_word_embeddings):
-                self.globals[r.trt] = r.hf[0]
+                self.globals[r.trt] = top + r.hf[0]
+                self.offsets[r.trt] = r.offset
+
+    def to_hf(self, trt: str, t: torch.Tensor) -> torch.Tensor:
+        """A TRT-LLM tensor's values as HF stores them (float32 minus the rule's offset where it has one)."""
+        offset = self.offsets.get(trt, 0.0)
+        return t.float() - offset if offset else t
+
+    def from_hf(self, trt: str, t: torch.Tensor) -> torch.Tensor:
+        """An HF tensor's values as the TRT-LLM checkpoint holds them (plus the rule's offset), in float32."""
+        return t.float() + self.offsets.get(trt, 0.0)
 
     def split(self, trt_rel: str, t: torch.Tensor, layer: int) -> list[tuple[str, torch.Tensor]]:
-        """(full HF name, tensor) of each source of a layer tensor; ``t``'s dim 0 split by the sources' rows."""
+        """(full HF name, tensor) of each source of a layer tensor; ``t``'s dim 0 split by the sources' rows (its
+        values as HF stores them: :meth:`to_hf`)."""
         parts = self.layer[trt_rel]
+        t = self.to_hf(trt_rel, t)
         pre = self.prefix.format(layer)
         if len(parts) == 1:
             return [(pre + parts[0][0], t)]
@@ -222,7 +238,8 @@ def global_tensors(source: TrtllmSource, names: HFNames, dt: torch.dtype) -> dic
     out = {names.globals["transformer.vocab_embedding.weight"]: source.embedding().to(dt)}
     last = a.pp - 1
     ranks = source.ranks(last, ("transformer.ln_f.", "lm_head."))
-    out[names.globals["transformer.ln_f.weight"]] = ranks[0]["transformer.ln_f.weight"].to(dt)
+    ln_f = names.to_hf("transformer.ln_f.weight", ranks[0]["transformer.ln_f.weight"])
+    out[names.globals["transformer.ln_f.weight"]] = ln_f.to(dt)
     if "lm_head.weight" in names.globals:
         head = torch.cat([r["lm_head.weight"] for r in ranks], dim=0) if a.tp > 1 else ranks[0]["lm_head.weight"]
         out[names.globals["lm_head.weight"]] = head[: names.info.vocab_size].to(dt)
@@ -235,6 +252,12 @@ def hf_config(hf_dir: Path, model_dtype: str, quantization_config: Optional[dict
     cfg = json.loads((hf_dir / "config.json").read_text())
     cfg["dtype"] = cfg["torch_dtype"] = model_dtype
     info = read_hf_config(hf_dir)
+    if "text_config" in cfg or nested_rope(cfg) is not None:
+        # a multimodal config, or per-layer-type rope (Gemma 3): transformers 4.50+ read these layouts as written
+        cfg.pop("quantization_config", None)
+        if quantization_config is not None:
+            cfg["quantization_config"] = quantization_config
+        return cfg
     rope = dict(cfg.get("rope_parameters") or {})
     scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     rope.setdefault("rope_theta", info.rope_theta)
