@@ -143,3 +143,28 @@ def test_validate_names_what_gemma3_cannot_honour(gemma3, tmp_path):
         bad.mkdir()
         (bad / "config.json").write_text(json.dumps({**cfg, key: value}))
         assert [k for k, _ in fam.unsupported(read_hf_config(bad))] == [key]
+
+
+def test_awq_export_folds_the_mlp_scale_into_the_norm_before_the_mlp(gemma3, tmp_path):
+    """Gemma's MLP input is pre_feedforward_layernorm (post_attention_layernorm normalizes the attention output):
+    the unified export folds the MLP group's AWQ pre-quant scale there, and leaves post_attention_layernorm as the
+    unquantized export writes it."""
+    from quant_helpers import our_stats
+
+    base = convert(gemma3["dir"], tmp_path / "base", tp=1, dtype="bfloat16")
+    calib = torch.randint(3, 250, (8, 32), generator=torch.Generator().manual_seed(1))
+    stats = our_stats(base, calib, tmp_path / "stats", awq_group_size=16)
+    outs = {}
+    for algo in ("none", "int4_awq"):
+        out = tmp_path / algo
+        out.mkdir()
+        export_unified(base, gemma3["dir"], stats if algo != "none" else None, out, algo=algo, kv_cache="none",
+                       group_size=16, alpha=0.5, exclude=["*lm_head"])
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            outs[algo] = {k: f.get_tensor(k) for k in f.keys() if k.endswith("layernorm.weight")}
+    plain, awq = outs["none"], outs["int4_awq"]
+    for i in range(6):
+        assert torch.equal(awq[f"model.layers.{i}.post_attention_layernorm.weight"],
+                           plain[f"model.layers.{i}.post_attention_layernorm.weight"])
+        assert not torch.equal(awq[f"model.layers.{i}.pre_feedforward_layernorm.weight"],
+                               plain[f"model.layers.{i}.pre_feedforward_layernorm.weight"])

@@ -34,8 +34,11 @@ from trtpipe.quant.writer import TrtllmSource, excluded_fn, read_tensors
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 INDEX = "model.safetensors.index.json"
-# the RMSNorm in front of each fused group, where AWQ's pre-quant scale folds (TRT-LLM names)
-NORM_BEFORE = {"attention.qkv": "input_layernorm.weight", "mlp.fc+gate": "post_layernorm.weight"}
+# the RMSNorm in front of each fused group, where AWQ's pre-quant scale folds (TRT-LLM names). In a model with
+# inter_layernorms (Gemma) post_layernorm normalizes the attention output and pre_feedforward_layernorm is the one
+# in front of the MLP: the first name a layer has is the one.
+NORM_BEFORE = {"attention.qkv": ("input_layernorm.weight",),
+               "mlp.fc+gate": ("pre_feedforward_layernorm.weight", "post_layernorm.weight")}
 ROW_KEYS = ("weight", "weights_scaling_factor")  # indexed by output row: split with q/k/v
 _GROUP_OF = {m: g for g, (members, _) in LINEAR_GROUPS.items() for m in members}
 
@@ -192,9 +195,10 @@ def layer_tensors(names: HFNames, tensors: dict[str, torch.Tensor], i: int, algo
     else:
         params = layer_params(ALGOS[fmt.base], weights, stats, group_size, alpha, excluded, model_dtype)
     tensors = dict(tensors)
-    for group, norm in NORM_BEFORE.items():  # fold the group's pre-quant scale into the norm before it
+    for group, candidates in NORM_BEFORE.items():  # fold the group's pre-quant scale into the norm before it
         member = LINEAR_GROUPS[group][0][0]
         pqs = params.get(member, {}).get("prequant_scaling_factor")
+        norm = next((n for n in candidates if n in tensors), candidates[-1])
         if pqs is not None:
             tensors[norm] = (tensors[norm].float() * pqs.float())
     out: dict[str, torch.Tensor] = {}
