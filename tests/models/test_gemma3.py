@@ -103,6 +103,9 @@ def test_unified_export_round_trips_zero_centred_norms(gemma3, tmp_path):
         assert torch.allclose(f.get_tensor("model.norm.weight"), sd["model.norm.weight"], atol=1e-7)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["rope_parameters"] == json.loads((gemma3["dir"] / "config.json").read_text())["rope_parameters"]
+    # the transformers-4 spelling too (TensorRT-LLM 1.2 pins 4.57, whose Gemma3TextConfig reads only these)
+    assert (cfg["rope_theta"], cfg["rope_local_base_freq"]) == (1e6, 1e4)
+    assert cfg["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}
     rt = load_hf_checkpoint(out)
     assert_as_accurate(rt(gemma3["ids"]), gemma3["ref64"], gemma3["scale"], "gemma3 unified export")
     _greedy(rt, gemma3, "gemma3 unified export greedy")

@@ -256,8 +256,19 @@ def hf_config(hf_dir: Path, model_dtype: str, quantization_config: Optional[dict
     cfg = json.loads((hf_dir / "config.json").read_text())
     cfg["dtype"] = cfg["torch_dtype"] = model_dtype
     info = read_hf_config(hf_dir)
-    if "text_config" in cfg or nested_rope(cfg) is not None:
-        # a multimodal config, or per-layer-type rope (Gemma 3): transformers 4.50+ read these layouts as written
+    text = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+    if text is not cfg or nested_rope(cfg) is not None:
+        # a multimodal config, or per-layer-type rope (Gemma 3): kept as written, plus the transformers-4 keys of
+        # each layer type's rope (4.x Gemma3TextConfig reads rope_theta, rope_local_base_freq and rope_scaling and
+        # ignores rope_parameters: without them a 4.57 reader would drop the global layers' linear scaling)
+        nested = nested_rope(text)
+        if nested is not None:
+            full, local = nested.get("full_attention") or {}, nested.get("sliding_attention") or {}
+            text["rope_theta"] = full.get("rope_theta", info.rope_theta)
+            if "rope_theta" in local:
+                text["rope_local_base_freq"] = local["rope_theta"]
+            if info.rope_scaling:
+                text["rope_scaling"] = {**info.rope_scaling, "rope_type": info.rope_scaling.get("rope_type", "linear")}
         cfg.pop("quantization_config", None)
         if quantization_config is not None:
             cfg["quantization_config"] = quantization_config
