@@ -57,6 +57,7 @@ def test_checkpoint_config_and_plus_one_norms_by_name(gemma3, tmp_path):
     assert (cfg["attn_bias"], cfg["mlp_bias"], cfg["inter_layernorms"], cfg["_sliding_window_pattern"]) == (False, False, True, 6)
     assert cfg["final_logit_softcapping"] is None and cfg["position_embedding_type"] == "rope_gpt_neox"
     assert cfg["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert (cfg["use_parallel_embedding"], cfg["embedding_sharding_dim"]) == (True, 0)
     sd = {k: v.detach() for k, v in gemma3["hf"].state_dict().items()}
     with safe_open(str(ckpt / "rank1.safetensors"), "pt") as f:
         names = set(f.keys())
@@ -65,7 +66,8 @@ def test_checkpoint_config_and_plus_one_norms_by_name(gemma3, tmp_path):
             assert got.dtype == torch.bfloat16
             assert torch.equal(got, (sd[f"model.layers.3.{hf}"].float() + 1.0).to(torch.bfloat16)), trt  # +1 in float32
         assert torch.equal(f.get_tensor("transformer.ln_f.weight"), (sd["model.norm.weight"] + 1.0).to(torch.bfloat16))
-        assert torch.equal(f.get_tensor("transformer.vocab_embedding.weight"), sd["model.embed_tokens.weight"].to(torch.bfloat16))  # unscaled
+        # unscaled, and vocab-sharded at tp > 1: upstream's GemmaConfig sets use_parallel_embedding = tp_size > 1
+        assert torch.equal(f.get_tensor("transformer.vocab_embedding.weight"), sd["model.embed_tokens.weight"][125:].to(torch.bfloat16))
         head = f.get_tensor("lm_head.weight")
     assert torch.equal(head, sd["model.embed_tokens.weight"][125:].to(torch.bfloat16))  # the tied copy, rank 1's half
     assert "transformer.layers.0.mlp.fc.weight" in names and "transformer.layers.0.attention.dense.weight" in names

@@ -76,6 +76,9 @@ class Family:
         config_fields: HFModelInfo -> extra config.json fields of this family.
         unsupported: HFModelInfo -> (config.json key, why) for each setting this family cannot honour; ``trtpipe
             validate`` reports them before any weight is read.
+        parallel_embedding_at_tp: TensorRT-LLM's config class of this family sets ``use_parallel_embedding`` to
+            ``tp_size > 1`` whatever the checkpoint says (Gemma), so the checkpoint must hold the embedding
+            vocab-sharded (dim 0) whenever tp > 1.
     """
 
     name: str
@@ -87,6 +90,7 @@ class Family:
     ignored_prefixes: tuple[str, ...] = ()
     config_fields: Callable[[HFModelInfo], dict] = field(default=lambda info: {})
     unsupported: Callable[[HFModelInfo], Iterable[tuple[str, str]]] = field(default=lambda info: ())
+    parallel_embedding_at_tp: bool = False
 
 
 def dims(info: HFModelInfo) -> dict[str, int]:

@@ -14,7 +14,10 @@ to every norm weight in float32 before the dtype cast (``Rule.offset``), names t
 ``post_layernorm`` and the feed-forward ones ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm``
 (``inter_layernorms``), and copies the embedding to ``lm_head``. Two known gaps there are closed by writing the
 fields here: ``GemmaConfig.from_hugging_face`` copies only ``hidden_act`` (HF writes ``hidden_activation``), and it
-reads a rope-scaling key HF never writes, so ``rotary_scaling`` (linear, factor 8 on 4B-27B) would be dropped.
+reads a rope-scaling key HF never writes (``getattr(hf_config, "rotary_scaling", None)``), so ``rotary_scaling``
+(linear, factor 8 on 4B-27B) would be dropped. ``GemmaConfig.__init__`` also sets ``use_parallel_embedding`` to
+``tp_size > 1`` whatever config.json says, so at tp > 1 the embedding is written vocab-sharded
+(``Family.parallel_embedding_at_tp``).
 The engine takes ``q_scaling = sqrt(query_pre_attn_scalar) / sqrt(head_size)`` from ``query_pre_attn_scalar``; it
 does not carry the per-layer window: serving passes ``max_attention_window`` per layer
 (``trtpipe.triton.repo``).
@@ -115,6 +118,7 @@ GEMMA3 = Family(
     global_rules=GLOBAL_RULES,
     layer_rules=LAYER_RULES,
     ignored_prefixes=("vision_tower.", "multi_modal_projector."),
+    parallel_embedding_at_tp=True,
     config_fields=gemma3_fields,
     unsupported=gemma3_unsupported,
 )
