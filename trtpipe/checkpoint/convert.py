@@ -91,12 +91,8 @@ def make_plan(model_dir: str | Path, tp: int = 1, pp: int = 1, dtype: str = "aut
     if pp > info.num_layers:
         raise CheckpointError(f"pp={pp} is larger than num_hidden_layers={info.num_layers}")
     dtype = resolve_dtype(dtype, source_dtype or info.torch_dtype)
-    if family.parallel_embedding_at_tp and tp > 1:
-        if use_parallel_embedding and embedding_sharding_dim != 0:
-            raise CheckpointError(f"{info.architecture}: TensorRT-LLM shards this family's embedding over the "
-                                  f"vocabulary (dim 0) at tp > 1; embedding_sharding_dim {embedding_sharding_dim} is not possible")
-        use_parallel_embedding, embedding_sharding_dim = True, 0
     config = build_config(info, family, dtype, tp, pp, moe_tp, moe_ep, use_parallel_embedding, embedding_sharding_dim)
+    use_parallel_embedding, embedding_sharding_dim = config["use_parallel_embedding"], config["embedding_sharding_dim"]
     m = config["mapping"]
     layout = Layout(info.num_heads, info.num_kv_heads, info.head_dim, tp, info.num_experts if info.is_moe else 0,
                     m["moe_tp_size"], m["moe_ep_size"], use_parallel_embedding, embedding_sharding_dim)
