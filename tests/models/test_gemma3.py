@@ -173,3 +173,16 @@ def test_awq_export_folds_the_mlp_scale_into_the_norm_before_the_mlp(gemma3, tmp
                            plain[f"model.layers.{i}.post_attention_layernorm.weight"])
         assert not torch.equal(awq[f"model.layers.{i}.pre_feedforward_layernorm.weight"],
                                plain[f"model.layers.{i}.pre_feedforward_layernorm.weight"])
+
+
+def test_a_checkpoint_missing_a_feed_forward_norm_is_refused_naming_it(gemma3, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from trtpipe.errors import CheckpointError
+
+    ckpt = convert(gemma3["dir"], tmp_path / "ckpt", tp=1, dtype="float32")
+    t = load_file(str(ckpt / "rank0.safetensors"))
+    del t["transformer.layers.2.pre_feedforward_layernorm.weight"]
+    save_file(t, str(ckpt / "rank0.safetensors"))
+    with pytest.raises(CheckpointError, match=r"tensor 'transformer\.layers\.2\.pre_feedforward_layernorm\.weight' is missing"):
+        load_checkpoint(ckpt)
