@@ -186,3 +186,17 @@ def test_a_checkpoint_missing_a_feed_forward_norm_is_refused_naming_it(gemma3, t
     save_file(t, str(ckpt / "rank0.safetensors"))
     with pytest.raises(CheckpointError, match=r"tensor 'transformer\.layers\.2\.pre_feedforward_layernorm\.weight' is missing"):
         load_checkpoint(ckpt)
+
+
+def test_a_final_logit_softcap_is_applied_as_transformers_does(tmp_path):
+    d = make_synthetic("gemma3", tmp_path / "hf", seed=5, final_logit_softcapping=30.0)
+    hf = load_hf(d)
+    ids = torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        l32, l64 = hf(ids).logits, hf_float64(hf)(ids).logits
+        hf.config.final_logit_softcapping = None
+        raw = hf(ids).logits
+    assert float(raw.abs().max()) > 30.0 > float(l64.abs().max())  # the cap bites, unsaturated
+    ckpt = convert(d, tmp_path / "ckpt", tp=2, dtype="float32")
+    assert json.loads((ckpt / "config.json").read_text())["final_logit_softcapping"] == 30.0
+    assert_as_accurate(load_checkpoint(ckpt)(ids), l64, error_scale(l32, l64), "gemma3 final softcap")
