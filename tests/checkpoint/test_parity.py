@@ -17,7 +17,7 @@ LAYOUTS = [  # (tp, pp, moe_ep)
     (2, 2, -1),
 ]
 # MoE (Mixtral, Qwen3-MoE): experts split into 2 contiguous blocks (ep=2, moe_tp=1), and ep=2 x moe_tp=2 at tp=4.
-CASES = [(m, *lay) for m in ("stories", "llama3", "qwen2", "qwen3", "mixtral", "qwen3_moe") for lay in LAYOUTS] + [
+CASES = [(m, *lay) for m in ("stories", "llama3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma3") for lay in LAYOUTS] + [
     (m, tp, 1, 2) for m in ("mixtral", "qwen3_moe") for tp in (2, 4)]
 
 

@@ -41,6 +41,9 @@ class Rule:
         combine: combine op (``COMBINES``).
         when: the rule applies to this model (e.g. biases only when config.json says so).
         dtype: force this dtype instead of the model dtype (the MoE router stays float32).
+        offset: added to the (combined) source in float32 before the cast to the checkpoint dtype, and
+            subtracted when a checkpoint is turned back into HF names: Gemma's zero-centred norms store
+            ``w`` for a scale of ``1 + w``, and TensorRT-LLM's Gemma checkpoints hold ``1 + w``.
     """
 
     trt: str
@@ -50,6 +53,7 @@ class Rule:
     combine: str = "one"
     when: Callable[[HFModelInfo], bool] = always
     dtype: Optional[str] = None
+    offset: float = 0.0
 
     def __post_init__(self):
         assert self.combine in COMBINES and self.split in SPLITS, self
@@ -67,9 +71,14 @@ class Family:
         layer_rules: per-layer rules.
         hf_layer_prefix: where an HF layer's tensors live, ``{}`` = layer index.
         ignored: HF suffixes that carry no weights (e.g. rotary caches); any other unused tensor is an error.
+        ignored_prefixes: HF name prefixes of towers trtpipe does not build (a multimodal checkpoint's vision
+            tower and projector); their tensors are skipped, not an error.
         config_fields: HFModelInfo -> extra config.json fields of this family.
         unsupported: HFModelInfo -> (config.json key, why) for each setting this family cannot honour; ``trtpipe
             validate`` reports them before any weight is read.
+        parallel_embedding_at_tp: TensorRT-LLM's config class of this family sets ``use_parallel_embedding`` to
+            ``tp_size > 1`` whatever the checkpoint says (Gemma), so the checkpoint must hold the embedding
+            vocab-sharded (dim 0) whenever tp > 1.
     """
 
     name: str
@@ -78,8 +87,10 @@ class Family:
     layer_rules: tuple[Rule, ...]
     hf_layer_prefix: str = "model.layers.{}."
     ignored: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    ignored_prefixes: tuple[str, ...] = ()
     config_fields: Callable[[HFModelInfo], dict] = field(default=lambda info: {})
     unsupported: Callable[[HFModelInfo], Iterable[tuple[str, str]]] = field(default=lambda info: ())
+    parallel_embedding_at_tp: bool = False
 
 
 def dims(info: HFModelInfo) -> dict[str, int]:

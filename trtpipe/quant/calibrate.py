@@ -27,7 +27,7 @@ from trtpipe.checkpoint.quant_primitives import observe_channel_amax
 from trtpipe.errors import QuantizationError
 from trtpipe.quant.awq import awq_clip, awq_scales
 from trtpipe.quant.quantize import TORCH_DTYPES, GroupStats, LayerStats
-from trtpipe.runtime.model import DecoderLayer, ModelArgs
+from trtpipe.runtime.model import DecoderLayer, ModelArgs, rope_tables
 
 log = logging.getLogger("trtpipe.quant")
 # module name inside a layer -> the group whose input it reads (fc and gate share one observer)
@@ -185,9 +185,10 @@ def calibrate(source: LayerSource, tokens: torch.Tensor, settings: CalibSettings
     buf_out = ActivationBuffer((n, t, args.hidden_size), settings.spill_bytes, spill_dir)
     emb = source.embedding()
     for lo in range(0, n, settings.batch_size):
-        buf_in.data[lo:lo + settings.batch_size] = torch.nn.functional.embedding(tokens[lo:lo + settings.batch_size], emb).float()
+        # times Gemma's sqrt(hidden) (1 for other models), as the engine's embedding lookup scales it
+        buf_in.data[lo:lo + settings.batch_size] = torch.nn.functional.embedding(tokens[lo:lo + settings.batch_size], emb).float() * args.embed_scale
     del emb
-    cos_sin = tuple(c.to(dev) for c in args.rope().cos_sin(0, t))
+    cos_sin = {key: tuple(c.to(dev) for c in cs) for key, cs in rope_tables(args.ropes(), 0, t).items()}
     out: list[LayerStats] = []
     try:
         for i in range(args.num_layers):

@@ -234,7 +234,7 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
             raise CheckpointError(f"{d}: '{module}.weight' is {t['weight'].dtype} but the module is not quantized")
         return Float32Linear(t["weight"].float(), bias)
 
-    rope = args.rope()
+    rope = args.ropes()
     layers = []
     for i in range(args.num_layers):
         tensors: dict[str, torch.Tensor] = {}
@@ -254,7 +254,7 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
                 modules[trt_rel.rsplit(".", 1)[0]] = mods[0] if len(mods) == 1 else ConcatLinear(mods)
                 tensors[trt_rel] = torch.cat([_weight_of(m) for m in mods], dim=0)
             else:
-                tensors[trt_rel] = torch.cat([r.get(h).float() for h in hf_full], dim=0)
+                tensors[trt_rel] = names.from_hf(trt_rel, torch.cat([r.get(h).float() for h in hf_full], dim=0))
         if kv_algo:
             tensors["attention.kv_cache_scaling_factor"] = torch.ones(1)
         layer = DecoderLayer(args, [tensors], i, rope)
@@ -266,8 +266,9 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
         layers.append(layer)
         del tensors
     embedding = r.get(names.globals["transformer.vocab_embedding.weight"]).float()
-    ln_f = r.get(names.globals["transformer.ln_f.weight"]).float()
-    head = r.get("lm_head.weight").float() if "lm_head.weight" in r else embedding
+    ln_f = names.from_hf("transformer.ln_f.weight", r.get(names.globals["transformer.ln_f.weight"]))
+    head_name = names.globals.get("lm_head.weight", "lm_head.weight")
+    head = r.get(head_name).float() if head_name in r else embedding
     trt_cfg["hf_quantization"] = {"scheme": scheme, **({"quant_algo": q.get("quant_algo")} if scheme == "modelopt" else {})}
     return ReferenceModel(trt_cfg, args, embedding, layers, ln_f, [Float32Linear(head)])
 
