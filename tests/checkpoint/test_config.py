@@ -92,7 +92,10 @@ def test_dtype_auto_rule(src, auto):
 
 def test_registry_keys_and_aliases():
     assert get_family("MistralForCausalLM") is get_family("LlamaForCausalLM")
-    assert set(REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM"}
+    assert set(REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM",
+                             "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
+                             "Gemma3ForConditionalGeneration"}
+    assert get_family("Gemma3ForConditionalGeneration") is get_family("Gemma3ForCausalLM")  # its language model
 
 
 def test_tokenizer_and_generation_config_copied(stories_dir, tmp_path):

@@ -55,3 +55,15 @@ def test_in_flight_executor_over_mpi_ranks_equals_one_process(run_mpi, stories_c
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(r["equal"] for r in out.values()), out
     assert out["reuse"]["reused_blocks"] > 0 and out["max-util-tiny-pool"]["paused"] > 0
+
+
+def test_gemma3_rank_processes_match_the_one_process_model(run_mpi, tmp_path):
+    """Gemma 3 (sliding and global layers with their own ropes, vocab-sharded embedding at tp 2) one process per rank."""
+    from trtpipe.checkpoint.convert import convert
+    from trtpipe.models.synthetic import make_synthetic
+
+    ckpt = convert(make_synthetic("gemma3", tmp_path / "hf", seed=1), tmp_path / "ckpt", tp=2, pp=2, dtype="float32")
+    proc = run_mpi(4, "forward_check.py", ckpt, 3, 14)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["equal"] and out["err_dist_vs_f64"] <= out["bound"]

@@ -92,6 +92,7 @@ def make_plan(model_dir: str | Path, tp: int = 1, pp: int = 1, dtype: str = "aut
         raise CheckpointError(f"pp={pp} is larger than num_hidden_layers={info.num_layers}")
     dtype = resolve_dtype(dtype, source_dtype or info.torch_dtype)
     config = build_config(info, family, dtype, tp, pp, moe_tp, moe_ep, use_parallel_embedding, embedding_sharding_dim)
+    use_parallel_embedding, embedding_sharding_dim = config["use_parallel_embedding"], config["embedding_sharding_dim"]
     m = config["mapping"]
     layout = Layout(info.num_heads, info.num_kv_heads, info.head_dim, tp, info.num_experts if info.is_moe else 0,
                     m["moe_tp_size"], m["moe_ep_size"], use_parallel_embedding, embedding_sharding_dim)
@@ -141,12 +142,14 @@ def _iter_rules(rules, reader: HFReader, plan: ConversionPlan, hf_prefix: str, t
     for rule in rules:
         if not rule.when(plan.info):
             continue
-        names = _sources(rule, plan.info, hf_prefix)
+        names = _sources(rule, plan.info, plan.info.weight_prefix + hf_prefix)
         parts = [[_fetch(reader, n, _expected(rule, plan.info, i), meta, plan.info) for n in group]
                  for i, group in enumerate(names)]
         if used is not None:
             used.update(n for group in names for n in group)
         t = _combine(rule, parts)
+        if rule.offset and not meta:  # in float32, before the writer's cast to the checkpoint dtype
+            t = t.float() + rule.offset
         if not meta and rule.combine != "one":
             for group in parts:  # the fused copy holds the data now
                 for part in group:
@@ -259,8 +262,9 @@ def _unit_tensors(reader, plan, unit, meta, used=None) -> dict[str, torch.Tensor
 
 def _check_extra(reader: HFReader, plan: ConversionPlan, used: set) -> None:
     ignored = plan.family.ignored + (("lm_head.weight",) if plan.info.tie_word_embeddings else ())
+    skipped = plan.family.ignored_prefixes
     for name in reader.keys():
-        if name not in used and not any(name.endswith(s) for s in ignored):
+        if name not in used and not any(name.endswith(s) for s in ignored) and not name.startswith(skipped):
             raise CheckpointError(
                 f"{reader.dir}: tensor '{name}' is not part of the {plan.info.architecture} mapping "
                 f"(extra tensor, or config.json does not match the weights)"
@@ -371,9 +375,9 @@ def _write_tensor(pool, files, reader, plan, name, t, what) -> None:
 
 def plan_first_source(model_dir: Path, reader: HFReader) -> torch.dtype:
     """dtype of the source weights (for dtype auto): the embedding's, else the first tensor's."""
-    name = "model.embed_tokens.weight"
-    if name in reader:
-        return reader.dtype(name)
+    for name in ("model.embed_tokens.weight", "language_model.model.embed_tokens.weight"):
+        if name in reader:
+            return reader.dtype(name)
     keys = reader.keys()
     if not keys:
         raise CheckpointError(f"{model_dir}: the checkpoint holds no tensors")

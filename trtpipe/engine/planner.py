@@ -73,7 +73,8 @@ class Shapes:
             heads=heads,
             kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_size=int(cfg.get("head_size") or hidden // heads),
-            intermediate=int(cfg.get("intermediate_size") or 4 * hidden),
+            # an expert's width (Qwen3-MoE writes it apart from the dense MLP's intermediate_size)
+            intermediate=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 4 * hidden),
             vocab=int(cfg["vocab_size"]),
             experts=int(moe.get("num_experts") or cfg.get("moe_num_experts") or 0),
             top_k=int(moe.get("top_k") or cfg.get("moe_top_k") or 0),
@@ -224,8 +225,22 @@ def blocks_per_sequence(seq: int, inp: int, tpb: int, beam: int) -> int:
 def sequence_blocks(cfg: dict, c, tpb: int) -> int:
     """Blocks one sequence of max_seq_len needs (kvCacheManager.cpp): the KV cache holds min(seq_len,
     attention_window) tokens; the window is the model's sliding_window (what the repository passes as
-    max_attention_window_size)."""
+    max_attention_window_size).
+
+    A model whose layers differ (Gemma 3, ``layer_types``) has the window on its sliding layers only: the pool here
+    is counted in tokens of every layer, so one sequence needs the layer average of min(seq_len, window of the
+    layer) such tokens (global layers hold all max_seq_len tokens; counting the window for every layer would
+    promise sequences the global layers cannot hold, and counting max_seq_len for every layer undercounts them).
+    The C++ runtime keeps one pool per window size and splits memory in proportion to window x layers
+    (NVIDIA/TensorRT-LLM ``cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp``
+    ``BlockManager::calculateWindowSizeToShare``), which holds the same number of full sequences in every pool:
+    this layer average, up to each pool's block rounding."""
     window = cfg.get("sliding_window")
+    types = cfg.get("layer_types") or ()
+    if types and window:
+        held = sum(min(c.max_seq_len, int(window)) if t == "sliding_attention" else c.max_seq_len for t in types)
+        seq = math.ceil(held / len(types))
+        return blocks_per_sequence(seq, min(c.max_input_len, seq), tpb, c.max_beam_width)
     seq = min(c.max_seq_len, int(window)) if window else c.max_seq_len
     return blocks_per_sequence(seq, min(c.max_input_len, seq), tpb, c.max_beam_width)
 

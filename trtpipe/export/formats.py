@@ -83,6 +83,8 @@ def needs_data(algo: str) -> bool:
     """Whether the unified HF export of ``algo`` needs calibration statistics (beyond trtpipe's ALGOS)."""
     f = HF_FORMATS.get(algo)
     return f is not None and f.needs_data
+# algos whose unified HF layout trtpipe writes for stacked MoE experts (each expert an nn.Linear of its own)
+MOE_EXPORT_ALGOS = ("none", "fp8")
 HF_KV = {"fp8": "FP8"}
 KV_SCHEME = {"FP8": FP8_SCHEME}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
+from trtpipe.export.formats import MOE_EXPORT_ALGOS
 from trtpipe.models.hfconfig import HFModelInfo
 from trtpipe.recipe.rules import Finding, Rule
 from trtpipe.recipe.schema import Recipe
@@ -43,8 +44,9 @@ def _llmapi_target(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding
     if q.kv_cache in LLMAPI_REFUSED_KV:
         why, alternatives = LLMAPI_REFUSED_KV[q.kv_cache]
         yield "quantization.kv_cache", f"kv_cache {q.kv_cache} is refused for target llmapi: {why}; {alternatives}"
-    if m is not None and m.is_moe:
-        yield "target", "the llmapi export does not cover mixture-of-experts models yet; use target: engine"
+    if m is not None and m.is_moe and q.algo not in MOE_EXPORT_ALGOS:
+        yield "quantization.algo", (f"{q.algo}: the llmapi export writes mixture-of-experts experts unquantized or in "
+                                    f"fp8 (supported: {', '.join(MOE_EXPORT_ALGOS)}); use fp8, or target: engine")
     if m is not None and q.algo == "nvfp4":
         import fnmatch
 

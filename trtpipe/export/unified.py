@@ -24,18 +24,22 @@ from trtpipe.checkpoint.quant_layouts import ALGOS, LINEAR_GROUPS, LINEARS
 from trtpipe.checkpoint.quant_primitives import choose_qparams, observe_amax, pack_int4_rows, quantize
 from trtpipe.checkpoint.writer import RankFile
 from trtpipe.errors import QuantizationError
-from trtpipe.export.formats import HF_FORMATS, SCALARS, SUFFIX, hf_quant_config, inline_quantization_config
+from trtpipe.export.formats import (HF_FORMATS, MOE_EXPORT_ALGOS, SCALARS, SUFFIX, hf_quant_config,
+                                    inline_quantization_config)
 from trtpipe.models import get_family
 from trtpipe.models.family import dims
-from trtpipe.models.hfconfig import read_hf_config
+from trtpipe.models.hfconfig import nested_rope, read_hf_config
 from trtpipe.quant.calibrate import load_layer_stats
 from trtpipe.quant.quantize import TORCH_DTYPES, layer_params
 from trtpipe.quant.writer import TrtllmSource, excluded_fn, read_tensors
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 INDEX = "model.safetensors.index.json"
-# the RMSNorm in front of each fused group, where AWQ's pre-quant scale folds (TRT-LLM names)
-NORM_BEFORE = {"attention.qkv": "input_layernorm.weight", "mlp.fc+gate": "post_layernorm.weight"}
+# the RMSNorm in front of each fused group, where AWQ's pre-quant scale folds (TRT-LLM names). In a model with
+# inter_layernorms (Gemma) post_layernorm normalizes the attention output and pre_feedforward_layernorm is the one
+# in front of the MLP: the first name a layer has is the one.
+NORM_BEFORE = {"attention.qkv": ("input_layernorm.weight",),
+               "mlp.fc+gate": ("pre_feedforward_layernorm.weight", "post_layernorm.weight")}
 ROW_KEYS = ("weight", "weights_scaling_factor")  # indexed by output row: split with q/k/v
 _GROUP_OF = {m: g for g, (members, _) in LINEAR_GROUPS.items() for m in members}
 
@@ -52,26 +56,53 @@ def producer() -> dict:
 
 class HFNames:
     """TRT-LLM tensor name -> HF names and row splits, inverted from the family's conversion rules (data, not
-    branches): a ``cat`` rule (q;k;v) splits on dim 0 by its sources' sizes."""
+    branches): a ``cat`` rule (q;k;v) splits on dim 0 by its sources' sizes, a rule's ``offset`` (Gemma's +1 norms)
+    is subtracted, and names carry the checkpoint's ``weight_prefix`` (``language_model.`` of a multimodal model)."""
 
     def __init__(self, hf_dir: Path):
         self.info = read_hf_config(hf_dir)
         family = get_family(self.info.architecture)
         d = dims(self.info)
-        self.prefix = family.hf_layer_prefix
+        top = self.info.weight_prefix
+        self.prefix = top + family.hf_layer_prefix
         self.layer: dict[str, list[tuple[str, int]]] = {}
         self.globals: dict[str, str] = {}
+        self.experts: set[str] = set()  # stacked-expert tensors ([E, ...]): their HF names hold ``{e}``
+        self.offsets: dict[str, float] = {}  # TRT-LLM name (relative for layer tensors) -> the rule's offset
         for r in family.layer_rules:
             if r.when(self.info):
                 self.layer[r.trt] = [(h, d[s[0]]) for h, s in zip(r.hf, r.shapes)]
+                self.offsets[r.trt] = r.offset
+                if "experts" in r.combine:
+                    self.experts.add(r.trt)
         for r in family.global_rules:
             if r.when(self.info) and not (r.trt == "lm_head.weight" and self.info.tie_word_embeddings):
-                self.globals[r.trt] = r.hf[0]
+                self.globals[r.trt] = top + r.hf[0]
+                self.offsets[r.trt] = r.offset
+
+    def to_hf(self, trt: str, t: torch.Tensor) -> torch.Tensor:
+        """A TRT-LLM tensor's values as HF stores them (float32 minus the rule's offset where it has one)."""
+        offset = self.offsets.get(trt, 0.0)
+        return t.float() - offset if offset else t
+
+    def from_hf(self, trt: str, t: torch.Tensor) -> torch.Tensor:
+        """An HF tensor's values as the TRT-LLM checkpoint holds them (plus the rule's offset), in float32."""
+        return t.float() + self.offsets.get(trt, 0.0)
 
     def split(self, trt_rel: str, t: torch.Tensor, layer: int) -> list[tuple[str, torch.Tensor]]:
-        """(full HF name, tensor) of each source of a layer tensor; ``t``'s dim 0 split by the sources' rows."""
+        """(full HF name, tensor) of each source of a layer tensor; ``t``'s dim 0 split by the sources' rows (its
+        values as HF stores them: :meth:`to_hf`).
+
+        A stacked-expert tensor ``[E, rows, in]`` gives each expert's sources in expert order (``{e}`` filled in),
+        each expert's rows split the same way (``mlp.fc = [up; gate]`` -> ``experts.{e}.up_proj``, ``gate_proj``).
+        """
         parts = self.layer[trt_rel]
+        t = self.to_hf(trt_rel, t)
         pre = self.prefix.format(layer)
+        if trt_rel in self.experts:
+            sizes = [n for _, n in parts]
+            return [(pre + h.format(e=e), piece) for e in range(t.shape[0])
+                    for (h, _), piece in zip(parts, t[e].split(sizes, dim=0))]
         if len(parts) == 1:
             return [(pre + parts[0][0], t)]
         return [(pre + h, piece) for (h, _), piece in zip(parts, t.split([n for _, n in parts], dim=0))]
@@ -166,7 +197,7 @@ def layer_tensors(names: HFNames, tensors: dict[str, torch.Tensor], i: int, algo
     dt = TORCH_DTYPES[model_dtype]
     fmt = HF_FORMATS.get(algo)
     excluded = excluded_fn(exclude, i)
-    weights = {m: tensors[f"{m}.weight"] for m in LINEARS if f"{m}.weight" in tensors}
+    weights = {m: tensors[f"{m}.weight"] for m in LINEARS if f"{m}.weight" in tensors and f"{m}.weight" not in names.experts}
     if fmt is None:
         params = {}
     elif algo == "nvfp4":
@@ -176,15 +207,19 @@ def layer_tensors(names: HFNames, tensors: dict[str, torch.Tensor], i: int, algo
     else:
         params = layer_params(ALGOS[fmt.base], weights, stats, group_size, alpha, excluded, model_dtype)
     tensors = dict(tensors)
-    for group, norm in NORM_BEFORE.items():  # fold the group's pre-quant scale into the norm before it
+    for group, candidates in NORM_BEFORE.items():  # fold the group's pre-quant scale into the norm before it
         member = LINEAR_GROUPS[group][0][0]
         pqs = params.get(member, {}).get("prequant_scaling_factor")
+        norm = next((n for n in candidates if n in tensors), candidates[-1])
         if pqs is not None:
             tensors[norm] = (tensors[norm].float() * pqs.float())
     out: dict[str, torch.Tensor] = {}
     unquantized: list[str] = []
     for rel, t in tensors.items():
         linear = rel.rsplit(".", 1)[0]
+        if rel in names.experts and fmt is not None and not excluded(linear):
+            out.update(_expert_tensors(names, rel, t, i, algo, stats, group_size, dt))
+            continue
         if linear in params and rel.endswith(".weight"):
             p = params[linear]
             fold = _GROUP_OF[linear] in NORM_BEFORE
@@ -204,8 +239,8 @@ def layer_tensors(names: HFNames, tensors: dict[str, torch.Tensor], i: int, algo
             continue
         for hf_name, piece in names.split(rel, t, i):
             out[hf_name] = piece.to(dt)
-        if rel.endswith(".weight") and linear in weights:
-            unquantized += [n.rsplit(".", 1)[0] for n, _ in names.split(rel, t, i)]
+        if rel.endswith(".weight") and (linear in weights or rel in names.experts or linear == "mlp.router"):
+            unquantized += [n.rsplit(".", 1)[0] for n, _ in names.split(rel, t, i)]  # the router stays unquantized
     if kv_cache != "none":
         pre = names.prefix.format(i)
         out[f"{pre}self_attn.k_proj.k_scale"] = choose_qparams(stats.k_amax.reshape(()), "fp8")
@@ -216,13 +251,38 @@ def layer_tensors(names: HFNames, tensors: dict[str, torch.Tensor], i: int, algo
     return out, unquantized
 
 
+def _expert_tensors(names: HFNames, rel: str, t: torch.Tensor, i: int, algo: str, stats, group_size: int,
+                    dt: torch.dtype) -> dict[str, torch.Tensor]:
+    """One MoE linear's experts as ModelOpt writes them: every expert's projections quantized on their own.
+
+    FP8: a per-tensor weight scale per projection and a static input scale per expert from the max |x| of the
+    tokens calibration routed to that expert (:meth:`GroupStats.expert_input_amax`, with its stated fallback for an
+    expert no token reached); up_proj and gate_proj read the same input, so they share it.
+    """
+    if algo not in MOE_EXPORT_ALGOS:
+        raise QuantizationError(f"layer {i} {rel}: quantization.algo {algo} is not exported for MoE experts "
+                                f"(supported: {', '.join(MOE_EXPORT_ALGOS)})")
+    amax = stats.groups[_GROUP_OF[rel.rsplit(".", 1)[0]]].expert_input_amax()  # [E]
+    pieces = names.split(rel, t, i)
+    per_expert = len(pieces) // t.shape[0]
+    out: dict[str, torch.Tensor] = {}
+    for k, (hf_name, w) in enumerate(pieces):
+        w = w.float()
+        p = {"weight": w, "weights_scaling_factor": choose_qparams(observe_amax(w, "tensor"), "fp8"),
+             "activation_scaling_factor": choose_qparams(amax[k // per_expert].reshape(1), "fp8")}
+        stored = _hf_linear(algo, p, False, group_size, dt, own_scale=False)
+        out.update({f"{hf_name.rsplit('.', 1)[0]}.{s}": v for s, v in stored.items()})
+    return out
+
+
 def global_tensors(source: TrtllmSource, names: HFNames, dt: torch.dtype) -> dict[str, torch.Tensor]:
     """Embedding, final norm and (untied) lm_head, un-padded and un-split from the checkpoint."""
     a = source.full
     out = {names.globals["transformer.vocab_embedding.weight"]: source.embedding().to(dt)}
     last = a.pp - 1
     ranks = source.ranks(last, ("transformer.ln_f.", "lm_head."))
-    out[names.globals["transformer.ln_f.weight"]] = ranks[0]["transformer.ln_f.weight"].to(dt)
+    ln_f = names.to_hf("transformer.ln_f.weight", ranks[0]["transformer.ln_f.weight"])
+    out[names.globals["transformer.ln_f.weight"]] = ln_f.to(dt)
     if "lm_head.weight" in names.globals:
         head = torch.cat([r["lm_head.weight"] for r in ranks], dim=0) if a.tp > 1 else ranks[0]["lm_head.weight"]
         out[names.globals["lm_head.weight"]] = head[: names.info.vocab_size].to(dt)
@@ -235,6 +295,23 @@ def hf_config(hf_dir: Path, model_dtype: str, quantization_config: Optional[dict
     cfg = json.loads((hf_dir / "config.json").read_text())
     cfg["dtype"] = cfg["torch_dtype"] = model_dtype
     info = read_hf_config(hf_dir)
+    text = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+    if text is not cfg or nested_rope(cfg) is not None:
+        # a multimodal config, or per-layer-type rope (Gemma 3): kept as written, plus the transformers-4 keys of
+        # each layer type's rope (4.x Gemma3TextConfig reads rope_theta, rope_local_base_freq and rope_scaling and
+        # ignores rope_parameters: without them a 4.57 reader would drop the global layers' linear scaling)
+        nested = nested_rope(text)
+        if nested is not None:
+            full, local = nested.get("full_attention") or {}, nested.get("sliding_attention") or {}
+            text["rope_theta"] = full.get("rope_theta", info.rope_theta)
+            if "rope_theta" in local:
+                text["rope_local_base_freq"] = local["rope_theta"]
+            if info.rope_scaling:
+                text["rope_scaling"] = {**info.rope_scaling, "rope_type": info.rope_scaling.get("rope_type", "linear")}
+        cfg.pop("quantization_config", None)
+        if quantization_config is not None:
+            cfg["quantization_config"] = quantization_config
+        return cfg
     rope = dict(cfg.get("rope_parameters") or {})
     scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     rope.setdefault("rope_theta", info.rope_theta)
@@ -263,8 +340,9 @@ def export_unified(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], out_
     """
     source = TrtllmSource(ckpt_dir)
     names = HFNames(hf_dir)
-    if names.info.is_moe:
-        raise QuantizationError(f"{hf_dir}: the unified HF export does not cover mixture-of-experts models yet")
+    if names.info.is_moe and algo not in MOE_EXPORT_ALGOS:
+        raise QuantizationError(f"{hf_dir}: quantization.algo {algo} is not exported for mixture-of-experts models "
+                                f"(supported: {', '.join(MOE_EXPORT_ALGOS)})")
     if algo != "none" and algo not in HF_FORMATS:
         raise QuantizationError(f"quantization.algo: {algo} has no unified HF format (supported: "
                                 f"{', '.join(HF_FORMATS)})")

@@ -8,7 +8,7 @@ Adding a family means writing one module of rules; ``trtpipe.checkpoint.convert`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from trtpipe.models.hfconfig import HFModelInfo
 
@@ -36,11 +36,14 @@ class Rule:
         trt: TRT-LLM name; per-layer rules are relative to ``transformer.layers.{i}.``.
         hf: HF source names; per-layer ones relative to the family's HF layer prefix; ``{e}`` = expert.
         shapes: expected shape of each source, in symbols (``H`` hidden, ``Q`` heads*head_size, ``KV``
-            kv_heads*head_size, ``I`` intermediate, ``V`` vocab, ``E`` experts).
+            kv_heads*head_size, ``D`` head_size, ``I`` intermediate, ``M`` one expert's intermediate, ``V`` vocab, ``E`` experts).
         split: split style (``SPLITS``).
         combine: combine op (``COMBINES``).
         when: the rule applies to this model (e.g. biases only when config.json says so).
         dtype: force this dtype instead of the model dtype (the MoE router stays float32).
+        offset: added to the (combined) source in float32 before the cast to the checkpoint dtype, and
+            subtracted when a checkpoint is turned back into HF names: Gemma's zero-centred norms store
+            ``w`` for a scale of ``1 + w``, and TensorRT-LLM's Gemma checkpoints hold ``1 + w``.
     """
 
     trt: str
@@ -50,6 +53,7 @@ class Rule:
     combine: str = "one"
     when: Callable[[HFModelInfo], bool] = always
     dtype: Optional[str] = None
+    offset: float = 0.0
 
     def __post_init__(self):
         assert self.combine in COMBINES and self.split in SPLITS, self
@@ -67,7 +71,14 @@ class Family:
         layer_rules: per-layer rules.
         hf_layer_prefix: where an HF layer's tensors live, ``{}`` = layer index.
         ignored: HF suffixes that carry no weights (e.g. rotary caches); any other unused tensor is an error.
+        ignored_prefixes: HF name prefixes of towers trtpipe does not build (a multimodal checkpoint's vision
+            tower and projector); their tensors are skipped, not an error.
         config_fields: HFModelInfo -> extra config.json fields of this family.
+        unsupported: HFModelInfo -> (config.json key, why) for each setting this family cannot honour; ``trtpipe
+            validate`` reports them before any weight is read.
+        parallel_embedding_at_tp: TensorRT-LLM's config class of this family sets ``use_parallel_embedding`` to
+            ``tp_size > 1`` whatever the checkpoint says (Gemma), so the checkpoint must hold the embedding
+            vocab-sharded (dim 0) whenever tp > 1.
     """
 
     name: str
@@ -76,7 +87,10 @@ class Family:
     layer_rules: tuple[Rule, ...]
     hf_layer_prefix: str = "model.layers.{}."
     ignored: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    ignored_prefixes: tuple[str, ...] = ()
     config_fields: Callable[[HFModelInfo], dict] = field(default=lambda info: {})
+    unsupported: Callable[[HFModelInfo], Iterable[tuple[str, str]]] = field(default=lambda info: ())
+    parallel_embedding_at_tp: bool = False
 
 
 def dims(info: HFModelInfo) -> dict[str, int]:
@@ -85,7 +99,9 @@ def dims(info: HFModelInfo) -> dict[str, int]:
         "H": info.hidden_size,
         "Q": info.num_heads * info.head_dim,
         "KV": info.num_kv_heads * info.head_dim,
+        "D": info.head_dim,
         "I": info.intermediate_size,
+        "M": info.expert_intermediate_size,
         "V": info.vocab_size,
         "E": info.num_experts,
     }

@@ -31,18 +31,47 @@ SPECS: dict[str, tuple[str, str, dict]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=250, max_position_embeddings=256, tie_word_embeddings=False)),
+    # Qwen3-4B's ratios shrunk: 32 heads / 8 KV heads -> 8 / 2, head_dim 128 with hidden 2560 (q wider than hidden)
+    # -> head_dim 16 with hidden 64 (q width 128), tied embeddings as in 0.6B-4B, rope_theta 1e6, eps 1e-6.
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=16, vocab_size=250, max_position_embeddings=256, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True)),
+    # Qwen3-30B-A3B's ratios shrunk: 32 heads / 4 KV heads -> 8 / 2, head_dim 128 with hidden 2048 -> 16 with 64
+    # (q wider than hidden), 128 experts top-8 -> 8 top-2, expert width 768 (3/8 of hidden) -> 32 (1/2: the smallest
+    # that AWQ's group 32 divides); norm_topk_prob true as released; the dense intermediate_size no layer uses.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        hidden_size=64, intermediate_size=192, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        vocab_size=250, max_position_embeddings=256, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False)),
+    # gemma-3-27b's ratios shrunk: 62 layers -> 6 (the 5:1 sliding/global pattern once: layer 5 global), 32 heads /
+    # 16 KV heads -> 4 / 2, head_dim 128 with hidden 5376 (heads*head_dim 4096 narrower than hidden) -> 12 with 64
+    # (48), query_pre_attn_scalar = hidden/heads (168) -> 16 (not head_dim), window 1024 -> 5 (shorter than the
+    # tests' 12-token prompts), linear rope factor 8 on global layers, rope_local_base_freq 1e4, tied, eps 1e-6.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        hidden_size=64, intermediate_size=192, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=12, query_pre_attn_scalar=16, sliding_window=5, vocab_size=250, max_position_embeddings=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         num_local_experts=4, num_experts_per_tok=2, vocab_size=250, max_position_embeddings=256)),
 }
 
 
+# Families whose RMSNorm scales by (1 + w): their norm weights are drawn around 0 so the scale is around 1.
+ZERO_CENTRED_NORMS = ("Gemma3",)
+
+
 def _reinit(model: torch.nn.Module, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
+    centre = 0.0 if type(model).__name__.startswith(ZERO_CENTRED_NORMS) else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1 and "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+                p.copy_(centre + 0.1 * torch.randn(p.shape, generator=g))
             elif p.dim() == 1:  # biases
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
             elif "embed_tokens" in name:
@@ -73,8 +102,10 @@ def make_synthetic(kind: str, out_dir: str | Path, seed: int = 0, shard_bytes: O
     """
     import transformers
 
-    cfg_name, model_name, kwargs = SPECS[kind]
+    cfg_name, model_name, kwargs = SPECS["gemma3" if kind == "gemma3_multimodal" else kind]
     kwargs = {**kwargs, **overrides}
+    if kind == "gemma3_multimodal":
+        return _make_gemma3_multimodal(out_dir, seed, dtype, overrides)
     if "rope_theta" in kwargs and "rope_parameters" not in kwargs:
         kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta")}
     config = getattr(transformers, cfg_name)(**kwargs)
@@ -88,6 +119,27 @@ def make_synthetic(kind: str, out_dir: str | Path, seed: int = 0, shard_bytes: O
     model.save_pretrained(out_dir, **save_kwargs)
     if rope_layout == "v4":
         _to_v4_rope(out_dir / "config.json")
+    return out_dir
+
+
+def _make_gemma3_multimodal(out_dir, seed: int, dtype: torch.dtype, overrides: dict) -> Path:
+    """A ``Gemma3ForConditionalGeneration``: the "gemma3" text model plus a one-layer SigLIP tower (28x28 images,
+    patch 14, 4 tokens per image). save_pretrained writes the text model as ``language_model.model.*``."""
+    import transformers
+
+    _, _, text = SPECS["gemma3"]
+    text_config = transformers.Gemma3TextConfig(**{**text, **overrides})
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text_config.to_dict(), vision_config=vision.to_dict(),
+                                       mm_tokens_per_image=4)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    _reinit(model, seed)
+    model = model.to(dtype).eval()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
     return out_dir
 
 

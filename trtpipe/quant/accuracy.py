@@ -35,7 +35,7 @@ from trtpipe.quant.data import batched_decode
 from trtpipe.quant.hostmem import whole_model_misfit
 from trtpipe.quant.writer import CheckpointLayers
 from trtpipe.runtime.loader import embedding_table, lm_head_linears, load_checkpoint
-from trtpipe.runtime.model import DecoderLayer, ReferenceModel
+from trtpipe.runtime.model import DecoderLayer, ReferenceModel, rope_tables
 
 
 @dataclass
@@ -154,8 +154,8 @@ def teacher_forced(ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, batch: 
                 for s in streams:
                     bufs[s].data[lo:lo + batch] = x
             del shell, x
-        ropes = {id(src): src.full.rope() for src, _ in plan}
-        cos_sin = {k: r.cos_sin(0, t) for k, r in ropes.items()}
+        ropes = {id(src): src.full.ropes() for src, _ in plan}
+        cos_sin = {k: rope_tables(r, 0, t) for k, r in ropes.items()}
         for i in range(ref.full.num_layers):
             if progress:
                 progress(f"({i + 1}/{ref.full.num_layers}) Evaluating")

@@ -27,7 +27,7 @@ from trtpipe.checkpoint.quant_primitives import observe_channel_amax
 from trtpipe.errors import QuantizationError
 from trtpipe.quant.awq import awq_clip, awq_scales
 from trtpipe.quant.quantize import TORCH_DTYPES, GroupStats, LayerStats
-from trtpipe.runtime.model import DecoderLayer, ModelArgs
+from trtpipe.runtime.model import DecoderLayer, ModelArgs, rope_tables
 
 log = logging.getLogger("trtpipe.quant")
 # module name inside a layer -> the group whose input it reads (fc and gate share one observer)
@@ -85,6 +85,7 @@ class _Observer:
         self.amax: dict[str, torch.Tensor] = {}
         self.abssum: dict[str, torch.Tensor] = {}
         self.samples: dict[str, list[torch.Tensor]] = {}
+        self.expert_amax: dict[str, torch.Tensor] = {}
         self.count = 0
         self.keep_every = max(1, total_tokens // keep_tokens) if keep_tokens else 0
         self.k_amax = torch.zeros(1)
@@ -100,6 +101,15 @@ class _Observer:
             self.abssum[group] = s if group not in self.abssum else self.abssum[group] + s
             if self.keep_every:
                 self.samples.setdefault(group, []).append(x[:: self.keep_every].cpu().clone())
+        return hook
+
+    def expert_hook(self, group: str, expert: int, num_experts: int):
+        """max |x| of the tokens one expert receives (its input rows: the router already chose them)."""
+        def hook(module, args):
+            if group not in self.expert_amax:
+                self.expert_amax[group] = torch.zeros(num_experts)
+            a = args[0].detach().abs().amax().float().cpu() if args[0].numel() else torch.zeros(())
+            self.expert_amax[group][expert] = torch.maximum(self.expert_amax[group][expert], a)
         return hook
 
     def kv(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -119,6 +129,12 @@ def _attach(layer: DecoderLayer, obs: _Observer) -> list:
             continue
         # every expert's fc / proj feeds the same group (one activation scale per MoE linear)
         handles.append(module.register_forward_pre_hook(obs.linear_hook(_INPUT_OF[rel])))
+    if layer.is_moe:  # and each expert's own input amax, for exports that scale experts one by one
+        for shard in layer.mlp:
+            for j, (fc, proj) in enumerate(zip(shard.fc, shard.proj)):
+                for module, rel in ((fc, "mlp.fc"), (proj, "mlp.proj")):
+                    hook = obs.expert_hook(_INPUT_OF[rel], shard.first + j, layer.num_experts)
+                    handles.append(module.register_forward_pre_hook(hook))
     for shard in layer.attention:
         shard.kv_quant, shard.kv_scale = obs.kv, torch.ones(1)
     return handles
@@ -129,7 +145,11 @@ def _stats(obs: _Observer, tokens: int, layer_tensors: dict, settings: CalibSett
     for group, (members, _) in LINEAR_GROUPS.items():
         if group not in obs.amax:
             raise QuantizationError(f"calibration: no input observed for {group}")
-        g = GroupStats(amax=obs.amax[group], absmean=obs.abssum[group] / tokens)
+        g = GroupStats(amax=obs.amax[group], absmean=obs.abssum[group] / tokens, expert_amax=obs.expert_amax.get(group))
+        if g.expert_amax is not None and bool((g.expert_amax == 0).any()):
+            idle = (g.expert_amax == 0).nonzero().flatten().tolist()
+            log.warning("calibration: no token reached expert(s) %s of %s; their input scale falls back to the "
+                        "whole MoE input's amax", idle, group)
         in_features = g.amax.numel()
         if settings.awq_group_size and in_features % settings.awq_group_size == 0:  # else it cannot be int4
             dev, gs = settings.device, settings.awq_group_size
@@ -165,9 +185,10 @@ def calibrate(source: LayerSource, tokens: torch.Tensor, settings: CalibSettings
     buf_out = ActivationBuffer((n, t, args.hidden_size), settings.spill_bytes, spill_dir)
     emb = source.embedding()
     for lo in range(0, n, settings.batch_size):
-        buf_in.data[lo:lo + settings.batch_size] = torch.nn.functional.embedding(tokens[lo:lo + settings.batch_size], emb).float()
+        # times Gemma's sqrt(hidden) (1 for other models), as the engine's embedding lookup scales it
+        buf_in.data[lo:lo + settings.batch_size] = torch.nn.functional.embedding(tokens[lo:lo + settings.batch_size], emb).float() * args.embed_scale
     del emb
-    cos_sin = tuple(c.to(dev) for c in args.rope().cos_sin(0, t))
+    cos_sin = {key: tuple(c.to(dev) for c in cs) for key, cs in rope_tables(args.ropes(), 0, t).items()}
     out: list[LayerStats] = []
     try:
         for i in range(args.num_layers):
@@ -206,7 +227,7 @@ STATS_FILE = "layer{}.safetensors"
 def save_layer_stats(out_dir: Path, i: int, st: LayerStats) -> None:
     t = {"k_amax": st.k_amax, "v_amax": st.v_amax}
     for group, g in st.groups.items():
-        for key in ("amax", "absmean", "awq_pqs"):
+        for key in ("amax", "absmean", "awq_pqs", "expert_amax"):
             v = getattr(g, key, None)
             if v is not None:
                 t[f"{group}.{key}"] = v.contiguous()
@@ -224,6 +245,7 @@ def load_layer_stats(stats_dir: Path, i: int) -> LayerStats:
     for group in LINEAR_GROUPS:
         g = GroupStats(amax=t[f"{group}.amax"], absmean=t.get(f"{group}.absmean"))
         g.awq_pqs = t.get(f"{group}.awq_pqs")
+        g.expert_amax = t.get(f"{group}.expert_amax")
         g.awq_amax = {k[len(group) + len(".awq_amax."):]: v for k, v in t.items() if k.startswith(f"{group}.awq_amax.")}
         st.groups[group] = g
     return st

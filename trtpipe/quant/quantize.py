@@ -33,6 +33,19 @@ class GroupStats:
     samples: Optional[torch.Tensor] = None  # [N, in] a subsample of input rows (AWQ search)
     awq_pqs: Optional[torch.Tensor] = None  # the AWQ search's result, when calibration already ran it
     awq_amax: dict = field(default_factory=dict)  # member linear -> [out, in/g] clipped amax (AWQ clip search)
+    # MoE layers: [E] max |x| over the tokens routed to each expert (0: the expert saw no calibration token)
+    expert_amax: Optional[torch.Tensor] = None
+
+    def expert_input_amax(self) -> torch.Tensor:
+        """[E] per-expert input amax for per-expert activation scales (the unified HF export's experts).
+
+        Fallback, for an expert no calibration token was routed to: the amax of the whole MoE input (every token
+        of the layer, ``amax``'s maximum), the scale the engine path shares across all experts. Never 0 (an infinite
+        dequantization step) and never a guess from another expert alone.
+        """
+        if self.expert_amax is None:
+            raise QuantizationError("calibration statistics have no per-expert amax (re-run calibration)")
+        return torch.where(self.expert_amax > 0, self.expert_amax, self.amax.amax())
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from trtpipe.errors import CheckpointError, Problem, TrtpipeError
+from trtpipe.models import get_family
 from trtpipe.models.hfconfig import HFModelInfo, read_hf_config
 from trtpipe.models.trtllm_config import deduce_max_seq_len, resolve_moe_sizes
 from trtpipe.recipe.schema import Recipe
@@ -108,6 +109,19 @@ def _written(recipe: Recipe, *keys: str) -> str:
     return next((k for k in keys if recipe.written(k)), keys[0])
 
 
+def _model_family(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
+    """The architecture has a family, and its config asks for nothing that family cannot honour (before weights)."""
+    if m is None:
+        return
+    try:
+        family = get_family(m.architecture)
+    except CheckpointError as exc:
+        yield "model.source", str(exc)
+        return
+    for key, why in family.unsupported(m):
+        yield "model.source", f"config.json: {key} {why}"
+
+
 def _parallel_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
     p = recipe.parallel
     if p.world_size > 64:
@@ -137,8 +151,8 @@ def _parallel_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findi
         yield key, f"moe_ep ({ep}) x moe_tp ({mtp}) must equal tp ({p.tp})"
     elif m.num_experts % ep:
         yield key, f"the model's {m.num_experts} experts do not divide by moe_ep={ep}"
-    elif m.intermediate_size % mtp:
-        yield key, f"the experts' intermediate_size {m.intermediate_size} does not divide by moe_tp={mtp}"
+    elif m.expert_intermediate_size % mtp:
+        yield key, f"the experts' intermediate size {m.expert_intermediate_size} does not divide by moe_tp={mtp}"
 
 
 def _engine_limits(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
@@ -216,7 +230,7 @@ def _data_files(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
         yield from _data_findings(recipe, "accuracy.eval_data", recipe.accuracy.eval_data)
 
 
-RECIPE_RULES: tuple[Rule, ...] = (_parallel_layout, _engine_limits, _triton_ports, _data_files)
+RECIPE_RULES: tuple[Rule, ...] = (_model_family, _parallel_layout, _engine_limits, _triton_ports, _data_files)
 
 
 def check_recipe(recipe: Recipe, rules: Iterable[Rule]) -> list[Problem]:
@@ -229,8 +243,11 @@ def check_recipe(recipe: Recipe, rules: Iterable[Rule]) -> list[Problem]:
             findings.extend(fn(recipe, model))
         except TrtpipeError as exc:  # a rule that needs more than it has says so in its own error
             findings.append(("", str(exc)))
+    keyed = {message for key, message in findings if key}
     problems = []
-    for key, message in findings:
+    for key, message in dict.fromkeys(findings):  # a rule's own error repeating a keyed finding says nothing new
+        if not key and message in keyed:
+            continue
         name, line, col = recipe.locate(key)
         problems.append(Problem(name, line, col, key, message))
     problems.sort(key=lambda p: (p.line, p.col))

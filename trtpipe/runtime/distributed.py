@@ -31,7 +31,7 @@ from trtpipe.errors import CheckpointError
 from trtpipe.extras import require
 from trtpipe.runtime.linear import Float32Linear, LinearSpec, build_linear, module_quant_algo
 from trtpipe.runtime.loader import read_config, read_rank, with_prefix
-from trtpipe.runtime.model import DecoderLayer, ModelArgs, rms_norm
+from trtpipe.runtime.model import DecoderLayer, ModelArgs, rms_norm, rope_tables, softcap
 
 
 def mpi():
@@ -146,6 +146,7 @@ class RankModel:
         self.ln_f = ln_f
         self.lm_head = lm_head
         self.rope = args.rope()
+        self.ropes = args.ropes()  # Gemma 3: a "local" rope for the sliding layers too
         self.weight_bytes = weight_bytes  # bytes of this rank's safetensors tensors (what it loaded)
 
     @torch.no_grad()
@@ -154,16 +155,18 @@ class RankModel:
         """input_ids [B, T] at positions start_pos.. -> float32 logits on global rank 0 (None elsewhere).
 
         ``rows``: flat indices into the B*T positions whose logits are wanted (default: all, as [B, T, V]).
-        ``cos_sin``: rope tables of every position (a packed step's tokens are not consecutive).
+        ``cos_sin``: rope tables of every position (a packed step's tokens are not consecutive), per rope key.
         """
         lay, comm = self.layout, self.comm
         B, T = input_ids.shape
         H = self.args.hidden_size
         if lay.first_stage:
             x = F.embedding(input_ids, self.embedding)  # [B, T, H]
+            if self.args.embed_scale != 1.0:
+                x = x * self.args.embed_scale
         else:
             x = comm.recv((B, T, H), lay.peer(lay.pp_rank - 1))
-        cos_sin = cos_sin if cos_sin is not None else self.rope.cos_sin_for(start_pos, T)
+        cos_sin = cos_sin if cos_sin is not None else rope_tables(self.ropes, start_pos, T)
         for layer in self.layers:
             x = layer(x, start_pos, cache, cos_sin)
         n = B * T if rows is None else int(rows.numel())
@@ -178,6 +181,7 @@ class RankModel:
         if rows is not None:
             h = h[rows]
         logits = comm.all_gather_last(self.lm_head(rms_norm(h, self.ln_f, self.args.norm_epsilon)))[:, :V]
+        logits = softcap(logits, self.args.final_logit_softcapping)
         if lay.rank == 0:
             return logits if rows is not None else logits.view(B, T, V)
         if lay.tp_rank == 0:
@@ -205,7 +209,7 @@ def load_rank(ckpt_dir: str | Path, comm_or_layout=None, device: str = "cpu") ->
     path = ckpt_dir / f"rank{lay.rank}.safetensors"
     tensors = read_rank(path, device)
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    rope = args.rope()
+    rope = args.ropes()
     layers = []
     for local, global_idx in enumerate(pp_layers(args.num_layers, args.pp, lay.pp_rank)):
         shard = with_prefix(tensors, f"transformer.layers.{local}.")

@@ -197,7 +197,8 @@ def quant_scheme(d: Path, cfg: dict) -> tuple[str, dict]:
 
 
 def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
-    """Build the reference model of an HF checkpoint directory (Llama family), quantized or not."""
+    """Build the reference model of an HF checkpoint directory of any family trtpipe converts, quantized or not
+    (MoE experts as modules of their own, as ModelOpt writes them)."""
     import fnmatch
 
     from trtpipe.checkpoint.convert import make_plan
@@ -233,31 +234,41 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
             raise CheckpointError(f"{d}: '{module}.weight' is {t['weight'].dtype} but the module is not quantized")
         return Float32Linear(t["weight"].float(), bias)
 
-    rope = args.rope()
+    rope = args.ropes()
     layers = []
     for i in range(args.num_layers):
         tensors: dict[str, torch.Tensor] = {}
         modules: dict[str, nn.Module] = {}
         pre = names.prefix.format(i)
+        experts: dict[str, list[nn.Module]] = {}  # stacked-expert linear -> one module per expert
         for trt_rel, parts in names.layer.items():
+            if trt_rel in names.experts:  # MoE: each expert's projections are modules of their own
+                linear = trt_rel.rsplit(".", 1)[0]
+                mods = [[build(pre + h.format(e=e).rsplit(".", 1)[0]) for h, _ in parts] for e in range(args.num_experts)]
+                experts[linear] = [m[0] if len(m) == 1 else ConcatLinear(m) for m in mods]
+                tensors[trt_rel] = torch.stack([torch.cat([_weight_of(x) for x in m], dim=0) for m in mods])
+                continue
             hf_full = [pre + h for h, _ in parts]
             if trt_rel.endswith(".weight") and trt_rel.rsplit(".", 1)[0] in _LINEAR_ATTR:
                 mods = [build(h.rsplit(".", 1)[0]) for h in hf_full]
                 modules[trt_rel.rsplit(".", 1)[0]] = mods[0] if len(mods) == 1 else ConcatLinear(mods)
                 tensors[trt_rel] = torch.cat([_weight_of(m) for m in mods], dim=0)
             else:
-                tensors[trt_rel] = torch.cat([r.get(h).float() for h in hf_full], dim=0)
+                tensors[trt_rel] = names.from_hf(trt_rel, torch.cat([r.get(h).float() for h in hf_full], dim=0))
         if kv_algo:
             tensors["attention.kv_cache_scaling_factor"] = torch.ones(1)
         layer = DecoderLayer(args, [tensors], i, rope)
         for linear, module in modules.items():
             owner, attr = _LINEAR_ATTR[linear]
             setattr(getattr(layer, owner)[0], attr, module)
+        for linear, mods in experts.items():  # fc = [up; gate] of each expert, proj = its down_proj
+            setattr(layer.mlp[0], linear.split(".")[1], nn.ModuleList(mods))
         layers.append(layer)
         del tensors
     embedding = r.get(names.globals["transformer.vocab_embedding.weight"]).float()
-    ln_f = r.get(names.globals["transformer.ln_f.weight"]).float()
-    head = r.get("lm_head.weight").float() if "lm_head.weight" in r else embedding
+    ln_f = names.from_hf("transformer.ln_f.weight", r.get(names.globals["transformer.ln_f.weight"]))
+    head_name = names.globals.get("lm_head.weight", "lm_head.weight")
+    head = r.get(head_name).float() if head_name in r else embedding
     trt_cfg["hf_quantization"] = {"scheme": scheme, **({"quant_algo": q.get("quant_algo")} if scheme == "modelopt" else {})}
     return ReferenceModel(trt_cfg, args, embedding, layers, ln_f, [Float32Linear(head)])
 

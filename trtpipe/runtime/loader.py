@@ -74,7 +74,7 @@ def load_checkpoint(ckpt_dir: str | Path, device: str = "cpu") -> ReferenceModel
     args = ModelArgs.from_config(cfg, quant_cfg)
     ranks = [read_rank(ckpt_dir / f"rank{r}.safetensors", device) for r in range(args.tp * args.pp)]
     by_pp = [ranks[p * args.tp:(p + 1) * args.tp] for p in range(args.pp)]
-    rope = args.rope()
+    rope = args.ropes()
     layers = []
     for p, group in enumerate(by_pp):
         for local, global_idx in enumerate(pp_layers(args.num_layers, args.pp, p)):

@@ -21,7 +21,25 @@ from trtpipe.models.trtllm_config import resolve_moe_sizes
 from trtpipe.runtime.linear import LinearSpec, build_linear, kv_quant, module_quant_algo
 from trtpipe.runtime.rope import Rope, apply_rope
 
-ACTIVATIONS = {"silu": F.silu, "swiglu": F.silu, "gelu": F.gelu, "gelu_new": F.gelu, "relu": F.relu}
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation (HF ``gelu_pytorch_tanh``, Gemma's MLP activation)."""
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"silu": F.silu, "swiglu": F.silu, "gelu": F.gelu, "gelu_new": F.gelu, "relu": F.relu,
+               "gelu_pytorch_tanh": gelu_tanh, "gelu_tanh": gelu_tanh}
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def embedding_scale(architecture: str, hidden: int, dtype: str) -> float:
+    """Gemma multiplies the embedding by sqrt(hidden) rounded to the weight dtype first (transformers
+    ``Gemma3TextScaledWordEmbedding``: ``embed_scale.to(weight.dtype)``; TensorRT-LLM's Gemma model scales the
+    embedding output the same way); 1 for every other architecture. bf16: sqrt(5376) = 73.32 -> 73.5."""
+    if not architecture.startswith("Gemma"):
+        return 1.0
+    return float(torch.tensor(math.sqrt(hidden), dtype=TORCH_DTYPES.get(dtype, torch.float32)).item())
 
 
 @dataclass(frozen=True)
@@ -44,6 +62,7 @@ class ModelArgs:
     sliding_window: Optional[int] = None
     num_experts: int = 0
     top_k: int = 0
+    moe_renormalize: bool = True  # moe.normalization_mode 1 (RENORMALIZE); 0 (NONE) keeps the full-softmax weights
     tp: int = 1
     pp: int = 1
     moe_tp: int = 1
@@ -51,6 +70,14 @@ class ModelArgs:
     dtype: str = "float32"
     quantization: Optional[dict] = None
     quant_cfg: Optional[dict] = None
+    # Gemma 3: per-layer sliding/global attention, a second (local, unscaled) rope base, the attention scale
+    # query_pre_attn_scalar ** -0.5, norms around attention output and MLP (inter_layernorms), scaled embedding.
+    layer_types: tuple[str, ...] = ()
+    rope_local_base: Optional[float] = None
+    query_pre_attn_scalar: Optional[float] = None
+    inter_layernorms: bool = False
+    embed_scale: float = 1.0
+    final_logit_softcapping: Optional[float] = None
 
     @classmethod
     def from_config(cls, cfg: dict, quant_cfg: Optional[dict] = None) -> "ModelArgs":
@@ -67,10 +94,22 @@ class ModelArgs:
         num_experts = int(moe.get("num_experts", cfg.get("moe_num_experts", 0)) or 0)
         moe_ep, moe_tp = resolve_moe_sizes(tp, int(mapping.get("moe_ep_size", -1)), int(mapping.get("moe_tp_size", -1)))
         head_size = int(cfg.get("head_size") or hidden // heads)
+        num_layers = int(need("num_hidden_layers"))
+        layer_types = tuple(cfg.get("layer_types") or ())
+        pattern = cfg.get("_sliding_window_pattern")
+        if not layer_types and isinstance(pattern, int) and pattern > 0 and cfg.get("sliding_window"):
+            layer_types = tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
+        if layer_types and (len(layer_types) != num_layers or set(layer_types) - {SLIDING, FULL}):
+            raise CheckpointError(f"config.json: key 'layer_types' must list {SLIDING} or {FULL} for each of "
+                                  f"{num_layers} layers")
+        if cfg.get("attn_logit_softcapping") is not None:
+            raise CheckpointError("config.json: key 'attn_logit_softcapping' is set; the reference runtime does not "
+                                  "softcap attention logits")
+        dtype = str(cfg.get("dtype", "float32"))
         return cls(
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_size=head_size,
@@ -84,13 +123,20 @@ class ModelArgs:
             sliding_window=cfg.get("sliding_window"),
             num_experts=num_experts if num_experts > 1 else 0,
             top_k=int(moe.get("top_k", cfg.get("moe_top_k", 0)) or 0),
+            moe_renormalize=int(moe.get("normalization_mode", 1)) == 1,
             tp=tp,
             pp=pp,
             moe_tp=moe_tp,
             moe_ep=moe_ep,
-            dtype=str(cfg.get("dtype", "float32")),
+            dtype=dtype,
             quantization=cfg.get("quantization") or {},
             quant_cfg=quant_cfg,
+            layer_types=layer_types,
+            rope_local_base=cfg.get("rope_local_base_freq"),
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            inter_layernorms=bool(cfg.get("inter_layernorms", False)),
+            embed_scale=embedding_scale(str(cfg.get("architecture", "")), hidden, dtype),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
         )
 
     def unsharded(self) -> "ModelArgs":
@@ -106,7 +152,43 @@ class ModelArgs:
         return -(-self.num_kv_heads // self.tp)  # ceil: KV heads are replicated when fewer than tp
 
     def rope(self) -> Rope:
+        """The rope of global layers (of every layer in models without sliding ones)."""
         return Rope(self.rotary_dim or self.head_size, self.rotary_base, self.rotary_scaling, self.max_position_embeddings)
+
+    def ropes(self) -> dict[str, Rope]:
+        """Rope by key (``rope_key``): "global", and "local" (base ``rope_local_base_freq``, no scaling) when the
+        sliding layers have their own base (Gemma 3)."""
+        out = {"global": self.rope()}
+        if self.rope_local_base is not None and SLIDING in self.layer_types:
+            out["local"] = Rope(self.rotary_dim or self.head_size, float(self.rope_local_base), None,
+                                self.max_position_embeddings)
+        return out
+
+    def rope_key(self, layer: int) -> str:
+        if self.rope_local_base is not None and self.layer_types and self.layer_types[layer] == SLIDING:
+            return "local"
+        return "global"
+
+    def window(self, layer: int) -> Optional[int]:
+        """Layer's attention window: every layer's ``sliding_window`` (Mistral), or only sliding layers' (Gemma 3)."""
+        if self.layer_types and self.layer_types[layer] != SLIDING:
+            return None
+        return self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        """Gemma: query_pre_attn_scalar ** -0.5 (the engine's q_scaling = sqrt(qpas)/sqrt(head_size)); else head_size ** -0.5."""
+        return float(self.query_pre_attn_scalar if self.query_pre_attn_scalar else self.head_size) ** -0.5
+
+
+def rope_tables(ropes: dict[str, Rope], start_pos, length: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """cos/sin of every rope a model's layers use, keyed as :meth:`ModelArgs.ropes` (what layers receive)."""
+    return {key: rope.cos_sin_for(start_pos, length) for key, rope in ropes.items()}
+
+
+def softcap(logits: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """``tanh(z / cap) * cap`` when the model sets a final-logit softcap (Gemma 2; null in Gemma 3)."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -192,12 +274,20 @@ def _linear(tensors: dict, prefix: str, name: str, style: str, args: ModelArgs, 
 class AttentionShard(nn.Module):
     """One tp rank's attention: its fused qkv heads, causal (optionally windowed) softmax, its slice of dense."""
 
-    def __init__(self, tensors: dict, prefix: str, args: ModelArgs, rank: int):
+    def __init__(self, tensors: dict, prefix: str, args: ModelArgs, rank: int, layer_idx: Optional[int] = None):
         super().__init__()
         self.nh, self.nkv, self.d = args.heads_per_rank, args.kv_heads_per_rank, args.head_size
         self.qkv = _linear(tensors, prefix, "attention.qkv", "column", args, rank)
         self.dense = _linear(tensors, prefix, "attention.dense", "row", args, rank)
-        self.window = args.sliding_window
+        self.window = args.sliding_window if layer_idx is None else args.window(layer_idx)
+        self.scale = args.attention_scale
+        # Qwen3: RMSNorm of each q and k head over head_size before RoPE (one weight shared by the heads).
+        self.q_norm = _opt_float(tensors.get("attention.q_layernorm.weight"))
+        self.k_norm = _opt_float(tensors.get("attention.k_layernorm.weight"))
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise CheckpointError(f"checkpoint: '{prefix}attention.q_layernorm.weight' and "
+                                  f"'{prefix}attention.k_layernorm.weight' come together; one is missing")
+        self.eps = args.norm_epsilon
         self.kv_quant = kv_quant((args.quantization or {}).get("kv_cache_quant_algo"))
         self.kv_scale = tensors.get("attention.kv_cache_scaling_factor")
         if self.kv_scale is None and "attention.k_cache_scaling_factor" in tensors:  # merged as TRT-LLM's loader does
@@ -213,11 +303,13 @@ class AttentionShard(nn.Module):
         q = q.view(B, T, self.nh, self.d).transpose(1, 2)  # [B, nh, T, d]
         k = k.view(B, T, self.nkv, self.d).transpose(1, 2)  # [B, nkv, T, d]
         v = v.view(B, T, self.nkv, self.d).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_quant is not None:
             k, v = self.kv_quant(k, self.kv_scale.float()), self.kv_quant(v, self.kv_scale.float())
         if hasattr(cache, "attend"):  # a paged KV pool (the serving executor's packed steps) does the attention
-            return self.dense(cache.attend(key, q, k, v, self.window))
+            return self.dense(cache.attend(key, q, k, v, self.window, self.scale))
         q_pos = positions(start_pos, T, x.device)  # [B|1, T]
         if isinstance(cache, BatchKVCache):
             k, v = cache.update(key, k, v, q_pos)  # [B, nkv, S, d], index == position, padding past each row's end
@@ -232,7 +324,8 @@ class AttentionShard(nn.Module):
         allowed = k_pos[:, None, :] <= q_pos[:, :, None]  # [B|1, T, S] causal per row; hides padding too
         if self.window:
             allowed &= (q_pos[:, :, None] - k_pos[:, None, :]) < self.window
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.d)  # [B, nh, T, S]
+        scores = q @ k.transpose(-1, -2)  # [B, nh, T, S]
+        scores = scores / math.sqrt(self.d) if self.scale == self.d ** -0.5 else scores * self.scale
         scores = scores.masked_fill(~allowed[:, None], float("-inf"))
         out = torch.softmax(scores, dim=-1) @ v  # [B, nh, T, d]
         return self.dense(out.transpose(1, 2).reshape(B, T, self.nh * self.d))  # partial [B, T, H]
@@ -288,12 +381,14 @@ class MoEShard(nn.Module):
         return out  # partial [N, H]
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Softmax over experts in float32 (or wider), keep top_k, renormalize (TRT-LLM RENORMALIZE). Returns [N, E]."""
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool = True) -> torch.Tensor:
+    """Softmax over experts in float32 (or wider), keep top_k; with ``renormalize`` (TRT-LLM RENORMALIZE, HF
+    Mixtral and Qwen3-MoE's ``norm_topk_prob``) the kept weights are divided by their sum, else (NONE) they stay the
+    full softmax's. Returns [N, E]."""
     dt = torch.promote_types(x.dtype, torch.float32)  # float64 when the model runs as a float64 oracle
     probs = torch.softmax(x.to(dt) @ router.to(dt).t(), dim=-1)  # [N, E]
     top, idx = probs.topk(top_k, dim=-1)
-    return torch.zeros_like(probs).scatter_(-1, idx, top / top.sum(-1, keepdim=True))
+    return torch.zeros_like(probs).scatter_(-1, idx, top / top.sum(-1, keepdim=True) if renormalize else top)
 
 
 class DecoderLayer(nn.Module):
@@ -306,26 +401,39 @@ class DecoderLayer(nn.Module):
         layer_idx: global layer index (names the modules for quantization rules and keys the KV cache).
     """
 
-    def __init__(self, args: ModelArgs, rank_tensors: list[dict], layer_idx: int, rope: Optional[Rope] = None,
-                 tp_ranks: Optional[list[int]] = None, all_reduce=None):
+    def __init__(self, args: ModelArgs, rank_tensors: list[dict], layer_idx: int,
+                 rope: Optional[Rope | dict[str, Rope]] = None, tp_ranks: Optional[list[int]] = None, all_reduce=None):
         super().__init__()
         tp_ranks = list(range(args.tp)) if tp_ranks is None else list(tp_ranks)
         if len(rank_tensors) != len(tp_ranks):
             raise CheckpointError(f"layer {layer_idx}: {len(rank_tensors)} rank shards for tp={args.tp}")
         prefix = f"transformer.layers.{layer_idx}."
-        self.layer_idx, self.eps, self.top_k = layer_idx, args.norm_epsilon, args.top_k
-        self.rope = rope or args.rope()
+        self.layer_idx, self.eps, self.top_k, self.renormalize = layer_idx, args.norm_epsilon, args.top_k, args.moe_renormalize
+        # the layer's rope: "local" for Gemma's sliding layers, else "global" (one Rope passed = the global one)
+        self.rope_key = args.rope_key(layer_idx)
+        ropes = rope if isinstance(rope, dict) else {"global": rope or args.rope()}
+        if self.rope_key not in ropes:
+            ropes = {**ropes, **{k: r for k, r in args.ropes().items() if k not in ropes}}
+        self.rope = ropes[self.rope_key]
         t0 = rank_tensors[0]
-        for name in ("input_layernorm.weight", "post_layernorm.weight"):
+        # inter_layernorms (Gemma): post_layernorm normalizes the attention OUTPUT, the MLP has its own pre/post
+        # norms; otherwise (Llama) post_layernorm is the norm before the MLP.
+        self.inter_layernorms = args.inter_layernorms
+        norms = ("input_layernorm.weight", "post_layernorm.weight")
+        if self.inter_layernorms:
+            norms += ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
+        for name in norms:
             if name not in t0:
                 raise CheckpointError(f"checkpoint: tensor '{prefix}{name}' is missing")
         self.input_ln = t0["input_layernorm.weight"].float()
         self.post_ln = t0["post_layernorm.weight"].float()
-        self.attention = nn.ModuleList(AttentionShard(t, prefix, args, r) for r, t in zip(tp_ranks, rank_tensors))
+        self.pre_ff_ln = _opt_float(t0.get("pre_feedforward_layernorm.weight")) if self.inter_layernorms else None
+        self.post_ff_ln = _opt_float(t0.get("post_feedforward_layernorm.weight")) if self.inter_layernorms else None
+        self.attention = nn.ModuleList(AttentionShard(t, prefix, args, r, layer_idx) for r, t in zip(tp_ranks, rank_tensors))
         # One process per rank (trtpipe.runtime.distributed) holds one shard and sums the others' partials here.
         self.all_reduce = all_reduce or _identity
         self.dense_bias = _opt_float(t0.get("attention.dense.bias"))
-        self.is_moe = args.num_experts > 0
+        self.is_moe, self.num_experts = args.num_experts > 0, args.num_experts
         if self.is_moe:
             if "mlp.router.weight" not in t0:
                 raise CheckpointError(f"checkpoint: tensor '{prefix}mlp.router.weight' is missing")
@@ -360,19 +468,31 @@ class DecoderLayer(nn.Module):
         ``start_pos`` is one int for every row, or a LongTensor [B] of per-row starts (batched decoding,
         with a :class:`BatchKVCache`).
         """
+        if isinstance(cos_sin, dict):  # every rope's tables (rope_tables): take this layer's
+            cos_sin = cos_sin[self.rope_key]
+        elif cos_sin is not None and self.rope_key != "global":
+            raise ValueError(f"layer {self.layer_idx} uses the {self.rope_key} rope: pass rope_tables(...), not one table")
         cos, sin = cos_sin if cos_sin is not None else self.rope.cos_sin_for(start_pos, x.shape[1])
         cos, sin = cos.to(x.device), sin.to(x.device)
         h = rms_norm(x, self.input_ln, self.eps)
         attn = self.all_reduce(sum(s(h, cos, sin, start_pos, cache, (self.layer_idx, r)) for r, s in enumerate(self.attention)))
-        x = x + _add_bias(attn, self.dense_bias)  # the all-reduce of the row-parallel dense
-        h = rms_norm(x, self.post_ln, self.eps)
+        attn = _add_bias(attn, self.dense_bias)  # the all-reduce of the row-parallel dense
+        if self.inter_layernorms:
+            x = x + rms_norm(attn, self.post_ln, self.eps)
+            h = rms_norm(x, self.pre_ff_ln, self.eps)
+        else:
+            x = x + attn
+            h = rms_norm(x, self.post_ln, self.eps)
         if self.is_moe:
             flat = h.reshape(-1, h.shape[-1])
-            weights = route(flat, self.router, self.top_k)
+            weights = route(flat, self.router, self.top_k, self.renormalize)
             mlp = self.all_reduce(sum(s(flat, weights) for s in self.mlp)).view_as(h)
         else:
             mlp = self.all_reduce(sum(s(h) for s in self.mlp))
-        return x + _add_bias(mlp, self.proj_bias)
+        mlp = _add_bias(mlp, self.proj_bias)
+        if self.inter_layernorms:
+            mlp = rms_norm(mlp, self.post_ff_ln, self.eps)
+        return x + mlp
 
 
 def _identity(x):
@@ -401,14 +521,16 @@ class ReferenceModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.ln_f = ln_f.float()
         self.lm_head = nn.ModuleList(lm_head)
-        self.rope = layers[0].rope if layers else args.rope()
+        self.rope = args.rope()  # the global rope (every layer's, unless the model has sliding layers)
+        self.ropes = args.ropes()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embedding)
+        x = F.embedding(input_ids, self.embedding)
+        return x if self.args.embed_scale == 1.0 else x * self.args.embed_scale
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         logits = torch.cat([m(rms_norm(h, self.ln_f, self.args.norm_epsilon)) for m in self.lm_head], dim=-1)
-        return logits[..., : self.args.vocab_size]  # drop the zero-padded rows of lm_head
+        return softcap(logits[..., : self.args.vocab_size], self.args.final_logit_softcapping)  # drop lm_head's padding
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache: Optional[KVCache | BatchKVCache] = None,
@@ -418,7 +540,7 @@ class ReferenceModel(nn.Module):
         ``start_pos``: one int for all rows, or a LongTensor [B] of per-row starts with a :class:`BatchKVCache`.
         """
         x = self.embed(input_ids)  # [B, T, H]
-        cos_sin = self.rope.cos_sin_for(start_pos, input_ids.shape[1])
+        cos_sin = rope_tables(self.ropes, start_pos, input_ids.shape[1])
         for layer in self.layers:
             x = layer(x, start_pos, cache, cos_sin)
         logits = self.head(x)

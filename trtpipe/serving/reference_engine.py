@@ -37,9 +37,13 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) ->
     return allowed
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Grouped-query attention. q [R, nkv, g, T, d]; k, v [R, nkv, S, d]; allowed [R, T, S] -> [R, nkv, g, T, d]."""
-    scores = (q @ k[:, :, None].transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [R, nkv, g, T, S]
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+               scale: Optional[float] = None) -> torch.Tensor:
+    """Grouped-query attention. q [R, nkv, g, T, d]; k, v [R, nkv, S, d]; allowed [R, T, S] -> [R, nkv, g, T, d].
+    ``scale``: the score scale when it is not head_dim ** -0.5 (Gemma's query_pre_attn_scalar ** -0.5)."""
+    scores = q @ k[:, :, None].transpose(-1, -2)  # [R, nkv, g, T, S]
+    d = q.shape[-1]
+    scores = scores / math.sqrt(d) if scale is None or scale == d ** -0.5 else scores * scale
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
     return torch.softmax(scores, dim=-1) @ v[:, :, None]
 
@@ -86,7 +90,8 @@ class PagedStep:
             self._masks[window] = (ctx, gen)
         return self._masks[window]
 
-    def attend(self, key, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+    def attend(self, key, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int],
+               scale: Optional[float] = None) -> torch.Tensor:
         """q [1, nh, N, d], k/v [1, nkv, N, d] of the packed tokens -> attention output [1, N, nh * d]."""
         kp, vp = self.pools[key]
         _, nh, N, d = q.shape
@@ -100,12 +105,12 @@ class PagedStep:
         for (t0, t1, kv, _), allowed in zip(self.ctx, ctx_masks):
             kc = kp[kv].permute(1, 0, 2)[None]  # [1, nkv, S, d]
             vc = vp[kv].permute(1, 0, 2)[None]
-            out[:, :, t0:t1] = _attention(qt[None, :, :, t0:t1], kc, vc, allowed)[0]
+            out[:, :, t0:t1] = _attention(qt[None, :, :, t0:t1], kc, vc, allowed, scale)[0]
         if len(self.gen_rows):
             qg = qt[:, :, self.gen_rows].permute(2, 0, 1, 3)[:, :, :, None]  # [G, nkv, g, 1, d]
             kg = kp[self.gen_slots].permute(0, 2, 1, 3)  # [G, nkv, S, d]
             vg = vp[self.gen_slots].permute(0, 2, 1, 3)
-            og = _attention(qg, kg, vg, gen_mask)  # [G, nkv, g, 1, d]
+            og = _attention(qg, kg, vg, gen_mask, scale)  # [G, nkv, g, 1, d]
             out[:, :, self.gen_rows] = og[:, :, :, 0].permute(1, 2, 0, 3)
         return out.view(nh, N, d).transpose(0, 1).reshape(1, N, nh * d)
 
@@ -131,11 +136,9 @@ class ReferenceEngine:
         self.device = model.embedding.device if model.embedding is not None else torch.device("cpu")
         self.pools: dict = {}
         self.tokens_per_block = 0
-        rope = model.rope
-        self._table = None
-        if rope.kind != "dynamic":  # every other rope kind has one table for all positions
-            limit = int(model.config.get("max_position_embeddings") or 0) or 4096
-            self._table = rope.cos_sin(0, limit)
+        # per rope (Gemma 3: "global" and "local"): one table for all positions unless the kind is "dynamic"
+        limit = int(model.config.get("max_position_embeddings") or 0) or 4096
+        self._tables = {key: rope.cos_sin(0, limit) for key, rope in model.ropes.items() if rope.kind != "dynamic"}
 
     def allocate(self, num_blocks: int, tokens_per_block: int) -> None:
         self.tokens_per_block = tokens_per_block
@@ -152,15 +155,19 @@ class ReferenceEngine:
             k[dst * tpb:dst * tpb + num_tokens] = k[src * tpb:src * tpb + num_tokens]
             v[dst * tpb:dst * tpb + num_tokens] = v[src * tpb:src * tpb + num_tokens]
 
-    def _cos_sin(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """[N, rot] tables of every packed token's position."""
+    def _cos_sin(self, batch: StepBatch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per rope key, [N, rot] tables of every packed token's position."""
+        return {key: self._rope_rows(key, rope, batch) for key, rope in self.model.ropes.items()}
+
+    def _rope_rows(self, key: str, rope, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         top = max(e.start_pos + len(e.tokens) for e in batch.entries)
-        if self._table is not None and top > self._table[0].shape[0]:
-            self._table = self.model.rope.cos_sin(0, max(top, 2 * self._table[0].shape[0]))
-        if self._table is not None:
+        table = self._tables.get(key)
+        if table is not None and top > table[0].shape[0]:
+            table = self._tables[key] = rope.cos_sin(0, max(top, 2 * table[0].shape[0]))
+        if table is not None:
             pos = torch.cat([torch.arange(e.start_pos, e.start_pos + len(e.tokens)) for e in batch.entries])
-            return self._table[0][pos].to(self.device), self._table[1][pos].to(self.device)
-        parts = [self.model.rope.cos_sin(e.start_pos, len(e.tokens)) for e in batch.entries]
+            return table[0][pos].to(self.device), table[1][pos].to(self.device)
+        parts = [rope.cos_sin(e.start_pos, len(e.tokens)) for e in batch.entries]
         return torch.cat([c for c, _ in parts]).to(self.device), torch.cat([s for _, s in parts]).to(self.device)
 
     def packed(self, batch: StepBatch):

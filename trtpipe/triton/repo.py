@@ -104,12 +104,27 @@ class EngineInfo:
     max_seq_len: int
     version: Optional[str] = None  # TensorRT-LLM version that built the engine (config.json "version")
     sliding_window: Optional[int] = None  # Mistral: attention window; tell the runtime (max_attention_window_size)
+    # Gemma 3: per layer "sliding_attention" | "full_attention" (pretrained_config.layer_types); only the sliding
+    # layers have the window, so the runtime gets one window per layer
+    layer_types: tuple[str, ...] = ()
     dtype: str = "float16"  # pretrained_config.dtype: the prompt embedding table's dtype
     logits_dtype: str = "float32"  # pretrained_config.logits_dtype: the logits tensors' dtype
 
     @property
-    def attention_window(self) -> int:
-        """``max_attention_window_size``: the model's sliding window when it has one, else max_seq_len."""
+    def attention_windows(self) -> list[int]:
+        """The window of each layer (Gemma 3): sliding layers min(window, max_seq_len), global ones max_seq_len."""
+        window = min(self.sliding_window, self.max_seq_len) if self.sliding_window else self.max_seq_len
+        return [window if t == "sliding_attention" else self.max_seq_len for t in self.layer_types]
+
+    @property
+    def attention_window(self) -> int | str:
+        """``max_attention_window_size``: the model's sliding window when it has one, else max_seq_len; for a model
+        whose layers differ (Gemma 3) one window per layer, comma-separated: the backend parses the parameter as a
+        list (``max_attention_window`` of TensorRT-LLM's executor KvCacheConfig takes one entry per layer), since the
+        engine itself does not carry per-layer windows."""
+        if self.layer_types:
+            windows = self.attention_windows
+            return windows[0] if len(set(windows)) == 1 else ",".join(str(w) for w in windows)
         return min(self.sliding_window, self.max_seq_len) if self.sliding_window else self.max_seq_len
 
     @classmethod
@@ -135,6 +150,7 @@ class EngineInfo:
             max_seq_len=int(build["max_seq_len"]),
             version=cfg.get("version"),
             sliding_window=(cfg.get("pretrained_config") or {}).get("sliding_window"),
+            layer_types=tuple((cfg.get("pretrained_config") or {}).get("layer_types") or ()),
             dtype=str((cfg.get("pretrained_config") or {}).get("dtype", "float16")),
             logits_dtype=str((cfg.get("pretrained_config") or {}).get("logits_dtype", "float32")),
         )
