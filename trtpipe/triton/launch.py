@@ -296,40 +296,42 @@ def serve_repository(target: Path, overrides: Sequence[str], bind: Optional[str]
         server, state = mpi_launch.start_job(repo, repo_info(repo), bind,
                                              ports or server_process.Ports(*server_process.free_ports(3)),
                                              timeout, hostfile, detach)
-        try:  # a Ctrl-C that lands before the wait below must not leave the job (its own session) running
-            echo(f"serving {repo} (leader mode, {plan.world_size} ranks under mpiexec)\n  http {server.http_url}\n"
-                 f"  grpc {server.grpc_url}\n  run  {server.run_dir}\n  ready in {time.perf_counter() - t0:.1f} s")
-            for r in state.get("ranks", []):
-                echo(f"  rank {r['rank']} (tp {r['tp_rank']}, pp {r['pp_rank']}) pid {r['pid']} on {r['host']}: "
-                     f"layers {r['layers']}, {r['weights_mb']} MiB of weights, RSS {r['rss_mb']} MiB")
-            if detach:
-                echo(f"  pid  {server.pid} (trtpipe stop {repo})")
-                return 0
-            echo("Ctrl-C to stop")
-            sys.stdout.flush()
-        except KeyboardInterrupt:
-            if not detach:
-                server.stop()
+        lines = [f"serving {repo} (leader mode, {plan.world_size} ranks under mpiexec)\n  http {server.http_url}\n"
+                 f"  grpc {server.grpc_url}\n  run  {server.run_dir}\n  ready in {time.perf_counter() - t0:.1f} s"]
+        lines += [f"  rank {r['rank']} (tp {r['tp_rank']}, pp {r['pp_rank']}) pid {r['pid']} on {r['host']}: "
+                  f"layers {r['layers']}, {r['weights_mb']} MiB of weights, RSS {r['rss_mb']} MiB"
+                  for r in state.get("ranks", [])]
+        if not _announce(server, lines, repo, detach, echo):
             return 0
         return mpi_launch.serve_job_forever(server, server.run_dir)
     server = server_process.start_server(repo, bind, ports, timeout=timeout, detach=detach)
     ready_s = time.perf_counter() - t0
-    try:  # as above: the server runs in its own session
-        echo(f"serving {repo}\n  http {server.http_url}\n  grpc {server.grpc_url}\n  metrics http://{server.bind}:"
+    lines = [f"serving {repo}\n  http {server.http_url}\n  grpc {server.grpc_url}\n  metrics http://{server.bind}:"
              f"{server.ports.metrics}/metrics\n  log  {server.log}\n  ready in {ready_s:.1f} s (models loaded"
-             f"{' and warmed up' if has_warmup(repo) else ', no warm-up'})")
-        if detach:
-            echo(f"  pid  {server.pid} (trtpipe stop {repo})")
-            return 0
-        echo("Ctrl-C to stop")
-        sys.stdout.flush()
-    except KeyboardInterrupt:
-        if not detach:
-            server.stop()
+             f"{' and warmed up' if has_warmup(repo) else ', no warm-up'})"]
+    if not _announce(server, lines, repo, detach, echo):
         return 0
     server_process.serve_forever(server)
     echo("stopped")
     return 0
+
+
+def _announce(server, lines: list[str], repo: Path, detach: bool, echo: Callable[[str], None]) -> bool:
+    """Print what was started; True when the caller should now wait in the foreground. A Ctrl-C that lands while
+    printing (before that wait began) stops the server: it runs in a session of its own and would outlive us."""
+    try:
+        for line in lines:
+            echo(line)
+        if detach:
+            echo(f"  pid  {server.pid} (trtpipe stop {repo})")
+            return False
+        echo("Ctrl-C to stop")
+        sys.stdout.flush()
+        return True
+    except KeyboardInterrupt:
+        if not detach:
+            server.stop()
+        return False
 
 
 def stop_servers(target: Optional[Path], overrides: Sequence[str], echo: Callable[[str], None]) -> None:
