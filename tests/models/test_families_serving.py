@@ -1,9 +1,10 @@
-"""Qwen3 and Qwen3-MoE served as users serve them, against transformers' greedy text on the same weights:
+"""Qwen3, Qwen3-MoE and Gemma 3 served as users serve them, against transformers' greedy text on the same weights:
 ``trtpipe build`` + ``trtpipe serve --detach`` + ``trtpipe infer`` (the engine target's CPU twin behind a real
 tritonserver), and the OpenAI twin (``openai`` client over HTTP) on the llmapi export of Qwen3.
 
-The synthetic models use the stories260k tokenizer (vocab 512) so prompts are text; Qwen3 dense is untied here
-(as Qwen3-8B and larger are): a tied random model only repeats its last token, which would test nothing."""
+The synthetic models use the stories260k tokenizer (vocab 512) so prompts are text; Qwen3 dense and Gemma 3 are
+untied here (Qwen3-8B and larger are; Gemma 3 is tied, which its rules also map): a tied random model only repeats
+its last token, which would test nothing. Gemma 3's sliding window is 5 tokens, so every answer goes past it."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from trtpipe.models.synthetic import make_synthetic
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 
 PROMPTS = ["Once upon a time", "The little dog"]
-KINDS = {"qwen3": dict(tie_word_embeddings=False), "qwen3_moe": dict()}
+KINDS = {"qwen3": dict(tie_word_embeddings=False), "qwen3_moe": dict(), "gemma3": dict(tie_word_embeddings=False)}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json")
 
 
@@ -70,7 +71,8 @@ def test_engine_target_serves_transformers_greedy_text(kind, tmp_path, stories_d
         _cli("stop", str(recipe))
 
 
-def test_openai_twin_serves_the_qwen3_llmapi_export(tmp_path, stories_dir):
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_openai_twin_serves_the_llmapi_export(kind, tmp_path, stories_dir):
     import openai
     from aiohttp import web
 
@@ -78,12 +80,12 @@ def test_openai_twin_serves_the_qwen3_llmapi_export(tmp_path, stories_dir):
     from trtpipe.export.unified import export_unified
     from trtpipe.serving.openai_server import OpenAIServer, ServedModel
 
-    model = _model("qwen3", tmp_path, stories_dir)
+    model = _model(kind, tmp_path, stories_dir)
     base = convert(model, tmp_path / "base", tp=2, dtype="float32")
     export = tmp_path / "unified"
     export.mkdir()
     export_unified(base, model, None, export, algo="none", kv_cache="none", group_size=128, alpha=0.5, exclude=[])
-    app = OpenAIServer(ServedModel(export, "qwen3-tiny")).app
+    app = OpenAIServer(ServedModel(export, f"{kind}-tiny")).app
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -101,7 +103,7 @@ def test_openai_twin_serves_the_qwen3_llmapi_export(tmp_path, stories_dir):
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
         for prompt in PROMPTS:
-            r = client.completions.create(model="qwen3-tiny", prompt=prompt, max_tokens=24, temperature=0)
+            r = client.completions.create(model=f"{kind}-tiny", prompt=prompt, max_tokens=24, temperature=0)
             assert r.choices[0].text == _hf_greedy(model, prompt, 24), prompt
     finally:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
