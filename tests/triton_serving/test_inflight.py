@@ -80,14 +80,16 @@ def test_sixteen_concurrent_streams_through_a_tiny_pool_are_exact(server, hf_gre
     assert metrics(server)[("nv_trt_llm_kv_cache_block_metrics", "max")] == 16
 
 
-def test_fifty_cancelled_streams_leave_no_used_blocks(server, hf_stories):
+def test_forty_cancelled_streams_leave_no_used_blocks(server, hf_stories):
+    # 40, below the queue limit of 48 (OVERRIDES): all of them may still wait in the queue when the last one arrives,
+    # whatever the executor admitted by then (50 were refused by the limit on a loaded machine).
     tok, _ = hf_stories
     ids = tok("Once upon a time").input_ids
     raw = grpcclient.InferenceServerClient(server.grpc_url)
     first_tokens, errors = threading.Semaphore(0), []
     raw.start_stream(callback=lambda result, error: errors.append(error) if error else first_tokens.release())
     try:
-        for i in range(50):
+        for i in range(40):
             raw.async_stream_infer("tensorrt_llm", _llm_inputs(ids, 200, streaming=(True, bool, "BOOL"),
                                                                end_id=(-1, np.int32, "INT32")), request_id=str(i))
         assert first_tokens.acquire(timeout=60), errors[:1]  # generation is under way
