@@ -5,14 +5,12 @@ The model is stories260k exported in float16 by the llmapi export; greedy text m
 
 from __future__ import annotations
 
-import asyncio
-import socket
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from openai_helpers import serve_in_thread
 
 pytestmark = pytest.mark.slow
 
@@ -37,33 +35,11 @@ def fp16_export(tmp_path_factory, stories_dir):
 
 @pytest.fixture(scope="module")
 def server(fp16_export):
-    from aiohttp import web
-
     from trtpipe.serving.openai_server import OpenAIServer, ServedModel
 
     served = ServedModel(fp16_export, NAME, chat_template=TEMPLATE)
-    app = OpenAIServer(served).app
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    started = threading.Event()
-
-    def run():
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-        started.set()
-        loop.run_forever()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    assert started.wait(30)
-    yield f"http://127.0.0.1:{port}", served
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
-    t.join(10)
+    with serve_in_thread(OpenAIServer(served).app) as url:
+        yield url, served
 
 
 @pytest.fixture(scope="module")

@@ -8,17 +8,15 @@ its last token, which would test nothing. Gemma 3's sliding window is 5 tokens, 
 
 from __future__ import annotations
 
-import asyncio
 import re
 import shutil
-import socket
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 
+from openai_helpers import serve_in_thread
 from trtpipe.cli import main
 from trtpipe.models.synthetic import make_synthetic
 
@@ -74,8 +72,6 @@ def test_engine_target_serves_transformers_greedy_text(kind, tmp_path, stories_d
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_openai_twin_serves_the_llmapi_export(kind, tmp_path, stories_dir):
     import openai
-    from aiohttp import web
-
     from trtpipe.checkpoint.convert import convert
     from trtpipe.export.unified import export_unified
     from trtpipe.serving.openai_server import OpenAIServer, ServedModel
@@ -86,25 +82,8 @@ def test_openai_twin_serves_the_llmapi_export(kind, tmp_path, stories_dir):
     export.mkdir()
     export_unified(base, model, None, export, algo="none", kv_cache="none", group_size=128, alpha=0.5, exclude=[])
     app = OpenAIServer(ServedModel(export, f"{kind}-tiny")).app
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    loop, runner, started = asyncio.new_event_loop(), web.AppRunner(app), threading.Event()
-
-    def run():
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-        started.set()
-        loop.run_forever()
-
-    threading.Thread(target=run, daemon=True).start()
-    assert started.wait(30)
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    with serve_in_thread(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
         for prompt in PROMPTS:
             r = client.completions.create(model=f"{kind}-tiny", prompt=prompt, max_tokens=24, temperature=0)
             assert r.choices[0].text == _hf_greedy(model, prompt, 24), prompt
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
