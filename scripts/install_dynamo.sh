@@ -4,7 +4,8 @@
 # ai-dynamo 1.6.1 declares `aisimulate==0.13.0` (only its planner/profiler estimates use it) and PyPI's aisimulate
 # 0.13.0 does not install, so ai-dynamo goes in with --no-deps after its other requirements (its METADATA's
 # Requires-Dist, minus aisimulate). `dynamo.trtllm` itself needs tensorrt_llm and is not installed: the twin is the
-# worker. About 700 MB, 1-3 minutes.
+# worker (trtpipe.serving.dynamo_worker), so this venv also gets torch (pinned, CPU) and this checkout, editable.
+# About 1.6 GB, 1-2 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -21,6 +22,8 @@ PIP=("$DYNAMO_VENV/bin/python" -m pip install --disable-pip-version-check -q)
   'prometheus-client>=0.23.1,<1' 'pyzmq>=26' 'redis>=6.2,<9' 'tqdm>=4' 'transformers>=4.56' \
   'typing-extensions>=4.10' 'zstandard>=0.23,<1'
 "${PIP[@]}" --no-deps "ai-dynamo==$DYNAMO_VERSION"
-"$DYNAMO_VENV/bin/python" -c 'import dynamo.frontend, dynamo.llm, dynamo.common.backend.engine' 
+"${PIP[@]}" torch==2.13.0
+"${PIP[@]}" -e .
+"$DYNAMO_VENV/bin/python" -c 'import dynamo.frontend, dynamo.llm, dynamo.common.backend.engine, trtpipe.serving.dynamo_worker' 
 touch "$DYNAMO_VENV/.dynamo-$DYNAMO_VERSION"
 echo "installed ai-dynamo $DYNAMO_VERSION into $DYNAMO_VENV"

@@ -426,10 +426,8 @@ def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, tim
         if dynamo:
             from trtpipe.serving.dynamo_launch import serve_dynamo
 
-            if chat_template:
-                raise click.UsageError("--chat-template: not with --dynamo (Dynamo reads the tokenizer's own)")
-            serve_dynamo(target, overrides, bind, http_port, served_model_name, replicas, router, detach, timeout,
-                         click.echo)
+            serve_dynamo(target, overrides, bind, http_port, served_model_name, replicas, router, chat_template, detach,
+                         timeout, click.echo)
             return
         serve_openai(target, overrides, bind, http_port, served_model_name, chat_template, detach, timeout, click.echo)
         return

@@ -70,7 +70,7 @@ class DynamoGraph:
     config: ExecutorConfig
     run_dir: Path
     threads_per_worker: int = 1
-    endpoint_types: str = "completions"
+    chat_template: Optional[str] = None  # for a tokenizer without one (Dynamo serves chat only with a template)
     system_ports: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -78,6 +78,16 @@ class DynamoGraph:
             raise ServingError(f"--router {self.router!r}: expected one of {', '.join(ROUTERS)}")
         if self.replicas < 1:
             raise ServingError(f"--replicas {self.replicas}: need at least one worker")
+
+    @property
+    def endpoint_types(self) -> str:
+        return "chat,completions" if self.chat_template or has_chat_template(self.model_dir) else "completions"
+
+    @property
+    def worker_model_dir(self) -> Path:
+        """What workers load and Dynamo reads the tokenizer from: the export, or (with a chat template given) a
+        directory of links to it whose ``tokenizer_config.json`` carries the template."""
+        return self.run_dir / "model" if self.chat_template else self.model_dir
 
     @property
     def url(self) -> str:
@@ -95,7 +105,7 @@ class DynamoGraph:
         return [str(python), "-m", "dynamo.frontend", "--router-mode", self.router]
 
     def worker_command(self, python: Path, index: int) -> list[str]:
-        cmd = [str(python), "-m", "trtpipe.serving.dynamo_worker", "--model", str(self.model_dir),
+        cmd = [str(python), "-m", "trtpipe.serving.dynamo_worker", "--model", str(self.worker_model_dir),
                "--served-model-name", self.name, "--executor-config", config_to_json(self.config),
                "--threads", str(self.threads_per_worker), "--endpoint-types", self.endpoint_types,
                "--status-file", str(self.run_dir / WORKER_STATUS.format(index))]
@@ -152,6 +162,7 @@ class Member:
     role: str  # "frontend" or "worker<i>"
     proc: subprocess.Popen
     log: Path
+    system_port: Optional[int] = None  # a worker's Dynamo system server (/metrics, /health)
     cause: Optional[str] = None  # why it ended, once it has
 
     @property
@@ -175,13 +186,16 @@ class Supervisor:
         if g.run_dir.exists():
             shutil.rmtree(g.run_dir)
         (g.run_dir / "discovery").mkdir(parents=True)
+        if g.chat_template:
+            link_model_with_template(g.model_dir, g.worker_model_dir, g.chat_template)
         ports = low_free_ports(g.replicas, g.host)
         g.system_ports = ports
         try:
             self.frontend = self._spawn("frontend", g.frontend_command(self.python), {})
             for i in range(g.replicas):
-                self.workers.append(self._spawn(f"worker{i}", g.worker_command(self.python, i),
-                                                {"DYN_SYSTEM_PORT": str(ports[i])}))
+                w = self._spawn(f"worker{i}", g.worker_command(self.python, i), {"DYN_SYSTEM_PORT": str(ports[i])})
+                w.system_port = ports[i]
+                self.workers.append(w)
             self._wait_ready(time.monotonic() + timeout)
         except BaseException:
             self.stop()
@@ -291,8 +305,8 @@ class Supervisor:
         members = [self.frontend, *self.workers]
         write_state(self.graph.run_dir / "status.json", {
             "state": state, "url": self.graph.url, "model": self.graph.name, "router": self.graph.router,
-            "members": [{"role": m.role, "pid": m.pid, "log": str(m.log), "cause": m.cause}
-                        for m in members if m is not None],
+            "members": [{"role": m.role, "pid": m.pid, "log": str(m.log), "cause": m.cause,
+                         "system_port": m.system_port} for m in members if m is not None],
             "events": self.events})
 
 
@@ -308,7 +322,7 @@ def config_from_json(text: str) -> ExecutorConfig:
 def graph_spec(g: DynamoGraph) -> dict:
     return {"model_dir": str(g.model_dir), "name": g.name, "replicas": g.replicas, "router": g.router, "host": g.host,
             "port": g.port, "config": config_to_json(g.config), "run_dir": str(g.run_dir),
-            "threads_per_worker": g.threads_per_worker, "endpoint_types": g.endpoint_types}
+            "threads_per_worker": g.threads_per_worker, "chat_template": g.chat_template}
 
 
 def graph_from_spec(spec: dict) -> DynamoGraph:
@@ -317,7 +331,7 @@ def graph_from_spec(spec: dict) -> DynamoGraph:
 
 
 def resolve_graph(target: Path, overrides, host: Optional[str], port: Optional[int], name: Optional[str],
-                  replicas: int, router: str) -> DynamoGraph:
+                  replicas: int, router: str, chat_template: Optional[Path] = None) -> DynamoGraph:
     """The graph of an llmapi recipe (built up to its export) or an exported HF directory."""
     from trtpipe.processes import cache_dir
     from trtpipe.serving.openai_launch import resolve_openai_target
@@ -329,25 +343,36 @@ def resolve_graph(target: Path, overrides, host: Optional[str], port: Optional[i
     config = t.config or default_config(int(max_pos))
     config = ExecutorConfig(**{**asdict(config), "enable_kv_cache_reuse": True})  # what KV-aware routing is for
     return DynamoGraph(t.model_dir, t.name, replicas, router, t.host, t.port, config,
-                       cache_dir() / "dynamo" / state_path(t.model_dir).stem, endpoint_types=endpoint_types(t.model_dir))
+                       cache_dir() / "dynamo" / state_path(t.model_dir).stem,
+                       chat_template=chat_template.read_text() if chat_template else None)
 
 
-def endpoint_types(model_dir: Path) -> str:
-    """``chat,completions`` when the tokenizer has a chat template (Dynamo refuses chat without one), else
-    ``completions``."""
+def has_chat_template(model_dir: Path) -> bool:
     cfg = Path(model_dir) / "tokenizer_config.json"
-    has_template = (Path(model_dir) / "chat_template.jinja").is_file() or (
+    return (Path(model_dir) / "chat_template.jinja").is_file() or bool(
         cfg.is_file() and json.loads(cfg.read_text()).get("chat_template"))
-    return "chat,completions" if has_template else "completions"
+
+
+def link_model_with_template(model_dir: Path, out: Path, template: str) -> None:
+    """``out``: links to every file of ``model_dir`` but ``tokenizer_config.json``, rewritten with ``template``
+    (as ``trtllm-serve --chat_template`` overrides the tokenizer's; the export itself stays untouched)."""
+    out.mkdir(parents=True)
+    for f in Path(model_dir).iterdir():
+        if f.name != "tokenizer_config.json":
+            (out / f.name).symlink_to(f.resolve())
+    cfg_file = Path(model_dir) / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}, indent=1))
 
 
 def serve_dynamo(target: Path, overrides, host: Optional[str], port: Optional[int], name: Optional[str],
-                 replicas: int, router: str, detach: bool, timeout: float, echo: Callable[[str], None]) -> None:
+                 replicas: int, router: str, chat_template: Optional[Path], detach: bool, timeout: float,
+                 echo: Callable[[str], None]) -> None:
     """``trtpipe serve --dynamo``: in the foreground until Ctrl-C, or detached and recorded for ``trtpipe stop``."""
     from trtpipe.processes import cache_dir, spawn
     from trtpipe.triton.server_process import Ports, Server, refuse_if_served
 
-    g = resolve_graph(target, overrides, host, port, name, replicas, router)
+    g = resolve_graph(target, overrides, host, port, name, replicas, router, chat_template)
     state = refuse_if_served(g.model_dir)
     if not detach:
         sup = Supervisor(g, echo)
@@ -375,6 +400,7 @@ def serve_dynamo(target: Path, overrides, host: Optional[str], port: Optional[in
     except BaseException:
         server.stop()
         raise
+    g.system_ports = [m["system_port"] for m in run_status(g.run_dir)["members"] if m["system_port"]]
     echo(announce(g) + f"\n  log  {log}\n  pid  {proc.pid} (trtpipe stop {target})")
 
 

@@ -40,53 +40,13 @@ from dynamo.common.utils.token_ids import normalize_request_token_ids  # noqa: E
 from dynamo.llm.exceptions import InvalidArgument  # noqa: E402
 
 from trtpipe.processes import write_state  # noqa: E402
-from trtpipe.serving.api import ExecutorConfig, FinishReason, Request, Response, SamplingParams  # noqa: E402
+from trtpipe.serving.api import ExecutorConfig, Response  # noqa: E402
+from trtpipe.serving.dynamo_requests import FINISH, RequestRefused, translate  # noqa: E402
 from trtpipe.serving.dynamo_launch import config_from_json  # noqa: E402
 from trtpipe.serving.kv_events import EventRecorder, Removed, Stored  # noqa: E402
 
 log = logging.getLogger("trtpipe.dynamo")
-
-# Dynamo's finish reasons (``GenerateChunk.finish_reason``) for the executor's.
-FINISH = {FinishReason.END_ID: "stop", FinishReason.STOP_WORDS: "stop", FinishReason.LENGTH: "length",
-          FinishReason.TIMED_OUT: "length", FinishReason.CANCELLED: "cancelled"}
-UNSUPPORTED = (("sampling_options", "n", (None, 1)), ("sampling_options", "best_of", (None, 1)),
-               ("sampling_options", "use_beam_search", (None, False)), ("stop_conditions", "min_tokens", (None, 0)),
-               ("output_options", "logprobs", (None,)), ("output_options", "prompt_logprobs", (None,)))
 POLL_S = 0.1  # how often a waiting request looks at its context (client gone) and the publisher at the pool
-
-
-def translate(request: dict, eos_id: Optional[int], max_seq_len: int) -> Request:
-    """A Dynamo ``GenerateRequest`` as an executor :class:`Request`; what the executor cannot honour is refused."""
-    normalize_request_token_ids(request)
-    prompt = list(request.get("token_ids") or [])
-    if not prompt:
-        raise InvalidArgument("the request has no prompt tokens")
-    for group, key, allowed in UNSUPPORTED:
-        value = (request.get(group) or {}).get(key)
-        if value not in allowed:
-            raise InvalidArgument(f"{key}={value!r} is not supported by this worker (allowed: {allowed[-1]!r})")
-    stop = request.get("stop_conditions") or {}
-    opts = request.get("sampling_options") or {}
-    room = max_seq_len - len(prompt)
-    if room < 1:
-        raise InvalidArgument(f"the prompt has {len(prompt)} tokens; this worker's max_seq_len is {max_seq_len}")
-    max_new = stop.get("max_tokens")
-    max_new = room if max_new is None else int(max_new)
-    if not 1 <= max_new <= room:
-        raise InvalidArgument(f"max_tokens must be in [1, {room}] for a {len(prompt)}-token prompt, got {max_new}")
-    eos = [t for t in (request.get("eos_token_ids") or [eos_id]) if t is not None]
-    end_id = None if stop.get("ignore_eos") else (eos[0] if eos else None)
-    stop_ids = [int(t) for t in (stop.get("stop_token_ids") or []) if t != end_id]
-    temperature = opts.get("temperature")
-    sampling = SamplingParams(temperature=0.0 if temperature is None else float(temperature),
-                              top_k=int(opts.get("top_k") or 0), top_p=float(opts.get("top_p") or 1.0),
-                              seed=opts.get("seed"))
-    problem = sampling.problem()
-    if problem:
-        raise InvalidArgument(problem)
-    return Request(prompt=prompt, max_new_tokens=max_new, end_id=end_id, stop_words=[[t] for t in stop_ids],
-                   sampling=sampling, streaming=True, exclude_input_from_output=True)
-
 
 class TwinEngine(LLMEngine):
     """The reference runtime + executor over one exported checkpoint, as a Dynamo token engine."""
@@ -100,6 +60,7 @@ class TwinEngine(LLMEngine):
         self._publisher_thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self.status_file: Optional[Path] = None
+        self.published = 0  # KV events handed to Dynamo's publisher (stored and removed calls)
 
     @classmethod
     async def from_args(cls, argv: Optional[list[str]] = None) -> tuple["TwinEngine", WorkerConfig]:
@@ -143,7 +104,11 @@ class TwinEngine(LLMEngine):
                                                 max_num_batched_tokens=self.config.max_num_tokens))
 
     async def generate(self, request: dict, context: Any):
-        req = translate(request, self.eos_id, self.config.max_seq_len)
+        normalize_request_token_ids(request)
+        try:
+            req = translate(request, self.eos_id, self.config.max_seq_len)
+        except RequestRefused as exc:  # Dynamo answers InvalidArgument with a 4xx, anything else with a 500
+            raise InvalidArgument(str(exc)) from None
         loop = asyncio.get_running_loop()
         responses: asyncio.Queue = asyncio.Queue()
         rid = self.executor.submit(req, lambda r: loop.call_soon_threadsafe(responses.put_nowait, r))
@@ -170,6 +135,33 @@ class TwinEngine(LLMEngine):
 
     async def abort(self, context: Any) -> None:
         """Cancellation is seen in :meth:`generate` (the context is stopped); nothing else holds resources."""
+
+    async def register_prometheus(self, metrics: Any) -> None:
+        """The pool's own reuse counters on the worker's ``/metrics`` (``trtpipe_kv_cache_{reused,missed}_blocks``):
+        the hit rate a router achieved, summed over workers, is read from these, not inferred from routing."""
+        from prometheus_client import CollectorRegistry
+        from prometheus_client.core import CounterMetricFamily
+
+        from dynamo.common.backend.metrics import register_engine_registry
+
+        engine = self
+
+        class PoolCounters:
+            def collect(self):
+                if engine.executor is None:
+                    return
+                stats = engine.executor.core.pool.stats()
+                for name, value, doc in (("kv_cache_reused_blocks", stats.reused_blocks,
+                                          "prompt blocks taken from the reuse cache"),
+                                         ("kv_cache_missed_blocks", stats.missed_blocks,
+                                          "prompt blocks computed (not cached)"),
+                                         ("kv_events_published", engine.published,
+                                          "KV events (stored, removed) handed to Dynamo's publisher")):
+                    yield CounterMetricFamily(f"trtpipe_{name}", doc, value=value)
+
+        registry = CollectorRegistry()
+        registry.register(PoolCounters())
+        register_engine_registry(metrics, registry, prefix_filters=["trtpipe_"])
 
     async def kv_event_sources(self) -> list:
         return [PushSource(on_ready=self._start_publisher, dp_rank=0)]
@@ -212,6 +204,7 @@ class TwinEngine(LLMEngine):
                                              block_hashes=[event.block_hash], parent_hash=event.parent_hash)
                 elif isinstance(event, Removed):
                     publisher.publish_removed(block_hashes=list(event.block_hashes))
+                self.published += 1
             except Exception:  # a lost event makes routing worse, never wrong: keep serving, say so
                 log.exception("KV event %s not published", event)
             if self.recorder.events.empty():
