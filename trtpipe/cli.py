@@ -404,8 +404,13 @@ def repo(recipe: Path, overrides, engine_dir, tokenizer_dir, out) -> None:
               "(default: recipe llmapi.served_model_name, else its name).")
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="llmapi target: Jinja chat template file, for tokenizers without one.")
+@click.option("--dynamo", is_flag=True, help="llmapi target: NVIDIA Dynamo's frontend and router in front of "
+              "--replicas twin workers (Dynamo in its own venv: scripts/install_dynamo.sh).")
+@click.option("--replicas", default=1, show_default=True, type=int, help="--dynamo: how many workers.")
+@click.option("--router", type=click.Choice(["kv", "round-robin"]), default="kv", show_default=True,
+              help="--dynamo: the frontend's router mode (kv: to the worker holding the longest cached prefix).")
 def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, timeout, detach, dry_run, tritonserver,
-          hostfile, single_process, served_model_name, chat_template) -> None:
+          hostfile, single_process, served_model_name, chat_template, dynamo, replicas, router) -> None:
     """Serve any target; Ctrl-C stops it cleanly. A Triton model repository or an engine recipe (built first if
     needed) runs on tritonserver; a target: llmapi recipe (or an HF checkpoint dir) on the OpenAI-compatible
     twin of trtllm-serve (what serve-openai runs)."""
@@ -418,8 +423,17 @@ def serve(target: Path, overrides, bind, http_port, grpc_port, metrics_port, tim
         if any(triton_only.values()):
             raise click.UsageError(f"{', '.join(k for k, v in triton_only.items() if v)}: for Triton targets; {target} "
                                    "is served by the OpenAI twin (options: --bind, --http-port, --detach, --timeout)")
+        if dynamo:
+            from trtpipe.serving.dynamo_launch import serve_dynamo
+
+            serve_dynamo(target, overrides, bind, http_port, served_model_name, replicas, router, chat_template, detach,
+                         timeout, click.echo)
+            return
         serve_openai(target, overrides, bind, http_port, served_model_name, chat_template, detach, timeout, click.echo)
         return
+    if dynamo:
+        raise click.UsageError(f"--dynamo: for target: llmapi recipes (Dynamo's TensorRT-LLM workers run the PyTorch "
+                               f"backend); {target} is a Triton target")
     sys.exit(serve_repository(target, overrides, bind, http_port, grpc_port, metrics_port, timeout, detach, dry_run,
                               tritonserver, hostfile, single_process, click.echo))
 

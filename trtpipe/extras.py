@@ -21,6 +21,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "pytriton": ("nvidia-pytriton", "serve"),
     "aiohttp": ("aiohttp (with tritonclient[all])", "serve"),
     "mpi4py": ("mpi4py", "mpi"),
+    "dynamo": ("ai-dynamo", ""),  # not an extra: its own venv (scripts/install_dynamo.sh), numpy 2 vs pytriton's < 2
 }
 
 
@@ -40,7 +41,8 @@ def require(module: str, needed_by: str) -> ModuleType:
     except ImportError as exc:
         if exc.name is None or exc.name.split(".")[0] != top:
             raise
-        raise MissingExtraError(f"{needed_by} needs {package}: pip install 'trtpipe[{extra}]'") from None
+        how = f"pip install 'trtpipe[{extra}]'" if extra else "run it in the venv scripts/install_dynamo.sh makes"
+        raise MissingExtraError(f"{needed_by} needs {package}: {how}") from None
 
 
 def pyplot(needed_by: str) -> ModuleType:

@@ -17,11 +17,23 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 
 class PoolExhausted(RuntimeError):
     """More blocks asked for than are free: a scheduler bug, since schedulers check before allocating."""
+
+
+class ReuseListener(Protocol):
+    """Told when a block enters or leaves the reuse tree: the KV events a router builds its prefix index from
+    (TensorRT-LLM's ``KVCacheEventManager``: *stored* when a block becomes reusable, *removed* when it is evicted,
+    not when its request ends). Called on the executor thread, with the pool mid-update: record, don't call back."""
+
+    def stored(self, block_id: int, tokens: tuple, parent_id: Optional[int]) -> None:
+        ...
+
+    def removed(self, block_ids: Sequence[int]) -> None:
+        ...
 
 
 @dataclass
@@ -68,6 +80,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # front = evicted first
         self._root = _Block(-1)
         self.alloc_total = self.alloc_new = self.reused = self.missed = 0
+        self.listener: Optional[ReuseListener] = None
 
     # ---- queries ---------------------------------------------------------------------------------
     @property
@@ -136,6 +149,8 @@ class BlockPool:
                 block.key, block.parent = key, parent
                 parent.children[key] = block
                 existing = block
+                if self.listener is not None:
+                    self.listener.stored(block.id, key, None if parent is self._root else parent.id)
             if existing is not block:
                 return  # the rest of this sequence hangs off a different (private) block
             parent = block
@@ -170,9 +185,12 @@ class BlockPool:
         """Take ``block`` (and its descendants, which can no longer be reached) out of the reuse tree."""
         if block.key is None:
             return
-        stack = [block]
+        stack, gone = [block], []
         del block.parent.children[block.key]
         while stack:
             b = stack.pop()
+            gone.append(b.id)
             stack.extend(b.children.values())
             b.children, b.key, b.parent = {}, None, None
+        if self.listener is not None:
+            self.listener.removed(gone[::-1])  # descendants before the block they hang off (leaves first)

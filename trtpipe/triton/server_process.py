@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import json
 import os
 import shlex
 import shutil
@@ -152,7 +153,7 @@ def exposure_warning(bind: str) -> Optional[str]:
 
 # The readiness endpoint of each kind of server ``trtpipe serve`` starts: tritonserver, or the OpenAI twin of
 # trtllm-serve (``trtpipe.serving.openai_launch``, a ``target: llmapi`` recipe).
-READY_PATHS = {"tritonserver": "/v2/health/ready", "openai": "/health"}
+READY_PATHS = {"tritonserver": "/v2/health/ready", "openai": "/health", "dynamo": "/v1/models"}
 
 
 def http_ready(http_url: str, path: str = READY_PATHS["tritonserver"]) -> bool:
@@ -162,6 +163,15 @@ def http_ready(http_url: str, path: str = READY_PATHS["tritonserver"]) -> bool:
             return r.status == 200
     except (urllib.error.URLError, OSError):
         return False
+
+
+def listed_models(http_url: str) -> list[str]:
+    """The model ids an OpenAI server lists at ``/v1/models`` (none when it does not answer)."""
+    try:
+        with urllib.request.urlopen(f"{http_url}/v1/models", timeout=2) as r:
+            return [m.get("id") for m in json.loads(r.read()).get("data", [])]
+    except (urllib.error.URLError, OSError, ValueError):
+        return []
 
 
 @dataclass
@@ -195,6 +205,8 @@ class Server:
         return pid_alive(self.pid)
 
     def ready(self) -> bool:
+        if self.kind == "dynamo":  # Dynamo's frontend answers /health before any worker exists: a listed model is
+            return bool(listed_models(self.http_url))  # what says it can serve
         return http_ready(self.http_url, READY_PATHS[self.kind])
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:

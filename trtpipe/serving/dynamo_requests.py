@@ -1,0 +1,59 @@
+"""Dynamo's request to a token engine, as an executor :class:`~trtpipe.serving.api.Request` (pure, no Dynamo import).
+
+The frontend sends a worker a dict (ai-dynamo 1.6.1 ``dynamo/common/backend/engine.py``, ``GenerateRequest``):
+``token_ids``, ``stop_conditions`` (``max_tokens``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``),
+``sampling_options`` (``temperature``, ``top_p``, ``top_k``, ``seed``, ``n``, ...), ``output_options``
+(``logprobs``, ...), ``eos_token_ids``. An unset field is ``None``; ``temperature`` unset is greedy, as
+TensorRT-LLM's default. What the executor cannot do (``n`` > 1, beam search, ``min_tokens``, logprobs) is refused
+with one line, never silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from trtpipe.serving.api import FinishReason, Request, SamplingParams
+
+
+class RequestRefused(ValueError):
+    """A request this worker cannot serve as asked (the worker answers it with Dynamo's InvalidArgument)."""
+
+
+# Dynamo's finish reasons (``GenerateChunk.finish_reason``) for the executor's.
+FINISH = {FinishReason.END_ID: "stop", FinishReason.STOP_WORDS: "stop", FinishReason.LENGTH: "length",
+          FinishReason.TIMED_OUT: "length", FinishReason.CANCELLED: "cancelled"}
+UNSUPPORTED = (("sampling_options", "n", (None, 1)), ("sampling_options", "best_of", (None, 1)),
+               ("sampling_options", "use_beam_search", (None, False)), ("stop_conditions", "min_tokens", (None, 0)),
+               ("output_options", "logprobs", (None,)), ("output_options", "prompt_logprobs", (None,)))
+
+
+def translate(request: dict, eos_id: Optional[int], max_seq_len: int) -> Request:
+    """A Dynamo ``GenerateRequest`` as an executor :class:`Request`; what the executor cannot honour is refused."""
+    prompt = list(request.get("token_ids") or [])
+    if not prompt:
+        raise RequestRefused("the request has no prompt tokens")
+    for group, key, allowed in UNSUPPORTED:
+        value = (request.get(group) or {}).get(key)
+        if value not in allowed:
+            raise RequestRefused(f"{key}={value!r} is not supported by this worker (allowed: {allowed[-1]!r})")
+    stop = request.get("stop_conditions") or {}
+    opts = request.get("sampling_options") or {}
+    room = max_seq_len - len(prompt)
+    if room < 1:
+        raise RequestRefused(f"the prompt has {len(prompt)} tokens; this worker's max_seq_len is {max_seq_len}")
+    max_new = stop.get("max_tokens")
+    max_new = room if max_new is None else int(max_new)
+    if not 1 <= max_new <= room:
+        raise RequestRefused(f"max_tokens must be in [1, {room}] for a {len(prompt)}-token prompt, got {max_new}")
+    eos = [t for t in (request.get("eos_token_ids") or [eos_id]) if t is not None]
+    end_id = None if stop.get("ignore_eos") else (eos[0] if eos else None)
+    stop_ids = [int(t) for t in (stop.get("stop_token_ids") or []) if t != end_id]
+    temperature = opts.get("temperature")
+    sampling = SamplingParams(temperature=0.0 if temperature is None else float(temperature),
+                              top_k=int(opts.get("top_k") or 0), top_p=float(opts.get("top_p") or 1.0),
+                              seed=opts.get("seed"))
+    problem = sampling.problem()
+    if problem:
+        raise RequestRefused(problem)
+    return Request(prompt=prompt, max_new_tokens=max_new, end_id=end_id, stop_words=[[t] for t in stop_ids],
+                   sampling=sampling, streaming=True, exclude_input_from_output=True)
