@@ -72,15 +72,15 @@ class ServerGone(BatchError):
 
 
 @dataclass
-class _Item:
+class Item:
     req: BatchRequest
     tries: int = 0  # counted tries (retryable 5xx, connection losses)
     delay_s: float = 0.0
 
 
 @dataclass
-class _Outcome:
-    item: _Item
+class Outcome:
+    item: Item
     epoch: int
     status: Optional[int] = None
     body: Any = None
@@ -134,7 +134,7 @@ class BatchClient:
             t0 = time.monotonic()
             metrics = asyncio.create_task(self._watch_metrics()) if self.opts.metrics_interval_s > 0 else None
             try:
-                await self._drain(deque(_Item(r) for r in todo))
+                await self._drain(deque(Item(r) for r in todo))
             finally:
                 self.stats.elapsed_s = time.monotonic() - t0
                 for t in (metrics, self._probe):
@@ -163,7 +163,7 @@ class BatchClient:
                     done = set()
                 for t in done:
                     tasks.discard(t)
-                    retry = self._settle(t.result(), loop.time())
+                    retry = self.settle(t.result(), loop.time())
                     if retry is not None:
                         queue.appendleft(retry)
                 if self.journal.checkpoint_due(self.opts.checkpoint_interval_s):
@@ -174,7 +174,7 @@ class BatchClient:
 
     # --- one try ----------------------------------------------------------------------------------------
 
-    def _body(self, req: BatchRequest) -> tuple[dict, bool]:
+    def body_for(self, req: BatchRequest) -> tuple[dict, bool]:
         body = dict(req.body)
         if "model" not in body and self.model:
             body["model"] = self.model
@@ -183,11 +183,11 @@ class BatchClient:
             body["priority"] = self.opts.priority
         return body, injected
 
-    async def _send(self, item: _Item) -> _Outcome:
+    async def _send(self, item: Item) -> Outcome:
         if item.delay_s:
             await asyncio.sleep(item.delay_s)
-        body, injected = self._body(item.req)
-        out = _Outcome(item, self.window.epoch, injected_priority=injected)
+        body, injected = self.body_for(item.req)
+        out = Outcome(item, self.window.epoch, injected_priority=injected)
         self.stats.sent += 1
         try:
             async with self.session.post(self.url + item.req.url, json=body) as resp:
@@ -205,7 +205,7 @@ class BatchClient:
             out.request_id = out.body["id"]
         return out
 
-    def _settle(self, out: _Outcome, now: float) -> Optional[_Item]:
+    def settle(self, out: Outcome, now: float) -> Optional[Item]:
         """Journal the outcome, or return the item to send again (after adjusting the window)."""
         item, cid = out.item, out.item.req.custom_id
         if out.exc is not None:
@@ -241,7 +241,7 @@ class BatchClient:
             return item
         return self._write(result_line(cid, status, out.request_id, out.body), failed=True)
 
-    def _lost(self, out: _Outcome, now: float) -> Optional[_Item]:
+    def _lost(self, out: Outcome, now: float) -> Optional[Item]:
         item = out.item
         self.stats.connection_losses += 1
         timed_out = isinstance(out.exc, asyncio.TimeoutError)
