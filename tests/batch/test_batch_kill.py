@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from openai_helpers import serve_in_thread
+from openai_helpers import fp16_export, serve_in_thread
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -40,17 +40,7 @@ drill = _drill()
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory, stories_dir):
-    """stories260k as the llmapi export writes it (float16, no quantization): an HF directory the twin serves."""
-    from trtpipe.checkpoint.convert import convert
-    from trtpipe.export.unified import export_unified
-
-    root = tmp_path_factory.mktemp("batch")
-    base = convert(stories_dir, root / "base", tp=1, dtype="float16")
-    out = root / "hf"
-    out.mkdir()
-    export_unified(base, stories_dir, None, out, algo="none", kv_cache="none", group_size=128, alpha=0.5,
-                   exclude=["*lm_head"])
-    return out
+    return fp16_export(stories_dir, tmp_path_factory.mktemp("batch"))
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +88,8 @@ def test_killed_twice_then_resumed_writes_each_custom_id_once_with_the_uninterru
     out, err = tmp_path / "results.jsonl", tmp_path / "results.errors.jsonl"
     kill_at(subprocess.Popen(cmd(url, req, out), env=ENV, cwd=REPO, stderr=subprocess.DEVNULL), out, 50)
     done = {json.loads(x)["custom_id"] for x in out.read_text().splitlines()}
+    state = json.loads((tmp_path / "results.jsonl.state.json").read_text())  # whole JSON: written atomically
+    assert state["status"] == "running" and state["succeeded"] <= len(done)
     torn = next(x for x in ref_out.read_bytes().splitlines(keepends=True) if json.loads(x)["custom_id"] not in done)
     with open(out, "ab") as f:  # a kill inside a write: the first part of a line, no newline
         f.write(torn[: len(torn) // 2])
