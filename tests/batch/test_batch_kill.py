@@ -4,7 +4,8 @@ The kill points are states, not times: the client is killed once the output hold
 (what a kill inside a write leaves) is put there by the test, so every run goes through the same recovery. Checked
 as ``scripts/batch_kill_drill.py`` checks its 2,000-request job: each custom_id exactly once across the output and
 errors files, and each greedy answer equal to an uninterrupted run's. Also: a recipe (here an HF directory) served
-by the job itself dies with the job, and a server refusing with 429 (queue full) slows the job without loss."""
+by the job itself is started again when it dies and dies with the job, and a server refusing with 429 (queue
+full) slows the job without loss."""
 
 from __future__ import annotations
 
@@ -73,11 +74,7 @@ def cmd(target: str, req: Path, out: Path, *extra: str) -> list[str]:
 
 def kill_at(proc: subprocess.Popen, out: Path, lines: int) -> None:
     """kill -9 ``proc`` once ``out`` holds ``lines`` lines."""
-    deadline = time.monotonic() + WAIT_S
-    while drill.count_lines(out) < lines:
-        assert proc.poll() is None, f"the client exited ({proc.returncode}) before line {lines}"
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for(f"line {lines}", lambda: drill.count_lines(out) >= lines, proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(WAIT_S)
 
@@ -111,31 +108,42 @@ def test_killed_twice_then_resumed_writes_each_custom_id_once_with_the_uninterru
     assert drill.count_lines(out) == 199
 
 
-def test_a_served_target_dies_with_its_job_and_the_rerun_serves_it_again(tmp_path, export, reference):
+def wait_for(what: str, ok, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not ok():
+        assert proc.poll() is None, f"the job exited ({proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_served_target_is_revived_dies_with_its_job_and_the_rerun_serves_it_again(tmp_path, export, reference):
     import psutil
 
     req, ref_out, ref_err = reference
     small = tmp_path / "requests.jsonl"
-    small.write_text("".join(req.read_text().splitlines(keepends=True)[:30]))
+    small.write_text("".join(req.read_text().splitlines(keepends=True)[:40]))
     out = tmp_path / "results.jsonl"
     env = {**ENV, "TRTPIPE_CACHE": str(tmp_path / "cache")}
     job = subprocess.Popen(cmd(str(export), small, out), env=env, cwd=REPO, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + WAIT_S
-    while drill.count_lines(out) < 5:
-        assert job.poll() is None and time.monotonic() < deadline
-        time.sleep(0.01)
-    servers = psutil.Process(job.pid).children()
-    assert [" ".join(s.cmdline()[2:5]) for s in servers] == [f"trtpipe.cli serve {export}"]
+    wait_for("line 5", lambda: drill.count_lines(out) >= 5, job)
+    first = psutil.Process(job.pid).children()
+    assert [" ".join(s.cmdline()[2:5]) for s in first] == [f"trtpipe.cli serve {export}"]
+    first[0].kill()  # the job's server dies: the job starts it again and goes on
+    wait_for("a second server", lambda: [c.pid for c in psutil.Process(job.pid).children()] not in ([],
+                                                                                                 [first[0].pid]), job)
+    mark = drill.count_lines(out) + 5
+    wait_for(f"line {mark}", lambda: drill.count_lines(out) >= mark, job)
+    second = psutil.Process(job.pid).children()
     os.kill(job.pid, signal.SIGKILL)
     job.wait(WAIT_S)
-    gone, alive = psutil.wait_procs(servers, timeout=WAIT_S)
+    gone, alive = psutil.wait_procs(second, timeout=WAIT_S)
     assert not alive  # PR_SET_PDEATHSIG: the job's own server does not outlive it
     last = subprocess.run(cmd(str(export), small, out), env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=WAIT_S)
-    assert last.returncode == 3 and "batch completed: 30 of 30" in last.stdout, last.stderr[-2000:]
+    assert last.returncode == 3 and "batch completed: 40 of 40" in last.stdout, last.stderr[-2000:]
     result = drill.check(small, out, tmp_path / "results.errors.jsonl", ref_out, ref_err)
     assert (result["lines_written"], result["duplicates"], result["missing"], result["answers_differing"]) == \
-        (30, 0, 0, 0)
+        (40, 0, 0, 0)
 
 
 def test_queue_full_429s_slow_the_job_and_lose_nothing(tmp_path, export):

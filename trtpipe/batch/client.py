@@ -110,7 +110,7 @@ class BatchClient:
                  revive: Optional[Callable[[], None]] = None, on_window: Optional[Callable[[int, int], None]] = None):
         self.url = base_url.rstrip("/")
         self.journal, self.opts, self.on_result, self.say = journal, opts, on_result, say
-        self.revive = revive  # restarts a server this job started, when it died (blocking; None: not ours)
+        self.revive = revive  # respawns a server this job started, when it died (None: not ours)
         self.on_window = on_window or (lambda in_flight, allowed: None)
         self.window = Window(opts.concurrency)
         self.stats = RunStats()
@@ -271,7 +271,7 @@ class BatchClient:
         deadline, attempt = loop.time() + self.opts.server_wait_s, 0
         while True:
             if self.revive is not None:
-                self.revive()  # blocking, in this thread: the server's death signal is tied to its parent thread
+                self.revive()  # in this thread: the server's death signal is tied to the thread that started it
             if await self._healthy():
                 self.up = True
                 return

@@ -55,33 +55,42 @@ class Recovered:
 
 def recover(path: Path) -> Recovered:
     """Cut ``path`` back to its last newline (fsync'd) and read the custom_id of every line; BatchError naming
-    file:line for a line that is not a result line, or an id written twice."""
+    file:line for a line that is not a result line, or an id written twice. Streams: one line in memory at once."""
     path = Path(path)
+    out = Recovered()
+    whole = 0  # bytes of complete lines
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, start=1):
+                if not raw.endswith(b"\n"):
+                    break  # the torn last line
+                whole += len(raw)
+                _read_line(path, n, raw, out.ids)
+            size = os.fstat(f.fileno()).st_size
     except FileNotFoundError:
-        return Recovered()
+        return out
     except OSError as exc:
         raise BatchError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    end = data.rfind(b"\n") + 1
-    out = Recovered(torn_bytes=len(data) - end)
+    out.torn_bytes = size - whole
     if out.torn_bytes:
         with open(path, "r+b") as f:
-            f.truncate(end)
+            f.truncate(whole)
             f.flush()
             os.fsync(f.fileno())
-    for n, line in enumerate(data[:end].split(b"\n")[:-1], start=1):
-        try:
-            obj = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            obj = None
-        cid = obj.get("custom_id") if isinstance(obj, dict) else None
-        if not isinstance(cid, str):
-            raise BatchError(f"{path}:{n}: not a batch result line (no custom_id); is this another program's file?")
-        if cid in out.ids:
-            raise BatchError(f"{path}:{n}: custom_id {cid!r} written twice (first on line {out.ids[cid]})")
-        out.ids[cid] = n
     return out
+
+
+def _read_line(path: Path, n: int, raw: bytes, ids: dict[str, int]) -> None:
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        obj = None
+    cid = obj.get("custom_id") if isinstance(obj, dict) else None
+    if not isinstance(cid, str):
+        raise BatchError(f"{path}:{n}: not a batch result line (no custom_id); is this another program's file?")
+    if cid in ids:
+        raise BatchError(f"{path}:{n}: custom_id {cid!r} written twice (first on line {ids[cid]})")
+    ids[cid] = n
 
 
 def _write_all(fd: int, data: bytes) -> None:

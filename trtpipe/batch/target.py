@@ -4,7 +4,8 @@ A recipe (``target: llmapi``, or an HF checkpoint directory) is served by the Op
 ``trtpipe serve`` would run it in the foreground (:func:`trtpipe.serving.openai_launch.child_command`), on a free
 loopback port, in a child process that dies with the job (``PR_SET_PDEATHSIG``): a job killed by SIGKILL leaves
 no server behind, and its rerun starts a fresh one. It is not recorded for ``trtpipe stop``: nothing but this job
-uses it. When it dies during the job, :meth:`JobServer.revive` starts it again on the same port.
+uses it. When it dies during the job, :meth:`JobServer.revive` starts it again on the same port (and the
+job's health probe waits for it).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class JobServer:
     def url(self) -> str:
         return f"http://{self.target.host}:{self.target.port}"
 
-    def start(self) -> None:
+    def spawn(self) -> None:
+        """Start the server process (returns at once; :meth:`start` waits for it to answer)."""
         t = self.target
         log = cache_dir() / "logs" / f"batch-{t.name.replace('/', '_')}-{t.port}.openai.log"
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -64,18 +66,24 @@ class JobServer:
         self.server = Server(proc.pid, str(t.model_dir), t.host, Ports(t.port, 0, 0), str(log), "", kind="openai",
                              process=proc)
         self.starts += 1
+
+    def start(self) -> None:
+        """Spawn and wait until ``/health`` answers; BatchError with the log's tail when it does not."""
+        self.spawn()
         deadline = time.monotonic() + self.timeout_s
         while self.server.alive() and not self.server.ready() and time.monotonic() < deadline:
             time.sleep(0.25)
         if not self.server.ready():
             why = "exited during start-up" if not self.server.alive() else f"not ready after {self.timeout_s:.0f} s"
+            log = self.server.log
             self.stop()
-            raise BatchError(f"the OpenAI twin on {t.model_dir} {why}; log {log}:\n{log_tail(log)}")
+            raise BatchError(f"the OpenAI twin on {self.target.model_dir} {why}; log {log}:\n{log_tail(log)}")
 
     def revive(self) -> None:
-        """Start the server again when it has died (a no-op while it runs)."""
+        """Spawn the server again when it has died (a no-op while it runs); the caller's health probe waits for
+        it, so the job keeps checkpointing meanwhile."""
         if self.server is None or not self.server.alive():
-            self.start()
+            self.spawn()
 
     def stop(self) -> None:
         if self.server is not None:
