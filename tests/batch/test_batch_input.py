@@ -78,3 +78,14 @@ def test_cli_refuses_a_duplicate_before_sending_anything(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip() == f"{p}:2: duplicate custom_id 'a' (first on line 1)"
     assert not out.exists() and not (tmp_path / "out.errors.jsonl").exists()
+
+
+@pytest.mark.parametrize("value", ["2", "-0.1", "high"])
+def test_cli_refuses_a_priority_outside_0_1(tmp_path, value):
+    p = tmp_path / "in.jsonl"
+    p.write_text(line("a") + "\n")
+    r = subprocess.run([sys.executable, "-m", "trtpipe.cli", "batch", "http://127.0.0.1:9", "-i", str(p), "-o",
+                        str(tmp_path / "out.jsonl"), "--priority", value], capture_output=True, text=True, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert r.returncode == 2 and "--priority" in r.stderr and "expected a number in [0, 1] or 'none'" in r.stderr
+    assert not (tmp_path / "out.jsonl").exists()
