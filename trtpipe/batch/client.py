@@ -73,6 +73,8 @@ class ServerGone(BatchError):
 
 @dataclass
 class Item:
+    """A request waiting to be sent (again)."""
+
     req: BatchRequest
     tries: int = 0  # counted tries (retryable 5xx, connection losses)
     delay_s: float = 0.0
@@ -80,6 +82,8 @@ class Item:
 
 @dataclass
 class Outcome:
+    """What one try got: an HTTP answer (status, body, headers that matter) or the exception that lost it."""
+
     item: Item
     epoch: int
     status: Optional[int] = None
@@ -155,7 +159,8 @@ class BatchClient:
                     tasks.add(asyncio.create_task(self._send(queue.popleft())))
                 self.in_flight = len(tasks)
                 self.on_window(self.in_flight, self.window.allowed)
-                wake = min(self.opts.checkpoint_interval_s, max(self.window.paused_until - now, 0.05))
+                wake = min(self.opts.checkpoint_interval_s,
+                           max(self.window.paused_until - now, 0.05) if self.up else 0.5)
                 if tasks:
                     done, _ = await asyncio.wait(tasks, timeout=wake, return_when=asyncio.FIRST_COMPLETED)
                 else:
