@@ -1,4 +1,5 @@
-"""The OpenAI twin's aiohttp app served on 127.0.0.1 from a thread of the test process (a uniquely named module)."""
+"""The OpenAI twin's aiohttp app served on 127.0.0.1 from a thread of the test process, and the model it serves in
+the tests (a uniquely named module)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,20 @@ import asyncio
 import socket
 import threading
 from contextlib import contextmanager
+from pathlib import Path
+
+
+def fp16_export(stories_dir: Path, root: Path) -> Path:
+    """stories260k as the llmapi export writes it in float16 (no quantization): the HF directory ``root/hf``."""
+    from trtpipe.checkpoint.convert import convert
+    from trtpipe.export.unified import export_unified
+
+    base = convert(stories_dir, root / "base", tp=1, dtype="float16")
+    out = root / "hf"
+    out.mkdir()
+    export_unified(base, stories_dir, None, out, algo="none", kv_cache="none", group_size=128, alpha=0.5,
+                   exclude=["*lm_head"])
+    return out
 
 
 @contextmanager

@@ -36,6 +36,14 @@ def test_progress_bar_draws_on_stderr_only_when_enabled(capfd):
     assert capfd.readouterr() == ("", "") and (bar.completed, bar.total) == (2, 4)
 
 
+def test_progress_bar_with_a_unit_starts_from_what_is_done_and_shows_a_rate(capfd):
+    with progress_bar("batch", total=10, unit="req", completed=4) as bar:  # a resumed job: 4 done before
+        bar.advance()
+        bar.advance()
+    err = capfd.readouterr().err
+    assert "6/10" in err and "req/s" in err and bar.completed == 6
+
+
 def test_versions_of_this_machine():
     versions = collect_versions()
     assert versions["python"] == platform.python_version()

@@ -19,21 +19,37 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
     SpinnerColumn,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.text import Text
+
+
+class RateColumn(ProgressColumn):
+    """Items per second over rich's recent window (``task.speed``), e.g. ``12.5 req/s``."""
+
+    def __init__(self, unit: str):
+        super().__init__()
+        self.unit = unit
+
+    def render(self, task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text("-" if speed is None else f"{speed:.1f} {self.unit}/s", style="progress.data.speed")
 
 
 class ProgressBar:
     """One task on one rich ``Progress`` display; a no-op when disabled."""
 
-    def __init__(self, description: str, total: Optional[int] = None, disabled: bool = False):
+    def __init__(self, description: str, total: Optional[int] = None, disabled: bool = False,
+                 unit: Optional[str] = None, completed: float = 0):
         self.description = description
+        self.unit = unit  # set: a rate column (``unit``/s) too
         self.total = total
         self.disabled = disabled
-        self.completed = 0
+        self.completed = completed  # already done when the bar starts (a resumed job): no part of the rate
         self._progress: Optional[Progress] = None
         self._task = None
 
@@ -44,13 +60,14 @@ class ProgressBar:
                 TextColumn("[progress.description]{task.description}"),
                 BarColumn(),
                 MofNCompleteColumn(),
+                *([RateColumn(self.unit)] if self.unit else []),
                 TimeElapsedColumn(),
                 TimeRemainingColumn(),
                 console=Console(stderr=True),
                 transient=False,
             )
             self._progress.start()
-            self._task = self._progress.add_task(self.description, total=self.total)
+            self._task = self._progress.add_task(self.description, total=self.total, completed=self.completed)
         return self
 
     def advance(self, n: float = 1) -> None:
@@ -73,6 +90,7 @@ class ProgressBar:
             self._progress = None
 
 
-def progress_bar(description: str, total: Optional[int] = None, disabled: bool = False) -> ProgressBar:
+def progress_bar(description: str, total: Optional[int] = None, disabled: bool = False,
+                 unit: Optional[str] = None, completed: float = 0) -> ProgressBar:
     """A context-managed progress bar; see the module docstring."""
-    return ProgressBar(description, total, disabled)
+    return ProgressBar(description, total, disabled, unit, completed)
