@@ -61,7 +61,7 @@ def drill(fp16_export, tmp_path_factory):
         pytest.skip("unshare -rn (a user + network namespace) is not permitted here")
     out = tmp_path_factory.mktemp("drill") / "drill.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "dynamo_drill.py"), str(fp16_export), "--quick",
-           "--parts", "greedy,routing,kill", "--routers", "kv", "--rounds", "2", "--sequential", "--json", str(out),
+           "--parts", "greedy+kill,routing", "--routers", "kv", "--rounds", "2", "--sequential", "--json", str(out),
            "--aiperf", str(AIPERF)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
