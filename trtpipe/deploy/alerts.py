@@ -68,7 +68,9 @@ def recording_rules(recipe: Recipe, job: str, t: Timing) -> list[dict]:
     fail, ok = f"rate({m.failure % sel}[{t.rate}])", f"rate({m.success % sel}[{t.rate}])"
     rules += [
         {"record": "trtpipe:queue_compute:ratio", "expr": f"max by ({PER_TARGET}) ({ratio})"},
-        {"record": "trtpipe:kv_cache_fraction:max", "expr": f"max by ({PER_TARGET}) ({m.kv_fraction % sel})"},
+        # averaged over the short window: the gauge swings by a request's blocks from one step to the next
+        {"record": "trtpipe:kv_cache_fraction:max",
+         "expr": f"max by ({PER_TARGET}) (avg_over_time({m.kv_fraction % sel}[{t.short_rate}]))"},
         {"record": "trtpipe:waiting_requests:max", "expr": f"max by ({PER_TARGET}) ({m.waiting % sel})"},
         {"record": "trtpipe:request_error:ratio",
          "expr": f"sum by (job) ({fail}) / clamp_min(sum by (job) ({ok}) + sum by (job) ({fail}), 1e-9)"},
