@@ -656,5 +656,26 @@ def deploy_monitoring(recipe: Path, overrides, out: Path, targets, overwrite: bo
         click.echo(path)
 
 
+@deploy.command(name="k8s")
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@OVERRIDES
+@click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output directory.")
+@click.option("--autoscaler", type=click.Choice(["hpa", "keda"]), default=None,
+              help="HPA + prometheus-adapter rules, or a KEDA ScaledObject (default: the recipe's deploy.autoscaler).")
+@click.option("--cold-start", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A `trtpipe bench cold --json` result: its measured ready time also bounds the startup probe.")
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty output directory.")
+def deploy_k8s(recipe: Path, overrides, out: Path, autoscaler, cold_start, overwrite: bool) -> None:
+    """Kubernetes manifests + kustomization for RECIPE (Deployment, or LeaderWorkerSet across nodes)."""
+    from trtpipe.deploy.k8s import write_k8s
+    from trtpipe.deploy.sources import measured_ready_s, planned_weight_bytes
+    from trtpipe.validation import load_recipe
+
+    loaded = load_recipe(recipe, overrides)
+    weights = planned_weight_bytes(recipe, overrides)
+    for path in write_k8s(loaded, out, weights, measured_ready_s(cold_start), autoscaler, overwrite):
+        click.echo(path)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
