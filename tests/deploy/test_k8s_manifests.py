@@ -4,6 +4,8 @@ tp8 x pp2: a LeaderWorkerSet): every core object passes kubernetes-validate --st
 
 from __future__ import annotations
 
+import functools
+import json
 import shutil
 import subprocess
 import sys
@@ -23,9 +25,14 @@ VERSIONS = ("1.30.0", "1.34.0")
 CUSTOM = {"LeaderWorkerSet", "PodMonitor", "PrometheusRule", "ScaledObject"}
 
 
-def _render(path, *overrides, autoscaler=None):
+@functools.lru_cache(maxsize=None)
+def _weights(path, overrides: tuple) -> int:
+    return planned_weight_bytes(path, list(overrides))
+
+
+def _render(path, *overrides, autoscaler=None, ready_s=None):
     recipe = load_recipe(path, list(overrides))
-    return recipe, render(recipe, planned_weight_bytes(path, list(overrides)), autoscaler=autoscaler)
+    return recipe, render(recipe, _weights(path, overrides), ready_s, autoscaler=autoscaler)
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +186,42 @@ def test_monitoring_cli_writes_a_config_promtool_accepts(tmp_path):
         check = subprocess.run(["promtool", "check", "config", str(tmp_path / "m" / "prometheus.yml")],
                                capture_output=True, text=True)
         assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_measured_load_time_longer_than_the_estimate_sets_the_budget(tmp_path):
+    recipe, r = _render(ONE_NODE)
+    estimate = r.sources["startup-budget-s"].value
+    _, slow = _render(ONE_NODE, ready_s=300.0)
+    assert slow.sources["startup-budget-s"].value == 450 > estimate  # 1.5 x 300 s
+    assert "measured ready 300.0 s" in slow.sources["startup-budget-s"].source
+    cold = tmp_path / "cold.json"
+    cold.write_text(json.dumps({"ready_s": 300.0}))
+    result = run_cli("deploy", "k8s", str(ONE_NODE), "-o", str(tmp_path / "k"), "--cold-start", str(cold))
+    assert result.exit_code == 0, result.stderr
+    dep = yaml.safe_load(next((tmp_path / "k").glob("deployment-*.yaml")).read_text())
+    probe = dep["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] == 450
+    cold.write_text("{}")
+    bad = run_cli("deploy", "k8s", str(ONE_NODE), "-o", str(tmp_path / "k2"), "--cold-start", str(cold))
+    assert bad.exit_code != 0 and "not a `trtpipe bench cold --json` result" in bad.stderr
+    assert not (tmp_path / "k2").exists()
+
+
+def test_the_cache_is_keyed_by_the_served_artifacts_hashes(tmp_path):
+    from trtpipe.deploy.sources import artifact_key
+    from trtpipe.pipeline.manifest import write_manifest
+
+    recipe = load_recipe(ONE_NODE, [f"work_dir={tmp_path}"])
+    unbuilt = artifact_key(recipe)
+    assert "not built yet" in unbuilt.source
+
+    def build(sha: str, build_id: str):
+        files = {"triton_repo/tensorrt_llm/1/rank0.engine": {"sha256": sha, "size": 1},
+                 "triton_repo/tensorrt_llm/config.pbtxt": {"sha256": "b" * 64, "size": 1}}
+        write_manifest(tmp_path, {"format": 1, "build_id": build_id, "status": "ok",
+                                  "stages": [{"name": "repo", "key": "k", "files": files}]})
+        return artifact_key(recipe)
+
+    first, same, other = build("a" * 64, "b1"), build("a" * 64, "b2"), build("c" * 64, "b3")
+    assert first.value == same.value != other.value != unbuilt.value
+    assert "2 file hashes of stage repo in build b3" in other.source
