@@ -37,6 +37,7 @@ def artifact_key(recipe: Recipe) -> Sourced:
     """A 16-hex content key of what the pods serve."""
     stage = SERVED_STAGE[recipe.target]
     manifest = recipe.work_path / "manifest.json"
+    shown = f"{recipe.work_dir}/manifest.json"  # as the recipe writes it: no machine paths in manifests
     if manifest.is_file():
         data = json.loads(manifest.read_text())
         entry = next((s for s in data.get("stages", []) if s.get("name") == stage and s.get("files")), None)
@@ -44,11 +45,11 @@ def artifact_key(recipe: Recipe) -> Sourced:
             lines = "".join(f"{p} {f['sha256']}\n" for p, f in sorted(entry["files"].items()))
             key = hashlib.sha256(lines.encode()).hexdigest()[:16]
             return Sourced(key, f"sha256 over the {len(entry['files'])} file hashes of stage {stage} in build "
-                                f"{data.get('build_id')} ({manifest})")
+                                f"{data.get('build_id')} ({shown})")
     config = Path(recipe.resolve(recipe.model.source)) / "config.json"
     text = recipe.model_dump_json() + (config.read_text() if config.is_file() else "")
     return Sourced(hashlib.sha256(text.encode()).hexdigest()[:16],
-                   f"not built yet (no stage {stage} in {manifest}): sha256 of the expanded recipe and the model's "
+                   f"not built yet (no stage {stage} in {shown}): sha256 of the expanded recipe and the model's "
                    "config.json; rerun deploy k8s after the build to key the cache by the artifacts' content")
 
 
