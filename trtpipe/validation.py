@@ -3,7 +3,8 @@
 Each package keeps the rules about its own facts beside them: the recipe's layout and consistency
 (``trtpipe/recipe/rules.py``), the quantized layouts (``trtpipe/quant/rules.py``), what trtllm-build would refuse
 or silently change and the memory plan (``trtpipe/engine/rules.py``), the llmapi target
-(``trtpipe/export/rules.py``). This module is the only one that knows all of them. It sits above those packages:
+(``trtpipe/export/rules.py``), the deployment (``trtpipe/deploy/rules.py``). This module is the only one that
+knows all of them. It sits above those packages:
 each of them imports the recipe schema and none imports this, so the rules are composed here in one visible list,
 nothing registers itself on import, and the recipe package never reaches up for them.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
+from trtpipe.deploy.rules import DEPLOY_RULES
 from trtpipe.engine.rules import ENGINE_RULES
 from trtpipe.errors import Problem, RecipeError
 from trtpipe.export.rules import EXPORT_RULES
@@ -25,7 +27,7 @@ from trtpipe.recipe.rules import RECIPE_RULES, Rule
 from trtpipe.recipe.schema import Recipe
 
 # In this order; problems are reported in file order, and rules that name the same key keep this order.
-RULES: tuple[Rule, ...] = (*RECIPE_RULES, *QUANT_RULES, *ENGINE_RULES, *EXPORT_RULES)
+RULES: tuple[Rule, ...] = (*RECIPE_RULES, *QUANT_RULES, *ENGINE_RULES, *EXPORT_RULES, *DEPLOY_RULES)
 
 
 def check_recipe(recipe: Recipe) -> list[Problem]:

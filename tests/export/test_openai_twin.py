@@ -77,6 +77,16 @@ def test_models_health_metrics(server, client):
     with urllib.request.urlopen(server[0] + "/prometheus/metrics") as r:
         text = r.read().decode()
     assert "trtllm_request_success_total{" in text and "trtllm_generation_tokens_total{" in text
+    # trtllm-serve's histograms with its buckets: cumulative, +Inf == _count == the finished requests
+    done = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("trtllm_request_success_total{"))
+    for name in ("trtllm_time_to_first_token_seconds", "trtllm_e2e_request_latency_seconds",
+                 "trtllm_time_per_output_token_seconds", "trtllm_request_queue_time_seconds"):
+        buckets = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "_bucket{")]
+        count = next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "_count{"))
+        assert buckets == sorted(buckets) and buckets[-1] == count, name
+        assert count == done or (name == "trtllm_time_per_output_token_seconds" and count <= done), name
+    assert 'trtllm_time_to_first_token_seconds_bucket{model_name="stories-twin",engine_type="trtllm",le="0.001"}' in text
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -239,6 +239,65 @@ class LLMAPISection(_Section):
     max_shard_bytes: int = Field(10 * 10**9, ge=2**20, description="Largest model-*.safetensors shard (ModelOpt: 10GB).")
 
 
+DNS_LABEL = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+DEFAULT_TOLERATIONS = ({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},)
+
+
+class ReplicasSection(_Section):
+    min: int = Field(1, ge=1, le=1000, description="Fewest model instances (LWS groups or Deployment pods) kept up.")
+    max: int = Field(4, ge=1, le=1000, description="Most instances the autoscaler may run.")
+
+
+class DeploySection(_Section):
+    """What only the cluster's owner knows: where it runs, how many copies, which SLOs to page on."""
+
+    namespace: str = Field("default", pattern=DNS_LABEL, description="Kubernetes namespace of every object.")
+    image: Optional[str] = Field(
+        None, min_length=1, description="Serving container image (default: the Triton TRT-LLM image the engine "
+        "target pins, nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3, for both targets).")
+    storage_class: Optional[str] = Field(None, min_length=1, description="StorageClass of the ReadWriteMany "
+                                         "artifact cache volume (default: the cluster's default class).")
+    storage_read_gbs: float = Field(1.0, gt=0.0, le=1000.0, description="Read bandwidth of that volume in GB/s, "
+                                    "for the planner's load-time estimate behind the startup probe budget.")
+    replicas: ReplicasSection = Field(default_factory=ReplicasSection, description="Instance counts.")
+    slo: str = Field("ttft_p99=2s,itl_p99=100ms", description="Latency SLOs the alerts page on "
+                     "(trtpipe's --slo syntax, percentile terms only: ttft_pQ, itl_pQ).")
+    max_error_ratio: float = Field(0.01, gt=0.0, lt=1.0, description="Failed share of requests that pages.")
+    kv_cache_alert: float = Field(0.9, gt=0.0, le=1.0, description="KV-cache block use (0..1) that warns.")
+    gpus_per_node: int = Field(8, ge=1, le=64, description="GPUs on each node of the GPU pool.")
+    node_labels: dict[str, str] = Field(default_factory=dict, description="nodeSelector labels added to (or "
+                                        "overriding) the GPU product label derived from engine.gpu.")
+    tolerations: list[dict[str, str]] = Field(default_factory=lambda: [dict(t) for t in DEFAULT_TOLERATIONS],
+                                              description="Pod tolerations (default: the nvidia.com/gpu taint).")
+    shm_gib: Optional[int] = Field(None, ge=1, le=4096, description="/dev/shm size (default: derived per backend).")
+    autoscaler: Literal["hpa", "keda"] = Field("hpa", description="HPA through prometheus-adapter, or KEDA.")
+    scale_on: Literal["queue", "kv_cache"] = Field("queue", description="Metric the autoscaler follows.")
+    prometheus_url: str = Field("http://prometheus-operated.monitoring:9090", min_length=1,
+                                description="Prometheus that KEDA and prometheus-adapter query.")
+    monitor_labels: dict[str, str] = Field(default_factory=lambda: {"release": "prometheus"}, description=(
+        "Labels on PodMonitor/PrometheusRule (kube-prometheus-stack selects release: prometheus)."))
+    scrape_interval_s: int = Field(15, ge=1, le=3600, description="Prometheus scrape and rule interval.")
+
+    @field_validator("node_labels", "monitor_labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, value in v.items():
+            if not re.fullmatch(r"([a-z0-9.-]+/)?[A-Za-z0-9]([\w.-]{0,61}[A-Za-z0-9])?", key):
+                raise ValueError(f"{key!r} is not a Kubernetes label key")
+            if not re.fullmatch(r"([A-Za-z0-9]([\w.-]{0,61}[A-Za-z0-9])?)?", value):
+                raise ValueError(f"label {key}: {value!r} is not a Kubernetes label value")
+        return v
+
+    @field_validator("tolerations")
+    @classmethod
+    def _tolerations(cls, v: list[dict[str, str]]) -> list[dict[str, str]]:
+        allowed = {"key", "operator", "value", "effect"}
+        for t in v:
+            if set(t) - allowed:
+                raise ValueError(f"toleration keys are {', '.join(sorted(allowed))} (got {', '.join(sorted(t))})")
+        return v
+
+
 class Recipe(_Section):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Names the build (letters, digits, _ . -).")
     work_dir: str = Field("work", description="Artifacts, logs and manifests; relative to the recipe file.")
@@ -253,6 +312,7 @@ class Recipe(_Section):
         "the PyTorch backend (trtllm-serve, Triton llmapi model)."
     )
     llmapi: LLMAPISection = Field(default_factory=LLMAPISection, description="The llmapi target's deployment.")
+    deploy: DeploySection = Field(default_factory=DeploySection, description="Kubernetes and monitoring.")
 
     _path: Optional[Path] = PrivateAttr(None)
     _positions: dict = PrivateAttr(default_factory=dict)

@@ -9,7 +9,8 @@ into asyncio, detokenizes incrementally and answers as ``trtllm-serve`` does:
   ``data: [DONE]``, ``stream_options.include_usage``, and the ``usage`` field;
 * ``GET /v1/models``, ``GET /health`` (200, empty body), ``GET /version``;
 * ``GET /metrics``: JSON per-iteration statistics since the last call (the executor's records), and
-  ``GET /prometheus/metrics``: Prometheus text (request, token and latency counters, running/waiting gauges).
+  ``GET /prometheus/metrics``: Prometheus text (request, token and error counters, trtllm-serve's latency histograms,
+  running/waiting and KV-cache gauges).
 
 Sampling without a ``temperature`` is greedy (TensorRT-LLM's default when no sampling parameter is set).
 String ``stop`` sequences are matched on the detokenized text; the request is then cancelled in the executor
@@ -31,6 +32,7 @@ from trtpipe.extras import require
 from trtpipe.serving.api import (UINT64_MAX, CapacityPolicy, ExecutorConfig, FinishReason, Request, Response,
                                  SamplingParams)
 from trtpipe.serving.executor import Executor, QueueFullError
+from trtpipe.serving.prom_text import histograms
 
 web = require("aiohttp.web", "the OpenAI twin (trtpipe serve of an llmapi target)")
 
@@ -68,11 +70,10 @@ class Counters:
     success: dict = field(default_factory=dict)  # finish reason -> count
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    e2e_sum: float = 0.0
-    ttft_sum: float = 0.0
-    ttft_count: int = 0
+    errors: int = 0  # refused (queue full) or failed after admission
     requests: int = 0
     running: int = 0
+    hist: dict = field(default_factory=histograms)  # trtllm-serve's latency histograms
 
 
 class ServedModel:
@@ -169,8 +170,10 @@ class Generation:
         self.t0 = time.perf_counter()
         self.ttft: Optional[float] = None
         self.stopped = False
+        self.failed = False
         req = Request(prompt=prompt, max_new_tokens=max_tokens, end_id=served.eos_id, sampling=sampling,
-                      streaming=True, exclude_input_from_output=True)
+                      streaming=True, exclude_input_from_output=True, return_perf_metrics=True)
+        self.perf = None  # the executor's PerfMetrics, on the final response
         self.rid = served.executor.submit(req, lambda r: loop.call_soon_threadsafe(self.queue.put_nowait, r))
 
     def cancel(self) -> None:
@@ -181,7 +184,10 @@ class Generation:
         while True:
             resp: Response = await self.queue.get()
             if resp.has_error:
+                self.failed = True
                 raise BadRequest(resp.error)
+            if resp.is_final and resp.perf is not None:
+                self.perf = resp.perf
             if self.stopped:  # already cut at a stop string: drain to the final response
                 if resp.is_final:
                     return
@@ -323,6 +329,7 @@ class OpenAIServer:
         try:
             g = Generation(self.served, ids, max_tokens, _sampling(body), _stops(body), loop)
         except QueueFullError as exc:
+            self.counters.errors += 1
             return _error(429, str(exc), etype="RateLimitError")
         self.counters.requests += 1
         self.counters.running += 1
@@ -391,14 +398,22 @@ class OpenAIServer:
         return {"prompt_tokens": len(g.prompt), "completion_tokens": n, "total_tokens": len(g.prompt) + n}
 
     def _account(self, g: Generation) -> None:
+        """Per-request metrics as trtllm-serve logs them (TPOT = decode time / (tokens - 1))."""
         c = self.counters
+        if g.failed:
+            c.errors += 1
+            return
         c.success[g.finish or "error"] = c.success.get(g.finish or "error", 0) + 1
         c.prompt_tokens += len(g.prompt)
         c.generation_tokens += g.completion_tokens
-        c.e2e_sum += time.perf_counter() - g.t0
+        e2e = time.perf_counter() - g.t0
+        c.hist["trtllm_e2e_request_latency_seconds"].observe(e2e)
         if g.ttft is not None:
-            c.ttft_sum += g.ttft
-            c.ttft_count += 1
+            c.hist["trtllm_time_to_first_token_seconds"].observe(g.ttft)
+            if g.completion_tokens > 1:
+                c.hist["trtllm_time_per_output_token_seconds"].observe((e2e - g.ttft) / (g.completion_tokens - 1))
+        if g.perf is not None and g.perf.first_scheduled_ns:
+            c.hist["trtllm_request_queue_time_seconds"].observe((g.perf.first_scheduled_ns - g.perf.enqueue_ns) / 1e9)
 
     async def metrics(self, request: web.Request) -> web.Response:
         s = self.served.executor.stats()
@@ -430,19 +445,22 @@ class OpenAIServer:
         lines += ["# TYPE trtllm_prompt_tokens_total counter", f"trtllm_prompt_tokens_total{{{labels}}} {c.prompt_tokens}",
                   "# TYPE trtllm_generation_tokens_total counter",
                   f"trtllm_generation_tokens_total{{{labels}}} {c.generation_tokens}",
-                  "# TYPE trtllm_e2e_request_latency_seconds summary",
-                  f"trtllm_e2e_request_latency_seconds_sum{{{labels}}} {c.e2e_sum}",
-                  f"trtllm_e2e_request_latency_seconds_count{{{labels}}} {sum(c.success.values())}",
-                  "# TYPE trtllm_time_to_first_token_seconds summary",
-                  f"trtllm_time_to_first_token_seconds_sum{{{labels}}} {c.ttft_sum}",
-                  f"trtllm_time_to_first_token_seconds_count{{{labels}}} {c.ttft_count}",
-                  "# TYPE trtllm_num_requests_running gauge",
+                  "# TYPE trtllm_request_error_total counter", f"trtllm_request_error_total{{{labels}}} {c.errors}"]
+        for h in c.hist.values():
+            lines += h.lines(labels)
+        kv = s.kv if s else None
+        lines += ["# TYPE trtllm_num_requests_running gauge",
                   f"trtllm_num_requests_running{{{labels}}} {s.num_scheduled if s else 0}",
                   "# TYPE trtllm_num_requests_waiting gauge",
                   f"trtllm_num_requests_waiting{{{labels}}} {(s.num_queued + s.num_waiting) if s else 0}",
                   "# TYPE trtllm_kv_cache_utilization gauge",
                   f"trtllm_kv_cache_utilization{{{labels}}} "
-                  f"{(s.kv.used_blocks / s.kv.max_blocks) if s and s.kv.max_blocks else 0.0}"]
+                  f"{(kv.used_blocks / kv.max_blocks) if kv and kv.max_blocks else 0.0}"]
+        for what in ("max", "free", "used"):
+            lines += [f"# TYPE trtllm_kv_cache_{what}_blocks gauge",
+                      f"trtllm_kv_cache_{what}_blocks{{{labels}}} {getattr(kv, what + '_blocks') if kv else 0}"]
+        lines += ["# TYPE trtllm_kv_cache_hit_rate gauge",
+                  f"trtllm_kv_cache_hit_rate{{{labels}}} {kv.cache_hit_rate if kv else 0.0}"]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 

@@ -1,0 +1,169 @@
+"""End to end: a real Prometheus (Debian's 2.42) on 127.0.0.1 scrapes the OpenAI twin (trtllm-serve's metric
+names) with the rule file of `trtpipe deploy monitoring`; a load that overfills a small KV pool drives
+KVCacheNearlyFull to `firing`, the recording rules carry values (Prometheus's HTTP API), every dashboard query
+parses in Prometheus and names only what the twin exports; then the load stops and the alert resolves.
+
+Short windows (1 s scrape and evaluation, ``for: 2s``) keep it to seconds; every wait polls to a deadline and no
+sleep is an assertion.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+from deploy_helpers import RECIPES
+from openai_helpers import serve_in_thread
+
+from trtpipe.deploy.alerts import Timing, rule_file
+from trtpipe.deploy.dashboard import dashboard, expressions
+from trtpipe.deploy.metrics import NOT_IN_TWINS
+from trtpipe.deploy.monitoring import write_monitoring
+from trtpipe.deploy.promql import exported_names, metric_names
+from trtpipe.validation import load_recipe
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus (apt-get install prometheus)")]
+
+FAST = Timing(interval="1s", rate="10s", short_rate="5s", slo_for="2s", kv_for="2s", down_for="2s")
+# 16 blocks of 32 tokens (one max-length sequence of 512; config_from_recipe's floor); max_utilization admits
+# greedily: eight streams of 5 + 240 tokens (within max_input_len 256, as a pausing policy without chunked context
+# requires) need 64 blocks, so the pool stays (nearly) full while they run.
+OVERRIDES = ["engine.kv_cache.max_tokens=512", "engine.kv_cache.enable_reuse=false",
+             "triton.scheduler_policy=max_utilization", "deploy.kv_cache_alert=0.9"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _poll(what: str, fn, deadline_s: float = 180.0, step_s: float = 0.5):
+    """Call ``fn`` until it returns something truthy; fail naming ``what`` at the deadline."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        got = fn()
+        if got:
+            return got
+        time.sleep(step_s)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory, stories_dir):
+    from trtpipe.checkpoint.convert import convert
+    from trtpipe.export.unified import export_unified
+
+    root = tmp_path_factory.mktemp("e2e")
+    base = convert(stories_dir, root / "base", tp=1, dtype="float16")
+    out = root / "hf"
+    out.mkdir()
+    export_unified(base, stories_dir, None, out, algo="none", kv_cache="none", group_size=128, alpha=0.5,
+                   exclude=["*lm_head"])
+    return out
+
+
+def _load(url: str, stop: threading.Event, errors: list):
+    body = json.dumps({"model": "twin", "prompt": "Once upon a time", "max_tokens": 240, "temperature": 1.0,
+                       "seed": 1}).encode()
+    while not stop.is_set():
+        req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                r.read()
+        except Exception as exc:  # noqa: BLE001 - collected; the test fails on them
+            errors.append(exc)
+            return
+
+
+def test_kv_alert_fires_under_load_and_resolves_after_it(tmp_path, export):
+    from trtpipe.serving.openai_server import OpenAIServer, ServedModel, config_from_recipe
+
+    recipe = load_recipe(RECIPES / "stories-llmapi-fp8.yaml", OVERRIDES)
+    served = ServedModel(export, "twin", config_from_recipe(recipe, 512))
+    assert served.config.num_blocks == 16
+    try:
+        with serve_in_thread(OpenAIServer(served).app) as url:
+            _run(tmp_path, recipe, url)
+    finally:
+        served.shutdown()
+
+
+def _run(tmp_path, recipe, url):
+    twin = url.removeprefix("http://")
+    write_monitoring(recipe, tmp_path / "mon", targets=[twin], timing=FAST)
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api/v1"
+    log = (tmp_path / "prometheus.log").open("w")
+    prom = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'mon' / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path / "mon")
+    stop, errors = threading.Event(), []
+    threads = [threading.Thread(target=_load, args=(url, stop, errors), daemon=True) for _ in range(8)]
+    try:
+        def query(q):
+            try:
+                return _get(f"{api}/query?query={urllib.parse.quote(q)}")["data"]["result"]
+            except OSError:  # not listening yet
+                return None
+
+        _poll("the twin scraped (up == 1)", lambda: [r for r in query('up{job="%s"}' % recipe.name) or []
+                                                     if r["value"][1] == "1"])
+        for t in threads:
+            t.start()
+
+        def kv_state():
+            alerts = _get(f"{api}/alerts")["data"]["alerts"]
+            return [a["state"] for a in alerts if a["labels"]["alertname"] == "KVCacheNearlyFull"]
+
+        _poll("KVCacheNearlyFull firing", lambda: errors or "firing" in kv_state())
+        assert not errors, errors[0]
+        # the recording rules carry values read back through the API
+        # (the recorded series over the last minute: the value now may already be below the threshold)
+        kv = query("max_over_time(trtpipe:kv_cache_fraction:max[1m])")
+        assert kv and float(kv[0]["value"][1]) > 0.9, kv
+        assert kv[0]["metric"]["instance"] == twin and kv[0]["metric"]["job"] == recipe.name
+        print(f"KV fraction recorded (max over 1 m): {kv[0]['value'][1]}")
+        _poll("throughput recorded", lambda: [r for r in query("trtpipe:output_tokens:rate") or []
+                                              if float(r["value"][1]) > 0])
+        _poll("TTFT p50 recorded", lambda: [r for r in query("trtpipe:ttft_seconds:p50") or []
+                                            if float(r["value"][1]) > 0])
+        _poll("queue/compute ratio recorded", lambda: query("trtpipe:queue_compute:ratio"))
+        # every dashboard query parses in Prometheus, and names only what the twin exports or the rules record
+        board = dashboard(recipe, recipe.name)
+        for expr in expressions(board):
+            assert _get(f"{api}/query?query={urllib.parse.quote(expr)}")["status"] == "success", expr
+        with urllib.request.urlopen(url + "/prometheus/metrics") as r:
+            exported = exported_names(r.read().decode())
+        recorded = {r["record"] for g in rule_file(recipe, recipe.name)["groups"] for r in g["rules"] if "record" in r}
+        used = set().union(*(metric_names(e) for e in expressions(board)),
+                           *(metric_names(r["expr"]) for g in rule_file(recipe, recipe.name)["groups"]
+                             for r in g["rules"]))
+        assert used - exported - recorded <= set(NOT_IN_TWINS), used - exported - recorded - set(NOT_IN_TWINS)
+        assert {"trtllm_kv_cache_utilization", "trtllm_time_to_first_token_seconds_bucket"} <= used & exported
+    finally:
+        stop.set()
+        for t in threads:
+            if t.is_alive():
+                t.join(180)
+    try:
+        _poll("KVCacheNearlyFull resolved", lambda: not kv_state())
+        resolved = query("trtpipe:kv_cache_fraction:max")
+        assert float(resolved[0]["value"][1]) <= 0.9
+    finally:
+        prom.terminate()
+        prom.wait(30)
+        log.close()

@@ -1,0 +1,70 @@
+"""``trtpipe deploy k8s``: plain manifests and a kustomization for one recipe, written all-or-nothing.
+
+One file per object (kind-name.yaml), ``kustomization.yaml`` listing them under the recipe's namespace, and
+``SOURCES.md`` saying where every derived number came from (the same sentences are annotations on the workload).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from trtpipe.deploy import objects, sources, workload
+from trtpipe.deploy.layout import layout_of
+from trtpipe.deploy.monitoring import dump_yaml, write_all
+from trtpipe.recipe.schema import Recipe
+
+ANNOTATION = "trtpipe.dev/"
+
+
+@dataclass(frozen=True)
+class Rendered:
+    objects: list[dict]
+    sources: dict[str, sources.Sourced]
+
+
+def render(recipe: Recipe, weight_bytes_per_gpu: int, ready_s: Optional[float] = None,
+           autoscaler: Optional[str] = None) -> Rendered:
+    """Every object of the deployment, and the sources of its numbers."""
+    layout = layout_of(recipe)
+    key = sources.artifact_key(recipe)
+    budget = sources.startup_budget(recipe, layout, weight_bytes_per_gpu, ready_s)
+    shm = workload.shm_gib(recipe, layout)
+    cache = sources.cache_size_gib(weight_bytes_per_gpu, layout.world)
+    srcs = {"artifact-key": key, "startup-budget-s": budget, "shm-gib": shm, "cache-gib": cache}
+    notes = {f"{ANNOTATION}{k}": f"{v.value}: {v.source}" for k, v in srcs.items()}
+    build = workload.leaderworkerset if layout.multinode else workload.deployment
+    objs = [build(recipe, layout, key, shm, budget, notes)]
+    if layout.multinode:
+        objs += workload.rbac(recipe)
+    objs += [objects.service(recipe, layout), objects.pdb(recipe, layout), objects.cache_pvc(recipe, cache.value),
+             objects.pod_monitor(recipe, layout), objects.prometheus_rule(recipe), objects.dashboard_configmap(recipe)]
+    if (autoscaler or recipe.deploy.autoscaler) == "keda":
+        objs.append(objects.scaled_object(recipe, layout))
+    else:
+        objs += [objects.hpa(recipe, layout), objects.adapter_rules(recipe)]
+    return Rendered(objs, srcs)
+
+
+def file_name(obj: dict) -> str:
+    return f"{obj['kind'].lower()}-{obj['metadata']['name']}.yaml"
+
+
+def sources_md(recipe: Recipe, r: Rendered) -> str:
+    lines = [f"# Where the numbers of {recipe.name}'s manifests came from", ""]
+    lines += [f"- `{k}` = {v.value}: {v.source}" for k, v in r.sources.items()]
+    lines += ["", "Populate the cache volume before the first rollout: copy the served artifacts (engine target: the "
+              "`repo` stage's Triton repository as `triton_repo/`; llmapi: the `export` stage's `hf/` and "
+              "`extra_llm_api_options.yaml`) into the directory named by `artifact-key` on the volume.", ""]
+    return "\n".join(lines)
+
+
+def write_k8s(recipe: Recipe, out_dir: Path, weight_bytes_per_gpu: int, ready_s: Optional[float] = None,
+              autoscaler: Optional[str] = None, overwrite: bool = False) -> Sequence[Path]:
+    r = render(recipe, weight_bytes_per_gpu, ready_s, autoscaler)
+    files = {file_name(o): dump_yaml(o) for o in r.objects}
+    files["kustomization.yaml"] = dump_yaml({"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                                             "namespace": recipe.deploy.namespace, "resources": list(files)})
+    files["SOURCES.md"] = sources_md(recipe, r)
+    return write_all(out_dir, files, overwrite)
