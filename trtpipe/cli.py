@@ -746,5 +746,30 @@ def deploy_k8s(recipe: Path, overrides, out: Path, autoscaler, cold_start, overw
         click.echo(path)
 
 
+@deploy.command(name="dynamo")
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@OVERRIDES
+@click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output directory.")
+@click.option("--disagg", is_flag=True, help="Separate prefill and decode workers (KV handed over between them).")
+@click.option("--router", type=click.Choice(["kv", "round-robin"]), default="kv", show_default=True,
+              help="The frontend's --router-mode.")
+@click.option("--cold-start", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A `trtpipe bench cold --json` result: its measured ready time also bounds the startup probe.")
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty output directory.")
+def deploy_dynamo(recipe: Path, overrides, out: Path, disagg: bool, router: str, cold_start, overwrite: bool) -> None:
+    """NVIDIA Dynamo DynamoGraphDeployment + engine ConfigMaps for an llmapi RECIPE, and launch.sh for one host."""
+    from trtpipe.deploy.dynamo import write_dynamo
+    from trtpipe.deploy.sources import measured_ready_s, planned_weight_bytes
+    from trtpipe.validation import load_recipe
+
+    loaded = load_recipe(recipe, overrides)
+    if loaded.target != "llmapi":
+        raise click.UsageError(f"{recipe}: target: {loaded.target}; deploy dynamo serves target: llmapi recipes "
+                               "(use deploy k8s for the Triton repository)")
+    weights = planned_weight_bytes(recipe, overrides)
+    for path in write_dynamo(loaded, out, weights, measured_ready_s(cold_start), disagg, router, overwrite):
+        click.echo(path)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

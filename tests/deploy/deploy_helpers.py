@@ -25,6 +25,8 @@ CRD_FILES = {  # (apiVersion, kind) -> schema file (tests/data/crds/SOURCES.md)
     ("monitoring.coreos.com/v1", "PodMonitor"): "monitoring.coreos.com_podmonitors_v1.json",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "monitoring.coreos.com_prometheusrules_v1.json",
     ("keda.sh/v1alpha1", "ScaledObject"): "keda.sh_scaledobjects_v1alpha1.json",
+    # derived from the operator's Go types, not extracted from the CRD (SOURCES.md says how)
+    ("nvidia.com/v1beta1", "DynamoGraphDeployment"): "nvidia.com_dynamographdeployments_v1beta1.json",
 }
 
 

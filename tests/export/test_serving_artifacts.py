@@ -39,6 +39,8 @@ CONTRACT_SUB = {
         use_uvm max_gpu_total_bytes dtype mamba_ssm_cache_dtype tokens_per_block""".split()),
     "cuda_graph_config": {"batch_sizes", "max_batch_size", "enable_padding"},
     "scheduler_config": {"capacity_scheduler_policy", "context_chunking_policy", "dynamic_batch_config"},
+    # CacheTransceiverConfig of the 1.1/1.2-era llm_args.py revisions read (backend DEFAULT/UCX/NIXL/MPI)
+    "cache_transceiver_config": {"backend", "max_tokens_in_buffer", "kv_transfer_timeout_ms"},
 }
 
 

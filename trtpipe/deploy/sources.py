@@ -50,7 +50,7 @@ def artifact_key(recipe: Recipe) -> Sourced:
     text = recipe.model_dump_json() + (config.read_text() if config.is_file() else "")
     return Sourced(hashlib.sha256(text.encode()).hexdigest()[:16],
                    f"not built yet (no stage {stage} in {shown}): sha256 of the expanded recipe and the model's "
-                   "config.json; rerun deploy k8s after the build to key the cache by the artifacts' content")
+                   "config.json; rerun trtpipe deploy after the build to key the cache by the artifacts' content")
 
 
 def planned_weight_bytes(recipe_path: Path, overrides) -> int:

@@ -48,6 +48,10 @@ LLM_API_KEYS: dict[str, frozenset] = {
     "cuda_graph_config.enable_padding": _ALL,
     "enable_iter_perf_stats": _SINCE_11,
     "return_perf_metrics": _SINCE_11,
+    # disaggregated serving (Dynamo prefill/decode workers): KV handed over by the cache transceiver; prefill
+    # workers run without the overlap scheduler (ai-dynamo/dynamo@2d8655dd engine_configs/qwen3/prefill.yaml)
+    "cache_transceiver_config.backend": _SINCE_11,
+    "disable_overlap_scheduler": _SINCE_11,
 }
 
 # trtllm-serve flags per release (1.2 adds long aliases and --config for the YAML; the short ones still work)
