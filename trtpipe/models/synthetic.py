@@ -55,6 +55,21 @@ SPECS: dict[str, tuple[str, str, dict]] = {
         rms_norm_eps=1e-6, tie_word_embeddings=True,
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # gpt-oss-20b's ratios shrunk: 24 layers -> 4 (sliding, full, sliding, full as layer_types alternate), 64 heads /
+    # 8 KV heads -> 16 / 2, head_dim 64 with hidden 2880 (q 1.42x wider than hidden) -> 8 with 64 (2x), 32 experts
+    # top-4 -> 8 top-2, expert width = hidden (2880 = 90 MXFP4 groups) -> 64 (2 groups), window 128 -> 4 (shorter
+    # than the tests' prompts), YaRN factor 32 with beta 32/1 and truncate false as published, its original context
+    # 4096 -> 1024: with 8 rotary dims the correction range is then (0.55, 1.71), so one frequency lies inside the ramp
+    # and truncate: true would move it (as 4096 does with 64 dims: (8.1, 17.4)); max positions 131072 -> 32768
+    # (1024 x 32), rope_theta 150000, eps 1e-5, untied; swiglu_limit 7 -> 2: the tiny model's
+    # pre-activations rarely reach 7, at 2 the clamp acts on a good share of them (the parity tests need it to).
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=8, num_local_experts=8, num_experts_per_tok=2, sliding_window=4, vocab_size=250,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, tie_word_embeddings=False, swiglu_limit=2.0,
+        attention_bias=True, layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 1024})),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         num_local_experts=4, num_experts_per_tok=2, vocab_size=250, max_position_embeddings=256)),
@@ -72,6 +87,8 @@ def _reinit(model: torch.nn.Module, seed: int) -> None:
         for name, p in model.named_parameters():
             if p.dim() == 1 and "norm" in name:
                 p.copy_(centre + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("sinks"):  # gpt-oss: sink logits on the scale of the scores, so they take real mass
+                p.copy_(torch.randn(p.shape, generator=g))
             elif p.dim() == 1:  # biases
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
             elif "embed_tokens" in name:
