@@ -119,6 +119,8 @@ def make_synthetic(kind: str, out_dir: str | Path, seed: int = 0, shard_bytes: O
     """
     import transformers
 
+    if kind == "gpt_oss_mxfp4":
+        return _make_gpt_oss_mxfp4(out_dir, seed, overrides)
     cfg_name, model_name, kwargs = SPECS["gemma3" if kind == "gemma3_multimodal" else kind]
     kwargs = {**kwargs, **overrides}
     if kind == "gemma3_multimodal":
@@ -157,6 +159,34 @@ def _make_gemma3_multimodal(out_dir, seed: int, dtype: torch.dtype, overrides: d
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
+    return out_dir
+
+
+# gpt-oss's hub quantization_config (openai/gpt-oss-20b and -120b config.json)
+GPT_OSS_MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def _make_gpt_oss_mxfp4(out_dir, seed: int, overrides: dict) -> Path:
+    """The "gpt_oss" model with its experts stored as the hub checkpoints store them: ``gate_up_proj_blocks`` /
+    ``_scales`` [E, 2I, H/32, 16] / [E, 2I, H/32] (rows gate/up interleaved) and ``down_proj_blocks`` / ``_scales``
+    [E, H, I/32, 16] / [E, H, I/32] in place of the bf16 ``gate_up_proj`` [E, H, 2I] / ``down_proj`` [E, I, H], and
+    the hub ``quantization_config``. Biases and every other tensor stay float32."""
+    from safetensors.torch import load_file, save_file
+
+    from trtpipe.quant import mxfp4
+
+    out_dir = make_synthetic("gpt_oss", out_dir, seed=seed, **overrides)
+    path = out_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4.quantize(tensors.pop(name).transpose(1, 2))  # [E, out, in]
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    cfg_path = out_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"] = GPT_OSS_MXFP4_CONFIG
+    cfg_path.write_text(json.dumps(cfg, indent=2))
     return out_dir
 
 

@@ -1,0 +1,180 @@
+"""gpt-oss specifics the parity suite (tests/checkpoint/test_parity.py: tp1, tp2, tp2 x pp2, ep2) does not pin by
+itself: MXFP4 decoding against transformers' own dequantizer, the shipped MXFP4 layout through conversion, the paged
+KV pool's attention with sinks and sliding layers, parameter counts, and what validate refuses."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from numerics import assert_as_accurate, error_scale, hf_float64
+from trtpipe.checkpoint.convert import convert
+from trtpipe.cli import main
+from trtpipe.models.hfconfig import read_hf_config
+from trtpipe.models.synthetic import load_hf, make_synthetic
+from trtpipe.quant import mxfp4
+from trtpipe.runtime import load_checkpoint
+
+# OCP MX v1.0 E2M1 values by code (bit 3 = sign), written out here rather than taken from the module under test
+E2M1_BY_CODE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def _all_bytes_blocks(scales: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every byte value (every (low, high) code pair) under each scale: blocks [1, S*16, 1, 16] (row r holds bytes
+    16(r % 16) .. 16(r % 16) + 15, one group of 32 values), scales [1, S*16, 1] (the rows of scale i: 16i .. 16i+15)."""
+    codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16).repeat(len(scales), 1)  # [S*16, 16]
+    sc = torch.tensor(scales, dtype=torch.uint8).repeat_interleave(16)  # [S*16]
+    return codes.reshape(1, -1, 1, 16), sc.reshape(1, -1, 1)
+
+
+# E8M0 exponents from 2^-126 to 2^125 (beyond, 6 * 2^e overflows float32; 255 is NaN in the format)
+SCALES = [1, 64, 120, 126, 127, 128, 133, 200, 252]
+
+
+def test_mxfp4_decode_every_code_and_exponent_as_the_format_defines():
+    blocks, scales = _all_bytes_blocks(SCALES)
+    got = mxfp4.dequantize(blocks, scales)  # [1, S*16, 32]
+    for row in range(got.shape[1]):
+        e = SCALES[row // 16] - 127
+        for j in range(16):
+            byte = int(blocks[0, row, 0, j])
+            lo, hi = byte & 0xF, byte >> 4  # low nibble is the even element
+            assert float(got[0, row, 2 * j]) == E2M1_BY_CODE[lo] * 2.0 ** e
+            assert float(got[0, row, 2 * j + 1]) == E2M1_BY_CODE[hi] * 2.0 ** e
+    # row 0 holds bytes 0..15: their low nibbles are the codes 0..15; code 8 is -0.0, which == cannot tell from +0.0
+    assert torch.equal(torch.signbit(got[0, 0, 0::2]), torch.arange(16) >= 8)
+    assert mxfp4.dequantize(blocks, scales, torch.float64).dtype == torch.float64
+
+
+def test_mxfp4_decode_equals_transformers_dequantizer():
+    """transformers 5.24 ``integrations.mxfp4.convert_moe_packed_tensors`` (what loads gpt-oss without MXFP4 kernels)
+    returns the experts transposed to [E, in, out]; the values are the same bits."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 256, (3, 48, 4, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 150, (3, 48, 4), generator=g, dtype=torch.uint8)
+    scales[0, 0] = torch.tensor([1, 127, 200, 252], dtype=torch.uint8)
+    ours = mxfp4.dequantize(blocks, scales)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    assert ours.shape == (3, 48, 128) and torch.equal(ours.transpose(1, 2), theirs)
+    with pytest.raises(ValueError, match=r"mxfp4: blocks \[3, 48, 4, 16\] and scales \[3, 48, 3\] do not form"):
+        mxfp4.dequantize(blocks, scales[..., :3])
+
+
+@pytest.fixture(scope="module")
+def mxfp4_model(tmp_path_factory):
+    """The shipped layout (experts in MXFP4) and transformers' model on transformers' own dequantization of it."""
+    from safetensors import safe_open
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    root = tmp_path_factory.mktemp("gptoss_mx")
+    mx = make_synthetic("gpt_oss_mxfp4", root / "mx", seed=5)
+    hf = load_hf(make_synthetic("gpt_oss", root / "bf", seed=5))  # the same draw before MXFP4 rounding
+    with safe_open(str(mx / "model.safetensors"), "pt") as f, torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.copy_(convert_moe_packed_tensors(f.get_tensor(name + "_blocks"), f.get_tensor(name + "_scales"),
+                                                   dtype=torch.float32))
+    return mx, hf
+
+
+def test_mxfp4_checkpoint_converts_exactly_and_runs_as_transformers(mxfp4_model, tmp_path):
+    from safetensors import safe_open
+
+    mx, hf = mxfp4_model
+    with safe_open(str(mx / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("model.layers.0.mlp.experts.gate_up_proj_blocks").shape == (8, 128, 2, 16)
+        assert f.get_tensor("model.layers.0.mlp.experts.down_proj_scales").shape == (8, 64, 2)
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in keys
+    ckpt = convert(mx, tmp_path / "ckpt", tp=2, moe_ep=2, dtype="float32")
+    # the runtime's experts are transformers' dequantized ones, bit for bit: fc = [up; gate] of each expert
+    with safe_open(str(ckpt / "rank1.safetensors"), "pt") as f:
+        fc = f.get_tensor("transformer.layers.3.mlp.fc.weight")  # rank 1 = experts 4..7
+    gate_up = dict(hf.named_parameters())["model.layers.3.mlp.experts.gate_up_proj"].detach()[4:].transpose(1, 2)
+    assert torch.equal(fc, torch.cat([gate_up[:, 1::2], gate_up[:, 0::2]], dim=1))
+    ids = torch.randint(3, 250, (3, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref32, ref64 = hf(ids).logits, hf_float64(hf)(ids).logits
+    assert_as_accurate(load_checkpoint(ckpt)(ids), ref64, error_scale(ref32, ref64), "gpt-oss MXFP4 tp2 ep2")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gptoss")
+    d = make_synthetic("gpt_oss", root / "hf", seed=2)
+    hf = load_hf(d)
+    return d, root, hf, hf_float64(hf)
+
+
+def test_paged_step_logits_with_sinks_and_windows_as_accurate_as_transformers(gpt_oss):
+    """The serving executor's paged attention (contexts longer than the window of 4, then their generation tokens
+    batched) carries the sinks and each layer's window: logits against transformers float64 at tp2 x ep2."""
+    from trtpipe.serving.api import StepBatch, StepEntry
+    from trtpipe.serving.reference_engine import ReferenceEngine
+
+    d, root, hf32, hf64 = gpt_oss
+    model = load_checkpoint(convert(d, root / "tp2ep2", tp=2, moe_ep=2, dtype="float32"))
+    assert [model.args.window(i) for i in range(4)] == [4, None, 4, None]
+    engine = ReferenceEngine(model)
+    engine.allocate(num_blocks=16, tokens_per_block=8)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (9, 14, 20)]
+    tables = [[4 * i + b for b in range(4)] for i in range(3)]
+    got_ctx = engine.logits(StepBatch(0, [StepEntry(i, p, 0, tables[i], True, True) for i, p in enumerate(prompts)]))
+    with torch.no_grad():
+        ref_ctx = torch.stack([hf64(torch.tensor([p])).logits[0, -1] for p in prompts])
+    nxt = [int(t) for t in ref_ctx.argmax(-1)]
+    got_gen = engine.logits(StepBatch(1, [StepEntry(i, [nxt[i]], len(p), tables[i], False, True)
+                                          for i, p in enumerate(prompts)]))
+    seqs = prompts + [p + [t] for p, t in zip(prompts, nxt)]
+    with torch.no_grad():
+        ref = torch.stack([hf64(torch.tensor([s])).logits[0, -1] for s in seqs])
+        own = torch.stack([hf32(torch.tensor([s])).logits[0, -1] for s in seqs])  # transformers' float32
+    assert_as_accurate(torch.cat([got_ctx, got_gen]), ref, error_scale(own, ref), "gpt-oss paged steps tp2 ep2")
+
+
+def test_config_facts_and_parameter_count(gpt_oss):
+    d, _, hf, _ = gpt_oss
+    info = read_hf_config(d)
+    assert (info.head_dim, info.num_experts, info.experts_per_token, info.sliding_window) == (8, 8, 2, 4)
+    assert info.layer_types == ("sliding_attention", "full_attention") * 2
+    assert info.rope_scaling["rope_type"] == "yarn" and info.rope_scaling["truncate"] is False
+    assert info.num_params() == sum(p.numel() for p in hf.parameters())  # biases and sinks included
+
+
+def _validate(tmp_path, hf_dir, body: str):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: t\n{body}model:\n  source: {hf_dir}\n")
+    return CliRunner().invoke(main, ["validate", str(recipe)])
+
+
+def test_validate_refuses_the_engine_target_and_names_llmapi(gpt_oss, tmp_path):
+    d = gpt_oss[0]
+    r = _validate(tmp_path, d, "target: engine\n")
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1, r.output
+    assert re.search(r"r\.yaml:2:9: target: engine: TensorRT-LLM 1\.2 has no TensorRT engine for GptOssForCausalLM "
+                     r".*; use target: llmapi$", lines[0]), r.output
+    assert _validate(tmp_path, d, "target: llmapi\n").exit_code == 0
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"layer_types": ["sliding_attention", "chunked_attention"] * 2},
+     r"config.json: layer_types layer type\(s\) \['chunked_attention'\] \(known: sliding_attention, full_attention\)"),
+    ({"quantization_config": {"quant_method": "fp8"}},
+     r"config.json: quantization_config.quant_method 'fp8' is not supported for gpt-oss; allowed: mxfp4 or none"),
+])
+def test_validate_refuses_what_the_family_cannot_honour(change, message, gpt_oss, tmp_path):
+    d = tmp_path / "hf"
+    d.mkdir()
+    cfg = json.loads((gpt_oss[0] / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **change}))
+    r = _validate(tmp_path, d, "target: llmapi\n")
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and re.search(rf"model\.source: {message}", lines[0]), r.output
