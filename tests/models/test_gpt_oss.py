@@ -11,7 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from numerics import assert_as_accurate, error_scale, hf_float64
+from numerics import assert_as_accurate, error_scale, float64_copy, hf_float64
 from trtpipe.checkpoint.convert import convert
 from trtpipe.cli import main
 from trtpipe.models.hfconfig import read_hf_config
@@ -178,3 +178,78 @@ def test_validate_refuses_what_the_family_cannot_honour(change, message, gpt_oss
     r = _validate(tmp_path, d, "target: llmapi\n")
     lines = r.output.strip().splitlines()
     assert r.exit_code == 2 and len(lines) == 1 and re.search(rf"model\.source: {message}", lines[0]), r.output
+
+
+# --- the llmapi export: experts as the source holds them (MXFP4 as shipped), the rest per the recipe -----------------
+
+def _export(tmp_path, kind: str, algo: str):
+    from trtpipe.export.unified import export_unified
+    from trtpipe.quant.calibrate import CalibSettings, calibrate, save_layer_stats
+    from trtpipe.quant.writer import TrtllmSource
+
+    hf_dir = make_synthetic(kind, tmp_path / kind, seed=2)
+    base = convert(hf_dir, tmp_path / "base", tp=2, moe_ep=2, dtype="float32")  # the export un-splits the experts
+    stats = tmp_path / "stats"
+    stats.mkdir()
+    tokens = torch.randint(3, 250, (4, 16), generator=torch.Generator().manual_seed(9))
+    calibrate(TrtllmSource(base), tokens, CalibSettings(batch_size=4), on_layer=lambda i, st: save_layer_stats(stats, i, st))
+    out = tmp_path / "unified"
+    out.mkdir()
+    hq = export_unified(base, hf_dir, stats, out, algo=algo, kv_cache="none", group_size=128, alpha=0.5,
+                        exclude=["*lm_head"])
+    return hf_dir, base, out, hq
+
+
+@pytest.mark.parametrize("kind", ["gpt_oss", "gpt_oss_mxfp4"])
+def test_unquantized_export_is_the_source_checkpoint(kind, tmp_path):
+    """Names, dtypes and bytes of every tensor as the source has them: bf16-style fused experts re-interleaved and
+    in -> out again, MXFP4 blocks and scales copied; config.json keeps the hub's mxfp4 quantization_config (what
+    TensorRT-LLM reads the experts from); the runtime computes the source model from it."""
+    from safetensors import safe_open
+
+    from trtpipe.runtime.hf_loader import load_hf_checkpoint
+
+    hf_dir, base, out, hq = _export(tmp_path, kind, "none")
+    assert hq["quantization"]["quant_algo"] is None and not (out / "hf_quant_config.json").exists()
+    with safe_open(str(out / "model.safetensors"), "pt") as f, safe_open(str(hf_dir / "model.safetensors"), "pt") as g:
+        assert set(f.keys()) == set(g.keys())
+        for k in g.keys():
+            assert torch.equal(f.get_tensor(k), g.get_tensor(k)), k
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg.get("quantization_config") == json.loads((hf_dir / "config.json").read_text()).get("quantization_config")
+    ids = torch.randint(3, 250, (3, 16), generator=torch.Generator().manual_seed(4))
+    rt, ref = load_hf_checkpoint(out), load_checkpoint(base)
+    with torch.no_grad():
+        want = ref(ids)
+    assert_as_accurate(rt(ids), want, error_scale(want, float64_copy(ref)(ids)), f"{kind} unified export")
+
+
+def test_fp8_export_keeps_mxfp4_experts_and_quantizes_attention(tmp_path):
+    """FP8 attention (codes, per-projection weight scale, static input scale) beside the experts as shipped: one
+    quant_algo per module (MIXED_PRECISION, also in quant_cfg.json); router, sinks and lm_head stay unquantized.
+    The runtime's q_proj computes exactly what the stored tensors say."""
+    from safetensors import safe_open
+
+    from trtpipe.checkpoint.quant_primitives import fake_quant
+    from trtpipe.runtime.hf_loader import load_hf_checkpoint
+
+    hf_dir, _, out, hq = _export(tmp_path, "gpt_oss_mxfp4", "fp8")
+    q = hq["quantization"]
+    assert q["quant_algo"] == "MIXED_PRECISION"
+    assert q["quantized_layers"]["model.layers.1.mlp.experts"] == {"quant_algo": "W4A16_MXFP4", "group_size": 32}
+    assert q["quantized_layers"]["model.layers.1.self_attn.o_proj"] == {"quant_algo": "FP8"}
+    assert {"lm_head", "model.layers.1.mlp.router"} <= set(q["exclude_modules"])
+    assert json.loads((out / "quant_cfg.json").read_text())["quantized_layers"] == q["quantized_layers"]
+    assert json.loads((out / "hf_quant_config.json").read_text()) == hq
+    pre = "model.layers.1."
+    with safe_open(str(out / "model.safetensors"), "pt") as f, safe_open(str(hf_dir / "model.safetensors"), "pt") as g:
+        for k in ("mlp.experts.gate_up_proj_blocks", "mlp.experts.down_proj_scales", "mlp.router.weight",
+                  "self_attn.sinks"):
+            assert torch.equal(f.get_tensor(pre + k), g.get_tensor(pre + k)), k
+        assert f.get_tensor(pre + "self_attn.q_proj.weight").dtype == torch.float8_e4m3fn
+        codes, ws = f.get_tensor(pre + "self_attn.q_proj.weight"), f.get_tensor(pre + "self_attn.q_proj.weight_scale")
+        s_in, bias = f.get_tensor(pre + "self_attn.q_proj.input_scale"), f.get_tensor(pre + "self_attn.q_proj.bias")
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    want = fake_quant(x, s_in.reshape(1), "fp8") @ (codes.float() * ws).t() + bias
+    got = load_hf_checkpoint(out).layers[1].attention[0].qkv(x)[:, :128]  # q's 16 heads x 8
+    assert torch.allclose(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))

@@ -133,6 +133,17 @@ def up_first(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t[:, 1::2], t[:, 0::2]], dim=1)
 
 
+def interleaved(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`up_first`: [up; gate] on dim 1 -> gate/up interleaved (gate = even, up = odd)."""
+    up, gate = t.chunk(2, dim=1)
+    return torch.stack([gate, up], dim=2).flatten(1, 2)
+
+
+def transposed(t: torch.Tensor) -> torch.Tensor:
+    """Fused experts stored in -> out ([E, in, out]) <-> [E, out, in]; a [E, n] bias is returned as it is."""
+    return _transposed(t)
+
+
 def _transposed(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(-1, -2) if t.dim() == 3 else t  # [E, in, out] -> [E, out, in]; a [E, n] bias as it is
 
