@@ -79,6 +79,8 @@ def gpt_oss_fields(info: HFModelInfo) -> dict:
         "swiglu_limit": float(raw.get("swiglu_limit", SWIGLU_LIMIT)),
         "attention_sinks": True,
         "layer_types": list(info.layer_types),
+        # the experts' storage when it is not the checkpoint dtype (what the planner counts; the runtime decodes them)
+        "expert_quant_algo": "W4A16_MXFP4" if mxfp4_experts(info) else None,
         "moe": {
             "num_experts": info.num_experts,
             "shared_expert_intermediate_size": 0,
