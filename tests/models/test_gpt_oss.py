@@ -253,3 +253,26 @@ def test_fp8_export_keeps_mxfp4_experts_and_quantizes_attention(tmp_path):
     want = fake_quant(x, s_in.reshape(1), "fp8") @ (codes.float() * ws).t() + bias
     got = load_hf_checkpoint(out).layers[1].attention[0].qkv(x)[:, :128]  # q's 16 heads x 8
     assert torch.allclose(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+def test_quantization_leaves_the_experts_as_the_export_keeps_them(tmp_path):
+    """The quantized checkpoint the accuracy gate measures holds the experts unquantized (exclude_modules), as the
+    llmapi export writes them, whatever the recipe's exclude list says; attention is FP8."""
+    from safetensors import safe_open
+
+    from trtpipe.quant.calibrate import CalibSettings, calibrate, save_layer_stats
+    from trtpipe.quant.writer import TrtllmSource, quantize_checkpoint
+
+    base = convert(make_synthetic("gpt_oss_mxfp4", tmp_path / "hf", seed=2), tmp_path / "base", dtype="float32")
+    stats = tmp_path / "stats"
+    stats.mkdir()
+    tokens = torch.randint(3, 250, (4, 16), generator=torch.Generator().manual_seed(9))
+    calibrate(TrtllmSource(base), tokens, CalibSettings(batch_size=4), on_layer=lambda i, st: save_layer_stats(stats, i, st))
+    out = tmp_path / "q"
+    cfg = quantize_checkpoint(base, TrtllmSource(base), stats, out, algo="fp8", kv_cache="none", group_size=128,
+                              alpha=0.5, exclude=["*lm_head"])
+    assert {"*lm_head", "*mlp.fc", "*mlp.proj"} <= set(cfg["quantization"]["exclude_modules"])
+    with safe_open(str(out / "rank0.safetensors"), "pt") as f, safe_open(str(base / "rank0.safetensors"), "pt") as g:
+        for name in ("transformer.layers.1.mlp.fc.weight", "transformer.layers.1.mlp.proj.weight"):
+            assert torch.equal(f.get_tensor(name), g.get_tensor(name))
+        assert f.get_tensor("transformer.layers.1.attention.qkv.weight").dtype == torch.float8_e4m3fn

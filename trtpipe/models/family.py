@@ -82,6 +82,9 @@ class Family:
         config_fields: HFModelInfo -> extra config.json fields of this family.
         unsupported: HFModelInfo -> (config.json key, why) for each setting this family cannot honour; ``trtpipe
             validate`` reports them before any weight is read.
+        kept_unquantized: fnmatch patterns of TensorRT-LLM module names that quantization never touches, whatever the
+            recipe says (gpt-oss's fused experts: the llmapi export keeps them as the source holds them, so the
+            accuracy gate must measure them that way too).
         no_engine: why TensorRT-LLM has no TensorRT engine for this family ("" when it has one): ``trtpipe validate``
             refuses ``target: engine`` with it and names ``target: llmapi``.
         parallel_embedding_at_tp: TensorRT-LLM's config class of this family sets ``use_parallel_embedding`` to
@@ -100,6 +103,7 @@ class Family:
     unsupported: Callable[[HFModelInfo], Iterable[tuple[str, str]]] = field(default=lambda info: ())
     parallel_embedding_at_tp: bool = False
     no_engine: str = ""
+    kept_unquantized: tuple[str, ...] = ()
 
 
 def dims(info: HFModelInfo) -> dict[str, int]:

@@ -121,4 +121,5 @@ GPT_OSS = Family(
     config_fields=gpt_oss_fields,
     unsupported=gpt_oss_unsupported,
     no_engine=NO_ENGINE,
+    kept_unquantized=("*mlp.fc", "*mlp.proj"),  # the experts: exported as shipped (MXFP4) or as the bf16 source
 )
