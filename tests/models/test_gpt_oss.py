@@ -200,6 +200,7 @@ def _export(tmp_path, kind: str, algo: str):
     return hf_dir, base, out, hq
 
 
+@pytest.mark.slow  # calibration of a 4-layer model per case
 @pytest.mark.parametrize("kind", ["gpt_oss", "gpt_oss_mxfp4"])
 def test_unquantized_export_is_the_source_checkpoint(kind, tmp_path):
     """Names, dtypes and bytes of every tensor as the source has them: bf16-style fused experts re-interleaved and
@@ -224,6 +225,7 @@ def test_unquantized_export_is_the_source_checkpoint(kind, tmp_path):
     assert_as_accurate(rt(ids), want, error_scale(want, float64_copy(ref)(ids)), f"{kind} unified export")
 
 
+@pytest.mark.slow  # calibration of a 4-layer model per case
 def test_fp8_export_keeps_mxfp4_experts_and_quantizes_attention(tmp_path):
     """FP8 attention (codes, per-projection weight scale, static input scale) beside the experts as shipped: one
     quant_algo per module (MIXED_PRECISION, also in quant_cfg.json); router, sinks and lm_head stay unquantized.
@@ -255,6 +257,7 @@ def test_fp8_export_keeps_mxfp4_experts_and_quantizes_attention(tmp_path):
     assert torch.allclose(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
 
 
+@pytest.mark.slow  # calibration of a 4-layer model per case
 def test_quantization_leaves_the_experts_as_the_export_keeps_them(tmp_path):
     """The quantized checkpoint the accuracy gate measures holds the experts unquantized (exclude_modules), as the
     llmapi export writes them, whatever the recipe's exclude list says; attention is FP8."""
