@@ -20,6 +20,8 @@ SYNTHETIC = {
     "mixtral": dict(),
     # sliding_window 5 < the 12-token prompts; greedy's 64 tokens run far past it (layer 5 global, linear rope x8)
     "gemma3": dict(),
+    # window 4 < the 12-token prompts on layers 0 and 2; sinks, clamped SwiGLU, biased router, YaRN (truncate false)
+    "gpt_oss": dict(),
 }
 
 

@@ -94,7 +94,7 @@ def test_registry_keys_and_aliases():
     assert get_family("MistralForCausalLM") is get_family("LlamaForCausalLM")
     assert set(REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM",
                              "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
-                             "Gemma3ForConditionalGeneration"}
+                             "Gemma3ForConditionalGeneration", "GptOssForCausalLM"}
     assert get_family("Gemma3ForConditionalGeneration") is get_family("Gemma3ForCausalLM")  # its language model
 
 

@@ -16,9 +16,12 @@ LAYOUTS = [  # (tp, pp, moe_ep)
     (1, 2, -1),
     (2, 2, -1),
 ]
-# MoE (Mixtral, Qwen3-MoE): experts split into 2 contiguous blocks (ep=2, moe_tp=1), and ep=2 x moe_tp=2 at tp=4.
+# MoE (Mixtral, Qwen3-MoE, gpt-oss): experts split into 2 contiguous blocks (ep=2, moe_tp=1), and ep=2 x moe_tp=2 at
+# tp=4. gpt-oss (no engine: the runtime is its only CPU executor) at tp1, tp2 (moe_tp 2: each expert's rows split)
+# and tp2 x pp2.
 CASES = [(m, *lay) for m in ("stories", "llama3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma3") for lay in LAYOUTS] + [
-    (m, tp, 1, 2) for m in ("mixtral", "qwen3_moe") for tp in (2, 4)]
+    ("gpt_oss", *lay) for lay in (LAYOUTS[0], LAYOUTS[1], LAYOUTS[4])] + [
+    (m, tp, 1, 2) for m in ("mixtral", "qwen3_moe", "gpt_oss") for tp in (2, 4)]
 
 
 @pytest.mark.parametrize("model,tp,pp,ep", CASES, ids=[f"{m}-tp{t}-pp{p}" + (f"-ep{e}" if e > 0 else "") for m, t, p, e in CASES])

@@ -67,3 +67,17 @@ def test_gemma3_rank_processes_match_the_one_process_model(run_mpi, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["equal"] and out["err_dist_vs_f64"] <= out["bound"]
+
+
+def test_gpt_oss_rank_processes_match_the_one_process_model(run_mpi, tmp_path):
+    """gpt-oss (sinks, sliding layers, biased router, experts with biases split over 2 EP ranks) one process per
+    rank at tp 2 x pp 2: each rank holds 4 of the 8 experts and adds their down-projection biases itself."""
+    from trtpipe.checkpoint.convert import convert
+    from trtpipe.models.synthetic import make_synthetic
+
+    hf = make_synthetic("gpt_oss_mxfp4", tmp_path / "hf", seed=1)
+    ckpt = convert(hf, tmp_path / "ckpt", tp=2, pp=2, moe_ep=2, dtype="float32")
+    proc = run_mpi(4, "forward_check.py", ckpt, 3, 14)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["equal"] and out["err_dist_vs_f64"] <= out["bound"]

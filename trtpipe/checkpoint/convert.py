@@ -27,6 +27,7 @@ from trtpipe.models import Family, Rule, get_family
 from trtpipe.models.family import dims
 from trtpipe.models.hfconfig import HFModelInfo, read_hf_config
 from trtpipe.models.trtllm_config import build_config, resolve_dtype
+from trtpipe.quant import mxfp4
 
 LAYER = "transformer.layers.{}."
 TOKENIZER_FILES = (
@@ -127,13 +128,48 @@ def _fetch(reader: HFReader, name: str, expected: tuple[int, ...], meta: bool, i
     return reader.meta(name) if meta else reader.get(name)
 
 
+def up_first(t: torch.Tensor) -> torch.Tensor:
+    """Interleaved gate/up rows on dim 1 ([E, 2I, ...] or a [E, 2I] bias; gate = even, up = odd) -> [up; gate]."""
+    return torch.cat([t[:, 1::2], t[:, 0::2]], dim=1)
+
+
+def interleaved(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`up_first`: [up; gate] on dim 1 -> gate/up interleaved (gate = even, up = odd)."""
+    up, gate = t.chunk(2, dim=1)
+    return torch.stack([gate, up], dim=2).flatten(1, 2)
+
+
+def transposed(t: torch.Tensor) -> torch.Tensor:
+    """Fused experts stored in -> out ([E, in, out]) <-> [E, out, in]; a [E, n] bias is returned as it is."""
+    return _transposed(t)
+
+
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(-1, -2) if t.dim() == 3 else t  # [E, in, out] -> [E, out, in]; a [E, n] bias as it is
+
+
+def _mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Decoded experts [E, out, in] in float32 (exact: MXFP4 values are float32 numbers); meta in, meta out."""
+    if blocks.is_meta:
+        return torch.empty(*blocks.shape[:-2], blocks.shape[-2] * blocks.shape[-1] * 2, device="meta")
+    return mxfp4.dequantize(blocks, scales)
+
+
+# Combine op (a Rule's ``combine``) -> fn(parts) where parts[i] lists source i's tensors (one per expert for {e}).
+COMBINERS: dict[str, Callable[[list[list[torch.Tensor]]], torch.Tensor]] = {
+    "one": lambda parts: parts[0][0],
+    "cat": lambda parts: torch.cat([p[0] for p in parts], dim=0),
+    "experts": lambda parts: torch.stack(parts[0], dim=0),  # [E, out, in]
+    "experts_cat": lambda parts: torch.cat([torch.stack(p, dim=0) for p in parts], dim=-2),
+    "transposed": lambda parts: _transposed(parts[0][0]),
+    "gate_up_t": lambda parts: up_first(_transposed(parts[0][0])),
+    "mxfp4": lambda parts: _mxfp4(parts[0][0], parts[1][0]),
+    "mxfp4_gate_up": lambda parts: up_first(_mxfp4(parts[0][0], parts[1][0])),
+}
+
+
 def _combine(rule: Rule, parts: list[list[torch.Tensor]]) -> torch.Tensor:
-    if rule.combine == "one":
-        return parts[0][0]
-    if rule.combine == "cat":
-        return torch.cat([p[0] for p in parts], dim=0)
-    stacked = [torch.stack(p, dim=0) for p in parts]  # each [E, out, in]
-    return stacked[0] if rule.combine == "experts" else torch.cat(stacked, dim=-2)
+    return COMBINERS[rule.combine](parts)
 
 
 def _iter_rules(rules, reader: HFReader, plan: ConversionPlan, hf_prefix: str, trt_prefix: str, meta: bool,

@@ -37,6 +37,7 @@ QUANT_WEIGHT_BYTES = {
     "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": 1, "W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN": 1,
     "W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN": 1,
     "W4A16": 0.5, "W4A16_AWQ": 0.5, "W4A16_GPTQ": 0.5, "W4A8_AWQ": 0.5, "NVFP4": 0.5 + 1 / 16,
+    "W4A16_MXFP4": 0.5 + 1 / 32,  # E2M1 pairs + one E8M0 byte per 32 (gpt-oss experts as shipped)
 }
 GROUPWISE = ("W4A16_AWQ", "W4A16_GPTQ", "W4A8_AWQ", "W8A16_GPTQ")
 KV_BYTES = {"FP8": 1, "INT8": 1, "NVFP4": 0.5 + 1 / 16}
@@ -60,6 +61,10 @@ class Shapes:
     kv_quant: Optional[str]
     group_size: int
     parallel_embedding: bool
+    expert_quant_algo: Optional[str] = None  # experts stored apart from the recipe's algo (gpt-oss: W4A16_MXFP4)
+    attn_bias: bool = False  # q/k/v/o biases
+    expert_bias: bool = False  # gpt-oss: per-expert fc/proj biases, a router bias, one attention sink per head
+    moe_ep: int = 1
 
     @classmethod
     def of(cls, cfg: dict) -> "Shapes":
@@ -83,6 +88,10 @@ class Shapes:
             kv_quant=q.get("kv_cache_quant_algo"),
             group_size=int(q.get("group_size") or 128),
             parallel_embedding=bool(cfg.get("use_parallel_embedding", False)),
+            expert_quant_algo=cfg.get("expert_quant_algo"),
+            attn_bias=bool(cfg.get("attn_bias", False)),
+            expert_bias=bool(cfg.get("attention_sinks", False)),
+            moe_ep=int((cfg.get("mapping") or {}).get("moe_ep_size") or 1),
         )
 
     @property
@@ -108,12 +117,19 @@ def weight_bytes(s: Shapes, tp: int, pp: int) -> list[int]:
     h, d = s.hidden, s.head_size
     q_local, kv_local = s.heads // tp, math.ceil(s.kv_heads / tp)
     attn = h * (q_local + 2 * kv_local) * d + q_local * d * h
-    mlp = 3 * h * s.intermediate * max(1, s.experts) // tp
-    linear = attn + mlp
+    mlp = 3 * h * s.intermediate * max(1, s.experts) // tp  # E/moe_ep experts x I/moe_tp rows = E x I / tp
     qb = QUANT_WEIGHT_BYTES.get(s.quant_algo, s.model_bytes) or s.model_bytes
-    linear_bytes = linear * qb + (linear * 2 / s.group_size if s.quant_algo in GROUPWISE else 0)
+    linear_bytes = (attn + mlp) * qb + ((attn + mlp) * 2 / s.group_size if s.quant_algo in GROUPWISE else 0)
+    if s.expert_quant_algo:  # experts kept in their own format, whatever the recipe quantizes
+        linear_bytes = attn * qb + (attn * 2 / s.group_size if s.quant_algo in GROUPWISE else 0) \
+            + mlp * QUANT_WEIGHT_BYTES[s.expert_quant_algo]
     router = h * s.experts * 4 if s.experts > 1 else 0  # kept in float32, never quantized
-    per_layer = linear_bytes + router + 2 * h * s.model_bytes
+    biases = ((q_local + 2 * kv_local) * d + h) * s.model_bytes if s.attn_bias else 0
+    if s.expert_bias:  # E/moe_ep experts: fc bias 2I/moe_tp and proj bias H each; router bias (float32); sinks
+        moe_tp = max(1, tp // s.moe_ep)
+        biases += (s.experts // s.moe_ep) * (2 * s.intermediate // moe_tp + h) * s.model_bytes
+        biases += s.experts * 4 + q_local * s.model_bytes
+    per_layer = linear_bytes + router + biases + 2 * h * s.model_bytes
     vocab_local = math.ceil(s.vocab / tp)
     embed = (vocab_local if s.parallel_embedding else s.vocab) * h * s.model_bytes
     head = vocab_local * h * s.model_bytes + h * s.model_bytes  # lm_head + ln_f

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 from safetensors.torch import save_file
 
-from trtpipe.checkpoint.convert import TOKENIZER_FILES
+from trtpipe.checkpoint.convert import TOKENIZER_FILES, interleaved, transposed
 from trtpipe.checkpoint.quant_layouts import ALGOS, LINEAR_GROUPS, LINEARS
 from trtpipe.checkpoint.quant_primitives import choose_qparams, observe_amax, pack_int4_rows, quantize
 from trtpipe.checkpoint.writer import RankFile
@@ -27,7 +27,7 @@ from trtpipe.errors import QuantizationError
 from trtpipe.export.formats import (HF_FORMATS, MOE_EXPORT_ALGOS, SCALARS, SUFFIX, hf_quant_config,
                                     inline_quantization_config)
 from trtpipe.models import get_family
-from trtpipe.models.family import dims
+from trtpipe.models.family import Rule, dims
 from trtpipe.models.hfconfig import nested_rope, read_hf_config
 from trtpipe.quant.calibrate import load_layer_stats
 from trtpipe.quant.quantize import TORCH_DTYPES, layer_params
@@ -54,6 +54,12 @@ def producer() -> dict:
     return {"name": "trtpipe", "version": v}
 
 
+# combine op of a fused-experts rule -> its inverse (TRT-LLM tensor -> the HF tensor), and the ops whose source is
+# kept as shipped (MXFP4 blocks and scales: copied, never re-encoded)
+FUSED_INVERSE = {"gate_up_t": lambda t: transposed(interleaved(t)), "transposed": transposed}
+SHIPPED = ("mxfp4", "mxfp4_gate_up")
+
+
 class HFNames:
     """TRT-LLM tensor name -> HF names and row splits, inverted from the family's conversion rules (data, not
     branches): a ``cat`` rule (q;k;v) splits on dim 0 by its sources' sizes, a rule's ``offset`` (Gemma's +1 norms)
@@ -69,12 +75,17 @@ class HFNames:
         self.globals: dict[str, str] = {}
         self.experts: set[str] = set()  # stacked-expert tensors ([E, ...]): their HF names hold ``{e}``
         self.offsets: dict[str, float] = {}  # TRT-LLM name (relative for layer tensors) -> the rule's offset
+        # fused experts in one tensor (gpt-oss): relative TRT-LLM name -> its rule; exported in the source's layout
+        self.fused: dict[str, Rule] = {}
+        self.hf_dir = Path(hf_dir)
         for r in family.layer_rules:
             if r.when(self.info):
                 self.layer[r.trt] = [(h, d[s[0]]) for h, s in zip(r.hf, r.shapes)]
                 self.offsets[r.trt] = r.offset
                 if "experts" in r.combine:
                     self.experts.add(r.trt)
+                if r.combine in FUSED_INVERSE or r.combine in SHIPPED:
+                    self.fused[r.trt] = r
         for r in family.global_rules:
             if r.when(self.info) and not (r.trt == "lm_head.weight" and self.info.tie_word_embeddings):
                 self.globals[r.trt] = top + r.hf[0]
@@ -88,6 +99,24 @@ class HFNames:
     def from_hf(self, trt: str, t: torch.Tensor) -> torch.Tensor:
         """An HF tensor's values as the TRT-LLM checkpoint holds them (plus the rule's offset), in float32."""
         return t.float() + self.offsets.get(trt, 0.0)
+
+    @property
+    def shipped_quantization(self) -> Optional[dict]:
+        """The source's ``quantization_config`` when its experts are kept as shipped (gpt-oss MXFP4), else None."""
+        if any(r.combine in SHIPPED for r in self.fused.values()):
+            return dict(self.info.raw["quantization_config"])
+        return None
+
+    def fused_to_hf(self, trt_rel: str, t: torch.Tensor, layer: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """HF tensors of fused experts: a bf16 source's layout restored from the TRT-LLM tensor (gate/up
+        re-interleaved, in -> out), or an MXFP4 source's ``*_blocks`` / ``*_scales`` copied byte for byte."""
+        from trtpipe.checkpoint.hf import open_hf
+
+        rule, pre = self.fused[trt_rel], self.prefix.format(layer)
+        if rule.combine in SHIPPED:
+            with open_hf(self.hf_dir, check_finite=False) as reader:
+                return {pre + h: reader.get(pre + h).clone() for h in rule.hf}
+        return {pre + rule.hf[0]: FUSED_INVERSE[rule.combine](t).to(dtype)}
 
     def split(self, trt_rel: str, t: torch.Tensor, layer: int) -> list[tuple[str, torch.Tensor]]:
         """(full HF name, tensor) of each source of a layer tensor; ``t``'s dim 0 split by the sources' rows (its
@@ -197,7 +226,8 @@ def layer_tensors(names: HFNames, tensors: dict[str, torch.Tensor], i: int, algo
     dt = TORCH_DTYPES[model_dtype]
     fmt = HF_FORMATS.get(algo)
     excluded = excluded_fn(exclude, i)
-    weights = {m: tensors[f"{m}.weight"] for m in LINEARS if f"{m}.weight" in tensors and f"{m}.weight" not in names.experts}
+    weights = {m: tensors[f"{m}.weight"] for m in LINEARS if f"{m}.weight" in tensors
+               and f"{m}.weight" not in names.experts and f"{m}.weight" not in names.fused}
     if fmt is None:
         params = {}
     elif algo == "nvfp4":
@@ -217,6 +247,9 @@ def layer_tensors(names: HFNames, tensors: dict[str, torch.Tensor], i: int, algo
     unquantized: list[str] = []
     for rel, t in tensors.items():
         linear = rel.rsplit(".", 1)[0]
+        if rel in names.fused:  # gpt-oss experts: as the source holds them (MXFP4 as shipped), never re-quantized
+            out.update(names.fused_to_hf(rel, t, i, dt))
+            continue
         if rel in names.experts and fmt is not None and not excluded(linear):
             out.update(_expert_tensors(names, rel, t, i, algo, stats, group_size, dt))
             continue
@@ -354,6 +387,7 @@ def export_unified(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], out_
     model_dtype = source.args.dtype
     dt = TORCH_DTYPES[model_dtype]
     unquantized: list[str] = []
+    quantized_modules: list[str] = []  # HF modules written with a weight scale (quantized per the recipe)
     with ShardParts(out_dir, max_shard_bytes) as parts:
         parts.add("globals", global_tensors(source, names, dt))
         for i in range(source.args.num_layers):
@@ -363,21 +397,53 @@ def export_unified(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], out_
             out, unq = layer_tensors(names, source.layer(i), i, algo, stats, group_size, alpha, exclude,
                                      model_dtype, kv_cache)
             unquantized += unq
+            quantized_modules += sorted({k.rsplit(".", 1)[0] for k in out if k.endswith(".weight_scale")})
             parts.add(f"layer{i}", out)
             del out
     quantized = algo != "none" or kv_cache != "none"
     exclude_modules = sorted(["lm_head", names.globals["transformer.vocab_embedding.weight"].rsplit(".", 1)[0]]
                              + (unquantized if algo != "none" else []))
     hq = hf_quant_config(algo, kv_cache, group_size, exclude_modules, producer())
-    (out_dir / "config.json").write_text(
-        json.dumps(hf_config(hf_dir, model_dtype, inline_quantization_config(hq) if quantized else None), indent=2)
-        + "\n")
+    shipped = names.shipped_quantization
+    inline = inline_quantization_config(hq) if quantized else None
+    if shipped is not None:
+        # config.json keeps the hub's mxfp4 quantization_config: alone, TensorRT-LLM reads the experts from it; with
+        # modules the recipe quantized, hf_quant_config.json (which TensorRT-LLM prefers) holds one entry per module
+        inline = shipped
+        if quantized:
+            hq = mixed_precision(hq, quantized_modules, [f"{names.prefix.format(i)}mlp.experts"
+                                                         for i in range(source.args.num_layers)])
+            (out_dir / QUANT_CFG).write_text(json.dumps({k: hq["quantization"][k] for k in
+                                                         ("quant_algo", "kv_cache_quant_algo", "quantized_layers")},
+                                                        indent=4) + "\n")
+    (out_dir / "config.json").write_text(json.dumps(hf_config(hf_dir, model_dtype, inline), indent=2) + "\n")
     if quantized:
         (out_dir / HF_QUANT_CONFIG).write_text(json.dumps(hq, indent=4) + "\n")
     for name in TOKENIZER_FILES:  # trtllm-serve reads the tokenizer from the model directory
         if (ckpt_dir / name).is_file():
             shutil.copyfile(ckpt_dir / name, out_dir / name)
     return hq
+
+
+QUANT_CFG = "quant_cfg.json"
+MXFP4_EXPERTS = {"quant_algo": "W4A16_MXFP4", "group_size": 32}
+
+
+def mixed_precision(hq: dict, quantized: list[str], mxfp4_experts: list[str]) -> dict:
+    """hf_quant_config.json for MXFP4 experts as shipped beside modules the recipe quantized: TensorRT-LLM's
+    ``MIXED_PRECISION`` with a ``quantized_layers`` entry per module (the recipe's quant_algo for the quantized ones,
+    ``W4A16_MXFP4`` with group 32 for each layer's experts), also written to quant_cfg.json (1.0-era loaders read it
+    from there). That TensorRT-LLM 1.2 loads this pairing for gpt-oss was derived from its quant-config reader, not
+    run; a W4A8_MXFP4_* activation mode (Blackwell) is chosen by TensorRT-LLM only from a config.json-only mxfp4
+    checkpoint, i.e. the unquantized export."""
+    q = dict(hq["quantization"])
+    algo = q.pop("quant_algo")
+    layers = {m: {"quant_algo": algo} for m in quantized} if algo else {}
+    layers.update({m: dict(MXFP4_EXPERTS) for m in mxfp4_experts})
+    exclude = q.pop("exclude_modules")
+    return {"producer": hq["producer"], "quantization": {"quant_algo": "MIXED_PRECISION", **q,
+                                                         "quantized_layers": dict(sorted(layers.items())),
+                                                         "exclude_modules": exclude}}
 
 
 class ShardParts:

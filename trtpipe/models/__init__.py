@@ -9,13 +9,14 @@ from __future__ import annotations
 from trtpipe.errors import CheckpointError
 from trtpipe.models.family import Family, Rule
 from trtpipe.models.gemma3 import GEMMA3
+from trtpipe.models.gpt_oss import GPT_OSS
 from trtpipe.models.llama import LLAMA
 from trtpipe.models.mixtral import MIXTRAL
 from trtpipe.models.qwen2 import QWEN2
 from trtpipe.models.qwen3 import QWEN3
 from trtpipe.models.qwen3_moe import QWEN3_MOE
 
-FAMILIES: tuple[Family, ...] = (LLAMA, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, GEMMA3)
+FAMILIES: tuple[Family, ...] = (LLAMA, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, GEMMA3, GPT_OSS)
 
 REGISTRY: dict[str, Family] = {arch: fam for fam in FAMILIES for arch in fam.architectures}
 

@@ -17,7 +17,12 @@ from trtpipe.models.hfconfig import HFModelInfo
 #   cat          concatenate on dim 0 (q;k;v)
 #   experts      stack the per-expert source over experts -> [E, ...]
 #   experts_cat  stack each source over experts, then concatenate on dim -2 ([w3; w1] -> [E, 2I, H])
-COMBINES = ("one", "cat", "experts", "experts_cat")
+#   transposed   one fused [E, in, out] source (gpt-oss stores experts in -> out), transposed to [E, out, in]
+#   gate_up_t    one fused gate/up source with gate and up interleaved (gpt-oss: gate = even, up = odd of the 2I
+#                axis): [E, H, 2I] transposed to [E, 2I, H], or a [E, 2I] bias, then reordered to [up; gate]
+#   mxfp4        (blocks, scales) of fused experts decoded to [E, out, in] (trtpipe.quant.mxfp4)
+#   mxfp4_gate_up  the same, then the interleaved 2I rows reordered to [up; gate] as gate_up_t
+COMBINES = ("one", "cat", "experts", "experts_cat", "transposed", "gate_up_t", "mxfp4", "mxfp4_gate_up")
 
 # Split styles: how the unsharded TRT-LLM tensor is cut per rank (see trtpipe.checkpoint.shard).
 #   replicate | column | row | qkv | vocab (lm_head) | embedding | moe_fc | moe_proj
@@ -36,7 +41,8 @@ class Rule:
         trt: TRT-LLM name; per-layer rules are relative to ``transformer.layers.{i}.``.
         hf: HF source names; per-layer ones relative to the family's HF layer prefix; ``{e}`` = expert.
         shapes: expected shape of each source, in symbols (``H`` hidden, ``Q`` heads*head_size, ``KV``
-            kv_heads*head_size, ``D`` head_size, ``I`` intermediate, ``M`` one expert's intermediate, ``V`` vocab, ``E`` experts).
+            kv_heads*head_size, ``D`` head_size, ``I`` intermediate, ``M`` one expert's intermediate, ``V`` vocab, ``E`` experts,
+            ``NH`` heads, ``2M`` gate+up width, ``H/32`` and ``M/32`` MXFP4 groups, ``16`` bytes per MXFP4 group).
         split: split style (``SPLITS``).
         combine: combine op (``COMBINES``).
         when: the rule applies to this model (e.g. biases only when config.json says so).
@@ -76,6 +82,11 @@ class Family:
         config_fields: HFModelInfo -> extra config.json fields of this family.
         unsupported: HFModelInfo -> (config.json key, why) for each setting this family cannot honour; ``trtpipe
             validate`` reports them before any weight is read.
+        kept_unquantized: fnmatch patterns of TensorRT-LLM module names that quantization never touches, whatever the
+            recipe says (gpt-oss's fused experts: the llmapi export keeps them as the source holds them, so the
+            accuracy gate must measure them that way too).
+        no_engine: why TensorRT-LLM has no TensorRT engine for this family ("" when it has one): ``trtpipe validate``
+            refuses ``target: engine`` with it and names ``target: llmapi``.
         parallel_embedding_at_tp: TensorRT-LLM's config class of this family sets ``use_parallel_embedding`` to
             ``tp_size > 1`` whatever the checkpoint says (Gemma), so the checkpoint must hold the embedding
             vocab-sharded (dim 0) whenever tp > 1.
@@ -91,6 +102,8 @@ class Family:
     config_fields: Callable[[HFModelInfo], dict] = field(default=lambda info: {})
     unsupported: Callable[[HFModelInfo], Iterable[tuple[str, str]]] = field(default=lambda info: ())
     parallel_embedding_at_tp: bool = False
+    no_engine: str = ""
+    kept_unquantized: tuple[str, ...] = ()
 
 
 def dims(info: HFModelInfo) -> dict[str, int]:
@@ -104,4 +117,9 @@ def dims(info: HFModelInfo) -> dict[str, int]:
         "M": info.expert_intermediate_size,
         "V": info.vocab_size,
         "E": info.num_experts,
+        "NH": info.num_heads,
+        "2M": 2 * info.expert_intermediate_size,
+        "H/32": info.hidden_size // 32,
+        "M/32": info.expert_intermediate_size // 32,
+        "16": 16,
     }

@@ -21,7 +21,8 @@ from trtpipe.jsonfile import read_json
 
 
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")  # a per-head RMSNorm of q and of k (head_dim weights each)
-EXTRA_NORMS = {"gemma3_text": 2}  # per-layer norms beyond input/post-attention (Gemma 3: pre/post feed-forward)
+EXTRA_NORMS = {"gemma3_text": 2}
+BIASED_MOE_MODEL_TYPES = ("gpt_oss",)  # q/k/v/o, router and expert biases, and attention sinks  # per-layer norms beyond input/post-attention (Gemma 3: pre/post feed-forward)
 
 # model_type -> the transformers defaults of the keys its published configs may omit (transformers 5.24
 # Gemma3TextConfig; rope_theta 1e6 for global layers, rope_local_base_freq 1e4 for sliding ones).
@@ -85,6 +86,9 @@ class HFModelInfo:
             mlp = 3 * h * i
         qk_norms = 2 * d if self.model_type in QK_NORM_MODEL_TYPES else 0
         per_layer = attn + mlp + (2 + EXTRA_NORMS.get(self.model_type, 0)) * h + qk_norms
+        if self.model_type in BIASED_MOE_MODEL_TYPES:  # q/k/v/o, router and expert biases, one sink per head
+            per_layer += (self.num_heads + 2 * self.num_kv_heads) * d + h + self.num_heads
+            per_layer += self.num_experts * (1 + 2 * self.expert_intermediate_size + h)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
 

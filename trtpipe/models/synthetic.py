@@ -55,6 +55,21 @@ SPECS: dict[str, tuple[str, str, dict]] = {
         rms_norm_eps=1e-6, tie_word_embeddings=True,
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # gpt-oss-20b's ratios shrunk: 24 layers -> 4 (sliding, full, sliding, full as layer_types alternate), 64 heads /
+    # 8 KV heads -> 16 / 2, head_dim 64 with hidden 2880 (q 1.42x wider than hidden) -> 8 with 64 (2x), 32 experts
+    # top-4 -> 8 top-2, expert width = hidden (2880 = 90 MXFP4 groups) -> 64 (2 groups), window 128 -> 4 (shorter
+    # than the tests' prompts), YaRN factor 32 with beta 32/1 and truncate false as published, its original context
+    # 4096 -> 1024: with 8 rotary dims the correction range is then (0.55, 1.71), so one frequency lies inside the ramp
+    # and truncate: true would move it (as 4096 does with 64 dims: (8.1, 17.4)); max positions 131072 -> 32768
+    # (1024 x 32), rope_theta 150000, eps 1e-5, untied; swiglu_limit 7 -> 2: the tiny model's
+    # pre-activations rarely reach 7, at 2 the clamp acts on a good share of them (the parity tests need it to).
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=8, num_local_experts=8, num_experts_per_tok=2, sliding_window=4, vocab_size=250,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, tie_word_embeddings=False, swiglu_limit=2.0,
+        attention_bias=True, layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 1024})),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         num_local_experts=4, num_experts_per_tok=2, vocab_size=250, max_position_embeddings=256)),
@@ -72,6 +87,8 @@ def _reinit(model: torch.nn.Module, seed: int) -> None:
         for name, p in model.named_parameters():
             if p.dim() == 1 and "norm" in name:
                 p.copy_(centre + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("sinks"):  # gpt-oss: sink logits on the scale of the scores, so they take real mass
+                p.copy_(torch.randn(p.shape, generator=g))
             elif p.dim() == 1:  # biases
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
             elif "embed_tokens" in name:
@@ -102,6 +119,8 @@ def make_synthetic(kind: str, out_dir: str | Path, seed: int = 0, shard_bytes: O
     """
     import transformers
 
+    if kind == "gpt_oss_mxfp4":
+        return _make_gpt_oss_mxfp4(out_dir, seed, overrides)
     cfg_name, model_name, kwargs = SPECS["gemma3" if kind == "gemma3_multimodal" else kind]
     kwargs = {**kwargs, **overrides}
     if kind == "gemma3_multimodal":
@@ -140,6 +159,34 @@ def _make_gemma3_multimodal(out_dir, seed: int, dtype: torch.dtype, overrides: d
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
+    return out_dir
+
+
+# gpt-oss's hub quantization_config (openai/gpt-oss-20b and -120b config.json)
+GPT_OSS_MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def _make_gpt_oss_mxfp4(out_dir, seed: int, overrides: dict) -> Path:
+    """The "gpt_oss" model with its experts stored as the hub checkpoints store them: ``gate_up_proj_blocks`` /
+    ``_scales`` [E, 2I, H/32, 16] / [E, 2I, H/32] (rows gate/up interleaved) and ``down_proj_blocks`` / ``_scales``
+    [E, H, I/32, 16] / [E, H, I/32] in place of the bf16 ``gate_up_proj`` [E, H, 2I] / ``down_proj`` [E, I, H], and
+    the hub ``quantization_config``. Biases and every other tensor stay float32."""
+    from safetensors.torch import load_file, save_file
+
+    from trtpipe.quant import mxfp4
+
+    out_dir = make_synthetic("gpt_oss", out_dir, seed=seed, **overrides)
+    path = out_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4.quantize(tensors.pop(name).transpose(1, 2))  # [E, out, in]
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    cfg_path = out_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"] = GPT_OSS_MXFP4_CONFIG
+    cfg_path.write_text(json.dumps(cfg, indent=2))
     return out_dir
 
 

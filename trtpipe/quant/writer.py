@@ -23,6 +23,7 @@ from trtpipe.checkpoint.quant_layouts import ALGOS, LINEARS, quantization_config
 from trtpipe.checkpoint.shard import Layout, pp_layers
 from trtpipe.checkpoint.writer import TORCH_TO_ST, RankFile
 from trtpipe.errors import QuantizationError
+from trtpipe.models import REGISTRY, get_family
 from trtpipe.quant.calibrate import LayerSource, load_layer_stats
 from trtpipe.quant.quantize import kv_scales, layer_params, rank_tensors
 from trtpipe.runtime.loader import read_config
@@ -83,8 +84,10 @@ def unsplit(name: str, shards: list[torch.Tensor], a: ModelArgs) -> torch.Tensor
     tp = len(shards)
     if tp == 1:
         return shards[0]
-    if a.num_experts and name in ("mlp.fc.weight", "mlp.proj.weight"):
+    if a.num_experts and name in ("mlp.fc.weight", "mlp.proj.weight", "mlp.fc.bias", "mlp.proj.bias"):
         return _unsplit_experts(name, shards, a)
+    if name == "attention.sinks":  # one per query head: split with the heads
+        return torch.cat(shards)
     if name.startswith("attention.qkv."):
         d, nh, nkv_r = a.head_size, a.num_heads // tp, a.kv_heads_per_rank
         parts = [s.split([nh * d, nkv_r * d, nkv_r * d], dim=0) for s in shards]
@@ -101,15 +104,18 @@ def unsplit(name: str, shards: list[torch.Tensor], a: ModelArgs) -> torch.Tensor
 
 
 def _unsplit_experts(name: str, shards: list[torch.Tensor], a: ModelArgs) -> torch.Tensor:
-    """Stacked experts: rank r holds expert block r % moe_ep, moe_tp slice r // moe_ep ([w3_r; w1_r] for fc)."""
+    """Stacked experts: rank r holds expert block r % moe_ep, moe_tp slice r // moe_ep ([w3_r; w1_r] on dim 1 for
+    fc's weight [E, 2I, H] and bias [E, 2I]); proj's bias [E, H] (gpt-oss) is the same on every moe_tp rank."""
     blocks = []
     for ep in range(a.moe_ep):
         parts = [shards[mtp * a.moe_ep + ep] for mtp in range(a.moe_tp)]
         if name == "mlp.proj.weight":
             blocks.append(torch.cat(parts, dim=-1))
+        elif name == "mlp.proj.bias":
+            blocks.append(parts[0])
         else:
-            halves = [p.chunk(2, dim=-2) for p in parts]
-            blocks.append(torch.cat([torch.cat([h[0] for h in halves], -2), torch.cat([h[1] for h in halves], -2)], -2))
+            halves = [p.chunk(2, dim=1) for p in parts]
+            blocks.append(torch.cat([torch.cat([h[0] for h in halves], 1), torch.cat([h[1] for h in halves], 1)], 1))
     return torch.cat(blocks, dim=0)
 
 
@@ -141,6 +147,8 @@ def quantize_checkpoint(base_dir: Path, source: LayerSource, stats_dir: Optional
     cfg = json.loads((base_dir / "config.json").read_text())
     args = ModelArgs.from_config(cfg)
     a = ALGOS.get(algo)
+    kept = get_family(cfg["architecture"]).kept_unquantized if cfg.get("architecture") in REGISTRY else ()
+    exclude = list(exclude) + [p for p in kept if p not in exclude]
     layout = Layout(args.num_heads, args.num_kv_heads, args.head_size, args.tp, num_experts=args.num_experts,
                     moe_tp=args.moe_tp, moe_ep=args.moe_ep)
     stats_needed = (a is not None and a.needs_data) or kv_cache != "none"

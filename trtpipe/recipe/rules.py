@@ -120,6 +120,8 @@ def _model_family(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]
         return
     for key, why in family.unsupported(m):
         yield "model.source", f"config.json: {key} {why}"
+    if family.no_engine and recipe.target == "engine":
+        yield "target", f"engine: {family.no_engine}; use target: llmapi"
 
 
 def _parallel_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:

@@ -188,6 +188,8 @@ def quant_scheme(d: Path, cfg: dict) -> tuple[str, dict]:
     if not qc:
         return "none", {}
     method = str(qc.get("quant_method", ""))
+    if method == "mxfp4":  # experts only (gpt-oss as shipped); their rules decode them, every linear is plain
+        return "none", {}
     if method.startswith("modelopt"):
         return "modelopt", {"quant_algo": qc.get("quant_algo"), "exclude_modules": qc.get("ignore", []),
                             "kv_cache_quant_algo": "FP8" if qc.get("kv_cache_scheme") else None}
@@ -201,7 +203,7 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
     (MoE experts as modules of their own, as ModelOpt writes them)."""
     import fnmatch
 
-    from trtpipe.checkpoint.convert import make_plan
+    from trtpipe.checkpoint.convert import COMBINERS, make_plan
     from trtpipe.export.unified import HFNames
 
     d = Path(model_dir)
@@ -221,11 +223,15 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
         return any(module == p or fnmatch.fnmatchcase(module, p) or p.startswith("re:") and
                    __import__("re").fullmatch(p[3:], module) for p in patterns)
 
-    def build(module: str) -> nn.Module:
+    def build(module: str, row: bool = False) -> nn.Module:
+        """``row``: a row-parallel projection, whose bias the decoder layer adds itself after the all-reduce."""
         t = r.module(module + ".")
-        bias = _f(t.get("bias"))
-        if scheme == "modelopt" and q.get("quant_algo") and not excluded(module, q.get("exclude_modules", [])):
-            return _modelopt_module(q["quant_algo"], t, bias)
+        bias = None if row else _f(t.get("bias"))
+        algo = q.get("quant_algo") if scheme == "modelopt" else None
+        if algo == "MIXED_PRECISION":  # one quant_algo per module (MXFP4 experts as shipped beside FP8 attention)
+            algo = (q.get("quantized_layers") or {}).get(module, {}).get("quant_algo")
+        if algo and not excluded(module, q.get("exclude_modules", [])):
+            return _modelopt_module(algo, t, bias)
         if scheme == "compressed-tensors" and not excluded(module, q.get("ignore", [])):
             group = next((g for g in q["config_groups"].values() if "Linear" in g.get("targets", [])), None)
             if group is not None:
@@ -242,6 +248,10 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
         pre = names.prefix.format(i)
         experts: dict[str, list[nn.Module]] = {}  # stacked-expert linear -> one module per expert
         for trt_rel, parts in names.layer.items():
+            if trt_rel in names.fused:  # fused experts (gpt-oss; MXFP4 decoded): the conversion's own combine
+                rule = names.fused[trt_rel]
+                tensors[trt_rel] = COMBINERS[rule.combine]([[r.get(pre + h)] for h in rule.hf]).float()
+                continue
             if trt_rel in names.experts:  # MoE: each expert's projections are modules of their own
                 linear = trt_rel.rsplit(".", 1)[0]
                 mods = [[build(pre + h.format(e=e).rsplit(".", 1)[0]) for h, _ in parts] for e in range(args.num_experts)]
@@ -250,8 +260,9 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
                 continue
             hf_full = [pre + h for h, _ in parts]
             if trt_rel.endswith(".weight") and trt_rel.rsplit(".", 1)[0] in _LINEAR_ATTR:
-                mods = [build(h.rsplit(".", 1)[0]) for h in hf_full]
-                modules[trt_rel.rsplit(".", 1)[0]] = mods[0] if len(mods) == 1 else ConcatLinear(mods)
+                linear = trt_rel.rsplit(".", 1)[0]
+                mods = [build(h.rsplit(".", 1)[0], linear in _ROW) for h in hf_full]
+                modules[linear] = mods[0] if len(mods) == 1 else ConcatLinear(mods)
                 tensors[trt_rel] = torch.cat([_weight_of(m) for m in mods], dim=0)
             else:
                 tensors[trt_rel] = names.from_hf(trt_rel, torch.cat([r.get(h).float() for h in hf_full], dim=0))
@@ -276,6 +287,9 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
 # TRT-LLM linear -> (DecoderLayer attribute holding the shard list, attribute of the shard)
 _LINEAR_ATTR = {"attention.qkv": ("attention", "qkv"), "attention.dense": ("attention", "dense"),
                 "mlp.fc": ("mlp", "fc"), "mlp.gate": ("mlp", "gate"), "mlp.proj": ("mlp", "proj")}
+
+
+_ROW = ("attention.dense", "mlp.proj")  # row-parallel: biases added once by the layer (DecoderLayer.dense_bias ...)
 
 
 def _weight_of(m: nn.Module) -> torch.Tensor:

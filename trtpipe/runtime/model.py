@@ -78,6 +78,9 @@ class ModelArgs:
     inter_layernorms: bool = False
     embed_scale: float = 1.0
     final_logit_softcapping: Optional[float] = None
+    # gpt-oss: clamped SwiGLU experts, ((up + 1) * g * sigmoid(alpha * g)) with g = min(gate, limit) (see clamped_swiglu)
+    swiglu_limit: Optional[float] = None
+    swiglu_alpha: float = 1.0
 
     @classmethod
     def from_config(cls, cfg: dict, quant_cfg: Optional[dict] = None) -> "ModelArgs":
@@ -137,6 +140,8 @@ class ModelArgs:
             inter_layernorms=bool(cfg.get("inter_layernorms", False)),
             embed_scale=embedding_scale(str(cfg.get("architecture", "")), hidden, dtype),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            swiglu_limit=None if cfg.get("swiglu_limit") is None else float(cfg["swiglu_limit"]),
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.0)),
         )
 
     def unsharded(self) -> "ModelArgs":
@@ -193,6 +198,25 @@ def softcap(logits: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def attention_probs(scores: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Softmax over the key axis (last) of masked scores. With attention sinks (gpt-oss: one learned logit per
+    query head, ``sinks`` broadcastable to ``scores[..., :1]``) the sink is one more column of the softmax, dropped
+    after it, so each row sums to less than 1 (transformers' ``eager_attention_forward`` of gpt-oss)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    logits = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+    logits = logits - logits.amax(dim=-1, keepdim=True)
+    return torch.softmax(logits, dim=-1)[..., :-1]
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation: ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``,
+    ``(u + 1) * g * sigmoid(alpha * g)`` (transformers ``GptOssExperts._apply_gate``)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class KVCache:
@@ -281,6 +305,7 @@ class AttentionShard(nn.Module):
         self.dense = _linear(tensors, prefix, "attention.dense", "row", args, rank)
         self.window = args.sliding_window if layer_idx is None else args.window(layer_idx)
         self.scale = args.attention_scale
+        self.sinks = _opt_float(tensors.get("attention.sinks"))  # gpt-oss: [heads of this rank]
         # Qwen3: RMSNorm of each q and k head over head_size before RoPE (one weight shared by the heads).
         self.q_norm = _opt_float(tensors.get("attention.q_layernorm.weight"))
         self.k_norm = _opt_float(tensors.get("attention.k_layernorm.weight"))
@@ -309,7 +334,7 @@ class AttentionShard(nn.Module):
         if self.kv_quant is not None:
             k, v = self.kv_quant(k, self.kv_scale.float()), self.kv_quant(v, self.kv_scale.float())
         if hasattr(cache, "attend"):  # a paged KV pool (the serving executor's packed steps) does the attention
-            return self.dense(cache.attend(key, q, k, v, self.window, self.scale))
+            return self.dense(cache.attend(key, q, k, v, self.window, self.scale, self.sinks))
         q_pos = positions(start_pos, T, x.device)  # [B|1, T]
         if isinstance(cache, BatchKVCache):
             k, v = cache.update(key, k, v, q_pos)  # [B, nkv, S, d], index == position, padding past each row's end
@@ -327,7 +352,8 @@ class AttentionShard(nn.Module):
         scores = q @ k.transpose(-1, -2)  # [B, nh, T, S]
         scores = scores / math.sqrt(self.d) if self.scale == self.d ** -0.5 else scores * self.scale
         scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-        out = torch.softmax(scores, dim=-1) @ v  # [B, nh, T, d]
+        sinks = None if self.sinks is None else self.sinks.view(1, -1, 1, 1)
+        out = attention_probs(scores, sinks) @ v  # [B, nh, T, d]
         return self.dense(out.transpose(1, 2).reshape(B, T, self.nh * self.d))  # partial [B, T, H]
 
 
@@ -351,16 +377,22 @@ def _expert_slice(tensors: dict, e: int, num_local: int) -> dict:
 
 
 class MoEShard(nn.Module):
-    """One tp rank's experts: a contiguous block of E/moe_ep experts, each holding I/moe_tp of the hidden units."""
+    """One tp rank's experts: a contiguous block of E/moe_ep experts, each holding I/moe_tp of the hidden units.
+
+    Expert biases (gpt-oss): fc's bias is split with fc; proj's ([E, H], row-parallel) is added once per expert,
+    weighted like the expert's output, by the first moe_tp rank of the expert's group (the all-reduce sums the rest)."""
 
     def __init__(self, tensors: dict, prefix: str, args: ModelArgs, rank: int):
         super().__init__()
         ep_rank, num_local = rank % args.moe_ep, args.num_experts // args.moe_ep
         self.first = ep_rank * num_local
-        self.act = ACTIVATIONS[args.hidden_act]
+        act = ACTIVATIONS[args.hidden_act]
+        limit, alpha = args.swiglu_limit, args.swiglu_alpha
+        self.glu = (lambda g, u: act(g) * u) if limit is None else (lambda g, u: clamped_swiglu(g, u, alpha, limit))
         fc = {k[len("mlp.fc."):]: t for k, t in tensors.items() if k.startswith("mlp.fc.")}
         proj = {k[len("mlp.proj."):]: t for k, t in tensors.items() if k.startswith("mlp.proj.")}
-        proj.pop("bias", None)
+        bias = proj.pop("bias", None)
+        self.proj_bias = _opt_float(bias) if rank // args.moe_ep == 0 else None  # [E_r, H], first moe_tp rank only
         self.fc, self.proj = nn.ModuleList(), nn.ModuleList()
         for e in range(num_local):
             for store, sub, name, style in ((self.fc, fc, "mlp.fc", "column"), (self.proj, proj, "mlp.proj", "row")):
@@ -377,16 +409,22 @@ class MoEShard(nn.Module):
             if rows.numel() == 0:
                 continue
             up, gate = fc(x[rows]).chunk(2, dim=-1)  # [w3 (linear); w1 (activated)]
-            out.index_add_(0, rows, proj(self.act(gate) * up) * weights[rows, self.first + i, None])
+            y = proj(self.glu(gate, up))
+            if self.proj_bias is not None:
+                y = y + self.proj_bias[i]
+            out.index_add_(0, rows, y * weights[rows, self.first + i, None])
         return out  # partial [N, H]
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool = True) -> torch.Tensor:
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool = True,
+          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Softmax over experts in float32 (or wider), keep top_k; with ``renormalize`` (TRT-LLM RENORMALIZE, HF
     Mixtral and Qwen3-MoE's ``norm_topk_prob``) the kept weights are divided by their sum, else (NONE) they stay the
-    full softmax's. Returns [N, E]."""
+    full softmax's. ``bias``: the router's (gpt-oss); a softmax over the top-k logits, as gpt-oss computes it, equals
+    the renormalized full softmax. Returns [N, E]."""
     dt = torch.promote_types(x.dtype, torch.float32)  # float64 when the model runs as a float64 oracle
-    probs = torch.softmax(x.to(dt) @ router.to(dt).t(), dim=-1)  # [N, E]
+    logits = x.to(dt) @ router.to(dt).t()
+    probs = torch.softmax(logits if bias is None else logits + bias.to(dt), dim=-1)  # [N, E]
     top, idx = probs.topk(top_k, dim=-1)
     return torch.zeros_like(probs).scatter_(-1, idx, top / top.sum(-1, keepdim=True) if renormalize else top)
 
@@ -438,10 +476,11 @@ class DecoderLayer(nn.Module):
             if "mlp.router.weight" not in t0:
                 raise CheckpointError(f"checkpoint: tensor '{prefix}mlp.router.weight' is missing")
             self.router = t0["mlp.router.weight"].float()
+            self.router_bias = _opt_float(t0.get("mlp.router.bias"))
             self.mlp = nn.ModuleList(MoEShard(t, prefix, args, r) for r, t in zip(tp_ranks, rank_tensors))
         else:
             self.mlp = nn.ModuleList(GatedMLPShard(t, prefix, args, r) for r, t in zip(tp_ranks, rank_tensors))
-        self.proj_bias = _opt_float(t0.get("mlp.proj.bias"))
+        self.proj_bias = None if self.is_moe else _opt_float(t0.get("mlp.proj.bias"))  # experts add theirs
 
     @classmethod
     def from_unsharded(cls, args: ModelArgs, tensors: dict, layer_idx: int = 0) -> "DecoderLayer":
@@ -485,7 +524,7 @@ class DecoderLayer(nn.Module):
             h = rms_norm(x, self.post_ln, self.eps)
         if self.is_moe:
             flat = h.reshape(-1, h.shape[-1])
-            weights = route(flat, self.router, self.top_k, self.renormalize)
+            weights = route(flat, self.router, self.top_k, self.renormalize, self.router_bias)
             mlp = self.all_reduce(sum(s(flat, weights) for s in self.mlp)).view_as(h)
         else:
             mlp = self.all_reduce(sum(s(h) for s in self.mlp))

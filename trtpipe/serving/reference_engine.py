@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from trtpipe.runtime.generate import sample
-from trtpipe.runtime.model import ReferenceModel
+from trtpipe.runtime.model import ReferenceModel, attention_probs
 from trtpipe.serving.api import StepBatch, StepResult
 
 
@@ -38,14 +38,16 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) ->
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-               scale: Optional[float] = None) -> torch.Tensor:
+               scale: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Grouped-query attention. q [R, nkv, g, T, d]; k, v [R, nkv, S, d]; allowed [R, T, S] -> [R, nkv, g, T, d].
-    ``scale``: the score scale when it is not head_dim ** -0.5 (Gemma's query_pre_attn_scalar ** -0.5)."""
+    ``scale``: the score scale when it is not head_dim ** -0.5 (Gemma's query_pre_attn_scalar ** -0.5); ``sinks``:
+    gpt-oss's per-head sink logits [nkv * g] (:func:`~trtpipe.runtime.model.attention_probs`)."""
     scores = q @ k[:, :, None].transpose(-1, -2)  # [R, nkv, g, T, S]
     d = q.shape[-1]
     scores = scores / math.sqrt(d) if scale is None or scale == d ** -0.5 else scores * scale
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v[:, :, None]
+    sinks = None if sinks is None else sinks.view(1, q.shape[1], q.shape[2], 1, 1)
+    return attention_probs(scores, sinks) @ v[:, :, None]
 
 
 class PagedStep:
@@ -91,7 +93,7 @@ class PagedStep:
         return self._masks[window]
 
     def attend(self, key, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int],
-               scale: Optional[float] = None) -> torch.Tensor:
+               scale: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """q [1, nh, N, d], k/v [1, nkv, N, d] of the packed tokens -> attention output [1, N, nh * d]."""
         kp, vp = self.pools[key]
         _, nh, N, d = q.shape
@@ -105,12 +107,12 @@ class PagedStep:
         for (t0, t1, kv, _), allowed in zip(self.ctx, ctx_masks):
             kc = kp[kv].permute(1, 0, 2)[None]  # [1, nkv, S, d]
             vc = vp[kv].permute(1, 0, 2)[None]
-            out[:, :, t0:t1] = _attention(qt[None, :, :, t0:t1], kc, vc, allowed, scale)[0]
+            out[:, :, t0:t1] = _attention(qt[None, :, :, t0:t1], kc, vc, allowed, scale, sinks)[0]
         if len(self.gen_rows):
             qg = qt[:, :, self.gen_rows].permute(2, 0, 1, 3)[:, :, :, None]  # [G, nkv, g, 1, d]
             kg = kp[self.gen_slots].permute(0, 2, 1, 3)  # [G, nkv, S, d]
             vg = vp[self.gen_slots].permute(0, 2, 1, 3)
-            og = _attention(qg, kg, vg, gen_mask, scale)  # [G, nkv, g, 1, d]
+            og = _attention(qg, kg, vg, gen_mask, scale, sinks)  # [G, nkv, g, 1, d]
             out[:, :, self.gen_rows] = og[:, :, :, 0].permute(1, 2, 0, 3)
         return out.view(nh, N, d).transpose(0, 1).reshape(1, N, nh * d)
 
