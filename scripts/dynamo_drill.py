@@ -1,8 +1,9 @@
 """Drill trtpipe's twin workers behind NVIDIA Dynamo's real frontend and router, in a network namespace of its own.
 
-    python scripts/dynamo_drill.py MODEL_DIR [--quick] [--json OUT] [--aiperf PATH]
+    python scripts/dynamo_drill.py TARGET [--quick] [--json OUT] [--aiperf PATH]
 
-MODEL_DIR: an exported HF checkpoint (e.g. the llmapi export of recipes/stories-llmapi-fp8.yaml). The script
+TARGET: an exported HF checkpoint, or a ``target: llmapi`` recipe (built up to its export first, e.g.
+recipes/stories-llmapi-fp8.yaml). The script
 re-runs itself under ``unshare -rn`` (Dynamo's workers bind their ZMQ event publishers to 0.0.0.0; inside the
 namespace nothing is reachable from outside), then, each part on a fresh graph:
 
@@ -350,6 +351,10 @@ def main() -> None:
     if not args.in_netns:
         in_netns([os.path.abspath(__file__)] + sys.argv[1:])
     model_dir = args.model_dir.resolve()
+    if model_dir.is_file():  # a recipe: its export (the build is cached)
+        from trtpipe.serving.openai_launch import resolve_openai_target
+
+        model_dir = resolve_openai_target(model_dir).model_dir
     aiperf = args.aiperf if args.aiperf and args.aiperf.is_file() else None
     parts = args.parts.split(",")
     if "greedy+kill" in parts:  # one graph for both (the test's setting: one start-up less)
