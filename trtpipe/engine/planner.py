@@ -60,6 +60,7 @@ class Shapes:
     kv_quant: Optional[str]
     group_size: int
     parallel_embedding: bool
+    router_dtype: str = "float32"
 
     @classmethod
     def of(cls, cfg: dict) -> "Shapes":
@@ -83,6 +84,8 @@ class Shapes:
             kv_quant=q.get("kv_cache_quant_algo"),
             group_size=int(q.get("group_size") or 128),
             parallel_embedding=bool(cfg.get("use_parallel_embedding", False)),
+            # the engine path keeps routers float32; a predicted llmapi config names the PyTorch backend's dtype
+            router_dtype=str(cfg.get("router_dtype", "float32")),
         )
 
     @property
@@ -109,10 +112,8 @@ def weight_bytes(s: Shapes, tp: int, pp: int) -> list[int]:
     q_local, kv_local = s.heads // tp, math.ceil(s.kv_heads / tp)
     attn = h * (q_local + 2 * kv_local) * d + q_local * d * h
     mlp = 3 * h * s.intermediate * max(1, s.experts) // tp
-    linear = attn + mlp
-    qb = QUANT_WEIGHT_BYTES.get(s.quant_algo, s.model_bytes) or s.model_bytes
-    linear_bytes = linear * qb + (linear * 2 / s.group_size if s.quant_algo in GROUPWISE else 0)
-    router = h * s.experts * 4 if s.experts > 1 else 0  # kept in float32, never quantized
+    linear_bytes = _linear_bytes(s, attn + mlp)
+    router = h * s.experts * DTYPE_BYTES[s.router_dtype] if s.experts > 1 else 0  # never quantized
     per_layer = linear_bytes + router + 2 * h * s.model_bytes
     vocab_local = math.ceil(s.vocab / tp)
     embed = (vocab_local if s.parallel_embedding else s.vocab) * h * s.model_bytes
@@ -121,6 +122,40 @@ def weight_bytes(s: Shapes, tp: int, pp: int) -> list[int]:
     for r, n in enumerate(pp_layers(s.layers, pp)):
         out.append(int(n * per_layer + (embed if r == 0 else 0) + (head if r == pp - 1 else 0)))
     return out
+
+
+def _linear_bytes(s: Shapes, elements: int) -> float:
+    """Bytes of ``elements`` quantized linear-weight elements (group scales included for groupwise formats)."""
+    qb = QUANT_WEIGHT_BYTES.get(s.quant_algo, s.model_bytes) or s.model_bytes
+    return elements * qb + (elements * 2 / s.group_size if s.quant_algo in GROUPWISE else 0)
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Where a mixture-of-experts model's routed experts live: each GPU holds ``experts / moe_ep`` whole experts,
+    each cut to ``intermediate / moe_tp`` rows (TensorRT-LLM's Mapping: moe_ep x moe_tp = tp)."""
+
+    experts: int
+    moe_ep: int
+    moe_tp: int
+    width: int  # an expert's intermediate rows on one GPU
+    layer_bytes: int  # this GPU's expert weights (gate, up, down) of one layer
+    gpu_bytes: int  # the same over the layers of the largest pp rank
+
+    @property
+    def per_rank(self) -> int:
+        return self.experts // self.moe_ep
+
+
+def expert_placement(s: Shapes, cfg: dict, pp: int) -> Optional[ExpertPlacement]:
+    """The experts one GPU holds and their bytes (None for a dense model)."""
+    if s.experts <= 1:
+        return None
+    m = cfg.get("mapping") or {}
+    ep, mtp = int(m.get("moe_ep_size", 1)), int(m.get("moe_tp_size", m.get("tp_size", 1)))
+    width = s.intermediate // mtp
+    layer = int(_linear_bytes(s, (s.experts // ep) * 3 * s.hidden * width))
+    return ExpertPlacement(s.experts, ep, mtp, width, layer, layer * max(pp_layers(s.layers, pp)))
 
 
 def checkpoint_weight_bytes(ckpt_dir: Path, tp: int, pp: int) -> list[int]:
@@ -191,6 +226,7 @@ class Plan:
     kv_tokens: int
     concurrent_sequences: int  # full-length sequences the pool holds
     host_bytes: dict[str, int] = field(default_factory=dict)
+    experts: Optional[ExpertPlacement] = None
     refusal: str = ""
     kv_bytes_per_token_model: int = 0  # whole model, one copy of each KV head
 
@@ -211,6 +247,11 @@ class Plan:
             "max_seq_len": self.max_seq_len, "blocks_per_sequence": self.blocks_per_sequence,
             "concurrent_sequences": self.concurrent_sequences, "max_batch_size": self.max_batch_size,
             "host_bytes": self.host_bytes,
+            "experts": None if self.experts is None else {
+                "experts": self.experts.experts, "moe_ep": self.experts.moe_ep, "moe_tp": self.experts.moe_tp,
+                "experts_per_gpu": self.experts.per_rank, "expert_width_per_gpu": self.experts.width,
+                "expert_bytes_per_layer_per_gpu": self.experts.layer_bytes,
+                "expert_bytes_per_gpu": self.experts.gpu_bytes},
         }
 
 
@@ -334,6 +375,7 @@ def plan_build(recipe: Recipe, cfg: dict, build: EngineBuild, checkpoint_dir: Op
         max_batch_size=c.max_batch_size, max_beam_width=c.max_beam_width, blocks_per_sequence=per_seq,
         kv_blocks=blocks, kv_tokens=min(r.kv_tokens for r in ranks), concurrent_sequences=blocks // per_seq,
         kv_bytes_per_token_model=int(kv_bytes_per_token(s, s.layers, 1)),
+        experts=expert_placement(s, cfg, pp),
         host_bytes=host_estimates(s, source_dtype_bytes, max(weights), build.workers, recipe),
     )
     return replace(plan, refusal=_refusal(plan, recipe, cfg, build))
