@@ -79,3 +79,11 @@ def test_validate_refuses_layouts_naming_the_key(overrides, key, text):
     assert result.exit_code == 2
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert any(f"{key}:" in ln and text in ln for ln in lines), result.stderr
+
+
+def test_llmapi_moe_takes_fp8_and_nvfp4_and_refuses_int4_awq():
+    assert run_cli("validate", str(SMALL), "--set", "quantization.algo=nvfp4").exit_code == 0
+    result = run_cli("validate", str(SMALL), "--set", "quantization.algo=int4_awq")
+    assert result.exit_code == 2
+    assert "quantization.algo: int4_awq: the llmapi export writes mixture-of-experts experts unquantized, in fp8 or " \
+           "in nvfp4" in result.stderr, result.stderr
