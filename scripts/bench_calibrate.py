@@ -8,12 +8,18 @@ layers (per-channel amax of every linear input and KV amax, as fp8 / int8_sq / K
 reports its own peak RSS (``ru_maxrss``). One 70B-shaped layer is 1.7 GB in bf16 and 3.4 GB as the float32
 layer the reference runtime computes with, so flat means "one layer plus activations", whatever N is.
 
+``--model qwen3-235b-a22b``: the same on Qwen3-235B-A22B's layers (its published config, vocab 256): per layer a
+router and 128 experts of width 1536 (``mlp.fc`` [128, 3072, 4096], ``mlp.proj`` [128, 4096, 1536]), 5.0 GB in
+bf16 and 10 GB as the float32 layer; each row also prints the planner's calibrate estimate for the same settings
+(``trtpipe.engine.planner.host_estimates`` with recipes/qwen3-235b-a22b-fp8.yaml and this run's samples).
+
 Part 2 (AWQ time): a synthetic Llama (hidden 1024, intermediate 2816, 8 heads, 4 KV heads, 4 layers) and the
 same calibration batches through ModelOpt 0.47.0's INT4_AWQ_CFG (``mtq.quantize``, awq_lite) and through
 our calibration with the AWQ search (``calibrate`` with ``awq_group_size=128``: scale search + clip search).
 Both on CPU, one thread each, timed once.
 
     python scripts/bench_calibrate.py --layers 2 4 8
+    python scripts/bench_calibrate.py --model qwen3-235b-a22b --layers 1 --skip-awq
 """
 
 from __future__ import annotations
@@ -52,14 +58,69 @@ def config(layers: int) -> dict:
             "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1}, "quantization": {"quant_algo": None}}
 
 
-def write_checkpoint(out: Path, layers: int) -> None:
+REPO = Path(__file__).resolve().parents[1]
+MOE_RECIPE = REPO / "recipes" / "qwen3-235b-a22b-fp8.yaml"
+
+
+def _moe_info(layers: int):
+    from trtpipe.models.hfconfig import parse_hf_config
+
+    hf = json.loads((REPO / "recipes" / "configs" / "qwen3-235b-a22b" / "config.json").read_text())
+    hf.update(num_hidden_layers=layers, max_window_layers=layers, vocab_size=VOCAB)
+    return parse_hf_config(hf, "qwen3-235b-a22b (bench)")
+
+
+def moe_checkpoint(layers: int) -> tuple[dict, list]:
+    """(config.json, [(name, dtype, shape)]) of the unquantized TRT-LLM checkpoint trtpipe converts Qwen3-235B-A22B
+    to (tp 1), from the family's own rules: the shapes the calibration stage reads."""
+    import torch
+
+    from trtpipe.models import get_family
+    from trtpipe.models.family import dims
+    from trtpipe.models.trtllm_config import build_config
+
+    info = _moe_info(layers)
+    family = get_family(info.architecture)
+    d = dims(info)
+    entries = []
+    for prefix, rules in [("", family.global_rules)] + [(f"transformer.layers.{i}.", family.layer_rules)
+                                                      for i in range(layers)]:
+        for r in rules:
+            if not r.when(info):
+                continue
+            shapes = [tuple(d[x] for x in sh) for sh in r.shapes]
+            if r.combine == "one":
+                shape = shapes[0]
+            elif "experts" in r.combine:
+                shape = (info.num_experts, sum(sh[0] for sh in shapes)) + shapes[0][1:]
+            else:
+                shape = (sum(sh[0] for sh in shapes),) + shapes[0][1:]
+            entries.append((prefix + r.trt, getattr(torch, r.dtype or "bfloat16"), shape))
+    return build_config(info, family, "bfloat16", 1, 1), entries
+
+
+def planner_calibrate_estimate(cfg: dict, samples: int, seq_len: int) -> int:
+    """The planner's host-memory estimate of the calibrate stage for this checkpoint and calibration size."""
+    from trtpipe.engine.planner import Shapes, host_estimates
+    from trtpipe.validation import load_recipe
+
+    recipe = load_recipe(MOE_RECIPE, [f"quantization.calibration.num_samples={samples}",
+                                      f"quantization.calibration.seq_len={seq_len}",
+                                      f"quantization.calibration.batch_size={samples}"], check_rules=False)
+    return host_estimates(Shapes.of({**cfg, "quantization": {"quant_algo": "FP8"}}), 2, 0, 1, recipe)["calibrate"]
+
+
+def write_checkpoint(out: Path, layers: int, model: str = "llama-70b") -> None:
     """bf16 weights ~ N(0, 1/in) drawn from a 64 MB random pool at a different offset per tensor."""
     import torch
 
     from trtpipe.checkpoint.writer import RankFile
 
     out.mkdir(parents=True, exist_ok=True)
-    entries = [(n, torch.bfloat16, s) for n, s in trtllm_tensors(layers)]
+    if model == "qwen3-235b-a22b":
+        cfg, entries = moe_checkpoint(layers)
+    else:
+        cfg, entries = config(layers), [(n, torch.bfloat16, s) for n, s in trtllm_tensors(layers)]
     f = RankFile(out / "rank0.safetensors", entries)
     pool = torch.randn(32 << 20, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     for k, (name, _, shape) in enumerate(entries):
@@ -77,7 +138,7 @@ def write_checkpoint(out: Path, layers: int) -> None:
         f.write(name, t)
         del t
     f.close()
-    (out / "config.json").write_text(json.dumps(config(layers), indent=2))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
 def child_calibrate(ckpt: str, samples: int, seq_len: int) -> None:
@@ -98,20 +159,23 @@ def child_calibrate(ckpt: str, samples: int, seq_len: int) -> None:
                       "qkv_amax_layer0": float(stats[0].groups["attention.qkv"].amax.max())}))
 
 
-def memory_bench(layer_counts: list[int], tmp: Path, samples: int, seq_len: int) -> list[dict]:
+def memory_bench(layer_counts: list[int], tmp: Path, samples: int, seq_len: int, model: str = "llama-70b") -> list[dict]:
     full = tmp / "ckpt_full"
     t0 = time.perf_counter()
-    write_checkpoint(full, max(layer_counts))
-    print(f"wrote {max(layer_counts)} 70B-shaped layers in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    write_checkpoint(full, max(layer_counts), model)
+    print(f"wrote {max(layer_counts)} {model} layers in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     rows = []
     for n in layer_counts:
         d = tmp / f"ckpt_{n}"
         d.mkdir()
         os.link(full / "rank0.safetensors", d / "rank0.safetensors")  # extra layers are simply never read
-        (d / "config.json").write_text(json.dumps(config(n), indent=2))
+        cfg = moe_checkpoint(n)[0] if model == "qwen3-235b-a22b" else config(n)
+        (d / "config.json").write_text(json.dumps(cfg, indent=2))
         out = subprocess.run([sys.executable, __file__, "--child", str(d), str(samples), str(seq_len)],
                              capture_output=True, text=True, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        if model == "qwen3-235b-a22b":
+            rows[-1]["planner_calibrate_gb"] = round(planner_calibrate_estimate(cfg, samples, seq_len) / 2**30, 3)
         print(json.dumps(rows[-1]), file=sys.stderr)
     return rows
 
@@ -157,6 +221,7 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--model", choices=["llama-70b", "qwen3-235b-a22b"], default="llama-70b")
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--awq-samples", type=int, default=16)
@@ -169,7 +234,7 @@ def main() -> None:
     try:
         report = {}
         if not args.skip_memory:
-            report["memory"] = memory_bench(args.layers, tmp, args.samples, args.seq_len)
+            report["memory"] = memory_bench(args.layers, tmp, args.samples, args.seq_len, args.model)
         if not args.skip_awq:
             report["awq_time"] = awq_bench(tmp, args.awq_samples, args.awq_seq_len)
         print(json.dumps(report, indent=2))

@@ -1,5 +1,6 @@
 """Oracle: trtpipe's unified HF export against NVIDIA ModelOpt 0.47.0's ``export_hf_checkpoint`` on the same model
-and calibration batches (stories260k, and a synthetic Llama whose dimensions are multiples of 128).
+and calibration batches (stories260k, a synthetic Llama whose dimensions are multiples of 128, and a synthetic
+Qwen3: explicit head_dim with q wider than hidden, per-head q/k norms left unquantized).
 
 Identical: the file list (ours adds the tokenizer files trtllm-serve needs), tensor names, dtypes and shapes,
 hf_quant_config.json's ``quantization`` and config.json's inline ``quantization_config`` (the producer differs:
@@ -37,7 +38,11 @@ MODES = {
 }
 BLOCKED = ("int4_awq", "w4a8_awq", "nvfp4")  # modes whose blocks need stories' down_proj (172 inputs) excluded
 # model -> (int4 group size, HF modules kept unquantized in int4 modes: stories' 172 inputs have no whole groups)
-CASES = {"stories": (32, ("down_proj",)), "synth128": (128, ())}
+CASES = {"stories": (32, ("down_proj",)), "synth128": (128, ()), "qwen3": (64, ())}
+# synthetic models: family and shape overrides (qwen3: q 128 wider than hidden 64, q/k norms, tied, MLP 192)
+SYNTHETIC = {"synth128": ("llama", dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                        num_key_value_heads=2, vocab_size=512, num_hidden_layers=2)),
+             "qwen3": ("qwen3", dict(vocab_size=512))}
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +91,8 @@ def case(request, tmp_path_factory, stories_dir, modelopt):
     if name == "stories":
         hf = stories_dir
     else:
-        hf = make_synthetic("llama", root / "hf", seed=3, hidden_size=256, intermediate_size=512,
-                            num_attention_heads=4, num_key_value_heads=2, vocab_size=512, num_hidden_layers=2)
+        kind, shapes = SYNTHETIC[name]
+        hf = make_synthetic(kind, root / "hf", seed=3, **shapes)
     base = convert(hf, root / "base", tp=1, dtype="bfloat16")
     if name == "stories":
         calib = self_tokens(base, 16, 64, 0)
@@ -107,7 +112,8 @@ def case(request, tmp_path_factory, stories_dir, modelopt):
                        alpha=0.5, exclude=exclude)
         ours[mode] = out
         theirs[mode] = _modelopt_export(*modelopt, hf, calib, mode, root / f"modelopt_{mode}", group, disable)
-    return dict(name=name, hf=hf, base=base, ours=ours, theirs=theirs, group=group)
+    layers = json.loads((hf / "config.json").read_text()).get("num_hidden_layers", 5)
+    return dict(name=name, hf=hf, base=base, ours=ours, theirs=theirs, group=group, layers=layers)
 
 
 def _tensors(d: Path) -> dict:
@@ -163,7 +169,7 @@ def test_fp8_codes_and_scales(case, mode):
             torch.testing.assert_close(a[k], b[k], rtol=2**-5, atol=0)
         else:
             assert torch.equal(_bytes(a[k]), _bytes(b[k])), k  # norms and embeddings untouched
-    assert n_codes == 7 * (5 if case["name"] == "stories" else 2)
+    assert n_codes == 7 * case["layers"]
 
 
 def test_nvfp4_codes_and_scales(case):
@@ -178,7 +184,7 @@ def test_nvfp4_codes_and_scales(case):
         else:
             assert a[k].dtype == b[k].dtype and torch.equal(_bytes(a[k].reshape(-1)), _bytes(b[k].reshape(-1))), k
             n += k.endswith(".weight_scale")
-    assert n == (5 * 6 if case["name"] == "stories" else 2 * 7)
+    assert n == case["layers"] * (6 if case["name"] == "stories" else 7)
 
 
 @pytest.mark.parametrize("mode", ["int4_awq", "w4a8_awq"])
@@ -210,13 +216,13 @@ def test_int4_packing_identical_for_identical_scales(case, mode):
             deq = unpack_int4_rows(t.view(torch.int8)).float() * ws.repeat_interleave(g, -1) * pqs.float()
             assert ((deq - w).norm() / w.norm()) < 0.2, k
         checked += 1
-    assert checked == (5 * 6 if case["name"] == "stories" else 2 * 7)
+    assert checked == case["layers"] * (6 if case["name"] == "stories" else 7)
 
 
 def test_w4a8_shared_scales(case):
     """What TRT-LLM's W4A8 loader asserts: input_scale and weight_scale_2 equal across q/k/v and gate/up."""
     a = _tensors(case["ours"]["w4a8_awq"])
-    for i in range(5 if case["name"] == "stories" else 2):
+    for i in range(case["layers"]):
         for group in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
             for s in ("input_scale", "weight_scale_2"):
                 vals = [a[f"model.layers.{i}.{m}.{s}"] for m in group]

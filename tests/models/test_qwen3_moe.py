@@ -112,7 +112,7 @@ def test_unquantized_export_runs_as_transformers(tmp_path):
 
 
 def test_fp8_export_scales_each_expert_on_its_own_tokens(tmp_path):
-    """Per expert: FP8 codes with a per-tensor weight scale per projection, and a static input scale from the max |x|
+    """Per expert: FP8 codes with a per-tensor weight scale its up and gate share, and a static input scale from the max |x|
     of the tokens calibration routed to that expert (up and gate share it); the router is not quantized."""
     from safetensors import safe_open
 
@@ -133,7 +133,8 @@ def test_fp8_export_scales_each_expert_on_its_own_tokens(tmp_path):
                 codes, ws = f.get_tensor(pre + proj + ".weight"), f.get_tensor(pre + proj + ".weight_scale")
                 assert codes.dtype == torch.float8_e4m3fn and ws.shape == ()
                 w = g.get_tensor(pre + proj + ".weight")
-                assert float(ws) == pytest.approx(float(w.abs().amax()) / 448, rel=1e-6)  # its own scale
+                both = max(float(g.get_tensor(pre + p + ".weight").abs().amax()) for p in ("up_proj", "gate_proj"))
+                assert float(ws) == pytest.approx(both / 448, rel=1e-6)  # the expert's fused gate_up scale
                 # E4M3 rounds to nearest: within half a unit (2^-4 relative) of a normal code, 2^-10 x scale below
                 err = (codes.float() * ws - w).abs()
                 assert bool((err <= w.abs() * 2.0 ** -4 + float(ws) * 2.0 ** -10).all())
@@ -174,5 +175,5 @@ def test_llmapi_validate_takes_fp8_moe_and_refuses_other_algos(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(head + "  algo: int4_awq\n  group_size: 32\n")
     r = CliRunner().invoke(main, ["validate", str(bad)])
-    assert r.exit_code == 2 and "int4_awq: the llmapi export writes mixture-of-experts experts unquantized or in fp8" \
+    assert r.exit_code == 2 and "int4_awq: the llmapi export writes mixture-of-experts experts unquantized, in fp8 or in nvfp4" \
         in r.output, r.output

@@ -19,9 +19,10 @@ from typing import Callable, Optional
 
 import torch
 
+from trtpipe.checkpoint.experts import ExpertParts, streams
 from trtpipe.checkpoint.hf import FLOATS, HFReader, open_hf
 from trtpipe.checkpoint.shard import Layout, pp_layers, split_experts, split_linear_tensor, split_vocab
-from trtpipe.checkpoint.writer import RankFile, atomic_dir, write_json, write_same
+from trtpipe.checkpoint.writer import RankFile, atomic_dir, write_json, write_parts, write_same
 from trtpipe.errors import CheckpointError
 from trtpipe.models import Family, Rule, get_family
 from trtpipe.models.family import dims
@@ -173,8 +174,10 @@ def _combine(rule: Rule, parts: list[list[torch.Tensor]]) -> torch.Tensor:
 
 
 def _iter_rules(rules, reader: HFReader, plan: ConversionPlan, hf_prefix: str, trt_prefix: str, meta: bool,
-                used: Optional[set]):
-    """Yield (TRT-LLM name, unsharded tensor, HF source names), one rule at a time."""
+                used: Optional[set], stream_experts: bool = False):
+    """Yield (TRT-LLM name, unsharded tensor, HF source names), one rule at a time.
+
+    With ``stream_experts`` a fused expert weight comes as :class:`ExpertParts` (the parts, not the stack)."""
     for rule in rules:
         if not rule.when(plan.info):
             continue
@@ -183,6 +186,10 @@ def _iter_rules(rules, reader: HFReader, plan: ConversionPlan, hf_prefix: str, t
                  for i, group in enumerate(names)]
         if used is not None:
             used.update(n for group in names for n in group)
+        if stream_experts and not meta and streams(rule, parts):
+            yield trt_prefix + rule.trt, ExpertParts(tuple(map(tuple, parts)), tuple(map(tuple, names))), \
+                [n for group in names for n in group]
+            continue
         t = _combine(rule, parts)
         if rule.offset and not meta:  # in float32, before the writer's cast to the checkpoint dtype
             t = t.float() + rule.offset
@@ -193,10 +200,10 @@ def _iter_rules(rules, reader: HFReader, plan: ConversionPlan, hf_prefix: str, t
         yield trt_prefix + rule.trt, t, [n for group in names for n in group]
 
 
-def _unit_iter(reader, plan, unit, meta, used=None):
+def _unit_iter(reader, plan, unit, meta, used=None, stream_experts=False):
     if isinstance(unit, int):
         yield from _iter_rules(plan.family.layer_rules, reader, plan, plan.family.hf_layer_prefix.format(unit),
-                               LAYER.format(unit), meta, used)
+                               LAYER.format(unit), meta, used, stream_experts)
         return
     embed = unit == "embedding"
     rules = [r for r in plan.family.global_rules if r.trt.startswith("transformer.vocab_embedding") == embed]
@@ -365,8 +372,11 @@ def convert(model_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1
         with ThreadPoolExecutor(max_workers=workers or min(plan.world_size, 4)) as pool:
             for done, unit in enumerate(units, 1):
                 if transform is None:
-                    for name, t, sources in _unit_iter(reader, plan, unit, False):
-                        _write_tensor(pool, files, reader, plan, name, t, _what(reader, name, sources))
+                    for name, t, sources in _unit_iter(reader, plan, unit, False, stream_experts=True):
+                        if isinstance(t, ExpertParts):
+                            _write_experts(pool, files, reader, plan, name, t)
+                        else:
+                            _write_tensor(pool, files, reader, plan, name, t, _what(reader, name, sources))
                 else:
                     tensors = transform(_unit_tensors(reader, plan, unit, False), plan, unit if isinstance(unit, int) else None)
                     for name, t in tensors.items():
@@ -405,6 +415,18 @@ def _write_tensor(pool, files, reader, plan, name, t, what) -> None:
     for r in ranks:
         if shards[r] is not t:
             jobs.append(pool.submit(files[r].write, local, shards[r], what, reader.drop_pages))
+    for job in jobs:
+        job.result()
+
+
+def _write_experts(pool, files, reader, plan, name, experts: ExpertParts) -> None:
+    """Each rank's shard of a fused expert weight, written part by part from the source views (no stack)."""
+    rule, _ = plan.rule_for(name)
+    local = local_name(name, plan)
+    jobs = []
+    for r in plan.ranks_of(name):
+        parts = experts.rank_parts(plan.layout, r % plan.tp, rule.split)
+        jobs.append(pool.submit(write_parts, files[r], local, parts, f"{reader.dir}: tensor", reader.drop_pages))
     for job in jobs:
         job.result()
 

@@ -58,12 +58,19 @@ class RankFile:
 
     def slot(self, name: str, t: torch.Tensor) -> tuple[torch.dtype, int]:
         """(planned dtype, absolute file offset) of ``name``, after checking ``t`` has the planned shape."""
+        return self.slot_bytes(name, t.shape)[:2]
+
+    def slot_bytes(self, name: str, shape) -> tuple[torch.dtype, int, int]:
+        """(planned dtype, absolute file offset, bytes) of ``name``, after checking ``shape`` is the planned one."""
         if name not in self.slots:
             raise CheckpointError(f"{self.path.name}: tensor '{name}' was not planned")
-        dtype, shape, offset = self.slots[name]
-        if tuple(t.shape) != shape:
-            raise CheckpointError(f"{self.path.name}: tensor '{name}' has shape {list(t.shape)}, planned {list(shape)}")
-        return dtype, self.base + offset
+        dtype, planned, offset = self.slots[name]
+        if shape is not None and tuple(shape) != planned:
+            raise CheckpointError(f"{self.path.name}: tensor '{name}' has shape {list(shape)}, planned {list(planned)}")
+        nbytes = dtype.itemsize
+        for s in planned:
+            nbytes *= s
+        return dtype, self.base + offset, nbytes
 
     def write(self, name: str, t: torch.Tensor, check: Optional[str] = None,
               after_chunk: Optional[Callable[[torch.Tensor], None]] = None) -> None:
@@ -118,6 +125,35 @@ def write_same(files: list[RankFile], name: str, t: torch.Tensor, check: Optiona
             after_chunk(chunk)
     for f in files:
         f.written.add(name)
+
+
+def write_parts(f: RankFile, name: str, parts: list[tuple[torch.Tensor, str]], check: Optional[str] = None,
+                after_chunk: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+    """Fill the slot of ``name`` with ``parts`` one after the other (each any strides, cast chunk by chunk): a
+    tensor written from pieces that are never concatenated in memory (stacked MoE experts).
+
+    Args:
+        parts: (tensor, source name); their elements, in order, are the slot's.
+        check: when given, refuse NaN/Inf; the error names the part's source after this text.
+    """
+    dtype, pos, nbytes = f.slot_bytes(name, None)
+    end = pos + nbytes
+    for part, source in parts:
+        for chunk in row_chunks(part, CHUNK_BYTES):
+            if check is not None and has_non_finite(chunk):
+                raise non_finite_error(chunk, f"{check} '{source}'")
+            data = memoryview(chunk.to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy())
+            if pos + len(data) > end:
+                raise CheckpointError(f"{f.path.name}: tensor '{name}': its parts exceed the planned {nbytes} bytes")
+            with _naming(f.path):
+                _pwrite_all(f.fd, data, pos)
+            pos += len(data)
+            if after_chunk is not None:
+                after_chunk(chunk)
+    if pos != end:
+        raise CheckpointError(f"{f.path.name}: tensor '{name}': its parts fill {nbytes - (end - pos)} of the planned "
+                              f"{nbytes} bytes")
+    f.written.add(name)
 
 
 @contextlib.contextmanager

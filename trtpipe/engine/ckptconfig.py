@@ -40,6 +40,10 @@ def predicted_checkpoint_config(info: HFModelInfo, recipe: Recipe) -> dict[str, 
         from trtpipe.export.formats import hf_quant_config
 
         cfg["quantization"] = hf_quant_config(q.algo, q.kv_cache, q.group_size, list(q.exclude), {})["quantization"]
+    if recipe.target == "llmapi":  # what the PyTorch backend's model of this family holds (Family.llmapi_*)
+        cfg["use_parallel_embedding"] = cfg.get("use_parallel_embedding", False) or (family.llmapi_vocab_parallel and p.tp > 1)
+        if family.llmapi_router_in_model_dtype:
+            cfg["router_dtype"] = dtype
     return cfg
 
 

@@ -65,6 +65,7 @@ class Shapes:
     attn_bias: bool = False  # q/k/v/o biases
     expert_bias: bool = False  # gpt-oss: per-expert fc/proj biases, a router bias, one attention sink per head
     moe_ep: int = 1
+    router_dtype: str = "float32"
 
     @classmethod
     def of(cls, cfg: dict) -> "Shapes":
@@ -92,6 +93,8 @@ class Shapes:
             attn_bias=bool(cfg.get("attn_bias", False)),
             expert_bias=bool(cfg.get("attention_sinks", False)),
             moe_ep=int((cfg.get("mapping") or {}).get("moe_ep_size") or 1),
+            # the engine path keeps routers float32; a predicted llmapi config names the PyTorch backend's dtype
+            router_dtype=str(cfg.get("router_dtype", "float32")),
         )
 
     @property
@@ -118,12 +121,10 @@ def weight_bytes(s: Shapes, tp: int, pp: int) -> list[int]:
     q_local, kv_local = s.heads // tp, math.ceil(s.kv_heads / tp)
     attn = h * (q_local + 2 * kv_local) * d + q_local * d * h
     mlp = 3 * h * s.intermediate * max(1, s.experts) // tp  # E/moe_ep experts x I/moe_tp rows = E x I / tp
-    qb = QUANT_WEIGHT_BYTES.get(s.quant_algo, s.model_bytes) or s.model_bytes
-    linear_bytes = (attn + mlp) * qb + ((attn + mlp) * 2 / s.group_size if s.quant_algo in GROUPWISE else 0)
+    linear_bytes = _linear_bytes(s, attn + mlp)
     if s.expert_quant_algo:  # experts kept in their own format, whatever the recipe quantizes
-        linear_bytes = attn * qb + (attn * 2 / s.group_size if s.quant_algo in GROUPWISE else 0) \
-            + mlp * QUANT_WEIGHT_BYTES[s.expert_quant_algo]
-    router = h * s.experts * 4 if s.experts > 1 else 0  # kept in float32, never quantized
+        linear_bytes = _linear_bytes(s, attn) + mlp * QUANT_WEIGHT_BYTES[s.expert_quant_algo]
+    router = h * s.experts * DTYPE_BYTES[s.router_dtype] if s.experts > 1 else 0  # never quantized
     biases = ((q_local + 2 * kv_local) * d + h) * s.model_bytes if s.attn_bias else 0
     if s.expert_bias:  # E/moe_ep experts: fc bias 2I/moe_tp and proj bias H each; router bias (float32); sinks
         moe_tp = max(1, tp // s.moe_ep)
@@ -137,6 +138,40 @@ def weight_bytes(s: Shapes, tp: int, pp: int) -> list[int]:
     for r, n in enumerate(pp_layers(s.layers, pp)):
         out.append(int(n * per_layer + (embed if r == 0 else 0) + (head if r == pp - 1 else 0)))
     return out
+
+
+def _linear_bytes(s: Shapes, elements: int) -> float:
+    """Bytes of ``elements`` quantized linear-weight elements (group scales included for groupwise formats)."""
+    qb = QUANT_WEIGHT_BYTES.get(s.quant_algo, s.model_bytes) or s.model_bytes
+    return elements * qb + (elements * 2 / s.group_size if s.quant_algo in GROUPWISE else 0)
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Where a mixture-of-experts model's routed experts live: each GPU holds ``experts / moe_ep`` whole experts,
+    each cut to ``intermediate / moe_tp`` rows (TensorRT-LLM's Mapping: moe_ep x moe_tp = tp)."""
+
+    experts: int
+    moe_ep: int
+    moe_tp: int
+    width: int  # an expert's intermediate rows on one GPU
+    layer_bytes: int  # this GPU's expert weights (gate, up, down) of one layer
+    gpu_bytes: int  # the same over the layers of the largest pp rank
+
+    @property
+    def per_rank(self) -> int:
+        return self.experts // self.moe_ep
+
+
+def expert_placement(s: Shapes, cfg: dict, pp: int) -> Optional[ExpertPlacement]:
+    """The experts one GPU holds and their bytes (None for a dense model)."""
+    if s.experts <= 1:
+        return None
+    m = cfg.get("mapping") or {}
+    ep, mtp = int(m.get("moe_ep_size", 1)), int(m.get("moe_tp_size", m.get("tp_size", 1)))
+    width = s.intermediate // mtp
+    layer = int(_linear_bytes(s, (s.experts // ep) * 3 * s.hidden * width))
+    return ExpertPlacement(s.experts, ep, mtp, width, layer, layer * max(pp_layers(s.layers, pp)))
 
 
 def checkpoint_weight_bytes(ckpt_dir: Path, tp: int, pp: int) -> list[int]:
@@ -207,6 +242,7 @@ class Plan:
     kv_tokens: int
     concurrent_sequences: int  # full-length sequences the pool holds
     host_bytes: dict[str, int] = field(default_factory=dict)
+    experts: Optional[ExpertPlacement] = None
     refusal: str = ""
     kv_bytes_per_token_model: int = 0  # whole model, one copy of each KV head
 
@@ -227,6 +263,11 @@ class Plan:
             "max_seq_len": self.max_seq_len, "blocks_per_sequence": self.blocks_per_sequence,
             "concurrent_sequences": self.concurrent_sequences, "max_batch_size": self.max_batch_size,
             "host_bytes": self.host_bytes,
+            "experts": None if self.experts is None else {
+                "experts": self.experts.experts, "moe_ep": self.experts.moe_ep, "moe_tp": self.experts.moe_tp,
+                "experts_per_gpu": self.experts.per_rank, "expert_width_per_gpu": self.experts.width,
+                "expert_bytes_per_layer_per_gpu": self.experts.layer_bytes,
+                "expert_bytes_per_gpu": self.experts.gpu_bytes},
         }
 
 
@@ -350,6 +391,7 @@ def plan_build(recipe: Recipe, cfg: dict, build: EngineBuild, checkpoint_dir: Op
         max_batch_size=c.max_batch_size, max_beam_width=c.max_beam_width, blocks_per_sequence=per_seq,
         kv_blocks=blocks, kv_tokens=min(r.kv_tokens for r in ranks), concurrent_sequences=blocks // per_seq,
         kv_bytes_per_token_model=int(kv_bytes_per_token(s, s.layers, 1)),
+        experts=expert_placement(s, cfg, pp),
         host_bytes=host_estimates(s, source_dtype_bytes, max(weights), build.workers, recipe),
     )
     return replace(plan, refusal=_refusal(plan, recipe, cfg, build))

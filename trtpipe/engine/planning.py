@@ -124,6 +124,11 @@ def render_plan(r: Resolved) -> str:
             f"pp rank {x.pp_rank}: weights {_size(x.weight_bytes)} (from {p.weights_from}) + activations ~{_size(x.activation_bytes)} "
             f"+ runtime reserve ~{_size(x.reserve_bytes)}; free {_size(max(x.free_bytes, 0))} -> KV pool {_size(x.kv_pool_bytes)} "
             f"= {x.kv_tokens} tokens = {x.kv_blocks} blocks")
+    e = p.experts
+    if e is not None:
+        lines.append(
+            f"experts: {e.per_rank} of {e.experts} per GPU (moe_ep {e.moe_ep} x moe_tp {e.moe_tp}; {e.width} of each "
+            f"expert's rows): {_size(e.layer_bytes)} per layer, {_size(e.gpu_bytes)} per GPU of the weights above")
     lines.append(
         f"KV capacity: {p.kv_tokens} tokens ({p.kv_blocks} blocks of {p.tokens_per_block}); one sequence of max_seq_len "
         f"{p.max_seq_len} needs {p.blocks_per_sequence} blocks -> {p.concurrent_sequences} concurrent full-length sequences "

@@ -84,7 +84,7 @@ def needs_data(algo: str) -> bool:
     f = HF_FORMATS.get(algo)
     return f is not None and f.needs_data
 # algos whose unified HF layout trtpipe writes for stacked MoE experts (each expert an nn.Linear of its own)
-MOE_EXPORT_ALGOS = ("none", "fp8")
+MOE_EXPORT_ALGOS = ("none", "fp8", "nvfp4")
 HF_KV = {"fp8": "FP8"}
 KV_SCHEME = {"FP8": FP8_SCHEME}
 

@@ -45,8 +45,9 @@ def _llmapi_target(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding
         why, alternatives = LLMAPI_REFUSED_KV[q.kv_cache]
         yield "quantization.kv_cache", f"kv_cache {q.kv_cache} is refused for target llmapi: {why}; {alternatives}"
     if m is not None and m.is_moe and q.algo not in MOE_EXPORT_ALGOS:
-        yield "quantization.algo", (f"{q.algo}: the llmapi export writes mixture-of-experts experts unquantized or in "
-                                    f"fp8 (supported: {', '.join(MOE_EXPORT_ALGOS)}); use fp8, or target: engine")
+        yield "quantization.algo", (f"{q.algo}: the llmapi export writes mixture-of-experts experts unquantized, in "
+                                    f"fp8 or in nvfp4 (supported: {', '.join(MOE_EXPORT_ALGOS)}); use fp8 or nvfp4, "
+                                    f"or target: engine")
     if m is not None and q.algo == "nvfp4":
         import fnmatch
 

@@ -288,9 +288,15 @@ def _expert_tensors(names: HFNames, rel: str, t: torch.Tensor, i: int, algo: str
                     dt: torch.dtype) -> dict[str, torch.Tensor]:
     """One MoE linear's experts as ModelOpt writes them: every expert's projections quantized on their own.
 
-    FP8: a per-tensor weight scale per projection and a static input scale per expert from the max |x| of the
-    tokens calibration routed to that expert (:meth:`GroupStats.expert_input_amax`, with its stated fallback for an
-    expert no token reached); up_proj and gate_proj read the same input, so they share it.
+    Every expert's input scale is static, from the max |x| of the tokens calibration routed to that expert
+    (:meth:`GroupStats.expert_input_amax`, with its stated fallback for an expert no token reached); up_proj and
+    gate_proj read the same input, so they share it.
+
+    An expert's up_proj and gate_proj are one fused gate_up GEMM: they share the weight's per-tensor scale (FP8:
+    ``weight_scale``; NVFP4: the second-level ``weight_scale_2`` over per-projection FP8 block scales), down_proj
+    has its own, as ModelOpt 0.47's ``_QuantFusedExperts`` writes them. ModelOpt 0.47 on transformers 5's fused experts
+    shares one input scale across all experts of a layer instead; TensorRT-LLM's fused MoE takes the maximum over
+    the experts, which is the same number when every expert saw a token.
     """
     if algo not in MOE_EXPORT_ALGOS:
         raise QuantizationError(f"layer {i} {rel}: quantization.algo {algo} is not exported for MoE experts "
@@ -299,9 +305,22 @@ def _expert_tensors(names: HFNames, rel: str, t: torch.Tensor, i: int, algo: str
     pieces = names.split(rel, t, i)
     per_expert = len(pieces) // t.shape[0]
     out: dict[str, torch.Tensor] = {}
+    if algo == "nvfp4":
+        for e in range(t.shape[0]):
+            mine = [(n, w.float()) for n, w in pieces[e * per_expert:(e + 1) * per_expert]]
+            wsf2 = torch.stack([w.abs().amax() for _, w in mine]).amax() / (6.0 * 448.0)
+            for hf_name, w in mine:
+                if w.shape[-1] % NVFP4_BLOCK:
+                    raise QuantizationError(f"{hf_name}: in_features {w.shape[-1]} is not a multiple of 16 (NVFP4 "
+                                            f"blocks); add '*{rel.rsplit('.', 1)[0]}' to quantization.exclude")
+                stored = _nvfp4(w, wsf2, amax[e] / (6.0 * 448.0))
+                out.update({f"{hf_name.rsplit('.', 1)[0]}.{s}": v for s, v in stored.items()})
+        return out
     for k, (hf_name, w) in enumerate(pieces):
         w = w.float()
-        p = {"weight": w, "weights_scaling_factor": choose_qparams(observe_amax(w, "tensor"), "fp8"),
+        mine = pieces[k // per_expert * per_expert:(k // per_expert + 1) * per_expert]  # up and gate share it
+        ws = choose_qparams(torch.stack([observe_amax(v.float(), "tensor").reshape(()) for _, v in mine]).amax(), "fp8")
+        p = {"weight": w, "weights_scaling_factor": ws.reshape(1),
              "activation_scaling_factor": choose_qparams(amax[k // per_expert].reshape(1), "fp8")}
         stored = _hf_linear(algo, p, False, group_size, dt, own_scale=False)
         out.update({f"{hf_name.rsplit('.', 1)[0]}.{s}": v for s, v in stored.items()})

@@ -90,6 +90,12 @@ class Family:
         parallel_embedding_at_tp: TensorRT-LLM's config class of this family sets ``use_parallel_embedding`` to
             ``tp_size > 1`` whatever the checkpoint says (Gemma), so the checkpoint must hold the embedding
             vocab-sharded (dim 0) whenever tp > 1.
+        llmapi_vocab_parallel: TensorRT-LLM's PyTorch-backend model of this family holds the embedding split
+            across the tp ranks when attention data parallelism is off (``Embedding(...,
+            tensor_parallel_mode=TensorParallelMode.COLUMN)``): what ``trtpipe plan`` counts per GPU for
+            ``target: llmapi``.
+        llmapi_router_in_model_dtype: that model keeps the MoE router weight in the model dtype (the engine path
+            keeps it float32).
     """
 
     name: str
@@ -104,6 +110,8 @@ class Family:
     parallel_embedding_at_tp: bool = False
     no_engine: str = ""
     kept_unquantized: tuple[str, ...] = ()
+    llmapi_vocab_parallel: bool = False
+    llmapi_router_in_model_dtype: bool = False
 
 
 def dims(info: HFModelInfo) -> dict[str, int]:

@@ -13,6 +13,11 @@ transformers. trtpipe writes the mode that matches the checkpoint.
 
 Layer patterns the TRT-LLM model cannot express (``mlp_only_layers`` not empty, ``decoder_sparse_step`` other than 1:
 dense MLPs between MoE layers) are refused; upstream's converter stacks experts for every layer.
+
+On the PyTorch backend (``target: llmapi``; NVIDIA/TensorRT-LLM@a678b91a
+``tensorrt_llm/_torch/models/modeling_qwen3_moe.py``) the router ``Qwen3Gate`` weight is in the model dtype, and
+``Qwen3MoEModel`` builds the embedding with ``tensor_parallel_mode=TensorParallelMode.COLUMN`` (one vocab slice
+per tp rank) unless attention data parallelism is on: the planner counts those bytes for that target.
 """
 
 from __future__ import annotations
@@ -77,4 +82,6 @@ QWEN3_MOE = Family(
     layer_rules=ATTENTION_RULES + QK_NORM_RULES + MOE_RULES,
     config_fields=qwen3_moe_fields,
     unsupported=qwen3_moe_unsupported,
+    llmapi_vocab_parallel=True,
+    llmapi_router_in_model_dtype=True,
 )
