@@ -76,6 +76,7 @@ def test_a_full_queue_sheds_its_lowest_priority_newest_first_and_refuses_the_res
     running = core.submit(Request(PROMPT, 3))
     core.iterate()  # admitted: the queue is empty again
     low1, low2, mid = (core.submit(Request(PROMPT, 3, priority=p)) for p in (0.1, 0.1, 0.5))
+    assert core.refusal(0.1) and core.refusal(0.5) is None  # what submit would say, asked before tokenizing
     high1 = core.submit(Request(PROMPT, 3, priority=0.9))  # full: pushes out the newest of the lowest (low2)
     with pytest.raises(QueueFullError, match="Maximum queue size of 3 has been reached"):
         core.submit(Request(PROMPT, 3, priority=0.1))  # nothing lower than itself to shed

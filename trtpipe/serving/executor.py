@@ -149,6 +149,15 @@ class ExecutorCore:
             insert_by_priority(self.queue, _Queued(rid, request, self.clock.now_ns()))
             return rid
 
+    def refusal(self, priority: float) -> Optional[str]:
+        """What :meth:`submit` would refuse a request of ``priority`` with right now, or None: lets a front end
+        answer an overload before it tokenizes the prompt (advisory: ``submit`` still decides)."""
+        with self._lock:
+            limit = self.config.max_queue_size
+            if limit > 0 and len(self.queue) >= limit and (not self.queue or self.queue[-1].priority >= priority):
+                return f"Maximum queue size of {limit} has been reached, please try again later"
+            return None
+
     def cancel(self, request_id: int) -> None:
         with self._lock:
             self._cancel.add(request_id)

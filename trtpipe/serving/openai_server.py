@@ -458,14 +458,26 @@ class OpenAIServer:
             raise BadRequest("the chat template did not render text", "messages")
         return tok.encode(text, add_special_tokens=False)
 
+    def _refuse_early(self, body: dict) -> None:
+        """503 once the executor stopped, 429 when its queue would refuse this priority: before any tokenizing, so
+        an overloaded server answers in the time it takes to parse the JSON."""
+        executor = self.served.executor
+        if not executor.healthy:
+            raise Unavailable(f"LLM is unavailable: the executor is not running: {executor.stopped_because}")
+        why = executor.core.refusal(_num(body, "priority", float, DEFAULT_PRIORITY, 0.0, 1.0))
+        if why:
+            raise Overloaded(why)
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, "completions")
+        self._refuse_early(body)
         ids = await asyncio.get_running_loop().run_in_executor(None, self._prompt_ids, body.get("prompt"))
         max_tokens = self._max_tokens(body, len(ids), 16, "prompt")
         return await self._serve(request, body, ids, max_tokens, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, "chat")
+        self._refuse_early(body)
         ids = await asyncio.get_running_loop().run_in_executor(None, self._chat_ids, body.get("messages"))
         max_tokens = self._max_tokens(body, len(ids), None, "messages")
         return await self._serve(request, body, ids, max_tokens, chat=True)
