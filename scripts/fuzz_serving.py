@@ -8,7 +8,7 @@ Every case must get an error (OpenAI-shaped on the twin) or a valid answer; the 
 request afterwards must still give the right answer (Triton: every ``--check-every`` cases; the twin: after each
 case). The server is started on 127.0.0.1 and stopped at the end::
 
-    python scripts/fuzz_serving.py TARGET [--seed 0] [--limit N] [--expect TEXT]
+    python scripts/fuzz_serving.py TARGET [--seed 0] [--limit N] [--expect TEXT] [--chat-template FILE]
 
 Prints one JSON summary (cases, outcomes, failures) and exits 1 when anything failed.
 """
@@ -35,7 +35,7 @@ def fuzz_openai(args) -> dict:
     from trtpipe.serving import openai_fuzz
     from trtpipe.serving.openai_launch import resolve_openai_target, start_detached
 
-    target = resolve_openai_target(args.target, args.set, port=args.port)
+    target = resolve_openai_target(args.target, args.set, port=args.port, chat_template=args.chat_template)
     server = start_detached(target, args.set, timeout=300)
     try:
         return openai_fuzz.run(server.http_url, target.name, args.expect, args.limit, args.seed, server.alive)
@@ -53,6 +53,8 @@ def main() -> int:
                     "server's first answer)")
     ap.add_argument("--set", action="append", default=[], help="recipe override (llmapi recipe)")
     ap.add_argument("--port", type=int, default=None, help="OpenAI twin port (default: the recipe's)")
+    ap.add_argument("--chat-template", type=Path, default=None, help="OpenAI twin: a chat template for a tokenizer "
+                    "without one (the chat cases need it)")
     args = ap.parse_args()
     sigterm_as_interrupt()  # a kill stops the server too: it runs in its own session and would outlive us
     from trtpipe.serving.openai_launch import is_openai_target
