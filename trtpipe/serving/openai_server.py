@@ -282,6 +282,9 @@ def _check_unsupported(body: dict) -> None:
         raise BadRequest("only n=1 (and best_of=1) is supported", "n")
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
         raise BadRequest("logprobs are not supported by this server", "logprobs")
+    for key, kind in (("user", str), ("reasoning_effort", str), ("parallel_tool_calls", bool)):  # read, unused
+        if body.get(key) is not None and not isinstance(body[key], kind):
+            raise BadRequest(f"'{key}' must be a {kind.__name__}", key)
 
 
 def _stream_settings(body: dict) -> tuple[bool, bool]:
