@@ -22,3 +22,36 @@ def stories_export_base(tmp_path_factory, stories_dir):
     base = convert(stories_dir, root / "base", tp=2, dtype="bfloat16")
     calib = self_tokens(base, 8, 32, 0)
     return {"base": base, "stats": our_stats(base, calib, root / "stats", awq_group_size=32), "root": root}
+
+
+@pytest.fixture(scope="session")
+def stories_fp16_export(tmp_path_factory, stories_dir):
+    """stories260k exported float16 by the llmapi export (no quantization): what the OpenAI twin's tests serve."""
+    from trtpipe.checkpoint.convert import convert
+    from trtpipe.export.unified import export_unified
+
+    root = tmp_path_factory.mktemp("twin")
+    base = convert(stories_dir, root / "base", tp=1, dtype="float16")
+    out = root / "hf"
+    out.mkdir()
+    export_unified(base, stories_dir, None, out, algo="none", kv_cache="none", group_size=128, alpha=0.5,
+                   exclude=["*lm_head"])
+    return out
+
+
+@pytest.fixture(scope="session")
+def fp16_greedy_text(stories_fp16_export):
+    """transformers' greedy continuation (float16 weights, float32 compute) of a prompt, as text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(stories_fp16_export, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(stories_fp16_export)
+    eos = model.generation_config.eos_token_id
+
+    def run(prompt: str, n: int) -> str:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([tok.encode(prompt)]), max_new_tokens=n, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=eos)
+        return tok.decode(out[0, len(tok.encode(prompt)):].tolist(), skip_special_tokens=True)
+
+    return run

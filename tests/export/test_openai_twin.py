@@ -21,8 +21,8 @@ PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park"
 
 
 @pytest.fixture(scope="module")
-def fp16_export(tmp_path_factory, stories_dir):
-    return openai_helpers.fp16_export(stories_dir, tmp_path_factory.mktemp("twin"))
+def fp16_export(stories_fp16_export):
+    return stories_fp16_export
 
 
 @pytest.fixture(scope="module")

@@ -248,6 +248,21 @@ def test_priority_levels_reach_the_entry_queues(stories_recipe, stories_engine):
     assert pre.dynamic_batching.priority_levels == 0  # only the models that queue generation work
 
 
+
+def test_the_serving_deadline_reaches_the_twin_executor(stories_recipe, stories_engine, tmp_path):
+    from google.protobuf import json_format
+
+    from trtpipe.serving.triton_adapter import settings_from_model_config
+
+    engine = stories_engine(1)
+    repo = tmp_path / "repo"
+    R.write_repo(stories_recipe("serving.request_timeout_s=2.5", "triton.max_queue_size=7"), engine,
+               engine / "checkpoint", repo)
+    config = text_format.Parse((repo / "tensorrt_llm" / "config.pbtxt").read_text(), mc.ModelConfig())
+    settings = settings_from_model_config(json_format.MessageToDict(config, preserving_proto_field_name=True),
+                                          str(repo / "tensorrt_llm"))  # Triton's model_repository: the model's dir
+    assert settings.executor.request_timeout_s == 2.5 and settings.executor.max_queue_size == 7
+
 # How upstream's python models load their tokenizer (NVIDIA/TensorRT-LLM
 # triton_backend/all_models/inflight_batcher_llm/preprocessing/1/model.py@beb339f5; postprocessing and the BLS
 # alike): the tokenizer_dir parameter straight into AutoTokenizer.from_pretrained, in tritonserver's working

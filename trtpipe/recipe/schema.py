@@ -223,6 +223,17 @@ class TritonSection(_Section):
     _repo_dir = field_validator("repo_dir")(classmethod(lambda cls, v: v if v is None else _path_text(v)))
 
 
+class ServingSection(_Section):
+    """How the served executor protects itself (both front ends: the Triton twin and the OpenAI twin)."""
+
+    request_timeout_s: float = Field(600.0, gt=0, le=7 * 24 * 3600, description="A request not finished this many "
+                                     "seconds after it arrived fails with a timeout error (OpenAI twin: HTTP 504), "
+                                     "queued or running, so none waits forever.")
+    max_queue_size: int = Field(-1, ge=-1, le=INT32_MAX, description="OpenAI twin: requests waiting beyond the "
+                                "running batch before new ones get 429 (-1: 8 per engine batch slot; 0: unlimited). "
+                                "The Triton twin's bound is triton.max_queue_size.")
+
+
 class LLMAPISection(_Section):
     """The TensorRT-LLM PyTorch-backend / LLM-API deployment (``target: llmapi``)."""
 
@@ -313,6 +324,8 @@ class Recipe(_Section):
     )
     llmapi: LLMAPISection = Field(default_factory=LLMAPISection, description="The llmapi target's deployment.")
     deploy: DeploySection = Field(default_factory=DeploySection, description="Kubernetes and monitoring.")
+    serving: ServingSection = Field(default_factory=ServingSection, description="Deadlines and queue bounds "
+                                    "of the served executor.")
 
     _path: Optional[Path] = PrivateAttr(None)
     _positions: dict = PrivateAttr(default_factory=dict)

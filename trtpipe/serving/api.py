@@ -37,7 +37,20 @@ class CapacityPolicy(str, enum.Enum):
     STATIC_BATCH = "static_batch"
 
 
-DEFAULT_PRIORITY = 0.5  # executor Request::kDefaultPriority
+DEFAULT_PRIORITY = 0.5  # executor Request::kDefaultPriority (bigger is served first)
+
+
+class ErrorKind(str, enum.Enum):
+    """Why a request failed, so each front end answers with its own status (HTTP 400/429/504/500, Triton error).
+
+    ``OVERLOADED``: refused or shed because the queue is full (retry later); ``TIMED_OUT``: not finished within its
+    allotted time; ``INVALID``: the request itself is out of range; ``INTERNAL``: a failure in the executor or step.
+    """
+
+    INVALID = "invalid"
+    OVERLOADED = "overloaded"
+    TIMED_OUT = "timed_out"
+    INTERNAL = "internal"
 
 
 @dataclass(frozen=True)
@@ -55,6 +68,7 @@ class ExecutorConfig:
     enable_kv_cache_reuse: bool = False
     max_queue_size: int = 0  # 0: unlimited
     max_beam_width: int = 1
+    request_timeout_s: float = 0.0  # a request not finished this long after submit fails (0: no limit)
 
     @property
     def max_context_length(self) -> int:
@@ -118,6 +132,7 @@ class Request:
     priority: float = DEFAULT_PRIORITY
     return_perf_metrics: bool = False
     client_tag: Any = None  # opaque to the executor (the front end's handle, e.g. a Triton response sender)
+    allotted_time_s: Optional[float] = None  # executor ``allottedTimeMs``; None: the config's request_timeout_s
 
 
 @dataclass
@@ -150,6 +165,7 @@ class Response:
     is_final: bool
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
     error: Optional[str] = None
+    error_kind: Optional[ErrorKind] = None  # set with ``error``
     perf: Optional[PerfMetrics] = None
     num_input_tokens: int = 0
     num_output_tokens: int = 0

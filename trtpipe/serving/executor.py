@@ -1,9 +1,14 @@
 """The in-flight batching executor: one loop that admits, schedules, runs one packed step and responds.
 
-Between two engine steps, in TensorRT-LLM's order (``executionLoop``): apply cancellations, send responses
-(finished requests leave and free their blocks), admit from the priority queue, run the capacity scheduler
-(pausing under MAX_UTILIZATION), the micro-batch scheduler, allocate KV blocks, run the step. A request
-submitted while a step runs joins at the next step.
+Between two engine steps, in TensorRT-LLM's order (``executionLoop``): time out requests past their allotted
+time, apply cancellations, send responses (finished requests leave and free their blocks), admit from the priority
+queue, run the capacity scheduler (pausing under MAX_UTILIZATION), the micro-batch scheduler, allocate KV blocks,
+run the step. A request submitted while a step runs joins at the next step.
+
+Priority is TensorRT-LLM's: a float, bigger is served first (default 0.5), FIFO among equals, in the queue, in the
+active list (so MAX_UTILIZATION pauses the lowest priority first) and when a full queue sheds (the lowest, newest
+first). Faults stay local: a request whose settings or admission fail, a context the micro-batch scheduler refuses,
+and a failed step fail only the requests concerned; anything else fails what is in flight; the loop goes on.
 
 :class:`ExecutorCore` is single-threaded and clock-agnostic: the served twin drives it from a thread with the
 real clock (:class:`Executor`), the performance simulator drives it with a :class:`SimClock` that advances by
@@ -19,10 +24,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from trtpipe.serving.api import (CapacityPolicy, ExecutorConfig, FinishReason, Request, Response, StepBatch, StepEngine,
-                                 StepEntry)
+from trtpipe.serving.api import (CapacityPolicy, ErrorKind, ExecutorConfig, FinishReason, Request, Response, StepBatch,
+                                 StepEngine, StepEntry)
 from trtpipe.serving.kv_pool import BlockPool, KVStats
-from trtpipe.serving.scheduler import ActiveRequest, capacity_schedule, insert_by_priority, micro_batch
+from trtpipe.serving.scheduler import ActiveRequest, ContextTooLong, capacity_schedule, insert_by_priority, micro_batch
 
 
 log = logging.getLogger(__name__)
@@ -30,6 +35,10 @@ log = logging.getLogger(__name__)
 
 class QueueFullError(RuntimeError):
     """``maxQueueSize`` reached: the request is refused at once (back-pressure)."""
+
+
+class ExecutorStopped(RuntimeError):
+    """The executor loop is not running (shut down, or died): nothing submitted now would ever be answered."""
 
 
 class Clock:
@@ -120,17 +129,34 @@ class ExecutorCore:
         self._cancel: set[int] = set()
         self._lock = threading.Lock()  # guards queue, _cancel and ids against submit/cancel from other threads
         self._next_id = 1
+        self._shed: list[_Queued] = []  # pushed out of a full queue by a higher priority: answered next turn
         self.stalled = False  # the last turn had requests but could schedule none (waiting for blocks)
 
     # ---- the front ends' side (any thread) ------------------------------------------------------
     def submit(self, request: Request) -> int:
+        """Queue a request; ``QueueFullError`` at once when the queue is full of requests of its priority or higher.
+
+        A full queue holding a lower priority sheds its lowest (the newest among equals) to make room: that one
+        is answered with an ``OVERLOADED`` error at the next turn, as a refusal would have been.
+        """
         with self._lock:
             limit = self.config.max_queue_size
             if limit > 0 and len(self.queue) + 1 > limit:
-                raise QueueFullError(f"Maximum queue size of {limit} has been reached, please try again later")
+                if not self.queue or self.queue[-1].priority >= request.priority:
+                    raise QueueFullError(f"Maximum queue size of {limit} has been reached, please try again later")
+                self._shed.append(self.queue.pop())
             rid, self._next_id = self._next_id, self._next_id + 1
             insert_by_priority(self.queue, _Queued(rid, request, self.clock.now_ns()))
             return rid
+
+    def refusal(self, priority: float) -> Optional[str]:
+        """What :meth:`submit` would refuse a request of ``priority`` with right now, or None: lets a front end
+        answer an overload before it tokenizes the prompt (advisory: ``submit`` still decides)."""
+        with self._lock:
+            limit = self.config.max_queue_size
+            if limit > 0 and len(self.queue) >= limit and (not self.queue or self.queue[-1].priority >= priority):
+                return f"Maximum queue size of {limit} has been reached, please try again later"
+            return None
 
     def cancel(self, request_id: int) -> None:
         with self._lock:
@@ -139,7 +165,7 @@ class ExecutorCore:
     @property
     def busy(self) -> bool:
         with self._lock:
-            return bool(self.active or self.queue or self._cancel)
+            return bool(self.active or self.queue or self._cancel or self._shed)
 
     @property
     def last_stats(self) -> Optional[IterationStats]:
@@ -147,21 +173,23 @@ class ExecutorCore:
 
     # ---- the loop (one thread) ------------------------------------------------------------------
     def iterate(self) -> bool:
-        """One turn of the loop. Returns whether anything is left to do."""
-        was_active = bool(self.active)
-        self._apply_cancellations()
-        self._respond()
-        if was_active and not self.active:
-            self._record(0.0, StepBatch(self.iteration), paused=0)  # the "all zero" record: gauges fall to 0
-        self._admit()
-        if self.active:
-            try:
+        """One turn of the loop. Returns whether anything is left to do. Never raises for an ``Exception``."""
+        try:
+            was_active = bool(self.active)
+            self._answer_shed()
+            self._expire()
+            self._apply_cancellations()
+            self._respond()
+            if was_active and not self.active:
+                self._record(0.0, StepBatch(self.iteration), paused=0)  # the "all zero" record: gauges fall to 0
+            self._admit()
+            if self.active:
                 self._step()
-            except Exception as exc:  # as in TensorRT-LLM: a failed step fails every active request, the loop goes on
-                self._fail_all(f"Encountered an error in forwardAsync function: {type(exc).__name__}: {exc}")
-                self.iteration += 1
-        with self._lock:
-            return bool(self.active or self.queue or self._cancel)
+        except Exception as exc:  # a fault outside the guarded parts: fail what is in flight, keep the loop
+            log.exception("executor iteration %d failed", self.iteration)
+            self.fail_everything(f"Encountered an error in the executor loop: {type(exc).__name__}: {exc}")
+            self.iteration += 1
+        return self.busy
 
     def run_until_idle(self, max_iterations: int = 10_000_000) -> None:
         for _ in range(max_iterations):
@@ -169,7 +197,39 @@ class ExecutorCore:
                 return
         raise RuntimeError(f"executor still busy after {max_iterations} iterations")
 
-    # ---- cancellation and responses --------------------------------------------------------------
+    # ---- shedding, deadlines, cancellation and responses -----------------------------------------
+    def _answer_shed(self) -> None:
+        with self._lock:
+            shed, self._shed = self._shed, []
+        limit = self.config.max_queue_size
+        for q in shed:
+            self._error(q.id, q.request, f"Maximum queue size of {limit} has been reached, please try again later "
+                        f"(shed for a request of higher priority than {q.priority:g})", ErrorKind.OVERLOADED)
+
+    def _allotted_ns(self, request: Request) -> int:
+        t = request.allotted_time_s if request.allotted_time_s is not None else self.config.request_timeout_s
+        return int(t * 1e9) if t and t > 0 else 0
+
+    def _expire(self) -> None:
+        """Requests past their allotted time (counted from submit) end with ``TIMED_OUT``, queued or running."""
+        now = self.clock.now_ns()
+        with self._lock:
+            late = [q for q in self.queue if self._allotted_ns(q.request) and now - q.enqueue_ns > self._allotted_ns(q.request)]
+            if late:
+                gone = {q.id for q in late}
+                self.queue = [q for q in self.queue if q.id not in gone]
+        for q in late:
+            self._error(q.id, q.request, self._timeout_message(q.request, now - q.enqueue_ns, "in the queue"),
+                        ErrorKind.TIMED_OUT, FinishReason.TIMED_OUT)
+        for r in self.active:
+            allotted = self._allotted_ns(r.request)
+            if allotted and not r.finish_reason and now - r.perf.enqueue_ns > allotted:
+                r.finish_reason = FinishReason.TIMED_OUT
+
+    def _timeout_message(self, request: Request, waited_ns: int, where: str) -> str:
+        return (f"Request timed out {where}: not finished {waited_ns / 1e9:.2f} s after it arrived "
+                f"(allotted time {self._allotted_ns(request) / 1e9:g} s)")
+
     def _apply_cancellations(self) -> None:
         with self._lock:
             ids, self._cancel = self._cancel, set()
@@ -186,10 +246,15 @@ class ExecutorCore:
 
     def _respond(self) -> None:
         keep = []
+        now = self.clock.now_ns()
         for r in self.active:
             done = bool(r.finish_reason)
             req = r.request
-            if req.streaming:
+            if r.finish_reason == FinishReason.TIMED_OUT:
+                where = "while generating" if r.output else "before its first token"
+                self._error(r.id, req, self._timeout_message(req, now - r.perf.enqueue_ns, where),
+                            ErrorKind.TIMED_OUT, FinishReason.TIMED_OUT)
+            elif req.streaming:
                 new = r.output[r.sent:]
                 if new or done:
                     r.sent = len(r.output)
@@ -215,8 +280,9 @@ class ExecutorCore:
         except Exception:  # a front end that cannot deliver (client gone) must not stop the loop for everyone
             log.exception("response %d could not be delivered", response.request_id)
 
-    def _error(self, rid: int, request: Request, message: str) -> None:
-        self._send(Response(rid, [], True, FinishReason.NOT_FINISHED, error=message,
+    def _error(self, rid: int, request: Request, message: str, kind: ErrorKind = ErrorKind.INTERNAL,
+               reason: FinishReason = FinishReason.NOT_FINISHED) -> None:
+        self._send(Response(rid, [], True, reason, error=message, error_kind=kind,
                             num_input_tokens=len(request.prompt), client_tag=request.client_tag))
 
     def _release(self, r: ActiveRequest) -> None:
@@ -239,15 +305,15 @@ class ExecutorCore:
                 while self.queue and self.queue[0].priority > floor:
                     taken.append(self.queue.pop(0))
         for q in taken:
-            problem = self._validate(q.request)
+            problem, kind = self._validate(q.request), ErrorKind.INVALID
             if problem is None:
                 try:
                     insert_by_priority(self.active, self._activate(q))
                     continue
                 except Exception as exc:  # one request's bad settings must not end the loop for every other one
                     log.exception("request %d could not be admitted", q.id)
-                    problem = f"{type(exc).__name__}: {exc}"
-            self._error(q.id, q.request, f"Encountered an error when fetching new request: {problem}")
+                    problem, kind = f"{type(exc).__name__}: {exc}", ErrorKind.INTERNAL
+            self._error(q.id, q.request, f"Encountered an error when fetching new request: {problem}", kind)
 
     def _validate(self, req: Request) -> Optional[str]:
         c = self.config
@@ -282,6 +348,27 @@ class ExecutorCore:
 
     # ---- one step ----------------------------------------------------------------------------------
     def _step(self) -> None:
+        """Schedule and run one step. A context the micro-batch scheduler refuses fails alone; a failed step fails
+        the requests it carried (TensorRT-LLM fails every active request: here the others go on)."""
+        try:
+            decision, chosen = self._schedule()
+        except ContextTooLong as exc:
+            self._fail([r for r in self.active if r.id == exc.request_id], f"Encountered an error in scheduling: {exc}",
+                       ErrorKind.INVALID)
+            return
+        except Exception as exc:
+            log.exception("scheduling iteration %d failed", self.iteration)
+            self._fail(list(self.active), f"Encountered an error in scheduling: {type(exc).__name__}: {exc}")
+            self.iteration += 1
+            return
+        try:
+            self._run(decision, chosen)
+        except Exception as exc:
+            log.exception("step %d failed", self.iteration)
+            self._fail(chosen, f"Encountered an error in forwardAsync function: {type(exc).__name__}: {exc}")
+            self.iteration += 1
+
+    def _schedule(self):
         c, tpb = self.config, self.config.tokens_per_block
         for r in self.active:  # what the cache already holds of each first context
             if not r.started:
@@ -289,7 +376,10 @@ class ExecutorCore:
         decision = capacity_schedule(self.active, self.pool.num_free, c, self.max_active, self.pool.refs)
         for r in decision.paused:
             self._pause(r)
-        chosen = micro_batch(decision.scheduled, c)
+        return decision, micro_batch(decision.scheduled, c)
+
+    def _run(self, decision, chosen: list[ActiveRequest]) -> None:
+        tpb = self.config.tokens_per_block
         self.stalled = False
         start = self.clock.now_ns()
         batch = StepBatch(self.iteration)
@@ -363,11 +453,25 @@ class ExecutorCore:
         if not self.config.enable_chunked_context and r.context_len > self.config.max_context_length:
             r.finish_reason = FinishReason.LENGTH  # its recompute could never be scheduled without chunking
 
-    def _fail_all(self, message: str) -> None:
-        for r in self.active:
-            self._release(r)
-            self._error(r.id, r.request, message)
-        self.active = []
+    def _fail(self, requests: list[ActiveRequest], message: str, kind: ErrorKind = ErrorKind.INTERNAL) -> None:
+        """Answer ``requests`` with an error and drop them (their blocks go back to the pool)."""
+        gone = {r.id for r in requests}
+        self.active = [r for r in self.active if r.id not in gone]
+        for r in requests:
+            try:
+                self._release(r)
+            except Exception:  # a pool left inconsistent by the fault: the request still gets its answer
+                log.exception("blocks of request %d not released", r.id)
+                r.block_table = []
+            self._error(r.id, r.request, message, kind)
+
+    def fail_everything(self, message: str) -> None:
+        """Answer every request, queued or in flight, with an error (the loop hit a fault, or is stopping)."""
+        with self._lock:
+            queued, self.queue, shed, self._shed = self.queue, [], self._shed, []
+        self._fail(list(self.active), message)
+        for q in queued + shed:
+            self._error(q.id, q.request, message)
 
     def _record(self, elapsed: float, batch: StepBatch, paused: int, scheduled: Optional[int] = None) -> None:
         with self._lock:
@@ -387,7 +491,10 @@ class Executor:
     """:class:`ExecutorCore` on a background thread with the real clock, for servers and Python callers.
 
     ``submit(request, on_response)``: ``on_response(Response)`` runs on the executor thread, once per response;
-    the last one has ``is_final``. ``QueueFullError`` is raised at once when the queue is full.
+    the last one has ``is_final``. ``QueueFullError`` is raised at once when the queue is full, ``ExecutorStopped``
+    when the loop no longer runs. ``healthy`` turns false the moment the loop stops, whatever stopped it (a front
+    end's health check reads it, so an orchestrator restarts the server); every request still waiting is then
+    answered with an error.
     """
 
     def __init__(self, config: ExecutorConfig, engine: StepEngine, idle_wait_s: float = 0.05,
@@ -399,11 +506,18 @@ class Executor:
         self._stop = threading.Event()
         self._idle_wait = idle_wait_s
         self._threads = threads
+        self.stopped_because: Optional[str] = None  # why the loop ended, once it has
         self._thread = threading.Thread(target=self._loop, name="trtpipe-executor", daemon=True)
         self._thread.start()
 
+    @property
+    def healthy(self) -> bool:
+        return self.stopped_because is None and self._thread.is_alive()
+
     def submit(self, request: Request, on_response: Callable[[Response], None]) -> int:
         with self._cb_lock:
+            if not self.healthy:
+                raise ExecutorStopped(f"the executor is not running: {self.stopped_because or 'its thread ended'}")
             rid = self.core.submit(request)
             self._callbacks[rid] = on_response
         self._wake.set()
@@ -428,12 +542,24 @@ class Executor:
             cb(response)
 
     def _loop(self) -> None:
-        if self._threads:  # torch's intra-op thread count is per thread: set it where the steps run
-            import torch
+        why = "shut down"
+        try:
+            if self._threads:  # torch's intra-op thread count is per thread: set it where the steps run
+                import torch
 
-            torch.set_num_threads(self._threads)
-        while not self._stop.is_set():
-            busy = self.core.iterate()
-            if not busy or self.core.stalled:
-                self._wake.wait(self._idle_wait)
-                self._wake.clear()
+                torch.set_num_threads(self._threads)
+            while not self._stop.is_set():
+                busy = self.core.iterate()
+                if not busy or self.core.stalled:
+                    self._wake.wait(self._idle_wait)
+                    self._wake.clear()
+        except BaseException as exc:  # iterate() contains every Exception: this is SystemExit, MemoryError, ...
+            why = f"the executor loop died: {type(exc).__name__}: {exc}"
+            log.critical("%s", why, exc_info=True)  # the thread ends here: healthy is false from now on
+        finally:
+            with self._cb_lock:  # no submit can slip in between: it checks healthy under this lock
+                self.stopped_because = why
+            try:
+                self.core.fail_everything(f"Executor stopped ({why}); the request was not finished")
+            except BaseException:  # pragma: no cover - answering is best effort once the loop is gone
+                log.exception("requests left unanswered after the executor stopped")

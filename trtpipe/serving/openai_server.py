@@ -15,6 +15,15 @@ into asyncio, detokenizes incrementally and answers as ``trtllm-serve`` does:
 Sampling without a ``temperature`` is greedy (TensorRT-LLM's default when no sampling parameter is set).
 String ``stop`` sequences are matched on the detokenized text; the request is then cancelled in the executor
 and the text cut before the stop string (finish_reason ``stop``).
+
+Requests are checked as trtllm-serve's pydantic models check them (``extra="forbid"``: an unknown field is a 400;
+``priority`` in [0, 1], bigger first, default 0.5 — ``CompletionRequest.priority`` in tensorrt_llm/serve/
+openai_protocol.py @0076e939); a field upstream knows but this twin does not compute is accepted only at its
+default value, so nothing is silently ignored. Every failure is OpenAI-shaped (``{"error": {"message", "type",
+"param", "code"}}``): 400 for the request itself, 413 for a body over the size limit, 429 with ``Retry-After`` when
+the executor queue is full or the request was shed for a higher priority, 503 with ``Retry-After`` once the
+executor stopped (``/health`` turns 503 at the same moment, as upstream's does when the LLM is unavailable),
+504 when the request ran past its allotted time (``serving.request_timeout_s``), 500 for anything else.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -29,9 +39,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trtpipe.extras import require
-from trtpipe.serving.api import (UINT64_MAX, CapacityPolicy, ExecutorConfig, FinishReason, Request, Response,
-                                 SamplingParams)
-from trtpipe.serving.executor import Executor, QueueFullError
+from trtpipe.serving.api import (DEFAULT_PRIORITY, UINT64_MAX, CapacityPolicy, ErrorKind, ExecutorConfig, FinishReason,
+                                 Request, Response, SamplingParams)
+from trtpipe.serving.executor import Executor, ExecutorStopped, QueueFullError
 from trtpipe.serving.prom_text import histograms
 
 web = require("aiohttp.web", "the OpenAI twin (trtpipe serve of an llmapi target)")
@@ -49,18 +59,81 @@ def torch_threads() -> int:
     return torch.get_num_threads()
 
 
-class BadRequest(Exception):
-    """A request the server refuses with 400 and OpenAI's error body."""
+RETRY_AFTER_S = 1  # what a refused client is told to wait (seconds, the Retry-After header's unit)
+MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413) before it is read whole
+MAX_STOPS = 64
+
+
+class Refused(Exception):
+    """A request the server answers with an OpenAI-shaped error (``status``; ``retry`` adds Retry-After)."""
+
+    status, etype, retry = 400, "BadRequestError", False
 
     def __init__(self, message: str, param: Optional[str] = None):
         super().__init__(message)
         self.param = param
 
+    def response(self) -> web.Response:
+        return _error(self.status, str(self), self.param, self.etype, self.retry)
 
-def _error(status: int, message: str, param: Optional[str] = None, etype: str = "BadRequestError") -> web.Response:
-    body = {"object": "error", "message": message, "type": etype, "param": param, "code": status,
+
+class BadRequest(Refused):
+    """400: the request itself is wrong."""
+
+
+class Overloaded(Refused):
+    status, etype, retry = 429, "RateLimitError", True
+
+
+class Unavailable(Refused):
+    status, etype, retry = 503, "ServiceUnavailableError", True
+
+
+class TimedOut(Refused):
+    status, etype = 504, "TimeoutError"
+
+
+class Internal(Refused):
+    status, etype = 500, "InternalServerError"
+
+
+REFUSAL = {ErrorKind.INVALID: BadRequest, ErrorKind.OVERLOADED: Overloaded, ErrorKind.TIMED_OUT: TimedOut,
+           ErrorKind.INTERNAL: Internal}
+
+
+def _error_body(status: int, message: str, param: Optional[str] = None, etype: str = "BadRequestError") -> dict:
+    """OpenAI's error object, plus trtllm-serve's flat ``ErrorResponse`` fields for clients written against it."""
+    return {"object": "error", "message": message, "type": etype, "param": param, "code": status,
             "error": {"message": message, "type": etype, "param": param, "code": status}}
-    return web.json_response(body, status=status)
+
+
+def _error(status: int, message: str, param: Optional[str] = None, etype: str = "BadRequestError",
+           retry: bool = False) -> web.Response:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else None
+    return web.json_response(_error_body(status, message, param, etype), status=status, headers=headers)
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler):
+    """Whatever goes wrong in a handler (or in aiohttp before it: unknown route, body too large) is OpenAI-shaped."""
+    try:
+        return await handler(request)
+    except Refused as exc:
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        etype = "NotFoundError" if exc.status == 404 else "BadRequestError" if exc.status < 500 else "InternalServerError"
+        message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
+        if exc.status == 413:
+            message = f"the request body is larger than {MAX_BODY_BYTES} bytes"
+        return _error(exc.status, message, etype=etype)
+    except ConnectionResetError:  # the client left (mid-body): no one to answer
+        log.info("%s %s: the client left before the request was read", request.method, request.path)
+        return web.Response(status=400)
+    except Exception as exc:
+        log.exception("%s %s failed", request.method, request.path)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}", etype="InternalServerError")
 
 
 @dataclass
@@ -92,6 +165,7 @@ class ServedModel:
             self.tokenizer.chat_template = chat_template
         model = load_hf_checkpoint(self.dir)
         self.max_seq_len = int(model.config.get("max_position_embeddings") or 2048)
+        self.vocab_size = int(model.config.get("vocab_size") or len(self.tokenizer))
         self.config = config or default_config(self.max_seq_len)
         self.eos_id = self.tokenizer.eos_token_id
         gen = self.dir / "generation_config.json"
@@ -104,13 +178,19 @@ class ServedModel:
         self.executor.shutdown()
 
 
+DEFAULT_REQUEST_TIMEOUT_S = 600.0  # the recipe's serving.request_timeout_s default
+DEFAULT_QUEUE_PER_SLOT = 8  # the recipe's serving.max_queue_size default: this many waiting per batch slot
+
+
 def default_config(max_seq_len: int, max_batch_size: int = 8, tokens_per_block: int = 32) -> ExecutorConfig:
-    """One max-length sequence per batch slot in the KV pool (host memory the CPU twin needs, no more)."""
+    """One max-length sequence per batch slot in the KV pool (host memory the CPU twin needs, no more), the
+    recipe's default queue bound and deadline."""
     return ExecutorConfig(max_batch_size=max_batch_size, max_num_tokens=max(2048, max_seq_len),
                           max_input_len=max_seq_len - 1, max_seq_len=max_seq_len,
                           num_blocks=max_batch_size * -(-max_seq_len // tokens_per_block),
                           tokens_per_block=tokens_per_block, capacity_policy=CapacityPolicy.GUARANTEED_NO_EVICT,
-                          enable_kv_cache_reuse=True)
+                          enable_kv_cache_reuse=True, max_queue_size=DEFAULT_QUEUE_PER_SLOT * max_batch_size,
+                          request_timeout_s=DEFAULT_REQUEST_TIMEOUT_S)
 
 
 # --- request translation --------------------------------------------------------------------------------------
@@ -122,11 +202,58 @@ def _num(body: dict, key: str, typ, default, lo=None, hi=None):
         return default
     if typ is int and (isinstance(v, bool) or not isinstance(v, int)):
         raise BadRequest(f"'{key}' must be an integer", key)
-    if typ is float and (isinstance(v, bool) or not isinstance(v, (int, float))):
-        raise BadRequest(f"'{key}' must be a number", key)
+    if typ is float and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+        raise BadRequest(f"'{key}' must be a finite number", key)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise BadRequest(f"'{key}' must be in [{lo}, {hi}], got {v}", key)
+        raise BadRequest(f"'{key}' must be in [{lo}, {hi}], got {str(v)[:40]}", key)
     return typ(v)
+
+
+def _flag(body: dict, key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise BadRequest(f"'{key}' must be a boolean", key)
+    return v
+
+
+# The request fields of trtllm-serve's CompletionRequest / ChatCompletionRequest (openai_protocol.py @0076e939).
+# USED: read by this twin. AT_DEFAULT: upstream computes them, the twin does not: accepted only at these values.
+USED = {"completions": {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+                        "stream_options", "n", "best_of", "logprobs", "priority", "user"},
+        "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
+                 "stop", "stream", "stream_options", "n", "best_of", "logprobs", "top_logprobs", "priority", "user",
+                 "parallel_tool_calls", "reasoning_effort"}}
+_SHARED_DEFAULTS = {
+    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "echo": (False,), "use_beam_search": (False,), "min_p": (0,), "top_p_min": (0,), "min_tokens": (0,),
+    "ignore_eos": (False,), "include_stop_str_in_output": (False,), "stop_token_ids": ([],),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "length_penalty": (),
+    "early_stopping": (), "truncate_prompt_tokens": (), "lora_request": (), "response_format": ({"type": "text"},),
+    "prompt_ignore_length": (0,), "disaggregated_params": (), "conversation_params": (), "thinking_token_budget": (),
+}
+AT_DEFAULT = {
+    "completions": {**_SHARED_DEFAULTS, "suffix": ("",), "add_special_tokens": (True,), "return_context_logits": (False,),
+                    "detokenize": (True,)},
+    "chat": {**_SHARED_DEFAULTS, "tools": ([],), "tool_choice": ("none",), "add_generation_prompt": (True,),
+             "add_special_tokens": (False,), "documents": (), "chat_template": (), "chat_template_kwargs": ({},),
+             "cache_salt": ()},
+}
+
+
+def _check_fields(body: dict, endpoint: str) -> None:
+    """Unknown fields are refused (upstream forbids extras); known ones this twin does not compute only at default."""
+    for key, value in body.items():
+        if key in USED[endpoint]:
+            continue
+        if key not in AT_DEFAULT[endpoint]:
+            raise BadRequest(f"'{str(key)[:64]}': extra inputs are not permitted", str(key)[:64])
+        if value is not None and not any(type(value) is type(ok) and value == ok for ok in AT_DEFAULT[endpoint][key]) \
+                and not any(isinstance(ok, (int, float)) and not isinstance(ok, bool) and isinstance(value, (int, float))
+                            and not isinstance(value, bool) and value == ok for ok in AT_DEFAULT[endpoint][key]):
+            raise BadRequest(f"'{key}' is not supported by this server (only its default, "
+                             f"{AT_DEFAULT[endpoint][key][0] if AT_DEFAULT[endpoint][key] else None!r})", key)
 
 
 def _sampling(body: dict) -> SamplingParams:
@@ -146,21 +273,39 @@ def _stops(body: dict) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise BadRequest("'stop' must be a string or a list of non-empty strings", "stop")
+    if len(stops) > MAX_STOPS:
+        raise BadRequest(f"'stop' holds {len(stops)} strings; at most {MAX_STOPS}", "stop")
     return stops
 
 
 def _check_unsupported(body: dict) -> None:
     if _num(body, "n", int, 1, 1, None) != 1 or _num(body, "best_of", int, 1, 1, None) != 1:
         raise BadRequest("only n=1 (and best_of=1) is supported", "n")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs"):
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
         raise BadRequest("logprobs are not supported by this server", "logprobs")
+    for key, kind in (("user", str), ("reasoning_effort", str), ("parallel_tool_calls", bool)):  # read, unused
+        if body.get(key) is not None and not isinstance(body[key], kind):
+            raise BadRequest(f"'{key}' must be a {kind.__name__}", key)
+
+
+def _stream_settings(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage); stream_options only with stream, as upstream's validator says."""
+    stream = _flag(body, "stream", False)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise BadRequest("Stream options can only be defined when stream is true.", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise BadRequest("'stream_options' must be an object with include_usage", "stream_options")
+    return stream, _flag(options, "include_usage", False)
 
 
 class Generation:
     """One request in flight: the executor's responses arrive on ``queue`` (thread-safe hand-off)."""
 
     def __init__(self, served: ServedModel, prompt: list[int], max_tokens: int, sampling: SamplingParams,
-                 stops: list[str], loop: asyncio.AbstractEventLoop):
+                 stops: list[str], loop: asyncio.AbstractEventLoop, priority: float = DEFAULT_PRIORITY):
         self.served, self.prompt, self.stops = served, prompt, stops
         self.queue: asyncio.Queue = asyncio.Queue()
         self.ids: list[int] = []
@@ -172,9 +317,15 @@ class Generation:
         self.stopped = False
         self.failed = False
         req = Request(prompt=prompt, max_new_tokens=max_tokens, end_id=served.eos_id, sampling=sampling,
-                      streaming=True, exclude_input_from_output=True, return_perf_metrics=True)
+                      streaming=True, exclude_input_from_output=True, priority=priority,
+                      return_perf_metrics=True)
         self.perf = None  # the executor's PerfMetrics, on the final response
-        self.rid = served.executor.submit(req, lambda r: loop.call_soon_threadsafe(self.queue.put_nowait, r))
+        try:
+            self.rid = served.executor.submit(req, lambda r: loop.call_soon_threadsafe(self.queue.put_nowait, r))
+        except QueueFullError as exc:
+            raise Overloaded(str(exc)) from None
+        except ExecutorStopped as exc:
+            raise Unavailable(f"LLM is unavailable: {exc}") from None
 
     def cancel(self) -> None:
         self.served.executor.cancel(self.rid)
@@ -185,7 +336,7 @@ class Generation:
             resp: Response = await self.queue.get()
             if resp.has_error:
                 self.failed = True
-                raise BadRequest(resp.error)
+                raise REFUSAL.get(resp.error_kind, Internal)(resp.error)
             if resp.is_final and resp.perf is not None:
                 self.perf = resp.perf
             if self.stopped:  # already cut at a stop string: drain to the final response
@@ -225,7 +376,7 @@ class OpenAIServer:
         self.served = served
         self.counters = Counters()
         self._last_iter = -1
-        self.app = web.Application()
+        self.app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
         self.app.add_routes([
             web.get("/health", self.health), web.get("/version", self.version), web.get("/v1/models", self.models),
             web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
@@ -237,7 +388,10 @@ class OpenAIServer:
         await asyncio.get_running_loop().run_in_executor(None, self.served.shutdown)
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        if self.served.executor.healthy:
+            return web.Response(status=200)
+        return web.Response(status=503, text="LLM is unavailable. Please check the server logs for more details.",
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
 
     async def version(self, request: web.Request) -> web.Response:
         from importlib.metadata import PackageNotFoundError, version
@@ -253,35 +407,42 @@ class OpenAIServer:
         return web.json_response({"object": "list", "data": [
             {"id": s.name, "object": "model", "created": s.created, "owned_by": "tensorrt_llm"}]})
 
-    async def _body(self, request: web.Request) -> dict:
+    async def _body(self, request: web.Request, endpoint: str) -> dict:
+        raw = await request.read()
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise BadRequest("the request body is not valid JSON") from None
+            body = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError):  # bad JSON, bad UTF-8 (UnicodeDecodeError), nesting past the parser
+            raise BadRequest("the request body is not valid JSON (UTF-8)") from None
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         model = body.get("model")
         if model is not None and model != self.served.name:
-            raise BadRequest(f"The model `{model}` does not exist.", "model")
+            raise BadRequest(f"The model `{str(model)[:200]}` does not exist.", "model")
+        _check_fields(body, endpoint)
         _check_unsupported(body)
         return body
 
-    def _max_tokens(self, body: dict, prompt_len: int, default: Optional[int]) -> int:
+    def _max_tokens(self, body: dict, prompt_len: int, default: Optional[int], param: str) -> int:
         room = self.served.max_seq_len - prompt_len
         if room < 1:
             raise BadRequest(f"the prompt ({prompt_len} tokens) leaves no room in max_seq_len "
-                             f"{self.served.max_seq_len}", "messages")
-        given = body.get("max_completion_tokens", body.get("max_tokens"))
-        if given is None:
+                             f"{self.served.max_seq_len}", param)
+        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        n = _num(body, key, int, None, 1, None)
+        if n is None:
             return min(default, room) if default else room
-        n = _num({"max_tokens": given}, "max_tokens", int, None, 1, None)
         return min(n, room)
 
     def _prompt_ids(self, prompt: Any) -> list[int]:
+        """Token ids of a completion prompt (run off the event loop: a 1 MB prompt takes a while to encode)."""
         tok = self.served.tokenizer
         if isinstance(prompt, str):
             ids = tok.encode(prompt, add_special_tokens=True)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = next((t for t in prompt if not 0 <= t < self.served.vocab_size), None)
+            if bad is not None:  # an id outside the vocabulary would fail the whole batched step
+                raise BadRequest(f"'prompt' holds token id {str(bad)[:40]}, outside the vocabulary "
+                                 f"[0, {self.served.vocab_size})", "prompt")
             ids = list(prompt)
         elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             ids = tok.encode(prompt[0], add_special_tokens=True)
@@ -291,46 +452,56 @@ class OpenAIServer:
             raise BadRequest("the prompt is empty", "prompt")
         return ids
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    def _chat_ids(self, messages: Any) -> list[int]:
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and (m.get("content") is None or isinstance(m.get("content"), (str, list))) for m in messages):
+            raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
+        tok = self.served.tokenizer
+        if not tok.chat_template:
+            raise BadRequest("this model's tokenizer has no chat template (start the server with one)", "messages")
         try:
-            body = await self._body(request)
-            ids = self._prompt_ids(body.get("prompt"))
-            max_tokens = self._max_tokens(body, len(ids), 16)
-            return await self._serve(request, body, ids, max_tokens, chat=False)
-        except BadRequest as exc:
-            return _error(400, str(exc), exc.param)
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # jinja errors from the template itself, content it cannot render
+            raise BadRequest(f"chat template failed: {str(exc)[:300]}", "messages") from None
+        if not isinstance(text, str):
+            raise BadRequest("the chat template did not render text", "messages")
+        return tok.encode(text, add_special_tokens=False)
+
+    def _refuse_early(self, body: dict) -> None:
+        """503 once the executor stopped, 429 when its queue would refuse this priority: before any tokenizing, so
+        an overloaded server answers in the time it takes to parse the JSON."""
+        executor = self.served.executor
+        if not executor.healthy:
+            raise Unavailable(f"LLM is unavailable: the executor is not running: {executor.stopped_because}")
+        why = executor.core.refusal(_num(body, "priority", float, DEFAULT_PRIORITY, 0.0, 1.0))
+        if why:
+            raise Overloaded(why)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request, "completions")
+        self._refuse_early(body)
+        ids = await asyncio.get_running_loop().run_in_executor(None, self._prompt_ids, body.get("prompt"))
+        max_tokens = self._max_tokens(body, len(ids), 16, "prompt")
+        return await self._serve(request, body, ids, max_tokens, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = await self._body(request)
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-                raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
-            tok = self.served.tokenizer
-            if not tok.chat_template:
-                raise BadRequest("this model's tokenizer has no chat template (start the server with one)",
-                                 "messages")
-            try:
-                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            except Exception as exc:  # jinja errors from the template itself
-                raise BadRequest(f"chat template failed: {exc}", "messages") from None
-            ids = tok.encode(text, add_special_tokens=False)
-            max_tokens = self._max_tokens(body, len(ids), None)
-            return await self._serve(request, body, ids, max_tokens, chat=True)
-        except BadRequest as exc:
-            return _error(400, str(exc), exc.param)
+        body = await self._body(request, "chat")
+        self._refuse_early(body)
+        ids = await asyncio.get_running_loop().run_in_executor(None, self._chat_ids, body.get("messages"))
+        max_tokens = self._max_tokens(body, len(ids), None, "messages")
+        return await self._serve(request, body, ids, max_tokens, chat=True)
 
     async def _serve(self, request: web.Request, body: dict, ids: list[int], max_tokens: int,
                      chat: bool) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
-        stream = bool(body.get("stream", False))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+        stream, include_usage = _stream_settings(body)
+        priority = _num(body, "priority", float, DEFAULT_PRIORITY, 0.0, 1.0)
         try:
-            g = Generation(self.served, ids, max_tokens, _sampling(body), _stops(body), loop)
-        except QueueFullError as exc:
+            g = Generation(self.served, ids, max_tokens, _sampling(body), _stops(body), loop, priority)
+        except Refused:  # 429 / 503 at admission: a request error for trtllm_request_error_total
             self.counters.errors += 1
-            return _error(429, str(exc), etype="RateLimitError")
+            raise
         self.counters.requests += 1
         self.counters.running += 1
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -340,8 +511,6 @@ class OpenAIServer:
                 return await self._stream(request, g, rid, created, chat, include_usage)
             async for _ in g.deltas():
                 pass
-        except BadRequest as exc:
-            return _error(400, str(exc))
         except asyncio.CancelledError:  # client went away: free the executor slot
             g.cancel()
             raise
@@ -385,11 +554,16 @@ class OpenAIServer:
                            "usage": self._usage(g)}
                 await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:  # the client left mid-stream: free its executor slot, nothing to answer
+            g.cancel()
+            return resp
+        except asyncio.CancelledError:
             g.cancel()
             raise
-        except BadRequest as exc:
-            await resp.write(b"data: " + json.dumps({"error": {"message": str(exc), "code": 400}}).encode() + b"\n\n")
+        except Refused as exc:  # the status line is sent already: the error goes as the last event
+            body = _error_body(exc.status, str(exc), exc.param, exc.etype)
+            await resp.write(b"data: " + json.dumps({"error": body["error"]}).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
@@ -475,8 +649,10 @@ def serve(model_dir: Path, host: str, port: int, name: str, config: Optional[Exe
 
 def config_from_recipe(recipe, model_max_seq_len: int) -> ExecutorConfig:
     """The executor limits trtllm-serve would get from the recipe's engine section (KV pool: one max-length
-    sequence per batch slot, or engine.kv_cache.max_tokens)."""
+    sequence per batch slot, or engine.kv_cache.max_tokens), and the serving section's deadline and queue bound."""
     e, kv = recipe.engine, recipe.engine.kv_cache
+    queue = recipe.serving.max_queue_size
+    queue = DEFAULT_QUEUE_PER_SLOT * e.max_batch_size if queue < 0 else queue
     seq = min(e.max_seq_len or model_max_seq_len, model_max_seq_len)
     tokens = kv.max_tokens or e.max_batch_size * seq
     return ExecutorConfig(max_batch_size=e.max_batch_size, max_num_tokens=e.max_num_tokens,
@@ -484,4 +660,5 @@ def config_from_recipe(recipe, model_max_seq_len: int) -> ExecutorConfig:
                           num_blocks=max(-(-tokens // kv.tokens_per_block), -(-seq // kv.tokens_per_block)),
                           tokens_per_block=kv.tokens_per_block,
                           capacity_policy=CapacityPolicy(recipe.triton.scheduler_policy),
-                          enable_kv_cache_reuse=kv.enable_reuse)
+                          enable_kv_cache_reuse=kv.enable_reuse, max_queue_size=queue,
+                          request_timeout_s=recipe.serving.request_timeout_s)

@@ -141,6 +141,10 @@ def _max_utilization(active: list[ActiveRequest], free_blocks: int, tpb: int, ma
 class ContextTooLong(RuntimeError):
     """A context larger than ``max_context_length`` reached the micro-batch scheduler (the step would throw)."""
 
+    def __init__(self, message: str, request_id: int):
+        super().__init__(message)
+        self.request_id = request_id
+
 
 def micro_batch(scheduled: list[ActiveRequest], config: ExecutorConfig) -> list[ActiveRequest]:
     """``MicroBatchScheduler``: the requests of this step, with ``chunk`` set on each context request."""
@@ -157,7 +161,8 @@ def micro_batch(scheduled: list[ActiveRequest], config: ExecutorConfig) -> list[
         elif not config.enable_chunked_context:
             need = r.context_len - r.context_pos
             if need > config.max_context_length:
-                raise ContextTooLong(f"context of {need} tokens exceeds max_context_length {config.max_context_length}")
+                raise ContextTooLong(f"context of {need} tokens exceeds max_context_length {config.max_context_length}",
+                                     r.id)
             if used + need > budget:
                 break
             used += need

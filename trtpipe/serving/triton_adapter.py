@@ -98,6 +98,7 @@ def settings_from_model_config(model_config: dict, model_repository: str) -> Twi
         enable_chunked_context=_flag(params, "enable_chunked_context", False),
         enable_kv_cache_reuse=_flag(params, "enable_kv_cache_reuse", True),
         max_queue_size=int(queue or 0),
+        request_timeout_s=int(param(params, "request_timeout_ms", "0")) / 1000,  # the twin's own parameter
     )
     return TwinSettings(
         engine_dir=engine_dir,

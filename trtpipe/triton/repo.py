@@ -423,6 +423,8 @@ def tensorrt_llm_config(recipe: Recipe, engine: EngineInfo) -> mc.ModelConfig:
     _params(c, {
         "gpt_model_path": "engine",
         "cpu_threads": 1,
+        # the executor's allottedTimeMs for every request (the C++ backend does not expose it): no request waits forever
+        "request_timeout_ms": int(round(recipe.serving.request_timeout_s * 1000)),
         **{k: real[k] for k in TWIN_PARAMETERS},
     })
     return c
