@@ -65,6 +65,8 @@ CALIB_TEXTS = [
 QWEN3_SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2,
                    head_dim=16, vocab_size=512, num_hidden_layers=2, bos_token_id=1, eos_token_id=2)
 STORIES_GROUP = 32
+AWQ_CALIB_TEXTS = 4  # AWQ searches per batch: the first 4 texts keep it to seconds on a loaded 2-core CPU
+AWQ_ALPHA_STEP = 0.25
 STORIES_BLOCKED_SKIP = ("down_proj",)
 
 
@@ -123,11 +125,11 @@ def prompt_ids() -> torch.Tensor:
     return torch.tensor([tokenizer()(PROMPT)["input_ids"]])
 
 
-def load_base(path: Path):
+def load_base(path: Path, dtype: torch.dtype = torch.bfloat16):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 class NotLoadable(Exception):
@@ -214,6 +216,8 @@ def modelopt_config(mtq, mode: str, group: int, skip: tuple[str, ...]) -> dict:
                     cc["block_sizes"] = {-1: group, "type": "static"}
     for m in skip if grouped else ():
         cfg["quant_cfg"].append({"quantizer_name": f"*{m}*", "enable": False})
+    if "awq" in mode:  # AWQ's search runs a forward per candidate scale: 5 candidates, not ModelOpt's 11
+        cfg["algorithm"] = {"method": "awq_lite", "alpha_step": AWQ_ALPHA_STEP}
     return cfg
 
 
@@ -263,9 +267,11 @@ def make_modelopt(mode: str, model: str) -> Callable[[Path, Path], dict]:
 
         base = base_model(model, outdir)
         group, skip = (STORIES_GROUP, STORIES_BLOCKED_SKIP) if model == "stories" else (128, ())
-        hf = load_base(base)
+        # calibrated in float32 (bf16 matmuls are several times slower on CPUs without bf16 units; the stories
+        # checkpoint is float32 anyway), exported in bf16 as ModelOpt's own examples do
+        hf = load_base(base, torch.float32)
         cfg = modelopt_config(mtq, mode, group, skip)
-        batches = calib_batches()
+        batches = calib_batches()[: AWQ_CALIB_TEXTS if "awq" in mode else None]
 
         def loop(m):
             with torch.no_grad():
@@ -278,10 +284,11 @@ def make_modelopt(mode: str, model: str) -> Callable[[Path, Path], dict]:
         save_oracle(out, modelopt_oracle(out))
         grouped = MODELOPT_MODES[mode][1]
         return dict(producer="modelopt", versions=versions("nvidia-modelopt"),
-                    call=(f"mtq.quantize(model_bf16, {'+'.join(MODELOPT_MODES[mode][0])}"
+                    call=(f"mtq.quantize(model_float32, {'+'.join(MODELOPT_MODES[mode][0])}"
                           + (f" with weight block {group}" if grouped and mode != "nvfp4" else "")
                           + (f", {list(skip)} disabled" if grouped and skip else "")
-                          + ", forward_loop over 16 calibration texts); "
+                          + (f", algorithm awq_lite alpha_step {AWQ_ALPHA_STEP}" if "awq" in mode else "")
+                          + f", forward_loop over {len(batches)} calibration texts); "
                           "export_hf_checkpoint(model, export_dir, dtype=torch.bfloat16)"),
                     oracle="modelopt_oracle(): " + " ".join(modelopt_oracle.__doc__.split()),
                     **logits_or_reason(out, dtype=torch.float32))
@@ -376,6 +383,75 @@ def ct_activation_note(out: Path) -> str:
     return "; ".join(notes) or "none: weight-only (logits = dense forward of oracle.safetensors' weights)"
 
 
+# ---------------------------------------------------------------- GPTQModel
+
+GPTQMODEL_MODES = {
+    # fixture format -> (method, checkpoint format, desc_act, sym)
+    "gptq_v1": ("gptq", "gptq", False, True),
+    "gptq_v2": ("gptq", "gptq_v2", False, True),
+    "gptq_v1_asym": ("gptq", "gptq", False, False),
+    "gptq_v1_actorder": ("gptq", "gptq", True, True),
+    "awq_gemm": ("awq", "gemm", False, False),
+}
+
+
+def gptqmodel_oracle(out: Path, method: str) -> dict[str, torch.Tensor]:
+    """GPTQModel's own dequantization. GPTQ: the checkpoint loaded back by ``GPTQModel.load`` on the torch
+    kernel (which turns v1 zero points into v2 as it loads), ``TorchQuantLinear.dequantize_weight()`` per
+    Linear, transposed to [out, in]. AWQ GEMM: ``gptqmodel.quantization.awq.utils.packing_utils.dequantize_gemm``
+    on the stored qweight / qzeros / scales. Scales are upcast to float32 first, so each value is the exact
+    (code - zero) * scale (both libraries otherwise multiply in fp16)."""
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    if method == "awq":
+        from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
+
+        t = checkpoint_tensors(out)
+        return {f"{m}.weight": dequantize_gemm(t[f"{m}.qweight"], t[f"{m}.qzeros"], t[f"{m}.scales"].float(),
+                                               qc["bits"], qc["group_size"]).T
+                for m in sorted(k[: -len(".qweight")] for k in t if k.endswith(".qweight"))}
+    from gptqmodel import BACKEND, GPTQModel
+
+    model = GPTQModel.load(str(out), device="cpu", backend=BACKEND.GPTQ_TORCH)
+    oracle = {}
+    for name, mod in model.model.named_modules():
+        if hasattr(mod, "dequantize_weight") and hasattr(mod, "qweight"):
+            mod.scales = mod.scales.float()
+            oracle[f"{name}.weight"] = mod.dequantize_weight().T
+    return oracle
+
+
+def make_gptqmodel(mode: str, model: str) -> Callable[[Path, Path], dict]:
+    def run(out: Path, outdir: Path) -> dict:
+        os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")  # its default asks for more CPU workers than 1
+        os.environ.setdefault("GPTQMODEL_DISABLE_PACK_EXT", "1")  # pure-torch packer, no C++ JIT build
+        from gptqmodel import GPTQModel, QuantizeConfig
+        from gptqmodel.quantization.config import FORMAT, METHOD
+
+        method, fmt, desc_act, sym = GPTQMODEL_MODES[mode]
+        base = base_model(model, outdir)
+        tok = tokenizer()
+        calib = [{"input_ids": r["input_ids"], "attention_mask": r["attention_mask"]}
+                 for r in (tok(t) for t in CALIB_TEXTS)]
+        qc = QuantizeConfig(bits=4, group_size=128, method=METHOD(method), format=FORMAT(fmt), desc_act=desc_act,
+                            sym=sym, offload_to_disk=False)
+        torch.manual_seed(0)
+        q = GPTQModel.load(str(base), qc, device="cpu")
+        q.quantize(calib, batch_size=1, tokenizer=tok)
+        q.save(str(out))
+        copy_tokenizer(out)
+        save_oracle(out, gptqmodel_oracle(out, method))
+        import gptqmodel
+
+        return dict(producer="gptqmodel", versions=versions("gptqmodel"),
+                    call=(f"GPTQModel.load(base, QuantizeConfig(bits=4, group_size=128, method={method!r}, "
+                          f"format={fmt!r}, desc_act={desc_act}, sym={sym}), device='cpu'); "
+                          f"quantize(16 calibration texts, batch_size=1); save(dir)  [gptqmodel "
+                          f"{gptqmodel.__version__}, GPTQMODEL_DISABLE_PACK_EXT=1]"),
+                    oracle="gptqmodel_oracle(): " + " ".join(gptqmodel_oracle.__doc__.split()),
+                    **logits_or_reason(out, dtype=torch.float32, device_map="cpu"))
+    return run
+
+
 # ---------------------------------------------------------------- registry
 
 
@@ -390,6 +466,8 @@ def registry() -> dict[str, tuple[str, str, Callable]]:
         reg[f"llmc-{fmt}-stories"] = ("llmcompressor", fmt, make_llmc(fmt, "stories"))
     for fmt in ("fp8_block", "w4a16", "gptq_w4a16"):
         reg[f"llmc-{fmt}-qwen3"] = ("llmcompressor", fmt, make_llmc(fmt, "qwen3"))
+    for mode in GPTQMODEL_MODES:
+        reg[f"gptqmodel-{mode}-qwen3"] = ("gptqmodel", mode, make_gptqmodel(mode, "qwen3"))
     return reg
 
 
