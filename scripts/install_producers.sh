@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Install the real quantization producers that make the pre-quantized test fixtures (scripts/make_prequantized.py)
-# into their own venv, ./.venv-producers by default. Their own venv because llm-compressor pins an older transformers
-# (<=5.17) and compressed-tensors (0.19.0) than trtpipe's venv has. torch is pinned to the same CPU build
-# (2.13.0) through a constraints file, so no producer can pull a multi-GB CUDA build.
+# into their own venv, ./.venv-producers by default: llm-compressor, NVIDIA ModelOpt, GPTQModel (+ optimum, which
+# transformers needs to load GPTQ checkpoints). Their own venv because llm-compressor pins an older transformers
+# (<=5.17) and compressed-tensors (0.19.0) than trtpipe's venv has. torch is pinned to the same CPU build (2.13.0)
+# through a constraints file, so no producer can pull a multi-GB CUDA build. GPTQModel and some of its
+# dependencies are source distributions: they build without CUDA (no kernels are compiled) in a few minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -16,7 +16,8 @@ and/or hf_quant_config.json, safetensors, tokenizer files) plus
 
 Base models: ``stories`` is models/stories260k (a real trained Llama, hidden 64, intermediate 172: group formats
 use group 32 with ``down_proj`` kept unquantized, since 172 inputs have no whole groups); ``qwen3`` is trtpipe's
-synthetic Qwen3 widened to hidden 128 / intermediate 256 so that group 128 divides every input width (written to
+synthetic Qwen3 widened to hidden 128 / intermediate 256, head_dim 32 (q 256 wide, k/v 64: GPTQModel's AWQ
+clip search needs out % 64), so that group 128 divides every input width (written to
 ``OUTDIR/base-qwen3`` with stories' tokenizer). Everything is seeded: a rerun gives the same bytes.
 A fixture is written to ``NAME.tmp`` and renamed when complete, so an interrupted run leaves no half fixture.
 """
@@ -63,7 +64,7 @@ CALIB_TEXTS = [
     "The moon was bright. A little owl flew over the houses and said hello to the stars.",
 ]
 QWEN3_SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2,
-                   head_dim=16, vocab_size=512, num_hidden_layers=2, bos_token_id=1, eos_token_id=2)
+                   head_dim=32, vocab_size=512, num_hidden_layers=2, bos_token_id=1, eos_token_id=2)
 STORIES_GROUP = 32
 AWQ_CALIB_TEXTS = 4  # AWQ searches per batch: the first 4 texts keep it to seconds on a loaded 2-core CPU
 AWQ_ALPHA_STEP = 0.25
@@ -397,8 +398,8 @@ GPTQMODEL_MODES = {
 
 def gptqmodel_oracle(out: Path, method: str) -> dict[str, torch.Tensor]:
     """GPTQModel's own dequantization. GPTQ: the checkpoint loaded back by ``GPTQModel.load`` on the torch
-    kernel (which turns v1 zero points into v2 as it loads), ``TorchQuantLinear.dequantize_weight()`` per
-    Linear, transposed to [out, in]. AWQ GEMM: ``gptqmodel.quantization.awq.utils.packing_utils.dequantize_gemm``
+    kernel (which turns v1 zero points into v2 as it loads), ``PackableQuantLinear.dequantize_weight`` (its
+    generic unpacker: ``scales[g_idx] * (codes - zeros[g_idx])``) per Linear, transposed to [out, in]. AWQ GEMM: ``gptqmodel.quantization.awq.utils.packing_utils.dequantize_gemm``
     on the stored qweight / qzeros / scales. Scales are upcast to float32 first, so each value is the exact
     (code - zero) * scale (both libraries otherwise multiply in fp16)."""
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -410,13 +411,19 @@ def gptqmodel_oracle(out: Path, method: str) -> dict[str, torch.Tensor]:
                                                qc["bits"], qc["group_size"]).T
                 for m in sorted(k[: -len(".qweight")] for k in t if k.endswith(".qweight"))}
     from gptqmodel import BACKEND, GPTQModel
+    from gptqmodel.nn_modules.qlinear import PackableQuantLinear
 
-    model = GPTQModel.load(str(out), device="cpu", backend=BACKEND.GPTQ_TORCH)
+    # the torch kernel wraps its dequantizer in torch.compile on load (minutes of C++ builds on a small CPU)
+    torch._dynamo.config.disable = True
+    try:
+        model = GPTQModel.load(str(out), device="cpu", backend=BACKEND.GPTQ_TORCH)
+    finally:
+        torch._dynamo.config.disable = False
     oracle = {}
     for name, mod in model.model.named_modules():
-        if hasattr(mod, "dequantize_weight") and hasattr(mod, "qweight"):
+        if isinstance(mod, PackableQuantLinear):
             mod.scales = mod.scales.float()
-            oracle[f"{name}.weight"] = mod.dequantize_weight().T
+            oracle[f"{name}.weight"] = PackableQuantLinear.dequantize_weight(mod).T
     return oracle
 
 
@@ -424,7 +431,7 @@ def make_gptqmodel(mode: str, model: str) -> Callable[[Path, Path], dict]:
     def run(out: Path, outdir: Path) -> dict:
         os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")  # its default asks for more CPU workers than 1
         os.environ.setdefault("GPTQMODEL_DISABLE_PACK_EXT", "1")  # pure-torch packer, no C++ JIT build
-        from gptqmodel import GPTQModel, QuantizeConfig
+        from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
         from gptqmodel.quantization.config import FORMAT, METHOD
 
         method, fmt, desc_act, sym = GPTQMODEL_MODES[mode]
@@ -436,7 +443,10 @@ def make_gptqmodel(mode: str, model: str) -> Callable[[Path, Path], dict]:
                             sym=sym, offload_to_disk=False)
         torch.manual_seed(0)
         q = GPTQModel.load(str(base), qc, device="cpu")
-        q.quantize(calib, batch_size=1, tokenizer=tok)
+        # AWQ: the portable torch kernel (GPTQModel's default AWQ GEMM kernel needs CUDA: "AWQ: CUDA is not
+        # available"); GPTQ picks its torch kernel on CPU by itself
+        backend = BACKEND.AWQ_TORCH if method == "awq" else BACKEND.AUTO
+        q.quantize(calib, batch_size=1, tokenizer=tok, backend=backend)
         q.save(str(out))
         copy_tokenizer(out)
         save_oracle(out, gptqmodel_oracle(out, method))
@@ -445,7 +455,7 @@ def make_gptqmodel(mode: str, model: str) -> Callable[[Path, Path], dict]:
         return dict(producer="gptqmodel", versions=versions("gptqmodel"),
                     call=(f"GPTQModel.load(base, QuantizeConfig(bits=4, group_size=128, method={method!r}, "
                           f"format={fmt!r}, desc_act={desc_act}, sym={sym}), device='cpu'); "
-                          f"quantize(16 calibration texts, batch_size=1); save(dir)  [gptqmodel "
+                          f"quantize(16 calibration texts, batch_size=1, backend={backend.value!r}); save(dir)  [gptqmodel "
                           f"{gptqmodel.__version__}, GPTQMODEL_DISABLE_PACK_EXT=1]"),
                     oracle="gptqmodel_oracle(): " + " ".join(gptqmodel_oracle.__doc__.split()),
                     **logits_or_reason(out, dtype=torch.float32, device_map="cpu"))

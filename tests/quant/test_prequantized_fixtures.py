@@ -130,6 +130,26 @@ def test_config_names_the_tensors_present(fixture):
             assert (f"{m}.input_scale" in t) == bool(a and not a["dynamic"]), f"{name}: {m}"
             if w["strategy"] == "group":
                 assert t[f"{m}.weight_scale"].shape == (base[m][0], -(-base[m][1] // w["group_size"])), name
+    if info["producer"] == "gptqmodel":
+        qc = json.loads((d / "config.json").read_text())["quantization_config"]
+        awq = info["format"].startswith("awq")
+        assert qc["quant_method"] == ("awq" if awq else "gptq") and qc["bits"] == 4, name
+        if awq:
+            assert qc.get("version", qc.get("format")) == "gemm" and qc["zero_point"], name
+        else:
+            assert qc["checkpoint_format"] == ("gptq_v2" if "v2" in info["format"] else "gptq"), name
+            assert qc["desc_act"] == ("actorder" in info["format"]) and qc["sym"] == ("asym" not in info["format"])
+        g = qc["group_size"]
+        for m in quantized:
+            out_f, in_f = base[m]
+            shapes = {"qweight": (in_f, out_f // 8) if awq else (in_f // 8, out_f), "qzeros": (in_f // g, out_f // 8),
+                      "scales": (in_f // g, out_f)}
+            if not awq:
+                shapes["g_idx"] = (in_f,)
+            for k, shape in shapes.items():
+                assert tuple(t[f"{m}.{k}"].shape) == shape, f"{name}: {m}.{k} {tuple(t[f'{m}.{k}'].shape)}"
+            assert t[f"{m}.qweight"].dtype == torch.int32 and t[f"{m}.scales"].dtype == torch.float16, f"{name}: {m}"
+    if info["producer"] == "llmcompressor":
         layers = {m.split(".self_attn")[0] for m in quantized if ".self_attn." in m}
         for layer in layers:
             for s in ("k_scale", "v_scale"):
@@ -148,7 +168,7 @@ def test_oracle_covers_every_quantized_weight(fixture):
         assert v.dtype == torch.float32 and tuple(v.shape) == base[m] and torch.isfinite(v).all(), f"{name}: {k}"
         if info["producer"] == "modelopt" and "awq" in info["format"]:
             continue
-        bits = 4 if any(s in info["format"] for s in ("w4", "nvfp4")) else 8
+        bits = 4 if any(s in info["format"] for s in ("w4", "nvfp4", "gptq", "awq")) else 8
         w = ref[k].double()
         err = ((v.double() - w).norm() / w.norm()).item()
         assert 0 < err < REL_ERR[bits], f"{name}: {k} relative error {err:.3g}"
