@@ -12,7 +12,8 @@ and/or hf_quant_config.json, safetensors, tokenizer files) plus
 * ``oracle.safetensors``: the producer library's own dequantization of every quantized weight, float32, keyed by
   the HF weight name (``model.layers.0.self_attn.q_proj.weight``);
 * ``oracle_logits.safetensors`` (where transformers loads the quantized checkpoint on CPU): ``input_ids`` and
-  the float64 ``logits`` of transformers' forward pass over the fixed prompt.
+  ``logits`` (stored float64) of transformers' forward pass over the fixed prompt, run in float64 where
+  transformers lets the model be cast (not GPTQ: float32; producer.json says which).
 
 Base models: ``stories`` is models/stories260k (a real trained Llama, hidden 64, intermediate 172: group formats
 use group 32 with ``down_proj`` kept unquantized, since 172 inputs have no whole groups); ``qwen3`` is trtpipe's
@@ -137,8 +138,9 @@ class NotLoadable(Exception):
     """transformers would load the checkpoint without its quantization (so its logits are no oracle)."""
 
 
-def transformers_logits(path: Path, **kwargs) -> torch.Tensor:
-    """Logits of transformers' own loading of the quantized checkpoint, run in float64 on CPU. Refused where
+def transformers_logits(path: Path, **kwargs) -> tuple[torch.Tensor, torch.dtype]:
+    """Logits of transformers' own loading of the quantized checkpoint on CPU (in float64 where transformers
+    allows the cast) and the dtype it ran in. Refused where
     transformers has no quantizer for the checkpoint's ``quant_method`` (it warns, skips the quantization and
     loads the raw codes without their scales) or leaves any stored tensor unused."""
     import transformers
@@ -154,22 +156,28 @@ def transformers_logits(path: Path, **kwargs) -> torch.Tensor:
     if unused:
         raise NotLoadable(f"transformers {transformers.__version__} leaves {len(unused)} stored tensors unused "
                           f"(e.g. {unused[0]})")
-    model = model.eval().to(torch.float64)
+    model = model.eval()
+    try:
+        model = model.to(torch.float64)
+    except ValueError:  # transformers refuses to cast GPTQ models ("You cannot cast a GPTQ model in a new dtype")
+        pass
     with torch.no_grad():
-        return model(prompt_ids()).logits[0].to(torch.float64)
+        return model(prompt_ids()).logits[0].to(torch.float64), next(model.parameters()).dtype
 
 
 def logits_or_reason(out: Path, **kwargs) -> dict:
     """Save transformers' logits for the checkpoint where it loads on CPU, else say why it does not (its own
     error's first line): producer.json's ``oracle_logits`` / ``oracle_logits_absent``."""
     try:
-        logits = transformers_logits(out, **kwargs)
+        logits, dtype = transformers_logits(out, **kwargs)
     except Exception as e:  # the reason goes into producer.json; the fixture is still complete without logits
         return dict(oracle_logits=None, oracle_logits_absent=f"{type(e).__name__}: {str(e).splitlines()[0]}")
     save_logits(out, logits)
     args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-    return dict(oracle_logits=f"transformers AutoModelForCausalLM.from_pretrained(dir, {args}) cast to float64, "
-                              "forward over input_ids on CPU")
+    return dict(oracle_logits=f"transformers AutoModelForCausalLM.from_pretrained(dir, {args}), forward over "
+                              f"input_ids on CPU with the model in {str(dtype).replace('torch.', '')} (float64 "
+                              "where transformers lets the model be cast); a quantized kernel may dequantize in "
+                              "its scales' dtype")
 
 
 def save_oracle(out: Path, weights: dict[str, torch.Tensor]) -> None:
@@ -513,7 +521,9 @@ def main(argv=None) -> int:
         print(f"unknown fixture {unknown[0]!r} (--list shows them)", file=sys.stderr)
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args.outdir = args.outdir.resolve()
     args.outdir.mkdir(parents=True, exist_ok=True)
+    os.chdir(args.outdir)  # GPTQModel writes its logs/ into the working directory
     total = time.perf_counter()
     for n in names:
         print(f"{n}: {build(n, args.outdir):.1f} s", flush=True)

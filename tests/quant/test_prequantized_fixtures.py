@@ -148,7 +148,8 @@ def test_config_names_the_tensors_present(fixture):
                 shapes["g_idx"] = (in_f,)
             for k, shape in shapes.items():
                 assert tuple(t[f"{m}.{k}"].shape) == shape, f"{name}: {m}.{k} {tuple(t[f'{m}.{k}'].shape)}"
-            assert t[f"{m}.qweight"].dtype == torch.int32 and t[f"{m}.scales"].dtype == torch.float16, f"{name}: {m}"
+            # GPTQ scales are fp16; GPTQModel writes AWQ scales in the model dtype (AutoAWQ: fp16)
+            assert t[f"{m}.qweight"].dtype == torch.int32 and t[f"{m}.scales"].dtype in (torch.float16, torch.bfloat16)
     if info["producer"] == "llmcompressor":
         layers = {m.split(".self_attn")[0] for m in quantized if ".self_attn." in m}
         for layer in layers:
@@ -180,7 +181,9 @@ def test_weight_only_logits_are_the_oracle_weights_forward(fixture):
     name, d, info = fixture
     if not info["oracle_logits"]:
         pytest.skip(f"{name}: no transformers logits ({info['oracle_logits_absent']})")
-    if not info.get("activations_in_logits", "").startswith("none"):
+    if info["producer"] != "llmcompressor":
+        pytest.skip(f"{name}: {info['producer']}'s kernels dequantize in the scales' dtype, not exactly")
+    if not info["activations_in_logits"].startswith("none"):
         pytest.skip(f"{name}: transformers' forward also quantizes activations ({info['activations_in_logits']})")
     from transformers import AutoModelForCausalLM
 
