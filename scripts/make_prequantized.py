@@ -408,8 +408,8 @@ def gptqmodel_oracle(out: Path, method: str) -> dict[str, torch.Tensor]:
     """GPTQModel's own dequantization. GPTQ: the checkpoint loaded back by ``GPTQModel.load`` on the torch
     kernel (which turns v1 zero points into v2 as it loads), ``PackableQuantLinear.dequantize_weight`` (its
     generic unpacker: ``scales[g_idx] * (codes - zeros[g_idx])``) per Linear, transposed to [out, in]. AWQ GEMM: ``gptqmodel.quantization.awq.utils.packing_utils.dequantize_gemm``
-    on the stored qweight / qzeros / scales. Scales are upcast to float32 first, so each value is the exact
-    (code - zero) * scale (both libraries otherwise multiply in fp16)."""
+    on the stored qweight / qzeros / scales. Scales are the checkpoint's, upcast to float32, so each value is
+    the exact (code - zero) * scale (the library otherwise multiplies in fp16 / the model dtype)."""
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     if method == "awq":
         from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
@@ -427,10 +427,13 @@ def gptqmodel_oracle(out: Path, method: str) -> dict[str, torch.Tensor]:
         model = GPTQModel.load(str(out), device="cpu", backend=BACKEND.GPTQ_TORCH)
     finally:
         torch._dynamo.config.disable = False
+    stored = checkpoint_tensors(out)
     oracle = {}
     for name, mod in model.model.named_modules():
         if isinstance(mod, PackableQuantLinear):
-            mod.scales = mod.scales.float()
+            # the loaded module holds its scales in the model dtype (bf16 here: fp16 -> bf16 is lossy); the
+            # checkpoint's fp16 scales, upcast, give the exact products
+            mod.scales = stored[f"{name}.scales"].float()
             oracle[f"{name}.weight"] = PackableQuantLinear.dequantize_weight(mod).T
     return oracle
 

@@ -197,3 +197,21 @@ def test_weight_only_logits_are_the_oracle_weights_forward(fixture):
         got = model(ref["input_ids"][None]).logits[0]
     scale = ref["logits"].abs().max().item()
     torch.testing.assert_close(got, ref["logits"], rtol=0, atol=1e-9 * scale)
+
+
+@pytest.mark.parametrize("name", [n for n in FIXTURES if n.startswith("gptqmodel-gptq")])
+def test_gptq_oracle_is_the_format_formula(name):
+    """GPTQModel's dequantization (the oracle) equals GPTQ's definition read straight off the stored tensors:
+    4-bit codes LSB-first along the input dim, zero points along the output dim, v1 storing z - 1,
+    ``W^T[i, o] = scales[g_idx[i], o] * (q[i, o] - z[g_idx[i], o])``; exactly, in float32."""
+    d = prequantized(name)
+    t, oracle = _checkpoint(d), load_file(str(d / "oracle.safetensors"))
+    v1 = json.loads((d / "config.json").read_text())["quantization_config"]["checkpoint_format"] == "gptq"
+    shifts = torch.arange(8, dtype=torch.int32) * 4
+    for k in oracle:
+        m = k[: -len(".weight")]
+        qw, qz, g = t[f"{m}.qweight"], t[f"{m}.qzeros"], t[f"{m}.g_idx"].long()
+        q = ((qw[:, None, :] >> shifts[None, :, None]) & 15).reshape(-1, qw.shape[1])
+        z = ((qz[:, :, None] >> shifts[None, None, :]) & 15).reshape(qz.shape[0], -1) + int(v1)
+        w = (t[f"{m}.scales"].float()[g] * (q - z[g]).float()).T
+        assert torch.equal(w, oracle[k]), f"{name}: {k} off by {(w - oracle[k]).abs().max().item():.3g}"
