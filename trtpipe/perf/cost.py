@@ -110,9 +110,24 @@ class Deployment:
         per_layer = m.kv_elems * heads_local / m.kv_heads
         return per_layer * m.num_layers * self.stage_layers * KV_BYTES[self.kv]
 
+    @property
+    def dense_peak(self) -> float:
+        """Tensor peak of the non-expert GEMMs: an MXFP4 checkpoint (GPT-OSS) keeps them in BF16."""
+        return self.gpu.tflops_16 * TERA if self.model.mxfp4_experts else self.gemm_peak
+
+    @property
+    def expert_peak(self) -> float:
+        """Tensor peak of the routed-expert GEMMs. MXFP4 experts run as MXFP4 x MXFP8 on Blackwell (SM 10.x) and
+        as 4-bit weights x BF16 activations elsewhere (the Triton MoE backend on Hopper)."""
+        if not self.model.mxfp4_experts:
+            return self.gemm_peak
+        if self.gpu.sm >= 100 and self.gpu.tflops_fp8:
+            return self.gpu.tflops_fp8 * TERA
+        return self.gpu.tflops_16 * TERA
+
     def _weight_bytes(self, params: float, expert: bool = False) -> float:
-        if expert and self.model.mxfp4_experts:
-            return params * MXFP4_BYTES
+        if self.model.mxfp4_experts:  # MXFP4 experts, every other linear in BF16 (the checkpoint's own dtypes)
+            return params * (MXFP4_BYTES if expert else 2)
         return params * PRECISIONS[self.precision].weight_bytes
 
     @property
@@ -227,23 +242,25 @@ def group_terms(d: Deployment, context: Sequence[tuple[int, int, float]], genera
         n = k.count * frac
         dense_params = (k.attn_params + k.mlp_params) / split
         w = d._weight_bytes(dense_params) if tokens else 0.0
-        flops = 2 * tokens / dp * dense_params
+        gemm += n * 2 * tokens / dp * dense_params / d.dense_peak
         if k.experts:
             per_gpu_experts = k.experts / d.ep
             touched = experts_touched(k.experts, k.top_k, tokens) / d.ep
-            shard = k.expert_params / (d.tp // d.ep if not d.attn_dp else 1)
+            shard = k.expert_params / max(1, d.tp // d.ep)  # each expert split over the MoE-TP ranks
             w += d._weight_bytes(min(touched, per_gpu_experts) * shard, True)
-            flops += 2 * tokens * k.top_k * shard / (d.ep if not d.attn_dp else d.tp)
+            # every token's top-k expert work, spread evenly over the tp ranks (EP, MoE-TP or both)
+            gemm += n * 2 * tokens * k.top_k * k.expert_params / d.tp / d.expert_peak
         window = k.window or math.inf
         attended = sum(min(L + 1, window) * c for L, c in generation)  # KV tokens the generating rows read
         pairs = attended + sum((_pairs(s, n) if not k.window else n * min(s + n, k.window)) * c
                                for s, n, c in context)
         mem += n * w / bw
         kvr += n * attended * kv_local / dp / bw
-        gemm += n * flops / d.gemm_peak
         attn += n * 2 * heads * (m.qk_dim + m.v_dim) * pairs / dp / peak16
-        if d.attn_dp and k.experts and d.tp > 1:  # dispatch + combine of each token's top-k copies
+        if d.attn_dp and k.experts and d.tp > 1 and d.ep == d.tp:  # dispatch + combine of each token's top-k copies
             comm += n * 2 * (tokens / dp) * k.top_k * m.hidden * ACT_BYTES * (d.tp - 1) / d.tp / link
+        elif d.attn_dp and k.experts and d.tp > 1:  # MoE-TP under attention DP: all-gather + reduce-scatter
+            comm += n * 2 * tokens * m.hidden * ACT_BYTES * (d.tp - 1) / d.tp / link
         elif d.tp > 1:
             comm += n * 2 * 2 * (d.tp - 1) / d.tp * tokens * m.hidden * ACT_BYTES / link
     if d.pp > 1:  # activations handed to the next stage
