@@ -155,10 +155,11 @@ class Terms:
     seqs: float  # sequences in the step (per-sequence host and sampling work)
     layers: float  # decoder layers on the stage (fixed per-layer costs)
     pp: int = 1
+    route: float = 0.0  # routed token copies' activation bytes (MoE permute / unpermute) / peak HBM bandwidth
 
     def __add__(self, other: "Terms") -> "Terms":
         return Terms(self.mem + other.mem, self.kv + other.kv, self.gemm + other.gemm, self.attn + other.attn,
-                     self.comm + other.comm, self.seqs + other.seqs, self.layers, self.pp)
+                     self.comm + other.comm, self.seqs + other.seqs, self.layers, self.pp, self.route + other.route)
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,10 @@ class Constants:
     layer_us: float = 15.0  # fixed microseconds per decoder layer per step
     pp_bubble: float = 0.1  # throughput lost per extra pipeline stage
     other_gb: float = 3.5  # GB per GPU the KV pool cannot use besides weights (context, workspaces, activations)
+    route_cost: float = 0.0  # multiple of the routed copies' bytes at peak bandwidth a MoE layer spends moving them
+
+    # constants only the PyTorch backend's fit frees (the engine era's MoE rows are too few to pin them)
+    PYTORCH_ONLY = ("route_cost",)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -189,14 +194,14 @@ def step_time(t: Terms, c: Constants):
     memory = t.mem / c.bw_eff + t.kv / c.kv_eff
     body = (np.maximum(memory, compute) + c.serial * np.minimum(memory, compute) + t.comm / c.link_eff
             + t.layers * c.layer_us * 1e-6)
-    body = body + t.seqs * t.layers * c.seq_layer_us * 1e-6
+    body = body + t.seqs * t.layers * c.seq_layer_us * 1e-6 + t.route * c.route_cost
     return body * (1 + c.pp_bubble * (t.pp - 1))
 
 
 def bound(t: Terms, c: Constants) -> str:
     """What dominates a step: 'bandwidth', 'compute', 'communication' or 'overhead'."""
     parts = {"bandwidth": t.mem / c.bw_eff + t.kv / c.kv_eff, "compute": t.gemm / c.gemm_eff + t.attn / c.attn_eff,
-             "communication": t.comm / c.link_eff,
+             "communication": t.comm / c.link_eff, "routing": t.route * c.route_cost,
              "overhead": (t.layers * c.layer_us + t.seqs * t.layers * c.seq_layer_us) * 1e-6}
     return max(parts, key=parts.get)
 
@@ -237,7 +242,7 @@ def group_terms(d: Deployment, context: Sequence[tuple[int, int, float]], genera
     frac = d.stage_layers
     bw, peak16, link = g.bandwidth_gbs * GB, g.tflops_16 * TERA, g.link_gbs * GB
 
-    mem = kvr = gemm = attn = comm = 0.0
+    mem = kvr = gemm = attn = comm = route = 0.0
     for k in m.layers:
         n = k.count * frac
         dense_params = (k.attn_params + k.mlp_params) / split
@@ -250,6 +255,8 @@ def group_terms(d: Deployment, context: Sequence[tuple[int, int, float]], genera
             w += d._weight_bytes(min(touched, per_gpu_experts) * shard, True)
             # every token's top-k expert work, spread evenly over the tp ranks (EP, MoE-TP or both)
             gemm += n * 2 * tokens * k.top_k * k.expert_params / d.tp / d.expert_peak
+            # each token's top-k copies written to and read back from the experts' packed layout (in and out)
+            route += n * 4 * tokens / d.tp * k.top_k * m.hidden * ACT_BYTES / bw
         window = k.window or math.inf
         attended = sum(min(L + 1, window) * c for L, c in generation)  # KV tokens the generating rows read
         pairs = attended + sum((_pairs(s, n) if not k.window else n * min(s + n, k.window)) * c
@@ -269,4 +276,4 @@ def group_terms(d: Deployment, context: Sequence[tuple[int, int, float]], genera
     mem += head * 2 / bw if tokens else 0.0
     gemm += 2 * sampled * head / peak16
     seqs = sum(c for _, c in generation) + sum(c for _, _, c in context)
-    return Terms(mem, kvr, gemm, attn, comm, seqs, m.num_layers * frac, d.pp)
+    return Terms(mem, kvr, gemm, attn, comm, seqs, m.num_layers * frac, d.pp, route)

@@ -56,6 +56,9 @@ TUNED_011 = {("GPT-J 6B", 1, ""): (2048, 128), ("GPT-J 6B", 1, "128/128"): (2048
              ("Llama 3 8B", 1, ""): (8192, 2048), ("Llama 3 70B", 4, ""): (1024, 2048),
              ("Llama 3 70B", 8, ""): (16384, 8192), ("Mixtral 8x7B", 2, ""): (3072, 2048),
              ("Mixtral 8x7B", 4, ""): (8192, 8192), ("Mistral 7B", 1, ""): (8192, 4098)}
+# 0.19-1.0 pages: the MoE YAML sets enable_attention_dp: true while the tables state no EP (the LLM API's default
+# then splits every expert over the tp ranks: MoE-TP, ep = 1)
+MOE_ATTN_DP_PAGES = ("0.19.0", "0.20", "0.21", "1.0")
 THROUGHPUT_METRICS = ("output_tok_s_total", "output_tok_s_per_gpu", "output_tok_s_unspecified")
 # The published numbers themselves, shipped with the package; where each was published: data/SOURCES.md
 PUBLISHED_CSV = Path(__file__).resolve().parent / "data" / "published_trtllm.csv"
@@ -95,8 +98,9 @@ def deployment_of(row: dict) -> Deployment:
         raise TrtpipeError(f"precision '{row['precision']}' is not modelled")
     w, kv = PRECISION_LABELS[row["precision"]]
     tp, pp, ep = _int(row["tp"], 1), _int(row["pp"], 1), _int(row["ep"], 1)
-    attn_dp = "attnDP" in row["backend"]
     spec, gpu = published_spec(row["model"]), gpu_of(row["gpu"])
+    attn_dp = "attnDP" in row["backend"] or (spec.is_moe and tp > 1 and row["trtllm_version"] in MOE_ATTN_DP_PAGES
+                                              and row["backend"].startswith("pytorch:"))
     if spec.mxfp4_experts and gpu.sm < 100:  # GPT-OSS YAML: FP8 KV on Blackwell, "Hopper: use auto" (BF16)
         kv = "fp16"
     return Deployment(spec, gpu, w, kv, tp, pp, ep, attn_dp)
