@@ -22,7 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from trtpipe.perf import fit as F
-from trtpipe.perf.published import PUBLISHED_CSV, read_rows, regime
+from trtpipe.errors import TrtpipeError
+from trtpipe.perf.models import published_spec
+from trtpipe.perf.published import PUBLISHED_CSV, read_rows, regime, to_published_unit
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_REGIMES = {"engine": ("engine max-load", "static batch", "batch-1 TTFT", "batch-1 ITL"),
@@ -36,6 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out-constants", type=Path, default=F.CONSTANTS_FILE)
     ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "results" / "perf_cv.png")
     ap.add_argument("--table", type=Path, default=ROOT / "docs" / "results" / "perf_fit.md")
+    ap.add_argument("--worst", type=Path, default=ROOT / "docs" / "results" / "perf_worst.md",
+                    help="the ten worst leave-one-GPU-out PyTorch-backend rows, with what bounds them")
     ap.add_argument("--no-cv", action="store_true", help="fit only")
     a = ap.parse_args(argv)
 
@@ -43,12 +47,14 @@ def main(argv=None) -> int:
     regs = np.array([regime(r) for r in rows])
     fams = np.array([F.family(r) for r in rows])
     gpus = np.array([r["gpu"] for r in rows])
+    moe = np.array([_is_moe(r) for r in rows])
+    worst: list[str] = []
     compiled = [F.compile_rows(rows, g) for g in F.OTHER_GB_GRID]
     ok = compiled[0].ok
     constants, in_sample, cv, cv_pred = {}, {}, {}, np.full(len(rows), np.nan)
     for fam, regimes in TRAIN_REGIMES.items():
         train = ok & (fams == fam) & np.isin(regs, regimes)
-        c, comp = F.fit_all(compiled, train)
+        c, comp = F.fit_all(compiled, train, fam)
         constants[fam] = c
         pred = F.predict(comp, c)
         for reg in regimes:
@@ -56,7 +62,7 @@ def main(argv=None) -> int:
         if a.no_cv:
             continue
         for g in sorted(set(gpus[train])):
-            c_g, comp_g = F.fit_all(compiled, train & (gpus != g))
+            c_g, comp_g = F.fit_all(compiled, train & (gpus != g), fam)
             p = F.predict(comp_g, c_g)
             held = train & (gpus == g)
             cv_pred[held] = p[held]
@@ -64,6 +70,15 @@ def main(argv=None) -> int:
         for reg in regimes:
             cv[reg] = F.summary(F.abs_rel_errors(compiled[0], train & (regs == reg), cv_pred))
             cv[reg]["gpus"] = sorted(set(gpus[train & (regs == reg)]))
+        if fam == "pytorch":  # the same table per model family: dense and MoE
+            for kind, is_moe in (("dense", False), ("MoE", True)):
+                sub = train & (moe == is_moe)
+                in_sample[f"pytorch max-load, {kind}"] = F.summary(F.abs_rel_errors(comp, sub, pred))
+                if not a.no_cv:
+                    cv[f"pytorch max-load, {kind}"] = F.summary(F.abs_rel_errors(compiled[0], sub, cv_pred))
+                    cv[f"pytorch max-load, {kind}"]["gpus"] = sorted(set(gpus[sub]))
+            if not a.no_cv:
+                worst = worst_rows(rows, compiled[0], cv_pred, train, 10)
 
     a.out_constants.write_text(json.dumps({
         "source": "scripts/fit_perf.py on NVIDIA's published TensorRT-LLM performance tables",
@@ -83,12 +98,46 @@ def main(argv=None) -> int:
         lines.append(f"| {name} | " + " | ".join(f"{getattr(c, name):.4g}" for c in constants.values()) + " |")
     a.table.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    if worst:
+        a.worst.write_text("\n".join(worst) + "\n")
+        print("\n".join(worst))
     if not a.no_cv:
-        _plot(a.plot, compiled[0].published, cv_pred, regs)
+        kinds = np.array([f"{reg}, {'MoE' if m else 'dense'}" if reg == "pytorch max-load" else reg
+                          for reg, m in zip(regs, moe)])
+        _plot(a.plot, compiled[0].published, cv_pred, kinds)
     return 0
 
 
-def _plot(path: Path, published: np.ndarray, pred: np.ndarray, regs: np.ndarray) -> None:
+def _is_moe(row: dict) -> bool:
+    try:
+        return published_spec(row["model"]).is_moe
+    except TrtpipeError:
+        return False
+
+
+def worst_rows(rows, comp, pred: np.ndarray, mask: np.ndarray, k: int) -> list[str]:
+    """The ``k`` rows predicted worst (leave-one-GPU-out), with what the model says bounds them: the batch (slots,
+    KV capacity, token budget) and the step's dominant term at the median KV length, under the held-out fit."""
+    err = np.where(mask, np.abs(pred / comp.published - 1), -1.0)
+    err[~np.isfinite(err)] = -1.0
+    out = ["| model | GPU | layout | version | ISL/OSL | published | predicted (LOGO) | ratio | batch bound | "
+           "step bound (share) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for i in np.argsort(-err)[:k]:
+        r, case = rows[i], comp.cases[i]
+        t = case.parts[len(case.parts) // 2][1]  # the middle Simpson step: median KV length
+        raw = {"weights": t.mem, "KV reads": t.kv, "GEMM": t.gemm, "attention": t.attn, "link": t.comm,
+               "routing": t.route}
+        top = max(raw, key=raw.get)
+        share = raw[top] / max(sum(raw.values()), 1e-30)
+        layout = f"tp{r['tp']} pp{r['pp']} ep{r['ep'] or '-'} {r['backend'].split(':', 1)[1]}"
+        out.append(f"| {r['model']} | {r['gpu']} | {layout} | {r['trtllm_version']} | {r['isl']}/{r['osl']} | "
+                   f"{float(r['value']):,.0f} ({r['metric']}) | {to_published_unit(r, pred[i]):,.0f} | "
+                   f"{pred[i] / comp.published[i]:.2f} | {case.bound} | {top} ({share:.0%} at peak rates) |")
+    return out
+
+
+def _plot(path: Path, published: np.ndarray, pred: np.ndarray, kinds: np.ndarray) -> None:
+    """One panel per regime (the PyTorch backend's max-load rows split into dense and MoE models)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -96,31 +145,28 @@ def _plot(path: Path, published: np.ndarray, pred: np.ndarray, regs: np.ndarray)
     except ImportError:
         print(f"matplotlib is not installed: no plot written to {path} (pip install matplotlib)", file=sys.stderr)
         return
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5.5))
-    for ax, kind in zip(axes, ("throughput", "latency")):
-        for reg in sorted(set(regs)):
-            is_lat = "TTFT" in reg or "ITL" in reg
-            if is_lat != (kind == "latency"):
-                continue
-            m = (regs == reg) & np.isfinite(pred) & np.isfinite(published)
-            if m.any():
-                ax.scatter(published[m], pred[m], s=8, alpha=0.5, label=f"{reg} ({int(m.sum())})")
-        lim = ax.get_xlim()
-        lo, hi = min(lim[0], ax.get_ylim()[0]), max(lim[1], ax.get_ylim()[1])
+    panels = [k for k in ("engine max-load", "static batch", "batch-1 TTFT", "pytorch max-load, dense",
+                          "pytorch max-load, MoE") if ((kinds == k) & np.isfinite(pred)).any()]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.8), squeeze=False)
+    for ax, kind in zip(axes[0], panels):
+        m = (kinds == kind) & np.isfinite(pred) & np.isfinite(published)
+        ax.scatter(published[m], pred[m], s=7, alpha=0.45)
+        e = np.abs(pred[m] / published[m] - 1)
+        lo, hi = min(published[m].min(), pred[m].min()) * 0.8, max(published[m].max(), pred[m].max()) * 1.25
         xs = np.array([lo, hi])
         ax.plot(xs, xs, "k-", lw=0.8)
-        ax.plot(xs, xs * 1.35, "k:", lw=0.6)
-        ax.plot(xs, xs / 1.35, "k:", lw=0.6)
+        ax.plot(xs, xs * 1.3, "k:", lw=0.6)
+        ax.plot(xs, xs / 1.3, "k:", lw=0.6)
         ax.set_xscale("log")
         ax.set_yscale("log")
-        unit = "total output tok/s" if kind == "throughput" else "ms"
+        unit = "ms" if "TTFT" in kind else "output tok/s"
         ax.set_xlabel(f"published ({unit})")
         ax.set_ylabel(f"predicted, leave-one-GPU-out ({unit})")
-        ax.legend(fontsize=8)
-        ax.set_title(f"{kind}: dotted lines = +/-35%")
+        ax.set_title(f"{kind}: {int(m.sum())} rows\nmedian {np.median(e):.1%}, p90 {np.percentile(e, 90):.1%}"
+                     " (dotted: +/-30%)", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     print(f"wrote {path}", file=sys.stderr)
 
 

@@ -110,9 +110,24 @@ class Deployment:
         per_layer = m.kv_elems * heads_local / m.kv_heads
         return per_layer * m.num_layers * self.stage_layers * KV_BYTES[self.kv]
 
+    @property
+    def dense_peak(self) -> float:
+        """Tensor peak of the non-expert GEMMs: an MXFP4 checkpoint (GPT-OSS) keeps them in BF16."""
+        return self.gpu.tflops_16 * TERA if self.model.mxfp4_experts else self.gemm_peak
+
+    @property
+    def expert_peak(self) -> float:
+        """Tensor peak of the routed-expert GEMMs. MXFP4 experts run as MXFP4 x MXFP8 on Blackwell (SM 10.x) and
+        as 4-bit weights x BF16 activations elsewhere (the Triton MoE backend on Hopper)."""
+        if not self.model.mxfp4_experts:
+            return self.gemm_peak
+        if self.gpu.sm >= 100 and self.gpu.tflops_fp8:
+            return self.gpu.tflops_fp8 * TERA
+        return self.gpu.tflops_16 * TERA
+
     def _weight_bytes(self, params: float, expert: bool = False) -> float:
-        if expert and self.model.mxfp4_experts:
-            return params * MXFP4_BYTES
+        if self.model.mxfp4_experts:  # MXFP4 experts, every other linear in BF16 (the checkpoint's own dtypes)
+            return params * (MXFP4_BYTES if expert else 2)
         return params * PRECISIONS[self.precision].weight_bytes
 
     @property
@@ -140,10 +155,11 @@ class Terms:
     seqs: float  # sequences in the step (per-sequence host and sampling work)
     layers: float  # decoder layers on the stage (fixed per-layer costs)
     pp: int = 1
+    route: float = 0.0  # routed token copies' activation bytes (MoE permute / unpermute) / peak HBM bandwidth
 
     def __add__(self, other: "Terms") -> "Terms":
         return Terms(self.mem + other.mem, self.kv + other.kv, self.gemm + other.gemm, self.attn + other.attn,
-                     self.comm + other.comm, self.seqs + other.seqs, self.layers, self.pp)
+                     self.comm + other.comm, self.seqs + other.seqs, self.layers, self.pp, self.route + other.route)
 
 
 @dataclass(frozen=True)
@@ -160,6 +176,10 @@ class Constants:
     layer_us: float = 15.0  # fixed microseconds per decoder layer per step
     pp_bubble: float = 0.1  # throughput lost per extra pipeline stage
     other_gb: float = 3.5  # GB per GPU the KV pool cannot use besides weights (context, workspaces, activations)
+    route_cost: float = 0.0  # multiple of the routed copies' bytes at peak bandwidth a MoE layer spends moving them
+
+    # constants only the PyTorch backend's fit frees (the engine era's MoE rows are too few to pin them)
+    PYTORCH_ONLY = ("route_cost",)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -174,14 +194,14 @@ def step_time(t: Terms, c: Constants):
     memory = t.mem / c.bw_eff + t.kv / c.kv_eff
     body = (np.maximum(memory, compute) + c.serial * np.minimum(memory, compute) + t.comm / c.link_eff
             + t.layers * c.layer_us * 1e-6)
-    body = body + t.seqs * t.layers * c.seq_layer_us * 1e-6
+    body = body + t.seqs * t.layers * c.seq_layer_us * 1e-6 + t.route * c.route_cost
     return body * (1 + c.pp_bubble * (t.pp - 1))
 
 
 def bound(t: Terms, c: Constants) -> str:
     """What dominates a step: 'bandwidth', 'compute', 'communication' or 'overhead'."""
     parts = {"bandwidth": t.mem / c.bw_eff + t.kv / c.kv_eff, "compute": t.gemm / c.gemm_eff + t.attn / c.attn_eff,
-             "communication": t.comm / c.link_eff,
+             "communication": t.comm / c.link_eff, "routing": t.route * c.route_cost,
              "overhead": (t.layers * c.layer_us + t.seqs * t.layers * c.seq_layer_us) * 1e-6}
     return max(parts, key=parts.get)
 
@@ -222,28 +242,32 @@ def group_terms(d: Deployment, context: Sequence[tuple[int, int, float]], genera
     frac = d.stage_layers
     bw, peak16, link = g.bandwidth_gbs * GB, g.tflops_16 * TERA, g.link_gbs * GB
 
-    mem = kvr = gemm = attn = comm = 0.0
+    mem = kvr = gemm = attn = comm = route = 0.0
     for k in m.layers:
         n = k.count * frac
         dense_params = (k.attn_params + k.mlp_params) / split
         w = d._weight_bytes(dense_params) if tokens else 0.0
-        flops = 2 * tokens / dp * dense_params
+        gemm += n * 2 * tokens / dp * dense_params / d.dense_peak
         if k.experts:
             per_gpu_experts = k.experts / d.ep
             touched = experts_touched(k.experts, k.top_k, tokens) / d.ep
-            shard = k.expert_params / (d.tp // d.ep if not d.attn_dp else 1)
+            shard = k.expert_params / max(1, d.tp // d.ep)  # each expert split over the MoE-TP ranks
             w += d._weight_bytes(min(touched, per_gpu_experts) * shard, True)
-            flops += 2 * tokens * k.top_k * shard / (d.ep if not d.attn_dp else d.tp)
+            # every token's top-k expert work, spread evenly over the tp ranks (EP, MoE-TP or both)
+            gemm += n * 2 * tokens * k.top_k * k.expert_params / d.tp / d.expert_peak
+            # each token's top-k copies written to and read back from the experts' packed layout (in and out)
+            route += n * 4 * tokens / d.tp * k.top_k * m.hidden * ACT_BYTES / bw
         window = k.window or math.inf
         attended = sum(min(L + 1, window) * c for L, c in generation)  # KV tokens the generating rows read
         pairs = attended + sum((_pairs(s, n) if not k.window else n * min(s + n, k.window)) * c
                                for s, n, c in context)
         mem += n * w / bw
         kvr += n * attended * kv_local / dp / bw
-        gemm += n * flops / d.gemm_peak
         attn += n * 2 * heads * (m.qk_dim + m.v_dim) * pairs / dp / peak16
-        if d.attn_dp and k.experts and d.tp > 1:  # dispatch + combine of each token's top-k copies
+        if d.attn_dp and k.experts and d.tp > 1 and d.ep == d.tp:  # dispatch + combine of each token's top-k copies
             comm += n * 2 * (tokens / dp) * k.top_k * m.hidden * ACT_BYTES * (d.tp - 1) / d.tp / link
+        elif d.attn_dp and k.experts and d.tp > 1:  # MoE-TP under attention DP: all-gather + reduce-scatter
+            comm += n * 2 * tokens * m.hidden * ACT_BYTES * (d.tp - 1) / d.tp / link
         elif d.tp > 1:
             comm += n * 2 * 2 * (d.tp - 1) / d.tp * tokens * m.hidden * ACT_BYTES / link
     if d.pp > 1:  # activations handed to the next stage
@@ -252,4 +276,4 @@ def group_terms(d: Deployment, context: Sequence[tuple[int, int, float]], genera
     mem += head * 2 / bw if tokens else 0.0
     gemm += 2 * sampled * head / peak16
     seqs = sum(c for _, c in generation) + sum(c for _, _, c in context)
-    return Terms(mem, kvr, gemm, attn, comm, seqs, m.num_layers * frac, d.pp)
+    return Terms(mem, kvr, gemm, attn, comm, seqs, m.num_layers * frac, d.pp, route)

@@ -25,7 +25,7 @@ CONSTANTS_FILE = Path(__file__).with_name("constants.json")
 # bounds keep every efficiency physical (a fraction of peak) and overheads non-negative
 BOUNDS = {"bw_eff": (0.2, 1.0), "kv_eff": (0.1, 1.0), "gemm_eff": (0.1, 1.0), "attn_eff": (0.05, 1.0),
           "link_eff": (0.05, 1.0), "seq_layer_us": (0.0, 20.0), "serial": (0.0, 1.0), "layer_us": (0.5, 200.0),
-          "pp_bubble": (0.0, 1.0)}
+          "pp_bubble": (0.0, 1.0), "route_cost": (0.0, 50.0)}
 
 
 @dataclass
@@ -59,7 +59,7 @@ def compile_rows(rows: Sequence[dict], other_gb: float = Constants.other_gb) -> 
             pw.append(w)
             ts.append(t)
     arr = lambda name: np.array([getattr(t, name) for t in ts], dtype=float)  # noqa: E731
-    terms = Terms(*(arr(n) for n in ("mem", "kv", "gemm", "attn", "comm", "seqs", "layers", "pp")))
+    terms = Terms(*(arr(n) for n in ("mem", "kv", "gemm", "attn", "comm", "seqs", "layers", "pp", "route")))
     numer = np.array([c.numer if c else 0.0 for c in cases])
     pub = np.array([published_value(r) if c else math.nan for r, c in zip(rows, cases)])
     return Compiled(list(rows), ok, numer, pub, np.array(pr, dtype=int), np.array(pw), terms, cases, errors,
@@ -126,7 +126,7 @@ def loss(comp: Compiled, mask: np.ndarray, c: Constants) -> float:
 
 def fit(comp: Compiled, mask: np.ndarray, names: Sequence[str] = (), start: Constants = Constants(),
         rounds: int = 3) -> Constants:
-    names = list(names) or [n for n in Constants.names() if n != "other_gb"]
+    names = list(names) or fitted_names("engine")
     c = start
     for _ in range(rounds):  # restarts shake Nelder-Mead out of a collapsed simplex
         x = nelder_mead(lambda v: loss(comp, mask, _from_vec(v, c, names)), _to_vec(c, names))
@@ -137,11 +137,22 @@ def fit(comp: Compiled, mask: np.ndarray, names: Sequence[str] = (), start: Cons
 OTHER_GB_GRID = (2.0, 3.5, 5.0, 6.5, 8.0, 9.5, 11.0)
 
 
-def fit_all(compiled: Sequence[Compiled], mask: np.ndarray) -> tuple[Constants, Compiled]:
+def fitted_names(fam: str) -> list[str]:
+    """The constants a family's fit frees: all but ``other_gb`` (a grid), and the PyTorch-only ones for "pytorch"."""
+    return [n for n in Constants.names() if n != "other_gb" and (fam == "pytorch" or n not in Constants.PYTORCH_ONLY)]
+
+
+# where the PyTorch-only constants start (0 switches a term off, and a log-space search cannot leave 0)
+PYTORCH_START = {"route_cost": 1.0}
+
+
+def fit_all(compiled: Sequence[Compiled], mask: np.ndarray, fam: str = "engine") -> tuple[Constants, Compiled]:
     """Fit the efficiencies for each memory reservation in the grid (one compilation each); keep the best."""
     best = None
+    names = fitted_names(fam)
+    extra = PYTORCH_START if fam == "pytorch" else {}
     for comp in compiled:
-        c = fit(comp, mask, start=replace(Constants(), other_gb=comp.other_gb))
+        c = fit(comp, mask, names, start=replace(Constants(), other_gb=comp.other_gb, **extra))
         score = loss(comp, mask, c)
         if best is None or score < best[0]:
             best = (score, c, comp)

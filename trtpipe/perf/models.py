@@ -94,6 +94,18 @@ PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# The model cards' headline parameter counts (billions): (total, active per token, whether "active" counts the input
+# embedding table). Not an input to the cost model -- a check that the parsers above read the configs right
+# (tests/perf/test_model_facts.py). OpenAI's gpt-oss card counts the unembedding but not the embedding as active.
+CARD_PARAMS_B: dict[str, tuple[float, float, bool]] = {
+    "Mixtral 8x7B": (46.7, 12.9, True), "Mixtral 8x22B": (141.0, 39.0, True), "Llama 3.1 8B": (8.0, 8.0, True),
+    "Llama 3.3 70B": (70.6, 70.6, True), "Llama 3.1 405B": (405.0, 405.0, True), "Llama 4 Scout": (109.0, 17.0, True),
+    "Llama 4 Maverick 17B-128E": (400.0, 17.0, True), "Qwen3-30B-A3B": (30.5, 3.3, True),
+    "Qwen3-235B-A22B": (235.0, 22.0, True), "DeepSeek R1 0528": (671.0, 37.0, True),
+    "GPT-OSS 20B": (20.9, 3.61, False), "GPT-OSS 120B": (116.83, 5.13, False),
+}
+
+
 @dataclass(frozen=True)
 class LayerKind:
     """``count`` identical decoder layers: attention params, dense-MLP params, and routed experts (if any)."""
@@ -223,6 +235,34 @@ PARSERS: dict[str, Callable[[dict, str], ModelSpec]] = {
 }
 
 
+def facts(spec: ModelSpec) -> dict:
+    """One model's facts as the cost model sees them: parameters, experts, routing, layer types, KV per token."""
+    moe = [k for k in spec.layers if k.experts]
+    shared = [k.mlp_params // k.expert_params for k in moe if k.expert_params and k.mlp_params]
+    kinds = []
+    for k in spec.layers:
+        kind = f"{k.count} x {'MoE' if k.experts else 'dense'}"
+        kind += f" (sliding window {k.window})" if k.window else ""
+        kinds.append(kind)
+    return {"model": spec.name, "total_params_b": round(spec.total_params / 1e9, 2),
+            "active_params_b": round(spec.active_params / 1e9, 2),
+            "experts": moe[0].experts if moe else 0, "top_k": moe[0].top_k if moe else 0,
+            "shared_experts": shared[0] if shared else 0,
+            "attention": ("MLA (latent KV)" if spec.kv_heads == 1 and spec.qk_dim != spec.v_dim
+                          else f"GQA {spec.heads}/{spec.kv_heads}"),
+            "layers": " + ".join(kinds), "kv_elems_per_token_layer": spec.kv_elems,
+            "mxfp4_experts": spec.mxfp4_experts}
+
+
+def facts_table() -> str:
+    """:func:`facts` of every published model, as a markdown table (docs/reference/perf-model.md shows it)."""
+    rows = [facts(published_spec(n)) for n in PUBLISHED]
+    cols = list(rows[0])
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(out)
+
+
 def spec_of(config: dict, name: str = "") -> ModelSpec:
     """A :class:`ModelSpec` from a Hugging Face config.json dict (or a published entry)."""
     mt = config.get("model_type")
@@ -239,3 +279,7 @@ def published_spec(name: str) -> ModelSpec:
     if name not in PUBLISHED:
         raise TrtpipeError(f"model '{name}' has no published config in trtpipe.perf.models.PUBLISHED")
     return spec_of(PUBLISHED[name][1], name)
+
+
+if __name__ == "__main__":  # python -m trtpipe.perf.models: the facts table
+    print(facts_table())

@@ -22,14 +22,15 @@ from trtpipe.errors import TrtpipeError
 from trtpipe.extras import pyplot
 from trtpipe.perf.cost import Constants, Deployment
 from trtpipe.perf.fit import family, load_constants, predict_rows
+from trtpipe.models.trtllm_config import resolve_moe_sizes
 from trtpipe.perf.models import spec_of
 from trtpipe.perf.published import (COLUMNS, deployment_of, kv_capacity_tokens, limits_of, read_rows, regime,
                                     to_published_unit)
 from trtpipe.perf.simulate import CostModelEngine, SimResult, closed_loop, executor_config, poisson
 
 # recipe quantization.algo -> cost-model precision
-RECIPE_PRECISION = {"fp8": "fp8", "int8_sq": "int8_sq", "int8_wo": "w8a16", "int4_wo": "w4a16",
-                    "int4_awq": "w4a16", "w4a8_awq": "w4a8"}
+RECIPE_PRECISION = {"fp8": "fp8", "fp8_pc_pt": "fp8", "int8_sq": "int8_sq", "int8_wo": "w8a16", "int4_wo": "w4a16",
+                    "int4_awq": "w4a16", "w4a8_awq": "w4a8", "nvfp4": "fp4"}
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Setup:
     tokens_per_block: int
     chunked: bool
     label: str = ""
+    family: str = "engine"  # which fitted constant set predicts it: "engine" or "pytorch" (llmapi recipes)
 
     def config(self, isl: int, osl: int):
         seq = max(self.max_seq_len, isl + osl)
@@ -65,12 +67,16 @@ def recipe_setup(recipe_path: Path, overrides: Iterable[str] = (), gpu: Optional
     q = rec.quantization
     prec = RECIPE_PRECISION.get(q.algo, "bf16" if rec.model.dtype == "bfloat16" else "fp16")
     kv = q.kv_cache if q.kv_cache != "none" else "fp16"
-    d = Deployment(spec, get_gpu(rec.engine.gpu), prec, kv, rec.parallel.tp, rec.parallel.pp)
+    p = rec.parallel
+    ep = resolve_moe_sizes(p.tp, p.moe_ep, p.moe_tp)[0] if spec.is_moe else 1
+    d = Deployment(spec, get_gpu(rec.engine.gpu), prec, kv, p.tp, p.pp, ep)
     c = r.build.config
-    label = f"{d.num_gpus}x {d.gpu.key} tp{d.tp} pp{d.pp} {prec}"
+    fam = "pytorch" if rec.target == "llmapi" else "engine"  # the PyTorch backend has its own fitted constants
+    label = f"{d.num_gpus}x {d.gpu.key} tp{d.tp} pp{d.pp}{f' ep{ep}' if ep > 1 else ''} {prec}" + (
+        " (PyTorch backend)" if fam == "pytorch" else "")
     return Setup(d, c.max_batch_size, c.max_num_tokens, c.max_input_len, c.max_seq_len,
                  r.plan.kv_blocks * r.plan.tokens_per_block, r.plan.tokens_per_block,
-                 bool(c.plugins.get("use_paged_context_fmha", True)), label)
+                 bool(c.plugins.get("use_paged_context_fmha", True)), label, fam)
 
 
 def simulate(setup: Setup, constants: Constants, isl: int, osl: int, concurrency: int = 0, rate: float = 0.0,
@@ -110,9 +116,10 @@ def same_model_names(spec) -> list[str]:
 
 
 def nearest_published(rows: list[dict], spec, gpu: GPU, precision: str, isl: int, osl: int, tp: int = 1,
-                      k: int = 6) -> list[dict]:
+                      k: int = 6, fam: str = "") -> list[dict]:
     """The published rows closest to a prediction: same model shapes and GPU, the same precision first, then
-    the nearest ISL/OSL and GPU count (log distances)."""
+    the same runtime family (``fam``: engine or pytorch, if given), then the nearest ISL/OSL and GPU count (log
+    distances)."""
     names = set(same_model_names(spec))
     cand = []
     for r in rows:
@@ -126,6 +133,7 @@ def nearest_published(rows: list[dict], spec, gpu: GPU, precision: str, isl: int
             continue
         dist = abs(math.log(int(r["isl"]) / isl)) + abs(math.log(int(r["osl"]) / osl))
         dist += abs(math.log2(d.tp * d.pp / tp)) + (0 if d.precision == precision else 10)
+        dist += 5 if fam and family(r) != fam else 0
         cand.append((dist, r))
     cand.sort(key=lambda x: x[0])
     return [r for _, r in cand[:k]]
@@ -240,7 +248,7 @@ def capacity_plan(recipe_path: Path, slo: dict[str, float], rate: float, isl: in
     """For every layout (GPU type x tp, x each of ``precisions`` if given) of the recipe that fits memory and can
     run its precision: the fewest data-parallel replicas (each taking rate / replicas, Poisson) whose simulated latencies meet ``slo``.
     Sorted by total GPUs, then by the GPU's memory bandwidth (a proxy for its price: the catalog has no prices)."""
-    c = constants or load_constants()["engine"]
+    fitted = load_constants() if constants is None else None
     for key in gpus or ():  # a typo is bad input, not a layout that "does not fit"
         try:
             get_gpu(key)
@@ -255,6 +263,7 @@ def capacity_plan(recipe_path: Path, slo: dict[str, float], rate: float, isl: in
             algo = next((o.split("=", 1)[1] for o in ov if o.startswith("quantization.algo=")), "")
             out.append({"layout": f"{tp}x {key} tp{tp} {algo}".strip(), "fits": False, "why": str(exc)[:200]})
             continue
+        c = constants or fitted[setup.family]
         best = None
         for replicas in REPLICAS:
             res = simulate(setup, c, isl, osl, rate=rate / replicas, num_requests=num_requests)

@@ -18,8 +18,8 @@ from trtpipe.perf.published import read_rows
 def predict_command(recipe: Path, overrides: Iterable[str], gpu: Optional[str], model_config: Optional[Path],
                     isl: int, osl: int, concurrency: int, rate: float, num_requests: int,
                     published: Optional[Path], as_json: bool) -> None:
-    c = load_constants()["engine"]
     setup = P.recipe_setup(recipe, overrides, gpu=gpu, model_config=model_config)
+    c = load_constants()[setup.family]
     res = P.simulate(setup, c, isl, osl, concurrency=concurrency, rate=rate, num_requests=num_requests)
     s = P.summary(setup, res)
     s["workload"] = {"isl": isl, "osl": osl, **({"rate": rate} if rate else {"concurrency": concurrency})}
@@ -27,9 +27,10 @@ def predict_command(recipe: Path, overrides: Iterable[str], gpu: Optional[str], 
     s["engine_limits"] = {"max_batch_size": setup.max_batch_size, "max_num_tokens": setup.max_num_tokens}
     if published:
         d = setup.deployment
-        near = P.nearest_published(read_rows(published), d.model, d.gpu, d.precision, isl, osl, d.num_gpus)
+        near = P.nearest_published(read_rows(published), d.model, d.gpu, d.precision, isl, osl, d.num_gpus,
+                                   fam=setup.family)
         ours = predict_rows(near, load_constants())
-        keys = ("trtllm_version", "backend", "model", "precision", "gpu", "tp", "pp", "isl", "osl", "metric",
+        keys = ("trtllm_version", "backend", "model", "precision", "gpu", "tp", "pp", "ep", "isl", "osl", "metric",
                 "concurrency_or_batch", "value")
         s["nearest_published"] = [{**{k: r[k] for k in keys}, "predicted": p} for r, p in zip(near, ours)]
     if as_json:

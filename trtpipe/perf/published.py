@@ -56,6 +56,9 @@ TUNED_011 = {("GPT-J 6B", 1, ""): (2048, 128), ("GPT-J 6B", 1, "128/128"): (2048
              ("Llama 3 8B", 1, ""): (8192, 2048), ("Llama 3 70B", 4, ""): (1024, 2048),
              ("Llama 3 70B", 8, ""): (16384, 8192), ("Mixtral 8x7B", 2, ""): (3072, 2048),
              ("Mixtral 8x7B", 4, ""): (8192, 8192), ("Mistral 7B", 1, ""): (8192, 4098)}
+# 0.19-1.0 pages: the MoE YAML sets enable_attention_dp: true while the tables state no EP (the LLM API's default
+# then splits every expert over the tp ranks: MoE-TP, ep = 1)
+MOE_ATTN_DP_PAGES = ("0.19.0", "0.20", "0.21", "1.0")
 THROUGHPUT_METRICS = ("output_tok_s_total", "output_tok_s_per_gpu", "output_tok_s_unspecified")
 # The published numbers themselves, shipped with the package; where each was published: data/SOURCES.md
 PUBLISHED_CSV = Path(__file__).resolve().parent / "data" / "published_trtllm.csv"
@@ -95,8 +98,12 @@ def deployment_of(row: dict) -> Deployment:
         raise TrtpipeError(f"precision '{row['precision']}' is not modelled")
     w, kv = PRECISION_LABELS[row["precision"]]
     tp, pp, ep = _int(row["tp"], 1), _int(row["pp"], 1), _int(row["ep"], 1)
-    attn_dp = "attnDP" in row["backend"]
-    return Deployment(published_spec(row["model"]), gpu_of(row["gpu"]), w, kv, tp, pp, ep, attn_dp)
+    spec, gpu = published_spec(row["model"]), gpu_of(row["gpu"])
+    attn_dp = "attnDP" in row["backend"] or (spec.is_moe and tp > 1 and row["trtllm_version"] in MOE_ATTN_DP_PAGES
+                                              and row["backend"].startswith("pytorch:"))
+    if spec.mxfp4_experts and gpu.sm < 100:  # GPT-OSS YAML: FP8 KV on Blackwell, "Hopper: use auto" (BF16)
+        kv = "fp16"
+    return Deployment(spec, gpu, w, kv, tp, pp, ep, attn_dp)
 
 
 def _round_batch(b: int) -> int:
@@ -155,8 +162,28 @@ def limits_of(row: dict, d: Deployment, isl: int, osl: int) -> EngineLimits:
         mt, mb = TUNED_011[key]
         return EngineLimits(mb, mt, 0.99, n)
     frac = 0.90 if version in ("0.12.0", "0.13.0", "0.14.0", "0.15.0", "0.16.0") else 0.95
+    if b.startswith("pytorch:"):
+        return pytorch_limits(d, isl, osl, frac, n)
     mb, mt = bench_heuristic(d, isl, osl, 0.95)
     return EngineLimits(mb, mt, frac, n)
+
+
+# LLM-API defaults trtllm-bench falls back to when the checkpoint's quantization has no heuristic (BuildConfig)
+DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_NUM_TOKENS = 2048, 8192
+
+
+def pytorch_limits(d: Deployment, isl: int, osl: int, kv_fraction: float = 0.95, num_requests: int = 1000
+                   ) -> EngineLimits:
+    """trtllm-bench's limits on the PyTorch backend (tensorrt_llm/bench/benchmark/utils/general.py get_settings):
+    the heuristic for NVFP4/FP8/unquantized checkpoints, the LLM-API defaults for any other quantization (GPT-OSS's
+    MXFP4), and -- chunked prefill being off by default there -- a token budget of at least one full prompt plus
+    one token per batch slot (``max_isl + max_batch_size``). With attention data parallelism every rank schedules
+    its own batch under these limits."""
+    if d.model.mxfp4_experts:
+        mb, mt = DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_NUM_TOKENS
+    else:
+        mb, mt = bench_heuristic(d, isl, osl, 0.95)
+    return EngineLimits(mb, max(mt, isl + mb), kv_fraction, num_requests)
 
 
 @dataclass
@@ -182,13 +209,14 @@ def max_load_case(d: Deployment, lim: EngineLimits, isl: int, osl: int, other_gb
     cap = kv_capacity_tokens(d, lim.kv_fraction, other_gb) // (isl + osl)
     if cap < 1:
         raise TrtpipeError(f"one request of {isl}+{osl} tokens does not fit the KV pool")
-    b = min(lim.max_batch_size, cap // d.pp if d.pp > 1 else cap)
+    ranks = d.tp if d.attn_dp else 1  # attention data parallel: each rank its own scheduler, limits and KV pool
+    b = ranks * min(lim.max_batch_size, cap // d.pp if d.pp > 1 else cap)
     bound = "batch slots" if lim.max_batch_size <= cap else "KV capacity"
     if osl <= 1:
-        g, c = 0.0, min(lim.max_num_tokens // isl, b) * isl
+        g, c = 0.0, min(ranks * lim.max_num_tokens // isl, b) * isl
         return Case([(1.0, group_terms(d, [(0, isl, c / isl)], [], c / isl))], c / isl, "token budget")
     g_slots = b * (osl - 1) / osl
-    g_tokens = lim.max_num_tokens * (osl - 1) / (osl - 1 + isl)
+    g_tokens = ranks * lim.max_num_tokens * (osl - 1) / (osl - 1 + isl)
     if g_tokens < g_slots:
         bound = "token budget"
     g = min(g_slots, g_tokens)

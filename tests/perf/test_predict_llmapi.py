@@ -1,0 +1,90 @@
+"""``trtpipe predict RECIPE`` and ``trtpipe plan RECIPE --slo`` on llmapi (PyTorch-backend) recipes: they are predicted
+with the constants fitted on the PyTorch backend's published rows (not the engine era's), MoE recipes carry their
+expert parallelism into the cost model, and the nearest published rows quoted are the PyTorch backend's own. Small
+workloads (ISL 256 / OSL 32) keep the simulations to seconds."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from trtpipe.cli import main
+from trtpipe.perf import predict as P
+from trtpipe.perf.fit import load_constants
+from trtpipe.perf.published import PUBLISHED_CSV
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+STORIES = RECIPES / "stories-llmapi-fp8.yaml"  # target: llmapi, shipped
+SMALL_POOL = ["engine.kv_cache.max_tokens=65536"]  # a 260k-parameter model would get a 237M-token pool on an H100
+LLAMA70B = RECIPES / "llama70b-fp8.yaml"  # the published Llama 3.1 70B config, deployed on the PyTorch backend
+MIXTRAL = RECIPES / "mixtral-8x7b-fp8.yaml"
+AS_LLMAPI = ["--set", "target=llmapi"]
+WORKLOAD = ["--isl", "256", "--osl", "32"]
+GPU = "h100-sxm-80gb"
+
+
+def cli(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_predict_llmapi_recipe_uses_the_pytorch_constants():
+    res = cli("predict", str(STORIES), "--set", SMALL_POOL[0], *WORKLOAD, "--gpu", GPU, "--concurrency", "4", "--json")
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.output)
+    setup = P.recipe_setup(STORIES, SMALL_POOL, gpu=GPU)
+    assert setup.family == "pytorch" and "(PyTorch backend)" in setup.label
+    fitted = load_constants()
+    want = P.summary(setup, P.simulate(setup, fitted["pytorch"], 256, 32, concurrency=4))
+    assert {k: got[k] for k in want} == want
+    # the engine era's constants give another answer: the family choice is visible in the numbers
+    other = P.summary(setup, P.simulate(setup, fitted["engine"], 256, 32, concurrency=4))
+    assert other["itl_ms"] != want["itl_ms"]
+
+
+def test_predict_moe_recipe_with_expert_parallelism():
+    ov = AS_LLMAPI  # the shipped recipe: tp2 with moe_ep 2
+    res = cli("predict", str(MIXTRAL), *ov, *WORKLOAD, "--gpu", GPU, "--concurrency", "8")
+    assert res.exit_code == 0, res.output
+    assert res.output.splitlines()[0].startswith(f"2x {GPU} tp2 pp1 ep2 fp8 (PyTorch backend)")
+    ep = P.recipe_setup(MIXTRAL, ["target=llmapi"], gpu=GPU).deployment
+    tp = P.recipe_setup(MIXTRAL, ["target=llmapi", "parallel.moe_ep=1", "parallel.moe_tp=2"], gpu=GPU).deployment
+    assert (ep.ep, tp.ep) == (2, 1)
+    # same bytes per GPU either way (4 whole experts, or half of all 8), but one routed token reads whole experts
+    # on its rank under EP and slices of two experts under MoE-TP
+    assert ep.weight_bytes_per_gpu == pytest.approx(tp.weight_bytes_per_gpu)
+
+
+def test_predict_quotes_the_pytorch_backends_own_published_rows():
+    res = cli("predict", str(LLAMA70B), *AS_LLMAPI, "--set", "parallel.tp=2", "--set", "engine.workers=2",
+              *WORKLOAD, "--gpu", GPU, "--concurrency", "2", "--published", str(PUBLISHED_CSV), "--json")
+    assert res.exit_code == 0, res.output
+    near = json.loads(res.output)["nearest_published"]
+    assert near, "Llama 3.x 70B FP8 on H100 has published PyTorch-backend rows"
+    assert all(r["backend"].startswith("pytorch:") for r in near[:3]), near
+    assert all(r["predicted"] is not None for r in near if r["concurrency_or_batch"] == "max-load")
+
+
+def test_plan_slo_on_an_llmapi_recipe_answers_the_fewest_replicas_that_meet_it():
+    slo, rate = "ttft_p99=5ms,itl_p99=2ms", 400.0
+    res = cli("plan", str(STORIES), "--set", SMALL_POOL[0], "--slo", slo, "--rate", str(rate), "--isl", "64", "--osl", "8", "--gpus", GPU)
+    assert res.exit_code == 0, res.output
+    targets = P.parse_slo(slo)
+    rows = [o for o in P.capacity_plan(STORIES, targets, rate, 64, 8, SMALL_POOL, [GPU]) if o.get("fits")]
+    assert rows and all("(PyTorch backend)" in o["layout"] for o in rows)
+    printed = re.findall(r"^\s+(MEETS|misses)\s+(\d+) GPUs =\s+(\d+) x \[(.+?)\]", res.output, re.M)
+    assert printed == [("MEETS" if o["meets_slo"] else "misses", str(o["total_gpus"]), str(o["replicas"]),
+                        o["layout"]) for o in rows]
+    c = load_constants()["pytorch"]
+    for o in rows:
+        tp = int(re.search(r" tp(\d+) ", o["layout"]).group(1))
+        setup = P.recipe_setup(STORIES, SMALL_POOL, gpu=GPU, tp=tp)
+        at = lambda n: P.meets(P.simulate(setup, c, 64, 8, rate=rate / n, num_requests=200), targets)[0]  # noqa: E731
+        if o["meets_slo"]:
+            assert at(o["replicas"]), o["layout"]
+            fewer = [n for n in P.REPLICAS if n < o["replicas"]]
+            if fewer:
+                assert not at(fewer[-1]), o["layout"]
