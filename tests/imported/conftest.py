@@ -13,6 +13,7 @@ from numerics import suite_threads
 # recipe algo -> (kv cache, exclude) of each unified export used as a source; int4 keeps mlp.proj (in 172) float
 EXPORTS = {
     "fp8": ("fp8", ["*lm_head"]),
+    "none": ("fp8", ["*lm_head"]),  # an FP8 KV cache alone
     "fp8_pc_pt": ("none", ["*lm_head"]),
     "int8_wo": ("none", ["*lm_head"]),
     "int4_wo": ("none", ["*lm_head", "*mlp.proj"]),

@@ -18,8 +18,8 @@ from trtpipe.quant.imported.detect import detect
 from trtpipe.runtime import load_checkpoint
 from trtpipe.runtime.hf_loader import load_hf_checkpoint
 
-EXACT = ("fp8_pc_pt", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq")
-QUANT_ALGO = {"fp8_pc_pt": "FP8_PER_CHANNEL_PER_TOKEN", "int8_wo": "W8A16", "int4_wo": "W4A16_AWQ",
+EXACT = ("none", "fp8_pc_pt", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq")
+QUANT_ALGO = {"none": None, "fp8_pc_pt": "FP8_PER_CHANNEL_PER_TOKEN", "int8_wo": "W8A16", "int4_wo": "W4A16_AWQ",
               "int4_awq": "W4A16_AWQ", "w4a8_awq": "W4A8_AWQ", "fp8": "FP8"}
 
 
@@ -30,11 +30,12 @@ def test_exact_formats_convert_bit_for_bit(unified, tmp_path, algo):
     ckpt = convert_source(src, tmp_path / "tp1")
     q = json.loads((ckpt / "config.json").read_text())["quantization"]
     assert q["quant_algo"] == QUANT_ALGO[algo]
+    assert q["kv_cache_quant_algo"] == ("FP8" if algo == "none" else None)
     ours, theirs = linear_weights(load_checkpoint(ckpt)), linear_weights(hf)
     assert ours.keys() == theirs.keys()
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), f"{algo}: {name} dequantizes differently"
-    if q["quant_algo"].startswith("W4"):  # mlp.proj (in 172) is excluded by the export: so in the checkpoint too
+    if (q["quant_algo"] or "").startswith("W4"):  # mlp.proj (in 172) is excluded by the export: so in the checkpoint too
         assert "transformer.layers.0.mlp.proj" in q["exclude_modules"] and q["group_size"] == 32
     assert_logits_match(load_checkpoint(ckpt), hf, f"{algo} tp1")
     sharded = load_checkpoint(convert_source(src, tmp_path / "tp2pp2", tp=2, pp=2))

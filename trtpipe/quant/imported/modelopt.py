@@ -27,7 +27,9 @@ ALGOS: dict[Optional[str], tuple[Optional[int], str, Action, Action]] = {
     "W8A16": (8, "per-channel", ENGINE_OK, LLMAPI_OK),
     "W4A16_AWQ": (4, "group", ENGINE_OK, LLMAPI_OK),
     "W4A8_AWQ": (4, "group", ENGINE_OK, LLMAPI_OK),
-    "W8A8_SQ_PER_CHANNEL": (8, "per-channel", ENGINE_OK, Action(
+    "W8A8_SQ_PER_CHANNEL": (8, "per-channel", Action(
+        REFUSED, "trtpipe does not convert ModelOpt INT8 SmoothQuant exports yet (no producer checkpoint to check "
+                 "the conversion against); quantize the original with quantization.algo: int8_sq"), Action(
         REFUSED, "the PyTorch backend has no W8A8_SQ_PER_CHANNEL linear method ('unsupported quant mode'); "
                  "use target: engine")),
     "NVFP4": (4, "group", Action(
