@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from imported_helpers import assert_logits_match
@@ -94,3 +95,24 @@ def test_build_both_targets_from_trtpipes_own_fp8_export(tmp_path, unified):
     out = next((work / "export").iterdir()) / "hf"
     for f in ("model.safetensors", "config.json", "hf_quant_config.json"):
         assert (out / f).read_bytes() == (src / f).read_bytes(), f
+
+
+@pytest.mark.slow
+def test_accuracy_gate_against_the_reference_or_perplexity_alone(tmp_path, stories_dir, unified):
+    """With accuracy.reference the verify stage compares the converted checkpoint with the original (a gate it can
+    fail); without one it reports the perplexity alone, and a threshold is refused at validate."""
+    src = unified("int4_wo")
+    acc = "accuracy:\n  num_samples: 2\n  seq_len: 16\n"
+    p = _recipe(tmp_path, src, acc + f"  reference: {stories_dir}\n  max_kl_divergence: 0.000001\n")
+    r = CliRunner().invoke(main, ["build", str(p)])
+    assert r.exit_code != 0, r.output  # int4 is not that close to the original
+    assert "accuracy gate failed for quantized: KL" in r.output and "> max_kl_divergence 1e-06" in r.output, r.output
+    p2 = tmp_path / "ppl"
+    p2.mkdir()
+    q = _recipe(p2, src, acc)
+    r = CliRunner().invoke(main, ["build", str(q)])
+    assert r.exit_code == 0, r.output
+    ppl = json.loads(next((p2 / "w-engine" / "artifacts" / "verify").glob("*/accuracy.json")).read_text())
+    assert ppl["reference"] is None and 1.0 < ppl["perplexity"] < 512
+    bad = _recipe(p2, src, acc + "  max_ppl_increase_pct: 5\n")
+    assert [x.key for x in _problems(bad)] == ["accuracy.max_ppl_increase_pct"]

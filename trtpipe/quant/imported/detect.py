@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from trtpipe.errors import CheckpointError
-from trtpipe.quant.imported import compressed, modelopt, others
+from trtpipe.quant.imported import compressed, gptq, modelopt, others
 from trtpipe.quant.imported.formats import ImportedFormat
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -21,7 +21,7 @@ HF_QUANT_CONFIG = "hf_quant_config.json"
 PARSERS: dict[str, Callable[[Path, dict, str], ImportedFormat]] = {
     "compressed-tensors": lambda d, qc, where: compressed.parse(d, qc),
     "awq": others.parse_awq,
-    "gptq": others.parse_gptq,
+    "gptq": gptq.parse,
     "fbgemm_fp8": others.parse_fbgemm,
     "fp8": others.parse_fp8,
     "mxfp4": others.parse_mxfp4,

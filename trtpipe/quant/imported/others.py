@@ -1,4 +1,4 @@
-"""Formats recognised but not (yet) converted by trtpipe: AutoAWQ, GPTQ, fbgemm FP8, FP8 block-scaled, MXFP4.
+"""Formats recognised but not (yet) converted by trtpipe: AutoAWQ, fbgemm FP8, FP8 block-scaled, MXFP4.
 
 Each is described in one line and, per target, refused with the reason and the alternative, so a recipe fails at
 ``trtpipe validate`` instead of converting wrong numbers. The reasons are TensorRT-LLM 1.2 facts where one decides
@@ -37,22 +37,6 @@ def parse_awq(model_dir: Path, qc: dict, where: str) -> ImportedFormat:
                                  "per GPU); run TensorRT-LLM's convert_checkpoint.py on the target GPU")
     return ImportedFormat("awq", f"AutoAWQ {version}" + (" asymmetric" if zero else ""), None, bits, group, "group",
                           exclude, None, engine, llmapi, where)
-
-
-def parse_gptq(model_dir: Path, qc: dict, where: str) -> ImportedFormat:
-    bits, group = _int(qc, "bits", where, 4), _int(qc, "group_size", where, 128)
-    fmt = str(qc.get("checkpoint_format", qc.get("format", "gptq")))
-    sym, act = bool(qc.get("sym", True)), bool(qc.get("desc_act", False))
-    if act:
-        why = "GPTQ with desc_act (act-order) is refused: TensorRT-LLM raises 'GPTQ with desc_act=True is not " \
-              "implemented!'; re-quantize without act-order"
-        engine = llmapi = Action(REFUSED, why)
-    else:
-        engine = llmapi = Action(REFUSED, NOT_YET.format(name=f"GPTQ {fmt}") + "; use a ModelOpt or "
-                                          "compressed-tensors W4A16 checkpoint")
-    return ImportedFormat("gptq", f"{fmt}" + (" symmetric" if sym else " asymmetric") + (" act-order" if act else ""),
-                          None, bits, group if group > 0 else None, "group" if group > 0 else "per-channel",
-                          tuple(qc.get("modules_to_not_convert") or ()), None, engine, llmapi, where)
 
 
 def parse_fbgemm(model_dir: Path, qc: dict, where: str) -> ImportedFormat:

@@ -47,6 +47,11 @@ def _imported_source(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findi
     if not action.ok:
         yield "target", f"model.source is {fmt.describe()}: refused for target {recipe.target}: {action.why}"
     ref = recipe.accuracy.reference
+    for key in ("max_ppl_increase_pct", "min_top1_agreement", "max_kl_divergence"):
+        if ref is None and getattr(recipe.accuracy, key) is not None:
+            yield f"accuracy.{key}", ("a pre-quantized source has no unquantized model to compare against: set "
+                                      "accuracy.reference to the original, or drop the threshold (perplexity alone "
+                                      "is reported)")
     if ref is not None and not ref.startswith("hf://"):
         path = recipe.resolve(ref)
         if not (path / "config.json").is_file():

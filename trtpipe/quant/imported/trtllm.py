@@ -27,7 +27,7 @@ from trtpipe.checkpoint.quant_layouts import LINEARS, exclude_modules
 from trtpipe.checkpoint.quant_primitives import dequantize, quantize
 from trtpipe.errors import CheckpointError
 from trtpipe.models.family import Rule, dims
-from trtpipe.quant.imported import compressed
+from trtpipe.quant.imported import compressed, gptq
 from trtpipe.quant.imported.canonical import check_projection
 from trtpipe.quant.imported.formats import ImportedFormat
 
@@ -39,6 +39,7 @@ KV_MIN_SCALE = 1.0
 CANONICAL: dict[str, Callable] = {
     "modelopt": lambda fmt, t, module, where, out_f, in_f: t,
     "compressed-tensors": compressed.canonical,
+    "gptq": gptq.canonical,
 }
 # family -> where the FP8 KV scales of a layer live (relative to the HF layer prefix)
 KV_NAMES: dict[str, tuple[str, str]] = {
@@ -131,8 +132,12 @@ GROUPWISE = ("W4A16_AWQ", "W4A8_AWQ")
 
 
 def matches(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether module ``name`` is in an exclude list: exact names, fnmatch patterns (ModelOpt), ``re:`` regexes
+    (compressed-tensors), a parent module, or a run of name components (transformers' ``modules_to_not_convert``
+    entries such as ``lm_head`` or ``mlp``)."""
     return any(name == p or (p.startswith("re:") and re.fullmatch(p[3:], name)) or
-               (not p.startswith("re:") and (fnmatch.fnmatchcase(name, p) or name.startswith(p + "."))) for p in patterns)
+               (not p.startswith("re:") and (fnmatch.fnmatchcase(name, p) or name.startswith(p + ".")
+                                              or f".{p}." in f".{name}.")) for p in patterns)
 
 
 def module_index(keys) -> dict[str, dict[str, str]]:
@@ -188,8 +193,10 @@ class ImportedLinears:
 
     def _tensors(self, reader, module: str, meta: bool, used: Optional[set]) -> dict[str, torch.Tensor]:
         names = self.modules.get(module, {})
-        if used is not None:
-            used.update(names.values())
+        if used is not None:  # a bias is the family's (its own rule reads it) or, all zero, dropped by the importer
+            used.update(n for s, n in names.items() if s != "bias")
+        if "bias" in names and used is not None and not bool(reader.get(names["bias"]).any()):
+            used.add(names["bias"])
         return {s: reader.meta(n) if meta else reader.get(n) for s, n in names.items()}
 
     def layer_tensors(self, reader, plan, layer: int, rules: list[Rule], meta: bool,
