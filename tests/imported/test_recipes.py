@@ -116,3 +116,12 @@ def test_accuracy_gate_against_the_reference_or_perplexity_alone(tmp_path, stori
     assert ppl["reference"] is None and 1.0 < ppl["perplexity"] < 512
     bad = _recipe(p2, src, acc + "  max_ppl_increase_pct: 5\n")
     assert [x.key for x in _problems(bad)] == ["accuracy.max_ppl_increase_pct"]
+
+
+def test_a_tp_that_would_cut_the_checkpoints_groups_is_refused(tmp_path, unified):
+    ok = _recipe(tmp_path, unified("int4_wo"), "parallel:\n  tp: 2\n")  # mlp.proj (172 inputs) is excluded
+    assert not _problems(ok)
+    bad = _recipe(tmp_path, unified("int4_wo"), "parallel:\n  tp: 4\n")  # o_proj: 64 inputs / 4 = 16 < group 32
+    msgs = [x.message for x in _problems(bad) if x.key == "parallel.tp"]
+    assert msgs and "group size 32: at tp=4 attention.dense in_features 16 per rank is not a multiple of group_size 32" \
+        in msgs[0], msgs

@@ -19,6 +19,7 @@ import torch
 
 from trtpipe.checkpoint.convert import TOKENIZER_FILES, make_plan
 from trtpipe.checkpoint.hf import HFReader
+from trtpipe.checkpoint.quant_layouts import LINEARS
 from trtpipe.errors import CheckpointError
 from trtpipe.export.formats import inline_quantization_config
 from trtpipe.export.unified import HF_QUANT_CONFIG, ShardParts, hf_config, producer
@@ -68,7 +69,7 @@ def relayout(fmt: ImportedFormat, src: Path, out: Path) -> dict:
     model_dtype = MODEL_DTYPES[plan.dtype] if plan.dtype in MODEL_DTYPES else torch.bfloat16
     # HF projection (relative to the layer prefix) -> (out, in), from the family's rules
     projections = {h[: -len(".weight")]: (d[s[0]], d[s[1]]) for r in plan.family.layer_rules if r.when(info)
-                   and r.trt.endswith(".weight") and r.trt.rsplit(".", 1)[0].split(".")[0] in ("attention", "mlp")
+                   and r.trt.endswith(".weight") and r.trt[: -len(".weight")] in LINEARS
                    and r.combine in ("one", "cat") for h, s in zip(r.hf, r.shapes)}
     kv_names = KV_NAMES.get(fmt.family, ())
     with HFReader(src, check_finite=False) as reader, ShardParts(out, 10 * 10**9) as parts:

@@ -46,6 +46,8 @@ def _imported_source(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findi
     action = fmt.action(recipe.target)
     if not action.ok:
         yield "target", f"model.source is {fmt.describe()}: refused for target {recipe.target}: {action.why}"
+    if fmt.group_size and action.ok and recipe.target == "engine":
+        yield from _whole_groups(recipe, m, fmt)
     ref = recipe.accuracy.reference
     for key in ("max_ppl_increase_pct", "min_top1_agreement", "max_kl_divergence"):
         if ref is None and getattr(recipe.accuracy, key) is not None:
@@ -64,6 +66,24 @@ def _imported_source(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findi
                 return
             if ref_fmt is not None:
                 yield "accuracy.reference", f"the reference must be unquantized; it is {ref_fmt.describe()}"
+
+
+def _whole_groups(recipe: Recipe, m: HFModelInfo, fmt) -> Iterable[Finding]:
+    """Every rank's slice of a group-quantized linear holds whole groups (and row pairs): the checkpoint's groups
+    cannot be re-cut, so a tp that splits one is refused here, naming the linear."""
+    from trtpipe.models import get_family
+    from trtpipe.quant.imported.trtllm import matches
+    from trtpipe.quant.rules import int4_problems
+
+    family = get_family(m.architecture)
+    pre = m.weight_prefix + family.hf_layer_prefix.format(0)
+    hf_of = {r.trt[: -len(".weight")]: [pre + h[: -len(".weight")] for h in r.hf] for r in family.layer_rules
+             if r.when(m) and r.trt.endswith(".weight")}
+    for name, why in int4_problems(m, recipe.parallel.tp, fmt.group_size).items():
+        if all(matches(h, fmt.exclude) for h in hf_of.get(name, [])):
+            continue  # left unquantized by the checkpoint
+        yield "parallel.tp", (f"model.source is {fmt.name} with group size {fmt.group_size}: at tp={recipe.parallel.tp} "
+                              f"{name} {why} (the checkpoint's groups cannot be re-cut); use a smaller tp")
 
 
 IMPORT_RULES: tuple[Rule, ...] = (_imported_source,)
