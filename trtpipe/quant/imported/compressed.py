@@ -28,6 +28,7 @@ import torch
 
 from trtpipe.checkpoint.quant_primitives import pack_int4_rows
 from trtpipe.errors import CheckpointError
+from trtpipe.export.compressed import unpack_int32_to_int4
 from trtpipe.quant.imported.formats import CONVERTED, REFUSED, RELAID, Action, ImportedFormat
 
 KNOWN_SUFFIXES = {"weight", "weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "input_scale", "bias"}
@@ -107,14 +108,6 @@ def parse(model_dir: Path, qc: dict) -> ImportedFormat:
                           tuple(qc.get("ignore") or ()), kv, engine, llmapi, where, {"format": fmt})
 
 
-def unpack_int4_signed(packed: torch.Tensor, in_f: int) -> torch.Tensor:
-    """compressed-tensors ``pack_to_int32``: [out, ceil(in/8)] int32, element k of 8 at bits 4k, +8 offset ->
-    int8 codes in -8..7, [out, in] (the ``weight_shape`` columns; padding dropped)."""
-    p = packed.to(torch.int64) & 0xFFFFFFFF
-    nib = torch.stack([(p >> (4 * k)) & 0xF for k in range(8)], dim=-1).reshape(packed.shape[0], -1)
-    return (nib[:, :in_f] - 8).to(torch.int8)
-
-
 def canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, where: str, out_f: int,
               in_f: int) -> dict[str, torch.Tensor]:
     """One ``[out_f, in_f]`` projection's compressed-tensors tensors -> ModelOpt's (``fmt.quant_algo``), exactly
@@ -139,7 +132,7 @@ def canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, wher
         if t["weight_packed"].device.type == "meta":
             out["weight"] = torch.empty(out_f // 2, in_f, dtype=torch.uint8, device="meta")
         else:
-            out["weight"] = pack_int4_rows(unpack_int4_signed(t["weight_packed"], in_f)).view(torch.uint8)
+            out["weight"] = pack_int4_rows(unpack_int32_to_int4(t["weight_packed"], in_f)).view(torch.uint8)
         out["weight_scale"] = t["weight_scale"].float()
         return out
     if "weight" not in t or "weight_scale" not in t:

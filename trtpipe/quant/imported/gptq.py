@@ -22,6 +22,7 @@ import torch
 
 from trtpipe.checkpoint.quant_primitives import pack_int4_rows
 from trtpipe.errors import CheckpointError
+from trtpipe.export.compressed import unpack_int32_to_int4
 from trtpipe.quant.imported.formats import CONVERTED, REFUSED, RELAID, Action, ImportedFormat
 
 KNOWN = {"qweight", "qzeros", "scales", "g_idx", "bias"}
@@ -59,14 +60,12 @@ def parse(model_dir: Path, qc: dict, where: str) -> ImportedFormat:
 
 def unpack_along_rows(packed: torch.Tensor) -> torch.Tensor:
     """int32 [R, C] with 8 nibbles per word (LSB first) along dim 0 -> int16 [8R, C] codes 0..15."""
-    p = packed.to(torch.int64) & 0xFFFFFFFF
-    return torch.stack([(p >> (4 * j)) & 0xF for j in range(8)], dim=1).reshape(-1, packed.shape[1]).to(torch.int16)
+    return unpack_along_cols(packed.t()).t()
 
 
 def unpack_along_cols(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [R, C] with 8 nibbles per word along dim 1 -> int16 [R, 8C]."""
-    p = packed.to(torch.int64) & 0xFFFFFFFF
-    return torch.stack([(p >> (4 * j)) & 0xF for j in range(8)], dim=-1).reshape(packed.shape[0], -1).to(torch.int16)
+    """int32 [R, C] with 8 nibbles per word along dim 1 -> int16 [R, 8C] codes 0..15."""
+    return (unpack_int32_to_int4(packed, packed.shape[1] * 8) + 8).to(torch.int16)
 
 
 def canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, where: str, out_f: int,
