@@ -1,7 +1,8 @@
 """Recipe validation: every cross-field rule in one list, and the recipe loader that runs them.
 
 Each package keeps the rules about its own facts beside them: the recipe's layout and consistency
-(``trtpipe/recipe/rules.py``), the quantized layouts (``trtpipe/quant/rules.py``), what trtllm-build would refuse
+(``trtpipe/recipe/rules.py``), the quantized layouts (``trtpipe/quant/rules.py``), pre-quantized sources
+(``trtpipe/quant/imported/rules.py``), what trtllm-build would refuse
 or silently change and the memory plan (``trtpipe/engine/rules.py``), the llmapi target
 (``trtpipe/export/rules.py``), the deployment (``trtpipe/deploy/rules.py``). This module is the only one that
 knows all of them. It sits above those packages:
@@ -20,6 +21,7 @@ from trtpipe.deploy.rules import DEPLOY_RULES
 from trtpipe.engine.rules import ENGINE_RULES
 from trtpipe.errors import Problem, RecipeError
 from trtpipe.export.rules import EXPORT_RULES
+from trtpipe.quant.imported.rules import IMPORT_RULES
 from trtpipe.quant.rules import QUANT_RULES
 from trtpipe.recipe import rules as recipe_rules
 from trtpipe.recipe.loader import parse_recipe
@@ -27,7 +29,7 @@ from trtpipe.recipe.rules import RECIPE_RULES, Rule
 from trtpipe.recipe.schema import Recipe
 
 # In this order; problems are reported in file order, and rules that name the same key keep this order.
-RULES: tuple[Rule, ...] = (*RECIPE_RULES, *QUANT_RULES, *ENGINE_RULES, *EXPORT_RULES, *DEPLOY_RULES)
+RULES: tuple[Rule, ...] = (*RECIPE_RULES, *QUANT_RULES, *IMPORT_RULES, *ENGINE_RULES, *EXPORT_RULES, *DEPLOY_RULES)
 
 
 def check_recipe(recipe: Recipe) -> list[Problem]:

@@ -200,10 +200,16 @@ def _iter_rules(rules, reader: HFReader, plan: ConversionPlan, hf_prefix: str, t
         yield trt_prefix + rule.trt, t, [n for group in names for n in group]
 
 
-def _unit_iter(reader, plan, unit, meta, used=None, stream_experts=False):
+def _unit_iter(reader, plan, unit, meta, used=None, importer=None, stream_experts=False):
     if isinstance(unit, int):
-        yield from _iter_rules(plan.family.layer_rules, reader, plan, plan.family.hf_layer_prefix.format(unit),
+        rules = plan.family.layer_rules
+        if importer is not None:  # a pre-quantized source: its quantized linears come from the importer
+            owned = [r for r in rules if r.when(plan.info) and importer.owns(plan, r, unit)]
+            rules = [r for r in rules if r not in owned]
+        yield from _iter_rules(rules, reader, plan, plan.family.hf_layer_prefix.format(unit),
                                LAYER.format(unit), meta, used, stream_experts)
+        if importer is not None:
+            yield from importer.layer_tensors(reader, plan, unit, owned, meta, used)
         return
     embed = unit == "embedding"
     rules = [r for r in plan.family.global_rules if r.trt.startswith("transformer.vocab_embedding") == embed]
@@ -299,8 +305,8 @@ def _units(plan: ConversionPlan):
     yield "head"
 
 
-def _unit_tensors(reader, plan, unit, meta, used=None) -> dict[str, torch.Tensor]:
-    return {name: t for name, t, _ in _unit_iter(reader, plan, unit, meta, used)}
+def _unit_tensors(reader, plan, unit, meta, used=None, importer=None) -> dict[str, torch.Tensor]:
+    return {name: t for name, t, _ in _unit_iter(reader, plan, unit, meta, used, importer)}
 
 
 def _check_extra(reader: HFReader, plan: ConversionPlan, used: set) -> None:
@@ -314,12 +320,13 @@ def _check_extra(reader: HFReader, plan: ConversionPlan, used: set) -> None:
             )
 
 
-def plan_files(reader: HFReader, plan: ConversionPlan, transform: Optional[Transform] = None) -> list[list]:
+def plan_files(reader: HFReader, plan: ConversionPlan, transform: Optional[Transform] = None,
+               importer=None) -> list[list]:
     """Per rank, the ``(name, dtype, shape)`` entries of its file, by running the passes on meta tensors."""
     used: set = set()
     entries: list[list] = [[] for _ in range(plan.world_size)]
     for unit in _units(plan):
-        tensors = _unit_tensors(reader, plan, unit, True, used)
+        tensors = _unit_tensors(reader, plan, unit, True, used, importer)
         if transform is not None:
             tensors = transform(tensors, plan, unit if isinstance(unit, int) else None)
         for rank in range(plan.world_size):
@@ -343,7 +350,7 @@ def convert(model_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1
             moe_tp: int = -1, moe_ep: int = -1, allow_pickle: bool = False, use_parallel_embedding: bool = False,
             embedding_sharding_dim: int = 0, transform: Optional[Transform] = None,
             config_update: Optional[dict] = None, workers: Optional[int] = None, overwrite: bool = False,
-            progress: Optional[Callable[[int, int], None]] = None) -> Path:
+            progress: Optional[Callable[[int, int], None]] = None, importer=None) -> Path:
     """Convert an HF model directory into a TRT-LLM checkpoint at ``out_dir`` (written atomically).
 
     Without a transform, tensors stream one at a time (peak memory ~ the largest fused tensor); with one,
@@ -356,6 +363,9 @@ def convert(model_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1
         config_update: merged into config.json (e.g. the ``quantization`` dict a transform implies).
         workers: threads writing rank files in parallel (default: min(world_size, 4)).
         progress: called with (units done, units total).
+        importer: ``fn(plan, reader) ->`` the linear source of a pre-quantized checkpoint
+            (:class:`trtpipe.quant.imported.trtllm.ImportedLinears`): its quantized linears are taken from it
+            already fused (codes and scales, never dequantized) and its ``quantization()`` goes into config.json.
     Returns:
         out_dir.
     Raises:
@@ -366,13 +376,17 @@ def convert(model_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1
         first = plan_first_source(model_dir, reader)
         plan = make_plan(model_dir, tp, pp, dtype, moe_tp, moe_ep, use_parallel_embedding, embedding_sharding_dim,
                          source_dtype=str(first).replace("torch.", ""))
-        entries = plan_files(reader, plan, transform)
+        linears = importer(plan, reader) if importer is not None else None
+        if linears is not None and transform is not None:
+            raise CheckpointError(f"{model_dir}: a pre-quantized checkpoint is not quantized again")
+        entries = plan_files(reader, plan, transform, linears)
         files = [RankFile(tmp / f"rank{r}.safetensors", entries[r]) for r in range(plan.world_size)]
         units = list(_units(plan))
         with ThreadPoolExecutor(max_workers=workers or min(plan.world_size, 4)) as pool:
             for done, unit in enumerate(units, 1):
                 if transform is None:
-                    for name, t, sources in _unit_iter(reader, plan, unit, False, stream_experts=True):
+                    parts = _unit_iter(reader, plan, unit, False, None, linears, stream_experts=True)
+                    for name, t, sources in parts:
                         if isinstance(t, ExpertParts):
                             _write_experts(pool, files, reader, plan, name, t)
                         else:
@@ -388,6 +402,8 @@ def convert(model_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1
         for f in files:
             f.close()
         config = dict(plan.config)
+        if linears is not None:
+            config["quantization"] = linears.quantization()
         if config_update:
             config.update(config_update)
         write_json(tmp / "config.json", config)

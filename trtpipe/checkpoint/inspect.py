@@ -54,7 +54,10 @@ def inspect_trtllm(ckpt: Path) -> dict:
 
 
 def inspect_hf(model_dir: Path) -> dict:
+    from trtpipe.quant.imported.detect import detect
+
     info = read_hf_config(model_dir)
+    fmt = detect(model_dir)  # a config contradicting itself fails here, naming the key
     with HFReader(model_dir, allow_pickle=False, check_finite=False) as reader:
         files = sorted({p for p in model_dir.glob("*.safetensors")})
         return {
@@ -69,6 +72,9 @@ def inspect_hf(model_dir: Path) -> dict:
             "sliding_window": info.sliding_window,
             "tie_word_embeddings": info.tie_word_embeddings,
             "quantization": info.raw.get("quantization_config"),
+            "pre_quantized": fmt.describe() if fmt else None,
+            "targets": {t: fmt.action(t).kind + (f": {fmt.action(t).why}" if not fmt.action(t).ok else "")
+                        for t in ("engine", "llmapi")} if fmt else None,
             "parameters": info.num_params(),
             "tensors": len(reader.keys()),
             "files": [_file_summary(p) for p in files],

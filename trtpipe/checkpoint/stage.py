@@ -1,4 +1,5 @@
-"""The ``checkpoint`` build stage: the HF model converted to an unquantized TRT-LLM checkpoint.
+"""The ``checkpoint`` build stage: the HF model converted to a TRT-LLM checkpoint (unquantized, or, for a source
+someone else already quantized, in the TRT-LLM layout of its format: :mod:`trtpipe.quant.imported`).
 
 Its key covers the ``model`` and ``parallel`` sections and the fingerprints of the model's weight,
 config and tokenizer files. The artifact is the checkpoint plus the tokenizer files and
@@ -16,7 +17,7 @@ from trtpipe.models.hfconfig import read_hf_config
 from trtpipe.pipeline.stage import Stage, StageContext
 from trtpipe.recipe.schema import Recipe
 
-WEIGHT_PATTERNS = ("config.json", "*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
+WEIGHT_PATTERNS = ("config.json", "hf_quant_config.json", "*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
                    "pytorch_model.bin.index.json")
 
 
@@ -45,14 +46,30 @@ def model_files(recipe: Recipe) -> list[Path]:
     return sorted(files)
 
 
+def imported_format(recipe: Recipe):
+    """The pre-quantized format of ``model.source`` (None: not quantized), from its config files only."""
+    from trtpipe.quant.imported.detect import detect
+
+    return detect(model_dir(recipe))
+
+
 def run(ctx: StageContext) -> None:
+    from trtpipe.quant.imported.trtllm import ImportedLinears
+
     recipe, par = ctx.recipe, ctx.recipe.parallel
     src = model_dir(recipe)
     info = read_hf_config(src)
+    fmt = imported_format(recipe)
+    importer = None
+    if fmt is not None:
+        ctx.log.info("pre-quantized source: %s", fmt.describe())
+        ctx.info["imported"] = fmt.describe()
+        importer = lambda plan, reader: ImportedLinears(fmt, reader.keys(), str(src))  # noqa: E731
     ctx.log.info("converting %s (%s) at tp=%d pp=%d dtype=%s", src, info.architecture, par.tp, par.pp, recipe.model.dtype)
     with ctx.progress("checkpoint: converting", total=info.num_layers + 2) as bar:
         convert(src, ctx.out_dir, tp=par.tp, pp=par.pp, dtype=recipe.model.dtype, moe_tp=par.moe_tp, moe_ep=par.moe_ep,
-                allow_pickle=recipe.model.allow_pickle, overwrite=True, progress=lambda done, total: bar.advance(1))
+                allow_pickle=recipe.model.allow_pickle, overwrite=True, progress=lambda done, total: bar.advance(1),
+                importer=importer)
     config = json.loads((ctx.out_dir / "config.json").read_text())
     ctx.info.update(
         architecture=info.architecture,
@@ -69,5 +86,6 @@ CHECKPOINT_STAGE = Stage(
     inputs=(),
     run=run,
     files=model_files,
+    enabled=lambda recipe: not (recipe.target == "llmapi" and imported_format(recipe) is not None),
     description="HF model -> TensorRT-LLM checkpoint (sharded for tp x pp)",
 )

@@ -1,6 +1,7 @@
 """The ``export`` build stage (``target: llmapi``): the unified HF checkpoint for TensorRT-LLM's PyTorch backend,
 written from the ``checkpoint`` artifact and the ``calibrate`` statistics (the same numbers the engine path uses;
 nothing is recalibrated), plus a compressed-tensors checkpoint for vLLM / SGLang when the recipe asks for one.
+A pre-quantized ``model.source`` is passed through or re-laid out instead (:mod:`trtpipe.quant.imported.llmapi`).
 
 Artifact: ``hf/`` (config.json with the inline quantization_config, hf_quant_config.json, model*.safetensors,
 tokenizer and generation files) and, optionally, ``compressed-tensors/``.
@@ -8,7 +9,7 @@ tokenizer and generation files) and, optionally, ``compressed-tensors/``.
 
 from __future__ import annotations
 
-from trtpipe.checkpoint.stage import model_dir, model_files
+from trtpipe.checkpoint.stage import imported_format, model_dir, model_files
 from trtpipe.export.unified import export_unified
 from trtpipe.pipeline.stage import Stage, StageContext
 from trtpipe.recipe.schema import Recipe
@@ -27,6 +28,15 @@ def run(ctx: StageContext) -> None:
                   exclude=list(q.exclude))
     hf = ctx.out_dir / HF_DIR
     hf.mkdir()
+    fmt = imported_format(r)
+    if fmt is not None:  # someone else quantized it: passed through or re-laid out, never quantized again
+        from trtpipe.quant.imported.llmapi import write_llmapi
+
+        ctx.log.info("pre-quantized source: %s (%s)", fmt.describe(), fmt.llmapi.kind)
+        hq = write_llmapi(fmt, model_dir(r), hf)
+        ctx.info.update(imported=fmt.describe(), action=fmt.llmapi.kind, quantization=hq.get("quantization"),
+                        bytes=sum(p.stat().st_size for p in hf.glob("*.safetensors")))
+        return
     with ctx.progress("export: unified HF checkpoint", total=None) as bar:
         hq = export_unified(ctx.inputs["checkpoint"], model_dir(r), ctx.inputs.get("calibrate"), hf,
                             max_shard_bytes=r.llmapi.max_shard_bytes, progress=lambda s: bar.advance(1), **common)

@@ -100,6 +100,17 @@ def compare(ref: ReferenceModel, models: dict[str, ReferenceModel], tokens: torc
     return rows
 
 
+def perplexity(ckpt_dir: Path, tokens: torch.Tensor, batch: int = 8) -> float:
+    """Perplexity of one checkpoint on ``tokens [N, T]`` (a pre-quantized source with nothing to compare against),
+    with the model whole in memory: refused, naming the size, when it does not fit."""
+    why = whole_model_misfit(float32_bytes(ckpt_dir))
+    if why:
+        raise QuantizationError(f"{ckpt_dir}: perplexity alone needs the whole model in memory, and {why}; "
+                                "set accuracy.reference or accuracy.enabled: false")
+    with torch.no_grad():
+        return _ppl(_logits(load_checkpoint(ckpt_dir), tokens, batch), tokens)
+
+
 NO_KV = "quantized, KV unquantized"  # the quantized model with its KV cache kept in full precision
 
 

@@ -141,6 +141,19 @@ def _quantize(ctx: StageContext) -> None:
 
 
 def _verify(ctx: StageContext) -> None:
+    if "quantize" not in ctx.inputs:  # a pre-quantized source: the checkpoint artifact is the quantized model
+        try:
+            with ctx.progress("verify", total=None) as bar:
+                rows = run_imported_accuracy(ctx.recipe, ctx.inputs["checkpoint"], ctx.out_dir,
+                                             progress=lambda s: bar.advance(1))
+        finally:
+            if (ctx.out_dir / "accuracy.txt").exists():
+                ctx.log.info("accuracy:\n%s", (ctx.out_dir / "accuracy.txt").read_text())
+        ctx.info.update(accuracy=json.loads((ctx.out_dir / "accuracy.json").read_text()))
+        if rows is not None:
+            acc = ctx.recipe.accuracy
+            accuracy.check_gate(rows[1], acc.max_ppl_increase_pct, acc.min_top1_agreement, acc.max_kl_divergence)
+        return
     try:
         with ctx.progress("verify", total=None) as bar:
             rows = run_accuracy(ctx.recipe, ctx.inputs["checkpoint"], ctx.inputs["quantize"], ctx.out_dir, gate=False,
@@ -154,6 +167,49 @@ def _verify(ctx: StageContext) -> None:
     accuracy.check_gate(rows[1], acc.max_ppl_increase_pct, acc.min_top1_agreement, acc.max_kl_divergence)
 
 
+def imported(recipe: Recipe) -> bool:
+    """``model.source`` was quantized by someone else (the checkpoint artifact is already the quantized one)."""
+    from trtpipe.checkpoint.stage import imported_format
+
+    return recipe.target == "engine" and imported_format(recipe) is not None
+
+
+def reference_dir(recipe: Recipe) -> Path:
+    """The local directory of ``accuracy.reference`` (``hf://`` references are fetched into the HF cache)."""
+    ref = recipe.accuracy.reference
+    if ref.startswith("hf://"):
+        from trtpipe.models.hub import resolve_hf
+
+        return resolve_hf(ref)
+    return recipe.resolve(ref)
+
+
+def run_imported_accuracy(recipe: Recipe, quant_dir: Path, out_dir: Path,
+                          progress: Optional[Callable[[str], None]] = None) -> Optional[list[accuracy.Metrics]]:
+    """A pre-quantized source's report: against ``accuracy.reference`` (converted here at the same tp/pp and
+    dtype, then removed) when the recipe names one, else its perplexity alone (None: nothing to gate on)."""
+    acc, c, par = recipe.accuracy, recipe.quantization.calibration, recipe.parallel
+    if acc.reference is not None:
+        from trtpipe.checkpoint.convert import convert
+
+        ref = out_dir / "reference-checkpoint"
+        try:
+            convert(reference_dir(recipe), ref, tp=par.tp, pp=par.pp, dtype=recipe.model.dtype, moe_tp=par.moe_tp,
+                    moe_ep=par.moe_ep, allow_pickle=recipe.model.allow_pickle)
+            return run_accuracy(recipe, ref, quant_dir, out_dir, gate=False, progress=progress)
+        finally:
+            shutil.rmtree(ref, ignore_errors=True)
+    tokens = _tokens(acc.eval_data, recipe, quant_dir, acc.num_samples, acc.seq_len, c.seed + EVAL_SEED_OFFSET,
+                     c.text_field)
+    ppl = accuracy.perplexity(quant_dir, tokens, c.batch_size)
+    (out_dir / "accuracy.json").write_text(json.dumps({"perplexity": ppl, "reference": None,
+                                                       "num_samples": int(tokens.shape[0]),
+                                                       "seq_len": int(tokens.shape[1])}, indent=2) + "\n")
+    (out_dir / "accuracy.txt").write_text(f"perplexity {ppl:.4f} on {acc.eval_data} (no accuracy.reference: "
+                                          "nothing to compare against)\n")
+    return None
+
+
 def _calibration_files(recipe: Recipe) -> list[Path]:
     ds = recipe.quantization.calibration.dataset
     return [] if ds == "self" else [recipe.resolve(ds)]
@@ -161,7 +217,11 @@ def _calibration_files(recipe: Recipe) -> list[Path]:
 
 def _eval_files(recipe: Recipe) -> list[Path]:
     ev = recipe.accuracy.eval_data
-    return [] if ev == "self" else [recipe.resolve(ev)]
+    files = [] if ev == "self" else [recipe.resolve(ev)]
+    ref = recipe.accuracy.reference
+    if ref is not None and not ref.startswith("hf://"):
+        files += sorted(p for p in recipe.resolve(ref).iterdir() if p.is_file())
+    return files
 
 
 CALIBRATE_STAGE = Stage(
@@ -190,6 +250,6 @@ VERIFY_STAGE = Stage(
     inputs=("checkpoint", "quantize"),
     run=_verify,
     files=_eval_files,
-    enabled=lambda recipe: recipe.accuracy.enabled and has_trtllm_layout(recipe),
+    enabled=lambda recipe: recipe.accuracy.enabled and (has_trtllm_layout(recipe) or imported(recipe)),
     description="accuracy report and gate",
 )

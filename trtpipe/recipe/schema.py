@@ -172,6 +172,9 @@ class AccuracySection(_Section):
     max_ppl_increase_pct: Optional[float] = Field(None, ge=0.0, description="Fail the build above this perplexity increase (%).")
     min_top1_agreement: Optional[float] = Field(None, ge=0.0, le=1.0, description="Fail below this top-1 token agreement (0..1).")
     max_kl_divergence: Optional[float] = Field(None, ge=0.0, description="Fail above this mean KL divergence (nats/token).")
+    reference: Optional[str] = Field(
+        None, description="The unquantized original of a pre-quantized model.source (directory or hf://), which the "
+                          "gate compares against; without it a pre-quantized source reports perplexity alone.")
 
     _eval_data = field_validator("eval_data")(classmethod(lambda cls, v: _path_text(v)))
 

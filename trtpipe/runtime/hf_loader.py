@@ -27,11 +27,8 @@ from torch import nn
 
 from trtpipe.checkpoint.quant_primitives import unpack_int4_rows
 from trtpipe.errors import CheckpointError
-from trtpipe.runtime.linear import Float32Linear, QuantLinear
+from trtpipe.runtime.linear import Float32Linear, QuantLinear, TokenFP8Linear
 from trtpipe.runtime.model import DecoderLayer, ModelArgs, ReferenceModel
-
-FP8_MAX = 448.0
-
 
 class ConcatLinear(nn.Module):
     """Several projections of the same input, outputs concatenated (q;k;v as one fused linear)."""
@@ -42,20 +39,6 @@ class ConcatLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)
-
-
-class TokenFP8Linear(nn.Module):
-    """``y = Q_token(x) @ W^T``: activations quantized to FP8 per token (row) with scale amax/448."""
-
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
-        super().__init__()
-        self.weight = nn.Parameter(weight.float(), requires_grad=False)
-        self.bias = None if bias is None else bias.float()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = (x.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp_min(torch.finfo(torch.float32).eps)
-        xq = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
-        return nn.functional.linear(xq.to(x.dtype), self.weight, self.bias)
 
 
 def nvfp4_dequantize(packed: torch.Tensor, block_scale: torch.Tensor, wsf2: torch.Tensor) -> torch.Tensor:

@@ -138,6 +138,20 @@ class QuantLinear(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
 
+class TokenFP8Linear(nn.Module):
+    """``y = Q_token(x) @ W^T``: activations quantized to FP8 per token (row) with scale amax/448."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight.float(), requires_grad=False)
+        self.bias = None if bias is None else bias.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = (x.abs().amax(-1, keepdim=True).float() / FORMATS["fp8"].qmax).clamp_min(torch.finfo(torch.float32).eps)
+        xq = (x.float() / scale).clamp(-FORMATS["fp8"].qmax, FORMATS["fp8"].qmax).to(torch.float8_e4m3fn).float() * scale
+        return nn.functional.linear(xq.to(x.dtype), self.weight, self.bias)
+
+
 def _need(tensors: dict, key: str, spec: LinearSpec) -> torch.Tensor:
     if key not in tensors:
         raise CheckpointError(f"checkpoint: tensor '{spec.name}.{key}' is missing for quant_algo {spec.quant_algo}")
@@ -172,6 +186,16 @@ def load_quantized(tensors: dict, spec: LinearSpec) -> nn.Module:
     return QuantLinear(w, pqs, asf, algo.act_fmt, tensors.get("bias"))
 
 
+def load_fp8_rowwise(tensors: dict, spec: LinearSpec) -> nn.Module:
+    """``FP8_PER_CHANNEL_PER_TOKEN``: FP8 weight x ``per_channel_scale`` [out], activations FP8 per token."""
+    q, s = _need(tensors, "weight", spec), _need(tensors, "per_channel_scale", spec)
+    if q.dtype == torch.int8:
+        q = q.view(torch.float8_e4m3fn)
+    if q.dtype != torch.float8_e4m3fn:
+        raise CheckpointError(f"checkpoint: '{spec.name}.weight' is {q.dtype}, {spec.quant_algo} needs float8_e4m3fn")
+    return TokenFP8Linear(dequantize(q, s.reshape(-1), "fp8", "channel"), tensors.get("bias"))
+
+
 def kv_roundtrip(fmt: str) -> KVQuant:
     """The KV-cache handler of one format: keys and values through a quantize round trip with the layer's scale."""
     def fn(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -181,5 +205,6 @@ def kv_roundtrip(fmt: str) -> KVQuant:
 
 
 LINEAR_LOADERS: dict[str, LinearLoader] = {"NONE": _load_unquantized,
-                                           **{algo: load_quantized for algo in BY_QUANT_ALGO}}
+                                           **{algo: load_quantized for algo in BY_QUANT_ALGO},
+                                           "FP8_PER_CHANNEL_PER_TOKEN": load_fp8_rowwise}
 KV_QUANT: dict[str, KVQuant] = {"FP8": kv_roundtrip("fp8"), "INT8": kv_roundtrip("int8")}

@@ -1,0 +1,88 @@
+"""Checkpoints made by the real producers (ModelOpt 0.47 ``export_hf_checkpoint``, llm-compressor ``oneshot``; written
+by ``scripts/make_prequantized.py`` with each library's own dequantization of every weight, ``oracle.safetensors``,
+and transformers' float64 logits where transformers loads the checkpoint on CPU, ``oracle_logits.safetensors``).
+
+Set ``TRTPIPE_PREQUANTIZED_DIR`` to that script's output directory; without it these tests are skipped (making the
+fixtures needs the producers' own environment). For every fixture trtpipe accepts: the llmapi directory (passed
+through or re-laid out) and the engine checkpoint dequantize to the oracle exactly (FP8 members fused into q/k/v or
+gate/up: within one FP8 rounding of the shared scale), and the reference runtime's float64 logits equal
+transformers' float64 logits (formats with a KV-cache scale excepted: TensorRT-LLM's PyTorch backend, which the
+runtime follows, does not apply FP8 KV scales; transformers does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from imported_helpers import LINEAR_ATTRS, convert_source, linear_weights
+from numerics import float64_copy
+from trtpipe.export.unified import HFNames
+from trtpipe.quant.imported.detect import detect
+from trtpipe.quant.imported.llmapi import write_llmapi
+from trtpipe.runtime import load_checkpoint
+from trtpipe.runtime.hf_loader import load_hf_checkpoint
+
+ROOT = os.environ.get("TRTPIPE_PREQUANTIZED_DIR")
+FIXTURES = sorted(p for p in Path(ROOT).iterdir() if (p / "oracle.safetensors").exists()) if ROOT else []
+FUSED = ("attention.qkv", "mlp.fc", "mlp.gate")
+pytestmark = pytest.mark.skipif(not ROOT, reason="TRTPIPE_PREQUANTIZED_DIR is not set (scripts/make_prequantized.py)")
+
+
+def _by_hf_name(weights: dict[str, torch.Tensor], d: Path, layers: int) -> dict[str, tuple[str, torch.Tensor]]:
+    """linear_weights() split back into HF projections: HF weight name -> (fused TRT-LLM linear, weight)."""
+    names = HFNames(d)
+    out = {}
+    for i in range(layers):
+        for owner, attr in LINEAR_ATTRS:
+            parts = names.layer[f"{owner}.{attr}.weight"]
+            fused = weights[f"{i}.{owner}.{attr}"]
+            for (h, _), w in zip(parts, fused.split([n for _, n in parts])):
+                out[names.prefix.format(i) + h] = (f"{owner}.{attr}", w, float(fused.abs().max()))
+    return out
+
+
+def _check(got: dict, oracle: dict, what: str, quant_algo: str, engine: bool) -> None:
+    for name, want in oracle.items():
+        linear, w, fused_max = got[name]
+        want = want.float()
+        if quant_algo == "FP8" and engine and linear in FUSED:
+            s = fused_max / 448  # the shared scale: the member with the largest amax keeps a code of +-448
+            assert bool(((w - want).abs() <= 2.0 ** -4 * w.abs().maximum(want.abs()) + 2.0 ** -10 * s).all()), name
+        elif quant_algo == "W4A8_AWQ":  # the runtime rounds weight_scale / weight_scale_2 to fp16 as the loader does
+            assert bool(((w - want).abs() <= 2.0 ** -11 * want.abs()).all()), f"{what}: {name}"
+        else:
+            assert torch.equal(w, want), f"{what}: {name}"
+
+
+@pytest.mark.parametrize("fixture", FIXTURES, ids=[p.name for p in FIXTURES])
+def test_producer_checkpoint(fixture, tmp_path):
+    fmt = detect(fixture)
+    oracle = load_file(str(fixture / "oracle.safetensors"))
+    if not fmt.engine.ok and not fmt.llmapi.ok:
+        pytest.skip(f"refused for both targets: {fmt.engine.why}")  # the refusal itself: test_table.py
+    layers = json.loads((fixture / "config.json").read_text())["num_hidden_layers"]
+    if fmt.llmapi.ok:
+        out = tmp_path / "hf"
+        out.mkdir()
+        write_llmapi(fmt, fixture, out)
+        model = load_hf_checkpoint(out)
+        _check(_by_hf_name(linear_weights(model), fixture, layers), oracle, "llmapi", fmt.quant_algo, False)
+        logits = fixture / "oracle_logits.safetensors"
+        if logits.exists() and not fmt.kv_cache:
+            ref = load_file(str(logits))
+            with torch.no_grad():
+                ours = float64_copy(model).forward(ref["input_ids"].reshape(1, -1))
+            theirs = ref["logits"].double().reshape(ours.shape)
+            err = float((ours - theirs).abs().max())
+            # both in float64 on the same dequantized weights: what is left is below float32's unit roundoff of
+            # the largest logit (measured ~1e-7 relative); a wrong layout or scale is off by 1e-2 or more
+            assert err <= 2.0 ** -24 * float(theirs.abs().max()) * 64, (fixture.name, err)
+    if fmt.engine.ok:
+        conv = load_checkpoint(convert_source(fixture, tmp_path / "ckpt"))
+        _check(_by_hf_name(linear_weights(conv), fixture, layers), oracle, "engine", fmt.quant_algo, True)

@@ -1,0 +1,127 @@
+"""A pre-quantized checkpoint as ``model.source`` of a recipe: validate refuses double quantization and what the
+target cannot load, with the reason and the alternative; ``build`` converts it for the engine target (the issue's
+first failure: its FP8 export made the checkpoint stage fail on ``down_proj.input_scale``) and passes it through
+for the llmapi target; ``inspect`` says the format in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from imported_helpers import assert_logits_match
+from trtpipe.cli import main
+from trtpipe.runtime import load_checkpoint
+from trtpipe.runtime.hf_loader import load_hf_checkpoint
+from trtpipe.validation import check_recipe, load_recipe
+
+
+def _recipe(tmp_path: Path, source: Path, body: str = "", target: str = "engine") -> Path:
+    p = tmp_path / f"r-{target}.yaml"
+    p.write_text(f"name: t\nwork_dir: {tmp_path / ('w-' + target)}\ntarget: {target}\nmodel:\n  source: {source}\n"
+                 "  dtype: bfloat16\ntriton:\n  max_batch_size: 8\nengine:\n  max_batch_size: 8\n  max_input_len: 64\n"
+                 f"  max_seq_len: 128\n  max_num_tokens: 256\n{body}")
+    return p
+
+
+def _problems(path: Path) -> list:
+    return check_recipe(load_recipe(path, check_rules=False))
+
+
+def test_double_quantization_is_refused_naming_the_format(tmp_path, unified):
+    p = _recipe(tmp_path, unified("fp8"), "quantization:\n  algo: int4_awq\n  kv_cache: fp8\n")
+    r = CliRunner().invoke(main, ["validate", str(p)])
+    assert r.exit_code == 2, r.output
+    lines = [line for line in r.output.splitlines() if "already quantized" in line]
+    assert len(lines) == 2, r.output
+    assert "quantization.algo: model.source is already quantized (modelopt FP8 (8-bit weights" in lines[0]
+    assert "kv cache FP8" in lines[0] and "remove quantization.algo" in lines[0]
+
+
+def test_what_the_target_cannot_load_is_refused_with_the_alternative(tmp_path, unified):
+    p = _recipe(tmp_path, unified("nvfp4"))
+    msgs = [x.message for x in _problems(p) if x.key == "target"]
+    assert msgs and "refused for target engine" in msgs[0] and "use target: llmapi" in msgs[0], msgs
+    assert not [x for x in _problems(_recipe(tmp_path, unified("nvfp4"), target="llmapi")) if x.key == "target"]
+
+
+def test_reference_is_for_pre_quantized_sources_only(tmp_path, stories_dir, unified):
+    p = _recipe(tmp_path, stories_dir, f"accuracy:\n  reference: {stories_dir}\n")
+    assert [x.key for x in _problems(p)] == ["accuracy.reference"]
+    q = _recipe(tmp_path, unified("int4_wo"), f"accuracy:\n  reference: {unified('fp8')}\n")
+    msgs = [x.message for x in _problems(q) if x.key == "accuracy.reference"]
+    assert msgs and "must be unquantized" in msgs[0]
+    assert not _problems(_recipe(tmp_path, unified("int4_wo"), f"accuracy:\n  reference: {stories_dir}\n"))
+
+
+def test_inspect_says_the_format_in_one_line(unified):
+    r = CliRunner().invoke(main, ["inspect", str(unified("int4_awq"))])
+    assert r.exit_code == 0, r.output
+    line = next(line for line in r.output.splitlines() if "pre_quantized:" in line)
+    assert "modelopt W4A16_AWQ (4-bit weights, group size 32; kv cache unquantized; excluded:" in line
+    assert "model.layers.0.mlp.down_proj" in line
+
+
+def test_build_both_targets_from_trtpipes_own_fp8_export(tmp_path, unified):
+    """The issue's repro: the FP8 + FP8-KV llmapi export as the source of a plain engine recipe, then of an llmapi
+    recipe. Engine: the checkpoint stage converts (no calibrate/quantize), the engine (twin) is built, and the
+    checkpoint's logits are the source's; llmapi: the export is the source file for file."""
+    src = unified("fp8")
+    r = CliRunner().invoke(main, ["build", str(_recipe(tmp_path, src)), "--json"])
+    assert r.exit_code == 0, r.output
+    work = tmp_path / "w-engine" / "artifacts"
+    assert not (work / "calibrate").exists() and not (work / "quantize").exists()
+    ckpt = next((work / "checkpoint").iterdir())
+    assert json.loads((ckpt / "config.json").read_text())["quantization"]["quant_algo"] == "FP8"
+    assert any((work / "engine").iterdir())
+    hf = load_hf_checkpoint(src)
+    conv = load_checkpoint(ckpt)
+    # FP8 requantizes fused members to their shared scale (test_modelopt_roundtrip); the KV scales and the rest
+    # are the source's: with the fused weights copied back, the logits are the same
+    for i, layer in enumerate(hf.layers):
+        for owner, attr in (("attention", "qkv"), ("mlp", "fc"), ("mlp", "gate")):
+            m, w = getattr(getattr(layer, owner)[0], attr), getattr(getattr(conv.layers[i], owner)[0], attr).weight
+            parts = m.parts if hasattr(m, "parts") else [m]
+            for p, piece in zip(parts, w.split([p.weight.shape[0] for p in parts])):
+                p.weight.data.copy_(piece)
+    assert_logits_match(conv, hf, "engine build of the fp8 export")
+
+    r = CliRunner().invoke(main, ["build", str(_recipe(tmp_path, src, target="llmapi")), "--json"])
+    assert r.exit_code == 0, r.output
+    work = tmp_path / "w-llmapi" / "artifacts"
+    assert not (work / "checkpoint").exists()
+    out = next((work / "export").iterdir()) / "hf"
+    for f in ("model.safetensors", "config.json", "hf_quant_config.json"):
+        assert (out / f).read_bytes() == (src / f).read_bytes(), f
+
+
+@pytest.mark.slow
+def test_accuracy_gate_against_the_reference_or_perplexity_alone(tmp_path, stories_dir, unified):
+    """With accuracy.reference the verify stage compares the converted checkpoint with the original (a gate it can
+    fail); without one it reports the perplexity alone, and a threshold is refused at validate."""
+    src = unified("int4_wo")
+    acc = "accuracy:\n  num_samples: 2\n  seq_len: 16\n"
+    p = _recipe(tmp_path, src, acc + f"  reference: {stories_dir}\n  max_kl_divergence: 0.000001\n")
+    r = CliRunner().invoke(main, ["build", str(p)])
+    assert r.exit_code != 0, r.output  # int4 is not that close to the original
+    assert "accuracy gate failed for quantized: KL" in r.output and "> max_kl_divergence 1e-06" in r.output, r.output
+    p2 = tmp_path / "ppl"
+    p2.mkdir()
+    q = _recipe(p2, src, acc)
+    r = CliRunner().invoke(main, ["build", str(q)])
+    assert r.exit_code == 0, r.output
+    ppl = json.loads(next((p2 / "w-engine" / "artifacts" / "verify").glob("*/accuracy.json")).read_text())
+    assert ppl["reference"] is None and 1.0 < ppl["perplexity"] < 512
+    bad = _recipe(p2, src, acc + "  max_ppl_increase_pct: 5\n")
+    assert [x.key for x in _problems(bad)] == ["accuracy.max_ppl_increase_pct"]
+
+
+def test_a_tp_that_would_cut_the_checkpoints_groups_is_refused(tmp_path, unified):
+    ok = _recipe(tmp_path, unified("int4_wo"), "parallel:\n  tp: 2\n")  # mlp.proj (172 inputs) is excluded
+    assert not _problems(ok)
+    bad = _recipe(tmp_path, unified("int4_wo"), "parallel:\n  tp: 4\n")  # o_proj: 64 inputs / 4 = 16 < group 32
+    msgs = [x.message for x in _problems(bad) if x.key == "parallel.tp"]
+    assert msgs and "group size 32: at tp=4 attention.dense in_features 16 per rank is not a multiple of group_size 32" \
+        in msgs[0], msgs

@@ -1,0 +1,106 @@
+"""GPTQ checkpoints (AutoGPTQ, GPTQModel, optimum): 4-bit symmetric ones re-laid out exactly as W4A16 AWQ.
+
+Per Linear (``gptqmodel==7.7.0:gptqmodel/nn_modules/qlinear/__init__.py``): ``qweight`` int32 ``[in/8, out]``
+(element j of word row r is input row 8r + j at bits 4j, unsigned), ``qzeros`` int32 ``[in/g, out/8]`` (zero points
+along the output, same bit order), ``scales`` fp16 ``[in/g, out]``, ``g_idx`` int32 ``[in]``. Dequantization:
+``W[o, i] = s[g_idx[i], o] * (q[i, o] - z[g_idx[i], o])``, with the stored zero ``z - 1`` in the v1 format
+(``checkpoint_format: gptq``; every 4-bit symmetric v1 word is 0x77777777) and ``z`` itself in ``gptq_v2``.
+
+Symmetric (every true zero 8) with contiguous groups (``g_idx[i] == i // g``, also under act-order when it holds)
+is the same function as ModelOpt's W4A16 AWQ with unit pre-quant scales: signed codes ``q - 8``, two output rows
+per byte, ``weight_scale = scales^T``. That is the re-layout (portable: ``trtllm-build`` preprocesses it per GPU).
+Anything else is refused naming the tensor: true zeros that are not 8 (asymmetric: W4A16_GPTQ, SM-specific), a
+non-contiguous ``g_idx`` (TensorRT-LLM's kernels have no g_idx), 8-bit or other widths, non-zero biases where the
+architecture has none. All-zero biases (some exporters write one on every Linear) are dropped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from trtpipe.checkpoint.quant_primitives import pack_int4_rows
+from trtpipe.errors import CheckpointError
+from trtpipe.export.compressed import unpack_int32_to_int4
+from trtpipe.quant.imported.formats import CONVERTED, REFUSED, RELAID, Action, ImportedFormat
+
+KNOWN = {"qweight", "qzeros", "scales", "g_idx", "bias"}
+
+
+def parse(model_dir: Path, qc: dict, where: str) -> ImportedFormat:
+    def num(key, default):
+        v = qc.get(key, default)
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise CheckpointError(f"{where}: quantization_config.{key} is {v!r}, an integer is needed")
+        return v
+
+    bits, group = num("bits", 4), num("group_size", 128)
+    fmt = str(qc.get("checkpoint_format", qc.get("format", "gptq")))
+    sym, act = bool(qc.get("sym", True)), bool(qc.get("desc_act", False))
+    name = f"{fmt}" + (" symmetric" if sym else " asymmetric") + (" act-order" if act else "")
+    refusal = None
+    if bits != 4:
+        refusal = f"GPTQ {bits}-bit is not imported (4-bit only)"
+    elif fmt not in ("gptq", "gptq_v2"):
+        refusal = f"GPTQ checkpoint_format '{fmt}' is not imported (gptq, gptq_v2)"
+    elif not sym:
+        refusal = ("asymmetric GPTQ is not imported yet (W4A16_GPTQ with zero points, preprocessed per GPU; "
+                   "TensorRT-LLM 1.2's PyTorch W4A16 kernel has no zero point)")
+    elif group < 1:
+        refusal = "GPTQ per-channel (group_size -1) is not imported"
+    if refusal:
+        engine = llmapi = Action(REFUSED, refusal)
+    else:
+        engine, llmapi = Action(CONVERTED, "via W4A16_AWQ"), Action(RELAID, "ModelOpt W4A16_AWQ")
+    return ImportedFormat("gptq", name, "W4A16_AWQ" if refusal is None else None, bits, group if group > 0 else None,
+                          "group", tuple(qc.get("modules_to_not_convert") or ()), None, engine, llmapi, where,
+                          {"v1": fmt == "gptq"})
+
+
+def unpack_along_rows(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C] with 8 nibbles per word (LSB first) along dim 0 -> int16 [8R, C] codes 0..15."""
+    return unpack_along_cols(packed.t()).t()
+
+
+def unpack_along_cols(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C] with 8 nibbles per word along dim 1 -> int16 [R, 8C] codes 0..15."""
+    return (unpack_int32_to_int4(packed, packed.shape[1] * 8) + 8).to(torch.int16)
+
+
+def canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, where: str, out_f: int,
+              in_f: int) -> dict[str, torch.Tensor]:
+    """One GPTQ projection -> ModelOpt W4A16_AWQ tensors, exactly (or a refusal naming the tensor)."""
+    what = f"{where}: tensor '{module}"
+    extra = set(t) - KNOWN
+    if extra:
+        raise CheckpointError(f"{what}.{sorted(extra)[0]}' is not part of GPTQ")
+    for k in ("qweight", "qzeros", "scales"):
+        if k not in t:
+            raise CheckpointError(f"{what}.{k}' is missing (GPTQ)")
+    g = fmt.group_size
+    if in_f % 8 or out_f % 8 or in_f % g:
+        raise CheckpointError(f"{what}.qweight': [{out_f}, {in_f}] does not pack into 8-code words with group {g}")
+    want = {"qweight": ((in_f // 8, out_f), torch.int32), "qzeros": ((in_f // g, out_f // 8), torch.int32),
+            "scales": ((in_f // g, out_f), None), "g_idx": ((in_f,), None)}
+    for k, (shape, dtype) in want.items():
+        if k in t and (tuple(t[k].shape) != shape or dtype is not None and t[k].dtype != dtype):
+            raise CheckpointError(f"{what}.{k}' is {t[k].dtype} {list(t[k].shape)}, GPTQ {fmt.bits}-bit group {g} of a "
+                                  f"[{out_f}, {in_f}] projection stores {list(shape)}"
+                                  + (f" {dtype}" if dtype is not None else ""))
+    meta = t["qweight"].device.type == "meta"
+    if meta:
+        return {"weight": torch.empty(out_f // 2, in_f, dtype=torch.uint8, device="meta"),
+                "weight_scale": torch.empty(out_f, in_f // g, device="meta")}
+    if "g_idx" in t and not torch.equal(t["g_idx"].to(torch.int64), torch.arange(in_f) // g):
+        raise CheckpointError(f"{what}.g_idx' is not contiguous (act-order groups): TensorRT-LLM's kernels have no "
+                              "g_idx; re-quantize without desc_act or with static_groups")
+    zeros = unpack_along_cols(t["qzeros"]) + (1 if fmt.params.get("v1") else 0)
+    if not bool((zeros == 8).all()):
+        r, c = (zeros != 8).nonzero()[0].tolist()
+        raise CheckpointError(f"{what}.qzeros' holds zero point {int(zeros[r, c])} at group {r}, column {c}: not "
+                              "symmetric (8); asymmetric GPTQ is not imported")
+    if "bias" in t and bool(t["bias"].any()):
+        raise CheckpointError(f"{what}.bias' is not zero; biases of quantized projections are not imported")
+    q = (unpack_along_rows(t["qweight"]) - 8).to(torch.int8).t().contiguous()  # [out, in], -8..7
+    return {"weight": pack_int4_rows(q).view(torch.uint8), "weight_scale": t["scales"].float().t().contiguous()}

@@ -1,0 +1,89 @@
+"""Recipe rules of pre-quantized sources, checked at ``trtpipe validate`` (config files only, no weights).
+
+* A pre-quantized ``model.source`` needs no ``quantization`` section; asking for an algorithm or a KV-cache format
+  on it is refused (no double quantization: the codes would be rounded twice, against scales nobody calibrated).
+* What the chosen target cannot load is refused with the reason and the alternative (the format's action).
+* ``accuracy.reference`` names the unquantized original of a pre-quantized source; it is meaningless otherwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Optional
+
+from trtpipe.errors import CheckpointError
+from trtpipe.models.hfconfig import HFModelInfo
+from trtpipe.quant.imported.detect import detect, detect_config
+from trtpipe.recipe.rules import Finding, Rule, model_dir
+from trtpipe.recipe.schema import Recipe
+
+
+def source_format(recipe: Recipe, m: HFModelInfo):
+    """The detected format: from the local directory, or (``hf://``) from the config.json already fetched."""
+    if recipe.model.source.startswith("hf://"):
+        return detect_config(Path(recipe.model.source), m.raw)  # hf_quant_config.json is not fetched here
+    return detect(model_dir(recipe))
+
+
+def _imported_source(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
+    if m is None:
+        return
+    try:
+        fmt = source_format(recipe, m)
+    except CheckpointError as exc:
+        yield "model.source", str(exc)
+        return
+    q = recipe.quantization
+    if fmt is None:
+        if recipe.accuracy.reference is not None:
+            yield "accuracy.reference", ("the reference is the unquantized original of a pre-quantized model.source; "
+                                         "this source is not quantized (the gate compares against it already)")
+        return
+    for key, value in (("quantization.algo", q.algo), ("quantization.kv_cache", q.kv_cache)):
+        if value != "none":
+            yield key, (f"model.source is already quantized ({fmt.describe()}); remove {key} (trtpipe does not "
+                        "quantize a quantized checkpoint again)")
+    action = fmt.action(recipe.target)
+    if not action.ok:
+        yield "target", f"model.source is {fmt.describe()}: refused for target {recipe.target}: {action.why}"
+    if fmt.group_size and action.ok and recipe.target == "engine":
+        yield from _whole_groups(recipe, m, fmt)
+    ref = recipe.accuracy.reference
+    for key in ("max_ppl_increase_pct", "min_top1_agreement", "max_kl_divergence"):
+        if ref is None and getattr(recipe.accuracy, key) is not None:
+            yield f"accuracy.{key}", ("a pre-quantized source has no unquantized model to compare against: set "
+                                      "accuracy.reference to the original, or drop the threshold (perplexity alone "
+                                      "is reported)")
+    if ref is not None and not ref.startswith("hf://"):
+        path = recipe.resolve(ref)
+        if not (path / "config.json").is_file():
+            yield "accuracy.reference", f"not a Hugging Face model directory (no config.json): {path}"
+        else:
+            try:
+                ref_fmt = detect(path)
+            except CheckpointError as exc:
+                yield "accuracy.reference", str(exc)
+                return
+            if ref_fmt is not None:
+                yield "accuracy.reference", f"the reference must be unquantized; it is {ref_fmt.describe()}"
+
+
+def _whole_groups(recipe: Recipe, m: HFModelInfo, fmt) -> Iterable[Finding]:
+    """Every rank's slice of a group-quantized linear holds whole groups (and row pairs): the checkpoint's groups
+    cannot be re-cut, so a tp that splits one is refused here, naming the linear."""
+    from trtpipe.models import get_family
+    from trtpipe.quant.imported.trtllm import matches
+    from trtpipe.quant.rules import int4_problems
+
+    family = get_family(m.architecture)
+    pre = m.weight_prefix + family.hf_layer_prefix.format(0)
+    hf_of = {r.trt[: -len(".weight")]: [pre + h[: -len(".weight")] for h in r.hf] for r in family.layer_rules
+             if r.when(m) and r.trt.endswith(".weight")}
+    for name, why in int4_problems(m, recipe.parallel.tp, fmt.group_size).items():
+        if all(matches(h, fmt.exclude) for h in hf_of.get(name, [])):
+            continue  # left unquantized by the checkpoint
+        yield "parallel.tp", (f"model.source is {fmt.name} with group size {fmt.group_size}: at tp={recipe.parallel.tp} "
+                              f"{name} {why} (the checkpoint's groups cannot be re-cut); use a smaller tp")
+
+
+IMPORT_RULES: tuple[Rule, ...] = (_imported_source,)

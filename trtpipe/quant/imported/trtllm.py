@@ -1,0 +1,249 @@
+"""Canonical (ModelOpt unified) projections -> the TensorRT-LLM checkpoint's fused linears, for ``trtllm-build``.
+
+The checkpoint converter (:func:`trtpipe.checkpoint.convert.convert`) asks an :class:`ImportedLinears` for every
+quantized linear of a layer instead of reading float weights; the tensors it returns are unsharded, in TensorRT-LLM
+names, and are sharded and streamed exactly as float ones are. Fusion follows ModelOpt's TensorRT-LLM export
+(``preprocess_linear_fusion``): q/k/v and gate/up each become one linear; per-tensor FP8 weight scales become the
+members' max and members with a smaller scale are requantized to it (one FP8 rounding, the only inexact step);
+input scales take the max; per-row and per-group scales are concatenated with their rows; scales that must be one
+per fused linear (W4A8's ``input_scale`` / ``weight_scale_2``, SmoothQuant's pre-quant scale) must be equal or
+the checkpoint is refused. AWQ's pre-quant scale of q/k/v and gate/up is folded into the norm in the unified
+format, so those linears get unit ``prequant_scaling_factor`` (TensorRT-LLM's W4A16_AWQ layer reads one on every
+linear); o_proj / down_proj keep theirs. Renames: ``weight_scale -> weights_scaling_factor`` (FP8 per channel:
+``per_channel_scale``), ``input_scale -> activation_scaling_factor``, ``weight_scale_2 -> weights_scaling_factor_2``,
+``pre_quant_scale -> prequant_scaling_factor``; FP8 KV ``k_scale`` / ``v_scale`` -> ``attention.{k,v,kv}_cache_
+scaling_factor``, clamped to >= 1 as trtpipe's own writer and ModelOpt's TensorRT-LLM export do.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from trtpipe.checkpoint.quant_layouts import LINEARS, exclude_modules
+from trtpipe.checkpoint.quant_primitives import dequantize, quantize
+from trtpipe.errors import CheckpointError
+from trtpipe.models.family import Rule, dims
+from trtpipe.quant.imported import compressed, gptq
+from trtpipe.quant.imported.canonical import check_projection
+from trtpipe.quant.imported.formats import ImportedFormat
+
+LAYER = "transformer.layers.{}."
+MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_MIN_SCALE = 1.0
+
+# family -> fn(fmt, tensors by suffix, module, where, out, in) -> canonical tensors (ModelOpt unified)
+CANONICAL: dict[str, Callable] = {
+    "modelopt": lambda fmt, t, module, where, out_f, in_f: t,
+    "compressed-tensors": compressed.canonical,
+    "gptq": gptq.canonical,
+}
+# family -> where the FP8 KV scales of a layer live (relative to the HF layer prefix)
+KV_NAMES: dict[str, tuple[str, str]] = {
+    "modelopt": ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale"),
+    "compressed-tensors": ("self_attn.k_scale", "self_attn.v_scale"),
+}
+
+
+def _meta(ts: list[torch.Tensor]) -> bool:
+    return ts[0].device.type == "meta"
+
+
+def _same(ts: list[torch.Tensor], what: str) -> torch.Tensor:
+    if not _meta(ts) and any(not torch.equal(ts[0].float(), t.float()) for t in ts[1:]):
+        raise CheckpointError(f"{what} differ between the projections fused into one linear; TensorRT-LLM keeps one "
+                              "per fused linear")
+    return ts[0]
+
+
+def _fp8_shared(ms: list[dict], what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fused codes, shared scale [1]): members requantized to the max of their per-tensor scales."""
+    scales = [m["weight_scale"].float().reshape(1) for m in ms]
+    if _meta([m["weight"] for m in ms]):
+        return torch.cat([m["weight"] for m in ms]), torch.empty(1, device="meta")
+    s = torch.stack(scales).amax(0)
+    codes = [m["weight"] if torch.equal(sm, s) else quantize(dequantize(m["weight"], sm, "fp8", "tensor"), s, "fp8",
+                                                                     "tensor") for m, sm in zip(ms, scales)]
+    return torch.cat(codes), s
+
+
+def _amax1(ms: list[dict], key: str) -> torch.Tensor:
+    ts = [m[key].float().reshape(1) for m in ms]
+    return torch.empty(1, device="meta") if _meta(ts) else torch.stack(ts).amax(0)
+
+
+def _cat(ms: list[dict], key: str, shape=None) -> torch.Tensor:
+    ts = [m[key] if shape is None else m[key].reshape(shape) for m in ms]
+    return torch.cat(ts) if len(ts) > 1 else ts[0]
+
+
+def _prequant(ms: list[dict], in_f: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+    present = [m["pre_quant_scale"] for m in ms if "pre_quant_scale" in m]
+    if present and len(present) != len(ms):
+        raise CheckpointError(f"{what}: pre_quant_scale is on some of the fused projections only")
+    if not present:
+        return torch.ones(in_f, dtype=dtype, device=ms[0]["weight"].device)
+    return _same(present, f"{what}: pre_quant_scale").to(dtype)
+
+
+def _fp8(ms, in_f, dtype, what):
+    w, s = _fp8_shared(ms, what)
+    return {"weight": w, "weights_scaling_factor": s.float(), "activation_scaling_factor": _amax1(ms, "input_scale")}
+
+
+def _fp8_rowwise(ms, in_f, dtype, what):
+    return {"weight": _cat(ms, "weight"), "per_channel_scale": _cat(ms, "weight_scale", (-1,)).float()}
+
+
+def _w8a16(ms, in_f, dtype, what):
+    return {"weight": _cat(ms, "weight"), "weights_scaling_factor": _cat(ms, "weight_scale", (-1,)).float()}
+
+
+def _sq(ms, in_f, dtype, what):
+    return {**_w8a16(ms, in_f, dtype, what), "prequant_scaling_factor": _prequant(ms, in_f, dtype, what),
+            "activation_scaling_factor": _amax1(ms, "input_scale")}
+
+
+def _awq(ms, in_f, dtype, what):
+    return {"weight": _cat(ms, "weight").view(torch.int8), "weights_scaling_factor": _cat(ms, "weight_scale").float(),
+            "prequant_scaling_factor": _prequant(ms, in_f, dtype, what)}
+
+
+def _w4a8(ms, in_f, dtype, what):
+    out = _awq(ms, in_f, dtype, what)
+    for src, dst in (("input_scale", "activation_scaling_factor"), ("weight_scale_2", "weights_scaling_factor_2")):
+        out[dst] = _same([m[src].float().reshape(1) for m in ms], f"{what}: {src}")
+    return out
+
+
+# canonical quant_algo -> fn(member tensors, in_features, model dtype, what) -> fused TRT-LLM tensors by suffix
+FUSE: dict[str, Callable] = {
+    "FP8": _fp8,
+    "FP8_PER_CHANNEL_PER_TOKEN": _fp8_rowwise,
+    "W8A16": _w8a16,
+    "W8A8_SQ_PER_CHANNEL": _sq,
+    "W4A16_AWQ": _awq,
+    "W4A8_AWQ": _w4a8,
+}
+GROUPWISE = ("W4A16_AWQ", "W4A8_AWQ")
+
+
+def matches(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether module ``name`` is in an exclude list: exact names, fnmatch patterns (ModelOpt), ``re:`` regexes
+    (compressed-tensors), a parent module, or a run of name components (transformers' ``modules_to_not_convert``
+    entries such as ``lm_head`` or ``mlp``)."""
+    return any(name == p or (p.startswith("re:") and re.fullmatch(p[3:], name)) or
+               (not p.startswith("re:") and (fnmatch.fnmatchcase(name, p) or name.startswith(p + ".")
+                                              or f".{p}." in f".{name}.")) for p in patterns)
+
+
+def module_index(keys) -> dict[str, dict[str, str]]:
+    """HF module -> suffix -> full tensor name."""
+    out: dict[str, dict[str, str]] = {}
+    for k in keys:
+        module, _, suffix = k.rpartition(".")
+        out.setdefault(module, {})[suffix] = k
+    return out
+
+
+class ImportedLinears:
+    """The quantized linears of a pre-quantized source, as the checkpoint converter's linear source.
+
+    Args:
+        fmt: the detected format (its ``engine`` action must be ok).
+        keys: every tensor name of the source (to find each projection's tensors).
+        where: the source directory (for messages).
+    """
+
+    def __init__(self, fmt: ImportedFormat, keys: list[str], where: str):
+        if not fmt.engine.ok:
+            raise CheckpointError(f"{where}: {fmt.describe()}: {fmt.engine.why}")
+        if fmt.quant_algo is not None and fmt.quant_algo not in FUSE:
+            raise CheckpointError(f"{where}: {fmt.quant_algo} has no TensorRT-LLM conversion")
+        self.fmt, self.where = fmt, where
+        self.canonical = CANONICAL[fmt.family]
+        self.modules = module_index(keys)
+        self.excluded_trt: list[str] = []
+
+    def _hf_modules(self, plan, rule: Rule, layer: int) -> list[str]:
+        pre = plan.info.weight_prefix + plan.family.hf_layer_prefix.format(layer)
+        return [pre + h[: -len(".weight")] for h in rule.hf]
+
+    def owns(self, plan, rule: Rule, layer: int) -> bool:
+        """Whether this layer rule's tensor is a quantized linear this importer supplies."""
+        if self.fmt.quant_algo is None or not rule.trt.endswith(".weight") or rule.trt[: -len(".weight")] not in LINEARS:
+            return False
+        if rule.combine not in ("one", "cat"):
+            raise CheckpointError(f"{self.where}: {self.fmt.describe()}: mixture-of-experts layers are not imported "
+                                  "for the engine target yet")
+        modules = self._hf_modules(plan, rule, layer)
+        excluded = [matches(m, self.fmt.exclude) for m in modules]
+        if any(excluded) and not all(excluded):
+            raise CheckpointError(f"{self.where}: exclude_modules leaves {modules[excluded.index(False)]} quantized but "
+                                  f"{modules[excluded.index(True)]} not; fused projections must be quantized alike")
+        if all(excluded):
+            name = LAYER.format(layer) + rule.trt[: -len(".weight")]
+            if name not in self.excluded_trt:
+                self.excluded_trt.append(name)
+            return False
+        return True
+
+    def _tensors(self, reader, module: str, meta: bool, used: Optional[set]) -> dict[str, torch.Tensor]:
+        names = self.modules.get(module, {})
+        if used is not None:  # a bias is the family's (its own rule reads it) or, all zero, dropped by the importer
+            used.update(n for s, n in names.items() if s != "bias")
+        if "bias" in names and used is not None and not bool(reader.get(names["bias"]).any()):
+            used.add(names["bias"])
+        return {s: reader.meta(n) if meta else reader.get(n) for s, n in names.items()}
+
+    def layer_tensors(self, reader, plan, layer: int, rules: list[Rule], meta: bool,
+                      used: Optional[set]) -> Iterator[tuple[str, torch.Tensor, list[str]]]:
+        """(TRT-LLM name, unsharded tensor, source names) of the owned ``rules`` of ``layer`` and its KV scales."""
+        d = dims(plan.info)
+        dtype = MODEL_DTYPES[plan.dtype]
+        for rule in rules:
+            modules = self._hf_modules(plan, rule, layer)
+            members = []
+            for module, shape in zip(modules, rule.shapes):
+                out_f, in_f = d[shape[0]], d[shape[1]]
+                t = self._tensors(reader, module, meta, used)
+                t = {k: v for k, v in t.items() if k not in ("k_scale", "v_scale")}
+                c = self.canonical(self.fmt, t, module, self.where, out_f, in_f)
+                check_projection(self.fmt.quant_algo, module, c, out_f, in_f, self.fmt.group_size, self.where)
+                members.append(c)
+            trt = LAYER.format(layer) + rule.trt[: -len(".weight")]
+            fused = FUSE[self.fmt.quant_algo](members, d[rule.shapes[0][1]], dtype, f"{self.where}: {trt}")
+            sources = [self.modules[m][s] for m in modules for s in self.modules.get(m, {})]
+            for suffix, t in fused.items():
+                yield f"{trt}.{suffix}", t, sources
+        if self.fmt.kv_cache:
+            yield from self._kv(reader, plan, layer, meta, used)
+
+    def _kv(self, reader, plan, layer, meta, used):
+        pre = plan.info.weight_prefix + plan.family.hf_layer_prefix.format(layer)
+        names = [pre + n for n in KV_NAMES[self.fmt.family]]
+        for n in names:
+            if n not in reader:
+                raise CheckpointError(f"{self.where}: tensor '{n}' is missing (kv cache {self.fmt.kv_cache})")
+        if used is not None:
+            used.update(names)
+        if meta:
+            k = v = torch.empty(1, device="meta")
+        else:
+            k, v = (reader.get(n).float().reshape(1).clamp_min(KV_MIN_SCALE) for n in names)
+        base = LAYER.format(layer) + "attention."
+        yield base + "k_cache_scaling_factor", k, names[:1]
+        yield base + "v_cache_scaling_factor", v, names[1:]
+        yield base + "kv_cache_scaling_factor", torch.empty(1, device="meta") if meta else torch.maximum(k, v), names
+
+    def quantization(self) -> dict:
+        """config.json ``quantization`` of the converted checkpoint (key order as ModelOpt writes it)."""
+        f = self.fmt
+        q: dict = {"quant_algo": f.quant_algo, "kv_cache_quant_algo": f.kv_cache}
+        if f.quant_algo in GROUPWISE:
+            q.update(group_size=f.group_size, has_zero_point=False, pre_quant_scale=True)
+        q["exclude_modules"] = exclude_modules(["lm_head", *self.excluded_trt])
+        return q
