@@ -15,7 +15,9 @@ namespace nothing is reachable from outside), then, each part on a fresh graph:
    (``trtpipe_kv_cache_{reused,missed}_blocks``), against the ideal (one cache that saw everything), TTFT p50/p99;
 3. scaling: output tokens/s with 1, 2, 3 workers at a concurrency that saturates one;
 4. kill -9 of one worker under streaming load: which requests failed, time until a new request succeeds, and
-   that nothing (process, listening socket) is left after the stop.
+   that nothing (process, listening socket) is left after the stop;
+5. cli: ``trtpipe serve TARGET --dynamo --replicas 2 --detach``, a completion, ``trtpipe stop TARGET``, and what is
+   left after it.
 
 Prints one JSON document (and writes it to --json). Numbers are this machine's: the README says which run made them.
 """
@@ -219,6 +221,8 @@ def routing_part(model_dir: Path, port: int, rounds: int, routers: list[str], se
     for router in routers:
         with Running(model_dir, 3, router, port) as g:
             ttfts, barriers = [], []
+            # only the KV router indexes events (round-robin applies none): it alone gets the barrier
+            wait = g.wait_events_applied if router == "kv" else (lambda: {"published": 0, "applied": 0, "rejected": 0})
 
             def one(prompt):
                 t0 = time.perf_counter()
@@ -233,11 +237,11 @@ def routing_part(model_dir: Path, port: int, rounds: int, routers: list[str], se
                 if sequential:
                     for prompt in rnd:
                         ttfts.append(one(prompt))
-                        barriers.append(g.wait_events_applied())
+                        barriers.append(wait())
                 else:
                     with ThreadPoolExecutor(8) as pool:
                         ttfts += list(pool.map(one, rnd))
-                    barriers.append(g.wait_events_applied())
+                    barriers.append(wait())
             c = g.counters()
             out[router] = {"hit_rate": round(c["reused"] / (c["reused"] + c["missed"]), 3),
                            "reused_blocks": c["reused"], "missed_blocks": c["missed"],
@@ -335,11 +339,40 @@ def kill_checks(g: "Running") -> dict:
             "recovery_s": recovered, "after_kill_ok": sum(after), "after_kill_total": len(after)}
 
 
+def cli_part(target: Path, port: int) -> dict:
+    """``trtpipe serve TARGET --dynamo --replicas 2 --detach``, one completion, ``trtpipe stop TARGET``: what serve
+    printed, the answer, and what is left afterwards."""
+    from openai import OpenAI
+
+    trtpipe = [sys.executable, "-m", "trtpipe.cli"]
+    t0 = time.perf_counter()
+    serve = subprocess.run(trtpipe + ["serve", str(target), "--dynamo", "--replicas", "2", "--detach",
+                                      "--http-port", str(port), "--served-model-name", NAME],
+                           capture_output=True, text=True, timeout=600)
+    ready_s = time.perf_counter() - t0
+    out = {"serve_rc": serve.returncode, "serve_printed": serve.stdout.strip().splitlines()[-6:],
+           "ready_s": round(ready_s, 1)}
+    if serve.returncode == 0:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        out["text"] = client.completions.create(model=NAME, prompt=GREEDY_PROMPTS[0], max_tokens=24,
+                                                temperature=0).choices[0].text
+        pids = subprocess.run(["pgrep", "-f", "dynamo.frontend|trtpipe.serving.dynamo_"], capture_output=True,
+                              text=True).stdout.split()
+        out["processes_while_serving"] = len(pids)
+    stop = subprocess.run(trtpipe + ["stop", str(target)], capture_output=True, text=True, timeout=120)
+    out["stop_rc"], out["stop_printed"] = stop.returncode, stop.stdout.strip()
+    left = subprocess.run(["pgrep", "-f", "dynamo.frontend|trtpipe.serving.dynamo_"], capture_output=True,
+                          text=True).stdout.split()
+    listening = subprocess.run(["ss", "-Htln"], capture_output=True, text=True).stdout.split("\n")
+    out.update({"processes_left": left, "listening_after_stop": [ln for ln in listening if ln.strip()]})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model_dir", type=Path)
     ap.add_argument("--quick", action="store_true", help="fewer rounds and requests (the test's setting)")
-    ap.add_argument("--parts", default="greedy,routing,scaling,kill")
+    ap.add_argument("--parts", default="greedy,routing,scaling,kill,cli")
     ap.add_argument("--routers", default="kv,round-robin")
     ap.add_argument("--rounds", type=int, default=6, help="routing: questions per prefix")
     ap.add_argument("--sequential", action="store_true", help="routing: one request at a time")
@@ -368,9 +401,11 @@ def main() -> None:
     if "routing" in parts:
         report["routing"] = routing_part(model_dir, args.port, args.rounds, args.routers.split(","), args.sequential)
     if "scaling" in parts:
-        report["scaling"] = scaling_part(model_dir, args.port, 8, 24 if args.quick else 96)
+        report["scaling"] = scaling_part(model_dir, args.port, 8, 24 if args.quick else 384)
     if "kill" in parts:
         report["kill"] = kill_part(model_dir, args.port)
+    if "cli" in parts:
+        report["cli"] = cli_part(model_dir, args.port)
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(report, indent=1)
     if args.json:

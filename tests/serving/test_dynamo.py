@@ -61,7 +61,7 @@ def drill(fp16_export, tmp_path_factory):
         pytest.skip("unshare -rn (a user + network namespace) is not permitted here")
     out = tmp_path_factory.mktemp("drill") / "drill.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "dynamo_drill.py"), str(fp16_export), "--quick",
-           "--parts", "greedy+kill,routing", "--routers", "kv", "--rounds", "2", "--sequential", "--json", str(out),
+           "--parts", "greedy+kill,routing,cli", "--routers", "kv", "--rounds", "2", "--sequential", "--json", str(out),
            "--aiperf", str(AIPERF)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -119,6 +119,16 @@ def test_kv_router_reaches_the_ideal_hit_rate_from_the_workers_own_counters(dril
     assert kv["barrier_timeouts"] == 0 and kv["events_rejected"] == 0
     assert kv["reused_blocks"] > 0
     assert kv["hit_rate"] == r["ideal_hit_rate"], r
+
+
+def test_serve_dynamo_detached_then_stop_leaves_nothing(drill):
+    c = drill["cli"]
+    assert c["serve_rc"] == 0 and c["stop_rc"] == 0, c
+    assert any("frontend + 2 twin workers" in line for line in c["serve_printed"])
+    assert any("0.0.0.0" in line for line in c["serve_printed"])  # says which ports Dynamo opens to all interfaces
+    assert c["text"] == drill["greedy"]["completions"][PROMPTS[0]]
+    assert c["processes_while_serving"] >= 3  # the supervisor's frontend and two workers (and the supervisor)
+    assert c["processes_left"] == [] and c["listening_after_stop"] == []
 
 
 def test_a_killed_worker_is_named_and_the_others_keep_serving(drill):
