@@ -372,6 +372,7 @@ def serve_dynamo(target: Path, overrides, host: Optional[str], port: Optional[in
     from trtpipe.processes import cache_dir, spawn
     from trtpipe.triton.server_process import Ports, Server, refuse_if_served
 
+    dynamo_python()  # before any build: say at once how to get Dynamo when it is missing
     g = resolve_graph(target, overrides, host, port, name, replicas, router, chat_template)
     state = refuse_if_served(g.model_dir)
     if not detach:
