@@ -113,6 +113,24 @@ def test_unified_export_round_trips_zero_centred_norms(gemma3, tmp_path):
     _greedy(rt, gemma3, "gemma3 unified export greedy")
 
 
+def test_bf16_unified_export_keeps_the_sources_norms_bit_for_bit(gemma3, tmp_path):
+    """In bfloat16, ``1 + w`` loses ``w``'s low bits (ModelOpt 0.47 exports the source's ``w``): the export takes the
+    source's own norm tensors where the checkpoint still holds exactly what the conversion made of them."""
+    ckpt = convert(gemma3["dir"], tmp_path / "ckpt", tp=1, dtype="bfloat16")
+    out = tmp_path / "unified"
+    export_unified(ckpt, gemma3["dir"], None, out, algo="none", kv_cache="none", group_size=128, alpha=0.5, exclude=[])
+    sd = gemma3["hf"].state_dict()
+    lost = 0
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        for i in range(gemma3["hf"].config.num_hidden_layers):
+            for hf in NORMS.values():
+                src = sd[f"model.layers.{i}.{hf}"].to(torch.bfloat16)
+                assert torch.equal(f.get_tensor(f"model.layers.{i}.{hf}"), src), (i, hf)
+                lost += int(not torch.equal(((src.float() + 1).to(torch.bfloat16).float() - 1).to(torch.bfloat16), src))
+        assert torch.equal(f.get_tensor("model.norm.weight"), sd["model.norm.weight"].to(torch.bfloat16))
+    assert lost > 0  # the round trip through 1 + w would have changed some of them: the test can fail
+
+
 def test_conditional_generation_converts_its_language_model(tmp_path):
     import transformers
 

@@ -58,6 +58,7 @@ def producer() -> dict:
 # kept as shipped (MXFP4 blocks and scales: copied, never re-encoded)
 FUSED_INVERSE = {"gate_up_t": lambda t: transposed(interleaved(t)), "transposed": transposed}
 SHIPPED = ("mxfp4", "mxfp4_gate_up")
+CHECKPOINT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class HFNames:
@@ -91,10 +92,26 @@ class HFNames:
                 self.globals[r.trt] = top + r.hf[0]
                 self.offsets[r.trt] = r.offset
 
-    def to_hf(self, trt: str, t: torch.Tensor) -> torch.Tensor:
-        """A TRT-LLM tensor's values as HF stores them (float32 minus the rule's offset where it has one)."""
+    def to_hf(self, trt: str, t: torch.Tensor, hf_name: Optional[str] = None) -> torch.Tensor:
+        """A TRT-LLM tensor's values as HF stores them (float32 minus the rule's offset where it has one).
+
+        An offset tensor (Gemma's ``w`` stored as ``1 + w``) lost ``w``'s low bits in the cast of ``1 + w`` to the
+        model dtype; when ``hf_name`` is given and the checkpoint's tensor is still exactly what the conversion made
+        of the source's (no pre-quant scale folded into it), the source's own ``w`` is returned instead."""
         offset = self.offsets.get(trt, 0.0)
-        return t.float() - offset if offset else t
+        if not offset:
+            return t
+        if hf_name is not None:
+            from trtpipe.checkpoint.hf import open_hf
+
+            with open_hf(self.hf_dir, check_finite=False) as reader:
+                src = reader.get(hf_name).clone() if hf_name in reader else None
+            # the checkpoint's dtype is gone by here (tensors arrive upcast): exact in any of the model dtypes
+            made = (src is not None and src.shape == t.shape and
+                    any(torch.equal((src.float() + offset).to(d).float(), t.float()) for d in CHECKPOINT_DTYPES))
+            if made:
+                return src.float()
+        return t.float() - offset
 
     def from_hf(self, trt: str, t: torch.Tensor) -> torch.Tensor:
         """An HF tensor's values as the TRT-LLM checkpoint holds them (plus the rule's offset), in float32."""
@@ -126,14 +143,14 @@ class HFNames:
         each expert's rows split the same way (``mlp.fc = [up; gate]`` -> ``experts.{e}.up_proj``, ``gate_proj``).
         """
         parts = self.layer[trt_rel]
-        t = self.to_hf(trt_rel, t)
+        raw, t = t, self.to_hf(trt_rel, t)
         pre = self.prefix.format(layer)
         if trt_rel in self.experts:
             sizes = [n for _, n in parts]
             return [(pre + h.format(e=e), piece) for e in range(t.shape[0])
                     for (h, _), piece in zip(parts, t[e].split(sizes, dim=0))]
         if len(parts) == 1:
-            return [(pre + parts[0][0], t)]
+            return [(pre + parts[0][0], self.to_hf(trt_rel, raw, pre + parts[0][0]))]
         return [(pre + h, piece) for (h, _), piece in zip(parts, t.split([n for _, n in parts], dim=0))]
 
 
@@ -333,7 +350,8 @@ def global_tensors(source: TrtllmSource, names: HFNames, dt: torch.dtype) -> dic
     out = {names.globals["transformer.vocab_embedding.weight"]: source.embedding().to(dt)}
     last = a.pp - 1
     ranks = source.ranks(last, ("transformer.ln_f.", "lm_head."))
-    ln_f = names.to_hf("transformer.ln_f.weight", ranks[0]["transformer.ln_f.weight"])
+    ln_f = names.to_hf("transformer.ln_f.weight", ranks[0]["transformer.ln_f.weight"],
+                       names.globals["transformer.ln_f.weight"])
     out[names.globals["transformer.ln_f.weight"]] = ln_f.to(dt)
     if "lm_head.weight" in names.globals:
         head = torch.cat([r["lm_head.weight"] for r in ranks], dim=0) if a.tp > 1 else ranks[0]["lm_head.weight"]

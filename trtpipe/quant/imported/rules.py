@@ -12,10 +12,19 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from trtpipe.errors import CheckpointError
+from trtpipe.models import get_family
 from trtpipe.models.hfconfig import HFModelInfo
 from trtpipe.quant.imported.detect import detect, detect_config
 from trtpipe.recipe.rules import Finding, Rule, model_dir
 from trtpipe.recipe.schema import Recipe
+
+
+def _family_refuses(m: HFModelInfo) -> bool:
+    """The model-family rule already refuses this config (e.g. a quant_method gpt-oss cannot load)."""
+    try:
+        return any(True for _ in get_family(m.architecture).unsupported(m))
+    except CheckpointError:
+        return True
 
 
 def source_format(recipe: Recipe, m: HFModelInfo):
@@ -26,7 +35,7 @@ def source_format(recipe: Recipe, m: HFModelInfo):
 
 
 def _imported_source(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
-    if m is None:
+    if m is None or _family_refuses(m):  # an unknown architecture or a config its family refuses: said once, there
         return
     try:
         fmt = source_format(recipe, m)
