@@ -19,24 +19,28 @@ from trtpipe.recipe.rules import Finding, Rule, model_dir
 from trtpipe.recipe.schema import Recipe
 
 
-def _family_refuses(m: HFModelInfo) -> bool:
-    """The model-family rule already refuses this config (e.g. a quant_method gpt-oss cannot load)."""
+def _family_refuses(recipe: Recipe, m: HFModelInfo) -> bool:
+    """The model-family rule already refuses this config (e.g. a quant_method gpt-oss cannot load) or this target
+    (gpt-oss has no TensorRT engine)."""
     try:
-        return any(True for _ in get_family(m.architecture).unsupported(m))
+        family = get_family(m.architecture)
     except CheckpointError:
         return True
+    return any(True for _ in family.unsupported(m)) or bool(family.no_engine and recipe.target == "engine")
 
 
 def source_format(recipe: Recipe, m: HFModelInfo):
     """The detected format: from the local directory, or (``hf://``) from the config.json already fetched."""
-    if recipe.model.source.startswith("hf://"):
-        return detect_config(Path(recipe.model.source), m.raw)  # hf_quant_config.json is not fetched here
-    return detect(model_dir(recipe))
+    local = None if recipe.model.source.startswith("hf://") else model_dir(recipe)
+    if local is None or not (local / "config.json").is_file():
+        # hf:// (hf_quant_config.json is not fetched here) or a config given apart (plan --model-config): from it
+        return detect_config(Path(recipe.model.source), m.raw)
+    return detect(local)
 
 
 def _imported_source(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
-    if m is None or _family_refuses(m):  # an unknown architecture or a config its family refuses: said once, there
-        return
+    if m is None or _family_refuses(recipe, m):  # an unknown architecture, a config or a target its family refuses:
+        return  # said once, by the model-family rule
     try:
         fmt = source_format(recipe, m)
     except CheckpointError as exc:
