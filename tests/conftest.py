@@ -33,3 +33,12 @@ def stories_dir() -> Path:
     if not (STORIES / "config.json").is_file():
         pytest.fail(f"the tiny model is missing: {STORIES}")
     return STORIES
+
+
+@pytest.fixture(scope="session")
+def stories_fp16_export(tmp_path_factory, stories_dir) -> Path:
+    """stories260k exported float16 by the llmapi export (no quantization): what the OpenAI twin, the batch
+    client, the Dynamo workers and the monitoring end-to-end test serve (built once per session)."""
+    from openai_helpers import fp16_export
+
+    return fp16_export(stories_dir, tmp_path_factory.mktemp("fp16_export"))

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from openai_helpers import fp16_export, serve_in_thread
+from openai_helpers import serve_in_thread
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -40,8 +40,8 @@ drill = _drill()
 
 
 @pytest.fixture(scope="module")
-def export(tmp_path_factory, stories_dir):
-    return fp16_export(stories_dir, tmp_path_factory.mktemp("batch"))
+def export(stories_fp16_export):
+    return stories_fp16_export
 
 
 @pytest.fixture(scope="module")

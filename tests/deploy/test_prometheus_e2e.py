@@ -63,17 +63,8 @@ def _poll(what: str, fn, deadline_s: float = 180.0, step_s: float = 0.5):
 
 
 @pytest.fixture(scope="module")
-def export(tmp_path_factory, stories_dir):
-    from trtpipe.checkpoint.convert import convert
-    from trtpipe.export.unified import export_unified
-
-    root = tmp_path_factory.mktemp("e2e")
-    base = convert(stories_dir, root / "base", tp=1, dtype="float16")
-    out = root / "hf"
-    out.mkdir()
-    export_unified(base, stories_dir, None, out, algo="none", kv_cache="none", group_size=128, alpha=0.5,
-                   exclude=["*lm_head"])
-    return out
+def export(stories_fp16_export):
+    return stories_fp16_export
 
 
 def _load(url: str, stop: threading.Event, errors: list):

@@ -25,21 +25,6 @@ def stories_export_base(tmp_path_factory, stories_dir):
 
 
 @pytest.fixture(scope="session")
-def stories_fp16_export(tmp_path_factory, stories_dir):
-    """stories260k exported float16 by the llmapi export (no quantization): what the OpenAI twin's tests serve."""
-    from trtpipe.checkpoint.convert import convert
-    from trtpipe.export.unified import export_unified
-
-    root = tmp_path_factory.mktemp("twin")
-    base = convert(stories_dir, root / "base", tp=1, dtype="float16")
-    out = root / "hf"
-    out.mkdir()
-    export_unified(base, stories_dir, None, out, algo="none", kv_cache="none", group_size=128, alpha=0.5,
-                   exclude=["*lm_head"])
-    return out
-
-
-@pytest.fixture(scope="session")
 def fp16_greedy_text(stories_fp16_export):
     """transformers' greedy continuation (float16 weights, float32 compute) of a prompt, as text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -40,17 +40,8 @@ def _netns_works() -> bool:
 
 
 @pytest.fixture(scope="module")
-def fp16_export(tmp_path_factory, stories_dir):
-    from trtpipe.checkpoint.convert import convert
-    from trtpipe.export.unified import export_unified
-
-    root = tmp_path_factory.mktemp("dynamo")
-    base = convert(stories_dir, root / "base", tp=1, dtype="float16")
-    out = root / "hf"
-    out.mkdir()
-    export_unified(base, stories_dir, None, out, algo="none", kv_cache="none", group_size=128, alpha=0.5,
-                   exclude=["*lm_head"])
-    return out
+def fp16_export(stories_fp16_export):
+    return stories_fp16_export
 
 
 @pytest.fixture(scope="module")

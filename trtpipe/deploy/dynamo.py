@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from trtpipe.deploy import objects, sources, workload
-from trtpipe.deploy.k8s import ANNOTATION, file_name
-from trtpipe.deploy.layout import Layout, layout_of, node_selector
+from trtpipe.deploy.k8s import derive, file_name
+from trtpipe.deploy.layout import Layout, node_selector
 from trtpipe.deploy.monitoring import dump_yaml, write_all
 from trtpipe.errors import TrtpipeError
 from trtpipe.export.serving import checked, llm_api_options, options_yaml
@@ -148,13 +148,8 @@ def render(recipe: Recipe, weight_bytes_per_gpu: int, ready_s: Optional[float] =
                            "backend under dynamo.trtllm); use deploy k8s for the Triton repository")
     if router not in ROUTERS:
         raise TrtpipeError(f"--router {router!r}: expected one of {', '.join(ROUTERS)}")
-    layout = layout_of(recipe)
-    key = sources.artifact_key(recipe)
-    budget = sources.startup_budget(recipe, layout, weight_bytes_per_gpu, ready_s)
-    shm = workload.shm_gib(recipe, layout)
-    cache = sources.cache_size_gib(weight_bytes_per_gpu, layout.world)
-    srcs = {"artifact-key": key, "startup-budget-s": budget, "shm-gib": shm, "cache-gib": cache}
-    notes = {f"{ANNOTATION}{k}": f"{v.value}: {v.source}" for k, v in srcs.items()}
+    d = derive(recipe, weight_bytes_per_gpu, ready_s)
+    layout, key, budget, shm, cache, srcs, notes = d.layout, d.key, d.budget, d.shm, d.cache, d.sources, d.notes
     engines = {role: engine_options(recipe, role) for role in roles(disagg)}
     spec = {"backendFramework": "trtllm",
             "components": [frontend_component(recipe, router)] +

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from trtpipe.deploy import objects, sources, workload
-from trtpipe.deploy.layout import layout_of
+from trtpipe.deploy.layout import Layout, layout_of
 from trtpipe.deploy.monitoring import dump_yaml, write_all
 from trtpipe.recipe.schema import Recipe
 
@@ -24,16 +24,39 @@ class Rendered:
     sources: dict[str, sources.Sourced]
 
 
+@dataclass(frozen=True)
+class Derived:
+    """The numbers every deployment of a recipe derives (deploy k8s and deploy dynamo alike), with their sources;
+    ``notes`` are the same sentences as ``trtpipe.dev/*`` annotations."""
+
+    layout: Layout
+    key: sources.Sourced
+    budget: sources.Sourced
+    shm: sources.Sourced
+    cache: sources.Sourced
+
+    @property
+    def sources(self) -> dict[str, sources.Sourced]:
+        return {"artifact-key": self.key, "startup-budget-s": self.budget, "shm-gib": self.shm,
+                "cache-gib": self.cache}
+
+    @property
+    def notes(self) -> dict[str, str]:
+        return {f"{ANNOTATION}{k}": f"{v.value}: {v.source}" for k, v in self.sources.items()}
+
+
+def derive(recipe: Recipe, weight_bytes_per_gpu: int, ready_s: Optional[float] = None) -> Derived:
+    layout = layout_of(recipe)
+    return Derived(layout, sources.artifact_key(recipe),
+                   sources.startup_budget(recipe, layout, weight_bytes_per_gpu, ready_s),
+                   workload.shm_gib(recipe, layout), sources.cache_size_gib(weight_bytes_per_gpu, layout.world))
+
+
 def render(recipe: Recipe, weight_bytes_per_gpu: int, ready_s: Optional[float] = None,
            autoscaler: Optional[str] = None) -> Rendered:
     """Every object of the deployment, and the sources of its numbers."""
-    layout = layout_of(recipe)
-    key = sources.artifact_key(recipe)
-    budget = sources.startup_budget(recipe, layout, weight_bytes_per_gpu, ready_s)
-    shm = workload.shm_gib(recipe, layout)
-    cache = sources.cache_size_gib(weight_bytes_per_gpu, layout.world)
-    srcs = {"artifact-key": key, "startup-budget-s": budget, "shm-gib": shm, "cache-gib": cache}
-    notes = {f"{ANNOTATION}{k}": f"{v.value}: {v.source}" for k, v in srcs.items()}
+    d = derive(recipe, weight_bytes_per_gpu, ready_s)
+    layout, key, budget, shm, cache, srcs, notes = d.layout, d.key, d.budget, d.shm, d.cache, d.sources, d.notes
     build = workload.leaderworkerset if layout.multinode else workload.deployment
     objs = [build(recipe, layout, key, shm, budget, notes)]
     if layout.multinode:
