@@ -48,6 +48,10 @@ def test_the_runtime_executes_each_producer_checkpoint_as_stored(name):
     # applies KV-cache scales the PyTorch backend (which the runtime follows) ignores
     if not logits.exists() or fmt.kv_cache or info(name)["producer"] == "gptqmodel":
         return
+    if "int8 token dynamic" in info(name).get("activations_in_logits", ""):
+        # transformers' LlamaRMSNorm computes in float32 inside a float64 model, so the inputs of q_proj differ by
+        # ~3e-7 (measured), enough to flip INT8 activation codes (a step is amax / 127.5): no float64 reference
+        pytest.skip("INT8 dynamic activations: transformers' float32 norms flip activation codes")
     ref = load_file(str(logits))
     with torch.no_grad():
         ours = float64_copy(model).forward(ref["input_ids"].reshape(1, -1))
