@@ -61,6 +61,32 @@ def test_the_runtime_executes_each_producer_checkpoint_as_stored(name):
     assert err <= 2.0 ** -24 * float(theirs.abs().max()) * 64, (name, err)
 
 
+@pytest.mark.parametrize("kind", ["int token", "float token", "float group"])
+def test_dynamic_activations_equal_compressed_tensors(kind):
+    """The runtime's dynamic activation quantizers are compressed-tensors' own (0.20: ``compute_dynamic_scales_and_zp``
+    then ``fake_quantize``, what its forward runs on each Linear input): INT8 per token (W8A8), FP8 per token
+    (FP8_DYNAMIC) and FP8 per token and group of 128 (FP8_BLOCK). The INT8 W8A8 logits cannot be compared with
+    transformers' (the skip above), so this pins its activations; its weights are pinned against the producer."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
+
+    from trtpipe.runtime.hf_loader import GroupFP8Linear, TokenInt8Linear
+    from trtpipe.runtime.linear import TokenFP8Linear
+
+    typ, strategy = kind.split()
+    args = QuantizationArgs(num_bits=8, type=typ, strategy=strategy, dynamic=True, symmetric=True,
+                            group_size=128 if strategy == "group" else None)
+    eye = torch.eye(256)  # y = Q(x) @ I: the quantized activations themselves, exactly
+    ours = {"int token": TokenInt8Linear(eye), "float token": TokenFP8Linear(eye),
+            "float group": GroupFP8Linear(eye, 128)}[kind]
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 256) * 3
+    x[0, 1] = 0.0  # an all-zero token: the eps scale
+    scale, zero = compute_dynamic_scales_and_zp(value=x, args=args, module=torch.nn.Linear(1, 1))
+    assert torch.equal(ours(x), fake_quantize(x=x, scale=scale, zero_point=zero, args=args))
+
+
 # --- FP8 block-scaled (DeepSeek-V3 layout) -------------------------------------------------------------------
 
 
