@@ -74,12 +74,18 @@ def _reference_greedy(source: Path) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("name", SOURCES)
-def test_engine_twin_serves_the_sources_greedy_text(name, tmp_path):
+def _built(name: str, tmp_path: Path, target: str) -> tuple[dict[str, str], Path]:
+    """The reference greedy text of fixture ``name`` and its recipe for ``target``, built with ``trtpipe build``."""
     source = prequantized(name)
     want = _reference_greedy(source)
-    recipe = _recipe(tmp_path, source, "engine")
+    recipe = _recipe(tmp_path, source, target)
     _cli("build", str(recipe))
+    return want, recipe
+
+
+@pytest.mark.parametrize("name", SOURCES)
+def test_engine_twin_serves_the_sources_greedy_text(name, tmp_path):
+    want, recipe = _built(name, tmp_path, "engine")
     _cli("serve", str(recipe), "--detach")
     try:
         for prompt in PROMPTS:
@@ -94,10 +100,7 @@ def test_openai_twin_serves_the_sources_greedy_text(name, tmp_path):
     import openai
     from trtpipe.serving.openai_server import OpenAIServer, ServedModel
 
-    source = prequantized(name)
-    want = _reference_greedy(source)
-    recipe = _recipe(tmp_path, source, "llmapi")
-    _cli("build", str(recipe))
+    want, _ = _built(name, tmp_path, "llmapi")
     export = next((tmp_path / "work-llmapi" / "artifacts" / "export").iterdir()) / "hf"
     app = OpenAIServer(ServedModel(export, "pq")).app
     with serve_in_thread(app) as url:
