@@ -5,7 +5,8 @@ client). The greedy text equals the reference runtime's greedy on the source as 
 ``load_hf_checkpoint``) and, where transformers loads the checkpoint on CPU, transformers' greedy.
 
 Sources: ModelOpt 0.47 FP8 (engine: converted; llmapi: passed through) and llm-compressor W4A16 (engine:
-converted via W4A16_AWQ; llmapi: re-laid out), both of stories260k (tests/prequantized.py).
+converted via W4A16_AWQ; llmapi: re-laid out), both of stories260k (tests/prequantized.py). ``trtpipe eval`` of
+the engine target compares the producer's checkpoint with its unquantized original and gates on it.
 """
 
 from __future__ import annotations
@@ -23,18 +24,18 @@ from trtpipe.cli import main
 from trtpipe.runtime import generate
 from trtpipe.runtime.hf_loader import load_hf_checkpoint
 
-pytestmark = [pytest.mark.triton, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 PROMPTS = ["Once upon a time", "The little dog"]
 NEW_TOKENS = 16
 SOURCES = ["modelopt-fp8-stories", "llmc-w4a16-stories"]
 
 
-def _recipe(tmp_path: Path, source: Path, target: str) -> Path:
+def _recipe(tmp_path: Path, source: Path, target: str, accuracy: str = "  enabled: false\n") -> Path:
     p = tmp_path / f"{target}.yaml"
     p.write_text(f"name: pq-{target}\nwork_dir: '{tmp_path / ('work-' + target)}'\ntarget: {target}\nmodel:\n"
                  f"  source: {source}\n  dtype: bfloat16\nengine:\n  max_batch_size: 4\n  max_input_len: 64\n"
-                 "  max_seq_len: 128\n  max_num_tokens: 256\naccuracy:\n  enabled: false\ntriton:\n"
+                 f"  max_seq_len: 128\n  max_num_tokens: 256\naccuracy:\n{accuracy}triton:\n"
                  "  max_batch_size: 4\n")
     return p
 
@@ -83,6 +84,7 @@ def _built(name: str, tmp_path: Path, target: str) -> tuple[dict[str, str], Path
     return want, recipe
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("name", SOURCES)
 def test_engine_twin_serves_the_sources_greedy_text(name, tmp_path):
     want, recipe = _built(name, tmp_path, "engine")
@@ -108,3 +110,14 @@ def test_openai_twin_serves_the_sources_greedy_text(name, tmp_path):
         for prompt in PROMPTS:
             r = client.completions.create(model="pq", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
             assert r.choices[0].text == want[prompt], (name, prompt)
+
+
+def test_eval_gates_a_producer_checkpoint_against_its_original(tmp_path, stories_dir):
+    """llm-compressor's W4A16 of stories260k, engine target, ``accuracy.reference`` the original: ``trtpipe eval``
+    compares the converted checkpoint with the original and fails the gate a W4A16 checkpoint cannot meet
+    (KL <= 1e-6; the message carries the measured KL)."""
+    acc = f"  num_samples: 2\n  seq_len: 16\n  reference: {stories_dir}\n  max_kl_divergence: 0.000001\n"
+    res = CliRunner().invoke(main, ["eval", str(_recipe(tmp_path, prequantized("llmc-w4a16-stories"), "engine", acc))])
+    assert res.exit_code != 0, res.output
+    assert "accuracy gate failed for quantized: KL" in res.output and "> max_kl_divergence 1e-06" in res.output, \
+        res.output
