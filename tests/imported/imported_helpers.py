@@ -9,12 +9,14 @@ import torch
 
 from numerics import assert_as_accurate, error_scale, float64_copy
 from trtpipe.checkpoint.convert import convert
+from trtpipe.export.unified import HFNames
 from trtpipe.quant.imported.detect import detect
 from trtpipe.quant.imported.trtllm import ImportedLinears
 from trtpipe.quant.writer import unsplit
 
 IDS = torch.tensor([[1, 50, 100, 200, 300, 20, 7, 411, 3, 90]])
 LINEAR_ATTRS = (("attention", "qkv"), ("attention", "dense"), ("mlp", "fc"), ("mlp", "gate"), ("mlp", "proj"))
+FUSED = ("attention.qkv", "mlp.fc", "mlp.gate")
 
 
 def convert_source(src: Path, out: Path, tp: int = 1, pp: int = 1) -> Path:
@@ -42,3 +44,32 @@ def assert_logits_match(model, reference, what: str) -> None:
         ref64 = float64_copy(reference).forward(IDS)
         got = model.forward(IDS)
     assert_as_accurate(got, ref64, error_scale(ref32, ref64), what)
+
+
+def by_hf_name(weights: dict[str, torch.Tensor], d: Path, layers: int) -> dict[str, tuple[str, torch.Tensor]]:
+    """linear_weights() split back into HF projections: HF weight name -> (fused TRT-LLM linear, weight, the
+    fused weight's largest magnitude)."""
+    names = HFNames(d)
+    out = {}
+    for i in range(layers):
+        for owner, attr in LINEAR_ATTRS:
+            parts = names.layer[f"{owner}.{attr}.weight"]
+            fused = weights[f"{i}.{owner}.{attr}"]
+            for (h, _), w in zip(parts, fused.split([n for _, n in parts])):
+                out[names.prefix.format(i) + h] = (f"{owner}.{attr}", w, float(fused.abs().max()))
+    return out
+
+
+def check_weights(got: dict, oracle: dict, what: str, quant_algo: str, engine: bool) -> None:
+    """Every oracle weight equals ``got``'s exactly (FP8 members fused for the engine: within one FP8 rounding of
+    the shared scale; W4A8: the fp16 rounding of weight_scale / weight_scale_2 the loader does)."""
+    for name, want in oracle.items():
+        linear, w, fused_max = got[name]
+        want = want.float()
+        if quant_algo == "FP8" and engine and linear in FUSED:
+            s = fused_max / 448  # the shared scale: the member with the largest amax keeps a code of +-448
+            assert bool(((w - want).abs() <= 2.0 ** -4 * w.abs().maximum(want.abs()) + 2.0 ** -10 * s).all()), name
+        elif quant_algo == "W4A8_AWQ":  # the runtime rounds weight_scale / weight_scale_2 to fp16 as the loader does
+            assert bool(((w - want).abs() <= 2.0 ** -11 * want.abs()).all()), f"{what}: {name}"
+        else:
+            assert torch.equal(w, want), f"{what}: {name}"

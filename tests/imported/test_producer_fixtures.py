@@ -19,44 +19,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from imported_helpers import LINEAR_ATTRS, convert_source, linear_weights
+from imported_helpers import by_hf_name, check_weights, convert_source, linear_weights
 from numerics import float64_copy
 from prequantized import info, names, prequantized
 from trtpipe.errors import CheckpointError
-from trtpipe.export.unified import HFNames
 from trtpipe.quant.imported.detect import detect
 from trtpipe.quant.imported.llmapi import write_llmapi
 from trtpipe.runtime import load_checkpoint
 from trtpipe.runtime.hf_loader import load_hf_checkpoint
 
-FUSED = ("attention.qkv", "mlp.fc", "mlp.gate")
 pytestmark = pytest.mark.slow
-
-
-def _by_hf_name(weights: dict[str, torch.Tensor], d: Path, layers: int) -> dict[str, tuple[str, torch.Tensor]]:
-    """linear_weights() split back into HF projections: HF weight name -> (fused TRT-LLM linear, weight)."""
-    names = HFNames(d)
-    out = {}
-    for i in range(layers):
-        for owner, attr in LINEAR_ATTRS:
-            parts = names.layer[f"{owner}.{attr}.weight"]
-            fused = weights[f"{i}.{owner}.{attr}"]
-            for (h, _), w in zip(parts, fused.split([n for _, n in parts])):
-                out[names.prefix.format(i) + h] = (f"{owner}.{attr}", w, float(fused.abs().max()))
-    return out
-
-
-def _check(got: dict, oracle: dict, what: str, quant_algo: str, engine: bool) -> None:
-    for name, want in oracle.items():
-        linear, w, fused_max = got[name]
-        want = want.float()
-        if quant_algo == "FP8" and engine and linear in FUSED:
-            s = fused_max / 448  # the shared scale: the member with the largest amax keeps a code of +-448
-            assert bool(((w - want).abs() <= 2.0 ** -4 * w.abs().maximum(want.abs()) + 2.0 ** -10 * s).all()), name
-        elif quant_algo == "W4A8_AWQ":  # the runtime rounds weight_scale / weight_scale_2 to fp16 as the loader does
-            assert bool(((w - want).abs() <= 2.0 ** -11 * want.abs()).all()), f"{what}: {name}"
-        else:
-            assert torch.equal(w, want), f"{what}: {name}"
 
 
 @pytest.mark.parametrize("name", names())
@@ -77,7 +49,7 @@ def test_producer_checkpoint(name, tmp_path):
         out.mkdir()
         write_llmapi(fmt, fixture, out)
         model = load_hf_checkpoint(out)
-        _check(_by_hf_name(linear_weights(model), fixture, layers), oracle, "llmapi", fmt.quant_algo, False)
+        check_weights(by_hf_name(linear_weights(model), fixture, layers), oracle, "llmapi", fmt.quant_algo, False)
         logits = fixture / "oracle_logits.safetensors"
         # GPTQModel's kernels dequantize in the scales' dtype (fp16) inside transformers' forward, so its logits are
         # not a float64 reference (its producer.json says so); its weights are still checked exactly above
@@ -93,4 +65,4 @@ def test_producer_checkpoint(name, tmp_path):
             assert err <= 2.0 ** -24 * float(theirs.abs().max()) * 64, (fixture.name, err)
     if fmt.engine.ok:
         conv = load_checkpoint(convert_source(fixture, tmp_path / "ckpt"))
-        _check(_by_hf_name(linear_weights(conv), fixture, layers), oracle, "engine", fmt.quant_algo, True)
+        check_weights(by_hf_name(linear_weights(conv), fixture, layers), oracle, "engine", fmt.quant_algo, True)

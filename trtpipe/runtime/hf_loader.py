@@ -11,6 +11,23 @@ the serving kernel sees it (``trtpipe.export.formats`` / ``.compressed`` documen
 * An FP8 KV cache is a round trip through FP8 with a unit scale: TensorRT-LLM's PyTorch backend ignores the
   checkpoint's ``k_scale``/``v_scale`` for FP8 KV (newest revision read; not confirmed for 1.0-1.2).
 
+Checkpoints of the other producers run as their formats define them (weights: :mod:`trtpipe.quant.dequant`,
+one pure function per format; activations as each format's reference forward quantizes them):
+
+* GPTQ (v1 / v2, any zero points and ``g_idx``) and AutoAWQ GEMM: weight-only (``qweight`` / ``qzeros`` /
+  ``scales``).
+* compressed-tensors asymmetric 4-bit (``weight_zero_point``): weight-only; INT8 W8A8: INT8 weights, activations
+  INT8 per token with compressed-tensors' dynamic scale ``amax / 127.5`` (``calculate_qparams``: half the
+  256-code range), rounded half to even and clamped to -128..127; FP8 block: ``weight_scale`` per block,
+  activations FP8 per token and group of ``group_size`` inputs (dynamic).
+* FP8 block-scaled (``quant_method: fp8``, DeepSeek's ``weight_scale_inv``): activations FP8 per token and group
+  of ``weight_block_size[1]`` inputs, the dynamic scheme transformers' ``FP8Linear`` and TensorRT-LLM's
+  ``FP8BlockScales`` linear use.
+* fbgemm FP8: FP8 per-row weights, activations FP8 per token with the amax capped at ``activation_scale_ub``
+  (``quantize_fp8_per_row(x, scale_ub)``).
+* MXFP4 (gpt-oss experts): decoded by the family's expert rules (:mod:`trtpipe.quant.mxfp4`); its other linears
+  are plain.
+
 q/k/v and gate/up stay separate modules (their scales differ); their outputs are concatenated into the fused
 layout the decoder layer computes with.
 """
@@ -27,7 +44,8 @@ from torch import nn
 
 from trtpipe.checkpoint.quant_primitives import unpack_int4_rows
 from trtpipe.errors import CheckpointError
-from trtpipe.runtime.linear import Float32Linear, QuantLinear, TokenFP8Linear
+from trtpipe.quant import dequant
+from trtpipe.runtime.linear import Float32Linear, QuantLinear, TokenFP8Linear, token_fp8
 from trtpipe.runtime.model import DecoderLayer, ModelArgs, ReferenceModel
 
 class ConcatLinear(nn.Module):
@@ -109,25 +127,111 @@ def _modelopt_module(algo: str, t: dict, bias) -> nn.Module:
 # --- compressed-tensors -------------------------------------------------------------------------------------
 
 
-def _ct_module(group: dict, t: dict, bias) -> nn.Module:
-    from trtpipe.export.compressed import unpack_int32_to_int4
+class GroupFP8Linear(nn.Module):
+    """``y = Q(x) @ W^T``: activations quantized to FP8 per token and group of ``group`` inputs (dynamic scale
+    amax / 448 each; a last group narrower than ``group`` keeps its own scale)."""
 
-    aargs = group.get("input_activations")
-    ws = t["weight_scale"].float()
+    def __init__(self, weight: torch.Tensor, group: int, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight.float(), requires_grad=False)
+        self.group = group
+        self.bias = None if bias is None else bias.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq = torch.cat([token_fp8(p) for p in x.float().split(self.group, dim=-1)], dim=-1)
+        return nn.functional.linear(xq.to(x.dtype), self.weight, self.bias)
+
+
+class TokenInt8Linear(nn.Module):
+    """``y = Q(x) @ W^T``: activations quantized to INT8 per token as compressed-tensors' dynamic symmetric
+    scheme does (scale ``amax / 127.5``, round half to even, clamp -128..127)."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight.float(), requires_grad=False)
+        self.bias = None if bias is None else bias.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x if x.dtype == torch.float64 else x.float()  # a float64 copy (the tests' reference) rounds in float64
+        scale = xf.abs().amax(-1, keepdim=True) / 127.5
+        scale = torch.where(scale == 0, torch.finfo(xf.dtype).eps, scale)
+        xq = (xf / scale).round().clamp(-128, 127) * scale
+        return nn.functional.linear(xq.to(x.dtype), self.weight, self.bias)
+
+
+def _ct_module(group: dict, t: dict, bias, module: str) -> nn.Module:
+    wargs, aargs = group.get("weights") or {}, group.get("input_activations")
+    strategy = wargs.get("strategy")
     if "weight_packed" in t:
-        out_f, in_f = (int(x) for x in t["weight_shape"].tolist())
-        q = unpack_int32_to_int4(t["weight_packed"], in_f).float()
-        w = q * (ws.repeat_interleave(in_f // ws.shape[1], dim=-1) if ws.dim() == 2 and ws.shape[1] > 1
-                 else ws.reshape(-1, 1) if ws.numel() > 1 else ws.reshape(()))
+        if "weight_shape" not in t:
+            raise CheckpointError(f"tensor '{module}.weight_shape' is missing (compressed-tensors pack-quantized)")
+        out_f, in_f = (int(x) for x in t["weight_shape"].reshape(-1).tolist())
+        gs = wargs.get("group_size") if strategy in ("group", "tensor_group") else None
+        w = dequant.pack_quantized(t, module, out_f, in_f, gs, bool(wargs.get("symmetric", True)))
+    elif strategy == "block":
+        w = dequant.fp8_block(t, module, tuple(wargs.get("block_structure") or (128, 128)), "weight_scale")
+    elif "weight" in t and t["weight"].dtype == torch.int8:
+        w = dequant.int8_channel(t, module, *t["weight"].shape)
     else:
+        if "weight_scale" not in t:
+            raise CheckpointError(f"tensor '{module}.weight_scale' is missing (compressed-tensors)")
+        ws = t["weight_scale"].float()
         w = t["weight"].float() * (ws.reshape(-1, 1) if ws.numel() > 1 else ws.reshape(()))
     if aargs is None:
         return QuantLinear(w, bias=bias)
     if aargs.get("dynamic"):
-        if aargs.get("strategy") != "token":
-            raise CheckpointError(f"config.json: dynamic activation strategy {aargs.get('strategy')!r} not supported")
-        return TokenFP8Linear(w, bias)
+        kind = (aargs.get("type"), aargs.get("strategy"))
+        if kind == ("float", "token"):
+            return TokenFP8Linear(w, bias)
+        if kind == ("int", "token"):
+            return TokenInt8Linear(w, bias)
+        if kind == ("float", "group"):
+            return GroupFP8Linear(w, int(aargs.get("group_size") or 128), bias)
+        raise CheckpointError(f"config.json: dynamic {kind[0]} activations per {kind[1]!r} are not supported")
+    if "input_scale" not in t:
+        raise CheckpointError(f"tensor '{module}.input_scale' is missing (compressed-tensors static activations)")
     return QuantLinear(w, None, t["input_scale"].float().reshape(1), "fp8", bias)
+
+
+# --- GPTQ, AutoAWQ, FP8 block, fbgemm FP8 -----------------------------------------------------------------
+
+
+def _gptq_module(qc: dict, t: dict, bias, module: str) -> nn.Module:
+    v1 = str(qc.get("checkpoint_format", qc.get("format", "gptq"))) == "gptq"
+    if int(qc.get("bits", 4)) != 4:
+        raise CheckpointError(f"config.json: quantization_config.bits {qc.get('bits')} (GPTQ 4-bit only)")
+    b = None if bias is None or not bool(bias.any()) else bias
+    return QuantLinear(dequant.gptq(t, module, v1, qc.get("group_size")), bias=b)
+
+
+def _awq_module(qc: dict, t: dict, bias, module: str) -> nn.Module:
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm" or int(qc.get("bits", 4)) != 4:
+        raise CheckpointError(f"config.json: AutoAWQ {version} {qc.get('bits')}-bit is not supported (GEMM 4-bit)")
+    return QuantLinear(dequant.awq_gemm(t, module, int(qc.get("group_size", 128))), bias=bias)
+
+
+def _fp8_block_module(qc: dict, t: dict, bias, module: str) -> nn.Module:
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2):
+        raise CheckpointError(f"config.json: quantization_config.weight_block_size is {block!r} (two integers)")
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise CheckpointError(f"config.json: quantization_config.activation_scheme "
+                              f"{qc.get('activation_scheme')!r} is not supported (dynamic)")
+    return GroupFP8Linear(dequant.fp8_block(t, module, tuple(block)), int(block[1]), bias)
+
+
+def _fbgemm_module(qc: dict, t: dict, bias, module: str) -> nn.Module:
+    return TokenFP8Linear(dequant.fp8_rowwise(t, module), bias, float(qc.get("activation_scale_ub", 1200.0)))
+
+
+# quant_method -> (builds a quantized module, is this HF module stored quantized?)
+OTHER_FORMATS = {
+    "gptq": (_gptq_module, lambda t: "qweight" in t),
+    "awq": (_awq_module, lambda t: "qweight" in t),
+    "fp8": (_fp8_block_module, lambda t: t.get("weight") is not None and t["weight"].dtype == torch.float8_e4m3fn),
+    "fbgemm_fp8": (_fbgemm_module, lambda t: t.get("weight") is not None and t["weight"].dtype == torch.float8_e4m3fn),
+}
 
 
 # --- loading ------------------------------------------------------------------------------------------------
@@ -163,7 +267,8 @@ class _Reader:
 
 
 def quant_scheme(d: Path, cfg: dict) -> tuple[str, dict]:
-    """("none" | "modelopt" | "compressed-tensors", the config dict that describes it)."""
+    """("none" | "modelopt" | "compressed-tensors" | a key of :data:`OTHER_FORMATS`, the config dict that
+    describes it)."""
     hq = d / "hf_quant_config.json"
     if hq.exists():  # authoritative when present (TensorRT-LLM's rule)
         return "modelopt", json.loads(hq.read_text())["quantization"]
@@ -178,6 +283,8 @@ def quant_scheme(d: Path, cfg: dict) -> tuple[str, dict]:
                             "kv_cache_quant_algo": "FP8" if qc.get("kv_cache_scheme") else None}
     if method == "compressed-tensors":
         return "compressed-tensors", qc
+    if method in OTHER_FORMATS:
+        return method, qc
     raise CheckpointError(f"{d / 'config.json'}: quantization_config.quant_method '{method}' is not supported")
 
 
@@ -218,8 +325,12 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
         if scheme == "compressed-tensors" and not excluded(module, q.get("ignore", [])):
             group = next((g for g in q["config_groups"].values() if "Linear" in g.get("targets", [])), None)
             if group is not None:
-                return _ct_module(group, t, bias)
-        if not t["weight"].is_floating_point():
+                return _ct_module(group, t, bias, module)
+        if scheme in OTHER_FORMATS and OTHER_FORMATS[scheme][1](t):
+            return OTHER_FORMATS[scheme][0](q, t, bias, module)
+        if "weight" not in t:
+            raise CheckpointError(f"{d}: tensor '{module}.weight' is missing")
+        if not t["weight"].is_floating_point() or t["weight"].dtype == torch.float8_e4m3fn:
             raise CheckpointError(f"{d}: '{module}.weight' is {t['weight'].dtype} but the module is not quantized")
         return Float32Linear(t["weight"].float(), bias)
 

@@ -139,17 +139,26 @@ class QuantLinear(nn.Module):
 
 
 class TokenFP8Linear(nn.Module):
-    """``y = Q_token(x) @ W^T``: activations quantized to FP8 per token (row) with scale amax/448."""
+    """``y = Q_token(x) @ W^T``: activations quantized to FP8 per token (row) with scale amax/448 (the amax capped
+    at ``scale_ub`` when given: fbgemm's ``quantize_fp8_per_row(x, scale_ub)``)."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, scale_ub: Optional[float] = None):
         super().__init__()
         self.weight = nn.Parameter(weight.float(), requires_grad=False)
         self.bias = None if bias is None else bias.float()
+        self.scale_ub = scale_ub
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = (x.abs().amax(-1, keepdim=True).float() / FORMATS["fp8"].qmax).clamp_min(torch.finfo(torch.float32).eps)
-        xq = (x.float() / scale).clamp(-FORMATS["fp8"].qmax, FORMATS["fp8"].qmax).to(torch.float8_e4m3fn).float() * scale
-        return nn.functional.linear(xq.to(x.dtype), self.weight, self.bias)
+        return nn.functional.linear(token_fp8(x, self.scale_ub).to(x.dtype), self.weight, self.bias)
+
+
+def token_fp8(x: torch.Tensor, scale_ub: Optional[float] = None) -> torch.Tensor:
+    """float32 ``x`` through FP8 per row (last axis) with the dynamic scale ``min(amax, scale_ub) / 448``."""
+    amax = x.abs().amax(-1, keepdim=True).float()
+    if scale_ub is not None:
+        amax = amax.clamp_max(scale_ub)
+    scale = (amax / FORMATS["fp8"].qmax).clamp_min(torch.finfo(torch.float32).eps)
+    return (x.float() / scale).clamp(-FORMATS["fp8"].qmax, FORMATS["fp8"].qmax).to(torch.float8_e4m3fn).float() * scale
 
 
 def _need(tensors: dict, key: str, spec: LinearSpec) -> torch.Tensor:
