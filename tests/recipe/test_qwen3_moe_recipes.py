@@ -81,9 +81,19 @@ def test_validate_refuses_layouts_naming_the_key(overrides, key, text):
     assert any(f"{key}:" in ln and text in ln for ln in lines), result.stderr
 
 
-def test_llmapi_moe_takes_fp8_and_nvfp4_and_refuses_int4_awq():
-    assert run_cli("validate", str(SMALL), "--set", "quantization.algo=nvfp4").exit_code == 0
-    result = run_cli("validate", str(SMALL), "--set", "quantization.algo=int4_awq")
+def test_moe_int4_awq_is_llmapi_only_and_other_group_algos_are_refused():
+    for algo in ("nvfp4", "int4_awq"):
+        assert run_cli("validate", str(SMALL), "--set", f"quantization.algo={algo}").exit_code == 0, algo
+    result = run_cli("validate", str(SMALL), "--set", "quantization.algo=int4_awq", "--set", "target=engine")
     assert result.exit_code == 2
-    assert "quantization.algo: int4_awq: the llmapi export writes mixture-of-experts experts unquantized, in fp8 or " \
-           "in nvfp4" in result.stderr, result.stderr
+    assert "quantization.algo: int4_awq for mixture-of-experts models is written only for target: llmapi (the " \
+           "engine path's checkpoint writer has no layout for int4 experts" in result.stderr, result.stderr
+    result = run_cli("validate", str(SMALL), "--set", "quantization.algo=w4a8_awq")
+    assert result.exit_code == 2
+    assert "quantization.algo: w4a8_awq: the llmapi export writes mixture-of-experts experts unquantized, in fp8, " \
+           "nvfp4 or int4_awq" in result.stderr, result.stderr
+    # the experts' int4 checks use one expert's width split by moe_tp: 768 / 8 = 96 is no multiple of 128
+    result = run_cli("validate", str(SMALL), "--set", "quantization.algo=int4_awq", "--set", "parallel.tp=8")
+    assert result.exit_code == 2
+    assert "quantization.group_size: int4_awq at tp=8: mlp.proj in_features 96 per rank is not a multiple of " \
+           "group_size 128" in result.stderr, result.stderr

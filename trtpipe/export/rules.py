@@ -46,8 +46,8 @@ def _llmapi_target(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding
         yield "quantization.kv_cache", f"kv_cache {q.kv_cache} is refused for target llmapi: {why}; {alternatives}"
     if m is not None and m.is_moe and q.algo not in MOE_EXPORT_ALGOS:
         yield "quantization.algo", (f"{q.algo}: the llmapi export writes mixture-of-experts experts unquantized, in "
-                                    f"fp8 or in nvfp4 (supported: {', '.join(MOE_EXPORT_ALGOS)}); use fp8 or nvfp4, "
-                                    f"or target: engine")
+                                    f"fp8, nvfp4 or int4_awq (supported: {', '.join(MOE_EXPORT_ALGOS)}); use one of "
+                                    "them")
     if m is not None and q.algo == "nvfp4":
         import fnmatch
 

@@ -76,9 +76,11 @@ def layer_params(algo: Algo, weights: dict[str, torch.Tensor], stats: LayerStats
         if not members:
             continue
         ws = [weights[m].float() for m in members]
-        if ws[0].dim() == 3 and gran != "tensor":  # stacked experts [E, out, in]
-            raise QuantizationError(f"{members[0]}: only fp8 (per-expert scales) is supported for MoE experts")
         st = stats.groups.get(group) if stats is not None else None
+        if ws[0].dim() == 3 and gran != "tensor" and (algo.prequant != "awq" or st is None or st.awq_pqs is None):
+            # stacked experts [E, out, in]: int4 only with the per-expert AWQ statistics calibration collects
+            raise QuantizationError(f"{members[0]}: MoE experts take fp8 (per-expert scales) or int4_awq "
+                                    "(calibrated on the tokens routed to each expert)")
         pqs = _prequant(algo, ws, st, group_size, alpha)
         if pqs is not None:
             pqs = pqs.to(TORCH_DTYPES[model_dtype]).float()
@@ -90,8 +92,8 @@ def layer_params(algo: Algo, weights: dict[str, torch.Tensor], stats: LayerStats
             elif gran == "tensor":
                 amax = shared_amax
             elif st is not None and m in st.awq_amax and algo.prequant == "awq":
-                amax = st.awq_amax[m]  # clipped by the AWQ search, for this same W / pqs
-                if amax.shape != (w.shape[0], w.shape[1] // gran):
+                amax = st.awq_amax[m]  # clipped by the AWQ search, for this same W / pqs ([E, out, in/g] experts)
+                if amax.shape != (*w.shape[:-1], w.shape[-1] // gran):
                     raise QuantizationError(f"{m}: AWQ statistics were collected for another group size "
                                             f"({list(amax.shape)} scales); re-run calibration for group_size {gran}")
             else:
@@ -135,6 +137,13 @@ def kv_scales(kv: str, stats: LayerStats) -> dict[str, torch.Tensor]:
             "attention.kv_cache_scaling_factor": torch.maximum(k, v)}
 
 
+# stacked experts: the tensor every expert of a layer shares ([in], no expert axis: AWQ's pre-quant scale), and the
+# tensors moe_tp splits like the weight (int4 group scales [E, out, in/g] with the rows or the groups, the pre-quant
+# scale with the input; per-expert FP8 scales [E, 1] have no axis to split: tensor_axes leaves them whole)
+SHARED_BY_EXPERTS = ("prequant_scaling_factor",)
+SPLIT_WITH_EXPERT_WEIGHT = ("weight", "weights_scaling_factor", "prequant_scaling_factor")
+
+
 def shard_params(name: str, p: dict[str, torch.Tensor], rank: int, layout: Layout,
                  intermediate_size: int = 0) -> dict[str, torch.Tensor]:
     """One rank's float weight and scales, split by the checkpoint's own plan (``checkpoint.shard``):
@@ -145,11 +154,13 @@ def shard_params(name: str, p: dict[str, torch.Tensor], rank: int, layout: Layou
     if p["weight"].dim() != 3:
         return {k: split_linear_tensor(t, k, style, rank, layout, what=f"{name}.{k}") for k, t in p.items()}
     out = {}
+    sections = (intermediate_size, intermediate_size) if style == "column" else ()
+    num_local = layout.num_experts // layout.moe_ep
     for k, t in p.items():
-        t = split_experts(t, rank, layout, what=f"{name}.{k}")
-        if k == "weight":
-            sections = (intermediate_size, intermediate_size) if style == "column" else ()
-            t = split_linear_tensor(t, k, style, rank, layout, sections=sections, experts=t.shape[0], what=f"{name}.{k}")
+        if k not in SHARED_BY_EXPERTS:
+            t = split_experts(t, rank, layout, what=f"{name}.{k}")
+        if k in SPLIT_WITH_EXPERT_WEIGHT:
+            t = split_linear_tensor(t, k, style, rank, layout, sections=sections, experts=num_local, what=f"{name}.{k}")
         out[k] = t
     return out
 
