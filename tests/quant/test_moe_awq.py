@@ -85,9 +85,8 @@ def test_unified_layout_as_modelopt_writes_w4a16_awq_experts(case):
     assert (inline["quant_algo"], inline["quant_method"]) == ("W4A16_AWQ", "modelopt")
 
 
-def _expert_weights(case, i, e):
-    """Each projection's weight as the bf16 checkpoint both exports are made from holds it (fc = [up; gate])."""
-    src = load_file(str(case["base"] / "rank0.safetensors"))
+def _expert_weights(src, i, e):
+    """Each projection's weight as the bf16 checkpoint both exports are made from (``src``) holds it, fc = [up; gate]."""
     up, gate = src[f"transformer.layers.{i}.mlp.fc.weight"][e].float().chunk(2)
     return {"up_proj": up, "gate_proj": gate, "down_proj": src[f"transformer.layers.{i}.mlp.proj.weight"][e].float()}
 
@@ -101,10 +100,11 @@ def test_codes_and_idle_scales_byte_identical_to_modelopt(case):
     quant_utils = pytest.importorskip("modelopt.torch.export.quant_utils")
     idle_ids = (load_layer_stats(case["idle_stats"], 0).groups["mlp.fc+gate"].expert_amax == 0).nonzero().flatten()
     checked = idle_checked = 0
+    src = load_file(str(case["base"] / "rank0.safetensors"))
     for which in ("export", "idle"):
         t = load_file(str(case[which] / "model.safetensors"))
         for e in range(EXPERTS):
-            w = _expert_weights(case, 0, e)
+            w = _expert_weights(src, 0, e)
             for p in PROJ:
                 m = f"model.layers.0.mlp.experts.{e}.{p}."
                 wq = w[p] / t[m + "pre_quant_scale"].float()
@@ -127,8 +127,9 @@ def test_an_expert_no_calibration_token_reached_gets_max_abs_int4(case, caplog):
     idle = (g.expert_amax == 0).nonzero().flatten().tolist()
     assert idle
     t = load_file(str(case["idle"] / "model.safetensors"))
+    src = load_file(str(case["base"] / "rank0.safetensors"))
     for e in range(EXPERTS):
-        w = _expert_weights(case, 0, e)
+        w = _expert_weights(src, 0, e)
         for p in PROJ:
             m = f"model.layers.0.mlp.experts.{e}.{p}."
             ws, pqs = t[m + "weight_scale"], t[m + "pre_quant_scale"].float()

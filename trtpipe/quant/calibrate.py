@@ -50,7 +50,7 @@ class CalibSettings:
 
     batch_size: int = 8
     awq_group_size: Optional[int] = None
-    awq_tokens: int = 512  # tokens per input group kept for the AWQ search
+    awq_tokens: int = 512  # tokens per input group kept for the AWQ search (MoE: per expert, E x that in all)
     spill_bytes: int = 1 << 30
     device: str = "cpu"
 
