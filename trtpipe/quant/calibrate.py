@@ -86,6 +86,7 @@ class _Observer:
         self.abssum: dict[str, torch.Tensor] = {}
         self.samples: dict[str, list[torch.Tensor]] = {}
         self.expert_amax: dict[str, torch.Tensor] = {}
+        self.expert_channel_amax: dict[str, torch.Tensor] = {}  # group -> [E, in]
         # MoE + AWQ: per expert, the |x| sum and row count of the tokens routed to it, and a subsample of them
         self.expert_abssum: dict[str, torch.Tensor] = {}  # group -> [E, in]
         self.expert_rows: dict[str, torch.Tensor] = {}  # group -> [E]
@@ -109,16 +110,21 @@ class _Observer:
         return hook
 
     def expert_hook(self, group: str, expert: int, num_experts: int, keep_every: int):
-        """max |x| of the tokens one expert receives (its input rows: the router already chose them); with AWQ also
-        their per-channel |x| sum and every ``keep_every``-th row, at most ``keep_tokens`` rows (bounded memory)."""
+        """max |x| of the tokens one expert receives (its input rows: the router already chose them), overall and per
+        channel (W4A8: the amax of x * pqs); with AWQ also their per-channel |x| sum and every ``keep_every``-th row,
+        at most ``keep_tokens`` rows (bounded memory)."""
         def hook(module, args):
             if group not in self.expert_amax:
                 self.expert_amax[group] = torch.zeros(num_experts)
-            a = args[0].detach().abs().amax().float().cpu() if args[0].numel() else torch.zeros(())
-            self.expert_amax[group][expert] = torch.maximum(self.expert_amax[group][expert], a)
-            if not self.keep_tokens or not args[0].numel():
+                self.expert_channel_amax[group] = torch.zeros(num_experts, args[0].shape[-1])
+            if not args[0].numel():
                 return
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            c = observe_channel_amax(x).cpu()
+            self.expert_channel_amax[group][expert] = torch.maximum(self.expert_channel_amax[group][expert], c)
+            self.expert_amax[group][expert] = torch.maximum(self.expert_amax[group][expert], c.amax())
+            if not self.keep_tokens:
+                return
             if group not in self.expert_abssum:
                 self.expert_abssum[group] = torch.zeros(num_experts, x.shape[-1])
                 self.expert_rows[group] = torch.zeros(num_experts)
@@ -165,7 +171,8 @@ def _stats(obs: _Observer, tokens: int, layer_tensors: dict, settings: CalibSett
     for group, (members, _) in LINEAR_GROUPS.items():
         if group not in obs.amax:
             raise QuantizationError(f"calibration: no input observed for {group}")
-        g = GroupStats(amax=obs.amax[group], absmean=obs.abssum[group] / tokens, expert_amax=obs.expert_amax.get(group))
+        g = GroupStats(amax=obs.amax[group], absmean=obs.abssum[group] / tokens, expert_amax=obs.expert_amax.get(group),
+                       expert_channel_amax=obs.expert_channel_amax.get(group))
         if g.expert_amax is not None and bool((g.expert_amax == 0).any()):
             idle = (g.expert_amax == 0).nonzero().flatten().tolist()
             log.warning("calibration: no token reached expert(s) %s of %s; their input scale falls back to the "
@@ -273,7 +280,7 @@ STATS_FILE = "layer{}.safetensors"
 def save_layer_stats(out_dir: Path, i: int, st: LayerStats) -> None:
     t = {"k_amax": st.k_amax, "v_amax": st.v_amax}
     for group, g in st.groups.items():
-        for key in ("amax", "absmean", "awq_pqs", "expert_amax"):
+        for key in ("amax", "absmean", "awq_pqs", "expert_amax", "expert_channel_amax"):
             v = getattr(g, key, None)
             if v is not None:
                 t[f"{group}.{key}"] = v.contiguous()
@@ -292,6 +299,7 @@ def load_layer_stats(stats_dir: Path, i: int) -> LayerStats:
         g = GroupStats(amax=t[f"{group}.amax"], absmean=t.get(f"{group}.absmean"))
         g.awq_pqs = t.get(f"{group}.awq_pqs")
         g.expert_amax = t.get(f"{group}.expert_amax")
+        g.expert_channel_amax = t.get(f"{group}.expert_channel_amax")
         g.awq_amax = {k[len(group) + len(".awq_amax."):]: v for k, v in t.items() if k.startswith(f"{group}.awq_amax.")}
         st.groups[group] = g
     return st

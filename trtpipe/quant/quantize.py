@@ -35,6 +35,8 @@ class GroupStats:
     awq_amax: dict = field(default_factory=dict)  # member linear -> [out, in/g] clipped amax (AWQ clip search)
     # MoE layers: [E] max |x| over the tokens routed to each expert (0: the expert saw no calibration token)
     expert_amax: Optional[torch.Tensor] = None
+    # MoE layers: [E, in] per-channel max |x| of those tokens (W4A8: the amax of x * pqs, exact because pqs > 0)
+    expert_channel_amax: Optional[torch.Tensor] = None
 
     def expert_input_amax(self) -> torch.Tensor:
         """[E] per-expert input amax for per-expert activation scales (the unified HF export's experts).
@@ -46,6 +48,15 @@ class GroupStats:
         if self.expert_amax is None:
             raise QuantizationError("calibration statistics have no per-expert amax (re-run calibration)")
         return torch.where(self.expert_amax > 0, self.expert_amax, self.amax.amax())
+
+    def expert_smoothed_amax(self, pqs: torch.Tensor) -> torch.Tensor:
+        """[E] per-expert amax of ``x * pqs`` (the input a W4A8 expert's FP8 quantizer sees after the pre-quant
+        scale), from the tokens routed to each expert; an expert no token reached falls back as
+        :meth:`expert_input_amax` does, to the whole MoE input's (``amax``) for the same ``pqs``."""
+        if self.expert_channel_amax is None:
+            raise QuantizationError("calibration statistics have no per-expert channel amax (re-run calibration)")
+        own = (self.expert_channel_amax.float() * pqs.float()).amax(-1)
+        return torch.where(own > 0, own, smoothed_act_amax(self.amax, pqs).reshape(()))
 
 
 @dataclass
@@ -77,9 +88,11 @@ def layer_params(algo: Algo, weights: dict[str, torch.Tensor], stats: LayerStats
             continue
         ws = [weights[m].float() for m in members]
         st = stats.groups.get(group) if stats is not None else None
-        if ws[0].dim() == 3 and gran != "tensor" and (algo.prequant != "awq" or st is None or st.awq_pqs is None):
-            # stacked experts [E, out, in]: int4 only with the per-expert AWQ statistics calibration collects
-            raise QuantizationError(f"{members[0]}: MoE experts take fp8 (per-expert scales) or int4_awq "
+        stacked = ws[0].dim() == 3
+        if stacked and gran != "tensor" and (not algo.weight_scale_2 or st is None or st.awq_pqs is None):
+            # stacked experts [E, out, in]: int4 only as W4A8 (the one int4 MoE layout TensorRT-LLM's fused MoE
+            # loads, trtpipe.export.rules), with the per-expert AWQ statistics calibration collects
+            raise QuantizationError(f"{members[0]}: MoE experts take fp8 (per-expert scales) or w4a8_awq "
                                     "(calibrated on the tokens routed to each expert)")
         pqs = _prequant(algo, ws, st, group_size, alpha)
         if pqs is not None:
@@ -104,10 +117,16 @@ def layer_params(algo: Algo, weights: dict[str, torch.Tensor], stats: LayerStats
             p = {"weight": w, "weights_scaling_factor": choose_qparams(amax, algo.weight_fmt)}
             if pqs is not None:
                 p["prequant_scaling_factor"] = pqs
-            if algo.act_fmt:
+            if algo.act_fmt and stacked and pqs is not None:  # W4A8 experts: each from its routed tokens
+                p["activation_scaling_factor"] = choose_qparams(st.expert_smoothed_amax(pqs).reshape(-1, 1),
+                                                                algo.act_fmt)
+            elif algo.act_fmt:
                 a = smoothed_act_amax(st.amax, pqs) if pqs is not None else st.amax.amax().reshape(1)
                 p["activation_scaling_factor"] = choose_qparams(a, algo.act_fmt)
-            if algo.weight_scale_2:
+            if algo.weight_scale_2 and stacked:  # [E, 1]: each expert's, shared by its members (up and gate)
+                p["weights_scaling_factor_2"] = choose_qparams(
+                    torch.stack([observe_amax(v, "expert") for v in ws]).amax(0), "fp8")
+            elif algo.weight_scale_2:
                 p["weights_scaling_factor_2"] = choose_qparams(shared_amax, "fp8")
             out[m] = p
     return out

@@ -5,8 +5,9 @@ per rank and whole groups in every rank's input slice (no partial groups: ModelO
 them). Every linear that breaks this is listed with the fix: a smaller ``group_size`` that works, or an ``exclude``
 pattern that keeps it unquantized. ``lm_head`` stays unquantized (the quantized layouts here do not cover it), so
 ``*lm_head`` must stay in ``exclude``. Mixture-of-experts models: fp8 (per-expert weight scales), KV-cache
-quantization, and int4_awq for ``target: llmapi`` (experts calibrated on the tokens routed to them, written as
-ModelOpt's W4A16_AWQ experts); the engine path's checkpoint writer has no layout for int4 experts.
+quantization, and w4a8_awq for ``target: llmapi`` (experts calibrated on the tokens routed to them, written as
+ModelOpt's W4A8_AWQ linears, the one int4 layout TensorRT-LLM's fused MoE loads: trtpipe.export.rules); the engine
+path's checkpoint writer has no layout for int4 experts.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def int4_problems(m: HFModelInfo, tp: int, group_size: int, moe_tp: Optional[int
 
 
 # algos whose group-wise experts trtpipe writes (only the llmapi export), and why the engine path has none
-MOE_GROUP_ALGOS = ("int4_awq",)
+MOE_GROUP_ALGOS = ("w4a8_awq",)
 MOE_ENGINE_INT4 = ("the engine path's checkpoint writer has no layout for int4 experts: TensorRT-LLM 1.2's MoE plugin "
                    "takes them preprocessed [E, in, out/4] with [E, in/g, out] scales and one [1, in] pre-quant "
                    "scale, NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py MOEWeightWrapper")
@@ -79,7 +80,7 @@ def _quant_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]
     if m.is_moe and algo.granularity != "tensor" and recipe.target != "llmapi":  # llmapi: the export's own rule
         why = (f"{q.algo} for mixture-of-experts models is written only for target: llmapi ({MOE_ENGINE_INT4}); "
                "set target: llmapi or use fp8" if q.algo in MOE_GROUP_ALGOS else
-               f"{q.algo} is not supported for mixture-of-experts models; use fp8 or none, or int4_awq with "
+               f"{q.algo} is not supported for mixture-of-experts models; use fp8 or none, or w4a8_awq with "
                "target: llmapi")
         yield "quantization.algo", why
         return
