@@ -114,8 +114,8 @@ def test_codes_and_scales_identical_to_modelopt(case):
     the amax of ``x * pqs`` over the tokens routed to the expert (calibration's per-channel amax times the scale, as
     ModelOpt's ``apply_pre_quant_scale_and_smooth`` forms it) our ``input_scale``; for an expert no calibration token
     reached, ``get_scaling_factor_from_weight(W / pqs, G)`` (plain max-abs / 7) our weight_scale and the whole MoE
-    input's amax its input_scale. ModelOpt keeps that input amax in the weight dtype (bf16): equal within bf16's
-    half ulp, 2^-9 relative."""
+    input's amax its input_scale. (ModelOpt's own flow would then keep that input amax in the weight dtype, bf16,
+    half an ulp, 2^-9 relative, from ours; trtpipe keeps it in float32, as its dense export does.)"""
     quant_utils = pytest.importorskip("modelopt.torch.export.quant_utils")
     from modelopt.torch.quantization.config import QuantizerAttributeConfig
     from modelopt.torch.quantization.nn import TensorQuantizer
@@ -144,8 +144,7 @@ def test_codes_and_scales_identical_to_modelopt(case):
                 assert torch.equal(fp8_scale(wamax[p]), t[m[p] + "weight_scale_2"]), m[p]
                 pqs, g = t[m[p] + "pre_quant_scale"].float(), st[group]
                 x_amax = g.expert_channel_amax[e] if e not in idle_ids else g.amax
-                torch.testing.assert_close(t[m[p] + "input_scale"], fp8_scale((x_amax * pqs).amax()),
-                                           rtol=2**-9, atol=0)
+                assert torch.equal(t[m[p] + "input_scale"], fp8_scale((x_amax * pqs).amax())), m[p]
                 checked += 1
                 if e in idle_ids:
                     assert torch.equal(quant_utils.get_scaling_factor_from_weight(wq[p], G), t[m[p] + "weight_scale"])
