@@ -229,3 +229,23 @@ def test_experts_split_by_moe_ep_and_moe_tp_are_the_same_model(case, layout):
         p + "proj.activation_scaling_factor": (torch.float32, (e_r, 1))}
     ids = torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(4))
     assert_same_model(load_checkpoint(two), load_checkpoint(one), ids, layout)
+
+
+def test_mixtral_experts_are_w4a8_linears_under_their_own_names(tmp_path):
+    """Mixtral's experts (``block_sparse_moe.experts.{e}.w1/w3/w2``, the names TensorRT-LLM's fused MoE reads) get
+    the same five W4A8 tensors, and the model stays within the accuracy bound above (2 layers, 8 quantized linears
+    on a token's path, as for Qwen3-MoE)."""
+    hf = make_synthetic("mixtral", tmp_path / "hf", seed=1)
+    base = convert(hf, tmp_path / "base", tp=1, dtype="bfloat16")
+    tokens = torch.randint(3, 250, (8, 32), generator=torch.Generator().manual_seed(9))
+    out = _export(base, hf, our_stats(base, tokens, tmp_path / "stats", awq_group_size=G), tmp_path / "out")
+    t = load_file(str(out / "model.safetensors"))
+    for e in range(4):
+        for w in ("w1", "w2", "w3"):
+            m = f"model.layers.0.block_sparse_moe.experts.{e}.{w}."
+            assert {k[len(m):] for k in t if k.startswith(m)} == \
+                {"weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale"}, m
+    ids = torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(5))
+    ref = load_checkpoint(base)(ids).double()
+    rel = ((load_hf_checkpoint(out)(ids).double() - ref).norm() / ref.norm()).item()
+    assert 0 < rel < MAX_LOGIT_ERR, rel
