@@ -166,14 +166,22 @@ def test_an_expert_no_calibration_token_reached_falls_back_to_the_whole_moe_inpu
             assert s == pytest.approx(want, rel=1e-6) and 0 < s < float("inf")
 
 
-def test_llmapi_validate_takes_fp8_moe_and_refuses_other_algos(tmp_path):
+def test_llmapi_validate_takes_fp8_moe_and_refuses_int4_and_w4a8_shapes_tensorrt_llm_cannot_load(tmp_path):
     hf_dir = make_synthetic("qwen3_moe", tmp_path / "hf", seed=2)
     head = f"name: t\ntarget: llmapi\nmodel:\n  source: {hf_dir}\nquantization:\n  calibration:\n    dataset: self\n"
     ok = tmp_path / "ok.yaml"
     ok.write_text(head + "  algo: fp8\n")
     assert CliRunner().invoke(main, ["validate", str(ok)]).exit_code == 0
+    awq = tmp_path / "awq.yaml"
+    awq.write_text(head + "  algo: int4_awq\n  group_size: 32\n")
+    r = CliRunner().invoke(main, ["validate", str(awq)])
+    assert r.exit_code == 2 and "int4_awq is refused for mixture-of-experts models on target llmapi" in r.output, r.output
+    w4a8 = tmp_path / "w4a8.yaml"  # the synthetic model's hidden size, 64, is no multiple of 128
+    w4a8.write_text(head + "  algo: w4a8_awq\n")
+    r = CliRunner().invoke(main, ["validate", str(w4a8)])
+    assert r.exit_code == 2 and "model.source: w4a8_awq: hidden_size 64 is not a multiple of 128" in r.output, r.output
     bad = tmp_path / "bad.yaml"
-    bad.write_text(head + "  algo: int4_awq\n  group_size: 32\n")
+    bad.write_text(head + "  algo: int8_wo\n")
     r = CliRunner().invoke(main, ["validate", str(bad)])
-    assert r.exit_code == 2 and "int4_awq: the llmapi export writes mixture-of-experts experts unquantized, in fp8 or in nvfp4" \
-        in r.output, r.output
+    assert r.exit_code == 2 and "int8_wo: the llmapi export writes mixture-of-experts experts unquantized, in fp8, " \
+        "nvfp4 or w4a8_awq" in r.output, r.output

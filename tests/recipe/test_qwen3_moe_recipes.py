@@ -81,9 +81,28 @@ def test_validate_refuses_layouts_naming_the_key(overrides, key, text):
     assert any(f"{key}:" in ln and text in ln for ln in lines), result.stderr
 
 
-def test_llmapi_moe_takes_fp8_and_nvfp4_and_refuses_int4_awq():
-    assert run_cli("validate", str(SMALL), "--set", "quantization.algo=nvfp4").exit_code == 0
-    result = run_cli("validate", str(SMALL), "--set", "quantization.algo=int4_awq")
+def test_moe_int4_experts_are_w4a8_awq_on_llmapi_only_in_the_shapes_tensorrt_llm_loads():
+    for algo in ("nvfp4", "w4a8_awq"):
+        assert run_cli("validate", str(SMALL), "--set", f"quantization.algo={algo}").exit_code == 0, algo
+    # TensorRT-LLM's fused MoE loads int4 per-group experts only as W4A8 (WInt4AFP8FusedMoEMethod)
+    for algo in ("int4_awq", "int4_wo"):
+        result = run_cli("validate", str(SMALL), "--set", f"quantization.algo={algo}")
+        assert result.exit_code == 2
+        assert f"quantization.algo: {algo} is refused for mixture-of-experts models on target llmapi: TensorRT-LLM's " \
+               "fused MoE loads int4 per-group experts only as W4A8" in result.stderr, result.stderr
+        assert "use w4a8_awq, or fp8 or nvfp4" in result.stderr, result.stderr
+    result = run_cli("validate", str(SMALL), "--set", "quantization.algo=w4a8_awq", "--set", "target=engine")
     assert result.exit_code == 2
-    assert "quantization.algo: int4_awq: the llmapi export writes mixture-of-experts experts unquantized, in fp8 or " \
-           "in nvfp4" in result.stderr, result.stderr
+    assert "quantization.algo: w4a8_awq for mixture-of-experts models is written only for target: llmapi (the " \
+           "engine path's checkpoint writer has no layout for int4 experts" in result.stderr, result.stderr
+    result = run_cli("validate", str(SMALL), "--set", "quantization.algo=w4a8_awq", "--set", "quantization.group_size=64")
+    assert result.exit_code == 2
+    assert "quantization.group_size: w4a8_awq mixture-of-experts experts are loaded by TensorRT-LLM in groups of " \
+           "128 only (got 64)" in result.stderr, result.stderr
+    # K of the down GEMM is one expert's width per moe_tp rank: 768 / 8 = 96 is no multiple of 128
+    result = run_cli("validate", str(SMALL), "--set", "quantization.algo=w4a8_awq", "--set", "parallel.tp=8")
+    assert result.exit_code == 2
+    assert "parallel.moe_tp: w4a8_awq: the expert width 768 is 96 per moe_tp rank (moe_tp=8), not a multiple of 128" \
+           in result.stderr, result.stderr
+    assert run_cli("validate", str(SMALL), "--set", "quantization.algo=w4a8_awq", "--set", "parallel.tp=8",
+                   "--set", "parallel.moe_ep=8", "--set", "parallel.moe_tp=1").exit_code == 0

@@ -103,10 +103,11 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
     """Pack int4 codes ``[out, in]`` (int8 in -8..7) into ``[out/2, in]`` int8: pairs of consecutive OUTPUT rows,
-    the even row in the low nibble (``byte = (q[2k] & 0xF) | (q[2k+1] << 4)``), as ModelOpt and TRT-LLM use it."""
-    if q.shape[0] % 2:
-        raise ValueError(f"cannot pack int4: {q.shape[0]} output rows is odd")
-    lo, hi = q[0::2].to(torch.int16), q[1::2].to(torch.int16)
+    the even row in the low nibble (``byte = (q[2k] & 0xF) | (q[2k+1] << 4)``), as ModelOpt and TRT-LLM use it.
+    Stacked experts ``[E, out, in]`` are packed one expert at a time (``[E, out/2, in]``)."""
+    if q.shape[-2] % 2:
+        raise ValueError(f"cannot pack int4: {q.shape[-2]} output rows is odd")
+    lo, hi = q[..., 0::2, :].to(torch.int16), q[..., 1::2, :].to(torch.int16)
     packed = (lo & 0xF) | ((hi & 0xF) << 4)
     return packed.to(torch.uint8).view(torch.int8)
 

@@ -15,9 +15,11 @@ NVFP4                       U8 [out, in/2]  F8_E4M3 [out, in/16]   F32 []       
 ==========================  ==============  =====================  ============  ==============  ===============
 
 The pre-quant scale of q/k/v and of gate/up is folded into the RMSNorm before them (its weight times the
-scale); o_proj and down_proj keep it as a tensor in the model dtype. FP8 weight scales are per projection
+scale); o_proj and down_proj keep it as a tensor in the model dtype, and so does every projection of a MoE expert
+(the norm before the experts is shared by all of them; ModelOpt writes the experts' mean scale into each). FP8 weight scales are per projection
 (q, k, v each their own amax) while the input scale is the group's; W4A8's ``input_scale`` and
-``weight_scale_2`` are shared by q/k/v and by gate/up (the loader asserts they are equal).
+``weight_scale_2`` are shared by q/k/v and by gate/up (the loader asserts they are equal); a MoE expert has its
+own (its gate/up pair shares them; the fused MoE loader takes their max, trtpipe.export.rules).
 KV cache (``kv_cache_quant_algo: FP8``): ``self_attn.k_proj.k_scale`` and ``self_attn.v_proj.v_scale``, F32 [] =
 amax/448, not clamped.
 """
@@ -84,7 +86,7 @@ def needs_data(algo: str) -> bool:
     f = HF_FORMATS.get(algo)
     return f is not None and f.needs_data
 # algos whose unified HF layout trtpipe writes for stacked MoE experts (each expert an nn.Linear of its own)
-MOE_EXPORT_ALGOS = ("none", "fp8", "nvfp4")
+MOE_EXPORT_ALGOS = ("none", "fp8", "nvfp4", "w4a8_awq")
 HF_KV = {"fp8": "FP8"}
 KV_SCHEME = {"FP8": FP8_SCHEME}
 

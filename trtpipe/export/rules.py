@@ -4,6 +4,14 @@ TensorRT-LLM's PyTorch backend loads a pre-quantized checkpoint through one line
 INT8 SmoothQuant has none (``ValueError('unsupported quant mode')`` at load) and an INT8 KV cache is rejected for
 pre-quantized checkpoints (only FP8 or NVFP4). Those are refused here with the reason and what to use instead,
 rather than after calibration and export.
+
+Mixture-of-experts experts go through the CUTLASS fused MoE, whose ``_get_quant_method`` sends every int4 per-group
+checkpoint to ``WInt4AFP8FusedMoEMethod``, i.e. W4A8 (NVIDIA/TensorRT-LLM@7b437aaa
+``tensorrt_llm/_torch/modules/fused_moe/fused_moe_cutlass.py``, ``fused_moe/quantization.py``): it reads each
+expert's ``input_scale`` and ``weight_scale_2`` besides the group scales and the pre-quant scale, so W4A16 AWQ
+experts (``int4_awq``, ``int4_wo``) do not load, and its kernels need K, the hidden size and the expert width per
+moe_tp rank, to be multiples of 128, in groups of 128 (its per-group scale tensors are ``[E, K/128, ...]``;
+SM89/SM90 only).
 """
 
 from __future__ import annotations
@@ -27,6 +35,12 @@ LLMAPI_REFUSED_KV = {
              "(only FP8 or NVFP4)",
              "use kv_cache: fp8, or target: engine (TensorRT-LLM <= 1.2)"),
 }
+# recipe algo -> why TensorRT-LLM's fused MoE does not load it as MoE experts, and what to use instead
+MOE_REFUSED_ALGOS = {a: ("TensorRT-LLM's fused MoE loads int4 per-group experts only as W4A8 (FP8 activations, "
+                         "Ada/Hopper), which needs each expert's input_scale and weight_scale_2",
+                         "use w4a8_awq, or fp8 or nvfp4") for a in ("int4_awq", "int4_wo")}
+# W4A8 experts (WInt4AFP8FusedMoEMethod): K of both GEMMs a multiple of this, and it is the group size
+MOE_W4A8_K = 128
 # recipe algos that only the llmapi export writes (no TRT-LLM-checkpoint layout in trtpipe)
 LLMAPI_ONLY_ALGOS = ("fp8_pc_pt", "nvfp4")
 
@@ -44,10 +58,8 @@ def _llmapi_target(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding
     if q.kv_cache in LLMAPI_REFUSED_KV:
         why, alternatives = LLMAPI_REFUSED_KV[q.kv_cache]
         yield "quantization.kv_cache", f"kv_cache {q.kv_cache} is refused for target llmapi: {why}; {alternatives}"
-    if m is not None and m.is_moe and q.algo not in MOE_EXPORT_ALGOS:
-        yield "quantization.algo", (f"{q.algo}: the llmapi export writes mixture-of-experts experts unquantized, in "
-                                    f"fp8 or in nvfp4 (supported: {', '.join(MOE_EXPORT_ALGOS)}); use fp8 or nvfp4, "
-                                    f"or target: engine")
+    if m is not None and m.is_moe:
+        yield from _moe_experts(recipe, m)
     if m is not None and q.algo == "nvfp4":
         import fnmatch
 
@@ -60,6 +72,39 @@ def _llmapi_target(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding
     if recipe.llmapi.compressed_tensors and q.algo not in COMPRESSED_TENSORS_ALGOS:
         yield "llmapi.compressed_tensors", (f"no compressed-tensors scheme for quantization.algo {q.algo}; "
                                             f"supported: {', '.join(COMPRESSED_TENSORS_ALGOS)}")
+
+
+def _moe_experts(recipe: Recipe, m: HFModelInfo) -> Iterable[Finding]:
+    """The experts' algo and, for W4A8, the shapes TensorRT-LLM's fused MoE takes (module docstring)."""
+    from trtpipe.models.trtllm_config import resolve_moe_sizes
+
+    q = recipe.quantization
+    if q.algo in MOE_REFUSED_ALGOS:
+        why, alternatives = MOE_REFUSED_ALGOS[q.algo]
+        yield "quantization.algo", f"{q.algo} is refused for mixture-of-experts models on target llmapi: {why}; " \
+                                   f"{alternatives}"
+        return
+    if q.algo not in MOE_EXPORT_ALGOS:
+        yield "quantization.algo", (f"{q.algo}: the llmapi export writes mixture-of-experts experts unquantized, in "
+                                    f"fp8, nvfp4 or w4a8_awq (supported: {', '.join(MOE_EXPORT_ALGOS)}); use one of "
+                                    "them")
+        return
+    if q.algo != "w4a8_awq":
+        return
+    k = MOE_W4A8_K
+    if q.group_size != k:
+        yield "quantization.group_size", (f"w4a8_awq mixture-of-experts experts are loaded by TensorRT-LLM in groups "
+                                          f"of {k} only (got {q.group_size}); set group_size: {k}")
+    if m.hidden_size % k:
+        yield "model.source", (f"w4a8_awq: hidden_size {m.hidden_size} is not a multiple of {k} (K of the experts' "
+                               "gate/up GEMM in TensorRT-LLM's fused W4A8 MoE); use fp8 or nvfp4")
+    moe_tp = resolve_moe_sizes(recipe.parallel.tp, recipe.parallel.moe_ep, recipe.parallel.moe_tp)[1]
+    width = m.expert_intermediate_size // moe_tp
+    if width % k:
+        key = "parallel.moe_tp" if moe_tp > 1 else "model.source"
+        yield key, (f"w4a8_awq: the expert width {m.expert_intermediate_size} is {width} per moe_tp rank "
+                    f"(moe_tp={moe_tp}), not a multiple of {k} (K of the experts' down GEMM in TensorRT-LLM's fused "
+                    "W4A8 MoE); use a smaller moe_tp (more moe_ep), or fp8 or nvfp4")
 
 
 # recipe algo -> compressed-tensors scheme written (see trtpipe.export.compressed)

@@ -333,6 +333,8 @@ def _expert_tensors(names: HFNames, rel: str, t: torch.Tensor, i: int, algo: str
                 stored = _nvfp4(w, wsf2, amax[e] / (6.0 * 448.0))
                 out.update({f"{hf_name.rsplit('.', 1)[0]}.{s}": v for s, v in stored.items()})
         return out
+    if algo == "w4a8_awq":
+        return _expert_w4a8_tensors(names, rel, t, stats, group_size, dt, [n for n, _ in pieces])
     for k, (hf_name, w) in enumerate(pieces):
         w = w.float()
         mine = pieces[k // per_expert * per_expert:(k // per_expert + 1) * per_expert]  # up and gate share it
@@ -341,6 +343,38 @@ def _expert_tensors(names: HFNames, rel: str, t: torch.Tensor, i: int, algo: str
              "activation_scaling_factor": choose_qparams(amax[k // per_expert].reshape(1), "fp8")}
         stored = _hf_linear(algo, p, False, group_size, dt, own_scale=False)
         out.update({f"{hf_name.rsplit('.', 1)[0]}.{s}": v for s, v in stored.items()})
+    return out
+
+
+# a W4A8 expert's per-tensor scales ([E, 1] in layer_params): one per expert, shared by its projections
+PER_EXPERT = ("weights_scaling_factor_2", "activation_scaling_factor")
+
+
+def _expert_w4a8_tensors(names: HFNames, rel: str, t: torch.Tensor, stats, group_size: int, dt: torch.dtype,
+                         hf_names: list[str]) -> dict[str, torch.Tensor]:
+    """W4A8_AWQ experts, each projection a W4A8 AWQ linear of its own, as ModelOpt 0.47 writes a dense one (packed
+    int4 ``weight`` [out/2, in] U8, full per-group ``weight_scale`` [out, in/g] F32, ``weight_scale_2`` F32 [] =
+    amax(W / pqs) / 448, ``input_scale`` F32 [] = amax(x * pqs) / 448, ``pre_quant_scale`` [in] in the model dtype,
+    never folded: the norm before the experts is shared by all of them).
+
+    The scales are the engine path's (:func:`layer_params` on the stacked experts): the layer's shared pre-quant
+    scale, each expert's clipped group amax, its own ``weight_scale_2`` (shared by its gate_proj and up_proj, one
+    fused GEMM) and its own ``input_scale`` from the tokens routed to it (:meth:`GroupStats.expert_smoothed_amax`,
+    with its fallback for an expert no token reached); TensorRT-LLM's loader takes the max of gate's and up's, the
+    same number."""
+    linear = rel.rsplit(".", 1)[0]
+    model_dtype = next(k for k, v in TORCH_DTYPES.items() if v == dt)
+    p = layer_params(ALGOS["w4a8_awq"], {linear: t}, stats, group_size, 0.0, lambda m: False, model_dtype)[linear]
+    sizes = [n for _, n in names.layer[rel]]
+    pqs = p["prequant_scaling_factor"]  # the layer's, every expert's
+    pieces = ({"weight": w, "weights_scaling_factor": s, "prequant_scaling_factor": pqs,
+               **{k: p[k][e] for k in PER_EXPERT}}
+              for e in range(t.shape[0])
+              for w, s in zip(p["weight"][e].split(sizes), p["weights_scaling_factor"][e].split(sizes)))
+    out: dict[str, torch.Tensor] = {}
+    for hf_name, q in zip(hf_names, pieces):
+        stored = _hf_linear("w4a8_awq", q, False, group_size, dt, own_scale=False)
+        out.update({f"{hf_name.rsplit('.', 1)[0]}.{k}": v for k, v in stored.items()})
     return out
 
 

@@ -95,3 +95,38 @@ def awq_clip(samples: torch.Tensor, w: torch.Tensor, group_size: int, ratios=CLI
             best = torch.where(better, amax, best)
         out.append(best)
     return torch.cat(out)
+
+
+def expert_awq(samples: list, act_mean: list, weights: list[torch.Tensor], group_size: int,
+               round_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
+    """AWQ of one MoE linear's experts, each searched on the tokens the router sent to it.
+
+    The experts of a layer then share one pre-quant scale, the mean of the searched ones, as ModelOpt's unified
+    export writes them (``preprocess_linear_fusion(experts, resmooth_only=True)``: the mean over experts) and as
+    TensorRT-LLM's MoE plugin reads them (one ``prequant_scaling_factor`` row for all experts); each expert's weight
+    is then clipped for that shared scale on its own samples.
+
+    Fallback, for an expert no calibration token reached (``samples[e]`` None): it adds nothing to the mean and its
+    weights get plain per-group max-abs scales (round to nearest, as ``int4_wo``) for the shared pre-quant scale;
+    when no expert saw a token the shared scale is 1 (plain ``int4_wo``). Never a zero or infinite scale: every
+    searched scale is clamped to [1e-4, 1e4] before the mean.
+
+    Args:
+        samples: per expert, ``[N_e, in]`` routed inputs (a subsample), or None for an expert that saw none.
+        act_mean: per expert, ``[in]`` mean |x| over its routed tokens (None with ``samples[e]`` None).
+        weights: the ``[E, out_k, in]`` stacked weights that read this input (e.g. up and gate).
+        round_dtype: the stored dtype of the pre-quant scale (the weight is divided by the rounded scale).
+
+    Returns:
+        ``(pqs [in] float32, per-expert [out, in/g] clipped amax of the concatenated weights, idle expert ids)``.
+    """
+    num_experts, in_features = weights[0].shape[0], weights[0].shape[-1]
+    active = [e for e in range(num_experts) if samples[e] is not None and samples[e].shape[0] > 0]
+    found = [awq_scales(samples[e], act_mean[e], [w[e] for w in weights], group_size)[0] for e in active]
+    pqs = torch.stack(found).mean(0) if found else torch.ones(in_features)
+    pqs = pqs.to(round_dtype).float()
+    amax = []
+    for e in range(num_experts):
+        w = torch.cat([x[e].float() for x in weights]) / pqs
+        amax.append(awq_clip(samples[e] * pqs, w, group_size) if e in active else observe_amax(w, group_size))
+    return pqs, amax, [e for e in range(num_experts) if e not in active]

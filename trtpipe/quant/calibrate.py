@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from trtpipe.checkpoint.quant_layouts import LINEAR_GROUPS
 from trtpipe.checkpoint.quant_primitives import observe_channel_amax
 from trtpipe.errors import QuantizationError
-from trtpipe.quant.awq import awq_clip, awq_scales
+from trtpipe.quant.awq import awq_clip, awq_scales, expert_awq
 from trtpipe.quant.quantize import TORCH_DTYPES, GroupStats, LayerStats
 from trtpipe.runtime.model import DecoderLayer, ModelArgs, rope_tables
 
@@ -50,7 +50,7 @@ class CalibSettings:
 
     batch_size: int = 8
     awq_group_size: Optional[int] = None
-    awq_tokens: int = 512  # tokens per input group kept for the AWQ search
+    awq_tokens: int = 512  # tokens per input group kept for the AWQ search (MoE: per expert, E x that in all)
     spill_bytes: int = 1 << 30
     device: str = "cpu"
 
@@ -86,7 +86,13 @@ class _Observer:
         self.abssum: dict[str, torch.Tensor] = {}
         self.samples: dict[str, list[torch.Tensor]] = {}
         self.expert_amax: dict[str, torch.Tensor] = {}
+        self.expert_channel_amax: dict[str, torch.Tensor] = {}  # group -> [E, in]
+        # MoE + AWQ: per expert, the |x| sum and row count of the tokens routed to it, and a subsample of them
+        self.expert_abssum: dict[str, torch.Tensor] = {}  # group -> [E, in]
+        self.expert_rows: dict[str, torch.Tensor] = {}  # group -> [E]
+        self.expert_samples: dict[str, dict[int, list[torch.Tensor]]] = {}
         self.count = 0
+        self.keep_tokens = keep_tokens
         self.keep_every = max(1, total_tokens // keep_tokens) if keep_tokens else 0
         self.k_amax = torch.zeros(1)
         self.v_amax = torch.zeros(1)
@@ -103,13 +109,31 @@ class _Observer:
                 self.samples.setdefault(group, []).append(x[:: self.keep_every].cpu().clone())
         return hook
 
-    def expert_hook(self, group: str, expert: int, num_experts: int):
-        """max |x| of the tokens one expert receives (its input rows: the router already chose them)."""
+    def expert_hook(self, group: str, expert: int, num_experts: int, keep_every: int):
+        """max |x| of the tokens one expert receives (its input rows: the router already chose them), overall and per
+        channel (W4A8: the amax of x * pqs); with AWQ also their per-channel |x| sum and every ``keep_every``-th row,
+        at most ``keep_tokens`` rows (bounded memory)."""
         def hook(module, args):
             if group not in self.expert_amax:
                 self.expert_amax[group] = torch.zeros(num_experts)
-            a = args[0].detach().abs().amax().float().cpu() if args[0].numel() else torch.zeros(())
-            self.expert_amax[group][expert] = torch.maximum(self.expert_amax[group][expert], a)
+                self.expert_channel_amax[group] = torch.zeros(num_experts, args[0].shape[-1])
+            if not args[0].numel():
+                return
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            c = observe_channel_amax(x).cpu()
+            self.expert_channel_amax[group][expert] = torch.maximum(self.expert_channel_amax[group][expert], c)
+            self.expert_amax[group][expert] = torch.maximum(self.expert_amax[group][expert], c.amax())
+            if not self.keep_tokens:
+                return
+            if group not in self.expert_abssum:
+                self.expert_abssum[group] = torch.zeros(num_experts, x.shape[-1])
+                self.expert_rows[group] = torch.zeros(num_experts)
+            self.expert_abssum[group][expert] += x.abs().sum(0).cpu()
+            self.expert_rows[group][expert] += x.shape[0]
+            kept = self.expert_samples.setdefault(group, {}).setdefault(expert, [])
+            room = self.keep_tokens - sum(k.shape[0] for k in kept)
+            if room > 0:
+                kept.append(x[::keep_every][:room].cpu().clone())
         return hook
 
     def kv(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -129,11 +153,13 @@ def _attach(layer: DecoderLayer, obs: _Observer) -> list:
             continue
         # every expert's fc / proj feeds the same group (one activation scale per MoE linear)
         handles.append(module.register_forward_pre_hook(obs.linear_hook(_INPUT_OF[rel])))
-    if layer.is_moe:  # and each expert's own input amax, for exports that scale experts one by one
+    if layer.is_moe:  # and each expert's own input statistics, for exports that scale experts one by one
+        # an expert sees about top_k / E of the tokens: its own subsampling stride keeps ~awq_tokens of them
+        keep_every = max(1, obs.keep_every * layer.top_k // layer.num_experts)
         for shard in layer.mlp:
             for j, (fc, proj) in enumerate(zip(shard.fc, shard.proj)):
                 for module, rel in ((fc, "mlp.fc"), (proj, "mlp.proj")):
-                    hook = obs.expert_hook(_INPUT_OF[rel], shard.first + j, layer.num_experts)
+                    hook = obs.expert_hook(_INPUT_OF[rel], shard.first + j, layer.num_experts, keep_every)
                     handles.append(module.register_forward_pre_hook(hook))
     for shard in layer.attention:
         shard.kv_quant, shard.kv_scale = obs.kv, torch.ones(1)
@@ -145,13 +171,17 @@ def _stats(obs: _Observer, tokens: int, layer_tensors: dict, settings: CalibSett
     for group, (members, _) in LINEAR_GROUPS.items():
         if group not in obs.amax:
             raise QuantizationError(f"calibration: no input observed for {group}")
-        g = GroupStats(amax=obs.amax[group], absmean=obs.abssum[group] / tokens, expert_amax=obs.expert_amax.get(group))
+        g = GroupStats(amax=obs.amax[group], absmean=obs.abssum[group] / tokens, expert_amax=obs.expert_amax.get(group),
+                       expert_channel_amax=obs.expert_channel_amax.get(group))
         if g.expert_amax is not None and bool((g.expert_amax == 0).any()):
             idle = (g.expert_amax == 0).nonzero().flatten().tolist()
             log.warning("calibration: no token reached expert(s) %s of %s; their input scale falls back to the "
                         "whole MoE input's amax", idle, group)
         in_features = g.amax.numel()
-        if settings.awq_group_size and in_features % settings.awq_group_size == 0:  # else it cannot be int4
+        stacked = [m for m in members if layer_tensors.get(f"{m}.weight", torch.empty(0)).dim() == 3]
+        if settings.awq_group_size and in_features % settings.awq_group_size == 0 and stacked:  # MoE experts
+            _expert_awq_stats(obs, group, g, stacked, layer_tensors, settings, model_dtype)
+        elif settings.awq_group_size and in_features % settings.awq_group_size == 0:  # else it cannot be int4
             dev, gs = settings.device, settings.awq_group_size
             samples = torch.cat(obs.samples[group]).to(dev)
             ws = [layer_tensors[f"{m}.weight"].to(dev) for m in members]
@@ -162,6 +192,29 @@ def _stats(obs: _Observer, tokens: int, layer_tensors: dict, settings: CalibSett
                 g.awq_amax[m] = awq_clip(samples * pqs, w.float() / pqs, gs).cpu()
         st.groups[group] = g
     return st
+
+
+def _expert_awq_stats(obs: _Observer, group: str, g: GroupStats, members: list[str], layer_tensors: dict,
+                      settings: CalibSettings, model_dtype: str) -> None:
+    """The AWQ result of a MoE linear (:func:`trtpipe.quant.awq.expert_awq`): the experts' shared pre-quant scale and
+    each expert's clipped amax, stacked ``[E, out, in/g]`` per member, from the tokens routed to each expert."""
+    dev, gs = settings.device, settings.awq_group_size
+    ws = [layer_tensors[f"{m}.weight"].to(dev) for m in members]
+    num_experts = ws[0].shape[0]
+    kept = obs.expert_samples.get(group, {})
+    rows = obs.expert_rows.get(group, torch.zeros(num_experts))
+    samples = [torch.cat(kept[e]).to(dev) if e in kept and rows[e] > 0 else None for e in range(num_experts)]
+    means = [(obs.expert_abssum[group][e] / rows[e]).to(dev) if samples[e] is not None else None
+             for e in range(num_experts)]
+    pqs, amax, idle = expert_awq(samples, means, ws, gs, TORCH_DTYPES[model_dtype])
+    if idle:
+        log.warning("calibration: no token reached expert(s) %s of %s; their AWQ weights fall back to plain "
+                    "per-group max-abs int4 scales for the layer's shared pre-quant scale", idle, group)
+    g.awq_pqs = pqs.cpu()
+    offset = 0
+    for m, w in zip(members, ws):
+        g.awq_amax[m] = torch.stack([a[offset:offset + w.shape[1]] for a in amax]).cpu()
+        offset += w.shape[1]
 
 
 def calibrate(source: LayerSource, tokens: torch.Tensor, settings: CalibSettings,
@@ -227,7 +280,7 @@ STATS_FILE = "layer{}.safetensors"
 def save_layer_stats(out_dir: Path, i: int, st: LayerStats) -> None:
     t = {"k_amax": st.k_amax, "v_amax": st.v_amax}
     for group, g in st.groups.items():
-        for key in ("amax", "absmean", "awq_pqs", "expert_amax"):
+        for key in ("amax", "absmean", "awq_pqs", "expert_amax", "expert_channel_amax"):
             v = getattr(g, key, None)
             if v is not None:
                 t[f"{group}.{key}"] = v.contiguous()
@@ -246,6 +299,7 @@ def load_layer_stats(stats_dir: Path, i: int) -> LayerStats:
         g = GroupStats(amax=t[f"{group}.amax"], absmean=t.get(f"{group}.absmean"))
         g.awq_pqs = t.get(f"{group}.awq_pqs")
         g.expert_amax = t.get(f"{group}.expert_amax")
+        g.expert_channel_amax = t.get(f"{group}.expert_channel_amax")
         g.awq_amax = {k[len(group) + len(".awq_amax."):]: v for k, v in t.items() if k.startswith(f"{group}.awq_amax.")}
         st.groups[group] = g
     return st

@@ -35,6 +35,8 @@ class GroupStats:
     awq_amax: dict = field(default_factory=dict)  # member linear -> [out, in/g] clipped amax (AWQ clip search)
     # MoE layers: [E] max |x| over the tokens routed to each expert (0: the expert saw no calibration token)
     expert_amax: Optional[torch.Tensor] = None
+    # MoE layers: [E, in] per-channel max |x| of those tokens (W4A8: the amax of x * pqs, exact because pqs > 0)
+    expert_channel_amax: Optional[torch.Tensor] = None
 
     def expert_input_amax(self) -> torch.Tensor:
         """[E] per-expert input amax for per-expert activation scales (the unified HF export's experts).
@@ -46,6 +48,15 @@ class GroupStats:
         if self.expert_amax is None:
             raise QuantizationError("calibration statistics have no per-expert amax (re-run calibration)")
         return torch.where(self.expert_amax > 0, self.expert_amax, self.amax.amax())
+
+    def expert_smoothed_amax(self, pqs: torch.Tensor) -> torch.Tensor:
+        """[E] per-expert amax of ``x * pqs`` (the input a W4A8 expert's FP8 quantizer sees after the pre-quant
+        scale), from the tokens routed to each expert; an expert no token reached falls back as
+        :meth:`expert_input_amax` does, to the whole MoE input's (``amax``) for the same ``pqs``."""
+        if self.expert_channel_amax is None:
+            raise QuantizationError("calibration statistics have no per-expert channel amax (re-run calibration)")
+        own = (self.expert_channel_amax.float() * pqs.float()).amax(-1)
+        return torch.where(own > 0, own, smoothed_act_amax(self.amax, pqs).reshape(()))
 
 
 @dataclass
@@ -76,9 +87,13 @@ def layer_params(algo: Algo, weights: dict[str, torch.Tensor], stats: LayerStats
         if not members:
             continue
         ws = [weights[m].float() for m in members]
-        if ws[0].dim() == 3 and gran != "tensor":  # stacked experts [E, out, in]
-            raise QuantizationError(f"{members[0]}: only fp8 (per-expert scales) is supported for MoE experts")
         st = stats.groups.get(group) if stats is not None else None
+        stacked = ws[0].dim() == 3
+        if stacked and gran != "tensor" and (not algo.weight_scale_2 or st is None or st.awq_pqs is None):
+            # stacked experts [E, out, in]: int4 only as W4A8 (the one int4 MoE layout TensorRT-LLM's fused MoE
+            # loads, trtpipe.export.rules), with the per-expert AWQ statistics calibration collects
+            raise QuantizationError(f"{members[0]}: MoE experts take fp8 (per-expert scales) or w4a8_awq "
+                                    "(calibrated on the tokens routed to each expert)")
         pqs = _prequant(algo, ws, st, group_size, alpha)
         if pqs is not None:
             pqs = pqs.to(TORCH_DTYPES[model_dtype]).float()
@@ -90,8 +105,8 @@ def layer_params(algo: Algo, weights: dict[str, torch.Tensor], stats: LayerStats
             elif gran == "tensor":
                 amax = shared_amax
             elif st is not None and m in st.awq_amax and algo.prequant == "awq":
-                amax = st.awq_amax[m]  # clipped by the AWQ search, for this same W / pqs
-                if amax.shape != (w.shape[0], w.shape[1] // gran):
+                amax = st.awq_amax[m]  # clipped by the AWQ search, for this same W / pqs ([E, out, in/g] experts)
+                if amax.shape != (*w.shape[:-1], w.shape[-1] // gran):
                     raise QuantizationError(f"{m}: AWQ statistics were collected for another group size "
                                             f"({list(amax.shape)} scales); re-run calibration for group_size {gran}")
             else:
@@ -102,10 +117,16 @@ def layer_params(algo: Algo, weights: dict[str, torch.Tensor], stats: LayerStats
             p = {"weight": w, "weights_scaling_factor": choose_qparams(amax, algo.weight_fmt)}
             if pqs is not None:
                 p["prequant_scaling_factor"] = pqs
-            if algo.act_fmt:
+            if algo.act_fmt and stacked and pqs is not None:  # W4A8 experts: each from its routed tokens
+                p["activation_scaling_factor"] = choose_qparams(st.expert_smoothed_amax(pqs).reshape(-1, 1),
+                                                                algo.act_fmt)
+            elif algo.act_fmt:
                 a = smoothed_act_amax(st.amax, pqs) if pqs is not None else st.amax.amax().reshape(1)
                 p["activation_scaling_factor"] = choose_qparams(a, algo.act_fmt)
-            if algo.weight_scale_2:
+            if algo.weight_scale_2 and stacked:  # [E, 1]: each expert's, shared by its members (up and gate)
+                p["weights_scaling_factor_2"] = choose_qparams(
+                    torch.stack([observe_amax(v, "expert") for v in ws]).amax(0), "fp8")
+            elif algo.weight_scale_2:
                 p["weights_scaling_factor_2"] = choose_qparams(shared_amax, "fp8")
             out[m] = p
     return out
@@ -135,6 +156,13 @@ def kv_scales(kv: str, stats: LayerStats) -> dict[str, torch.Tensor]:
             "attention.kv_cache_scaling_factor": torch.maximum(k, v)}
 
 
+# stacked experts: the tensor every expert of a layer shares ([in], no expert axis: AWQ's pre-quant scale), and the
+# tensors moe_tp splits like the weight (int4 group scales [E, out, in/g] with the rows or the groups, the pre-quant
+# scale with the input; per-expert FP8 scales [E, 1] have no axis to split: tensor_axes leaves them whole)
+SHARED_BY_EXPERTS = ("prequant_scaling_factor",)
+SPLIT_WITH_EXPERT_WEIGHT = ("weight", "weights_scaling_factor", "prequant_scaling_factor")
+
+
 def shard_params(name: str, p: dict[str, torch.Tensor], rank: int, layout: Layout,
                  intermediate_size: int = 0) -> dict[str, torch.Tensor]:
     """One rank's float weight and scales, split by the checkpoint's own plan (``checkpoint.shard``):
@@ -145,11 +173,13 @@ def shard_params(name: str, p: dict[str, torch.Tensor], rank: int, layout: Layou
     if p["weight"].dim() != 3:
         return {k: split_linear_tensor(t, k, style, rank, layout, what=f"{name}.{k}") for k, t in p.items()}
     out = {}
+    sections = (intermediate_size, intermediate_size) if style == "column" else ()
+    num_local = layout.num_experts // layout.moe_ep
     for k, t in p.items():
-        t = split_experts(t, rank, layout, what=f"{name}.{k}")
-        if k == "weight":
-            sections = (intermediate_size, intermediate_size) if style == "column" else ()
-            t = split_linear_tensor(t, k, style, rank, layout, sections=sections, experts=t.shape[0], what=f"{name}.{k}")
+        if k not in SHARED_BY_EXPERTS:
+            t = split_experts(t, rank, layout, what=f"{name}.{k}")
+        if k in SPLIT_WITH_EXPERT_WEIGHT:
+            t = split_linear_tensor(t, k, style, rank, layout, sections=sections, experts=num_local, what=f"{name}.{k}")
         out[k] = t
     return out
 

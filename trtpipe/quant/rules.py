@@ -4,8 +4,10 @@ Policy (docs/reference/trtllm-checkpoint.md#quantized-tensors): an int4 linear m
 per rank and whole groups in every rank's input slice (no partial groups: ModelOpt and the TRT-LLM AWQ layers reject
 them). Every linear that breaks this is listed with the fix: a smaller ``group_size`` that works, or an ``exclude``
 pattern that keeps it unquantized. ``lm_head`` stays unquantized (the quantized layouts here do not cover it), so
-``*lm_head`` must stay in ``exclude``. Mixture-of-experts models: fp8 (per-expert weight scales) and KV-cache
-quantization only.
+``*lm_head`` must stay in ``exclude``. Mixture-of-experts models: fp8 (per-expert weight scales), KV-cache
+quantization, and w4a8_awq for ``target: llmapi`` (experts calibrated on the tokens routed to them, written as
+ModelOpt's W4A8_AWQ linears, the one int4 layout TensorRT-LLM's fused MoE loads: trtpipe.export.rules); the engine
+path's checkpoint writer has no layout for int4 experts.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Iterable, Optional
 
 from trtpipe.checkpoint.quant_layouts import ALGOS, STYLE
 from trtpipe.models.hfconfig import HFModelInfo
+from trtpipe.models.trtllm_config import resolve_moe_sizes
 from trtpipe.quant.hostmem import whole_model_misfit
 from trtpipe.recipe.rules import Finding, Rule
 from trtpipe.recipe.schema import Recipe
@@ -28,9 +31,9 @@ def linear_dims(m: HFModelInfo) -> dict[str, tuple[int, int]]:
     return {
         "attention.qkv": (q + 2 * kv, m.hidden_size),
         "attention.dense": (m.hidden_size, q),
-        "mlp.fc": (m.intermediate_size, m.hidden_size),
-        "mlp.gate": (m.intermediate_size, m.hidden_size),
-        "mlp.proj": (m.hidden_size, m.intermediate_size),
+        "mlp.fc": (m.expert_intermediate_size, m.hidden_size),  # one expert's, for MoE models
+        "mlp.gate": (m.expert_intermediate_size, m.hidden_size),
+        "mlp.proj": (m.hidden_size, m.expert_intermediate_size),
     }
 
 
@@ -38,17 +41,26 @@ def per_rank(name: str, out_f: int, in_f: int, tp: int) -> tuple[int, int]:
     return (out_f // tp, in_f) if STYLE[name] == "column" else (out_f, in_f // tp)
 
 
-def int4_problems(m: HFModelInfo, tp: int, group_size: int) -> dict[str, str]:
-    """linear -> why it cannot be int4 at this tp and group size (empty: all fine)."""
+def int4_problems(m: HFModelInfo, tp: int, group_size: int, moe_tp: Optional[int] = None) -> dict[str, str]:
+    """linear -> why it cannot be int4 at this tp and group size (empty: all fine); a MoE model's experts are split
+    by ``moe_tp`` (default: tp)."""
     bad = {}
     for name, (o, i) in linear_dims(m).items():
-        o_r, i_r = per_rank(name, o, i, tp)
+        split = moe_tp if m.is_moe and name.startswith("mlp.") and moe_tp else tp
+        o_r, i_r = per_rank(name, o, i, split)
         if i_r % group_size:
-            bad[name] = f"in_features {i_r}{' per rank' if tp > 1 and STYLE[name] == 'row' else ''} " \
+            bad[name] = f"in_features {i_r}{' per rank' if split > 1 and STYLE[name] == 'row' else ''} " \
                         f"is not a multiple of group_size {group_size}"
         elif o_r % 2:
             bad[name] = f"{o_r} output rows per rank is odd (int4 packs row pairs)"
     return bad
+
+
+# algos whose group-wise experts trtpipe writes (only the llmapi export), and why the engine path has none
+MOE_GROUP_ALGOS = ("w4a8_awq",)
+MOE_ENGINE_INT4 = ("the engine path's checkpoint writer has no layout for int4 experts: TensorRT-LLM 1.2's MoE plugin "
+                   "takes them preprocessed [E, in, out/4] with [E, in/g, out] scales and one [1, in] pre-quant "
+                   "scale, NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py MOEWeightWrapper")
 
 
 def _excluded(name: str, patterns: list[str]) -> bool:
@@ -65,16 +77,22 @@ def _quant_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]
         yield "quantization.exclude", "lm_head is kept unquantized: keep '*lm_head' in the list"
     if m is None or algo is None:
         return
-    if m.is_moe and algo.granularity != "tensor":
-        yield "quantization.algo", f"{q.algo} is not supported for mixture-of-experts models yet; use fp8 or none"
+    if m.is_moe and algo.granularity != "tensor" and recipe.target != "llmapi":  # llmapi: the export's own rule
+        why = (f"{q.algo} for mixture-of-experts models is written only for target: llmapi ({MOE_ENGINE_INT4}); "
+               "set target: llmapi or use fp8" if q.algo in MOE_GROUP_ALGOS else
+               f"{q.algo} is not supported for mixture-of-experts models; use fp8 or none, or w4a8_awq with "
+               "target: llmapi")
+        yield "quantization.algo", why
         return
     if algo.weight_fmt != "int4":
         return
     tp = recipe.parallel.tp
-    bad = {n: why for n, why in int4_problems(m, tp, q.group_size).items() if not _excluded(n, q.exclude)}
+    moe_tp = resolve_moe_sizes(tp, recipe.parallel.moe_ep, recipe.parallel.moe_tp)[1]
+    bad = {n: why for n, why in int4_problems(m, tp, q.group_size, moe_tp).items() if not _excluded(n, q.exclude)}
     if not bad:
         return
-    remaining = {g: sorted(n for n in int4_problems(m, tp, g) if not _excluded(n, q.exclude)) for g in GROUP_SIZES}
+    remaining = {g: sorted(n for n in int4_problems(m, tp, g, moe_tp) if not _excluded(n, q.exclude))
+                 for g in GROUP_SIZES}
     best = min(GROUP_SIZES, key=lambda g: (len(remaining[g]), -g))
     parts = [f"group_size {best}"] if best != q.group_size else []
     if remaining[best]:
