@@ -23,6 +23,7 @@ import torch
 
 from trtpipe.checkpoint.quant_primitives import pack_int4_rows
 from trtpipe.errors import CheckpointError
+from trtpipe.quant.imported.canonical import check_stored
 from trtpipe.quant.imported.formats import CONVERTED, REFUSED, Action, ImportedFormat
 from trtpipe.quant.imported.gptq import unpack_along_cols
 
@@ -67,22 +68,12 @@ def canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, wher
     """One AutoAWQ GEMM projection -> W4A16_AWQ tensors with ``zero_point``, exactly (or a refusal naming the
     tensor)."""
     what = f"{where}: tensor '{module}"
-    extra = set(t) - KNOWN
-    if extra:
-        raise CheckpointError(f"{what}.{sorted(extra)[0]}' is not part of AutoAWQ GEMM")
-    for k in ("qweight", "qzeros", "scales"):
-        if k not in t:
-            raise CheckpointError(f"{what}.{k}' is missing (AutoAWQ GEMM)")
     g = fmt.group_size
     if out_f % 8 or in_f % g:
         raise CheckpointError(f"{what}.qweight': [{out_f}, {in_f}] does not pack into 8-code words with group {g}")
     want = {"qweight": ((in_f, out_f // 8), torch.int32), "qzeros": ((in_f // g, out_f // 8), torch.int32),
             "scales": ((in_f // g, out_f), None)}
-    for k, (shape, dtype) in want.items():
-        if tuple(t[k].shape) != shape or dtype is not None and t[k].dtype != dtype:
-            raise CheckpointError(f"{what}.{k}' is {t[k].dtype} {list(t[k].shape)}, AutoAWQ GEMM group {g} of a "
-                                  f"[{out_f}, {in_f}] projection stores {list(shape)}"
-                                  + (f" {dtype}" if dtype is not None else ""))
+    check_stored(t, KNOWN, ("qweight", "qzeros", "scales"), want, f"AutoAWQ GEMM group {g}", what, out_f, in_f)
     if t["qweight"].device.type == "meta":
         return {"weight": torch.empty(out_f // 2, in_f, dtype=torch.uint8, device="meta"),
                 "weight_scale": torch.empty(out_f, in_f // g, device="meta"),

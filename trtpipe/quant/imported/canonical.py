@@ -63,6 +63,23 @@ SCALES = ("weight_scale", "input_scale", "weight_scale_2", "pre_quant_scale", "z
 KV_SCALES = ("k_scale", "v_scale")
 
 
+def check_stored(t: dict[str, torch.Tensor], known: set, required: tuple, want: dict, label: str, what: str,
+                 out_f: int, in_f: int) -> None:
+    """A packed source projection's tensors (GPTQ, AutoAWQ): nothing unknown, nothing required missing, and each
+    tensor of ``want`` (suffix -> (shape, dtype or None)) present with that shape and dtype; ``what`` is
+    ``"<where>: tensor '<module>"``."""
+    extra = set(t) - known
+    if extra:
+        raise CheckpointError(f"{what}.{sorted(extra)[0]}' is not part of {label}")
+    for k in required:
+        if k not in t:
+            raise CheckpointError(f"{what}.{k}' is missing ({label})")
+    for k, (shape, dtype) in want.items():
+        if k in t and (tuple(t[k].shape) != shape or dtype is not None and t[k].dtype != dtype):
+            raise CheckpointError(f"{what}.{k}' is {t[k].dtype} {list(t[k].shape)}, {label} of a [{out_f}, {in_f}] "
+                                  f"projection stores {list(shape)}" + (f" {dtype}" if dtype is not None else ""))
+
+
 def stored_weight_shape(layout: Layout, out_f: int, in_f: int) -> tuple[int, int]:
     return {"full": (out_f, in_f), "rows/2": (out_f // 2, in_f), "cols/2": (out_f, in_f // 2)}[layout.weight_shape]
 

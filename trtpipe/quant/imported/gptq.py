@@ -26,6 +26,7 @@ import torch
 from trtpipe.checkpoint.quant_primitives import pack_int4_rows
 from trtpipe.errors import CheckpointError
 from trtpipe.export.compressed import unpack_int32_to_int4
+from trtpipe.quant.imported.canonical import check_stored
 from trtpipe.quant.imported.formats import CONVERTED, REFUSED, RELAID, Action, ImportedFormat
 
 KNOWN = {"qweight", "qzeros", "scales", "g_idx", "bias"}
@@ -77,22 +78,12 @@ def canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, wher
               in_f: int) -> dict[str, torch.Tensor]:
     """One GPTQ projection -> ModelOpt W4A16_AWQ tensors, exactly (or a refusal naming the tensor)."""
     what = f"{where}: tensor '{module}"
-    extra = set(t) - KNOWN
-    if extra:
-        raise CheckpointError(f"{what}.{sorted(extra)[0]}' is not part of GPTQ")
-    for k in ("qweight", "qzeros", "scales"):
-        if k not in t:
-            raise CheckpointError(f"{what}.{k}' is missing (GPTQ)")
     g = fmt.group_size
     if in_f % 8 or out_f % 8 or in_f % g:
         raise CheckpointError(f"{what}.qweight': [{out_f}, {in_f}] does not pack into 8-code words with group {g}")
     want = {"qweight": ((in_f // 8, out_f), torch.int32), "qzeros": ((in_f // g, out_f // 8), torch.int32),
             "scales": ((in_f // g, out_f), None), "g_idx": ((in_f,), None)}
-    for k, (shape, dtype) in want.items():
-        if k in t and (tuple(t[k].shape) != shape or dtype is not None and t[k].dtype != dtype):
-            raise CheckpointError(f"{what}.{k}' is {t[k].dtype} {list(t[k].shape)}, GPTQ {fmt.bits}-bit group {g} of a "
-                                  f"[{out_f}, {in_f}] projection stores {list(shape)}"
-                                  + (f" {dtype}" if dtype is not None else ""))
+    check_stored(t, KNOWN, ("qweight", "qzeros", "scales"), want, f"GPTQ {fmt.bits}-bit group {g}", what, out_f, in_f)
     meta = t["qweight"].device.type == "meta"
     if meta:
         out = {"weight": torch.empty(out_f // 2, in_f, dtype=torch.uint8, device="meta"),
