@@ -27,8 +27,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_convert import HEAD, HEADS, HIDDEN, INTER, KV_HEADS, SHARD_BYTES, VOCAB, plain_copy  # noqa: E402
+from bench_convert import SHARD_BYTES, llama_70b, plain_copy  # noqa: E402
 
+_CFG = llama_70b(1)[0]  # the Llama-3-70B shapes of scripts/bench_convert.py
+HIDDEN, INTER, HEADS, KV_HEADS, VOCAB = (_CFG[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                           "num_key_value_heads", "vocab_size"))
+HEAD = HIDDEN // HEADS
 GROUP = 128
 PROJ = {"self_attn.q_proj": (HEADS * HEAD, HIDDEN), "self_attn.k_proj": (KV_HEADS * HEAD, HIDDEN),
         "self_attn.v_proj": (KV_HEADS * HEAD, HIDDEN), "self_attn.o_proj": (HIDDEN, HEADS * HEAD),

@@ -63,6 +63,6 @@ def test_producer_checkpoint(name, tmp_path):
             # both in float64 on the same dequantized weights: what is left is below float32's unit roundoff of
             # the largest logit (measured ~1e-7 relative); a wrong layout or scale is off by 1e-2 or more
             assert err <= 2.0 ** -24 * float(theirs.abs().max()) * 64, (fixture.name, err)
-    if fmt.engine.ok:
-        conv = load_checkpoint(convert_source(fixture, tmp_path / "ckpt"))
+    if fmt.engine.ok and not fmt.params.get("zero_point"):  # zero-point INT4: test_zero_point_import.py (its zero
+        conv = load_checkpoint(convert_source(fixture, tmp_path / "ckpt"))  # is rounded to the model dtype once)
         check_weights(by_hf_name(linear_weights(conv), fixture, layers), oracle, "engine", fmt.quant_algo, True)

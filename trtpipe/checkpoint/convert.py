@@ -22,7 +22,7 @@ import torch
 from trtpipe.checkpoint.experts import ExpertParts, streams
 from trtpipe.checkpoint.hf import FLOATS, HFReader, open_hf
 from trtpipe.checkpoint.shard import Layout, pp_layers, split_experts, split_linear_tensor, split_vocab
-from trtpipe.checkpoint.writer import RankFile, atomic_dir, write_json, write_parts, write_same
+from trtpipe.checkpoint.writer import RankFile, atomic_dir, return_large_buffers, write_json, write_parts, write_same
 from trtpipe.errors import CheckpointError
 from trtpipe.models import Family, Rule, get_family
 from trtpipe.models.family import dims
@@ -372,6 +372,7 @@ def convert(model_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1
         CheckpointError: naming the tensor or key; nothing is left at ``out_dir``.
     """
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    return_large_buffers()  # peak memory flat in the number of layers (see its docstring)
     with atomic_dir(out_dir, overwrite) as tmp, open_hf(model_dir, allow_pickle, check_finite=transform is not None) as reader:
         first = plan_first_source(model_dir, reader)
         plan = make_plan(model_dir, tp, pp, dtype, moe_tp, moe_ep, use_parallel_embedding, embedding_sharding_dim,

@@ -121,7 +121,7 @@ AXES: dict[str, tuple[Optional[int], Optional[int]]] = {
     "weights_scaling_factor": (-2, -1),  # group scales [out, in/g]; [out] and [1] handled by shape below
     "prequant_scaling_factor": (None, -1),
     "smoother": (None, -1),
-    "zero": (-2, -1),
+    "zero": (-1, -2),  # groupwise zeros are [in/g, out], the layer's own layout (trtllm-build does not transpose them)
 }
 
 

@@ -10,7 +10,8 @@ not speed. The runtime reads every quantized layout TensorRT-LLM's does, so the 
 Each quantized loader dequantizes the stored weight once and fake-quantizes activations the way the TensorRT-LLM
 kernel sees them: FP8 / INT8 static per-tensor input scales, the SmoothQuant / AWQ pre-quant scale multiplied
 into the input first (``x * pqs``), W4A8's group scale divided by ``weights_scaling_factor_2`` in fp16 as the
-builder does. KV-cache handlers round-trip keys and values through FP8 / INT8 with the layer's scale.
+builder does, a groupwise ``zero`` ``[in/g, out]`` added per group where ``has_zero_point`` (``W = q * s + zero``).
+KV-cache handlers round-trip keys and values through FP8 / INT8 with the layer's scale.
 
 A loader receives the tensors of one linear on one rank, keyed by suffix (``weight``, ``bias``,
 ``weights_scaling_factor``, ...) and a :class:`LinearSpec`; it returns a module mapping
@@ -177,7 +178,10 @@ def dequantize_weight(tensors: dict, spec: LinearSpec) -> torch.Tensor:
         if "weights_scaling_factor_2" in tensors:  # builder: wsf /= wsf2 in fp16, alpha = act_sf * wsf2
             wsf2 = tensors["weights_scaling_factor_2"].float()
             wsf = (wsf / wsf2).half().float() * wsf2
-        return dequantize(q, wsf, "int4", g)
+        w = dequantize(q, wsf, "int4", g)
+        if (spec.quantization or {}).get("has_zero_point"):  # groupwise zero [in/g, out]: W = q * s + zero
+            w = w + _need(tensors, "zero", spec).float().t().repeat_interleave(g, dim=1)
+        return w
     want = FORMATS[algo.weight_fmt].dtype
     if q.dtype == torch.int8 and want == torch.float8_e4m3fn:
         q = q.view(want)  # TRT-LLM also accepts FP8 weights stored as int8 bit patterns

@@ -15,8 +15,14 @@ NVFP4                       U8 [out, in/2]  F8_E4M3 [out, in/16]    [] or [1]   
 ==========================  ==============  ======================  ============  ===============  ===============
 
 AWQ's pre-quant scale of q/k/v and gate/up is folded into the norm in front of them, so only o_proj / down_proj
-carry it (TensorRT-LLM's PyTorch loader reads it there). A checkpoint that contradicts this table is refused with
-the tensor named (:func:`check_projection`), before anything is written.
+carry it (TensorRT-LLM's PyTorch loader reads it there).
+
+Zero-point INT4 (AutoAWQ GEMM, asymmetric GPTQ and compressed-tensors) has no ModelOpt form; it is W4A16_AWQ's
+tensors plus ``P.zero_point``, I8 ``[out, in/g]`` (the signed zero of each group, -8..7, in the same signed code
+space as the weight's nibbles): ``W = (q - zero_point) * weight_scale``. Only the engine target takes it.
+
+A checkpoint that contradicts this table is refused with the tensor named (:func:`check_projection`), before
+anything is written.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class Layout:
     weight_scale_2: bool = False
     pre_quant_scale: str = "none"  # "none", "optional", "required"
     block: Optional[int] = None  # a fixed group size (NVFP4: 16)
+    zero_point: bool = False  # may carry a per-group zero_point (zero-point INT4)
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -47,13 +54,30 @@ LAYOUTS: dict[str, Layout] = {
     "FP8_PER_CHANNEL_PER_TOKEN": Layout(torch.float8_e4m3fn, "full", "channel"),
     "W8A16": Layout(torch.int8, "full", "channel"),
     "W8A8_SQ_PER_CHANNEL": Layout(torch.int8, "full", "channel", input_scale=True, pre_quant_scale="required"),
-    "W4A16_AWQ": Layout(torch.uint8, "rows/2", "group", pre_quant_scale="optional"),
+    "W4A16_AWQ": Layout(torch.uint8, "rows/2", "group", pre_quant_scale="optional", zero_point=True),
     "W4A8_AWQ": Layout(torch.uint8, "rows/2", "group", input_scale=True, weight_scale_2=True,
                        pre_quant_scale="optional"),
     "NVFP4": Layout(torch.uint8, "cols/2", "group", input_scale=True, weight_scale_2=True, block=16),
 }
-SCALES = ("weight_scale", "input_scale", "weight_scale_2", "pre_quant_scale")
+SCALES = ("weight_scale", "input_scale", "weight_scale_2", "pre_quant_scale", "zero_point")
 KV_SCALES = ("k_scale", "v_scale")
+
+
+def check_stored(t: dict[str, torch.Tensor], known: set, required: tuple, want: dict, label: str, what: str,
+                 out_f: int, in_f: int) -> None:
+    """A packed source projection's tensors (GPTQ, AutoAWQ): nothing unknown, nothing required missing, and each
+    tensor of ``want`` (suffix -> (shape, dtype or None)) present with that shape and dtype; ``what`` is
+    ``"<where>: tensor '<module>"``."""
+    extra = set(t) - known
+    if extra:
+        raise CheckpointError(f"{what}.{sorted(extra)[0]}' is not part of {label}")
+    for k in required:
+        if k not in t:
+            raise CheckpointError(f"{what}.{k}' is missing ({label})")
+    for k, (shape, dtype) in want.items():
+        if k in t and (tuple(t[k].shape) != shape or dtype is not None and t[k].dtype != dtype):
+            raise CheckpointError(f"{what}.{k}' is {t[k].dtype} {list(t[k].shape)}, {label} of a [{out_f}, {in_f}] "
+                                  f"projection stores {list(shape)}" + (f" {dtype}" if dtype is not None else ""))
 
 
 def stored_weight_shape(layout: Layout, out_f: int, in_f: int) -> tuple[int, int]:
@@ -116,6 +140,10 @@ def check_projection(algo: str, module: str, tensors: dict[str, torch.Tensor], o
     if pqs is not None and (lay.pre_quant_scale == "none" or tuple(pqs.shape) != (in_f,)):
         raise CheckpointError(f"{what}.pre_quant_scale' has shape {list(pqs.shape)}, {algo} has "
                               + (f"[{in_f}]" if lay.pre_quant_scale != "none" else "none"))
+    zp = tensors.get("zero_point")
+    if zp is not None and (not lay.zero_point or zp.dtype != torch.int8 or tuple(zp.shape) != shape):
+        raise CheckpointError(f"{what}.zero_point' is {zp.dtype} {list(zp.shape)}, {algo} "
+                              + (f"zero points are int8 {list(shape)}" if lay.zero_point else "has none"))
     extra = set(tensors) - {"weight", "bias", *SCALES, *KV_SCALES}
     if extra:
         raise CheckpointError(f"{what}.{sorted(extra)[0]}' is not part of {algo}")

@@ -12,10 +12,12 @@ float8 tensor; float8 tensor static    FP8                         weight as is;
 float8 channel; float8 token dynamic   FP8_PER_CHANNEL_PER_TOKEN   weight as is; ``weight_scale [out, 1]`` -> ``[out]``
 int4 group g symmetric; none           W4A16_AWQ (unit pre-quant)  ``weight_packed`` (8 signed codes per int32 along
                                                                    the input) -> two output rows per byte
+int4 group g asymmetric; none          W4A16_AWQ + zero_point      as above; ``weight_zero_point`` (signed, 8 per
+                                       (engine target only)        int32 along the outputs) -> int8 ``[out, in/g]``
 =====================================  ==========================  ============================================
 
 KV cache (``kv_cache_scheme`` float 8 tensor): ``self_attn.k_scale`` / ``v_scale`` -> ModelOpt's
-``self_attn.k_proj.k_scale`` / ``v_proj.v_scale``. Everything else (block FP8, INT8 W8A8, asymmetric INT4,
+``self_attn.k_proj.k_scale`` / ``v_proj.v_scale``. Everything else (block FP8, INT8 W8A8,
 several config groups) is recognised and refused with the reason.
 """
 
@@ -30,6 +32,7 @@ from trtpipe.checkpoint.quant_primitives import pack_int4_rows
 from trtpipe.errors import CheckpointError
 from trtpipe.export.compressed import unpack_int32_to_int4
 from trtpipe.quant.imported.formats import CONVERTED, REFUSED, RELAID, Action, ImportedFormat
+from trtpipe.quant.imported.others import NO_ENGINE_LAYER
 
 KNOWN_SUFFIXES = {"weight", "weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "input_scale", "bias"}
 
@@ -52,19 +55,22 @@ def _scheme(w: dict, a: Optional[dict]) -> tuple[str, Optional[str], Optional[in
         g = w.get("group_size")
         if not isinstance(g, int) or g < 1:
             raise ValueError(f"group_size {g!r}")
-        return ("W4A16" if sym else "W4A16 asymmetric"), ("W4A16_AWQ" if sym else None), g
+        return ("W4A16" if sym else "W4A16 asymmetric"), "W4A16_AWQ", g
     return f"int{bits} {strat}" if typ == "int" else f"{typ}{bits} {strat}", None, None
 
 
 REFUSALS = {
-    "FP8 block": ("block-scaled FP8 has no TensorRT-engine layer in TensorRT-LLM 1.2",
+    "FP8 block": (NO_ENGINE_LAYER.format(what="block-scaled FP8"),
                   "trtpipe does not re-lay out compressed-tensors FP8 block checkpoints yet"),
-    "W8A8 INT8": ("trtpipe does not convert INT8 W8A8 (per-token dynamic) checkpoints: the engine's plugin "
-                  "SmoothQuant semantics for them are unconfirmed; use an FP8 checkpoint",
+    "W8A8 INT8": ("trtpipe does not write TensorRT-LLM's plugin SmoothQuant layout yet "
+                  "(W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN, the layout per-channel INT8 weights with per-token "
+                  "activations map to); use an FP8 checkpoint",
                   "TensorRT-LLM 1.2's PyTorch backend has no INT8 W8A8 method (its compressed-tensors parser "
                   "misroutes it to FP8); use an FP8 checkpoint"),
-    "W4A16 asymmetric": ("trtpipe does not convert zero-point INT4 yet (W4A16_GPTQ, preprocessed per GPU)",
-                         "TensorRT-LLM 1.2's W4A16_AWQ kernel has no zero point; use a symmetric W4A16 checkpoint"),
+}
+# scheme -> the llmapi refusal of a scheme the engine target converts but the PyTorch backend cannot load
+LLMAPI_ONLY_REFUSALS = {
+    "W4A16 asymmetric": "TensorRT-LLM 1.2's W4A16_AWQ kernel has no zero point; use a symmetric W4A16 checkpoint",
 }
 
 
@@ -96,8 +102,10 @@ def parse(model_dir: Path, qc: dict) -> ImportedFormat:
                                   "(FP8 per-tensor only)")
         kv = "FP8"
     fmt = qc.get("format")
+    zero_point = name in LLMAPI_ONLY_REFUSALS
     if algo is not None:
-        engine, llmapi = Action(CONVERTED, f"via ModelOpt {algo}"), Action(RELAID, f"ModelOpt {algo}")
+        engine = Action(CONVERTED, f"via ModelOpt {algo}" + (" with zero points" if zero_point else ""))
+        llmapi = Action(REFUSED, LLMAPI_ONLY_REFUSALS[name]) if zero_point else Action(RELAID, f"ModelOpt {algo}")
     else:
         key = next((k for k in REFUSALS if name.startswith(k)), None)
         e, l = REFUSALS.get(key, (f"compressed-tensors scheme '{name}' is not imported",) * 2)
@@ -105,7 +113,20 @@ def parse(model_dir: Path, qc: dict) -> ImportedFormat:
     bits = int(next(iter(groups.values()))["weights"].get("num_bits") or 0) or None
     gran = "group" if group else ("per-tensor" if algo == "FP8" else "per-channel")
     return ImportedFormat("compressed-tensors", f"{name} ({fmt})", algo, bits, group, gran,
-                          tuple(qc.get("ignore") or ()), kv, engine, llmapi, where, {"format": fmt})
+                          tuple(qc.get("ignore") or ()), kv, engine, llmapi, where,
+                          {"format": fmt, "zero_point": zero_point})
+
+
+def _zero_point(zp: torch.Tensor, out_f: int, scale_shape: tuple, what: str) -> torch.Tensor:
+    """``weight_zero_point`` int32 ``[ceil(out/8), in/g]`` (signed 4-bit zeros packed along the outputs, dim 0) ->
+    int8 ``[out, in/g]`` (compressed-tensors 0.20 ``pack_quantized/base.py``, ``packed_dim=0``)."""
+    want = (-(-out_f // 8), scale_shape[1])
+    if zp.dtype != torch.int32 or tuple(zp.shape) != want:
+        raise CheckpointError(f"{what}.weight_zero_point' is {zp.dtype} {list(zp.shape)}, a weight_scale of "
+                              f"{list(scale_shape)} packs its zero points into int32 {list(want)}")
+    if zp.device.type == "meta":
+        return torch.empty(scale_shape, dtype=torch.int8, device="meta")
+    return unpack_int32_to_int4(zp.t().contiguous(), out_f).t().contiguous()
 
 
 def canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, where: str, out_f: int,
@@ -120,8 +141,11 @@ def canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, wher
         if "weight_packed" not in t or "weight_shape" not in t or "weight_scale" not in t:
             missing = next(k for k in ("weight_packed", "weight_shape", "weight_scale") if k not in t)
             raise CheckpointError(f"{where}: tensor '{module}.{missing}' is missing (pack-quantized W4A16)")
-        if "weight_zero_point" in t:
+        zp = t.get("weight_zero_point")
+        if zp is not None and not fmt.params.get("zero_point"):
             raise CheckpointError(f"{where}: tensor '{module}.weight_zero_point' in a symmetric scheme")
+        if zp is None and fmt.params.get("zero_point"):
+            raise CheckpointError(f"{where}: tensor '{module}.weight_zero_point' is missing (asymmetric scheme)")
         shape = t["weight_shape"]
         if shape.device.type != "meta" and [int(x) for x in shape.reshape(-1).tolist()] != [out_f, in_f]:
             raise CheckpointError(f"{where}: tensor '{module}.weight_shape' is {shape.tolist()}, config.json implies "
@@ -134,6 +158,8 @@ def canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, wher
         else:
             out["weight"] = pack_int4_rows(unpack_int32_to_int4(t["weight_packed"], in_f)).view(torch.uint8)
         out["weight_scale"] = t["weight_scale"].float()
+        if zp is not None:
+            out["zero_point"] = _zero_point(zp, out_f, tuple(t["weight_scale"].shape), f"{where}: tensor '{module}")
         return out
     if "weight" not in t or "weight_scale" not in t:
         raise CheckpointError(f"{where}: tensor '{module}.{'weight' if 'weight' not in t else 'weight_scale'}' "

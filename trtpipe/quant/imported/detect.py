@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from trtpipe.errors import CheckpointError
-from trtpipe.quant.imported import compressed, gptq, modelopt, others
+from trtpipe.quant.imported import awq, compressed, gptq, modelopt, others
 from trtpipe.quant.imported.formats import ImportedFormat
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -20,7 +20,7 @@ HF_QUANT_CONFIG = "hf_quant_config.json"
 # config.json quantization_config.quant_method -> parser(model_dir, quantization_config, where)
 PARSERS: dict[str, Callable[[Path, dict, str], ImportedFormat]] = {
     "compressed-tensors": lambda d, qc, where: compressed.parse(d, qc),
-    "awq": others.parse_awq,
+    "awq": awq.parse,
     "gptq": gptq.parse,
     "fbgemm_fp8": others.parse_fbgemm,
     "fp8": others.parse_fp8,

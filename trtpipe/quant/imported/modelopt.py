@@ -33,7 +33,8 @@ ALGOS: dict[Optional[str], tuple[Optional[int], str, Action, Action]] = {
         REFUSED, "the PyTorch backend has no W8A8_SQ_PER_CHANNEL linear method ('unsupported quant mode'); "
                  "use target: engine")),
     "NVFP4": (4, "group", Action(
-        REFUSED, "trtpipe does not write NVFP4 TensorRT-LLM checkpoints yet; use target: llmapi (passed through)"),
+        REFUSED, "TensorRT-LLM 1.2's engine path has NVFP4 (FP4Linear, Blackwell only) but trtpipe does not write "
+                 "NVFP4 TensorRT-LLM checkpoints yet; use target: llmapi (passed through)"),
         LLMAPI_OK),
 }
 KV_ALGOS = (None, "FP8")

@@ -1,49 +1,56 @@
-"""Formats recognised but not (yet) converted by trtpipe: AutoAWQ, fbgemm FP8, FP8 block-scaled, MXFP4.
+"""fbgemm FP8 (converted for the engine target), FP8 block-scaled and MXFP4 (refused there, passed through for llmapi).
 
-Each is described in one line and, per target, refused with the reason and the alternative, so a recipe fails at
-``trtpipe validate`` instead of converting wrong numbers. The reasons are TensorRT-LLM 1.2 facts where one decides
-(the PyTorch backend's W4A16 AWQ kernel has no zero point; block-scaled FP8 and MXFP4 have no engine layer) and
-trtpipe's own limits otherwise (said so).
+fbgemm FP8 (Meta's Llama-3.1-405B-Instruct-FP8; ``transformers==4.57.1:transformers/integrations/fbgemm_fp8.py``,
+``FbgemmFp8Linear``): ``weight`` F8_E4M3 ``[out, in]``, ``weight_scale`` F32 ``[out, 1]``, ``W = q * weight_scale``
+row-wise; activations quantized per token at run time with the upper bound ``activation_scale_ub``. That is
+FP8_PER_CHANNEL_PER_TOKEN exactly (:func:`fbgemm_canonical`: codes as is, scale ``[out, 1] -> [out]``), which is
+what TensorRT-LLM's ``convert_checkpoint.py`` makes of it (``update_quant_config_from_hf``: ``quant_algo =
+FP8_PER_CHANNEL_PER_TOKEN``, ``clamp_val = [-ub, ub]``; ``postprocess_fp8_rowwise`` concatenates codes and scales,
+no requantization: NVIDIA/TensorRT-LLM@2a9abd95:tensorrt_llm/quantization/functional.py).
+
+Block-scaled FP8 and MXFP4: TensorRT-LLM 1.2's engine path quantizes a model with ``quantize()``
+(NVIDIA/TensorRT-LLM@89fd9b74:tensorrt_llm/quantization/quantize.py), which dispatches FP8 per tensor, FP8 rowwise,
+QServe W4A8, NVFP4, SmoothQuant and weight-only layers: there is no block-scaled FP8 or MXFP4 layer to load them.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from trtpipe.errors import CheckpointError
-from trtpipe.quant.imported.formats import PASSED, REFUSED, Action, ImportedFormat
+from trtpipe.quant.imported.formats import CONVERTED, PASSED, REFUSED, Action, ImportedFormat
 
 NOT_YET = "trtpipe does not convert {name} checkpoints yet"
 
 
-def _int(qc: dict, key: str, where: str, default=None) -> int:
-    v = qc.get(key, default)
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise CheckpointError(f"{where}: quantization_config.{key} is {v!r}, an integer is needed")
-    return v
-
-
-def parse_awq(model_dir: Path, qc: dict, where: str) -> ImportedFormat:
-    bits, group = _int(qc, "bits", where, 4), _int(qc, "group_size", where, 128)
-    version = str(qc.get("version", "gemm")).lower()
-    zero = bool(qc.get("zero_point", True))
-    exclude = tuple(qc.get("modules_to_not_convert") or ())
-    llmapi = Action(REFUSED, "TensorRT-LLM 1.2's PyTorch backend loads no AutoAWQ checkpoint (its W4A16_AWQ kernel has "
-                             "no zero point); use target: engine once supported, or a ModelOpt W4A16_AWQ checkpoint")
-    if version != "gemm":
-        engine = Action(REFUSED, f"AutoAWQ version '{version}' is not unpacked by TensorRT-LLM (GEMM only)")
-    else:
-        engine = Action(REFUSED, NOT_YET.format(name="AutoAWQ GEMM") + " (W4A16_GPTQ with zero points, preprocessed "
-                                 "per GPU); run TensorRT-LLM's convert_checkpoint.py on the target GPU")
-    return ImportedFormat("awq", f"AutoAWQ {version}" + (" asymmetric" if zero else ""), None, bits, group, "group",
-                          exclude, None, engine, llmapi, where)
+FBGEMM_UB = 1200.0  # transformers' FbgemmFp8Config default activation_scale_ub, as upstream's converter reads it
+NO_ENGINE_LAYER = ("TensorRT-LLM 1.2's engine quantize() has no {what} layer (FP8 per tensor, FP8 rowwise, NVFP4, "
+                   "SmoothQuant and weight-only only)")
 
 
 def parse_fbgemm(model_dir: Path, qc: dict, where: str) -> ImportedFormat:
-    why = NOT_YET.format(name="fbgemm FP8") + "; TensorRT-LLM's convert_checkpoint.py reads it as FP8_PER_CHANNEL_PER_TOKEN"
+    ub = qc.get("activation_scale_ub", FBGEMM_UB)
+    if isinstance(ub, bool) or not isinstance(ub, (int, float)) or ub <= 0:
+        raise CheckpointError(f"{where}: quantization_config.activation_scale_ub is {ub!r}, a positive number is needed")
+    llmapi = Action(REFUSED, "trtpipe does not re-lay out fbgemm FP8 checkpoints for llmapi yet; use target: engine")
     return ImportedFormat("fbgemm_fp8", "FP8 rowwise", "FP8_PER_CHANNEL_PER_TOKEN", 8, None, "per-channel",
-                          tuple(qc.get("modules_to_not_convert") or ()), None, Action(REFUSED, why),
-                          Action(REFUSED, why), where)
+                          tuple(qc.get("modules_to_not_convert") or ()), None,
+                          Action(CONVERTED, "via FP8_PER_CHANNEL_PER_TOKEN"), llmapi, where,
+                          {"clamp_val": [-float(ub), float(ub)]})
+
+
+def fbgemm_canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, where: str, out_f: int,
+                     in_f: int) -> dict[str, torch.Tensor]:
+    """One fbgemm FP8 projection -> ModelOpt FP8_PER_CHANNEL_PER_TOKEN tensors (codes as is, scale ``[out]`` F32)."""
+    extra = set(t) - {"weight", "weight_scale", "bias"}
+    if extra:
+        raise CheckpointError(f"{where}: tensor '{module}.{sorted(extra)[0]}' is not part of fbgemm FP8")
+    for k in ("weight", "weight_scale"):
+        if k not in t:
+            raise CheckpointError(f"{where}: tensor '{module}.{k}' is missing (fbgemm FP8)")
+    return {**t, "weight_scale": t["weight_scale"].float().reshape(-1)}
 
 
 def parse_fp8(model_dir: Path, qc: dict, where: str) -> ImportedFormat:
@@ -54,7 +61,7 @@ def parse_fp8(model_dir: Path, qc: dict, where: str) -> ImportedFormat:
                               None, Action(REFUSED, why), Action(REFUSED, why), where)
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise CheckpointError(f"{where}: quantization_config.weight_block_size is {block!r}, two positive integers needed")
-    engine = Action(REFUSED, "block-scaled FP8 has no TensorRT-engine layer in TensorRT-LLM 1.2; use target: llmapi")
+    engine = Action(REFUSED, NO_ENGINE_LAYER.format(what="block-scaled FP8") + "; use target: llmapi")
     llmapi = Action(PASSED) if block == [128, 128] else Action(
         REFUSED, f"TensorRT-LLM 1.2 loads FP8 block scales of [128, 128] only (AssertionError for {block})")
     return ImportedFormat("fp8_block", f"FP8 block {block[0]}x{block[1]}", "FP8_BLOCK_SCALES", 8, None, "block",
@@ -62,7 +69,6 @@ def parse_fp8(model_dir: Path, qc: dict, where: str) -> ImportedFormat:
 
 
 def parse_mxfp4(model_dir: Path, qc: dict, where: str) -> ImportedFormat:
-    engine = Action(REFUSED, "MXFP4 has no TensorRT-engine layer in TensorRT-LLM 1.2 (a PyTorch-backend model); "
-                             "use target: llmapi")
+    engine = Action(REFUSED, NO_ENGINE_LAYER.format(what="MXFP4") + "; use target: llmapi")
     return ImportedFormat("mxfp4", "MXFP4 experts", None, 4, 32, "group",
                           tuple(qc.get("modules_to_not_convert") or ()), None, engine, Action(PASSED), where)

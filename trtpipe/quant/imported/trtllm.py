@@ -27,19 +27,22 @@ from trtpipe.checkpoint.quant_layouts import LINEARS, exclude_modules
 from trtpipe.checkpoint.quant_primitives import dequantize, quantize
 from trtpipe.errors import CheckpointError
 from trtpipe.models.family import Rule, dims
-from trtpipe.quant.imported import compressed, gptq
+from trtpipe.quant.imported import awq, compressed, gptq, others
 from trtpipe.quant.imported.canonical import check_projection
 from trtpipe.quant.imported.formats import ImportedFormat
 
 LAYER = "transformer.layers.{}."
 MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 KV_MIN_SCALE = 1.0
+REQUANT_BYTES = 32 << 20
 
 # family -> fn(fmt, tensors by suffix, module, where, out, in) -> canonical tensors (ModelOpt unified)
 CANONICAL: dict[str, Callable] = {
     "modelopt": lambda fmt, t, module, where, out_f, in_f: t,
     "compressed-tensors": compressed.canonical,
     "gptq": gptq.canonical,
+    "awq": awq.canonical,
+    "fbgemm_fp8": others.fbgemm_canonical,
 }
 # family -> where the FP8 KV scales of a layer live (relative to the HF layer prefix)
 KV_NAMES: dict[str, tuple[str, str]] = {
@@ -59,15 +62,25 @@ def _same(ts: list[torch.Tensor], what: str) -> torch.Tensor:
     return ts[0]
 
 
+def requantize_fp8(q: torch.Tensor, s_from: torch.Tensor, s_to: torch.Tensor) -> torch.Tensor:
+    """FP8 codes of scale ``s_from`` re-expressed at ``s_to``, a block of rows at a time (float32 temporaries of
+    REQUANT_BYTES, not of the whole weight: a 70B gate_proj would need 1 GB of them at once)."""
+    out = torch.empty_like(q)
+    step = max(1, REQUANT_BYTES // (4 * max(1, q[0].numel())))
+    for r in range(0, q.shape[0], step):
+        out[r: r + step] = quantize(dequantize(q[r: r + step], s_from, "fp8", "tensor"), s_to, "fp8", "tensor")
+    return out
+
+
 def _fp8_shared(ms: list[dict], what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fused codes, shared scale [1]): members requantized to the max of their per-tensor scales."""
+    """(fused codes, shared scale [1]): members requantized to the max of their per-tensor scales. One member is
+    returned as is (a view of the file, which the writer streams)."""
     scales = [m["weight_scale"].float().reshape(1) for m in ms]
     if _meta([m["weight"] for m in ms]):
-        return torch.cat([m["weight"] for m in ms]), torch.empty(1, device="meta")
+        return _cat(ms, "weight"), torch.empty(1, device="meta")
     s = torch.stack(scales).amax(0)
-    codes = [m["weight"] if torch.equal(sm, s) else quantize(dequantize(m["weight"], sm, "fp8", "tensor"), s, "fp8",
-                                                                     "tensor") for m, sm in zip(ms, scales)]
-    return torch.cat(codes), s
+    codes = [m["weight"] if torch.equal(sm, s) else requantize_fp8(m["weight"], sm, s) for m, sm in zip(ms, scales)]
+    return (torch.cat(codes) if len(codes) > 1 else codes[0]), s
 
 
 def _amax1(ms: list[dict], key: str) -> torch.Tensor:
@@ -107,9 +120,24 @@ def _sq(ms, in_f, dtype, what):
             "activation_scaling_factor": _amax1(ms, "input_scale")}
 
 
+def zero_of(zero_point: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """TensorRT-LLM's groupwise ``zero`` ``[in/g, out]`` in the model dtype from canonical ``zero_point`` and
+    ``weight_scale`` ``[out, in/g]``: the kernel computes ``W = q * s + zero``, so ``zero = -zero_point * s``
+    (upstream: ``(-qzeros + 8) * scales``). Computed in float64, rounded once to ``dtype`` (exact in float32)."""
+    if zero_point.device.type == "meta":
+        return torch.empty(zero_point.shape[::-1], dtype=dtype, device="meta")
+    return (-zero_point.double() * scale.double()).to(dtype).t().contiguous()
+
+
 def _awq(ms, in_f, dtype, what):
-    return {"weight": _cat(ms, "weight").view(torch.int8), "weights_scaling_factor": _cat(ms, "weight_scale").float(),
-            "prequant_scaling_factor": _prequant(ms, in_f, dtype, what)}
+    out = {"weight": _cat(ms, "weight").view(torch.int8), "weights_scaling_factor": _cat(ms, "weight_scale").float(),
+           "prequant_scaling_factor": _prequant(ms, in_f, dtype, what)}
+    zps = [m.get("zero_point") for m in ms]
+    if any(z is not None for z in zps):
+        if any(z is None for z in zps):
+            raise CheckpointError(f"{what}: zero_point is on some of the fused projections only")
+        out["zero"] = torch.cat([zero_of(z, m["weight_scale"], dtype) for z, m in zip(zps, ms)], dim=1)
+    return out
 
 
 def _w4a8(ms, in_f, dtype, what):
@@ -206,16 +234,22 @@ class ImportedLinears:
         dtype = MODEL_DTYPES[plan.dtype]
         for rule in rules:
             modules = self._hf_modules(plan, rule, layer)
-            members = []
+            members, raw = [], []
             for module, shape in zip(modules, rule.shapes):
                 out_f, in_f = d[shape[0]], d[shape[1]]
                 t = self._tensors(reader, module, meta, used)
                 t = {k: v for k, v in t.items() if k not in ("k_scale", "v_scale")}
+                raw.extend(t.values())
                 c = self.canonical(self.fmt, t, module, self.where, out_f, in_f)
                 check_projection(self.fmt.quant_algo, module, c, out_f, in_f, self.fmt.group_size, self.where)
                 members.append(c)
             trt = LAYER.format(layer) + rule.trt[: -len(".weight")]
             fused = FUSE[self.fmt.quant_algo](members, d[rule.shapes[0][1]], dtype, f"{self.where}: {trt}")
+            if not meta:  # sources copied into new tensors (fused, unpacked) are read: drop their mapped pages now;
+                kept = {t.data_ptr() for t in fused.values()}  # views the writer streams drop their own pages
+                for v in raw:
+                    if v.data_ptr() not in kept:
+                        reader.drop_pages(v)
             sources = [self.modules[m][s] for m in modules for s in self.modules.get(m, {})]
             for suffix, t in fused.items():
                 yield f"{trt}.{suffix}", t, sources
@@ -244,6 +278,8 @@ class ImportedLinears:
         f = self.fmt
         q: dict = {"quant_algo": f.quant_algo, "kv_cache_quant_algo": f.kv_cache}
         if f.quant_algo in GROUPWISE:
-            q.update(group_size=f.group_size, has_zero_point=False, pre_quant_scale=True)
+            q.update(group_size=f.group_size, has_zero_point=bool(f.params.get("zero_point")), pre_quant_scale=True)
+        if "clamp_val" in f.params:  # fbgemm's activation_scale_ub, as upstream's convert_checkpoint.py sets it
+            q["clamp_val"] = f.params["clamp_val"]
         q["exclude_modules"] = exclude_modules(["lm_head", *self.excluded_trt])
         return q
