@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from imported_helpers import convert_source, linear_weights
 from numerics import float64_copy
 from prequantized import info, prequantized
-from test_producer_fixtures import _by_hf_name
+from imported_helpers import by_hf_name
 from trtpipe.checkpoint.convert import convert
 from trtpipe.checkpoint.quant_primitives import unpack_int4_rows
 from trtpipe.errors import CheckpointError
@@ -103,7 +103,7 @@ def test_zero_point_int4_converts_exactly_to_w4a16_awq_with_zeros(name, tp, tmp_
     oracle = load_file(str(fixture / "oracle.safetensors"))
     layers = json.loads((fixture / "config.json").read_text())["num_hidden_layers"]
     model = load_checkpoint(ckpt)
-    got = _by_hf_name(linear_weights(model), fixture, layers)
+    got = by_hf_name(linear_weights(model), fixture, layers)
     eps = torch.finfo(dtype).eps / 2  # unit roundoff of the model dtype
     worst = 0.0
     for hf_name, want in oracle.items():
@@ -129,7 +129,7 @@ def test_zero_point_int4_in_a_float32_checkpoint_is_exact_to_the_logits(name, tm
     oracle = load_file(str(fixture / "oracle.safetensors"))
     layers = json.loads((fixture / "config.json").read_text())["num_hidden_layers"]
     model = load_checkpoint(ckpt)
-    got = _by_hf_name(linear_weights(model), fixture, layers)
+    got = by_hf_name(linear_weights(model), fixture, layers)
     for hf_name, want in oracle.items():
         assert torch.equal(got[hf_name][1], want.float()), hf_name
     logits = fixture / "oracle_logits.safetensors"
@@ -168,7 +168,7 @@ def test_fbgemm_fp8_converts_to_fp8_rowwise_with_its_clamp(tmp_path):
     assert q["quant_algo"] == "FP8_PER_CHANNEL_PER_TOKEN" and q["clamp_val"] == [-1200.0, 1200.0]
     oracle = load_file(str(src / "oracle.safetensors"))
     layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
-    got = _by_hf_name(linear_weights(load_checkpoint(ckpt)), src, layers)
+    got = by_hf_name(linear_weights(load_checkpoint(ckpt)), src, layers)
     for hf_name, want in oracle.items():
         assert torch.equal(got[hf_name][1], want.float()), hf_name
 
