@@ -23,8 +23,9 @@ different seeds, as the stages draw them. The synthetic models' weights are rand
 separated): the perplexity of their own samples is close to 1 and means nothing about language; KL and top-1
 agreement say how far each algorithm moves the model, between algorithms of one family.
 
-    python scripts/accuracy_report.py                       # docs/results/accuracy_families.{md,json}
+    python scripts/accuracy_report.py                       # docs/results/accuracy_families.{md,json}, README
     python scripts/accuracy_report.py --families qwen3 --algos fp8 nvfp4 --out /tmp/acc
+    python scripts/accuracy_report.py --families qwen3_moe --algos int4_awq --update   # one row again, in place
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from trtpipe.models.synthetic import make_synthetic  # noqa: E402
 from trtpipe.quant import accuracy  # noqa: E402
 from trtpipe.quant.calibrate import CalibSettings, calibrate, save_layer_stats  # noqa: E402
 from trtpipe.quant.data import batched_decode, self_samples  # noqa: E402
-from trtpipe.quant.rules import GROUP_SIZES, int4_problems  # noqa: E402
+from trtpipe.quant.rules import GROUP_SIZES, int4_problems, linear_dims  # noqa: E402
 from trtpipe.quant.stage import EVAL_SEED_OFFSET  # noqa: E402
 from trtpipe.quant.writer import TrtllmSource, quantize_checkpoint  # noqa: E402
 from trtpipe.recipe.schema import QuantAlgoName  # noqa: E402
@@ -76,10 +77,15 @@ KV = {"fp8": "fp8"}  # algo -> KV cache quantization of its row (the rest: none)
 CALIB_SAMPLES, EVAL_SAMPLES, SEQ_LEN, BATCH, SEED = 16, 8, 64, 8, 0
 
 
-def int4_settings(info) -> tuple[int, list[str]]:
-    """The group size and the extra ``exclude`` of an INT4 recipe, as ``trtpipe validate``'s fix for it says: the
-    group size leaving the fewest linears without whole groups (the largest of equals), those linears excluded
-    (stories260k: its MLP down projection, 172 inputs; Gemma 3: o_proj, 48 inputs)."""
+def block_settings(info, algo: str) -> tuple[int, list[str]]:
+    """The group size and the extra ``exclude`` of a block-quantized recipe, as ``trtpipe validate``'s fix for it
+    says. INT4: the group size leaving the fewest linears without whole groups (the largest of equals), those
+    linears excluded (stories260k: its MLP down projection, 172 inputs; Gemma 3: o_proj, 48 inputs). NVFP4: the
+    linears whose inputs are not whole 16-blocks excluded."""
+    if algo == "nvfp4":
+        return 128, ["*" + n for n, (_, i) in linear_dims(info).items() if i % 16]
+    if algo not in ALGOS or ALGOS[algo].weight_fmt != "int4":
+        return 128, []
     remaining = {g: sorted(int4_problems(info, 1, g)) for g in GROUP_SIZES}
     best = min(GROUP_SIZES, key=lambda g: (len(remaining[g]), -g))
     return best, ["*" + n for n in remaining[best]]
@@ -150,7 +156,7 @@ def measure(run: FamilyRun, recipe, algo: str, kv: str) -> tuple[str, list[accur
 def one(run: FamilyRun, algo: str) -> dict:
     kv = KV.get(algo, "none")
     int4 = algo in ALGOS and ALGOS[algo].weight_fmt == "int4"
-    group, extra = int4_settings(read_hf_config(run.hf)) if int4 else (128, [])
+    group, extra = block_settings(read_hf_config(run.hf), algo)
     tgt = target(run.family, algo, run.hf)
     row = {"family": run.family, "model": run.what, "algo": algo, "kv_cache": kv, "target": tgt,
            "group_size": group if int4 else None, "exclude": ["*lm_head"] + extra,
@@ -190,37 +196,85 @@ def fmt_rows(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def kl_matrix(results: list[dict]) -> str:
+    """family x algo: KL(unquantized || quantized) of the deployed configuration, or 'refused' (README's excerpt)."""
+    algos = list(dict.fromkeys(r["algo"] for r in results))
+    by = {(r["family"], r["algo"]): r for r in results}
+    lines = ["| family | " + " | ".join(f"{a}{' + KV ' + KV[a] if a in KV else ''}" for a in algos) + " |",
+             "|---|" + "---:|" * len(algos)]
+    for family in dict.fromkeys(r["family"] for r in results):
+        cells = []
+        for a in algos:
+            r = by.get((family, a))
+            cells.append("" if r is None else "refused" if "refused" in r else f"{r['rows'][1]['kl_divergence']:.2e}")
+        lines.append(f"| {family} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+README_BEGIN, README_END = "<!-- accuracy-families:begin -->", "<!-- accuracy-families:end -->"
+
+
+def rewrite_readme(readme: Path, made: str, results: list[dict]) -> None:
+    """README's excerpt between its markers: the KL matrix and the commands that made it."""
+    text = readme.read_text()
+    if text.count(README_BEGIN) != 1 or text.count(README_END) != 1:
+        raise SystemExit(f"{readme}: needs exactly one '{README_BEGIN}' and one '{README_END}' line")
+    head, rest = text.split(README_BEGIN)
+    _, tail = rest.split(README_END)
+    body = (f"Made by {made} ([docs/results/accuracy_families.md](docs/results/accuracy_families.md): perplexity, "
+            f"top-1, greedy match and each refusal's reason). KL(unquantized ‖ quantized) per token:\n\n"
+            f"{kl_matrix(results)}\n")
+    readme.write_text(f"{head}{README_BEGIN}\n{body}{README_END}{tail}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     ap.add_argument("--algos", nargs="+", default=ALGOS_ALL, choices=ALGOS_ALL)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results", help="directory of the .md and .json")
+    ap.add_argument("--update", action="store_true", help="replace only these rows of the existing JSON (e.g. after "
+                    "trtpipe learns a refused combination), keep the others, rewrite the table")
     args = ap.parse_args()
     torch.manual_seed(SEED)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    cmd = "python scripts/accuracy_report.py" + "".join(
+        f" --{k} {' '.join(v)}" for k, v in (("families", args.families), ("algos", args.algos))
+        if v != (list(FAMILIES) if k == "families" else ALGOS_ALL)) + (" --update" if args.update else "")
     start = time.perf_counter()
     results = []
     with tempfile.TemporaryDirectory(prefix="accuracy_report_") as tmp:
         for family in args.families:
             run = FamilyRun(family, Path(tmp) / family)
             for algo in args.algos:
-                r = one(run, algo)
+                r = {**one(run, algo), "command": cmd, "commit": commit}
                 results.append(r)
                 what = r.get("refused") or f"KL {r['rows'][1]['kl_divergence']:.2e} ({r['seconds']} s)"
                 print(f"{family:<10} {algo:<10} {what}", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
-    cmd = "python scripts/accuracy_report.py" + "".join(
-        f" --{k} {' '.join(v)}" for k, v in (("families", args.families), ("algos", args.algos))
-        if v != (list(FAMILIES) if k == "families" else ALGOS_ALL))
-    meta = {"command": cmd, "commit": commit, "seconds": round(time.perf_counter() - start, 1),
-            "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
+    seconds = round(time.perf_counter() - start, 1)
+    path = args.out / "accuracy_families.json"
+    runs = [{"command": cmd, "commit": commit, "seconds": seconds, "torch_threads": torch.get_num_threads(),
+             "machine": platform.machine()}]
+    if args.update:
+        old = json.loads(path.read_text())
+        if "runs" not in old:  # a file from before rows named their run: its one run made every row
+            old["runs"] = [{k: old[k] for k in ("command", "commit", "seconds", "torch_threads", "machine")}]
+            old["results"] = [{**r, "command": old["command"], "commit": old["commit"]} for r in old["results"]]
+        new = {(r["family"], r["algo"]) for r in results}
+        order = {(f, a): i for i, (f, a) in enumerate((f, a) for f in FAMILIES for a in ALGOS_ALL)}
+        results = sorted([r for r in old["results"] if (r["family"], r["algo"]) not in new] + results,
+                         key=lambda r: order[(r["family"], r["algo"])])
+        runs = old["runs"] + runs
+    meta = {"runs": runs,
             "calibration": {"dataset": "self", "num_samples": CALIB_SAMPLES, "seq_len": SEQ_LEN, "seed": SEED},
             "heldout": {"dataset": "self", "num_samples": EVAL_SAMPLES, "seq_len": SEQ_LEN,
                         "seed": SEED + EVAL_SEED_OFFSET}}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "accuracy_families.json").write_text(json.dumps({**meta, "results": results}, indent=2) + "\n")
-    md = [f"# Accuracy per family x algorithm\n",
-          f"Made by `{cmd}` at commit {commit} ({meta['seconds']:.0f} s, {meta['torch_threads']} torch threads). "
+    path.write_text(json.dumps({**meta, "results": results}, indent=2) + "\n")
+    made = "; then ".join(f"`{r['command']}` at commit {r['commit']} ({r['seconds']:.0f} s, {r['torch_threads']} "
+                          f"torch threads)" for r in runs)
+    md = ["# Accuracy per family x algorithm\n",
+          f"Made by {made}; each row of accuracy_families.json names the run that made it. "
           f"Held-out data: {EVAL_SAMPLES} samples x {SEQ_LEN} tokens each model draws from BOS (seed "
           f"{SEED + EVAL_SEED_OFFSET}); calibration: {CALIB_SAMPLES} x {SEQ_LEN} (seed {SEED}). The quantized "
           "row is the deployed configuration (KV cache quantized when the KV column says so); "
@@ -230,10 +284,13 @@ def main() -> int:
           "distribution is nearly one-hot, so the perplexity of their own samples is close to 1 and says nothing of "
           "language; KL(unquantized ‖ quantized) and top-1 agreement are the figures to compare, between algorithms "
           "of one family (their absolute size depends on how peaked the random model is). Refused rows carry the "
-          "message `trtpipe validate` prints for that recipe; rerun the command when trtpipe supports them.\n",
+          "message `trtpipe validate` prints for that recipe; rerun them (`--families F --algos A --update`) when "
+          "trtpipe supports them.\n",
           fmt_rows(results), ""]
     (args.out / "accuracy_families.md").write_text("\n".join(md))
-    print(f"wrote {args.out / 'accuracy_families.md'} and .json ({meta['seconds']:.0f} s)")
+    if args.out.resolve() == (ROOT / "docs" / "results").resolve():
+        rewrite_readme(ROOT / "README.md", made, results)
+    print(f"wrote {args.out / 'accuracy_families.md'} and .json ({seconds:.0f} s)")
     return 0
 
 
