@@ -257,9 +257,6 @@ def main() -> int:
              "machine": platform.machine()}]
     if args.update:
         old = json.loads(path.read_text())
-        if "runs" not in old:  # a file from before rows named their run: its one run made every row
-            old["runs"] = [{k: old[k] for k in ("command", "commit", "seconds", "torch_threads", "machine")}]
-            old["results"] = [{**r, "command": old["command"], "commit": old["commit"]} for r in old["results"]]
         new = {(r["family"], r["algo"]) for r in results}
         order = {(f, a): i for i, (f, a) in enumerate((f, a) for f in FAMILIES for a in ALGOS_ALL)}
         results = sorted([r for r in old["results"] if (r["family"], r["algo"]) not in new] + results,
