@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from openai_helpers import serve_in_thread
 from trtpipe.cli import main
-from trtpipe.models.synthetic import make_synthetic
+from trtpipe.models.synthetic import load_hf, make_synthetic
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 
@@ -64,10 +64,11 @@ def test_engine_target_serves_transformers_greedy_text(kind, tmp_path, stories_d
     _cli("build", str(recipe))
     out = _cli("serve", str(recipe), "--detach")
     assert re.search(r"pid\s+\d+", out), out
+    hf = load_hf(model)
     try:
         for prompt in PROMPTS:
             got = _cli("infer", prompt, "--server", str(recipe), "--max-tokens", "24").rstrip("\n")
-            assert got == _hf_greedy(model, prompt, 24), prompt
+            assert got == _hf_greedy(model, prompt, 24, model=hf), prompt
     finally:
         _cli("stop", str(recipe))
 
@@ -85,11 +86,12 @@ def test_openai_twin_serves_the_llmapi_export(kind, tmp_path, stories_dir):
     export.mkdir()
     export_unified(base, model, None, export, algo="none", kv_cache="none", group_size=128, alpha=0.5, exclude=[])
     app = OpenAIServer(ServedModel(export, f"{kind}-tiny")).app
+    hf = load_hf(model)
     with serve_in_thread(app) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
         for prompt in PROMPTS:
             r = client.completions.create(model=f"{kind}-tiny", prompt=prompt, max_tokens=24, temperature=0)
-            assert r.choices[0].text == _hf_greedy(model, prompt, 24), prompt
+            assert r.choices[0].text == _hf_greedy(model, prompt, 24, model=hf), prompt
 
 
 def test_gpt_oss_llmapi_recipe_built_and_served_speaks_transformers_greedy_text(tmp_path, stories_dir):
@@ -102,8 +104,6 @@ def test_gpt_oss_llmapi_recipe_built_and_served_speaks_transformers_greedy_text(
     import openai
     from safetensors import safe_open
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    from trtpipe.models.synthetic import load_hf
 
     kw = dict(seed=12, vocab_size=512, bos_token_id=1, eos_token_id=2)
     mx = make_synthetic("gpt_oss_mxfp4", tmp_path / "mx", **kw)

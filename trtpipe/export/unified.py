@@ -69,6 +69,7 @@ class HFNames:
     def __init__(self, hf_dir: Path):
         self.info = read_hf_config(hf_dir)
         family = get_family(self.info.architecture)
+        self.embedding_excluded = family.embedding_in_exclude_modules
         d = dims(self.info)
         top = self.info.weight_prefix
         self.prefix = top + family.hf_layer_prefix
@@ -472,7 +473,8 @@ def export_unified(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], out_
             parts.add(f"layer{i}", out)
             del out
     quantized = algo != "none" or kv_cache != "none"
-    exclude_modules = sorted(["lm_head", names.globals["transformer.vocab_embedding.weight"].rsplit(".", 1)[0]]
+    embedding = names.globals["transformer.vocab_embedding.weight"].rsplit(".", 1)[0]
+    exclude_modules = sorted(["lm_head"] + ([embedding] if names.embedding_excluded else [])
                              + (unquantized if algo != "none" else []))
     hq = hf_quant_config(algo, kv_cache, group_size, exclude_modules, producer())
     shipped = names.shipped_quantization

@@ -96,6 +96,13 @@ class Family:
             ``target: llmapi``.
         llmapi_router_in_model_dtype: that model keeps the MoE router weight in the model dtype (the engine path
             keeps it float32).
+        embedding_in_exclude_modules: the unified HF export lists the embedding module in ``exclude_modules``, as
+            ModelOpt 0.47.0 does for a plain ``nn.Embedding``: it lists a module only when it carries a (disabled)
+            quantizer, and its quantizer registry takes an ``nn.Embedding`` subclass only when the subclass keeps
+            ``nn.Embedding.forward`` (``modelopt/torch/opt/dynamic.py`` ``_DMRegistryCls._get_registered_nn_class``;
+            ``modelopt/torch/export/quant_utils.py`` ``get_quant_config``). Gemma's
+            ``Gemma3TextScaledWordEmbedding`` has a forward of its own (it multiplies by the embedding scale), so
+            ModelOpt lists only ``lm_head`` for Gemma 3.
     """
 
     name: str
@@ -112,6 +119,7 @@ class Family:
     kept_unquantized: tuple[str, ...] = ()
     llmapi_vocab_parallel: bool = False
     llmapi_router_in_model_dtype: bool = False
+    embedding_in_exclude_modules: bool = True
 
 
 def dims(info: HFModelInfo) -> dict[str, int]:

@@ -121,4 +121,5 @@ GEMMA3 = Family(
     parallel_embedding_at_tp=True,
     config_fields=gemma3_fields,
     unsupported=gemma3_unsupported,
+    embedding_in_exclude_modules=False,  # Gemma3TextScaledWordEmbedding: ModelOpt attaches no quantizer to it
 )
