@@ -60,3 +60,12 @@ def test_the_engine_target_is_refused_naming_llmapi(tmp_path):
     r = run_cli("validate", str(recipe))
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.exit_code != 0 and len(lines) == 1 and lines[0].endswith("; use target: llmapi"), r.stderr
+
+
+def test_fp8_quantizes_the_rest_of_an_mxfp4_source_without_a_double_quantization_refusal():
+    """The experts stay as shipped (MXFP4), so ``quantization.algo: fp8`` (FP8 attention) quantizes nothing twice;
+    a fully pre-quantized source is still refused (tests/imported/test_recipes.py)."""
+    r = run_cli("validate", str(RECIPES / "gpt-oss-20b-mxfp4.yaml"), "--set", "quantization.algo=fp8",
+                "--set", "quantization.kv_cache=fp8")
+    assert "already quantized" not in r.output, r.output
+    assert "quantization.algo" not in r.output.replace("calibration", ""), r.output

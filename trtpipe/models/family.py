@@ -103,6 +103,9 @@ class Family:
             ``modelopt/torch/export/quant_utils.py`` ``get_quant_config``). Gemma's
             ``Gemma3TextScaledWordEmbedding`` has a forward of its own (it multiplies by the embedding scale), so
             ModelOpt lists only ``lm_head`` for Gemma 3.
+        shipped_quantization: the ``quantization_config.quant_method`` values whose quantized modules this family
+            keeps exactly as shipped (gpt-oss's MXFP4 experts, see ``kept_unquantized``): a recipe may then quantize
+            the rest (e.g. FP8 attention) without quantizing anything twice.
     """
 
     name: str
@@ -120,6 +123,7 @@ class Family:
     llmapi_vocab_parallel: bool = False
     llmapi_router_in_model_dtype: bool = False
     embedding_in_exclude_modules: bool = True
+    shipped_quantization: tuple[str, ...] = ()
 
 
 def dims(info: HFModelInfo) -> dict[str, int]:

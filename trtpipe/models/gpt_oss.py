@@ -122,4 +122,5 @@ GPT_OSS = Family(
     unsupported=gpt_oss_unsupported,
     no_engine=NO_ENGINE,
     kept_unquantized=("*mlp.fc", "*mlp.proj"),  # the experts: exported as shipped (MXFP4) or as the bf16 source
+    shipped_quantization=("mxfp4",),  # so quantization.algo: fp8 quantizes attention and keeps the experts MXFP4
 )

@@ -38,6 +38,13 @@ def source_format(recipe: Recipe, m: HFModelInfo):
     return detect(local)
 
 
+def _quantizes_only_the_rest(m: HFModelInfo) -> bool:
+    """The family keeps the source's quantized modules as shipped (gpt-oss's MXFP4 experts), so the recipe's
+    algorithm applies only to the modules the source holds unquantized: nothing is quantized twice."""
+    method = (m.raw.get("quantization_config") or {}).get("quant_method")
+    return method in get_family(m.architecture).shipped_quantization
+
+
 def _imported_source(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
     if m is None or _family_refuses(recipe, m):  # an unknown architecture, a config or a target its family refuses:
         return  # said once, by the model-family rule
@@ -53,7 +60,7 @@ def _imported_source(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findi
                                          "this source is not quantized (the gate compares against it already)")
         return
     for key, value in (("quantization.algo", q.algo), ("quantization.kv_cache", q.kv_cache)):
-        if value != "none":
+        if value != "none" and not _quantizes_only_the_rest(m):
             yield key, (f"model.source is already quantized ({fmt.describe()}); remove {key} (trtpipe does not "
                         "quantize a quantized checkpoint again)")
     action = fmt.action(recipe.target)
