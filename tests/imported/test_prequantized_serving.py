@@ -121,3 +121,34 @@ def test_eval_gates_a_producer_checkpoint_against_its_original(tmp_path, stories
     assert res.exit_code != 0, res.output
     assert "accuracy gate failed for quantized: KL" in res.output and "> max_kl_divergence 1e-06" in res.output, \
         res.output
+
+
+
+@pytest.mark.parametrize("name", SOURCES)
+def test_eval_of_the_llmapi_target_measures_its_export(name, tmp_path, stories_dir, caplog):
+    """llmapi target of a producer checkpoint (ModelOpt FP8: passed through; llm-compressor W4A16: re-laid out):
+    without ``accuracy.reference`` ``trtpipe eval`` reports the export's perplexity alone, the reference runtime's
+    perplexity on the source as stored (the export is that model); with the original named it reports the
+    unquantized and quantized rows and fails a gate (KL <= 1e-6) that the quantized checkpoint cannot meet."""
+    from trtpipe.quant import accuracy
+    from trtpipe.quant.data import load_tokenizer, token_batches
+
+    source, data = prequantized(name), Path(__file__).resolve().parents[2] / "recipes" / "data" / "eval-sample.jsonl"
+    acc = f"  eval_data: {data}\n  num_samples: 2\n  seq_len: 16\n"
+    res = CliRunner().invoke(main, ["eval", str(_recipe(tmp_path, source, "llmapi", acc))])
+    assert res.exit_code == 0, res.output
+    report = json.loads(next((tmp_path / "work-llmapi" / "artifacts" / "verify").glob("*/accuracy.json")).read_text())
+    assert report["reference"] is None and report["num_samples"] == 2 and report["seq_len"] == 16, report
+    tokens = token_batches(str(data), Path, "text", load_tokenizer(source), 2, 16)
+    assert report["perplexity"] == accuracy.perplexity(source, tokens), name
+
+    gated = tmp_path / "gated"
+    gated.mkdir()
+    acc += f"  reference: {stories_dir}\n  max_kl_divergence: 0.000001\n"
+    res = CliRunner().invoke(main, ["eval", str(_recipe(gated, source, "llmapi", acc))])
+    assert res.exit_code != 0, res.output
+    assert "accuracy gate failed for quantized: KL" in res.output and "> max_kl_divergence 1e-06" in res.output, \
+        res.output
+    rows = [line.split() for line in caplog.text.splitlines() if line.startswith(("unquantized ", "quantized "))]
+    assert [r[0] for r in rows] == ["unquantized", "quantized"], caplog.text  # the report the gate read
+    assert float(rows[1][1]) == pytest.approx(report["perplexity"], abs=5e-5)  # the table prints 4 decimals

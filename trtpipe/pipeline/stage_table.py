@@ -18,8 +18,8 @@ STAGE_TABLE: tuple[tuple[str, Stage], ...] = (
     ("checkpoint", CHECKPOINT_STAGE),
     ("calibrate", CALIBRATE_STAGE),
     ("quantize", QUANTIZE_STAGE),
-    ("verify", VERIFY_STAGE),
     ("export", EXPORT_STAGE),
+    ("verify", VERIFY_STAGE),  # after export: a pre-quantized llmapi source is measured as exported
     ("llmapi", LLMAPI_STAGE),
     ("engine", ENGINE_STAGE),
     ("repo", REPO_STAGE),

@@ -14,6 +14,11 @@ spill to memory-mapped files when large. ln_f + lm_head of both checkpoints then
 batch. The greedy continuation needs autoregressive decoding with a whole model, so it runs (one model at a
 time) only when the float32 model fits in host memory (:mod:`trtpipe.quant.hostmem`); otherwise it is reported
 as skipped, with the reason. The gate does not read it.
+
+Either side may also be an HF checkpoint directory as stored (the llmapi target's export of a pre-quantized
+source, or the unquantized original named by ``accuracy.reference``): those run through the reference runtime's
+HF loader (:func:`trtpipe.runtime.hf_loader.load_model`), which has no layer-by-layer reader, so the whole models
+are compared (:func:`compare`) and refused, naming the size, when they do not fit in host memory.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from trtpipe.quant.calibrate import ActivationBuffer
 from trtpipe.quant.data import batched_decode
 from trtpipe.quant.hostmem import whole_model_misfit
 from trtpipe.quant.writer import CheckpointLayers
-from trtpipe.runtime.loader import embedding_table, lm_head_linears, load_checkpoint
+from trtpipe.runtime.hf_loader import is_trtllm_checkpoint, load_model
+from trtpipe.runtime.loader import embedding_table, lm_head_linears
 from trtpipe.runtime.model import DecoderLayer, ReferenceModel, rope_tables
 
 
@@ -101,14 +107,14 @@ def compare(ref: ReferenceModel, models: dict[str, ReferenceModel], tokens: torc
 
 
 def perplexity(ckpt_dir: Path, tokens: torch.Tensor, batch: int = 8) -> float:
-    """Perplexity of one checkpoint on ``tokens [N, T]`` (a pre-quantized source with nothing to compare against),
-    with the model whole in memory: refused, naming the size, when it does not fit."""
+    """Perplexity of one checkpoint (TRT-LLM or HF directory) on ``tokens [N, T]`` (a pre-quantized source with
+    nothing to compare against), with the model whole in memory: refused, naming the size, when it does not fit."""
     why = whole_model_misfit(float32_bytes(ckpt_dir))
     if why:
         raise QuantizationError(f"{ckpt_dir}: perplexity alone needs the whole model in memory, and {why}; "
                                 "set accuracy.reference or accuracy.enabled: false")
     with torch.no_grad():
-        return _ppl(_logits(load_checkpoint(ckpt_dir), tokens, batch), tokens)
+        return _ppl(_logits(load_model(ckpt_dir), tokens, batch), tokens)
 
 
 NO_KV = "quantized, KV unquantized"  # the quantized model with its KV cache kept in full precision
@@ -212,12 +218,20 @@ def _nll_sum(logits: torch.Tensor, tokens: torch.Tensor) -> float:
                            reduction="sum").double().item()
 
 
+PACKED = {"I32": 8, "U8": 2}  # int4 codes per int32 word (GPTQ / AWQ qweight), 4-bit codes per byte (NVFP4 / MXFP4)
+
+
 def float32_bytes(ckpt_dir: Path) -> int:
-    """4 bytes x every element of the checkpoint's rank files: about what :func:`load_checkpoint` holds."""
+    """4 bytes x every element of the checkpoint's weight files: about what :func:`load_model` holds. In an HF
+    directory packed 4-bit tensors count every code they hold (their dequantized weight is what is held)."""
+    d = Path(ckpt_dir)
+    trtllm = is_trtllm_checkpoint(d)
     n = 0
-    for path in sorted(Path(ckpt_dir).glob("rank*.safetensors")):
+    for path in sorted(d.glob("rank*.safetensors" if trtllm else "*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
-            n += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+            for k in f.keys():
+                sl = f.get_slice(k)
+                n += math.prod(sl.get_shape()) * (1 if trtllm else PACKED.get(sl.get_dtype(), 1))
     return 4 * n
 
 
@@ -225,11 +239,11 @@ def greedy_matches(ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, prompt_
                    new_tokens: int = 32) -> dict[str, float]:
     """Mean greedy continuation match length per quantized row name; one whole model in memory at a time."""
     prompts = [row[:prompt_len].tolist() for row in tokens]
-    model = load_checkpoint(ref_dir)
+    model = load_model(ref_dir)
     ref_greedy = _greedy(model, prompts, new_tokens)
     del model
     gc.collect()
-    model = load_checkpoint(quant_dir)
+    model = load_model(quant_dir)
     out = {}
     for name in stream_names((model.config.get("quantization") or {}).get("kv_cache_quant_algo")):
         if name == NO_KV:
@@ -244,9 +258,13 @@ def evaluate(ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, batch: int = 
              new_tokens: int = 32) -> tuple[list[Metrics], Optional[str]]:
     """:func:`teacher_forced` rows plus the greedy match length when the whole float32 model fits in host memory.
 
+    Either directory may be an HF checkpoint (see the module docstring): then the whole models are compared.
+
     Returns:
         The rows (reference first) and, when the greedy continuation was skipped, why (else None).
     """
+    if not (is_trtllm_checkpoint(ref_dir) and is_trtllm_checkpoint(quant_dir)):
+        return whole_models(ref_dir, quant_dir, tokens, batch, prompt_len, new_tokens), None
     rows = teacher_forced(ref_dir, quant_dir, tokens, batch, spill_dir=spill_dir, progress=progress)
     skipped = whole_model_misfit(float32_bytes(ref_dir))
     if skipped is None:
@@ -255,6 +273,23 @@ def evaluate(ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, batch: int = 
         for r in rows[1:]:
             r.greedy_match_len = matches[r.name]
     return rows, skipped
+
+
+@torch.no_grad()
+def whole_models(ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, batch: int = 8, prompt_len: int = 8,
+                 new_tokens: int = 32) -> list[Metrics]:
+    """:func:`compare` of two directories of either kind, with the quantized model's rows as
+    :func:`teacher_forced` names them (KV quantized and not); refused, naming the size, when they do not fit."""
+    why = whole_model_misfit(float32_bytes(ref_dir) + 2 * float32_bytes(quant_dir))
+    if why:
+        raise QuantizationError(f"{quant_dir}: comparing with {ref_dir} needs both models whole in memory, and "
+                                f"{why}; set accuracy.enabled: false")
+    quant = load_model(quant_dir)
+    names = stream_names((quant.config.get("quantization") or {}).get("kv_cache_quant_algo"))
+    models = {names[0]: quant}
+    if len(names) > 1:
+        models[NO_KV] = drop_kv_quant(load_model(quant_dir))
+    return compare(load_model(ref_dir), models, tokens, batch, prompt_len, new_tokens)
 
 
 def table(rows: list[Metrics], note: Optional[str] = None) -> str:

@@ -4,7 +4,9 @@
   calibration settings and, only for AWQ algorithms, the group size (the AWQ search result is stored too), so
   switching fp8 -> int8_sq -> a KV-cache change reuses the same artifact.
 * quantize: the quantized TRT-LLM checkpoint at the recipe's tp/pp, with the tokenizer files beside it.
-* verify: the accuracy report (JSON + table) and the recipe's accuracy gate, before any engine is built.
+* verify: the accuracy report (JSON + table) and the recipe's accuracy gate, before any engine is built or any
+  serving configuration is written. It comes after ``export`` because, for a pre-quantized source of the llmapi
+  target, what is measured is what that target serves: the export (the source passed through or re-laid out).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from trtpipe.quant.calibrate import CalibSettings, calibrate, save_layer_stats, 
 from trtpipe.quant.data import batched_decode, load_tokenizer, token_batches
 from trtpipe.quant.writer import TrtllmSource, quantize_checkpoint
 from trtpipe.recipe.schema import Recipe
-from trtpipe.runtime import load_checkpoint
+from trtpipe.runtime.hf_loader import is_trtllm_checkpoint, load_model, quant_scheme
 
 log = logging.getLogger("trtpipe.quant")
 EVAL_SEED_OFFSET = 7919  # held-out 'self' samples use another seed than calibration
@@ -62,11 +64,12 @@ def awq_group_size(recipe: Recipe) -> Optional[int]:
 
 def _tokens(spec: str, recipe: Recipe, ckpt_dir: Path, num_samples: int, seq_len: int, seed: int,
             text_field: str) -> torch.Tensor:
-    """Token samples of a data spec; ``self`` samples the unquantized checkpoint from BOS with ``seed``."""
+    """Token samples of a data spec; ``self`` samples the checkpoint ``ckpt_dir`` (TRT-LLM or HF directory) from
+    BOS with ``seed``."""
     tokenizer = load_tokenizer(ckpt_dir)
     gen = None
     if spec == "self":
-        model = load_checkpoint(ckpt_dir)
+        model = load_model(ckpt_dir)
         gen = lambda prompts, n, s: batched_decode(model, torch.tensor(prompts), n, 1.0, s).tolist()  # noqa: E731
     return token_batches(spec, recipe.resolve, text_field, tokenizer, num_samples, seq_len, gen, seed)
 
@@ -99,11 +102,22 @@ def run_quantization(recipe: Recipe, ckpt_dir: Path, stats_dir: Optional[Path], 
     return cfg
 
 
+def quant_meta(quant_dir: Path) -> tuple[Optional[str], Optional[str]]:
+    """(quantization algorithm or format, KV cache algorithm) of a TRT-LLM or HF checkpoint directory."""
+    cfg = json.loads((quant_dir / "config.json").read_text())
+    if is_trtllm_checkpoint(quant_dir):
+        q = cfg.get("quantization") or {}
+        return q.get("quant_algo"), q.get("kv_cache_quant_algo")
+    scheme, q = quant_scheme(quant_dir, cfg)
+    return q.get("quant_algo") or scheme, q.get("kv_cache_quant_algo") if scheme == "modelopt" else None
+
+
 def run_accuracy(recipe: Recipe, ckpt_dir: Path, quant_dir: Path, out_dir: Optional[Path] = None,
                  gate: bool = True, progress: Optional[Callable[[str], None]] = None) -> list[accuracy.Metrics]:
     """Accuracy report of ``quant_dir`` against ``ckpt_dir``; with the KV cache quantized and without.
 
-    Layer by layer (:func:`accuracy.evaluate`); activation buffers spill into ``out_dir`` when large.
+    Layer by layer for two TRT-LLM checkpoints, whole models when either is an HF directory
+    (:func:`accuracy.evaluate`); activation buffers spill into ``out_dir`` when large.
     """
     acc, c = recipe.accuracy, recipe.quantization.calibration
     tokens = _tokens(acc.eval_data, recipe, ckpt_dir, acc.num_samples, acc.seq_len, c.seed + EVAL_SEED_OFFSET,
@@ -113,9 +127,8 @@ def run_accuracy(recipe: Recipe, ckpt_dir: Path, quant_dir: Path, out_dir: Optio
     if greedy_skipped:
         log.warning("accuracy: greedy continuation match skipped: %s", greedy_skipped)
     if out_dir is not None:
-        q = json.loads((quant_dir / "config.json").read_text()).get("quantization") or {}
-        accuracy.write_report(out_dir, rows, {"quant_algo": q.get("quant_algo"),
-                                              "kv_cache_quant_algo": q.get("kv_cache_quant_algo"),
+        algo, kv = quant_meta(quant_dir)
+        accuracy.write_report(out_dir, rows, {"quant_algo": algo, "kv_cache_quant_algo": kv,
                                               "eval_data": acc.eval_data, "num_samples": int(tokens.shape[0]),
                                               "seq_len": int(tokens.shape[1])}, greedy_skipped)
     if gate:
@@ -140,11 +153,19 @@ def _quantize(ctx: StageContext) -> None:
                     bytes=sum(p.stat().st_size for p in ctx.out_dir.glob("rank*.safetensors")))
 
 
+def served_dir(inputs: dict[str, Path]) -> Path:
+    """The quantized model a pre-quantized source deploys: the engine target's converted checkpoint, else the
+    llmapi export (the source passed through or re-laid out; the checkpoint stage is off for that target)."""
+    from trtpipe.export.stage import HF_DIR
+
+    return inputs["checkpoint"] if "checkpoint" in inputs else inputs["export"] / HF_DIR
+
+
 def _verify(ctx: StageContext) -> None:
-    if "quantize" not in ctx.inputs:  # a pre-quantized source: the checkpoint artifact is the quantized model
+    if "quantize" not in ctx.inputs:  # a pre-quantized source: the checkpoint or export is the quantized model
         try:
             with ctx.progress("verify", total=None) as bar:
-                rows = run_imported_accuracy(ctx.recipe, ctx.inputs["checkpoint"], ctx.out_dir,
+                rows = run_imported_accuracy(ctx.recipe, served_dir(ctx.inputs), ctx.out_dir,
                                              progress=lambda s: bar.advance(1))
         finally:
             if (ctx.out_dir / "accuracy.txt").exists():
@@ -168,10 +189,11 @@ def _verify(ctx: StageContext) -> None:
 
 
 def imported(recipe: Recipe) -> bool:
-    """``model.source`` was quantized by someone else (the checkpoint artifact is already the quantized one)."""
+    """``model.source`` was quantized by someone else (the checkpoint or export artifact is already the quantized
+    one), for either target."""
     from trtpipe.checkpoint.stage import imported_format
 
-    return recipe.target == "engine" and imported_format(recipe) is not None
+    return imported_format(recipe) is not None
 
 
 def reference_dir(recipe: Recipe) -> Path:
@@ -186,9 +208,13 @@ def reference_dir(recipe: Recipe) -> Path:
 
 def run_imported_accuracy(recipe: Recipe, quant_dir: Path, out_dir: Path,
                           progress: Optional[Callable[[str], None]] = None) -> Optional[list[accuracy.Metrics]]:
-    """A pre-quantized source's report: against ``accuracy.reference`` (converted here at the same tp/pp and
-    dtype, then removed) when the recipe names one, else its perplexity alone (None: nothing to gate on)."""
+    """A pre-quantized source's report: against ``accuracy.reference`` when the recipe names one, else its
+    perplexity alone (None: nothing to gate on). ``quant_dir`` is a TRT-LLM checkpoint (engine target: the
+    reference is converted here at the same tp/pp and dtype, then removed) or an HF directory (llmapi target:
+    the reference is read as stored, like the export)."""
     acc, c, par = recipe.accuracy, recipe.quantization.calibration, recipe.parallel
+    if acc.reference is not None and not is_trtllm_checkpoint(quant_dir):
+        return run_accuracy(recipe, reference_dir(recipe), quant_dir, out_dir, gate=False, progress=progress)
     if acc.reference is not None:
         from trtpipe.checkpoint.convert import convert
 
@@ -247,7 +273,7 @@ QUANTIZE_STAGE = Stage(
 VERIFY_STAGE = Stage(
     name="verify",
     sections=("accuracy", "quantization.calibration"),
-    inputs=("checkpoint", "quantize"),
+    inputs=("checkpoint", "quantize", "export"),
     run=_verify,
     files=_eval_files,
     enabled=lambda recipe: recipe.accuracy.enabled and (has_trtllm_layout(recipe) or imported(recipe)),

@@ -46,6 +46,7 @@ from trtpipe.checkpoint.quant_primitives import unpack_int4_rows
 from trtpipe.errors import CheckpointError
 from trtpipe.quant import dequant
 from trtpipe.runtime.linear import Float32Linear, QuantLinear, TokenFP8Linear, token_fp8
+from trtpipe.runtime.loader import load_checkpoint
 from trtpipe.runtime.model import DecoderLayer, ModelArgs, ReferenceModel
 
 class ConcatLinear(nn.Module):
@@ -390,3 +391,15 @@ def _weight_of(m: nn.Module) -> torch.Tensor:
     return m.weight.detach()
 
 
+
+
+def is_trtllm_checkpoint(model_dir: str | Path) -> bool:
+    """A TensorRT-LLM checkpoint directory (``rank*.safetensors``), not a Hugging Face one."""
+    return any(Path(model_dir).glob("rank*.safetensors"))
+
+
+def load_model(model_dir: str | Path) -> ReferenceModel:
+    """The reference model of either kind of directory: a TensorRT-LLM checkpoint (what the engine target builds
+    from) or an HF checkpoint as stored (what the llmapi target serves). The one loader the accuracy report and
+    the ``self`` eval samples use, so both targets are measured on what they deploy."""
+    return load_checkpoint(model_dir) if is_trtllm_checkpoint(model_dir) else load_hf_checkpoint(model_dir)
