@@ -59,6 +59,7 @@ def torch_threads() -> int:
     return torch.get_num_threads()
 
 
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming request looks whether its client is still connected
 RETRY_AFTER_S = 1  # what a refused client is told to wait (seconds, the Retry-After header's unit)
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413) before it is read whole
 MAX_STOPS = 64
@@ -509,8 +510,8 @@ class OpenAIServer:
         try:
             if stream:
                 return await self._stream(request, g, rid, created, chat, include_usage)
-            async for _ in g.deltas():
-                pass
+            if not await self._finish_while_connected(request, g):
+                return web.Response(status=499)  # nobody reads it: the client closed the connection
         except asyncio.CancelledError:  # client went away: free the executor slot
             g.cancel()
             raise
@@ -526,6 +527,29 @@ class OpenAIServer:
         choice = {"index": 0, "text": g.text, "logprobs": None, "finish_reason": g.finish}
         return web.json_response({"id": rid, "object": "text_completion", "created": created,
                                   "model": self.served.name, "choices": [choice], "usage": usage})
+
+    @staticmethod
+    async def _finish_while_connected(request: web.Request, g: Generation) -> bool:
+        """Run ``g`` to its end; False when the client closed the connection first (then ``g`` is cancelled in the
+        executor: aiohttp does not cancel a handler whose client left, and a non-streaming request writes nothing
+        that would fail, so without this look it would generate until its deadline)."""
+        async def drain():
+            async for _ in g.deltas():
+                pass
+
+        task = asyncio.ensure_future(drain())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and (request.transport is None or request.transport.is_closing()):
+                    g.cancel()
+                    await task  # the executor's final response for the cancelled request
+                    return False
+            await task  # its exception (an executor error) is the handler's
+            return True
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def _stream(self, request, g: Generation, rid: str, created: int, chat: bool, include_usage: bool):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
