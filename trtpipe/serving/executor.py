@@ -507,6 +507,7 @@ class Executor:
         self._idle_wait = idle_wait_s
         self._threads = threads
         self.stopped_because: Optional[str] = None  # why the loop ended, once it has
+        self.stopped = threading.Event()  # set when the loop has ended (stopped_because says why)
         self._thread = threading.Thread(target=self._loop, name="trtpipe-executor", daemon=True)
         self._thread.start()
 
@@ -559,6 +560,7 @@ class Executor:
         finally:
             with self._cb_lock:  # no submit can slip in between: it checks healthy under this lock
                 self.stopped_because = why
+            self.stopped.set()
             try:
                 self.core.fail_everything(f"Executor stopped ({why}); the request was not finished")
             except BaseException:  # pragma: no cover - answering is best effort once the loop is gone
