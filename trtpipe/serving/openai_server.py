@@ -60,7 +60,9 @@ def torch_threads() -> int:
 
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request looks whether its client is still connected
-RETRY_AFTER_S = 1  # what a refused client is told to wait (seconds, the Retry-After header's unit)
+RETRY_AFTER_S = 1  # what a refused client is told to wait at least (seconds, the Retry-After header's unit)
+RETRY_AFTER_MAX_S = 60
+RETRY_AFTER = web.AppKey("retry_after", object)  # the app's () -> seconds to put in Retry-After
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413) before it is read whole
 MAX_STOPS = 64
 
@@ -74,8 +76,8 @@ class Refused(Exception):
         super().__init__(message)
         self.param = param
 
-    def response(self) -> web.Response:
-        return _error(self.status, str(self), self.param, self.etype, self.retry)
+    def response(self, retry_after_s: int = RETRY_AFTER_S) -> web.Response:
+        return _error(self.status, str(self), self.param, self.etype, retry_after_s if self.retry else None)
 
 
 class BadRequest(Refused):
@@ -109,8 +111,8 @@ def _error_body(status: int, message: str, param: Optional[str] = None, etype: s
 
 
 def _error(status: int, message: str, param: Optional[str] = None, etype: str = "BadRequestError",
-           retry: bool = False) -> web.Response:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else None
+           retry_after_s: Optional[int] = None) -> web.Response:
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
     return web.json_response(_error_body(status, message, param, etype), status=status, headers=headers)
 
 
@@ -120,7 +122,8 @@ async def openai_errors(request: web.Request, handler):
     try:
         return await handler(request)
     except Refused as exc:
-        return exc.response()
+        retry = request.app.get(RETRY_AFTER)
+        return exc.response(retry() if retry is not None and exc.retry else RETRY_AFTER_S)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -383,7 +386,14 @@ class OpenAIServer:
             web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
             web.get("/metrics", self.metrics), web.get("/prometheus/metrics", self.prometheus),
         ])
+        self.app[RETRY_AFTER] = self.retry_after_s
         self.app.on_shutdown.append(self._on_shutdown)
+
+    def retry_after_s(self) -> int:
+        """Seconds until the queue, as it stands, has drained at the rate requests finish lately (whole seconds,
+        at least 1, at most 60); 1 before any rate is known or once the executor stopped."""
+        drain = self.served.executor.core.drain_time_s() if self.served.executor.healthy else None
+        return RETRY_AFTER_S if drain is None else max(RETRY_AFTER_S, min(RETRY_AFTER_MAX_S, math.ceil(drain)))
 
     async def _on_shutdown(self, app) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.served.shutdown)
