@@ -33,18 +33,39 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def _tracing():
+    """aiohttp trace hooks that time each request's TCP connect (``ctx["connect"]``): a wait in the server's
+    listen backlog (a dropped SYN is retried after 1 s) shows there, a wait in the server's event loop after it."""
+    import aiohttp
+
+    async def start(session, ctx, params):
+        ctx.trace_request_ctx["connect_t0"] = time.perf_counter()
+
+    async def end(session, ctx, params):
+        ctx.trace_request_ctx["connect"] = time.perf_counter() - ctx.trace_request_ctx["connect_t0"]
+
+    tc = aiohttp.TraceConfig()
+    tc.on_connection_create_start.append(start)
+    tc.on_connection_create_end.append(end)
+    return [tc]
+
+
 async def _one(session, url: str, priority: float, out: list) -> None:
     t0 = time.perf_counter()
+    ctx: dict = {}
     try:
-        async with session.post(url + "/v1/completions", json={**BODY, "priority": priority}) as r:
+        async with session.post(url + "/v1/completions", json={**BODY, "priority": priority},
+                                trace_request_ctx=ctx) as r:
             first = time.perf_counter() - t0  # the status line and headers: a refusal is complete here
             data = await r.read()
             out.append({"status": r.status, "priority": priority, "retry_after": r.headers.get("Retry-After"),
-                        "t_headers": first, "t_total": time.perf_counter() - t0,
+                        "t_headers": first, "t_total": time.perf_counter() - t0, "t_connect": ctx.get("connect", 0.0),
+                        "shed": r.status == 429 and b"shed for a request of higher priority" in data,
                         "ok": r.status == 200 and isinstance(json.loads(data)["choices"][0]["text"], str)})
     except Exception as exc:  # noqa: BLE001 - counted as a failure of the drill
         out.append({"status": f"{type(exc).__name__}", "priority": priority, "retry_after": None,
-                    "t_headers": time.perf_counter() - t0, "t_total": time.perf_counter() - t0, "ok": False})
+                    "t_headers": time.perf_counter() - t0, "t_total": time.perf_counter() - t0,
+                    "t_connect": ctx.get("connect", 0.0), "ok": False})
 
 
 async def _capacity(url: str, concurrency: int, seconds: float) -> float:
@@ -63,15 +84,26 @@ async def _capacity(url: str, concurrency: int, seconds: float) -> float:
     return sum(1 for d in done if d["ok"]) / elapsed
 
 
-async def _overload(url: str, rate: float, seconds: float, high_share: float, rss, seed: int) -> tuple[list, float]:
-    """Open-loop arrivals at ``rate`` per second for ``seconds``; returns (results, peak RSS seen meanwhile)."""
+async def _overload(url: str, rate: float, seconds: float, high_share: float, rss, seed: int) -> tuple[list, float, list]:
+    """Open-loop arrivals at ``rate`` per second for ``seconds``; returns (results, peak RSS seen meanwhile, the
+    client's event-loop lags)."""
     import aiohttp
 
     rng = random.Random(seed)
     out: list = []
     peak = rss()
     conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=1200)) as s:
+    lags: list = []
+
+    async def probe():  # the client's own event-loop lag: how late a 10 ms sleep wakes (a slow client, not server)
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.01)
+            lags.append(time.perf_counter() - t - 0.01)
+
+    prober = asyncio.create_task(probe())
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=1200),
+                                     trace_configs=_tracing()) as s:
         tasks, t0, n = [], time.perf_counter(), 0
         while (now := time.perf_counter() - t0) < seconds:
             while n < rate * now:  # every arrival due by now (a late loop catches up rather than lowering the rate)
@@ -83,7 +115,18 @@ async def _overload(url: str, rate: float, seconds: float, high_share: float, rs
         while any(not t.done() for t in tasks):
             peak = max(peak, rss())
             await asyncio.sleep(0.2)
-    return out, peak
+    prober.cancel()
+    return out, peak, lags
+
+
+def _listen_drops() -> dict:
+    """The kernel's listen-queue counters (this network namespace): connections the accept backlog could not take."""
+    try:
+        rows = [ln.split() for ln in Path("/proc/net/netstat").read_text().splitlines() if ln.startswith("TcpExt:")]
+    except OSError:
+        return {}
+    table = dict(zip(rows[0][1:], map(int, rows[1][1:]))) if len(rows) >= 2 else {}
+    return {k: table[k] for k in ("ListenOverflows", "ListenDrops") if k in table}
 
 
 def _greedy(url: str) -> tuple[int, str]:
@@ -123,9 +166,11 @@ def main() -> int:
         capacity = asyncio.run(_capacity(url, 2 * batch, args.capacity_seconds))  # twice the batch: always work queued
         rss_before = rss()
         rate = args.factor * capacity
+        drops0 = _listen_drops()
         t0 = time.perf_counter()
-        results, peak = asyncio.run(_overload(url, rate, args.seconds, args.high_share, rss, args.seed))
+        results, peak, lags = asyncio.run(_overload(url, rate, args.seconds, args.high_share, rss, args.seed))
         drill_s = time.perf_counter() - t0
+        drops = {k: v - drops0.get(k, 0) for k, v in _listen_drops().items()}
         rss_after = rss()
         import urllib.request
 
@@ -150,9 +195,19 @@ def main() -> int:
         "refused_by_status": {str(s): sum(1 for r in refused if r["status"] == s) for s in (429, 503)},
         "refused_with_retry_after": sum(1 for r in refused if r["retry_after"]),
         "time_to_reject_ms": ms([r["t_headers"] for r in refused]),
+        # of which: the TCP connect (listen backlog) and the rest (the server's event loop, the answer)
+        "time_to_reject_connect_ms": ms([r["t_connect"] for r in refused]),
+        "time_to_reject_after_connect_ms": ms([r["t_headers"] - r["t_connect"] for r in refused]),
+        # refused at arrival, and shed: queued, then pushed out by a higher priority (its wait is its queue time)
+        "time_to_reject_at_arrival_ms": ms([r["t_headers"] for r in refused if not r.get("shed")]),
+        "shed": sum(1 for r in refused if r.get("shed")),
+        "time_to_shed_ms": ms([r["t_headers"] for r in refused if r.get("shed")]),
+        "retry_after_s": ms([float(r["retry_after"]) / 1e3 for r in refused if r["retry_after"]]),
+        "client_loop_lag_ms": ms(lags),  # a reply the client's loop reads late counts as a slow rejection
         "accepted_latency_ms": ms([r["t_total"] for r in accepted]),
         "other": {str(s): sum(1 for r in other if r["status"] == s) for s in {r["status"] for r in other}},
         "by_priority": by_priority,
+        "listen_queue_drops": drops,
         "rss_mib": {"before": round(rss_before / 2**20, 1), "peak": round(peak / 2**20, 1),
                     "after": round(rss_after / 2**20, 1)},
         "after": {"health": health, "greedy_status": after_status, "same_text_as_before": after_text == before_text},

@@ -141,3 +141,45 @@ def test_a_stopped_executor_turns_health_and_requests_into_503(stories_fp16_expo
             assert "LLM is unavailable" in err["message"]
     finally:
         served.shutdown()
+
+
+def test_a_non_streaming_client_that_leaves_is_cancelled(stories_fp16_export):
+    """A non-streaming request whose client closes the connection is cancelled in the executor (it would otherwise
+    generate all of its 400 tokens, or until its deadline): the request is held inside its second step while the
+    client leaves, then ends with the token or two it had."""
+    import socket
+
+    from trtpipe.serving.executor import Executor
+
+    class Recording(Executor):
+        """The real executor, noting which requests a front end cancels."""
+
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.cancelled = []
+
+        def cancel(self, request_id):
+            self.cancelled.append(request_id)
+            super().cancel(request_id)
+
+    served, app = _served(stories_fp16_export, max_batch_size=1)
+    model = served.executor.core.engine.model
+    served.executor.shutdown()
+    served.executor = ex = Recording(served.config, engine := _Gated(model))
+    try:
+        with serve_in_thread(app) as url:
+            host, port = url.split("//")[1].split(":")
+            body = json.dumps({"prompt": PROMPT, "max_tokens": 400, "temperature": 1.0, "seed": 3}).encode()
+            with socket.create_connection((host, int(port)), timeout=60) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                assert engine.at_gate.wait(300)  # generating, inside its second step
+            _wait(lambda: ex.cancelled, "the request cancelled after its client left")
+            engine.gate.set()
+            _wait(lambda: not ex.core.busy, "the cancelled request gone from the executor")
+            (_, n_out), = ex.core.finished_lengths
+            assert n_out < 400, n_out
+            status, _, reply = _post(url, {"prompt": PROMPT, "max_tokens": 4})  # still serving
+            assert status == 200, reply[:200]
+    finally:
+        served.shutdown()

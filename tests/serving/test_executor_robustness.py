@@ -166,3 +166,20 @@ def test_a_loop_that_dies_turns_unhealthy_answers_everyone_and_refuses_new_work(
             ex.submit(Request(PROMPT, 2), collect)
     finally:
         ex.shutdown()
+
+
+def test_drain_time_is_the_queue_over_the_recent_finish_rate(model_tp1):
+    """Retry-After's source: requests finishing one per simulated second, three queued behind the running one ->
+    (3 + 1) / 1 = 4 s; nothing is known before two have finished."""
+    clock = SimClock()
+    core, finals, _ = _core(model_tp1, _config(max_batch_size=1), clock=clock)
+    assert core.drain_time_s() is None
+    for _ in range(3):
+        core.submit(Request(PROMPT, 1))
+        core.iterate()  # admitted and stepped: its one token ends it
+        clock.advance(1.0)
+        core.iterate()  # answered (finished at this turn's clock)
+    assert len(finals) == 3 and core.drain_time_s() == pytest.approx(1.0)  # an empty queue: one request's time
+    for _ in range(3):
+        core.submit(Request(PROMPT, 1))
+    assert core.drain_time_s() == pytest.approx(4.0)

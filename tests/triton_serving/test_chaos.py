@@ -235,3 +235,28 @@ def test_build_interrupted_or_out_of_space_then_resumed_gives_identical_artifact
     assert code == 0, err
     assert _artifacts(work) == reference
     _no_partial_folders(work)
+
+
+def test_a_dead_executor_stops_the_server_so_readiness_fails(streaming_repo, monkeypatch):
+    """The twin's executor loop ends for real (step 6 raises SystemExit in the stub's executor thread, as
+    TRTPIPE_TWIN_FAULT asks): the request in flight gets the error, the stub stops its tritonserver (which alone
+    would stay ready), and ``trtpipe serve`` exits non-zero naming why; nothing of the deployment is left."""
+    import tritonclient.grpc as grpcclient
+
+    from trtpipe.triton.executor_guard import FAULT_ENV
+
+    monkeypatch.setenv(FAULT_ENV, "exit-at-step:6")
+    proc, url, server_pid = _serve_foreground(streaming_repo)
+    try:
+        with grpcclient.InferenceServerClient(url) as raw:
+            assert raw.is_server_ready()
+        with pytest.raises(Exception, match="the executor loop died: SystemExit"):
+            with Client(url) as c:
+                c.generate("Once upon a time", GenerateOptions(max_tokens=40, end_id=-1))
+        proc.wait(120)  # before the guard, tritonserver kept serving (and answering ready) until killed
+        err = proc.stderr.read()
+        assert proc.returncode != 0, err
+        assert "the executor loop died: SystemExit: TRTPIPE_TWIN_FAULT: exit at step 6" in err, err[-2000:]
+        assert not _gone(server_pid, streaming_repo), "tritonserver or a stub outlived the deployment"
+    finally:
+        _cleanup(proc, server_pid)

@@ -312,3 +312,53 @@ def test_unstreamed_bls_answers_with_the_prompt_when_asked(server, hf_stories, h
             assert c.generate("Lily wanted to", GenerateOptions(max_tokens=max_tokens)) == expected
             full = c.generate("Lily wanted to", GenerateOptions(max_tokens=max_tokens, exclude_input_in_output=False))
         assert full == tok.decode(tok.encode("Lily wanted to") + new, skip_special_tokens=True), max_tokens
+
+
+def test_a_full_queue_sheds_the_lower_priority_through_the_server(server, hf_stories):
+    """The twin's ``priority`` input reaches the executor's queue: with the queue (48) full of priority-0.1
+    requests, each priority-0.9 request sheds a queued low one (which gets the shed error) instead of being refused,
+    and is answered (Triton's own request priority, ``priority=`` of tritonclient, orders only Triton's queue: the
+    python backend hands a model no request priority, and the tensorrtllm backend never sets one). The low requests are long (400 tokens through a one-sequence pool, so nothing leaves the queue
+    while the high ones arrive); the ones beyond the queue are refused as before."""
+    tok, _ = hf_stories
+    ids = tok("Once upon a time").input_ids
+    lock, finals, errors, done = threading.Lock(), {}, [], threading.Semaphore(0)
+
+    def on_response(result, error):
+        with lock:
+            if error is not None:
+                errors.append(str(error))
+            else:
+                finals[result.get_response().id] = result.as_numpy("output_ids")
+        done.release()
+
+    raw = grpcclient.InferenceServerClient(server.grpc_url)
+    raw.start_stream(callback=on_response)
+    try:
+        for i in range(64):
+            raw.async_stream_infer("tensorrt_llm", _llm_inputs(ids, 400, end_id=(-1, np.int32, "INT32"),
+                                                               priority=(0.1, np.float32, "FP32")), request_id=f"low{i}")
+        for _ in range(8):  # at least the 64 - 48 - max_batch_size refusals, all before any high request is sent
+            assert done.acquire(timeout=60), errors[:1]
+        for i in range(4):
+            raw.async_stream_infer("tensorrt_llm", _llm_inputs(ids, 8, end_id=(-1, np.int32, "INT32"),
+                                                               priority=(0.9, np.float32, "FP32")), request_id=f"high{i}")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all(f"high{i}" in finals for i in range(4)):
+            done.acquire(timeout=1)
+        with lock:  # before the low requests still running are cancelled by the client below
+            got, seen = dict(finals), list(errors)
+    finally:
+        raw.stop_stream(cancel_requests=True)
+        raw.close()
+    for i in range(4):
+        assert f"high{i}" in got and got[f"high{i}"].size == 8, (i, seen[:2])
+    shed = [e for e in seen if "shed for a request of higher priority than 0.1" in e]
+    # refusals of the executor's queue, or of Triton's own in front of it (the same max_queue_size)
+    refused = [e for e in seen if ("Maximum queue size of 48 has been reached" in e and "shed" not in e)
+               or "Exceeds maximum queue size" in e]
+    # the first high request finds the queue full and sheds; later ones may find the slot the first left when it
+    # was admitted ahead of the running low ones (priority overflow): none of them is refused either way
+    assert 1 <= len(shed) <= 4, (len(shed), seen[:3])
+    assert len(refused) + len(shed) == len(seen), [e for e in seen if e not in refused + shed]
+    assert wait_for(server, ("nv_trt_llm_request_metrics", "active"), 0.0, timeout=60)

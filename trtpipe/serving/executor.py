@@ -126,6 +126,7 @@ class ExecutorCore:
         self.iteration = 0
         self.iterations: deque[IterationStats] = deque(maxlen=stats_history)
         self.finished_lengths: deque[tuple[int, int]] = deque(maxlen=100_000)  # (input, output) per finished request
+        self.finish_times_ns: deque[int] = deque(maxlen=64)  # when the last requests finished: the drain rate
         self._cancel: set[int] = set()
         self._lock = threading.Lock()  # guards queue, _cancel and ids against submit/cancel from other threads
         self._next_id = 1
@@ -157,6 +158,17 @@ class ExecutorCore:
             if limit > 0 and len(self.queue) >= limit and (not self.queue or self.queue[-1].priority >= priority):
                 return f"Maximum queue size of {limit} has been reached, please try again later"
             return None
+
+    def drain_time_s(self) -> Optional[float]:
+        """How long the queue as it stands takes to drain at the rate the last (up to 64) requests finished; None
+        before two have finished. What a refused client is told to wait (``Retry-After``)."""
+        times = list(self.finish_times_ns)  # one atomic copy: the loop appends meanwhile
+        if len(times) < 2 or times[-1] <= times[0]:
+            return None
+        rate = (len(times) - 1) / ((times[-1] - times[0]) / 1e9)  # requests per second
+        with self._lock:
+            queued = len(self.queue)
+        return (queued + 1) / rate
 
     def cancel(self, request_id: int) -> None:
         with self._lock:
@@ -265,6 +277,7 @@ class ExecutorCore:
             if done:
                 self._release(r)
                 self.finished_lengths.append((r.prompt_len, len(r.output)))
+                self.finish_times_ns.append(now)
             else:
                 keep.append(r)
         self.active = keep
@@ -507,6 +520,7 @@ class Executor:
         self._idle_wait = idle_wait_s
         self._threads = threads
         self.stopped_because: Optional[str] = None  # why the loop ended, once it has
+        self.stopped = threading.Event()  # set when the loop has ended (stopped_because says why)
         self._thread = threading.Thread(target=self._loop, name="trtpipe-executor", daemon=True)
         self._thread.start()
 
@@ -559,6 +573,7 @@ class Executor:
         finally:
             with self._cb_lock:  # no submit can slip in between: it checks healthy under this lock
                 self.stopped_because = why
+            self.stopped.set()
             try:
                 self.core.fail_everything(f"Executor stopped ({why}); the request was not finished")
             except BaseException:  # pragma: no cover - answering is best effort once the loop is gone

@@ -59,7 +59,10 @@ def torch_threads() -> int:
     return torch.get_num_threads()
 
 
-RETRY_AFTER_S = 1  # what a refused client is told to wait (seconds, the Retry-After header's unit)
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming request looks whether its client is still connected
+RETRY_AFTER_S = 1  # what a refused client is told to wait at least (seconds, the Retry-After header's unit)
+RETRY_AFTER_MAX_S = 60
+RETRY_AFTER = web.AppKey("retry_after", object)  # the app's () -> seconds to put in Retry-After
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413) before it is read whole
 MAX_STOPS = 64
 
@@ -73,8 +76,8 @@ class Refused(Exception):
         super().__init__(message)
         self.param = param
 
-    def response(self) -> web.Response:
-        return _error(self.status, str(self), self.param, self.etype, self.retry)
+    def response(self, retry_after_s: int = RETRY_AFTER_S) -> web.Response:
+        return _error(self.status, str(self), self.param, self.etype, retry_after_s if self.retry else None)
 
 
 class BadRequest(Refused):
@@ -108,8 +111,8 @@ def _error_body(status: int, message: str, param: Optional[str] = None, etype: s
 
 
 def _error(status: int, message: str, param: Optional[str] = None, etype: str = "BadRequestError",
-           retry: bool = False) -> web.Response:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else None
+           retry_after_s: Optional[int] = None) -> web.Response:
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
     return web.json_response(_error_body(status, message, param, etype), status=status, headers=headers)
 
 
@@ -119,7 +122,8 @@ async def openai_errors(request: web.Request, handler):
     try:
         return await handler(request)
     except Refused as exc:
-        return exc.response()
+        retry = request.app.get(RETRY_AFTER)
+        return exc.response(retry() if retry is not None and exc.retry else RETRY_AFTER_S)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -382,7 +386,14 @@ class OpenAIServer:
             web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
             web.get("/metrics", self.metrics), web.get("/prometheus/metrics", self.prometheus),
         ])
+        self.app[RETRY_AFTER] = self.retry_after_s
         self.app.on_shutdown.append(self._on_shutdown)
+
+    def retry_after_s(self) -> int:
+        """Seconds until the queue, as it stands, has drained at the rate requests finish lately (whole seconds,
+        at least 1, at most 60); 1 before any rate is known or once the executor stopped."""
+        drain = self.served.executor.core.drain_time_s() if self.served.executor.healthy else None
+        return RETRY_AFTER_S if drain is None else max(RETRY_AFTER_S, min(RETRY_AFTER_MAX_S, math.ceil(drain)))
 
     async def _on_shutdown(self, app) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.served.shutdown)
@@ -509,8 +520,8 @@ class OpenAIServer:
         try:
             if stream:
                 return await self._stream(request, g, rid, created, chat, include_usage)
-            async for _ in g.deltas():
-                pass
+            if not await self._finish_while_connected(request, g):
+                return web.Response(status=499)  # nobody reads it: the client closed the connection
         except asyncio.CancelledError:  # client went away: free the executor slot
             g.cancel()
             raise
@@ -526,6 +537,29 @@ class OpenAIServer:
         choice = {"index": 0, "text": g.text, "logprobs": None, "finish_reason": g.finish}
         return web.json_response({"id": rid, "object": "text_completion", "created": created,
                                   "model": self.served.name, "choices": [choice], "usage": usage})
+
+    @staticmethod
+    async def _finish_while_connected(request: web.Request, g: Generation) -> bool:
+        """Run ``g`` to its end; False when the client closed the connection first (then ``g`` is cancelled in the
+        executor: aiohttp does not cancel a handler whose client left, and a non-streaming request writes nothing
+        that would fail, so without this look it would generate until its deadline)."""
+        async def drain():
+            async for _ in g.deltas():
+                pass
+
+        task = asyncio.ensure_future(drain())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and (request.transport is None or request.transport.is_closing()):
+                    g.cancel()
+                    await task  # the executor's final response for the cancelled request
+                    return False
+            await task  # its exception (an executor error) is the handler's
+            return True
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def _stream(self, request, g: Generation, rid: str, created: int, chat: bool, include_usage: bool):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

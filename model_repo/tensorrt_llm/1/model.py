@@ -32,7 +32,7 @@ class TritonPythonModel:
         from trtpipe.serving import triton_adapter
         from trtpipe.serving.executor import Executor
         from trtpipe.serving.reference_engine import ReferenceEngine
-        from trtpipe.triton import stub_watchdog
+        from trtpipe.triton import executor_guard, stub_watchdog
 
         # A send to a dead tritonserver blocks holding the GIL: only another process can end this stub then.
         if stub_watchdog.start() is None:
@@ -50,7 +50,10 @@ class TritonPythonModel:
             self.engine = start_leader(str(self.settings.engine_dir), run_dir)
         else:
             self.engine = ReferenceEngine(load_checkpoint(self.settings.engine_dir / "checkpoint", device="cpu"))
-        self.executor = Executor(self.settings.executor, self.engine, threads=self.settings.cpu_threads)
+        self.executor = Executor(self.settings.executor, executor_guard.with_fault(self.engine),
+                                 threads=self.settings.cpu_threads)
+        # tritonserver cannot see this thread: a loop that dies stops the server, so readiness fails at once
+        executor_guard.guard(self.executor, pb_utils.Logger.log_error)
         params = config.get("parameters", {})
         self.cancel_period = int(triton_adapter.param(params, "cancellation_check_period_ms", "100")) / 1000
         self.stats_period = int(triton_adapter.param(params, "stats_check_period_ms", "100")) / 1000
