@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import subprocess
 import sys
@@ -166,7 +165,9 @@ def one(run: FamilyRun, algo: str) -> dict:
     try:
         recipe = load_recipe(path)
     except RecipeError as exc:
-        row["refused"] = "; ".join(f"{p.key}: {p.message}" for p in exc.problems)
+        # the synthetic model lives in a temporary directory: name it as the table does, not by its path
+        row["refused"] = "; ".join(f"{p.key}: {p.message}" for p in exc.problems).replace(
+            str(run.hf), f"<synthetic {run.family}>")
         return row
     start = time.perf_counter()
     try:

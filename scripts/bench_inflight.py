@@ -17,7 +17,6 @@ import argparse
 import http.client
 import json
 import random
-import statistics
 import sys
 import tempfile
 import threading

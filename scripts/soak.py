@@ -16,7 +16,7 @@ import random
 import sys
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 import psutil

@@ -13,7 +13,6 @@ runtime follows, does not apply FP8 KV scales; transformers does).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
