@@ -51,7 +51,7 @@ def compile_rows(rows: Sequence[dict], other_gb: float = Constants.other_gb) -> 
         except Exception as exc:  # a row the model cannot express stays unsupported, with the reason kept
             cases.append(None)
             errors.append(str(exc))
-    ok = np.array([c is not None for c in cases])
+    ok = np.array([c is not None for c in cases], dtype=bool)  # bool even with no rows (a mask, not floats)
     pr, pw, ts = [], [], []
     for i, c in enumerate(cases):
         for w, t in (c.parts if c else ()):
