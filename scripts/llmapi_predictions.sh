@@ -3,9 +3,9 @@
 # published rows, and the capacity answer (plan --slo) for gpt-oss-120b and Qwen3-235B-A22B.
 #   scripts/llmapi_predictions.sh [OUT_FILE]     (default: stdout; docs/results/llmapi_predictions.txt is its output)
 # Workload: ISL/OSL 1000/1000 (a shape the published tables have for all three models), closed loop at concurrency 64
-# (each recipe's max_batch_size) for predict; plan --slo at 8 req/s with TTFT p99 2 s and ITL p99 50 ms on the GPUs
-# the published rows cover (H100, H200, B200). Deterministic (seeded simulator, fitted constants in
-# trtpipe/perf/constants.json); ~10-20 min on 2 shared cores.
+# (each recipe's max_batch_size) for predict; plan --slo at 8 req/s with TTFT p99 2 s and ITL p99 50 ms on H100,
+# H200 and B200 (the published PyTorch-backend rows are on H100 and Blackwell). Deterministic (seeded simulator,
+# fitted constants in trtpipe/perf/constants.json); ~5-20 min on 2 shared cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${VENV:-.venv}/bin
