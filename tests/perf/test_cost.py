@@ -96,6 +96,21 @@ def test_step_time_formula_and_bound():
     assert np.allclose(step_time(arr, c), step_time(t, c))
 
 
+
+def test_gemm_time_grows_with_the_precisions_peak():
+    # the same GEMM seconds-at-peak take (1 + flop_drop x PFLOPS) / gemm_eff: B200 FP4 (9 PFLOPS) reaches a
+    # smaller fraction of its peak than H100 FP8 (1.98 PFLOPS); flop_drop 0 (the engine era) is the plain roofline
+    c = Constants(gemm_eff=0.5, attn_eff=1.0, serial=1.0, layer_us=0.0, seq_layer_us=0.0, flop_drop=0.1)
+    one = lambda pf, cc=c: step_time(Terms(mem=0, kv=0, gemm=1.0, attn=0, comm=0, seqs=0, layers=1,  # noqa: E731
+                                           peak_pf=pf), cc)
+    assert one(9.0) == pytest.approx(1.0 / 0.5 * 1.9, rel=1e-12)
+    assert one(0.0) == pytest.approx(2.0, rel=1e-12)
+    assert one(9.0, Constants(gemm_eff=0.5, layer_us=0.0, seq_layer_us=0.0)) == pytest.approx(2.0, rel=1e-12)
+    b200 = Deployment(published_spec("Llama 3.1 8B"), get_gpu("b200"), "fp4", "fp8")
+    h100 = Deployment(published_spec("Llama 3.1 8B"), get_gpu("h100"), "fp8", "fp8")
+    assert step_terms(b200, generation=[10]).peak_pf == pytest.approx(9.0)
+    assert step_terms(h100, generation=[10]).peak_pf == pytest.approx(1.979)
+
 def test_published_models_match_their_parameter_counts():
     # totals as the model cards state them (billions), within 3%
     for name, billions in (("Llama 3.1 70B", 70.6), ("Llama 3.1 8B", 8.03), ("Mixtral 8x7B", 46.7),

@@ -14,8 +14,8 @@ from click.testing import CliRunner
 
 from trtpipe.cli import main
 from trtpipe.perf import predict as P
-from trtpipe.perf.fit import load_constants
-from trtpipe.perf.published import PUBLISHED_CSV
+from trtpipe.perf.fit import load_constants, predict_rows
+from trtpipe.perf.published import PUBLISHED_CSV, read_rows
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 STORIES = RECIPES / "stories-llmapi-fp8.yaml"  # target: llmapi, shipped
@@ -88,3 +88,37 @@ def test_plan_slo_on_an_llmapi_recipe_answers_the_fewest_replicas_that_meet_it()
             fewer = [n for n in P.REPLICAS if n < o["replicas"]]
             if fewer:
                 assert not at(fewer[-1]), o["layout"]
+
+
+GPT_OSS = RECIPES / "gpt-oss-120b-mxfp4.yaml"  # shipped: tp4, moe_ep 4, MXFP4 experts as OpenAI ships them
+QWEN3_30B = RECIPES / "qwen3-30b-a3b-fp8.yaml"  # shipped: one H100; published only in FP4 on Blackwell
+
+
+def test_predict_gpt_oss_recipe_beside_its_published_rows():
+    res = cli("predict", str(GPT_OSS), *WORKLOAD, "--concurrency", "4", "--published", str(PUBLISHED_CSV), "--json")
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.output)
+    setup = P.recipe_setup(GPT_OSS, [])
+    d = setup.deployment
+    assert (d.tp, d.ep, d.model.mxfp4_experts) == (4, 4, True) and setup.family == "pytorch"
+    want = P.summary(setup, P.simulate(setup, load_constants()["pytorch"], 256, 32, concurrency=4))
+    assert {k: got[k] for k in want} == want
+    near = got["nearest_published"]
+    assert near and all(r["model"] == "GPT-OSS 120B" and r["gpu"] == "H100 SXM 80GB" for r in near), near
+    # the quoted predictions are the fitted model's for those rows' own published configuration
+    rows = [r for r in read_rows(PUBLISHED_CSV) if r["model"] == "GPT-OSS 120B" and r["gpu"] == "H100 SXM 80GB"]
+    by_row = {(r["trtllm_version"], r["isl"], r["osl"], r["backend"]): p for r, p in
+              zip(rows, predict_rows(rows, load_constants()))}
+    for r in near:
+        assert r["predicted"] == by_row[(r["trtllm_version"], r["isl"], r["osl"], r["backend"])]
+
+
+def test_predict_says_when_no_published_row_is_on_that_gpu():
+    res = cli("predict", str(QWEN3_30B), *WORKLOAD, "--concurrency", "2", "--published", str(PUBLISHED_CSV))
+    assert res.exit_code == 0, res.output
+    assert f"nearest published numbers: none for this model on {GPU}" in res.output
+    res = cli("predict", str(QWEN3_30B), "--set", "quantization.algo=nvfp4", "--gpu", "b200-180gb", *WORKLOAD,
+              "--concurrency", "2", "--published", str(PUBLISHED_CSV), "--json")
+    assert res.exit_code == 0, res.output
+    near = json.loads(res.output)["nearest_published"]
+    assert near and all(r["model"] == "Qwen3-30B-A3B" and r["gpu"] == "B200 180GB" for r in near)

@@ -156,10 +156,12 @@ class Terms:
     layers: float  # decoder layers on the stage (fixed per-layer costs)
     pp: int = 1
     route: float = 0.0  # routed token copies' activation bytes (MoE permute / unpermute) / peak HBM bandwidth
+    peak_pf: float = 0.0  # the precision's dense tensor peak in PFLOPS (what the achieved fraction of it depends on)
 
     def __add__(self, other: "Terms") -> "Terms":
         return Terms(self.mem + other.mem, self.kv + other.kv, self.gemm + other.gemm, self.attn + other.attn,
-                     self.comm + other.comm, self.seqs + other.seqs, self.layers, self.pp, self.route + other.route)
+                     self.comm + other.comm, self.seqs + other.seqs, self.layers, self.pp, self.route + other.route,
+                     self.peak_pf)
 
 
 @dataclass(frozen=True)
@@ -177,9 +179,11 @@ class Constants:
     pp_bubble: float = 0.1  # throughput lost per extra pipeline stage
     other_gb: float = 3.5  # GB per GPU the KV pool cannot use besides weights (context, workspaces, activations)
     route_cost: float = 0.0  # multiple of the routed copies' bytes at peak bandwidth a MoE layer spends moving them
+    flop_drop: float = 0.0  # GEMM time grows by this fraction per PFLOPS of the precision's dense tensor peak
 
-    # constants only the PyTorch backend's fit frees (the engine era's MoE rows are too few to pin them)
-    PYTORCH_ONLY = ("route_cost",)
+    # constants only the PyTorch backend's fit frees: the engine era's MoE rows are too few to pin route_cost, and
+    # its GPUs (A100, H100) and precisions (FP16, FP8, INT8) span 0.3-2 PFLOPS, too little to pin flop_drop
+    PYTORCH_ONLY = ("route_cost", "flop_drop")
 
     @classmethod
     def names(cls) -> list[str]:
@@ -190,7 +194,7 @@ def step_time(t: Terms, c: Constants):
     """Seconds of one step (works on numpy arrays of terms)."""
     import numpy as np
 
-    compute = t.gemm / c.gemm_eff + t.attn / c.attn_eff
+    compute = _gemm_time(t, c) + t.attn / c.attn_eff
     memory = t.mem / c.bw_eff + t.kv / c.kv_eff
     body = (np.maximum(memory, compute) + c.serial * np.minimum(memory, compute) + t.comm / c.link_eff
             + t.layers * c.layer_us * 1e-6)
@@ -198,9 +202,17 @@ def step_time(t: Terms, c: Constants):
     return body * (1 + c.pp_bubble * (t.pp - 1))
 
 
+def _gemm_time(t: Terms, c: Constants):
+    """GEMM seconds: one achieved fraction of peak does not hold from 1 PFLOPS (Hopper FP8, RTX PRO FP4) to 9-15
+    PFLOPS (B200/B300 FP4): the same M x N x K tiles finish sooner on the faster unit while the operand loads,
+    epilogues and (NVFP4) scale handling between them do not, so the fraction reached falls as the peak rises.
+    ``gemm_eff`` is the fraction an infinitely slow unit would reach, ``flop_drop`` the loss per PFLOPS."""
+    return t.gemm / c.gemm_eff * (1 + c.flop_drop * t.peak_pf)
+
+
 def bound(t: Terms, c: Constants) -> str:
     """What dominates a step: 'bandwidth', 'compute', 'communication' or 'overhead'."""
-    parts = {"bandwidth": t.mem / c.bw_eff + t.kv / c.kv_eff, "compute": t.gemm / c.gemm_eff + t.attn / c.attn_eff,
+    parts = {"bandwidth": t.mem / c.bw_eff + t.kv / c.kv_eff, "compute": _gemm_time(t, c) + t.attn / c.attn_eff,
              "communication": t.comm / c.link_eff, "routing": t.route * c.route_cost,
              "overhead": (t.layers * c.layer_us + t.seqs * t.layers * c.seq_layer_us) * 1e-6}
     return max(parts, key=parts.get)
@@ -276,4 +288,4 @@ def group_terms(d: Deployment, context: Sequence[tuple[int, int, float]], genera
     mem += head * 2 / bw if tokens else 0.0
     gemm += 2 * sampled * head / peak16
     seqs = sum(c for _, c in generation) + sum(c for _, _, c in context)
-    return Terms(mem, kvr, gemm, attn, comm, seqs, m.num_layers * frac, d.pp, route)
+    return Terms(mem, kvr, gemm, attn, comm, seqs, m.num_layers * frac, d.pp, route, d.gemm_peak / 1e15)

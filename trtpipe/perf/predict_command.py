@@ -47,11 +47,14 @@ def predict_command(recipe: Path, overrides: Iterable[str], gpu: Optional[str], 
     shares = ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(s["step_time_share"].items(), key=lambda x: -x[1]))
     click.echo(f"  bounds: step time by {s['step_time_bound']} ({shares}); batch by {s['batch_bound']} "
                f"(mean batch {s['mean_batch']})")
+    if published and not s["nearest_published"]:
+        click.echo(f"  nearest published numbers: none for this model on {setup.deployment.gpu.key} in {published}")
     if s.get("nearest_published"):
         click.echo("  nearest published numbers (their method), with this model's prediction for the same row:")
     for r in s.get("nearest_published", []):
         pred = "not predicted" if r["predicted"] is None else f"{r['predicted']:,.1f}"
-        click.echo(f"    {r['model']} {r['precision']} {r['gpu']} tp{r['tp']} {r['isl']}/{r['osl']} "
+        click.echo(f"    {r['model']} {r['precision']} {r['gpu']} tp{r['tp']} ep{r['ep'] or '-'} {r['backend']} "
+                   f"{r['isl']}/{r['osl']} "
                    f"{r['concurrency_or_batch']} (TRT-LLM {r['trtllm_version']}): {r['metric']} published "
                    f"{float(r['value']):,.1f}, predicted {pred}")
 
