@@ -122,3 +122,12 @@ def test_predict_says_when_no_published_row_is_on_that_gpu():
     assert res.exit_code == 0, res.output
     near = json.loads(res.output)["nearest_published"]
     assert near and all(r["model"] == "Qwen3-30B-A3B" and r["gpu"] == "B200 180GB" for r in near)
+
+
+@pytest.mark.parametrize("tp, want_ep", [(1, 1), (2, 2), (4, 4), (8, 8)])
+def test_plan_layouts_keep_the_recipes_expert_split_on_fewer_or_more_gpus(tp, want_ep):
+    """gpt-oss-120b's recipe keeps each expert whole (moe_ep 4 = tp 4, moe_tp 1): plan --slo's layouts with another
+    tp spread the whole experts over all their GPUs, instead of carrying moe_ep 4 into a layout it cannot fit
+    (which refused the one- and two-GPU layouts)."""
+    setup = P.recipe_setup(RECIPES / "gpt-oss-120b-mxfp4.yaml", gpu="b200-180gb", tp=tp)
+    assert (setup.deployment.tp, setup.deployment.ep) == (tp, want_ep)

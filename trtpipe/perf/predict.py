@@ -52,12 +52,28 @@ class Setup:
                                self.kv_tokens, self.tokens_per_block, self.chunked)
 
 
+def _expert_split(recipe_path: Path, overrides: Iterable[str], tp: int) -> list[str]:
+    """The MoE sizes of a layout with ``tp`` GPUs instead of the recipe's: each expert split as the recipe splits it
+    (its moe_tp; whole experts where that does not divide ``tp``), the experts spread over the rest. Keeping the
+    recipe's moe_ep instead would refuse every smaller layout (moe_ep x moe_tp must equal tp), so ``plan --slo``
+    never tried gpt-oss-120b (moe_ep 4) on one or two GPUs."""
+    from trtpipe.validation import load_recipe
+
+    p = load_recipe(recipe_path, list(overrides), check_rules=False).parallel
+    if p.moe_ep == -1 and p.moe_tp == -1:
+        return []  # no expert parallelism: experts split like the rest (moe_tp = tp)
+    keep = resolve_moe_sizes(p.tp, p.moe_ep, p.moe_tp)[1]
+    moe_tp = keep if tp % keep == 0 else 1
+    return [f"parallel.moe_tp={moe_tp}", f"parallel.moe_ep={tp // moe_tp}"]
+
+
 def recipe_setup(recipe_path: Path, overrides: Iterable[str] = (), gpu: Optional[str] = None,
                  model_config: Optional[Path] = None, tp: Optional[int] = None) -> Setup:
     """The deployment and engine limits a recipe builds, with the memory planner's KV pool."""
     from trtpipe.engine import planning
 
-    ov = list(overrides) + ([f"parallel.tp={tp}", f"engine.workers={tp}"] if tp else [])
+    ov = list(overrides) + ([f"parallel.tp={tp}", f"engine.workers={tp}"] + _expert_split(recipe_path, overrides, tp)
+                            if tp else [])
     r = planning.resolve(recipe_path, ov, gpu=gpu, model_config=model_config)
     rec = r.recipe
     if not r.plan.fits:
