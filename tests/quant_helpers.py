@@ -72,3 +72,56 @@ def self_tokens(ckpt: Path, n: int, seq_len: int, seed: int) -> torch.Tensor:
     model = load_checkpoint(ckpt)
     prompts = torch.ones(n, 1, dtype=torch.long)
     return torch.cat([prompts, batched_decode(model, prompts, seq_len - 1, 1.0, seed)], dim=1)
+
+
+def modelopt_unified_export(mtq, export_hf_checkpoint, hf_dir: Path, cfg: dict, tokens: torch.Tensor,
+                            out: Path) -> Path:
+    """ModelOpt's own unified HF export of ``hf_dir`` (bf16), quantized with ``cfg`` by ``mtq.quantize`` on the
+    same calibration batches (of 8) our pipeline saw: the oracle of the unified-export layout tests."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).eval()
+
+    def loop(m):
+        with torch.no_grad():
+            for b in tokens.split(8):
+                m(b)
+
+    mtq.quantize(model, cfg, loop)
+    export_hf_checkpoint(model, export_dir=out, dtype=torch.bfloat16)
+    return out
+
+
+def safetensors_of(d: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a one-file export (``model.safetensors``)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(d / "model.safetensors"))
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, for byte-identical comparisons whatever its dtype."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same_layout(ours: Path, theirs: Path, ignore: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """Our export and ModelOpt's hold the same files (``ignore``: files only ours writes, e.g. the tokenizer), the
+    same tensor names, dtypes and shapes; returns both tensor dicts for the finer checks."""
+    mine = {p.name for p in ours.iterdir()} - set(ignore) - {"generation_config.json"}
+    assert mine == {p.name for p in theirs.iterdir()} - {"generation_config.json"}
+    a, b = safetensors_of(ours), safetensors_of(theirs)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert (a[k].dtype, a[k].shape) == (b[k].dtype, b[k].shape), k
+    return a, b
+
+
+def synthetic_moe_case(root: Path) -> tuple[Path, Path, torch.Tensor]:
+    """The synthetic Qwen3-MoE the MoE quantization tests share (seed 2): its HF directory, its bf16 TRT-LLM
+    checkpoint and 8 x 32 calibration tokens (seed 9)."""
+    from trtpipe.checkpoint.convert import convert
+    from trtpipe.models.synthetic import make_synthetic
+
+    hf = make_synthetic("qwen3_moe", root / "hf", seed=2)
+    base = convert(hf, root / "base", tp=1, dtype="bfloat16")
+    return hf, base, torch.randint(3, 250, (8, 32), generator=torch.Generator().manual_seed(9))

@@ -17,9 +17,8 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from quant_helpers import our_stats
+from quant_helpers import assert_same_layout, modelopt_unified_export, our_stats, raw_bytes, safetensors_of
 from trtpipe.checkpoint.convert import TOKENIZER_FILES, convert
 from trtpipe.checkpoint.quant_primitives import pack_int4_rows, quantize, unpack_int4_rows
 from trtpipe.export.unified import export_unified
@@ -44,7 +43,6 @@ def case(tmp_path_factory):
     mtq = pytest.importorskip("modelopt.torch.quantization", reason="ModelOpt 0.47.0 not installed (pip install "
                               "-e '.[oracle]')")
     from modelopt.torch.export import export_hf_checkpoint
-    from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("gemma3_oracle")
     hf = make_synthetic("gemma3", root / "hf", seed=3, vocab_size=512)
@@ -60,7 +58,6 @@ def case(tmp_path_factory):
         export_unified(base, hf, stats[GROUP if int4 else None], out, algo=algo, kv_cache=kv, group_size=GROUP,
                        alpha=0.5, exclude=["*lm_head"])
         ours[mode] = out
-        model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16).eval()
         cfgs = [copy.deepcopy(getattr(mtq, n)) for n in cfg_names]
         cfg = cfgs[0]
         for extra in cfgs[1:]:
@@ -71,34 +68,14 @@ def case(tmp_path_factory):
                 if int4 and isinstance(cc, dict) and "block_sizes" in cc:
                     cc["block_sizes"] = {-1: GROUP, "type": "static"}
 
-        def loop(m):
-            with torch.no_grad():
-                for b in tokens.split(8):
-                    m(b)
-
-        mtq.quantize(model, cfg, loop)
-        export_hf_checkpoint(model, export_dir=root / f"modelopt_{mode}", dtype=torch.bfloat16)
-        theirs[mode] = root / f"modelopt_{mode}"
+        theirs[mode] = modelopt_unified_export(mtq, export_hf_checkpoint, hf, cfg, tokens, root / f"modelopt_{mode}")
     return dict(hf=hf, base=base, ours=ours, theirs=theirs)
-
-
-def _tensors(d):
-    return load_file(str(d / "model.safetensors"))
-
-
-def _bytes(t):
-    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_same_files_names_dtypes_shapes_and_configs(case, mode):
     a_dir, b_dir = case["ours"][mode], case["theirs"][mode]
-    ours = {p.name for p in a_dir.iterdir()} - set(TOKENIZER_FILES) - {"generation_config.json"}
-    assert ours == {p.name for p in b_dir.iterdir()} - {"generation_config.json"}
-    a, b = _tensors(a_dir), _tensors(b_dir)
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert (a[k].dtype, a[k].shape) == (b[k].dtype, b[k].shape), k
+    a, b = assert_same_layout(a_dir, b_dir, ignore=TOKENIZER_FILES)
     qa, qb = (json.loads((d / "hf_quant_config.json").read_text())["quantization"] for d in (a_dir, b_dir))
     assert qa == qb and qa["exclude_modules"] == ["lm_head"]
     ca, cb = (json.loads((d / "config.json").read_text()) for d in (a_dir, b_dir))
@@ -112,13 +89,13 @@ def test_same_files_names_dtypes_shapes_and_configs(case, mode):
 
 @pytest.mark.parametrize("mode", ["fp8_kv", "nvfp4"])
 def test_codes_scales_norms_and_embedding_byte_identical(case, mode):
-    a, b = _tensors(case["ours"][mode]), _tensors(case["theirs"][mode])
+    a, b = safetensors_of(case["ours"][mode]), safetensors_of(case["theirs"][mode])
     codes = norms = 0
     for k in a:
         if k.endswith((".input_scale", ".k_scale", ".v_scale")):
             torch.testing.assert_close(a[k], b[k], rtol=TOL, atol=0)
             continue
-        assert torch.equal(_bytes(a[k]), _bytes(b[k])), k
+        assert torch.equal(raw_bytes(a[k]), raw_bytes(b[k])), k
         codes += k.endswith(".weight") and a[k].dtype in (torch.float8_e4m3fn, torch.uint8)
         norms += k.endswith("norm.weight")
     assert codes == LAYERS * 7  # q, k, v, o, gate, up, down
@@ -137,7 +114,7 @@ def test_int4_packing_identical_for_identical_scales(case):
     from transformers import AutoModelForCausalLM
 
     orig = AutoModelForCausalLM.from_pretrained(case["hf"], dtype=torch.bfloat16).state_dict()
-    b = _tensors(case["theirs"]["int4_awq"])
+    b = safetensors_of(case["theirs"]["int4_awq"])
     checked = stored = 0
     for k, t in b.items():
         if t.dtype != torch.uint8:

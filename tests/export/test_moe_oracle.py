@@ -19,12 +19,11 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from quant_helpers import our_stats
-from trtpipe.checkpoint.convert import TOKENIZER_FILES, convert
+from quant_helpers import (assert_same_layout, modelopt_unified_export, our_stats, raw_bytes, safetensors_of,
+                           synthetic_moe_case)
+from trtpipe.checkpoint.convert import TOKENIZER_FILES
 from trtpipe.export.unified import export_unified
-from trtpipe.models.synthetic import make_synthetic
 
 pytestmark = [pytest.mark.oracle, pytest.mark.slow]
 
@@ -37,12 +36,9 @@ TOL = 2**-5  # bf16 forward (ModelOpt) against float32 (ours), as in the dense o
 def case(tmp_path_factory):
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_hf_checkpoint
-    from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("moe_oracle")
-    hf = make_synthetic("qwen3_moe", root / "hf", seed=2)
-    base = convert(hf, root / "base", tp=1, dtype="bfloat16")
-    tokens = torch.randint(3, 250, (8, 32), generator=torch.Generator().manual_seed(9))
+    hf, base, tokens = synthetic_moe_case(root)
     stats = our_stats(base, tokens, root / "stats")
     ours, theirs = {}, {}
     for mode, cfg_names in MODES.items():
@@ -51,37 +47,15 @@ def case(tmp_path_factory):
         export_unified(base, hf, stats, out, algo=mode, kv_cache="none", group_size=128, alpha=0.5,
                        exclude=["*lm_head"])
         ours[mode] = out
-        model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16).eval()
         cfg = copy.deepcopy(getattr(mtq, cfg_names[0]))
-
-        def loop(m):
-            with torch.no_grad():
-                for b in tokens.split(8):
-                    m(b)
-
-        mtq.quantize(model, cfg, loop)
-        export_hf_checkpoint(model, export_dir=root / f"modelopt_{mode}", dtype=torch.bfloat16)
-        theirs[mode] = root / f"modelopt_{mode}"
+        theirs[mode] = modelopt_unified_export(mtq, export_hf_checkpoint, hf, cfg, tokens, root / f"modelopt_{mode}")
     return dict(hf=hf, base=base, ours=ours, theirs=theirs)
-
-
-def _tensors(d):
-    return load_file(str(d / "model.safetensors"))
-
-
-def _bytes(t):
-    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_same_files_names_dtypes_shapes_and_configs(case, mode):
     a_dir, b_dir = case["ours"][mode], case["theirs"][mode]
-    ours = {p.name for p in a_dir.iterdir()} - set(TOKENIZER_FILES) - {"generation_config.json"}
-    assert ours == {p.name for p in b_dir.iterdir()} - {"generation_config.json"}
-    a, b = _tensors(a_dir), _tensors(b_dir)
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert (a[k].dtype, a[k].shape) == (b[k].dtype, b[k].shape), k
+    a, b = assert_same_layout(a_dir, b_dir, ignore=TOKENIZER_FILES)
     assert sum(".experts." in k and k.endswith(".weight") for k in a) == LAYERS * EXPERTS * 3
     assert a["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16  # the router, unquantized
     qa, qb = (json.loads((d / "hf_quant_config.json").read_text())["quantization"] for d in (a_dir, b_dir))
@@ -93,12 +67,12 @@ def test_same_files_names_dtypes_shapes_and_configs(case, mode):
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_codes_and_weight_scales_byte_identical(case, mode):
-    a, b = _tensors(case["ours"][mode]), _tensors(case["theirs"][mode])
+    a, b = safetensors_of(case["ours"][mode]), safetensors_of(case["theirs"][mode])
     codes = 0
     for k in a:
         if k.endswith(".input_scale"):
             continue
-        assert torch.equal(_bytes(a[k]), _bytes(b[k])), k
+        assert torch.equal(raw_bytes(a[k]), raw_bytes(b[k])), k
         codes += k.endswith(".weight") and a[k].dtype in (torch.float8_e4m3fn, torch.uint8)
     assert codes == LAYERS * (4 + EXPERTS * 3)  # q, k, v, o and every expert's gate, up, down
     if mode == "nvfp4":
@@ -109,7 +83,7 @@ def test_codes_and_weight_scales_byte_identical(case, mode):
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_input_scales(case, mode):
-    a, b = _tensors(case["ours"][mode]), _tensors(case["theirs"][mode])
+    a, b = safetensors_of(case["ours"][mode]), safetensors_of(case["theirs"][mode])
     for i in range(LAYERS):
         for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
             k = f"model.layers.{i}.self_attn.{p}.input_scale"

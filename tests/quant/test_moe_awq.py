@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from numerics import assert_same_model
-from quant_helpers import our_quant, our_stats
+from quant_helpers import our_quant, our_stats, synthetic_moe_case
 from trtpipe.checkpoint.convert import convert
 from trtpipe.checkpoint.quant_primitives import observe_amax, unpack_int4_rows
 from trtpipe.export.unified import export_unified
@@ -54,9 +54,7 @@ def _export(base, hf, stats, out):
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_awq")
-    hf = make_synthetic("qwen3_moe", root / "hf", seed=2)
-    base = convert(hf, root / "base", tp=1, dtype="bfloat16")
-    tokens = torch.randint(3, 250, (8, 32), generator=torch.Generator().manual_seed(9))
+    hf, base, tokens = synthetic_moe_case(root)
     stats = our_stats(base, tokens, root / "stats", awq_group_size=G)
     idle_stats = our_stats(base, tokens[:1, :2], root / "idle_stats", awq_group_size=G)  # 2 tokens, top-2 of 8
     return dict(hf=hf, base=base, root=root, stats=stats, idle_stats=idle_stats,
