@@ -125,3 +125,18 @@ def synthetic_moe_case(root: Path) -> tuple[Path, Path, torch.Tensor]:
     hf = make_synthetic("qwen3_moe", root / "hf", seed=2)
     base = convert(hf, root / "base", tp=1, dtype="bfloat16")
     return hf, base, torch.randint(3, 250, (8, 32), generator=torch.Generator().manual_seed(9))
+
+
+def modelopt_config(mtq, names, int4_group: Optional[int] = None) -> dict:
+    """ModelOpt's named configs merged in order (e.g. an algorithm and ``FP8_KV_CFG``), with INT4 weight groups of
+    ``int4_group`` where given (ModelOpt's defaults are 128)."""
+    cfgs = [copy.deepcopy(getattr(mtq, n)) for n in names]
+    cfg = cfgs[0]
+    for extra in cfgs[1:]:
+        cfg["quant_cfg"] = list(cfg["quant_cfg"]) + list(extra["quant_cfg"])
+    for entry in cfg["quant_cfg"] if int4_group else ():
+        c = entry.get("cfg")
+        for cc in c if isinstance(c, list) else [c]:
+            if isinstance(cc, dict) and "block_sizes" in cc:
+                cc["block_sizes"] = {-1: int4_group, "type": "static"}
+    return cfg

@@ -12,13 +12,12 @@ forward pass against our float32 one, as in the dense oracle (tests/export/test_
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 import torch
 
-from quant_helpers import assert_same_layout, modelopt_unified_export, our_stats, raw_bytes, safetensors_of
+from quant_helpers import assert_same_layout, modelopt_config, modelopt_unified_export, our_stats, raw_bytes, safetensors_of
 from trtpipe.checkpoint.convert import TOKENIZER_FILES, convert
 from trtpipe.checkpoint.quant_primitives import pack_int4_rows, quantize, unpack_int4_rows
 from trtpipe.export.unified import export_unified
@@ -58,16 +57,7 @@ def case(tmp_path_factory):
         export_unified(base, hf, stats[GROUP if int4 else None], out, algo=algo, kv_cache=kv, group_size=GROUP,
                        alpha=0.5, exclude=["*lm_head"])
         ours[mode] = out
-        cfgs = [copy.deepcopy(getattr(mtq, n)) for n in cfg_names]
-        cfg = cfgs[0]
-        for extra in cfgs[1:]:
-            cfg["quant_cfg"] = list(cfg["quant_cfg"]) + list(extra["quant_cfg"])
-        for entry in cfg["quant_cfg"]:
-            c = entry.get("cfg")
-            for cc in c if isinstance(c, list) else [c]:
-                if int4 and isinstance(cc, dict) and "block_sizes" in cc:
-                    cc["block_sizes"] = {-1: GROUP, "type": "static"}
-
+        cfg = modelopt_config(mtq, cfg_names, int4_group=GROUP if int4 else None)
         theirs[mode] = modelopt_unified_export(mtq, export_hf_checkpoint, hf, cfg, tokens, root / f"modelopt_{mode}")
     return dict(hf=hf, base=base, ours=ours, theirs=theirs)
 

@@ -11,7 +11,6 @@ ModelOpt's bf16 forward pass against our float32 one.
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from quant_helpers import our_stats, self_tokens
+from quant_helpers import modelopt_config, modelopt_unified_export, our_stats, self_tokens
 from trtpipe.checkpoint.convert import TOKENIZER_FILES, convert
 from trtpipe.checkpoint.quant_primitives import pack_int4_rows, quantize
 from trtpipe.export.unified import export_unified
@@ -57,31 +56,11 @@ def modelopt():
 
 def _modelopt_export(mtq, export, hf: Path, tokens: torch.Tensor, mode: str, out: Path, group: int,
                      disable: tuple[str, ...]) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16).eval()
-    cfgs = [copy.deepcopy(getattr(mtq, n)) for n in MODES[mode][2]]
-    cfg = cfgs[0]
-    for extra in cfgs[1:]:
-        cfg["quant_cfg"] = list(cfg["quant_cfg"]) + list(extra["quant_cfg"])
     int4 = MODES[mode][0] in ("int4_awq", "w4a8_awq")
-    blocked = MODES[mode][0] in BLOCKED
-    for entry in cfg["quant_cfg"]:
-        c = entry.get("cfg")
-        for cc in c if isinstance(c, list) else [c]:
-            if int4 and isinstance(cc, dict) and "block_sizes" in cc:
-                cc["block_sizes"] = {-1: group, "type": "static"}
-    for m in disable if blocked else ():
+    cfg = modelopt_config(mtq, MODES[mode][2], int4_group=group if int4 else None)
+    for m in disable if MODES[mode][0] in BLOCKED else ():
         cfg["quant_cfg"].append({"quantizer_name": f"*{m}*", "enable": False})
-
-    def loop(mm):
-        with torch.no_grad():
-            for b in tokens.split(8):
-                mm(b)
-
-    mtq.quantize(model, cfg, loop)
-    export(model, export_dir=out, dtype=torch.bfloat16)
-    return out
+    return modelopt_unified_export(mtq, export, hf, cfg, tokens, out)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
