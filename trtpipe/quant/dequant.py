@@ -62,6 +62,13 @@ def unpack_int32(packed: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return codes.flatten(-2).movedim(-1, dim)
 
 
+def unpack_awq_words(words: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ GEMM int32 words ``[r, c]`` -> int64 codes 0..15 ``[r, 8c]`` in output-column order (the
+    interleaved nibble order undone)."""
+    codes = unpack_int32(words, 1).unflatten(1, (words.shape[1], NIBBLES))
+    return codes[..., torch.tensor(AWQ_REVERSE_ORDER)].flatten(1)
+
+
 def _need(t: dict, key: str, what: str, fmt: str) -> torch.Tensor:
     if key not in t:
         raise CheckpointError(f"tensor '{what}.{key}' is missing ({fmt})")
@@ -130,13 +137,7 @@ def awq_gemm(t: dict, what: str, group_size: int) -> torch.Tensor:
         raise CheckpointError(f"tensor '{what}.scales' has shape {list(s.shape)}: group size {g}, the config says "
                               f"{group_size} ({fmt})")
     _shape(qz, "qzeros", (s.shape[0], out_f // NIBBLES), what, fmt, torch.int32)
-    order = torch.tensor(AWQ_REVERSE_ORDER)
-
-    def unpack(words: torch.Tensor) -> torch.Tensor:  # [r, c] -> [r, 8c], undoing the interleaved order
-        codes = unpack_int32(words, 1).unflatten(1, (words.shape[1], NIBBLES))
-        return codes[..., order].flatten(1).float()
-
-    q, z = unpack(qw), unpack(qz).repeat_interleave(g, dim=0)
+    q, z = unpack_awq_words(qw).float(), unpack_awq_words(qz).float().repeat_interleave(g, dim=0)
     return ((q - z) * s.float().repeat_interleave(g, dim=0)).t().contiguous()
 
 

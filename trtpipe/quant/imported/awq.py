@@ -23,12 +23,11 @@ import torch
 
 from trtpipe.checkpoint.quant_primitives import pack_int4_rows
 from trtpipe.errors import CheckpointError
+from trtpipe.quant.dequant import unpack_awq_words
 from trtpipe.quant.imported.canonical import check_stored
 from trtpipe.quant.imported.formats import CONVERTED, REFUSED, Action, ImportedFormat
-from trtpipe.quant.imported.gptq import unpack_along_cols
 
 KNOWN = {"qweight", "qzeros", "scales", "bias"}
-AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # output column 8c + j sits in nibble slot AWQ_REVERSE_ORDER[j]
 LLMAPI = Action(REFUSED, "TensorRT-LLM 1.2's PyTorch backend loads no AutoAWQ checkpoint (its W4A16_AWQ kernel has "
                          "no zero point); use target: engine, or a ModelOpt W4A16_AWQ checkpoint")
 
@@ -57,12 +56,6 @@ def parse(model_dir: Path, qc: dict, where: str) -> ImportedFormat:
                           where, {"zero_point": True})
 
 
-def unpack_gemm(packed: torch.Tensor) -> torch.Tensor:
-    """int32 ``[R, C]`` AutoAWQ GEMM words -> int16 ``[R, 8C]`` codes 0..15 in output order."""
-    n = unpack_along_cols(packed)
-    return n.reshape(n.shape[0], -1, 8)[:, :, list(AWQ_REVERSE_ORDER)].reshape(n.shape)
-
-
 def canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, where: str, out_f: int,
               in_f: int) -> dict[str, torch.Tensor]:
     """One AutoAWQ GEMM projection -> W4A16_AWQ tensors with ``zero_point``, exactly (or a refusal naming the
@@ -80,7 +73,7 @@ def canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, wher
                 "zero_point": torch.empty(out_f, in_f // g, dtype=torch.int8, device="meta")}
     if "bias" in t and bool(t["bias"].any()):
         raise CheckpointError(f"{what}.bias' is not zero; biases of quantized projections are not imported")
-    q = (unpack_gemm(t["qweight"]) - 8).to(torch.int8).t().contiguous()  # [out, in], -8..7
-    z = (unpack_gemm(t["qzeros"]) - 8).to(torch.int8).t().contiguous()  # [out, in/g], -8..7
+    q = (unpack_awq_words(t["qweight"]) - 8).to(torch.int8).t().contiguous()  # [out, in], -8..7
+    z = (unpack_awq_words(t["qzeros"]) - 8).to(torch.int8).t().contiguous()  # [out, in/g], -8..7
     return {"weight": pack_int4_rows(q).view(torch.uint8), "weight_scale": t["scales"].float().t().contiguous(),
             "zero_point": z}

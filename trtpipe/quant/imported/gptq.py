@@ -25,12 +25,11 @@ import torch
 
 from trtpipe.checkpoint.quant_primitives import pack_int4_rows
 from trtpipe.errors import CheckpointError
-from trtpipe.export.compressed import unpack_int32_to_int4
+from trtpipe.quant.dequant import GPTQ_V1_ZERO_OFFSET, unpack_int32
 from trtpipe.quant.imported.canonical import check_stored
 from trtpipe.quant.imported.formats import CONVERTED, REFUSED, RELAID, Action, ImportedFormat
 
 KNOWN = {"qweight", "qzeros", "scales", "g_idx", "bias"}
-V1_WORD = 0x11111111  # what the v1 format subtracts from every 4-bit qzeros word
 NO_ZERO_POINT = ("TensorRT-LLM 1.2's PyTorch W4A16_AWQ kernel has no zero point (zeros=None); use target: engine, "
                  "or a symmetric checkpoint")
 
@@ -64,16 +63,6 @@ def parse(model_dir: Path, qc: dict, where: str) -> ImportedFormat:
                           {"v1": fmt == "gptq", "zero_point": not sym})
 
 
-def unpack_along_rows(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [R, C] with 8 nibbles per word (LSB first) along dim 0 -> int16 [8R, C] codes 0..15."""
-    return unpack_along_cols(packed.t()).t()
-
-
-def unpack_along_cols(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [R, C] with 8 nibbles per word along dim 1 -> int16 [R, 8C] codes 0..15."""
-    return (unpack_int32_to_int4(packed, packed.shape[1] * 8) + 8).to(torch.int16)
-
-
 def canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, where: str, out_f: int,
               in_f: int) -> dict[str, torch.Tensor]:
     """One GPTQ projection -> ModelOpt W4A16_AWQ tensors, exactly (or a refusal naming the tensor)."""
@@ -94,14 +83,14 @@ def canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, wher
     if "g_idx" in t and not torch.equal(t["g_idx"].to(torch.int64), torch.arange(in_f) // g):
         raise CheckpointError(f"{what}.g_idx' is not contiguous (act-order groups): TensorRT-LLM's kernels have no "
                               "g_idx; re-quantize without desc_act or with static_groups")
-    zeros = unpack_along_cols(true_zero_words(t["qzeros"], fmt.params.get("v1")))  # [in/g, out], 0..15
+    zeros = unpack_int32(true_zero_words(t["qzeros"], fmt.params.get("v1")), 1)  # [in/g, out], 0..15
     if not fmt.params.get("zero_point") and not bool((zeros == 8).all()):
         r, c = (zeros != 8).nonzero()[0].tolist()
         raise CheckpointError(f"{what}.qzeros' holds zero point {int(zeros[r, c])} at group {r}, column {c}: not "
                               "symmetric (8) as config.json's sym: true says")
     if "bias" in t and bool(t["bias"].any()):
         raise CheckpointError(f"{what}.bias' is not zero; biases of quantized projections are not imported")
-    q = (unpack_along_rows(t["qweight"]) - 8).to(torch.int8).t().contiguous()  # [out, in], -8..7
+    q = (unpack_int32(t["qweight"], 0) - 8).to(torch.int8).t().contiguous()  # [out, in], -8..7
     out = {"weight": pack_int4_rows(q).view(torch.uint8), "weight_scale": t["scales"].float().t().contiguous()}
     if fmt.params.get("zero_point"):
         out["zero_point"] = (zeros - 8).to(torch.int8).t().contiguous()  # [out, in/g], -8..7
@@ -113,5 +102,5 @@ def true_zero_words(qzeros: torch.Tensor, v1: bool) -> torch.Tensor:
     as GPTQModel's ``convert_gptq_v1_to_v2_format_module`` does on load."""
     if not v1:
         return qzeros
-    w = (qzeros.to(torch.int64) + V1_WORD) & 0xFFFFFFFF
+    w = (qzeros.to(torch.int64) + GPTQ_V1_ZERO_OFFSET) & 0xFFFFFFFF
     return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
