@@ -36,6 +36,7 @@ from trtpipe.checkpoint.quant_primitives import choose_qparams, observe_amax, qu
 from trtpipe.errors import QuantizationError
 from trtpipe.export.unified import HFNames, ShardParts, global_tensors, hf_config
 from trtpipe.quant.calibrate import load_layer_stats
+from trtpipe.quant.dequant import unpack_int32
 from trtpipe.quant.quantize import TORCH_DTYPES
 from trtpipe.quant.writer import TrtllmSource, excluded_fn
 
@@ -77,9 +78,7 @@ def pack_int4_to_int32(q: torch.Tensor) -> torch.Tensor:
 
 def unpack_int32_to_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
     """Inverse of :func:`pack_int4_to_int32`: ``[out, ceil(in/8)]`` int32 -> ``[out, in]`` int8 codes."""
-    w = packed.to(torch.int64) & 0xFFFFFFFF
-    codes = (w.unsqueeze(-1) >> (4 * torch.arange(8, dtype=torch.int64))) & 0xF
-    return (codes.reshape(packed.shape[0], -1)[:, :in_features] - 8).to(torch.int8)
+    return (unpack_int32(packed, 1)[:, :in_features] - 8).to(torch.int8)
 
 
 def _ct_linear(algo: str, w: torch.Tensor, act_amax: Optional[torch.Tensor], group_size: int,
