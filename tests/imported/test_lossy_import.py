@@ -19,6 +19,7 @@ from trtpipe.errors import CheckpointError
 from trtpipe.quant.imported import lossy
 from trtpipe.quant.imported.detect import detect
 from trtpipe.quant.imported.trtllm import ImportedLinears
+from trtpipe.recipe.schema import LossyImportStep
 from trtpipe.validation import check_recipe, load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +30,10 @@ def _problems(tmp_path: Path, source: Path, model: str = "", target: str = "engi
     p = tmp_path / f"{target}.yaml"
     p.write_text(f"name: t\nwork_dir: {tmp_path / 'w'}\ntarget: {target}\nmodel:\n  source: {source}\n{model}")
     return [(x.key, x.message) for x in check_recipe(load_recipe(p, check_rules=False))]
+
+
+def test_the_schema_offers_exactly_the_steps_the_converter_names():
+    assert set(LossyImportStep.__args__) == set(lossy.STEPS)
 
 
 @pytest.mark.parametrize("name", ["modelopt-fp8-stories", "llmc-fp8_static-stories"])
