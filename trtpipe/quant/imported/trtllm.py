@@ -17,7 +17,7 @@ scaling_factor``, clamped to >= 1 as trtpipe's own writer and ModelOpt's TensorR
 INT8 W8A8 (per-channel weights, dynamic per-token activations) becomes TensorRT-LLM's plugin SmoothQuant layout,
 ``W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN``, as the legacy Llama converter writes it (``get_tllm_linear_sq_weight``
 with ``per_token`` and ``per_channel``, ``tensorrt_llm/models/llama/convert.py``, NVIDIA/TensorRT-LLM@04a2cacb), for
-the layers ``smooth_quantize_plugin`` swaps in (``tensorrt_llm/quantization/quantize.py``, NVIDIA/TensorRT-LLM@0614867;
+the layers ``smooth_quantize_plugin`` swaps in (``tensorrt_llm/quantization/quantize.py``, NVIDIA/TensorRT-LLM@06148676;
 ``SmoothQuantLinear`` / ``SmoothQuantRowLinear`` / ``SmoothQuantRmsNorm``, ``tensorrt_llm/quantization/layers.py``,
 NVIDIA/TensorRT-LLM@027cd518):
 
