@@ -193,3 +193,13 @@ def test_w8a8_with_a_decoder_linear_left_unquantized_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.o_proj is left unquantized, .* ignores "
                                               r"exclude_modules"):
         convert_source(src, tmp_path / "ckpt")
+
+
+def test_twin_refuses_a_plugin_smoothquant_checkpoint_without_its_smoother(tmp_path):
+    ckpt = convert_source(prequantized(NAME), tmp_path / "ckpt")
+    t = load_file(str(ckpt / "rank0.safetensors"))
+    del t["transformer.layers.0.attention.dense.smoother"]
+    save_file(t, str(ckpt / "rank0.safetensors"))
+    with pytest.raises(CheckpointError, match=r"tensor 'transformer\.layers\.0\.attention\.dense\.smoother' is missing "
+                                              rf"for quant_algo {ALGO}"):
+        load_checkpoint(ckpt)
