@@ -167,8 +167,8 @@ def token_fp8(x: torch.Tensor, scale_ub: Optional[float] = None) -> torch.Tensor
 INT8_TOKEN_DIVISOR = {
     # compressed-tensors 0.19 calculate_qparams: max / ((q_max - q_min) / 2), half the 256-code range
     "compressed-tensors": 127.5,
-    # TensorRT-LLM quantize_per_token / the RmsNorm quantization plugin: amax / 127 (assumed from the kernels'
-    # documented rule; not read in the kernel source for 1.2)
+    # TensorRT-LLM quantize_per_token / the RmsNorm quantization plugin: amax / 127, rounded half to even and
+    # saturated (an assumption: the 1.2 kernel source was not read)
     "tensorrt-llm": 127.0,
 }
 
