@@ -11,8 +11,9 @@ install: $(VENV)/.trtpipe-installed
 $(VENV)/.trtpipe-installed: pyproject.toml scripts/install.sh
 	VENV=$(VENV) bash scripts/install.sh
 
+# Each test's time goes to build/test-results.xml (JUnit XML, what CI systems read); the 15 slowest are printed.
 test: install
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=15 --junitxml=build/test-results.xml
 	$(MAKE) test-portable
 
 # The numeric tests again with another CPU kernel set and thread count (AVX2 kernels, 2 torch threads): their

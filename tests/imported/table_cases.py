@@ -34,6 +34,9 @@ CASES = {
     "compressed-tensors INT8 W8A8": _ct({"type": "int", "num_bits": 8, "strategy": "channel", "symmetric": True},
                                         {"type": "int", "num_bits": 8, "strategy": "token", "dynamic": True},
                                         "int-quantized"),
+    "compressed-tensors INT8 W8A8 static per-tensor": _ct(
+        {"type": "int", "num_bits": 8, "strategy": "channel", "symmetric": True},
+        {"type": "int", "num_bits": 8, "strategy": "tensor", "dynamic": False}, "int-quantized"),
     "AutoAWQ GEMM": ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
                      None),
     "AutoAWQ GEMV": ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemv"},

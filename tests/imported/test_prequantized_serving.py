@@ -4,8 +4,10 @@ llmapi export (``trtpipe build`` of a ``target: llmapi`` recipe, served over HTT
 client). The greedy text equals the reference runtime's greedy on the source as stored (its dequantized weights,
 ``load_hf_checkpoint``) and, where transformers loads the checkpoint on CPU, transformers' greedy.
 
-Sources: ModelOpt 0.47 FP8 (engine: converted; llmapi: passed through) and llm-compressor W4A16 (engine:
-converted via W4A16_AWQ; llmapi: re-laid out), both of stories260k (tests/prequantized.py). ``trtpipe eval`` of
+Sources: ModelOpt 0.47 FP8 (engine: converted; llmapi: passed through), llm-compressor W4A16 (engine:
+converted via W4A16_AWQ; llmapi: re-laid out) and llm-compressor INT8 W8A8 (engine only: converted to the plugin
+SmoothQuant layout; its twin quantizes activations with TensorRT-LLM's amax / 127, the source as stored with
+compressed-tensors' amax / 127.5, and the greedy text is the same), all of stories260k (tests/prequantized.py). ``trtpipe eval`` of
 the engine target compares the producer's checkpoint with its unquantized original and gates on it.
 """
 
@@ -29,6 +31,8 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["Once upon a time", "The little dog"]
 NEW_TOKENS = 16
 SOURCES = ["modelopt-fp8-stories", "llmc-w4a16-stories"]
+# engine target only (its llmapi target is refused): INT8 W8A8, converted to the plugin SmoothQuant layout
+ENGINE_SOURCES = [*SOURCES, "llmc-w8a8_int8-stories"]
 # source -> model.allow_lossy_import of its engine recipe (ModelOpt FP8: q/k/v and gate/up scales differ)
 LOSSY = {"modelopt-fp8-stories": "[fp8_requantize]"}
 
@@ -88,9 +92,15 @@ def _built(name: str, tmp_path: Path, target: str) -> tuple[dict[str, str], Path
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("name", SOURCES)
+@pytest.mark.parametrize("name", ENGINE_SOURCES)
 def test_engine_twin_serves_the_sources_greedy_text(name, tmp_path):
     want, recipe = _built(name, tmp_path, "engine")
+    if name == "llmc-w8a8_int8-stories":  # the build config enables the SmoothQuant plugins for it
+        engine_cfg = json.loads(next((tmp_path / "work-engine").rglob("engine/**/config.json")).read_text())
+        plugins = engine_cfg["build_config"]["plugin_config"]
+        assert engine_cfg["pretrained_config"]["quantization"]["quant_algo"] == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"
+        assert (plugins["smooth_quant_gemm_plugin"], plugins["rmsnorm_quantization_plugin"],
+                plugins["quantize_per_token_plugin"]) == ("bfloat16", "bfloat16", True), plugins
     _cli("serve", str(recipe), "--detach")
     try:
         for prompt in PROMPTS:

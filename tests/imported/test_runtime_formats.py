@@ -71,14 +71,14 @@ def test_dynamic_activations_equal_compressed_tensors(kind):
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
 
-    from trtpipe.runtime.hf_loader import GroupFP8Linear, TokenInt8Linear
-    from trtpipe.runtime.linear import TokenFP8Linear
+    from trtpipe.runtime.hf_loader import GroupFP8Linear
+    from trtpipe.runtime.linear import INT8_TOKEN_DIVISOR, TokenFP8Linear, TokenInt8Linear
 
     typ, strategy = kind.split()
     args = QuantizationArgs(num_bits=8, type=typ, strategy=strategy, dynamic=True, symmetric=True,
                             group_size=128 if strategy == "group" else None)
     eye = torch.eye(256)  # y = Q(x) @ I: the quantized activations themselves, exactly
-    ours = {"int token": TokenInt8Linear(eye), "float token": TokenFP8Linear(eye),
+    ours = {"int token": TokenInt8Linear(eye, INT8_TOKEN_DIVISOR["compressed-tensors"]), "float token": TokenFP8Linear(eye),
             "float group": GroupFP8Linear(eye, 128)}[kind]
     torch.manual_seed(0)
     x = torch.randn(2, 5, 256) * 3

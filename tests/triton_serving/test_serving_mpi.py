@@ -84,8 +84,11 @@ def wait_gone(proc, limit: float) -> float:
     return time.monotonic() - t0
 
 
+READY_LIMIT_S = 600  # start-up of two ranks, each a tritonserver stub or worker importing torch: minutes when loaded
+
+
 def start(repo: Path, hostfile=None):
-    return mpi_launch.start_job(repo, repo_info(repo), "127.0.0.1", Ports(*free_ports(3)), 240, hostfile)
+    return mpi_launch.start_job(repo, repo_info(repo), "127.0.0.1", Ports(*free_ports(3)), READY_LIMIT_S, hostfile)
 
 
 def test_tp2_greedy_streaming_and_kill_of_a_worker(cache, repo_tp2, hf_greedy):
@@ -144,7 +147,7 @@ def test_tp2_pp2_on_two_hosts_then_ctrl_c(cache, tmp_path_factory, stories_dir, 
     http = free_ports(1)[0]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([str(Path(sys.executable).parent / "trtpipe"), "serve", str(repo), "--hostfile", str(hostfile),
-                             "--http-port", str(http), "--timeout", "240"], stdout=subprocess.PIPE,
+                             "--http-port", str(http), "--timeout", str(READY_LIMIT_S)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=like_a_terminal)
     lines = []
     try:
@@ -184,9 +187,8 @@ def test_a_rank_that_cannot_load_fails_the_launch_with_its_error(cache, repo_tp2
     repo = shutil.copytree(repo_tp2, tmp_path / "repo")  # files copied: the original keeps its rank files
     victim = repo / "tensorrt_llm" / "engine" / "checkpoint" / "rank1.safetensors"
     victim.unlink()
-    t0 = time.monotonic()
     with pytest.raises(ServingError) as err:
         start(repo)
     assert f"rank 1 (" in str(err.value) and f"{victim}: rank file not found" in str(err.value)
-    assert time.monotonic() - t0 < 200  # its own error, not the readiness timeout (240 s)
+    assert "not ready after" not in str(err.value)  # its own error, not the readiness timeout
     assert job_processes(repo) == []

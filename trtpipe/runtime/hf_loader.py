@@ -45,7 +45,8 @@ from torch import nn
 from trtpipe.checkpoint.quant_primitives import unpack_int4_rows
 from trtpipe.errors import CheckpointError
 from trtpipe.quant import dequant
-from trtpipe.runtime.linear import Float32Linear, QuantLinear, TokenFP8Linear, token_fp8
+from trtpipe.runtime.linear import (INT8_TOKEN_DIVISOR, Float32Linear, QuantLinear, TokenFP8Linear, TokenInt8Linear,
+                                    token_fp8)
 from trtpipe.runtime.loader import load_checkpoint
 from trtpipe.runtime.model import DecoderLayer, ModelArgs, ReferenceModel
 
@@ -143,23 +144,6 @@ class GroupFP8Linear(nn.Module):
         return nn.functional.linear(xq.to(x.dtype), self.weight, self.bias)
 
 
-class TokenInt8Linear(nn.Module):
-    """``y = Q(x) @ W^T``: activations quantized to INT8 per token as compressed-tensors' dynamic symmetric
-    scheme does (scale ``amax / 127.5``, round half to even, clamp -128..127)."""
-
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
-        super().__init__()
-        self.weight = nn.Parameter(weight.float(), requires_grad=False)
-        self.bias = None if bias is None else bias.float()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x if x.dtype == torch.float64 else x.float()  # a float64 copy (the tests' reference) rounds in float64
-        scale = xf.abs().amax(-1, keepdim=True) / 127.5
-        scale = torch.where(scale == 0, torch.finfo(xf.dtype).eps, scale)
-        xq = (xf / scale).round().clamp(-128, 127) * scale
-        return nn.functional.linear(xq.to(x.dtype), self.weight, self.bias)
-
-
 def _ct_module(group: dict, t: dict, bias, module: str) -> nn.Module:
     wargs, aargs = group.get("weights") or {}, group.get("input_activations")
     strategy = wargs.get("strategy")
@@ -185,7 +169,7 @@ def _ct_module(group: dict, t: dict, bias, module: str) -> nn.Module:
         if kind == ("float", "token"):
             return TokenFP8Linear(w, bias)
         if kind == ("int", "token"):
-            return TokenInt8Linear(w, bias)
+            return TokenInt8Linear(w, INT8_TOKEN_DIVISOR["compressed-tensors"], bias)
         if kind == ("float", "group"):
             return GroupFP8Linear(w, int(aargs.get("group_size") or 128), bias)
         raise CheckpointError(f"config.json: dynamic {kind[0]} activations per {kind[1]!r} are not supported")

@@ -10,7 +10,8 @@ not speed. The runtime reads every quantized layout TensorRT-LLM's does, so the 
 Each quantized loader dequantizes the stored weight once and fake-quantizes activations the way the TensorRT-LLM
 kernel sees them: FP8 / INT8 static per-tensor input scales, the SmoothQuant / AWQ pre-quant scale multiplied
 into the input first (``x * pqs``), W4A8's group scale divided by ``weights_scaling_factor_2`` in fp16 as the
-builder does, a groupwise ``zero`` ``[in/g, out]`` added per group where ``has_zero_point`` (``W = q * s + zero``).
+builder does, a groupwise ``zero`` ``[in/g, out]`` added per group where ``has_zero_point`` (``W = q * s + zero``);
+the plugin SmoothQuant layout's activations quantized to INT8 per token dynamically (:func:`token_int8`).
 KV-cache handlers round-trip keys and values through FP8 / INT8 with the layer's scale.
 
 A loader receives the tensors of one linear on one rank, keyed by suffix (``weight``, ``bias``,
@@ -162,6 +163,44 @@ def token_fp8(x: torch.Tensor, scale_ub: Optional[float] = None) -> torch.Tensor
     return (x.float() / scale).clamp(-FORMATS["fp8"].qmax, FORMATS["fp8"].qmax).to(torch.float8_e4m3fn).float() * scale
 
 
+# The per-token INT8 divisor of each dynamic scheme: scale = amax / divisor per token (row).
+INT8_TOKEN_DIVISOR = {
+    # compressed-tensors 0.19 calculate_qparams: max / ((q_max - q_min) / 2), half the 256-code range
+    "compressed-tensors": 127.5,
+    # TensorRT-LLM quantize_per_token / the RmsNorm quantization plugin: amax / 127, rounded half to even and
+    # saturated (an assumption: the 1.2 kernel source was not read)
+    "tensorrt-llm": 127.0,
+}
+
+
+def token_int8(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x`` through symmetric INT8 per token (last axis): scale ``amax / divisor``, codes rounded half to even
+    and clamped to -128..127, dequantized in ``x``'s precision (float32, or float64 for the tests' reference);
+    an all-zero token gets the dtype's eps as its scale."""
+    xf = x if x.dtype == torch.float64 else x.float()
+    scale = xf.abs().amax(-1, keepdim=True) / divisor
+    scale = torch.where(scale == 0, torch.finfo(xf.dtype).eps, scale)
+    return (xf / scale).round().clamp(-128, 127) * scale
+
+
+class TokenInt8Linear(nn.Module):
+    """``y = Q_token(x / smoother) @ W^T``: activations quantized to INT8 per token (:func:`token_int8` with
+    ``divisor``); ``smoother`` (plugin SmoothQuant row linears) divides the input first."""
+
+    def __init__(self, weight: torch.Tensor, divisor: float, bias: Optional[torch.Tensor] = None,
+                 smoother: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight.float(), requires_grad=False)
+        self.divisor = divisor
+        self.bias = None if bias is None else bias.float()
+        self.smoother = None if smoother is None else smoother.float().reshape(-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.smoother is not None:
+            x = x / self.smoother
+        return nn.functional.linear(token_int8(x, self.divisor).to(x.dtype), self.weight, self.bias)
+
+
 def _need(tensors: dict, key: str, spec: LinearSpec) -> torch.Tensor:
     if key not in tensors:
         raise CheckpointError(f"checkpoint: tensor '{spec.name}.{key}' is missing for quant_algo {spec.quant_algo}")
@@ -209,6 +248,24 @@ def load_fp8_rowwise(tensors: dict, spec: LinearSpec) -> nn.Module:
     return TokenFP8Linear(dequantize(q, s.reshape(-1), "fp8", "channel"), tensors.get("bias"))
 
 
+def load_sq_per_token(tensors: dict, spec: LinearSpec) -> nn.Module:
+    """``W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN``: INT8 weight [out, in] x ``per_channel_scale`` [1, out]; the input
+    divided by ``smoother`` [1, in] (row linears, which always have one) and quantized to INT8 per token as
+    ``quantize_per_token`` / the norm quantization plugin do (:data:`INT8_TOKEN_DIVISOR`)."""
+    q, s = _need(tensors, "weight", spec), _need(tensors, "per_channel_scale", spec)
+    if q.dtype != torch.int8:
+        raise CheckpointError(f"checkpoint: '{spec.name}.weight' is {q.dtype}, {spec.quant_algo} needs torch.int8")
+    if s.numel() != q.shape[0]:
+        raise CheckpointError(f"checkpoint: tensor '{spec.name}.per_channel_scale' has shape {list(s.shape)}, "
+                              f"{spec.quant_algo} stores [1, {q.shape[0]}]")
+    smoother = _need(tensors, "smoother", spec) if spec.style == "row" else None
+    if smoother is not None and smoother.numel() != q.shape[1]:
+        raise CheckpointError(f"checkpoint: tensor '{spec.name}.smoother' has shape {list(smoother.shape)}, "
+                              f"{spec.quant_algo} stores [1, {q.shape[1]}]")
+    return TokenInt8Linear(dequantize(q, s.reshape(-1), "int8", "channel"), INT8_TOKEN_DIVISOR["tensorrt-llm"],
+                           tensors.get("bias"), smoother)
+
+
 def kv_roundtrip(fmt: str) -> KVQuant:
     """The KV-cache handler of one format: keys and values through a quantize round trip with the layer's scale."""
     def fn(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -219,5 +276,6 @@ def kv_roundtrip(fmt: str) -> KVQuant:
 
 LINEAR_LOADERS: dict[str, LinearLoader] = {"NONE": _load_unquantized,
                                            **{algo: load_quantized for algo in BY_QUANT_ALGO},
-                                           "FP8_PER_CHANNEL_PER_TOKEN": load_fp8_rowwise}
+                                           "FP8_PER_CHANNEL_PER_TOKEN": load_fp8_rowwise,
+                                           "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": load_sq_per_token}
 KV_QUANT: dict[str, KVQuant] = {"FP8": kv_roundtrip("fp8"), "INT8": kv_roundtrip("int8")}

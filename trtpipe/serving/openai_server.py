@@ -306,10 +306,16 @@ def _stream_settings(body: dict) -> tuple[bool, bool]:
 
 
 class Generation:
-    """One request in flight: the executor's responses arrive on ``queue`` (thread-safe hand-off)."""
+    """One request in flight: the executor's responses arrive on ``queue`` (thread-safe hand-off).
+
+    The executor streams tokens only to a client that streams, or when stop strings must be watched as the text
+    grows; any other request gets one final response, as a non-streaming ``generate_async`` does upstream. That keeps
+    the event loop (and the GIL it shares with the executor thread) free of per-token work for batch requests, which
+    otherwise delays every interactive request on the same server."""
 
     def __init__(self, served: ServedModel, prompt: list[int], max_tokens: int, sampling: SamplingParams,
-                 stops: list[str], loop: asyncio.AbstractEventLoop, priority: float = DEFAULT_PRIORITY):
+                 stops: list[str], loop: asyncio.AbstractEventLoop, priority: float = DEFAULT_PRIORITY,
+                 stream: bool = True):
         self.served, self.prompt, self.stops = served, prompt, stops
         self.queue: asyncio.Queue = asyncio.Queue()
         self.ids: list[int] = []
@@ -320,8 +326,9 @@ class Generation:
         self.ttft: Optional[float] = None
         self.stopped = False
         self.failed = False
+        self.streamed = stream or bool(stops)  # the executor streams tokens (else: one final response)
         req = Request(prompt=prompt, max_new_tokens=max_tokens, end_id=served.eos_id, sampling=sampling,
-                      streaming=True, exclude_input_from_output=True, priority=priority,
+                      streaming=self.streamed, exclude_input_from_output=True, priority=priority,
                       return_perf_metrics=True)
         self.perf = None  # the executor's PerfMetrics, on the final response
         try:
@@ -343,6 +350,8 @@ class Generation:
                 raise REFUSAL.get(resp.error_kind, Internal)(resp.error)
             if resp.is_final and resp.perf is not None:
                 self.perf = resp.perf
+                if not self.streamed and resp.perf.first_token_ns:  # no token arrived before: the executor's clock
+                    self.ttft = (resp.perf.first_token_ns - resp.perf.enqueue_ns) / 1e9
             if self.stopped:  # already cut at a stop string: drain to the final response
                 if resp.is_final:
                     return
@@ -509,7 +518,7 @@ class OpenAIServer:
         stream, include_usage = _stream_settings(body)
         priority = _num(body, "priority", float, DEFAULT_PRIORITY, 0.0, 1.0)
         try:
-            g = Generation(self.served, ids, max_tokens, _sampling(body), _stops(body), loop, priority)
+            g = Generation(self.served, ids, max_tokens, _sampling(body), _stops(body), loop, priority, stream)
         except Refused:  # 429 / 503 at admission: a request error for trtllm_request_error_total
             self.counters.errors += 1
             raise

@@ -9,6 +9,8 @@ FP8                         F8_E4M3         [] or [1]               [] or [1]   
 FP8_PER_CHANNEL_PER_TOKEN   F8_E4M3         [out] (or [out, 1])     -             -                -
 W8A16                       I8              [out] (or [out, 1])     -             -                -
 W8A8_SQ_PER_CHANNEL         I8              [out] (or [out, 1])     [] or [1]     -                [in]
+W8A8_SQ_PER_CHANNEL_PER_    I8              [out] (or [out, 1])     -             -                -
+TOKEN_PLUGIN (no ModelOpt form: compressed-tensors INT8 W8A8, activations dynamic per token)
 W4A16_AWQ                   U8 [out/2, in]  [out, in/g]             -             -                [in] (optional)
 W4A8_AWQ                    U8 [out/2, in]  [out, in/g]             [] or [1]     [] or [1]        [in] (optional)
 NVFP4                       U8 [out, in/2]  F8_E4M3 [out, in/16]    [] or [1]     [] or [1]        -
@@ -54,6 +56,7 @@ LAYOUTS: dict[str, Layout] = {
     "FP8_PER_CHANNEL_PER_TOKEN": Layout(torch.float8_e4m3fn, "full", "channel"),
     "W8A16": Layout(torch.int8, "full", "channel"),
     "W8A8_SQ_PER_CHANNEL": Layout(torch.int8, "full", "channel", input_scale=True, pre_quant_scale="required"),
+    "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": Layout(torch.int8, "full", "channel"),
     "W4A16_AWQ": Layout(torch.uint8, "rows/2", "group", pre_quant_scale="optional", zero_point=True),
     "W4A8_AWQ": Layout(torch.uint8, "rows/2", "group", input_scale=True, weight_scale_2=True,
                        pre_quant_scale="optional"),

@@ -14,11 +14,18 @@ int4 group g symmetric; none           W4A16_AWQ (unit pre-quant)  ``weight_pack
                                                                    the input) -> two output rows per byte
 int4 group g asymmetric; none          W4A16_AWQ + zero_point      as above; ``weight_zero_point`` (signed, 8 per
                                        (engine target only)        int32 along the outputs) -> int8 ``[out, in/g]``
+int8 channel symmetric; int8 token     W8A8_SQ_PER_CHANNEL_PER_    weight as is (I8 ``[out, in]``); ``weight_scale
+dynamic symmetric                      TOKEN_PLUGIN (engine only)  [out, 1]`` -> F32 ``[out]``
 =====================================  ==========================  ============================================
 
+INT8 W8A8 has no ModelOpt form: its canonical tensors are W8A16's (codes and per-row scales), under the name of the
+TensorRT-LLM algorithm they are converted into, the plugin SmoothQuant layout with per-token dynamic activations
+(:mod:`trtpipe.quant.imported.trtllm` documents it). llm-compressor's SmoothQuantModifier folds its smoothing into
+the norms and weights before quantizing, so the checkpoint has nothing left to smooth with.
+
 KV cache (``kv_cache_scheme`` float 8 tensor): ``self_attn.k_scale`` / ``v_scale`` -> ModelOpt's
-``self_attn.k_proj.k_scale`` / ``v_proj.v_scale``. Everything else (block FP8, INT8 W8A8,
-several config groups) is recognised and refused with the reason.
+``self_attn.k_proj.k_scale`` / ``v_proj.v_scale``. Everything else (block FP8, INT8 W8A8 other than per-channel
+weights with dynamic per-token activations, several config groups) is recognised and refused with the reason.
 """
 
 from __future__ import annotations
@@ -50,7 +57,11 @@ def _scheme(w: dict, a: Optional[dict]) -> tuple[str, Optional[str], Optional[in
             return f"FP8 block {w.get('block_structure')}", None, None
         return f"FP8 {strat} weights", None, None
     if typ == "int" and bits == 8 and a is not None:
-        return "W8A8 INT8", None, None
+        per_token = (a.get("type"), a.get("num_bits"), a.get("strategy"), bool(a.get("dynamic")),
+                     a.get("symmetric", True)) == ("int", 8, "token", True, True)
+        if strat == "channel" and sym and per_token:
+            return "W8A8 INT8", "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN", None
+        return f"W8A8 INT8 {strat} weights, {a.get('strategy')} activations", None, None
     if typ == "int" and bits == 4 and a is None and strat == "group":
         g = w.get("group_size")
         if not isinstance(g, int) or g < 1:
@@ -59,19 +70,26 @@ def _scheme(w: dict, a: Optional[dict]) -> tuple[str, Optional[str], Optional[in
     return f"int{bits} {strat}" if typ == "int" else f"{typ}{bits} {strat}", None, None
 
 
+NO_INT8_W8A8_METHOD = ("TensorRT-LLM 1.2's PyTorch backend has no INT8 W8A8 method (its compressed-tensors parser "
+                       "misroutes it to FP8); use target: engine or an FP8 checkpoint")
 REFUSALS = {
     "FP8 block": (NO_ENGINE_LAYER.format(what="block-scaled FP8"),
                   "trtpipe does not re-lay out compressed-tensors FP8 block checkpoints yet"),
-    "W8A8 INT8": ("trtpipe does not write TensorRT-LLM's plugin SmoothQuant layout yet "
-                  "(W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN, the layout per-channel INT8 weights with per-token "
-                  "activations map to); use an FP8 checkpoint",
-                  "TensorRT-LLM 1.2's PyTorch backend has no INT8 W8A8 method (its compressed-tensors parser "
-                  "misroutes it to FP8); use an FP8 checkpoint"),
+    "W8A8 INT8": ("TensorRT-LLM's plugin SmoothQuant layers take INT8 weights per channel or per tensor with INT8 "
+                  "activations per token or per tensor; trtpipe converts per-channel symmetric weights with dynamic "
+                  "symmetric per-token activations only", NO_INT8_W8A8_METHOD),
 }
 # scheme -> the llmapi refusal of a scheme the engine target converts but the PyTorch backend cannot load
 LLMAPI_ONLY_REFUSALS = {
     "W4A16 asymmetric": "TensorRT-LLM 1.2's W4A16_AWQ kernel has no zero point; use a symmetric W4A16 checkpoint",
+    "W8A8 INT8": NO_INT8_W8A8_METHOD,
 }
+ZERO_POINT_SCHEMES = ("W4A16 asymmetric",)
+# algorithms whose per-row weight_scale is checked as stored ([out, 1]), before the reshape hides a wrong shape
+STRICT_ROW_SCALES = ("W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",)
+# canonical quant_algo -> how the engine action names its conversion (default: via the ModelOpt algorithm)
+ENGINE_VIA = {"W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": "into TensorRT-LLM's plugin SmoothQuant layout "
+                                                      "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"}
 
 
 def parse(model_dir: Path, qc: dict) -> ImportedFormat:
@@ -102,10 +120,12 @@ def parse(model_dir: Path, qc: dict) -> ImportedFormat:
                                   "(FP8 per-tensor only)")
         kv = "FP8"
     fmt = qc.get("format")
-    zero_point = name in LLMAPI_ONLY_REFUSALS
+    zero_point = name in ZERO_POINT_SCHEMES
     if algo is not None:
-        engine = Action(CONVERTED, f"via ModelOpt {algo}" + (" with zero points" if zero_point else ""))
-        llmapi = Action(REFUSED, LLMAPI_ONLY_REFUSALS[name]) if zero_point else Action(RELAID, f"ModelOpt {algo}")
+        engine = Action(CONVERTED, ENGINE_VIA.get(algo, f"via ModelOpt {algo}") + (" with zero points" if zero_point
+                                                                                  else ""))
+        llmapi = Action(REFUSED, LLMAPI_ONLY_REFUSALS[name]) if name in LLMAPI_ONLY_REFUSALS else \
+            Action(RELAID, f"ModelOpt {algo}")
     else:
         key = next((k for k in REFUSALS if name.startswith(k)), None)
         e, l = REFUSALS.get(key, (f"compressed-tensors scheme '{name}' is not imported",) * 2)
@@ -165,6 +185,10 @@ def canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, wher
         raise CheckpointError(f"{where}: tensor '{module}.{'weight' if 'weight' not in t else 'weight_scale'}' "
                               f"is missing ({fmt.name})")
     out["weight"] = t["weight"]
+    ws = t["weight_scale"]
+    if fmt.quant_algo in STRICT_ROW_SCALES and tuple(ws.shape) not in ((out_f, 1), (out_f,)):
+        raise CheckpointError(f"{where}: tensor '{module}.weight_scale' has shape {list(ws.shape)}, {fmt.name} "
+                              f"stores one scale per output row ([{out_f}, 1])")
     if fmt.quant_algo == "FP8":
         out["weight_scale"] = t["weight_scale"].float().reshape(())
         if "input_scale" not in t:

@@ -14,6 +14,30 @@ linear); o_proj / down_proj keep theirs. Renames: ``weight_scale -> weights_scal
 ``per_channel_scale``), ``input_scale -> activation_scaling_factor``, ``weight_scale_2 -> weights_scaling_factor_2``,
 ``pre_quant_scale -> prequant_scaling_factor``; FP8 KV ``k_scale`` / ``v_scale`` -> ``attention.{k,v,kv}_cache_
 scaling_factor``, clamped to >= 1 as trtpipe's own writer and ModelOpt's TensorRT-LLM export do.
+
+INT8 W8A8 (per-channel weights, dynamic per-token activations) becomes TensorRT-LLM's plugin SmoothQuant layout,
+``W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN``, as the legacy Llama converter writes it (``get_tllm_linear_sq_weight``
+with ``per_token`` and ``per_channel``, ``tensorrt_llm/models/llama/convert.py``, NVIDIA/TensorRT-LLM@04a2cacb), for
+the layers ``smooth_quantize_plugin`` swaps in (``tensorrt_llm/quantization/quantize.py``, NVIDIA/TensorRT-LLM@06148676;
+``SmoothQuantLinear`` / ``SmoothQuantRowLinear`` / ``SmoothQuantRmsNorm``, ``tensorrt_llm/quantization/layers.py``,
+NVIDIA/TensorRT-LLM@027cd518):
+
+* ``<linear>.weight``: the INT8 codes ``[out, in]`` as stored (q/k/v and fc/gate concatenated along the outputs);
+* ``<linear>.per_channel_scale``: F32 ``[1, out]``, the weight's dequantization scale per output column (the
+  source's ``weight_scale``, ``amax / 127``): with per-token activations the GEMM plugin computes
+  ``y = (x_q @ W_q^T) * per_token_scale * per_channel_scale``;
+* ``attention.dense.smoother`` / ``mlp.proj.smoother``: F32 ``[1, in]``, the divisor applied to the input before
+  ``quantize_per_token``; ones, because the producer folded any smoothing into the weights and norms already;
+* ``input_layernorm.scale_to_int`` / ``post_layernorm.scale_to_int``: ``[1]`` = 1.0 in the model dtype (the dtype
+  ``SmoothQuantRmsNorm`` declares; the legacy converter writes float32 1.0 when there is no smoother), the norm
+  plugin's static scale, which per-token quantization does not use for its dynamic scales.
+
+No ``act_scale`` / ``quantization_scaling_factor`` (static activation scaling only). ``smooth_quantize_plugin``
+replaces every Attention / GatedMLP / RmsNorm but ``ln_f`` whatever ``exclude_modules`` says, so a checkpoint that
+leaves a decoder linear unquantized is refused; and ``SmoothQuantLinear`` / ``SmoothQuantRowLinear`` assert that
+each rank's ``in_features`` is a multiple of 4 (they view the INT8 weight as float32), so a tp that breaks that
+is refused. Not confirmed here: how 1.2's ``load()`` reinterprets the INT8 ``[out, in]`` weight into the layer's
+float32 ``[out, in/4]`` parameter (the legacy converter writes INT8 ``[out, in]``, which is what this writes).
 """
 
 from __future__ import annotations
@@ -24,7 +48,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from trtpipe.checkpoint.quant_layouts import LINEARS, exclude_modules
+from trtpipe.checkpoint.quant_layouts import LINEARS, STYLE, exclude_modules
 from trtpipe.checkpoint.quant_primitives import dequantize, quantize
 from trtpipe.errors import CheckpointError
 from trtpipe.models.family import Rule, dims
@@ -121,6 +145,28 @@ def _sq(ms, in_f, dtype, what):
             "activation_scaling_factor": _amax1(ms, "input_scale")}
 
 
+def _sq_per_token(ms, in_f, dtype, what):
+    return {"weight": _cat(ms, "weight"), "per_channel_scale": _cat(ms, "weight_scale", (-1,)).float().reshape(1, -1)}
+
+
+def sq_plugin_extras(linear: str, in_f: int, dtype: torch.dtype, meta: bool) -> dict[str, torch.Tensor]:
+    """The plugin SmoothQuant layer tensors that belong to no source projection, by name relative to the layer:
+    a row linear's unit ``smoother`` [1, in], the unit ``scale_to_int`` of the norm a linear group reads."""
+    make = (lambda shape, dt: torch.empty(shape, dtype=dt, device="meta")) if meta else \
+        (lambda shape, dt: torch.ones(shape, dtype=dt))
+    out = {}
+    if STYLE[linear] == "row":
+        out[f"{linear}.smoother"] = make((1, in_f), torch.float32)
+    if linear in NORM_OF:
+        out[f"{NORM_OF[linear]}.scale_to_int"] = make((1,), dtype)
+    return out
+
+
+# the norm whose (quantizing) plugin feeds a linear group, named once per group
+NORM_OF = {"attention.qkv": "input_layernorm", "mlp.fc": "post_layernorm"}
+SQ_ROW_ALIGN = 4  # SmoothQuantLinear / SmoothQuantRowLinear: assert in_features % 4 == 0 (per rank)
+
+
 def zero_of(zero_point: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """TensorRT-LLM's groupwise ``zero`` ``[in/g, out]`` in the model dtype from canonical ``zero_point`` and
     ``weight_scale`` ``[out, in/g]``: the kernel computes ``W = q * s + zero``, so ``zero = -zero_point * s``
@@ -156,8 +202,13 @@ FUSE: dict[str, Callable] = {
     "W8A8_SQ_PER_CHANNEL": _sq,
     "W4A16_AWQ": _awq,
     "W4A8_AWQ": _w4a8,
+    "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": _sq_per_token,
 }
 GROUPWISE = ("W4A16_AWQ", "W4A8_AWQ")
+# canonical quant_algo -> fn(TRT-LLM linear, in_features, model dtype, meta) -> the layer's tensors beside the linear's
+EXTRAS: dict[str, Callable] = {"W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": sq_plugin_extras}
+# algorithms whose TensorRT-LLM layers ignore exclude_modules (smooth_quantize_plugin): no decoder linear may be left out
+NO_EXCLUDED_LINEARS = ("W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",)
 
 
 def matches(name: str, patterns: tuple[str, ...]) -> bool:
@@ -215,6 +266,10 @@ class ImportedLinears:
         if any(excluded) and not all(excluded):
             raise CheckpointError(f"{self.where}: exclude_modules leaves {modules[excluded.index(False)]} quantized but "
                                   f"{modules[excluded.index(True)]} not; fused projections must be quantized alike")
+        if all(excluded) and self.fmt.quant_algo in NO_EXCLUDED_LINEARS:
+            raise CheckpointError(f"{self.where}: {modules[0]} is left unquantized, but TensorRT-LLM's "
+                                  f"{self.fmt.quant_algo} layers quantize every decoder linear (smooth_quantize_plugin "
+                                  "ignores exclude_modules)")
         if all(excluded):
             name = LAYER.format(layer) + rule.trt[: -len(".weight")]
             if name not in self.excluded_trt:
@@ -249,7 +304,13 @@ class ImportedLinears:
             trt = LAYER.format(layer) + rule.trt[: -len(".weight")]
             if not meta:
                 self._check_lossy(modules, members, rule.trt[: -len(".weight")], plan.dtype)
-            fused = FUSE[self.fmt.quant_algo](members, d[rule.shapes[0][1]], dtype, f"{self.where}: {trt}")
+            in_f = d[rule.shapes[0][1]]
+            fused = FUSE[self.fmt.quant_algo](members, in_f, dtype, f"{self.where}: {trt}")
+            extras = EXTRAS.get(self.fmt.quant_algo)
+            if extras is not None:
+                self._check_align(plan, rule, trt, in_f)
+                for rel, t in extras(rule.trt[: -len(".weight")], in_f, dtype, meta).items():
+                    yield LAYER.format(layer) + rel, t, []
             if not meta:  # sources copied into new tensors (fused, unpacked) are read: drop their mapped pages now;
                 kept = {t.data_ptr() for t in fused.values()}  # views the writer streams drop their own pages
                 for v in raw:
@@ -270,6 +331,15 @@ class ImportedLinears:
         if any("zero_point" in m for m in members):
             why = lossy.zero_point_why(f"{self.fmt.family} {self.fmt.name}", dtype)
             lossy.require(lossy.ZERO_POINT_ROUNDING, why, self.allow_lossy, self.where)
+
+    def _check_align(self, plan, rule: Rule, trt: str, in_f: int) -> None:
+        """Each rank's in_features of a plugin SmoothQuant linear must be a multiple of SQ_ROW_ALIGN."""
+        tp = plan.layout.tp
+        per_rank = in_f // tp if STYLE[rule.trt[: -len(".weight")]] == "row" else in_f
+        if per_rank % SQ_ROW_ALIGN:
+            raise CheckpointError(f"{self.where}: {trt} has {per_rank} input features per rank at tp {tp}; "
+                                  f"TensorRT-LLM's SmoothQuant plugin linears need a multiple of {SQ_ROW_ALIGN} "
+                                  "(use another tp)")
 
     def _kv(self, reader, plan, layer, meta, used):
         pre = plan.info.weight_prefix + plan.family.hf_layer_prefix.format(layer)
