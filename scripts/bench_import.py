@@ -122,10 +122,11 @@ def write_synthetic(model_dir: Path, fmt: str, layers: int) -> int:
 
 def _importer(src: Path):
     from trtpipe.quant.imported.detect import detect
+    from trtpipe.quant.imported.lossy import FP8_REQUANTIZE
     from trtpipe.quant.imported.trtllm import ImportedLinears
 
-    fmt = detect(src)
-    return lambda plan, reader: ImportedLinears(fmt, reader.keys(), str(src))
+    fmt = detect(src)  # the FP8 scales differ on purpose (the requantization is part of what is measured): accepted
+    return lambda plan, reader: ImportedLinears(fmt, reader.keys(), str(src), (FP8_REQUANTIZE,))
 
 
 def convert_worker(model_dir: str, out_dir: str, tp: int) -> None:

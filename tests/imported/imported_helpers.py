@@ -19,10 +19,11 @@ LINEAR_ATTRS = (("attention", "qkv"), ("attention", "dense"), ("mlp", "fc"), ("m
 FUSED = ("attention.qkv", "mlp.fc", "mlp.gate")
 
 
-def convert_source(src: Path, out: Path, tp: int = 1, pp: int = 1) -> Path:
+def convert_source(src: Path, out: Path, tp: int = 1, pp: int = 1, allow_lossy: tuple[str, ...] = ()) -> Path:
+    """The engine conversion of ``src``, accepting the lossy steps listed (``model.allow_lossy_import``)."""
     fmt = detect(src)
     return convert(src, out, tp=tp, pp=pp, overwrite=True,
-                   importer=lambda plan, reader: ImportedLinears(fmt, reader.keys(), str(src)))
+                   importer=lambda plan, reader: ImportedLinears(fmt, reader.keys(), str(src), allow_lossy))
 
 
 def linear_weights(model) -> dict[str, torch.Tensor]:

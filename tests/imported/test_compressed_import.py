@@ -12,6 +12,7 @@ import torch
 from imported_helpers import IDS, assert_logits_match, convert_source, linear_weights
 from trtpipe.quant.imported.detect import detect
 from trtpipe.quant.imported.llmapi import write_llmapi
+from trtpipe.quant.imported.lossy import FP8_REQUANTIZE
 from trtpipe.runtime import load_checkpoint
 from trtpipe.runtime.hf_loader import load_hf_checkpoint
 
@@ -72,7 +73,7 @@ def test_relayout_and_conversion_dequantize_as_compressed_tensors_does(compresse
                                torch.ones(64, dtype=torch.bfloat16))
             assert "model.layers.0.self_attn.q_proj.pre_quant_scale" not in f.keys()
     # engine: converted (FP8 fused members requantized to the shared scale: bound in test_modelopt_roundtrip)
-    conv = load_checkpoint(convert_source(src, tmp_path / "ckpt", tp=2))
+    conv = load_checkpoint(convert_source(src, tmp_path / "ckpt", tp=2, allow_lossy=(FP8_REQUANTIZE,)))
     q = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization"]
     assert q["quant_algo"] == CANON[algo]
     for name, w in linear_weights(conv).items():

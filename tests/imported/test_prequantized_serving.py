@@ -33,12 +33,15 @@ NEW_TOKENS = 16
 SOURCES = ["modelopt-fp8-stories", "llmc-w4a16-stories"]
 # engine target only (its llmapi target is refused): INT8 W8A8, converted to the plugin SmoothQuant layout
 ENGINE_SOURCES = [*SOURCES, "llmc-w8a8_int8-stories"]
+# source -> model.allow_lossy_import of its engine recipe (ModelOpt FP8: q/k/v and gate/up scales differ)
+LOSSY = {"modelopt-fp8-stories": "[fp8_requantize]"}
 
 
 def _recipe(tmp_path: Path, source: Path, target: str, accuracy: str = "  enabled: false\n") -> Path:
     p = tmp_path / f"{target}.yaml"
+    lossy = f"  allow_lossy_import: {LOSSY[source.name]}\n" if target == "engine" and source.name in LOSSY else ""
     p.write_text(f"name: pq-{target}\nwork_dir: '{tmp_path / ('work-' + target)}'\ntarget: {target}\nmodel:\n"
-                 f"  source: {source}\n  dtype: bfloat16\nengine:\n  max_batch_size: 4\n  max_input_len: 64\n"
+                 f"  source: {source}\n  dtype: bfloat16\n{lossy}engine:\n  max_batch_size: 4\n  max_input_len: 64\n"
                  f"  max_seq_len: 128\n  max_num_tokens: 256\naccuracy:\n{accuracy}triton:\n"
                  "  max_batch_size: 4\n")
     return p

@@ -18,10 +18,11 @@ from trtpipe.runtime.hf_loader import load_hf_checkpoint
 from trtpipe.validation import check_recipe, load_recipe
 
 
-def _recipe(tmp_path: Path, source: Path, body: str = "", target: str = "engine") -> Path:
+def _recipe(tmp_path: Path, source: Path, body: str = "", target: str = "engine", lossy: str = "") -> Path:
     p = tmp_path / f"r-{target}.yaml"
+    lossy = f"  allow_lossy_import: {lossy}\n" if lossy else ""
     p.write_text(f"name: t\nwork_dir: {tmp_path / ('w-' + target)}\ntarget: {target}\nmodel:\n  source: {source}\n"
-                 "  dtype: bfloat16\ntriton:\n  max_batch_size: 8\nengine:\n  max_batch_size: 8\n  max_input_len: 64\n"
+                 f"  dtype: bfloat16\n{lossy}triton:\n  max_batch_size: 8\nengine:\n  max_batch_size: 8\n  max_input_len: 64\n"
                  f"  max_seq_len: 128\n  max_num_tokens: 256\n{body}")
     return p
 
@@ -67,9 +68,13 @@ def test_inspect_says_the_format_in_one_line(unified):
 def test_build_both_targets_from_trtpipes_own_fp8_export(tmp_path, unified):
     """The issue's repro: the FP8 + FP8-KV llmapi export as the source of a plain engine recipe, then of an llmapi
     recipe. Engine: the checkpoint stage converts (no calibrate/quantize), the engine (twin) is built, and the
-    checkpoint's logits are the source's; llmapi: the export is the source file for file."""
+    checkpoint's logits are the source's; llmapi: the export is the source file for file. The engine conversion
+    requantizes fused members (their FP8 scales differ): refused, naming the step, until the recipe accepts it."""
     src = unified("fp8")
     r = CliRunner().invoke(main, ["build", str(_recipe(tmp_path, src)), "--json"])
+    assert r.exit_code == 2 and "add fp8_requantize to model.allow_lossy_import to accept" in r.output, r.output
+    assert not (tmp_path / "w-engine" / "artifacts" / "checkpoint").exists()
+    r = CliRunner().invoke(main, ["build", str(_recipe(tmp_path, src, lossy="[fp8_requantize]")), "--json"])
     assert r.exit_code == 0, r.output
     work = tmp_path / "w-engine" / "artifacts"
     assert not (work / "calibrate").exists() and not (work / "quantize").exists()

@@ -64,7 +64,8 @@ def run(ctx: StageContext) -> None:
     if fmt is not None:
         ctx.log.info("pre-quantized source: %s", fmt.describe())
         ctx.info["imported"] = fmt.describe()
-        importer = lambda plan, reader: ImportedLinears(fmt, reader.keys(), str(src))  # noqa: E731
+        allowed = tuple(recipe.model.allow_lossy_import)
+        importer = lambda plan, reader: ImportedLinears(fmt, reader.keys(), str(src), allowed)  # noqa: E731
     ctx.log.info("converting %s (%s) at tp=%d pp=%d dtype=%s", src, info.architecture, par.tp, par.pp, recipe.model.dtype)
     with ctx.progress("checkpoint: converting", total=info.num_layers + 2) as bar:
         convert(src, ctx.out_dir, tp=par.tp, pp=par.pp, dtype=recipe.model.dtype, moe_tp=par.moe_tp, moe_ep=par.moe_ep,

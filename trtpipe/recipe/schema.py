@@ -31,6 +31,8 @@ DType = Literal["auto", "float16", "bfloat16", "float32"]
 QuantAlgoName = Literal["none", "fp8", "fp8_pc_pt", "int8_sq", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "nvfp4"]
 KVCacheQuant = Literal["none", "fp8", "int8"]
 GroupSize = Literal[32, 64, 128, 256]
+# the lossy steps of converting a pre-quantized source for the engine target (trtpipe/quant/imported/lossy.py)
+LossyImportStep = Literal["fp8_requantize", "zero_point_rounding"]
 
 
 def _path_text(v: str) -> str:
@@ -47,6 +49,11 @@ class ModelSection(_Section):
     dtype: DType = Field("auto", description="Model dtype; auto follows TensorRT-LLM (float32 sources become float16).")
     trust_remote_code: bool = Field(False, description="Allow running code shipped with the checkpoint.")
     allow_pickle: bool = Field(False, description="Allow .bin (pickle) checkpoints; loaded with weights_only=True.")
+    allow_lossy_import: list[LossyImportStep] = Field(
+        default_factory=list, description="Lossy steps accepted when a pre-quantized source is converted for target "
+        "engine: fp8_requantize (fused q/k/v or gate/up FP8 members with different scales requantized to the max), "
+        "zero_point_rounding (zero-point INT4's zero rounded to the model dtype). Default: none; validate names "
+        "the step a source needs.")
 
     @field_validator("source")
     @classmethod

@@ -4,6 +4,10 @@
   on it is refused (no double quantization: the codes would be rounded twice, against scales nobody calibrated).
 * What the chosen target cannot load is refused with the reason and the alternative (the format's action).
 * ``accuracy.reference`` names the unquantized original of a pre-quantized source; it is meaningless otherwise.
+* A lossy step of the engine conversion (:mod:`.lossy`) that the source needs is refused unless
+  ``model.allow_lossy_import`` lists it: FP8 from the weight-scale scalars of the fused members (the only tensors
+  read here, a few bytes each), zero points from the model dtype. The key means nothing for the llmapi target (it
+  has no lossy step) or for an unquantized source, and is refused there.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Iterable, Optional
 from trtpipe.errors import CheckpointError
 from trtpipe.models import get_family
 from trtpipe.models.hfconfig import HFModelInfo
+from trtpipe.quant.imported import lossy
 from trtpipe.quant.imported.detect import detect, detect_config
 from trtpipe.recipe.rules import Finding, Rule, model_dir
 from trtpipe.recipe.schema import Recipe
@@ -54,6 +59,11 @@ def _imported_source(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findi
         yield "model.source", str(exc)
         return
     q = recipe.quantization
+    lossy_key = recipe.model.allow_lossy_import and (fmt is None or recipe.target != "engine")
+    if lossy_key:
+        yield lossy.KEY, ("the llmapi target loads a pre-quantized source as stored or re-laid out exactly (no lossy "
+                          "step); remove it" if fmt is not None else
+                          "lists lossy steps of converting a pre-quantized source; this source is not quantized")
     if fmt is None:
         if recipe.accuracy.reference is not None:
             yield "accuracy.reference", ("the reference is the unquantized original of a pre-quantized model.source; "
@@ -68,6 +78,8 @@ def _imported_source(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findi
         yield "target", f"model.source is {fmt.describe()}: refused for target {recipe.target}: {action.why}"
     if fmt.group_size and action.ok and recipe.target == "engine":
         yield from _whole_groups(recipe, m, fmt)
+    if action.ok and recipe.target == "engine":
+        yield from _lossy_steps(recipe, m, fmt)
     ref = recipe.accuracy.reference
     for key in ("max_ppl_increase_pct", "min_top1_agreement", "max_kl_divergence"):
         if ref is None and getattr(recipe.accuracy, key) is not None:
@@ -104,6 +116,69 @@ def _whole_groups(recipe: Recipe, m: HFModelInfo, fmt) -> Iterable[Finding]:
             continue  # left unquantized by the checkpoint
         yield "parallel.tp", (f"model.source is {fmt.name} with group size {fmt.group_size}: at tp={recipe.parallel.tp} "
                               f"{name} {why} (the checkpoint's groups cannot be re-cut); use a smaller tp")
+
+
+def _fused_modules(m: HFModelInfo, layer: int) -> list[tuple[str, list[str]]]:
+    """(TensorRT-LLM linear, its HF member modules) of each fused quantizable linear of ``layer``."""
+    from trtpipe.checkpoint.quant_layouts import LINEARS
+
+    family = get_family(m.architecture)
+    pre = m.weight_prefix + family.hf_layer_prefix.format(layer)
+    return [(r.trt[: -len(".weight")], [pre + h[: -len(".weight")] for h in r.hf]) for r in family.layer_rules
+            if r.when(m) and r.combine == "cat" and len(r.hf) > 1 and r.trt[: -len(".weight")] in LINEARS]
+
+
+def _fp8_requantized(recipe: Recipe, m: HFModelInfo, fmt) -> list[str]:
+    """Why each fused FP8 linear of the source needs fp8_requantize (its members' weight scales differ), read
+    from those scalars alone."""
+    from trtpipe.checkpoint.hf import HFReader
+    from trtpipe.quant.imported.trtllm import matches
+
+    whys = []
+    with HFReader(model_dir(recipe), allow_pickle=recipe.model.allow_pickle, check_finite=False) as reader:
+        for layer in range(m.num_layers):
+            for fused, modules in _fused_modules(m, layer):
+                names = [f"{h}.weight_scale" for h in modules]
+                if any(matches(h, fmt.exclude) for h in modules) or any(n not in reader for n in names):
+                    continue  # unquantized, or a missing tensor the conversion names
+                scales = [float(reader.get(n).float().reshape(-1)[0]) for n in names]
+                why = lossy.fp8_requantize_why(modules, scales, fused)
+                if why is not None:
+                    whys.append(why)
+    return whys
+
+
+def _source_dtype(recipe: Recipe) -> str:
+    """The checkpoint dtype the conversion writes (``model.dtype``, auto resolved as the checkpoint stage does)."""
+    from trtpipe.checkpoint.convert import plan_first_source
+    from trtpipe.checkpoint.hf import HFReader
+    from trtpipe.models.trtllm_config import resolve_dtype
+
+    if recipe.model.dtype != "auto":
+        return recipe.model.dtype
+    src = model_dir(recipe)
+    with HFReader(src, allow_pickle=recipe.model.allow_pickle, check_finite=False) as reader:
+        return resolve_dtype("auto", str(plan_first_source(src, reader)))
+
+
+def _lossy_steps(recipe: Recipe, m: HFModelInfo, fmt) -> Iterable[Finding]:
+    """The lossy steps the engine conversion of this source needs and the recipe does not accept, one line each
+    (local sources: ``hf://`` weights are not fetched at validate; the conversion refuses them then)."""
+    allowed = recipe.model.allow_lossy_import
+    key = lossy.KEY if recipe.written(lossy.KEY) else "model.source"
+    local = not recipe.model.source.startswith("hf://")
+    try:
+        if fmt.quant_algo == "FP8" and lossy.FP8_REQUANTIZE not in allowed and local:
+            whys = _fp8_requantized(recipe, m, fmt)
+            if whys:
+                yield key, lossy.refusal(lossy.FP8_REQUANTIZE, whys[0], len(whys) - 1)
+        if fmt.params.get("zero_point") and lossy.ZERO_POINT_ROUNDING not in allowed and (
+                local or recipe.model.dtype != "auto"):
+            why = lossy.zero_point_why(f"{fmt.family} {fmt.name}", _source_dtype(recipe))
+            if why is not None:
+                yield key, lossy.refusal(lossy.ZERO_POINT_ROUNDING, why)
+    except CheckpointError as exc:
+        yield "model.source", str(exc)
 
 
 IMPORT_RULES: tuple[Rule, ...] = (_imported_source,)

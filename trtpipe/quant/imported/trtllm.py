@@ -4,7 +4,8 @@ The checkpoint converter (:func:`trtpipe.checkpoint.convert.convert`) asks an :c
 quantized linear of a layer instead of reading float weights; the tensors it returns are unsharded, in TensorRT-LLM
 names, and are sharded and streamed exactly as float ones are. Fusion follows ModelOpt's TensorRT-LLM export
 (``preprocess_linear_fusion``): q/k/v and gate/up each become one linear; per-tensor FP8 weight scales become the
-members' max and members with a smaller scale are requantized to it (one FP8 rounding, the only inexact step);
+members' max and members with a smaller scale are requantized to it (one FP8 rounding: a lossy step the recipe
+must accept, as is zero-point INT4's ``zero`` rounded to the model dtype; :mod:`.lossy`);
 input scales take the max; per-row and per-group scales are concatenated with their rows; scales that must be one
 per fused linear (W4A8's ``input_scale`` / ``weight_scale_2``, SmoothQuant's pre-quant scale) must be equal or
 the checkpoint is refused. AWQ's pre-quant scale of q/k/v and gate/up is folded into the norm in the unified
@@ -51,7 +52,7 @@ from trtpipe.checkpoint.quant_layouts import LINEARS, STYLE, exclude_modules
 from trtpipe.checkpoint.quant_primitives import dequantize, quantize
 from trtpipe.errors import CheckpointError
 from trtpipe.models.family import Rule, dims
-from trtpipe.quant.imported import awq, compressed, gptq, others
+from trtpipe.quant.imported import awq, compressed, gptq, lossy, others
 from trtpipe.quant.imported.canonical import check_projection
 from trtpipe.quant.imported.formats import ImportedFormat
 
@@ -235,14 +236,16 @@ class ImportedLinears:
         fmt: the detected format (its ``engine`` action must be ok).
         keys: every tensor name of the source (to find each projection's tensors).
         where: the source directory (for messages).
+        allow_lossy: the :mod:`.lossy` steps the recipe accepts (``model.allow_lossy_import``); a step a layer
+            needs that is not listed is refused before its tensors are fused (``trtpipe validate`` says so first).
     """
 
-    def __init__(self, fmt: ImportedFormat, keys: list[str], where: str):
+    def __init__(self, fmt: ImportedFormat, keys: list[str], where: str, allow_lossy: tuple[str, ...] = ()):
         if not fmt.engine.ok:
             raise CheckpointError(f"{where}: {fmt.describe()}: {fmt.engine.why}")
         if fmt.quant_algo is not None and fmt.quant_algo not in FUSE:
             raise CheckpointError(f"{where}: {fmt.quant_algo} has no TensorRT-LLM conversion")
-        self.fmt, self.where = fmt, where
+        self.fmt, self.where, self.allow_lossy = fmt, where, tuple(allow_lossy)
         self.canonical = CANONICAL[fmt.family]
         self.modules = module_index(keys)
         self.excluded_trt: list[str] = []
@@ -299,6 +302,8 @@ class ImportedLinears:
                 check_projection(self.fmt.quant_algo, module, c, out_f, in_f, self.fmt.group_size, self.where)
                 members.append(c)
             trt = LAYER.format(layer) + rule.trt[: -len(".weight")]
+            if not meta:
+                self._check_lossy(modules, members, rule.trt[: -len(".weight")], plan.dtype)
             in_f = d[rule.shapes[0][1]]
             fused = FUSE[self.fmt.quant_algo](members, in_f, dtype, f"{self.where}: {trt}")
             extras = EXTRAS.get(self.fmt.quant_algo)
@@ -316,6 +321,16 @@ class ImportedLinears:
                 yield f"{trt}.{suffix}", t, sources
         if self.fmt.kv_cache:
             yield from self._kv(reader, plan, layer, meta, used)
+
+    def _check_lossy(self, modules: list[str], members: list[dict], fused: str, dtype: str) -> None:
+        """Refuse a lossy step these members need and the recipe does not accept (the backstop of validate's)."""
+        if self.fmt.quant_algo == "FP8" and len(members) > 1:
+            scales = [float(m["weight_scale"].float().reshape(())) for m in members]
+            lossy.require(lossy.FP8_REQUANTIZE, lossy.fp8_requantize_why(modules, scales, fused), self.allow_lossy,
+                          self.where)
+        if any("zero_point" in m for m in members):
+            why = lossy.zero_point_why(f"{self.fmt.family} {self.fmt.name}", dtype)
+            lossy.require(lossy.ZERO_POINT_ROUNDING, why, self.allow_lossy, self.where)
 
     def _check_align(self, plan, rule: Rule, trt: str, in_f: int) -> None:
         """Each rank's in_features of a plugin SmoothQuant linear must be a multiple of SQ_ROW_ALIGN."""
