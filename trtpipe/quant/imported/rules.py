@@ -66,6 +66,13 @@ def _imported_source(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findi
     action = fmt.action(recipe.target)
     if not action.ok:
         yield "target", f"model.source is {fmt.describe()}: refused for target {recipe.target}: {action.why}"
+    elif m.is_moe and recipe.target == "engine":
+        from trtpipe.quant.imported.trtllm import moe_refusal
+
+        why = moe_refusal(fmt)
+        if why:
+            yield "target", (f"model.source is {fmt.describe()}: its mixture-of-experts layers are refused for target "
+                             f"engine: {why}")
     if fmt.group_size and action.ok and recipe.target == "engine":
         yield from _whole_groups(recipe, m, fmt)
     ref = recipe.accuracy.reference
