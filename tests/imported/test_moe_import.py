@@ -210,6 +210,37 @@ def test_logits_at_tp1_moe_tp2_and_moe_ep2(source, edited, tmp_path, which):
             assert_as_accurate(model.forward(IDS), ref64, scale, f"{which} tp{tp} moe_ep{ep} moe_tp{mtp}")
 
 
+def test_excluded_experts_stay_float(source, tmp_path):
+    """Experts left unquantized by the source (bf16, in its exclude list) beside FP8 attention: converted as float
+    experts, named in exclude_modules, logits as the source's reference model (q/k/v put back as requantized)."""
+    pre_hf, up_n, gate_n, down_n, num, _, _ = _names(source)
+
+    def edit(t):
+        for i in range(LAYERS):
+            for e in range(num):
+                for p in (up_n, gate_n, down_n):
+                    m = pre_hf.format(i, e) + p
+                    t[m + ".weight"] = dequantize(t[m + ".weight"], t.pop(m + ".weight_scale").float(), "fp8",
+                                                  "tensor").to(torch.bfloat16)
+                    t.pop(m + ".input_scale")
+
+    src = _edited(source, tmp_path / "src", edit)
+    hq = json.loads((src / "hf_quant_config.json").read_text())
+    hq["quantization"]["exclude_modules"].append(pre_hf.format("*", "*") + "*")
+    (src / "hf_quant_config.json").write_text(json.dumps(hq))
+    ckpt = _convert(src, tmp_path / "tp1")
+    excluded = json.loads((ckpt / "config.json").read_text())["quantization"]["exclude_modules"]
+    assert {f"transformer.layers.{i}.mlp.{m}" for i in range(LAYERS) for m in ("fc", "proj")} <= set(excluded)
+    assert load_file(str(ckpt / "rank0.safetensors"))["transformer.layers.0.mlp.fc.weight"].dtype == torch.bfloat16
+    reference = load_hf_checkpoint(src)
+    _put_back(reference, load_checkpoint(ckpt), ())
+    with torch.no_grad():
+        ref32 = reference.forward(IDS)
+        ref64 = float64_copy(reference).forward(IDS)
+        got = load_checkpoint(_convert(src, tmp_path / "ep2", tp=2, moe_ep=2, moe_tp=1)).forward(IDS)
+    assert_as_accurate(got, ref64, error_scale(ref32, ref64), "excluded experts, moe_ep 2")
+
+
 def test_missing_expert_scale_is_named_and_nothing_written(source, tmp_path):
     pre_hf, _, gate_n, _, _, _, _ = _names(source)
     name = pre_hf.format(1, 3) + gate_n + ".weight_scale"
