@@ -35,6 +35,7 @@ from trtpipe.quant.imported.detect import detect
 from trtpipe.quant.imported.trtllm import ImportedLinears, moe_refusal
 from trtpipe.runtime import load_checkpoint
 from trtpipe.runtime.hf_loader import load_hf_checkpoint
+from trtpipe.validation import check_recipe, load_recipe
 
 pytestmark = [pytest.mark.oracle]
 
@@ -92,6 +93,14 @@ def edited(source, tmp_path_factory):
     return _edited(source, tmp_path_factory.mktemp("moe_edit") / "src", lambda t: t.__setitem__(name, t[name] * factor))
 
 
+def _recipe(tmp_path: Path, source: Path, name: str) -> Path:
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(f"name: t\nwork_dir: {tmp_path / name}\ntarget: engine\nmodel:\n  source: {source}\n"
+                 "  dtype: bfloat16\nengine:\n  max_batch_size: 8\n  max_input_len: 64\n  max_seq_len: 128\n"
+                 "  max_num_tokens: 256\n")
+    return p
+
+
 def _convert(src: Path, out: Path, tp: int = 1, moe_ep: int = -1, moe_tp: int = -1) -> Path:
     fmt = detect(src)
     return convert(src, out, tp=tp, moe_ep=moe_ep, moe_tp=moe_tp, overwrite=True,
@@ -114,7 +123,8 @@ def test_expert_codes_and_scales_are_the_sources(source, tmp_path):
     assert (q["quant_algo"], q["kv_cache_quant_algo"]) == ("FP8", "FP8") and "*router" in q["exclude_modules"]
     for i in range(LAYERS):
         pre = f"transformer.layers.{i}.mlp."
-        assert t[pre + "fc.weight"].dtype == torch.float8_e4m3fn and t[pre + "fc.weight"].shape == (num, 2 * inter, hidden)
+        assert t[pre + "fc.weight"].dtype == torch.float8_e4m3fn
+        assert t[pre + "fc.weight"].shape == (num, 2 * inter, hidden)
         assert t[pre + "proj.weight"].shape == (num, hidden, inter)
         assert t[pre + "router.weight"].dtype == torch.float32
         for linear in ("fc", "proj"):
@@ -125,7 +135,8 @@ def test_expert_codes_and_scales_are_the_sources(source, tmp_path):
             for got, proj in zip(_fc_halves(t, i, e, inter), (up_n, gate_n)):
                 assert torch.equal(got.view(torch.uint8), src[hf + proj + ".weight"].view(torch.uint8)), (i, e, proj)
                 assert float(t[pre + "fc.weights_scaling_factor"][e]) == float(src[hf + proj + ".weight_scale"])
-            assert torch.equal(t[pre + "proj.weight"][e].view(torch.uint8), src[hf + down_n + ".weight"].view(torch.uint8))
+            down = src[hf + down_n + ".weight"]
+            assert torch.equal(t[pre + "proj.weight"][e].view(torch.uint8), down.view(torch.uint8))
             assert float(t[pre + "proj.weights_scaling_factor"][e]) == float(src[hf + down_n + ".weight_scale"])
         for linear, projs in (("fc", (up_n, gate_n)), ("proj", (down_n,))):
             inputs = [float(src[pre_hf.format(i, e) + p + ".input_scale"]) for e in range(num) for p in projs]
@@ -255,7 +266,7 @@ def test_missing_expert_scale_is_named_and_nothing_written(source, tmp_path):
 
 def test_int4_experts_are_refused_with_the_reason(source, tmp_path):
     """A W4A16_AWQ MoE source (its config: the refusal comes before any tensor is read) is refused for the engine
-    target at validate (``moe_refusal``) and at conversion, in one line saying why."""
+    target at validate (the FP8 source is not) and at conversion, in one line saying why."""
     src = tmp_path / "src"
     shutil.copytree(source, src)
     hq = json.loads((src / "hf_quant_config.json").read_text())
@@ -265,6 +276,11 @@ def test_int4_experts_are_refused_with_the_reason(source, tmp_path):
            "them preprocessed [E, in, out/4] with [E, in/g, out] scales and one [1, in] pre-quant scale, "
            "NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py MOEWeightWrapper")
     assert moe_refusal(detect(src)) == why
+    targets = {name: [x.message for x in check_recipe(load_recipe(_recipe(tmp_path, d, name), check_rules=False))
+                      if x.key == "target"] for name, d in (("fp8", source), ("int4", src))}
+    assert targets["fp8"] == [], targets
+    assert len(targets["int4"]) == 1 and targets["int4"][0].endswith(
+        f"its mixture-of-experts layers are refused for target engine: {why}"), targets
     with pytest.raises(CheckpointError) as exc:
         _convert(src, tmp_path / "out")
     msg = str(exc.value)

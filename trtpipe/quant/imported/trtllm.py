@@ -195,8 +195,8 @@ def moe_refusal(fmt: ImportedFormat) -> Optional[str]:
     if fmt.quant_algo is None or (fmt.quant_algo == "FP8" and fmt.family in MOE_FAMILIES):
         return None
     if fmt.quant_algo == "FP8":
-        return (f"trtpipe converts FP8 mixture-of-experts layers from ModelOpt unified checkpoints only (no {fmt.family} "
-                "MoE checkpoint was checked against its producer)")
+        return ("trtpipe converts FP8 mixture-of-experts layers from ModelOpt unified checkpoints only "
+                f"(no {fmt.family} MoE checkpoint was checked against its producer)")
     return MOE_REFUSED.get(fmt.quant_algo, f"trtpipe has no engine layout for {fmt.quant_algo} experts")
 
 
@@ -321,7 +321,8 @@ class ImportedLinears:
         yield f"{trt}.activation_scaling_factor", _stack_meta(inputs, (num, 1)).amax(0), sources
 
     def layer_tensors(self, reader, plan, layer: int, rules: list[Rule], meta: bool,
-                      used: Optional[set], stream_experts: bool = False) -> Iterator[tuple[str, torch.Tensor, list[str]]]:
+                      used: Optional[set],
+                      stream_experts: bool = False) -> Iterator[tuple[str, torch.Tensor, list[str]]]:
         """(TRT-LLM name, unsharded tensor, source names) of the owned ``rules`` of ``layer`` and its KV scales;
         with ``stream_experts`` a stacked expert weight comes as its :class:`ExpertParts`."""
         d = dims(plan.info)
