@@ -9,7 +9,12 @@ requantized to their shared scale; bf16 embedding, norms and lm_head), then meas
 as many bytes as the conversion writes, and the conversion in a fresh subprocess (peak RSS its own), interleaved
 ``--repeat`` times after one discarded warm-up copy; ratio = median(convert) / median(copy).
 
+``--formats fp8_moe``: a ModelOpt FP8 Qwen3-MoE of Qwen3-30B-A3B's layer shapes instead (128 experts of width 768,
+hidden 2048, 32 query / 4 KV heads of 128; each expert's up and gate with different scales, so every expert's up is
+requantized), whose experts stream to each rank part by part.
+
     python scripts/bench_import.py --layers 1 3 --tp 4
+    python scripts/bench_import.py --formats fp8_moe --layers 1 3 --tp 4 --repeat 1
 """
 
 from __future__ import annotations
@@ -37,10 +42,42 @@ GROUP = 128
 PROJ = {"self_attn.q_proj": (HEADS * HEAD, HIDDEN), "self_attn.k_proj": (KV_HEADS * HEAD, HIDDEN),
         "self_attn.v_proj": (KV_HEADS * HEAD, HIDDEN), "self_attn.o_proj": (HIDDEN, HEADS * HEAD),
         "mlp.gate_proj": (INTER, HIDDEN), "mlp.up_proj": (INTER, HIDDEN), "mlp.down_proj": (HIDDEN, INTER)}
+# Qwen3-30B-A3B's shapes (its config.json on the Hugging Face hub)
+MOE = {"hidden_size": 2048, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+       "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936}
+
+
+def _fp8_linear(m: str, shape: tuple[int, int], k: int) -> list:
+    return [(m + ".weight", "fp8", shape, None), (m + ".weight_scale", "f32", (), 0.01 + 0.001 * k),
+            (m + ".input_scale", "f32", (), 0.05)]
+
+
+def moe_tensors(layers: int) -> list:
+    """The FP8 Qwen3-MoE checkpoint's tensors (as :func:`tensors`): up_proj's scale below gate_proj's."""
+    h, i, e = MOE["hidden_size"], MOE["moe_intermediate_size"], MOE["num_experts"]
+    q, kv = MOE["num_attention_heads"] * MOE["head_dim"], MOE["num_key_value_heads"] * MOE["head_dim"]
+    v = MOE["vocab_size"]
+    out = [("model.embed_tokens.weight", "bf16", (v, h), None)]
+    for n in range(layers):
+        p = f"model.layers.{n}."
+        out += [(p + "input_layernorm.weight", "bf16", (h,), None),
+                (p + "post_attention_layernorm.weight", "bf16", (h,), None),
+                (p + "self_attn.q_norm.weight", "bf16", (MOE["head_dim"],), None),
+                (p + "self_attn.k_norm.weight", "bf16", (MOE["head_dim"],), None),
+                (p + "mlp.gate.weight", "bf16", (e, h), None)]
+        for k, (o, shape) in enumerate((("q_proj", (q, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h)),
+                                        ("o_proj", (h, q)))):
+            out += _fp8_linear(p + "self_attn." + o, shape, k)
+        for x in range(e):
+            for k, (o, shape) in enumerate((("up_proj", (i, h)), ("gate_proj", (i, h)), ("down_proj", (h, i)))):
+                out += _fp8_linear(p + f"mlp.experts.{x}." + o, shape, k)
+    return out + [("model.norm.weight", "bf16", (h,), None), ("lm_head.weight", "bf16", (v, h), None)]
 
 
 def tensors(fmt: str, layers: int):
     """(name, dtype name, shape, scalar value or None) of the synthetic checkpoint, in file order."""
+    if fmt == "fp8_moe":
+        return moe_tensors(layers)
     out = [("model.embed_tokens.weight", "bf16", (VOCAB, HIDDEN), None)]
     for i in range(layers):
         p = f"model.layers.{i}."
@@ -63,23 +100,31 @@ def tensors(fmt: str, layers: int):
 
 def write_synthetic(model_dir: Path, fmt: str, layers: int) -> int:
     import torch
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Qwen3MoeConfig
 
     from trtpipe.checkpoint.writer import RankFile
 
     dt = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "u8": torch.uint8, "f32": torch.float32}
     model_dir.mkdir(parents=True)
-    cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=layers, num_attention_heads=HEADS,
-                      num_key_value_heads=KV_HEADS, vocab_size=VOCAB, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=False)
-    cfg.architectures = ["LlamaForCausalLM"]
+    if fmt == "fp8_moe":
+        cfg = Qwen3MoeConfig(**MOE, intermediate_size=6144, num_hidden_layers=layers, norm_topk_prob=True,
+                             decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=8192,
+                             tie_word_embeddings=False)
+        cfg.architectures = ["Qwen3MoeForCausalLM"]
+    else:
+        cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=layers,
+                          num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB,
+                          max_position_embeddings=8192, rms_norm_eps=1e-5,
+                          rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=False)
+        cfg.architectures = ["LlamaForCausalLM"]
     cfg.dtype = "bfloat16"
     cfg.save_pretrained(model_dir)
-    algo = {"fp8": "FP8", "w4a16": "W4A16_AWQ"}[fmt]
+    algo = {"fp8": "FP8", "fp8_moe": "FP8", "w4a16": "W4A16_AWQ"}[fmt]
     hq = {"producer": {"name": "modelopt", "version": "0.47.0"},
           "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None,
                            **({"group_size": GROUP, "has_zero_point": False, "pre_quant_scale": True}
-                              if fmt == "w4a16" else {}), "exclude_modules": ["lm_head", "model.embed_tokens"]}}
+                              if fmt == "w4a16" else {}),
+                           "exclude_modules": ["lm_head", "model.embed_tokens", "model.layers.*.mlp.gate"]}}
     (model_dir / "hf_quant_config.json").write_text(json.dumps(hq))
     g = torch.Generator().manual_seed(0)
     pools = {"bf16": torch.randn(32 << 20, generator=g).mul_(0.02).bfloat16().view(torch.uint8),
@@ -177,7 +222,7 @@ def bench_one(fmt: str, layers: int, tp: int, tmp_root: Path, repeat: int) -> di
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--formats", nargs="+", default=["fp8", "w4a16"], choices=["fp8", "w4a16"])
+    ap.add_argument("--formats", nargs="+", default=["fp8", "w4a16"], choices=["fp8", "w4a16", "fp8_moe"])
     ap.add_argument("--layers", type=int, nargs="+", default=[1, 3])
     ap.add_argument("--tp", type=int, default=4)
     ap.add_argument("--tmp", type=Path, default=Path("/tmp"))

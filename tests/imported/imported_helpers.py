@@ -19,10 +19,11 @@ LINEAR_ATTRS = (("attention", "qkv"), ("attention", "dense"), ("mlp", "fc"), ("m
 FUSED = ("attention.qkv", "mlp.fc", "mlp.gate")
 
 
-def convert_source(src: Path, out: Path, tp: int = 1, pp: int = 1, allow_lossy: tuple[str, ...] = ()) -> Path:
+def convert_source(src: Path, out: Path, tp: int = 1, pp: int = 1, allow_lossy: tuple[str, ...] = (),
+                   moe_ep: int = -1, moe_tp: int = -1) -> Path:
     """The engine conversion of ``src``, accepting the lossy steps listed (``model.allow_lossy_import``)."""
     fmt = detect(src)
-    return convert(src, out, tp=tp, pp=pp, overwrite=True,
+    return convert(src, out, tp=tp, pp=pp, moe_ep=moe_ep, moe_tp=moe_tp, overwrite=True,
                    importer=lambda plan, reader: ImportedLinears(fmt, reader.keys(), str(src), allow_lossy))
 
 

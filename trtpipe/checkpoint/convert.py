@@ -209,7 +209,7 @@ def _unit_iter(reader, plan, unit, meta, used=None, importer=None, stream_expert
         yield from _iter_rules(rules, reader, plan, plan.family.hf_layer_prefix.format(unit),
                                LAYER.format(unit), meta, used, stream_experts)
         if importer is not None:
-            yield from importer.layer_tensors(reader, plan, unit, owned, meta, used)
+            yield from importer.layer_tensors(reader, plan, unit, owned, meta, used, stream_experts)
         return
     embed = unit == "embedding"
     rules = [r for r in plan.family.global_rules if r.trt.startswith("transformer.vocab_embedding") == embed]

@@ -38,6 +38,14 @@ LINEAR_GROUPS: dict[str, tuple[tuple[str, ...], str]] = {
 LINEARS: tuple[str, ...] = tuple(m for members, _ in LINEAR_GROUPS.values() for m in members)
 STYLE: dict[str, str] = {m: style for members, style in LINEAR_GROUPS.values() for m in members}
 
+# Mixture-of-experts linears (``mlp.fc`` [E, 2I, H], ``mlp.proj`` [E, H, I]) of the engine checkpoint: FP8 per tensor
+# only, as TensorRT-LLM 1.2's MoE layer reads them (NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py
+# MOEWeightWrapper): ``weights_scaling_factor`` F32 [E, 1] (one per expert; an expert's up and gate share the max),
+# ``activation_scaling_factor`` F32 [1] (the max over the experts). Why int4 experts have no layout here:
+MOE_ENGINE_INT4 = ("the engine path's checkpoint writer has no layout for int4 experts: TensorRT-LLM 1.2's MoE plugin "
+                   "takes them preprocessed [E, in, out/4] with [E, in/g, out] scales and one [1, in] pre-quant "
+                   "scale, NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py MOEWeightWrapper")
+
 # TensorRT-LLM's builder default exclusions; an explicit exclude_modules list replaces them, so we keep them.
 BUILDER_DEFAULT_EXCLUDES = ("*lm_head", "*router", "*vocab_embedding", "*position_embedding", "*block_embedding",
                             "*shared_expert_gate")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Iterable, Optional
 
-from trtpipe.checkpoint.quant_layouts import ALGOS, STYLE
+from trtpipe.checkpoint.quant_layouts import ALGOS, MOE_ENGINE_INT4, STYLE
 from trtpipe.models.hfconfig import HFModelInfo
 from trtpipe.models.trtllm_config import resolve_moe_sizes
 from trtpipe.quant.hostmem import whole_model_misfit
@@ -56,11 +56,8 @@ def int4_problems(m: HFModelInfo, tp: int, group_size: int, moe_tp: Optional[int
     return bad
 
 
-# algos whose group-wise experts trtpipe writes (only the llmapi export), and why the engine path has none
+# algos whose group-wise experts trtpipe writes (only the llmapi export); MOE_ENGINE_INT4: why the engine path has none
 MOE_GROUP_ALGOS = ("w4a8_awq",)
-MOE_ENGINE_INT4 = ("the engine path's checkpoint writer has no layout for int4 experts: TensorRT-LLM 1.2's MoE plugin "
-                   "takes them preprocessed [E, in, out/4] with [E, in/g, out] scales and one [1, in] pre-quant "
-                   "scale, NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py MOEWeightWrapper")
 
 
 def _excluded(name: str, patterns: list[str]) -> bool:

@@ -76,6 +76,13 @@ def _imported_source(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findi
     action = fmt.action(recipe.target)
     if not action.ok:
         yield "target", f"model.source is {fmt.describe()}: refused for target {recipe.target}: {action.why}"
+    elif m.is_moe and recipe.target == "engine":
+        from trtpipe.quant.imported.trtllm import moe_refusal
+
+        why = moe_refusal(fmt)
+        if why:
+            yield "target", (f"model.source is {fmt.describe()}: its mixture-of-experts layers are refused for target "
+                             f"engine: {why}")
     if fmt.group_size and action.ok and recipe.target == "engine":
         yield from _whole_groups(recipe, m, fmt)
     if action.ok and recipe.target == "engine":
@@ -124,8 +131,15 @@ def _fused_modules(m: HFModelInfo, layer: int) -> list[tuple[str, list[str]]]:
 
     family = get_family(m.architecture)
     pre = m.weight_prefix + family.hf_layer_prefix.format(layer)
-    return [(r.trt[: -len(".weight")], [pre + h[: -len(".weight")] for h in r.hf]) for r in family.layer_rules
-            if r.when(m) and r.combine == "cat" and len(r.hf) > 1 and r.trt[: -len(".weight")] in LINEARS]
+    fused = [r for r in family.layer_rules
+             if r.when(m) and r.combine in ("cat", "experts_cat") and len(r.hf) > 1 and r.trt[: -len(".weight")] in LINEARS]
+    out = []
+    for r in fused:  # an expert's up/gate are fused as a dense gate/up is: one pair per expert
+        linear = r.trt[: -len(".weight")]
+        experts = range(m.num_experts) if r.combine == "experts_cat" else (None,)
+        out += [(linear if e is None else f"{linear} expert {e}", [pre + h[: -len(".weight")].format(e=e) for h in r.hf])
+                for e in experts]
+    return out
 
 
 def _fp8_requantized(recipe: Recipe, m: HFModelInfo, fmt) -> list[str]:

@@ -38,6 +38,16 @@ leaves a decoder linear unquantized is refused; and ``SmoothQuantLinear`` / ``Sm
 each rank's ``in_features`` is a multiple of 4 (they view the INT8 weight as float32), so a tp that breaks that
 is refused. Not confirmed here: how 1.2's ``load()`` reinterprets the INT8 ``[out, in]`` weight into the layer's
 float32 ``[out, in/4]`` parameter (the legacy converter writes INT8 ``[out, in]``, which is what this writes).
+
+Mixture-of-experts layers (ModelOpt FP8 per tensor only, :data:`MOE_REFUSED` says why not the others): each
+expert's up and gate are fused as a dense gate/up is (:func:`_fp8_shared`: their max scale, the other requantized),
+then stacked as trtpipe's own FP8 MoE checkpoint and TensorRT-LLM 1.2's MoE layer lay them out
+(NVIDIA/TensorRT-LLM@c388fec7 ``tensorrt_llm/layers/moe.py`` ``MOEWeightWrapper.postprocess``, which requantizes
+w3/w1 the same way): ``mlp.fc.weight`` F8 [E, 2I, H] (the family rule's source order, up first),
+``mlp.fc.weights_scaling_factor`` F32 [E, 1], ``mlp.proj.weight`` [E, H, I] with its own [E, 1], and one
+``activation_scaling_factor`` [1] per linear, the max over the experts' input scales (the plugin has one). The
+stacked weights stream to each rank part by part (:class:`trtpipe.checkpoint.experts.ExpertParts`): down_proj from
+the file's pages, each expert's fused up/gate from one copy per layer.
 """
 
 from __future__ import annotations
@@ -48,7 +58,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from trtpipe.checkpoint.quant_layouts import LINEARS, STYLE, exclude_modules
+from trtpipe.checkpoint.experts import ExpertParts
+from trtpipe.checkpoint.quant_layouts import LINEARS, MOE_ENGINE_INT4, STYLE, exclude_modules
 from trtpipe.checkpoint.quant_primitives import dequantize, quantize
 from trtpipe.errors import CheckpointError
 from trtpipe.models.family import Rule, dims
@@ -106,6 +117,12 @@ def _fp8_shared(ms: list[dict], what: str) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.stack(scales).amax(0)
     codes = [m["weight"] if torch.equal(sm, s) else requantize_fp8(m["weight"], sm, s) for m, sm in zip(ms, scales)]
     return (torch.cat(codes) if len(codes) > 1 else codes[0]), s
+
+
+def _stack_meta(ts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    """Per-expert scalars stacked to ``shape`` in float32 (a meta tensor when they are)."""
+    return torch.empty(shape, device="meta") if _meta(ts) else torch.stack(ts).float().reshape(shape)
+
 
 
 def _amax1(ms: list[dict], key: str) -> torch.Tensor:
@@ -209,6 +226,37 @@ GROUPWISE = ("W4A16_AWQ", "W4A8_AWQ")
 EXTRAS: dict[str, Callable] = {"W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": sq_plugin_extras}
 # algorithms whose TensorRT-LLM layers ignore exclude_modules (smooth_quantize_plugin): no decoder linear may be left out
 NO_EXCLUDED_LINEARS = ("W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",)
+# canonical quant_algo -> why its experts get no engine layout (FP8: converted; absent: the generic line of moe_refusal)
+MOE_REFUSED: dict[str, str] = {
+    "FP8_PER_CHANNEL_PER_TOKEN": "TensorRT-LLM 1.2's MoE layer refuses FP8 rowwise experts ('MOE Does not support FP8 "
+                                 "rowwise quantize', NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py)",
+    "W8A16": "trtpipe has no engine writer for INT8 weight-only experts (TensorRT-LLM 1.2's MoE plugin takes them "
+             "preprocessed per GPU as [E, in, out] with an [E, out] per_channel_scale, NVIDIA/TensorRT-LLM@c388fec7 "
+             "tensorrt_llm/layers/moe.py MOEWeightWrapper)",
+    "W8A8_SQ_PER_CHANNEL": "TensorRT-LLM 1.2's MoE layer has no SmoothQuant experts (FP8, weight-only, group-wise "
+                           "INT4 and NVFP4 only, NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py)",
+    "W4A16_AWQ": MOE_ENGINE_INT4,
+    "W4A8_AWQ": MOE_ENGINE_INT4,
+    "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": "TensorRT-LLM 1.2's MoE layer has no SmoothQuant experts (FP8, "
+                                            "weight-only, group-wise INT4 and NVFP4 only, NVIDIA/TensorRT-LLM@c388fec7 "
+                                            "tensorrt_llm/layers/moe.py)",
+}
+MOE_FAMILIES = ("modelopt",)  # sources whose FP8 experts were checked against their producer's checkpoint
+
+
+def moe_refusal(fmt: ImportedFormat) -> Optional[str]:
+    """Why the experts of a mixture-of-experts source in format ``fmt`` are not converted for the engine target
+    (None: they are, or the source has no quantized linears)."""
+    if fmt.quant_algo is None or (fmt.quant_algo == "FP8" and fmt.family in MOE_FAMILIES):
+        return None
+    if fmt.quant_algo == "FP8":
+        return ("trtpipe converts FP8 mixture-of-experts layers from ModelOpt unified checkpoints only "
+                f"(no {fmt.family} MoE checkpoint was checked against its producer)")
+    return MOE_REFUSED.get(fmt.quant_algo, f"trtpipe has no engine layout for {fmt.quant_algo} experts")
+
+
+def is_experts(rule: Rule) -> bool:
+    return "experts" in rule.combine
 
 
 def matches(name: str, patterns: tuple[str, ...]) -> bool:
@@ -251,16 +299,21 @@ class ImportedLinears:
         self.excluded_trt: list[str] = []
 
     def _hf_modules(self, plan, rule: Rule, layer: int) -> list[str]:
+        """The HF modules of a rule, per source (and, for experts, per expert within each source)."""
         pre = plan.info.weight_prefix + plan.family.hf_layer_prefix.format(layer)
-        return [pre + h[: -len(".weight")] for h in rule.hf]
+        experts = range(plan.info.num_experts) if is_experts(rule) else (None,)
+        return [pre + h[: -len(".weight")].format(e=e) for h in rule.hf for e in experts]
 
     def owns(self, plan, rule: Rule, layer: int) -> bool:
         """Whether this layer rule's tensor is a quantized linear this importer supplies."""
         if self.fmt.quant_algo is None or not rule.trt.endswith(".weight") or rule.trt[: -len(".weight")] not in LINEARS:
             return False
-        if rule.combine not in ("one", "cat"):
-            raise CheckpointError(f"{self.where}: {self.fmt.describe()}: mixture-of-experts layers are not imported "
-                                  "for the engine target yet")
+        if is_experts(rule) and moe_refusal(self.fmt):
+            raise CheckpointError(f"{self.where}: {self.fmt.describe()}: mixture-of-experts layers are not converted "
+                                  f"for the engine target: {moe_refusal(self.fmt)}")
+        if rule.combine not in ("one", "cat") and not is_experts(rule):
+            raise CheckpointError(f"{self.where}: {self.fmt.describe()}: {rule.trt} ({rule.combine}) has no "
+                                  "conversion for the engine target")
         modules = self._hf_modules(plan, rule, layer)
         excluded = [matches(m, self.fmt.exclude) for m in modules]
         if any(excluded) and not all(excluded):
@@ -285,21 +338,69 @@ class ImportedLinears:
             used.add(names["bias"])
         return {s: reader.meta(n) if meta else reader.get(n) for s, n in names.items()}
 
+    def _canonical(self, reader, module: str, out_f: int, in_f: int, meta: bool, used: Optional[set]) -> tuple:
+        """(canonical tensors of one projection, checked; the source tensors read)."""
+        t = self._tensors(reader, module, meta, used)
+        t = {k: v for k, v in t.items() if k not in ("k_scale", "v_scale")}
+        c = self.canonical(self.fmt, t, module, self.where, out_f, in_f)
+        check_projection(self.fmt.quant_algo, module, c, out_f, in_f, self.fmt.group_size, self.where)
+        return c, list(t.values())
+
+    def _experts(self, reader, plan, layer: int, rule: Rule, meta: bool, used: Optional[set], stream: bool):
+        """A stacked FP8 expert linear: (name, weight or its ExpertParts, sources), then its two scales."""
+        d = dims(plan.info)
+        num = plan.info.num_experts
+        modules = self._hf_modules(plan, rule, layer)  # source-major: modules[s * num + e]
+        trt = LAYER.format(layer) + rule.trt[: -len(".weight")]
+        parts: list[list[torch.Tensor]] = [[] for _ in rule.hf]
+        scales, inputs = [], []
+        for e in range(num):
+            members, raw = [], []
+            for i, shape in enumerate(rule.shapes):
+                c, r = self._canonical(reader, modules[i * num + e], d[shape[0]], d[shape[1]], meta, used)
+                members.append(c)
+                raw.extend(r)
+            if not meta:
+                self._check_lossy([modules[i * num + e] for i in range(len(rule.shapes))], members,
+                                  f"{rule.trt[: -len('.weight')]} expert {e}", plan.dtype)
+            codes, s = _fp8_shared(members, f"{self.where}: {trt} expert {e}")
+            for i, piece in enumerate(codes.split([m["weight"].shape[0] for m in members])):
+                parts[i].append(piece)
+            scales.append(s.reshape(1))
+            inputs.append(_amax1(members, "input_scale"))
+            if not meta and len(members) > 1:  # fused into a copy: the source pages are read
+                for v in raw:
+                    reader.drop_pages(v)
+        names = [[self.modules[modules[i * num + e]]["weight"] for e in range(num)] for i in range(len(rule.hf))]
+        if meta:
+            weight = torch.empty(num, sum(p[0].shape[0] for p in parts), parts[0][0].shape[1],
+                                 dtype=torch.float8_e4m3fn, device="meta")
+        elif stream:
+            weight = ExpertParts(tuple(map(tuple, parts)), tuple(map(tuple, names)))
+        else:
+            weight = torch.cat([torch.stack(p) for p in parts], dim=-2)
+        yield f"{trt}.weight", weight, [n for group in names for n in group]
+        sources = [self.modules[m][k] for m in modules for k in ("weight_scale", "input_scale")]
+        yield f"{trt}.weights_scaling_factor", _stack_meta(scales, (num, 1)), sources
+        yield f"{trt}.activation_scaling_factor", _stack_meta(inputs, (num, 1)).amax(0), sources
+
     def layer_tensors(self, reader, plan, layer: int, rules: list[Rule], meta: bool,
-                      used: Optional[set]) -> Iterator[tuple[str, torch.Tensor, list[str]]]:
-        """(TRT-LLM name, unsharded tensor, source names) of the owned ``rules`` of ``layer`` and its KV scales."""
+                      used: Optional[set],
+                      stream_experts: bool = False) -> Iterator[tuple[str, torch.Tensor, list[str]]]:
+        """(TRT-LLM name, unsharded tensor, source names) of the owned ``rules`` of ``layer`` and its KV scales;
+        with ``stream_experts`` a stacked expert weight comes as its :class:`ExpertParts`."""
         d = dims(plan.info)
         dtype = MODEL_DTYPES[plan.dtype]
         for rule in rules:
+            if is_experts(rule):
+                yield from self._experts(reader, plan, layer, rule, meta, used, stream_experts)
+                continue
             modules = self._hf_modules(plan, rule, layer)
             members, raw = [], []
             for module, shape in zip(modules, rule.shapes):
                 out_f, in_f = d[shape[0]], d[shape[1]]
-                t = self._tensors(reader, module, meta, used)
-                t = {k: v for k, v in t.items() if k not in ("k_scale", "v_scale")}
-                raw.extend(t.values())
-                c = self.canonical(self.fmt, t, module, self.where, out_f, in_f)
-                check_projection(self.fmt.quant_algo, module, c, out_f, in_f, self.fmt.group_size, self.where)
+                c, r = self._canonical(reader, module, out_f, in_f, meta, used)
+                raw.extend(r)
                 members.append(c)
             trt = LAYER.format(layer) + rule.trt[: -len(".weight")]
             if not meta:
