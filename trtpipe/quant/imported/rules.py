@@ -128,17 +128,21 @@ def _whole_groups(recipe: Recipe, m: HFModelInfo, fmt) -> Iterable[Finding]:
 def _fused_modules(m: HFModelInfo, layer: int) -> list[tuple[str, list[str]]]:
     """(TensorRT-LLM linear, its HF member modules) of each fused quantizable linear of ``layer``."""
     from trtpipe.checkpoint.quant_layouts import LINEARS
+    from trtpipe.quant.imported.trtllm import rule_modules
 
     family = get_family(m.architecture)
     pre = m.weight_prefix + family.hf_layer_prefix.format(layer)
-    fused = [r for r in family.layer_rules
-             if r.when(m) and r.combine in ("cat", "experts_cat") and len(r.hf) > 1 and r.trt[: -len(".weight")] in LINEARS]
     out = []
-    for r in fused:  # an expert's up/gate are fused as a dense gate/up is: one pair per expert
+    for r in family.layer_rules:
         linear = r.trt[: -len(".weight")]
-        experts = range(m.num_experts) if r.combine == "experts_cat" else (None,)
-        out += [(linear if e is None else f"{linear} expert {e}", [pre + h[: -len(".weight")].format(e=e) for h in r.hf])
-                for e in experts]
+        if not (r.when(m) and r.combine in ("cat", "experts_cat") and len(r.hf) > 1 and linear in LINEARS):
+            continue
+        modules = rule_modules(pre, r, m.num_experts)
+        if r.combine == "cat":
+            out.append((linear, modules))
+        else:  # an expert's up/gate are fused as a dense gate/up is: one pair per expert
+            num = m.num_experts
+            out += [(f"{linear} expert {e}", modules[e::num]) for e in range(num)]
     return out
 
 

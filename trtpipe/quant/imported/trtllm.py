@@ -259,6 +259,13 @@ def is_experts(rule: Rule) -> bool:
     return "experts" in rule.combine
 
 
+def rule_modules(layer_prefix: str, rule: Rule, num_experts: int) -> list[str]:
+    """The HF modules of a layer rule, per source (and, for experts, per expert within each source:
+    ``[s * num_experts + e]``)."""
+    experts = range(num_experts) if is_experts(rule) else (None,)
+    return [layer_prefix + h[: -len(".weight")].format(e=e) for h in rule.hf for e in experts]
+
+
 def matches(name: str, patterns: tuple[str, ...]) -> bool:
     """Whether module ``name`` is in an exclude list: exact names, fnmatch patterns (ModelOpt), ``re:`` regexes
     (compressed-tensors), a parent module, or a run of name components (transformers' ``modules_to_not_convert``
@@ -299,10 +306,8 @@ class ImportedLinears:
         self.excluded_trt: list[str] = []
 
     def _hf_modules(self, plan, rule: Rule, layer: int) -> list[str]:
-        """The HF modules of a rule, per source (and, for experts, per expert within each source)."""
-        pre = plan.info.weight_prefix + plan.family.hf_layer_prefix.format(layer)
-        experts = range(plan.info.num_experts) if is_experts(rule) else (None,)
-        return [pre + h[: -len(".weight")].format(e=e) for h in rule.hf for e in experts]
+        return rule_modules(plan.info.weight_prefix + plan.family.hf_layer_prefix.format(layer), rule,
+                            plan.info.num_experts)
 
     def owns(self, plan, rule: Rule, layer: int) -> bool:
         """Whether this layer rule's tensor is a quantized linear this importer supplies."""
