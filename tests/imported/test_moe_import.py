@@ -285,3 +285,23 @@ def test_int4_experts_are_refused_with_the_reason(source, tmp_path):
     msg = str(exc.value)
     assert "\n" not in msg and msg.endswith(f"mixture-of-experts layers are not converted for the engine target: {why}")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_experts_up_gate_requantization_is_the_fp8_requantize_step(source, edited, tmp_path):
+    """Fusing an expert's up and gate of different scales is the same lossy step as a dense q/k/v fusion: validate
+    counts one more fused linear needing fp8_requantize on the edited source than on ModelOpt's own (the edited
+    expert's fc), and the conversion without the key refuses in one line, writing nothing."""
+    def lossy(d: Path, name: str) -> str:
+        found = [x.message for x in check_recipe(load_recipe(_recipe(tmp_path, d, name), check_rules=False))
+                 if "fp8_requantize" in x.message]
+        assert len(found) == 1, found
+        return found[0]
+
+    def more(msg: str) -> int:
+        return int(msg.split("(and ")[1].split(" more")[0]) if "(and " in msg else 0
+
+    assert more(lossy(edited, "edited")) == more(lossy(source, "as_exported")) + 1
+    with pytest.raises(CheckpointError) as exc:  # the other tests accept the step (_convert); nothing is here
+        convert_source(edited, tmp_path / "out")
+    assert "\n" not in str(exc.value) and "add fp8_requantize to model.allow_lossy_import" in str(exc.value)
+    assert not (tmp_path / "out").exists()
