@@ -159,6 +159,18 @@ def test_w8a8_twin_logits_equal_the_source_as_stored(tp, tmp_path):
 
 
 def test_w8a8_tp_that_breaks_the_plugin_alignment_is_refused(tmp_path):
+    """At validate (parallel.tp, naming the linear) and again by the conversion, nothing written."""
+    from trtpipe.validation import check_recipe, load_recipe
+
+    def problems(tp: int) -> list:
+        p = tmp_path / f"tp{tp}.yaml"
+        p.write_text(f"name: t\nwork_dir: {tmp_path / 'w'}\ntarget: engine\nmodel:\n  source: {prequantized(NAME)}\n"
+                     f"parallel:\n  tp: {tp}\n")
+        return [(x.key, x.message) for x in check_recipe(load_recipe(p, check_rules=False))]
+
+    assert [k for k, _ in problems(1)] == []
+    (key, msg), = [(k, m) for k, m in problems(2) if "SmoothQuant" in m]
+    assert key == "parallel.tp" and "mlp.proj has 86 input features per rank at tp 2" in msg, msg
     with pytest.raises(CheckpointError, match=r"transformer\.layers\.0\.mlp\.proj has 86 input features per rank at "
                                               r"tp 2; .* multiple of 4"):
         convert_source(prequantized(NAME), tmp_path / "ckpt", tp=2)

@@ -85,6 +85,8 @@ def _imported_source(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findi
                              f"engine: {why}")
     if fmt.group_size and action.ok and recipe.target == "engine":
         yield from _whole_groups(recipe, m, fmt)
+    if fmt.quant_algo == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN" and action.ok and recipe.target == "engine":
+        yield from _sq_alignment(recipe, m)
     if action.ok and recipe.target == "engine":
         yield from _lossy_steps(recipe, m, fmt)
     ref = recipe.accuracy.reference
@@ -123,6 +125,23 @@ def _whole_groups(recipe: Recipe, m: HFModelInfo, fmt) -> Iterable[Finding]:
             continue  # left unquantized by the checkpoint
         yield "parallel.tp", (f"model.source is {fmt.name} with group size {fmt.group_size}: at tp={recipe.parallel.tp} "
                               f"{name} {why} (the checkpoint's groups cannot be re-cut); use a smaller tp")
+
+
+def _sq_alignment(recipe: Recipe, m: HFModelInfo) -> Iterable[Finding]:
+    """Every rank's slice of a plugin SmoothQuant linear has in_features TensorRT-LLM's layer accepts (the
+    conversion checks the same, as a backstop)."""
+    from trtpipe.checkpoint.quant_layouts import LINEARS
+    from trtpipe.models.family import dims
+    from trtpipe.quant.imported.trtllm import sq_misaligned
+
+    d = dims(m)
+    for r in get_family(m.architecture).layer_rules:
+        linear = r.trt[: -len(".weight")]
+        if r.when(m) and r.trt.endswith(".weight") and linear in LINEARS and r.shapes:
+            why = sq_misaligned(linear, d[r.shapes[0][1]], recipe.parallel.tp)
+            if why:
+                yield "parallel.tp", f"model.source is INT8 W8A8: {linear} {why}"
+                return
 
 
 def _fused_modules(m: HFModelInfo, layer: int) -> list[tuple[str, list[str]]]:

@@ -184,6 +184,16 @@ NORM_OF = {"attention.qkv": "input_layernorm", "mlp.fc": "post_layernorm"}
 SQ_ROW_ALIGN = 4  # SmoothQuantLinear / SmoothQuantRowLinear: assert in_features % 4 == 0 (per rank)
 
 
+def sq_misaligned(linear: str, in_f: int, tp: int) -> Optional[str]:
+    """Why a plugin SmoothQuant linear (TensorRT-LLM name, e.g. ``mlp.proj``) of ``in_f`` input features cannot be
+    built at ``tp`` (each rank's in_features must be a multiple of SQ_ROW_ALIGN; row linears split them), or None."""
+    per_rank = in_f // tp if STYLE[linear] == "row" else in_f
+    if per_rank % SQ_ROW_ALIGN == 0:
+        return None
+    return (f"has {per_rank} input features per rank at tp {tp}; TensorRT-LLM's SmoothQuant plugin linears need a "
+            f"multiple of {SQ_ROW_ALIGN} (use another tp)")
+
+
 def zero_of(zero_point: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """TensorRT-LLM's groupwise ``zero`` ``[in/g, out]`` in the model dtype from canonical ``zero_point`` and
     ``weight_scale`` ``[out, in/g]``: the kernel computes ``W = q * s + zero``, so ``zero = -zero_point * s``
@@ -439,13 +449,9 @@ class ImportedLinears:
             lossy.require(lossy.ZERO_POINT_ROUNDING, why, self.allow_lossy, self.where)
 
     def _check_align(self, plan, rule: Rule, trt: str, in_f: int) -> None:
-        """Each rank's in_features of a plugin SmoothQuant linear must be a multiple of SQ_ROW_ALIGN."""
-        tp = plan.layout.tp
-        per_rank = in_f // tp if STYLE[rule.trt[: -len(".weight")]] == "row" else in_f
-        if per_rank % SQ_ROW_ALIGN:
-            raise CheckpointError(f"{self.where}: {trt} has {per_rank} input features per rank at tp {tp}; "
-                                  f"TensorRT-LLM's SmoothQuant plugin linears need a multiple of {SQ_ROW_ALIGN} "
-                                  "(use another tp)")
+        why = sq_misaligned(rule.trt[: -len(".weight")], in_f, plan.layout.tp)
+        if why:
+            raise CheckpointError(f"{self.where}: {trt} {why}")
 
     def _kv(self, reader, plan, layer, meta, used):
         pre = plan.info.weight_prefix + plan.family.hf_layer_prefix.format(layer)
