@@ -666,9 +666,11 @@ def _priority(ctx, param, value):
               help="Seconds between state-file checkpoints.")
 @click.option("--metrics-interval", type=click.FloatRange(0), default=2.0, show_default=True,
               help="Seconds between reads of the server's Prometheus metrics (0: only 429/503 slow the job).")
+@click.option("--retry-errors", is_flag=True,
+              help="Send the errors file's requests again; the file is first renamed to ERRORS.retried-N.jsonl.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (the summary is still printed).")
 def batch(target, overrides, input_path, output, errors, state, concurrency, priority, max_retries, request_timeout,
-          server_wait, checkpoint_interval, metrics_interval, no_progress) -> None:
+          server_wait, checkpoint_interval, metrics_interval, retry_errors, no_progress) -> None:
     """Run an OpenAI Batch file against TARGET: a served URL (http://HOST:PORT), or a target: llmapi recipe (or
     HF directory) served for the job and stopped after it. Killed at any moment, the same command resumes:
     each custom_id is written exactly once. Exit 0 all succeeded, 3 some failed (see the errors file), 1 the
@@ -680,7 +682,8 @@ def batch(target, overrides, input_path, output, errors, state, concurrency, pri
     opts = ClientOptions(concurrency=concurrency, priority=priority, max_retries=max_retries,
                          request_timeout_s=request_timeout, server_wait_s=server_wait,
                          metrics_interval_s=metrics_interval, checkpoint_interval_s=checkpoint_interval)
-    job = BatchJob(target, input_path, output, errors, state, overrides, opts, progress=not no_progress)
+    job = BatchJob(target, input_path, output, errors, state, overrides, opts, progress=not no_progress,
+                   retry_errors=retry_errors)
     sigterm_as_interrupt()
     sys.exit(run_job(job, click.echo, lambda line: click.echo(line, err=True)))
 

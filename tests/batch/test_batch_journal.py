@@ -109,3 +109,33 @@ def test_state_file_counts_and_runs(tmp_path):
     again.close()
     assert json.loads(again.state.read_text())["runs"] == 2
     assert not list(tmp_path.glob(".tmp-*"))  # the atomic writes left no temporary file
+
+
+def test_retry_errors_archives_the_errors_file_and_makes_its_requests_pending(tmp_path):
+    j = journal(tmp_path)
+    j.output.write_bytes(rec("a"))
+    failed = rec("b") + rec("c")
+    j.errors.write_bytes(failed)
+    assert j.open(reqs("a", "b", "c"), retry_errors=True) == {"a"}
+    assert (j.retried, j.retried_from, j.failed) == (2, tmp_path / "out.errors.retried-1.jsonl", 0)
+    assert j.retried_from.read_bytes() == failed and j.errors.read_bytes() == b""  # kept, not overwritten
+    j.append(result_line("b", None, "", None, {"code": "timeout", "message": "m"}), failed=True)
+    j.close()
+    again = journal(tmp_path)  # a second retry takes the next free name: an archive is never overwritten
+    assert again.open(reqs("a", "b", "c"), retry_errors=True) == {"a"}
+    again.close()
+    assert again.retried_from == tmp_path / "out.errors.retried-2.jsonl" and again.retried == 1
+    assert (tmp_path / "out.errors.retried-1.jsonl").read_bytes() == failed
+
+
+def test_retry_errors_leaves_a_refused_journal_untouched(tmp_path):
+    j = journal(tmp_path)
+    text = rec("b") + rec("zzz")
+    j.errors.write_bytes(text)
+    with pytest.raises(BatchError, match=r"out.errors.jsonl:2: custom_id 'zzz' is not in"):
+        j.open(reqs("a", "b", "c"), retry_errors=True)
+    assert j.errors.read_bytes() == text and not list(tmp_path.glob("*.retried-*"))
+    clean = journal(tmp_path, ids=("a", "b", "c", "zzz"))
+    assert clean.open(reqs("a", "b", "c", "zzz")) == {"b", "zzz"}  # without the flag nothing is retried
+    clean.close()
+    assert clean.retried == 0 and not list(tmp_path.glob("*.retried-*"))

@@ -108,6 +108,32 @@ def test_killed_twice_then_resumed_writes_each_custom_id_once_with_the_uninterru
     assert drill.count_lines(out) == 199
 
 
+
+def test_retry_errors_sends_the_fixed_failed_request_again_and_keeps_its_first_answer(tmp_path, url, reference):
+    req, ref_out, ref_err = reference
+    out, err = tmp_path / "results.jsonl", tmp_path / "results.errors.jsonl"
+    out.write_bytes(ref_out.read_bytes())
+    err.write_bytes(ref_err.read_bytes())
+    (bad,) = [json.loads(x)["custom_id"] for x in err.read_text().splitlines()]
+    fixed = tmp_path / "requests.jsonl"  # the user corrects the request that failed (max_tokens -1), same custom_id
+    lines = [json.loads(x) for x in req.read_text().splitlines()]
+    for line in lines:
+        if line["custom_id"] == bad:
+            line["body"]["max_tokens"] = 8
+    fixed.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    plain = subprocess.run(cmd(url, fixed, out), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=WAIT_S)
+    assert plain.returncode == 3 and "this run 0 in" in plain.stdout  # without the flag a failure stays done
+    r = subprocess.run(cmd(url, fixed, out, "--retry-errors"), env=ENV, cwd=REPO, capture_output=True, text=True,
+                       timeout=WAIT_S)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("batch completed: 200 of 200 requests written (200 succeeded, 0 failed)")
+    assert "retrying 1 failed requests" in r.stderr and "retried 1 failed requests" in r.stdout
+    ids = [json.loads(x)["custom_id"] for x in out.read_text().splitlines()]
+    assert len(ids) == len(set(ids)) == 200 and ids[-1] == bad and err.read_text() == ""
+    assert (tmp_path / "results.errors.retried-1.jsonl").read_bytes() == ref_err.read_bytes()
+    assert json.loads(out.read_text().splitlines()[-1])["response"]["status_code"] == 200
+
+
 def wait_for(what: str, ok, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + WAIT_S
     while not ok():

@@ -36,6 +36,7 @@ class BatchJob:
     options: ClientOptions = field(default_factory=ClientOptions)
     progress: bool = True
     server_timeout_s: float = 180.0
+    retry_errors: bool = False  # send the errors file's requests again (the file is archived, not overwritten)
 
 
 def summary(journal: Journal, stats: Optional[RunStats], resumed: int, elapsed_s: float, status: str) -> str:
@@ -53,6 +54,8 @@ def summary(journal: Journal, stats: Optional[RunStats], resumed: int, elapsed_s
                      f"completion tokens {stats.completion_tokens}")
     if journal.torn:
         lines.append("  torn last line cut off: " + "; ".join(journal.torn))
+    if journal.retried:
+        lines.append(f"  retried {journal.retried} failed requests (earlier answers: {journal.retried_from})")
     lines.append(f"  output {journal.output}\n  errors {journal.errors}\n  state  {journal.state}")
     return "\n".join(lines)
 
@@ -64,12 +67,14 @@ def run_job(job: BatchJob, echo: Callable[[str], None], warn: Callable[[str], No
     requests = read_requests(job.input)
     journal = Journal(job.input, job.output, job.errors or default_errors_path(job.output),
                       job.state or default_state_path(job.output), job.target)
-    done = journal.open(requests)
+    done = journal.open(requests, job.retry_errors)
     t0 = time.monotonic()
     try:
         todo = [r for r in requests if r.custom_id not in done]
         if journal.torn:
             warn("recovered a torn last line (a killed run): " + "; ".join(journal.torn))
+        if journal.retried:
+            warn(f"retrying {journal.retried} failed requests; their earlier answers are kept in {journal.retried_from}")
         stats = _send(job, journal, todo, len(done), warn) if todo else None
         journal.checkpoint("completed")
         echo(summary(journal, stats, len(done), time.monotonic() - t0, "completed"))

@@ -13,6 +13,10 @@ Policy (what "each ``custom_id`` exactly once, nothing lost, across ``kill -9``"
     half of it, and never consulted for what to send.
   * The output file is ``flock``'d for the whole job: a second job on the same output is refused, and the kernel
     drops the lock when a job dies, even by SIGKILL.
+  * Retrying the failed requests (``--retry-errors``) renames the errors file, under that lock, to the first free
+    ``<errors>.retried-N.jsonl`` and starts an empty one: its requests are then not done and are sent again, and
+    the earlier answers stay on disk. The rename is one atomic step, so a job killed at any moment leaves either
+    the old errors file (nothing retried yet) or the archive (the requests pending, sent by the next run).
 """
 
 from __future__ import annotations
@@ -37,6 +41,17 @@ def default_errors_path(output: Path) -> Path:
     """``results.jsonl`` -> ``results.errors.jsonl``."""
     output = Path(output)
     return output.with_name(f"{output.stem}.errors{output.suffix or '.jsonl'}")
+
+
+def retried_errors_path(errors: Path) -> Path:
+    """The first free ``results.errors.retried-N.jsonl`` beside ``errors`` (an archive is never overwritten)."""
+    errors = Path(errors)
+    n = 1
+    while True:
+        candidate = errors.with_name(f"{errors.stem}.retried-{n}{errors.suffix or '.jsonl'}")
+        if not candidate.exists():
+            return candidate
+        n += 1
 
 
 def default_state_path(output: Path) -> Path:
@@ -117,11 +132,14 @@ class Journal:
         self._out_fd: Optional[int] = None
         self._err_fd: Optional[int] = None
         self._last_checkpoint = 0.0
+        self.retried_from: Optional[Path] = None  # where --retry-errors moved the failed requests' lines
+        self.retried = 0  # how many failed requests that made pending again
 
     # --- start ------------------------------------------------------------------------------------------
 
-    def open(self, requests: list[BatchRequest]) -> set[str]:
-        """Lock the output, recover both files, check them against ``requests``; return the ids already done."""
+    def open(self, requests: list[BatchRequest], retry_errors: bool = False) -> set[str]:
+        """Lock the output, recover both files, check them against ``requests``; return the ids already done.
+        ``retry_errors``: the errors file's requests are not done (it is archived first, see the module policy)."""
         if self.output.resolve() == self.errors.resolve():
             raise BatchError(f"{self.output}: the output and errors files must differ")
         self.output.parent.mkdir(parents=True, exist_ok=True)
@@ -135,12 +153,12 @@ class Journal:
                 raise BatchError(f"{self.output}: another trtpipe batch is writing this output") from None
             raise
         try:
-            return self._recover(requests)
+            return self._recover(requests, retry_errors)
         except BaseException:
             self.close()
             raise
 
-    def _recover(self, requests: list[BatchRequest]) -> set[str]:
+    def _recover(self, requests: list[BatchRequest], retry_errors: bool) -> set[str]:
         ok, bad = recover(self.output), recover(self.errors)
         for path, r in ((self.output, ok), (self.errors, bad)):
             if r.torn_bytes:
@@ -157,6 +175,10 @@ class Journal:
                 cid = min(stray, key=lambda c: r.ids[c])
                 raise BatchError(f"{path}:{r.ids[cid]}: custom_id {cid!r} is not in {self.input_path} "
                                  "(the output of another batch? use another --output)")
+        if retry_errors and bad.ids:  # checked first: a refused journal is left exactly as it was
+            self.retried_from, self.retried = retried_errors_path(self.errors), len(bad.ids)
+            os.rename(self.errors, self.retried_from)
+            bad = Recovered()
         self._err_fd = os.open(self.errors, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         for d in {self.output.parent, self.errors.parent}:
             fsync_dir(d)  # the files' names survive a crash too
