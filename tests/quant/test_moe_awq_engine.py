@@ -239,7 +239,7 @@ def test_validate_takes_int4_awq_experts_on_the_engine_and_names_a_misaligned_li
                      "parallel.moe_tp=1").exit_code == 0  # whole experts per rank
 
 
-def test_validate_keeps_refusing_w4a8_experts_and_partial_expert_excludes():
+def test_validate_keeps_refusing_w4a8_experts_and_excludes_that_split_a_moe_layer():
     result = _validate("quantization.algo=w4a8_awq")
     assert result.exit_code == 2
     assert "quantization.algo: w4a8_awq for mixture-of-experts models is written only for target: llmapi " \
@@ -247,5 +247,28 @@ def test_validate_keeps_refusing_w4a8_experts_and_partial_expert_excludes():
            in result.stderr and "set target: llmapi, or use int4_awq or fp8" in result.stderr, result.stderr
     result = _validate("quantization.algo=int4_awq", 'quantization.exclude=["*lm_head", "*mlp.proj"]')
     assert result.exit_code == 2
-    assert "quantization.exclude: '*mlp.proj' matches this mixture-of-experts model's experts; TensorRT-LLM " \
-           "quantizes the MoE layer as one module" in result.stderr, result.stderr
+    assert "quantization.exclude: the patterns exclude transformer.layers.0.mlp.proj ('*mlp.proj') but not " \
+           "transformer.layers.0.mlp, transformer.layers.0.mlp.fc: TensorRT-LLM quantizes a mixture-of-experts " \
+           "layer as one module" in result.stderr, result.stderr
+    # the whole MoE layer (module and both expert linears) unquantized: what the builder and the writer both do
+    assert _validate("quantization.algo=int4_awq", 'quantization.exclude=["*lm_head", "*mlp*"]').exit_code == 0
+
+
+def test_an_excluded_moe_layer_is_written_unquantized_whole(case):
+    """``*mlp*`` (the MoE module and both expert linears, which validate accepts): the experts stay bf16, the
+    pattern is in exclude_modules (so TensorRT-LLM rebuilds the MoE layer unquantized), attention stays int4."""
+    out = our_quant(case["base"], case["base"], case["stats"], case["root"] / "awq_experts_excluded", "int4_awq",
+                    group_size=G, exclude=("*lm_head", "*mlp*"))
+    t = load_file(str(out / "rank0.safetensors"))
+    src = load_file(str(case["base"] / "rank0.safetensors"))
+    for i in range(LAYERS):
+        p = f"transformer.layers.{i}."
+        assert {k for k in t if k.startswith(p + "mlp.")} == {p + "mlp.router.weight", p + "mlp.fc.weight",
+                                                              p + "mlp.proj.weight"}
+        for lin in ("fc", "proj"):
+            assert torch.equal(t[f"{p}mlp.{lin}.weight"], src[f"{p}mlp.{lin}.weight"])
+        assert t[p + "attention.qkv.weight"].dtype == torch.int8
+    assert "*mlp*" in json.loads((out / "config.json").read_text())["quantization"]["exclude_modules"]
+    ids = torch.randint(3, 250, (2, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert bool(torch.isfinite(load_checkpoint(out)(ids)).all())

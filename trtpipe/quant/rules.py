@@ -9,9 +9,12 @@ quantization; on the engine target int4_awq / int4_wo (W4A16_AWQ experts stacked
 reads them, trtpipe.checkpoint.quant_layouts; int4_awq calibrated on the tokens routed to each expert), with every
 rank's slice of an expert in whole groups and an even number of its rows (moe_tp splits the experts); on
 ``target: llmapi`` w4a8_awq (written as ModelOpt's W4A8_AWQ linears, the one int4 layout TensorRT-LLM's fused MoE
-loads: trtpipe.export.rules). :data:`MOE_ENGINE_REFUSED` says why the others are not written for the engine. An
-exclude pattern cannot leave MoE experts unquantized: TensorRT-LLM quantizes the MoE layer as one module
-(``transformer.layers.{i}.mlp``), so such a pattern is refused rather than written into an unloadable checkpoint.
+loads: trtpipe.export.rules). :data:`MOE_ENGINE_REFUSED` says why the others are not written for the engine.
+TensorRT-LLM quantizes a MoE layer as one module: ``quantize_layers`` rebuilds ``transformer.layers.{i}.mlp``
+unquantized when an exclude pattern matches that name, and with the config's quant mode otherwise
+(NVIDIA/TensorRT-LLM@89fd9b74 tensorrt_llm/quantization/quantize.py), while trtpipe's writer decides per linear
+(``mlp.fc``, ``mlp.proj``); exclude patterns that match some of the three names of a layer but not all would
+write a checkpoint the builder cannot load, and are refused.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def int4_problems(m: HFModelInfo, tp: int, group_size: int, moe_tp: Optional[int
     return bad
 
 
-# a MoE layer's module and its experts' linears (names in a layer): what an exclude pattern must not match
+# a MoE layer's module and its experts' linears (names in a layer): exclude patterns must match all or none of them
 MOE_MODULES = ("mlp", "mlp.fc", "mlp.proj")
 
 
@@ -80,11 +83,17 @@ def _moe_engine(recipe: Recipe, m: HFModelInfo) -> Iterable[Finding]:
             f"{q.algo} is not supported for mixture-of-experts models on target engine: {why}; use int4_awq, fp8 or "
             "none, or w4a8_awq with target: llmapi")
         return
-    hit = [p for p in q.exclude if any(fnmatch.fnmatchcase(f"transformer.layers.0.{n}", p) for n in MOE_MODULES)]
-    for p in hit:
-        yield "quantization.exclude", (f"{p!r} matches this mixture-of-experts model's experts; TensorRT-LLM quantizes "
-                                       "the MoE layer as one module, so its experts cannot be left unquantized: "
-                                       "remove the pattern (or use quantization.algo: none)")
+    for i in range(m.num_layers):
+        names = [f"transformer.layers.{i}.{n}" for n in MOE_MODULES]
+        hit = {n: [p for p in q.exclude if fnmatch.fnmatchcase(n, p)] for n in names}
+        if len({bool(v) for v in hit.values()}) > 1:
+            which = ", ".join(f"{n} ({', '.join(map(repr, v))})" for n, v in hit.items() if v)
+            rest = ", ".join(n for n, v in hit.items() if not v)
+            yield "quantization.exclude", (
+                f"the patterns exclude {which} but not {rest}: TensorRT-LLM quantizes a mixture-of-experts layer as "
+                "one module (an excluded transformer.layers.N.mlp is rebuilt unquantized, its experts fc and proj "
+                "with it), so exclude all three (e.g. '*mlp*') or none")
+            return
 
 
 def _quant_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
