@@ -75,7 +75,7 @@ MOE_ENGINE_REFUSED: dict[str, str] = {
     "int8_sq": ("TensorRT-LLM 1.2's MoE layer has no SmoothQuant experts (FP8, weight-only, group-wise INT4 and NVFP4 "
                 "only, NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py)"),
     "int8_wo": ("trtpipe has no engine writer for INT8 weight-only experts (TensorRT-LLM 1.2's MoE plugin takes them "
-                "as [E, in, out] with an [E, out] per_channel_scale, NVIDIA/TensorRT-LLM@c388fec7 "
+                "preprocessed per GPU as [E, in, out] with an [E, out] per_channel_scale, NVIDIA/TensorRT-LLM@c388fec7 "
                 "tensorrt_llm/layers/moe.py MOEWeightWrapper)"),
 }
 # an experts' tensor every expert of a linear shares (no expert axis in trtpipe's checkpoint): the builder keeps row 0
