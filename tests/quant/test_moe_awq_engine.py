@@ -14,7 +14,8 @@ in float64 with every quantized weight replaced by its dequantized value ``codes
 (AWQ's ``(x * pqs) W_q^T`` is exactly ``x (W_q * pqs)^T``: the same function), the other weights as the checkpoint
 holds them (bf16; the router float32). Bound (tests/numerics.py): ORDER_FACTOR x transformers' own float32 error on
 that same dequantized model; a wrong code, scale, shard or shared pre-quant row is off by orders of magnitude more.
-Group 16 on the synthetic widths (H 64, expert 32): moe_tp 2 leaves 16 input features of down_proj per rank.
+Group 16 on the synthetic widths (H 64, expert 32): moe_tp 2 leaves 16 input features of down_proj per rank. Mixtral
+(TRT-LLM's LLaMAForCausalLM, the same MoE layer) is checked the same way at tp1 and moe_ep 2.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from quant_helpers import our_quant, our_stats, synthetic_moe_case
 from trtpipe.checkpoint.convert import convert
 from trtpipe.checkpoint.quant_primitives import choose_qparams, quantize, unpack_int4_rows
 from trtpipe.cli import main
-from trtpipe.models.synthetic import load_hf
+from trtpipe.models.synthetic import load_hf, make_synthetic
 from trtpipe.quant.calibrate import load_layer_stats
 from trtpipe.runtime import load_checkpoint
 
@@ -160,20 +161,22 @@ def _dequantized(t: dict[str, torch.Tensor], lin: str) -> torch.Tensor:
     return codes * wsf * t[f"{lin}.prequant_scaling_factor"].double()
 
 
-def _fake_quant_hf(case):
-    """transformers' Qwen3-MoE holding the checkpoint's weights: every quantized linear dequantized, the rest as
-    stored (bf16, the router float32); in float32 and float64."""
-    hf = load_hf(case["hf"])
-    src = load_file(str(case["quant"]["tp1"] / "rank0.safetensors"))
+def _fake_quant_hf(hf_dir, quant_dir):
+    """transformers' model (Qwen3-MoE or Mixtral: fused ``experts.gate_up_proj`` [E, 2I, H] = [gate; up] and
+    ``down_proj``) holding a tp1 checkpoint's weights: every quantized linear dequantized, the rest as stored (bf16;
+    the router float32, as transformers' weight already is); in float32 and float64."""
+    hf = load_hf(hf_dir)
+    cfg = hf.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    src = load_file(str(quant_dir / "rank0.safetensors"))
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if not name.endswith("mlp.gate.weight"):  # the router: float32 in the checkpoint
                 p.copy_(p.to(torch.bfloat16).float())
-        q, kv = 8 * 16, 2 * 16
-        for i in range(LAYERS):
+        for i, layer in enumerate(hf.model.layers):
             pre = f"transformer.layers.{i}."
             t = {k[len(pre):]: v for k, v in src.items() if k.startswith(pre)}
-            layer = hf.model.layers[i]
             qkv = _dequantized(t, "attention.qkv")
             for proj, w in zip(("q_proj", "k_proj", "v_proj"), qkv.split([q, kv, kv])):
                 getattr(layer.self_attn, proj).weight.copy_(w)
@@ -185,18 +188,42 @@ def _fake_quant_hf(case):
     return hf.eval(), hf_float64(hf).eval()
 
 
-def test_twin_executes_the_layout_exactly_at_tp1_moe_tp2_and_ep2(case):
-    hf32, hf64 = _fake_quant_hf(case)
-    ids = torch.randint(3, 250, (3, 16), generator=torch.Generator().manual_seed(4))
+def _assert_twin_is_the_fake_quant_model(hf_dir, base, quant: dict, ids: torch.Tensor):
+    hf32, hf64 = _fake_quant_hf(hf_dir, quant["tp1"])
     with torch.no_grad():
         ref32, ref64 = hf32(ids).logits, hf64(ids).logits
         scale = error_scale(ref32, ref64)
-        base = load_checkpoint(case["base"])(ids).double()
-    assert float((ref64 - base).abs().max()) > 100 * scale  # int4 moved the logits far beyond the bound used below
-    for layout, path in case["quant"].items():
+        unquantized = load_checkpoint(base)(ids).double()
+    assert float((ref64 - unquantized).abs().max()) > 100 * scale  # int4 moved the logits far beyond the bound
+    for layout, path in quant.items():
         with torch.no_grad():
             err = assert_as_accurate(load_checkpoint(path)(ids), ref64, scale, f"int4_awq experts, {layout}")
         print(layout, dict(err=err, scale=scale))
+
+
+def test_twin_executes_the_layout_exactly_at_tp1_moe_tp2_and_ep2(case):
+    ids = torch.randint(3, 250, (3, 16), generator=torch.Generator().manual_seed(4))
+    _assert_twin_is_the_fake_quant_model(case["hf"], case["base"], case["quant"], ids)
+
+
+def test_mixtral_experts_the_same_way(tmp_path):
+    """Mixtral (TRT-LLM's LLaMAForCausalLM with the same MoE layer): the same layout, the twin at tp1 and moe_ep 2
+    the fake-quant model (4 experts of width 64, groups of 16)."""
+    hf = make_synthetic("mixtral", tmp_path / "hf", seed=1)
+    base = convert(hf, tmp_path / "base", dtype="bfloat16")
+    tokens = torch.randint(3, 250, (8, 32), generator=torch.Generator().manual_seed(9))
+    stats = our_stats(base, tokens, tmp_path / "stats", awq_group_size=G)
+    ep2 = convert(hf, tmp_path / "base_ep2", tp=2, moe_ep=2, moe_tp=1, dtype="bfloat16")
+    quant = {name: our_quant(b, base, stats, tmp_path / f"awq_{name}", "int4_awq", group_size=G)
+             for name, b in (("tp1", base), ("ep2", ep2))}
+    t = _moe_tensors(quant["ep2"] / "rank1.safetensors", 0)
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in t.items() if not k.startswith("router")} == {
+        "fc.weight": (torch.int8, (2, 64, 64)), "fc.weights_scaling_factor": (torch.float32, (2, 128, 64 // G)),
+        "fc.prequant_scaling_factor": (torch.bfloat16, (64,)), "proj.weight": (torch.int8, (2, 32, 64)),
+        "proj.weights_scaling_factor": (torch.float32, (2, 64, 64 // G)),
+        "proj.prequant_scaling_factor": (torch.bfloat16, (64,))}
+    ids = torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(5))
+    _assert_twin_is_the_fake_quant_model(hf, base, quant, ids)
 
 
 def test_a_stacked_pre_quant_scale_is_read_as_the_builder_reads_it(case, tmp_path):
