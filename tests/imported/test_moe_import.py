@@ -271,9 +271,10 @@ def test_int4_experts_are_refused_with_the_reason(source, tmp_path):
     hq = json.loads((src / "hf_quant_config.json").read_text())
     hq["quantization"].update(quant_algo="W4A16_AWQ", group_size=128)
     (src / "hf_quant_config.json").write_text(json.dumps(hq))
-    why = ("the engine path's checkpoint writer has no layout for int4 experts: TensorRT-LLM 1.2's MoE plugin takes "
-           "them preprocessed [E, in, out/4] with [E, in/g, out] scales and one [1, in] pre-quant scale, "
-           "NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py MOEWeightWrapper")
+    why = ("trtpipe writes W4A16 AWQ experts for the engine from its own calibration only (quantization.algo: "
+           "int4_awq on the unquantized model); a pre-quantized source's per-expert pre-quant scales would have to "
+           "be resmoothed into the one scale TensorRT-LLM 1.2's MoE layer reads for all experts, which is not "
+           "implemented")
     assert moe_refusal(detect(src)) == why
     targets = {name: [x.message for x in check_recipe(load_recipe(_recipe(tmp_path, d, name), check_rules=False))
                       if x.key == "target"] for name, d in (("fp8", source), ("int4", src))}

@@ -93,8 +93,9 @@ def test_moe_int4_experts_are_w4a8_awq_on_llmapi_only_in_the_shapes_tensorrt_llm
         assert "use w4a8_awq, or fp8 or nvfp4" in result.stderr, result.stderr
     result = run_cli("validate", str(SMALL), "--set", "quantization.algo=w4a8_awq", "--set", "target=engine")
     assert result.exit_code == 2
-    assert "quantization.algo: w4a8_awq for mixture-of-experts models is written only for target: llmapi (the " \
-           "engine path's checkpoint writer has no layout for int4 experts" in result.stderr, result.stderr
+    assert "quantization.algo: w4a8_awq for mixture-of-experts models is written only for target: llmapi " \
+           "(TensorRT-LLM 1.2's MoE layer takes W4A8 experts' group scales interleaved with a per-expert alpha" \
+           in result.stderr, result.stderr
     result = run_cli("validate", str(SMALL), "--set", "quantization.algo=w4a8_awq", "--set", "quantization.group_size=64")
     assert result.exit_code == 2
     assert "quantization.group_size: w4a8_awq mixture-of-experts experts are loaded by TensorRT-LLM in groups of " \

@@ -38,13 +38,49 @@ LINEAR_GROUPS: dict[str, tuple[tuple[str, ...], str]] = {
 LINEARS: tuple[str, ...] = tuple(m for members, _ in LINEAR_GROUPS.values() for m in members)
 STYLE: dict[str, str] = {m: style for members, style in LINEAR_GROUPS.values() for m in members}
 
-# Mixture-of-experts linears (``mlp.fc`` [E, 2I, H], ``mlp.proj`` [E, H, I]) of the engine checkpoint: FP8 per tensor
-# only, as TensorRT-LLM 1.2's MoE layer reads them (NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py
-# MOEWeightWrapper): ``weights_scaling_factor`` F32 [E, 1] (one per expert; an expert's up and gate share the max),
-# ``activation_scaling_factor`` F32 [1] (the max over the experts). Why int4 experts have no layout here:
-MOE_ENGINE_INT4 = ("the engine path's checkpoint writer has no layout for int4 experts: TensorRT-LLM 1.2's MoE plugin "
-                   "takes them preprocessed [E, in, out/4] with [E, in/g, out] scales and one [1, in] pre-quant "
-                   "scale, NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py MOEWeightWrapper")
+# Mixture-of-experts linears of the engine checkpoint (``mlp.fc`` [E, 2I, H]: each expert's up rows then gate rows;
+# ``mlp.proj`` [E, H, I]), per rank (E_r = E / moe_ep experts, I_r = I / moe_tp of each expert's width), as
+# TensorRT-LLM 1.2's MoE layer reads them (NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py MOEWeightWrapper):
+#
+# * fp8: ``weights_scaling_factor`` F32 [E_r, 1] (one per expert; an expert's up and gate share the max),
+#   ``activation_scaling_factor`` F32 [1] (the max over the experts: the plugin has one).
+# * int4_awq, int4_wo (W4A16_AWQ; int4_wo's pre-quant scale is ones): ``weight`` I8 [E_r, out/2, in] (each expert
+#   packed as a dense linear: two adjacent output rows per byte, the even one in the low nibble),
+#   ``weights_scaling_factor`` F32 [E_r, out, in/g],
+#   ``prequant_scaling_factor`` model dtype [in], ONE for all the experts of the linear (fc: hidden; proj: I_r).
+#   These are the raw codes ModelOpt's TRT-LLM export writes (modelopt/torch/export/quant_utils.py
+#   ``pack_int4_in_uint8``, its 3-D branch, viewed as int8 by model_config_utils.py ``pack_linear_weights``;
+#   NVIDIA/TensorRT-Model-Optimizer@5a4242fa): ``trtllm-build`` itself turns them into the plugin's layout when it
+#   loads the checkpoint, on the host (NVIDIA/TensorRT-LLM@b35ac1b6 tensorrt_llm/models/modeling_utils.py
+#   ``from_checkpoint`` -> ``preprocess_weights`` -> ``preprocess_perlayer_weights``: every int8 ``weight`` is
+#   transposed to [E, in, out/2] and run through ``preprocess_weights_for_mixed_gemm`` (3-D: the SM80 interleave,
+#   a pure torch function) and viewed as the model dtype, [E_r, in, out/4]; ``weights_scaling_factor`` transposed
+#   to [E_r, in/g, out] in the model dtype; a 2-D ``prequant_scaling_factor`` keeps its row 0 ("MoE experts share
+#   the same scaling factor"), any one is reshaped to [1, in]). ModelOpt writes that scale stacked [E, in] with
+#   equal rows (``build_stacked_experts``: ``preprocess_linear_fusion(experts, resmooth_only=True)``, the mean of
+#   the experts' AWQ scales); trtpipe writes the one row, the same tensor after the builder's reshape. The layer
+#   takes group_size / has_zero_point / pre_quant_scale from the config's quantization
+#   (NVIDIA/TensorRT-LLM@89fd9b74 tensorrt_llm/quantization/quantize.py ``weight_only_groupwise_quantize``, whose
+#   map re-creates ``MixtureOfExperts`` with them).
+#
+# recipe algo -> nothing (its experts have an engine layout) or why not. W4A8: the MoE layer takes W4A8 group
+# scales interleaved ([E, in/(g*f), out*f], ``get_weight_scale_interleave_factor``) with a per-expert ``alpha``
+# [E, 1], while the builder's W4A8 preprocessing is written for dense linears (it divides the [E, in/g, out] group
+# scales by ``weights_scaling_factor_2`` and forms ``alpha`` per linear, no interleave; modeling_utils.py@b35ac1b6):
+# not a layout trtpipe can write and show loadable from source alone.
+MOE_ENGINE_REFUSED: dict[str, str] = {
+    "w4a8_awq": ("TensorRT-LLM 1.2's MoE layer takes W4A8 experts' group scales interleaved with a per-expert alpha, "
+                 "which its checkpoint preprocessing (preprocess_perlayer_weights) does not produce from per-linear "
+                 "W4A8 tensors, NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py MOEWeightWrapper"),
+    "int8_sq": ("TensorRT-LLM 1.2's MoE layer has no SmoothQuant experts (FP8, weight-only, group-wise INT4 and NVFP4 "
+                "only, NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py)"),
+    "int8_wo": ("trtpipe has no engine writer for INT8 weight-only experts (TensorRT-LLM 1.2's MoE plugin takes them "
+                "preprocessed per GPU as [E, in, out] with an [E, out] per_channel_scale, NVIDIA/TensorRT-LLM@c388fec7 "
+                "tensorrt_llm/layers/moe.py MOEWeightWrapper)"),
+}
+# an experts' tensor every expert of a linear shares (no expert axis in trtpipe's checkpoint): the builder keeps row 0
+# of a stacked [E, in] one, so the reference runtime does too (modeling_utils.py@b35ac1b6 preprocess_perlayer_weights)
+SHARED_BY_EXPERTS = ("prequant_scaling_factor",)
 
 # TensorRT-LLM's builder default exclusions; an explicit exclude_modules list replaces them, so we keep them.
 BUILDER_DEFAULT_EXCLUDES = ("*lm_head", "*router", "*vocab_embedding", "*position_embedding", "*block_embedding",

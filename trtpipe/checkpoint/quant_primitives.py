@@ -4,7 +4,8 @@ One ``granularity`` argument covers every layout TensorRT-LLM uses (torchao's ``
 
 * ``"tensor"``   one scale for the whole tensor, shape ``[1]``            (FP8 weights and activations)
 * ``"channel"``  one scale per output row, shape ``[out]``                (INT8 SmoothQuant / weight-only)
-* ``int g``      one scale per row and group of g input columns, ``[out, in/g]``  (INT4 AWQ)
+* ``int g``      one scale per row and group of g input columns, ``[out, in/g]``  (INT4 AWQ; stacked experts
+                 ``[E, out, in]``: ``[E, out, in/g]``, each expert as a linear of its own)
 * ``"expert"``   one scale per expert of a stacked ``[E, out, in]`` weight, shape ``[E, 1]``   (FP8 MoE)
 
 Scales are *dequantization* scales (real ~= code * scale) = amax / qmax, as TRT-LLM stores them
@@ -41,7 +42,8 @@ _INT_MIN = {"int8": -128, "int4": -8}
 
 
 def _grouped(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
-    """View ``x`` [out, in] as [out, in/g, g] (group), [out, 1, in] (channel) or [1, 1, numel] (tensor)."""
+    """View ``x`` [out, in] as [out, in/g, g] (group; [..., out, in/g, g] with leading expert axes), [out, 1, in]
+    (channel) or [1, 1, numel] (tensor)."""
     if granularity == "tensor":
         return x.reshape(1, 1, -1)
     if granularity == "expert":
@@ -51,7 +53,7 @@ def _grouped(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
     g = int(granularity)
     if x.shape[-1] % g:
         raise ValueError(f"in_features {x.shape[-1]} is not a multiple of group size {g}")
-    return x.reshape(x.shape[0], x.shape[-1] // g, g)
+    return x.reshape(*x.shape[:-1], x.shape[-1] // g, g)
 
 
 def observe_amax(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
@@ -113,8 +115,9 @@ def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_int4_rows`: ``[out/2, in]`` int8 -> ``[out, in]`` int8 codes in -8..7."""
+    """Inverse of :func:`pack_int4_rows`: ``[..., out/2, in]`` int8 -> ``[..., out, in]`` int8 codes in -8..7."""
     b = packed.view(torch.uint8).to(torch.int16)
     lo, hi = b & 0xF, (b >> 4) & 0xF
     lo, hi = torch.where(lo > 7, lo - 16, lo), torch.where(hi > 7, hi - 16, hi)
-    return torch.stack([lo, hi], dim=1).reshape(-1, packed.shape[-1]).to(torch.int8)
+    out = torch.stack([lo, hi], dim=-2)  # [..., out/2, 2, in]: row 2k then 2k+1
+    return out.reshape(*packed.shape[:-2], -1, packed.shape[-1]).to(torch.int8)

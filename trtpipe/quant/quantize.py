@@ -14,7 +14,8 @@ from typing import Callable, Optional
 
 import torch
 
-from trtpipe.checkpoint.quant_layouts import KV_ALGOS, LINEAR_GROUPS, STYLE, TENSOR_DTYPES, Algo, group_granularity
+from trtpipe.checkpoint.quant_layouts import (KV_ALGOS, LINEAR_GROUPS, SHARED_BY_EXPERTS, STYLE, TENSOR_DTYPES,
+                                             Algo, group_granularity)
 from trtpipe.checkpoint.quant_primitives import choose_qparams, observe_amax, pack_int4_rows, quantize
 from trtpipe.checkpoint.shard import Layout, split_experts, split_linear_tensor
 from trtpipe.errors import QuantizationError
@@ -89,11 +90,12 @@ def layer_params(algo: Algo, weights: dict[str, torch.Tensor], stats: LayerStats
         ws = [weights[m].float() for m in members]
         st = stats.groups.get(group) if stats is not None else None
         stacked = ws[0].dim() == 3
-        if stacked and gran != "tensor" and (not algo.weight_scale_2 or st is None or st.awq_pqs is None):
-            # stacked experts [E, out, in]: int4 only as W4A8 (the one int4 MoE layout TensorRT-LLM's fused MoE
-            # loads, trtpipe.export.rules), with the per-expert AWQ statistics calibration collects
-            raise QuantizationError(f"{members[0]}: MoE experts take fp8 (per-expert scales) or w4a8_awq "
-                                    "(calibrated on the tokens routed to each expert)")
+        if stacked and (gran == "channel" or (algo.prequant == "awq" and (st is None or st.awq_pqs is None))):
+            # stacked experts [E, out, in]: per tensor (fp8, a scale per expert) or int4 per group with one pre-quant
+            # scale shared by the experts (AWQ: the per-expert search calibration runs on the routed tokens)
+            raise QuantizationError(f"{members[0]}: MoE experts take fp8 (per-expert scales), int4_wo, or int4_awq / "
+                                    "w4a8_awq with AWQ statistics calibrated on the tokens routed to each expert "
+                                    "(re-run calibration with the AWQ group size)")
         pqs = _prequant(algo, ws, st, group_size, alpha)
         if pqs is not None:
             pqs = pqs.to(TORCH_DTYPES[model_dtype]).float()
@@ -137,7 +139,7 @@ def _prequant(algo: Algo, ws: list[torch.Tensor], st: Optional[GroupStats], grou
     if algo.prequant is None:
         return None
     if algo.prequant == "unit":
-        return torch.ones(ws[0].shape[1])
+        return torch.ones(ws[0].shape[-1])
     if algo.prequant == "smooth":
         return smooth_scales(st.amax, ws, alpha)
     if st.awq_pqs is not None:
@@ -156,10 +158,10 @@ def kv_scales(kv: str, stats: LayerStats) -> dict[str, torch.Tensor]:
             "attention.kv_cache_scaling_factor": torch.maximum(k, v)}
 
 
-# stacked experts: the tensor every expert of a layer shares ([in], no expert axis: AWQ's pre-quant scale), and the
-# tensors moe_tp splits like the weight (int4 group scales [E, out, in/g] with the rows or the groups, the pre-quant
-# scale with the input; per-expert FP8 scales [E, 1] have no axis to split: tensor_axes leaves them whole)
-SHARED_BY_EXPERTS = ("prequant_scaling_factor",)
+# stacked experts: the tensors every expert of a layer shares (SHARED_BY_EXPERTS: [in], no expert axis, AWQ's
+# pre-quant scale), and the tensors moe_tp splits like the weight (int4 group scales [E, out, in/g] with the rows or
+# the groups, the pre-quant scale with the input; per-expert FP8 scales [E, 1] have no axis to split: tensor_axes
+# leaves them whole)
 SPLIT_WITH_EXPERT_WEIGHT = ("weight", "weights_scaling_factor", "prequant_scaling_factor")
 
 

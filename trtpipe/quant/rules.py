@@ -5,9 +5,16 @@ per rank and whole groups in every rank's input slice (no partial groups: ModelO
 them). Every linear that breaks this is listed with the fix: a smaller ``group_size`` that works, or an ``exclude``
 pattern that keeps it unquantized. ``lm_head`` stays unquantized (the quantized layouts here do not cover it), so
 ``*lm_head`` must stay in ``exclude``. Mixture-of-experts models: fp8 (per-expert weight scales), KV-cache
-quantization, and w4a8_awq for ``target: llmapi`` (experts calibrated on the tokens routed to them, written as
-ModelOpt's W4A8_AWQ linears, the one int4 layout TensorRT-LLM's fused MoE loads: trtpipe.export.rules); the engine
-path's checkpoint writer has no layout for int4 experts.
+quantization; on the engine target int4_awq / int4_wo (W4A16_AWQ experts stacked as TensorRT-LLM 1.2's MoE layer
+reads them, trtpipe.checkpoint.quant_layouts; int4_awq calibrated on the tokens routed to each expert), with every
+rank's slice of an expert in whole groups and an even number of its rows (moe_tp splits the experts); on
+``target: llmapi`` w4a8_awq (written as ModelOpt's W4A8_AWQ linears, the one int4 layout TensorRT-LLM's fused MoE
+loads: trtpipe.export.rules). :data:`MOE_ENGINE_REFUSED` says why the others are not written for the engine.
+TensorRT-LLM quantizes a MoE layer as one module: ``quantize_layers`` rebuilds ``transformer.layers.{i}.mlp``
+unquantized when an exclude pattern matches that name, and with the config's quant mode otherwise
+(NVIDIA/TensorRT-LLM@89fd9b74 tensorrt_llm/quantization/quantize.py), while trtpipe's writer decides per linear
+(``mlp.fc``, ``mlp.proj``); exclude patterns that match some of the three names of a layer but not all would
+write a checkpoint the builder cannot load, and are refused.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Iterable, Optional
 
-from trtpipe.checkpoint.quant_layouts import ALGOS, MOE_ENGINE_INT4, STYLE
+from trtpipe.checkpoint.quant_layouts import ALGOS, MOE_ENGINE_REFUSED, STYLE
 from trtpipe.models.hfconfig import HFModelInfo
 from trtpipe.models.trtllm_config import resolve_moe_sizes
 from trtpipe.quant.hostmem import whole_model_misfit
@@ -56,13 +63,37 @@ def int4_problems(m: HFModelInfo, tp: int, group_size: int, moe_tp: Optional[int
     return bad
 
 
-# algos whose group-wise experts trtpipe writes (only the llmapi export); MOE_ENGINE_INT4: why the engine path has none
-MOE_GROUP_ALGOS = ("w4a8_awq",)
+# a MoE layer's module and its experts' linears (names in a layer): exclude patterns must match all or none of them
+MOE_MODULES = ("mlp", "mlp.fc", "mlp.proj")
 
 
 def _excluded(name: str, patterns: list[str]) -> bool:
     full = f"transformer.layers.0.{name}"
     return any(fnmatch.fnmatchcase(full, p) for p in patterns)
+
+
+def _moe_engine(recipe: Recipe, m: HFModelInfo) -> Iterable[Finding]:
+    """A MoE model's quantized experts on the engine target: the algorithms with an expert layout, and excludes."""
+    q = recipe.quantization
+    if q.algo in MOE_ENGINE_REFUSED:
+        why = MOE_ENGINE_REFUSED[q.algo]
+        yield "quantization.algo", (
+            f"{q.algo} for mixture-of-experts models is written only for target: llmapi ({why}); set target: llmapi, "
+            "or use int4_awq or fp8" if q.algo == "w4a8_awq" else
+            f"{q.algo} is not supported for mixture-of-experts models on target engine: {why}; use int4_awq, fp8 or "
+            "none, or w4a8_awq with target: llmapi")
+        return
+    for i in range(m.num_layers):
+        names = [f"transformer.layers.{i}.{n}" for n in MOE_MODULES]
+        hit = {n: [p for p in q.exclude if fnmatch.fnmatchcase(n, p)] for n in names}
+        if len({bool(v) for v in hit.values()}) > 1:
+            which = ", ".join(f"{n} ({', '.join(map(repr, v))})" for n, v in hit.items() if v)
+            rest = ", ".join(n for n, v in hit.items() if not v)
+            yield "quantization.exclude", (
+                f"the patterns exclude {which} but not {rest}: TensorRT-LLM quantizes a mixture-of-experts layer as "
+                "one module (an excluded transformer.layers.N.mlp is rebuilt unquantized, its experts fc and proj "
+                "with it), so exclude all three (e.g. '*mlp*') or none")
+            return
 
 
 def _quant_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
@@ -74,13 +105,11 @@ def _quant_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]
         yield "quantization.exclude", "lm_head is kept unquantized: keep '*lm_head' in the list"
     if m is None or algo is None:
         return
-    if m.is_moe and algo.granularity != "tensor" and recipe.target != "llmapi":  # llmapi: the export's own rule
-        why = (f"{q.algo} for mixture-of-experts models is written only for target: llmapi ({MOE_ENGINE_INT4}); "
-               "set target: llmapi or use fp8" if q.algo in MOE_GROUP_ALGOS else
-               f"{q.algo} is not supported for mixture-of-experts models; use fp8 or none, or w4a8_awq with "
-               "target: llmapi")
-        yield "quantization.algo", why
-        return
+    if m.is_moe and recipe.target != "llmapi":  # llmapi: the export's own rule
+        found = list(_moe_engine(recipe, m))
+        yield from found
+        if found:
+            return
     if algo.weight_fmt != "int4":
         return
     tp = recipe.parallel.tp
@@ -92,8 +121,13 @@ def _quant_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]
                  for g in GROUP_SIZES}
     best = min(GROUP_SIZES, key=lambda g: (len(remaining[g]), -g))
     parts = [f"group_size {best}"] if best != q.group_size else []
-    if remaining[best]:
-        parts.append("add " + ", ".join(repr("*" + n) for n in remaining[best]) + " to quantization.exclude")
+    experts = [n for n in remaining[best] if m.is_moe and n.startswith("mlp.")]  # not excludable (_moe_engine)
+    if len(experts) < len(remaining[best]):
+        parts.append("add " + ", ".join(repr("*" + n) for n in remaining[best] if n not in experts)
+                     + " to quantization.exclude")
+    if experts:
+        parts.append(f"a moe_tp that leaves {', '.join(experts)} whole groups and even rows per rank (more "
+                     "parallel.moe_ep), or fp8")
     fix = " and ".join(parts)
     for name, why in bad.items():
         yield "quantization.group_size", f"{q.algo} at tp={tp}: {name} {why}; fix: {fix}"

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trtpipe.checkpoint.quant_layouts import SHARED_BY_EXPERTS
 from trtpipe.errors import CheckpointError
 from trtpipe.models.trtllm_config import resolve_moe_sizes
 from trtpipe.runtime.linear import LinearSpec, build_linear, kv_quant, module_quant_algo
@@ -372,8 +373,14 @@ class GatedMLPShard(nn.Module):
 
 
 def _expert_slice(tensors: dict, e: int, num_local: int) -> dict:
-    """Expert e's tensors: per-expert tensors ([E_r, ...]) are indexed, shared ones (e.g. [1] scales) kept."""
-    return {k: (t[e] if t.dim() >= 2 and t.shape[0] == num_local else t) for k, t in tensors.items()}
+    """Expert e's tensors: per-expert tensors ([E_r, ...]) are indexed, shared ones (e.g. [1] scales) kept; a tensor
+    the experts share (SHARED_BY_EXPERTS, the pre-quant scale) stored 2-D ([E, in] as ModelOpt stacks it, [1, in])
+    is read as trtllm-build reads it, its row 0 for every expert (trtpipe.checkpoint.quant_layouts)."""
+    def pick(k: str, t: torch.Tensor) -> torch.Tensor:
+        if k in SHARED_BY_EXPERTS and t.dim() == 2:
+            return t[0]
+        return t[e] if t.dim() >= 2 and t.shape[0] == num_local else t
+    return {k: pick(k, t) for k, t in tensors.items()}
 
 
 class MoEShard(nn.Module):

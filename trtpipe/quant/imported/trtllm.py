@@ -59,7 +59,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from trtpipe.checkpoint.experts import ExpertParts
-from trtpipe.checkpoint.quant_layouts import LINEARS, MOE_ENGINE_INT4, STYLE, exclude_modules
+from trtpipe.checkpoint.quant_layouts import LINEARS, MOE_ENGINE_REFUSED, STYLE, exclude_modules
 from trtpipe.checkpoint.quant_primitives import dequantize, quantize
 from trtpipe.errors import CheckpointError
 from trtpipe.models.family import Rule, dims
@@ -236,6 +236,11 @@ GROUPWISE = ("W4A16_AWQ", "W4A8_AWQ")
 EXTRAS: dict[str, Callable] = {"W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": sq_plugin_extras}
 # algorithms whose TensorRT-LLM layers ignore exclude_modules (smooth_quantize_plugin): no decoder linear may be left out
 NO_EXCLUDED_LINEARS = ("W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",)
+# W4A16 experts have an engine layout (trtpipe.checkpoint.quant_layouts), written from trtpipe's own calibration only
+MOE_IMPORT_INT4 = ("trtpipe writes W4A16 AWQ experts for the engine from its own calibration only (quantization.algo: "
+                   "int4_awq on the unquantized model); a pre-quantized source's per-expert pre-quant scales would "
+                   "have to be resmoothed into the one scale TensorRT-LLM 1.2's MoE layer reads for all experts, "
+                   "which is not implemented")
 # canonical quant_algo -> why its experts get no engine layout (FP8: converted; absent: the generic line of moe_refusal)
 MOE_REFUSED: dict[str, str] = {
     "FP8_PER_CHANNEL_PER_TOKEN": "TensorRT-LLM 1.2's MoE layer refuses FP8 rowwise experts ('MOE Does not support FP8 "
@@ -245,8 +250,8 @@ MOE_REFUSED: dict[str, str] = {
              "tensorrt_llm/layers/moe.py MOEWeightWrapper)",
     "W8A8_SQ_PER_CHANNEL": "TensorRT-LLM 1.2's MoE layer has no SmoothQuant experts (FP8, weight-only, group-wise "
                            "INT4 and NVFP4 only, NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py)",
-    "W4A16_AWQ": MOE_ENGINE_INT4,
-    "W4A8_AWQ": MOE_ENGINE_INT4,
+    "W4A16_AWQ": MOE_IMPORT_INT4,
+    "W4A8_AWQ": MOE_ENGINE_REFUSED["w4a8_awq"],
     "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": "TensorRT-LLM 1.2's MoE layer has no SmoothQuant experts (FP8, "
                                             "weight-only, group-wise INT4 and NVFP4 only, NVIDIA/TensorRT-LLM@c388fec7 "
                                             "tensorrt_llm/layers/moe.py)",
