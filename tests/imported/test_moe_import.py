@@ -241,6 +241,8 @@ def test_excluded_experts_stay_float(source, tmp_path):
     ckpt = _convert(src, tmp_path / "tp1")
     excluded = json.loads((ckpt / "config.json").read_text())["quantization"]["exclude_modules"]
     assert {f"transformer.layers.{i}.mlp.{m}" for i in range(LAYERS) for m in ("fc", "proj")} <= set(excluded)
+    # what makes TensorRT-LLM build the layer in float: the MixtureOfExperts module's own name (quantize_layers)
+    assert {f"transformer.layers.{i}.mlp" for i in range(LAYERS)} <= set(excluded)
     assert load_file(str(ckpt / "rank0.safetensors"))["transformer.layers.0.mlp.fc.weight"].dtype == torch.bfloat16
     reference = load_hf_checkpoint(src)
     _put_back(reference, load_checkpoint(ckpt), ())
@@ -249,6 +251,31 @@ def test_excluded_experts_stay_float(source, tmp_path):
         ref64 = float64_copy(reference).forward(IDS)
         got = load_checkpoint(_convert(src, tmp_path / "ep2", tp=2, moe_ep=2, moe_tp=1)).forward(IDS)
     assert_as_accurate(got, ref64, error_scale(ref32, ref64), "excluded experts, moe_ep 2")
+
+
+def test_experts_excluded_for_down_only_are_refused_and_nothing_written(source, tmp_path):
+    """TensorRT-LLM quantizes a MoE layer as a whole: float down experts beside FP8 up/gate experts cannot be held
+    by an engine checkpoint, so the conversion refuses in one line naming the layer, writing nothing."""
+    pre_hf, _, _, down_n, num, _, _ = _names(source)
+
+    def edit(t):
+        for e in range(num):
+            m = pre_hf.format(0, e) + down_n
+            t[m + ".weight"] = dequantize(t[m + ".weight"], t.pop(m + ".weight_scale").float(), "fp8",
+                                          "tensor").to(torch.bfloat16)
+            t.pop(m + ".input_scale")
+
+    src = _edited(source, tmp_path / "src", edit)
+    hq = json.loads((src / "hf_quant_config.json").read_text())
+    hq["quantization"]["exclude_modules"].append(pre_hf.format(0, "*") + down_n)
+    (src / "hf_quant_config.json").write_text(json.dumps(hq))
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError) as exc:
+        _convert(src, out)
+    msg = str(exc.value)
+    assert "\n" not in msg and "layer 0: exclude_modules leaves the experts of mlp.proj unquantized but not those " \
+        "of mlp.fc" in msg and "quantizes a MoE layer as a whole" in msg, msg
+    assert not out.exists() and not any(tmp_path.glob(".out.tmp-*"))
 
 
 def test_missing_expert_scale_is_named_and_nothing_written(source, tmp_path):

@@ -401,11 +401,14 @@ class MoEShard(nn.Module):
         bias = proj.pop("bias", None)
         self.proj_bias = _opt_float(bias) if rank // args.moe_ep == 0 else None  # [E_r, H], first moe_tp rank only
         self.fc, self.proj = nn.ModuleList(), nn.ModuleList()
+        # TensorRT-LLM quantizes a MoE layer as a whole, and leaves it in float only when exclude_modules matches the
+        # MixtureOfExperts module itself (``...mlp``), not its fc / proj (NVIDIA/TensorRT-LLM@89fd9b74
+        # tensorrt_llm/quantization/quantize.py quantize_layers): so the experts' algorithm is the layer's
+        algo = module_quant_algo(f"{prefix}mlp", args.quantization, args.quant_cfg)
         for e in range(num_local):
             for store, sub, name, style in ((self.fc, fc, "mlp.fc", "column"), (self.proj, proj, "mlp.proj", "row")):
                 full = f"{prefix}{name}"
-                spec = LinearSpec(full, module_quant_algo(full, args.quantization, args.quant_cfg), args.quantization or {},
-                                  args.dtype, style, rank, args.tp)
+                spec = LinearSpec(full, algo, args.quantization or {}, args.dtype, style, rank, args.tp)
                 store.append(build_linear(_expert_slice(sub, e, num_local), spec))
 
     def forward(self, x, weights):

@@ -319,6 +319,7 @@ class ImportedLinears:
         self.canonical = CANONICAL[fmt.family]
         self.modules = module_index(keys)
         self.excluded_trt: list[str] = []
+        self._moe_excluded: dict[int, dict[str, bool]] = {}  # layer -> expert rule -> left unquantized
 
     def _hf_modules(self, plan, rule: Rule, layer: int) -> list[str]:
         return rule_modules(plan.info.weight_prefix + plan.family.hf_layer_prefix.format(layer), rule,
@@ -343,12 +344,28 @@ class ImportedLinears:
             raise CheckpointError(f"{self.where}: {modules[0]} is left unquantized, but TensorRT-LLM's "
                                   f"{self.fmt.quant_algo} layers quantize every decoder linear (smooth_quantize_plugin "
                                   "ignores exclude_modules)")
+        if is_experts(rule):
+            self._check_moe_alike(layer, rule, all(excluded))
         if all(excluded):
             name = LAYER.format(layer) + rule.trt[: -len(".weight")]
-            if name not in self.excluded_trt:
-                self.excluded_trt.append(name)
+            # a MoE layer stays float only if its MixtureOfExperts module (``...mlp``) is named: TensorRT-LLM ignores
+            # fc / proj there (NVIDIA/TensorRT-LLM@89fd9b74 tensorrt_llm/quantization/quantize.py quantize_layers)
+            names = [name, LAYER.format(layer) + "mlp"] if is_experts(rule) else [name]
+            self.excluded_trt.extend(n for n in names if n not in self.excluded_trt)
             return False
         return True
+
+    def _check_moe_alike(self, layer: int, rule: Rule, excluded: bool) -> None:
+        """A MoE layer is quantized as a whole in TensorRT-LLM: refuse a source whose up/gate experts are excluded
+        and whose down experts are not (or the reverse), which no engine checkpoint can hold."""
+        seen = self._moe_excluded.setdefault(layer, {})
+        seen[rule.trt] = excluded
+        if len(set(seen.values())) > 1:
+            kept = next(t for t, x in seen.items() if not x)
+            left = next(t for t, x in seen.items() if x)
+            raise CheckpointError(f"{self.where}: layer {layer}: exclude_modules leaves the experts of {left[:-7]} "
+                                  f"unquantized but not those of {kept[:-7]}; TensorRT-LLM quantizes a MoE layer as "
+                                  "a whole (exclude all of its experts or none)")
 
     def _tensors(self, reader, module: str, meta: bool, used: Optional[set]) -> dict[str, torch.Tensor]:
         names = self.modules.get(module, {})
