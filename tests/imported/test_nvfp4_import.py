@@ -6,7 +6,7 @@ Pinned here: the per-rank layout at tp 1 and tp 2 (names, dtypes, shapes: ``weig
 ``weights_scaling_factor`` F8_E4M3 [out, in/16], ``weights_scaling_factor_2`` and ``activation_scaling_factor``
 F32 [1], as TensorRT-LLM 1.2.0rc2's ``preprocess_perlayer_weights`` reads them), the codes and block scales
 byte-equal to the source's rows / input blocks of that rank, the scalars equal to the source's; the twin's logits
-on the converted checkpoint (tp 1 and tp 2 x pp 2) against the source as stored by the reference runtime, both in
+on the converted checkpoint (tp 1, tp 2 x pp 2, tp 4 with KV heads replicated) against the source as stored by the reference runtime, both in
 float64, within the source's own float32 error scale (tests/numerics.py: an exact re-layout is off by summation
 order only; a wrong nibble, block or shard is off by 1e-1); bad input named in one line with nothing written.
 """
@@ -98,7 +98,9 @@ def test_twin_logits_equal_the_source_as_stored(source, converted, tmp_path):
     with torch.no_grad():
         ref32, ref64 = hf.forward(IDS), float64_copy(hf).forward(IDS)
         scale = error_scale(ref32, ref64)
-        for what, ckpt in (("tp1", converted[1]), ("tp2 pp2", convert_source(source, tmp_path / "tp2pp2", tp=2, pp=2))):
+        # tp 4: 2 KV heads, so each k/v head (its codes and block scales) is replicated to two ranks
+        for what, ckpt in (("tp1", converted[1]), ("tp2 pp2", convert_source(source, tmp_path / "tp2pp2", tp=2, pp=2)),
+                           ("tp4", convert_source(source, tmp_path / "tp4", tp=4))):
             got = float64_copy(load_checkpoint(ckpt)).forward(IDS)
             assert_as_accurate(got, ref64, scale, f"NVFP4 engine checkpoint {what}")
 

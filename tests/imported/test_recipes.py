@@ -67,6 +67,18 @@ def test_nvfp4_engine_needs_a_blackwell_gpu(tmp_path, unified):
     assert not [x for x in _problems(_recipe(tmp_path, unified("nvfp4"), target="llmapi")) if x.key == "engine.gpu"]
 
 
+def test_nvfp4_tp_that_splits_a_block_is_refused(tmp_path, unified):
+    """A row-parallel rank must hold whole 16-input blocks (the block scales cannot be re-cut; FP4Linear asserts
+    in_features % 16): stories260k's o_proj (64 inputs) at tp 8 has 8 per rank (tp 8 is refused for its intermediate
+    size too, in its own line). At tp 4 its gate/up have 43 rows per rank, odd, which INT4's row pairs would refuse;
+    NVFP4 packs along the inputs, so it is accepted."""
+    p = _recipe(tmp_path, unified("nvfp4"), "  gpu: b200-180gb\nparallel:\n  tp: 8\n")
+    msgs = [x.message for x in _problems(p) if x.key == "parallel.tp" and "NVFP4" in x.message]
+    assert msgs == ["model.source is NVFP4 with group size 16: at tp=8 attention.dense in_features 8 per rank is not a "
+                    "multiple of group_size 16 (the checkpoint's groups cannot be re-cut); use a smaller tp"], msgs
+    assert not _problems(_recipe(tmp_path, unified("nvfp4"), "  gpu: b200-180gb\nparallel:\n  tp: 4\n"))
+
+
 def test_nvfp4_fused_members_with_different_global_scales_are_refused_at_validate(tmp_path, unified):
     from safetensors.torch import load_file, save_file
 
