@@ -9,12 +9,17 @@ requantized to their shared scale; bf16 embedding, norms and lm_head), then meas
 as many bytes as the conversion writes, and the conversion in a fresh subprocess (peak RSS its own), interleaved
 ``--repeat`` times after one discarded warm-up copy; ratio = median(convert) / median(copy).
 
+``--formats nvfp4``: ModelOpt unified NVFP4 of the same dense shapes (random E2M1 bytes, FP8 block scales per 16
+inputs, q/k/v and gate/up sharing their global and input scales as ModelOpt's export makes them): codes and block
+scales are copied (q/k/v concatenated), nothing is requantized.
+
 ``--formats fp8_moe``: a ModelOpt FP8 Qwen3-MoE of Qwen3-30B-A3B's layer shapes instead (128 experts of width 768,
 hidden 2048, 32 query / 4 KV heads of 128; each expert's up and gate with different scales, so every expert's up is
 requantized), whose experts stream to each rank part by part.
 
     python scripts/bench_import.py --layers 1 3 --tp 4
     python scripts/bench_import.py --formats fp8_moe --layers 1 3 --tp 4 --repeat 1
+    python scripts/bench_import.py --formats nvfp4 --layers 1 3 --tp 4 --repeat 1
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ HIDDEN, INTER, HEADS, KV_HEADS, VOCAB = (_CFG[k] for k in ("hidden_size", "inter
                                                            "num_key_value_heads", "vocab_size"))
 HEAD = HIDDEN // HEADS
 GROUP = 128
+NVFP4_BLOCK = 16
 PROJ = {"self_attn.q_proj": (HEADS * HEAD, HIDDEN), "self_attn.k_proj": (KV_HEADS * HEAD, HIDDEN),
         "self_attn.v_proj": (KV_HEADS * HEAD, HIDDEN), "self_attn.o_proj": (HIDDEN, HEADS * HEAD),
         "mlp.gate_proj": (INTER, HIDDEN), "mlp.up_proj": (INTER, HIDDEN), "mlp.down_proj": (HIDDEN, INTER)}
@@ -89,6 +95,11 @@ def tensors(fmt: str, layers: int):
             if fmt == "fp8":
                 out += [(m + ".weight", "fp8", (out_f, in_f), None), (m + ".weight_scale", "f32", (), 0.01 + 0.001 * k),
                         (m + ".input_scale", "f32", (), 0.05)]
+            elif fmt == "nvfp4":  # one global / input scale per fused group (q/k/v; gate/up), as ModelOpt exports
+                shared = 1e-4 * (1 + ("self_attn" in o) + 2 * (o.endswith(("o_proj", "down_proj"))))
+                out += [(m + ".weight", "u8", (out_f, in_f // 2), None),
+                        (m + ".weight_scale", "fp8s", (out_f, in_f // NVFP4_BLOCK), None),
+                        (m + ".weight_scale_2", "f32", (), shared), (m + ".input_scale", "f32", (), 10 * shared)]
             else:
                 out += [(m + ".weight", "u8", (out_f // 2, in_f), None),
                         (m + ".weight_scale", "f32", (out_f, in_f // GROUP), None)]
@@ -104,7 +115,8 @@ def write_synthetic(model_dir: Path, fmt: str, layers: int) -> int:
 
     from trtpipe.checkpoint.writer import RankFile
 
-    dt = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "u8": torch.uint8, "f32": torch.float32}
+    dt = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8s": torch.float8_e4m3fn, "u8": torch.uint8,
+          "f32": torch.float32}
     model_dir.mkdir(parents=True)
     if fmt == "fp8_moe":
         cfg = Qwen3MoeConfig(**MOE, intermediate_size=6144, num_hidden_layers=layers, norm_topk_prob=True,
@@ -119,17 +131,19 @@ def write_synthetic(model_dir: Path, fmt: str, layers: int) -> int:
         cfg.architectures = ["LlamaForCausalLM"]
     cfg.dtype = "bfloat16"
     cfg.save_pretrained(model_dir)
-    algo = {"fp8": "FP8", "fp8_moe": "FP8", "w4a16": "W4A16_AWQ"}[fmt]
+    algo = {"fp8": "FP8", "fp8_moe": "FP8", "w4a16": "W4A16_AWQ", "nvfp4": "NVFP4"}[fmt]
     hq = {"producer": {"name": "modelopt", "version": "0.47.0"},
           "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None,
                            **({"group_size": GROUP, "has_zero_point": False, "pre_quant_scale": True}
-                              if fmt == "w4a16" else {}),
+                              if fmt == "w4a16" else {"group_size": NVFP4_BLOCK} if fmt == "nvfp4" else {}),
                            "exclude_modules": ["lm_head", "model.embed_tokens", "model.layers.*.mlp.gate"]}}
     (model_dir / "hf_quant_config.json").write_text(json.dumps(hq))
     g = torch.Generator().manual_seed(0)
     pools = {"bf16": torch.randn(32 << 20, generator=g).mul_(0.02).bfloat16().view(torch.uint8),
              "fp8": torch.randn(64 << 20, generator=g).mul_(100).to(torch.float8_e4m3fn).view(torch.uint8),
              "u8": torch.randint(0, 256, (64 << 20,), generator=g, dtype=torch.uint8),
+             # NVFP4 block scales: positive finite E4M3 (amax / (6 * global) of a block lies in [2^-9, 448])
+             "fp8s": torch.rand(16 << 20, generator=g).mul_(400).add_(0.01).to(torch.float8_e4m3fn).view(torch.uint8),
              "f32": torch.rand(16 << 20, generator=g).add_(0.5).mul_(0.01).view(torch.uint8)}
     pools = {k: memoryview(v.numpy()) for k, v in pools.items()}
     entries = tensors(fmt, layers)
@@ -222,7 +236,7 @@ def bench_one(fmt: str, layers: int, tp: int, tmp_root: Path, repeat: int) -> di
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--formats", nargs="+", default=["fp8", "w4a16"], choices=["fp8", "w4a16", "fp8_moe"])
+    ap.add_argument("--formats", nargs="+", default=["fp8", "w4a16"], choices=["fp8", "w4a16", "nvfp4", "fp8_moe"])
     ap.add_argument("--layers", type=int, nargs="+", default=[1, 3])
     ap.add_argument("--tp", type=int, default=4)
     ap.add_argument("--tmp", type=Path, default=Path("/tmp"))

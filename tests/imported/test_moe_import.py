@@ -315,6 +315,26 @@ def test_int4_experts_are_refused_with_the_reason(source, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_nvfp4_experts_are_refused_with_the_reason(source, tmp_path):
+    """Dense NVFP4 converts for the engine target; an NVFP4 MoE source (its config: refused before any tensor is
+    read) is refused at validate and at conversion, saying trtpipe writes no NVFP4 experts."""
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    hq = json.loads((src / "hf_quant_config.json").read_text())
+    hq["quantization"].update(quant_algo="NVFP4", group_size=16)
+    (src / "hf_quant_config.json").write_text(json.dumps(hq))
+    why = moe_refusal(detect(src))
+    assert why.startswith("trtpipe has no engine writer for NVFP4 experts") and why.endswith("use target: llmapi")
+    targets = [x.message for x in check_recipe(load_recipe(_recipe(tmp_path, src, "nvfp4"), check_rules=False))
+               if x.key == "target"]
+    assert len(targets) == 1 and targets[0].endswith(
+        f"its mixture-of-experts layers are refused for target engine: {why}"), targets
+    with pytest.raises(CheckpointError) as exc:
+        _convert(src, tmp_path / "out")
+    assert "\n" not in str(exc.value) and str(exc.value).endswith(why)
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_experts_up_gate_requantization_is_the_fp8_requantize_step(source, edited, tmp_path):
     """Fusing an expert's up and gate of different scales is the same lossy step as a dense q/k/v fusion: validate
     counts one more fused linear needing fp8_requantize on the edited source than on ModelOpt's own (the edited

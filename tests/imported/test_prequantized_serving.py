@@ -7,7 +7,8 @@ client). The greedy text equals the reference runtime's greedy on the source as 
 Sources: ModelOpt 0.47 FP8 (engine: converted; llmapi: passed through), llm-compressor W4A16 (engine:
 converted via W4A16_AWQ; llmapi: re-laid out) and llm-compressor INT8 W8A8 (engine only: converted to the plugin
 SmoothQuant layout; its twin quantizes activations with TensorRT-LLM's amax / 127, the source as stored with
-compressed-tensors' amax / 127.5, and the greedy text is the same), all of stories260k (tests/prequantized.py). ``trtpipe eval`` of
+compressed-tensors' amax / 127.5, and the greedy text is the same) and ModelOpt 0.47 NVFP4 (engine: converted to
+TensorRT-LLM's NVFP4 layout, recipe on a B200; its down_proj is unquantized), all of stories260k (tests/prequantized.py). ``trtpipe eval`` of
 the engine target compares the producer's checkpoint with its unquantized original and gates on it.
 """
 
@@ -31,8 +32,15 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["Once upon a time", "The little dog"]
 NEW_TOKENS = 16
 SOURCES = ["modelopt-fp8-stories", "llmc-w4a16-stories"]
-# engine target only (its llmapi target is refused): INT8 W8A8, converted to the plugin SmoothQuant layout
-ENGINE_SOURCES = [*SOURCES, "llmc-w8a8_int8-stories"]
+# engine target only (its llmapi target is refused): INT8 W8A8, converted to the plugin SmoothQuant layout; and
+# ModelOpt NVFP4 (its llmapi target passes it through, as for FP8), converted to TensorRT-LLM's NVFP4 layout
+ENGINE_SOURCES = [*SOURCES, "llmc-w8a8_int8-stories", "modelopt-nvfp4-stories"]
+# source -> engine.gpu of its engine recipe (NVFP4's FP4 GEMM needs SM >= 10.0: validate refuses the default H100)
+GPU = {"modelopt-nvfp4-stories": "b200-180gb"}
+# source -> model.dtype (default bfloat16). ModelOpt's NVFP4 stories260k keeps its unquantized down_proj, embeddings
+# and norms in float32; a bfloat16 checkpoint rounds them, and "The little dog" then leaves the source's greedy text
+# (at float32 the conversion is exact: tests/imported/test_nvfp4_import.py checks it on the Qwen3 fixture)
+DTYPE = {"modelopt-nvfp4-stories": "float32"}
 # source -> model.allow_lossy_import of its engine recipe (ModelOpt FP8: q/k/v and gate/up scales differ)
 LOSSY = {"modelopt-fp8-stories": "[fp8_requantize]"}
 
@@ -40,9 +48,10 @@ LOSSY = {"modelopt-fp8-stories": "[fp8_requantize]"}
 def _recipe(tmp_path: Path, source: Path, target: str, accuracy: str = "  enabled: false\n") -> Path:
     p = tmp_path / f"{target}.yaml"
     lossy = f"  allow_lossy_import: {LOSSY[source.name]}\n" if target == "engine" and source.name in LOSSY else ""
+    gpu = f"  gpu: {GPU[source.name]}\n" if source.name in GPU else ""
     p.write_text(f"name: pq-{target}\nwork_dir: '{tmp_path / ('work-' + target)}'\ntarget: {target}\nmodel:\n"
-                 f"  source: {source}\n  dtype: bfloat16\n{lossy}engine:\n  max_batch_size: 4\n  max_input_len: 64\n"
-                 f"  max_seq_len: 128\n  max_num_tokens: 256\naccuracy:\n{accuracy}triton:\n"
+                 f"  source: {source}\n  dtype: {DTYPE.get(source.name, 'bfloat16')}\n{lossy}engine:\n  max_batch_size: 4\n  max_input_len: 64\n"
+                 f"  max_seq_len: 128\n  max_num_tokens: 256\n{gpu}accuracy:\n{accuracy}triton:\n"
                  "  max_batch_size: 4\n")
     return p
 
@@ -101,6 +110,10 @@ def test_engine_twin_serves_the_sources_greedy_text(name, tmp_path):
         assert engine_cfg["pretrained_config"]["quantization"]["quant_algo"] == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"
         assert (plugins["smooth_quant_gemm_plugin"], plugins["rmsnorm_quantization_plugin"],
                 plugins["quantize_per_token_plugin"]) == ("bfloat16", "bfloat16", True), plugins
+    if name == "modelopt-nvfp4-stories":  # converted to NVFP4; the builder gives it the NVFP4 GEMM plugin
+        engine_cfg = json.loads(next((tmp_path / "work-engine").rglob("engine/**/config.json")).read_text())
+        assert engine_cfg["pretrained_config"]["quantization"]["quant_algo"] == "NVFP4"
+        assert engine_cfg["build_config"]["plugin_config"]["gemm_plugin"] == "nvfp4"
     _cli("serve", str(recipe), "--detach")
     try:
         for prompt in PROMPTS:

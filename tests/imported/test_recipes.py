@@ -6,6 +6,7 @@ for the llmapi target; ``inspect`` says the format in one line."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -41,11 +42,59 @@ def test_double_quantization_is_refused_naming_the_format(tmp_path, unified):
     assert "kv cache FP8" in lines[0] and "remove quantization.algo" in lines[0]
 
 
-def test_what_the_target_cannot_load_is_refused_with_the_alternative(tmp_path, unified):
-    p = _recipe(tmp_path, unified("nvfp4"))
-    msgs = [x.message for x in _problems(p) if x.key == "target"]
+def test_what_the_target_cannot_load_is_refused_with_the_alternative(tmp_path, stories_dir):
+    src = tmp_path / "fp8-block"  # DeepSeek-style block FP8: only its config is read at validate
+    shutil.copytree(stories_dir, src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    (src / "config.json").write_text(json.dumps(cfg))
+    msgs = [x.message for x in _problems(_recipe(tmp_path, src)) if x.key == "target"]
     assert msgs and "refused for target engine" in msgs[0] and "use target: llmapi" in msgs[0], msgs
-    assert not [x for x in _problems(_recipe(tmp_path, unified("nvfp4"), target="llmapi")) if x.key == "target"]
+    assert not [x for x in _problems(_recipe(tmp_path, src, target="llmapi")) if x.key == "target"]
+
+
+def test_nvfp4_engine_needs_a_blackwell_gpu(tmp_path, unified):
+    """NVFP4 converts for the engine target, and trtllm-build's FP4 GEMM plugin needs SM >= 10.0: validate refuses
+    the default engine.gpu (H100) naming engine.gpu, and accepts a B200 (the llmapi target is not built by
+    trtllm-build: no such finding)."""
+    hopper = _problems(_recipe(tmp_path, unified("nvfp4")))
+    assert [x.key for x in hopper] == ["engine.gpu"], hopper
+    assert "model.source is modelopt NVFP4" in hopper[0].message and \
+        "trtllm-build rejects it on h100-sxm-80gb: NVFP4 needs FP4 tensor cores (SM >= 10.0, Blackwell)" \
+        in hopper[0].message, hopper[0].message
+    assert not _problems(_recipe(tmp_path, unified("nvfp4"), "  gpu: b200-180gb\n"))
+    assert not [x for x in _problems(_recipe(tmp_path, unified("nvfp4"), target="llmapi")) if x.key == "engine.gpu"]
+
+
+def test_nvfp4_tp_that_splits_a_block_is_refused(tmp_path, unified):
+    """A row-parallel rank must hold whole 16-input blocks (the block scales cannot be re-cut; FP4Linear asserts
+    in_features % 16): stories260k's o_proj (64 inputs) at tp 8 has 8 per rank (tp 8 is refused for its intermediate
+    size too, in its own line). At tp 4 its gate/up have 43 rows per rank, odd, which INT4's row pairs would refuse;
+    NVFP4 packs along the inputs, so it is accepted."""
+    p = _recipe(tmp_path, unified("nvfp4"), "  gpu: b200-180gb\nparallel:\n  tp: 8\n")
+    msgs = [x.message for x in _problems(p) if x.key == "parallel.tp" and "NVFP4" in x.message]
+    assert msgs == ["model.source is NVFP4 with group size 16: at tp=8 attention.dense in_features 8 per rank is not a "
+                    "multiple of group_size 16 (the checkpoint's groups cannot be re-cut); use a smaller tp"], msgs
+    assert not _problems(_recipe(tmp_path, unified("nvfp4"), "  gpu: b200-180gb\nparallel:\n  tp: 4\n"))
+
+
+def test_nvfp4_fused_members_with_different_global_scales_are_refused_at_validate(tmp_path, unified):
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "nvfp4"
+    shutil.copytree(unified("nvfp4"), src)
+    files = sorted(src.glob("*.safetensors"))
+    name = "model.layers.3.self_attn.k_proj.weight_scale_2"
+    for f in files:
+        t = load_file(str(f))
+        if name in t:
+            t[name] = t[name] * 2
+            save_file(t, str(f))
+    found = [x for x in _problems(_recipe(tmp_path, src, "  gpu: b200-180gb\n")) if x.key == "model.source"]
+    assert len(found) == 1 and found[0].message.startswith(
+        "model.layers.3.self_attn: q_proj/k_proj/v_proj weight_scale_2 differ ("), found
+    assert "trtpipe does not requantize NVFP4 codes to share one" in found[0].message
 
 
 def test_reference_is_for_pre_quantized_sources_only(tmp_path, stories_dir, unified):

@@ -11,6 +11,12 @@ One ``granularity`` argument covers every layout TensorRT-LLM uses (torchao's ``
 Scales are *dequantization* scales (real ~= code * scale) = amax / qmax, as TRT-LLM stores them
 (docs/reference/trtllm-checkpoint.md#quantized-tensors).
 Packing is a separate step: :func:`pack_int4_rows` / :func:`unpack_int4_rows`.
+
+NVFP4 (two-level: E2M1 codes, an FP8 E4M3 scale per block of 16 inputs, one F32 global scale) has its own
+functions: :func:`e2m1_codes`, :func:`nvfp4_block_scales`, :func:`nvfp4_dequantize` (weights, packed two codes
+per byte along the input, low nibble = even column) and :func:`nvfp4_fake_quant` (activations, dynamic block
+scales under the static global ``input_scale``). Every reader of NVFP4 (the unified-HF runtime loader and the
+TensorRT-LLM checkpoint loader) calls these, so a source and its engine re-layout dequantize identically.
 """
 
 from __future__ import annotations
@@ -121,3 +127,50 @@ def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
     lo, hi = torch.where(lo > 7, lo - 16, lo), torch.where(hi > 7, hi - 16, hi)
     out = torch.stack([lo, hi], dim=-2)  # [..., out/2, 2, in]: row 2k then 2k+1
     return out.reshape(*packed.shape[:-2], -1, packed.shape[-1]).to(torch.int8)
+
+
+E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+NVFP4_BLOCK = 16
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """float -> 4-bit E2M1 codes (sign bit 3), round to nearest, ties to the even code (ModelOpt's _cast_fp4)."""
+    a = x.abs()
+    code = torch.searchsorted(E2M1_BOUNDS, a.contiguous(), right=False).to(torch.uint8)
+    code += (a.unsqueeze(-1) == E2M1_BOUNDS[[1, 3, 5]]).any(-1).to(torch.uint8)  # 0.75, 1.75, 3.5 round up
+    return ((x < 0).to(torch.uint8) << 3) + code
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit E2M1 codes (any integer dtype, bit 3 = sign) -> float32 values."""
+    codes = codes.long()
+    return E2M1_VALUES[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+
+
+def nvfp4_block_scales(w: torch.Tensor, wsf2: torch.Tensor) -> torch.Tensor:
+    """Per-16 block scales [out, in/16] as FP8: amax_block / (6 * wsf2), zero -> 1, clamped to [2^-9, 448]."""
+    amax = w.float().reshape(w.shape[0], -1, NVFP4_BLOCK).abs().amax(-1)
+    s = amax / (6.0 * wsf2.float())
+    s[s == 0] = 1.0
+    return s.clamp(2.0**-9, 448.0).to(torch.float8_e4m3fn)
+
+
+def nvfp4_dequantize(packed: torch.Tensor, block_scale: torch.Tensor, wsf2: torch.Tensor) -> torch.Tensor:
+    """U8 [out, in/2] E2M1 pairs (low nibble = even column) x FP8 [out, in/16] x F32 scalar -> float32 [out, in]."""
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+    vals = e2m1_values(codes)
+    scale = block_scale.float() * wsf2.float().reshape(())
+    return (vals.reshape(vals.shape[0], -1, NVFP4_BLOCK) * scale.unsqueeze(-1)).reshape(vals.shape)
+
+
+def nvfp4_fake_quant(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """Activations ``[..., in]`` through NVFP4 as the FP4 GEMM receives them: per 16-input block an FP8 scale
+    ``amax / (6 * global_scale)`` (dynamic), E2M1 codes under it; computed in float32, returned in x's dtype."""
+    gs = global_scale.float().reshape(())
+    shape = x.shape
+    flat = x.float().reshape(-1, shape[-1])
+    bs = nvfp4_block_scales(flat, gs).float() * gs
+    blocks = flat.reshape(flat.shape[0], -1, NVFP4_BLOCK)
+    xq = e2m1_values(e2m1_codes(blocks / bs.unsqueeze(-1))) * bs.unsqueeze(-1)
+    return xq.reshape(shape).to(x.dtype)

@@ -136,6 +136,10 @@ def rejections(plugins: dict[str, Any], t: Target) -> list[tuple[str, str]]:
             out.append((name, f"{name} is rejected on {sm} (PluginConfig.validate)"))
     if t.sm < 89 and t.quant_algo in FP8_ALGOS:  # an FP8 KV cache alone is allowed (the rewrites handle it)
         out.append(("quantization.algo", f"{t.quant_algo} needs FP8 tensor cores (SM >= 8.9); the target is {sm}"))
+    (fp4_algo, fp4_sm), _ = upstream.NVFP4_MIN_SM
+    if t.quant_algo == fp4_algo and t.sm < fp4_sm:
+        out.append(("quantization.algo", f"{t.quant_algo} needs FP4 tensor cores (SM >= {fp4_sm // 10}.{fp4_sm % 10}, "
+                                         f"Blackwell): the FP4 GEMM plugin refuses {sm}"))
     if plugins.get("streamingllm"):
         out.append(("streamingllm", "StreamingLLM is no longer supported in TensorRT-LLM 1.x (the builder asserts)"))
     if plugins.get("pp_reduce_scatter") and t.architecture != "MixtralForCausalLM":

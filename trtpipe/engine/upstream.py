@@ -172,6 +172,9 @@ FP8_ROWWISE_SETS = ((("fp8_rowwise_gemm_plugin", "dtype"), ("rmsnorm_quantizatio
                      ("quantize_tensor_plugin", True)), PLUGIN_PY)
 # builder.build: NVFP4 sets gemm_plugin "nvfp4" unless the command line said --gemm_plugin disable.
 NVFP4_GEMM = (("NVFP4", "nvfp4"), f"{BUILDER_PY} + {PLUGIN_PY} PluginConfig.from_arguments")
+# Fp4GemmPlugin::init: TLLM_CHECK_WITH_INFO(getSMVersion() >= 100, "FP4 Gemm not supported before Blackwell"); the
+# NVFP4 GEMM plugin is what the builder gives an NVFP4 model (NVFP4_GEMM). Read at an unrecorded revision.
+NVFP4_MIN_SM = (("NVFP4", 100), "cpp/tensorrt_llm/plugins/fp4GemmPlugin/fp4GemmPlugin.cpp (commit not recorded)")
 # builder.optimize_model_with_config: a (low-latency) GEMM+SwiGLU plugin needs use_fused_mlp.
 SWIGLU_PLUGINS_NEED_FUSED_MLP = (("gemm_swiglu_plugin", "low_latency_gemm_swiglu_plugin"), BUILDER_PY)
 

@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 
 from trtpipe.checkpoint.convert import TOKENIZER_FILES, interleaved, transposed
 from trtpipe.checkpoint.quant_layouts import ALGOS, LINEAR_GROUPS, LINEARS
-from trtpipe.checkpoint.quant_primitives import choose_qparams, observe_amax, pack_int4_rows, quantize
+from trtpipe.checkpoint.quant_primitives import (NVFP4_BLOCK, choose_qparams, e2m1_codes, nvfp4_block_scales,
+                                                 observe_amax, pack_int4_rows, quantize)
 from trtpipe.checkpoint.writer import RankFile
 from trtpipe.errors import QuantizationError
 from trtpipe.export.formats import (HF_FORMATS, MOE_EXPORT_ALGOS, SCALARS, SUFFIX, hf_quant_config,
@@ -179,27 +180,6 @@ def _hf_linear(fmt_algo: str, p: dict[str, torch.Tensor], fold: bool, group_size
     if "prequant_scaling_factor" in p and not fold:
         out["pre_quant_scale"] = p["prequant_scaling_factor"].to(model_dtype)
     return out
-
-
-E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-NVFP4_BLOCK = 16
-
-
-def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """float -> 4-bit E2M1 codes (sign bit 3), round to nearest, ties to the even code (ModelOpt's _cast_fp4)."""
-    a = x.abs()
-    code = torch.searchsorted(E2M1_BOUNDS, a.contiguous(), right=False).to(torch.uint8)
-    code += (a.unsqueeze(-1) == E2M1_BOUNDS[[1, 3, 5]]).any(-1).to(torch.uint8)  # 0.75, 1.75, 3.5 round up
-    return ((x < 0).to(torch.uint8) << 3) + code
-
-
-def nvfp4_block_scales(w: torch.Tensor, wsf2: torch.Tensor) -> torch.Tensor:
-    """Per-16 block scales [out, in/16] as FP8: amax_block / (6 * wsf2), zero -> 1, clamped to [2^-9, 448]."""
-    amax = w.float().reshape(w.shape[0], -1, NVFP4_BLOCK).abs().amax(-1)
-    s = amax / (6.0 * wsf2.float())
-    s[s == 0] = 1.0
-    return s.clamp(2.0**-9, 448.0).to(torch.float8_e4m3fn)
 
 
 def _nvfp4(w: torch.Tensor, wsf2: torch.Tensor, input_scale: torch.Tensor) -> dict[str, torch.Tensor]:

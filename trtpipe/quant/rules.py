@@ -48,9 +48,11 @@ def per_rank(name: str, out_f: int, in_f: int, tp: int) -> tuple[int, int]:
     return (out_f // tp, in_f) if STYLE[name] == "column" else (out_f, in_f // tp)
 
 
-def int4_problems(m: HFModelInfo, tp: int, group_size: int, moe_tp: Optional[int] = None) -> dict[str, str]:
+def int4_problems(m: HFModelInfo, tp: int, group_size: int, moe_tp: Optional[int] = None,
+                  row_pairs: bool = True) -> dict[str, str]:
     """linear -> why it cannot be int4 at this tp and group size (empty: all fine); a MoE model's experts are split
-    by ``moe_tp`` (default: tp)."""
+    by ``moe_tp`` (default: tp). ``row_pairs``: the codes pack two output rows a byte (INT4 AWQ), so each rank's
+    rows must be even (NVFP4 packs along the inputs, which whole groups already keep even)."""
     bad = {}
     for name, (o, i) in linear_dims(m).items():
         split = moe_tp if m.is_moe and name.startswith("mlp.") and moe_tp else tp
@@ -58,7 +60,7 @@ def int4_problems(m: HFModelInfo, tp: int, group_size: int, moe_tp: Optional[int
         if i_r % group_size:
             bad[name] = f"in_features {i_r}{' per rank' if split > 1 and STYLE[name] == 'row' else ''} " \
                         f"is not a multiple of group_size {group_size}"
-        elif o_r % 2:
+        elif o_r % 2 and row_pairs:
             bad[name] = f"{o_r} output rows per rank is odd (int4 packs row pairs)"
     return bad
 

@@ -42,11 +42,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from trtpipe.checkpoint.quant_primitives import unpack_int4_rows
+from trtpipe.checkpoint.quant_primitives import nvfp4_dequantize, unpack_int4_rows
 from trtpipe.errors import CheckpointError
 from trtpipe.quant import dequant
-from trtpipe.runtime.linear import (INT8_TOKEN_DIVISOR, Float32Linear, QuantLinear, TokenFP8Linear, TokenInt8Linear,
-                                    token_fp8)
+from trtpipe.runtime.linear import (INT8_TOKEN_DIVISOR, Float32Linear, NVFP4Linear, QuantLinear, TokenFP8Linear,
+                                    TokenInt8Linear, token_fp8)
 from trtpipe.runtime.loader import load_checkpoint
 from trtpipe.runtime.model import DecoderLayer, ModelArgs, ReferenceModel
 
@@ -59,38 +59,6 @@ class ConcatLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)
-
-
-def nvfp4_dequantize(packed: torch.Tensor, block_scale: torch.Tensor, wsf2: torch.Tensor) -> torch.Tensor:
-    """U8 [out, in/2] E2M1 pairs (low nibble = even column) x FP8 [out, in/16] x F32 scalar -> float32 [out, in]."""
-    from trtpipe.export.unified import E2M1_VALUES, NVFP4_BLOCK
-
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1).long()
-    vals = E2M1_VALUES[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
-    scale = block_scale.float() * wsf2.float()
-    return (vals.reshape(vals.shape[0], -1, NVFP4_BLOCK) * scale.unsqueeze(-1)).reshape(vals.shape)
-
-
-class NVFP4Linear(nn.Module):
-    """``y = Q_nvfp4(x) @ W^T``: activations quantized per 16-element block (FP8 block scale, dynamic) under the
-    static global ``input_scale``, as the NVFP4 GEMM receives them."""
-
-    def __init__(self, weight: torch.Tensor, input_scale: torch.Tensor, bias: Optional[torch.Tensor] = None):
-        super().__init__()
-        self.weight = nn.Parameter(weight.float(), requires_grad=False)
-        self.input_scale = input_scale.float().reshape(())
-        self.bias = None if bias is None else bias.float()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from trtpipe.export.unified import E2M1_VALUES, NVFP4_BLOCK, e2m1_codes, nvfp4_block_scales
-
-        shape = x.shape
-        flat = x.float().reshape(-1, shape[-1])
-        bs = nvfp4_block_scales(flat, self.input_scale).float() * self.input_scale
-        blocks = flat.reshape(flat.shape[0], -1, NVFP4_BLOCK)
-        codes = e2m1_codes(blocks / bs.unsqueeze(-1)).long()
-        xq = E2M1_VALUES[codes & 7] * torch.where(codes >= 8, -1.0, 1.0) * bs.unsqueeze(-1)
-        return nn.functional.linear(xq.reshape(shape).to(x.dtype), self.weight, self.bias)
 
 
 def _f(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -11,7 +11,9 @@ Each quantized loader dequantizes the stored weight once and fake-quantizes acti
 kernel sees them: FP8 / INT8 static per-tensor input scales, the SmoothQuant / AWQ pre-quant scale multiplied
 into the input first (``x * pqs``), W4A8's group scale divided by ``weights_scaling_factor_2`` in fp16 as the
 builder does, a groupwise ``zero`` ``[in/g, out]`` added per group where ``has_zero_point`` (``W = q * s + zero``);
-the plugin SmoothQuant layout's activations quantized to INT8 per token dynamically (:func:`token_int8`).
+the plugin SmoothQuant layout's activations quantized to INT8 per token dynamically (:func:`token_int8`); NVFP4's
+E2M1 codes times FP8 block scales times the global scale, activations through NVFP4 with dynamic block scales under
+the static ``activation_scaling_factor`` (:class:`NVFP4Linear`, the same functions the unified-HF loader uses).
 KV-cache handlers round-trip keys and values through FP8 / INT8 with the layer's scale.
 
 A loader receives the tensors of one linear on one rank, keyed by suffix (``weight``, ``bias``,
@@ -30,7 +32,8 @@ import torch
 from torch import nn
 
 from trtpipe.checkpoint.quant_layouts import BY_QUANT_ALGO
-from trtpipe.checkpoint.quant_primitives import FORMATS, dequantize, fake_quant, unpack_int4_rows
+from trtpipe.checkpoint.quant_primitives import (FORMATS, NVFP4_BLOCK, dequantize, fake_quant, nvfp4_dequantize,
+                                                 nvfp4_fake_quant, unpack_int4_rows)
 from trtpipe.errors import CheckpointError
 
 # TensorRT-LLM's QuantConfig: when exclude_modules is null the builder excludes these.
@@ -266,6 +269,39 @@ def load_sq_per_token(tensors: dict, spec: LinearSpec) -> nn.Module:
                            tensors.get("bias"), smoother)
 
 
+class NVFP4Linear(nn.Module):
+    """``y = Q_nvfp4(x) @ W^T``: activations quantized per 16-element block (FP8 block scale, dynamic) under the
+    static global ``input_scale``, as the NVFP4 GEMM receives them (:func:`nvfp4_fake_quant`)."""
+
+    def __init__(self, weight: torch.Tensor, input_scale: torch.Tensor, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight.float(), requires_grad=False)
+        self.input_scale = input_scale.float().reshape(())
+        self.bias = None if bias is None else bias.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(nvfp4_fake_quant(x, self.input_scale), self.weight, self.bias)
+
+
+def load_nvfp4(tensors: dict, spec: LinearSpec) -> nn.Module:
+    """``NVFP4``: U8 ``weight`` [out, in/2] (E2M1 pairs, low nibble = even column), F8 ``weights_scaling_factor``
+    [out, in/16] (block scales), F32 ``weights_scaling_factor_2`` [1] (global) and ``activation_scaling_factor`` [1]
+    (the activations' global scale), as ModelOpt's TensorRT-LLM export writes them and TensorRT-LLM 1.2's
+    ``preprocess_perlayer_weights`` reads them (it derives the interleaved block scales and ``alpha`` itself)."""
+    q, bs = _need(tensors, "weight", spec), _need(tensors, "weights_scaling_factor", spec)
+    ws2 = _need(tensors, "weights_scaling_factor_2", spec)
+    asf = _need(tensors, "activation_scaling_factor", spec)
+    if q.dtype not in (torch.uint8, torch.int8):
+        raise CheckpointError(f"checkpoint: '{spec.name}.weight' is {q.dtype}, NVFP4 stores uint8 (two E2M1 codes a byte)")
+    if bs.dtype != torch.float8_e4m3fn or tuple(bs.shape) != (q.shape[0], 2 * q.shape[1] // NVFP4_BLOCK):
+        raise CheckpointError(f"checkpoint: tensor '{spec.name}.weights_scaling_factor' is {bs.dtype} {list(bs.shape)}, "
+                              f"NVFP4 stores float8_e4m3fn [{q.shape[0]}, {2 * q.shape[1] // NVFP4_BLOCK}]")
+    for key, t in (("weights_scaling_factor_2", ws2), ("activation_scaling_factor", asf)):
+        if t.numel() != 1:
+            raise CheckpointError(f"checkpoint: tensor '{spec.name}.{key}' has shape {list(t.shape)}, NVFP4 stores [1]")
+    return NVFP4Linear(nvfp4_dequantize(q.view(torch.uint8), bs, ws2), asf, tensors.get("bias"))
+
+
 def kv_roundtrip(fmt: str) -> KVQuant:
     """The KV-cache handler of one format: keys and values through a quantize round trip with the layer's scale."""
     def fn(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -277,5 +313,6 @@ def kv_roundtrip(fmt: str) -> KVQuant:
 LINEAR_LOADERS: dict[str, LinearLoader] = {"NONE": _load_unquantized,
                                            **{algo: load_quantized for algo in BY_QUANT_ALGO},
                                            "FP8_PER_CHANNEL_PER_TOKEN": load_fp8_rowwise,
-                                           "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": load_sq_per_token}
+                                           "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": load_sq_per_token,
+                                           "NVFP4": load_nvfp4}
 KV_QUANT: dict[str, KVQuant] = {"FP8": kv_roundtrip("fp8"), "INT8": kv_roundtrip("int8")}

@@ -44,7 +44,7 @@ def accept_hint(step: str) -> str:
     return f"add {step} to {KEY} to accept"
 
 
-def _members(modules: Sequence[str]) -> tuple[str, str]:
+def members_label(modules: Sequence[str]) -> tuple[str, str]:
     """('model.layers.0.self_attn', 'q_proj/k_proj/v_proj') of the fused members' HF module names."""
     parents = {m.rpartition(".")[0] for m in modules}
     if len(parents) == 1:
@@ -57,7 +57,7 @@ def fp8_requantize_why(modules: Sequence[str], scales: Sequence[float], fused: s
     is exact). ``scales`` are the members' stored weight scales, ``fused`` the TensorRT-LLM linear."""
     if len(set(scales)) <= 1:
         return None
-    parent, names = _members(modules)
+    parent, names = members_label(modules)
     values = ", ".join(f"{s:.6g}" for s in scales)
     return (f"{parent}: {names} weight scales differ ({values}); fusing them into TensorRT-LLM's {fused} requantizes "
             "to the max (one FP8 rounding)")

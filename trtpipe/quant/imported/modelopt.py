@@ -5,7 +5,7 @@ kv_cache_quant_algo, group_size, exclude_modules}}`` (what every TensorRT-LLM re
 flat ``config.json: quantization_config`` with ``quant_method: modelopt``, ``quant_algo``, ``ignore``,
 ``kv_cache_scheme``. Tensors are already the canonical form (:mod:`.canonical`), so the re-layout is the identity.
 What each target does per ``quant_algo`` is the table :data:`ALGOS` (the PyTorch backend's loader rejects
-``W8A8_SQ_PER_CHANNEL`` and INT8 KV caches; trtpipe's TensorRT-LLM writer has no NVFP4 layout).
+``W8A8_SQ_PER_CHANNEL`` and INT8 KV caches; NVFP4 is converted for dense linears only, :mod:`.trtllm`).
 """
 
 from __future__ import annotations
@@ -32,10 +32,7 @@ ALGOS: dict[Optional[str], tuple[Optional[int], str, Action, Action]] = {
                  "the conversion against); quantize the original with quantization.algo: int8_sq"), Action(
         REFUSED, "the PyTorch backend has no W8A8_SQ_PER_CHANNEL linear method ('unsupported quant mode'); "
                  "use target: engine")),
-    "NVFP4": (4, "group", Action(
-        REFUSED, "TensorRT-LLM 1.2's engine path has NVFP4 (FP4Linear, Blackwell only) but trtpipe does not write "
-                 "NVFP4 TensorRT-LLM checkpoints yet; use target: llmapi (passed through)"),
-        LLMAPI_OK),
+    "NVFP4": (4, "group", ENGINE_OK, LLMAPI_OK),  # engine: FP4Linear, Blackwell only (validate checks engine.gpu)
 }
 KV_ALGOS = (None, "FP8")
 

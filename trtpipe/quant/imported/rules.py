@@ -83,6 +83,8 @@ def _imported_source(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findi
         if why:
             yield "target", (f"model.source is {fmt.describe()}: its mixture-of-experts layers are refused for target "
                              f"engine: {why}")
+    if fmt.quant_algo and action.ok and recipe.target == "engine":
+        yield from _builder_rejects(recipe, m, fmt)
     if fmt.group_size and action.ok and recipe.target == "engine":
         yield from _whole_groups(recipe, m, fmt)
     if fmt.quant_algo == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN" and action.ok and recipe.target == "engine":
@@ -109,10 +111,29 @@ def _imported_source(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findi
                 yield "accuracy.reference", f"the reference must be unquantized; it is {ref_fmt.describe()}"
 
 
+def _builder_rejects(recipe: Recipe, m: HFModelInfo, fmt) -> Iterable[Finding]:
+    """What trtllm-build rejects of the source's quantization on ``engine.gpu`` (e.g. NVFP4 below SM 10.0): the
+    builder rules of :func:`trtpipe.engine.enforce.rejections`, keyed by the source's quant_algo (the predicted
+    checkpoint config of a pre-quantized source has no quantization section for the engine rules to read)."""
+    from trtpipe.engine.enforce import Target, rejections
+    from trtpipe.engine.gpus import get_gpu
+    from trtpipe.errors import EngineError
+
+    try:
+        gpu = get_gpu(recipe.engine.gpu)
+    except EngineError:
+        return  # an unknown GPU is named by the engine rules
+    target = Target(gpu.sm, m.architecture, fmt.quant_algo, fmt.kv_cache, recipe.parallel.tp, recipe.parallel.pp)
+    for key, reason in rejections({}, target):
+        if key.startswith("quantization."):
+            yield "engine.gpu", f"model.source is {fmt.describe()}: trtllm-build rejects it on {recipe.engine.gpu}: {reason}"
+
+
 def _whole_groups(recipe: Recipe, m: HFModelInfo, fmt) -> Iterable[Finding]:
     """Every rank's slice of a group-quantized linear holds whole groups (and row pairs): the checkpoint's groups
     cannot be re-cut, so a tp that splits one is refused here, naming the linear."""
     from trtpipe.models import get_family
+    from trtpipe.quant.imported.canonical import LAYOUTS
     from trtpipe.quant.imported.trtllm import matches
     from trtpipe.quant.rules import int4_problems
 
@@ -120,7 +141,9 @@ def _whole_groups(recipe: Recipe, m: HFModelInfo, fmt) -> Iterable[Finding]:
     pre = m.weight_prefix + family.hf_layer_prefix.format(0)
     hf_of = {r.trt[: -len(".weight")]: [pre + h[: -len(".weight")] for h in r.hf] for r in family.layer_rules
              if r.when(m) and r.trt.endswith(".weight")}
-    for name, why in int4_problems(m, recipe.parallel.tp, fmt.group_size).items():
+    layout = LAYOUTS.get(fmt.quant_algo)
+    row_pairs = layout is None or layout.weight_shape == "rows/2"  # INT4 packs output rows; NVFP4 packs the inputs
+    for name, why in int4_problems(m, recipe.parallel.tp, fmt.group_size, row_pairs=row_pairs).items():
         if all(matches(h, fmt.exclude) for h in hf_of.get(name, [])):
             continue  # left unquantized by the checkpoint
         yield "parallel.tp", (f"model.source is {fmt.name} with group size {fmt.group_size}: at tp={recipe.parallel.tp} "
@@ -185,6 +208,25 @@ def _fp8_requantized(recipe: Recipe, m: HFModelInfo, fmt) -> list[str]:
     return whys
 
 
+def _nvfp4_unshared(recipe: Recipe, m: HFModelInfo, fmt) -> list[str]:
+    """Why each fused NVFP4 linear of the source cannot be converted exactly (its members' ``weight_scale_2`` or
+    ``input_scale`` differ), read from those scalars alone."""
+    from trtpipe.checkpoint.hf import HFReader
+    from trtpipe.quant.imported.trtllm import NVFP4_SHARED, matches, nvfp4_unshared_why
+
+    whys = []
+    with HFReader(model_dir(recipe), allow_pickle=recipe.model.allow_pickle, check_finite=False) as reader:
+        for layer in range(m.num_layers):
+            for fused, modules in _fused_modules(m, layer):
+                names = [{s: f"{h}.{s}" for s, _ in NVFP4_SHARED} for h in modules]
+                if any(matches(h, fmt.exclude) for h in modules) or any(n not in reader for d in names for n in d.values()):
+                    continue  # unquantized, or a missing tensor the conversion names
+                why = nvfp4_unshared_why(modules, [{s: reader.get(n) for s, n in d.items()} for d in names], fused)
+                if why is not None:
+                    whys.append(why)
+    return whys
+
+
 def _source_dtype(recipe: Recipe) -> str:
     """The checkpoint dtype the conversion writes (``model.dtype``, auto resolved as the checkpoint stage does)."""
     from trtpipe.checkpoint.convert import plan_first_source
@@ -209,6 +251,11 @@ def _lossy_steps(recipe: Recipe, m: HFModelInfo, fmt) -> Iterable[Finding]:
             whys = _fp8_requantized(recipe, m, fmt)
             if whys:
                 yield key, lossy.refusal(lossy.FP8_REQUANTIZE, whys[0], len(whys) - 1)
+        if fmt.quant_algo == "NVFP4" and local:
+            whys = _nvfp4_unshared(recipe, m, fmt)
+            if whys:
+                more = f" (and {len(whys) - 1} more fused linears)" if len(whys) > 1 else ""
+                yield "model.source", whys[0] + more
         if fmt.params.get("zero_point") and lossy.ZERO_POINT_ROUNDING not in allowed and (
                 local or recipe.model.dtype != "auto"):
             why = lossy.zero_point_why(f"{fmt.family} {fmt.name}", _source_dtype(recipe))

@@ -39,6 +39,20 @@ each rank's ``in_features`` is a multiple of 4 (they view the INT8 weight as flo
 is refused. Not confirmed here: how 1.2's ``load()`` reinterprets the INT8 ``[out, in]`` weight into the layer's
 float32 ``[out, in/4]`` parameter (the legacy converter writes INT8 ``[out, in]``, which is what this writes).
 
+NVFP4 (dense linears; ModelOpt's unified checkpoint): the same four tensors per linear as ModelOpt's TensorRT-LLM
+export writes (``weight`` U8 [out, in/2], two E2M1 codes a byte, low nibble the even column; ``weights_scaling_factor``
+F8_E4M3 [out, in/16], the block scales; ``weights_scaling_factor_2`` and ``activation_scaling_factor`` F32 [1], the
+global weight and input scales), codes and scales copied as stored (q/k/v concatenated along the outputs, the block
+scales with their rows). TensorRT-LLM 1.2.0rc2's ``preprocess_perlayer_weights``
+(``tensorrt_llm/models/modeling_utils.py``, NVIDIA/TensorRT-LLM@b35ac1b6) renames them into ``FP4Linear``'s
+parameters and derives the rest itself (``weights_block_scaling_factor_interleaved`` by ``block_scale_interleave``,
+padded to [pad128(out), pad4(in/16)]; ``alpha = activation_scaling_factor * weights_scaling_factor_2``). FP4Linear
+keeps one global weight scale and one input scale per linear, so q/k/v must share them (ModelOpt's export does, by
+``preprocess_linear_fusion``); a source whose fused members differ is refused (:func:`nvfp4_unshared_why`): sharing
+them would requantize the codes. mlp.fc / mlp.gate are separate FP4 linears (``fuse_gate_mlp`` fuses FP8 only).
+Sharding is the generic one: a row-parallel rank takes whole 16-blocks of inputs (validate's whole-groups rule, group
+16). The FP4 GEMM needs SM >= 10.0 (Blackwell); validate refuses an NVFP4 engine recipe on an older ``engine.gpu``.
+
 Mixture-of-experts layers (ModelOpt FP8 per tensor only, :data:`MOE_REFUSED` says why not the others): each
 expert's up and gate are fused as a dense gate/up is (:func:`_fp8_shared`: their max scale, the other requantized),
 then stacked as trtpipe's own FP8 MoE checkpoint and TensorRT-LLM 1.2's MoE layer lay them out
@@ -221,6 +235,41 @@ def _w4a8(ms, in_f, dtype, what):
     return out
 
 
+# NVFP4's per-tensor scales of which TensorRT-LLM's FP4Linear keeps one per fused linear: source suffix -> engine suffix
+NVFP4_SHARED = (("weight_scale_2", "weights_scaling_factor_2"), ("input_scale", "activation_scaling_factor"))
+
+
+def _nvfp4(ms, in_f, dtype, what):
+    """NVFP4 as ModelOpt's TensorRT-LLM export writes it and ``preprocess_perlayer_weights`` reads it (TensorRT-LLM
+    1.2.0rc2, ``tensorrt_llm/models/modeling_utils.py``@b35ac1b6): codes U8 [out, in/2] and FP8 block scales
+    [out, in/16] as stored (q/k/v concatenated along the outputs), the global weight and input scales F32 [1],
+    which the fused members must share (:func:`nvfp4_unshared_why`, checked before this runs). The loader derives
+    ``weights_block_scaling_factor(_interleaved)``, ``weights_global_scaling_factor``,
+    ``activation_global_scaling_factor`` and ``alpha = input_scale * weight_scale_2`` from these four."""
+    out = {"weight": _cat(ms, "weight"), "weights_scaling_factor": _cat(ms, "weight_scale")}
+    for src, dst in NVFP4_SHARED:
+        out[dst] = _same([m[src].float().reshape(1) for m in ms], f"{what}: {src}")
+    return out
+
+
+def nvfp4_unshared_why(modules: list[str], members: list[dict], fused: str) -> Optional[str]:
+    """Why NVFP4 members fused into one TensorRT-LLM linear cannot be converted exactly (their global weight or input
+    scales differ; TensorRT-LLM keeps one of each per fused linear), or None. ``members``: each module's tensors by
+    suffix (scalars only are read). Not a lossy step trtpipe offers: sharing a global weight scale re-rounds every
+    FP8 block scale of the other members and their codes with them, a requantization of the weights."""
+    if len(members) < 2:
+        return None
+    for src, _ in NVFP4_SHARED:
+        values = [float(m[src].float().reshape(())) for m in members]
+        if len(set(values)) > 1:
+            parent, names = lossy.members_label(modules)
+            listed = ", ".join(f"{v:.6g}" for v in values)
+            return (f"{parent}: {names} {src} differ ({listed}); TensorRT-LLM's NVFP4 {fused} keeps one per fused "
+                    "linear and trtpipe does not requantize NVFP4 codes to share one; use a checkpoint whose fused "
+                    "projections share it (ModelOpt's export does) or target: llmapi")
+    return None
+
+
 # canonical quant_algo -> fn(member tensors, in_features, model dtype, what) -> fused TRT-LLM tensors by suffix
 FUSE: dict[str, Callable] = {
     "FP8": _fp8,
@@ -230,8 +279,12 @@ FUSE: dict[str, Callable] = {
     "W4A16_AWQ": _awq,
     "W4A8_AWQ": _w4a8,
     "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": _sq_per_token,
+    "NVFP4": _nvfp4,
 }
 GROUPWISE = ("W4A16_AWQ", "W4A8_AWQ")
+# canonical quant_algo -> config.json ``quantization`` keys beside quant_algo / kv_cache_quant_algo (ModelOpt 0.47's
+# process_layer_quant_config writes NVFP4's block as group_size; TensorRT-LLM's FP4Linear has a fixed block of 16)
+CONFIG_EXTRAS: dict[str, dict] = {"NVFP4": {"group_size": 16}}
 # canonical quant_algo -> fn(TRT-LLM linear, in_features, model dtype, meta) -> the layer's tensors beside the linear's
 EXTRAS: dict[str, Callable] = {"W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": sq_plugin_extras}
 # algorithms whose TensorRT-LLM layers ignore exclude_modules (smooth_quantize_plugin): no decoder linear may be left out
@@ -252,6 +305,9 @@ MOE_REFUSED: dict[str, str] = {
                            "INT4 and NVFP4 only, NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py)",
     "W4A16_AWQ": MOE_IMPORT_INT4,
     "W4A8_AWQ": MOE_ENGINE_REFUSED["w4a8_awq"],
+    "NVFP4": "trtpipe has no engine writer for NVFP4 experts (TensorRT-LLM's MoE layer reads them stacked [E, out, "
+             "in/2] with per-expert block scales, their interleaved copy and an [E] alpha, tensorrt_llm/layers/moe.py "
+             "MOEWeightWrapper, revision not pinned to 1.2); use target: llmapi",
     "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": "TensorRT-LLM 1.2's MoE layer has no SmoothQuant experts (FP8, "
                                             "weight-only, group-wise INT4 and NVFP4 only, NVIDIA/TensorRT-LLM@c388fec7 "
                                             "tensorrt_llm/layers/moe.py)",
@@ -466,6 +522,10 @@ class ImportedLinears:
             scales = [float(m["weight_scale"].float().reshape(())) for m in members]
             lossy.require(lossy.FP8_REQUANTIZE, lossy.fp8_requantize_why(modules, scales, fused), self.allow_lossy,
                           self.where)
+        if self.fmt.quant_algo == "NVFP4":
+            why = nvfp4_unshared_why(modules, members, fused)
+            if why:
+                raise CheckpointError(f"{self.where}: {why}")
         if any("zero_point" in m for m in members):
             why = lossy.zero_point_why(f"{self.fmt.family} {self.fmt.name}", dtype)
             lossy.require(lossy.ZERO_POINT_ROUNDING, why, self.allow_lossy, self.where)
@@ -498,6 +558,7 @@ class ImportedLinears:
         q: dict = {"quant_algo": f.quant_algo, "kv_cache_quant_algo": f.kv_cache}
         if f.quant_algo in GROUPWISE:
             q.update(group_size=f.group_size, has_zero_point=bool(f.params.get("zero_point")), pre_quant_scale=True)
+        q.update(CONFIG_EXTRAS.get(f.quant_algo, {}))
         if "clamp_val" in f.params:  # fbgemm's activation_scale_ub, as upstream's convert_checkpoint.py sets it
             q["clamp_val"] = f.params["clamp_val"]
         q["exclude_modules"] = exclude_modules(["lm_head", *self.excluded_trt])
