@@ -14,6 +14,9 @@ from click.testing import CliRunner
 
 from imported_helpers import assert_logits_match
 from trtpipe.cli import main
+from trtpipe.engine.ckptconfig import predicted_checkpoint_config
+from trtpipe.engine.planner import Shapes, weight_bytes
+from trtpipe.engine.planning import model_info
 from trtpipe.runtime import load_checkpoint
 from trtpipe.runtime.hf_loader import load_hf_checkpoint
 from trtpipe.validation import check_recipe, load_recipe
@@ -129,6 +132,10 @@ def test_build_both_targets_from_trtpipes_own_fp8_export(tmp_path, unified):
     assert not (work / "calibrate").exists() and not (work / "quantize").exists()
     ckpt = next((work / "checkpoint").iterdir())
     assert json.loads((ckpt / "config.json").read_text())["quantization"]["quant_algo"] == "FP8"
+    # what validate and plan predicted before any weight was read is the quantization the conversion wrote
+    recipe = load_recipe(_recipe(tmp_path, src, lossy="[fp8_requantize]"), check_rules=False)
+    predicted = predicted_checkpoint_config(model_info(recipe, None), recipe)["quantization"]
+    assert predicted == json.loads((ckpt / "config.json").read_text())["quantization"]
     assert any((work / "engine").iterdir())
     hf = load_hf_checkpoint(src)
     conv = load_checkpoint(ckpt)
@@ -179,3 +186,16 @@ def test_a_tp_that_would_cut_the_checkpoints_groups_is_refused(tmp_path, unified
     msgs = [x.message for x in _problems(bad) if x.key == "parallel.tp"]
     assert msgs and "group size 32: at tp=4 attention.dense in_features 16 per rank is not a multiple of group_size 32" \
         in msgs[0], msgs
+
+
+@pytest.mark.parametrize("algo, quant_algo", [("fp8", "FP8"), ("int4_awq", "W4A16_AWQ"), ("nvfp4", "NVFP4")])
+def test_plan_sizes_a_pre_quantized_source_in_its_format(tmp_path, unified, algo, quant_algo):
+    """validate / plan size a pre-quantized source's weights as the format the engine checkpoint holds, not as the
+    model dtype: the predicted config carries the converted quantization (llmapi: the source's algorithm)."""
+    src = unified(algo)
+    for target in ("engine", "llmapi"):
+        recipe = load_recipe(_recipe(tmp_path, src, target=target), check_rules=False)
+        cfg = predicted_checkpoint_config(model_info(recipe, None), recipe)
+        assert cfg["quantization"]["quant_algo"] == quant_algo, (target, cfg["quantization"])
+        plain = {k: v for k, v in cfg.items() if k != "quantization"}
+        assert weight_bytes(Shapes.of(cfg), 1, 1)[0] < weight_bytes(Shapes.of(plain), 1, 1)[0]

@@ -40,11 +40,33 @@ def predicted_checkpoint_config(info: HFModelInfo, recipe: Recipe) -> dict[str, 
         from trtpipe.export.formats import hf_quant_config
 
         cfg["quantization"] = hf_quant_config(q.algo, q.kv_cache, q.group_size, list(q.exclude), {})["quantization"]
+    if q.algo == "none":  # a pre-quantized source: its weights are planned in the format they are built in
+        imported = _imported_quantization(recipe, info)
+        if imported is not None:
+            if q.kv_cache != "none":
+                imported["kv_cache_quant_algo"] = cfg["quantization"]["kv_cache_quant_algo"]
+            cfg["quantization"] = imported
     if recipe.target == "llmapi":  # what the PyTorch backend's model of this family holds (Family.llmapi_*)
         cfg["use_parallel_embedding"] = cfg.get("use_parallel_embedding", False) or (family.llmapi_vocab_parallel and p.tp > 1)
         if family.llmapi_router_in_model_dtype:
             cfg["router_dtype"] = dtype
     return cfg
+
+
+def _imported_quantization(recipe: Recipe, info: HFModelInfo) -> Optional[dict[str, Any]]:
+    """The ``quantization`` a pre-quantized source's checkpoint gets for the recipe's target (None: the source is
+    not pre-quantized, keeps its quantized modules as its family ships them, or the target refuses it)."""
+    from trtpipe.quant.imported.rules import source_format
+    from trtpipe.quant.imported.trtllm import converted_quantization
+
+    fmt = source_format(recipe, info)
+    if fmt is None or fmt.quant_algo is None or not fmt.action(recipe.target).ok:
+        return None
+    if recipe.target == "engine":
+        return converted_quantization(fmt)
+    # llmapi: the unified HF checkpoint holds the source's algorithm as is or re-laid out into it
+    return {"quant_algo": fmt.quant_algo, "kv_cache_quant_algo": fmt.kv_cache,
+            **({"group_size": fmt.group_size} if fmt.group_size else {})}
 
 
 def read_checkpoint_config(ckpt_dir: str | Path) -> dict[str, Any]:

@@ -554,12 +554,18 @@ class ImportedLinears:
 
     def quantization(self) -> dict:
         """config.json ``quantization`` of the converted checkpoint (key order as ModelOpt writes it)."""
-        f = self.fmt
-        q: dict = {"quant_algo": f.quant_algo, "kv_cache_quant_algo": f.kv_cache}
-        if f.quant_algo in GROUPWISE:
-            q.update(group_size=f.group_size, has_zero_point=bool(f.params.get("zero_point")), pre_quant_scale=True)
-        q.update(CONFIG_EXTRAS.get(f.quant_algo, {}))
-        if "clamp_val" in f.params:  # fbgemm's activation_scale_ub, as upstream's convert_checkpoint.py sets it
-            q["clamp_val"] = f.params["clamp_val"]
-        q["exclude_modules"] = exclude_modules(["lm_head", *self.excluded_trt])
-        return q
+        return converted_quantization(self.fmt, self.excluded_trt)
+
+
+def converted_quantization(f: ImportedFormat, excluded_trt: tuple[str, ...] | list[str] = ()) -> dict:
+    """config.json ``quantization`` of the engine checkpoint converted from a source in format ``f``, with
+    ``excluded_trt`` the TensorRT-LLM modules the source leaves unquantized (known once its tensors are read; the
+    planner predicts the rest of the dict before that)."""
+    q: dict = {"quant_algo": f.quant_algo, "kv_cache_quant_algo": f.kv_cache}
+    if f.quant_algo in GROUPWISE:
+        q.update(group_size=f.group_size, has_zero_point=bool(f.params.get("zero_point")), pre_quant_scale=True)
+    q.update(CONFIG_EXTRAS.get(f.quant_algo, {}))
+    if "clamp_val" in f.params:  # fbgemm's activation_scale_ub, as upstream's convert_checkpoint.py sets it
+        q["clamp_val"] = f.params["clamp_val"]
+    q["exclude_modules"] = exclude_modules(["lm_head", *excluded_trt])
+    return q
