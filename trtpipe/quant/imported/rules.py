@@ -114,17 +114,22 @@ def _whole_groups(recipe: Recipe, m: HFModelInfo, fmt) -> Iterable[Finding]:
     cannot be re-cut, so a tp that splits one is refused here, naming the linear."""
     from trtpipe.models import get_family
     from trtpipe.quant.imported.trtllm import matches
+    from trtpipe.models.trtllm_config import resolve_moe_sizes
     from trtpipe.quant.rules import int4_problems
 
     family = get_family(m.architecture)
     pre = m.weight_prefix + family.hf_layer_prefix.format(0)
     hf_of = {r.trt[: -len(".weight")]: [pre + h[: -len(".weight")] for h in r.hf] for r in family.layer_rules
              if r.when(m) and r.trt.endswith(".weight")}
-    for name, why in int4_problems(m, recipe.parallel.tp, fmt.group_size).items():
+    tp = recipe.parallel.tp
+    moe_tp = resolve_moe_sizes(tp, recipe.parallel.moe_ep, recipe.parallel.moe_tp)[1] if m.is_moe else None
+    for name, why in int4_problems(m, tp, fmt.group_size, moe_tp).items():
         if all(matches(h, fmt.exclude) for h in hf_of.get(name, [])):
             continue  # left unquantized by the checkpoint
-        yield "parallel.tp", (f"model.source is {fmt.name} with group size {fmt.group_size}: at tp={recipe.parallel.tp} "
-                              f"{name} {why} (the checkpoint's groups cannot be re-cut); use a smaller tp")
+        at = f"tp={tp}" + (f" (moe_tp={moe_tp})" if moe_tp is not None and name.startswith("mlp.") else "")
+        yield "parallel.tp", (f"model.source is {fmt.name} with group size {fmt.group_size}: at {at} "
+                              f"{name} {why} (the checkpoint's groups cannot be re-cut); use a smaller tp"
+                              + (" or moe_tp" if moe_tp is not None and name.startswith("mlp.") else ""))
 
 
 def _sq_alignment(recipe: Recipe, m: HFModelInfo) -> Iterable[Finding]:
