@@ -291,17 +291,19 @@ def test_missing_expert_scale_is_named_and_nothing_written(source, tmp_path):
 
 
 def test_int4_experts_are_refused_with_the_reason(source, tmp_path):
-    """A W4A16_AWQ MoE source (its config: the refusal comes before any tensor is read) is refused for the engine
-    target at validate (the FP8 source is not) and at conversion, in one line saying why."""
+    """A ModelOpt W4A16_AWQ MoE source (its config: the refusal comes before any tensor is read) is refused for the
+    engine target at validate (the FP8 source is not) and at conversion, in one line saying why (symmetric
+    compressed-tensors / GPTQ experts convert: test_moe_int4_import.py)."""
     src = tmp_path / "src"
     shutil.copytree(source, src)
     hq = json.loads((src / "hf_quant_config.json").read_text())
     hq["quantization"].update(quant_algo="W4A16_AWQ", group_size=128)
     (src / "hf_quant_config.json").write_text(json.dumps(hq))
-    why = ("trtpipe writes W4A16 AWQ experts for the engine from its own calibration only (quantization.algo: "
-           "int4_awq on the unquantized model); a pre-quantized source's per-expert pre-quant scales would have to "
-           "be resmoothed into the one scale TensorRT-LLM 1.2's MoE layer reads for all experts, which is not "
-           "implemented")
+    why = ("its experts carry per-expert pre_quant_scale (ModelOpt W4A16_AWQ); TensorRT-LLM 1.2's MoE layer reads one "
+           "pre-quant scale for all the experts of a linear, so they would have to be resmoothed into one and "
+           "requantized, which trtpipe does not do (it writes W4A16 AWQ experts from its own calibration: "
+           "quantization.algo int4_awq on the unquantized model; or use a symmetric compressed-tensors / GPTQ W4A16 "
+           "source, whose experts convert exactly)")
     assert moe_refusal(detect(src)) == why
     targets = {name: [x.message for x in check_recipe(load_recipe(_recipe(tmp_path, d, name), check_rules=False))
                       if x.key == "target"] for name, d in (("fp8", source), ("int4", src))}

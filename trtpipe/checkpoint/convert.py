@@ -21,6 +21,7 @@ import torch
 
 from trtpipe.checkpoint.experts import ExpertParts, streams
 from trtpipe.checkpoint.hf import FLOATS, HFReader, open_hf
+from trtpipe.checkpoint.quant_layouts import SHARED_BY_EXPERTS
 from trtpipe.checkpoint.shard import Layout, pp_layers, split_experts, split_linear_tensor, split_vocab
 from trtpipe.checkpoint.writer import RankFile, atomic_dir, return_large_buffers, write_json, write_parts, write_same
 from trtpipe.errors import CheckpointError
@@ -232,7 +233,8 @@ def _moe(style: str):
     def split(t, suffix, plan, tp_rank, what):
         lay = plan.layout
         experts = lay.num_experts // lay.moe_ep
-        t = split_experts(t, tp_rank, lay, what)
+        if suffix not in SHARED_BY_EXPERTS:  # a [in] scale of all experts has no expert axis, even where in == E
+            t = split_experts(t, tp_rank, lay, what)
         inter = plan.info.intermediate_size
         sections = (inter, inter) if style == "column" else ()
         return split_linear_tensor(t, suffix, style, tp_rank, lay, sections=sections, experts=experts, what=what)

@@ -60,10 +60,16 @@ def engine_findings(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findin
     gpu = get_gpu(recipe.engine.gpu)
     llmapi = recipe.target == "llmapi"  # no trtllm-build: only the memory plan applies
     defaults = {f.name: f.default for f in FIELDS}
+    # a pre-quantized source's own algorithm is named against model.source by the import rules
+    # (trtpipe.quant.imported.rules): only what the recipe itself asks for is reported under its keys here
+    q = recipe.quantization
+    source_only = {k for k, mine in (("quantization.algo", q.algo), ("quantization.kv_cache", q.kv_cache))
+                   if mine == "none"}
     early = rejections(defaults, bc.builder_target(cfg, gpu))
     if early and not llmapi:  # the quantization itself is rejected on this GPU: no preset could help
         for key, reason in early:
-            yield key, f"trtllm-build rejects this: {reason}"
+            if key not in source_only:
+                yield key, f"trtllm-build rejects this: {reason}"
         return
     try:
         build = bc.resolve_build(recipe, cfg, gpu)

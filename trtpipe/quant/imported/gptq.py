@@ -60,7 +60,7 @@ def parse(model_dir: Path, qc: dict, where: str) -> ImportedFormat:
         engine, llmapi = Action(CONVERTED, "via W4A16_AWQ"), Action(RELAID, "ModelOpt W4A16_AWQ")
     return ImportedFormat("gptq", name, "W4A16_AWQ" if refusal is None else None, bits, group if group > 0 else None,
                           "group", tuple(qc.get("modules_to_not_convert") or ()), None, engine, llmapi, where,
-                          {"v1": fmt == "gptq", "zero_point": not sym})
+                          {"v1": fmt == "gptq", "zero_point": not sym, "act_order": act})
 
 
 def canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, where: str, out_f: int,

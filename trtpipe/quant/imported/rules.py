@@ -113,8 +113,8 @@ def _imported_source(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findi
 
 def _builder_rejects(recipe: Recipe, m: HFModelInfo, fmt) -> Iterable[Finding]:
     """What trtllm-build rejects of the source's quantization on ``engine.gpu`` (e.g. NVFP4 below SM 10.0): the
-    builder rules of :func:`trtpipe.engine.enforce.rejections`, keyed by the source's quant_algo (the predicted
-    checkpoint config of a pre-quantized source has no quantization section for the engine rules to read)."""
+    builder rules of :func:`trtpipe.engine.enforce.rejections`, keyed by the source's quant_algo and named against
+    model.source (the engine rules report only what the recipe's own quantization section asks for)."""
     from trtpipe.engine.enforce import Target, rejections
     from trtpipe.engine.gpus import get_gpu
     from trtpipe.errors import EngineError
@@ -135,6 +135,7 @@ def _whole_groups(recipe: Recipe, m: HFModelInfo, fmt) -> Iterable[Finding]:
     from trtpipe.models import get_family
     from trtpipe.quant.imported.canonical import LAYOUTS
     from trtpipe.quant.imported.trtllm import matches
+    from trtpipe.models.trtllm_config import resolve_moe_sizes
     from trtpipe.quant.rules import int4_problems
 
     family = get_family(m.architecture)
@@ -143,11 +144,15 @@ def _whole_groups(recipe: Recipe, m: HFModelInfo, fmt) -> Iterable[Finding]:
              if r.when(m) and r.trt.endswith(".weight")}
     layout = LAYOUTS.get(fmt.quant_algo)
     row_pairs = layout is None or layout.weight_shape == "rows/2"  # INT4 packs output rows; NVFP4 packs the inputs
-    for name, why in int4_problems(m, recipe.parallel.tp, fmt.group_size, row_pairs=row_pairs).items():
+    tp = recipe.parallel.tp
+    moe_tp = resolve_moe_sizes(tp, recipe.parallel.moe_ep, recipe.parallel.moe_tp)[1] if m.is_moe else None
+    for name, why in int4_problems(m, tp, fmt.group_size, moe_tp, row_pairs=row_pairs).items():
         if all(matches(h, fmt.exclude) for h in hf_of.get(name, [])):
             continue  # left unquantized by the checkpoint
-        yield "parallel.tp", (f"model.source is {fmt.name} with group size {fmt.group_size}: at tp={recipe.parallel.tp} "
-                              f"{name} {why} (the checkpoint's groups cannot be re-cut); use a smaller tp")
+        at = f"tp={tp}" + (f" (moe_tp={moe_tp})" if moe_tp is not None and name.startswith("mlp.") else "")
+        yield "parallel.tp", (f"model.source is {fmt.name} with group size {fmt.group_size}: at {at} "
+                              f"{name} {why} (the checkpoint's groups cannot be re-cut); use a smaller tp"
+                              + (" or moe_tp" if moe_tp is not None and name.startswith("mlp.") else ""))
 
 
 def _sq_alignment(recipe: Recipe, m: HFModelInfo) -> Iterable[Finding]:

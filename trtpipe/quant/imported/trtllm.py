@@ -53,7 +53,8 @@ them would requantize the codes. mlp.fc / mlp.gate are separate FP4 linears (``f
 Sharding is the generic one: a row-parallel rank takes whole 16-blocks of inputs (validate's whole-groups rule, group
 16). The FP4 GEMM needs SM >= 10.0 (Blackwell); validate refuses an NVFP4 engine recipe on an older ``engine.gpu``.
 
-Mixture-of-experts layers (ModelOpt FP8 per tensor only, :data:`MOE_REFUSED` says why not the others): each
+Mixture-of-experts layers (ModelOpt FP8 per tensor, and symmetric INT4 without pre-quant scales; :func:`moe_refusal`
+says why not the others): each FP8
 expert's up and gate are fused as a dense gate/up is (:func:`_fp8_shared`: their max scale, the other requantized),
 then stacked as trtpipe's own FP8 MoE checkpoint and TensorRT-LLM 1.2's MoE layer lay them out
 (NVIDIA/TensorRT-LLM@c388fec7 ``tensorrt_llm/layers/moe.py`` ``MOEWeightWrapper.postprocess``, which requantizes
@@ -61,7 +62,12 @@ w3/w1 the same way): ``mlp.fc.weight`` F8 [E, 2I, H] (the family rule's source o
 ``mlp.fc.weights_scaling_factor`` F32 [E, 1], ``mlp.proj.weight`` [E, H, I] with its own [E, 1], and one
 ``activation_scaling_factor`` [1] per linear, the max over the experts' input scales (the plugin has one). The
 stacked weights stream to each rank part by part (:class:`trtpipe.checkpoint.experts.ExpertParts`): down_proj from
-the file's pages, each expert's fused up/gate from one copy per layer.
+the file's pages, each expert's fused up/gate from one copy per layer. Symmetric INT4 experts (compressed-tensors
+W4A16, GPTQ ``sym: true`` without act-order: no pre-quant scale, no zero point) take the engine's INT4 AWQ expert
+layout (:mod:`trtpipe.checkpoint.quant_layouts`) exactly: each expert's canonical codes (two output rows per byte)
+and group scales stacked as ``mlp.fc.weight`` I8 [E, I, H] (up rows, then gate rows) with F32 [E, 2I, H/g] scales,
+``mlp.proj`` [E, H/2, I] / [E, H, I/g], and the one ``prequant_scaling_factor`` per linear the MoE layer reads for
+all experts, ones ([H] / [I], model dtype). :data:`MOE_STACK` holds the per-algorithm stacking.
 """
 
 from __future__ import annotations
@@ -85,6 +91,7 @@ LAYER = "transformer.layers.{}."
 MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 KV_MIN_SCALE = 1.0
 REQUANT_BYTES = 32 << 20
+WEIGHT_KEYS = ("weight", "weight_packed", "qweight")  # where each family stores a projection's codes
 
 # family -> fn(fmt, tensors by suffix, module, where, out, in) -> canonical tensors (ModelOpt unified)
 CANONICAL: dict[str, Callable] = {
@@ -289,12 +296,24 @@ CONFIG_EXTRAS: dict[str, dict] = {"NVFP4": {"group_size": 16}}
 EXTRAS: dict[str, Callable] = {"W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": sq_plugin_extras}
 # algorithms whose TensorRT-LLM layers ignore exclude_modules (smooth_quantize_plugin): no decoder linear may be left out
 NO_EXCLUDED_LINEARS = ("W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",)
-# W4A16 experts have an engine layout (trtpipe.checkpoint.quant_layouts), written from trtpipe's own calibration only
-MOE_IMPORT_INT4 = ("trtpipe writes W4A16 AWQ experts for the engine from its own calibration only (quantization.algo: "
-                   "int4_awq on the unquantized model); a pre-quantized source's per-expert pre-quant scales would "
-                   "have to be resmoothed into the one scale TensorRT-LLM 1.2's MoE layer reads for all experts, "
-                   "which is not implemented")
-# canonical quant_algo -> why its experts get no engine layout (FP8: converted; absent: the generic line of moe_refusal)
+# W4A16 experts: the engine layout (trtpipe.checkpoint.quant_layouts) has ONE pre-quant scale per linear for all
+# experts. A source without pre-quant scales and without zero points maps onto it exactly (unit scale; codes and group
+# scales copied); these are the other W4A16 sources, by why they are not converted.
+MOE_INT4_PREQUANT = ("its experts carry per-expert pre_quant_scale (ModelOpt W4A16_AWQ); TensorRT-LLM 1.2's MoE layer "
+                     "reads one pre-quant scale for all the experts of a linear, so they would have to be resmoothed "
+                     "into one and requantized, which trtpipe does not do (it writes W4A16 AWQ experts from its own "
+                     "calibration: quantization.algo int4_awq on the unquantized model; or use a symmetric "
+                     "compressed-tensors / GPTQ W4A16 source, whose experts convert exactly)")
+MOE_INT4_ZERO = ("its experts have zero points; TensorRT-LLM 1.2's MoE layer declares a groupwise 'zero' parameter "
+                 "(NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py MOEWeightWrapper) but trtpipe has no "
+                 "checked checkpoint layout or reference runtime for zero-point experts; use a symmetric W4A16 "
+                 "source")
+MOE_INT4_ACT_ORDER = ("GPTQ act-order (desc_act: true) experts are not converted: whether each expert's g_idx is "
+                      "contiguous is known only from its tensors, and TensorRT-LLM's MoE kernels have no g_idx; "
+                      "re-quantize without desc_act")
+# families whose symmetric W4A16 experts were checked against a producer's (or the format's) checkpoint
+MOE_INT4_FAMILIES = ("compressed-tensors", "gptq")
+# canonical quant_algo -> why its experts get no engine layout (FP8, W4A16_AWQ: see moe_refusal; absent: generic line)
 MOE_REFUSED: dict[str, str] = {
     "FP8_PER_CHANNEL_PER_TOKEN": "TensorRT-LLM 1.2's MoE layer refuses FP8 rowwise experts ('MOE Does not support FP8 "
                                  "rowwise quantize', NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py)",
@@ -303,7 +322,6 @@ MOE_REFUSED: dict[str, str] = {
              "tensorrt_llm/layers/moe.py MOEWeightWrapper)",
     "W8A8_SQ_PER_CHANNEL": "TensorRT-LLM 1.2's MoE layer has no SmoothQuant experts (FP8, weight-only, group-wise "
                            "INT4 and NVFP4 only, NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py)",
-    "W4A16_AWQ": MOE_IMPORT_INT4,
     "W4A8_AWQ": MOE_ENGINE_REFUSED["w4a8_awq"],
     "NVFP4": "trtpipe has no engine writer for NVFP4 experts (TensorRT-LLM's MoE layer reads them stacked [E, out, "
              "in/2] with per-expert block scales, their interleaved copy and an [E] alpha, tensorrt_llm/layers/moe.py "
@@ -315,14 +333,31 @@ MOE_REFUSED: dict[str, str] = {
 MOE_FAMILIES = ("modelopt",)  # sources whose FP8 experts were checked against their producer's checkpoint
 
 
+# W4A16 sources whose experts do not map exactly onto the INT4 expert layout: (what the config says, why), first match
+MOE_INT4_REFUSED: tuple[tuple[Callable[[ImportedFormat], bool], str], ...] = (
+    (lambda f: bool(f.params.get("zero_point")), MOE_INT4_ZERO),  # AutoAWQ GEMM, asymmetric GPTQ / compressed-tensors
+    (lambda f: f.family == "modelopt", MOE_INT4_PREQUANT),
+    (lambda f: bool(f.params.get("act_order")), MOE_INT4_ACT_ORDER),
+    (lambda f: f.family not in MOE_INT4_FAMILIES, "trtpipe converts W4A16 mixture-of-experts layers from symmetric "
+                                                  "compressed-tensors and GPTQ checkpoints only"),
+)
+
+
+def _int4_moe_refusal(fmt: ImportedFormat) -> Optional[str]:
+    """Why a W4A16 source's experts do not map exactly onto the engine's INT4 expert layout (None: they do)."""
+    return next((why for refuses, why in MOE_INT4_REFUSED if refuses(fmt)), None)
+
+
 def moe_refusal(fmt: ImportedFormat) -> Optional[str]:
     """Why the experts of a mixture-of-experts source in format ``fmt`` are not converted for the engine target
-    (None: they are, or the source has no quantized linears)."""
+    (None: they are, or the source has no quantized linears). Config only: ``trtpipe validate`` says the same."""
     if fmt.quant_algo is None or (fmt.quant_algo == "FP8" and fmt.family in MOE_FAMILIES):
         return None
     if fmt.quant_algo == "FP8":
         return ("trtpipe converts FP8 mixture-of-experts layers from ModelOpt unified checkpoints only "
                 f"(no {fmt.family} MoE checkpoint was checked against its producer)")
+    if fmt.quant_algo == "W4A16_AWQ":
+        return _int4_moe_refusal(fmt)
     return MOE_REFUSED.get(fmt.quant_algo, f"trtpipe has no engine layout for {fmt.quant_algo} experts")
 
 
@@ -353,6 +388,46 @@ def module_index(keys) -> dict[str, dict[str, str]]:
         module, _, suffix = k.rpartition(".")
         out.setdefault(module, {})[suffix] = k
     return out
+
+
+def _fp8_expert(members: list[dict], modules: list[str], what: str) -> tuple[list[torch.Tensor], dict]:
+    """One FP8 expert: its up and gate share the max of their scales (the other requantized, as upstream's
+    ``MOEWeightWrapper.postprocess`` does); its input scale the max of theirs."""
+    codes, s = _fp8_shared(members, what)
+    return list(codes.split([m["weight"].shape[0] for m in members])), {"s": s.reshape(1),
+                                                                        "input": _amax1(members, "input_scale")}
+
+
+def _fp8_expert_scales(per_expert: list[dict], num: int, in_f: int, dtype, meta: bool) -> dict[str, torch.Tensor]:
+    return {"weights_scaling_factor": _stack_meta([x["s"] for x in per_expert], (num, 1)),
+            "activation_scaling_factor": _stack_meta([x["input"] for x in per_expert], (num, 1)).amax(0)}
+
+
+def _int4_expert(members: list[dict], modules: list[str], what: str) -> tuple[list[torch.Tensor], dict]:
+    """One symmetric INT4 expert: codes (two output rows per byte, as a dense W4A16 linear) and group scales as the
+    source's canonical tensors hold them. A per-expert pre-quant scale or zero point has no place in the layout
+    (one unit pre-quant scale for all experts, no zero): refused naming the tensor (moe_refusal says it first)."""
+    for m, module in zip(members, modules):
+        for key, why in (("pre_quant_scale", MOE_INT4_PREQUANT), ("zero_point", MOE_INT4_ZERO)):
+            if key in m:
+                raise CheckpointError(f"{what}: tensor '{module}' has a {key}: {why}")
+    return [m["weight"].view(torch.int8) for m in members], {"ws": [m["weight_scale"].float() for m in members]}
+
+
+def _int4_expert_scales(per_expert: list[dict], num: int, in_f: int, dtype, meta: bool) -> dict[str, torch.Tensor]:
+    """[E, out, in/g] group scales (each expert's up rows then gate rows) and the one unit pre-quant scale [in]
+    shared by the experts (quant_layouts: SHARED_BY_EXPERTS)."""
+    ws = torch.cat([torch.stack([x["ws"][i] for x in per_expert]) for i in range(len(per_expert[0]["ws"]))], dim=-2)
+    pqs = torch.empty(in_f, dtype=dtype, device="meta") if meta else torch.ones(in_f, dtype=dtype)
+    return {"weights_scaling_factor": ws, "prequant_scaling_factor": pqs}
+
+
+# canonical quant_algo -> (fn(one expert's canonical members, their modules, what) -> (per-source weight pieces,
+# per-expert extras), fn(extras of every expert, E, in_features, model dtype, meta) -> tensors beside the weight)
+MOE_STACK: dict[str, tuple[Callable, Callable]] = {
+    "FP8": (_fp8_expert, _fp8_expert_scales),
+    "W4A16_AWQ": (_int4_expert, _int4_expert_scales),
+}
 
 
 class ImportedLinears:
@@ -440,13 +515,17 @@ class ImportedLinears:
         return c, list(t.values())
 
     def _experts(self, reader, plan, layer: int, rule: Rule, meta: bool, used: Optional[set], stream: bool):
-        """A stacked FP8 expert linear: (name, weight or its ExpertParts, sources), then its two scales."""
+        """A stacked expert linear: (name, weight or its ExpertParts, sources), then the tensors beside it
+        (:data:`MOE_STACK`: the algorithm's per-expert fusion and how its scales stack)."""
         d = dims(plan.info)
         num = plan.info.num_experts
+        dtype = MODEL_DTYPES[plan.dtype]
+        fuse, scales_of = MOE_STACK[self.fmt.quant_algo]
         modules = self._hf_modules(plan, rule, layer)  # source-major: modules[s * num + e]
         trt = LAYER.format(layer) + rule.trt[: -len(".weight")]
+        in_f = d[rule.shapes[0][1]]
         parts: list[list[torch.Tensor]] = [[] for _ in rule.hf]
-        scales, inputs = [], []
+        per_expert = []
         for e in range(num):
             members, raw = [], []
             for i, shape in enumerate(rule.shapes):
@@ -456,26 +535,35 @@ class ImportedLinears:
             if not meta:
                 self._check_lossy([modules[i * num + e] for i in range(len(rule.shapes))], members,
                                   f"{rule.trt[: -len('.weight')]} expert {e}", plan.dtype)
-            codes, s = _fp8_shared(members, f"{self.where}: {trt} expert {e}")
-            for i, piece in enumerate(codes.split([m["weight"].shape[0] for m in members])):
+            pieces, extra = fuse(members, [modules[i * num + e] for i in range(len(members))],
+                                 f"{self.where}: {trt} expert {e}")
+            for i, piece in enumerate(pieces):
                 parts[i].append(piece)
-            scales.append(s.reshape(1))
-            inputs.append(_amax1(members, "input_scale"))
-            if not meta and len(members) > 1:  # fused into a copy: the source pages are read
+            per_expert.append(extra)
+            if not meta:  # sources copied (fused, unpacked) are read: drop their pages; views the writer streams stay
+                kept = {p.data_ptr() for p in pieces}
                 for v in raw:
-                    reader.drop_pages(v)
-        names = [[self.modules[modules[i * num + e]]["weight"] for e in range(num)] for i in range(len(rule.hf))]
+                    if v.data_ptr() not in kept:
+                        reader.drop_pages(v)
+        names = [[self._weight_name(modules[i * num + e]) for e in range(num)] for i in range(len(rule.hf))]
         if meta:
             weight = torch.empty(num, sum(p[0].shape[0] for p in parts), parts[0][0].shape[1],
-                                 dtype=torch.float8_e4m3fn, device="meta")
+                                 dtype=parts[0][0].dtype, device="meta")
         elif stream:
             weight = ExpertParts(tuple(map(tuple, parts)), tuple(map(tuple, names)))
         else:
             weight = torch.cat([torch.stack(p) for p in parts], dim=-2)
         yield f"{trt}.weight", weight, [n for group in names for n in group]
-        sources = [self.modules[m][k] for m in modules for k in ("weight_scale", "input_scale")]
-        yield f"{trt}.weights_scaling_factor", _stack_meta(scales, (num, 1)), sources
-        yield f"{trt}.activation_scaling_factor", _stack_meta(inputs, (num, 1)).amax(0), sources
+        flat = {n for group in names for n in group}
+        sources = [n for m in modules for n in self.modules.get(m, {}).values() if n not in flat]
+        for suffix, t in scales_of(per_expert, num, in_f, dtype, meta).items():
+            yield f"{trt}.{suffix}", t, sources
+
+    def _weight_name(self, module: str) -> str:
+        """The source tensor holding a projection's codes (for messages): ``weight``, ``weight_packed`` (compressed-
+        tensors) or ``qweight`` (GPTQ)."""
+        names = self.modules.get(module, {})
+        return next((names[k] for k in WEIGHT_KEYS if k in names), module)
 
     def layer_tensors(self, reader, plan, layer: int, rules: list[Rule], meta: bool,
                       used: Optional[set],
