@@ -121,7 +121,8 @@ class Deployment:
     @property
     def expert_peak(self) -> float:
         """Tensor peak of the routed-expert GEMMs. MXFP4 experts run as MXFP4 x MXFP8 on Blackwell (SM 10.x) and
-        as 4-bit weights x BF16 activations elsewhere (the Triton MoE backend on Hopper)."""
+        as 4-bit weights x BF16 activations elsewhere (the Triton MoE backend on Hopper, converted to BF16 inside
+        the GEMM: NVIDIA/TensorRT-LLM@d513eeaf examples/models/core/gpt_oss/README.md, MoE support matrix)."""
         if not self.model.mxfp4_experts:
             return self.gemm_peak
         if self.gpu.sm >= 100 and self.gpu.tflops_fp8:
