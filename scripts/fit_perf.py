@@ -133,8 +133,8 @@ def worst_rows(rows, comp, pred: np.ndarray, mask: np.ndarray, k: int) -> list[s
     for i in np.argsort(-err)[:k]:
         r, case = rows[i], comp.cases[i]
         t = case.parts[len(case.parts) // 2][1]  # the middle Simpson step: median KV length
-        raw = {"weights": t.mem, "KV reads": t.kv, "GEMM": t.gemm, "attention": t.attn, "link": t.comm,
-               "routing": t.route}
+        raw = {"weights": t.mem, "KV reads": t.kv, "GEMM": t.gemm - t.expert_gemm, "expert GEMM": t.expert_gemm,
+               "attention": t.attn, "link": t.comm}
         top = max(raw, key=raw.get)
         share = raw[top] / max(sum(raw.values()), 1e-30)
         layout = f"tp{r['tp']} pp{r['pp']} ep{r['ep'] or '-'} {r['backend'].split(':', 1)[1]}"

@@ -69,6 +69,32 @@ def test_sliding_window_caps_kv_reads():
     assert step_terms(d, generation=[100]).kv == pytest.approx(4 * 8 * 2 / 1e12, rel=1e-12)
 
 
+def test_chunked_attention_reads_only_the_current_chunk():
+    kind = LayerKind(1, 192, 384, chunk=4)
+    spec = ModelSpec("toy", hidden=8, vocab=10, heads=2, kv_heads=1, qk_dim=4, v_dim=4, kv_elems=8, layers=(kind,))
+    d = Deployment(spec, GPU_T, "fp16", "fp16")
+    # a token at position 9 (9 cached) is the 2nd of chunk [8, 12): it reads 2 KV tokens, not 10
+    assert step_terms(d, generation=[9]).kv == pytest.approx(2 * 8 * 2 / 1e12, rel=1e-12)
+    # a 6-token prompt from position 2: positions 2, 3 | 4..7 see 3, 4 | 1, 2, 3, 4 keys = 17 pairs (causal: 33)
+    assert step_terms(d, context=[(2, 6)]).attn == pytest.approx(2 * 2 * 8 * 17 / 1e12, rel=1e-12)
+
+
+def test_expert_gemms_and_routed_copies_have_their_own_terms():
+    d = Deployment(toy(experts=4, top_k=2, layers=2), GPU_T, "fp16", "fp16", tp=2, ep=2)
+    t = step_terms(d, generation=[0] * 10)
+    # 10 tokens x top-2 x 384 params x 2 FLOPs per layer, spread over the 2 ranks; 10 x 2 / 2 copies per layer
+    assert t.expert_gemm == pytest.approx(2 * 2 * 10 * 2 * 384 / 2 / 1e12, rel=1e-12)
+    assert t.copies == pytest.approx(2 * 10 * 2 / 2, rel=1e-12)
+    c = Constants(gemm_eff=0.5, attn_eff=1.0, serial=1.0, layer_us=0.0, seq_layer_us=0.0, link_eff=1.0,
+                  bw_eff=1.0, kv_eff=1.0, copy_ns=100.0)
+    base = step_time(t, c)
+    # expert_eff 0 (the engine era): experts at the dense rate; else their share of the GEMM seconds at its own
+    slow = step_time(t, Constants(**{**c.__dict__, "expert_eff": 0.25}))
+    assert slow - base == pytest.approx(t.expert_gemm / 0.25 - t.expert_gemm / 0.5, rel=1e-9)
+    no_copies = step_time(t, Constants(**{**c.__dict__, "copy_ns": 0.0}))
+    assert base - no_copies == pytest.approx(t.copies * 100e-9, rel=1e-9)
+
+
 def test_pipeline_stage_holds_ceil_layers():
     d = Deployment(toy(layers=3), GPU_T, "fp16", "fp16", pp=2)
     t = step_terms(d, generation=[0])

@@ -32,7 +32,10 @@ def test_facts_name_the_routing_and_layer_types():
     assert f["layers"] == "3 x dense + 58 x MoE"
     g = facts(published_spec("GPT-OSS 120B"))
     assert g["layers"] == "18 x MoE (sliding window 128) + 18 x MoE" and g["mxfp4_experts"]
-    assert facts(published_spec("Llama 4 Maverick 17B-128E"))["layers"] == "24 x MoE + 24 x dense"
+    # MoE every 2nd layer, no-RoPE (global attention) every 4th, the RoPE layers chunked (attention_chunk_size)
+    assert facts(published_spec("Llama 4 Maverick 17B-128E"))["layers"] == (
+        "12 x MoE (chunked attention 8192) + 12 x MoE + 24 x dense (chunked attention 8192)")
+    assert facts(published_spec("Llama 4 Scout"))["layers"] == "36 x MoE (chunked attention 8192) + 12 x MoE"
     assert len(facts_table().splitlines()) == len(PUBLISHED) + 2
 
 

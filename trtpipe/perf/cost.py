@@ -17,6 +17,9 @@ time with a small number of named constants fitted on NVIDIA's published numbers
     t = (max(memory, compute) + serial x min(memory, compute) + comm / link_eff
          + layers x (layer_us + sequences x seq_layer_us)) x (1 + pp_bubble x (pp - 1))
 
+(the PyTorch backend's set adds GEMM rates that follow the GPU's peak, the routed experts' own GEMM rate and a
+cost per routed token copy: :func:`step_time`, :func:`_gemm_time`).
+
 ``serial`` is how much of the smaller of memory and compute time is not hidden under the larger (0: a perfect
 roofline; the published engine numbers fit 1, i.e. the kernels of a step do not overlap the two). ``layer_us``
 is the fixed cost of a layer per step (norms, rope, launches, all-reduce latency); ``seq_layer_us`` the cost of
@@ -118,7 +121,8 @@ class Deployment:
     @property
     def expert_peak(self) -> float:
         """Tensor peak of the routed-expert GEMMs. MXFP4 experts run as MXFP4 x MXFP8 on Blackwell (SM 10.x) and
-        as 4-bit weights x BF16 activations elsewhere (the Triton MoE backend on Hopper)."""
+        as 4-bit weights x BF16 activations elsewhere (the Triton MoE backend on Hopper, converted to BF16 inside
+        the GEMM: NVIDIA/TensorRT-LLM@d513eeaf examples/models/core/gpt_oss/README.md, MoE support matrix)."""
         if not self.model.mxfp4_experts:
             return self.gemm_peak
         if self.gpu.sm >= 100 and self.gpu.tflops_fp8:
@@ -145,7 +149,8 @@ class Deployment:
 
 @dataclass(frozen=True)
 class Terms:
-    """Seconds at 100% of the catalog's peaks, for one GPU of the busiest stage (numpy arrays work too)."""
+    """Seconds at 100% of the catalog's peaks, for one GPU of the busiest stage (numpy arrays work too); ``seqs``,
+    ``layers``, ``pp`` and ``copies`` are counts."""
 
     mem: float  # weight bytes / peak HBM bandwidth
     kv: float  # KV-cache bytes the attention kernels read / peak HBM bandwidth
@@ -155,13 +160,20 @@ class Terms:
     seqs: float  # sequences in the step (per-sequence host and sampling work)
     layers: float  # decoder layers on the stage (fixed per-layer costs)
     pp: int = 1
-    route: float = 0.0  # routed token copies' activation bytes (MoE permute / unpermute) / peak HBM bandwidth
     peak_pf: float = 0.0  # the precision's dense tensor peak in PFLOPS (what the achieved fraction of it depends on)
+    expert_gemm: float = 0.0  # the routed experts' share of ``gemm`` (their grouped GEMMs)
+    copies: float = 0.0  # routed token copies (tokens x top-k on this GPU) summed over the stage's MoE layers
+
+    # facts of the deployment, not amounts of work: a sum of two steps' terms keeps them
+    FIXED = ("layers", "pp", "peak_pf")
 
     def __add__(self, other: "Terms") -> "Terms":
-        return Terms(self.mem + other.mem, self.kv + other.kv, self.gemm + other.gemm, self.attn + other.attn,
-                     self.comm + other.comm, self.seqs + other.seqs, self.layers, self.pp, self.route + other.route,
-                     self.peak_pf)
+        return Terms(**{f.name: getattr(self, f.name) + (0 if f.name in self.FIXED else getattr(other, f.name))
+                        for f in fields(self)})
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
 
 
 @dataclass(frozen=True)
@@ -178,12 +190,14 @@ class Constants:
     layer_us: float = 15.0  # fixed microseconds per decoder layer per step
     pp_bubble: float = 0.1  # throughput lost per extra pipeline stage
     other_gb: float = 3.5  # GB per GPU the KV pool cannot use besides weights (context, workspaces, activations)
-    route_cost: float = 0.0  # multiple of the routed copies' bytes at peak bandwidth a MoE layer spends moving them
     flop_drop: float = 0.0  # GEMM time grows by this fraction per PFLOPS of the precision's dense tensor peak
+    expert_eff: float = 0.0  # achieved fraction of the tensor peak on routed-expert GEMMs (0: the dense GEMMs' rate)
+    expert_drop: float = 0.0  # routed-expert GEMM time grows by this fraction per PFLOPS (as flop_drop)
+    copy_ns: float = 0.0  # nanoseconds per routed token copy per MoE layer (routing, permute, finalize)
 
-    # constants only the PyTorch backend's fit frees: the engine era's MoE rows are too few to pin route_cost, and
-    # its GPUs (A100, H100) and precisions (FP16, FP8, INT8) span 0.3-2 PFLOPS, too little to pin flop_drop
-    PYTORCH_ONLY = ("route_cost", "flop_drop")
+    # constants only the PyTorch backend's fit frees: the engine era's MoE rows (Mixtral) are too few to pin the MoE
+    # ones, and its GPUs (A100, H100) and precisions (FP16, FP8, INT8) span 0.3-2 PFLOPS, too little to pin flop_drop
+    PYTORCH_ONLY = ("flop_drop", "expert_eff", "expert_drop", "copy_ns")
 
     @classmethod
     def names(cls) -> list[str]:
@@ -198,7 +212,7 @@ def step_time(t: Terms, c: Constants):
     memory = t.mem / c.bw_eff + t.kv / c.kv_eff
     body = (np.maximum(memory, compute) + c.serial * np.minimum(memory, compute) + t.comm / c.link_eff
             + t.layers * c.layer_us * 1e-6)
-    body = body + t.seqs * t.layers * c.seq_layer_us * 1e-6 + t.route * c.route_cost
+    body = body + t.seqs * t.layers * c.seq_layer_us * 1e-6 + t.copies * c.copy_ns * 1e-9
     return body * (1 + c.pp_bubble * (t.pp - 1))
 
 
@@ -206,14 +220,22 @@ def _gemm_time(t: Terms, c: Constants):
     """GEMM seconds: one achieved fraction of peak does not hold from 1 PFLOPS (Hopper FP8, RTX PRO FP4) to 9-15
     PFLOPS (B200/B300 FP4): the same M x N x K tiles finish sooner on the faster unit while the operand loads,
     epilogues and (NVFP4) scale handling between them do not, so the fraction reached falls as the peak rises.
-    ``gemm_eff`` is the fraction an infinitely slow unit would reach, ``flop_drop`` the loss per PFLOPS."""
-    return t.gemm / c.gemm_eff * (1 + c.flop_drop * t.peak_pf)
+    ``gemm_eff`` is the fraction an infinitely slow unit would reach, ``flop_drop`` the loss per PFLOPS.
+
+    The routed experts' grouped GEMMs have their own rate when ``expert_eff`` is set (the PyTorch backend): one
+    launch runs every expert's problem, each only as many rows as tokens were routed to it (tens to a few hundred at
+    these batches), so its tiles are mostly partial and it is bound by tile count and operand loads, not by the dense
+    rate -- the fit puts it at a flat fraction of the peak (``expert_drop`` ~ 0)."""
+    if not c.expert_eff:
+        return t.gemm / c.gemm_eff * (1 + c.flop_drop * t.peak_pf)
+    return ((t.gemm - t.expert_gemm) / c.gemm_eff * (1 + c.flop_drop * t.peak_pf)
+            + t.expert_gemm / c.expert_eff * (1 + c.expert_drop * t.peak_pf))
 
 
 def bound(t: Terms, c: Constants) -> str:
     """What dominates a step: 'bandwidth', 'compute', 'communication' or 'overhead'."""
     parts = {"bandwidth": t.mem / c.bw_eff + t.kv / c.kv_eff, "compute": _gemm_time(t, c) + t.attn / c.attn_eff,
-             "communication": t.comm / c.link_eff, "routing": t.route * c.route_cost,
+             "communication": t.comm / c.link_eff, "routing": t.copies * c.copy_ns * 1e-9,
              "overhead": (t.layers * c.layer_us + t.seqs * t.layers * c.seq_layer_us) * 1e-6}
     return max(parts, key=parts.get)
 
@@ -228,6 +250,24 @@ def experts_touched(experts: int, top_k: int, tokens: float) -> float:
 def _pairs(start: int, length: int) -> float:
     """Causal query-key pairs of a chunk of ``length`` tokens starting at position ``start``."""
     return length * start + length * (length + 1) / 2
+
+
+def _chunked_keys(end: float, chunk: int) -> float:
+    """Keys the queries at positions 0 .. end-1 attend to under chunked local attention: position p sees the
+    (p mod chunk) + 1 positions of its own chunk so far."""
+    q, r = divmod(end, chunk)
+    return q * chunk * (chunk + 1) / 2 + r * (r + 1) / 2
+
+
+def _attended(kind, start: float, length: float) -> float:
+    """Query-key pairs of ``length`` new tokens at positions start .. start+length-1 in a layer of ``kind``: causal,
+    within chunks (Llama 4's RoPE layers), or at most a sliding window each (a generating token: length 1 at the
+    position of its KV length)."""
+    if kind.chunk:
+        return _chunked_keys(start + length, kind.chunk) - _chunked_keys(start, kind.chunk)
+    if kind.window:
+        return length * min(start + length, kind.window)
+    return _pairs(start, length)
 
 
 def step_terms(d: Deployment, context: Sequence[tuple[int, int]] = (), generation: Iterable[int] = (),
@@ -254,7 +294,7 @@ def group_terms(d: Deployment, context: Sequence[tuple[int, int, float]], genera
     frac = d.stage_layers
     bw, peak16, link = g.bandwidth_gbs * GB, g.tflops_16 * TERA, g.link_gbs * GB
 
-    mem = kvr = gemm = attn = comm = route = 0.0
+    mem = kvr = gemm = attn = comm = expert_gemm = copies = 0.0
     for k in m.layers:
         n = k.count * frac
         dense_params = (k.attn_params + k.mlp_params) / split
@@ -266,13 +306,10 @@ def group_terms(d: Deployment, context: Sequence[tuple[int, int, float]], genera
             shard = k.expert_params / max(1, d.tp // d.ep)  # each expert split over the MoE-TP ranks
             w += d._weight_bytes(min(touched, per_gpu_experts) * shard, True)
             # every token's top-k expert work, spread evenly over the tp ranks (EP, MoE-TP or both)
-            gemm += n * 2 * tokens * k.top_k * k.expert_params / d.tp / d.expert_peak
-            # each token's top-k copies written to and read back from the experts' packed layout (in and out)
-            route += n * 4 * tokens / d.tp * k.top_k * m.hidden * ACT_BYTES / bw
-        window = k.window or math.inf
-        attended = sum(min(L + 1, window) * c for L, c in generation)  # KV tokens the generating rows read
-        pairs = attended + sum((_pairs(s, n) if not k.window else n * min(s + n, k.window)) * c
-                               for s, n, c in context)
+            expert_gemm += n * 2 * tokens * k.top_k * k.expert_params / d.tp / d.expert_peak
+            copies += n * tokens * k.top_k / d.tp  # each token's top-k copies, spread over the tp ranks
+        attended = sum(_attended(k, L, 1) * c for L, c in generation)  # KV tokens the generating rows read
+        pairs = attended + sum(_attended(k, s, n) * c for s, n, c in context)
         mem += n * w / bw
         kvr += n * attended * kv_local / dp / bw
         attn += n * 2 * heads * (m.qk_dim + m.v_dim) * pairs / dp / peak16
@@ -286,6 +323,6 @@ def group_terms(d: Deployment, context: Sequence[tuple[int, int, float]], genera
         comm += tokens * m.hidden * ACT_BYTES / link
     head = m.vocab * m.hidden / d.tp  # lm_head (16-bit), on the rows that sample
     mem += head * 2 / bw if tokens else 0.0
-    gemm += 2 * sampled * head / peak16
+    gemm += 2 * sampled * head / peak16 + expert_gemm
     seqs = sum(c for _, c in generation) + sum(c for _, _, c in context)
-    return Terms(mem, kvr, gemm, attn, comm, seqs, m.num_layers * frac, d.pp, route, d.gemm_peak / 1e15)
+    return Terms(mem, kvr, gemm, attn, comm, seqs, m.num_layers * frac, d.pp, d.gemm_peak / 1e15, expert_gemm, copies)

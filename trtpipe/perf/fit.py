@@ -25,8 +25,8 @@ CONSTANTS_FILE = Path(__file__).with_name("constants.json")
 # bounds keep every efficiency physical (a fraction of peak) and overheads non-negative
 BOUNDS = {"bw_eff": (0.2, 1.0), "kv_eff": (0.1, 1.0), "gemm_eff": (0.1, 1.0), "attn_eff": (0.05, 1.0),
           "link_eff": (0.05, 1.0), "seq_layer_us": (0.0, 20.0), "serial": (0.0, 1.0), "layer_us": (0.5, 200.0),
-          "pp_bubble": (0.0, 1.0), "route_cost": (0.0, 50.0),
-          "flop_drop": (0.0, 2.0)}
+          "pp_bubble": (0.0, 1.0), "flop_drop": (0.0, 2.0), "expert_eff": (0.02, 1.0), "expert_drop": (0.0, 2.0),
+          "copy_ns": (0.0, 1000.0)}
 
 
 @dataclass
@@ -60,8 +60,7 @@ def compile_rows(rows: Sequence[dict], other_gb: float = Constants.other_gb) -> 
             pw.append(w)
             ts.append(t)
     arr = lambda name: np.array([getattr(t, name) for t in ts], dtype=float)  # noqa: E731
-    terms = Terms(*(arr(n) for n in ("mem", "kv", "gemm", "attn", "comm", "seqs", "layers", "pp", "route",
-                                          "peak_pf")))
+    terms = Terms(*(arr(n) for n in Terms.names()))
     numer = np.array([c.numer if c else 0.0 for c in cases])
     pub = np.array([published_value(r) if c else math.nan for r, c in zip(rows, cases)])
     return Compiled(list(rows), ok, numer, pub, np.array(pr, dtype=int), np.array(pw), terms, cases, errors,
@@ -145,7 +144,7 @@ def fitted_names(fam: str) -> list[str]:
 
 
 # where the PyTorch-only constants start (0 switches a term off, and a log-space search cannot leave 0)
-PYTORCH_START = {"route_cost": 1.0, "flop_drop": 0.05}
+PYTORCH_START = {"flop_drop": 0.05, "expert_eff": 0.5, "expert_drop": 0.05, "copy_ns": 1.0}
 
 
 def fit_all(compiled: Sequence[Compiled], mask: np.ndarray, fam: str = "engine") -> tuple[Constants, Compiled]:

@@ -9,7 +9,7 @@ per token, attention widths. One parser per ``model_type``, a table rather than 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from trtpipe.errors import TrtpipeError
@@ -61,12 +61,14 @@ PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
     "Llama 4 Scout": ("meta-llama/Llama-4-Scout-17B-16E-Instruct", {"model_type": "llama4", "text_config": {
         "model_type": "llama4_text", "hidden_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 40,
         "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
-        "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "vocab_size": 202048}}),
+        "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "vocab_size": 202048,
+        "attention_chunk_size": 8192}}),
     "Llama 4 Maverick 17B-128E": ("meta-llama/Llama-4-Maverick-17B-128E-Instruct", {
         "model_type": "llama4", "text_config": {
         "model_type": "llama4_text", "hidden_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 40,
         "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
-        "num_local_experts": 128, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "vocab_size": 202048}}),
+        "num_local_experts": 128, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "vocab_size": 202048,
+        "attention_chunk_size": 8192}}),
     "Qwen3-30B-A3B": ("Qwen/Qwen3-30B-A3B", {
         "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
         "num_key_value_heads": 4, "head_dim": 128, "moe_intermediate_size": 768, "num_experts": 128,
@@ -117,6 +119,7 @@ class LayerKind:
     top_k: int = 0
     expert_params: int = 0  # one routed expert
     window: int = 0  # sliding attention window (0: full attention)
+    chunk: int = 0  # chunked local attention: each token attends only within its own chunk of this many positions
 
 
 @dataclass(frozen=True)
@@ -190,15 +193,27 @@ def _falcon(c: dict, name: str) -> ModelSpec:
 
 
 def _llama4(c: dict, name: str) -> ModelSpec:
+    """Layer i is MoE when (i + 1) % interleave_moe_layer_step == 0, and a no-RoPE layer (global attention) when
+    (i + 1) % 4 == 0 (transformers' Llama4TextConfig: no_rope_layer_interval 4); the RoPE layers attend within
+    chunks of ``attention_chunk_size`` (TensorRT-LLM's Llama4DecoderLayer passes the chunk to every RoPE layer's
+    attention: NVIDIA/TensorRT-LLM@3a5901cd tensorrt_llm/_torch/models/modeling_llama.py)."""
     t = c.get("text_config", c)
     h, heads, kv, d = t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
     attn = _gqa_attn(h, heads, kv, d)
     n, step = t["num_hidden_layers"], t.get("interleave_moe_layer_step", 1)
-    moe = n // step
+    chunk = int(t.get("attention_chunk_size") or 0)
     expert = 3 * h * t["intermediate_size"]
-    kinds = [LayerKind(moe, attn, expert, t["num_local_experts"], t["num_experts_per_tok"], expert)]  # +1 shared
-    if n - moe:
-        kinds.append(LayerKind(n - moe, attn, 3 * h * t["intermediate_size_mlp"]))
+    counts: dict[tuple[bool, bool], int] = {}
+    for i in range(n):
+        key = ((i + 1) % step == 0, bool(chunk) and (i + 1) % 4 != 0)  # (MoE, chunked)
+        counts[key] = counts.get(key, 0) + 1
+    kinds = []
+    for (is_moe, chunked), count in sorted(counts.items(), reverse=True):
+        if is_moe:  # the shared expert is a dense MLP beside the routed ones
+            kind = LayerKind(count, attn, expert, t["num_local_experts"], t["num_experts_per_tok"], expert)
+        else:
+            kind = LayerKind(count, attn, 3 * h * t["intermediate_size_mlp"])
+        kinds.append(replace(kind, chunk=chunk if chunked else 0))
     return ModelSpec(name, h, t["vocab_size"], heads, kv, d, d, 2 * kv * d, tuple(kinds))
 
 
@@ -243,6 +258,7 @@ def facts(spec: ModelSpec) -> dict:
     for k in spec.layers:
         kind = f"{k.count} x {'MoE' if k.experts else 'dense'}"
         kind += f" (sliding window {k.window})" if k.window else ""
+        kind += f" (chunked attention {k.chunk})" if k.chunk else ""
         kinds.append(kind)
     return {"model": spec.name, "total_params_b": round(spec.total_params / 1e9, 2),
             "active_params_b": round(spec.active_params / 1e9, 2),
