@@ -19,9 +19,9 @@ from trtpipe.quant.imported.lossy import FP8_REQUANTIZE
 from trtpipe.runtime import load_checkpoint
 from trtpipe.runtime.hf_loader import load_hf_checkpoint
 
-EXACT = ("none", "fp8_pc_pt", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq")
+EXACT = ("none", "fp8_pc_pt", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "nvfp4")
 QUANT_ALGO = {"none": None, "fp8_pc_pt": "FP8_PER_CHANNEL_PER_TOKEN", "int8_wo": "W8A16", "int4_wo": "W4A16_AWQ",
-              "int4_awq": "W4A16_AWQ", "w4a8_awq": "W4A8_AWQ", "fp8": "FP8"}
+              "int4_awq": "W4A16_AWQ", "w4a8_awq": "W4A8_AWQ", "nvfp4": "NVFP4", "fp8": "FP8"}
 
 
 @pytest.mark.parametrize("algo", EXACT)
