@@ -51,6 +51,10 @@ def test_validate_and_plan(name, layers, experts, tp, ep):
     assert f"one sequence of max_seq_len 16384 needs {math.ceil(held / 32)} blocks" in out.stdout
     gib = _per_gpu_weight_bytes(layers, experts, tp, ep) / 2**30
     assert f"weights {gib:.2f} GiB (from config.json)" in out.stdout, out.stdout
+    # the experts line sizes them as shipped too (MXFP4, 17/32 byte a weight; it once said bf16, above the total)
+    per_layer = 3 * H * I * (experts // ep) * 17 // 32
+    assert f"{per_layer / 2**30:.2f} GiB per layer, {layers * per_layer / 2**30:.2f} GiB per GPU of the weights " \
+        "above" in out.stdout, out.stdout
 
 
 def test_the_engine_target_is_refused_naming_llmapi(tmp_path):

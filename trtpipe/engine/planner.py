@@ -170,7 +170,10 @@ def expert_placement(s: Shapes, cfg: dict, pp: int) -> Optional[ExpertPlacement]
     m = cfg.get("mapping") or {}
     ep, mtp = int(m.get("moe_ep_size", 1)), int(m.get("moe_tp_size", m.get("tp_size", 1)))
     width = s.intermediate // mtp
-    layer = int(_linear_bytes(s, (s.experts // ep) * 3 * s.hidden * width))
+    elements = (s.experts // ep) * 3 * s.hidden * width
+    # experts kept in their own format (gpt-oss's MXFP4) are sized in it, as weight_bytes sizes them
+    layer = int(elements * QUANT_WEIGHT_BYTES[s.expert_quant_algo] if s.expert_quant_algo else
+                _linear_bytes(s, elements))
     return ExpertPlacement(s.experts, ep, mtp, width, layer, layer * max(pp_layers(s.layers, pp)))
 
 
