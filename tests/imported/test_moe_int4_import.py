@@ -1,5 +1,6 @@
-"""Symmetric INT4 mixture-of-experts sources (llm-compressor W4A16 pack-quantized; GPTQ symmetric without act-order)
-converted to the engine's INT4 AWQ expert layout (docs/reference/trtllm-checkpoint.md "MoE INT4 AWQ experts").
+"""INT4 mixture-of-experts sources (llm-compressor W4A16 pack-quantized and GPTQ without act-order, symmetric and with
+zero points) converted to the engine's INT4 AWQ expert layout (docs/reference/trtllm-checkpoint.md "MoE INT4 AWQ
+experts").
 
 The sources: llm-compressor 0.14's own ``oneshot`` W4A16 (group 16) of the synthetic Qwen3-MoE, symmetric and
 asymmetric (scripts/make_moe_w4a16.py, run in the producers' venv: ~10 s), and a GPTQ v1 checkpoint packed by the
@@ -13,6 +14,12 @@ Logits: the reference runtime on the converted checkpoint (tp1, moe_tp 2, moe_ep
 model (its weights dequantized as stored, codes x group scale) evaluated in float64; bound: ORDER_FACTOR x that
 model's own float32 error (tests/numerics.py). The weights are the same numbers, so only summation order differs; a
 wrong code, nibble order, scale row or shard moves the logits by orders of magnitude more.
+
+Zero points (the asymmetric export, and GPTQ ``sym: false`` packed from it by the format's definition): the same
+layout plus ``mlp.fc.zero`` [E, H/g, 2I] / ``mlp.proj.zero`` [E, I/g, H] = -zero_point * s in the model dtype. At
+model dtype float32 that is exact (no lossy step to accept), so the codes, scales and zeros are checked for
+equality and the logits against the source as stored under the same bound; at bfloat16 the rounding of ``zero`` is
+the ``zero_point_rounding`` step, refused until the recipe lists it.
 """
 
 from __future__ import annotations
@@ -29,10 +36,13 @@ from safetensors.torch import load_file, save_file
 from imported_helpers import convert_source
 from numerics import assert_as_accurate, error_scale, float64_copy
 from prequantized import producers_python
+from trtpipe.checkpoint.convert import convert
 from trtpipe.checkpoint.quant_primitives import unpack_int4_rows
 from trtpipe.errors import CheckpointError
 from trtpipe.quant.imported.detect import detect
-from trtpipe.quant.imported.trtllm import MOE_INT4_ACT_ORDER, MOE_INT4_PREQUANT, MOE_INT4_ZERO, moe_refusal
+from trtpipe.quant.imported.lossy import ZERO_POINT_ROUNDING
+from trtpipe.quant.imported.trtllm import (MOE_INT4_ACT_ORDER, MOE_INT4_PREQUANT, MOE_INT4_ZERO, ImportedLinears,
+                                           moe_refusal)
 from trtpipe.runtime import load_checkpoint
 from trtpipe.runtime.hf_loader import load_hf_checkpoint
 from trtpipe.validation import check_recipe, load_recipe
@@ -187,10 +197,11 @@ def test_logits_at_tp1_moe_tp2_and_moe_ep2(source, tmp_path):
             assert_as_accurate(model.forward(IDS), ref64, scale, f"{detect(source).family} {name}")
 
 
-def _recipe(tmp_path: Path, source: Path, name: str, parallel: str = "") -> Path:
+def _recipe(tmp_path: Path, source: Path, name: str, parallel: str = "", dtype: str = "bfloat16",
+            lossy: str = "") -> Path:
     p = tmp_path / f"{name}.yaml"
     p.write_text(f"name: t\nwork_dir: {tmp_path / name}\ntarget: engine\nmodel:\n  source: {source}\n"
-                 f"  dtype: bfloat16\n{parallel}engine:\n  max_batch_size: 8\n  max_input_len: 64\n"
+                 f"  dtype: {dtype}\n{lossy}{parallel}engine:\n  max_batch_size: 8\n  max_input_len: 64\n"
                  "  max_seq_len: 128\n  max_num_tokens: 256\n")
     return p
 
@@ -198,8 +209,8 @@ def _recipe(tmp_path: Path, source: Path, name: str, parallel: str = "") -> Path
 SOURCE_KEYS = ("target", "parallel.tp", "model.source", "model.allow_lossy_import")  # the pre-quantized source rules
 
 
-def _findings(tmp_path: Path, source: Path, name: str, parallel: str = "") -> list[tuple[str, str]]:
-    return [(x.key, x.message) for x in check_recipe(load_recipe(_recipe(tmp_path, source, name, parallel),
+def _findings(tmp_path: Path, source: Path, name: str, parallel: str = "", **kw) -> list[tuple[str, str]]:
+    return [(x.key, x.message) for x in check_recipe(load_recipe(_recipe(tmp_path, source, name, parallel, **kw),
                                                                  check_rules=False)) if x.key in SOURCE_KEYS]
 
 
@@ -228,21 +239,29 @@ def _refused(tmp_path: Path, src: Path, why: str) -> None:
     assert not out.exists() and not any(tmp_path.glob(".out.tmp-*"))
 
 
-def test_zero_point_experts_are_refused(made, tmp_path):
-    """llm-compressor's asymmetric W4A16 of the same model (weight_zero_point per expert projection)."""
-    assert any(k.endswith("experts.0.up_proj.weight_zero_point") for k in load_file(str(made / "asym" /
-                                                                                          "model.safetensors")))
-    _refused(tmp_path, made / "asym", MOE_INT4_ZERO)
+def test_autoawq_zero_point_experts_are_refused(made, tmp_path):
+    """AutoAWQ GEMM (zero points, no AutoAWQ MoE checkpoint checked against its producer): refused at validate
+    (config only: the asymmetric source's config.json under AutoAWQ's quantization_config)."""
+    src = tmp_path / "awq"
+    src.mkdir()
+    cfg = json.loads((made / "asym" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": True,
+                                  "version": "gemm"}
+    (src / "config.json").write_text(json.dumps(cfg))
+    shutil.copy(made / "asym" / "model.safetensors", src / "model.safetensors")
+    assert moe_refusal(detect(src)) == MOE_INT4_ZERO
+    found = [m for k, m in _findings(tmp_path, src, "r") if k == "target"]
+    assert len(found) == 1 and found[0].endswith(f"its mixture-of-experts layers are refused for target engine: "
+                                                 f"{MOE_INT4_ZERO}"), found
 
 
-def test_gptq_asymmetric_and_act_order_experts_are_refused(gptq, tmp_path):
-    for key, value, why in (("sym", False, MOE_INT4_ZERO), ("desc_act", True, MOE_INT4_ACT_ORDER)):
-        src = tmp_path / key / "src"
-        shutil.copytree(gptq, src)
-        cfg = json.loads((src / "config.json").read_text())
-        cfg["quantization_config"][key] = value
-        (src / "config.json").write_text(json.dumps(cfg))
-        _refused(tmp_path / key, src, why)
+def test_gptq_act_order_experts_are_refused(gptq, tmp_path):
+    src = tmp_path / "desc_act" / "src"
+    shutil.copytree(gptq, src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"]["desc_act"] = True
+    (src / "config.json").write_text(json.dumps(cfg))
+    _refused(tmp_path / "desc_act", src, MOE_INT4_ACT_ORDER)
 
 
 def test_a_per_expert_pre_quant_scale_is_refused_naming_the_tensor(made, tmp_path):
@@ -264,3 +283,153 @@ def test_the_docs_table_states_each_refusal():
     doc = (ROOT / "docs" / "reference" / "prequantized.md").read_text()
     for why in (MOE_INT4_PREQUANT, MOE_INT4_ZERO, MOE_INT4_ACT_ORDER):
         assert f"refused: {why} |" in doc, why[:60]
+
+
+# --- zero-point experts: llm-compressor's asymmetric W4A16 and GPTQ sym: false packed from it -----------------------
+
+
+@pytest.fixture(scope="module")
+def gptq_asym(made, tmp_path_factory) -> Path:
+    """The asymmetric source repacked as GPTQ v1 ``sym: false``: unsigned codes (signed + 8), true zeros
+    z = zero_point + 8 packed 8 per int32 along the outputs and stored minus 0x11111111 (v1, integer wraparound:
+    gptq.py reads them back by adding it), fp16 scales [in/g, out] (the bf16 scales, exactly), a contiguous g_idx."""
+    out = tmp_path_factory.mktemp("moe_gptq_asym") / "src"
+    shutil.copytree(made / "asym", out)
+    t = load_file(str(out / "model.safetensors"))
+    for name in [k for k in t if k.endswith(".weight_packed")]:
+        m = name[: -len(".weight_packed")]
+        out_f, in_f = (int(x) for x in t.pop(m + ".weight_shape").tolist())
+        q = _nibbles(t.pop(name), 1)[:, :in_f]  # [out, in] unsigned (signed + 8)
+        z = _nibbles(t.pop(m + ".weight_zero_point"), 0)[:out_f]  # [out, in/g] unsigned (signed + 8)
+        words = (_words(z.t(), 1).to(torch.int64) - 0x11111111) & 0xFFFFFFFF
+        t[m + ".qweight"] = _words(q.t(), 0)
+        t[m + ".qzeros"] = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+        t[m + ".scales"] = t.pop(m + ".weight_scale").t().contiguous().half()
+        t[m + ".g_idx"] = (torch.arange(in_f) // G).to(torch.int32)
+    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": G, "sym": False, "desc_act": False,
+                                  "checkpoint_format": "gptq"}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.fixture(scope="module", params=["llmc", "gptq"])
+def zsource(request, made, gptq_asym) -> Path:
+    return made / "asym" if request.param == "llmc" else gptq_asym
+
+
+def _stored_zero(module: str, t: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(signed codes [out, in], float32 group scales [out, in/g], signed zero points [out, in/g]) of one
+    projection, by the format's definition: W = (q - zp) * s."""
+    if module + ".qweight" in t:  # GPTQ v1: unsigned codes along the inputs, true zeros = stored + 0x11111111
+        zw = (t[module + ".qzeros"].to(torch.int64) + 0x11111111) & 0xFFFFFFFF
+        return ((_nibbles(t[module + ".qweight"], 0) - 8).t(), t[module + ".scales"].float().t(),
+                (_nibbles(zw, 1) - 8).t())
+    out_f, in_f = (int(x) for x in t[module + ".weight_shape"].tolist())
+    return (_nibbles(t[module + ".weight_packed"], 1)[:, :in_f] - 8, t[module + ".weight_scale"].float(),
+            _nibbles(t[module + ".weight_zero_point"], 0)[:out_f] - 8)
+
+
+def _convert(src: Path, out: Path, dtype: str, allow_lossy: tuple[str, ...] = (), **kw) -> Path:
+    fmt = detect(src)
+    return convert(src, out, dtype=dtype, overwrite=True, **kw,
+                   importer=lambda plan, reader: ImportedLinears(fmt, reader.keys(), str(src), allow_lossy))
+
+
+def test_zero_point_experts_are_the_sources_at_float32(zsource, tmp_path):
+    """At model dtype float32 (no lossy step to accept): has_zero_point true; each expert's codes and scales are the
+    source's, and its ``zero`` columns (fc: up, then gate) are -zp * s exactly, [in/g, out] per expert."""
+    src = load_file(str(zsource / "model.safetensors"))
+    ckpt = _convert(zsource, tmp_path / "tp1", "float32")
+    q = json.loads((ckpt / "config.json").read_text())["quantization"]
+    assert (q["quant_algo"], q["group_size"], q["has_zero_point"]) == ("W4A16_AWQ", G, True)
+    t = load_file(str(ckpt / "rank0.safetensors"))
+    for i in range(LAYERS):
+        pre = f"transformer.layers.{i}.mlp."
+        for lin, projs in PROJS.items():
+            codes, wsf, zero = (unpack_int4_rows(t[pre + f"{lin}.weight"]), t[pre + f"{lin}.weights_scaling_factor"],
+                                t[pre + f"{lin}.zero"])
+            assert zero.dtype == torch.float32 and bool((t[pre + f"{lin}.prequant_scaling_factor"] == 1).all())
+            for e in range(EXPERTS):
+                rows = 0
+                for p in projs:
+                    want_q, want_s, want_zp = _stored_zero(PRE.format(i, e) + p, src)
+                    n = want_q.shape[0]
+                    assert torch.equal(codes[e, rows: rows + n], want_q.to(torch.int8)), (i, e, p)
+                    assert torch.equal(wsf[e, rows: rows + n], want_s), (i, e, p)
+                    assert torch.equal(zero[e, :, rows: rows + n], (-want_zp * want_s).t()), (i, e, p)
+                    rows += n
+                assert rows == zero.shape[-1]
+            assert bool((zero != 0).any()), (i, lin)  # real zero points, not all 8
+
+
+def test_zero_point_layout_per_rank(zsource, tmp_path):
+    """moe_tp 2 / moe_ep 2: every rank's tensors as the symmetric layout's plus ``zero`` [E_r, in_r/g, out_r] in
+    the model dtype, its moe_ep block of experts and its moe_tp slice of the tp1 zero (fc: of each half's
+    columns; proj: of the groups)."""
+    full = load_file(str(_convert(zsource, tmp_path / "tp1", "float32") / "rank0.safetensors"))
+    for layout in ("mtp2", "ep2"):
+        kw = LAYOUTS[layout]
+        ckpt = _convert(zsource, tmp_path / layout, "float32", **kw)
+        e_r, w_r = PER_RANK[layout]
+        ep = kw["moe_ep"]
+        for rank in range(kw["tp"]):
+            t = load_file(str(ckpt / f"rank{rank}.safetensors"))
+            experts, tp_rank = slice(rank % ep * e_r, (rank % ep + 1) * e_r), rank // ep
+            for i in range(LAYERS):
+                p = f"transformer.layers.{i}.mlp."
+                got = {k[len(p):]: (v.dtype, tuple(v.shape)) for k, v in t.items() if k.startswith(p)}
+                assert got == {
+                    "router.weight": (torch.float32, (EXPERTS, HIDDEN)),
+                    "fc.weight": (torch.int8, (e_r, w_r, HIDDEN)),
+                    "fc.weights_scaling_factor": (torch.float32, (e_r, 2 * w_r, HIDDEN // G)),
+                    "fc.prequant_scaling_factor": (torch.float32, (HIDDEN,)),
+                    "fc.zero": (torch.float32, (e_r, HIDDEN // G, 2 * w_r)),
+                    "proj.weight": (torch.int8, (e_r, HIDDEN // 2, w_r)),
+                    "proj.weights_scaling_factor": (torch.float32, (e_r, HIDDEN, w_r // G)),
+                    "proj.prequant_scaling_factor": (torch.float32, (w_r,)),
+                    "proj.zero": (torch.float32, (e_r, w_r // G, HIDDEN))}, (layout, rank, i)
+                halves = full[p + "fc.zero"][experts].split(WIDTH, dim=-1)  # [up | gate] columns
+                want = torch.cat([h[..., tp_rank * w_r:(tp_rank + 1) * w_r] for h in halves], dim=-1)
+                assert torch.equal(t[p + "fc.zero"], want), (layout, rank, i)
+                groups = slice(tp_rank * w_r // G, (tp_rank + 1) * w_r // G)
+                assert torch.equal(t[p + "proj.zero"], full[p + "proj.zero"][experts][:, groups]), (layout, rank, i)
+
+
+def test_zero_point_logits_at_tp1_moe_tp2_and_moe_ep2(zsource, tmp_path):
+    """The reference runtime on the float32 conversion against the source's reference model ((q - zp) * s as
+    stored) in float64; bound from that model's own float32 error (the weights are the same numbers)."""
+    reference = load_hf_checkpoint(zsource)
+    with torch.no_grad():
+        ref32 = reference.forward(IDS)
+        ref64 = float64_copy(reference).forward(IDS)
+    scale = error_scale(ref32, ref64)
+    for name, kw in LAYOUTS.items():
+        model = load_checkpoint(_convert(zsource, tmp_path / name, "float32", **kw))
+        assert model.args.quantization["has_zero_point"] is True
+        with torch.no_grad():
+            assert_as_accurate(model.forward(IDS), ref64, scale, f"{detect(zsource).family} zero point {name}")
+
+
+def test_zero_point_experts_at_bfloat16_need_zero_point_rounding(made, tmp_path):
+    """At model dtype bfloat16 ``zero`` is rounded once: validate names the step, the conversion refuses in one line
+    and writes nothing, until ``zero_point_rounding`` is listed; then ``zero`` is -zp * s rounded to bfloat16."""
+    src = made / "asym"
+    assert moe_refusal(detect(src)) is None
+    found = _findings(tmp_path, src, "bf16")
+    assert len(found) == 1 and found[0][0] == "model.source" and "zero_point_rounding" in found[0][1] \
+        and "bfloat16" in found[0][1], found
+    assert _findings(tmp_path, src, "f32", dtype="float32") == []
+    assert _findings(tmp_path, src, "ok", lossy="  allow_lossy_import: [zero_point_rounding]\n") == []
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError) as exc:
+        _convert(src, out, "bfloat16")
+    assert "\n" not in str(exc.value) and str(exc.value).endswith(f"add {ZERO_POINT_ROUNDING} to "
+                                                                  "model.allow_lossy_import to accept"), exc.value
+    assert not out.exists() and not any(tmp_path.glob(".out.tmp-*"))
+    t = load_file(str(_convert(src, out, "bfloat16", (ZERO_POINT_ROUNDING,)) / "rank0.safetensors"))
+    stored = load_file(str(src / "model.safetensors"))
+    _, s, zp = _stored_zero(PRE.format(1, 5) + "down_proj", stored)
+    zero = t["transformer.layers.1.mlp.proj.zero"]
+    assert zero.dtype == torch.bfloat16 and torch.equal(zero[5], (-zp.double() * s.double()).to(torch.bfloat16).t())

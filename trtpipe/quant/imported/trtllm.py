@@ -62,12 +62,20 @@ w3/w1 the same way): ``mlp.fc.weight`` F8 [E, 2I, H] (the family rule's source o
 ``mlp.fc.weights_scaling_factor`` F32 [E, 1], ``mlp.proj.weight`` [E, H, I] with its own [E, 1], and one
 ``activation_scaling_factor`` [1] per linear, the max over the experts' input scales (the plugin has one). The
 stacked weights stream to each rank part by part (:class:`trtpipe.checkpoint.experts.ExpertParts`): down_proj from
-the file's pages, each expert's fused up/gate from one copy per layer. Symmetric INT4 experts (compressed-tensors
-W4A16, GPTQ ``sym: true`` without act-order: no pre-quant scale, no zero point) take the engine's INT4 AWQ expert
-layout (:mod:`trtpipe.checkpoint.quant_layouts`) exactly: each expert's canonical codes (two output rows per byte)
+the file's pages, each expert's fused up/gate from one copy per layer. INT4 experts without pre-quant scales
+(compressed-tensors W4A16 and GPTQ without act-order, symmetric or with zero points) take the engine's INT4 AWQ
+expert layout (:mod:`trtpipe.checkpoint.quant_layouts`): each expert's canonical codes (two output rows per byte)
 and group scales stacked as ``mlp.fc.weight`` I8 [E, I, H] (up rows, then gate rows) with F32 [E, 2I, H/g] scales,
 ``mlp.proj`` [E, H/2, I] / [E, H, I/g], and the one ``prequant_scaling_factor`` per linear the MoE layer reads for
-all experts, ones ([H] / [I], model dtype). :data:`MOE_STACK` holds the per-algorithm stacking.
+all experts, ones ([H] / [I], model dtype). Zero points become the MoE layer's own groupwise ``zero`` [E, in/g, out]
+in the model dtype (``MOEWeightWrapper`` declares it so when the config has ``has_zero_point``, and
+``preprocess_perlayer_weights`` leaves it as written; NVIDIA/TensorRT-LLM@c388fec7 ``tensorrt_llm/layers/moe.py``,
+@27712aa7 ``tensorrt_llm/models/modeling_utils.py``): each expert's members' :func:`zero_of`, up columns then gate
+columns as upstream's own ``postprocess_awq`` concatenates them, so ``mlp.fc.zero`` [E, H/g, 2I] and
+``mlp.proj.zero`` [E, I/g, H]. The kernel dequantizes as the dense one does, ``q * s + zero``
+(``MmaTensorOpDequantizer``, NVIDIA/TensorRT-LLM@23bc5b7c ``cpp/tensorrt_llm/cutlass_extensions/include/
+cutlass_extensions/gemm/warp/mma_tensorop_dequantizer.h``), and the rounding of ``zero`` to the model dtype is the
+dense lossy step, ``zero_point_rounding``. :data:`MOE_STACK` holds the per-algorithm stacking.
 """
 
 from __future__ import annotations
@@ -304,15 +312,16 @@ MOE_INT4_PREQUANT = ("its experts carry per-expert pre_quant_scale (ModelOpt W4A
                      "into one and requantized, which trtpipe does not do (it writes W4A16 AWQ experts from its own "
                      "calibration: quantization.algo int4_awq on the unquantized model; or use a symmetric "
                      "compressed-tensors / GPTQ W4A16 source, whose experts convert exactly)")
-MOE_INT4_ZERO = ("its experts have zero points; TensorRT-LLM 1.2's MoE layer declares a groupwise 'zero' parameter "
-                 "(NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py MOEWeightWrapper) but trtpipe has no "
-                 "checked checkpoint layout or reference runtime for zero-point experts; use a symmetric W4A16 "
-                 "source")
+MOE_INT4_ZERO = ("its experts have zero points, and trtpipe converts zero-point INT4 experts from compressed-tensors "
+                 "W4A16 asymmetric and GPTQ sym: false checkpoints only (no AutoAWQ mixture-of-experts checkpoint "
+                 "was checked against its producer)")
 MOE_INT4_ACT_ORDER = ("GPTQ act-order (desc_act: true) experts are not converted: whether each expert's g_idx is "
                       "contiguous is known only from its tensors, and TensorRT-LLM's MoE kernels have no g_idx; "
                       "re-quantize without desc_act")
 # families whose symmetric W4A16 experts were checked against a producer's (or the format's) checkpoint
 MOE_INT4_FAMILIES = ("compressed-tensors", "gptq")
+# families whose zero-point W4A16 experts were (llm-compressor's asymmetric export; GPTQ sym: false packed from it)
+MOE_INT4_ZERO_FAMILIES = ("compressed-tensors", "gptq")
 # canonical quant_algo -> why its experts get no engine layout (FP8, W4A16_AWQ: see moe_refusal; absent: generic line)
 MOE_REFUSED: dict[str, str] = {
     "FP8_PER_CHANNEL_PER_TOKEN": "TensorRT-LLM 1.2's MoE layer refuses FP8 rowwise experts ('MOE Does not support FP8 "
@@ -335,10 +344,10 @@ MOE_FAMILIES = ("modelopt",)  # sources whose FP8 experts were checked against t
 
 # W4A16 sources whose experts do not map exactly onto the INT4 expert layout: (what the config says, why), first match
 MOE_INT4_REFUSED: tuple[tuple[Callable[[ImportedFormat], bool], str], ...] = (
-    (lambda f: bool(f.params.get("zero_point")), MOE_INT4_ZERO),  # AutoAWQ GEMM, asymmetric GPTQ / compressed-tensors
+    (lambda f: bool(f.params.get("zero_point")) and f.family not in MOE_INT4_ZERO_FAMILIES, MOE_INT4_ZERO),  # AutoAWQ
     (lambda f: f.family == "modelopt", MOE_INT4_PREQUANT),
     (lambda f: bool(f.params.get("act_order")), MOE_INT4_ACT_ORDER),
-    (lambda f: f.family not in MOE_INT4_FAMILIES, "trtpipe converts W4A16 mixture-of-experts layers from symmetric "
+    (lambda f: f.family not in MOE_INT4_FAMILIES, "trtpipe converts W4A16 mixture-of-experts layers from "
                                                   "compressed-tensors and GPTQ checkpoints only"),
 )
 
@@ -404,22 +413,35 @@ def _fp8_expert_scales(per_expert: list[dict], num: int, in_f: int, dtype, meta:
 
 
 def _int4_expert(members: list[dict], modules: list[str], what: str) -> tuple[list[torch.Tensor], dict]:
-    """One symmetric INT4 expert: codes (two output rows per byte, as a dense W4A16 linear) and group scales as the
-    source's canonical tensors hold them. A per-expert pre-quant scale or zero point has no place in the layout
-    (one unit pre-quant scale for all experts, no zero): refused naming the tensor (moe_refusal says it first)."""
+    """One INT4 expert: codes (two output rows per byte, as a dense W4A16 linear), group scales and zero points (all
+    of its members or none) as the source's canonical tensors hold them. A per-expert pre-quant scale has no place in
+    the layout (one unit pre-quant scale for all experts): refused naming the tensor (moe_refusal says it first)."""
     for m, module in zip(members, modules):
-        for key, why in (("pre_quant_scale", MOE_INT4_PREQUANT), ("zero_point", MOE_INT4_ZERO)):
-            if key in m:
-                raise CheckpointError(f"{what}: tensor '{module}' has a {key}: {why}")
-    return [m["weight"].view(torch.int8) for m in members], {"ws": [m["weight_scale"].float() for m in members]}
+        if "pre_quant_scale" in m:
+            raise CheckpointError(f"{what}: tensor '{module}' has a pre_quant_scale: {MOE_INT4_PREQUANT}")
+    has = ["zero_point" in m for m in members]
+    if any(has) and not all(has):
+        raise CheckpointError(f"{what}: tensor '{modules[has.index(False)]}' has no zero_point and "
+                              f"'{modules[has.index(True)]}' has one; projections fused into one linear must be "
+                              "quantized alike")
+    extra = {"ws": [m["weight_scale"] for m in members]}
+    if all(has):
+        extra["zp"] = [m["zero_point"] for m in members]
+    return [m["weight"].view(torch.int8) for m in members], extra
 
 
 def _int4_expert_scales(per_expert: list[dict], num: int, in_f: int, dtype, meta: bool) -> dict[str, torch.Tensor]:
-    """[E, out, in/g] group scales (each expert's up rows then gate rows) and the one unit pre-quant scale [in]
-    shared by the experts (quant_layouts: SHARED_BY_EXPERTS)."""
-    ws = torch.cat([torch.stack([x["ws"][i] for x in per_expert]) for i in range(len(per_expert[0]["ws"]))], dim=-2)
+    """[E, out, in/g] F32 group scales (each expert's up rows then gate rows), the one unit pre-quant scale [in]
+    shared by the experts (quant_layouts: SHARED_BY_EXPERTS) and, with zero points, the MoE layer's ``zero``
+    [E, in/g, out] in the model dtype (each expert's members' :func:`zero_of` side by side along the outputs)."""
+    members = range(len(per_expert[0]["ws"]))
+    ws = torch.cat([torch.stack([x["ws"][i].float() for x in per_expert]) for i in members], dim=-2)
     pqs = torch.empty(in_f, dtype=dtype, device="meta") if meta else torch.ones(in_f, dtype=dtype)
-    return {"weights_scaling_factor": ws, "prequant_scaling_factor": pqs}
+    out = {"weights_scaling_factor": ws, "prequant_scaling_factor": pqs}
+    if "zp" in per_expert[0]:  # every expert has them: each family's canonical() refuses zeros the config lacks
+        out["zero"] = torch.stack([torch.cat([zero_of(x["zp"][i], x["ws"][i], dtype) for i in members], dim=-1)
+                                   for x in per_expert])
+    return out
 
 
 # canonical quant_algo -> (fn(one expert's canonical members, their modules, what) -> (per-source weight pieces,
