@@ -1,8 +1,9 @@
 """GPTQ (v1 and v2 zero points, symmetric 4-bit, contiguous g_idx) re-laid out exactly as W4A16 AWQ with unit
 pre-quant scales, for both targets; act-order with a non-contiguous g_idx and asymmetric zeros are refused naming
-the tensor. GPTQModel / AutoGPTQ are not installable here (GPTQModel 7.7 needs torch >= 2.14.1, this repo pins
-2.13.0), so the checkpoints are packed by the format's definition from trtpipe's symmetric int4 export, and the
-oracle is the format's own dequantization formula, written out below from the GPTQModel source."""
+the tensor. The checkpoints here are packed by the format's definition from trtpipe's symmetric int4 export, so
+each case (v1 / v2 zero points, act-order orders) is built on purpose, and the oracle is the format's own
+dequantization formula, written out below from the GPTQModel source. GPTQModel itself (7.6, the last release on
+torch 2.13) runs in the producers' venv and makes the dense Qwen3 GPTQ fixtures of tests/prequantized.py."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ experts").
 
 The sources: llm-compressor 0.14's own ``oneshot`` W4A16 (group 16) of the synthetic Qwen3-MoE, symmetric and
 asymmetric (scripts/make_moe_w4a16.py, run in the producers' venv: ~10 s), and a GPTQ v1 checkpoint packed by the
-format's definition (gptq.py's docstring; GPTQModel is not installable here, see test_gptq_import.py) from the
+format's definition (gptq.py's docstring; GPTQModel, which makes the dense GPTQ fixtures, was not run on a MoE) from the
 symmetric one's codes and scales. Neither has a pre-quant scale or a zero point, so the conversion is exact: each
 expert's codes and group scales are copied into ``mlp.fc`` [E, I, H] (its up rows then its gate rows, two rows
 per byte) / ``mlp.proj`` [E, H/2, I], scales F32 [E, 2I, H/g] / [E, H, I/g], and the one pre-quant scale per
