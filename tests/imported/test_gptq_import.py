@@ -2,8 +2,8 @@
 pre-quant scales, for both targets; act-order with a non-contiguous g_idx and asymmetric zeros are refused naming
 the tensor. The checkpoints here are packed by the format's definition from trtpipe's symmetric int4 export, so
 each case (v1 / v2 zero points, act-order orders) is built on purpose, and the oracle is the format's own
-dequantization formula, written out below from the GPTQModel source. GPTQModel itself (7.6, the last release on
-torch 2.13) runs in the producers' venv and makes the dense Qwen3 GPTQ fixtures of tests/prequantized.py."""
+dequantization formula, written out below from the GPTQModel source. GPTQModel itself (7.6; 7.7 needs torch >=
+2.14.1) runs in the producers' venv and makes the dense Qwen3 GPTQ fixtures of tests/prequantized.py."""
 
 from __future__ import annotations
 
