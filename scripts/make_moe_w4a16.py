@@ -30,7 +30,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # trtpipe.models.synthetic (needs only torch + transformers)
 
-GROUP = 16
+GROUP = 64  # the engine's group-wise INT4 GEMM runs 64 or 128 (trtpipe.engine.upstream)
+# wider than the families' synthetic Qwen3-MoE (64 / 32), so every linear holds whole groups of 64 at moe_tp 2
+SHAPE = dict(hidden_size=128, moe_intermediate_size=128)
 IGNORE = ["lm_head", "re:.*mlp.gate$"]
 
 
@@ -43,7 +45,7 @@ def make(outdir: Path) -> None:
     from trtpipe.models.synthetic import make_synthetic
 
     outdir.mkdir(parents=True, exist_ok=True)
-    base = make_synthetic("qwen3_moe", outdir / "base", seed=2, dtype=torch.bfloat16)
+    base = make_synthetic("qwen3_moe", outdir / "base", seed=2, dtype=torch.bfloat16, **SHAPE)
     for name, symmetric in (("sym", True), ("asym", False)):
         tmp, final = outdir / f"{name}.tmp", outdir / name
         shutil.rmtree(tmp, ignore_errors=True)

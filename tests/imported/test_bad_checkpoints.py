@@ -67,8 +67,8 @@ def test_group_size_that_does_not_divide_is_named(tmp_path, unified):
 
 
 def test_config_group_size_contradicting_the_scales_is_named(tmp_path, unified):
-    src = _copy(unified("int4_wo"), tmp_path / "src", edit_hq=lambda c: c["quantization"].update(group_size=64))
-    _fails(src, tmp_path / "out", "model.layers.0.self_attn.q_proj.weight_scale' has shape [64, 2], group size 64")
+    src = _copy(unified("int4_wo"), tmp_path / "src", edit_hq=lambda c: c["quantization"].update(group_size=32))
+    _fails(src, tmp_path / "out", "model.layers.0.self_attn.q_proj.weight_scale' has shape [64, 1], group size 32")
 
 
 def test_group_size_missing_is_named(tmp_path, unified):

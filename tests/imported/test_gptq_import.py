@@ -23,7 +23,7 @@ from trtpipe.quant.imported.llmapi import write_llmapi
 from trtpipe.runtime import load_checkpoint
 from trtpipe.runtime.hf_loader import load_hf_checkpoint
 
-G = 32
+G = 64  # the unified int4 exports' group size (tests/imported/conftest.py GROUP)
 HF_LINEARS = {"attention.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
               "attention.dense": ("self_attn.o_proj",), "mlp.fc": ("mlp.gate_proj",), "mlp.gate": ("mlp.up_proj",),
               "mlp.proj": ("mlp.down_proj",)}
@@ -47,33 +47,34 @@ def _oracle(qweight, qzeros, scales, g_idx, v1: bool) -> torch.Tensor:
     return (scales.float()[gi] * (q - z[gi]).float()).t()  # [out, in]
 
 
-def make_gptq(unified_int4: Path, out: Path, v1: bool, g_idx=None, zero_delta=0) -> Path:
+def make_gptq(unified_int4: Path, out: Path, v1: bool, g_idx=None, zero_delta=0, group: int = G) -> Path:
     """The symmetric int4 export repacked as a GPTQ checkpoint (fp16 scales; an all-zero bias on every quantized
-    Linear, as some exporters write)."""
+    Linear, as some exporters write). ``group`` < G splits each group of G into G / group with the same scale (the
+    same weights: what an act-order checkpoint needs, more than one group per row)."""
     shutil.copytree(unified_int4, out)
     (out / "hf_quant_config.json").unlink()
     t = load_file(str(out / "model.safetensors"))
     for name in [k for k in t if k.endswith(".weight_scale")]:
         m = name[: -len(".weight_scale")]
         q = unpack_int4_rows(t.pop(m + ".weight").view(torch.int8)).to(torch.int16) + 8  # [out, in] unsigned
-        s = t.pop(name).half()  # [out, in/g]
+        s = t.pop(name).half().repeat_interleave(G // group, dim=1)  # [out, in/group]
         out_f, in_f = q.shape
         if out_f % 8:  # GPTQ packs zero points 8 per word along the outputs: gate/up (172) stay bf16 here
-            t[m + ".weight"] = ((q - 8).float() * s.float().repeat_interleave(G, dim=1)).bfloat16()
+            t[m + ".weight"] = ((q - 8).float() * s.float().repeat_interleave(group, dim=1)).bfloat16()
             continue
         t[m + ".qweight"] = _pack(q.t(), 0)  # [in/8, out]
-        z = torch.full((in_f // G, out_f), 8 - (1 if v1 else 0), dtype=torch.int16)
+        z = torch.full((in_f // group, out_f), 8 - (1 if v1 else 0), dtype=torch.int16)
         z[0, 0] += zero_delta
         t[m + ".qzeros"] = _pack(z, 1)  # [in/g, out/8]
         t[m + ".scales"] = s.t().contiguous()
-        t[m + ".g_idx"] = (torch.arange(in_f) // G if g_idx is None else g_idx(in_f)).to(torch.int32)
+        t[m + ".g_idx"] = (torch.arange(in_f) // group if g_idx is None else g_idx(in_f)).to(torch.int32)
         t[m + ".bias"] = torch.zeros(out_f, dtype=torch.float16)
         t.pop(m + ".pre_quant_scale", None)
     save_file(t, str(out / "model.safetensors"))
     cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": G, "desc_act": g_idx is not None,
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": g_idx is not None,
                                   "sym": True, "checkpoint_format": "gptq" if v1 else "gptq_v2",
-                                  "modules_to_not_convert": ["mlp", "lm_head"]}
+                                  "modules_to_not_convert": ["mlp", "self_attn.o_proj", "lm_head"]}
     (out / "config.json").write_text(json.dumps(cfg))
     return out
 
@@ -113,7 +114,8 @@ def test_symmetric_gptq_is_relaid_out_exactly_for_both_targets(unified, tmp_path
 
 
 def test_act_order_with_scattered_groups_is_refused(unified, tmp_path):
-    src = make_gptq(unified("int4_wo"), tmp_path / "gptq", True, g_idx=lambda n: torch.arange(n).flip(0) // G)
+    src = make_gptq(unified("int4_wo"), tmp_path / "gptq", True, g_idx=lambda n: torch.arange(n).flip(0) // (G // 2),
+                    group=G // 2)  # two groups a row, in reverse order
     with pytest.raises(CheckpointError, match=r"tensor 'model.layers.0.self_attn.q_proj.g_idx' is not contiguous"):
         convert_source(src, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()

@@ -2,7 +2,7 @@
 zero points) converted to the engine's INT4 AWQ expert layout (docs/reference/trtllm-checkpoint.md "MoE INT4 AWQ
 experts").
 
-The sources: llm-compressor 0.14's own ``oneshot`` W4A16 (group 16) of the synthetic Qwen3-MoE, symmetric and
+The sources: llm-compressor 0.14's own ``oneshot`` W4A16 (group 64) of a synthetic Qwen3-MoE (hidden and expert width 128), symmetric and
 asymmetric (scripts/make_moe_w4a16.py, run in the producers' venv: ~10 s), and a GPTQ v1 checkpoint packed by the
 format's definition (gptq.py's docstring; GPTQModel, which makes the dense GPTQ fixtures, was not run on a MoE) from the
 symmetric one's codes and scales. Neither has a pre-quant scale or a zero point, so the conversion is exact: each
@@ -48,7 +48,7 @@ from trtpipe.runtime.hf_loader import load_hf_checkpoint
 from trtpipe.validation import check_recipe, load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
-G, LAYERS, EXPERTS, HIDDEN, WIDTH = 16, 2, 8, 64, 32
+G, LAYERS, EXPERTS, HIDDEN, WIDTH = 64, 2, 8, 128, 128  # scripts/make_moe_w4a16.py GROUP, SHAPE
 LAYOUTS = {"tp1": dict(tp=1), "mtp2": dict(tp=2, moe_ep=1, moe_tp=2), "ep2": dict(tp=2, moe_ep=2, moe_tp=1)}
 PER_RANK = {"tp1": (EXPERTS, WIDTH), "mtp2": (EXPERTS, WIDTH // 2), "ep2": (EXPERTS // 2, WIDTH)}
 PRE = "model.layers.{}.mlp.experts.{}."
@@ -157,7 +157,7 @@ def test_layout_per_rank_is_the_tp1_tensors_sharded(source, tmp_path, layout):
     kw = LAYOUTS[layout]
     ckpt = convert_source(source, tmp_path / layout, **kw) if layout != "tp1" else tmp_path / "tp1"
     e_r, w_r = PER_RANK[layout]
-    ep, mtp = kw.get("moe_ep", 1), kw.get("moe_tp", 1)
+    ep = kw.get("moe_ep", 1)
     for rank in range(kw["tp"]):
         t = load_file(str(ckpt / f"rank{rank}.safetensors"))
         ep_rank, tp_rank = rank % ep, rank // ep
@@ -215,14 +215,14 @@ def _findings(tmp_path: Path, source: Path, name: str, parallel: str = "", **kw)
 
 
 def test_validate_takes_the_symmetric_sources_and_names_split_groups(source, tmp_path):
-    """validate agrees with the conversion: no finding at moe_tp 2; at moe_tp 4 each rank's down_proj slice has 8
+    """validate agrees with the conversion: no finding at moe_tp 2; at moe_tp 4 each rank's down_proj slice has 32
     inputs, half a group, refused naming the linear (the conversion could not cut the source's groups)."""
     assert moe_refusal(detect(source)) is None
     assert _findings(tmp_path, source, "ok", "parallel:\n  tp: 2\n  moe_tp: 2\n") == []
     bad = [m for k, m in _findings(tmp_path, source, "tp4", "parallel:\n  tp: 4\n  moe_tp: 4\n")
            if k == "parallel.tp"]
-    assert len(bad) == 1 and "at tp=4 (moe_tp=4) mlp.proj in_features 8 per rank is not a multiple of group_size " \
-        "16" in bad[0], bad
+    assert any("at tp=4 (moe_tp=4) mlp.proj in_features 32 per rank is not a multiple of group_size 64" in m
+               for m in bad), bad
 
 
 def _refused(tmp_path: Path, src: Path, why: str) -> None:

@@ -113,7 +113,7 @@ def test_inspect_says_the_format_in_one_line(unified):
     r = CliRunner().invoke(main, ["inspect", str(unified("int4_awq"))])
     assert r.exit_code == 0, r.output
     line = next(line for line in r.output.splitlines() if "pre_quantized:" in line)
-    assert "modelopt W4A16_AWQ (4-bit weights, group size 32; kv cache unquantized; excluded:" in line
+    assert "modelopt W4A16_AWQ (4-bit weights, group size 64; kv cache unquantized; excluded:" in line
     assert "model.layers.0.mlp.down_proj" in line
 
 
@@ -180,11 +180,11 @@ def test_accuracy_gate_against_the_reference_or_perplexity_alone(tmp_path, stori
 
 
 def test_a_tp_that_would_cut_the_checkpoints_groups_is_refused(tmp_path, unified):
-    ok = _recipe(tmp_path, unified("int4_wo"), "parallel:\n  tp: 2\n")  # mlp.proj (172 inputs) is excluded
+    ok = _recipe(tmp_path, unified("int4_wo"), "parallel:\n  tp: 2\n")  # mlp.proj (172 inputs), o_proj excluded
     assert not _problems(ok)
-    bad = _recipe(tmp_path, unified("int4_wo"), "parallel:\n  tp: 4\n")  # o_proj: 64 inputs / 4 = 16 < group 32
+    bad = _recipe(tmp_path, unified("int4_wo"), "parallel:\n  tp: 4\n")  # gate/up: 172 rows / 4 = 43, odd
     msgs = [x.message for x in _problems(bad) if x.key == "parallel.tp"]
-    assert msgs and "group size 32: at tp=4 attention.dense in_features 16 per rank is not a multiple of group_size 32" \
+    assert msgs and "group size 64: at tp=4 mlp.fc 43 output rows per rank is odd (int4 packs row pairs)" \
         in msgs[0], msgs
 
 
@@ -199,3 +199,20 @@ def test_plan_sizes_a_pre_quantized_source_in_its_format(tmp_path, unified, algo
         assert cfg["quantization"]["quant_algo"] == quant_algo, (target, cfg["quantization"])
         plain = {k: v for k, v in cfg.items() if k != "quantization"}
         assert weight_bytes(Shapes.of(cfg), 1, 1)[0] < weight_bytes(Shapes.of(plain), 1, 1)[0]
+
+
+def test_a_group_size_the_engine_gemm_cannot_run_is_refused(tmp_path, import_base):
+    """TensorRT-LLM's group-wise INT4 GEMM runs group_size 64 or 128 only (it throws at inference otherwise): a
+    group-32 source is refused for the engine target naming model.source, and is fine for llmapi."""
+    from trtpipe.export.unified import export_unified
+
+    src = tmp_path / "g32"
+    src.mkdir()
+    export_unified(import_base["base"], import_base["hf"], import_base["stats"], src, algo="int4_wo", kv_cache="none",
+                   group_size=32, alpha=0.5, exclude=["*lm_head", "*mlp.proj"])
+    found = [(x.key, x.message) for x in _problems(_recipe(tmp_path, src))]
+    assert [k for k, _ in found] == ["model.source"], found
+    assert "group size 32" in found[0][1] and "W4A16_AWQ with group_size 32: TensorRT-LLM's group-wise INT4 GEMM " \
+        "runs group_size 64 or 128 only (it throws at inference, after the build); use a checkpoint quantized with " \
+        "one of those group sizes, or target: llmapi" in found[0][1], found
+    assert not _problems(_recipe(tmp_path, src, target="llmapi"))

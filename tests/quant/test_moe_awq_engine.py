@@ -261,7 +261,10 @@ def test_validate_takes_int4_awq_experts_on_the_engine_and_names_a_misaligned_li
     result = _validate("quantization.algo=int4_awq", "parallel.tp=8")
     assert result.exit_code == 2
     assert "quantization.group_size: int4_awq at tp=8: mlp.proj in_features 96 per rank is not a multiple of " \
-           "group_size 128; fix: group_size 32" in result.stderr, result.stderr
+           "group_size 128; fix: a moe_tp that leaves mlp.proj whole groups and even rows per rank (more " \
+           "parallel.moe_ep), or fp8" in result.stderr, result.stderr  # 32 would split 96, but the GEMM runs 64 / 128
+    assert "group-wise INT4 GEMM runs group_size 64 or 128 only" in \
+        _validate("quantization.algo=int4_awq", "quantization.group_size=32").stderr
     assert _validate("quantization.algo=int4_awq", "parallel.tp=8", "parallel.moe_ep=8",
                      "parallel.moe_tp=1").exit_code == 0  # whole experts per rank
 

@@ -70,8 +70,8 @@ def test_statistics_are_reused_across_algorithms(recipe):
     cfg = json.loads((ckpt / "config.json").read_text())
     assert cfg["quantization"]["quant_algo"] == "W8A8_SQ_PER_CHANNEL" and cfg["mapping"]["tp_size"] == 2
     assert (ckpt / "tokenizer.json").is_file() and (ckpt / "rank1.safetensors").is_file()
-    code, out, _ = cli("calibrate", recipe, "--set", "quantization.algo=int4_awq", "--set", "quantization.group_size=32",
-                       "--set", 'quantization.exclude=["*lm_head","*mlp.proj"]')
+    code, out, _ = cli("calibrate", recipe, "--set", "quantization.algo=int4_awq", "--set", "quantization.group_size=64",
+                       "--set", 'quantization.exclude=["*lm_head","*mlp.proj","*attention.dense"]')
     assert code == 0 and out.strip().splitlines()[-1] != fp8  # AWQ needs its own search
 
 
@@ -88,9 +88,14 @@ def test_layout_rules_up_front(recipe):
     code, out, err = cli("validate", recipe, "--set", "quantization.algo=int4_awq")
     assert code == 2
     assert "mlp.proj in_features 86 per rank is not a multiple of group_size 128" in err
-    assert "fix: group_size 32 and add '*mlp.proj' to quantization.exclude" in err
+    # the fix names only group sizes the engine's INT4 GEMM runs (64 / 128): at tp 2 a rank's attention.dense has 32
+    assert "fix: group_size 64 and add '*attention.dense', '*mlp.proj' to quantization.exclude" in err
+    code, _, err = cli("validate", recipe, "--set", "quantization.algo=int4_awq", "--set", "quantization.group_size=64",
+                       "--set", 'quantization.exclude=["*lm_head","*mlp.proj","*attention.dense"]')
+    assert code == 0, err
     code, _, err = cli("validate", recipe, "--set", "quantization.algo=int4_awq", "--set", "quantization.group_size=32",
                        "--set", 'quantization.exclude=["*lm_head","*mlp.proj"]')
-    assert code == 0, err
+    assert code == 2 and "quantization.group_size: W4A16_AWQ with group_size 32: TensorRT-LLM's group-wise INT4 " \
+        "GEMM runs group_size 64 or 128 only" in err, err
     code, _, err = cli("validate", recipe, "--set", "quantization.exclude=[]")
     assert code == 2 and "keep '*lm_head' in the list" in err

@@ -82,7 +82,9 @@ def builder_target(cfg: dict, gpu: GPU) -> Target:
     checkpoint config ``cfg`` on ``gpu``; the validation rules ask it before resolving a build."""
     qa, kv = ckptconfig.quant(cfg)
     tp, pp = ckptconfig.mapping(cfg)
-    return Target(sm=gpu.sm, architecture=cfg["architecture"], quant_algo=qa, kv_cache_quant_algo=kv, tp=tp, pp=pp)
+    group = (cfg.get("quantization") or {}).get("group_size")
+    return Target(sm=gpu.sm, architecture=cfg["architecture"], quant_algo=qa, kv_cache_quant_algo=kv, tp=tp, pp=pp,
+                  group_size=int(group) if group else None)
 
 
 def _plugins(recipe: Recipe, target: Target) -> tuple[str, bool, dict[str, Any], dict[str, str]]:

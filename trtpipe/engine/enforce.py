@@ -45,6 +45,7 @@ class Target:
     kv_cache_quant_algo: Optional[str]
     tp: int = 1
     pp: int = 1
+    group_size: Optional[int] = None  # of a group-wise quant_algo (None: not group-wise or not known)
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,12 @@ def rejections(plugins: dict[str, Any], t: Target) -> list[tuple[str, str]]:
             out.append((name, f"{name} is rejected on {sm} (PluginConfig.validate)"))
     if t.sm < 89 and t.quant_algo in FP8_ALGOS:  # an FP8 KV cache alone is allowed (the rewrites handle it)
         out.append(("quantization.algo", f"{t.quant_algo} needs FP8 tensor cores (SM >= 8.9); the target is {sm}"))
+    allowed = upstream.FINEGRAINED_GROUP_SIZES[0].get(t.quant_algo)
+    if allowed and t.group_size is not None and t.group_size not in allowed:
+        sizes = " or ".join(map(str, allowed))
+        out.append(("quantization.group_size", f"{t.quant_algo} with group_size {t.group_size}: TensorRT-LLM's "
+                                               f"group-wise INT4 GEMM runs group_size {sizes} only (it throws at "
+                                               "inference, after the build)"))
     (fp4_algo, fp4_sm), _ = upstream.NVFP4_MIN_SM
     if t.quant_algo == fp4_algo and t.sm < fp4_sm:
         out.append(("quantization.algo", f"{t.quant_algo} needs FP4 tensor cores (SM >= {fp4_sm // 10}.{fp4_sm % 10}, "

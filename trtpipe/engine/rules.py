@@ -63,13 +63,13 @@ def engine_findings(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findin
     # a pre-quantized source's own algorithm is named against model.source by the import rules
     # (trtpipe.quant.imported.rules): only what the recipe itself asks for is reported under its keys here
     q = recipe.quantization
-    source_only = {k for k, mine in (("quantization.algo", q.algo), ("quantization.kv_cache", q.kv_cache))
-                   if mine == "none"}
+    source_only = {k for k, mine in (("quantization.algo", q.algo), ("quantization.group_size", q.algo),
+                                     ("quantization.kv_cache", q.kv_cache)) if mine == "none"}
     early = rejections(defaults, bc.builder_target(cfg, gpu))
     if early and not llmapi:  # the quantization itself is rejected on this GPU: no preset could help
         for key, reason in early:
-            if key not in source_only:
-                yield key, f"trtllm-build rejects this: {reason}"
+            if key not in source_only:  # a group size is refused by the GEMM at inference, not by the builder
+                yield key, reason if key == "quantization.group_size" else f"trtllm-build rejects this: {reason}"
         return
     try:
         build = bc.resolve_build(recipe, cfg, gpu)

@@ -175,6 +175,12 @@ NVFP4_GEMM = (("NVFP4", "nvfp4"), f"{BUILDER_PY} + {PLUGIN_PY} PluginConfig.from
 # Fp4GemmPlugin::init: TLLM_CHECK_WITH_INFO(getSMVersion() >= 100, "FP4 Gemm not supported before Blackwell"); the
 # NVFP4 GEMM plugin is what the builder gives an NVFP4 model (NVFP4_GEMM). Read at an unrecorded revision.
 NVFP4_MIN_SM = (("NVFP4", 100), "cpp/tensorrt_llm/plugins/fp4GemmPlugin/fp4GemmPlugin.cpp (commit not recorded)")
+# CutlassFpAIntBGemmRunner (the group-wise INT4 GEMM of W4A16 AWQ / GPTQ and W4A8 AWQ linears) throws at run time
+# unless group_size is 64 or 128 ("Only group size 64 and 128 supported for fine grained kernels"), and 128 with FP8
+# activations ("Only group size 128 supported for fine grained W4A(fp)8 kernels"): quant_algo -> group sizes it runs.
+FINEGRAINED_GROUP_SIZES = ({"W4A16_AWQ": (64, 128), "W4A16_GPTQ": (64, 128), "W4A8_AWQ": (128,)},
+                           "NVIDIA/TensorRT-LLM@567239fc cpp/tensorrt_llm/kernels/cutlass_kernels/fpA_intB_gemm/"
+                           "fpA_intB_gemm_template.h generic_mixed_gemm_kernelLauncher")
 # builder.optimize_model_with_config: a (low-latency) GEMM+SwiGLU plugin needs use_fused_mlp.
 SWIGLU_PLUGINS_NEED_FUSED_MLP = (("gemm_swiglu_plugin", "low_latency_gemm_swiglu_plugin"), BUILDER_PY)
 

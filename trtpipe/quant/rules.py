@@ -23,6 +23,7 @@ import fnmatch
 from typing import Iterable, Optional
 
 from trtpipe.checkpoint.quant_layouts import ALGOS, MOE_ENGINE_REFUSED, STYLE
+from trtpipe.engine.upstream import FINEGRAINED_GROUP_SIZES
 from trtpipe.models.hfconfig import HFModelInfo
 from trtpipe.models.trtllm_config import resolve_moe_sizes
 from trtpipe.quant.hostmem import whole_model_misfit
@@ -119,9 +120,12 @@ def _quant_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]
     bad = {n: why for n, why in int4_problems(m, tp, q.group_size, moe_tp).items() if not _excluded(n, q.exclude)}
     if not bad:
         return
+    # the engine's group-wise GEMM runs only some group sizes (trtpipe.engine.upstream.FINEGRAINED_GROUP_SIZES)
+    sizes = GROUP_SIZES if recipe.target == "llmapi" else \
+        FINEGRAINED_GROUP_SIZES[0].get(algo.quant_algo, GROUP_SIZES)
     remaining = {g: sorted(n for n in int4_problems(m, tp, g, moe_tp) if not _excluded(n, q.exclude))
-                 for g in GROUP_SIZES}
-    best = min(GROUP_SIZES, key=lambda g: (len(remaining[g]), -g))
+                 for g in sizes}
+    best = min(sizes, key=lambda g: (len(remaining[g]), -g))
     parts = [f"group_size {best}"] if best != q.group_size else []
     experts = [n for n in remaining[best] if m.is_moe and n.startswith("mlp.")]  # not excludable (_moe_engine)
     if len(experts) < len(remaining[best]):

@@ -123,9 +123,13 @@ def _builder_rejects(recipe: Recipe, m: HFModelInfo, fmt) -> Iterable[Finding]:
         gpu = get_gpu(recipe.engine.gpu)
     except EngineError:
         return  # an unknown GPU is named by the engine rules
-    target = Target(gpu.sm, m.architecture, fmt.quant_algo, fmt.kv_cache, recipe.parallel.tp, recipe.parallel.pp)
+    target = Target(gpu.sm, m.architecture, fmt.quant_algo, fmt.kv_cache, recipe.parallel.tp, recipe.parallel.pp,
+                    fmt.group_size)
     for key, reason in rejections({}, target):
-        if key.startswith("quantization."):
+        if key == "quantization.group_size":  # the source's groups, on any GPU: another checkpoint is the fix
+            yield "model.source", f"model.source is {fmt.describe()}: {reason}; use a checkpoint quantized with one " \
+                                  "of those group sizes, or target: llmapi"
+        elif key.startswith("quantization."):
             yield "engine.gpu", f"model.source is {fmt.describe()}: trtllm-build rejects it on {recipe.engine.gpu}: {reason}"
 
 
