@@ -3,12 +3,17 @@ dequantized linear weights by TensorRT-LLM name, and the logit comparison agains
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from numerics import assert_as_accurate, error_scale, float64_copy
 from trtpipe.checkpoint.convert import convert
+from trtpipe.errors import CheckpointError
 from trtpipe.export.unified import HFNames
 from trtpipe.quant.imported.detect import detect
 from trtpipe.quant.imported.trtllm import ImportedLinears
@@ -75,3 +80,30 @@ def check_weights(got: dict, oracle: dict, what: str, quant_algo: str, engine: b
             assert bool(((w - want).abs() <= 2.0 ** -11 * want.abs()).all()), f"{what}: {name}"
         else:
             assert torch.equal(w, want), f"{what}: {name}"
+
+
+def edited_copy(src: Path, dst: Path, edit_tensors=None, edit_hq=None, edit_cfg=None) -> Path:
+    """A copy of checkpoint ``src`` at ``dst`` with its tensors / hf_quant_config.json / config.json edited in place
+    by the given functions (a bad checkpoint made from a good one)."""
+    shutil.copytree(src, dst)
+    if edit_tensors:
+        t = load_file(str(dst / "model.safetensors"))
+        edit_tensors(t)
+        save_file(t, str(dst / "model.safetensors"))
+    for name, edit in (("hf_quant_config.json", edit_hq), ("config.json", edit_cfg)):
+        if edit:
+            cfg = json.loads((dst / name).read_text())
+            edit(cfg)
+            (dst / name).write_text(json.dumps(cfg))
+    return dst
+
+
+def conversion_refused(src: Path, out: Path, *needles: str, tp: int = 2) -> str:
+    """The engine conversion of ``src`` refuses in one line holding every needle and writes nothing (no output, no
+    temporary directory); returns the line."""
+    with pytest.raises(CheckpointError) as exc:
+        convert_source(src, out, tp=tp)
+    msg = str(exc.value)
+    assert "\n" not in msg and all(n in msg for n in needles), msg
+    assert not out.exists() and not any(out.parent.glob(f".{out.name}.tmp-*"))
+    return msg

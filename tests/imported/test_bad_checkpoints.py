@@ -5,45 +5,20 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
-import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file, save_file
 
-from imported_helpers import convert_source
+from imported_helpers import conversion_refused, edited_copy
 from trtpipe.cli import main
-from trtpipe.errors import CheckpointError
 
 
-def _copy(src: Path, dst: Path, edit_tensors=None, edit_hq=None, edit_cfg=None) -> Path:
-    shutil.copytree(src, dst)
-    if edit_tensors:
-        t = load_file(str(dst / "model.safetensors"))
-        edit_tensors(t)
-        save_file(t, str(dst / "model.safetensors"))
-    for name, edit in (("hf_quant_config.json", edit_hq), ("config.json", edit_cfg)):
-        if edit:
-            cfg = json.loads((dst / name).read_text())
-            edit(cfg)
-            (dst / name).write_text(json.dumps(cfg))
-    return dst
-
-
-def _fails(src: Path, out: Path, *needles: str) -> str:
-    with pytest.raises(CheckpointError) as exc:
-        convert_source(src, out, tp=2)
-    msg = str(exc.value)
-    assert "\n" not in msg and all(n in msg for n in needles), msg
-    assert not out.exists() and not any(out.parent.glob(f".{out.name}.tmp-*"))
-    return msg
 
 
 def test_missing_scale_is_named(tmp_path, unified):
-    src = _copy(unified("fp8"), tmp_path / "src",
+    src = edited_copy(unified("fp8"), tmp_path / "src",
                 edit_tensors=lambda t: t.pop("model.layers.2.self_attn.k_proj.weight_scale"))
-    _fails(src, tmp_path / "out", "tensor 'model.layers.2.self_attn.k_proj.weight_scale' is missing (FP8)")
+    conversion_refused(src, tmp_path / "out", "tensor 'model.layers.2.self_attn.k_proj.weight_scale' is missing (FP8)")
 
 
 def test_wrong_packed_shape_is_named(tmp_path, unified):
@@ -52,8 +27,8 @@ def test_wrong_packed_shape_is_named(tmp_path, unified):
     def edit(t):
         t[name] = t[name].reshape(t[name].shape[0] * 2, -1)  # [out, in/2]: packed along the wrong axis
 
-    src = _copy(unified("int4_wo"), tmp_path / "src", edit_tensors=edit)
-    _fails(src, tmp_path / "out", f"tensor '{name}' has shape [172, 32]", "stores [86, 64]")
+    src = edited_copy(unified("int4_wo"), tmp_path / "src", edit_tensors=edit)
+    conversion_refused(src, tmp_path / "out", f"tensor '{name}' has shape [172, 32]", "stores [86, 64]")
 
 
 def test_group_size_that_does_not_divide_is_named(tmp_path, unified):
@@ -62,18 +37,18 @@ def test_group_size_that_does_not_divide_is_named(tmp_path, unified):
     def edit(t):
         t[name] = torch.ones(64, 3)
 
-    src = _copy(unified("int4_wo"), tmp_path / "src", edit_tensors=edit)
-    _fails(src, tmp_path / "out", f"{name}: shape [64, 3] does not give a group size that divides in_features 64")
+    src = edited_copy(unified("int4_wo"), tmp_path / "src", edit_tensors=edit)
+    conversion_refused(src, tmp_path / "out", f"{name}: shape [64, 3] does not give a group size that divides in_features 64")
 
 
 def test_config_group_size_contradicting_the_scales_is_named(tmp_path, unified):
-    src = _copy(unified("int4_wo"), tmp_path / "src", edit_hq=lambda c: c["quantization"].update(group_size=32))
-    _fails(src, tmp_path / "out", "model.layers.0.self_attn.q_proj.weight_scale' has shape [64, 1], group size 32")
+    src = edited_copy(unified("int4_wo"), tmp_path / "src", edit_hq=lambda c: c["quantization"].update(group_size=32))
+    conversion_refused(src, tmp_path / "out", "model.layers.0.self_attn.q_proj.weight_scale' has shape [64, 1], group size 32")
 
 
 def test_group_size_missing_is_named(tmp_path, unified):
-    src = _copy(unified("w4a8_awq"), tmp_path / "src", edit_hq=lambda c: c["quantization"].pop("group_size"))
-    _fails(src, tmp_path / "out", "hf_quant_config.json: group_size is None; W4A8_AWQ needs")
+    src = edited_copy(unified("w4a8_awq"), tmp_path / "src", edit_hq=lambda c: c["quantization"].pop("group_size"))
+    conversion_refused(src, tmp_path / "out", "hf_quant_config.json: group_size is None; W4A8_AWQ needs")
 
 
 def test_unknown_format_is_named_by_inspect_and_build(tmp_path, stories_dir):
@@ -91,5 +66,5 @@ def test_unknown_format_is_named_by_inspect_and_build(tmp_path, stories_dir):
 
 def test_a_tensor_the_format_does_not_have_is_named(tmp_path, unified):
     name = "model.layers.3.mlp.gate_proj.weight_zero_point"
-    src = _copy(unified("int4_awq"), tmp_path / "src", edit_tensors=lambda t: t.update({name: torch.zeros(2)}))
-    _fails(src, tmp_path / "out", "tensor 'model.layers.3.mlp.gate_proj.weight_zero_point' is not part of W4A16_AWQ")
+    src = edited_copy(unified("int4_awq"), tmp_path / "src", edit_tensors=lambda t: t.update({name: torch.zeros(2)}))
+    conversion_refused(src, tmp_path / "out", "tensor 'model.layers.3.mlp.gate_proj.weight_zero_point' is not part of W4A16_AWQ")

@@ -82,27 +82,40 @@ def _nibbles(words: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.stack([(w >> (4 * j)) & 0xF for j in range(8)], dim + 1).flatten(dim, dim + 1)
 
 
-@pytest.fixture(scope="module")
-def gptq(made, tmp_path_factory) -> Path:
-    """The symmetric source repacked as GPTQ v1 (qweight [in/8, out], qzeros 0x77777777 = zero 8 stored minus 1,
-    fp16 scales [in/g, out], a contiguous g_idx), as GPTQModel writes a sym: true, desc_act: false checkpoint."""
-    out = tmp_path_factory.mktemp("moe_gptq") / "src"
-    shutil.copytree(made / "sym", out)
+def _as_gptq(src: Path, out: Path) -> Path:
+    """An llm-compressor W4A16 checkpoint repacked as GPTQ v1: unsigned codes (signed + 8) in qweight [in/8, out];
+    true zeros (8 for a symmetric source, zero_point + 8 otherwise) packed 8 per int32 along the outputs and stored
+    minus 0x11111111 (v1, integer wraparound: gptq.py reads them back by adding it), so a symmetric source's qzeros
+    are 0x77777777; fp16 scales [in/g, out] (the bf16 scales, exactly); a contiguous g_idx."""
+    shutil.copytree(src, out)
     t = load_file(str(out / "model.safetensors"))
+    symmetric = True
     for name in [k for k in t if k.endswith(".weight_packed")]:
         m = name[: -len(".weight_packed")]
         out_f, in_f = (int(x) for x in t.pop(m + ".weight_shape").tolist())
         q = _nibbles(t.pop(name), 1)[:, :in_f]  # [out, in] unsigned (signed + 8)
+        if m + ".weight_zero_point" in t:
+            symmetric = False
+            z = _nibbles(t.pop(m + ".weight_zero_point"), 0)[:out_f]  # [out, in/g] unsigned (signed + 8)
+        else:
+            z = torch.full((out_f, in_f // G), 8)
+        words = (_words(z.t(), 1).to(torch.int64) - 0x11111111) & 0xFFFFFFFF
         t[m + ".qweight"] = _words(q.t(), 0)
-        t[m + ".qzeros"] = _words(torch.full((in_f // G, out_f), 7), 1)
+        t[m + ".qzeros"] = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
         t[m + ".scales"] = t.pop(m + ".weight_scale").t().contiguous().half()
         t[m + ".g_idx"] = (torch.arange(in_f) // G).to(torch.int32)
     save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": G, "sym": True, "desc_act": False,
-                                  "checkpoint_format": "gptq"}
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": G, "sym": symmetric,
+                                  "desc_act": False, "checkpoint_format": "gptq"}
     (out / "config.json").write_text(json.dumps(cfg))
     return out
+
+
+@pytest.fixture(scope="module")
+def gptq(made, tmp_path_factory) -> Path:
+    """The symmetric source repacked as GPTQ v1, as GPTQModel writes a sym: true, desc_act: false checkpoint."""
+    return _as_gptq(made / "sym", tmp_path_factory.mktemp("moe_gptq") / "src")
 
 
 @pytest.fixture(scope="module", params=["llmc", "gptq"])
@@ -290,28 +303,8 @@ def test_the_docs_table_states_each_refusal():
 
 @pytest.fixture(scope="module")
 def gptq_asym(made, tmp_path_factory) -> Path:
-    """The asymmetric source repacked as GPTQ v1 ``sym: false``: unsigned codes (signed + 8), true zeros
-    z = zero_point + 8 packed 8 per int32 along the outputs and stored minus 0x11111111 (v1, integer wraparound:
-    gptq.py reads them back by adding it), fp16 scales [in/g, out] (the bf16 scales, exactly), a contiguous g_idx."""
-    out = tmp_path_factory.mktemp("moe_gptq_asym") / "src"
-    shutil.copytree(made / "asym", out)
-    t = load_file(str(out / "model.safetensors"))
-    for name in [k for k in t if k.endswith(".weight_packed")]:
-        m = name[: -len(".weight_packed")]
-        out_f, in_f = (int(x) for x in t.pop(m + ".weight_shape").tolist())
-        q = _nibbles(t.pop(name), 1)[:, :in_f]  # [out, in] unsigned (signed + 8)
-        z = _nibbles(t.pop(m + ".weight_zero_point"), 0)[:out_f]  # [out, in/g] unsigned (signed + 8)
-        words = (_words(z.t(), 1).to(torch.int64) - 0x11111111) & 0xFFFFFFFF
-        t[m + ".qweight"] = _words(q.t(), 0)
-        t[m + ".qzeros"] = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
-        t[m + ".scales"] = t.pop(m + ".weight_scale").t().contiguous().half()
-        t[m + ".g_idx"] = (torch.arange(in_f) // G).to(torch.int32)
-    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": G, "sym": False, "desc_act": False,
-                                  "checkpoint_format": "gptq"}
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
+    """The asymmetric source repacked as GPTQ v1 ``sym: false`` (its zero points kept)."""
+    return _as_gptq(made / "asym", tmp_path_factory.mktemp("moe_gptq_asym") / "src")
 
 
 @pytest.fixture(scope="module", params=["llmc", "gptq"])

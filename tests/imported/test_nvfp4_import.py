@@ -14,17 +14,15 @@ order only; a wrong nibble, block or shard is off by 1e-1); bad input named in o
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from imported_helpers import IDS, convert_source, linear_weights
+from imported_helpers import IDS, conversion_refused, convert_source, edited_copy, linear_weights
 from numerics import assert_as_accurate, error_scale, float64_copy
 from prequantized import prequantized
-from trtpipe.errors import CheckpointError
 from trtpipe.runtime import load_checkpoint
 from trtpipe.runtime.hf_loader import load_hf_checkpoint
 
@@ -105,25 +103,11 @@ def test_twin_logits_equal_the_source_as_stored(source, converted, tmp_path):
             assert_as_accurate(got, ref64, scale, f"NVFP4 engine checkpoint {what}")
 
 
-def _broken(source: Path, dst: Path, edit) -> Path:
-    shutil.copytree(source, dst)
-    t = load_file(str(dst / "model.safetensors"))
-    edit(t)
-    save_file(t, str(dst / "model.safetensors"))
-    return dst
-
-
-def _fails(src: Path, out: Path, *needles: str) -> None:
-    with pytest.raises(CheckpointError) as exc:
-        convert_source(src, out, tp=2)
-    msg = str(exc.value)
-    assert "\n" not in msg and all(n in msg for n in needles), msg
-    assert not out.exists() and not any(out.parent.glob(f".{out.name}.tmp-*"))
 
 
 def test_missing_global_scale_is_named(source, tmp_path):
     name = "model.layers.1.self_attn.k_proj.weight_scale_2"
-    _fails(_broken(source, tmp_path / "src", lambda t: t.pop(name)), tmp_path / "out",
+    conversion_refused(edited_copy(source, tmp_path / "src", lambda t: t.pop(name)), tmp_path / "out",
            f"tensor '{name}' is missing (NVFP4)")
 
 
@@ -133,12 +117,12 @@ def test_wrong_packed_shape_is_named(source, tmp_path):
     def edit(t):
         t[name] = t[name].reshape(t[name].shape[0] // 2, -1)  # [out/2, in]: packed along the wrong axis
 
-    _fails(_broken(source, tmp_path / "src", edit), tmp_path / "out",
+    conversion_refused(edited_copy(source, tmp_path / "src", edit), tmp_path / "out",
            f"tensor '{name}' has shape [128, 128], NVFP4 of a [256, 128] projection stores [256, 64]")
 
 
 def test_fused_members_with_different_global_scales_are_refused(source, tmp_path):
     name = "model.layers.0.self_attn.v_proj.weight_scale_2"
-    src = _broken(source, tmp_path / "src", lambda t: t.update({name: t[name] * 2}))
-    _fails(src, tmp_path / "out", "model.layers.0.self_attn: q_proj/k_proj/v_proj weight_scale_2 differ",
+    src = edited_copy(source, tmp_path / "src", lambda t: t.update({name: t[name] * 2}))
+    conversion_refused(src, tmp_path / "out", "model.layers.0.self_attn: q_proj/k_proj/v_proj weight_scale_2 differ",
            "TensorRT-LLM's NVFP4 attention.qkv keeps one per fused linear", "target: llmapi")
