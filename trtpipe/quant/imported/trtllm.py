@@ -514,10 +514,10 @@ class ImportedLinears:
         seen = self._moe_excluded.setdefault(layer, {})
         seen[rule.trt] = excluded
         if len(set(seen.values())) > 1:
-            kept = next(t for t, x in seen.items() if not x)
-            left = next(t for t, x in seen.items() if x)
-            raise CheckpointError(f"{self.where}: layer {layer}: exclude_modules leaves the experts of {left[:-7]} "
-                                  f"unquantized but not those of {kept[:-7]}; TensorRT-LLM quantizes a MoE layer as "
+            kept = next(t for t, x in seen.items() if not x).removesuffix(".weight")
+            left = next(t for t, x in seen.items() if x).removesuffix(".weight")
+            raise CheckpointError(f"{self.where}: layer {layer}: exclude_modules leaves the experts of {left} "
+                                  f"unquantized but not those of {kept}; TensorRT-LLM quantizes a MoE layer as "
                                   "a whole (exclude all of its experts or none)")
 
     def _tensors(self, reader, module: str, meta: bool, used: Optional[set]) -> dict[str, torch.Tensor]:
