@@ -8,7 +8,11 @@ request). Per GPU and per step, the model counts
 - GEMM FLOPs at the precision's dense tensor peak (2 x tokens x parameters, routed experts by top-k);
 - attention FLOPs (causal context pairs, and decode pairs) at the 16-bit tensor peak;
 - the tensor-parallel all-reduces (two per layer, ring: 2 (tp-1)/tp x bytes) or, with attention data
-  parallelism, the MoE all-to-all, over the GPU link.
+  parallelism, each MoE layer's all-gather of every rank's tokens and reduce-scatter of its output, over the GPU
+  link. That is what the PyTorch backend's CUTLASS MoE does without an MNNVL all-to-all
+  (NVIDIA/TensorRT-LLM@000a01de ``tensorrt_llm/_torch/modules/fused_moe/fused_moe_cutlass.py``: ``allgather`` of
+  the inputs, ``fused_moe`` over all ranks' tokens, ``reducescatter``): each token crosses the link once each way
+  whatever its top-k, not once per routed copy.
 
 These raw terms are seconds at 100% of the catalog's peaks (:class:`Terms`); :class:`Constants` turns them into a
 time with a small number of named constants fitted on NVIDIA's published numbers (scripts/fit_perf.py)::
@@ -313,9 +317,10 @@ def group_terms(d: Deployment, context: Sequence[tuple[int, int, float]], genera
         mem += n * w / bw
         kvr += n * attended * kv_local / dp / bw
         attn += n * 2 * heads * (m.qk_dim + m.v_dim) * pairs / dp / peak16
-        if d.attn_dp and k.experts and d.tp > 1 and d.ep == d.tp:  # dispatch + combine of each token's top-k copies
-            comm += n * 2 * (tokens / dp) * k.top_k * m.hidden * ACT_BYTES * (d.tp - 1) / d.tp / link
-        elif d.attn_dp and k.experts and d.tp > 1:  # MoE-TP under attention DP: all-gather + reduce-scatter
+        if d.attn_dp and k.experts and d.tp > 1:
+            # attention DP, EP or MoE-TP alike: every rank all-gathers all ranks' tokens before its experts and
+            # reduce-scatters their output after (the CUTLASS MoE without an MNNVL all-to-all); the payload is counted
+            # at 16 bits both ways (docs/reference/perf-model.md: the quantized payload was tried and fits worse)
             comm += n * 2 * tokens * m.hidden * ACT_BYTES * (d.tp - 1) / d.tp / link
         elif d.tp > 1:
             comm += n * 2 * 2 * (d.tp - 1) / d.tp * tokens * m.hidden * ACT_BYTES / link
