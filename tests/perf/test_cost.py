@@ -53,6 +53,20 @@ def test_tensor_parallel_all_reduce_and_kv_head_replication():
     assert t.mem == pytest.approx((576 / 2 * 2 + 80 / 2 * 2) / 1e12, rel=1e-12)
 
 
+def test_attention_dp_moe_gathers_every_token_once_whatever_its_top_k():
+    """Under attention DP the PyTorch backend's CUTLASS MoE all-gathers all ranks' tokens before the experts and
+    reduce-scatters their output (fused_moe_cutlass.py@000a01de): one hidden vector each way per token, so the link
+    time does not grow with top-k, and expert parallelism and MoE-TP move the same bytes."""
+    gen = [0] * 8  # 8 generating tokens over 4 attention-DP ranks
+    link = lambda k, ep: step_terms(  # noqa: E731
+        Deployment(toy(experts=4, top_k=k, layers=1), GPU_T, "fp16", "fp16", tp=4, ep=ep, attn_dp=True),
+        generation=gen).comm
+    expected = 2 * 8 * 8 * 2 * (3 / 4) / 100e9  # gather + scatter of 8 tokens x hidden 8 x 2 bytes, 3/4 off-rank
+    assert link(1, 4) == pytest.approx(expected, rel=1e-12)
+    assert link(2, 4) == pytest.approx(expected, rel=1e-12)  # top-2: the same bytes (not one crossing per copy)
+    assert link(2, 1) == pytest.approx(expected, rel=1e-12)  # MoE-TP (every rank a slice of every expert): same
+
+
 def test_moe_reads_only_the_experts_tokens_hit():
     assert experts_touched(8, 2, 1) == pytest.approx(2.0)
     assert experts_touched(8, 2, 2) == pytest.approx(8 * (1 - (6 / 8) ** 2))
