@@ -67,6 +67,34 @@ def test_attention_dp_moe_gathers_every_token_once_whatever_its_top_k():
     assert link(2, 1) == pytest.approx(expected, rel=1e-12)  # MoE-TP (every rank a slice of every expert): same
 
 
+def test_attention_dp_keeps_a_whole_embedding_and_lm_head_on_every_rank():
+    """Under attention DP every rank samples its own requests against a whole lm_head (TRT-LLM builds ``LMHead``
+    without a mapping then, and the embedding likewise): its 16-bit bytes count whole per GPU and per step; the
+    lm_head FLOPs stay the sampled rows x the whole head, spread over the ranks."""
+    spec = toy(experts=4, top_k=1, layers=1)
+    tp = Deployment(spec, GPU_T, "fp16", "fp16", tp=2, ep=2)
+    dp = Deployment(spec, GPU_T, "fp16", "fp16", tp=2, ep=2, attn_dp=True)
+    head = 10 * 8 * 2  # vocab x hidden x 2 bytes
+    assert dp.weight_bytes_per_gpu - tp.weight_bytes_per_gpu == pytest.approx(
+        2 * head / 2 + (192 + 0) * 2 / 2, rel=1e-12)  # embedding + lm_head halves, and the replicated attention
+    t_tp, t_dp = step_terms(tp, generation=[0, 0]), step_terms(dp, generation=[0, 0])
+    assert t_dp.mem - t_tp.mem == pytest.approx((head / 2 + 192 * 2 / 2) / 1e12, rel=1e-9)
+    assert t_dp.gemm == pytest.approx(t_tp.gemm, rel=1e-12)
+
+
+def test_profiling_activation_bytes_by_hand():
+    """The pass the PyTorch backend runs before sizing its KV pool: the largest layer's 16-bit buffers for
+    max_num_tokens tokens; an MoE layer adds its fused-MoE rows for every attention-DP rank's tokens x top-k."""
+    dense = Deployment(toy(layers=1), GPU_T, "fp16", "fp16")
+    assert dense.profiling_activation_bytes(0) == 0
+    # 3 hidden vectors + (192 + 384) / 8 linear outputs per token
+    assert dense.profiling_activation_bytes(100) == pytest.approx(100 * (3 * 8 + 576 / 8) * 2, rel=1e-12)
+    moe = Deployment(toy(experts=4, top_k=2, layers=1), GPU_T, "fp16", "fp16", tp=2, ep=2, attn_dp=True)
+    inter = 384 / (3 * 8)  # one expert's intermediate width (ep = tp: whole experts)
+    want = 100 * (3 * 8 + 192 / 8) + 100 * 2 * 2 * (2 * 8 + 3 * inter)  # 2 ranks' tokens x top-2 rows
+    assert moe.profiling_activation_bytes(100) == pytest.approx(want * 2, rel=1e-12)
+
+
 def test_moe_reads_only_the_experts_tokens_hit():
     assert experts_touched(8, 2, 1) == pytest.approx(2.0)
     assert experts_touched(8, 2, 2) == pytest.approx(8 * (1 - (6 / 8) ** 2))

@@ -82,6 +82,7 @@ class Deployment:
     pp: int = 1
     ep: int = 1  # expert parallel size inside the tp group (1: every rank holds 1/tp of every expert)
     attn_dp: bool = False  # attention data parallel over the tp GPUs (each holds all attention weights)
+    pytorch_backend: bool = False  # sizes its KV pool after a max_num_tokens forward pass (profiling_activation_bytes)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -117,6 +118,39 @@ class Deployment:
         per_layer = m.kv_elems * heads_local / m.kv_heads
         return per_layer * m.num_layers * self.stage_layers * KV_BYTES[self.kv]
 
+    def profiling_activation_bytes(self, max_num_tokens: int) -> float:
+        """Activation memory of the forward pass the PyTorch backend runs before it sizes the KV pool: a dummy
+        context batch of ``max_num_tokens`` tokens per rank, after which the pool gets ``fraction x (total - peak)``
+        (NVIDIA/TensorRT-LLM ``tensorrt_llm/_torch/pyexecutor/_util.py``, ``KvCacheCreator``: ``peak_memory`` is the
+        torch peak of that pass plus non-torch allocations). Estimated as the largest layer's transient buffers in
+        16 bits: per token three hidden vectors and the outputs of the rank's dense linears (about their parameters
+        / hidden); an MoE layer adds the fused MoE's rows -- every token of every attention-DP rank (the MoE
+        all-gathers them: ``moe_max_num_tokens = max_num_tokens x world size``, ``fused_moe_cutlass.py``) times
+        top-k, each holding its input and output (hidden) and the gated FC1 output and activation (3 x the
+        expert's intermediate width on this rank). No fitted multiplier: the estimate is taken at face value."""
+        if not max_num_tokens:
+            return 0.0
+        m = self.model
+        dp = self.tp if self.attn_dp else 1
+        split = 1 if self.attn_dp else self.tp
+        peak = 0.0
+        for k in m.layers:
+            per_token = 3 * m.hidden + (k.attn_params + k.mlp_params) / split / m.hidden
+            act = max_num_tokens * per_token
+            if k.experts:
+                inter = k.expert_params / (3 * m.hidden) / max(1, self.tp // self.ep)
+                act += max_num_tokens * dp * k.top_k * (2 * m.hidden + 3 * inter)
+            peak = max(peak, act * ACT_BYTES)
+        return peak
+
+    @property
+    def vocab_split(self) -> int:
+        """GPUs the embedding and lm_head are split over: none under attention DP, where every rank samples its own
+        requests against a whole lm_head (NVIDIA/TensorRT-LLM@cb4c622c ``tensorrt_llm/_torch/models/modeling_utils.py``
+        ``DecoderModelForCausalLM``: ``LMHead`` without a mapping when ``enable_attention_dp``; the embedding likewise,
+        e.g. ``Llama4Model`` @3a5901cd ``modeling_llama.py``), else tp."""
+        return 1 if self.attn_dp else self.tp
+
     @property
     def dense_peak(self) -> float:
         """Tensor peak of the non-expert GEMMs: an MXFP4 checkpoint (GPT-OSS) keeps them in BF16."""
@@ -148,7 +182,7 @@ class Deployment:
             experts = k.experts * k.expert_params / self.tp
             total += k.count * (self._weight_bytes(dense) + self._weight_bytes(experts, True))
         total *= self.stage_layers
-        return total + 2 * self.model.vocab * self.model.hidden * 2 / self.tp
+        return total + 2 * self.model.vocab * self.model.hidden * 2 / self.vocab_split
 
 
 @dataclass(frozen=True)
@@ -326,8 +360,8 @@ def group_terms(d: Deployment, context: Sequence[tuple[int, int, float]], genera
             comm += n * 2 * 2 * (d.tp - 1) / d.tp * tokens * m.hidden * ACT_BYTES / link
     if d.pp > 1:  # activations handed to the next stage
         comm += tokens * m.hidden * ACT_BYTES / link
-    head = m.vocab * m.hidden / d.tp  # lm_head (16-bit), on the rows that sample
-    mem += head * 2 / bw if tokens else 0.0
+    head = m.vocab * m.hidden / d.tp  # lm_head (16-bit) FLOPs per sampled row, spread over the tp GPUs either way
+    mem += m.vocab * m.hidden / d.vocab_split * 2 / bw if tokens else 0.0
     gemm += 2 * sampled * head / peak16 + expert_gemm
     seqs = sum(c for _, c in generation) + sum(c for _, _, c in context)
     return Terms(mem, kvr, gemm, attn, comm, seqs, m.num_layers * frac, d.pp, d.gemm_peak / 1e15, expert_gemm, copies)

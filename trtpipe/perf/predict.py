@@ -160,7 +160,8 @@ def nearest_published(rows: list[dict], spec, gpu: GPU, precision: str, isl: int
 def _serving_limits(row: dict, d: Deployment, isl: int, osl: int, c: Constants) -> Setup:
     lim = limits_of(row, d, isl, osl)
     return Setup(d, lim.max_batch_size, lim.max_num_tokens, isl, isl + osl,
-                 kv_capacity_tokens(d, lim.kv_fraction, c.other_gb) // max(1, d.pp), 64, True)
+                 kv_capacity_tokens(d, lim.kv_fraction, c.other_gb,
+                                    lim.max_num_tokens if d.pytorch_backend else 0) // max(1, d.pp), 64, True)
 
 
 def predict_scenarios(rows: list[dict], constants: dict[str, Constants], simulate_serving: bool = True,

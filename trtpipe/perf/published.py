@@ -59,6 +59,10 @@ TUNED_011 = {("GPT-J 6B", 1, ""): (2048, 128), ("GPT-J 6B", 1, "128/128"): (2048
 # 0.19-1.0 pages: the MoE YAML sets enable_attention_dp: true while the tables state no EP (the LLM API's default
 # then splits every expert over the tp ranks: MoE-TP, ep = 1)
 MOE_ATTN_DP_PAGES = ("0.19.0", "0.20", "0.21", "1.0")
+# the 1.0 page's MoE command passes `--ep $ep_size` while its tables name only TP: expert parallel over the tp ranks,
+# the DEP layout the later pages name outright (an assumption: the page never gives $ep_size; fitted better than
+# MoE-TP, docs/reference/perf-model.md)
+MOE_EP_PAGES = ("1.0",)
 THROUGHPUT_METRICS = ("output_tok_s_total", "output_tok_s_per_gpu", "output_tok_s_unspecified")
 # The published numbers themselves, shipped with the package; where each was published: data/SOURCES.md
 PUBLISHED_CSV = Path(__file__).resolve().parent / "data" / "published_trtllm.csv"
@@ -103,7 +107,9 @@ def deployment_of(row: dict) -> Deployment:
                                               and row["backend"].startswith("pytorch:"))
     if spec.mxfp4_experts and gpu.sm < 100:  # GPT-OSS YAML: FP8 KV on Blackwell, "Hopper: use auto" (BF16)
         kv = "fp16"
-    return Deployment(spec, gpu, w, kv, tp, pp, ep, attn_dp)
+    if spec.is_moe and tp > 1 and not row["ep"].strip() and row["trtllm_version"] in MOE_EP_PAGES:
+        ep = tp
+    return Deployment(spec, gpu, w, kv, tp, pp, ep, attn_dp, pytorch_backend=row["backend"].startswith("pytorch:"))
 
 
 def _round_batch(b: int) -> int:
@@ -133,10 +139,12 @@ def bench_heuristic(d: Deployment, isl: int, osl: int, kv_fraction: float = 0.95
     return _round_batch(raw_batch), _round_tokens(raw_tokens)
 
 
-def kv_capacity_tokens(d: Deployment, kv_fraction: float, other_gb: float) -> int:
-    """Tokens the runtime's KV pool holds per pipeline stage: the fraction of memory left after the weights and
-    ``other_gb`` (CUDA context, workspaces, activations: a fitted constant)."""
-    free = d.gpu.memory_bytes - d.weight_bytes_per_gpu - other_gb * 1e9
+def kv_capacity_tokens(d: Deployment, kv_fraction: float, other_gb: float, max_num_tokens: int = 0) -> int:
+    """Tokens the runtime's KV pool holds per pipeline stage: the fraction of memory left after the weights, the
+    activations of a ``max_num_tokens`` forward pass (:meth:`Deployment.profiling_activation_bytes`: the PyTorch
+    backend sizes its pool after such a pass) and ``other_gb`` (CUDA context, workspaces: a fitted constant)."""
+    free = (d.gpu.memory_bytes - d.weight_bytes_per_gpu - other_gb * 1e9
+            - d.profiling_activation_bytes(max_num_tokens))
     return max(0, int(free * kv_fraction / d.kv_bytes_per_token))
 
 
@@ -206,7 +214,8 @@ def _simpson(d: Deployment, ctx: list, gen_count: float, isl: int, osl: int, sam
 
 
 def max_load_case(d: Deployment, lim: EngineLimits, isl: int, osl: int, other_gb: float) -> Case:
-    cap = kv_capacity_tokens(d, lim.kv_fraction, other_gb) // (isl + osl)
+    act_tokens = lim.max_num_tokens if d.pytorch_backend else 0
+    cap = kv_capacity_tokens(d, lim.kv_fraction, other_gb, act_tokens) // (isl + osl)
     if cap < 1:
         raise TrtpipeError(f"one request of {isl}+{osl} tokens does not fit the KV pool")
     ranks = d.tp if d.attn_dp else 1  # attention data parallel: each rank its own scheduler, limits and KV pool
