@@ -101,6 +101,8 @@ def test_predict_gpt_oss_recipe_beside_its_published_rows():
     setup = P.recipe_setup(GPT_OSS, [])
     d = setup.deployment
     assert (d.tp, d.ep, d.model.mxfp4_experts) == (4, 4, True) and setup.family == "pytorch"
+    # algo none keeps the experts as shipped: the layout says MXFP4, not a bare "bf16" (which would read 234 GB)
+    assert got["layout"] == "4x h100-sxm-80gb tp4 pp1 ep4 mxfp4-experts+bf16 (PyTorch backend)"
     want = P.summary(setup, P.simulate(setup, load_constants()["pytorch"], 256, 32, concurrency=4))
     assert {k: got[k] for k in want} == want
     near = got["nearest_published"]

@@ -88,7 +88,8 @@ def recipe_setup(recipe_path: Path, overrides: Iterable[str] = (), gpu: Optional
     d = Deployment(spec, get_gpu(rec.engine.gpu), prec, kv, p.tp, p.pp, ep)
     c = r.build.config
     fam = "pytorch" if rec.target == "llmapi" else "engine"  # the PyTorch backend has its own fitted constants
-    label = f"{d.num_gpus}x {d.gpu.key} tp{d.tp} pp{d.pp}{f' ep{ep}' if ep > 1 else ''} {prec}" + (
+    weights = f"mxfp4-experts+{prec}" if spec.mxfp4_experts else prec  # gpt-oss: the experts as shipped
+    label = f"{d.num_gpus}x {d.gpu.key} tp{d.tp} pp{d.pp}{f' ep{ep}' if ep > 1 else ''} {weights}" + (
         " (PyTorch backend)" if fam == "pytorch" else "")
     return Setup(d, c.max_batch_size, c.max_num_tokens, c.max_input_len, c.max_seq_len,
                  r.plan.kv_blocks * r.plan.tokens_per_block, r.plan.tokens_per_block,
