@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from trtpipe.cli import main
+from trtpipe.errors import TrtpipeError
 from trtpipe.perf import predict as P
 from trtpipe.perf.fit import load_constants, predict_rows
 from trtpipe.perf.published import PUBLISHED_CSV, read_rows
@@ -133,3 +134,17 @@ def test_plan_layouts_keep_the_recipes_expert_split_on_fewer_or_more_gpus(tp, wa
     (which refused the one- and two-GPU layouts)."""
     setup = P.recipe_setup(RECIPES / "gpt-oss-120b-mxfp4.yaml", gpu="b200-180gb", tp=tp)
     assert (setup.deployment.tp, setup.deployment.ep) == (tp, want_ep)
+
+
+def test_plan_says_whole_why_a_layout_does_not_fit():
+    """A layout plan --slo skips carries its refusal whole, the advice ("turn a knob: parallel.tp: 4") included:
+    it was cut at 200 characters, mid-word, so the one line that tells the user what to change read "turn a knob: par"."""
+    qwen235 = RECIPES / "qwen3-235b-a22b-fp8.yaml"
+    res = cli("plan", str(qwen235), "--slo", "ttft_p99=5000ms", "--rate", "1", "--isl", "64", "--osl", "8", "--gpus", GPU)
+    assert res.exit_code == 0, res.output
+    for tp in (1, 2):
+        with pytest.raises(TrtpipeError) as exc:
+            P.recipe_setup(qwen235, gpu=GPU, tp=tp)
+        why = str(exc.value)
+        assert "turn a knob: parallel.tp: 4" in why and len(why) > 200
+        assert f"    because: {why}\n" in res.output

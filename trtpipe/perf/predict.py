@@ -279,7 +279,7 @@ def capacity_plan(recipe_path: Path, slo: dict[str, float], rate: float, isl: in
             setup = recipe_setup(recipe_path, ov, gpu=key, model_config=model_config, tp=tp)
         except TrtpipeError as exc:
             algo = next((o.split("=", 1)[1] for o in ov if o.startswith("quantization.algo=")), "")
-            out.append({"layout": f"{tp}x {key} tp{tp} {algo}".strip(), "fits": False, "why": str(exc)[:200]})
+            out.append({"layout": f"{tp}x {key} tp{tp} {algo}".strip(), "fits": False, "why": str(exc)})
             continue
         c = constants or fitted[setup.family]
         best = None
