@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -132,3 +133,28 @@ def test_doctor_against_engine_dirs(tmp_path):
     assert "install TensorRT-LLM 1.2.1" in out and "install TensorRT 10.14.1.48" in out
     assert "run on a machine with 2 GPU(s) of SM 9.0" in out
     assert "the tensorrtllm backend" in out
+
+
+@pytest.mark.parametrize("recipe,sets,want", [
+    # FP8 Qwen3-235B on two H100: int4_awq experts are refused on llmapi (W4A8 only), so the 4-bit advice is w4a8_awq
+    ("qwen3-235b-a22b-fp8.yaml", ["parallel.tp=2", "parallel.moe_ep=2"], "w4a8_awq"),
+    # on one B200 the Blackwell 4-bit format, which trtpipe's llmapi export writes for MoE experts
+    ("qwen3-235b-a22b-fp8.yaml", ["parallel.tp=1", "parallel.moe_ep=1", "engine.gpu=b200-180gb"], "nvfp4"),
+    # engine target, bf16 Llama 3.1 70B on one H100: FP8 halves the weights and fits
+    ("llama70b-fp8.yaml", ["parallel.tp=1", "engine.workers=1", "quantization.algo=none", "quantization.kv_cache=none"],
+     "fp8"),
+    # engine target, bf16 Llama 3.1 70B on one A100 (no FP8): group-wise INT4
+    ("llama70b-fp8.yaml", ["parallel.tp=1", "engine.workers=1", "quantization.algo=none", "quantization.kv_cache=none",
+                           "engine.gpu=a100-sxm-80gb"], "int4_awq"),
+])
+def test_refusal_advice_names_an_algo_the_recipe_then_takes(recipe, sets, want):
+    """The quantization the refusal advises passes validation and fits when followed: it named int4_awq for the MoE
+    experts of an llmapi recipe, which validation then refuses (TensorRT-LLM's fused MoE loads int4 experts only as
+    W4A8), a round trip for the user."""
+    path = REPO / "recipes" / recipe
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(path, sets)
+    (msg,) = [str(p) for p in exc.value.problems]
+    knob = re.search(r"quantization\.algo: (\w+)", msg.split("turn a knob:", 1)[1])
+    assert knob and knob.group(1) == want, msg
+    load_recipe(path, [*sets, f"quantization.algo={want}"])  # raises if the advice is refused or still does not fit

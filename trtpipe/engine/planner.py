@@ -22,8 +22,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trtpipe.engine import ckptconfig
-from trtpipe.engine.build_config import EngineBuild
+from trtpipe.checkpoint.quant_layouts import ALGOS
+from trtpipe.engine.build_config import EngineBuild, builder_target
+from trtpipe.engine.enforce import rejections
 from trtpipe.engine.gpus import GPU
+from trtpipe.export.formats import HF_FORMATS, MOE_EXPORT_ALGOS
 from trtpipe.errors import CheckpointError, EngineError
 from trtpipe.recipe.schema import Recipe
 
@@ -39,6 +42,9 @@ QUANT_WEIGHT_BYTES = {
     "W4A16": 0.5, "W4A16_AWQ": 0.5, "W4A16_GPTQ": 0.5, "W4A8_AWQ": 0.5, "NVFP4": 0.5 + 1 / 16,
     "W4A16_MXFP4": 0.5 + 1 / 32,  # E2M1 pairs + one E8M0 byte per 32 (gpt-oss experts as shipped)
 }
+# recipe algos a "does not fit" refusal may advise, least lossy first (w4a8_awq where int4_awq is refused: MoE
+# experts on llmapi)
+QUANT_KNOBS = ("fp8", "nvfp4", "int4_awq", "w4a8_awq")
 GROUPWISE = ("W4A16_AWQ", "W4A16_GPTQ", "W4A8_AWQ", "W8A16_GPTQ")
 KV_BYTES = {"FP8": 1, "INT8": 1, "NVFP4": 0.5 + 1 / 16}
 
@@ -447,9 +453,8 @@ def _knobs(recipe: Recipe, cfg: dict, build: EngineBuild, kv_only: bool, tokens:
         out.append("quantization.kv_cache: fp8")
     if not kv_only:
         current = QUANT_WEIGHT_BYTES.get(qa) or s.model_bytes
-        for algo, name in (("FP8", "fp8"), ("W4A16_AWQ", "int4_awq")):
-            smaller = QUANT_WEIGHT_BYTES[algo] < current
-            if smaller and (algo != "FP8" or build.gpu.sm >= 89) and _quick_fits(recipe, _with(cfg, quant_algo=algo), build):
+        for name, algo in _algo_knobs(recipe, s, cfg, build.gpu):
+            if QUANT_WEIGHT_BYTES[algo] < current and _quick_fits(recipe, _with(cfg, quant_algo=algo), build):
                 out.append(f"quantization.algo: {name}")
                 break
     if kv_only and tokens >= build.config.plugins["tokens_per_block"]:
@@ -460,6 +465,25 @@ def _knobs(recipe: Recipe, cfg: dict, build: EngineBuild, kv_only: bool, tokens:
     if not out:
         out.append("a GPU with more memory (engine.gpu) or more pipeline stages (parallel.pp)")
     return ", or ".join(out)
+
+
+def _algo_knobs(recipe: Recipe, s: Shapes, cfg: dict, gpu: GPU) -> list[tuple[str, str]]:
+    """The quantization algos the advice may name, as (recipe algo, checkpoint quant_algo), in :data:`QUANT_KNOBS`
+    order: only those the recipe's target writes (the TRT-LLM checkpoint layouts, or the unified HF export and, for
+    a mixture-of-experts model, its expert layouts) and that run on ``gpu`` (trtllm-build's rejections: FP8 below
+    SM 8.9, FP4 below SM 10.0, weight-only on Blackwell). Advice the validation would then refuse, such as int4_awq
+    for MoE experts on llmapi, costs the user a round trip."""
+    if recipe.target == "llmapi":
+        writers = {n: f.quant_algo for n, f in HF_FORMATS.items() if not s.experts or n in MOE_EXPORT_ALGOS}
+    else:
+        writers = {n: a.quant_algo for n, a in ALGOS.items()}
+    out = []
+    for name in QUANT_KNOBS:
+        algo = writers.get(name)
+        if algo and not any(key == "quantization.algo"
+                            for key, _ in rejections({}, builder_target(_with(cfg, quant_algo=algo), gpu))):
+            out.append((name, algo))
+    return out
 
 
 def _with(cfg: dict, **changes) -> dict:
