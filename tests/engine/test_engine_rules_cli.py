@@ -158,3 +158,19 @@ def test_refusal_advice_names_an_algo_the_recipe_then_takes(recipe, sets, want):
     knob = re.search(r"quantization\.algo: (\w+)", msg.split("turn a knob:", 1)[1])
     assert knob and knob.group(1) == want, msg
     load_recipe(path, [*sets, f"quantization.algo={want}"])  # raises if the advice is refused or still does not fit
+
+
+@pytest.mark.parametrize("sets,needle", [
+    (["quantization.algo=nvfp4"], "NVFP4 needs FP4 tensor cores (SM >= 10.0, Blackwell); the target is SM 9.0"),
+    (["engine.gpu=a100-sxm-80gb"], "FP8 needs FP8 tensor cores (SM >= 8.9); the target is SM 8.0"),
+    (["quantization.algo=w4a8_awq", "engine.gpu=a100-sxm-80gb"], "W4A8_AWQ needs FP8 tensor cores (SM >= 8.9)"),
+])
+def test_llmapi_recipe_needs_the_tensor_cores_of_its_format(sets, needle):
+    """The llmapi target has no trtllm-build, but its GEMMs need the same tensor cores: NVFP4 on an H100, or FP8 on an
+    A100, passed validation and would have failed when TensorRT-LLM loaded the checkpoint on the GPU."""
+    path = REPO / "recipes" / "qwen3-30b-a3b-fp8.yaml"  # target: llmapi, FP8 on one H100
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(path, sets)
+    (msg,) = [str(p) for p in exc.value.problems]
+    assert "quantization.algo: " + needle in msg, msg
+    load_recipe(path, ["quantization.algo=nvfp4", "engine.gpu=b200-180gb"])  # Blackwell runs FP4

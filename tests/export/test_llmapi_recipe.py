@@ -61,7 +61,9 @@ def test_compressed_tensors_needs_a_scheme(tmp_path, stories_dir):
 
 @pytest.mark.parametrize("algo", ["fp8", "fp8_pc_pt", "int4_wo", "int4_awq", "w4a8_awq", "nvfp4"])
 def test_loadable_algos_validate(tmp_path, stories_dir, algo):
-    p = _recipe(tmp_path, stories_dir, f"target: llmapi\nquantization:\n  algo: {algo}\n  group_size: 32\n"
+    # on the default engine.gpu (H100), and NVFP4 on a B200: FP4 GEMMs need Blackwell's tensor cores
+    gpu = "  gpu: b200-180gb\n" if algo == "nvfp4" else ""
+    p = _recipe(tmp_path, stories_dir, f"{gpu}target: llmapi\nquantization:\n  algo: {algo}\n  group_size: 32\n"
                                        "  exclude: ['*lm_head', '*mlp.proj']\n")
     assert _problems(p) == []
 
@@ -71,6 +73,6 @@ def test_example_recipe_validates():
 
 
 def test_nvfp4_needs_whole_blocks(tmp_path, stories_dir):
-    p = _recipe(tmp_path, stories_dir, "target: llmapi\nquantization:\n  algo: nvfp4\n")
+    p = _recipe(tmp_path, stories_dir, "  gpu: b200-180gb\ntarget: llmapi\nquantization:\n  algo: nvfp4\n")
     msgs = [x.message for x in _problems(p) if x.key == "quantization.algo"]
     assert any("mlp.proj has in_features 172" in m and "'*mlp.proj'" in m for m in msgs), msgs

@@ -57,17 +57,21 @@ def test_what_the_target_cannot_load_is_refused_with_the_alternative(tmp_path, s
     assert not [x for x in _problems(_recipe(tmp_path, src, target="llmapi")) if x.key == "target"]
 
 
-def test_nvfp4_engine_needs_a_blackwell_gpu(tmp_path, unified):
+def test_nvfp4_needs_a_blackwell_gpu_on_either_target(tmp_path, unified):
     """NVFP4 converts for the engine target, and trtllm-build's FP4 GEMM plugin needs SM >= 10.0: validate refuses
-    the default engine.gpu (H100) naming engine.gpu, and accepts a B200 (the llmapi target is not built by
-    trtllm-build: no such finding)."""
+    the default engine.gpu (H100) naming engine.gpu, and accepts a B200. The llmapi target has no builder but the
+    same tensor cores (the PyTorch backend's FP4 GEMMs): refused on H100 too, accepted on B200; it passed validation
+    and would have failed at load on the GPU."""
     hopper = _problems(_recipe(tmp_path, unified("nvfp4")))
     assert [x.key for x in hopper] == ["engine.gpu"], hopper
     assert "model.source is modelopt NVFP4" in hopper[0].message and \
         "trtllm-build rejects it on h100-sxm-80gb: NVFP4 needs FP4 tensor cores (SM >= 10.0, Blackwell)" \
         in hopper[0].message, hopper[0].message
     assert not _problems(_recipe(tmp_path, unified("nvfp4"), "  gpu: b200-180gb\n"))
-    assert not [x for x in _problems(_recipe(tmp_path, unified("nvfp4"), target="llmapi")) if x.key == "engine.gpu"]
+    (llmapi,) = [x for x in _problems(_recipe(tmp_path, unified("nvfp4"), target="llmapi")) if x.key == "engine.gpu"]
+    assert llmapi.message.startswith("model.source on h100-sxm-80gb: NVFP4 needs FP4 tensor cores (SM >= 10.0, "
+                                     "Blackwell); the target is SM 9.0"), llmapi.message
+    assert not _problems(_recipe(tmp_path, unified("nvfp4"), "  gpu: b200-180gb\n", target="llmapi"))
 
 
 def test_nvfp4_tp_that_splits_a_block_is_refused(tmp_path, unified):

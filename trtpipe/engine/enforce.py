@@ -119,8 +119,25 @@ def enforce(plugins: dict[str, Any], t: Target, explicit: Collection[str] = ()) 
     return p, changes
 
 
+def tensor_core_rejections(t: Target) -> list[tuple[str, str]]:
+    """The quantization whose GEMMs need tensor cores the GPU lacks: FP8 below SM 8.9, FP4 below SM 10.0. These are
+    the hardware's limits, not the builder's, so they hold for TensorRT-LLM's PyTorch backend too (the llmapi
+    target's validation asks only this): TensorRT-LLM's precision table lists FP4 for Blackwell (SM100/SM120) only and
+    FP8, and INT4 with FP8 activations, from SM89 (NVIDIA/TensorRT-LLM@9b062a83
+    ``docs/source/reference/support-matrix.md``). An FP8 KV cache alone is allowed (the engine's rewrites handle it)."""
+    sm = f"SM {t.sm // 10}.{t.sm % 10}"
+    (fp4_algo, fp4_sm), _ = upstream.NVFP4_MIN_SM
+    if t.sm < 89 and t.quant_algo in FP8_ALGOS:
+        return [("quantization.algo", f"{t.quant_algo} needs FP8 tensor cores (SM >= 8.9); the target is {sm}")]
+    if t.quant_algo == fp4_algo and t.sm < fp4_sm:
+        return [("quantization.algo", f"{t.quant_algo} needs FP4 tensor cores (SM >= {fp4_sm // 10}.{fp4_sm % 10}, "
+                                      f"Blackwell); the target is {sm} (the FP4 GEMM plugin and the PyTorch backend's "
+                                      "FP4 GEMMs refuse it)")]
+    return []
+
+
 def rejections(plugins: dict[str, Any], t: Target) -> list[tuple[str, str]]:
-    """Combinations the builder raises on, plus FP8 GEMMs below SM 8.9; as (field or recipe key, reason)."""
+    """Combinations the builder raises on, plus :func:`tensor_core_rejections`; as (field or recipe key, reason)."""
     out: list[tuple[str, str]] = []
     sm = f"SM {t.sm // 10}.{t.sm % 10}"
     if is_blackwell_dc(t.sm):
@@ -135,18 +152,13 @@ def rejections(plugins: dict[str, Any], t: Target) -> list[tuple[str, str]]:
     for name in VALIDATE_REJECTS_BY_SM.get(t.sm, ()):
         if plugins.get(name, "disable") not in ("disable", False):
             out.append((name, f"{name} is rejected on {sm} (PluginConfig.validate)"))
-    if t.sm < 89 and t.quant_algo in FP8_ALGOS:  # an FP8 KV cache alone is allowed (the rewrites handle it)
-        out.append(("quantization.algo", f"{t.quant_algo} needs FP8 tensor cores (SM >= 8.9); the target is {sm}"))
+    out.extend(tensor_core_rejections(t))
     allowed = upstream.FINEGRAINED_GROUP_SIZES[0].get(t.quant_algo)
     if allowed and t.group_size is not None and t.group_size not in allowed:
         sizes = " or ".join(map(str, allowed))
         out.append(("quantization.group_size", f"{t.quant_algo} with group_size {t.group_size}: TensorRT-LLM's "
                                                f"group-wise INT4 GEMM runs group_size {sizes} only (it throws at "
                                                "inference, after the build)"))
-    (fp4_algo, fp4_sm), _ = upstream.NVFP4_MIN_SM
-    if t.quant_algo == fp4_algo and t.sm < fp4_sm:
-        out.append(("quantization.algo", f"{t.quant_algo} needs FP4 tensor cores (SM >= {fp4_sm // 10}.{fp4_sm % 10}, "
-                                         f"Blackwell): the FP4 GEMM plugin refuses {sm}"))
     if plugins.get("streamingllm"):
         out.append(("streamingllm", "StreamingLLM is no longer supported in TensorRT-LLM 1.x (the builder asserts)"))
     if plugins.get("pp_reduce_scatter") and t.architecture != "MixtralForCausalLM":

@@ -10,7 +10,7 @@ from typing import Iterable, Optional
 
 from trtpipe.engine import build_config as bc
 from trtpipe.engine.ckptconfig import predicted_checkpoint_config
-from trtpipe.engine.enforce import rejections
+from trtpipe.engine.enforce import rejections, tensor_core_rejections
 from trtpipe.engine.gpus import get_gpu
 from trtpipe.engine.presets import FIELDS, get_preset, normalize
 from trtpipe.errors import EngineError
@@ -65,7 +65,15 @@ def engine_findings(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findin
     q = recipe.quantization
     source_only = {k for k, mine in (("quantization.algo", q.algo), ("quantization.group_size", q.algo),
                                      ("quantization.kv_cache", q.kv_cache)) if mine == "none"}
-    early = rejections(defaults, bc.builder_target(cfg, gpu))
+    target = bc.builder_target(cfg, gpu)
+    if llmapi:  # no builder, but the same tensor cores: FP8 / FP4 GEMMs below their SM fail at load
+        missing = tensor_core_rejections(target)
+        for key, reason in missing:  # a pre-quantized source's own format is named against model.source
+            yield (key, reason) if key not in source_only else ("engine.gpu", f"model.source on "
+                                                                              f"{recipe.engine.gpu}: {reason}")
+        if missing:
+            return
+    early = rejections(defaults, target)
     if early and not llmapi:  # the quantization itself is rejected on this GPU: no preset could help
         for key, reason in early:
             if key not in source_only:  # a group size is refused by the GEMM at inference, not by the builder
