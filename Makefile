@@ -4,17 +4,26 @@ BIN := $(VENV)/bin
 DEMO_RECIPE ?= recipes/stories-fp16.yaml
 DEMO_PROMPT ?= Once upon a time
 
-.PHONY: install test test-portable demo
+.PHONY: install lint test test-fast test-portable demo
 
 install: $(VENV)/.trtpipe-installed
 
 $(VENV)/.trtpipe-installed: pyproject.toml scripts/install.sh
 	VENV=$(VENV) bash scripts/install.sh
 
+# ruff (its version pinned in the test extra, its rules in pyproject.toml [tool.ruff.lint]); `make test` runs it first.
+lint: install
+	$(BIN)/ruff check .
+
 # Each test's time goes to build/test-results.xml (JUnit XML, what CI systems read); the 15 slowest are printed.
-test: install
+test: lint
 	$(BIN)/pytest -q --durations=15 --junitxml=build/test-results.xml
 	$(MAKE) test-portable
+
+# The unit tier for the edit loop: no tritonserver, mpirun, ModelOpt oracle, chaos, GPU or other slow test
+# (tests/conftest.py marks every such test `slow`, so `-m "not slow"` is the whole selection).
+test-fast: install
+	$(BIN)/pytest -q -m "not slow" --durations=5
 
 # The numeric tests again with another CPU kernel set and thread count (AVX2 kernels, 2 torch threads): their
 # tolerances come from float64 references (tests/numerics.py), so they must hold on any x86-64 CPU.

@@ -8,22 +8,24 @@ gpt-oss with its experts stored in MXFP4 as the hub checkpoints ship them, kept 
 of the recipe schema (fp8 with an FP8 KV cache; the others with the KV cache unquantized).
 
 Each combination is first a recipe (``target: engine`` where the family has a TensorRT engine and the algorithm a
-TensorRT-LLM checkpoint layout, else ``target: llmapi``) loaded through ``trtpipe.validation.load_recipe``, the
+TensorRT-LLM checkpoint layout, else ``target: llmapi``) loaded through ``trtpipe.app.validation.load_recipe``, the
 loader ``trtpipe validate`` runs: a combination it refuses is a row carrying the rule's own message. Otherwise the
-numbers come from what ``trtpipe build`` measures for that recipe:
+recipe is built by ``trtpipe.pipeline.runner.run_build`` (what ``trtpipe build RECIPE --until STAGE`` runs; the
+recipes of one family share a work dir, so the checkpoint and the calibration statistics are built once and reused
+from the artifact cache):
 
-* an algorithm with a TensorRT-LLM checkpoint layout (``ALGOS``): calibration, the quantized checkpoint and the
-  verify stage's layer-by-layer evaluation (``trtpipe.quant.accuracy.evaluate``), the same functions the
-  calibrate / quantize / verify stages call; the quantized model with its KV cache quantized and without;
-* an llmapi-only format (fp8_pc_pt, nvfp4): the unified HF export read back by the reference runtime's unified-HF
-  loader, compared whole-model by ``trtpipe.quant.accuracy.compare``.
+* an algorithm with a TensorRT-LLM checkpoint layout: ``--until verify``; the row is the verify artifact's
+  ``accuracy.json`` (layer by layer; the quantized model with its KV cache quantized and without);
+* an llmapi-only format (fp8_pc_pt, nvfp4), for which the build has no verify stage: ``--until export``; the
+  export artifact's unified HF checkpoint read back by the reference runtime's unified-HF loader, compared
+  whole-model by ``trtpipe.quant.accuracy.compare`` on the verify stage's held-out samples.
 
 Data: the unquantized model's own samples from BOS (``dataset: self``): calibration and held-out evaluation with
 different seeds, as the stages draw them. The synthetic models' weights are random (drawn so their logits are well
 separated): the perplexity of their own samples is close to 1 and means nothing about language; KL and top-1
 agreement say how far each algorithm moves the model, between algorithms of one family.
 
-    python scripts/accuracy_report.py                       # docs/results/accuracy_families.{md,json}, README
+    python scripts/accuracy_report.py                       # docs/results/accuracy_families.{md,json}, accuracy.md
     python scripts/accuracy_report.py --families qwen3 --algos fp8 nvfp4 --out /tmp/acc
     python scripts/accuracy_report.py --families qwen3_moe --algos int4_awq --update   # one row again, in place
 """
@@ -44,23 +46,22 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trtpipe.checkpoint.convert import convert  # noqa: E402
 from trtpipe.checkpoint.quant_layouts import ALGOS  # noqa: E402
 from trtpipe.errors import RecipeError, TrtpipeError  # noqa: E402
-from trtpipe.export.unified import export_unified  # noqa: E402
+from trtpipe.stages.export import HF_DIR  # noqa: E402
 from trtpipe.models import get_family  # noqa: E402
-from trtpipe.models.hfconfig import read_hf_config  # noqa: E402
+from trtpipe.models.dims import read_hf_config  # noqa: E402
 from trtpipe.models.synthetic import make_synthetic  # noqa: E402
+from trtpipe.pipeline.runner import run_build  # noqa: E402
 from trtpipe.quant import accuracy  # noqa: E402
-from trtpipe.quant.calibrate import CalibSettings, calibrate, save_layer_stats  # noqa: E402
 from trtpipe.quant.data import batched_decode, self_samples  # noqa: E402
-from trtpipe.quant.rules import GROUP_SIZES, int4_problems, linear_dims  # noqa: E402
-from trtpipe.quant.stage import EVAL_SEED_OFFSET  # noqa: E402
-from trtpipe.quant.writer import TrtllmSource, quantize_checkpoint  # noqa: E402
+from trtpipe.formats.schemes import BY_RECIPE, GROUP_SIZES  # noqa: E402
+from trtpipe.quant.rules import int4_problems, linear_dims  # noqa: E402
+from trtpipe.stages.quant import EVAL_SEED_OFFSET  # noqa: E402
 from trtpipe.recipe.schema import QuantAlgoName  # noqa: E402
 from trtpipe.runtime import load_checkpoint  # noqa: E402
 from trtpipe.runtime.hf_loader import load_hf_checkpoint  # noqa: E402
-from trtpipe.validation import load_recipe  # noqa: E402
+from trtpipe.app.validation import load_recipe  # noqa: E402
 
 # family -> (source: a directory under the repository or a synthetic kind, model dtype, what it is)
 FAMILIES = {
@@ -72,6 +73,7 @@ FAMILIES = {
 }
 ALGOS_ALL = [a for a in QuantAlgoName.__args__ if a != "none"]
 KV = {"fp8": "fp8"}  # algo -> KV cache quantization of its row (the rest: none)
+GPU = {"nvfp4": "b200-180gb"}  # algo -> engine.gpu (the rest: the default H100): FP4 GEMMs need Blackwell
 # recipe settings of every combination (small: the whole table runs in minutes on 2 cores)
 CALIB_SAMPLES, EVAL_SAMPLES, SEQ_LEN, BATCH, SEED = 16, 8, 64, 8, 0
 
@@ -81,8 +83,9 @@ def block_settings(info, algo: str) -> tuple[int, list[str]]:
     says. INT4: the group size leaving the fewest linears without whole groups (the largest of equals), those
     linears excluded (stories260k: its MLP down projection, 172 inputs; Gemma 3: o_proj, 48 inputs). NVFP4: the
     linears whose inputs are not whole 16-blocks excluded."""
-    if algo == "nvfp4":
-        return 128, ["*" + n for n, (_, i) in linear_dims(info).items() if i % 16]
+    block = BY_RECIPE[algo].block if algo in BY_RECIPE else None
+    if block:
+        return 128, ["*" + n for n, (_, i) in linear_dims(info).items() if i % block]
     if algo not in ALGOS or ALGOS[algo].weight_fmt != "int4":
         return 128, []
     remaining = {g: sorted(int4_problems(info, 1, g)) for g in GROUP_SIZES}
@@ -97,7 +100,8 @@ def target(family: str, algo: str, hf_dir: Path) -> str:
 
 def recipe_text(name: str, hf_dir: Path, dtype: str, algo: str, kv: str, group: int, exclude: list[str],
                 tgt: str) -> str:
-    return (f"name: {name}\nwork_dir: work\ntarget: {tgt}\nmodel:\n  source: {hf_dir}\n  dtype: {dtype}\n"
+    gpu = f"engine:\n  gpu: {GPU[algo]}\n" if algo in GPU else ""
+    return (f"name: {name}\nwork_dir: work\ntarget: {tgt}\n{gpu}model:\n  source: {hf_dir}\n  dtype: {dtype}\n"
             f"quantization:\n  algo: {algo}\n  kv_cache: {kv}\n  group_size: {group}\n"
             f"  exclude: {json.dumps(exclude)}\n  calibration:\n"
             f"    dataset: self\n    num_samples: {CALIB_SAMPLES}\n    seq_len: {SEQ_LEN}\n    batch_size: {BATCH}\n"
@@ -111,45 +115,32 @@ def self_tokens(model, n: int, seed: int) -> torch.Tensor:
 
 
 class FamilyRun:
-    """One family's unquantized checkpoint, samples and calibration statistics (made once, reused per algo)."""
+    """One family's source model and work folder; its recipes share one work dir (one artifact cache)."""
 
     def __init__(self, family: str, work: Path):
         src, self.dtype, self.what = FAMILIES[family]
         self.family, self.work = family, work
+        work.mkdir(parents=True, exist_ok=True)
         self.hf = ROOT / src if "/" in src else make_synthetic(src, work / "hf", seed=SEED)
-        self.base = convert(self.hf, work / "base", tp=1, dtype=self.dtype)
-        model = load_checkpoint(self.base)
-        self.calib = self_tokens(model, CALIB_SAMPLES, SEED)
-        self.heldout = self_tokens(model, EVAL_SAMPLES, SEED + EVAL_SEED_OFFSET)
-        self.stats: dict = {}
+        self._heldout: torch.Tensor | None = None
 
-    def stats_dir(self, awq_group: int | None) -> Path:
-        if awq_group not in self.stats:
-            out = self.work / f"stats{awq_group or ''}"
-            out.mkdir()
-            calibrate(TrtllmSource(self.base), self.calib, CalibSettings(batch_size=BATCH, awq_group_size=awq_group),
-                      on_layer=lambda i, st: save_layer_stats(out, i, st))
-            self.stats[awq_group] = out
-        return self.stats[awq_group]
+    def heldout(self, base: Path) -> torch.Tensor:
+        """The verify stage's held-out samples (``dataset: self``) of the unquantized checkpoint ``base``."""
+        if self._heldout is None:
+            self._heldout = self_tokens(load_checkpoint(base), EVAL_SAMPLES, SEED + EVAL_SEED_OFFSET)
+        return self._heldout
 
 
-def measure(run: FamilyRun, recipe, algo: str, kv: str) -> tuple[str, list[accuracy.Metrics]]:
-    q = recipe.quantization
-    a = ALGOS.get(algo)
-    awq_group = q.group_size if a is not None and a.needs_samples else None
-    stats = run.stats_dir(awq_group)
-    out = run.work / f"{algo}-{kv}"
-    out.mkdir()
-    if a is not None:  # what the verify stage measures: the TensorRT-LLM checkpoint, layer by layer
-        quantize_checkpoint(run.base, TrtllmSource(run.base), stats, out, algo=algo, kv_cache=kv,
-                            group_size=q.group_size, alpha=q.smoothquant_alpha, exclude=list(q.exclude))
-        rows, _ = accuracy.evaluate(run.base, out, run.heldout, batch=BATCH)
+def measure(run: FamilyRun, recipe) -> tuple[str, list[dict]]:
+    """Build the recipe through the real stages up to what measures it; the rows its accuracy report holds."""
+    result = run_build(recipe, until="verify", quiet=True)
+    if result.stage("verify")["status"] in ("ran", "cached"):
+        rows = json.loads((result.artifact("verify") / "accuracy.json").read_text())["rows"]
         return "TensorRT-LLM checkpoint (verify stage)", rows
-    export_unified(run.base, run.hf, stats, out, algo=algo, kv_cache=kv, group_size=q.group_size,
-                   alpha=q.smoothquant_alpha, exclude=list(q.exclude))
-    rows = accuracy.compare(load_checkpoint(run.base), {"quantized": load_hf_checkpoint(out)}, run.heldout,
-                            batch=BATCH)
-    return "unified HF export (llmapi)", rows
+    base = result.artifact("checkpoint")
+    quantized = load_hf_checkpoint(result.artifact("export") / HF_DIR)
+    rows = accuracy.compare(load_checkpoint(base), {"quantized": quantized}, run.heldout(base), batch=BATCH)
+    return "unified HF export (llmapi)", [r.__dict__ for r in rows]
 
 
 def one(run: FamilyRun, algo: str) -> dict:
@@ -160,7 +151,7 @@ def one(run: FamilyRun, algo: str) -> dict:
     row = {"family": run.family, "model": run.what, "algo": algo, "kv_cache": kv, "target": tgt,
            "group_size": group if int4 else None, "exclude": ["*lm_head"] + extra,
            "family_kept_unquantized": list(get_family(read_hf_config(run.hf).architecture).kept_unquantized)}
-    path = run.work / f"{algo}.yaml"
+    path = run.work / f"{algo}.yaml"  # beside the others of this family: ``work_dir: work`` is one cache
     path.write_text(recipe_text(f"{run.family}-{algo}", run.hf, run.dtype, algo, kv, group, row["exclude"], tgt))
     try:
         recipe = load_recipe(path)
@@ -171,12 +162,11 @@ def one(run: FamilyRun, algo: str) -> dict:
         return row
     start = time.perf_counter()
     try:
-        row["measured_on"], rows = measure(run, recipe, algo, kv)
-    except TrtpipeError as exc:  # validated but refused while quantizing: the report says so, the table goes on
-        row["refused"] = f"(at quantize) {exc}"
+        row["measured_on"], row["rows"] = measure(run, recipe)
+    except TrtpipeError as exc:  # validated but refused while building: the report says so, the table goes on
+        row["refused"] = f"(at build) {exc}"
         return row
     row["seconds"] = round(time.perf_counter() - start, 1)
-    row["rows"] = [r.__dict__ for r in rows]
     return row
 
 
@@ -198,7 +188,7 @@ def fmt_rows(results: list[dict]) -> str:
 
 
 def kl_matrix(results: list[dict]) -> str:
-    """family x algo: KL(unquantized || quantized) of the deployed configuration, or 'refused' (README's excerpt)."""
+    """family x algo: KL(unquantized || quantized) of the deployed configuration, or 'refused' (docs/results/accuracy.md's excerpt)."""
     algos = list(dict.fromkeys(r["algo"] for r in results))
     by = {(r["family"], r["algo"]): r for r in results}
     lines = ["| family | " + " | ".join(f"{a}{' + KV ' + KV[a] if a in KV else ''}" for a in algos) + " |",
@@ -212,20 +202,21 @@ def kl_matrix(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-README_BEGIN, README_END = "<!-- accuracy-families:begin -->", "<!-- accuracy-families:end -->"
+EXCERPT_BEGIN, EXCERPT_END = "<!-- accuracy-families:begin -->", "<!-- accuracy-families:end -->"
 
 
-def rewrite_readme(readme: Path, made: str, results: list[dict]) -> None:
-    """README's excerpt between its markers: the KL matrix and the commands that made it."""
-    text = readme.read_text()
-    if text.count(README_BEGIN) != 1 or text.count(README_END) != 1:
-        raise SystemExit(f"{readme}: needs exactly one '{README_BEGIN}' and one '{README_END}' line")
-    head, rest = text.split(README_BEGIN)
-    _, tail = rest.split(README_END)
-    body = (f"Made by {made} ([docs/results/accuracy_families.md](docs/results/accuracy_families.md): perplexity, "
+def rewrite_excerpt(page: Path, made: str, results: list[dict]) -> None:
+    """The excerpt between the markers of ``page`` (docs/results/accuracy.md, beside accuracy_families.md): the
+    KL matrix and the commands that made it."""
+    text = page.read_text()
+    if text.count(EXCERPT_BEGIN) != 1 or text.count(EXCERPT_END) != 1:
+        raise SystemExit(f"{page}: needs exactly one '{EXCERPT_BEGIN}' and one '{EXCERPT_END}' line")
+    head, rest = text.split(EXCERPT_BEGIN)
+    _, tail = rest.split(EXCERPT_END)
+    body = (f"Made by {made} ([accuracy_families.md](accuracy_families.md): perplexity, "
             f"top-1, greedy match and each refusal's reason). KL(unquantized ‖ quantized) per token:\n\n"
             f"{kl_matrix(results)}\n")
-    readme.write_text(f"{head}{README_BEGIN}\n{body}{README_END}{tail}")
+    page.write_text(f"{head}{EXCERPT_BEGIN}\n{body}{EXCERPT_END}{tail}")
 
 
 def main() -> int:
@@ -287,7 +278,7 @@ def main() -> int:
           fmt_rows(results), ""]
     (args.out / "accuracy_families.md").write_text("\n".join(md))
     if args.out.resolve() == (ROOT / "docs" / "results").resolve():
-        rewrite_readme(ROOT / "README.md", made, results)
+        rewrite_excerpt(args.out / "accuracy.md", made, results)
     print(f"wrote {args.out / 'accuracy_families.md'} and .json ({seconds:.0f} s)")
     return 0
 

@@ -63,7 +63,7 @@ MOE_RECIPE = REPO / "recipes" / "qwen3-235b-a22b-fp8.yaml"
 
 
 def _moe_info(layers: int):
-    from trtpipe.models.hfconfig import parse_hf_config
+    from trtpipe.models.dims import parse_hf_config
 
     hf = json.loads((REPO / "recipes" / "configs" / "qwen3-235b-a22b" / "config.json").read_text())
     hf.update(num_hidden_layers=layers, max_window_layers=layers, vocab_size=VOCAB)
@@ -76,12 +76,12 @@ def moe_checkpoint(layers: int) -> tuple[dict, list]:
     import torch
 
     from trtpipe.models import get_family
-    from trtpipe.models.family import dims
+    from trtpipe.models.family import shape_symbols
     from trtpipe.models.trtllm_config import build_config
 
     info = _moe_info(layers)
     family = get_family(info.architecture)
-    d = dims(info)
+    d = shape_symbols(info)
     entries = []
     for prefix, rules in [("", family.global_rules)] + [(f"transformer.layers.{i}.", family.layer_rules)
                                                       for i in range(layers)]:
@@ -102,7 +102,7 @@ def moe_checkpoint(layers: int) -> tuple[dict, list]:
 def planner_calibrate_estimate(cfg: dict, samples: int, seq_len: int) -> int:
     """The planner's host-memory estimate of the calibrate stage for this checkpoint and calibration size."""
     from trtpipe.engine.planner import Shapes, host_estimates
-    from trtpipe.validation import load_recipe
+    from trtpipe.app.validation import load_recipe
 
     recipe = load_recipe(MOE_RECIPE, [f"quantization.calibration.num_samples={samples}",
                                       f"quantization.calibration.seq_len={seq_len}",

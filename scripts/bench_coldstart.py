@@ -14,7 +14,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from trtpipe.bench.coldstart import measure_cold
+from trtpipe.app.bench_cold import measure_cold
 
 
 def main() -> int:

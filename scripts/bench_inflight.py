@@ -99,7 +99,7 @@ def serve(engine, overrides, tmp, policy=None):
     """A real tritonserver on a fresh repository; ``policy`` overrides the twin's batch_scheduler_policy."""
     from trtpipe.triton.repo import write_repo
     from trtpipe.triton.server_process import start_server
-    from trtpipe.validation import load_recipe
+    from trtpipe.app.validation import load_recipe
 
     recipe = load_recipe(REPO / "recipes" / "stories-fp16.yaml", ["triton.streaming=true", *overrides])
     repo = Path(tempfile.mkdtemp(dir=tmp)) / "repo"

@@ -19,7 +19,7 @@ namespace nothing is reachable from outside), then, each part on a fresh graph:
 5. cli: ``trtpipe serve TARGET --dynamo --replicas 2 --detach``, a completion, ``trtpipe stop TARGET``, and what is
    left after it.
 
-Prints one JSON document (and writes it to --json). Numbers are this machine's: the README says which run made them.
+Prints one JSON document (and writes it to --json). Numbers are this machine's: docs/results/dynamo.md says which run made them.
 """
 
 from __future__ import annotations
@@ -53,15 +53,11 @@ def in_netns(argv: list[str]) -> None:
 
 
 def graph(model_dir: Path, replicas: int, router: str, run_dir: Path, port: int):
-    from trtpipe.serving.dynamo_launch import DynamoGraph
-    from trtpipe.serving.openai_server import default_config
+    from trtpipe.serving.config import replace_knobs, twin_default
+    from trtpipe.app.launch_dynamo import DynamoGraph
 
     max_pos = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings") or 2048
-    from dataclasses import asdict
-
-    from trtpipe.serving.api import ExecutorConfig
-
-    config = ExecutorConfig(**{**asdict(default_config(int(max_pos))), "enable_kv_cache_reuse": True})
+    config = replace_knobs(twin_default(int(max_pos)), enable_kv_cache_reuse=True)
     return DynamoGraph(model_dir, NAME, replicas, router, "127.0.0.1", port, config, run_dir,
                        chat_template=TEMPLATE.read_text())
 
@@ -70,7 +66,7 @@ class Running:
     """A started graph (context manager): its supervisor, URL and an OpenAI client."""
 
     def __init__(self, model_dir: Path, replicas: int, router: str, port: int):
-        from trtpipe.serving.dynamo_launch import Supervisor
+        from trtpipe.app.launch_dynamo import Supervisor
 
         self.run_dir = Path(tempfile.mkdtemp(prefix="dyn-drill-"))
         self.graph = graph(model_dir, replicas, router, self.run_dir / "run", port)
@@ -263,7 +259,7 @@ def scaling_part(model_dir: Path, port: int, concurrency: int, requests: int) ->
     prompts = [f"{p} {i}" for i in range(requests // 4 + 1) for p in GREEDY_PROMPTS][:requests]
     for n in (1, 2, 3):
         with Running(model_dir, n, "round-robin", port) as g:
-            from trtpipe.serving.dynamo_launch import worker_cores
+            from trtpipe.app.launch_dynamo import worker_cores
 
             t0 = time.perf_counter()
             with ThreadPoolExecutor(concurrency) as pool:
@@ -385,7 +381,7 @@ def main() -> None:
         in_netns([os.path.abspath(__file__)] + sys.argv[1:])
     model_dir = args.model_dir.resolve()
     if model_dir.is_file():  # a recipe: its export (the build is cached)
-        from trtpipe.serving.openai_launch import resolve_openai_target
+        from trtpipe.app.launch_openai import resolve_openai_target
 
         model_dir = resolve_openai_target(model_dir).model_dir
     aiperf = args.aiperf if args.aiperf and args.aiperf.is_file() else None

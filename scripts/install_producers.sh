@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the real quantization producers that make the pre-quantized test fixtures (scripts/make_prequantized.py)
+# Install the real quantization producers that make the pre-quantized test fixtures (tests/tools/make_prequantized.py)
 # into their own venv, ./.venv-producers by default: llm-compressor, NVIDIA ModelOpt, GPTQModel (+ optimum, which
 # transformers needs to load GPTQ checkpoints). Their own venv because llm-compressor pins an older transformers
 # (<=5.17) and compressed-tensors (0.19.0) than trtpipe's venv has. torch is pinned to the same CPU build (2.13.0)

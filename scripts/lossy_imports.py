@@ -42,7 +42,7 @@ from trtpipe.checkpoint.convert import convert  # noqa: E402
 from trtpipe.quant.imported.detect import detect  # noqa: E402
 from trtpipe.quant.imported.lossy import FP8_REQUANTIZE, FP8_UNIT_ROUNDOFF, ZERO_POINT_ROUNDING  # noqa: E402
 from trtpipe.quant.imported.trtllm import ImportedLinears  # noqa: E402
-from trtpipe.quant.stage import EVAL_SEED_OFFSET  # noqa: E402
+from trtpipe.stages.quant import EVAL_SEED_OFFSET  # noqa: E402
 from trtpipe.runtime import load_checkpoint  # noqa: E402
 from trtpipe.runtime.hf_loader import load_hf_checkpoint  # noqa: E402
 

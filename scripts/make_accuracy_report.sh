@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Regenerate the deployment report (docs/results/report/: report.md, report.json, report.png) and README's
-# accuracy table from the same `trtpipe report` run, so the two cannot disagree.
+# Regenerate the deployment report (docs/results/report/: report.md, report.json, report.png) and the
+# accuracy table of docs/results/accuracy.md from the same `trtpipe report` run, so the two cannot disagree.
 #
 #   scripts/make_accuracy_report.sh [--bench] [--out DIR] [--set KEY=VALUE ...]
 #
@@ -13,14 +13,14 @@
 #    about a minute each); without it the report's latency columns come from earlier bench results in each
 #    work_dir, or say there are none;
 # 3. runs `trtpipe report RECIPES --out DIR` (default docs/results/report);
-# 4. replaces README.md's table between `<!-- accuracy:begin -->` and `<!-- accuracy:end -->` with the
+# 4. replaces docs/results/accuracy.md's table between `<!-- accuracy:begin -->` and `<!-- accuracy:end -->` with the
 #    report's `accuracy_table` (report.json), and names this command and the commit above it.
 # --set is passed to every build, bench and report call (e.g. --set model.source=/path/to/stories260k).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-.venv/bin/python}
-ARGS="$*"  # as given, for the line README carries above the table
+ARGS="$*"  # as given, for the line docs/results/accuracy.md carries above the table
 OUT=docs/results/report
 BENCH=0
 SETS=()
@@ -50,8 +50,8 @@ done
 
 "$PY" -m trtpipe.cli report "${RECIPES[@]}" "${SETS[@]}" --out "$OUT"
 
-"$PY" - "$OUT/report.json" README.md "$ARGS" <<'EOF'
-import json, subprocess, sys
+"$PY" - "$OUT/report.json" docs/results/accuracy.md "$ARGS" <<'EOF'
+import json, os, subprocess, sys
 from pathlib import Path
 
 report, readme, args = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
@@ -64,7 +64,7 @@ if text.count(begin) != 1 or text.count(end) != 1:
 head, rest = text.split(begin)
 _, tail = rest.split(end)
 made = (f"Made by `scripts/make_accuracy_report.sh{(' ' + args) if args else ''}` at commit {commit}, in the same "
-        f"run as [{report.parent}/report.md]({report.parent}/report.md):")
+        f"run as [{report.parent}/report.md]({os.path.relpath(report.parent, readme.parent)}/report.md):")
 readme.write_text(f"{head}{begin}\n{made}\n\n{table}\n{end}{tail}")
 print(f"{readme}: accuracy table rewritten from {report}")
 EOF

@@ -141,7 +141,7 @@ def main() -> int:
     import psutil
 
     from trtpipe.processes import sigterm_as_interrupt
-    from trtpipe.serving.openai_launch import resolve_openai_target, start_detached
+    from trtpipe.app.launch_openai import resolve_openai_target, start_detached
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("target", type=Path)

@@ -98,7 +98,7 @@ async def _phase(url: str, seconds: float, rps: float, batch_clients: int, batch
 
 def main() -> int:
     from trtpipe.processes import sigterm_as_interrupt
-    from trtpipe.serving.openai_launch import resolve_openai_target, start_detached
+    from trtpipe.app.launch_openai import resolve_openai_target, start_detached
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("target", nargs="?", type=Path)

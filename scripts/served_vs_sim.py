@@ -46,7 +46,7 @@ from trtpipe.perf.simulate import CostModelEngine, closed_loop
 from trtpipe.perf.step_fit import ByConcurrency, StepCost, compare_rounds, fit_steps, return_gaps, worst_ratio_error
 from trtpipe.serving import triton_adapter
 from trtpipe.serving import api
-from trtpipe.triton.launch import one_detached
+from trtpipe.app.launch_triton import one_detached
 
 ROOT = Path(__file__).resolve().parent.parent
 # (concurrency list, isl, osl): calibration workloads, disjoint from the evaluation's lengths

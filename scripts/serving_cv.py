@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from trtpipe.perf import fit as F
-from trtpipe.perf.predict import predict_scenarios
+from trtpipe.app.predictor import predict_scenarios
 from trtpipe.perf.published import PUBLISHED_CSV, read_rows, regime
 
 TRAIN = ("engine max-load", "static batch", "batch-1 TTFT", "batch-1 ITL")

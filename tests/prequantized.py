@@ -1,11 +1,11 @@
 """Pre-quantized checkpoints made by the real producers (ModelOpt, llm-compressor, GPTQModel), for the importer's
 tests: ``prequantized(name)`` returns the fixture's directory, building every missing fixture first with
-scripts/make_prequantized.py in the producers' venv (scripts/install_producers.sh). Builds are cached in
+tests/tools/make_prequantized.py in the producers' venv (scripts/install_producers.sh). Builds are cached in
 ``$TRTPIPE_PREQUANT_DIR`` (default ``~/.cache/trtpipe/prequantized``), in a folder named after a hash of the
 script and the producers' pinned versions, so editing either rebuilds from scratch. Tests skip, saying why, only
 where the producers' venv is not installed. At tests/ root like numerics.py, importable from every test folder.
 
-Layout of one fixture: scripts/make_prequantized.py's docstring.
+Layout of one fixture: tests/tools/make_prequantized.py's docstring.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "make_prequantized.py"
+SCRIPT = ROOT / "tests" / "tools" / "make_prequantized.py"
 REQUIREMENTS = ROOT / "scripts" / "producers-requirements.txt"
 BUILD_TIMEOUT_S = 1800
 

@@ -1,7 +1,8 @@
-"""OS-process helpers that the single-server launch (``trtpipe.triton.server_process``), the leader-mode supervisor
-(``trtpipe.triton.mpi_launch``) and the CLI share: start a detached process with its log, tell whether a pid still
-runs, show a log's tail, remove a server's shared-memory files, read and write the small JSON state files, and turn
-SIGTERM into Ctrl-C.
+"""OS-process helpers that every launcher (tritonserver in ``trtpipe.triton.server_process``, the leader-mode
+supervisor in ``trtpipe.triton.mpi_launch``, the OpenAI twin, Dynamo, the servers ``batch`` starts, trtllm-build)
+and the CLI share: the one place a process is started (:func:`spawn`: its log, its session, dying with its parent),
+tell whether a pid still runs, show a log's tail, remove a server's shared-memory files, read and write the small
+JSON state files, and turn SIGTERM into Ctrl-C.
 
 They live apart from both launchers so that neither has to import the other for them (the leader mode builds on
 the single server, one way: rank 0 is that server).
@@ -9,13 +10,14 @@ the single server, one way: rank 0 is that server).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
 import subprocess
 import threading
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 SHM_DIR = Path("/dev/shm")
 LOG_TAIL_LINES = 25
@@ -27,12 +29,53 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TRTPIPE_CACHE", Path.home() / ".cache" / "trtpipe"))
 
 
-def spawn(cmd: Sequence[str], log: Path, env: Optional[dict] = None, cwd: Optional[Path] = None) -> subprocess.Popen:
-    """Start ``cmd`` in a session of its own (a Ctrl-C in our terminal is ours to handle, not its), stdin closed,
-    stdout and stderr appended to ``log``."""
-    with open(log, "ab") as fh:
+Child = subprocess.Popen  # the handle spawn returns: pid, poll(), wait(timeout), send_signal(), kill()
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """In the child before exec: SIGTERM it when ``parent`` dies, even by SIGKILL (``PR_SET_PDEATHSIG``); a
+    parent already gone before the prctl would send nothing, so the child exits at once."""
+
+    def pre_exec() -> None:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return pre_exec
+
+
+def spawn(cmd: Sequence[str], log: Optional[Path], env: Optional[dict] = None, cwd: Optional[Path] = None, *,
+          session: bool = True, die_with_parent: bool = False, truncate: bool = False,
+          header: bool = False) -> Child:
+    """Start ``cmd``, the one way every launcher does (tritonserver, the MPI job and its launcher, the OpenAI
+    twin, Dynamo's processes, a python stub's watchdog): stdin closed, stdout and stderr appended to ``log``
+    (``truncate``: a fresh log; ``header``: the command line first; None: this process's own streams).
+
+    ``session``: a session (and process group) of its own, so a Ctrl-C in our terminal is ours to handle, not its,
+    and a teardown can signal its whole group. ``die_with_parent``: it gets SIGTERM when we die, even by SIGKILL,
+    so a server started for one job never outlives the job.
+    """
+    pre_exec = _die_with_parent(os.getpid()) if die_with_parent else None
+    if log is None:
+        return subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, env=env, cwd=cwd, start_new_session=session,
+                                preexec_fn=pre_exec)
+    with open(log, "wb" if truncate else "ab") as fh:
+        if header:
+            fh.write(f"# {' '.join(map(str, cmd))}\n".encode())
+            fh.flush()
         return subprocess.Popen(list(cmd), stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                cwd=cwd, start_new_session=True)
+                                cwd=cwd, start_new_session=session, preexec_fn=pre_exec)
+
+
+def spawn_reader(cmd: Sequence[str], cwd: Optional[Path] = None) -> Child:
+    """Start ``cmd`` with its output (stderr too) for the caller to read line by line (``child.stdout``, text):
+    a tool whose progress we log as it runs (trtllm-build)."""
+    return subprocess.Popen(list(cmd), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True, bufsize=1)
 
 
 def pid_alive(pid: Optional[int]) -> bool:
@@ -66,8 +109,9 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 def clean_shm(prefix: str) -> list[str]:
     """Remove the shared-memory files named ``prefix*`` (a killed python-backend stub leaves its regions behind);
-    return the names removed."""
-    return remove_files(SHM_DIR.glob(f"{prefix}*"))
+    return the names removed. An empty prefix names none (a server without python stubs has no prefix: it must not
+    take every region in ``/dev/shm``, other servers' included)."""
+    return remove_files(SHM_DIR.glob(f"{prefix}*")) if prefix else []
 
 
 def remove_files(paths: Iterable[Path]) -> list[str]:
@@ -111,6 +155,7 @@ def sigterm_as_interrupt() -> None:
         signal.signal(signal.SIGTERM, _term)
 
 
+RUN_DIR_ENV = "TRTPIPE_MPI_RUN_DIR"  # set by the leader-mode launch (triton/mpi_launch.py); rank 0 reports there
 EXIT_RECORD_ENV = "TRTPIPE_EXIT_RECORD"  # where a process that ends by itself writes why (a rank's ``rank{N}.exit``)
 
 

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 from openai_helpers import serve_in_thread
+from optional import needs
 
-pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+pytestmark = [pytest.mark.slow, pytest.mark.chaos, needs("aiohttp")]
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 300  # upper bound of any wait below (a loaded machine); never what a test measures
@@ -177,10 +178,11 @@ def test_queue_full_429s_slow_the_job_and_lose_nothing(tmp_path, export):
     from trtpipe.batch.client import BatchClient, ClientOptions
     from trtpipe.batch.journal import Journal, default_errors_path, default_state_path
     from trtpipe.batch.requests import read_requests
-    from trtpipe.serving.openai_server import OpenAIServer, ServedModel, default_config
+    from trtpipe.serving.config import twin_default
+    from trtpipe.serving.openai_server import OpenAIServer, ServedModel
 
     max_pos = json.loads((export / "config.json").read_text())["max_position_embeddings"]
-    config = dataclasses.replace(default_config(max_pos, max_batch_size=1), max_queue_size=1)
+    config = dataclasses.replace(twin_default(max_pos, max_batch_size=1), max_queue_size=1)
     req, out = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
     drill.write_requests(req, 40, 8)
     requests = read_requests(req)

@@ -14,6 +14,7 @@ from trtpipe.batch.journal import Journal, default_errors_path, default_state_pa
 from trtpipe.batch.pressure import (MAX_RETRY_AFTER_S, ServerLoad, Window, backoff_s, parse_retry_after,
                                     server_load, under_pressure)
 from trtpipe.batch.requests import BatchRequest
+from optional import needs
 
 NOW = 1_800_000_000.0
 
@@ -114,6 +115,7 @@ def written(client) -> tuple[list, list]:
     return read_lines(client.journal.output), read_lines(client.journal.errors)
 
 
+@needs("aiohttp")
 def test_429_with_retry_after_pauses_and_halves_once_without_counting_a_try(client):
     first, second = outcome(client, 429, retry_after="2"), outcome(client, 429, retry_after="1")
     assert client.settle(first, now=100.0) is first.item
@@ -122,12 +124,14 @@ def test_429_with_retry_after_pauses_and_halves_once_without_counting_a_try(clie
     assert first.item.tries == 0 and client.stats.overloaded == 2 and written(client) == ([], [])
 
 
+@needs("aiohttp")
 def test_503_without_retry_after_backs_off_exponentially(client):
     client.settle(outcome(client, 503), now=0.0)
     client.settle(outcome(client, 503), now=10.0)
     assert client.window.paused_until == 10.0 + backoff_s(2)
 
 
+@needs("aiohttp")
 def test_200_is_journaled_and_widens_the_window(client):
     client.window.on_pressure(client.window.epoch)
     assert client.settle(outcome(client, 200), now=0.0) is None
@@ -137,12 +141,14 @@ def test_200_is_journaled_and_widens_the_window(client):
     assert client.window.size == pytest.approx(4.25) and client.stats.completion_tokens == 3
 
 
+@needs("aiohttp")
 def test_a_bad_request_goes_to_the_errors_file_at_once(client):
     body = {"object": "error", "message": "'max_tokens' must be >= 1", "code": 400}
     assert client.settle(outcome(client, 400, body), now=0.0) is None
     assert [(r["response"]["status_code"], r["response"]["body"]) for r in written(client)[1]] == [(400, body)]
 
 
+@needs("aiohttp")
 def test_a_5xx_is_retried_max_retries_times_then_journaled(client):
     out = outcome(client, 500, {"message": "boom"})
     for tries in (1, 2):
@@ -152,6 +158,7 @@ def test_a_5xx_is_retried_max_retries_times_then_journaled(client):
     assert written(client)[1][0]["response"]["status_code"] == 500
 
 
+@needs("aiohttp")
 def test_priority_refused_is_dropped_for_the_rest_of_the_job(client):
     assert client.body_for(BatchRequest(1, "a", "/v1/completions", {"prompt": "x"}))[0]["priority"] == 0.0
     out = outcome(client, 400, {"message": "priority: Extra inputs are not permitted"})
@@ -164,6 +171,7 @@ def test_priority_refused_is_dropped_for_the_rest_of_the_job(client):
     assert mine == ({"prompt": "x", "priority": 0.9}, False)
 
 
+@needs("aiohttp")
 def test_connection_lost_too_often_is_journaled_as_an_error(client):
     out = Outcome(Item(BatchRequest(1, "a", "/v1/completions", {}), tries=2), 0, exc=ConnectionResetError("reset"))
     assert client.settle(out, now=0.0) is None

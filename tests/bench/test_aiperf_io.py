@@ -10,7 +10,7 @@ import jinja2
 import pytest
 
 from trtpipe.bench.aiperf import Load, command, parse_record
-from trtpipe.bench.command import default_lengths, make_loads
+from trtpipe.app.bench_run import default_lengths, make_loads
 from trtpipe.bench.metrics import BenchError
 from trtpipe.bench.target import Target
 

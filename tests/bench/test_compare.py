@@ -80,6 +80,7 @@ def test_cli_exit_codes(tmp_path):
     assert res.exit_code == 1 and "not a trtpipe bench result" in res.output
 
 
+@pytest.mark.slow
 def test_repeated_runs_put_run_to_run_drift_into_the_interval():
     rng = np.random.default_rng(4)
     base = rng.lognormal(4.0, 0.1, size=100)

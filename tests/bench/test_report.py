@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from trtpipe.bench.metrics import Request, samples, summarize
 from trtpipe.bench.run import FORMAT
 from trtpipe.cli import main
+from optional import needs
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 MS = 1_000_000
@@ -35,6 +37,8 @@ def _result(work: Path, stamp: str, ttft_ms: float) -> None:
         "load": {"isl": 16, "osl": 8}, "provenance": {"repo": {"engine": "cpu-twin"}}, "server": {"limiter": "none"}}))
 
 
+@needs("matplotlib")
+@pytest.mark.slow
 def test_report_joins_plan_accuracy_and_the_newest_bench(tmp_path, stories_dir):
     base = _recipe(tmp_path, "base", stories_dir)
     fp8 = _recipe(tmp_path, "q", stories_dir, "quantization:\n  algo: fp8\n  calibration:\n    dataset: self\n")
@@ -66,7 +70,7 @@ def _metrics(name, ppl, inc, kl, top1, greedy):
 
 
 def test_accuracy_markdown_is_the_verify_rows_with_the_unquantized_kv_in_brackets():
-    from trtpipe.bench.deploy_report import accuracy_markdown
+    from trtpipe.app.deploy_report import accuracy_markdown
 
     ref = _metrics("unquantized", 2.6407, 0.0, 0.0, 1.0, 32.0)
     rows = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -12,6 +13,7 @@ from trtpipe.cli import main
 from trtpipe.runtime import load_checkpoint
 
 
+@pytest.mark.slow
 def test_convert_inspect_generate_cli(stories_dir, tmp_path):
     runner = CliRunner()
     out = tmp_path / "ck"
@@ -37,7 +39,7 @@ def test_cli_bad_input_is_one_line_and_exit_1(stories_dir, tmp_path):
 
 
 def test_checkpoint_stage(stories_dir, tmp_path):
-    from trtpipe.checkpoint.stage import CHECKPOINT_STAGE, model_files
+    from trtpipe.stages.checkpoint import CHECKPOINT_STAGE, model_files
     from trtpipe.pipeline.stage import StageContext
     from trtpipe.recipe.schema import Recipe
 

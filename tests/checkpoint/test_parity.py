@@ -24,7 +24,12 @@ CASES = [(m, *lay) for m in ("stories", "llama3", "qwen2", "qwen3", "mixtral", "
     (m, tp, 1, 2) for m in ("mixtral", "qwen3_moe", "gpt_oss") for tp in (2, 4)]
 
 
-@pytest.mark.parametrize("model,tp,pp,ep", CASES, ids=[f"{m}-tp{t}-pp{p}" + (f"-ep{e}" if e > 0 else "") for m, t, p, e in CASES])
+# tp1 pp1 of every family is in the fast tier (make test-fast); the sweep over layouts is slow
+PARAMS = [pytest.param(m, t, p, e, id=f"{m}-tp{t}-pp{p}" + (f"-ep{e}" if e > 0 else ""),
+                       marks=() if (t, p) == (1, 1) else pytest.mark.slow) for m, t, p, e in CASES]
+
+
+@pytest.mark.parametrize("model,tp,pp,ep", PARAMS)
 def test_logits_and_greedy_match_transformers(model, tp, pp, ep, hf_models, prompts, oracle, tmp_path):
     ckpt = convert(hf_models[model], tmp_path / "ckpt", tp=tp, pp=pp, moe_ep=ep, dtype="float32")
     ref = oracle(model)

@@ -14,7 +14,7 @@ import yaml
 from deploy_helpers import MULTI_NODE, ONE_NODE, RECIPES
 
 from trtpipe.deploy.alerts import rule_file
-from trtpipe.validation import load_recipe
+from trtpipe.app.validation import load_recipe
 
 pytestmark = pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool (apt-get install prometheus)")
 

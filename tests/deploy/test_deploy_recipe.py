@@ -6,7 +6,7 @@ import pytest
 from deploy_helpers import MULTI_NODE, ONE_NODE, run_cli
 
 from trtpipe.deploy.layout import Layout, layout_of, node_selector, slo_targets
-from trtpipe.validation import load_recipe
+from trtpipe.app.validation import load_recipe
 
 
 def test_shipped_recipes_lay_out_on_one_node_and_on_two():

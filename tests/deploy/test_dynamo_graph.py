@@ -18,8 +18,8 @@ import yaml
 from deploy_helpers import MULTI_NODE, RECIPES, crd_errors, run_cli
 
 from trtpipe.deploy.dynamo import COMPONENT_TYPES, render
-from trtpipe.deploy.sources import planned_weight_bytes
-from trtpipe.validation import load_recipe
+from trtpipe.app.planning import planned_weight_bytes
+from trtpipe.app.validation import load_recipe
 
 kv = pytest.importorskip("kubernetes_validate", reason="pip install 'trtpipe[deploy]'")
 pytest.importorskip("jsonschema", reason="pip install 'trtpipe[deploy]'")
@@ -30,7 +30,7 @@ LLAMA70 = RECIPES / "llama-3.1-70b-fp8-llmapi.yaml"
 CASES = [(STORIES, False), (STORIES, True), (LLAMA70, False), (LLAMA70, True)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rendered(path, disagg: bool, router: str = "kv", overrides: tuple = ()):
     recipe = load_recipe(path, list(overrides))
     return recipe, render(recipe, planned_weight_bytes(path, list(overrides)), None, disagg, router)
@@ -165,7 +165,7 @@ def test_the_schema_catches_a_typo():
 
 def _wheel():
     from trtpipe.errors import ServingError
-    from trtpipe.serving.dynamo_launch import dynamo_python
+    from trtpipe.app.launch_dynamo import dynamo_python
 
     try:
         venv = dynamo_python().parent.parent
@@ -181,6 +181,7 @@ def _flag_names(path):
     return set(re.findall(r'flag_name="(--[a-z0-9-]+)"', path.read_text()))
 
 
+@pytest.mark.slow  # reads NVIDIA Dynamo's venv
 def test_flags_are_ones_the_installed_wheel_defines():
     """dynamo.trtllm's parser imports tensorrt_llm (not installable here), so its flag definitions are read as text:
     every flag trtpipe passes is one of them, and the disaggregation modes and router modes are its choices."""
@@ -202,6 +203,7 @@ def test_flags_are_ones_the_installed_wheel_defines():
     assert '"kv"' in router and '"round-robin"' in router
 
 
+@pytest.mark.slow  # reads NVIDIA Dynamo's venv
 @pytest.mark.parametrize("name", ["agg", "disagg"])
 def test_the_wheels_own_templates_pass_the_derived_schema(name):
     """The version-matched templates ai-dynamo 1.6.1 ships are valid under the schema (so it is not too strict)."""

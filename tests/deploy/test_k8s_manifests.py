@@ -15,8 +15,8 @@ import yaml
 from deploy_helpers import MULTI_NODE, ONE_NODE, RECIPES, crd_errors, run_cli
 
 from trtpipe.deploy.k8s import render
-from trtpipe.deploy.sources import planned_weight_bytes
-from trtpipe.validation import load_recipe
+from trtpipe.app.planning import planned_weight_bytes
+from trtpipe.app.validation import load_recipe
 
 kv = pytest.importorskip("kubernetes_validate", reason="pip install 'trtpipe[deploy]'")
 pytest.importorskip("jsonschema", reason="pip install 'trtpipe[deploy]'")
@@ -25,7 +25,7 @@ VERSIONS = ("1.30.0", "1.34.0")
 CUSTOM = {"LeaderWorkerSet", "PodMonitor", "PrometheusRule", "ScaledObject"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _weights(path, overrides: tuple) -> int:
     return planned_weight_bytes(path, list(overrides))
 

@@ -27,13 +27,14 @@ from trtpipe.deploy.dashboard import dashboard, expressions
 from trtpipe.deploy.metrics import NOT_IN_TWINS
 from trtpipe.deploy.monitoring import write_monitoring
 from trtpipe.deploy.promql import exported_names, metric_names
-from trtpipe.validation import load_recipe
+from trtpipe.app.validation import load_recipe
+from optional import needs
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus (apt-get install prometheus)")]
+              pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus (apt-get install prometheus)"), needs("aiohttp")]
 
 FAST = Timing(interval="1s", rate="10s", short_rate="5s", slo_for="2s", kv_for="2s", down_for="2s")
-# 16 blocks of 32 tokens (one max-length sequence of 512; config_from_recipe's floor); max_utilization admits
+# 16 blocks of 32 tokens (one max-length sequence of 512; serving.config's floor); max_utilization admits
 # greedily: eight streams of 5 + 240 tokens (within max_input_len 256, as a pausing policy without chunked context
 # requires) need 64 blocks, so the pool stays (nearly) full while they run.
 OVERRIDES = ["engine.kv_cache.max_tokens=512", "engine.kv_cache.enable_reuse=false",
@@ -81,10 +82,11 @@ def _load(url: str, stop: threading.Event, errors: list):
 
 
 def test_kv_alert_fires_under_load_and_resolves_after_it(tmp_path, export):
-    from trtpipe.serving.openai_server import OpenAIServer, ServedModel, config_from_recipe
+    from trtpipe.serving.config import from_recipe
+    from trtpipe.serving.openai_server import OpenAIServer, ServedModel
 
     recipe = load_recipe(RECIPES / "stories-llmapi-fp8.yaml", OVERRIDES)
-    served = ServedModel(export, "twin", config_from_recipe(recipe, 512))
+    served = ServedModel(export, "twin", from_recipe(recipe, 512))
     assert served.config.num_blocks == 16
     try:
         with serve_in_thread(OpenAIServer(served).app) as url:
@@ -111,7 +113,7 @@ def _run(tmp_path, recipe, url):
             except OSError:  # not listening yet
                 return None
 
-        _poll("the twin scraped (up == 1)", lambda: [r for r in query('up{job="%s"}' % recipe.name) or []
+        _poll("the twin scraped (up == 1)", lambda: [r for r in query(f'up{{job="{recipe.name}"}}') or []
                                                      if r["value"][1] == "1"])
         for t in threads:
             t.start()

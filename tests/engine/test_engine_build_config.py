@@ -10,10 +10,10 @@ from engine_helpers import hf_config
 from trtpipe.engine import build_config as bc
 from trtpipe.engine.ckptconfig import deduced_max_seq_len, predicted_checkpoint_config
 from trtpipe.engine.enforce import Target, enforce, rejections
-from trtpipe.engine.gpus import CATALOG, GPU, get_gpu
+from trtpipe.formats.gpus import CATALOG, GPU, get_gpu
 from trtpipe.engine.presets import BY_NAME, FIELDS, all_presets, auto_preset
 from trtpipe.errors import EngineError
-from trtpipe.models.hfconfig import parse_hf_config
+from trtpipe.models.dims import parse_hf_config
 from trtpipe.recipe.schema import Recipe
 
 BUILD_CONFIG_KEYS = {  # contract §4.4: every BuildConfig field minus dry_run / visualize_network

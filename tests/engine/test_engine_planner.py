@@ -10,8 +10,8 @@ from engine_helpers import hf_config
 from trtpipe.engine import build_config as bc
 from trtpipe.engine import planner
 from trtpipe.engine.ckptconfig import predicted_checkpoint_config
-from trtpipe.engine.gpus import get_gpu
-from trtpipe.models.hfconfig import parse_hf_config
+from trtpipe.formats.gpus import get_gpu
+from trtpipe.models.dims import parse_hf_config
 from trtpipe.recipe.schema import Recipe
 
 KiB, GiB = 1024, 1 << 30
@@ -158,7 +158,7 @@ def test_beam_blocks_share_context():
 
 
 def test_gpu_catalog_lookup():
-    from trtpipe.engine.gpus import CATALOG, get_gpu
+    from trtpipe.formats.gpus import CATALOG
     from trtpipe.errors import EngineError
 
     assert get_gpu("H100_SXM_80GB").key == "h100-sxm-80gb" and get_gpu("h100").sm == 90

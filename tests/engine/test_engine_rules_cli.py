@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from engine_helpers import CONFIGS, REPO
 from trtpipe.cli import main
 from trtpipe.errors import RecipeError
-from trtpipe.validation import load_recipe
+from trtpipe.app.validation import load_recipe
+from optional import needs
 
 # 'self' data needs the whole float32 model on the host (refused for these models): name the sample files
 CALIB = f"  calibration: {{dataset: {REPO}/recipes/data/calibration-sample.jsonl}}\n"
@@ -102,6 +103,7 @@ def test_plan_with_model_config_and_list_gpus(make_recipe, tmp_path):
     assert res.exit_code == 0 and "rtx-4090-24gb" in res.output and "b200-180gb" in res.output
 
 
+@needs("pytriton")
 def test_doctor_says_no_gpu_and_no_trtllm_here():
     res = CliRunner().invoke(main, ["doctor"])
     assert res.exit_code == 0, res.output
@@ -110,6 +112,7 @@ def test_doctor_says_no_gpu_and_no_trtllm_here():
     assert "tritonserver" in res.output and "backends: python" in res.output
 
 
+@needs("pytriton")
 def test_doctor_against_engine_dirs(tmp_path):
     twin = tmp_path / "twin"
     twin.mkdir()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -13,18 +14,27 @@ from engine_helpers import STORIES, write_checkpoint
 from trtpipe.cli import main
 from trtpipe.engine import build_config as bc
 from trtpipe.engine.ckptconfig import read_checkpoint_config
-from trtpipe.engine.stage import ENGINE_STAGE, run_engine
+from trtpipe.stages.engine import ENGINE_STAGE, run_engine
 from trtpipe.engine.trtllm import availability
 from trtpipe.engine.twin_engine_dir import TWIN_FILE, write_twin_engine
 from trtpipe.errors import EngineError
+from trtpipe.pipeline.versions import PACKAGES, package_version
 from trtpipe.pipeline.stage import StageContext
-from trtpipe.validation import load_recipe
+from trtpipe.app.validation import load_recipe
 
 TINY = {"architecture": "LlamaForCausalLM", "dtype": "float16", "hidden_size": 64, "num_hidden_layers": 5,
         "num_attention_heads": 8, "num_key_value_heads": 4, "head_size": 8, "intermediate_size": 172,
         "vocab_size": 512, "max_position_embeddings": 512,
         "mapping": {"world_size": 2, "tp_size": 2, "pp_size": 1, "rank": 0},
         "quantization": {"quant_algo": None, "kv_cache_quant_algo": None}}
+
+
+@pytest.fixture(autouse=True)
+def _twin_on_any_machine(request, tmp_path_factory, monkeypatch):
+    """These tests are about the CPU twin: with neither trtllm-build nor nvidia-smi on PATH the engine stage writes
+    it on the GPU host too (the gpu-marked test keeps the real PATH)."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("PATH", str(tmp_path_factory.mktemp("empty-path")))
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +53,14 @@ def recipe_file(tmp_path, extra: str = "", tp: int = 2):
     return p
 
 
-def test_this_machine_has_no_trtllm():
+def test_availability_says_why_without_trtllm_build_and_gpus():
+    """Neither trtllm-build nor nvidia-smi on PATH: no engine can be built, and the reason names what is missing,
+    whether TensorRT-LLM is installed (the GPU host) or not (this machine)."""
     a = availability()
-    assert not a.ok and "TensorRT-LLM is not installed" in a.reason
+    assert not a.ok and a.gpus == ()
+    assert re.fullmatch(r"TensorRT-LLM is not installed and no CUDA GPU is visible"
+                        r"|TensorRT-LLM \S+ is installed but trtllm-build is not on PATH"
+                        r"|TensorRT-LLM \S+ has no trtllm-build TensorRT-engine path \(needs 1\.0-1\.2\.x\)", a.reason)
 
 
 def test_write_twin_engine_layout(tmp_path):
@@ -107,7 +122,8 @@ def test_engine_stage_writes_the_twin_of_a_converted_checkpoint(tmp_path, storie
     assert sorted(p.name for p in (out / "checkpoint").glob("rank*.safetensors")) == ["rank0.safetensors", "rank1.safetensors"]
     assert (out / "checkpoint" / "tokenizer.json").is_file()
     lock = json.loads((out / "trtpipe_lock.json").read_text())
-    assert lock["engine"] == "cpu-twin" and lock["lockfile"]["tensorrt_llm"] is None and lock["lockfile"]["gpus"] == []
+    assert lock["engine"] == "cpu-twin" and lock["lockfile"]["gpus"] == []
+    assert lock["lockfile"]["tensorrt_llm"] == package_version(*PACKAGES["tensorrt_llm"])  # None here
     assert ctx.info["plan"]["fits"] and ctx.info["plan"]["weights_from"] == "checkpoint"
     assert ctx.info["command"][:3] == ["trtllm-build", "--checkpoint_dir", "CHECKPOINT_DIR"]
 
@@ -149,7 +165,7 @@ def test_predicted_weight_bytes_equal_the_converted_checkpoint(tmp_path, stories
     """The planner's config.json arithmetic against the bytes the real converter wrote (tp=2, float16)."""
     from trtpipe.engine import planner
     from trtpipe.engine.ckptconfig import predicted_checkpoint_config
-    from trtpipe.models.hfconfig import read_hf_config
+    from trtpipe.models.dims import read_hf_config
 
     recipe = load_recipe(recipe_file(tmp_path))
     predicted = predicted_checkpoint_config(read_hf_config(STORIES), recipe)
@@ -169,7 +185,7 @@ def test_real_trtllm_build_on_a_gpu(tmp_path, stories_tp2):
         pytest.skip(f"needs TensorRT-LLM 1.2.x on a GPU: {avail.reason}")
     if len(avail.gpus) < 2:
         pytest.skip("the tp=2 stories checkpoint needs 2 GPUs")
-    from trtpipe.engine.gpus import gpu_from_device_name
+    from trtpipe.formats.gpus import gpu_from_device_name
 
     card = gpu_from_device_name(avail.gpus[0])
     if card is None:
@@ -186,8 +202,8 @@ def test_real_trtllm_build_on_a_gpu(tmp_path, stories_tp2):
 
 
 def test_real_build_refuses_a_gpu_other_than_the_target():
-    from trtpipe.engine.gpus import get_gpu
-    from trtpipe.engine.stage import _check_target_gpu
+    from trtpipe.formats.gpus import get_gpu
+    from trtpipe.stages.engine import _check_target_gpu
 
     _check_target_gpu(get_gpu("h100-sxm-80gb"), [{"name": "NVIDIA H200", "compute_capability": "9.0"}])
     with pytest.raises(EngineError, match=r"targets h100-sxm-80gb \(SM 9.0\) but this machine has NVIDIA A10G \(SM 8.6\)"):

@@ -15,7 +15,7 @@ from trtpipe.cli import main
 from trtpipe.engine import build_config as bc
 from trtpipe.engine import upstream
 from trtpipe.engine.enforce import Target, rejections
-from trtpipe.engine.gpus import get_gpu
+from trtpipe.formats.gpus import get_gpu
 from trtpipe.engine.presets import BY_NAME, FIELDS, normalize
 from trtpipe.errors import EngineError
 from trtpipe.models.trtllm_config import deduce_max_seq_len

@@ -9,14 +9,17 @@ import json
 import pytest
 import torch
 
-from trtpipe.export.compressed import export_compressed, pack_int4_to_int32, unpack_int32_to_int4
+from trtpipe.export.compressed import export_compressed
+from trtpipe.formats.dequant import pack_int4_to_int32, unpack_int32_to_int4
 from trtpipe.runtime.hf_loader import load_hf_checkpoint
+from optional import needs
 
 pytestmark = pytest.mark.slow
 
 IDS = torch.tensor([[1, 300, 42, 17, 99, 5, 77, 401, 8, 260, 31, 2, 1, 44]])
 
 
+@needs("compressed_tensors")
 def test_int4_int32_packing_is_compressed_tensors():
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
@@ -27,6 +30,7 @@ def test_int4_int32_packing_is_compressed_tensors():
         assert torch.equal(unpack_int32_to_int4(pack_int4_to_int32(q), in_f), q)
 
 
+@needs("compressed_tensors")
 @pytest.mark.parametrize("algo,scheme", [("fp8", "float-quantized"), ("fp8_pc_pt", "float-quantized"),
                                          ("int4_wo", "pack-quantized")])
 def test_loads_in_transformers_and_matches_reference_runtime(stories_export_base, stories_dir, tmp_path, algo,

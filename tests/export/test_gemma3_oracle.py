@@ -19,7 +19,7 @@ import torch
 
 from quant_helpers import assert_same_layout, modelopt_config, modelopt_unified_export, our_stats, raw_bytes, safetensors_of
 from trtpipe.checkpoint.convert import TOKENIZER_FILES, convert
-from trtpipe.checkpoint.quant_primitives import pack_int4_rows, quantize, unpack_int4_rows
+from trtpipe.formats.primitives import pack_int4_rows, quantize, unpack_int4_rows
 from trtpipe.export.unified import export_unified
 from trtpipe.models.synthetic import make_synthetic
 

@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from trtpipe.cli import main
-from trtpipe.validation import check_recipe
-from trtpipe.validation import load_recipe
+from trtpipe.app.validation import check_recipe
+from trtpipe.app.validation import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -24,8 +24,9 @@ from quant_helpers import (assert_same_layout, modelopt_unified_export, our_stat
                            synthetic_moe_case)
 from trtpipe.checkpoint.convert import TOKENIZER_FILES
 from trtpipe.export.unified import export_unified
+from optional import needs
 
-pytestmark = [pytest.mark.oracle, pytest.mark.slow]
+pytestmark = [pytest.mark.oracle, pytest.mark.slow, needs("modelopt")]
 
 MODES = {"fp8": ("FP8_DEFAULT_CFG",), "nvfp4": ("NVFP4_DEFAULT_CFG",)}
 LAYERS, EXPERTS = 2, 8

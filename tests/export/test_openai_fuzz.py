@@ -1,7 +1,7 @@
-"""A fixed sample of the OpenAI twin's fuzz cases (trtpipe/serving/openai_fuzz.py) over real HTTP: completions and
+"""A fixed sample of the OpenAI twin's fuzz cases (tests/tools/openai_fuzz.py) over real HTTP: completions and
 chat, streaming and not, with wrong types, huge/negative/non-finite numbers, unknown fields, broken JSON, bad UTF-8,
 1 MB prompts and clients leaving mid-stream. Every case gets an OpenAI-shaped 4xx or a valid answer, and after each
-one a greedy request answers transformers' greedy text. The whole campaign: python scripts/fuzz_serving.py MODEL."""
+one a greedy request answers transformers' greedy text. The whole campaign: python tests/tools/fuzz_serving.py MODEL."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from openai_helpers import serve_in_thread
 
-from trtpipe.serving import openai_fuzz
+from tools import openai_fuzz
+from optional import needs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs("aiohttp")]
 
 TEMPLATE = (Path(__file__).parent / "data" / "chat_template.jinja").read_text()
 

@@ -15,16 +15,18 @@ import pytest
 from openai_helpers import serve_in_thread
 
 from trtpipe.serving.reference_engine import ReferenceEngine
+from optional import needs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs("aiohttp")]
 
 PROMPT = "Once upon a time"
 
 
 def _served(export, **config):
-    from trtpipe.serving.openai_server import OpenAIServer, ServedModel, default_config
+    from trtpipe.serving.config import twin_default
+    from trtpipe.serving.openai_server import OpenAIServer, ServedModel
 
-    served = ServedModel(export, "pressure", dataclasses.replace(default_config(512), **config))
+    served = ServedModel(export, "pressure", dataclasses.replace(twin_default(512), **config))
     return served, OpenAIServer(served).app
 
 

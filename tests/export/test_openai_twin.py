@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import openai_helpers
 from openai_helpers import serve_in_thread
+from optional import needs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs("aiohttp")]
 
 NAME = "stories-twin"
 TEMPLATE = (Path(__file__).parent / "data" / "chat_template.jinja").read_text()

@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from optional import needs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs("aiohttp")]
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "stories-llmapi-fp8.yaml"
@@ -34,7 +35,7 @@ def trtpipe(*args: str, env: dict) -> subprocess.CompletedProcess:
 def test_serve_detach_an_llmapi_recipe_then_stop_it(tmp_path, stories_dir):
     from openai import OpenAI
 
-    from trtpipe.triton.server_process import pid_alive
+    from trtpipe.processes import pid_alive
 
     env = {**os.environ, "TRTPIPE_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
     sets = ["--set", f"work_dir={tmp_path / 'work'}", "--set", f"model.source={stories_dir}",

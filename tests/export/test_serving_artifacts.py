@@ -12,8 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trtpipe.export.serving import (LLM_API_KEYS, UnknownLLMAPIKey, checked, launch_lines, llm_api_options,
-                                    llmapi_pbtxt, serve_command, write_serving)
-from trtpipe.validation import load_recipe
+                                    serve_command, write_serving)
+from trtpipe.triton.llmapi_repo import llmapi_pbtxt, write_llmapi_repo
+from trtpipe.app.validation import load_recipe
+from optional import needs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,6 +63,7 @@ def test_key_table_is_within_the_contract():
             assert sub in CONTRACT_SUB[top], key
 
 
+@needs("tritonclient")
 @pytest.mark.parametrize("version", ["1.0", "1.1", "1.2"])
 def test_generated_yaml_per_version(recipe, version, tmp_path):
     opts = llm_api_options(recipe, version)
@@ -76,6 +79,7 @@ def test_generated_yaml_per_version(recipe, version, tmp_path):
     r = recipe.model_copy(deep=True)
     object.__setattr__(r, "llmapi", r.llmapi.model_copy(update={"version": version}))
     write_serving(r, tmp_path / "hf", tmp_path)
+    write_llmapi_repo(r, tmp_path / "triton_repo", str(tmp_path / "hf"))
     written = yaml.safe_load((tmp_path / "extra_llm_api_options.yaml").read_text())
     assert written == opts
     model_yaml = yaml.safe_load((tmp_path / "triton_repo/tensorrt_llm/1/model.yaml").read_text())
@@ -123,6 +127,7 @@ def test_multi_node_lines(recipe):
     assert "--host 0.0.0.0" in lines["slurm"] and "--tensor_parallel_size 8 --pipeline_parallel_size 2" in lines["slurm"]
 
 
+@needs("tritonclient")
 def test_triton_llmapi_config():
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2 as mc

@@ -21,11 +21,12 @@ from safetensors.torch import load_file
 
 from quant_helpers import modelopt_config, modelopt_unified_export, our_stats, self_tokens
 from trtpipe.checkpoint.convert import TOKENIZER_FILES, convert
-from trtpipe.checkpoint.quant_primitives import pack_int4_rows, quantize
+from trtpipe.formats.primitives import pack_int4_rows, quantize
 from trtpipe.export.unified import export_unified
 from trtpipe.models.synthetic import make_synthetic
+from optional import needs
 
-pytestmark = [pytest.mark.oracle, pytest.mark.slow]
+pytestmark = [pytest.mark.oracle, pytest.mark.slow, needs("modelopt")]
 
 # mode -> (recipe algo, kv cache, ModelOpt configs concatenated)
 MODES = {
@@ -175,7 +176,7 @@ def test_int4_packing_identical_for_identical_scales(case, mode):
     from modelopt.torch.export.quant_utils import pack_int4_in_uint8
     from transformers import AutoModelForCausalLM
 
-    from trtpipe.checkpoint.quant_primitives import unpack_int4_rows
+    from trtpipe.formats.primitives import unpack_int4_rows
 
     g = case["group"]
     orig = AutoModelForCausalLM.from_pretrained(case["hf"], dtype=torch.bfloat16).state_dict()

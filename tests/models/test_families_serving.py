@@ -20,8 +20,9 @@ from click.testing import CliRunner
 from openai_helpers import serve_in_thread
 from trtpipe.cli import main
 from trtpipe.models.synthetic import load_hf, make_synthetic
+from optional import needs
 
-pytestmark = [pytest.mark.triton, pytest.mark.slow]
+pytestmark = [pytest.mark.triton, pytest.mark.slow, needs("tritonclient", "aiohttp")]
 
 PROMPTS = ["Once upon a time", "The little dog"]
 KINDS = {"qwen3": dict(tie_word_embeddings=False), "qwen3_moe": dict(), "gemma3": dict(tie_word_embeddings=False)}

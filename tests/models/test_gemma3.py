@@ -156,7 +156,7 @@ def test_conditional_generation_converts_its_language_model(tmp_path):
 
 def test_validate_names_what_gemma3_cannot_honour(gemma3, tmp_path):
     from trtpipe.models import get_family
-    from trtpipe.models.hfconfig import read_hf_config
+    from trtpipe.models.dims import read_hf_config
 
     cfg = json.loads((gemma3["dir"] / "config.json").read_text())
     fam = get_family("Gemma3ForCausalLM")
@@ -168,6 +168,7 @@ def test_validate_names_what_gemma3_cannot_honour(gemma3, tmp_path):
         assert [k for k, _ in fam.unsupported(read_hf_config(bad))] == [key]
 
 
+@pytest.mark.slow
 def test_awq_export_folds_the_mlp_scale_into_the_norm_before_the_mlp(gemma3, tmp_path):
     """Gemma's MLP input is pre_feedforward_layernorm (post_attention_layernorm normalizes the attention output):
     the unified export folds the MLP group's AWQ pre-quant scale there, and leaves post_attention_layernorm as the

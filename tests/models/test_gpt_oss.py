@@ -14,9 +14,10 @@ from click.testing import CliRunner
 from numerics import assert_as_accurate, error_scale, float64_copy, hf_float64
 from trtpipe.checkpoint.convert import convert
 from trtpipe.cli import main
-from trtpipe.models.hfconfig import read_hf_config
+from trtpipe.models import num_params
+from trtpipe.models.dims import read_hf_config
 from trtpipe.models.synthetic import load_hf, make_synthetic
-from trtpipe.quant import mxfp4
+from trtpipe.formats import mxfp4
 from trtpipe.runtime import load_checkpoint
 
 # OCP MX v1.0 E2M1 values by code (bit 3 = sign), written out here rather than taken from the module under test
@@ -145,7 +146,7 @@ def test_config_facts_and_parameter_count(gpt_oss):
     assert (info.head_dim, info.num_experts, info.experts_per_token, info.sliding_window) == (8, 8, 2, 4)
     assert info.layer_types == ("sliding_attention", "full_attention") * 2
     assert info.rope_scaling["rope_type"] == "yarn" and info.rope_scaling["truncate"] is False
-    assert info.num_params() == sum(p.numel() for p in hf.parameters())  # biases and sinks included
+    assert num_params(info) == sum(p.numel() for p in hf.parameters())  # biases and sinks included
 
 
 def _validate(tmp_path, hf_dir, body: str):
@@ -232,7 +233,7 @@ def test_fp8_export_keeps_mxfp4_experts_and_quantizes_attention(tmp_path):
     The runtime's q_proj computes exactly what the stored tensors say."""
     from safetensors import safe_open
 
-    from trtpipe.checkpoint.quant_primitives import fake_quant
+    from trtpipe.formats.primitives import fake_quant
     from trtpipe.runtime.hf_loader import load_hf_checkpoint
 
     hf_dir, _, out, hq = _export(tmp_path, "gpt_oss_mxfp4", "fp8")

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from trtpipe.cli import main
 from trtpipe.checkpoint.convert import convert
-from trtpipe.models.hfconfig import read_hf_config
+from trtpipe.models import num_params
+from trtpipe.models.dims import read_hf_config
 from trtpipe.models.synthetic import load_hf, make_synthetic
 from trtpipe.runtime import load_checkpoint
 
@@ -37,7 +38,7 @@ def test_expert_width_is_moe_intermediate_size(tmp_path):
     info = read_hf_config(hf_dir)
     assert (info.intermediate_size, info.expert_intermediate_size, info.num_experts) == (192, 32, 8)
     hf = load_hf(hf_dir)
-    assert info.num_params() == sum(p.numel() for p in hf.parameters())  # untied: embedding and lm_head both count
+    assert num_params(info) == sum(p.numel() for p in hf.parameters())  # untied: embedding and lm_head both count
     ckpt = convert(hf_dir, tmp_path / "ckpt", tp=2, dtype="float32")  # moe_tp 2: each expert's 32 rows split
     from safetensors import safe_open
 
@@ -116,7 +117,7 @@ def test_fp8_export_scales_each_expert_on_its_own_tokens(tmp_path):
     of the tokens calibration routed to that expert (up and gate share it); the router is not quantized."""
     from safetensors import safe_open
 
-    from trtpipe.checkpoint.quant_primitives import fake_quant
+    from trtpipe.formats.primitives import fake_quant
     from trtpipe.runtime.hf_loader import load_hf_checkpoint
 
     hf_dir, base, stats, layers = _calibrated(tmp_path, 8, 32)

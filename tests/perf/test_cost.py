@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from trtpipe.engine.gpus import GPU, get_gpu
+from trtpipe.formats.gpus import GPU, get_gpu
 from trtpipe.errors import TrtpipeError
 from trtpipe.perf.cost import Constants, Deployment, Terms, bound, experts_touched, group_terms, step_terms, step_time
 from trtpipe.perf.models import PUBLISHED, LayerKind, ModelSpec, published_spec, spec_of

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from trtpipe.errors import TrtpipeError
-from trtpipe.perf.predict import meets, parse_slo
+from trtpipe.app.predictor import meets, parse_slo
 from trtpipe.perf.simulate import SimResult
 
 

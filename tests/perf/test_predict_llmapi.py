@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from trtpipe.cli import main
 from trtpipe.errors import TrtpipeError
-from trtpipe.perf import predict as P
+from trtpipe.app import predictor as P
 from trtpipe.perf.fit import load_constants, predict_rows
 from trtpipe.perf.published import PUBLISHED_CSV, read_rows
 
@@ -95,6 +95,7 @@ GPT_OSS = RECIPES / "gpt-oss-120b-mxfp4.yaml"  # shipped: tp4, moe_ep 4, MXFP4 e
 QWEN3_30B = RECIPES / "qwen3-30b-a3b-fp8.yaml"  # shipped: one H100; published only in FP4 on Blackwell
 
 
+@pytest.mark.slow
 def test_predict_gpt_oss_recipe_beside_its_published_rows():
     res = cli("predict", str(GPT_OSS), *WORKLOAD, "--concurrency", "4", "--published", str(PUBLISHED_CSV), "--json")
     assert res.exit_code == 0, res.output
@@ -116,6 +117,7 @@ def test_predict_gpt_oss_recipe_beside_its_published_rows():
         assert r["predicted"] == by_row[(r["trtllm_version"], r["isl"], r["osl"], r["backend"])]
 
 
+@pytest.mark.slow
 def test_predict_says_when_no_published_row_is_on_that_gpu():
     res = cli("predict", str(QWEN3_30B), *WORKLOAD, "--concurrency", "2", "--published", str(PUBLISHED_CSV))
     assert res.exit_code == 0, res.output
@@ -136,6 +138,7 @@ def test_plan_layouts_keep_the_recipes_expert_split_on_fewer_or_more_gpus(tp, wa
     assert (setup.deployment.tp, setup.deployment.ep) == (tp, want_ep)
 
 
+@pytest.mark.slow
 def test_plan_says_whole_why_a_layout_does_not_fit():
     """A layout plan --slo skips carries its refusal whole, the advice ("turn a knob: parallel.tp: 4") included:
     it was cut at 200 characters, mid-word, so the one line that tells the user what to change read "turn a knob: par"."""

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from trtpipe.cli import main
-from trtpipe.perf import predict as P
+from trtpipe.app import predictor as P
 from trtpipe.perf.fit import load_constants
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "llama70b-fp8.yaml"
@@ -57,6 +57,7 @@ def test_predict_prints_the_library_simulation():
     assert {k: as_json[k] for k in s} == s
 
 
+@pytest.mark.slow
 def test_plan_slo_answers_the_fewest_replicas_that_meet_it():
     res = cli("plan", str(RECIPE), "--slo", SLO, "--rate", str(RATE), *WORKLOAD, "--gpus", GPU)
     assert res.exit_code == 0, res.output

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
-from trtpipe.engine.gpus import get_gpu
+from trtpipe.formats.gpus import get_gpu
 from trtpipe.perf.cost import Constants, Deployment, group_terms, step_time
 from trtpipe.perf.models import published_spec
-from trtpipe.perf.simulate import CostModelEngine, closed_loop, executor_config, max_load, poisson
+from trtpipe.perf.simulate import CostModelEngine, closed_loop, max_load, poisson
+from trtpipe.serving.config import executor_config
 from trtpipe.serving.api import StepBatch, StepEntry
 
 STEP = 0.010  # every step costs 10 ms: latencies are multiples of it
@@ -20,7 +20,9 @@ def fixed_engine() -> CostModelEngine:
 
 
 def cfg(max_batch=2, max_tokens=256, seq=256):
-    return executor_config(max_batch, max_tokens, seq, seq, kv_tokens=4096, tokens_per_block=64)
+    return executor_config(max_batch_size=max_batch, max_num_tokens=max_tokens, max_input_len=seq, max_seq_len=seq,
+                           kv_tokens=4096, tokens_per_block=64, enable_chunked_context=True,
+                           enable_kv_cache_reuse=False)
 
 
 def test_max_load_two_requests_share_every_step():
@@ -104,8 +106,9 @@ def test_simulated_prompts_share_no_prefix_even_with_kv_reuse_on():
     # benchmark prompts are distinct: with reuse enabled every request still computes its whole prompt
     seen = []
     engine = CostModelEngine(step_cost=lambda b: (seen.append(sum(len(e.tokens) for e in b.entries)) or STEP, "fixed"))
-    config = dataclasses.replace(executor_config(1, 256, 256, 256, kv_tokens=4096, tokens_per_block=16),
-                                 enable_kv_cache_reuse=True)
+    config = executor_config(max_batch_size=1, max_num_tokens=256, max_input_len=256, max_seq_len=256,
+                             kv_tokens=4096, tokens_per_block=16, enable_chunked_context=True,
+                             enable_kv_cache_reuse=True)
     closed_loop(config, engine, concurrency=1, n=3, isl=64, osl=2)
     assert seen == [64, 1, 64, 1, 64, 1]
 

@@ -22,7 +22,7 @@ from pipeline_test_stages import STAGES
 
 if sys.argv[1] == "lib":  # lib RECIPE KWARGS_JSON: run_build directly (no cross-field rules, no CLI)
     from trtpipe.pipeline.runner import run_build
-    from trtpipe.validation import load_recipe
+    from trtpipe.app.validation import load_recipe
 
     result = run_build(load_recipe(sys.argv[2], check_rules=False), STAGES, quiet=True, **json.loads(sys.argv[3]))
     print(json.dumps(result.summary()))

@@ -8,7 +8,8 @@ from click.testing import CliRunner
 from pipeline_test_stages import STAGES
 
 from trtpipe.cli import main
-from trtpipe.pipeline.stage_table import STAGE_NAMES
+from trtpipe.app.stage_table import STAGE_NAMES
+from optional import needs
 
 
 def cli(*args, env=None, stages=STAGES):
@@ -66,6 +67,7 @@ def test_build_without_json_reports_stages_on_stderr(make_recipe, tmp_path):
     assert any(line.startswith("pack") and "skipped: after --until scale" in line for line in lines)
 
 
+@needs("tritonclient")
 def test_status_of_the_real_stage_table_lists_every_stage_in_order(make_recipe):
     code, out, err = cli("status", make_recipe(), "--json", stages=None)
     assert code == 0, err

@@ -15,7 +15,7 @@ from pipeline_test_stages import STAGES, tree_hashes
 
 from trtpipe.pipeline.cache import MARKER, BuildLockedError
 from trtpipe.pipeline.runner import run_build
-from trtpipe.validation import load_recipe
+from trtpipe.app.validation import load_recipe
 
 
 def wait_for(flag: Path, proc, timeout_s: float = 60.0) -> None:

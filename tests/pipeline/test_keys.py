@@ -10,7 +10,7 @@ from pipeline_test_stages import STAGES
 
 from trtpipe.pipeline.keys import SMALL_FILE_BYTES, canonical, fingerprint, stable_json
 from trtpipe.pipeline.runner import plan_build
-from trtpipe.validation import load_recipe
+from trtpipe.app.validation import load_recipe
 
 
 def keys(recipe_path: Path, *overrides: str) -> dict[str, str]:

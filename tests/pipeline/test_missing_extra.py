@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # trtpipe in a child process per case
+
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "stories-fp16.yaml"
 

@@ -12,7 +12,7 @@ import torch
 from trtpipe.pipeline.cache import BuildLockedError, WorkDirLock, atomic_write_json
 from trtpipe.pipeline.progress import progress_bar
 from trtpipe.pipeline.stage import Stage
-from trtpipe.pipeline.stage_table import STAGE_NAMES, STAGE_TABLE
+from trtpipe.app.stage_table import STAGE_NAMES, STAGE_TABLE
 from trtpipe.pipeline.versions import collect_versions, parse_nvidia_smi, torch_cuda_version
 
 

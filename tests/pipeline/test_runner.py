@@ -13,7 +13,7 @@ from trtpipe.errors import StageError
 from trtpipe.pipeline.cache import MARKER
 from trtpipe.pipeline.manifest import load_manifest, verify_manifest
 from trtpipe.pipeline.runner import StageSelectionError, run_build
-from trtpipe.validation import load_recipe
+from trtpipe.app.validation import load_recipe
 
 FP8 = "quantization:\n  algo: fp8\n  calibration:\n    num_samples: 4\n    seq_len: 16\n"
 
@@ -72,6 +72,7 @@ def test_manifest_sha256_values_match_the_files(make_recipe):
                                         "gpu_compute_capability"}
 
 
+@pytest.mark.slow
 def test_manifest_records_wall_time_and_peak_rss_per_stage(make_recipe, monkeypatch):
     # The children's peak is sampled: on a loaded machine the sampler thread can sleep through a 0.3 s child,
     # so the child holds its memory for 2 s here (the assertion stays exact).
@@ -103,6 +104,7 @@ def test_verify_manifest_reports_changed_missing_and_added_files(make_recipe):
     assert f"{keys['pack']}/stray.txt: not in the manifest" in problems
 
 
+@pytest.mark.slow
 def test_force_reruns_one_stage_and_replaces_its_artifact(make_recipe):
     path = make_recipe()
     first = build(path)

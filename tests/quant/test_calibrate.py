@@ -48,6 +48,7 @@ def test_token_windows_use_the_models_tokenizer(stories_tokenizer):
         token_windows(["short"], stories_tokenizer, 4, 4096, "mem")
 
 
+@pytest.mark.slow
 def test_observed_amax_matches_a_direct_forward(stories_ckpts, stories_tokens):
     """Layer 0's qkv input amax equals max|rmsnorm(embedding)| computed without any calibration code; later
     layers see what the full reference model computes (the activations are passed on correctly)."""
@@ -69,6 +70,7 @@ def test_observed_amax_matches_a_direct_forward(stories_ckpts, stories_tokens):
     assert stats[0].k_amax.item() > 0 and stats[0].v_amax.item() > 0
 
 
+@pytest.mark.slow
 def test_spilled_buffer_gives_the_same_statistics(stories_ckpts, stories_tokens, tmp_path):
     tokens = stories_tokens["calib"][:4]
     src = TrtllmSource(stories_ckpts[1])

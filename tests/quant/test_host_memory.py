@@ -19,7 +19,7 @@ import torch
 from trtpipe.checkpoint.convert import convert
 from trtpipe.engine.planner import Shapes, host_estimates
 from trtpipe.models.synthetic import make_synthetic
-from trtpipe.validation import load_recipe
+from trtpipe.app.validation import load_recipe
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from numerics import assert_same_model
 from quant_helpers import our_quant, our_stats
-from trtpipe.checkpoint.quant_primitives import unpack_int4_rows
+from trtpipe.formats.primitives import unpack_int4_rows
 from trtpipe.checkpoint.shard import Layout, split_linear_tensor
 from trtpipe.runtime import load_checkpoint
 
@@ -129,6 +129,7 @@ def test_tp2_runs_the_same_model_as_tp1(quantized, stories_tokens, algo):
     assert_same_model(load_checkpoint(quantized[algo, 2]), load_checkpoint(quantized[algo, 1]), tokens, algo)
 
 
+@pytest.mark.slow
 def test_pipeline_parallel_and_kv_only(stories_ckpts, stories_tokens, quantized, tmp_path, stories_dir):
     """pp=2 places each quantized layer in its PP rank's file under its local index; a KV-cache-only
     quantization keeps every weight and adds the cache scales."""

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from numerics import assert_same_model
 from quant_helpers import our_quant, our_stats, synthetic_moe_case
 from trtpipe.checkpoint.convert import convert
-from trtpipe.checkpoint.quant_primitives import observe_amax, unpack_int4_rows
+from trtpipe.formats.primitives import observe_amax, unpack_int4_rows
 from trtpipe.export.unified import export_unified
 from trtpipe.models.synthetic import make_synthetic
 from trtpipe.quant.awq import expert_awq

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from numerics import assert_as_accurate, error_scale, hf_float64
 from quant_helpers import our_quant, our_stats, synthetic_moe_case
 from trtpipe.checkpoint.convert import convert
-from trtpipe.checkpoint.quant_primitives import choose_qparams, quantize, unpack_int4_rows
+from trtpipe.formats.primitives import choose_qparams, quantize, unpack_int4_rows
 from trtpipe.cli import main
 from trtpipe.models.synthetic import load_hf, make_synthetic
 from trtpipe.quant.calibrate import load_layer_stats

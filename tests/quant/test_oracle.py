@@ -15,11 +15,12 @@ from safetensors.torch import load_file
 from numerics import UBF16
 from quant_helpers import kl_to_reference, modelopt_quant, our_quant, our_stats, self_tokens
 from trtpipe.checkpoint.convert import convert
-from trtpipe.checkpoint.quant_primitives import pack_int4_rows, quantize, unpack_int4_rows
+from trtpipe.formats.primitives import pack_int4_rows, quantize, unpack_int4_rows
 from trtpipe.models.synthetic import make_synthetic
 from trtpipe.runtime import load_checkpoint
+from optional import needs
 
-pytestmark = [pytest.mark.oracle, pytest.mark.slow]
+pytestmark = [pytest.mark.oracle, pytest.mark.slow, needs("modelopt")]
 
 ALGOS = ("fp8", "int8_sq", "int8_wo", "int4_awq", "w4a8_awq")
 # model -> (int4 group size, what is excluded from int4: stories' intermediate 172 has no whole groups)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from numerics import U32
-from trtpipe.checkpoint.quant_primitives import (
+from trtpipe.formats.primitives import (
     choose_qparams, dequantize, fake_quant, observe_amax, pack_int4_rows, quantize, unpack_int4_rows,
 )
 
@@ -59,3 +59,22 @@ def test_int4_pack_roundtrip_random():
     assert torch.equal(unpack_int4_rows(pack_int4_rows(q)), q)
     with pytest.raises(ValueError, match="odd"):
         pack_int4_rows(q[:3])
+
+
+def test_nvfp4_quantize_is_the_inverse_of_dequantize():
+    """Weights on the NVFP4 grid (each 16-block's largest magnitude 6 x an FP8-exact block scale) survive
+    quantize -> dequantize bit for bit: the writer's packing and the readers' unpacking agree on nibble order, code
+    signs and scales."""
+    from trtpipe.formats.primitives import E2M1_VALUES, nvfp4_dequantize, nvfp4_quantize
+
+    g = torch.Generator().manual_seed(0)
+    values = E2M1_VALUES[torch.randint(0, 8, (8, 64), generator=g)] * torch.where(
+        torch.rand(8, 64, generator=g) < 0.5, -1.0, 1.0)
+    values[:, ::16] = 6.0  # every block reaches the top code, so its scale is recovered exactly
+    scales = 2.0 ** torch.randint(-4, 3, (8, 4), generator=g).float()
+    w = values * scales.repeat_interleave(16, dim=1)
+    wsf2 = torch.tensor(1.0)
+    packed, bs = nvfp4_quantize(w, wsf2)
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (8, 32) and torch.equal(bs.float(), scales)
+    assert torch.equal(nvfp4_dequantize(packed, bs, wsf2), w)
+    assert torch.equal(packed[0, 0] & 0xF, torch.tensor(7, dtype=torch.uint8))  # 6.0, even column in the low nibble

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from trtpipe.cli import main
+from optional import needs
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +42,7 @@ def recipe(tmp_path_factory, stories_dir) -> Path:
     return path
 
 
+@needs("tritonclient")
 def test_eval_reports_with_and_without_kv_quant(recipe):
     code, out, err = cli("eval", recipe)
     assert code == 0, err
@@ -57,6 +59,7 @@ def test_eval_reports_with_and_without_kv_quant(recipe):
     assert 0 < q["kl_divergence"] < 0.1 and 0.85 < q["top1_agreement"] <= 1.0 and q["perplexity"] > 1
 
 
+@needs("tritonclient")
 def test_statistics_are_reused_across_algorithms(recipe):
     code, out, err = cli("calibrate", recipe)
     assert code == 0, err
@@ -75,6 +78,7 @@ def test_statistics_are_reused_across_algorithms(recipe):
     assert code == 0 and out.strip().splitlines()[-1] != fp8  # AWQ needs its own search
 
 
+@needs("tritonclient")
 def test_gate_fails_with_the_numbers(recipe):
     code, out, err = cli("eval", recipe, "--set", "accuracy.max_kl_divergence=0.0",
                          "--set", "accuracy.min_top1_agreement=1.0")

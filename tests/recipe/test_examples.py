@@ -6,7 +6,7 @@ import pytest
 
 from trtpipe.errors import RecipeError
 from trtpipe.recipe.rules import load_model_info
-from trtpipe.validation import load_recipe
+from trtpipe.app.validation import load_recipe
 
 from recipe_helpers import RECIPES, run_cli
 

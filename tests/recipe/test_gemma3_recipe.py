@@ -9,7 +9,11 @@ import json
 import math
 import shutil
 
-from trtpipe.models.hfconfig import read_hf_config
+import pytest
+
+pytest.importorskip("tritonclient", reason="pip install 'trtpipe[serve]'")  # before the imports that need it
+
+from trtpipe.models.dims import read_hf_config
 from trtpipe.triton.repo import EngineInfo
 
 from recipe_helpers import RECIPES, run_cli

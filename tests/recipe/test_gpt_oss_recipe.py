@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from trtpipe.models.hfconfig import read_hf_config
+from trtpipe.models.dims import read_hf_config
 
 from recipe_helpers import RECIPES, run_cli
 
@@ -68,7 +68,7 @@ def test_the_engine_target_is_refused_naming_llmapi(tmp_path):
 
 def test_fp8_quantizes_the_rest_of_an_mxfp4_source_without_a_double_quantization_refusal():
     """The experts stay as shipped (MXFP4), so ``quantization.algo: fp8`` (FP8 attention) quantizes nothing twice;
-    a fully pre-quantized source is still refused (tests/imported/test_recipes.py)."""
+    a fully pre-quantized source is still refused (tests/quant/imported/test_recipes.py)."""
     r = run_cli("validate", str(RECIPES / "gpt-oss-20b-mxfp4.yaml"), "--set", "quantization.algo=fp8",
                 "--set", "quantization.kv_cache=fp8")
     assert "already quantized" not in r.output, r.output

@@ -7,7 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from recipe_helpers import llama_config
+
+pytestmark = pytest.mark.slow  # trtpipe validate in a child process
 
 
 def _validate(tmp_path, source: str) -> subprocess.CompletedProcess:

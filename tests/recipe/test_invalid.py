@@ -15,7 +15,7 @@ import pytest
 from recipe_helpers import MIXTRAL, RECIPES, run_cli
 
 from trtpipe.errors import RecipeError
-from trtpipe.validation import load_recipe
+from trtpipe.app.validation import load_recipe
 
 HEAD = "name: t\nmodel:\n  source: {S}\n"  # lines 1-3 of most cases
 
@@ -208,6 +208,7 @@ def test_overrides_that_fix_a_recipe(write, stories_dir):
     assert load_recipe(path, ["parallel.tp=2"]).parallel.tp == 2
 
 
+@pytest.mark.slow  # trtpipe in a child process
 def test_real_subprocess_exit_code_and_message(write, stories_dir):
     path = write(f"name: t\nmodel:\n  source: {stories_dir}\nquantization:\n  algo: int3\n")
     proc = subprocess.run([sys.executable, "-m", "trtpipe.cli", "validate", str(path)],

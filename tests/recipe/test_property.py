@@ -14,7 +14,7 @@ from recipe_helpers import RECIPES
 
 from trtpipe.errors import RecipeError
 from trtpipe.recipe import Recipe
-from trtpipe.validation import load_recipe
+from trtpipe.app.validation import load_recipe
 
 BASE_TEXT = (RECIPES / "stories-fp8.yaml").read_text()
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
@@ -146,7 +146,7 @@ VALID_SHAPED = st.fixed_dictionaries({
 @SETTINGS
 @given(recipe=VALID_SHAPED)
 def test_schema_valid_recipes_never_crash_a_rule(recipe, recipe_path, stories_dir):
-    """Every rule of trtpipe.validation.RULES (the recipe's, quantization's, the engine's, the export's) on
+    """Every rule of trtpipe.app.validation.RULES (the recipe's, quantization's, the engine's, the export's) on
     in-range values of every kind."""
     if recipe["model"]["source"] == "STORIES":
         recipe["model"]["source"] = str(stories_dir)

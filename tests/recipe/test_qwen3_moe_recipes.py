@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from trtpipe.models.hfconfig import read_hf_config
+from trtpipe.models.dims import read_hf_config
 
 from recipe_helpers import RECIPES, run_cli
 

@@ -13,7 +13,7 @@ from recipe_helpers import RECIPES, run_cli
 from pydantic import BaseModel
 
 from trtpipe.recipe import Recipe
-from trtpipe.validation import load_recipe
+from trtpipe.app.validation import load_recipe
 
 JSON_TYPES = {"object", "array", "string", "integer", "number", "boolean", "null"}
 

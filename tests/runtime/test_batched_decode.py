@@ -36,7 +36,7 @@ def assert_batched_matches(model, prompts, max_new_tokens, **kw):
 
 def _kv_codes(model, key, x: torch.Tensor):
     """Quantized KV-cache codes of dequantized cache values ``x`` as integers ordered like the values."""
-    from trtpipe.checkpoint.quant_primitives import quantize
+    from trtpipe.formats.primitives import quantize
 
     layer, rank = key
     attn = next(m for m in model.layers if m.layer_idx == layer).attention[rank]
@@ -179,6 +179,7 @@ def test_synthetic_models(synthetic, name, kind, tp, overrides):
     assert_rows_independent(model, LONG, steps=10)
 
 
+@pytest.mark.slow
 def test_fp8_kv_cache_checkpoint(stories_dir, tmp_path):
     from trtpipe.quant.calibrate import CalibSettings, calibrate, save_layer_stats
     from trtpipe.quant.writer import TrtllmSource, quantize_checkpoint

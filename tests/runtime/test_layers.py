@@ -12,7 +12,6 @@ from numerics import U32, assert_as_accurate, error_scale
 from trtpipe.checkpoint.convert import make_plan, unsharded_layer
 from trtpipe.checkpoint.hf import HFReader
 from trtpipe.errors import CheckpointError
-from trtpipe.models.trtllm_config import build_config
 from trtpipe.runtime import DecoderLayer, ModelArgs
 from trtpipe.runtime.linear import LinearSpec, build_linear, module_quant_algo
 from trtpipe.runtime.rope import INV_FREQ

@@ -125,6 +125,7 @@ def test_cancelled_requests_free_their_blocks_within_a_step(model_tp1):
     assert all(r.finish_reason == FinishReason.CANCELLED for r in finals)
 
 
+@pytest.mark.slow
 def test_no_evict_queues_and_max_utilization_pauses_when_the_pool_is_short(model_tp1):
     prompts = [[1] + list(range(10, 10 + 30))] * 6
     for policy in (CapacityPolicy.GUARANTEED_NO_EVICT, CapacityPolicy.MAX_UTILIZATION):
@@ -205,6 +206,7 @@ def test_threaded_executor_streams_to_many_callers(model_tp1):
         ex.shutdown()
 
 
+@pytest.mark.slow
 def test_pauses_credit_only_blocks_the_victim_owns_alone(model_tp1):
     """Identical requests reuse each other's published blocks; pausing one frees only the blocks no running
     request shares, so max_utilization must not count shared ones as freed (that overran the pool on a server)."""

@@ -92,7 +92,7 @@ def hf_greedy(hf_stories):
 
 @pytest.fixture(scope="session")
 def stories_recipe():
-    from trtpipe.validation import load_recipe
+    from trtpipe.app.validation import load_recipe
 
     def load(*overrides: str):
         return load_recipe(RECIPES / "stories-fp16.yaml", list(overrides))
@@ -109,7 +109,8 @@ def pytest_runtest_makereport(item, call):
     if report.when != "call" or not report.failed:
         return
     from trtpipe.processes import log_tail
-    from trtpipe.triton.server_process import Server, exit_cause
+    from trtpipe.supervisor import Server
+    from trtpipe.triton.server_process import exit_cause
 
     for name, value in getattr(item, "funcargs", {}).items():
         if isinstance(value, Server):

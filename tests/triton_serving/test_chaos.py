@@ -19,6 +19,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+pytest.importorskip("tritonclient", reason="pip install 'trtpipe[serve]'")  # before the imports that need it
+
 from click.testing import CliRunner
 
 from trtpipe.cli import main

@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from trtpipe.cli import main
+from optional import needs
 
 
 def _closed_port() -> int:
@@ -16,6 +17,7 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
+@needs("tritonclient")
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 @pytest.mark.parametrize("extra", [[], ["--model", "ensemble"]])
 def test_infer_without_a_server_is_one_line(protocol, extra):

@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("tritonclient", reason="pip install 'trtpipe[serve]'")  # before the imports that need it
+
 from click.testing import CliRunner
 
 from trtpipe.cli import main

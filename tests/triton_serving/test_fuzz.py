@@ -1,12 +1,14 @@
-"""A fixed sample of the fuzz cases (trtpipe/triton/fuzz.py) against a real server (ensemble, BLS, pre/post-processing,
+"""A fixed sample of the fuzz cases (tests/tools/triton_fuzz.py) against a real server (ensemble, BLS, pre/post-processing,
 tensorrt_llm; HTTP and gRPC): every request gets an answer or an error, none fails inside a batch, the server
-stays up and still answers a valid request correctly. The whole campaign: python scripts/fuzz_serving.py REPO."""
+stays up and still answers a valid request correctly. The whole campaign: python tests/tools/fuzz_serving.py REPO."""
 
 from __future__ import annotations
 
 import pytest
 
-from trtpipe.triton import fuzz
+pytest.importorskip("tritonclient", reason="pip install 'trtpipe[serve]'")  # before the imports that need it
+
+from tools import triton_fuzz as fuzz
 from trtpipe.triton.repo import write_repo
 from trtpipe.triton.server_process import start_server
 

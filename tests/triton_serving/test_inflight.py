@@ -11,6 +11,9 @@ import urllib.request
 import numpy as np
 import psutil
 import pytest
+
+pytest.importorskip("tritonclient", reason="pip install 'trtpipe[serve]'")  # before the imports that need it
+
 import tritonclient.grpc as grpcclient
 
 from trtpipe.triton.client import Client, GenerateOptions, infer_inputs, text_inputs

@@ -9,6 +9,9 @@ import shlex
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("tritonclient", reason="pip install 'trtpipe[serve]'")  # before the imports that need it
+
 from click.testing import CliRunner
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
@@ -16,8 +19,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 from trtpipe.cli import main
 from trtpipe.errors import ServingError
 from trtpipe.triton import repo as R
-from trtpipe.triton.launch import check_engine_versions, repo_info
-from trtpipe.validation import load_recipe
+from trtpipe.app.launch_triton import check_engine_versions, repo_info
+from trtpipe.app.validation import load_recipe
 
 HERE = Path(__file__).parent
 RECIPES = HERE.parents[1] / "recipes"
@@ -46,7 +49,7 @@ def llama70b_engine(llama70b, tmp_path_factory):
     """The engine config.json trtllm-build would write for llama70b-fp8 (TP4), from the engine planner."""
     from trtpipe.engine import build_config as bc
     from trtpipe.engine.ckptconfig import predicted_checkpoint_config
-    from trtpipe.models.hfconfig import read_hf_config
+    from trtpipe.models.dims import read_hf_config
 
     cfg = predicted_checkpoint_config(read_hf_config(llama70b.resolve(llama70b.model.source)), llama70b)
     engine = tmp_path_factory.mktemp("llama70b") / "engine"
@@ -284,6 +287,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_upstream_models_load_the_tokenizer_from_any_working_directory(tmp_path, stories_recipe, stories_engine):
     import subprocess
     import sys

@@ -1,4 +1,4 @@
-"""Per-request validation of the tensorrt_llm twin (trtpipe/triton/request_checks.py): each bad input is one
+"""Per-request validation of the tensorrt_llm twin (trtpipe/serving/request_checks.py): each bad input is one
 ValueError naming it; good inputs pass unchanged."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trtpipe.triton.request_checks import check_sampling, check_token_ids, word_lists
+from trtpipe.serving.request_checks import check_sampling, check_token_ids, word_lists
 
 
 def test_token_ids_in_the_vocabulary():

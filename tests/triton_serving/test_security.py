@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from trtpipe.cli import main
 from triton_helpers import tiny_recipe
+from optional import needs
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +44,7 @@ def bait_build(tmp_path_factory, stories_dir):
     return root, recipe
 
 
+@needs("tritonclient")
 def test_shell_syntax_in_recipe_paths_is_only_ever_a_file_name(bait_build):
     root, recipe = bait_build
     work = root / SHELL_BAIT
@@ -56,6 +58,7 @@ def test_shell_syntax_in_recipe_paths_is_only_ever_a_file_name(bait_build):
     _no_markers(root)
 
 
+@needs("tritonclient")
 def test_no_token_in_any_artifact(bait_build):
     root, _ = bait_build
     leaks = []
@@ -74,6 +77,7 @@ def _dry_run(recipe: Path, *extra: str):
     return res.stdout, getattr(res, "stderr", "")
 
 
+@needs("tritonclient")
 def test_loopback_by_default_and_a_warning_otherwise(bait_build):
     _, recipe = bait_build
     out, err = _dry_run(recipe)
@@ -98,6 +102,7 @@ def test_schema_defaults_are_the_safe_ones():
     assert TritonSection.model_fields["bind"].default == "127.0.0.1"
 
 
+@needs("tritonclient")
 def test_remote_code_tokenizer_is_refused_and_never_run(stories_dir, tmp_path):
     import shutil
 

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("tritonclient", reason="pip install 'trtpipe[serve]'")  # before the imports that need it
+
 from trtpipe.errors import ServingError
 from trtpipe.triton import mpi_launch
 from trtpipe.triton.client import Client, GenerateOptions
 from trtpipe.triton.repo import write_repo
-from trtpipe.triton.launch import repo_info
-from trtpipe.triton.server_process import Ports, free_ports
+from trtpipe.app.launch_triton import repo_info
+from trtpipe.supervisor import Ports, free_ports
 
 from triton_helpers import BUILD_CONFIG, like_a_terminal, run_concurrently
 
@@ -189,6 +191,6 @@ def test_a_rank_that_cannot_load_fails_the_launch_with_its_error(cache, repo_tp2
     victim.unlink()
     with pytest.raises(ServingError) as err:
         start(repo)
-    assert f"rank 1 (" in str(err.value) and f"{victim}: rank file not found" in str(err.value)
+    assert "rank 1 (" in str(err.value) and f"{victim}: rank file not found" in str(err.value)
     assert "not ready after" not in str(err.value)  # its own error, not the readiness timeout
     assert job_processes(repo) == []

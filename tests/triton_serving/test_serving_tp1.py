@@ -11,6 +11,8 @@ import threading
 import numpy as np
 import pytest
 
+pytest.importorskip("tritonclient", reason="pip install 'trtpipe[serve]'")  # before the imports that need it
+
 from trtpipe.errors import ServingError
 from trtpipe.triton.client import Client, GenerateOptions
 from trtpipe.triton.repo import write_repo

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+pytest.importorskip("tritonclient", reason="pip install 'trtpipe[serve]'")  # before the imports that need it
+
 from trtpipe.triton.client import Client, GenerateOptions
 from trtpipe.triton.repo import read_configs, write_repo
 from trtpipe.triton.server_process import start_server

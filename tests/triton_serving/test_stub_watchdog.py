@@ -65,6 +65,7 @@ def _start(how: str, life: float):
     return server, stub, dog
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["start", "watch", "_watch_by_polling"])
 def test_a_stub_holding_the_gil_dies_with_its_server(how):
     server, stub, dog = _start(how, life=0)

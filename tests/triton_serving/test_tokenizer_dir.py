@@ -9,6 +9,8 @@ import shutil
 
 import pytest
 
+pytest.importorskip("tritonclient", reason="pip install 'trtpipe[serve]'")  # before the imports that need it
+
 from trtpipe.triton.client import Client, GenerateOptions
 from trtpipe.triton.repo import TOKENIZER_FILES, read_configs, write_repo
 from trtpipe.triton.server_process import start_server

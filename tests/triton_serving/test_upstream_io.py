@@ -9,11 +9,15 @@ import json
 
 import numpy as np
 import pytest
+
+pytest.importorskip("tritonclient", reason="pip install 'trtpipe[serve]'")  # before the imports that need it
+
 from tritonclient.grpc import model_config_pb2 as mc
 
 from test_repo import llama70b, llama70b_engine  # noqa: F401 - module fixtures
 from trtpipe.triton import repo as R
-from trtpipe.triton import twin_input_policy, upstream_io
+from trtpipe.triton import upstream_io
+from trtpipe.serving import twin_input_policy
 
 
 def _assert_rows(messages, rows, fill):

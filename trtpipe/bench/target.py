@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from trtpipe.bench.metrics import BenchError
+from trtpipe.formats.schemes import BY_RECIPE
 
 BLS = "tensorrt_llm_bls"
 
@@ -160,7 +161,7 @@ def recipe_facts(recipe) -> dict:
         "name": recipe.name, "path": str(recipe.path) if recipe.path else None,
         "model_source": recipe.model.source, "dtype": recipe.model.dtype,
         "quantization": q.algo, "kv_cache_dtype": q.kv_cache,
-        "group_size": q.group_size if q.algo in ("int4_wo", "int4_awq", "w4a8_awq") else None,
+        "group_size": q.group_size if q.algo in BY_RECIPE and BY_RECIPE[q.algo].groupwise else None,
         "tp": recipe.parallel.tp, "pp": recipe.parallel.pp,
         "max_batch_size": e.max_batch_size, "max_input_len": e.max_input_len, "max_seq_len": e.max_seq_len,
         "max_num_tokens": e.max_num_tokens, "max_beam_width": e.max_beam_width, "gpu": e.gpu,

@@ -26,10 +26,10 @@ from trtpipe.checkpoint.shard import Layout, pp_layers, split_experts, split_lin
 from trtpipe.checkpoint.writer import RankFile, atomic_dir, return_large_buffers, write_json, write_parts, write_same
 from trtpipe.errors import CheckpointError
 from trtpipe.models import Family, Rule, get_family
-from trtpipe.models.family import dims
-from trtpipe.models.hfconfig import HFModelInfo, read_hf_config
+from trtpipe.models.family import shape_symbols
+from trtpipe.models.dims import ModelDims, read_hf_config
 from trtpipe.models.trtllm_config import build_config, resolve_dtype
-from trtpipe.quant import mxfp4
+from trtpipe.formats import mxfp4
 
 LAYER = "transformer.layers.{}."
 TOKENIZER_FILES = (
@@ -46,7 +46,7 @@ Transform = Callable[[dict[str, torch.Tensor], "ConversionPlan", Optional[int]],
 class ConversionPlan:
     """Everything decided before reading weights: the family, dims, dtype, mapping and config.json."""
 
-    info: HFModelInfo
+    info: ModelDims
     family: Family
     dtype: str
     tp: int
@@ -107,19 +107,19 @@ def make_plan(model_dir: str | Path, tp: int = 1, pp: int = 1, dtype: str = "aut
 # --- pass 1: rename + fuse ----------------------------------------------------------------------
 
 
-def _sources(rule: Rule, info: HFModelInfo, prefix: str) -> list[list[str]]:
+def _sources(rule: Rule, info: ModelDims, prefix: str) -> list[list[str]]:
     """HF names per source of a rule (one per expert for ``{e}`` sources)."""
     if "experts" in rule.combine:
         return [[prefix + h.format(e=e) for e in range(info.num_experts)] for h in rule.hf]
     return [[prefix + h] for h in rule.hf]
 
 
-def _expected(rule: Rule, info: HFModelInfo, i: int) -> tuple[int, ...]:
-    d = dims(info)
+def _expected(rule: Rule, info: ModelDims, i: int) -> tuple[int, ...]:
+    d = shape_symbols(info)
     return tuple(d[s] for s in rule.shapes[i])
 
 
-def _fetch(reader: HFReader, name: str, expected: tuple[int, ...], meta: bool, info: HFModelInfo) -> torch.Tensor:
+def _fetch(reader: HFReader, name: str, expected: tuple[int, ...], meta: bool, info: ModelDims) -> torch.Tensor:
     if name not in reader:
         raise CheckpointError(f"{reader.dir}: tensor '{name}' is missing (needed for {info.architecture})")
     shape = reader.shape(name)

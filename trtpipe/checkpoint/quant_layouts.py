@@ -1,4 +1,4 @@
-"""THE table of quantized checkpoint layouts: recipe algo -> TRT-LLM quant_algo, formats, tensors, dtypes.
+"""The quantized TRT-LLM checkpoint layouts trtpipe writes: recipe algo -> tensors, dtypes (facts: formats.schemes).
 
 Source of truth: what NVIDIA ModelOpt 0.47.0 writes (``modelopt/torch/export/``, checked by running it:
 tests/quant/test_oracle.py) and trtllm-build 1.x reads (docs/reference/trtllm-checkpoint.md#quantized-tensors). Every
@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+from trtpipe.formats.schemes import BY_RECIPE, KV_BY_RECIPE
 
 # The linears of a Llama decoder layer in TRT-LLM names, grouped by the input they read.
 # group name -> (members, parallel style)
@@ -63,21 +65,14 @@ STYLE: dict[str, str] = {m: style for members, style in LINEAR_GROUPS.values() f
 #   (NVIDIA/TensorRT-LLM@89fd9b74 tensorrt_llm/quantization/quantize.py ``weight_only_groupwise_quantize``, whose
 #   map re-creates ``MixtureOfExperts`` with them).
 #
-# recipe algo -> nothing (its experts have an engine layout) or why not. W4A8: the MoE layer takes W4A8 group
-# scales interleaved ([E, in/(g*f), out*f], ``get_weight_scale_interleave_factor``) with a per-expert ``alpha``
-# [E, 1], while the builder's W4A8 preprocessing is written for dense linears (it divides the [E, in/g, out] group
-# scales by ``weights_scaling_factor_2`` and forms ``alpha`` per linear, no interleave; modeling_utils.py@b35ac1b6):
-# not a layout trtpipe can write and show loadable from source alone.
-MOE_ENGINE_REFUSED: dict[str, str] = {
-    "w4a8_awq": ("TensorRT-LLM 1.2's MoE layer takes W4A8 experts' group scales interleaved with a per-expert alpha, "
-                 "which its checkpoint preprocessing (preprocess_perlayer_weights) does not produce from per-linear "
-                 "W4A8 tensors, NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py MOEWeightWrapper"),
-    "int8_sq": ("TensorRT-LLM 1.2's MoE layer has no SmoothQuant experts (FP8, weight-only, group-wise INT4 and NVFP4 "
-                "only, NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py)"),
-    "int8_wo": ("trtpipe has no engine writer for INT8 weight-only experts (TensorRT-LLM 1.2's MoE plugin takes them "
-                "preprocessed per GPU as [E, in, out] with an [E, out] per_channel_scale, NVIDIA/TensorRT-LLM@c388fec7 "
-                "tensorrt_llm/layers/moe.py MOEWeightWrapper)"),
-}
+# recipe algo -> why its experts have no engine layout: the scheme table's ``moe_why["engine"]``
+# (trtpipe.formats.schemes, with the upstream citations). W4A8: the MoE layer takes W4A8 group scales interleaved
+# ([E, in/(g*f), out*f], ``get_weight_scale_interleave_factor``) with a per-expert ``alpha`` [E, 1], while the
+# builder's W4A8 preprocessing is written for dense linears (it divides the [E, in/g, out] group scales by
+# ``weights_scaling_factor_2`` and forms ``alpha`` per linear, no interleave; modeling_utils.py@b35ac1b6): not a
+# layout trtpipe can write and show loadable from source alone.
+MOE_ENGINE_REFUSED: dict[str, str] = {s.recipe: s.moe_why["engine"] for s in BY_RECIPE.values()
+                                      if "engine" in s.targets and "engine" not in s.moe}
 # an experts' tensor every expert of a linear shares (no expert axis in trtpipe's checkpoint): the builder keeps row 0
 # of a stacked [E, in] one, so the reference runtime does too (modeling_utils.py@b35ac1b6 preprocess_perlayer_weights)
 SHARED_BY_EXPERTS = ("prequant_scaling_factor",)
@@ -89,18 +84,17 @@ BUILDER_DEFAULT_EXCLUDES = ("*lm_head", "*router", "*vocab_embedding", "*positio
 
 @dataclass(frozen=True)
 class Algo:
-    """One quantization algorithm, as data.
+    """How trtpipe's TRT-LLM checkpoint writer lays one algorithm out (its other facts: the scheme table row).
 
     Attributes:
-        quant_algo: TRT-LLM ``quantization.quant_algo``.
+        quant_algo: TRT-LLM ``quantization.quant_algo`` (the scheme's).
         weight_fmt: primitives format of the weight codes (``fp8``, ``int8``, ``int4``).
-        granularity: ``tensor``, ``channel`` or ``group`` (the recipe's group_size).
+        granularity: ``tensor``, ``channel`` or ``group`` (the recipe's group_size): the scheme's ``scale``.
         act_fmt: static per-tensor activation format (None: weight-only).
         prequant: None, ``smooth`` (SmoothQuant), ``awq`` (scale search) or ``unit`` (explicit ones).
         weight_scale_2: also write ``weights_scaling_factor_2`` = amax(W)/448 (W4A8).
-        group_config: write group_size / has_zero_point / pre_quant_scale into config.json.
+        group_config: write group_size / has_zero_point / pre_quant_scale into config.json (group-wise schemes).
         needs_samples: calibration must keep activation samples (AWQ search).
-        needs_data: calibration data is needed at all.
     """
 
     quant_algo: str
@@ -112,19 +106,21 @@ class Algo:
     group_config: bool = False
     needs_samples: bool = False
 
-    @property
-    def needs_data(self) -> bool:
-        return self.act_fmt is not None or self.prequant in ("smooth", "awq")
+
+def _algo(name: str, weight_fmt: str, **layout) -> Algo:
+    s = BY_RECIPE[name]
+    return Algo(s.quant_algo, weight_fmt, s.scale, group_config=s.groupwise, **layout)
 
 
+# the schemes whose targets include "engine" (trtpipe.formats.schemes), as this writer lays them out
 ALGOS: dict[str, Algo] = {
-    "fp8": Algo("FP8", "fp8", "tensor", act_fmt="fp8"),
-    "int8_sq": Algo("W8A8_SQ_PER_CHANNEL", "int8", "channel", act_fmt="int8", prequant="smooth"),
-    "int8_wo": Algo("W8A16", "int8", "channel"),
-    "int4_wo": Algo("W4A16_AWQ", "int4", "group", prequant="unit", group_config=True),
-    "int4_awq": Algo("W4A16_AWQ", "int4", "group", prequant="awq", group_config=True, needs_samples=True),
-    "w4a8_awq": Algo("W4A8_AWQ", "int4", "group", act_fmt="fp8", prequant="awq", weight_scale_2=True,
-                     group_config=True, needs_samples=True),
+    "fp8": _algo("fp8", "fp8", act_fmt="fp8"),
+    "int8_sq": _algo("int8_sq", "int8", act_fmt="int8", prequant="smooth"),
+    "int8_wo": _algo("int8_wo", "int8"),
+    "int4_wo": _algo("int4_wo", "int4", prequant="unit"),
+    "int4_awq": _algo("int4_awq", "int4", prequant="awq", needs_samples=True),
+    "w4a8_awq": _algo("w4a8_awq", "int4", act_fmt="fp8", prequant="awq", weight_scale_2=True,
+                      needs_samples=True),
 }
 # quant_algo -> how the reference runtime executes it (several recipe algos share one TRT-LLM layout).
 BY_QUANT_ALGO: dict[str, Algo] = {a.quant_algo: a for a in ALGOS.values() if a.prequant != "unit"}
@@ -137,10 +133,8 @@ class KVAlgo:
     min_scale: float  # ModelOpt clamps FP8 KV scales to >= 1.0 (clamp_fp8_scales)
 
 
-KV_ALGOS: dict[str, KVAlgo] = {
-    "fp8": KVAlgo("FP8", "fp8", 1.0),
-    "int8": KVAlgo("INT8", "int8", 0.0),
-}
+KV_ALGOS: dict[str, KVAlgo] = {name: KVAlgo(k.kv_cache_quant_algo, k.fmt, k.min_scale)
+                               for name, k in KV_BY_RECIPE.items()}
 KV_TENSORS = ("k_cache_scaling_factor", "v_cache_scaling_factor", "kv_cache_scaling_factor")
 
 # Stored dtype of each per-linear tensor; "model" = the checkpoint dtype.

@@ -30,7 +30,6 @@ from trtpipe.deploy.monitoring import dump_yaml, write_all
 from trtpipe.errors import TrtpipeError
 from trtpipe.export.serving import checked, llm_api_options, options_yaml
 from trtpipe.recipe.schema import Recipe
-from trtpipe.serving.dynamo_launch import ROUTERS
 
 DGD_API = "nvidia.com/v1beta1"
 IMAGE = "nvcr.io/nvidia/ai-dynamo/tensorrtllm-runtime:1.6.1"  # the wheel's profiler templates
@@ -40,6 +39,7 @@ ENGINE_FILE = "engine.yaml"
 FRONTEND_PORT = 8000
 SYSTEM_PORT = 9090  # the worker's system server (health, metrics), DYN_SYSTEM_PORT
 LOCAL_SYSTEM_PORT = 18081  # launch.sh: worker i listens on LOCAL_SYSTEM_PORT + i
+ROUTERS = ("kv", "round-robin")  # the Dynamo frontend's --router-mode values trtpipe offers
 # component name -> (DGD type, --disaggregation-mode or None)
 ROLES = {"TRTLLMWorker": ("worker", None), "prefill": ("prefill", "prefill"), "decode": ("decode", "decode")}
 MULTINODE_ENV = [{"name": "OMPI_ALLOW_RUN_AS_ROOT", "value": "1"}, {"name": "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "value": "1"}]

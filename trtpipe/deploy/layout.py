@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from trtpipe.engine.gpus import GPU, get_gpu
+from trtpipe.formats.gpus import GPU, get_gpu
 from trtpipe.errors import TrtpipeError
 from trtpipe.recipe.schema import Recipe
 from trtpipe.slo import parse_slo, split_term

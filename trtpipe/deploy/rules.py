@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from trtpipe.deploy.layout import layout_of, node_selector, slo_targets
-from trtpipe.engine.gpus import get_gpu
+from trtpipe.formats.gpus import get_gpu
 from trtpipe.errors import EngineError, TrtpipeError
-from trtpipe.models.hfconfig import HFModelInfo
+from trtpipe.models.dims import ModelDims
 from trtpipe.recipe.rules import Finding, Rule
 from trtpipe.recipe.schema import Recipe
 
@@ -23,7 +23,7 @@ def _key_of(message: str, default: str) -> tuple[str, str]:
     return (head, rest) if sep and head.startswith(("deploy.", "engine.", "llmapi.")) else (default, message)
 
 
-def step_floor_s(recipe: Recipe, m: HFModelInfo) -> float:
+def step_floor_s(recipe: Recipe, m: ModelDims) -> float:
     """Seconds one decode step needs at least: weight bytes of all pp stages (one TP rank) / GPU bandwidth."""
     from trtpipe.engine.ckptconfig import predicted_checkpoint_config
     from trtpipe.engine.planner import Shapes, weight_bytes
@@ -32,7 +32,7 @@ def step_floor_s(recipe: Recipe, m: HFModelInfo) -> float:
     return sum(weight_bytes(s, recipe.parallel.tp, recipe.parallel.pp)) / (get_gpu(recipe.engine.gpu).bandwidth_gbs * 1e9)
 
 
-def deploy_findings(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
+def deploy_findings(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
     d = recipe.deploy
     if d.replicas.min > d.replicas.max:
         yield "deploy.replicas", f"replicas.min {d.replicas.min} exceeds replicas.max {d.replicas.max}"

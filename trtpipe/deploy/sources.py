@@ -53,13 +53,6 @@ def artifact_key(recipe: Recipe) -> Sourced:
                    "config.json; rerun trtpipe deploy after the build to key the cache by the artifacts' content")
 
 
-def planned_weight_bytes(recipe_path: Path, overrides) -> int:
-    """Largest weight bytes on one GPU, as ``trtpipe plan`` computes them (built checkpoint, else config.json)."""
-    from trtpipe.engine.planning import resolve
-
-    return int(resolve(recipe_path, overrides).plan.summary()["weight_bytes_per_gpu"])
-
-
 def measured_ready_s(cold_start: Optional[Path]) -> Optional[float]:
     if cold_start is None:
         return None

@@ -21,7 +21,7 @@ from trtpipe.deploy.sources import Sourced
 from trtpipe.export.serving import serve_command
 from trtpipe.recipe.schema import Recipe
 from trtpipe.triton.mpi_launch import mpirun_command
-from trtpipe.triton.server_process import Ports
+from trtpipe.supervisor import Ports
 
 DEFAULT_IMAGE = "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3"  # the pins of docs/reference/trtllm-build.md
 ARTIFACTS = "/artifacts"

@@ -17,9 +17,11 @@ from typing import Any, Mapping, Optional
 
 from trtpipe.engine import ckptconfig, upstream
 from trtpipe.engine.enforce import Change, Target, enforce, rejections
-from trtpipe.engine.gpus import GPU, get_gpu
+from trtpipe.formats.gpus import GPU, get_gpu
+from trtpipe.formats.schemes import quant_algos
 from trtpipe.engine.presets import BY_NAME, FIELDS, auto_preset, get_preset, normalize
 from trtpipe.errors import EngineError
+from trtpipe.models.dims import checkpoint_dims
 from trtpipe.recipe.schema import Recipe
 
 TARGET_TRTLLM_VERSION = "1.2.1"  # the TensorRT-engine path this build config is written for (trtllm-build.md#versions)
@@ -31,7 +33,7 @@ SQ_PLUGIN_ALGOS = (
     "W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN",
 )
 WEIGHT_ONLY_PER_CHANNEL = ("W8A16", "W4A16")
-WEIGHT_ONLY_GROUPWISE = ("W4A16_AWQ", "W4A8_AWQ", "W4A16_GPTQ", "W8A16_GPTQ")
+WEIGHT_ONLY_GROUPWISE = quant_algos(lambda s: s.groupwise)  # the scheme table's group-wise rows
 
 
 @dataclass(frozen=True)
@@ -311,10 +313,9 @@ def engine_config_json(checkpoint_config: dict, c: BuildConfig, version: str = T
     for k, v in (("world_size", tp * pp), ("gpus_per_node", 8), ("cp_size", 1), ("tp_size", tp), ("pp_size", pp)):
         mapping.setdefault(k, v)
     pretrained["mapping"] = mapping
-    for k, v in (("logits_dtype", "float32"), ("norm_epsilon", 1e-5),
-                 ("num_key_value_heads", pretrained["num_attention_heads"]),
-                 ("head_size", pretrained["hidden_size"] // pretrained["num_attention_heads"]),
-                 ("intermediate_size", 4 * pretrained["hidden_size"])):
+    d = checkpoint_dims(pretrained)  # TensorRT-LLM's PretrainedConfig defaults for the sizes the file omits
+    for k, v in (("logits_dtype", "float32"), ("norm_epsilon", d.rms_norm_eps), ("num_key_value_heads", d.num_kv_heads),
+                 ("head_size", d.head_dim), ("intermediate_size", d.intermediate_size)):
         pretrained.setdefault(k, v)
     return {"version": version, "pretrained_config": pretrained, "build_config": to_json(c)}
 

@@ -12,12 +12,12 @@ from typing import Any, Optional
 
 from trtpipe.errors import CheckpointError, EngineError
 from trtpipe.jsonfile import read_json
-from trtpipe.models.hfconfig import HFModelInfo
+from trtpipe.models.dims import ModelDims
 from trtpipe.models.trtllm_config import deduce_max_seq_len
 from trtpipe.recipe.schema import Recipe
 
 
-def predicted_checkpoint_config(info: HFModelInfo, recipe: Recipe) -> dict[str, Any]:
+def predicted_checkpoint_config(info: ModelDims, recipe: Recipe) -> dict[str, Any]:
     """The checkpoint ``config.json`` the checkpoint/quantize stages will write for this recipe.
 
     Made by the same functions those stages use (the converter's config writer and the quantization layouts
@@ -53,7 +53,7 @@ def predicted_checkpoint_config(info: HFModelInfo, recipe: Recipe) -> dict[str, 
     return cfg
 
 
-def _imported_quantization(recipe: Recipe, info: HFModelInfo) -> Optional[dict[str, Any]]:
+def _imported_quantization(recipe: Recipe, info: ModelDims) -> Optional[dict[str, Any]]:
     """The ``quantization`` a pre-quantized source's checkpoint gets for the recipe's target (None: the source is
     not pre-quantized, keeps its quantized modules as its family ships them, or the target refuses it)."""
     from trtpipe.quant.imported.rules import source_format

@@ -15,21 +15,16 @@ from dataclasses import dataclass
 from typing import Any, Collection, Optional
 
 from trtpipe.engine import upstream
+from trtpipe.formats.schemes import BY_QUANT_ALGO, quant_algos, tensor_core_rejection
 
 # Architectures for which reduce_fusion survives (builder: Llama, Gemma2, Medusa).
 REDUCE_FUSION_ARCHS = ("LlamaForCausalLM", "Gemma2ForCausalLM", "MedusaForCausalLM")
 LLAMA_ARCHS = ("LlamaForCausalLM",)
-FP8_CONTEXT_FMHA_ALGOS = ("FP8", "W4A8_AWQ", "NVFP4")
-FP8_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES", "W4A8_AWQ")
-WEIGHT_ONLY_ALGOS = ("W8A16", "W4A16", "W4A16_AWQ", "W4A16_GPTQ", "W8A16_GPTQ")
-SMOOTHQUANT_ALGOS = (
-    "W8A8_SQ_PER_CHANNEL",
-    "W8A8_SQ_PER_TENSOR_PLUGIN",
-    "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",
-    "W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN",
-    "W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN",
-)
-PER_CHANNEL_PER_TOKEN_ALGOS = ("FP8_PER_CHANNEL_PER_TOKEN",)
+# the scheme table's columns (trtpipe.formats.schemes), as the builder groups quant_algos
+FP8_CONTEXT_FMHA_ALGOS = quant_algos(lambda s: s.fp8_context_fmha)
+FP8_ALGOS = quant_algos(lambda s: s.tensor_cores == "FP8")
+# builder.build on SM 100-119: the kind of quant_algo it rejects -> what its message adds
+BLACKWELL_DC_NOTE = {"weight-only": " (SM 100-119)", "SmoothQuant": " (SM 100-119)", "per-channel/per-token": ""}
 # PluginConfig.validate: {exact SM: fields it rejects} (upstream table).
 VALIDATE_REJECTS_BY_SM = upstream.VALIDATE_REJECTS_BY_SM[0]
 PAGED_STATE_ARCHITECTURES = upstream.PAGED_STATE_ARCHITECTURES[0]
@@ -99,7 +94,8 @@ def enforce(plugins: dict[str, Any], t: Target, explicit: Collection[str] = ()) 
         force("use_fp8_context_fmha", False, "context_fmha is off")
         force("use_paged_context_fmha", False, "context_fmha is off")
     if t.quant_algo not in FP8_CONTEXT_FMHA_ALGOS:
-        force("use_fp8_context_fmha", False, f"FP8 context FMHA needs quant_algo FP8, W4A8_AWQ or NVFP4 (got {t.quant_algo})")
+        force("use_fp8_context_fmha", False, f"FP8 context FMHA needs quant_algo {_or(FP8_CONTEXT_FMHA_ALGOS)} "
+                                             f"(got {t.quant_algo})")
         if fp8_kv:
             force("use_paged_context_fmha", False, f"an FP8 KV cache with quant_algo {t.quant_algo} disables paged context FMHA")
     if t.sm < 89:
@@ -119,21 +115,17 @@ def enforce(plugins: dict[str, Any], t: Target, explicit: Collection[str] = ()) 
     return p, changes
 
 
+def _or(names: tuple[str, ...]) -> str:
+    return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else "".join(names)
+
+
 def tensor_core_rejections(t: Target) -> list[tuple[str, str]]:
-    """The quantization whose GEMMs need tensor cores the GPU lacks: FP8 below SM 8.9, FP4 below SM 10.0. These are
-    the hardware's limits, not the builder's, so they hold for TensorRT-LLM's PyTorch backend too (the llmapi
-    target's validation asks only this): TensorRT-LLM's precision table lists FP4 for Blackwell (SM100/SM120) only and
-    FP8, and INT4 with FP8 activations, from SM89 (NVIDIA/TensorRT-LLM@9b062a83
-    ``docs/source/reference/support-matrix.md``). An FP8 KV cache alone is allowed (the engine's rewrites handle it)."""
-    sm = f"SM {t.sm // 10}.{t.sm % 10}"
-    (fp4_algo, fp4_sm), _ = upstream.NVFP4_MIN_SM
-    if t.sm < 89 and t.quant_algo in FP8_ALGOS:
-        return [("quantization.algo", f"{t.quant_algo} needs FP8 tensor cores (SM >= 8.9); the target is {sm}")]
-    if t.quant_algo == fp4_algo and t.sm < fp4_sm:
-        return [("quantization.algo", f"{t.quant_algo} needs FP4 tensor cores (SM >= {fp4_sm // 10}.{fp4_sm % 10}, "
-                                      f"Blackwell); the target is {sm} (the FP4 GEMM plugin and the PyTorch backend's "
-                                      "FP4 GEMMs refuse it)")]
-    return []
+    """The quantization whose GEMMs need tensor cores the GPU lacks (the scheme table's tensor_cores column: FP8
+    below SM 8.9, FP4 below SM 10.0). These are the hardware's limits, not the builder's, so they hold for
+    TensorRT-LLM's PyTorch backend too (the llmapi target's validation asks only this). An FP8 KV cache alone is
+    allowed (the engine's rewrites handle it)."""
+    why = tensor_core_rejection(t.sm, t.quant_algo)
+    return [("quantization.algo", why)] if why else []
 
 
 def rejections(plugins: dict[str, Any], t: Target) -> list[tuple[str, str]]:
@@ -141,12 +133,10 @@ def rejections(plugins: dict[str, Any], t: Target) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     sm = f"SM {t.sm // 10}.{t.sm % 10}"
     if is_blackwell_dc(t.sm):
-        if t.quant_algo in WEIGHT_ONLY_ALGOS:
-            out.append(("quantization.algo", f"weight-only {t.quant_algo} is rejected by the builder on {sm} (SM 100-119)"))
-        if t.quant_algo in SMOOTHQUANT_ALGOS:
-            out.append(("quantization.algo", f"SmoothQuant {t.quant_algo} is rejected by the builder on {sm} (SM 100-119)"))
-        if t.quant_algo in PER_CHANNEL_PER_TOKEN_ALGOS:
-            out.append(("quantization.algo", f"per-channel/per-token {t.quant_algo} is rejected by the builder on {sm}"))
+        kind = BY_QUANT_ALGO[t.quant_algo].blackwell_dc if t.quant_algo in BY_QUANT_ALGO else None
+        if kind:
+            out.append(("quantization.algo", f"{kind} {t.quant_algo} is rejected by the builder on {sm}"
+                                             f"{BLACKWELL_DC_NOTE[kind]}"))
         if t.kv_cache_quant_algo == "INT8":
             out.append(("quantization.kv_cache", f"an INT8 KV cache is rejected by the builder on {sm} (SM 100-119)"))
     for name in VALIDATE_REJECTS_BY_SM.get(t.sm, ()):
@@ -168,6 +158,7 @@ def rejections(plugins: dict[str, Any], t: Target) -> list[tuple[str, str]]:
             out.append((name, f"{name} needs use_fused_mlp (the builder raises)"))
     if plugins.get("gemm_plugin") == "fp8" and t.quant_algo not in FP8_ALGOS:
         out.append(("gemm_plugin", f"gemm_plugin fp8 needs an FP8 model (quant_algo is {t.quant_algo})"))
-    if plugins.get("gemm_plugin") == "nvfp4" and t.quant_algo != "NVFP4":
-        out.append(("gemm_plugin", f"gemm_plugin nvfp4 needs an NVFP4 model (quant_algo is {t.quant_algo})"))
+    (fp4_algo, fp4_gemm), _ = upstream.NVFP4_GEMM
+    if plugins.get("gemm_plugin") == fp4_gemm and t.quant_algo != fp4_algo:
+        out.append(("gemm_plugin", f"gemm_plugin {fp4_gemm} needs an {fp4_algo} model (quant_algo is {t.quant_algo})"))
     return out

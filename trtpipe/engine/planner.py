@@ -22,31 +22,23 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trtpipe.engine import ckptconfig
-from trtpipe.checkpoint.quant_layouts import ALGOS
 from trtpipe.engine.build_config import EngineBuild, builder_target
 from trtpipe.engine.enforce import rejections
-from trtpipe.engine.gpus import GPU
-from trtpipe.export.formats import HF_FORMATS, MOE_EXPORT_ALGOS
+from trtpipe.models.dims import checkpoint_dims
 from trtpipe.errors import CheckpointError, EngineError
+from trtpipe.formats.gpus import GPU
+from trtpipe.formats.schemes import BY_QUANT_ALGO, BY_RECIPE, KV_SCHEMES, SCHEMES, quant_algos
 from trtpipe.recipe.schema import Recipe
 
 GiB = 1 << 30
 RUNTIME_RESERVE_BYTES = 1 * GiB  # assumption: CUDA context + cuBLAS/cuBLASLt workspaces + decoder buffers
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
-# bytes per element of a quantized linear weight (scales counted separately below)
-QUANT_WEIGHT_BYTES = {
-    None: None, "FP8": 1, "FP8_PER_CHANNEL_PER_TOKEN": 1, "FP8_BLOCK_SCALES": 1,
-    "W8A16": 1, "W8A16_GPTQ": 1, "W8A8_SQ_PER_CHANNEL": 1, "W8A8_SQ_PER_TENSOR_PLUGIN": 1,
-    "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": 1, "W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN": 1,
-    "W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN": 1,
-    "W4A16": 0.5, "W4A16_AWQ": 0.5, "W4A16_GPTQ": 0.5, "W4A8_AWQ": 0.5, "NVFP4": 0.5 + 1 / 16,
-    "W4A16_MXFP4": 0.5 + 1 / 32,  # E2M1 pairs + one E8M0 byte per 32 (gpt-oss experts as shipped)
-}
-# recipe algos a "does not fit" refusal may advise, least lossy first (w4a8_awq where int4_awq is refused: MoE
-# experts on llmapi)
-QUANT_KNOBS = ("fp8", "nvfp4", "int4_awq", "w4a8_awq")
-GROUPWISE = ("W4A16_AWQ", "W4A16_GPTQ", "W4A8_AWQ", "W8A16_GPTQ")
-KV_BYTES = {"FP8": 1, "INT8": 1, "NVFP4": 0.5 + 1 / 16}
+# bytes per element of a quantized linear weight (group scales counted separately below): the scheme table's
+QUANT_WEIGHT_BYTES = {None: None, **{s.quant_algo: s.weight_bytes for s in SCHEMES}}
+# recipe algos a "does not fit" refusal may advise, in the table's advice order (least lossy first)
+QUANT_KNOBS = tuple(sorted((s.recipe for s in BY_RECIPE.values() if s.advise), key=lambda a: BY_RECIPE[a].advise))
+GROUPWISE = quant_algos(lambda s: s.groupwise)
+KV_BYTES = {k.kv_cache_quant_algo: k.bytes for k in KV_SCHEMES}
 
 
 @dataclass(frozen=True)
@@ -73,34 +65,38 @@ class Shapes:
     moe_ep: int = 1
     router_dtype: str = "float32"
 
+    sliding_window: Optional[int] = None  # the attention window (on every layer, or on the sliding layers)
+    layer_types: tuple[str, ...] = ()  # per layer "sliding_attention" | "full_attention" where the model mixes them
+
     @classmethod
     def of(cls, cfg: dict) -> "Shapes":
+        """The model's dimensions (:func:`~trtpipe.models.dims.checkpoint_dims`) and the checkpoint's storage
+        (dtype, quantization, mapping) of a checkpoint config.json."""
+        d = checkpoint_dims(cfg)
         q = cfg.get("quantization") or {}
-        moe = cfg.get("moe") or {}
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
         return cls(
-            hidden=hidden,
-            layers=int(cfg["num_hidden_layers"]),
-            heads=heads,
-            kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_size=int(cfg.get("head_size") or hidden // heads),
-            # an expert's width (Qwen3-MoE writes it apart from the dense MLP's intermediate_size)
-            intermediate=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 4 * hidden),
-            vocab=int(cfg["vocab_size"]),
-            experts=int(moe.get("num_experts") or cfg.get("moe_num_experts") or 0),
-            top_k=int(moe.get("top_k") or cfg.get("moe_top_k") or 0),
+            hidden=d.hidden_size,
+            layers=d.num_layers,
+            heads=d.num_heads,
+            kv_heads=d.num_kv_heads,
+            head_size=d.head_dim,
+            intermediate=d.expert_intermediate_size,  # an expert's width (Qwen3-MoE writes it apart)
+            vocab=d.vocab_size,
+            experts=d.num_experts,
+            top_k=d.experts_per_token,
             dtype=str(cfg["dtype"]),
             quant_algo=q.get("quant_algo"),
             kv_quant=q.get("kv_cache_quant_algo"),
             group_size=int(q.get("group_size") or 128),
             parallel_embedding=bool(cfg.get("use_parallel_embedding", False)),
             expert_quant_algo=cfg.get("expert_quant_algo"),
-            attn_bias=bool(cfg.get("attn_bias", False)),
-            expert_bias=bool(cfg.get("attention_sinks", False)),
+            attn_bias=d.attention_bias,
+            expert_bias=d.attention_sinks,
             moe_ep=int((cfg.get("mapping") or {}).get("moe_ep_size") or 1),
             # the engine path keeps routers float32; a predicted llmapi config names the PyTorch backend's dtype
             router_dtype=str(cfg.get("router_dtype", "float32")),
+            sliding_window=d.sliding_window,
+            layer_types=d.layer_types,
         )
 
     @property
@@ -146,10 +142,17 @@ def weight_bytes(s: Shapes, tp: int, pp: int) -> list[int]:
     return out
 
 
+def linear_weight_bytes(quant_algo: Optional[str], elements: int, model_bytes: float, group_size: int) -> float:
+    """Bytes of ``elements`` linear-weight elements stored as ``quant_algo`` (its row's bytes per weight, plus 16-bit
+    scales per group for group-wise rows); unquantized or unknown: the model dtype."""
+    s = BY_QUANT_ALGO.get(quant_algo) if quant_algo else None
+    if s is None:
+        return elements * model_bytes
+    return elements * s.weight_bytes + (elements * 2 / group_size if s.groupwise else 0)
+
+
 def _linear_bytes(s: Shapes, elements: int) -> float:
-    """Bytes of ``elements`` quantized linear-weight elements (group scales included for groupwise formats)."""
-    qb = QUANT_WEIGHT_BYTES.get(s.quant_algo, s.model_bytes) or s.model_bytes
-    return elements * qb + (elements * 2 / s.group_size if s.quant_algo in GROUPWISE else 0)
+    return linear_weight_bytes(s.quant_algo, elements, s.model_bytes, s.group_size)
 
 
 @dataclass(frozen=True)
@@ -288,7 +291,7 @@ def blocks_per_sequence(seq: int, inp: int, tpb: int, beam: int) -> int:
     return shared + (math.ceil(seq / tpb) - shared) * beam
 
 
-def sequence_blocks(cfg: dict, c, tpb: int) -> int:
+def sequence_blocks(s: Shapes, c, tpb: int) -> int:
     """Blocks one sequence of max_seq_len needs (kvCacheManager.cpp): the KV cache holds min(seq_len,
     attention_window) tokens; the window is the model's sliding_window (what the repository passes as
     max_attention_window_size).
@@ -301,8 +304,7 @@ def sequence_blocks(cfg: dict, c, tpb: int) -> int:
     (NVIDIA/TensorRT-LLM ``cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp``
     ``BlockManager::calculateWindowSizeToShare``), which holds the same number of full sequences in every pool:
     this layer average, up to each pool's block rounding."""
-    window = cfg.get("sliding_window")
-    types = cfg.get("layer_types") or ()
+    window, types = s.sliding_window, s.layer_types
     if types and window:
         held = sum(min(c.max_seq_len, int(window)) if t == "sliding_attention" else c.max_seq_len for t in types)
         seq = math.ceil(held / len(types))
@@ -393,7 +395,7 @@ def plan_build(recipe: Recipe, cfg: dict, build: EngineBuild, checkpoint_dir: Op
         ranks.append(RankPlan(r, n, weights[r], act, RUNTIME_RESERVE_BYTES, free, per_tok, pool, tokens,
                               math.ceil(tokens / tpb)))
     blocks = min(r.kv_blocks for r in ranks)
-    per_seq = sequence_blocks(cfg, c, tpb)
+    per_seq = sequence_blocks(s, c, tpb)
     plan = Plan(
         gpu=gpu, tp=tp, pp=pp, weights_from=source, kv_dtype=_kv_dtype(s), ranks=tuple(ranks),
         tokens_per_block=tpb, max_seq_len=c.max_seq_len, max_input_len=c.max_input_len,
@@ -432,7 +434,7 @@ def _quick_fits(recipe: Recipe, cfg: dict, build: EngineBuild) -> bool:
     c = build.config
     tpb = c.plugins["tokens_per_block"]
     act = activation_bytes(s, tp, c.max_num_tokens, c.max_batch_size, c.max_beam_width)
-    need = sequence_blocks(cfg, c, tpb) * tpb
+    need = sequence_blocks(s, c, tpb) * tpb
     for r, (w, n) in enumerate(zip(weight_bytes(s, tp, pp), pp_layers(s.layers, pp))):
         free = build.gpu.memory_bytes - w - act - RUNTIME_RESERVE_BYTES
         if free <= 0 or free * recipe.engine.kv_cache.free_gpu_memory_fraction < need * kv_bytes_per_token(s, n, tp):
@@ -473,10 +475,8 @@ def _algo_knobs(recipe: Recipe, s: Shapes, cfg: dict, gpu: GPU) -> list[tuple[st
     a mixture-of-experts model, its expert layouts) and that run on ``gpu`` (trtllm-build's rejections: FP8 below
     SM 8.9, FP4 below SM 10.0, weight-only on Blackwell). Advice the validation would then refuse, such as int4_awq
     for MoE experts on llmapi, costs the user a round trip."""
-    if recipe.target == "llmapi":
-        writers = {n: f.quant_algo for n, f in HF_FORMATS.items() if not s.experts or n in MOE_EXPORT_ALGOS}
-    else:
-        writers = {n: a.quant_algo for n, a in ALGOS.items()}
+    moe = recipe.target == "llmapi" and s.experts  # the engine's expert refusals are validate's (quant rules)
+    writers = {n: r.quant_algo for n, r in BY_RECIPE.items() if recipe.target in (r.moe if moe else r.targets)}
     out = []
     for name in QUANT_KNOBS:
         algo = writers.get(name)

@@ -1,6 +1,6 @@
 """Engine rules for ``trtpipe validate``: what trtllm-build would silently change or reject, and the planner's refusal.
 
-Fast by construction: only config.json is read (through the ``HFModelInfo`` the validator passes in), the
+Fast by construction: only config.json is read (through the ``ModelDims`` the validator passes in), the
 build config is predicted from it, and the planner does arithmetic only.
 """
 
@@ -10,11 +10,12 @@ from typing import Iterable, Optional
 
 from trtpipe.engine import build_config as bc
 from trtpipe.engine.ckptconfig import predicted_checkpoint_config
-from trtpipe.engine.enforce import rejections, tensor_core_rejections
-from trtpipe.engine.gpus import get_gpu
+from trtpipe.engine.enforce import Target, rejections, tensor_core_rejections
+from trtpipe.formats.gpus import get_gpu
 from trtpipe.engine.presets import FIELDS, get_preset, normalize
-from trtpipe.errors import EngineError
-from trtpipe.models.hfconfig import HFModelInfo
+from trtpipe.errors import CheckpointError, EngineError
+from trtpipe.models.dims import ModelDims
+from trtpipe.quant.imported.rules import family_refuses, source_format
 from trtpipe.recipe.rules import Finding, Rule
 from trtpipe.recipe.schema import Recipe
 
@@ -51,7 +52,7 @@ def _names(recipe: Recipe) -> Iterable[Finding]:
             f"{tpb} conflicts with engine.kv_cache.tokens_per_block {e.kv_cache.tokens_per_block}; set only the latter")
 
 
-def engine_findings(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
+def engine_findings(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
     names = list(_names(recipe))
     yield from names
     if names or m is None:
@@ -110,4 +111,35 @@ def _build_findings(recipe: Recipe, build) -> Iterable[Finding]:
                                                "(the runtime would silently disable reuse); set enable_reuse: false")
 
 
-ENGINE_RULES: tuple[Rule, ...] = (engine_findings,)
+def _source_builder_rejects(recipe: Recipe, m: ModelDims, fmt) -> Iterable[Finding]:
+    """What trtllm-build rejects of the source's quantization on ``engine.gpu`` (e.g. NVFP4 below SM 10.0): the
+    builder rules of :func:`trtpipe.engine.enforce.rejections`, keyed by the source's quant_algo and named against
+    model.source (the engine rules report only what the recipe's own quantization section asks for)."""
+    try:
+        gpu = get_gpu(recipe.engine.gpu)
+    except EngineError:
+        return  # an unknown GPU is named by the engine rules
+    target = Target(gpu.sm, m.architecture, fmt.quant_algo, fmt.kv_cache, recipe.parallel.tp, recipe.parallel.pp,
+                    fmt.group_size)
+    for key, reason in rejections({}, target):
+        if key == "quantization.group_size":  # the source's groups, on any GPU: another checkpoint is the fix
+            yield "model.source", f"model.source is {fmt.describe()}: {reason}; use a checkpoint quantized with one " \
+                                  "of those group sizes, or target: llmapi"
+        elif key.startswith("quantization."):
+            yield "engine.gpu", f"model.source is {fmt.describe()}: trtllm-build rejects it on {recipe.engine.gpu}: {reason}"
+
+
+def source_findings(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
+    """A pre-quantized ``model.source`` built into engines: what trtllm-build rejects of its format on
+    ``engine.gpu`` (its other problems are the import rules' findings, :mod:`trtpipe.quant.imported.rules`)."""
+    if m is None or recipe.target != "engine" or family_refuses(recipe, m):
+        return
+    try:
+        fmt = source_format(recipe, m)
+    except CheckpointError:
+        return  # named by the import rules
+    if fmt is not None and fmt.quant_algo and fmt.action("engine").ok:
+        yield from _source_builder_rejects(recipe, m, fmt)
+
+
+ENGINE_RULES: tuple[Rule, ...] = (engine_findings, source_findings)

@@ -18,6 +18,7 @@ from typing import Optional
 from trtpipe.engine.versions import trtllm_supported
 from trtpipe.pipeline.versions import PACKAGES, package_version, query_gpus
 from trtpipe.errors import EngineError
+from trtpipe.processes import spawn_reader
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def run_trtllm_build(argv: list[str], out_dir: Path, world_size: int, log: loggi
     log.info("running: %s", " ".join(argv))
     start = time.monotonic()
     last = ""
-    proc = subprocess.Popen(argv, cwd=out_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    proc = spawn_reader(argv, cwd=out_dir)
     with _PeakMemory(proc.pid) as peak:
         assert proc.stdout is not None
         for line in proc.stdout:

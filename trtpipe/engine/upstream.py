@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from trtpipe.formats.schemes import FINEGRAINED_SOURCE, SCHEMES
+
 # Upstream files, as file@commit (NVIDIA/TensorRT-LLM).
 PLUGIN_PY = "tensorrt_llm/plugin/plugin.py@c20322ff"
 BUILD_PY = "tensorrt_llm/commands/build.py@65f1d153"
@@ -172,15 +174,13 @@ FP8_ROWWISE_SETS = ((("fp8_rowwise_gemm_plugin", "dtype"), ("rmsnorm_quantizatio
                      ("quantize_tensor_plugin", True)), PLUGIN_PY)
 # builder.build: NVFP4 sets gemm_plugin "nvfp4" unless the command line said --gemm_plugin disable.
 NVFP4_GEMM = (("NVFP4", "nvfp4"), f"{BUILDER_PY} + {PLUGIN_PY} PluginConfig.from_arguments")
-# Fp4GemmPlugin::init: TLLM_CHECK_WITH_INFO(getSMVersion() >= 100, "FP4 Gemm not supported before Blackwell"); the
-# NVFP4 GEMM plugin is what the builder gives an NVFP4 model (NVFP4_GEMM). Read at an unrecorded revision.
-NVFP4_MIN_SM = (("NVFP4", 100), "cpp/tensorrt_llm/plugins/fp4GemmPlugin/fp4GemmPlugin.cpp (commit not recorded)")
+# The FP4 GEMM's minimum SM (Fp4GemmPlugin::init) is the scheme table's tensor_cores column
+# (trtpipe.formats.schemes.TENSOR_CORES, with its source).
 # CutlassFpAIntBGemmRunner (the group-wise INT4 GEMM of W4A16 AWQ / GPTQ and W4A8 AWQ linears) throws at run time
-# unless group_size is 64 or 128 ("Only group size 64 and 128 supported for fine grained kernels"), and 128 with FP8
-# activations ("Only group size 128 supported for fine grained W4A(fp)8 kernels"): quant_algo -> group sizes it runs.
-FINEGRAINED_GROUP_SIZES = ({"W4A16_AWQ": (64, 128), "W4A16_GPTQ": (64, 128), "W4A8_AWQ": (128,)},
-                           "NVIDIA/TensorRT-LLM@567239fc cpp/tensorrt_llm/kernels/cutlass_kernels/fpA_intB_gemm/"
-                           "fpA_intB_gemm_template.h generic_mixed_gemm_kernelLauncher")
+# unless group_size is 64 or 128, and 128 with FP8 activations: quant_algo -> group sizes it runs, the scheme table's
+# engine group_sizes (trtpipe.formats.schemes, where the messages and the source are quoted).
+FINEGRAINED_GROUP_SIZES = ({s.quant_algo: s.group_sizes["engine"] for s in SCHEMES if "engine" in s.group_sizes},
+                           FINEGRAINED_SOURCE)
 # builder.optimize_model_with_config: a (low-latency) GEMM+SwiGLU plugin needs use_fused_mlp.
 SWIGLU_PLUGINS_NEED_FUSED_MLP = (("gemm_swiglu_plugin", "low_latency_gemm_swiglu_plugin"), BUILDER_PY)
 

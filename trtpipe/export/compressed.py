@@ -32,11 +32,12 @@ import torch
 
 from trtpipe.checkpoint.convert import TOKENIZER_FILES
 from trtpipe.checkpoint.quant_layouts import LINEAR_GROUPS, LINEARS
-from trtpipe.checkpoint.quant_primitives import choose_qparams, observe_amax, quantize
+from trtpipe.formats.primitives import choose_qparams, observe_amax, quantize
 from trtpipe.errors import QuantizationError
-from trtpipe.export.unified import HFNames, ShardParts, global_tensors, hf_config
+from trtpipe.checkpoint.hf_names import HFNames
+from trtpipe.export.unified import ShardParts, global_tensors, hf_config
 from trtpipe.quant.calibrate import load_layer_stats
-from trtpipe.quant.dequant import unpack_int32
+from trtpipe.formats.dequant import pack_int4_to_int32
 from trtpipe.quant.quantize import TORCH_DTYPES
 from trtpipe.quant.writer import TrtllmSource, excluded_fn
 
@@ -62,23 +63,6 @@ SCHEMES: dict[str, tuple] = {
     "int4_wo": ("pack-quantized", lambda g: _args(4, "int", "group", group_size=g, observer="minmax"),
                 lambda g: None, False),
 }
-
-
-def pack_int4_to_int32(q: torch.Tensor) -> torch.Tensor:
-    """int4 codes ``[out, in]`` (int8, -8..7) -> ``[out, ceil(in/8)]`` int32: +8 offset, eight codes per word
-    along the input dim, code k of a word at bits 4k (compressed-tensors ``pack_to_int32``, packed_dim=1)."""
-    out_f, in_f = q.shape
-    u = (q.to(torch.int64) + 8) & 0xF
-    pad = -in_f % 8
-    if pad:
-        u = torch.nn.functional.pad(u, (0, pad))
-    words = (u.reshape(out_f, -1, 8) << (4 * torch.arange(8, dtype=torch.int64))).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def unpack_int32_to_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
-    """Inverse of :func:`pack_int4_to_int32`: ``[out, ceil(in/8)]`` int32 -> ``[out, in]`` int8 codes."""
-    return (unpack_int32(packed, 1)[:, :in_features] - 8).to(torch.int8)
 
 
 def _ct_linear(algo: str, w: torch.Tensor, act_amax: Optional[torch.Tensor], group_size: int,

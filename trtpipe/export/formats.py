@@ -1,4 +1,4 @@
-"""THE table of ModelOpt unified-HF formats: recipe algo -> ``quant_algo``, config keys, tensor names, dtypes.
+"""The unified-HF (ModelOpt) format of each scheme the llmapi target writes: config keys, tensor names, dtypes.
 
 What TensorRT-LLM's PyTorch backend loads (``_torch/modules/linear.py``) is what ModelOpt 0.47.0's
 ``export_hf_checkpoint`` writes; per HF linear ``P`` (e.g. ``model.layers.{i}.self_attn.q_proj``):
@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from trtpipe.formats.schemes import BY_RECIPE, FP8_TENSOR, KV_BY_RECIPE, Scheme, written_for
+
 # trtpipe's quantizer names (TRT-LLM checkpoint) -> the unified HF suffix
 SUFFIX = {
     "weights_scaling_factor": "weight_scale",
@@ -38,23 +40,22 @@ SUFFIX = {
 }
 # HF suffixes ModelOpt stores as 0-d scalars
 SCALARS = ("input_scale", "weight_scale_2", "k_scale", "v_scale")
-
-FP8_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}
+# recipe algos whose FP8 weight scales are per projection (q, k, v each their own amax), not the fused group's
+OWN_WEIGHT_SCALE = ("fp8",)
 
 
 @dataclass(frozen=True)
 class HFFormat:
-    """One unified-HF format.
+    """One unified-HF format: the scheme table's row as this writer reads it.
 
     Attributes:
         quant_algo: ``quantization.quant_algo`` of hf_quant_config.json (and the inline config).
         base: the trtpipe algorithm (``trtpipe.checkpoint.quant_layouts.ALGOS``) whose scales are written;
-            None = computed here (FP8 per channel, data-free).
+            None = computed here (schemes the TRT-LLM checkpoint writer does not write).
         group_keys: hf_quant_config.json carries ``group_size``, ``has_zero_point``, ``pre_quant_scale``.
         own_weight_scale: per-tensor weight scales per projection (FP8), not the fused group's.
         config_groups: the inline ``config_groups`` ModelOpt writes for this algo (None: none).
-        needs_data: calibration statistics are needed (static activation scales) although ``base`` is None.
-        group_size: a fixed block size written as ``group_size`` (NVFP4: 16), instead of the recipe's.
+        group_size: a fixed block size written as ``group_size``, instead of the recipe's.
     """
 
     quant_algo: str
@@ -62,40 +63,28 @@ class HFFormat:
     group_keys: bool = False
     own_weight_scale: bool = False
     config_groups: Optional[dict] = None
-    needs_data: bool = False
     group_size: Optional[int] = None
 
-
-HF_FORMATS: dict[str, HFFormat] = {
-    "fp8": HFFormat("FP8", "fp8", own_weight_scale=True,
-                    config_groups={"group_0": {"input_activations": FP8_SCHEME, "weights": FP8_SCHEME,
-                                               "targets": ["Linear"]}}),
-    "fp8_pc_pt": HFFormat("FP8_PER_CHANNEL_PER_TOKEN", None),
-    "int8_wo": HFFormat("W8A16", "int8_wo"),
-    "int4_wo": HFFormat("W4A16_AWQ", "int4_wo", group_keys=True),
-    "int4_awq": HFFormat("W4A16_AWQ", "int4_awq", group_keys=True),
-    "w4a8_awq": HFFormat("W4A8_AWQ", "w4a8_awq", group_keys=True),
-    "nvfp4": HFFormat("NVFP4", None, needs_data=True, group_size=16, config_groups={"group_0": {
-        "input_activations": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
-        "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}, "targets": ["Linear"]}}),
-}
+    @classmethod
+    def of(cls, s: Scheme) -> "HFFormat":
+        return cls(s.quant_algo, s.recipe if "engine" in s.targets else None, s.groupwise,
+                   s.recipe in OWN_WEIGHT_SCALE, s.hf_config_groups, s.block)
 
 
-def needs_data(algo: str) -> bool:
-    """Whether the unified HF export of ``algo`` needs calibration statistics (beyond trtpipe's ALGOS)."""
-    f = HF_FORMATS.get(algo)
-    return f is not None and f.needs_data
+# the scheme table's rows the llmapi target writes
+HF_FORMATS: dict[str, HFFormat] = {a: HFFormat.of(BY_RECIPE[a]) for a in written_for("llmapi")}
 # algos whose unified HF layout trtpipe writes for stacked MoE experts (each expert an nn.Linear of its own)
-MOE_EXPORT_ALGOS = ("none", "fp8", "nvfp4", "w4a8_awq")
-HF_KV = {"fp8": "FP8"}
-KV_SCHEME = {"FP8": FP8_SCHEME}
+# (the scheme table's moe column, in its advice order)
+MOE_EXPORT_ALGOS = ("none", *sorted(written_for("llmapi", moe=True), key=lambda a: BY_RECIPE[a].advise or 0))
+HF_KV = {name: k.kv_cache_quant_algo for name, k in KV_BY_RECIPE.items()}
+KV_SCHEME = {"FP8": FP8_TENSOR}
 
 
 def hf_quant_config(algo: str, kv_cache: str, group_size: int, exclude_modules: list[str], producer: dict) -> dict:
     """hf_quant_config.json: the nested form every TRT-LLM release reads (key order as ModelOpt writes it)."""
     f = HF_FORMATS.get(algo)
     q: dict = {"quant_algo": f.quant_algo if f else None,
-               "kv_cache_quant_algo": HF_KV.get(kv_cache, kv_cache.upper()) if kv_cache != "none" else None}
+               "kv_cache_quant_algo": HF_KV[kv_cache] if kv_cache != "none" else None}
     if f is not None and f.group_keys:
         q.update(group_size=group_size, has_zero_point=False, pre_quant_scale=True)
     elif f is not None and f.group_size:

@@ -7,7 +7,8 @@ entry in ``FAMILIES``.
 from __future__ import annotations
 
 from trtpipe.errors import CheckpointError
-from trtpipe.models.family import Family, Rule
+from trtpipe.models.dims import ModelDims
+from trtpipe.models.family import Family, Rule, num_params as family_num_params
 from trtpipe.models.gemma3 import GEMMA3
 from trtpipe.models.gpt_oss import GPT_OSS
 from trtpipe.models.llama import LLAMA
@@ -19,6 +20,7 @@ from trtpipe.models.qwen3_moe import QWEN3_MOE
 FAMILIES: tuple[Family, ...] = (LLAMA, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, GEMMA3, GPT_OSS)
 
 REGISTRY: dict[str, Family] = {arch: fam for fam in FAMILIES for arch in fam.architectures}
+PLAIN = Family("plain", (), (), ())  # the behaviour of an architecture no family handles: Llama's
 
 
 def get_family(architecture: str) -> Family:
@@ -31,4 +33,9 @@ def get_family(architecture: str) -> Family:
         ) from None
 
 
-__all__ = ["FAMILIES", "Family", "REGISTRY", "Rule", "get_family"]
+def num_params(info: ModelDims) -> int:
+    """Parameter count of a model from its config (its family's behaviour; Llama's for any other architecture)."""
+    return family_num_params(info, REGISTRY.get(info.architecture, PLAIN))
+
+
+__all__ = ["FAMILIES", "Family", "REGISTRY", "Rule", "get_family", "num_params"]

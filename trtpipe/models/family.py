@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
-from trtpipe.models.hfconfig import HFModelInfo
+from trtpipe.models.dims import ModelDims
 
 # Combine ops: how a rule's sources become one tensor.
 #   one          a single source, renamed
@@ -20,7 +20,7 @@ from trtpipe.models.hfconfig import HFModelInfo
 #   transposed   one fused [E, in, out] source (gpt-oss stores experts in -> out), transposed to [E, out, in]
 #   gate_up_t    one fused gate/up source with gate and up interleaved (gpt-oss: gate = even, up = odd of the 2I
 #                axis): [E, H, 2I] transposed to [E, 2I, H], or a [E, 2I] bias, then reordered to [up; gate]
-#   mxfp4        (blocks, scales) of fused experts decoded to [E, out, in] (trtpipe.quant.mxfp4)
+#   mxfp4        (blocks, scales) of fused experts decoded to [E, out, in] (trtpipe.formats.mxfp4)
 #   mxfp4_gate_up  the same, then the interleaved 2I rows reordered to [up; gate] as gate_up_t
 COMBINES = ("one", "cat", "experts", "experts_cat", "transposed", "gate_up_t", "mxfp4", "mxfp4_gate_up")
 
@@ -29,7 +29,7 @@ COMBINES = ("one", "cat", "experts", "experts_cat", "transposed", "gate_up_t", "
 SPLITS = ("replicate", "column", "row", "qkv", "vocab", "embedding", "moe_fc", "moe_proj")
 
 
-def always(info: HFModelInfo) -> bool:
+def always(info: ModelDims) -> bool:
     return True
 
 
@@ -57,7 +57,7 @@ class Rule:
     shapes: tuple[tuple[str, ...], ...]
     split: str
     combine: str = "one"
-    when: Callable[[HFModelInfo], bool] = always
+    when: Callable[[ModelDims], bool] = always
     dtype: Optional[str] = None
     offset: float = 0.0
 
@@ -79,8 +79,8 @@ class Family:
         ignored: HF suffixes that carry no weights (e.g. rotary caches); any other unused tensor is an error.
         ignored_prefixes: HF name prefixes of towers trtpipe does not build (a multimodal checkpoint's vision
             tower and projector); their tensors are skipped, not an error.
-        config_fields: HFModelInfo -> extra config.json fields of this family.
-        unsupported: HFModelInfo -> (config.json key, why) for each setting this family cannot honour; ``trtpipe
+        config_fields: ModelDims -> extra config.json fields of this family.
+        unsupported: ModelDims -> (config.json key, why) for each setting this family cannot honour; ``trtpipe
             validate`` reports them before any weight is read.
         kept_unquantized: fnmatch patterns of TensorRT-LLM module names that quantization never touches, whatever the
             recipe says (gpt-oss's fused experts: the llmapi export keeps them as the source holds them, so the
@@ -106,6 +106,15 @@ class Family:
         shipped_quantization: the ``quantization_config.quant_method`` values whose quantized modules this family
             keeps exactly as shipped (gpt-oss's MXFP4 experts, see ``kept_unquantized``): a recipe may then quantize
             the rest (e.g. FP8 attention) without quantizing anything twice.
+
+    Behaviour (what the layers do beyond Llama's; :func:`num_params` counts by it):
+        qk_norm: a per-head RMSNorm of q and of k (head_dim weights each) before RoPE (Qwen3, Gemma 3).
+        norms_per_layer: RMSNorms per decoder layer besides the q/k norms (Gemma 3: 4, pre/post feed-forward too).
+        biased_moe: q/k/v/o, router and per-expert biases (gpt-oss).
+        attention_sinks: one learned softmax logit per query head (gpt-oss).
+        norm_offset: an RMSNorm scales by ``norm_offset + w`` (Gemma's zero-centred norms: 1; the rules' ``offset``
+            stores them as TensorRT-LLM does, the synthetic builder draws ``w`` around ``1 - norm_offset``).
+        scaled_embedding: the embedding output is multiplied by sqrt(hidden) rounded to the weight dtype (Gemma).
     """
 
     name: str
@@ -115,8 +124,8 @@ class Family:
     hf_layer_prefix: str = "model.layers.{}."
     ignored: tuple[str, ...] = ("rotary_emb.inv_freq",)
     ignored_prefixes: tuple[str, ...] = ()
-    config_fields: Callable[[HFModelInfo], dict] = field(default=lambda info: {})
-    unsupported: Callable[[HFModelInfo], Iterable[tuple[str, str]]] = field(default=lambda info: ())
+    config_fields: Callable[[ModelDims], dict] = field(default=lambda info: {})
+    unsupported: Callable[[ModelDims], Iterable[tuple[str, str]]] = field(default=lambda info: ())
     parallel_embedding_at_tp: bool = False
     no_engine: str = ""
     kept_unquantized: tuple[str, ...] = ()
@@ -124,9 +133,15 @@ class Family:
     llmapi_router_in_model_dtype: bool = False
     embedding_in_exclude_modules: bool = True
     shipped_quantization: tuple[str, ...] = ()
+    qk_norm: bool = False
+    norms_per_layer: int = 2
+    biased_moe: bool = False
+    attention_sinks: bool = False
+    norm_offset: float = 0.0
+    scaled_embedding: bool = False
 
 
-def dims(info: HFModelInfo) -> dict[str, int]:
+def shape_symbols(info: ModelDims) -> dict[str, int]:
     """Values of the shape symbols for one model."""
     return {
         "H": info.hidden_size,
@@ -143,3 +158,21 @@ def dims(info: HFModelInfo) -> dict[str, int]:
         "M/32": info.expert_intermediate_size // 32,
         "16": 16,
     }
+
+
+def num_params(info: ModelDims, family: Family) -> int:
+    """Parameter count from the shapes and the family's behaviour (no weights read)."""
+    h, i, d = info.hidden_size, info.intermediate_size, info.head_dim
+    attn = h * (info.num_heads * d) + 2 * h * (info.num_kv_heads * d) + (info.num_heads * d) * h
+    if info.is_moe:
+        mlp = 3 * h * info.expert_intermediate_size * info.num_experts + h * info.num_experts
+    else:
+        mlp = 3 * h * i
+    per_layer = attn + mlp + family.norms_per_layer * h + (2 * d if family.qk_norm else 0)
+    if family.biased_moe:  # q/k/v/o, router and expert biases
+        per_layer += (info.num_heads + 2 * info.num_kv_heads) * d + h
+        per_layer += info.num_experts * (1 + 2 * info.expert_intermediate_size + h)
+    if family.attention_sinks:
+        per_layer += info.num_heads
+    embed = info.vocab_size * h * (1 if info.tie_word_embeddings else 2)
+    return info.num_layers * per_layer + embed + h

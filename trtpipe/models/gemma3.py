@@ -28,7 +28,8 @@ from __future__ import annotations
 from typing import Iterable
 
 from trtpipe.models.family import Family, Rule
-from trtpipe.models.hfconfig import HFModelInfo, rope_of
+from trtpipe.models.dims import ModelDims
+from trtpipe.models.hfconfig import rope_of
 from trtpipe.models.llama import QKV
 
 GEMMA_NORM = 1.0  # TRT-LLM's Gemma checkpoints hold 1 + w
@@ -38,11 +39,11 @@ def _norm(trt: str, hf: str, dim: str = "H") -> Rule:
     return Rule(trt, (hf,), ((dim,),), "replicate", offset=GEMMA_NORM)
 
 
-def _untied(info: HFModelInfo) -> bool:
+def _untied(info: ModelDims) -> bool:
     return not info.tie_word_embeddings
 
 
-def _tied(info: HFModelInfo) -> bool:
+def _tied(info: ModelDims) -> bool:
     return info.tie_word_embeddings
 
 
@@ -68,14 +69,13 @@ LAYER_RULES = (
 )
 
 
-def sliding_window_pattern(info: HFModelInfo) -> int:
+def sliding_window_pattern(info: ModelDims) -> int:
     """The period of the local/global pattern (layer i global iff (i+1) % n == 0); 1 when every layer is global."""
     globals_ = [i for i, t in enumerate(info.layer_types) if t == "full_attention"]
     return globals_[0] + 1 if globals_ else len(info.layer_types) + 1
 
 
-def gemma3_fields(info: HFModelInfo) -> dict:
-    raw = info.raw
+def gemma3_fields(info: ModelDims) -> dict:
     return {
         "architecture": "Gemma3ForCausalLM",  # the text model, also for a ConditionalGeneration source
         "hidden_act": info.hidden_act,  # written: upstream copies only HF's hidden_act, Gemma 3 has hidden_activation
@@ -84,9 +84,9 @@ def gemma3_fields(info: HFModelInfo) -> dict:
         "dense_bias": False,
         "qk_layernorm": True,
         "inter_layernorms": True,
-        "query_pre_attn_scalar": raw.get("query_pre_attn_scalar"),
-        "final_logit_softcapping": raw.get("final_logit_softcapping"),
-        "attn_logit_softcapping": raw.get("attn_logit_softcapping"),
+        "query_pre_attn_scalar": info.query_pre_attn_scalar,
+        "final_logit_softcapping": info.final_logit_softcapping,
+        "attn_logit_softcapping": info.attn_logit_softcapping,
         "_sliding_window_pattern": sliding_window_pattern(info),
         "layer_types": list(info.layer_types),
         "rope_local_base_freq": info.rope_local_theta,
@@ -94,12 +94,12 @@ def gemma3_fields(info: HFModelInfo) -> dict:
     }
 
 
-def gemma3_unsupported(info: HFModelInfo) -> Iterable[tuple[str, str]]:
+def gemma3_unsupported(info: ModelDims) -> Iterable[tuple[str, str]]:
     raw = info.raw
     if raw.get("use_bidirectional_attention"):
         yield ("use_bidirectional_attention", "bidirectional attention (EmbeddingGemma) is not causal decoding; "
                "TensorRT-LLM's Gemma 3 engine and the reference runtime attend causally only")
-    if raw.get("attn_logit_softcapping") is not None:
+    if info.attn_logit_softcapping is not None:
         yield ("attn_logit_softcapping", "attention-logit softcapping (Gemma 2) is not applied by the reference "
                "runtime's attention; Gemma 3 sets it null")
     if rope_of(raw, "sliding_attention")[1] is not None:
@@ -122,4 +122,8 @@ GEMMA3 = Family(
     config_fields=gemma3_fields,
     unsupported=gemma3_unsupported,
     embedding_in_exclude_modules=False,  # Gemma3TextScaledWordEmbedding: ModelOpt attaches no quantizer to it
+    qk_norm=True,
+    norms_per_layer=4,  # input, post-attention, pre- and post-feed-forward
+    norm_offset=GEMMA_NORM,
+    scaled_embedding=True,
 )

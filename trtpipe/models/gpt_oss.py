@@ -20,7 +20,7 @@ What differs from Llama (transformers 5.24 ``models/gpt_oss/modeling_gpt_oss.py`
   ``swiglu_limit`` 7 and ``alpha`` 1.702 (transformers' ``swiglu_alpha`` default; the hub config.json has no such key).
 
 The shipped checkpoints hold the experts in MXFP4 (``config.json`` ``quantization_config.quant_method: mxfp4``):
-``{gate_up,down}_proj_blocks`` [E, out, in/32, 16] and ``_scales`` [E, out, in/32] (:mod:`trtpipe.quant.mxfp4`),
+``{gate_up,down}_proj_blocks`` [E, out, in/32, 16] and ``_scales`` [E, out, in/32] (:mod:`trtpipe.formats.mxfp4`),
 rows of ``gate_up`` interleaved the same way. Conversion dequantizes them exactly (every MXFP4 value is a float32);
 the llmapi export writes them back as shipped.
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from trtpipe.models.family import Family, Rule
-from trtpipe.models.hfconfig import HFModelInfo
+from trtpipe.models.dims import ModelDims
 from trtpipe.models.llama import ATTENTION_BIAS_RULES, ATTENTION_RULES, GLOBAL_RULES
 
 SWIGLU_ALPHA = 1.702  # transformers 5.24 GptOssConfig.swiglu_alpha default; upstream TRT-LLM hard-codes the same
@@ -43,12 +43,12 @@ NO_ENGINE = ("TensorRT-LLM 1.2 has no TensorRT engine for GptOssForCausalLM (not
              "only its PyTorch backend runs it)")
 
 
-def mxfp4_experts(info: HFModelInfo) -> bool:
+def mxfp4_experts(info: ModelDims) -> bool:
     """The checkpoint ships its experts in MXFP4 (``*_blocks`` / ``*_scales``), as openai/gpt-oss-* do."""
-    return (info.raw.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    return info.quant_method == "mxfp4"
 
 
-def _bf16_experts(info: HFModelInfo) -> bool:
+def _bf16_experts(info: ModelDims) -> bool:
     return not mxfp4_experts(info)
 
 
@@ -68,15 +68,14 @@ MOE_RULES = (
 SINK_RULES = (Rule("attention.sinks", ("self_attn.sinks",), (("NH",),), "column"),)
 
 
-def gpt_oss_fields(info: HFModelInfo) -> dict:
-    raw = info.raw
+def gpt_oss_fields(info: ModelDims) -> dict:
     return {
         "hidden_act": "swiglu",
         "attn_bias": info.attention_bias,
         "mlp_bias": True,
-        "swiglu_alpha": float(raw.get("swiglu_alpha", SWIGLU_ALPHA)),
+        "swiglu_alpha": float(SWIGLU_ALPHA if info.swiglu_alpha is None else info.swiglu_alpha),
         "swiglu_beta": 1.0,
-        "swiglu_limit": float(raw.get("swiglu_limit", SWIGLU_LIMIT)),
+        "swiglu_limit": float(SWIGLU_LIMIT if info.swiglu_limit is None else info.swiglu_limit),
         "attention_sinks": True,
         "layer_types": list(info.layer_types),
         # the experts' storage when it is not the checkpoint dtype (what the planner counts; the runtime decodes them)
@@ -95,7 +94,7 @@ def gpt_oss_fields(info: HFModelInfo) -> dict:
     }
 
 
-def gpt_oss_unsupported(info: HFModelInfo) -> Iterable[tuple[str, str]]:
+def gpt_oss_unsupported(info: ModelDims) -> Iterable[tuple[str, str]]:
     kinds = set(info.layer_types) - {"sliding_attention", "full_attention"}
     if kinds:
         yield "layer_types", f"layer type(s) {sorted(kinds)} (known: sliding_attention, full_attention)"
@@ -104,7 +103,7 @@ def gpt_oss_unsupported(info: HFModelInfo) -> Iterable[tuple[str, str]]:
     if not info.is_moe or info.experts_per_token < 1:
         yield "num_local_experts", (f"{info.num_experts} experts, top {info.experts_per_token}: gpt-oss is "
                                     "mixture-of-experts in every layer (>= 2 experts, num_experts_per_tok >= 1)")
-    method = (info.raw.get("quantization_config") or {}).get("quant_method")
+    method = info.quant_method
     if method not in (None, "mxfp4"):
         yield "quantization_config.quant_method", f"'{method}' is not supported for gpt-oss; allowed: mxfp4 or none"
     if method == "mxfp4":
@@ -123,4 +122,6 @@ GPT_OSS = Family(
     no_engine=NO_ENGINE,
     kept_unquantized=("*mlp.fc", "*mlp.proj"),  # the experts: exported as shipped (MXFP4) or as the bf16 source
     shipped_quantization=("mxfp4",),  # so quantization.algo: fp8 quantizes attention and keeps the experts MXFP4
+    biased_moe=True,
+    attention_sinks=True,
 )

@@ -8,22 +8,22 @@ The MLP naming quirk: TRT-LLM ``mlp.fc`` is the activated branch (HF ``gate_proj
 from __future__ import annotations
 
 from trtpipe.models.family import Family, Rule
-from trtpipe.models.hfconfig import HFModelInfo
+from trtpipe.models.dims import ModelDims
 
 
-def _attn_bias(info: HFModelInfo) -> bool:
+def _attn_bias(info: ModelDims) -> bool:
     return info.attention_bias
 
 
-def _mlp_bias(info: HFModelInfo) -> bool:
+def _mlp_bias(info: ModelDims) -> bool:
     return info.mlp_bias
 
 
-def _untied(info: HFModelInfo) -> bool:
+def _untied(info: ModelDims) -> bool:
     return not info.tie_word_embeddings
 
 
-def _tied(info: HFModelInfo) -> bool:
+def _tied(info: ModelDims) -> bool:
     return info.tie_word_embeddings
 
 
@@ -58,7 +58,7 @@ MLP_RULES = (
 )
 
 
-def llama_fields(info: HFModelInfo) -> dict:
+def llama_fields(info: ModelDims) -> dict:
     return {"attn_bias": info.attention_bias, "mlp_bias": info.mlp_bias}
 
 

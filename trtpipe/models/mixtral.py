@@ -8,7 +8,7 @@ second: the reverse of GatedMLP's naming) and ``mlp.proj = stack(w2)``. The rout
 from __future__ import annotations
 
 from trtpipe.models.family import Family, Rule
-from trtpipe.models.hfconfig import HFModelInfo
+from trtpipe.models.dims import ModelDims
 from trtpipe.models.llama import ATTENTION_BIAS_RULES, ATTENTION_RULES, GLOBAL_RULES
 
 EXPERT = "block_sparse_moe.experts.{e}."
@@ -20,7 +20,7 @@ MOE_RULES = (
 )
 
 
-def mixtral_fields(info: HFModelInfo) -> dict:
+def mixtral_fields(info: ModelDims) -> dict:
     return {
         "hidden_act": "swiglu",
         "attn_bias": info.attention_bias,

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from trtpipe.models.family import Family, Rule
-from trtpipe.models.hfconfig import HFModelInfo
+from trtpipe.models.dims import ModelDims
 from trtpipe.models.llama import ATTENTION_RULES, GLOBAL_RULES, MLP_RULES, QKV
 
 QKV_BIAS = Rule("attention.qkv.bias", tuple(f"{p}.bias" for p in QKV), (("Q",), ("KV",), ("KV",)), "qkv", "cat")
 
 
-def qwen2_fields(info: HFModelInfo) -> dict:
+def qwen2_fields(info: ModelDims) -> dict:
     return {"qwen_type": "qwen2", "attn_bias": True, "mlp_bias": False, "dense_bias": False}
 
 

@@ -15,7 +15,7 @@ readers of the file; the builder does not read it).
 from __future__ import annotations
 
 from trtpipe.models.family import Family, Rule
-from trtpipe.models.hfconfig import HFModelInfo
+from trtpipe.models.dims import ModelDims
 from trtpipe.models.llama import ATTENTION_RULES, GLOBAL_RULES, MLP_RULES
 
 QK_NORM_RULES = (
@@ -24,7 +24,7 @@ QK_NORM_RULES = (
 )
 
 
-def qwen3_fields(info: HFModelInfo) -> dict:
+def qwen3_fields(info: ModelDims) -> dict:
     return {"qwen_type": "qwen3", "attn_bias": False, "mlp_bias": False, "dense_bias": False, "qk_layernorm": True}
 
 
@@ -34,4 +34,5 @@ QWEN3 = Family(
     global_rules=GLOBAL_RULES,
     layer_rules=ATTENTION_RULES + QK_NORM_RULES + MLP_RULES,
     config_fields=qwen3_fields,
+    qk_norm=True,
 )

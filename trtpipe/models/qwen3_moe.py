@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from trtpipe.models.family import Family, Rule
-from trtpipe.models.hfconfig import HFModelInfo
+from trtpipe.models.dims import ModelDims
 from trtpipe.models.llama import ATTENTION_RULES, GLOBAL_RULES
 from trtpipe.models.qwen3 import QK_NORM_RULES
 
@@ -39,8 +39,7 @@ MOE_RULES = (
 )
 
 
-def qwen3_moe_fields(info: HFModelInfo) -> dict:
-    renormalize = bool(info.raw.get("norm_topk_prob", False))
+def qwen3_moe_fields(info: ModelDims) -> dict:
     return {
         "qwen_type": "qwen3_moe",
         "hidden_act": "swiglu",
@@ -54,7 +53,7 @@ def qwen3_moe_fields(info: HFModelInfo) -> dict:
             "num_experts": info.num_experts,
             "shared_expert_intermediate_size": 0,
             "top_k": info.experts_per_token,
-            "normalization_mode": 1 if renormalize else 0,  # RENORMALIZE iff norm_topk_prob, see the docstring
+            "normalization_mode": 1 if info.moe_renormalize else 0,  # RENORMALIZE iff norm_topk_prob, see the docstring
             "sparse_mixer_epsilon": 0.01,
             "tp_mode": 0,
             "device_limited_n_group": 0,
@@ -64,12 +63,12 @@ def qwen3_moe_fields(info: HFModelInfo) -> dict:
     }
 
 
-def qwen3_moe_unsupported(info: HFModelInfo) -> Iterable[tuple[str, str]]:
+def qwen3_moe_unsupported(info: ModelDims) -> Iterable[tuple[str, str]]:
     dense = info.raw.get("mlp_only_layers") or []
     if dense:
         yield "mlp_only_layers", f"{list(dense)} (dense MLP layers between MoE layers) is not supported; allowed: []"
-    step = info.raw.get("decoder_sparse_step", 1)
-    if step not in (None, 1):
+    step = info.moe_layer_step
+    if step != 1:
         yield "decoder_sparse_step", f"{step} (MoE every {step} layers) is not supported; allowed: 1"
     if not info.is_moe:
         yield "num_experts", f"{info.num_experts}: a Qwen3-MoE model needs at least 2 experts"
@@ -84,4 +83,5 @@ QWEN3_MOE = Family(
     unsupported=qwen3_moe_unsupported,
     llmapi_vocab_parallel=True,
     llmapi_router_in_model_dtype=True,
+    qk_norm=True,
 )

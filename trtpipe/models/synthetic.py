@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from trtpipe.models import REGISTRY
+
 # kind -> (transformers config class name, model class name, config kwargs)
 SPECS: dict[str, tuple[str, str, dict]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
@@ -76,13 +78,11 @@ SPECS: dict[str, tuple[str, str, dict]] = {
 }
 
 
-# Families whose RMSNorm scales by (1 + w): their norm weights are drawn around 0 so the scale is around 1.
-ZERO_CENTRED_NORMS = ("Gemma3",)
-
-
 def _reinit(model: torch.nn.Module, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    centre = 0.0 if type(model).__name__.startswith(ZERO_CENTRED_NORMS) else 1.0
+    # a family whose RMSNorm scales by (norm_offset + w) gets norm weights around 1 - norm_offset: a scale around 1
+    family = REGISTRY.get(type(model).__name__)
+    centre = 1.0 - (family.norm_offset if family else 0.0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1 and "norm" in name:
@@ -174,7 +174,7 @@ def _make_gpt_oss_mxfp4(out_dir, seed: int, overrides: dict) -> Path:
     the hub ``quantization_config``. Biases and every other tensor stay float32."""
     from safetensors.torch import load_file, save_file
 
-    from trtpipe.quant import mxfp4
+    from trtpipe.formats import mxfp4
 
     out_dir = make_synthetic("gpt_oss", out_dir, seed=seed, **overrides)
     path = out_dir / "model.safetensors"

@@ -12,7 +12,7 @@ from typing import Optional
 
 from trtpipe.errors import CheckpointError
 from trtpipe.models.family import Family
-from trtpipe.models.hfconfig import HFModelInfo
+from trtpipe.models.dims import ModelDims
 
 DTYPES = ("float16", "bfloat16", "float32")
 
@@ -36,7 +36,7 @@ def resolve_dtype(requested: str, source_dtype: str) -> str:
     return AUTO_DTYPE[source]
 
 
-def rotary_scaling(info: HFModelInfo) -> Optional[dict]:
+def rotary_scaling(info: ModelDims) -> Optional[dict]:
     """HF rope scaling dict with both ``type`` and ``rope_type`` keys (TRT-LLM versions read either)."""
     if not info.rope_scaling:
         return None
@@ -89,7 +89,7 @@ def quantization(quant_algo=None, kv_cache_quant_algo=None, exclude_modules=None
     }
 
 
-def shape_fields(info: HFModelInfo) -> dict:
+def shape_fields(info: ModelDims) -> dict:
     """The model's sizes under TensorRT-LLM's config.json names (the checkpoint writes them; ``trtpipe inspect``
     shows an HF model in the same words)."""
     return {
@@ -103,7 +103,7 @@ def shape_fields(info: HFModelInfo) -> dict:
     }
 
 
-def build_config(info: HFModelInfo, family: Family, dtype: str, tp: int = 1, pp: int = 1, moe_tp: int = -1,
+def build_config(info: ModelDims, family: Family, dtype: str, tp: int = 1, pp: int = 1, moe_tp: int = -1,
                  moe_ep: int = -1, use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0) -> dict:
     """The config.json dict of the unquantized checkpoint (``Family.parallel_embedding_at_tp``: vocab-sharded
     embedding at tp > 1, as that family's TensorRT-LLM config class forces)."""

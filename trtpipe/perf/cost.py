@@ -39,8 +39,9 @@ import math
 from dataclasses import dataclass, fields
 from typing import Iterable, Sequence
 
-from trtpipe.engine.gpus import GPU
+from trtpipe.formats.gpus import GPU
 from trtpipe.errors import TrtpipeError
+from trtpipe.formats.schemes import BY_QUANT_ALGO, KV_SCHEMES, SCHEMES
 from trtpipe.perf.models import ModelSpec
 
 GB = 1e9
@@ -56,18 +57,15 @@ class Precision:
     peak: str  # GPU attribute: tflops_16, tflops_fp8, tflops_fp4, tops_int8
 
 
+PER_GROUP_BYTES = 2 / 128  # group-wise scales: 16-bit, one per 128 inputs (the group size the model assumes)
+# the 16-bit precisions, then each scheme's (the scheme table's perf, weight_bytes and peak columns)
 PRECISIONS: dict[str, Precision] = {
     "fp16": Precision(2, "tflops_16"),
     "bf16": Precision(2, "tflops_16"),
-    "fp8": Precision(1, "tflops_fp8"),
-    "fp4": Precision(0.5 + 1 / 16, "tflops_fp4"),  # NVFP4: 4-bit values + one FP8 scale per 16
-    "int8_sq": Precision(1, "tops_int8"),
-    "w8a16": Precision(1, "tflops_16"),
-    "w4a16": Precision(0.5 + 2 / 128, "tflops_16"),  # group-wise scales (group 128, 16-bit)
-    "w4a8": Precision(0.5 + 2 / 128, "tflops_fp8"),
+    **{s.perf: Precision(s.weight_bytes + (PER_GROUP_BYTES if s.groupwise else 0), s.peak) for s in SCHEMES if s.perf},
 }
-KV_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
-MXFP4_BYTES = 0.5 + 1 / 32  # GPT-OSS experts: 4-bit values + one 8-bit scale per 32
+KV_BYTES = {"fp16": 2, "bf16": 2, **{k.perf: k.bytes for k in KV_SCHEMES if k.perf}}
+MXFP4_BYTES = BY_QUANT_ALGO["W4A16_MXFP4"].weight_bytes  # GPT-OSS experts: 4-bit values + one 8-bit scale per 32
 
 
 @dataclass(frozen=True)
@@ -92,7 +90,7 @@ class Deployment:
         peak = getattr(self.gpu, PRECISIONS[self.precision].peak)
         if not peak or not self.gpu.tflops_16:
             raise TrtpipeError(f"GPU '{self.gpu.key}' has no {PRECISIONS[self.precision].peak} in the catalog "
-                               f"(trtpipe/engine/gpus.py); {self.precision} cannot be modelled on it")
+                               f"(trtpipe/formats/gpus.py); {self.precision} cannot be modelled on it")
         if self.tp * self.pp > 1 and not self.gpu.link_gbs:
             raise TrtpipeError(f"GPU '{self.gpu.key}' has no link bandwidth in the catalog; tp/pp cannot be modelled")
 

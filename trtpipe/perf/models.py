@@ -4,7 +4,8 @@
 and the ``config.json`` fields the performance model needs (key names and values exactly as in that file; fields
 that do not change a step's cost, such as rope settings or token ids, are left out). ``spec_of(config)`` turns any
 such dict -- or a recipe's own config.json -- into a :class:`ModelSpec`: parameter counts per layer kind, KV bytes
-per token, attention widths. One parser per ``model_type``, a table rather than branches spread around.
+per token, attention widths. The dimensions are :class:`~trtpipe.models.dims.ModelDims` (the one parser); per
+``model_type`` a table row says how the layers group into kinds for the cost model.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from trtpipe.errors import TrtpipeError
+from trtpipe.errors import CheckpointError, TrtpipeError
+from trtpipe.models.dims import ModelDims, parse_hf_config
 
 _LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
               "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
@@ -161,89 +163,81 @@ def _gqa_attn(h: int, heads: int, kv: int, d: int) -> int:
     return h * (heads + 2 * kv) * d + heads * d * h
 
 
-def _llama(c: dict, name: str) -> ModelSpec:
-    h, heads = c["hidden_size"], c["num_attention_heads"]
-    kv = c.get("num_key_value_heads") or heads
-    d = c.get("head_dim") or h // heads
-    experts = c.get("num_local_experts") or c.get("num_experts") or 0
-    inter = c.get("moe_intermediate_size") or c["intermediate_size"]
+def _llama(m: ModelDims, name: str) -> ModelSpec:
+    h, heads, kv, d = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim
+    inter = m.expert_intermediate_size
     attn = _gqa_attn(h, heads, kv, d)
-    window = int(c.get("sliding_window") or 0)
-    if experts:
-        kind = LayerKind(c["num_hidden_layers"], attn, 0, experts, c["num_experts_per_tok"], 3 * h * inter, window)
+    window = int(m.sliding_window or 0)
+    if m.num_experts:
+        kind = LayerKind(m.num_layers, attn, 0, m.num_experts, m.experts_per_token, 3 * h * inter, window)
     else:
-        kind = LayerKind(c["num_hidden_layers"], attn, 3 * h * inter, window=window)
-    return ModelSpec(name, h, c["vocab_size"], heads, kv, d, d, 2 * kv * d, (kind,),
-                     bool(c.get("tie_word_embeddings", False)))
+        kind = LayerKind(m.num_layers, attn, 3 * h * inter, window=window)
+    return ModelSpec(name, h, m.vocab_size, heads, kv, d, d, 2 * kv * d, (kind,), m.tie_word_embeddings)
 
 
-def _gptj(c: dict, name: str) -> ModelSpec:
-    h, heads = c["n_embd"], c["n_head"]
-    inner = c.get("n_inner") or 4 * h
-    kind = LayerKind(c["n_layer"], 4 * h * h, 2 * h * inner)
-    return ModelSpec(name, h, c["vocab_size"], heads, heads, h // heads, h // heads, 2 * h, (kind,))
+def _gptj(m: ModelDims, name: str) -> ModelSpec:
+    h, heads = m.hidden_size, m.num_heads
+    kind = LayerKind(m.num_layers, 4 * h * h, 2 * h * m.intermediate_size)
+    return ModelSpec(name, h, m.vocab_size, heads, heads, h // heads, h // heads, 2 * h, (kind,))
 
 
-def _falcon(c: dict, name: str) -> ModelSpec:
-    h, heads = c["hidden_size"], c["num_attention_heads"]
-    kv = c.get("num_kv_heads") or (heads if c.get("new_decoder_architecture") else 1)
+def _falcon(m: ModelDims, name: str) -> ModelSpec:
+    h, heads, kv = m.hidden_size, m.num_heads, m.num_kv_heads
     d = h // heads
-    kind = LayerKind(c["num_hidden_layers"], _gqa_attn(h, heads, kv, d), 2 * h * 4 * h)
-    return ModelSpec(name, h, c["vocab_size"], heads, kv, d, d, 2 * kv * d, (kind,), True)
+    kind = LayerKind(m.num_layers, _gqa_attn(h, heads, kv, d), 2 * h * m.intermediate_size)
+    return ModelSpec(name, h, m.vocab_size, heads, kv, d, d, 2 * kv * d, (kind,), m.tie_word_embeddings)
 
 
-def _llama4(c: dict, name: str) -> ModelSpec:
+def _llama4(m: ModelDims, name: str) -> ModelSpec:
     """Layer i is MoE when (i + 1) % interleave_moe_layer_step == 0, and a no-RoPE layer (global attention) when
-    (i + 1) % 4 == 0 (transformers' Llama4TextConfig: no_rope_layer_interval 4); the RoPE layers attend within
+    (i + 1) % no_rope_layer_interval == 0 (transformers' Llama4TextConfig default: 4); the RoPE layers attend within
     chunks of ``attention_chunk_size`` (TensorRT-LLM's Llama4DecoderLayer passes the chunk to every RoPE layer's
     attention: NVIDIA/TensorRT-LLM@3a5901cd tensorrt_llm/_torch/models/modeling_llama.py)."""
-    t = c.get("text_config", c)
-    h, heads, kv, d = t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+    h, heads, kv, d = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim
     attn = _gqa_attn(h, heads, kv, d)
-    n, step = t["num_hidden_layers"], t.get("interleave_moe_layer_step", 1)
-    chunk = int(t.get("attention_chunk_size") or 0)
-    expert = 3 * h * t["intermediate_size"]
+    chunk, norope = m.attention_chunk, m.no_rope_layer_interval
+    expert = 3 * h * m.moe_intermediate_size
     counts: dict[tuple[bool, bool], int] = {}
-    for i in range(n):
-        key = ((i + 1) % step == 0, bool(chunk) and (i + 1) % 4 != 0)  # (MoE, chunked)
+    for i in range(m.num_layers):
+        key = (m.is_moe_layer(i), bool(chunk) and (i + 1) % norope != 0)  # (MoE, chunked)
         counts[key] = counts.get(key, 0) + 1
     kinds = []
     for (is_moe, chunked), count in sorted(counts.items(), reverse=True):
         if is_moe:  # the shared expert is a dense MLP beside the routed ones
-            kind = LayerKind(count, attn, expert, t["num_local_experts"], t["num_experts_per_tok"], expert)
+            kind = LayerKind(count, attn, expert, m.num_experts, m.experts_per_token, expert)
         else:
-            kind = LayerKind(count, attn, 3 * h * t["intermediate_size_mlp"])
+            kind = LayerKind(count, attn, 3 * h * m.intermediate_size)
         kinds.append(replace(kind, chunk=chunk if chunked else 0))
-    return ModelSpec(name, h, t["vocab_size"], heads, kv, d, d, 2 * kv * d, tuple(kinds))
+    return ModelSpec(name, h, m.vocab_size, heads, kv, d, d, 2 * kv * d, tuple(kinds))
 
 
-def _deepseek(c: dict, name: str) -> ModelSpec:
-    h, heads = c["hidden_size"], c["num_attention_heads"]
-    qr, kvr, nope, rope, vd = (c["q_lora_rank"], c["kv_lora_rank"], c["qk_nope_head_dim"], c["qk_rope_head_dim"],
-                               c["v_head_dim"])
+def _deepseek(m: ModelDims, name: str) -> ModelSpec:
+    h, heads, a = m.hidden_size, m.num_heads, m.mla
+    if a is None:
+        raise TrtpipeError("config.json: 'kv_lora_rank' is missing (needed for the deepseek_v3 performance model)")
+    qr, kvr, nope, rope, vd = a.q_lora_rank, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
     attn = h * qr + qr * heads * (nope + rope) + h * (kvr + rope) + kvr * heads * (nope + vd) + heads * vd * h
-    dense = c["first_k_dense_replace"]
-    expert = 3 * h * c["moe_intermediate_size"]
-    kinds = (LayerKind(dense, attn, 3 * h * c["intermediate_size"]),
-             LayerKind(c["num_hidden_layers"] - dense, attn, c["n_shared_experts"] * expert, c["n_routed_experts"],
-                       c["num_experts_per_tok"], expert))
+    expert = 3 * h * m.moe_intermediate_size
+    kinds = (LayerKind(m.dense_layers, attn, 3 * h * m.intermediate_size),
+             LayerKind(m.num_layers - m.dense_layers, attn, m.shared_experts * expert, m.num_experts,
+                       m.experts_per_token, expert))
     # MLA caches one latent (kv_lora_rank + rope) per token per layer; decode attends in the latent space
-    return ModelSpec(name, h, c["vocab_size"], heads, 1, kvr + rope, kvr, kvr + rope, kinds)
+    return ModelSpec(name, h, m.vocab_size, heads, 1, kvr + rope, kvr, kvr + rope, kinds)
 
 
-def _gpt_oss(c: dict, name: str) -> ModelSpec:
-    h, heads, kv, d = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+def _gpt_oss(m: ModelDims, name: str) -> ModelSpec:
+    h, heads, kv, d = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim
     attn = _gqa_attn(h, heads, kv, d)
-    n = c["num_hidden_layers"]
-    expert = 3 * h * c["intermediate_size"]
-    e, k = c["num_local_experts"], c["num_experts_per_tok"]
-    kinds = (LayerKind(n // 2, attn, 0, e, k, expert, c.get("sliding_window") or 0),
+    n = m.num_layers
+    expert = 3 * h * m.intermediate_size
+    e, k = m.num_experts, m.experts_per_token
+    kinds = (LayerKind(n // 2, attn, 0, e, k, expert, m.sliding_window or 0),
              LayerKind(n - n // 2, attn, 0, e, k, expert))
-    mx = (c.get("quantization_config") or {}).get("quant_method") == "mxfp4"
-    return ModelSpec(name, h, c["vocab_size"], heads, kv, d, d, 2 * kv * d, kinds, mxfp4_experts=mx)
+    return ModelSpec(name, h, m.vocab_size, heads, kv, d, d, 2 * kv * d, kinds, mxfp4_experts=m.quant_method == "mxfp4")
 
 
-PARSERS: dict[str, Callable[[dict, str], ModelSpec]] = {
+# model_type -> how its layers group into kinds for the cost model (the dimensions come from ModelDims)
+PARSERS: dict[str, Callable[[ModelDims, str], ModelSpec]] = {
     "llama": _llama, "mistral": _llama, "mixtral": _llama, "qwen2": _llama, "qwen3": _llama, "qwen3_moe": _llama,
     "gptj": _gptj, "falcon": _falcon, "llama4": _llama4, "llama4_text": _llama4, "deepseek_v3": _deepseek,
     "gpt_oss": _gpt_oss,
@@ -282,13 +276,24 @@ def facts_table() -> str:
 def spec_of(config: dict, name: str = "") -> ModelSpec:
     """A :class:`ModelSpec` from a Hugging Face config.json dict (or a published entry)."""
     mt = config.get("model_type")
+    _check_model_type(mt)
+    try:
+        dims = parse_hf_config(config, required=())
+    except CheckpointError as exc:
+        raise TrtpipeError(f"{exc} (needed for the {mt} performance model)") from None
+    return model_spec(dims, name or mt)
+
+
+def model_spec(dims: ModelDims, name: str = "") -> ModelSpec:
+    """A :class:`ModelSpec` from a model's parsed dimensions (``name`` defaults to its model_type)."""
+    _check_model_type(dims.model_type)
+    return PARSERS[dims.model_type](dims, name or dims.model_type)
+
+
+def _check_model_type(mt) -> None:
     if mt not in PARSERS:
         raise TrtpipeError(f"config.json: model_type '{mt}' has no performance model "
                            f"(supported: {', '.join(sorted(PARSERS))})")
-    try:
-        return PARSERS[mt](config, name or mt)
-    except KeyError as exc:
-        raise TrtpipeError(f"config.json: '{exc.args[0]}' is missing (needed for the {mt} performance model)") from None
 
 
 def published_spec(name: str) -> ModelSpec:

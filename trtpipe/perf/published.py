@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from trtpipe.engine.gpus import GPU, get_gpu
+from trtpipe.formats.gpus import GPU, get_gpu
 from trtpipe.errors import TrtpipeError
 from trtpipe.perf.cost import Deployment, Terms, group_terms
 from trtpipe.perf.models import PUBLISHED, published_spec

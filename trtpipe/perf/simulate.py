@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 
 from trtpipe.perf.cost import Constants, Deployment, bound, group_terms, step_time
-from trtpipe.serving.api import CapacityPolicy, ExecutorConfig, Request, Response, StepBatch, StepResult
+from trtpipe.serving.api import ExecutorConfig, Request, Response, StepBatch, StepResult
 from trtpipe.serving.executor import ExecutorCore, SimClock
 
 TOKEN = 1  # what every simulated step samples; requests are submitted without an end id
@@ -243,11 +243,3 @@ def poisson(config: ExecutorConfig, engine: CostModelEngine, rate: float, n: int
             d.clock.advance((arrivals[0] - d.clock.now_ns()) / 1e9)  # idle until the next arrival
     return d.result()
 
-
-def executor_config(max_batch_size: int, max_num_tokens: int, max_input_len: int, max_seq_len: int,
-                    kv_tokens: int, tokens_per_block: int = 64, chunked: bool = True,
-                    policy: CapacityPolicy = CapacityPolicy.GUARANTEED_NO_EVICT) -> ExecutorConfig:
-    return ExecutorConfig(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_input_len=max_input_len,
-                          max_seq_len=max_seq_len, num_blocks=max(1, kv_tokens // tokens_per_block),
-                          tokens_per_block=tokens_per_block, capacity_policy=policy,
-                          enable_chunked_context=chunked)

@@ -28,7 +28,6 @@ from trtpipe.pipeline.logs import BuildLogs, new_build_id, timestamp
 from trtpipe.pipeline.manifest import MANIFEST_FORMAT, summary, write_manifest
 from trtpipe.pipeline.measure import PeakRss
 from trtpipe.pipeline.stage import Stage, StageContext
-from trtpipe.pipeline.stage_table import STAGES
 from trtpipe.pipeline.versions import collect_versions
 from trtpipe.recipe.schema import Recipe
 
@@ -92,14 +91,14 @@ def _check_order(stages: Sequence[Stage]) -> None:
         seen.add(stage.name)
 
 
-def plan_build(recipe: Recipe, stages: Optional[Sequence[Stage]] = None) -> list[StagePlan]:
+def plan_build(recipe: Recipe, stages: Sequence[Stage]) -> list[StagePlan]:
     """Every stage's key and whether its artifact is complete, computed from the recipe and files only.
 
     Args:
-        stages: the stages to build, in order (default: the table in ``trtpipe.pipeline.stage_table``).
+        stages: the stages to build, in order (the application's table is ``trtpipe.app.stage_table``;
+            the library does not import it, so tests and embedders pass their own).
 
     """
-    stages = STAGES if stages is None else stages
     _check_order(stages)
     store = ArtifactStore(recipe.work_path)
     plans: dict[str, StagePlan] = {}
@@ -268,7 +267,7 @@ class _Build:
 
 def run_build(
     recipe: Recipe,
-    stages: Optional[Sequence[Stage]] = None,
+    stages: Sequence[Stage],
     force: Iterable[str] = (),
     from_stage: Optional[str] = None,
     until: Optional[str] = None,
@@ -278,7 +277,7 @@ def run_build(
     """Build ``recipe``: run every stage whose artifact is not cached, then write the manifest.
 
     Args:
-        stages: the stages, in order (default: ``trtpipe.pipeline.stage_table``; tests pass their own).
+        stages: the stages, in order (the application passes ``trtpipe.app.stage_table.STAGES``).
         force: stage names to rerun even when cached (``"all"`` for every stage).
         from_stage: rerun this stage and every later one; earlier stages must be cached.
         until: stop after this stage.
@@ -386,7 +385,7 @@ def _manifest_head(recipe, work_dir, build_id, started_at, overrides, force, fro
     }
 
 
-def build_status(recipe: Recipe, stages: Optional[Sequence[Stage]] = None, verify: bool = False) -> dict:
+def build_status(recipe: Recipe, stages: Sequence[Stage], verify: bool = False) -> dict:
     """What a build of ``recipe`` would do now, and what the last build recorded (``trtpipe status``).
 
     Args:
@@ -417,7 +416,7 @@ def build_status(recipe: Recipe, stages: Optional[Sequence[Stage]] = None, verif
     return out
 
 
-def collect_garbage(recipe: Recipe, stages: Optional[Sequence[Stage]] = None, delete: bool = False) -> dict:
+def collect_garbage(recipe: Recipe, stages: Sequence[Stage], delete: bool = False) -> dict:
     """Artifacts of ``recipe``'s work dir that neither its current keys nor the last manifest use.
 
     A 70B build leaves a few hundred GB per key, and every changed setting makes new keys, so old ones pile up.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from trtpipe.checkpoint.quant_primitives import choose_qparams, dequantize, observe_amax, quantize
+from trtpipe.formats.primitives import choose_qparams, dequantize, observe_amax, quantize
 
 
 def int4_roundtrip(w: torch.Tensor, group_size: int) -> torch.Tensor:

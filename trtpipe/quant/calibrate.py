@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trtpipe.checkpoint.quant_layouts import LINEAR_GROUPS
-from trtpipe.checkpoint.quant_primitives import observe_channel_amax
+from trtpipe.formats.primitives import observe_channel_amax
 from trtpipe.errors import QuantizationError
 from trtpipe.quant.awq import awq_clip, awq_scales, expert_awq
 from trtpipe.quant.quantize import TORCH_DTYPES, GroupStats, LayerStats

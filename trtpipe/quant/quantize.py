@@ -16,7 +16,7 @@ import torch
 
 from trtpipe.checkpoint.quant_layouts import (KV_ALGOS, LINEAR_GROUPS, SHARED_BY_EXPERTS, STYLE, TENSOR_DTYPES,
                                              Algo, group_granularity)
-from trtpipe.checkpoint.quant_primitives import choose_qparams, observe_amax, pack_int4_rows, quantize
+from trtpipe.formats.primitives import choose_qparams, observe_amax, pack_int4_rows, quantize
 from trtpipe.checkpoint.shard import Layout, split_experts, split_linear_tensor
 from trtpipe.errors import QuantizationError
 from trtpipe.quant.awq import awq_scales

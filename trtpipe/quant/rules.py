@@ -23,17 +23,16 @@ import fnmatch
 from typing import Iterable, Optional
 
 from trtpipe.checkpoint.quant_layouts import ALGOS, MOE_ENGINE_REFUSED, STYLE
-from trtpipe.engine.upstream import FINEGRAINED_GROUP_SIZES
-from trtpipe.models.hfconfig import HFModelInfo
+from trtpipe.formats.schemes import BY_RECIPE, needs_calibration_data
+from trtpipe.models import num_params
+from trtpipe.models.dims import ModelDims
 from trtpipe.models.trtllm_config import resolve_moe_sizes
 from trtpipe.quant.hostmem import whole_model_misfit
 from trtpipe.recipe.rules import Finding, Rule
 from trtpipe.recipe.schema import Recipe
 
-GROUP_SIZES = (32, 64, 128, 256)
 
-
-def linear_dims(m: HFModelInfo) -> dict[str, tuple[int, int]]:
+def linear_dims(m: ModelDims) -> dict[str, tuple[int, int]]:
     """(out, in) of each decoder linear, unsharded, in TRT-LLM names."""
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     return {
@@ -49,7 +48,7 @@ def per_rank(name: str, out_f: int, in_f: int, tp: int) -> tuple[int, int]:
     return (out_f // tp, in_f) if STYLE[name] == "column" else (out_f, in_f // tp)
 
 
-def int4_problems(m: HFModelInfo, tp: int, group_size: int, moe_tp: Optional[int] = None,
+def int4_problems(m: ModelDims, tp: int, group_size: int, moe_tp: Optional[int] = None,
                   row_pairs: bool = True) -> dict[str, str]:
     """linear -> why it cannot be int4 at this tp and group size (empty: all fine); a MoE model's experts are split
     by ``moe_tp`` (default: tp). ``row_pairs``: the codes pack two output rows a byte (INT4 AWQ), so each rank's
@@ -75,7 +74,7 @@ def _excluded(name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(full, p) for p in patterns)
 
 
-def _moe_engine(recipe: Recipe, m: HFModelInfo) -> Iterable[Finding]:
+def _moe_engine(recipe: Recipe, m: ModelDims) -> Iterable[Finding]:
     """A MoE model's quantized experts on the engine target: the algorithms with an expert layout, and excludes."""
     q = recipe.quantization
     if q.algo in MOE_ENGINE_REFUSED:
@@ -99,7 +98,7 @@ def _moe_engine(recipe: Recipe, m: HFModelInfo) -> Iterable[Finding]:
             return
 
 
-def _quant_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
+def _quant_layout(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
     q = recipe.quantization
     algo = ALGOS.get(q.algo)
     if algo is None and q.kv_cache == "none":
@@ -120,9 +119,8 @@ def _quant_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]
     bad = {n: why for n, why in int4_problems(m, tp, q.group_size, moe_tp).items() if not _excluded(n, q.exclude)}
     if not bad:
         return
-    # the engine's group-wise GEMM runs only some group sizes (trtpipe.engine.upstream.FINEGRAINED_GROUP_SIZES)
-    sizes = GROUP_SIZES if recipe.target == "llmapi" else \
-        FINEGRAINED_GROUP_SIZES[0].get(algo.quant_algo, GROUP_SIZES)
+    # the engine's group-wise GEMM runs only some group sizes (the scheme table's group_sizes)
+    sizes = BY_RECIPE[q.algo].group_sizes_for(recipe.target)
     remaining = {g: sorted(n for n in int4_problems(m, tp, g, moe_tp) if not _excluded(n, q.exclude))
                  for g in sizes}
     best = min(sizes, key=lambda g: (len(remaining[g]), -g))
@@ -139,7 +137,7 @@ def _quant_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]
         yield "quantization.group_size", f"{q.algo} at tp={tp}: {name} {why}; fix: {fix}"
 
 
-def _self_data_fits(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
+def _self_data_fits(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
     """``self`` data is sampled from the whole unquantized model in float32 on the host: refuse it up front for a
     model that does not fit (calibration and verification themselves run one layer at a time)."""
     if m is None:
@@ -147,11 +145,11 @@ def _self_data_fits(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findin
     q, acc = recipe.quantization, recipe.accuracy
     algo = ALGOS.get(q.algo)
     keys = []
-    if q.calibration.dataset == "self" and ((algo is not None and algo.needs_data) or q.kv_cache != "none"):
+    if q.calibration.dataset == "self" and needs_calibration_data(q.algo, q.kv_cache):
         keys.append("quantization.calibration.dataset")
     if acc.eval_data == "self" and acc.enabled and (algo is not None or q.kv_cache != "none"):
         keys.append("accuracy.eval_data")
-    why = whole_model_misfit(4 * m.num_params()) if keys else None
+    why = whole_model_misfit(4 * num_params(m)) if keys else None
     if why:
         for key in keys:
             yield key, (f"'self' samples text from the whole model, and {why}; "

@@ -23,6 +23,7 @@ from trtpipe.checkpoint.quant_layouts import ALGOS, LINEARS, quantization_config
 from trtpipe.checkpoint.shard import Layout, pp_layers
 from trtpipe.checkpoint.writer import TORCH_TO_ST, RankFile
 from trtpipe.errors import QuantizationError
+from trtpipe.formats.schemes import needs_calibration_data
 from trtpipe.models import REGISTRY, get_family
 from trtpipe.quant.calibrate import LayerSource, load_layer_stats
 from trtpipe.quant.quantize import kv_scales, layer_params, rank_tensors
@@ -151,7 +152,7 @@ def quantize_checkpoint(base_dir: Path, source: LayerSource, stats_dir: Optional
     exclude = list(exclude) + [p for p in kept if p not in exclude]
     layout = Layout(args.num_heads, args.num_kv_heads, args.head_size, args.tp, num_experts=args.num_experts,
                     moe_tp=args.moe_tp, moe_ep=args.moe_ep)
-    stats_needed = (a is not None and a.needs_data) or kv_cache != "none"
+    stats_needed = needs_calibration_data(algo, kv_cache)
     if stats_needed and stats_dir is None:
         raise QuantizationError(f"quantization.algo={algo} kv_cache={kv_cache} needs calibration statistics")
     parts = out_dir / ".parts"

@@ -3,7 +3,7 @@
 Policy: every way a recipe can be wrong ends in one :class:`RecipeError` that lists all problems found, one
 line each: ``recipe.yaml:LINE:COL: dotted.key: what is wrong (allowed: ...)``. Nothing else escapes
 :func:`parse_recipe` (unreadable files, bad YAML, wrong types at any depth, odd keys, overrides). The
-cross-field rules run after it, in :func:`trtpipe.validation.load_recipe`.
+cross-field rules run after it, in :func:`trtpipe.app.validation.load_recipe`.
 """
 
 from __future__ import annotations

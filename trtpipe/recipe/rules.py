@@ -1,10 +1,10 @@
 """Cross-field rules, checked at validation time so a bad layout fails in a second, not after a long build.
 
 A rule is a function ``(recipe, model) -> iterable of (dotted.key, message)``; ``model`` is the model's
-:class:`HFModelInfo` (or None when the model directory cannot be read, which is itself reported).
+:class:`ModelDims` (or None when the model directory cannot be read, which is itself reported).
 Each package keeps the rules about its own facts (:data:`RECIPE_RULES` here, ``QUANT_RULES`` in
 ``trtpipe/quant/rules.py``, ``ENGINE_RULES`` in ``trtpipe/engine/rules.py``, ``EXPORT_RULES`` in
-``trtpipe/export/rules.py``); :data:`trtpipe.validation.RULES` is the one list of all of them, and
+``trtpipe/export/rules.py``); :data:`trtpipe.app.validation.RULES` is the one list of all of them, and
 :func:`check_recipe` runs the list it is given. Nothing here imports those packages (they import the schema).
 The rules here are the layout facts of the TRT-LLM checkpoint (docs/reference/trtllm-checkpoint.md#mapping and
 #weight-names-and-per-rank-shapes-llama-unquantized: what shards) and the recipe's own consistency (lengths,
@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from trtpipe.errors import CheckpointError, Problem, TrtpipeError
+from trtpipe.formats.schemes import needs_calibration_data
 from trtpipe.models import get_family
-from trtpipe.models.hfconfig import HFModelInfo, read_hf_config
+from trtpipe.models.dims import ModelDims, read_hf_config
 from trtpipe.models.trtllm_config import deduce_max_seq_len, resolve_moe_sizes
 from trtpipe.recipe.schema import Recipe
 
 Finding = tuple[str, str]
-Rule = Callable[[Recipe, Optional[HFModelInfo]], Iterable[Finding]]
+Rule = Callable[[Recipe, Optional[ModelDims]], Iterable[Finding]]
 
 DATA_SUFFIXES = (".txt", ".jsonl", ".json")
 
@@ -72,7 +73,7 @@ def _strip_key(message: str) -> str:
     return message[len("model.source: "):] if message.startswith("model.source: ") else message
 
 
-def load_model_info(recipe: Recipe) -> tuple[Optional[HFModelInfo], list[Finding]]:
+def load_model_info(recipe: Recipe) -> tuple[Optional[ModelDims], list[Finding]]:
     """The model's config facts, or None and the finding that says why they cannot be read."""
     src = recipe.model.source
     try:
@@ -99,7 +100,7 @@ def load_model_info(recipe: Recipe) -> tuple[Optional[HFModelInfo], list[Finding
     return info, []
 
 
-def deduced_max_seq_len(m: HFModelInfo) -> int:
+def deduced_max_seq_len(m: ModelDims) -> int:
     """trtllm-build's default max_seq_len for this model (the engine stage's own deduction, one function)."""
     return deduce_max_seq_len(m.max_position_embeddings, m.rope_scaling)
 
@@ -109,7 +110,7 @@ def _written(recipe: Recipe, *keys: str) -> str:
     return next((k for k in keys if recipe.written(k)), keys[0])
 
 
-def _model_family(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
+def _model_family(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
     """The architecture has a family, and its config asks for nothing that family cannot honour (before weights)."""
     if m is None:
         return
@@ -124,7 +125,7 @@ def _model_family(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]
         yield "target", f"engine: {family.no_engine}; use target: llmapi"
 
 
-def _parallel_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
+def _parallel_layout(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
     p = recipe.parallel
     if p.world_size > 64:
         yield "parallel", f"tp*pp = {p.world_size} ranks; at most 64 are supported"
@@ -157,7 +158,7 @@ def _parallel_layout(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findi
         yield key, f"the experts' intermediate size {m.expert_intermediate_size} does not divide by moe_tp={mtp}"
 
 
-def _engine_limits(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
+def _engine_limits(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
     e = recipe.engine
     if e.max_seq_len is not None and e.max_input_len > e.max_seq_len:
         key = _written(recipe, "engine.max_input_len", "engine.max_seq_len")
@@ -190,7 +191,7 @@ def _engine_limits(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding
             )
 
 
-def _triton_ports(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
+def _triton_ports(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
     t = recipe.triton
     seen: dict[int, str] = {}
     for name in ("http_port", "grpc_port", "metrics_port"):
@@ -223,10 +224,9 @@ def _data_findings(recipe: Recipe, key: str, value: str) -> Iterable[Finding]:
         yield key, f"{path.name}: must be a .txt, .jsonl or .json file, a directory, or 'self'"
 
 
-def _data_files(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
+def _data_files(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
     q = recipe.quantization
-    needs_data = q.algo in ("fp8", "int8_sq", "int4_awq", "w4a8_awq") or q.kv_cache != "none"
-    if needs_data:
+    if needs_calibration_data(q.algo, q.kv_cache):  # the scheme table's column, as the quantize stage reads it
         yield from _data_findings(recipe, "quantization.calibration.dataset", q.calibration.dataset)
     if recipe.accuracy.enabled:
         yield from _data_findings(recipe, "accuracy.eval_data", recipe.accuracy.eval_data)
@@ -236,7 +236,7 @@ RECIPE_RULES: tuple[Rule, ...] = (_model_family, _parallel_layout, _engine_limit
 
 
 def check_recipe(recipe: Recipe, rules: Iterable[Rule]) -> list[Problem]:
-    """Run ``rules`` (all of them: :data:`trtpipe.validation.RULES`); return every problem with the file position of
+    """Run ``rules`` (all of them: :data:`trtpipe.app.validation.RULES`); return every problem with the file position of
     the key it names, in file order."""
     model, findings = load_model_info(recipe)
     findings = list(findings)

@@ -19,6 +19,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
+from trtpipe.formats.schemes import GROUP_SIZES, RECIPE_ALGOS, RECIPE_KV
+
 INT32_MAX = 2**31 - 1
 HF_URI = re.compile(r"^hf://[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
@@ -28,9 +30,10 @@ class _Section(BaseModel):
 
 
 DType = Literal["auto", "float16", "bfloat16", "float32"]
-QuantAlgoName = Literal["none", "fp8", "fp8_pc_pt", "int8_sq", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "nvfp4"]
-KVCacheQuant = Literal["none", "fp8", "int8"]
-GroupSize = Literal[32, 64, 128, 256]
+# the scheme table's rows (trtpipe.formats.schemes): a new row is a new recipe value
+QuantAlgoName = Literal[RECIPE_ALGOS]
+KVCacheQuant = Literal[RECIPE_KV]
+GroupSize = Literal[GROUP_SIZES]
 # the lossy steps of converting a pre-quantized source for the engine target (trtpipe/quant/imported/lossy.py)
 LossyImportStep = Literal["fp8_requantize", "zero_point_rounding"]
 

@@ -11,7 +11,7 @@ the serving kernel sees it (``trtpipe.export.formats`` / ``.compressed`` documen
 * An FP8 KV cache is a round trip through FP8 with a unit scale: TensorRT-LLM's PyTorch backend ignores the
   checkpoint's ``k_scale``/``v_scale`` for FP8 KV (newest revision read; not confirmed for 1.0-1.2).
 
-Checkpoints of the other producers run as their formats define them (weights: :mod:`trtpipe.quant.dequant`,
+Checkpoints of the other producers run as their formats define them (weights: :mod:`trtpipe.formats.dequant`,
 one pure function per format; activations as each format's reference forward quantizes them):
 
 * GPTQ (v1 / v2, any zero points and ``g_idx``) and AutoAWQ GEMM: weight-only (``qweight`` / ``qzeros`` /
@@ -25,7 +25,7 @@ one pure function per format; activations as each format's reference forward qua
   ``FP8BlockScales`` linear use.
 * fbgemm FP8: FP8 per-row weights, activations FP8 per token with the amax capped at ``activation_scale_ub``
   (``quantize_fp8_per_row(x, scale_ub)``).
-* MXFP4 (gpt-oss experts): decoded by the family's expert rules (:mod:`trtpipe.quant.mxfp4`); its other linears
+* MXFP4 (gpt-oss experts): decoded by the family's expert rules (:mod:`trtpipe.formats.mxfp4`); its other linears
   are plain.
 
 q/k/v and gate/up stay separate modules (their scales differ); their outputs are concatenated into the fused
@@ -42,9 +42,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from trtpipe.checkpoint.quant_primitives import nvfp4_dequantize, unpack_int4_rows
+from trtpipe.formats.primitives import nvfp4_dequantize, unpack_int4_rows
 from trtpipe.errors import CheckpointError
-from trtpipe.quant import dequant
+from trtpipe.formats import dequant
 from trtpipe.runtime.linear import (INT8_TOKEN_DIVISOR, Float32Linear, NVFP4Linear, QuantLinear, TokenFP8Linear,
                                     TokenInt8Linear, token_fp8)
 from trtpipe.runtime.loader import load_checkpoint
@@ -247,7 +247,7 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
     import fnmatch
 
     from trtpipe.checkpoint.convert import COMBINERS, make_plan
-    from trtpipe.export.unified import HFNames
+    from trtpipe.checkpoint.hf_names import HFNames
 
     d = Path(model_dir)
     cfg = json.loads((d / "config.json").read_text())

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from trtpipe.checkpoint.quant_layouts import BY_QUANT_ALGO
-from trtpipe.checkpoint.quant_primitives import (FORMATS, NVFP4_BLOCK, dequantize, fake_quant, nvfp4_dequantize,
+from trtpipe.formats.primitives import (FORMATS, NVFP4_BLOCK, dequantize, fake_quant, nvfp4_dequantize,
                                                  nvfp4_fake_quant, unpack_int4_rows)
 from trtpipe.errors import CheckpointError
 

@@ -18,6 +18,8 @@ from torch import nn
 
 from trtpipe.checkpoint.quant_layouts import SHARED_BY_EXPERTS
 from trtpipe.errors import CheckpointError
+from trtpipe.models import REGISTRY
+from trtpipe.models.dims import checkpoint_dims
 from trtpipe.models.trtllm_config import resolve_moe_sizes
 from trtpipe.runtime.linear import LinearSpec, build_linear, kv_quant, module_quant_algo
 from trtpipe.runtime.rope import Rope, apply_rope
@@ -35,10 +37,12 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 
 def embedding_scale(architecture: str, hidden: int, dtype: str) -> float:
-    """Gemma multiplies the embedding by sqrt(hidden) rounded to the weight dtype first (transformers
-    ``Gemma3TextScaledWordEmbedding``: ``embed_scale.to(weight.dtype)``; TensorRT-LLM's Gemma model scales the
-    embedding output the same way); 1 for every other architecture. bf16: sqrt(5376) = 73.32 -> 73.5."""
-    if not architecture.startswith("Gemma"):
+    """A family with ``scaled_embedding`` (Gemma) multiplies the embedding by sqrt(hidden) rounded to the weight dtype
+    first (transformers ``Gemma3TextScaledWordEmbedding``: ``embed_scale.to(weight.dtype)``; TensorRT-LLM's Gemma
+    model scales the embedding output the same way); 1 for every other architecture.
+    bf16: sqrt(5376) = 73.32 -> 73.5."""
+    family = REGISTRY.get(architecture)
+    if family is None or not family.scaled_embedding:
         return 1.0
     return float(torch.tensor(math.sqrt(hidden), dtype=TORCH_DTYPES.get(dtype, torch.float32)).item())
 
@@ -85,64 +89,51 @@ class ModelArgs:
 
     @classmethod
     def from_config(cls, cfg: dict, quant_cfg: Optional[dict] = None) -> "ModelArgs":
-        def need(key):
-            if cfg.get(key) is None:
-                raise CheckpointError(f"config.json: required key '{key}' is missing")
-            return cfg[key]
-
-        heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
+        """The dimensions (:func:`~trtpipe.models.dims.checkpoint_dims`) and the checkpoint's mapping, dtype and
+        quantization of a TensorRT-LLM checkpoint config.json."""
+        d = checkpoint_dims(cfg)
         mapping = cfg.get("mapping") or {}
-        moe = cfg.get("moe") or {}
         tp, pp = int(mapping.get("tp_size", 1)), int(mapping.get("pp_size", 1))
-        num_experts = int(moe.get("num_experts", cfg.get("moe_num_experts", 0)) or 0)
         moe_ep, moe_tp = resolve_moe_sizes(tp, int(mapping.get("moe_ep_size", -1)), int(mapping.get("moe_tp_size", -1)))
-        head_size = int(cfg.get("head_size") or hidden // heads)
-        num_layers = int(need("num_hidden_layers"))
-        layer_types = tuple(cfg.get("layer_types") or ())
-        pattern = cfg.get("_sliding_window_pattern")
-        if not layer_types and isinstance(pattern, int) and pattern > 0 and cfg.get("sliding_window"):
-            layer_types = tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
-        if layer_types and (len(layer_types) != num_layers or set(layer_types) - {SLIDING, FULL}):
+        if d.layer_types and set(d.layer_types) - {SLIDING, FULL}:
             raise CheckpointError(f"config.json: key 'layer_types' must list {SLIDING} or {FULL} for each of "
-                                  f"{num_layers} layers")
-        if cfg.get("attn_logit_softcapping") is not None:
+                                  f"{d.num_layers} layers")
+        if d.attn_logit_softcapping is not None:
             raise CheckpointError("config.json: key 'attn_logit_softcapping' is set; the reference runtime does not "
                                   "softcap attention logits")
-        dtype = str(cfg.get("dtype", "float32"))
         return cls(
-            vocab_size=int(need("vocab_size")),
-            hidden_size=hidden,
-            num_layers=num_layers,
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_size=head_size,
-            intermediate_size=int(cfg.get("intermediate_size") or 4 * hidden),
-            norm_epsilon=float(cfg.get("norm_epsilon", 1e-5)),
-            hidden_act=str(cfg.get("hidden_act", "silu")),
-            rotary_base=float(cfg.get("rotary_base", 10000.0)),
-            rotary_scaling=cfg.get("rotary_scaling"),
-            rotary_dim=cfg.get("rotary_embedding_dim") or int(head_size * float(cfg.get("rotary_pct", 1.0))),
-            max_position_embeddings=cfg.get("max_position_embeddings"),
-            sliding_window=cfg.get("sliding_window"),
-            num_experts=num_experts if num_experts > 1 else 0,
-            top_k=int(moe.get("top_k", cfg.get("moe_top_k", 0)) or 0),
-            moe_renormalize=int(moe.get("normalization_mode", 1)) == 1,
+            vocab_size=d.vocab_size,
+            hidden_size=d.hidden_size,
+            num_layers=d.num_layers,
+            num_heads=d.num_heads,
+            num_kv_heads=d.num_kv_heads,
+            head_size=d.head_dim,
+            intermediate_size=d.intermediate_size,
+            norm_epsilon=d.rms_norm_eps,
+            hidden_act=d.hidden_act,
+            rotary_base=d.rope_theta,
+            rotary_scaling=d.rope_scaling,
+            rotary_dim=d.rotary_dim,
+            max_position_embeddings=d.max_position_embeddings,
+            sliding_window=d.sliding_window,
+            num_experts=d.num_experts if d.is_moe else 0,
+            top_k=d.experts_per_token,
+            moe_renormalize=d.moe_renormalize,
             tp=tp,
             pp=pp,
             moe_tp=moe_tp,
             moe_ep=moe_ep,
-            dtype=dtype,
+            dtype=d.torch_dtype,
             quantization=cfg.get("quantization") or {},
             quant_cfg=quant_cfg,
-            layer_types=layer_types,
-            rope_local_base=cfg.get("rope_local_base_freq"),
-            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            layer_types=d.layer_types,
+            rope_local_base=d.rope_local_theta,
+            query_pre_attn_scalar=d.query_pre_attn_scalar,
             inter_layernorms=bool(cfg.get("inter_layernorms", False)),
-            embed_scale=embedding_scale(str(cfg.get("architecture", "")), hidden, dtype),
-            final_logit_softcapping=cfg.get("final_logit_softcapping"),
-            swiglu_limit=None if cfg.get("swiglu_limit") is None else float(cfg["swiglu_limit"]),
-            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.0)),
+            embed_scale=embedding_scale(d.architecture, d.hidden_size, d.torch_dtype),
+            final_logit_softcapping=d.final_logit_softcapping,
+            swiglu_limit=None if d.swiglu_limit is None else float(d.swiglu_limit),
+            swiglu_alpha=1.0 if d.swiglu_alpha is None else float(d.swiglu_alpha),
         )
 
     def unsharded(self) -> "ModelArgs":

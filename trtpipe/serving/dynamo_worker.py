@@ -42,7 +42,7 @@ from dynamo.llm.exceptions import InvalidArgument  # noqa: E402
 from trtpipe.processes import write_state  # noqa: E402
 from trtpipe.serving.api import ExecutorConfig, Response  # noqa: E402
 from trtpipe.serving.dynamo_requests import FINISH, RequestRefused, translate  # noqa: E402
-from trtpipe.serving.dynamo_launch import config_from_json  # noqa: E402
+from trtpipe.serving.config import from_json  # noqa: E402
 from trtpipe.serving.kv_events import EventRecorder, Removed, Stored  # noqa: E402
 
 log = logging.getLogger("trtpipe.dynamo")
@@ -75,7 +75,7 @@ class TwinEngine(LLMEngine):
         p.add_argument("--discovery-backend", default="file")
         p.add_argument("--status-file", type=Path, help="where to write this worker's pid and Dynamo instance id")
         args = p.parse_args(argv)
-        engine = cls(args.model, args.served_model_name, config_from_json(args.executor_config), args.threads)
+        engine = cls(args.model, args.served_model_name, from_json(args.executor_config), args.threads)
         engine.status_file = args.status_file
         worker = WorkerConfig(namespace=args.namespace, component=args.component, endpoint="generate",
                               model_name=str(args.model), served_model_name=args.served_model_name,

@@ -142,7 +142,6 @@ def generate_steps(engine, prompts: list[list[int]], max_new_tokens: int, end_id
     return outputs
 
 
-RUN_DIR_ENV = "TRTPIPE_MPI_RUN_DIR"  # set by trtpipe serve's leader-mode launch; rank 0 reports there
 
 
 def start_leader(engine_dir: str, run_dir: str) -> MpiStepEngine:

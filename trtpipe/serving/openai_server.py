@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trtpipe.extras import require
-from trtpipe.serving.api import (DEFAULT_PRIORITY, UINT64_MAX, CapacityPolicy, ErrorKind, ExecutorConfig, FinishReason,
-                                 Request, Response, SamplingParams)
+from trtpipe.serving.api import (DEFAULT_PRIORITY, UINT64_MAX, ErrorKind, ExecutorConfig, FinishReason, Request,
+                                 Response, SamplingParams)
+from trtpipe.serving.config import twin_default
 from trtpipe.serving.executor import Executor, ExecutorStopped, QueueFullError
 from trtpipe.serving.prom_text import histograms
 
@@ -170,7 +171,7 @@ class ServedModel:
         model = load_hf_checkpoint(self.dir)
         self.max_seq_len = int(model.config.get("max_position_embeddings") or 2048)
         self.vocab_size = int(model.config.get("vocab_size") or len(self.tokenizer))
-        self.config = config or default_config(self.max_seq_len)
+        self.config = config or twin_default(self.max_seq_len)
         self.eos_id = self.tokenizer.eos_token_id
         gen = self.dir / "generation_config.json"
         if gen.exists():
@@ -180,21 +181,6 @@ class ServedModel:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-
-
-DEFAULT_REQUEST_TIMEOUT_S = 600.0  # the recipe's serving.request_timeout_s default
-DEFAULT_QUEUE_PER_SLOT = 8  # the recipe's serving.max_queue_size default: this many waiting per batch slot
-
-
-def default_config(max_seq_len: int, max_batch_size: int = 8, tokens_per_block: int = 32) -> ExecutorConfig:
-    """One max-length sequence per batch slot in the KV pool (host memory the CPU twin needs, no more), the
-    recipe's default queue bound and deadline."""
-    return ExecutorConfig(max_batch_size=max_batch_size, max_num_tokens=max(2048, max_seq_len),
-                          max_input_len=max_seq_len - 1, max_seq_len=max_seq_len,
-                          num_blocks=max_batch_size * -(-max_seq_len // tokens_per_block),
-                          tokens_per_block=tokens_per_block, capacity_policy=CapacityPolicy.GUARANTEED_NO_EVICT,
-                          enable_kv_cache_reuse=True, max_queue_size=DEFAULT_QUEUE_PER_SLOT * max_batch_size,
-                          request_timeout_s=DEFAULT_REQUEST_TIMEOUT_S)
 
 
 # --- request translation --------------------------------------------------------------------------------------
@@ -688,20 +674,3 @@ def serve(model_dir: Path, host: str, port: int, name: str, config: Optional[Exe
     server = OpenAIServer(served)
     log.info("serving %s as %r on http://%s:%d (OpenAI-compatible; trtllm-serve twin)", model_dir, name, host, port)
     web.run_app(server.app, host=host, port=port, print=None, handle_signals=True, shutdown_timeout=2.0)
-
-
-def config_from_recipe(recipe, model_max_seq_len: int) -> ExecutorConfig:
-    """The executor limits trtllm-serve would get from the recipe's engine section (KV pool: one max-length
-    sequence per batch slot, or engine.kv_cache.max_tokens), and the serving section's deadline and queue bound."""
-    e, kv = recipe.engine, recipe.engine.kv_cache
-    queue = recipe.serving.max_queue_size
-    queue = DEFAULT_QUEUE_PER_SLOT * e.max_batch_size if queue < 0 else queue
-    seq = min(e.max_seq_len or model_max_seq_len, model_max_seq_len)
-    tokens = kv.max_tokens or e.max_batch_size * seq
-    return ExecutorConfig(max_batch_size=e.max_batch_size, max_num_tokens=e.max_num_tokens,
-                          max_input_len=min(e.max_input_len, seq - 1), max_seq_len=seq,
-                          num_blocks=max(-(-tokens // kv.tokens_per_block), -(-seq // kv.tokens_per_block)),
-                          tokens_per_block=kv.tokens_per_block,
-                          capacity_policy=CapacityPolicy(recipe.triton.scheduler_policy),
-                          enable_kv_cache_reuse=kv.enable_reuse, max_queue_size=queue,
-                          request_timeout_s=recipe.serving.request_timeout_s)

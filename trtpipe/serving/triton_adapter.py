@@ -20,8 +20,10 @@ from typing import Callable, Optional
 import numpy as np
 
 from trtpipe.serving.api import CapacityPolicy, ExecutorConfig, Request, Response, SamplingParams
+from trtpipe.serving.config import KV_REUSE_DEFAULT, executor_config, read_twin_extras
 from trtpipe.serving.executor import IterationStats
-from trtpipe.triton import request_checks
+from trtpipe.serving import request_checks
+from trtpipe.triton.upstream_io import TWIN_EXTRAS_PARAMETER
 
 _TRUE = {"true", "1", "t", "y", "yes"}
 
@@ -62,9 +64,9 @@ def _default_end_id(path: Path) -> Optional[int]:
 def settings_from_model_config(model_config: dict, model_repository: str) -> TwinSettings:
     """Engine limits from the engine's config.json, executor knobs from the model's parameters (as the backend).
 
-    The KV pool holds ``max_tokens_in_paged_kv_cache`` tokens when set, else one max-length sequence per batch
-    slot (``max_batch_size * max_seq_len``): on a GPU the pool is what free memory allows, which on the CPU twin
-    would be host memory the model does not need.
+    The KV pool holds ``max_tokens_in_paged_kv_cache`` tokens when set (the rules of
+    :mod:`trtpipe.serving.config`); the knobs without an upstream parameter come in one JSON parameter,
+    ``executor_extras``.
     """
     params = model_config.get("parameters", {})
     engine = param(params, "gpt_model_path")
@@ -77,7 +79,6 @@ def settings_from_model_config(model_config: dict, model_repository: str) -> Twi
     tpb = int((build.get("plugin_config") or {}).get("tokens_per_block") or 32)
     max_batch, max_seq = int(build.get("max_batch_size", 8)), int(build.get("max_seq_len", 2048))
     max_tokens = param(params, "max_tokens_in_paged_kv_cache")
-    tokens = int(max_tokens) if max_tokens is not None else max_batch * max_seq
     policy = str(param(params, "batch_scheduler_policy", "guaranteed_no_evict")).lower()
     # static_batch is the executor's kSTATIC_BATCH, which the real backend does not accept (it warns and keeps the
     # default): the twin takes it so a benchmark can compare against static batching with streaming left on.
@@ -87,18 +88,18 @@ def settings_from_model_config(model_config: dict, model_repository: str) -> Twi
     if static:  # V1: a batch runs to completion before the next forms; no streaming, input excluded
         policy = CapacityPolicy.STATIC_BATCH.value
     queue = ((model_config.get("dynamic_batching") or {}).get("default_queue_policy") or {}).get("max_queue_size", 0)
-    executor = ExecutorConfig(
+    executor = executor_config(
         max_batch_size=max_batch,
         max_num_tokens=int(build.get("max_num_tokens") or max_batch * int(build.get("max_input_len", max_seq))),
         max_input_len=int(build.get("max_input_len", max_seq)),
         max_seq_len=max_seq,
-        num_blocks=max(-(-tokens // tpb), -(-max_seq // tpb)),
+        kv_tokens=int(max_tokens) if max_tokens is not None else None,
         tokens_per_block=tpb,
-        capacity_policy=CapacityPolicy(policy),
+        capacity_policy=policy,
         enable_chunked_context=_flag(params, "enable_chunked_context", False),
-        enable_kv_cache_reuse=_flag(params, "enable_kv_cache_reuse", True),
+        enable_kv_cache_reuse=_flag(params, "enable_kv_cache_reuse", KV_REUSE_DEFAULT),
         max_queue_size=int(queue or 0),
-        request_timeout_s=int(param(params, "request_timeout_ms", "0")) / 1000,  # the twin's own parameter
+        **read_twin_extras(param(params, TWIN_EXTRAS_PARAMETER)),  # the twin's own knobs (request_timeout_s, ...)
     )
     return TwinSettings(
         engine_dir=engine_dir,
@@ -134,7 +135,7 @@ class ParsedRequest:
 
 def parse_request(get: Callable[[str], Optional[np.ndarray]], s: TwinSettings, decoupled: bool) -> ParsedRequest:
     """Request tensors (``get(name)`` -> numpy or None) to an executor :class:`Request`; ValueError names the input."""
-    from trtpipe.triton.twin_input_policy import refusal
+    from trtpipe.serving.twin_input_policy import refusal
 
     if _scalar(get, "stop", False, bool):
         return ParsedRequest(Request([], 0), False, False, False, True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,10 +32,10 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from trtpipe.errors import ServingError
-from trtpipe.processes import (EXIT_RECORD_ENV, SHM_DIR, cache_dir, clean_shm, log_tail, pid_alive, read_state,
-                               remove_files, spawn, write_state)
-from trtpipe.triton.server_process import (Ports, Server, endpoint_flags, http_ready, prepare_server, refuse_if_served,
-                                           server_command, server_env)
+from trtpipe.processes import (EXIT_RECORD_ENV, RUN_DIR_ENV, SHM_DIR, Child, cache_dir, clean_shm, log_tail,
+                               pid_alive, read_state, remove_files, spawn, write_state)
+from trtpipe.supervisor import Ports, Server, http_ready, refuse_if_served
+from trtpipe.triton.server_process import endpoint_flags, prepare_server, server_command, server_env
 
 TEARDOWN_GRACE_S = 12.0  # tritonserver's exit timeout (5 s) + the twin's finalize + the workers' exit
 FAILED_GRACE_S = 2.0  # after a rank died: SIGTERM to every process of the job, SIGKILL after this
@@ -128,6 +129,20 @@ def launcher_argv(mpiexec: str, hostfile: Optional[Path] = None) -> list[str]:
     return [mpiexec, "-disable-auto-cleanup"] + (["-f", str(hostfile)] if hostfile else [])
 
 
+def run_foreground(command: Sequence[str]) -> int:
+    """Leader mode with TensorRT engines (the TensorRT-LLM container's OpenMPI ``mpirun``), in the foreground:
+    its exit code; Ctrl-C reaches it through our process group, and an exception here kills it."""
+    if shutil.which("mpirun") is None:
+        raise ServingError("mpirun is not on PATH (the TensorRT-LLM container ships OpenMPI)")
+    child = spawn(command, None, session=False)
+    try:
+        return child.wait()
+    except BaseException:
+        child.kill()
+        child.wait()
+        raise
+
+
 def slurm_lines(segments: Sequence[Sequence[str]], conf: str = "trtpipe_ranks.conf") -> list[str]:
     """The same job for a Slurm allocation: ``srun --mpi=pmi2 --multi-prog`` with one line per rank."""
     lines = [f"# Slurm: write {conf} as below, then run: srun --mpi=pmi2 -n {len(segments)} --multi-prog {conf}"]
@@ -175,17 +190,6 @@ def _set_subreaper() -> None:
         pass
 
 
-def _die_with_parent() -> None:
-    """In the launcher's child before exec: SIGTERM it if the supervisor dies (even by SIGKILL); the launcher then
-    ends the ranks itself, so a lost supervisor does not leave a headless job."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _reap() -> None:
     while True:
         try:
@@ -208,7 +212,7 @@ class Supervisor:
         if not self.launch:
             raise ServingError(f"{self.run_dir}/launch.json: missing or invalid")
         self.world = int(self.launch["world_size"])
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: Optional[Child] = None
         self.stop_reason: Optional[str] = None
         self.shm_seen: set[str] = set()
         self.rank_pids: dict[int, int] = {}
@@ -228,9 +232,10 @@ class Supervisor:
         self.state("starting")
         env = dict(os.environ)
         env.update(self.launch.get("env", {}))
-        with open(self.run_dir / "mpiexec.log", "ab") as log:
-            self.proc = subprocess.Popen(self.launch["command"], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         stdin=subprocess.DEVNULL, cwd=self.run_dir, preexec_fn=_die_with_parent)
+        # the launcher SIGTERMed if the supervisor dies (even by SIGKILL): it then ends the ranks itself, so a lost
+        # supervisor does not leave a headless job
+        self.proc = spawn(self.launch["command"], self.run_dir / "mpiexec.log", env=env, cwd=self.run_dir,
+                          session=False, die_with_parent=True)
         deadline = time.monotonic() + float(self.launch.get("timeout", 180))
         ready, t_start = False, time.monotonic()
         while True:
@@ -450,8 +455,6 @@ def run_dir_for(repo: Path) -> Path:
 
 def launch_spec(repo: Path, info: dict, bind: str, ports, run_dir: Path, hostfile: Optional[Path] = None,
                 timeout: float = 180.0, mpiexec: Optional[str] = None) -> dict:
-    from trtpipe.serving.mpi_engine import RUN_DIR_ENV
-
     world = int(info["world_size"])
     shm_prefix = f"trtpipe{os.getpid()}_{ports.grpc}_"
     engine = Path(repo) / "tensorrt_llm" / "engine"  # the copy rank 0's twin loads (gpt_model_path)
@@ -471,7 +474,7 @@ def start_job(repo: Path, info: dict, bind: str, ports, timeout: float, hostfile
               detach: bool = False, echo=print):
     """Start the supervised job and wait until it is ready; raise :class:`ServingError` naming the failing rank.
 
-    Returns a :class:`trtpipe.triton.server_process.Server` whose pid is the supervisor's (``stop`` ends the job).
+    Returns a :class:`trtpipe.supervisor.Server` whose pid is the supervisor's (``stop`` ends the job).
     """
     repo = Path(repo).resolve()
     state_file = refuse_if_served(repo)
@@ -493,7 +496,7 @@ def start_job(repo: Path, info: dict, bind: str, ports, timeout: float, hostfile
     return server, state
 
 
-def wait_state(run_dir: Path, proc: subprocess.Popen, want: Sequence[str]) -> dict:
+def wait_state(run_dir: Path, proc: Child, want: Sequence[str]) -> dict:
     while True:
         state = read_state(run_dir / "state.json") or {}
         if state.get("state") in want:

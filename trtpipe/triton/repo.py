@@ -31,7 +31,9 @@ from typing import Optional
 from trtpipe.errors import ServingError
 from trtpipe.extras import require
 from trtpipe.triton import upstream_io
+from trtpipe.triton.upstream_io import TWIN_EXTRAS_PARAMETER
 from trtpipe.resources import data_dir
+from trtpipe.recipe.knobs import twin_extras
 from trtpipe.recipe.schema import Recipe
 
 # tritonclient's own protobuf messages write config.pbtxt (the serve extra)
@@ -52,11 +54,11 @@ EXECUTOR_WORKER = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
 T = mc.DataType
 # The tensorrt_llm model's I/O: upstream's template rows (trtpipe/triton/upstream_io.py) a decoder-only
 # engine declares. The CPU twin declares the same and refuses, per request, what it cannot honour
-# (trtpipe/triton/twin_input_policy.py).
+# (trtpipe/serving/twin_input_policy.py).
 TRTLLM_INPUTS = upstream_io.declared(upstream_io.TRTLLM_INPUTS)
 TRTLLM_OUTPUTS = upstream_io.declared(upstream_io.TRTLLM_OUTPUTS)
 # Inputs only the twin declares, beyond upstream's template. Each one also needs a policy row in
-# trtpipe/triton/twin_input_policy.py; the tests hold the twin to "the real model's I/O plus these".
+# trtpipe/serving/twin_input_policy.py; the tests hold the twin to "the real model's I/O plus these".
 # priority: executor request priority (0..1, default 0.5), so priority scheduling can be tried before deploying
 # (the 1.2 backend has no such input and gives every request 0.5).
 TWIN_ONLY_INPUTS: tuple[upstream_io.Tensor, ...] = (upstream_io.Tensor("priority", "TYPE_FP32", (1,), optional=True),)
@@ -423,8 +425,9 @@ def tensorrt_llm_config(recipe: Recipe, engine: EngineInfo) -> mc.ModelConfig:
     _params(c, {
         "gpt_model_path": "engine",
         "cpu_threads": 1,
-        # the executor's allottedTimeMs for every request (the C++ backend does not expose it): no request waits forever
-        "request_timeout_ms": int(round(recipe.serving.request_timeout_s * 1000)),
+        # the recipe's executor knobs the C++ backend has no parameter for (request_timeout_s: the executor's
+        # allottedTimeMs for every request, so no request waits forever), as one JSON object
+        TWIN_EXTRAS_PARAMETER: twin_extras(recipe),
         **{k: real[k] for k in TWIN_PARAMETERS},
     })
     return c

@@ -7,37 +7,29 @@ stub runs Python isolated, so it finds this venv's packages through ``PATH`` (ve
 needs this interpreter's ``LIBDIR`` on ``LD_LIBRARY_PATH``. Port 0 does not work in tritonserver, so we pick
 free ports and retry when one is taken in between. Every launch gets its own python-backend shared-memory
 prefix so that cleaning ``/dev/shm`` after a stop only touches our own regions. The leader-mode launch
-(:mod:`trtpipe.triton.mpi_launch`) builds on this module (its rank 0 is this server); the process helpers both
-use are in :mod:`trtpipe.processes`.
+(:mod:`trtpipe.triton.mpi_launch`) builds on this module (its rank 0 is this server); the supervisor both use
+(spawn, readiness, state file, teardown) is :mod:`trtpipe.supervisor`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
-import json
 import os
 import shlex
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import sysconfig
 import time
-import urllib.error
-import urllib.request
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from trtpipe.errors import ServingError
 from trtpipe.extras import require
-from trtpipe.processes import cache_dir, clean_shm, log_tail, pid_alive, read_state, spawn, write_state
+from trtpipe.processes import cache_dir, clean_shm, log_tail
+from trtpipe.supervisor import READY_TIMEOUT_S, Ports, Server, free_ports, refuse_if_served, start, wait_ready
 from trtpipe.triton import stub_watchdog
 
-READY_TIMEOUT_S = 180.0
-STOP_TIMEOUT_S = 30.0
 EXIT_TIMEOUT_S = 5  # how long tritonserver waits for open connections / in-flight requests on SIGTERM
 
 
@@ -93,27 +85,6 @@ def server_env(base: Optional[dict] = None) -> dict:
     return env
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports that were free a moment ago (the caller retries on 'already in use')."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-@dataclass
-class Ports:
-    http: int
-    grpc: int
-    metrics: int
-
-
 def server_command(
     binary: Path, backends: Path, repo: Path, bind: str, ports: Ports, shm_prefix: str, extra: tuple[str, ...] = ()
 ) -> list[str]:
@@ -151,125 +122,6 @@ def exposure_warning(bind: str) -> Optional[str]:
             "without authentication (default and recommended: 127.0.0.1 behind your own proxy)")
 
 
-# The readiness endpoint of each kind of server ``trtpipe serve`` starts: tritonserver, or the OpenAI twin of
-# trtllm-serve (``trtpipe.serving.openai_launch``, a ``target: llmapi`` recipe).
-READY_PATHS = {"tritonserver": "/v2/health/ready", "openai": "/health", "dynamo": "/v1/models"}
-
-
-def http_ready(http_url: str, path: str = READY_PATHS["tritonserver"]) -> bool:
-    """True when the server at ``http_url`` answers ``path`` with 200 (tritonserver: every model loaded)."""
-    try:
-        with urllib.request.urlopen(f"{http_url}{path}", timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def listed_models(http_url: str) -> list[str]:
-    """The model ids an OpenAI server lists at ``/v1/models`` (none when it does not answer)."""
-    try:
-        with urllib.request.urlopen(f"{http_url}/v1/models", timeout=2) as r:
-            return [m.get("id") for m in json.loads(r.read()).get("data", [])]
-    except (urllib.error.URLError, OSError, ValueError):
-        return []
-
-
-@dataclass
-class Server:
-    """A running server we started (or found through its state file, for ``trtpipe stop``): a tritonserver on
-    a model repository, or (``kind="openai"``) the OpenAI twin on an llmapi export (``repo`` is its model dir)."""
-
-    pid: int
-    repo: str
-    bind: str
-    ports: Ports
-    log: str
-    shm_prefix: str
-    state_file: Optional[str] = None
-    kind: str = "tritonserver"  # a key of READY_PATHS
-    # the Popen when this process started it (None when found through a state file): its exit status names the cause
-    process: Optional[subprocess.Popen] = field(default=None, repr=False, compare=False)
-    run_dir: Optional[Path] = field(default=None, compare=False)  # a leader-mode job's run dir (mpi_launch)
-
-    @property
-    def http_url(self) -> str:
-        return f"http://{self.bind}:{self.ports.http}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"{self.bind}:{self.ports.grpc}"
-
-    def alive(self) -> bool:
-        if self.process is not None:
-            return self.process.poll() is None
-        return pid_alive(self.pid)
-
-    def ready(self) -> bool:
-        if self.kind == "dynamo":  # Dynamo's frontend answers /health before any worker exists: a listed model is
-            return bool(listed_models(self.http_url))  # what says it can serve
-        return http_ready(self.http_url, READY_PATHS[self.kind])
-
-    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
-        """SIGTERM, wait, SIGKILL if it hangs; then clean our shm regions and the state file."""
-        if self.alive():
-            try:
-                os.kill(self.pid, signal.SIGTERM)
-            except OSError:
-                pass
-            deadline = time.monotonic() + timeout
-            while self.alive() and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if self.alive():
-                try:
-                    os.killpg(self.pid, signal.SIGKILL)
-                except OSError:
-                    os.kill(self.pid, signal.SIGKILL)
-                if self.process is not None:
-                    self.process.wait(10)
-                deadline = time.monotonic() + 10  # a child of ours stays a zombie until reaped (alive() reaps it)
-                while self.alive() and time.monotonic() < deadline:
-                    time.sleep(0.1)
-        clean_shm(self.shm_prefix)
-        if self.state_file:
-            Path(self.state_file).unlink(missing_ok=True)
-
-    def __enter__(self) -> "Server":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def detach(self, state_file: Path) -> None:
-        """Record this server in ``state_file`` (``trtpipe stop`` and :func:`detached_servers` find it there);
-        stop it when that fails, so no server runs that nothing can find."""
-        try:
-            state_file.parent.mkdir(parents=True, exist_ok=True)
-            self.state_file = str(state_file)
-            d = {k: getattr(self, k) for k in ("pid", "repo", "bind", "log", "shm_prefix", "state_file", "kind")}
-            write_state(state_file, {**d, "ports": asdict(self.ports)})
-        except BaseException:
-            self.stop()
-            raise
-
-
-def state_dir() -> Path:
-    return cache_dir() / "servers"
-
-
-def state_path(repo: Path) -> Path:
-    """The state file of the detached server of ``repo`` (one per repository, whichever launcher started it)."""
-    return state_dir() / (hashlib.sha256(str(Path(repo).resolve()).encode()).hexdigest()[:16] + ".json")
-
-
-def refuse_if_served(repo: Path) -> Path:
-    """Raise when a live detached server already serves ``repo``; return the state file a new one would use."""
-    state = state_path(repo)
-    old = load_state(state) if state.exists() else None
-    if old is not None and old.alive():
-        raise ServingError(f"{repo}: already served by pid {old.pid} at {old.http_url} (trtpipe stop {repo})")
-    return state
-
-
 def start_server(
     repo: Path,
     bind: str = "127.0.0.1",
@@ -302,11 +154,10 @@ def start_server(
         prefix = f"trtpipe{os.getpid()}_{use.grpc}_"
         cmd = server_command(root / "bin" / "tritonserver", root / "backends", repo, bind, use, prefix)
         log.write_text(f"# {shlex.join(cmd)}\n")
-        proc = spawn(cmd, log, env=server_env(), cwd=log.parent)
-        server = Server(proc.pid, str(repo), bind, use, str(log), prefix, process=proc)
+        server = start(cmd, log, repo, bind, use, "tritonserver", prefix, env=server_env(), cwd=log.parent)
         deadline = time.monotonic() + timeout
         try:
-            up = _wait_ready(server, deadline)
+            up = wait_ready(server, deadline)
         except BaseException:  # Ctrl-C / SIGTERM during start-up: do not leave the server behind
             server.stop()
             raise
@@ -315,7 +166,7 @@ def start_server(
                 server.detach(state)
             return server
         tail = log_tail(log)
-        if proc.poll() is None:  # timed out while alive
+        if server.alive():  # timed out while alive
             server.stop()
             raise ServingError(f"tritonserver on {repo} not ready after {timeout:.0f} s ({_cause(log)}); "
                                f"log {log}:\n{tail}")
@@ -345,38 +196,6 @@ def _cause(log: Path) -> str:
     return msg.split("\\n", 1)[0].strip()
 
 
-def _wait_ready(server: Server, deadline: float) -> bool:
-    """Poll readiness until ``deadline``; False when the process exited or time ran out."""
-    while time.monotonic() < deadline:
-        if not server.alive():
-            return False
-        if server.ready():
-            return True
-        time.sleep(0.25)
-    return False
-
-
-def load_state(path: Path) -> Optional[Server]:
-    """The server a state file records (None when the file is missing or unreadable)."""
-    d = read_state(path)
-    if not isinstance(d, dict):
-        return None
-    d["ports"] = Ports(**d["ports"])
-    return Server(**d)
-
-
-def detached_servers() -> list[Server]:
-    """Servers started with ``detach`` that still have a state file (stale files of dead servers are removed)."""
-    found = []
-    for p in sorted(state_dir().glob("*.json")) if state_dir().is_dir() else []:
-        s = load_state(p)
-        if s is None or not s.alive():
-            p.unlink(missing_ok=True)
-            if s is not None:
-                clean_shm(s.shm_prefix)
-            continue
-        found.append(s)
-    return found
 
 
 

@@ -19,11 +19,12 @@ import os
 import select
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Optional
+
+from trtpipe.processes import Child, spawn
 
 PYTHON_ENV = "TRTPIPE_PYTHON"  # set by ``trtpipe serve``: the interpreter that runs the watchdog
 GRACE_S = 5.0  # how long a stub may outlive its server before the kill
@@ -37,16 +38,14 @@ def _python() -> Optional[str]:
     return None
 
 
-def start(server_pid: Optional[int] = None) -> Optional[subprocess.Popen]:
+def start(server_pid: Optional[int] = None) -> Optional[Child]:
     """From a stub: start its watchdog (the server is the stub's parent). None when no Python can be found."""
     python = _python()
     if python is None:
         return None
     server = os.getppid() if server_pid is None else server_pid
-    return subprocess.Popen(
-        [python, "-m", __name__, str(os.getpid()), str(server)],
-        stdin=subprocess.DEVNULL, close_fds=True,  # holds none of the stub's pipes or shm descriptors
-    )
+    # close_fds (spawn's default): it holds none of the stub's pipes or shm descriptors
+    return spawn([python, "-m", __name__, str(os.getpid()), str(server)], None, session=False)
 
 
 def _parent_of(pid: int) -> Optional[int]:

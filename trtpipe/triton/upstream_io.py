@@ -18,6 +18,11 @@ _BASE = "triton_backend/all_models/inflight_batcher_llm"
 TRTLLM_TEMPLATE = f"{_BASE}/tensorrt_llm/config.pbtxt@2a9abd95"
 PREPROCESSING_TEMPLATE = f"{_BASE}/preprocessing/config.pbtxt@808059da"
 
+# The one parameter the CPU twin's tensorrt_llm model adds to the template's: the recipe's executor knobs that no
+# upstream parameter carries, as one JSON object (trtpipe.recipe.knobs.twin_extras writes it,
+# trtpipe.serving.triton_adapter reads it).
+TWIN_EXTRAS_PARAMETER = "executor_extras"
+
 
 @dataclass(frozen=True)
 class Tensor:

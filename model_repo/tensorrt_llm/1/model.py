@@ -11,7 +11,6 @@ import os
 import queue
 import threading
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

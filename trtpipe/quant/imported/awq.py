@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from trtpipe.checkpoint.quant_primitives import pack_int4_rows
+from trtpipe.formats.primitives import pack_int4_rows
 from trtpipe.errors import CheckpointError
-from trtpipe.quant.dequant import unpack_awq_words
+from trtpipe.formats.dequant import unpack_awq_words
 from trtpipe.quant.imported.canonical import check_stored
 from trtpipe.quant.imported.formats import CONVERTED, REFUSED, Action, ImportedFormat
 

@@ -35,9 +35,9 @@ from typing import Optional
 
 import torch
 
-from trtpipe.checkpoint.quant_primitives import pack_int4_rows
+from trtpipe.formats.primitives import pack_int4_rows
 from trtpipe.errors import CheckpointError
-from trtpipe.export.compressed import unpack_int32_to_int4
+from trtpipe.formats.dequant import unpack_int32_to_int4
 from trtpipe.quant.imported.formats import CONVERTED, REFUSED, RELAID, Action, ImportedFormat
 from trtpipe.quant.imported.others import NO_ENGINE_LAYER
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from trtpipe.checkpoint.quant_primitives import pack_int4_rows
+from trtpipe.formats.primitives import pack_int4_rows
 from trtpipe.errors import CheckpointError
-from trtpipe.quant.dequant import GPTQ_V1_ZERO_OFFSET, unpack_int32
+from trtpipe.formats.dequant import GPTQ_V1_ZERO_OFFSET, unpack_int32
 from trtpipe.quant.imported.canonical import check_stored
 from trtpipe.quant.imported.formats import CONVERTED, REFUSED, RELAID, Action, ImportedFormat
 

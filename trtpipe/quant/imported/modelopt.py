@@ -14,25 +14,27 @@ from pathlib import Path
 from typing import Optional
 
 from trtpipe.errors import CheckpointError
+from trtpipe.formats.schemes import BY_QUANT_ALGO, BY_RECIPE
 from trtpipe.quant.imported.formats import CONVERTED, PASSED, REFUSED, Action, ImportedFormat
 
 LLMAPI_OK = Action(PASSED)
 ENGINE_OK = Action(CONVERTED)
-
-# quant_algo -> (bits, granularity, engine, llmapi)
-ALGOS: dict[Optional[str], tuple[Optional[int], str, Action, Action]] = {
-    None: (None, "per-tensor", ENGINE_OK, LLMAPI_OK),  # KV-cache only
-    "FP8": (8, "per-tensor", ENGINE_OK, LLMAPI_OK),
-    "FP8_PER_CHANNEL_PER_TOKEN": (8, "per-channel", ENGINE_OK, LLMAPI_OK),
-    "W8A16": (8, "per-channel", ENGINE_OK, LLMAPI_OK),
-    "W4A16_AWQ": (4, "group", ENGINE_OK, LLMAPI_OK),
-    "W4A8_AWQ": (4, "group", ENGINE_OK, LLMAPI_OK),
-    "W8A8_SQ_PER_CHANNEL": (8, "per-channel", Action(
+GRANULARITY = {"tensor": "per-tensor", "channel": "per-channel", "group": "group"}
+# quant_algo -> (engine, llmapi) where a target does not take it (every other one is converted / passed; FP4 below
+# Blackwell is validate's tensor-core rule)
+REFUSED_BY: dict[str, tuple[Action, Action]] = {
+    "W8A8_SQ_PER_CHANNEL": (Action(
         REFUSED, "trtpipe does not convert ModelOpt INT8 SmoothQuant exports yet (no producer checkpoint to check "
                  "the conversion against); quantize the original with quantization.algo: int8_sq"), Action(
         REFUSED, "the PyTorch backend has no W8A8_SQ_PER_CHANNEL linear method ('unsupported quant mode'); "
                  "use target: engine")),
-    "NVFP4": (4, "group", ENGINE_OK, LLMAPI_OK),  # engine: FP4Linear, Blackwell only (validate checks engine.gpu)
+}
+# quant_algo -> (bits, granularity, engine, llmapi): ModelOpt writes the quant_algos of the recipe's schemes
+# (trtpipe.formats.schemes), with the same names
+ALGOS: dict[Optional[str], tuple[Optional[int], str, Action, Action]] = {
+    None: (None, "per-tensor", ENGINE_OK, LLMAPI_OK),  # KV-cache only
+    **{s.quant_algo: (s.bits, GRANULARITY[s.scale], *REFUSED_BY.get(s.quant_algo, (ENGINE_OK, LLMAPI_OK)))
+       for s in BY_RECIPE.values()},
 }
 KV_ALGOS = (None, "FP8")
 
@@ -66,7 +68,7 @@ def parse(model_dir: Path, hf_quant: Optional[dict], qc: Optional[dict]) -> Impo
                               "PyTorch backend refuses other pre-quantized KV caches)")
     bits, gran, engine, llmapi = ALGOS[algo]
     if gran == "group":
-        group = 16 if algo == "NVFP4" else group
+        group = BY_QUANT_ALGO[algo].block or group
         if not isinstance(group, int) or group < 1:
             raise CheckpointError(f"{where}: group_size is {group!r}; {algo} needs a positive integer group size "
                                   "(absent, TensorRT-LLM silently assumes 128)")

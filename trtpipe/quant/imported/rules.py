@@ -17,14 +17,14 @@ from typing import Iterable, Optional
 
 from trtpipe.errors import CheckpointError
 from trtpipe.models import get_family
-from trtpipe.models.hfconfig import HFModelInfo
+from trtpipe.models.dims import ModelDims
 from trtpipe.quant.imported import lossy
 from trtpipe.quant.imported.detect import detect, detect_config
 from trtpipe.recipe.rules import Finding, Rule, model_dir
 from trtpipe.recipe.schema import Recipe
 
 
-def _family_refuses(recipe: Recipe, m: HFModelInfo) -> bool:
+def family_refuses(recipe: Recipe, m: ModelDims) -> bool:
     """The model-family rule already refuses this config (e.g. a quant_method gpt-oss cannot load) or this target
     (gpt-oss has no TensorRT engine)."""
     try:
@@ -34,7 +34,7 @@ def _family_refuses(recipe: Recipe, m: HFModelInfo) -> bool:
     return any(True for _ in family.unsupported(m)) or bool(family.no_engine and recipe.target == "engine")
 
 
-def source_format(recipe: Recipe, m: HFModelInfo):
+def source_format(recipe: Recipe, m: ModelDims):
     """The detected format: from the local directory, or (``hf://``) from the config.json already fetched."""
     local = None if recipe.model.source.startswith("hf://") else model_dir(recipe)
     if local is None or not (local / "config.json").is_file():
@@ -43,15 +43,15 @@ def source_format(recipe: Recipe, m: HFModelInfo):
     return detect(local)
 
 
-def _quantizes_only_the_rest(m: HFModelInfo) -> bool:
+def _quantizes_only_the_rest(m: ModelDims) -> bool:
     """The family keeps the source's quantized modules as shipped (gpt-oss's MXFP4 experts), so the recipe's
     algorithm applies only to the modules the source holds unquantized: nothing is quantized twice."""
     method = (m.raw.get("quantization_config") or {}).get("quant_method")
     return method in get_family(m.architecture).shipped_quantization
 
 
-def _imported_source(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Finding]:
-    if m is None or _family_refuses(recipe, m):  # an unknown architecture, a config or a target its family refuses:
+def _imported_source(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
+    if m is None or family_refuses(recipe, m):  # an unknown architecture, a config or a target its family refuses:
         return  # said once, by the model-family rule
     try:
         fmt = source_format(recipe, m)
@@ -83,8 +83,6 @@ def _imported_source(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findi
         if why:
             yield "target", (f"model.source is {fmt.describe()}: its mixture-of-experts layers are refused for target "
                              f"engine: {why}")
-    if fmt.quant_algo and action.ok and recipe.target == "engine":
-        yield from _builder_rejects(recipe, m, fmt)
     if fmt.group_size and action.ok and recipe.target == "engine":
         yield from _whole_groups(recipe, m, fmt)
     if fmt.quant_algo == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN" and action.ok and recipe.target == "engine":
@@ -111,29 +109,7 @@ def _imported_source(recipe: Recipe, m: Optional[HFModelInfo]) -> Iterable[Findi
                 yield "accuracy.reference", f"the reference must be unquantized; it is {ref_fmt.describe()}"
 
 
-def _builder_rejects(recipe: Recipe, m: HFModelInfo, fmt) -> Iterable[Finding]:
-    """What trtllm-build rejects of the source's quantization on ``engine.gpu`` (e.g. NVFP4 below SM 10.0): the
-    builder rules of :func:`trtpipe.engine.enforce.rejections`, keyed by the source's quant_algo and named against
-    model.source (the engine rules report only what the recipe's own quantization section asks for)."""
-    from trtpipe.engine.enforce import Target, rejections
-    from trtpipe.engine.gpus import get_gpu
-    from trtpipe.errors import EngineError
-
-    try:
-        gpu = get_gpu(recipe.engine.gpu)
-    except EngineError:
-        return  # an unknown GPU is named by the engine rules
-    target = Target(gpu.sm, m.architecture, fmt.quant_algo, fmt.kv_cache, recipe.parallel.tp, recipe.parallel.pp,
-                    fmt.group_size)
-    for key, reason in rejections({}, target):
-        if key == "quantization.group_size":  # the source's groups, on any GPU: another checkpoint is the fix
-            yield "model.source", f"model.source is {fmt.describe()}: {reason}; use a checkpoint quantized with one " \
-                                  "of those group sizes, or target: llmapi"
-        elif key.startswith("quantization."):
-            yield "engine.gpu", f"model.source is {fmt.describe()}: trtllm-build rejects it on {recipe.engine.gpu}: {reason}"
-
-
-def _whole_groups(recipe: Recipe, m: HFModelInfo, fmt) -> Iterable[Finding]:
+def _whole_groups(recipe: Recipe, m: ModelDims, fmt) -> Iterable[Finding]:
     """Every rank's slice of a group-quantized linear holds whole groups (and row pairs): the checkpoint's groups
     cannot be re-cut, so a tp that splits one is refused here, naming the linear."""
     from trtpipe.models import get_family
@@ -159,14 +135,14 @@ def _whole_groups(recipe: Recipe, m: HFModelInfo, fmt) -> Iterable[Finding]:
                               + (" or moe_tp" if moe_tp is not None and name.startswith("mlp.") else ""))
 
 
-def _sq_alignment(recipe: Recipe, m: HFModelInfo) -> Iterable[Finding]:
+def _sq_alignment(recipe: Recipe, m: ModelDims) -> Iterable[Finding]:
     """Every rank's slice of a plugin SmoothQuant linear has in_features TensorRT-LLM's layer accepts (the
     conversion checks the same, as a backstop)."""
     from trtpipe.checkpoint.quant_layouts import LINEARS
-    from trtpipe.models.family import dims
+    from trtpipe.models.family import shape_symbols
     from trtpipe.quant.imported.trtllm import sq_misaligned
 
-    d = dims(m)
+    d = shape_symbols(m)
     for r in get_family(m.architecture).layer_rules:
         linear = r.trt[: -len(".weight")]
         if r.when(m) and r.trt.endswith(".weight") and linear in LINEARS and r.shapes:
@@ -176,7 +152,7 @@ def _sq_alignment(recipe: Recipe, m: HFModelInfo) -> Iterable[Finding]:
                 return
 
 
-def _fused_modules(m: HFModelInfo, layer: int) -> list[tuple[str, list[str]]]:
+def _fused_modules(m: ModelDims, layer: int) -> list[tuple[str, list[str]]]:
     """(TensorRT-LLM linear, its HF member modules) of each fused quantizable linear of ``layer``."""
     from trtpipe.checkpoint.quant_layouts import LINEARS
     from trtpipe.quant.imported.trtllm import rule_modules
@@ -197,7 +173,7 @@ def _fused_modules(m: HFModelInfo, layer: int) -> list[tuple[str, list[str]]]:
     return out
 
 
-def _fp8_requantized(recipe: Recipe, m: HFModelInfo, fmt) -> list[str]:
+def _fp8_requantized(recipe: Recipe, m: ModelDims, fmt) -> list[str]:
     """Why each fused FP8 linear of the source needs fp8_requantize (its members' weight scales differ), read
     from those scalars alone."""
     from trtpipe.checkpoint.hf import HFReader
@@ -217,7 +193,7 @@ def _fp8_requantized(recipe: Recipe, m: HFModelInfo, fmt) -> list[str]:
     return whys
 
 
-def _nvfp4_unshared(recipe: Recipe, m: HFModelInfo, fmt) -> list[str]:
+def _nvfp4_unshared(recipe: Recipe, m: ModelDims, fmt) -> list[str]:
     """Why each fused NVFP4 linear of the source cannot be converted exactly (its members' ``weight_scale_2`` or
     ``input_scale`` differ), read from those scalars alone."""
     from trtpipe.checkpoint.hf import HFReader
@@ -249,7 +225,7 @@ def _source_dtype(recipe: Recipe) -> str:
         return resolve_dtype("auto", str(plan_first_source(src, reader)))
 
 
-def _lossy_steps(recipe: Recipe, m: HFModelInfo, fmt) -> Iterable[Finding]:
+def _lossy_steps(recipe: Recipe, m: ModelDims, fmt) -> Iterable[Finding]:
     """The lossy steps the engine conversion of this source needs and the recipe does not accept, one line each
     (local sources: ``hf://`` weights are not fetched at validate; the conversion refuses them then)."""
     allowed = recipe.model.allow_lossy_import

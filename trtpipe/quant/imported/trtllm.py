@@ -87,10 +87,11 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from trtpipe.checkpoint.experts import ExpertParts
-from trtpipe.checkpoint.quant_layouts import LINEARS, MOE_ENGINE_REFUSED, STYLE, exclude_modules
-from trtpipe.checkpoint.quant_primitives import dequantize, quantize
+from trtpipe.checkpoint.quant_layouts import LINEARS, STYLE, exclude_modules
+from trtpipe.formats.primitives import dequantize, quantize
+from trtpipe.formats.schemes import BY_QUANT_ALGO
 from trtpipe.errors import CheckpointError
-from trtpipe.models.family import Rule, dims
+from trtpipe.models.family import Rule, shape_symbols
 from trtpipe.quant.imported import awq, compressed, gptq, lossy, others
 from trtpipe.quant.imported.canonical import check_projection
 from trtpipe.quant.imported.formats import ImportedFormat
@@ -296,10 +297,10 @@ FUSE: dict[str, Callable] = {
     "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": _sq_per_token,
     "NVFP4": _nvfp4,
 }
-GROUPWISE = ("W4A16_AWQ", "W4A8_AWQ")
+GROUPWISE = tuple(a for a in FUSE if BY_QUANT_ALGO[a].groupwise)  # the scheme table's group-wise rows
 # canonical quant_algo -> config.json ``quantization`` keys beside quant_algo / kv_cache_quant_algo (ModelOpt 0.47's
-# process_layer_quant_config writes NVFP4's block as group_size; TensorRT-LLM's FP4Linear has a fixed block of 16)
-CONFIG_EXTRAS: dict[str, dict] = {"NVFP4": {"group_size": 16}}
+# process_layer_quant_config writes a fixed block (the scheme's) as group_size; TensorRT-LLM's FP4Linear has one)
+CONFIG_EXTRAS: dict[str, dict] = {a: {"group_size": BY_QUANT_ALGO[a].block} for a in FUSE if BY_QUANT_ALGO[a].block}
 # canonical quant_algo -> fn(TRT-LLM linear, in_features, model dtype, meta) -> the layer's tensors beside the linear's
 EXTRAS: dict[str, Callable] = {"W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": sq_plugin_extras}
 # algorithms whose TensorRT-LLM layers ignore exclude_modules (smooth_quantize_plugin): no decoder linear may be left out
@@ -322,23 +323,10 @@ MOE_INT4_ACT_ORDER = ("GPTQ act-order (desc_act: true) experts are not converted
 MOE_INT4_FAMILIES = ("compressed-tensors", "gptq")
 # families whose zero-point W4A16 experts were (llm-compressor's asymmetric export; GPTQ sym: false packed from it)
 MOE_INT4_ZERO_FAMILIES = ("compressed-tensors", "gptq")
-# canonical quant_algo -> why its experts get no engine layout (FP8, W4A16_AWQ: see moe_refusal; absent: generic line)
-MOE_REFUSED: dict[str, str] = {
-    "FP8_PER_CHANNEL_PER_TOKEN": "TensorRT-LLM 1.2's MoE layer refuses FP8 rowwise experts ('MOE Does not support FP8 "
-                                 "rowwise quantize', NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py)",
-    "W8A16": "trtpipe has no engine writer for INT8 weight-only experts (TensorRT-LLM 1.2's MoE plugin takes them "
-             "preprocessed per GPU as [E, in, out] with an [E, out] per_channel_scale, NVIDIA/TensorRT-LLM@c388fec7 "
-             "tensorrt_llm/layers/moe.py MOEWeightWrapper)",
-    "W8A8_SQ_PER_CHANNEL": "TensorRT-LLM 1.2's MoE layer has no SmoothQuant experts (FP8, weight-only, group-wise "
-                           "INT4 and NVFP4 only, NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py)",
-    "W4A8_AWQ": MOE_ENGINE_REFUSED["w4a8_awq"],
-    "NVFP4": "trtpipe has no engine writer for NVFP4 experts (TensorRT-LLM's MoE layer reads them stacked [E, out, "
-             "in/2] with per-expert block scales, their interleaved copy and an [E] alpha, tensorrt_llm/layers/moe.py "
-             "MOEWeightWrapper, revision not pinned to 1.2); use target: llmapi",
-    "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": "TensorRT-LLM 1.2's MoE layer has no SmoothQuant experts (FP8, "
-                                            "weight-only, group-wise INT4 and NVFP4 only, NVIDIA/TensorRT-LLM@c388fec7 "
-                                            "tensorrt_llm/layers/moe.py)",
-}
+# canonical quant_algo -> why its experts get no engine layout (FP8, W4A16_AWQ: see moe_refusal; absent: generic
+# line): the scheme table's moe_why["engine"]
+MOE_REFUSED: dict[str, str] = {a: BY_QUANT_ALGO[a].moe_why["engine"] for a in FUSE
+                               if "engine" in BY_QUANT_ALGO[a].moe_why}
 MOE_FAMILIES = ("modelopt",)  # sources whose FP8 experts were checked against their producer's checkpoint
 
 
@@ -539,7 +527,7 @@ class ImportedLinears:
     def _experts(self, reader, plan, layer: int, rule: Rule, meta: bool, used: Optional[set], stream: bool):
         """A stacked expert linear: (name, weight or its ExpertParts, sources), then the tensors beside it
         (:data:`MOE_STACK`: the algorithm's per-expert fusion and how its scales stack)."""
-        d = dims(plan.info)
+        d = shape_symbols(plan.info)
         num = plan.info.num_experts
         dtype = MODEL_DTYPES[plan.dtype]
         fuse, scales_of = MOE_STACK[self.fmt.quant_algo]
@@ -592,7 +580,7 @@ class ImportedLinears:
                       stream_experts: bool = False) -> Iterator[tuple[str, torch.Tensor, list[str]]]:
         """(TRT-LLM name, unsharded tensor, source names) of the owned ``rules`` of ``layer`` and its KV scales;
         with ``stream_experts`` a stacked expert weight comes as its :class:`ExpertParts`."""
-        d = dims(plan.info)
+        d = shape_symbols(plan.info)
         dtype = MODEL_DTYPES[plan.dtype]
         for rule in rules:
             if is_experts(rule):

@@ -1,0 +1,49 @@
+"""The executor knobs a recipe decides, named as the fields of ``trtpipe.serving.api.ExecutorConfig``.
+
+One table for every front end: :func:`trtpipe.serving.config.from_recipe` (the OpenAI twin, the Dynamo workers)
+passes them to the one executor-config constructor, an HF directory served without a recipe gets the schema's
+defaults (:func:`default_knobs`), and the Triton repository writer carries the ones no upstream parameter names in
+the twin's ``executor_extras`` parameter (one JSON object). It lives beside the schema, below both, so the
+repository writer need not import the serving layer (and the serving processes import it only when they start from
+a recipe or its defaults: the Triton twin's stubs never load pydantic).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from trtpipe.recipe.schema import KVCacheSection, Recipe, ServingSection, TritonSection
+
+DEFAULT_QUEUE_PER_SLOT = 8  # serving.max_queue_size -1 (its default): this many waiting per batch slot
+
+# Knobs that keep their upstream carrier in the Triton twin's config.pbtxt: the tensorrtllm backend's parameters
+# (batch_scheduler_policy, enable_chunked_context, enable_kv_cache_reuse) and Triton's dynamic_batching queue.
+UPSTREAM_KNOBS = frozenset({"capacity_policy", "enable_chunked_context", "enable_kv_cache_reuse", "max_queue_size"})
+
+
+def knobs(max_batch_size: int, kv: KVCacheSection, triton: TritonSection, serving: ServingSection) -> dict[str, Any]:
+    """The executor knobs (not the engine limits) of these recipe sections, by ExecutorConfig field.
+
+    ``max_queue_size`` is the OpenAI twin's bound (``serving.max_queue_size``, -1: 8 per batch slot); the Triton
+    twin's is Triton's own ``dynamic_batching`` queue (``triton.max_queue_size``)."""
+    queue = serving.max_queue_size
+    return {"capacity_policy": triton.scheduler_policy,
+            "enable_kv_cache_reuse": kv.enable_reuse,
+            "max_queue_size": DEFAULT_QUEUE_PER_SLOT * max_batch_size if queue < 0 else queue,
+            "request_timeout_s": serving.request_timeout_s}
+
+
+def executor_knobs(recipe: Recipe) -> dict[str, Any]:
+    return knobs(recipe.engine.max_batch_size, recipe.engine.kv_cache, recipe.triton, recipe.serving)
+
+
+def default_knobs(max_batch_size: int) -> dict[str, Any]:
+    """The knobs of a recipe that sets none (an HF directory served as it is)."""
+    return knobs(max_batch_size, KVCacheSection(), TritonSection(), ServingSection())
+
+
+def twin_extras(recipe: Recipe) -> str:
+    """The Triton twin's ``executor_extras`` parameter: the knobs of :func:`executor_knobs` no upstream parameter
+    carries."""
+    return json.dumps({k: v for k, v in executor_knobs(recipe).items() if k not in UPSTREAM_KNOBS}, sort_keys=True)
