@@ -11,9 +11,11 @@ install: $(VENV)/.trtpipe-installed
 $(VENV)/.trtpipe-installed: pyproject.toml scripts/install.sh
 	VENV=$(VENV) bash scripts/install.sh
 
-# ruff (its version pinned in the test extra, its rules in pyproject.toml [tool.ruff.lint]); `make test` runs it first.
+# ruff (its version pinned in the test extra, its rules in pyproject.toml [tool.ruff]): the linter and the formatter's
+# check; `make test` runs it first. `ruff format .` fixes what the second line finds.
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # Each test's time goes to build/test-results.xml (JUnit XML, what CI systems read); the 15 slowest are printed.
 test: lint

@@ -98,14 +98,17 @@ def target(family: str, algo: str, hf_dir: Path) -> str:
     return "engine" if not fam.no_engine and algo in ALGOS else "llmapi"
 
 
-def recipe_text(name: str, hf_dir: Path, dtype: str, algo: str, kv: str, group: int, exclude: list[str],
-                tgt: str) -> str:
+def recipe_text(
+    name: str, hf_dir: Path, dtype: str, algo: str, kv: str, group: int, exclude: list[str], tgt: str
+) -> str:
     gpu = f"engine:\n  gpu: {GPU[algo]}\n" if algo in GPU else ""
-    return (f"name: {name}\nwork_dir: work\ntarget: {tgt}\n{gpu}model:\n  source: {hf_dir}\n  dtype: {dtype}\n"
-            f"quantization:\n  algo: {algo}\n  kv_cache: {kv}\n  group_size: {group}\n"
-            f"  exclude: {json.dumps(exclude)}\n  calibration:\n"
-            f"    dataset: self\n    num_samples: {CALIB_SAMPLES}\n    seq_len: {SEQ_LEN}\n    batch_size: {BATCH}\n"
-            f"    device: cpu\naccuracy:\n  num_samples: {EVAL_SAMPLES}\n  seq_len: {SEQ_LEN}\n")
+    return (
+        f"name: {name}\nwork_dir: work\ntarget: {tgt}\n{gpu}model:\n  source: {hf_dir}\n  dtype: {dtype}\n"
+        f"quantization:\n  algo: {algo}\n  kv_cache: {kv}\n  group_size: {group}\n"
+        f"  exclude: {json.dumps(exclude)}\n  calibration:\n"
+        f"    dataset: self\n    num_samples: {CALIB_SAMPLES}\n    seq_len: {SEQ_LEN}\n    batch_size: {BATCH}\n"
+        f"    device: cpu\naccuracy:\n  num_samples: {EVAL_SAMPLES}\n  seq_len: {SEQ_LEN}\n"
+    )
 
 
 def self_tokens(model, n: int, seed: int) -> torch.Tensor:
@@ -148,9 +151,16 @@ def one(run: FamilyRun, algo: str) -> dict:
     int4 = algo in ALGOS and ALGOS[algo].weight_fmt == "int4"
     group, extra = block_settings(read_hf_config(run.hf), algo)
     tgt = target(run.family, algo, run.hf)
-    row = {"family": run.family, "model": run.what, "algo": algo, "kv_cache": kv, "target": tgt,
-           "group_size": group if int4 else None, "exclude": ["*lm_head"] + extra,
-           "family_kept_unquantized": list(get_family(read_hf_config(run.hf).architecture).kept_unquantized)}
+    row = {
+        "family": run.family,
+        "model": run.what,
+        "algo": algo,
+        "kv_cache": kv,
+        "target": tgt,
+        "group_size": group if int4 else None,
+        "exclude": ["*lm_head"] + extra,
+        "family_kept_unquantized": list(get_family(read_hf_config(run.hf).architecture).kept_unquantized),
+    }
     path = run.work / f"{algo}.yaml"  # beside the others of this family: ``work_dir: work`` is one cache
     path.write_text(recipe_text(f"{run.family}-{algo}", run.hf, run.dtype, algo, kv, group, row["exclude"], tgt))
     try:
@@ -158,7 +168,8 @@ def one(run: FamilyRun, algo: str) -> dict:
     except RecipeError as exc:
         # the synthetic model lives in a temporary directory: name it as the table does, not by its path
         row["refused"] = "; ".join(f"{p.key}: {p.message}" for p in exc.problems).replace(
-            str(run.hf), f"<synthetic {run.family}>")
+            str(run.hf), f"<synthetic {run.family}>"
+        )
         return row
     start = time.perf_counter()
     try:
@@ -171,19 +182,25 @@ def one(run: FamilyRun, algo: str) -> dict:
 
 
 def fmt_rows(results: list[dict]) -> str:
-    head = ("| family | algo | KV | target | ppl unquantized | ppl quantized | ppl +% | KL(unq ‖ q) | top-1 | "
-            "greedy match /32 | kept unquantized |\n|---|---|---|---|---:|---:|---:|---:|---:|---:|---|")
+    head = (
+        "| family | algo | KV | target | ppl unquantized | ppl quantized | ppl +% | KL(unq ‖ q) | top-1 | "
+        "greedy match /32 | kept unquantized |\n|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"
+    )
     lines = [head]
     for r in results:
         if "refused" in r:
-            lines.append(f"| {r['family']} | {r['algo']} | {r['kv_cache']} | {r['target']} | "
-                         f"refused: {r['refused'].replace('|', '/')} |||||||")
+            lines.append(
+                f"| {r['family']} | {r['algo']} | {r['kv_cache']} | {r['target']} | "
+                f"refused: {r['refused'].replace('|', '/')} |||||||"
+            )
             continue
         ref, q = r["rows"][0], r["rows"][1]  # the deployed configuration: KV quantized when the row says so
         greedy = "-" if q["greedy_match_len"] is None else f"{q['greedy_match_len']:.1f}"
-        lines.append(f"| {r['family']} | {r['algo']} | {r['kv_cache']} | {r['target']} | {ref['perplexity']:.4f} | "
-                     f"{q['perplexity']:.4f} | {q['ppl_increase_pct']:+.3f} | {q['kl_divergence']:.2e} | "
-                     f"{q['top1_agreement']:.4f} | {greedy} | {', '.join(f'`{e}`' for e in r['exclude'] + r['family_kept_unquantized'])} |")
+        lines.append(
+            f"| {r['family']} | {r['algo']} | {r['kv_cache']} | {r['target']} | {ref['perplexity']:.4f} | "
+            f"{q['perplexity']:.4f} | {q['ppl_increase_pct']:+.3f} | {q['kl_divergence']:.2e} | "
+            f"{q['top1_agreement']:.4f} | {greedy} | {', '.join(f'`{e}`' for e in r['exclude'] + r['family_kept_unquantized'])} |"
+        )
     return "\n".join(lines)
 
 
@@ -191,8 +208,10 @@ def kl_matrix(results: list[dict]) -> str:
     """family x algo: KL(unquantized || quantized) of the deployed configuration, or 'refused' (docs/results/accuracy.md's excerpt)."""
     algos = list(dict.fromkeys(r["algo"] for r in results))
     by = {(r["family"], r["algo"]): r for r in results}
-    lines = ["| family | " + " | ".join(f"{a}{' + KV ' + KV[a] if a in KV else ''}" for a in algos) + " |",
-             "|---|" + "---:|" * len(algos)]
+    lines = [
+        "| family | " + " | ".join(f"{a}{' + KV ' + KV[a] if a in KV else ''}" for a in algos) + " |",
+        "|---|" + "---:|" * len(algos),
+    ]
     for family in dict.fromkeys(r["family"] for r in results):
         cells = []
         for a in algos:
@@ -213,9 +232,11 @@ def rewrite_excerpt(page: Path, made: str, results: list[dict]) -> None:
         raise SystemExit(f"{page}: needs exactly one '{EXCERPT_BEGIN}' and one '{EXCERPT_END}' line")
     head, rest = text.split(EXCERPT_BEGIN)
     _, tail = rest.split(EXCERPT_END)
-    body = (f"Made by {made} ([accuracy_families.md](accuracy_families.md): perplexity, "
-            f"top-1, greedy match and each refusal's reason). KL(unquantized ‖ quantized) per token:\n\n"
-            f"{kl_matrix(results)}\n")
+    body = (
+        f"Made by {made} ([accuracy_families.md](accuracy_families.md): perplexity, "
+        f"top-1, greedy match and each refusal's reason). KL(unquantized ‖ quantized) per token:\n\n"
+        f"{kl_matrix(results)}\n"
+    )
     page.write_text(f"{head}{EXCERPT_BEGIN}\n{body}{EXCERPT_END}{tail}")
 
 
@@ -224,15 +245,26 @@ def main() -> int:
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     ap.add_argument("--algos", nargs="+", default=ALGOS_ALL, choices=ALGOS_ALL)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results", help="directory of the .md and .json")
-    ap.add_argument("--update", action="store_true", help="replace only these rows of the existing JSON (e.g. after "
-                    "trtpipe learns a refused combination), keep the others, rewrite the table")
+    ap.add_argument(
+        "--update",
+        action="store_true",
+        help="replace only these rows of the existing JSON (e.g. after "
+        "trtpipe learns a refused combination), keep the others, rewrite the table",
+    )
     args = ap.parse_args()
     torch.manual_seed(SEED)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
-    cmd = "python scripts/accuracy_report.py" + "".join(
-        f" --{k} {' '.join(v)}" for k, v in (("families", args.families), ("algos", args.algos))
-        if v != (list(FAMILIES) if k == "families" else ALGOS_ALL)) + (" --update" if args.update else "")
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+    cmd = (
+        "python scripts/accuracy_report.py"
+        + "".join(
+            f" --{k} {' '.join(v)}"
+            for k, v in (("families", args.families), ("algos", args.algos))
+            if v != (list(FAMILIES) if k == "families" else ALGOS_ALL)
+        )
+        + (" --update" if args.update else "")
+    )
     start = time.perf_counter()
     results = []
     with tempfile.TemporaryDirectory(prefix="accuracy_report_") as tmp:
@@ -245,37 +277,57 @@ def main() -> int:
                 print(f"{family:<10} {algo:<10} {what}", flush=True)
     seconds = round(time.perf_counter() - start, 1)
     path = args.out / "accuracy_families.json"
-    runs = [{"command": cmd, "commit": commit, "seconds": seconds, "torch_threads": torch.get_num_threads(),
-             "machine": platform.machine()}]
+    runs = [
+        {
+            "command": cmd,
+            "commit": commit,
+            "seconds": seconds,
+            "torch_threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+        }
+    ]
     if args.update:
         old = json.loads(path.read_text())
         new = {(r["family"], r["algo"]) for r in results}
         order = {(f, a): i for i, (f, a) in enumerate((f, a) for f in FAMILIES for a in ALGOS_ALL)}
-        results = sorted([r for r in old["results"] if (r["family"], r["algo"]) not in new] + results,
-                         key=lambda r: order[(r["family"], r["algo"])])
+        results = sorted(
+            [r for r in old["results"] if (r["family"], r["algo"]) not in new] + results,
+            key=lambda r: order[(r["family"], r["algo"])],
+        )
         runs = old["runs"] + runs
-    meta = {"runs": runs,
-            "calibration": {"dataset": "self", "num_samples": CALIB_SAMPLES, "seq_len": SEQ_LEN, "seed": SEED},
-            "heldout": {"dataset": "self", "num_samples": EVAL_SAMPLES, "seq_len": SEQ_LEN,
-                        "seed": SEED + EVAL_SEED_OFFSET}}
+    meta = {
+        "runs": runs,
+        "calibration": {"dataset": "self", "num_samples": CALIB_SAMPLES, "seq_len": SEQ_LEN, "seed": SEED},
+        "heldout": {
+            "dataset": "self",
+            "num_samples": EVAL_SAMPLES,
+            "seq_len": SEQ_LEN,
+            "seed": SEED + EVAL_SEED_OFFSET,
+        },
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**meta, "results": results}, indent=2) + "\n")
-    made = "; then ".join(f"`{r['command']}` at commit {r['commit']} ({r['seconds']:.0f} s, {r['torch_threads']} "
-                          f"torch threads)" for r in runs)
-    md = ["# Accuracy per family x algorithm\n",
-          f"Made by {made}; each row of accuracy_families.json names the run that made it. "
-          f"Held-out data: {EVAL_SAMPLES} samples x {SEQ_LEN} tokens each model draws from BOS (seed "
-          f"{SEED + EVAL_SEED_OFFSET}); calibration: {CALIB_SAMPLES} x {SEQ_LEN} (seed {SEED}). The quantized "
-          "row is the deployed configuration (KV cache quantized when the KV column says so); "
-          "accuracy_families.json also has the KV-unquantized row.\n",
-          "Only stories260k is a trained model. The others are random-init (their published configs shrunk), with "
-          "weights drawn so their logits are well separated (trtpipe/models/synthetic.py): their next-token "
-          "distribution is nearly one-hot, so the perplexity of their own samples is close to 1 and says nothing of "
-          "language; KL(unquantized ‖ quantized) and top-1 agreement are the figures to compare, between algorithms "
-          "of one family (their absolute size depends on how peaked the random model is). Refused rows carry the "
-          "message `trtpipe validate` prints for that recipe; rerun them (`--families F --algos A --update`) when "
-          "trtpipe supports them.\n",
-          fmt_rows(results), ""]
+    made = "; then ".join(
+        f"`{r['command']}` at commit {r['commit']} ({r['seconds']:.0f} s, {r['torch_threads']} torch threads)"
+        for r in runs
+    )
+    md = [
+        "# Accuracy per family x algorithm\n",
+        f"Made by {made}; each row of accuracy_families.json names the run that made it. "
+        f"Held-out data: {EVAL_SAMPLES} samples x {SEQ_LEN} tokens each model draws from BOS (seed "
+        f"{SEED + EVAL_SEED_OFFSET}); calibration: {CALIB_SAMPLES} x {SEQ_LEN} (seed {SEED}). The quantized "
+        "row is the deployed configuration (KV cache quantized when the KV column says so); "
+        "accuracy_families.json also has the KV-unquantized row.\n",
+        "Only stories260k is a trained model. The others are random-init (their published configs shrunk), with "
+        "weights drawn so their logits are well separated (trtpipe/models/synthetic.py): their next-token "
+        "distribution is nearly one-hot, so the perplexity of their own samples is close to 1 and says nothing of "
+        "language; KL(unquantized ‖ quantized) and top-1 agreement are the figures to compare, between algorithms "
+        "of one family (their absolute size depends on how peaked the random model is). Refused rows carry the "
+        "message `trtpipe validate` prints for that recipe; rerun them (`--families F --algos A --update`) when "
+        "trtpipe supports them.\n",
+        fmt_rows(results),
+        "",
+    ]
     (args.out / "accuracy_families.md").write_text("\n".join(md))
     if args.out.resolve() == (ROOT / "docs" / "results").resolve():
         rewrite_excerpt(args.out / "accuracy.md", made, results)

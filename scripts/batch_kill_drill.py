@@ -41,8 +41,10 @@ def write_requests(path: Path, n: int, max_tokens: int) -> None:
             w = len(WORDS)
             prompt = f"Once upon a time, {WORDS[i % w]} saw {WORDS[(i // w) % w]} near {WORDS[(i // w // w) % w]}"
             body = {"prompt": prompt, "max_tokens": -1 if i % INVALID_EVERY == 7 else max_tokens, "temperature": 0}
-            f.write(json.dumps({"custom_id": f"req-{i:05d}", "method": "POST", "url": "/v1/completions",
-                                "body": body}) + "\n")
+            f.write(
+                json.dumps({"custom_id": f"req-{i:05d}", "method": "POST", "url": "/v1/completions", "body": body})
+                + "\n"
+            )
 
 
 def free_port() -> int:
@@ -61,9 +63,15 @@ def healthy(url: str) -> bool:
 
 def start_server(recipe: Path, port: int, log: Path, env: dict) -> subprocess.Popen:
     with open(log, "ab") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "trtpipe.cli", "serve-openai", str(recipe), "--port", str(port)],
-                                stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=REPO,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trtpipe.cli", "serve-openai", str(recipe), "--port", str(port)],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=REPO,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 600
     while not healthy(f"http://127.0.0.1:{port}"):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -73,8 +81,22 @@ def start_server(recipe: Path, port: int, log: Path, env: dict) -> subprocess.Po
 
 
 def batch_cmd(url: str, req: Path, out: Path, concurrency: int) -> list[str]:
-    return [sys.executable, "-m", "trtpipe.cli", "batch", url, "-i", str(req), "-o", str(out), "-c", str(concurrency),
-            "--no-progress", "--checkpoint-interval", "2"]
+    return [
+        sys.executable,
+        "-m",
+        "trtpipe.cli",
+        "batch",
+        url,
+        "-i",
+        str(req),
+        "-o",
+        str(out),
+        "-c",
+        str(concurrency),
+        "--no-progress",
+        "--checkpoint-interval",
+        "2",
+    ]
 
 
 def lines(path: Path) -> list[dict]:
@@ -102,11 +124,17 @@ def check(req: Path, out: Path, err: Path, ref_out: Path, ref_err: Path) -> dict
     counts = Counter(r["custom_id"] for r in got)
     ref = {r["custom_id"]: answer(r) for r in lines(ref_out) + lines(ref_err)}
     mine = {r["custom_id"]: answer(r) for r in got}
-    return {"requests": len(wanted), "lines_written": len(got), "succeeded": count_lines(out), "failed": count_lines(err),
-            "duplicates": sum(1 for c in counts.values() if c > 1), "missing": len(set(wanted) - set(counts)),
-            "extra": len(set(counts) - set(wanted)),
-            "reference_complete": len(ref) == len(wanted),
-            "answers_differing": sum(1 for c in wanted if c in ref and mine.get(c) != ref[c])}
+    return {
+        "requests": len(wanted),
+        "lines_written": len(got),
+        "succeeded": count_lines(out),
+        "failed": count_lines(err),
+        "duplicates": sum(1 for c in counts.values() if c > 1),
+        "missing": len(set(wanted) - set(counts)),
+        "extra": len(set(counts) - set(wanted)),
+        "reference_complete": len(ref) == len(wanted),
+        "answers_differing": sum(1 for c in wanted if c in ref and mine.get(c) != ref[c]),
+    }
 
 
 def main() -> int:
@@ -134,8 +162,9 @@ def main() -> int:
     client = None
     try:
         t0 = time.monotonic()
-        ref = subprocess.run(batch_cmd(url, req, ref_out, args.concurrency), env=env, cwd=REPO, capture_output=True,
-                             text=True)
+        ref = subprocess.run(
+            batch_cmd(url, req, ref_out, args.concurrency), env=env, cwd=REPO, capture_output=True, text=True
+        )
         t_ref = time.monotonic() - t0
         print(f"reference run: {args.requests} requests, uninterrupted, exit {ref.returncode}, {t_ref:.1f} s")
         server_kill = rng.randrange(args.kills) if args.kills else -1
@@ -146,8 +175,9 @@ def main() -> int:
         for k in range(args.kills):
             if client is None:
                 log = open(work / f"run{runs}.log", "w")
-                client = subprocess.Popen(batch_cmd(url, req, out, args.concurrency), env=env, cwd=REPO, stdout=log,
-                                          stderr=subprocess.STDOUT)
+                client = subprocess.Popen(
+                    batch_cmd(url, req, out, args.concurrency), env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+                )
                 runs += 1
             remaining = args.requests - count_lines(out) - count_lines(err)
             delay = 2.0 + rng.uniform(0.0, 0.6) * remaining / rate / max(args.kills - k, 1)
@@ -170,8 +200,9 @@ def main() -> int:
                 client = None
         if client is not None:  # the one that outlived the server kill finishes the job
             client.wait()
-        final = subprocess.run(batch_cmd(url, req, out, args.concurrency), env=env, cwd=REPO, capture_output=True,
-                               text=True)
+        final = subprocess.run(
+            batch_cmd(url, req, out, args.concurrency), env=env, cwd=REPO, capture_output=True, text=True
+        )
         runs += 1
         for p in sorted(work.glob("run*.log")):
             torn += p.read_text().count("recovered a torn last line")
@@ -186,12 +217,24 @@ def main() -> int:
         print(line)
     print(f"final run: exit {final.returncode}; " + (final.stdout.strip().splitlines() or [""])[0])
     result = check(req, out, err, ref_out, ref_err)
-    result.update({"kills": len([k for k in kills if "had exited" not in k]), "client_runs": runs,
-                   "torn_lines_recovered": torn, "reference_s": round(t_ref, 1), "drill_s": round(t_drill, 1),
-                   "wall_s": round(time.monotonic() - t_all, 1), "dir": str(work)})
+    result.update(
+        {
+            "kills": len([k for k in kills if "had exited" not in k]),
+            "client_runs": runs,
+            "torn_lines_recovered": torn,
+            "reference_s": round(t_ref, 1),
+            "drill_s": round(t_drill, 1),
+            "wall_s": round(time.monotonic() - t_all, 1),
+            "dir": str(work),
+        }
+    )
     print(json.dumps(result, indent=1))
-    ok = (result["duplicates"] == result["missing"] == result["extra"] == result["answers_differing"] == 0
-          and result["reference_complete"] and result["lines_written"] == args.requests and final.returncode in (0, 3))
+    ok = (
+        result["duplicates"] == result["missing"] == result["extra"] == result["answers_differing"] == 0
+        and result["reference_complete"]
+        and result["lines_written"] == args.requests
+        and final.returncode in (0, 3)
+    )
     print("drill:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -43,19 +43,37 @@ def trtllm_tensors(layers: int) -> list[tuple[str, tuple[int, ...]]]:
     out = [("transformer.vocab_embedding.weight", (VOCAB, HIDDEN))]
     for i in range(layers):
         p = f"transformer.layers.{i}."
-        out += [(p + "input_layernorm.weight", (HIDDEN,)), (p + "attention.qkv.weight", (qkv, HIDDEN)),
-                (p + "attention.dense.weight", (HIDDEN, HEADS * HEAD)), (p + "post_layernorm.weight", (HIDDEN,)),
-                (p + "mlp.fc.weight", (INTER, HIDDEN)), (p + "mlp.gate.weight", (INTER, HIDDEN)),
-                (p + "mlp.proj.weight", (HIDDEN, INTER))]
+        out += [
+            (p + "input_layernorm.weight", (HIDDEN,)),
+            (p + "attention.qkv.weight", (qkv, HIDDEN)),
+            (p + "attention.dense.weight", (HIDDEN, HEADS * HEAD)),
+            (p + "post_layernorm.weight", (HIDDEN,)),
+            (p + "mlp.fc.weight", (INTER, HIDDEN)),
+            (p + "mlp.gate.weight", (INTER, HIDDEN)),
+            (p + "mlp.proj.weight", (HIDDEN, INTER)),
+        ]
     return out + [("transformer.ln_f.weight", (HIDDEN,)), ("lm_head.weight", (VOCAB, HIDDEN))]
 
 
 def config(layers: int) -> dict:
-    return {"architecture": "LlamaForCausalLM", "dtype": "bfloat16", "vocab_size": VOCAB, "hidden_size": HIDDEN,
-            "num_hidden_layers": layers, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-            "head_size": HEAD, "intermediate_size": INTER, "hidden_act": "silu", "norm_epsilon": 1e-5,
-            "position_embedding_type": "rope_gpt_neox", "rotary_base": 500000.0, "max_position_embeddings": 8192,
-            "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1}, "quantization": {"quant_algo": None}}
+    return {
+        "architecture": "LlamaForCausalLM",
+        "dtype": "bfloat16",
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": layers,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_size": HEAD,
+        "intermediate_size": INTER,
+        "hidden_act": "silu",
+        "norm_epsilon": 1e-5,
+        "position_embedding_type": "rope_gpt_neox",
+        "rotary_base": 500000.0,
+        "max_position_embeddings": 8192,
+        "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1},
+        "quantization": {"quant_algo": None},
+    }
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,8 +101,9 @@ def moe_checkpoint(layers: int) -> tuple[dict, list]:
     family = get_family(info.architecture)
     d = shape_symbols(info)
     entries = []
-    for prefix, rules in [("", family.global_rules)] + [(f"transformer.layers.{i}.", family.layer_rules)
-                                                      for i in range(layers)]:
+    for prefix, rules in [("", family.global_rules)] + [
+        (f"transformer.layers.{i}.", family.layer_rules) for i in range(layers)
+    ]:
         for r in rules:
             if not r.when(info):
                 continue
@@ -104,9 +123,15 @@ def planner_calibrate_estimate(cfg: dict, samples: int, seq_len: int) -> int:
     from trtpipe.engine.planner import Shapes, host_estimates
     from trtpipe.app.validation import load_recipe
 
-    recipe = load_recipe(MOE_RECIPE, [f"quantization.calibration.num_samples={samples}",
-                                      f"quantization.calibration.seq_len={seq_len}",
-                                      f"quantization.calibration.batch_size={samples}"], check_rules=False)
+    recipe = load_recipe(
+        MOE_RECIPE,
+        [
+            f"quantization.calibration.num_samples={samples}",
+            f"quantization.calibration.seq_len={seq_len}",
+            f"quantization.calibration.batch_size={samples}",
+        ],
+        check_rules=False,
+    )
     return host_estimates(Shapes.of({**cfg, "quantization": {"quant_algo": "FP8"}}), 2, 0, 1, recipe)["calibrate"]
 
 
@@ -133,7 +158,7 @@ def write_checkpoint(out: Path, layers: int, model: str = "llama-70b") -> None:
             t = torch.empty(n, dtype=torch.bfloat16)
             src = torch.roll(pool, k * 104729) * (shape[-1] ** -0.5)
             for lo in range(0, n, src.numel()):
-                t[lo:lo + src.numel()] = src[: n - lo]
+                t[lo : lo + src.numel()] = src[: n - lo]
             t = t.view(shape)
         f.write(name, t)
         del t
@@ -154,12 +179,21 @@ def child_calibrate(ckpt: str, samples: int, seq_len: int) -> None:
     start = time.perf_counter()
     stats = calibrate(src, tokens, CalibSettings(batch_size=samples))
     elapsed = time.perf_counter() - start
-    print(json.dumps({"layers": src.args.num_layers, "seconds": round(elapsed, 1),
-                      "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
-                      "qkv_amax_layer0": float(stats[0].groups["attention.qkv"].amax.max())}))
+    print(
+        json.dumps(
+            {
+                "layers": src.args.num_layers,
+                "seconds": round(elapsed, 1),
+                "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+                "qkv_amax_layer0": float(stats[0].groups["attention.qkv"].amax.max()),
+            }
+        )
+    )
 
 
-def memory_bench(layer_counts: list[int], tmp: Path, samples: int, seq_len: int, model: str = "llama-70b") -> list[dict]:
+def memory_bench(
+    layer_counts: list[int], tmp: Path, samples: int, seq_len: int, model: str = "llama-70b"
+) -> list[dict]:
     full = tmp / "ckpt_full"
     t0 = time.perf_counter()
     write_checkpoint(full, max(layer_counts), model)
@@ -171,8 +205,12 @@ def memory_bench(layer_counts: list[int], tmp: Path, samples: int, seq_len: int,
         os.link(full / "rank0.safetensors", d / "rank0.safetensors")  # extra layers are simply never read
         cfg = moe_checkpoint(n)[0] if model == "qwen3-235b-a22b" else config(n)
         (d / "config.json").write_text(json.dumps(cfg, indent=2))
-        out = subprocess.run([sys.executable, __file__, "--child", str(d), str(samples), str(seq_len)],
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", str(d), str(samples), str(seq_len)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         if model == "qwen3-235b-a22b":
             rows[-1]["planner_calibrate_gb"] = round(planner_calibrate_estimate(cfg, samples, seq_len) / 2**30, 3)
@@ -189,8 +227,17 @@ def awq_bench(tmp: Path, samples: int, seq_len: int) -> dict:
     from trtpipe.quant.calibrate import CalibSettings, calibrate
     from trtpipe.quant.writer import TrtllmSource
 
-    hf = make_synthetic("llama", tmp / "awq_hf", seed=5, hidden_size=1024, intermediate_size=2816,
-                        num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=4, vocab_size=512)
+    hf = make_synthetic(
+        "llama",
+        tmp / "awq_hf",
+        seed=5,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_hidden_layers=4,
+        vocab_size=512,
+    )
     base = convert(hf, tmp / "awq_base", dtype="bfloat16")
     tokens = torch.randint(3, 512, (samples, seq_len), generator=torch.Generator().manual_seed(1))
 
@@ -211,8 +258,13 @@ def awq_bench(tmp: Path, samples: int, seq_len: int) -> dict:
     start = time.perf_counter()
     mtq.quantize(model, mtq.INT4_AWQ_CFG, loop)
     theirs = time.perf_counter() - start
-    return {"model": "llama hidden 1024, intermediate 2816, 4 layers", "tokens": samples * seq_len,
-            "ours_s": round(ours, 1), "modelopt_s": round(theirs, 1), "ratio_ours_over_modelopt": round(ours / theirs, 2)}
+    return {
+        "model": "llama hidden 1024, intermediate 2816, 4 layers",
+        "tokens": samples * seq_len,
+        "ours_s": round(ours, 1),
+        "modelopt_s": round(theirs, 1),
+        "ratio_ours_over_modelopt": round(ours / theirs, 2),
+    }
 
 
 def main() -> None:

@@ -49,10 +49,21 @@ SHARD_BYTES = 5 << 30
 def llama_70b(layers: int) -> tuple[dict, list[tuple[str, tuple[int, ...]]]]:
     """(config.json, HF tensors) of a Llama-3-70B-shaped model of ``layers`` layers."""
     hidden, inter, heads, kv_heads, head, vocab = 8192, 28672, 64, 8, 128, 128256
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-           "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-           "num_key_value_heads": kv_heads, "vocab_size": vocab, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
-           "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "vocab_size": vocab,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
     q, kv = heads * head, kv_heads * head
     out = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(layers):
@@ -81,15 +92,24 @@ def qwen3_235b(layers: int) -> tuple[dict, list[tuple[str, tuple[int, ...]]]]:
     out = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(layers):
         p = f"model.layers.{i}."
-        out += [(p + "input_layernorm.weight", (hidden,)), (p + "self_attn.q_proj.weight", (q, hidden)),
-                (p + "self_attn.k_proj.weight", (kv, hidden)), (p + "self_attn.v_proj.weight", (kv, hidden)),
-                (p + "self_attn.o_proj.weight", (hidden, q)), (p + "self_attn.q_norm.weight", (head,)),
-                (p + "self_attn.k_norm.weight", (head,)), (p + "post_attention_layernorm.weight", (hidden,)),
-                (p + "mlp.gate.weight", (cfg["num_experts"], hidden))]
+        out += [
+            (p + "input_layernorm.weight", (hidden,)),
+            (p + "self_attn.q_proj.weight", (q, hidden)),
+            (p + "self_attn.k_proj.weight", (kv, hidden)),
+            (p + "self_attn.v_proj.weight", (kv, hidden)),
+            (p + "self_attn.o_proj.weight", (hidden, q)),
+            (p + "self_attn.q_norm.weight", (head,)),
+            (p + "self_attn.k_norm.weight", (head,)),
+            (p + "post_attention_layernorm.weight", (hidden,)),
+            (p + "mlp.gate.weight", (cfg["num_experts"], hidden)),
+        ]
         for e in range(cfg["num_experts"]):
             x = f"{p}mlp.experts.{e}."
-            out += [(x + "gate_proj.weight", (width, hidden)), (x + "up_proj.weight", (width, hidden)),
-                    (x + "down_proj.weight", (hidden, width))]
+            out += [
+                (x + "gate_proj.weight", (width, hidden)),
+                (x + "up_proj.weight", (width, hidden)),
+                (x + "down_proj.weight", (hidden, width)),
+            ]
     out += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
     return cfg, out
 
@@ -137,7 +157,9 @@ def write_synthetic(model_dir: Path, model: str, layers: int) -> int:
             weight_map[name] = fname
         total += f.size - f.base
         f.close()
-    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (model_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     os.sync()
     return total
 
@@ -189,8 +211,12 @@ def convert_worker(model_dir: str, out_dir: str, tp: int, moe_ep: int) -> None:
 
 
 def convert_once(hf: Path, out: Path, tp: int, moe_ep: int) -> dict:
-    res = subprocess.run([sys.executable, __file__, "--convert-worker", str(hf), str(out), str(tp), str(moe_ep)],
-                         check=True, capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, __file__, "--convert-worker", str(hf), str(out), str(tp), str(moe_ep)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     shutil.rmtree(out)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -216,12 +242,25 @@ def bench_one(model: str, layers: int, tp: int, moe_eps: list[int], tmp_root: Pa
                 converts.append(convert_once(hf, tmp / "ckpt", tp, moe_ep))
             conv_s = statistics.median(c["seconds"] for c in converts)
             copy_s = statistics.median(copies)
-            rows.append({"model": model, "layers": layers, "tp": tp, "moe_ep": moe_ep, "in_bytes": in_bytes,
-                         "out_bytes": converts[0]["out_bytes"], "generate_s": gen_s, "copy_s_warmup": warmup,
-                         "copy_s": copies, "convert_s": [c["seconds"] for c in converts], "ratio": conv_s / copy_s,
-                         "copy_median_s": copy_s, "convert_median_s": conv_s,
-                         "peak_rss": max(c["peak_rss"] for c in converts),
-                         "rss_after_imports": converts[0]["rss_after_imports"]})
+            rows.append(
+                {
+                    "model": model,
+                    "layers": layers,
+                    "tp": tp,
+                    "moe_ep": moe_ep,
+                    "in_bytes": in_bytes,
+                    "out_bytes": converts[0]["out_bytes"],
+                    "generate_s": gen_s,
+                    "copy_s_warmup": warmup,
+                    "copy_s": copies,
+                    "convert_s": [c["seconds"] for c in converts],
+                    "ratio": conv_s / copy_s,
+                    "copy_median_s": copy_s,
+                    "convert_median_s": conv_s,
+                    "peak_rss": max(c["peak_rss"] for c in converts),
+                    "rss_after_imports": converts[0]["rss_after_imports"],
+                }
+            )
     return rows
 
 
@@ -230,7 +269,9 @@ def planned_bytes(hf: Path, tp: int, moe_ep: int = -1) -> int:
     from trtpipe.checkpoint.hf import HFReader
 
     with HFReader(hf) as reader:
-        plan = make_plan(hf, tp=tp, moe_ep=moe_ep, source_dtype=str(reader.dtype("model.embed_tokens.weight")).replace("torch.", ""))
+        plan = make_plan(
+            hf, tp=tp, moe_ep=moe_ep, source_dtype=str(reader.dtype("model.embed_tokens.weight")).replace("torch.", "")
+        )
         entries = plan_files(reader, plan)
     total = 0
     for rank in entries:
@@ -247,16 +288,24 @@ def main() -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--model", choices=sorted(MODELS), default="llama-3-70b")
     ap.add_argument("--tp", type=int, default=4)
-    ap.add_argument("--moe-ep", type=int, nargs="+", default=[-1],
-                    help="expert parallelism, one run per value on the same generated model (MoE; -1: moe_tp = tp)")
+    ap.add_argument(
+        "--moe-ep",
+        type=int,
+        nargs="+",
+        default=[-1],
+        help="expert parallelism, one run per value on the same generated model (MoE; -1: moe_tp = tp)",
+    )
     ap.add_argument("--tmp", type=Path, default=Path("/tmp"))
-    ap.add_argument("--repeat", type=int, default=2, help="interleaved (copy, convert) pairs per N; medians are compared")
+    ap.add_argument(
+        "--repeat", type=int, default=2, help="interleaved (copy, convert) pairs per N; medians are compared"
+    )
     ap.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     ap.add_argument("--convert-worker", nargs=4, metavar=("HF_DIR", "OUT_DIR", "TP", "MOE_EP"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.convert_worker:
-        convert_worker(args.convert_worker[0], args.convert_worker[1], int(args.convert_worker[2]),
-                       int(args.convert_worker[3]))
+        convert_worker(
+            args.convert_worker[0], args.convert_worker[1], int(args.convert_worker[2]), int(args.convert_worker[3])
+        )
         return
     free = shutil.disk_usage(args.tmp).free
     _, tensors = MODELS[args.model](max(args.layers))
@@ -264,15 +313,21 @@ def main() -> None:
     need = model_bytes + 1.2 * (model_bytes + (args.tp - 1) * _nbytes(tensors[0][1]))  # input + the larger output
     if free < need:
         sys.exit(f"{args.tmp}: {free / 1e9:.0f} GB free, the largest run needs about {need / 1e9:.0f} GB")
-    print(f"{'layers':>6} {'moe_ep':>6} {'in GB':>6} {'out GB':>6} {'copy s (median)':>15} {'convert s (median)':>18} "
-          f"{'ratio':>6} {'peak RSS GB':>11}", flush=True)
+    print(
+        f"{'layers':>6} {'moe_ep':>6} {'in GB':>6} {'out GB':>6} {'copy s (median)':>15} {'convert s (median)':>18} "
+        f"{'ratio':>6} {'peak RSS GB':>11}",
+        flush=True,
+    )
     for n in sorted(args.layers):
         for r in bench_one(args.model, n, args.tp, args.moe_ep, args.tmp, args.repeat):
             if args.json:
                 print(json.dumps(r), flush=True)
-            print(f"{n:>6} {r['moe_ep']:>6} {r['in_bytes'] / 1e9:>6.1f} {r['out_bytes'] / 1e9:>6.1f} "
-                  f"{r['copy_median_s']:>15.1f} {r['convert_median_s']:>18.1f} {r['ratio']:>6.2f} "
-                  f"{r['peak_rss'] / 1e9:>11.2f}", flush=True)
+            print(
+                f"{n:>6} {r['moe_ep']:>6} {r['in_bytes'] / 1e9:>6.1f} {r['out_bytes'] / 1e9:>6.1f} "
+                f"{r['copy_median_s']:>15.1f} {r['convert_median_s']:>18.1f} {r['ratio']:>6.2f} "
+                f"{r['peak_rss'] / 1e9:>11.2f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -51,8 +51,10 @@ def main() -> None:
             secs, out = best_of(a.repeats, lambda b=batched: generate(model, prompts, a.new_tokens, batched=b))
             results[batched] = out
             tokens = sum(map(len, out))
-            print(f"{'batched' if batched else 'per-sequence':>12}: {secs * 1000:7.1f} ms  {tokens / secs:8.0f} tok/s  "
-                  f"({a.prompts} prompts x {a.new_tokens} new tokens, tp={a.tp} pp={a.pp})")
+            print(
+                f"{'batched' if batched else 'per-sequence':>12}: {secs * 1000:7.1f} ms  {tokens / secs:8.0f} tok/s  "
+                f"({a.prompts} prompts x {a.new_tokens} new tokens, tp={a.tp} pp={a.pp})"
+            )
         assert results[True] == results[False], "batched and per-sequence tokens differ"
         print("same tokens: yes")
 

@@ -25,8 +25,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO / "models" / "stories260k"
-WORDS = ("the a little girl boy dog cat ball park tree sun big red happy sad went saw played ran jumped wanted "
-         "mom dad friend house garden flower bird fish toy car day night time once upon there was").split()
+WORDS = (
+    "the a little girl boy dog cat ball park tree sun big red happy sad went saw played ran jumped wanted "
+    "mom dad friend house garden flower bird fish toy car day night time once upon there was"
+).split()
 
 
 def percentile(values, q):
@@ -40,8 +42,9 @@ def prompt_text(rng: random.Random, words: int) -> str:
 
 def stream_once(host: str, port: int, text: str, max_tokens: int) -> tuple[float, float, int]:
     """(ttft_s, e2e_s, chunks) of one streamed request."""
-    body = json.dumps({"text_input": text, "max_tokens": max_tokens, "stream": True, "end_id": -1,
-                       "exclude_input_in_output": True})
+    body = json.dumps(
+        {"text_input": text, "max_tokens": max_tokens, "stream": True, "end_id": -1, "exclude_input_in_output": True}
+    )
     conn = http.client.HTTPConnection(host, port, timeout=300)
     t0 = time.perf_counter()
     conn.request("POST", "/v2/models/tensorrt_llm_bls/generate_stream", body, {"Content-Type": "application/json"})
@@ -89,10 +92,16 @@ def run_level(host, port, concurrency, work):
         t.join()
     wall = time.perf_counter() - t0
     ttfts = [r[0] for r in results] or [float("nan")]
-    return {"concurrency": concurrency, "requests": len(results), "errors": len(errors),
-            "ttft_p50_ms": 1e3 * percentile(ttfts, 50), "ttft_p99_ms": 1e3 * percentile(ttfts, 99),
-            "output_tok_s": sum(r[2] for r in results) / wall, "wall_s": wall,
-            "first_error": errors[0] if errors else None}
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "errors": len(errors),
+        "ttft_p50_ms": 1e3 * percentile(ttfts, 50),
+        "ttft_p99_ms": 1e3 * percentile(ttfts, 99),
+        "output_tok_s": sum(r[2] for r in results) / wall,
+        "wall_s": wall,
+        "first_error": errors[0] if errors else None,
+    }
 
 
 def serve(engine, overrides, tmp, policy=None):
@@ -133,8 +142,14 @@ def main() -> int:
     from trtpipe.engine.twin_engine_dir import write_twin_engine
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-inflight-"))
-    build = {"max_batch_size": 16, "max_input_len": 384, "max_seq_len": 512, "max_beam_width": 1, "max_num_tokens": 2048,
-             "plugin_config": {"tokens_per_block": 32}}
+    build = {
+        "max_batch_size": 16,
+        "max_input_len": 384,
+        "max_seq_len": 512,
+        "max_beam_width": 1,
+        "max_num_tokens": 2048,
+        "plugin_config": {"tokens_per_block": 32},
+    }
     engine = write_twin_engine(convert(STORIES, tmp / "ckpt", tp=1, dtype="float16"), tmp / "engine", build)
     rng = random.Random(0)
     work = [(prompt_text(rng, args.prompt_words), rng.randint(16, 112)) for _ in range(args.requests)]
@@ -150,19 +165,25 @@ def main() -> int:
             for c in levels:
                 row = run_level(host, int(port), c, work)
                 report["batching"].setdefault(mode, []).append(row)
-                print(f"{mode:8s} c={c:<3d} ttft p50 {row['ttft_p50_ms']:8.1f} ms  p99 {row['ttft_p99_ms']:8.1f} ms  "
-                      f"{row['output_tok_s']:7.1f} tok/s  errors {row['errors']}"
-                      + (f" (first: {row['first_error'][:160]})" if row["errors"] else ""), flush=True)
+                print(
+                    f"{mode:8s} c={c:<3d} ttft p50 {row['ttft_p50_ms']:8.1f} ms  p99 {row['ttft_p99_ms']:8.1f} ms  "
+                    f"{row['output_tok_s']:7.1f} tok/s  errors {row['errors']}"
+                    + (f" (first: {row['first_error'][:160]})" if row["errors"] else ""),
+                    flush=True,
+                )
     inflight = {r["concurrency"]: r for r in report["batching"].get("inflight", [])}
     static = {r["concurrency"]: r for r in report["batching"].get("static", [])}
     if inflight:
         base = inflight[levels[0]]
         print("\nratios (same run):")
         for c in levels:
-            vs_static = (f"   tok/s vs static: {inflight[c]['output_tok_s'] / static[c]['output_tok_s']:5.2f}x"
-                         if static else "")
-            print(f"  c={c:<3d} TTFT p50 vs c={levels[0]}: {inflight[c]['ttft_p50_ms'] / base['ttft_p50_ms']:5.2f}x   "
-                  f"tok/s vs c={levels[0]}: {inflight[c]['output_tok_s'] / base['output_tok_s']:5.2f}x" + vs_static)
+            vs_static = (
+                f"   tok/s vs static: {inflight[c]['output_tok_s'] / static[c]['output_tok_s']:5.2f}x" if static else ""
+            )
+            print(
+                f"  c={c:<3d} TTFT p50 vs c={levels[0]}: {inflight[c]['ttft_p50_ms'] / base['ttft_p50_ms']:5.2f}x   "
+                f"tok/s vs c={levels[0]}: {inflight[c]['output_tok_s'] / base['output_tok_s']:5.2f}x" + vs_static
+            )
     if args.skip_reuse:
         return 0
 
@@ -180,7 +201,9 @@ def main() -> int:
             stream_once(host, int(port), prefix + " warm", 4)  # the first request fills the cache
             row = run_level(host, int(port), 1, questions)
             report["reuse"][mode] = row
-            print(f"{mode:9s} TTFT p50 {row['ttft_p50_ms']:7.1f} ms  p99 {row['ttft_p99_ms']:7.1f} ms  errors {row['errors']}")
+            print(
+                f"{mode:9s} TTFT p50 {row['ttft_p50_ms']:7.1f} ms  p99 {row['ttft_p99_ms']:7.1f} ms  errors {row['errors']}"
+            )
     on, off = report["reuse"]["reuse-on"], report["reuse"]["reuse-off"]
     print(f"prefix reuse: TTFT p50 {off['ttft_p50_ms'] / on['ttft_p50_ms']:.2f}x lower with reuse")
     if args.out:

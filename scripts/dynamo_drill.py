@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-TEMPLATE = (ROOT / "tests" / "export" / "data" / "chat_template.jinja")
+TEMPLATE = ROOT / "tests" / "export" / "data" / "chat_template.jinja"
 GREEDY_PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day, a big"]
 NAME = "stories-dynamo"
 
@@ -58,8 +58,9 @@ def graph(model_dir: Path, replicas: int, router: str, run_dir: Path, port: int)
 
     max_pos = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings") or 2048
     config = replace_knobs(twin_default(int(max_pos)), enable_kv_cache_reuse=True)
-    return DynamoGraph(model_dir, NAME, replicas, router, "127.0.0.1", port, config, run_dir,
-                       chat_template=TEMPLATE.read_text())
+    return DynamoGraph(
+        model_dir, NAME, replicas, router, "127.0.0.1", port, config, run_dir, chat_template=TEMPLATE.read_text()
+    )
 
 
 class Running:
@@ -87,8 +88,11 @@ class Running:
     def counters(self) -> dict:
         """Sums over live workers of their own counters (each worker's /metrics): blocks reused and missed by
         the pool, KV events published."""
-        names = {"reused": "trtpipe_kv_cache_reused_blocks_total", "missed": "trtpipe_kv_cache_missed_blocks_total",
-                 "published": "trtpipe_kv_events_published_total"}
+        names = {
+            "reused": "trtpipe_kv_cache_reused_blocks_total",
+            "missed": "trtpipe_kv_cache_missed_blocks_total",
+            "published": "trtpipe_kv_events_published_total",
+        }
         total = dict.fromkeys(names, 0.0)
         for w in self.sup.workers:
             if w.proc.poll() is None:
@@ -105,8 +109,10 @@ class Running:
             published = self.counters()["published"]
             text = scrape(self.graph.url + "/metrics")
             applied = metric_sum(text, "dynamo_component_kv_cache_events_applied")
-            bad = sum(metric_sum(text, "dynamo_component_kv_cache_events_applied", f'status="{s}"')
-                      for s in ("parent_block_not_found", "block_not_found", "invalid_block"))
+            bad = sum(
+                metric_sum(text, "dynamo_component_kv_cache_events_applied", f'status="{s}"')
+                for s in ("parent_block_not_found", "block_not_found", "invalid_block")
+            )
             if applied >= published or time.monotonic() > deadline:
                 return {"published": published, "applied": applied, "rejected": bad}
             time.sleep(0.1)
@@ -121,7 +127,7 @@ def metric_sum(text: str, name: str, label: str = "") -> float:
     """The sum of every sample of ``name`` (with ``label`` among its labels, when given) in a Prometheus text."""
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name) and line[len(name):len(name) + 1] in "{ " and label in line:
+        if line.startswith(name) and line[len(name) : len(name) + 1] in "{ " and label in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -145,15 +151,20 @@ def greedy_checks(g: "Running", out: dict, model_dir: Path, aiperf: Path | None)
     for p in GREEDY_PROMPTS:
         r = c.completions.create(model=NAME, prompt=p, max_tokens=24, temperature=0)
         out["completions"][p] = r.choices[0].text
-        text = "".join(ch.choices[0].text for ch in c.completions.create(
-            model=NAME, prompt=p, max_tokens=24, temperature=0, stream=True))
+        text = "".join(
+            ch.choices[0].text
+            for ch in c.completions.create(model=NAME, prompt=p, max_tokens=24, temperature=0, stream=True)
+        )
         out["stream"][p] = text
-        chat = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": p}], max_tokens=16,
-                                         temperature=0)
+        chat = c.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": p}], max_tokens=16, temperature=0
+        )
         out["chat"][p] = chat.choices[0].message.content
     with ThreadPoolExecutor(8) as pool:  # eight at once over three workers: the same answers
-        futs = [pool.submit(c.completions.create, model=NAME, prompt=p, max_tokens=24, temperature=0)
-                for p in GREEDY_PROMPTS * 2]
+        futs = [
+            pool.submit(c.completions.create, model=NAME, prompt=p, max_tokens=24, temperature=0)
+            for p in GREEDY_PROMPTS * 2
+        ]
         out["concurrent"] = [f.result().choices[0].text for f in futs]
     if aiperf:
         out["aiperf"] = {t: run_aiperf(aiperf, g.graph.url, model_dir, t, g.run_dir) for t in ("chat", "completions")}
@@ -161,18 +172,49 @@ def greedy_checks(g: "Running", out: dict, model_dir: Path, aiperf: Path | None)
 
 def run_aiperf(binary: Path, url: str, model_dir: Path, endpoint: str, work: Path) -> dict:
     art = work / f"aiperf-{endpoint}"
-    cmd = [str(binary), "profile", "--model", NAME, "--url", url, "--endpoint-type", endpoint, "--streaming",
-           "--tokenizer", str(model_dir), "--isl", "32", "--isl-stddev", "0", "--osl", "16", "--random-seed", "1",
-           "--concurrency", "4", "--request-count", "24", "--ui", "none", "--artifact-dir", str(art),
-           "--no-gpu-telemetry", "--no-server-metrics"]
+    cmd = [
+        str(binary),
+        "profile",
+        "--model",
+        NAME,
+        "--url",
+        url,
+        "--endpoint-type",
+        endpoint,
+        "--streaming",
+        "--tokenizer",
+        str(model_dir),
+        "--isl",
+        "32",
+        "--isl-stddev",
+        "0",
+        "--osl",
+        "16",
+        "--random-seed",
+        "1",
+        "--concurrency",
+        "4",
+        "--request-count",
+        "24",
+        "--ui",
+        "none",
+        "--artifact-dir",
+        str(art),
+        "--no-gpu-telemetry",
+        "--no-server-metrics",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     summary = next(art.rglob("profile_export_aiperf.json"), None)
     data = json.loads(summary.read_text()) if summary else {}
     count = (data.get("request_count") or {}).get("avg")
     errors = (data.get("error_request_count") or {}).get("avg", 0) or 0
-    return {"rc": proc.returncode, "requests": count, "errors": errors,
-            "output_tps": (data.get("output_token_throughput") or {}).get("avg"),
-            "tail": proc.stderr[-400:] if proc.returncode else ""}
+    return {
+        "rc": proc.returncode,
+        "requests": count,
+        "errors": errors,
+        "output_tps": (data.get("output_token_throughput") or {}).get("avg"),
+        "tail": proc.stderr[-400:] if proc.returncode else "",
+    }
 
 
 def routing_workload(tokenizer, n_prefixes: int, rounds: int) -> list[list[list[int]]]:
@@ -183,10 +225,20 @@ def routing_workload(tokenizer, n_prefixes: int, rounds: int) -> list[list[list[
     rng = random.Random(7)
     vocab = list(range(3, tokenizer.vocab_size))
     prefixes = [[rng.choice(vocab) for _ in range(256)] for _ in range(n_prefixes)]
-    questions = ["Who was there?", "What happened next?", "Where did they go?", "Why was she sad?",
-                 "How did it end?", "What did he find?", "Who helped them?", "What was the name?"]
-    return [[p + tokenizer.encode(questions[r % len(questions)], add_special_tokens=False) for p in prefixes]
-            for r in range(rounds)]
+    questions = [
+        "Who was there?",
+        "What happened next?",
+        "Where did they go?",
+        "Why was she sad?",
+        "How did it end?",
+        "What did he find?",
+        "Who helped them?",
+        "What was the name?",
+    ]
+    return [
+        [p + tokenizer.encode(questions[r % len(questions)], add_special_tokens=False) for p in prefixes]
+        for r in range(rounds)
+    ]
 
 
 def ideal_hit_rate(workload, tokens_per_block: int) -> float:
@@ -222,8 +274,9 @@ def routing_part(model_dir: Path, port: int, rounds: int, routers: list[str], se
 
             def one(prompt):
                 t0 = time.perf_counter()
-                stream = g.client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0,
-                                                     stream=True)
+                stream = g.client.completions.create(
+                    model=NAME, prompt=prompt, max_tokens=4, temperature=0, stream=True
+                )
                 first = None
                 for _ in stream:
                     first = first or time.perf_counter() - t0
@@ -239,12 +292,17 @@ def routing_part(model_dir: Path, port: int, rounds: int, routers: list[str], se
                         ttfts += list(pool.map(one, rnd))
                     barriers.append(wait())
             c = g.counters()
-            out[router] = {"hit_rate": round(c["reused"] / (c["reused"] + c["missed"]), 3),
-                           "reused_blocks": c["reused"], "missed_blocks": c["missed"],
-                           "events_published": c["published"], "events_rejected": sum(b["rejected"] for b in barriers),
-                           "barrier_timeouts": sum(b["applied"] < b["published"] for b in barriers),
-                           "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
-                           "ttft_p99_ms": round(1000 * percentile(ttfts, 99), 1), "requests": len(ttfts)}
+            out[router] = {
+                "hit_rate": round(c["reused"] / (c["reused"] + c["missed"]), 3),
+                "reused_blocks": c["reused"],
+                "missed_blocks": c["missed"],
+                "events_published": c["published"],
+                "events_rejected": sum(b["rejected"] for b in barriers),
+                "barrier_timeouts": sum(b["applied"] < b["published"] for b in barriers),
+                "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
+                "ttft_p99_ms": round(1000 * percentile(ttfts, 99), 1),
+                "requests": len(ttfts),
+            }
     out["ideal_hit_rate"] = round(ideal_hit_rate(workload, 32), 3)
     return out
 
@@ -263,11 +321,22 @@ def scaling_part(model_dir: Path, port: int, concurrency: int, requests: int) ->
 
             t0 = time.perf_counter()
             with ThreadPoolExecutor(concurrency) as pool:
-                toks = sum(pool.map(lambda p: g.client.completions.create(
-                    model=NAME, prompt=p, max_tokens=32, temperature=0).usage.completion_tokens, prompts))
+                toks = sum(
+                    pool.map(
+                        lambda p: (
+                            g.client.completions.create(
+                                model=NAME, prompt=p, max_tokens=32, temperature=0
+                            ).usage.completion_tokens
+                        ),
+                        prompts,
+                    )
+                )
             dt = time.perf_counter() - t0
-            out[f"{n}_workers"] = {"output_tok_s": round(toks / dt, 1), "seconds": round(dt, 1),
-                                   "cores_per_worker": len(worker_cores(0, n)) or "shared"}
+            out[f"{n}_workers"] = {
+                "output_tok_s": round(toks / dt, 1),
+                "seconds": round(dt, 1),
+                "cores_per_worker": len(worker_cores(0, n)) or "shared",
+            }
     return out
 
 
@@ -293,8 +362,9 @@ def kill_checks(g: "Running") -> dict:
         t0 = time.perf_counter()
         try:
             n = 0
-            for _ in g.client.completions.create(model=NAME, prompt=f"Once upon a time {i}", max_tokens=96,
-                                                 temperature=0, stream=True):
+            for _ in g.client.completions.create(
+                model=NAME, prompt=f"Once upon a time {i}", max_tokens=96, temperature=0, stream=True
+            ):
                 n += 1
                 if n == 8:
                     started.set()
@@ -330,9 +400,15 @@ def kill_checks(g: "Running") -> dict:
             after.append(True)
         except Exception:
             after.append(False)
-    return {"failed_in_flight": sum(not r["ok"] for r in results), "in_flight": len(results),
-            "errors": sorted({r["error"] for r in results if r["error"]}), "supervisor": events,
-            "recovery_s": recovered, "after_kill_ok": sum(after), "after_kill_total": len(after)}
+    return {
+        "failed_in_flight": sum(not r["ok"] for r in results),
+        "in_flight": len(results),
+        "errors": sorted({r["error"] for r in results if r["error"]}),
+        "supervisor": events,
+        "recovery_s": recovered,
+        "after_kill_ok": sum(after),
+        "after_kill_total": len(after),
+    }
 
 
 def cli_part(target: Path, port: int) -> dict:
@@ -342,23 +418,46 @@ def cli_part(target: Path, port: int) -> dict:
 
     trtpipe = [sys.executable, "-m", "trtpipe.cli"]
     t0 = time.perf_counter()
-    serve = subprocess.run(trtpipe + ["serve", str(target), "--dynamo", "--replicas", "2", "--detach",
-                                      "--http-port", str(port), "--served-model-name", NAME],
-                           capture_output=True, text=True, timeout=600)
+    serve = subprocess.run(
+        trtpipe
+        + [
+            "serve",
+            str(target),
+            "--dynamo",
+            "--replicas",
+            "2",
+            "--detach",
+            "--http-port",
+            str(port),
+            "--served-model-name",
+            NAME,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     ready_s = time.perf_counter() - t0
-    out = {"serve_rc": serve.returncode, "serve_printed": serve.stdout.strip().splitlines()[-6:],
-           "ready_s": round(ready_s, 1)}
+    out = {
+        "serve_rc": serve.returncode,
+        "serve_printed": serve.stdout.strip().splitlines()[-6:],
+        "ready_s": round(ready_s, 1),
+    }
     if serve.returncode == 0:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
-        out["text"] = client.completions.create(model=NAME, prompt=GREEDY_PROMPTS[0], max_tokens=24,
-                                                temperature=0).choices[0].text
-        pids = subprocess.run(["pgrep", "-f", "dynamo.frontend|trtpipe.serving.dynamo_"], capture_output=True,
-                              text=True).stdout.split()
+        out["text"] = (
+            client.completions.create(model=NAME, prompt=GREEDY_PROMPTS[0], max_tokens=24, temperature=0)
+            .choices[0]
+            .text
+        )
+        pids = subprocess.run(
+            ["pgrep", "-f", "dynamo.frontend|trtpipe.serving.dynamo_"], capture_output=True, text=True
+        ).stdout.split()
         out["processes_while_serving"] = len(pids)
     stop = subprocess.run(trtpipe + ["stop", str(target)], capture_output=True, text=True, timeout=120)
     out["stop_rc"], out["stop_printed"] = stop.returncode, stop.stdout.strip()
-    left = subprocess.run(["pgrep", "-f", "dynamo.frontend|trtpipe.serving.dynamo_"], capture_output=True,
-                          text=True).stdout.split()
+    left = subprocess.run(
+        ["pgrep", "-f", "dynamo.frontend|trtpipe.serving.dynamo_"], capture_output=True, text=True
+    ).stdout.split()
     listening = subprocess.run(["ss", "-Htln"], capture_output=True, text=True).stdout.split("\n")
     out.update({"processes_left": left, "listening_after_stop": [ln for ln in listening if ln.strip()]})
     return out

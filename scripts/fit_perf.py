@@ -27,23 +27,36 @@ from trtpipe.perf.models import published_spec
 from trtpipe.perf.published import PUBLISHED_CSV, read_rows, regime, to_published_unit
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN_REGIMES = {"engine": ("engine max-load", "static batch", "batch-1 TTFT", "batch-1 ITL"),
-                 "pytorch": ("pytorch max-load",)}
+TRAIN_REGIMES = {
+    "engine": ("engine max-load", "static batch", "batch-1 TTFT", "batch-1 ITL"),
+    "pytorch": ("pytorch max-load",),
+}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    ap.add_argument("--data", type=Path, default=PUBLISHED_CSV,
-                    help="the published numbers (default: the copy in trtpipe/perf/data/, sources in SOURCES.md)")
+    ap.add_argument(
+        "--data",
+        type=Path,
+        default=PUBLISHED_CSV,
+        help="the published numbers (default: the copy in trtpipe/perf/data/, sources in SOURCES.md)",
+    )
     ap.add_argument("--out-constants", type=Path, default=F.CONSTANTS_FILE)
     ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "results" / "perf_cv.png")
     ap.add_argument("--table", type=Path, default=ROOT / "docs" / "results" / "perf_fit.md")
-    ap.add_argument("--worst", type=Path, default=ROOT / "docs" / "results" / "perf_worst.md",
-                    help="the ten worst leave-one-GPU-out PyTorch-backend rows, with what bounds them")
+    ap.add_argument(
+        "--worst",
+        type=Path,
+        default=ROOT / "docs" / "results" / "perf_worst.md",
+        help="the ten worst leave-one-GPU-out PyTorch-backend rows, with what bounds them",
+    )
     ap.add_argument("--no-cv", action="store_true", help="fit only")
-    ap.add_argument("--quick", action="store_true",
-                    help="explore: the PyTorch backend only, other_gb fixed at 2.0 (its fitted value), nothing "
-                         "written; the committed numbers come from the full run")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="explore: the PyTorch backend only, other_gb fixed at 2.0 (its fitted value), nothing "
+        "written; the committed numbers come from the full run",
+    )
     a = ap.parse_args(argv)
 
     rows = read_rows(a.data)
@@ -93,20 +106,40 @@ def main(argv=None) -> int:
                 worst = worst_rows(rows, compiled[0], cv_pred, train, 10)
 
     if a.quick:
-        print(json.dumps({"constants": {k: asdict(v) for k, v in constants.items()}, "in_sample": in_sample,
-                          "leave_one_gpu_out": cv}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "constants": {k: asdict(v) for k, v in constants.items()},
+                    "in_sample": in_sample,
+                    "leave_one_gpu_out": cv,
+                },
+                indent=1,
+            )
+        )
         return 0
-    a.out_constants.write_text(json.dumps({
-        "source": "scripts/fit_perf.py on NVIDIA's published TensorRT-LLM performance tables",
-        "constants": {k: asdict(v) for k, v in constants.items()},
-        "in_sample": in_sample, "leave_one_gpu_out": cv}, indent=2) + "\n")
-    lines = ["| regime | rows | in-sample median | in-sample p90 | LOGO median | LOGO p90 | GPUs held out in turn |",
-             "|---|---|---|---|---|---|---|"]
+    a.out_constants.write_text(
+        json.dumps(
+            {
+                "source": "scripts/fit_perf.py on NVIDIA's published TensorRT-LLM performance tables",
+                "constants": {k: asdict(v) for k, v in constants.items()},
+                "in_sample": in_sample,
+                "leave_one_gpu_out": cv,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    lines = [
+        "| regime | rows | in-sample median | in-sample p90 | LOGO median | LOGO p90 | GPUs held out in turn |",
+        "|---|---|---|---|---|---|---|",
+    ]
     pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     for reg, s in in_sample.items():
         v = cv.get(reg, {})
-        lines.append(f"| {reg} | {s['n']} | {pct(s['median'])} | {pct(s['p90'])} | {pct(v.get('median'))} | "
-                     f"{pct(v.get('p90'))} | {', '.join(v.get('gpus', []))} |")
+        lines.append(
+            f"| {reg} | {s['n']} | {pct(s['median'])} | {pct(s['p90'])} | {pct(v.get('median'))} | "
+            f"{pct(v.get('p90'))} | {', '.join(v.get('gpus', []))} |"
+        )
     lines.append("")
     lines.append("| constant | " + " | ".join(constants) + " |")
     lines.append("|---|" + "---|" * len(constants))
@@ -118,8 +151,9 @@ def main(argv=None) -> int:
         a.worst.write_text("\n".join(worst) + "\n")
         print("\n".join(worst))
     if not a.no_cv:
-        kinds = np.array([f"{reg}, {'MoE' if m else 'dense'}" if reg == "pytorch max-load" else reg
-                          for reg, m in zip(regs, moe)])
+        kinds = np.array(
+            [f"{reg}, {'MoE' if m else 'dense'}" if reg == "pytorch max-load" else reg for reg, m in zip(regs, moe)]
+        )
         _plot(a.plot, compiled[0].published, cv_pred, kinds)
     return 0
 
@@ -136,19 +170,30 @@ def worst_rows(rows, comp, pred: np.ndarray, mask: np.ndarray, k: int) -> list[s
     KV capacity, token budget) and the step's dominant term at the median KV length, under the held-out fit."""
     err = np.where(mask, np.abs(pred / comp.published - 1), -1.0)
     err[~np.isfinite(err)] = -1.0
-    out = ["| model | GPU | layout | version | ISL/OSL | published | predicted (LOGO) | ratio | batch bound | "
-           "step bound (share) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| model | GPU | layout | version | ISL/OSL | published | predicted (LOGO) | ratio | batch bound | "
+        "step bound (share) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for i in np.argsort(-err)[:k]:
         r, case = rows[i], comp.cases[i]
         t = case.parts[len(case.parts) // 2][1]  # the middle Simpson step: median KV length
-        raw = {"weights": t.mem, "KV reads": t.kv, "GEMM": t.gemm - t.expert_gemm, "expert GEMM": t.expert_gemm,
-               "attention": t.attn, "link": t.comm}
+        raw = {
+            "weights": t.mem,
+            "KV reads": t.kv,
+            "GEMM": t.gemm - t.expert_gemm,
+            "expert GEMM": t.expert_gemm,
+            "attention": t.attn,
+            "link": t.comm,
+        }
         top = max(raw, key=raw.get)
         share = raw[top] / max(sum(raw.values()), 1e-30)
         layout = f"tp{r['tp']} pp{r['pp']} ep{r['ep'] or '-'} {r['backend'].split(':', 1)[1]}"
-        out.append(f"| {r['model']} | {r['gpu']} | {layout} | {r['trtllm_version']} | {r['isl']}/{r['osl']} | "
-                   f"{float(r['value']):,.0f} ({r['metric']}) | {to_published_unit(r, pred[i]):,.0f} | "
-                   f"{pred[i] / comp.published[i]:.2f} | {case.bound} | {top} ({share:.0%} at peak rates) |")
+        out.append(
+            f"| {r['model']} | {r['gpu']} | {layout} | {r['trtllm_version']} | {r['isl']}/{r['osl']} | "
+            f"{float(r['value']):,.0f} ({r['metric']}) | {to_published_unit(r, pred[i]):,.0f} | "
+            f"{pred[i] / comp.published[i]:.2f} | {case.bound} | {top} ({share:.0%} at peak rates) |"
+        )
     return out
 
 
@@ -156,13 +201,17 @@ def _plot(path: Path, published: np.ndarray, pred: np.ndarray, kinds: np.ndarray
     """One panel per regime (the PyTorch backend's max-load rows split into dense and MoE models)."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print(f"matplotlib is not installed: no plot written to {path} (pip install matplotlib)", file=sys.stderr)
         return
-    panels = [k for k in ("engine max-load", "static batch", "batch-1 TTFT", "pytorch max-load, dense",
-                          "pytorch max-load, MoE") if ((kinds == k) & np.isfinite(pred)).any()]
+    panels = [
+        k
+        for k in ("engine max-load", "static batch", "batch-1 TTFT", "pytorch max-load, dense", "pytorch max-load, MoE")
+        if ((kinds == k) & np.isfinite(pred)).any()
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.8), squeeze=False)
     for ax, kind in zip(axes[0], panels):
         m = (kinds == kind) & np.isfinite(pred) & np.isfinite(published)
@@ -178,8 +227,10 @@ def _plot(path: Path, published: np.ndarray, pred: np.ndarray, kinds: np.ndarray
         unit = "ms" if "TTFT" in kind else "output tok/s"
         ax.set_xlabel(f"published ({unit})")
         ax.set_ylabel(f"predicted, leave-one-GPU-out ({unit})")
-        ax.set_title(f"{kind}: {int(m.sum())} rows\nmedian {np.median(e):.1%}, p90 {np.percentile(e, 90):.1%}"
-                     " (dotted: +/-30%)", fontsize=9)
+        ax.set_title(
+            f"{kind}: {int(m.sum())} rows\nmedian {np.median(e):.1%}, p90 {np.percentile(e, 90):.1%} (dotted: +/-30%)",
+            fontsize=9,
+        )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

@@ -74,7 +74,7 @@ def fp8_weights(src_model, conv_model) -> dict:
             a = _weight(getattr(getattr(a_layer, owner)[0], attr)).float()
             b = _weight(getattr(getattr(b_layer, owner)[0], attr)).float()
             s = float(a.abs().max()) / 448  # the shared scale: the member with the largest amax keeps +-448
-            bound = FP8_UNIT_ROUNDOFF * torch.maximum(a.abs(), b.abs()) + 2.0 ** -10 * s
+            bound = FP8_UNIT_ROUNDOFF * torch.maximum(a.abs(), b.abs()) + 2.0**-10 * s
             changed += int((a != b).sum())
             total += a.numel()
             share = max(share, float(((a - b).abs() / bound).max()))
@@ -83,14 +83,17 @@ def fp8_weights(src_model, conv_model) -> dict:
 
 def logit_metrics(src_model, conv_model, tokens: torch.Tensor) -> dict:
     with torch.no_grad():
-        ref = torch.cat([src_model(tokens[i:i + BATCH]) for i in range(0, len(tokens), BATCH)]).double()
-        got = torch.cat([conv_model(tokens[i:i + BATCH]) for i in range(0, len(tokens), BATCH)]).double()
+        ref = torch.cat([src_model(tokens[i : i + BATCH]) for i in range(0, len(tokens), BATCH)]).double()
+        got = torch.cat([conv_model(tokens[i : i + BATCH]) for i in range(0, len(tokens), BATCH)]).double()
     ref_logp, logp = F.log_softmax(ref, -1), F.log_softmax(got, -1)
     kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
     rel = (got - ref).abs().amax(-1) / ref.abs().amax(-1)
-    return {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
-            "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).double().mean()),
-            "max_rel_logit_change": float(rel.max())}
+    return {
+        "kl_mean": float(kl.mean()),
+        "kl_max": float(kl.max()),
+        "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).double().mean()),
+        "max_rel_logit_change": float(rel.max()),
+    }
 
 
 def one(name: str, step, dtype: str, work: Path) -> dict:
@@ -100,12 +103,22 @@ def one(name: str, step, dtype: str, work: Path) -> dict:
     src_model = load_hf_checkpoint(src)
     tokens = self_tokens(src_model, EVAL_SAMPLES, SEED + EVAL_SEED_OFFSET)
     allowed = (step,) if step else ()
-    out = convert(src, work / f"{name}-{dtype}", dtype=dtype, overwrite=True,
-                  importer=lambda plan, reader: ImportedLinears(fmt, reader.keys(), str(src), allowed))
+    out = convert(
+        src,
+        work / f"{name}-{dtype}",
+        dtype=dtype,
+        overwrite=True,
+        importer=lambda plan, reader: ImportedLinears(fmt, reader.keys(), str(src), allowed),
+    )
     conv_dtype = json.loads((out / "config.json").read_text())["dtype"]
     conv_model = load_checkpoint(out)
-    row = {"fixture": name, "format": fmt.describe().split(" from ")[0], "step": step or "none (exact)",
-           "dtype": conv_dtype, **logit_metrics(src_model, conv_model, tokens)}
+    row = {
+        "fixture": name,
+        "format": fmt.describe().split(" from ")[0],
+        "step": step or "none (exact)",
+        "dtype": conv_dtype,
+        **logit_metrics(src_model, conv_model, tokens),
+    }
     if step == FP8_REQUANTIZE:
         row.update(fp8_weights(src_model, conv_model))
     row["seconds"] = round(time.perf_counter() - start, 1)
@@ -113,14 +126,21 @@ def one(name: str, step, dtype: str, work: Path) -> dict:
 
 
 def fmt_rows(rows: list[dict]) -> str:
-    head = ("| source | step | dtype | KL mean (nats/token) | KL max | top-1 | max rel. logit change | "
-            "FP8 weights requantized (share of bound) |\n|---|---|---|---|---|---|---|---|\n")
+    head = (
+        "| source | step | dtype | KL mean (nats/token) | KL max | top-1 | max rel. logit change | "
+        "FP8 weights requantized (share of bound) |\n|---|---|---|---|---|---|---|---|\n"
+    )
     body = ""
     for r in rows:
-        w = (f"{r['requantized_elements']}/{r['fused_elements']} ({r['max_share_of_fp8_rounding_bound']:.2f})"
-             if "requantized_elements" in r else "-")
-        body += (f"| {r['fixture']} | {r['step']} | {r['dtype']} | {r['kl_mean']:.2e} | {r['kl_max']:.2e} | "
-                 f"{r['top1_agreement']:.4f} | {r['max_rel_logit_change']:.2e} | {w} |\n")
+        w = (
+            f"{r['requantized_elements']}/{r['fused_elements']} ({r['max_share_of_fp8_rounding_bound']:.2f})"
+            if "requantized_elements" in r
+            else "-"
+        )
+        body += (
+            f"| {r['fixture']} | {r['step']} | {r['dtype']} | {r['kl_mean']:.2e} | {r['kl_max']:.2e} | "
+            f"{r['top1_agreement']:.4f} | {r['max_rel_logit_change']:.2e} | {w} |\n"
+        )
     return head + body
 
 
@@ -129,8 +149,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results", help="directory of the .md and .json")
     args = ap.parse_args()
     torch.manual_seed(SEED)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
     cmd = "python scripts/lossy_imports.py"
     start = time.perf_counter()
     rows = []
@@ -138,26 +159,41 @@ def main() -> int:
         for name, step, dtype in CASES:
             rows.append(one(name, step, dtype, Path(tmp)))
             r = rows[-1]
-            print(f"{name:<30} {r['step']:<20} {r['dtype']:<9} KL {r['kl_mean']:.2e} top-1 {r['top1_agreement']:.4f} "
-                  f"rel {r['max_rel_logit_change']:.2e}", flush=True)
+            print(
+                f"{name:<30} {r['step']:<20} {r['dtype']:<9} KL {r['kl_mean']:.2e} top-1 {r['top1_agreement']:.4f} "
+                f"rel {r['max_rel_logit_change']:.2e}",
+                flush=True,
+            )
     seconds = round(time.perf_counter() - start, 1)
-    meta = {"command": cmd, "commit": commit, "seconds": seconds, "torch_threads": torch.get_num_threads(),
-            "machine": platform.machine(),
-            "eval": {"dataset": "self (the source's own samples from BOS)", "num_samples": EVAL_SAMPLES,
-                     "seq_len": SEQ_LEN, "seed": SEED + EVAL_SEED_OFFSET}}
+    meta = {
+        "command": cmd,
+        "commit": commit,
+        "seconds": seconds,
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "eval": {
+            "dataset": "self (the source's own samples from BOS)",
+            "num_samples": EVAL_SAMPLES,
+            "seq_len": SEQ_LEN,
+            "seed": SEED + EVAL_SEED_OFFSET,
+        },
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "lossy_imports.json").write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
-    md = ["# Lossy import conversions: the source as stored vs its engine checkpoint\n",
-          f"Made by `{cmd}` at commit {commit} ({seconds:.0f} s, {meta['torch_threads']} torch threads). Each "
-          "producer checkpoint (tests/prequantized.py) run as stored by the reference runtime against the "
-          "TensorRT-LLM checkpoint the engine target writes with only that step accepted "
-          "(`model.allow_lossy_import`), run by the same runtime. Data: the accuracy report's held-out scheme, "
-          f"{EVAL_SAMPLES} samples x {SEQ_LEN} tokens the source draws from BOS (seed {SEED + EVAL_SEED_OFFSET}). "
-          "KL(source || converted) per token; max rel. logit change: the largest |logit change| of a token over "
-          "its largest |source logit|. float32 rows: zero points are exact there (nothing to accept), what is "
-          "left is float32 summation order. The qwen3 fixtures are random-init (their logits nearly one-hot); "
-          "stories260k is trained.\n",
-          fmt_rows(rows), ""]
+    md = [
+        "# Lossy import conversions: the source as stored vs its engine checkpoint\n",
+        f"Made by `{cmd}` at commit {commit} ({seconds:.0f} s, {meta['torch_threads']} torch threads). Each "
+        "producer checkpoint (tests/prequantized.py) run as stored by the reference runtime against the "
+        "TensorRT-LLM checkpoint the engine target writes with only that step accepted "
+        "(`model.allow_lossy_import`), run by the same runtime. Data: the accuracy report's held-out scheme, "
+        f"{EVAL_SAMPLES} samples x {SEQ_LEN} tokens the source draws from BOS (seed {SEED + EVAL_SEED_OFFSET}). "
+        "KL(source || converted) per token; max rel. logit change: the largest |logit change| of a token over "
+        "its largest |source logit|. float32 rows: zero points are exact there (nothing to accept), what is "
+        "left is float32 summation order. The qwen3 fixtures are random-init (their logits nearly one-hot); "
+        "stories260k is trained.\n",
+        fmt_rows(rows),
+        "",
+    ]
     (args.out / "lossy_imports.md").write_text("\n".join(md))
     print(f"wrote {args.out / 'lossy_imports.md'} and .json ({seconds:.0f} s)")
     return 0

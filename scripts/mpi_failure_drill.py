@@ -34,8 +34,13 @@ def job_processes(marks) -> list[str]:
 
 def drill(repo: Path, event: str, trtpipe: str) -> dict:
     detach = ["--detach"] if event == "stop" else []  # trtpipe stop ends detached jobs
-    proc = subprocess.Popen([trtpipe, "serve", str(repo), "--timeout", "240", *detach], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.Popen(
+        [trtpipe, "serve", str(repo), "--timeout", "240", *detach],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -44,9 +49,11 @@ def drill(repo: Path, event: str, trtpipe: str) -> dict:
     run_dir = Path(next(ln.split()[1] for ln in lines if ln.startswith("  run ")))
     ranks = json.loads((run_dir / "ranks.json").read_text())
     shm_before = set(os.listdir("/dev/shm"))
-    target = {"worker": lambda: int((run_dir / "rank1.pid").read_text()),
-              "leader": lambda: next(r["pid"] for r in ranks if r["rank"] == 0),
-              "tritonserver": lambda: int((run_dir / "rank0.pid").read_text())}
+    target = {
+        "worker": lambda: int((run_dir / "rank1.pid").read_text()),
+        "leader": lambda: next(r["pid"] for r in ranks if r["rank"] == 0),
+        "tritonserver": lambda: int((run_dir / "rank0.pid").read_text()),
+    }
     t0 = time.monotonic()
     if event in target:
         os.kill(target[event](), signal.SIGKILL)
@@ -64,12 +71,21 @@ def drill(repo: Path, event: str, trtpipe: str) -> dict:
     state = json.loads((run_dir / "state.json").read_text())
     job_shm = [n for n in state.get("shm_removed", []) if os.path.exists(f"/dev/shm/{n}")]
     prefix = json.loads((run_dir / "launch.json").read_text())["shm_prefix"]
-    new_shm = sorted(n for n in set(os.listdir("/dev/shm")) - shm_before  # other users' servers come and go
-                     if n.startswith((prefix, "mpich_shm_")))
-    return {"event": event, "serve_exit_code": code, "seconds_to_exit": round(took, 2),
-            "serve_printed": rest.strip().splitlines()[:3], "state": state["state"],
-            "processes_left": job_processes([str(repo), str(run_dir)]), "job_shm_left": job_shm,
-            "new_job_or_mpich_shm_since_event": new_shm}
+    new_shm = sorted(
+        n
+        for n in set(os.listdir("/dev/shm")) - shm_before  # other users' servers come and go
+        if n.startswith((prefix, "mpich_shm_"))
+    )
+    return {
+        "event": event,
+        "serve_exit_code": code,
+        "seconds_to_exit": round(took, 2),
+        "serve_printed": rest.strip().splitlines()[:3],
+        "state": state["state"],
+        "processes_left": job_processes([str(repo), str(run_dir)]),
+        "job_shm_left": job_shm,
+        "new_job_or_mpich_shm_since_event": new_shm,
+    }
 
 
 def main() -> None:

@@ -24,8 +24,15 @@ def rank_main(ckpt: str) -> None:
     model, statuses = load_all_ranks(ckpt)
     grown = world.gather((before - start, rss_mb() - before), root=0)
     if model.layout.rank == 0:
-        print(json.dumps({"grown_mb": [g for _, g in grown], "mpi_mb": [m for m, _ in grown],
-                          "weights_mb": [s["weights_mb"] for s in statuses]}))
+        print(
+            json.dumps(
+                {
+                    "grown_mb": [g for _, g in grown],
+                    "mpi_mb": [m for m, _ in grown],
+                    "weights_mb": [s["weights_mb"] for s in statuses],
+                }
+            )
+        )
 
 
 def single_main(ckpt: str) -> None:
@@ -54,21 +61,35 @@ def main() -> None:
     from trtpipe.models.synthetic import make_synthetic
 
     tmp = Path(tempfile.mkdtemp(prefix="rankmem"))
-    hf = make_synthetic("llama", tmp / "hf", hidden_size=a.hidden, intermediate_size=a.hidden * 8 // 3 // 64 * 64,
-                        num_hidden_layers=a.layers, num_attention_heads=a.hidden // 64, num_key_value_heads=a.hidden // 128,
-                        vocab_size=8192)
+    hf = make_synthetic(
+        "llama",
+        tmp / "hf",
+        hidden_size=a.hidden,
+        intermediate_size=a.hidden * 8 // 3 // 64 * 64,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.hidden // 64,
+        num_key_value_heads=a.hidden // 128,
+        vocab_size=8192,
+    )
     ckpt = convert(hf, tmp / "ckpt", tp=a.tp, pp=a.pp, dtype="float16")
     files = sum(p.stat().st_size for p in ckpt.glob("rank*.safetensors")) / 2**20
-    single = json.loads(subprocess.check_output([sys.executable, __file__, "--single", str(ckpt)]).decode().splitlines()[-1])
+    single = json.loads(
+        subprocess.check_output([sys.executable, __file__, "--single", str(ckpt)]).decode().splitlines()[-1]
+    )
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
-    ranks = json.loads(subprocess.check_output([mpiexec, "-n", str(a.tp * a.pp), sys.executable, __file__, "--rank",
-                                                str(ckpt)]).decode().splitlines()[-1])
+    ranks = json.loads(
+        subprocess.check_output([mpiexec, "-n", str(a.tp * a.pp), sys.executable, __file__, "--rank", str(ckpt)])
+        .decode()
+        .splitlines()[-1]
+    )
     world = a.tp * a.pp
     print(f"checkpoint: {files:.1f} MiB float16 in {world} rank files (tp {a.tp} x pp {a.pp})")
     print(f"one process (all ranks): RSS grew {single['grown_mb']:.1f} MiB while loading")
     for r, (g, m, w) in enumerate(zip(ranks["grown_mb"], ranks["mpi_mb"], ranks["weights_mb"])):
-        print(f"rank {r}: MPI init {m:.1f} MiB; read {w:.1f} MiB, RSS grew {g:.1f} MiB while loading = "
-              f"{g / single['grown_mb']:.3f} of one process (1/world = {1 / world:.3f})")
+        print(
+            f"rank {r}: MPI init {m:.1f} MiB; read {w:.1f} MiB, RSS grew {g:.1f} MiB while loading = "
+            f"{g / single['grown_mb']:.3f} of one process (1/world = {1 / world:.3f})"
+        )
     print(f"sum over ranks: {sum(ranks['grown_mb']):.1f} MiB vs {single['grown_mb']:.1f} MiB in one process")
 
 

@@ -54,18 +54,35 @@ async def _one(session, url: str, priority: float, out: list) -> None:
     t0 = time.perf_counter()
     ctx: dict = {}
     try:
-        async with session.post(url + "/v1/completions", json={**BODY, "priority": priority},
-                                trace_request_ctx=ctx) as r:
+        async with session.post(
+            url + "/v1/completions", json={**BODY, "priority": priority}, trace_request_ctx=ctx
+        ) as r:
             first = time.perf_counter() - t0  # the status line and headers: a refusal is complete here
             data = await r.read()
-            out.append({"status": r.status, "priority": priority, "retry_after": r.headers.get("Retry-After"),
-                        "t_headers": first, "t_total": time.perf_counter() - t0, "t_connect": ctx.get("connect", 0.0),
-                        "shed": r.status == 429 and b"shed for a request of higher priority" in data,
-                        "ok": r.status == 200 and isinstance(json.loads(data)["choices"][0]["text"], str)})
+            out.append(
+                {
+                    "status": r.status,
+                    "priority": priority,
+                    "retry_after": r.headers.get("Retry-After"),
+                    "t_headers": first,
+                    "t_total": time.perf_counter() - t0,
+                    "t_connect": ctx.get("connect", 0.0),
+                    "shed": r.status == 429 and b"shed for a request of higher priority" in data,
+                    "ok": r.status == 200 and isinstance(json.loads(data)["choices"][0]["text"], str),
+                }
+            )
     except Exception as exc:  # noqa: BLE001 - counted as a failure of the drill
-        out.append({"status": f"{type(exc).__name__}", "priority": priority, "retry_after": None,
-                    "t_headers": time.perf_counter() - t0, "t_total": time.perf_counter() - t0,
-                    "t_connect": ctx.get("connect", 0.0), "ok": False})
+        out.append(
+            {
+                "status": f"{type(exc).__name__}",
+                "priority": priority,
+                "retry_after": None,
+                "t_headers": time.perf_counter() - t0,
+                "t_total": time.perf_counter() - t0,
+                "t_connect": ctx.get("connect", 0.0),
+                "ok": False,
+            }
+        )
 
 
 async def _capacity(url: str, concurrency: int, seconds: float) -> float:
@@ -75,16 +92,20 @@ async def _capacity(url: str, concurrency: int, seconds: float) -> float:
     done: list = []
     end = time.perf_counter() + seconds
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+
         async def client():
             while time.perf_counter() < end:
                 await _one(s, url, 0.5, done)
+
         t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
         elapsed = time.perf_counter() - t0
     return sum(1 for d in done if d["ok"]) / elapsed
 
 
-async def _overload(url: str, rate: float, seconds: float, high_share: float, rss, seed: int) -> tuple[list, float, list]:
+async def _overload(
+    url: str, rate: float, seconds: float, high_share: float, rss, seed: int
+) -> tuple[list, float, list]:
     """Open-loop arrivals at ``rate`` per second for ``seconds``; returns (results, peak RSS seen meanwhile, the
     client's event-loop lags)."""
     import aiohttp
@@ -102,8 +123,9 @@ async def _overload(url: str, rate: float, seconds: float, high_share: float, rs
             lags.append(time.perf_counter() - t - 0.01)
 
     prober = asyncio.create_task(probe())
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=1200),
-                                     trace_configs=_tracing()) as s:
+    async with aiohttp.ClientSession(
+        connector=conn, timeout=aiohttp.ClientTimeout(total=1200), trace_configs=_tracing()
+    ) as s:
         tasks, t0, n = [], time.perf_counter(), 0
         while (now := time.perf_counter() - t0) < seconds:
             while n < rate * now:  # every arrival due by now (a late loop catches up rather than lowering the rate)
@@ -132,7 +154,9 @@ def _listen_drops() -> dict:
 def _greedy(url: str) -> tuple[int, str]:
     import urllib.request
 
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(BODY).encode(), {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(BODY).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=600) as r:
         return r.status, json.loads(r.read())["choices"][0]["text"]
 
@@ -147,8 +171,9 @@ def main() -> int:
     ap.add_argument("target", type=Path)
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--factor", type=float, default=4.0, help="offered load / measured capacity")
-    ap.add_argument("--high-share", type=float, default=0.25, help=f"share of requests at priority {HIGH} "
-                    f"(the rest {LOW})")
+    ap.add_argument(
+        "--high-share", type=float, default=0.25, help=f"share of requests at priority {HIGH} (the rest {LOW})"
+    )
     ap.add_argument("--capacity-seconds", type=float, default=10.0)
     ap.add_argument("--port", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -185,13 +210,21 @@ def main() -> int:
     by_priority = {}
     for p in (LOW, HIGH):
         mine = [r for r in results if r["priority"] == p]
-        by_priority[str(p)] = {"offered": len(mine), "accepted": sum(1 for r in mine if r["status"] == 200),
-                               "refused": sum(1 for r in mine if r["status"] in (429, 503))}
+        by_priority[str(p)] = {
+            "offered": len(mine),
+            "accepted": sum(1 for r in mine if r["status"] == 200),
+            "refused": sum(1 for r in mine if r["status"] in (429, 503)),
+        }
     ms = lambda xs: {k: round(1e3 * _pct(xs, q), 1) for k, q in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))}  # noqa
     summary = {
-        "capacity_rps": round(capacity, 2), "offered_rps": round(rate, 2), "seconds": args.seconds,
-        "drill_wall_s": round(drill_s, 1), "offered": len(results), "accepted": len(accepted),
-        "accepted_completed": sum(1 for r in accepted if r["ok"]), "refused": len(refused),
+        "capacity_rps": round(capacity, 2),
+        "offered_rps": round(rate, 2),
+        "seconds": args.seconds,
+        "drill_wall_s": round(drill_s, 1),
+        "offered": len(results),
+        "accepted": len(accepted),
+        "accepted_completed": sum(1 for r in accepted if r["ok"]),
+        "refused": len(refused),
         "refused_by_status": {str(s): sum(1 for r in refused if r["status"] == s) for s in (429, 503)},
         "refused_with_retry_after": sum(1 for r in refused if r["retry_after"]),
         "time_to_reject_ms": ms([r["t_headers"] for r in refused]),
@@ -208,13 +241,22 @@ def main() -> int:
         "other": {str(s): sum(1 for r in other if r["status"] == s) for s in {r["status"] for r in other}},
         "by_priority": by_priority,
         "listen_queue_drops": drops,
-        "rss_mib": {"before": round(rss_before / 2**20, 1), "peak": round(peak / 2**20, 1),
-                    "after": round(rss_after / 2**20, 1)},
+        "rss_mib": {
+            "before": round(rss_before / 2**20, 1),
+            "peak": round(peak / 2**20, 1),
+            "after": round(rss_after / 2**20, 1),
+        },
         "after": {"health": health, "greedy_status": after_status, "same_text_as_before": after_text == before_text},
     }
     print(json.dumps(summary, indent=2))
-    bad = (other or summary["refused_with_retry_after"] != len(refused) or summary["accepted_completed"] != len(accepted)
-           or health != 200 or after_text != before_text or status != 200)
+    bad = (
+        other
+        or summary["refused_with_retry_after"] != len(refused)
+        or summary["accepted_completed"] != len(accepted)
+        or health != 200
+        or after_text != before_text
+        or status != 200
+    )
     return 1 if bad else 0
 
 

@@ -50,8 +50,10 @@ async def _batch_load(url: str, seconds: float, clients: int, priority: float) -
     import aiohttp
 
     done, stop = [0], time.perf_counter() + seconds
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=1200)) as s:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=1200)
+    ) as s:
+
         async def client():
             while time.perf_counter() < stop:
                 async with s.post(url + "/v1/completions", json={**BATCH, "priority": priority}) as r:
@@ -63,8 +65,17 @@ async def _batch_load(url: str, seconds: float, clients: int, priority: float) -
         return {"batch_completed_per_s": round(done[0] / (time.perf_counter() - t0), 2)}
 
 
-async def _phase(url: str, seconds: float, rps: float, batch_clients: int, batch_p: float, inter_p: float,
-                 seed: int, prompt_tokens: int, vocab: int) -> dict:
+async def _phase(
+    url: str,
+    seconds: float,
+    rps: float,
+    batch_clients: int,
+    batch_p: float,
+    inter_p: float,
+    seed: int,
+    prompt_tokens: int,
+    vocab: int,
+) -> dict:
     import aiohttp
 
     rng = random.Random(seed)
@@ -72,12 +83,23 @@ async def _phase(url: str, seconds: float, rps: float, batch_clients: int, batch
     batch = None
     if batch_clients:
         batch = await asyncio.create_subprocess_exec(
-            sys.executable, __file__, "--batch-load", url, "--seconds", str(seconds), "--batch-clients",
-            str(batch_clients), "--batch-priority", str(batch_p), stdout=asyncio.subprocess.PIPE)
+            sys.executable,
+            __file__,
+            "--batch-load",
+            url,
+            "--seconds",
+            str(seconds),
+            "--batch-clients",
+            str(batch_clients),
+            "--batch-priority",
+            str(batch_p),
+            stdout=asyncio.subprocess.PIPE,
+        )
         await asyncio.sleep(2.0)  # the batch saturates the server before the first interactive request
     stop = time.perf_counter() + seconds - (2.0 if batch else 0.0)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=1200)) as s:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=1200)
+    ) as s:
         tasks, t = [], time.perf_counter()
         while t < stop:
             prompt = [rng.randrange(3, vocab) for _ in range(prompt_tokens)]  # fresh: no cached prefix to reuse
@@ -92,8 +114,14 @@ async def _phase(url: str, seconds: float, rps: float, batch_clients: int, batch
             raise SystemExit(f"the batch load process failed (exit {batch.returncode})")
         kept = json.loads(out)
     ok = [x for x in ttfts if x is not None]
-    return {"interactive": len(ttfts), "failed": len(ttfts) - len(ok), "ttft_p50_ms": round(1e3 * _pct(ok, 0.5), 1),
-            "ttft_p90_ms": round(1e3 * _pct(ok, 0.9), 1), "ttft_p99_ms": round(1e3 * _pct(ok, 0.99), 1), **kept}
+    return {
+        "interactive": len(ttfts),
+        "failed": len(ttfts) - len(ok),
+        "ttft_p50_ms": round(1e3 * _pct(ok, 0.5), 1),
+        "ttft_p90_ms": round(1e3 * _pct(ok, 0.9), 1),
+        "ttft_p99_ms": round(1e3 * _pct(ok, 0.99), 1),
+        **kept,
+    }
 
 
 def main() -> int:
@@ -106,17 +134,22 @@ def main() -> int:
     ap.add_argument("--batch-priority", type=float, default=0.5, help=argparse.SUPPRESS)
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--interactive-rps", type=float, default=4.0)
-    ap.add_argument("--interactive-prompt-tokens", type=int, default=192,
-                    help="each interactive prompt: this many random token ids, fresh per request (0: the short "
-                         "text prompt, where TTFT alone is one step and so waiting for one in-flight step doubles it)")
+    ap.add_argument(
+        "--interactive-prompt-tokens",
+        type=int,
+        default=192,
+        help="each interactive prompt: this many random token ids, fresh per request (0: the short "
+        "text prompt, where TTFT alone is one step and so waiting for one in-flight step doubles it)",
+    )
     ap.add_argument("--batch-clients", type=int, default=24, help="closed-loop batch clients (3x an 8-slot batch)")
     ap.add_argument("--port", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", action="append", default=[], help="recipe override KEY=VALUE")
     args = ap.parse_args()
     if args.batch_load:
-        print(json.dumps(asyncio.run(_batch_load(args.batch_load, args.seconds, args.batch_clients,
-                                                 args.batch_priority))))
+        print(
+            json.dumps(asyncio.run(_batch_load(args.batch_load, args.seconds, args.batch_clients, args.batch_priority)))
+        )
         return 0
     if args.target is None:
         ap.error("TARGET is required")
@@ -125,20 +158,41 @@ def main() -> int:
     server = start_detached(target, args.set, timeout=600)
     try:
         vocab = json.loads((target.model_dir / "config.json").read_text())["vocab_size"]
-        run = lambda clients, bp, ip: asyncio.run(_phase(server.http_url, args.seconds, args.interactive_rps,  # noqa
-                                                         clients, bp, ip, args.seed, args.interactive_prompt_tokens,
-                                                         vocab))
-        phases = {"alone": run(0, 0.5, 0.5),
-                  "with_batch_same_priority": run(args.batch_clients, 0.5, 0.5),
-                  "with_batch_low_priority": run(args.batch_clients, 0.1, 0.9)}
+        run = lambda clients, bp, ip: asyncio.run(  # noqa: E731
+            _phase(
+                server.http_url,
+                args.seconds,
+                args.interactive_rps,  # noqa
+                clients,
+                bp,
+                ip,
+                args.seed,
+                args.interactive_prompt_tokens,
+                vocab,
+            )
+        )
+        phases = {
+            "alone": run(0, 0.5, 0.5),
+            "with_batch_same_priority": run(args.batch_clients, 0.5, 0.5),
+            "with_batch_low_priority": run(args.batch_clients, 0.1, 0.9),
+        }
     finally:
         server.stop()
     base = phases["alone"]["ttft_p99_ms"]
     for p in phases.values():
         p["p99_vs_alone"] = round(p["ttft_p99_ms"] / base, 2) if base else None
-    print(json.dumps({"seconds_per_phase": args.seconds, "interactive_rps": args.interactive_rps,
-                      "interactive_prompt_tokens": args.interactive_prompt_tokens,
-                      "batch_clients": args.batch_clients, "phases": phases}, indent=2))
+    print(
+        json.dumps(
+            {
+                "seconds_per_phase": args.seconds,
+                "interactive_rps": args.interactive_rps,
+                "interactive_prompt_tokens": args.interactive_prompt_tokens,
+                "batch_clients": args.batch_clients,
+                "phases": phases,
+            },
+            indent=2,
+        )
+    )
     return 1 if any(p["failed"] for p in phases.values()) else 0
 
 

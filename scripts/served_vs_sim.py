@@ -59,8 +59,9 @@ def _plain(o):
 
 
 def cli(*args: str, env: dict | None = None, capture: bool = False) -> str:
-    res = subprocess.run([sys.executable, "-m", "trtpipe.cli", *args], env=env, text=True,
-                         stdout=subprocess.PIPE if capture else None)
+    res = subprocess.run(
+        [sys.executable, "-m", "trtpipe.cli", *args], env=env, text=True, stdout=subprocess.PIPE if capture else None
+    )
     if res.returncode != 0:
         raise SystemExit(f"trtpipe {' '.join(args)}: exit {res.returncode}")
     return res.stdout or ""
@@ -70,8 +71,24 @@ def bench(repo: str, out: Path, conc: str, isl: int, osl: int, n: int, seed: int
     """``trtpipe bench run`` against the detached server of ``repo`` (the served repository itself, so that it
     can never start a server of its own). Each call gets its own ``seed``: AIPerf's prompts of one seed start
     alike, and later calls would find their first KV blocks cached (the simulated prompts share nothing)."""
-    cli("bench", "run", repo, "-c", conc, "--isl", str(isl), "--osl", str(osl), "-n", str(n), "--out", str(out),
-        "--seed", str(seed), capture=True)
+    cli(
+        "bench",
+        "run",
+        repo,
+        "-c",
+        conc,
+        "--isl",
+        str(isl),
+        "--osl",
+        str(osl),
+        "-n",
+        str(n),
+        "--out",
+        str(out),
+        "--seed",
+        str(seed),
+        capture=True,
+    )
     return [json.loads(p.read_text()) for p in sorted(out.rglob("result.json"))]
 
 
@@ -89,19 +106,27 @@ def returns(aiperf_dir: Path, concurrency: int) -> dict:
 
 def point(doc: dict, aiperf_dir: Path) -> dict:
     m = doc["metrics"]
-    return {"c": doc["load"]["concurrency"], **returns(aiperf_dir, doc["load"]["concurrency"]), "ttft_p50": m["ttft"]["p50"] / 1e3, "ttft_avg": m["ttft"]["avg"] / 1e3,
-            "itl_p50": m["itl"]["p50"] / 1e3, "itl_avg": m["itl"]["avg"] / 1e3,
-            "tok_s": m["output_token_throughput"]["value"],
-            "outside_p50": doc["server_split"]["outside_executor"]["p50"] / 1e3,
-            "outside": np.array(doc["samples"]["outside_executor"]) / 1e3,
-            # TTFT inside the executor (first token - left the queue), per request, from the perf metrics
-            "exec_ttft_p50": float(np.median(np.add(doc["samples"]["server_queue"],
-                                                    doc["samples"]["server_prefill"]))) / 1e3}
+    return {
+        "c": doc["load"]["concurrency"],
+        **returns(aiperf_dir, doc["load"]["concurrency"]),
+        "ttft_p50": m["ttft"]["p50"] / 1e3,
+        "ttft_avg": m["ttft"]["avg"] / 1e3,
+        "itl_p50": m["itl"]["p50"] / 1e3,
+        "itl_avg": m["itl"]["avg"] / 1e3,
+        "tok_s": m["output_token_throughput"]["value"],
+        "outside_p50": doc["server_split"]["outside_executor"]["p50"] / 1e3,
+        "outside": np.array(doc["samples"]["outside_executor"]) / 1e3,
+        # TTFT inside the executor (first token - left the queue), per request, from the perf metrics
+        "exec_ttft_p50": float(np.median(np.add(doc["samples"]["server_queue"], doc["samples"]["server_prefill"])))
+        / 1e3,
+    }
 
 
 def executor_settings(http_url: str, repo: Path):
     with urllib.request.urlopen(f"{http_url}/v2/models/tensorrt_llm/config", timeout=10) as fh:
-        return triton_adapter.settings_from_model_config(json.load(fh), str(repo / "tensorrt_llm")).executor  # as the stub sees it
+        return triton_adapter.settings_from_model_config(
+            json.load(fh), str(repo / "tensorrt_llm")
+        ).executor  # as the stub sees it
 
 
 def pin(server_pid: int) -> str:
@@ -151,14 +176,28 @@ def measure(a, work: Path, sets: list[str]) -> None:
         for r in range(a.rounds):
             run = work / "runs" / f"round{r}"
             for k, (conc, isl, osl) in enumerate(CALIBRATION):
-                bench(server.repo, run / "calibration" / str(k), conc, isl, osl, 8 * max(map(int, conc.split(","))),
-                      seed=1000 * r + k + 1)
+                bench(
+                    server.repo,
+                    run / "calibration" / str(k),
+                    conc,
+                    isl,
+                    osl,
+                    8 * max(map(int, conc.split(","))),
+                    seed=1000 * r + k + 1,
+                )
             lines = iters.read_text().splitlines()
             with open(run / "calibration_steps.jsonl", "w") as fh:  # this round's calibration workloads' steps only
                 fh.writelines(line + "\n" for line in lines[seen:])
             for c in (int(x) for x in a.concurrency.split(",")):
-                bench(server.repo, run / "evaluation" / f"c{c}", str(c), a.isl, a.osl,
-                      max(c * a.requests_per_client, a.min_requests), seed=1000 * r + 100 + c)
+                bench(
+                    server.repo,
+                    run / "evaluation" / f"c{c}",
+                    str(c),
+                    a.isl,
+                    a.osl,
+                    max(c * a.requests_per_client, a.min_requests),
+                    seed=1000 * r + 100 + c,
+                )
             seen = len(iters.read_text().splitlines())
     finally:
         cli("stop", a.recipe, *sets)
@@ -171,8 +210,9 @@ def load(work: Path):
     config = api.ExecutorConfig(**{**fields, "capacity_policy": api.CapacityPolicy(fields["capacity_policy"])})
     rounds = []
     for run in sorted((work / "runs").glob("round*"), key=lambda p: int(p.name[5:])):
-        points = lambda part: [point(json.loads(p.read_text()), p.parent / "aiperf")  # noqa: E731
-                               for p in sorted(run.glob(f"{part}/**/result.json"))]
+        points = lambda part: [  # noqa: E731
+            point(json.loads(p.read_text()), p.parent / "aiperf") for p in sorted(run.glob(f"{part}/**/result.json"))
+        ]
         records = [json.loads(line) for line in (run / "calibration_steps.jsonl").read_text().splitlines()]
         rounds.append((points("calibration"), records, {m["c"]: m for m in points("evaluation")}))
     return config, rounds
@@ -194,16 +234,26 @@ def main(argv=None) -> int:
     ap.add_argument("--osl", type=int, default=64)
     ap.add_argument("--requests-per-client", type=int, default=8)
     ap.add_argument("--min-requests", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=4,
-                    help="rounds of calibration then evaluation (each predicted from its own calibration)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="rounds of calibration then evaluation (each predicted from its own calibration)",
+    )
     ap.add_argument("--sim-seeds", type=int, default=9, help="simulated runs per point (medians are compared)")
     ap.add_argument("--reuse", action="store_true", help="fit and simulate on the last run's measurements")
-    ap.add_argument("--no-pin", dest="pin", action="store_false",
-                    help="leave the executor sharing every CPU with the front end and the bench")
+    ap.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="leave the executor sharing every CPU with the front end and the bench",
+    )
     a = ap.parse_args(argv)
     work = a.work.resolve()
-    sets = [f"--set={s}" for s in (f"work_dir={work}", "triton.streaming=true", "engine.max_batch_size=16",
-                                   "triton.max_batch_size=16")]
+    sets = [
+        f"--set={s}"
+        for s in (f"work_dir={work}", "triton.streaming=true", "engine.max_batch_size=16", "triton.max_batch_size=16")
+    ]
     if not a.reuse:
         measure(a, work, sets)
     config, rounds = load(work)
@@ -214,12 +264,21 @@ def main(argv=None) -> int:
         per_round.append(predict_round(a, config, cal_points, records, evals, keys))
     comparison = compare_rounds(per_round, keys)
     worst = worst_ratio_error(comparison)
-    rows = [{"concurrency": r.concurrency, "measured": r.measured, "simulated": r.simulated, "ratio": r.ratio,
-             "rounds": [{"measured": x[r.concurrency][0], "simulated": x[r.concurrency][1]} for x in per_round]}
-            for r in comparison]
-    print(f"| concurrency | TTFT p50 ms: measured | sim | ratio | executor TTFT p50 ms: measured | sim | ratio | "
-          f"ITL p50 ms: measured | sim | ratio | tok/s: measured | sim | ratio |   (medians over {len(rounds)} rounds; "
-          f"ratio: median of each round's sim/measured)")
+    rows = [
+        {
+            "concurrency": r.concurrency,
+            "measured": r.measured,
+            "simulated": r.simulated,
+            "ratio": r.ratio,
+            "rounds": [{"measured": x[r.concurrency][0], "simulated": x[r.concurrency][1]} for x in per_round],
+        }
+        for r in comparison
+    ]
+    print(
+        f"| concurrency | TTFT p50 ms: measured | sim | ratio | executor TTFT p50 ms: measured | sim | ratio | "
+        f"ITL p50 ms: measured | sim | ratio | tok/s: measured | sim | ratio |   (medians over {len(rounds)} rounds; "
+        f"ratio: median of each round's sim/measured)"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in comparison:
         cells = []
@@ -228,8 +287,9 @@ def main(argv=None) -> int:
             cells += [fmt.format(r.measured[k] * scale), fmt.format(r.simulated[k] * scale), f"{r.ratio[k]:.2f}"]
         print(f"| {r.concurrency} | " + " | ".join(cells) + " |")
     print(f"worst |sim/measured - 1| = {worst:.1%} over {len(keys) * len(rows)} numbers")
-    (work / "served_vs_sim.json").write_text(json.dumps(
-        {"executor": dataclasses.asdict(config), "rows": rows}, indent=1, default=_plain))
+    (work / "served_vs_sim.json").write_text(
+        json.dumps({"executor": dataclasses.asdict(config), "rows": rows}, indent=1, default=_plain)
+    )
     return 0
 
 
@@ -245,9 +305,11 @@ def predict_round(a, config, cal_points, records, evals, keys) -> dict:
     # ... which requests freed by one step share: one draw per step, plus each request's own small offset
     group = np.concatenate([p["group"] for p in cal_points])
     jitter = np.concatenate([p["jitter"] for p in cal_points])
-    print(f"  per step that frees requests: p10 {np.percentile(group, 10):.2f} p90 {np.percentile(group, 90):.2f} "
-          f"of the median; each request's offset from its step's: p10 {np.percentile(jitter, 10):+.2f} "
-          f"p90 {np.percentile(jitter, 90):+.2f}")
+    print(
+        f"  per step that frees requests: p10 {np.percentile(group, 10):.2f} p90 {np.percentile(group, 90):.2f} "
+        f"of the median; each request's offset from its step's: p10 {np.percentile(jitter, 10):+.2f} "
+        f"p90 {np.percentile(jitter, 90):+.2f}"
+    )
     out = {}
     for c, measured in sorted(evals.items()):
         n = max(c * a.requests_per_client, a.min_requests)
@@ -257,12 +319,24 @@ def predict_round(a, config, cal_points, records, evals, keys) -> dict:
             # measured up to the step that took the request in; the simulator adds its own wait for a step (half a
             # step on average: a few % of this time)
             typical = comeback.median_at(c)
-            r = closed_loop(config, CostModelEngine(step_cost=cost), c, n, a.isl, a.osl,
-                            client_gap_s=typical * rng.choice(jitter, size=n),
-                            step_gap_s=typical * rng.choice(group, size=n))
-            runs.append({"ttft_p50": float(np.median(r.executor_ttft + outside.draw(c, n, rng))),
-                         "exec_ttft_p50": float(np.median(r.executor_ttft)), "itl_p50": r.pct("itl", 50),
-                         "tok_s": r.throughput})
+            r = closed_loop(
+                config,
+                CostModelEngine(step_cost=cost),
+                c,
+                n,
+                a.isl,
+                a.osl,
+                client_gap_s=typical * rng.choice(jitter, size=n),
+                step_gap_s=typical * rng.choice(group, size=n),
+            )
+            runs.append(
+                {
+                    "ttft_p50": float(np.median(r.executor_ttft + outside.draw(c, n, rng))),
+                    "exec_ttft_p50": float(np.median(r.executor_ttft)),
+                    "itl_p50": r.pct("itl", 50),
+                    "tok_s": r.throughput,
+                }
+            )
         out[c] = ({k: measured[k] for k in keys}, {k: float(np.median([x[k] for x in runs])) for k in keys})
     return out
 

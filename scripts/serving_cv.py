@@ -51,11 +51,22 @@ def main(argv=None) -> int:
             if p is None:
                 continue
             by_metric.setdefault(r["metric"], []).append(abs(p / float(r["value"]) - 1))
-        report[name] = {m: {"n": len(e), "median": float(np.median(e)), "p90": float(np.percentile(e, 90))}
-                        for m, e in sorted(by_metric.items())}
-        report[name + " rows"] = [{"model": r["model"], "isl": r["isl"], "osl": r["osl"], "metric": r["metric"],
-                                   "load": r["concurrency_or_batch"], "published": float(r["value"]), "predicted": p}
-                                  for r, p in zip(sub, pred)]
+        report[name] = {
+            m: {"n": len(e), "median": float(np.median(e)), "p90": float(np.percentile(e, 90))}
+            for m, e in sorted(by_metric.items())
+        }
+        report[name + " rows"] = [
+            {
+                "model": r["model"],
+                "isl": r["isl"],
+                "osl": r["osl"],
+                "metric": r["metric"],
+                "load": r["concurrency_or_batch"],
+                "published": float(r["value"]),
+                "predicted": p,
+            }
+            for r, p in zip(sub, pred)
+        ]
         print(f"{name} (held out: {', '.join(held)}):")
         for m, s in report[name].items():
             print(f"  {m:30s} n={s['n']:3d}  median {100 * s['median']:.1f}%  p90 {100 * s['p90']:.1f}%")

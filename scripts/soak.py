@@ -21,8 +21,10 @@ from pathlib import Path
 
 import psutil
 
-WORDS = ("Once upon a time there was a little girl named Lily who liked to play in the park with her dog "
-         "and one day she found a big red ball under a tree").split()
+WORDS = (
+    "Once upon a time there was a little girl named Lily who liked to play in the park with her dog "
+    "and one day she found a big red ball under a tree"
+).split()
 
 
 def prompt(rng: random.Random) -> str:
@@ -72,14 +74,21 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--cancel", type=float, default=0.1, help="fraction of requests the client cancels midway")
-    ap.add_argument("--model", default=None,
-                    help="the model the clients stream through (default: the client's front model, the BLS when "
-                         "the repository has one; 'ensemble' or 'tensorrt_llm' exercise the other paths)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="the model the clients stream through (default: the client's front model, the BLS when "
+        "the repository has one; 'ensemble' or 'tensorrt_llm' exercise the other paths)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sample-s", type=float, default=2.0)
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--max-seconds", type=float, default=None,
-                    help="stop issuing requests after this long (the summary says how many ran)")
+    ap.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="stop issuing requests after this long (the summary says how many ran)",
+    )
     args = ap.parse_args()
     from trtpipe.processes import sigterm_as_interrupt
 
@@ -90,8 +99,9 @@ def main() -> int:
     from trtpipe.triton.server_process import start_server
 
     rng = random.Random(args.seed)
-    plan = [(prompt(rng), rng.choice([4, 16, 32, 64, 128, 200]), rng.random() < args.cancel)
-            for _ in range(args.requests)]
+    plan = [
+        (prompt(rng), rng.choice([4, 16, 32, 64, 128, 200]), rng.random() < args.cancel) for _ in range(args.requests)
+    ]
     counts: Counter = Counter()
     errors: Counter = Counter()
     done = [0]
@@ -155,10 +165,18 @@ def main() -> int:
     for s in samples[::step] + [samples[-1]]:
         print(f"{s[0]:>5} {s[1]:>8}  " + "  ".join(f"{s[2].get(n, float('nan')):>24}" for n in names))
     summary = {
-        "requests": args.requests, "concurrency": args.concurrency, "done": done[0], "outcomes": dict(counts),
-        "errors": dict(errors), "seconds": round(time.monotonic() - started, 1),
-        "rss_mb_after_warmup": warm[2], "rss_mb_end": last[2], "rss_growth_pct_after_warmup": growth,
-        "shm_regions_start": len(shm_start), "shm_regions_peak": shm_peak[0], "shm_regions_end_live": len(shm_end_live),
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "done": done[0],
+        "outcomes": dict(counts),
+        "errors": dict(errors),
+        "seconds": round(time.monotonic() - started, 1),
+        "rss_mb_after_warmup": warm[2],
+        "rss_mb_end": last[2],
+        "rss_growth_pct_after_warmup": growth,
+        "shm_regions_start": len(shm_start),
+        "shm_regions_peak": shm_peak[0],
+        "shm_regions_end_live": len(shm_end_live),
         "shm_left_after_stop": shm_after_stop,
         "ok": not shm_after_stop and counts["error"] == 0 and all(g < 10 for g in growth.values()),
     }

@@ -21,19 +21,22 @@ STORIES = REPO_ROOT / "models" / "stories260k"  # the tiny trained Llama (MIT), 
 # against ModelOpt, kills processes, needs a GPU or runs trtpipe in a child process: such a test is `slow` whether
 # or not its file says so (marks and fixtures below); tests measured at seconds each carry `slow` themselves.
 HEAVY_MARKS = ("triton", "mpi", "oracle", "chaos", "gpu")
-SLOW_FIXTURES = frozenset({
-    "server",  # a tritonserver or an OpenAI twin for the module
-    "driver",  # trtpipe with the test stages in a child process (tests/pipeline/conftest.py)
-    "run_mpi",  # mpiexec (tests/serving/mpi/conftest.py)
-    "drill",  # the Dynamo frontend and workers (tests/serving/test_dynamo.py)
-    "made",  # MoE W4A16 checkpoints made in the producers' venv (tests/imported/test_moe_int4_import.py)
-})
+SLOW_FIXTURES = frozenset(
+    {
+        "server",  # a tritonserver or an OpenAI twin for the module
+        "driver",  # trtpipe with the test stages in a child process (tests/pipeline/conftest.py)
+        "run_mpi",  # mpiexec (tests/serving/mpi/conftest.py)
+        "drill",  # the Dynamo frontend and workers (tests/serving/test_dynamo.py)
+        "made",  # MoE W4A16 checkpoints made in the producers' venv (tests/imported/test_moe_int4_import.py)
+    }
+)
 
 
 def heavy(item: pytest.Item) -> bool:
     """Whether the fast tier leaves this test out by what it uses, whatever its own marks."""
-    return (any(item.get_closest_marker(m) for m in HEAVY_MARKS)
-            or not SLOW_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())))
+    return any(item.get_closest_marker(m) for m in HEAVY_MARKS) or not SLOW_FIXTURES.isdisjoint(
+        getattr(item, "fixturenames", ())
+    )
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects

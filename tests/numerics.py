@@ -23,9 +23,9 @@ import os
 
 import torch
 
-U32 = 2.0 ** -24  # unit roundoff of float32
-U16 = 2.0 ** -11  # float16
-UBF16 = 2.0 ** -8  # bfloat16
+U32 = 2.0**-24  # unit roundoff of float32
+U16 = 2.0**-11  # float16
+UBF16 = 2.0**-8  # bfloat16
 ORDER_FACTOR = 4.0
 
 
@@ -61,14 +61,16 @@ def error_scale(x: torch.Tensor, ref64: torch.Tensor, u: float = U32) -> float:
     return max(float((x.double() - ref64).abs().max()), u * float(ref64.abs().max()))
 
 
-def assert_as_accurate(got: torch.Tensor, ref64: torch.Tensor, scale: float, what: str = "",
-                       factor: float = ORDER_FACTOR) -> float:
+def assert_as_accurate(
+    got: torch.Tensor, ref64: torch.Tensor, scale: float, what: str = "", factor: float = ORDER_FACTOR
+) -> float:
     """|got - ref64| <= factor * scale everywhere, where ``scale`` is the error of a known-good evaluation of
     the same function in the same format (see :func:`error_scale`). Returns the observed max error."""
     err = float((got.double() - ref64.double()).abs().max())
     assert err <= factor * scale, (
         f"{what}: max |x - float64| = {err:.3g} > {factor:g} x the format's error scale {scale:.3g} "
-        f"(ratio {err / scale:.2f})")
+        f"(ratio {err / scale:.2f})"
+    )
     return err
 
 
@@ -106,13 +108,14 @@ def first_near_tie(hf32, hf64, prompt: list[int], tokens: list[int]) -> tuple[in
     bound = ORDER_FACTOR * error_scale(l32[steps], l64[steps])
     for i, row in enumerate(l64[steps]):
         if not greedy_is_decided(row, bound):
-            return i, (f"token {i}: float64 top-2 margin {top2_margin(row):.3g} <= 2 x float32 error bound "
-                       f"{bound:.3g} (a genuine near-tie)")
+            return i, (
+                f"token {i}: float64 top-2 margin {top2_margin(row):.3g} <= 2 x float32 error bound "
+                f"{bound:.3g} (a genuine near-tie)"
+            )
     return len(tokens), ""
 
 
-def assert_greedy_equal(ours: list[int], ref: list[int], hf32, hf64, prompt: list[int], what: str = "",
-                        eos=()) -> int:
+def assert_greedy_equal(ours: list[int], ref: list[int], hf32, hf64, prompt: list[int], what: str = "", eos=()) -> int:
     """Greedy tokens == transformers' ``ref`` (as generated, end id included), up to the first genuine near-tie.
 
     ``ours`` stops before an end id in ``eos``. Returns how many tokens were compared. A near-tie is
@@ -126,7 +129,7 @@ def assert_greedy_equal(ours: list[int], ref: list[int], hf32, hf64, prompt: lis
         assert ours == ref[:end], what
         return end
     print(f"{what}: comparing {min(n, end)} of {end} tokens; {tie}")
-    assert ours[:min(n, end)] == ref[:min(n, end)], what
+    assert ours[: min(n, end)] == ref[: min(n, end)], what
     return min(n, end)
 
 
@@ -138,7 +141,7 @@ def hf_float64(model):
     return ref
 
 
-U64 = 2.0 ** -53  # float64
+U64 = 2.0**-53  # float64
 
 
 def assert_same_model(a, b, ids: torch.Tensor, what: str = "") -> float:

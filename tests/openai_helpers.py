@@ -18,8 +18,9 @@ def fp16_export(stories_dir: Path, root: Path) -> Path:
     base = convert(stories_dir, root / "base", tp=1, dtype="float16")
     out = root / "hf"
     out.mkdir()
-    export_unified(base, stories_dir, None, out, algo="none", kv_cache="none", group_size=128, alpha=0.5,
-                   exclude=["*lm_head"])
+    export_unified(
+        base, stories_dir, None, out, algo="none", kv_cache="none", group_size=128, alpha=0.5, exclude=["*lm_head"]
+    )
     return out
 
 

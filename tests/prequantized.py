@@ -65,8 +65,12 @@ def build(wanted: list[str]) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         missing = [n for n in wanted if not (out / n / "producer.json").exists()]
         if missing:
-            proc = subprocess.run([str(py), str(SCRIPT), str(out), "--only", *missing], capture_output=True,
-                                  text=True, timeout=BUILD_TIMEOUT_S)
+            proc = subprocess.run(
+                [str(py), str(SCRIPT), str(out), "--only", *missing],
+                capture_output=True,
+                text=True,
+                timeout=BUILD_TIMEOUT_S,
+            )
             if proc.returncode != 0:
                 tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
                 raise RuntimeError(f"{SCRIPT.name} failed (exit {proc.returncode}):\n{tail}")

@@ -16,27 +16,62 @@ from trtpipe.quant.calibrate import CalibSettings, calibrate, save_layer_stats
 from trtpipe.quant.writer import TrtllmSource, quantize_checkpoint
 from trtpipe.runtime import load_checkpoint
 
-MODELOPT_CFG = {"fp8": "FP8_DEFAULT_CFG", "int8_sq": "INT8_SMOOTHQUANT_CFG", "int8_wo": "INT8_WEIGHT_ONLY_CFG",
-                "int4_awq": "INT4_AWQ_CFG", "w4a8_awq": "W4A8_AWQ_BETA_CFG"}
+MODELOPT_CFG = {
+    "fp8": "FP8_DEFAULT_CFG",
+    "int8_sq": "INT8_SMOOTHQUANT_CFG",
+    "int8_wo": "INT8_WEIGHT_ONLY_CFG",
+    "int4_awq": "INT4_AWQ_CFG",
+    "w4a8_awq": "W4A8_AWQ_BETA_CFG",
+}
 
 
 def our_stats(base: Path, tokens: torch.Tensor, out: Path, awq_group_size: Optional[int] = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    calibrate(TrtllmSource(base), tokens, CalibSettings(batch_size=8, awq_group_size=awq_group_size),
-              on_layer=lambda i, st: save_layer_stats(out, i, st))
+    calibrate(
+        TrtllmSource(base),
+        tokens,
+        CalibSettings(batch_size=8, awq_group_size=awq_group_size),
+        on_layer=lambda i, st: save_layer_stats(out, i, st),
+    )
     return out
 
 
-def our_quant(base: Path, source_base: Path, stats: Optional[Path], out: Path, algo: str, kv: str = "none",
-              group_size: int = 128, exclude=("*lm_head",), alpha: float = 0.5) -> Path:
+def our_quant(
+    base: Path,
+    source_base: Path,
+    stats: Optional[Path],
+    out: Path,
+    algo: str,
+    kv: str = "none",
+    group_size: int = 128,
+    exclude=("*lm_head",),
+    alpha: float = 0.5,
+) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    quantize_checkpoint(base, TrtllmSource(source_base), stats, out, algo=algo, kv_cache=kv, group_size=group_size,
-                        alpha=alpha, exclude=list(exclude))
+    quantize_checkpoint(
+        base,
+        TrtllmSource(source_base),
+        stats,
+        out,
+        algo=algo,
+        kv_cache=kv,
+        group_size=group_size,
+        alpha=alpha,
+        exclude=list(exclude),
+    )
     return out
 
 
-def modelopt_quant(mtq, export, hf_dir: Path, tokens: torch.Tensor, algo: str, out: Path,
-                   block_size: Optional[int] = None, disable: tuple[str, ...] = ()) -> Path:
+def modelopt_quant(
+    mtq,
+    export,
+    hf_dir: Path,
+    tokens: torch.Tensor,
+    algo: str,
+    out: Path,
+    block_size: Optional[int] = None,
+    disable: tuple[str, ...] = (),
+) -> Path:
     """Drive ModelOpt on CPU as MODELOPT_LAYOUTS.md says: bf16 model, same batches, TRT-LLM export at tp=1."""
     from transformers import AutoModelForCausalLM
 
@@ -74,8 +109,9 @@ def self_tokens(ckpt: Path, n: int, seq_len: int, seed: int) -> torch.Tensor:
     return torch.cat([prompts, batched_decode(model, prompts, seq_len - 1, 1.0, seed)], dim=1)
 
 
-def modelopt_unified_export(mtq, export_hf_checkpoint, hf_dir: Path, cfg: dict, tokens: torch.Tensor,
-                            out: Path) -> Path:
+def modelopt_unified_export(
+    mtq, export_hf_checkpoint, hf_dir: Path, cfg: dict, tokens: torch.Tensor, out: Path
+) -> Path:
     """ModelOpt's own unified HF export of ``hf_dir`` (bf16), quantized with ``cfg`` by ``mtq.quantize`` on the
     same calibration batches (of 8) our pipeline saw: the oracle of the unified-export layout tests."""
     from transformers import AutoModelForCausalLM

@@ -31,8 +31,9 @@ def sampling_distribution(logits: torch.Tensor, temperature: float, top_k: int =
 
 
 @torch.no_grad()
-def sequence_probability(model, prompt: list[int], tokens: list[int], temperature: float, top_k: int = 0,
-                         top_p: float = 1.0) -> float:
+def sequence_probability(
+    model, prompt: list[int], tokens: list[int], temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> float:
     """p(tokens | prompt) under the sampling distribution, from one teacher-forced forward of prompt + tokens."""
     ids = torch.tensor([list(prompt) + list(tokens)], device=model.embedding.device)
     logits = model(ids, KVCache(), 0)[0]  # [T, V]

@@ -15,9 +15,13 @@ import pytest
 from trtpipe import supervisor as S
 from trtpipe.processes import SHM_DIR, clean_shm, pid_alive, spawn
 
-HTTP = [sys.executable, "-c", "import http.server, sys; http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), "
-        "type('H', (http.server.BaseHTTPRequestHandler,), {'do_GET': lambda s: (s.send_response(200), "
-        "s.end_headers()), 'log_message': lambda *a: None})).serve_forever()"]
+HTTP = [
+    sys.executable,
+    "-c",
+    "import http.server, sys; http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), "
+    "type('H', (http.server.BaseHTTPRequestHandler,), {'do_GET': lambda s: (s.send_response(200), "
+    "s.end_headers()), 'log_message': lambda *a: None})).serve_forever()",
+]
 
 
 @pytest.fixture()
@@ -28,8 +32,9 @@ def cache(tmp_path, monkeypatch):
 
 def test_a_started_server_is_probed_ready_recorded_and_torn_down(cache):
     port = S.free_ports(1)[0]
-    server = S.start([*HTTP, str(port)], cache / "http.log", cache, "127.0.0.1", S.Ports(port, 0, 0), "openai",
-                     "trtpipe-test{pid}_")
+    server = S.start(
+        [*HTTP, str(port)], cache / "http.log", cache, "127.0.0.1", S.Ports(port, 0, 0), "openai", "trtpipe-test{pid}_"
+    )
     assert server.shm_prefix == f"trtpipe-test{server.pid}_" and os.getpgid(server.pid) == server.pid  # own group
     assert S.await_ready(server, 30) is None and server.ready()
     state = S.state_path(cache)
@@ -42,21 +47,41 @@ def test_a_started_server_is_probed_ready_recorded_and_torn_down(cache):
 
 
 def test_a_server_that_exits_or_never_answers_is_named_and_stopped(cache):
-    dead = S.start([sys.executable, "-c", "raise SystemExit(3)"], cache / "dead.log", cache, "127.0.0.1",
-                   S.Ports(S.free_ports(1)[0], 0, 0), "openai")
+    dead = S.start(
+        [sys.executable, "-c", "raise SystemExit(3)"],
+        cache / "dead.log",
+        cache,
+        "127.0.0.1",
+        S.Ports(S.free_ports(1)[0], 0, 0),
+        "openai",
+    )
     assert S.await_ready(dead, 30) == "exited during start-up" and dead.process.returncode == 3
-    mute = S.start([sys.executable, "-c", "import time; time.sleep(60)"], cache / "mute.log", cache, "127.0.0.1",
-                   S.Ports(S.free_ports(1)[0], 0, 0), "openai")
+    mute = S.start(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        cache / "mute.log",
+        cache,
+        "127.0.0.1",
+        S.Ports(S.free_ports(1)[0], 0, 0),
+        "openai",
+    )
     assert S.await_ready(mute, 0.5) == "not ready after 0 s" and not mute.alive()
 
 
 def test_teardown_kills_the_process_group_when_sigterm_is_ignored(tmp_path):
     # the leader ignores SIGTERM and has a child in its group: after the grace both get SIGKILL
-    code = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print(c.pid, flush=True); "
-            "time.sleep(60)")
-    server = S.start([sys.executable, "-u", "-c", code], tmp_path / "group.log", tmp_path, "127.0.0.1",
-                     S.Ports(S.free_ports(1)[0], 0, 0), "openai")
+    code = (
+        "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print(c.pid, flush=True); "
+        "time.sleep(60)"
+    )
+    server = S.start(
+        [sys.executable, "-u", "-c", code],
+        tmp_path / "group.log",
+        tmp_path,
+        "127.0.0.1",
+        S.Ports(S.free_ports(1)[0], 0, 0),
+        "openai",
+    )
     deadline = time.monotonic() + 30
     while not (tmp_path / "group.log").read_text().strip() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -68,13 +93,20 @@ def test_teardown_kills_the_process_group_when_sigterm_is_ignored(tmp_path):
         time.sleep(0.05)
     assert not pid_alive(grandchild)
 
+
 def test_a_child_spawned_to_die_with_its_parent_does(tmp_path):
     # the parent spawns a sleeper that dies with it, prints its pid, and is SIGKILLed: the sleeper must end too
-    code = ("import sys; from trtpipe.processes import spawn; "
-            "c = spawn([sys.executable, '-c', 'import time; time.sleep(60)'], None, die_with_parent=True); "
-            "print(c.pid, flush=True); import time; time.sleep(60)")
-    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    code = (
+        "import sys; from trtpipe.processes import spawn; "
+        "c = spawn([sys.executable, '-c', 'import time; time.sleep(60)'], None, die_with_parent=True); "
+        "print(c.pid, flush=True); import time; time.sleep(60)"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
     child = int(parent.stdout.readline())
     assert pid_alive(child)
     parent.kill()

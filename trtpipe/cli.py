@@ -5,9 +5,31 @@ from __future__ import annotations
 import click
 
 from trtpipe import __version__
-from trtpipe.app.commands import (batch, bench, build, calibrate, convert, deploy, doctor, engine, explain, gc,
-                                  generate, infer, inspect, plan, predict, quantize, repo, report, schema, serve,
-                                  status, stop, validate)
+from trtpipe.app.commands import (
+    batch,
+    bench,
+    build,
+    calibrate,
+    convert,
+    deploy,
+    doctor,
+    engine,
+    explain,
+    gc,
+    generate,
+    infer,
+    inspect,
+    plan,
+    predict,
+    quantize,
+    repo,
+    report,
+    schema,
+    serve,
+    status,
+    stop,
+    validate,
+)
 from trtpipe.app.commands import eval as eval_module
 from trtpipe.app.options import CommandGroup
 
@@ -18,10 +40,32 @@ def main() -> None:
     """Build and deploy LLMs on TensorRT-LLM and Triton from one YAML recipe."""
 
 
-for command in (validate.validate, schema.schema, explain.explain, build.build, status.status, gc.gc,
-                convert.convert, inspect.inspect, generate.generate, calibrate.calibrate, quantize.quantize,
-                eval_module.eval_, plan.plan, predict.predict, engine.engine, doctor.doctor, repo.repo, serve.serve,
-                stop.stop, infer.infer, bench.bench, report.report, batch.batch, deploy.deploy):
+for command in (
+    validate.validate,
+    schema.schema,
+    explain.explain,
+    build.build,
+    status.status,
+    gc.gc,
+    convert.convert,
+    inspect.inspect,
+    generate.generate,
+    calibrate.calibrate,
+    quantize.quantize,
+    eval_module.eval_,
+    plan.plan,
+    predict.predict,
+    engine.engine,
+    doctor.doctor,
+    repo.repo,
+    serve.serve,
+    stop.stop,
+    infer.infer,
+    bench.bench,
+    report.report,
+    batch.batch,
+    deploy.deploy,
+):
     main.add_command(command)
 main.add_command(serve.serve, name="serve-openai")  # the OpenAI twin's older name: the same command
 

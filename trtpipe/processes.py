@@ -48,9 +48,17 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
     return pre_exec
 
 
-def spawn(cmd: Sequence[str], log: Optional[Path], env: Optional[dict] = None, cwd: Optional[Path] = None, *,
-          session: bool = True, die_with_parent: bool = False, truncate: bool = False,
-          header: bool = False) -> Child:
+def spawn(
+    cmd: Sequence[str],
+    log: Optional[Path],
+    env: Optional[dict] = None,
+    cwd: Optional[Path] = None,
+    *,
+    session: bool = True,
+    die_with_parent: bool = False,
+    truncate: bool = False,
+    header: bool = False,
+) -> Child:
     """Start ``cmd``, the one way every launcher does (tritonserver, the MPI job and its launcher, the OpenAI
     twin, Dynamo's processes, a python stub's watchdog): stdin closed, stdout and stderr appended to ``log``
     (``truncate``: a fresh log; ``header``: the command line first; None: this process's own streams).
@@ -61,21 +69,37 @@ def spawn(cmd: Sequence[str], log: Optional[Path], env: Optional[dict] = None, c
     """
     pre_exec = _die_with_parent(os.getpid()) if die_with_parent else None
     if log is None:
-        return subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, env=env, cwd=cwd, start_new_session=session,
-                                preexec_fn=pre_exec)
+        return subprocess.Popen(
+            list(cmd), stdin=subprocess.DEVNULL, env=env, cwd=cwd, start_new_session=session, preexec_fn=pre_exec
+        )
     with open(log, "wb" if truncate else "ab") as fh:
         if header:
             fh.write(f"# {' '.join(map(str, cmd))}\n".encode())
             fh.flush()
-        return subprocess.Popen(list(cmd), stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                cwd=cwd, start_new_session=session, preexec_fn=pre_exec)
+        return subprocess.Popen(
+            list(cmd),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=cwd,
+            start_new_session=session,
+            preexec_fn=pre_exec,
+        )
 
 
 def spawn_reader(cmd: Sequence[str], cwd: Optional[Path] = None) -> Child:
     """Start ``cmd`` with its output (stderr too) for the caller to read line by line (``child.stdout``, text):
     a tool whose progress we log as it runs (trtllm-build)."""
-    return subprocess.Popen(list(cmd), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, text=True, bufsize=1)
+    return subprocess.Popen(
+        list(cmd),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        bufsize=1,
+    )
 
 
 def pid_alive(pid: Optional[int]) -> bool:

@@ -29,5 +29,6 @@ def data_dir(name: str) -> Path:
     for path in candidates:
         if path.is_dir():
             return path
-    raise TrtpipeError(f"trtpipe's {name}/ folder was not found (looked in {', '.join(map(str, candidates))}); "
-                       f"set {_ENV[name]}")
+    raise TrtpipeError(
+        f"trtpipe's {name}/ folder was not found (looked in {', '.join(map(str, candidates))}); set {_ENV[name]}"
+    )

@@ -38,11 +38,15 @@ def parse_slo(text: str | None, metrics: tuple[str, ...], percentiles: bool = Tr
     for part in filter(None, (p.strip() for p in (text or "").split(","))):
         m = _TERM.fullmatch(part)
         if not m or m.group(1) not in metrics:
-            raise TrtpipeError(f"--slo: cannot read {part!r} (expected METRIC[_pQ]:VALUE[ms|s|us], {example}; "
-                               f"metrics: {', '.join(metrics)})")
+            raise TrtpipeError(
+                f"--slo: cannot read {part!r} (expected METRIC[_pQ]:VALUE[ms|s|us], {example}; "
+                f"metrics: {', '.join(metrics)})"
+            )
         if m.group(2) is not None and not percentiles:
-            raise TrtpipeError(f"--slo: {part!r} is a percentile target; this command bounds each request "
-                               f"(write {m.group(1)}:{m.group(3)}{m.group(4) or 'ms'})")
+            raise TrtpipeError(
+                f"--slo: {part!r} is a percentile target; this command bounds each request "
+                f"(write {m.group(1)}:{m.group(3)}{m.group(4) or 'ms'})"
+            )
         if m.group(2) is not None and not 0 < float(m.group(2)) <= 100:
             raise TrtpipeError(f"--slo: {part!r}: the percentile must be in (0, 100]")
         key = m.group(1) if m.group(2) is None else f"{m.group(1)}_p{m.group(2)}"

@@ -172,7 +172,6 @@ def refuse_if_served(repo: Path) -> Path:
     return state
 
 
-
 def wait_ready(server: Server, deadline: float) -> bool:
     """Poll readiness until ``deadline``; False when the process exited or time ran out."""
     while time.monotonic() < deadline:
@@ -207,13 +206,33 @@ def detached_servers() -> list[Server]:
     return found
 
 
-def start(cmd: Sequence[str], log: Path, repo: Path, bind: str, ports: Ports, kind: str, shm_prefix: str = "",
-          env: Optional[dict] = None, cwd: Optional[Path] = None, truncate: bool = False,
-          die_with_parent: bool = False, run_dir: Optional[Path] = None) -> Server:
+def start(
+    cmd: Sequence[str],
+    log: Path,
+    repo: Path,
+    bind: str,
+    ports: Ports,
+    kind: str,
+    shm_prefix: str = "",
+    env: Optional[dict] = None,
+    cwd: Optional[Path] = None,
+    truncate: bool = False,
+    die_with_parent: bool = False,
+    run_dir: Optional[Path] = None,
+) -> Server:
     """Spawn ``cmd`` as a :class:`Server` of ``kind`` (``shm_prefix`` may name ``{pid}``); it is not ready yet."""
     proc = spawn(cmd, log, env=env, cwd=cwd, truncate=truncate, die_with_parent=die_with_parent)
-    return Server(proc.pid, str(repo), bind, ports, str(log), shm_prefix.format(pid=proc.pid), kind=kind,
-                  process=proc, run_dir=run_dir)
+    return Server(
+        proc.pid,
+        str(repo),
+        bind,
+        ports,
+        str(log),
+        shm_prefix.format(pid=proc.pid),
+        kind=kind,
+        process=proc,
+        run_dir=run_dir,
+    )
 
 
 def await_ready(server: Server, timeout: float, ready: Optional[Callable[[], bool]] = None) -> Optional[str]:
@@ -242,8 +261,11 @@ def exit_cause(code: Optional[int]) -> str:
     if code is None:
         return "running"
     if code < 0:
-        return f"Killed (signal {-code}, {signal.Signals(-code).name})" if -code in signal.valid_signals() else \
-            f"killed by signal {-code}"
+        return (
+            f"Killed (signal {-code}, {signal.Signals(-code).name})"
+            if -code in signal.valid_signals()
+            else f"killed by signal {-code}"
+        )
     return f"exited with status {code}"
 
 
@@ -272,8 +294,9 @@ class Member:
         return True
 
 
-def spawn_member(role: str, cmd: Sequence[str], log: Path, env: Optional[dict] = None,
-                 cwd: Optional[Path] = None) -> Member:
+def spawn_member(
+    role: str, cmd: Sequence[str], log: Path, env: Optional[dict] = None, cwd: Optional[Path] = None
+) -> Member:
     """Start one member in our own process group (a Ctrl-C reaches it too), its command line heading its log."""
     return Member(role, spawn(cmd, log, env=env, cwd=cwd, session=False, header=True), log)
 

@@ -17,16 +17,25 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def line(cid="a", url="/v1/completions", body=None, **extra) -> str:
-    return json.dumps({"custom_id": cid, "method": "POST", "url": url,
-                       "body": {"prompt": "x", "max_tokens": 2} if body is None else body, **extra})
+    return json.dumps(
+        {
+            "custom_id": cid,
+            "method": "POST",
+            "url": url,
+            "body": {"prompt": "x", "max_tokens": 2} if body is None else body,
+            **extra,
+        }
+    )
 
 
 def test_requests_in_file_order_blank_lines_skipped(tmp_path):
     p = tmp_path / "in.jsonl"
     p.write_text(line("a") + "\n\n" + line("b", "/v1/chat/completions", {"messages": []}) + "\n")
     got = read_requests(p)
-    assert [(r.line, r.custom_id, r.url) for r in got] == [(1, "a", "/v1/completions"),
-                                                            (3, "b", "/v1/chat/completions")]
+    assert [(r.line, r.custom_id, r.url) for r in got] == [
+        (1, "a", "/v1/completions"),
+        (3, "b", "/v1/chat/completions"),
+    ]
     assert got[1].body == {"messages": []}
 
 
@@ -38,17 +47,25 @@ def test_duplicate_custom_id_names_both_lines(tmp_path):
     assert str(e.value) == f"{p}:3: duplicate custom_id 'a' (first on line 1)"
 
 
-@pytest.mark.parametrize("text, message", [
-    ("{not json", "invalid JSON"),
-    ("[1, 2]", "expected a JSON object, found a list"),
-    (line(""), "custom_id: expected a non-empty string"),
-    (json.dumps({"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}),
-     "method: expected 'POST', got 'GET'"),
-    (line(url="/v1/embeddings"), "url: expected one of /v1/completions, /v1/chat/completions, got '/v1/embeddings'"),
-    (line(body=[1]), "body: expected a JSON object"),
-    (line(body={"prompt": "x", "stream": True}), "body.stream: a batch request cannot stream"),
-    (line(extra_key=1), "unknown key 'extra_key'"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "invalid JSON"),
+        ("[1, 2]", "expected a JSON object, found a list"),
+        (line(""), "custom_id: expected a non-empty string"),
+        (
+            json.dumps({"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}),
+            "method: expected 'POST', got 'GET'",
+        ),
+        (
+            line(url="/v1/embeddings"),
+            "url: expected one of /v1/completions, /v1/chat/completions, got '/v1/embeddings'",
+        ),
+        (line(body=[1]), "body: expected a JSON object"),
+        (line(body={"prompt": "x", "stream": True}), "body.stream: a batch request cannot stream"),
+        (line(extra_key=1), "unknown key 'extra_key'"),
+    ],
+)
 def test_each_bad_line_is_named(tmp_path, text, message):
     p = tmp_path / "in.jsonl"
     p.write_text(line("ok") + "\n" + text + "\n")
@@ -73,8 +90,14 @@ def test_empty_or_missing_input(tmp_path):
 def test_cli_refuses_a_duplicate_before_sending_anything(tmp_path):
     p, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     p.write_text("\n".join([line("a"), line("a")]) + "\n")
-    r = subprocess.run([sys.executable, "-m", "trtpipe.cli", "batch", "http://127.0.0.1:9", "-i", str(p), "-o", str(out)],
-                       capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "trtpipe.cli", "batch", "http://127.0.0.1:9", "-i", str(p), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
     assert r.returncode == 2
     assert r.stderr.strip() == f"{p}:2: duplicate custom_id 'a' (first on line 1)"
     assert not out.exists() and not (tmp_path / "out.errors.jsonl").exists()
@@ -84,8 +107,25 @@ def test_cli_refuses_a_duplicate_before_sending_anything(tmp_path):
 def test_cli_refuses_a_priority_outside_0_1(tmp_path, value):
     p = tmp_path / "in.jsonl"
     p.write_text(line("a") + "\n")
-    r = subprocess.run([sys.executable, "-m", "trtpipe.cli", "batch", "http://127.0.0.1:9", "-i", str(p), "-o",
-                        str(tmp_path / "out.jsonl"), "--priority", value], capture_output=True, text=True, cwd=REPO,
-                       env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trtpipe.cli",
+            "batch",
+            "http://127.0.0.1:9",
+            "-i",
+            str(p),
+            "-o",
+            str(tmp_path / "out.jsonl"),
+            "--priority",
+            value,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
     assert r.returncode == 2 and "--priority" in r.stderr and "expected a number in [0, 1] or 'none'" in r.stderr
     assert not (tmp_path / "out.jsonl").exists()

@@ -59,8 +59,9 @@ def reference(tmp_path_factory, url):
     root = tmp_path_factory.mktemp("reference")
     req = root / "requests.jsonl"
     drill.write_requests(req, 200, 8)
-    r = subprocess.run(cmd(url, req, root / "ref.jsonl"), env=ENV, cwd=REPO, capture_output=True, text=True,
-                       timeout=WAIT_S)
+    r = subprocess.run(
+        cmd(url, req, root / "ref.jsonl"), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=WAIT_S
+    )
     assert r.returncode == 3, r.stderr[-2000:]  # completed, with the one invalid request in the errors file
     return req, root / "ref.jsonl", root / "ref.errors.jsonl"
 
@@ -69,8 +70,21 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
 def cmd(target: str, req: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "trtpipe.cli", "batch", target, "-i", str(req), "-o", str(out), "-c", "8",
-            "--no-progress", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "trtpipe.cli",
+        "batch",
+        target,
+        "-i",
+        str(req),
+        "-o",
+        str(out),
+        "-c",
+        "8",
+        "--no-progress",
+        *extra,
+    ]
 
 
 def kill_at(proc: subprocess.Popen, out: Path, lines: int) -> None:
@@ -80,8 +94,7 @@ def kill_at(proc: subprocess.Popen, out: Path, lines: int) -> None:
     proc.wait(WAIT_S)
 
 
-def test_killed_twice_then_resumed_writes_each_custom_id_once_with_the_uninterrupted_answers(tmp_path, url,
-                                                                                            reference):
+def test_killed_twice_then_resumed_writes_each_custom_id_once_with_the_uninterrupted_answers(tmp_path, url, reference):
     req, ref_out, ref_err = reference
     out, err = tmp_path / "results.jsonl", tmp_path / "results.errors.jsonl"
     kill_at(subprocess.Popen(cmd(url, req, out), env=ENV, cwd=REPO, stderr=subprocess.DEVNULL), out, 50)
@@ -98,16 +111,23 @@ def test_killed_twice_then_resumed_writes_each_custom_id_once_with_the_uninterru
     assert last.returncode == 3, last.stderr[-2000:]
     assert last.stdout.startswith("batch completed: 200 of 200 requests written (199 succeeded, 1 failed)")
     result = drill.check(req, out, err, ref_out, ref_err)
-    assert {k: result[k] for k in ("lines_written", "succeeded", "failed", "duplicates", "missing", "extra",
-                                   "answers_differing")} == \
-        {"lines_written": 200, "succeeded": 199, "failed": 1, "duplicates": 0, "missing": 0, "extra": 0,
-         "answers_differing": 0}
+    assert {
+        k: result[k]
+        for k in ("lines_written", "succeeded", "failed", "duplicates", "missing", "extra", "answers_differing")
+    } == {
+        "lines_written": 200,
+        "succeeded": 199,
+        "failed": 1,
+        "duplicates": 0,
+        "missing": 0,
+        "extra": 0,
+        "answers_differing": 0,
+    }
     state = json.loads((tmp_path / "results.jsonl.state.json").read_text())
     assert (state["status"], state["runs"], state["succeeded"], state["failed"]) == ("completed", 3, 199, 1)
     again = subprocess.run(cmd(url, req, out), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=WAIT_S)
     assert again.returncode == 3 and "this run 0 in" in again.stdout  # nothing left: nothing sent
     assert drill.count_lines(out) == 199
-
 
 
 def test_retry_errors_sends_the_fixed_failed_request_again_and_keeps_its_first_answer(tmp_path, url, reference):
@@ -124,8 +144,9 @@ def test_retry_errors_sends_the_fixed_failed_request_again_and_keeps_its_first_a
     fixed.write_text("".join(json.dumps(x) + "\n" for x in lines))
     plain = subprocess.run(cmd(url, fixed, out), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=WAIT_S)
     assert plain.returncode == 3 and "this run 0 in" in plain.stdout  # without the flag a failure stays done
-    r = subprocess.run(cmd(url, fixed, out, "--retry-errors"), env=ENV, cwd=REPO, capture_output=True, text=True,
-                       timeout=WAIT_S)
+    r = subprocess.run(
+        cmd(url, fixed, out, "--retry-errors"), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=WAIT_S
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.startswith("batch completed: 200 of 200 requests written (200 succeeded, 0 failed)")
     assert "retrying 1 failed requests" in r.stderr and "retried 1 failed requests" in r.stdout
@@ -156,8 +177,9 @@ def test_a_served_target_is_revived_dies_with_its_job_and_the_rerun_serves_it_ag
     first = psutil.Process(job.pid).children()
     assert [" ".join(s.cmdline()[2:5]) for s in first] == [f"trtpipe.cli serve {export}"]
     first[0].kill()  # the job's server dies: the job starts it again and goes on
-    wait_for("a second server", lambda: [c.pid for c in psutil.Process(job.pid).children()] not in ([],
-                                                                                                 [first[0].pid]), job)
+    wait_for(
+        "a second server", lambda: [c.pid for c in psutil.Process(job.pid).children()] not in ([], [first[0].pid]), job
+    )
     mark = drill.count_lines(out) + 5
     wait_for(f"line {mark}", lambda: drill.count_lines(out) >= mark, job)
     second = psutil.Process(job.pid).children()
@@ -165,12 +187,17 @@ def test_a_served_target_is_revived_dies_with_its_job_and_the_rerun_serves_it_ag
     job.wait(WAIT_S)
     gone, alive = psutil.wait_procs(second, timeout=WAIT_S)
     assert not alive  # PR_SET_PDEATHSIG: the job's own server does not outlive it
-    last = subprocess.run(cmd(str(export), small, out), env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=WAIT_S)
+    last = subprocess.run(
+        cmd(str(export), small, out), env=env, cwd=REPO, capture_output=True, text=True, timeout=WAIT_S
+    )
     assert last.returncode == 3 and "batch completed: 40 of 40" in last.stdout, last.stderr[-2000:]
     result = drill.check(small, out, tmp_path / "results.errors.jsonl", ref_out, ref_err)
-    assert (result["lines_written"], result["duplicates"], result["missing"], result["answers_differing"]) == \
-        (40, 0, 0, 0)
+    assert (result["lines_written"], result["duplicates"], result["missing"], result["answers_differing"]) == (
+        40,
+        0,
+        0,
+        0,
+    )
 
 
 def test_queue_full_429s_slow_the_job_and_lose_nothing(tmp_path, export):

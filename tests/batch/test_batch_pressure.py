@@ -11,19 +11,35 @@ import pytest
 
 from trtpipe.batch.client import BatchClient, ClientOptions, Item, Outcome, mentions_priority
 from trtpipe.batch.journal import Journal, default_errors_path, default_state_path
-from trtpipe.batch.pressure import (MAX_RETRY_AFTER_S, ServerLoad, Window, backoff_s, parse_retry_after,
-                                    server_load, under_pressure)
+from trtpipe.batch.pressure import (
+    MAX_RETRY_AFTER_S,
+    ServerLoad,
+    Window,
+    backoff_s,
+    parse_retry_after,
+    server_load,
+    under_pressure,
+)
 from trtpipe.batch.requests import BatchRequest
 from optional import needs
 
 NOW = 1_800_000_000.0
 
 
-@pytest.mark.parametrize("header, seconds", [
-    ("3", 3.0), (" 0.5 ", 0.5), ("-4", 0.0), ("100000", MAX_RETRY_AFTER_S),
-    (email.utils.formatdate(NOW + 10, usegmt=True), 10.0), (email.utils.formatdate(NOW - 10, usegmt=True), 0.0),
-    (None, None), ("soon", None), ("nan", None),
-])
+@pytest.mark.parametrize(
+    "header, seconds",
+    [
+        ("3", 3.0),
+        (" 0.5 ", 0.5),
+        ("-4", 0.0),
+        ("100000", MAX_RETRY_AFTER_S),
+        (email.utils.formatdate(NOW + 10, usegmt=True), 10.0),
+        (email.utils.formatdate(NOW - 10, usegmt=True), 0.0),
+        (None, None),
+        ("soon", None),
+        ("nan", None),
+    ],
+)
 def test_retry_after(header, seconds):
     assert parse_retry_after(header, NOW) == seconds
 
@@ -94,8 +110,9 @@ def client(tmp_path):
     j = Journal(inp, out, default_errors_path(out), default_state_path(out), "http://127.0.0.1:9")
     j.open([BatchRequest(1, "a", "/v1/completions", {"prompt": "x"})])
     said: list[str] = []
-    c = BatchClient("http://127.0.0.1:9", j, ClientOptions(concurrency=8, max_retries=2), on_result=lambda ok: None,
-                    say=said.append)
+    c = BatchClient(
+        "http://127.0.0.1:9", j, ClientOptions(concurrency=8, max_retries=2), on_result=lambda ok: None, say=said.append
+    )
     c.said = said
     yield c
     j.close()
@@ -136,8 +153,9 @@ def test_200_is_journaled_and_widens_the_window(client):
     client.window.on_pressure(client.window.epoch)
     assert client.settle(outcome(client, 200), now=0.0) is None
     out, err = written(client)
-    assert [(r["custom_id"], r["response"]["status_code"], r["response"]["request_id"], r["error"]) for r in out] == \
-        [("a", 200, "cmpl-9", None)] and err == []
+    assert [(r["custom_id"], r["response"]["status_code"], r["response"]["request_id"], r["error"]) for r in out] == [
+        ("a", 200, "cmpl-9", None)
+    ] and err == []
     assert client.window.size == pytest.approx(4.25) and client.stats.completion_tokens == 3
 
 

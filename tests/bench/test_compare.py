@@ -21,8 +21,16 @@ def result(ttfts_ms, itl_ms=5.0, osl=9, label="c4"):
     reqs = [Request(0, [int(t * MS), int((t + itl_ms * (osl - 1)) * MS)], osl=osl) for t in ttfts_ms]
     m = summarize(reqs)
     run = m.pop("_run")
-    return {"format": FORMAT, "label": label, "created": "now", "run": run, "metrics": m, "samples": samples(reqs),
-            "load": {"concurrency": 4, "isl": 16, "osl": osl}, "provenance": {}}
+    return {
+        "format": FORMAT,
+        "label": label,
+        "created": "now",
+        "run": run,
+        "metrics": m,
+        "samples": samples(reqs),
+        "load": {"concurrency": 4, "isl": 16, "osl": osl},
+        "provenance": {},
+    }
 
 
 def test_parse_gate():
@@ -67,12 +75,25 @@ def test_cli_exit_codes(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "result.json").write_text(json.dumps(result(base)))
     (tmp_path / "b.json").write_text(json.dumps(result(base * 1.5)))
-    ok = CliRunner().invoke(main, ["bench", "compare", str(tmp_path / "a"), str(tmp_path / "a" / "result.json"),
-                                   "--fail-if", "ttft.p99>+10%"])
+    ok = CliRunner().invoke(
+        main,
+        ["bench", "compare", str(tmp_path / "a"), str(tmp_path / "a" / "result.json"), "--fail-if", "ttft.p99>+10%"],
+    )
     assert ok.exit_code == 0, ok.output
     assert "pass ttft.p99>+10%: change +0.0%" in ok.output
-    bad = CliRunner().invoke(main, ["bench", "compare", str(tmp_path / "a"), str(tmp_path / "b.json"),
-                                    "--fail-if", "ttft.p99>+10%", "--fail-if", "itl.avg>+10%"])
+    bad = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "compare",
+            str(tmp_path / "a"),
+            str(tmp_path / "b.json"),
+            "--fail-if",
+            "ttft.p99>+10%",
+            "--fail-if",
+            "itl.avg>+10%",
+        ],
+    )
     assert bad.exit_code == 1, bad.output
     assert "FAIL ttft.p99>+10%: change +50.0%" in bad.output and "pass itl.avg>+10%" in bad.output
     (tmp_path / "c.json").write_text("{}")

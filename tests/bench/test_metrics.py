@@ -36,8 +36,12 @@ def test_stats_are_numpy_linear_percentiles():
 
 
 def test_run_level_throughput_and_goodput():
-    reqs = [req(0, [100, 200], osl=11), req(50, [120, 250], osl=11), req(100, [400, 1000], osl=21),
-            req(10, [], osl=None, error="HTTP 500")]
+    reqs = [
+        req(0, [100, 200], osl=11),
+        req(50, [120, 250], osl=11),
+        req(100, [400, 1000], osl=21),
+        req(10, [], osl=None, error="HTTP 500"),
+    ]
     s = summarize(reqs, parse_slo("ttft:150ms,itl:15ms"))
     duration_s = 1.0  # first send 0 ms, last response 1000 ms
     assert s["request_throughput"]["value"] == 3 / duration_s
@@ -59,11 +63,14 @@ def test_samples_keep_each_request_value():
     assert smp["ttft"] == [10.0, 30.0] and smp["itl"] == [5.0, 10.0] and "tpot" not in smp
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("ttft:200ms,itl:50ms", {"ttft": 200.0, "itl": 50.0}),
-    ("e2e:1.5s", {"e2e": 1500.0}),
-    ("ttft=250", {"ttft": 250.0}),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("ttft:200ms,itl:50ms", {"ttft": 200.0, "itl": 50.0}),
+        ("e2e:1.5s", {"e2e": 1500.0}),
+        ("ttft=250", {"ttft": 250.0}),
+    ],
+)
 def test_parse_slo(text, expected):
     assert parse_slo(text) == expected
 
@@ -90,7 +97,7 @@ def test_stats_by_hand():
     # values sits at rank (n - 1) * p / 100; here n = 5, so p25 is rank 1 (20), p1 rank 0.04 (10 + 0.04 * 10)
     s = stats([50.0, 10.0, None, 40.0, 20.0, 30.0])  # unsorted, and a request without the value
     assert s["n"] == 5 and s["avg"] == 30.0 and s["min"] == 10.0 and s["max"] == 50.0
-    assert s["std"] == pytest.approx(200.0 ** 0.5, rel=1e-12)  # population std: sqrt(mean of (20, 10, 0, 10, 20)^2)
+    assert s["std"] == pytest.approx(200.0**0.5, rel=1e-12)  # population std: sqrt(mean of (20, 10, 0, 10, 20)^2)
     want = {1: 10.4, 5: 12.0, 10: 14.0, 25: 20.0, 50: 30.0, 75: 40.0, 90: 46.0, 95: 48.0, 99: 49.6}
     assert {p: s[f"p{p}"] for p in want} == pytest.approx(want, rel=1e-12)
     assert stats([7.0])["p1"] == stats([7.0])["p99"] == 7.0

@@ -7,8 +7,17 @@ the view lights up unchanged when a server exports them.
 
 from __future__ import annotations
 
-from trtpipe.bench.server_view import (counter_deltas, gauge_summary, gauge_values, histogram_deltas, limiter,
-                                       model_breakdown, parse, server_tokens, server_view)
+from trtpipe.bench.server_view import (
+    counter_deltas,
+    gauge_summary,
+    gauge_values,
+    histogram_deltas,
+    limiter,
+    model_breakdown,
+    parse,
+    server_tokens,
+    server_view,
+)
 
 BEFORE = """# HELP nv_inference_request_success Number of successful inference requests, all batch sizes
 # TYPE nv_inference_request_success counter
@@ -68,8 +77,10 @@ def _gauges(**values):
     lines = []
     for key, v in values.items():
         fam, cat = key.split("__")
-        label = {"nv_trt_llm_request_metrics": "request_type",
-                 "nv_trt_llm_kv_cache_block_metrics": "kv_cache_block_type"}[fam]
+        label = {
+            "nv_trt_llm_request_metrics": "request_type",
+            "nv_trt_llm_kv_cache_block_metrics": "kv_cache_block_type",
+        }[fam]
         lines.append(f'{fam}{{model="tensorrt_llm",{label}="{cat}",version="1"}} {v}')
     return gauge_values(parse("\n".join(lines)))
 
@@ -79,14 +90,24 @@ def test_limiter_names_kv_then_batch_then_waiting_then_queueing():
         series = [(i, g) for i in range(4)]
         return {"gauges": gauge_summary(series, 0, 10), "models": models or {}}
 
-    kv = _gauges(nv_trt_llm_kv_cache_block_metrics__fraction=0.97, nv_trt_llm_request_metrics__scheduled=8,
-                 nv_trt_llm_request_metrics__max=8)
+    kv = _gauges(
+        nv_trt_llm_kv_cache_block_metrics__fraction=0.97,
+        nv_trt_llm_request_metrics__scheduled=8,
+        nv_trt_llm_request_metrics__max=8,
+    )
     assert limiter(view(kv))["limiter"] == "kv_blocks_full"
-    full = _gauges(nv_trt_llm_kv_cache_block_metrics__fraction=0.3, nv_trt_llm_request_metrics__scheduled=8,
-                   nv_trt_llm_request_metrics__max=8)
+    full = _gauges(
+        nv_trt_llm_kv_cache_block_metrics__fraction=0.3,
+        nv_trt_llm_request_metrics__scheduled=8,
+        nv_trt_llm_request_metrics__max=8,
+    )
     assert limiter(view(full))["limiter"] == "batch_slots_full"
-    wait = _gauges(nv_trt_llm_kv_cache_block_metrics__fraction=0.3, nv_trt_llm_request_metrics__scheduled=2,
-                   nv_trt_llm_request_metrics__max=8, nv_trt_llm_request_metrics__waiting=3)
+    wait = _gauges(
+        nv_trt_llm_kv_cache_block_metrics__fraction=0.3,
+        nv_trt_llm_request_metrics__scheduled=2,
+        nv_trt_llm_request_metrics__max=8,
+        nv_trt_llm_request_metrics__waiting=3,
+    )
     assert limiter(view(wait))["limiter"] == "executor_waiting"
     models = model_breakdown(counter_deltas(parse(BEFORE), parse(AFTER)))
     q = limiter(view({}, models))
@@ -94,7 +115,10 @@ def test_limiter_names_kv_then_batch_then_waiting_then_queueing():
     calm = {k: {**v, "queue_ms": 0.0} for k, v in models.items()}
     assert limiter(view({}, calm))["limiter"] == "none"
     assert limiter(view({}, {}))["limiter"] == "unknown"
-    tiny = {"postprocessing": {"queue_ms": 0.3, "request_ms": 0.8}, "tensorrt_llm": {"queue_ms": 0.1, "request_ms": 300}}
+    tiny = {
+        "postprocessing": {"queue_ms": 0.3, "request_ms": 0.8},
+        "tensorrt_llm": {"queue_ms": 0.1, "request_ms": 300},
+    }
     assert limiter({**view({}, tiny), "client_e2e_ms": 400.0})["limiter"] == "none"  # 45% of 0.8 ms is nothing
     waits = {"tensorrt_llm": {"queue_ms": 80.0, "request_ms": 900.0}}
     assert limiter({**view({}, waits), "client_e2e_ms": 400.0})["model"] == "tensorrt_llm"  # 20% of what clients see

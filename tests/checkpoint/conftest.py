@@ -60,8 +60,13 @@ class Oracle:
         self.scale = error_scale(self.logits, self.logits64)  # float32's error on these logits
         self.prompts, self.full = prompts, []
         for p in prompts[:2]:
-            out = self.model.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False, eos_token_id=eos,
-                                      pad_token_id=eos if eos is not None else 0)[0, len(p):].tolist()
+            out = self.model.generate(
+                torch.tensor([p]),
+                max_new_tokens=64,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos if eos is not None else 0,
+            )[0, len(p) :].tolist()
             self.full.append(out[: out.index(eos) + 1] if eos is not None and eos in out else out)
         self.eos = eos
 

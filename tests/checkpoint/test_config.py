@@ -12,12 +12,39 @@ from trtpipe.models import REGISTRY, get_family
 from trtpipe.models.synthetic import make_synthetic
 from trtpipe.models.trtllm_config import resolve_dtype
 
-LLAMA3_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
-COMMON = ("architecture", "dtype", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-          "num_key_value_heads", "intermediate_size", "head_size", "hidden_act", "position_embedding_type",
-          "max_position_embeddings", "norm_epsilon", "logits_dtype", "rotary_base", "rotary_scaling",
-          "rotary_embedding_dim", "mapping", "quantization", "use_parallel_embedding", "embedding_sharding_dim",
-          "tie_word_embeddings", "moe", "mlp_bias", "attn_bias")
+LLAMA3_SCALING = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+COMMON = (
+    "architecture",
+    "dtype",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "head_size",
+    "hidden_act",
+    "position_embedding_type",
+    "max_position_embeddings",
+    "norm_epsilon",
+    "logits_dtype",
+    "rotary_base",
+    "rotary_scaling",
+    "rotary_embedding_dim",
+    "mapping",
+    "quantization",
+    "use_parallel_embedding",
+    "embedding_sharding_dim",
+    "tie_word_embeddings",
+    "moe",
+    "mlp_bias",
+    "attn_bias",
+)
 
 
 def _config(kind, tmp_path, layout="v5", **kw):
@@ -78,8 +105,12 @@ def test_qwen2_bias_and_mlp_naming(tmp_path):
     src = load_file(hf / "model.safetensors")
     with safe_open(str(ck / "rank0.safetensors"), "pt") as f:
         names = set(f.keys())
-        assert torch.equal(f.get_tensor("transformer.layers.0.mlp.fc.weight"), src["model.layers.0.mlp.gate_proj.weight"])
-        assert torch.equal(f.get_tensor("transformer.layers.0.mlp.gate.weight"), src["model.layers.0.mlp.up_proj.weight"])
+        assert torch.equal(
+            f.get_tensor("transformer.layers.0.mlp.fc.weight"), src["model.layers.0.mlp.gate_proj.weight"]
+        )
+        assert torch.equal(
+            f.get_tensor("transformer.layers.0.mlp.gate.weight"), src["model.layers.0.mlp.up_proj.weight"]
+        )
     assert "transformer.layers.0.attention.qkv.bias" in names
     assert "transformer.layers.0.attention.dense.bias" not in names
 
@@ -92,9 +123,17 @@ def test_dtype_auto_rule(src, auto):
 
 def test_registry_keys_and_aliases():
     assert get_family("MistralForCausalLM") is get_family("LlamaForCausalLM")
-    assert set(REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM",
-                             "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
-                             "Gemma3ForConditionalGeneration", "GptOssForCausalLM"}
+    assert set(REGISTRY) == {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "Gemma3ForCausalLM",
+        "Gemma3ForConditionalGeneration",
+        "GptOssForCausalLM",
+    }
     assert get_family("Gemma3ForConditionalGeneration") is get_family("Gemma3ForCausalLM")  # its language model
 
 

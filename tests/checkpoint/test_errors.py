@@ -52,7 +52,9 @@ def test_missing_tensor(model, tmp_path):
 
 def test_extra_tensor(model, tmp_path):
     _edit(model, lambda s: s.__setitem__("model.layers.0.self_attn.extra.weight", torch.zeros(2)))
-    _fails(model, tmp_path / "out", "'model.layers.0.self_attn.extra.weight' is not part of the LlamaForCausalLM mapping")
+    _fails(
+        model, tmp_path / "out", "'model.layers.0.self_attn.extra.weight' is not part of the LlamaForCausalLM mapping"
+    )
 
 
 def test_layer_beyond_config_is_extra(model, tmp_path):
@@ -64,7 +66,11 @@ def test_layer_beyond_config_is_extra(model, tmp_path):
 
 def test_shape_contradicting_config(model, tmp_path):
     _edit(model, lambda s: s.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(32, 64)))
-    _fails(model, tmp_path / "out", "'model.layers.0.self_attn.k_proj.weight' has shape [32, 64] but config.json implies [64, 64]")
+    _fails(
+        model,
+        tmp_path / "out",
+        "'model.layers.0.self_attn.k_proj.weight' has shape [32, 64] but config.json implies [64, 64]",
+    )
 
 
 @pytest.mark.parametrize("value,word", [(float("nan"), "NaN"), (float("inf"), "Inf")])
@@ -127,12 +133,20 @@ def test_pickle_with_code_is_refused_even_when_allowed(model, tmp_path):
     _fails(model, tmp_path / "out", "weights_only=True", allow_pickle=True)
 
 
-@pytest.mark.parametrize("header,match", [
-    (b"[1, 2, 3]", "invalid safetensors header: a JSON list, not an object"),
-    (b'{"model.embed_tokens.weight": 5}', "invalid safetensors header: tensor 'model.embed_tokens.weight' is not an object"),
-    (b'{"model.embed_tokens.weight": {"dtype": "F32", "shape": [2]}}',
-     "invalid safetensors header: tensor 'model.embed_tokens.weight' needs an integer shape and data_offsets"),
-])
+@pytest.mark.parametrize(
+    "header,match",
+    [
+        (b"[1, 2, 3]", "invalid safetensors header: a JSON list, not an object"),
+        (
+            b'{"model.embed_tokens.weight": 5}',
+            "invalid safetensors header: tensor 'model.embed_tokens.weight' is not an object",
+        ),
+        (
+            b'{"model.embed_tokens.weight": {"dtype": "F32", "shape": [2]}}',
+            "invalid safetensors header: tensor 'model.embed_tokens.weight' needs an integer shape and data_offsets",
+        ),
+    ],
+)
 def test_malformed_safetensors_header(model, tmp_path, header, match):
     import struct
 

@@ -28,8 +28,17 @@ def mixtral(tmp_path_factory):
     return make_synthetic("mixtral", tmp_path_factory.mktemp("m") / "hf", seed=3)
 
 
-@pytest.mark.parametrize("kind, tp, moe_ep", [("qwen3_moe", 4, 1), ("qwen3_moe", 4, 2), ("qwen3_moe", 4, 4),
-                                              ("qwen3_moe", 1, 1), ("mixtral", 2, 2), ("mixtral", 2, 1)])
+@pytest.mark.parametrize(
+    "kind, tp, moe_ep",
+    [
+        ("qwen3_moe", 4, 1),
+        ("qwen3_moe", 4, 2),
+        ("qwen3_moe", 4, 4),
+        ("qwen3_moe", 1, 1),
+        ("mixtral", 2, 2),
+        ("mixtral", 2, 1),
+    ],
+)
 def test_streamed_experts_equal_the_split_stack(kind, tp, moe_ep, qwen3_moe, mixtral, tmp_path):
     hf = {"qwen3_moe": qwen3_moe, "mixtral": mixtral}[kind]
     ckpt = convert(hf, tmp_path / "ckpt", tp=tp, moe_ep=moe_ep, dtype="bfloat16")
@@ -40,10 +49,15 @@ def test_streamed_experts_equal_the_split_stack(kind, tp, moe_ep, qwen3_moe, mix
             for rank in range(tp):
                 ref = shard_for_rank(whole, plan, rank)
                 with safe_open(str(ckpt / f"rank{rank}.safetensors"), "pt") as f:
-                    for name in (f"transformer.layers.{layer}.mlp.fc.weight", f"transformer.layers.{layer}.mlp.proj.weight"):
+                    for name in (
+                        f"transformer.layers.{layer}.mlp.fc.weight",
+                        f"transformer.layers.{layer}.mlp.proj.weight",
+                    ):
                         got, want = f.get_tensor(name), ref[name].to(torch.bfloat16)
                         assert got.shape == want.shape and torch.equal(got.view(torch.int16), want.view(torch.int16)), (
-                            name, rank)
+                            name,
+                            rank,
+                        )
 
 
 def test_a_nan_in_one_expert_names_that_tensor(qwen3_moe, tmp_path):

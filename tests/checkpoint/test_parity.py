@@ -19,14 +19,25 @@ LAYOUTS = [  # (tp, pp, moe_ep)
 # MoE (Mixtral, Qwen3-MoE, gpt-oss): experts split into 2 contiguous blocks (ep=2, moe_tp=1), and ep=2 x moe_tp=2 at
 # tp=4. gpt-oss (no engine: the runtime is its only CPU executor) at tp1, tp2 (moe_tp 2: each expert's rows split)
 # and tp2 x pp2.
-CASES = [(m, *lay) for m in ("stories", "llama3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma3") for lay in LAYOUTS] + [
-    ("gpt_oss", *lay) for lay in (LAYOUTS[0], LAYOUTS[1], LAYOUTS[4])] + [
-    (m, tp, 1, 2) for m in ("mixtral", "qwen3_moe", "gpt_oss") for tp in (2, 4)]
+CASES = (
+    [(m, *lay) for m in ("stories", "llama3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma3") for lay in LAYOUTS]
+    + [("gpt_oss", *lay) for lay in (LAYOUTS[0], LAYOUTS[1], LAYOUTS[4])]
+    + [(m, tp, 1, 2) for m in ("mixtral", "qwen3_moe", "gpt_oss") for tp in (2, 4)]
+)
 
 
 # tp1 pp1 of every family is in the fast tier (make test-fast); the sweep over layouts is slow
-PARAMS = [pytest.param(m, t, p, e, id=f"{m}-tp{t}-pp{p}" + (f"-ep{e}" if e > 0 else ""),
-                       marks=() if (t, p) == (1, 1) else pytest.mark.slow) for m, t, p, e in CASES]
+PARAMS = [
+    pytest.param(
+        m,
+        t,
+        p,
+        e,
+        id=f"{m}-tp{t}-pp{p}" + (f"-ep{e}" if e > 0 else ""),
+        marks=() if (t, p) == (1, 1) else pytest.mark.slow,
+    )
+    for m, t, p, e in CASES
+]
 
 
 @pytest.mark.parametrize("model,tp,pp,ep", PARAMS)
@@ -61,8 +72,8 @@ def test_kv_head_replication_two_kv_heads_at_tp4(hf_models, prompts, oracle, tmp
             qkv = f.get_tensor("transformer.layers.0.attention.qkv.weight")
         assert qkv.shape == ((nh // 4 + 2) * d, h)  # 2 q heads + 1 k head + 1 v head
     with safe_open(str(ckpt / "rank0.safetensors"), "pt") as f0, safe_open(str(ckpt / "rank1.safetensors"), "pt") as f1:
-        k0 = f0.get_tensor("transformer.layers.0.attention.qkv.weight")[2 * d:3 * d]
-        k1 = f1.get_tensor("transformer.layers.0.attention.qkv.weight")[2 * d:3 * d]
+        k0 = f0.get_tensor("transformer.layers.0.attention.qkv.weight")[2 * d : 3 * d]
+        k1 = f1.get_tensor("transformer.layers.0.attention.qkv.weight")[2 * d : 3 * d]
     assert torch.equal(k0, k1)  # ranks 0 and 1 share KV head 0
     oracle("llama3").assert_logits(load_checkpoint(ckpt)(torch.tensor(prompts["llama3"])), "llama3 tp4")
 

@@ -58,7 +58,7 @@ def test_qkv_mha_split_matches_the_view_3_rule():
     d, nh, h = 4, 4, 16
     fused = torch.randn(3 * nh * d, h)
     lay = Layout(nh, nh, d, tp=2)
-    expected = fused.view(3, nh * d, h)[:, nh * d // 2:].reshape(-1, h)  # [3, H, H] split on the middle dim
+    expected = fused.view(3, nh * d, h)[:, nh * d // 2 :].reshape(-1, h)  # [3, H, H] split on the middle dim
     assert torch.equal(split_linear_tensor(fused, "weight", "qkv", 1, lay), expected)
 
 
@@ -74,9 +74,9 @@ def test_kv_heads_replicated_when_fewer_than_tp():
     for r in range(tp):
         shard = split_linear_tensor(fused, "weight", "qkv", r, lay)
         head = r // (tp // nkv)
-        assert torch.equal(shard[2 * d:3 * d], k[head * d:(head + 1) * d])
-        assert torch.equal(shard[3 * d:], v[head * d:(head + 1) * d])
-        assert torch.equal(shard[: 2 * d], q[r * 2 * d:(r + 1) * 2 * d])
+        assert torch.equal(shard[2 * d : 3 * d], k[head * d : (head + 1) * d])
+        assert torch.equal(shard[3 * d :], v[head * d : (head + 1) * d])
+        assert torch.equal(shard[: 2 * d], q[r * 2 * d : (r + 1) * 2 * d])
 
 
 def test_kv_replication_needs_tp_multiple_of_kv_heads():
@@ -95,8 +95,14 @@ def test_vocab_padding_is_zero_rows_then_split():
     assert pad_dim(w, 0, 5) is w
 
 
-@pytest.mark.parametrize("layers,pp,expected", [(5, 2, [range(0, 3), range(3, 5)]), (4, 2, [range(0, 2), range(2, 4)]),
-                                                (7, 3, [range(0, 3), range(3, 5), range(5, 7)])])
+@pytest.mark.parametrize(
+    "layers,pp,expected",
+    [
+        (5, 2, [range(0, 3), range(3, 5)]),
+        (4, 2, [range(0, 2), range(2, 4)]),
+        (7, 3, [range(0, 3), range(3, 5), range(5, 7)]),
+    ],
+)
 def test_pp_layers_follow_tensor_split(layers, pp, expected):
     assert [pp_layers(layers, pp, p) for p in range(pp)] == expected
     ref = [list(c) for c in torch.tensor_split(torch.arange(layers), pp)]

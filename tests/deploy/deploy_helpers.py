@@ -19,6 +19,7 @@ def run_cli(*args: str):
     """Run `trtpipe ARGS` in-process; return click's Result (exit_code, stdout, stderr)."""
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
+
 CRDS = DATA / "crds"
 CRD_FILES = {  # (apiVersion, kind) -> schema file (tests/data/crds/SOURCES.md)
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkerset.x-k8s.io_leaderworkersets_v1.json",
@@ -35,8 +36,11 @@ def closed(schema):
     unknown fields: CRD schemas leave it out because the API server prunes, so a typo would pass otherwise."""
     if isinstance(schema, dict):
         out = {k: closed(v) for k, v in schema.items()}
-        if "properties" in out and "additionalProperties" not in out \
-                and not out.get("x-kubernetes-preserve-unknown-fields"):
+        if (
+            "properties" in out
+            and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")
+        ):
             out["additionalProperties"] = False
         return out
     if isinstance(schema, list):
@@ -51,5 +55,7 @@ def crd_errors(obj: dict) -> list[str]:
     import jsonschema
 
     schema = closed(json.loads((CRDS / CRD_FILES[(obj["apiVersion"], obj["kind"])]).read_text()))
-    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-            for e in jsonschema.Draft7Validator(schema).iter_errors(obj)]
+    return [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in jsonschema.Draft7Validator(schema).iter_errors(obj)
+    ]

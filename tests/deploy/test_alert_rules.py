@@ -27,8 +27,12 @@ def _promtool(*args: str) -> subprocess.CompletedProcess:
 
 
 def _case(name, series, alert, eval_time="10m", fires=None):
-    return {"name": name, "interval": "15s", "input_series": [{"series": s, "values": v} for s, v in series],
-            "alert_rule_test": [{"eval_time": eval_time, "alertname": alert, "exp_alerts": fires or []}]}
+    return {
+        "name": name,
+        "interval": "15s",
+        "input_series": [{"series": s, "values": v} for s, v in series],
+        "alert_rule_test": [{"eval_time": eval_time, "alertname": alert, "exp_alerts": fires or []}],
+    }
 
 
 def _alert(severity, summary, recipe, **labels):
@@ -39,25 +43,48 @@ def _common_cases(recipe: str, server: str, kv: str, ok: str, fail: str, queue, 
     sel = f'job="{JOB}",instance="i"'
     return [
         # KV: 0.95 > 0.9 for longer than 2 m fires; exactly 0.9 does not (the rule is >)
-        _case("kv fires", [(kv % sel, "0.95" + N)], "KVCacheNearlyFull",
-              fires=[_alert("warning", "KV-cache blocks 95% used (over 0.9) (i)", recipe, job=JOB, instance="i")]),
+        _case(
+            "kv fires",
+            [(kv % sel, "0.95" + N)],
+            "KVCacheNearlyFull",
+            fires=[_alert("warning", "KV-cache blocks 95% used (over 0.9) (i)", recipe, job=JOB, instance="i")],
+        ),
         _case("kv at the threshold", [(kv % sel, "0.9" + N)], "KVCacheNearlyFull"),
         _case("kv inside for", [(kv % sel, "0.5x7 0.95" + N)], "KVCacheNearlyFull", eval_time="3m"),  # high since 1m45s
         # errors: 5 failed per 100 succeeded -> 5/105 > 0.01; none failed -> 0
-        _case("errors fire", [(ok % sel, "0+100" + N), (fail % sel, "0+5" + N)], "RequestErrors",
-              fires=[_alert("page", "4.762% of requests fail (over 0.01)", recipe, job=JOB)]),
+        _case(
+            "errors fire",
+            [(ok % sel, "0+100" + N), (fail % sel, "0+5" + N)],
+            "RequestErrors",
+            fires=[_alert("page", "4.762% of requests fail (over 0.01)", recipe, job=JOB)],
+        ),
         _case("no errors", [(ok % sel, "0+100" + N), (fail % sel, "0+0" + N)], "RequestErrors"),
         # queue time twice the compute time fires; half of it does not
-        _case("queue dominates", queue(2.0, sel), "QueueTimeOverComputeTime",
-              fires=[_alert("warning", "requests wait longer than they compute (i): add replicas", recipe,
-                            job=JOB, instance="i")]),
+        _case(
+            "queue dominates",
+            queue(2.0, sel),
+            "QueueTimeOverComputeTime",
+            fires=[
+                _alert(
+                    "warning", "requests wait longer than they compute (i): add replicas", recipe, job=JOB, instance="i"
+                )
+            ],
+        ),
         _case("compute dominates", queue(0.5, sel), "QueueTimeOverComputeTime"),
         # target down: up == 0, and no up series at all
-        _case("target down", [(f'up{{{sel}}}', "0" + N)], "TargetDown",
-              fires=[_alert("page", f"{server} of {recipe} is not scraped (i)", recipe, job=JOB, instance="i")]),
-        _case("target absent", [('up{job="other",instance="i"}', "1" + N)], "TargetDown",
-              fires=[_alert("page", f"{server} of {recipe} is not scraped ()", recipe, **up_fail_labels)]),
-        _case("target up", [(f'up{{{sel}}}', "1" + N)], "TargetDown"),
+        _case(
+            "target down",
+            [(f"up{{{sel}}}", "0" + N)],
+            "TargetDown",
+            fires=[_alert("page", f"{server} of {recipe} is not scraped (i)", recipe, job=JOB, instance="i")],
+        ),
+        _case(
+            "target absent",
+            [('up{job="other",instance="i"}', "1" + N)],
+            "TargetDown",
+            fires=[_alert("page", f"{server} of {recipe} is not scraped ()", recipe, **up_fail_labels)],
+        ),
+        _case("target up", [(f"up{{{sel}}}", "1" + N)], "TargetDown"),
     ]
 
 
@@ -72,18 +99,32 @@ def engine_cases(recipe: str) -> list[dict]:
 
     def queue(ratio, sel):
         engine = f'job="{JOB}",model="tensorrt_llm",instance="i"'
-        return [(f"nv_inference_queue_duration_us{{{engine}}}", f"0+{int(ratio * 1e6)}{N}"),
-                (f"nv_inference_compute_infer_duration_us{{{engine}}}", f"0+1000000{N}")]
+        return [
+            (f"nv_inference_queue_duration_us{{{engine}}}", f"0+{int(ratio * 1e6)}{N}"),
+            (f"nv_inference_compute_infer_duration_us{{{engine}}}", f"0+1000000{N}"),
+        ]
 
-    cases = _common_cases(recipe, "tritonserver", 'nv_trt_llm_kv_cache_block_metrics{%s,kv_cache_block_type="fraction"}',
-                          'nv_inference_request_success{%s,model="ensemble"}',
-                          'nv_inference_request_failure{%s,model="ensemble",reason="BACKEND"}', queue, {"job": JOB})
+    cases = _common_cases(
+        recipe,
+        "tritonserver",
+        'nv_trt_llm_kv_cache_block_metrics{%s,kv_cache_block_type="fraction"}',
+        'nv_inference_request_success{%s,model="ensemble"}',
+        'nv_inference_request_failure{%s,model="ensemble",reason="BACKEND"}',
+        queue,
+        {"job": JOB},
+    )
     # TTFT: every request in (1000, 5000] ms -> p99 = 1000 + 0.99 * 4000 = 4960 ms = 4.96 s > 2 s
     slow = _histogram(ttft, client, {"1000": 0, "5000": 10, "+Inf": 10})
     fast = _histogram(ttft, client, {"1000": 10, "5000": 10, "+Inf": 10})  # p99 = 990 ms
-    cases += [_case("ttft fires", slow, "TTFTAboveSLO",
-                    fires=[_alert("page", "TTFT p99 4.96s over the SLO 2s (j)", recipe, job=JOB)]),
-              _case("ttft within", fast, "TTFTAboveSLO")]
+    cases += [
+        _case(
+            "ttft fires",
+            slow,
+            "TTFTAboveSLO",
+            fires=[_alert("page", "TTFT p99 4.96s over the SLO 2s (j)", recipe, job=JOB)],
+        ),
+        _case("ttft within", fast, "TTFTAboveSLO"),
+    ]
     return cases
 
 
@@ -91,13 +132,24 @@ def llmapi_cases(recipe: str) -> list[dict]:
     sel = f'job="{JOB}",model_name="m",engine_type="trtllm",instance="i"'
 
     def queue(ratio, _):  # per step: queue q s of an end-to-end q + 1 s
-        return [(f"trtllm_request_queue_time_seconds_sum{{{sel}}}", f"0+{ratio}{N}"),
-                (f"trtllm_e2e_request_latency_seconds_sum{{{sel}}}", f"0+{ratio + 1}{N}")]
+        return [
+            (f"trtllm_request_queue_time_seconds_sum{{{sel}}}", f"0+{ratio}{N}"),
+            (f"trtllm_e2e_request_latency_seconds_sum{{{sel}}}", f"0+{ratio + 1}{N}"),
+        ]
 
     # the label sets of the trtllm series carry model_name and engine_type: the per-target rules keep instance
-    cases = [c for c in _common_cases(recipe, "trtllm-serve", "trtllm_kv_cache_utilization{%s}",
-                                      "trtllm_request_success_total{%s}", "trtllm_request_error_total{%s}", queue,
-                                      {"job": JOB})]
+    cases = [
+        c
+        for c in _common_cases(
+            recipe,
+            "trtllm-serve",
+            "trtllm_kv_cache_utilization{%s}",
+            "trtllm_request_success_total{%s}",
+            "trtllm_request_error_total{%s}",
+            queue,
+            {"job": JOB},
+        )
+    ]
     for c in cases:  # the twin's label set instead of job/instance only
         for s in c["input_series"]:
             if not s["series"].startswith("up{"):  # Prometheus writes up with the target's labels only
@@ -105,20 +157,31 @@ def llmapi_cases(recipe: str) -> list[dict]:
     # TTFT all in (2.5, 5] s -> p99 4.975 s; ITL all in (0.1, 0.15] s -> p99 0.1495 s > 0.1 s
     ttft, itl = "trtllm_time_to_first_token_seconds_bucket", "trtllm_time_per_output_token_seconds_bucket"
     cases += [
-        _case("ttft fires", _histogram(ttft, sel, {"2.5": 0, "5.0": 10, "+Inf": 10}), "TTFTAboveSLO",
-              fires=[_alert("page", "TTFT p99 4.975s over the SLO 2s (j)", recipe, job=JOB)]),
+        _case(
+            "ttft fires",
+            _histogram(ttft, sel, {"2.5": 0, "5.0": 10, "+Inf": 10}),
+            "TTFTAboveSLO",
+            fires=[_alert("page", "TTFT p99 4.975s over the SLO 2s (j)", recipe, job=JOB)],
+        ),
         _case("ttft within", _histogram(ttft, sel, {"1.0": 10, "5.0": 10, "+Inf": 10}), "TTFTAboveSLO"),
-        _case("itl fires", _histogram(itl, sel, {"0.1": 0, "0.15": 10, "+Inf": 10}), "ITLAboveSLO",
-              fires=[_alert("page", "ITL p99 149.5ms over the SLO 0.1s (j)", recipe, job=JOB)]),
+        _case(
+            "itl fires",
+            _histogram(itl, sel, {"0.1": 0, "0.15": 10, "+Inf": 10}),
+            "ITLAboveSLO",
+            fires=[_alert("page", "ITL p99 149.5ms over the SLO 0.1s (j)", recipe, job=JOB)],
+        ),
         _case("itl within", _histogram(itl, sel, {"0.05": 10, "0.15": 10, "+Inf": 10}), "ITLAboveSLO"),
     ]
     return cases
 
 
-@pytest.mark.parametrize("path, overrides, cases", [
-    (ONE_NODE, [], engine_cases),
-    (RECIPES / "stories-llmapi-fp8.yaml", [], llmapi_cases),
-])
+@pytest.mark.parametrize(
+    "path, overrides, cases",
+    [
+        (ONE_NODE, [], engine_cases),
+        (RECIPES / "stories-llmapi-fp8.yaml", [], llmapi_cases),
+    ],
+)
 def test_every_alert_fires_and_stays_silent_under_promtool(tmp_path, path, overrides, cases):
     recipe = load_recipe(path, overrides)
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rule_file(recipe, JOB)))
@@ -128,8 +191,11 @@ def test_every_alert_fires_and_stays_silent_under_promtool(tmp_path, path, overr
     alerts = {r["alert"] for g in rule_file(recipe, JOB)["groups"] for r in g["rules"] if "alert" in r}
     assert alerts == {c["alert_rule_test"][0]["alertname"] for c in tests}  # every alert is tested
     for c in tests:  # fire and silent cases for each
-        assert any(t["alert_rule_test"][0]["exp_alerts"] for t in tests if t["alert_rule_test"][0]["alertname"]
-                   == c["alert_rule_test"][0]["alertname"])
+        assert any(
+            t["alert_rule_test"][0]["exp_alerts"]
+            for t in tests
+            if t["alert_rule_test"][0]["alertname"] == c["alert_rule_test"][0]["alertname"]
+        )
     doc = {"rule_files": ["rules.yaml"], "evaluation_interval": "15s", "tests": tests}
     (tmp_path / "test.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     result = _promtool("test", "rules", str(tmp_path / "test.yaml"))
@@ -140,8 +206,12 @@ def test_a_broken_expectation_fails_promtool(tmp_path):
     """The harness can fail: a KV alert expected at 0.5 use is reported missing."""
     recipe = load_recipe(ONE_NODE)
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rule_file(recipe, JOB)))
-    wrong = _case("kv", [('nv_trt_llm_kv_cache_block_metrics{job="j",instance="i",kv_cache_block_type="fraction"}',
-                          "0.5" + N)], "KVCacheNearlyFull", fires=[_alert("warning", "x", recipe.name, job=JOB)])
+    wrong = _case(
+        "kv",
+        [('nv_trt_llm_kv_cache_block_metrics{job="j",instance="i",kv_cache_block_type="fraction"}', "0.5" + N)],
+        "KVCacheNearlyFull",
+        fires=[_alert("warning", "x", recipe.name, job=JOB)],
+    )
     (tmp_path / "test.yaml").write_text(yaml.safe_dump({"rule_files": ["rules.yaml"], "tests": [wrong]}))
     assert _promtool("test", "rules", str(tmp_path / "test.yaml")).returncode == 1
 

@@ -18,19 +18,29 @@ def test_shipped_recipes_lay_out_on_one_node_and_on_two():
     assert slo_targets(multi) == {"ttft": (0.99, 3.0), "itl": (0.99, 0.15)}
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("deploy.replicas.min=5", "deploy.replicas: replicas.min 5 exceeds replicas.max 2"),
-    ("deploy.gpus_per_node=6", "deploy.gpus_per_node: 16 ranks (tp*pp) need more than one node but do not fill "
-                               "nodes of 6 GPUs evenly"),
-    ("engine.gpu=b300-288gb", "engine.gpu: b300-288gb has no known nvidia.com/gpu.product node label; "
-                              "set deploy.node_labels"),
-    ("deploy.slo=itl_p99=5ms", "deploy.slo: itl p99 5 ms cannot hold: one decode step reads 2 pp stage(s) of "
-                               "weights at 3350 GB/s, at least 16."),  # ~400e9 FP8 linear bytes / tp 8 + BF16 embeddings: ~54.7 GB
-    ("deploy.slo=ttft:200ms", "deploy.slo: 'ttft' bounds every request; alerts watch a percentile"),
-    ("deploy.slo=tpot_p99=1s", "deploy.slo: cannot read 'tpot_p99=1s'"),
-    ("deploy.replicas.min=0", "deploy.replicas.min: must be ≥ 1 (got 0)"),
-    ("deploy.kv_cache_alert=1.5", "deploy.kv_cache_alert: must be ≤ 1.0 (got 1.5)"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("deploy.replicas.min=5", "deploy.replicas: replicas.min 5 exceeds replicas.max 2"),
+        (
+            "deploy.gpus_per_node=6",
+            "deploy.gpus_per_node: 16 ranks (tp*pp) need more than one node but do not fill nodes of 6 GPUs evenly",
+        ),
+        (
+            "engine.gpu=b300-288gb",
+            "engine.gpu: b300-288gb has no known nvidia.com/gpu.product node label; set deploy.node_labels",
+        ),
+        (
+            "deploy.slo=itl_p99=5ms",
+            "deploy.slo: itl p99 5 ms cannot hold: one decode step reads 2 pp stage(s) of "
+            "weights at 3350 GB/s, at least 16.",
+        ),  # ~400e9 FP8 linear bytes / tp 8 + BF16 embeddings: ~54.7 GB
+        ("deploy.slo=ttft:200ms", "deploy.slo: 'ttft' bounds every request; alerts watch a percentile"),
+        ("deploy.slo=tpot_p99=1s", "deploy.slo: cannot read 'tpot_p99=1s'"),
+        ("deploy.replicas.min=0", "deploy.replicas.min: must be ≥ 1 (got 0)"),
+        ("deploy.kv_cache_alert=1.5", "deploy.kv_cache_alert: must be ≤ 1.0 (got 1.5)"),
+    ],
+)
 def test_validate_refuses_a_deploy_section_that_cannot_hold_in_one_line(override, expected):
     result = run_cli("validate", str(MULTI_NODE), "--set", override)
     assert result.exit_code != 0
@@ -41,8 +51,14 @@ def test_validate_refuses_a_deploy_section_that_cannot_hold_in_one_line(override
 
 
 def test_a_gpu_without_a_label_validates_once_the_recipe_names_the_label():
-    result = run_cli("validate", str(ONE_NODE), "--set", "engine.gpu=b300-288gb",
-                     "--set", "deploy.node_labels={nvidia.com/gpu.product: NVIDIA-B300}")
+    result = run_cli(
+        "validate",
+        str(ONE_NODE),
+        "--set",
+        "engine.gpu=b300-288gb",
+        "--set",
+        "deploy.node_labels={nvidia.com/gpu.product: NVIDIA-B300}",
+    )
     assert result.exit_code == 0, result.stderr
 
 

@@ -57,8 +57,12 @@ def _flag(args, name):
 
 
 def _pod_template(component):
-    return {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": component["name"].lower()},
-            "template": component["podTemplate"]}
+    return {
+        "apiVersion": "v1",
+        "kind": "PodTemplate",
+        "metadata": {"name": component["name"].lower()},
+        "template": component["podTemplate"],
+    }
 
 
 def _check_graph(dgd):
@@ -88,10 +92,13 @@ def test_every_object_validates_strictly(path, disagg):
 def test_workers_carry_the_recipe(path, disagg):
     recipe, r = _rendered(path, disagg)
     front, *workers = _dgd(r)["spec"]["components"]
-    assert front["type"] == "frontend" and _flag(front["podTemplate"]["spec"]["containers"][0]["args"],
-                                                 "--router-mode") == "kv"
+    assert (
+        front["type"] == "frontend"
+        and _flag(front["podTemplate"]["spec"]["containers"][0]["args"], "--router-mode") == "kv"
+    )
     assert [(w["name"], w["type"]) for w in workers] == (
-        [("prefill", "prefill"), ("decode", "decode")] if disagg else [("TRTLLMWorker", "worker")])
+        [("prefill", "prefill"), ("decode", "decode")] if disagg else [("TRTLLMWorker", "worker")]
+    )
     world = recipe.parallel.tp * recipe.parallel.pp
     for w in workers:
         c = w["podTemplate"]["spec"]["containers"][0]
@@ -103,8 +110,11 @@ def test_workers_carry_the_recipe(path, disagg):
         assert _flag(args, "--served-model-name") == (recipe.llmapi.served_model_name or recipe.name)
         assert _flag(args, "--tensor-parallel-size") == str(recipe.parallel.tp)
         engine = _engine_yaml(r, w)
-        assert int(_flag(args, "--kv-block-size")) == engine["kv_cache_config"]["tokens_per_block"] \
+        assert (
+            int(_flag(args, "--kv-block-size"))
+            == engine["kv_cache_config"]["tokens_per_block"]
             == recipe.engine.kv_cache.tokens_per_block
+        )
         assert _flag(args, "--extra-engine-args") == "/etc/trtpipe/engine.yaml"
         mount = next(m for m in c["volumeMounts"] if m["name"] == "artifacts")
         assert mount["readOnly"] and mount["subPath"] == r.sources["artifact-key"].value
@@ -121,8 +131,10 @@ def test_workers_carry_the_recipe(path, disagg):
 
 def test_the_70b_graph_is_four_gpus_per_worker_and_two_replicas():
     _, r = _rendered(LLAMA70, True)
-    assert [(w["name"], w["replicas"], w["podTemplate"]["spec"]["containers"][0]["resources"]["limits"][
-        "nvidia.com/gpu"]) for w in _workers(r)] == [("prefill", 2, "4"), ("decode", 2, "4")]
+    assert [
+        (w["name"], w["replicas"], w["podTemplate"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+        for w in _workers(r)
+    ] == [("prefill", 2, "4"), ("decode", 2, "4")]
     # the planner's FP8 70B at tp4 (~18.4 GiB per GPU) read at deploy.storage_read_gbs 2 GB/s, x 1.5
     assert 50 <= r.sources["startup-budget-s"].value <= 70, r.sources["startup-budget-s"].source
 
@@ -137,8 +149,10 @@ def test_a_worker_larger_than_a_node_is_multinode():
     assert w["podTemplate"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert _flag(args, "--gpus-per-node") == "8" and _flag(args, "--pipeline-parallel-size") == "2"
     assert {e["name"] for e in dgd["spec"]["env"]} == {"OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"}
-    assert _flag(dgd["spec"]["components"][0]["podTemplate"]["spec"]["containers"][0]["args"],
-                 "--router-mode") == "round-robin"
+    assert (
+        _flag(dgd["spec"]["components"][0]["podTemplate"]["spec"]["containers"][0]["args"], "--router-mode")
+        == "round-robin"
+    )
 
 
 def test_the_schema_catches_a_typo():
@@ -157,8 +171,13 @@ def test_the_schema_catches_a_typo():
     assert crd_errors(with_component(1, name="pre_fill"))  # not a DNS-style name
     assert any("backendFramwork" in e for e in crd_errors({**dgd, "spec": {**dgd["spec"], "backendFramwork": "x"}}))
     bad = _pod_template(pre)
-    bad["template"] = {**bad["template"], "spec": {**bad["template"]["spec"], "containers": [
-        {**bad["template"]["spec"]["containers"][0], "volumeMount": []}]}}
+    bad["template"] = {
+        **bad["template"],
+        "spec": {
+            **bad["template"]["spec"],
+            "containers": [{**bad["template"]["spec"]["containers"][0], "volumeMount": []}],
+        },
+    }
     with pytest.raises(kv.ValidationError):
         kv.validate(bad, "1.30.0", strict=True)
 
@@ -188,7 +207,8 @@ def test_flags_are_ones_the_installed_wheel_defines():
     wheel = _wheel()
     trtllm = _flag_names(wheel / "trtllm" / "backend_args.py")
     front = _flag_names(wheel / "frontend" / "frontend_args.py") | _flag_names(
-        wheel / "common" / "configuration" / "groups" / "router_args.py")
+        wheel / "common" / "configuration" / "groups" / "router_args.py"
+    )
     modes = set(re.findall(r'= "([a-z_]+)"', (wheel / "trtllm" / "constants.py").read_text()))
     for path, disagg in CASES + [(MULTI_NODE, False)]:
         overrides = ("target=llmapi",) if path == MULTI_NODE else ()
@@ -235,7 +255,7 @@ def test_cli_writes_the_graph_and_the_same_graph_for_one_host(tmp_path, path, di
     front = next(ln for ln in lines if "dynamo.frontend" in ln)
     assert "--router-mode kv" in front and "--http-host 127.0.0.1" in front
     assert "export DYN_FILE_KV DYN_DISCOVERY_BACKEND=file" in script.read_text()
-    local = [shlex.split(ln.rstrip("&"))for ln in lines if "dynamo.trtllm" in ln and not ln.startswith("#")]
+    local = [shlex.split(ln.rstrip("&")) for ln in lines if "dynamo.trtllm" in ln and not ln.startswith("#")]
     workers = [c for c in dgd["spec"]["components"] if c["type"] != "frontend"]
     recipe = load_recipe(path)
     per_role = len(local) // len(workers)
@@ -244,15 +264,18 @@ def test_cli_writes_the_graph_and_the_same_graph_for_one_host(tmp_path, path, di
     for i, cmd in enumerate(local):
         w = workers[i // per_role]
         env = dict(a.split("=", 1) for a in cmd[:2])
-        argv = cmd[cmd.index("dynamo.trtllm") + 1:]
+        argv = cmd[cmd.index("dynamo.trtllm") + 1 :]
         want = w["podTemplate"]["spec"]["containers"][0]["args"]
         # the same flags; only the model and engine paths are the host's
         assert [a for a in argv if a.startswith("--")] == [a for a in want if a.startswith("--")]
         assert _flag(argv, "--kv-block-size") == _flag(want, "--kv-block-size")
         assert _flag(argv, "--model") == "$MODEL_DIR"
         engine = yaml.safe_load((out / _flag(argv, "--extra-engine-args").replace("$HERE/", "")).read_text())
-        cm = next(yaml.safe_load(p.read_text()) for p in out.glob("configmap-*.yaml")
-                  if w["podTemplate"]["spec"]["volumes"][1]["configMap"]["name"] in p.name)
+        cm = next(
+            yaml.safe_load(p.read_text())
+            for p in out.glob("configmap-*.yaml")
+            if w["podTemplate"]["spec"]["volumes"][1]["configMap"]["name"] in p.name
+        )
         assert engine == yaml.safe_load(cm["data"]["engine.yaml"])
         gpus_seen += env["CUDA_VISIBLE_DEVICES"].split(",")
         assert len(env["CUDA_VISIBLE_DEVICES"].split(",")) == recipe.parallel.tp * recipe.parallel.pp

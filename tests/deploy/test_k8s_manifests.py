@@ -54,8 +54,15 @@ def _by_kind(rendered):
 
 def _pod_templates(lws):
     t = lws["spec"]["leaderWorkerTemplate"]
-    return [{"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"{lws['metadata']['name']}-{role}"},
-             "template": t[f"{role}Template"]} for role in ("leader", "worker")]
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": f"{lws['metadata']['name']}-{role}"},
+            "template": t[f"{role}Template"],
+        }
+        for role in ("leader", "worker")
+    ]
 
 
 def _validate_all(rendered):
@@ -73,14 +80,16 @@ def _validate_all(rendered):
     return checked
 
 
-@pytest.mark.parametrize("path, extra", [(ONE_NODE, []), (MULTI_NODE, []), (ONE_NODE, ["target=llmapi"]),
-                                         (MULTI_NODE, ["target=llmapi"])])
+@pytest.mark.parametrize(
+    "path, extra", [(ONE_NODE, []), (MULTI_NODE, []), (ONE_NODE, ["target=llmapi"]), (MULTI_NODE, ["target=llmapi"])]
+)
 @pytest.mark.parametrize("autoscaler", ["hpa", "keda"])
 def test_every_manifest_validates_strictly(path, extra, autoscaler):
     _, r = _render(path, *extra, autoscaler=autoscaler)
     kinds = _validate_all(r)
     assert ("ScaledObject" in kinds) == (autoscaler == "keda") and ("HorizontalPodAutoscaler" in kinds) != (
-        autoscaler == "keda")
+        autoscaler == "keda"
+    )
 
 
 def test_the_validators_catch_a_typo(one, multi):
@@ -89,7 +98,10 @@ def test_the_validators_catch_a_typo(one, multi):
     with pytest.raises(kv.ValidationError):
         kv.validate(dep, "1.30.0", strict=True)
     lws = _by_kind(multi[1])["LeaderWorkerSet"][0]
-    bad = {**lws, "spec": {**lws["spec"], "leaderWorkerTemplate": {**lws["spec"]["leaderWorkerTemplate"], "size": "two"}}}
+    bad = {
+        **lws,
+        "spec": {**lws["spec"], "leaderWorkerTemplate": {**lws["spec"]["leaderWorkerTemplate"], "size": "two"}},
+    }
     assert crd_errors(bad)
     pm = _by_kind(one[1])["PodMonitor"][0]
     bad = {**pm, "spec": {**pm["spec"], "podMetricsEndpoints": [{"port": 8002, "path": "/metrics"}]}}
@@ -151,10 +163,14 @@ def test_llmapi_serves_trtllm_serve_and_multi_node_runs_its_launcher():
     assert c["command"][0] == "trtllm-serve" and c["startupProbe"]["httpGet"]["path"] == "/health"
     assert [p["name"] for p in c["ports"]] == ["http"]
     assert _by_kind(one)["PodMonitor"][0]["spec"]["podMetricsEndpoints"][0] == {
-        "port": "http", "path": "/prometheus/metrics", "interval": "15s"}
+        "port": "http",
+        "path": "/prometheus/metrics",
+        "interval": "15s",
+    }
     _, multi = _render(MULTI_NODE, "target=llmapi")
     script = _by_kind(multi)["LeaderWorkerSet"][0]["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"][
-        "containers"][0]["command"][2]
+        "containers"
+    ][0]["command"][2]
     assert "-np 16" in script and "trtllm-llmapi-launch trtllm-serve /artifacts/hf" in script
 
 
@@ -165,8 +181,7 @@ def test_cli_writes_manifests_that_the_tools_accept(tmp_path):
     assert result.exit_code == 0, result.stderr
     kust = yaml.safe_load((out / "kustomization.yaml").read_text())
     assert kust["namespace"] == "llm" and all((out / f).is_file() for f in kust["resources"])
-    core = [str(out / f) for f in kust["resources"]
-            if yaml.safe_load((out / f).read_text())["kind"] not in CUSTOM]
+    core = [str(out / f) for f in kust["resources"] if yaml.safe_load((out / f).read_text())["kind"] not in CUSTOM]
     cli = [sys.executable, "-m", "kubernetes_validate"]  # the kubernetes-validate command
     for version in VERSIONS:
         done = subprocess.run([*cli, "--strict", "-k", version, *core], capture_output=True, text=True, timeout=120)
@@ -183,8 +198,9 @@ def test_monitoring_cli_writes_a_config_promtool_accepts(tmp_path):
     result = run_cli("deploy", "monitoring", str(RECIPES / "stories-llmapi-fp8.yaml"), "-o", str(tmp_path / "m"))
     assert result.exit_code == 0, result.stderr
     if shutil.which("promtool"):
-        check = subprocess.run(["promtool", "check", "config", str(tmp_path / "m" / "prometheus.yml")],
-                               capture_output=True, text=True)
+        check = subprocess.run(
+            ["promtool", "check", "config", str(tmp_path / "m" / "prometheus.yml")], capture_output=True, text=True
+        )
         assert check.returncode == 0, check.stdout + check.stderr
 
 
@@ -216,10 +232,19 @@ def test_the_cache_is_keyed_by_the_served_artifacts_hashes(tmp_path):
     assert "not built yet" in unbuilt.source
 
     def build(sha: str, build_id: str):
-        files = {"triton_repo/tensorrt_llm/1/rank0.engine": {"sha256": sha, "size": 1},
-                 "triton_repo/tensorrt_llm/config.pbtxt": {"sha256": "b" * 64, "size": 1}}
-        write_manifest(tmp_path, {"format": 1, "build_id": build_id, "status": "ok",
-                                  "stages": [{"name": "repo", "key": "k", "files": files}]})
+        files = {
+            "triton_repo/tensorrt_llm/1/rank0.engine": {"sha256": sha, "size": 1},
+            "triton_repo/tensorrt_llm/config.pbtxt": {"sha256": "b" * 64, "size": 1},
+        }
+        write_manifest(
+            tmp_path,
+            {
+                "format": 1,
+                "build_id": build_id,
+                "status": "ok",
+                "stages": [{"name": "repo", "key": "k", "files": files}],
+            },
+        )
         return artifact_key(recipe)
 
     first, same, other = build("a" * 64, "b1"), build("a" * 64, "b2"), build("c" * 64, "b3")

@@ -30,15 +30,22 @@ from trtpipe.deploy.promql import exported_names, metric_names
 from trtpipe.app.validation import load_recipe
 from optional import needs
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus (apt-get install prometheus)"), needs("aiohttp")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus (apt-get install prometheus)"),
+    needs("aiohttp"),
+]
 
 FAST = Timing(interval="1s", rate="10s", short_rate="5s", slo_for="2s", kv_for="2s", down_for="2s")
 # 16 blocks of 32 tokens (one max-length sequence of 512; serving.config's floor); max_utilization admits
 # greedily: eight streams of 5 + 240 tokens (within max_input_len 256, as a pausing policy without chunked context
 # requires) need 64 blocks, so the pool stays (nearly) full while they run.
-OVERRIDES = ["engine.kv_cache.max_tokens=512", "engine.kv_cache.enable_reuse=false",
-             "triton.scheduler_policy=max_utilization", "deploy.kv_cache_alert=0.9"]
+OVERRIDES = [
+    "engine.kv_cache.max_tokens=512",
+    "engine.kv_cache.enable_reuse=false",
+    "triton.scheduler_policy=max_utilization",
+    "deploy.kv_cache_alert=0.9",
+]
 
 
 def _free_port() -> int:
@@ -69,8 +76,9 @@ def export(stories_fp16_export):
 
 
 def _load(url: str, stop: threading.Event, errors: list):
-    body = json.dumps({"model": "twin", "prompt": "Once upon a time", "max_tokens": 240, "temperature": 1.0,
-                       "seed": 1}).encode()
+    body = json.dumps(
+        {"model": "twin", "prompt": "Once upon a time", "max_tokens": 240, "temperature": 1.0, "seed": 1}
+    ).encode()
     while not stop.is_set():
         req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
         try:
@@ -101,20 +109,31 @@ def _run(tmp_path, recipe, url):
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api/v1"
     log = (tmp_path / "prometheus.log").open("w")
-    prom = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'mon' / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path / "mon")
+    prom = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={tmp_path / 'mon' / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=tmp_path / "mon",
+    )
     stop, errors = threading.Event(), []
     threads = [threading.Thread(target=_load, args=(url, stop, errors), daemon=True) for _ in range(8)]
     try:
+
         def query(q):
             try:
                 return _get(f"{api}/query?query={urllib.parse.quote(q)}")["data"]["result"]
             except OSError:  # not listening yet
                 return None
 
-        _poll("the twin scraped (up == 1)", lambda: [r for r in query(f'up{{job="{recipe.name}"}}') or []
-                                                     if r["value"][1] == "1"])
+        _poll(
+            "the twin scraped (up == 1)",
+            lambda: [r for r in query(f'up{{job="{recipe.name}"}}') or [] if r["value"][1] == "1"],
+        )
         for t in threads:
             t.start()
 
@@ -130,10 +149,14 @@ def _run(tmp_path, recipe, url):
         assert kv and float(kv[0]["value"][1]) > 0.9, kv
         assert kv[0]["metric"]["instance"] == twin and kv[0]["metric"]["job"] == recipe.name
         print(f"KV fraction recorded (max over 1 m): {kv[0]['value'][1]}")
-        _poll("throughput recorded", lambda: [r for r in query("trtpipe:output_tokens:rate") or []
-                                              if float(r["value"][1]) > 0])
-        _poll("TTFT p50 recorded", lambda: [r for r in query("trtpipe:ttft_seconds:p50") or []
-                                            if float(r["value"][1]) > 0])
+        _poll(
+            "throughput recorded",
+            lambda: [r for r in query("trtpipe:output_tokens:rate") or [] if float(r["value"][1]) > 0],
+        )
+        _poll(
+            "TTFT p50 recorded",
+            lambda: [r for r in query("trtpipe:ttft_seconds:p50") or [] if float(r["value"][1]) > 0],
+        )
         _poll("queue/compute ratio recorded", lambda: query("trtpipe:queue_compute:ratio"))
         # every dashboard query parses in Prometheus, and names only what the twin exports or the rules record
         board = dashboard(recipe, recipe.name)
@@ -142,9 +165,10 @@ def _run(tmp_path, recipe, url):
         with urllib.request.urlopen(url + "/prometheus/metrics") as r:
             exported = exported_names(r.read().decode())
         recorded = {r["record"] for g in rule_file(recipe, recipe.name)["groups"] for r in g["rules"] if "record" in r}
-        used = set().union(*(metric_names(e) for e in expressions(board)),
-                           *(metric_names(r["expr"]) for g in rule_file(recipe, recipe.name)["groups"]
-                             for r in g["rules"]))
+        used = set().union(
+            *(metric_names(e) for e in expressions(board)),
+            *(metric_names(r["expr"]) for g in rule_file(recipe, recipe.name)["groups"] for r in g["rules"]),
+        )
         assert used - exported - recorded <= set(NOT_IN_TWINS), used - exported - recorded - set(NOT_IN_TWINS)
         assert {"trtllm_kv_cache_utilization", "trtllm_time_to_first_token_seconds_bucket"} <= used & exported
     finally:

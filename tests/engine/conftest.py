@@ -17,7 +17,7 @@ def contract_flags() -> set[str]:
     if not BUILD_REFERENCE.is_file():
         pytest.fail(f"the trtllm-build reference is missing: {BUILD_REFERENCE}")
     text = BUILD_REFERENCE.read_text()
-    section = text[text.index("## General flags"):text.index("## Builder-enforced combinations")]
+    section = text[text.index("## General flags") : text.index("## Builder-enforced combinations")]
     flags = set(re.findall(r"`(--[a-z0-9_]+)", section))
     flags |= set(re.findall(r"(?<=[`, ])(--[a-z0-9_]+)", section))
     removed = {"--auto_parallel", "--gpus_per_node", "--cluster_key"}  # "<=1.0 only: removed in 1.1+"

@@ -24,9 +24,13 @@ def write_checkpoint(d: Path, config: dict, world_size: int = 1) -> Path:
     d.mkdir(parents=True)
     (d / "config.json").write_text(json.dumps(config))
     for r in range(world_size):
-        save_file({"transformer.ln_f.weight": torch.ones(config["hidden_size"], dtype=torch.float16),
-                   "lm_head.weight": torch.zeros(8, config["hidden_size"], dtype=torch.float16)},
-                  str(d / f"rank{r}.safetensors"))
+        save_file(
+            {
+                "transformer.ln_f.weight": torch.ones(config["hidden_size"], dtype=torch.float16),
+                "lm_head.weight": torch.zeros(8, config["hidden_size"], dtype=torch.float16),
+            },
+            str(d / f"rank{r}.safetensors"),
+        )
     for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "generation_config.json"):
         src = STORIES / name
         (d / name).write_bytes(src.read_bytes())

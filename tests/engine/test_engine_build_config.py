@@ -17,19 +17,42 @@ from trtpipe.models.dims import parse_hf_config
 from trtpipe.recipe.schema import Recipe
 
 BUILD_CONFIG_KEYS = {  # contract §4.4: every BuildConfig field minus dry_run / visualize_network
-    "max_input_len", "max_seq_len", "opt_batch_size", "max_batch_size", "max_beam_width", "max_num_tokens",
-    "opt_num_tokens", "max_prompt_embedding_table_size", "kv_cache_type", "gather_context_logits",
-    "gather_generation_logits", "strongly_typed", "force_num_profiles", "profiling_verbosity", "enable_debug_output",
-    "max_draft_len", "speculative_decoding_mode", "use_refit", "input_timing_cache", "output_timing_cache",
-    "lora_config", "weight_sparsity", "weight_streaming", "plugin_config", "use_strip_plan", "max_encoder_input_len",
-    "monitor_memory", "use_mrope",
+    "max_input_len",
+    "max_seq_len",
+    "opt_batch_size",
+    "max_batch_size",
+    "max_beam_width",
+    "max_num_tokens",
+    "opt_num_tokens",
+    "max_prompt_embedding_table_size",
+    "kv_cache_type",
+    "gather_context_logits",
+    "gather_generation_logits",
+    "strongly_typed",
+    "force_num_profiles",
+    "profiling_verbosity",
+    "enable_debug_output",
+    "max_draft_len",
+    "speculative_decoding_mode",
+    "use_refit",
+    "input_timing_cache",
+    "output_timing_cache",
+    "lora_config",
+    "weight_sparsity",
+    "weight_streaming",
+    "plugin_config",
+    "use_strip_plan",
+    "max_encoder_input_len",
+    "monitor_memory",
+    "use_mrope",
 }
 
 
 def recipe(**engine) -> Recipe:
     tp = engine.pop("tp", 1)
-    return Recipe.model_validate({"name": "t", "model": {"source": "/nonexistent"}, "parallel": {"tp": tp},
-                                  "engine": engine})
+    return Recipe.model_validate(
+        {"name": "t", "model": {"source": "/nonexistent"}, "parallel": {"tp": tp}, "engine": engine}
+    )
 
 
 def ckpt_config(r: Recipe, quant_algo=None, kv=None, model="llama-3-8b") -> dict:
@@ -115,13 +138,17 @@ def test_argv_and_json_agree_for_every_preset():
                 assert pc[f.name] is (v == "enable")
             elif f.kind == "int":
                 assert pc[f.name] == int(v)
-            elif f.name != "nccl_plugin" and not (f.name == "fp8_rowwise_gemm_plugin" and qa == "FP8_PER_CHANNEL_PER_TOKEN"):
+            elif f.name != "nccl_plugin" and not (
+                f.name == "fp8_rowwise_gemm_plugin" and qa == "FP8_PER_CHANNEL_PER_TOKEN"
+            ):
                 assert pc[f.name] == (None if v == "disable" else v)  # "auto" is kept literally (model_dump)
         # the --build_config spelling drops the shape flags and keeps the plugin flags
         jargv = bc.to_argv(build, "CK", "OUT", build_config_json="bc.json")
         jflags = dict(zip(jargv[1::2], jargv[2::2]))
         assert jflags["--build_config"] == "bc.json" and "--max_seq_len" not in jflags
-        assert {k: v for k, v in flags.items() if k[2:] in BY_NAME} == {k: v for k, v in jflags.items() if k[2:] in BY_NAME}
+        assert {k: v for k, v in flags.items() if k[2:] in BY_NAME} == {
+            k: v for k, v in jflags.items() if k[2:] in BY_NAME
+        }
 
 
 def test_json_plugin_config_builder_set_fields():
@@ -134,8 +161,9 @@ def test_json_plugin_config_builder_set_fields():
     r1 = recipe()
     w8 = bc.to_json(bc.resolve_build(r1, ckpt_config(r1, "W8A16"), get_gpu("a100-sxm-80gb")).config)["plugin_config"]
     assert w8["weight_only_quant_matmul_plugin"] == "bfloat16" and w8["nccl_plugin"] is None
-    sq = bc.to_json(bc.resolve_build(r1, ckpt_config(r1, "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"),
-                                     get_gpu("a100-sxm-80gb")).config)["plugin_config"]
+    sq = bc.to_json(
+        bc.resolve_build(r1, ckpt_config(r1, "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"), get_gpu("a100-sxm-80gb")).config
+    )["plugin_config"]
     assert sq["smooth_quant_gemm_plugin"] == "bfloat16" and sq["quantize_per_token_plugin"] is True
     fp16 = bc.to_json(bc.resolve_build(r1, ckpt_config(r1), get_gpu("a100-sxm-80gb")).config)
     assert fp16["plugin_config"]["paged_kv_cache"] is True and fp16["plugin_config"]["use_fp8_context_fmha"] is False
@@ -165,17 +193,28 @@ def test_int8_kv_disables_paged_context_fmha():
     r = recipe(plugins={"preset": "ampere-int8", "overrides": {"use_paged_context_fmha": True}})
     build = bc.resolve_build(r, ckpt_config(r, "W8A8_SQ_PER_CHANNEL", "INT8"), get_gpu("a100-sxm-80gb"))
     assert build.config.plugins["use_paged_context_fmha"] is False
-    (key, msg), = bc.findings(build)
-    assert key == "engine.plugins.overrides.use_paged_context_fmha" and "INT8 KV cache disables paged context FMHA" in msg
+    ((key, msg),) = bc.findings(build)
+    assert (
+        key == "engine.plugins.overrides.use_paged_context_fmha" and "INT8 KV cache disables paged context FMHA" in msg
+    )
 
 
-@pytest.mark.parametrize("qa,kv,key", [("W4A16_AWQ", None, "quantization.algo"), ("W8A16", None, "quantization.algo"),
-                                       ("W8A8_SQ_PER_CHANNEL", None, "quantization.algo"), (None, "INT8", "quantization.kv_cache")])
+@pytest.mark.parametrize(
+    "qa,kv,key",
+    [
+        ("W4A16_AWQ", None, "quantization.algo"),
+        ("W8A16", None, "quantization.algo"),
+        ("W8A8_SQ_PER_CHANNEL", None, "quantization.algo"),
+        (None, "INT8", "quantization.kv_cache"),
+    ],
+)
 def test_blackwell_rejects_weight_only_smoothquant_and_int8_kv(qa, kv, key):
     t = Target(sm=100, architecture="LlamaForCausalLM", quant_algo=qa, kv_cache_quant_algo=kv)
     found = rejections({f.name: f.default for f in FIELDS}, t)
     assert [k for k, _ in found] == [key] and "SM 10.0" in found[0][1]
-    assert rejections({f.name: f.default for f in FIELDS}, Target(120, "LlamaForCausalLM", qa, kv)) == []  # SM 12.0 is outside
+    assert (
+        rejections({f.name: f.default for f in FIELDS}, Target(120, "LlamaForCausalLM", qa, kv)) == []
+    )  # SM 12.0 is outside
 
 
 def test_reduce_fusion_and_user_buffer_need_tp_gt_1():
@@ -210,14 +249,21 @@ def test_max_num_tokens_resolution_section_4_3():
     r = recipe(max_batch_size=2, max_seq_len=1024, max_input_len=512, max_num_tokens=8192)
     b = bc.resolve_build(r, ckpt_config(r), g)
     assert b.config.max_num_tokens == 2048 and b.config.opt_num_tokens is None  # hopper presets: multiple_profiles
-    assert ("engine.max_num_tokens" in dict(bc.findings(b)))  # the recipe wrote 8192
+    assert "engine.max_num_tokens" in dict(bc.findings(b))  # the recipe wrote 8192
     # raised to tokens_per_block with context FMHA on; opt = min(batch*beam, max) without multiple_profiles
-    r = recipe(max_num_tokens=16, plugins={"overrides": {"multiple_profiles": False}},
-               kv_cache={"tokens_per_block": 64}, max_batch_size=4, max_beam_width=2)
+    r = recipe(
+        max_num_tokens=16,
+        plugins={"overrides": {"multiple_profiles": False}},
+        kv_cache={"tokens_per_block": 64},
+        max_batch_size=4,
+        max_beam_width=2,
+    )
     b = bc.resolve_build(r, ckpt_config(r), g)
     assert b.config.max_num_tokens == 64 and b.config.opt_num_tokens == 8
     # without remove_input_padding: max_batch x max_seq_len
-    r = recipe(max_batch_size=3, max_seq_len=100, max_input_len=50, plugins={"overrides": {"remove_input_padding": False}})
+    r = recipe(
+        max_batch_size=3, max_seq_len=100, max_input_len=50, plugins={"overrides": {"remove_input_padding": False}}
+    )
     assert bc.resolve_build(r, ckpt_config(r), g).config.max_num_tokens == 300
     # raised to max_input_len when context_fmha is off
     r = recipe(max_num_tokens=100, max_input_len=500, max_seq_len=1000, plugins={"overrides": {"context_fmha": False}})
@@ -227,8 +273,16 @@ def test_max_num_tokens_resolution_section_4_3():
 
 
 def test_max_seq_len_deduction_and_input_clipping():
-    assert deduced_max_seq_len({"max_position_embeddings": 131072, "rotary_scaling": {"rope_type": "llama3", "factor": 8.0}}) == 131072
-    assert deduced_max_seq_len({"max_position_embeddings": 4096, "rotary_scaling": {"type": "linear", "factor": 2.0}}) == 8192
+    assert (
+        deduced_max_seq_len(
+            {"max_position_embeddings": 131072, "rotary_scaling": {"rope_type": "llama3", "factor": 8.0}}
+        )
+        == 131072
+    )
+    assert (
+        deduced_max_seq_len({"max_position_embeddings": 4096, "rotary_scaling": {"type": "linear", "factor": 2.0}})
+        == 8192
+    )
     assert deduced_max_seq_len({"max_position_embeddings": None}) == 2048
     r = recipe()  # llama-3-8b: 8192 positions, default max_input_len 1024
     b = bc.resolve_build(r, ckpt_config(r), get_gpu("h100"))
@@ -263,7 +317,7 @@ def test_field_defaults_match_the_reference_table():
     from engine_helpers import BUILD_REFERENCE
 
     text = BUILD_REFERENCE.read_text()
-    section = text[text.index("## General flags"):text.index("## Builder-enforced combinations")]
+    section = text[text.index("## General flags") : text.index("## Builder-enforced combinations")]
     table = {}
     for row in section.splitlines():
         cells = [c.strip() for c in row.split("|")]
@@ -275,6 +329,12 @@ def test_field_defaults_match_the_reference_table():
         if not f.cli:
             continue
         want = spell.get(table[f.name], table[f.name])
-        got = f.default if f.kind == "dtype" else ("enable" if f.default else "disable") if f.kind == "bool" else str(f.default)
+        got = (
+            f.default
+            if f.kind == "dtype"
+            else ("enable" if f.default else "disable")
+            if f.kind == "bool"
+            else str(f.default)
+        )
         assert got == want, (f.name, got, table[f.name])
     assert {f.name for f in FIELDS if f.cli} <= set(table)

@@ -17,11 +17,25 @@ from trtpipe.recipe.schema import Recipe
 KiB, GiB = 1024, 1 << 30
 
 
-def setup(model: str, tp: int = 1, pp: int = 1, algo: str = "none", kv: str = "none", gpu: str = "h100-sxm-80gb",
-          dtype: str = "auto", **engine):
-    r = Recipe.model_validate({"name": "t", "model": {"source": "/x", "dtype": dtype},
-                               "quantization": {"algo": algo, "kv_cache": kv},
-                               "parallel": {"tp": tp, "pp": pp}, "engine": {"gpu": gpu, **engine}})
+def setup(
+    model: str,
+    tp: int = 1,
+    pp: int = 1,
+    algo: str = "none",
+    kv: str = "none",
+    gpu: str = "h100-sxm-80gb",
+    dtype: str = "auto",
+    **engine,
+):
+    r = Recipe.model_validate(
+        {
+            "name": "t",
+            "model": {"source": "/x", "dtype": dtype},
+            "quantization": {"algo": algo, "kv_cache": kv},
+            "parallel": {"tp": tp, "pp": pp},
+            "engine": {"gpu": gpu, **engine},
+        }
+    )
     cfg = predicted_checkpoint_config(parse_hf_config(hf_config(model)), r)
     build = bc.resolve_build(r, cfg)
     return r, cfg, build, planner.plan_build(r, cfg, build)
@@ -51,8 +65,22 @@ def test_gqa_kv_heads_fewer_than_tp_are_replicated():
     assert p.ranks[0].kv_bytes_per_token == 2 * 32 * 1 * 128 * 2 == 16 * KiB
     assert p.ranks[0].kv_bytes_per_token * 16 == 2 * p.kv_bytes_per_token_model  # twice the unreplicated total
     # stories260k-shaped: 4 KV heads, tp 8 -> ceil(4/8) = 1 head per rank
-    s = planner.Shapes(hidden=64, layers=5, heads=8, kv_heads=4, head_size=8, intermediate=172, vocab=512, experts=0,
-                       top_k=0, dtype="float16", quant_algo=None, kv_quant=None, group_size=128, parallel_embedding=False)
+    s = planner.Shapes(
+        hidden=64,
+        layers=5,
+        heads=8,
+        kv_heads=4,
+        head_size=8,
+        intermediate=172,
+        vocab=512,
+        experts=0,
+        top_k=0,
+        dtype="float16",
+        quant_algo=None,
+        kv_quant=None,
+        group_size=128,
+        parallel_embedding=False,
+    )
     assert planner.kv_bytes_per_token(s, 5, 8) == 2 * 5 * 1 * 8 * 2 == 160
 
 
@@ -65,9 +93,17 @@ def test_pipeline_parallel_splits_layers_like_tensor_split():
 
 
 def test_llama2_7b_fp16_weights_about_13_5_gb():
-    cfg = {"architecture": "LlamaForCausalLM", "dtype": "float16", "hidden_size": 4096, "num_hidden_layers": 32,
-           "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000,
-           "head_size": 128}
+    cfg = {
+        "architecture": "LlamaForCausalLM",
+        "dtype": "float16",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "intermediate_size": 11008,
+        "vocab_size": 32000,
+        "head_size": 128,
+    }
     total = planner.weight_bytes(planner.Shapes.of(cfg), 1, 1)[0]
     per_layer = 4096 * 96 * 128 + 32 * 128 * 4096 + 3 * 4096 * 11008 + 2 * 4096
     assert total == 2 * (32 * per_layer + 2 * 32000 * 4096 + 4096) == 13_476_831_232
@@ -103,8 +139,16 @@ def test_llama3_70b_fp8_tp4_h100_fits_and_tp1_rtx4090_is_refused():
     per_layer = (attn + 3 * 8192 * 28672 // 4) * 1 + 2 * 8192 * 2
     assert p.ranks[0].weight_bytes == 80 * per_layer + 128256 * 8192 * 2 + (128256 // 4) * 8192 * 2 + 8192 * 2
     assert p.fits and p.concurrent_sequences > 64
-    _, _, _, q = setup("llama-3.1-70b", tp=1, algo="fp8", kv="fp8", gpu="rtx-4090-24gb", max_seq_len=8192,
-                       max_input_len=4096, workers=1)
+    _, _, _, q = setup(
+        "llama-3.1-70b",
+        tp=1,
+        algo="fp8",
+        kv="fp8",
+        gpu="rtx-4090-24gb",
+        max_seq_len=8192,
+        max_input_len=4096,
+        workers=1,
+    )
     assert not q.fits
     assert q.refusal.startswith("does not fit: per-GPU weights 67.7 GiB")
     assert "parallel.tp: 4" in q.refusal
@@ -112,15 +156,17 @@ def test_llama3_70b_fp8_tp4_h100_fits_and_tp1_rtx4090_is_refused():
 
 def test_kv_refusal_names_the_kv_knobs():
     # Llama-3-8B bf16 on one L4 (24 GB) with a 128k context: weights fit, one sequence of KV does not
-    _, _, _, p = setup("llama-3-8b", gpu="l4-24gb", max_seq_len=131072, max_input_len=1024, max_batch_size=8,
-                       max_num_tokens=2048)
+    _, _, _, p = setup(
+        "llama-3-8b", gpu="l4-24gb", max_seq_len=131072, max_input_len=1024, max_batch_size=8, max_num_tokens=2048
+    )
     assert not p.fits and "cannot hold one sequence of max_seq_len 131072 (4096 blocks)" in p.refusal
     tokens = p.kv_tokens
     assert f"KV pool ({tokens} tokens" in p.refusal and f"engine.max_seq_len <= {tokens // 32 * 32}" in p.refusal
     assert "parallel.tp: 2" in p.refusal
     assert "quantization.kv_cache: fp8" not in p.refusal  # 131072 x 64 KiB does not fit either
-    _, _, _, half = setup("llama-3-8b", gpu="l4-24gb", max_seq_len=65536, max_input_len=1024, max_batch_size=8,
-                          max_num_tokens=2048)
+    _, _, _, half = setup(
+        "llama-3-8b", gpu="l4-24gb", max_seq_len=65536, max_input_len=1024, max_batch_size=8, max_num_tokens=2048
+    )
     assert not half.fits and "quantization.kv_cache: fp8" in half.refusal  # 65536 x 64 KiB does
 
 
@@ -146,7 +192,10 @@ def test_checkpoint_weight_bytes_from_safetensors_headers(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    save_file({"a": torch.zeros(10, 4, dtype=torch.float16), "b": torch.zeros(3, dtype=torch.float32)}, str(tmp_path / "rank0.safetensors"))
+    save_file(
+        {"a": torch.zeros(10, 4, dtype=torch.float16), "b": torch.zeros(3, dtype=torch.float32)},
+        str(tmp_path / "rank0.safetensors"),
+    )
     save_file({"a": torch.zeros(12, 4, dtype=torch.float16)}, str(tmp_path / "rank1.safetensors"))
     assert planner.checkpoint_weight_bytes(tmp_path, 2, 1) == [12 * 4 * 2]
     assert planner.checkpoint_weight_bytes(tmp_path, 1, 2) == [10 * 4 * 2 + 3 * 4, 12 * 4 * 2]
@@ -181,13 +230,16 @@ def test_sliding_window_bounds_the_blocks_of_a_sequence():
     assert planner.plan_build(r, wide, bc.resolve_build(r, wide)).blocks_per_sequence == 32768 // 32
 
 
-@pytest.mark.parametrize("content,message", [
-    (b"\x05\x00", "truncated safetensors file (2 bytes, no header)"),
-    (b"\xff" * 6 + b"\0\0{}", "truncated safetensors file (header of 281474976710655 bytes, file of 10)"),
-    (b"\x07" + b"\0" * 7 + b"{\"a\":1}", "invalid safetensors header"),
-    (b"\x07" + b"\0" * 7 + b"[1,2,3]", "invalid safetensors header"),
-    (b"\x06" + b"\0" * 7 + b"{\"a\":1", "invalid safetensors header"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (b"\x05\x00", "truncated safetensors file (2 bytes, no header)"),
+        (b"\xff" * 6 + b"\0\0{}", "truncated safetensors file (header of 281474976710655 bytes, file of 10)"),
+        (b"\x07" + b"\0" * 7 + b'{"a":1}', "invalid safetensors header"),
+        (b"\x07" + b"\0" * 7 + b"[1,2,3]", "invalid safetensors header"),
+        (b"\x06" + b"\0" * 7 + b'{"a":1', "invalid safetensors header"),
+    ],
+)
 def test_checkpoint_weight_bytes_refuses_a_bad_header(tmp_path, content, message):
     from trtpipe.errors import EngineError
 
@@ -206,5 +258,7 @@ def test_checkpoint_weight_bytes_refuses_a_truncated_file(tmp_path):
     save_file({"a": torch.zeros(100, 4, dtype=torch.float16)}, str(tmp_path / "rank0.safetensors"))
     data = (tmp_path / "rank0.safetensors").read_bytes()
     (tmp_path / "rank0.safetensors").write_bytes(data[:-10])
-    with pytest.raises(EngineError, match=rf"rank0.safetensors: truncated: tensor 'a' ends at byte {len(data)} of {len(data) - 10}"):
+    with pytest.raises(
+        EngineError, match=rf"rank0.safetensors: truncated: tensor 'a' ends at byte {len(data)} of {len(data) - 10}"
+    ):
         planner.checkpoint_weight_bytes(tmp_path, 1, 1)

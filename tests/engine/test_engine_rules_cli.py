@@ -39,35 +39,52 @@ def test_override_rewrites_are_reported_at_the_override(make_recipe):
     assert msg.startswith(f"{path}:7:22: engine.plugins.overrides.reduce_fusion:") and "needs tp > 1" in msg
 
 
-@pytest.mark.parametrize("body,needle", [
-    ("quantization:\n  algo: int4_awq\nengine:\n  gpu: b200-180gb\n", "quantization.algo: trtllm-build rejects this: weight-only W4A16_AWQ"),
-    ("quantization:\n  algo: int8_sq\nengine:\n  gpu: b200\n", "SmoothQuant W8A8_SQ_PER_CHANNEL is rejected"),
-    ("quantization:\n  algo: fp8\nengine:\n  gpu: a100-sxm-80gb\n", "FP8 needs FP8 tensor cores (SM >= 8.9)"),
-    ("engine:\n  gpu: h100-sxm-80\n", "unknown GPU 'h100-sxm-80'; did you mean 'h100-sxm-80gb'?"),
-    ("engine:\n  plugins: hoper-fp8\n", "unknown preset 'hoper-fp8'; did you mean 'hopper-fp8'?"),
-    ("engine:\n  plugins:\n    overrides: {use_paged_ctx_fmha: true}\n", "unknown plugin field 'use_paged_ctx_fmha'"),
-    ("engine:\n  plugins:\n    overrides: {context_fmha: maybe}\n", "context_fmha must be true/false"),
-    ("engine:\n  plugins:\n    overrides: {remove_input_padding: false}\n", "in-flight batching"),
-    ("engine:\n  plugins:\n    overrides: {use_paged_context_fmha: false}\n", "engine.kv_cache.enable_reuse: KV reuse needs paged context FMHA"),
-])
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        (
+            "quantization:\n  algo: int4_awq\nengine:\n  gpu: b200-180gb\n",
+            "quantization.algo: trtllm-build rejects this: weight-only W4A16_AWQ",
+        ),
+        ("quantization:\n  algo: int8_sq\nengine:\n  gpu: b200\n", "SmoothQuant W8A8_SQ_PER_CHANNEL is rejected"),
+        ("quantization:\n  algo: fp8\nengine:\n  gpu: a100-sxm-80gb\n", "FP8 needs FP8 tensor cores (SM >= 8.9)"),
+        ("engine:\n  gpu: h100-sxm-80\n", "unknown GPU 'h100-sxm-80'; did you mean 'h100-sxm-80gb'?"),
+        ("engine:\n  plugins: hoper-fp8\n", "unknown preset 'hoper-fp8'; did you mean 'hopper-fp8'?"),
+        (
+            "engine:\n  plugins:\n    overrides: {use_paged_ctx_fmha: true}\n",
+            "unknown plugin field 'use_paged_ctx_fmha'",
+        ),
+        ("engine:\n  plugins:\n    overrides: {context_fmha: maybe}\n", "context_fmha must be true/false"),
+        ("engine:\n  plugins:\n    overrides: {remove_input_padding: false}\n", "in-flight batching"),
+        (
+            "engine:\n  plugins:\n    overrides: {use_paged_context_fmha: false}\n",
+            "engine.kv_cache.enable_reuse: KV reuse needs paged context FMHA",
+        ),
+    ],
+)
 def test_rejections_and_names(make_recipe, body, needle):
     msgs = problems(make_recipe(body))
     assert any(needle in m for m in msgs), msgs
 
 
 def test_planner_refusal_at_validation(make_recipe):
-    body = ("quantization:\n  algo: fp8\n  kv_cache: fp8\n" + CALIB + "engine:\n  gpu: rtx-4090-24gb\n"
-            "  max_seq_len: 8192\n" + EVAL)
+    body = (
+        "quantization:\n  algo: fp8\n  kv_cache: fp8\n" + CALIB + "engine:\n  gpu: rtx-4090-24gb\n"
+        "  max_seq_len: 8192\n" + EVAL
+    )
     (msg,) = problems(make_recipe(body, config="llama-3.1-70b"))
-    assert ":9:8: engine.gpu: does not fit: per-GPU weights 67.7 GiB" in msg and msg.endswith("turn a knob: parallel.tp: 4")
+    assert ":9:8: engine.gpu: does not fit: per-GPU weights 67.7 GiB" in msg and msg.endswith(
+        "turn a knob: parallel.tp: 4"
+    )
     # at the deduced 131072-token context one sequence's KV needs tp 8 on 24 GB cards
     (msg,) = problems(make_recipe(body.replace("  max_seq_len: 8192\n", ""), config="llama-3.1-70b", name="long"))
     assert msg.endswith("turn a knob: parallel.tp: 8")
 
 
 def test_valid_recipe_and_rules_are_fast(make_recipe):
-    path = make_recipe("quantization:\n  algo: fp8\n  kv_cache: fp8\n" + CALIB + "parallel:\n  tp: 4\n" + EVAL,
-                       config="llama-3.1-70b")
+    path = make_recipe(
+        "quantization:\n  algo: fp8\n  kv_cache: fp8\n" + CALIB + "parallel:\n  tp: 4\n" + EVAL, config="llama-3.1-70b"
+    )
     load_recipe(path)
     start = time.perf_counter()
     for _ in range(10):
@@ -79,10 +96,25 @@ def test_plan_llama70b_fp8_on_4x_h100_and_on_one_rtx4090():
     recipe = REPO / "recipes" / "llama70b-fp8.yaml"
     res = CliRunner().invoke(main, ["plan", str(recipe)])
     assert res.exit_code == 0, res.output
-    assert "4 x NVIDIA H100 80GB HBM3" in res.output and "KV bytes/token: 163840 for the whole model; per GPU 40960" in res.output
+    assert (
+        "4 x NVIDIA H100 80GB HBM3" in res.output
+        and "KV bytes/token: 163840 for the whole model; per GPU 40960" in res.output
+    )
     assert res.output.rstrip().endswith("fits")
-    res = CliRunner().invoke(main, ["plan", str(recipe), "--gpu", "rtx-4090-24gb", "--set", "parallel.tp=1",
-                                    "--set", "engine.workers=1", "--json"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            str(recipe),
+            "--gpu",
+            "rtx-4090-24gb",
+            "--set",
+            "parallel.tp=1",
+            "--set",
+            "engine.workers=1",
+            "--json",
+        ],
+    )
     assert res.exit_code == 3, res.output
     data = json.loads(res.output)
     assert data["fits"] is False and data["refusal"].startswith("does not fit: per-GPU weights 67.7 GiB")
@@ -94,7 +126,9 @@ def test_plan_with_model_config_and_list_gpus(make_recipe, tmp_path):
     path.write_text("name: big\nmodel:\n  source: /nowhere/Llama-2-13b-hf\nengine:\n  gpu: a100-sxm-80gb\n")
     res = CliRunner().invoke(main, ["plan", str(path)])
     assert res.exit_code == 1 and "--model-config" in res.output
-    res = CliRunner().invoke(main, ["plan", str(path), "--model-config", str(CONFIGS / "llama-2-13b" / "config.json"), "--json"])
+    res = CliRunner().invoke(
+        main, ["plan", str(path), "--model-config", str(CONFIGS / "llama-2-13b" / "config.json"), "--json"]
+    )
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
     assert data["kv_bytes_per_token_model"] == 2 * 40 * 40 * 128 * 2 and data["preset"] == "ampere-fp16"
@@ -108,7 +142,10 @@ def test_doctor_says_no_gpu_and_no_trtllm_here():
     res = CliRunner().invoke(main, ["doctor"])
     assert res.exit_code == 0, res.output
     assert "no CUDA GPU visible" in res.output
-    assert "TensorRT-LLM   not installed" in res.output and "TensorRT engines need TensorRT-LLM 1.2.x on a GPU" in res.output
+    assert (
+        "TensorRT-LLM   not installed" in res.output
+        and "TensorRT engines need TensorRT-LLM 1.2.x on a GPU" in res.output
+    )
     assert "tritonserver" in res.output and "backends: python" in res.output
 
 
@@ -116,19 +153,37 @@ def test_doctor_says_no_gpu_and_no_trtllm_here():
 def test_doctor_against_engine_dirs(tmp_path):
     twin = tmp_path / "twin"
     twin.mkdir()
-    (twin / "config.json").write_text(json.dumps({"version": "1.2.1", "pretrained_config": {"mapping": {"world_size": 1}},
-                                                  "build_config": {}}))
+    (twin / "config.json").write_text(
+        json.dumps({"version": "1.2.1", "pretrained_config": {"mapping": {"world_size": 1}}, "build_config": {}})
+    )
     (twin / "trtpipe_twin.json").write_text(json.dumps({"kind": "cpu-twin"}))
     res = CliRunner().invoke(main, ["doctor", str(twin)])
     assert res.exit_code == 0, res.output
     # a real engine dir (config.json + lockfile, as trtllm-build and the engine stage write them)
     real = tmp_path / "real"
     real.mkdir()
-    (real / "config.json").write_text(json.dumps({"version": "1.2.1", "pretrained_config": {
-        "mapping": {"world_size": 2, "tp_size": 2, "pp_size": 1}}, "build_config": {}}))
-    (real / "trtpipe_lock.json").write_text(json.dumps({"lockfile": {
-        "tensorrt_llm": "1.2.1", "tensorrt": "10.14.1.48", "cuda": "13.0", "driver": "580.95",
-        "gpus": [{"name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0"}]}}))
+    (real / "config.json").write_text(
+        json.dumps(
+            {
+                "version": "1.2.1",
+                "pretrained_config": {"mapping": {"world_size": 2, "tp_size": 2, "pp_size": 1}},
+                "build_config": {},
+            }
+        )
+    )
+    (real / "trtpipe_lock.json").write_text(
+        json.dumps(
+            {
+                "lockfile": {
+                    "tensorrt_llm": "1.2.1",
+                    "tensorrt": "10.14.1.48",
+                    "cuda": "13.0",
+                    "driver": "580.95",
+                    "gpus": [{"name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0"}],
+                }
+            }
+        )
+    )
     res = CliRunner().invoke(main, ["doctor", str(real)])
     assert res.exit_code == 1
     out = res.output
@@ -138,18 +193,33 @@ def test_doctor_against_engine_dirs(tmp_path):
     assert "the tensorrtllm backend" in out
 
 
-@pytest.mark.parametrize("recipe,sets,want", [
-    # FP8 Qwen3-235B on two H100: int4_awq experts are refused on llmapi (W4A8 only), so the 4-bit advice is w4a8_awq
-    ("qwen3-235b-a22b-fp8.yaml", ["parallel.tp=2", "parallel.moe_ep=2"], "w4a8_awq"),
-    # on one B200 the Blackwell 4-bit format, which trtpipe's llmapi export writes for MoE experts
-    ("qwen3-235b-a22b-fp8.yaml", ["parallel.tp=1", "parallel.moe_ep=1", "engine.gpu=b200-180gb"], "nvfp4"),
-    # engine target, bf16 Llama 3.1 70B on one H100: FP8 halves the weights and fits
-    ("llama70b-fp8.yaml", ["parallel.tp=1", "engine.workers=1", "quantization.algo=none", "quantization.kv_cache=none"],
-     "fp8"),
-    # engine target, bf16 Llama 3.1 70B on one A100 (no FP8): group-wise INT4
-    ("llama70b-fp8.yaml", ["parallel.tp=1", "engine.workers=1", "quantization.algo=none", "quantization.kv_cache=none",
-                           "engine.gpu=a100-sxm-80gb"], "int4_awq"),
-])
+@pytest.mark.parametrize(
+    "recipe,sets,want",
+    [
+        # FP8 Qwen3-235B on two H100: int4_awq experts are refused on llmapi (W4A8 only), so the 4-bit advice is w4a8_awq
+        ("qwen3-235b-a22b-fp8.yaml", ["parallel.tp=2", "parallel.moe_ep=2"], "w4a8_awq"),
+        # on one B200 the Blackwell 4-bit format, which trtpipe's llmapi export writes for MoE experts
+        ("qwen3-235b-a22b-fp8.yaml", ["parallel.tp=1", "parallel.moe_ep=1", "engine.gpu=b200-180gb"], "nvfp4"),
+        # engine target, bf16 Llama 3.1 70B on one H100: FP8 halves the weights and fits
+        (
+            "llama70b-fp8.yaml",
+            ["parallel.tp=1", "engine.workers=1", "quantization.algo=none", "quantization.kv_cache=none"],
+            "fp8",
+        ),
+        # engine target, bf16 Llama 3.1 70B on one A100 (no FP8): group-wise INT4
+        (
+            "llama70b-fp8.yaml",
+            [
+                "parallel.tp=1",
+                "engine.workers=1",
+                "quantization.algo=none",
+                "quantization.kv_cache=none",
+                "engine.gpu=a100-sxm-80gb",
+            ],
+            "int4_awq",
+        ),
+    ],
+)
 def test_refusal_advice_names_an_algo_the_recipe_then_takes(recipe, sets, want):
     """The quantization the refusal advises passes validation and fits when followed: it named int4_awq for the MoE
     experts of an llmapi recipe, which validation then refuses (TensorRT-LLM's fused MoE loads int4 experts only as
@@ -163,11 +233,14 @@ def test_refusal_advice_names_an_algo_the_recipe_then_takes(recipe, sets, want):
     load_recipe(path, [*sets, f"quantization.algo={want}"])  # raises if the advice is refused or still does not fit
 
 
-@pytest.mark.parametrize("sets,needle", [
-    (["quantization.algo=nvfp4"], "NVFP4 needs FP4 tensor cores (SM >= 10.0, Blackwell); the target is SM 9.0"),
-    (["engine.gpu=a100-sxm-80gb"], "FP8 needs FP8 tensor cores (SM >= 8.9); the target is SM 8.0"),
-    (["quantization.algo=w4a8_awq", "engine.gpu=a100-sxm-80gb"], "W4A8_AWQ needs FP8 tensor cores (SM >= 8.9)"),
-])
+@pytest.mark.parametrize(
+    "sets,needle",
+    [
+        (["quantization.algo=nvfp4"], "NVFP4 needs FP4 tensor cores (SM >= 10.0, Blackwell); the target is SM 9.0"),
+        (["engine.gpu=a100-sxm-80gb"], "FP8 needs FP8 tensor cores (SM >= 8.9); the target is SM 8.0"),
+        (["quantization.algo=w4a8_awq", "engine.gpu=a100-sxm-80gb"], "W4A8_AWQ needs FP8 tensor cores (SM >= 8.9)"),
+    ],
+)
 def test_llmapi_recipe_needs_the_tensor_cores_of_its_format(sets, needle):
     """The llmapi target has no trtllm-build, but its GEMMs need the same tensor cores: NVFP4 on an H100, or FP8 on an
     A100, passed validation and would have failed when TensorRT-LLM loaded the checkpoint on the GPU."""

@@ -22,11 +22,20 @@ from trtpipe.pipeline.versions import PACKAGES, package_version
 from trtpipe.pipeline.stage import StageContext
 from trtpipe.app.validation import load_recipe
 
-TINY = {"architecture": "LlamaForCausalLM", "dtype": "float16", "hidden_size": 64, "num_hidden_layers": 5,
-        "num_attention_heads": 8, "num_key_value_heads": 4, "head_size": 8, "intermediate_size": 172,
-        "vocab_size": 512, "max_position_embeddings": 512,
-        "mapping": {"world_size": 2, "tp_size": 2, "pp_size": 1, "rank": 0},
-        "quantization": {"quant_algo": None, "kv_cache_quant_algo": None}}
+TINY = {
+    "architecture": "LlamaForCausalLM",
+    "dtype": "float16",
+    "hidden_size": 64,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_size": 8,
+    "intermediate_size": 172,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+    "mapping": {"world_size": 2, "tp_size": 2, "pp_size": 1, "rank": 0},
+    "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
+}
 
 
 @pytest.fixture(autouse=True)
@@ -47,9 +56,11 @@ def stories_tp2(tmp_path_factory):
 
 def recipe_file(tmp_path, extra: str = "", tp: int = 2):
     p = tmp_path / "stories.yaml"
-    p.write_text(f"name: stories\nmodel:\n  source: {STORIES}\n  dtype: float16\nparallel:\n  tp: {tp}\n"
-                 f"engine:\n  max_batch_size: 8\n  max_input_len: 256\n  max_num_tokens: 2048\n  workers: 2\n"
-                 f"triton:\n  max_batch_size: 8\n{extra}")
+    p.write_text(
+        f"name: stories\nmodel:\n  source: {STORIES}\n  dtype: float16\nparallel:\n  tp: {tp}\n"
+        f"engine:\n  max_batch_size: 8\n  max_input_len: 256\n  max_num_tokens: 2048\n  workers: 2\n"
+        f"triton:\n  max_batch_size: 8\n{extra}"
+    )
     return p
 
 
@@ -58,9 +69,12 @@ def test_availability_says_why_without_trtllm_build_and_gpus():
     whether TensorRT-LLM is installed (the GPU host) or not (this machine)."""
     a = availability()
     assert not a.ok and a.gpus == ()
-    assert re.fullmatch(r"TensorRT-LLM is not installed and no CUDA GPU is visible"
-                        r"|TensorRT-LLM \S+ is installed but trtllm-build is not on PATH"
-                        r"|TensorRT-LLM \S+ has no trtllm-build TensorRT-engine path \(needs 1\.0-1\.2\.x\)", a.reason)
+    assert re.fullmatch(
+        r"TensorRT-LLM is not installed and no CUDA GPU is visible"
+        r"|TensorRT-LLM \S+ is installed but trtllm-build is not on PATH"
+        r"|TensorRT-LLM \S+ has no trtllm-build TensorRT-engine path \(needs 1\.0-1\.2\.x\)",
+        a.reason,
+    )
 
 
 def test_write_twin_engine_layout(tmp_path):
@@ -99,8 +113,9 @@ def test_write_twin_engine_refuses_bad_input(tmp_path):
 def _ctx(tmp_path, recipe, inputs):
     out = tmp_path / "out"
     out.mkdir()
-    return StageContext(recipe=recipe, out_dir=out, inputs=inputs, log=logging.getLogger("test.engine"),
-                        work_dir=tmp_path, quiet=True)
+    return StageContext(
+        recipe=recipe, out_dir=out, inputs=inputs, log=logging.getLogger("test.engine"), work_dir=tmp_path, quiet=True
+    )
 
 
 def test_engine_stage_writes_the_twin_of_a_converted_checkpoint(tmp_path, stories_tp2, caplog):
@@ -119,7 +134,10 @@ def test_engine_stage_writes_the_twin_of_a_converted_checkpoint(tmp_path, storie
     assert cfg["build_config"]["max_seq_len"] == 512  # deduced from max_position_embeddings
     assert cfg["pretrained_config"]["num_key_value_heads"] == 4 and cfg["pretrained_config"]["mapping"]["tp_size"] == 2
     assert "rank" not in cfg["pretrained_config"]["mapping"]
-    assert sorted(p.name for p in (out / "checkpoint").glob("rank*.safetensors")) == ["rank0.safetensors", "rank1.safetensors"]
+    assert sorted(p.name for p in (out / "checkpoint").glob("rank*.safetensors")) == [
+        "rank0.safetensors",
+        "rank1.safetensors",
+    ]
     assert (out / "checkpoint" / "tokenizer.json").is_file()
     lock = json.loads((out / "trtpipe_lock.json").read_text())
     assert lock["engine"] == "cpu-twin" and lock["lockfile"]["gpus"] == []
@@ -206,5 +224,7 @@ def test_real_build_refuses_a_gpu_other_than_the_target():
     from trtpipe.stages.engine import _check_target_gpu
 
     _check_target_gpu(get_gpu("h100-sxm-80gb"), [{"name": "NVIDIA H200", "compute_capability": "9.0"}])
-    with pytest.raises(EngineError, match=r"targets h100-sxm-80gb \(SM 9.0\) but this machine has NVIDIA A10G \(SM 8.6\)"):
+    with pytest.raises(
+        EngineError, match=r"targets h100-sxm-80gb \(SM 9.0\) but this machine has NVIDIA A10G \(SM 8.6\)"
+    ):
         _check_target_gpu(get_gpu("h100-sxm-80gb"), [{"name": "NVIDIA A10G", "compute_capability": "8.6"}])

@@ -29,9 +29,15 @@ def test_every_row_names_its_upstream_source():
     rows = list(upstream.PLUGIN_CONFIG) + list(upstream.BUILD_FLAGS)
     assert all("@" in r.source or "(" in r.source for r in rows)
     assert all(src for _, _, src in upstream.LORA_CONFIG)
-    for fact in (upstream.PAGED_STATE_ARCHITECTURES, upstream.VALIDATE_REJECTS_BY_SM, upstream.BLACKWELL_DC_SM_RANGE,
-                 upstream.FP8_ROWWISE_ALGOS, upstream.FP8_ROWWISE_SETS, upstream.NVFP4_GEMM,
-                 upstream.SWIGLU_PLUGINS_NEED_FUSED_MLP):
+    for fact in (
+        upstream.PAGED_STATE_ARCHITECTURES,
+        upstream.VALIDATE_REJECTS_BY_SM,
+        upstream.BLACKWELL_DC_SM_RANGE,
+        upstream.FP8_ROWWISE_ALGOS,
+        upstream.FP8_ROWWISE_SETS,
+        upstream.NVFP4_GEMM,
+        upstream.SWIGLU_PLUGINS_NEED_FUSED_MLP,
+    ):
         assert isinstance(fact[1], str) and "tensorrt_llm/" in fact[1]
 
 
@@ -63,19 +69,31 @@ def test_emitted_argv_is_checked_against_the_table():
     argv = bc.to_argv(build, "C", "O")
     flags = dict(zip(argv[1::2], argv[2::2]))
     assert flags["--gemm_allreduce_plugin"] == "bfloat16" and flags["--low_latency_gemm_plugin"] == "fp8"
-    for bad in (["trtllm-build", "--gemm_allreduce_plugin", "float32"], ["trtllm-build", "--gemm_swiglu_plugin", "auto"],
-                ["trtllm-build", "--kv_cache_type", "pagedd"], ["trtllm-build", "--no_such_flag", "1"],
-                ["trtllm-build", "--max_batch_size", "x"], ["trtllm-build", "--qserve_gemm_plugin", "auto"]):
+    for bad in (
+        ["trtllm-build", "--gemm_allreduce_plugin", "float32"],
+        ["trtllm-build", "--gemm_swiglu_plugin", "auto"],
+        ["trtllm-build", "--kv_cache_type", "pagedd"],
+        ["trtllm-build", "--no_such_flag", "1"],
+        ["trtllm-build", "--max_batch_size", "x"],
+        ["trtllm-build", "--qserve_gemm_plugin", "auto"],
+    ):
         with pytest.raises(EngineError, match=bad[1]):
             bc.check_argv(bad)
     bc.check_argv(["trtllm-build", "--kv_cache_type", "PAGED"])  # KVCacheType.from_string upper-cases
 
 
 def test_validate_names_the_key_and_the_allowed_values():
-    res = CliRunner().invoke(main, ["validate", str(REPO / "recipes" / "llama70b-fp8.yaml"),
-                                    "--set", "engine.plugins.overrides.gemm_swiglu_plugin=float16"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "validate",
+            str(REPO / "recipes" / "llama70b-fp8.yaml"),
+            "--set",
+            "engine.plugins.overrides.gemm_swiglu_plugin=float16",
+        ],
+    )
     assert res.exit_code == 2, res.output
-    line, = [x for x in res.output.splitlines() if "gemm_swiglu_plugin" in x]
+    (line,) = [x for x in res.output.splitlines() if "gemm_swiglu_plugin" in x]
     assert "engine.plugins.overrides.gemm_swiglu_plugin" in line and "fp8, disable" in line and "'float16'" in line
 
 
@@ -114,8 +132,9 @@ def test_fp8_rowwise_sets_the_whole_plugin_group():
     assert pc["smooth_quant_gemm_plugin"] is None
 
 
-@pytest.mark.parametrize("override,expected", [({}, "nvfp4"), ({"gemm_plugin": "auto"}, "nvfp4"),
-                                               ({"gemm_plugin": "disable"}, None)])
+@pytest.mark.parametrize(
+    "override,expected", [({}, "nvfp4"), ({"gemm_plugin": "auto"}, "nvfp4"), ({"gemm_plugin": "disable"}, None)]
+)
 def test_nvfp4_gemm_plugin_unless_disabled_on_the_command_line(override, expected):
     r = recipe(plugins={"preset": "blackwell-fp16", "overrides": override})
     build = bc.resolve_build(r, ckpt_config(r, "NVFP4"), get_gpu("b200"))
@@ -126,8 +145,12 @@ def test_nvfp4_gemm_plugin_unless_disabled_on_the_command_line(override, expecte
 
 def test_validate_rejections_are_keyed_on_the_exact_sm():
     by_sm, _ = upstream.VALIDATE_REJECTS_BY_SM
-    plugins = {f.name: f.default for f in FIELDS} | {"gemm_swiglu_plugin": "fp8", "fp8_rowwise_gemm_plugin": "auto",
-                                                    "low_latency_gemm_plugin": "fp8", "bert_context_fmha_fp32_acc": True}
+    plugins = {f.name: f.default for f in FIELDS} | {
+        "gemm_swiglu_plugin": "fp8",
+        "fp8_rowwise_gemm_plugin": "auto",
+        "low_latency_gemm_plugin": "fp8",
+        "bert_context_fmha_fp32_acc": True,
+    }
     for sm in (89, 90, 100, 103, 110, 120):
         found = {k for k, _ in rejections(plugins, Target(sm, "LlamaForCausalLM", "FP8", None))}
         assert found == {k for k in by_sm.get(sm, ()) if k in plugins and plugins[k] not in ("disable", False)}, sm
@@ -150,8 +173,13 @@ def test_opt_num_tokens_is_taken_before_max_num_tokens_is_raised():
     c = bc.resolve_build(r, ckpt_config(r), get_gpu("h100")).config
     assert (c.max_num_tokens, c.opt_num_tokens) == (32, 16)
     # clamped: opt is capped at the clamped max
-    r = recipe(max_batch_size=4, max_seq_len=100, max_input_len=50, max_num_tokens=8192,
-               plugins={"overrides": {"multiple_profiles": False}})
+    r = recipe(
+        max_batch_size=4,
+        max_seq_len=100,
+        max_input_len=50,
+        max_num_tokens=8192,
+        plugins={"overrides": {"multiple_profiles": False}},
+    )
     c = bc.resolve_build(r, ckpt_config(r), get_gpu("h100")).config
     assert (c.max_num_tokens, c.opt_num_tokens) == (400, 4)
 

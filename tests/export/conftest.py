@@ -35,8 +35,13 @@ def fp16_greedy_text(stories_fp16_export):
 
     def run(prompt: str, n: int) -> str:
         with torch.no_grad():
-            out = model.generate(torch.tensor([tok.encode(prompt)]), max_new_tokens=n, do_sample=False,
-                                 eos_token_id=eos, pad_token_id=eos)
-        return tok.decode(out[0, len(tok.encode(prompt)):].tolist(), skip_special_tokens=True)
+            out = model.generate(
+                torch.tensor([tok.encode(prompt)]),
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )
+        return tok.decode(out[0, len(tok.encode(prompt)) :].tolist(), skip_special_tokens=True)
 
     return run

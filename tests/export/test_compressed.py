@@ -31,17 +31,26 @@ def test_int4_int32_packing_is_compressed_tensors():
 
 
 @needs("compressed_tensors")
-@pytest.mark.parametrize("algo,scheme", [("fp8", "float-quantized"), ("fp8_pc_pt", "float-quantized"),
-                                         ("int4_wo", "pack-quantized")])
-def test_loads_in_transformers_and_matches_reference_runtime(stories_export_base, stories_dir, tmp_path, algo,
-                                                              scheme):
+@pytest.mark.parametrize(
+    "algo,scheme", [("fp8", "float-quantized"), ("fp8_pc_pt", "float-quantized"), ("int4_wo", "pack-quantized")]
+)
+def test_loads_in_transformers_and_matches_reference_runtime(stories_export_base, stories_dir, tmp_path, algo, scheme):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / algo
     out.mkdir()
     exclude = ["*lm_head", "*mlp.proj"] if algo == "int4_wo" else ["*lm_head"]
-    export_compressed(stories_export_base["base"], stories_dir, stories_export_base["stats"], out, algo=algo,
-                      kv_cache="none", group_size=32, alpha=0.5, exclude=exclude)
+    export_compressed(
+        stories_export_base["base"],
+        stories_dir,
+        stories_export_base["stats"],
+        out,
+        algo=algo,
+        kv_cache="none",
+        group_size=32,
+        alpha=0.5,
+        exclude=exclude,
+    )
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == scheme
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

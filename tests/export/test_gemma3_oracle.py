@@ -17,7 +17,14 @@ import json
 import pytest
 import torch
 
-from quant_helpers import assert_same_layout, modelopt_config, modelopt_unified_export, our_stats, raw_bytes, safetensors_of
+from quant_helpers import (
+    assert_same_layout,
+    modelopt_config,
+    modelopt_unified_export,
+    our_stats,
+    raw_bytes,
+    safetensors_of,
+)
 from trtpipe.checkpoint.convert import TOKENIZER_FILES, convert
 from trtpipe.formats.primitives import pack_int4_rows, quantize, unpack_int4_rows
 from trtpipe.export.unified import export_unified
@@ -39,23 +46,35 @@ TOL = 2**-5  # bf16 forward (ModelOpt) against float32 (ours), as in the dense o
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
-    mtq = pytest.importorskip("modelopt.torch.quantization", reason="ModelOpt 0.47.0 not installed (pip install "
-                              "-e '.[oracle]')")
+    mtq = pytest.importorskip(
+        "modelopt.torch.quantization", reason="ModelOpt 0.47.0 not installed (pip install -e '.[oracle]')"
+    )
     from modelopt.torch.export import export_hf_checkpoint
 
     root = tmp_path_factory.mktemp("gemma3_oracle")
     hf = make_synthetic("gemma3", root / "hf", seed=3, vocab_size=512)
     base = convert(hf, root / "base", tp=1, dtype="bfloat16")
     tokens = torch.randint(3, 512, (16, 32), generator=torch.Generator().manual_seed(11))
-    stats = {None: our_stats(base, tokens, root / "stats"),
-             GROUP: our_stats(base, tokens, root / "stats_awq", awq_group_size=GROUP)}
+    stats = {
+        None: our_stats(base, tokens, root / "stats"),
+        GROUP: our_stats(base, tokens, root / "stats_awq", awq_group_size=GROUP),
+    }
     ours, theirs = {}, {}
     for mode, (algo, kv, cfg_names) in MODES.items():
         int4 = algo == "int4_awq"
         out = root / f"ours_{mode}"
         out.mkdir()
-        export_unified(base, hf, stats[GROUP if int4 else None], out, algo=algo, kv_cache=kv, group_size=GROUP,
-                       alpha=0.5, exclude=["*lm_head"])
+        export_unified(
+            base,
+            hf,
+            stats[GROUP if int4 else None],
+            out,
+            algo=algo,
+            kv_cache=kv,
+            group_size=GROUP,
+            alpha=0.5,
+            exclude=["*lm_head"],
+        )
         ours[mode] = out
         cfg = modelopt_config(mtq, cfg_names, int4_group=GROUP if int4 else None)
         theirs[mode] = modelopt_unified_export(mtq, export_hf_checkpoint, hf, cfg, tokens, root / f"modelopt_{mode}")
@@ -72,8 +91,16 @@ def test_same_files_names_dtypes_shapes_and_configs(case, mode):
     qa, qb = dict(ca["quantization_config"]), dict(cb["quantization_config"])
     assert qa.pop("producer") != qb.pop("producer")
     assert qa == qb
-    for key in ("architectures", "tie_word_embeddings", "num_hidden_layers", "head_dim", "query_pre_attn_scalar",
-                "sliding_window", "layer_types", "rope_parameters"):
+    for key in (
+        "architectures",
+        "tie_word_embeddings",
+        "num_hidden_layers",
+        "head_dim",
+        "query_pre_attn_scalar",
+        "sliding_window",
+        "layer_types",
+        "rope_parameters",
+    ):
         assert ca[key] == cb[key], key
 
 
@@ -134,7 +161,8 @@ def test_reference_loader_reads_both_exports(case, mode):
 
     ids = torch.randint(3, 512, (2, 24), generator=torch.Generator().manual_seed(5))
     ref = load_checkpoint(case["base"])(ids)
-    errs = {who: ((load_hf_checkpoint(case[who][mode])(ids) - ref).norm() / ref.norm()).item()
-            for who in ("ours", "theirs")}
+    errs = {
+        who: ((load_hf_checkpoint(case[who][mode])(ids) - ref).norm() / ref.norm()).item() for who in ("ours", "theirs")
+    }
     print(mode, errs)
     assert max(errs.values()) < (0.1 if mode.startswith("fp8") else 0.3), errs

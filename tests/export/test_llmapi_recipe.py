@@ -17,8 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _recipe(tmp_path: Path, stories_dir: Path, body: str) -> Path:
     p = tmp_path / "r.yaml"
-    p.write_text(f"name: t\nmodel:\n  source: {stories_dir}\ntriton:\n  max_batch_size: 8\n"
-                 f"engine:\n  max_batch_size: 8\n{body}")
+    p.write_text(
+        f"name: t\nmodel:\n  source: {stories_dir}\ntriton:\n  max_batch_size: 8\nengine:\n  max_batch_size: 8\n{body}"
+    )
     return p
 
 
@@ -53,8 +54,12 @@ def test_llmapi_only_algo_refused_for_engine(tmp_path, stories_dir):
 
 
 def test_compressed_tensors_needs_a_scheme(tmp_path, stories_dir):
-    p = _recipe(tmp_path, stories_dir, "target: llmapi\nquantization:\n  algo: w4a8_awq\n  group_size: 32\n"
-                                       "  exclude: ['*lm_head', '*mlp.proj']\nllmapi:\n  compressed_tensors: true\n")
+    p = _recipe(
+        tmp_path,
+        stories_dir,
+        "target: llmapi\nquantization:\n  algo: w4a8_awq\n  group_size: 32\n"
+        "  exclude: ['*lm_head', '*mlp.proj']\nllmapi:\n  compressed_tensors: true\n",
+    )
     msgs = [x.message for x in _problems(p) if x.key == "llmapi.compressed_tensors"]
     assert msgs and "w4a8_awq" in msgs[0]
 
@@ -63,8 +68,11 @@ def test_compressed_tensors_needs_a_scheme(tmp_path, stories_dir):
 def test_loadable_algos_validate(tmp_path, stories_dir, algo):
     # on the default engine.gpu (H100), and NVFP4 on a B200: FP4 GEMMs need Blackwell's tensor cores
     gpu = "  gpu: b200-180gb\n" if algo == "nvfp4" else ""
-    p = _recipe(tmp_path, stories_dir, f"{gpu}target: llmapi\nquantization:\n  algo: {algo}\n  group_size: 32\n"
-                                       "  exclude: ['*lm_head', '*mlp.proj']\n")
+    p = _recipe(
+        tmp_path,
+        stories_dir,
+        f"{gpu}target: llmapi\nquantization:\n  algo: {algo}\n  group_size: 32\n  exclude: ['*lm_head', '*mlp.proj']\n",
+    )
     assert _problems(p) == []
 
 

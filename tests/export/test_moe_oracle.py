@@ -20,8 +20,14 @@ import json
 import pytest
 import torch
 
-from quant_helpers import (assert_same_layout, modelopt_unified_export, our_stats, raw_bytes, safetensors_of,
-                           synthetic_moe_case)
+from quant_helpers import (
+    assert_same_layout,
+    modelopt_unified_export,
+    our_stats,
+    raw_bytes,
+    safetensors_of,
+    synthetic_moe_case,
+)
 from trtpipe.checkpoint.convert import TOKENIZER_FILES
 from trtpipe.export.unified import export_unified
 from optional import needs
@@ -45,8 +51,9 @@ def case(tmp_path_factory):
     for mode, cfg_names in MODES.items():
         out = root / f"ours_{mode}"
         out.mkdir()
-        export_unified(base, hf, stats, out, algo=mode, kv_cache="none", group_size=128, alpha=0.5,
-                       exclude=["*lm_head"])
+        export_unified(
+            base, hf, stats, out, algo=mode, kv_cache="none", group_size=128, alpha=0.5, exclude=["*lm_head"]
+        )
         ours[mode] = out
         cfg = copy.deepcopy(getattr(mtq, cfg_names[0]))
         theirs[mode] = modelopt_unified_export(mtq, export_hf_checkpoint, hf, cfg, tokens, root / f"modelopt_{mode}")
@@ -111,7 +118,8 @@ def test_reference_loader_reads_both_exports(case, mode):
 
     ids = torch.randint(3, 250, (2, 24), generator=torch.Generator().manual_seed(5))
     ref = load_checkpoint(case["base"])(ids)
-    errs = {who: ((load_hf_checkpoint(case[who][mode])(ids) - ref).norm() / ref.norm()).item()
-            for who in ("ours", "theirs")}
+    errs = {
+        who: ((load_hf_checkpoint(case[who][mode])(ids) - ref).norm() / ref.norm()).item() for who in ("ours", "theirs")
+    }
     print(mode, errs)
     assert max(errs.values()) < (0.2 if mode == "fp8" else 0.4), errs

@@ -25,8 +25,9 @@ def test_fuzzed_requests_get_an_openai_error_or_an_answer(stories_fp16_export, f
     served = ServedModel(stories_fp16_export, "fuzzed", chat_template=TEMPLATE)
     try:
         with serve_in_thread(OpenAIServer(served).app) as url:
-            summary = openai_fuzz.run(url, "fuzzed", expected=expected, limit=90, seed=3,
-                                      alive=lambda: served.executor.healthy)
+            summary = openai_fuzz.run(
+                url, "fuzzed", expected=expected, limit=90, seed=3, alive=lambda: served.executor.healthy
+            )
     finally:
         served.shutdown()
     print(summary)

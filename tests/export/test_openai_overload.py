@@ -173,13 +173,15 @@ def test_a_non_streaming_client_that_leaves_is_cancelled(stories_fp16_export):
             host, port = url.split("//")[1].split(":")
             body = json.dumps({"prompt": PROMPT, "max_tokens": 400, "temperature": 1.0, "seed": 3}).encode()
             with socket.create_connection((host, int(port)), timeout=60) as s:
-                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                s.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+                )
                 assert engine.at_gate.wait(300)  # generating, inside its second step
             _wait(lambda: ex.cancelled, "the request cancelled after its client left")
             engine.gate.set()
             _wait(lambda: not ex.core.busy, "the cancelled request gone from the executor")
-            (_, n_out), = ex.core.finished_lengths
+            ((_, n_out),) = ex.core.finished_lengths
             assert n_out < 400, n_out
             status, _, reply = _post(url, {"prompt": PROMPT, "max_tokens": 4})  # still serving
             assert status == 200, reply[:200]

@@ -51,9 +51,10 @@ def hf_greedy(fp16_export):
 
     def run(ids: list[int], n: int) -> list[int]:
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
-                                 pad_token_id=eos)
-        new = out[0, len(ids):].tolist()
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos
+            )
+        new = out[0, len(ids) :].tolist()
         return new[: new.index(eos)] if eos in new else new
 
     return run
@@ -78,15 +79,22 @@ def test_models_health_metrics(server, client):
         text = r.read().decode()
     assert "trtllm_request_success_total{" in text and "trtllm_generation_tokens_total{" in text
     # trtllm-serve's histograms with its buckets: cumulative, +Inf == _count == the finished requests
-    done = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("trtllm_request_success_total{"))
-    for name in ("trtllm_time_to_first_token_seconds", "trtllm_e2e_request_latency_seconds",
-                 "trtllm_time_per_output_token_seconds", "trtllm_request_queue_time_seconds"):
+    done = sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("trtllm_request_success_total{")
+    )
+    for name in (
+        "trtllm_time_to_first_token_seconds",
+        "trtllm_e2e_request_latency_seconds",
+        "trtllm_time_per_output_token_seconds",
+        "trtllm_request_queue_time_seconds",
+    ):
         buckets = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "_bucket{")]
         count = next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "_count{"))
         assert buckets == sorted(buckets) and buckets[-1] == count, name
         assert count == done or (name == "trtllm_time_per_output_token_seconds" and count <= done), name
-    assert 'trtllm_time_to_first_token_seconds_bucket{model_name="stories-twin",engine_type="trtllm",le="0.001"}' in text
+    assert (
+        'trtllm_time_to_first_token_seconds_bucket{model_name="stories-twin",engine_type="trtllm",le="0.001"}' in text
+    )
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -105,8 +113,9 @@ def test_completion_streaming(client, server, hf_greedy):
     tok = _tok(server)
     want = tok.decode(hf_greedy(tok.encode(PROMPTS[0]), 32), skip_special_tokens=True)
     parts, usage, finish = [], None, None
-    for chunk in client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=32, temperature=0,
-                                           stream=True, stream_options={"include_usage": True}):
+    for chunk in client.completions.create(
+        model=NAME, prompt=PROMPTS[0], max_tokens=32, temperature=0, stream=True, stream_options={"include_usage": True}
+    ):
         if chunk.choices:
             parts.append(chunk.choices[0].text)
             finish = chunk.choices[0].finish_reason or finish
@@ -119,8 +128,9 @@ def test_completion_streaming(client, server, hf_greedy):
 def test_chat_equals_transformers_on_the_template(client, server, hf_greedy):
     tok = _tok(server)
     messages = [{"role": "user", "content": "Tell me a story about a cat."}]
-    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                     add_special_tokens=False)
+    ids = tok.encode(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
     want = tok.decode(hf_greedy(ids, 20), skip_special_tokens=True)
     r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=20)
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want
@@ -138,8 +148,11 @@ def test_concurrent_requests_match_sequential(client, server, hf_greedy):
     want = [tok.decode(hf_greedy(tok.encode(p), 16), skip_special_tokens=True) for p in prompts]
 
     def one(p):
-        return "".join(c.choices[0].text for c in client.completions.create(
-            model=NAME, prompt=p, max_tokens=16, temperature=0, stream=True) if c.choices)
+        return "".join(
+            c.choices[0].text
+            for c in client.completions.create(model=NAME, prompt=p, max_tokens=16, temperature=0, stream=True)
+            if c.choices
+        )
 
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(one, prompts))

@@ -28,8 +28,9 @@ def free_port() -> int:
 
 
 def trtpipe(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trtpipe.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=REPO, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "trtpipe.cli", *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=900
+    )
 
 
 def test_serve_detach_an_llmapi_recipe_then_stop_it(tmp_path, stories_dir):
@@ -38,8 +39,16 @@ def test_serve_detach_an_llmapi_recipe_then_stop_it(tmp_path, stories_dir):
     from trtpipe.processes import pid_alive
 
     env = {**os.environ, "TRTPIPE_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
-    sets = ["--set", f"work_dir={tmp_path / 'work'}", "--set", f"model.source={stories_dir}",
-            "--set", "quantization.calibration.num_samples=4", "--set", "accuracy.num_samples=2"]
+    sets = [
+        "--set",
+        f"work_dir={tmp_path / 'work'}",
+        "--set",
+        f"model.source={stories_dir}",
+        "--set",
+        "quantization.calibration.num_samples=4",
+        "--set",
+        "accuracy.num_samples=2",
+    ]
     port = free_port()
     started = trtpipe("serve", str(RECIPE), *sets, "--http-port", str(port), "--detach", env=env)
     assert started.returncode == 0, started.stderr[-3000:]
@@ -49,8 +58,9 @@ def test_serve_detach_an_llmapi_recipe_then_stop_it(tmp_path, stories_dir):
     try:
         assert [json.loads(p.read_text())["kind"] for p in state_files] == ["openai"]
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
-        out = client.completions.create(model="stories-llmapi-fp8", prompt="Once upon a time", max_tokens=8,
-                                        temperature=0)
+        out = client.completions.create(
+            model="stories-llmapi-fp8", prompt="Once upon a time", max_tokens=8, temperature=0
+        )
         assert out.choices[0].text and 0 < out.usage.completion_tokens <= 8
     finally:
         stopped = trtpipe("stop", str(RECIPE), *sets, env=env)

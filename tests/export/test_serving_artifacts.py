@@ -11,8 +11,15 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trtpipe.export.serving import (LLM_API_KEYS, UnknownLLMAPIKey, checked, launch_lines, llm_api_options,
-                                    serve_command, write_serving)
+from trtpipe.export.serving import (
+    LLM_API_KEYS,
+    UnknownLLMAPIKey,
+    checked,
+    launch_lines,
+    llm_api_options,
+    serve_command,
+    write_serving,
+)
 from trtpipe.triton.llmapi_repo import llmapi_pbtxt, write_llmapi_repo
 from trtpipe.app.validation import load_recipe
 from optional import needs
@@ -21,7 +28,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 # The TorchLlmArgs fields listed by the contract (1.1-era llm_args.py; same core fields in the 1.4 reference):
 # top level, and the fields of each sub-model. A key outside these can never be valid.
-CONTRACT_TOP = set("""model tokenizer tokenizer_mode skip_tokenizer_init trust_remote_code tensor_parallel_size dtype
+CONTRACT_TOP = set(
+    """model tokenizer tokenizer_mode skip_tokenizer_init trust_remote_code tensor_parallel_size dtype
 revision tokenizer_revision pipeline_parallel_size context_parallel_size gpus_per_node moe_cluster_parallel_size
 moe_tensor_parallel_size moe_expert_parallel_size enable_attention_dp enable_lm_head_tp_in_adp cp_config load_format
 fail_fast_on_attention_window_too_large enable_lora lora_config kv_cache_config enable_chunked_prefill
@@ -33,12 +41,15 @@ cuda_graph_config attention_dp_config disable_overlap_scheduler moe_config attn_
 enable_iter_perf_stats enable_iter_req_stats print_iter_log perf_metrics_max_requests batch_wait_timeout_ms
 batch_wait_timeout_iters batch_wait_max_tokens_ratio torch_compile_config enable_autotuner
 enable_layerwise_nvtx_marker enable_min_latency stream_interval force_dynamic_quantization allreduce_strategy
-checkpoint_loader checkpoint_format kv_connector_config mm_encoder_only ray_worker_extension_cls""".split())
+checkpoint_loader checkpoint_format kv_connector_config mm_encoder_only ray_worker_extension_cls""".split()
+)
 CONTRACT_SUB = {
-    "kv_cache_config": set("""enable_block_reuse max_tokens max_attention_window sink_token_length
+    "kv_cache_config": set(
+        """enable_block_reuse max_tokens max_attention_window sink_token_length
         free_gpu_memory_fraction host_cache_size onboard_blocks cross_kv_cache_fraction secondary_offload_min_priority
         event_buffer_max_size attention_dp_events_gather_period_ms enable_partial_reuse copy_on_partial_reuse
-        use_uvm max_gpu_total_bytes dtype mamba_ssm_cache_dtype tokens_per_block""".split()),
+        use_uvm max_gpu_total_bytes dtype mamba_ssm_cache_dtype tokens_per_block""".split()
+    ),
     "cuda_graph_config": {"batch_sizes", "max_batch_size", "enable_padding"},
     "scheduler_config": {"capacity_scheduler_policy", "context_chunking_policy", "dynamic_batch_config"},
     # CacheTransceiverConfig of the 1.1/1.2-era llm_args.py revisions read (backend DEFAULT/UCX/NIXL/MPI)
@@ -89,8 +100,9 @@ def test_generated_yaml_per_version(recipe, version, tmp_path):
 
 
 def test_unknown_or_too_new_keys_are_refused():
-    with pytest.raises(UnknownLLMAPIKey, match="'kv_cache_config.tokens_per_block' is not a TorchLlmArgs key of "
-                                                "TensorRT-LLM 1.0"):
+    with pytest.raises(
+        UnknownLLMAPIKey, match="'kv_cache_config.tokens_per_block' is not a TorchLlmArgs key of TensorRT-LLM 1.0"
+    ):
         checked({"kv_cache_config": {"tokens_per_block": 32}}, "1.0")
     with pytest.raises(UnknownLLMAPIKey, match="max_batch"):
         checked({"max_batch": 8}, "1.2")
@@ -99,8 +111,10 @@ def test_unknown_or_too_new_keys_are_refused():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(st.from_regex(r"[a-z_]{1,20}", fullmatch=True), st.integers(), min_size=1, max_size=4),
-       st.sampled_from(["1.0", "1.1", "1.2"]))
+@given(
+    st.dictionaries(st.from_regex(r"[a-z_]{1,20}", fullmatch=True), st.integers(), min_size=1, max_size=4),
+    st.sampled_from(["1.0", "1.1", "1.2"]),
+)
 def test_no_key_outside_the_table_ever_passes(d, version):
     if all(version in LLM_API_KEYS.get(k, ()) for k in d):
         assert checked(d, version) == d
@@ -119,12 +133,17 @@ def test_serve_flags_per_version(recipe):
 
 
 def test_multi_node_lines(recipe):
-    r = load_recipe(REPO / "recipes" / "stories-llmapi-fp8.yaml", ["parallel.tp=8", "parallel.pp=2", "llmapi.nodes=2"],
-                    check_rules=False)
+    r = load_recipe(
+        REPO / "recipes" / "stories-llmapi-fp8.yaml",
+        ["parallel.tp=8", "parallel.pp=2", "llmapi.nodes=2"],
+        check_rules=False,
+    )
     lines = launch_lines(r, "/m", "/c.yaml")
     assert lines["slurm"].startswith("srun --mpi=pmix -N 2 --ntasks-per-node=8 trtllm-llmapi-launch trtllm-serve /m ")
     assert lines["mpirun"].startswith("mpirun -np 16 ") and "trtllm-llmapi-launch trtllm-serve /m" in lines["mpirun"]
-    assert "--host 0.0.0.0" in lines["slurm"] and "--tensor_parallel_size 8 --pipeline_parallel_size 2" in lines["slurm"]
+    assert (
+        "--host 0.0.0.0" in lines["slurm"] and "--tensor_parallel_size 8 --pipeline_parallel_size 2" in lines["slurm"]
+    )
 
 
 @needs("tritonclient")

@@ -40,9 +40,20 @@ BLOCKED = ("int4_awq", "w4a8_awq", "nvfp4")  # modes whose blocks need stories' 
 # model -> (int4 group size, HF modules kept unquantized in int4 modes: stories' 172 inputs have no whole groups)
 CASES = {"stories": (32, ("down_proj",)), "synth128": (128, ()), "qwen3": (64, ())}
 # synthetic models: family and shape overrides (qwen3: q 128 wider than hidden 64, q/k norms, tied, MLP 192)
-SYNTHETIC = {"synth128": ("llama", dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                                        num_key_value_heads=2, vocab_size=512, num_hidden_layers=2)),
-             "qwen3": ("qwen3", dict(vocab_size=512))}
+SYNTHETIC = {
+    "synth128": (
+        "llama",
+        dict(
+            hidden_size=256,
+            intermediate_size=512,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+            num_hidden_layers=2,
+        ),
+    ),
+    "qwen3": ("qwen3", dict(vocab_size=512)),
+}
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +66,9 @@ def modelopt():
     return mtq, export_hf_checkpoint
 
 
-def _modelopt_export(mtq, export, hf: Path, tokens: torch.Tensor, mode: str, out: Path, group: int,
-                     disable: tuple[str, ...]) -> Path:
+def _modelopt_export(
+    mtq, export, hf: Path, tokens: torch.Tensor, mode: str, out: Path, group: int, disable: tuple[str, ...]
+) -> Path:
     int4 = MODES[mode][0] in ("int4_awq", "w4a8_awq")
     cfg = modelopt_config(mtq, MODES[mode][2], int4_group=group if int4 else None)
     for m in disable if MODES[mode][0] in BLOCKED else ():
@@ -86,10 +98,20 @@ def case(request, tmp_path_factory, stories_dir, modelopt):
         int4 = algo in ("int4_awq", "w4a8_awq")
         out = root / f"ours_{mode}"
         out.mkdir()
-        exclude = ["*lm_head"] + ([f"*{'mlp.proj' if m == 'down_proj' else m}" for m in disable] if algo in BLOCKED
-                                  else [])
-        export_unified(base, hf, stats_awq if int4 else stats, out, algo=algo, kv_cache=kv, group_size=group,
-                       alpha=0.5, exclude=exclude)
+        exclude = ["*lm_head"] + (
+            [f"*{'mlp.proj' if m == 'down_proj' else m}" for m in disable] if algo in BLOCKED else []
+        )
+        export_unified(
+            base,
+            hf,
+            stats_awq if int4 else stats,
+            out,
+            algo=algo,
+            kv_cache=kv,
+            group_size=group,
+            alpha=0.5,
+            exclude=exclude,
+        )
         ours[mode] = out
         theirs[mode] = _modelopt_export(*modelopt, hf, calib, mode, root / f"modelopt_{mode}", group, disable)
     layers = json.loads((hf / "config.json").read_text()).get("num_hidden_layers", 5)
@@ -122,8 +144,15 @@ def test_config_files_equal(case, mode):
     qa, qb = dict(ca["quantization_config"]), dict(cb["quantization_config"])
     assert qa.pop("producer") != qb.pop("producer")
     assert qa == qb
-    for key in ("architectures", "dtype", "tie_word_embeddings", "num_hidden_layers", "hidden_size", "vocab_size",
-                "rope_parameters"):
+    for key in (
+        "architectures",
+        "dtype",
+        "tie_word_embeddings",
+        "num_hidden_layers",
+        "hidden_size",
+        "vocab_size",
+        "rope_parameters",
+    ):
         assert ca[key] == cb[key], key
     # transformers-4 spellings written too (TRT-LLM 1.1/1.2 pin transformers 4.57)
     assert ca["torch_dtype"] == ca["dtype"] and ca["rope_theta"] == cb["rope_parameters"]["rope_theta"]

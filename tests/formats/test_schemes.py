@@ -20,9 +20,19 @@ ROWS = list(BY_RECIPE.values())
 IDS = [s.recipe for s in ROWS]
 MIXTRAL = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "mixtral-8x7b"
 DATASET = "quantization.calibration.dataset"
-LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
-         "num_attention_heads": 8, "num_key_value_heads": 4, "num_hidden_layers": 2, "vocab_size": 512,
-         "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+}
 
 
 def _gpu(at_least: int = 0, below: int = 10_000) -> str:
@@ -36,9 +46,12 @@ def _validate(tmp_path: Path, algo: str, target: str, gpu: str, extra: str = "",
         model.mkdir(exist_ok=True)
         (model / "config.json").write_text(json.dumps(LLAMA))
     path = tmp_path / "recipe.yaml"
-    path.write_text(f"name: t\ntarget: {target}\nmodel:\n  source: {model}\nengine:\n  gpu: {gpu}\n"
-                    f"quantization:\n  algo: {algo}\n  calibration:\n    dataset: missing.jsonl\n{extra}"
-                    "accuracy:\n  enabled: false\n", encoding="utf-8")
+    path.write_text(
+        f"name: t\ntarget: {target}\nmodel:\n  source: {model}\nengine:\n  gpu: {gpu}\n"
+        f"quantization:\n  algo: {algo}\n  calibration:\n    dataset: missing.jsonl\n{extra}"
+        "accuracy:\n  enabled: false\n",
+        encoding="utf-8",
+    )
     result = CliRunner().invoke(main, ["validate", str(path)], catch_exceptions=False)
     return result.stderr.splitlines()
 
@@ -81,8 +94,11 @@ def test_needs_calibration_column_decides_the_quantize_stage(s, tmp_path):
 @pytest.mark.parametrize("s", ROWS, ids=IDS)
 def test_targets_column_decides_which_target_takes_it(s, target, tmp_path):
     lines = _validate(tmp_path, s.recipe, target, _gpu(at_least=s.min_sm))
-    refused = [ln for ln in _keyed(lines, "quantization.algo") if f"target: {target}" in ln or
-               f"target {target}" in ln or "only for target" in ln]
+    refused = [
+        ln
+        for ln in _keyed(lines, "quantization.algo")
+        if f"target: {target}" in ln or f"target {target}" in ln or "only for target" in ln
+    ]
     assert bool(refused) is (target not in s.targets), (s.recipe, target, lines)
 
 
@@ -90,8 +106,10 @@ def test_targets_column_decides_which_target_takes_it(s, target, tmp_path):
 def test_tensor_cores_column_decides_the_gpu_floor(s, tmp_path):
     below = _validate(tmp_path, s.recipe, _target(s), _gpu(below=s.min_sm))
     tc = TENSOR_CORES[s.tensor_cores]
-    assert any(f"needs {tc.name} tensor cores (SM >= {tc.min_sm // 10}.{tc.min_sm % 10}" in ln
-               for ln in _keyed(below, "quantization.algo")), below
+    assert any(
+        f"needs {tc.name} tensor cores (SM >= {tc.min_sm // 10}.{tc.min_sm % 10}" in ln
+        for ln in _keyed(below, "quantization.algo")
+    ), below
     at = _validate(tmp_path, s.recipe, _target(s), _gpu(at_least=s.min_sm))
     assert not any("tensor cores" in ln for ln in at), at
 
@@ -99,16 +117,18 @@ def test_tensor_cores_column_decides_the_gpu_floor(s, tmp_path):
 @pytest.mark.parametrize("s", [s for s in ROWS if "engine" in s.targets and s.groupwise], ids=lambda s: s.recipe)
 @pytest.mark.parametrize("g", GROUP_SIZES)
 def test_group_sizes_column_decides_the_engine_group_size(s, g, tmp_path):
-    lines = _validate(tmp_path, s.recipe, "engine", _gpu(at_least=max(s.min_sm, 89), below=100),
-                      extra=f"  group_size: {g}\n")
+    lines = _validate(
+        tmp_path, s.recipe, "engine", _gpu(at_least=max(s.min_sm, 89), below=100), extra=f"  group_size: {g}\n"
+    )
     refused = [ln for ln in _keyed(lines, "quantization.group_size") if "runs group_size" in ln]
     assert bool(refused) is (g not in s.group_sizes_for("engine")), (s.recipe, g, lines)
 
 
 @pytest.mark.parametrize("s,target", [(s, t) for s in ROWS for t in s.targets], ids=lambda v: getattr(v, "recipe", v))
 def test_moe_column_decides_the_experts(s, target, tmp_path):
-    lines = _validate(tmp_path, s.recipe, target, _gpu(at_least=max(s.min_sm, 89)), model=MIXTRAL,
-                      extra="  group_size: 128\n")
+    lines = _validate(
+        tmp_path, s.recipe, target, _gpu(at_least=max(s.min_sm, 89)), model=MIXTRAL, extra="  group_size: 128\n"
+    )
     refused = [ln for ln in _keyed(lines, "quantization.algo") if "mixture-of-experts" in ln]
     assert bool(refused) is (target not in s.moe), (s.recipe, target, lines)
 
@@ -127,14 +147,19 @@ def test_formats_sit_at_the_bottom():
     import importlib.util
 
     root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("import_graph_for_formats", root / "tests" / "tools" / "import_graph.py")
+    spec = importlib.util.spec_from_file_location(
+        "import_graph_for_formats", root / "tests" / "tools" / "import_graph.py"
+    )
     import_graph = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = import_graph  # dataclasses look their module up by name
     spec.loader.exec_module(import_graph)
     graph = import_graph.build(root)
     allowed = ("trtpipe.formats", "trtpipe.errors", "trtpipe.jsonfile")
-    up = [f"{e.path}:{e.line} {e.src} -> {e.dst}" for e in graph.edges
-          if e.src.startswith("trtpipe.formats") and not e.dst.startswith(allowed) and e.dst != "trtpipe"]
+    up = [
+        f"{e.path}:{e.line} {e.src} -> {e.dst}"
+        for e in graph.edges
+        if e.src.startswith("trtpipe.formats") and not e.dst.startswith(allowed) and e.dst != "trtpipe"
+    ]
     assert not up, up
     assert any(e.src == "trtpipe.formats.dequant" and e.dst == "trtpipe.errors" for e in graph.edges)
 
@@ -178,8 +203,7 @@ def test_predictor_models_each_row(s):
 def test_kv_rows_through_the_rules(kv, target, tmp_path):
     """A quantized KV cache calibrates (its dataset is checked) and the llmapi target takes it exactly when the KV
     row says TensorRT-LLM's PyTorch backend loads it."""
-    lines = _validate(tmp_path, "none", target, _gpu(at_least=89, below=100),
-                      extra=f"  kv_cache: {kv.recipe}\n")
+    lines = _validate(tmp_path, "none", target, _gpu(at_least=89, below=100), extra=f"  kv_cache: {kv.recipe}\n")
     assert len(_keyed(lines, DATASET)) == 1, lines
     refused = [ln for ln in _keyed(lines, "quantization.kv_cache") if "target llmapi" in ln]
     assert bool(refused) is (target == "llmapi" and not kv.llmapi), lines

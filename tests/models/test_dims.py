@@ -68,32 +68,99 @@ def test_planner_predictor_and_runtime_read_the_same_dimensions(name, cfg):
     d = parse_hf_config(cfg)
     ckpt = build_config(d, get_family(d.architecture), "bfloat16", tp=2)
     back = checkpoint_dims(ckpt)  # the runtime's and the planner's view: the TensorRT-LLM checkpoint config
-    same = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "num_experts",
-            "experts_per_token", "expert_intermediate_size", "sliding_window", "layer_types", "rope_theta",
-            "rope_local_theta", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "moe_renormalize",
-            "query_pre_attn_scalar", "swiglu_limit", "attention_sinks", "rotary_dim")
+    same = (
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "vocab_size",
+        "num_experts",
+        "experts_per_token",
+        "expert_intermediate_size",
+        "sliding_window",
+        "layer_types",
+        "rope_theta",
+        "rope_local_theta",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "moe_renormalize",
+        "query_pre_attn_scalar",
+        "swiglu_limit",
+        "attention_sinks",
+        "rotary_dim",
+    )
     assert {k: getattr(back, k) for k in same if k != "layer_types"} == {
-        k: getattr(d, k) for k in same if k != "layer_types"}
+        k: getattr(d, k) for k in same if k != "layer_types"
+    }
     mixed = d.layer_types if "sliding_attention" in d.layer_types else ()  # all full_attention is not written
     assert back.layer_types == mixed
 
     s = Shapes.of(ckpt)
-    assert (s.hidden, s.layers, s.heads, s.kv_heads, s.head_size, s.intermediate, s.vocab, s.experts, s.top_k,
-            s.sliding_window, s.layer_types) == (
-        d.hidden_size, d.num_layers, d.num_heads, d.num_kv_heads, d.head_dim, d.expert_intermediate_size,
-        d.vocab_size, d.num_experts, d.experts_per_token, d.sliding_window, mixed)
+    assert (
+        s.hidden,
+        s.layers,
+        s.heads,
+        s.kv_heads,
+        s.head_size,
+        s.intermediate,
+        s.vocab,
+        s.experts,
+        s.top_k,
+        s.sliding_window,
+        s.layer_types,
+    ) == (
+        d.hidden_size,
+        d.num_layers,
+        d.num_heads,
+        d.num_kv_heads,
+        d.head_dim,
+        d.expert_intermediate_size,
+        d.vocab_size,
+        d.num_experts,
+        d.experts_per_token,
+        d.sliding_window,
+        mixed,
+    )
 
     a = ModelArgs.from_config(ckpt)
-    assert (a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads, a.head_size, a.vocab_size, a.layer_types,
-            a.sliding_window, a.rotary_base, a.norm_epsilon, a.tp) == (
-        d.hidden_size, d.num_layers, d.num_heads, d.num_kv_heads, d.head_dim, d.vocab_size, mixed,
-        d.sliding_window, d.rope_theta, d.rms_norm_eps, 2)
+    assert (
+        a.hidden_size,
+        a.num_layers,
+        a.num_heads,
+        a.num_kv_heads,
+        a.head_size,
+        a.vocab_size,
+        a.layer_types,
+        a.sliding_window,
+        a.rotary_base,
+        a.norm_epsilon,
+        a.tp,
+    ) == (
+        d.hidden_size,
+        d.num_layers,
+        d.num_heads,
+        d.num_kv_heads,
+        d.head_dim,
+        d.vocab_size,
+        mixed,
+        d.sliding_window,
+        d.rope_theta,
+        d.rms_norm_eps,
+        2,
+    )
     assert a.num_experts == (d.num_experts if d.is_moe else 0) and a.top_k == d.experts_per_token
 
     if d.model_type in PARSERS:
         spec = model_spec(d, name)
         assert (spec.hidden, spec.vocab, spec.heads, spec.kv_heads, spec.num_layers) == (
-            d.hidden_size, d.vocab_size, d.num_heads, d.num_kv_heads, d.num_layers)
+            d.hidden_size,
+            d.vocab_size,
+            d.num_heads,
+            d.num_kv_heads,
+            d.num_layers,
+        )
         assert spec.kv_elems == 2 * d.num_kv_heads * d.head_dim
         assert spec_of(d.raw, name) == spec  # the dict entry point parses through the same record
 
@@ -117,23 +184,42 @@ def test_parameter_count_follows_the_family_behaviour(kind):
 
 
 def test_model_types_name_facts_their_own_way():
-    gptj = parse_hf_config({"model_type": "gptj", "n_embd": 64, "n_layer": 3, "n_head": 4, "n_inner": None,
-                            "vocab_size": 100}, required=())
+    gptj = parse_hf_config(
+        {"model_type": "gptj", "n_embd": 64, "n_layer": 3, "n_head": 4, "n_inner": None, "vocab_size": 100}, required=()
+    )
     assert (gptj.hidden_size, gptj.num_layers, gptj.num_heads, gptj.intermediate_size) == (64, 3, 4, 256)
-    falcon = parse_hf_config({"model_type": "falcon", "hidden_size": 64, "num_hidden_layers": 2,
-                              "num_attention_heads": 4, "vocab_size": 10}, required=())
+    falcon = parse_hf_config(
+        {"model_type": "falcon", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 10},
+        required=(),
+    )
     assert (falcon.num_kv_heads, falcon.tie_word_embeddings, falcon.intermediate_size) == (1, True, 256)
     with pytest.raises(CheckpointError, match="required key 'n_embd' is missing"):
         parse_hf_config({"model_type": "gptj", "n_layer": 3, "n_head": 4, "vocab_size": 100}, required=())
     with pytest.raises(CheckpointError, match="required key 'architectures' is missing"):
-        parse_hf_config({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-                         "num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 10})
+        parse_hf_config(
+            {
+                "model_type": "llama",
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "intermediate_size": 96,
+                "vocab_size": 10,
+            }
+        )
 
 
 def test_checkpoint_view_fills_tensorrt_llm_defaults():
-    d = checkpoint_dims({"architecture": "LlamaForCausalLM", "dtype": "float16", "hidden_size": 64,
-                         "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 10,
-                         "moe": {"num_experts": 4, "top_k": 2, "normalization_mode": 0}})
+    d = checkpoint_dims(
+        {
+            "architecture": "LlamaForCausalLM",
+            "dtype": "float16",
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "vocab_size": 10,
+            "moe": {"num_experts": 4, "top_k": 2, "normalization_mode": 0},
+        }
+    )
     assert isinstance(d, ModelDims)
     assert (d.intermediate_size, d.num_kv_heads, d.head_dim, d.torch_dtype) == (256, 4, 16, "float16")
     assert (d.num_experts, d.experts_per_token, d.moe_renormalize) == (4, 2, False)

@@ -45,7 +45,7 @@ def _hf_greedy(model_dir: Path, prompt: str, n: int, model=None) -> str:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=2, pad_token_id=2)[0, ids.shape[1]:]
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=2, pad_token_id=2)[0, ids.shape[1] :]
     return tok.decode(out, skip_special_tokens=True)
 
 
@@ -59,9 +59,11 @@ def _cli(*args: str) -> str:
 def test_engine_target_serves_transformers_greedy_text(kind, tmp_path, stories_dir):
     model = _model(kind, tmp_path, stories_dir)
     recipe = tmp_path / f"{kind}.yaml"
-    recipe.write_text(f"name: {kind}-tiny\nwork_dir: '{tmp_path / 'work'}'\nmodel:\n  source: {model}\n  dtype: float32\n"
-                      "engine:\n  max_batch_size: 4\n  max_input_len: 128\n  max_seq_len: 256\n  max_num_tokens: 512\n"
-                      "accuracy:\n  enabled: false\ntriton:\n  max_batch_size: 4\n")
+    recipe.write_text(
+        f"name: {kind}-tiny\nwork_dir: '{tmp_path / 'work'}'\nmodel:\n  source: {model}\n  dtype: float32\n"
+        "engine:\n  max_batch_size: 4\n  max_input_len: 128\n  max_seq_len: 256\n  max_num_tokens: 512\n"
+        "accuracy:\n  enabled: false\ntriton:\n  max_batch_size: 4\n"
+    )
     _cli("build", str(recipe))
     out = _cli("serve", str(recipe), "--detach")
     assert re.search(r"pid\s+\d+", out), out
@@ -114,16 +116,21 @@ def test_gpt_oss_llmapi_recipe_built_and_served_speaks_transformers_greedy_text(
     with safe_open(str(mx / "model.safetensors"), "pt") as f, torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                p.copy_(convert_moe_packed_tensors(f.get_tensor(name + "_blocks"), f.get_tensor(name + "_scales"),
-                                                   dtype=torch.float32))
+                p.copy_(
+                    convert_moe_packed_tensors(
+                        f.get_tensor(name + "_blocks"), f.get_tensor(name + "_scales"), dtype=torch.float32
+                    )
+                )
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     recipe = tmp_path / "gpt-oss.yaml"
-    recipe.write_text(f"name: gpt-oss-tiny\nwork_dir: '{tmp_path / 'work'}'\ntarget: llmapi\nmodel:\n  source: {mx}\n"
-                      "  dtype: float32\nparallel:\n  tp: 2\n  moe_ep: 2\nengine:\n  max_batch_size: 4\n"
-                      "  max_input_len: 128\n  max_seq_len: 256\n  max_num_tokens: 512\naccuracy:\n  enabled: false\n"
-                      f"llmapi:\n  port: {port}\n")
+    recipe.write_text(
+        f"name: gpt-oss-tiny\nwork_dir: '{tmp_path / 'work'}'\ntarget: llmapi\nmodel:\n  source: {mx}\n"
+        "  dtype: float32\nparallel:\n  tp: 2\n  moe_ep: 2\nengine:\n  max_batch_size: 4\n"
+        "  max_input_len: 128\n  max_seq_len: 256\n  max_num_tokens: 512\naccuracy:\n  enabled: false\n"
+        f"llmapi:\n  port: {port}\n"
+    )
     _cli("build", str(recipe))
     _cli("serve", str(recipe), "--detach")
     try:

@@ -37,8 +37,14 @@ def gemma3(tmp_path_factory):
     with torch.no_grad():
         logits32 = hf(ids).logits
         logits64 = hf_float64(hf)(ids).logits
-    return {"dir": d, "hf": hf, "hf64": hf_float64(hf), "ids": ids, "ref64": logits64,
-            "scale": error_scale(logits32, logits64)}
+    return {
+        "dir": d,
+        "hf": hf,
+        "hf64": hf_float64(hf),
+        "ids": ids,
+        "ref64": logits64,
+        "scale": error_scale(logits32, logits64),
+    }
 
 
 def _greedy(rt, g, what, n=40):
@@ -54,7 +60,12 @@ def test_checkpoint_config_and_plus_one_norms_by_name(gemma3, tmp_path):
     assert (cfg["head_size"], cfg["query_pre_attn_scalar"], cfg["sliding_window"]) == (12, 16, 5)
     assert cfg["rotary_base"] == 1e6 and cfg["rope_local_base_freq"] == 1e4 and cfg["norm_epsilon"] == 1e-6
     assert cfg["rotary_scaling"] == {"type": "linear", "rope_type": "linear", "factor": 8.0}
-    assert (cfg["attn_bias"], cfg["mlp_bias"], cfg["inter_layernorms"], cfg["_sliding_window_pattern"]) == (False, False, True, 6)
+    assert (cfg["attn_bias"], cfg["mlp_bias"], cfg["inter_layernorms"], cfg["_sliding_window_pattern"]) == (
+        False,
+        False,
+        True,
+        6,
+    )
     assert cfg["final_logit_softcapping"] is None and cfg["position_embedding_type"] == "rope_gpt_neox"
     assert cfg["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
     assert (cfg["use_parallel_embedding"], cfg["embedding_sharding_dim"]) == (True, 0)
@@ -67,7 +78,9 @@ def test_checkpoint_config_and_plus_one_norms_by_name(gemma3, tmp_path):
             assert torch.equal(got, (sd[f"model.layers.3.{hf}"].float() + 1.0).to(torch.bfloat16)), trt  # +1 in float32
         assert torch.equal(f.get_tensor("transformer.ln_f.weight"), (sd["model.norm.weight"] + 1.0).to(torch.bfloat16))
         # unscaled, and vocab-sharded at tp > 1: upstream's GemmaConfig sets use_parallel_embedding = tp_size > 1
-        assert torch.equal(f.get_tensor("transformer.vocab_embedding.weight"), sd["model.embed_tokens.weight"][125:].to(torch.bfloat16))
+        assert torch.equal(
+            f.get_tensor("transformer.vocab_embedding.weight"), sd["model.embed_tokens.weight"][125:].to(torch.bfloat16)
+        )
         head = f.get_tensor("lm_head.weight")
     assert torch.equal(head, sd["model.embed_tokens.weight"][125:].to(torch.bfloat16))  # the tied copy, rank 1's half
     assert "transformer.layers.0.mlp.fc.weight" in names and "transformer.layers.0.attention.dense.weight" in names
@@ -139,7 +152,9 @@ def test_conditional_generation_converts_its_language_model(tmp_path):
     with safe_open(str(d / "model.safetensors"), "pt") as f:
         keys = list(f.keys())
     assert any(k.startswith("language_model.model.layers.0.") for k in keys)  # what save_pretrained writes
-    assert any(k.startswith("vision_tower.") for k in keys) and any(k.startswith("multi_modal_projector.") for k in keys)
+    assert any(k.startswith("vision_tower.") for k in keys) and any(
+        k.startswith("multi_modal_projector.") for k in keys
+    )
     ckpt = convert(d, tmp_path / "ckpt", tp=2, dtype="float32")
     cfg = json.loads((ckpt / "config.json").read_text())
     assert cfg["architecture"] == "Gemma3ForCausalLM" and cfg["num_hidden_layers"] == 6
@@ -182,16 +197,29 @@ def test_awq_export_folds_the_mlp_scale_into_the_norm_before_the_mlp(gemma3, tmp
     for algo in ("none", "int4_awq"):
         out = tmp_path / algo
         out.mkdir()
-        export_unified(base, gemma3["dir"], stats if algo != "none" else None, out, algo=algo, kv_cache="none",
-                       group_size=16, alpha=0.5, exclude=["*lm_head"])
+        export_unified(
+            base,
+            gemma3["dir"],
+            stats if algo != "none" else None,
+            out,
+            algo=algo,
+            kv_cache="none",
+            group_size=16,
+            alpha=0.5,
+            exclude=["*lm_head"],
+        )
         with safe_open(str(out / "model.safetensors"), "pt") as f:
             outs[algo] = {k: f.get_tensor(k) for k in f.keys() if k.endswith("layernorm.weight")}
     plain, awq = outs["none"], outs["int4_awq"]
     for i in range(6):
-        assert torch.equal(awq[f"model.layers.{i}.post_attention_layernorm.weight"],
-                           plain[f"model.layers.{i}.post_attention_layernorm.weight"])
-        assert not torch.equal(awq[f"model.layers.{i}.pre_feedforward_layernorm.weight"],
-                               plain[f"model.layers.{i}.pre_feedforward_layernorm.weight"])
+        assert torch.equal(
+            awq[f"model.layers.{i}.post_attention_layernorm.weight"],
+            plain[f"model.layers.{i}.post_attention_layernorm.weight"],
+        )
+        assert not torch.equal(
+            awq[f"model.layers.{i}.pre_feedforward_layernorm.weight"],
+            plain[f"model.layers.{i}.pre_feedforward_layernorm.weight"],
+        )
 
 
 def test_a_checkpoint_missing_a_feed_forward_norm_is_refused_naming_it(gemma3, tmp_path):
@@ -203,7 +231,9 @@ def test_a_checkpoint_missing_a_feed_forward_norm_is_refused_naming_it(gemma3, t
     t = load_file(str(ckpt / "rank0.safetensors"))
     del t["transformer.layers.2.pre_feedforward_layernorm.weight"]
     save_file(t, str(ckpt / "rank0.safetensors"))
-    with pytest.raises(CheckpointError, match=r"tensor 'transformer\.layers\.2\.pre_feedforward_layernorm\.weight' is missing"):
+    with pytest.raises(
+        CheckpointError, match=r"tensor 'transformer\.layers\.2\.pre_feedforward_layernorm\.weight' is missing"
+    ):
         load_checkpoint(ckpt)
 
 

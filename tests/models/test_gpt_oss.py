@@ -44,8 +44,8 @@ def test_mxfp4_decode_every_code_and_exponent_as_the_format_defines():
         for j in range(16):
             byte = int(blocks[0, row, 0, j])
             lo, hi = byte & 0xF, byte >> 4  # low nibble is the even element
-            assert float(got[0, row, 2 * j]) == E2M1_BY_CODE[lo] * 2.0 ** e
-            assert float(got[0, row, 2 * j + 1]) == E2M1_BY_CODE[hi] * 2.0 ** e
+            assert float(got[0, row, 2 * j]) == E2M1_BY_CODE[lo] * 2.0**e
+            assert float(got[0, row, 2 * j + 1]) == E2M1_BY_CODE[hi] * 2.0**e
     # row 0 holds bytes 0..15: their low nibbles are the codes 0..15; code 8 is -0.0, which == cannot tell from +0.0
     assert torch.equal(torch.signbit(got[0, 0, 0::2]), torch.arange(16) >= 8)
     assert mxfp4.dequantize(blocks, scales, torch.float64).dtype == torch.float64
@@ -79,8 +79,11 @@ def mxfp4_model(tmp_path_factory):
     with safe_open(str(mx / "model.safetensors"), "pt") as f, torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                p.copy_(convert_moe_packed_tensors(f.get_tensor(name + "_blocks"), f.get_tensor(name + "_scales"),
-                                                   dtype=torch.float32))
+                p.copy_(
+                    convert_moe_packed_tensors(
+                        f.get_tensor(name + "_blocks"), f.get_tensor(name + "_scales"), dtype=torch.float32
+                    )
+                )
     return mx, hf
 
 
@@ -131,8 +134,9 @@ def test_paged_step_logits_with_sinks_and_windows_as_accurate_as_transformers(gp
     with torch.no_grad():
         ref_ctx = torch.stack([hf64(torch.tensor([p])).logits[0, -1] for p in prompts])
     nxt = [int(t) for t in ref_ctx.argmax(-1)]
-    got_gen = engine.logits(StepBatch(1, [StepEntry(i, [nxt[i]], len(p), tables[i], False, True)
-                                          for i, p in enumerate(prompts)]))
+    got_gen = engine.logits(
+        StepBatch(1, [StepEntry(i, [nxt[i]], len(p), tables[i], False, True) for i, p in enumerate(prompts)])
+    )
     seqs = prompts + [p + [t] for p, t in zip(prompts, nxt)]
     with torch.no_grad():
         ref = torch.stack([hf64(torch.tensor([s])).logits[0, -1] for s in seqs])
@@ -160,17 +164,27 @@ def test_validate_refuses_the_engine_target_and_names_llmapi(gpt_oss, tmp_path):
     r = _validate(tmp_path, d, "target: engine\n")
     lines = r.output.strip().splitlines()
     assert r.exit_code == 2 and len(lines) == 1, r.output
-    assert re.search(r"r\.yaml:2:9: target: engine: TensorRT-LLM 1\.2 has no TensorRT engine for GptOssForCausalLM "
-                     r".*; use target: llmapi$", lines[0]), r.output
+    assert re.search(
+        r"r\.yaml:2:9: target: engine: TensorRT-LLM 1\.2 has no TensorRT engine for GptOssForCausalLM "
+        r".*; use target: llmapi$",
+        lines[0],
+    ), r.output
     assert _validate(tmp_path, d, "target: llmapi\n").exit_code == 0
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"layer_types": ["sliding_attention", "chunked_attention"] * 2},
-     r"config.json: layer_types layer type\(s\) \['chunked_attention'\] \(known: sliding_attention, full_attention\)"),
-    ({"quantization_config": {"quant_method": "fp8"}},
-     r"config.json: quantization_config.quant_method 'fp8' is not supported for gpt-oss; allowed: mxfp4 or none"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"layer_types": ["sliding_attention", "chunked_attention"] * 2},
+            r"config.json: layer_types layer type\(s\) \['chunked_attention'\] \(known: sliding_attention, full_attention\)",
+        ),
+        (
+            {"quantization_config": {"quant_method": "fp8"}},
+            r"config.json: quantization_config.quant_method 'fp8' is not supported for gpt-oss; allowed: mxfp4 or none",
+        ),
+    ],
+)
 def test_validate_refuses_what_the_family_cannot_honour(change, message, gpt_oss, tmp_path):
     d = tmp_path / "hf"
     d.mkdir()
@@ -183,6 +197,7 @@ def test_validate_refuses_what_the_family_cannot_honour(change, message, gpt_oss
 
 # --- the llmapi export: experts as the source holds them (MXFP4 as shipped), the rest per the recipe -----------------
 
+
 def _export(tmp_path, kind: str, algo: str):
     from trtpipe.export.unified import export_unified
     from trtpipe.quant.calibrate import CalibSettings, calibrate, save_layer_stats
@@ -193,11 +208,14 @@ def _export(tmp_path, kind: str, algo: str):
     stats = tmp_path / "stats"
     stats.mkdir()
     tokens = torch.randint(3, 250, (4, 16), generator=torch.Generator().manual_seed(9))
-    calibrate(TrtllmSource(base), tokens, CalibSettings(batch_size=4), on_layer=lambda i, st: save_layer_stats(stats, i, st))
+    calibrate(
+        TrtllmSource(base), tokens, CalibSettings(batch_size=4), on_layer=lambda i, st: save_layer_stats(stats, i, st)
+    )
     out = tmp_path / "unified"
     out.mkdir()
-    hq = export_unified(base, hf_dir, stats, out, algo=algo, kv_cache="none", group_size=128, alpha=0.5,
-                        exclude=["*lm_head"])
+    hq = export_unified(
+        base, hf_dir, stats, out, algo=algo, kv_cache="none", group_size=128, alpha=0.5, exclude=["*lm_head"]
+    )
     return hf_dir, base, out, hq
 
 
@@ -246,8 +264,12 @@ def test_fp8_export_keeps_mxfp4_experts_and_quantizes_attention(tmp_path):
     assert json.loads((out / "hf_quant_config.json").read_text()) == hq
     pre = "model.layers.1."
     with safe_open(str(out / "model.safetensors"), "pt") as f, safe_open(str(hf_dir / "model.safetensors"), "pt") as g:
-        for k in ("mlp.experts.gate_up_proj_blocks", "mlp.experts.down_proj_scales", "mlp.router.weight",
-                  "self_attn.sinks"):
+        for k in (
+            "mlp.experts.gate_up_proj_blocks",
+            "mlp.experts.down_proj_scales",
+            "mlp.router.weight",
+            "self_attn.sinks",
+        ):
             assert torch.equal(f.get_tensor(pre + k), g.get_tensor(pre + k)), k
         assert f.get_tensor(pre + "self_attn.q_proj.weight").dtype == torch.float8_e4m3fn
         codes, ws = f.get_tensor(pre + "self_attn.q_proj.weight"), f.get_tensor(pre + "self_attn.q_proj.weight_scale")
@@ -271,10 +293,21 @@ def test_quantization_leaves_the_experts_as_the_export_keeps_them(tmp_path):
     stats = tmp_path / "stats"
     stats.mkdir()
     tokens = torch.randint(3, 250, (4, 16), generator=torch.Generator().manual_seed(9))
-    calibrate(TrtllmSource(base), tokens, CalibSettings(batch_size=4), on_layer=lambda i, st: save_layer_stats(stats, i, st))
+    calibrate(
+        TrtllmSource(base), tokens, CalibSettings(batch_size=4), on_layer=lambda i, st: save_layer_stats(stats, i, st)
+    )
     out = tmp_path / "q"
-    cfg = quantize_checkpoint(base, TrtllmSource(base), stats, out, algo="fp8", kv_cache="none", group_size=128,
-                              alpha=0.5, exclude=["*lm_head"])
+    cfg = quantize_checkpoint(
+        base,
+        TrtllmSource(base),
+        stats,
+        out,
+        algo="fp8",
+        kv_cache="none",
+        group_size=128,
+        alpha=0.5,
+        exclude=["*lm_head"],
+    )
     assert {"*lm_head", "*mlp.fc", "*mlp.proj"} <= set(cfg["quantization"]["exclude_modules"])
     with safe_open(str(out / "rank0.safetensors"), "pt") as f, safe_open(str(base / "rank0.safetensors"), "pt") as g:
         for name in ("transformer.layers.1.mlp.fc.weight", "transformer.layers.1.mlp.proj.weight"):

@@ -26,14 +26,25 @@ def qwen3(tmp_path_factory):
     with torch.no_grad():
         logits32 = hf(ids).logits
         logits64 = hf_float64(hf)(ids).logits
-    return {"dir": d, "hf": hf, "hf64": hf_float64(hf), "ids": ids, "ref64": logits64,
-            "scale": error_scale(logits32, logits64)}
+    return {
+        "dir": d,
+        "hf": hf,
+        "hf64": hf_float64(hf),
+        "ids": ids,
+        "ref64": logits64,
+        "scale": error_scale(logits32, logits64),
+    }
 
 
 def test_checkpoint_names_the_qk_norms_as_trtllm_and_writes_head_size(qwen3, tmp_path):
     ckpt = convert(qwen3["dir"], tmp_path / "ckpt", tp=2, dtype="float32")
     cfg = json.loads((ckpt / "config.json").read_text())
-    assert (cfg["architecture"], cfg["qwen_type"], cfg["head_size"], cfg["attn_bias"]) == ("Qwen3ForCausalLM", "qwen3", 16, False)
+    assert (cfg["architecture"], cfg["qwen_type"], cfg["head_size"], cfg["attn_bias"]) == (
+        "Qwen3ForCausalLM",
+        "qwen3",
+        16,
+        False,
+    )
     assert cfg["rotary_base"] == 1e6 and cfg["norm_epsilon"] == 1e-6  # written, never left to upstream's defaults
     with safe_open(str(ckpt / "rank1.safetensors"), "pt") as f:
         qkv = f.get_tensor("transformer.layers.1.attention.qkv.weight")
@@ -71,5 +82,11 @@ def test_unified_export_round_trips_with_the_qk_norms(qwen3, tmp_path):
     assert_as_accurate(rt(qwen3["ids"]), qwen3["ref64"], qwen3["scale"], "qwen3 unified export")
     want = qwen3["hf"].generate(qwen3["ids"][:1], max_new_tokens=24, do_sample=False, pad_token_id=0)[0, 20:].tolist()
     prompt = qwen3["ids"][0].tolist()
-    assert_greedy_equal(generate(rt, [prompt], 24, end_ids=None)[0], want, qwen3["hf"], qwen3["hf64"], prompt,
-                        "qwen3 unified export greedy")
+    assert_greedy_equal(
+        generate(rt, [prompt], 24, end_ids=None)[0],
+        want,
+        qwen3["hf"],
+        qwen3["hf64"],
+        prompt,
+        "qwen3 unified export greedy",
+    )

@@ -48,13 +48,25 @@ def test_expert_width_is_moe_intermediate_size(tmp_path):
         assert f.get_tensor("transformer.layers.0.mlp.router.weight").dtype == torch.float32
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"mlp_only_layers": [0]}, r"config.json: mlp_only_layers \[0\] \(dense MLP layers between MoE layers\) is not "
-                               r"supported; allowed: \[\]"),
-    ({"decoder_sparse_step": 2}, r"config.json: decoder_sparse_step 2 \(MoE every 2 layers\) is not supported; allowed: 1"),
-    ({"architectures": ["Qwen3NextForCausalLM"]}, r"config.json: architectures\[0\] 'Qwen3NextForCausalLM' is not "
-                                                  r"supported \(supported: .*Qwen3MoeForCausalLM\)"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"mlp_only_layers": [0]},
+            r"config.json: mlp_only_layers \[0\] \(dense MLP layers between MoE layers\) is not "
+            r"supported; allowed: \[\]",
+        ),
+        (
+            {"decoder_sparse_step": 2},
+            r"config.json: decoder_sparse_step 2 \(MoE every 2 layers\) is not supported; allowed: 1",
+        ),
+        (
+            {"architectures": ["Qwen3NextForCausalLM"]},
+            r"config.json: architectures\[0\] 'Qwen3NextForCausalLM' is not "
+            r"supported \(supported: .*Qwen3MoeForCausalLM\)",
+        ),
+    ],
+)
 def test_validate_refuses_what_the_family_cannot_honour(change, message, tmp_path):
     import re
 
@@ -71,6 +83,7 @@ def test_validate_refuses_what_the_family_cannot_honour(change, message, tmp_pat
 
 # --- the llmapi export: each expert a module of its own, as ModelOpt's unified HF checkpoint writes it ------------
 
+
 def _calibrated(tmp_path, samples: int, seq_len: int):
     from trtpipe.quant.calibrate import CalibSettings, calibrate, save_layer_stats
     from trtpipe.quant.writer import TrtllmSource
@@ -80,8 +93,9 @@ def _calibrated(tmp_path, samples: int, seq_len: int):
     stats = tmp_path / "stats"
     stats.mkdir()
     tokens = torch.randint(3, 250, (samples, seq_len), generator=torch.Generator().manual_seed(9))
-    layers = calibrate(TrtllmSource(base), tokens, CalibSettings(batch_size=4),
-                       on_layer=lambda i, st: save_layer_stats(stats, i, st))
+    layers = calibrate(
+        TrtllmSource(base), tokens, CalibSettings(batch_size=4), on_layer=lambda i, st: save_layer_stats(stats, i, st)
+    )
     return hf_dir, base, stats, layers
 
 
@@ -89,8 +103,9 @@ def _export(hf_dir, base, stats, out, algo):
     from trtpipe.export.unified import export_unified
 
     out.mkdir()
-    return export_unified(base, hf_dir, stats, out, algo=algo, kv_cache="none", group_size=128, alpha=0.5,
-                          exclude=["*lm_head"])
+    return export_unified(
+        base, hf_dir, stats, out, algo=algo, kv_cache="none", group_size=128, alpha=0.5, exclude=["*lm_head"]
+    )
 
 
 def test_unquantized_export_runs_as_transformers(tmp_path):
@@ -138,16 +153,23 @@ def test_fp8_export_scales_each_expert_on_its_own_tokens(tmp_path):
                 assert float(ws) == pytest.approx(both / 448, rel=1e-6)  # the expert's fused gate_up scale
                 # E4M3 rounds to nearest: within half a unit (2^-4 relative) of a normal code, 2^-10 x scale below
                 err = (codes.float() * ws - w).abs()
-                assert bool((err <= w.abs() * 2.0 ** -4 + float(ws) * 2.0 ** -10).all())
-                assert float(f.get_tensor(pre + proj + ".input_scale")) == pytest.approx(float(fc_amax[e]) / 448, rel=1e-6)
+                assert bool((err <= w.abs() * 2.0**-4 + float(ws) * 2.0**-10).all())
+                assert float(f.get_tensor(pre + proj + ".input_scale")) == pytest.approx(
+                    float(fc_amax[e]) / 448, rel=1e-6
+                )
     rt = load_hf_checkpoint(out)  # the loader computes what the format says: fake-quantized input, dequantized W
     expert = rt.layers[1].mlp[0].fc[7]
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         pre = "model.layers.1.mlp.experts.7."
-        want = torch.cat([fake_quant(x, f.get_tensor(pre + p + ".input_scale").reshape(1), "fp8")
-                          @ (f.get_tensor(pre + p + ".weight").float() * f.get_tensor(pre + p + ".weight_scale")).t()
-                          for p in ("up_proj", "gate_proj")], dim=-1)
+        want = torch.cat(
+            [
+                fake_quant(x, f.get_tensor(pre + p + ".input_scale").reshape(1), "fp8")
+                @ (f.get_tensor(pre + p + ".weight").float() * f.get_tensor(pre + p + ".weight_scale")).t()
+                for p in ("up_proj", "gate_proj")
+            ],
+            dim=-1,
+        )
     assert torch.allclose(expert(x), want, rtol=0, atol=1e-5 * float(want.abs().max()))
 
 
@@ -176,7 +198,9 @@ def test_llmapi_validate_takes_fp8_moe_and_refuses_int4_and_w4a8_shapes_tensorrt
     awq = tmp_path / "awq.yaml"
     awq.write_text(head + "  algo: int4_awq\n  group_size: 32\n")
     r = CliRunner().invoke(main, ["validate", str(awq)])
-    assert r.exit_code == 2 and "int4_awq is refused for mixture-of-experts models on target llmapi" in r.output, r.output
+    assert r.exit_code == 2 and "int4_awq is refused for mixture-of-experts models on target llmapi" in r.output, (
+        r.output
+    )
     w4a8 = tmp_path / "w4a8.yaml"  # the synthetic model's hidden size, 64, is no multiple of 128
     w4a8.write_text(head + "  algo: w4a8_awq\n")
     r = CliRunner().invoke(main, ["validate", str(w4a8)])
@@ -184,5 +208,8 @@ def test_llmapi_validate_takes_fp8_moe_and_refuses_int4_and_w4a8_shapes_tensorrt
     bad = tmp_path / "bad.yaml"
     bad.write_text(head + "  algo: int8_wo\n")
     r = CliRunner().invoke(main, ["validate", str(bad)])
-    assert r.exit_code == 2 and "int8_wo: the llmapi export writes mixture-of-experts experts unquantized, in fp8, " \
-        "nvfp4 or w4a8_awq" in r.output, r.output
+    assert (
+        r.exit_code == 2
+        and "int8_wo: the llmapi export writes mixture-of-experts experts unquantized, in fp8, nvfp4 or w4a8_awq"
+        in r.output
+    ), r.output

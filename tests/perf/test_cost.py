@@ -58,9 +58,12 @@ def test_attention_dp_moe_gathers_every_token_once_whatever_its_top_k():
     reduce-scatters their output (fused_moe_cutlass.py@000a01de): one hidden vector each way per token, so the link
     time does not grow with top-k, and expert parallelism and MoE-TP move the same bytes."""
     gen = [0] * 8  # 8 generating tokens over 4 attention-DP ranks
-    link = lambda k, ep: step_terms(  # noqa: E731
-        Deployment(toy(experts=4, top_k=k, layers=1), GPU_T, "fp16", "fp16", tp=4, ep=ep, attn_dp=True),
-        generation=gen).comm
+    link = lambda k, ep: (  # noqa: E731
+        step_terms(
+            Deployment(toy(experts=4, top_k=k, layers=1), GPU_T, "fp16", "fp16", tp=4, ep=ep, attn_dp=True),
+            generation=gen,
+        ).comm
+    )
     expected = 2 * 8 * 8 * 2 * (3 / 4) / 100e9  # gather + scatter of 8 tokens x hidden 8 x 2 bytes, 3/4 off-rank
     assert link(1, 4) == pytest.approx(expected, rel=1e-12)
     assert link(2, 4) == pytest.approx(expected, rel=1e-12)  # top-2: the same bytes (not one crossing per copy)
@@ -76,7 +79,8 @@ def test_attention_dp_keeps_a_whole_embedding_and_lm_head_on_every_rank():
     dp = Deployment(spec, GPU_T, "fp16", "fp16", tp=2, ep=2, attn_dp=True)
     head = 10 * 8 * 2  # vocab x hidden x 2 bytes
     assert dp.weight_bytes_per_gpu - tp.weight_bytes_per_gpu == pytest.approx(
-        2 * head / 2 + (192 + 0) * 2 / 2, rel=1e-12)  # embedding + lm_head halves, and the replicated attention
+        2 * head / 2 + (192 + 0) * 2 / 2, rel=1e-12
+    )  # embedding + lm_head halves, and the replicated attention
     t_tp, t_dp = step_terms(tp, generation=[0, 0]), step_terms(dp, generation=[0, 0])
     assert t_dp.mem - t_tp.mem == pytest.approx((head / 2 + 192 * 2 / 2) / 1e12, rel=1e-9)
     assert t_dp.gemm == pytest.approx(t_tp.gemm, rel=1e-12)
@@ -102,7 +106,7 @@ def test_moe_reads_only_the_experts_tokens_hit():
     t1 = step_terms(d, generation=[0])
     assert t1.mem == pytest.approx((192 + 384 + 80) * 2 / 1e12, rel=1e-12)  # attention + one expert + head
     big = step_terms(d, generation=[0] * 1000)
-    assert big.mem == pytest.approx((192 + 4 * 384 * (1 - 0.75 ** 1000) + 80) * 2 / 1e12, rel=1e-9)
+    assert big.mem == pytest.approx((192 + 4 * 384 * (1 - 0.75**1000) + 80) * 2 / 1e12, rel=1e-9)
     assert big.gemm == pytest.approx((2 * 1000 * (192 + 384) + 2 * 1000 * 80) / 1e12, rel=1e-12)
 
 
@@ -127,8 +131,17 @@ def test_expert_gemms_and_routed_copies_have_their_own_terms():
     # 10 tokens x top-2 x 384 params x 2 FLOPs per layer, spread over the 2 ranks; 10 x 2 / 2 copies per layer
     assert t.expert_gemm == pytest.approx(2 * 2 * 10 * 2 * 384 / 2 / 1e12, rel=1e-12)
     assert t.copies == pytest.approx(2 * 10 * 2 / 2, rel=1e-12)
-    c = Constants(gemm_eff=0.5, attn_eff=1.0, serial=1.0, layer_us=0.0, seq_layer_us=0.0, link_eff=1.0,
-                  bw_eff=1.0, kv_eff=1.0, copy_ns=100.0)
+    c = Constants(
+        gemm_eff=0.5,
+        attn_eff=1.0,
+        serial=1.0,
+        layer_us=0.0,
+        seq_layer_us=0.0,
+        link_eff=1.0,
+        bw_eff=1.0,
+        kv_eff=1.0,
+        copy_ns=100.0,
+    )
     base = step_time(t, c)
     # expert_eff 0 (the engine era): experts at the dense rate; else their share of the GEMM seconds at its own
     slow = step_time(t, Constants(**{**c.__dict__, "expert_eff": 0.25}))
@@ -154,8 +167,17 @@ def test_grouped_terms_equal_the_per_entry_terms():
 
 def test_step_time_formula_and_bound():
     t = Terms(mem=1.0, kv=0.5, gemm=0.3, attn=0.1, comm=0.2, seqs=10, layers=4, pp=2)
-    c = Constants(bw_eff=0.5, kv_eff=0.25, gemm_eff=0.5, attn_eff=0.5, link_eff=0.5, seq_layer_us=100,
-                  serial=0.5, layer_us=1000, pp_bubble=0.5)
+    c = Constants(
+        bw_eff=0.5,
+        kv_eff=0.25,
+        gemm_eff=0.5,
+        attn_eff=0.5,
+        link_eff=0.5,
+        seq_layer_us=100,
+        serial=0.5,
+        layer_us=1000,
+        pp_bubble=0.5,
+    )
     memory, compute = 1.0 / 0.5 + 0.5 / 0.25, 0.3 / 0.5 + 0.1 / 0.5
     body = memory + 0.5 * compute + 0.2 / 0.5 + 4 * 1e-3 + 10 * 4 * 1e-4
     assert step_time(t, c) == pytest.approx(body * 1.5, rel=1e-12)
@@ -164,13 +186,23 @@ def test_step_time_formula_and_bound():
     assert np.allclose(step_time(arr, c), step_time(t, c))
 
 
-
 def test_gemm_time_grows_with_the_precisions_peak():
     # the same GEMM seconds-at-peak take (1 + flop_drop x PFLOPS) / gemm_eff: B200 FP4 (9 PFLOPS) reaches a
     # smaller fraction of its peak than H100 FP8 (1.98 PFLOPS); flop_drop 0 (the engine era) is the plain roofline
     c = Constants(gemm_eff=0.5, attn_eff=1.0, serial=1.0, layer_us=0.0, seq_layer_us=0.0, flop_drop=0.1)
-    one = lambda pf, cc=c: step_time(Terms(mem=0, kv=0, gemm=1.0, attn=0, comm=0, seqs=0, layers=1,  # noqa: E731
-                                           peak_pf=pf), cc)
+    one = lambda pf, cc=c: step_time(  # noqa: E731
+        Terms(
+            mem=0,
+            kv=0,
+            gemm=1.0,
+            attn=0,
+            comm=0,
+            seqs=0,
+            layers=1,
+            peak_pf=pf,
+        ),
+        cc,
+    )
     assert one(9.0) == pytest.approx(1.0 / 0.5 * 1.9, rel=1e-12)
     assert one(0.0) == pytest.approx(2.0, rel=1e-12)
     assert one(9.0, Constants(gemm_eff=0.5, layer_us=0.0, seq_layer_us=0.0)) == pytest.approx(2.0, rel=1e-12)
@@ -179,11 +211,20 @@ def test_gemm_time_grows_with_the_precisions_peak():
     assert step_terms(b200, generation=[10]).peak_pf == pytest.approx(9.0)
     assert step_terms(h100, generation=[10]).peak_pf == pytest.approx(1.979)
 
+
 def test_published_models_match_their_parameter_counts():
     # totals as the model cards state them (billions), within 3%
-    for name, billions in (("Llama 3.1 70B", 70.6), ("Llama 3.1 8B", 8.03), ("Mixtral 8x7B", 46.7),
-                           ("Llama 3.1 405B", 405.8), ("Qwen3-235B-A22B", 235), ("DeepSeek R1 0528", 671),
-                           ("Llama 4 Maverick 17B-128E", 400), ("Falcon 180B", 180), ("GPT-OSS 120B", 117)):
+    for name, billions in (
+        ("Llama 3.1 70B", 70.6),
+        ("Llama 3.1 8B", 8.03),
+        ("Mixtral 8x7B", 46.7),
+        ("Llama 3.1 405B", 405.8),
+        ("Qwen3-235B-A22B", 235),
+        ("DeepSeek R1 0528", 671),
+        ("Llama 4 Maverick 17B-128E", 400),
+        ("Falcon 180B", 180),
+        ("GPT-OSS 120B", 117),
+    ):
         assert published_spec(name).total_params / 1e9 == pytest.approx(billions, rel=0.03), name
     assert published_spec("Qwen3-30B-A3B").active_params / 1e9 == pytest.approx(3.3, rel=0.05)
     assert len(PUBLISHED) == 21

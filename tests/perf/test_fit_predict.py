@@ -14,13 +14,30 @@ from trtpipe.perf import fit as F
 from trtpipe.perf.cost import Constants
 from trtpipe.perf.published import COLUMNS
 
-BASE = {"source_file": "test", "commit_or_date": "x", "trtllm_version": "0.14.0", "backend": "engine:trtllm-bench",
-        "ep": "", "pp": "1", "concurrency_or_batch": "max-load", "metric": "output_tok_s_total"}
+BASE = {
+    "source_file": "test",
+    "commit_or_date": "x",
+    "trtllm_version": "0.14.0",
+    "backend": "engine:trtllm-bench",
+    "ep": "",
+    "pp": "1",
+    "concurrency_or_batch": "max-load",
+    "metric": "output_tok_s_total",
+}
 
 
 def row(model, precision, gpu, tp, isl, osl, **kw):
-    r = dict(BASE, model=model, precision=precision, gpu=gpu, tp=str(tp), num_gpus=str(tp), isl=str(isl),
-             osl=str(osl), value="1")
+    r = dict(
+        BASE,
+        model=model,
+        precision=precision,
+        gpu=gpu,
+        tp=str(tp),
+        num_gpus=str(tp),
+        isl=str(isl),
+        osl=str(osl),
+        value="1",
+    )
     r.update(kw)
     return r
 
@@ -28,8 +45,11 @@ def row(model, precision, gpu, tp, isl, osl, **kw):
 def synthetic_rows(truth: Constants) -> list[dict]:
     """Rows in the published format whose values the model itself computes with ``truth``."""
     rows = []
-    for model, prec, gpu in (("Llama 3.1 8B", "FP8", "H100 SXM 80GB"), ("Llama 3.1 70B", "FP16", "A100 SXM4 80GB"),
-                             ("Mixtral 8x7B", "FP8", "H100 SXM 80GB")):
+    for model, prec, gpu in (
+        ("Llama 3.1 8B", "FP8", "H100 SXM 80GB"),
+        ("Llama 3.1 70B", "FP16", "A100 SXM4 80GB"),
+        ("Mixtral 8x7B", "FP8", "H100 SXM 80GB"),
+    ):
         for tp in (1, 2, 4) if "70B" not in model else (4, 8):
             for isl, osl in ((128, 128), (128, 2048), (2048, 128), (2048, 2048), (5000, 500)):
                 rows.append(row(model, prec, gpu, tp, isl, osl))
@@ -42,8 +62,18 @@ def synthetic_rows(truth: Constants) -> list[dict]:
     return rows
 
 
-TRUTH = Constants(bw_eff=0.7, kv_eff=0.8, gemm_eff=0.5, attn_eff=0.3, link_eff=0.5, seq_layer_us=0.2, serial=0.6,
-                  layer_us=40.0, pp_bubble=0.1, other_gb=3.5)
+TRUTH = Constants(
+    bw_eff=0.7,
+    kv_eff=0.8,
+    gemm_eff=0.5,
+    attn_eff=0.3,
+    link_eff=0.5,
+    seq_layer_us=0.2,
+    serial=0.6,
+    layer_us=40.0,
+    pp_bubble=0.1,
+    other_gb=3.5,
+)
 
 
 def test_fit_is_deterministic_and_recovers_the_generating_constants():
@@ -61,8 +91,9 @@ def test_fit_is_deterministic_and_recovers_the_generating_constants():
 
 
 def test_predict_rows_converts_per_gpu_units():
-    total = row("Llama 3.1 70B", "FP8", "H100 SXM 80GB", 4, 1024, 1024, trtllm_version="1.0",
-                backend="pytorch:trtllm-bench")
+    total = row(
+        "Llama 3.1 70B", "FP8", "H100 SXM 80GB", 4, 1024, 1024, trtllm_version="1.0", backend="pytorch:trtllm-bench"
+    )
     per_gpu = dict(total, metric="output_tok_s_per_gpu")
     out = F.predict_rows([total, per_gpu], {"pytorch": TRUTH})
     assert out[1] == pytest.approx(out[0] / 4, rel=1e-12)
@@ -72,12 +103,30 @@ def test_predict_scenarios_keeps_rows_order_and_blanks_unsupported(tmp_path):
     rows = [
         row("Llama 3.1 8B", "FP8", "H100 SXM 80GB", 1, 128, 128),
         row("Some Model 3B", "FP8", "H100 SXM 80GB", 1, 128, 128),  # no config: blank
-        row("Llama 3.1 8B", "BF16", "H100 SXM 80GB", 1, 128, 16, backend="engine:triton-backend-serving",
-            metric="ttft_ms_mean", concurrency_or_batch="concurrency=2"),
+        row(
+            "Llama 3.1 8B",
+            "BF16",
+            "H100 SXM 80GB",
+            1,
+            128,
+            16,
+            backend="engine:triton-backend-serving",
+            metric="ttft_ms_mean",
+            concurrency_or_batch="concurrency=2",
+        ),
         row("Llama 3.1 8B", "FP8", "H100 SXM 80GB", 1, 128, 128, metric="p50_widgets"),  # unknown metric: blank
         row("Llama 3.1 8B", "FP8", "Voodoo 5 6000", 1, 128, 128),  # unknown GPU: blank
-        row("Llama 3.1 8B", "FP4", "B200 180GB", 1, 1024, 1024, trtllm_version="1.2",
-            backend="pytorch:trtllm-bench", metric="output_tok_s_per_gpu"),
+        row(
+            "Llama 3.1 8B",
+            "FP4",
+            "B200 180GB",
+            1,
+            1024,
+            1024,
+            trtllm_version="1.2",
+            backend="pytorch:trtllm-bench",
+            metric="output_tok_s_per_gpu",
+        ),
     ]
     src, dst = tmp_path / "in.csv", tmp_path / "out.csv"
     with open(src, "w", newline="") as f:

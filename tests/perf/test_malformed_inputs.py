@@ -13,8 +13,23 @@ from trtpipe.cli import main
 from trtpipe.perf.published import COLUMNS
 
 REPO = Path(__file__).resolve().parents[2]
-GOOD = ["test", "x", "0.14.0", "engine:trtllm-bench", "Llama 3.1 8B", "FP8", "H100 SXM 80GB", "1", "1", "1", "",
-        "128", "128", "output_tok_s_total", "max-load"]
+GOOD = [
+    "test",
+    "x",
+    "0.14.0",
+    "engine:trtllm-bench",
+    "Llama 3.1 8B",
+    "FP8",
+    "H100 SXM 80GB",
+    "1",
+    "1",
+    "1",
+    "",
+    "128",
+    "128",
+    "output_tok_s_total",
+    "max-load",
+]
 assert len(GOOD) == len(COLUMNS)
 
 
@@ -23,11 +38,14 @@ def run(*args: str):
     return res.exit_code, res.stderr, res.stdout
 
 
-@pytest.mark.parametrize("bad_row,line", [
-    (GOOD[:9], "row 2: field 'pp' is missing (the row ends early)"),  # a row cut short
-    (GOOD + ["extra"], "row 2: 16 fields, the header has 15"),
-    (GOOD[:8] + ["two"] + GOOD[9:], "row 2: field 'tp': expected a whole number, got 'two'"),
-])
+@pytest.mark.parametrize(
+    "bad_row,line",
+    [
+        (GOOD[:9], "row 2: field 'pp' is missing (the row ends early)"),  # a row cut short
+        (GOOD + ["extra"], "row 2: 16 fields, the header has 15"),
+        (GOOD[:8] + ["two"] + GOOD[9:], "row 2: field 'tp': expected a whole number, got 'two'"),
+    ],
+)
 def test_scenarios_csv_row_errors_name_file_row_and_field(tmp_path, bad_row, line):
     src, dst = tmp_path / "in.csv", tmp_path / "out.csv"
     src.write_text("\n".join(",".join(r) for r in (COLUMNS, GOOD, bad_row)) + "\n")
@@ -45,10 +63,13 @@ def test_model_config_with_a_wrong_type_names_the_key(tmp_path):
     assert (code, err) == (1, f"{path}: key 'hidden_size': expected a whole number, got 'big'\n")
 
 
-@pytest.mark.parametrize("doc,why", [
-    ([1, 2], "not a trtpipe bench result (format 'a JSON list', expected trtpipe-bench/1)"),
-    ({"format": "trtpipe-bench/1", "run": {}}, "bench result without 'metrics' (truncated or edited?)"),
-])
+@pytest.mark.parametrize(
+    "doc,why",
+    [
+        ([1, 2], "not a trtpipe bench result (format 'a JSON list', expected trtpipe-bench/1)"),
+        ({"format": "trtpipe-bench/1", "run": {}}, "bench result without 'metrics' (truncated or edited?)"),
+    ],
+)
 def test_bench_show_of_a_malformed_result_is_one_line(tmp_path, doc, why):
     path = tmp_path / "result.json"
     path.write_text(json.dumps(doc))

@@ -34,7 +34,8 @@ def test_facts_name_the_routing_and_layer_types():
     assert g["layers"] == "18 x MoE (sliding window 128) + 18 x MoE" and g["mxfp4_experts"]
     # MoE every 2nd layer, no-RoPE (global attention) every 4th, the RoPE layers chunked (attention_chunk_size)
     assert facts(published_spec("Llama 4 Maverick 17B-128E"))["layers"] == (
-        "12 x MoE (chunked attention 8192) + 12 x MoE + 24 x dense (chunked attention 8192)")
+        "12 x MoE (chunked attention 8192) + 12 x MoE + 24 x dense (chunked attention 8192)"
+    )
     assert facts(published_spec("Llama 4 Scout"))["layers"] == "36 x MoE (chunked attention 8192) + 12 x MoE"
     assert len(facts_table().splitlines()) == len(PUBLISHED) + 2
 

@@ -10,17 +10,21 @@ from trtpipe.app.predictor import meets, parse_slo
 from trtpipe.perf.simulate import SimResult
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("ttft_p99=500ms,itl_p99=50ms", {"ttft_p99": 500.0, "itl_p99": 50.0}),  # README / docs/perf-model.md
-    ("ttft:200ms,itl:50ms", {"ttft": 200.0, "itl": 50.0}),  # the bench spelling
-    ("e2e_p90:1.5s", {"e2e_p90": 1500.0}),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("ttft_p99=500ms,itl_p99=50ms", {"ttft_p99": 500.0, "itl_p99": 50.0}),  # README / docs/perf-model.md
+        ("ttft:200ms,itl:50ms", {"ttft": 200.0, "itl": 50.0}),  # the bench spelling
+        ("e2e_p90:1.5s", {"e2e_p90": 1500.0}),
+    ],
+)
 def test_plan_reads_both_spellings(text, expected):
     assert parse_slo(text) == expected
 
 
-@pytest.mark.parametrize("text,names", [("tpot_p99=5ms", "'tpot_p99=5ms'"), ("ttft_p0=5ms", "'ttft_p0=5ms'"),
-                                        ("", "empty")])
+@pytest.mark.parametrize(
+    "text,names", [("tpot_p99=5ms", "'tpot_p99=5ms'"), ("ttft_p0=5ms", "'ttft_p0=5ms'"), ("", "empty")]
+)
 def test_plan_bad_term_is_one_line_naming_it(text, names):
     with pytest.raises(TrtpipeError) as info:
         parse_slo(text)

@@ -60,8 +60,23 @@ def test_predict_moe_recipe_with_expert_parallelism():
 
 
 def test_predict_quotes_the_pytorch_backends_own_published_rows():
-    res = cli("predict", str(LLAMA70B), *AS_LLMAPI, "--set", "parallel.tp=2", "--set", "engine.workers=2",
-              *WORKLOAD, "--gpu", GPU, "--concurrency", "2", "--published", str(PUBLISHED_CSV), "--json")
+    res = cli(
+        "predict",
+        str(LLAMA70B),
+        *AS_LLMAPI,
+        "--set",
+        "parallel.tp=2",
+        "--set",
+        "engine.workers=2",
+        *WORKLOAD,
+        "--gpu",
+        GPU,
+        "--concurrency",
+        "2",
+        "--published",
+        str(PUBLISHED_CSV),
+        "--json",
+    )
     assert res.exit_code == 0, res.output
     near = json.loads(res.output)["nearest_published"]
     assert near, "Llama 3.x 70B FP8 on H100 has published PyTorch-backend rows"
@@ -71,14 +86,30 @@ def test_predict_quotes_the_pytorch_backends_own_published_rows():
 
 def test_plan_slo_on_an_llmapi_recipe_answers_the_fewest_replicas_that_meet_it():
     slo, rate = "ttft_p99=5ms,itl_p99=2ms", 400.0
-    res = cli("plan", str(STORIES), "--set", SMALL_POOL[0], "--slo", slo, "--rate", str(rate), "--isl", "64", "--osl", "8", "--gpus", GPU)
+    res = cli(
+        "plan",
+        str(STORIES),
+        "--set",
+        SMALL_POOL[0],
+        "--slo",
+        slo,
+        "--rate",
+        str(rate),
+        "--isl",
+        "64",
+        "--osl",
+        "8",
+        "--gpus",
+        GPU,
+    )
     assert res.exit_code == 0, res.output
     targets = P.parse_slo(slo)
     rows = [o for o in P.capacity_plan(STORIES, targets, rate, 64, 8, SMALL_POOL, [GPU]) if o.get("fits")]
     assert rows and all("(PyTorch backend)" in o["layout"] for o in rows)
     printed = re.findall(r"^\s+(MEETS|misses)\s+(\d+) GPUs =\s+(\d+) x \[(.+?)\]", res.output, re.M)
-    assert printed == [("MEETS" if o["meets_slo"] else "misses", str(o["total_gpus"]), str(o["replicas"]),
-                        o["layout"]) for o in rows]
+    assert printed == [
+        ("MEETS" if o["meets_slo"] else "misses", str(o["total_gpus"]), str(o["replicas"]), o["layout"]) for o in rows
+    ]
     c = load_constants()["pytorch"]
     for o in rows:
         tp = int(re.search(r" tp(\d+) ", o["layout"]).group(1))
@@ -111,8 +142,10 @@ def test_predict_gpt_oss_recipe_beside_its_published_rows():
     assert near and all(r["model"] == "GPT-OSS 120B" and r["gpu"] == "H100 SXM 80GB" for r in near), near
     # the quoted predictions are the fitted model's for those rows' own published configuration
     rows = [r for r in read_rows(PUBLISHED_CSV) if r["model"] == "GPT-OSS 120B" and r["gpu"] == "H100 SXM 80GB"]
-    by_row = {(r["trtllm_version"], r["isl"], r["osl"], r["backend"]): p for r, p in
-              zip(rows, predict_rows(rows, load_constants()))}
+    by_row = {
+        (r["trtllm_version"], r["isl"], r["osl"], r["backend"]): p
+        for r, p in zip(rows, predict_rows(rows, load_constants()))
+    }
     for r in near:
         assert r["predicted"] == by_row[(r["trtllm_version"], r["isl"], r["osl"], r["backend"])]
 
@@ -122,8 +155,20 @@ def test_predict_says_when_no_published_row_is_on_that_gpu():
     res = cli("predict", str(QWEN3_30B), *WORKLOAD, "--concurrency", "2", "--published", str(PUBLISHED_CSV))
     assert res.exit_code == 0, res.output
     assert f"nearest published numbers: none for this model on {GPU}" in res.output
-    res = cli("predict", str(QWEN3_30B), "--set", "quantization.algo=nvfp4", "--gpu", "b200-180gb", *WORKLOAD,
-              "--concurrency", "2", "--published", str(PUBLISHED_CSV), "--json")
+    res = cli(
+        "predict",
+        str(QWEN3_30B),
+        "--set",
+        "quantization.algo=nvfp4",
+        "--gpu",
+        "b200-180gb",
+        *WORKLOAD,
+        "--concurrency",
+        "2",
+        "--published",
+        str(PUBLISHED_CSV),
+        "--json",
+    )
     assert res.exit_code == 0, res.output
     near = json.loads(res.output)["nearest_published"]
     assert near and all(r["model"] == "Qwen3-30B-A3B" and r["gpu"] == "B200 180GB" for r in near)
@@ -143,7 +188,9 @@ def test_plan_says_whole_why_a_layout_does_not_fit():
     """A layout plan --slo skips carries its refusal whole, the advice ("turn a knob: parallel.tp: 4") included:
     it was cut at 200 characters, mid-word, so the one line that tells the user what to change read "turn a knob: par"."""
     qwen235 = RECIPES / "qwen3-235b-a22b-fp8.yaml"
-    res = cli("plan", str(qwen235), "--slo", "ttft_p99=5000ms", "--rate", "1", "--isl", "64", "--osl", "8", "--gpus", GPU)
+    res = cli(
+        "plan", str(qwen235), "--slo", "ttft_p99=5000ms", "--rate", "1", "--isl", "64", "--osl", "8", "--gpus", GPU
+    )
     assert res.exit_code == 0, res.output
     for tp in (1, 2):
         with pytest.raises(TrtpipeError) as exc:

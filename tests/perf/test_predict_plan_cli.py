@@ -63,11 +63,27 @@ def test_plan_slo_answers_the_fewest_replicas_that_meet_it():
     assert res.exit_code == 0, res.output
     targets = P.parse_slo(SLO)
     rows = P.capacity_plan(RECIPE, targets, RATE, 256, 32, gpus=[GPU])
-    printed = [m.groups() for m in re.finditer(r"^\s+(MEETS|misses)\s+(\d+) GPUs =\s+(\d+) x \[(.+?)\]\s+TTFT p99\s+"
-                                               r"([\d.]+) ms\s+ITL p99\s+([\d.]+) ms", res.output, re.M)]
+    printed = [
+        m.groups()
+        for m in re.finditer(
+            r"^\s+(MEETS|misses)\s+(\d+) GPUs =\s+(\d+) x \[(.+?)\]\s+TTFT p99\s+"
+            r"([\d.]+) ms\s+ITL p99\s+([\d.]+) ms",
+            res.output,
+            re.M,
+        )
+    ]
     fitting = [o for o in rows if o.get("fits")]
-    assert printed == [("MEETS" if o["meets_slo"] else "misses", str(o["total_gpus"]), str(o["replicas"]),
-                        o["layout"], f"{o['ttft_ms']['p99']:.1f}", f"{o['itl_ms']['p99']:.1f}") for o in fitting]
+    assert printed == [
+        (
+            "MEETS" if o["meets_slo"] else "misses",
+            str(o["total_gpus"]),
+            str(o["replicas"]),
+            o["layout"],
+            f"{o['ttft_ms']['p99']:.1f}",
+            f"{o['itl_ms']['p99']:.1f}",
+        )
+        for o in fitting
+    ]
     assert any(o["replicas"] > 1 and o["meets_slo"] for o in fitting), "the workload should need several replicas"
     c = load_constants()["engine"]
     for o in fitting:
@@ -95,9 +111,13 @@ def test_plan_slo_needs_a_rate():
     _one_line_error(cli("plan", str(RECIPE), "--slo", SLO), "--rate")
 
 
-@pytest.mark.parametrize("command", [["predict", str(RECIPE), *WORKLOAD, "--gpu", "no-such-gpu"],
-                                     ["plan", str(RECIPE), "--slo", SLO, "--rate", "4", *WORKLOAD, "--gpus",
-                                      "no-such-gpu"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["predict", str(RECIPE), *WORKLOAD, "--gpu", "no-such-gpu"],
+        ["plan", str(RECIPE), "--slo", SLO, "--rate", "4", *WORKLOAD, "--gpus", "no-such-gpu"],
+    ],
+)
 def test_unknown_gpu_is_one_line(command):
     res = cli(*command)
     _one_line_error(res, "no-such-gpu")

@@ -8,10 +8,24 @@ from trtpipe.perf.published import PUBLISHED_CSV, deployment_of, kv_capacity_tok
 
 
 def _row(**over) -> dict:
-    row = {"source_file": "x", "commit_or_date": "x", "trtllm_version": "1.0", "backend": "pytorch:trtllm-bench",
-           "model": "Qwen3-235B-A22B", "precision": "FP8", "gpu": "H100 SXM 80GB", "num_gpus": "8", "tp": "8",
-           "pp": "1", "ep": "", "isl": "1000", "osl": "1000", "metric": "output_tok_s_total",
-           "concurrency_or_batch": "max-load", "value": "1"}
+    row = {
+        "source_file": "x",
+        "commit_or_date": "x",
+        "trtllm_version": "1.0",
+        "backend": "pytorch:trtllm-bench",
+        "model": "Qwen3-235B-A22B",
+        "precision": "FP8",
+        "gpu": "H100 SXM 80GB",
+        "num_gpus": "8",
+        "tp": "8",
+        "pp": "1",
+        "ep": "",
+        "isl": "1000",
+        "osl": "1000",
+        "metric": "output_tok_s_total",
+        "concurrency_or_batch": "max-load",
+        "value": "1",
+    }
     row.update(over)
     return row
 
@@ -33,13 +47,17 @@ def test_the_pytorch_kv_pool_leaves_room_for_the_profiling_pass_and_the_engine_p
     assert act > 1e9  # 8 ranks x max_num_tokens x top-8 fused-MoE rows
     full = kv_capacity_tokens(d, 0.9, 2.0)
     assert full - kv_capacity_tokens(d, 0.9, 2.0, lim.max_num_tokens) == pytest.approx(
-        act * 0.9 / d.kv_bytes_per_token, abs=1)
+        act * 0.9 / d.kv_bytes_per_token, abs=1
+    )
     assert not deployment_of(_row(backend="engine:trtllm-bench")).pytorch_backend
 
 
 def test_every_published_pytorch_row_has_a_kv_pool_after_the_profiling_pass():
-    rows = [r for r in read_rows(PUBLISHED_CSV) if r["backend"].startswith("pytorch:")
-            and r["concurrency_or_batch"] == "max-load"]
+    rows = [
+        r
+        for r in read_rows(PUBLISHED_CSV)
+        if r["backend"].startswith("pytorch:") and r["concurrency_or_batch"] == "max-load"
+    ]
     assert len(rows) > 1100
     for r in rows:
         d = deployment_of(r)

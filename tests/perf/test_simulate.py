@@ -20,9 +20,16 @@ def fixed_engine() -> CostModelEngine:
 
 
 def cfg(max_batch=2, max_tokens=256, seq=256):
-    return executor_config(max_batch_size=max_batch, max_num_tokens=max_tokens, max_input_len=seq, max_seq_len=seq,
-                           kv_tokens=4096, tokens_per_block=64, enable_chunked_context=True,
-                           enable_kv_cache_reuse=False)
+    return executor_config(
+        max_batch_size=max_batch,
+        max_num_tokens=max_tokens,
+        max_input_len=seq,
+        max_seq_len=seq,
+        kv_tokens=4096,
+        tokens_per_block=64,
+        enable_chunked_context=True,
+        enable_kv_cache_reuse=False,
+    )
 
 
 def test_max_load_two_requests_share_every_step():
@@ -90,12 +97,21 @@ def test_closed_loop_step_gap_is_shared_by_the_requests_one_step_frees():
     # A and B run in lockstep (0-20 ms) and free their clients in the same step, which draws one shared delay
     # (5 ms); each request adds its own gap (0 and 3 ms): C arrives at 25 ms to an idle executor and starts at
     # once; D arrives at 28 ms, mid-step, and waits for the 35 ms turn
-    r = closed_loop(cfg(), fixed_engine(), concurrency=2, n=4, isl=4, osl=2,
-                    client_gap_s=[0.0, 0.0, 0.0, 0.003], step_gap_s=[0.005, 0.0, 0.0, 0.0])
+    r = closed_loop(
+        cfg(),
+        fixed_engine(),
+        concurrency=2,
+        n=4,
+        isl=4,
+        osl=2,
+        client_gap_s=[0.0, 0.0, 0.0, 0.003],
+        step_gap_s=[0.005, 0.0, 0.0, 0.0],
+    )
     assert list(r.ttft[:2]) == pytest.approx([STEP, STEP])
     assert list(r.queue_wait) == pytest.approx([0.0, 0.0, 0.0, 0.007])
-    shared = closed_loop(cfg(), fixed_engine(), concurrency=2, n=4, isl=4, osl=2,
-                         client_gap_s=[0.0] * 4, step_gap_s=[0.005] * 4)
+    shared = closed_loop(
+        cfg(), fixed_engine(), concurrency=2, n=4, isl=4, osl=2, client_gap_s=[0.0] * 4, step_gap_s=[0.005] * 4
+    )
     assert list(shared.queue_wait) == pytest.approx([0.0] * 4)  # a group that comes back together starts together
     assert shared.makespan_s == pytest.approx(4 * STEP + 0.005)
     with pytest.raises(ValueError, match="step_gap_s has 1 values for 4 requests"):
@@ -106,9 +122,16 @@ def test_simulated_prompts_share_no_prefix_even_with_kv_reuse_on():
     # benchmark prompts are distinct: with reuse enabled every request still computes its whole prompt
     seen = []
     engine = CostModelEngine(step_cost=lambda b: (seen.append(sum(len(e.tokens) for e in b.entries)) or STEP, "fixed"))
-    config = executor_config(max_batch_size=1, max_num_tokens=256, max_input_len=256, max_seq_len=256,
-                             kv_tokens=4096, tokens_per_block=16, enable_chunked_context=True,
-                             enable_kv_cache_reuse=True)
+    config = executor_config(
+        max_batch_size=1,
+        max_num_tokens=256,
+        max_input_len=256,
+        max_seq_len=256,
+        kv_tokens=4096,
+        tokens_per_block=16,
+        enable_chunked_context=True,
+        enable_kv_cache_reuse=True,
+    )
     closed_loop(config, engine, concurrency=1, n=3, isl=64, osl=2)
     assert seen == [64, 1, 64, 1, 64, 1]
 
@@ -130,9 +153,14 @@ def test_roofline_engine_charges_the_cost_model_time():
     d = Deployment(published_spec("Llama 3.1 8B"), get_gpu("h100"), "fp8", "fp8")
     c = Constants()
     eng = CostModelEngine(d, c)
-    batch = StepBatch(0, [StepEntry(1, [5] * 100, 0, [0, 1], True, True),
-                          StepEntry(2, [5], 300, [2, 3, 4, 5, 6], False, True),
-                          StepEntry(3, [5], 300, [7, 8, 9, 10, 11], False, True)])
+    batch = StepBatch(
+        0,
+        [
+            StepEntry(1, [5] * 100, 0, [0, 1], True, True),
+            StepEntry(2, [5], 300, [2, 3, 4, 5, 6], False, True),
+            StepEntry(3, [5], 300, [7, 8, 9, 10, 11], False, True),
+        ],
+    )
     res = eng.step(batch)
     want = step_time(group_terms(d, [(0, 100, 1.0)], [(300, 2.0)], 3), c)
     assert res.elapsed_s == pytest.approx(want, rel=1e-12)

@@ -13,9 +13,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trtpipe.perf.step_fit import (ByConcurrency, StepCost, StepFit, batch_features, compare_rounds, fit_steps,
-                                   host_gaps, record_features, return_gaps, robust_fit, step_features,
-                                   worst_ratio_error)
+from trtpipe.perf.step_fit import (
+    ByConcurrency,
+    StepCost,
+    StepFit,
+    batch_features,
+    compare_rounds,
+    fit_steps,
+    host_gaps,
+    record_features,
+    return_gaps,
+    robust_fit,
+    step_features,
+    worst_ratio_error,
+)
 from trtpipe.serving.api import StepBatch, StepEntry
 
 # seconds per term: base, generating request, context token, context request, context query-key pair,
@@ -23,12 +34,12 @@ from trtpipe.serving.api import StepBatch, StepEntry
 TRUE = np.array([2e-3, 100e-6, 10e-6, 200e-6, 30e-9, 0.5e-6])
 # (start, tokens, is context) entries of six steps with linearly independent features
 COMPOSITIONS = [
-    [(0, 1, False)],                 # one generating request at position 0
-    [(10, 1, False)] * 16,           # 16 generating, short
-    [(400, 1, False)] * 16,          # 16 generating, long: the gathered-key term
-    [(0, 256, True)],                # one long prompt: the query-key term
-    [(0, 32, True)],                 # one short prompt
-    [(0, 4, True)] * 8,              # eight tiny prompts: the per-context-request term
+    [(0, 1, False)],  # one generating request at position 0
+    [(10, 1, False)] * 16,  # 16 generating, short
+    [(400, 1, False)] * 16,  # 16 generating, long: the gathered-key term
+    [(0, 256, True)],  # one long prompt: the query-key term
+    [(0, 32, True)],  # one short prompt
+    [(0, 4, True)] * 8,  # eight tiny prompts: the per-context-request term
 ]
 
 
@@ -42,8 +53,15 @@ def records(compositions, coef, copies, rng=None, delta=0.0, start_ns=0, gap_ns=
             if delta:
                 ms *= 1.0 + rng.uniform(-delta, delta)
             t += gap_ns + int(round(ms * 1e6))
-            out.append({"iter": len(out), "iterLatencyMS": ms, "timestamp": t, "numActiveRequests": len(entries),
-                        "scheduledEntries": [list(e) for e in entries]})
+            out.append(
+                {
+                    "iter": len(out),
+                    "iterLatencyMS": ms,
+                    "timestamp": t,
+                    "numActiveRequests": len(entries),
+                    "scheduledEntries": [list(e) for e in entries],
+                }
+            )
     return out
 
 
@@ -52,7 +70,9 @@ def test_features_by_hand():
     f = step_features([(32, 8, True), (0, 4, True), (40, 1, False), (7, 1, False)])
     assert f == [1.0, 2.0, 12.0, 2.0, 8 * 40 + 4 * 4, 2 * 41]
     assert step_features([]) == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
-    batch = StepBatch(3, [StepEntry(0, list(range(8)), 32, [0, 1], True, True), StepEntry(1, [5], 40, [2], False, True)])
+    batch = StepBatch(
+        3, [StepEntry(0, list(range(8)), 32, [0, 1], True, True), StepEntry(1, [5], 40, [2], False, True)]
+    )
     assert batch_features(batch) == step_features([(32, 8, True), (40, 1, False)])
     assert record_features({"scheduledEntries": [[32, 8, True], [40, 1, False]]}) == batch_features(batch)
 
@@ -109,11 +129,13 @@ def test_a_negative_term_is_dropped_and_the_rest_refitted():
 
 
 def test_host_gaps_by_hand():
-    recs = [{"iter": 0, "timestamp": 10_000_000, "iterLatencyMS": 2.0, "numActiveRequests": 1},
-            {"iter": 1, "timestamp": 13_000_000, "iterLatencyMS": 2.5, "numActiveRequests": 1},   # 0.5 ms gap
-            {"iter": 3, "timestamp": 30_000_000, "iterLatencyMS": 1.0, "numActiveRequests": 1},   # not consecutive
-            {"iter": 4, "timestamp": 31_000_000, "iterLatencyMS": 1.2, "numActiveRequests": 0},   # -0.2 ms -> 0
-            {"iter": 5, "timestamp": 40_000_000, "iterLatencyMS": 1.0, "numActiveRequests": 1}]   # after idle: out
+    recs = [
+        {"iter": 0, "timestamp": 10_000_000, "iterLatencyMS": 2.0, "numActiveRequests": 1},
+        {"iter": 1, "timestamp": 13_000_000, "iterLatencyMS": 2.5, "numActiveRequests": 1},  # 0.5 ms gap
+        {"iter": 3, "timestamp": 30_000_000, "iterLatencyMS": 1.0, "numActiveRequests": 1},  # not consecutive
+        {"iter": 4, "timestamp": 31_000_000, "iterLatencyMS": 1.2, "numActiveRequests": 0},  # -0.2 ms -> 0
+        {"iter": 5, "timestamp": 40_000_000, "iterLatencyMS": 1.0, "numActiveRequests": 1},
+    ]  # after idle: out
     np.testing.assert_allclose(host_gaps(recs), [0.5e-3, 0.0], atol=1e-12)
 
 
@@ -160,9 +182,11 @@ def test_by_concurrency_interpolates_medians_by_hand():
 
 
 def test_compare_rounds_by_hand():
-    rounds = [{1: ({"x": 10.0}, {"x": 12.0}), 2: ({"x": 1.0}, {"x": 1.0})},
-              {1: ({"x": 20.0}, {"x": 18.0})},
-              {1: ({"x": 30.0}, {"x": 33.0})}]
+    rounds = [
+        {1: ({"x": 10.0}, {"x": 12.0}), 2: ({"x": 1.0}, {"x": 1.0})},
+        {1: ({"x": 20.0}, {"x": 18.0})},
+        {1: ({"x": 30.0}, {"x": 33.0})},
+    ]
     (row,) = compare_rounds(rounds, ["x"])  # concurrency 2 is missing from two rounds
     assert row.concurrency == 1
     assert row.measured == {"x": 20.0} and row.simulated == {"x": 18.0}

@@ -73,4 +73,3 @@ def driver(tmp_path: Path):
         return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     return run
-

@@ -99,7 +99,9 @@ def run_pack(ctx: StageContext) -> None:
     header = json.dumps(ctx.recipe.section("engine"), sort_keys=True).encode()
     _write_chunks(ctx.out_dir / "engine.bin", [header, *parts], ctx, "pack")
     hold = float(os.environ.get("TRTPIPE_TEST_CHILD_HOLD_S", "0.3"))  # long enough for the 50 ms sampler to see it
-    alloc = f"import time; x = bytearray({CHILD_ALLOC_MIB} << 20); x[::4096] = b'1' * len(x[::4096]); time.sleep({hold})"
+    alloc = (
+        f"import time; x = bytearray({CHILD_ALLOC_MIB} << 20); x[::4096] = b'1' * len(x[::4096]); time.sleep({hold})"
+    )
     subprocess.run([sys.executable, "-c", alloc], check=True)
     ctx.info["inputs"] = sorted(ctx.inputs)
 

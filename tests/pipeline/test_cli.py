@@ -25,7 +25,10 @@ def test_build_json_prints_one_object_then_status_verifies(make_recipe, driver, 
     summary = json.loads(built.stdout)  # the whole of stdout is one JSON object
     assert "chatter" not in built.stdout and "child process" not in built.stdout
     assert [(s["name"], s["status"]) for s in summary["stages"]] == [
-        ("source", "ran"), ("scale", "ran"), ("calib", "skipped"), ("pack", "ran")
+        ("source", "ran"),
+        ("scale", "ran"),
+        ("calib", "skipped"),
+        ("pack", "ran"),
     ]
     assert summary["status"] == "ok" and summary["manifest"] == str(tmp_path / "work" / "manifest.json")
     assert "files" not in summary["stages"][0]  # the summary leaves the per-file hashes to manifest.json

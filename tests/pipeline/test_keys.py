@@ -48,7 +48,10 @@ def test_declared_section_changes_that_stage_and_everything_downstream(make_reci
     assert after["pack"] != before["pack"]
     engine_only = keys(path, "engine.max_batch_size=8")
     assert {n: engine_only[n] == before[n] for n in before} == {
-        "source": True, "scale": True, "calib": True, "pack": False
+        "source": True,
+        "scale": True,
+        "calib": True,
+        "pack": False,
     }
 
 

@@ -63,8 +63,12 @@ def test_nvidia_smi_csv_rows_are_parsed():
     rows = "NVIDIA H100 80GB HBM3, 550.54.15, 9.0, 81559 MiB\nNVIDIA H100 80GB HBM3, 550.54.15, 9.0, 81559 MiB\n"
     gpus = parse_nvidia_smi(rows)
     assert len(gpus) == 2
-    assert gpus[0] == {"name": "NVIDIA H100 80GB HBM3", "driver": "550.54.15", "compute_capability": "9.0",
-                       "memory_total": "81559 MiB"}
+    assert gpus[0] == {
+        "name": "NVIDIA H100 80GB HBM3",
+        "driver": "550.54.15",
+        "compute_capability": "9.0",
+        "memory_total": "81559 MiB",
+    }
     assert parse_nvidia_smi("") == []
 
 

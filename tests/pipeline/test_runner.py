@@ -62,14 +62,23 @@ def test_manifest_sha256_values_match_the_files(make_recipe):
         on_disk = tree_hashes(result.artifact(stage["name"]))
         on_disk.pop(MARKER)
         assert {rel: meta["sha256"] for rel, meta in stage["files"].items()} == on_disk
-        assert all(meta["size"] == (result.artifact(stage["name"]) / rel).stat().st_size
-                   for rel, meta in stage["files"].items())
+        assert all(
+            meta["size"] == (result.artifact(stage["name"]) / rel).stat().st_size
+            for rel, meta in stage["files"].items()
+        )
     assert verify_manifest(result.manifest_path) == []
     assert manifest["recipe"]["text"] == path.read_text()
     assert manifest["resolved"]["quantization"]["calibration"]["num_samples"] == 4
     assert manifest["versions"]["python"] and manifest["versions"]["trtpipe"] == "0.1.0"
-    assert set(manifest["versions"]) >= {"torch", "transformers", "tensorrt_llm", "tensorrt", "cuda", "driver",
-                                        "gpu_compute_capability"}
+    assert set(manifest["versions"]) >= {
+        "torch",
+        "transformers",
+        "tensorrt_llm",
+        "tensorrt",
+        "cuda",
+        "driver",
+        "gpu_compute_capability",
+    }
 
 
 @pytest.mark.slow
@@ -152,7 +161,12 @@ def test_bad_selection_is_one_line_and_builds_nothing(make_recipe, kwargs, messa
 def test_disabled_stage_is_skipped_and_not_an_input(make_recipe):
     path = make_recipe()
     result = build(path)
-    assert result.stage("calib") == {"name": "calib", "key": None, "status": "skipped", "reason": "disabled by the recipe"}
+    assert result.stage("calib") == {
+        "name": "calib",
+        "key": None,
+        "status": "skipped",
+        "reason": "disabled by the recipe",
+    }
     assert result.stage("pack")["info"] == {"inputs": ["scale"]}
     quantized = build(path, "quantization.algo=fp8")
     assert quantized.manifest["recipe"]["overrides"] == ["quantization.algo=fp8"]
@@ -174,7 +188,10 @@ def test_failed_stage_raises_one_line_error_naming_stage_and_log(make_recipe, mo
     manifest = load_manifest(path.parent / "work" / "manifest.json")
     assert manifest["status"] == "failed" and manifest["error"] == message
     assert {s["name"]: s["status"] for s in manifest["stages"]} == {
-        "source": "cached", "scale": "failed", "calib": "skipped", "pack": "skipped"
+        "source": "cached",
+        "scale": "failed",
+        "calib": "skipped",
+        "pack": "skipped",
     }
     assert list((path.parent / "work" / "artifacts" / "scale").iterdir()) == []  # the temp folder is gone too
     monkeypatch.delenv("TRTPIPE_TEST_FAIL")
@@ -295,7 +312,8 @@ def test_gc_lists_then_deletes_only_what_neither_the_recipe_nor_the_last_build_u
 
     listed = collect_garbage(recipe, STAGES)
     assert sorted(u["artifact"] for u in listed["unused"]) == sorted(
-        str(p.relative_to(path.parent / "work")) for p in old.values())
+        str(p.relative_to(path.parent / "work")) for p in old.values()
+    )
     assert listed["bytes"] == sum(f.stat().st_size for p in old.values() for f in p.rglob("*") if f.is_file())
     assert not listed["deleted"] and all(p.is_dir() for p in old.values()) and stale.is_dir()
 

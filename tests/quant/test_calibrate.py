@@ -100,8 +100,13 @@ def test_quantize_errors_name_the_linear_and_the_fix(stories_ckpts, stories_toke
 
     base = stories_ckpts[1]
     stats = our_stats(base, stories_tokens["calib"][:2], tmp_path / "st", awq_group_size=32)
-    with pytest.raises(QuantizationError, match=r"mlp.proj: in_features 172 is not a multiple of group_size 32 "
-                                                r"\(add '\*mlp.proj' to quantization.exclude"):
+    with pytest.raises(
+        QuantizationError,
+        match=r"mlp.proj: in_features 172 is not a multiple of group_size 32 "
+        r"\(add '\*mlp.proj' to quantization.exclude",
+    ):
         our_quant(base, base, stats, tmp_path / "a", "int4_wo", group_size=32)
-    with pytest.raises(QuantizationError, match="collected for another group size .* re-run calibration for group_size 64"):
+    with pytest.raises(
+        QuantizationError, match="collected for another group size .* re-run calibration for group_size 64"
+    ):
         our_quant(base, base, stats, tmp_path / "b", "int4_awq", group_size=64, exclude=("*lm_head", "*mlp.proj"))

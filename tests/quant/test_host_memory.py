@@ -23,8 +23,7 @@ from trtpipe.app.validation import load_recipe
 
 pytestmark = pytest.mark.slow
 
-SHAPES = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=16, num_key_value_heads=4,
-              vocab_size=16384)
+SHAPES = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=16, num_key_value_heads=4, vocab_size=16384)
 N, T, BATCH = 8, 64, 4
 # measured / estimate: the estimates count live tensors; the measured peaks add allocator slack (glibc keeps
 # freed blocks under its 32 MiB mmap threshold). Seen over several runs: calibrate 1.06-1.12, quantize 1.08-1.33,
@@ -71,8 +70,12 @@ accuracy: {{eval_data: {data}/eval-sample.jsonl, num_samples: {n}, seq_len: {t}}
 
 
 def _peak(stage: str, base, stats, quant) -> int:
-    out = subprocess.run([sys.executable, "-c", WORKER, stage, str(base), str(stats), str(quant)], check=True,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", WORKER, stage, str(base), str(stats), str(quant)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return int(out.stdout.strip().splitlines()[-1])
 
 

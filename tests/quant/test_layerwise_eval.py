@@ -44,12 +44,15 @@ def _assert_same(got, want):
         assert abs(g.ppl_increase_pct - w.ppl_increase_pct) < PCT_ABS, (g, w)
 
 
-@pytest.mark.parametrize("algo, kv, tp, exclude", [
-    ("fp8", "fp8", 2, ("*lm_head",)),
-    ("int8_sq", "none", 1, ("*lm_head",)),
-    ("int4_awq", "none", 1, ("*lm_head", "*mlp.proj")),  # 172 input features have no whole groups of 32
-    ("int8_sq", "int8", 2, ("*lm_head",)),
-])
+@pytest.mark.parametrize(
+    "algo, kv, tp, exclude",
+    [
+        ("fp8", "fp8", 2, ("*lm_head",)),
+        ("int8_sq", "none", 1, ("*lm_head",)),
+        ("int4_awq", "none", 1, ("*lm_head", "*mlp.proj")),  # 172 input features have no whole groups of 32
+        ("int8_sq", "int8", 2, ("*lm_head",)),
+    ],
+)
 def test_layerwise_equals_whole_model(stories_ckpts, stories_tokens, stats, tmp_path, algo, kv, tp, exclude):
     base = stories_ckpts[tp]
     quant = our_quant(base, stories_ckpts[1], stats, tmp_path / algo, algo, kv=kv, group_size=GROUP, exclude=exclude)
@@ -80,10 +83,14 @@ def test_greedy_skip_is_reported_not_invented(tmp_path):
     gib = 1 << 30
     assert whole_model_misfit(int(FIT_FRACTION * 10 * gib), available=10 * gib) is None
     why = whole_model_misfit(280 * gib, available=20 * gib)
-    assert why == ("the whole model in float32 (280.0 GiB) does not fit in host memory "
-                   "(20.0 GiB available; at most 50% of it is used for a whole model)")
-    rows = [accuracy.Metrics("unquantized", 3.0, 0.0, 0.0, 1.0, None),
-            accuracy.Metrics("quantized", 3.1, 3.333, 0.01, 0.95, None)]
+    assert why == (
+        "the whole model in float32 (280.0 GiB) does not fit in host memory "
+        "(20.0 GiB available; at most 50% of it is used for a whole model)"
+    )
+    rows = [
+        accuracy.Metrics("unquantized", 3.0, 0.0, 0.0, 1.0, None),
+        accuracy.Metrics("quantized", 3.1, 3.333, 0.01, 0.95, None),
+    ]
     accuracy.write_report(tmp_path, rows, {"quant_algo": "FP8"}, why)
     report = json.loads((tmp_path / "accuracy.json").read_text())
     assert report["greedy_skipped"] == why and [r["greedy_match_len"] for r in report["rows"]] == [None, None]
@@ -99,6 +106,7 @@ def test_checkpoints_of_different_models_are_refused(stories_ckpts, stories_toke
     from trtpipe.models.synthetic import make_synthetic
 
     other = convert(make_synthetic("llama", tmp_path / "hf", dtype=torch.bfloat16), tmp_path / "ck", dtype="bfloat16")
-    with pytest.raises(QuantizationError,
-                       match=r"/ck/config.json: num_layers 2 differs from 5 in .* \(not a quantization"):
+    with pytest.raises(
+        QuantizationError, match=r"/ck/config.json: num_layers 2 differs from 5 in .* \(not a quantization"
+    ):
         accuracy.teacher_forced(stories_ckpts[1], other, stories_tokens["heldout"][:1])

@@ -19,21 +19,40 @@ F32, BF16, I8, F8 = torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3
 # one [1], out [out], in [in] (model dtype), grp [out, in/g].
 SPEC = {
     "fp8": {"weight": (F8, "w"), "weights_scaling_factor": (F32, "one"), "activation_scaling_factor": (F32, "one")},
-    "int8_sq": {"weight": (I8, "w"), "weights_scaling_factor": (F32, "out"), "prequant_scaling_factor": (BF16, "in"),
-                "activation_scaling_factor": (F32, "one")},
+    "int8_sq": {
+        "weight": (I8, "w"),
+        "weights_scaling_factor": (F32, "out"),
+        "prequant_scaling_factor": (BF16, "in"),
+        "activation_scaling_factor": (F32, "one"),
+    },
     "int8_wo": {"weight": (I8, "w"), "weights_scaling_factor": (F32, "out")},
     "int4_wo": {"weight": (I8, "w4"), "weights_scaling_factor": (F32, "grp"), "prequant_scaling_factor": (BF16, "in")},
     "int4_awq": {"weight": (I8, "w4"), "weights_scaling_factor": (F32, "grp"), "prequant_scaling_factor": (BF16, "in")},
-    "w4a8_awq": {"weight": (I8, "w4"), "weights_scaling_factor": (F32, "grp"), "prequant_scaling_factor": (BF16, "in"),
-                 "activation_scaling_factor": (F32, "one"), "weights_scaling_factor_2": (F32, "one")},
+    "w4a8_awq": {
+        "weight": (I8, "w4"),
+        "weights_scaling_factor": (F32, "grp"),
+        "prequant_scaling_factor": (BF16, "in"),
+        "activation_scaling_factor": (F32, "one"),
+        "weights_scaling_factor_2": (F32, "one"),
+    },
 }
-QUANT_ALGO = {"fp8": "FP8", "int8_sq": "W8A8_SQ_PER_CHANNEL", "int8_wo": "W8A16", "int4_wo": "W4A16_AWQ",
-              "int4_awq": "W4A16_AWQ", "w4a8_awq": "W4A8_AWQ"}
+QUANT_ALGO = {
+    "fp8": "FP8",
+    "int8_sq": "W8A8_SQ_PER_CHANNEL",
+    "int8_wo": "W8A16",
+    "int4_wo": "W4A16_AWQ",
+    "int4_awq": "W4A16_AWQ",
+    "w4a8_awq": "W4A8_AWQ",
+}
 KV = {"fp8": "fp8", "int8_sq": "int8", "w4a8_awq": "fp8"}  # modes also run with a quantized KV cache
 # stories260k per-rank (out, in) at tp: q 64 + k 32 + v 32 rows; intermediate 172; hidden 64
-DIMS = {"attention.qkv": lambda tp: (128 // tp, 64), "attention.dense": lambda tp: (64, 64 // tp),
-        "mlp.fc": lambda tp: (172 // tp, 64), "mlp.gate": lambda tp: (172 // tp, 64),
-        "mlp.proj": lambda tp: (64, 172 // tp)}
+DIMS = {
+    "attention.qkv": lambda tp: (128 // tp, 64),
+    "attention.dense": lambda tp: (64, 64 // tp),
+    "mlp.fc": lambda tp: (172 // tp, 64),
+    "mlp.gate": lambda tp: (172 // tp, 64),
+    "mlp.proj": lambda tp: (64, 172 // tp),
+}
 STYLE = {"attention.qkv": "qkv", "attention.dense": "row", "mlp.fc": "column", "mlp.gate": "column", "mlp.proj": "row"}
 GROUP = 32
 INT4_EXCLUDE = ("*lm_head", "*mlp.proj")  # 172 input features have no whole groups (see quant.rules)
@@ -42,8 +61,14 @@ MAX_REL_ERR = {"fp8": 0.04, "int8_sq": 0.02, "int8_wo": 0.01, "int4_wo": 0.12, "
 
 
 def _shape(kind: str, out: int, inp: int) -> tuple:
-    return {"w": (out, inp), "w4": (out // 2, inp), "one": (1,), "out": (out,), "in": (inp,),
-            "grp": (out, inp // GROUP)}[kind]
+    return {
+        "w": (out, inp),
+        "w4": (out // 2, inp),
+        "one": (1,),
+        "out": (out,),
+        "in": (inp,),
+        "grp": (out, inp // GROUP),
+    }[kind]
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +79,16 @@ def quantized(stories_ckpts, stories_tokens, tmp_path_factory):
     for algo in SPEC:
         int4 = algo in ("int4_wo", "int4_awq", "w4a8_awq")
         for tp in (1, 2):
-            out[algo, tp] = our_quant(stories_ckpts[tp], stories_ckpts[1], stats, root / f"{algo}_tp{tp}", algo,
-                                      kv=KV.get(algo, "none"), group_size=GROUP,
-                                      exclude=INT4_EXCLUDE if int4 else ("*lm_head",))
+            out[algo, tp] = our_quant(
+                stories_ckpts[tp],
+                stories_ckpts[1],
+                stats,
+                root / f"{algo}_tp{tp}",
+                algo,
+                kv=KV.get(algo, "none"),
+                group_size=GROUP,
+                exclude=INT4_EXCLUDE if int4 else ("*lm_head",),
+            )
     return out
 
 
@@ -142,14 +174,17 @@ def test_pipeline_parallel_and_kv_only(stories_ckpts, stories_tokens, quantized,
     r1 = load_file(str(pp / "rank1.safetensors"))
     assert r1["transformer.layers.0.attention.qkv.weight"].dtype == F8  # global layer 3 is rank 1's layer 0
     full = load_file(str(flat / "rank0.safetensors"))
-    assert torch.equal(r1["transformer.layers.0.mlp.fc.weight"].view(torch.uint8),
-                       full["transformer.layers.3.mlp.fc.weight"].view(torch.uint8))
+    assert torch.equal(
+        r1["transformer.layers.0.mlp.fc.weight"].view(torch.uint8),
+        full["transformer.layers.3.mlp.fc.weight"].view(torch.uint8),
+    )
     tokens = stories_tokens["heldout"][:2]
     assert_same_model(load_checkpoint(pp), load_checkpoint(flat), tokens, "fp8 pp=2")
     kv_only = our_quant(stories_ckpts[1], stories_ckpts[1], stats, tmp_path / "kv", "none", kv="int8")
     got, base = load_file(str(kv_only / "rank0.safetensors")), load_file(str(stories_ckpts[1] / "rank0.safetensors"))
-    assert set(got) - set(base) == {f"transformer.layers.{i}.attention.{s}_cache_scaling_factor"
-                                     for i in range(5) for s in ("k", "v", "kv")}
+    assert set(got) - set(base) == {
+        f"transformer.layers.{i}.attention.{s}_cache_scaling_factor" for i in range(5) for s in ("k", "v", "kv")
+    }
     assert all(torch.equal(got[k], base[k]) for k in base)
     import json
 

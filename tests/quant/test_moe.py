@@ -21,8 +21,10 @@ F8, F32 = torch.float8_e4m3fn, torch.float32
 def mixtral(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     hf = make_synthetic("mixtral", root / "hf", seed=2)
-    base = {name: convert(hf, root / name, tp=2, dtype="bfloat16", **kw)
-            for name, kw in {"ep2": dict(moe_ep=2, moe_tp=1), "mtp2": dict(moe_ep=1, moe_tp=2)}.items()}
+    base = {
+        name: convert(hf, root / name, tp=2, dtype="bfloat16", **kw)
+        for name, kw in {"ep2": dict(moe_ep=2, moe_tp=1), "mtp2": dict(moe_ep=1, moe_tp=2)}.items()
+    }
     base["tp1"] = convert(hf, root / "tp1", dtype="bfloat16")
     tokens = torch.randint(3, 250, (8, 32), generator=torch.Generator().manual_seed(4))
     stats = our_stats(base["ep2"], tokens, root / "stats")  # un-split from an expert-parallel checkpoint
@@ -37,7 +39,10 @@ def test_moe_fp8_layout(mixtral, layout):
     p = "transformer.layers.1.mlp."
     e_r, inter_r = (2, 64) if layout == "ep2" else (4, 32)  # 4 experts, intermediate 64, hidden 64
     assert (r[p + "fc.weight"].dtype, tuple(r[p + "fc.weight"].shape)) == (F8, (e_r, 2 * inter_r, 64))
-    assert (r[p + "fc.weights_scaling_factor"].dtype, tuple(r[p + "fc.weights_scaling_factor"].shape)) == (F32, (e_r, 1))
+    assert (r[p + "fc.weights_scaling_factor"].dtype, tuple(r[p + "fc.weights_scaling_factor"].shape)) == (
+        F32,
+        (e_r, 1),
+    )
     assert tuple(r[p + "fc.activation_scaling_factor"].shape) == (1,)
     assert (r[p + "proj.weight"].dtype, tuple(r[p + "proj.weight"].shape)) == (F8, (e_r, 64, inter_r))
     assert r[p + "router.weight"].dtype == F32  # never quantized

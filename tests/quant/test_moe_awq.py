@@ -41,13 +41,14 @@ PROJ = ("gate_proj", "up_proj", "down_proj")
 # quantized linears (qkv, o, gate_up, down in each of 2 layers) whose errors are independent: the logits' relative
 # error is within sqrt(8) x 0.12 = 0.34, and KL(p_ref || p_q) ~ 1/2 Var_p(delta) <= 1/2 E[delta^2] for a logit
 # perturbation delta (second-order expansion).
-MAX_W_ERR, MAX_LOGIT_ERR = 0.12, 8 ** 0.5 * 0.12
+MAX_W_ERR, MAX_LOGIT_ERR = 0.12, 8**0.5 * 0.12
 
 
 def _export(base, hf, stats, out):
     out.mkdir()
-    export_unified(base, hf, stats, out, algo="w4a8_awq", kv_cache="none", group_size=G, alpha=0.5,
-                   exclude=["*lm_head"])
+    export_unified(
+        base, hf, stats, out, algo="w4a8_awq", kv_cache="none", group_size=G, alpha=0.5, exclude=["*lm_head"]
+    )
     return out
 
 
@@ -57,8 +58,15 @@ def case(tmp_path_factory):
     hf, base, tokens = synthetic_moe_case(root)
     stats = our_stats(base, tokens, root / "stats", awq_group_size=G)
     idle_stats = our_stats(base, tokens[:1, :2], root / "idle_stats", awq_group_size=G)  # 2 tokens, top-2 of 8
-    return dict(hf=hf, base=base, root=root, stats=stats, idle_stats=idle_stats,
-                export=_export(base, hf, stats, root / "hf_awq"), idle=_export(base, hf, idle_stats, root / "hf_idle"))
+    return dict(
+        hf=hf,
+        base=base,
+        root=root,
+        stats=stats,
+        idle_stats=idle_stats,
+        export=_export(base, hf, stats, root / "hf_awq"),
+        idle=_export(base, hf, idle_stats, root / "hf_idle"),
+    )
 
 
 def test_unified_layout_as_modelopt_writes_w4a8_awq_experts(case):
@@ -70,11 +78,14 @@ def test_unified_layout_as_modelopt_writes_w4a8_awq_experts(case):
         for e in range(EXPERTS):
             for p, (out_f, in_f) in zip(PROJ, ((WIDTH, HIDDEN), (WIDTH, HIDDEN), (HIDDEN, WIDTH))):
                 m = f"{pre}mlp.experts.{e}.{p}."
-                got = {k[len(m):]: (v.dtype, tuple(v.shape)) for k, v in t.items() if k.startswith(m)}
-                assert got == {"weight": (torch.uint8, (out_f // 2, in_f)),
-                               "weight_scale": (torch.float32, (out_f, in_f // G)),
-                               "weight_scale_2": (torch.float32, ()), "input_scale": (torch.float32, ()),
-                               "pre_quant_scale": (torch.bfloat16, (in_f,))}, m
+                got = {k[len(m) :]: (v.dtype, tuple(v.shape)) for k, v in t.items() if k.startswith(m)}
+                assert got == {
+                    "weight": (torch.uint8, (out_f // 2, in_f)),
+                    "weight_scale": (torch.float32, (out_f, in_f // G)),
+                    "weight_scale_2": (torch.float32, ()),
+                    "input_scale": (torch.float32, ()),
+                    "pre_quant_scale": (torch.bfloat16, (in_f,)),
+                }, m
             # gate and up read one input: one pre-quant scale, and the layer's experts share it (ModelOpt's mean);
             # they are one GEMM: one weight_scale_2 and one input_scale per expert
             e0, me = f"{pre}mlp.experts.0.", f"{pre}mlp.experts.{e}."
@@ -89,8 +100,12 @@ def test_unified_layout_as_modelopt_writes_w4a8_awq_experts(case):
         pqs = t[f"{pre}mlp.experts.0.up_proj.pre_quant_scale"].float()
         assert bool(torch.isfinite(pqs).all()) and bool((pqs > 0).all()) and not bool((pqs == 1).all())
     hq = json.loads((case["export"] / "hf_quant_config.json").read_text())["quantization"]
-    assert (hq["quant_algo"], hq["group_size"], hq["has_zero_point"], hq["pre_quant_scale"]) == \
-        ("W4A8_AWQ", G, False, True)
+    assert (hq["quant_algo"], hq["group_size"], hq["has_zero_point"], hq["pre_quant_scale"]) == (
+        "W4A8_AWQ",
+        G,
+        False,
+        True,
+    )
     assert {f"model.layers.{i}.mlp.gate" for i in range(LAYERS)} <= set(hq["exclude_modules"])
     assert "lm_head" in hq["exclude_modules"]
     inline = json.loads((case["export"] / "config.json").read_text())["quantization_config"]
@@ -133,8 +148,10 @@ def test_codes_and_scales_identical_to_modelopt(case):
             w = _expert_weights(src, 0, e)
             m = {p: f"model.layers.0.mlp.experts.{e}.{p}." for p in PROJ}
             wq = {p: w[p] / t[m[p] + "pre_quant_scale"].float() for p in PROJ}
-            wamax = {"gate_proj": torch.maximum(wq["gate_proj"].abs().amax(), wq["up_proj"].abs().amax()),
-                     "down_proj": wq["down_proj"].abs().amax()}
+            wamax = {
+                "gate_proj": torch.maximum(wq["gate_proj"].abs().amax(), wq["up_proj"].abs().amax()),
+                "down_proj": wq["down_proj"].abs().amax(),
+            }
             wamax["up_proj"] = wamax["gate_proj"]
             for p, group in zip(PROJ, ("mlp.fc+gate", "mlp.fc+gate", "mlp.proj")):
                 theirs = quant_utils.to_quantized_weight(wq[p], t[m[p] + "weight_scale"], "w4a8_awq", None, G)
@@ -191,8 +208,16 @@ def test_accuracy_against_the_unquantized_model(case):
         centred = ref - ref.mean(-1, keepdim=True)
         kl_bound = 0.5 * (MAX_LOGIT_ERR * centred.norm() / centred.numel() ** 0.5).item() ** 2
         nll = [-(lp[:, :-1].gather(-1, ids[:, 1:, None])).mean().item() for lp in (lr, lq)]
-        print(name, dict(rel=rel, kl=kl, kl_bound=kl_bound, ppl_ref=float(torch.tensor(nll[0]).exp()),
-                         ppl_q=float(torch.tensor(nll[1]).exp())))
+        print(
+            name,
+            dict(
+                rel=rel,
+                kl=kl,
+                kl_bound=kl_bound,
+                ppl_ref=float(torch.tensor(nll[0]).exp()),
+                ppl_q=float(torch.tensor(nll[1]).exp()),
+            ),
+        )
         assert 0 < rel < MAX_LOGIT_ERR and 0 < kl < kl_bound, (name, rel, kl, kl_bound)
     deq = load_file(str(quant / "rank0.safetensors"))
     src = load_file(str(case["base"] / "rank0.safetensors"))
@@ -200,7 +225,11 @@ def test_accuracy_against_the_unquantized_model(case):
         n = f"transformer.layers.1.{lin}"
         q = deq[f"{n}.weight"]
         w = torch.stack([unpack_int4_rows(q[e]).float() for e in range(EXPERTS)])  # the full group scales
-        w = w * deq[f"{n}.weights_scaling_factor"].repeat_interleave(G, -1) * deq[f"{n}.prequant_scaling_factor"].float()
+        w = (
+            w
+            * deq[f"{n}.weights_scaling_factor"].repeat_interleave(G, -1)
+            * deq[f"{n}.prequant_scaling_factor"].float()
+        )
         ref_w = src[f"{n}.weight"].float()
         assert ((w - ref_w).norm() / ref_w.norm()).item() < MAX_W_ERR, lin
 
@@ -224,7 +253,8 @@ def test_experts_split_by_moe_ep_and_moe_tp_are_the_same_model(case, layout):
         p + "proj.weights_scaling_factor": (torch.float32, (e_r, HIDDEN, w_r // G)),
         p + "proj.prequant_scaling_factor": (torch.bfloat16, (w_r,)),
         p + "proj.weights_scaling_factor_2": (torch.float32, (e_r, 1)),
-        p + "proj.activation_scaling_factor": (torch.float32, (e_r, 1))}
+        p + "proj.activation_scaling_factor": (torch.float32, (e_r, 1)),
+    }
     ids = torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(4))
     assert_same_model(load_checkpoint(two), load_checkpoint(one), ids, layout)
 
@@ -241,8 +271,13 @@ def test_mixtral_experts_are_w4a8_linears_under_their_own_names(tmp_path):
     for e in range(4):
         for w in ("w1", "w2", "w3"):
             m = f"model.layers.0.block_sparse_moe.experts.{e}.{w}."
-            assert {k[len(m):] for k in t if k.startswith(m)} == \
-                {"weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale"}, m
+            assert {k[len(m) :] for k in t if k.startswith(m)} == {
+                "weight",
+                "weight_scale",
+                "weight_scale_2",
+                "input_scale",
+                "pre_quant_scale",
+            }, m
     ids = torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(5))
     ref = load_checkpoint(base)(ids).double()
     rel = ((load_hf_checkpoint(out)(ids).double() - ref).norm() / ref.norm()).item()

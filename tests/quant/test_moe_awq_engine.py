@@ -54,14 +54,15 @@ def case(tmp_path_factory):
     for name, kw in LAYOUTS.items():
         if name != "tp1":
             bases[name] = convert(hf, root / f"base_{name}", dtype="bfloat16", **kw)
-    quant = {name: our_quant(b, base, stats, root / f"awq_{name}", "int4_awq", group_size=G)
-             for name, b in bases.items()}
+    quant = {
+        name: our_quant(b, base, stats, root / f"awq_{name}", "int4_awq", group_size=G) for name, b in bases.items()
+    }
     return dict(hf=hf, base=base, stats=stats, quant=quant, root=root)
 
 
 def _moe_tensors(path, layer: int) -> dict[str, torch.Tensor]:
     p = f"transformer.layers.{layer}.mlp."
-    return {k[len(p):]: v for k, v in load_file(str(path)).items() if k.startswith(p)}
+    return {k[len(p) :]: v for k, v in load_file(str(path)).items() if k.startswith(p)}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -77,7 +78,8 @@ def test_layout_is_what_trtllm_build_preprocesses_into_the_moe_layer(case, layou
                 "fc.prequant_scaling_factor": (torch.bfloat16, (HIDDEN,)),
                 "proj.weight": (torch.int8, (e_r, HIDDEN // 2, w_r)),
                 "proj.weights_scaling_factor": (torch.float32, (e_r, HIDDEN, w_r // G)),
-                "proj.prequant_scaling_factor": (torch.bfloat16, (w_r,))}, (layout, rank, i)
+                "proj.prequant_scaling_factor": (torch.bfloat16, (w_r,)),
+            }, (layout, rank, i)
             # preprocess_perlayer_weights (W4A16_AWQ) on these, shape for shape, gives MOEWeightWrapper's parameters:
             # int8 weight -> transpose(-1, -2) -> preprocess_weights_for_mixed_gemm (same shape) -> view(bf16), half
             # the last dim; scales transpose(-1, -2); a pre-quant scale reshape(1, -1) (its row 0 when 2-D)
@@ -88,11 +90,20 @@ def test_layout_is_what_trtllm_build_preprocesses_into_the_moe_layer(case, layou
                 assert tuple(t[f"{lin}.prequant_scaling_factor"].reshape(1, -1).shape) == (1, in_f)
     cfg = json.loads((case["quant"][layout] / "config.json").read_text())
     q = cfg["quantization"]
-    assert (q["quant_algo"], q["group_size"], q["has_zero_point"], q["pre_quant_scale"]) == ("W4A16_AWQ", G, False, True)
+    assert (q["quant_algo"], q["group_size"], q["has_zero_point"], q["pre_quant_scale"]) == (
+        "W4A16_AWQ",
+        G,
+        False,
+        True,
+    )
     assert {"*lm_head", "*router"} <= set(q["exclude_modules"])
     # TensorRT-LLM re-creates a MoE layer whose name an exclude pattern matches as float: none may
-    assert not any(fnmatch.fnmatchcase(f"transformer.layers.{i}.{n}", p) for p in q["exclude_modules"]
-                   for i in range(LAYERS) for n in ("mlp", "mlp.fc", "mlp.proj"))
+    assert not any(
+        fnmatch.fnmatchcase(f"transformer.layers.{i}.{n}", p)
+        for p in q["exclude_modules"]
+        for i in range(LAYERS)
+        for n in ("mlp", "mlp.fc", "mlp.proj")
+    )
 
 
 def _float_experts(base, layer: int) -> dict[str, torch.Tensor]:
@@ -135,7 +146,9 @@ def test_codes_and_scales_are_consistent_and_the_pre_quant_scale_is_the_calibrat
                 assert torch.equal(got["fc.prequant_scaling_factor"], full["fc.prequant_scaling_factor"])
                 assert torch.equal(got["proj.weight"], full["proj.weight"][ex, :, rows])
                 g_rows = slice(mtp * w_r // G, (mtp + 1) * w_r // G)
-                assert torch.equal(got["proj.weights_scaling_factor"], full["proj.weights_scaling_factor"][ex, :, g_rows])
+                assert torch.equal(
+                    got["proj.weights_scaling_factor"], full["proj.weights_scaling_factor"][ex, :, g_rows]
+                )
                 assert torch.equal(got["proj.prequant_scaling_factor"], full["proj.prequant_scaling_factor"][rows])
 
 
@@ -176,7 +189,7 @@ def _fake_quant_hf(hf_dir, quant_dir):
                 p.copy_(p.to(torch.bfloat16).float())
         for i, layer in enumerate(hf.model.layers):
             pre = f"transformer.layers.{i}."
-            t = {k[len(pre):]: v for k, v in src.items() if k.startswith(pre)}
+            t = {k[len(pre) :]: v for k, v in src.items() if k.startswith(pre)}
             qkv = _dequantized(t, "attention.qkv")
             for proj, w in zip(("q_proj", "k_proj", "v_proj"), qkv.split([q, kv, kv])):
                 getattr(layer.self_attn, proj).weight.copy_(w)
@@ -214,14 +227,19 @@ def test_mixtral_experts_the_same_way(tmp_path):
     tokens = torch.randint(3, 250, (8, 32), generator=torch.Generator().manual_seed(9))
     stats = our_stats(base, tokens, tmp_path / "stats", awq_group_size=G)
     ep2 = convert(hf, tmp_path / "base_ep2", tp=2, moe_ep=2, moe_tp=1, dtype="bfloat16")
-    quant = {name: our_quant(b, base, stats, tmp_path / f"awq_{name}", "int4_awq", group_size=G)
-             for name, b in (("tp1", base), ("ep2", ep2))}
+    quant = {
+        name: our_quant(b, base, stats, tmp_path / f"awq_{name}", "int4_awq", group_size=G)
+        for name, b in (("tp1", base), ("ep2", ep2))
+    }
     t = _moe_tensors(quant["ep2"] / "rank1.safetensors", 0)
     assert {k: (v.dtype, tuple(v.shape)) for k, v in t.items() if not k.startswith("router")} == {
-        "fc.weight": (torch.int8, (2, 64, 64)), "fc.weights_scaling_factor": (torch.float32, (2, 128, 64 // G)),
-        "fc.prequant_scaling_factor": (torch.bfloat16, (64,)), "proj.weight": (torch.int8, (2, 32, 64)),
+        "fc.weight": (torch.int8, (2, 64, 64)),
+        "fc.weights_scaling_factor": (torch.float32, (2, 128, 64 // G)),
+        "fc.prequant_scaling_factor": (torch.bfloat16, (64,)),
+        "proj.weight": (torch.int8, (2, 32, 64)),
         "proj.weights_scaling_factor": (torch.float32, (2, 64, 64 // G)),
-        "proj.prequant_scaling_factor": (torch.bfloat16, (64,))}
+        "proj.prequant_scaling_factor": (torch.bfloat16, (64,)),
+    }
     ids = torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(5))
     _assert_twin_is_the_fake_quant_model(hf, base, quant, ids)
 
@@ -244,7 +262,9 @@ def test_a_stacked_pre_quant_scale_is_read_as_the_builder_reads_it(case, tmp_pat
         assert torch.equal(load_checkpoint(out)(ids), load_checkpoint(src)(ids))
 
 
-SMALL = Path(__file__).resolve().parents[2] / "recipes" / "qwen3-30b-a3b-fp8.yaml"  # Qwen3-30B-A3B's published config: hidden 2048, expert width 768
+SMALL = (
+    Path(__file__).resolve().parents[2] / "recipes" / "qwen3-30b-a3b-fp8.yaml"
+)  # Qwen3-30B-A3B's published config: hidden 2048, expert width 768
 ENGINE = ("--set", "target=engine", "--set", "engine.kv_cache.enable_reuse=false")
 
 
@@ -260,26 +280,37 @@ def test_validate_takes_int4_awq_experts_on_the_engine_and_names_a_misaligned_li
     # moe_tp 8: down_proj's K is 768 / 8 = 96 per rank, not whole groups of 128
     result = _validate("quantization.algo=int4_awq", "parallel.tp=8")
     assert result.exit_code == 2
-    assert "quantization.group_size: int4_awq at tp=8: mlp.proj in_features 96 per rank is not a multiple of " \
-           "group_size 128; fix: a moe_tp that leaves mlp.proj whole groups and even rows per rank (more " \
-           "parallel.moe_ep), or fp8" in result.stderr, result.stderr  # 32 would split 96, but the GEMM runs 64 / 128
-    assert "group-wise INT4 GEMM runs group_size 64 or 128 only" in \
-        _validate("quantization.algo=int4_awq", "quantization.group_size=32").stderr
-    assert _validate("quantization.algo=int4_awq", "parallel.tp=8", "parallel.moe_ep=8",
-                     "parallel.moe_tp=1").exit_code == 0  # whole experts per rank
+    assert (
+        "quantization.group_size: int4_awq at tp=8: mlp.proj in_features 96 per rank is not a multiple of "
+        "group_size 128; fix: a moe_tp that leaves mlp.proj whole groups and even rows per rank (more "
+        "parallel.moe_ep), or fp8" in result.stderr
+    ), result.stderr  # 32 would split 96, but the GEMM runs 64 / 128
+    assert (
+        "group-wise INT4 GEMM runs group_size 64 or 128 only"
+        in _validate("quantization.algo=int4_awq", "quantization.group_size=32").stderr
+    )
+    assert (
+        _validate("quantization.algo=int4_awq", "parallel.tp=8", "parallel.moe_ep=8", "parallel.moe_tp=1").exit_code
+        == 0
+    )  # whole experts per rank
 
 
 def test_validate_keeps_refusing_w4a8_experts_and_excludes_that_split_a_moe_layer():
     result = _validate("quantization.algo=w4a8_awq")
     assert result.exit_code == 2
-    assert "quantization.algo: w4a8_awq for mixture-of-experts models is written only for target: llmapi " \
-           "(TensorRT-LLM 1.2's MoE layer takes W4A8 experts' group scales interleaved with a per-expert alpha" \
-           in result.stderr and "set target: llmapi, or use int4_awq or fp8" in result.stderr, result.stderr
+    assert (
+        "quantization.algo: w4a8_awq for mixture-of-experts models is written only for target: llmapi "
+        "(TensorRT-LLM 1.2's MoE layer takes W4A8 experts' group scales interleaved with a per-expert alpha"
+        in result.stderr
+        and "set target: llmapi, or use int4_awq or fp8" in result.stderr
+    ), result.stderr
     result = _validate("quantization.algo=int4_awq", 'quantization.exclude=["*lm_head", "*mlp.proj"]')
     assert result.exit_code == 2
-    assert "quantization.exclude: the patterns exclude transformer.layers.0.mlp.proj ('*mlp.proj') but not " \
-           "transformer.layers.0.mlp, transformer.layers.0.mlp.fc: TensorRT-LLM quantizes a mixture-of-experts " \
-           "layer as one module" in result.stderr, result.stderr
+    assert (
+        "quantization.exclude: the patterns exclude transformer.layers.0.mlp.proj ('*mlp.proj') but not "
+        "transformer.layers.0.mlp, transformer.layers.0.mlp.fc: TensorRT-LLM quantizes a mixture-of-experts "
+        "layer as one module" in result.stderr
+    ), result.stderr
     # the whole MoE layer (module and both expert linears) unquantized: what the builder and the writer both do
     assert _validate("quantization.algo=int4_awq", 'quantization.exclude=["*lm_head", "*mlp*"]').exit_code == 0
 
@@ -287,14 +318,24 @@ def test_validate_keeps_refusing_w4a8_experts_and_excludes_that_split_a_moe_laye
 def test_an_excluded_moe_layer_is_written_unquantized_whole(case):
     """``*mlp*`` (the MoE module and both expert linears, which validate accepts): the experts stay bf16, the
     pattern is in exclude_modules (so TensorRT-LLM rebuilds the MoE layer unquantized), attention stays int4."""
-    out = our_quant(case["base"], case["base"], case["stats"], case["root"] / "awq_experts_excluded", "int4_awq",
-                    group_size=G, exclude=("*lm_head", "*mlp*"))
+    out = our_quant(
+        case["base"],
+        case["base"],
+        case["stats"],
+        case["root"] / "awq_experts_excluded",
+        "int4_awq",
+        group_size=G,
+        exclude=("*lm_head", "*mlp*"),
+    )
     t = load_file(str(out / "rank0.safetensors"))
     src = load_file(str(case["base"] / "rank0.safetensors"))
     for i in range(LAYERS):
         p = f"transformer.layers.{i}."
-        assert {k for k in t if k.startswith(p + "mlp.")} == {p + "mlp.router.weight", p + "mlp.fc.weight",
-                                                              p + "mlp.proj.weight"}
+        assert {k for k in t if k.startswith(p + "mlp.")} == {
+            p + "mlp.router.weight",
+            p + "mlp.fc.weight",
+            p + "mlp.proj.weight",
+        }
         for lin in ("fc", "proj"):
             assert torch.equal(t[f"{p}mlp.{lin}.weight"], src[f"{p}mlp.{lin}.weight"])
         assert t[p + "attention.qkv.weight"].dtype == torch.int8

@@ -45,8 +45,17 @@ def case(request, tmp_path_factory, stories_dir, modelopt):
     if name == "stories":
         hf = stories_dir
     else:
-        hf = make_synthetic("llama", root / "hf", seed=3, hidden_size=256, intermediate_size=512,
-                            num_attention_heads=4, num_key_value_heads=2, vocab_size=512, num_hidden_layers=2)
+        hf = make_synthetic(
+            "llama",
+            root / "hf",
+            seed=3,
+            hidden_size=256,
+            intermediate_size=512,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+            num_hidden_layers=2,
+        )
     base = convert(hf, root / "base", tp=1, dtype="bfloat16")
     g = torch.Generator().manual_seed(11)
     if name == "stories":  # text the model writes is closer to real data than random ids
@@ -59,11 +68,25 @@ def case(request, tmp_path_factory, stories_dir, modelopt):
     ours, theirs = {}, {}
     for algo in ALGOS:
         int4 = algo in ("int4_awq", "w4a8_awq")
-        ours[algo] = our_quant(base, base, stats_awq if int4 else stats, root / f"ours_{algo}", algo,
-                               group_size=group, exclude=("*lm_head", *int4_excl) if int4 else ("*lm_head",))
+        ours[algo] = our_quant(
+            base,
+            base,
+            stats_awq if int4 else stats,
+            root / f"ours_{algo}",
+            algo,
+            group_size=group,
+            exclude=("*lm_head", *int4_excl) if int4 else ("*lm_head",),
+        )
         hf_disable = tuple(p.replace("mlp.proj", "down_proj") + "*" for p in int4_excl) if int4 else ()
-        theirs[algo] = modelopt_quant(*modelopt, hf, calib, algo, root / f"modelopt_{algo}",
-                                      block_size=group if int4 else None, disable=hf_disable)
+        theirs[algo] = modelopt_quant(
+            *modelopt,
+            hf,
+            calib,
+            algo,
+            root / f"modelopt_{algo}",
+            block_size=group if int4 else None,
+            disable=hf_disable,
+        )
     ref_logits = load_checkpoint(base)(heldout)
     return dict(name=name, hf=hf, base=base, ours=ours, theirs=theirs, heldout=heldout, ref=ref_logits, group=group)
 

@@ -19,12 +19,22 @@ from prequantized import names, prequantized
 pytestmark = pytest.mark.slow
 
 # fixture format -> (ModelOpt quant_algo, kv_cache_quant_algo)
-MODELOPT_ALGO = {"fp8": ("FP8", None), "fp8_pcpt": ("FP8_PER_CHANNEL_PER_TOKEN", None), "fp8_kv": ("FP8", "FP8"),
-                 "w4a16_awq": ("W4A16_AWQ", None), "w4a8_awq": ("W4A8_AWQ", None), "nvfp4": ("NVFP4", None)}
+MODELOPT_ALGO = {
+    "fp8": ("FP8", None),
+    "fp8_pcpt": ("FP8_PER_CHANNEL_PER_TOKEN", None),
+    "fp8_kv": ("FP8", "FP8"),
+    "w4a16_awq": ("W4A16_AWQ", None),
+    "w4a8_awq": ("W4A8_AWQ", None),
+    "nvfp4": ("NVFP4", None),
+}
 # ModelOpt quant_algo -> per-module tensors besides the weight (AWQ's pre_quant_scale: checked separately)
-MODELOPT_TENSORS = {"FP8": {"weight_scale", "input_scale"}, "FP8_PER_CHANNEL_PER_TOKEN": {"weight_scale"},
-                    "W4A16_AWQ": {"weight_scale"}, "W4A8_AWQ": {"weight_scale", "weight_scale_2", "input_scale"},
-                    "NVFP4": {"weight_scale", "weight_scale_2", "input_scale"}}
+MODELOPT_TENSORS = {
+    "FP8": {"weight_scale", "input_scale"},
+    "FP8_PER_CHANNEL_PER_TOKEN": {"weight_scale"},
+    "W4A16_AWQ": {"weight_scale"},
+    "W4A8_AWQ": {"weight_scale", "weight_scale_2", "input_scale"},
+    "NVFP4": {"weight_scale", "weight_scale_2", "input_scale"},
+}
 # compressed-tensors format -> the dtype of ``weight`` (None: packed into weight_packed)
 CT_WEIGHT_DTYPE = {"float-quantized": torch.float8_e4m3fn, "int-quantized": torch.int8, "pack-quantized": None}
 # relative Frobenius error of the oracle against the unquantized weight that each format's rounding stays under
@@ -43,15 +53,21 @@ def _checkpoint(d: Path) -> dict[str, torch.Tensor]:
 
 
 def _base_dir(d: Path, info: dict) -> Path:
-    return (Path(__file__).resolve().parents[2] / info["base"]) if info["base"].startswith("models/") \
+    return (
+        (Path(__file__).resolve().parents[2] / info["base"])
+        if info["base"].startswith("models/")
         else d.parent / info["base"]
+    )
 
 
 def _linears(base: Path) -> dict[str, tuple[int, ...]]:
     """HF Linear module -> weight shape, from the unquantized base checkpoint (2-D weights but embeddings)."""
     t = _checkpoint(base)
-    return {k[: -len(".weight")]: tuple(v.shape) for k, v in t.items()
-            if k.endswith(".weight") and v.dim() == 2 and "embed_tokens" not in k}
+    return {
+        k[: -len(".weight")]: tuple(v.shape)
+        for k, v in t.items()
+        if k.endswith(".weight") and v.dim() == 2 and "embed_tokens" not in k
+    }
 
 
 def _quantized_modules(t: dict[str, torch.Tensor]) -> set[str]:
@@ -64,8 +80,13 @@ def _excluded(info: dict, d: Path, module: str) -> bool:
         return any(fnmatch(module, p) for p in pats)
     qc = json.loads((d / "config.json").read_text())["quantization_config"]
     for entry in qc.get("ignore") or qc.get("modules_to_not_convert") or []:
-        if entry.startswith("re:") and re.match(entry[3:], module) or entry == module or \
-                module.endswith("." + entry) or module == entry:
+        if (
+            entry.startswith("re:")
+            and re.match(entry[3:], module)
+            or entry == module
+            or module.endswith("." + entry)
+            or module == entry
+        ):
             return True
     return False
 
@@ -96,8 +117,9 @@ def test_config_names_the_tensors_present(fixture):
     quantized = _quantized_modules(t)
     assert quantized, name
     for m in base:
-        assert (m in quantized) != _excluded(info, d, m), f"{name}: {m} quantized={m in quantized} but excluded=" \
-                                                          f"{_excluded(info, d, m)}"
+        assert (m in quantized) != _excluded(info, d, m), (
+            f"{name}: {m} quantized={m in quantized} but excluded={_excluded(info, d, m)}"
+        )
         if m not in quantized:
             assert t[f"{m}.weight"].dtype in (torch.bfloat16, torch.float16, torch.float32), f"{name}: {m}"
     if info["producer"] == "modelopt":
@@ -106,7 +128,7 @@ def test_config_names_the_tensors_present(fixture):
         algo, kv = MODELOPT_ALGO[info["format"]]
         assert (hq["quantization"]["quant_algo"], hq["quantization"]["kv_cache_quant_algo"]) == (algo, kv), name
         for m in quantized:
-            have = {k[len(m) + 1:] for k in t if k.startswith(m + ".")}
+            have = {k[len(m) + 1 :] for k in t if k.startswith(m + ".")}
             assert MODELOPT_TENSORS[algo] | {"weight"} <= have, f"{name}: {m} has {sorted(have)}"
             if algo.endswith("AWQ") and m.endswith(("o_proj", "down_proj")):
                 assert "pre_quant_scale" in have, f"{name}: {m}"
@@ -142,8 +164,11 @@ def test_config_names_the_tensors_present(fixture):
         g = qc["group_size"]
         for m in quantized:
             out_f, in_f = base[m]
-            shapes = {"qweight": (in_f, out_f // 8) if awq else (in_f // 8, out_f), "qzeros": (in_f // g, out_f // 8),
-                      "scales": (in_f // g, out_f)}
+            shapes = {
+                "qweight": (in_f, out_f // 8) if awq else (in_f // 8, out_f),
+                "qzeros": (in_f // g, out_f // 8),
+                "scales": (in_f // g, out_f),
+            }
             if not awq:
                 shapes["g_idx"] = (in_f,)
             for k, shape in shapes.items():

@@ -7,7 +7,13 @@ import torch
 
 from numerics import U32
 from trtpipe.formats.primitives import (
-    choose_qparams, dequantize, fake_quant, observe_amax, pack_int4_rows, quantize, unpack_int4_rows,
+    choose_qparams,
+    dequantize,
+    fake_quant,
+    observe_amax,
+    pack_int4_rows,
+    quantize,
+    unpack_int4_rows,
 )
 
 
@@ -69,7 +75,8 @@ def test_nvfp4_quantize_is_the_inverse_of_dequantize():
 
     g = torch.Generator().manual_seed(0)
     values = E2M1_VALUES[torch.randint(0, 8, (8, 64), generator=g)] * torch.where(
-        torch.rand(8, 64, generator=g) < 0.5, -1.0, 1.0)
+        torch.rand(8, 64, generator=g) < 0.5, -1.0, 1.0
+    )
     values[:, ::16] = 6.0  # every block reaches the top code, so its scale is recovered exactly
     scales = 2.0 ** torch.randint(-4, 3, (8, 4), generator=g).float()
     w = values * scales.repeat_interleave(16, dim=1)

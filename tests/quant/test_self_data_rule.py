@@ -31,9 +31,11 @@ def _host_is_smaller_than_70b():
 
 
 def _line(key: str) -> str:
-    return (rf".*recipe\.yaml:\d+:\d+: {re.escape(key)}: 'self' samples text from the whole model, and the whole "
-            rf"model in float32 \({SIZE}\) does not fit in host memory \([\d.]+ GiB available; at most 50% of it is "
-            rf"used for a whole model\); name a \.txt, \.jsonl or \.json dataset instead")
+    return (
+        rf".*recipe\.yaml:\d+:\d+: {re.escape(key)}: 'self' samples text from the whole model, and the whole "
+        rf"model in float32 \({SIZE}\) does not fit in host memory \([\d.]+ GiB available; at most 50% of it is "
+        rf"used for a whole model\); name a \.txt, \.jsonl or \.json dataset instead"
+    )
 
 
 def test_self_data_refused_for_a_model_that_does_not_fit(tmp_path):
@@ -51,9 +53,13 @@ def test_only_the_stages_that_run_are_checked(tmp_path):
     assert code == 2 and len(err) == 1 and re.fullmatch(_line("accuracy.eval_data"), err[0]), err
     code, err = _validate(tmp_path, L70B, "quantization:\n  algo: int8_wo\naccuracy:\n  enabled: false\n")
     assert (code, err) == (0, [])
-    code, err = _validate(tmp_path, L70B, f"quantization:\n  algo: fp8\n  calibration:\n    dataset: "
-                                          f"{data}/calibration-sample.jsonl\n"
-                                          f"accuracy:\n  eval_data: {data}/eval-sample.jsonl\n")
+    code, err = _validate(
+        tmp_path,
+        L70B,
+        f"quantization:\n  algo: fp8\n  calibration:\n    dataset: "
+        f"{data}/calibration-sample.jsonl\n"
+        f"accuracy:\n  eval_data: {data}/eval-sample.jsonl\n",
+    )
     assert (code, err) == (0, [])
     code, err = _validate(tmp_path, L70B, "")  # unquantized: neither stage runs
     assert (code, err) == (0, [])
@@ -61,7 +67,8 @@ def test_only_the_stages_that_run_are_checked(tmp_path):
 
 def test_self_data_allowed_for_a_model_that_fits(tmp_path, stories_dir):
     path = tmp_path / "recipe.yaml"
-    path.write_text(f"name: t\nwork_dir: w\nmodel:\n  source: {stories_dir}\n"
-                    "quantization:\n  algo: fp8\n  kv_cache: fp8\n")
+    path.write_text(
+        f"name: t\nwork_dir: w\nmodel:\n  source: {stories_dir}\nquantization:\n  algo: fp8\n  kv_cache: fp8\n"
+    )
     r = CliRunner().invoke(main, ["validate", str(path)])
     assert r.exit_code == 0, r.stderr

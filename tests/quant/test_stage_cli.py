@@ -73,15 +73,24 @@ def test_statistics_are_reused_across_algorithms(recipe):
     cfg = json.loads((ckpt / "config.json").read_text())
     assert cfg["quantization"]["quant_algo"] == "W8A8_SQ_PER_CHANNEL" and cfg["mapping"]["tp_size"] == 2
     assert (ckpt / "tokenizer.json").is_file() and (ckpt / "rank1.safetensors").is_file()
-    code, out, _ = cli("calibrate", recipe, "--set", "quantization.algo=int4_awq", "--set", "quantization.group_size=64",
-                       "--set", 'quantization.exclude=["*lm_head","*mlp.proj","*attention.dense"]')
+    code, out, _ = cli(
+        "calibrate",
+        recipe,
+        "--set",
+        "quantization.algo=int4_awq",
+        "--set",
+        "quantization.group_size=64",
+        "--set",
+        'quantization.exclude=["*lm_head","*mlp.proj","*attention.dense"]',
+    )
     assert code == 0 and out.strip().splitlines()[-1] != fp8  # AWQ needs its own search
 
 
 @needs("tritonclient")
 def test_gate_fails_with_the_numbers(recipe):
-    code, out, err = cli("eval", recipe, "--set", "accuracy.max_kl_divergence=0.0",
-                         "--set", "accuracy.min_top1_agreement=1.0")
+    code, out, err = cli(
+        "eval", recipe, "--set", "accuracy.max_kl_divergence=0.0", "--set", "accuracy.min_top1_agreement=1.0"
+    )
     assert code != 0
     msg = out + err
     assert "accuracy gate failed for quantized, KV FP8" in msg
@@ -94,12 +103,32 @@ def test_layout_rules_up_front(recipe):
     assert "mlp.proj in_features 86 per rank is not a multiple of group_size 128" in err
     # the fix names only group sizes the engine's INT4 GEMM runs (64 / 128): at tp 2 a rank's attention.dense has 32
     assert "fix: group_size 64 and add '*attention.dense', '*mlp.proj' to quantization.exclude" in err
-    code, _, err = cli("validate", recipe, "--set", "quantization.algo=int4_awq", "--set", "quantization.group_size=64",
-                       "--set", 'quantization.exclude=["*lm_head","*mlp.proj","*attention.dense"]')
+    code, _, err = cli(
+        "validate",
+        recipe,
+        "--set",
+        "quantization.algo=int4_awq",
+        "--set",
+        "quantization.group_size=64",
+        "--set",
+        'quantization.exclude=["*lm_head","*mlp.proj","*attention.dense"]',
+    )
     assert code == 0, err
-    code, _, err = cli("validate", recipe, "--set", "quantization.algo=int4_awq", "--set", "quantization.group_size=32",
-                       "--set", 'quantization.exclude=["*lm_head","*mlp.proj"]')
-    assert code == 2 and "quantization.group_size: W4A16_AWQ with group_size 32: TensorRT-LLM's group-wise INT4 " \
-        "GEMM runs group_size 64 or 128 only" in err, err
+    code, _, err = cli(
+        "validate",
+        recipe,
+        "--set",
+        "quantization.algo=int4_awq",
+        "--set",
+        "quantization.group_size=32",
+        "--set",
+        'quantization.exclude=["*lm_head","*mlp.proj"]',
+    )
+    assert (
+        code == 2
+        and "quantization.group_size: W4A16_AWQ with group_size 32: TensorRT-LLM's group-wise INT4 "
+        "GEMM runs group_size 64 or 128 only"
+        in err
+    ), err
     code, _, err = cli("validate", recipe, "--set", "quantization.exclude=[]")
     assert code == 2 and "keep '*lm_head' in the list" in err

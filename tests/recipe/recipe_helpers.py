@@ -16,9 +16,17 @@ MIXTRAL = RECIPES / "configs" / "mixtral-8x7b"
 def llama_config(**overrides) -> dict:
     """A Llama config.json with stories260k's shapes, changed where a test needs another head layout."""
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 172,
-        "num_attention_heads": 8, "num_key_value_heads": 4, "num_hidden_layers": 5, "vocab_size": 512,
-        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 172,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 5,
+        "vocab_size": 512,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
     }
     cfg.update(overrides)
     return cfg

@@ -24,11 +24,26 @@ CONFIG = RECIPES / "configs" / "gemma-3-27b-it"
 
 def test_published_config_reads_through_text_config_with_the_defaults():
     info = read_hf_config(CONFIG)
-    assert (info.architecture, info.model_type, info.weight_prefix) == ("Gemma3ForConditionalGeneration", "gemma3_text", "language_model.")
-    assert (info.num_layers, info.hidden_size, info.num_heads, info.num_kv_heads, info.head_dim) == (62, 5376, 32, 16, 128)
+    assert (info.architecture, info.model_type, info.weight_prefix) == (
+        "Gemma3ForConditionalGeneration",
+        "gemma3_text",
+        "language_model.",
+    )
+    assert (info.num_layers, info.hidden_size, info.num_heads, info.num_kv_heads, info.head_dim) == (
+        62,
+        5376,
+        32,
+        16,
+        128,
+    )
     assert info.raw["query_pre_attn_scalar"] == 168 and info.sliding_window == 1024
     # omitted by the published text_config: Gemma3TextConfig's defaults
-    assert (info.vocab_size, info.max_position_embeddings, info.rms_norm_eps, info.tie_word_embeddings) == (262208, 131072, 1e-6, True)
+    assert (info.vocab_size, info.max_position_embeddings, info.rms_norm_eps, info.tie_word_embeddings) == (
+        262208,
+        131072,
+        1e-6,
+        True,
+    )
     assert (info.rope_theta, info.rope_local_theta, info.hidden_act) == (1e6, 1e4, "gelu_pytorch_tanh")
     assert info.rope_scaling == {"factor": 8.0, "rope_type": "linear"}  # global layers only
     assert [i for i, t in enumerate(info.layer_types) if t == "full_attention"] == list(range(5, 62, 6))

@@ -18,9 +18,19 @@ H, HEADS, KV, D, I, V = 2880, 64, 8, 64, 2880, 201088  # both sizes share these 
 @pytest.mark.parametrize("name, layers, experts", [("gpt-oss-120b", 36, 128), ("gpt-oss-20b", 24, 32)])
 def test_published_config(name, layers, experts):
     info = read_hf_config(RECIPES / "configs" / name)
-    assert (info.architecture, info.num_layers, info.num_experts, info.experts_per_token) == \
-        ("GptOssForCausalLM", layers, experts, 4)
-    assert (info.hidden_size, info.num_heads, info.num_kv_heads, info.head_dim, info.intermediate_size) == (H, HEADS, KV, D, I)
+    assert (info.architecture, info.num_layers, info.num_experts, info.experts_per_token) == (
+        "GptOssForCausalLM",
+        layers,
+        experts,
+        4,
+    )
+    assert (info.hidden_size, info.num_heads, info.num_kv_heads, info.head_dim, info.intermediate_size) == (
+        H,
+        HEADS,
+        KV,
+        D,
+        I,
+    )
     assert info.layer_types == ("sliding_attention", "full_attention") * (layers // 2) and info.sliding_window == 128
     assert info.rope_theta == 150000 and info.rope_scaling["rope_type"] == "yarn" and info.rope_scaling["factor"] == 32
     assert info.raw["quantization_config"]["quant_method"] == "mxfp4"
@@ -38,7 +48,9 @@ def _per_gpu_weight_bytes(layers: int, experts: int, tp: int, ep: int) -> int:
     return layers * (attn + expert_w + router + biases + norms) + embed + head
 
 
-@pytest.mark.parametrize("name, layers, experts, tp, ep", [("gpt-oss-120b", 36, 128, 4, 4), ("gpt-oss-20b", 24, 32, 1, 1)])
+@pytest.mark.parametrize(
+    "name, layers, experts, tp, ep", [("gpt-oss-120b", 36, 128, 4, 4), ("gpt-oss-20b", 24, 32, 1, 1)]
+)
 def test_validate_and_plan(name, layers, experts, tp, ep):
     recipe = RECIPES / f"{name}-mxfp4.yaml"
     assert run_cli("validate", str(recipe)).exit_code == 0
@@ -53,8 +65,10 @@ def test_validate_and_plan(name, layers, experts, tp, ep):
     assert f"weights {gib:.2f} GiB (from config.json)" in out.stdout, out.stdout
     # the experts line sizes them as shipped too (MXFP4, 17/32 byte a weight; it once said bf16, above the total)
     per_layer = 3 * H * I * (experts // ep) * 17 // 32
-    assert f"{per_layer / 2**30:.2f} GiB per layer, {layers * per_layer / 2**30:.2f} GiB per GPU of the weights " \
-        "above" in out.stdout, out.stdout
+    assert (
+        f"{per_layer / 2**30:.2f} GiB per layer, {layers * per_layer / 2**30:.2f} GiB per GPU of the weights "
+        "above" in out.stdout
+    ), out.stdout
 
 
 def test_the_engine_target_is_refused_naming_llmapi(tmp_path):
@@ -69,7 +83,13 @@ def test_the_engine_target_is_refused_naming_llmapi(tmp_path):
 def test_fp8_quantizes_the_rest_of_an_mxfp4_source_without_a_double_quantization_refusal():
     """The experts stay as shipped (MXFP4), so ``quantization.algo: fp8`` (FP8 attention) quantizes nothing twice;
     a fully pre-quantized source is still refused (tests/quant/imported/test_recipes.py)."""
-    r = run_cli("validate", str(RECIPES / "gpt-oss-20b-mxfp4.yaml"), "--set", "quantization.algo=fp8",
-                "--set", "quantization.kv_cache=fp8")
+    r = run_cli(
+        "validate",
+        str(RECIPES / "gpt-oss-20b-mxfp4.yaml"),
+        "--set",
+        "quantization.algo=fp8",
+        "--set",
+        "quantization.kv_cache=fp8",
+    )
     assert "already quantized" not in r.output, r.output
     assert "quantization.algo" not in r.output.replace("calibration", ""), r.output

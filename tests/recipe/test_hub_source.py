@@ -24,8 +24,13 @@ def _validate(tmp_path, source: str) -> subprocess.CompletedProcess:
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"name: t\nmodel:\n  source: {source}\nparallel:\n  tp: 2\n")
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "trtpipe.cli", "validate", str(recipe)],
-                          capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "trtpipe.cli", "validate", str(recipe)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
 def test_cached_hub_model_validates_offline(tmp_path):
@@ -39,4 +44,5 @@ def test_uncached_hub_model_is_one_line_error(tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(
-        f"{tmp_path / 'r.yaml'}:3:11: model.source: cannot fetch config.json of hf://tiny-org/not-downloaded: ")
+        f"{tmp_path / 'r.yaml'}:3:11: model.source: cannot fetch config.json of hf://tiny-org/not-downloaded: "
+    )

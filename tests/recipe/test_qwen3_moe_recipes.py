@@ -60,20 +60,36 @@ def test_235b_numbers_as_plan_prints_them():
 
 
 def test_published_configs_read_as_qwen3_moe():
-    for name, layers, hidden, heads, width in (("qwen3-235b-a22b", 94, 4096, 64, 1536),
-                                               ("qwen3-30b-a3b", 48, 2048, 32, 768)):
+    for name, layers, hidden, heads, width in (
+        ("qwen3-235b-a22b", 94, 4096, 64, 1536),
+        ("qwen3-30b-a3b", 48, 2048, 32, 768),
+    ):
         info = read_hf_config(RECIPES / "configs" / name)
-        assert (info.architecture, info.num_layers, info.hidden_size, info.num_heads, info.num_kv_heads,
-                info.head_dim) == ("Qwen3MoeForCausalLM", layers, hidden, heads, 4, 128)
+        assert (
+            info.architecture,
+            info.num_layers,
+            info.hidden_size,
+            info.num_heads,
+            info.num_kv_heads,
+            info.head_dim,
+        ) == ("Qwen3MoeForCausalLM", layers, hidden, heads, 4, 128)
         assert (info.num_experts, info.experts_per_token, info.expert_intermediate_size) == (128, 8, width)
         assert info.raw["norm_topk_prob"] is True and info.raw["mlp_only_layers"] == []
 
 
-@pytest.mark.parametrize("overrides, key, text", [
-    (("parallel.moe_ep=3",), "parallel.moe_ep", "moe_ep (3) x moe_tp (1) must equal tp (8)"),
-    (("parallel.tp=6", "parallel.moe_ep=6"), "parallel.moe_ep", "the model's 128 experts do not divide by moe_ep=6"),
-    (("parallel.tp=6", "parallel.moe_ep=6"), "parallel.tp", "tp=6 is not a multiple of the model's 4 KV heads"),
-], ids=["ep-times-tp", "experts", "kv-heads"])
+@pytest.mark.parametrize(
+    "overrides, key, text",
+    [
+        (("parallel.moe_ep=3",), "parallel.moe_ep", "moe_ep (3) x moe_tp (1) must equal tp (8)"),
+        (
+            ("parallel.tp=6", "parallel.moe_ep=6"),
+            "parallel.moe_ep",
+            "the model's 128 experts do not divide by moe_ep=6",
+        ),
+        (("parallel.tp=6", "parallel.moe_ep=6"), "parallel.tp", "tp=6 is not a multiple of the model's 4 KV heads"),
+    ],
+    ids=["ep-times-tp", "experts", "kv-heads"],
+)
 def test_validate_refuses_layouts_naming_the_key(overrides, key, text):
     result = run_cli("validate", str(BIG), *[a for o in overrides for a in ("--set", o)])
     assert result.exit_code == 2
@@ -83,28 +99,55 @@ def test_validate_refuses_layouts_naming_the_key(overrides, key, text):
 
 def test_moe_int4_experts_are_w4a8_awq_on_llmapi_only_in_the_shapes_tensorrt_llm_loads():
     for algo, gpu in (("nvfp4", "b200-180gb"), ("w4a8_awq", "h100-sxm-80gb")):  # FP4 GEMMs need Blackwell
-        assert run_cli("validate", str(SMALL), "--set", f"quantization.algo={algo}", "--set",
-                       f"engine.gpu={gpu}").exit_code == 0, algo
+        assert (
+            run_cli(
+                "validate", str(SMALL), "--set", f"quantization.algo={algo}", "--set", f"engine.gpu={gpu}"
+            ).exit_code
+            == 0
+        ), algo
     # TensorRT-LLM's fused MoE loads int4 per-group experts only as W4A8 (WInt4AFP8FusedMoEMethod)
     for algo in ("int4_awq", "int4_wo"):
         result = run_cli("validate", str(SMALL), "--set", f"quantization.algo={algo}")
         assert result.exit_code == 2
-        assert f"quantization.algo: {algo} is refused for mixture-of-experts models on target llmapi: TensorRT-LLM's " \
-               "fused MoE loads int4 per-group experts only as W4A8" in result.stderr, result.stderr
+        assert (
+            f"quantization.algo: {algo} is refused for mixture-of-experts models on target llmapi: TensorRT-LLM's "
+            "fused MoE loads int4 per-group experts only as W4A8" in result.stderr
+        ), result.stderr
         assert "use w4a8_awq, or fp8 or nvfp4" in result.stderr, result.stderr
     result = run_cli("validate", str(SMALL), "--set", "quantization.algo=w4a8_awq", "--set", "target=engine")
     assert result.exit_code == 2
-    assert "quantization.algo: w4a8_awq for mixture-of-experts models is written only for target: llmapi " \
-           "(TensorRT-LLM 1.2's MoE layer takes W4A8 experts' group scales interleaved with a per-expert alpha" \
-           in result.stderr, result.stderr
-    result = run_cli("validate", str(SMALL), "--set", "quantization.algo=w4a8_awq", "--set", "quantization.group_size=64")
+    assert (
+        "quantization.algo: w4a8_awq for mixture-of-experts models is written only for target: llmapi "
+        "(TensorRT-LLM 1.2's MoE layer takes W4A8 experts' group scales interleaved with a per-expert alpha"
+        in result.stderr
+    ), result.stderr
+    result = run_cli(
+        "validate", str(SMALL), "--set", "quantization.algo=w4a8_awq", "--set", "quantization.group_size=64"
+    )
     assert result.exit_code == 2
-    assert "quantization.group_size: w4a8_awq mixture-of-experts experts are loaded by TensorRT-LLM in groups of " \
-           "128 only (got 64)" in result.stderr, result.stderr
+    assert (
+        "quantization.group_size: w4a8_awq mixture-of-experts experts are loaded by TensorRT-LLM in groups of "
+        "128 only (got 64)" in result.stderr
+    ), result.stderr
     # K of the down GEMM is one expert's width per moe_tp rank: 768 / 8 = 96 is no multiple of 128
     result = run_cli("validate", str(SMALL), "--set", "quantization.algo=w4a8_awq", "--set", "parallel.tp=8")
     assert result.exit_code == 2
-    assert "parallel.moe_tp: w4a8_awq: the expert width 768 is 96 per moe_tp rank (moe_tp=8), not a multiple of 128" \
-           in result.stderr, result.stderr
-    assert run_cli("validate", str(SMALL), "--set", "quantization.algo=w4a8_awq", "--set", "parallel.tp=8",
-                   "--set", "parallel.moe_ep=8", "--set", "parallel.moe_tp=1").exit_code == 0
+    assert (
+        "parallel.moe_tp: w4a8_awq: the expert width 768 is 96 per moe_tp rank (moe_tp=8), not a multiple of 128"
+        in result.stderr
+    ), result.stderr
+    assert (
+        run_cli(
+            "validate",
+            str(SMALL),
+            "--set",
+            "quantization.algo=w4a8_awq",
+            "--set",
+            "parallel.tp=8",
+            "--set",
+            "parallel.moe_ep=8",
+            "--set",
+            "parallel.moe_tp=1",
+        ).exit_code
+        == 0
+    )

@@ -51,8 +51,12 @@ def _errors(schema: dict, node: dict, value, where: str = "") -> list[str]:
     if "const" in node and value != node["const"]:
         return [f"{where}: not {node['const']}"]
     out = []
-    for key, test in (("minimum", lambda v, b: v >= b), ("maximum", lambda v, b: v <= b),
-                      ("exclusiveMinimum", lambda v, b: v > b), ("exclusiveMaximum", lambda v, b: v < b)):
+    for key, test in (
+        ("minimum", lambda v, b: v >= b),
+        ("maximum", lambda v, b: v <= b),
+        ("exclusiveMinimum", lambda v, b: v > b),
+        ("exclusiveMaximum", lambda v, b: v < b),
+    ):
         if key in node and not test(value, node[key]):
             out.append(f"{where}: {key} {node[key]}")
     if "pattern" in node and not re.search(node["pattern"], value):
@@ -111,8 +115,17 @@ def test_schema_covers_every_field(schema):
     engine = _resolve(schema, schema["properties"]["engine"])
     assert _resolve(schema, engine["properties"]["kv_cache"])["properties"]["tokens_per_block"]["default"] == 32
     quant = _resolve(schema, schema["properties"]["quantization"])
-    assert quant["properties"]["algo"]["enum"] == ["none", "fp8", "fp8_pc_pt", "int8_sq", "int8_wo", "int4_wo", "int4_awq",
-                                                  "w4a8_awq", "nvfp4"]
+    assert quant["properties"]["algo"]["enum"] == [
+        "none",
+        "fp8",
+        "fp8_pc_pt",
+        "int8_sq",
+        "int8_wo",
+        "int4_wo",
+        "int4_awq",
+        "w4a8_awq",
+        "nvfp4",
+    ]
     assert quant["properties"]["group_size"]["enum"] == [32, 64, 128, 256]
 
 
@@ -122,13 +135,21 @@ def test_schema_accepts_the_examples(schema, path):
 
 
 def test_schema_accepts_shorthands_and_rejects_what_the_loader_rejects(schema):
-    ok = {"name": "t", "model": {"source": "m"}, "engine": {"plugins": "fp8-hopper"}, "quantization": {"exclude": "*lm_head"}}
+    ok = {
+        "name": "t",
+        "model": {"source": "m"},
+        "engine": {"plugins": "fp8-hopper"},
+        "quantization": {"exclude": "*lm_head"},
+    }
     assert _errors(schema, schema, ok) == []
-    for bad in [{"name": "t"}, {"name": "t", "model": {"source": "m"}, "paralel": {}},
-                {"name": "t", "model": {"source": "m"}, "parallel": {"tp": 0}},
-                {"name": "t", "model": {"source": "m"}, "quantization": {"algo": "int3"}},
-                {"name": "t", "model": {"source": "m"}, "engine": {"max_batch_size": "8"}},
-                {"name": "bad name", "model": {"source": "m"}}]:
+    for bad in [
+        {"name": "t"},
+        {"name": "t", "model": {"source": "m"}, "paralel": {}},
+        {"name": "t", "model": {"source": "m"}, "parallel": {"tp": 0}},
+        {"name": "t", "model": {"source": "m"}, "quantization": {"algo": "int3"}},
+        {"name": "t", "model": {"source": "m"}, "engine": {"max_batch_size": "8"}},
+        {"name": "bad name", "model": {"source": "m"}},
+    ]:
         assert _errors(schema, schema, bad), bad
 
 
@@ -163,7 +184,9 @@ def test_explain_shows_and_marks_every_default(name):
 
 
 def test_explain_notes_overrides_and_deduced_values():
-    result = run_cli("explain", str(RECIPES / "stories-fp16.yaml"), "--set", "parallel.tp=2", "--set", "engine.max_seq_len=null")
+    result = run_cli(
+        "explain", str(RECIPES / "stories-fp16.yaml"), "--set", "parallel.tp=2", "--set", "engine.max_seq_len=null"
+    )
     assert result.exit_code == 0, result.stderr
     assert "  tp: 2  # --set\n" in result.stdout
     assert "  max_seq_len: null  # --set; deduced from the model: 512\n" in result.stdout

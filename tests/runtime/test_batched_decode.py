@@ -128,10 +128,12 @@ def test_greedy_with_end_ids_and_stop_words(stories_layout):
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 17])
 def test_seeded_sampling(stories_layout, max_new_tokens):
-    out = assert_batched_matches(stories_layout, PROMPTS, max_new_tokens, temperature=1.0, top_k=40, top_p=0.9,
-                                 seed=11, end_ids=2)
-    alone = generate(stories_layout, [PROMPTS[2]], max_new_tokens, temperature=1.0, top_k=40, top_p=0.9, seed=13,
-                     end_ids=2)
+    out = assert_batched_matches(
+        stories_layout, PROMPTS, max_new_tokens, temperature=1.0, top_k=40, top_p=0.9, seed=11, end_ids=2
+    )
+    alone = generate(
+        stories_layout, [PROMPTS[2]], max_new_tokens, temperature=1.0, top_k=40, top_p=0.9, seed=13, end_ids=2
+    )
     assert out[2] == alone[0]  # sequence 2 of the batch draws with seed + 2
 
 
@@ -164,12 +166,22 @@ def synthetic(tmp_path_factory):
 LONG = [list(range(3, 6)), list(range(10, 30)), list(range(40, 52)), [7]]  # around a window of 8 / 16 positions
 
 
-@pytest.mark.parametrize("name, kind, tp, overrides", [
-    ("mistral", "mistral", 1, {}),  # sliding_window=8: rows slide past it at different steps
-    ("mixtral_tp2", "mixtral", 2, {}),
-    ("dynamic", "llama", 1, {"max_position_embeddings": 16,
-                             "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}),
-])
+@pytest.mark.parametrize(
+    "name, kind, tp, overrides",
+    [
+        ("mistral", "mistral", 1, {}),  # sliding_window=8: rows slide past it at different steps
+        ("mixtral_tp2", "mixtral", 2, {}),
+        (
+            "dynamic",
+            "llama",
+            1,
+            {
+                "max_position_embeddings": 16,
+                "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+            },
+        ),
+    ],
+)
 def test_synthetic_models(synthetic, name, kind, tp, overrides):
     model = synthetic(name, kind, tp, **overrides)
     if name == "mistral":
@@ -189,10 +201,20 @@ def test_fp8_kv_cache_checkpoint(stories_dir, tmp_path):
     tokens = torch.randint(3, 512, (8, 32), generator=torch.Generator().manual_seed(0))
     stats = tmp_path / "stats"
     stats.mkdir()
-    calibrate(TrtllmSource(base), tokens, CalibSettings(batch_size=8),
-              on_layer=lambda i, st: save_layer_stats(stats, i, st))
-    quantize_checkpoint(base, TrtllmSource(base), stats, tmp_path / "fp8", algo="fp8", kv_cache="fp8", group_size=128,
-                        alpha=0.5, exclude=["*lm_head"])
+    calibrate(
+        TrtllmSource(base), tokens, CalibSettings(batch_size=8), on_layer=lambda i, st: save_layer_stats(stats, i, st)
+    )
+    quantize_checkpoint(
+        base,
+        TrtllmSource(base),
+        stats,
+        tmp_path / "fp8",
+        algo="fp8",
+        kv_cache="fp8",
+        group_size=128,
+        alpha=0.5,
+        exclude=["*lm_head"],
+    )
     model = load_checkpoint(tmp_path / "fp8")
     assert model.layers[0].attention[0].kv_quant is not None
     assert_batched_matches(model, PROMPTS, 16)

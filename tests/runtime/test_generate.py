@@ -16,7 +16,7 @@ def test_kv_cache_matches_full_recompute(stories_model):
     full = stories_model(ids)
     cache = KVCache()
     first = stories_model(ids[:, :5], cache, 0)
-    steps = [stories_model(ids[:, t:t + 1], cache, t) for t in range(5, ids.shape[1])]
+    steps = [stories_model(ids[:, t : t + 1], cache, t) for t in range(5, ids.shape[1])]
     incremental = torch.cat([first] + steps, dim=1)
     ref = float64_copy(stories_model)(ids)  # the float64 truth; the float32 full pass sets the error scale
     assert_as_accurate(incremental, ref, error_scale(full, ref), "cached decode")
@@ -25,8 +25,9 @@ def test_kv_cache_matches_full_recompute(stories_model):
 def test_greedy_matches_transformers_generate(stories_model, stories_hf, stories_hf64):
     ours = generate(stories_model, [PROMPT, [1, 365, 1, 300]], 40, end_ids=2)
     for p, o in zip([PROMPT, [1, 365, 1, 300]], ours):
-        ref = stories_hf.generate(torch.tensor([p]), max_new_tokens=40, do_sample=False, eos_token_id=2,
-                                  pad_token_id=2)[0, len(p):].tolist()
+        ref = stories_hf.generate(
+            torch.tensor([p]), max_new_tokens=40, do_sample=False, eos_token_id=2, pad_token_id=2
+        )[0, len(p) :].tolist()
         ref = ref[: ref.index(2) + 1] if 2 in ref else ref  # up to and including the end id
         assert_greedy_equal(o, ref, stories_hf, stories_hf64, p, f"prompt {p}", eos=2)
 
@@ -42,7 +43,7 @@ def test_stop_words_end_generation_and_stay_in_output(stories_model):
     greedy = generate(stories_model, [PROMPT], 20)[0]
     word = greedy[5:7]
     out = generate(stories_model, [PROMPT, PROMPT], 20, stop_words=[[word], [[999]]])
-    first = next(i for i in range(len(greedy)) if greedy[i:i + 2] == word)
+    first = next(i for i in range(len(greedy)) if greedy[i : i + 2] == word)
     assert out[0] == greedy[: first + 2]
     assert out[1] == greedy
 
@@ -75,7 +76,9 @@ def test_sample_respects_top_k_support():
 
 def test_on_step_streams_each_token_then_none(stories_model):
     seen = []
-    out = generate(stories_model, [PROMPT, PROMPT], 6, end_ids=[None, 2], stop_words=[[[]], [[261]]], on_step=seen.append)
+    out = generate(
+        stories_model, [PROMPT, PROMPT], 6, end_ids=[None, 2], stop_words=[[[]], [[261]]], on_step=seen.append
+    )
     assert [s[0] for s in seen] == [[t] for t in out[0]]
     stream1 = [s[1][0] for s in seen if s[1] is not None]
     assert stream1 == out[1]

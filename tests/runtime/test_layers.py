@@ -31,23 +31,38 @@ def test_decoder_layer_from_unsharded_tensors_matches_transformers(stories_dir, 
 
     def run(layer, dtype):
         with torch.no_grad():
-            out = layer(x.to(dtype), attention_mask=mask.to(dtype), position_ids=pos,
-                        position_embeddings=tuple(t.to(dtype) for t in cos_sin))
+            out = layer(
+                x.to(dtype),
+                attention_mask=mask.to(dtype),
+                position_ids=pos,
+                position_embeddings=tuple(t.to(dtype) for t in cos_sin),
+            )
         return out[0] if isinstance(out, tuple) else out
 
     ref32, ref64 = run(hf_layer, torch.float32), run(copy.deepcopy(hf_layer).double(), torch.float64)
     # ours may be off the float64 layer by what transformers' own float32 run is (x the order factor)
     assert_as_accurate(ours, ref64, error_scale(ref32, ref64), "decoder layer 3")
     names = sorted({n for n, _, _ in layer.named_linears()})
-    assert names == [f"transformer.layers.3.{m}" for m in ("attention.dense", "attention.qkv", "mlp.fc", "mlp.gate", "mlp.proj")]
+    assert names == [
+        f"transformer.layers.3.{m}" for m in ("attention.dense", "attention.qkv", "mlp.fc", "mlp.gate", "mlp.proj")
+    ]
 
 
-@pytest.mark.parametrize("scaling", [
-    {"rope_type": "linear", "factor": 4.0},
-    {"rope_type": "dynamic", "factor": 2.0},
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "dynamic", "factor": 2.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)
 def test_rope_inverse_frequencies_match_transformers(scaling):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

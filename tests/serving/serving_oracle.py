@@ -41,9 +41,9 @@ def check_greedy(model, hf, prompt: list[int], got: list[int], n: int, end_id=No
     i = next((k for k in range(min(len(got), len(ref))) if got[k] != ref[k]), min(len(got), len(ref)))
     if i >= len(logits):
         return f"lengths differ: got {len(got)} tokens, transformers {len(ref)}"
-    bound = 4 * float32_error(model, hf, list(prompt) + ref[:i + 1])
+    bound = 4 * float32_error(model, hf, list(prompt) + ref[: i + 1])
     top2 = logits[i].topk(2).values
     margin = float(top2[0] - top2[1])
     if margin <= bound:
         return ""  # a tie within float32's error: either order is a correct float32 answer
-    return f"token {i} differs (got {got[i:i + 3]}, transformers {ref[i:i + 3]}), margin {margin:.3g} > bound {bound:.3g}"
+    return f"token {i} differs (got {got[i : i + 3]}, transformers {ref[i : i + 3]}), margin {margin:.3g} > bound {bound:.3g}"

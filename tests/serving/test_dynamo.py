@@ -51,11 +51,26 @@ def drill(fp16_export, tmp_path_factory):
     if not _netns_works():
         pytest.skip("unshare -rn (a user + network namespace) is not permitted here")
     out = tmp_path_factory.mktemp("drill") / "drill.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "dynamo_drill.py"), str(fp16_export), "--quick",
-           "--parts", "greedy+kill,routing,cli", "--routers", "kv", "--rounds", "2", "--sequential", "--json", str(out),
-           "--aiperf", str(AIPERF)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "dynamo_drill.py"),
+        str(fp16_export),
+        "--quick",
+        "--parts",
+        "greedy+kill,routing,cli",
+        "--routers",
+        "kv",
+        "--rounds",
+        "2",
+        "--sequential",
+        "--json",
+        str(out),
+        "--aiperf",
+        str(AIPERF),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -74,15 +89,17 @@ def hf_greedy(fp16_export):
         the new ids alone would drop the space sentencepiece puts before their first word)."""
         ids = tok.encode(text, add_special_tokens=False)
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
-                                 pad_token_id=eos)[0, len(ids):].tolist()
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos
+            )[0, len(ids) :].tolist()
         new = out[: out.index(eos)] if eos in out else out
         prompt_text = tok.decode(ids, skip_special_tokens=True)
-        return tok.decode(ids + new, skip_special_tokens=True)[len(prompt_text):]
+        return tok.decode(ids + new, skip_special_tokens=True)[len(prompt_text) :]
 
     def chat(text: str, n: int) -> str:
-        return run(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                           tokenize=False), n)
+        return run(
+            tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False), n
+        )
 
     return run, chat
 

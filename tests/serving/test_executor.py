@@ -20,16 +20,19 @@ EOS = 2
 
 
 def _config(**kw) -> ExecutorConfig:
-    base = dict(max_batch_size=8, max_num_tokens=64, max_input_len=96, max_seq_len=128, num_blocks=64,
-                tokens_per_block=8)
+    base = dict(
+        max_batch_size=8, max_num_tokens=64, max_input_len=96, max_seq_len=128, num_blocks=64, tokens_per_block=8
+    )
     base.update(kw)
     return ExecutorConfig(**base)
 
 
 def _workload(n: int, seed: int, shared_prefix: list[int] = ()):
     g = torch.Generator().manual_seed(seed)
-    prompts = [list(shared_prefix) + torch.randint(3, 500, (int(k),), generator=g).tolist()
-               for k in torch.randint(2, 40, (n,), generator=g)]
+    prompts = [
+        list(shared_prefix) + torch.randint(3, 500, (int(k),), generator=g).tolist()
+        for k in torch.randint(2, 40, (n,), generator=g)
+    ]
     lengths = [int(k) for k in torch.randint(4, 30, (n,), generator=g)]
     return prompts, lengths
 
@@ -37,7 +40,9 @@ def _workload(n: int, seed: int, shared_prefix: list[int] = ()):
 def _serve(model, config, prompts, lengths, stagger=1, end_id=None):
     """Submit request k after k*stagger loop turns; returns (final responses by request, the core)."""
     final = {}
-    core = ExecutorCore(config, ReferenceEngine(model), lambda r: final.__setitem__(r.request_id, r) if r.is_final else None)
+    core = ExecutorCore(
+        config, ReferenceEngine(model), lambda r: final.__setitem__(r.request_id, r) if r.is_final else None
+    )
     ids = []
     for p, n in zip(prompts, lengths):
         ids.append(core.submit(Request(p, n, end_id=end_id, exclude_input_from_output=True)))
@@ -52,8 +57,9 @@ SCENARIOS = {
     "chunked": dict(enable_chunked_context=True, max_num_tokens=16),
     "max-util-tiny-pool": dict(capacity_policy=CapacityPolicy.MAX_UTILIZATION, num_blocks=17, max_seq_len=128),
     "reuse": dict(enable_kv_cache_reuse=True),
-    "no-evict-tiny-pool-reuse-chunked": dict(num_blocks=20, enable_kv_cache_reuse=True, enable_chunked_context=True,
-                                             max_num_tokens=24),
+    "no-evict-tiny-pool-reuse-chunked": dict(
+        num_blocks=20, enable_kv_cache_reuse=True, enable_chunked_context=True, max_num_tokens=24
+    ),
     "static": dict(capacity_policy=CapacityPolicy.STATIC_BATCH),
 }
 
@@ -100,8 +106,11 @@ def test_queue_limit_refuses_at_once(model_tp1):
 
 def test_prompt_above_max_input_len_is_an_error_response_and_output_is_shortened(model_tp1):
     got = {}
-    core = ExecutorCore(_config(max_input_len=16, max_seq_len=24), ReferenceEngine(model_tp1),
-                        lambda r: got.__setitem__(r.request_id, r))
+    core = ExecutorCore(
+        _config(max_input_len=16, max_seq_len=24),
+        ReferenceEngine(model_tp1),
+        lambda r: got.__setitem__(r.request_id, r),
+    )
     bad = core.submit(Request(list(range(3, 20)), 4))
     long = core.submit(Request([1, 403, 407], 100, exclude_input_from_output=True))
     core.run_until_idle()
@@ -129,8 +138,13 @@ def test_cancelled_requests_free_their_blocks_within_a_step(model_tp1):
 def test_no_evict_queues_and_max_utilization_pauses_when_the_pool_is_short(model_tp1):
     prompts = [[1] + list(range(10, 10 + 30))] * 6
     for policy in (CapacityPolicy.GUARANTEED_NO_EVICT, CapacityPolicy.MAX_UTILIZATION):
-        out, core = _serve(model_tp1, _config(capacity_policy=policy, num_blocks=16, max_seq_len=96, max_num_tokens=128), prompts, [60] * 6,
-                           stagger=0)
+        out, core = _serve(
+            model_tp1,
+            _config(capacity_policy=policy, num_blocks=16, max_seq_len=96, max_num_tokens=128),
+            prompts,
+            [60] * 6,
+            stagger=0,
+        )
         assert all(not r.has_error and len(r.tokens) == 60 for r in out)
         paused = max(s.num_paused for s in core.iterations)
         if policy is CapacityPolicy.GUARANTEED_NO_EVICT:
@@ -141,8 +155,11 @@ def test_no_evict_queues_and_max_utilization_pauses_when_the_pool_is_short(model
 
 def test_higher_priority_runs_first(model_tp1):
     order = []
-    core = ExecutorCore(_config(max_batch_size=1), ReferenceEngine(model_tp1),
-                        lambda r: order.append(r.request_id) if r.is_final else None)
+    core = ExecutorCore(
+        _config(max_batch_size=1),
+        ReferenceEngine(model_tp1),
+        lambda r: order.append(r.request_id) if r.is_final else None,
+    )
     low = core.submit(Request([1, 5], 3, priority=0.2))
     mid = core.submit(Request([1, 6], 3))
     high = core.submit(Request([1, 7], 3, priority=0.9))
@@ -153,8 +170,12 @@ def test_higher_priority_runs_first(model_tp1):
 def test_perf_metrics_are_ordered_and_count_reused_blocks(model_tp1):
     got = {}
     clock = SimClock()
-    core = ExecutorCore(_config(enable_kv_cache_reuse=True), ReferenceEngine(model_tp1),
-                        lambda r: got.__setitem__(r.request_id, r), clock=clock)
+    core = ExecutorCore(
+        _config(enable_kv_cache_reuse=True),
+        ReferenceEngine(model_tp1),
+        lambda r: got.__setitem__(r.request_id, r),
+        clock=clock,
+    )
     prompt = [1] + list(range(40, 60))  # 21 tokens: 2 full blocks reusable
     a = core.submit(Request(prompt, 5, return_perf_metrics=True))
     core.run_until_idle()
@@ -176,6 +197,7 @@ def test_seeded_sampling_is_repeatable_across_batches(model_tp1):
             core.submit(Request([1, 300 + k], 12))
         core.run_until_idle()
         return got[rid].tokens
+
     first = run(0)
     assert run(5) == first
     # ... and the seed is what decides: another seed draws these same 24 tokens with probability p(first), computed
@@ -210,8 +232,13 @@ def test_threaded_executor_streams_to_many_callers(model_tp1):
 def test_pauses_credit_only_blocks_the_victim_owns_alone(model_tp1):
     """Identical requests reuse each other's published blocks; pausing one frees only the blocks no running
     request shares, so max_utilization must not count shared ones as freed (that overran the pool on a server)."""
-    config = _config(capacity_policy=CapacityPolicy.MAX_UTILIZATION, enable_kv_cache_reuse=True, num_blocks=12,
-                     max_seq_len=96, max_num_tokens=128)
+    config = _config(
+        capacity_policy=CapacityPolicy.MAX_UTILIZATION,
+        enable_kv_cache_reuse=True,
+        num_blocks=12,
+        max_seq_len=96,
+        max_num_tokens=128,
+    )
     out, core = _serve(model_tp1, config, [[1, 403, 407, 261, 378]] * 20, [80] * 20, stagger=0)
     assert all(not r.has_error for r in out), [r.error for r in out if r.has_error][:1]
     assert len({tuple(r.tokens) for r in out}) == 1 and len(out[0].tokens) == 80
@@ -228,10 +255,14 @@ class _FailingEngine(ReferenceEngine):
 
 def test_a_failed_step_fails_the_active_requests_and_the_executor_goes_on(model_tp1):
     got = {}
-    core = ExecutorCore(_config(), _FailingEngine(model_tp1), lambda r: got.__setitem__(r.request_id, r) if r.is_final else None)
+    core = ExecutorCore(
+        _config(), _FailingEngine(model_tp1), lambda r: got.__setitem__(r.request_id, r) if r.is_final else None
+    )
     first = [core.submit(Request([1, 403, 407], 10)) for _ in range(3)]
     core.run_until_idle()
-    assert all("Encountered an error in forwardAsync function: RuntimeError: device lost" in got[i].error for i in first)
+    assert all(
+        "Encountered an error in forwardAsync function: RuntimeError: device lost" in got[i].error for i in first
+    )
     assert core.pool.num_free == core.pool.num_blocks
     later = core.submit(Request([1, 403, 407], 10, exclude_input_from_output=True))
     core.run_until_idle()
@@ -267,16 +298,21 @@ def test_iteration_log_writes_each_step_once_with_what_it_computed(model_tp1, tm
     assert solo and all(s.num_attended_tokens > len(min(prompts, key=len)) for s in solo)
 
 
-@pytest.mark.parametrize("sampling, message", [
-    (SamplingParams(temperature=1.0, seed=1 << 64), r"seed must be in \[0, 2\^64\), got 18446744073709551616"),
-    (SamplingParams(temperature=float("nan")), "temperature must be a finite number >= 0"),
-    (SamplingParams(temperature=1.0, top_p=2.0), r"top_p must be in \[0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "sampling, message",
+    [
+        (SamplingParams(temperature=1.0, seed=1 << 64), r"seed must be in \[0, 2\^64\), got 18446744073709551616"),
+        (SamplingParams(temperature=float("nan")), "temperature must be a finite number >= 0"),
+        (SamplingParams(temperature=1.0, top_p=2.0), r"top_p must be in \[0, 1\]"),
+    ],
+)
 def test_a_request_with_bad_sampling_fails_alone_and_the_loop_goes_on(model_tp1, sampling, message):
     # The seed case is the one that killed the executor thread: torch.Generator.manual_seed raised OverflowError in
     # admission, outside the step's guard, and every later request waited forever.
     got = {}
-    core = ExecutorCore(_config(), ReferenceEngine(model_tp1), lambda r: got.__setitem__(r.request_id, r) if r.is_final else None)
+    core = ExecutorCore(
+        _config(), ReferenceEngine(model_tp1), lambda r: got.__setitem__(r.request_id, r) if r.is_final else None
+    )
     bad = core.submit(Request([1, 403, 407], 10, sampling=sampling))
     good = core.submit(Request([1, 403, 407], 10, exclude_input_from_output=True))
     core.run_until_idle()
@@ -286,10 +322,14 @@ def test_a_request_with_bad_sampling_fails_alone_and_the_loop_goes_on(model_tp1,
 
 def test_an_exception_while_admitting_fails_only_that_request(model_tp1, monkeypatch):
     got = {}
-    core = ExecutorCore(_config(), ReferenceEngine(model_tp1), lambda r: got.__setitem__(r.request_id, r) if r.is_final else None)
+    core = ExecutorCore(
+        _config(), ReferenceEngine(model_tp1), lambda r: got.__setitem__(r.request_id, r) if r.is_final else None
+    )
     real = core._activate
     first = core.submit(Request([1, 403, 407], 10))
-    monkeypatch.setattr(core, "_activate", lambda q: (_ for _ in ()).throw(OverflowError("boom")) if q.id == first else real(q))
+    monkeypatch.setattr(
+        core, "_activate", lambda q: (_ for _ in ()).throw(OverflowError("boom")) if q.id == first else real(q)
+    )
     later = core.submit(Request([1, 403, 407], 10, exclude_input_from_output=True))
     core.run_until_idle()
     assert "Encountered an error when fetching new request: OverflowError: boom" in got[first].error

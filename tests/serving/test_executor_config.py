@@ -14,13 +14,24 @@ from trtpipe.serving.api import CapacityPolicy
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 STORIES = RECIPES / "stories-fp16.yaml"
 # a pool that is not a whole number of blocks (1000 / 32 = 31.25), and one queue bound for both twins
-OVERRIDES = ["engine.kv_cache.max_tokens=1000", "triton.max_queue_size=64", "serving.max_queue_size=64",
-             "serving.request_timeout_s=42", "triton.scheduler_policy=max_utilization"]
+OVERRIDES = [
+    "engine.kv_cache.max_tokens=1000",
+    "triton.max_queue_size=64",
+    "serving.max_queue_size=64",
+    "serving.request_timeout_s=42",
+    "triton.scheduler_policy=max_utilization",
+]
 
 
 def limits(**kw):
-    return {"max_batch_size": 4, "max_num_tokens": 256, "max_input_len": 100, "max_seq_len": 128,
-            "tokens_per_block": 32, **kw}
+    return {
+        "max_batch_size": 4,
+        "max_num_tokens": 256,
+        "max_input_len": 100,
+        "max_seq_len": 128,
+        "tokens_per_block": 32,
+        **kw,
+    }
 
 
 @pytest.mark.parametrize("tokens, blocks", [(1000, 32), (1024, 32), (1025, 33), (10, 4)])
@@ -66,8 +77,9 @@ def test_every_consumer_gets_the_same_config_from_one_recipe(tmp_path):
     engine = write_twin_engine(ckpt, tmp_path / "engine", build_json(build.config))
     R.write_repo(recipe, engine, engine / "checkpoint", tmp_path / "repo")
     pbtxt = text_format.Parse((tmp_path / "repo" / "tensorrt_llm" / "config.pbtxt").read_text(), mc.ModelConfig())
-    triton = settings_from_model_config(json_format.MessageToDict(pbtxt, preserving_proto_field_name=True),
-                                        str(tmp_path / "repo" / "tensorrt_llm")).executor
+    triton = settings_from_model_config(
+        json_format.MessageToDict(pbtxt, preserving_proto_field_name=True), str(tmp_path / "repo" / "tensorrt_llm")
+    ).executor
     # a Dynamo worker: the graph's config through the spec and the worker's --executor-config
     graph = DynamoGraph(model, "m", 1, "kv", "127.0.0.1", 1, openai, tmp_path / "run")
     dynamo = C.from_json(C.to_json(graph_from_spec(json.loads(json.dumps(graph_spec(graph)))).config))
@@ -75,8 +87,15 @@ def test_every_consumer_gets_the_same_config_from_one_recipe(tmp_path):
     # benchmark's own (no deadline, no queue bound, chunked context as the engine's paged context FMHA, no prefix
     # reuse for prompts that share none)
     sim = recipe_setup(STORIES, OVERRIDES, gpu="h100-sxm-80gb").config(isl=64, osl=32)
-    limits_and_pool = ("max_batch_size", "max_num_tokens", "max_input_len", "max_seq_len", "num_blocks",
-                       "tokens_per_block", "max_beam_width")
+    limits_and_pool = (
+        "max_batch_size",
+        "max_num_tokens",
+        "max_input_len",
+        "max_seq_len",
+        "num_blocks",
+        "tokens_per_block",
+        "max_beam_width",
+    )
     assert openai.num_blocks == 32 and openai.capacity_policy == CapacityPolicy.MAX_UTILIZATION
     assert openai.request_timeout_s == 42 and openai.max_queue_size == 64
     assert triton == openai == dynamo
@@ -89,9 +108,19 @@ def test_an_hf_directory_gets_the_recipe_schemas_default_knobs():
     plain = C.twin_default(512)  # what the OpenAI twin serves an HF directory with
     recipe = load_recipe(STORIES)  # sets no serving knob: the schema's defaults
     want = C.from_recipe(recipe, 512)
-    assert {k: getattr(plain, k) for k in ("capacity_policy", "enable_kv_cache_reuse", "max_queue_size",
-                                           "request_timeout_s")} == \
-        {k: getattr(want, k) for k in ("capacity_policy", "enable_kv_cache_reuse", "max_queue_size",
-                                       "request_timeout_s")} == \
-        {"capacity_policy": CapacityPolicy.GUARANTEED_NO_EVICT, "enable_kv_cache_reuse": True, "max_queue_size": 64,
-         "request_timeout_s": 600.0}
+    assert (
+        {
+            k: getattr(plain, k)
+            for k in ("capacity_policy", "enable_kv_cache_reuse", "max_queue_size", "request_timeout_s")
+        }
+        == {
+            k: getattr(want, k)
+            for k in ("capacity_policy", "enable_kv_cache_reuse", "max_queue_size", "request_timeout_s")
+        }
+        == {
+            "capacity_policy": CapacityPolicy.GUARANTEED_NO_EVICT,
+            "enable_kv_cache_reuse": True,
+            "max_queue_size": 64,
+            "request_timeout_s": 600.0,
+        }
+    )

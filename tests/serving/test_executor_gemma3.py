@@ -28,15 +28,19 @@ def gemma3(tmp_path_factory):
 
 def _workload(n: int, seed: int, shared_prefix=()):
     g = torch.Generator().manual_seed(seed)
-    prompts = [list(shared_prefix) + torch.randint(3, 250, (int(k),), generator=g).tolist()
-               for k in torch.randint(6, 30, (n,), generator=g)]  # every prompt longer than the window (5)
+    prompts = [
+        list(shared_prefix) + torch.randint(3, 250, (int(k),), generator=g).tolist()
+        for k in torch.randint(6, 30, (n,), generator=g)
+    ]  # every prompt longer than the window (5)
     lengths = [int(k) for k in torch.randint(8, 24, (n,), generator=g)]
     return prompts, lengths
 
 
 def _serve(model, config, prompts, lengths):
     final = {}
-    core = ExecutorCore(config, ReferenceEngine(model), lambda r: final.__setitem__(r.request_id, r) if r.is_final else None)
+    core = ExecutorCore(
+        config, ReferenceEngine(model), lambda r: final.__setitem__(r.request_id, r) if r.is_final else None
+    )
     ids = []
     for p, n in zip(prompts, lengths):
         ids.append(core.submit(Request(p, n, exclude_input_from_output=True)))
@@ -59,8 +63,19 @@ def test_gemma3_greedy_tokens_equal_transformers_past_the_window(name, tp, gemma
     assert models[tp].args.window(0) == 5 and models[tp].args.window(5) is None
     prefix = list(range(10, 27)) if name == "reuse" else ()  # 17 shared tokens: 2 blocks of 8
     prompts, lengths = _workload(6, seed=len(name) + tp, shared_prefix=prefix)
-    config = ExecutorConfig(**{**dict(max_batch_size=8, max_num_tokens=64, max_input_len=96, max_seq_len=128,
-                                      num_blocks=64, tokens_per_block=8), **SCENARIOS[name]})
+    config = ExecutorConfig(
+        **{
+            **dict(
+                max_batch_size=8,
+                max_num_tokens=64,
+                max_input_len=96,
+                max_seq_len=128,
+                num_blocks=64,
+                tokens_per_block=8,
+            ),
+            **SCENARIOS[name],
+        }
+    )
     out, core = _serve(models[tp], config, prompts, lengths)
     for p, n, r in zip(prompts, lengths, out):
         assert not r.has_error, r.error
@@ -93,7 +108,9 @@ def test_gemma3_paged_step_logits_as_accurate_as_transformers(tp, gemma3):
     got_gen = engine.logits(gen)
     with torch.no_grad():
         ref_gen = torch.stack([hf64(torch.tensor([p + [t]])).logits[0, -1] for p, t in zip(prompts, nxt)])
-        own = torch.stack([hf32(torch.tensor([p])).logits[0, -1] for p in prompts]  # transformers' float32
-                          + [hf32(torch.tensor([p + [t]])).logits[0, -1] for p, t in zip(prompts, nxt)])
+        own = torch.stack(
+            [hf32(torch.tensor([p])).logits[0, -1] for p in prompts]  # transformers' float32
+            + [hf32(torch.tensor([p + [t]])).logits[0, -1] for p, t in zip(prompts, nxt)]
+        )
     ref = torch.cat([ref_ctx, ref_gen])
     assert_as_accurate(torch.cat([got_ctx, got_gen]), ref, error_scale(own, ref), f"gemma3 paged steps tp{tp}")

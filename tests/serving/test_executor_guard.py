@@ -17,8 +17,9 @@ PROMPT = [1, 403, 407, 261, 378]
 
 
 def _config(**kw) -> ExecutorConfig:
-    return ExecutorConfig(**{**dict(max_num_tokens=64, max_input_len=96, max_seq_len=128, num_blocks=64,
-                                    tokens_per_block=8), **kw})
+    return ExecutorConfig(
+        **{**dict(max_num_tokens=64, max_input_len=96, max_seq_len=128, num_blocks=64, tokens_per_block=8), **kw}
+    )
 
 
 def _child_waiting_for_a_signal():
@@ -46,7 +47,9 @@ def test_a_loop_that_dies_signals_the_server_and_says_why(model_tp1):
         watcher.join(60)
         _, status = os.waitpid(pid, 0)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGUSR1
-        assert len(logged) == 1 and "the executor loop died: SystemExit: TRTPIPE_TWIN_FAULT: exit at step 2" in logged[0]
+        assert (
+            len(logged) == 1 and "the executor loop died: SystemExit: TRTPIPE_TWIN_FAULT: exit at step 2" in logged[0]
+        )
     finally:
         ex.shutdown()
 

@@ -18,8 +18,9 @@ PROMPT = [1, 403, 407, 261, 378]
 
 
 def _config(**kw) -> ExecutorConfig:
-    base = dict(max_batch_size=8, max_num_tokens=64, max_input_len=96, max_seq_len=128, num_blocks=64,
-                tokens_per_block=8)
+    base = dict(
+        max_batch_size=8, max_num_tokens=64, max_input_len=96, max_seq_len=128, num_blocks=64, tokens_per_block=8
+    )
     base.update(kw)
     return ExecutorConfig(**base)
 
@@ -65,8 +66,10 @@ def test_requests_past_their_allotted_time_fail_queued_or_running_and_the_rest_f
 
 def test_admission_is_by_priority_and_fifo_among_equals(model_tp1):
     core, _, order = _core(model_tp1, _config(max_batch_size=1))
-    ids = {name: core.submit(Request(PROMPT, 2, priority=p)) for name, p in
-           (("a", 0.5), ("b", 0.2), ("c", 0.5), ("d", 0.8), ("e", 0.2), ("f", 0.5))}
+    ids = {
+        name: core.submit(Request(PROMPT, 2, priority=p))
+        for name, p in (("a", 0.5), ("b", 0.2), ("c", 0.5), ("d", 0.8), ("e", 0.2), ("f", 0.5))
+    }
     core.run_until_idle()
     assert order == [ids[n] for n in "dacfbe"]
 
@@ -93,12 +96,14 @@ def _pauses(model, priorities):
     """Two long requests over a pool too small for both: the first submitted starts alone, the second joins."""
     config = _config(capacity_policy=CapacityPolicy.MAX_UTILIZATION, num_blocks=12, max_seq_len=96, max_num_tokens=96)
     core, finals, _ = _core(model, config)
-    first = core.submit(Request(PROMPT + list(range(10, 25)), 60, priority=priorities[0],
-                                exclude_input_from_output=True))
+    first = core.submit(
+        Request(PROMPT + list(range(10, 25)), 60, priority=priorities[0], exclude_input_from_output=True)
+    )
     for _ in range(3):
         core.iterate()
-    second = core.submit(Request(PROMPT + list(range(30, 45)), 60, priority=priorities[1],
-                                 exclude_input_from_output=True))
+    second = core.submit(
+        Request(PROMPT + list(range(30, 45)), 60, priority=priorities[1], exclude_input_from_output=True)
+    )
     pauses = {first: 0, second: 0}
     while core.iterate():
         for r in core.active:

@@ -38,8 +38,10 @@ def test_stored_events_chain_on_the_parent_and_only_full_blocks():
     prompt = list(range(10))  # two full blocks and a partial one
     serve(pool, prompt)
     events = drain(rec)
-    assert events == [Stored((0, 1, 2, 3), block_hash(None, (0, 1, 2, 3)), None),
-                      Stored((4, 5, 6, 7), block_hash(events[0].block_hash, (4, 5, 6, 7)), events[0].block_hash)]
+    assert events == [
+        Stored((0, 1, 2, 3), block_hash(None, (0, 1, 2, 3)), None),
+        Stored((4, 5, 6, 7), block_hash(events[0].block_hash, (4, 5, 6, 7)), events[0].block_hash),
+    ]
     serve(pool, prompt)  # the same prompt again: reused, nothing new is stored
     assert drain(rec) == [] and pool.stats().reused_blocks == 2
 
@@ -47,7 +49,7 @@ def test_stored_events_chain_on_the_parent_and_only_full_blocks():
 def test_identity_is_per_prefix_not_per_block_tokens():
     a, b = block_hash(None, (1, 2, 3, 4)), block_hash(None, (9, 9, 9, 9))
     assert block_hash(a, (5, 6, 7, 8)) != block_hash(b, (5, 6, 7, 8))
-    assert 0 <= a < 2 ** 63 and block_hash(None, (1, 2, 3, 4)) == a  # fits a signed 64-bit int; deterministic
+    assert 0 <= a < 2**63 and block_hash(None, (1, 2, 3, 4)) == a  # fits a signed 64-bit int; deterministic
 
 
 def test_eviction_removes_descendants_first_with_the_identities_they_were_stored_with():
@@ -66,24 +68,35 @@ def test_eviction_removes_descendants_first_with_the_identities_they_were_stored
 
 
 def test_translate_greedy_by_default_and_end_id_from_the_request():
-    r = translate({"token_ids": [1, 2, 3], "stop_conditions": {"max_tokens": 5}, "eos_token_ids": [2],
-                   "sampling_options": {"temperature": None}}, eos_id=9, max_seq_len=64)
+    r = translate(
+        {
+            "token_ids": [1, 2, 3],
+            "stop_conditions": {"max_tokens": 5},
+            "eos_token_ids": [2],
+            "sampling_options": {"temperature": None},
+        },
+        eos_id=9,
+        max_seq_len=64,
+    )
     assert (r.prompt, r.max_new_tokens, r.end_id, r.sampling.greedy, r.streaming) == ([1, 2, 3], 5, 2, True, True)
     assert translate({"token_ids": [1], "stop_conditions": {"ignore_eos": True}}, 9, 8).end_id is None
     assert translate({"token_ids": [1, 2]}, 9, 8).max_new_tokens == 6  # up to max_seq_len
     assert FINISH[FinishReason.CANCELLED] == "cancelled" and FINISH[FinishReason.END_ID] == "stop"
 
 
-@pytest.mark.parametrize("request_, words", [
-    ({"token_ids": []}, "no prompt tokens"),
-    ({"token_ids": [1], "sampling_options": {"n": 2}}, "n=2 is not supported"),
-    ({"token_ids": [1], "stop_conditions": {"min_tokens": 3}}, "min_tokens=3"),
-    ({"token_ids": [1], "output_options": {"logprobs": 1}}, "logprobs=1"),
-    ({"token_ids": [1] * 8}, "max_seq_len is 8"),
-    ({"token_ids": [1], "stop_conditions": {"max_tokens": 0}}, "max_tokens must be in [1, 7]"),
-    ({"token_ids": [1], "sampling_options": {"temperature": float("nan")}}, "temperature must be a finite number"),
-    ({"token_ids": [1], "sampling_options": {"temperature": 1.0, "seed": 2 ** 64}}, "seed must be in [0, 2^64)"),
-])
+@pytest.mark.parametrize(
+    "request_, words",
+    [
+        ({"token_ids": []}, "no prompt tokens"),
+        ({"token_ids": [1], "sampling_options": {"n": 2}}, "n=2 is not supported"),
+        ({"token_ids": [1], "stop_conditions": {"min_tokens": 3}}, "min_tokens=3"),
+        ({"token_ids": [1], "output_options": {"logprobs": 1}}, "logprobs=1"),
+        ({"token_ids": [1] * 8}, "max_seq_len is 8"),
+        ({"token_ids": [1], "stop_conditions": {"max_tokens": 0}}, "max_tokens must be in [1, 7]"),
+        ({"token_ids": [1], "sampling_options": {"temperature": float("nan")}}, "temperature must be a finite number"),
+        ({"token_ids": [1], "sampling_options": {"temperature": 1.0, "seed": 2**64}}, "seed must be in [0, 2^64)"),
+    ],
+)
 def test_translate_refuses_what_the_executor_cannot_honour(request_, words):
     with pytest.raises(RequestRefused, match=None) as exc:
         translate(request_, eos_id=2, max_seq_len=8)

@@ -10,14 +10,17 @@ from trtpipe.serving.scheduler import ActiveRequest, capacity_schedule, insert_b
 
 
 def _cfg(**kw):
-    base = dict(max_batch_size=4, max_num_tokens=32, max_input_len=64, max_seq_len=64, num_blocks=16, tokens_per_block=4)
+    base = dict(
+        max_batch_size=4, max_num_tokens=32, max_input_len=64, max_seq_len=64, num_blocks=16, tokens_per_block=4
+    )
     base.update(kw)
     return ExecutorConfig(**base)
 
 
 def _req(rid, prompt_len, max_new=8, generating=False, blocks=(), priority=0.5):
-    r = ActiveRequest(rid, Request(list(range(prompt_len)), max_new, priority=priority), list(range(prompt_len)),
-                      prompt_len, max_new)
+    r = ActiveRequest(
+        rid, Request(list(range(prompt_len)), max_new, priority=priority), list(range(prompt_len)), prompt_len, max_new
+    )
     r.generating, r.block_table = generating, list(blocks)
     if generating:
         r.tokens.append(7)

@@ -54,14 +54,28 @@ def generate(root: Path = ROOT) -> str:
         if src != dst and dst:
             imports.setdefault(e.src, set()).add(dst)
     order = {p: i for i, p in enumerate(rows)}
-    out = [BEGIN, "", "### What each package imports", "",
-           "Measured on the module graph (`python tests/tools/import_graph.py --json`), bottom layer first; every "
-           "entry is a package lower in the list.", "", "| Package | Imports |", "|---|---|"]
+    out = [
+        BEGIN,
+        "",
+        "### What each package imports",
+        "",
+        "Measured on the module graph (`python tests/tools/import_graph.py --json`), bottom layer first; every "
+        "entry is a package lower in the list.",
+        "",
+        "| Package | Imports |",
+        "|---|---|",
+    ]
     for p in rows:
         deps = set().union(*(imports.get(m, set()) for m in graph.modules if _package(m) == p))
         out.append(f"| `{p}` | {', '.join(sorted(deps, key=order.get)) or '-'} |")
-    out += ["", "### Every module", "", "One table per package, in layer order: each module, the first sentence of its "
-            "docstring, and the packages it imports besides its own.", ""]
+    out += [
+        "",
+        "### Every module",
+        "",
+        "One table per package, in layer order: each module, the first sentence of its "
+        "docstring, and the packages it imports besides its own.",
+        "",
+    ]
     sections: list[tuple[str, list[str]]] = []
     for p in rows:
         mods = sorted(m for m in graph.modules if _package(m) == p)
@@ -83,7 +97,7 @@ def generate(root: Path = ROOT) -> str:
 
 def current(doc: Path = DOC) -> str:
     text = doc.read_text()
-    return text[text.index(BEGIN):] if BEGIN in text else ""
+    return text[text.index(BEGIN) :] if BEGIN in text else ""
 
 
 def main(argv=None) -> int:

@@ -34,40 +34,87 @@ class Case:
 
 
 CASES = (
-    Case("stop-request", "stop=true cancels nothing (the request ends by itself only after its 251 tokens)",
-         "model_repo/tensorrt_llm/1/model.py",
-         "                if owner == tid:\n                    self.executor.cancel(rid)",
-         "                if owner == tid:\n                    pass",
-         ("tests/triton_serving/test_inflight.py", "-k", "stop_request")),
-    Case("executor-seed", "the executor seeds every sampled request with 0, whatever its seed",
-         "trtpipe/serving/executor.py", "manual_seed(int(req.sampling.seed))", "manual_seed(0)",
-         ("tests/serving/test_executor.py", "-k", "seeded")),
-    Case("generate-seed", "generate() seeds row i with i, whatever the seed",
-         "trtpipe/runtime/generate.py", "manual_seed(int(seed) + i)", "manual_seed(i)",
-         ("tests/runtime/test_generate.py", "-k", "seed")),
-    Case("poisson-seed", "the Poisson arrivals ignore their seed",
-         "trtpipe/perf/simulate.py", "rng = random.Random(seed)", "rng = random.Random(0)",
-         ("tests/perf/test_simulate.py", "-k", "poisson")),
-    Case("percentile", "percentiles by the 'lower' rule instead of linear interpolation",
-         "trtpipe/bench/metrics.py", "np.percentile(a, p))", 'np.percentile(a, p, method="lower"))',
-         ("tests/bench/test_metrics.py", "-k", "stats_by_hand or closest_ranks")),
-    Case("tokenizer-dir", "tokenizer_dir left relative to the model (upstream's models resolve it against tritonserver's "
-         "working directory)", "trtpipe/triton/repo.py", "    point_tokenizer_dirs(configs, tokenizer_dir)\n",
-         "    pass\n", ("tests/triton_serving/test_repo.py", "-k", "upstream_models_load_the_tokenizer")),
-    Case("plan-unknown-gpu", "plan --slo --gpus with an unknown GPU answers 'does not fit' and exits 0",
-         "trtpipe/app/predictor.py", "    for key in gpus or ():  # a typo is bad input",
-         "    for key in ():  # a typo is bad input", ("tests/perf/test_predict_plan_cli.py", "-k", "unknown_gpu")),
-    Case("step-fit-huber", "the step-cost fit drops its Huber weights (plain least squares: stalls drag it)",
-         "trtpipe/perf/step_fit.py",
-         "w = np.sqrt(np.minimum(1.0, HUBER_K * sigma / np.maximum(np.abs(r), 1e-12)))", "w = np.ones_like(y)",
-         ("tests/perf/test_step_fit.py", "-k", "stalls")),
-    Case("bad-seed-kills-executor", "a seed torch cannot take is admitted unchecked (it killed the executor thread)",
-         "trtpipe/serving/executor.py", "        sampling = req.sampling.problem()\n",
-         "        sampling = None\n", ("tests/serving/test_executor.py", "-k", "bad_sampling")),
-    Case("import-cycle", "a function-local import that closes a cycle (processes -> mpi_launch -> processes)",
-         "trtpipe/processes.py", "\n\ndef remove_files(",
-         "\n\ndef _cycle():\n    from trtpipe.triton import mpi_launch  # noqa: F401\n\n\ndef remove_files(",
-         ("tests/test_architecture.py", "-k", "no_import_cycles")),
+    Case(
+        "stop-request",
+        "stop=true cancels nothing (the request ends by itself only after its 251 tokens)",
+        "model_repo/tensorrt_llm/1/model.py",
+        "                if owner == tid:\n                    self.executor.cancel(rid)",
+        "                if owner == tid:\n                    pass",
+        ("tests/triton_serving/test_inflight.py", "-k", "stop_request"),
+    ),
+    Case(
+        "executor-seed",
+        "the executor seeds every sampled request with 0, whatever its seed",
+        "trtpipe/serving/executor.py",
+        "manual_seed(int(req.sampling.seed))",
+        "manual_seed(0)",
+        ("tests/serving/test_executor.py", "-k", "seeded"),
+    ),
+    Case(
+        "generate-seed",
+        "generate() seeds row i with i, whatever the seed",
+        "trtpipe/runtime/generate.py",
+        "manual_seed(int(seed) + i)",
+        "manual_seed(i)",
+        ("tests/runtime/test_generate.py", "-k", "seed"),
+    ),
+    Case(
+        "poisson-seed",
+        "the Poisson arrivals ignore their seed",
+        "trtpipe/perf/simulate.py",
+        "rng = random.Random(seed)",
+        "rng = random.Random(0)",
+        ("tests/perf/test_simulate.py", "-k", "poisson"),
+    ),
+    Case(
+        "percentile",
+        "percentiles by the 'lower' rule instead of linear interpolation",
+        "trtpipe/bench/metrics.py",
+        "np.percentile(a, p))",
+        'np.percentile(a, p, method="lower"))',
+        ("tests/bench/test_metrics.py", "-k", "stats_by_hand or closest_ranks"),
+    ),
+    Case(
+        "tokenizer-dir",
+        "tokenizer_dir left relative to the model (upstream's models resolve it against tritonserver's "
+        "working directory)",
+        "trtpipe/triton/repo.py",
+        "    point_tokenizer_dirs(configs, tokenizer_dir)\n",
+        "    pass\n",
+        ("tests/triton_serving/test_repo.py", "-k", "upstream_models_load_the_tokenizer"),
+    ),
+    Case(
+        "plan-unknown-gpu",
+        "plan --slo --gpus with an unknown GPU answers 'does not fit' and exits 0",
+        "trtpipe/app/predictor.py",
+        "    for key in gpus or ():  # a typo is bad input",
+        "    for key in ():  # a typo is bad input",
+        ("tests/perf/test_predict_plan_cli.py", "-k", "unknown_gpu"),
+    ),
+    Case(
+        "step-fit-huber",
+        "the step-cost fit drops its Huber weights (plain least squares: stalls drag it)",
+        "trtpipe/perf/step_fit.py",
+        "w = np.sqrt(np.minimum(1.0, HUBER_K * sigma / np.maximum(np.abs(r), 1e-12)))",
+        "w = np.ones_like(y)",
+        ("tests/perf/test_step_fit.py", "-k", "stalls"),
+    ),
+    Case(
+        "bad-seed-kills-executor",
+        "a seed torch cannot take is admitted unchecked (it killed the executor thread)",
+        "trtpipe/serving/executor.py",
+        "        sampling = req.sampling.problem()\n",
+        "        sampling = None\n",
+        ("tests/serving/test_executor.py", "-k", "bad_sampling"),
+    ),
+    Case(
+        "import-cycle",
+        "a function-local import that closes a cycle (processes -> mpi_launch -> processes)",
+        "trtpipe/processes.py",
+        "\n\ndef remove_files(",
+        "\n\ndef _cycle():\n    from trtpipe.triton import mpi_launch  # noqa: F401\n\n\ndef remove_files(",
+        ("tests/test_architecture.py", "-k", "no_import_cycles"),
+    ),
 )
 
 
@@ -92,8 +139,10 @@ def check(case: Case) -> str:
         path.write_text(text)
     passes = run_tests(case.tests)
     verdict = "ok    " if caught and passes else "FAILED"
-    return (f"{verdict} {case.name}: broken build {'fails' if caught else 'PASSES'}, real build "
-            f"{'passes' if passes else 'FAILS'} ({' '.join(case.tests)}) -- {case.bug}")
+    return (
+        f"{verdict} {case.name}: broken build {'fails' if caught else 'PASSES'}, real build "
+        f"{'passes' if passes else 'FAILS'} ({' '.join(case.tests)}) -- {case.bug}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

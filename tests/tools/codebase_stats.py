@@ -22,9 +22,11 @@ import sys
 from pathlib import Path
 
 AREAS = {"library": "trtpipe/", "tests": "tests/", "scripts": "scripts/", "model_repo": "model_repo/"}
-OUTSIDE = re.compile(r"\.\./shared|shared/(spec|models|data)|[Cc]ontract §|\bcontract \d|_CONTRACT\.md|LAYOUTS\.md|"
-                     r"EXECUTOR_SEMANTICS|ENVIRONMENT\.md|PERF_REFERENCE|BENCH_REFERENCE|PREQUANTIZED_FORMATS|"
-                     r"MODEL_FAMILIES|DEPLOY_AT_SCALE|UPSTREAM_CROSSCHECK|SERVING_DESIGN")
+OUTSIDE = re.compile(
+    r"\.\./shared|shared/(spec|models|data)|[Cc]ontract §|\bcontract \d|_CONTRACT\.md|LAYOUTS\.md|"
+    r"EXECUTOR_SEMANTICS|ENVIRONMENT\.md|PERF_REFERENCE|BENCH_REFERENCE|PREQUANTIZED_FORMATS|"
+    r"MODEL_FAMILIES|DEPLOY_AT_SCALE|UPSTREAM_CROSSCHECK|SERVING_DESIGN"
+)
 
 
 def tracked(repo: Path) -> list[str]:
@@ -55,10 +57,13 @@ def stats(repo: Path, top: int) -> dict:
     areas = {}
     for area, prefix in AREAS.items():
         mine = [p for p in py if p.startswith(prefix)]
-        areas[area] = {"files": len(mine), "lines": sum(len((repo / p).read_text(encoding="utf-8").splitlines())
-                                                        for p in mine)}
-    funcs = sorted(((n, f"{p}:{name}") for p in py if p.startswith("trtpipe/") for n, name in functions(repo / p)),
-                   reverse=True)
+        areas[area] = {
+            "files": len(mine),
+            "lines": sum(len((repo / p).read_text(encoding="utf-8").splitlines()) for p in mine),
+        }
+    funcs = sorted(
+        ((n, f"{p}:{name}") for p in py if p.startswith("trtpipe/") for n, name in functions(repo / p)), reverse=True
+    )
     sizes = sorted(n for n, _ in funcs)
     refs = []
     for p in files:
@@ -69,10 +74,15 @@ def stats(repo: Path, top: int) -> dict:
         except (UnicodeDecodeError, OSError):
             continue
         refs += [f"{p}:{i}" for i, line in enumerate(text.splitlines(), 1) if OUTSIDE.search(line)]
-    return {"areas": areas, "library_functions": len(funcs), "median_function_lines": sizes[len(sizes) // 2] if sizes else 0,
-            "largest_functions": [{"lines": n, "where": w} for n, w in funcs[:top]],
-            "outside_references": len(refs), "outside_reference_files": len({r.rsplit(":", 1)[0] for r in refs}),
-            "outside_reference_lines": refs}
+    return {
+        "areas": areas,
+        "library_functions": len(funcs),
+        "median_function_lines": sizes[len(sizes) // 2] if sizes else 0,
+        "largest_functions": [{"lines": n, "where": w} for n, w in funcs[:top]],
+        "outside_references": len(refs),
+        "outside_reference_files": len({r.rsplit(":", 1)[0] for r in refs}),
+        "outside_reference_lines": refs,
+    }
 
 
 def render(s: dict) -> str:
@@ -81,8 +91,10 @@ def render(s: dict) -> str:
     lines.append(f"library functions: {s['library_functions']} (median {s['median_function_lines']} lines)")
     lines.append("largest library functions:")
     lines += [f"  {f['lines']:>4}  {f['where']}" for f in s["largest_functions"]]
-    lines.append(f"references to files outside the repository: {s['outside_references']} "
-                 f"in {s['outside_reference_files']} product files")
+    lines.append(
+        f"references to files outside the repository: {s['outside_references']} "
+        f"in {s['outside_reference_files']} product files"
+    )
     lines += [f"  {r}" for r in s["outside_reference_lines"][:20]]
     return "\n".join(lines)
 

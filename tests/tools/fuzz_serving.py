@@ -49,12 +49,19 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--limit", type=int, default=None, help="cases (Triton: each over HTTP and gRPC); default: all")
     ap.add_argument("--check-every", type=int, default=50, help="Triton: cases between two valid requests")
-    ap.add_argument("--expect", default=None, help="OpenAI twin: the valid greedy request's text (default: the "
-                    "server's first answer)")
+    ap.add_argument(
+        "--expect",
+        default=None,
+        help="OpenAI twin: the valid greedy request's text (default: the server's first answer)",
+    )
     ap.add_argument("--set", action="append", default=[], help="recipe override (llmapi recipe)")
     ap.add_argument("--port", type=int, default=None, help="OpenAI twin port (default: the recipe's)")
-    ap.add_argument("--chat-template", type=Path, default=None, help="OpenAI twin: a chat template for a tokenizer "
-                    "without one (the chat cases need it)")
+    ap.add_argument(
+        "--chat-template",
+        type=Path,
+        default=None,
+        help="OpenAI twin: a chat template for a tokenizer without one (the chat cases need it)",
+    )
     args = ap.parse_args()
     sigterm_as_interrupt()  # a kill stops the server too: it runs in its own session and would outlive us
     from trtpipe.app.launch_openai import is_openai_target

@@ -128,8 +128,11 @@ class _ModuleVisitor(ast.NodeVisitor):
     def _edge(self, dst: str, line: int, kind: str) -> None:
         new = [Edge(self.name, dst, self.path, line, kind)]
         if kind in GRAPH_KINDS:
-            new += [Edge(self.name, parent, self.path, line, "package") for parent in _parents(dst)
-                    if not (self.name == parent or self.name.startswith(parent + "."))]
+            new += [
+                Edge(self.name, parent, self.path, line, "package")
+                for parent in _parents(dst)
+                if not (self.name == parent or self.name.startswith(parent + "."))
+            ]
         self.edges += [e for e in new if e not in self.edges]  # one edge per line, not per imported name
 
     def _module_of(self, text: str) -> Optional[str]:
@@ -190,7 +193,7 @@ class _ModuleVisitor(ast.NodeVisitor):
             while target not in self.modules and "." in target:
                 target = target.rpartition(".")[0]
             if target != a.name:  # import trtpipe.x.gone
-                self.from_imports.append((target, a.name[len(target) + 1:].split(".")[0], node.lineno))
+                self.from_imports.append((target, a.name[len(target) + 1 :].split(".")[0], node.lineno))
             if target in self.modules:
                 self._edge(target, node.lineno, self._import_kind())
             if a.asname:
@@ -229,22 +232,33 @@ class _ModuleVisitor(ast.NodeVisitor):
         owner = self._owner(func)
         for kw in node.keywords:
             if owner and kw.arg and _is_private(kw.arg) and owner != self.name:
-                self.private.append(PrivateUse(self.name, owner, f"{'.'.join(func)}({kw.arg}=)", self.path,
-                                               node.lineno, "keyword"))
+                self.private.append(
+                    PrivateUse(self.name, owner, f"{'.'.join(func)}({kw.arg}=)", self.path, node.lineno, "keyword")
+                )
         if func == ["getattr"] and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
             chain = self._dotted(node.args[0])
             resolved = self._resolve_chain(chain) if chain else None
             name = node.args[1].value
-            if resolved and not resolved[1] and isinstance(name, str) and _is_private(name) \
-                    and resolved[0] != self.name:
+            if (
+                resolved
+                and not resolved[1]
+                and isinstance(name, str)
+                and _is_private(name)
+                and resolved[0] != self.name
+            ):
                 self.private.append(PrivateUse(self.name, resolved[0], name, self.path, node.lineno, "getattr"))
         self.generic_visit(node)
 
     def visit_Assign(self, node: ast.Assign) -> None:
         """``m = importlib.import_module("trtpipe.x")`` binds ``m`` to that module."""
         call = node.value
-        if isinstance(call, ast.Call) and (self._dotted(call.func) or [])[-1:] == ["import_module"] and call.args \
-                and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str):
+        if (
+            isinstance(call, ast.Call)
+            and (self._dotted(call.func) or [])[-1:] == ["import_module"]
+            and call.args
+            and isinstance(call.args[0], ast.Constant)
+            and isinstance(call.args[0].value, str)
+        ):
             target = self._module_of(call.args[0].value)
             for t in node.targets:
                 if target and isinstance(t, ast.Name):
@@ -300,13 +314,20 @@ def top_level_names(tree: ast.Module) -> Optional[set[str]]:
             elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
                 bind(node.target)
             elif isinstance(node, (ast.For, ast.With)):
-                bind(node.target if isinstance(node, ast.For) else ast.Tuple([i.optional_vars for i in node.items
-                                                                              if i.optional_vars], ast.Load()))
+                bind(
+                    node.target
+                    if isinstance(node, ast.For)
+                    else ast.Tuple([i.optional_vars for i in node.items if i.optional_vars], ast.Load())
+                )
                 if not scan(node.body):
                     return False
             elif isinstance(node, (ast.If, ast.Try, ast.While)):
-                for part in (node.body, getattr(node, "orelse", []), getattr(node, "finalbody", []),
-                             *[h.body for h in getattr(node, "handlers", [])]):
+                for part in (
+                    node.body,
+                    getattr(node, "orelse", []),
+                    getattr(node, "finalbody", []),
+                    *[h.body for h in getattr(node, "handlers", [])],
+                ):
                     if not scan(part):
                         return False
         return "__getattr__" not in names
@@ -326,10 +347,11 @@ def build(root: Path) -> Graph:
         v.visit(trees[name])
         graph.edges += v.edges
         graph.private += v.private
-        graph.unresolved += [Unresolved(name, target, what, graph.modules[name], line)
-                             for target, what, line in v.from_imports
-                             if what != "*" and (target not in defined
-                                                 or defined[target] is not None and what not in defined[target])]
+        graph.unresolved += [
+            Unresolved(name, target, what, graph.modules[name], line)
+            for target, what, line in v.from_imports
+            if what != "*" and (target not in defined or defined[target] is not None and what not in defined[target])
+        ]
     return graph
 
 
@@ -373,8 +395,9 @@ def cycles(graph: Graph) -> list[list[str]]:
 
 def cycle_edges(graph: Graph, component: Iterable[str]) -> list[Edge]:
     members = set(component)
-    return sorted((e for e in graph.graph_edges() if e.src in members and e.dst in members),
-                  key=lambda e: (e.src, e.dst, e.line))
+    return sorted(
+        (e for e in graph.graph_edges() if e.src in members and e.dst in members), key=lambda e: (e.src, e.dst, e.line)
+    )
 
 
 def summary(graph: Graph) -> dict:
@@ -395,8 +418,10 @@ def summary(graph: Graph) -> dict:
 
 
 def text_report(s: dict) -> str:
-    lines = [f"{s['root']}: {s['modules']} modules; edges by kind: "
-             + ", ".join(f"{k} {n}" for k, n in s["edges_by_kind"].items())]
+    lines = [
+        f"{s['root']}: {s['modules']} modules; edges by kind: "
+        + ", ".join(f"{k} {n}" for k, n in s["edges_by_kind"].items())
+    ]
     lines.append(f"cycles (strongly connected components of more than one module): {len(s['cycles'])}")
     for i, c in enumerate(s["cycles"], 1):
         lines.append(f"  {i}. {' <-> '.join(c['modules'])}")
@@ -413,8 +438,12 @@ def text_report(s: dict) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2],
-                    help="the checkout whose trtpipe/ is read (default: this repository)")
+    ap.add_argument(
+        "--root",
+        type=Path,
+        default=Path(__file__).resolve().parents[2],
+        help="the checkout whose trtpipe/ is read (default: this repository)",
+    )
     ap.add_argument("--json", action="store_true", help="print JSON (every edge included)")
     args = ap.parse_args(argv)
     if not (args.root / PACKAGE).is_dir():

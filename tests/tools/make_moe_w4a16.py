@@ -49,17 +49,30 @@ def make(outdir: Path) -> None:
     for name, symmetric in (("sym", True), ("asym", False)):
         tmp, final = outdir / f"{name}.tmp", outdir / name
         shutil.rmtree(tmp, ignore_errors=True)
-        groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
-            num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=GROUP))}
+        groups = {
+            "group_0": QuantizationScheme(
+                targets=["Linear"],
+                weights=QuantizationArgs(
+                    num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=GROUP
+                ),
+            )
+        }
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).eval()
-        oneshot(model=model, recipe=QuantizationModifier(config_groups=groups, ignore=IGNORE), output_dir=str(tmp),
-                log_dir=None)
-        info = dict(producer="llmcompressor",
-                    versions={p: metadata.version(p) for p in ("torch", "transformers", "llmcompressor",
-                                                               "compressed-tensors")},
-                    call=(f"oneshot(model=synthetic qwen3_moe seed 2 bf16, recipe=QuantizationModifier(config_groups="
-                          f"int4 group {GROUP} symmetric={symmetric}, ignore={IGNORE}), output_dir=...)"))
+        oneshot(
+            model=model,
+            recipe=QuantizationModifier(config_groups=groups, ignore=IGNORE),
+            output_dir=str(tmp),
+            log_dir=None,
+        )
+        info = dict(
+            producer="llmcompressor",
+            versions={p: metadata.version(p) for p in ("torch", "transformers", "llmcompressor", "compressed-tensors")},
+            call=(
+                f"oneshot(model=synthetic qwen3_moe seed 2 bf16, recipe=QuantizationModifier(config_groups="
+                f"int4 group {GROUP} symmetric={symmetric}, ignore={IGNORE}), output_dir=...)"
+            ),
+        )
         (tmp / "producer.json").write_text(json.dumps(info, indent=2) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)

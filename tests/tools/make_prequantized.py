@@ -43,8 +43,13 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # trtpipe.models.synthetic (needs only torch + transformers)
 
 STORIES = ROOT / "models" / "stories260k"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play"
 CALIB_TEXTS = [
     "Once upon a time, there was a little dog named Max. Max liked to run in the park.",
@@ -64,8 +69,17 @@ CALIB_TEXTS = [
     "Jack had a new red bike. He rode it to school and showed it to all his friends.",
     "The moon was bright. A little owl flew over the houses and said hello to the stars.",
 ]
-QWEN3_SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2,
-                   head_dim=32, vocab_size=512, num_hidden_layers=2, bos_token_id=1, eos_token_id=2)
+QWEN3_SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=512,
+    num_hidden_layers=2,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 STORIES_GROUP = 64  # the engine's group-wise INT4 GEMM runs 64 or 128 (trtpipe.engine.upstream)
 AWQ_CALIB_TEXTS = 4  # AWQ searches per batch: the first 4 texts keep it to seconds on a loaded 2-core CPU
 AWQ_ALPHA_STEP = 0.25
@@ -119,8 +133,9 @@ def calib_dataset():
 
     tok = tokenizer()
     rows = [tok(t) for t in CALIB_TEXTS]
-    return Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows],
-                              "attention_mask": [r["attention_mask"] for r in rows]})
+    return Dataset.from_dict(
+        {"input_ids": [r["input_ids"] for r in rows], "attention_mask": [r["attention_mask"] for r in rows]}
+    )
 
 
 def prompt_ids() -> torch.Tensor:
@@ -149,13 +164,16 @@ def transformers_logits(path: Path, **kwargs) -> tuple[torch.Tensor, torch.dtype
 
     method = json.loads((path / "config.json").read_text()).get("quantization_config", {}).get("quant_method")
     if method not in AUTO_QUANTIZER_MAPPING:
-        raise NotLoadable(f"transformers {transformers.__version__} has no quantizer for quant_method {method!r} "
-                          "(it would skip the quantization and read the raw codes without their scales)")
+        raise NotLoadable(
+            f"transformers {transformers.__version__} has no quantizer for quant_method {method!r} "
+            "(it would skip the quantization and read the raw codes without their scales)"
+        )
     model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
     unused = sorted(info.get("unexpected_keys") or [])
     if unused:
-        raise NotLoadable(f"transformers {transformers.__version__} leaves {len(unused)} stored tensors unused "
-                          f"(e.g. {unused[0]})")
+        raise NotLoadable(
+            f"transformers {transformers.__version__} leaves {len(unused)} stored tensors unused (e.g. {unused[0]})"
+        )
     model = model.eval()
     try:
         model = model.to(torch.float64)
@@ -174,20 +192,25 @@ def logits_or_reason(out: Path, **kwargs) -> dict:
         return dict(oracle_logits=None, oracle_logits_absent=f"{type(e).__name__}: {str(e).splitlines()[0]}")
     save_logits(out, logits)
     args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-    return dict(oracle_logits=f"transformers AutoModelForCausalLM.from_pretrained(dir, {args}), forward over "
-                              f"input_ids on CPU with the model in {str(dtype).replace('torch.', '')} (float64 "
-                              "where transformers lets the model be cast); a quantized kernel may dequantize in "
-                              "its scales' dtype")
+    return dict(
+        oracle_logits=f"transformers AutoModelForCausalLM.from_pretrained(dir, {args}), forward over "
+        f"input_ids on CPU with the model in {str(dtype).replace('torch.', '')} (float64 "
+        "where transformers lets the model be cast); a quantized kernel may dequantize in "
+        "its scales' dtype"
+    )
 
 
 def save_oracle(out: Path, weights: dict[str, torch.Tensor]) -> None:
-    save_file({k: v.to(torch.float32).contiguous() for k, v in sorted(weights.items())},
-              str(out / "oracle.safetensors"))
+    save_file(
+        {k: v.to(torch.float32).contiguous() for k, v in sorted(weights.items())}, str(out / "oracle.safetensors")
+    )
 
 
 def save_logits(out: Path, logits: torch.Tensor) -> None:
-    save_file({"input_ids": prompt_ids()[0].contiguous(), "logits": logits.contiguous()},
-              str(out / "oracle_logits.safetensors"))
+    save_file(
+        {"input_ids": prompt_ids()[0].contiguous(), "logits": logits.contiguous()},
+        str(out / "oracle_logits.safetensors"),
+    )
 
 
 def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -251,13 +274,15 @@ def modelopt_oracle(out: Path) -> dict[str, torch.Tensor]:
         if quant_algo == "FP8":
             oracle[name] = from_quantized_weight(w, s.float(), QUANTIZATION_FP8, torch.float32)
         elif quant_algo == "FP8_PER_CHANNEL_PER_TOKEN":
-            oracle[name] = FP8QTensor(w.shape, torch.float32, w).dequantize(torch.float32,
-                                                                            scale=s.float().reshape(-1, 1))
+            oracle[name] = FP8QTensor(w.shape, torch.float32, w).dequantize(
+                torch.float32, scale=s.float().reshape(-1, 1)
+            )
         elif quant_algo == "NVFP4":
             s2 = t[name[: -len("weight")] + "weight_scale_2"]
             shape = (w.shape[0], w.shape[1] * 2)
             oracle[name] = NVFP4QTensor(shape, torch.float32, w).dequantize(
-                torch.float32, scale=s, double_scale=s2.float(), block_sizes={-1: group or 16})
+                torch.float32, scale=s, double_scale=s2.float(), block_sizes={-1: group or 16}
+            )
         elif quant_algo in ("W4A16_AWQ", "W4A8_AWQ"):
             lo = (w & 0x0F).to(torch.int8)
             hi = (w >> 4).to(torch.int8)
@@ -292,15 +317,21 @@ def make_modelopt(mode: str, model: str) -> Callable[[Path, Path], dict]:
         copy_tokenizer(out)
         save_oracle(out, modelopt_oracle(out))
         grouped = MODELOPT_MODES[mode][1]
-        return dict(producer="modelopt", versions=versions("nvidia-modelopt"),
-                    call=(f"mtq.quantize(model_float32, {'+'.join(MODELOPT_MODES[mode][0])}"
-                          + (f" with weight block {group}" if grouped and mode != "nvfp4" else "")
-                          + (f", {list(skip)} disabled" if grouped and skip else "")
-                          + (f", algorithm awq_lite alpha_step {AWQ_ALPHA_STEP}" if "awq" in mode else "")
-                          + f", forward_loop over {len(batches)} calibration texts); "
-                          "export_hf_checkpoint(model, export_dir, dtype=torch.bfloat16)"),
-                    oracle="modelopt_oracle(): " + " ".join(modelopt_oracle.__doc__.split()),
-                    **logits_or_reason(out, dtype=torch.float32))
+        return dict(
+            producer="modelopt",
+            versions=versions("nvidia-modelopt"),
+            call=(
+                f"mtq.quantize(model_float32, {'+'.join(MODELOPT_MODES[mode][0])}"
+                + (f" with weight block {group}" if grouped and mode != "nvfp4" else "")
+                + (f", {list(skip)} disabled" if grouped and skip else "")
+                + (f", algorithm awq_lite alpha_step {AWQ_ALPHA_STEP}" if "awq" in mode else "")
+                + f", forward_loop over {len(batches)} calibration texts); "
+                "export_hf_checkpoint(model, export_dir, dtype=torch.bfloat16)"
+            ),
+            oracle="modelopt_oracle(): " + " ".join(modelopt_oracle.__doc__.split()),
+            **logits_or_reason(out, dtype=torch.float32),
+        )
+
     return run
 
 
@@ -319,19 +350,25 @@ def llmc_recipe(fmt: str, model: str):
         ignore += [f"re:.*{m}$" for m in STORIES_BLOCKED_SKIP]
 
     def w4(actorder=None, symmetric=True):
-        return {"group_0": QuantizationScheme(
-            targets=["Linear"],
-            weights=QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group",
-                                     group_size=group, actorder=actorder))}
+        return {
+            "group_0": QuantizationScheme(
+                targets=["Linear"],
+                weights=QuantizationArgs(
+                    num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group, actorder=actorder
+                ),
+            )
+        }
 
     table = {
         "fp8_static": lambda: QuantizationModifier(targets="Linear", scheme="FP8", ignore=ignore),
         "fp8_dynamic": lambda: QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=ignore),
         "fp8_block": lambda: QuantizationModifier(targets="Linear", scheme="FP8_BLOCK", ignore=ignore),
         "fp8_kv": lambda: QuantizationModifier(
-            targets="Linear", scheme="FP8", ignore=ignore,
-            kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
-                             "symmetric": True}),
+            targets="Linear",
+            scheme="FP8",
+            ignore=ignore,
+            kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True},
+        ),
         "w8a8_int8": lambda: GPTQModifier(targets="Linear", scheme="W8A8", ignore=ignore),
         "w4a16": lambda: QuantizationModifier(config_groups=w4(), ignore=ignore),
         "w4a16_asym": lambda: QuantizationModifier(config_groups=w4(symmetric=False), ignore=ignore),
@@ -350,29 +387,46 @@ def make_llmc(fmt: str, model: str) -> Callable[[Path, Path], dict]:
         hf = load_base(base)
         recipe = llmc_recipe(fmt, model)
         torch.manual_seed(0)
-        oneshot(model=hf, recipe=recipe, dataset=calib_dataset(), num_calibration_samples=len(CALIB_TEXTS),
-                max_seq_length=64, shuffle_calibration_samples=False, output_dir=str(out), tokenizer=tokenizer(),
-                log_dir=None)
+        oneshot(
+            model=hf,
+            recipe=recipe,
+            dataset=calib_dataset(),
+            num_calibration_samples=len(CALIB_TEXTS),
+            max_seq_length=64,
+            shuffle_calibration_samples=False,
+            output_dir=str(out),
+            tokenizer=tokenizer(),
+            log_dir=None,
+        )
         copy_tokenizer(out)
         # compressed-tensors' own decompression, as transformers calls it on load (run_compressed=False):
         # the dense weights it gives are the oracle, and the same model's forward the logits
         from transformers import AutoModelForCausalLM
 
         dense = AutoModelForCausalLM.from_pretrained(
-            out, dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
+            out, dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False)
+        ).eval()
         sd = dense.state_dict()
         stored = checkpoint_tensors(out)
         quantized = sorted({k.rsplit(".", 1)[0] for k in stored if k.endswith(("weight_scale", "weight_packed"))})
         save_oracle(out, {f"{m}.weight": sd[f"{m}.weight"] for m in quantized})
-        logits = logits_or_reason(out, dtype=torch.float32,
-                                  quantization_config=CompressedTensorsConfig(run_compressed=False))
-        return dict(producer="llmcompressor", versions=versions("llmcompressor", "compressed-tensors"),
-                    call=f"oneshot(model=model_bf16, recipe={recipe!r}, dataset=16 calibration texts, "
-                         "max_seq_length=64, shuffle_calibration_samples=False, output_dir=...)",
-                    oracle=("compressed_tensors' decompression (ModelCompressor.decompress_model, which "
-                            "transformers runs when loading with CompressedTensorsConfig(run_compressed=False)), "
-                            "float32 weights of the modules that carry weight_scale / weight_packed"),
-                    activations_in_logits=ct_activation_note(out), **logits)
+        logits = logits_or_reason(
+            out, dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False)
+        )
+        return dict(
+            producer="llmcompressor",
+            versions=versions("llmcompressor", "compressed-tensors"),
+            call=f"oneshot(model=model_bf16, recipe={recipe!r}, dataset=16 calibration texts, "
+            "max_seq_length=64, shuffle_calibration_samples=False, output_dir=...)",
+            oracle=(
+                "compressed_tensors' decompression (ModelCompressor.decompress_model, which "
+                "transformers runs when loading with CompressedTensorsConfig(run_compressed=False)), "
+                "float32 weights of the modules that carry weight_scale / weight_packed"
+            ),
+            activations_in_logits=ct_activation_note(out),
+            **logits,
+        )
+
     return run
 
 
@@ -385,8 +439,10 @@ def ct_activation_note(out: Path) -> str:
     for name, group in sorted(qc["config_groups"].items()):
         a = group.get("input_activations")
         if a:
-            notes.append(f"{name}: inputs of {group['targets']} fake-quantized to {a['type']}{a['num_bits']} "
-                         f"{a['strategy']} " + ("dynamic" if a["dynamic"] else "static (stored input_scale)"))
+            notes.append(
+                f"{name}: inputs of {group['targets']} fake-quantized to {a['type']}{a['num_bits']} "
+                f"{a['strategy']} " + ("dynamic" if a["dynamic"] else "static (stored input_scale)")
+            )
     if qc.get("kv_cache_scheme"):
         notes.append(f"kv cache scheme {qc['kv_cache_scheme']} (k_scale / v_scale on self_attn)")
     return "; ".join(notes) or "none: weight-only (logits = dense forward of oracle.safetensors' weights)"
@@ -415,9 +471,12 @@ def gptqmodel_oracle(out: Path, method: str) -> dict[str, torch.Tensor]:
         from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
 
         t = checkpoint_tensors(out)
-        return {f"{m}.weight": dequantize_gemm(t[f"{m}.qweight"], t[f"{m}.qzeros"], t[f"{m}.scales"].float(),
-                                               qc["bits"], qc["group_size"]).T
-                for m in sorted(k[: -len(".qweight")] for k in t if k.endswith(".qweight"))}
+        return {
+            f"{m}.weight": dequantize_gemm(
+                t[f"{m}.qweight"], t[f"{m}.qzeros"], t[f"{m}.scales"].float(), qc["bits"], qc["group_size"]
+            ).T
+            for m in sorted(k[: -len(".qweight")] for k in t if k.endswith(".qweight"))
+        }
     from gptqmodel import BACKEND, GPTQModel
     from gptqmodel.nn_modules.qlinear import PackableQuantLinear
 
@@ -448,10 +507,18 @@ def make_gptqmodel(mode: str, model: str) -> Callable[[Path, Path], dict]:
         method, fmt, desc_act, sym = GPTQMODEL_MODES[mode]
         base = base_model(model, outdir)
         tok = tokenizer()
-        calib = [{"input_ids": r["input_ids"], "attention_mask": r["attention_mask"]}
-                 for r in (tok(t) for t in CALIB_TEXTS)]
-        qc = QuantizeConfig(bits=4, group_size=128, method=METHOD(method), format=FORMAT(fmt), desc_act=desc_act,
-                            sym=sym, offload_to_disk=False)
+        calib = [
+            {"input_ids": r["input_ids"], "attention_mask": r["attention_mask"]} for r in (tok(t) for t in CALIB_TEXTS)
+        ]
+        qc = QuantizeConfig(
+            bits=4,
+            group_size=128,
+            method=METHOD(method),
+            format=FORMAT(fmt),
+            desc_act=desc_act,
+            sym=sym,
+            offload_to_disk=False,
+        )
         torch.manual_seed(0)
         q = GPTQModel.load(str(base), qc, device="cpu")
         # AWQ: the portable torch kernel (GPTQModel's default AWQ GEMM kernel needs CUDA: "AWQ: CUDA is not
@@ -463,13 +530,19 @@ def make_gptqmodel(mode: str, model: str) -> Callable[[Path, Path], dict]:
         save_oracle(out, gptqmodel_oracle(out, method))
         import gptqmodel
 
-        return dict(producer="gptqmodel", versions=versions("gptqmodel"),
-                    call=(f"GPTQModel.load(base, QuantizeConfig(bits=4, group_size=128, method={method!r}, "
-                          f"format={fmt!r}, desc_act={desc_act}, sym={sym}), device='cpu'); "
-                          f"quantize(16 calibration texts, batch_size=1, backend={backend.value!r}); save(dir)  [gptqmodel "
-                          f"{gptqmodel.__version__}, GPTQMODEL_DISABLE_PACK_EXT=1]"),
-                    oracle="gptqmodel_oracle(): " + " ".join(gptqmodel_oracle.__doc__.split()),
-                    **logits_or_reason(out, dtype=torch.float32, device_map="cpu"))
+        return dict(
+            producer="gptqmodel",
+            versions=versions("gptqmodel"),
+            call=(
+                f"GPTQModel.load(base, QuantizeConfig(bits=4, group_size=128, method={method!r}, "
+                f"format={fmt!r}, desc_act={desc_act}, sym={sym}), device='cpu'); "
+                f"quantize(16 calibration texts, batch_size=1, backend={backend.value!r}); save(dir)  [gptqmodel "
+                f"{gptqmodel.__version__}, GPTQMODEL_DISABLE_PACK_EXT=1]"
+            ),
+            oracle="gptqmodel_oracle(): " + " ".join(gptqmodel_oracle.__doc__.split()),
+            **logits_or_reason(out, dtype=torch.float32, device_map="cpu"),
+        )
+
     return run
 
 
@@ -482,8 +555,16 @@ def registry() -> dict[str, tuple[str, str, Callable]]:
     for mode in MODELOPT_MODES:
         for model in ("stories", "qwen3") if MODELOPT_MODES[mode][1] else ("stories",):
             reg[f"modelopt-{mode}-{model}"] = ("modelopt", mode, make_modelopt(mode, model))
-    for fmt in ("fp8_static", "fp8_dynamic", "fp8_kv", "w8a8_int8", "w4a16", "w4a16_asym", "gptq_w4a16",
-                "gptq_w4a16_actorder"):
+    for fmt in (
+        "fp8_static",
+        "fp8_dynamic",
+        "fp8_kv",
+        "w8a8_int8",
+        "w4a16",
+        "w4a16_asym",
+        "gptq_w4a16",
+        "gptq_w4a16_actorder",
+    ):
         reg[f"llmc-{fmt}-stories"] = ("llmcompressor", fmt, make_llmc(fmt, "stories"))
     for fmt in ("fp8_block", "w4a16", "gptq_w4a16"):
         reg[f"llmc-{fmt}-qwen3"] = ("llmcompressor", fmt, make_llmc(fmt, "qwen3"))
@@ -500,8 +581,13 @@ def build(name: str, outdir: Path) -> float:
     start = time.perf_counter()
     info = fn(tmp, outdir)
     model = name.rsplit("-", 1)[1]
-    info = dict(name=name, format=fmt, base=("models/stories260k" if model == "stories" else f"base-{model}"),
-                prompt=PROMPT, **info)
+    info = dict(
+        name=name,
+        format=fmt,
+        base=("models/stories260k" if model == "stories" else f"base-{model}"),
+        prompt=PROMPT,
+        **info,
+    )
     (tmp / "producer.json").write_text(json.dumps(info, indent=2) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)

@@ -46,13 +46,18 @@ class Case:
 
 def base(endpoint: str, model: str) -> dict:
     if endpoint == "chat":
-        return {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": CHECK_TOKENS,
-                "temperature": 0}
+        return {
+            "model": model,
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": CHECK_TOKENS,
+            "temperature": 0,
+        }
     return {"model": model, "prompt": PROMPT, "max_tokens": CHECK_TOKENS, "temperature": 0}
 
 
 def encode(body: Any) -> bytes:
     """JSON text of ``body`` with the NaN/Infinity placeholders written as the bare literals."""
+
     def sub(v):
         if v is NAN:
             return "@@NaN@@"
@@ -63,12 +68,39 @@ def encode(body: Any) -> bytes:
         if isinstance(v, list):
             return [sub(x) for x in v]
         return v
+
     text = json.dumps(sub(body), ensure_ascii=False)
     return text.replace('"@@NaN@@"', "NaN").replace('"@@Inf@@"', "Infinity").encode("utf-8", "surrogatepass")
 
 
-GENERIC = [None, True, False, 0, 1, -1, 2, 1.5, -1e30, 1e30, 2**31, 2**63, 2**64, -(2**64), 10**30, NAN, INF, "",
-           "x", "é€😀", "\ud800", [], [1], ["x"], {}, {"a": 1}]
+GENERIC = [
+    None,
+    True,
+    False,
+    0,
+    1,
+    -1,
+    2,
+    1.5,
+    -1e30,
+    1e30,
+    2**31,
+    2**63,
+    2**64,
+    -(2**64),
+    10**30,
+    NAN,
+    INF,
+    "",
+    "x",
+    "é€😀",
+    "\ud800",
+    [],
+    [1],
+    ["x"],
+    {},
+    {"a": 1},
+]
 
 SPECIFIC = {
     "max_tokens": [0, -5, 1, 3, 10**9, 2**63, "4", 4.0],
@@ -88,12 +120,34 @@ SPECIFIC = {
     "frequency_penalty": [0.0, 0.5],
     "response_format": [{"type": "text"}, {"type": "json_object"}],
 }
-PROMPTS = [[1, 403, 407, 261, 378], [], [-1], [512], [10**30], [2**63], [[1, 2], [3]], ["a", "b"], [PROMPT], "",
-           MB_PROMPT, "\x00", "é" * 1000]
-MESSAGES = [[], [{}], [{"role": "user"}], [{"role": "user", "content": 123}], [{"role": 5, "content": "x"}],
-            [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], [{"role": "system", "content": "x"}],
-            [{"role": "user", "content": None}], [{"role": "user", "content": MB_PROMPT}], "hello",
-            [{"role": "user", "content": "x", "extra": {"deep": [1] * 1000}}]]
+PROMPTS = [
+    [1, 403, 407, 261, 378],
+    [],
+    [-1],
+    [512],
+    [10**30],
+    [2**63],
+    [[1, 2], [3]],
+    ["a", "b"],
+    [PROMPT],
+    "",
+    MB_PROMPT,
+    "\x00",
+    "é" * 1000,
+]
+MESSAGES = [
+    [],
+    [{}],
+    [{"role": "user"}],
+    [{"role": "user", "content": 123}],
+    [{"role": 5, "content": "x"}],
+    [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+    [{"role": "system", "content": "x"}],
+    [{"role": "user", "content": None}],
+    [{"role": "user", "content": MB_PROMPT}],
+    "hello",
+    [{"role": "user", "content": "x", "extra": {"deep": [1] * 1000}}],
+]
 
 
 def cases(model: str, rng: random.Random) -> list[Case]:
@@ -101,15 +155,34 @@ def cases(model: str, rng: random.Random) -> list[Case]:
     for ep in ("completions", "chat"):
         b = base(ep, model)
         prompt_key = "prompt" if ep == "completions" else "messages"
-        fields = ["model", prompt_key, "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "best_of",
-                  "logprobs", "priority", "stream_options", "user", "frequency_penalty", "response_format"]
+        fields = [
+            "model",
+            prompt_key,
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "seed",
+            "stop",
+            "n",
+            "best_of",
+            "logprobs",
+            "priority",
+            "stream_options",
+            "user",
+            "frequency_penalty",
+            "response_format",
+        ]
         if ep == "chat":
             fields += ["max_completion_tokens", "top_logprobs"]
-        body_cases = [("valid", dict(b)), ("the issue's seed (temperature 1, seed 2^64)",
-                                           {**b, "temperature": 1, "seed": ISSUE_SEED}),
-                      ("unknown field", {**b, "no_such_field": 1}), ("empty object", {}),
-                      ("model omitted", {k: v for k, v in b.items() if k != "model"}),
-                      (f"{prompt_key} omitted", {k: v for k, v in b.items() if k != prompt_key})]
+        body_cases = [
+            ("valid", dict(b)),
+            ("the issue's seed (temperature 1, seed 2^64)", {**b, "temperature": 1, "seed": ISSUE_SEED}),
+            ("unknown field", {**b, "no_such_field": 1}),
+            ("empty object", {}),
+            ("model omitted", {k: v for k, v in b.items() if k != "model"}),
+            (f"{prompt_key} omitted", {k: v for k, v in b.items() if k != prompt_key}),
+        ]
         for name in fields:
             values = list(GENERIC) + SPECIFIC.get(name, [])
             if name == "prompt":
@@ -120,25 +193,39 @@ def cases(model: str, rng: random.Random) -> list[Case]:
                 values += ["other-model", "x" * 100_000]
             for v in values:
                 label = "NaN" if v is NAN else "Infinity" if v is INF else repr(v)
-                if v is MB_PROMPT or (isinstance(v, list) and any(isinstance(m, dict) and m.get("content") is MB_PROMPT
-                                                                  for m in v)):
+                if v is MB_PROMPT or (
+                    isinstance(v, list) and any(isinstance(m, dict) and m.get("content") is MB_PROMPT for m in v)
+                ):
                     label = "a 1 MB text"
                 body_cases.append((f"{name}={label[:40]}", {**b, name: v}))
         for what, body in body_cases:
             out.append(Case(ep, what, body))
             out.append(Case(ep, what, {**body, "stream": True} if isinstance(body, dict) else body, stream=True))
-        for what, raw in (("empty body", b""), ("broken JSON", b'{"prompt": '), ("not an object", b"[1, 2]"),
-                          ("null", b"null"), ("a string", b'"x"'), ("bad UTF-8", b'{"prompt": "\xff\xfe\xfd"}'),
-                          ("deep nesting", b"[" * 200_000 + b"]" * 200_000),
-                          ("over the size limit", b'{"prompt": "' + b"a" * (5 << 20) + b'"}'),
-                          ("NaN temperature literal", encode({**b, "temperature": NAN})),
-                          ("duplicate keys", encode(b)[:-1] + b', "max_tokens": -1}')):
+        for what, raw in (
+            ("empty body", b""),
+            ("broken JSON", b'{"prompt": '),
+            ("not an object", b"[1, 2]"),
+            ("null", b"null"),
+            ("a string", b'"x"'),
+            ("bad UTF-8", b'{"prompt": "\xff\xfe\xfd"}'),
+            ("deep nesting", b"[" * 200_000 + b"]" * 200_000),
+            ("over the size limit", b'{"prompt": "' + b"a" * (5 << 20) + b'"}'),
+            ("NaN temperature literal", encode({**b, "temperature": NAN})),
+            ("duplicate keys", encode(b)[:-1] + b', "max_tokens": -1}'),
+        ):
             out.append(Case(ep, what, raw=raw))
         out.append(Case(ep, "text/plain content type", b, content_type="text/plain"))
         out.append(Case(ep, "client cuts the body short", raw=encode(b), action="cut_body"))
         out.append(Case(ep, "client leaves before the answer", {**b, "max_tokens": 64}, action="leave_early"))
-        out.append(Case(ep, "client leaves mid-stream", {**b, "max_tokens": 200, "stream": True}, stream=True,
-                        action="leave_mid_stream"))
+        out.append(
+            Case(
+                ep,
+                "client leaves mid-stream",
+                {**b, "max_tokens": 200, "stream": True},
+                stream=True,
+                action="leave_mid_stream",
+            )
+        )
     return out
 
 
@@ -148,8 +235,13 @@ def _shape_problem(status: int, headers: dict, data: bytes) -> str:
         err = json.loads(data)["error"]
     except (ValueError, KeyError, TypeError):
         return f"status {status}, body is not an OpenAI error: {data[:200]!r}"
-    if not (isinstance(err, dict) and isinstance(err.get("message"), str) and isinstance(err.get("type"), str)
-            and "param" in err and err.get("code") == status):
+    if not (
+        isinstance(err, dict)
+        and isinstance(err.get("message"), str)
+        and isinstance(err.get("type"), str)
+        and "param" in err
+        and err.get("code") == status
+    ):
         return f"status {status}, malformed error object {err!r:.200}"
     if status in (429, 503) and "retry-after" not in {k.lower() for k in headers}:
         return f"status {status} without Retry-After"
@@ -187,8 +279,9 @@ class Client:
         u = urlsplit(url)
         self.host, self.port, self.timeout = u.hostname, u.port, timeout
 
-    def request(self, method: str, path: str, data: Optional[bytes] = None,
-                content_type: str = "application/json") -> tuple[int, dict, bytes]:
+    def request(
+        self, method: str, path: str, data: Optional[bytes] = None, content_type: str = "application/json"
+    ) -> tuple[int, dict, bytes]:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
         try:
             conn.request(method, path, body=data, headers={"Content-Type": content_type} if data is not None else {})
@@ -219,8 +312,10 @@ def _send(client: Client, case: Case) -> tuple[str, str]:
     """(outcome, problem) of one case."""
     data = case.raw if case.raw is not None else encode(case.body)
     path = _path(case.endpoint)
-    head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data) + (100 if case.action == 'cut_body' else 0)}\r\n\r\n").encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data) + (100 if case.action == 'cut_body' else 0)}\r\n\r\n"
+    ).encode()
     if case.action == "cut_body":
         client.raw(head + data[: len(data) // 2])
         return "client left", ""
@@ -255,9 +350,15 @@ def check(client: Client, model: str, expected: Optional[str]) -> tuple[str, str
     return text, ""
 
 
-def run(url: str, model: str, expected: Optional[str] = None, limit: Optional[int] = None, seed: int = 0,
-        alive: Optional[Callable[[], bool]] = None, keep: tuple[str, ...] = ("valid", "issue's seed", "leaves",
-                                                                            "cuts", "1 MB")) -> dict:
+def run(
+    url: str,
+    model: str,
+    expected: Optional[str] = None,
+    limit: Optional[int] = None,
+    seed: int = 0,
+    alive: Optional[Callable[[], bool]] = None,
+    keep: tuple[str, ...] = ("valid", "issue's seed", "leaves", "cuts", "1 MB"),
+) -> dict:
     """Send the cases (a random ``limit`` of them, always with those whose description holds one of ``keep``),
     each followed by the valid greedy request; returns the summary. ``expected``: the valid request's text (None:
     the first answer is taken as it, and the summary says so)."""
@@ -291,6 +392,12 @@ def run(url: str, model: str, expected: Optional[str] = None, limit: Optional[in
         _, problem = check(client, model, expected)
         if problem:
             failures.append(f"after {case.endpoint} {mode} [{case.what}]: {problem}")
-    return {"cases": len(todo), "of": total, "requests": 2 * len(todo) + 1, "expected": expected,
-            "outcomes": dict(sorted(counts.items())), "failures": failures,
-            "seconds": round(time.monotonic() - started, 1)}
+    return {
+        "cases": len(todo),
+        "of": total,
+        "requests": 2 * len(todo) + 1,
+        "expected": expected,
+        "outcomes": dict(sorted(counts.items())),
+        "failures": failures,
+        "seconds": round(time.monotonic() - started, 1),
+    }

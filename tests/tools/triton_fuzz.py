@@ -24,11 +24,28 @@ from typing import Callable, Optional
 
 import numpy as np
 
-NP = {"TYPE_BOOL": np.bool_, "TYPE_UINT8": np.uint8, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64,
-      "TYPE_UINT64": np.uint64, "TYPE_FP16": np.float16, "TYPE_FP32": np.float32, "TYPE_FP64": np.float64,
-      "TYPE_STRING": np.object_}
-WIRE = {np.bool_: "BOOL", np.uint8: "UINT8", np.int32: "INT32", np.int64: "INT64", np.uint64: "UINT64",
-        np.float16: "FP16", np.float32: "FP32", np.float64: "FP64", np.object_: "BYTES"}
+NP = {
+    "TYPE_BOOL": np.bool_,
+    "TYPE_UINT8": np.uint8,
+    "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64,
+    "TYPE_UINT64": np.uint64,
+    "TYPE_FP16": np.float16,
+    "TYPE_FP32": np.float32,
+    "TYPE_FP64": np.float64,
+    "TYPE_STRING": np.object_,
+}
+WIRE = {
+    np.bool_: "BOOL",
+    np.uint8: "UINT8",
+    np.int32: "INT32",
+    np.int64: "INT64",
+    np.uint64: "UINT64",
+    np.float16: "FP16",
+    np.float32: "FP32",
+    np.float64: "FP64",
+    np.object_: "BYTES",
+}
 PROMPT_IDS = [1, 403, 407, 261, 378]  # "Once upon a time" in stories260k
 CHECK_TEXT = ", there was a"  # its greedy 4-token continuation
 
@@ -40,11 +57,14 @@ def baselines(models: set[str]) -> dict[str, dict[str, np.ndarray]]:
     out = {
         "ensemble": {"text_input": s("Once upon a time"), "max_tokens": i32(4)},
         "tensorrt_llm_bls": {"text_input": s("Once upon a time"), "max_tokens": i32(4)},
-        "tensorrt_llm": {"input_ids": i32(*PROMPT_IDS), "input_lengths": i32(5), "request_output_len": i32(4),
-                         "end_id": i32(2)},
+        "tensorrt_llm": {
+            "input_ids": i32(*PROMPT_IDS),
+            "input_lengths": i32(5),
+            "request_output_len": i32(4),
+            "end_id": i32(2),
+        },
         "preprocessing": {"QUERY": s("Once upon a time"), "REQUEST_OUTPUT_LEN": i32(4)},
-        "postprocessing": {"TOKENS_BATCH": np.array([[PROMPT_IDS]], dtype=np.int32),
-                           "SEQUENCE_LENGTH": i32(5)},
+        "postprocessing": {"TOKENS_BATCH": np.array([[PROMPT_IDS]], dtype=np.int32), "SEQUENCE_LENGTH": i32(5)},
     }
     return {k: v for k, v in out.items() if k in models}
 
@@ -124,8 +144,13 @@ def cases(configs: dict[str, dict], rng: random.Random) -> list[Case]:
         if model in ("ensemble", "tensorrt_llm_bls"):
             for words in ([b""], [b"\xff"], [b"x" * 100_000], [b"a", b"b"] * 500):
                 for name in ("stop_words", "bad_words"):
-                    out.append(Case(model, f"{name} {len(words)}x{len(words[0])}B",
-                                    {**base, name: np.array([words], dtype=np.object_)}))
+                    out.append(
+                        Case(
+                            model,
+                            f"{name} {len(words)}x{len(words[0])}B",
+                            {**base, name: np.array([words], dtype=np.object_)},
+                        )
+                    )
     return out
 
 
@@ -149,8 +174,15 @@ def _check(client, mod, protocol: str) -> str:
     return "" if text == CHECK_TEXT else f"valid request answered {text!r}"
 
 
-def run(http_url: str, grpc_url: str, limit: Optional[int] = None, seed: int = 0, check_every: int = 50,
-        alive: Optional[Callable[[], bool]] = None, keep: tuple[str, ...] = ("valid", "holds id")) -> dict:
+def run(
+    http_url: str,
+    grpc_url: str,
+    limit: Optional[int] = None,
+    seed: int = 0,
+    check_every: int = 50,
+    alive: Optional[Callable[[], bool]] = None,
+    keep: tuple[str, ...] = ("valid", "holds id"),
+) -> dict:
     """Send every case over both protocols; returns the summary (``failures`` lists what broke).
 
     ``limit``: a random sample of that many cases, always including those whose description contains one
@@ -160,8 +192,10 @@ def run(http_url: str, grpc_url: str, limit: Optional[int] = None, seed: int = 0
     import tritonclient.http as httpclient
 
     http_url = http_url.split("://", 1)[-1]
-    clients = {"http": (httpclient.InferenceServerClient(http_url, network_timeout=300.0), httpclient),
-               "grpc": (grpcclient.InferenceServerClient(grpc_url), grpcclient)}
+    clients = {
+        "http": (httpclient.InferenceServerClient(http_url, network_timeout=300.0), httpclient),
+        "grpc": (grpcclient.InferenceServerClient(grpc_url), grpcclient),
+    }
     http = clients["http"][0]
     configs = {m["name"]: http.get_model_config(m["name"]) for m in http.get_model_repository_index()}
     rng = random.Random(seed)
@@ -200,6 +234,11 @@ def run(http_url: str, grpc_url: str, limit: Optional[int] = None, seed: int = 0
         problem = _check(client, mod, protocol)
         if problem:
             failures.append(f"final {protocol} check: {problem}")
-    return {"cases": len(todo), "requests": 2 * len(todo), "models": sorted(configs),
-            "outcomes": dict(sorted(counts.items())), "failures": failures,
-            "seconds": round(time.monotonic() - started, 1)}
+    return {
+        "cases": len(todo),
+        "requests": 2 * len(todo),
+        "models": sorted(configs),
+        "outcomes": dict(sorted(counts.items())),
+        "failures": failures,
+        "seconds": round(time.monotonic() - started, 1),
+    }

@@ -35,7 +35,8 @@ def main(fixture: Path, out: Path) -> None:
 
     ids = load_file(str(fixture / "oracle_logits.safetensors"))["input_ids"].reshape(1, -1)
     model = AutoModelForCausalLM.from_pretrained(
-        fixture, dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
+        fixture, dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False)
+    ).eval()
     model = model.to(torch.float64)
     captured: dict[str, torch.Tensor] = {}
     hooked = 0
@@ -44,7 +45,8 @@ def main(fixture: Path, out: Path) -> None:
             module.forward = types.MethodType(norm_in_input_dtype, module)
         elif isinstance(module, torch.nn.Linear) and getattr(module, "quantization_scheme", None) is not None:
             module.register_forward_pre_hook(
-                lambda m, args, key=name: captured.update({key: args[0].reshape(-1, args[0].shape[-1]).clone()}))
+                lambda m, args, key=name: captured.update({key: args[0].reshape(-1, args[0].shape[-1]).clone()})
+            )
             hooked += 1
     if not hooked:
         raise SystemExit(f"{fixture}: transformers loaded no quantized Linear (its activations would not be quantized)")

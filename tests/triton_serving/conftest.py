@@ -76,9 +76,10 @@ def hf_greedy(hf_stories):
         if key not in cache:
             ids = tok(prompt, return_tensors="pt").input_ids
             with torch.no_grad():
-                out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos),
-                                     pad_token_id=eos[0])
-            new = out[0, ids.shape[1]:].tolist()
+                out = model.generate(
+                    ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0]
+                )
+            new = out[0, ids.shape[1] :].tolist()
             end = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))  # through the first end id
             decided, tie = first_near_tie(model, model64, ids[0].tolist(), new[:end])
             cache[key] = (new, tok.decode(new, skip_special_tokens=True), tie)
@@ -115,5 +116,6 @@ def pytest_runtest_makereport(item, call):
     for name, value in getattr(item, "funcargs", {}).items():
         if isinstance(value, Server):
             fate = "still running" if value.alive() else exit_cause(value)
-            report.sections.append((f"tritonserver of fixture {name!r}: {fate}; log {value.log}",
-                                    log_tail(Path(value.log), 80)))
+            report.sections.append(
+                (f"tritonserver of fixture {name!r}: {fate}; log {value.log}", log_tail(Path(value.log), 80))
+            )

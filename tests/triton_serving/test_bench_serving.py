@@ -54,8 +54,7 @@ def server(repo):
 
 
 def _successes(samples: dict) -> dict:
-    return {dict(labels)["model"]: v for (name, labels), v in samples.items()
-            if name == "nv_inference_request_success"}
+    return {dict(labels)["model"]: v for (name, labels), v in samples.items() if name == "nv_inference_request_success"}
 
 
 def test_repository_warms_models_up_before_ready(repo, server, stories_engine, stories_recipe, tmp_path):
@@ -88,9 +87,31 @@ def test_sweep_numbers_equal_aiperf_export_and_join_the_server_view(repo, server
     monkeypatch.setenv("TMPDIR", str(temp))
     monkeypatch.setattr(tempfile, "tempdir", str(temp))  # this process's too (Python reads TMPDIR once)
     out = tmp_path / "sweep"
-    res = CliRunner().invoke(main, ["bench", str(repo), "--url", server.http_url, "--metrics-url",
-                                    f"http://{server.bind}:{server.ports.metrics}/metrics", "-c", "1,2", "-n", "6", "--warmup", "1", "--isl", "16",
-                                    "--osl", "8", "--slo", "ttft:2s", "--out", str(out)])
+    res = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            str(repo),
+            "--url",
+            server.http_url,
+            "--metrics-url",
+            f"http://{server.bind}:{server.ports.metrics}/metrics",
+            "-c",
+            "1,2",
+            "-n",
+            "6",
+            "--warmup",
+            "1",
+            "--isl",
+            "16",
+            "--osl",
+            "8",
+            "--slo",
+            "ttft:2s",
+            "--out",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     rows = (out / "sweep.csv").read_text().splitlines()
     assert rows[0].startswith("label,concurrency") and [r.split(",")[0] for r in rows[1:]] == ["c1", "c2"]
@@ -129,5 +150,7 @@ def test_sweep_numbers_equal_aiperf_export_and_join_the_server_view(repo, server
     left = list(temp.iterdir())
     shutil.rmtree(temp)
     assert not left and not list(out.rglob("aiperf_mmap_*")), left
-    same = CliRunner().invoke(main, ["bench", "compare", str(out / "c1"), str(out / "c1"), "--fail-if", "ttft.p99>+10%"])
+    same = CliRunner().invoke(
+        main, ["bench", "compare", str(out / "c1"), str(out / "c1"), "--fail-if", "ttft.p99>+10%"]
+    )
     assert same.exit_code == 0 and "pass ttft.p99>+10%" in same.output

@@ -47,8 +47,13 @@ def streaming_repo(stories_engine, stories_recipe, tmp_path_factory):
 
 def _serve_foreground(repo: Path):
     """`trtpipe serve REPO` in the foreground; returns (process, grpc url, tritonserver pid) once it is ready."""
-    proc = subprocess.Popen([sys.executable, "-m", "trtpipe.cli", "serve", str(repo)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=like_a_terminal)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trtpipe.cli", "serve", str(repo)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=like_a_terminal,
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -112,8 +117,11 @@ def _gone(pid: int, repo: Path, timeout: float = 15.0) -> list:
     """Processes still alive (the server, or python stubs serving ``repo``) after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
-        left = [p for p in psutil.process_iter(["pid", "cmdline"])
-                if p.info["pid"] == pid or str(repo) in " ".join(p.info["cmdline"] or [])]
+        left = [
+            p
+            for p in psutil.process_iter(["pid", "cmdline"])
+            if p.info["pid"] == pid or str(repo) in " ".join(p.info["cmdline"] or [])
+        ]
         left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         if not left or time.monotonic() > deadline:
             return left
@@ -133,8 +141,10 @@ def test_kill9_of_tritonserver_under_8_streams(streaming_repo):
             t.join(ERROR_WITHIN_S + 10)
         assert not any(t.is_alive() for t in threads), "a client hangs after the server died"
         delays = [when - killed for _, when in outcome]
-        print(f"kill -9: clients saw errors {min(delays):.2f}-{max(delays):.2f} s after the kill: "
-              + "; ".join(sorted({what.split(':')[0] for what, _ in outcome})))
+        print(
+            f"kill -9: clients saw errors {min(delays):.2f}-{max(delays):.2f} s after the kill: "
+            + "; ".join(sorted({what.split(":")[0] for what, _ in outcome}))
+        )
         assert all(what.startswith("ServingError: ") and "\n" not in what for what, _ in outcome), outcome
         assert max(delays) <= ERROR_WITHIN_S, outcome
         _, err = proc.communicate(timeout=60)
@@ -148,8 +158,9 @@ def test_kill9_of_tritonserver_under_8_streams(streaming_repo):
     res = CliRunner().invoke(main, ["serve", str(streaming_repo), "--detach"])
     assert res.exit_code == 0, res.output
     try:
-        answer = CliRunner().invoke(main, ["infer", "Once upon a time", "--server", str(streaming_repo),
-                                           "--max-tokens", "4"])
+        answer = CliRunner().invoke(
+            main, ["infer", "Once upon a time", "--server", str(streaming_repo), "--max-tokens", "4"]
+        )
         assert answer.exit_code == 0 and answer.output.strip() == ", there was a", answer.output
     finally:
         assert CliRunner().invoke(main, ["stop", str(streaming_repo)]).exit_code == 0
@@ -175,11 +186,13 @@ def test_sigint_of_a_foreground_serve_with_streams_in_flight(streaming_repo):
 # --- builds ------------------------------------------------------------------------------------------------
 
 
-
 def _artifacts(work: Path) -> dict[str, str]:
     """sha256 of every artifact file (stage/key/path), the markers (with timestamps) left out."""
-    return {p.relative_to(work / "artifacts").as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted((work / "artifacts").rglob("*")) if p.is_file() and p.name != MARKER}
+    return {
+        p.relative_to(work / "artifacts").as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted((work / "artifacts").rglob("*"))
+        if p.is_file() and p.name != MARKER
+    }
 
 
 def _build(recipe: Path, limit_bytes: int | None = None, signal_at: str | None = None, sig=signal.SIGTERM):
@@ -191,8 +204,13 @@ def _build(recipe: Path, limit_bytes: int | None = None, signal_at: str | None =
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
 
-    proc = subprocess.Popen([sys.executable, "-m", "trtpipe.cli", "build", str(recipe)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=limits)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trtpipe.cli", "build", str(recipe)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=limits,
+    )
     err, signalled = [], None
     if signal_at:
         for line in proc.stderr:
@@ -203,8 +221,10 @@ def _build(recipe: Path, limit_bytes: int | None = None, signal_at: str | None =
                 break
     out, rest = proc.communicate(timeout=600)
     if signalled is not None:
-        print(f"{signal.Signals(sig).name} during build: exit {proc.returncode} "
-              f"{time.monotonic() - signalled:.2f} s after the signal")
+        print(
+            f"{signal.Signals(sig).name} during build: exit {proc.returncode} "
+            f"{time.monotonic() - signalled:.2f} s after the signal"
+        )
     return proc.returncode, out, "".join(err) + rest
 
 

@@ -45,14 +45,21 @@ def test_bench_without_aiperf_says_how_to_install(monkeypatch, tmp_path):
     assert res.output.strip() == f"TRTPIPE_AIPERF={tmp_path / 'missing-aiperf'}: no such file"
 
 
-@pytest.mark.parametrize("args,message", [
-    (["serve", "/nonexistent/repo"],
-     "trtpipe serve: Invalid value for 'TARGET': Path '/nonexistent/repo' does not exist. (see trtpipe serve --help)"),
-    (["inspect", "/nonexistent/x"],
-     "trtpipe inspect: Invalid value for 'PATH': Directory '/nonexistent/x' does not exist. (see trtpipe inspect --help)"),
-    (["convert"], "trtpipe convert: Missing argument 'HF_DIR'. (see trtpipe convert --help)"),
-    (["plan"], "trtpipe plan: RECIPE is required (or --list-gpus) (see trtpipe plan --help)"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["serve", "/nonexistent/repo"],
+            "trtpipe serve: Invalid value for 'TARGET': Path '/nonexistent/repo' does not exist. (see trtpipe serve --help)",
+        ),
+        (
+            ["inspect", "/nonexistent/x"],
+            "trtpipe inspect: Invalid value for 'PATH': Directory '/nonexistent/x' does not exist. (see trtpipe inspect --help)",
+        ),
+        (["convert"], "trtpipe convert: Missing argument 'HF_DIR'. (see trtpipe convert --help)"),
+        (["plan"], "trtpipe plan: RECIPE is required (or --list-gpus) (see trtpipe plan --help)"),
+    ],
+)
 def test_bad_arguments_are_one_line_exit_2(args, message):
     res = CliRunner().invoke(main, args, prog_name="trtpipe")
     assert res.exit_code == 2

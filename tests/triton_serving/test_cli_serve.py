@@ -61,8 +61,12 @@ def test_detach_infer_stream_stop(moved_repo):
 
 
 def test_foreground_serve_stops_cleanly_on_sigterm(moved_repo):
-    proc = subprocess.Popen([sys.executable, "-m", "trtpipe.cli", "serve", str(moved_repo)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trtpipe.cli", "serve", str(moved_repo)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines = []
     try:
         for line in proc.stdout:
@@ -102,11 +106,23 @@ def test_a_failing_start_names_the_cause_and_leaves_nothing(moved_repo, tmp_path
 
 def test_repo_command_builds_a_recipe_through_the_pipeline(tmp_path):
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "stories-tp2.yaml"
-    out = _run("repo", str(recipe), "--set", f"work_dir={tmp_path / 'work'}", "--set",
-               f"triton.repo_dir={tmp_path / 'exported'}").strip().splitlines()[-1]
+    out = (
+        _run(
+            "repo",
+            str(recipe),
+            "--set",
+            f"work_dir={tmp_path / 'work'}",
+            "--set",
+            f"triton.repo_dir={tmp_path / 'exported'}",
+        )
+        .strip()
+        .splitlines()[-1]
+    )
     repo = Path(out)
     assert repo == tmp_path / "exported"  # triton.repo_dir: the artifact hardlinked there
     info = json.loads((repo / "trtpipe_repo.json").read_text())
     assert info["twin"] and info["world_size"] == 2
     assert sorted(p.name for p in (repo / "tensorrt_llm" / "engine" / "checkpoint").glob("rank*.safetensors")) == [
-        "rank0.safetensors", "rank1.safetensors"]
+        "rank0.safetensors",
+        "rank1.safetensors",
+    ]

@@ -20,10 +20,11 @@ def test_fuzzed_requests_get_an_answer_or_an_error(stories_engine, stories_recip
     repo = tmp_path / "repo"
     write_repo(stories_recipe("triton.bls=true"), engine, engine / "checkpoint", repo)
     with start_server(repo, timeout=300) as server:
-        summary = fuzz.run(server.http_url, server.grpc_url, limit=100, seed=1, check_every=40,
-                                   alive=server.alive)
+        summary = fuzz.run(server.http_url, server.grpc_url, limit=100, seed=1, check_every=40, alive=server.alive)
     print(summary)
     assert summary["failures"] == []
     assert summary["models"] == ["ensemble", "postprocessing", "preprocessing", "tensorrt_llm", "tensorrt_llm_bls"]
-    assert summary["requests"] == 200 and sum(v for k, v in summary["outcomes"].items() if " " in k and
-                                              k.split(" ")[0] in ("http", "grpc")) == 200
+    assert (
+        summary["requests"] == 200
+        and sum(v for k, v in summary["outcomes"].items() if " " in k and k.split(" ")[0] in ("http", "grpc")) == 200
+    )

@@ -25,8 +25,12 @@ pytestmark = [pytest.mark.triton, pytest.mark.slow]
 
 PROMPTS = ["Once upon a time", "Lily wanted to", "Tom had a big red ball.", "One day, a cat saw a bird"]
 # 16 blocks of 32 tokens: exactly one max_seq_len (512) sequence, so concurrent requests must pause and resume
-OVERRIDES = ("triton.streaming=true", "triton.scheduler_policy=max_utilization", "engine.kv_cache.max_tokens=512",
-             "triton.max_queue_size=48")
+OVERRIDES = (
+    "triton.streaming=true",
+    "triton.scheduler_policy=max_utilization",
+    "engine.kv_cache.max_tokens=512",
+    "triton.max_queue_size=48",
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +46,12 @@ def metrics(server) -> dict[tuple[str, str], float]:
     """(family, category label value) -> value of the nv_trt_llm_* gauges."""
     text = urllib.request.urlopen(f"http://{server.bind}:{server.ports.metrics}/metrics", timeout=10).read().decode()
     out = {}
-    for family, label, value in re.findall(r'^(nv_trt_llm_\w+)\{[^}]*?(?:request_type|kv_cache_block_type|'
-                                           r'inflight_batcher_specific_metric|general_type)="(\w+)"[^}]*\} (\S+)$',
-                                           text, re.M):
+    for family, label, value in re.findall(
+        r"^(nv_trt_llm_\w+)\{[^}]*?(?:request_type|kv_cache_block_type|"
+        r'inflight_batcher_specific_metric|general_type)="(\w+)"[^}]*\} (\S+)$',
+        text,
+        re.M,
+    ):
         out[(family, label)] = float(value)
     return out
 
@@ -61,8 +68,11 @@ def wait_for(server, key, value=None, timeout=10.0, above=None):
 
 
 def _llm_inputs(ids, max_tokens, **extra):
-    rows = [("input_ids", np.array([ids], np.int32), "INT32"), ("input_lengths", np.array([[len(ids)]], np.int32), "INT32"),
-            ("request_output_len", np.array([[max_tokens]], np.int32), "INT32")]
+    rows = [
+        ("input_ids", np.array([ids], np.int32), "INT32"),
+        ("input_lengths", np.array([[len(ids)]], np.int32), "INT32"),
+        ("request_output_len", np.array([[max_tokens]], np.int32), "INT32"),
+    ]
     rows += [(k, np.array([[v]], dtype=dt), tt) for k, (v, dt, tt) in extra.items()]
     return infer_inputs(grpcclient, rows)
 
@@ -93,8 +103,11 @@ def test_forty_cancelled_streams_leave_no_used_blocks(server, hf_stories):
     raw.start_stream(callback=lambda result, error: errors.append(error) if error else first_tokens.release())
     try:
         for i in range(40):
-            raw.async_stream_infer("tensorrt_llm", _llm_inputs(ids, 200, streaming=(True, bool, "BOOL"),
-                                                               end_id=(-1, np.int32, "INT32")), request_id=str(i))
+            raw.async_stream_infer(
+                "tensorrt_llm",
+                _llm_inputs(ids, 200, streaming=(True, bool, "BOOL"), end_id=(-1, np.int32, "INT32")),
+                request_id=str(i),
+            )
         assert first_tokens.acquire(timeout=60), errors[:1]  # generation is under way
         assert wait_for(server, ("nv_trt_llm_kv_cache_block_metrics", "used"), above=0)
     finally:
@@ -140,9 +153,12 @@ def test_stop_request_cancels_by_request_id(server, hf_stories):
     raw.start_stream(callback=on_request)
     control.start_stream(callback=on_stop)
     try:
-        raw.async_stream_infer("tensorrt_llm", _llm_inputs(ids, max_tokens, streaming=(True, bool, "BOOL"),
-                                                           end_id=(-1, np.int32, "INT32")), request_id="long",
-                               enable_empty_final_response=True)
+        raw.async_stream_infer(
+            "tensorrt_llm",
+            _llm_inputs(ids, max_tokens, streaming=(True, bool, "BOOL"), end_id=(-1, np.int32, "INT32")),
+            request_id="long",
+            enable_empty_final_response=True,
+        )
         assert first.wait(60), ("no first token", finals)
         control.async_stream_infer("tensorrt_llm", _llm_inputs(ids, 1, stop=(True, bool, "BOOL")), request_id="long")
         assert ended.wait(120), "no final response for the request"
@@ -194,15 +210,23 @@ def test_perf_metric_outputs(server, hf_stories):
     with grpcclient.InferenceServerClient(server.grpc_url) as raw:
         done, out = threading.Event(), []
         raw.start_stream(callback=lambda result, error: (out.append((result, error)), done.set()))
-        raw.async_stream_infer("tensorrt_llm", _llm_inputs(ids, 8, return_perf_metrics=(True, bool, "BOOL"),
-                                                           return_num_output_tokens=(True, bool, "BOOL")))
+        raw.async_stream_infer(
+            "tensorrt_llm",
+            _llm_inputs(
+                ids, 8, return_perf_metrics=(True, bool, "BOOL"), return_num_output_tokens=(True, bool, "BOOL")
+            ),
+        )
         assert done.wait(30)
         raw.stop_stream()
     result, error = out[0]
     assert error is None, error
-    t = {n: int(result.as_numpy(n).reshape(-1)[0]) for n in ("arrival_time_ns", "first_scheduled_time_ns",
-                                                             "first_token_time_ns", "last_token_time_ns")}
-    assert 0 < t["arrival_time_ns"] <= t["first_scheduled_time_ns"] < t["first_token_time_ns"] <= t["last_token_time_ns"]
+    t = {
+        n: int(result.as_numpy(n).reshape(-1)[0])
+        for n in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+    }
+    assert (
+        0 < t["arrival_time_ns"] <= t["first_scheduled_time_ns"] < t["first_token_time_ns"] <= t["last_token_time_ns"]
+    )
     assert int(result.as_numpy("num_output_tokens").reshape(-1)[0]) == 8
     assert int(result.as_numpy("kv_cache_alloc_total_blocks").reshape(-1)[0]) >= 1
 
@@ -213,15 +237,27 @@ def test_bls_returns_the_server_measurements_when_asked(server):
 
     host, port = server.http_url.replace("http://", "").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    body = {"text_input": "Once upon a time", "max_tokens": 8, "end_id": -1, "stream": True,
-            "return_perf_metrics": True, "return_num_output_tokens": True}
+    body = {
+        "text_input": "Once upon a time",
+        "max_tokens": 8,
+        "end_id": -1,
+        "stream": True,
+        "return_perf_metrics": True,
+        "return_num_output_tokens": True,
+    }
     conn.request("POST", "/v2/models/tensorrt_llm_bls/generate_stream", json.dumps(body))
     events = [json.loads(line[5:]) for line in conn.getresponse() if line.startswith(b"data:")]
     conn.close()
     last = events[-1]
     assert "error" not in last, last
     assert last["num_output_tokens"] == 8
-    assert 0 < last["arrival_time_ns"] <= last["first_scheduled_time_ns"] < last["first_token_time_ns"] <= last["last_token_time_ns"]
+    assert (
+        0
+        < last["arrival_time_ns"]
+        <= last["first_scheduled_time_ns"]
+        < last["first_token_time_ns"]
+        <= last["last_token_time_ns"]
+    )
     assert all("arrival_time_ns" not in e for e in events[:-1])  # measurements come once, with the last response
 
 
@@ -239,7 +275,10 @@ def test_cancelled_bls_streams_end_cleanly_and_the_server_keeps_serving(server, 
         raw.close()
     assert wait_for(server, ("nv_trt_llm_kv_cache_block_metrics", "used"), 0.0, timeout=30)
     with Client(server.grpc_url) as c:
-        assert "".join(c.stream("Once upon a time", GenerateOptions(max_tokens=24))) == hf_greedy("Once upon a time", 24)[1]
+        assert (
+            "".join(c.stream("Once upon a time", GenerateOptions(max_tokens=24)))
+            == hf_greedy("Once upon a time", 24)[1]
+        )
 
 
 def test_cancelled_streams_end_with_their_final_so_the_server_keeps_nothing_of_them(server, hf_stories):
@@ -348,8 +387,11 @@ def test_a_full_queue_sheds_the_lower_priority_through_the_server(server, hf_sto
                 if any("Maximum queue size of 48 has been reached" in e for e in errors):
                     break
             assert sent < 400 and time.monotonic() < deadline, (sent, errors[:2])
-            raw.async_stream_infer("tensorrt_llm", _llm_inputs(ids, 400, end_id=(-1, np.int32, "INT32"),
-                                                               priority=(0.1, np.float32, "FP32")), request_id=f"low{sent}")
+            raw.async_stream_infer(
+                "tensorrt_llm",
+                _llm_inputs(ids, 400, end_id=(-1, np.int32, "INT32"), priority=(0.1, np.float32, "FP32")),
+                request_id=f"low{sent}",
+            )
             sent += 1
             time.sleep(0.01)  # pacing only: the loop ends on the executor's refusal, not on a count
         # then every low sent is accounted for (running, in the full queue, or answered), so Triton's queue is empty
@@ -363,8 +405,11 @@ def test_a_full_queue_sheds_the_lower_priority_through_the_server(server, hf_sto
             assert time.monotonic() < deadline, (sent, active, answered)
             time.sleep(0.05)
         for i in range(4):
-            raw.async_stream_infer("tensorrt_llm", _llm_inputs(ids, 8, end_id=(-1, np.int32, "INT32"),
-                                                               priority=(0.9, np.float32, "FP32")), request_id=f"high{i}")
+            raw.async_stream_infer(
+                "tensorrt_llm",
+                _llm_inputs(ids, 8, end_id=(-1, np.int32, "INT32"), priority=(0.9, np.float32, "FP32")),
+                request_id=f"high{i}",
+            )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not all(f"high{i}" in finals for i in range(4)):
             done.acquire(timeout=1)
@@ -377,8 +422,11 @@ def test_a_full_queue_sheds_the_lower_priority_through_the_server(server, hf_sto
         assert f"high{i}" in got and got[f"high{i}"].size == 8, (i, seen[:2])
     shed = [e for e in seen if "shed for a request of higher priority than 0.1" in e]
     # refusals of the executor's queue, or of Triton's own in front of it (the same max_queue_size)
-    refused = [e for e in seen if ("Maximum queue size of 48 has been reached" in e and "shed" not in e)
-               or "Exceeds maximum queue size" in e]
+    refused = [
+        e
+        for e in seen
+        if ("Maximum queue size of 48 has been reached" in e and "shed" not in e) or "Exceeds maximum queue size" in e
+    ]
     # the first high request finds the queue full and sheds; later ones may find the slot the first left when it
     # was admitted ahead of the running low ones (priority overflow): none of them is refused either way
     assert 1 <= len(shed) <= 4, (len(shed), seen[:3])

@@ -111,8 +111,11 @@ def test_sliding_window_becomes_the_attention_window(llama70b, llama70b_engine, 
 
 
 def test_llama70b_recipe_max_tokens_reaches_the_config(llama70b_engine):
-    recipe = load_recipe(RECIPES / "llama70b-fp8.yaml", ["engine.kv_cache.max_tokens=500000",
-                                                           "engine.kv_cache.enable_reuse=false"], check_rules=False)
+    recipe = load_recipe(
+        RECIPES / "llama70b-fp8.yaml",
+        ["engine.kv_cache.max_tokens=500000", "engine.kv_cache.enable_reuse=false"],
+        check_rules=False,
+    )
     params = R.tensorrt_llm_config(recipe, R.EngineInfo.read(llama70b_engine)).parameters
     assert params["max_tokens_in_paged_kv_cache"].string_value == "500000"
     assert params["enable_kv_cache_reuse"].string_value == "false"
@@ -124,7 +127,9 @@ def test_written_repo_parses_back_and_is_wired(llama70b_repo):
     for name, config in configs.items():
         assert config.name == name
         assert "${" not in (llama70b_repo / name / "config.pbtxt").read_text()
-    assert (llama70b_repo / "tensorrt_llm" / "1").is_dir() and not (llama70b_repo / "tensorrt_llm" / "1" / "model.py").exists()
+    assert (llama70b_repo / "tensorrt_llm" / "1").is_dir() and not (
+        llama70b_repo / "tensorrt_llm" / "1" / "model.py"
+    ).exists()
     assert (llama70b_repo / "preprocessing" / "tokenizer" / "tokenizer.json").exists()
     # every ensemble step reads only tensors that exist and feeds only inputs its model declares
     ens = configs["ensemble"]
@@ -154,7 +159,7 @@ def test_twin_declares_what_the_real_model_declares(stories_recipe, stories_engi
     real = R.tensorrt_llm_config(stories_recipe(), R.EngineInfo(**{**engine.__dict__, "twin": False}))
     assert real.backend == "tensorrtllm"
     assert [i.name for i in twin.input] == [i.name for i in real.input] + [r.name for r in R.TWIN_ONLY_INPUTS]
-    assert list(twin.input)[:len(real.input)] == list(real.input) and list(twin.output) == list(real.output)
+    assert list(twin.input)[: len(real.input)] == list(real.input) and list(twin.output) == list(real.output)
     assert twin.parameters["gpt_model_path"].string_value == "engine"  # relative: the repo is relocatable
     assert twin.parameters["batch_scheduler_policy"].string_value == "guaranteed_no_evict"
 
@@ -173,8 +178,20 @@ def test_failed_write_leaves_nothing(tmp_path, stories_recipe, stories_engine):
 
 
 def test_mpirun_dry_run_for_tp4(llama70b_repo):
-    res = CliRunner().invoke(main, ["serve", str(llama70b_repo), "--dry-run", "--http-port", "8000",
-                                    "--grpc-port", "8001", "--metrics-port", "8002"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "serve",
+            str(llama70b_repo),
+            "--dry-run",
+            "--http-port",
+            "8000",
+            "--grpc-port",
+            "8001",
+            "--metrics-port",
+            "8002",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "world_size 4" in res.output
     cmd = shlex.split(res.output.strip().splitlines()[-1])
@@ -196,8 +213,13 @@ def test_mpirun_dry_run_for_tp4(llama70b_repo):
             assert {"--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", "--http-address=127.0.0.1"} <= set(s)
             assert not any(a.startswith("--load-model") for a in s)
         else:
-            assert {"--model-control-mode=explicit", "--load-model=tensorrt_llm", "--allow-http=false",
-                    "--allow-grpc=false", "--allow-metrics=false"} <= set(s)
+            assert {
+                "--model-control-mode=explicit",
+                "--load-model=tensorrt_llm",
+                "--allow-http=false",
+                "--allow-grpc=false",
+                "--allow-metrics=false",
+            } <= set(s)
             assert not any(a.startswith("--http-port") for a in s)
 
 
@@ -218,19 +240,31 @@ def test_engine_of_another_trtllm_is_refused(llama70b_repo):
 
 def test_repo_command_from_an_engine_dir(tmp_path, stories_engine):
     out = tmp_path / "repo"
-    res = CliRunner().invoke(main, ["repo", str(RECIPES / "stories-fp16.yaml"), "--engine", str(stories_engine(1)),
-                                    "--out", str(out)])
+    res = CliRunner().invoke(
+        main, ["repo", str(RECIPES / "stories-fp16.yaml"), "--engine", str(stories_engine(1)), "--out", str(out)]
+    )
     assert res.exit_code == 0, res.output
     assert res.output.strip() == f"{out} (ensemble, postprocessing, preprocessing, tensorrt_llm)"
     assert (out / "tensorrt_llm" / "engine" / "checkpoint" / "rank0.safetensors").exists()
-    again = CliRunner().invoke(main, ["repo", str(RECIPES / "stories-fp16.yaml"), "--engine", str(stories_engine(1)),
-                                      "--out", str(out)])
+    again = CliRunner().invoke(
+        main, ["repo", str(RECIPES / "stories-fp16.yaml"), "--engine", str(stories_engine(1)), "--out", str(out)]
+    )
     assert again.exit_code == 1 and "already exists" in again.output
 
 
 def test_recipe_dry_run_prints_the_launch_without_building(tmp_path):
-    res = CliRunner().invoke(main, ["serve", str(RECIPES / "llama70b-fp8.yaml"), "--dry-run", "--set",
-                                    f"work_dir={tmp_path}", "--grpc-port", "9001"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "serve",
+            str(RECIPES / "llama70b-fp8.yaml"),
+            "--dry-run",
+            "--set",
+            f"work_dir={tmp_path}",
+            "--grpc-port",
+            "9001",
+        ],
+    )
     assert res.exit_code == 0, res.output
     lines = res.output.strip().splitlines()
     assert f"writes {tmp_path}/artifacts/repo/" in lines[0]
@@ -251,7 +285,6 @@ def test_priority_levels_reach_the_entry_queues(stories_recipe, stories_engine):
     assert pre.dynamic_batching.priority_levels == 0  # only the models that queue generation work
 
 
-
 def test_the_serving_deadline_reaches_the_twin_executor(stories_recipe, stories_engine, tmp_path):
     from google.protobuf import json_format
 
@@ -259,12 +292,15 @@ def test_the_serving_deadline_reaches_the_twin_executor(stories_recipe, stories_
 
     engine = stories_engine(1)
     repo = tmp_path / "repo"
-    R.write_repo(stories_recipe("serving.request_timeout_s=2.5", "triton.max_queue_size=7"), engine,
-               engine / "checkpoint", repo)
+    R.write_repo(
+        stories_recipe("serving.request_timeout_s=2.5", "triton.max_queue_size=7"), engine, engine / "checkpoint", repo
+    )
     config = text_format.Parse((repo / "tensorrt_llm" / "config.pbtxt").read_text(), mc.ModelConfig())
-    settings = settings_from_model_config(json_format.MessageToDict(config, preserving_proto_field_name=True),
-                                          str(repo / "tensorrt_llm"))  # Triton's model_repository: the model's dir
+    settings = settings_from_model_config(
+        json_format.MessageToDict(config, preserving_proto_field_name=True), str(repo / "tensorrt_llm")
+    )  # Triton's model_repository: the model's dir
     assert settings.executor.request_timeout_s == 2.5 and settings.executor.max_queue_size == 7
+
 
 # How upstream's python models load their tokenizer (NVIDIA/TensorRT-LLM
 # triton_backend/all_models/inflight_batcher_llm/preprocessing/1/model.py@beb339f5; postprocessing and the BLS
@@ -298,14 +334,19 @@ def test_upstream_models_load_the_tokenizer_from_any_working_directory(tmp_path,
     pbtxts = [str(repo / m / "config.pbtxt") for m in ("preprocessing", "postprocessing", "tensorrt_llm_bls")]
     elsewhere = tmp_path / "elsewhere"
     (elsewhere / "tokenizer").mkdir(parents=True)  # a relative "tokenizer" would find this empty folder and fail
-    done = subprocess.run([sys.executable, "-c", UPSTREAM_LOAD, *pbtxts], cwd=elsewhere, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", UPSTREAM_LOAD, *pbtxts], cwd=elsewhere, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     # stories260k's own ids for the prompt (the BOS, then "Once upon a time"), as the fuzz baseline uses them
-    assert json.loads(done.stdout) == {m: [1, 403, 407, 261, 378]
-                                       for m in ("preprocessing", "postprocessing", "tensorrt_llm_bls")}
-    paths = {m: c.parameters["tokenizer_dir"].string_value for m, c in R.read_configs(repo).items()
-             if "tokenizer_dir" in c.parameters}
+    assert json.loads(done.stdout) == {
+        m: [1, 403, 407, 261, 378] for m in ("preprocessing", "postprocessing", "tensorrt_llm_bls")
+    }
+    paths = {
+        m: c.parameters["tokenizer_dir"].string_value
+        for m, c in R.read_configs(repo).items()
+        if "tokenizer_dir" in c.parameters
+    }
     assert set(paths) >= {"preprocessing", "postprocessing", "tensorrt_llm_bls"}
     for m, path in paths.items():  # the real tensorrt_llm's too (the backend reads it for guided decoding)
         assert Path(path).is_absolute() and (Path(path) / "tokenizer.json").is_file(), (m, path)

@@ -12,19 +12,24 @@ from trtpipe.serving.request_checks import check_sampling, check_token_ids, word
 def test_token_ids_in_the_vocabulary():
     check_token_ids(np.array([0, 1, 511], np.int32), 512)
     for bad, where in (([1, -1], 1), ([512], 0), ([3, 4, 1 << 30], 2)):
-        with pytest.raises(ValueError, match=rf"input_ids\[{where}\] = {bad[where]} is outside the vocabulary \[0, 512\)"):
+        with pytest.raises(
+            ValueError, match=rf"input_ids\[{where}\] = {bad[where]} is outside the vocabulary \[0, 512\)"
+        ):
             check_token_ids(np.array(bad, np.int64), 512)
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p, seed, message", [
-    (float("nan"), 0, 0.0, None, "temperature must be a finite number"),
-    (float("inf"), 0, 0.0, None, "temperature must be a finite number"),
-    (-1.0, 0, 0.0, None, "temperature must be a finite number >= 0"),
-    (1.0, -3, 0.0, None, "runtime_top_k must be >= 0"),
-    (1.0, 0, float("nan"), None, r"runtime_top_p must be in \[0, 1\]"),
-    (1.0, 0, 1.5, None, r"runtime_top_p must be in \[0, 1\]"),
-    (1.0, 0, 0.5, -1, r"seed must be in \[0, 2\^64\)"),
-])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, seed, message",
+    [
+        (float("nan"), 0, 0.0, None, "temperature must be a finite number"),
+        (float("inf"), 0, 0.0, None, "temperature must be a finite number"),
+        (-1.0, 0, 0.0, None, "temperature must be a finite number >= 0"),
+        (1.0, -3, 0.0, None, "runtime_top_k must be >= 0"),
+        (1.0, 0, float("nan"), None, r"runtime_top_p must be in \[0, 1\]"),
+        (1.0, 0, 1.5, None, r"runtime_top_p must be in \[0, 1\]"),
+        (1.0, 0, 0.5, -1, r"seed must be in \[0, 2\^64\)"),
+    ],
+)
 def test_sampling_settings(temperature, top_k, top_p, seed, message):
     with pytest.raises(ValueError, match=message):
         check_sampling(temperature, top_k, top_p, seed)

@@ -24,8 +24,14 @@ TOKENS = {"HF_TOKEN": "hf_trtpipeSECRETtoken1", "HUGGING_FACE_HUB_TOKEN": "hf_tr
 
 
 def _cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trtpipe.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "trtpipe.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=600,
+    )
 
 
 def _no_markers(root: Path) -> None:

@@ -49,7 +49,9 @@ def _repo(root: Path, stories_dir, recipe, tp: int, pp: int, *overrides) -> Path
 
     ckpt = convert(stories_dir, root / "ckpt", tp=tp, pp=pp, dtype="float16")
     engine = write_twin_engine(ckpt, root / "engine", dict(BUILD_CONFIG))
-    write_repo(recipe(f"parallel.tp={tp}", f"parallel.pp={pp}", *overrides), engine, engine / "checkpoint", root / "repo")
+    write_repo(
+        recipe(f"parallel.tp={tp}", f"parallel.pp={pp}", *overrides), engine, engine / "checkpoint", root / "repo"
+    )
     return root / "repo"
 
 
@@ -109,6 +111,7 @@ def test_tp2_greedy_streaming_and_kill_of_a_worker(cache, repo_tp2, hf_greedy):
             assert c.generate("Once upon a time", GenerateOptions(max_tokens=40)) == expected
         # 16 concurrent streaming requests through the in-flight executor on rank 0
         prompts = ["Once upon a time", "Lily wanted to", "Tom had a big red ball.", "One day, a cat saw a bird"]
+
         def ask(i):
             with Client(server.grpc_url) as c:
                 return "".join(c.stream(prompts[i % 4], GenerateOptions(max_tokens=32)))
@@ -148,9 +151,24 @@ def test_tp2_pp2_on_two_hosts_then_ctrl_c(cache, tmp_path_factory, stories_dir, 
     hostfile.write_text("127.0.0.1:2\nlocalhost:2\n")
     http = free_ports(1)[0]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "trtpipe"), "serve", str(repo), "--hostfile", str(hostfile),
-                             "--http-port", str(http), "--timeout", str(READY_LIMIT_S)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=like_a_terminal)
+    proc = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "trtpipe"),
+            "serve",
+            str(repo),
+            "--hostfile",
+            str(hostfile),
+            "--http-port",
+            str(http),
+            "--timeout",
+            str(READY_LIMIT_S),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        preexec_fn=like_a_terminal,
+    )
     lines = []
     try:
         for line in proc.stdout:
@@ -162,6 +180,7 @@ def test_tp2_pp2_on_two_hosts_then_ctrl_c(cache, tmp_path_factory, stories_dir, 
         assert "leader mode, 4 ranks" in text and text.count("  rank ") == 4
         run_dir = Path(next(ln.split()[1] for ln in lines if ln.startswith("  run ")))
         hosts = {r["pid"]: r for r in json.loads((run_dir / "ranks.json").read_text())}
+
         def ppid(pid: int) -> int:
             return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 

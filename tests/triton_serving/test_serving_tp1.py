@@ -91,7 +91,7 @@ def test_stop_words_end_generation_and_stay_in_the_text(client, hf_stories, hf_g
     tok, _ = hf_stories
     new, _ = hf_greedy("Once upon a time", 40)
     stop = tok.encode("little girl", add_special_tokens=False)  # a multi-token stop word
-    at = next(i for i in range(len(new)) if new[i:i + len(stop)] == stop)
+    at = next(i for i in range(len(new)) if new[i : i + len(stop)] == stop)
     got = client.generate("Once upon a time", GenerateOptions(max_tokens=40, stop_words=["little girl"]))
     assert got == tok.decode(new[: at + len(stop)], skip_special_tokens=True) == ", there was a little girl"
 
@@ -102,8 +102,10 @@ def test_seeded_sampling_is_reproducible(client, hf_greedy):
     assert client.generate("Once upon a time", opts) == first
     # it really sampled: not the greedy answer, and other seeds give other texts
     assert first and first != hf_greedy("Once upon a time", 24)[1]
-    others = {client.generate("Once upon a time", GenerateOptions(max_tokens=24, temperature=1.0, top_k=50, seed=s))
-              for s in (8, 9, 10)}
+    others = {
+        client.generate("Once upon a time", GenerateOptions(max_tokens=24, temperature=1.0, top_k=50, seed=s))
+        for s in (8, 9, 10)
+    }
     assert others - {first}, "every seed gave the same text: the seed (or sampling) is ignored"
 
 
@@ -124,7 +126,10 @@ def test_bad_requests_name_the_problem_and_the_server_keeps_answering(client, pr
 
 def test_max_tokens_beyond_max_seq_len_is_shortened_silently(client, hf_greedy):
     """As TensorRT-LLM's executor does (a warning, not an error): prompt 5 + output <= max_seq_len 512."""
-    assert client.generate("Once upon a time", GenerateOptions(max_tokens=100_000)) == hf_greedy("Once upon a time", 507)[1]
+    assert (
+        client.generate("Once upon a time", GenerateOptions(max_tokens=100_000))
+        == hf_greedy("Once upon a time", 507)[1]
+    )
 
 
 def test_wrong_dtype_is_rejected_by_name(server, client):
@@ -161,8 +166,11 @@ def _direct_tensorrt_llm(server, extra: dict) -> tuple[list, list]:
         return t
 
     ids = np.array([[1, 403, 407, 261, 378]], np.int32)  # "Once upon a time" in the stories tokenizer
-    inputs = [tensor("input_ids", ids), tensor("input_lengths", np.array([[ids.shape[1]]], np.int32)),
-              tensor("request_output_len", np.array([[4]], np.int32))]
+    inputs = [
+        tensor("input_ids", ids),
+        tensor("input_lengths", np.array([[ids.shape[1]]], np.int32)),
+        tensor("request_output_len", np.array([[4]], np.int32)),
+    ]
     inputs += [tensor(name, value) for name, value in extra.items()]
     raw = grpcclient.InferenceServerClient(server.grpc_url)
     done, errors, outputs = threading.Event(), [], []
@@ -186,11 +194,14 @@ def _direct_tensorrt_llm(server, extra: dict) -> tuple[list, list]:
     return errors, outputs
 
 
-@pytest.mark.parametrize("name, value, needle", [
-    ("return_log_probs", np.array([[True]]), "return_log_probs: the CPU twin serves only return_log_probs=false"),
-    ("beam_width", np.array([[2]], np.int32), "beam_width: the CPU twin serves only beam_width=1"),
-    ("lora_task_id", np.array([[7]], np.uint64), "lora_task_id: LoRA is not supported by the CPU twin"),
-])
+@pytest.mark.parametrize(
+    "name, value, needle",
+    [
+        ("return_log_probs", np.array([[True]]), "return_log_probs: the CPU twin serves only return_log_probs=false"),
+        ("beam_width", np.array([[2]], np.int32), "beam_width: the CPU twin serves only beam_width=1"),
+        ("lora_task_id", np.array([[7]], np.uint64), "lora_task_id: LoRA is not supported by the CPU twin"),
+    ],
+)
 def test_twin_refuses_declared_inputs_it_cannot_honour(server, client, name, value, needle):
     """The twin declares the real backend's inputs; a request that needs one it cannot honour gets a one-line
     error naming it, the neutral value is served, and the server keeps answering."""
@@ -214,14 +225,18 @@ def test_preprocessing_refuses_template_inputs_it_does_not_implement(server, cli
         t.set_data_from_numpy(array)
         return t
 
-    base = [tensor("QUERY", np.array([[b"Once upon a time"]], dtype=object), "BYTES"),
-            tensor("REQUEST_OUTPUT_LEN", np.array([[4]], np.int32), "INT32")]
+    base = [
+        tensor("QUERY", np.array([[b"Once upon a time"]], dtype=object), "BYTES"),
+        tensor("REQUEST_OUTPUT_LEN", np.array([[4]], np.int32), "INT32"),
+    ]
     raw = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         ok = raw.infer("preprocessing", base)
         assert ok.as_numpy("REQUEST_INPUT_LEN").reshape(-1).tolist() == [5]
         with pytest.raises(InferenceServerException, match="EMBEDDING_BIAS_WORDS: declared as in upstream's template"):
-            raw.infer("preprocessing", base + [tensor("EMBEDDING_BIAS_WORDS", np.array([[b"girl"]], dtype=object), "BYTES")])
+            raw.infer(
+                "preprocessing", base + [tensor("EMBEDDING_BIAS_WORDS", np.array([[b"girl"]], dtype=object), "BYTES")]
+            )
     finally:
         raw.close()
     assert client.generate("Once upon a time", GenerateOptions(max_tokens=4)) == ", there was a"
@@ -244,10 +259,16 @@ def test_deploy_rules_and_dashboard_name_what_tritonserver_exports(server, clien
     recipe = stories_recipe("triton.streaming=true")
     rules = rule_file(recipe, recipe.name)
     recorded = {r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r}
-    used = set().union(*(metric_names(e) for e in expressions(dashboard(recipe, recipe.name))),
-                       *(metric_names(r["expr"]) for g in rules["groups"] for r in g["rules"]))
+    used = set().union(
+        *(metric_names(e) for e in expressions(dashboard(recipe, recipe.name))),
+        *(metric_names(r["expr"]) for g in rules["groups"] for r in g["rules"]),
+    )
     missing = used - exported - recorded
     assert missing <= set(NOT_IN_TWINS), sorted(missing - set(NOT_IN_TWINS))
-    assert {"nv_trt_llm_kv_cache_block_metrics", "nv_inference_queue_duration_us",
-            "nv_inference_request_failure", "nv_llm_output_token_len_sum"} <= used & exported
+    assert {
+        "nv_trt_llm_kv_cache_block_metrics",
+        "nv_inference_queue_duration_us",
+        "nv_inference_request_failure",
+        "nv_llm_output_token_len_sum",
+    } <= used & exported
     assert "nv_inference_first_response_histogram_ms_bucket" not in exported  # why NOT_IN_TWINS lists it

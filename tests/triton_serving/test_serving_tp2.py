@@ -55,12 +55,15 @@ def test_greedy_tp2_equals_transformers_and_stops_at_either_eos(server, hf_greed
 
 def test_sixteen_concurrent_http_requests(server, hf_greedy, period):
     prompts = ["Once upon a time", "Lily wanted to", "Tom had a big red ball.", "One day, a cat saw a bird"]
+
     def ask(i):
         with Client(server.http_url, protocol="http") as c:
             return c.generate(prompts[i % 4], GenerateOptions(max_tokens=32))
 
     results = run_concurrently(ask, 16, timeout=120)
-    assert {i: results[i] for i in range(16)} == {i: hf_greedy(prompts[i % 4], 32, eos=(2, period))[1] for i in range(16)}
+    assert {i: results[i] for i in range(16)} == {
+        i: hf_greedy(prompts[i % 4], 32, eos=(2, period))[1] for i in range(16)
+    }
 
 
 def test_bls_and_prompt_included_output(server, hf_stories, hf_greedy, period):
@@ -81,8 +84,11 @@ def test_tensorrt_llm_model_called_directly_with_token_ids(server, hf_greedy):
 
     new, _ = hf_greedy("Once upon a time", 8)
     prompt = np.array([[1, 403, 407, 261, 378]], dtype=np.int32)  # "Once upon a time" (SOURCE.md)
-    rows = [("input_ids", prompt), ("input_lengths", np.array([[5]], np.int32)),
-            ("request_output_len", np.array([[8]], np.int32))]
+    rows = [
+        ("input_ids", prompt),
+        ("input_lengths", np.array([[5]], np.int32)),
+        ("request_output_len", np.array([[8]], np.int32)),
+    ]
     inputs = []
     for name, array in rows:
         i = httpclient.InferInput(name, list(array.shape), "INT32")

@@ -59,8 +59,9 @@ def _wait_gone(pids, timeout: float) -> float:
 
 
 def _start(how: str, life: float):
-    server = subprocess.Popen([sys.executable, "-c", SERVER, STUB, how, str(life)], stdout=subprocess.PIPE,
-                              text=True, start_new_session=True)
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVER, STUB, how, str(life)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     stub, dog = (int(x) for x in server.stdout.readline().split())
     return server, stub, dog
 
@@ -96,6 +97,7 @@ def test_the_watchdog_ends_with_a_stub_that_exits_and_leaves_the_server_alone(ho
 
 def test_only_the_stubs_own_child_watches():
     """Started by anyone but the stub, the watchdog refuses (it could not trust the stub's pid)."""
-    res = subprocess.run([sys.executable, "-m", "trtpipe.triton.stub_watchdog", "1", str(os.getpid())],
-                         capture_output=True, timeout=30)
+    res = subprocess.run(
+        [sys.executable, "-m", "trtpipe.triton.stub_watchdog", "1", str(os.getpid())], capture_output=True, timeout=30
+    )
     assert res.returncode == 2

@@ -27,8 +27,11 @@ def test_a_repository_whose_tokenizer_source_is_gone_still_serves(stories_engine
             shutil.copy2(engine / "checkpoint" / name, source / name)
     repo = tmp_path / "repo"
     write_repo(stories_recipe("triton.bls=true"), engine, source, repo)
-    assert {c.parameters["tokenizer_dir"].string_value for m, c in read_configs(repo).items()
-            if "tokenizer_dir" in c.parameters} == {str(source.resolve())}
+    assert {
+        c.parameters["tokenizer_dir"].string_value
+        for m, c in read_configs(repo).items()
+        if "tokenizer_dir" in c.parameters
+    } == {str(source.resolve())}
     shutil.rmtree(source)
     with start_server(repo, timeout=240) as server:
         with Client(server.grpc_url) as c:

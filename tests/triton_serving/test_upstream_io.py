@@ -26,14 +26,22 @@ def _assert_rows(messages, rows, fill):
         assert mc.DataType.Name(m.data_type) == fill.get(row.dtype, row.dtype), row.name
         assert list(m.dims) == list(row.dims), row.name
         if isinstance(m, mc.ModelInput):
-            assert (m.optional, m.allow_ragged_batch, m.HasField("reshape")) == (row.optional, row.ragged, row.reshape), row.name
+            assert (m.optional, m.allow_ragged_batch, m.HasField("reshape")) == (
+                row.optional,
+                row.ragged,
+                row.reshape,
+            ), row.name
             if row.reshape:
                 assert list(m.reshape.shape) == []
 
 
 def test_template_rows_are_complete_and_sourced():
-    for rows in (upstream_io.TRTLLM_INPUTS, upstream_io.TRTLLM_OUTPUTS, upstream_io.PREPROCESSING_INPUTS,
-                 upstream_io.PREPROCESSING_OUTPUTS):
+    for rows in (
+        upstream_io.TRTLLM_INPUTS,
+        upstream_io.TRTLLM_OUTPUTS,
+        upstream_io.PREPROCESSING_INPUTS,
+        upstream_io.PREPROCESSING_OUTPUTS,
+    ):
         assert all("config.pbtxt@" in r.source for r in rows)
         assert len({r.name for r in rows}) == len(rows)
     assert sum(r.ragged for r in upstream_io.TRTLLM_INPUTS) == 26  # the count the cross-check found upstream
@@ -80,7 +88,12 @@ def test_every_declared_input_has_a_twin_policy():
     """No declared input is silently ignored by accident: each is honoured, ignored on purpose, or refused."""
     declared = {r.name for r in upstream_io.declared(upstream_io.TRTLLM_INPUTS) + R.TWIN_ONLY_INPUTS}
     assert declared == twin_input_policy.known_inputs()
-    parts = [twin_input_policy.HONOURED, twin_input_policy.IGNORED, set(twin_input_policy.OFF_WHEN), set(twin_input_policy.NEVER)]
+    parts = [
+        twin_input_policy.HONOURED,
+        twin_input_policy.IGNORED,
+        set(twin_input_policy.OFF_WHEN),
+        set(twin_input_policy.NEVER),
+    ]
     assert sum(len(p) for p in parts) == len(declared)  # disjoint
 
 
@@ -89,9 +102,14 @@ def test_twin_refusal_names_the_input():
         return lambda name: arrays.get(name)
 
     assert twin_input_policy.refusal(request(input_ids=np.array([1, 2], np.int32))) is None
-    neutral = dict(beam_width=np.array([1], np.int32), return_log_probs=np.array([False]),
-                   repetition_penalty=np.array([1.0], np.float32), min_tokens=np.array([1], np.int32),
-                   retention_decode_priority=np.array([90], np.int32), lora_weights=np.zeros((0, 0), np.float16))
+    neutral = dict(
+        beam_width=np.array([1], np.int32),
+        return_log_probs=np.array([False]),
+        repetition_penalty=np.array([1.0], np.float32),
+        min_tokens=np.array([1], np.int32),
+        retention_decode_priority=np.array([90], np.int32),
+        lora_weights=np.zeros((0, 0), np.float16),
+    )
     assert twin_input_policy.refusal(request(**neutral)) is None
     why = twin_input_policy.refusal(request(presence_penalty=np.array([0.5], np.float32)))
     assert why.startswith("presence_penalty: the CPU twin serves only presence_penalty=0.0") and "[0.5]" in why

@@ -42,16 +42,20 @@ class BatchJob:
 def summary(journal: Journal, stats: Optional[RunStats], resumed: int, elapsed_s: float, status: str) -> str:
     now = journal.written_now
     rate = now / elapsed_s if elapsed_s > 0 else 0.0
-    lines = [f"batch {status}: {journal.done} of {journal.total} requests written "
-             f"({journal.succeeded} succeeded, {journal.failed} failed); "
-             f"this run {now} in {elapsed_s:.1f} s ({rate:.1f} req/s)"
-             + (f", resumed after {resumed} already done" if resumed else "")]
+    lines = [
+        f"batch {status}: {journal.done} of {journal.total} requests written "
+        f"({journal.succeeded} succeeded, {journal.failed} failed); "
+        f"this run {now} in {elapsed_s:.1f} s ({rate:.1f} req/s)"
+        + (f", resumed after {resumed} already done" if resumed else "")
+    ]
     if stats is not None:
         sending = journal.written_now / stats.elapsed_s if stats.elapsed_s > 0 else 0.0
         lines.append(f"  sending: {stats.elapsed_s:.1f} s, {sending:.1f} req/s (the rest: serving the target)")
-        lines.append(f"  sent {stats.sent}, retried {stats.retried}, overloaded (429/503) {stats.overloaded}, "
-                     f"connection losses {stats.connection_losses}, metric backoffs {stats.metrics_backoffs}, "
-                     f"completion tokens {stats.completion_tokens}")
+        lines.append(
+            f"  sent {stats.sent}, retried {stats.retried}, overloaded (429/503) {stats.overloaded}, "
+            f"connection losses {stats.connection_losses}, metric backoffs {stats.metrics_backoffs}, "
+            f"completion tokens {stats.completion_tokens}"
+        )
     if journal.torn:
         lines.append("  torn last line cut off: " + "; ".join(journal.torn))
     if journal.retried:
@@ -65,8 +69,13 @@ def run_job(job: BatchJob, echo: Callable[[str], None], warn: Callable[[str], No
     if not 0 < job.options.checkpoint_interval_s <= MAX_CHECKPOINT_INTERVAL_S:
         raise BatchError(f"--checkpoint-interval must be in (0, {MAX_CHECKPOINT_INTERVAL_S:.0f}] s")
     requests = read_requests(job.input)
-    journal = Journal(job.input, job.output, job.errors or default_errors_path(job.output),
-                      job.state or default_state_path(job.output), job.target)
+    journal = Journal(
+        job.input,
+        job.output,
+        job.errors or default_errors_path(job.output),
+        job.state or default_state_path(job.output),
+        job.target,
+    )
     done = journal.open(requests, job.retry_errors)
     t0 = time.monotonic()
     try:
@@ -74,7 +83,9 @@ def run_job(job: BatchJob, echo: Callable[[str], None], warn: Callable[[str], No
         if journal.torn:
             warn("recovered a torn last line (a killed run): " + "; ".join(journal.torn))
         if journal.retried:
-            warn(f"retrying {journal.retried} failed requests; their earlier answers are kept in {journal.retried_from}")
+            warn(
+                f"retrying {journal.retried} failed requests; their earlier answers are kept in {journal.retried_from}"
+            )
         stats = _send(job, journal, todo, len(done), warn) if todo else None
         journal.checkpoint("completed")
         echo(summary(journal, stats, len(done), time.monotonic() - t0, "completed"))
@@ -92,13 +103,22 @@ def _send(job: BatchJob, journal: Journal, todo, resumed: int, warn) -> RunStats
     server = None if is_url(job.target) else job_server(job.target, job.overrides, job.server_timeout_s)
     url = job.target if server is None else server.url
     try:
-        with progress_bar("batch", total=journal.total, disabled=not job.progress, unit="req",
-                          completed=resumed) as bar:
+        with progress_bar(
+            "batch", total=journal.total, disabled=not job.progress, unit="req", completed=resumed
+        ) as bar:
+
             def on_window(in_flight: int, allowed: int) -> None:
                 bar.update(description=f"batch [{in_flight}/{allowed} in flight]")
 
-            client = BatchClient(url, journal, job.options, on_result=lambda ok: bar.advance(), say=warn,
-                                 revive=server.revive if server else None, on_window=on_window)
+            client = BatchClient(
+                url,
+                journal,
+                job.options,
+                on_result=lambda ok: bar.advance(),
+                say=warn,
+                revive=server.revive if server else None,
+                on_window=on_window,
+            )
             return asyncio.run(client.run(todo))
     finally:
         if server is not None:

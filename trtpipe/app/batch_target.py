@@ -44,8 +44,15 @@ class JobServer:
         t = self.target
         log = cache_dir() / "logs" / f"batch-{t.name.replace('/', '_')}-{t.port}.openai.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        self.server = supervisor.start(child_command(t, self.overrides), log, t.model_dir, t.host,
-                                       Ports(t.port, 0, 0), "openai", die_with_parent=True)
+        self.server = supervisor.start(
+            child_command(t, self.overrides),
+            log,
+            t.model_dir,
+            t.host,
+            Ports(t.port, 0, 0),
+            "openai",
+            die_with_parent=True,
+        )
         self.starts += 1
 
     def start(self) -> None:

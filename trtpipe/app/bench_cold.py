@@ -20,12 +20,19 @@ from urllib.parse import urlparse
 from trtpipe.bench.metrics import BenchError
 from trtpipe.bench.target import resolve_target
 
-PROMPTS = ("Once upon a time", "Lily and Tom went to the park", "The cat saw a big red ball",
-           "One day, a little bird", "Sam wanted to play with his dog", "The sun was hot and")
+PROMPTS = (
+    "Once upon a time",
+    "Lily and Tom went to the park",
+    "The cat saw a big red ball",
+    "One day, a little bird",
+    "Sam wanted to play with his dog",
+    "The sun was hot and",
+)
 
 
-def timed_request(http_url: str, model: str, streaming: bool, prompt: str, max_tokens: int,
-                  timeout: float = 120.0) -> dict:
+def timed_request(
+    http_url: str, model: str, streaming: bool, prompt: str, max_tokens: int, timeout: float = 120.0
+) -> dict:
     """One generate (or generate_stream) request: ms to the first and to the last response, pieces received."""
     u = urlparse(http_url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
@@ -66,8 +73,9 @@ def timed_request(http_url: str, model: str, streaming: bool, prompt: str, max_t
     return {"ttft_ms": 1000.0 * ((first or end) - t0), "e2e_ms": 1000.0 * (end - t0), "pieces": pieces}
 
 
-def measure_cold(recipe: Path, overrides: Sequence[str] = (), warm_requests: int = 5, max_tokens: int = 16,
-                 timeout: float = 300.0) -> dict:
+def measure_cold(
+    recipe: Path, overrides: Sequence[str] = (), warm_requests: int = 5, max_tokens: int = 16, timeout: float = 300.0
+) -> dict:
     """Start a fresh server for ``recipe`` (built if needed), time readiness, the first and the next requests."""
     from trtpipe.app.launch_triton import has_warmup, resolve_repo
     from trtpipe.triton.server_process import start_server
@@ -77,13 +85,22 @@ def measure_cold(recipe: Path, overrides: Sequence[str] = (), warm_requests: int
     with start_server(repo, timeout=timeout) as server:
         ready_s = time.perf_counter() - t0
         target = resolve_target(server.http_url, None, repo=Path(repo))
-        runs = [timed_request(server.http_url, target.model, target.streaming, PROMPTS[i % len(PROMPTS)], max_tokens)
-                for i in range(warm_requests + 1)]
+        runs = [
+            timed_request(server.http_url, target.model, target.streaming, PROMPTS[i % len(PROMPTS)], max_tokens)
+            for i in range(warm_requests + 1)
+        ]
     cold, warm = runs[0], runs[1:]
     out = {
-        "recipe": str(recipe), "overrides": list(overrides), "repo": str(repo), "model_warmup": has_warmup(repo),
-        "model": target.model, "streaming": target.streaming, "max_tokens": max_tokens,
-        "ready_s": ready_s, "cold": cold, "warm": warm,
+        "recipe": str(recipe),
+        "overrides": list(overrides),
+        "repo": str(repo),
+        "model_warmup": has_warmup(repo),
+        "model": target.model,
+        "streaming": target.streaming,
+        "max_tokens": max_tokens,
+        "ready_s": ready_s,
+        "cold": cold,
+        "warm": warm,
         "warm_median": {k: statistics.median(r[k] for r in warm) for k in ("ttft_ms", "e2e_ms")},
     }
     med = out["warm_median"]
@@ -93,9 +110,11 @@ def measure_cold(recipe: Path, overrides: Sequence[str] = (), warm_requests: int
 
 def render(r: dict) -> str:
     med, ratio = r["warm_median"], r["cold_over_warm"]
-    return "\n".join([
-        f"{r['recipe']} (model_warmup {'on' if r['model_warmup'] else 'off'}): ready in {r['ready_s']:.2f} s",
-        f"  first request (cold): ttft {r['cold']['ttft_ms']:.1f} ms, e2e {r['cold']['e2e_ms']:.1f} ms",
-        f"  next {len(r['warm'])} (warm), median: ttft {med['ttft_ms']:.1f} ms, e2e {med['e2e_ms']:.1f} ms",
-        f"  cold / warm: ttft {ratio['ttft_ms']:.2f}x, e2e {ratio['e2e_ms']:.2f}x",
-    ])
+    return "\n".join(
+        [
+            f"{r['recipe']} (model_warmup {'on' if r['model_warmup'] else 'off'}): ready in {r['ready_s']:.2f} s",
+            f"  first request (cold): ttft {r['cold']['ttft_ms']:.1f} ms, e2e {r['cold']['e2e_ms']:.1f} ms",
+            f"  next {len(r['warm'])} (warm), median: ttft {med['ttft_ms']:.1f} ms, e2e {med['e2e_ms']:.1f} ms",
+            f"  cold / warm: ttft {ratio['ttft_ms']:.2f}x, e2e {ratio['e2e_ms']:.2f}x",
+        ]
+    )

@@ -24,17 +24,36 @@ def default_lengths(target, isl: Optional[int], osl: Optional[int]) -> tuple[int
     return isl, osl
 
 
-def make_loads(concurrency: Optional[Sequence[int]], rates: Optional[Sequence[float]], arrival: str,
-               requests: Optional[int], duration: Optional[float], warmup: int, isl: int, osl: int,
-               isl_stddev: int, seed: int) -> list[Load]:
+def make_loads(
+    concurrency: Optional[Sequence[int]],
+    rates: Optional[Sequence[float]],
+    arrival: str,
+    requests: Optional[int],
+    duration: Optional[float],
+    warmup: int,
+    isl: int,
+    osl: int,
+    isl_stddev: int,
+    seed: int,
+) -> list[Load]:
     """One Load per concurrency, or per rate (capped by a single concurrency when both are given)."""
     if duration is None and requests is None:
         requests = DEFAULT_REQUESTS
-    common = dict(arrival=arrival, requests=requests, duration_s=duration, warmup_requests=warmup, isl=isl, osl=osl,
-                  isl_stddev=isl_stddev, seed=seed)
+    common = dict(
+        arrival=arrival,
+        requests=requests,
+        duration_s=duration,
+        warmup_requests=warmup,
+        isl=isl,
+        osl=osl,
+        isl_stddev=isl_stddev,
+        seed=seed,
+    )
     if rates:
         if concurrency and len(concurrency) > 1:
-            raise BenchError("sweep either --concurrency or --request-rate, not both (one concurrency caps a rate sweep)")
+            raise BenchError(
+                "sweep either --concurrency or --request-rate, not both (one concurrency caps a rate sweep)"
+            )
         cap = concurrency[0] if concurrency else None
         loads = [Load(concurrency=cap, request_rate=r, **common) for r in rates]
     else:
@@ -44,9 +63,29 @@ def make_loads(concurrency: Optional[Sequence[int]], rates: Optional[Sequence[fl
     return loads
 
 
-def bench_command(target, overrides, url, model, tokenizer, metrics_url, concurrency, rates, arrival, requests,
-                  duration, warmup, isl, isl_stddev, osl, fixed_osl: bool, slo_text, seed, out: Optional[Path],
-                  as_json: bool, echo: Callable[[str], None] = print) -> dict:
+def bench_command(
+    target,
+    overrides,
+    url,
+    model,
+    tokenizer,
+    metrics_url,
+    concurrency,
+    rates,
+    arrival,
+    requests,
+    duration,
+    warmup,
+    isl,
+    isl_stddev,
+    osl,
+    fixed_osl: bool,
+    slo_text,
+    seed,
+    out: Optional[Path],
+    as_json: bool,
+    echo: Callable[[str], None] = print,
+) -> dict:
     from trtpipe.bench.aiperf import find_aiperf
     from trtpipe.bench.run import render, run_point
     from trtpipe.app.bench_session import bench_target
@@ -54,7 +93,9 @@ def bench_command(target, overrides, url, model, tokenizer, metrics_url, concurr
 
     slo = parse_slo(slo_text) if slo_text else None
     if out is not None and Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
-        raise BenchError(f"{out}: already exists and is not empty; choose another --out (results are never overwritten)")
+        raise BenchError(
+            f"{out}: already exists and is not empty; choose another --out (results are never overwritten)"
+        )
     binary = find_aiperf()
     with bench_target(target, overrides, url, model, tokenizer, metrics_url) as (tgt, recipe):
         i, o = default_lengths(tgt, isl, osl)
@@ -71,6 +112,9 @@ def bench_command(target, overrides, url, model, tokenizer, metrics_url, concurr
         pyplot("trtpipe bench (sweep plots)")  # before the sweep runs, not after
         log = (lambda msg: None) if as_json else echo
         index = run_sweep(tgt, loads, out, slo, recipe, log=log, binary=binary, fixed_output=fixed_osl)
-        echo(json.dumps(index, indent=1) if as_json else
-             f"sweep: {out / 'sweep.csv'}\nplots: " + ", ".join(index["plots"]))
+        echo(
+            json.dumps(index, indent=1)
+            if as_json
+            else f"sweep: {out / 'sweep.csv'}\nplots: " + ", ".join(index["plots"])
+        )
         return index

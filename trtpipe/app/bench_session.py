@@ -13,9 +13,15 @@ from trtpipe.bench.target import Target, resolve_target
 
 
 @contextmanager
-def bench_target(target: Optional[Path] = None, overrides: Sequence[str] = (), url: Optional[str] = None,
-                 model: Optional[str] = None, tokenizer: Optional[str] = None, metrics_url: Optional[str] = None,
-                 log=None) -> Iterator[tuple[Target, object]]:
+def bench_target(
+    target: Optional[Path] = None,
+    overrides: Sequence[str] = (),
+    url: Optional[str] = None,
+    model: Optional[str] = None,
+    tokenizer: Optional[str] = None,
+    metrics_url: Optional[str] = None,
+    log=None,
+) -> Iterator[tuple[Target, object]]:
     """Yield ``(Target, recipe or None)``.
 
     Args:
@@ -49,8 +55,17 @@ def bench_target(target: Optional[Path] = None, overrides: Sequence[str] = (), u
         raise BenchError(f"{len(servers)} detached servers serve {target}: pass --url")
     if servers:
         s = servers[0]
-        yield resolve_target(s.http_url, tokenizer, model, metrics_url or f"http://{s.bind}:{s.ports.metrics}/metrics",
-                             Path(s.repo), recipe.name if recipe else None), recipe
+        yield (
+            resolve_target(
+                s.http_url,
+                tokenizer,
+                model,
+                metrics_url or f"http://{s.bind}:{s.ports.metrics}/metrics",
+                Path(s.repo),
+                recipe.name if recipe else None,
+            ),
+            recipe,
+        )
         return
     if recipe is None:
         raise BenchError(f"{target}: no detached server serves this repository (trtpipe serve {target} --detach)")
@@ -59,5 +74,14 @@ def bench_target(target: Optional[Path] = None, overrides: Sequence[str] = (), u
     repo = resolve_repo(target, overrides, quiet=True)
     say(f"no server runs {target}: starting one on {repo} for this benchmark")
     with start_server(repo) as s:
-        yield resolve_target(s.http_url, tokenizer, model, metrics_url or f"http://{s.bind}:{s.ports.metrics}/metrics",
-                             Path(s.repo), recipe.name), recipe
+        yield (
+            resolve_target(
+                s.http_url,
+                tokenizer,
+                model,
+                metrics_url or f"http://{s.bind}:{s.ports.metrics}/metrics",
+                Path(s.repo),
+                recipe.name,
+            ),
+            recipe,
+        )

@@ -28,8 +28,13 @@ def _accuracy(recipe) -> dict:
     from trtpipe.quant.accuracy import Metrics, check_gate
 
     if recipe.quantization.algo == "none" and recipe.quantization.kv_cache == "none":
-        return {"status": "baseline", "ppl_increase_pct": 0.0, "kl_divergence": 0.0, "top1_agreement": 1.0,
-                "gate": "baseline"}
+        return {
+            "status": "baseline",
+            "ppl_increase_pct": 0.0,
+            "kl_divergence": 0.0,
+            "top1_agreement": 1.0,
+            "gate": "baseline",
+        }
     try:
         plans = plan_build(recipe, STAGES)
     except (TrtpipeError, OSError) as exc:
@@ -50,19 +55,30 @@ def _accuracy(recipe) -> dict:
     doc = json.loads((folder / "accuracy.json").read_text())
     row = doc["rows"][1]
     acc = recipe.accuracy
-    limits = {"max_ppl_increase_pct": acc.max_ppl_increase_pct, "min_top1_agreement": acc.min_top1_agreement,
-              "max_kl_divergence": acc.max_kl_divergence}
+    limits = {
+        "max_ppl_increase_pct": acc.max_ppl_increase_pct,
+        "min_top1_agreement": acc.min_top1_agreement,
+        "max_kl_divergence": acc.max_kl_divergence,
+    }
     try:
         check_gate(Metrics(**row), **limits)
         gate = "pass" if any(v is not None for v in limits.values()) else "no limits"
     except TrtpipeError as exc:
         gate = f"FAIL: {str(exc).split(': ', 1)[-1]}"
     cal = recipe.quantization.calibration
-    return {"status": "verified", "source": source, "row": row["name"], "ppl_increase_pct": row["ppl_increase_pct"],
-            "kl_divergence": row["kl_divergence"], "top1_agreement": row["top1_agreement"], "gate": gate,
-            "limits": limits, "rows": doc["rows"],
-            "eval": {k: doc.get(k) for k in ("eval_data", "num_samples", "seq_len")},
-            "calibration": {"dataset": cal.dataset, "num_samples": cal.num_samples, "seq_len": cal.seq_len}}
+    return {
+        "status": "verified",
+        "source": source,
+        "row": row["name"],
+        "ppl_increase_pct": row["ppl_increase_pct"],
+        "kl_divergence": row["kl_divergence"],
+        "top1_agreement": row["top1_agreement"],
+        "gate": gate,
+        "limits": limits,
+        "rows": doc["rows"],
+        "eval": {k: doc.get(k) for k in ("eval_data", "num_samples", "seq_len")},
+        "calibration": {"dataset": cal.dataset, "num_samples": cal.num_samples, "seq_len": cal.seq_len},
+    }
 
 
 def _memory(recipe_path: Path, overrides: Sequence[str]) -> dict:
@@ -73,9 +89,18 @@ def _memory(recipe_path: Path, overrides: Sequence[str]) -> dict:
     except TrtpipeError as exc:
         return {"status": f"cannot plan ({str(exc).splitlines()[0]})"}
     s = r.plan.summary()
-    return {"status": "planned", "gpu": s["gpu"], "tp": s["tp"], "pp": s["pp"], "fits": s["fits"],
-            "weight_bytes_per_gpu": s["weight_bytes_per_gpu"], "weights_from": s["weights_from"],
-            "kv_dtype": s["kv_dtype"], "kv_tokens": s["kv_tokens"], "concurrent_sequences": s["concurrent_sequences"]}
+    return {
+        "status": "planned",
+        "gpu": s["gpu"],
+        "tp": s["tp"],
+        "pp": s["pp"],
+        "fits": s["fits"],
+        "weight_bytes_per_gpu": s["weight_bytes_per_gpu"],
+        "weights_from": s["weights_from"],
+        "kv_dtype": s["kv_dtype"],
+        "kv_tokens": s["kv_tokens"],
+        "concurrent_sequences": s["concurrent_sequences"],
+    }
 
 
 def newest_bench(recipe) -> Optional[Path]:
@@ -102,13 +127,21 @@ def _bench(recipe, prefer_label: Optional[str] = None) -> dict:
     def st(name, s):
         return m[name][s] if name in m else None
 
-    return {"status": "benchmarked", "result": str(path), "label": doc["label"],
-            "engine": ((doc.get("provenance") or {}).get("repo") or {}).get("engine"),
-            "isl": doc["load"]["isl"], "osl": doc["load"]["osl"],
-            "ttft_p50": st("ttft", "p50"), "ttft_p99": st("ttft", "p99"), "itl_p50": st("itl", "p50"),
-            "e2e_p50": st("e2e", "p50"), "output_token_throughput": m["output_token_throughput"]["value"],
-            "request_throughput": m["request_throughput"]["value"],
-            "limiter": (doc.get("server") or {}).get("limiter")}
+    return {
+        "status": "benchmarked",
+        "result": str(path),
+        "label": doc["label"],
+        "engine": ((doc.get("provenance") or {}).get("repo") or {}).get("engine"),
+        "isl": doc["load"]["isl"],
+        "osl": doc["load"]["osl"],
+        "ttft_p50": st("ttft", "p50"),
+        "ttft_p99": st("ttft", "p99"),
+        "itl_p50": st("itl", "p50"),
+        "e2e_p50": st("e2e", "p50"),
+        "output_token_throughput": m["output_token_throughput"]["value"],
+        "request_throughput": m["request_throughput"]["value"],
+        "limiter": (doc.get("server") or {}).get("limiter"),
+    }
 
 
 def _fmt(v, spec: str, missing: str = "-") -> str:
@@ -116,8 +149,10 @@ def _fmt(v, spec: str, missing: str = "-") -> str:
 
 
 def render(rows: list[dict]) -> str:
-    head = (f"{'recipe':<20}{'quant':<10}{'kv':<6}{'ppl +%':>8}{'KL':>9}{'top1':>7}  {'gate':<14}{'weights/GPU':>12}"
-            f"{'KV tokens':>11}{'ttft p50':>10}{'itl p50':>9}{'out tok/s':>10}  load")
+    head = (
+        f"{'recipe':<20}{'quant':<10}{'kv':<6}{'ppl +%':>8}{'KL':>9}{'top1':>7}  {'gate':<14}{'weights/GPU':>12}"
+        f"{'KV tokens':>11}{'ttft p50':>10}{'itl p50':>9}{'out tok/s':>10}  load"
+    )
     lines = [head]
     for r in rows:
         a, mem, b = r["accuracy"], r["memory"], r["bench"]
@@ -128,7 +163,8 @@ def render(rows: list[dict]) -> str:
             f"{_fmt(a.get('kl_divergence'), '9.5f'):>9}{_fmt(a.get('top1_agreement'), '7.3f'):>7}  {gate[:14]:<14}"
             f"{(_fmt(w / 2**20, '.2f') + ' MiB') if w is not None else '-':>12}{_fmt(mem.get('kv_tokens'), 'd'):>11}"
             f"{_fmt(b.get('ttft_p50'), '10.1f'):>10}{_fmt(b.get('itl_p50'), '9.2f'):>9}"
-            f"{_fmt(b.get('output_token_throughput'), '10.1f'):>10}  {b.get('label', '')} {b.get('engine') or ''}")
+            f"{_fmt(b.get('output_token_throughput'), '10.1f'):>10}  {b.get('label', '')} {b.get('engine') or ''}"
+        )
     notes = []
     for r in rows:
         for part in ("accuracy", "memory", "bench"):
@@ -140,11 +176,15 @@ def render(rows: list[dict]) -> str:
             if part == "accuracy" and r[part].get("source", "").startswith("verify artifact "):
                 notes.append(f"{r['recipe']}: accuracy numbers from {r[part]['source']}")
     gpu = next((r["memory"]["gpu"] for r in rows if r["memory"].get("gpu")), None)
-    lines.append(f"memory: planner prediction for {gpu or 'the recipe GPU'} (weights per GPU, KV-cache tokens); "
-                 "latency/throughput: newest trtpipe bench result of each recipe, as measured on its server")
+    lines.append(
+        f"memory: planner prediction for {gpu or 'the recipe GPU'} (weights per GPU, KV-cache tokens); "
+        "latency/throughput: newest trtpipe bench result of each recipe, as measured on its server"
+    )
     if any(r["bench"].get("engine") == "cpu-twin" for r in rows):
-        notes.append("bench numbers of cpu-twin rows come from trtpipe's PyTorch reference runtime standing in for "
-                     "TensorRT: they compare the serving pipeline, not the speed of the quantized GPU kernels")
+        notes.append(
+            "bench numbers of cpu-twin rows come from trtpipe's PyTorch reference runtime standing in for "
+            "TensorRT: they compare the serving pipeline, not the speed of the quantized GPU kernels"
+        )
     return "\n".join(lines + notes)
 
 
@@ -161,8 +201,10 @@ def accuracy_markdown(rows: list[dict]) -> str:
     brackets, the same weights with the KV cache unquantized; the reference perplexity is the unquantized
     checkpoint's on the same held-out tokens.
     """
-    lines = ["| recipe | quantization | KV cache | perplexity | ppl +% | KL | top-1 | greedy match | gate |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| recipe | quantization | KV cache | perplexity | ppl +% | KL | top-1 | greedy match | gate |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     notes = []
     for r in rows:
         a = r["accuracy"]
@@ -180,11 +222,14 @@ def accuracy_markdown(rows: list[dict]) -> str:
             f"| {_pair(deployed['kl_divergence'], other.get('kl_divergence'), '.4f')} "
             f"| {_pair(deployed['top1_agreement'], other.get('top1_agreement'), '.3f')} "
             f"| {_pair(deployed['greedy_match_len'], other.get('greedy_match_len'), '.1f')} "
-            f"of {_fmt(ref['greedy_match_len'], '.0f')} | {a['gate']} |")
+            f"of {_fmt(ref['greedy_match_len'], '.0f')} | {a['gate']} |"
+        )
         e, c = a["eval"], a["calibration"]
-        notes.append(f"{r['recipe']}: unquantized perplexity {ref['perplexity']:.4f}; held-out {e['num_samples']}x"
-                     f"{e['seq_len']} tokens ({e['eval_data']}), calibration {c['num_samples']}x{c['seq_len']} "
-                     f"({c['dataset']}); {a.get('source', '')}")
+        notes.append(
+            f"{r['recipe']}: unquantized perplexity {ref['perplexity']:.4f}; held-out {e['num_samples']}x"
+            f"{e['seq_len']} tokens ({e['eval_data']}), calibration {c['num_samples']}x{c['seq_len']} "
+            f"({c['dataset']}); {a.get('source', '')}"
+        )
     return "\n".join(lines + [""] + [f"- {n}" for n in notes])
 
 
@@ -200,20 +245,27 @@ def plot(rows: list[dict], path: Path) -> Optional[Path]:
         color = "tab:red" if str(a.get("gate", "")).startswith("FAIL") else "tab:blue"
         if b.get("output_token_throughput") is not None:
             axes[0].scatter(b["output_token_throughput"], ppl, color=color)
-            axes[0].annotate(r["recipe"], (b["output_token_throughput"], ppl), fontsize=8, xytext=(4, 4),
-                             textcoords="offset points")
+            axes[0].annotate(
+                r["recipe"], (b["output_token_throughput"], ppl), fontsize=8, xytext=(4, 4), textcoords="offset points"
+            )
         if mem.get("weight_bytes_per_gpu") is not None:
             x = mem["weight_bytes_per_gpu"] / 2**20
             axes[1].scatter(x, ppl, color=color)
-            axes[1].annotate(f"{r['recipe']} ({mem['kv_tokens']} KV tok)", (x, ppl), fontsize=8, xytext=(4, 4),
-                             textcoords="offset points")
+            axes[1].annotate(
+                f"{r['recipe']} ({mem['kv_tokens']} KV tok)",
+                (x, ppl),
+                fontsize=8,
+                xytext=(4, 4),
+                textcoords="offset points",
+            )
     axes[0].set_xlabel("output tokens/s (newest bench)")
     axes[1].set_xlabel("weights per GPU, MiB (plan)")
     for ax in axes:
         ax.set_ylabel("perplexity increase % (verify)")
         ax.grid(alpha=0.3)
-    fig.suptitle("which build to deploy: accuracy cost vs throughput and memory (red: accuracy gate fails)",
-                 fontsize=10)
+    fig.suptitle(
+        "which build to deploy: accuracy cost vs throughput and memory (red: accuracy gate fails)", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -227,9 +279,17 @@ def build_report(recipe_paths: Sequence[Path], overrides: Sequence[str], out: Pa
     rows = []
     for path in recipe_paths:
         recipe = load_recipe(path, overrides, check_rules=False)
-        rows.append({"recipe": recipe.name, "path": str(path), "quantization": recipe.quantization.algo,
-                     "kv_cache": recipe.quantization.kv_cache, "accuracy": _accuracy(recipe),
-                     "memory": _memory(Path(path), overrides), "bench": _bench(recipe)})
+        rows.append(
+            {
+                "recipe": recipe.name,
+                "path": str(path),
+                "quantization": recipe.quantization.algo,
+                "kv_cache": recipe.quantization.kv_cache,
+                "accuracy": _accuracy(recipe),
+                "memory": _memory(Path(path), overrides),
+                "bench": _bench(recipe),
+            }
+        )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     text = render(rows)

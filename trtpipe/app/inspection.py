@@ -40,8 +40,19 @@ def inspect_trtllm(ckpt: Path) -> dict:
         if not path.exists():
             raise CheckpointError(f"{path}: missing (mapping.world_size is {world})")
         ranks.append(_file_summary(path))
-    keys = ("architecture", "dtype", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_size", "intermediate_size", "rotary_base", "rotary_scaling")
+    keys = (
+        "architecture",
+        "dtype",
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_size",
+        "intermediate_size",
+        "rotary_base",
+        "rotary_scaling",
+    )
     return {
         "kind": "tensorrt-llm checkpoint",
         "path": str(ckpt),
@@ -74,8 +85,12 @@ def inspect_hf(model_dir: Path) -> dict:
             "tie_word_embeddings": info.tie_word_embeddings,
             "quantization": info.raw.get("quantization_config"),
             "pre_quantized": fmt.describe() if fmt else None,
-            "targets": {t: fmt.action(t).kind + (f": {fmt.action(t).why}" if not fmt.action(t).ok else "")
-                        for t in ("engine", "llmapi")} if fmt else None,
+            "targets": {
+                t: fmt.action(t).kind + (f": {fmt.action(t).why}" if not fmt.action(t).ok else "")
+                for t in ("engine", "llmapi")
+            }
+            if fmt
+            else None,
             "parameters": num_params(info),
             "tensors": len(reader.keys()),
             "files": [_file_summary(p) for p in files],

@@ -47,13 +47,16 @@ WORKER_STATUS = "worker{}.json"  # what a worker writes about itself once starte
 def dynamo_python() -> Path:
     """The interpreter of Dynamo's venv: $TRTPIPE_DYNAMO_PYTHON, else ``.venv-dynamo`` of this checkout."""
     configured = os.environ.get(DYNAMO_PYTHON_ENV)
-    candidates = [Path(configured)] if configured else [Path(__file__).resolve().parents[2] / ".venv-dynamo" / "bin"
-                                                        / "python"]
+    candidates = (
+        [Path(configured)] if configured else [Path(__file__).resolve().parents[2] / ".venv-dynamo" / "bin" / "python"]
+    )
     for c in candidates:
         if c.is_file() and os.access(c, os.X_OK):
             return c
-    raise ServingError(f"serve --dynamo needs NVIDIA Dynamo in its own venv: not found at {candidates[0]} "
-                       f"(install it with scripts/install_dynamo.sh, or set {DYNAMO_PYTHON_ENV})")
+    raise ServingError(
+        f"serve --dynamo needs NVIDIA Dynamo in its own venv: not found at {candidates[0]} "
+        f"(install it with scripts/install_dynamo.sh, or set {DYNAMO_PYTHON_ENV})"
+    )
 
 
 @dataclass
@@ -95,29 +98,54 @@ class DynamoGraph:
     def env(self) -> dict:
         """The environment of every process of the graph: file discovery in this run, loopback everywhere."""
         h = self.host
-        return {**os.environ, "DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(self.run_dir / "discovery"),
-                "DYN_NAMESPACE": "dynamo", "DYN_HTTP_HOST": h, "DYN_HTTP_PORT": str(self.port),
-                "DYN_TCP_RPC_HOST": h, "DYN_SYSTEM_HOST": h, "DYN_TCP_RESPONSE_STREAM_HOST": h,
-                "DYN_EVENT_PLANE_HOST": h, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        return {
+            **os.environ,
+            "DYN_DISCOVERY_BACKEND": "file",
+            "DYN_FILE_KV": str(self.run_dir / "discovery"),
+            "DYN_NAMESPACE": "dynamo",
+            "DYN_HTTP_HOST": h,
+            "DYN_HTTP_PORT": str(self.port),
+            "DYN_TCP_RPC_HOST": h,
+            "DYN_SYSTEM_HOST": h,
+            "DYN_TCP_RESPONSE_STREAM_HOST": h,
+            "DYN_EVENT_PLANE_HOST": h,
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
 
     def frontend_command(self, python: Path) -> list[str]:
         return [str(python), "-m", "dynamo.frontend", "--router-mode", self.router]
 
     def worker_command(self, python: Path, index: int) -> list[str]:
-        cmd = [str(python), "-m", "trtpipe.serving.dynamo_worker", "--model", str(self.worker_model_dir),
-               "--served-model-name", self.name, "--executor-config", to_json(self.config),
-               "--threads", str(self.threads_per_worker), "--endpoint-types", self.endpoint_types,
-               "--status-file", str(self.run_dir / WORKER_STATUS.format(index))]
+        cmd = [
+            str(python),
+            "-m",
+            "trtpipe.serving.dynamo_worker",
+            "--model",
+            str(self.worker_model_dir),
+            "--served-model-name",
+            self.name,
+            "--executor-config",
+            to_json(self.config),
+            "--threads",
+            str(self.threads_per_worker),
+            "--endpoint-types",
+            self.endpoint_types,
+            "--status-file",
+            str(self.run_dir / WORKER_STATUS.format(index)),
+        ]
         cores = worker_cores(index, self.replicas)
         if cores and shutil.which("taskset"):
             cmd = ["taskset", "-c", ",".join(map(str, cores))] + cmd
         return cmd
 
     def describe_ports(self) -> str:
-        return (f"frontend http {self.url} (OpenAI API); each worker: a system port on {self.host} "
-                f"({', '.join(map(str, self.system_ports))}), a request-plane port on {self.host}, and three ZMQ "
-                "KV-event publishers that Dynamo 1.6.1 binds to 0.0.0.0 (firewall them, or run in a network "
-                "namespace)")
+        return (
+            f"frontend http {self.url} (OpenAI API); each worker: a system port on {self.host} "
+            f"({', '.join(map(str, self.system_ports))}), a request-plane port on {self.host}, and three ZMQ "
+            "KV-event publishers that Dynamo 1.6.1 binds to 0.0.0.0 (firewall them, or run in a network "
+            "namespace)"
+        )
 
 
 def worker_cores(index: int, replicas: int) -> list[int]:
@@ -126,7 +154,7 @@ def worker_cores(index: int, replicas: int) -> list[int]:
     if len(cpus) < replicas:
         return []
     share = len(cpus) // replicas
-    return cpus[index * share:(index + 1) * share]
+    return cpus[index * share : (index + 1) * share]
 
 
 def low_free_ports(n: int, host: str) -> list[int]:
@@ -178,20 +206,25 @@ class Supervisor:
         self._write_status("ready")
 
     def _spawn(self, role: str, cmd: list[str], extra_env: dict) -> Member:
-        return spawn_member(role, cmd, self.graph.run_dir / f"{role}.log", {**self.graph.env(), **extra_env},
-                            self.graph.run_dir)
+        return spawn_member(
+            role, cmd, self.graph.run_dir / f"{role}.log", {**self.graph.env(), **extra_env}, self.graph.run_dir
+        )
 
     def _wait_ready(self, deadline: float) -> None:
         while time.monotonic() < deadline:
             for m in [self.frontend, *self.workers]:
                 if not m.alive():
-                    raise ServingError(f"dynamo {m.role} (pid {m.pid}) {exit_cause(m.proc.returncode)} during "
-                                       f"start-up; log {m.log}:\n{log_tail(m.log)}")
+                    raise ServingError(
+                        f"dynamo {m.role} (pid {m.pid}) {exit_cause(m.proc.returncode)} during "
+                        f"start-up; log {m.log}:\n{log_tail(m.log)}"
+                    )
             if len(self.registered()) == self.graph.replicas and self.graph.name in listed_models(self.graph.url):
                 return
             time.sleep(0.25)
-        raise ServingError(f"dynamo graph not ready after {deadline:.0f} s: {len(self.registered())} of "
-                           f"{self.graph.replicas} workers registered; logs in {self.graph.run_dir}")
+        raise ServingError(
+            f"dynamo graph not ready after {deadline:.0f} s: {len(self.registered())} of "
+            f"{self.graph.replicas} workers registered; logs in {self.graph.run_dir}"
+        )
 
     def registered(self) -> dict[int, dict]:
         """Worker index -> what it wrote about itself (its pid and Dynamo instance id), for the started ones."""
@@ -213,7 +246,7 @@ class Supervisor:
                 continue
             line = f"dynamo {m.role} (pid {m.pid}) died: {m.cause}"
             if m.role.startswith("worker"):
-                removed = self._unregister(int(m.role[len("worker"):]))
+                removed = self._unregister(int(m.role[len("worker") :]))
                 alive = sum(1 for w in self.workers if w.alive())
                 line += f"; {removed} discovery records removed; {alive} of {len(self.workers)} workers serving"
             new.append(line)
@@ -221,8 +254,9 @@ class Supervisor:
             self.events.extend(new)
             for line in new:
                 self.echo(line)
-            self._write_status("ready" if self.frontend.cause is None and any(w.cause is None for w in self.workers)
-                               else "failed")
+            self._write_status(
+                "ready" if self.frontend.cause is None and any(w.cause is None for w in self.workers) else "failed"
+            )
         return new
 
     def _unregister(self, index: int) -> int:
@@ -262,26 +296,59 @@ class Supervisor:
 
     def _write_status(self, state: str) -> None:
         members = [self.frontend, *self.workers]
-        write_state(self.graph.run_dir / "status.json", {
-            "state": state, "url": self.graph.url, "model": self.graph.name, "router": self.graph.router,
-            "members": [{"role": m.role, "pid": m.pid, "log": str(m.log), "cause": m.cause,
-                         "system_port": m.system_port} for m in members if m is not None],
-            "events": self.events})
+        write_state(
+            self.graph.run_dir / "status.json",
+            {
+                "state": state,
+                "url": self.graph.url,
+                "model": self.graph.name,
+                "router": self.graph.router,
+                "members": [
+                    {"role": m.role, "pid": m.pid, "log": str(m.log), "cause": m.cause, "system_port": m.system_port}
+                    for m in members
+                    if m is not None
+                ],
+                "events": self.events,
+            },
+        )
 
 
 def graph_spec(g: DynamoGraph) -> dict:
-    return {"model_dir": str(g.model_dir), "name": g.name, "replicas": g.replicas, "router": g.router, "host": g.host,
-            "port": g.port, "config": to_json(g.config), "run_dir": str(g.run_dir),
-            "threads_per_worker": g.threads_per_worker, "chat_template": g.chat_template}
+    return {
+        "model_dir": str(g.model_dir),
+        "name": g.name,
+        "replicas": g.replicas,
+        "router": g.router,
+        "host": g.host,
+        "port": g.port,
+        "config": to_json(g.config),
+        "run_dir": str(g.run_dir),
+        "threads_per_worker": g.threads_per_worker,
+        "chat_template": g.chat_template,
+    }
 
 
 def graph_from_spec(spec: dict) -> DynamoGraph:
-    return DynamoGraph(**{**spec, "model_dir": Path(spec["model_dir"]), "run_dir": Path(spec["run_dir"]),
-                          "config": from_json(spec["config"])})
+    return DynamoGraph(
+        **{
+            **spec,
+            "model_dir": Path(spec["model_dir"]),
+            "run_dir": Path(spec["run_dir"]),
+            "config": from_json(spec["config"]),
+        }
+    )
 
 
-def resolve_graph(target: Path, overrides, host: Optional[str], port: Optional[int], name: Optional[str],
-                  replicas: int, router: str, chat_template: Optional[Path] = None) -> DynamoGraph:
+def resolve_graph(
+    target: Path,
+    overrides,
+    host: Optional[str],
+    port: Optional[int],
+    name: Optional[str],
+    replicas: int,
+    router: str,
+    chat_template: Optional[Path] = None,
+) -> DynamoGraph:
     """The graph of an llmapi recipe (built up to its export) or an exported HF directory."""
     from trtpipe.processes import cache_dir
     from trtpipe.app.launch_openai import resolve_openai_target
@@ -290,15 +357,24 @@ def resolve_graph(target: Path, overrides, host: Optional[str], port: Optional[i
     t = resolve_openai_target(target, overrides, host, port, name)
     max_pos = json.loads((t.model_dir / "config.json").read_text()).get("max_position_embeddings") or 2048
     config = replace_knobs(t.config or twin_default(int(max_pos)), enable_kv_cache_reuse=True)  # what KV routing is for
-    return DynamoGraph(t.model_dir, t.name, replicas, router, t.host, t.port, config,
-                       cache_dir() / "dynamo" / state_path(t.model_dir).stem,
-                       chat_template=chat_template.read_text() if chat_template else None)
+    return DynamoGraph(
+        t.model_dir,
+        t.name,
+        replicas,
+        router,
+        t.host,
+        t.port,
+        config,
+        cache_dir() / "dynamo" / state_path(t.model_dir).stem,
+        chat_template=chat_template.read_text() if chat_template else None,
+    )
 
 
 def has_chat_template(model_dir: Path) -> bool:
     cfg = Path(model_dir) / "tokenizer_config.json"
     return (Path(model_dir) / "chat_template.jinja").is_file() or bool(
-        cfg.is_file() and json.loads(cfg.read_text()).get("chat_template"))
+        cfg.is_file() and json.loads(cfg.read_text()).get("chat_template")
+    )
 
 
 def link_model_with_template(model_dir: Path, out: Path, template: str) -> None:
@@ -313,9 +389,19 @@ def link_model_with_template(model_dir: Path, out: Path, template: str) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}, indent=1))
 
 
-def serve_dynamo(target: Path, overrides, host: Optional[str], port: Optional[int], name: Optional[str],
-                 replicas: int, router: str, chat_template: Optional[Path], detach: bool, timeout: float,
-                 echo: Callable[[str], None]) -> None:
+def serve_dynamo(
+    target: Path,
+    overrides,
+    host: Optional[str],
+    port: Optional[int],
+    name: Optional[str],
+    replicas: int,
+    router: str,
+    chat_template: Optional[Path],
+    detach: bool,
+    timeout: float,
+    echo: Callable[[str], None],
+) -> None:
     """``trtpipe serve --dynamo``: in the foreground until Ctrl-C, or detached and recorded for ``trtpipe stop``."""
     from trtpipe.processes import cache_dir
     from trtpipe.supervisor import Ports, await_ready, refuse_if_served, start
@@ -334,8 +420,15 @@ def serve_dynamo(target: Path, overrides, host: Optional[str], port: Optional[in
     write_state(spec, graph_spec(g))
     log = cache_dir() / "logs" / f"{g.name.replace('/', '_')}-{state.stem}.dynamo.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    server = start([sys.executable, "-m", "trtpipe.app.launch_dynamo", str(spec)], log, g.model_dir, g.host,
-                   Ports(g.port, 0, 0), "dynamo", "trtpipe-dynamo{pid}_")
+    server = start(
+        [sys.executable, "-m", "trtpipe.app.launch_dynamo", str(spec)],
+        log,
+        g.model_dir,
+        g.host,
+        Ports(g.port, 0, 0),
+        "dynamo",
+        "trtpipe-dynamo{pid}_",
+    )
     why = await_ready(server, timeout + STOP_GRACE_S, lambda: (run_status(g.run_dir) or {}).get("state") == "ready")
     if why:
         raise ServingError(f"the Dynamo graph on {g.model_dir} {why}; log {log}:\n{log_tail(log)}")
@@ -345,8 +438,10 @@ def serve_dynamo(target: Path, overrides, host: Optional[str], port: Optional[in
 
 
 def announce(g: DynamoGraph) -> str:
-    return (f"serving {g.model_dir} as {g.name!r} on NVIDIA Dynamo: frontend + {g.replicas} twin workers, "
-            f"router {g.router}\n  http {g.url}/v1\n  ports {g.describe_ports()}\n  run  {g.run_dir}")
+    return (
+        f"serving {g.model_dir} as {g.name!r} on NVIDIA Dynamo: frontend + {g.replicas} twin workers, "
+        f"router {g.router}\n  http {g.url}/v1\n  ports {g.describe_ports()}\n  run  {g.run_dir}"
+    )
 
 
 def run_status(run_dir: Path) -> Optional[dict]:

@@ -51,30 +51,50 @@ def is_openai_target(target: Path, overrides: Sequence[str] = ()) -> bool:
     return target.is_file() and load_recipe(target, overrides, check_rules=False).target == "llmapi"
 
 
-def resolve_openai_target(target: Path, overrides: Sequence[str] = (), host: Optional[str] = None,
-                          port: Optional[int] = None, name: Optional[str] = None,
-                          chat_template: Optional[Path] = None) -> OpenAITarget:
+def resolve_openai_target(
+    target: Path,
+    overrides: Sequence[str] = (),
+    host: Optional[str] = None,
+    port: Optional[int] = None,
+    name: Optional[str] = None,
+    chat_template: Optional[Path] = None,
+) -> OpenAITarget:
     """An HF directory as is; an llmapi recipe is built up to its export (cached stages reused), and its
     ``llmapi`` section gives the defaults of name, host and port, its engine section the executor's limits."""
     from trtpipe.serving.config import from_recipe
 
     target = Path(target)
     if target.is_dir():
-        return OpenAITarget(target, target.resolve(), name or target.name, host or DEFAULT_HOST, port or DEFAULT_PORT,
-                            None, chat_template)
+        return OpenAITarget(
+            target,
+            target.resolve(),
+            name or target.name,
+            host or DEFAULT_HOST,
+            port or DEFAULT_PORT,
+            None,
+            chat_template,
+        )
     from trtpipe.pipeline.runner import run_build
     from trtpipe.app.stage_table import STAGES
     from trtpipe.app.validation import load_recipe
 
     recipe = load_recipe(target, overrides)
     if recipe.target != "llmapi":
-        raise ServingError(f"{target}: target is {recipe.target}; the OpenAI twin serves target: llmapi recipes "
-                           "(trtpipe serve serves the Triton repository of this one)")
+        raise ServingError(
+            f"{target}: target is {recipe.target}; the OpenAI twin serves target: llmapi recipes "
+            "(trtpipe serve serves the Triton repository of this one)"
+        )
     model_dir = run_build(recipe, STAGES, (), None, "export", overrides=overrides).artifact("export") / "hf"
     max_pos = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings") or 2048
-    return OpenAITarget(target, model_dir.resolve(), name or recipe.llmapi.served_model_name or recipe.name,
-                        host or recipe.llmapi.host, port or recipe.llmapi.port,
-                        from_recipe(recipe, int(max_pos)), chat_template)
+    return OpenAITarget(
+        target,
+        model_dir.resolve(),
+        name or recipe.llmapi.served_model_name or recipe.name,
+        host or recipe.llmapi.host,
+        port or recipe.llmapi.port,
+        from_recipe(recipe, int(max_pos)),
+        chat_template,
+    )
 
 
 def serve_foreground(t: OpenAITarget) -> None:
@@ -100,8 +120,17 @@ def start_detached(t: OpenAITarget, overrides: Sequence[str] = (), timeout: floa
     state = refuse_if_served(t.model_dir)  # one state file per served directory, whichever launcher started it
     log = cache_dir() / "logs" / f"{t.name.replace('/', '_')}-{state.stem}.openai.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    server = start(child_command(t, overrides), log, t.model_dir, t.host, Ports(t.port, 0, 0), "openai",
-                   "trtpipe-openai{pid}_", env=dict(os.environ), truncate=True)
+    server = start(
+        child_command(t, overrides),
+        log,
+        t.model_dir,
+        t.host,
+        Ports(t.port, 0, 0),
+        "openai",
+        "trtpipe-openai{pid}_",
+        env=dict(os.environ),
+        truncate=True,
+    )
     why = await_ready(server, timeout)  # stops the child when it is not ready, Ctrl-C included
     if why:
         raise ServingError(f"the OpenAI twin on {t.model_dir} {why}; log {log}:\n{log_tail(log)}")
@@ -109,9 +138,17 @@ def start_detached(t: OpenAITarget, overrides: Sequence[str] = (), timeout: floa
     return server
 
 
-def serve_openai(target: Path, overrides: Sequence[str], host: Optional[str], port: Optional[int],
-                 name: Optional[str], chat_template: Optional[Path], detach: bool, timeout: float,
-                 echo: Callable[[str], None]) -> None:
+def serve_openai(
+    target: Path,
+    overrides: Sequence[str],
+    host: Optional[str],
+    port: Optional[int],
+    name: Optional[str],
+    chat_template: Optional[Path],
+    detach: bool,
+    timeout: float,
+    echo: Callable[[str], None],
+) -> None:
     """``trtpipe serve`` of an OpenAI target: in the foreground, or detached with what it started printed."""
     if not detach:  # the server logs its requests, and the build its stages, to stderr (as serve-openai always did)
         logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -121,6 +158,8 @@ def serve_openai(target: Path, overrides: Sequence[str], host: Optional[str], po
         return
     t0 = time.perf_counter()
     server = start_detached(t, overrides, timeout)
-    echo(f"serving {t.model_dir} as {t.name!r} (OpenAI-compatible twin of trtllm-serve)\n"
-         f"  http {server.http_url}/v1\n  log  {server.log}\n  ready in {time.perf_counter() - t0:.1f} s\n"
-         f"  pid  {server.pid} (trtpipe stop {target})")
+    echo(
+        f"serving {t.model_dir} as {t.name!r} (OpenAI-compatible twin of trtllm-serve)\n"
+        f"  http {server.http_url}/v1\n  log  {server.log}\n  ready in {time.perf_counter() - t0:.1f} s\n"
+        f"  pid  {server.pid} (trtpipe stop {target})"
+    )

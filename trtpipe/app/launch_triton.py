@@ -27,7 +27,9 @@ def repo_info(repo: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise ServingError(f"{repo}: not a trtpipe model repository (no {REPO_INFO}; write one with trtpipe repo)") from None
+        raise ServingError(
+            f"{repo}: not a trtpipe model repository (no {REPO_INFO}; write one with trtpipe repo)"
+        ) from None
     except ValueError as exc:
         raise ServingError(f"{path}: invalid JSON ({exc})") from None
 
@@ -68,8 +70,9 @@ def engine_lock(engine_dir: Path) -> dict:
     return lock.get("lockfile", lock)
 
 
-def check_engine_versions(info: dict, installed: Optional[str], installed_trt: Optional[str] = None,
-                          lock: Optional[dict] = None) -> None:
+def check_engine_versions(
+    info: dict, installed: Optional[str], installed_trt: Optional[str] = None, lock: Optional[dict] = None
+) -> None:
     """Refuse an engine built by another TensorRT-LLM (or TensorRT) release: plans do not deserialize across versions
     (trtllm-build.md#version-compatibility). ``lock``: the engine's recorded build environment, when there is one."""
     built = info.get("engine_version")
@@ -99,8 +102,13 @@ class LaunchPlan:
     command: Optional[list[str]]  # the mpirun command (TensorRT engines), None for the CPU twin
 
 
-def plan_launch(repo: Path, bind: str = "127.0.0.1", ports: Optional[Ports] = None,
-                tritonserver: str = "/opt/tritonserver/bin/tritonserver", hostfile: Optional[Path] = None) -> LaunchPlan:
+def plan_launch(
+    repo: Path,
+    bind: str = "127.0.0.1",
+    ports: Optional[Ports] = None,
+    tritonserver: str = "/opt/tritonserver/bin/tritonserver",
+    hostfile: Optional[Path] = None,
+) -> LaunchPlan:
     info = repo_info(repo)
     if info.get("twin"):
         return LaunchPlan(Path(repo), True, int(info.get("world_size", 1)), None)
@@ -115,8 +123,9 @@ def run_mpirun(plan: LaunchPlan) -> int:
     from trtpipe.pipeline.versions import PACKAGES, package_version
 
     info = repo_info(plan.repo)
-    check_engine_versions(info, installed_trtllm(), package_version(*PACKAGES["tensorrt"]),
-                          engine_lock(Path(info.get("engine", ""))))
+    check_engine_versions(
+        info, installed_trtllm(), package_version(*PACKAGES["tensorrt"]), engine_lock(Path(info.get("engine", "")))
+    )
     from trtpipe.triton.mpi_launch import run_foreground
 
     return run_foreground(plan.command)
@@ -145,13 +154,22 @@ def one_detached(target: Optional[Path] = None, overrides: Sequence[str] = ()):
     if len(servers) != 1:
         where = f" for {target}" if target else ""
         listing = "; ".join(f"pid {s.pid} {s.repo}" for s in servers)
-        raise ServingError(f"{len(servers)} detached servers run{where}" + (f" ({listing})" if listing else "")
-                           + ": name one (--server REPO_OR_RECIPE) or pass --url")
+        raise ServingError(
+            f"{len(servers)} detached servers run{where}"
+            + (f" ({listing})" if listing else "")
+            + ": name one (--server REPO_OR_RECIPE) or pass --url"
+        )
     return servers[0]
 
 
-def planned_launch(recipe_path: Path, overrides: Sequence[str], bind: str, ports: Optional[Ports],
-                   tritonserver: str, hostfile: Optional[Path] = None) -> tuple[LaunchPlan, bool]:
+def planned_launch(
+    recipe_path: Path,
+    overrides: Sequence[str],
+    bind: str,
+    ports: Optional[Ports],
+    tritonserver: str,
+    hostfile: Optional[Path] = None,
+) -> tuple[LaunchPlan, bool]:
     """The launch of a recipe without building it (``serve RECIPE --dry-run``): the repository path its repo
     stage has or will have, and the TensorRT leader-mode command for the recipe's world size.
 
@@ -166,17 +184,27 @@ def planned_launch(recipe_path: Path, overrides: Sequence[str], bind: str, ports
     plans = plan_build(recipe, STAGES)
     repo_plan = next((p for p in plans if p.name == "repo"), None)
     if repo_plan is None or repo_plan.key is None:
-        raise ServingError(f"{recipe_path}: the repo stage cannot be planned ({getattr(repo_plan, 'reason', 'absent')})")
+        raise ServingError(
+            f"{recipe_path}: the repo stage cannot be planned ({getattr(repo_plan, 'reason', 'absent')})"
+        )
     repo = ArtifactStore(recipe.work_path).path("repo", repo_plan.key)
     if repo_plan.cached and (repo / REPO_INFO).exists():
         return plan_launch(repo, bind, ports, tritonserver, hostfile), True
     world = recipe.parallel.world_size
     ports = ports or Ports(*free_ports(3))
-    return LaunchPlan(repo, False, world, mpirun_command(repo, world, ports, bind, tritonserver, hostfile=hostfile)), False
+    return LaunchPlan(
+        repo, False, world, mpirun_command(repo, world, ports, bind, tritonserver, hostfile=hostfile)
+    ), False
 
 
-def dry_run_lines(target: Path, overrides: Sequence[str], bind: str, ports: Optional[Ports],
-                  tritonserver: str, hostfile: Optional[Path] = None) -> list[str]:
+def dry_run_lines(
+    target: Path,
+    overrides: Sequence[str],
+    bind: str,
+    ports: Optional[Ports],
+    tritonserver: str,
+    hostfile: Optional[Path] = None,
+) -> list[str]:
     """What ``serve --dry-run`` prints: comment lines, then the command (a recipe is planned, never built)."""
     import shlex
 
@@ -198,8 +226,9 @@ def dry_run_lines(target: Path, overrides: Sequence[str], bind: str, ports: Opti
         return lines + _twin_leader_lines(plan, bind, ports, tritonserver, hostfile)
     if plan.command is None:
         root = server_process.server_root()
-        cmd = server_process.server_command(root / "bin" / "tritonserver", root / "backends", plan.repo, bind,
-                                 ports or Ports(0, 0, 0), "trtpipe_")
+        cmd = server_process.server_command(
+            root / "bin" / "tritonserver", root / "backends", plan.repo, bind, ports or Ports(0, 0, 0), "trtpipe_"
+        )
         lines.append("# CPU twin: one tritonserver (ports 0: free ones are chosen at start)")
     else:
         cmd = plan.command
@@ -224,8 +253,9 @@ def _segments(cmd: list[str]) -> list[list[str]]:
     return segs
 
 
-def _twin_leader_lines(plan: LaunchPlan, bind: str, ports: Optional[Ports], tritonserver: str,
-                       hostfile: Optional[Path]) -> list[str]:
+def _twin_leader_lines(
+    plan: LaunchPlan, bind: str, ports: Optional[Ports], tritonserver: str, hostfile: Optional[Path]
+) -> list[str]:
     """A CPU-twin tp/pp > 1 repository: the mpiexec job serve runs, then the same launch with TensorRT engines."""
     import shlex
 
@@ -236,16 +266,21 @@ def _twin_leader_lines(plan: LaunchPlan, bind: str, ports: Optional[Ports], trit
     run_dir = Path("<run dir>")
     spec = mpi_launch.launch_spec(plan.repo, info, bind, ports, run_dir, hostfile)
     trt = mpirun_command(plan.repo, plan.world_size, ports, bind, tritonserver, hostfile=hostfile)
-    lines = [f"# with TensorRT engines (tensorrtllm backend) the same launch runs: world_size {plan.world_size}",
-             "#   " + shlex.join(trt)]
+    lines = [
+        f"# with TensorRT engines (tensorrtllm backend) the same launch runs: world_size {plan.world_size}",
+        "#   " + shlex.join(trt),
+    ]
     lines += mpi_launch.slurm_lines(spec["segments"])
-    lines += [f"# CPU twin, leader mode: {plan.world_size} ranks under mpiexec (rank 0 tritonserver + twin executor, "
-              f"ranks 1..{plan.world_size - 1} workers); serve runs it under a supervisor (run dir in the cache)",
-              shlex.join(spec["command"])]
+    lines += [
+        f"# CPU twin, leader mode: {plan.world_size} ranks under mpiexec (rank 0 tritonserver + twin executor, "
+        f"ranks 1..{plan.world_size - 1} workers); serve runs it under a supervisor (run dir in the cache)",
+        shlex.join(spec["command"]),
+    ]
     return lines
 
 
 # --- trtpipe serve / trtpipe stop ------------------------------------------------------------------------------
+
 
 def has_warmup(repo: Path) -> bool:
     """Whether the repository's models declare ``model_warmup`` (run before the server reports ready)."""
@@ -260,10 +295,21 @@ def requested_ports(http: Optional[int], grpc: Optional[int], metrics: Optional[
     return Ports(http or next(free), grpc or next(free), metrics or next(free))
 
 
-def serve_repository(target: Path, overrides: Sequence[str], bind: Optional[str], http_port: Optional[int],
-                     grpc_port: Optional[int], metrics_port: Optional[int], timeout: float, detach: bool,
-                     dry_run: bool, tritonserver: str, hostfile: Optional[Path], single_process: bool,
-                     echo: Callable[..., None]) -> int:
+def serve_repository(
+    target: Path,
+    overrides: Sequence[str],
+    bind: Optional[str],
+    http_port: Optional[int],
+    grpc_port: Optional[int],
+    metrics_port: Optional[int],
+    timeout: float,
+    detach: bool,
+    dry_run: bool,
+    tritonserver: str,
+    hostfile: Optional[Path],
+    single_process: bool,
+    echo: Callable[..., None],
+) -> int:
     """``trtpipe serve`` of a Triton repository or an engine recipe (built first): print the dry-run launch, run
     mpirun (TensorRT engines), or start the CPU twin (one tritonserver, or leader mode under mpiexec) and serve
     until Ctrl-C, or return once it is ready (``detach``). Returns the exit status."""
@@ -276,7 +322,11 @@ def serve_repository(target: Path, overrides: Sequence[str], bind: Optional[str]
 
         t = load_recipe(target, overrides).triton
         bind = bind or t.bind
-        http_port, grpc_port, metrics_port = http_port or t.http_port, grpc_port or t.grpc_port, metrics_port or t.metrics_port
+        http_port, grpc_port, metrics_port = (
+            http_port or t.http_port,
+            grpc_port or t.grpc_port,
+            metrics_port or t.metrics_port,
+        )
     bind = bind or "127.0.0.1"
     if server_process.exposure_warning(bind):
         echo(server_process.exposure_warning(bind), err=True)
@@ -293,22 +343,28 @@ def serve_repository(target: Path, overrides: Sequence[str], bind: Optional[str]
     if plan.world_size > 1 and not single_process:  # leader mode: one process per rank under mpiexec
         from trtpipe.triton import mpi_launch
 
-        server, state = mpi_launch.start_job(repo, repo_info(repo), bind,
-                                             ports or Ports(*free_ports(3)),
-                                             timeout, hostfile, detach)
-        lines = [f"serving {repo} (leader mode, {plan.world_size} ranks under mpiexec)\n  http {server.http_url}\n"
-                 f"  grpc {server.grpc_url}\n  run  {server.run_dir}\n  ready in {time.perf_counter() - t0:.1f} s"]
-        lines += [f"  rank {r['rank']} (tp {r['tp_rank']}, pp {r['pp_rank']}) pid {r['pid']} on {r['host']}: "
-                  f"layers {r['layers']}, {r['weights_mb']} MiB of weights, RSS {r['rss_mb']} MiB"
-                  for r in state.get("ranks", [])]
+        server, state = mpi_launch.start_job(
+            repo, repo_info(repo), bind, ports or Ports(*free_ports(3)), timeout, hostfile, detach
+        )
+        lines = [
+            f"serving {repo} (leader mode, {plan.world_size} ranks under mpiexec)\n  http {server.http_url}\n"
+            f"  grpc {server.grpc_url}\n  run  {server.run_dir}\n  ready in {time.perf_counter() - t0:.1f} s"
+        ]
+        lines += [
+            f"  rank {r['rank']} (tp {r['tp_rank']}, pp {r['pp_rank']}) pid {r['pid']} on {r['host']}: "
+            f"layers {r['layers']}, {r['weights_mb']} MiB of weights, RSS {r['rss_mb']} MiB"
+            for r in state.get("ranks", [])
+        ]
         if not _announce(server, lines, repo, detach, echo):
             return 0
         return mpi_launch.serve_job_forever(server, server.run_dir)
     server = server_process.start_server(repo, bind, ports, timeout=timeout, detach=detach)
     ready_s = time.perf_counter() - t0
-    lines = [f"serving {repo}\n  http {server.http_url}\n  grpc {server.grpc_url}\n  metrics http://{server.bind}:"
-             f"{server.ports.metrics}/metrics\n  log  {server.log}\n  ready in {ready_s:.1f} s (models loaded"
-             f"{' and warmed up' if has_warmup(repo) else ', no warm-up'})"]
+    lines = [
+        f"serving {repo}\n  http {server.http_url}\n  grpc {server.grpc_url}\n  metrics http://{server.bind}:"
+        f"{server.ports.metrics}/metrics\n  log  {server.log}\n  ready in {ready_s:.1f} s (models loaded"
+        f"{' and warmed up' if has_warmup(repo) else ', no warm-up'})"
+    ]
     if not _announce(server, lines, repo, detach, echo):
         return 0
     server_process.serve_forever(server)
@@ -347,8 +403,13 @@ def stop_servers(target: Optional[Path], overrides: Sequence[str], echo: Callabl
         echo(f"stopped pid {s.pid} ({s.repo})")
 
 
-def write_repository(recipe_path: Path, overrides: Sequence[str], engine_dir: Optional[Path],
-                     tokenizer_dir: Optional[Path], out: Optional[Path]) -> str:
+def write_repository(
+    recipe_path: Path,
+    overrides: Sequence[str],
+    engine_dir: Optional[Path],
+    tokenizer_dir: Optional[Path],
+    out: Optional[Path],
+) -> str:
     """``trtpipe repo``: build the recipe up to its repo stage (then copy it to ``out`` or triton.repo_dir when
     one is given), or write a repository for ``engine_dir``. Returns what to print: the repository path (with
     its models when written from an engine dir)."""

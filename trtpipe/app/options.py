@@ -50,15 +50,24 @@ class DefaultGroup(CommandGroup):
 OVERRIDES = click.option(
     "--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe key, e.g. --set parallel.tp=2."
 )
-MODEL_CONFIG = click.option("--model-config", type=click.Path(dir_okay=False, path_type=Path),
-                            help="A Hugging Face config.json for a model not on this disk (e.g. recipes/configs/...).")
-CHECKPOINT = click.option("--checkpoint", type=click.Path(file_okay=False, path_type=Path),
-                          help="A built TensorRT-LLM checkpoint: its config.json and real weight bytes are used.")
+MODEL_CONFIG = click.option(
+    "--model-config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A Hugging Face config.json for a model not on this disk (e.g. recipes/configs/...).",
+)
+CHECKPOINT = click.option(
+    "--checkpoint",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="A built TensorRT-LLM checkpoint: its config.json and real weight bytes are used.",
+)
 
 GEN_OPTIONS = [
     click.option("--url", help="HOST:PORT (gRPC, or HTTP with --protocol http); default: the detached server."),
-    click.option("--server", type=click.Path(exists=True, path_type=Path),
-                 help="Use the detached server of this repository or recipe (instead of --url)."),
+    click.option(
+        "--server",
+        type=click.Path(exists=True, path_type=Path),
+        help="Use the detached server of this repository or recipe (instead of --url).",
+    ),
     OVERRIDES,
     click.option("--protocol", type=click.Choice(["grpc", "http"]), default="grpc", show_default=True),
     click.option("--model", help="Front model (default: tensorrt_llm_bls for streams if present, else the ensemble)."),

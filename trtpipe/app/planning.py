@@ -81,8 +81,13 @@ def built_checkpoint(recipe: Recipe) -> Optional[Path]:
     return None
 
 
-def resolve(recipe_path: Path, overrides: Iterable[str] = (), gpu: Optional[str] = None,
-            model_config: Optional[Path] = None, checkpoint: Optional[Path] = None) -> Resolved:
+def resolve(
+    recipe_path: Path,
+    overrides: Iterable[str] = (),
+    gpu: Optional[str] = None,
+    model_config: Optional[Path] = None,
+    checkpoint: Optional[Path] = None,
+) -> Resolved:
     """Load the recipe, predict (or read) the checkpoint config, resolve the build and plan memory."""
     overrides = list(overrides) + ([f"engine.gpu={gpu}"] if gpu else [])
     recipe = load_recipe(recipe_path, overrides, check_rules=False)
@@ -114,9 +119,14 @@ def render_plan(r: Resolved) -> str:
         f"recipe {r.recipe.name}: {cfg['architecture']} {cfg['dtype']}, quant_algo {qa}, KV cache {p.kv_dtype}",
         f"target: {p.tp * p.pp} x {p.gpu.name} ({p.gpu.key}, {_size(p.gpu.memory_bytes)}, SM {p.gpu.compute_capability}, "
         f"{p.gpu.bandwidth_gbs} GB/s), tp={p.tp} pp={p.pp}, preset {b.preset}{' (auto)' if b.preset_is_auto else ''}",
-        *([f"target llmapi: TensorRT-LLM PyTorch backend (no engine); weights as the unified HF checkpoint "
-           f"({qa}), KV pool = kv_cache_config.free_gpu_memory_fraction of what is left"]
-          if r.recipe.target == "llmapi" else []),
+        *(
+            [
+                f"target llmapi: TensorRT-LLM PyTorch backend (no engine); weights as the unified HF checkpoint "
+                f"({qa}), KV pool = kv_cache_config.free_gpu_memory_fraction of what is left"
+            ]
+            if r.recipe.target == "llmapi"
+            else []
+        ),
         f"KV bytes/token: {p.kv_bytes_per_token_model} for the whole model; per GPU "
         + ", ".join(f"{int(x.kv_bytes_per_token)} (pp rank {x.pp_rank}, {x.layers} layers)" for x in p.ranks),
     ]
@@ -124,16 +134,19 @@ def render_plan(r: Resolved) -> str:
         lines.append(
             f"pp rank {x.pp_rank}: weights {_size(x.weight_bytes)} (from {p.weights_from}) + activations ~{_size(x.activation_bytes)} "
             f"+ runtime reserve ~{_size(x.reserve_bytes)}; free {_size(max(x.free_bytes, 0))} -> KV pool {_size(x.kv_pool_bytes)} "
-            f"= {x.kv_tokens} tokens = {x.kv_blocks} blocks")
+            f"= {x.kv_tokens} tokens = {x.kv_blocks} blocks"
+        )
     e = p.experts
     if e is not None:
         lines.append(
             f"experts: {e.per_rank} of {e.experts} per GPU (moe_ep {e.moe_ep} x moe_tp {e.moe_tp}; {e.width} of each "
-            f"expert's rows): {_size(e.layer_bytes)} per layer, {_size(e.gpu_bytes)} per GPU of the weights above")
+            f"expert's rows): {_size(e.layer_bytes)} per layer, {_size(e.gpu_bytes)} per GPU of the weights above"
+        )
     lines.append(
         f"KV capacity: {p.kv_tokens} tokens ({p.kv_blocks} blocks of {p.tokens_per_block}); one sequence of max_seq_len "
         f"{p.max_seq_len} needs {p.blocks_per_sequence} blocks -> {p.concurrent_sequences} concurrent full-length sequences "
-        f"(max_batch_size {p.max_batch_size}{', KV-limited' if p.concurrent_sequences < p.max_batch_size else ''})")
+        f"(max_batch_size {p.max_batch_size}{', KV-limited' if p.concurrent_sequences < p.max_batch_size else ''})"
+    )
     lines.append("host memory (estimates): " + ", ".join(f"{k} {_size(v)}" for k, v in p.host_bytes.items()))
     for ch in b.changes:
         lines.append(f"adjusted: {ch}")
@@ -142,8 +155,12 @@ def render_plan(r: Resolved) -> str:
 
 
 def plan_json(r: Resolved) -> dict:
-    return {"recipe": r.recipe.name, "preset": r.build.preset, **r.plan.summary(),
-            "adjusted": [str(c) for c in r.build.changes]}
+    return {
+        "recipe": r.recipe.name,
+        "preset": r.build.preset,
+        **r.plan.summary(),
+        "adjusted": [str(c) for c in r.build.changes],
+    }
 
 
 def render_build(r: Resolved) -> str:
@@ -158,8 +175,11 @@ def render_build(r: Resolved) -> str:
 
 
 def gpu_table() -> str:
-    return "\n".join(f"{g.key:20s} {g.name:32s} {g.memory_mib / 1024:7.1f} GiB{'*' if g.nominal else ' '} "
-                     f"SM {g.compute_capability:5s} {g.bandwidth_gbs:5d} GB/s  {g.arch}" for g in CATALOG)
+    return "\n".join(
+        f"{g.key:20s} {g.name:32s} {g.memory_mib / 1024:7.1f} GiB{'*' if g.nominal else ' '} "
+        f"SM {g.compute_capability:5s} {g.bandwidth_gbs:5d} GB/s  {g.arch}"
+        for g in CATALOG
+    )
 
 
 def build_engine(r: Resolved, out_dir: Path, log) -> dict:
@@ -178,8 +198,14 @@ def build_engine(r: Resolved, out_dir: Path, log) -> dict:
         raise EngineError(f"{out_dir}: output directory is not empty")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".engine-", dir=out_dir.parent))  # same filesystem: the rename is atomic
-    ctx = StageContext(recipe=r.recipe, out_dir=tmp, inputs={"checkpoint": r.checkpoint},
-                       log=log or logging.getLogger("trtpipe.engine"), work_dir=tmp.parent, quiet=True)
+    ctx = StageContext(
+        recipe=r.recipe,
+        out_dir=tmp,
+        inputs={"checkpoint": r.checkpoint},
+        log=log or logging.getLogger("trtpipe.engine"),
+        work_dir=tmp.parent,
+        quiet=True,
+    )
     try:
         run_engine(ctx)
     except BaseException:

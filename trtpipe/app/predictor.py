@@ -25,8 +25,15 @@ from trtpipe.perf.cost import Constants, Deployment
 from trtpipe.perf.fit import family, load_constants, predict_rows
 from trtpipe.models.trtllm_config import resolve_moe_sizes
 from trtpipe.perf.models import model_spec
-from trtpipe.perf.published import (COLUMNS, deployment_of, kv_capacity_tokens, limits_of, read_rows, regime,
-                                    to_published_unit)
+from trtpipe.perf.published import (
+    COLUMNS,
+    deployment_of,
+    kv_capacity_tokens,
+    limits_of,
+    read_rows,
+    regime,
+    to_published_unit,
+)
 from trtpipe.perf.simulate import CostModelEngine, SimResult, closed_loop, poisson
 from trtpipe.serving.config import executor_config
 
@@ -55,10 +62,16 @@ class Setup:
     def config(self, isl: int, osl: int):
         seq = max(self.max_seq_len, isl + osl)
         # reuse off: benchmark prompts share no prefix (simulate.py), so it would change nothing but the bookkeeping
-        return executor_config(max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens,
-                               max_input_len=max(self.max_input_len, isl), max_seq_len=seq, kv_tokens=self.kv_tokens,
-                               tokens_per_block=self.tokens_per_block, enable_chunked_context=self.chunked,
-                               enable_kv_cache_reuse=False)
+        return executor_config(
+            max_batch_size=self.max_batch_size,
+            max_num_tokens=self.max_num_tokens,
+            max_input_len=max(self.max_input_len, isl),
+            max_seq_len=seq,
+            kv_tokens=self.kv_tokens,
+            tokens_per_block=self.tokens_per_block,
+            enable_chunked_context=self.chunked,
+            enable_kv_cache_reuse=False,
+        )
 
 
 def _expert_split(recipe_path: Path, overrides: Iterable[str], tp: int) -> list[str]:
@@ -76,13 +89,19 @@ def _expert_split(recipe_path: Path, overrides: Iterable[str], tp: int) -> list[
     return [f"parallel.moe_tp={moe_tp}", f"parallel.moe_ep={tp // moe_tp}"]
 
 
-def recipe_setup(recipe_path: Path, overrides: Iterable[str] = (), gpu: Optional[str] = None,
-                 model_config: Optional[Path] = None, tp: Optional[int] = None) -> Setup:
+def recipe_setup(
+    recipe_path: Path,
+    overrides: Iterable[str] = (),
+    gpu: Optional[str] = None,
+    model_config: Optional[Path] = None,
+    tp: Optional[int] = None,
+) -> Setup:
     """The deployment and engine limits a recipe builds, with the memory planner's KV pool."""
     from trtpipe.app import planning
 
-    ov = list(overrides) + ([f"parallel.tp={tp}", f"engine.workers={tp}"] + _expert_split(recipe_path, overrides, tp)
-                            if tp else [])
+    ov = list(overrides) + (
+        [f"parallel.tp={tp}", f"engine.workers={tp}"] + _expert_split(recipe_path, overrides, tp) if tp else []
+    )
     r = planning.resolve(recipe_path, ov, gpu=gpu, model_config=model_config)
     rec = r.recipe
     if not r.plan.fits:
@@ -99,17 +118,37 @@ def recipe_setup(recipe_path: Path, overrides: Iterable[str] = (), gpu: Optional
     fam = "pytorch" if rec.target == "llmapi" else "engine"  # the PyTorch backend has its own fitted constants
     weights = f"mxfp4-experts+{prec}" if spec.mxfp4_experts else prec  # gpt-oss: the experts as shipped
     label = f"{d.num_gpus}x {d.gpu.key} tp{d.tp} pp{d.pp}{f' ep{ep}' if ep > 1 else ''} {weights}" + (
-        " (PyTorch backend)" if fam == "pytorch" else "")
-    return Setup(d, c.max_batch_size, c.max_num_tokens, c.max_input_len, c.max_seq_len,
-                 r.plan.kv_blocks * r.plan.tokens_per_block, r.plan.tokens_per_block,
-                 bool(c.plugins.get("use_paged_context_fmha", True)), label, fam)
+        " (PyTorch backend)" if fam == "pytorch" else ""
+    )
+    return Setup(
+        d,
+        c.max_batch_size,
+        c.max_num_tokens,
+        c.max_input_len,
+        c.max_seq_len,
+        r.plan.kv_blocks * r.plan.tokens_per_block,
+        r.plan.tokens_per_block,
+        bool(c.plugins.get("use_paged_context_fmha", True)),
+        label,
+        fam,
+    )
 
 
-def simulate(setup: Setup, constants: Constants, isl: int, osl: int, concurrency: int = 0, rate: float = 0.0,
-             num_requests: int = 0, seed: int = 0) -> SimResult:
+def simulate(
+    setup: Setup,
+    constants: Constants,
+    isl: int,
+    osl: int,
+    concurrency: int = 0,
+    rate: float = 0.0,
+    num_requests: int = 0,
+    seed: int = 0,
+) -> SimResult:
     if isl + osl > setup.max_seq_len or isl > setup.max_input_len:
-        raise TrtpipeError(f"ISL {isl} + OSL {osl} exceed the engine's max_input_len {setup.max_input_len} / "
-                           f"max_seq_len {setup.max_seq_len}")
+        raise TrtpipeError(
+            f"ISL {isl} + OSL {osl} exceed the engine's max_input_len {setup.max_input_len} / "
+            f"max_seq_len {setup.max_seq_len}"
+        )
     engine = CostModelEngine(setup.deployment, constants)
     cfg = setup.config(isl, osl)
     if rate > 0:
@@ -123,13 +162,17 @@ def simulate(setup: Setup, constants: Constants, isl: int, osl: int, concurrency
 def summary(setup: Setup, res: SimResult) -> dict:
     ms = lambda v: round(v * 1e3, 2)  # noqa: E731
     return {
-        "layout": setup.label, "gpus": setup.deployment.num_gpus,
+        "layout": setup.label,
+        "gpus": setup.deployment.num_gpus,
         "output_tok_s": round(res.throughput, 1),
         "output_tok_s_per_gpu": round(res.throughput / setup.deployment.num_gpus, 1),
         "ttft_ms": {f"p{q}": ms(res.pct("ttft", q)) for q in (50, 90, 99)},
         "itl_ms": {f"p{q}": ms(res.pct("itl", q)) for q in (50, 90, 99)},
-        "requests": len(res.ttft), "steps": res.steps, "mean_batch": round(res.mean_batch, 1),
-        "step_time_bound": res.step_bound, "batch_bound": res.load_bound,
+        "requests": len(res.ttft),
+        "steps": res.steps,
+        "mean_batch": round(res.mean_batch, 1),
+        "step_time_bound": res.step_bound,
+        "batch_bound": res.load_bound,
         "step_time_share": {k: round(v / max(sum(res.busy_s.values()), 1e-12), 3) for k, v in res.busy_s.items()},
     }
 
@@ -141,8 +184,9 @@ def same_model_names(spec) -> list[str]:
     return [n for n in PUBLISHED if replace(published_spec(n), name=spec.name) == spec]
 
 
-def nearest_published(rows: list[dict], spec, gpu: GPU, precision: str, isl: int, osl: int, tp: int = 1,
-                      k: int = 6, fam: str = "") -> list[dict]:
+def nearest_published(
+    rows: list[dict], spec, gpu: GPU, precision: str, isl: int, osl: int, tp: int = 1, k: int = 6, fam: str = ""
+) -> list[dict]:
     """The published rows closest to a prediction: same model shapes and GPU, the same precision first, then
     the same runtime family (``fam``: engine or pytorch, if given), then the nearest ISL/OSL and GPU count (log
     distances)."""
@@ -167,15 +211,25 @@ def nearest_published(rows: list[dict], spec, gpu: GPU, precision: str, isl: int
 
 # ---- scenarios ----------------------------------------------------------------------------------------------
 
+
 def _serving_limits(row: dict, d: Deployment, isl: int, osl: int, c: Constants) -> Setup:
     lim = limits_of(row, d, isl, osl)
-    return Setup(d, lim.max_batch_size, lim.max_num_tokens, isl, isl + osl,
-                 kv_capacity_tokens(d, lim.kv_fraction, c.other_gb,
-                                    lim.max_num_tokens if d.pytorch_backend else 0) // max(1, d.pp), 64, True)
+    return Setup(
+        d,
+        lim.max_batch_size,
+        lim.max_num_tokens,
+        isl,
+        isl + osl,
+        kv_capacity_tokens(d, lim.kv_fraction, c.other_gb, lim.max_num_tokens if d.pytorch_backend else 0)
+        // max(1, d.pp),
+        64,
+        True,
+    )
 
 
-def predict_scenarios(rows: list[dict], constants: dict[str, Constants], simulate_serving: bool = True,
-                      serving_requests: int = 500) -> list[Optional[float]]:
+def predict_scenarios(
+    rows: list[dict], constants: dict[str, Constants], simulate_serving: bool = True, serving_requests: int = 500
+) -> list[Optional[float]]:
     """A predicted value per row in the row's own unit, None where not supported."""
     out = predict_rows(rows, constants)
     if not simulate_serving:
@@ -203,18 +257,21 @@ def predict_scenarios(rows: list[dict], constants: dict[str, Constants], simulat
                 cache[key] = poisson(setup.config(isl, osl), CostModelEngine(d, c), rate, serving_requests, isl, osl)
             elif m_conc:
                 conc = int(m_conc.group(1))
-                cache[key] = closed_loop(setup.config(isl, osl), CostModelEngine(d, c), conc, max(4 * conc, 32),
-                                         isl, osl)
+                cache[key] = closed_loop(
+                    setup.config(isl, osl), CostModelEngine(d, c), conc, max(4 * conc, 32), isl, osl
+                )
             else:
                 continue
         res = cache[key]
         m = r["metric"]
-        val = {"ttft_ms_mean": float(res.ttft.mean() * 1e3) if len(res.ttft) else None,
-               "itl_ms_mean": float(res.itl.mean() * 1e3) if len(res.itl) else None,
-               "output_tok_s_total": res.throughput,
-               "output_tok_s_per_gpu": res.throughput,
-               "request_throughput_req_s": len(res.ttft) / res.makespan_s if res.makespan_s else None,
-               "total_token_throughput_tok_s": (res.throughput * (isl + osl) / osl)}.get(m)
+        val = {
+            "ttft_ms_mean": float(res.ttft.mean() * 1e3) if len(res.ttft) else None,
+            "itl_ms_mean": float(res.itl.mean() * 1e3) if len(res.itl) else None,
+            "output_tok_s_total": res.throughput,
+            "output_tok_s_per_gpu": res.throughput,
+            "request_throughput_req_s": len(res.ttft) / res.makespan_s if res.makespan_s else None,
+            "total_token_throughput_tok_s": (res.throughput * (isl + osl) / osl),
+        }.get(m)
         if val is not None and m.startswith("output_tok_s"):
             val = to_published_unit(r, val)
         out[i] = val
@@ -268,10 +325,20 @@ DEFAULT_PLAN_GPUS = ("a100-sxm-80gb", "l40s-48gb", "h100-sxm-80gb", "h200-141gb"
 REPLICAS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
-def capacity_plan(recipe_path: Path, slo: dict[str, float], rate: float, isl: int, osl: int,
-                  overrides: Iterable[str] = (), gpus: Optional[list[str]] = None,
-                  model_config: Optional[Path] = None, constants: Optional[Constants] = None,
-                  num_requests: int = 200, log=None, precisions: Iterable[str] = ()) -> list[dict]:
+def capacity_plan(
+    recipe_path: Path,
+    slo: dict[str, float],
+    rate: float,
+    isl: int,
+    osl: int,
+    overrides: Iterable[str] = (),
+    gpus: Optional[list[str]] = None,
+    model_config: Optional[Path] = None,
+    constants: Optional[Constants] = None,
+    num_requests: int = 200,
+    log=None,
+    precisions: Iterable[str] = (),
+) -> list[dict]:
     """For every layout (GPU type x tp, x each of ``precisions`` if given) of the recipe that fits memory and can
     run its precision: the fewest data-parallel replicas (each taking rate / replicas, Poisson) whose simulated latencies meet ``slo``.
     Sorted by total GPUs, then by the GPU's memory bandwidth (a proxy for its price: the catalog has no prices)."""
@@ -297,15 +364,26 @@ def capacity_plan(recipe_path: Path, slo: dict[str, float], rate: float, isl: in
             ok, head = meets(res, slo)
             best = (replicas, res, ok, head)
             if log:
-                log(f"{setup.label} x{replicas}: {'meets' if ok else 'misses'} "
-                    f"({', '.join(f'{k} x{v:.2f}' for k, v in head.items())})")
+                log(
+                    f"{setup.label} x{replicas}: {'meets' if ok else 'misses'} "
+                    f"({', '.join(f'{k} x{v:.2f}' for k, v in head.items())})"
+                )
             if ok:
                 break
         replicas, res, ok, head = best
         s = summary(setup, res)
-        s.update({"fits": True, "meets_slo": ok, "replicas": replicas, "total_gpus": replicas * s["gpus"],
-                  "headroom": {k: round(v, 2) for k, v in head.items()}, "gpu_key": key,
-                  "bandwidth_gbs": setup.deployment.gpu.bandwidth_gbs, "rate_per_replica": rate / replicas})
+        s.update(
+            {
+                "fits": True,
+                "meets_slo": ok,
+                "replicas": replicas,
+                "total_gpus": replicas * s["gpus"],
+                "headroom": {k: round(v, 2) for k, v in head.items()},
+                "gpu_key": key,
+                "bandwidth_gbs": setup.deployment.gpu.bandwidth_gbs,
+                "rate_per_replica": rate / replicas,
+            }
+        )
         out.append(s)
     fit = [o for o in out if o.get("fits")]
     fit.sort(key=lambda o: (not o["meets_slo"], o["total_gpus"], o["bandwidth_gbs"]))
@@ -331,5 +409,3 @@ def plot_plan(rows: list[dict], path: Path, title: str) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-
-

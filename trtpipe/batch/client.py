@@ -31,8 +31,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from trtpipe.batch.journal import Journal
-from trtpipe.batch.pressure import (OVERLOAD_STATUS, RETRYABLE_STATUS, Window, backoff_s, parse_retry_after,
-                                    server_load, under_pressure)
+from trtpipe.batch.pressure import (
+    OVERLOAD_STATUS,
+    RETRYABLE_STATUS,
+    Window,
+    backoff_s,
+    parse_retry_after,
+    server_load,
+    under_pressure,
+)
 from trtpipe.batch.requests import BatchError, BatchRequest
 from trtpipe.extras import require
 
@@ -95,8 +102,9 @@ class Outcome:
     exc: Optional[BaseException] = None  # a connection loss or timeout
 
 
-def result_line(custom_id: str, status: Optional[int], request_id: str, body: Any,
-                error: Optional[dict] = None) -> dict:
+def result_line(
+    custom_id: str, status: Optional[int], request_id: str, body: Any, error: Optional[dict] = None
+) -> dict:
     """One line of OpenAI's Batch output/errors files (``BatchRequestOutput``): ``response`` for an HTTP answer,
     ``error`` ({code, message}) for a failure without one."""
     response = None if status is None else {"status_code": status, "request_id": request_id, "body": body}
@@ -109,9 +117,16 @@ def mentions_priority(status: int, text: str) -> bool:
 
 
 class BatchClient:
-    def __init__(self, base_url: str, journal: Journal, opts: ClientOptions,
-                 on_result: Callable[[bool], None], say: Callable[[str], None],
-                 revive: Optional[Callable[[], None]] = None, on_window: Optional[Callable[[int, int], None]] = None):
+    def __init__(
+        self,
+        base_url: str,
+        journal: Journal,
+        opts: ClientOptions,
+        on_result: Callable[[bool], None],
+        say: Callable[[str], None],
+        revive: Optional[Callable[[], None]] = None,
+        on_window: Optional[Callable[[int, int], None]] = None,
+    ):
         self.url = base_url.rstrip("/")
         self.journal, self.opts, self.on_result, self.say = journal, opts, on_result, say
         self.revive = revive  # respawns a server this job started, when it died (None: not ours)
@@ -159,8 +174,9 @@ class BatchClient:
                     tasks.add(asyncio.create_task(self._send(queue.popleft())))
                 self.in_flight = len(tasks)
                 self.on_window(self.in_flight, self.window.allowed)
-                wake = min(self.opts.checkpoint_interval_s,
-                           max(self.window.paused_until - now, 0.05) if self.up else 0.5)
+                wake = min(
+                    self.opts.checkpoint_interval_s, max(self.window.paused_until - now, 0.05) if self.up else 0.5
+                )
                 if tasks:
                     done, _ = await asyncio.wait(tasks, timeout=wake, return_when=asyncio.FIRST_COMPLETED)
                 else:
@@ -235,8 +251,10 @@ class BatchClient:
             if self.send_priority:
                 self.send_priority = False
                 self.stats.priority_dropped = True
-                self.say(f"warning: {self.url} refuses the 'priority' field ({status}: {out.text[:200]}); "
-                         "sending the batch without it, at the server's default priority")
+                self.say(
+                    f"warning: {self.url} refuses the 'priority' field ({status}: {out.text[:200]}); "
+                    "sending the batch without it, at the server's default priority"
+                )
             item.delay_s = 0.0
             return item
         if status in RETRYABLE_STATUS and item.tries < self.opts.max_retries:
@@ -253,8 +271,12 @@ class BatchClient:
         if item.tries >= self.opts.max_retries:
             code = "timeout" if timed_out else "connection_error"
             msg = f"{type(out.exc).__name__}: {out.exc}" if str(out.exc) else type(out.exc).__name__
-            return self._write(result_line(item.req.custom_id, None, "", None,
-                                           {"code": code, "message": f"{msg} ({item.tries + 1} tries)"}), failed=True)
+            return self._write(
+                result_line(
+                    item.req.custom_id, None, "", None, {"code": code, "message": f"{msg} ({item.tries + 1} tries)"}
+                ),
+                failed=True,
+            )
         item.tries += 1
         self.stats.retried += 1
         item.delay_s = 0.0
@@ -281,9 +303,11 @@ class BatchClient:
                 self.up = True
                 return
             if loop.time() >= deadline:
-                raise ServerGone(f"{self.url}: the server did not answer for {self.opts.server_wait_s:.0f} s; "
-                                 f"rerun the same command to resume ({self.journal.done} of {self.journal.total} "
-                                 "done)")
+                raise ServerGone(
+                    f"{self.url}: the server did not answer for {self.opts.server_wait_s:.0f} s; "
+                    f"rerun the same command to resume ({self.journal.done} of {self.journal.total} "
+                    "done)"
+                )
             attempt += 1
             await asyncio.sleep(min(HEALTH_PROBE_MAX_S, 0.25 * 2 ** min(attempt, 5)))
 
@@ -293,8 +317,7 @@ class BatchClient:
                 if r.status != 200:
                     return False
             if self.model is None:
-                async with self.session.get(self.url + "/v1/models",
-                                            timeout=self._aiohttp.ClientTimeout(total=5)) as r:
+                async with self.session.get(self.url + "/v1/models", timeout=self._aiohttp.ClientTimeout(total=5)) as r:
                     data = (await r.json()).get("data") if r.status == 200 else None
                     if data and isinstance(data[0], dict):
                         self.model = data[0].get("id")
@@ -309,8 +332,9 @@ class BatchClient:
             if not self.up:
                 continue
             try:
-                async with self.session.get(self.url + "/prometheus/metrics",
-                                            timeout=self._aiohttp.ClientTimeout(total=5)) as r:
+                async with self.session.get(
+                    self.url + "/prometheus/metrics", timeout=self._aiohttp.ClientTimeout(total=5)
+                ) as r:
                     if r.status == 404:
                         return  # this server has no Prometheus endpoint: 429/503 are the only signals
                     text = await r.text() if r.status == 200 else ""
@@ -319,4 +343,3 @@ class BatchClient:
             if text and under_pressure(server_load(text), self.in_flight):
                 if self.window.on_pressure(self.window.epoch):
                     self.stats.metrics_backoffs += 1
-

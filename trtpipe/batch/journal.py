@@ -111,15 +111,19 @@ def _read_line(path: Path, n: int, raw: bytes, ids: dict[str, int]) -> None:
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 class Journal:
     """Open (recover, lock) the output and errors files; append results; checkpoint the state file."""
 
     def __init__(self, input_path: Path, output: Path, errors: Path, state: Path, target: str):
-        self.input_path, self.output, self.errors, self.state = Path(input_path), Path(output), Path(errors), \
-            Path(state)
+        self.input_path, self.output, self.errors, self.state = (
+            Path(input_path),
+            Path(output),
+            Path(errors),
+            Path(state),
+        )
         self.target = target
         self.succeeded = self.failed = 0  # lines in each file (earlier runs included)
         self.written_now = 0  # lines this run wrote
@@ -166,15 +170,18 @@ class Journal:
         both = set(ok.ids) & set(bad.ids)
         if both:
             cid = min(both, key=lambda c: ok.ids[c])
-            raise BatchError(f"{self.errors}:{bad.ids[cid]}: custom_id {cid!r} is also in {self.output} "
-                             f"(line {ok.ids[cid]})")
+            raise BatchError(
+                f"{self.errors}:{bad.ids[cid]}: custom_id {cid!r} is also in {self.output} (line {ok.ids[cid]})"
+            )
         wanted = {r.custom_id for r in requests}
         for path, r in ((self.output, ok), (self.errors, bad)):
             stray = [c for c in r.ids if c not in wanted]
             if stray:
                 cid = min(stray, key=lambda c: r.ids[c])
-                raise BatchError(f"{path}:{r.ids[cid]}: custom_id {cid!r} is not in {self.input_path} "
-                                 "(the output of another batch? use another --output)")
+                raise BatchError(
+                    f"{path}:{r.ids[cid]}: custom_id {cid!r} is not in {self.input_path} "
+                    "(the output of another batch? use another --output)"
+                )
         if retry_errors and bad.ids:  # checked first: a refused journal is left exactly as it was
             self.retried_from, self.retried = retried_errors_path(self.errors), len(bad.ids)
             os.rename(self.errors, self.retried_from)
@@ -218,13 +225,28 @@ class Journal:
                 return 0
 
         now = time.time()
-        return {"format": STATE_FORMAT, "status": status, "input": str(self.input_path),
-                "input_sha256": self.input_sha256, "output": str(self.output), "errors": str(self.errors),
-                "target": self.target, "total": self.total, "succeeded": self.succeeded, "failed": self.failed,
-                "pending": self.total - self.done, "output_bytes": size(self.output),
-                "errors_bytes": size(self.errors), "runs": self.runs, "pid": os.getpid(),
-                "first_started_unix": self.first_started, "run_started_unix": self.started, "updated_unix": now,
-                "run_elapsed_s": round(now - self.started, 3), "written_this_run": self.written_now}
+        return {
+            "format": STATE_FORMAT,
+            "status": status,
+            "input": str(self.input_path),
+            "input_sha256": self.input_sha256,
+            "output": str(self.output),
+            "errors": str(self.errors),
+            "target": self.target,
+            "total": self.total,
+            "succeeded": self.succeeded,
+            "failed": self.failed,
+            "pending": self.total - self.done,
+            "output_bytes": size(self.output),
+            "errors_bytes": size(self.errors),
+            "runs": self.runs,
+            "pid": os.getpid(),
+            "first_started_unix": self.first_started,
+            "run_started_unix": self.started,
+            "updated_unix": now,
+            "run_elapsed_s": round(now - self.started, 3),
+            "written_this_run": self.written_now,
+        }
 
     def checkpoint(self, status: str = "running") -> None:
         """Write the state file atomically (old or new content, never a part)."""

@@ -34,10 +34,16 @@ RAW = "profile_export_raw.jsonl"
 SERVER_FLAGS = ("return_perf_metrics", "return_num_output_tokens")
 # trtpipe metric -> AIPerf's tag for the same formula (the side-by-side check in every run JSON).
 AIPERF_TAGS = {
-    "ttft": "time_to_first_token", "ttst": "time_to_second_token", "itl": "inter_token_latency",
-    "e2e": "request_latency", "decode": "decode_duration", "osl": "output_sequence_length",
-    "user_tps": "output_token_throughput_per_user", "chunk_gap": "inter_chunk_latency",
-    "request_throughput": "request_throughput", "output_token_throughput": "output_token_throughput",
+    "ttft": "time_to_first_token",
+    "ttst": "time_to_second_token",
+    "itl": "inter_token_latency",
+    "e2e": "request_latency",
+    "decode": "decode_duration",
+    "osl": "output_sequence_length",
+    "user_tps": "output_token_throughput_per_user",
+    "chunk_gap": "inter_chunk_latency",
+    "request_throughput": "request_throughput",
+    "output_token_throughput": "output_token_throughput",
     "goodput": "goodput",
 }
 
@@ -58,8 +64,10 @@ def find_aiperf() -> Path:
     found = shutil.which("aiperf")
     if found:
         return Path(found)
-    raise BenchError("AIPerf is not installed: run scripts/install_aiperf.sh (it creates .venv-aiperf with "
-                     f"aiperf=={AIPERF_VERSION}) or set TRTPIPE_AIPERF to the aiperf executable")
+    raise BenchError(
+        "AIPerf is not installed: run scripts/install_aiperf.sh (it creates .venv-aiperf with "
+        f"aiperf=={AIPERF_VERSION}) or set TRTPIPE_AIPERF to the aiperf executable"
+    )
 
 
 def aiperf_version(binary: Path) -> Optional[str]:
@@ -113,18 +121,44 @@ class AIPerfRun:
     log_tail: str = ""
 
 
-def command(binary: Path, target: Target, load: Load, out_dir: Path, template: Path,
-            goodput: Optional[dict[str, float]] = None) -> list[str]:
+def command(
+    binary: Path, target: Target, load: Load, out_dir: Path, template: Path, goodput: Optional[dict[str, float]] = None
+) -> list[str]:
     """The ``aiperf profile`` command line for one load point."""
-    cmd = [str(binary), "profile", "--model", target.model, "--url", target.http_url,
-           "--endpoint-type", "template", "--custom-endpoint", target.endpoint,
-           "--extra-inputs", f"payload_template:{template}", "--extra-inputs", "response_field:text_output",
-           "--tokenizer", target.tokenizer, "--isl", str(load.isl), "--isl-stddev", str(load.isl_stddev),
-           "--osl", str(load.osl), "--random-seed", str(load.seed), "--ui", "none",
-           "--artifact-dir", str(out_dir),
-           "--export-level", "raw" if any(f in target.inputs for f in SERVER_FLAGS) else "records",
-           "--no-gpu-telemetry",
-           "--no-server-metrics"]  # trtpipe scrapes tritonserver's own metrics port itself
+    cmd = [
+        str(binary),
+        "profile",
+        "--model",
+        target.model,
+        "--url",
+        target.http_url,
+        "--endpoint-type",
+        "template",
+        "--custom-endpoint",
+        target.endpoint,
+        "--extra-inputs",
+        f"payload_template:{template}",
+        "--extra-inputs",
+        "response_field:text_output",
+        "--tokenizer",
+        target.tokenizer,
+        "--isl",
+        str(load.isl),
+        "--isl-stddev",
+        str(load.isl_stddev),
+        "--osl",
+        str(load.osl),
+        "--random-seed",
+        str(load.seed),
+        "--ui",
+        "none",
+        "--artifact-dir",
+        str(out_dir),
+        "--export-level",
+        "raw" if any(f in target.inputs for f in SERVER_FLAGS) else "records",
+        "--no-gpu-telemetry",
+        "--no-server-metrics",
+    ]  # trtpipe scrapes tritonserver's own metrics port itself
     if target.streaming:
         cmd.append("--streaming")
     if load.concurrency is not None:
@@ -138,8 +172,13 @@ def command(binary: Path, target: Target, load: Load, out_dir: Path, template: P
     if load.warmup_requests:
         cmd += ["--warmup-request-count", str(load.warmup_requests)]
     if goodput:
-        names = {"ttft": "time_to_first_token", "itl": "inter_token_latency", "e2e": "request_latency",
-                 "ttst": "time_to_second_token", "tpot": "inter_token_latency"}
+        names = {
+            "ttft": "time_to_first_token",
+            "itl": "inter_token_latency",
+            "e2e": "request_latency",
+            "ttst": "time_to_second_token",
+            "tpot": "inter_token_latency",
+        }
         cmd += ["--goodput", " ".join(f"{names[k]}:{v:g}" for k, v in goodput.items())]
     return cmd
 
@@ -171,8 +210,7 @@ def parse_record(rec: dict) -> Request:
         times[-1] = start + int(round(latency * 1e6))
     osl = val("output_sequence_length")
     isl = val("input_sequence_length")
-    return Request(start, times, osl=int(osl) if osl is not None else None,
-                   isl=int(isl) if isl is not None else None)
+    return Request(start, times, osl=int(osl) if osl is not None else None, isl=int(isl) if isl is not None else None)
 
 
 def _server_fields(node, found: list) -> None:
@@ -249,8 +287,14 @@ def read_summary(out_dir: Path) -> dict:
         raise BenchError(f"{path}: cannot read AIPerf's summary ({exc})") from None
 
 
-def run(binary: Path, target: Target, load: Load, out_dir: Path, goodput: Optional[dict[str, float]] = None,
-        timeout_s: float = 3600.0) -> AIPerfRun:
+def run(
+    binary: Path,
+    target: Target,
+    load: Load,
+    out_dir: Path,
+    goodput: Optional[dict[str, float]] = None,
+    timeout_s: float = 3600.0,
+) -> AIPerfRun:
     """Run AIPerf for one load point into ``out_dir``; raise with its log tail when it fails."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -265,8 +309,9 @@ def run(binary: Path, target: Target, load: Load, out_dir: Path, goodput: Option
     env = {**os.environ, "NO_COLOR": "1", "TMPDIR": temp}
     with open(log, "w") as fh:
         try:
-            proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                  stdin=subprocess.DEVNULL, env=env)
+            proc = subprocess.run(
+                cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s, stdin=subprocess.DEVNULL, env=env
+            )
         except subprocess.TimeoutExpired:
             raise BenchError(f"AIPerf did not finish in {timeout_s:.0f} s; log {log}") from None
         finally:

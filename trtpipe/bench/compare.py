@@ -41,8 +41,9 @@ def parse_gate(text: str) -> Gate:
     """``ttft.p99>+10%`` / ``output_token_throughput<-5%`` / ``itl.avg>5%``."""
     m = re.fullmatch(r"\s*([a-z_][a-z0-9_]*)(?:\.([a-z0-9]+))?\s*([<>])\s*([+-]?[0-9]*\.?[0-9]+)\s*%\s*", text)
     if not m:
-        raise BenchError(f"--fail-if: cannot read {text!r} (expected METRIC.STAT>+N% or METRIC<-N%, "
-                         "e.g. ttft.p99>+10%)")
+        raise BenchError(
+            f"--fail-if: cannot read {text!r} (expected METRIC.STAT>+N% or METRIC<-N%, e.g. ttft.p99>+10%)"
+        )
     metric, stat, op, pct = m.group(1), m.group(2), m.group(3), float(m.group(4))
     if metric not in METRICS:
         raise BenchError(f"--fail-if {text!r}: unknown metric {metric} (known: {', '.join(METRICS)})")
@@ -84,8 +85,7 @@ def _resample(runs: list[np.ndarray], rng, n: int, stat: str) -> np.ndarray:
     return out
 
 
-def bootstrap_delta(a, b, stat: str, n: int = 1000, seed: int = 0,
-                    level: float = 0.95) -> tuple[float, float, float]:
+def bootstrap_delta(a, b, stat: str, n: int = 1000, seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
     """(point, low, high) of the relative change (B - A) / A of ``stat``, in percent.
 
     ``a``/``b``: the per-request samples of one run, or a list of runs. Percentile bootstrap; with several
@@ -100,7 +100,9 @@ def bootstrap_delta(a, b, stat: str, n: int = 1000, seed: int = 0,
         rel = 100.0 * (sb - sa) / sa
     rel = rel[np.isfinite(rel)]
     tail = (1.0 - level) / 2.0 * 100.0
-    low, high = (float(np.percentile(rel, tail)), float(np.percentile(rel, 100.0 - tail))) if rel.size else (np.nan,) * 2
+    low, high = (
+        (float(np.percentile(rel, tail)), float(np.percentile(rel, 100.0 - tail))) if rel.size else (np.nan,) * 2
+    )
     return point, low, high
 
 
@@ -133,9 +135,16 @@ def compare(a, b, gates: Sequence[Gate] = (), seed: int = 0) -> dict:
             if any(v is None for v in va + vb):
                 continue
             ma, mb = float(np.mean(va)), float(np.mean(vb))
-            rows.append({"metric": name, "stat": "value", "a": ma, "b": mb,
-                         "change_pct": 100.0 * (mb - ma) / ma if ma else None,
-                         "ci_pct": _run_level_ci(va, vb, seed)})
+            rows.append(
+                {
+                    "metric": name,
+                    "stat": "value",
+                    "a": ma,
+                    "b": mb,
+                    "change_pct": 100.0 * (mb - ma) / ma if ma else None,
+                    "ci_pct": _run_level_ci(va, vb, seed),
+                }
+            )
             continue
         sa = [d.get("samples", {}).get(name) for d in a_docs]
         sb = [d.get("samples", {}).get(name) for d in b_docs]
@@ -144,8 +153,16 @@ def compare(a, b, gates: Sequence[Gate] = (), seed: int = 0) -> dict:
         stats = list(STATS) + sorted({s for m, s in wanted if m == name and s not in STATS})
         for stat in stats:
             point, low, high = bootstrap_delta(sa, sb, stat, seed=seed)
-            rows.append({"metric": name, "stat": stat, "a": _stat(np.concatenate(_runs(sa)), stat),
-                         "b": _stat(np.concatenate(_runs(sb)), stat), "change_pct": point, "ci_pct": [low, high]})
+            rows.append(
+                {
+                    "metric": name,
+                    "stat": stat,
+                    "a": _stat(np.concatenate(_runs(sa)), stat),
+                    "b": _stat(np.concatenate(_runs(sb)), stat),
+                    "change_pct": point,
+                    "ci_pct": [low, high],
+                }
+            )
     verdicts = []
     for g in gates:
         r = next((r for r in rows if r["metric"] == g.metric and r["stat"] == g.stat), None)
@@ -158,23 +175,34 @@ def compare(a, b, gates: Sequence[Gate] = (), seed: int = 0) -> dict:
             crossed = ch < g.pct and (ci is None or ci[1] < 0)
         why = f"change {ch:+.1f}%" + (f" (95% CI {ci[0]:+.1f}% .. {ci[1]:+.1f}%)" if ci else " (one value per run)")
         verdicts.append({"gate": g.text, "failed": crossed, "detail": why})
-    return {"rows": rows, "gates": verdicts, "failed": any(v["failed"] for v in verdicts),
-            "a": _ident(a_docs), "b": _ident(b_docs)}
+    return {
+        "rows": rows,
+        "gates": verdicts,
+        "failed": any(v["failed"] for v in verdicts),
+        "a": _ident(a_docs),
+        "b": _ident(b_docs),
+    }
 
 
 def _ident(docs: list[dict]) -> dict:
     prov = docs[0].get("provenance") or {}
-    return {"label": docs[0].get("label"), "created": ", ".join(str(d.get("created")) for d in docs),
-            "recipe": (prov.get("recipe") or {}).get("name"), "runs": len(docs),
-            "engine_config_sha256": (prov.get("repo") or {}).get("engine_config_sha256"),
-            "requests": sum(d.get("run", {}).get("ok", 0) for d in docs)}
+    return {
+        "label": docs[0].get("label"),
+        "created": ", ".join(str(d.get("created")) for d in docs),
+        "recipe": (prov.get("recipe") or {}).get("name"),
+        "runs": len(docs),
+        "engine_config_sha256": (prov.get("repo") or {}).get("engine_config_sha256"),
+        "requests": sum(d.get("run", {}).get("ok", 0) for d in docs),
+    }
 
 
 def render(result: dict) -> str:
     a, b = result["a"], result["b"]
-    lines = [f"A: {a['recipe'] or '-'} {a['label']}, {a['runs']} run(s), {a['requests']} requests ({a['created']})",
-             f"B: {b['recipe'] or '-'} {b['label']}, {b['runs']} run(s), {b['requests']} requests ({b['created']})",
-             f"{'metric':<26}{'A':>12}{'B':>12}{'change':>10}   95% CI (bootstrap)"]
+    lines = [
+        f"A: {a['recipe'] or '-'} {a['label']}, {a['runs']} run(s), {a['requests']} requests ({a['created']})",
+        f"B: {b['recipe'] or '-'} {b['label']}, {b['runs']} run(s), {b['requests']} requests ({b['created']})",
+        f"{'metric':<26}{'A':>12}{'B':>12}{'change':>10}   95% CI (bootstrap)",
+    ]
     for r in result["rows"]:
         ci = f"{r['ci_pct'][0]:+7.1f}% .. {r['ci_pct'][1]:+7.1f}%" if r["ci_pct"] else "(one value per side)"
         ch = f"{r['change_pct']:+.1f}%" if r["change_pct"] is not None else "-"

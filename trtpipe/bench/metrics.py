@@ -36,27 +36,48 @@ class Metric:
 
 
 # One table: name -> unit and formula. Keys are what --slo, --fail-if and the JSON use.
-METRICS = {m.name: m for m in (
-    Metric("ttft", "ms", "first non-empty response time - request send time (client clock)"),
-    Metric("ttst", "ms", "second non-empty response time - first non-empty response time"),
-    Metric("itl", "ms", "(e2e - ttft) / (osl - 1), one value per request with osl > 1 (AIPerf/genai-perf 'ITL')"),
-    Metric("tpot", "ms", "(e2e - ttft) / (osl - 1): the same number as itl; vLLM and trtllm-bench call it TPOT"),
-    Metric("chunk_gap", "ms", "time between consecutive non-empty responses, pooled over all requests "
-                              "(vLLM's 'ITL'; one response may carry several tokens)"),
-    Metric("e2e", "ms", "last response time - request send time"),
-    Metric("decode", "ms", "e2e - ttft (time spent after the first token)"),
-    Metric("osl", "tokens", "output tokens of the request (count source in token_counts)"),
-    Metric("isl", "tokens", "prompt tokens of the request (client tokenizer, no special tokens)"),
-    Metric("user_tps", "tokens/s", "1000 / itl: output speed one user sees after the first token"),
-    Metric("request_throughput", "requests/s", "successful requests / duration; duration = "
-                                               "last response time - first request send time", per_request=False),
-    Metric("output_token_throughput", "tokens/s", "sum of osl over successful requests / duration", per_request=False),
-    Metric("total_token_throughput", "tokens/s", "sum of (isl + osl) / duration", per_request=False),
-    Metric("goodput", "requests/s", "requests meeting every --slo bound / duration (DistServe definition)",
-           per_request=False),
-    Metric("good_request_fraction", "ratio", "requests meeting every --slo bound / (successful + failed requests)",
-           per_request=False),
-)}
+METRICS = {
+    m.name: m
+    for m in (
+        Metric("ttft", "ms", "first non-empty response time - request send time (client clock)"),
+        Metric("ttst", "ms", "second non-empty response time - first non-empty response time"),
+        Metric("itl", "ms", "(e2e - ttft) / (osl - 1), one value per request with osl > 1 (AIPerf/genai-perf 'ITL')"),
+        Metric("tpot", "ms", "(e2e - ttft) / (osl - 1): the same number as itl; vLLM and trtllm-bench call it TPOT"),
+        Metric(
+            "chunk_gap",
+            "ms",
+            "time between consecutive non-empty responses, pooled over all requests "
+            "(vLLM's 'ITL'; one response may carry several tokens)",
+        ),
+        Metric("e2e", "ms", "last response time - request send time"),
+        Metric("decode", "ms", "e2e - ttft (time spent after the first token)"),
+        Metric("osl", "tokens", "output tokens of the request (count source in token_counts)"),
+        Metric("isl", "tokens", "prompt tokens of the request (client tokenizer, no special tokens)"),
+        Metric("user_tps", "tokens/s", "1000 / itl: output speed one user sees after the first token"),
+        Metric(
+            "request_throughput",
+            "requests/s",
+            "successful requests / duration; duration = last response time - first request send time",
+            per_request=False,
+        ),
+        Metric(
+            "output_token_throughput", "tokens/s", "sum of osl over successful requests / duration", per_request=False
+        ),
+        Metric("total_token_throughput", "tokens/s", "sum of (isl + osl) / duration", per_request=False),
+        Metric(
+            "goodput",
+            "requests/s",
+            "requests meeting every --slo bound / duration (DistServe definition)",
+            per_request=False,
+        ),
+        Metric(
+            "good_request_fraction",
+            "ratio",
+            "requests meeting every --slo bound / (successful + failed requests)",
+            per_request=False,
+        ),
+    )
+}
 
 
 @dataclass
@@ -101,7 +122,13 @@ def stats(values: Sequence[float]) -> Optional[dict]:
     a = np.asarray([v for v in values if v is not None], dtype=np.float64)
     if a.size == 0:
         return None
-    out = {"avg": float(a.mean()), "min": float(a.min()), "max": float(a.max()), "std": float(a.std()), "n": int(a.size)}
+    out = {
+        "avg": float(a.mean()),
+        "min": float(a.min()),
+        "max": float(a.max()),
+        "std": float(a.std()),
+        "n": int(a.size),
+    }
     out.update({f"p{p}": float(np.percentile(a, p)) for p in PERCENTILES})
     return out
 
@@ -128,6 +155,7 @@ def meets(values: dict, slo: dict[str, float]) -> bool:
 
 
 # --- the whole run ---------------------------------------------------------------------------------
+
 
 def summarize(requests: Sequence[Request], slo: Optional[dict[str, float]] = None) -> dict:
     """Every metric of one run: per-request distributions and run-level throughputs, with formulas."""
@@ -194,7 +222,7 @@ SERVER_METRICS = {
     "server_prefill": "first_token_time_ns - first_scheduled_time_ns (context phase until the first token)",
     "server_decode": "last_token_time_ns - first_token_time_ns",
     "outside_executor": "client ttft - (first_token_time_ns - arrival_time_ns): transport, front end, "
-                        "pre/postprocessing and delivery of the first token",
+    "pre/postprocessing and delivery of the first token",
 }
 
 

@@ -74,14 +74,20 @@ def token_check(requests: list[Request], osl: int, fixed: Optional[str], server_
         out["mismatched_requests"] = len(mism)
         out["diff_pct"] = 100.0 * (client_total - osl * len(ok)) / (osl * len(ok)) if ok else None
         bad = bool(mism)
-        reference = f"every request generated exactly {osl} tokens ({fixed}), {len(mism)} requests re-tokenize differently"
+        reference = (
+            f"every request generated exactly {osl} tokens ({fixed}), {len(mism)} requests re-tokenize differently"
+        )
     else:
-        out["warning"] = ("no server-side token count and no fixed output length: client counts cannot be "
-                          "checked (the model may stop at EOS before max_tokens)")
+        out["warning"] = (
+            "no server-side token count and no fixed output length: client counts cannot be "
+            "checked (the model may stop at EOS before max_tokens)"
+        )
         return out
     if bad:
-        out["warning"] = (f"client and server token counts disagree: AIPerf counted {client_total} output tokens, "
-                          f"{reference}; throughput in tokens/s uses the client count")
+        out["warning"] = (
+            f"client and server token counts disagree: AIPerf counted {client_total} output tokens, "
+            f"{reference}; throughput in tokens/s uses the client count"
+        )
     return out
 
 
@@ -99,8 +105,16 @@ def _json_default(o):
     raise TypeError(type(o).__name__)
 
 
-def run_point(target: Target, load: aiperf.Load, out_dir: Path, slo: Optional[dict] = None, recipe=None,
-              binary: Optional[Path] = None, fixed_output: bool = True, sample_interval: float = 0.25) -> dict:
+def run_point(
+    target: Target,
+    load: aiperf.Load,
+    out_dir: Path,
+    slo: Optional[dict] = None,
+    recipe=None,
+    binary: Optional[Path] = None,
+    fixed_output: bool = True,
+    sample_interval: float = 0.25,
+) -> dict:
     """Benchmark one load point into ``out_dir`` (``result.json`` + AIPerf's files); return the result."""
     load.check()
     target.check_lengths(load.isl, load.osl, load.isl_stddev)
@@ -124,15 +138,21 @@ def run_point(target: Target, load: aiperf.Load, out_dir: Path, slo: Optional[di
     ok = [r for r in reqs if r.ok]
     start = min(r.start_ns for r in ok)
     end = max(r.responses_ns[-1] for r in ok)
-    view = (server_view(before, after, series, start, end, sampler_errors, summary["e2e"]["avg"])
-            if target.metrics_url else None)
+    view = (
+        server_view(before, after, series, start, end, sampler_errors, summary["e2e"]["avg"])
+        if target.metrics_url
+        else None
+    )
     fixed = None
     if fixed_output:
         body = target.body_template(True)
         fixed = "min_tokens=max_tokens" if "min_tokens" in body else "end_id=-1" if "end_id" in body else None
     per_request = [r.server["num_output_tokens"] for r in ok if "num_output_tokens" in r.server]
-    server_total = float(sum(per_request)) if per_request and len(per_request) == len(ok) else (
-        server_tokens(view) if view else None)
+    server_total = (
+        float(sum(per_request))
+        if per_request and len(per_request) == len(ok)
+        else (server_tokens(view) if view else None)
+    )
     tokens = token_check(reqs, load.osl, fixed, server_total)
     if per_request and len(per_request) == len(ok):
         tokens["server_source"] = "num_output_tokens of every streamed response (return_num_output_tokens)"
@@ -143,8 +163,10 @@ def run_point(target: Target, load: aiperf.Load, out_dir: Path, slo: Optional[di
         first = next(r.error for r in reqs if not r.ok)
         warnings.append(f"{run_info['failed']} of {run_info['requests']} requests failed; first: {first}")
     if not target.streaming:
-        warnings.append(f"{target.model} is not decoupled (recipe triton.streaming: false): one response per "
-                        "request, so ttft = e2e and itl is not measured")
+        warnings.append(
+            f"{target.model} is not decoupled (recipe triton.streaming: false): one response per "
+            "request, so ttft = e2e and itl is not measured"
+        )
     doc = {
         "format": FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -155,15 +177,20 @@ def run_point(target: Target, load: aiperf.Load, out_dir: Path, slo: Optional[di
         "run": {**run_info, "wall_s": (time.time_ns() - t0) / 1e9},
         "metrics": summary,
         "formulas": {k: m.formula for k, m in METRICS.items()},
-        "aiperf": {"command": ar.command, "export_dir": str(ar.out_dir),
-                   "version": ar.summary.get("aiperf_version"),
-                   "agreement": agreement(summary, ar.summary),
-                   "note": "AIPerf divides request and token throughput by its profiling phase window, which "
-                           "can be slightly longer than the first-send-to-last-response duration used here"},
+        "aiperf": {
+            "command": ar.command,
+            "export_dir": str(ar.out_dir),
+            "version": ar.summary.get("aiperf_version"),
+            "agreement": agreement(summary, ar.summary),
+            "note": "AIPerf divides request and token throughput by its profiling phase window, which "
+            "can be slightly longer than the first-send-to-last-response duration used here",
+        },
         "server": view,
-        "server_split": server_split_summary(reqs) or {
+        "server_split": server_split_summary(reqs)
+        or {
             "note": f"{target.model} returns no per-request perf metrics (return_perf_metrics is not one of its "
-                    "inputs): TTFT is not split into queue, prefill and delivery"},
+            "inputs): TTFT is not split into queue, prefill and delivery"
+        },
         "token_counts": tokens,
         "warnings": warnings,
         "provenance": provenance(target, recipe, ar.summary.get("aiperf_version")),
@@ -193,13 +220,17 @@ def load_result(path: Path) -> dict:
 def render(doc: dict) -> str:
     """The console summary of one result."""
     m = doc["metrics"]
-    lines = [f"{doc['label']}: {doc['run']['ok']}/{doc['run']['requests']} ok in {doc['run']['duration_s']:.2f} s, "
-             f"model {doc['target']['model']} ({'streaming' if doc['target']['streaming'] else 'not streaming'})"]
+    lines = [
+        f"{doc['label']}: {doc['run']['ok']}/{doc['run']['requests']} ok in {doc['run']['duration_s']:.2f} s, "
+        f"model {doc['target']['model']} ({'streaming' if doc['target']['streaming'] else 'not streaming'})"
+    ]
     for name in ("ttft", "ttst", "itl", "e2e", "osl"):
         if name in m:
             s = m[name]
-            lines.append(f"  {name:<5} {s['unit']:<6} avg {s['avg']:9.2f}  p50 {s['p50']:9.2f}  p90 {s['p90']:9.2f}  "
-                         f"p99 {s['p99']:9.2f}  ({s['formula']})")
+            lines.append(
+                f"  {name:<5} {s['unit']:<6} avg {s['avg']:9.2f}  p50 {s['p50']:9.2f}  p90 {s['p90']:9.2f}  "
+                f"p99 {s['p99']:9.2f}  ({s['formula']})"
+            )
     for name in ("request_throughput", "output_token_throughput", "goodput", "good_request_fraction"):
         if name in m:
             lines.append(f"  {name} {m[name]['value']:.3f} {m[name]['unit']}  ({m[name]['formula']})")
@@ -207,14 +238,18 @@ def render(doc: dict) -> str:
     for name in ("server_queue", "server_prefill", "server_decode", "outside_executor"):
         if name in split:
             s = split[name]
-            lines.append(f"  {name:<16} ms avg {s['avg']:9.2f}  p50 {s['p50']:9.2f}  p99 {s['p99']:9.2f}  ({s['formula']})")
+            lines.append(
+                f"  {name:<16} ms avg {s['avg']:9.2f}  p50 {s['p50']:9.2f}  p99 {s['p99']:9.2f}  ({s['formula']})"
+            )
     view = doc.get("server")
     if view:
         lines.append(f"  server: limiter {view['limiter']} ({view['evidence']})")
         for model, b in view["models"].items():
             batch = f", avg batch {b['avg_batch']:.2f}" if b.get("avg_batch") else ""
-            lines.append(f"    {model:<18} {b['requests']:>5} req  queue {b['queue_ms']:8.2f} ms  "
-                         f"infer {b['compute_infer_ms']:8.2f} ms  request {b['request_ms']:8.2f} ms{batch}")
+            lines.append(
+                f"    {model:<18} {b['requests']:>5} req  queue {b['queue_ms']:8.2f} ms  "
+                f"infer {b['compute_infer_ms']:8.2f} ms  request {b['request_ms']:8.2f} ms{batch}"
+            )
         if not view["trt_llm_metrics"]:
             lines.append("    (no nv_trt_llm_* metrics on this server: batch slots and KV blocks are not reported)")
     for w in doc.get("warnings", []):
@@ -231,7 +266,9 @@ def agreement_table(doc: dict) -> str:
             lines.append(f"{name:<26}{stat:<7}{ours:>14.4f}{theirs:>14.4f}{rel:>11.2e}")
             if name not in ("request_throughput", "output_token_throughput", "goodput"):
                 worst = max(worst, rel)
-    lines.append(f"largest relative difference on per-request metrics: {worst:.1e} "
-                 f"(AIPerf export: {doc['aiperf']['export_dir']})")
+    lines.append(
+        f"largest relative difference on per-request metrics: {worst:.1e} "
+        f"(AIPerf export: {doc['aiperf']['export_dir']})"
+    )
     lines.append(f"note: {doc['aiperf']['note']}")
     return "\n".join(lines)

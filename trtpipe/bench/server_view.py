@@ -24,14 +24,20 @@ from typing import Optional
 Labels = tuple[tuple[str, str], ...]
 Samples = dict[tuple[str, Labels], float]
 
-_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\S+)?$')
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\S+)?$")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 # Counters whose per-model difference over the run is reported (Triton core, docs/user_guide/metrics.md).
 COUNTERS = (
-    "nv_inference_request_success", "nv_inference_request_failure", "nv_inference_count", "nv_inference_exec_count",
-    "nv_inference_request_duration_us", "nv_inference_queue_duration_us", "nv_inference_compute_input_duration_us",
-    "nv_inference_compute_infer_duration_us", "nv_inference_compute_output_duration_us",
+    "nv_inference_request_success",
+    "nv_inference_request_failure",
+    "nv_inference_count",
+    "nv_inference_exec_count",
+    "nv_inference_request_duration_us",
+    "nv_inference_queue_duration_us",
+    "nv_inference_compute_input_duration_us",
+    "nv_inference_compute_infer_duration_us",
+    "nv_inference_compute_output_duration_us",
 )
 # Gauges sampled during the run: Triton's queue, and the TensorRT-LLM backend's families (label -> values).
 GAUGES = {
@@ -98,7 +104,8 @@ def model_breakdown(deltas: dict[str, dict[str, float]]) -> dict[str, dict]:
 
         execs = d.get("nv_inference_exec_count", 0.0)
         out[model] = {
-            "requests": int(ok), "failures": int(failed),
+            "requests": int(ok),
+            "failures": int(failed),
             "request_ms": ms("nv_inference_request_duration_us"),
             "queue_ms": ms("nv_inference_queue_duration_us"),
             "compute_input_ms": ms("nv_inference_compute_input_duration_us"),
@@ -192,7 +199,10 @@ def limiter(view: dict) -> dict:
     if kv is not None and kv >= 0.9:
         return {"limiter": "kv_blocks_full", "evidence": f"KV blocks used fraction averages {kv:.2f}"}
     if scheduled is not None and cap and scheduled / cap >= 0.9:
-        return {"limiter": "batch_slots_full", "evidence": f"scheduled requests average {scheduled:.1f} of max {cap:.0f}"}
+        return {
+            "limiter": "batch_slots_full",
+            "evidence": f"scheduled requests average {scheduled:.1f} of max {cap:.0f}",
+        }
     if waiting is not None and waiting >= 0.5:
         return {"limiter": "executor_waiting", "evidence": f"{waiting:.1f} active requests not scheduled on average"}
     models = view.get("models", {})
@@ -201,22 +211,35 @@ def limiter(view: dict) -> dict:
     worst = max(models, key=lambda n: models[n]["queue_ms"], default=None)
     client = view.get("client_e2e_ms")
     share = models[worst]["queue_ms"] / models[worst]["request_ms"] if worst and models[worst]["request_ms"] else 0.0
-    big = worst is not None and models[worst]["queue_ms"] >= 1.0 and (
-        models[worst]["queue_ms"] >= 0.1 * client if client else share >= 0.2)
+    big = (
+        worst is not None
+        and models[worst]["queue_ms"] >= 1.0
+        and (models[worst]["queue_ms"] >= 0.1 * client if client else share >= 0.2)
+    )
     if big:
         m = models[worst]
         pending = mean(f"pending:{worst}")
         more = f", {pending:.1f} pending on average" if pending is not None else ""
-        return {"limiter": "queueing", "model": worst,
-                "evidence": f"{worst}: {share:.0%} of its request time in Triton's queue "
-                            f"(queue {m['queue_ms']:.1f} ms of {m['request_ms']:.1f} ms{more})"}
+        return {
+            "limiter": "queueing",
+            "model": worst,
+            "evidence": f"{worst}: {share:.0%} of its request time in Triton's queue "
+            f"(queue {m['queue_ms']:.1f} ms of {m['request_ms']:.1f} ms{more})",
+        }
     if not models:
         return {"limiter": "unknown", "evidence": "no server metrics"}
     return {"limiter": "none", "evidence": "no queue, batch or KV limit reached on the server"}
 
 
-def server_view(before: Samples, after: Samples, series: list, start_ns: int, end_ns: int,
-                sampler_errors: int = 0, client_e2e_ms: Optional[float] = None) -> dict:
+def server_view(
+    before: Samples,
+    after: Samples,
+    series: list,
+    start_ns: int,
+    end_ns: int,
+    sampler_errors: int = 0,
+    client_e2e_ms: Optional[float] = None,
+) -> dict:
     """The run's server view: per-model counter breakdown, token histograms, gauge summary, limiter."""
     view = {
         "models": model_breakdown(counter_deltas(before, after)),

@@ -20,9 +20,27 @@ from trtpipe.bench.aiperf import Load
 from trtpipe.bench.run import load_result, run_point
 from trtpipe.extras import pyplot
 
-COLUMNS = ("label", "concurrency", "request_rate", "ok", "failed", "request_throughput", "output_token_throughput",
-           "ttft_p50", "ttft_p90", "ttft_p99", "itl_p50", "itl_p99", "e2e_p50", "e2e_p99", "goodput",
-           "good_request_fraction", "limiter", "limiter_model", "evidence")
+COLUMNS = (
+    "label",
+    "concurrency",
+    "request_rate",
+    "ok",
+    "failed",
+    "request_throughput",
+    "output_token_throughput",
+    "ttft_p50",
+    "ttft_p90",
+    "ttft_p99",
+    "itl_p50",
+    "itl_p99",
+    "e2e_p50",
+    "e2e_p99",
+    "goodput",
+    "good_request_fraction",
+    "limiter",
+    "limiter_model",
+    "evidence",
+)
 
 
 def row(doc: dict) -> dict:
@@ -36,27 +54,47 @@ def row(doc: dict) -> dict:
 
     view = doc.get("server") or {}
     return {
-        "label": doc["label"], "concurrency": doc["load"].get("concurrency"),
-        "request_rate": doc["load"].get("request_rate"), "ok": doc["run"]["ok"], "failed": doc["run"]["failed"],
-        "request_throughput": value("request_throughput"), "output_token_throughput": value("output_token_throughput"),
-        "ttft_p50": stat("ttft", "p50"), "ttft_p90": stat("ttft", "p90"), "ttft_p99": stat("ttft", "p99"),
-        "itl_p50": stat("itl", "p50"), "itl_p99": stat("itl", "p99"),
-        "e2e_p50": stat("e2e", "p50"), "e2e_p99": stat("e2e", "p99"),
-        "goodput": value("goodput"), "good_request_fraction": value("good_request_fraction"),
-        "limiter": view.get("limiter"), "limiter_model": view.get("model"), "evidence": view.get("evidence"),
+        "label": doc["label"],
+        "concurrency": doc["load"].get("concurrency"),
+        "request_rate": doc["load"].get("request_rate"),
+        "ok": doc["run"]["ok"],
+        "failed": doc["run"]["failed"],
+        "request_throughput": value("request_throughput"),
+        "output_token_throughput": value("output_token_throughput"),
+        "ttft_p50": stat("ttft", "p50"),
+        "ttft_p90": stat("ttft", "p90"),
+        "ttft_p99": stat("ttft", "p99"),
+        "itl_p50": stat("itl", "p50"),
+        "itl_p99": stat("itl", "p99"),
+        "e2e_p50": stat("e2e", "p50"),
+        "e2e_p99": stat("e2e", "p99"),
+        "goodput": value("goodput"),
+        "good_request_fraction": value("good_request_fraction"),
+        "limiter": view.get("limiter"),
+        "limiter_model": view.get("model"),
+        "evidence": view.get("evidence"),
     }
 
 
-def run_sweep(target, loads: Sequence[Load], out_dir: Path, slo: Optional[dict] = None, recipe=None,
-              log: Callable[[str], None] = print, **kw) -> dict:
+def run_sweep(
+    target,
+    loads: Sequence[Load],
+    out_dir: Path,
+    slo: Optional[dict] = None,
+    recipe=None,
+    log: Callable[[str], None] = print,
+    **kw,
+) -> dict:
     """Run every load point in order into ``out_dir/<label>/``; write the sweep files and plots."""
     out_dir = Path(out_dir)
     docs = []
     for load in loads:
         doc = run_point(target, load, out_dir / load.label(), slo, recipe, **kw)
         r = row(doc)
-        log(f"{r['label']}: {r['request_throughput']:.2f} req/s, {r['output_token_throughput']:.1f} tok/s, "
-            f"ttft p50 {r['ttft_p50']:.1f} ms p99 {r['ttft_p99']:.1f} ms, limiter {r['limiter']}")
+        log(
+            f"{r['label']}: {r['request_throughput']:.2f} req/s, {r['output_token_throughput']:.1f} tok/s, "
+            f"ttft p50 {r['ttft_p50']:.1f} ms p99 {r['ttft_p99']:.1f} ms, limiter {r['limiter']}"
+        )
         docs.append(doc)
     return write_sweep(out_dir, docs)
 
@@ -68,8 +106,11 @@ def write_sweep(out_dir: Path, docs: list[dict]) -> dict:
         w.writeheader()
         w.writerows(rows)
     plots = plot_sweep(out_dir, docs)
-    index = {"points": rows, "results": [f"{d['label']}/result.json" for d in docs],  # relative: the dir can move
-             "plots": [str(p) for p in plots]}
+    index = {
+        "points": rows,
+        "results": [f"{d['label']}/result.json" for d in docs],  # relative: the dir can move
+        "plots": [str(p) for p in plots],
+    }
     (out_dir / "sweep.json").write_text(json.dumps(index, indent=1) + "\n")
     return index
 
@@ -113,8 +154,13 @@ def plot_sweep(out_dir: Path, docs: list[dict]) -> list[Path]:
         for r in rows:
             y = r.get(f"{metric}_p99")
             if y is not None:
-                ax.annotate(f"{r['label']}\n{_limit(r)}", (r["output_token_throughput"], y), fontsize=7,
-                            textcoords="offset points", xytext=(4, 4))
+                ax.annotate(
+                    f"{r['label']}\n{_limit(r)}",
+                    (r["output_token_throughput"], y),
+                    fontsize=7,
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                )
         ax.set_xlabel("output tokens/s (sum over requests / duration)")
         ax.set_ylabel(f"{name} ms")
         ax.grid(alpha=0.3)
@@ -144,8 +190,13 @@ def plot_sweep(out_dir: Path, docs: list[dict]) -> list[Path]:
     users = [(d["metrics"]["user_tps"]["p50"] if "user_tps" in d["metrics"] else np.nan) for d in docs]
     ax.plot(users, x, "o-")
     for r, u in zip(rows, users):
-        ax.annotate(f"{r['label']} ({_limit(r)})", (u, r["output_token_throughput"]), fontsize=7,
-                    textcoords="offset points", xytext=(4, 4))
+        ax.annotate(
+            f"{r['label']} ({_limit(r)})",
+            (u, r["output_token_throughput"]),
+            fontsize=7,
+            textcoords="offset points",
+            xytext=(4, 4),
+        )
     ax.set_xlabel("tokens/s per user, p50 (1000 / itl)")
     ax.set_ylabel("output tokens/s (all users)")
     ax.grid(alpha=0.3)

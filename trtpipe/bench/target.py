@@ -73,10 +73,14 @@ class Target:
         if isl < 1 or osl < 1:
             raise BenchError(f"--isl and --osl must be at least 1 (got {isl}, {osl})")
         if self.max_input_len is not None and top_in > self.max_input_len:
-            raise BenchError(f"--isl {isl} (+3 stddev = {top_in}) exceeds the engine's max_input_len {self.max_input_len}")
+            raise BenchError(
+                f"--isl {isl} (+3 stddev = {top_in}) exceeds the engine's max_input_len {self.max_input_len}"
+            )
         if self.max_seq_len is not None and top_in + top_out > self.max_seq_len:
-            raise BenchError(f"--isl + --osl = {top_in + top_out} (with 3 stddev) exceeds the engine's max_seq_len "
-                             f"{self.max_seq_len}")
+            raise BenchError(
+                f"--isl + --osl = {top_in + top_out} (with 3 stddev) exceeds the engine's max_seq_len "
+                f"{self.max_seq_len}"
+            )
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -112,9 +116,14 @@ def ready_models(http_url: str) -> list[str]:
     return [m["name"] for m in index if m.get("state") == "READY"]
 
 
-def resolve_target(http_url: str, tokenizer: Optional[str], model: Optional[str] = None,
-                   metrics_url: Optional[str] = None, repo: Optional[Path] = None,
-                   recipe: Optional[str] = None) -> Target:
+def resolve_target(
+    http_url: str,
+    tokenizer: Optional[str],
+    model: Optional[str] = None,
+    metrics_url: Optional[str] = None,
+    repo: Optional[Path] = None,
+    recipe: Optional[str] = None,
+) -> Target:
     """Probe the server: the front model (BLS for streams when served, else the ensemble), decoupled or not,
     which optional inputs it declares; limits and tokenizer from the repository when there is one."""
     http_url = http_url.rstrip("/")
@@ -127,7 +136,9 @@ def resolve_target(http_url: str, tokenizer: Optional[str], model: Optional[str]
         else:
             front = [n for n in names if n not in ("preprocessing", "postprocessing", "tensorrt_llm", BLS)]
             if not front:
-                raise BenchError(f"{http_url}: no front model (ensemble or {BLS}) is ready (models: {', '.join(names)})")
+                raise BenchError(
+                    f"{http_url}: no front model (ensemble or {BLS}) is ready (models: {', '.join(names)})"
+                )
             model = front[0]
     elif model not in names:
         raise BenchError(f"{http_url}: model {model} is not ready (models: {', '.join(names) or 'none'})")
@@ -141,11 +152,22 @@ def resolve_target(http_url: str, tokenizer: Optional[str], model: Optional[str]
         tokenizer = tokenizer or str(Path(repo) / "preprocessing" / "tokenizer")
     if tokenizer is None:
         raise BenchError("--tokenizer DIR is needed with --url (the model's tokenizer, to count tokens)")
-    return Target(http_url, model, decoupled, str(tokenizer), metrics_url, max_in, max_seq, inputs,
-                  str(repo) if repo else None, recipe)
+    return Target(
+        http_url,
+        model,
+        decoupled,
+        str(tokenizer),
+        metrics_url,
+        max_in,
+        max_seq,
+        inputs,
+        str(repo) if repo else None,
+        recipe,
+    )
 
 
 # --- provenance ------------------------------------------------------------------------------------
+
 
 def _sha(path: Path) -> Optional[str]:
     try:
@@ -158,19 +180,34 @@ def recipe_facts(recipe) -> dict:
     """The recipe settings that change performance numbers."""
     q, e, t = recipe.quantization, recipe.engine, recipe.triton
     return {
-        "name": recipe.name, "path": str(recipe.path) if recipe.path else None,
-        "model_source": recipe.model.source, "dtype": recipe.model.dtype,
-        "quantization": q.algo, "kv_cache_dtype": q.kv_cache,
+        "name": recipe.name,
+        "path": str(recipe.path) if recipe.path else None,
+        "model_source": recipe.model.source,
+        "dtype": recipe.model.dtype,
+        "quantization": q.algo,
+        "kv_cache_dtype": q.kv_cache,
         "group_size": q.group_size if q.algo in BY_RECIPE and BY_RECIPE[q.algo].groupwise else None,
-        "tp": recipe.parallel.tp, "pp": recipe.parallel.pp,
-        "max_batch_size": e.max_batch_size, "max_input_len": e.max_input_len, "max_seq_len": e.max_seq_len,
-        "max_num_tokens": e.max_num_tokens, "max_beam_width": e.max_beam_width, "gpu": e.gpu,
+        "tp": recipe.parallel.tp,
+        "pp": recipe.parallel.pp,
+        "max_batch_size": e.max_batch_size,
+        "max_input_len": e.max_input_len,
+        "max_seq_len": e.max_seq_len,
+        "max_num_tokens": e.max_num_tokens,
+        "max_beam_width": e.max_beam_width,
+        "gpu": e.gpu,
         "kv_free_gpu_memory_fraction": e.kv_cache.free_gpu_memory_fraction,
-        "kv_tokens_per_block": e.kv_cache.tokens_per_block, "kv_enable_reuse": e.kv_cache.enable_reuse,
-        "plugins_preset": e.plugins.preset, "plugins_overrides": dict(e.plugins.overrides),
-        "triton": {"streaming": t.streaming, "batching_strategy": t.batching_strategy,
-                   "scheduler_policy": t.scheduler_policy, "max_batch_size": t.max_batch_size,
-                   "instances": t.instances.model_dump(), "max_queue_delay_microseconds": t.max_queue_delay_microseconds},
+        "kv_tokens_per_block": e.kv_cache.tokens_per_block,
+        "kv_enable_reuse": e.kv_cache.enable_reuse,
+        "plugins_preset": e.plugins.preset,
+        "plugins_overrides": dict(e.plugins.overrides),
+        "triton": {
+            "streaming": t.streaming,
+            "batching_strategy": t.batching_strategy,
+            "scheduler_policy": t.scheduler_policy,
+            "max_batch_size": t.max_batch_size,
+            "instances": t.instances.model_dump(),
+            "max_queue_delay_microseconds": t.max_queue_delay_microseconds,
+        },
     }
 
 
@@ -182,8 +219,10 @@ def repo_facts(repo: Path) -> dict:
     if not engine_cfg.exists():
         engine_cfg = Path(info.get("engine", "")) / "config.json"
     return {
-        "path": str(repo), "engine": "cpu-twin" if info.get("twin") else "tensorrt",
-        "engine_version": info.get("engine_version"), "world_size": info.get("world_size"),
+        "path": str(repo),
+        "engine": "cpu-twin" if info.get("twin") else "tensorrt",
+        "engine_version": info.get("engine_version"),
+        "world_size": info.get("world_size"),
         "engine_config_sha256": _sha(engine_cfg),
         "config_pbtxt_sha256": {p.parent.name: _sha(p) for p in sorted(repo.glob("*/config.pbtxt"))},
     }
@@ -204,8 +243,12 @@ def provenance(target: Target, recipe=None, aiperf_version: Optional[str] = None
     from trtpipe import __version__
 
     versions = {"trtpipe": __version__, "python": platform.python_version(), "aiperf": aiperf_version}
-    versions.update({k: package_version(*PACKAGES[k]) for k in ("torch", "transformers", "tritonclient",
-                                                                 "nvidia_pytriton", "tensorrt_llm")})
+    versions.update(
+        {
+            k: package_version(*PACKAGES[k])
+            for k in ("torch", "transformers", "tritonclient", "nvidia_pytriton", "tensorrt_llm")
+        }
+    )
     return {
         "recipe": recipe_facts(recipe) if recipe is not None else None,
         "repo": repo_facts(Path(target.repo)) if target.repo else None,

@@ -33,8 +33,16 @@ from trtpipe.formats import mxfp4
 
 LAYER = "transformer.layers.{}."
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja", "tokenizer.tiktoken",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.jinja",
+    "tokenizer.tiktoken",
 )
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -85,9 +93,17 @@ def _relative(name: str) -> str:
     return ".".join(name.split(".")[3:]) if _layer_index(name) is not None else name
 
 
-def make_plan(model_dir: str | Path, tp: int = 1, pp: int = 1, dtype: str = "auto", moe_tp: int = -1, moe_ep: int = -1,
-              use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
-              source_dtype: Optional[str] = None) -> ConversionPlan:
+def make_plan(
+    model_dir: str | Path,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: str = "auto",
+    moe_tp: int = -1,
+    moe_ep: int = -1,
+    use_parallel_embedding: bool = False,
+    embedding_sharding_dim: int = 0,
+    source_dtype: Optional[str] = None,
+) -> ConversionPlan:
     """Decide the conversion from config.json alone; errors for impossible tp/pp before any weight is read."""
     info = read_hf_config(model_dir)
     family = get_family(info.architecture)
@@ -97,8 +113,17 @@ def make_plan(model_dir: str | Path, tp: int = 1, pp: int = 1, dtype: str = "aut
     config = build_config(info, family, dtype, tp, pp, moe_tp, moe_ep, use_parallel_embedding, embedding_sharding_dim)
     use_parallel_embedding, embedding_sharding_dim = config["use_parallel_embedding"], config["embedding_sharding_dim"]
     m = config["mapping"]
-    layout = Layout(info.num_heads, info.num_kv_heads, info.head_dim, tp, info.num_experts if info.is_moe else 0,
-                    m["moe_tp_size"], m["moe_ep_size"], use_parallel_embedding, embedding_sharding_dim)
+    layout = Layout(
+        info.num_heads,
+        info.num_kv_heads,
+        info.head_dim,
+        tp,
+        info.num_experts if info.is_moe else 0,
+        m["moe_tp_size"],
+        m["moe_ep_size"],
+        use_parallel_embedding,
+        embedding_sharding_dim,
+    )
     layout.check()
     rules = {rule.trt: rule for rule in family.global_rules + family.layer_rules if rule.when(info)}
     return ConversionPlan(info, family, dtype, tp, pp, layout, config, rules)
@@ -174,8 +199,16 @@ def _combine(rule: Rule, parts: list[list[torch.Tensor]]) -> torch.Tensor:
     return COMBINERS[rule.combine](parts)
 
 
-def _iter_rules(rules, reader: HFReader, plan: ConversionPlan, hf_prefix: str, trt_prefix: str, meta: bool,
-                used: Optional[set], stream_experts: bool = False):
+def _iter_rules(
+    rules,
+    reader: HFReader,
+    plan: ConversionPlan,
+    hf_prefix: str,
+    trt_prefix: str,
+    meta: bool,
+    used: Optional[set],
+    stream_experts: bool = False,
+):
     """Yield (TRT-LLM name, unsharded tensor, HF source names), one rule at a time.
 
     With ``stream_experts`` a fused expert weight comes as :class:`ExpertParts` (the parts, not the stack)."""
@@ -183,13 +216,18 @@ def _iter_rules(rules, reader: HFReader, plan: ConversionPlan, hf_prefix: str, t
         if not rule.when(plan.info):
             continue
         names = _sources(rule, plan.info, plan.info.weight_prefix + hf_prefix)
-        parts = [[_fetch(reader, n, _expected(rule, plan.info, i), meta, plan.info) for n in group]
-                 for i, group in enumerate(names)]
+        parts = [
+            [_fetch(reader, n, _expected(rule, plan.info, i), meta, plan.info) for n in group]
+            for i, group in enumerate(names)
+        ]
         if used is not None:
             used.update(n for group in names for n in group)
         if stream_experts and not meta and streams(rule, parts):
-            yield trt_prefix + rule.trt, ExpertParts(tuple(map(tuple, parts)), tuple(map(tuple, names))), \
-                [n for group in names for n in group]
+            yield (
+                trt_prefix + rule.trt,
+                ExpertParts(tuple(map(tuple, parts)), tuple(map(tuple, names))),
+                [n for group in names for n in group],
+            )
             continue
         t = _combine(rule, parts)
         if rule.offset and not meta:  # in float32, before the writer's cast to the checkpoint dtype
@@ -207,8 +245,16 @@ def _unit_iter(reader, plan, unit, meta, used=None, importer=None, stream_expert
         if importer is not None:  # a pre-quantized source: its quantized linears come from the importer
             owned = [r for r in rules if r.when(plan.info) and importer.owns(plan, r, unit)]
             rules = [r for r in rules if r not in owned]
-        yield from _iter_rules(rules, reader, plan, plan.family.hf_layer_prefix.format(unit),
-                               LAYER.format(unit), meta, used, stream_experts)
+        yield from _iter_rules(
+            rules,
+            reader,
+            plan,
+            plan.family.hf_layer_prefix.format(unit),
+            LAYER.format(unit),
+            meta,
+            used,
+            stream_experts,
+        )
         if importer is not None:
             yield from importer.layer_tensors(reader, plan, unit, owned, meta, used, stream_experts)
         return
@@ -217,8 +263,9 @@ def _unit_iter(reader, plan, unit, meta, used=None, importer=None, stream_expert
     yield from _iter_rules(rules, reader, plan, "", "", meta, used)
 
 
-def unsharded_layer(reader: HFReader, plan: ConversionPlan, layer: int, meta: bool = False,
-                    used: Optional[set] = None) -> dict[str, torch.Tensor]:
+def unsharded_layer(
+    reader: HFReader, plan: ConversionPlan, layer: int, meta: bool = False, used: Optional[set] = None
+) -> dict[str, torch.Tensor]:
     """One decoder layer's TRT-LLM tensors before sharding, full names ``transformer.layers.{layer}.*``.
 
     Tensors keep the source dtype (views of the file where no fusion is needed); the writer casts.
@@ -264,7 +311,9 @@ SPLITTERS = {
 }
 
 
-def _split(t: torch.Tensor, rule: Optional[Rule], suffix: str, plan: ConversionPlan, tp_rank: int, what: str) -> torch.Tensor:
+def _split(
+    t: torch.Tensor, rule: Optional[Rule], suffix: str, plan: ConversionPlan, tp_rank: int, what: str
+) -> torch.Tensor:
     """One rank's shard; tensors no rule owns (e.g. a KV-cache scale a transform adds) are replicated."""
     return SPLITTERS[rule.split if rule else "replicate"](t, suffix, plan, tp_rank, what)
 
@@ -322,8 +371,9 @@ def _check_extra(reader: HFReader, plan: ConversionPlan, used: set) -> None:
             )
 
 
-def plan_files(reader: HFReader, plan: ConversionPlan, transform: Optional[Transform] = None,
-               importer=None) -> list[list]:
+def plan_files(
+    reader: HFReader, plan: ConversionPlan, transform: Optional[Transform] = None, importer=None
+) -> list[list]:
     """Per rank, the ``(name, dtype, shape)`` entries of its file, by running the passes on meta tensors."""
     used: set = set()
     entries: list[list] = [[] for _ in range(plan.world_size)]
@@ -348,11 +398,24 @@ def copy_tokenizer(model_dir: Path, out_dir: Path) -> list[str]:
     return copied
 
 
-def convert(model_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1, dtype: str = "auto",
-            moe_tp: int = -1, moe_ep: int = -1, allow_pickle: bool = False, use_parallel_embedding: bool = False,
-            embedding_sharding_dim: int = 0, transform: Optional[Transform] = None,
-            config_update: Optional[dict] = None, workers: Optional[int] = None, overwrite: bool = False,
-            progress: Optional[Callable[[int, int], None]] = None, importer=None) -> Path:
+def convert(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: str = "auto",
+    moe_tp: int = -1,
+    moe_ep: int = -1,
+    allow_pickle: bool = False,
+    use_parallel_embedding: bool = False,
+    embedding_sharding_dim: int = 0,
+    transform: Optional[Transform] = None,
+    config_update: Optional[dict] = None,
+    workers: Optional[int] = None,
+    overwrite: bool = False,
+    progress: Optional[Callable[[int, int], None]] = None,
+    importer=None,
+) -> Path:
     """Convert an HF model directory into a TRT-LLM checkpoint at ``out_dir`` (written atomically).
 
     Without a transform, tensors stream one at a time (peak memory ~ the largest fused tensor); with one,
@@ -375,10 +438,22 @@ def convert(model_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1
     """
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     return_large_buffers()  # peak memory flat in the number of layers (see its docstring)
-    with atomic_dir(out_dir, overwrite) as tmp, open_hf(model_dir, allow_pickle, check_finite=transform is not None) as reader:
+    with (
+        atomic_dir(out_dir, overwrite) as tmp,
+        open_hf(model_dir, allow_pickle, check_finite=transform is not None) as reader,
+    ):
         first = plan_first_source(model_dir, reader)
-        plan = make_plan(model_dir, tp, pp, dtype, moe_tp, moe_ep, use_parallel_embedding, embedding_sharding_dim,
-                         source_dtype=str(first).replace("torch.", ""))
+        plan = make_plan(
+            model_dir,
+            tp,
+            pp,
+            dtype,
+            moe_tp,
+            moe_ep,
+            use_parallel_embedding,
+            embedding_sharding_dim,
+            source_dtype=str(first).replace("torch.", ""),
+        )
         linears = importer(plan, reader) if importer is not None else None
         if linears is not None and transform is not None:
             raise CheckpointError(f"{model_dir}: a pre-quantized checkpoint is not quantized again")
@@ -395,7 +470,9 @@ def convert(model_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1
                         else:
                             _write_tensor(pool, files, reader, plan, name, t, _what(reader, name, sources))
                 else:
-                    tensors = transform(_unit_tensors(reader, plan, unit, False), plan, unit if isinstance(unit, int) else None)
+                    tensors = transform(
+                        _unit_tensors(reader, plan, unit, False), plan, unit if isinstance(unit, int) else None
+                    )
                     for name, t in tensors.items():
                         _write_tensor(pool, files, reader, plan, name, t, None)
                     del tensors

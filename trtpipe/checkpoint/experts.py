@@ -58,14 +58,19 @@ class ExpertParts:
                 p = src[e]
                 if style == "column":
                     n = p.shape[0] // layout.moe_tp
-                    out.append((p[mtp_rank * n:(mtp_rank + 1) * n], names[e]))
+                    out.append((p[mtp_rank * n : (mtp_rank + 1) * n], names[e]))
                 else:
                     n = p.shape[1] // layout.moe_tp
-                    out.append((p[:, mtp_rank * n:(mtp_rank + 1) * n], names[e]))
+                    out.append((p[:, mtp_rank * n : (mtp_rank + 1) * n], names[e]))
         return out
 
 
 def streams(rule, parts: list[list[torch.Tensor]]) -> bool:
     """Whether a rule's fused experts can be written part by part: 2-D expert weights of a moe split, no offset."""
-    return (rule.split in STREAMED_SPLITS and "experts" in rule.combine and not rule.offset
-            and rule.trt.endswith(".weight") and all(p.dim() == 2 for group in parts for p in group))
+    return (
+        rule.split in STREAMED_SPLITS
+        and "experts" in rule.combine
+        and not rule.offset
+        and rule.trt.endswith(".weight")
+        and all(p.dim() == 2 for group in parts for p in group)
+    )

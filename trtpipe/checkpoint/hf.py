@@ -22,9 +22,18 @@ import torch
 from trtpipe.errors import CheckpointError
 
 ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 CHECK_ROWS_BYTES = 64 << 20  # finite check granularity
@@ -63,13 +72,17 @@ class SafetensorsFile:
                 shape = tuple(int(s) for s in e["shape"])
                 begin, end = (int(x) for x in e["data_offsets"])
             except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{path}: invalid safetensors header: tensor '{name}' needs an integer shape "
-                                      f"and data_offsets [begin, end]") from None
+                raise CheckpointError(
+                    f"{path}: invalid safetensors header: tensor '{name}' needs an integer shape "
+                    f"and data_offsets [begin, end]"
+                ) from None
             numel = 1
             for s in shape:
                 numel *= s
             if end - begin != numel * dtype.itemsize:
-                raise CheckpointError(f"{path}: tensor '{name}': {end - begin} bytes for shape {list(shape)} {e['dtype']}")
+                raise CheckpointError(
+                    f"{path}: tensor '{name}': {end - begin} bytes for shape {list(shape)} {e['dtype']}"
+                )
             if self.base + end > size:
                 raise CheckpointError(f"{path}: truncated: tensor '{name}' ends at byte {self.base + end} of {size}")
             self.entries[name] = (dtype, shape, self.base + begin, numel)
@@ -137,7 +150,9 @@ class HFReader:
             return
         bins = self._weight_files("pytorch_model.bin")
         if not bins:
-            raise CheckpointError(f"{self.dir}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+            raise CheckpointError(
+                f"{self.dir}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin"
+            )
         if not allow_pickle:
             raise CheckpointError(
                 f"{self.dir / bins[0]}: pickle checkpoints can run code when loaded; convert to safetensors "
@@ -147,7 +162,9 @@ class HFReader:
             try:
                 state = torch.load(self.dir / rel, map_location="cpu", weights_only=True, mmap=True)
             except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError...
-                raise CheckpointError(f"{self.dir / rel}: cannot load with weights_only=True: {str(exc).splitlines()[0]}") from None
+                raise CheckpointError(
+                    f"{self.dir / rel}: cannot load with weights_only=True: {str(exc).splitlines()[0]}"
+                ) from None
             self._pickled.update(state)
             self._where.update({k: rel for k in state})
 
@@ -238,7 +255,7 @@ def row_chunks(t: torch.Tensor, max_bytes: int) -> Iterable[torch.Tensor]:
     row = max(1, t[0].numel() * t.element_size())
     step = max(1, max_bytes // row)
     for start in range(0, t.shape[0], step):
-        yield t[start:start + step]
+        yield t[start : start + step]
 
 
 # Exponent bits: a float is NaN or Inf exactly when all of them are set.

@@ -69,8 +69,11 @@ class HFNames:
             with open_hf(self.hf_dir, check_finite=False) as reader:
                 src = reader.get(hf_name).clone() if hf_name in reader else None
             # the checkpoint's dtype is gone by here (tensors arrive upcast): exact in any of the model dtypes
-            made = (src is not None and src.shape == t.shape and
-                    any(torch.equal((src.float() + offset).to(d).float(), t.float()) for d in CHECKPOINT_DTYPES))
+            made = (
+                src is not None
+                and src.shape == t.shape
+                and any(torch.equal((src.float() + offset).to(d).float(), t.float()) for d in CHECKPOINT_DTYPES)
+            )
             if made:
                 return src.float()
         return t.float() - offset
@@ -109,8 +112,11 @@ class HFNames:
         pre = self.prefix.format(layer)
         if trt_rel in self.experts:
             sizes = [n for _, n in parts]
-            return [(pre + h.format(e=e), piece) for e in range(t.shape[0])
-                    for (h, _), piece in zip(parts, t[e].split(sizes, dim=0))]
+            return [
+                (pre + h.format(e=e), piece)
+                for e in range(t.shape[0])
+                for (h, _), piece in zip(parts, t[e].split(sizes, dim=0))
+            ]
         if len(parts) == 1:
             return [(pre + parts[0][0], self.to_hf(trt_rel, raw, pre + parts[0][0]))]
         return [(pre + h, piece) for (h, _), piece in zip(parts, t.split([n for _, n in parts], dim=0))]

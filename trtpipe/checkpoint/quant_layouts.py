@@ -71,15 +71,22 @@ STYLE: dict[str, str] = {m: style for members, style in LINEAR_GROUPS.values() f
 # builder's W4A8 preprocessing is written for dense linears (it divides the [E, in/g, out] group scales by
 # ``weights_scaling_factor_2`` and forms ``alpha`` per linear, no interleave; modeling_utils.py@b35ac1b6): not a
 # layout trtpipe can write and show loadable from source alone.
-MOE_ENGINE_REFUSED: dict[str, str] = {s.recipe: s.moe_why["engine"] for s in BY_RECIPE.values()
-                                      if "engine" in s.targets and "engine" not in s.moe}
+MOE_ENGINE_REFUSED: dict[str, str] = {
+    s.recipe: s.moe_why["engine"] for s in BY_RECIPE.values() if "engine" in s.targets and "engine" not in s.moe
+}
 # an experts' tensor every expert of a linear shares (no expert axis in trtpipe's checkpoint): the builder keeps row 0
 # of a stacked [E, in] one, so the reference runtime does too (modeling_utils.py@b35ac1b6 preprocess_perlayer_weights)
 SHARED_BY_EXPERTS = ("prequant_scaling_factor",)
 
 # TensorRT-LLM's builder default exclusions; an explicit exclude_modules list replaces them, so we keep them.
-BUILDER_DEFAULT_EXCLUDES = ("*lm_head", "*router", "*vocab_embedding", "*position_embedding", "*block_embedding",
-                            "*shared_expert_gate")
+BUILDER_DEFAULT_EXCLUDES = (
+    "*lm_head",
+    "*router",
+    "*vocab_embedding",
+    "*position_embedding",
+    "*block_embedding",
+    "*shared_expert_gate",
+)
 
 
 @dataclass(frozen=True)
@@ -119,8 +126,7 @@ ALGOS: dict[str, Algo] = {
     "int8_wo": _algo("int8_wo", "int8"),
     "int4_wo": _algo("int4_wo", "int4", prequant="unit"),
     "int4_awq": _algo("int4_awq", "int4", prequant="awq", needs_samples=True),
-    "w4a8_awq": _algo("w4a8_awq", "int4", act_fmt="fp8", prequant="awq", weight_scale_2=True,
-                      needs_samples=True),
+    "w4a8_awq": _algo("w4a8_awq", "int4", act_fmt="fp8", prequant="awq", weight_scale_2=True, needs_samples=True),
 }
 # quant_algo -> how the reference runtime executes it (several recipe algos share one TRT-LLM layout).
 BY_QUANT_ALGO: dict[str, Algo] = {a.quant_algo: a for a in ALGOS.values() if a.prequant != "unit"}
@@ -133,8 +139,9 @@ class KVAlgo:
     min_scale: float  # ModelOpt clamps FP8 KV scales to >= 1.0 (clamp_fp8_scales)
 
 
-KV_ALGOS: dict[str, KVAlgo] = {name: KVAlgo(k.kv_cache_quant_algo, k.fmt, k.min_scale)
-                               for name, k in KV_BY_RECIPE.items()}
+KV_ALGOS: dict[str, KVAlgo] = {
+    name: KVAlgo(k.kv_cache_quant_algo, k.fmt, k.min_scale) for name, k in KV_BY_RECIPE.items()
+}
 KV_TENSORS = ("k_cache_scaling_factor", "v_cache_scaling_factor", "kv_cache_scaling_factor")
 
 # Stored dtype of each per-linear tensor; "model" = the checkpoint dtype.

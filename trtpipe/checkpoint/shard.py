@@ -36,8 +36,9 @@ def split_even(t: torch.Tensor, dim: int, rank: int, world: int, what: str = "te
     return t.narrow(dim, rank * chunk, chunk)
 
 
-def split_sections(t: torch.Tensor, dim: int, sections: Sequence[int], rank: int, world: int,
-                   what: str = "tensor") -> torch.Tensor:
+def split_sections(
+    t: torch.Tensor, dim: int, sections: Sequence[int], rank: int, world: int, what: str = "tensor"
+) -> torch.Tensor:
     """Split each of the consecutive ``sections`` along ``dim`` evenly and concatenate the rank's pieces.
 
     This is the fused-qkv rule ([q; k; v] -> [q_r; k_r; v_r]) and the MoE fc rule ([w3; w1]).
@@ -50,8 +51,9 @@ def split_sections(t: torch.Tensor, dim: int, sections: Sequence[int], rank: int
     return torch.cat([split_even(p, dim, rank, world, what) for p in parts], dim=dim)
 
 
-def replicate_kv_heads(t: torch.Tensor, dim: int, q_size: int, num_kv_heads: int, head_size: int,
-                       tp: int, what: str = "qkv") -> torch.Tensor:
+def replicate_kv_heads(
+    t: torch.Tensor, dim: int, q_size: int, num_kv_heads: int, head_size: int, tp: int, what: str = "qkv"
+) -> torch.Tensor:
     """For num_kv_heads < tp: repeat each KV head tp/num_kv_heads times in head order ([h0,h0,..,h1,h1,..]).
 
     ``t`` is a fused [q; k; v] along ``dim`` (lengths may be scaled, e.g. packed int4); returns the fused
@@ -68,7 +70,7 @@ def replicate_kv_heads(t: torch.Tensor, dim: int, q_size: int, num_kv_heads: int
     def rep(x):
         shape = list(x.shape)
         heads = x.unflatten(dim, (num_kv_heads, head_size))  # [..., nkv, d, ...]
-        return heads.repeat_interleave(reps, dim=dim).reshape(shape[:dim] + [kv * reps] + shape[dim + 1:])
+        return heads.repeat_interleave(reps, dim=dim).reshape(shape[:dim] + [kv * reps] + shape[dim + 1 :])
 
     return torch.cat([q, rep(k), rep(v)], dim=dim)
 
@@ -147,8 +149,16 @@ def _scaled(sections: Sequence[int], length: int, what: str) -> list[int]:
     return [s * length // total for s in sections]
 
 
-def split_linear_tensor(t: torch.Tensor, suffix: str, style: str, rank: int, layout: Layout,
-                        sections: Sequence[int] = (), experts: int = 0, what: str = "tensor") -> torch.Tensor:
+def split_linear_tensor(
+    t: torch.Tensor,
+    suffix: str,
+    style: str,
+    rank: int,
+    layout: Layout,
+    sections: Sequence[int] = (),
+    experts: int = 0,
+    what: str = "tensor",
+) -> torch.Tensor:
     """Split one tensor of a linear for tp ``rank``.
 
     Args:

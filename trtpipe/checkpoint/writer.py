@@ -22,9 +22,18 @@ from trtpipe.checkpoint.hf import has_non_finite, non_finite_error, row_chunks
 from trtpipe.errors import CheckpointError
 
 TORCH_TO_ST = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 CHUNK_BYTES = 32 << 20
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
@@ -61,7 +70,11 @@ class RankFile:
             nbytes = dtype.itemsize
             for s in shape:
                 nbytes *= int(s)
-            header[name] = {"dtype": TORCH_TO_ST[dtype], "shape": [int(s) for s in shape], "data_offsets": [offset, offset + nbytes]}
+            header[name] = {
+                "dtype": TORCH_TO_ST[dtype],
+                "shape": [int(s) for s in shape],
+                "data_offsets": [offset, offset + nbytes],
+            }
             self.slots[name] = (dtype, tuple(int(s) for s in shape), offset)
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -90,8 +103,13 @@ class RankFile:
             nbytes *= s
         return dtype, self.base + offset, nbytes
 
-    def write(self, name: str, t: torch.Tensor, check: Optional[str] = None,
-              after_chunk: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+    def write(
+        self,
+        name: str,
+        t: torch.Tensor,
+        check: Optional[str] = None,
+        after_chunk: Optional[Callable[[torch.Tensor], None]] = None,
+    ) -> None:
         """Write ``t`` (any strides; cast to the planned dtype chunk by chunk) into its slot.
 
         Args:
@@ -124,8 +142,13 @@ def _pwrite_all(fd: int, data: memoryview, pos: int) -> None:
         data, pos = data[n:], pos + n
 
 
-def write_same(files: list[RankFile], name: str, t: torch.Tensor, check: Optional[str] = None,
-               after_chunk: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+def write_same(
+    files: list[RankFile],
+    name: str,
+    t: torch.Tensor,
+    check: Optional[str] = None,
+    after_chunk: Optional[Callable[[torch.Tensor], None]] = None,
+) -> None:
     """Write one tensor into several files (a replicated tensor): each chunk is read, checked and cast once."""
     slots = [f.slot(name, t) for f in files]
     positions = [pos for _, pos in slots]
@@ -145,8 +168,13 @@ def write_same(files: list[RankFile], name: str, t: torch.Tensor, check: Optiona
         f.written.add(name)
 
 
-def write_parts(f: RankFile, name: str, parts: list[tuple[torch.Tensor, str]], check: Optional[str] = None,
-                after_chunk: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+def write_parts(
+    f: RankFile,
+    name: str,
+    parts: list[tuple[torch.Tensor, str]],
+    check: Optional[str] = None,
+    after_chunk: Optional[Callable[[torch.Tensor], None]] = None,
+) -> None:
     """Fill the slot of ``name`` with ``parts`` one after the other (each any strides, cast chunk by chunk): a
     tensor written from pieces that are never concatenated in memory (stacked MoE experts).
 
@@ -169,8 +197,9 @@ def write_parts(f: RankFile, name: str, parts: list[tuple[torch.Tensor, str]], c
             if after_chunk is not None:
                 after_chunk(chunk)
     if pos != end:
-        raise CheckpointError(f"{f.path.name}: tensor '{name}': its parts fill {nbytes - (end - pos)} of the planned "
-                              f"{nbytes} bytes")
+        raise CheckpointError(
+            f"{f.path.name}: tensor '{name}': its parts fill {nbytes - (end - pos)} of the planned {nbytes} bytes"
+        )
     f.written.add(name)
 
 

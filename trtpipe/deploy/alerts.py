@@ -58,9 +58,16 @@ def recording_rules(recipe: Recipe, job: str, t: Timing) -> list[dict]:
             continue
         qs = sorted({0.5, targets.get(metric, (0.99, 0))[0]})
         for q in qs:
-            rules.append({"record": f"trtpipe:{metric}_seconds:{quantile_name(q)}",
-                          "expr": _quantile(bucket % sel, q, m.ttft_scale if metric == "ttft" else 1.0, t.rate)})
-    queue, compute = f"rate({m.queue_seconds % sel}[{t.short_rate}])", f"rate({m.compute_seconds % sel}[{t.short_rate}])"
+            rules.append(
+                {
+                    "record": f"trtpipe:{metric}_seconds:{quantile_name(q)}",
+                    "expr": _quantile(bucket % sel, q, m.ttft_scale if metric == "ttft" else 1.0, t.rate),
+                }
+            )
+    queue, compute = (
+        f"rate({m.queue_seconds % sel}[{t.short_rate}])",
+        f"rate({m.compute_seconds % sel}[{t.short_rate}])",
+    )
     if m.server == "trtllm-serve":  # e2e includes the queue: compute = e2e - queue
         ratio = f"{queue} / clamp_min({compute} - {queue}, 1e-6)"
     else:  # both in µs; 1 µs floor as the tutorials' rule
@@ -69,12 +76,19 @@ def recording_rules(recipe: Recipe, job: str, t: Timing) -> list[dict]:
     rules += [
         {"record": "trtpipe:queue_compute:ratio", "expr": f"max by ({PER_TARGET}) ({ratio})"},
         # averaged over the short window: the gauge swings by a request's blocks from one step to the next
-        {"record": "trtpipe:kv_cache_fraction:max",
-         "expr": f"max by ({PER_TARGET}) (avg_over_time({m.kv_fraction % sel}[{t.short_rate}]))"},
+        {
+            "record": "trtpipe:kv_cache_fraction:max",
+            "expr": f"max by ({PER_TARGET}) (avg_over_time({m.kv_fraction % sel}[{t.short_rate}]))",
+        },
         {"record": "trtpipe:waiting_requests:max", "expr": f"max by ({PER_TARGET}) ({m.waiting % sel})"},
-        {"record": "trtpipe:request_error:ratio",
-         "expr": f"sum by (job) ({fail}) / clamp_min(sum by (job) ({ok}) + sum by (job) ({fail}), 1e-9)"},
-        {"record": "trtpipe:output_tokens:rate", "expr": f"sum by (job) (rate({m.output_tokens % sel}[{t.short_rate}]))"},
+        {
+            "record": "trtpipe:request_error:ratio",
+            "expr": f"sum by (job) ({fail}) / clamp_min(sum by (job) ({ok}) + sum by (job) ({fail}), 1e-9)",
+        },
+        {
+            "record": "trtpipe:output_tokens:rate",
+            "expr": f"sum by (job) (rate({m.output_tokens % sel}[{t.short_rate}]))",
+        },
     ]
     return rules
 
@@ -88,33 +102,64 @@ def alert_rules(recipe: Recipe, job: str, t: Timing) -> list[dict]:
         if metric not in targets or (metric == "itl" and m.itl_bucket is None):
             continue
         q, bound = targets[metric]
-        alerts.append({
-            "alert": f"{title}AboveSLO", "expr": f"trtpipe:{metric}_seconds:{quantile_name(q)} > {bound:g}",
-            "for": t.slo_for, "labels": {**labels, "severity": "page"},
-            "annotations": {"summary": f"{title} p{q * 100:g} {{{{ $value | humanizeDuration }}}} over the SLO {bound:g}s "
-                                       f"({{{{ $labels.job }}}})"}})
+        alerts.append(
+            {
+                "alert": f"{title}AboveSLO",
+                "expr": f"trtpipe:{metric}_seconds:{quantile_name(q)} > {bound:g}",
+                "for": t.slo_for,
+                "labels": {**labels, "severity": "page"},
+                "annotations": {
+                    "summary": f"{title} p{q * 100:g} {{{{ $value | humanizeDuration }}}} over the SLO {bound:g}s "
+                    f"({{{{ $labels.job }}}})"
+                },
+            }
+        )
     alerts += [
-        {"alert": "QueueTimeOverComputeTime", "expr": "trtpipe:queue_compute:ratio > 1", "for": t.slo_for,
-         "labels": {**labels, "severity": "warning"},
-         "annotations": {"summary": "requests wait longer than they compute ({{ $labels.pod }}{{ $labels.instance }}): "
-                                    "add replicas"}},
-        {"alert": "KVCacheNearlyFull", "expr": f"trtpipe:kv_cache_fraction:max > {d.kv_cache_alert:g}",
-         "for": t.kv_for, "labels": {**labels, "severity": "warning"},
-         "annotations": {"summary": f"KV-cache blocks {{{{ $value | humanizePercentage }}}} used (over {d.kv_cache_alert:g}) "
-                                    "({{ $labels.pod }}{{ $labels.instance }})"}},
-        {"alert": "RequestErrors", "expr": f"trtpipe:request_error:ratio > {d.max_error_ratio:g}", "for": t.slo_for,
-         "labels": {**labels, "severity": "page"},
-         "annotations": {"summary": f"{{{{ $value | humanizePercentage }}}} of requests fail (over {d.max_error_ratio:g})"}},
-        {"alert": "TargetDown", "expr": f'up{{job="{job}"}} == 0 or absent(up{{job="{job}"}})', "for": t.down_for,
-         "labels": {**labels, "severity": "page"},
-         "annotations": {"summary": f"{m.server} of {recipe.name} is not scraped ({{{{ $labels.instance }}}})"}},
+        {
+            "alert": "QueueTimeOverComputeTime",
+            "expr": "trtpipe:queue_compute:ratio > 1",
+            "for": t.slo_for,
+            "labels": {**labels, "severity": "warning"},
+            "annotations": {
+                "summary": "requests wait longer than they compute ({{ $labels.pod }}{{ $labels.instance }}): "
+                "add replicas"
+            },
+        },
+        {
+            "alert": "KVCacheNearlyFull",
+            "expr": f"trtpipe:kv_cache_fraction:max > {d.kv_cache_alert:g}",
+            "for": t.kv_for,
+            "labels": {**labels, "severity": "warning"},
+            "annotations": {
+                "summary": f"KV-cache blocks {{{{ $value | humanizePercentage }}}} used (over {d.kv_cache_alert:g}) "
+                "({{ $labels.pod }}{{ $labels.instance }})"
+            },
+        },
+        {
+            "alert": "RequestErrors",
+            "expr": f"trtpipe:request_error:ratio > {d.max_error_ratio:g}",
+            "for": t.slo_for,
+            "labels": {**labels, "severity": "page"},
+            "annotations": {
+                "summary": f"{{{{ $value | humanizePercentage }}}} of requests fail (over {d.max_error_ratio:g})"
+            },
+        },
+        {
+            "alert": "TargetDown",
+            "expr": f'up{{job="{job}"}} == 0 or absent(up{{job="{job}"}})',
+            "for": t.down_for,
+            "labels": {**labels, "severity": "page"},
+            "annotations": {"summary": f"{m.server} of {recipe.name} is not scraped ({{{{ $labels.instance }}}})"},
+        },
     ]
     return alerts
 
 
 def rule_file(recipe: Recipe, job: str, t: Timing = Timing()) -> dict:
     """The rule file (``promtool check rules`` input; a PrometheusRule's ``spec``)."""
-    return {"groups": [
-        {"name": f"{recipe.name}.recording", "interval": t.interval, "rules": recording_rules(recipe, job, t)},
-        {"name": f"{recipe.name}.slo", "interval": t.interval, "rules": alert_rules(recipe, job, t)},
-    ]}
+    return {
+        "groups": [
+            {"name": f"{recipe.name}.recording", "interval": t.interval, "rules": recording_rules(recipe, job, t)},
+            {"name": f"{recipe.name}.slo", "interval": t.interval, "rules": alert_rules(recipe, job, t)},
+        ]
+    }

@@ -29,15 +29,21 @@ def panel_specs(recipe: Recipe, job: str) -> list[tuple[str, str, list[tuple[str
         out.append((title, "s", [(f"trtpipe:{metric}_seconds:{quantile_name(q)}", quantile_name(q)) for q in qs]))
     gpu = m.gpu_memory % sel
     out += [
-        ("Queue depth", "short", [(f"sum by (job) ({m.waiting % sel})", "waiting"),
-                                  (f"sum by (job) ({m.running % sel})", "running")]),
+        (
+            "Queue depth",
+            "short",
+            [(f"sum by (job) ({m.waiting % sel})", "waiting"), (f"sum by (job) ({m.running % sel})", "running")],
+        ),
         ("Queue time / compute time", "percentunit", [("trtpipe:queue_compute:ratio", "{{pod}}{{instance}}")]),
         ("KV-cache use", "percentunit", [("trtpipe:kv_cache_fraction:max", "{{pod}}{{instance}}")]),
         ("KV-cache reuse", "short", [(m.kv_reuse % sel, "{{pod}}{{instance}}")]),
         ("Output tokens/s", "short", [("trtpipe:output_tokens:rate", "{{job}}")]),
         ("Request error ratio", "percentunit", [("trtpipe:request_error:ratio", "{{job}}")]),
-        ("GPU memory used", "bytes", [(gpu, "{{gpu}}{{pod}}")] if DCGM_FB_USED not in gpu else
-         [(gpu, "{{gpu}} {{Hostname}}")]),
+        (
+            "GPU memory used",
+            "bytes",
+            [(gpu, "{{gpu}}{{pod}}")] if DCGM_FB_USED not in gpu else [(gpu, "{{gpu}} {{Hostname}}")],
+        ),
     ]
     return out
 
@@ -45,18 +51,30 @@ def panel_specs(recipe: Recipe, job: str) -> list[tuple[str, str, list[tuple[str
 def dashboard(recipe: Recipe, job: str) -> dict:
     panels = []
     for i, (title, unit, exprs) in enumerate(panel_specs(recipe, job)):
-        panels.append({
-            "id": i + 1, "type": "timeseries", "title": title, "datasource": DATASOURCE,
-            "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
-            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-            "targets": [{"refId": chr(65 + k), "datasource": DATASOURCE, "expr": e, "legendFormat": legend}
-                        for k, (e, legend) in enumerate(exprs)],
-        })
+        panels.append(
+            {
+                "id": i + 1,
+                "type": "timeseries",
+                "title": title,
+                "datasource": DATASOURCE,
+                "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
+                "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                "targets": [
+                    {"refId": chr(65 + k), "datasource": DATASOURCE, "expr": e, "legendFormat": legend}
+                    for k, (e, legend) in enumerate(exprs)
+                ],
+            }
+        )
     return {
-        "title": f"trtpipe {recipe.name}", "uid": f"trtpipe-{recipe.name}"[:40], "schemaVersion": 39,
-        "tags": ["trtpipe", recipe.target], "time": {"from": "now-1h", "to": "now"}, "refresh": "30s",
-        "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus",
-                                 "label": "Prometheus"}]},
+        "title": f"trtpipe {recipe.name}",
+        "uid": f"trtpipe-{recipe.name}"[:40],
+        "schemaVersion": 39,
+        "tags": ["trtpipe", recipe.target],
+        "time": {"from": "now-1h", "to": "now"},
+        "refresh": "30s",
+        "templating": {
+            "list": [{"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Prometheus"}]
+        },
         "panels": panels,
     }
 

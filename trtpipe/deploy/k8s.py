@@ -37,8 +37,7 @@ class Derived:
 
     @property
     def sources(self) -> dict[str, sources.Sourced]:
-        return {"artifact-key": self.key, "startup-budget-s": self.budget, "shm-gib": self.shm,
-                "cache-gib": self.cache}
+        return {"artifact-key": self.key, "startup-budget-s": self.budget, "shm-gib": self.shm, "cache-gib": self.cache}
 
     @property
     def notes(self) -> dict[str, str]:
@@ -47,13 +46,18 @@ class Derived:
 
 def derive(recipe: Recipe, weight_bytes_per_gpu: int, ready_s: Optional[float] = None) -> Derived:
     layout = layout_of(recipe)
-    return Derived(layout, sources.artifact_key(recipe),
-                   sources.startup_budget(recipe, layout, weight_bytes_per_gpu, ready_s),
-                   workload.shm_gib(recipe, layout), sources.cache_size_gib(weight_bytes_per_gpu, layout.world))
+    return Derived(
+        layout,
+        sources.artifact_key(recipe),
+        sources.startup_budget(recipe, layout, weight_bytes_per_gpu, ready_s),
+        workload.shm_gib(recipe, layout),
+        sources.cache_size_gib(weight_bytes_per_gpu, layout.world),
+    )
 
 
-def render(recipe: Recipe, weight_bytes_per_gpu: int, ready_s: Optional[float] = None,
-           autoscaler: Optional[str] = None) -> Rendered:
+def render(
+    recipe: Recipe, weight_bytes_per_gpu: int, ready_s: Optional[float] = None, autoscaler: Optional[str] = None
+) -> Rendered:
     """Every object of the deployment, and the sources of its numbers."""
     d = derive(recipe, weight_bytes_per_gpu, ready_s)
     layout, key, budget, shm, cache, srcs, notes = d.layout, d.key, d.budget, d.shm, d.cache, d.sources, d.notes
@@ -61,8 +65,14 @@ def render(recipe: Recipe, weight_bytes_per_gpu: int, ready_s: Optional[float] =
     objs = [build(recipe, layout, key, shm, budget, notes)]
     if layout.multinode:
         objs += workload.rbac(recipe)
-    objs += [objects.service(recipe, layout), objects.pdb(recipe, layout), objects.cache_pvc(recipe, cache.value),
-             objects.pod_monitor(recipe, layout), objects.prometheus_rule(recipe), objects.dashboard_configmap(recipe)]
+    objs += [
+        objects.service(recipe, layout),
+        objects.pdb(recipe, layout),
+        objects.cache_pvc(recipe, cache.value),
+        objects.pod_monitor(recipe, layout),
+        objects.prometheus_rule(recipe),
+        objects.dashboard_configmap(recipe),
+    ]
     if (autoscaler or recipe.deploy.autoscaler) == "keda":
         objs.append(objects.scaled_object(recipe, layout))
     else:
@@ -77,17 +87,33 @@ def file_name(obj: dict) -> str:
 def sources_md(recipe: Recipe, r: Rendered) -> str:
     lines = [f"# Where the numbers of {recipe.name}'s manifests came from", ""]
     lines += [f"- `{k}` = {v.value}: {v.source}" for k, v in r.sources.items()]
-    lines += ["", "Populate the cache volume before the first rollout: copy the served artifacts (engine target: the "
-              "`repo` stage's Triton repository as `triton_repo/`; llmapi: the `export` stage's `hf/` and "
-              "`extra_llm_api_options.yaml`) into the directory named by `artifact-key` on the volume.", ""]
+    lines += [
+        "",
+        "Populate the cache volume before the first rollout: copy the served artifacts (engine target: the "
+        "`repo` stage's Triton repository as `triton_repo/`; llmapi: the `export` stage's `hf/` and "
+        "`extra_llm_api_options.yaml`) into the directory named by `artifact-key` on the volume.",
+        "",
+    ]
     return "\n".join(lines)
 
 
-def write_k8s(recipe: Recipe, out_dir: Path, weight_bytes_per_gpu: int, ready_s: Optional[float] = None,
-              autoscaler: Optional[str] = None, overwrite: bool = False) -> Sequence[Path]:
+def write_k8s(
+    recipe: Recipe,
+    out_dir: Path,
+    weight_bytes_per_gpu: int,
+    ready_s: Optional[float] = None,
+    autoscaler: Optional[str] = None,
+    overwrite: bool = False,
+) -> Sequence[Path]:
     r = render(recipe, weight_bytes_per_gpu, ready_s, autoscaler)
     files = {file_name(o): dump_yaml(o) for o in r.objects}
-    files["kustomization.yaml"] = dump_yaml({"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-                                             "namespace": recipe.deploy.namespace, "resources": list(files)})
+    files["kustomization.yaml"] = dump_yaml(
+        {
+            "apiVersion": "kustomize.config.k8s.io/v1beta1",
+            "kind": "Kustomization",
+            "namespace": recipe.deploy.namespace,
+            "resources": list(files),
+        }
+    )
     files["SOURCES.md"] = sources_md(recipe, r)
     return write_all(out_dir, files, overwrite)

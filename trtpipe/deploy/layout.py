@@ -41,14 +41,17 @@ def layout_of(recipe: Recipe) -> Layout:
         if world % nodes:
             raise TrtpipeError(f"llmapi.nodes: {world} ranks (tp*pp) do not divide over {nodes} nodes")
         if world // nodes > gpn:
-            raise TrtpipeError(f"llmapi.nodes: {nodes} nodes need {world // nodes} GPUs each; "
-                               f"deploy.gpus_per_node is {gpn}")
+            raise TrtpipeError(
+                f"llmapi.nodes: {nodes} nodes need {world // nodes} GPUs each; deploy.gpus_per_node is {gpn}"
+            )
         return Layout(world, world // nodes, nodes)
     if world <= gpn:
         return Layout(world, world, 1)
     if world % gpn:
-        raise TrtpipeError(f"deploy.gpus_per_node: {world} ranks (tp*pp) need more than one node but do not fill "
-                           f"nodes of {gpn} GPUs evenly (one pod per node)")
+        raise TrtpipeError(
+            f"deploy.gpus_per_node: {world} ranks (tp*pp) need more than one node but do not fill "
+            f"nodes of {gpn} GPUs evenly (one pod per node)"
+        )
     return Layout(world, gpn, world // gpn)
 
 
@@ -63,8 +66,10 @@ def node_selector(recipe: Recipe) -> dict[str, str]:
     out = {PRODUCT_LABEL: label} if label else {}
     out.update(recipe.deploy.node_labels)
     if PRODUCT_LABEL not in out:
-        raise TrtpipeError(f"engine.gpu: {recipe.engine.gpu} has no known {PRODUCT_LABEL} node label; "
-                           f"set deploy.node_labels: {{{PRODUCT_LABEL}: <the label your nodes carry>}}")
+        raise TrtpipeError(
+            f"engine.gpu: {recipe.engine.gpu} has no known {PRODUCT_LABEL} node label; "
+            f"set deploy.node_labels: {{{PRODUCT_LABEL}: <the label your nodes carry>}}"
+        )
     return out
 
 
@@ -74,8 +79,9 @@ def slo_targets(recipe: Recipe) -> dict[str, tuple[float, float]]:
     for term, ms in parse_slo(recipe.deploy.slo, SLO_METRICS).items():
         metric, q = split_term(term)
         if q is None:
-            raise TrtpipeError(f"deploy.slo: {term!r} bounds every request; alerts watch a percentile "
-                               f"(write {metric}_p99=...)")
+            raise TrtpipeError(
+                f"deploy.slo: {term!r} bounds every request; alerts watch a percentile (write {metric}_p99=...)"
+            )
         if q >= 100:
             raise TrtpipeError(f"deploy.slo: {term!r}: p100 cannot be read from a histogram; use p99 or p99.9")
         out[metric] = (q / 100.0, ms / 1000.0)

@@ -43,19 +43,19 @@ ENGINE = ServerMetrics(
     server="tritonserver",
     path="/metrics",
     port=8002,
-    ttft_bucket='nv_inference_first_response_histogram_ms_bucket{%(client)s}',
+    ttft_bucket="nv_inference_first_response_histogram_ms_bucket{%(client)s}",
     ttft_scale=1e-3,
     itl_bucket=None,  # Triton core and the tensorrtllm backend export no per-token latency
-    queue_seconds='nv_inference_queue_duration_us{%(engine)s}',
-    compute_seconds='nv_inference_compute_infer_duration_us{%(engine)s}',
+    queue_seconds="nv_inference_queue_duration_us{%(engine)s}",
+    compute_seconds="nv_inference_compute_infer_duration_us{%(engine)s}",
     kv_fraction='nv_trt_llm_kv_cache_block_metrics{%(job)s,kv_cache_block_type="fraction"}',
     kv_reuse='nv_trt_llm_kv_cache_block_metrics{%(job)s,kv_cache_block_type="reused"}',
     waiting='nv_trt_llm_request_metrics{%(job)s,request_type="waiting"}',
     running='nv_trt_llm_request_metrics{%(job)s,request_type="scheduled"}',
-    success='nv_inference_request_success{%(client)s}',
-    failure='nv_inference_request_failure{%(client)s}',
-    output_tokens='nv_llm_output_token_len_sum{%(job)s}',
-    gpu_memory='nv_gpu_memory_used_bytes{%(job)s}',
+    success="nv_inference_request_success{%(client)s}",
+    failure="nv_inference_request_failure{%(client)s}",
+    output_tokens="nv_llm_output_token_len_sum{%(job)s}",
+    gpu_memory="nv_gpu_memory_used_bytes{%(job)s}",
 )
 
 LLMAPI = ServerMetrics(

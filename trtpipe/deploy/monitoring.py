@@ -35,8 +35,14 @@ def scrape_config(recipe: Recipe, targets: Sequence[str], timing: Timing, rules_
     return {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "rule_files": [rules_path],
-        "scrape_configs": [{"job_name": recipe.name, "metrics_path": BY_TARGET[recipe.target].path,
-                            "scrape_interval": interval, "static_configs": [{"targets": list(targets)}]}],
+        "scrape_configs": [
+            {
+                "job_name": recipe.name,
+                "metrics_path": BY_TARGET[recipe.target].path,
+                "scrape_interval": interval,
+                "static_configs": [{"targets": list(targets)}],
+            }
+        ],
     }
 
 
@@ -44,8 +50,13 @@ def dump_yaml(obj) -> str:
     return yaml.safe_dump(obj, sort_keys=False, width=1000, allow_unicode=True)
 
 
-def write_monitoring(recipe: Recipe, out_dir: Path, targets: Optional[Sequence[str]] = None,
-                     timing: Optional[Timing] = None, overwrite: bool = False) -> list[Path]:
+def write_monitoring(
+    recipe: Recipe,
+    out_dir: Path,
+    targets: Optional[Sequence[str]] = None,
+    timing: Optional[Timing] = None,
+    overwrite: bool = False,
+) -> list[Path]:
     """Write the three files into ``out_dir`` (an existing non-empty directory is refused unless ``overwrite``)."""
     timing = timing or Timing(interval=f"{recipe.deploy.scrape_interval_s}s")
     files = {

@@ -21,8 +21,10 @@ from trtpipe.recipe.schema import Recipe
 
 JOB_LABEL = "app.kubernetes.io/name"
 # the autoscaler's metric: recording rule, its adapter name, the per-pod target value
-SCALE_METRICS = {"queue": ("trtpipe:queue_compute:ratio", "trtpipe_queue_compute_ratio"),
-                 "kv_cache": ("trtpipe:kv_cache_fraction:max", "trtpipe_kv_cache_fraction")}
+SCALE_METRICS = {
+    "queue": ("trtpipe:queue_compute:ratio", "trtpipe_queue_compute_ratio"),
+    "kv_cache": ("trtpipe:kv_cache_fraction:max", "trtpipe_kv_cache_fraction"),
+}
 
 
 def serving_selector(recipe: Recipe, layout: Layout) -> dict[str, str]:
@@ -43,83 +45,143 @@ def scale_threshold(recipe: Recipe) -> float:
 def service(recipe: Recipe, layout: Layout) -> dict:
     ports = [{"name": "http", "port": PORTS.http, "targetPort": "http"}]
     if recipe.target == "engine":
-        ports += [{"name": "grpc", "port": PORTS.grpc, "targetPort": "grpc"},
-                  {"name": "metrics", "port": PORTS.metrics, "targetPort": "metrics"}]
-    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": k8s_name(recipe.name), "labels": labels(recipe)},
-            "spec": {"type": "ClusterIP", "selector": serving_selector(recipe, layout), "ports": ports}}
+        ports += [
+            {"name": "grpc", "port": PORTS.grpc, "targetPort": "grpc"},
+            {"name": "metrics", "port": PORTS.metrics, "targetPort": "metrics"},
+        ]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": k8s_name(recipe.name), "labels": labels(recipe)},
+        "spec": {"type": "ClusterIP", "selector": serving_selector(recipe, layout), "ports": ports},
+    }
 
 
 def pdb(recipe: Recipe, layout: Layout) -> dict:
     """One instance down at a time (a LWS group restarts as a whole when any of its pods goes)."""
-    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-            "metadata": {"name": k8s_name(recipe.name), "labels": labels(recipe)},
-            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": serving_selector(recipe, layout)}}}
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": k8s_name(recipe.name), "labels": labels(recipe)},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": serving_selector(recipe, layout)}},
+    }
 
 
 def pod_monitor(recipe: Recipe, layout: Layout) -> dict:
     d = recipe.deploy
-    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
-            "metadata": {"name": k8s_name(recipe.name), "labels": {**labels(recipe), **d.monitor_labels}},
-            "spec": {"jobLabel": JOB_LABEL, "selector": {"matchLabels": serving_selector(recipe, layout)},
-                     "podMetricsEndpoints": [{"port": metrics_port(recipe), "path": BY_TARGET[recipe.target].path,
-                                              "interval": f"{d.scrape_interval_s}s"}]}}
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": {"name": k8s_name(recipe.name), "labels": {**labels(recipe), **d.monitor_labels}},
+        "spec": {
+            "jobLabel": JOB_LABEL,
+            "selector": {"matchLabels": serving_selector(recipe, layout)},
+            "podMetricsEndpoints": [
+                {
+                    "port": metrics_port(recipe),
+                    "path": BY_TARGET[recipe.target].path,
+                    "interval": f"{d.scrape_interval_s}s",
+                }
+            ],
+        },
+    }
 
 
 def prometheus_rule(recipe: Recipe) -> dict:
     t = Timing(interval=f"{recipe.deploy.scrape_interval_s}s")
-    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
-            "metadata": {"name": k8s_name(recipe.name), "labels": {**labels(recipe), **recipe.deploy.monitor_labels}},
-            "spec": rule_file(recipe, k8s_name(recipe.name), t)}
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": k8s_name(recipe.name), "labels": {**labels(recipe), **recipe.deploy.monitor_labels}},
+        "spec": rule_file(recipe, k8s_name(recipe.name), t),
+    }
 
 
 def dashboard_configmap(recipe: Recipe) -> dict:
     """For Grafana's dashboard sidecar (kube-prometheus-stack watches ConfigMaps labelled grafana_dashboard)."""
     name = k8s_name(recipe.name)
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": f"{name}-dashboard", "labels": {**labels(recipe), "grafana_dashboard": "1"}},
-            "data": {f"{name}.json": json.dumps(dashboard(recipe, name), indent=1)}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": f"{name}-dashboard", "labels": {**labels(recipe), "grafana_dashboard": "1"}},
+        "data": {f"{name}.json": json.dumps(dashboard(recipe, name), indent=1)},
+    }
 
 
 def hpa(recipe: Recipe, layout: Layout) -> dict:
     r = recipe.deploy.replicas
     metric = SCALE_METRICS[recipe.deploy.scale_on][1]
-    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
-            "metadata": {"name": k8s_name(recipe.name), "labels": labels(recipe)},
-            "spec": {"scaleTargetRef": scale_target(recipe, layout), "minReplicas": r.min, "maxReplicas": r.max,
-                     "metrics": [{"type": "Pods", "pods": {
-                         "metric": {"name": metric},
-                         "target": {"type": "AverageValue", "averageValue": f"{int(scale_threshold(recipe) * 1000)}m"}}}]}}
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": k8s_name(recipe.name), "labels": labels(recipe)},
+        "spec": {
+            "scaleTargetRef": scale_target(recipe, layout),
+            "minReplicas": r.min,
+            "maxReplicas": r.max,
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": metric},
+                        "target": {"type": "AverageValue", "averageValue": f"{int(scale_threshold(recipe) * 1000)}m"},
+                    },
+                }
+            ],
+        },
+    }
 
 
 def adapter_rules(recipe: Recipe) -> dict:
     """prometheus-adapter ``rules.custom``: the recording rule per pod as a custom metric (a ConfigMap to merge into
     the adapter's config, e.g. helm ``--set-file rules.custom=...``)."""
     series, name = SCALE_METRICS[recipe.deploy.scale_on]
-    rule = {"seriesQuery": f'{series}{{namespace!="",pod!=""}}',
-            "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
-            "name": {"matches": f"^{series}$", "as": name},
-            "metricsQuery": "max(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)"}
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": f"{k8s_name(recipe.name)}-adapter-rules", "labels": labels(recipe)},
-            "data": {"rules.yaml": json.dumps({"rules": [rule]}, indent=1)}}
+    rule = {
+        "seriesQuery": f'{series}{{namespace!="",pod!=""}}',
+        "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
+        "name": {"matches": f"^{series}$", "as": name},
+        "metricsQuery": "max(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)",
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": f"{k8s_name(recipe.name)}-adapter-rules", "labels": labels(recipe)},
+        "data": {"rules.yaml": json.dumps({"rules": [rule]}, indent=1)},
+    }
 
 
 def scaled_object(recipe: Recipe, layout: Layout) -> dict:
     d = recipe.deploy
     series = SCALE_METRICS[d.scale_on][0]
-    return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
-            "metadata": {"name": k8s_name(recipe.name), "labels": labels(recipe)},
-            "spec": {"scaleTargetRef": scale_target(recipe, layout), "minReplicaCount": d.replicas.min,
-                     "maxReplicaCount": d.replicas.max,
-                     "triggers": [{"type": "prometheus", "metadata": {
-                         "serverAddress": d.prometheus_url,
-                         "query": f'max({series}{{job="{k8s_name(recipe.name)}",namespace="{d.namespace}"}})',
-                         "threshold": f"{scale_threshold(recipe):g}"}}]}}
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": {"name": k8s_name(recipe.name), "labels": labels(recipe)},
+        "spec": {
+            "scaleTargetRef": scale_target(recipe, layout),
+            "minReplicaCount": d.replicas.min,
+            "maxReplicaCount": d.replicas.max,
+            "triggers": [
+                {
+                    "type": "prometheus",
+                    "metadata": {
+                        "serverAddress": d.prometheus_url,
+                        "query": f'max({series}{{job="{k8s_name(recipe.name)}",namespace="{d.namespace}"}})',
+                        "threshold": f"{scale_threshold(recipe):g}",
+                    },
+                }
+            ],
+        },
+    }
 
 
 def cache_pvc(recipe: Recipe, size_gib: int) -> dict:
     spec = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": f"{size_gib}Gi"}}}
     if recipe.deploy.storage_class:
         spec["storageClassName"] = recipe.deploy.storage_class
-    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": {"name": f"{k8s_name(recipe.name)}-cache", "labels": labels(recipe)}, "spec": spec}
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": f"{k8s_name(recipe.name)}-cache", "labels": labels(recipe)},
+        "spec": spec,
+    }

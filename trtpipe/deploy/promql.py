@@ -9,8 +9,21 @@ from __future__ import annotations
 
 import re
 
-KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "offset", "bool", "and", "or", "unless",
-            "inf", "nan"}
+KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "offset",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "inf",
+    "nan",
+}
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"' r"|'(?:[^'\\]|\\.)*'")
 _GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
 _IDENT = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*(?=\s*(\()?)")
@@ -35,5 +48,8 @@ def metric_names(expr: str) -> set[str]:
 
 def exported_names(exposition: str) -> set[str]:
     """Sample names in a Prometheus text exposition (``name{...} value`` lines)."""
-    return {re.match(r"[A-Za-z_:][A-Za-z0-9_:]*", line).group(0)
-            for line in exposition.splitlines() if line and not line.startswith("#")}
+    return {
+        re.match(r"[A-Za-z_:][A-Za-z0-9_:]*", line).group(0)
+        for line in exposition.splitlines()
+        if line and not line.startswith("#")
+    }

@@ -29,7 +29,9 @@ def step_floor_s(recipe: Recipe, m: ModelDims) -> float:
     from trtpipe.engine.planner import Shapes, weight_bytes
 
     s = Shapes.of(predicted_checkpoint_config(m, recipe))
-    return sum(weight_bytes(s, recipe.parallel.tp, recipe.parallel.pp)) / (get_gpu(recipe.engine.gpu).bandwidth_gbs * 1e9)
+    return sum(weight_bytes(s, recipe.parallel.tp, recipe.parallel.pp)) / (
+        get_gpu(recipe.engine.gpu).bandwidth_gbs * 1e9
+    )
 
 
 def deploy_findings(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
@@ -56,9 +58,14 @@ def deploy_findings(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]
         return
     for metric, (q, bound) in targets.items():
         if bound < floor:
-            yield "deploy.slo", (f"{metric} p{q * 100:g} {bound * 1e3:g} ms cannot hold: one decode step reads "
-                                 f"{recipe.parallel.pp} pp stage(s) of weights at {get_gpu(recipe.engine.gpu).bandwidth_gbs} "
-                                 f"GB/s, at least {floor * 1e3:.2f} ms")
+            yield (
+                "deploy.slo",
+                (
+                    f"{metric} p{q * 100:g} {bound * 1e3:g} ms cannot hold: one decode step reads "
+                    f"{recipe.parallel.pp} pp stage(s) of weights at {get_gpu(recipe.engine.gpu).bandwidth_gbs} "
+                    f"GB/s, at least {floor * 1e3:.2f} ms"
+                ),
+            )
 
 
 DEPLOY_RULES: tuple[Rule, ...] = (deploy_findings,)

@@ -44,13 +44,18 @@ def artifact_key(recipe: Recipe) -> Sourced:
         if entry:
             lines = "".join(f"{p} {f['sha256']}\n" for p, f in sorted(entry["files"].items()))
             key = hashlib.sha256(lines.encode()).hexdigest()[:16]
-            return Sourced(key, f"sha256 over the {len(entry['files'])} file hashes of stage {stage} in build "
-                                f"{data.get('build_id')} ({shown})")
+            return Sourced(
+                key,
+                f"sha256 over the {len(entry['files'])} file hashes of stage {stage} in build "
+                f"{data.get('build_id')} ({shown})",
+            )
     config = Path(recipe.resolve(recipe.model.source)) / "config.json"
     text = recipe.model_dump_json() + (config.read_text() if config.is_file() else "")
-    return Sourced(hashlib.sha256(text.encode()).hexdigest()[:16],
-                   f"not built yet (no stage {stage} in {shown}): sha256 of the expanded recipe and the model's "
-                   "config.json; rerun trtpipe deploy after the build to key the cache by the artifacts' content")
+    return Sourced(
+        hashlib.sha256(text.encode()).hexdigest()[:16],
+        f"not built yet (no stage {stage} in {shown}): sha256 of the expanded recipe and the model's "
+        "config.json; rerun trtpipe deploy after the build to key the cache by the artifacts' content",
+    )
 
 
 def measured_ready_s(cold_start: Optional[Path]) -> Optional[float]:
@@ -69,9 +74,12 @@ def startup_budget(recipe: Recipe, layout: Layout, weight_bytes_per_gpu: int, re
     load = max(estimate, ready_s or 0.0)
     budget = math.ceil(LOAD_MARGIN * load)
     measured = f"measured ready {ready_s:.1f} s" if ready_s is not None else "no measured ready time given"
-    return Sourced(budget, f"{LOAD_MARGIN} x max(planner: {weight_bytes_per_gpu / GiB:.2f} GiB weights per GPU x "
-                           f"{layout.gpus_per_pod} GPUs / deploy.storage_read_gbs {recipe.deploy.storage_read_gbs:g} "
-                           f"GB/s = {estimate:.1f} s; {measured}) = {budget} s")
+    return Sourced(
+        budget,
+        f"{LOAD_MARGIN} x max(planner: {weight_bytes_per_gpu / GiB:.2f} GiB weights per GPU x "
+        f"{layout.gpus_per_pod} GPUs / deploy.storage_read_gbs {recipe.deploy.storage_read_gbs:g} "
+        f"GB/s = {estimate:.1f} s; {measured}) = {budget} s",
+    )
 
 
 def cache_size_gib(weight_bytes_per_gpu: int, world: int) -> Sourced:

@@ -40,8 +40,11 @@ def k8s_name(name: str) -> str:
 
 
 def labels(recipe: Recipe) -> dict[str, str]:
-    return {"app.kubernetes.io/name": k8s_name(recipe.name), "app.kubernetes.io/component": "server",
-            "app.kubernetes.io/part-of": "trtpipe"}
+    return {
+        "app.kubernetes.io/name": k8s_name(recipe.name),
+        "app.kubernetes.io/component": "server",
+        "app.kubernetes.io/part-of": "trtpipe",
+    }
 
 
 def shm_gib(recipe: Recipe, layout: Layout) -> Sourced:
@@ -55,20 +58,30 @@ def shm_gib(recipe: Recipe, layout: Layout) -> Sourced:
 
 def resources(layout: Layout, shm: int) -> dict:
     cpu = max(4, layout.gpus_per_pod)
-    amounts = {"nvidia.com/gpu": str(layout.gpus_per_pod), "cpu": str(cpu), "memory": f"{8 * cpu + shm}Gi",
-               "ephemeral-storage": "1Gi"}
+    amounts = {
+        "nvidia.com/gpu": str(layout.gpus_per_pod),
+        "cpu": str(cpu),
+        "memory": f"{8 * cpu + shm}Gi",
+        "ephemeral-storage": "1Gi",
+    }
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
 def _engine_segments(recipe: Recipe, layout: Layout) -> list[str]:
     """The leader-mode mpirun line of the engine target (rank 0 serves, with latency histograms on)."""
-    cmd = mpirun_command(f"{ARTIFACTS}/triton_repo", layout.world, PORTS, bind="0.0.0.0",
-                         trtllm_models=("tensorrt_llm",))
+    cmd = mpirun_command(
+        f"{ARTIFACTS}/triton_repo", layout.world, PORTS, bind="0.0.0.0", trtllm_models=("tensorrt_llm",)
+    )
     first = next(i for i, a in enumerate(cmd) if a.startswith("--model-repository="))
-    rank0 = ["--strict-readiness=true", f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
-             "--metrics-config=histogram_latencies=true", "--metrics-interval-ms=1000",
-             "--allow-cpu-metrics=false", "--allow-gpu-metrics=true"]
-    return cmd[:first + 1] + rank0 + cmd[first + 1:]
+    rank0 = [
+        "--strict-readiness=true",
+        f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+        "--metrics-config=histogram_latencies=true",
+        "--metrics-interval-ms=1000",
+        "--allow-cpu-metrics=false",
+        "--allow-gpu-metrics=true",
+    ]
+    return cmd[: first + 1] + rank0 + cmd[first + 1 :]
 
 
 def _llmapi_command(recipe: Recipe, layout: Layout) -> list[str]:
@@ -76,8 +89,16 @@ def _llmapi_command(recipe: Recipe, layout: Layout) -> list[str]:
     if not layout.multinode:
         return serve
     # one MPI world over the group's pods under trtllm-llmapi-launch (its multi-node launcher)
-    return ["mpirun", "--allow-run-as-root", "-np", str(layout.world), "--bind-to", "none", "trtllm-llmapi-launch",
-            *serve]
+    return [
+        "mpirun",
+        "--allow-run-as-root",
+        "-np",
+        str(layout.world),
+        "--bind-to",
+        "none",
+        "trtllm-llmapi-launch",
+        *serve,
+    ]
 
 
 def serving_command(recipe: Recipe, layout: Layout) -> list[str]:
@@ -85,11 +106,14 @@ def serving_command(recipe: Recipe, layout: Layout) -> list[str]:
     if not layout.multinode:
         return cmd
     # on the leader: the hosts of the group (its own pod name, then name-1 .. name-(size-1)), kubectl exec as rsh
-    hosts = ",".join([f"$POD_NAME:{layout.gpus_per_pod}"] +
-                     [f"$POD_NAME-{i}:{layout.gpus_per_pod}" for i in range(1, layout.pods)])
+    hosts = ",".join(
+        [f"$POD_NAME:{layout.gpus_per_pod}"] + [f"$POD_NAME-{i}:{layout.gpus_per_pod}" for i in range(1, layout.pods)]
+    )
     mpirun, rest = cmd[:2], cmd[2:]
-    wait = (f'until [ "$(kubectl get pods -l {GROUP_KEY}=$GROUP_KEY --field-selector=status.phase=Running '
-            f'--no-headers | wc -l)" -ge {layout.pods} ]; do sleep 2; done')
+    wait = (
+        f'until [ "$(kubectl get pods -l {GROUP_KEY}=$GROUP_KEY --field-selector=status.phase=Running '
+        f'--no-headers | wc -l)" -ge {layout.pods} ]; do sleep 2; done'
+    )
     line = shlex.join(mpirun) + f" -mca plm_rsh_agent {KUBESSH} --host {hosts} " + shlex.join(rest)
     return ["/bin/sh", "-c", f"{wait}\nexec {line}"]
 
@@ -99,8 +123,11 @@ def probes(recipe: Recipe, budget: Sourced) -> dict:
     ready, live = ("/v2/health/ready", "/v2/health/live") if recipe.target == "engine" else ("/health", "/health")
     get = lambda path: {"path": path, "port": "http"}  # noqa: E731
     return {
-        "startupProbe": {"httpGet": get(ready), "periodSeconds": PROBE_PERIOD_S,
-                         "failureThreshold": max(1, math.ceil(budget.value / PROBE_PERIOD_S))},
+        "startupProbe": {
+            "httpGet": get(ready),
+            "periodSeconds": PROBE_PERIOD_S,
+            "failureThreshold": max(1, math.ceil(budget.value / PROBE_PERIOD_S)),
+        },
         "readinessProbe": {"httpGet": get(ready), "periodSeconds": 2, "failureThreshold": 15},
         "livenessProbe": {"httpGet": get(live), "periodSeconds": 2, "failureThreshold": 15},
     }
@@ -113,24 +140,41 @@ def ports(recipe: Recipe) -> list[dict]:
     return out
 
 
-def pod_spec(recipe: Recipe, layout: Layout, key: Sourced, shm: Sourced, command: list[str], leader: bool,
-             extra: dict) -> dict:
+def pod_spec(
+    recipe: Recipe, layout: Layout, key: Sourced, shm: Sourced, command: list[str], leader: bool, extra: dict
+) -> dict:
     """One pod of an instance; ``extra`` holds the leader's ports and probes."""
     name = k8s_name(recipe.name)
     env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
-    mounts = [{"name": "artifacts", "mountPath": ARTIFACTS, "subPath": key.value, "readOnly": True},
-              {"name": "dshm", "mountPath": "/dev/shm"}]
-    volumes = [{"name": "artifacts", "persistentVolumeClaim": {"claimName": f"{name}-cache", "readOnly": True}},
-               {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm.value}Gi"}}]
+    mounts = [
+        {"name": "artifacts", "mountPath": ARTIFACTS, "subPath": key.value, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    volumes = [
+        {"name": "artifacts", "persistentVolumeClaim": {"claimName": f"{name}-cache", "readOnly": True}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm.value}Gi"}},
+    ]
     if layout.multinode:
         env.append({"name": "GROUP_KEY", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{GROUP_KEY}']"}}})
         if leader:
             mounts.append({"name": "kubessh", "mountPath": "/opt/trtpipe"})
             volumes.append({"name": "kubessh", "configMap": {"name": f"{name}-kubessh", "defaultMode": 0o555}})
-    container = {"name": "server", "image": recipe.deploy.image or DEFAULT_IMAGE, "command": command, "env": env,
-                 "resources": resources(layout, shm.value), "volumeMounts": mounts, **extra}
-    spec = {"containers": [container], "volumes": volumes, "nodeSelector": node_selector(recipe),
-            "tolerations": [dict(t) for t in recipe.deploy.tolerations], "terminationGracePeriodSeconds": 30}
+    container = {
+        "name": "server",
+        "image": recipe.deploy.image or DEFAULT_IMAGE,
+        "command": command,
+        "env": env,
+        "resources": resources(layout, shm.value),
+        "volumeMounts": mounts,
+        **extra,
+    }
+    spec = {
+        "containers": [container],
+        "volumes": volumes,
+        "nodeSelector": node_selector(recipe),
+        "tolerations": [dict(t) for t in recipe.deploy.tolerations],
+        "terminationGracePeriodSeconds": 30,
+    }
     if layout.multinode:
         spec["serviceAccountName"] = name
     return spec
@@ -140,29 +184,42 @@ def leader_extra(recipe: Recipe, budget: Sourced) -> dict:
     return {"ports": ports(recipe), **probes(recipe, budget)}
 
 
-def deployment(recipe: Recipe, layout: Layout, key: Sourced, shm: Sourced, budget: Sourced,
-               annotations: dict) -> dict:
+def deployment(recipe: Recipe, layout: Layout, key: Sourced, shm: Sourced, budget: Sourced, annotations: dict) -> dict:
     name, lab = k8s_name(recipe.name), labels(recipe)
     spec = pod_spec(recipe, layout, key, shm, serving_command(recipe, layout), True, leader_extra(recipe, budget))
-    return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": name, "labels": lab, "annotations": annotations},
-            "spec": {"replicas": recipe.deploy.replicas.min, "selector": {"matchLabels": lab},
-                     "template": {"metadata": {"labels": lab}, "spec": spec}}}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "labels": lab, "annotations": annotations},
+        "spec": {
+            "replicas": recipe.deploy.replicas.min,
+            "selector": {"matchLabels": lab},
+            "template": {"metadata": {"labels": lab}, "spec": spec},
+        },
+    }
 
 
-def leaderworkerset(recipe: Recipe, layout: Layout, key: Sourced, shm: Sourced, budget: Sourced,
-                    annotations: dict) -> dict:
+def leaderworkerset(
+    recipe: Recipe, layout: Layout, key: Sourced, shm: Sourced, budget: Sourced, annotations: dict
+) -> dict:
     name, lab = k8s_name(recipe.name), labels(recipe)
     lead = pod_spec(recipe, layout, key, shm, serving_command(recipe, layout), True, leader_extra(recipe, budget))
-    work = pod_spec(recipe, layout, key, shm, ["/bin/sh", "-c", "trap 'exit 0' TERM; sleep infinity & wait"],
-                    False, {})
-    return {"apiVersion": LWS_API, "kind": "LeaderWorkerSet",
-            "metadata": {"name": name, "labels": lab, "annotations": annotations},
-            "spec": {"replicas": recipe.deploy.replicas.min, "startupPolicy": "LeaderCreated",
-                     "leaderWorkerTemplate": {
-                         "size": layout.pods, "restartPolicy": "RecreateGroupOnPodRestart",
-                         "leaderTemplate": {"metadata": {"labels": {**lab, "role": "leader"}}, "spec": lead},
-                         "workerTemplate": {"metadata": {"labels": {**lab, "role": "worker"}}, "spec": work}}}}
+    work = pod_spec(recipe, layout, key, shm, ["/bin/sh", "-c", "trap 'exit 0' TERM; sleep infinity & wait"], False, {})
+    return {
+        "apiVersion": LWS_API,
+        "kind": "LeaderWorkerSet",
+        "metadata": {"name": name, "labels": lab, "annotations": annotations},
+        "spec": {
+            "replicas": recipe.deploy.replicas.min,
+            "startupPolicy": "LeaderCreated",
+            "leaderWorkerTemplate": {
+                "size": layout.pods,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": {"metadata": {"labels": {**lab, "role": "leader"}}, "spec": lead},
+                "workerTemplate": {"metadata": {"labels": {**lab, "role": "worker"}}, "spec": work},
+            },
+        },
+    }
 
 
 def rbac(recipe: Recipe) -> list[dict]:
@@ -171,15 +228,31 @@ def rbac(recipe: Recipe) -> list[dict]:
     meta = {"name": name, "labels": lab}
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,
-         "rules": [{"apiGroups": [""], "resources": ["pods", "pods/status"], "verbs": ["get", "list"]},
-                   {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["create"]}]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": recipe.deploy.namespace}]},
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-kubessh", "labels": lab},
-         "data": {"kubessh": '#!/bin/sh\n# MPI remote shell: run the command in the pod named by the host\n'
-                             'pod="$1"; shift; exec kubectl exec "$pod" -- /bin/sh -c "$*"\n'}},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta,
+            "rules": [
+                {"apiGroups": [""], "resources": ["pods", "pods/status"], "verbs": ["get", "list"]},
+                {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["create"]},
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": recipe.deploy.namespace}],
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": f"{name}-kubessh", "labels": lab},
+            "data": {
+                "kubessh": "#!/bin/sh\n# MPI remote shell: run the command in the pod named by the host\n"
+                'pod="$1"; shift; exec kubectl exec "$pod" -- /bin/sh -c "$*"\n'
+            },
+        },
     ]
 
 

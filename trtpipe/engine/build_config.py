@@ -68,7 +68,9 @@ class EngineBuild:
     gpu: GPU
     target: Target
     workers: int
-    sources: Mapping[str, str]  # field -> "preset NAME" | "engine.plugins.overrides.F" | "engine.kv_cache.tokens_per_block"
+    sources: Mapping[
+        str, str
+    ]  # field -> "preset NAME" | "engine.plugins.overrides.F" | "engine.kv_cache.tokens_per_block"
     changes: tuple[Change, ...]  # every value rewritten by the builder's rules (applied here)
     rejected: tuple[tuple[str, str], ...]  # (field or recipe key, reason): the builder would raise
     explicit: frozenset[str] = field(default_factory=frozenset)  # engine.* shape keys the recipe wrote
@@ -85,14 +87,23 @@ def builder_target(cfg: dict, gpu: GPU) -> Target:
     qa, kv = ckptconfig.quant(cfg)
     tp, pp = ckptconfig.mapping(cfg)
     group = (cfg.get("quantization") or {}).get("group_size")
-    return Target(sm=gpu.sm, architecture=cfg["architecture"], quant_algo=qa, kv_cache_quant_algo=kv, tp=tp, pp=pp,
-                  group_size=int(group) if group else None)
+    return Target(
+        sm=gpu.sm,
+        architecture=cfg["architecture"],
+        quant_algo=qa,
+        kv_cache_quant_algo=kv,
+        tp=tp,
+        pp=pp,
+        group_size=int(group) if group else None,
+    )
 
 
 def _plugins(recipe: Recipe, target: Target) -> tuple[str, bool, dict[str, Any], dict[str, str]]:
     """Builder defaults <- preset <- recipe overrides <- an explicit engine.kv_cache.tokens_per_block."""
     name = recipe.engine.plugins.preset
-    preset = auto_preset(target.sm, target.quant_algo, target.kv_cache_quant_algo) if name == "auto" else get_preset(name)
+    preset = (
+        auto_preset(target.sm, target.quant_algo, target.kv_cache_quant_algo) if name == "auto" else get_preset(name)
+    )
     values = {f.name: f.default for f in FIELDS}
     sources: dict[str, str] = {}
     for k, v in preset.plugins.items():
@@ -102,7 +113,10 @@ def _plugins(recipe: Recipe, target: Target) -> tuple[str, bool, dict[str, Any],
         sources[k] = f"engine.plugins.overrides.{k}"
     kv = recipe.engine.kv_cache
     if "tokens_per_block" in kv.model_fields_set or "tokens_per_block" not in sources:
-        values["tokens_per_block"], sources["tokens_per_block"] = kv.tokens_per_block, "engine.kv_cache.tokens_per_block"
+        values["tokens_per_block"], sources["tokens_per_block"] = (
+            kv.tokens_per_block,
+            "engine.kv_cache.tokens_per_block",
+        )
     return preset.name, name == "auto", values, sources
 
 
@@ -120,13 +134,22 @@ def resolve_limits(recipe: Recipe, cfg: dict, plugins: Mapping[str, Any]) -> tup
     opt: Optional[int] = None
     if not plugins["remove_input_padding"]:
         if tokens != batch * seq:
-            changes.append(Change("max_num_tokens", tokens, batch * seq, "without remove_input_padding it is max_batch_size x max_seq_len"))
+            changes.append(
+                Change(
+                    "max_num_tokens",
+                    tokens,
+                    batch * seq,
+                    "without remove_input_padding it is max_batch_size x max_seq_len",
+                )
+            )
         tokens = batch * seq
         return {"max_seq_len": seq, "max_input_len": inp, "max_num_tokens": tokens, "opt_num_tokens": None}, changes
     if not plugins["multiple_profiles"]:  # computed before max_num_tokens is clamped or raised
         opt = min(batch * beam, tokens)
     if tokens > batch * seq:
-        changes.append(Change("max_num_tokens", tokens, batch * seq, f"clamped to max_batch_size x max_seq_len = {batch * seq}"))
+        changes.append(
+            Change("max_num_tokens", tokens, batch * seq, f"clamped to max_batch_size x max_seq_len = {batch * seq}")
+        )
         tokens = batch * seq
     if not plugins["context_fmha"] and tokens < inp:
         changes.append(Change("max_num_tokens", tokens, inp, "raised to max_input_len (context_fmha is off)"))
@@ -203,8 +226,9 @@ def check_argv(argv: list[str]) -> None:
             raise EngineError(f"trtllm-build {flag}: {value!r} is not accepted (allowed: {', '.join(choices)})")
 
 
-def to_argv(build: EngineBuild, checkpoint_dir: str | Path, output_dir: str | Path,
-            build_config_json: str | Path | None = None) -> list[str]:
+def to_argv(
+    build: EngineBuild, checkpoint_dir: str | Path, output_dir: str | Path, build_config_json: str | Path | None = None
+) -> list[str]:
     """The ``trtllm-build`` command, checked value by value against the upstream flag table.
 
     With ``build_config_json`` the shape flags are replaced by ``--build_config``. The plugin flags are still
@@ -216,12 +240,18 @@ def to_argv(build: EngineBuild, checkpoint_dir: str | Path, output_dir: str | Pa
         argv += ["--build_config", str(build_config_json)]
     else:
         argv += [
-            "--max_batch_size", str(c.max_batch_size),
-            "--max_input_len", str(c.max_input_len),
-            "--max_seq_len", str(c.max_seq_len),
-            "--max_beam_width", str(c.max_beam_width),
-            "--max_num_tokens", str(c.max_num_tokens),
-            "--kv_cache_type", c.kv_cache_type.lower(),
+            "--max_batch_size",
+            str(c.max_batch_size),
+            "--max_input_len",
+            str(c.max_input_len),
+            "--max_seq_len",
+            str(c.max_seq_len),
+            "--max_beam_width",
+            str(c.max_beam_width),
+            "--max_num_tokens",
+            str(c.max_num_tokens),
+            "--kv_cache_type",
+            c.kv_cache_type.lower(),
         ]
     for name in build.emitted_fields():
         argv += [f"--{name}", _cli_value(name, c.plugins[name])]
@@ -314,8 +344,13 @@ def engine_config_json(checkpoint_config: dict, c: BuildConfig, version: str = T
         mapping.setdefault(k, v)
     pretrained["mapping"] = mapping
     d = checkpoint_dims(pretrained)  # TensorRT-LLM's PretrainedConfig defaults for the sizes the file omits
-    for k, v in (("logits_dtype", "float32"), ("norm_epsilon", d.rms_norm_eps), ("num_key_value_heads", d.num_kv_heads),
-                 ("head_size", d.head_dim), ("intermediate_size", d.intermediate_size)):
+    for k, v in (
+        ("logits_dtype", "float32"),
+        ("norm_epsilon", d.rms_norm_eps),
+        ("num_key_value_heads", d.num_kv_heads),
+        ("head_size", d.head_dim),
+        ("intermediate_size", d.intermediate_size),
+    ):
         pretrained.setdefault(k, v)
     return {"version": version, "pretrained_config": pretrained, "build_config": to_json(c)}
 
@@ -340,6 +375,12 @@ def findings(build: EngineBuild) -> list[tuple[str, str]]:
     for key, reason in build.rejected:
         if key in BY_NAME:
             src = build.sources.get(key, "the builder default")
-            key = "engine.plugins.preset" if src.startswith("preset ") else src if src.startswith("engine.") else "engine.plugins"
+            key = (
+                "engine.plugins.preset"
+                if src.startswith("preset ")
+                else src
+                if src.startswith("engine.")
+                else "engine.plugins"
+            )
         out.append((key, f"trtllm-build rejects this: {reason}"))
     return out

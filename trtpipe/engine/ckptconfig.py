@@ -47,7 +47,9 @@ def predicted_checkpoint_config(info: ModelDims, recipe: Recipe) -> dict[str, An
                 imported["kv_cache_quant_algo"] = cfg["quantization"]["kv_cache_quant_algo"]
             cfg["quantization"] = imported
     if recipe.target == "llmapi":  # what the PyTorch backend's model of this family holds (Family.llmapi_*)
-        cfg["use_parallel_embedding"] = cfg.get("use_parallel_embedding", False) or (family.llmapi_vocab_parallel and p.tp > 1)
+        cfg["use_parallel_embedding"] = cfg.get("use_parallel_embedding", False) or (
+            family.llmapi_vocab_parallel and p.tp > 1
+        )
         if family.llmapi_router_in_model_dtype:
             cfg["router_dtype"] = dtype
     return cfg
@@ -65,8 +67,11 @@ def _imported_quantization(recipe: Recipe, info: ModelDims) -> Optional[dict[str
     if recipe.target == "engine":
         return converted_quantization(fmt)
     # llmapi: the unified HF checkpoint holds the source's algorithm as is or re-laid out into it
-    return {"quant_algo": fmt.quant_algo, "kv_cache_quant_algo": fmt.kv_cache,
-            **({"group_size": fmt.group_size} if fmt.group_size else {})}
+    return {
+        "quant_algo": fmt.quant_algo,
+        "kv_cache_quant_algo": fmt.kv_cache,
+        **({"group_size": fmt.group_size} if fmt.group_size else {}),
+    }
 
 
 def read_checkpoint_config(ckpt_dir: str | Path) -> dict[str, Any]:

@@ -56,8 +56,10 @@ def _mpi() -> tuple[str, bool]:
 
     sizes = re.findall(r"size=(\d+)", out.stdout)
     same = out.returncode == 0 and sizes == ["2", "2"]
-    return (f"mpiexec at {exe}, mpi4py {mpi4py_ver}: 2-rank job saw sizes {' '.join(sizes) or '(none)'}"
-            + ("" if same else f" (exit {out.returncode})")), same
+    return (
+        f"mpiexec at {exe}, mpi4py {mpi4py_ver}: 2-rank job saw sizes {' '.join(sizes) or '(none)'}"
+        + ("" if same else f" (exit {out.returncode})")
+    ), same
 
 
 def _tritonserver() -> tuple[str, bool, list[str]]:
@@ -74,7 +76,11 @@ def _tritonserver() -> tuple[str, bool, list[str]]:
     root = Path(spec.origin).parent / "tritonserver"
     backends = sorted(p.name for p in (root / "backends").iterdir()) if (root / "backends").is_dir() else []
     ok = (root / "bin" / "tritonserver").is_file()
-    return f"{root / 'bin' / 'tritonserver'} (nvidia-pytriton {ver}), backends: {', '.join(backends) or 'none'}", ok, backends
+    return (
+        f"{root / 'bin' / 'tritonserver'} (nvidia-pytriton {ver}), backends: {', '.join(backends) or 'none'}",
+        ok,
+        backends,
+    )
 
 
 def _engine_needs(engine_dir: Path) -> dict:
@@ -102,57 +108,124 @@ def diagnose(engine_dir: Optional[Path] = None) -> list[Check]:
     need = _engine_needs(Path(engine_dir)) if engine_dir else None
     real = need is not None and not need["twin"]
     lock = need["lock"] if need else {}
-    checks = [Check("python", "ok" if sys.version_info >= (3, 10) else "mismatch", platform.python_version(),
-                    "", "" if sys.version_info >= (3, 10) else "use Python 3.10 or newer")]
+    checks = [
+        Check(
+            "python",
+            "ok" if sys.version_info >= (3, 10) else "mismatch",
+            platform.python_version(),
+            "",
+            "" if sys.version_info >= (3, 10) else "use Python 3.10 or newer",
+        )
+    ]
     torch_ver = versions.package_version("torch")
-    checks.append(Check("torch", "ok" if torch_ver else "missing", torch_ver or "not installed",
-                        fix="" if torch_ver else "pip install torch"))
+    checks.append(
+        Check(
+            "torch",
+            "ok" if torch_ver else "missing",
+            torch_ver or "not installed",
+            fix="" if torch_ver else "pip install torch",
+        )
+    )
     gpus = versions.query_gpus()[0]
-    gpu_text = "; ".join(f"{g['name']} (SM {g['compute_capability']}, {g['memory_total']})" for g in gpus) or "no CUDA GPU visible (nvidia-smi not found or no devices)"
+    gpu_text = (
+        "; ".join(f"{g['name']} (SM {g['compute_capability']}, {g['memory_total']})" for g in gpus)
+        or "no CUDA GPU visible (nvidia-smi not found or no devices)"
+    )
     gpu_need = ", ".join(f"{g['name']} SM {g['compute_capability']}" for g in lock.get("gpus", [])[:1])
     status, fix = ("ok" if gpus else "missing"), ""
     if real:
         want_cc = {g["compute_capability"] for g in lock.get("gpus", [])}
         if not gpus:
-            fix = f"run on a machine with {need['world_size']} GPU(s)" + (f" of SM {', '.join(want_cc)}" if want_cc else "")
+            fix = f"run on a machine with {need['world_size']} GPU(s)" + (
+                f" of SM {', '.join(want_cc)}" if want_cc else ""
+            )
         elif want_cc and not want_cc & {g["compute_capability"] for g in gpus}:
-            status, fix = "mismatch", f"engines only load on the SM they were built for: rebuild here (trtpipe build RECIPE --from engine) or use SM {', '.join(want_cc)}"
+            status, fix = (
+                "mismatch",
+                f"engines only load on the SM they were built for: rebuild here (trtpipe build RECIPE --from engine) or use SM {', '.join(want_cc)}",
+            )
         elif len(gpus) < need["world_size"]:
-            status, fix = "mismatch", f"the engine has {need['world_size']} ranks: needs {need['world_size']} GPUs, {len(gpus)} visible"
+            status, fix = (
+                "mismatch",
+                f"the engine has {need['world_size']} ranks: needs {need['world_size']} GPUs, {len(gpus)} visible",
+            )
     elif not gpus:
         status = "info" if need is None or need["twin"] else status
     checks.append(Check("GPU", status, gpu_text, gpu_need or (f"{need['world_size']} GPU(s)" if real else ""), fix))
     driver = gpus[0]["driver"] if gpus else None
-    checks.append(Check("driver", "ok" if driver else "info", driver or "none (no NVIDIA driver)", lock.get("driver") or ""))
+    checks.append(
+        Check("driver", "ok" if driver else "info", driver or "none (no NVIDIA driver)", lock.get("driver") or "")
+    )
     cuda = versions.torch_cuda_version()
-    checks.append(Check("CUDA", "ok" if cuda else "info", cuda or "none (torch is a CPU build)", lock.get("cuda") or ""))
-    checks += _versioned("TensorRT", versions.package_version(*versions.PACKAGES["tensorrt"]),
-                         lock.get("tensorrt"), real, "TensorRT plans only load with the TensorRT version that built them")
+    checks.append(
+        Check("CUDA", "ok" if cuda else "info", cuda or "none (torch is a CPU build)", lock.get("cuda") or "")
+    )
+    checks += _versioned(
+        "TensorRT",
+        versions.package_version(*versions.PACKAGES["tensorrt"]),
+        lock.get("tensorrt"),
+        real,
+        "TensorRT plans only load with the TensorRT version that built them",
+    )
     trtllm = versions.package_version(*versions.PACKAGES["tensorrt_llm"])
     want = need["version"] if real else None
-    checks += _versioned("TensorRT-LLM", trtllm, want, real,
-                         "engines are valid only for the TensorRT-LLM release that built them",
-                         note="" if trtllm else "TensorRT engines need TensorRT-LLM 1.2.x on a GPU (pip install tensorrt_llm==1.2.1 from pypi.nvidia.com, or the tritonserver 25.12 TRT-LLM container)")
+    checks += _versioned(
+        "TensorRT-LLM",
+        trtllm,
+        want,
+        real,
+        "engines are valid only for the TensorRT-LLM release that built them",
+        note=""
+        if trtllm
+        else "TensorRT engines need TensorRT-LLM 1.2.x on a GPU (pip install tensorrt_llm==1.2.1 from pypi.nvidia.com, or the tritonserver 25.12 TRT-LLM container)",
+    )
     mpi_text, mpi_ok = _mpi()
     multi = need is not None and need["world_size"] > 1
-    checks.append(Check("MPI", "ok" if mpi_ok else ("mismatch" if multi else "info"), mpi_text,
-                        "mpiexec + mpi4py of one MPI" if multi else "",
-                        "" if mpi_ok else "install mpi4py and the MPI it links in one environment (pip install mpi4py mpich) and put that mpiexec first on PATH"))
+    checks.append(
+        Check(
+            "MPI",
+            "ok" if mpi_ok else ("mismatch" if multi else "info"),
+            mpi_text,
+            "mpiexec + mpi4py of one MPI" if multi else "",
+            ""
+            if mpi_ok
+            else "install mpi4py and the MPI it links in one environment (pip install mpi4py mpich) and put that mpiexec first on PATH",
+        )
+    )
     ts_text, ts_ok, backends = _tritonserver()
     if real and "tensorrtllm" not in backends:
-        checks.append(Check("tritonserver", "mismatch", ts_text, "the tensorrtllm backend",
-                            f"serve TensorRT engines from nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3 (TRT-LLM {need['version']})"))
+        checks.append(
+            Check(
+                "tritonserver",
+                "mismatch",
+                ts_text,
+                "the tensorrtllm backend",
+                f"serve TensorRT engines from nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3 (TRT-LLM {need['version']})",
+            )
+        )
     else:
-        checks.append(Check("tritonserver", "ok" if ts_ok else "missing", ts_text,
-                            "python backend (CPU twin)" if need and need["twin"] else "",
-                            "" if ts_ok else "pip install nvidia-pytriton"))
+        checks.append(
+            Check(
+                "tritonserver",
+                "ok" if ts_ok else "missing",
+                ts_text,
+                "python backend (CPU twin)" if need and need["twin"] else "",
+                "" if ts_ok else "pip install nvidia-pytriton",
+            )
+        )
     return checks
 
 
-def _versioned(name: str, found: Optional[str], want: Optional[str], real: bool, why: str, note: str = "") -> list[Check]:
+def _versioned(
+    name: str, found: Optional[str], want: Optional[str], real: bool, why: str, note: str = ""
+) -> list[Check]:
     if found is None:
         status = "missing" if real else "info"
-        return [Check(name, status, "not installed", want or "", (f"install {name} {want}: {why}" if real and want else note))]
+        return [
+            Check(
+                name, status, "not installed", want or "", (f"install {name} {want}: {why}" if real and want else note)
+            )
+        ]
     if real and want and found != want:
         return [Check(name, "mismatch", found, want, f"install {name} {want} or rebuild the engine here: {why}")]
     return [Check(name, "ok", found, want or "")]

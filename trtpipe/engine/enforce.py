@@ -79,7 +79,11 @@ def enforce(plugins: dict[str, Any], t: Target, explicit: Collection[str] = ()) 
             p[name] = value
 
     if t.architecture not in PAGED_STATE_ARCHITECTURES:  # BuildConfig.update_kv_cache_type
-        force("paged_state", False, f"paged_state is for Mamba/RecurrentGemma; the builder sets it off for {t.architecture}")
+        force(
+            "paged_state",
+            False,
+            f"paged_state is for Mamba/RecurrentGemma; the builder sets it off for {t.architecture}",
+        )
     if p["reduce_fusion"] and not (t.tp > 1 and t.architecture in REDUCE_FUSION_ARCHS):
         why = "needs tp > 1" if t.tp <= 1 else f"not supported for {t.architecture}"
         force("reduce_fusion", False, f"reduce_fusion {why} (Llama, Gemma2 or Medusa)")
@@ -94,10 +98,17 @@ def enforce(plugins: dict[str, Any], t: Target, explicit: Collection[str] = ()) 
         force("use_fp8_context_fmha", False, "context_fmha is off")
         force("use_paged_context_fmha", False, "context_fmha is off")
     if t.quant_algo not in FP8_CONTEXT_FMHA_ALGOS:
-        force("use_fp8_context_fmha", False, f"FP8 context FMHA needs quant_algo {_or(FP8_CONTEXT_FMHA_ALGOS)} "
-                                             f"(got {t.quant_algo})")
+        force(
+            "use_fp8_context_fmha",
+            False,
+            f"FP8 context FMHA needs quant_algo {_or(FP8_CONTEXT_FMHA_ALGOS)} (got {t.quant_algo})",
+        )
         if fp8_kv:
-            force("use_paged_context_fmha", False, f"an FP8 KV cache with quant_algo {t.quant_algo} disables paged context FMHA")
+            force(
+                "use_paged_context_fmha",
+                False,
+                f"an FP8 KV cache with quant_algo {t.quant_algo} disables paged context FMHA",
+            )
     if t.sm < 89:
         force("use_fp8_context_fmha", False, f"FP8 context FMHA needs SM >= 8.9 (target is {t.sm // 10}.{t.sm % 10})")
         if fp8_kv:
@@ -135,8 +146,12 @@ def rejections(plugins: dict[str, Any], t: Target) -> list[tuple[str, str]]:
     if is_blackwell_dc(t.sm):
         kind = BY_QUANT_ALGO[t.quant_algo].blackwell_dc if t.quant_algo in BY_QUANT_ALGO else None
         if kind:
-            out.append(("quantization.algo", f"{kind} {t.quant_algo} is rejected by the builder on {sm}"
-                                             f"{BLACKWELL_DC_NOTE[kind]}"))
+            out.append(
+                (
+                    "quantization.algo",
+                    f"{kind} {t.quant_algo} is rejected by the builder on {sm}{BLACKWELL_DC_NOTE[kind]}",
+                )
+            )
         if t.kv_cache_quant_algo == "INT8":
             out.append(("quantization.kv_cache", f"an INT8 KV cache is rejected by the builder on {sm} (SM 100-119)"))
     for name in VALIDATE_REJECTS_BY_SM.get(t.sm, ()):
@@ -146,13 +161,20 @@ def rejections(plugins: dict[str, Any], t: Target) -> list[tuple[str, str]]:
     allowed = upstream.FINEGRAINED_GROUP_SIZES[0].get(t.quant_algo)
     if allowed and t.group_size is not None and t.group_size not in allowed:
         sizes = " or ".join(map(str, allowed))
-        out.append(("quantization.group_size", f"{t.quant_algo} with group_size {t.group_size}: TensorRT-LLM's "
-                                               f"group-wise INT4 GEMM runs group_size {sizes} only (it throws at "
-                                               "inference, after the build)"))
+        out.append(
+            (
+                "quantization.group_size",
+                f"{t.quant_algo} with group_size {t.group_size}: TensorRT-LLM's "
+                f"group-wise INT4 GEMM runs group_size {sizes} only (it throws at "
+                "inference, after the build)",
+            )
+        )
     if plugins.get("streamingllm"):
         out.append(("streamingllm", "StreamingLLM is no longer supported in TensorRT-LLM 1.x (the builder asserts)"))
     if plugins.get("pp_reduce_scatter") and t.architecture != "MixtralForCausalLM":
-        out.append(("pp_reduce_scatter", f"pp_reduce_scatter is only for Mixtral (the builder asserts; got {t.architecture})"))
+        out.append(
+            ("pp_reduce_scatter", f"pp_reduce_scatter is only for Mixtral (the builder asserts; got {t.architecture})")
+        )
     for name in upstream.SWIGLU_PLUGINS_NEED_FUSED_MLP[0]:
         if plugins.get(name, "disable") != "disable" and not plugins.get("use_fused_mlp"):
             out.append((name, f"{name} needs use_fused_mlp (the builder raises)"))

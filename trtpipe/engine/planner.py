@@ -181,8 +181,9 @@ def expert_placement(s: Shapes, cfg: dict, pp: int) -> Optional[ExpertPlacement]
     width = s.intermediate // mtp
     elements = (s.experts // ep) * 3 * s.hidden * width
     # experts kept in their own format (gpt-oss's MXFP4) are sized in it, as weight_bytes sizes them
-    layer = int(elements * QUANT_WEIGHT_BYTES[s.expert_quant_algo] if s.expert_quant_algo else
-                _linear_bytes(s, elements))
+    layer = int(
+        elements * QUANT_WEIGHT_BYTES[s.expert_quant_algo] if s.expert_quant_algo else _linear_bytes(s, elements)
+    )
     return ExpertPlacement(s.experts, ep, mtp, width, layer, layer * max(pp_layers(s.layers, pp)))
 
 
@@ -265,21 +266,38 @@ class Plan:
     def summary(self) -> dict[str, Any]:
         r0 = max(self.ranks, key=lambda r: r.weight_bytes)
         return {
-            "gpu": self.gpu.key, "tp": self.tp, "pp": self.pp, "fits": self.fits, "refusal": self.refusal or None,
-            "weights_from": self.weights_from, "weight_bytes_per_gpu": r0.weight_bytes,
-            "activation_bytes": r0.activation_bytes, "reserve_bytes": r0.reserve_bytes,
-            "kv_dtype": self.kv_dtype, "kv_bytes_per_token_model": self.kv_bytes_per_token_model,
+            "gpu": self.gpu.key,
+            "tp": self.tp,
+            "pp": self.pp,
+            "fits": self.fits,
+            "refusal": self.refusal or None,
+            "weights_from": self.weights_from,
+            "weight_bytes_per_gpu": r0.weight_bytes,
+            "activation_bytes": r0.activation_bytes,
+            "reserve_bytes": r0.reserve_bytes,
+            "kv_dtype": self.kv_dtype,
+            "kv_bytes_per_token_model": self.kv_bytes_per_token_model,
             "kv_bytes_per_token_per_gpu": [r.kv_bytes_per_token for r in self.ranks],
-            "kv_pool_bytes": [r.kv_pool_bytes for r in self.ranks], "kv_tokens": self.kv_tokens,
-            "kv_blocks": self.kv_blocks, "tokens_per_block": self.tokens_per_block,
-            "max_seq_len": self.max_seq_len, "blocks_per_sequence": self.blocks_per_sequence,
-            "concurrent_sequences": self.concurrent_sequences, "max_batch_size": self.max_batch_size,
+            "kv_pool_bytes": [r.kv_pool_bytes for r in self.ranks],
+            "kv_tokens": self.kv_tokens,
+            "kv_blocks": self.kv_blocks,
+            "tokens_per_block": self.tokens_per_block,
+            "max_seq_len": self.max_seq_len,
+            "blocks_per_sequence": self.blocks_per_sequence,
+            "concurrent_sequences": self.concurrent_sequences,
+            "max_batch_size": self.max_batch_size,
             "host_bytes": self.host_bytes,
-            "experts": None if self.experts is None else {
-                "experts": self.experts.experts, "moe_ep": self.experts.moe_ep, "moe_tp": self.experts.moe_tp,
-                "experts_per_gpu": self.experts.per_rank, "expert_width_per_gpu": self.experts.width,
+            "experts": None
+            if self.experts is None
+            else {
+                "experts": self.experts.experts,
+                "moe_ep": self.experts.moe_ep,
+                "moe_tp": self.experts.moe_tp,
+                "experts_per_gpu": self.experts.per_rank,
+                "expert_width_per_gpu": self.experts.width,
                 "expert_bytes_per_layer_per_gpu": self.experts.layer_bytes,
-                "expert_bytes_per_gpu": self.experts.gpu_bytes},
+                "expert_bytes_per_gpu": self.experts.gpu_bytes,
+            },
         }
 
 
@@ -325,7 +343,9 @@ def _layer_work(s: Shapes, batch: int, seq: int) -> int:
     return 4 * (batch * seq * width + 2 * batch * s.heads * seq * seq)
 
 
-def host_estimates(s_full: Shapes, source_dtype_bytes: int, rank_bytes: int, workers: int, recipe: Recipe) -> dict[str, int]:
+def host_estimates(
+    s_full: Shapes, source_dtype_bytes: int, rank_bytes: int, workers: int, recipe: Recipe
+) -> dict[str, int]:
     """Host RAM each build stage needs (estimates of what the code holds at its peak; see each line).
 
     calibrate / quantize / verify run one decoder layer at a time (trtpipe/quant): about one float32 layer, its
@@ -351,12 +371,14 @@ def host_estimates(s_full: Shapes, source_dtype_bytes: int, rank_bytes: int, wor
     embed = v * h * (4 + mb)  # the embedding read, then in float32
     c, acc = recipe.quantization.calibration, recipe.accuracy
     calib = 2 * c.num_samples * c.seq_len * h * 4 + max(
-        embed, layer_params * 4 + largest * mb + _layer_work(s_full, c.batch_size, c.seq_len))
+        embed, layer_params * 4 + largest * mb + _layer_work(s_full, c.batch_size, c.seq_len)
+    )
     streams = 3 if s_full.kv_quant else 2  # unquantized, quantized (and quantized with the KV cache unquantized)
     verify = streams * acc.num_samples * acc.seq_len * h * 4 + max(
         embed,
         layer_params * (4 + qb) + largest * 4 + _layer_work(s_full, c.batch_size, acc.seq_len),  # f32 + stored
-        2 * v * h * 4 + v * h * mb + 6 * c.batch_size * acc.seq_len * v * 4)  # both lm_heads + a batch's logits
+        2 * v * h * 4 + v * h * mb + 6 * c.batch_size * acc.seq_len * v * 4,
+    )  # both lm_heads + a batch's logits
     return {
         # the converter streams one unit (a layer, or the embedding) at a time: source + fused + rank shards
         "checkpoint": unit * (source_dtype_bytes + 2 * mb),
@@ -370,8 +392,9 @@ def host_estimates(s_full: Shapes, source_dtype_bytes: int, rank_bytes: int, wor
     }
 
 
-def plan_build(recipe: Recipe, cfg: dict, build: EngineBuild, checkpoint_dir: Optional[Path] = None,
-               source_dtype_bytes: int = 2) -> Plan:
+def plan_build(
+    recipe: Recipe, cfg: dict, build: EngineBuild, checkpoint_dir: Optional[Path] = None, source_dtype_bytes: int = 2
+) -> Plan:
     """Plan one rank layout. Never raises for a recipe that does not fit: ``Plan.refusal`` says why and what to turn."""
     s = Shapes.of(cfg)
     tp, pp = ckptconfig.mapping(cfg)
@@ -392,15 +415,27 @@ def plan_build(recipe: Recipe, cfg: dict, build: EngineBuild, checkpoint_dir: Op
         tokens = int(pool // per_tok) if per_tok else 0
         if kvc.max_tokens is not None:
             tokens = min(tokens, kvc.max_tokens)
-        ranks.append(RankPlan(r, n, weights[r], act, RUNTIME_RESERVE_BYTES, free, per_tok, pool, tokens,
-                              math.ceil(tokens / tpb)))
+        ranks.append(
+            RankPlan(r, n, weights[r], act, RUNTIME_RESERVE_BYTES, free, per_tok, pool, tokens, math.ceil(tokens / tpb))
+        )
     blocks = min(r.kv_blocks for r in ranks)
     per_seq = sequence_blocks(s, c, tpb)
     plan = Plan(
-        gpu=gpu, tp=tp, pp=pp, weights_from=source, kv_dtype=_kv_dtype(s), ranks=tuple(ranks),
-        tokens_per_block=tpb, max_seq_len=c.max_seq_len, max_input_len=c.max_input_len,
-        max_batch_size=c.max_batch_size, max_beam_width=c.max_beam_width, blocks_per_sequence=per_seq,
-        kv_blocks=blocks, kv_tokens=min(r.kv_tokens for r in ranks), concurrent_sequences=blocks // per_seq,
+        gpu=gpu,
+        tp=tp,
+        pp=pp,
+        weights_from=source,
+        kv_dtype=_kv_dtype(s),
+        ranks=tuple(ranks),
+        tokens_per_block=tpb,
+        max_seq_len=c.max_seq_len,
+        max_input_len=c.max_input_len,
+        max_batch_size=c.max_batch_size,
+        max_beam_width=c.max_beam_width,
+        blocks_per_sequence=per_seq,
+        kv_blocks=blocks,
+        kv_tokens=min(r.kv_tokens for r in ranks),
+        concurrent_sequences=blocks // per_seq,
         kv_bytes_per_token_model=int(kv_bytes_per_token(s, s.layers, 1)),
         experts=expert_placement(s, cfg, pp),
         host_bytes=host_estimates(s, source_dtype_bytes, max(weights), build.workers, recipe),
@@ -417,13 +452,17 @@ def _refusal(plan: Plan, recipe: Recipe, cfg: dict, build: EngineBuild) -> str:
     name = f"{plan.tp * plan.pp}x {plan.gpu.key}"
     if worst.free_bytes <= 0:
         need = worst.weight_bytes + worst.activation_bytes + worst.reserve_bytes
-        return (f"does not fit: per-GPU weights {_gib(worst.weight_bytes)} + activations {_gib(worst.activation_bytes)} "
-                f"+ runtime reserve {_gib(worst.reserve_bytes)} = {_gib(need)} exceed one {plan.gpu.key} "
-                f"({_gib(plan.gpu.memory_bytes)}) at tp={plan.tp} pp={plan.pp}; turn a knob: {_knobs(recipe, cfg, build, kv_only=False)}")
+        return (
+            f"does not fit: per-GPU weights {_gib(worst.weight_bytes)} + activations {_gib(worst.activation_bytes)} "
+            f"+ runtime reserve {_gib(worst.reserve_bytes)} = {_gib(need)} exceed one {plan.gpu.key} "
+            f"({_gib(plan.gpu.memory_bytes)}) at tp={plan.tp} pp={plan.pp}; turn a knob: {_knobs(recipe, cfg, build, kv_only=False)}"
+        )
     if plan.kv_blocks < plan.blocks_per_sequence:
-        return (f"does not fit: the KV pool ({plan.kv_tokens} tokens, {plan.kv_blocks} blocks of {plan.tokens_per_block}) "
-                f"cannot hold one sequence of max_seq_len {plan.max_seq_len} ({plan.blocks_per_sequence} blocks) on {name}; "
-                f"turn a knob: {_knobs(recipe, cfg, build, kv_only=True, tokens=plan.kv_tokens)}")
+        return (
+            f"does not fit: the KV pool ({plan.kv_tokens} tokens, {plan.kv_blocks} blocks of {plan.tokens_per_block}) "
+            f"cannot hold one sequence of max_seq_len {plan.max_seq_len} ({plan.blocks_per_sequence} blocks) on {name}; "
+            f"turn a knob: {_knobs(recipe, cfg, build, kv_only=True, tokens=plan.kv_tokens)}"
+        )
     return ""
 
 
@@ -480,8 +519,9 @@ def _algo_knobs(recipe: Recipe, s: Shapes, cfg: dict, gpu: GPU) -> list[tuple[st
     out = []
     for name in QUANT_KNOBS:
         algo = writers.get(name)
-        if algo and not any(key == "quantization.algo"
-                            for key, _ in rejections({}, builder_target(_with(cfg, quant_algo=algo), gpu))):
+        if algo and not any(
+            key == "quantization.algo" for key, _ in rejections({}, builder_target(_with(cfg, quant_algo=algo), gpu))
+        ):
             out.append((name, algo))
     return out
 

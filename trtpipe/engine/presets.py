@@ -25,6 +25,7 @@ import yaml
 from trtpipe.engine import upstream
 from trtpipe.errors import EngineError
 
+
 @dataclass(frozen=True)
 class Field:
     """One PluginConfig field a preset or recipe may set: its kind, its default when trtllm-build is not given
@@ -88,7 +89,9 @@ def normalize(name: str, value: Any, where: str) -> Any:
         return "disable"
     if isinstance(value, str) and value in f.choices():
         return value
-    raise EngineError(f"{where}: {name} must be one of {', '.join(f.choices())} (trtllm-build's choices), got {value!r}")
+    raise EngineError(
+        f"{where}: {name} must be one of {', '.join(f.choices())} (trtllm-build's choices), got {value!r}"
+    )
 
 
 def preset_dir() -> Path:
@@ -112,7 +115,9 @@ def _read_preset(path: Path) -> Preset:
     match = data.get("match") or {}
     bad = set(match) - set(_MATCH_KEYS)
     if bad:
-        raise EngineError(f"{where}: match: unknown key(s) {', '.join(sorted(bad))} (allowed: {', '.join(_MATCH_KEYS)})")
+        raise EngineError(
+            f"{where}: match: unknown key(s) {', '.join(sorted(bad))} (allowed: {', '.join(_MATCH_KEYS)})"
+        )
     plugins = {k: normalize(k, v, f"{where}: plugins.{k}") for k, v in (data.get("plugins") or {}).items()}
     return Preset(path.stem, str(data.get("description", "")), {k: list(v) for k, v in match.items()}, plugins, path)
 

@@ -48,8 +48,12 @@ def _names(recipe: Recipe) -> Iterable[Finding]:
             yield _as_finding(exc, f"engine.plugins.overrides.{key}")
     tpb = e.plugins.overrides.get("tokens_per_block")
     if tpb is not None and "tokens_per_block" in e.kv_cache.model_fields_set and tpb != e.kv_cache.tokens_per_block:
-        yield "engine.plugins.overrides.tokens_per_block", (
-            f"{tpb} conflicts with engine.kv_cache.tokens_per_block {e.kv_cache.tokens_per_block}; set only the latter")
+        yield (
+            "engine.plugins.overrides.tokens_per_block",
+            (
+                f"{tpb} conflicts with engine.kv_cache.tokens_per_block {e.kv_cache.tokens_per_block}; set only the latter"
+            ),
+        )
 
 
 def engine_findings(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
@@ -64,14 +68,24 @@ def engine_findings(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]
     # a pre-quantized source's own algorithm is named against model.source by the import rules
     # (trtpipe.quant.imported.rules): only what the recipe itself asks for is reported under its keys here
     q = recipe.quantization
-    source_only = {k for k, mine in (("quantization.algo", q.algo), ("quantization.group_size", q.algo),
-                                     ("quantization.kv_cache", q.kv_cache)) if mine == "none"}
+    source_only = {
+        k
+        for k, mine in (
+            ("quantization.algo", q.algo),
+            ("quantization.group_size", q.algo),
+            ("quantization.kv_cache", q.kv_cache),
+        )
+        if mine == "none"
+    }
     target = bc.builder_target(cfg, gpu)
     if llmapi:  # no builder, but the same tensor cores: FP8 / FP4 GEMMs below their SM fail at load
         missing = tensor_core_rejections(target)
         for key, reason in missing:  # a pre-quantized source's own format is named against model.source
-            yield (key, reason) if key not in source_only else ("engine.gpu", f"model.source on "
-                                                                              f"{recipe.engine.gpu}: {reason}")
+            yield (
+                (key, reason)
+                if key not in source_only
+                else ("engine.gpu", f"model.source on {recipe.engine.gpu}: {reason}")
+            )
         if missing:
             return
     early = rejections(defaults, target)
@@ -100,15 +114,35 @@ def _build_findings(recipe: Recipe, build) -> Iterable[Finding]:
     yield from bc.findings(build)
     p = build.config.plugins
     if recipe.triton.batching_strategy in IFB_STRATEGIES:
-        missing = [n for n, ok in (("gpt_attention_plugin", p["gpt_attention_plugin"] != "disable"),
-                                   ("remove_input_padding", p["remove_input_padding"]),
-                                   ("paged_kv_cache", p["paged_kv_cache"])) if not ok]
+        missing = [
+            n
+            for n, ok in (
+                ("gpt_attention_plugin", p["gpt_attention_plugin"] != "disable"),
+                ("remove_input_padding", p["remove_input_padding"]),
+                ("paged_kv_cache", p["paged_kv_cache"]),
+            )
+            if not ok
+        ]
         if missing:
-            yield "engine.plugins", (f"in-flight batching (triton.batching_strategy {recipe.triton.batching_strategy}) "
-                                     f"needs {', '.join(missing)} enabled")
-    if recipe.engine.kv_cache.enable_reuse and not p["use_paged_context_fmha"] and recipe.quantization.kv_cache != "int8":
-        yield "engine.kv_cache.enable_reuse", ("KV reuse needs paged context FMHA, which this build has off "
-                                               "(the runtime would silently disable reuse); set enable_reuse: false")
+            yield (
+                "engine.plugins",
+                (
+                    f"in-flight batching (triton.batching_strategy {recipe.triton.batching_strategy}) "
+                    f"needs {', '.join(missing)} enabled"
+                ),
+            )
+    if (
+        recipe.engine.kv_cache.enable_reuse
+        and not p["use_paged_context_fmha"]
+        and recipe.quantization.kv_cache != "int8"
+    ):
+        yield (
+            "engine.kv_cache.enable_reuse",
+            (
+                "KV reuse needs paged context FMHA, which this build has off "
+                "(the runtime would silently disable reuse); set enable_reuse: false"
+            ),
+        )
 
 
 def _source_builder_rejects(recipe: Recipe, m: ModelDims, fmt) -> Iterable[Finding]:
@@ -119,14 +153,21 @@ def _source_builder_rejects(recipe: Recipe, m: ModelDims, fmt) -> Iterable[Findi
         gpu = get_gpu(recipe.engine.gpu)
     except EngineError:
         return  # an unknown GPU is named by the engine rules
-    target = Target(gpu.sm, m.architecture, fmt.quant_algo, fmt.kv_cache, recipe.parallel.tp, recipe.parallel.pp,
-                    fmt.group_size)
+    target = Target(
+        gpu.sm, m.architecture, fmt.quant_algo, fmt.kv_cache, recipe.parallel.tp, recipe.parallel.pp, fmt.group_size
+    )
     for key, reason in rejections({}, target):
         if key == "quantization.group_size":  # the source's groups, on any GPU: another checkpoint is the fix
-            yield "model.source", f"model.source is {fmt.describe()}: {reason}; use a checkpoint quantized with one " \
-                                  "of those group sizes, or target: llmapi"
+            yield (
+                "model.source",
+                f"model.source is {fmt.describe()}: {reason}; use a checkpoint quantized with one "
+                "of those group sizes, or target: llmapi",
+            )
         elif key.startswith("quantization."):
-            yield "engine.gpu", f"model.source is {fmt.describe()}: trtllm-build rejects it on {recipe.engine.gpu}: {reason}"
+            yield (
+                "engine.gpu",
+                f"model.source is {fmt.describe()}: trtllm-build rejects it on {recipe.engine.gpu}: {reason}",
+            )
 
 
 def source_findings(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:

@@ -37,7 +37,9 @@ def availability() -> Availability:
         why = "TensorRT-LLM is not installed" + ("" if gpus else " and no CUDA GPU is visible")
         return Availability(False, why, None, gpus)
     if not trtllm_supported(ver):
-        return Availability(False, f"TensorRT-LLM {ver} has no trtllm-build TensorRT-engine path (needs 1.0-1.2.x)", ver, gpus)
+        return Availability(
+            False, f"TensorRT-LLM {ver} has no trtllm-build TensorRT-engine path (needs 1.0-1.2.x)", ver, gpus
+        )
     if shutil.which("trtllm-build") is None:
         return Availability(False, f"TensorRT-LLM {ver} is installed but trtllm-build is not on PATH", ver, gpus)
     if not gpus:
@@ -87,8 +89,9 @@ def _gpu_used_mib() -> Optional[int]:
     if exe is None:
         return None
     try:
-        out = subprocess.run([exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            [exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=5
+        )
         return sum(int(float(x)) for x in out.stdout.split()) if out.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired, ValueError):
         return None

@@ -40,9 +40,13 @@ def link_tree(src: Path, dst: Path) -> int:
     return count
 
 
-def write_twin_engine(checkpoint_dir: str | Path, out_dir: str | Path, build_config_json: dict,
-                      reason: str = "TensorRT-LLM 1.2.x and a CUDA GPU are not available here",
-                      recipe_path: Optional[str] = None) -> Path:
+def write_twin_engine(
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    build_config_json: dict,
+    reason: str = "TensorRT-LLM 1.2.x and a CUDA GPU are not available here",
+    recipe_path: Optional[str] = None,
+) -> Path:
     """Write the twin engine of ``checkpoint_dir`` into ``out_dir`` (which must be empty or absent).
 
     Args:
@@ -74,7 +78,11 @@ def write_twin_engine(checkpoint_dir: str | Path, out_dir: str | Path, build_con
 
         pretrained = json.loads((ckpt / "config.json").read_text())
         (pretrained.get("mapping") or {}).pop("rank", None)
-        engine_cfg = {"version": TARGET_TRTLLM_VERSION, "pretrained_config": pretrained, "build_config": build_config_json}
+        engine_cfg = {
+            "version": TARGET_TRTLLM_VERSION,
+            "pretrained_config": pretrained,
+            "build_config": build_config_json,
+        }
     world = int((engine_cfg["pretrained_config"].get("mapping") or {}).get("world_size", 1))
     if len(ranks) != world:
         raise EngineError(f"{ckpt}: {len(ranks)} rank files for world_size {world} in config.json")

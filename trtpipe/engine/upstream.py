@@ -49,7 +49,9 @@ class PluginField:
         return ()
 
 
-def _d(name: str, default: Optional[str], values: tuple[str, ...] = DEFAULT_PLUGIN_DTYPES, cli: bool = True) -> PluginField:
+def _d(
+    name: str, default: Optional[str], values: tuple[str, ...] = DEFAULT_PLUGIN_DTYPES, cli: bool = True
+) -> PluginField:
     return PluginField(name, "dtype", default, values, cli)
 
 
@@ -128,8 +130,13 @@ BUILD_FLAGS: tuple[BuildFlag, ...] = (
     BuildFlag("opt_num_tokens", "int"),
     BuildFlag("max_encoder_input_len", "int"),
     BuildFlag("max_prompt_embedding_table_size", "int"),
-    BuildFlag("kv_cache_type", "choice", ("continuous", "paged", "disabled"), True,
-              f"{BUILD_PY} enum_type(KVCacheType) + {KV_CACHE_TYPE_H}"),
+    BuildFlag(
+        "kv_cache_type",
+        "choice",
+        ("continuous", "paged", "disabled"),
+        True,
+        f"{BUILD_PY} enum_type(KVCacheType) + {KV_CACHE_TYPE_H}",
+    ),
     BuildFlag("input_timing_cache", "str"),
     BuildFlag("output_timing_cache", "str"),
     BuildFlag("profiling_verbosity", "choice", ("layer_names_only", "detailed", "none")),
@@ -137,8 +144,11 @@ BUILD_FLAGS: tuple[BuildFlag, ...] = (
     BuildFlag("logits_dtype", "choice", ("float16", "float32")),
     BuildFlag("lora_ckpt_source", "choice", ("hf", "nemo")),
     BuildFlag("max_lora_rank", "int"),
-    BuildFlag("speculative_decoding_mode", "choice",
-              ("draft_tokens_external", "lookahead_decoding", "medusa", "explicit_draft_tokens", "eagle")),
+    BuildFlag(
+        "speculative_decoding_mode",
+        "choice",
+        ("draft_tokens_external", "lookahead_decoding", "medusa", "explicit_draft_tokens", "eagle"),
+    ),
     BuildFlag("max_draft_len", "int"),
 )
 BUILD_FLAG_BY_NAME = {f.name: f for f in BUILD_FLAGS}
@@ -161,17 +171,32 @@ LORA_CONFIG: tuple[tuple[str, Any, str], ...] = (
 # other one the builder sets ``paged_kv_cache`` from kv_cache_type and forces ``paged_state`` to False.
 PAGED_STATE_ARCHITECTURES = (("MambaForCausalLM", "RecurrentGemmaForCausalLM"), BUILDER_PY)
 # PluginConfig.validate: plugins rejected on one exact SM version (``sm in unsupported_plugins``).
-VALIDATE_REJECTS_BY_SM: tuple[dict[int, tuple[str, ...]], str] = ({
-    100: ("gemm_swiglu_plugin", "fp8_rowwise_gemm_plugin", "low_latency_gemm_plugin",
-          "low_latency_gemm_swiglu_plugin", "bert_context_fmha_fp32_acc"),
-}, PLUGIN_PY)
+VALIDATE_REJECTS_BY_SM: tuple[dict[int, tuple[str, ...]], str] = (
+    {
+        100: (
+            "gemm_swiglu_plugin",
+            "fp8_rowwise_gemm_plugin",
+            "low_latency_gemm_plugin",
+            "low_latency_gemm_swiglu_plugin",
+            "bert_context_fmha_fp32_acc",
+        ),
+    },
+    PLUGIN_PY,
+)
 # builder.build: weight-only INT8/INT4, INT8 KV, SmoothQuant and per-channel/per-token scaling raise on these SMs.
 BLACKWELL_DC_SM_RANGE = ((100, 120), BUILDER_PY)
 # builder.build: quantization whose QuantMode has fp8 rowwise -> set_fp8_rowwise_quant_plugins(model dtype).
 FP8_ROWWISE_ALGOS = (("FP8_PER_CHANNEL_PER_TOKEN",), BUILDER_PY)
-FP8_ROWWISE_SETS = ((("fp8_rowwise_gemm_plugin", "dtype"), ("rmsnorm_quantization_plugin", "dtype"),
-                     ("layernorm_quantization_plugin", "dtype"), ("quantize_per_token_plugin", True),
-                     ("quantize_tensor_plugin", True)), PLUGIN_PY)
+FP8_ROWWISE_SETS = (
+    (
+        ("fp8_rowwise_gemm_plugin", "dtype"),
+        ("rmsnorm_quantization_plugin", "dtype"),
+        ("layernorm_quantization_plugin", "dtype"),
+        ("quantize_per_token_plugin", True),
+        ("quantize_tensor_plugin", True),
+    ),
+    PLUGIN_PY,
+)
 # builder.build: NVFP4 sets gemm_plugin "nvfp4" unless the command line said --gemm_plugin disable.
 NVFP4_GEMM = (("NVFP4", "nvfp4"), f"{BUILDER_PY} + {PLUGIN_PY} PluginConfig.from_arguments")
 # The FP4 GEMM's minimum SM (Fp4GemmPlugin::init) is the scheme table's tensor_cores column
@@ -179,8 +204,10 @@ NVFP4_GEMM = (("NVFP4", "nvfp4"), f"{BUILDER_PY} + {PLUGIN_PY} PluginConfig.from
 # CutlassFpAIntBGemmRunner (the group-wise INT4 GEMM of W4A16 AWQ / GPTQ and W4A8 AWQ linears) throws at run time
 # unless group_size is 64 or 128, and 128 with FP8 activations: quant_algo -> group sizes it runs, the scheme table's
 # engine group_sizes (trtpipe.formats.schemes, where the messages and the source are quoted).
-FINEGRAINED_GROUP_SIZES = ({s.quant_algo: s.group_sizes["engine"] for s in SCHEMES if "engine" in s.group_sizes},
-                           FINEGRAINED_SOURCE)
+FINEGRAINED_GROUP_SIZES = (
+    {s.quant_algo: s.group_sizes["engine"] for s in SCHEMES if "engine" in s.group_sizes},
+    FINEGRAINED_SOURCE,
+)
 # builder.optimize_model_with_config: a (low-latency) GEMM+SwiGLU plugin needs use_fused_mlp.
 SWIGLU_PLUGINS_NEED_FUSED_MLP = (("gemm_swiglu_plugin", "low_latency_gemm_swiglu_plugin"), BUILDER_PY)
 

@@ -46,60 +46,118 @@ CT_VERSION = "0.20.0"  # the compressed-tensors release whose format this writes
 _GROUP_OF = {m: g for g, (members, _) in LINEAR_GROUPS.items() for m in members}
 
 
-def _args(num_bits: int, typ: str, strategy: str, dynamic: bool = False, group_size: Optional[int] = None,
-          observer: Optional[str] = None) -> dict:
-    a = {"actorder": None, "block_structure": None, "dynamic": dynamic, "group_size": group_size,
-         "num_bits": num_bits, "observer": observer, "observer_kwargs": {}, "strategy": strategy,
-         "symmetric": True, "type": typ}
+def _args(
+    num_bits: int,
+    typ: str,
+    strategy: str,
+    dynamic: bool = False,
+    group_size: Optional[int] = None,
+    observer: Optional[str] = None,
+) -> dict:
+    a = {
+        "actorder": None,
+        "block_structure": None,
+        "dynamic": dynamic,
+        "group_size": group_size,
+        "num_bits": num_bits,
+        "observer": observer,
+        "observer_kwargs": {},
+        "strategy": strategy,
+        "symmetric": True,
+        "type": typ,
+    }
     return a
 
 
 # recipe algo -> (format, weights args, input_activations args, needs calibration)
 SCHEMES: dict[str, tuple] = {
-    "fp8": ("float-quantized", lambda g: _args(8, "float", "tensor", observer="minmax"),
-            lambda g: _args(8, "float", "tensor", observer="static_minmax"), True),
-    "fp8_pc_pt": ("float-quantized", lambda g: _args(8, "float", "channel", observer="minmax"),
-                  lambda g: _args(8, "float", "token", dynamic=True), False),
-    "int4_wo": ("pack-quantized", lambda g: _args(4, "int", "group", group_size=g, observer="minmax"),
-                lambda g: None, False),
+    "fp8": (
+        "float-quantized",
+        lambda g: _args(8, "float", "tensor", observer="minmax"),
+        lambda g: _args(8, "float", "tensor", observer="static_minmax"),
+        True,
+    ),
+    "fp8_pc_pt": (
+        "float-quantized",
+        lambda g: _args(8, "float", "channel", observer="minmax"),
+        lambda g: _args(8, "float", "token", dynamic=True),
+        False,
+    ),
+    "int4_wo": (
+        "pack-quantized",
+        lambda g: _args(4, "int", "group", group_size=g, observer="minmax"),
+        lambda g: None,
+        False,
+    ),
 }
 
 
-def _ct_linear(algo: str, w: torch.Tensor, act_amax: Optional[torch.Tensor], group_size: int,
-               dt: torch.dtype) -> dict[str, torch.Tensor]:
+def _ct_linear(
+    algo: str, w: torch.Tensor, act_amax: Optional[torch.Tensor], group_size: int, dt: torch.dtype
+) -> dict[str, torch.Tensor]:
     """One Linear's stored tensors; scales rounded to the model dtype first, codes computed with them."""
     if algo == "fp8":
         ws = choose_qparams(observe_amax(w, "tensor"), "fp8").to(dt)
-        return {"weight": quantize(w, ws.float(), "fp8", "tensor"), "weight_scale": ws,
-                "input_scale": choose_qparams(act_amax.amax().reshape(1), "fp8").to(dt)}
+        return {
+            "weight": quantize(w, ws.float(), "fp8", "tensor"),
+            "weight_scale": ws,
+            "input_scale": choose_qparams(act_amax.amax().reshape(1), "fp8").to(dt),
+        }
     if algo == "fp8_pc_pt":
         ws = choose_qparams(observe_amax(w, "channel"), "fp8").to(dt)
         return {"weight": quantize(w, ws.float(), "fp8", "channel"), "weight_scale": ws.reshape(-1, 1)}
     ws = choose_qparams(observe_amax(w, group_size), "int4").to(dt)
     q = quantize(w, ws.float(), "int4", group_size)
-    return {"weight_packed": pack_int4_to_int32(q), "weight_scale": ws,
-            "weight_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
+    return {
+        "weight_packed": pack_int4_to_int32(q),
+        "weight_scale": ws,
+        "weight_shape": torch.tensor(list(w.shape), dtype=torch.int64),
+    }
 
 
 def quantization_config(algo: str, group_size: int, ignore: list[str]) -> dict:
     fmt, wargs, aargs, _ = SCHEMES[algo]
     return {
-        "config_groups": {"group_0": {"format": fmt, "input_activations": aargs(group_size),
-                                      "output_activations": None, "targets": ["Linear"],
-                                      "weights": wargs(group_size)}},
-        "format": fmt, "global_compression_ratio": None, "ignore": list(ignore), "kv_cache_scheme": None,
-        "quant_method": "compressed-tensors", "quantization_status": "compressed", "sparsity_config": {},
-        "transform_config": {}, "version": CT_VERSION,
+        "config_groups": {
+            "group_0": {
+                "format": fmt,
+                "input_activations": aargs(group_size),
+                "output_activations": None,
+                "targets": ["Linear"],
+                "weights": wargs(group_size),
+            }
+        },
+        "format": fmt,
+        "global_compression_ratio": None,
+        "ignore": list(ignore),
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": CT_VERSION,
     }
 
 
-def export_compressed(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], out_dir: Path, *, algo: str,
-                      kv_cache: str, group_size: int, alpha: float, exclude: list[str],
-                      max_shard_bytes: int = 10 * 10**9, progress: Optional[Callable[[str], None]] = None) -> dict:
+def export_compressed(
+    ckpt_dir: Path,
+    hf_dir: Path,
+    stats_dir: Optional[Path],
+    out_dir: Path,
+    *,
+    algo: str,
+    kv_cache: str,
+    group_size: int,
+    alpha: float,
+    exclude: list[str],
+    max_shard_bytes: int = 10 * 10**9,
+    progress: Optional[Callable[[str], None]] = None,
+) -> dict:
     """Write the compressed-tensors checkpoint into ``out_dir``; return its ``quantization_config``."""
     if algo not in SCHEMES:
-        raise QuantizationError(f"quantization.algo: {algo} has no compressed-tensors scheme "
-                                f"(supported: {', '.join(SCHEMES)})")
+        raise QuantizationError(
+            f"quantization.algo: {algo} has no compressed-tensors scheme (supported: {', '.join(SCHEMES)})"
+        )
     if kv_cache != "none":
         log.warning("compressed-tensors export: no KV-cache scales are written (vLLM: --kv-cache-dtype fp8)")
     needs_stats = SCHEMES[algo][3]
@@ -123,12 +181,15 @@ def export_compressed(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], o
                 if rel.endswith(".weight") and linear in LINEARS and not excluded(linear):
                     amax = stats.groups[_GROUP_OF[linear]].amax if stats is not None else None
                     if algo == "int4_wo" and t.shape[1] % group_size:
-                        raise QuantizationError(f"{linear}: in_features {t.shape[1]} is not a multiple of group_size "
-                                                f"{group_size} (add '*{linear}' to quantization.exclude)")
+                        raise QuantizationError(
+                            f"{linear}: in_features {t.shape[1]} is not a multiple of group_size "
+                            f"{group_size} (add '*{linear}' to quantization.exclude)"
+                        )
                     for hf_name, w in pieces:
                         module = hf_name.rsplit(".", 1)[0]
-                        out.update({f"{module}.{k}": v for k, v in
-                                    _ct_linear(algo, w.float(), amax, group_size, dt).items()})
+                        out.update(
+                            {f"{module}.{k}": v for k, v in _ct_linear(algo, w.float(), amax, group_size, dt).items()}
+                        )
                     continue
                 if rel.endswith(".weight") and linear in LINEARS:
                     ignore += [n.rsplit(".", 1)[0] for n, _ in pieces]

@@ -67,8 +67,14 @@ class HFFormat:
 
     @classmethod
     def of(cls, s: Scheme) -> "HFFormat":
-        return cls(s.quant_algo, s.recipe if "engine" in s.targets else None, s.groupwise,
-                   s.recipe in OWN_WEIGHT_SCALE, s.hf_config_groups, s.block)
+        return cls(
+            s.quant_algo,
+            s.recipe if "engine" in s.targets else None,
+            s.groupwise,
+            s.recipe in OWN_WEIGHT_SCALE,
+            s.hf_config_groups,
+            s.block,
+        )
 
 
 # the scheme table's rows the llmapi target writes
@@ -83,8 +89,10 @@ KV_SCHEME = {"FP8": FP8_TENSOR}
 def hf_quant_config(algo: str, kv_cache: str, group_size: int, exclude_modules: list[str], producer: dict) -> dict:
     """hf_quant_config.json: the nested form every TRT-LLM release reads (key order as ModelOpt writes it)."""
     f = HF_FORMATS.get(algo)
-    q: dict = {"quant_algo": f.quant_algo if f else None,
-               "kv_cache_quant_algo": HF_KV[kv_cache] if kv_cache != "none" else None}
+    q: dict = {
+        "quant_algo": f.quant_algo if f else None,
+        "kv_cache_quant_algo": HF_KV[kv_cache] if kv_cache != "none" else None,
+    }
     if f is not None and f.group_keys:
         q.update(group_size=group_size, has_zero_point=False, pre_quant_scale=True)
     elif f is not None and f.group_size:

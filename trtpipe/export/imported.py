@@ -55,9 +55,15 @@ def pass_through(fmt: ImportedFormat, src: Path, out: Path) -> dict:
     _copy_extras(src, out)
     hq_path = out / HF_QUANT_CONFIG
     if fmt.family == "modelopt" and not hq_path.exists():  # the 1.0-era loader reads only the nested file
-        hq = {"producer": {"name": "modelopt"}, "quantization": {
-            "quant_algo": fmt.quant_algo, "kv_cache_quant_algo": fmt.kv_cache,
-            **({"group_size": fmt.group_size} if fmt.group_size else {}), "exclude_modules": list(fmt.exclude)}}
+        hq = {
+            "producer": {"name": "modelopt"},
+            "quantization": {
+                "quant_algo": fmt.quant_algo,
+                "kv_cache_quant_algo": fmt.kv_cache,
+                **({"group_size": fmt.group_size} if fmt.group_size else {}),
+                "exclude_modules": list(fmt.exclude),
+            },
+        }
         hq_path.write_text(json.dumps(hq, indent=4) + "\n")
     return json.loads(hq_path.read_text()) if hq_path.exists() else {"quantization": {"quant_algo": fmt.quant_algo}}
 
@@ -68,9 +74,15 @@ def relayout(fmt: ImportedFormat, src: Path, out: Path) -> dict:
     canonical = CANONICAL[fmt.family]
     model_dtype = MODEL_DTYPES[plan.dtype] if plan.dtype in MODEL_DTYPES else torch.bfloat16
     # HF projection (relative to the layer prefix) -> (out, in), from the family's rules
-    projections = {h[: -len(".weight")]: (d[s[0]], d[s[1]]) for r in plan.family.layer_rules if r.when(info)
-                   and r.trt.endswith(".weight") and r.trt[: -len(".weight")] in LINEARS
-                   and r.combine in ("one", "cat") for h, s in zip(r.hf, r.shapes)}
+    projections = {
+        h[: -len(".weight")]: (d[s[0]], d[s[1]])
+        for r in plan.family.layer_rules
+        if r.when(info)
+        and r.trt.endswith(".weight")
+        and r.trt[: -len(".weight")] in LINEARS
+        and r.combine in ("one", "cat")
+        for h, s in zip(r.hf, r.shapes)
+    }
     kv_names = KV_NAMES.get(fmt.family, ())
     with HFReader(src, check_finite=False) as reader, ShardParts(out, 10 * 10**9) as parts:
         index = module_index(reader.keys())
@@ -111,13 +123,22 @@ def relayout(fmt: ImportedFormat, src: Path, out: Path) -> dict:
         parts.add("globals", rest)
     globals_excluded = {k.rsplit(".", 1)[0] for k in rest if k.endswith(".weight") and "norm" not in k}
     exclude = sorted(excluded | globals_excluded)  # names, not patterns (``re:`` has no meaning downstream)
-    hq = {"producer": producer(), "quantization": {
-        "quant_algo": fmt.quant_algo, "kv_cache_quant_algo": fmt.kv_cache,
-        **({"group_size": fmt.group_size, "has_zero_point": False, "pre_quant_scale": True}
-           if fmt.quant_algo in ("W4A16_AWQ", "W4A8_AWQ") else {}),
-        "exclude_modules": exclude}}
-    (out / "config.json").write_text(json.dumps(hf_config(src, plan.dtype, inline_quantization_config(hq)), indent=2)
-                                     + "\n")
+    hq = {
+        "producer": producer(),
+        "quantization": {
+            "quant_algo": fmt.quant_algo,
+            "kv_cache_quant_algo": fmt.kv_cache,
+            **(
+                {"group_size": fmt.group_size, "has_zero_point": False, "pre_quant_scale": True}
+                if fmt.quant_algo in ("W4A16_AWQ", "W4A8_AWQ")
+                else {}
+            ),
+            "exclude_modules": exclude,
+        },
+    }
+    (out / "config.json").write_text(
+        json.dumps(hf_config(src, plan.dtype, inline_quantization_config(hq)), indent=2) + "\n"
+    )
     (out / HF_QUANT_CONFIG).write_text(json.dumps(hq, indent=4) + "\n")
     _copy_extras(src, out)
     return hq

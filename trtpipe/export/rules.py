@@ -26,16 +26,21 @@ from trtpipe.recipe.schema import Recipe
 
 # recipe algo -> why the llmapi target cannot take it, and what to use instead
 LLMAPI_REFUSED_ALGOS = {
-    "int8_sq": ("INT8 SmoothQuant (W8A8_SQ_PER_CHANNEL) cannot be loaded by TensorRT-LLM's PyTorch backend "
-                "(it has no linear method for it)",
-                "use fp8 or fp8_pc_pt (Ada/Hopper/Blackwell), w4a8_awq or int4_awq, or target: engine "
-                "(TensorRT-LLM <= 1.2)"),
+    "int8_sq": (
+        "INT8 SmoothQuant (W8A8_SQ_PER_CHANNEL) cannot be loaded by TensorRT-LLM's PyTorch backend "
+        "(it has no linear method for it)",
+        "use fp8 or fp8_pc_pt (Ada/Hopper/Blackwell), w4a8_awq or int4_awq, or target: engine (TensorRT-LLM <= 1.2)",
+    ),
 }
 LLMAPI_KV = " or ".join(k.kv_cache_quant_algo for k in KV_SCHEMES if k.llmapi)
 LLMAPI_REFUSED_KV = {
-    k.recipe: (f"an {k.kv_cache_quant_algo} KV cache is rejected by TensorRT-LLM's PyTorch backend for pre-quantized "
-               f"checkpoints (only {LLMAPI_KV})", "use kv_cache: fp8, or target: engine (TensorRT-LLM <= 1.2)")
-    for k in KV_SCHEMES if k.recipe and not k.llmapi
+    k.recipe: (
+        f"an {k.kv_cache_quant_algo} KV cache is rejected by TensorRT-LLM's PyTorch backend for pre-quantized "
+        f"checkpoints (only {LLMAPI_KV})",
+        "use kv_cache: fp8, or target: engine (TensorRT-LLM <= 1.2)",
+    )
+    for k in KV_SCHEMES
+    if k.recipe and not k.llmapi
 }
 # the algos whose experts this export writes (the scheme table's moe column), in its advice order
 MOE_WRITTEN = MOE_EXPORT_ALGOS[1:]
@@ -54,8 +59,13 @@ def _llmapi_target(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
     q = recipe.quantization
     if recipe.target != "llmapi":
         if q.algo in LLMAPI_ONLY_ALGOS:
-            yield "quantization.algo", (f"{q.algo} is written only for target: llmapi (the engine path's "
-                                        "checkpoint writer has no layout for it); set target: llmapi or use fp8")
+            yield (
+                "quantization.algo",
+                (
+                    f"{q.algo} is written only for target: llmapi (the engine path's "
+                    "checkpoint writer has no layout for it); set target: llmapi or use fp8"
+                ),
+            )
         return
     if q.algo in LLMAPI_REFUSED_ALGOS:
         why, alternatives = LLMAPI_REFUSED_ALGOS[q.algo]
@@ -73,12 +83,22 @@ def _llmapi_target(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
 
         for name, (_, in_f) in linear_dims(m).items():
             if in_f % block and not any(fnmatch.fnmatchcase(f"transformer.layers.0.{name}", p) for p in q.exclude):
-                yield "quantization.algo", (f"{q.algo}: {name} has in_features {in_f}, not a multiple of {block} "
-                                            f"({BY_RECIPE[q.algo].quant_algo} blocks); add '*{name}' to "
-                                            "quantization.exclude")
+                yield (
+                    "quantization.algo",
+                    (
+                        f"{q.algo}: {name} has in_features {in_f}, not a multiple of {block} "
+                        f"({BY_RECIPE[q.algo].quant_algo} blocks); add '*{name}' to "
+                        "quantization.exclude"
+                    ),
+                )
     if recipe.llmapi.compressed_tensors and q.algo not in COMPRESSED_TENSORS_ALGOS:
-        yield "llmapi.compressed_tensors", (f"no compressed-tensors scheme for quantization.algo {q.algo}; "
-                                            f"supported: {', '.join(COMPRESSED_TENSORS_ALGOS)}")
+        yield (
+            "llmapi.compressed_tensors",
+            (
+                f"no compressed-tensors scheme for quantization.algo {q.algo}; "
+                f"supported: {', '.join(COMPRESSED_TENSORS_ALGOS)}"
+            ),
+        )
 
 
 def _moe_experts(recipe: Recipe, m: ModelDims) -> Iterable[Finding]:
@@ -88,30 +108,52 @@ def _moe_experts(recipe: Recipe, m: ModelDims) -> Iterable[Finding]:
     q = recipe.quantization
     if q.algo in MOE_REFUSED_ALGOS:
         why, alternatives = MOE_REFUSED_ALGOS[q.algo]
-        yield "quantization.algo", f"{q.algo} is refused for mixture-of-experts models on target llmapi: {why}; " \
-                                   f"{alternatives}"
+        yield (
+            "quantization.algo",
+            f"{q.algo} is refused for mixture-of-experts models on target llmapi: {why}; {alternatives}",
+        )
         return
     if q.algo not in MOE_EXPORT_ALGOS:
-        yield "quantization.algo", (f"{q.algo}: the llmapi export writes mixture-of-experts experts unquantized, in "
-                                    f"{', '.join(MOE_WRITTEN[:-1])} or {MOE_WRITTEN[-1]} (supported: "
-                                    f"{', '.join(MOE_EXPORT_ALGOS)}); use one of them")
+        yield (
+            "quantization.algo",
+            (
+                f"{q.algo}: the llmapi export writes mixture-of-experts experts unquantized, in "
+                f"{', '.join(MOE_WRITTEN[:-1])} or {MOE_WRITTEN[-1]} (supported: "
+                f"{', '.join(MOE_EXPORT_ALGOS)}); use one of them"
+            ),
+        )
         return
     if q.algo != "w4a8_awq":
         return
     k = MOE_W4A8_K
     if q.group_size != k:
-        yield "quantization.group_size", (f"w4a8_awq mixture-of-experts experts are loaded by TensorRT-LLM in groups "
-                                          f"of {k} only (got {q.group_size}); set group_size: {k}")
+        yield (
+            "quantization.group_size",
+            (
+                f"w4a8_awq mixture-of-experts experts are loaded by TensorRT-LLM in groups "
+                f"of {k} only (got {q.group_size}); set group_size: {k}"
+            ),
+        )
     if m.hidden_size % k:
-        yield "model.source", (f"w4a8_awq: hidden_size {m.hidden_size} is not a multiple of {k} (K of the experts' "
-                               f"gate/up GEMM in TensorRT-LLM's fused W4A8 MoE); use {NOT_W4A8}")
+        yield (
+            "model.source",
+            (
+                f"w4a8_awq: hidden_size {m.hidden_size} is not a multiple of {k} (K of the experts' "
+                f"gate/up GEMM in TensorRT-LLM's fused W4A8 MoE); use {NOT_W4A8}"
+            ),
+        )
     moe_tp = resolve_moe_sizes(recipe.parallel.tp, recipe.parallel.moe_ep, recipe.parallel.moe_tp)[1]
     width = m.expert_intermediate_size // moe_tp
     if width % k:
         key = "parallel.moe_tp" if moe_tp > 1 else "model.source"
-        yield key, (f"w4a8_awq: the expert width {m.expert_intermediate_size} is {width} per moe_tp rank "
-                    f"(moe_tp={moe_tp}), not a multiple of {k} (K of the experts' down GEMM in TensorRT-LLM's fused "
-                    f"W4A8 MoE); use a smaller moe_tp (more moe_ep), or {NOT_W4A8}")
+        yield (
+            key,
+            (
+                f"w4a8_awq: the expert width {m.expert_intermediate_size} is {width} per moe_tp rank "
+                f"(moe_tp={moe_tp}), not a multiple of {k} (K of the experts' down GEMM in TensorRT-LLM's fused "
+                f"W4A8 MoE); use a smaller moe_tp (more moe_ep), or {NOT_W4A8}"
+            ),
+        )
 
 
 # recipe algo -> compressed-tensors scheme written (the scheme table's compressed column; trtpipe.export.compressed)

@@ -22,13 +22,25 @@ from safetensors.torch import save_file
 from trtpipe.checkpoint.convert import TOKENIZER_FILES
 from trtpipe.checkpoint.hf_names import HFNames
 from trtpipe.checkpoint.quant_layouts import ALGOS, LINEAR_GROUPS, LINEARS
-from trtpipe.formats.primitives import (NVFP4_BLOCK, choose_qparams, nvfp4_quantize, observe_amax, pack_int4_rows,
-                                        quantize)
+from trtpipe.formats.primitives import (
+    NVFP4_BLOCK,
+    choose_qparams,
+    nvfp4_quantize,
+    observe_amax,
+    pack_int4_rows,
+    quantize,
+)
 from trtpipe.checkpoint.writer import RankFile
 from trtpipe.errors import QuantizationError
 from trtpipe.formats.schemes import needs_calibration_data
-from trtpipe.export.formats import (HF_FORMATS, MOE_EXPORT_ALGOS, SCALARS, SUFFIX, hf_quant_config,
-                                    inline_quantization_config)
+from trtpipe.export.formats import (
+    HF_FORMATS,
+    MOE_EXPORT_ALGOS,
+    SCALARS,
+    SUFFIX,
+    hf_quant_config,
+    inline_quantization_config,
+)
 from trtpipe.models.dims import read_hf_config
 from trtpipe.models.hfconfig import nested_rope
 from trtpipe.quant.calibrate import load_layer_stats
@@ -40,8 +52,10 @@ INDEX = "model.safetensors.index.json"
 # the RMSNorm in front of each fused group, where AWQ's pre-quant scale folds (TRT-LLM names). In a model with
 # inter_layernorms (Gemma) post_layernorm normalizes the attention output and pre_feedforward_layernorm is the one
 # in front of the MLP: the first name a layer has is the one.
-NORM_BEFORE = {"attention.qkv": ("input_layernorm.weight",),
-               "mlp.fc+gate": ("pre_feedforward_layernorm.weight", "post_layernorm.weight")}
+NORM_BEFORE = {
+    "attention.qkv": ("input_layernorm.weight",),
+    "mlp.fc+gate": ("pre_feedforward_layernorm.weight", "post_layernorm.weight"),
+}
 ROW_KEYS = ("weight", "weights_scaling_factor")  # indexed by output row: split with q/k/v
 _GROUP_OF = {m: g for g, (members, _) in LINEAR_GROUPS.items() for m in members}
 
@@ -56,8 +70,9 @@ def producer() -> dict:
     return {"name": "trtpipe", "version": v}
 
 
-def _hf_linear(fmt_algo: str, p: dict[str, torch.Tensor], fold: bool, group_size: int, model_dtype: torch.dtype,
-               own_scale: bool) -> dict[str, torch.Tensor]:
+def _hf_linear(
+    fmt_algo: str, p: dict[str, torch.Tensor], fold: bool, group_size: int, model_dtype: torch.dtype, own_scale: bool
+) -> dict[str, torch.Tensor]:
     """One HF projection's stored tensors from its (row-split) float parameters."""
     algo = ALGOS[HF_FORMATS[fmt_algo].base]
     w = p["weight"]
@@ -86,8 +101,12 @@ def _nvfp4(w: torch.Tensor, wsf2: torch.Tensor, input_scale: torch.Tensor) -> di
     """NVFP4: E2M1 codes packed two per byte along the input (low nibble = even column), FP8 block scales, F32
     second-level scale wsf2 = amax/(6*448) (shared by fused members) and input_scale = amax(x)/(6*448)."""
     packed, bs = nvfp4_quantize(w, wsf2)
-    return {"weight": packed, "weight_scale": bs, "weight_scale_2": wsf2.float().reshape(()),
-            "input_scale": input_scale.float().reshape(())}
+    return {
+        "weight": packed,
+        "weight_scale": bs,
+        "weight_scale_2": wsf2.float().reshape(()),
+        "input_scale": input_scale.float().reshape(()),
+    }
 
 
 def _nvfp4_params(weights: dict, stats, excluded) -> dict:
@@ -100,8 +119,10 @@ def _nvfp4_params(weights: dict, stats, excluded) -> dict:
         ws = [weights[m].float() for m in members]
         for m, w in zip(members, ws):
             if w.shape[-1] % NVFP4_BLOCK:
-                raise QuantizationError(f"{m}: in_features {w.shape[-1]} is not a multiple of 16 (NVFP4 blocks); "
-                                        f"add '*{m}' to quantization.exclude")
+                raise QuantizationError(
+                    f"{m}: in_features {w.shape[-1]} is not a multiple of 16 (NVFP4 blocks); "
+                    f"add '*{m}' to quantization.exclude"
+                )
         wsf2 = torch.stack([w.abs().amax() for w in ws]).amax() / (6.0 * 448.0)
         in_scale = stats.groups[group].amax.amax() / (6.0 * 448.0)
         for m, w in zip(members, ws):
@@ -115,14 +136,27 @@ def _fp8_rowwise(w: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"weight": quantize(w, ws, "fp8", "channel").contiguous(), "weight_scale": ws}
 
 
-def layer_tensors(names: HFNames, tensors: dict[str, torch.Tensor], i: int, algo: str, stats, group_size: int,
-                  alpha: float, exclude: list[str], model_dtype: str, kv_cache: str) -> tuple[dict, list[str]]:
+def layer_tensors(
+    names: HFNames,
+    tensors: dict[str, torch.Tensor],
+    i: int,
+    algo: str,
+    stats,
+    group_size: int,
+    alpha: float,
+    exclude: list[str],
+    model_dtype: str,
+    kv_cache: str,
+) -> tuple[dict, list[str]]:
     """HF tensors of decoder layer ``i`` and the HF modules left unquantized (for exclude_modules)."""
     dt = TORCH_DTYPES[model_dtype]
     fmt = HF_FORMATS.get(algo)
     excluded = excluded_fn(exclude, i)
-    weights = {m: tensors[f"{m}.weight"] for m in LINEARS if f"{m}.weight" in tensors
-               and f"{m}.weight" not in names.experts and f"{m}.weight" not in names.fused}
+    weights = {
+        m: tensors[f"{m}.weight"]
+        for m in LINEARS
+        if f"{m}.weight" in tensors and f"{m}.weight" not in names.experts and f"{m}.weight" not in names.fused
+    }
     if fmt is None:
         params = {}
     elif algo == "nvfp4":
@@ -137,7 +171,7 @@ def layer_tensors(names: HFNames, tensors: dict[str, torch.Tensor], i: int, algo
         pqs = params.get(member, {}).get("prequant_scaling_factor")
         norm = next((n for n in candidates if n in tensors), candidates[-1])
         if pqs is not None:
-            tensors[norm] = (tensors[norm].float() * pqs.float())
+            tensors[norm] = tensors[norm].float() * pqs.float()
     out: dict[str, torch.Tensor] = {}
     unquantized: list[str] = []
     for rel, t in tensors.items():
@@ -152,8 +186,14 @@ def layer_tensors(names: HFNames, tensors: dict[str, torch.Tensor], i: int, algo
             p = params[linear]
             fold = _GROUP_OF[linear] in NORM_BEFORE
             rows = [n for _, n in names.layer[rel]]
-            pieces = {k: (v.split(rows, dim=0) if k in ROW_KEYS and v.dim() >= 1 and v.shape[0] == t.shape[0]
-                          else [v] * len(rows)) for k, v in p.items()}
+            pieces = {
+                k: (
+                    v.split(rows, dim=0)
+                    if k in ROW_KEYS and v.dim() >= 1 and v.shape[0] == t.shape[0]
+                    else [v] * len(rows)
+                )
+                for k, v in p.items()
+            }
             for j, (hf_name, _) in enumerate(names.split(rel, t, i)):
                 module = hf_name.rsplit(".", 1)[0]
                 pj = {k: v[j] for k, v in pieces.items()}
@@ -179,8 +219,9 @@ def layer_tensors(names: HFNames, tensors: dict[str, torch.Tensor], i: int, algo
     return out, unquantized
 
 
-def _expert_tensors(names: HFNames, rel: str, t: torch.Tensor, i: int, algo: str, stats, group_size: int,
-                    dt: torch.dtype) -> dict[str, torch.Tensor]:
+def _expert_tensors(
+    names: HFNames, rel: str, t: torch.Tensor, i: int, algo: str, stats, group_size: int, dt: torch.dtype
+) -> dict[str, torch.Tensor]:
     """One MoE linear's experts as ModelOpt writes them: every expert's projections quantized on their own.
 
     Every expert's input scale is static, from the max |x| of the tokens calibration routed to that expert
@@ -194,20 +235,24 @@ def _expert_tensors(names: HFNames, rel: str, t: torch.Tensor, i: int, algo: str
     the experts, which is the same number when every expert saw a token.
     """
     if algo not in MOE_EXPORT_ALGOS:
-        raise QuantizationError(f"layer {i} {rel}: quantization.algo {algo} is not exported for MoE experts "
-                                f"(supported: {', '.join(MOE_EXPORT_ALGOS)})")
+        raise QuantizationError(
+            f"layer {i} {rel}: quantization.algo {algo} is not exported for MoE experts "
+            f"(supported: {', '.join(MOE_EXPORT_ALGOS)})"
+        )
     amax = stats.groups[_GROUP_OF[rel.rsplit(".", 1)[0]]].expert_input_amax()  # [E]
     pieces = names.split(rel, t, i)
     per_expert = len(pieces) // t.shape[0]
     out: dict[str, torch.Tensor] = {}
     if algo == "nvfp4":
         for e in range(t.shape[0]):
-            mine = [(n, w.float()) for n, w in pieces[e * per_expert:(e + 1) * per_expert]]
+            mine = [(n, w.float()) for n, w in pieces[e * per_expert : (e + 1) * per_expert]]
             wsf2 = torch.stack([w.abs().amax() for _, w in mine]).amax() / (6.0 * 448.0)
             for hf_name, w in mine:
                 if w.shape[-1] % NVFP4_BLOCK:
-                    raise QuantizationError(f"{hf_name}: in_features {w.shape[-1]} is not a multiple of 16 (NVFP4 "
-                                            f"blocks); add '*{rel.rsplit('.', 1)[0]}' to quantization.exclude")
+                    raise QuantizationError(
+                        f"{hf_name}: in_features {w.shape[-1]} is not a multiple of 16 (NVFP4 "
+                        f"blocks); add '*{rel.rsplit('.', 1)[0]}' to quantization.exclude"
+                    )
                 stored = _nvfp4(w, wsf2, amax[e] / (6.0 * 448.0))
                 out.update({f"{hf_name.rsplit('.', 1)[0]}.{s}": v for s, v in stored.items()})
         return out
@@ -215,10 +260,13 @@ def _expert_tensors(names: HFNames, rel: str, t: torch.Tensor, i: int, algo: str
         return _expert_w4a8_tensors(names, rel, t, stats, group_size, dt, [n for n, _ in pieces])
     for k, (hf_name, w) in enumerate(pieces):
         w = w.float()
-        mine = pieces[k // per_expert * per_expert:(k // per_expert + 1) * per_expert]  # up and gate share it
+        mine = pieces[k // per_expert * per_expert : (k // per_expert + 1) * per_expert]  # up and gate share it
         ws = choose_qparams(torch.stack([observe_amax(v.float(), "tensor").reshape(()) for _, v in mine]).amax(), "fp8")
-        p = {"weight": w, "weights_scaling_factor": ws.reshape(1),
-             "activation_scaling_factor": choose_qparams(amax[k // per_expert].reshape(1), "fp8")}
+        p = {
+            "weight": w,
+            "weights_scaling_factor": ws.reshape(1),
+            "activation_scaling_factor": choose_qparams(amax[k // per_expert].reshape(1), "fp8"),
+        }
         stored = _hf_linear(algo, p, False, group_size, dt, own_scale=False)
         out.update({f"{hf_name.rsplit('.', 1)[0]}.{s}": v for s, v in stored.items()})
     return out
@@ -228,8 +276,9 @@ def _expert_tensors(names: HFNames, rel: str, t: torch.Tensor, i: int, algo: str
 PER_EXPERT = ("weights_scaling_factor_2", "activation_scaling_factor")
 
 
-def _expert_w4a8_tensors(names: HFNames, rel: str, t: torch.Tensor, stats, group_size: int, dt: torch.dtype,
-                         hf_names: list[str]) -> dict[str, torch.Tensor]:
+def _expert_w4a8_tensors(
+    names: HFNames, rel: str, t: torch.Tensor, stats, group_size: int, dt: torch.dtype, hf_names: list[str]
+) -> dict[str, torch.Tensor]:
     """W4A8_AWQ experts, each projection a W4A8 AWQ linear of its own, as ModelOpt 0.47 writes a dense one (packed
     int4 ``weight`` [out/2, in] U8, full per-group ``weight_scale`` [out, in/g] F32, ``weight_scale_2`` F32 [] =
     amax(W / pqs) / 448, ``input_scale`` F32 [] = amax(x * pqs) / 448, ``pre_quant_scale`` [in] in the model dtype,
@@ -245,10 +294,11 @@ def _expert_w4a8_tensors(names: HFNames, rel: str, t: torch.Tensor, stats, group
     p = layer_params(ALGOS["w4a8_awq"], {linear: t}, stats, group_size, 0.0, lambda m: False, model_dtype)[linear]
     sizes = [n for _, n in names.layer[rel]]
     pqs = p["prequant_scaling_factor"]  # the layer's, every expert's
-    pieces = ({"weight": w, "weights_scaling_factor": s, "prequant_scaling_factor": pqs,
-               **{k: p[k][e] for k in PER_EXPERT}}
-              for e in range(t.shape[0])
-              for w, s in zip(p["weight"][e].split(sizes), p["weights_scaling_factor"][e].split(sizes)))
+    pieces = (
+        {"weight": w, "weights_scaling_factor": s, "prequant_scaling_factor": pqs, **{k: p[k][e] for k in PER_EXPERT}}
+        for e in range(t.shape[0])
+        for w, s in zip(p["weight"][e].split(sizes), p["weights_scaling_factor"][e].split(sizes))
+    )
     out: dict[str, torch.Tensor] = {}
     for hf_name, q in zip(hf_names, pieces):
         stored = _hf_linear("w4a8_awq", q, False, group_size, dt, own_scale=False)
@@ -262,8 +312,9 @@ def global_tensors(source: TrtllmSource, names: HFNames, dt: torch.dtype) -> dic
     out = {names.globals["transformer.vocab_embedding.weight"]: source.embedding().to(dt)}
     last = a.pp - 1
     ranks = source.ranks(last, ("transformer.ln_f.", "lm_head."))
-    ln_f = names.to_hf("transformer.ln_f.weight", ranks[0]["transformer.ln_f.weight"],
-                       names.globals["transformer.ln_f.weight"])
+    ln_f = names.to_hf(
+        "transformer.ln_f.weight", ranks[0]["transformer.ln_f.weight"], names.globals["transformer.ln_f.weight"]
+    )
     out[names.globals["transformer.ln_f.weight"]] = ln_f.to(dt)
     if "lm_head.weight" in names.globals:
         head = torch.cat([r["lm_head.weight"] for r in ranks], dim=0) if a.tp > 1 else ranks[0]["lm_head.weight"]
@@ -307,9 +358,20 @@ def hf_config(hf_dir: Path, model_dtype: str, quantization_config: Optional[dict
     return cfg
 
 
-def export_unified(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], out_dir: Path, *, algo: str,
-                   kv_cache: str, group_size: int, alpha: float, exclude: list[str],
-                   max_shard_bytes: int = 10 * 10**9, progress: Optional[Callable[[str], None]] = None) -> dict:
+def export_unified(
+    ckpt_dir: Path,
+    hf_dir: Path,
+    stats_dir: Optional[Path],
+    out_dir: Path,
+    *,
+    algo: str,
+    kv_cache: str,
+    group_size: int,
+    alpha: float,
+    exclude: list[str],
+    max_shard_bytes: int = 10 * 10**9,
+    progress: Optional[Callable[[str], None]] = None,
+) -> dict:
     """Write the unified HF checkpoint of ``ckpt_dir`` (unquantized TRT-LLM checkpoint, any tp/pp) into ``out_dir``.
 
     Args:
@@ -323,11 +385,14 @@ def export_unified(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], out_
     source = TrtllmSource(ckpt_dir)
     names = HFNames(hf_dir)
     if names.info.is_moe and algo not in MOE_EXPORT_ALGOS:
-        raise QuantizationError(f"{hf_dir}: quantization.algo {algo} is not exported for mixture-of-experts models "
-                                f"(supported: {', '.join(MOE_EXPORT_ALGOS)})")
+        raise QuantizationError(
+            f"{hf_dir}: quantization.algo {algo} is not exported for mixture-of-experts models "
+            f"(supported: {', '.join(MOE_EXPORT_ALGOS)})"
+        )
     if algo != "none" and algo not in HF_FORMATS:
-        raise QuantizationError(f"quantization.algo: {algo} has no unified HF format (supported: "
-                                f"{', '.join(HF_FORMATS)})")
+        raise QuantizationError(
+            f"quantization.algo: {algo} has no unified HF format (supported: {', '.join(HF_FORMATS)})"
+        )
     needs_stats = needs_calibration_data(algo, kv_cache)
     if needs_stats and stats_dir is None:
         raise QuantizationError(f"quantization.algo={algo} kv_cache={kv_cache} needs calibration statistics")
@@ -341,16 +406,18 @@ def export_unified(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], out_
             if progress:
                 progress(f"({i + 1}/{source.args.num_layers}) Exporting")
             stats = load_layer_stats(stats_dir, i) if needs_stats else None
-            out, unq = layer_tensors(names, source.layer(i), i, algo, stats, group_size, alpha, exclude,
-                                     model_dtype, kv_cache)
+            out, unq = layer_tensors(
+                names, source.layer(i), i, algo, stats, group_size, alpha, exclude, model_dtype, kv_cache
+            )
             unquantized += unq
             quantized_modules += sorted({k.rsplit(".", 1)[0] for k in out if k.endswith(".weight_scale")})
             parts.add(f"layer{i}", out)
             del out
     quantized = algo != "none" or kv_cache != "none"
     embedding = names.globals["transformer.vocab_embedding.weight"].rsplit(".", 1)[0]
-    exclude_modules = sorted(["lm_head"] + ([embedding] if names.embedding_excluded else [])
-                             + (unquantized if algo != "none" else []))
+    exclude_modules = sorted(
+        ["lm_head"] + ([embedding] if names.embedding_excluded else []) + (unquantized if algo != "none" else [])
+    )
     hq = hf_quant_config(algo, kv_cache, group_size, exclude_modules, producer())
     shipped = names.shipped_quantization
     inline = inline_quantization_config(hq) if quantized else None
@@ -359,11 +426,16 @@ def export_unified(ckpt_dir: Path, hf_dir: Path, stats_dir: Optional[Path], out_
         # modules the recipe quantized, hf_quant_config.json (which TensorRT-LLM prefers) holds one entry per module
         inline = shipped
         if quantized:
-            hq = mixed_precision(hq, quantized_modules, [f"{names.prefix.format(i)}mlp.experts"
-                                                         for i in range(source.args.num_layers)])
-            (out_dir / QUANT_CFG).write_text(json.dumps({k: hq["quantization"][k] for k in
-                                                         ("quant_algo", "kv_cache_quant_algo", "quantized_layers")},
-                                                        indent=4) + "\n")
+            hq = mixed_precision(
+                hq, quantized_modules, [f"{names.prefix.format(i)}mlp.experts" for i in range(source.args.num_layers)]
+            )
+            (out_dir / QUANT_CFG).write_text(
+                json.dumps(
+                    {k: hq["quantization"][k] for k in ("quant_algo", "kv_cache_quant_algo", "quantized_layers")},
+                    indent=4,
+                )
+                + "\n"
+            )
     (out_dir / "config.json").write_text(json.dumps(hf_config(hf_dir, model_dtype, inline), indent=2) + "\n")
     if quantized:
         (out_dir / HF_QUANT_CONFIG).write_text(json.dumps(hq, indent=4) + "\n")
@@ -389,9 +461,15 @@ def mixed_precision(hq: dict, quantized: list[str], mxfp4_experts: list[str]) ->
     layers = {m: {"quant_algo": algo} for m in quantized} if algo else {}
     layers.update({m: dict(MXFP4_EXPERTS) for m in mxfp4_experts})
     exclude = q.pop("exclude_modules")
-    return {"producer": hq["producer"], "quantization": {"quant_algo": "MIXED_PRECISION", **q,
-                                                         "quantized_layers": dict(sorted(layers.items())),
-                                                         "exclude_modules": exclude}}
+    return {
+        "producer": hq["producer"],
+        "quantization": {
+            "quant_algo": "MIXED_PRECISION",
+            **q,
+            "quantized_layers": dict(sorted(layers.items())),
+            "exclude_modules": exclude,
+        },
+    }
 
 
 class ShardParts:
@@ -462,5 +540,6 @@ def assemble_shards(parts: list[Path], out_dir: Path, max_shard_bytes: int) -> N
         weight_map.update({k: fname for k, *_ in shard})
     if n > 1:
         total = sum(e[3] for e in entries)
-        (out_dir / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                indent=2) + "\n")
+        (out_dir / INDEX).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+        )

@@ -97,15 +97,18 @@ def _need(t: dict, key: str, what: str, fmt: str) -> torch.Tensor:
 
 def _shape(t: torch.Tensor, key: str, want: tuple, what: str, fmt: str, dtype: Optional[torch.dtype] = None) -> None:
     if tuple(t.shape) != tuple(want) or (dtype is not None and t.dtype != dtype):
-        raise CheckpointError(f"tensor '{what}.{key}' is {t.dtype} {list(t.shape)}, {fmt} stores "
-                              f"{list(want)}" + (f" {dtype}" if dtype is not None else ""))
+        raise CheckpointError(
+            f"tensor '{what}.{key}' is {t.dtype} {list(t.shape)}, {fmt} stores "
+            f"{list(want)}" + (f" {dtype}" if dtype is not None else "")
+        )
 
 
 def _groups(in_f: int, n_groups: int, key: str, what: str, fmt: str) -> int:
     """The group size ``in_f / n_groups``, which must divide ``in_f``."""
     if n_groups < 1 or in_f % n_groups:
-        raise CheckpointError(f"tensor '{what}.{key}' has {n_groups} groups, which do not divide in_features {in_f} "
-                              f"({fmt})")
+        raise CheckpointError(
+            f"tensor '{what}.{key}' has {n_groups} groups, which do not divide in_features {in_f} ({fmt})"
+        )
     return in_f // n_groups
 
 
@@ -118,12 +121,15 @@ def gptq(t: dict, what: str, v1: bool, group_size: Optional[int] = None) -> torc
         raise CheckpointError(f"tensor '{what}.qweight' is {qw.dtype} {list(qw.shape)}, {fmt} stores int32 [in/8, out]")
     in_f, out_f = qw.shape[0] * NIBBLES, qw.shape[1]
     if s.dim() != 2 or s.shape[1] != out_f:
-        raise CheckpointError(f"tensor '{what}.scales' has shape {list(s.shape)}, {fmt} of qweight "
-                              f"{list(qw.shape)} stores [in/g, {out_f}]")
+        raise CheckpointError(
+            f"tensor '{what}.scales' has shape {list(s.shape)}, {fmt} of qweight "
+            f"{list(qw.shape)} stores [in/g, {out_f}]"
+        )
     g = _groups(in_f, s.shape[0], "scales", what, fmt)
     if group_size is not None and group_size > 0 and g != group_size:
-        raise CheckpointError(f"tensor '{what}.scales' has shape {list(s.shape)}: group size {g}, the config says "
-                              f"{group_size} ({fmt})")
+        raise CheckpointError(
+            f"tensor '{what}.scales' has shape {list(s.shape)}: group size {g}, the config says {group_size} ({fmt})"
+        )
     if out_f % NIBBLES:
         raise CheckpointError(f"tensor '{what}.qzeros': {out_f} output columns do not pack into int32 words ({fmt})")
     _shape(qz, "qzeros", (s.shape[0], out_f // NIBBLES), what, fmt, torch.int32)
@@ -150,19 +156,23 @@ def awq_gemm(t: dict, what: str, group_size: int) -> torch.Tensor:
         raise CheckpointError(f"tensor '{what}.qweight' is {qw.dtype} {list(qw.shape)}, {fmt} stores int32 [in, out/8]")
     in_f, out_f = qw.shape[0], qw.shape[1] * NIBBLES
     if s.dim() != 2 or s.shape[1] != out_f:
-        raise CheckpointError(f"tensor '{what}.scales' has shape {list(s.shape)}, {fmt} of qweight "
-                              f"{list(qw.shape)} stores [in/g, {out_f}]")
+        raise CheckpointError(
+            f"tensor '{what}.scales' has shape {list(s.shape)}, {fmt} of qweight "
+            f"{list(qw.shape)} stores [in/g, {out_f}]"
+        )
     g = _groups(in_f, s.shape[0], "scales", what, fmt)
     if g != group_size:
-        raise CheckpointError(f"tensor '{what}.scales' has shape {list(s.shape)}: group size {g}, the config says "
-                              f"{group_size} ({fmt})")
+        raise CheckpointError(
+            f"tensor '{what}.scales' has shape {list(s.shape)}: group size {g}, the config says {group_size} ({fmt})"
+        )
     _shape(qz, "qzeros", (s.shape[0], out_f // NIBBLES), what, fmt, torch.int32)
     q, z = unpack_awq_words(qw).float(), unpack_awq_words(qz).float().repeat_interleave(g, dim=0)
     return ((q - z) * s.float().repeat_interleave(g, dim=0)).t().contiguous()
 
 
-def pack_quantized(t: dict, what: str, out_f: int, in_f: int, group_size: Optional[int],
-                   symmetric: bool) -> torch.Tensor:
+def pack_quantized(
+    t: dict, what: str, out_f: int, in_f: int, group_size: Optional[int], symmetric: bool
+) -> torch.Tensor:
     """compressed-tensors ``pack-quantized`` 4-bit ``weight_packed`` / ``weight_scale`` (/ ``weight_zero_point``)
     -> float32 ``[out, in]``; ``group_size`` None: one scale per output row."""
     fmt = "compressed-tensors pack-quantized 4-bit"
@@ -171,13 +181,15 @@ def pack_quantized(t: dict, what: str, out_f: int, in_f: int, group_size: Option
     _shape(wp, "weight_packed", (out_f, words), what, fmt, torch.int32)
     if group_size is None:
         if s.numel() != out_f:
-            raise CheckpointError(f"tensor '{what}.weight_scale' has shape {list(s.shape)}, {fmt} per channel stores "
-                                  f"[{out_f}, 1]")
+            raise CheckpointError(
+                f"tensor '{what}.weight_scale' has shape {list(s.shape)}, {fmt} per channel stores [{out_f}, 1]"
+            )
         s, g = s.reshape(out_f, 1), in_f
     else:
         if in_f % group_size:
-            raise CheckpointError(f"tensor '{what}.weight_packed': group size {group_size} does not divide "
-                                  f"in_features {in_f} ({fmt})")
+            raise CheckpointError(
+                f"tensor '{what}.weight_packed': group size {group_size} does not divide in_features {in_f} ({fmt})"
+            )
         _shape(s, "weight_scale", (out_f, in_f // group_size), what, fmt)
         g = group_size
     q = (unpack_int32(wp, 1)[:, :in_f] - 8).float()
@@ -200,8 +212,9 @@ def int8_channel(t: dict, what: str, out_f: int, in_f: int) -> torch.Tensor:
     w, s = _need(t, "weight", what, fmt), _need(t, "weight_scale", what, fmt)
     _shape(w, "weight", (out_f, in_f), what, fmt, torch.int8)
     if s.numel() != out_f:
-        raise CheckpointError(f"tensor '{what}.weight_scale' has shape {list(s.shape)}, {fmt} per channel stores "
-                              f"[{out_f}, 1]")
+        raise CheckpointError(
+            f"tensor '{what}.weight_scale' has shape {list(s.shape)}, {fmt} per channel stores [{out_f}, 1]"
+        )
     return w.float() * s.float().reshape(out_f, 1)
 
 
@@ -210,8 +223,9 @@ def fp8_block(t: dict, what: str, block: tuple[int, int], scale_key: str = "weig
     fmt = f"FP8 block {block[0]}x{block[1]}"
     w, s = _need(t, "weight", what, fmt), _need(t, scale_key, what, fmt)
     if w.dtype != torch.float8_e4m3fn or w.dim() != 2:
-        raise CheckpointError(f"tensor '{what}.weight' is {w.dtype} {list(w.shape)}, {fmt} stores float8_e4m3fn "
-                              "[out, in]")
+        raise CheckpointError(
+            f"tensor '{what}.weight' is {w.dtype} {list(w.shape)}, {fmt} stores float8_e4m3fn [out, in]"
+        )
     out_f, in_f = w.shape
     _shape(s, scale_key, (-(-out_f // block[0]), -(-in_f // block[1])), what, fmt)
     full = s.float().repeat_interleave(block[0], dim=0)[:out_f].repeat_interleave(block[1], dim=1)[:, :in_f]
@@ -223,9 +237,9 @@ def fp8_rowwise(t: dict, what: str) -> torch.Tensor:
     fmt = "fbgemm FP8 rowwise"
     w, s = _need(t, "weight", what, fmt), _need(t, "weight_scale", what, fmt)
     if w.dtype != torch.float8_e4m3fn or w.dim() != 2:
-        raise CheckpointError(f"tensor '{what}.weight' is {w.dtype} {list(w.shape)}, {fmt} stores float8_e4m3fn "
-                              "[out, in]")
+        raise CheckpointError(
+            f"tensor '{what}.weight' is {w.dtype} {list(w.shape)}, {fmt} stores float8_e4m3fn [out, in]"
+        )
     if s.numel() != w.shape[0]:
-        raise CheckpointError(f"tensor '{what}.weight_scale' has shape {list(s.shape)}, {fmt} stores "
-                              f"[{w.shape[0]}, 1]")
+        raise CheckpointError(f"tensor '{what}.weight_scale' has shape {list(s.shape)}, {fmt} stores [{w.shape[0]}, 1]")
     return w.float() * s.float().reshape(-1, 1)

@@ -35,8 +35,10 @@ def check_shapes(blocks: torch.Tensor, scales: torch.Tensor, what: str = "mxfp4"
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"{what}: blocks and scales must be uint8 (got {blocks.dtype}, {scales.dtype})")
     if blocks.dim() < 2 or blocks.shape[-1] != GROUP // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
-        raise ValueError(f"{what}: blocks {list(blocks.shape)} and scales {list(scales.shape)} do not form "
-                         f"[..., G, {GROUP // 2}] and [..., G]")
+        raise ValueError(
+            f"{what}: blocks {list(blocks.shape)} and scales {list(scales.shape)} do not form "
+            f"[..., G, {GROUP // 2}] and [..., G]"
+        )
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -60,7 +62,7 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"mxfp4: last axis {w.shape[-1]} is not a multiple of {GROUP}")
     groups = w.double().unflatten(-1, (w.shape[-1] // GROUP, GROUP))  # [..., G, 32]
     amax = groups.abs().amax(-1)
-    exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(2.0 ** -126))) - 2, torch.zeros_like(amax))
+    exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(2.0**-126))) - 2, torch.zeros_like(amax))
     exp = exp.clamp(-E8M0_BIAS, E8M0_BIAS)
     scaled = groups / torch.pow(2.0, exp).unsqueeze(-1)
     mags = torch.tensor(E2M1, dtype=torch.float64)

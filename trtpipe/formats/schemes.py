@@ -38,8 +38,10 @@ from typing import Mapping, Optional
 
 TARGETS = ("engine", "llmapi")
 GROUP_SIZES = (32, 64, 128, 256)  # the recipe's group_size choices
-FINEGRAINED_SOURCE = ("NVIDIA/TensorRT-LLM@567239fc cpp/tensorrt_llm/kernels/cutlass_kernels/fpA_intB_gemm/"
-                      "fpA_intB_gemm_template.h generic_mixed_gemm_kernelLauncher")
+FINEGRAINED_SOURCE = (
+    "NVIDIA/TensorRT-LLM@567239fc cpp/tensorrt_llm/kernels/cutlass_kernels/fpA_intB_gemm/"
+    "fpA_intB_gemm_template.h generic_mixed_gemm_kernelLauncher"
+)
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,9 @@ class TensorCores:
 
 TENSOR_CORES: dict[str, TensorCores] = {
     "FP8": TensorCores("FP8", 89),
-    "FP4": TensorCores("FP4", 100, ", Blackwell",
-                       " (the FP4 GEMM plugin and the PyTorch backend's FP4 GEMMs refuse it)"),
+    "FP4": TensorCores(
+        "FP4", 100, ", Blackwell", " (the FP4 GEMM plugin and the PyTorch backend's FP4 GEMMs refuse it)"
+    ),
 }
 
 FP8_TENSOR = {"dynamic": False, "num_bits": 8, "type": "float"}
@@ -125,53 +128,144 @@ class Scheme:
 
 
 ENGINE_LLMAPI = ("engine", "llmapi")
-NO_SQ_EXPERTS = ("TensorRT-LLM 1.2's MoE layer has no SmoothQuant experts (FP8, weight-only, group-wise INT4 and NVFP4 "
-                 "only, NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py)")
-INT4_MOE_LLMAPI = ("TensorRT-LLM's fused MoE loads int4 per-group experts only as W4A8 (FP8 activations, "
-                   "Ada/Hopper), which needs each expert's input_scale and weight_scale_2")
+NO_SQ_EXPERTS = (
+    "TensorRT-LLM 1.2's MoE layer has no SmoothQuant experts (FP8, weight-only, group-wise INT4 and NVFP4 "
+    "only, NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py)"
+)
+INT4_MOE_LLMAPI = (
+    "TensorRT-LLM's fused MoE loads int4 per-group experts only as W4A8 (FP8 activations, "
+    "Ada/Hopper), which needs each expert's input_scale and weight_scale_2"
+)
 
 SCHEMES: tuple[Scheme, ...] = (
-    Scheme("FP8", "fp8", ENGINE_LLMAPI, "tensor", needs_data=True, tensor_cores="FP8", fp8_context_fmha=True,
-           moe=ENGINE_LLMAPI, perf="fp8", peak="tflops_fp8", compressed="FP8", advise=1,
-           hf_config_groups={"group_0": {"input_activations": FP8_TENSOR, "weights": FP8_TENSOR,
-                                         "targets": ["Linear"]}}),
-    Scheme("FP8_PER_CHANNEL_PER_TOKEN", "fp8_pc_pt", ("llmapi",), tensor_cores="FP8",
-           blackwell_dc="per-channel/per-token",
-           moe_why={"engine": "TensorRT-LLM 1.2's MoE layer refuses FP8 rowwise experts ('MOE Does not support FP8 "
-                              "rowwise quantize', NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py)"},
-           perf="fp8", peak="tflops_fp8", compressed="FP8_DYNAMIC"),
-    Scheme("W8A8_SQ_PER_CHANNEL", "int8_sq", ("engine",), needs_data=True, blackwell_dc="SmoothQuant",
-           moe_why={"engine": NO_SQ_EXPERTS},
-           perf="int8_sq", peak="tops_int8"),
-    Scheme("W8A16", "int8_wo", ENGINE_LLMAPI, blackwell_dc="weight-only",
-           moe_why={"engine": "trtpipe has no engine writer for INT8 weight-only experts (TensorRT-LLM 1.2's MoE "
-                              "plugin takes them preprocessed per GPU as [E, in, out] with an [E, out] "
-                              "per_channel_scale, NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py "
-                              "MOEWeightWrapper)"},
-           perf="w8a16", peak="tflops_16"),
-    Scheme("W4A16_AWQ", "int4_wo", ENGINE_LLMAPI, "group", weight_bytes=0.5, groupwise=True,
-           group_sizes={"engine": (64, 128)},
-           blackwell_dc="weight-only", moe=("engine",), moe_why={"llmapi": INT4_MOE_LLMAPI}, perf="w4a16",
-           peak="tflops_16", compressed="W4A16"),
-    Scheme("W4A16_AWQ", "int4_awq", ENGINE_LLMAPI, "group", needs_data=True, weight_bytes=0.5, groupwise=True,
-           group_sizes={"engine": (64, 128)}, blackwell_dc="weight-only", moe=("engine",),
-           moe_why={"llmapi": INT4_MOE_LLMAPI}, perf="w4a16", peak="tflops_16", advise=3),
-    Scheme("W4A8_AWQ", "w4a8_awq", ENGINE_LLMAPI, "group", needs_data=True, weight_bytes=0.5, groupwise=True,
-           group_sizes={"engine": (128,)}, tensor_cores="FP8", fp8_context_fmha=True, moe=("llmapi",),
-           moe_why={"engine": "TensorRT-LLM 1.2's MoE layer takes W4A8 experts' group scales interleaved with a "
-                              "per-expert alpha, which its checkpoint preprocessing (preprocess_perlayer_weights) "
-                              "does not produce from per-linear W4A8 tensors, NVIDIA/TensorRT-LLM@c388fec7 "
-                              "tensorrt_llm/layers/moe.py MOEWeightWrapper"},
-           perf="w4a8", peak="tflops_fp8", advise=4),
-    Scheme("NVFP4", "nvfp4", ("llmapi",), "group", needs_data=True, weight_bytes=0.5 + 1 / 16, block=16,
-           tensor_cores="FP4",
-           fp8_context_fmha=True, moe=("llmapi",), perf="fp4", peak="tflops_fp4", advise=2,
-           moe_why={"engine": "trtpipe has no engine writer for NVFP4 experts (TensorRT-LLM's MoE layer reads them "
-                              "stacked [E, out, in/2] with per-expert block scales, their interleaved copy and an [E] "
-                              "alpha, tensorrt_llm/layers/moe.py MOEWeightWrapper, revision not pinned to 1.2); use "
-                              "target: llmapi"},
-           hf_config_groups={"group_0": {"input_activations": FP4_BLOCK, "weights": FP4_BLOCK,
-                                         "targets": ["Linear"]}}),
+    Scheme(
+        "FP8",
+        "fp8",
+        ENGINE_LLMAPI,
+        "tensor",
+        needs_data=True,
+        tensor_cores="FP8",
+        fp8_context_fmha=True,
+        moe=ENGINE_LLMAPI,
+        perf="fp8",
+        peak="tflops_fp8",
+        compressed="FP8",
+        advise=1,
+        hf_config_groups={"group_0": {"input_activations": FP8_TENSOR, "weights": FP8_TENSOR, "targets": ["Linear"]}},
+    ),
+    Scheme(
+        "FP8_PER_CHANNEL_PER_TOKEN",
+        "fp8_pc_pt",
+        ("llmapi",),
+        tensor_cores="FP8",
+        blackwell_dc="per-channel/per-token",
+        moe_why={
+            "engine": "TensorRT-LLM 1.2's MoE layer refuses FP8 rowwise experts ('MOE Does not support FP8 "
+            "rowwise quantize', NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py)"
+        },
+        perf="fp8",
+        peak="tflops_fp8",
+        compressed="FP8_DYNAMIC",
+    ),
+    Scheme(
+        "W8A8_SQ_PER_CHANNEL",
+        "int8_sq",
+        ("engine",),
+        needs_data=True,
+        blackwell_dc="SmoothQuant",
+        moe_why={"engine": NO_SQ_EXPERTS},
+        perf="int8_sq",
+        peak="tops_int8",
+    ),
+    Scheme(
+        "W8A16",
+        "int8_wo",
+        ENGINE_LLMAPI,
+        blackwell_dc="weight-only",
+        moe_why={
+            "engine": "trtpipe has no engine writer for INT8 weight-only experts (TensorRT-LLM 1.2's MoE "
+            "plugin takes them preprocessed per GPU as [E, in, out] with an [E, out] "
+            "per_channel_scale, NVIDIA/TensorRT-LLM@c388fec7 tensorrt_llm/layers/moe.py "
+            "MOEWeightWrapper)"
+        },
+        perf="w8a16",
+        peak="tflops_16",
+    ),
+    Scheme(
+        "W4A16_AWQ",
+        "int4_wo",
+        ENGINE_LLMAPI,
+        "group",
+        weight_bytes=0.5,
+        groupwise=True,
+        group_sizes={"engine": (64, 128)},
+        blackwell_dc="weight-only",
+        moe=("engine",),
+        moe_why={"llmapi": INT4_MOE_LLMAPI},
+        perf="w4a16",
+        peak="tflops_16",
+        compressed="W4A16",
+    ),
+    Scheme(
+        "W4A16_AWQ",
+        "int4_awq",
+        ENGINE_LLMAPI,
+        "group",
+        needs_data=True,
+        weight_bytes=0.5,
+        groupwise=True,
+        group_sizes={"engine": (64, 128)},
+        blackwell_dc="weight-only",
+        moe=("engine",),
+        moe_why={"llmapi": INT4_MOE_LLMAPI},
+        perf="w4a16",
+        peak="tflops_16",
+        advise=3,
+    ),
+    Scheme(
+        "W4A8_AWQ",
+        "w4a8_awq",
+        ENGINE_LLMAPI,
+        "group",
+        needs_data=True,
+        weight_bytes=0.5,
+        groupwise=True,
+        group_sizes={"engine": (128,)},
+        tensor_cores="FP8",
+        fp8_context_fmha=True,
+        moe=("llmapi",),
+        moe_why={
+            "engine": "TensorRT-LLM 1.2's MoE layer takes W4A8 experts' group scales interleaved with a "
+            "per-expert alpha, which its checkpoint preprocessing (preprocess_perlayer_weights) "
+            "does not produce from per-linear W4A8 tensors, NVIDIA/TensorRT-LLM@c388fec7 "
+            "tensorrt_llm/layers/moe.py MOEWeightWrapper"
+        },
+        perf="w4a8",
+        peak="tflops_fp8",
+        advise=4,
+    ),
+    Scheme(
+        "NVFP4",
+        "nvfp4",
+        ("llmapi",),
+        "group",
+        needs_data=True,
+        weight_bytes=0.5 + 1 / 16,
+        block=16,
+        tensor_cores="FP4",
+        fp8_context_fmha=True,
+        moe=("llmapi",),
+        perf="fp4",
+        peak="tflops_fp4",
+        advise=2,
+        moe_why={
+            "engine": "trtpipe has no engine writer for NVFP4 experts (TensorRT-LLM's MoE layer reads them "
+            "stacked [E, out, in/2] with per-expert block scales, their interleaved copy and an [E] "
+            "alpha, tensorrt_llm/layers/moe.py MOEWeightWrapper, revision not pinned to 1.2); use "
+            "target: llmapi"
+        },
+        hf_config_groups={"group_0": {"input_activations": FP4_BLOCK, "weights": FP4_BLOCK, "targets": ["Linear"]}},
+    ),
     # met only in pre-quantized sources and the builder's rules
     Scheme("FP8_BLOCK_SCALES", scale="group", tensor_cores="FP8"),
     Scheme("W8A16_GPTQ", scale="group", groupwise=True, blackwell_dc="weight-only"),
@@ -180,8 +274,14 @@ SCHEMES: tuple[Scheme, ...] = (
     Scheme("W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN", blackwell_dc="SmoothQuant"),
     Scheme("W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN", blackwell_dc="SmoothQuant"),
     Scheme("W4A16", weight_bytes=0.5, blackwell_dc="weight-only"),
-    Scheme("W4A16_GPTQ", scale="group", weight_bytes=0.5, groupwise=True, group_sizes={"engine": (64, 128)},
-           blackwell_dc="weight-only"),
+    Scheme(
+        "W4A16_GPTQ",
+        scale="group",
+        weight_bytes=0.5,
+        groupwise=True,
+        group_sizes={"engine": (64, 128)},
+        blackwell_dc="weight-only",
+    ),
     # E2M1 pairs + one E8M0 byte per 32 (gpt-oss experts as shipped)
     Scheme("W4A16_MXFP4", scale="group", weight_bytes=0.5 + 1 / 32, block=32),
 )
@@ -221,8 +321,10 @@ def tensor_core_rejection(sm: int, quant_algo: Optional[str]) -> Optional[str]:
     if s is None or sm >= s.min_sm:
         return None
     tc = TENSOR_CORES[s.tensor_cores]
-    return (f"{quant_algo} needs {tc.name} tensor cores (SM >= {tc.min_sm // 10}.{tc.min_sm % 10}{tc.note}); "
-            f"the target is SM {sm // 10}.{sm % 10}{tc.why}")
+    return (
+        f"{quant_algo} needs {tc.name} tensor cores (SM >= {tc.min_sm // 10}.{tc.min_sm % 10}{tc.note}); "
+        f"the target is SM {sm // 10}.{sm % 10}{tc.why}"
+    )
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,13 @@ from trtpipe.models.hfconfig import layer_types_of, rope_of, text_config
 
 # model_type -> {the name trtpipe reads: the name this model type's config.json uses}
 KEY_ALIASES: dict[str, dict[str, str]] = {
-    "gptj": {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
-             "intermediate_size": "n_inner", "max_position_embeddings": "n_positions"},
+    "gptj": {
+        "hidden_size": "n_embd",
+        "num_hidden_layers": "n_layer",
+        "num_attention_heads": "n_head",
+        "intermediate_size": "n_inner",
+        "max_position_embeddings": "n_positions",
+    },
     "falcon": {"num_key_value_heads": "num_kv_heads"},
     "deepseek_v3": {"num_local_experts": "n_routed_experts"},
     "qwen3_moe": {"interleave_moe_layer_step": "decoder_sparse_step"},
@@ -34,9 +39,11 @@ KEY_ALIASES: dict[str, dict[str, str]] = {
 TYPE_DEFAULTS: dict[str, Callable[[dict], dict]] = {
     "gptj": lambda c: {"n_inner": 4 * c["n_embd"]} if c.get("n_embd") else {},  # GPTJMLP: n_inner or 4 * n_embd
     # FalconConfig: multi-query (one KV head) unless new_decoder_architecture; embeddings tied; MLP 4 x hidden
-    "falcon": lambda c: {"num_kv_heads": c.get("num_attention_heads") if c.get("new_decoder_architecture") else 1,
-                         "tie_word_embeddings": True,
-                         **({"intermediate_size": 4 * c["hidden_size"]} if c.get("hidden_size") else {})},
+    "falcon": lambda c: {
+        "num_kv_heads": c.get("num_attention_heads") if c.get("new_decoder_architecture") else 1,
+        "tie_word_embeddings": True,
+        **({"intermediate_size": 4 * c["hidden_size"]} if c.get("hidden_size") else {}),
+    },
     # Llama4TextConfig: every 4th layer is a no-RoPE (global) one; MoE every interleave_moe_layer_step-th layer
     "llama4_text": lambda c: {"no_rope_layer_interval": 4},
     "gpt_oss": lambda c: {"attention_sinks": True},  # a learned softmax logit per query head
@@ -46,9 +53,15 @@ TYPE_DEFAULTS: dict[str, Callable[[dict], dict]] = {
 
 # A TensorRT-LLM checkpoint config.json key -> the HF key of the same fact (trtllm_config.build_config writes them)
 CHECKPOINT_KEYS = {
-    "head_size": "head_dim", "norm_epsilon": "rms_norm_eps", "rotary_base": "rope_theta",
-    "rotary_scaling": "rope_scaling", "rotary_embedding_dim": "rotary_dim", "rotary_pct": "partial_rotary_factor",
-    "dtype": "torch_dtype", "attn_bias": "attention_bias", "moe_num_experts": "num_local_experts",
+    "head_size": "head_dim",
+    "norm_epsilon": "rms_norm_eps",
+    "rotary_base": "rope_theta",
+    "rotary_scaling": "rope_scaling",
+    "rotary_embedding_dim": "rotary_dim",
+    "rotary_pct": "partial_rotary_factor",
+    "dtype": "torch_dtype",
+    "attn_bias": "attention_bias",
+    "moe_num_experts": "num_local_experts",
     "moe_top_k": "num_experts_per_tok",
 }
 
@@ -123,8 +136,9 @@ class ModelDims:
         return self.is_moe and i >= self.dense_layers and (i + 1) % self.moe_layer_step == 0
 
 
-def parse_hf_config(cfg: dict[str, Any], source: str = "config.json",
-                    required: tuple[str, ...] = ("architectures", "intermediate_size")) -> ModelDims:
+def parse_hf_config(
+    cfg: dict[str, Any], source: str = "config.json", required: tuple[str, ...] = ("architectures", "intermediate_size")
+) -> ModelDims:
     """Turn a loaded HF config dict into :class:`ModelDims`; raise naming the missing key (``required``: keys with
     no default that this reader needs; the performance model reads published configs that omit some)."""
     raw, weight_prefix = text_config(cfg)
@@ -172,8 +186,9 @@ def parse_hf_config(cfg: dict[str, Any], source: str = "config.json",
         raise CheckpointError(f"{source}: key 'layer_types' has {len(layer_types)} entries for {num_layers} layers")
     mla = None
     if get("kv_lora_rank"):
-        mla = MLA(*(whole(k) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                                       "v_head_dim")))
+        mla = MLA(
+            *(whole(k) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+        )
     return ModelDims(
         architecture=archs[0] if archs else ("" if "architectures" not in required else need("architectures")),
         model_type=mt,

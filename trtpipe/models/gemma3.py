@@ -56,7 +56,9 @@ GLOBAL_RULES = (
 
 LAYER_RULES = (
     _norm("input_layernorm.weight", "input_layernorm.weight"),
-    Rule("attention.qkv.weight", tuple(f"{p}.weight" for p in QKV), (("Q", "H"), ("KV", "H"), ("KV", "H")), "qkv", "cat"),
+    Rule(
+        "attention.qkv.weight", tuple(f"{p}.weight" for p in QKV), (("Q", "H"), ("KV", "H"), ("KV", "H")), "qkv", "cat"
+    ),
     _norm("attention.q_layernorm.weight", "self_attn.q_norm.weight", "D"),
     _norm("attention.k_layernorm.weight", "self_attn.k_norm.weight", "D"),
     Rule("attention.dense.weight", ("self_attn.o_proj.weight",), (("H", "Q"),), "row"),
@@ -97,14 +99,22 @@ def gemma3_fields(info: ModelDims) -> dict:
 def gemma3_unsupported(info: ModelDims) -> Iterable[tuple[str, str]]:
     raw = info.raw
     if raw.get("use_bidirectional_attention"):
-        yield ("use_bidirectional_attention", "bidirectional attention (EmbeddingGemma) is not causal decoding; "
-               "TensorRT-LLM's Gemma 3 engine and the reference runtime attend causally only")
+        yield (
+            "use_bidirectional_attention",
+            "bidirectional attention (EmbeddingGemma) is not causal decoding; "
+            "TensorRT-LLM's Gemma 3 engine and the reference runtime attend causally only",
+        )
     if info.attn_logit_softcapping is not None:
-        yield ("attn_logit_softcapping", "attention-logit softcapping (Gemma 2) is not applied by the reference "
-               "runtime's attention; Gemma 3 sets it null")
+        yield (
+            "attn_logit_softcapping",
+            "attention-logit softcapping (Gemma 2) is not applied by the reference "
+            "runtime's attention; Gemma 3 sets it null",
+        )
     if rope_of(raw, "sliding_attention")[1] is not None:
-        yield ("rope_parameters.sliding_attention", "rope scaling on the sliding layers: TensorRT-LLM's "
-               "rope_local_base_freq is an unscaled base")
+        yield (
+            "rope_parameters.sliding_attention",
+            "rope scaling on the sliding layers: TensorRT-LLM's rope_local_base_freq is an unscaled base",
+        )
     kinds = set(info.layer_types) - {"sliding_attention", "full_attention"}
     if kinds:
         yield ("layer_types", f"layer type(s) {sorted(kinds)} (known: sliding_attention, full_attention)")

@@ -39,8 +39,10 @@ from trtpipe.models.llama import ATTENTION_BIAS_RULES, ATTENTION_RULES, GLOBAL_R
 SWIGLU_ALPHA = 1.702  # transformers 5.24 GptOssConfig.swiglu_alpha default; upstream TRT-LLM hard-codes the same
 SWIGLU_LIMIT = 7.0
 EXPERTS = "mlp.experts."
-NO_ENGINE = ("TensorRT-LLM 1.2 has no TensorRT engine for GptOssForCausalLM (not in tensorrt_llm.models.MODEL_MAP; "
-             "only its PyTorch backend runs it)")
+NO_ENGINE = (
+    "TensorRT-LLM 1.2 has no TensorRT engine for GptOssForCausalLM (not in tensorrt_llm.models.MODEL_MAP; "
+    "only its PyTorch backend runs it)"
+)
 
 
 def mxfp4_experts(info: ModelDims) -> bool:
@@ -57,10 +59,22 @@ MOE_RULES = (
     Rule("mlp.router.bias", ("mlp.router.bias",), (("E",),), "replicate", dtype="float32"),
     Rule("mlp.fc.weight", (EXPERTS + "gate_up_proj",), (("E", "H", "2M"),), "moe_fc", "gate_up_t", when=_bf16_experts),
     Rule("mlp.proj.weight", (EXPERTS + "down_proj",), (("E", "M", "H"),), "moe_proj", "transposed", when=_bf16_experts),
-    Rule("mlp.fc.weight", (EXPERTS + "gate_up_proj_blocks", EXPERTS + "gate_up_proj_scales"),
-         (("E", "2M", "H/32", "16"), ("E", "2M", "H/32")), "moe_fc", "mxfp4_gate_up", when=mxfp4_experts),
-    Rule("mlp.proj.weight", (EXPERTS + "down_proj_blocks", EXPERTS + "down_proj_scales"),
-         (("E", "H", "M/32", "16"), ("E", "H", "M/32")), "moe_proj", "mxfp4", when=mxfp4_experts),
+    Rule(
+        "mlp.fc.weight",
+        (EXPERTS + "gate_up_proj_blocks", EXPERTS + "gate_up_proj_scales"),
+        (("E", "2M", "H/32", "16"), ("E", "2M", "H/32")),
+        "moe_fc",
+        "mxfp4_gate_up",
+        when=mxfp4_experts,
+    ),
+    Rule(
+        "mlp.proj.weight",
+        (EXPERTS + "down_proj_blocks", EXPERTS + "down_proj_scales"),
+        (("E", "H", "M/32", "16"), ("E", "H", "M/32")),
+        "moe_proj",
+        "mxfp4",
+        when=mxfp4_experts,
+    ),
     Rule("mlp.fc.bias", (EXPERTS + "gate_up_proj_bias",), (("E", "2M"),), "moe_fc", "gate_up_t"),
     Rule("mlp.proj.bias", (EXPERTS + "down_proj_bias",), (("E", "H"),), "moe_proj"),
 )
@@ -101,8 +115,13 @@ def gpt_oss_unsupported(info: ModelDims) -> Iterable[tuple[str, str]]:
     if "sliding_attention" in info.layer_types and not info.sliding_window:
         yield "sliding_window", "is missing or 0 but layer_types has sliding layers; allowed: a window of >= 1 token"
     if not info.is_moe or info.experts_per_token < 1:
-        yield "num_local_experts", (f"{info.num_experts} experts, top {info.experts_per_token}: gpt-oss is "
-                                    "mixture-of-experts in every layer (>= 2 experts, num_experts_per_tok >= 1)")
+        yield (
+            "num_local_experts",
+            (
+                f"{info.num_experts} experts, top {info.experts_per_token}: gpt-oss is "
+                "mixture-of-experts in every layer (>= 2 experts, num_experts_per_tok >= 1)"
+            ),
+        )
     method = info.quant_method
     if method not in (None, "mxfp4"):
         yield "quantization_config.quant_method", f"'{method}' is not supported for gpt-oss; allowed: mxfp4 or none"

@@ -18,12 +18,26 @@ from typing import Any, Optional
 # Gemma3TextConfig; rope_theta 1e6 for global layers, rope_local_base_freq 1e4 for sliding ones).
 TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma3_text": {
-        "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
-        "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "rope_theta": 1_000_000.0,
-        "rope_local_base_freq": 10_000.0, "attention_bias": False, "query_pre_attn_scalar": 256,
-        "sliding_window": 4096, "sliding_window_pattern": 6, "final_logit_softcapping": None,
-        "attn_logit_softcapping": None, "use_bidirectional_attention": False,
+        "vocab_size": 262_208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131_072,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "attention_bias": False,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False,
     },
 }
 

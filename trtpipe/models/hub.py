@@ -8,7 +8,7 @@ from trtpipe.errors import CheckpointError
 
 
 def parse_hf_uri(uri: str) -> tuple[str, str | None]:
-    body = uri[len("hf://"):]
+    body = uri[len("hf://") :]
     repo, _, revision = body.partition("@")
     if repo.count("/") != 1 or not all(repo.split("/")):
         raise CheckpointError(f"model.source: '{uri}' must look like hf://org/name[@revision]")
@@ -21,7 +21,9 @@ def resolve_hf(uri: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
     except ImportError:  # pragma: no cover - huggingface_hub ships with transformers
-        raise CheckpointError("model.source: hf:// sources need huggingface_hub (pip install huggingface_hub)") from None
+        raise CheckpointError(
+            "model.source: hf:// sources need huggingface_hub (pip install huggingface_hub)"
+        ) from None
     patterns = ["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.tiktoken"]
     try:
         return Path(snapshot_download(repo, revision=revision, allow_patterns=patterns))

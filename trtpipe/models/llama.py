@@ -38,13 +38,17 @@ QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 ATTENTION_RULES = (
     Rule("input_layernorm.weight", ("input_layernorm.weight",), (("H",),), "replicate"),
-    Rule("attention.qkv.weight", tuple(f"{p}.weight" for p in QKV), (("Q", "H"), ("KV", "H"), ("KV", "H")), "qkv", "cat"),
+    Rule(
+        "attention.qkv.weight", tuple(f"{p}.weight" for p in QKV), (("Q", "H"), ("KV", "H"), ("KV", "H")), "qkv", "cat"
+    ),
     Rule("attention.dense.weight", ("self_attn.o_proj.weight",), (("H", "Q"),), "row"),
     Rule("post_layernorm.weight", ("post_attention_layernorm.weight",), (("H",),), "replicate"),
 )
 
 ATTENTION_BIAS_RULES = (
-    Rule("attention.qkv.bias", tuple(f"{p}.bias" for p in QKV), (("Q",), ("KV",), ("KV",)), "qkv", "cat", when=_attn_bias),
+    Rule(
+        "attention.qkv.bias", tuple(f"{p}.bias" for p in QKV), (("Q",), ("KV",), ("KV",)), "qkv", "cat", when=_attn_bias
+    ),
     Rule("attention.dense.bias", ("self_attn.o_proj.bias",), (("H",),), "row", when=_attn_bias),
 )
 

@@ -15,7 +15,9 @@ EXPERT = "block_sparse_moe.experts.{e}."
 
 MOE_RULES = (
     Rule("mlp.router.weight", ("block_sparse_moe.gate.weight",), (("E", "H"),), "replicate", dtype="float32"),
-    Rule("mlp.fc.weight", (EXPERT + "w3.weight", EXPERT + "w1.weight"), (("I", "H"), ("I", "H")), "moe_fc", "experts_cat"),
+    Rule(
+        "mlp.fc.weight", (EXPERT + "w3.weight", EXPERT + "w1.weight"), (("I", "H"), ("I", "H")), "moe_fc", "experts_cat"
+    ),
     Rule("mlp.proj.weight", (EXPERT + "w2.weight",), (("H", "I"),), "moe_proj", "experts"),
 )
 

@@ -33,8 +33,13 @@ EXPERT = "mlp.experts.{e}."
 
 MOE_RULES = (
     Rule("mlp.router.weight", ("mlp.gate.weight",), (("E", "H"),), "replicate", dtype="float32"),
-    Rule("mlp.fc.weight", (EXPERT + "up_proj.weight", EXPERT + "gate_proj.weight"), (("M", "H"), ("M", "H")),
-         "moe_fc", "experts_cat"),
+    Rule(
+        "mlp.fc.weight",
+        (EXPERT + "up_proj.weight", EXPERT + "gate_proj.weight"),
+        (("M", "H"), ("M", "H")),
+        "moe_fc",
+        "experts_cat",
+    ),
     Rule("mlp.proj.weight", (EXPERT + "down_proj.weight",), (("H", "M"),), "moe_proj", "experts"),
 )
 

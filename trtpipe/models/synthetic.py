@@ -19,44 +19,139 @@ from trtpipe.models import REGISTRY
 
 # kind -> (transformers config class name, model class name, config kwargs)
 SPECS: dict[str, tuple[str, str, dict]] = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        vocab_size=250, max_position_embeddings=256, rope_theta=10000.0)),
-    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-        vocab_size=250, max_position_embeddings=512, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=250, max_position_embeddings=256, sliding_window=8)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=250, max_position_embeddings=256, tie_word_embeddings=False)),
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=250,
+            max_position_embeddings=256,
+            rope_theta=10000.0,
+        ),
+    ),
+    "llama3": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            vocab_size=250,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=250,
+            max_position_embeddings=256,
+            sliding_window=8,
+        ),
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=250,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        ),
+    ),
     # Qwen3-4B's ratios shrunk: 32 heads / 8 KV heads -> 8 / 2, head_dim 128 with hidden 2560 (q wider than hidden)
     # -> head_dim 16 with hidden 64 (q width 128), tied embeddings as in 0.6B-4B, rope_theta 1e6, eps 1e-6.
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
-        hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-        head_dim=16, vocab_size=250, max_position_embeddings=256, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True)),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=192,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=250,
+            max_position_embeddings=256,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+    ),
     # Qwen3-30B-A3B's ratios shrunk: 32 heads / 4 KV heads -> 8 / 2, head_dim 128 with hidden 2048 -> 16 with 64
     # (q wider than hidden), 128 experts top-8 -> 8 top-2, expert width 768 (3/8 of hidden) -> 32 (1/2: the smallest
     # that AWQ's group 32 divides); norm_topk_prob true as released; the dense intermediate_size no layer uses.
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        hidden_size=64, intermediate_size=192, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-        vocab_size=250, max_position_embeddings=256, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=False)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=192,
+            moe_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            vocab_size=250,
+            max_position_embeddings=256,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+    ),
     # gemma-3-27b's ratios shrunk: 62 layers -> 6 (the 5:1 sliding/global pattern once: layer 5 global), 32 heads /
     # 16 KV heads -> 4 / 2, head_dim 128 with hidden 5376 (heads*head_dim 4096 narrower than hidden) -> 12 with 64
     # (48), query_pre_attn_scalar = hidden/heads (168) -> 16 (not head_dim), window 1024 -> 5 (shorter than the
     # tests' 12-token prompts), linear rope factor 8 on global layers, rope_local_base_freq 1e4, tied, eps 1e-6.
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        hidden_size=64, intermediate_size=192, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=12, query_pre_attn_scalar=16, sliding_window=5, vocab_size=250, max_position_embeddings=256,
-        rms_norm_eps=1e-6, tie_word_embeddings=True,
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=192,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=12,
+            query_pre_attn_scalar=16,
+            sliding_window=5,
+            vocab_size=250,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
+    ),
     # gpt-oss-20b's ratios shrunk: 24 layers -> 4 (sliding, full, sliding, full as layer_types alternate), 64 heads /
     # 8 KV heads -> 16 / 2, head_dim 64 with hidden 2880 (q 1.42x wider than hidden) -> 8 with 64 (2x), 32 experts
     # top-4 -> 8 top-2, expert width = hidden (2880 = 90 MXFP4 groups) -> 64 (2 groups), window 128 -> 4 (shorter
@@ -65,16 +160,52 @@ SPECS: dict[str, tuple[str, str, dict]] = {
     # and truncate: true would move it (as 4096 does with 64 dims: (8.1, 17.4)); max positions 131072 -> 32768
     # (1024 x 32), rope_theta 150000, eps 1e-5, untied; swiglu_limit 7 -> 2: the tiny model's
     # pre-activations rarely reach 7, at 2 the clamp acts on a good share of them (the parity tests need it to).
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
-        hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=2,
-        head_dim=8, num_local_experts=8, num_experts_per_tok=2, sliding_window=4, vocab_size=250,
-        max_position_embeddings=32768, rms_norm_eps=1e-5, tie_word_embeddings=False, swiglu_limit=2.0,
-        attention_bias=True, layer_types=["sliding_attention", "full_attention"] * 2,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 1024})),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
-        hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        num_local_experts=4, num_experts_per_tok=2, vocab_size=250, max_position_embeddings=256)),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            vocab_size=250,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            swiglu_limit=2.0,
+            attention_bias=True,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 1024,
+            },
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            vocab_size=250,
+            max_position_embeddings=256,
+        ),
+    ),
 }
 
 
@@ -108,8 +239,15 @@ def _to_v4_rope(path: Path) -> None:
     path.write_text(json.dumps(cfg, indent=2))
 
 
-def make_synthetic(kind: str, out_dir: str | Path, seed: int = 0, shard_bytes: Optional[int] = None,
-                   dtype: torch.dtype = torch.float32, rope_layout: str = "v5", **overrides) -> Path:
+def make_synthetic(
+    kind: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    shard_bytes: Optional[int] = None,
+    dtype: torch.dtype = torch.float32,
+    rope_layout: str = "v5",
+    **overrides,
+) -> Path:
     """Write a random HF checkpoint of family ``kind`` (``SPECS``) to ``out_dir`` and return it.
 
     Args:
@@ -148,10 +286,12 @@ def _make_gemma3_multimodal(out_dir, seed: int, dtype: torch.dtype, overrides: d
 
     _, _, text = SPECS["gemma3"]
     text_config = transformers.Gemma3TextConfig(**{**text, **overrides})
-    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                             num_attention_heads=2, image_size=28, patch_size=14)
-    config = transformers.Gemma3Config(text_config=text_config.to_dict(), vision_config=vision.to_dict(),
-                                       mm_tokens_per_image=4)
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    config = transformers.Gemma3Config(
+        text_config=text_config.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4
+    )
     torch.manual_seed(seed)
     model = transformers.Gemma3ForConditionalGeneration(config)
     _reinit(model, seed)
@@ -163,8 +303,15 @@ def _make_gemma3_multimodal(out_dir, seed: int, dtype: torch.dtype, overrides: d
 
 
 # gpt-oss's hub quantization_config (openai/gpt-oss-20b and -120b config.json)
-GPT_OSS_MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
-    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+GPT_OSS_MXFP4_CONFIG = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
 
 
 def _make_gpt_oss_mxfp4(out_dir, seed: int, overrides: dict) -> Path:

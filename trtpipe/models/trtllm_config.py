@@ -103,14 +103,25 @@ def shape_fields(info: ModelDims) -> dict:
     }
 
 
-def build_config(info: ModelDims, family: Family, dtype: str, tp: int = 1, pp: int = 1, moe_tp: int = -1,
-                 moe_ep: int = -1, use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0) -> dict:
+def build_config(
+    info: ModelDims,
+    family: Family,
+    dtype: str,
+    tp: int = 1,
+    pp: int = 1,
+    moe_tp: int = -1,
+    moe_ep: int = -1,
+    use_parallel_embedding: bool = False,
+    embedding_sharding_dim: int = 0,
+) -> dict:
     """The config.json dict of the unquantized checkpoint (``Family.parallel_embedding_at_tp``: vocab-sharded
     embedding at tp > 1, as that family's TensorRT-LLM config class forces)."""
     if family.parallel_embedding_at_tp and tp > 1:
         if use_parallel_embedding and embedding_sharding_dim != 0:
-            raise CheckpointError(f"{info.architecture}: TensorRT-LLM shards this family's embedding over the "
-                                  f"vocabulary (dim 0) at tp > 1; embedding_sharding_dim {embedding_sharding_dim} is not possible")
+            raise CheckpointError(
+                f"{info.architecture}: TensorRT-LLM shards this family's embedding over the "
+                f"vocabulary (dim 0) at tp > 1; embedding_sharding_dim {embedding_sharding_dim} is not possible"
+            )
         use_parallel_embedding, embedding_sharding_dim = True, 0
     cfg = {
         "architecture": info.architecture,

@@ -89,8 +89,10 @@ class Deployment:
             raise TrtpipeError(f"kv cache dtype '{self.kv}' has no performance model ({', '.join(KV_BYTES)})")
         peak = getattr(self.gpu, PRECISIONS[self.precision].peak)
         if not peak or not self.gpu.tflops_16:
-            raise TrtpipeError(f"GPU '{self.gpu.key}' has no {PRECISIONS[self.precision].peak} in the catalog "
-                               f"(trtpipe/formats/gpus.py); {self.precision} cannot be modelled on it")
+            raise TrtpipeError(
+                f"GPU '{self.gpu.key}' has no {PRECISIONS[self.precision].peak} in the catalog "
+                f"(trtpipe/formats/gpus.py); {self.precision} cannot be modelled on it"
+            )
         if self.tp * self.pp > 1 and not self.gpu.link_gbs:
             raise TrtpipeError(f"GPU '{self.gpu.key}' has no link bandwidth in the catalog; tp/pp cannot be modelled")
 
@@ -204,8 +206,12 @@ class Terms:
     FIXED = ("layers", "pp", "peak_pf")
 
     def __add__(self, other: "Terms") -> "Terms":
-        return Terms(**{f.name: getattr(self, f.name) + (0 if f.name in self.FIXED else getattr(other, f.name))
-                        for f in fields(self)})
+        return Terms(
+            **{
+                f.name: getattr(self, f.name) + (0 if f.name in self.FIXED else getattr(other, f.name))
+                for f in fields(self)
+            }
+        )
 
     @classmethod
     def names(cls) -> list[str]:
@@ -246,8 +252,12 @@ def step_time(t: Terms, c: Constants):
 
     compute = _gemm_time(t, c) + t.attn / c.attn_eff
     memory = t.mem / c.bw_eff + t.kv / c.kv_eff
-    body = (np.maximum(memory, compute) + c.serial * np.minimum(memory, compute) + t.comm / c.link_eff
-            + t.layers * c.layer_us * 1e-6)
+    body = (
+        np.maximum(memory, compute)
+        + c.serial * np.minimum(memory, compute)
+        + t.comm / c.link_eff
+        + t.layers * c.layer_us * 1e-6
+    )
     body = body + t.seqs * t.layers * c.seq_layer_us * 1e-6 + t.copies * c.copy_ns * 1e-9
     return body * (1 + c.pp_bubble * (t.pp - 1))
 
@@ -264,15 +274,20 @@ def _gemm_time(t: Terms, c: Constants):
     rate -- the fit puts it at a flat fraction of the peak (``expert_drop`` ~ 0)."""
     if not c.expert_eff:
         return t.gemm / c.gemm_eff * (1 + c.flop_drop * t.peak_pf)
-    return ((t.gemm - t.expert_gemm) / c.gemm_eff * (1 + c.flop_drop * t.peak_pf)
-            + t.expert_gemm / c.expert_eff * (1 + c.expert_drop * t.peak_pf))
+    return (t.gemm - t.expert_gemm) / c.gemm_eff * (1 + c.flop_drop * t.peak_pf) + t.expert_gemm / c.expert_eff * (
+        1 + c.expert_drop * t.peak_pf
+    )
 
 
 def bound(t: Terms, c: Constants) -> str:
     """What dominates a step: 'bandwidth', 'compute', 'communication' or 'overhead'."""
-    parts = {"bandwidth": t.mem / c.bw_eff + t.kv / c.kv_eff, "compute": _gemm_time(t, c) + t.attn / c.attn_eff,
-             "communication": t.comm / c.link_eff, "routing": t.copies * c.copy_ns * 1e-9,
-             "overhead": (t.layers * c.layer_us + t.seqs * t.layers * c.seq_layer_us) * 1e-6}
+    parts = {
+        "bandwidth": t.mem / c.bw_eff + t.kv / c.kv_eff,
+        "compute": _gemm_time(t, c) + t.attn / c.attn_eff,
+        "communication": t.comm / c.link_eff,
+        "routing": t.copies * c.copy_ns * 1e-9,
+        "overhead": (t.layers * c.layer_us + t.seqs * t.layers * c.seq_layer_us) * 1e-6,
+    }
     return max(parts, key=parts.get)
 
 
@@ -306,8 +321,9 @@ def _attended(kind, start: float, length: float) -> float:
     return _pairs(start, length)
 
 
-def step_terms(d: Deployment, context: Sequence[tuple[int, int]] = (), generation: Iterable[int] = (),
-               sampled: int | None = None) -> Terms:
+def step_terms(
+    d: Deployment, context: Sequence[tuple[int, int]] = (), generation: Iterable[int] = (), sampled: int | None = None
+) -> Terms:
     """Raw terms of one step: ``context`` = (start position, chunk length) per context entry, ``generation`` = the
     KV length (tokens already cached) of each generating request. ``sampled`` = rows that go through lm_head
     (default: every generating request and every context entry)."""
@@ -316,8 +332,9 @@ def step_terms(d: Deployment, context: Sequence[tuple[int, int]] = (), generatio
     return group_terms(d, [(s, n, 1.0) for s, n in context], [(L, 1.0) for L in gen], sampled)
 
 
-def group_terms(d: Deployment, context: Sequence[tuple[int, int, float]], generation: Sequence[tuple[int, float]],
-                sampled: float) -> Terms:
+def group_terms(
+    d: Deployment, context: Sequence[tuple[int, int, float]], generation: Sequence[tuple[int, float]], sampled: float
+) -> Terms:
     """:func:`step_terms` over groups: (start, length, how many) context chunks, (KV length, how many) generating
     requests -- counts may be fractional (the average step of a steady state)."""
     m, g = d.model, d.gpu

@@ -23,10 +23,21 @@ from trtpipe.perf.published import Case, published_value, row_case, to_published
 
 CONSTANTS_FILE = Path(__file__).with_name("constants.json")
 # bounds keep every efficiency physical (a fraction of peak) and overheads non-negative
-BOUNDS = {"bw_eff": (0.2, 1.0), "kv_eff": (0.1, 1.0), "gemm_eff": (0.1, 1.0), "attn_eff": (0.05, 1.0),
-          "link_eff": (0.05, 1.0), "seq_layer_us": (0.0, 20.0), "serial": (0.0, 1.0), "layer_us": (0.5, 200.0),
-          "pp_bubble": (0.0, 1.0), "flop_drop": (0.0, 2.0), "expert_eff": (0.02, 1.0), "expert_drop": (0.0, 2.0),
-          "copy_ns": (0.0, 1000.0)}
+BOUNDS = {
+    "bw_eff": (0.2, 1.0),
+    "kv_eff": (0.1, 1.0),
+    "gemm_eff": (0.1, 1.0),
+    "attn_eff": (0.05, 1.0),
+    "link_eff": (0.05, 1.0),
+    "seq_layer_us": (0.0, 20.0),
+    "serial": (0.0, 1.0),
+    "layer_us": (0.5, 200.0),
+    "pp_bubble": (0.0, 1.0),
+    "flop_drop": (0.0, 2.0),
+    "expert_eff": (0.02, 1.0),
+    "expert_drop": (0.0, 2.0),
+    "copy_ns": (0.0, 1000.0),
+}
 
 
 @dataclass
@@ -55,7 +66,7 @@ def compile_rows(rows: Sequence[dict], other_gb: float = Constants.other_gb) -> 
     ok = np.array([c is not None for c in cases], dtype=bool)  # bool even with no rows (a mask, not floats)
     pr, pw, ts = [], [], []
     for i, c in enumerate(cases):
-        for w, t in (c.parts if c else ()):
+        for w, t in c.parts if c else ():
             pr.append(i)
             pw.append(w)
             ts.append(t)
@@ -63,8 +74,7 @@ def compile_rows(rows: Sequence[dict], other_gb: float = Constants.other_gb) -> 
     terms = Terms(*(arr(n) for n in Terms.names()))
     numer = np.array([c.numer if c else 0.0 for c in cases])
     pub = np.array([published_value(r) if c else math.nan for r, c in zip(rows, cases)])
-    return Compiled(list(rows), ok, numer, pub, np.array(pr, dtype=int), np.array(pw), terms, cases, errors,
-                    other_gb)
+    return Compiled(list(rows), ok, numer, pub, np.array(pr, dtype=int), np.array(pw), terms, cases, errors, other_gb)
 
 
 def predict(comp: Compiled, c: Constants) -> np.ndarray:
@@ -125,8 +135,9 @@ def loss(comp: Compiled, mask: np.ndarray, c: Constants) -> float:
     return float(np.mean(2 * (np.sqrt(1 + (e / 0.3) ** 2) - 1))) if len(e) else 0.0
 
 
-def fit(comp: Compiled, mask: np.ndarray, names: Sequence[str] = (), start: Constants = Constants(),
-        rounds: int = 3) -> Constants:
+def fit(
+    comp: Compiled, mask: np.ndarray, names: Sequence[str] = (), start: Constants = Constants(), rounds: int = 3
+) -> Constants:
     names = list(names) or fitted_names("engine")
     c = start
     for _ in range(rounds):  # restarts shake Nelder-Mead out of a collapsed simplex
@@ -201,5 +212,3 @@ def predict_rows(rows: Sequence[dict], constants: dict[str, Constants]) -> list[
             if family(r) == fam and comp.ok[i] and math.isfinite(pred[i]):
                 out[i] = to_published_unit(r, float(pred[i]))
     return out
-
-

@@ -32,30 +32,83 @@ from trtpipe.errors import TrtpipeError
 from trtpipe.perf.cost import Deployment, Terms, group_terms
 from trtpipe.perf.models import PUBLISHED, published_spec
 
-COLUMNS = ["source_file", "commit_or_date", "trtllm_version", "backend", "model", "precision", "gpu", "num_gpus",
-           "tp", "pp", "ep", "isl", "osl", "metric", "concurrency_or_batch"]
+COLUMNS = [
+    "source_file",
+    "commit_or_date",
+    "trtllm_version",
+    "backend",
+    "model",
+    "precision",
+    "gpu",
+    "num_gpus",
+    "tp",
+    "pp",
+    "ep",
+    "isl",
+    "osl",
+    "metric",
+    "concurrency_or_batch",
+]
 
 # published GPU label (prefix) -> catalog key; first match wins
-GPU_LABELS = (("GB300", "gb300-288gb"), ("GB200", "gb200-186gb"), ("GH200", "gh200-96gb"), ("B300", "b300-288gb"),
-              ("B200", "b200-180gb"), ("H200", "h200-141gb"), ("H100", "h100-sxm-80gb"),
-              ("A100 SXM", "a100-sxm-80gb"), ("A100 PCIe", "a100-pcie-80gb"), ("L40S", "l40s-48gb"),
-              ("RTX PRO 6000", "rtx-pro-6000-96gb"))
+GPU_LABELS = (
+    ("GB300", "gb300-288gb"),
+    ("GB200", "gb200-186gb"),
+    ("GH200", "gh200-96gb"),
+    ("B300", "b300-288gb"),
+    ("B200", "b200-180gb"),
+    ("H200", "h200-141gb"),
+    ("H100", "h100-sxm-80gb"),
+    ("A100 SXM", "a100-sxm-80gb"),
+    ("A100 PCIe", "a100-pcie-80gb"),
+    ("L40S", "l40s-48gb"),
+    ("RTX PRO 6000", "rtx-pro-6000-96gb"),
+)
 # published precision label -> (weights, KV cache); FP8 and FP4 runs used an FP8 KV cache
-PRECISION_LABELS = {"FP8": ("fp8", "fp8"), "FP4": ("fp4", "fp8"), "FP16": ("fp16", "fp16"),
-                    "Mixed (FP16)": ("fp16", "fp16"), "BF16": ("bf16", "fp16")}
+PRECISION_LABELS = {
+    "FP8": ("fp8", "fp8"),
+    "FP4": ("fp4", "fp8"),
+    "FP16": ("fp16", "fp16"),
+    "Mixed (FP16)": ("fp16", "fp16"),
+    "BF16": ("bf16", "fp16"),
+}
 # requests per ISL/OSL in the trtllm-bench / gptManager datasets (PERF method, unchanged 0.11 -> 1.2)
-REQUESTS = {(128, 128): 30000, (128, 2048): 3000, (128, 4096): 1500, (2048, 128): 3000, (2048, 2048): 1500,
-            (5000, 500): 1500, (1000, 1000): 3000, (500, 2000): 3000, (20000, 2000): 1000, (1000, 2000): 1500,
-            (1024, 1024): 3000, (8192, 1024): 1500, (1024, 8192): 1500, (32768, 1024): 1000, (1024, 32768): 1000}
+REQUESTS = {
+    (128, 128): 30000,
+    (128, 2048): 3000,
+    (128, 4096): 1500,
+    (2048, 128): 3000,
+    (2048, 2048): 1500,
+    (5000, 500): 1500,
+    (1000, 1000): 3000,
+    (500, 2000): 3000,
+    (20000, 2000): 1000,
+    (1000, 2000): 1500,
+    (1024, 1024): 3000,
+    (8192, 1024): 1500,
+    (1024, 8192): 1500,
+    (32768, 1024): 1000,
+    (1024, 32768): 1000,
+}
 # 0.11 per-model tuned build limits: (model prefix, tp, "isl/osl" or "") -> (max_num_tokens, max_batch_size)
-TUNED_011 = {("GPT-J 6B", 1, ""): (2048, 128), ("GPT-J 6B", 1, "128/128"): (2048, 2048),
-             ("Falcon 180B", 4, ""): (8192, 4096), ("Falcon 180B", 8, ""): (8192, 2048),
-             ("Llama 2 7B", 1, ""): (8192, 4096), ("Llama 2 70B", 2, ""): (2048, 2048),
-             ("Llama 2 70B", 4, ""): (8192, 4096), ("Llama 2 70B", 4, "128/4096"): (8192, 256),
-             ("Llama 2 70B", 8, ""): (16384, 8192), ("Llama 2 70B", 8, "128/2048"): (16384, 1024),
-             ("Llama 3 8B", 1, ""): (8192, 2048), ("Llama 3 70B", 4, ""): (1024, 2048),
-             ("Llama 3 70B", 8, ""): (16384, 8192), ("Mixtral 8x7B", 2, ""): (3072, 2048),
-             ("Mixtral 8x7B", 4, ""): (8192, 8192), ("Mistral 7B", 1, ""): (8192, 4098)}
+TUNED_011 = {
+    ("GPT-J 6B", 1, ""): (2048, 128),
+    ("GPT-J 6B", 1, "128/128"): (2048, 2048),
+    ("Falcon 180B", 4, ""): (8192, 4096),
+    ("Falcon 180B", 8, ""): (8192, 2048),
+    ("Llama 2 7B", 1, ""): (8192, 4096),
+    ("Llama 2 70B", 2, ""): (2048, 2048),
+    ("Llama 2 70B", 4, ""): (8192, 4096),
+    ("Llama 2 70B", 4, "128/4096"): (8192, 256),
+    ("Llama 2 70B", 8, ""): (16384, 8192),
+    ("Llama 2 70B", 8, "128/2048"): (16384, 1024),
+    ("Llama 3 8B", 1, ""): (8192, 2048),
+    ("Llama 3 70B", 4, ""): (1024, 2048),
+    ("Llama 3 70B", 8, ""): (16384, 8192),
+    ("Mixtral 8x7B", 2, ""): (3072, 2048),
+    ("Mixtral 8x7B", 4, ""): (8192, 8192),
+    ("Mistral 7B", 1, ""): (8192, 4098),
+}
 # 0.19-1.0 pages: the MoE YAML sets enable_attention_dp: true while the tables state no EP (the LLM API's default
 # then splits every expert over the tp ranks: MoE-TP, ep = 1)
 MOE_ATTN_DP_PAGES = ("0.19.0", "0.20", "0.21", "1.0")
@@ -103,8 +156,9 @@ def deployment_of(row: dict) -> Deployment:
     w, kv = PRECISION_LABELS[row["precision"]]
     tp, pp, ep = _int(row["tp"], 1), _int(row["pp"], 1), _int(row["ep"], 1)
     spec, gpu = published_spec(row["model"]), gpu_of(row["gpu"])
-    attn_dp = "attnDP" in row["backend"] or (spec.is_moe and tp > 1 and row["trtllm_version"] in MOE_ATTN_DP_PAGES
-                                              and row["backend"].startswith("pytorch:"))
+    attn_dp = "attnDP" in row["backend"] or (
+        spec.is_moe and tp > 1 and row["trtllm_version"] in MOE_ATTN_DP_PAGES and row["backend"].startswith("pytorch:")
+    )
     if spec.mxfp4_experts and gpu.sm < 100:  # GPT-OSS YAML: FP8 KV on Blackwell, "Hopper: use auto" (BF16)
         kv = "fp16"
     if spec.is_moe and tp > 1 and not row["ep"].strip() and row["trtllm_version"] in MOE_EP_PAGES:
@@ -143,8 +197,7 @@ def kv_capacity_tokens(d: Deployment, kv_fraction: float, other_gb: float, max_n
     """Tokens the runtime's KV pool holds per pipeline stage: the fraction of memory left after the weights, the
     activations of a ``max_num_tokens`` forward pass (:meth:`Deployment.profiling_activation_bytes`: the PyTorch
     backend sizes its pool after such a pass) and ``other_gb`` (CUDA context, workspaces: a fitted constant)."""
-    free = (d.gpu.memory_bytes - d.weight_bytes_per_gpu - other_gb * 1e9
-            - d.profiling_activation_bytes(max_num_tokens))
+    free = d.gpu.memory_bytes - d.weight_bytes_per_gpu - other_gb * 1e9 - d.profiling_activation_bytes(max_num_tokens)
     return max(0, int(free * kv_fraction / d.kv_bytes_per_token))
 
 
@@ -180,8 +233,9 @@ def limits_of(row: dict, d: Deployment, isl: int, osl: int) -> EngineLimits:
 DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_NUM_TOKENS = 2048, 8192
 
 
-def pytorch_limits(d: Deployment, isl: int, osl: int, kv_fraction: float = 0.95, num_requests: int = 1000
-                   ) -> EngineLimits:
+def pytorch_limits(
+    d: Deployment, isl: int, osl: int, kv_fraction: float = 0.95, num_requests: int = 1000
+) -> EngineLimits:
     """trtllm-bench's limits on the PyTorch backend (tensorrt_llm/bench/benchmark/utils/general.py get_settings):
     the heuristic for NVFP4/FP8/unquantized checkpoints, the LLM-API defaults for any other quantization (GPT-OSS's
     MXFP4), and -- chunked prefill being off by default there -- a token budget of at least one full prompt plus

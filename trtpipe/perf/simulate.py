@@ -31,8 +31,12 @@ TOKEN = 1  # what every simulated step samples; requests are submitted without a
 class CostModelEngine:
     """A step engine that computes time instead of tokens. ``step_cost`` may be swapped (e.g. a fitted CPU model)."""
 
-    def __init__(self, deployment: Optional[Deployment] = None, constants: Constants = Constants(),
-                 step_cost: Optional[Callable[[StepBatch], tuple[float, str]]] = None):
+    def __init__(
+        self,
+        deployment: Optional[Deployment] = None,
+        constants: Constants = Constants(),
+        step_cost: Optional[Callable[[StepBatch], tuple[float, str]]] = None,
+    ):
         if step_cost is None and deployment is None:
             raise ValueError("CostModelEngine needs a deployment or a step_cost function")
         self.deployment, self.constants = deployment, constants
@@ -109,8 +113,7 @@ class _Driver:
     def __init__(self, config: ExecutorConfig, engine: CostModelEngine):
         self.clock = SimClock()
         self.done: list[tuple[Response, int]] = []  # with the simulated time the response was sent
-        self.core = ExecutorCore(config, engine, lambda r: self.done.append((r, self.clock.now_ns())),
-                                 clock=self.clock)
+        self.core = ExecutorCore(config, engine, lambda r: self.done.append((r, self.clock.now_ns())), clock=self.clock)
         self.engine, self.config = engine, config
         self.arrival: dict[int, int] = {}
         self.finals: dict[int, Response] = {}
@@ -119,8 +122,11 @@ class _Driver:
 
     def submit(self, isl: int, osl: int, at_ns: Optional[int] = None) -> int:
         # a distinct first token per request: benchmark prompts share no prefix, so KV reuse must not find one
-        req = Request(prompt=[TOKEN + 1 + len(self.arrival)] + [TOKEN + 1] * (isl - 1), max_new_tokens=osl,
-                      return_perf_metrics=True)
+        req = Request(
+            prompt=[TOKEN + 1 + len(self.arrival)] + [TOKEN + 1] * (isl - 1),
+            max_new_tokens=osl,
+            return_perf_metrics=True,
+        )
         rid = self.core.submit(req)
         self.arrival[rid] = self.clock.now_ns() if at_ns is None else at_ns
         return rid
@@ -159,9 +165,19 @@ class _Driver:
             last = max(last, p.last_token_ns)
         e = self.engine
         steps = max(e.steps, 1)
-        return SimResult(np.array(ttft), np.array(itl), np.array(e2e), out, (last - first) / 1e9, e.steps,
-                         float(np.mean(e.scheduled)) if e.scheduled else 0.0, dict(e.busy_s),
-                         self.slots_full / max(self.turns, 1), self.stalled / steps, np.array(queue))
+        return SimResult(
+            np.array(ttft),
+            np.array(itl),
+            np.array(e2e),
+            out,
+            (last - first) / 1e9,
+            e.steps,
+            float(np.mean(e.scheduled)) if e.scheduled else 0.0,
+            dict(e.busy_s),
+            self.slots_full / max(self.turns, 1),
+            self.stalled / steps,
+            np.array(queue),
+        )
 
 
 def max_load(config: ExecutorConfig, engine: CostModelEngine, n: int, isl: int, osl: int) -> SimResult:
@@ -173,9 +189,16 @@ def max_load(config: ExecutorConfig, engine: CostModelEngine, n: int, isl: int, 
     return d.result()
 
 
-def closed_loop(config: ExecutorConfig, engine: CostModelEngine, concurrency: int, n: int, isl: int,
-                osl: int, client_gap_s: Union[float, Sequence[float]] = 0.0,
-                step_gap_s: Optional[Sequence[float]] = None) -> SimResult:
+def closed_loop(
+    config: ExecutorConfig,
+    engine: CostModelEngine,
+    concurrency: int,
+    n: int,
+    isl: int,
+    osl: int,
+    client_gap_s: Union[float, Sequence[float]] = 0.0,
+    step_gap_s: Optional[Sequence[float]] = None,
+) -> SimResult:
     """``concurrency`` clients, n requests in all; each sends its next request when its previous one's final
     response leaves the executor. ``client_gap_s`` is the time outside the executor (network, tokenization,
     detokenization) before a request arrives: one number for every request after the first wave (which arrives
@@ -220,8 +243,9 @@ def closed_loop(config: ExecutorConfig, engine: CostModelEngine, concurrency: in
     return d.result()
 
 
-def poisson(config: ExecutorConfig, engine: CostModelEngine, rate: float, n: int, isl: int, osl: int,
-            seed: int = 0) -> SimResult:
+def poisson(
+    config: ExecutorConfig, engine: CostModelEngine, rate: float, n: int, isl: int, osl: int, seed: int = 0
+) -> SimResult:
     """Open-loop arrivals with exponential gaps at ``rate`` requests/s (seeded); rate inf = all at t=0."""
     if rate == float("inf"):
         return max_load(config, engine, n, isl, osl)
@@ -242,4 +266,3 @@ def poisson(config: ExecutorConfig, engine: CostModelEngine, rate: float, n: int
                 break
             d.clock.advance((arrivals[0] - d.clock.now_ns()) / 1e9)  # idle until the next arrival
     return d.result()
-

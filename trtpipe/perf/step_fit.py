@@ -23,8 +23,14 @@ import numpy as np
 
 from trtpipe.serving.api import StepBatch
 
-FEATURES = ("base", "generating request", "context token", "context request", "context query-key pair",
-            "gathered generation key")
+FEATURES = (
+    "base",
+    "generating request",
+    "context token",
+    "context request",
+    "context query-key pair",
+    "gathered generation key",
+)
 # Huber's tuning constant (95 % efficiency under Gaussian noise) and the MAD -> sigma factor of a normal law
 HUBER_K = 1.345
 MAD_TO_SIGMA = 1.4826
@@ -40,8 +46,14 @@ def step_features(entries: Iterable[tuple[int, int, bool]]) -> list[float]:
     entries = list(entries)
     ctx = [(start, n) for start, n, is_ctx in entries if is_ctx]
     gen = [start for start, _, is_ctx in entries if not is_ctx]
-    return [1.0, float(len(gen)), float(sum(n for _, n in ctx)), float(len(ctx)),
-            float(sum(n * (start + n) for start, n in ctx)), float(len(gen) * (max(gen) + 1) if gen else 0)]
+    return [
+        1.0,
+        float(len(gen)),
+        float(sum(n for _, n in ctx)),
+        float(len(ctx)),
+        float(sum(n * (start + n) for start, n in ctx)),
+        float(len(gen) * (max(gen) + 1) if gen else 0),
+    ]
 
 
 def batch_features(batch: StepBatch) -> list[float]:
@@ -84,8 +96,11 @@ def host_gaps(steps: Sequence[dict]) -> np.ndarray:
     """Seconds of host time between consecutive steps of a busy executor (loop, scheduling, handing responses
     over): the next step's start (its timestamp, taken at its end, minus its latency) minus this step's end, for
     consecutive iterations with requests active; clipped at 0 (the two clocks' rounding)."""
-    gaps = [(b["timestamp"] - a["timestamp"]) / 1e9 - b["iterLatencyMS"] / 1e3 for a, b in zip(steps, steps[1:])
-            if b["iter"] == a["iter"] + 1 and a["numActiveRequests"] > 0]
+    gaps = [
+        (b["timestamp"] - a["timestamp"]) / 1e9 - b["iterLatencyMS"] / 1e3
+        for a, b in zip(steps, steps[1:])
+        if b["iter"] == a["iter"] + 1 and a["numActiveRequests"] > 0
+    ]
     return np.maximum(np.array(gaps, dtype=np.float64), 0.0)
 
 
@@ -106,12 +121,14 @@ class StepFit:
         """One line: how well the fit follows the steps, and the fitted costs in readable units."""
         c, r, g = self.coef, self.ratios, self.gaps
         gap = f"median {np.median(g) * 1e3:.3f} ms mean {g.mean() * 1e3:.3f} ms" if g.size else "none measured"
-        return (f"step cost: {len(r)} served steps; typical-step fit median |err| {np.median(np.abs(r - 1)):.1%}, "
-                f"measured/fit p10 {np.percentile(r, 10):.2f} p90 {np.percentile(r, 90):.2f} mean {r.mean():.2f}; "
-                f"base {c[0] * 1e3:.3f} ms, per generating request {c[1] * 1e6:.1f} us, per context token "
-                f"{c[2] * 1e6:.2f} us, per context request {c[3] * 1e6:.1f} us, per context query-key pair "
-                f"{c[4] * 1e9:.1f} ns, per gathered generation key {c[5] * 1e9:.1f} ns; host between steps {gap} "
-                f"({len(g)})")
+        return (
+            f"step cost: {len(r)} served steps; typical-step fit median |err| {np.median(np.abs(r - 1)):.1%}, "
+            f"measured/fit p10 {np.percentile(r, 10):.2f} p90 {np.percentile(r, 90):.2f} mean {r.mean():.2f}; "
+            f"base {c[0] * 1e3:.3f} ms, per generating request {c[1] * 1e6:.1f} us, per context token "
+            f"{c[2] * 1e6:.2f} us, per context request {c[3] * 1e6:.1f} us, per context query-key pair "
+            f"{c[4] * 1e9:.1f} ns, per gathered generation key {c[5] * 1e9:.1f} ns; host between steps {gap} "
+            f"({len(g)})"
+        )
 
 
 def fit_steps(records: Sequence[dict]) -> StepFit:
@@ -163,7 +180,7 @@ def return_gaps(arrivals_ns: Sequence[int], finals_ns: Sequence[int], concurrenc
     arrivals, finals = np.sort(np.asarray(arrivals_ns, dtype=np.int64)), np.sort(np.asarray(finals_ns, dtype=np.int64))
     if len(arrivals) <= concurrency:
         raise ValueError(f"{len(arrivals)} requests at concurrency {concurrency}: no request followed another")
-    gaps = (arrivals[concurrency:] - finals[:len(arrivals) - concurrency]) / 1e9
+    gaps = (arrivals[concurrency:] - finals[: len(arrivals) - concurrency]) / 1e9
     typical = float(np.median(gaps))
     by_step: dict[int, list[float]] = {}
     for f, g in zip(finals, gaps):
@@ -202,9 +219,11 @@ class ByConcurrency:
         return self.median_at(concurrency) * rng.choice(self.spread, size=n)
 
     def summary(self, name: str) -> str:
-        return (f"{name}, median per calibration concurrency: "
-                + ", ".join(f"c{c} {m * 1e3:.1f} ms" for c, m in zip(self.concurrencies, self.medians))
-                + f"; spread p10 {np.percentile(self.spread, 10):.2f} p90 {np.percentile(self.spread, 90):.2f}")
+        return (
+            f"{name}, median per calibration concurrency: "
+            + ", ".join(f"c{c} {m * 1e3:.1f} ms" for c, m in zip(self.concurrencies, self.medians))
+            + f"; spread p10 {np.percentile(self.spread, 10):.2f} p90 {np.percentile(self.spread, 90):.2f}"
+        )
 
 
 @dataclass
@@ -225,8 +244,11 @@ def compare_rounds(per_round: Sequence[dict], keys: Sequence[str]) -> list[Compa
     out = []
     for c in cs:
         med = lambda i: {k: float(np.median([x[c][i][k] for x in per_round])) for k in keys}  # noqa: E731
-        out.append(Comparison(c, med(0), med(1),
-                              {k: float(np.median([x[c][1][k] / x[c][0][k] for x in per_round])) for k in keys}))
+        out.append(
+            Comparison(
+                c, med(0), med(1), {k: float(np.median([x[c][1][k] / x[c][0][k] for x in per_round])) for k in keys}
+            )
+        )
     return out
 
 

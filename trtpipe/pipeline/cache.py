@@ -236,7 +236,7 @@ class ArtifactStore:
         for stage_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
             for entry in sorted(stage_dir.iterdir()):
                 if entry.name.startswith(OLD_PREFIX):
-                    key = entry.name[len(OLD_PREFIX):].split("-", 1)[0]
+                    key = entry.name[len(OLD_PREFIX) :].split("-", 1)[0]
                     final = stage_dir / key
                     sealed = (entry / MARKER).is_file()
                     if sealed and not final.exists():

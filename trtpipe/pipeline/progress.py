@@ -43,8 +43,14 @@ class RateColumn(ProgressColumn):
 class ProgressBar:
     """One task on one rich ``Progress`` display; a no-op when disabled."""
 
-    def __init__(self, description: str, total: Optional[int] = None, disabled: bool = False,
-                 unit: Optional[str] = None, completed: float = 0):
+    def __init__(
+        self,
+        description: str,
+        total: Optional[int] = None,
+        disabled: bool = False,
+        unit: Optional[str] = None,
+        completed: float = 0,
+    ):
         self.description = description
         self.unit = unit  # set: a rate column (``unit``/s) too
         self.total = total
@@ -90,7 +96,12 @@ class ProgressBar:
             self._progress = None
 
 
-def progress_bar(description: str, total: Optional[int] = None, disabled: bool = False,
-                 unit: Optional[str] = None, completed: float = 0) -> ProgressBar:
+def progress_bar(
+    description: str,
+    total: Optional[int] = None,
+    disabled: bool = False,
+    unit: Optional[str] = None,
+    completed: float = 0,
+) -> ProgressBar:
     """A context-managed progress bar; see the module docstring."""
     return ProgressBar(description, total, disabled, unit, completed)

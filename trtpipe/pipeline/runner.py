@@ -257,8 +257,12 @@ class _Build:
         log.info("stage %s, key %s, inputs %s", plan.name, plan.key, {k: str(v) for k, v in inputs.items()})
         try:
             plan.stage.run(ctx)
-            sealed = {"material": plan.material, "info": _json_data(ctx.info), "build_id": self.build_id,
-                      "created": timestamp()}
+            sealed = {
+                "material": plan.material,
+                "info": _json_data(ctx.info),
+                "build_id": self.build_id,
+                "created": timestamp(),
+            }
             return self.store.commit(tmp, plan.name, plan.key, sealed), None
         except Exception as exc:  # bad input, a bug, or a failed seal: all become a one-line StageError
             log.exception("stage %s failed", plan.name)
@@ -348,7 +352,9 @@ def _run_stages(build: _Build, plans: list[StagePlan], first: int, last: int, fo
             continue
         marker = build.store.marker(plan.name, plan.key)
         if marker is not None and plan.name not in forced:
-            entry.update(status="cached", info=marker.get("info", {}), built_by=marker.get("build_id"), files=marker["files"])
+            entry.update(
+                status="cached", info=marker.get("info", {}), built_by=marker.get("build_id"), files=marker["files"]
+            )
             build.report.line(plan.name, f"cached ({plan.key})")
             continue
         inputs = {n: build.store.path(n, _plan(plans, n).key) for n in plan.stage.inputs if _plan(plans, n).runnable}
@@ -442,8 +448,13 @@ def collect_garbage(recipe: Recipe, stages: Sequence[Stage], delete: bool = Fals
                 if (stage_dir.name, folder.name) not in keep:
                     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
                     unused.append({"artifact": _rel(folder, work_dir), "bytes": size})
-    out = {"work_dir": str(work_dir), "unused": unused, "bytes": sum(u["bytes"] for u in unused), "deleted": False,
-           "kept": sorted(f"{stage}/{key}" for stage, key in keep)}
+    out = {
+        "work_dir": str(work_dir),
+        "unused": unused,
+        "bytes": sum(u["bytes"] for u in unused),
+        "deleted": False,
+        "kept": sorted(f"{stage}/{key}" for stage, key in keep),
+    }
     if delete:
         with WorkDirLock(work_dir):  # no build may be writing (or reading inputs) while folders go away
             out["stale"] = store.clean_stale()
@@ -467,5 +478,7 @@ def render_garbage(report: dict, delete: bool) -> str:
     verb = "deleted" if report["deleted"] else "unused"
     lines = [f"{verb:<8} {u['artifact']}  {u['bytes'] / 2**30:.2f} GiB" for u in report["unused"]]
     total = f"{len(report['unused'])} artifacts, {report['bytes'] / 2**30:.2f} GiB"
-    lines.append(f"{verb} {total}" + ("" if delete or not report["unused"] else " (trtpipe gc RECIPE --delete frees them)"))
+    lines.append(
+        f"{verb} {total}" + ("" if delete or not report["unused"] else " (trtpipe gc RECIPE --delete frees them)")
+    )
     return "\n".join(lines)

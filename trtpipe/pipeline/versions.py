@@ -76,7 +76,10 @@ def query_gpus(timeout_s: float = 15.0) -> tuple[list[dict], Optional[str]]:
     try:
         rows = subprocess.run(
             [smi, f"--query-gpu={','.join(_SMI_FIELDS)}", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=timeout_s, check=True,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=True,
         ).stdout
         header = subprocess.run([smi], capture_output=True, text=True, timeout=timeout_s).stdout
     except (OSError, subprocess.SubprocessError):

@@ -63,7 +63,7 @@ def drop_kv_quant(model: ReferenceModel) -> ReferenceModel:
 
 
 def _logits(model: ReferenceModel, tokens: torch.Tensor, batch: int) -> torch.Tensor:
-    return torch.cat([model(tokens[i:i + batch]) for i in range(0, len(tokens), batch)])  # [N, T, V]
+    return torch.cat([model(tokens[i : i + batch]) for i in range(0, len(tokens), batch)])  # [N, T, V]
 
 
 def _ppl(logits: torch.Tensor, tokens: torch.Tensor) -> float:
@@ -84,8 +84,14 @@ def _match_len(a: list[int], b: list[int]) -> int:
     return n
 
 
-def compare(ref: ReferenceModel, models: dict[str, ReferenceModel], tokens: torch.Tensor, batch: int = 8,
-            prompt_len: int = 8, new_tokens: int = 32) -> list[Metrics]:
+def compare(
+    ref: ReferenceModel,
+    models: dict[str, ReferenceModel],
+    tokens: torch.Tensor,
+    batch: int = 8,
+    prompt_len: int = 8,
+    new_tokens: int = 32,
+) -> list[Metrics]:
     """Metrics of the reference itself (first row) and of every model in ``models`` on ``tokens [N, T]``, with
     every model whole in memory (the oracle :func:`evaluate` is tested against; small models only)."""
     ref_logits = _logits(ref, tokens, batch)
@@ -111,8 +117,10 @@ def perplexity(ckpt_dir: Path, tokens: torch.Tensor, batch: int = 8) -> float:
     nothing to compare against), with the model whole in memory: refused, naming the size, when it does not fit."""
     why = whole_model_misfit(float32_bytes(ckpt_dir))
     if why:
-        raise QuantizationError(f"{ckpt_dir}: perplexity alone needs the whole model in memory, and {why}; "
-                                "set accuracy.reference or accuracy.enabled: false")
+        raise QuantizationError(
+            f"{ckpt_dir}: perplexity alone needs the whole model in memory, and {why}; "
+            "set accuracy.reference or accuracy.enabled: false"
+        )
     with torch.no_grad():
         return _ppl(_logits(load_model(ckpt_dir), tokens, batch), tokens)
 
@@ -149,16 +157,24 @@ def _set_kv_quant(layer: DecoderLayer, on: bool, saved: list) -> None:
 
 
 @torch.no_grad()
-def teacher_forced(ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, batch: int = 8,
-                   spill_bytes: int = 1 << 30, spill_dir: Optional[Path] = None,
-                   progress: Optional[Callable[[str], None]] = None) -> list[Metrics]:
+def teacher_forced(
+    ref_dir: Path,
+    quant_dir: Path,
+    tokens: torch.Tensor,
+    batch: int = 8,
+    spill_bytes: int = 1 << 30,
+    spill_dir: Optional[Path] = None,
+    progress: Optional[Callable[[str], None]] = None,
+) -> list[Metrics]:
     """Perplexity, KL and top-1 of ``quant_dir`` against ``ref_dir`` on ``tokens [N, T]``, one layer in memory at
     a time (see the module docstring); ``greedy_match_len`` is left None. Rows as :func:`compare` gives them."""
     ref, quant = CheckpointLayers(ref_dir), CheckpointLayers(quant_dir)
     for key in ("num_layers", "hidden_size", "vocab_size"):
         if getattr(ref.full, key) != getattr(quant.full, key):
-            raise QuantizationError(f"{quant.dir}/config.json: {key} {getattr(quant.full, key)} differs from "
-                                    f"{getattr(ref.full, key)} in {ref.dir} (not a quantization of that checkpoint)")
+            raise QuantizationError(
+                f"{quant.dir}/config.json: {key} {getattr(quant.full, key)} differs from "
+                f"{getattr(ref.full, key)} in {ref.dir} (not a quantization of that checkpoint)"
+            )
     names = stream_names((quant.full.quantization or {}).get("kv_cache_quant_algo"))
     plan = ((ref, ["unquantized"]), (quant, names))
     n, t = tokens.shape
@@ -167,9 +183,9 @@ def teacher_forced(ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, batch: 
         for src, streams in plan:  # embed once per checkpoint
             shell = _embedder(src)
             for lo in range(0, n, batch):
-                x = shell.embed(tokens[lo:lo + batch])
+                x = shell.embed(tokens[lo : lo + batch])
                 for s in streams:
-                    bufs[s].data[lo:lo + batch] = x
+                    bufs[s].data[lo : lo + batch] = x
             del shell, x
         ropes = {id(src): src.full.ropes() for src, _ in plan}
         cos_sin = {k: rope_tables(r, 0, t) for k, r in ropes.items()}
@@ -184,7 +200,7 @@ def teacher_forced(ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, batch: 
                     _set_kv_quant(layer, s != NO_KV, saved)
                     d = bufs[s].data
                     for lo in range(0, n, batch):  # each sample is independent: in place, batch by batch
-                        d[lo:lo + batch] = layer(d[lo:lo + batch], 0, None, cos_sin[id(src)])
+                        d[lo : lo + batch] = layer(d[lo : lo + batch], 0, None, cos_sin[id(src)])
                 del layer, saved
                 gc.collect()
         ref_head, quant_head = _scorer(ref), _scorer(quant)
@@ -192,12 +208,12 @@ def teacher_forced(ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, batch: 
         kl = {s: 0.0 for s in names}
         top1 = {s: 0 for s in names}
         for lo in range(0, n, batch):
-            tok = tokens[lo:lo + batch]
-            ref_logits = ref_head.head(bufs["unquantized"].data[lo:lo + batch]).float()
+            tok = tokens[lo : lo + batch]
+            ref_logits = ref_head.head(bufs["unquantized"].data[lo : lo + batch]).float()
             ref_logp = F.log_softmax(ref_logits, dim=-1)
             nll["unquantized"] += _nll_sum(ref_logits, tok)
             for s in names:
-                logits = quant_head.head(bufs[s].data[lo:lo + batch]).float()
+                logits = quant_head.head(bufs[s].data[lo : lo + batch]).float()
                 logp = F.log_softmax(logits, dim=-1)
                 kl[s] += (ref_logp.exp() * (ref_logp - logp)).sum(-1).double().sum().item()
                 top1[s] += int((ref_logits.argmax(-1) == logits.argmax(-1)).sum())
@@ -208,14 +224,18 @@ def teacher_forced(ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, batch: 
     ppl = {s: math.exp(v / (n * (t - 1))) for s, v in nll.items()}
     rows = [Metrics("unquantized", ppl["unquantized"], 0.0, 0.0, 1.0, None)]
     for s in names:
-        rows.append(Metrics(s, ppl[s], 100.0 * (ppl[s] / ppl["unquantized"] - 1.0), kl[s] / (n * t), top1[s] / (n * t),
-                            None))
+        rows.append(
+            Metrics(s, ppl[s], 100.0 * (ppl[s] / ppl["unquantized"] - 1.0), kl[s] / (n * t), top1[s] / (n * t), None)
+        )
     return rows
 
 
 def _nll_sum(logits: torch.Tensor, tokens: torch.Tensor) -> float:
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1),
-                           reduction="sum").double().item()
+    return (
+        F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="sum")
+        .double()
+        .item()
+    )
 
 
 PACKED = {"I32": 8, "U8": 2}  # int4 codes per int32 word (GPTQ / AWQ qweight), 4-bit codes per byte (NVFP4 / MXFP4)
@@ -235,8 +255,9 @@ def float32_bytes(ckpt_dir: Path) -> int:
     return 4 * n
 
 
-def greedy_matches(ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, prompt_len: int = 8,
-                   new_tokens: int = 32) -> dict[str, float]:
+def greedy_matches(
+    ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, prompt_len: int = 8, new_tokens: int = 32
+) -> dict[str, float]:
     """Mean greedy continuation match length per quantized row name; one whole model in memory at a time."""
     prompts = [row[:prompt_len].tolist() for row in tokens]
     model = load_model(ref_dir)
@@ -253,9 +274,16 @@ def greedy_matches(ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, prompt_
     return out
 
 
-def evaluate(ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, batch: int = 8, spill_dir: Optional[Path] = None,
-             progress: Optional[Callable[[str], None]] = None, prompt_len: int = 8,
-             new_tokens: int = 32) -> tuple[list[Metrics], Optional[str]]:
+def evaluate(
+    ref_dir: Path,
+    quant_dir: Path,
+    tokens: torch.Tensor,
+    batch: int = 8,
+    spill_dir: Optional[Path] = None,
+    progress: Optional[Callable[[str], None]] = None,
+    prompt_len: int = 8,
+    new_tokens: int = 32,
+) -> tuple[list[Metrics], Optional[str]]:
     """:func:`teacher_forced` rows plus the greedy match length when the whole float32 model fits in host memory.
 
     Either directory may be an HF checkpoint (see the module docstring): then the whole models are compared.
@@ -276,14 +304,17 @@ def evaluate(ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, batch: int = 
 
 
 @torch.no_grad()
-def whole_models(ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, batch: int = 8, prompt_len: int = 8,
-                 new_tokens: int = 32) -> list[Metrics]:
+def whole_models(
+    ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, batch: int = 8, prompt_len: int = 8, new_tokens: int = 32
+) -> list[Metrics]:
     """:func:`compare` of two directories of either kind, with the quantized model's rows as
     :func:`teacher_forced` names them (KV quantized and not); refused, naming the size, when they do not fit."""
     why = whole_model_misfit(float32_bytes(ref_dir) + 2 * float32_bytes(quant_dir))
     if why:
-        raise QuantizationError(f"{quant_dir}: comparing with {ref_dir} needs both models whole in memory, and "
-                                f"{why}; set accuracy.enabled: false")
+        raise QuantizationError(
+            f"{quant_dir}: comparing with {ref_dir} needs both models whole in memory, and "
+            f"{why}; set accuracy.enabled: false"
+        )
     quant = load_model(quant_dir)
     names = stream_names((quant.config.get("quantization") or {}).get("kv_cache_quant_algo"))
     models = {names[0]: quant}
@@ -298,15 +329,21 @@ def table(rows: list[Metrics], note: Optional[str] = None) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         greedy = "skipped" if r.greedy_match_len is None else f"{r.greedy_match_len:.2f}"
-        lines.append(f"{r.name:<24} {r.perplexity:>10.4f} {r.ppl_increase_pct:>8.3f} {r.kl_divergence:>10.6f} "
-                     f"{r.top1_agreement:>7.4f} {greedy:>13}")
+        lines.append(
+            f"{r.name:<24} {r.perplexity:>10.4f} {r.ppl_increase_pct:>8.3f} {r.kl_divergence:>10.6f} "
+            f"{r.top1_agreement:>7.4f} {greedy:>13}"
+        )
     if any(r.greedy_match_len is None for r in rows) and note:
         lines.append(f"greedy match skipped: {note}")
     return "\n".join(lines)
 
 
-def check_gate(row: Metrics, max_ppl_increase_pct: Optional[float], min_top1_agreement: Optional[float],
-               max_kl_divergence: Optional[float]) -> None:
+def check_gate(
+    row: Metrics,
+    max_ppl_increase_pct: Optional[float],
+    min_top1_agreement: Optional[float],
+    max_kl_divergence: Optional[float],
+) -> None:
     """Raise :class:`AccuracyGateError` with every failed limit and its measured number."""
     failed = []
     if max_ppl_increase_pct is not None and row.ppl_increase_pct > max_ppl_increase_pct:

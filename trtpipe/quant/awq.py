@@ -64,8 +64,9 @@ def awq_scales(
 CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # 1.0 ... 0.5
 
 
-def awq_clip(samples: torch.Tensor, w: torch.Tensor, group_size: int, ratios=CLIP_RATIOS,
-             rows_per_chunk: int = 256) -> torch.Tensor:
+def awq_clip(
+    samples: torch.Tensor, w: torch.Tensor, group_size: int, ratios=CLIP_RATIOS, rows_per_chunk: int = 256
+) -> torch.Tensor:
     """AWQ's weight-clipping search: per (output row, group) the clipped amax minimizing the error of that
     group's partial dot products on the samples, ``mean_n (x_ng . (w_og - Q(w_og)))^2``.
 
@@ -97,8 +98,13 @@ def awq_clip(samples: torch.Tensor, w: torch.Tensor, group_size: int, ratios=CLI
     return torch.cat(out)
 
 
-def expert_awq(samples: list, act_mean: list, weights: list[torch.Tensor], group_size: int,
-               round_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
+def expert_awq(
+    samples: list,
+    act_mean: list,
+    weights: list[torch.Tensor],
+    group_size: int,
+    round_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
     """AWQ of one MoE linear's experts, each searched on the tokens the router sent to it.
 
     The experts of a layer then share one pre-quant scale, the mean of the searched ones, as ModelOpt's unified

@@ -107,12 +107,14 @@ class _Observer:
             self.abssum[group] = s if group not in self.abssum else self.abssum[group] + s
             if self.keep_every:
                 self.samples.setdefault(group, []).append(x[:: self.keep_every].cpu().clone())
+
         return hook
 
     def expert_hook(self, group: str, expert: int, num_experts: int, keep_every: int):
         """max |x| of the tokens one expert receives (its input rows: the router already chose them), overall and per
         channel (W4A8: the amax of x * pqs); with AWQ also their per-channel |x| sum and every ``keep_every``-th row,
         at most ``keep_tokens`` rows (bounded memory)."""
+
         def hook(module, args):
             if group not in self.expert_amax:
                 self.expert_amax[group] = torch.zeros(num_experts)
@@ -134,6 +136,7 @@ class _Observer:
             room = self.keep_tokens - sum(k.shape[0] for k in kept)
             if room > 0:
                 kept.append(x[::keep_every][:room].cpu().clone())
+
         return hook
 
     def kv(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -148,7 +151,7 @@ def _attach(layer: DecoderLayer, obs: _Observer) -> list:
     handles = []
     prefix = f"transformer.layers.{layer.layer_idx}."
     for name, _rank, module in layer.named_linears():
-        rel = name[len(prefix):]
+        rel = name[len(prefix) :]
         if rel == "mlp.gate":  # reads the same input as mlp.fc: observe it once
             continue
         # every expert's fc / proj feeds the same group (one activation scale per MoE linear)
@@ -171,12 +174,20 @@ def _stats(obs: _Observer, tokens: int, layer_tensors: dict, settings: CalibSett
     for group, (members, _) in LINEAR_GROUPS.items():
         if group not in obs.amax:
             raise QuantizationError(f"calibration: no input observed for {group}")
-        g = GroupStats(amax=obs.amax[group], absmean=obs.abssum[group] / tokens, expert_amax=obs.expert_amax.get(group),
-                       expert_channel_amax=obs.expert_channel_amax.get(group))
+        g = GroupStats(
+            amax=obs.amax[group],
+            absmean=obs.abssum[group] / tokens,
+            expert_amax=obs.expert_amax.get(group),
+            expert_channel_amax=obs.expert_channel_amax.get(group),
+        )
         if g.expert_amax is not None and bool((g.expert_amax == 0).any()):
             idle = (g.expert_amax == 0).nonzero().flatten().tolist()
-            log.warning("calibration: no token reached expert(s) %s of %s; their input scale falls back to the "
-                        "whole MoE input's amax", idle, group)
+            log.warning(
+                "calibration: no token reached expert(s) %s of %s; their input scale falls back to the "
+                "whole MoE input's amax",
+                idle,
+                group,
+            )
         in_features = g.amax.numel()
         stacked = [m for m in members if layer_tensors.get(f"{m}.weight", torch.empty(0)).dim() == 3]
         if settings.awq_group_size and in_features % settings.awq_group_size == 0 and stacked:  # MoE experts
@@ -194,8 +205,15 @@ def _stats(obs: _Observer, tokens: int, layer_tensors: dict, settings: CalibSett
     return st
 
 
-def _expert_awq_stats(obs: _Observer, group: str, g: GroupStats, members: list[str], layer_tensors: dict,
-                      settings: CalibSettings, model_dtype: str) -> None:
+def _expert_awq_stats(
+    obs: _Observer,
+    group: str,
+    g: GroupStats,
+    members: list[str],
+    layer_tensors: dict,
+    settings: CalibSettings,
+    model_dtype: str,
+) -> None:
     """The AWQ result of a MoE linear (:func:`trtpipe.quant.awq.expert_awq`): the experts' shared pre-quant scale and
     each expert's clipped amax, stacked ``[E, out, in/g]`` per member, from the tokens routed to each expert."""
     dev, gs = settings.device, settings.awq_group_size
@@ -204,22 +222,32 @@ def _expert_awq_stats(obs: _Observer, group: str, g: GroupStats, members: list[s
     kept = obs.expert_samples.get(group, {})
     rows = obs.expert_rows.get(group, torch.zeros(num_experts))
     samples = [torch.cat(kept[e]).to(dev) if e in kept and rows[e] > 0 else None for e in range(num_experts)]
-    means = [(obs.expert_abssum[group][e] / rows[e]).to(dev) if samples[e] is not None else None
-             for e in range(num_experts)]
+    means = [
+        (obs.expert_abssum[group][e] / rows[e]).to(dev) if samples[e] is not None else None for e in range(num_experts)
+    ]
     pqs, amax, idle = expert_awq(samples, means, ws, gs, TORCH_DTYPES[model_dtype])
     if idle:
-        log.warning("calibration: no token reached expert(s) %s of %s; their AWQ weights fall back to plain "
-                    "per-group max-abs int4 scales for the layer's shared pre-quant scale", idle, group)
+        log.warning(
+            "calibration: no token reached expert(s) %s of %s; their AWQ weights fall back to plain "
+            "per-group max-abs int4 scales for the layer's shared pre-quant scale",
+            idle,
+            group,
+        )
     g.awq_pqs = pqs.cpu()
     offset = 0
     for m, w in zip(members, ws):
-        g.awq_amax[m] = torch.stack([a[offset:offset + w.shape[1]] for a in amax]).cpu()
+        g.awq_amax[m] = torch.stack([a[offset : offset + w.shape[1]] for a in amax]).cpu()
         offset += w.shape[1]
 
 
-def calibrate(source: LayerSource, tokens: torch.Tensor, settings: CalibSettings,
-              on_layer: Optional[Callable[[int, LayerStats], None]] = None,
-              progress: Optional[Callable[[str], None]] = None, spill_dir: Optional[Path] = None) -> list[LayerStats]:
+def calibrate(
+    source: LayerSource,
+    tokens: torch.Tensor,
+    settings: CalibSettings,
+    on_layer: Optional[Callable[[int, LayerStats], None]] = None,
+    progress: Optional[Callable[[str], None]] = None,
+    spill_dir: Optional[Path] = None,
+) -> list[LayerStats]:
     """Run layer-sequential calibration.
 
     Args:
@@ -239,7 +267,9 @@ def calibrate(source: LayerSource, tokens: torch.Tensor, settings: CalibSettings
     emb = source.embedding()
     for lo in range(0, n, settings.batch_size):
         # times Gemma's sqrt(hidden) (1 for other models), as the engine's embedding lookup scales it
-        buf_in.data[lo:lo + settings.batch_size] = torch.nn.functional.embedding(tokens[lo:lo + settings.batch_size], emb).float() * args.embed_scale
+        buf_in.data[lo : lo + settings.batch_size] = (
+            torch.nn.functional.embedding(tokens[lo : lo + settings.batch_size], emb).float() * args.embed_scale
+        )
     del emb
     cos_sin = {key: tuple(c.to(dev) for c in cs) for key, cs in rope_tables(args.ropes(), 0, t).items()}
     out: list[LayerStats] = []
@@ -255,8 +285,8 @@ def calibrate(source: LayerSource, tokens: torch.Tensor, settings: CalibSettings
             handles = _attach(layer, obs)
             with torch.no_grad():
                 for lo in range(0, n, settings.batch_size):
-                    x = buf_in.data[lo:lo + settings.batch_size].to(dev)
-                    buf_out.data[lo:lo + settings.batch_size] = layer(x, 0, None, cos_sin).cpu()
+                    x = buf_in.data[lo : lo + settings.batch_size].to(dev)
+                    buf_out.data[lo : lo + settings.batch_size] = layer(x, 0, None, cos_sin).cpu()
             for h in handles:
                 h.remove()
             stats = _stats(obs, n * t, tensors, settings, args.dtype)
@@ -300,7 +330,9 @@ def load_layer_stats(stats_dir: Path, i: int) -> LayerStats:
         g.awq_pqs = t.get(f"{group}.awq_pqs")
         g.expert_amax = t.get(f"{group}.expert_amax")
         g.expert_channel_amax = t.get(f"{group}.expert_channel_amax")
-        g.awq_amax = {k[len(group) + len(".awq_amax."):]: v for k, v in t.items() if k.startswith(f"{group}.awq_amax.")}
+        g.awq_amax = {
+            k[len(group) + len(".awq_amax.") :]: v for k, v in t.items() if k.startswith(f"{group}.awq_amax.")
+        }
         st.groups[group] = g
     return st
 

@@ -93,8 +93,9 @@ def token_windows(texts: list[str], tokenizer, num_samples: int, seq_len: int, w
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
-def self_samples(generate_fn: Callable[[list[list[int]], int, int], list[list[int]]], bos: int,
-                 num_samples: int, seq_len: int) -> torch.Tensor:
+def self_samples(
+    generate_fn: Callable[[list[list[int]], int, int], list[list[int]]], bos: int, num_samples: int, seq_len: int
+) -> torch.Tensor:
     """``[num_samples, seq_len]`` sequences the model samples from BOS (``generate_fn(prompts, n, seed)``)."""
     prompts = [[bos] for _ in range(num_samples)]
     new = generate_fn(prompts, seq_len - 1, 0)
@@ -106,8 +107,16 @@ def self_samples(generate_fn: Callable[[list[list[int]], int, int], list[list[in
     return torch.tensor(rows, dtype=torch.long)
 
 
-def token_batches(spec: str, resolve: Callable[[str], Path], text_field: str, tokenizer, num_samples: int,
-                  seq_len: int, generate_fn: Optional[Callable] = None, seed: int = 0) -> torch.Tensor:
+def token_batches(
+    spec: str,
+    resolve: Callable[[str], Path],
+    text_field: str,
+    tokenizer,
+    num_samples: int,
+    seq_len: int,
+    generate_fn: Optional[Callable] = None,
+    seed: int = 0,
+) -> torch.Tensor:
     """Tokens for a recipe data spec (a path or ``self``)."""
     if spec == "self":
         if generate_fn is None:
@@ -119,8 +128,9 @@ def token_batches(spec: str, resolve: Callable[[str], Path], text_field: str, to
 
 
 @torch.no_grad()
-def batched_decode(model, prompts: torch.Tensor, new_tokens: int, temperature: float = 0.0,
-                   seed: int = 0) -> torch.Tensor:
+def batched_decode(
+    model, prompts: torch.Tensor, new_tokens: int, temperature: float = 0.0, seed: int = 0
+) -> torch.Tensor:
     """Decode ``new_tokens`` for equal-length ``prompts [B, P]`` in one batch (no end ids): ``[B, new_tokens]``.
 
     Greedy at temperature 0, else sampling from the full softmax with a seeded generator. One batched forward

@@ -24,5 +24,7 @@ def whole_model_misfit(float32_bytes: int, available: Optional[int] = None) -> O
     avail = psutil.virtual_memory().available if available is None else available
     if float32_bytes <= FIT_FRACTION * avail:
         return None
-    return (f"the whole model in float32 ({gib(float32_bytes)}) does not fit in host memory "
-            f"({gib(avail)} available; at most {FIT_FRACTION:.0%} of it is used for a whole model)")
+    return (
+        f"the whole model in float32 ({gib(float32_bytes)}) does not fit in host memory "
+        f"({gib(avail)} available; at most {FIT_FRACTION:.0%} of it is used for a whole model)"
+    )

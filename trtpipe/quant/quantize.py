@@ -14,8 +14,15 @@ from typing import Callable, Optional
 
 import torch
 
-from trtpipe.checkpoint.quant_layouts import (KV_ALGOS, LINEAR_GROUPS, SHARED_BY_EXPERTS, STYLE, TENSOR_DTYPES,
-                                             Algo, group_granularity)
+from trtpipe.checkpoint.quant_layouts import (
+    KV_ALGOS,
+    LINEAR_GROUPS,
+    SHARED_BY_EXPERTS,
+    STYLE,
+    TENSOR_DTYPES,
+    Algo,
+    group_granularity,
+)
 from trtpipe.formats.primitives import choose_qparams, observe_amax, pack_int4_rows, quantize
 from trtpipe.checkpoint.shard import Layout, split_experts, split_linear_tensor
 from trtpipe.errors import QuantizationError
@@ -67,9 +74,15 @@ class LayerStats:
     v_amax: Optional[torch.Tensor] = None  # [1]
 
 
-def layer_params(algo: Algo, weights: dict[str, torch.Tensor], stats: LayerStats, group_size: int,
-                 alpha: float, excluded: Callable[[str], bool],
-                 model_dtype: str = "float32") -> dict[str, dict[str, torch.Tensor]]:
+def layer_params(
+    algo: Algo,
+    weights: dict[str, torch.Tensor],
+    stats: LayerStats,
+    group_size: int,
+    alpha: float,
+    excluded: Callable[[str], bool],
+    model_dtype: str = "float32",
+) -> dict[str, dict[str, torch.Tensor]]:
     """Unsharded quantization parameters of one layer's linears.
 
     Args:
@@ -93,9 +106,11 @@ def layer_params(algo: Algo, weights: dict[str, torch.Tensor], stats: LayerStats
         if stacked and (gran == "channel" or (algo.prequant == "awq" and (st is None or st.awq_pqs is None))):
             # stacked experts [E, out, in]: per tensor (fp8, a scale per expert) or int4 per group with one pre-quant
             # scale shared by the experts (AWQ: the per-expert search calibration runs on the routed tokens)
-            raise QuantizationError(f"{members[0]}: MoE experts take fp8 (per-expert scales), int4_wo, or int4_awq / "
-                                    "w4a8_awq with AWQ statistics calibrated on the tokens routed to each expert "
-                                    "(re-run calibration with the AWQ group size)")
+            raise QuantizationError(
+                f"{members[0]}: MoE experts take fp8 (per-expert scales), int4_wo, or int4_awq / "
+                "w4a8_awq with AWQ statistics calibrated on the tokens routed to each expert "
+                "(re-run calibration with the AWQ group size)"
+            )
         pqs = _prequant(algo, ws, st, group_size, alpha)
         if pqs is not None:
             pqs = pqs.to(TORCH_DTYPES[model_dtype]).float()
@@ -109,33 +124,40 @@ def layer_params(algo: Algo, weights: dict[str, torch.Tensor], stats: LayerStats
             elif st is not None and m in st.awq_amax and algo.prequant == "awq":
                 amax = st.awq_amax[m]  # clipped by the AWQ search, for this same W / pqs ([E, out, in/g] experts)
                 if amax.shape != (*w.shape[:-1], w.shape[-1] // gran):
-                    raise QuantizationError(f"{m}: AWQ statistics were collected for another group size "
-                                            f"({list(amax.shape)} scales); re-run calibration for group_size {gran}")
+                    raise QuantizationError(
+                        f"{m}: AWQ statistics were collected for another group size "
+                        f"({list(amax.shape)} scales); re-run calibration for group_size {gran}"
+                    )
             else:
                 if gran not in ("tensor", "channel") and w.shape[-1] % gran:
-                    raise QuantizationError(f"{m}: in_features {w.shape[-1]} is not a multiple of group_size {gran} "
-                                            f"(add '*{m}' to quantization.exclude or pick another group_size)")
+                    raise QuantizationError(
+                        f"{m}: in_features {w.shape[-1]} is not a multiple of group_size {gran} "
+                        f"(add '*{m}' to quantization.exclude or pick another group_size)"
+                    )
                 amax = observe_amax(w, gran)
             p = {"weight": w, "weights_scaling_factor": choose_qparams(amax, algo.weight_fmt)}
             if pqs is not None:
                 p["prequant_scaling_factor"] = pqs
             if algo.act_fmt and stacked and pqs is not None:  # W4A8 experts: each from its routed tokens
-                p["activation_scaling_factor"] = choose_qparams(st.expert_smoothed_amax(pqs).reshape(-1, 1),
-                                                                algo.act_fmt)
+                p["activation_scaling_factor"] = choose_qparams(
+                    st.expert_smoothed_amax(pqs).reshape(-1, 1), algo.act_fmt
+                )
             elif algo.act_fmt:
                 a = smoothed_act_amax(st.amax, pqs) if pqs is not None else st.amax.amax().reshape(1)
                 p["activation_scaling_factor"] = choose_qparams(a, algo.act_fmt)
             if algo.weight_scale_2 and stacked:  # [E, 1]: each expert's, shared by its members (up and gate)
                 p["weights_scaling_factor_2"] = choose_qparams(
-                    torch.stack([observe_amax(v, "expert") for v in ws]).amax(0), "fp8")
+                    torch.stack([observe_amax(v, "expert") for v in ws]).amax(0), "fp8"
+                )
             elif algo.weight_scale_2:
                 p["weights_scaling_factor_2"] = choose_qparams(shared_amax, "fp8")
             out[m] = p
     return out
 
 
-def _prequant(algo: Algo, ws: list[torch.Tensor], st: Optional[GroupStats], group_size: int,
-              alpha: float) -> Optional[torch.Tensor]:
+def _prequant(
+    algo: Algo, ws: list[torch.Tensor], st: Optional[GroupStats], group_size: int, alpha: float
+) -> Optional[torch.Tensor]:
     if algo.prequant is None:
         return None
     if algo.prequant == "unit":
@@ -154,8 +176,11 @@ def kv_scales(kv: str, stats: LayerStats) -> dict[str, torch.Tensor]:
     a = KV_ALGOS[kv]
     k = choose_qparams(stats.k_amax.reshape(1), a.fmt).clamp_min(a.min_scale)
     v = choose_qparams(stats.v_amax.reshape(1), a.fmt).clamp_min(a.min_scale)
-    return {"attention.k_cache_scaling_factor": k, "attention.v_cache_scaling_factor": v,
-            "attention.kv_cache_scaling_factor": torch.maximum(k, v)}
+    return {
+        "attention.k_cache_scaling_factor": k,
+        "attention.v_cache_scaling_factor": v,
+        "attention.kv_cache_scaling_factor": torch.maximum(k, v),
+    }
 
 
 # stacked experts: the tensors every expert of a layer shares (SHARED_BY_EXPERTS: [in], no expert axis, AWQ's
@@ -165,8 +190,9 @@ def kv_scales(kv: str, stats: LayerStats) -> dict[str, torch.Tensor]:
 SPLIT_WITH_EXPERT_WEIGHT = ("weight", "weights_scaling_factor", "prequant_scaling_factor")
 
 
-def shard_params(name: str, p: dict[str, torch.Tensor], rank: int, layout: Layout,
-                 intermediate_size: int = 0) -> dict[str, torch.Tensor]:
+def shard_params(
+    name: str, p: dict[str, torch.Tensor], rank: int, layout: Layout, intermediate_size: int = 0
+) -> dict[str, torch.Tensor]:
     """One rank's float weight and scales, split by the checkpoint's own plan (``checkpoint.shard``):
     per-tensor replicated, per-channel with the rows, groups like the weight, pre-quant scale with the input.
     Stacked experts: this rank's experts (moe_ep), then the weight's moe_tp slice ([w3; w1] halves for fc);
@@ -204,8 +230,15 @@ def finalize(algo: Algo, p: dict[str, torch.Tensor], group_size: int, model_dtyp
     return out
 
 
-def rank_tensors(algo: Algo, params: dict[str, dict[str, torch.Tensor]], rank: int, layout: Layout,
-                 group_size: int, model_dtype: str, intermediate_size: int = 0) -> dict[str, torch.Tensor]:
+def rank_tensors(
+    algo: Algo,
+    params: dict[str, dict[str, torch.Tensor]],
+    rank: int,
+    layout: Layout,
+    group_size: int,
+    model_dtype: str,
+    intermediate_size: int = 0,
+) -> dict[str, torch.Tensor]:
     """``{"<linear>.<suffix>": tensor}`` of one rank for every quantized linear of a layer."""
     out = {}
     for name, p in params.items():
@@ -213,5 +246,3 @@ def rank_tensors(algo: Algo, params: dict[str, dict[str, torch.Tensor]], rank: i
         for key, t in finalize(algo, shard, group_size, model_dtype).items():
             out[f"{name}.{key}"] = t
     return out
-
-

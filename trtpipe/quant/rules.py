@@ -48,8 +48,9 @@ def per_rank(name: str, out_f: int, in_f: int, tp: int) -> tuple[int, int]:
     return (out_f // tp, in_f) if STYLE[name] == "column" else (out_f, in_f // tp)
 
 
-def int4_problems(m: ModelDims, tp: int, group_size: int, moe_tp: Optional[int] = None,
-                  row_pairs: bool = True) -> dict[str, str]:
+def int4_problems(
+    m: ModelDims, tp: int, group_size: int, moe_tp: Optional[int] = None, row_pairs: bool = True
+) -> dict[str, str]:
     """linear -> why it cannot be int4 at this tp and group size (empty: all fine); a MoE model's experts are split
     by ``moe_tp`` (default: tp). ``row_pairs``: the codes pack two output rows a byte (INT4 AWQ), so each rank's
     rows must be even (NVFP4 packs along the inputs, which whole groups already keep even)."""
@@ -58,8 +59,10 @@ def int4_problems(m: ModelDims, tp: int, group_size: int, moe_tp: Optional[int] 
         split = moe_tp if m.is_moe and name.startswith("mlp.") and moe_tp else tp
         o_r, i_r = per_rank(name, o, i, split)
         if i_r % group_size:
-            bad[name] = f"in_features {i_r}{' per rank' if split > 1 and STYLE[name] == 'row' else ''} " \
-                        f"is not a multiple of group_size {group_size}"
+            bad[name] = (
+                f"in_features {i_r}{' per rank' if split > 1 and STYLE[name] == 'row' else ''} "
+                f"is not a multiple of group_size {group_size}"
+            )
         elif o_r % 2 and row_pairs:
             bad[name] = f"{o_r} output rows per rank is odd (int4 packs row pairs)"
     return bad
@@ -79,11 +82,16 @@ def _moe_engine(recipe: Recipe, m: ModelDims) -> Iterable[Finding]:
     q = recipe.quantization
     if q.algo in MOE_ENGINE_REFUSED:
         why = MOE_ENGINE_REFUSED[q.algo]
-        yield "quantization.algo", (
-            f"{q.algo} for mixture-of-experts models is written only for target: llmapi ({why}); set target: llmapi, "
-            "or use int4_awq or fp8" if q.algo == "w4a8_awq" else
-            f"{q.algo} is not supported for mixture-of-experts models on target engine: {why}; use int4_awq, fp8 or "
-            "none, or w4a8_awq with target: llmapi")
+        yield (
+            "quantization.algo",
+            (
+                f"{q.algo} for mixture-of-experts models is written only for target: llmapi ({why}); set target: llmapi, "
+                "or use int4_awq or fp8"
+                if q.algo == "w4a8_awq"
+                else f"{q.algo} is not supported for mixture-of-experts models on target engine: {why}; use int4_awq, fp8 or "
+                "none, or w4a8_awq with target: llmapi"
+            ),
+        )
         return
     for i in range(m.num_layers):
         names = [f"transformer.layers.{i}.{n}" for n in MOE_MODULES]
@@ -91,10 +99,14 @@ def _moe_engine(recipe: Recipe, m: ModelDims) -> Iterable[Finding]:
         if len({bool(v) for v in hit.values()}) > 1:
             which = ", ".join(f"{n} ({', '.join(map(repr, v))})" for n, v in hit.items() if v)
             rest = ", ".join(n for n, v in hit.items() if not v)
-            yield "quantization.exclude", (
-                f"the patterns exclude {which} but not {rest}: TensorRT-LLM quantizes a mixture-of-experts layer as "
-                "one module (an excluded transformer.layers.N.mlp is rebuilt unquantized, its experts fc and proj "
-                "with it), so exclude all three (e.g. '*mlp*') or none")
+            yield (
+                "quantization.exclude",
+                (
+                    f"the patterns exclude {which} but not {rest}: TensorRT-LLM quantizes a mixture-of-experts layer as "
+                    "one module (an excluded transformer.layers.N.mlp is rebuilt unquantized, its experts fc and proj "
+                    "with it), so exclude all three (e.g. '*mlp*') or none"
+                ),
+            )
             return
 
 
@@ -121,17 +133,19 @@ def _quant_layout(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
         return
     # the engine's group-wise GEMM runs only some group sizes (the scheme table's group_sizes)
     sizes = BY_RECIPE[q.algo].group_sizes_for(recipe.target)
-    remaining = {g: sorted(n for n in int4_problems(m, tp, g, moe_tp) if not _excluded(n, q.exclude))
-                 for g in sizes}
+    remaining = {g: sorted(n for n in int4_problems(m, tp, g, moe_tp) if not _excluded(n, q.exclude)) for g in sizes}
     best = min(sizes, key=lambda g: (len(remaining[g]), -g))
     parts = [f"group_size {best}"] if best != q.group_size else []
     experts = [n for n in remaining[best] if m.is_moe and n.startswith("mlp.")]  # not excludable (_moe_engine)
     if len(experts) < len(remaining[best]):
-        parts.append("add " + ", ".join(repr("*" + n) for n in remaining[best] if n not in experts)
-                     + " to quantization.exclude")
+        parts.append(
+            "add " + ", ".join(repr("*" + n) for n in remaining[best] if n not in experts) + " to quantization.exclude"
+        )
     if experts:
-        parts.append(f"a moe_tp that leaves {', '.join(experts)} whole groups and even rows per rank (more "
-                     "parallel.moe_ep), or fp8")
+        parts.append(
+            f"a moe_tp that leaves {', '.join(experts)} whole groups and even rows per rank (more "
+            "parallel.moe_ep), or fp8"
+        )
     fix = " and ".join(parts)
     for name, why in bad.items():
         yield "quantization.group_size", f"{q.algo} at tp={tp}: {name} {why}; fix: {fix}"
@@ -152,8 +166,10 @@ def _self_data_fits(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]
     why = whole_model_misfit(4 * num_params(m)) if keys else None
     if why:
         for key in keys:
-            yield key, (f"'self' samples text from the whole model, and {why}; "
-                        "name a .txt, .jsonl or .json dataset instead")
+            yield (
+                key,
+                (f"'self' samples text from the whole model, and {why}; name a .txt, .jsonl or .json dataset instead"),
+            )
 
 
 QUANT_RULES: tuple[Rule, ...] = (_quant_layout, _self_data_fits)

@@ -33,7 +33,6 @@ from trtpipe.runtime.model import ModelArgs
 ST_TO_TORCH = {v: k for k, v in TORCH_TO_ST.items()}
 
 
-
 class CheckpointLayers:
     """A TRT-LLM checkpoint of any tp/pp, quantized or not, read one layer at a time: each layer's tensors come
     from its PP group's rank files (``pread``, no mapping stays resident), per tp rank as stored."""
@@ -42,8 +41,11 @@ class CheckpointLayers:
         self.dir = Path(ckpt_dir)
         self.config, quant_cfg = read_config(self.dir)
         self.full = ModelArgs.from_config(self.config, quant_cfg)
-        self._where = {i: (p, local) for p in range(self.full.pp)
-                       for local, i in enumerate(pp_layers(self.full.num_layers, self.full.pp, p))}
+        self._where = {
+            i: (p, local)
+            for p in range(self.full.pp)
+            for local, i in enumerate(pp_layers(self.full.num_layers, self.full.pp, p))
+        }
 
     def ranks(self, p: int, prefix: str | tuple[str, ...], to_float: bool = False) -> list[dict[str, torch.Tensor]]:
         """Tensors whose names start with ``prefix`` (full names) of every tp rank of PP rank ``p``."""
@@ -54,7 +56,7 @@ class CheckpointLayers:
         """Global layer ``i`` as every tp rank stores it, names relative to the layer (what DecoderLayer takes)."""
         p, local = self._where[i]
         prefix = f"transformer.layers.{local}."
-        return [{k[len(prefix):]: t for k, t in r.items()} for r in self.ranks(p, prefix, to_float)]
+        return [{k[len(prefix) :]: t for k, t in r.items()} for r in self.ranks(p, prefix, to_float)]
 
 
 class TrtllmSource(CheckpointLayers):
@@ -122,15 +124,27 @@ def _unsplit_experts(name: str, shards: list[torch.Tensor], a: ModelArgs) -> tor
 
 def excluded_fn(patterns: list[str], layer_idx: int) -> Callable[[str], bool]:
     """linear name (relative) -> whether the recipe's exclude patterns keep it unquantized."""
+
     def fn(name: str) -> bool:
         full = f"transformer.layers.{layer_idx}.{name}"
         return any(fnmatch.fnmatchcase(full, p) for p in patterns)
+
     return fn
 
 
-def quantize_checkpoint(base_dir: Path, source: LayerSource, stats_dir: Optional[Path], out_dir: Path, *,
-                        algo: str, kv_cache: str, group_size: int, alpha: float, exclude: list[str],
-                        progress: Optional[Callable[[str], None]] = None) -> dict:
+def quantize_checkpoint(
+    base_dir: Path,
+    source: LayerSource,
+    stats_dir: Optional[Path],
+    out_dir: Path,
+    *,
+    algo: str,
+    kv_cache: str,
+    group_size: int,
+    alpha: float,
+    exclude: list[str],
+    progress: Optional[Callable[[str], None]] = None,
+) -> dict:
     """Write ``config.json`` and ``rank{N}.safetensors`` of the quantized checkpoint into ``out_dir``.
 
     Memory: one layer (all its tp shards) at a time; each finished layer goes to a part file, and the rank
@@ -150,24 +164,61 @@ def quantize_checkpoint(base_dir: Path, source: LayerSource, stats_dir: Optional
     a = ALGOS.get(algo)
     kept = get_family(cfg["architecture"]).kept_unquantized if cfg.get("architecture") in REGISTRY else ()
     exclude = list(exclude) + [p for p in kept if p not in exclude]
-    layout = Layout(args.num_heads, args.num_kv_heads, args.head_size, args.tp, num_experts=args.num_experts,
-                    moe_tp=args.moe_tp, moe_ep=args.moe_ep)
+    layout = Layout(
+        args.num_heads,
+        args.num_kv_heads,
+        args.head_size,
+        args.tp,
+        num_experts=args.num_experts,
+        moe_tp=args.moe_tp,
+        moe_ep=args.moe_ep,
+    )
     stats_needed = needs_calibration_data(algo, kv_cache)
     if stats_needed and stats_dir is None:
         raise QuantizationError(f"quantization.algo={algo} kv_cache={kv_cache} needs calibration statistics")
     parts = out_dir / ".parts"
     parts.mkdir(parents=True, exist_ok=True)
     try:
-        cfg["quantization"] = _write_ranks(base_dir, source, stats_dir, out_dir, parts, args, a, layout, stats_needed,
-                                           algo, kv_cache, group_size, alpha, exclude, progress)
+        cfg["quantization"] = _write_ranks(
+            base_dir,
+            source,
+            stats_dir,
+            out_dir,
+            parts,
+            args,
+            a,
+            layout,
+            stats_needed,
+            algo,
+            kv_cache,
+            group_size,
+            alpha,
+            exclude,
+            progress,
+        )
     finally:
         shutil.rmtree(parts, ignore_errors=True)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=4) + "\n")
     return cfg
 
 
-def _write_ranks(base_dir, source, stats_dir, out_dir, parts, args, a, layout, stats_needed, algo, kv_cache,
-                 group_size, alpha, exclude, progress) -> dict:
+def _write_ranks(
+    base_dir,
+    source,
+    stats_dir,
+    out_dir,
+    parts,
+    args,
+    a,
+    layout,
+    stats_needed,
+    algo,
+    kv_cache,
+    group_size,
+    alpha,
+    exclude,
+    progress,
+) -> dict:
     """Every layer into part files, then each rank file assembled; returns the config's quantization dict."""
     part_files: dict[int, list[Path]] = {}
     for p in range(args.pp):
@@ -189,9 +240,14 @@ def _write_ranks(base_dir, source, stats_dir, out_dir, parts, args, a, layout, s
                     for k in [k for k in layer if k.startswith(prefix + m + ".") and not k.endswith(".bias")]:
                         del layer[k]
                 if params:
-                    layer.update({prefix + k: t for k, t in
-                                  rank_tensors(a, params, r, layout, group_size, args.dtype,
-                                                               args.intermediate_size).items()})
+                    layer.update(
+                        {
+                            prefix + k: t
+                            for k, t in rank_tensors(
+                                a, params, r, layout, group_size, args.dtype, args.intermediate_size
+                            ).items()
+                        }
+                    )
                 if kv_cache != "none":
                     layer.update({prefix + k: t for k, t in kv_scales(kv_cache, stats).items()})
                 path = parts / f"rank{rank}.layer{local}.safetensors"
@@ -199,8 +255,7 @@ def _write_ranks(base_dir, source, stats_dir, out_dir, parts, args, a, layout, s
                 part_files.setdefault(rank, []).append(path)
             del params
     for rank in range(args.tp * args.pp):
-        _assemble(base_dir / f"rank{rank}.safetensors", part_files.get(rank, []),
-                  out_dir / f"rank{rank}.safetensors")
+        _assemble(base_dir / f"rank{rank}.safetensors", part_files.get(rank, []), out_dir / f"rank{rank}.safetensors")
     return quantization_config(algo, kv_cache, group_size, exclude)
 
 
@@ -221,7 +276,11 @@ def read_tensors(path: Path, prefix: str | tuple[str, ...] = "", to_float: bool 
             buf = bytearray(end - begin)
             f.seek(8 + n + begin)
             f.readinto(buf)
-            t = torch.frombuffer(buf, dtype=ST_TO_TORCH[e["dtype"]]) if buf else torch.empty(0, dtype=ST_TO_TORCH[e["dtype"]])
+            t = (
+                torch.frombuffer(buf, dtype=ST_TO_TORCH[e["dtype"]])
+                if buf
+                else torch.empty(0, dtype=ST_TO_TORCH[e["dtype"]])
+            )
             t = t.view(e["shape"])
             out[name] = t.float() if to_float else t
             del buf

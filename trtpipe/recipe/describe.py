@@ -96,7 +96,9 @@ def _type_name(annotation: Any) -> str:
         return f"list of {_type_name(args[0])}"
     if origin is dict:
         return "mapping"
-    return {int: "int", float: "float", str: "string", bool: "bool"}.get(annotation, getattr(annotation, "__name__", "?"))
+    return {int: "int", float: "float", str: "string", bool: "bool"}.get(
+        annotation, getattr(annotation, "__name__", "?")
+    )
 
 
 def _bounds(field) -> str:
@@ -125,8 +127,10 @@ def reference_markdown() -> str:
             else:
                 value = field.get_default(call_default_factory=True)
                 default = f"`{_flow(value)}`"
-            rows.append(f"| `{prefix}{name}` | {_type_name(field.annotation)} | {default} | {_bounds(field)} "
-                        f"| {field.description or ''} |")
+            rows.append(
+                f"| `{prefix}{name}` | {_type_name(field.annotation)} | {default} | {_bounds(field)} "
+                f"| {field.description or ''} |"
+            )
         if rows:
             out.append(f"\n### `{prefix.rstrip('.') or 'top level'}`\n")
             out.append("| Key | Type | Default | Range | Meaning |\n|---|---|---|---|---|")

@@ -28,10 +28,12 @@ def knobs(max_batch_size: int, kv: KVCacheSection, triton: TritonSection, servin
     ``max_queue_size`` is the OpenAI twin's bound (``serving.max_queue_size``, -1: 8 per batch slot); the Triton
     twin's is Triton's own ``dynamic_batching`` queue (``triton.max_queue_size``)."""
     queue = serving.max_queue_size
-    return {"capacity_policy": triton.scheduler_policy,
-            "enable_kv_cache_reuse": kv.enable_reuse,
-            "max_queue_size": DEFAULT_QUEUE_PER_SLOT * max_batch_size if queue < 0 else queue,
-            "request_timeout_s": serving.request_timeout_s}
+    return {
+        "capacity_policy": triton.scheduler_policy,
+        "enable_kv_cache_reuse": kv.enable_reuse,
+        "max_queue_size": DEFAULT_QUEUE_PER_SLOT * max_batch_size if queue < 0 else queue,
+        "request_timeout_s": serving.request_timeout_s,
+    }
 
 
 def executor_knobs(recipe: Recipe) -> dict[str, Any]:

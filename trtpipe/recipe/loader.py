@@ -107,10 +107,12 @@ def _parse(name: str, text: str) -> tuple[Any, dict[Loc, tuple[int, int]]]:
         root = loader.get_single_node()
         positions, duplicates = _walk(root) if root is not None else ({}, [])
         if duplicates:
-            raise RecipeError([
-                Problem(name, *_pos(dup), ".".join(loc), f"duplicate key (first at line {_pos(first)[0]})")
-                for loc, dup, first in sorted(duplicates, key=lambda d: _pos(d[1]))
-            ])
+            raise RecipeError(
+                [
+                    Problem(name, *_pos(dup), ".".join(loc), f"duplicate key (first at line {_pos(first)[0]})")
+                    for loc, dup, first in sorted(duplicates, key=lambda d: _pos(d[1]))
+                ]
+            )
         data = loader.construct_document(root) if root is not None else None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark

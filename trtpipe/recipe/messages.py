@@ -151,7 +151,12 @@ def message(err: dict, loc: Loc) -> str:
         return f"{show(value)} is not allowed{_allowed(loc)}"
     if kind in _NEEDS:
         return f"must be {_SHAPES.get(loc[-2:], _NEEDS[kind])}{got}"
-    bounds = {"greater_than_equal": ("≥", "ge"), "less_than_equal": ("≤", "le"), "greater_than": (">", "gt"), "less_than": ("<", "lt")}
+    bounds = {
+        "greater_than_equal": ("≥", "ge"),
+        "less_than_equal": ("≤", "le"),
+        "greater_than": (">", "gt"),
+        "less_than": ("<", "lt"),
+    }
     if kind in bounds:
         sign, key = bounds[kind]
         return f"must be {sign} {ctx.get(key)}{got}"

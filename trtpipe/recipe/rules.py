@@ -70,7 +70,7 @@ def _hf_config_dir(uri: str) -> Path:
 
 
 def _strip_key(message: str) -> str:
-    return message[len("model.source: "):] if message.startswith("model.source: ") else message
+    return message[len("model.source: ") :] if message.startswith("model.source: ") else message
 
 
 def load_model_info(recipe: Recipe) -> tuple[Optional[ModelDims], list[Finding]]:
@@ -136,8 +136,11 @@ def _parallel_layout(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding
     if m.num_kv_heads >= p.tp and m.num_kv_heads % p.tp:
         yield "parallel.tp", f"the model's {m.num_kv_heads} KV heads do not divide by tp={p.tp}"
     if m.num_kv_heads < p.tp and p.tp % m.num_kv_heads:
-        yield "parallel.tp", (
-            f"tp={p.tp} is not a multiple of the model's {m.num_kv_heads} KV heads (KV heads are replicated tp/kv times)"
+        yield (
+            "parallel.tp",
+            (
+                f"tp={p.tp} is not a multiple of the model's {m.num_kv_heads} KV heads (KV heads are replicated tp/kv times)"
+            ),
         )
     if m.num_layers < p.pp:
         yield "parallel.pp", f"pp={p.pp} exceeds the model's {m.num_layers} layers"
@@ -166,28 +169,43 @@ def _engine_limits(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
     elif e.max_seq_len is None and m is not None and recipe.written("engine.max_input_len"):
         limit = deduced_max_seq_len(m)
         if e.max_input_len > limit:
-            yield "engine.max_input_len", (
-                f"{e.max_input_len} exceeds the max_seq_len {limit} deduced from the model (trtllm-build would clip it); "
-                "set engine.max_seq_len or lower max_input_len"
+            yield (
+                "engine.max_input_len",
+                (
+                    f"{e.max_input_len} exceeds the max_seq_len {limit} deduced from the model (trtllm-build would clip it); "
+                    "set engine.max_seq_len or lower max_input_len"
+                ),
             )
     if e.workers > recipe.parallel.world_size:
-        yield "engine.workers", (
-            f"{e.workers} workers for {recipe.parallel.world_size} engine(s) (tp*pp); trtllm-build caps workers at that"
+        yield (
+            "engine.workers",
+            (
+                f"{e.workers} workers for {recipe.parallel.world_size} engine(s) (tp*pp); trtllm-build caps workers at that"
+            ),
         )
     if recipe.triton.max_batch_size > e.max_batch_size and recipe.target == "engine":  # llmapi: Triton does not batch
         key = _written(recipe, "triton.max_batch_size", "engine.max_batch_size")
-        yield key, f"triton.max_batch_size {recipe.triton.max_batch_size} exceeds engine.max_batch_size {e.max_batch_size}"
+        yield (
+            key,
+            f"triton.max_batch_size {recipe.triton.max_batch_size} exceeds engine.max_batch_size {e.max_batch_size}",
+        )
     if e.kv_cache.enable_reuse and recipe.quantization.kv_cache == "int8":
         # INT8 KV turns paged context FMHA off, and the runtime then drops reuse silently
         # (docs/reference/trtllm-build.md#builder-enforced-combinations, #kv-cache-memory).
         if recipe.written("engine.kv_cache.enable_reuse"):
-            yield "engine.kv_cache.enable_reuse", (
-                "KV reuse needs paged context FMHA, which INT8 KV cache disables; use kv_cache: fp8 or enable_reuse: false"
+            yield (
+                "engine.kv_cache.enable_reuse",
+                (
+                    "KV reuse needs paged context FMHA, which INT8 KV cache disables; use kv_cache: fp8 or enable_reuse: false"
+                ),
             )
         else:
-            yield "quantization.kv_cache", (
-                "int8 KV cache disables paged context FMHA and with it KV reuse (engine.kv_cache.enable_reuse "
-                "defaults to true); use kv_cache: fp8 or set engine.kv_cache.enable_reuse: false"
+            yield (
+                "quantization.kv_cache",
+                (
+                    "int8 KV cache disables paged context FMHA and with it KV reuse (engine.kv_cache.enable_reuse "
+                    "defaults to true); use kv_cache: fp8 or set engine.kv_cache.enable_reuse: false"
+                ),
             )
 
 

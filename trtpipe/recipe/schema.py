@@ -48,15 +48,19 @@ def _path_text(v: str) -> str:
 
 
 class ModelSection(_Section):
-    source: str = Field(description="Local Hugging Face model directory (relative to the recipe), or hf://org/name[@revision].")
+    source: str = Field(
+        description="Local Hugging Face model directory (relative to the recipe), or hf://org/name[@revision]."
+    )
     dtype: DType = Field("auto", description="Model dtype; auto follows TensorRT-LLM (float32 sources become float16).")
     trust_remote_code: bool = Field(False, description="Allow running code shipped with the checkpoint.")
     allow_pickle: bool = Field(False, description="Allow .bin (pickle) checkpoints; loaded with weights_only=True.")
     allow_lossy_import: list[LossyImportStep] = Field(
-        default_factory=list, description="Lossy steps accepted when a pre-quantized source is converted for target "
+        default_factory=list,
+        description="Lossy steps accepted when a pre-quantized source is converted for target "
         "engine: fp8_requantize (fused q/k/v or gate/up FP8 members with different scales requantized to the max), "
         "zero_point_rounding (zero-point INT4's zero rounded to the model dtype). Default: none; validate names "
-        "the step a source needs.")
+        "the step a source needs.",
+    )
 
     @field_validator("source")
     @classmethod
@@ -68,7 +72,9 @@ class ModelSection(_Section):
 
 
 class CalibrationSection(_Section):
-    dataset: str = Field("self", description="A .txt/.jsonl/.json file or directory, or 'self' (text the model generates).")
+    dataset: str = Field(
+        "self", description="A .txt/.jsonl/.json file or directory, or 'self' (text the model generates)."
+    )
     text_field: str = Field("text", min_length=1, description="Field holding the text in .jsonl/.json records.")
     num_samples: int = Field(64, ge=1, le=100_000, description="Calibration samples.")
     seq_len: int = Field(256, ge=8, le=131_072, description="Tokens per calibration sample.")
@@ -121,14 +127,15 @@ class ParallelSection(_Section):
         return v
 
 
-
-
 class PluginsSection(_Section):
     preset: str = Field(
-        "auto", pattern=r"^[A-Za-z0-9][\w.-]*$", description="A preset from plugins/ (auto: chosen from the GPU and precision)."
+        "auto",
+        pattern=r"^[A-Za-z0-9][\w.-]*$",
+        description="A preset from plugins/ (auto: chosen from the GPU and precision).",
     )
     overrides: dict[str, object] = Field(
-        default_factory=dict, description="PluginConfig fields to override (scalars: dtype names, enable/disable, numbers)."
+        default_factory=dict,
+        description="PluginConfig fields to override (scalars: dtype names, enable/disable, numbers).",
     )
 
     @field_validator("overrides")
@@ -142,7 +149,9 @@ class PluginsSection(_Section):
 
 class KVCacheSection(_Section):
     tokens_per_block: int = Field(32, description="Paged KV block size in tokens (power of two).")
-    free_gpu_memory_fraction: float = Field(0.9, gt=0.0, lt=1.0, description="Share of free GPU memory for the KV pool.")
+    free_gpu_memory_fraction: float = Field(
+        0.9, gt=0.0, lt=1.0, description="Share of free GPU memory for the KV pool."
+    )
     max_tokens: Optional[int] = Field(None, ge=1, le=INT32_MAX, description="Cap on KV-cache tokens (default: no cap).")
     enable_reuse: bool = Field(True, description="Reuse KV blocks of shared prefixes.")
     host_memory_bytes: int = Field(0, ge=0, le=2**48, description="Host memory for KV offload (0: none).")
@@ -160,7 +169,10 @@ class EngineSection(_Section):
     max_batch_size: int = Field(64, ge=1, le=4096, description="Largest runtime batch.")
     max_input_len: int = Field(1024, ge=1, le=INT32_MAX, description="Longest prompt in tokens.")
     max_seq_len: Optional[int] = Field(
-        None, ge=2, le=INT32_MAX, description="Prompt + output tokens. Default: deduced from the model as trtllm-build does."
+        None,
+        ge=2,
+        le=INT32_MAX,
+        description="Prompt + output tokens. Default: deduced from the model as trtllm-build does.",
     )
     max_num_tokens: int = Field(8192, ge=1, le=INT32_MAX, description="Tokens per engine step (packed batch).")
     max_beam_width: int = Field(1, ge=1, le=16, description="Beam-search width (1: no beam search).")
@@ -179,12 +191,20 @@ class AccuracySection(_Section):
     eval_data: str = Field("self", description="Held-out text file/dir for perplexity, or 'self'.")
     num_samples: int = Field(16, ge=1, le=100_000, description="Evaluation samples.")
     seq_len: int = Field(128, ge=8, le=131_072, description="Tokens per evaluation sample.")
-    max_ppl_increase_pct: Optional[float] = Field(None, ge=0.0, description="Fail the build above this perplexity increase (%).")
-    min_top1_agreement: Optional[float] = Field(None, ge=0.0, le=1.0, description="Fail below this top-1 token agreement (0..1).")
-    max_kl_divergence: Optional[float] = Field(None, ge=0.0, description="Fail above this mean KL divergence (nats/token).")
+    max_ppl_increase_pct: Optional[float] = Field(
+        None, ge=0.0, description="Fail the build above this perplexity increase (%)."
+    )
+    min_top1_agreement: Optional[float] = Field(
+        None, ge=0.0, le=1.0, description="Fail below this top-1 token agreement (0..1)."
+    )
+    max_kl_divergence: Optional[float] = Field(
+        None, ge=0.0, description="Fail above this mean KL divergence (nats/token)."
+    )
     reference: Optional[str] = Field(
-        None, description="The unquantized original of a pre-quantized model.source (directory or hf://), which the "
-                          "gate compares against; without it a pre-quantized source reports perplexity alone.")
+        None,
+        description="The unquantized original of a pre-quantized model.source (directory or hf://), which the "
+        "gate compares against; without it a pre-quantized source reports perplexity alone.",
+    )
 
     _eval_data = field_validator("eval_data")(classmethod(lambda cls, v: _path_text(v)))
 
@@ -198,7 +218,9 @@ class InstanceCounts(_Section):
 
 class TritonSection(_Section):
     model_name: str = Field("ensemble", pattern=r"^[A-Za-z0-9_.-]+$", description="Name clients send requests to.")
-    max_batch_size: int = Field(64, ge=1, le=4096, description="Triton's request batching bound (<= engine.max_batch_size).")
+    max_batch_size: int = Field(
+        64, ge=1, le=4096, description="Triton's request batching bound (<= engine.max_batch_size)."
+    )
     streaming: bool = Field(False, description="Decoupled (streaming) transaction policy.")
     batching_strategy: Literal["inflight_fused_batching", "inflight_batching", "v1"] = Field(
         "inflight_fused_batching", description="gpt_model_type of the tensorrt_llm model."
@@ -207,10 +229,19 @@ class TritonSection(_Section):
         "guaranteed_no_evict", description="batch_scheduler_policy."
     )
     enable_chunked_context: bool = Field(False, description="Split long prompts into max_num_tokens chunks.")
-    max_queue_size: int = Field(0, ge=0, le=INT32_MAX, description="Requests waiting beyond the running batch before "
-                                "new ones are refused at once (0: unlimited).")
-    priority_levels: int = Field(0, ge=0, le=16, description="Triton queue priority levels on tensorrt_llm and BLS "
-                                 "(request parameter 'priority', 1 = highest; 0: off).")
+    max_queue_size: int = Field(
+        0,
+        ge=0,
+        le=INT32_MAX,
+        description="Requests waiting beyond the running batch before new ones are refused at once (0: unlimited).",
+    )
+    priority_levels: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="Triton queue priority levels on tensorrt_llm and BLS "
+        "(request parameter 'priority', 1 = highest; 0: off).",
+    )
     instances: InstanceCounts = Field(default_factory=InstanceCounts, description="Instance counts per model.")
     exclude_input_in_output: bool = Field(True, description="Return only the new tokens.")
     bls: bool = Field(False, description="Serve through tensorrt_llm_bls instead of the ensemble.")
@@ -239,12 +270,22 @@ class TritonSection(_Section):
 class ServingSection(_Section):
     """How the served executor protects itself (both front ends: the Triton twin and the OpenAI twin)."""
 
-    request_timeout_s: float = Field(600.0, gt=0, le=7 * 24 * 3600, description="A request not finished this many "
-                                     "seconds after it arrived fails with a timeout error (OpenAI twin: HTTP 504), "
-                                     "queued or running, so none waits forever.")
-    max_queue_size: int = Field(-1, ge=-1, le=INT32_MAX, description="OpenAI twin: requests waiting beyond the "
-                                "running batch before new ones get 429 (-1: 8 per engine batch slot; 0: unlimited). "
-                                "The Triton twin's bound is triton.max_queue_size.")
+    request_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        le=7 * 24 * 3600,
+        description="A request not finished this many "
+        "seconds after it arrived fails with a timeout error (OpenAI twin: HTTP 504), "
+        "queued or running, so none waits forever.",
+    )
+    max_queue_size: int = Field(
+        -1,
+        ge=-1,
+        le=INT32_MAX,
+        description="OpenAI twin: requests waiting beyond the "
+        "running batch before new ones get 429 (-1: 8 per engine batch slot; 0: unlimited). "
+        "The Triton twin's bound is triton.max_queue_size.",
+    )
 
 
 class LLMAPISection(_Section):
@@ -260,7 +301,9 @@ class LLMAPISection(_Section):
         None, pattern=r"^[A-Za-z0-9][\w.:/-]*$", description="Model name clients send (default: the recipe name)."
     )
     nodes: int = Field(1, ge=1, le=1024, description="Nodes for the multi-node launch lines (world = tp * pp).")
-    max_shard_bytes: int = Field(10 * 10**9, ge=2**20, description="Largest model-*.safetensors shard (ModelOpt: 10GB).")
+    max_shard_bytes: int = Field(
+        10 * 10**9, ge=2**20, description="Largest model-*.safetensors shard (ModelOpt: 10GB)."
+    )
 
 
 DNS_LABEL = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
@@ -277,29 +320,51 @@ class DeploySection(_Section):
 
     namespace: str = Field("default", pattern=DNS_LABEL, description="Kubernetes namespace of every object.")
     image: Optional[str] = Field(
-        None, min_length=1, description="Serving container image (default: the Triton TRT-LLM image the engine "
-        "target pins, nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3, for both targets).")
-    storage_class: Optional[str] = Field(None, min_length=1, description="StorageClass of the ReadWriteMany "
-                                         "artifact cache volume (default: the cluster's default class).")
-    storage_read_gbs: float = Field(1.0, gt=0.0, le=1000.0, description="Read bandwidth of that volume in GB/s, "
-                                    "for the planner's load-time estimate behind the startup probe budget.")
+        None,
+        min_length=1,
+        description="Serving container image (default: the Triton TRT-LLM image the engine "
+        "target pins, nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3, for both targets).",
+    )
+    storage_class: Optional[str] = Field(
+        None,
+        min_length=1,
+        description="StorageClass of the ReadWriteMany artifact cache volume (default: the cluster's default class).",
+    )
+    storage_read_gbs: float = Field(
+        1.0,
+        gt=0.0,
+        le=1000.0,
+        description="Read bandwidth of that volume in GB/s, "
+        "for the planner's load-time estimate behind the startup probe budget.",
+    )
     replicas: ReplicasSection = Field(default_factory=ReplicasSection, description="Instance counts.")
-    slo: str = Field("ttft_p99=2s,itl_p99=100ms", description="Latency SLOs the alerts page on "
-                     "(trtpipe's --slo syntax, percentile terms only: ttft_pQ, itl_pQ).")
+    slo: str = Field(
+        "ttft_p99=2s,itl_p99=100ms",
+        description="Latency SLOs the alerts page on (trtpipe's --slo syntax, percentile terms only: ttft_pQ, itl_pQ).",
+    )
     max_error_ratio: float = Field(0.01, gt=0.0, lt=1.0, description="Failed share of requests that pages.")
     kv_cache_alert: float = Field(0.9, gt=0.0, le=1.0, description="KV-cache block use (0..1) that warns.")
     gpus_per_node: int = Field(8, ge=1, le=64, description="GPUs on each node of the GPU pool.")
-    node_labels: dict[str, str] = Field(default_factory=dict, description="nodeSelector labels added to (or "
-                                        "overriding) the GPU product label derived from engine.gpu.")
-    tolerations: list[dict[str, str]] = Field(default_factory=lambda: [dict(t) for t in DEFAULT_TOLERATIONS],
-                                              description="Pod tolerations (default: the nvidia.com/gpu taint).")
+    node_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="nodeSelector labels added to (or overriding) the GPU product label derived from engine.gpu.",
+    )
+    tolerations: list[dict[str, str]] = Field(
+        default_factory=lambda: [dict(t) for t in DEFAULT_TOLERATIONS],
+        description="Pod tolerations (default: the nvidia.com/gpu taint).",
+    )
     shm_gib: Optional[int] = Field(None, ge=1, le=4096, description="/dev/shm size (default: derived per backend).")
     autoscaler: Literal["hpa", "keda"] = Field("hpa", description="HPA through prometheus-adapter, or KEDA.")
     scale_on: Literal["queue", "kv_cache"] = Field("queue", description="Metric the autoscaler follows.")
-    prometheus_url: str = Field("http://prometheus-operated.monitoring:9090", min_length=1,
-                                description="Prometheus that KEDA and prometheus-adapter query.")
-    monitor_labels: dict[str, str] = Field(default_factory=lambda: {"release": "prometheus"}, description=(
-        "Labels on PodMonitor/PrometheusRule (kube-prometheus-stack selects release: prometheus)."))
+    prometheus_url: str = Field(
+        "http://prometheus-operated.monitoring:9090",
+        min_length=1,
+        description="Prometheus that KEDA and prometheus-adapter query.",
+    )
+    monitor_labels: dict[str, str] = Field(
+        default_factory=lambda: {"release": "prometheus"},
+        description=("Labels on PodMonitor/PrometheusRule (kube-prometheus-stack selects release: prometheus)."),
+    )
     scrape_interval_s: int = Field(15, ge=1, le=3600, description="Prometheus scrape and rule interval.")
 
     @field_validator("node_labels", "monitor_labels")
@@ -327,18 +392,22 @@ class Recipe(_Section):
     work_dir: str = Field("work", description="Artifacts, logs and manifests; relative to the recipe file.")
     model: ModelSection = Field(description="The model to deploy.")
     quantization: QuantizationSection = Field(default_factory=QuantizationSection, description="Quantization.")
-    parallel: ParallelSection = Field(default_factory=ParallelSection, description="Tensor/pipeline/expert parallelism.")
+    parallel: ParallelSection = Field(
+        default_factory=ParallelSection, description="Tensor/pipeline/expert parallelism."
+    )
     engine: EngineSection = Field(default_factory=EngineSection, description="TensorRT-LLM engine build.")
     accuracy: AccuracySection = Field(default_factory=AccuracySection, description="Accuracy gate.")
     triton: TritonSection = Field(default_factory=TritonSection, description="Triton model repository and server.")
     target: Literal["engine", "llmapi"] = Field(
-        "engine", description="engine: TensorRT engines (TensorRT-LLM <= 1.2); llmapi: quantized HF checkpoint for "
-        "the PyTorch backend (trtllm-serve, Triton llmapi model)."
+        "engine",
+        description="engine: TensorRT engines (TensorRT-LLM <= 1.2); llmapi: quantized HF checkpoint for "
+        "the PyTorch backend (trtllm-serve, Triton llmapi model).",
     )
     llmapi: LLMAPISection = Field(default_factory=LLMAPISection, description="The llmapi target's deployment.")
     deploy: DeploySection = Field(default_factory=DeploySection, description="Kubernetes and monitoring.")
-    serving: ServingSection = Field(default_factory=ServingSection, description="Deadlines and queue bounds "
-                                    "of the served executor.")
+    serving: ServingSection = Field(
+        default_factory=ServingSection, description="Deadlines and queue bounds of the served executor."
+    )
 
     _path: Optional[Path] = PrivateAttr(None)
     _positions: dict = PrivateAttr(default_factory=dict)

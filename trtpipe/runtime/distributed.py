@@ -86,7 +86,8 @@ class Comm:
         if self.world.Get_size() != layout.world:
             raise CheckpointError(
                 f"the checkpoint needs {layout.world} ranks (tp {layout.tp} x pp {layout.pp}) but the MPI job has "
-                f"{self.world.Get_size()} (launch with mpiexec -n {layout.world})")
+                f"{self.world.Get_size()} (launch with mpiexec -n {layout.world})"
+            )
         self.layout = layout
         self.tp_comm = self.world.Split(color=layout.pp_rank, key=layout.tp_rank)
 
@@ -137,9 +138,18 @@ class RankModel:
     ``forward`` is collective: every rank calls it with the same arguments.
     """
 
-    def __init__(self, config: dict, args: ModelArgs, layout: RankLayout, comm: Comm, layers: list[DecoderLayer],
-                 embedding: Optional[torch.Tensor], ln_f: Optional[torch.Tensor], lm_head: Optional[torch.nn.Module],
-                 weight_bytes: int):
+    def __init__(
+        self,
+        config: dict,
+        args: ModelArgs,
+        layout: RankLayout,
+        comm: Comm,
+        layers: list[DecoderLayer],
+        embedding: Optional[torch.Tensor],
+        ln_f: Optional[torch.Tensor],
+        lm_head: Optional[torch.nn.Module],
+        weight_bytes: int,
+    ):
         self.config, self.args, self.layout, self.comm = config, args, layout, comm
         self.layers = layers
         self.embedding = embedding
@@ -150,8 +160,14 @@ class RankModel:
         self.weight_bytes = weight_bytes  # bytes of this rank's safetensors tensors (what it loaded)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, cache=None, start_pos: int | torch.Tensor = 0,
-                rows: Optional[torch.Tensor] = None, cos_sin: Optional[tuple] = None) -> Optional[torch.Tensor]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache=None,
+        start_pos: int | torch.Tensor = 0,
+        rows: Optional[torch.Tensor] = None,
+        cos_sin: Optional[tuple] = None,
+    ) -> Optional[torch.Tensor]:
         """input_ids [B, T] at positions start_pos.. -> float32 logits on global rank 0 (None elsewhere).
 
         ``rows``: flat indices into the B*T positions whose logits are wanted (default: all, as [B, T, V]).
@@ -254,8 +270,14 @@ def _rank_lm_head(args: ModelArgs, lay: RankLayout, tensors: dict, embedding, pa
 def rank_status(model: Optional[RankModel], layout: RankLayout, error: Optional[str]) -> dict:
     """What a rank reports after loading (readiness is every rank reporting ``ok``)."""
     return {
-        "rank": layout.rank, "tp_rank": layout.tp_rank, "pp_rank": layout.pp_rank, "pid": os.getpid(),
-        "host": socket.gethostname(), "ok": error is None, "error": error, "rss_mb": round(rss_mb(), 1),
+        "rank": layout.rank,
+        "tp_rank": layout.tp_rank,
+        "pp_rank": layout.pp_rank,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "ok": error is None,
+        "error": error,
+        "rss_mb": round(rss_mb(), 1),
         "weights_mb": round(model.weight_bytes / 2**20, 3) if model is not None else None,
         "layers": [layer.layer_idx for layer in model.layers] if model is not None else [],
     }
@@ -288,6 +310,7 @@ def load_all_ranks(ckpt_dir: str | Path, on_status=None) -> tuple[RankModel, lis
         on_status(statuses)
     failed = world.bcast([s for s in statuses if not s["ok"]] if world.Get_rank() == 0 else None, root=0)
     if failed:
-        raise RankLoadError("; ".join(f"rank {s['rank']} ({s['host']}) failed to load its shard: {s['error']}"
-                                      for s in failed))
+        raise RankLoadError(
+            "; ".join(f"rank {s['rank']} ({s['host']}) failed to load its shard: {s['error']}" for s in failed)
+        )
     return model, statuses or []

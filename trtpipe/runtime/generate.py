@@ -17,8 +17,13 @@ import torch
 from trtpipe.runtime.model import BatchKVCache, KVCache, ReferenceModel
 
 
-def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-           generator: Optional[torch.Generator] = None) -> int:
+def sample(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+) -> int:
     """One token from float32 logits [V]: greedy at temperature 0, else top-k then top-p (nucleus) sampling."""
     logits = logits.float().cpu()  # sampling on the CPU: seeded generators give the same draws everywhere
     if temperature <= 0.0 or top_k == 1:
@@ -50,11 +55,12 @@ def per_sequence(value, n: int, nested_depth: int) -> list:
 
 
 def _hits_stop(tokens: list[int], stop_words: Optional[Sequence[Sequence[int]]]) -> bool:
-    return bool(stop_words) and any(w and tokens[-len(w):] == list(w) for w in stop_words)
+    return bool(stop_words) and any(w and tokens[-len(w) :] == list(w) for w in stop_words)
 
 
-def accept_step(tokens: dict, outputs: list, done: list, new: list, ends: list, stops: list,
-                max_new_tokens: int) -> None:
+def accept_step(
+    tokens: dict, outputs: list, done: list, new: list, ends: list, stops: list, max_new_tokens: int
+) -> None:
     """One step's sampled token per sequence: an end id ends it (not kept), a stop word ends it (kept), or length."""
     for i, tok in tokens.items():
         if ends[i] is not None and tok == ends[i]:
@@ -67,10 +73,19 @@ def accept_step(tokens: dict, outputs: list, done: list, new: list, ends: list, 
 
 
 @torch.no_grad()
-def generate(model: ReferenceModel, prompts: list[list[int]], max_new_tokens: int, end_ids=None,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
-             stop_words=None, on_step: Optional[Callable[[list], None]] = None,
-             batched: bool = True) -> list[list[int]]:
+def generate(
+    model: ReferenceModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    end_ids=None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: Optional[int] = None,
+    stop_words=None,
+    on_step: Optional[Callable[[list], None]] = None,
+    batched: bool = True,
+) -> list[list[int]]:
     """Generate up to ``max_new_tokens`` new tokens for each prompt.
 
     Args:

@@ -45,10 +45,18 @@ from torch import nn
 from trtpipe.formats.primitives import nvfp4_dequantize, unpack_int4_rows
 from trtpipe.errors import CheckpointError
 from trtpipe.formats import dequant
-from trtpipe.runtime.linear import (INT8_TOKEN_DIVISOR, Float32Linear, NVFP4Linear, QuantLinear, TokenFP8Linear,
-                                    TokenInt8Linear, token_fp8)
+from trtpipe.runtime.linear import (
+    INT8_TOKEN_DIVISOR,
+    Float32Linear,
+    NVFP4Linear,
+    QuantLinear,
+    TokenFP8Linear,
+    TokenInt8Linear,
+    token_fp8,
+)
 from trtpipe.runtime.loader import load_checkpoint
 from trtpipe.runtime.model import DecoderLayer, ModelArgs, ReferenceModel
+
 
 class ConcatLinear(nn.Module):
     """Several projections of the same input, outputs concatenated (q;k;v as one fused linear)."""
@@ -90,8 +98,10 @@ def _modelopt_module(algo: str, t: dict, bias) -> nn.Module:
         return QuantLinear(deq, t.get("pre_quant_scale"), t.get("input_scale"), act, bias)
     if algo == "NVFP4":
         return NVFP4Linear(nvfp4_dequantize(w, t["weight_scale"], t["weight_scale_2"]), t["input_scale"], bias)
-    raise CheckpointError(f"hf_quant_config.json: quant_algo '{algo}' has no reference-runtime loader "
-                          "(FP8, FP8_PER_CHANNEL_PER_TOKEN, W8A16, W4A16_AWQ, W4A8_AWQ, NVFP4)")
+    raise CheckpointError(
+        f"hf_quant_config.json: quant_algo '{algo}' has no reference-runtime loader "
+        "(FP8, FP8_PER_CHANNEL_PER_TOKEN, W8A16, W4A16_AWQ, W4A8_AWQ, NVFP4)"
+    )
 
 
 # --- compressed-tensors -------------------------------------------------------------------------------------
@@ -169,8 +179,10 @@ def _fp8_block_module(qc: dict, t: dict, bias, module: str) -> nn.Module:
     if not (isinstance(block, list) and len(block) == 2):
         raise CheckpointError(f"config.json: quantization_config.weight_block_size is {block!r} (two integers)")
     if qc.get("activation_scheme", "dynamic") != "dynamic":
-        raise CheckpointError(f"config.json: quantization_config.activation_scheme "
-                              f"{qc.get('activation_scheme')!r} is not supported (dynamic)")
+        raise CheckpointError(
+            f"config.json: quantization_config.activation_scheme "
+            f"{qc.get('activation_scheme')!r} is not supported (dynamic)"
+        )
     return GroupFP8Linear(dequant.fp8_block(t, module, tuple(block)), int(block[1]), bias)
 
 
@@ -195,8 +207,11 @@ class _Reader:
 
     def __init__(self, d: Path):
         index = d / "model.safetensors.index.json"
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
-            ["model.safetensors"]
+        files = (
+            sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            if index.exists()
+            else ["model.safetensors"]
+        )
         self.handles = []
         self.where: dict[str, object] = {}
         for f in files:
@@ -216,7 +231,9 @@ class _Reader:
         return self.where[k].get_tensor(k)
 
     def module(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {k[len(prefix):]: self.get(k) for k in self.where if k.startswith(prefix) and "." not in k[len(prefix):]}
+        return {
+            k[len(prefix) :]: self.get(k) for k in self.where if k.startswith(prefix) and "." not in k[len(prefix) :]
+        }
 
 
 def quant_scheme(d: Path, cfg: dict) -> tuple[str, dict]:
@@ -232,8 +249,11 @@ def quant_scheme(d: Path, cfg: dict) -> tuple[str, dict]:
     if method == "mxfp4":  # experts only (gpt-oss as shipped); their rules decode them, every linear is plain
         return "none", {}
     if method.startswith("modelopt"):
-        return "modelopt", {"quant_algo": qc.get("quant_algo"), "exclude_modules": qc.get("ignore", []),
-                            "kv_cache_quant_algo": "FP8" if qc.get("kv_cache_scheme") else None}
+        return "modelopt", {
+            "quant_algo": qc.get("quant_algo"),
+            "exclude_modules": qc.get("ignore", []),
+            "kv_cache_quant_algo": "FP8" if qc.get("kv_cache_scheme") else None,
+        }
     if method == "compressed-tensors":
         return "compressed-tensors", qc
     if method in OTHER_FORMATS:
@@ -263,8 +283,13 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
     r = _Reader(d)
 
     def excluded(module: str, patterns: list[str]) -> bool:
-        return any(module == p or fnmatch.fnmatchcase(module, p) or p.startswith("re:") and
-                   __import__("re").fullmatch(p[3:], module) for p in patterns)
+        return any(
+            module == p
+            or fnmatch.fnmatchcase(module, p)
+            or p.startswith("re:")
+            and __import__("re").fullmatch(p[3:], module)
+            for p in patterns
+        )
 
     def build(module: str, row: bool = False) -> nn.Module:
         """``row``: a row-parallel projection, whose bias the decoder layer adds itself after the all-reduce."""
@@ -301,7 +326,9 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
                 continue
             if trt_rel in names.experts:  # MoE: each expert's projections are modules of their own
                 linear = trt_rel.rsplit(".", 1)[0]
-                mods = [[build(pre + h.format(e=e).rsplit(".", 1)[0]) for h, _ in parts] for e in range(args.num_experts)]
+                mods = [
+                    [build(pre + h.format(e=e).rsplit(".", 1)[0]) for h, _ in parts] for e in range(args.num_experts)
+                ]
                 experts[linear] = [m[0] if len(m) == 1 else ConcatLinear(m) for m in mods]
                 tensors[trt_rel] = torch.stack([torch.cat([_weight_of(x) for x in m], dim=0) for m in mods])
                 continue
@@ -327,13 +354,21 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
     ln_f = names.from_hf("transformer.ln_f.weight", r.get(names.globals["transformer.ln_f.weight"]))
     head_name = names.globals.get("lm_head.weight", "lm_head.weight")
     head = r.get(head_name).float() if head_name in r else embedding
-    trt_cfg["hf_quantization"] = {"scheme": scheme, **({"quant_algo": q.get("quant_algo")} if scheme == "modelopt" else {})}
+    trt_cfg["hf_quantization"] = {
+        "scheme": scheme,
+        **({"quant_algo": q.get("quant_algo")} if scheme == "modelopt" else {}),
+    }
     return ReferenceModel(trt_cfg, args, embedding, layers, ln_f, [Float32Linear(head)])
 
 
 # TRT-LLM linear -> (DecoderLayer attribute holding the shard list, attribute of the shard)
-_LINEAR_ATTR = {"attention.qkv": ("attention", "qkv"), "attention.dense": ("attention", "dense"),
-                "mlp.fc": ("mlp", "fc"), "mlp.gate": ("mlp", "gate"), "mlp.proj": ("mlp", "proj")}
+_LINEAR_ATTR = {
+    "attention.qkv": ("attention", "qkv"),
+    "attention.dense": ("attention", "dense"),
+    "mlp.fc": ("mlp", "fc"),
+    "mlp.gate": ("mlp", "gate"),
+    "mlp.proj": ("mlp", "proj"),
+}
 
 
 _ROW = ("attention.dense", "mlp.proj")  # row-parallel: biases added once by the layer (DecoderLayer.dense_bias ...)
@@ -341,8 +376,6 @@ _ROW = ("attention.dense", "mlp.proj")  # row-parallel: biases added once by the
 
 def _weight_of(m: nn.Module) -> torch.Tensor:
     return m.weight.detach()
-
-
 
 
 def is_trtllm_checkpoint(model_dir: str | Path) -> bool:

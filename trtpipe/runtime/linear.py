@@ -32,12 +32,26 @@ import torch
 from torch import nn
 
 from trtpipe.checkpoint.quant_layouts import BY_QUANT_ALGO
-from trtpipe.formats.primitives import (FORMATS, NVFP4_BLOCK, dequantize, fake_quant, nvfp4_dequantize,
-                                                 nvfp4_fake_quant, unpack_int4_rows)
+from trtpipe.formats.primitives import (
+    FORMATS,
+    NVFP4_BLOCK,
+    dequantize,
+    fake_quant,
+    nvfp4_dequantize,
+    nvfp4_fake_quant,
+    unpack_int4_rows,
+)
 from trtpipe.errors import CheckpointError
 
 # TensorRT-LLM's QuantConfig: when exclude_modules is null the builder excludes these.
-DEFAULT_EXCLUDES = ("*lm_head", "*router", "*vocab_embedding", "*position_embedding", "*block_embedding", "*shared_expert_gate")
+DEFAULT_EXCLUDES = (
+    "*lm_head",
+    "*router",
+    "*vocab_embedding",
+    "*position_embedding",
+    "*block_embedding",
+    "*shared_expert_gate",
+)
 
 
 @dataclass(frozen=True)
@@ -190,8 +204,13 @@ class TokenInt8Linear(nn.Module):
     """``y = Q_token(x / smoother) @ W^T``: activations quantized to INT8 per token (:func:`token_int8` with
     ``divisor``); ``smoother`` (plugin SmoothQuant row linears) divides the input first."""
 
-    def __init__(self, weight: torch.Tensor, divisor: float, bias: Optional[torch.Tensor] = None,
-                 smoother: Optional[torch.Tensor] = None):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        divisor: float,
+        bias: Optional[torch.Tensor] = None,
+        smoother: Optional[torch.Tensor] = None,
+    ):
         super().__init__()
         self.weight = nn.Parameter(weight.float(), requires_grad=False)
         self.divisor = divisor
@@ -259,14 +278,22 @@ def load_sq_per_token(tensors: dict, spec: LinearSpec) -> nn.Module:
     if q.dtype != torch.int8:
         raise CheckpointError(f"checkpoint: '{spec.name}.weight' is {q.dtype}, {spec.quant_algo} needs torch.int8")
     if s.numel() != q.shape[0]:
-        raise CheckpointError(f"checkpoint: tensor '{spec.name}.per_channel_scale' has shape {list(s.shape)}, "
-                              f"{spec.quant_algo} stores [1, {q.shape[0]}]")
+        raise CheckpointError(
+            f"checkpoint: tensor '{spec.name}.per_channel_scale' has shape {list(s.shape)}, "
+            f"{spec.quant_algo} stores [1, {q.shape[0]}]"
+        )
     smoother = _need(tensors, "smoother", spec) if spec.style == "row" else None
     if smoother is not None and smoother.numel() != q.shape[1]:
-        raise CheckpointError(f"checkpoint: tensor '{spec.name}.smoother' has shape {list(smoother.shape)}, "
-                              f"{spec.quant_algo} stores [1, {q.shape[1]}]")
-    return TokenInt8Linear(dequantize(q, s.reshape(-1), "int8", "channel"), INT8_TOKEN_DIVISOR["tensorrt-llm"],
-                           tensors.get("bias"), smoother)
+        raise CheckpointError(
+            f"checkpoint: tensor '{spec.name}.smoother' has shape {list(smoother.shape)}, "
+            f"{spec.quant_algo} stores [1, {q.shape[1]}]"
+        )
+    return TokenInt8Linear(
+        dequantize(q, s.reshape(-1), "int8", "channel"),
+        INT8_TOKEN_DIVISOR["tensorrt-llm"],
+        tensors.get("bias"),
+        smoother,
+    )
 
 
 class NVFP4Linear(nn.Module):
@@ -292,10 +319,14 @@ def load_nvfp4(tensors: dict, spec: LinearSpec) -> nn.Module:
     ws2 = _need(tensors, "weights_scaling_factor_2", spec)
     asf = _need(tensors, "activation_scaling_factor", spec)
     if q.dtype not in (torch.uint8, torch.int8):
-        raise CheckpointError(f"checkpoint: '{spec.name}.weight' is {q.dtype}, NVFP4 stores uint8 (two E2M1 codes a byte)")
+        raise CheckpointError(
+            f"checkpoint: '{spec.name}.weight' is {q.dtype}, NVFP4 stores uint8 (two E2M1 codes a byte)"
+        )
     if bs.dtype != torch.float8_e4m3fn or tuple(bs.shape) != (q.shape[0], 2 * q.shape[1] // NVFP4_BLOCK):
-        raise CheckpointError(f"checkpoint: tensor '{spec.name}.weights_scaling_factor' is {bs.dtype} {list(bs.shape)}, "
-                              f"NVFP4 stores float8_e4m3fn [{q.shape[0]}, {2 * q.shape[1] // NVFP4_BLOCK}]")
+        raise CheckpointError(
+            f"checkpoint: tensor '{spec.name}.weights_scaling_factor' is {bs.dtype} {list(bs.shape)}, "
+            f"NVFP4 stores float8_e4m3fn [{q.shape[0]}, {2 * q.shape[1] // NVFP4_BLOCK}]"
+        )
     for key, t in (("weights_scaling_factor_2", ws2), ("activation_scaling_factor", asf)):
         if t.numel() != 1:
             raise CheckpointError(f"checkpoint: tensor '{spec.name}.{key}' has shape {list(t.shape)}, NVFP4 stores [1]")
@@ -304,15 +335,18 @@ def load_nvfp4(tensors: dict, spec: LinearSpec) -> nn.Module:
 
 def kv_roundtrip(fmt: str) -> KVQuant:
     """The KV-cache handler of one format: keys and values through a quantize round trip with the layer's scale."""
+
     def fn(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return fake_quant(x, scale.reshape(1), fmt)
 
     return fn
 
 
-LINEAR_LOADERS: dict[str, LinearLoader] = {"NONE": _load_unquantized,
-                                           **{algo: load_quantized for algo in BY_QUANT_ALGO},
-                                           "FP8_PER_CHANNEL_PER_TOKEN": load_fp8_rowwise,
-                                           "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": load_sq_per_token,
-                                           "NVFP4": load_nvfp4}
+LINEAR_LOADERS: dict[str, LinearLoader] = {
+    "NONE": _load_unquantized,
+    **{algo: load_quantized for algo in BY_QUANT_ALGO},
+    "FP8_PER_CHANNEL_PER_TOKEN": load_fp8_rowwise,
+    "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": load_sq_per_token,
+    "NVFP4": load_nvfp4,
+}
 KV_QUANT: dict[str, KVQuant] = {"FP8": kv_roundtrip("fp8"), "INT8": kv_roundtrip("int8")}

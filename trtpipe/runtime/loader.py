@@ -34,7 +34,7 @@ def read_rank(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
 
 def with_prefix(tensors: dict, prefix: str) -> dict:
     """The tensors whose names start with ``prefix``, keyed by the rest of the name (one layer's or module's)."""
-    return {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
 
 
 def embedding_table(cfg: dict, args: ModelArgs, first_ranks: list[dict]) -> torch.Tensor:
@@ -55,7 +55,10 @@ def lm_head_linears(args: ModelArgs, last_ranks: list[dict], embedding: torch.Te
         return [Float32Linear(embedding)]
     algo = module_quant_algo("lm_head", args.quantization, args.quant_cfg)
     return [
-        build_linear(with_prefix(r, "lm_head."), LinearSpec("lm_head", algo, args.quantization or {}, args.dtype, "column", i, args.tp))
+        build_linear(
+            with_prefix(r, "lm_head."),
+            LinearSpec("lm_head", algo, args.quantization or {}, args.dtype, "column", i, args.tp),
+        )
         for i, r in enumerate(last_ranks)
     ]
 
@@ -73,14 +76,16 @@ def load_checkpoint(ckpt_dir: str | Path, device: str = "cpu") -> ReferenceModel
     cfg, quant_cfg = read_config(ckpt_dir)
     args = ModelArgs.from_config(cfg, quant_cfg)
     ranks = [read_rank(ckpt_dir / f"rank{r}.safetensors", device) for r in range(args.tp * args.pp)]
-    by_pp = [ranks[p * args.tp:(p + 1) * args.tp] for p in range(args.pp)]
+    by_pp = [ranks[p * args.tp : (p + 1) * args.tp] for p in range(args.pp)]
     rope = args.ropes()
     layers = []
     for p, group in enumerate(by_pp):
         for local, global_idx in enumerate(pp_layers(args.num_layers, args.pp, p)):
             shards = [with_prefix(r, f"transformer.layers.{local}.") for r in group]
             if not shards[0]:
-                raise CheckpointError(f"rank{p * args.tp}.safetensors: layer {local} (global {global_idx}) has no tensors")
+                raise CheckpointError(
+                    f"rank{p * args.tp}.safetensors: layer {local} (global {global_idx}) has no tensors"
+                )
             layers.append(DecoderLayer(args, shards, global_idx, rope))
     embedding = embedding_table(cfg, args, by_pp[0])
     if "transformer.ln_f.weight" not in by_pp[-1][0]:

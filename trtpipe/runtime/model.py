@@ -24,13 +24,21 @@ from trtpipe.models.trtllm_config import resolve_moe_sizes
 from trtpipe.runtime.linear import LinearSpec, build_linear, kv_quant, module_quant_algo
 from trtpipe.runtime.rope import Rope, apply_rope
 
+
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GELU's tanh approximation (HF ``gelu_pytorch_tanh``, Gemma's MLP activation)."""
     return F.gelu(x, approximate="tanh")
 
 
-ACTIVATIONS = {"silu": F.silu, "swiglu": F.silu, "gelu": F.gelu, "gelu_new": F.gelu, "relu": F.relu,
-               "gelu_pytorch_tanh": gelu_tanh, "gelu_tanh": gelu_tanh}
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swiglu": F.silu,
+    "gelu": F.gelu,
+    "gelu_new": F.gelu,
+    "relu": F.relu,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu_tanh": gelu_tanh,
+}
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -96,11 +104,14 @@ class ModelArgs:
         tp, pp = int(mapping.get("tp_size", 1)), int(mapping.get("pp_size", 1))
         moe_ep, moe_tp = resolve_moe_sizes(tp, int(mapping.get("moe_ep_size", -1)), int(mapping.get("moe_tp_size", -1)))
         if d.layer_types and set(d.layer_types) - {SLIDING, FULL}:
-            raise CheckpointError(f"config.json: key 'layer_types' must list {SLIDING} or {FULL} for each of "
-                                  f"{d.num_layers} layers")
+            raise CheckpointError(
+                f"config.json: key 'layer_types' must list {SLIDING} or {FULL} for each of {d.num_layers} layers"
+            )
         if d.attn_logit_softcapping is not None:
-            raise CheckpointError("config.json: key 'attn_logit_softcapping' is set; the reference runtime does not "
-                                  "softcap attention logits")
+            raise CheckpointError(
+                "config.json: key 'attn_logit_softcapping' is set; the reference runtime does not "
+                "softcap attention logits"
+            )
         return cls(
             vocab_size=d.vocab_size,
             hidden_size=d.hidden_size,
@@ -150,15 +161,18 @@ class ModelArgs:
 
     def rope(self) -> Rope:
         """The rope of global layers (of every layer in models without sliding ones)."""
-        return Rope(self.rotary_dim or self.head_size, self.rotary_base, self.rotary_scaling, self.max_position_embeddings)
+        return Rope(
+            self.rotary_dim or self.head_size, self.rotary_base, self.rotary_scaling, self.max_position_embeddings
+        )
 
     def ropes(self) -> dict[str, Rope]:
         """Rope by key (``rope_key``): "global", and "local" (base ``rope_local_base_freq``, no scaling) when the
         sliding layers have their own base (Gemma 3)."""
         out = {"global": self.rope()}
         if self.rope_local_base is not None and SLIDING in self.layer_types:
-            out["local"] = Rope(self.rotary_dim or self.head_size, float(self.rope_local_base), None,
-                                self.max_position_embeddings)
+            out["local"] = Rope(
+                self.rotary_dim or self.head_size, float(self.rope_local_base), None, self.max_position_embeddings
+            )
         return out
 
     def rope_key(self, layer: int) -> str:
@@ -258,8 +272,9 @@ class BatchKVCache:
         """Keep only these rows (e.g. drop finished sequences), in this order."""
         self.store = {key: (k[rows], v[rows]) for key, (k, v) in self.store.items()}
 
-    def update(self, key: tuple[int, int], k: torch.Tensor, v: torch.Tensor,
-               pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key: tuple[int, int], k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, nkv, T, d] at positions pos [B, T]; return the cache up to the longest row [B, nkv, S, d]."""
         ck, cv = self.store[key]
         rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
@@ -278,12 +293,19 @@ def positions(start_pos, T: int, device=None) -> torch.Tensor:
 
 def _linear(tensors: dict, prefix: str, name: str, style: str, args: ModelArgs, rank: int) -> nn.Module:
     """Build ``prefix+name`` of one rank; row-parallel linears get no bias (added after the all-reduce)."""
-    sub = {k[len(name) + 1:]: t for k, t in tensors.items() if k.startswith(name + ".")}
+    sub = {k[len(name) + 1 :]: t for k, t in tensors.items() if k.startswith(name + ".")}
     if style == "row":
         sub.pop("bias", None)
     full = prefix + name
-    spec = LinearSpec(full, module_quant_algo(full, args.quantization, args.quant_cfg), args.quantization or {},
-                      args.dtype, style, rank, args.tp)
+    spec = LinearSpec(
+        full,
+        module_quant_algo(full, args.quantization, args.quant_cfg),
+        args.quantization or {},
+        args.dtype,
+        style,
+        rank,
+        args.tp,
+    )
     return build_linear(sub, spec)
 
 
@@ -302,13 +324,17 @@ class AttentionShard(nn.Module):
         self.q_norm = _opt_float(tensors.get("attention.q_layernorm.weight"))
         self.k_norm = _opt_float(tensors.get("attention.k_layernorm.weight"))
         if (self.q_norm is None) != (self.k_norm is None):
-            raise CheckpointError(f"checkpoint: '{prefix}attention.q_layernorm.weight' and "
-                                  f"'{prefix}attention.k_layernorm.weight' come together; one is missing")
+            raise CheckpointError(
+                f"checkpoint: '{prefix}attention.q_layernorm.weight' and "
+                f"'{prefix}attention.k_layernorm.weight' come together; one is missing"
+            )
         self.eps = args.norm_epsilon
         self.kv_quant = kv_quant((args.quantization or {}).get("kv_cache_quant_algo"))
         self.kv_scale = tensors.get("attention.kv_cache_scaling_factor")
         if self.kv_scale is None and "attention.k_cache_scaling_factor" in tensors:  # merged as TRT-LLM's loader does
-            self.kv_scale = torch.maximum(tensors["attention.k_cache_scaling_factor"], tensors["attention.v_cache_scaling_factor"])
+            self.kv_scale = torch.maximum(
+                tensors["attention.k_cache_scaling_factor"], tensors["attention.v_cache_scaling_factor"]
+            )
         if self.kv_quant is not None and self.kv_scale is None:
             raise CheckpointError(f"checkpoint: tensor '{prefix}attention.kv_cache_scaling_factor' is missing")
 
@@ -342,7 +368,7 @@ class AttentionShard(nn.Module):
         if self.window:
             allowed &= (q_pos[:, :, None] - k_pos[:, None, :]) < self.window
         scores = q @ k.transpose(-1, -2)  # [B, nh, T, S]
-        scores = scores / math.sqrt(self.d) if self.scale == self.d ** -0.5 else scores * self.scale
+        scores = scores / math.sqrt(self.d) if self.scale == self.d**-0.5 else scores * self.scale
         scores = scores.masked_fill(~allowed[:, None], float("-inf"))
         sinks = None if self.sinks is None else self.sinks.view(1, -1, 1, 1)
         out = attention_probs(scores, sinks) @ v  # [B, nh, T, d]
@@ -367,10 +393,12 @@ def _expert_slice(tensors: dict, e: int, num_local: int) -> dict:
     """Expert e's tensors: per-expert tensors ([E_r, ...]) are indexed, shared ones (e.g. [1] scales) kept; a tensor
     the experts share (SHARED_BY_EXPERTS, the pre-quant scale) stored 2-D ([E, in] as ModelOpt stacks it, [1, in])
     is read as trtllm-build reads it, its row 0 for every expert (trtpipe.checkpoint.quant_layouts)."""
+
     def pick(k: str, t: torch.Tensor) -> torch.Tensor:
         if k in SHARED_BY_EXPERTS and t.dim() == 2:
             return t[0]
         return t[e] if t.dim() >= 2 and t.shape[0] == num_local else t
+
     return {k: pick(k, t) for k, t in tensors.items()}
 
 
@@ -387,8 +415,8 @@ class MoEShard(nn.Module):
         act = ACTIVATIONS[args.hidden_act]
         limit, alpha = args.swiglu_limit, args.swiglu_alpha
         self.glu = (lambda g, u: act(g) * u) if limit is None else (lambda g, u: clamped_swiglu(g, u, alpha, limit))
-        fc = {k[len("mlp.fc."):]: t for k, t in tensors.items() if k.startswith("mlp.fc.")}
-        proj = {k[len("mlp.proj."):]: t for k, t in tensors.items() if k.startswith("mlp.proj.")}
+        fc = {k[len("mlp.fc.") :]: t for k, t in tensors.items() if k.startswith("mlp.fc.")}
+        proj = {k[len("mlp.proj.") :]: t for k, t in tensors.items() if k.startswith("mlp.proj.")}
         bias = proj.pop("bias", None)
         self.proj_bias = _opt_float(bias) if rank // args.moe_ep == 0 else None  # [E_r, H], first moe_tp rank only
         self.fc, self.proj = nn.ModuleList(), nn.ModuleList()
@@ -417,8 +445,9 @@ class MoEShard(nn.Module):
         return out  # partial [N, H]
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool = True,
-          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def route(
+    x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool = True, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Softmax over experts in float32 (or wider), keep top_k; with ``renormalize`` (TRT-LLM RENORMALIZE, HF
     Mixtral and Qwen3-MoE's ``norm_topk_prob``) the kept weights are divided by their sum, else (NONE) they stay the
     full softmax's. ``bias``: the router's (gpt-oss); a softmax over the top-k logits, as gpt-oss computes it, equals
@@ -440,14 +469,26 @@ class DecoderLayer(nn.Module):
         layer_idx: global layer index (names the modules for quantization rules and keys the KV cache).
     """
 
-    def __init__(self, args: ModelArgs, rank_tensors: list[dict], layer_idx: int,
-                 rope: Optional[Rope | dict[str, Rope]] = None, tp_ranks: Optional[list[int]] = None, all_reduce=None):
+    def __init__(
+        self,
+        args: ModelArgs,
+        rank_tensors: list[dict],
+        layer_idx: int,
+        rope: Optional[Rope | dict[str, Rope]] = None,
+        tp_ranks: Optional[list[int]] = None,
+        all_reduce=None,
+    ):
         super().__init__()
         tp_ranks = list(range(args.tp)) if tp_ranks is None else list(tp_ranks)
         if len(rank_tensors) != len(tp_ranks):
             raise CheckpointError(f"layer {layer_idx}: {len(rank_tensors)} rank shards for tp={args.tp}")
         prefix = f"transformer.layers.{layer_idx}."
-        self.layer_idx, self.eps, self.top_k, self.renormalize = layer_idx, args.norm_epsilon, args.top_k, args.moe_renormalize
+        self.layer_idx, self.eps, self.top_k, self.renormalize = (
+            layer_idx,
+            args.norm_epsilon,
+            args.top_k,
+            args.moe_renormalize,
+        )
         # the layer's rope: "local" for Gemma's sliding layers, else "global" (one Rope passed = the global one)
         self.rope_key = args.rope_key(layer_idx)
         ropes = rope if isinstance(rope, dict) else {"global": rope or args.rope()}
@@ -468,7 +509,9 @@ class DecoderLayer(nn.Module):
         self.post_ln = t0["post_layernorm.weight"].float()
         self.pre_ff_ln = _opt_float(t0.get("pre_feedforward_layernorm.weight")) if self.inter_layernorms else None
         self.post_ff_ln = _opt_float(t0.get("post_feedforward_layernorm.weight")) if self.inter_layernorms else None
-        self.attention = nn.ModuleList(AttentionShard(t, prefix, args, r, layer_idx) for r, t in zip(tp_ranks, rank_tensors))
+        self.attention = nn.ModuleList(
+            AttentionShard(t, prefix, args, r, layer_idx) for r, t in zip(tp_ranks, rank_tensors)
+        )
         # One process per rank (trtpipe.runtime.distributed) holds one shard and sums the others' partials here.
         self.all_reduce = all_reduce or _identity
         self.dense_bias = _opt_float(t0.get("attention.dense.bias"))
@@ -487,7 +530,7 @@ class DecoderLayer(nn.Module):
     def from_unsharded(cls, args: ModelArgs, tensors: dict, layer_idx: int = 0) -> "DecoderLayer":
         """Build from one layer's UNSHARDED TRT-LLM tensors (full names or relative to the layer)."""
         prefix = f"transformer.layers.{layer_idx}."
-        rel = {k[len(prefix):] if k.startswith(prefix) else k: t for k, t in tensors.items()}
+        rel = {k[len(prefix) :] if k.startswith(prefix) else k: t for k, t in tensors.items()}
         return cls(args.unsharded(), [rel], layer_idx)
 
     def named_linears(self):
@@ -501,8 +544,13 @@ class DecoderLayer(nn.Module):
             else:
                 yield from ((f"{prefix}mlp.{n}", r, getattr(mlp, n)) for n in ("fc", "gate", "proj"))
 
-    def forward(self, x: torch.Tensor, start_pos: int | torch.Tensor = 0,
-                cache: Optional[KVCache | BatchKVCache] = None, cos_sin: Optional[tuple] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        start_pos: int | torch.Tensor = 0,
+        cache: Optional[KVCache | BatchKVCache] = None,
+        cos_sin: Optional[tuple] = None,
+    ) -> torch.Tensor:
         """x: [B, T, H] float32 hidden states at positions start_pos..start_pos+T-1 -> [B, T, H].
 
         ``start_pos`` is one int for every row, or a LongTensor [B] of per-row starts (batched decoding,
@@ -511,11 +559,15 @@ class DecoderLayer(nn.Module):
         if isinstance(cos_sin, dict):  # every rope's tables (rope_tables): take this layer's
             cos_sin = cos_sin[self.rope_key]
         elif cos_sin is not None and self.rope_key != "global":
-            raise ValueError(f"layer {self.layer_idx} uses the {self.rope_key} rope: pass rope_tables(...), not one table")
+            raise ValueError(
+                f"layer {self.layer_idx} uses the {self.rope_key} rope: pass rope_tables(...), not one table"
+            )
         cos, sin = cos_sin if cos_sin is not None else self.rope.cos_sin_for(start_pos, x.shape[1])
         cos, sin = cos.to(x.device), sin.to(x.device)
         h = rms_norm(x, self.input_ln, self.eps)
-        attn = self.all_reduce(sum(s(h, cos, sin, start_pos, cache, (self.layer_idx, r)) for r, s in enumerate(self.attention)))
+        attn = self.all_reduce(
+            sum(s(h, cos, sin, start_pos, cache, (self.layer_idx, r)) for r, s in enumerate(self.attention))
+        )
         attn = _add_bias(attn, self.dense_bias)  # the all-reduce of the row-parallel dense
         if self.inter_layernorms:
             x = x + rms_norm(attn, self.post_ln, self.eps)
@@ -553,8 +605,15 @@ class ReferenceModel(nn.Module):
     ``config`` is the checkpoint's config.json dict; ``forward`` returns float32 logits [B, T, V] (V unpadded).
     """
 
-    def __init__(self, config: dict, args: ModelArgs, embedding: torch.Tensor, layers: list[DecoderLayer],
-                 ln_f: torch.Tensor, lm_head: list[nn.Module]):
+    def __init__(
+        self,
+        config: dict,
+        args: ModelArgs,
+        embedding: torch.Tensor,
+        layers: list[DecoderLayer],
+        ln_f: torch.Tensor,
+        lm_head: list[nn.Module],
+    ):
         super().__init__()
         self.config, self.args = config, args
         self.embedding = embedding.float()  # [V, H]
@@ -573,8 +632,9 @@ class ReferenceModel(nn.Module):
         return softcap(logits[..., : self.args.vocab_size], self.args.final_logit_softcapping)  # drop lm_head's padding
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, cache: Optional[KVCache | BatchKVCache] = None,
-                start_pos: int | torch.Tensor = 0) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, cache: Optional[KVCache | BatchKVCache] = None, start_pos: int | torch.Tensor = 0
+    ) -> torch.Tensor:
         """input_ids: [B, T] at positions start_pos..; with a cache, keys/values of earlier calls are reused.
 
         ``start_pos``: one int for all rows, or a LongTensor [B] of per-row starts with a :class:`BatchKVCache`.

@@ -99,7 +99,9 @@ class Rope:
         self.dim, self.base, self.scaling = dim, base, scaling or {}
         self.kind = rope_type(scaling)
         if self.kind not in INV_FREQ:
-            raise CheckpointError(f"config.json: rotary_scaling type '{self.kind}' is not supported (known: {sorted(INV_FREQ)})")
+            raise CheckpointError(
+                f"config.json: rotary_scaling type '{self.kind}' is not supported (known: {sorted(INV_FREQ)})"
+            )
         self.max_pos = max_position_embeddings or 2048
 
     def cos_sin(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,9 @@ def load_tokenizer(path: str | Path):
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)  # never run shipped code
     except Exception as exc:  # transformers raises OSError/ValueError/... for a dir without a tokenizer
-        raise CheckpointError(f"{path}: cannot load a tokenizer ({str(exc).splitlines()[0]}); pass --tokenizer DIR") from None
+        raise CheckpointError(
+            f"{path}: cannot load a tokenizer ({str(exc).splitlines()[0]}); pass --tokenizer DIR"
+        ) from None
 
 
 def end_id(ckpt_dir: Path, tokenizer) -> Optional[int]:
@@ -28,9 +30,17 @@ def end_id(ckpt_dir: Path, tokenizer) -> Optional[int]:
     return tokenizer.eos_token_id
 
 
-def generate_text(ckpt_dir: str | Path, prompt: str, max_tokens: int = 64, tokenizer_dir: Optional[str | Path] = None,
-                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
-                  on_text: Optional[Callable[[str], None]] = None) -> str:
+def generate_text(
+    ckpt_dir: str | Path,
+    prompt: str,
+    max_tokens: int = 64,
+    tokenizer_dir: Optional[str | Path] = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: Optional[int] = None,
+    on_text: Optional[Callable[[str], None]] = None,
+) -> str:
     """Continue ``prompt`` with the checkpoint at ``ckpt_dir``; ``on_text`` receives each new piece of text."""
     from trtpipe.runtime.generate import generate
     from trtpipe.runtime.loader import load_checkpoint
@@ -48,17 +58,34 @@ def generate_text(ckpt_dir: str | Path, prompt: str, max_tokens: int = 64, token
             return
         new.extend(tokens[0])
         text = tok.decode(new, skip_special_tokens=True)
-        on_text(text[len(shown):])
+        on_text(text[len(shown) :])
         shown = text
 
-    out = generate(model, [ids], max_tokens, end_ids=end_id(ckpt_dir, tok), temperature=temperature, top_k=top_k,
-                   top_p=top_p, seed=seed, on_step=step)
+    out = generate(
+        model,
+        [ids],
+        max_tokens,
+        end_ids=end_id(ckpt_dir, tok),
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        on_step=step,
+    )
     return tok.decode(out[0], skip_special_tokens=True)
 
 
-def stream_text(ckpt_dir: str | Path, prompt: str, max_tokens: int, tokenizer_dir: Optional[str | Path],
-                temperature: float, top_k: int, top_p: float, seed: Optional[int],
-                write: Callable[[str], None]) -> None:
+def stream_text(
+    ckpt_dir: str | Path,
+    prompt: str,
+    max_tokens: int,
+    tokenizer_dir: Optional[str | Path],
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: Optional[int],
+    write: Callable[[str], None],
+) -> None:
     """``trtpipe generate``: write the prompt, then each new piece of text, then a newline. The prompt is written
     once the model and tokenizer loaded, so a bad input leaves the output empty."""
     started = []

@@ -79,21 +79,34 @@ class ExecutorConfig:
 UINT64_MAX = (1 << 64) - 1  # TensorRT-LLM's SamplingConfig.randomSeed is a uint64
 
 
-def sampling_problem(temperature: float, top_k: int, top_p: float, seed: Optional[int],
-                     names: tuple[str, str, str, str] = ("temperature", "top_k", "top_p", "seed")) -> Optional[str]:
+def sampling_problem(
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: Optional[int],
+    names: tuple[str, str, str, str] = ("temperature", "top_k", "top_p", "seed"),
+) -> Optional[str]:
     """The first sampling setting outside TensorRT-LLM's SamplingConfig ranges, as one line, or None.
 
     One check for every front end (each passes its own field names): a value that reaches a step unchecked (a NaN
     temperature, a seed torch cannot take) would fail the whole batch, or the executor loop itself.
     """
     t_name, k_name, p_name, s_name = names
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
-            or temperature < 0:
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not math.isfinite(temperature)
+        or temperature < 0
+    ):
         return f"{t_name} must be a finite number >= 0, got {temperature!r}"
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         return f"{k_name} must be >= 0, got {top_k!r}"
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not math.isfinite(top_p) \
-            or not 0.0 <= top_p <= 1.0:
+    if (
+        isinstance(top_p, bool)
+        or not isinstance(top_p, (int, float))
+        or not math.isfinite(top_p)
+        or not 0.0 <= top_p <= 1.0
+    ):
         return f"{p_name} must be in [0, 1], got {top_p!r}"
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= UINT64_MAX):
         return f"{s_name} must be in [0, 2^64), got {seed!r}"
@@ -222,11 +235,9 @@ class StepResult:
 class StepEngine(Protocol):
     """What runs a step. ``allocate`` is called once with the pool size the executor chose."""
 
-    def allocate(self, num_blocks: int, tokens_per_block: int) -> None:
-        ...
+    def allocate(self, num_blocks: int, tokens_per_block: int) -> None: ...
 
-    def step(self, batch: StepBatch) -> StepResult:
-        ...
+    def step(self, batch: StepBatch) -> StepResult: ...
 
     def copy_block(self, src: int, dst: int, num_tokens: int) -> None:
         """Copy the first ``num_tokens`` token slots of block ``src`` into ``dst`` (partial prefix reuse)."""

@@ -41,17 +41,30 @@ def kv_blocks(kv_tokens: Optional[int], tokens_per_block: int, max_batch_size: i
     return max(math.ceil(tokens / tokens_per_block), math.ceil(max_seq_len / tokens_per_block))
 
 
-def executor_config(*, max_batch_size: int, max_num_tokens: int, max_input_len: int, max_seq_len: int,
-                    tokens_per_block: int, kv_tokens: Optional[int] = None, **knobs: Any) -> ExecutorConfig:
+def executor_config(
+    *,
+    max_batch_size: int,
+    max_num_tokens: int,
+    max_input_len: int,
+    max_seq_len: int,
+    tokens_per_block: int,
+    kv_tokens: Optional[int] = None,
+    **knobs: Any,
+) -> ExecutorConfig:
     """The executor configuration of an engine's limits and a front end's knobs (any other ExecutorConfig field:
     ``capacity_policy`` by value or name, ``enable_kv_cache_reuse`` defaulting to :data:`KV_REUSE_DEFAULT`, ...)."""
     knobs = {"enable_kv_cache_reuse": KV_REUSE_DEFAULT, **knobs}
     if "capacity_policy" in knobs:
         knobs["capacity_policy"] = CapacityPolicy(knobs["capacity_policy"])
-    return ExecutorConfig(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_input_len=max_input_len,
-                          max_seq_len=max_seq_len,
-                          num_blocks=kv_blocks(kv_tokens, tokens_per_block, max_batch_size, max_seq_len),
-                          tokens_per_block=tokens_per_block, **knobs)
+    return ExecutorConfig(
+        max_batch_size=max_batch_size,
+        max_num_tokens=max_num_tokens,
+        max_input_len=max_input_len,
+        max_seq_len=max_seq_len,
+        num_blocks=kv_blocks(kv_tokens, tokens_per_block, max_batch_size, max_seq_len),
+        tokens_per_block=tokens_per_block,
+        **knobs,
+    )
 
 
 def from_recipe(recipe, model_max_seq_len: int) -> ExecutorConfig:
@@ -61,19 +74,31 @@ def from_recipe(recipe, model_max_seq_len: int) -> ExecutorConfig:
 
     e, kv = recipe.engine, recipe.engine.kv_cache
     seq = min(e.max_seq_len or model_max_seq_len, model_max_seq_len)
-    return executor_config(max_batch_size=e.max_batch_size, max_num_tokens=e.max_num_tokens,
-                           max_input_len=min(e.max_input_len, seq - 1), max_seq_len=seq, kv_tokens=kv.max_tokens,
-                           tokens_per_block=kv.tokens_per_block, **executor_knobs(recipe))
+    return executor_config(
+        max_batch_size=e.max_batch_size,
+        max_num_tokens=e.max_num_tokens,
+        max_input_len=min(e.max_input_len, seq - 1),
+        max_seq_len=seq,
+        kv_tokens=kv.max_tokens,
+        tokens_per_block=kv.tokens_per_block,
+        **executor_knobs(recipe),
+    )
 
 
-def twin_default(max_seq_len: int, max_batch_size: int = TWIN_MAX_BATCH_SIZE,
-                 tokens_per_block: int = TWIN_TOKENS_PER_BLOCK) -> ExecutorConfig:
+def twin_default(
+    max_seq_len: int, max_batch_size: int = TWIN_MAX_BATCH_SIZE, tokens_per_block: int = TWIN_TOKENS_PER_BLOCK
+) -> ExecutorConfig:
     """The OpenAI twin of a bare HF directory (no recipe): the recipe schema's default knobs for its model's length."""
     from trtpipe.recipe.knobs import default_knobs
 
-    return executor_config(max_batch_size=max_batch_size, max_num_tokens=max(2048, max_seq_len),
-                           max_input_len=max_seq_len - 1, max_seq_len=max_seq_len, tokens_per_block=tokens_per_block,
-                           **default_knobs(max_batch_size))
+    return executor_config(
+        max_batch_size=max_batch_size,
+        max_num_tokens=max(2048, max_seq_len),
+        max_input_len=max_seq_len - 1,
+        max_seq_len=max_seq_len,
+        tokens_per_block=tokens_per_block,
+        **default_knobs(max_batch_size),
+    )
 
 
 # --- the one serialized form -----------------------------------------------------------------------------------
@@ -106,7 +131,6 @@ def from_json(text: str) -> ExecutorConfig:
 def replace_knobs(config: ExecutorConfig, **knobs) -> ExecutorConfig:
     """``config`` with some knobs changed (through the serialized form, so it stays the one way in)."""
     return from_dict({**to_dict(config), **knobs})
-
 
 
 # --- the Triton twin's extras parameter ------------------------------------------------------------------------

@@ -20,11 +20,21 @@ class RequestRefused(ValueError):
 
 
 # Dynamo's finish reasons (``GenerateChunk.finish_reason``) for the executor's.
-FINISH = {FinishReason.END_ID: "stop", FinishReason.STOP_WORDS: "stop", FinishReason.LENGTH: "length",
-          FinishReason.TIMED_OUT: "length", FinishReason.CANCELLED: "cancelled"}
-UNSUPPORTED = (("sampling_options", "n", (None, 1)), ("sampling_options", "best_of", (None, 1)),
-               ("sampling_options", "use_beam_search", (None, False)), ("stop_conditions", "min_tokens", (None, 0)),
-               ("output_options", "logprobs", (None,)), ("output_options", "prompt_logprobs", (None,)))
+FINISH = {
+    FinishReason.END_ID: "stop",
+    FinishReason.STOP_WORDS: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.TIMED_OUT: "length",
+    FinishReason.CANCELLED: "cancelled",
+}
+UNSUPPORTED = (
+    ("sampling_options", "n", (None, 1)),
+    ("sampling_options", "best_of", (None, 1)),
+    ("sampling_options", "use_beam_search", (None, False)),
+    ("stop_conditions", "min_tokens", (None, 0)),
+    ("output_options", "logprobs", (None,)),
+    ("output_options", "prompt_logprobs", (None,)),
+)
 
 
 def translate(request: dict, eos_id: Optional[int], max_seq_len: int) -> Request:
@@ -49,11 +59,21 @@ def translate(request: dict, eos_id: Optional[int], max_seq_len: int) -> Request
     end_id = None if stop.get("ignore_eos") else (eos[0] if eos else None)
     stop_ids = [int(t) for t in (stop.get("stop_token_ids") or []) if t != end_id]
     temperature = opts.get("temperature")
-    sampling = SamplingParams(temperature=0.0 if temperature is None else float(temperature),
-                              top_k=int(opts.get("top_k") or 0), top_p=float(opts.get("top_p") or 1.0),
-                              seed=opts.get("seed"))
+    sampling = SamplingParams(
+        temperature=0.0 if temperature is None else float(temperature),
+        top_k=int(opts.get("top_k") or 0),
+        top_p=float(opts.get("top_p") or 1.0),
+        seed=opts.get("seed"),
+    )
     problem = sampling.problem()
     if problem:
         raise RequestRefused(problem)
-    return Request(prompt=prompt, max_new_tokens=max_new, end_id=end_id, stop_words=[[t] for t in stop_ids],
-                   sampling=sampling, streaming=True, exclude_input_from_output=True)
+    return Request(
+        prompt=prompt,
+        max_new_tokens=max_new,
+        end_id=end_id,
+        stop_words=[[t] for t in stop_ids],
+        sampling=sampling,
+        streaming=True,
+        exclude_input_from_output=True,
+    )

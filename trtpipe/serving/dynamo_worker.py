@@ -48,6 +48,7 @@ from trtpipe.serving.kv_events import EventRecorder, Removed, Stored  # noqa: E4
 log = logging.getLogger("trtpipe.dynamo")
 POLL_S = 0.1  # how often a waiting request looks at its context (client gone) and the publisher at the pool
 
+
 class TwinEngine(LLMEngine):
     """The reference runtime + executor over one exported checkpoint, as a Dynamo token engine."""
 
@@ -77,10 +78,16 @@ class TwinEngine(LLMEngine):
         args = p.parse_args(argv)
         engine = cls(args.model, args.served_model_name, from_json(args.executor_config), args.threads)
         engine.status_file = args.status_file
-        worker = WorkerConfig(namespace=args.namespace, component=args.component, endpoint="generate",
-                              model_name=str(args.model), served_model_name=args.served_model_name,
-                              endpoint_types=args.endpoint_types, discovery_backend=args.discovery_backend,
-                              enable_kv_routing=True)
+        worker = WorkerConfig(
+            namespace=args.namespace,
+            component=args.component,
+            endpoint="generate",
+            model_name=str(args.model),
+            served_model_name=args.served_model_name,
+            endpoint_types=args.endpoint_types,
+            discovery_backend=args.discovery_backend,
+            enable_kv_routing=True,
+        )
         return engine, worker
 
     async def start(self, worker_id: int) -> EngineConfig:
@@ -94,14 +101,24 @@ class TwinEngine(LLMEngine):
         self.executor.core.pool.listener = self.recorder
         if self.status_file is not None:  # the supervisor's evidence of which instance this process is
             write_state(self.status_file, {"pid": os.getpid(), "instance_id": int(worker_id)})
-        log.info("worker %s: %s loaded (%d KV blocks of %d tokens)", worker_id, self.model_dir,
-                 self.config.num_blocks, self.config.tokens_per_block)
-        return EngineConfig(model=str(self.model_dir), served_model_name=self.name,
-                            llm=LlmRegistration(context_length=self.config.max_seq_len,
-                                                kv_cache_block_size=self.config.tokens_per_block,
-                                                total_kv_blocks=self.config.num_blocks,
-                                                max_num_seqs=self.config.max_batch_size,
-                                                max_num_batched_tokens=self.config.max_num_tokens))
+        log.info(
+            "worker %s: %s loaded (%d KV blocks of %d tokens)",
+            worker_id,
+            self.model_dir,
+            self.config.num_blocks,
+            self.config.tokens_per_block,
+        )
+        return EngineConfig(
+            model=str(self.model_dir),
+            served_model_name=self.name,
+            llm=LlmRegistration(
+                context_length=self.config.max_seq_len,
+                kv_cache_block_size=self.config.tokens_per_block,
+                total_kv_blocks=self.config.num_blocks,
+                max_num_seqs=self.config.max_batch_size,
+                max_num_batched_tokens=self.config.max_num_tokens,
+            ),
+        )
 
     async def generate(self, request: dict, context: Any):
         normalize_request_token_ids(request)
@@ -127,8 +144,11 @@ class TwinEngine(LLMEngine):
             chunk: dict = {"token_ids": list(resp.tokens), "index": 0}
             if resp.is_final:
                 chunk["finish_reason"] = FINISH.get(resp.finish_reason, "stop")
-                chunk["completion_usage"] = {"prompt_tokens": len(req.prompt), "completion_tokens": produced,
-                                             "total_tokens": len(req.prompt) + produced}
+                chunk["completion_usage"] = {
+                    "prompt_tokens": len(req.prompt),
+                    "completion_tokens": produced,
+                    "total_tokens": len(req.prompt) + produced,
+                }
                 yield chunk
                 return
             yield chunk
@@ -151,12 +171,15 @@ class TwinEngine(LLMEngine):
                 if engine.executor is None:
                     return
                 stats = engine.executor.core.pool.stats()
-                for name, value, doc in (("kv_cache_reused_blocks", stats.reused_blocks,
-                                          "prompt blocks taken from the reuse cache"),
-                                         ("kv_cache_missed_blocks", stats.missed_blocks,
-                                          "prompt blocks computed (not cached)"),
-                                         ("kv_events_published", engine.published,
-                                          "KV events (stored, removed) handed to Dynamo's publisher")):
+                for name, value, doc in (
+                    ("kv_cache_reused_blocks", stats.reused_blocks, "prompt blocks taken from the reuse cache"),
+                    ("kv_cache_missed_blocks", stats.missed_blocks, "prompt blocks computed (not cached)"),
+                    (
+                        "kv_events_published",
+                        engine.published,
+                        "KV events (stored, removed) handed to Dynamo's publisher",
+                    ),
+                ):
                     yield CounterMetricFamily(f"trtpipe_{name}", doc, value=value)
 
         registry = CollectorRegistry()
@@ -185,8 +208,9 @@ class TwinEngine(LLMEngine):
 
     # ---- publishing --------------------------------------------------------------------------------
     def _start_publisher(self, publisher: Any) -> None:
-        self._publisher_thread = threading.Thread(target=self._publish, args=(publisher,), daemon=True,
-                                                  name="trtpipe-kv-events")
+        self._publisher_thread = threading.Thread(
+            target=self._publish, args=(publisher,), daemon=True, name="trtpipe-kv-events"
+        )
         self._publisher_thread.start()
 
     def _publish(self, publisher: Any) -> None:
@@ -200,8 +224,12 @@ class TwinEngine(LLMEngine):
                 continue
             try:
                 if isinstance(event, Stored):
-                    publisher.publish_stored(token_ids=list(event.tokens), num_block_tokens=[block],
-                                             block_hashes=[event.block_hash], parent_hash=event.parent_hash)
+                    publisher.publish_stored(
+                        token_ids=list(event.tokens),
+                        num_block_tokens=[block],
+                        block_hashes=[event.block_hash],
+                        parent_hash=event.parent_hash,
+                    )
                 elif isinstance(event, Removed):
                     publisher.publish_removed(block_hashes=list(event.block_hashes))
                 self.published += 1
@@ -214,10 +242,16 @@ class TwinEngine(LLMEngine):
         if self._snapshots is None or self.executor is None:
             return
         stats = self.executor.core.pool.stats()
-        self._snapshots.publish(0, ComponentSnapshot(
-            kv_used_blocks=stats.used_blocks, kv_total_blocks=stats.max_blocks,
-            gpu_cache_usage=stats.fraction_used, dp_rank=0,
-            kv_cache_hit_rate=stats.cache_hit_rate if stats.reused_blocks + stats.missed_blocks else None))
+        self._snapshots.publish(
+            0,
+            ComponentSnapshot(
+                kv_used_blocks=stats.used_blocks,
+                kv_total_blocks=stats.max_blocks,
+                gpu_cache_usage=stats.fraction_used,
+                dp_rank=0,
+                kv_cache_hit_rate=stats.cache_hit_rate if stats.reused_blocks + stats.missed_blocks else None,
+            ),
+        )
 
 
 def eos_token_id(model_dir: Path) -> Optional[int]:

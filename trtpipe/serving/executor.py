@@ -24,8 +24,17 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from trtpipe.serving.api import (CapacityPolicy, ErrorKind, ExecutorConfig, FinishReason, Request, Response, StepBatch,
-                                 StepEngine, StepEntry)
+from trtpipe.serving.api import (
+    CapacityPolicy,
+    ErrorKind,
+    ExecutorConfig,
+    FinishReason,
+    Request,
+    Response,
+    StepBatch,
+    StepEngine,
+    StepEntry,
+)
 from trtpipe.serving.kv_pool import BlockPool, KVStats
 from trtpipe.serving.scheduler import ActiveRequest, ContextTooLong, capacity_schedule, insert_by_priority, micro_batch
 
@@ -102,20 +111,28 @@ class _Queued:
 
 
 def _hits_stop(tokens: list[int], stop_words) -> bool:
-    return any(w and len(tokens) >= len(w) and tokens[-len(w):] == list(w) for w in stop_words)
+    return any(w and len(tokens) >= len(w) and tokens[-len(w) :] == list(w) for w in stop_words)
 
 
 class ExecutorCore:
     """The executor without a thread. ``submit``/``cancel`` are thread-safe; ``iterate`` runs on one thread."""
 
-    def __init__(self, config: ExecutorConfig, engine: StepEngine, on_response: Callable[[Response], None],
-                 clock: Optional[Clock] = None, stats_history: int = 1000):
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        engine: StepEngine,
+        on_response: Callable[[Response], None],
+        clock: Optional[Clock] = None,
+        stats_history: int = 1000,
+    ):
         if config.max_beam_width != 1:
             raise ValueError("the executor runs beam width 1 only")
         need = -(-config.max_seq_len // config.tokens_per_block)
         if config.num_blocks < need:
-            raise ValueError(f"KV pool of {config.num_blocks} blocks cannot hold one sequence of max_seq_len "
-                             f"{config.max_seq_len} ({need} blocks of {config.tokens_per_block} tokens)")
+            raise ValueError(
+                f"KV pool of {config.num_blocks} blocks cannot hold one sequence of max_seq_len "
+                f"{config.max_seq_len} ({need} blocks of {config.tokens_per_block} tokens)"
+            )
         self.config, self.engine, self.on_response = config, engine, on_response
         self.clock = clock or Clock()
         self.pool = BlockPool(config.num_blocks, config.tokens_per_block, config.enable_kv_cache_reuse)
@@ -215,8 +232,13 @@ class ExecutorCore:
             shed, self._shed = self._shed, []
         limit = self.config.max_queue_size
         for q in shed:
-            self._error(q.id, q.request, f"Maximum queue size of {limit} has been reached, please try again later "
-                        f"(shed for a request of higher priority than {q.priority:g})", ErrorKind.OVERLOADED)
+            self._error(
+                q.id,
+                q.request,
+                f"Maximum queue size of {limit} has been reached, please try again later "
+                f"(shed for a request of higher priority than {q.priority:g})",
+                ErrorKind.OVERLOADED,
+            )
 
     def _allotted_ns(self, request: Request) -> int:
         t = request.allotted_time_s if request.allotted_time_s is not None else self.config.request_timeout_s
@@ -226,21 +248,32 @@ class ExecutorCore:
         """Requests past their allotted time (counted from submit) end with ``TIMED_OUT``, queued or running."""
         now = self.clock.now_ns()
         with self._lock:
-            late = [q for q in self.queue if self._allotted_ns(q.request) and now - q.enqueue_ns > self._allotted_ns(q.request)]
+            late = [
+                q
+                for q in self.queue
+                if self._allotted_ns(q.request) and now - q.enqueue_ns > self._allotted_ns(q.request)
+            ]
             if late:
                 gone = {q.id for q in late}
                 self.queue = [q for q in self.queue if q.id not in gone]
         for q in late:
-            self._error(q.id, q.request, self._timeout_message(q.request, now - q.enqueue_ns, "in the queue"),
-                        ErrorKind.TIMED_OUT, FinishReason.TIMED_OUT)
+            self._error(
+                q.id,
+                q.request,
+                self._timeout_message(q.request, now - q.enqueue_ns, "in the queue"),
+                ErrorKind.TIMED_OUT,
+                FinishReason.TIMED_OUT,
+            )
         for r in self.active:
             allotted = self._allotted_ns(r.request)
             if allotted and not r.finish_reason and now - r.perf.enqueue_ns > allotted:
                 r.finish_reason = FinishReason.TIMED_OUT
 
     def _timeout_message(self, request: Request, waited_ns: int, where: str) -> str:
-        return (f"Request timed out {where}: not finished {waited_ns / 1e9:.2f} s after it arrived "
-                f"(allotted time {self._allotted_ns(request) / 1e9:g} s)")
+        return (
+            f"Request timed out {where}: not finished {waited_ns / 1e9:.2f} s after it arrived "
+            f"(allotted time {self._allotted_ns(request) / 1e9:g} s)"
+        )
 
     def _apply_cancellations(self) -> None:
         with self._lock:
@@ -248,13 +281,20 @@ class ExecutorCore:
             dropped = [q for q in self.queue if q.id in ids]
             self.queue = [q for q in self.queue if q.id not in ids]
         for q in dropped:  # never admitted: answer with the prompt only, as a cancelled request
-            self._send(Response(q.id, [] if q.request.streaming or q.request.exclude_input_from_output
-                                else list(q.request.prompt), True, FinishReason.CANCELLED,
-                                num_input_tokens=len(q.request.prompt), client_tag=q.request.client_tag))
+            self._send(
+                Response(
+                    q.id,
+                    [] if q.request.streaming or q.request.exclude_input_from_output else list(q.request.prompt),
+                    True,
+                    FinishReason.CANCELLED,
+                    num_input_tokens=len(q.request.prompt),
+                    client_tag=q.request.client_tag,
+                )
+            )
         for r in self.active:
             if r.id in ids and not r.finish_reason:
                 r.finish_reason = FinishReason.CANCELLED
-                del r.tokens[r.prompt_len:]  # generated tokens are dropped; only the prompt stays
+                del r.tokens[r.prompt_len :]  # generated tokens are dropped; only the prompt stays
 
     def _respond(self) -> None:
         keep = []
@@ -264,10 +304,15 @@ class ExecutorCore:
             req = r.request
             if r.finish_reason == FinishReason.TIMED_OUT:
                 where = "while generating" if r.output else "before its first token"
-                self._error(r.id, req, self._timeout_message(req, now - r.perf.enqueue_ns, where),
-                            ErrorKind.TIMED_OUT, FinishReason.TIMED_OUT)
+                self._error(
+                    r.id,
+                    req,
+                    self._timeout_message(req, now - r.perf.enqueue_ns, where),
+                    ErrorKind.TIMED_OUT,
+                    FinishReason.TIMED_OUT,
+                )
             elif req.streaming:
-                new = r.output[r.sent:]
+                new = r.output[r.sent :]
                 if new or done:
                     r.sent = len(r.output)
                     self._send(self._response(r, new, done))
@@ -283,9 +328,16 @@ class ExecutorCore:
         self.active = keep
 
     def _response(self, r: ActiveRequest, tokens: list[int], final: bool) -> Response:
-        return Response(r.id, tokens, final, FinishReason(r.finish_reason) if final else FinishReason.NOT_FINISHED,
-                        perf=r.perf if (final and r.request.return_perf_metrics) else None,
-                        num_input_tokens=r.prompt_len, num_output_tokens=len(r.output), client_tag=r.request.client_tag)
+        return Response(
+            r.id,
+            tokens,
+            final,
+            FinishReason(r.finish_reason) if final else FinishReason.NOT_FINISHED,
+            perf=r.perf if (final and r.request.return_perf_metrics) else None,
+            num_input_tokens=r.prompt_len,
+            num_output_tokens=len(r.output),
+            client_tag=r.request.client_tag,
+        )
 
     def _send(self, response: Response) -> None:
         try:
@@ -293,15 +345,31 @@ class ExecutorCore:
         except Exception:  # a front end that cannot deliver (client gone) must not stop the loop for everyone
             log.exception("response %d could not be delivered", response.request_id)
 
-    def _error(self, rid: int, request: Request, message: str, kind: ErrorKind = ErrorKind.INTERNAL,
-               reason: FinishReason = FinishReason.NOT_FINISHED) -> None:
-        self._send(Response(rid, [], True, reason, error=message, error_kind=kind,
-                            num_input_tokens=len(request.prompt), client_tag=request.client_tag))
+    def _error(
+        self,
+        rid: int,
+        request: Request,
+        message: str,
+        kind: ErrorKind = ErrorKind.INTERNAL,
+        reason: FinishReason = FinishReason.NOT_FINISHED,
+    ) -> None:
+        self._send(
+            Response(
+                rid,
+                [],
+                True,
+                reason,
+                error=message,
+                error_kind=kind,
+                num_input_tokens=len(request.prompt),
+                client_tag=request.client_tag,
+            )
+        )
 
     def _release(self, r: ActiveRequest) -> None:
         """Publish the sequence's full blocks for reuse (prompt and output), then free them."""
         if r.block_table:
-            self.pool.store(r.block_table, r.tokens[:r.kv_len])
+            self.pool.store(r.block_table, r.tokens[: r.kv_len])
             self.pool.release(r.block_table)
             r.block_table = []
 
@@ -340,12 +408,20 @@ class ExecutorCore:
         if len(req.prompt) > c.max_input_len:
             return f"Prompt length ({len(req.prompt)}) exceeds maximum input length ({c.max_input_len})."
         if not c.enable_chunked_context and len(req.prompt) > c.max_num_tokens:
-            return (f"Prompt length ({len(req.prompt)}) exceeds max_num_tokens ({c.max_num_tokens}) and chunked "
-                    f"context is disabled: enable chunked context or raise max_num_tokens.")
-        if (req.streaming and c.capacity_policy is not CapacityPolicy.GUARANTEED_NO_EVICT
-                and not c.enable_chunked_context and len(req.prompt) + req.max_new_tokens - 1 > c.max_input_len):
-            return ("Request sequence length is potentially greater than max input length. This cannot be run "
-                    "with streaming, a pausing capacity policy and chunked context disabled.")
+            return (
+                f"Prompt length ({len(req.prompt)}) exceeds max_num_tokens ({c.max_num_tokens}) and chunked "
+                f"context is disabled: enable chunked context or raise max_num_tokens."
+            )
+        if (
+            req.streaming
+            and c.capacity_policy is not CapacityPolicy.GUARANTEED_NO_EVICT
+            and not c.enable_chunked_context
+            and len(req.prompt) + req.max_new_tokens - 1 > c.max_input_len
+        ):
+            return (
+                "Request sequence length is potentially greater than max input length. This cannot be run "
+                "with streaming, a pausing capacity policy and chunked context disabled."
+            )
         return None
 
     def _activate(self, q: _Queued) -> ActiveRequest:
@@ -366,8 +442,11 @@ class ExecutorCore:
         try:
             decision, chosen = self._schedule()
         except ContextTooLong as exc:
-            self._fail([r for r in self.active if r.id == exc.request_id], f"Encountered an error in scheduling: {exc}",
-                       ErrorKind.INVALID)
+            self._fail(
+                [r for r in self.active if r.id == exc.request_id],
+                f"Encountered an error in scheduling: {exc}",
+                ErrorKind.INVALID,
+            )
             return
         except Exception as exc:
             log.exception("scheduling iteration %d failed", self.iteration)
@@ -385,7 +464,7 @@ class ExecutorCore:
         c, tpb = self.config, self.config.tokens_per_block
         for r in self.active:  # what the cache already holds of each first context
             if not r.started:
-                r.context_pos = len(self.pool.match_prefix(r.tokens[:r.context_len])) * tpb
+                r.context_pos = len(self.pool.match_prefix(r.tokens[: r.context_len])) * tpb
         decision = capacity_schedule(self.active, self.pool.num_free, c, self.max_active, self.pool.refs)
         for r in decision.paused:
             self._pause(r)
@@ -400,7 +479,7 @@ class ExecutorCore:
         for r in contexts:  # reused prefixes first, so new allocations cannot evict a block matched this step
             if not r.started:
                 end = r.context_pos + r.chunk
-                r.block_table = self.pool.take_prefix(r.tokens[:r.context_len])
+                r.block_table = self.pool.take_prefix(r.tokens[: r.context_len])
                 r.context_pos = len(r.block_table) * tpb
                 r.chunk = end - r.context_pos
                 r.perf.kv_reused_blocks += len(r.block_table)
@@ -412,15 +491,28 @@ class ExecutorCore:
             r.perf.kv_missed_blocks += new
             r.perf.kv_alloc_total_blocks = len(r.block_table)
             end = r.context_pos + r.chunk
-            batch.entries.append(StepEntry(r.id, r.tokens[r.context_pos:end], r.context_pos, r.block_table, True,
-                                           end == r.context_len, r.request.sampling, r.generator))
+            batch.entries.append(
+                StepEntry(
+                    r.id,
+                    r.tokens[r.context_pos : end],
+                    r.context_pos,
+                    r.block_table,
+                    True,
+                    end == r.context_len,
+                    r.request.sampling,
+                    r.generator,
+                )
+            )
         for r in chosen:
             if r.generating:
                 new = self.pool.grow(r.block_table, r.kv_len + 1)
                 r.perf.kv_alloc_new_blocks += new
                 r.perf.kv_alloc_total_blocks = len(r.block_table)
-                batch.entries.append(StepEntry(r.id, [r.tokens[-1]], r.kv_len, r.block_table, False, True,
-                                               r.request.sampling, r.generator))
+                batch.entries.append(
+                    StepEntry(
+                        r.id, [r.tokens[-1]], r.kv_len, r.block_table, False, True, r.request.sampling, r.generator
+                    )
+                )
         if not batch.entries:
             # nothing fits this turn (head-of-line blocked on KV): an empty record, then wait for the pool to change
             self._record(0.0, batch, len(decision.paused), 0)
@@ -438,7 +530,7 @@ class ExecutorCore:
                 if not e.sample:
                     continue
                 r.generating = True
-                self.pool.store(r.block_table, r.tokens[:r.context_len])  # early reuse: at the end of the context
+                self.pool.store(r.block_table, r.tokens[: r.context_len])  # early reuse: at the end of the context
             self._accept(r, result.tokens[e.request_id], now)
         self._record(result.elapsed_s, batch, len(decision.paused), len(chosen))
         self.iteration += 1
@@ -489,15 +581,24 @@ class ExecutorCore:
     def _record(self, elapsed: float, batch: StepBatch, paused: int, scheduled: Optional[int] = None) -> None:
         with self._lock:
             queued = len(self.queue)
-        self.iterations.append(IterationStats(
-            iteration=self.iteration, timestamp_ns=self.clock.now_ns(), num_active=len(self.active),
-            max_active=self.max_active, num_queued=queued,
-            num_scheduled=len(batch.entries) if scheduled is None else scheduled,
-            num_context_requests=sum(1 for e in batch.entries if e.is_context),
-            num_context_tokens=batch.num_context_tokens, num_generation_requests=batch.num_generation_requests,
-            num_paused=paused, step_time_s=elapsed, kv=self.pool.stats(),
-            num_attended_tokens=sum(e.start_pos + len(e.tokens) for e in batch.entries),
-            entries=tuple((e.start_pos, len(e.tokens), e.is_context) for e in batch.entries)))
+        self.iterations.append(
+            IterationStats(
+                iteration=self.iteration,
+                timestamp_ns=self.clock.now_ns(),
+                num_active=len(self.active),
+                max_active=self.max_active,
+                num_queued=queued,
+                num_scheduled=len(batch.entries) if scheduled is None else scheduled,
+                num_context_requests=sum(1 for e in batch.entries if e.is_context),
+                num_context_tokens=batch.num_context_tokens,
+                num_generation_requests=batch.num_generation_requests,
+                num_paused=paused,
+                step_time_s=elapsed,
+                kv=self.pool.stats(),
+                num_attended_tokens=sum(e.start_pos + len(e.tokens) for e in batch.entries),
+                entries=tuple((e.start_pos, len(e.tokens), e.is_context) for e in batch.entries),
+            )
+        )
 
 
 class Executor:
@@ -510,8 +611,9 @@ class Executor:
     answered with an error.
     """
 
-    def __init__(self, config: ExecutorConfig, engine: StepEngine, idle_wait_s: float = 0.05,
-                 threads: Optional[int] = None):
+    def __init__(
+        self, config: ExecutorConfig, engine: StepEngine, idle_wait_s: float = 0.05, threads: Optional[int] = None
+    ):
         self._callbacks: dict[int, Callable[[Response], None]] = {}
         self._cb_lock = threading.Lock()
         self.core = ExecutorCore(config, engine, self._dispatch)
@@ -551,7 +653,11 @@ class Executor:
 
     def _dispatch(self, response: Response) -> None:
         with self._cb_lock:
-            cb = self._callbacks.pop(response.request_id) if response.is_final else self._callbacks.get(response.request_id)
+            cb = (
+                self._callbacks.pop(response.request_id)
+                if response.is_final
+                else self._callbacks.get(response.request_id)
+            )
         if cb is not None:
             cb(response)
 

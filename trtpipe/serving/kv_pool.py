@@ -29,11 +29,9 @@ class ReuseListener(Protocol):
     (TensorRT-LLM's ``KVCacheEventManager``: *stored* when a block becomes reusable, *removed* when it is evicted,
     not when its request ends). Called on the executor thread, with the pool mid-update: record, don't call back."""
 
-    def stored(self, block_id: int, tokens: tuple, parent_id: Optional[int]) -> None:
-        ...
+    def stored(self, block_id: int, tokens: tuple, parent_id: Optional[int]) -> None: ...
 
-    def removed(self, block_ids: Sequence[int]) -> None:
-        ...
+    def removed(self, block_ids: Sequence[int]) -> None: ...
 
 
 @dataclass
@@ -74,7 +72,9 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, tokens_per_block: int, enable_reuse: bool = False):
         if num_blocks < 1 or tokens_per_block < 1:
-            raise ValueError(f"KV pool needs at least one block of at least one token, got {num_blocks} x {tokens_per_block}")
+            raise ValueError(
+                f"KV pool needs at least one block of at least one token, got {num_blocks} x {tokens_per_block}"
+            )
         self.num_blocks, self.tokens_per_block, self.enable_reuse = num_blocks, tokens_per_block, enable_reuse
         self._blocks = [_Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # front = evicted first
@@ -95,8 +95,17 @@ class BlockPool:
 
     def stats(self) -> KVStats:
         cached = sum(1 for b in self._blocks if b.key is not None)
-        return KVStats(self.num_blocks, self.num_free, self.num_blocks - self.num_free, self.tokens_per_block,
-                       self.alloc_total, self.alloc_new, self.reused, self.missed, cached)
+        return KVStats(
+            self.num_blocks,
+            self.num_free,
+            self.num_blocks - self.num_free,
+            self.tokens_per_block,
+            self.alloc_total,
+            self.alloc_new,
+            self.reused,
+            self.missed,
+            cached,
+        )
 
     def match_prefix(self, prompt: Sequence[int]) -> list[int]:
         """Ids of the cached full blocks that prefix ``prompt[:-1]`` (read-only: nothing is taken)."""
@@ -104,7 +113,7 @@ class BlockPool:
             return []
         tpb, node, found = self.tokens_per_block, self._root, []
         for i in range((len(prompt) - 1) // tpb):
-            node = node.children.get(tuple(prompt[i * tpb:(i + 1) * tpb]))
+            node = node.children.get(tuple(prompt[i * tpb : (i + 1) * tpb]))
             if node is None:
                 break
             found.append(node.id)
@@ -143,7 +152,7 @@ class BlockPool:
             return
         tpb, parent = self.tokens_per_block, self._root
         for i in range(min(len(table), len(tokens) // tpb)):
-            key, block = tuple(tokens[i * tpb:(i + 1) * tpb]), self._blocks[table[i]]
+            key, block = tuple(tokens[i * tpb : (i + 1) * tpb]), self._blocks[table[i]]
             existing = parent.children.get(key)
             if existing is None and block.key is None:
                 block.key, block.parent = key, parent

@@ -21,8 +21,17 @@ from trtpipe.serving.reference_engine import ReferenceEngine
 
 def _wire(batch: StepBatch) -> tuple:
     """What the workers need of a step (no sampling state: rank 0 samples)."""
-    return batch.iteration, [(e.request_id, list(map(int, e.tokens)), int(e.start_pos), list(map(int, e.block_table)),
-                              bool(e.is_context), bool(e.sample)) for e in batch.entries]
+    return batch.iteration, [
+        (
+            e.request_id,
+            list(map(int, e.tokens)),
+            int(e.start_pos),
+            list(map(int, e.block_table)),
+            bool(e.is_context),
+            bool(e.sample),
+        )
+        for e in batch.entries
+    ]
 
 
 def _unwire(wire: tuple) -> StepBatch:
@@ -108,9 +117,19 @@ class MpiStepEngine(RankEngine):
                 self._lock.release()
 
 
-def generate_steps(engine, prompts: list[list[int]], max_new_tokens: int, end_ids=None, temperature: float = 0.0,
-                   top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None, stop_words=None,
-                   on_step: Optional[Callable[[list], None]] = None, tokens_per_block: int = 64) -> list[list[int]]:
+def generate_steps(
+    engine,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    end_ids=None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: Optional[int] = None,
+    stop_words=None,
+    on_step: Optional[Callable[[list], None]] = None,
+    tokens_per_block: int = 64,
+) -> list[list[int]]:
     """:func:`trtpipe.runtime.generate` semantics over a step engine: the prompts prefill in one step, then
     every step decodes all unfinished sequences. Each sequence gets contiguous blocks of a pool allocated for
     this call. (A static batch: the in-flight executor replaces this for serving.)
@@ -131,17 +150,25 @@ def generate_steps(engine, prompts: list[list[int]], max_new_tokens: int, end_id
         rows = [i for i in range(n) if not done[i]]
         if not rows:
             break
-        entries = [StepEntry(i, list(prompts[i]) if it == 0 else [outputs[i][-1]],
-                             0 if it == 0 else len(prompts[i]) + len(outputs[i]) - 1, tables[i], it == 0, True,
-                             params, gens[i]) for i in rows]
+        entries = [
+            StepEntry(
+                i,
+                list(prompts[i]) if it == 0 else [outputs[i][-1]],
+                0 if it == 0 else len(prompts[i]) + len(outputs[i]) - 1,
+                tables[i],
+                it == 0,
+                True,
+                params,
+                gens[i],
+            )
+            for i in rows
+        ]
         got = engine.step(StepBatch(it, entries)).tokens
         new: list = [None] * n
         accept_step({i: got[i] for i in rows}, outputs, done, new, ends, stops, max_new_tokens)
         if on_step is not None:
             on_step(new)
     return outputs
-
-
 
 
 def start_leader(engine_dir: str, run_dir: str) -> MpiStepEngine:

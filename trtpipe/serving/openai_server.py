@@ -39,8 +39,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trtpipe.extras import require
-from trtpipe.serving.api import (DEFAULT_PRIORITY, UINT64_MAX, ErrorKind, ExecutorConfig, FinishReason, Request,
-                                 Response, SamplingParams)
+from trtpipe.serving.api import (
+    DEFAULT_PRIORITY,
+    UINT64_MAX,
+    ErrorKind,
+    ExecutorConfig,
+    FinishReason,
+    Request,
+    Response,
+    SamplingParams,
+)
 from trtpipe.serving.config import twin_default
 from trtpipe.serving.executor import Executor, ExecutorStopped, QueueFullError
 from trtpipe.serving.prom_text import histograms
@@ -49,8 +57,13 @@ web = require("aiohttp.web", "the OpenAI twin (trtpipe serve of an llmapi target
 
 log = logging.getLogger("trtpipe.openai")
 
-FINISH = {FinishReason.END_ID: "stop", FinishReason.STOP_WORDS: "stop", FinishReason.LENGTH: "length",
-          FinishReason.TIMED_OUT: "length", FinishReason.CANCELLED: "stop"}
+FINISH = {
+    FinishReason.END_ID: "stop",
+    FinishReason.STOP_WORDS: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.TIMED_OUT: "length",
+    FinishReason.CANCELLED: "stop",
+}
 
 
 def torch_threads() -> int:
@@ -101,18 +114,33 @@ class Internal(Refused):
     status, etype = 500, "InternalServerError"
 
 
-REFUSAL = {ErrorKind.INVALID: BadRequest, ErrorKind.OVERLOADED: Overloaded, ErrorKind.TIMED_OUT: TimedOut,
-           ErrorKind.INTERNAL: Internal}
+REFUSAL = {
+    ErrorKind.INVALID: BadRequest,
+    ErrorKind.OVERLOADED: Overloaded,
+    ErrorKind.TIMED_OUT: TimedOut,
+    ErrorKind.INTERNAL: Internal,
+}
 
 
 def _error_body(status: int, message: str, param: Optional[str] = None, etype: str = "BadRequestError") -> dict:
     """OpenAI's error object, plus trtllm-serve's flat ``ErrorResponse`` fields for clients written against it."""
-    return {"object": "error", "message": message, "type": etype, "param": param, "code": status,
-            "error": {"message": message, "type": etype, "param": param, "code": status}}
+    return {
+        "object": "error",
+        "message": message,
+        "type": etype,
+        "param": param,
+        "code": status,
+        "error": {"message": message, "type": etype, "param": param, "code": status},
+    }
 
 
-def _error(status: int, message: str, param: Optional[str] = None, etype: str = "BadRequestError",
-           retry_after_s: Optional[int] = None) -> web.Response:
+def _error(
+    status: int,
+    message: str,
+    param: Optional[str] = None,
+    etype: str = "BadRequestError",
+    retry_after_s: Optional[int] = None,
+) -> web.Response:
     headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
     return web.json_response(_error_body(status, message, param, etype), status=status, headers=headers)
 
@@ -128,7 +156,9 @@ async def openai_errors(request: web.Request, handler):
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        etype = "NotFoundError" if exc.status == 404 else "BadRequestError" if exc.status < 500 else "InternalServerError"
+        etype = (
+            "NotFoundError" if exc.status == 404 else "BadRequestError" if exc.status < 500 else "InternalServerError"
+        )
         message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
         if exc.status == 413:
             message = f"the request body is larger than {MAX_BODY_BYTES} bytes"
@@ -157,8 +187,9 @@ class Counters:
 class ServedModel:
     """Tokenizer + executor over the reference runtime of one model directory."""
 
-    def __init__(self, model_dir: Path, name: str, config: Optional[ExecutorConfig] = None,
-                 chat_template: Optional[str] = None):
+    def __init__(
+        self, model_dir: Path, name: str, config: Optional[ExecutorConfig] = None, chat_template: Optional[str] = None
+    ):
         from transformers import AutoTokenizer
 
         from trtpipe.runtime.hf_loader import load_hf_checkpoint
@@ -210,25 +241,90 @@ def _flag(body: dict, key: str, default: bool) -> bool:
 
 # The request fields of trtllm-serve's CompletionRequest / ChatCompletionRequest (openai_protocol.py @0076e939).
 # USED: read by this twin. AT_DEFAULT: upstream computes them, the twin does not: accepted only at these values.
-USED = {"completions": {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-                        "stream_options", "n", "best_of", "logprobs", "priority", "user"},
-        "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-                 "stop", "stream", "stream_options", "n", "best_of", "logprobs", "top_logprobs", "priority", "user",
-                 "parallel_tool_calls", "reasoning_effort"}}
+USED = {
+    "completions": {
+        "model",
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "n",
+        "best_of",
+        "logprobs",
+        "priority",
+        "user",
+    },
+    "chat": {
+        "model",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "n",
+        "best_of",
+        "logprobs",
+        "top_logprobs",
+        "priority",
+        "user",
+        "parallel_tool_calls",
+        "reasoning_effort",
+    },
+}
 _SHARED_DEFAULTS = {
-    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
-    "echo": (False,), "use_beam_search": (False,), "min_p": (0,), "top_p_min": (0,), "min_tokens": (0,),
-    "ignore_eos": (False,), "include_stop_str_in_output": (False,), "stop_token_ids": ([],),
-    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "length_penalty": (),
-    "early_stopping": (), "truncate_prompt_tokens": (), "lora_request": (), "response_format": ({"type": "text"},),
-    "prompt_ignore_length": (0,), "disaggregated_params": (), "conversation_params": (), "thinking_token_budget": (),
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logit_bias": ({},),
+    "echo": (False,),
+    "use_beam_search": (False,),
+    "min_p": (0,),
+    "top_p_min": (0,),
+    "min_tokens": (0,),
+    "ignore_eos": (False,),
+    "include_stop_str_in_output": (False,),
+    "stop_token_ids": ([],),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "length_penalty": (),
+    "early_stopping": (),
+    "truncate_prompt_tokens": (),
+    "lora_request": (),
+    "response_format": ({"type": "text"},),
+    "prompt_ignore_length": (0,),
+    "disaggregated_params": (),
+    "conversation_params": (),
+    "thinking_token_budget": (),
 }
 AT_DEFAULT = {
-    "completions": {**_SHARED_DEFAULTS, "suffix": ("",), "add_special_tokens": (True,), "return_context_logits": (False,),
-                    "detokenize": (True,)},
-    "chat": {**_SHARED_DEFAULTS, "tools": ([],), "tool_choice": ("none",), "add_generation_prompt": (True,),
-             "add_special_tokens": (False,), "documents": (), "chat_template": (), "chat_template_kwargs": ({},),
-             "cache_salt": ()},
+    "completions": {
+        **_SHARED_DEFAULTS,
+        "suffix": ("",),
+        "add_special_tokens": (True,),
+        "return_context_logits": (False,),
+        "detokenize": (True,),
+    },
+    "chat": {
+        **_SHARED_DEFAULTS,
+        "tools": ([],),
+        "tool_choice": ("none",),
+        "add_generation_prompt": (True,),
+        "add_special_tokens": (False,),
+        "documents": (),
+        "chat_template": (),
+        "chat_template_kwargs": ({},),
+        "cache_salt": (),
+    },
 }
 
 
@@ -239,11 +335,23 @@ def _check_fields(body: dict, endpoint: str) -> None:
             continue
         if key not in AT_DEFAULT[endpoint]:
             raise BadRequest(f"'{str(key)[:64]}': extra inputs are not permitted", str(key)[:64])
-        if value is not None and not any(type(value) is type(ok) and value == ok for ok in AT_DEFAULT[endpoint][key]) \
-                and not any(isinstance(ok, (int, float)) and not isinstance(ok, bool) and isinstance(value, (int, float))
-                            and not isinstance(value, bool) and value == ok for ok in AT_DEFAULT[endpoint][key]):
-            raise BadRequest(f"'{key}' is not supported by this server (only its default, "
-                             f"{AT_DEFAULT[endpoint][key][0] if AT_DEFAULT[endpoint][key] else None!r})", key)
+        if (
+            value is not None
+            and not any(type(value) is type(ok) and value == ok for ok in AT_DEFAULT[endpoint][key])
+            and not any(
+                isinstance(ok, (int, float))
+                and not isinstance(ok, bool)
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and value == ok
+                for ok in AT_DEFAULT[endpoint][key]
+            )
+        ):
+            raise BadRequest(
+                f"'{key}' is not supported by this server (only its default, "
+                f"{AT_DEFAULT[endpoint][key][0] if AT_DEFAULT[endpoint][key] else None!r})",
+                key,
+            )
 
 
 def _sampling(body: dict) -> SamplingParams:
@@ -299,9 +407,17 @@ class Generation:
     the event loop (and the GIL it shares with the executor thread) free of per-token work for batch requests, which
     otherwise delays every interactive request on the same server."""
 
-    def __init__(self, served: ServedModel, prompt: list[int], max_tokens: int, sampling: SamplingParams,
-                 stops: list[str], loop: asyncio.AbstractEventLoop, priority: float = DEFAULT_PRIORITY,
-                 stream: bool = True):
+    def __init__(
+        self,
+        served: ServedModel,
+        prompt: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stops: list[str],
+        loop: asyncio.AbstractEventLoop,
+        priority: float = DEFAULT_PRIORITY,
+        stream: bool = True,
+    ):
         self.served, self.prompt, self.stops = served, prompt, stops
         self.queue: asyncio.Queue = asyncio.Queue()
         self.ids: list[int] = []
@@ -313,9 +429,16 @@ class Generation:
         self.stopped = False
         self.failed = False
         self.streamed = stream or bool(stops)  # the executor streams tokens (else: one final response)
-        req = Request(prompt=prompt, max_new_tokens=max_tokens, end_id=served.eos_id, sampling=sampling,
-                      streaming=self.streamed, exclude_input_from_output=True, priority=priority,
-                      return_perf_metrics=True)
+        req = Request(
+            prompt=prompt,
+            max_new_tokens=max_tokens,
+            end_id=served.eos_id,
+            sampling=sampling,
+            streaming=self.streamed,
+            exclude_input_from_output=True,
+            priority=priority,
+            return_perf_metrics=True,
+        )
         self.perf = None  # the executor's PerfMetrics, on the final response
         try:
             self.rid = served.executor.submit(req, lambda r: loop.call_soon_threadsafe(self.queue.put_nowait, r))
@@ -352,13 +475,13 @@ class Generation:
                 self.cancel()
             self.text = text
             if not text.endswith("\ufffd") and len(text) > self.sent:  # hold back a partial UTF-8 character
-                delta, self.sent = text[self.sent:], len(text)
+                delta, self.sent = text[self.sent :], len(text)
                 yield delta
             if resp.is_final:
                 if not self.stopped:
                     self.finish = FINISH.get(resp.finish_reason, "length")
                 if len(self.text) > self.sent:
-                    delta, self.sent = self.text[self.sent:], len(self.text)
+                    delta, self.sent = self.text[self.sent :], len(self.text)
                     yield delta
                 return
 
@@ -376,11 +499,17 @@ class OpenAIServer:
         self.counters = Counters()
         self._last_iter = -1
         self.app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
-        self.app.add_routes([
-            web.get("/health", self.health), web.get("/version", self.version), web.get("/v1/models", self.models),
-            web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
-            web.get("/metrics", self.metrics), web.get("/prometheus/metrics", self.prometheus),
-        ])
+        self.app.add_routes(
+            [
+                web.get("/health", self.health),
+                web.get("/version", self.version),
+                web.get("/v1/models", self.models),
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat),
+                web.get("/metrics", self.metrics),
+                web.get("/prometheus/metrics", self.prometheus),
+            ]
+        )
         self.app[RETRY_AFTER] = self.retry_after_s
         self.app.on_shutdown.append(self._on_shutdown)
 
@@ -396,8 +525,11 @@ class OpenAIServer:
     async def health(self, request: web.Request) -> web.Response:
         if self.served.executor.healthy:
             return web.Response(status=200)
-        return web.Response(status=503, text="LLM is unavailable. Please check the server logs for more details.",
-                            headers={"Retry-After": str(RETRY_AFTER_S)})
+        return web.Response(
+            status=503,
+            text="LLM is unavailable. Please check the server logs for more details.",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
 
     async def version(self, request: web.Request) -> web.Response:
         from importlib.metadata import PackageNotFoundError, version
@@ -410,8 +542,12 @@ class OpenAIServer:
 
     async def models(self, request: web.Request) -> web.Response:
         s = self.served
-        return web.json_response({"object": "list", "data": [
-            {"id": s.name, "object": "model", "created": s.created, "owned_by": "tensorrt_llm"}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": s.name, "object": "model", "created": s.created, "owned_by": "tensorrt_llm"}],
+            }
+        )
 
     async def _body(self, request: web.Request, endpoint: str) -> dict:
         raw = await request.read()
@@ -431,8 +567,9 @@ class OpenAIServer:
     def _max_tokens(self, body: dict, prompt_len: int, default: Optional[int], param: str) -> int:
         room = self.served.max_seq_len - prompt_len
         if room < 1:
-            raise BadRequest(f"the prompt ({prompt_len} tokens) leaves no room in max_seq_len "
-                             f"{self.served.max_seq_len}", param)
+            raise BadRequest(
+                f"the prompt ({prompt_len} tokens) leaves no room in max_seq_len {self.served.max_seq_len}", param
+            )
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         n = _num(body, key, int, None, 1, None)
         if n is None:
@@ -444,11 +581,15 @@ class OpenAIServer:
         tok = self.served.tokenizer
         if isinstance(prompt, str):
             ids = tok.encode(prompt, add_special_tokens=True)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif (
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
             bad = next((t for t in prompt if not 0 <= t < self.served.vocab_size), None)
             if bad is not None:  # an id outside the vocabulary would fail the whole batched step
-                raise BadRequest(f"'prompt' holds token id {str(bad)[:40]}, outside the vocabulary "
-                                 f"[0, {self.served.vocab_size})", "prompt")
+                raise BadRequest(
+                    f"'prompt' holds token id {str(bad)[:40]}, outside the vocabulary [0, {self.served.vocab_size})",
+                    "prompt",
+                )
             ids = list(prompt)
         elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             ids = tok.encode(prompt[0], add_special_tokens=True)
@@ -459,9 +600,16 @@ class OpenAIServer:
         return ids
 
     def _chat_ids(self, messages: Any) -> list[int]:
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and (m.get("content") is None or isinstance(m.get("content"), (str, list))) for m in messages):
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and (m.get("content") is None or isinstance(m.get("content"), (str, list)))
+                for m in messages
+            )
+        ):
             raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
         tok = self.served.tokenizer
         if not tok.chat_template:
@@ -498,8 +646,9 @@ class OpenAIServer:
         max_tokens = self._max_tokens(body, len(ids), None, "messages")
         return await self._serve(request, body, ids, max_tokens, chat=True)
 
-    async def _serve(self, request: web.Request, body: dict, ids: list[int], max_tokens: int,
-                     chat: bool) -> web.StreamResponse:
+    async def _serve(
+        self, request: web.Request, body: dict, ids: list[int], max_tokens: int, chat: bool
+    ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         stream, include_usage = _stream_settings(body)
         priority = _num(body, "priority", float, DEFAULT_PRIORITY, 0.0, 1.0)
@@ -525,19 +674,40 @@ class OpenAIServer:
             self._account(g)
         usage = self._usage(g)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": g.text}, "logprobs": None,
-                      "finish_reason": g.finish}
-            return web.json_response({"id": rid, "object": "chat.completion", "created": created,
-                                      "model": self.served.name, "choices": [choice], "usage": usage})
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": g.text},
+                "logprobs": None,
+                "finish_reason": g.finish,
+            }
+            return web.json_response(
+                {
+                    "id": rid,
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": self.served.name,
+                    "choices": [choice],
+                    "usage": usage,
+                }
+            )
         choice = {"index": 0, "text": g.text, "logprobs": None, "finish_reason": g.finish}
-        return web.json_response({"id": rid, "object": "text_completion", "created": created,
-                                  "model": self.served.name, "choices": [choice], "usage": usage})
+        return web.json_response(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.served.name,
+                "choices": [choice],
+                "usage": usage,
+            }
+        )
 
     @staticmethod
     async def _finish_while_connected(request: web.Request, g: Generation) -> bool:
         """Run ``g`` to its end; False when the client closed the connection first (then ``g`` is cancelled in the
         executor: aiohttp does not cancel a handler whose client left, and a non-streaming request writes nothing
         that would fail, so without this look it would generate until its deadline)."""
+
         async def drain():
             async for _ in g.deltas():
                 pass
@@ -579,8 +749,14 @@ class OpenAIServer:
                 await resp.write(chunk(delta, None))
             await resp.write(chunk(None if chat else "", g.finish))
             if include_usage:
-                payload = {"id": rid, "object": obj, "created": created, "model": self.served.name, "choices": [],
-                           "usage": self._usage(g)}
+                payload = {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": self.served.name,
+                    "choices": [],
+                    "usage": self._usage(g),
+                }
                 await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
         except ConnectionResetError:  # the client left mid-stream: free its executor slot, nothing to answer
@@ -623,21 +799,36 @@ class OpenAIServer:
         if s is None or s.iteration == self._last_iter:
             return web.json_response([])
         self._last_iter = s.iteration
-        return web.json_response([{
-            "iter": s.iteration, "iterLatencyMS": s.step_time_s * 1e3, "timestamp_ns": s.timestamp_ns,
-            "numActiveRequests": s.num_active, "maxNumActiveRequests": s.max_active,
-            "numQueuedRequests": s.num_queued,
-            "inflightBatchingStats": {"numScheduledRequests": s.num_scheduled,
-                                      "numContextRequests": s.num_context_requests,
-                                      "numCtxTokens": s.num_context_tokens,
-                                      "numGenRequests": s.num_generation_requests,
-                                      "numPausedRequests": s.num_paused},
-            "kvCacheStats": {"maxNumBlocks": s.kv.max_blocks, "freeNumBlocks": s.kv.free_blocks,
-                             "usedNumBlocks": s.kv.used_blocks, "tokensPerBlock": s.kv.tokens_per_block,
-                             "allocTotalBlocks": s.kv.alloc_total_blocks, "allocNewBlocks": s.kv.alloc_new_blocks,
-                             "reusedBlocks": s.kv.reused_blocks, "missedBlocks": s.kv.missed_blocks,
-                             "cacheHitRate": s.kv.cache_hit_rate},
-        }])
+        return web.json_response(
+            [
+                {
+                    "iter": s.iteration,
+                    "iterLatencyMS": s.step_time_s * 1e3,
+                    "timestamp_ns": s.timestamp_ns,
+                    "numActiveRequests": s.num_active,
+                    "maxNumActiveRequests": s.max_active,
+                    "numQueuedRequests": s.num_queued,
+                    "inflightBatchingStats": {
+                        "numScheduledRequests": s.num_scheduled,
+                        "numContextRequests": s.num_context_requests,
+                        "numCtxTokens": s.num_context_tokens,
+                        "numGenRequests": s.num_generation_requests,
+                        "numPausedRequests": s.num_paused,
+                    },
+                    "kvCacheStats": {
+                        "maxNumBlocks": s.kv.max_blocks,
+                        "freeNumBlocks": s.kv.free_blocks,
+                        "usedNumBlocks": s.kv.used_blocks,
+                        "tokensPerBlock": s.kv.tokens_per_block,
+                        "allocTotalBlocks": s.kv.alloc_total_blocks,
+                        "allocNewBlocks": s.kv.alloc_new_blocks,
+                        "reusedBlocks": s.kv.reused_blocks,
+                        "missedBlocks": s.kv.missed_blocks,
+                        "cacheHitRate": s.kv.cache_hit_rate,
+                    },
+                }
+            ]
+        )
 
     async def prometheus(self, request: web.Request) -> web.Response:
         c, s, name = self.counters, self.served.executor.stats(), self.served.name
@@ -645,30 +836,46 @@ class OpenAIServer:
         lines = ["# TYPE trtllm_request_success_total counter"]
         for reason, n in sorted(c.success.items()):
             lines.append(f'trtllm_request_success_total{{{labels},finished_reason="{reason}"}} {n}')
-        lines += ["# TYPE trtllm_prompt_tokens_total counter", f"trtllm_prompt_tokens_total{{{labels}}} {c.prompt_tokens}",
-                  "# TYPE trtllm_generation_tokens_total counter",
-                  f"trtllm_generation_tokens_total{{{labels}}} {c.generation_tokens}",
-                  "# TYPE trtllm_request_error_total counter", f"trtllm_request_error_total{{{labels}}} {c.errors}"]
+        lines += [
+            "# TYPE trtllm_prompt_tokens_total counter",
+            f"trtllm_prompt_tokens_total{{{labels}}} {c.prompt_tokens}",
+            "# TYPE trtllm_generation_tokens_total counter",
+            f"trtllm_generation_tokens_total{{{labels}}} {c.generation_tokens}",
+            "# TYPE trtllm_request_error_total counter",
+            f"trtllm_request_error_total{{{labels}}} {c.errors}",
+        ]
         for h in c.hist.values():
             lines += h.lines(labels)
         kv = s.kv if s else None
-        lines += ["# TYPE trtllm_num_requests_running gauge",
-                  f"trtllm_num_requests_running{{{labels}}} {s.num_scheduled if s else 0}",
-                  "# TYPE trtllm_num_requests_waiting gauge",
-                  f"trtllm_num_requests_waiting{{{labels}}} {(s.num_queued + s.num_waiting) if s else 0}",
-                  "# TYPE trtllm_kv_cache_utilization gauge",
-                  f"trtllm_kv_cache_utilization{{{labels}}} "
-                  f"{(kv.used_blocks / kv.max_blocks) if kv and kv.max_blocks else 0.0}"]
+        lines += [
+            "# TYPE trtllm_num_requests_running gauge",
+            f"trtllm_num_requests_running{{{labels}}} {s.num_scheduled if s else 0}",
+            "# TYPE trtllm_num_requests_waiting gauge",
+            f"trtllm_num_requests_waiting{{{labels}}} {(s.num_queued + s.num_waiting) if s else 0}",
+            "# TYPE trtllm_kv_cache_utilization gauge",
+            f"trtllm_kv_cache_utilization{{{labels}}} "
+            f"{(kv.used_blocks / kv.max_blocks) if kv and kv.max_blocks else 0.0}",
+        ]
         for what in ("max", "free", "used"):
-            lines += [f"# TYPE trtllm_kv_cache_{what}_blocks gauge",
-                      f"trtllm_kv_cache_{what}_blocks{{{labels}}} {getattr(kv, what + '_blocks') if kv else 0}"]
-        lines += ["# TYPE trtllm_kv_cache_hit_rate gauge",
-                  f"trtllm_kv_cache_hit_rate{{{labels}}} {kv.cache_hit_rate if kv else 0.0}"]
+            lines += [
+                f"# TYPE trtllm_kv_cache_{what}_blocks gauge",
+                f"trtllm_kv_cache_{what}_blocks{{{labels}}} {getattr(kv, what + '_blocks') if kv else 0}",
+            ]
+        lines += [
+            "# TYPE trtllm_kv_cache_hit_rate gauge",
+            f"trtllm_kv_cache_hit_rate{{{labels}}} {kv.cache_hit_rate if kv else 0.0}",
+        ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
-def serve(model_dir: Path, host: str, port: int, name: str, config: Optional[ExecutorConfig] = None,
-          chat_template: Optional[str] = None) -> None:
+def serve(
+    model_dir: Path,
+    host: str,
+    port: int,
+    name: str,
+    config: Optional[ExecutorConfig] = None,
+    chat_template: Optional[str] = None,
+) -> None:
     """Run the server until interrupted (blocking)."""
     served = ServedModel(model_dir, name, config, chat_template)
     server = OpenAIServer(served)

@@ -37,14 +37,20 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) ->
     return allowed
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-               scale: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Grouped-query attention. q [R, nkv, g, T, d]; k, v [R, nkv, S, d]; allowed [R, T, S] -> [R, nkv, g, T, d].
     ``scale``: the score scale when it is not head_dim ** -0.5 (Gemma's query_pre_attn_scalar ** -0.5); ``sinks``:
     gpt-oss's per-head sink logits [nkv * g] (:func:`~trtpipe.runtime.model.attention_probs`)."""
     scores = q @ k[:, :, None].transpose(-1, -2)  # [R, nkv, g, T, S]
     d = q.shape[-1]
-    scores = scores / math.sqrt(d) if scale is None or scale == d ** -0.5 else scores * scale
+    scores = scores / math.sqrt(d) if scale is None or scale == d**-0.5 else scores * scale
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
     sinks = None if sinks is None else sinks.view(1, q.shape[1], q.shape[2], 1, 1)
     return attention_probs(scores, sinks) @ v[:, :, None]
@@ -85,15 +91,25 @@ class PagedStep:
     def _mask(self, window: Optional[int]):
         """Per-window masks (computed once per step, shared by every layer)."""
         if window not in self._masks:
-            ctx = [_allowed(q_pos, torch.arange(len(kv), device=kv.device), window)[None] for _, _, kv, q_pos in self.ctx]
+            ctx = [
+                _allowed(q_pos, torch.arange(len(kv), device=kv.device), window)[None] for _, _, kv, q_pos in self.ctx
+            ]
             gen = None
             if len(self.gen_rows):
                 gen = _allowed(self.gen_pos[:, None], self.gen_kpos, window)  # [G, 1, S]; hides the padding too
             self._masks[window] = (ctx, gen)
         return self._masks[window]
 
-    def attend(self, key, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int],
-               scale: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def attend(
+        self,
+        key,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: Optional[int],
+        scale: Optional[float] = None,
+        sinks: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """q [1, nh, N, d], k/v [1, nkv, N, d] of the packed tokens -> attention output [1, N, nh * d]."""
         kp, vp = self.pools[key]
         _, nh, N, d = q.shape
@@ -125,7 +141,9 @@ def sample_entries(batch: StepBatch, logits: torch.Tensor) -> dict[int, int]:
     tokens = {}
     for i, e in enumerate(rows):
         s = e.sampling
-        tokens[e.request_id] = greedy[i] if s.greedy else sample(logits[i], s.temperature, s.top_k, s.top_p, e.generator)
+        tokens[e.request_id] = (
+            greedy[i] if s.greedy else sample(logits[i], s.temperature, s.top_k, s.top_p, e.generator)
+        )
     return tokens
 
 
@@ -148,14 +166,16 @@ class ReferenceEngine:
         for layer in self.model.layers:
             for r, shard in enumerate(layer.attention):
                 shape = (num_blocks * tokens_per_block, shard.nkv, shard.d)
-                self.pools[(layer.layer_idx, r)] = (torch.zeros(shape, device=self.device),
-                                                    torch.zeros(shape, device=self.device))
+                self.pools[(layer.layer_idx, r)] = (
+                    torch.zeros(shape, device=self.device),
+                    torch.zeros(shape, device=self.device),
+                )
 
     def copy_block(self, src: int, dst: int, num_tokens: int) -> None:
         tpb = self.tokens_per_block
         for k, v in self.pools.values():
-            k[dst * tpb:dst * tpb + num_tokens] = k[src * tpb:src * tpb + num_tokens]
-            v[dst * tpb:dst * tpb + num_tokens] = v[src * tpb:src * tpb + num_tokens]
+            k[dst * tpb : dst * tpb + num_tokens] = k[src * tpb : src * tpb + num_tokens]
+            v[dst * tpb : dst * tpb + num_tokens] = v[src * tpb : src * tpb + num_tokens]
 
     def _cos_sin(self, batch: StepBatch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Per rope key, [N, rot] tables of every packed token's position."""

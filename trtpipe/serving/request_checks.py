@@ -25,7 +25,9 @@ def check_token_ids(ids: np.ndarray, vocab_size: int, name: str = "input_ids") -
 
 def check_sampling(temperature: float, top_k: int, top_p: float, seed: Optional[int]) -> None:
     """Finite, in-range sampling settings (TensorRT-LLM's SamplingConfig ranges), named as the Triton inputs."""
-    problem = sampling_problem(temperature, top_k, top_p, seed, ("temperature", "runtime_top_k", "runtime_top_p", "seed"))
+    problem = sampling_problem(
+        temperature, top_k, top_p, seed, ("temperature", "runtime_top_k", "runtime_top_p", "seed")
+    )
     if problem:
         raise ValueError(problem)
 

@@ -48,7 +48,7 @@ class ActiveRequest:
 
     @property
     def output(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
+        return self.tokens[self.prompt_len :]
 
     @property
     def started(self) -> bool:
@@ -82,8 +82,13 @@ class CapacityDecision:
     paused: list[ActiveRequest]
 
 
-def capacity_schedule(active: list[ActiveRequest], free_blocks: int, config: ExecutorConfig,
-                      max_requests: int, refs: Optional[Callable[[int], int]] = None) -> CapacityDecision:
+def capacity_schedule(
+    active: list[ActiveRequest],
+    free_blocks: int,
+    config: ExecutorConfig,
+    max_requests: int,
+    refs: Optional[Callable[[int], int]] = None,
+) -> CapacityDecision:
     """``CapacityScheduler``: ``active`` is in priority order; ``free_blocks`` counts cached reusable blocks.
 
     ``refs(block)``: how many sequences hold a block (the pool's count). Pausing a request frees only the blocks
@@ -113,8 +118,9 @@ def capacity_schedule(active: list[ActiveRequest], free_blocks: int, config: Exe
     return CapacityDecision(scheduled, [])
 
 
-def _max_utilization(active: list[ActiveRequest], free_blocks: int, tpb: int, max_requests: int,
-                     refs: Callable[[int], int]) -> CapacityDecision:
+def _max_utilization(
+    active: list[ActiveRequest], free_blocks: int, tpb: int, max_requests: int, refs: Callable[[int], int]
+) -> CapacityDecision:
     """Admit while next-step blocks fit; on a misfit pause the last started request at or after the current one."""
     view, scheduled, paused = free_blocks, [], []
     released: dict[int, int] = {}  # block -> holders paused so far (a block shared by two victims frees with both)
@@ -161,8 +167,9 @@ def micro_batch(scheduled: list[ActiveRequest], config: ExecutorConfig) -> list[
         elif not config.enable_chunked_context:
             need = r.context_len - r.context_pos
             if need > config.max_context_length:
-                raise ContextTooLong(f"context of {need} tokens exceeds max_context_length {config.max_context_length}",
-                                     r.id)
+                raise ContextTooLong(
+                    f"context of {need} tokens exceeds max_context_length {config.max_context_length}", r.id
+                )
             if used + need > budget:
                 break
             used += need

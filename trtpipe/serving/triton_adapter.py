@@ -178,8 +178,11 @@ def parse_request(get: Callable[[str], Optional[np.ndarray]], s: TwinSettings, d
     seed = _scalar(get, "seed", None, int)
     request_checks.check_sampling(temperature, top_k, top_p, seed)
     greedy = top_k == 1 or (top_k == 0 and top_p == 0.0) or temperature == 0.0
-    sampling = SamplingParams(0.0, 0, 1.0, None) if greedy else SamplingParams(
-        temperature, top_k, 1.0 if top_p == 0.0 else top_p, seed)
+    sampling = (
+        SamplingParams(0.0, 0, 1.0, None)
+        if greedy
+        else SamplingParams(temperature, top_k, 1.0 if top_p == 0.0 else top_p, seed)
+    )
     streaming = _scalar(get, "streaming", False, bool) and not s.static_batching
     if streaming and not decoupled:
         raise ValueError("streaming needs the decoupled tensorrt_llm model (recipe triton.streaming: true)")
@@ -193,26 +196,40 @@ def parse_request(get: Callable[[str], Optional[np.ndarray]], s: TwinSettings, d
         stop_words=[w for w in request_checks.word_lists(get("stop_words_list"), "stop_words_list", vocab) if w],
         sampling=sampling,
         streaming=streaming,
-        exclude_input_from_output=s.static_batching or _scalar(get, "exclude_input_in_output", s.exclude_input_default, bool),
+        exclude_input_from_output=s.static_batching
+        or _scalar(get, "exclude_input_in_output", s.exclude_input_default, bool),
         priority=priority,
         return_perf_metrics=_scalar(get, "return_perf_metrics", False, bool),
     )
-    return ParsedRequest(request, request.return_perf_metrics, _scalar(get, "return_num_input_tokens", False, bool),
-                         _scalar(get, "return_num_output_tokens", False, bool), False)
+    return ParsedRequest(
+        request,
+        request.return_perf_metrics,
+        _scalar(get, "return_num_input_tokens", False, bool),
+        _scalar(get, "return_num_output_tokens", False, bool),
+        False,
+    )
 
 
 def response_outputs(resp: Response, parsed: ParsedRequest) -> list[tuple[str, np.ndarray]]:
     """Output tensors of one response, as the backend names and shapes them."""
-    out = [("output_ids", np.array(resp.tokens, np.int32).reshape(1, 1, len(resp.tokens))),
-           ("sequence_length", np.array([[len(resp.tokens)]], np.int32))]
+    out = [
+        ("output_ids", np.array(resp.tokens, np.int32).reshape(1, 1, len(resp.tokens))),
+        ("sequence_length", np.array([[len(resp.tokens)]], np.int32)),
+    ]
     if resp.is_final and parsed.return_perf_metrics and resp.perf is not None:
         p = resp.perf
-        out += [(name, np.array([value], dtype)) for name, value, dtype in (
-            ("arrival_time_ns", p.arrival_ns, np.int64), ("first_scheduled_time_ns", p.first_scheduled_ns, np.int64),
-            ("first_token_time_ns", p.first_token_ns, np.int64), ("last_token_time_ns", p.last_token_ns, np.int64),
-            ("kv_cache_alloc_new_blocks", p.kv_alloc_new_blocks, np.int32),
-            ("kv_cache_reused_blocks", p.kv_reused_blocks, np.int32),
-            ("kv_cache_alloc_total_blocks", p.kv_alloc_total_blocks, np.int32))]
+        out += [
+            (name, np.array([value], dtype))
+            for name, value, dtype in (
+                ("arrival_time_ns", p.arrival_ns, np.int64),
+                ("first_scheduled_time_ns", p.first_scheduled_ns, np.int64),
+                ("first_token_time_ns", p.first_token_ns, np.int64),
+                ("last_token_time_ns", p.last_token_ns, np.int64),
+                ("kv_cache_alloc_new_blocks", p.kv_alloc_new_blocks, np.int32),
+                ("kv_cache_reused_blocks", p.kv_reused_blocks, np.int32),
+                ("kv_cache_alloc_total_blocks", p.kv_alloc_total_blocks, np.int32),
+            )
+        ]
     if resp.is_final and parsed.return_num_input_tokens:
         out.append(("num_input_tokens", np.array([resp.num_input_tokens], np.int32)))
     if resp.is_final and parsed.return_num_output_tokens:
@@ -224,7 +241,10 @@ def response_outputs(resp: Response, parsed: ParsedRequest) -> list[tuple[str, n
 GAUGES = {
     "nv_trt_llm_request_metrics": ("request_type", "TRT LLM request metrics"),
     "nv_trt_llm_kv_cache_block_metrics": ("kv_cache_block_type", "TRT LLM KV cache block metrics"),
-    "nv_trt_llm_inflight_batcher_metrics": ("inflight_batcher_specific_metric", "TRT LLM inflight_batcher-specific metrics"),
+    "nv_trt_llm_inflight_batcher_metrics": (
+        "inflight_batcher_specific_metric",
+        "TRT LLM inflight_batcher-specific metrics",
+    ),
     "nv_trt_llm_general_metrics": ("general_type", "General TRT LLM metrics"),
 }
 HISTOGRAMS = {
@@ -249,14 +269,21 @@ def iteration_record(stats: IterationStats) -> dict:
         "numActiveRequests": stats.num_active,
         "numQueuedRequests": stats.num_queued,
         "maxNumActiveRequests": stats.max_active,
-        "kvCacheStats": {"maxNumBlocks": kv.max_blocks, "freeNumBlocks": kv.free_blocks,
-                         "usedNumBlocks": kv.used_blocks, "tokensPerBlock": kv.tokens_per_block,
-                         "reusedBlocks": kv.reused_blocks},
-        "inflightBatchingStats": {"numScheduledRequests": stats.num_scheduled,
-                                  "numContextRequests": stats.num_context_requests,
-                                  "numGenRequests": stats.num_generation_requests,
-                                  "numPausedRequests": stats.num_paused, "numCtxTokens": stats.num_context_tokens,
-                                  "microBatchId": 0},
+        "kvCacheStats": {
+            "maxNumBlocks": kv.max_blocks,
+            "freeNumBlocks": kv.free_blocks,
+            "usedNumBlocks": kv.used_blocks,
+            "tokensPerBlock": kv.tokens_per_block,
+            "reusedBlocks": kv.reused_blocks,
+        },
+        "inflightBatchingStats": {
+            "numScheduledRequests": stats.num_scheduled,
+            "numContextRequests": stats.num_context_requests,
+            "numGenRequests": stats.num_generation_requests,
+            "numPausedRequests": stats.num_paused,
+            "numCtxTokens": stats.num_context_tokens,
+            "microBatchId": 0,
+        },
         "numAttendedTokens": stats.num_attended_tokens,
         "scheduledEntries": [[start, n, int(ctx)] for start, n, ctx in stats.entries],
     }

@@ -18,22 +18,48 @@ from typing import Callable, Optional
 import numpy as np
 
 # Computed by the twin (trtpipe/serving/triton_adapter.py over the in-flight batching executor).
-HONOURED = frozenset({
-    "input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list", "bad_words_list",
-    "temperature", "runtime_top_k", "runtime_top_p", "seed", "exclude_input_in_output", "streaming",
-    "stop", "return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens", "priority",
-})
+HONOURED = frozenset(
+    {
+        "input_ids",
+        "input_lengths",
+        "request_output_len",
+        "end_id",
+        "pad_id",
+        "stop_words_list",
+        "bad_words_list",
+        "temperature",
+        "runtime_top_k",
+        "runtime_top_p",
+        "seed",
+        "exclude_input_in_output",
+        "streaming",
+        "stop",
+        "return_perf_metrics",
+        "return_num_input_tokens",
+        "return_num_output_tokens",
+        "priority",
+    }
+)
 
 # Accepted and ignored: no effect on any output the twin returns.
-IGNORED = frozenset({
-    "retention_token_range_starts", "retention_token_range_ends", "retention_token_range_priorities",
-    "retention_token_range_durations_ms", "retention_decode_priority", "retention_decode_duration_ms",
-    # only read by the real engine together with an input the twin refuses below
-    "draft_acceptance_threshold",  # draft_input_ids
-    "prompt_vocab_size",  # prompt_embedding_table
-    "runtime_top_p_min", "runtime_top_p_reset_ids",  # runtime_top_p_decay < 1
-    "len_penalty", "early_stopping", "beam_search_diversity_rate",  # beam_width > 1
-})
+IGNORED = frozenset(
+    {
+        "retention_token_range_starts",
+        "retention_token_range_ends",
+        "retention_token_range_priorities",
+        "retention_token_range_durations_ms",
+        "retention_decode_priority",
+        "retention_decode_duration_ms",
+        # only read by the real engine together with an input the twin refuses below
+        "draft_acceptance_threshold",  # draft_input_ids
+        "prompt_vocab_size",  # prompt_embedding_table
+        "runtime_top_p_min",
+        "runtime_top_p_reset_ids",  # runtime_top_p_decay < 1
+        "len_penalty",
+        "early_stopping",
+        "beam_search_diversity_rate",  # beam_width > 1
+    }
+)
 
 _FALSE = ("false", lambda a: not a.astype(bool).any())
 
@@ -87,8 +113,10 @@ def refusal(get: Callable[[str], Optional[np.ndarray]]) -> Optional[str]:
     for name, feature in NEVER.items():
         a = get(name)
         if a is not None and a.size:
-            return f"{name}: {feature} is not supported by the CPU twin (trtpipe's reference runtime); " \
-                   "serve a TensorRT engine for it"
+            return (
+                f"{name}: {feature} is not supported by the CPU twin (trtpipe's reference runtime); "
+                "serve a TensorRT engine for it"
+            )
     for name, (off, is_off) in OFF_WHEN.items():
         a = get(name)
         if a is not None and a.size and not is_off(a):

@@ -17,8 +17,14 @@ from trtpipe.models.dims import read_hf_config
 from trtpipe.pipeline.stage import Stage, StageContext
 from trtpipe.recipe.schema import Recipe
 
-WEIGHT_PATTERNS = ("config.json", "hf_quant_config.json", "*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
-                   "pytorch_model.bin.index.json")
+WEIGHT_PATTERNS = (
+    "config.json",
+    "hf_quant_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model*.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def model_dir(recipe: Recipe) -> Path:
@@ -66,11 +72,23 @@ def run(ctx: StageContext) -> None:
         ctx.info["imported"] = fmt.describe()
         allowed = tuple(recipe.model.allow_lossy_import)
         importer = lambda plan, reader: ImportedLinears(fmt, reader.keys(), str(src), allowed)  # noqa: E731
-    ctx.log.info("converting %s (%s) at tp=%d pp=%d dtype=%s", src, info.architecture, par.tp, par.pp, recipe.model.dtype)
+    ctx.log.info(
+        "converting %s (%s) at tp=%d pp=%d dtype=%s", src, info.architecture, par.tp, par.pp, recipe.model.dtype
+    )
     with ctx.progress("checkpoint: converting", total=info.num_layers + 2) as bar:
-        convert(src, ctx.out_dir, tp=par.tp, pp=par.pp, dtype=recipe.model.dtype, moe_tp=par.moe_tp, moe_ep=par.moe_ep,
-                allow_pickle=recipe.model.allow_pickle, overwrite=True, progress=lambda done, total: bar.advance(1),
-                importer=importer)
+        convert(
+            src,
+            ctx.out_dir,
+            tp=par.tp,
+            pp=par.pp,
+            dtype=recipe.model.dtype,
+            moe_tp=par.moe_tp,
+            moe_ep=par.moe_ep,
+            allow_pickle=recipe.model.allow_pickle,
+            overwrite=True,
+            progress=lambda done, total: bar.advance(1),
+            importer=importer,
+        )
     config = json.loads((ctx.out_dir / "config.json").read_text())
     ctx.info.update(
         architecture=info.architecture,

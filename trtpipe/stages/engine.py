@@ -63,7 +63,10 @@ def run_engine(ctx: StageContext) -> None:
     ctx.info["command"] = argv
     ctx.log.warning(
         "TensorRT engines need TensorRT-LLM 1.2.x on a GPU (%s); writing the CPU twin engine instead. "
-        "On a GPU machine with TensorRT-LLM 1.2.x run: trtpipe build %s --from engine", avail.reason, recipe_path)
+        "On a GPU machine with TensorRT-LLM 1.2.x run: trtpipe build %s --from engine",
+        avail.reason,
+        recipe_path,
+    )
     ctx.log.info("the build there will run: %s", " ".join(argv))
     write_twin_engine(ckpt, ctx.out_dir, engine_cfg, reason=avail.reason, recipe_path=recipe_path)
     ctx.info["engine"] = "cpu-twin"
@@ -78,7 +81,8 @@ def _check_target_gpu(target, gpus: list[dict]) -> None:
         raise EngineError(
             f"engine.gpu: the recipe targets {target.key} (SM {target.compute_capability}) but this machine has "
             f"{wrong[0]['name']} (SM {wrong[0]['compute_capability']}); set engine.gpu to this card "
-            f"(trtpipe plan --list-gpus) or build on a {target.name}")
+            f"(trtpipe plan --list-gpus) or build on a {target.name}"
+        )
 
 
 def _write_lock(ctx: StageContext) -> None:
@@ -106,9 +110,17 @@ def _extra_key(recipe: Recipe) -> dict:
 ENGINE_STAGE = Stage(
     name="engine",
     # What changes the engine; the runtime-only KV settings (memory fraction, reuse, ...) and workers do not.
-    sections=("engine.gpu", "engine.max_batch_size", "engine.max_input_len", "engine.max_seq_len",
-              "engine.max_num_tokens", "engine.max_beam_width", "engine.plugins", "engine.kv_cache.tokens_per_block",
-              "parallel"),
+    sections=(
+        "engine.gpu",
+        "engine.max_batch_size",
+        "engine.max_input_len",
+        "engine.max_seq_len",
+        "engine.max_num_tokens",
+        "engine.max_beam_width",
+        "engine.plugins",
+        "engine.kv_cache.tokens_per_block",
+        "parallel",
+    ),
     inputs=("checkpoint", "quantize"),
     run=run_engine,
     extra_key=_extra_key,

@@ -24,8 +24,9 @@ def is_llmapi(recipe: Recipe) -> bool:
 
 def run(ctx: StageContext) -> None:
     r, q = ctx.recipe, ctx.recipe.quantization
-    common = dict(algo=q.algo, kv_cache=q.kv_cache, group_size=q.group_size, alpha=q.smoothquant_alpha,
-                  exclude=list(q.exclude))
+    common = dict(
+        algo=q.algo, kv_cache=q.kv_cache, group_size=q.group_size, alpha=q.smoothquant_alpha, exclude=list(q.exclude)
+    )
     hf = ctx.out_dir / HF_DIR
     hf.mkdir()
     fmt = imported_format(r)
@@ -34,23 +35,39 @@ def run(ctx: StageContext) -> None:
 
         ctx.log.info("pre-quantized source: %s (%s)", fmt.describe(), fmt.llmapi.kind)
         hq = write_llmapi(fmt, model_dir(r), hf)
-        ctx.info.update(imported=fmt.describe(), action=fmt.llmapi.kind, quantization=hq.get("quantization"),
-                        bytes=sum(p.stat().st_size for p in hf.glob("*.safetensors")))
+        ctx.info.update(
+            imported=fmt.describe(),
+            action=fmt.llmapi.kind,
+            quantization=hq.get("quantization"),
+            bytes=sum(p.stat().st_size for p in hf.glob("*.safetensors")),
+        )
         return
     with ctx.progress("export: unified HF checkpoint", total=None) as bar:
-        hq = export_unified(ctx.inputs["checkpoint"], model_dir(r), ctx.inputs.get("calibrate"), hf,
-                            max_shard_bytes=r.llmapi.max_shard_bytes, progress=lambda s: bar.advance(1), **common)
-    ctx.info.update(quantization=hq["quantization"],
-                    bytes=sum(p.stat().st_size for p in hf.glob("*.safetensors")))
+        hq = export_unified(
+            ctx.inputs["checkpoint"],
+            model_dir(r),
+            ctx.inputs.get("calibrate"),
+            hf,
+            max_shard_bytes=r.llmapi.max_shard_bytes,
+            progress=lambda s: bar.advance(1),
+            **common,
+        )
+    ctx.info.update(quantization=hq["quantization"], bytes=sum(p.stat().st_size for p in hf.glob("*.safetensors")))
     if r.llmapi.compressed_tensors:
         from trtpipe.export.compressed import export_compressed
 
         ct = ctx.out_dir / CT_DIR
         ct.mkdir()
         with ctx.progress("export: compressed-tensors checkpoint", total=None) as bar:
-            cfg = export_compressed(ctx.inputs["checkpoint"], model_dir(r), ctx.inputs.get("calibrate"), ct,
-                                    max_shard_bytes=r.llmapi.max_shard_bytes, progress=lambda s: bar.advance(1),
-                                    **common)
+            cfg = export_compressed(
+                ctx.inputs["checkpoint"],
+                model_dir(r),
+                ctx.inputs.get("calibrate"),
+                ct,
+                max_shard_bytes=r.llmapi.max_shard_bytes,
+                progress=lambda s: bar.advance(1),
+                **common,
+            )
         ctx.info.update(compressed_tensors=cfg)
 
 
@@ -78,8 +95,7 @@ def run_serving(ctx: StageContext) -> None:
 
 LLMAPI_STAGE = Stage(
     name="llmapi",
-    sections=("llmapi", "engine", "parallel", "triton.streaming", "triton.scheduler_policy",
-              "quantization.kv_cache"),
+    sections=("llmapi", "engine", "parallel", "triton.streaming", "triton.scheduler_policy", "quantization.kv_cache"),
     inputs=("export",),
     run=run_serving,
     enabled=is_llmapi,

@@ -59,8 +59,9 @@ def awq_group_size(recipe: Recipe) -> Optional[int]:
     return recipe.quantization.group_size if a is not None and a.needs_samples else None
 
 
-def _tokens(spec: str, recipe: Recipe, ckpt_dir: Path, num_samples: int, seq_len: int, seed: int,
-            text_field: str) -> torch.Tensor:
+def _tokens(
+    spec: str, recipe: Recipe, ckpt_dir: Path, num_samples: int, seq_len: int, seed: int, text_field: str
+) -> torch.Tensor:
     """Token samples of a data spec; ``self`` samples the checkpoint ``ckpt_dir`` (TRT-LLM or HF directory) from
     BOS with ``seed``."""
     tokenizer = load_tokenizer(ckpt_dir)
@@ -71,28 +72,55 @@ def _tokens(spec: str, recipe: Recipe, ckpt_dir: Path, num_samples: int, seq_len
     return token_batches(spec, recipe.resolve, text_field, tokenizer, num_samples, seq_len, gen, seed)
 
 
-def run_calibration(recipe: Recipe, ckpt_dir: Path, out_dir: Path,
-                    progress: Optional[Callable[[str], None]] = None) -> dict:
+def run_calibration(
+    recipe: Recipe, ckpt_dir: Path, out_dir: Path, progress: Optional[Callable[[str], None]] = None
+) -> dict:
     """Calibrate the unquantized checkpoint ``ckpt_dir``; write ``layer{i}.safetensors`` + ``stats.json``."""
     c = recipe.quantization.calibration
     tokens = _tokens(c.dataset, recipe, ckpt_dir, c.num_samples, c.seq_len, c.seed, c.text_field)
     settings = CalibSettings(batch_size=c.batch_size, awq_group_size=awq_group_size(recipe), device=_device(c.device))
     save_file({"tokens": tokens}, str(out_dir / "tokens.safetensors"))
-    calibrate(TrtllmSource(ckpt_dir), tokens, settings, on_layer=lambda i, st: save_layer_stats(out_dir, i, st),
-              progress=progress, spill_dir=out_dir)
-    meta = {"dataset": c.dataset, "num_samples": int(tokens.shape[0]), "seq_len": int(tokens.shape[1]),
-            "seed": c.seed, "device": settings.device, "awq_group_size": settings.awq_group_size}
+    calibrate(
+        TrtllmSource(ckpt_dir),
+        tokens,
+        settings,
+        on_layer=lambda i, st: save_layer_stats(out_dir, i, st),
+        progress=progress,
+        spill_dir=out_dir,
+    )
+    meta = {
+        "dataset": c.dataset,
+        "num_samples": int(tokens.shape[0]),
+        "seq_len": int(tokens.shape[1]),
+        "seed": c.seed,
+        "device": settings.device,
+        "awq_group_size": settings.awq_group_size,
+    }
     write_meta(out_dir, meta)
     return meta
 
 
-def run_quantization(recipe: Recipe, ckpt_dir: Path, stats_dir: Optional[Path], out_dir: Path,
-                     progress: Optional[Callable[[str], None]] = None) -> dict:
+def run_quantization(
+    recipe: Recipe,
+    ckpt_dir: Path,
+    stats_dir: Optional[Path],
+    out_dir: Path,
+    progress: Optional[Callable[[str], None]] = None,
+) -> dict:
     """Write the quantized checkpoint (and the tokenizer files) into ``out_dir``; return its config.json."""
     q = recipe.quantization
-    cfg = quantize_checkpoint(ckpt_dir, TrtllmSource(ckpt_dir), stats_dir, out_dir, algo=q.algo, kv_cache=q.kv_cache,
-                              group_size=q.group_size, alpha=q.smoothquant_alpha, exclude=list(q.exclude),
-                              progress=progress)
+    cfg = quantize_checkpoint(
+        ckpt_dir,
+        TrtllmSource(ckpt_dir),
+        stats_dir,
+        out_dir,
+        algo=q.algo,
+        kv_cache=q.kv_cache,
+        group_size=q.group_size,
+        alpha=q.smoothquant_alpha,
+        exclude=list(q.exclude),
+        progress=progress,
+    )
     for name in TOKENIZER_FILES:
         if (ckpt_dir / name).is_file():
             shutil.copyfile(ckpt_dir / name, out_dir / name)
@@ -109,25 +137,42 @@ def quant_meta(quant_dir: Path) -> tuple[Optional[str], Optional[str]]:
     return q.get("quant_algo") or scheme, q.get("kv_cache_quant_algo") if scheme == "modelopt" else None
 
 
-def run_accuracy(recipe: Recipe, ckpt_dir: Path, quant_dir: Path, out_dir: Optional[Path] = None,
-                 gate: bool = True, progress: Optional[Callable[[str], None]] = None) -> list[accuracy.Metrics]:
+def run_accuracy(
+    recipe: Recipe,
+    ckpt_dir: Path,
+    quant_dir: Path,
+    out_dir: Optional[Path] = None,
+    gate: bool = True,
+    progress: Optional[Callable[[str], None]] = None,
+) -> list[accuracy.Metrics]:
     """Accuracy report of ``quant_dir`` against ``ckpt_dir``; with the KV cache quantized and without.
 
     Layer by layer for two TRT-LLM checkpoints, whole models when either is an HF directory
     (:func:`accuracy.evaluate`); activation buffers spill into ``out_dir`` when large.
     """
     acc, c = recipe.accuracy, recipe.quantization.calibration
-    tokens = _tokens(acc.eval_data, recipe, ckpt_dir, acc.num_samples, acc.seq_len, c.seed + EVAL_SEED_OFFSET,
-                     c.text_field)
-    rows, greedy_skipped = accuracy.evaluate(ckpt_dir, quant_dir, tokens, batch=c.batch_size, spill_dir=out_dir,
-                                             progress=progress)
+    tokens = _tokens(
+        acc.eval_data, recipe, ckpt_dir, acc.num_samples, acc.seq_len, c.seed + EVAL_SEED_OFFSET, c.text_field
+    )
+    rows, greedy_skipped = accuracy.evaluate(
+        ckpt_dir, quant_dir, tokens, batch=c.batch_size, spill_dir=out_dir, progress=progress
+    )
     if greedy_skipped:
         log.warning("accuracy: greedy continuation match skipped: %s", greedy_skipped)
     if out_dir is not None:
         algo, kv = quant_meta(quant_dir)
-        accuracy.write_report(out_dir, rows, {"quant_algo": algo, "kv_cache_quant_algo": kv,
-                                              "eval_data": acc.eval_data, "num_samples": int(tokens.shape[0]),
-                                              "seq_len": int(tokens.shape[1])}, greedy_skipped)
+        accuracy.write_report(
+            out_dir,
+            rows,
+            {
+                "quant_algo": algo,
+                "kv_cache_quant_algo": kv,
+                "eval_data": acc.eval_data,
+                "num_samples": int(tokens.shape[0]),
+                "seq_len": int(tokens.shape[1]),
+            },
+            greedy_skipped,
+        )
     if gate:
         accuracy.check_gate(rows[1], acc.max_ppl_increase_pct, acc.min_top1_agreement, acc.max_kl_divergence)
     return rows
@@ -144,10 +189,16 @@ def _calibrate(ctx: StageContext) -> None:
 
 def _quantize(ctx: StageContext) -> None:
     with ctx.progress("quantize", total=None) as bar:
-        cfg = run_quantization(ctx.recipe, ctx.inputs["checkpoint"], ctx.inputs.get("calibrate"), ctx.out_dir,
-                               progress=lambda s: bar.advance(1))
-    ctx.info.update(quantization=cfg["quantization"],
-                    bytes=sum(p.stat().st_size for p in ctx.out_dir.glob("rank*.safetensors")))
+        cfg = run_quantization(
+            ctx.recipe,
+            ctx.inputs["checkpoint"],
+            ctx.inputs.get("calibrate"),
+            ctx.out_dir,
+            progress=lambda s: bar.advance(1),
+        )
+    ctx.info.update(
+        quantization=cfg["quantization"], bytes=sum(p.stat().st_size for p in ctx.out_dir.glob("rank*.safetensors"))
+    )
 
 
 def served_dir(inputs: dict[str, Path]) -> Path:
@@ -162,8 +213,9 @@ def _verify(ctx: StageContext) -> None:
     if "quantize" not in ctx.inputs:  # a pre-quantized source: the checkpoint or export is the quantized model
         try:
             with ctx.progress("verify", total=None) as bar:
-                rows = run_imported_accuracy(ctx.recipe, served_dir(ctx.inputs), ctx.out_dir,
-                                             progress=lambda s: bar.advance(1))
+                rows = run_imported_accuracy(
+                    ctx.recipe, served_dir(ctx.inputs), ctx.out_dir, progress=lambda s: bar.advance(1)
+                )
         finally:
             if (ctx.out_dir / "accuracy.txt").exists():
                 ctx.log.info("accuracy:\n%s", (ctx.out_dir / "accuracy.txt").read_text())
@@ -174,8 +226,14 @@ def _verify(ctx: StageContext) -> None:
         return
     try:
         with ctx.progress("verify", total=None) as bar:
-            rows = run_accuracy(ctx.recipe, ctx.inputs["checkpoint"], ctx.inputs["quantize"], ctx.out_dir, gate=False,
-                                progress=lambda s: bar.advance(1))
+            rows = run_accuracy(
+                ctx.recipe,
+                ctx.inputs["checkpoint"],
+                ctx.inputs["quantize"],
+                ctx.out_dir,
+                gate=False,
+                progress=lambda s: bar.advance(1),
+            )
     finally:
         report = ctx.out_dir / "accuracy.txt"
         if report.exists():
@@ -203,8 +261,9 @@ def reference_dir(recipe: Recipe) -> Path:
     return recipe.resolve(ref)
 
 
-def run_imported_accuracy(recipe: Recipe, quant_dir: Path, out_dir: Path,
-                          progress: Optional[Callable[[str], None]] = None) -> Optional[list[accuracy.Metrics]]:
+def run_imported_accuracy(
+    recipe: Recipe, quant_dir: Path, out_dir: Path, progress: Optional[Callable[[str], None]] = None
+) -> Optional[list[accuracy.Metrics]]:
     """A pre-quantized source's report: against ``accuracy.reference`` when the recipe names one, else its
     perplexity alone (None: nothing to gate on). ``quant_dir`` is a TRT-LLM checkpoint (engine target: the
     reference is converted here at the same tp/pp and dtype, then removed) or an HF directory (llmapi target:
@@ -217,19 +276,38 @@ def run_imported_accuracy(recipe: Recipe, quant_dir: Path, out_dir: Path,
 
         ref = out_dir / "reference-checkpoint"
         try:
-            convert(reference_dir(recipe), ref, tp=par.tp, pp=par.pp, dtype=recipe.model.dtype, moe_tp=par.moe_tp,
-                    moe_ep=par.moe_ep, allow_pickle=recipe.model.allow_pickle)
+            convert(
+                reference_dir(recipe),
+                ref,
+                tp=par.tp,
+                pp=par.pp,
+                dtype=recipe.model.dtype,
+                moe_tp=par.moe_tp,
+                moe_ep=par.moe_ep,
+                allow_pickle=recipe.model.allow_pickle,
+            )
             return run_accuracy(recipe, ref, quant_dir, out_dir, gate=False, progress=progress)
         finally:
             shutil.rmtree(ref, ignore_errors=True)
-    tokens = _tokens(acc.eval_data, recipe, quant_dir, acc.num_samples, acc.seq_len, c.seed + EVAL_SEED_OFFSET,
-                     c.text_field)
+    tokens = _tokens(
+        acc.eval_data, recipe, quant_dir, acc.num_samples, acc.seq_len, c.seed + EVAL_SEED_OFFSET, c.text_field
+    )
     ppl = accuracy.perplexity(quant_dir, tokens, c.batch_size)
-    (out_dir / "accuracy.json").write_text(json.dumps({"perplexity": ppl, "reference": None,
-                                                       "num_samples": int(tokens.shape[0]),
-                                                       "seq_len": int(tokens.shape[1])}, indent=2) + "\n")
-    (out_dir / "accuracy.txt").write_text(f"perplexity {ppl:.4f} on {acc.eval_data} (no accuracy.reference: "
-                                          "nothing to compare against)\n")
+    (out_dir / "accuracy.json").write_text(
+        json.dumps(
+            {
+                "perplexity": ppl,
+                "reference": None,
+                "num_samples": int(tokens.shape[0]),
+                "seq_len": int(tokens.shape[1]),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    (out_dir / "accuracy.txt").write_text(
+        f"perplexity {ppl:.4f} on {acc.eval_data} (no accuracy.reference: nothing to compare against)\n"
+    )
     return None
 
 

@@ -30,8 +30,10 @@ def _extra_key(recipe):
         tc = version("tritonclient")
     except PackageNotFoundError:
         tc = None
-    code = {str(p.relative_to(MODEL_CODE)): hashlib.sha256(p.read_bytes()).hexdigest()[:16]
-            for p in sorted(MODEL_CODE.glob("*/1/model.py"))}
+    code = {
+        str(p.relative_to(MODEL_CODE)): hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+        for p in sorted(MODEL_CODE.glob("*/1/model.py"))
+    }
     return {"tritonclient": tc, "model_code": code}
 
 

@@ -132,7 +132,10 @@ class Client:
         if self.protocol == "grpc":
             cfg = cfg.config
             return {"platform": cfg.platform, "decoupled": cfg.model_transaction_policy.decoupled}
-        return {"platform": cfg.get("platform", ""), "decoupled": cfg.get("model_transaction_policy", {}).get("decoupled", False)}
+        return {
+            "platform": cfg.get("platform", ""),
+            "decoupled": cfg.get("model_transaction_policy", {}).get("decoupled", False),
+        }
 
     def _platform(self, model: str) -> str:
         return self._config(model)["platform"]

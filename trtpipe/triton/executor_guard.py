@@ -48,8 +48,9 @@ def with_fault(engine, spec: Optional[str] = None):
     return ExitAtStep(engine, int(arg))
 
 
-def guard(executor, log_error: Callable[[str], None], server_pid: Optional[int] = None,
-          sig: int = signal.SIGTERM) -> threading.Thread:
+def guard(
+    executor, log_error: Callable[[str], None], server_pid: Optional[int] = None, sig: int = signal.SIGTERM
+) -> threading.Thread:
     """Watch ``executor`` from a daemon thread: once its loop stops for any reason but a shutdown, log why and send
     ``sig`` to the server (the stub's parent). Returns the thread (it ends when the loop does)."""
     server = os.getppid() if server_pid is None else server_pid
@@ -59,8 +60,10 @@ def guard(executor, log_error: Callable[[str], None], server_pid: Optional[int] 
         why = executor.stopped_because
         if why == "shut down":
             return
-        log_error(f"tensorrt_llm twin: {why}; stopping tritonserver (pid {server}) so the deployment turns "
-                  f"unhealthy and is restarted")
+        log_error(
+            f"tensorrt_llm twin: {why}; stopping tritonserver (pid {server}) so the deployment turns "
+            f"unhealthy and is restarted"
+        )
         try:
             os.kill(server, sig)
         except ProcessLookupError:

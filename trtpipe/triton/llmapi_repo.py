@@ -16,28 +16,48 @@ from trtpipe.triton.repo import mc, to_pbtxt
 
 # config.pbtxt of triton_backend/all_models/llmapi/tensorrt_llm (max_batch_size and the transaction policy are
 # set by its model.py from model.yaml's triton_config, so they are not written here)
-_INPUTS = [("text_input", "TYPE_STRING", [-1], False), ("image_url", "TYPE_STRING", [-1], True),
-           ("streaming", "TYPE_BOOL", [1], True), ("sampling_param_best_of", "TYPE_INT32", [1], True),
-           ("sampling_param_temperature", "TYPE_FP32", [1], True), ("sampling_param_top_k", "TYPE_INT32", [1], True),
-           ("sampling_param_top_p", "TYPE_FP32", [1], True),
-           ("sampling_param_frequency_penalty", "TYPE_FP32", [1], True),
-           ("sampling_param_presence_penalty", "TYPE_FP32", [1], True),
-           ("sampling_param_max_tokens", "TYPE_INT32", [1], True), ("sampling_param_stop", "TYPE_STRING", [-1], True),
-           ("sampling_param_seed", "TYPE_UINT64", [1], True),
-           ("sampling_param_exclude_input_from_output", "TYPE_BOOL", [1], True),
-           ("sampling_param_return_perf_metrics", "TYPE_BOOL", [1], True),
-           ("return_finish_reason", "TYPE_BOOL", [1], True), ("return_stop_reason", "TYPE_BOOL", [1], True),
-           ("return_cumulative_logprob", "TYPE_BOOL", [1], True), ("stop", "TYPE_BOOL", [1], True),
-           ("lora_id", "TYPE_UINT64", [1], True), ("lora_name", "TYPE_STRING", [1], True),
-           ("lora_path", "TYPE_STRING", [1], True), ("lora_ckpt_source", "TYPE_STRING", [1], True)]
-_OUTPUTS = [("text_output", "TYPE_STRING", [-1]), ("finish_reason", "TYPE_STRING", [1]),
-            ("stop_reason", "TYPE_STRING", [1]), ("cumulative_logprob", "TYPE_FP32", [1]),
-            ("kv_cache_reused_block", "TYPE_INT32", [1]), ("kv_cache_missed_block", "TYPE_INT32", [1]),
-            ("kv_cache_alloc_new_blocks", "TYPE_INT32", [1]), ("kv_cache_alloc_total_blocks", "TYPE_INT32", [1]),
-            ("kv_cache_hit_rate", "TYPE_FP32", [1]), ("arrival_time_ns", "TYPE_INT64", [1]),
-            ("first_scheduled_time_ns", "TYPE_INT64", [1]), ("first_token_time_ns", "TYPE_INT64", [1]),
-            ("last_token_time_ns", "TYPE_INT64", [1]), ("acceptance_rate", "TYPE_FP32", [1]),
-            ("total_accepted_draft_tokens", "TYPE_INT32", [1]), ("total_draft_tokens", "TYPE_INT32", [1])]
+_INPUTS = [
+    ("text_input", "TYPE_STRING", [-1], False),
+    ("image_url", "TYPE_STRING", [-1], True),
+    ("streaming", "TYPE_BOOL", [1], True),
+    ("sampling_param_best_of", "TYPE_INT32", [1], True),
+    ("sampling_param_temperature", "TYPE_FP32", [1], True),
+    ("sampling_param_top_k", "TYPE_INT32", [1], True),
+    ("sampling_param_top_p", "TYPE_FP32", [1], True),
+    ("sampling_param_frequency_penalty", "TYPE_FP32", [1], True),
+    ("sampling_param_presence_penalty", "TYPE_FP32", [1], True),
+    ("sampling_param_max_tokens", "TYPE_INT32", [1], True),
+    ("sampling_param_stop", "TYPE_STRING", [-1], True),
+    ("sampling_param_seed", "TYPE_UINT64", [1], True),
+    ("sampling_param_exclude_input_from_output", "TYPE_BOOL", [1], True),
+    ("sampling_param_return_perf_metrics", "TYPE_BOOL", [1], True),
+    ("return_finish_reason", "TYPE_BOOL", [1], True),
+    ("return_stop_reason", "TYPE_BOOL", [1], True),
+    ("return_cumulative_logprob", "TYPE_BOOL", [1], True),
+    ("stop", "TYPE_BOOL", [1], True),
+    ("lora_id", "TYPE_UINT64", [1], True),
+    ("lora_name", "TYPE_STRING", [1], True),
+    ("lora_path", "TYPE_STRING", [1], True),
+    ("lora_ckpt_source", "TYPE_STRING", [1], True),
+]
+_OUTPUTS = [
+    ("text_output", "TYPE_STRING", [-1]),
+    ("finish_reason", "TYPE_STRING", [1]),
+    ("stop_reason", "TYPE_STRING", [1]),
+    ("cumulative_logprob", "TYPE_FP32", [1]),
+    ("kv_cache_reused_block", "TYPE_INT32", [1]),
+    ("kv_cache_missed_block", "TYPE_INT32", [1]),
+    ("kv_cache_alloc_new_blocks", "TYPE_INT32", [1]),
+    ("kv_cache_alloc_total_blocks", "TYPE_INT32", [1]),
+    ("kv_cache_hit_rate", "TYPE_FP32", [1]),
+    ("arrival_time_ns", "TYPE_INT64", [1]),
+    ("first_scheduled_time_ns", "TYPE_INT64", [1]),
+    ("first_token_time_ns", "TYPE_INT64", [1]),
+    ("last_token_time_ns", "TYPE_INT64", [1]),
+    ("acceptance_rate", "TYPE_FP32", [1]),
+    ("total_accepted_draft_tokens", "TYPE_INT32", [1]),
+    ("total_draft_tokens", "TYPE_INT32", [1]),
+]
 
 
 def llmapi_pbtxt() -> str:
@@ -64,4 +84,5 @@ def write_llmapi_repo(recipe: Recipe, repo: Path, model_ref: str) -> None:
         "    python3 <TensorRT-LLM>/triton_backend/scripts/launch_triton_server.py --model_repo=triton_repo\n\n"
         "Multi-node: `srun -N <nodes> --ntasks-per-node=<gpus> --mpi=pmix trtllm-llmapi-launch "
         "/opt/tritonserver/bin/tritonserver --model-repository triton_repo`.\n"
-        "Request: `POST /v2/models/tensorrt_llm/generate {\"text_input\": \"...\", \"sampling_param_max_tokens\": 50}`.\n")
+        'Request: `POST /v2/models/tensorrt_llm/generate {"text_input": "...", "sampling_param_max_tokens": 50}`.\n'
+    )

@@ -32,8 +32,20 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from trtpipe.errors import ServingError
-from trtpipe.processes import (EXIT_RECORD_ENV, RUN_DIR_ENV, SHM_DIR, Child, cache_dir, clean_shm, log_tail,
-                               pid_alive, read_state, remove_files, spawn, write_state)
+from trtpipe.processes import (
+    EXIT_RECORD_ENV,
+    RUN_DIR_ENV,
+    SHM_DIR,
+    Child,
+    cache_dir,
+    clean_shm,
+    log_tail,
+    pid_alive,
+    read_state,
+    remove_files,
+    spawn,
+    write_state,
+)
 from trtpipe.supervisor import Ports, Server, http_ready, refuse_if_served
 from trtpipe.triton.server_process import endpoint_flags, prepare_server, server_command, server_env
 
@@ -58,9 +70,11 @@ def rank_wrapper(argv: Sequence[str], run_dir: Path, rank: int) -> list[str]:
     """
     # The rank runs in the foreground (a background job would start with SIGINT ignored) of an inner sh that writes
     # its own pid and execs it, so rank{N}.pid is the rank's pid.
-    script = (f'trap "" USR1; export {EXIT_RECORD_ENV}="$0/rank{rank}.exit"; '
-              f'sh -c \'echo $$ > "$0"; exec "$@"\' "$0/rank{rank}.pid" "$@" >> "$0/rank{rank}.log" 2>&1; '
-              f'code=$?; echo $code > "$0/rank{rank}.status"; exit $code')
+    script = (
+        f'trap "" USR1; export {EXIT_RECORD_ENV}="$0/rank{rank}.exit"; '
+        f'sh -c \'echo $$ > "$0"; exec "$@"\' "$0/rank{rank}.pid" "$@" >> "$0/rank{rank}.log" 2>&1; '
+        f'code=$?; echo $code > "$0/rank{rank}.status"; exit $code'
+    )
     return ["sh", "-c", script, str(run_dir), *map(str, argv)]
 
 
@@ -98,7 +112,12 @@ def mpirun_command(
             if log_file:
                 seg += ["--log-verbose=3", f"--log-file={log_file}"]
         else:
-            seg += ["--allow-http=false", "--allow-grpc=false", "--allow-metrics=false", "--model-control-mode=explicit"]
+            seg += [
+                "--allow-http=false",
+                "--allow-grpc=false",
+                "--allow-metrics=false",
+                "--model-control-mode=explicit",
+            ]
             seg += [f"--load-model={name}" for name in trtllm_models]
         seg += ["--disable-auto-complete-config", f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
         segments.append(seg)
@@ -234,8 +253,14 @@ class Supervisor:
         env.update(self.launch.get("env", {}))
         # the launcher SIGTERMed if the supervisor dies (even by SIGKILL): it then ends the ranks itself, so a lost
         # supervisor does not leave a headless job
-        self.proc = spawn(self.launch["command"], self.run_dir / "mpiexec.log", env=env, cwd=self.run_dir,
-                          session=False, die_with_parent=True)
+        self.proc = spawn(
+            self.launch["command"],
+            self.run_dir / "mpiexec.log",
+            env=env,
+            cwd=self.run_dir,
+            session=False,
+            die_with_parent=True,
+        )
         deadline = time.monotonic() + float(self.launch.get("timeout", 180))
         ready, t_start = False, time.monotonic()
         while True:
@@ -254,12 +279,13 @@ class Supervisor:
                 ranks = read_state(self.run_dir / "ranks.json")
                 if ranks and all(r["ok"] for r in ranks) and self._http_ready():
                     ready = True
-                    self.state("ready", ranks=ranks, startup_s=round(time.monotonic() - t_start, 2),
-                               pids=self._pids())
+                    self.state("ready", ranks=ranks, startup_s=round(time.monotonic() - t_start, 2), pids=self._pids())
                 elif time.monotonic() > deadline:
-                    return self.teardown(1, f"not ready after {self.launch.get('timeout')} s "
-                                            f"({self._loaded()} of {self.world} ranks loaded); "
-                                            + self._tail_of(0))
+                    return self.teardown(
+                        1,
+                        f"not ready after {self.launch.get('timeout')} s "
+                        f"({self._loaded()} of {self.world} ranks loaded); " + self._tail_of(0),
+                    )
 
     # -- watching --
     def _watch_deaths(self) -> None:
@@ -320,8 +346,11 @@ class Supervisor:
         ranks = read_state(self.run_dir / "ranks.json")
         if ranks and not all(r["ok"] for r in ranks):
             bad = [r for r in ranks if not r["ok"]]
-            return "; ".join(f"rank {r['rank']} ({r['host']}) failed to load its shard: {r['error']}" for r in bad) \
-                + "\n" + self._tail_of(bad[0]["rank"])
+            return (
+                "; ".join(f"rank {r['rank']} ({r['host']}) failed to load its shard: {r['error']}" for r in bad)
+                + "\n"
+                + self._tail_of(bad[0]["rank"])
+            )
         dead = []
         leader = self._leader_pid()
         if leader and not pid_alive(leader):
@@ -349,7 +378,9 @@ class Supervisor:
         for r, pid, what in dead:
             if pid == self.first_dead:
                 first = self._first_bad_termination()
-                how = first[1] if first is not None and first[0] == pid else "it was the first process of the job to exit"
+                how = (
+                    first[1] if first is not None and first[0] == pid else "it was the first process of the job to exit"
+                )
                 return f"rank {r} ({what}, pid {pid}) died: {how}\n" + self._tail_of(r)
         first = self._first_bad_termination()
         if first is not None:  # the launcher saw which process went first (the others are its clean-up)
@@ -432,8 +463,14 @@ class Supervisor:
             time.sleep(0.05)
         _reap()
         removed = self._clean_shm()
-        self.state("failed" if code else "stopped", error=reason if code else None, exit_code=code,
-                   teardown_s=round(time.monotonic() - t0, 2), killed=left, shm_removed=removed)
+        self.state(
+            "failed" if code else "stopped",
+            error=reason if code else None,
+            exit_code=code,
+            teardown_s=round(time.monotonic() - t0, 2),
+            killed=left,
+            shm_removed=removed,
+        )
         return code
 
     def _live_descendants(self) -> list[int]:
@@ -453,25 +490,51 @@ def run_dir_for(repo: Path) -> Path:
     return d
 
 
-def launch_spec(repo: Path, info: dict, bind: str, ports, run_dir: Path, hostfile: Optional[Path] = None,
-                timeout: float = 180.0, mpiexec: Optional[str] = None) -> dict:
+def launch_spec(
+    repo: Path,
+    info: dict,
+    bind: str,
+    ports,
+    run_dir: Path,
+    hostfile: Optional[Path] = None,
+    timeout: float = 180.0,
+    mpiexec: Optional[str] = None,
+) -> dict:
     world = int(info["world_size"])
     shm_prefix = f"trtpipe{os.getpid()}_{ports.grpc}_"
     engine = Path(repo) / "tensorrt_llm" / "engine"  # the copy rank 0's twin loads (gpt_model_path)
     engine = engine if engine.is_dir() else Path(info["engine"])
     segments = twin_segments(repo, engine, world, bind, ports, shm_prefix)
-    command = mpmd(launcher_argv(mpiexec or venv_mpiexec(), hostfile),
-                   [rank_wrapper(seg, run_dir, r) for r, seg in enumerate(segments)])
+    command = mpmd(
+        launcher_argv(mpiexec or venv_mpiexec(), hostfile),
+        [rank_wrapper(seg, run_dir, r) for r, seg in enumerate(segments)],
+    )
     env = server_env({})
     env[RUN_DIR_ENV] = str(run_dir)
     env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
-    return {"command": command, "env": env, "world_size": world, "twin": True, "repo": str(repo),
-            "http_url": f"http://{bind if bind != '0.0.0.0' else '127.0.0.1'}:{ports.http}", "shm_prefix": shm_prefix,
-            "timeout": timeout, "segments": segments}
+    return {
+        "command": command,
+        "env": env,
+        "world_size": world,
+        "twin": True,
+        "repo": str(repo),
+        "http_url": f"http://{bind if bind != '0.0.0.0' else '127.0.0.1'}:{ports.http}",
+        "shm_prefix": shm_prefix,
+        "timeout": timeout,
+        "segments": segments,
+    }
 
 
-def start_job(repo: Path, info: dict, bind: str, ports, timeout: float, hostfile: Optional[Path] = None,
-              detach: bool = False, echo=print):
+def start_job(
+    repo: Path,
+    info: dict,
+    bind: str,
+    ports,
+    timeout: float,
+    hostfile: Optional[Path] = None,
+    detach: bool = False,
+    echo=print,
+):
     """Start the supervised job and wait until it is ready; raise :class:`ServingError` naming the failing rank.
 
     Returns a :class:`trtpipe.supervisor.Server` whose pid is the supervisor's (``stop`` ends the job).
@@ -482,8 +545,9 @@ def start_job(repo: Path, info: dict, bind: str, ports, timeout: float, hostfile
     spec = launch_spec(repo, info, bind, ports, run_dir, hostfile, timeout)
     write_state(run_dir / "launch.json", spec)
     proc = spawn([sys.executable, "-m", "trtpipe.triton.mpi_launch", str(run_dir)], run_dir / "supervisor.log")
-    server = Server(proc.pid, str(repo), bind, ports, str(run_dir / "rank0.log"), spec["shm_prefix"], process=proc,
-                    run_dir=run_dir)
+    server = Server(
+        proc.pid, str(repo), bind, ports, str(run_dir / "rank0.log"), spec["shm_prefix"], process=proc, run_dir=run_dir
+    )
     try:
         state = wait_state(run_dir, proc, ("ready", "failed", "stopped"))
     except BaseException:  # Ctrl-C during start-up: end the job

@@ -42,8 +42,17 @@ text_format = require("google.protobuf.text_format", "a Triton model repository 
 
 MODEL_CODE = data_dir("model_repo")
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "vocab.txt", "spiece.model", "tiktoken.model", "generation_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "spiece.model",
+    "tiktoken.model",
+    "generation_config.json",
 )
 # The python-backend stub runs Python isolated (PYTHONDONTWRITEBYTECODE is ignored) and would write
 # __pycache__/ into the repository, changing a sealed build artifact. A plain file of that name makes the
@@ -82,13 +91,19 @@ FRONT_INPUTS = [
 ]
 # The BLS also forwards the per-request server measurements (as upstream's BLS does) and returns them with
 # its last response: the executor's timestamps and KV counters, and exact token counts.
-BLS_PERF_INPUTS = [(name, T.TYPE_BOOL, [1], True) for name in
-                   ("return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens")]
+BLS_PERF_INPUTS = [
+    (name, T.TYPE_BOOL, [1], True)
+    for name in ("return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens")
+]
 BLS_PERF_OUTPUTS = [
-    ("kv_cache_alloc_new_blocks", T.TYPE_INT32, [1]), ("kv_cache_reused_blocks", T.TYPE_INT32, [1]),
-    ("kv_cache_alloc_total_blocks", T.TYPE_INT32, [1]), ("arrival_time_ns", T.TYPE_INT64, [1]),
-    ("first_scheduled_time_ns", T.TYPE_INT64, [1]), ("first_token_time_ns", T.TYPE_INT64, [1]),
-    ("last_token_time_ns", T.TYPE_INT64, [1]), ("num_input_tokens", T.TYPE_INT32, [1]),
+    ("kv_cache_alloc_new_blocks", T.TYPE_INT32, [1]),
+    ("kv_cache_reused_blocks", T.TYPE_INT32, [1]),
+    ("kv_cache_alloc_total_blocks", T.TYPE_INT32, [1]),
+    ("arrival_time_ns", T.TYPE_INT64, [1]),
+    ("first_scheduled_time_ns", T.TYPE_INT64, [1]),
+    ("first_token_time_ns", T.TYPE_INT64, [1]),
+    ("last_token_time_ns", T.TYPE_INT64, [1]),
+    ("num_input_tokens", T.TYPE_INT32, [1]),
     ("num_output_tokens", T.TYPE_INT32, [1]),
 ]
 
@@ -161,8 +176,10 @@ class EngineInfo:
         """The template placeholders a tensorrt_llm config fills from the engine (fill_template's values)."""
         for what, dtype in (("dtype", self.dtype), ("logits_dtype", self.logits_dtype)):
             if dtype not in upstream_io.TRITON_DTYPE:
-                raise ServingError(f"{self.path / 'config.json'}: pretrained_config.{what} {dtype!r} has no Triton type "
-                                   f"(expected one of {', '.join(upstream_io.TRITON_DTYPE)})")
+                raise ServingError(
+                    f"{self.path / 'config.json'}: pretrained_config.{what} {dtype!r} has no Triton type "
+                    f"(expected one of {', '.join(upstream_io.TRITON_DTYPE)})"
+                )
         return {
             "${logits_datatype}": upstream_io.TRITON_DTYPE[self.logits_dtype],
             "${prompt_embedding_table_data_type}": upstream_io.TRITON_DTYPE[self.dtype],
@@ -249,6 +266,7 @@ def warmup_files(model: str) -> dict[str, bytes]:
 
 # ---- message helpers ------------------------------------------------------------------------------
 
+
 def _io(msg_cls, name, dtype, dims, optional=None):
     m = msg_cls(name=name, data_type=dtype, dims=dims)
     if optional is not None:
@@ -278,8 +296,9 @@ def _params(config: mc.ModelConfig, values: dict) -> None:
         config.parameters[key].string_value = v
 
 
-def _batching(config: mc.ModelConfig, recipe: Recipe, preferred: Optional[int] = None, queue: int = 0,
-              priority: bool = False) -> None:
+def _batching(
+    config: mc.ModelConfig, recipe: Recipe, preferred: Optional[int] = None, queue: int = 0, priority: bool = False
+) -> None:
     db = config.dynamic_batching
     db.SetInParent()
     if preferred:
@@ -301,6 +320,7 @@ def _python(name: str, recipe: Recipe, count: int, decoupled: bool = False) -> m
 
 # ---- one function per model -----------------------------------------------------------------------
 
+
 def preprocessing_config(recipe: Recipe, engine: EngineInfo, ids: TokenIds) -> mc.ModelConfig:
     """Upstream's preprocessing template (I/O, flags, preferred batch size, parameter keys), text-only.
 
@@ -312,26 +332,31 @@ def preprocessing_config(recipe: Recipe, engine: EngineInfo, ids: TokenIds) -> m
     _batching(c, recipe, preferred=recipe.triton.max_batch_size)
     c.input.extend(_declare(mc.ModelInput, row, {}) for row in PREPROCESSING_INPUTS)
     c.output.extend(_declare(mc.ModelOutput, row, {}) for row in PREPROCESSING_OUTPUTS)
-    _params(c, {
-        "tokenizer_dir": "tokenizer",
-        "add_special_tokens": True,
-        "multimodal_model_path": "",  # text-only: upstream's model.py treats "" as "no multimodal encoder"
-        "gpt_model_path": "../tensorrt_llm/engine" if engine.twin else str(engine.path),  # read only for multimodal
-        "max_num_images": "",
-        "end_id": ids.end_id,
-        "pad_id": ids.pad_id,
-        "stop_token_ids": ",".join(str(i) for i in ids.stop_ids),
-    })
+    _params(
+        c,
+        {
+            "tokenizer_dir": "tokenizer",
+            "add_special_tokens": True,
+            "multimodal_model_path": "",  # text-only: upstream's model.py treats "" as "no multimodal encoder"
+            "gpt_model_path": "../tensorrt_llm/engine" if engine.twin else str(engine.path),  # read only for multimodal
+            "max_num_images": "",
+            "end_id": ids.end_id,
+            "pad_id": ids.pad_id,
+            "stop_token_ids": ",".join(str(i) for i in ids.stop_ids),
+        },
+    )
     return c
 
 
 def postprocessing_config(recipe: Recipe) -> mc.ModelConfig:
     c = _python("postprocessing", recipe, recipe.triton.instances.postprocessing)
     _batching(c, recipe)
-    c.input.extend([
-        _io(mc.ModelInput, "TOKENS_BATCH", T.TYPE_INT32, [-1, -1]),
-        _io(mc.ModelInput, "SEQUENCE_LENGTH", T.TYPE_INT32, [-1]),
-    ])
+    c.input.extend(
+        [
+            _io(mc.ModelInput, "TOKENS_BATCH", T.TYPE_INT32, [-1, -1]),
+            _io(mc.ModelInput, "SEQUENCE_LENGTH", T.TYPE_INT32, [-1]),
+        ]
+    )
     c.output.append(_io(mc.ModelOutput, "OUTPUT", T.TYPE_STRING, [-1]))
     _params(c, {"tokenizer_dir": "tokenizer", "skip_special_tokens": True})
     return c
@@ -405,8 +430,14 @@ def trtllm_parameters(recipe: Recipe, engine: EngineInfo) -> dict:
 
 # The backend parameters the twin's executor honours (same names and values as the real model's).
 TWIN_PARAMETERS = (
-    "gpt_model_type", "batch_scheduler_policy", "max_tokens_in_paged_kv_cache", "enable_kv_cache_reuse",
-    "enable_chunked_context", "exclude_input_in_output", "cancellation_check_period_ms", "stats_check_period_ms",
+    "gpt_model_type",
+    "batch_scheduler_policy",
+    "max_tokens_in_paged_kv_cache",
+    "enable_kv_cache_reuse",
+    "enable_chunked_context",
+    "exclude_input_in_output",
+    "cancellation_check_period_ms",
+    "stats_check_period_ms",
 )
 
 
@@ -422,14 +453,17 @@ def tensorrt_llm_config(recipe: Recipe, engine: EngineInfo) -> mc.ModelConfig:
     c = _trtllm_skeleton(recipe, engine, "python")
     c.input.extend(_declare(mc.ModelInput, row, engine.placeholders()) for row in TWIN_ONLY_INPUTS)
     real = trtllm_parameters(recipe, engine)
-    _params(c, {
-        "gpt_model_path": "engine",
-        "cpu_threads": 1,
-        # the recipe's executor knobs the C++ backend has no parameter for (request_timeout_s: the executor's
-        # allottedTimeMs for every request, so no request waits forever), as one JSON object
-        TWIN_EXTRAS_PARAMETER: twin_extras(recipe),
-        **{k: real[k] for k in TWIN_PARAMETERS},
-    })
+    _params(
+        c,
+        {
+            "gpt_model_path": "engine",
+            "cpu_threads": 1,
+            # the recipe's executor knobs the C++ backend has no parameter for (request_timeout_s: the executor's
+            # allottedTimeMs for every request, so no request waits forever), as one JSON object
+            TWIN_EXTRAS_PARAMETER: twin_extras(recipe),
+            **{k: real[k] for k in TWIN_PARAMETERS},
+        },
+    )
     return c
 
 
@@ -449,11 +483,17 @@ def ensemble_config(recipe: Recipe) -> mc.ModelConfig:
     pre.output_map["OUT_END_ID"] = "_PREPROCESSOR_END_ID"
     pre.output_map["OUT_PAD_ID"] = "_PREPROCESSOR_PAD_ID"
     llm = steps.add(model_name="tensorrt_llm", model_version=-1)
-    llm.input_map.update({
-        "input_ids": "_INPUT_ID", "input_lengths": "_REQUEST_INPUT_LEN", "request_output_len": "_REQUEST_OUTPUT_LEN",
-        "end_id": "_PREPROCESSOR_END_ID", "pad_id": "_PREPROCESSOR_PAD_ID",
-        "stop_words_list": "_STOP_WORDS_IDS", "bad_words_list": "_BAD_WORDS_IDS",
-    })
+    llm.input_map.update(
+        {
+            "input_ids": "_INPUT_ID",
+            "input_lengths": "_REQUEST_INPUT_LEN",
+            "request_output_len": "_REQUEST_OUTPUT_LEN",
+            "end_id": "_PREPROCESSOR_END_ID",
+            "pad_id": "_PREPROCESSOR_PAD_ID",
+            "stop_words_list": "_STOP_WORDS_IDS",
+            "bad_words_list": "_BAD_WORDS_IDS",
+        }
+    )
     for name, *_, target in FRONT_INPUTS:
         if target.startswith("llm:"):
             llm.input_map[target[4:]] = name
@@ -474,13 +514,16 @@ def bls_config(recipe: Recipe) -> mc.ModelConfig:
     c.output.extend(_io(mc.ModelOutput, n, d, dims) for n, d, dims in BLS_PERF_OUTPUTS)
     if recipe.triton.priority_levels:
         _batching(c, recipe, priority=True)
-    _params(c, {
-        "accumulate_tokens": True,
-        "tensorrt_llm_model_name": "tensorrt_llm",
-        "tensorrt_llm_draft_model_name": "",
-        "multimodal_encoders_name": "",
-        "tokenizer_dir": "tokenizer",
-    })
+    _params(
+        c,
+        {
+            "accumulate_tokens": True,
+            "tensorrt_llm_model_name": "tensorrt_llm",
+            "tensorrt_llm_draft_model_name": "",
+            "multimodal_encoders_name": "",
+            "tokenizer_dir": "tokenizer",
+        },
+    )
     return c
 
 
@@ -522,6 +565,7 @@ def repo_configs(recipe: Recipe, engine: EngineInfo, ids: TokenIds) -> dict[str,
 
 
 # ---- the writer -----------------------------------------------------------------------------------
+
 
 def to_pbtxt(config: mc.ModelConfig) -> str:
     """Text format, parsed back and compared (the check that what we wrote is what we meant)."""
@@ -598,12 +642,26 @@ def write_repo(recipe: Recipe, engine_dir: Path, tokenizer_dir: Path, out: Path)
                     (model_dir / WARMUP_DIR / fname).write_bytes(data)
         if engine.twin:
             _link_tree(engine.path, tmp / "tensorrt_llm" / "engine")
-        (tmp / "trtpipe_repo.json").write_text(json.dumps({
-            "recipe": recipe.name, "engine": str(engine.path), "twin": engine.twin, "world_size": engine.world_size,
-            "engine_version": engine.version, "model_name": recipe.triton.model_name,
-            "streaming": recipe.triton.streaming, "end_id": ids.end_id, "pad_id": ids.pad_id,
-            "stop_ids": list(ids.stop_ids), "max_input_len": engine.max_input_len, "max_seq_len": engine.max_seq_len,
-        }, indent=2) + "\n")
+        (tmp / "trtpipe_repo.json").write_text(
+            json.dumps(
+                {
+                    "recipe": recipe.name,
+                    "engine": str(engine.path),
+                    "twin": engine.twin,
+                    "world_size": engine.world_size,
+                    "engine_version": engine.version,
+                    "model_name": recipe.triton.model_name,
+                    "streaming": recipe.triton.streaming,
+                    "end_id": ids.end_id,
+                    "pad_id": ids.pad_id,
+                    "stop_ids": list(ids.stop_ids),
+                    "max_input_len": engine.max_input_len,
+                    "max_seq_len": engine.max_seq_len,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         if out.exists():  # an empty directory (the build stage's output folder)
             out.rmdir()
         tmp.rename(out)

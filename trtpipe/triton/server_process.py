@@ -106,7 +106,10 @@ def server_command(
 def endpoint_flags(bind: str, ports: Ports) -> list[str]:
     """The address and port flags of the one tritonserver that serves clients."""
     return [f"--{kind}-address={bind}" for kind in ("http", "grpc", "metrics")] + [
-        f"--http-port={ports.http}", f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}"]
+        f"--http-port={ports.http}",
+        f"--grpc-port={ports.grpc}",
+        f"--metrics-port={ports.metrics}",
+    ]
 
 
 def exposure_warning(bind: str) -> Optional[str]:
@@ -118,8 +121,10 @@ def exposure_warning(bind: str) -> Optional[str]:
             return None
     except ValueError:
         pass
-    return (f"warning: serving on {bind}: the HTTP, gRPC and metrics endpoints accept requests from other hosts, "
-            "without authentication (default and recommended: 127.0.0.1 behind your own proxy)")
+    return (
+        f"warning: serving on {bind}: the HTTP, gRPC and metrics endpoints accept requests from other hosts, "
+        "without authentication (default and recommended: 127.0.0.1 behind your own proxy)"
+    )
 
 
 def start_server(
@@ -168,8 +173,9 @@ def start_server(
         tail = log_tail(log)
         if server.alive():  # timed out while alive
             server.stop()
-            raise ServingError(f"tritonserver on {repo} not ready after {timeout:.0f} s ({_cause(log)}); "
-                               f"log {log}:\n{tail}")
+            raise ServingError(
+                f"tritonserver on {repo} not ready after {timeout:.0f} s ({_cause(log)}); log {log}:\n{tail}"
+            )
         clean_shm(prefix)
         last_error = tail
         if "already in use" in tail and ports is None:
@@ -194,10 +200,6 @@ def _cause(log: Path) -> str:
     named = [ln for ln in errors if "failed to load '" in ln]  # names the model
     msg = (named or errors)[0].split("] ", 1)[-1].strip().strip('"')
     return msg.split("\\n", 1)[0].strip()
-
-
-
-
 
 
 def serve_forever(server: Server) -> int:

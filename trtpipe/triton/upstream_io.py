@@ -185,8 +185,10 @@ PREPROCESSING_OUTPUTS: tuple[Tensor, ...] = (
 )
 # preprocessing parameters the template declares (upstream's model.py looks up multimodal_model_path
 # unconditionally, so a config without it does not load upstream's model).
-PREPROCESSING_PARAMETERS = (("tokenizer_dir", "add_special_tokens", "multimodal_model_path", "gpt_model_path",
-                             "max_num_images"), PREPROCESSING_TEMPLATE)
+PREPROCESSING_PARAMETERS = (
+    ("tokenizer_dir", "add_special_tokens", "multimodal_model_path", "gpt_model_path", "max_num_images"),
+    PREPROCESSING_TEMPLATE,
+)
 
 # Values of the template placeholders: Triton dtype of each engine dtype string.
 TRITON_DTYPE = {"float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "float32": "TYPE_FP32"}

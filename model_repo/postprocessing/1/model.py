@@ -40,7 +40,9 @@ class TritonPythonModel:
         elif not os.path.isdir(tok_dir):  # moved away from the files it was built from: the copy beside this model
             pb_utils.Logger.log_warn(f"tokenizer_dir {tok_dir} does not exist; using this model's tokenizer/")
             tok_dir = os.path.join(args["model_repository"], "tokenizer")
-        self.tokenizer = AutoTokenizer.from_pretrained(tok_dir, legacy=False, padding_side="left", trust_remote_code=False)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            tok_dir, legacy=False, padding_side="left", trust_remote_code=False
+        )
         self.skip_special_tokens = str(_param(params, "skip_special_tokens", "true")).lower() in _TRUE
 
     def execute(self, requests):

@@ -92,9 +92,15 @@ class TritonPythonModel:
         elif not os.path.isdir(tok_dir):  # moved away from the files it was built from: the copy beside this model
             pb_utils.Logger.log_warn(f"tokenizer_dir {tok_dir} does not exist; using this model's tokenizer/")
             tok_dir = os.path.join(args["model_repository"], "tokenizer")
-        self.tokenizer = AutoTokenizer.from_pretrained(tok_dir, legacy=False, padding_side="left", trust_remote_code=False)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            tok_dir, legacy=False, padding_side="left", trust_remote_code=False
+        )
         self.add_special_tokens = str(_param(params, "add_special_tokens", "true")).lower() in _TRUE
-        eos = self.tokenizer.encode(self.tokenizer.eos_token, add_special_tokens=False) if self.tokenizer.eos_token else []
+        eos = (
+            self.tokenizer.encode(self.tokenizer.eos_token, add_special_tokens=False)
+            if self.tokenizer.eos_token
+            else []
+        )
         end = _param(params, "end_id")
         self.end_id = int(end) if end is not None else (eos[0] if eos else 0)
         pad = _param(params, "pad_id")
@@ -115,7 +121,9 @@ class TritonPythonModel:
         for name in NOT_IMPLEMENTED:
             value = _tensor(request, name)
             if value is not None and value.size:
-                raise ValueError(f"{name}: declared as in upstream's template, not implemented by trtpipe's preprocessing")
+                raise ValueError(
+                    f"{name}: declared as in upstream's template, not implemented by trtpipe's preprocessing"
+                )
         queries = _texts(_tensor(request, "QUERY"))
         batch = len(queries)
         ids = []

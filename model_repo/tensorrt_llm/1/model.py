@@ -35,8 +35,10 @@ class TritonPythonModel:
 
         # A send to a dead tritonserver blocks holding the GIL: only another process can end this stub then.
         if stub_watchdog.start() is None:
-            pb_utils.Logger.log_warn("tensorrt_llm twin: no python3 for the stub watchdog; a kill -9 of "
-                                     "tritonserver can leave this stub running")
+            pb_utils.Logger.log_warn(
+                "tensorrt_llm twin: no python3 for the stub watchdog; a kill -9 of "
+                "tritonserver can leave this stub running"
+            )
         self.twin = triton_adapter
         config = json.loads(args["model_config"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
@@ -49,8 +51,9 @@ class TritonPythonModel:
             self.engine = start_leader(str(self.settings.engine_dir), run_dir)
         else:
             self.engine = ReferenceEngine(load_checkpoint(self.settings.engine_dir / "checkpoint", device="cpu"))
-        self.executor = Executor(self.settings.executor, executor_guard.with_fault(self.engine),
-                                 threads=self.settings.cpu_threads)
+        self.executor = Executor(
+            self.settings.executor, executor_guard.with_fault(self.engine), threads=self.settings.cpu_threads
+        )
         # tritonserver cannot see this thread: a loop that dies stops the server, so readiness fails at once
         executor_guard.guard(self.executor, pb_utils.Logger.log_error)
         params = config.get("parameters", {})
@@ -61,8 +64,10 @@ class TritonPythonModel:
         self.stopping = threading.Event()
         self._metrics(args)
         self.outbox = queue.SimpleQueue()
-        self.threads = [threading.Thread(target=f, daemon=True) for f in
-                        (self._watch_cancellation, self._report_stats, self._send_responses)]
+        self.threads = [
+            threading.Thread(target=f, daemon=True)
+            for f in (self._watch_cancellation, self._report_stats, self._send_responses)
+        ]
         for t in self.threads:
             t.start()
 
@@ -85,8 +90,9 @@ class TritonPythonModel:
     def _zero_stats(self):
         from trtpipe.serving.executor import IterationStats
 
-        return IterationStats(0, 0, 0, self.settings.executor.max_batch_size, 0, 0, 0, 0, 0, 0, 0.0,
-                              self.executor.core.pool.stats())
+        return IterationStats(
+            0, 0, 0, self.settings.executor.max_batch_size, 0, 0, 0, 0, 0, 0, 0.0, self.executor.core.pool.stats()
+        )
 
     def _report_stats(self):
         path = os.environ.get(self.twin.ITER_STATS_ENV)
@@ -145,7 +151,12 @@ class TritonPythonModel:
                 with self.lock:
                     self.live.pop(resp.request_id, None)
             if resp.has_error:
-                deliver(_error(f"Executor failed process requestId {resp.request_id} due to the following error: {resp.error}"), True)
+                deliver(
+                    _error(
+                        f"Executor failed process requestId {resp.request_id} due to the following error: {resp.error}"
+                    ),
+                    True,
+                )
                 return
             if resp.is_final and parsed.request.streaming and not resp.tokens and not parsed.wants_outputs_at_end:
                 deliver(None, True)  # a flag-only final response, as the backend sends after the last token

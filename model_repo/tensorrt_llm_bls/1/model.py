@@ -20,19 +20,46 @@ import triton_python_backend_utils as pb_utils
 _TRUE = {"true", "1", "t", "y", "yes"}
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # front input → (model, its input name)
-_PRE = {"text_input": "QUERY", "max_tokens": "REQUEST_OUTPUT_LEN", "bad_words": "BAD_WORDS_DICT",
-        "stop_words": "STOP_WORDS_DICT", "end_id": "END_ID", "pad_id": "PAD_ID"}
-_LLM = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "temperature": "temperature", "seed": "seed",
-        "exclude_input_in_output": "exclude_input_in_output", "stream": "streaming",
-        "return_perf_metrics": "return_perf_metrics", "return_num_input_tokens": "return_num_input_tokens",
-        "return_num_output_tokens": "return_num_output_tokens"}
+_PRE = {
+    "text_input": "QUERY",
+    "max_tokens": "REQUEST_OUTPUT_LEN",
+    "bad_words": "BAD_WORDS_DICT",
+    "stop_words": "STOP_WORDS_DICT",
+    "end_id": "END_ID",
+    "pad_id": "PAD_ID",
+}
+_LLM = {
+    "top_k": "runtime_top_k",
+    "top_p": "runtime_top_p",
+    "temperature": "temperature",
+    "seed": "seed",
+    "exclude_input_in_output": "exclude_input_in_output",
+    "stream": "streaming",
+    "return_perf_metrics": "return_perf_metrics",
+    "return_num_input_tokens": "return_num_input_tokens",
+    "return_num_output_tokens": "return_num_output_tokens",
+}
 # tensorrt_llm outputs passed through with the last text response when the request asked for them
-_MEASURED = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "arrival_time_ns",
-             "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns", "num_input_tokens",
-             "num_output_tokens")
-_PRE_OUT = {"INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths", "REQUEST_OUTPUT_LEN": "request_output_len",
-            "STOP_WORDS_IDS": "stop_words_list", "BAD_WORDS_IDS": "bad_words_list", "OUT_END_ID": "end_id",
-            "OUT_PAD_ID": "pad_id"}
+_MEASURED = (
+    "kv_cache_alloc_new_blocks",
+    "kv_cache_reused_blocks",
+    "kv_cache_alloc_total_blocks",
+    "arrival_time_ns",
+    "first_scheduled_time_ns",
+    "first_token_time_ns",
+    "last_token_time_ns",
+    "num_input_tokens",
+    "num_output_tokens",
+)
+_PRE_OUT = {
+    "INPUT_ID": "input_ids",
+    "REQUEST_INPUT_LEN": "input_lengths",
+    "REQUEST_OUTPUT_LEN": "request_output_len",
+    "STOP_WORDS_IDS": "stop_words_list",
+    "BAD_WORDS_IDS": "bad_words_list",
+    "OUT_END_ID": "end_id",
+    "OUT_PAD_ID": "pad_id",
+}
 
 
 def _param(params, key, default=None):
@@ -216,8 +243,9 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=tensors), tensors
 
     def _call(self, model, inputs, outputs, decoupled=False, request_id=""):
-        req = pb_utils.InferenceRequest(model_name=model, requested_output_names=outputs, inputs=inputs,
-                                        request_id=request_id)
+        req = pb_utils.InferenceRequest(
+            model_name=model, requested_output_names=outputs, inputs=inputs, request_id=request_id
+        )
         if decoupled:
             return self.gate.call(req)
         resp = req.exec()
@@ -237,8 +265,10 @@ class TritonPythonModel:
             if t is not None:
                 pre_inputs.append(pb_utils.Tensor(target, t.as_numpy().reshape(1, -1)))
         pre = self._call("preprocessing", pre_inputs, list(_PRE_OUT))
-        llm_inputs = [pb_utils.Tensor(dst, pb_utils.get_output_tensor_by_name(pre, src).as_numpy())
-                      for src, dst in _PRE_OUT.items()]
+        llm_inputs = [
+            pb_utils.Tensor(dst, pb_utils.get_output_tensor_by_name(pre, src).as_numpy())
+            for src, dst in _PRE_OUT.items()
+        ]
         given = {}
         for name, target in _LLM.items():
             t = pb_utils.get_input_tensor_by_name(request, name)
@@ -254,14 +284,21 @@ class TritonPythonModel:
             out_len = int(pb_utils.get_output_tensor_by_name(pre, "REQUEST_OUTPUT_LEN").as_numpy().reshape(-1)[0])
             if self.inner_streaming.allows(in_len, out_len):
                 inner_stream = True
-                exclude = (bool(given["exclude_input_in_output"].reshape(-1)[0]) if "exclude_input_in_output" in given
-                           else self.inner_streaming.exclude_default)
+                exclude = (
+                    bool(given["exclude_input_in_output"].reshape(-1)[0])
+                    if "exclude_input_in_output" in given
+                    else self.inner_streaming.exclude_default
+                )
                 if not exclude:
-                    prefix = pb_utils.get_output_tensor_by_name(pre, "INPUT_ID").as_numpy().reshape(-1)[:in_len].tolist()
+                    prefix = (
+                        pb_utils.get_output_tensor_by_name(pre, "INPUT_ID").as_numpy().reshape(-1)[:in_len].tolist()
+                    )
         if "stream" in given or inner_stream:
             llm_inputs.append(pb_utils.Tensor("streaming", np.array([[inner_stream]], dtype=bool)))
         outputs = ["output_ids", "sequence_length"]
-        asked = [n for n in _LLM if n.startswith("return_") and pb_utils.get_input_tensor_by_name(request, n) is not None]
+        asked = [
+            n for n in _LLM if n.startswith("return_") and pb_utils.get_input_tensor_by_name(request, n) is not None
+        ]
         if asked:
             outputs += list(_MEASURED)
         inner_id = f"bls-{uuid.uuid4().hex}"
@@ -296,12 +333,12 @@ class TritonPythonModel:
                 if text.endswith("\ufffd") or not text.startswith(sent):
                     continue
                 if len(text) > len(sent):
-                    yield text[len(sent):], False, ()
+                    yield text[len(sent) :], False, ()
                     sent = text
         if gone:
             return
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        yield (text[len(sent):] if text.startswith(sent) else text), True, measured
+        yield (text[len(sent) :] if text.startswith(sent) else text), True, measured
 
     def _serve(self, request, sender):
         """Answer one request through ``sender`` (decoupled), or return its response."""

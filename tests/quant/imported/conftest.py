@@ -54,8 +54,17 @@ def unified(import_base):
             kv, exclude = EXPORTS[algo]
             out = import_base["root"] / f"unified-{algo}"
             out.mkdir()
-            export_unified(import_base["base"], import_base["hf"], import_base["stats"], out, algo=algo, kv_cache=kv,
-                           group_size=GROUP, alpha=0.5, exclude=exclude)
+            export_unified(
+                import_base["base"],
+                import_base["hf"],
+                import_base["stats"],
+                out,
+                algo=algo,
+                kv_cache=kv,
+                group_size=GROUP,
+                alpha=0.5,
+                exclude=exclude,
+            )
             made[algo] = out
         return made[algo]
 
@@ -73,8 +82,17 @@ def compressed(import_base):
         if algo not in made:
             out = import_base["root"] / f"ct-{algo}"
             out.mkdir()
-            export_compressed(import_base["base"], import_base["hf"], import_base["stats"], out, algo=algo,
-                              kv_cache="none", group_size=GROUP, alpha=0.5, exclude=CT_EXPORTS[algo])
+            export_compressed(
+                import_base["base"],
+                import_base["hf"],
+                import_base["stats"],
+                out,
+                algo=algo,
+                kv_cache="none",
+                group_size=GROUP,
+                alpha=0.5,
+                exclude=CT_EXPORTS[algo],
+            )
             made[algo] = out
         return made[algo]
 

@@ -24,12 +24,27 @@ LINEAR_ATTRS = (("attention", "qkv"), ("attention", "dense"), ("mlp", "fc"), ("m
 FUSED = ("attention.qkv", "mlp.fc", "mlp.gate")
 
 
-def convert_source(src: Path, out: Path, tp: int = 1, pp: int = 1, allow_lossy: tuple[str, ...] = (),
-                   moe_ep: int = -1, moe_tp: int = -1) -> Path:
+def convert_source(
+    src: Path,
+    out: Path,
+    tp: int = 1,
+    pp: int = 1,
+    allow_lossy: tuple[str, ...] = (),
+    moe_ep: int = -1,
+    moe_tp: int = -1,
+) -> Path:
     """The engine conversion of ``src``, accepting the lossy steps listed (``model.allow_lossy_import``)."""
     fmt = detect(src)
-    return convert(src, out, tp=tp, pp=pp, moe_ep=moe_ep, moe_tp=moe_tp, overwrite=True,
-                   importer=lambda plan, reader: ImportedLinears(fmt, reader.keys(), str(src), allow_lossy))
+    return convert(
+        src,
+        out,
+        tp=tp,
+        pp=pp,
+        moe_ep=moe_ep,
+        moe_tp=moe_tp,
+        overwrite=True,
+        importer=lambda plan, reader: ImportedLinears(fmt, reader.keys(), str(src), allow_lossy),
+    )
 
 
 def linear_weights(model) -> dict[str, torch.Tensor]:
@@ -75,9 +90,9 @@ def check_weights(got: dict, oracle: dict, what: str, quant_algo: str, engine: b
         want = want.float()
         if quant_algo == "FP8" and engine and linear in FUSED:
             s = fused_max / 448  # the shared scale: the member with the largest amax keeps a code of +-448
-            assert bool(((w - want).abs() <= 2.0 ** -4 * w.abs().maximum(want.abs()) + 2.0 ** -10 * s).all()), name
+            assert bool(((w - want).abs() <= 2.0**-4 * w.abs().maximum(want.abs()) + 2.0**-10 * s).all()), name
         elif quant_algo == "W4A8_AWQ":  # the runtime rounds weight_scale / weight_scale_2 to fp16 as the loader does
-            assert bool(((w - want).abs() <= 2.0 ** -11 * want.abs()).all()), f"{what}: {name}"
+            assert bool(((w - want).abs() <= 2.0**-11 * want.abs()).all()), f"{what}: {name}"
         else:
             assert torch.equal(w, want), f"{what}: {name}"
 

@@ -13,11 +13,10 @@ from imported_helpers import conversion_refused, edited_copy
 from trtpipe.cli import main
 
 
-
-
 def test_missing_scale_is_named(tmp_path, unified):
-    src = edited_copy(unified("fp8"), tmp_path / "src",
-                edit_tensors=lambda t: t.pop("model.layers.2.self_attn.k_proj.weight_scale"))
+    src = edited_copy(
+        unified("fp8"), tmp_path / "src", edit_tensors=lambda t: t.pop("model.layers.2.self_attn.k_proj.weight_scale")
+    )
     conversion_refused(src, tmp_path / "out", "tensor 'model.layers.2.self_attn.k_proj.weight_scale' is missing (FP8)")
 
 
@@ -38,12 +37,16 @@ def test_group_size_that_does_not_divide_is_named(tmp_path, unified):
         t[name] = torch.ones(64, 3)
 
     src = edited_copy(unified("int4_wo"), tmp_path / "src", edit_tensors=edit)
-    conversion_refused(src, tmp_path / "out", f"{name}: shape [64, 3] does not give a group size that divides in_features 64")
+    conversion_refused(
+        src, tmp_path / "out", f"{name}: shape [64, 3] does not give a group size that divides in_features 64"
+    )
 
 
 def test_config_group_size_contradicting_the_scales_is_named(tmp_path, unified):
     src = edited_copy(unified("int4_wo"), tmp_path / "src", edit_hq=lambda c: c["quantization"].update(group_size=32))
-    conversion_refused(src, tmp_path / "out", "model.layers.0.self_attn.q_proj.weight_scale' has shape [64, 1], group size 32")
+    conversion_refused(
+        src, tmp_path / "out", "model.layers.0.self_attn.q_proj.weight_scale' has shape [64, 1], group size 32"
+    )
 
 
 def test_group_size_missing_is_named(tmp_path, unified):
@@ -59,12 +62,19 @@ def test_unknown_format_is_named_by_inspect_and_build(tmp_path, stories_dir):
     (src / "config.json").write_text(json.dumps(cfg))
     r = CliRunner().invoke(main, ["inspect", str(src)])
     assert r.exit_code != 0
-    assert r.output.strip().splitlines()[-1].endswith(
-        "config.json: quantization_config.quant_method 'bitsandbytes' is not a format trtpipe knows "
-        "(known: modelopt, compressed-tensors, awq, gptq, fbgemm_fp8, fp8, mxfp4)"), r.output
+    assert (
+        r.output.strip()
+        .splitlines()[-1]
+        .endswith(
+            "config.json: quantization_config.quant_method 'bitsandbytes' is not a format trtpipe knows "
+            "(known: modelopt, compressed-tensors, awq, gptq, fbgemm_fp8, fp8, mxfp4)"
+        )
+    ), r.output
 
 
 def test_a_tensor_the_format_does_not_have_is_named(tmp_path, unified):
     name = "model.layers.3.mlp.gate_proj.weight_zero_point"
     src = edited_copy(unified("int4_awq"), tmp_path / "src", edit_tensors=lambda t: t.update({name: torch.zeros(2)}))
-    conversion_refused(src, tmp_path / "out", "tensor 'model.layers.3.mlp.gate_proj.weight_zero_point' is not part of W4A16_AWQ")
+    conversion_refused(
+        src, tmp_path / "out", "tensor 'model.layers.3.mlp.gate_proj.weight_zero_point' is not part of W4A16_AWQ"
+    )

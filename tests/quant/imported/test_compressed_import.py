@@ -20,9 +20,13 @@ from optional import needs
 pytestmark = needs("compressed_tensors")
 
 CANON = {"fp8": "FP8", "fp8_pc_pt": "FP8_PER_CHANNEL_PER_TOKEN", "int4_wo": "W4A16_AWQ"}
-HF_LINEARS = {"attention.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-              "attention.dense": ("self_attn.o_proj",), "mlp.fc": ("mlp.gate_proj",), "mlp.gate": ("mlp.up_proj",),
-              "mlp.proj": ("mlp.down_proj",)}
+HF_LINEARS = {
+    "attention.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attention.dense": ("self_attn.o_proj",),
+    "mlp.fc": ("mlp.gate_proj",),
+    "mlp.gate": ("mlp.up_proj",),
+    "mlp.proj": ("mlp.down_proj",),
+}
 
 
 def _transformers_weights(src) -> dict[str, torch.Tensor]:
@@ -44,8 +48,9 @@ def _transformers_weights(src) -> dict[str, torch.Tensor]:
                     q = unpack_from_int32(m.weight_packed, 4, torch.Size(m.weight_shape.tolist()))
                     w = dequantize(q, m.weight_scale, None, args=m.quantization_scheme.weights, dtype=torch.float32)
                 elif m.weight.dtype == torch.float8_e4m3fn:
-                    w = dequantize(m.weight, m.weight_scale, None, args=m.quantization_scheme.weights,
-                                   dtype=torch.float32)
+                    w = dequantize(
+                        m.weight, m.weight_scale, None, args=m.quantization_scheme.weights, dtype=torch.float32
+                    )
                 else:
                     w = m.weight
                 ws.append(w.detach().float())
@@ -72,20 +77,23 @@ def test_relayout_and_conversion_dequantize_as_compressed_tensors_does(compresse
         from safetensors import safe_open
 
         with safe_open(str(out / "model.safetensors"), "pt") as f:
-            assert torch.equal(f.get_tensor("model.layers.0.self_attn.o_proj.pre_quant_scale"),
-                               torch.ones(64, dtype=torch.bfloat16))
+            assert torch.equal(
+                f.get_tensor("model.layers.0.self_attn.o_proj.pre_quant_scale"), torch.ones(64, dtype=torch.bfloat16)
+            )
             assert "model.layers.0.self_attn.q_proj.pre_quant_scale" not in f.keys()
     # engine: converted (FP8 fused members requantized to the shared scale: bound in test_modelopt_roundtrip)
     # int4 at tp 1: o_proj's 64 inputs are one group of 64, which a tp 2 rank could not hold half of
-    conv = load_checkpoint(convert_source(src, tmp_path / "ckpt", tp=1 if algo == "int4_wo" else 2,
-                                          allow_lossy=(FP8_REQUANTIZE,)))
+    conv = load_checkpoint(
+        convert_source(src, tmp_path / "ckpt", tp=1 if algo == "int4_wo" else 2, allow_lossy=(FP8_REQUANTIZE,))
+    )
     q = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization"]
     assert q["quant_algo"] == CANON[algo]
     for name, w in linear_weights(conv).items():
         if algo == "fp8" and name.split(".", 1)[1] in ("attention.qkv", "mlp.fc", "mlp.gate"):
             s = float(w.abs().max()) / 448
-            assert bool(((w - theirs[name]).abs() <= 2.0 ** -4 * w.abs().maximum(theirs[name].abs())
-                         + 2.0 ** -10 * s).all()), name
+            assert bool(
+                ((w - theirs[name]).abs() <= 2.0**-4 * w.abs().maximum(theirs[name].abs()) + 2.0**-10 * s).all()
+            ), name
         else:
             assert torch.equal(w, theirs[name]), f"engine {algo}: {name}"
     with torch.no_grad():

@@ -24,9 +24,13 @@ from trtpipe.runtime import load_checkpoint
 from trtpipe.runtime.hf_loader import load_hf_checkpoint
 
 G = 64  # the unified int4 exports' group size (tests/quant/imported/conftest.py GROUP)
-HF_LINEARS = {"attention.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-              "attention.dense": ("self_attn.o_proj",), "mlp.fc": ("mlp.gate_proj",), "mlp.gate": ("mlp.up_proj",),
-              "mlp.proj": ("mlp.down_proj",)}
+HF_LINEARS = {
+    "attention.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attention.dense": ("self_attn.o_proj",),
+    "mlp.fc": ("mlp.gate_proj",),
+    "mlp.gate": ("mlp.up_proj",),
+    "mlp.proj": ("mlp.down_proj",),
+}
 
 
 def _pack(codes: torch.Tensor, dim: int) -> torch.Tensor:
@@ -72,9 +76,15 @@ def make_gptq(unified_int4: Path, out: Path, v1: bool, g_idx=None, zero_delta=0,
         t.pop(m + ".pre_quant_scale", None)
     save_file(t, str(out / "model.safetensors"))
     cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": g_idx is not None,
-                                  "sym": True, "checkpoint_format": "gptq" if v1 else "gptq_v2",
-                                  "modules_to_not_convert": ["mlp", "self_attn.o_proj", "lm_head"]}
+    cfg["quantization_config"] = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": group,
+        "desc_act": g_idx is not None,
+        "sym": True,
+        "checkpoint_format": "gptq" if v1 else "gptq_v2",
+        "modules_to_not_convert": ["mlp", "self_attn.o_proj", "lm_head"],
+    }
     (out / "config.json").write_text(json.dumps(cfg))
     return out
 
@@ -87,8 +97,11 @@ def _oracle_weights(src: Path, v1: bool) -> dict[str, torch.Tensor]:
             ws = []
             for h in hfs:
                 m = f"model.layers.{i}.{h}"
-                ws.append(_oracle(t[m + ".qweight"], t[m + ".qzeros"], t[m + ".scales"], t[m + ".g_idx"], v1)
-                          if m + ".qweight" in t else t[m + ".weight"].float())
+                ws.append(
+                    _oracle(t[m + ".qweight"], t[m + ".qzeros"], t[m + ".scales"], t[m + ".g_idx"], v1)
+                    if m + ".qweight" in t
+                    else t[m + ".weight"].float()
+                )
             out[f"{i}.{trt}"] = torch.cat(ws)
     return out
 
@@ -97,8 +110,12 @@ def _oracle_weights(src: Path, v1: bool) -> dict[str, torch.Tensor]:
 def test_symmetric_gptq_is_relaid_out_exactly_for_both_targets(unified, tmp_path, v1):
     src = make_gptq(unified("int4_wo"), tmp_path / "gptq", v1)
     fmt = detect(src)
-    assert (fmt.family, fmt.quant_algo, fmt.engine.kind, fmt.llmapi.kind) == ("gptq", "W4A16_AWQ", "converted",
-                                                                              "re-laid out")
+    assert (fmt.family, fmt.quant_algo, fmt.engine.kind, fmt.llmapi.kind) == (
+        "gptq",
+        "W4A16_AWQ",
+        "converted",
+        "re-laid out",
+    )
     oracle = _oracle_weights(src, v1)
     conv = load_checkpoint(convert_source(src, tmp_path / "ckpt", tp=2))
     for name, w in linear_weights(conv).items():
@@ -110,12 +127,15 @@ def test_symmetric_gptq_is_relaid_out_exactly_for_both_targets(unified, tmp_path
     for name, w in linear_weights(relaid).items():
         assert torch.equal(w, oracle[name]), f"llmapi: {name}"
     q = json.loads((hf / "hf_quant_config.json").read_text())["quantization"]
-    assert q["quant_algo"] == "W4A16_AWQ" and q["group_size"] == G and "model.layers.0.mlp.up_proj" in q["exclude_modules"]
+    assert (
+        q["quant_algo"] == "W4A16_AWQ" and q["group_size"] == G and "model.layers.0.mlp.up_proj" in q["exclude_modules"]
+    )
 
 
 def test_act_order_with_scattered_groups_is_refused(unified, tmp_path):
-    src = make_gptq(unified("int4_wo"), tmp_path / "gptq", True, g_idx=lambda n: torch.arange(n).flip(0) // (G // 2),
-                    group=G // 2)  # two groups a row, in reverse order
+    src = make_gptq(
+        unified("int4_wo"), tmp_path / "gptq", True, g_idx=lambda n: torch.arange(n).flip(0) // (G // 2), group=G // 2
+    )  # two groups a row, in reverse order
     with pytest.raises(CheckpointError, match=r"tensor 'model.layers.0.self_attn.q_proj.g_idx' is not contiguous"):
         convert_source(src, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
@@ -123,8 +143,10 @@ def test_act_order_with_scattered_groups_is_refused(unified, tmp_path):
 
 def test_act_order_with_contiguous_groups_is_accepted(unified, tmp_path):
     src = make_gptq(unified("int4_wo"), tmp_path / "gptq", True, g_idx=lambda n: torch.arange(n) // G)
-    assert json.loads((convert_source(src, tmp_path / "ckpt") / "config.json").read_text())["quantization"][
-        "quant_algo"] == "W4A16_AWQ"
+    assert (
+        json.loads((convert_source(src, tmp_path / "ckpt") / "config.json").read_text())["quantization"]["quant_algo"]
+        == "W4A16_AWQ"
+    )
 
 
 def test_asymmetric_zero_point_is_refused_naming_the_tensor(unified, tmp_path):

@@ -59,7 +59,7 @@ def test_fp8_members_with_different_scales_need_fp8_requantize(tmp_path, name):
 @pytest.mark.parametrize("name", ["llmc-w4a16_asym-stories", "gptqmodel-awq_gemm-qwen3"])
 def test_zero_points_need_zero_point_rounding_except_in_float32(tmp_path, name):
     src = prequantized(name)
-    (key, msg), = _problems(tmp_path, src)
+    ((key, msg),) = _problems(tmp_path, src)
     assert key == "model.source" and "has zero points" in msg and "model dtype bfloat16 (relative 2^-8" in msg
     assert msg.endswith("add zero_point_rounding to model.allow_lossy_import to accept"), msg
     assert _problems(tmp_path, src, "  allow_lossy_import: [zero_point_rounding]\n") == []
@@ -71,15 +71,17 @@ def test_exact_sources_and_the_llmapi_target_need_no_key(tmp_path, stories_dir):
     assert _problems(tmp_path, prequantized("modelopt-w4a16_awq-stories")) == []  # symmetric: exact re-layout
     fp8 = prequantized("modelopt-fp8-stories")
     assert _problems(tmp_path, fp8, target="llmapi") == []  # passed through: nothing rounded
-    (key, msg), = _problems(tmp_path, fp8, "  allow_lossy_import: [fp8_requantize]\n", target="llmapi")
+    ((key, msg),) = _problems(tmp_path, fp8, "  allow_lossy_import: [fp8_requantize]\n", target="llmapi")
     assert key == "model.allow_lossy_import" and "no lossy step" in msg
-    (key, msg), = _problems(tmp_path, stories_dir, "  allow_lossy_import: [fp8_requantize]\n")
+    ((key, msg),) = _problems(tmp_path, stories_dir, "  allow_lossy_import: [fp8_requantize]\n")
     assert key == "model.allow_lossy_import" and "not quantized" in msg
 
 
 @pytest.mark.slow  # the producers' venv makes the fixture
-@pytest.mark.parametrize("name, step", [("modelopt-fp8-stories", lossy.FP8_REQUANTIZE),
-                                        ("llmc-w4a16_asym-stories", lossy.ZERO_POINT_ROUNDING)])
+@pytest.mark.parametrize(
+    "name, step",
+    [("modelopt-fp8-stories", lossy.FP8_REQUANTIZE), ("llmc-w4a16_asym-stories", lossy.ZERO_POINT_ROUNDING)],
+)
 def test_the_conversion_refuses_an_unaccepted_step_and_writes_nothing(tmp_path, name, step):
     src = prequantized(name)
     fmt = detect(src)
@@ -97,9 +99,11 @@ def _lossy_imports():
 
 
 # the cases of scripts/lossy_imports.py measured here (the script's others are the same steps on other fixtures)
-MEASURED = [("modelopt-fp8-stories", lossy.FP8_REQUANTIZE, "float32"),
-            ("llmc-w4a16_asym-stories", lossy.ZERO_POINT_ROUNDING, "auto"),
-            ("llmc-w4a16_asym-stories", None, "float32")]
+MEASURED = [
+    ("modelopt-fp8-stories", lossy.FP8_REQUANTIZE, "float32"),
+    ("llmc-w4a16_asym-stories", lossy.ZERO_POINT_ROUNDING, "auto"),
+    ("llmc-w4a16_asym-stories", None, "float32"),
+]
 
 
 @pytest.mark.slow  # the producers' venv makes the fixture
@@ -110,7 +114,7 @@ def test_the_measurement_is_within_the_formats_error(tmp_path, name, step, dtype
     costs accuracy (KL positive); zero-point rows in a half dtype show the rounding; the float32 control is exact up
     to float32 summation order."""
     r = _lossy_imports().one(name, step, dtype, tmp_path)
-    float32_sum = 64 * 2.0 ** -24  # float32 summation order over the model's depth (tests/numerics.py's scale)
+    float32_sum = 64 * 2.0**-24  # float32 summation order over the model's depth (tests/numerics.py's scale)
     assert r["kl_mean"] >= 0 and 0 <= r["top1_agreement"] <= 1, r
     if r["step"] == lossy.FP8_REQUANTIZE:
         assert 0 < r["requantized_elements"] <= r["fused_elements"], r

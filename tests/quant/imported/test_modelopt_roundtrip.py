@@ -20,8 +20,16 @@ from trtpipe.runtime import load_checkpoint
 from trtpipe.runtime.hf_loader import load_hf_checkpoint
 
 EXACT = ("none", "fp8_pc_pt", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "nvfp4")
-QUANT_ALGO = {"none": None, "fp8_pc_pt": "FP8_PER_CHANNEL_PER_TOKEN", "int8_wo": "W8A16", "int4_wo": "W4A16_AWQ",
-              "int4_awq": "W4A16_AWQ", "w4a8_awq": "W4A8_AWQ", "nvfp4": "NVFP4", "fp8": "FP8"}
+QUANT_ALGO = {
+    "none": None,
+    "fp8_pc_pt": "FP8_PER_CHANNEL_PER_TOKEN",
+    "int8_wo": "W8A16",
+    "int4_wo": "W4A16_AWQ",
+    "int4_awq": "W4A16_AWQ",
+    "w4a8_awq": "W4A8_AWQ",
+    "nvfp4": "NVFP4",
+    "fp8": "FP8",
+}
 
 
 @pytest.mark.parametrize("algo", EXACT)
@@ -36,7 +44,9 @@ def test_exact_formats_convert_bit_for_bit(unified, tmp_path, algo):
     assert ours.keys() == theirs.keys()
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), f"{algo}: {name} dequantizes differently"
-    if (q["quant_algo"] or "").startswith("W4"):  # mlp.proj (in 172) is excluded by the export: so in the checkpoint too
+    if (q["quant_algo"] or "").startswith(
+        "W4"
+    ):  # mlp.proj (in 172) is excluded by the export: so in the checkpoint too
         assert "transformer.layers.0.mlp.proj" in q["exclude_modules"] and q["group_size"] == 64
     assert_logits_match(load_checkpoint(ckpt), hf, f"{algo} tp1")
     sharded = load_checkpoint(convert_source(src, tmp_path / "tp2pp2", tp=2, pp=2))
@@ -62,7 +72,7 @@ def test_fp8_fused_members_are_requantized_once_to_the_shared_scale(unified, tmp
     for name in ours:
         a, b = ours[name], theirs[name]
         s = float(a.abs().max()) / 448  # the fused scale: the member with the largest amax keeps a code of +-448
-        bound = 2.0 ** -4 * torch.maximum(a.abs(), b.abs()) + 2.0 ** -10 * s
+        bound = 2.0**-4 * torch.maximum(a.abs(), b.abs()) + 2.0**-10 * s
         assert bool(((a - b).abs() <= bound).all()), f"{name}: moved by more than one FP8 rounding"
         moved += int((a != b).sum())
     assert moved > 0  # q/k/v scales differ on this model: the requantization did happen
@@ -74,5 +84,6 @@ def test_fp8_fused_members_are_requantized_once_to_the_shared_scale(unified, tmp
             parts = m.parts if hasattr(m, "parts") else [m]
             for p, piece in zip(parts, w.split([p.weight.shape[0] for p in parts])):
                 p.weight.data.copy_(piece)
-    assert_logits_match(load_checkpoint(convert_source(src, tmp_path / "tp2", tp=2, allow_lossy=(FP8_REQUANTIZE,))), hf,
-                      "fp8 tp2")
+    assert_logits_match(
+        load_checkpoint(convert_source(src, tmp_path / "tp2", tp=2, allow_lossy=(FP8_REQUANTIZE,))), hf, "fp8 tp2"
+    )

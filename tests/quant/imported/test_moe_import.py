@@ -96,9 +96,11 @@ def edited(source, tmp_path_factory):
 
 def _recipe(tmp_path: Path, source: Path, name: str) -> Path:
     p = tmp_path / f"{name}.yaml"
-    p.write_text(f"name: t\nwork_dir: {tmp_path / name}\ntarget: engine\nmodel:\n  source: {source}\n"
-                 "  dtype: bfloat16\nengine:\n  max_batch_size: 8\n  max_input_len: 64\n  max_seq_len: 128\n"
-                 "  max_num_tokens: 256\n")
+    p.write_text(
+        f"name: t\nwork_dir: {tmp_path / name}\ntarget: engine\nmodel:\n  source: {source}\n"
+        "  dtype: bfloat16\nengine:\n  max_batch_size: 8\n  max_input_len: 64\n  max_seq_len: 128\n"
+        "  max_num_tokens: 256\n"
+    )
     return p
 
 
@@ -160,7 +162,7 @@ def test_up_and_gate_of_different_scales_share_the_max(edited, tmp_path):
     assert torch.equal(gate.view(torch.uint8), src[hf + gate_n + ".weight"].view(torch.uint8))
     a = dequantize(up, s, "fp8", "tensor")
     b = dequantize(src[hf + up_n + ".weight"], s_up, "fp8", "tensor")
-    assert bool(((a - b).abs() <= 2.0 ** -4 * torch.maximum(a.abs(), b.abs()) + 2.0 ** -10 * float(s)).all())
+    assert bool(((a - b).abs() <= 2.0**-4 * torch.maximum(a.abs(), b.abs()) + 2.0**-10 * float(s)).all())
     assert bool((a != b).any())
     for other in range(num):
         if other != e:
@@ -231,8 +233,9 @@ def test_excluded_experts_stay_float(source, tmp_path):
             for e in range(num):
                 for p in (up_n, gate_n, down_n):
                     m = pre_hf.format(i, e) + p
-                    t[m + ".weight"] = dequantize(t[m + ".weight"], t.pop(m + ".weight_scale").float(), "fp8",
-                                                  "tensor").to(torch.bfloat16)
+                    t[m + ".weight"] = dequantize(
+                        t[m + ".weight"], t.pop(m + ".weight_scale").float(), "fp8", "tensor"
+                    ).to(torch.bfloat16)
                     t.pop(m + ".input_scale")
 
     src = _edited(source, tmp_path / "src", edit)
@@ -262,8 +265,9 @@ def test_experts_excluded_for_down_only_are_refused_and_nothing_written(source, 
     def edit(t):
         for e in range(num):
             m = pre_hf.format(0, e) + down_n
-            t[m + ".weight"] = dequantize(t[m + ".weight"], t.pop(m + ".weight_scale").float(), "fp8",
-                                          "tensor").to(torch.bfloat16)
+            t[m + ".weight"] = dequantize(t[m + ".weight"], t.pop(m + ".weight_scale").float(), "fp8", "tensor").to(
+                torch.bfloat16
+            )
             t.pop(m + ".input_scale")
 
     src = _edited(source, tmp_path / "src", edit)
@@ -274,8 +278,11 @@ def test_experts_excluded_for_down_only_are_refused_and_nothing_written(source, 
     with pytest.raises(CheckpointError) as exc:
         _convert(src, out)
     msg = str(exc.value)
-    assert "\n" not in msg and "layer 0: exclude_modules leaves the experts of mlp.proj unquantized but not those " \
-        "of mlp.fc" in msg and "quantizes a MoE layer as a whole" in msg, msg
+    assert (
+        "\n" not in msg
+        and "layer 0: exclude_modules leaves the experts of mlp.proj unquantized but not those of mlp.fc" in msg
+        and "quantizes a MoE layer as a whole" in msg
+    ), msg
     assert not out.exists() and not any(tmp_path.glob(".out.tmp-*"))
 
 
@@ -300,17 +307,26 @@ def test_int4_experts_are_refused_with_the_reason(source, tmp_path):
     hq = json.loads((src / "hf_quant_config.json").read_text())
     hq["quantization"].update(quant_algo="W4A16_AWQ", group_size=128)
     (src / "hf_quant_config.json").write_text(json.dumps(hq))
-    why = ("its experts carry per-expert pre_quant_scale (ModelOpt W4A16_AWQ); TensorRT-LLM 1.2's MoE layer reads one "
-           "pre-quant scale for all the experts of a linear, so they would have to be resmoothed into one and "
-           "requantized, which trtpipe does not do (it writes W4A16 AWQ experts from its own calibration: "
-           "quantization.algo int4_awq on the unquantized model; or use a symmetric compressed-tensors / GPTQ W4A16 "
-           "source, whose experts convert exactly)")
+    why = (
+        "its experts carry per-expert pre_quant_scale (ModelOpt W4A16_AWQ); TensorRT-LLM 1.2's MoE layer reads one "
+        "pre-quant scale for all the experts of a linear, so they would have to be resmoothed into one and "
+        "requantized, which trtpipe does not do (it writes W4A16 AWQ experts from its own calibration: "
+        "quantization.algo int4_awq on the unquantized model; or use a symmetric compressed-tensors / GPTQ W4A16 "
+        "source, whose experts convert exactly)"
+    )
     assert moe_refusal(detect(src)) == why
-    targets = {name: [x.message for x in check_recipe(load_recipe(_recipe(tmp_path, d, name), check_rules=False))
-                      if x.key == "target"] for name, d in (("fp8", source), ("int4", src))}
+    targets = {
+        name: [
+            x.message
+            for x in check_recipe(load_recipe(_recipe(tmp_path, d, name), check_rules=False))
+            if x.key == "target"
+        ]
+        for name, d in (("fp8", source), ("int4", src))
+    }
     assert targets["fp8"] == [], targets
     assert len(targets["int4"]) == 1 and targets["int4"][0].endswith(
-        f"its mixture-of-experts layers are refused for target engine: {why}"), targets
+        f"its mixture-of-experts layers are refused for target engine: {why}"
+    ), targets
     with pytest.raises(CheckpointError) as exc:
         _convert(src, tmp_path / "out")
     msg = str(exc.value)
@@ -328,10 +344,14 @@ def test_nvfp4_experts_are_refused_with_the_reason(source, tmp_path):
     (src / "hf_quant_config.json").write_text(json.dumps(hq))
     why = moe_refusal(detect(src))
     assert why.startswith("trtpipe has no engine writer for NVFP4 experts") and why.endswith("use target: llmapi")
-    targets = [x.message for x in check_recipe(load_recipe(_recipe(tmp_path, src, "nvfp4"), check_rules=False))
-               if x.key == "target"]
+    targets = [
+        x.message
+        for x in check_recipe(load_recipe(_recipe(tmp_path, src, "nvfp4"), check_rules=False))
+        if x.key == "target"
+    ]
     assert len(targets) == 1 and targets[0].endswith(
-        f"its mixture-of-experts layers are refused for target engine: {why}"), targets
+        f"its mixture-of-experts layers are refused for target engine: {why}"
+    ), targets
     with pytest.raises(CheckpointError) as exc:
         _convert(src, tmp_path / "out")
     assert "\n" not in str(exc.value) and str(exc.value).endswith(why)
@@ -342,9 +362,13 @@ def test_an_experts_up_gate_requantization_is_the_fp8_requantize_step(source, ed
     """Fusing an expert's up and gate of different scales is the same lossy step as a dense q/k/v fusion: validate
     counts one more fused linear needing fp8_requantize on the edited source than on ModelOpt's own (the edited
     expert's fc), and the conversion without the key refuses in one line, writing nothing."""
+
     def lossy(d: Path, name: str) -> str:
-        found = [x.message for x in check_recipe(load_recipe(_recipe(tmp_path, d, name), check_rules=False))
-                 if "fp8_requantize" in x.message]
+        found = [
+            x.message
+            for x in check_recipe(load_recipe(_recipe(tmp_path, d, name), check_rules=False))
+            if "fp8_requantize" in x.message
+        ]
         assert len(found) == 1, found
         return found[0]
 

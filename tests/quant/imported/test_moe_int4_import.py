@@ -41,8 +41,13 @@ from trtpipe.formats.primitives import unpack_int4_rows
 from trtpipe.errors import CheckpointError
 from trtpipe.quant.imported.detect import detect
 from trtpipe.quant.imported.lossy import ZERO_POINT_ROUNDING
-from trtpipe.quant.imported.trtllm import (MOE_INT4_ACT_ORDER, MOE_INT4_PREQUANT, MOE_INT4_ZERO, ImportedLinears,
-                                           moe_refusal)
+from trtpipe.quant.imported.trtllm import (
+    MOE_INT4_ACT_ORDER,
+    MOE_INT4_PREQUANT,
+    MOE_INT4_ZERO,
+    ImportedLinears,
+    moe_refusal,
+)
 from trtpipe.runtime import load_checkpoint
 from trtpipe.runtime.hf_loader import load_hf_checkpoint
 from trtpipe.app.validation import check_recipe, load_recipe
@@ -62,8 +67,12 @@ def made(tmp_path_factory) -> Path:
     if not py.exists():
         pytest.skip(f"producer venv not installed ({py} missing): run scripts/install_producers.sh")
     out = tmp_path_factory.mktemp("moe_w4a16")
-    proc = subprocess.run([str(py), str(ROOT / "tests" / "tools" / "make_moe_w4a16.py"), str(out)], capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [str(py), str(ROOT / "tests" / "tools" / "make_moe_w4a16.py"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return out
 
@@ -106,8 +115,14 @@ def _as_gptq(src: Path, out: Path) -> Path:
         t[m + ".g_idx"] = (torch.arange(in_f) // G).to(torch.int32)
     save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": G, "sym": symmetric,
-                                  "desc_act": False, "checkpoint_format": "gptq"}
+    cfg["quantization_config"] = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": G,
+        "sym": symmetric,
+        "desc_act": False,
+        "checkpoint_format": "gptq",
+    }
     (out / "config.json").write_text(json.dumps(cfg))
     return out
 
@@ -138,10 +153,15 @@ def test_codes_and_scales_are_the_sources(source, tmp_path):
     ckpt = convert_source(source, tmp_path / "tp1")
     t = load_file(str(ckpt / "rank0.safetensors"))
     q = json.loads((ckpt / "config.json").read_text())["quantization"]
-    assert (q["quant_algo"], q["group_size"], q["has_zero_point"], q["pre_quant_scale"]) == ("W4A16_AWQ", G, False,
-                                                                                           True)
-    assert "*router" in q["exclude_modules"] and not any(p.endswith(("mlp", "mlp.fc", "mlp.proj"))
-                                                         for p in q["exclude_modules"])
+    assert (q["quant_algo"], q["group_size"], q["has_zero_point"], q["pre_quant_scale"]) == (
+        "W4A16_AWQ",
+        G,
+        False,
+        True,
+    )
+    assert "*router" in q["exclude_modules"] and not any(
+        p.endswith(("mlp", "mlp.fc", "mlp.proj")) for p in q["exclude_modules"]
+    )
     for i in range(LAYERS):
         pre = f"transformer.layers.{i}.mlp."
         assert t[pre + "router.weight"].dtype == torch.float32
@@ -155,8 +175,8 @@ def test_codes_and_scales_are_the_sources(source, tmp_path):
                 for p in projs:
                     want_q, want_s = _stored(source, PRE.format(i, e) + p, src)
                     n = want_q.shape[0]
-                    assert torch.equal(codes[e, rows: rows + n], want_q.to(torch.int8)), (i, e, p)
-                    assert torch.equal(wsf[e, rows: rows + n], want_s), (i, e, p)
+                    assert torch.equal(codes[e, rows : rows + n], want_q.to(torch.int8)), (i, e, p)
+                    assert torch.equal(wsf[e, rows : rows + n], want_s), (i, e, p)
                     rows += n
                 assert rows == codes.shape[1] == wsf.shape[1]
 
@@ -177,7 +197,7 @@ def test_layout_per_rank_is_the_tp1_tensors_sharded(source, tmp_path, layout):
         experts = slice(ep_rank * e_r, (ep_rank + 1) * e_r)
         for i in range(LAYERS):
             p = f"transformer.layers.{i}.mlp."
-            got = {k[len(p):]: v for k, v in t.items() if k.startswith(p)}
+            got = {k[len(p) :]: v for k, v in t.items() if k.startswith(p)}
             assert {k: (v.dtype, tuple(v.shape)) for k, v in got.items()} == {
                 "router.weight": (torch.float32, (EXPERTS, HIDDEN)),
                 "fc.weight": (torch.int8, (e_r, w_r, HIDDEN)),
@@ -185,15 +205,16 @@ def test_layout_per_rank_is_the_tp1_tensors_sharded(source, tmp_path, layout):
                 "fc.prequant_scaling_factor": (torch.bfloat16, (HIDDEN,)),
                 "proj.weight": (torch.int8, (e_r, HIDDEN // 2, w_r)),
                 "proj.weights_scaling_factor": (torch.float32, (e_r, HIDDEN, w_r // G)),
-                "proj.prequant_scaling_factor": (torch.bfloat16, (w_r,))}, (layout, rank, i)
+                "proj.prequant_scaling_factor": (torch.bfloat16, (w_r,)),
+            }, (layout, rank, i)
             for suffix, per in (("weight", 2), ("weights_scaling_factor", 1)):  # fc rows per code row
                 whole = full[p + f"fc.{suffix}"][experts]
                 halves = whole.split(WIDTH // per, dim=1)  # [up; gate]
                 n = w_r // per
-                want = torch.cat([h[:, tp_rank * n:(tp_rank + 1) * n] for h in halves], dim=1)
+                want = torch.cat([h[:, tp_rank * n : (tp_rank + 1) * n] for h in halves], dim=1)
                 assert torch.equal(got[f"fc.{suffix}"], want), (layout, rank, i, suffix)
                 cols = got[f"proj.{suffix}"].shape[-1]
-                want = full[p + f"proj.{suffix}"][experts][..., tp_rank * cols:(tp_rank + 1) * cols]
+                want = full[p + f"proj.{suffix}"][experts][..., tp_rank * cols : (tp_rank + 1) * cols]
                 assert torch.equal(got[f"proj.{suffix}"], want), (layout, rank, i, suffix)
 
 
@@ -210,12 +231,15 @@ def test_logits_at_tp1_moe_tp2_and_moe_ep2(source, tmp_path):
             assert_as_accurate(model.forward(IDS), ref64, scale, f"{detect(source).family} {name}")
 
 
-def _recipe(tmp_path: Path, source: Path, name: str, parallel: str = "", dtype: str = "bfloat16",
-            lossy: str = "") -> Path:
+def _recipe(
+    tmp_path: Path, source: Path, name: str, parallel: str = "", dtype: str = "bfloat16", lossy: str = ""
+) -> Path:
     p = tmp_path / f"{name}.yaml"
-    p.write_text(f"name: t\nwork_dir: {tmp_path / name}\ntarget: engine\nmodel:\n  source: {source}\n"
-                 f"  dtype: {dtype}\n{lossy}{parallel}engine:\n  max_batch_size: 8\n  max_input_len: 64\n"
-                 "  max_seq_len: 128\n  max_num_tokens: 256\n")
+    p.write_text(
+        f"name: t\nwork_dir: {tmp_path / name}\ntarget: engine\nmodel:\n  source: {source}\n"
+        f"  dtype: {dtype}\n{lossy}{parallel}engine:\n  max_batch_size: 8\n  max_input_len: 64\n"
+        "  max_seq_len: 128\n  max_num_tokens: 256\n"
+    )
     return p
 
 
@@ -223,8 +247,11 @@ SOURCE_KEYS = ("target", "parallel.tp", "model.source", "model.allow_lossy_impor
 
 
 def _findings(tmp_path: Path, source: Path, name: str, parallel: str = "", **kw) -> list[tuple[str, str]]:
-    return [(x.key, x.message) for x in check_recipe(load_recipe(_recipe(tmp_path, source, name, parallel, **kw),
-                                                                 check_rules=False)) if x.key in SOURCE_KEYS]
+    return [
+        (x.key, x.message)
+        for x in check_recipe(load_recipe(_recipe(tmp_path, source, name, parallel, **kw), check_rules=False))
+        if x.key in SOURCE_KEYS
+    ]
 
 
 def test_validate_takes_the_symmetric_sources_and_names_split_groups(source, tmp_path):
@@ -232,18 +259,19 @@ def test_validate_takes_the_symmetric_sources_and_names_split_groups(source, tmp
     inputs, half a group, refused naming the linear (the conversion could not cut the source's groups)."""
     assert moe_refusal(detect(source)) is None
     assert _findings(tmp_path, source, "ok", "parallel:\n  tp: 2\n  moe_tp: 2\n") == []
-    bad = [m for k, m in _findings(tmp_path, source, "tp4", "parallel:\n  tp: 4\n  moe_tp: 4\n")
-           if k == "parallel.tp"]
-    assert any("at tp=4 (moe_tp=4) mlp.proj in_features 32 per rank is not a multiple of group_size 64" in m
-               for m in bad), bad
+    bad = [m for k, m in _findings(tmp_path, source, "tp4", "parallel:\n  tp: 4\n  moe_tp: 4\n") if k == "parallel.tp"]
+    assert any(
+        "at tp=4 (moe_tp=4) mlp.proj in_features 32 per rank is not a multiple of group_size 64" in m for m in bad
+    ), bad
 
 
 def _refused(tmp_path: Path, src: Path, why: str) -> None:
     """Refused with ``why`` at validate (the target finding) and at conversion (one line), nothing written."""
     assert moe_refusal(detect(src)) == why
     found = [m for k, m in _findings(tmp_path, src, "r") if k == "target"]
-    assert len(found) == 1 and found[0].endswith(f"its mixture-of-experts layers are refused for target engine: {why}"), \
-        found
+    assert len(found) == 1 and found[0].endswith(
+        f"its mixture-of-experts layers are refused for target engine: {why}"
+    ), found
     out = tmp_path / "out"
     with pytest.raises(CheckpointError) as exc:
         convert_source(src, out, allow_lossy=("zero_point_rounding",))
@@ -258,14 +286,20 @@ def test_autoawq_zero_point_experts_are_refused(made, tmp_path):
     src = tmp_path / "awq"
     src.mkdir()
     cfg = json.loads((made / "asym" / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": True,
-                                  "version": "gemm"}
+    cfg["quantization_config"] = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": G,
+        "zero_point": True,
+        "version": "gemm",
+    }
     (src / "config.json").write_text(json.dumps(cfg))
     shutil.copy(made / "asym" / "model.safetensors", src / "model.safetensors")
     assert moe_refusal(detect(src)) == MOE_INT4_ZERO
     found = [m for k, m in _findings(tmp_path, src, "r") if k == "target"]
-    assert len(found) == 1 and found[0].endswith(f"its mixture-of-experts layers are refused for target engine: "
-                                                 f"{MOE_INT4_ZERO}"), found
+    assert len(found) == 1 and found[0].endswith(
+        f"its mixture-of-experts layers are refused for target engine: {MOE_INT4_ZERO}"
+    ), found
 
 
 def test_gptq_act_order_experts_are_refused(gptq, tmp_path):
@@ -284,12 +318,17 @@ def test_a_per_expert_pre_quant_scale_is_refused_naming_the_tensor(made, tmp_pat
     from trtpipe.quant.imported.trtllm import MOE_STACK
 
     fuse, _ = MOE_STACK["W4A16_AWQ"]
-    m = {"weight": torch.zeros(16, 64, dtype=torch.uint8), "weight_scale": torch.ones(32, 4),
-         "pre_quant_scale": torch.ones(64)}
+    m = {
+        "weight": torch.zeros(16, 64, dtype=torch.uint8),
+        "weight_scale": torch.ones(32, 4),
+        "pre_quant_scale": torch.ones(64),
+    }
     with pytest.raises(CheckpointError) as exc:
         fuse([m], ["model.layers.0.mlp.experts.3.down_proj"], "src: transformer.layers.0.mlp.proj expert 3")
-    assert str(exc.value) == ("src: transformer.layers.0.mlp.proj expert 3: tensor "
-                              f"'model.layers.0.mlp.experts.3.down_proj' has a pre_quant_scale: {MOE_INT4_PREQUANT}")
+    assert str(exc.value) == (
+        "src: transformer.layers.0.mlp.proj expert 3: tensor "
+        f"'model.layers.0.mlp.experts.3.down_proj' has a pre_quant_scale: {MOE_INT4_PREQUANT}"
+    )
 
 
 def test_the_docs_table_states_each_refusal():
@@ -317,17 +356,29 @@ def _stored_zero(module: str, t: dict) -> tuple[torch.Tensor, torch.Tensor, torc
     projection, by the format's definition: W = (q - zp) * s."""
     if module + ".qweight" in t:  # GPTQ v1: unsigned codes along the inputs, true zeros = stored + 0x11111111
         zw = (t[module + ".qzeros"].to(torch.int64) + 0x11111111) & 0xFFFFFFFF
-        return ((_nibbles(t[module + ".qweight"], 0) - 8).t(), t[module + ".scales"].float().t(),
-                (_nibbles(zw, 1) - 8).t())
+        return (
+            (_nibbles(t[module + ".qweight"], 0) - 8).t(),
+            t[module + ".scales"].float().t(),
+            (_nibbles(zw, 1) - 8).t(),
+        )
     out_f, in_f = (int(x) for x in t[module + ".weight_shape"].tolist())
-    return (_nibbles(t[module + ".weight_packed"], 1)[:, :in_f] - 8, t[module + ".weight_scale"].float(),
-            _nibbles(t[module + ".weight_zero_point"], 0)[:out_f] - 8)
+    return (
+        _nibbles(t[module + ".weight_packed"], 1)[:, :in_f] - 8,
+        t[module + ".weight_scale"].float(),
+        _nibbles(t[module + ".weight_zero_point"], 0)[:out_f] - 8,
+    )
 
 
 def _convert(src: Path, out: Path, dtype: str, allow_lossy: tuple[str, ...] = (), **kw) -> Path:
     fmt = detect(src)
-    return convert(src, out, dtype=dtype, overwrite=True, **kw,
-                   importer=lambda plan, reader: ImportedLinears(fmt, reader.keys(), str(src), allow_lossy))
+    return convert(
+        src,
+        out,
+        dtype=dtype,
+        overwrite=True,
+        **kw,
+        importer=lambda plan, reader: ImportedLinears(fmt, reader.keys(), str(src), allow_lossy),
+    )
 
 
 def test_zero_point_experts_are_the_sources_at_float32(zsource, tmp_path):
@@ -341,17 +392,20 @@ def test_zero_point_experts_are_the_sources_at_float32(zsource, tmp_path):
     for i in range(LAYERS):
         pre = f"transformer.layers.{i}.mlp."
         for lin, projs in PROJS.items():
-            codes, wsf, zero = (unpack_int4_rows(t[pre + f"{lin}.weight"]), t[pre + f"{lin}.weights_scaling_factor"],
-                                t[pre + f"{lin}.zero"])
+            codes, wsf, zero = (
+                unpack_int4_rows(t[pre + f"{lin}.weight"]),
+                t[pre + f"{lin}.weights_scaling_factor"],
+                t[pre + f"{lin}.zero"],
+            )
             assert zero.dtype == torch.float32 and bool((t[pre + f"{lin}.prequant_scaling_factor"] == 1).all())
             for e in range(EXPERTS):
                 rows = 0
                 for p in projs:
                     want_q, want_s, want_zp = _stored_zero(PRE.format(i, e) + p, src)
                     n = want_q.shape[0]
-                    assert torch.equal(codes[e, rows: rows + n], want_q.to(torch.int8)), (i, e, p)
-                    assert torch.equal(wsf[e, rows: rows + n], want_s), (i, e, p)
-                    assert torch.equal(zero[e, :, rows: rows + n], (-want_zp * want_s).t()), (i, e, p)
+                    assert torch.equal(codes[e, rows : rows + n], want_q.to(torch.int8)), (i, e, p)
+                    assert torch.equal(wsf[e, rows : rows + n], want_s), (i, e, p)
+                    assert torch.equal(zero[e, :, rows : rows + n], (-want_zp * want_s).t()), (i, e, p)
                     rows += n
                 assert rows == zero.shape[-1]
             assert bool((zero != 0).any()), (i, lin)  # real zero points, not all 8
@@ -372,7 +426,7 @@ def test_zero_point_layout_per_rank(zsource, tmp_path):
             experts, tp_rank = slice(rank % ep * e_r, (rank % ep + 1) * e_r), rank // ep
             for i in range(LAYERS):
                 p = f"transformer.layers.{i}.mlp."
-                got = {k[len(p):]: (v.dtype, tuple(v.shape)) for k, v in t.items() if k.startswith(p)}
+                got = {k[len(p) :]: (v.dtype, tuple(v.shape)) for k, v in t.items() if k.startswith(p)}
                 assert got == {
                     "router.weight": (torch.float32, (EXPERTS, HIDDEN)),
                     "fc.weight": (torch.int8, (e_r, w_r, HIDDEN)),
@@ -382,9 +436,10 @@ def test_zero_point_layout_per_rank(zsource, tmp_path):
                     "proj.weight": (torch.int8, (e_r, HIDDEN // 2, w_r)),
                     "proj.weights_scaling_factor": (torch.float32, (e_r, HIDDEN, w_r // G)),
                     "proj.prequant_scaling_factor": (torch.float32, (w_r,)),
-                    "proj.zero": (torch.float32, (e_r, w_r // G, HIDDEN))}, (layout, rank, i)
+                    "proj.zero": (torch.float32, (e_r, w_r // G, HIDDEN)),
+                }, (layout, rank, i)
                 halves = full[p + "fc.zero"][experts].split(WIDTH, dim=-1)  # [up | gate] columns
-                want = torch.cat([h[..., tp_rank * w_r:(tp_rank + 1) * w_r] for h in halves], dim=-1)
+                want = torch.cat([h[..., tp_rank * w_r : (tp_rank + 1) * w_r] for h in halves], dim=-1)
                 assert torch.equal(t[p + "fc.zero"], want), (layout, rank, i)
                 groups = slice(tp_rank * w_r // G, (tp_rank + 1) * w_r // G)
                 assert torch.equal(t[p + "proj.zero"], full[p + "proj.zero"][experts][:, groups]), (layout, rank, i)
@@ -411,15 +466,20 @@ def test_zero_point_experts_at_bfloat16_need_zero_point_rounding(made, tmp_path)
     src = made / "asym"
     assert moe_refusal(detect(src)) is None
     found = _findings(tmp_path, src, "bf16")
-    assert len(found) == 1 and found[0][0] == "model.source" and "zero_point_rounding" in found[0][1] \
-        and "bfloat16" in found[0][1], found
+    assert (
+        len(found) == 1
+        and found[0][0] == "model.source"
+        and "zero_point_rounding" in found[0][1]
+        and "bfloat16" in found[0][1]
+    ), found
     assert _findings(tmp_path, src, "f32", dtype="float32") == []
     assert _findings(tmp_path, src, "ok", lossy="  allow_lossy_import: [zero_point_rounding]\n") == []
     out = tmp_path / "out"
     with pytest.raises(CheckpointError) as exc:
         _convert(src, out, "bfloat16")
-    assert "\n" not in str(exc.value) and str(exc.value).endswith(f"add {ZERO_POINT_ROUNDING} to "
-                                                                  "model.allow_lossy_import to accept"), exc.value
+    assert "\n" not in str(exc.value) and str(exc.value).endswith(
+        f"add {ZERO_POINT_ROUNDING} to model.allow_lossy_import to accept"
+    ), exc.value
     assert not out.exists() and not any(tmp_path.glob(".out.tmp-*"))
     t = load_file(str(_convert(src, out, "bfloat16", (ZERO_POINT_ROUNDING,)) / "rank0.safetensors"))
     stored = load_file(str(src / "model.safetensors"))

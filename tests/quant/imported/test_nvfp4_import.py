@@ -31,12 +31,19 @@ pytestmark = pytest.mark.slow
 NAME = "modelopt-nvfp4-qwen3"
 LAYERS = 2
 # TRT-LLM linear -> (HF projections in fused order, split style)
-LINEARS = {"attention.qkv": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "column"),
-           "attention.dense": (("self_attn.o_proj",), "row"),
-           "mlp.fc": (("mlp.gate_proj",), "column"), "mlp.gate": (("mlp.up_proj",), "column"),
-           "mlp.proj": (("mlp.down_proj",), "row")}
-SUFFIXES = {"weight": torch.uint8, "weights_scaling_factor": torch.float8_e4m3fn,
-            "weights_scaling_factor_2": torch.float32, "activation_scaling_factor": torch.float32}
+LINEARS = {
+    "attention.qkv": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "column"),
+    "attention.dense": (("self_attn.o_proj",), "row"),
+    "mlp.fc": (("mlp.gate_proj",), "column"),
+    "mlp.gate": (("mlp.up_proj",), "column"),
+    "mlp.proj": (("mlp.down_proj",), "row"),
+}
+SUFFIXES = {
+    "weight": torch.uint8,
+    "weights_scaling_factor": torch.float8_e4m3fn,
+    "weights_scaling_factor_2": torch.float32,
+    "activation_scaling_factor": torch.float32,
+}
 
 
 @pytest.fixture(scope="module")
@@ -67,25 +74,39 @@ def test_layout_and_bytes_per_rank(source, converted):
             for layer in range(LAYERS):
                 for linear, (hf, style) in LINEARS.items():
                     base = f"transformer.layers.{layer}.{linear}"
-                    mine = {k[len(base) + 1:]: v for k, v in got.items() if k.startswith(base + ".")}
+                    mine = {k[len(base) + 1 :]: v for k, v in got.items() if k.startswith(base + ".")}
                     assert {s: t.dtype for s, t in mine.items()} == SUFFIXES, (tp, rank, base)
                     pre = [f"model.layers.{layer}.{h}" for h in hf]
                     for ours, theirs in (("weight", "weight"), ("weights_scaling_factor", "weight_scale")):
                         want = torch.cat([_rank_slice(src[f"{p}.{theirs}"], style, rank, tp) for p in pre])
                         assert mine[ours].shape == want.shape, (tp, rank, base, ours)
                         assert torch.equal(mine[ours].view(torch.uint8), want.view(torch.uint8)), (tp, rank, base, ours)
-                    for ours, theirs in (("weights_scaling_factor_2", "weight_scale_2"),
-                                         ("activation_scaling_factor", "input_scale")):
+                    for ours, theirs in (
+                        ("weights_scaling_factor_2", "weight_scale_2"),
+                        ("activation_scaling_factor", "input_scale"),
+                    ):
                         assert mine[ours].shape == (1,) and float(mine[ours]) == float(src[f"{pre[0]}.{theirs}"])
     # the shapes the layers declare, at tp 2 (q 256 + k 64 + v 64 rows, hidden 128, intermediate 256)
     r1 = load_file(str(converted[2] / "rank1.safetensors"))
-    shapes = {k.split(".", 3)[3]: list(v.shape) for k, v in r1.items() if k.startswith("transformer.layers.0.")
-              and k.endswith(("weight", "weights_scaling_factor")) and "layernorm" not in k}
-    assert shapes == {"attention.qkv.weight": [192, 64], "attention.qkv.weights_scaling_factor": [192, 8],
-                      "attention.dense.weight": [128, 64], "attention.dense.weights_scaling_factor": [128, 8],
-                      "mlp.fc.weight": [128, 64], "mlp.fc.weights_scaling_factor": [128, 8],
-                      "mlp.gate.weight": [128, 64], "mlp.gate.weights_scaling_factor": [128, 8],
-                      "mlp.proj.weight": [128, 64], "mlp.proj.weights_scaling_factor": [128, 8]}, shapes
+    shapes = {
+        k.split(".", 3)[3]: list(v.shape)
+        for k, v in r1.items()
+        if k.startswith("transformer.layers.0.")
+        and k.endswith(("weight", "weights_scaling_factor"))
+        and "layernorm" not in k
+    }
+    assert shapes == {
+        "attention.qkv.weight": [192, 64],
+        "attention.qkv.weights_scaling_factor": [192, 8],
+        "attention.dense.weight": [128, 64],
+        "attention.dense.weights_scaling_factor": [128, 8],
+        "mlp.fc.weight": [128, 64],
+        "mlp.fc.weights_scaling_factor": [128, 8],
+        "mlp.gate.weight": [128, 64],
+        "mlp.gate.weights_scaling_factor": [128, 8],
+        "mlp.proj.weight": [128, 64],
+        "mlp.proj.weights_scaling_factor": [128, 8],
+    }, shapes
 
 
 def test_twin_logits_equal_the_source_as_stored(source, converted, tmp_path):
@@ -97,18 +118,22 @@ def test_twin_logits_equal_the_source_as_stored(source, converted, tmp_path):
         ref32, ref64 = hf.forward(IDS), float64_copy(hf).forward(IDS)
         scale = error_scale(ref32, ref64)
         # tp 4: 2 KV heads, so each k/v head (its codes and block scales) is replicated to two ranks
-        for what, ckpt in (("tp1", converted[1]), ("tp2 pp2", convert_source(source, tmp_path / "tp2pp2", tp=2, pp=2)),
-                           ("tp4", convert_source(source, tmp_path / "tp4", tp=4))):
+        for what, ckpt in (
+            ("tp1", converted[1]),
+            ("tp2 pp2", convert_source(source, tmp_path / "tp2pp2", tp=2, pp=2)),
+            ("tp4", convert_source(source, tmp_path / "tp4", tp=4)),
+        ):
             got = float64_copy(load_checkpoint(ckpt)).forward(IDS)
             assert_as_accurate(got, ref64, scale, f"NVFP4 engine checkpoint {what}")
 
 
-
-
 def test_missing_global_scale_is_named(source, tmp_path):
     name = "model.layers.1.self_attn.k_proj.weight_scale_2"
-    conversion_refused(edited_copy(source, tmp_path / "src", lambda t: t.pop(name)), tmp_path / "out",
-           f"tensor '{name}' is missing (NVFP4)")
+    conversion_refused(
+        edited_copy(source, tmp_path / "src", lambda t: t.pop(name)),
+        tmp_path / "out",
+        f"tensor '{name}' is missing (NVFP4)",
+    )
 
 
 def test_wrong_packed_shape_is_named(source, tmp_path):
@@ -117,12 +142,20 @@ def test_wrong_packed_shape_is_named(source, tmp_path):
     def edit(t):
         t[name] = t[name].reshape(t[name].shape[0] // 2, -1)  # [out/2, in]: packed along the wrong axis
 
-    conversion_refused(edited_copy(source, tmp_path / "src", edit), tmp_path / "out",
-           f"tensor '{name}' has shape [128, 128], NVFP4 of a [256, 128] projection stores [256, 64]")
+    conversion_refused(
+        edited_copy(source, tmp_path / "src", edit),
+        tmp_path / "out",
+        f"tensor '{name}' has shape [128, 128], NVFP4 of a [256, 128] projection stores [256, 64]",
+    )
 
 
 def test_fused_members_with_different_global_scales_are_refused(source, tmp_path):
     name = "model.layers.0.self_attn.v_proj.weight_scale_2"
     src = edited_copy(source, tmp_path / "src", lambda t: t.update({name: t[name] * 2}))
-    conversion_refused(src, tmp_path / "out", "model.layers.0.self_attn: q_proj/k_proj/v_proj weight_scale_2 differ",
-           "TensorRT-LLM's NVFP4 attention.qkv keeps one per fused linear", "target: llmapi")
+    conversion_refused(
+        src,
+        tmp_path / "out",
+        "model.layers.0.self_attn: q_proj/k_proj/v_proj weight_scale_2 differ",
+        "TensorRT-LLM's NVFP4 attention.qkv keeps one per fused linear",
+        "target: llmapi",
+    )

@@ -50,10 +50,12 @@ def _recipe(tmp_path: Path, source: Path, target: str, accuracy: str = "  enable
     p = tmp_path / f"{target}.yaml"
     lossy = f"  allow_lossy_import: {LOSSY[source.name]}\n" if target == "engine" and source.name in LOSSY else ""
     gpu = f"  gpu: {GPU[source.name]}\n" if source.name in GPU else ""
-    p.write_text(f"name: pq-{target}\nwork_dir: '{tmp_path / ('work-' + target)}'\ntarget: {target}\nmodel:\n"
-                 f"  source: {source}\n  dtype: {DTYPE.get(source.name, 'bfloat16')}\n{lossy}engine:\n  max_batch_size: 4\n  max_input_len: 64\n"
-                 f"  max_seq_len: 128\n  max_num_tokens: 256\n{gpu}accuracy:\n{accuracy}triton:\n"
-                 "  max_batch_size: 4\n")
+    p.write_text(
+        f"name: pq-{target}\nwork_dir: '{tmp_path / ('work-' + target)}'\ntarget: {target}\nmodel:\n"
+        f"  source: {source}\n  dtype: {DTYPE.get(source.name, 'bfloat16')}\n{lossy}engine:\n  max_batch_size: 4\n  max_input_len: 64\n"
+        f"  max_seq_len: 128\n  max_num_tokens: 256\n{gpu}accuracy:\n{accuracy}triton:\n"
+        "  max_batch_size: 4\n"
+    )
     return p
 
 
@@ -86,8 +88,13 @@ def _reference_greedy(source: Path) -> dict[str, str]:
         for prompt in PROMPTS:
             ids = tok(prompt, return_tensors="pt").input_ids
             with torch.no_grad():
-                new = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=tok.eos_token_id,
-                                  pad_token_id=tok.eos_token_id)[0, ids.shape[1]:]
+                new = hf.generate(
+                    ids,
+                    max_new_tokens=NEW_TOKENS,
+                    do_sample=False,
+                    eos_token_id=tok.eos_token_id,
+                    pad_token_id=tok.eos_token_id,
+                )[0, ids.shape[1] :]
             assert tok.decode(new, skip_special_tokens=True) == out[prompt], (source.name, prompt)
     return out
 
@@ -109,8 +116,11 @@ def test_engine_twin_serves_the_sources_greedy_text(name, tmp_path):
         engine_cfg = json.loads(next((tmp_path / "work-engine").rglob("engine/**/config.json")).read_text())
         plugins = engine_cfg["build_config"]["plugin_config"]
         assert engine_cfg["pretrained_config"]["quantization"]["quant_algo"] == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"
-        assert (plugins["smooth_quant_gemm_plugin"], plugins["rmsnorm_quantization_plugin"],
-                plugins["quantize_per_token_plugin"]) == ("bfloat16", "bfloat16", True), plugins
+        assert (
+            plugins["smooth_quant_gemm_plugin"],
+            plugins["rmsnorm_quantization_plugin"],
+            plugins["quantize_per_token_plugin"],
+        ) == ("bfloat16", "bfloat16", True), plugins
     if name == "modelopt-nvfp4-stories":  # converted to NVFP4; the builder gives it the NVFP4 GEMM plugin
         engine_cfg = json.loads(next((tmp_path / "work-engine").rglob("engine/**/config.json")).read_text())
         assert engine_cfg["pretrained_config"]["quantization"]["quant_algo"] == "NVFP4"
@@ -147,9 +157,9 @@ def test_eval_gates_a_producer_checkpoint_against_its_original(tmp_path, stories
     acc = f"  num_samples: 2\n  seq_len: 16\n  reference: {stories_dir}\n  max_kl_divergence: 0.000001\n"
     res = CliRunner().invoke(main, ["eval", str(_recipe(tmp_path, prequantized("llmc-w4a16-stories"), "engine", acc))])
     assert res.exit_code != 0, res.output
-    assert "accuracy gate failed for quantized: KL" in res.output and "> max_kl_divergence 1e-06" in res.output, \
+    assert "accuracy gate failed for quantized: KL" in res.output and "> max_kl_divergence 1e-06" in res.output, (
         res.output
-
+    )
 
 
 @pytest.mark.parametrize("name", SOURCES)
@@ -175,8 +185,9 @@ def test_eval_of_the_llmapi_target_measures_its_export(name, tmp_path, stories_d
     acc += f"  reference: {stories_dir}\n  max_kl_divergence: 0.000001\n"
     res = CliRunner().invoke(main, ["eval", str(_recipe(gated, source, "llmapi", acc))])
     assert res.exit_code != 0, res.output
-    assert "accuracy gate failed for quantized: KL" in res.output and "> max_kl_divergence 1e-06" in res.output, \
+    assert "accuracy gate failed for quantized: KL" in res.output and "> max_kl_divergence 1e-06" in res.output, (
         res.output
+    )
     rows = [line.split() for line in caplog.text.splitlines() if line.startswith(("unquantized ", "quantized "))]
     assert [r[0] for r in rows] == ["unquantized", "quantized"], caplog.text  # the report the gate read
     assert float(rows[1][1]) == pytest.approx(report["perplexity"], abs=5e-5)  # the table prints 4 decimals

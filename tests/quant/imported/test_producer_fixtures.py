@@ -62,7 +62,7 @@ def test_producer_checkpoint(name, tmp_path):
             err = float((ours - theirs).abs().max())
             # both in float64 on the same dequantized weights: what is left is below float32's unit roundoff of
             # the largest logit (measured ~1e-7 relative); a wrong layout or scale is off by 1e-2 or more
-            assert err <= 2.0 ** -24 * float(theirs.abs().max()) * 64, (fixture.name, err)
+            assert err <= 2.0**-24 * float(theirs.abs().max()) * 64, (fixture.name, err)
     # zero-point INT4: test_zero_point_import.py (its zero is rounded to the model dtype once); FP8 members fused at
     # different scales are requantized (accepted here; check_weights bounds them by one FP8 rounding)
     if fmt.engine.ok and not fmt.params.get("zero_point"):

@@ -26,9 +26,11 @@ from optional import needs
 def _recipe(tmp_path: Path, source: Path, body: str = "", target: str = "engine", lossy: str = "") -> Path:
     p = tmp_path / f"r-{target}.yaml"
     lossy = f"  allow_lossy_import: {lossy}\n" if lossy else ""
-    p.write_text(f"name: t\nwork_dir: {tmp_path / ('w-' + target)}\ntarget: {target}\nmodel:\n  source: {source}\n"
-                 f"  dtype: bfloat16\n{lossy}triton:\n  max_batch_size: 8\nengine:\n  max_batch_size: 8\n  max_input_len: 64\n"
-                 f"  max_seq_len: 128\n  max_num_tokens: 256\n{body}")
+    p.write_text(
+        f"name: t\nwork_dir: {tmp_path / ('w-' + target)}\ntarget: {target}\nmodel:\n  source: {source}\n"
+        f"  dtype: bfloat16\n{lossy}triton:\n  max_batch_size: 8\nengine:\n  max_batch_size: 8\n  max_input_len: 64\n"
+        f"  max_seq_len: 128\n  max_num_tokens: 256\n{body}"
+    )
     return p
 
 
@@ -50,8 +52,12 @@ def test_what_the_target_cannot_load_is_refused_with_the_alternative(tmp_path, s
     src = tmp_path / "fp8-block"  # DeepSeek-style block FP8: only its config is read at validate
     shutil.copytree(stories_dir, src)
     cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [128, 128]}
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
     (src / "config.json").write_text(json.dumps(cfg))
     msgs = [x.message for x in _problems(_recipe(tmp_path, src)) if x.key == "target"]
     assert msgs and "refused for target engine" in msgs[0] and "use target: llmapi" in msgs[0], msgs
@@ -65,13 +71,16 @@ def test_nvfp4_needs_a_blackwell_gpu_on_either_target(tmp_path, unified):
     and would have failed at load on the GPU."""
     hopper = _problems(_recipe(tmp_path, unified("nvfp4")))
     assert [x.key for x in hopper] == ["engine.gpu"], hopper
-    assert "model.source is modelopt NVFP4" in hopper[0].message and \
-        "trtllm-build rejects it on h100-sxm-80gb: NVFP4 needs FP4 tensor cores (SM >= 10.0, Blackwell)" \
-        in hopper[0].message, hopper[0].message
+    assert (
+        "model.source is modelopt NVFP4" in hopper[0].message
+        and "trtllm-build rejects it on h100-sxm-80gb: NVFP4 needs FP4 tensor cores (SM >= 10.0, Blackwell)"
+        in hopper[0].message
+    ), hopper[0].message
     assert not _problems(_recipe(tmp_path, unified("nvfp4"), "  gpu: b200-180gb\n"))
     (llmapi,) = [x for x in _problems(_recipe(tmp_path, unified("nvfp4"), target="llmapi")) if x.key == "engine.gpu"]
-    assert llmapi.message.startswith("model.source on h100-sxm-80gb: NVFP4 needs FP4 tensor cores (SM >= 10.0, "
-                                     "Blackwell); the target is SM 9.0"), llmapi.message
+    assert llmapi.message.startswith(
+        "model.source on h100-sxm-80gb: NVFP4 needs FP4 tensor cores (SM >= 10.0, Blackwell); the target is SM 9.0"
+    ), llmapi.message
     assert not _problems(_recipe(tmp_path, unified("nvfp4"), "  gpu: b200-180gb\n", target="llmapi"))
 
 
@@ -82,8 +91,10 @@ def test_nvfp4_tp_that_splits_a_block_is_refused(tmp_path, unified):
     NVFP4 packs along the inputs, so it is accepted."""
     p = _recipe(tmp_path, unified("nvfp4"), "  gpu: b200-180gb\nparallel:\n  tp: 8\n")
     msgs = [x.message for x in _problems(p) if x.key == "parallel.tp" and "NVFP4" in x.message]
-    assert msgs == ["model.source is NVFP4 with group size 16: at tp=8 attention.dense in_features 8 per rank is not a "
-                    "multiple of group_size 16 (the checkpoint's groups cannot be re-cut); use a smaller tp"], msgs
+    assert msgs == [
+        "model.source is NVFP4 with group size 16: at tp=8 attention.dense in_features 8 per rank is not a "
+        "multiple of group_size 16 (the checkpoint's groups cannot be re-cut); use a smaller tp"
+    ], msgs
     assert not _problems(_recipe(tmp_path, unified("nvfp4"), "  gpu: b200-180gb\nparallel:\n  tp: 4\n"))
 
 
@@ -101,7 +112,8 @@ def test_nvfp4_fused_members_with_different_global_scales_are_refused_at_validat
             save_file(t, str(f))
     found = [x for x in _problems(_recipe(tmp_path, src, "  gpu: b200-180gb\n")) if x.key == "model.source"]
     assert len(found) == 1 and found[0].message.startswith(
-        "model.layers.3.self_attn: q_proj/k_proj/v_proj weight_scale_2 differ ("), found
+        "model.layers.3.self_attn: q_proj/k_proj/v_proj weight_scale_2 differ ("
+    ), found
     assert "trtpipe does not requantize NVFP4 codes to share one" in found[0].message
 
 
@@ -192,8 +204,9 @@ def test_a_tp_that_would_cut_the_checkpoints_groups_is_refused(tmp_path, unified
     assert not _problems(ok)
     bad = _recipe(tmp_path, unified("int4_wo"), "parallel:\n  tp: 4\n")  # gate/up: 172 rows / 4 = 43, odd
     msgs = [x.message for x in _problems(bad) if x.key == "parallel.tp"]
-    assert msgs and "group size 64: at tp=4 mlp.fc 43 output rows per rank is odd (int4 packs row pairs)" \
-        in msgs[0], msgs
+    assert msgs and "group size 64: at tp=4 mlp.fc 43 output rows per rank is odd (int4 packs row pairs)" in msgs[0], (
+        msgs
+    )
 
 
 @pytest.mark.parametrize("algo, quant_algo", [("fp8", "FP8"), ("int4_awq", "W4A16_AWQ"), ("nvfp4", "NVFP4")])
@@ -216,11 +229,24 @@ def test_a_group_size_the_engine_gemm_cannot_run_is_refused(tmp_path, import_bas
 
     src = tmp_path / "g32"
     src.mkdir()
-    export_unified(import_base["base"], import_base["hf"], import_base["stats"], src, algo="int4_wo", kv_cache="none",
-                   group_size=32, alpha=0.5, exclude=["*lm_head", "*mlp.proj"])
+    export_unified(
+        import_base["base"],
+        import_base["hf"],
+        import_base["stats"],
+        src,
+        algo="int4_wo",
+        kv_cache="none",
+        group_size=32,
+        alpha=0.5,
+        exclude=["*lm_head", "*mlp.proj"],
+    )
     found = [(x.key, x.message) for x in _problems(_recipe(tmp_path, src))]
     assert [k for k, _ in found] == ["model.source"], found
-    assert "group size 32" in found[0][1] and "W4A16_AWQ with group_size 32: TensorRT-LLM's group-wise INT4 GEMM " \
-        "runs group_size 64 or 128 only (it throws at inference, after the build); use a checkpoint quantized with " \
-        "one of those group sizes, or target: llmapi" in found[0][1], found
+    assert (
+        "group size 32" in found[0][1]
+        and "W4A16_AWQ with group_size 32: TensorRT-LLM's group-wise INT4 GEMM "
+        "runs group_size 64 or 128 only (it throws at inference, after the build); use a checkpoint quantized with "
+        "one of those group sizes, or target: llmapi"
+        in found[0][1]
+    ), found
     assert not _problems(_recipe(tmp_path, src, target="llmapi"))

@@ -42,8 +42,9 @@ def test_the_runtime_executes_each_producer_checkpoint_as_stored(name):
     layers = json.loads((fixture / "config.json").read_text())["num_hidden_layers"]
     model = load_hf_checkpoint(fixture)
     oracle = load_file(str(fixture / "oracle.safetensors"))
-    check_weights(by_hf_name(linear_weights(model), fixture, layers), oracle, f"{name} as stored", fmt.quant_algo,
-                  engine=False)
+    check_weights(
+        by_hf_name(linear_weights(model), fixture, layers), oracle, f"{name} as stored", fmt.quant_algo, engine=False
+    )
     logits = fixture / "oracle_logits.safetensors"
     # GPTQModel's kernels dequantize in fp16 inside transformers' forward (not a float64 reference); transformers
     # applies KV-cache scales the PyTorch backend (which the runtime follows) ignores
@@ -59,14 +60,18 @@ def test_the_runtime_executes_each_producer_checkpoint_as_stored(name):
     theirs = ref["logits"].double().reshape(ours.shape)
     err = float((ours - theirs).abs().max())
     # the same bound as test_producer_fixtures: float32's unit roundoff of the largest logit, 64 times
-    assert err <= 2.0 ** -24 * float(theirs.abs().max()) * 64, (name, err)
+    assert err <= 2.0**-24 * float(theirs.abs().max()) * 64, (name, err)
 
 
-U64 = 2.0 ** -53  # float64's unit roundoff
+U64 = 2.0**-53  # float64's unit roundoff
 W8A8_SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "w8a8_transformers_inputs.py"
 # (our runtime's linear, the HF module whose input it is) of a decoder layer, in execution order
-W8A8_LINEARS = (("attention", "qkv", "self_attn.q_proj"), ("attention", "dense", "self_attn.o_proj"),
-                ("mlp", "fc", "mlp.gate_proj"), ("mlp", "proj", "mlp.down_proj"))
+W8A8_LINEARS = (
+    ("attention", "qkv", "self_attn.q_proj"),
+    ("attention", "dense", "self_attn.o_proj"),
+    ("mlp", "fc", "mlp.gate_proj"),
+    ("mlp", "proj", "mlp.down_proj"),
+)
 
 
 def _int8_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,8 +101,9 @@ def test_int8_w8a8_matches_transformers_up_to_rounding_ties(tmp_path):
         pytest.skip(f"producer venv not installed ({py} missing): run scripts/install_producers.sh")
     fixture = prequantized("llmc-w8a8_int8-stories")
     out = tmp_path / "inputs.safetensors"
-    proc = subprocess.run([str(py), str(W8A8_SCRIPT), str(fixture), str(out)], capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [str(py), str(W8A8_SCRIPT), str(fixture), str(out)], capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     theirs = load_file(str(out))
     model = float64_copy(load_hf_checkpoint(fixture))
@@ -107,7 +113,8 @@ def test_int8_w8a8_matches_transformers_up_to_rounding_ties(tmp_path):
             key = f"model.layers.{i}.{hf}"
             order.append(key)
             getattr(getattr(layer, owner)[0], attr).register_forward_pre_hook(
-                lambda m, args, key=key: ours.update({key: args[0].reshape(-1, args[0].shape[-1]).clone()}))
+                lambda m, args, key=key: ours.update({key: args[0].reshape(-1, args[0].shape[-1]).clone()})
+            )
     ids = load_file(str(fixture / "oracle_logits.safetensors"))["input_ids"].reshape(1, -1)
     with torch.no_grad():
         logits = model.forward(ids)
@@ -116,12 +123,12 @@ def test_int8_w8a8_matches_transformers_up_to_rounding_ties(tmp_path):
         assert float((a - b).abs().max()) <= 8192 * U64 * float(b.abs().max()), f"{key}: inputs differ before any tie"
         (ca, ya), (cb, yb) = _int8_codes(a), _int8_codes(b)
         differ = ca != cb
-        tie = ((ya.abs() % 1 - 0.5).abs() <= 2.0 ** -30) | ((yb.abs() % 1 - 0.5).abs() <= 2.0 ** -30)
+        tie = ((ya.abs() % 1 - 0.5).abs() <= 2.0**-30) | ((yb.abs() % 1 - 0.5).abs() <= 2.0**-30)
         assert bool(tie[differ].all()), f"{key}: INT8 codes differ away from a rounding tie"
         if bool(differ.any()):
             return  # from here on the two models run on different codes
     want = theirs["logits"].reshape(logits.shape)
-    assert float((logits - want).abs().max()) <= 2.0 ** -24 * float(want.abs().max()) * 64
+    assert float((logits - want).abs().max()) <= 2.0**-24 * float(want.abs().max()) * 64
 
 
 @needs("compressed_tensors")
@@ -139,11 +146,20 @@ def test_dynamic_activations_equal_compressed_tensors(kind):
     from trtpipe.runtime.linear import INT8_TOKEN_DIVISOR, TokenFP8Linear, TokenInt8Linear
 
     typ, strategy = kind.split()
-    args = QuantizationArgs(num_bits=8, type=typ, strategy=strategy, dynamic=True, symmetric=True,
-                            group_size=128 if strategy == "group" else None)
+    args = QuantizationArgs(
+        num_bits=8,
+        type=typ,
+        strategy=strategy,
+        dynamic=True,
+        symmetric=True,
+        group_size=128 if strategy == "group" else None,
+    )
     eye = torch.eye(256)  # y = Q(x) @ I: the quantized activations themselves, exactly
-    ours = {"int token": TokenInt8Linear(eye, INT8_TOKEN_DIVISOR["compressed-tensors"]), "float token": TokenFP8Linear(eye),
-            "float group": GroupFP8Linear(eye, 128)}[kind]
+    ours = {
+        "int token": TokenInt8Linear(eye, INT8_TOKEN_DIVISOR["compressed-tensors"]),
+        "float token": TokenFP8Linear(eye),
+        "float group": GroupFP8Linear(eye, 128),
+    }[kind]
     torch.manual_seed(0)
     x = torch.randn(2, 5, 256) * 3
     x[0, 1] = 0.0  # an all-zero token: the eps scale
@@ -161,7 +177,7 @@ def _block_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
     s = torch.ones(rows, cols)
     for r in range(rows):
         for c in range(cols):
-            amax = w[r * block[0]:(r + 1) * block[0], c * block[1]:(c + 1) * block[1]].abs().max().float()
+            amax = w[r * block[0] : (r + 1) * block[0], c * block[1] : (c + 1) * block[1]].abs().max().float()
             s[r, c] = amax / FP8_MAX if amax > 0 else 1.0
     full = s.repeat_interleave(block[0], 0)[:out_f].repeat_interleave(block[1], 1)[:, :in_f]
     return (w.float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
@@ -188,8 +204,13 @@ def _fp8_block_checkpoint(src: Path, out: Path, block=(128, 128)) -> Path:
         tensors[k], tensors[k[: -len("weight")] + "weight_scale_inv"] = _block_quantize(tensors[k], block)
     save_file(tensors, str(out / "model.safetensors"))
     cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(block), "modules_to_not_convert": ["lm_head"]}
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+        "modules_to_not_convert": ["lm_head"],
+    }
     (out / "config.json").write_text(json.dumps(cfg))
     return out
 
@@ -198,9 +219,19 @@ def _fp8_block_checkpoint(src: Path, out: Path, block=(128, 128)) -> Path:
 def qwen3_dir(tmp_path_factory) -> Path:
     from trtpipe.models.synthetic import make_synthetic
 
-    return make_synthetic("qwen3", tmp_path_factory.mktemp("q3") / "m", seed=5, hidden_size=128,
-                          intermediate_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
-                          vocab_size=512, num_hidden_layers=2, tie_word_embeddings=False)
+    return make_synthetic(
+        "qwen3",
+        tmp_path_factory.mktemp("q3") / "m",
+        seed=5,
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=512,
+        num_hidden_layers=2,
+        tie_word_embeddings=False,
+    )
 
 
 def test_fp8_block_checkpoint_runs_with_transformers_weights(tmp_path, qwen3_dir):
@@ -215,14 +246,19 @@ def test_fp8_block_checkpoint_runs_with_transformers_weights(tmp_path, qwen3_dir
     got = by_hf_name(linear_weights(model), ckpt, 2)
     assert len(got) == 14
     for k, (_, w, _) in got.items():
-        want = _dequantize_fp8_weight(stored[k], stored[k[: -len("weight")] + "weight_scale_inv"], [128, 128],
-                                      torch.float32)
+        want = _dequantize_fp8_weight(
+            stored[k], stored[k[: -len("weight")] + "weight_scale_inv"], [128, 128], torch.float32
+        )
         assert torch.equal(w, want), k
     attn = model.layers[0].attention[0].qkv.parts[0]
     assert type(attn).__name__ == "GroupFP8Linear" and attn.group == 128
     x = torch.randn(3, 128)
-    assert torch.equal(attn.forward(x), torch.nn.functional.linear(
-        (x / (s := x.abs().amax(-1, keepdim=True) / FP8_MAX)).to(torch.float8_e4m3fn).float() * s, attn.weight))
+    assert torch.equal(
+        attn.forward(x),
+        torch.nn.functional.linear(
+            (x / (s := x.abs().amax(-1, keepdim=True) / FP8_MAX)).to(torch.float8_e4m3fn).float() * s, attn.weight
+        ),
+    )
 
 
 # --- fbgemm FP8 ---------------------------------------------------------------------------------------------
@@ -242,8 +278,11 @@ def test_fbgemm_fp8_rows_and_activation_cap(tmp_path, qwen3_dir):
         want[k] = t[k].float() * s  # the row scale applied in float32, as f8f8bf16_rowwise's epilogue does
     save_file(t, str(out / "model.safetensors"))
     cfg = json.loads((qwen3_dir / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 0.5,
-                                  "modules_to_not_convert": ["lm_head"]}
+    cfg["quantization_config"] = {
+        "quant_method": "fbgemm_fp8",
+        "activation_scale_ub": 0.5,
+        "modules_to_not_convert": ["lm_head"],
+    }
     (out / "config.json").write_text(json.dumps(cfg))
     model = load_hf_checkpoint(out)
     got = by_hf_name(linear_weights(model), out, 2)
@@ -258,45 +297,102 @@ def test_fbgemm_fp8_rows_and_activation_cap(tmp_path, qwen3_dir):
 
 
 def _gptq_tensors(in_f=64, out_f=16, g=32):
-    return {"qweight": torch.zeros(in_f // 8, out_f, dtype=torch.int32),
-            "qzeros": torch.zeros(in_f // g, out_f // 8, dtype=torch.int32),
-            "scales": torch.ones(in_f // g, out_f, dtype=torch.float16)}
+    return {
+        "qweight": torch.zeros(in_f // 8, out_f, dtype=torch.int32),
+        "qzeros": torch.zeros(in_f // g, out_f // 8, dtype=torch.int32),
+        "scales": torch.ones(in_f // g, out_f, dtype=torch.float16),
+    }
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: dequant.gptq({k: v for k, v in _gptq_tensors().items() if k != "scales"}, "m.q_proj", True),
-     r"^tensor 'm.q_proj.scales' is missing \(GPTQ 4-bit\)$"),
-    (lambda: dequant.gptq({**_gptq_tensors(), "qzeros": torch.zeros(2, 3, dtype=torch.int32)}, "m.q_proj", True),
-     r"^tensor 'm.q_proj.qzeros' is torch.int32 \[2, 3\], GPTQ 4-bit stores \[2, 2\] torch.int32$"),
-    (lambda: dequant.gptq({**_gptq_tensors(), "scales": torch.ones(3, 16)}, "m.q_proj", True),
-     r"^tensor 'm.q_proj.scales' has 3 groups, which do not divide in_features 64"),
-    (lambda: dequant.gptq(_gptq_tensors(), "m.q_proj", True, group_size=16),
-     r"^tensor 'm.q_proj.scales' has shape \[2, 16\]: group size 32, the config says 16"),
-    (lambda: dequant.awq_gemm({"qweight": torch.zeros(64, 2, dtype=torch.int32),
-                               "qzeros": torch.zeros(2, 2, dtype=torch.int32), "scales": torch.ones(2, 8)},
-                              "m.o_proj", 32),
-     r"^tensor 'm.o_proj.scales' has shape \[2, 8\], AutoAWQ GEMM of qweight \[64, 2\] stores \[in/g, 16\]$"),
-    (lambda: dequant.pack_quantized({"weight_packed": torch.zeros(16, 7, dtype=torch.int32),
-                                     "weight_scale": torch.ones(16, 2)}, "m.up_proj", 16, 64, 32, True),
-     r"^tensor 'm.up_proj.weight_packed' is torch.int32 \[16, 7\], compressed-tensors pack-quantized 4-bit stores "
-     r"\[16, 8\] torch.int32$"),
-    (lambda: dequant.pack_quantized({"weight_packed": torch.zeros(16, 8, dtype=torch.int32),
-                                     "weight_scale": torch.ones(16, 2)}, "m.up_proj", 16, 64, 32, False),
-     r"^tensor 'm.up_proj.weight_zero_point' is missing \(asymmetric compressed-tensors pack-quantized 4-bit\)$"),
-    (lambda: dequant.pack_quantized({"weight_packed": torch.zeros(16, 8, dtype=torch.int32),
-                                     "weight_scale": torch.ones(16, 2)}, "m.up_proj", 16, 64, 24, True),
-     r"^tensor 'm.up_proj.weight_packed': group size 24 does not divide in_features 64"),
-    (lambda: dequant.fp8_block({"weight": torch.zeros(256, 64).to(torch.float8_e4m3fn)}, "m.k_proj", (128, 128)),
-     r"^tensor 'm.k_proj.weight_scale_inv' is missing \(FP8 block 128x128\)$"),
-    (lambda: dequant.fp8_block({"weight": torch.zeros(256, 64).to(torch.float8_e4m3fn),
-                                "weight_scale_inv": torch.ones(1, 1)}, "m.k_proj", (128, 128)),
-     r"^tensor 'm.k_proj.weight_scale_inv' is torch.float32 \[1, 1\], FP8 block 128x128 stores \[2, 1\]$"),
-    (lambda: dequant.fp8_rowwise({"weight": torch.zeros(8, 4).to(torch.float8_e4m3fn),
-                                  "weight_scale": torch.ones(4, 1)}, "m.v_proj"),
-     r"^tensor 'm.v_proj.weight_scale' has shape \[4, 1\], fbgemm FP8 rowwise stores \[8, 1\]$"),
-    (lambda: dequant.int8_channel({"weight": torch.zeros(8, 4, dtype=torch.int8)}, "m.gate_proj", 8, 4),
-     r"^tensor 'm.gate_proj.weight_scale' is missing \(compressed-tensors INT8\)$"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (
+            lambda: dequant.gptq({k: v for k, v in _gptq_tensors().items() if k != "scales"}, "m.q_proj", True),
+            r"^tensor 'm.q_proj.scales' is missing \(GPTQ 4-bit\)$",
+        ),
+        (
+            lambda: dequant.gptq({**_gptq_tensors(), "qzeros": torch.zeros(2, 3, dtype=torch.int32)}, "m.q_proj", True),
+            r"^tensor 'm.q_proj.qzeros' is torch.int32 \[2, 3\], GPTQ 4-bit stores \[2, 2\] torch.int32$",
+        ),
+        (
+            lambda: dequant.gptq({**_gptq_tensors(), "scales": torch.ones(3, 16)}, "m.q_proj", True),
+            r"^tensor 'm.q_proj.scales' has 3 groups, which do not divide in_features 64",
+        ),
+        (
+            lambda: dequant.gptq(_gptq_tensors(), "m.q_proj", True, group_size=16),
+            r"^tensor 'm.q_proj.scales' has shape \[2, 16\]: group size 32, the config says 16",
+        ),
+        (
+            lambda: dequant.awq_gemm(
+                {
+                    "qweight": torch.zeros(64, 2, dtype=torch.int32),
+                    "qzeros": torch.zeros(2, 2, dtype=torch.int32),
+                    "scales": torch.ones(2, 8),
+                },
+                "m.o_proj",
+                32,
+            ),
+            r"^tensor 'm.o_proj.scales' has shape \[2, 8\], AutoAWQ GEMM of qweight \[64, 2\] stores \[in/g, 16\]$",
+        ),
+        (
+            lambda: dequant.pack_quantized(
+                {"weight_packed": torch.zeros(16, 7, dtype=torch.int32), "weight_scale": torch.ones(16, 2)},
+                "m.up_proj",
+                16,
+                64,
+                32,
+                True,
+            ),
+            r"^tensor 'm.up_proj.weight_packed' is torch.int32 \[16, 7\], compressed-tensors pack-quantized 4-bit stores "
+            r"\[16, 8\] torch.int32$",
+        ),
+        (
+            lambda: dequant.pack_quantized(
+                {"weight_packed": torch.zeros(16, 8, dtype=torch.int32), "weight_scale": torch.ones(16, 2)},
+                "m.up_proj",
+                16,
+                64,
+                32,
+                False,
+            ),
+            r"^tensor 'm.up_proj.weight_zero_point' is missing \(asymmetric compressed-tensors pack-quantized 4-bit\)$",
+        ),
+        (
+            lambda: dequant.pack_quantized(
+                {"weight_packed": torch.zeros(16, 8, dtype=torch.int32), "weight_scale": torch.ones(16, 2)},
+                "m.up_proj",
+                16,
+                64,
+                24,
+                True,
+            ),
+            r"^tensor 'm.up_proj.weight_packed': group size 24 does not divide in_features 64",
+        ),
+        (
+            lambda: dequant.fp8_block({"weight": torch.zeros(256, 64).to(torch.float8_e4m3fn)}, "m.k_proj", (128, 128)),
+            r"^tensor 'm.k_proj.weight_scale_inv' is missing \(FP8 block 128x128\)$",
+        ),
+        (
+            lambda: dequant.fp8_block(
+                {"weight": torch.zeros(256, 64).to(torch.float8_e4m3fn), "weight_scale_inv": torch.ones(1, 1)},
+                "m.k_proj",
+                (128, 128),
+            ),
+            r"^tensor 'm.k_proj.weight_scale_inv' is torch.float32 \[1, 1\], FP8 block 128x128 stores \[2, 1\]$",
+        ),
+        (
+            lambda: dequant.fp8_rowwise(
+                {"weight": torch.zeros(8, 4).to(torch.float8_e4m3fn), "weight_scale": torch.ones(4, 1)}, "m.v_proj"
+            ),
+            r"^tensor 'm.v_proj.weight_scale' has shape \[4, 1\], fbgemm FP8 rowwise stores \[8, 1\]$",
+        ),
+        (
+            lambda: dequant.int8_channel({"weight": torch.zeros(8, 4, dtype=torch.int8)}, "m.gate_proj", 8, 4),
+            r"^tensor 'm.gate_proj.weight_scale' is missing \(compressed-tensors INT8\)$",
+        ),
+    ],
+)
 def test_bad_tensors_fail_in_one_line_naming_the_tensor(call, match):
     with pytest.raises(CheckpointError, match=match) as exc:
         call()

@@ -23,6 +23,10 @@ def test_blockwise_requantization_equals_the_whole_weights(monkeypatch):
 
 def test_one_fp8_member_is_not_copied():
     w = (torch.randn(8, 16) * 50).to(torch.float8_e4m3fn)
-    fused = trtllm.FUSE["FP8"]([{"weight": w, "weight_scale": torch.tensor(0.01), "input_scale": torch.tensor(0.1)}],
-                               16, torch.bfloat16, "test")
+    fused = trtllm.FUSE["FP8"](
+        [{"weight": w, "weight_scale": torch.tensor(0.01), "input_scale": torch.tensor(0.1)}],
+        16,
+        torch.bfloat16,
+        "test",
+    )
     assert fused["weight"] is w

@@ -59,27 +59,33 @@ def _source(tmp_path: Path, tp: int) -> Path:
 def _expected_rank(src: dict, cfg: dict, layer: int, tp: int, rank: int) -> dict[str, torch.Tensor]:
     """One rank's plugin SmoothQuant tensors of one layer, sliced from the source's codes and scales."""
     pre, lin = f"model.layers.{layer}.", f"transformer.layers.{layer}."
-    heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"] // cfg["num_attention_heads"]
+    heads, kv, hd = (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["hidden_size"] // cfg["num_attention_heads"],
+    )
 
     def rows(t, n):  # this rank's contiguous block of n output rows
-        return t.reshape(n * tp, *t.shape[1:])[rank * n: (rank + 1) * n] if t.dim() else t
+        return t.reshape(n * tp, *t.shape[1:])[rank * n : (rank + 1) * n] if t.dim() else t
 
     def col_shard(module):
         w, s = src[pre + module + ".weight"], src[pre + module + ".weight_scale"].float().reshape(-1)
         n = w.shape[0] // tp
-        return w[rank * n:(rank + 1) * n], s[rank * n:(rank + 1) * n]
+        return w[rank * n : (rank + 1) * n], s[rank * n : (rank + 1) * n]
 
     q, k, v = (col_shard(f"self_attn.{p}_proj") for p in "qkv")
     assert q[0].shape[0] == heads // tp * hd and k[0].shape[0] == kv // tp * hd
-    out = {"attention.qkv.weight": torch.cat([q[0], k[0], v[0]]),
-           "attention.qkv.per_channel_scale": torch.cat([q[1], k[1], v[1]]).reshape(1, -1)}
+    out = {
+        "attention.qkv.weight": torch.cat([q[0], k[0], v[0]]),
+        "attention.qkv.per_channel_scale": torch.cat([q[1], k[1], v[1]]).reshape(1, -1),
+    }
     for trt, hf in (("mlp.fc", "mlp.gate_proj"), ("mlp.gate", "mlp.up_proj")):
         w, s = col_shard(hf)
         out[trt + ".weight"], out[trt + ".per_channel_scale"] = w, s.reshape(1, -1)
     for trt, hf in (("attention.dense", "self_attn.o_proj"), ("mlp.proj", "mlp.down_proj")):
         w = src[pre + hf + ".weight"]
         n = w.shape[1] // tp
-        out[trt + ".weight"] = w[:, rank * n:(rank + 1) * n]
+        out[trt + ".weight"] = w[:, rank * n : (rank + 1) * n]
         out[trt + ".per_channel_scale"] = src[pre + hf + ".weight_scale"].float().reshape(1, -1)
         out[trt + ".smoother"] = torch.ones(1, n)
     for norm in ("input_layernorm", "post_layernorm"):
@@ -102,8 +108,11 @@ def test_w8a8_converts_byte_for_byte_to_the_plugin_smoothquant_layout(tp, tmp_pa
         got = load_file(str(ckpt / f"rank{rank}.safetensors"))
         for layer in range(hf["num_hidden_layers"]):
             want = _expected_rank(src, hf, layer, tp, rank)
-            mine = {k: v for k, v in got.items() if k.startswith(f"transformer.layers.{layer}.")
-                    and not k.endswith(("layernorm.weight",))}
+            mine = {
+                k: v
+                for k, v in got.items()
+                if k.startswith(f"transformer.layers.{layer}.") and not k.endswith(("layernorm.weight",))
+            }
             assert sorted(mine) == sorted(want), (rank, layer)
             for k, t in want.items():
                 assert mine[k].dtype == t.dtype and torch.equal(mine[k], t), (rank, k)
@@ -149,13 +158,15 @@ def test_w8a8_twin_logits_equal_the_source_as_stored(tp, tmp_path):
         ours = twin.forward(IDS)
         as_stored = stored.forward(IDS)  # compressed-tensors' amax / 127.5
         same = _engine_math(stored, tp).forward(IDS)
-    bound = 2.0 ** -24 * float(same.abs().max()) * 64
+    bound = 2.0**-24 * float(same.abs().max()) * 64
     err = float((ours - same).abs().max())
     assert err <= bound, (tp, err, bound)
     gap = float((ours - as_stored).abs().max())
     assert gap > 100 * bound, (tp, gap, bound)  # the divisor is visible: this comparison can fail
-    print(f"tp {tp}: twin vs the engine's math on the source {err:.3g} (bound {bound:.3g}); vs the source as "
-          f"stored (one rank, amax / 127.5) {gap:.3g}")
+    print(
+        f"tp {tp}: twin vs the engine's math on the source {err:.3g} (bound {bound:.3g}); vs the source as "
+        f"stored (one rank, amax / 127.5) {gap:.3g}"
+    )
 
 
 def test_w8a8_tp_that_breaks_the_plugin_alignment_is_refused(tmp_path):
@@ -164,15 +175,20 @@ def test_w8a8_tp_that_breaks_the_plugin_alignment_is_refused(tmp_path):
 
     def problems(tp: int) -> list:
         p = tmp_path / f"tp{tp}.yaml"
-        p.write_text(f"name: t\nwork_dir: {tmp_path / 'w'}\ntarget: engine\nmodel:\n  source: {prequantized(NAME)}\n"
-                     f"parallel:\n  tp: {tp}\n")
+        p.write_text(
+            f"name: t\nwork_dir: {tmp_path / 'w'}\ntarget: engine\nmodel:\n  source: {prequantized(NAME)}\n"
+            f"parallel:\n  tp: {tp}\n"
+        )
         return [(x.key, x.message) for x in check_recipe(load_recipe(p, check_rules=False))]
 
     assert [k for k, _ in problems(1)] == []
-    (key, msg), = [(k, m) for k, m in problems(2) if "SmoothQuant" in m]
+    ((key, msg),) = [(k, m) for k, m in problems(2) if "SmoothQuant" in m]
     assert key == "parallel.tp" and "mlp.proj has 86 input features per rank at tp 2" in msg, msg
-    with pytest.raises(CheckpointError, match=r"transformer\.layers\.0\.mlp\.proj has 86 input features per rank at "
-                                              r"tp 2; .* multiple of 4"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"transformer\.layers\.0\.mlp\.proj has 86 input features per rank at "
+        r"tp 2; .* multiple of 4",
+    ):
         convert_source(prequantized(NAME), tmp_path / "ckpt", tp=2)
     assert not (tmp_path / "ckpt").exists()
 
@@ -202,8 +218,11 @@ def test_w8a8_with_a_decoder_linear_left_unquantized_is_refused(tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"]["ignore"] = ["lm_head", "model.layers.0.self_attn.o_proj"]
     (src / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.o_proj is left unquantized, .* ignores "
-                                              r"exclude_modules"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.layers\.0\.self_attn\.o_proj is left unquantized, .* ignores "
+        r"exclude_modules",
+    ):
         convert_source(src, tmp_path / "ckpt")
 
 
@@ -212,6 +231,9 @@ def test_twin_refuses_a_plugin_smoothquant_checkpoint_without_its_smoother(tmp_p
     t = load_file(str(ckpt / "rank0.safetensors"))
     del t["transformer.layers.0.attention.dense.smoother"]
     save_file(t, str(ckpt / "rank0.safetensors"))
-    with pytest.raises(CheckpointError, match=r"tensor 'transformer\.layers\.0\.attention\.dense\.smoother' is missing "
-                                              rf"for quant_algo {ALGO}"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor 'transformer\.layers\.0\.attention\.dense\.smoother' is missing "
+        rf"for quant_algo {ALGO}",
+    ):
         load_checkpoint(ckpt)

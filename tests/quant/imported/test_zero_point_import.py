@@ -45,11 +45,13 @@ def source_codes(t: dict, module: str, family: str, v1: bool) -> tuple[torch.Ten
     """(unsigned codes [out, in], true zero points [out, in/g], scales [out, in/g]) of one source projection, from
     the format's definition (not trtpipe's unpackers)."""
     if family == "awq":  # qweight [in, out/8], qzeros [in/g, out/8], both along the outputs with AWQ_ORDER
+
         def along_out(words):
             n = _nibbles(words)
             out = torch.empty_like(n)
             out[..., list(AWQ_ORDER)] = n
             return out.reshape(words.shape[0], -1)
+
         return along_out(t[module + ".qweight"]).t(), along_out(t[module + ".qzeros"]).t(), t[module + ".scales"].t()
     if family == "gptq":  # qweight [in/8, out] along the inputs; qzeros [in/g, out/8] (v1: words - 0x11111111)
         qw = _nibbles(t[module + ".qweight"]).permute(0, 2, 1).reshape(-1, t[module + ".qweight"].shape[1])
@@ -58,7 +60,8 @@ def source_codes(t: dict, module: str, family: str, v1: bool) -> tuple[torch.Ten
     # compressed-tensors: signed codes + 8 packed 8 per int32 along the inputs; zero points along the outputs
     q = _nibbles(t[module + ".weight_packed"]).reshape(t[module + ".weight_packed"].shape[0], -1)
     zp = _nibbles(t[module + ".weight_zero_point"].t().contiguous()).reshape(
-        t[module + ".weight_zero_point"].shape[1], -1)
+        t[module + ".weight_zero_point"].shape[1], -1
+    )
     out_f = q.shape[0]
     return q[:, : int(t[module + ".weight_shape"][1])], zp[:, :out_f].t(), t[module + ".weight_scale"]
 
@@ -74,7 +77,8 @@ def _tensors(d: Path) -> dict:
 
 def _model_dtype(ckpt: Path) -> torch.dtype:
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
-        json.loads((ckpt / "config.json").read_text())["dtype"]]
+        json.loads((ckpt / "config.json").read_text())["dtype"]
+    ]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -86,7 +90,11 @@ def test_zero_point_int4_converts_exactly_to_w4a16_awq_with_zeros(name, tp, tmp_
     ckpt = convert_source(fixture, tmp_path / "ckpt", tp=tp, allow_lossy=(ZERO_POINT_ROUNDING,))
     q = json.loads((ckpt / "config.json").read_text())["quantization"]
     assert (q["quant_algo"], q["has_zero_point"], q["pre_quant_scale"], q["group_size"]) == (
-        "W4A16_AWQ", True, True, fmt.group_size)
+        "W4A16_AWQ",
+        True,
+        True,
+        fmt.group_size,
+    )
     dtype = _model_dtype(ckpt)
     src = _tensors(fixture)
     rank0 = load_file(str(ckpt / "rank0.safetensors"))
@@ -100,7 +108,9 @@ def test_zero_point_int4_converts_exactly_to_w4a16_awq_with_zeros(name, tp, tmp_
         assert torch.equal(rank0[lin + "weights_scaling_factor"], scales.float())
         want_zero = (-(zeros - 8).double() * scales.double()).to(dtype).t()
         assert rank0[lin + "zero"].dtype == dtype and torch.equal(rank0[lin + "zero"], want_zero)
-        assert torch.equal(rank0[lin + "prequant_scaling_factor"], torch.ones_like(rank0[lin + "prequant_scaling_factor"]))
+        assert torch.equal(
+            rank0[lin + "prequant_scaling_factor"], torch.ones_like(rank0[lin + "prequant_scaling_factor"])
+        )
     # read back: the producer's own dequantization, within one model-dtype rounding of zero = -(z - 8) s
     oracle = load_file(str(fixture / "oracle.safetensors"))
     layers = json.loads((fixture / "config.json").read_text())["num_hidden_layers"]
@@ -126,8 +136,13 @@ def test_zero_point_int4_in_a_float32_checkpoint_is_exact_to_the_logits(name, tm
     logits (float64 reference runtime) equal transformers' float64 logits of the source where it loads on CPU."""
     fixture = prequantized(name)
     fmt = detect(fixture)
-    ckpt = convert(fixture, tmp_path / "ckpt", tp=2, dtype="float32",
-                   importer=lambda plan, reader: ImportedLinears(fmt, reader.keys(), str(fixture)))
+    ckpt = convert(
+        fixture,
+        tmp_path / "ckpt",
+        tp=2,
+        dtype="float32",
+        importer=lambda plan, reader: ImportedLinears(fmt, reader.keys(), str(fixture)),
+    )
     oracle = load_file(str(fixture / "oracle.safetensors"))
     layers = json.loads((fixture / "config.json").read_text())["num_hidden_layers"]
     model = load_checkpoint(ckpt)
@@ -141,7 +156,7 @@ def test_zero_point_int4_in_a_float32_checkpoint_is_exact_to_the_logits(name, tm
             ours = float64_copy(model).forward(ref["input_ids"].reshape(1, -1))
         theirs = ref["logits"].double().reshape(ours.shape)
         # the same bound as test_producer_fixtures.py: both float64 on the same weights
-        assert float((ours - theirs).abs().max()) <= 2.0 ** -24 * float(theirs.abs().max()) * 64
+        assert float((ours - theirs).abs().max()) <= 2.0**-24 * float(theirs.abs().max()) * 64
 
 
 def _fbgemm_from_fp8_dynamic(tmp_path: Path) -> Path:
@@ -152,8 +167,11 @@ def _fbgemm_from_fp8_dynamic(tmp_path: Path) -> Path:
     shutil.copytree(src, out, ignore=shutil.ignore_patterns("oracle_logits.safetensors"))
     cfg = json.loads((out / "config.json").read_text())
     ignore = cfg["quantization_config"].get("ignore") or []
-    cfg["quantization_config"] = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
-                                  "modules_to_not_convert": ignore}
+    cfg["quantization_config"] = {
+        "quant_method": "fbgemm_fp8",
+        "activation_scale_ub": 1200.0,
+        "modules_to_not_convert": ignore,
+    }
     (out / "config.json").write_text(json.dumps(cfg))
     for f in out.glob("model*.safetensors"):
         t = load_file(str(f))
@@ -178,8 +196,9 @@ def test_fbgemm_fp8_converts_to_fp8_rowwise_with_its_clamp(tmp_path):
 def test_awq_projection_of_the_wrong_shape_is_refused_naming_it(tmp_path):
     src = tmp_path / "awq"
     shutil.copytree(prequantized("gptqmodel-awq_gemm-qwen3"), src)
-    f = next(p for p in sorted(src.glob("model*.safetensors")) if any(k.endswith("o_proj.qzeros")
-                                                                       for k in load_file(str(p))))
+    f = next(
+        p for p in sorted(src.glob("model*.safetensors")) if any(k.endswith("o_proj.qzeros") for k in load_file(str(p)))
+    )
     t = load_file(str(f))
     name = next(k for k in t if k.endswith("layers.0.self_attn.o_proj.qzeros"))
     t[name] = t[name][:-1].contiguous()

@@ -29,8 +29,9 @@ def stories_ckpt(tmp_path_factory, stories_dir):
 
     def make(tp: int, pp: int = 1) -> Path:
         if (tp, pp) not in made:
-            made[tp, pp] = convert(stories_dir, tmp_path_factory.mktemp(f"ckpt_tp{tp}pp{pp}") / "ckpt", tp=tp, pp=pp,
-                                   dtype="float16")
+            made[tp, pp] = convert(
+                stories_dir, tmp_path_factory.mktemp(f"ckpt_tp{tp}pp{pp}") / "ckpt", tp=tp, pp=pp, dtype="float16"
+            )
         return made[tp, pp]
 
     return make
@@ -42,7 +43,11 @@ def run_mpi(mpiexec):
     collective must fail the test, not hang it)."""
 
     def run(n: int, script: str, *args, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([mpiexec, "-n", str(n), sys.executable, str(HERE / script), *map(str, args)],
-                              capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [mpiexec, "-n", str(n), sys.executable, str(HERE / script), *map(str, args)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     return run

@@ -52,17 +52,33 @@ def main(ckpt: str) -> int:
             kw = dict(kw)
             if "capacity_policy" in kw:
                 kw["capacity_policy"] = CapacityPolicy(kw["capacity_policy"])
-            config = ExecutorConfig(**{**dict(max_batch_size=8, max_num_tokens=64, max_input_len=96, max_seq_len=128,
-                                              num_blocks=64, tokens_per_block=8), **kw})
-            prompts = [(prefix if name == "reuse" else []) + torch.randint(3, 500, (int(k),), generator=g).tolist()
-                       for k in torch.randint(2, 40, (10,), generator=g)]
+            config = ExecutorConfig(
+                **{
+                    **dict(
+                        max_batch_size=8,
+                        max_num_tokens=64,
+                        max_input_len=96,
+                        max_seq_len=128,
+                        num_blocks=64,
+                        tokens_per_block=8,
+                    ),
+                    **kw,
+                }
+            )
+            prompts = [
+                (prefix if name == "reuse" else []) + torch.randint(3, 500, (int(k),), generator=g).tolist()
+                for k in torch.randint(2, 40, (10,), generator=g)
+            ]
             lengths = [int(k) for k in torch.randint(4, 30, (10,), generator=g)]
             got, core = serve(ExecutorCore, config, engine, prompts, lengths)
             want, _ = serve(ExecutorCore, config, ReferenceEngine(ref), prompts, lengths)
             stats = core.pool.stats()
-            result[name] = {"equal": got == want, "tokens": sum(len(t) for t in got if isinstance(t, list)),
-                            "reused_blocks": stats.reused_blocks,
-                            "paused": max(s.num_paused for s in core.iterations)}
+            result[name] = {
+                "equal": got == want,
+                "tokens": sum(len(t) for t in got if isinstance(t, list)),
+                "reused_blocks": stats.reused_blocks,
+                "paused": max(s.num_paused for s in core.iterations),
+            }
     finally:
         engine.shutdown()
     print(json.dumps(result), flush=True)

@@ -35,9 +35,19 @@ def main(ckpt: str, rows: int, cols: int) -> int:
     # all-reduce are summed (bitwise equal at tp 2: a + b == b + a). Each reordering rounds at most as often
     # as the one-process sum, so the distributed error is bounded by tp times the one-process error.
     bound = model.args.tp * err_single
-    print(json.dumps({"max_abs_diff": float((logits - single).abs().max()), "equal": bool(torch.equal(logits, single)),
-                      "err_single_vs_f64": err_single, "err_dist_vs_f64": err_dist, "bound": bound,
-                      "ranks": status}), flush=True)
+    print(
+        json.dumps(
+            {
+                "max_abs_diff": float((logits - single).abs().max()),
+                "equal": bool(torch.equal(logits, single)),
+                "err_single_vs_f64": err_single,
+                "err_dist_vs_f64": err_dist,
+                "bound": bound,
+                "ranks": status,
+            }
+        ),
+        flush=True,
+    )
     return 0 if err_dist <= bound else 1
 
 

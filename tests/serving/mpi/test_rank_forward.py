@@ -22,8 +22,9 @@ def test_rank_processes_match_the_one_process_model(run_mpi, stories_ckpt, tp, p
     ranks = out["ranks"]
     assert [r["rank"] for r in ranks] == list(range(tp * pp)) and len({r["pid"] for r in ranks}) == tp * pp
     layers = [r["layers"] for r in ranks]
-    assert sorted({tuple(x) for x in layers}) == sorted({tuple(range(0, 3)), tuple(range(3, 5))} if pp == 2
-                                                        else {tuple(range(5))})
+    assert sorted({tuple(x) for x in layers}) == sorted(
+        {tuple(range(0, 3)), tuple(range(3, 5))} if pp == 2 else {tuple(range(5))}
+    )
 
 
 def test_a_missing_rank_file_names_it(run_mpi, stories_ckpt, tmp_path):

@@ -24,38 +24,103 @@ def bench() -> None:
 @click.option("--model", help="Front model (default: tensorrt_llm_bls when it streams, else the ensemble).")
 @click.option("--tokenizer", help="Tokenizer directory (default: the repository's).")
 @click.option("--metrics-url", help="tritonserver metrics endpoint (default: the served repository's metrics port).")
-@click.option("--concurrency", "-c", callback=int_list, help="Closed loop: requests in flight; a list sweeps (1,2,4,8).")
+@click.option(
+    "--concurrency", "-c", callback=int_list, help="Closed loop: requests in flight; a list sweeps (1,2,4,8)."
+)
 @click.option("--request-rate", callback=float_list, help="Open loop: requests/s; a list sweeps.")
-@click.option("--arrival", type=click.Choice(["poisson", "constant"]), default="poisson", show_default=True,
-              help="Arrival process of --request-rate.")
-@click.option("--requests", "-n", "num_requests", type=click.IntRange(1, 1_000_000), help="Requests per point (default 32).")
+@click.option(
+    "--arrival",
+    type=click.Choice(["poisson", "constant"]),
+    default="poisson",
+    show_default=True,
+    help="Arrival process of --request-rate.",
+)
+@click.option(
+    "--requests", "-n", "num_requests", type=click.IntRange(1, 1_000_000), help="Requests per point (default 32)."
+)
 @click.option("--duration", type=click.FloatRange(0.1), help="Seconds per point instead of a request count.")
-@click.option("--warmup", type=click.IntRange(0, 100_000), default=2, show_default=True, help="Warm-up requests per point.")
+@click.option(
+    "--warmup", type=click.IntRange(0, 100_000), default=2, show_default=True, help="Warm-up requests per point."
+)
 @click.option("--isl", type=click.IntRange(1), help="Prompt tokens (default: min(128, max_input_len)).")
 @click.option("--isl-stddev", type=click.IntRange(0), default=0, show_default=True)
 @click.option("--osl", type=click.IntRange(1), help="Output tokens (default: min(64, max_seq_len - ISL)).")
-@click.option("--no-fixed-osl", is_flag=True, help="Let the model stop at EOS (default: end_id=-1 / min_tokens force OSL).")
-@click.option("--slo", help="Goodput SLOs, per-request bounds METRIC:VALUE[ms|s|us] (ttft, ttst, itl, tpot, e2e), "
-              "e.g. ttft:200ms,itl:50ms.")
+@click.option(
+    "--no-fixed-osl", is_flag=True, help="Let the model stop at EOS (default: end_id=-1 / min_tokens force OSL)."
+)
+@click.option(
+    "--slo",
+    help="Goodput SLOs, per-request bounds METRIC:VALUE[ms|s|us] (ttft, ttst, itl, tpot, e2e), "
+    "e.g. ttft:200ms,itl:50ms.",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
-              help="Result directory (default: <work_dir>/bench/<time>-<label>, or ./bench-results/...).")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Result directory (default: <work_dir>/bench/<time>-<label>, or ./bench-results/...).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result JSON (one point) or the sweep index.")
-def bench_run(target, overrides, server, url, model, tokenizer, metrics_url, concurrency, request_rate, arrival,
-              num_requests, duration, warmup, isl, isl_stddev, osl, no_fixed_osl, slo, seed, out, as_json) -> None:
+def bench_run(
+    target,
+    overrides,
+    server,
+    url,
+    model,
+    tokenizer,
+    metrics_url,
+    concurrency,
+    request_rate,
+    arrival,
+    num_requests,
+    duration,
+    warmup,
+    isl,
+    isl_stddev,
+    osl,
+    no_fixed_osl,
+    slo,
+    seed,
+    out,
+    as_json,
+) -> None:
     """Benchmark TARGET (recipe or repository) with AIPerf; one result.json per load point, plots for sweeps."""
     from trtpipe.app.bench_run import bench_command
 
-    bench_command(target or server, overrides, url, model, tokenizer, metrics_url, concurrency, request_rate, arrival,
-                  num_requests, duration, warmup, isl, isl_stddev, osl, not no_fixed_osl, slo, seed, out, as_json,
-                  echo=click.echo)
+    bench_command(
+        target or server,
+        overrides,
+        url,
+        model,
+        tokenizer,
+        metrics_url,
+        concurrency,
+        request_rate,
+        arrival,
+        num_requests,
+        duration,
+        warmup,
+        isl,
+        isl_stddev,
+        osl,
+        not no_fixed_osl,
+        slo,
+        seed,
+        out,
+        as_json,
+        echo=click.echo,
+    )
 
 
 @bench.command(name="compare")
 @click.argument("a")
 @click.argument("b")
-@click.option("--fail-if", "fail_if", multiple=True, metavar="METRIC.STAT>+N%",
-              help="Exit 1 when B crosses this (and its 95% CI excludes no change), e.g. 'ttft.p99>+10%'.")
+@click.option(
+    "--fail-if",
+    "fail_if",
+    multiple=True,
+    metavar="METRIC.STAT>+N%",
+    help="Exit 1 when B crosses this (and its 95% CI excludes no change), e.g. 'ttft.p99>+10%'.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed.")
 @click.option("--json", "as_json", is_flag=True)
 def bench_compare(a, b, fail_if, seed, as_json) -> None:

@@ -12,7 +12,9 @@ import click
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--tp", default=1, show_default=True, help="Tensor-parallel size.")
 @click.option("--pp", default=1, show_default=True, help="Pipeline-parallel size.")
-@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float16", "bfloat16", "float32"]))
+@click.option(
+    "--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float16", "bfloat16", "float32"])
+)
 @click.option("--moe-ep", default=-1, show_default=True, help="MoE expert-parallel size (-1: derived).")
 @click.option("--moe-tp", default=-1, show_default=True, help="MoE tensor-parallel size (-1: derived).")
 @click.option("--parallel-embedding", is_flag=True, help="Shard the embedding table over tp (vocab dim).")
@@ -22,6 +24,16 @@ def convert(hf_dir, out_dir, tp, pp, dtype, moe_ep, moe_tp, parallel_embedding, 
     """Convert a Hugging Face model to a TensorRT-LLM checkpoint (rank files for tp x pp)."""
     from trtpipe.checkpoint.convert import convert as run_convert
 
-    run_convert(hf_dir, out_dir, tp=tp, pp=pp, dtype=dtype, moe_tp=moe_tp, moe_ep=moe_ep, allow_pickle=allow_pickle,
-                use_parallel_embedding=parallel_embedding, overwrite=overwrite)
+    run_convert(
+        hf_dir,
+        out_dir,
+        tp=tp,
+        pp=pp,
+        dtype=dtype,
+        moe_tp=moe_tp,
+        moe_ep=moe_ep,
+        allow_pickle=allow_pickle,
+        use_parallel_embedding=parallel_embedding,
+        overwrite=overwrite,
+    )
     click.echo(str(out_dir))

@@ -33,10 +33,17 @@ def deploy_monitoring(recipe: Path, overrides, out: Path, targets, overwrite: bo
 @click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
 @OVERRIDES
 @click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output directory.")
-@click.option("--autoscaler", type=click.Choice(["hpa", "keda"]), default=None,
-              help="HPA + prometheus-adapter rules, or a KEDA ScaledObject (default: the recipe's deploy.autoscaler).")
-@click.option("--cold-start", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="A `trtpipe bench cold --json` result: its measured ready time also bounds the startup probe.")
+@click.option(
+    "--autoscaler",
+    type=click.Choice(["hpa", "keda"]),
+    default=None,
+    help="HPA + prometheus-adapter rules, or a KEDA ScaledObject (default: the recipe's deploy.autoscaler).",
+)
+@click.option(
+    "--cold-start",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A `trtpipe bench cold --json` result: its measured ready time also bounds the startup probe.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output directory.")
 def deploy_k8s(recipe: Path, overrides, out: Path, autoscaler, cold_start, overwrite: bool) -> None:
     """Kubernetes manifests + kustomization for RECIPE (Deployment, or LeaderWorkerSet across nodes)."""
@@ -56,10 +63,18 @@ def deploy_k8s(recipe: Path, overrides, out: Path, autoscaler, cold_start, overw
 @OVERRIDES
 @click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Output directory.")
 @click.option("--disagg", is_flag=True, help="Separate prefill and decode workers (KV handed over between them).")
-@click.option("--router", type=click.Choice(["kv", "round-robin"]), default="kv", show_default=True,
-              help="The frontend's --router-mode.")
-@click.option("--cold-start", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="A `trtpipe bench cold --json` result: its measured ready time also bounds the startup probe.")
+@click.option(
+    "--router",
+    type=click.Choice(["kv", "round-robin"]),
+    default="kv",
+    show_default=True,
+    help="The frontend's --router-mode.",
+)
+@click.option(
+    "--cold-start",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A `trtpipe bench cold --json` result: its measured ready time also bounds the startup probe.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output directory.")
 def deploy_dynamo(recipe: Path, overrides, out: Path, disagg: bool, router: str, cold_start, overwrite: bool) -> None:
     """NVIDIA Dynamo DynamoGraphDeployment + engine ConfigMaps for an llmapi RECIPE, and launch.sh for one host."""
@@ -70,8 +85,10 @@ def deploy_dynamo(recipe: Path, overrides, out: Path, disagg: bool, router: str,
 
     loaded = load_recipe(recipe, overrides)
     if loaded.target != "llmapi":
-        raise click.UsageError(f"{recipe}: target: {loaded.target}; deploy dynamo serves target: llmapi recipes "
-                               "(use deploy k8s for the Triton repository)")
+        raise click.UsageError(
+            f"{recipe}: target: {loaded.target}; deploy dynamo serves target: llmapi recipes "
+            "(use deploy k8s for the Triton repository)"
+        )
     weights = planned_weight_bytes(recipe, overrides)
     for path in write_dynamo(loaded, out, weights, measured_ready_s(cold_start), disagg, router, overwrite):
         click.echo(path)

@@ -15,8 +15,11 @@ from trtpipe.app.options import CHECKPOINT, MODEL_CONFIG, OVERRIDES
 @click.option("--gpu", help="Target GPU from the catalog (default: the recipe's engine.gpu).")
 @MODEL_CONFIG
 @CHECKPOINT
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
-              help="Build into this (empty) directory: TensorRT engines, or the CPU twin without TensorRT-LLM.")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Build into this (empty) directory: TensorRT engines, or the CPU twin without TensorRT-LLM.",
+)
 def engine(recipe, overrides, gpu, model_config, checkpoint, out) -> None:
     """Print the trtllm-build command and build_config JSON; with --checkpoint and --out, build."""
     import logging

@@ -20,5 +20,14 @@ def generate(ckpt_dir, prompt, max_tokens, tokenizer_dir, temperature, top_k, to
     """Generate text with the CPU reference runtime from a TensorRT-LLM checkpoint (streams to stdout)."""
     from trtpipe.runtime.text import stream_text
 
-    stream_text(ckpt_dir, prompt, max_tokens, tokenizer_dir, temperature, top_k, top_p, seed,
-                write=lambda text: click.echo(text, nl=False))
+    stream_text(
+        ckpt_dir,
+        prompt,
+        max_tokens,
+        tokenizer_dir,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        write=lambda text: click.echo(text, nl=False),
+    )

@@ -19,16 +19,20 @@ from trtpipe.app.options import CHECKPOINT, MODEL_CONFIG, OVERRIDES
 @CHECKPOINT
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--list-gpus", is_flag=True, help="Print the GPU catalog and exit.")
-@click.option("--slo", help="Capacity answer: latency targets METRIC[_pQ]:VALUE[ms|s|us] (ttft, itl, e2e; no _pQ: "
-              "every request), e.g. ttft_p99=500ms,itl_p99=50ms (with --rate).")
+@click.option(
+    "--slo",
+    help="Capacity answer: latency targets METRIC[_pQ]:VALUE[ms|s|us] (ttft, itl, e2e; no _pQ: "
+    "every request), e.g. ttft_p99=500ms,itl_p99=50ms (with --rate).",
+)
 @click.option("--rate", type=float, default=0.0, help="Poisson request rate (req/s) the SLO must hold at.")
 @click.option("--isl", type=int, default=1024, show_default=True, help="Input tokens per request (with --slo).")
 @click.option("--osl", type=int, default=256, show_default=True, help="Output tokens per request (with --slo).")
 @click.option("--gpus", help="Comma-separated catalog keys to consider (with --slo; default: every modelled GPU).")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Write throughput vs latency PNG.")
 @click.option("--precisions", help="With --slo: quantization.algo variants to compare, e.g. fp8,int4_awq,none.")
-def plan(recipe, overrides, gpu, model_config, checkpoint, as_json, list_gpus, slo, rate, isl, osl, gpus,
-         plot, precisions) -> None:
+def plan(
+    recipe, overrides, gpu, model_config, checkpoint, as_json, list_gpus, slo, rate, isl, osl, gpus, plot, precisions
+) -> None:
     """Memory plan per GPU: weights, activations, KV pool and concurrent sequences; exit 3 if it does not fit.
 
     With --slo and --rate: the cheapest layouts (GPU type and count, tp) predicted to meet the SLO."""
@@ -39,8 +43,9 @@ def plan(recipe, overrides, gpu, model_config, checkpoint, as_json, list_gpus, s
             raise click.UsageError("--slo needs RECIPE and --rate")
         from trtpipe.app import prediction as predict_command
 
-        predict_command.plan_command(recipe, overrides, model_config, slo, rate, isl, osl, gpus, plot, as_json,
-                                 precisions)
+        predict_command.plan_command(
+            recipe, overrides, model_config, slo, rate, isl, osl, gpus, plot, as_json, precisions
+        )
         return
     if list_gpus:
         click.echo(planning.gpu_table())

@@ -19,14 +19,21 @@ from trtpipe.app.options import MODEL_CONFIG, OVERRIDES
 @click.option("--concurrency", type=int, default=16, show_default=True, help="Closed-loop clients.")
 @click.option("--rate", type=float, default=0.0, help="Poisson request rate (req/s) instead of --concurrency.")
 @click.option("--num-requests", type=int, default=0, help="Requests to simulate (default: 4 x concurrency).")
-@click.option("--published", type=click.Path(dir_okay=False, path_type=Path),
-              help="A published-numbers CSV: quote the rows nearest to the prediction.")
-@click.option("--scenarios", type=click.Path(dir_okay=False, path_type=Path),
-              help="Predict every row of a published-format CSV (first 15 columns) instead of a recipe.")
+@click.option(
+    "--published",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A published-numbers CSV: quote the rows nearest to the prediction.",
+)
+@click.option(
+    "--scenarios",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Predict every row of a published-format CSV (first 15 columns) instead of a recipe.",
+)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="With --scenarios: the output CSV.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def predict(recipe, overrides, gpu, model_config, isl, osl, concurrency, rate, num_requests, published, scenarios,
-            out, as_json) -> None:
+def predict(
+    recipe, overrides, gpu, model_config, isl, osl, concurrency, rate, num_requests, published, scenarios, out, as_json
+) -> None:
     """Predicted serving performance (tok/s, TTFT/ITL percentiles, bounds) from the fitted cost model."""
     from trtpipe.app import prediction as predict_command
 
@@ -37,5 +44,6 @@ def predict(recipe, overrides, gpu, model_config, isl, osl, concurrency, rate, n
         return
     if recipe is None:
         raise click.UsageError("RECIPE is required (or --scenarios FILE --out OUT)")
-    predict_command.predict_command(recipe, overrides, gpu, model_config, isl, osl, concurrency, rate, num_requests,
-                                published, as_json)
+    predict_command.predict_command(
+        recipe, overrides, gpu, model_config, isl, osl, concurrency, rate, num_requests, published, as_json
+    )

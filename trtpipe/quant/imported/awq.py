@@ -28,8 +28,11 @@ from trtpipe.quant.imported.canonical import check_stored
 from trtpipe.quant.imported.formats import CONVERTED, REFUSED, Action, ImportedFormat
 
 KNOWN = {"qweight", "qzeros", "scales", "bias"}
-LLMAPI = Action(REFUSED, "TensorRT-LLM 1.2's PyTorch backend loads no AutoAWQ checkpoint (its W4A16_AWQ kernel has "
-                         "no zero point); use target: engine, or a ModelOpt W4A16_AWQ checkpoint")
+LLMAPI = Action(
+    REFUSED,
+    "TensorRT-LLM 1.2's PyTorch backend loads no AutoAWQ checkpoint (its W4A16_AWQ kernel has "
+    "no zero point); use target: engine, or a ModelOpt W4A16_AWQ checkpoint",
+)
 
 
 def _int(qc: dict, key: str, where: str, default=None) -> int:
@@ -51,29 +54,49 @@ def parse(model_dir: Path, qc: dict, where: str) -> ImportedFormat:
     else:
         engine = Action(CONVERTED, "via W4A16_AWQ with zero points")
     # every GEMM checkpoint carries qzeros (zero_point: false cannot be written by AutoAWQ), so they are always kept
-    return ImportedFormat("awq", f"AutoAWQ {version}" + (" asymmetric" if zero else ""),
-                          "W4A16_AWQ" if engine.ok else None, bits, group, "group", exclude, None, engine, LLMAPI,
-                          where, {"zero_point": True})
+    return ImportedFormat(
+        "awq",
+        f"AutoAWQ {version}" + (" asymmetric" if zero else ""),
+        "W4A16_AWQ" if engine.ok else None,
+        bits,
+        group,
+        "group",
+        exclude,
+        None,
+        engine,
+        LLMAPI,
+        where,
+        {"zero_point": True},
+    )
 
 
-def canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, where: str, out_f: int,
-              in_f: int) -> dict[str, torch.Tensor]:
+def canonical(
+    fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, where: str, out_f: int, in_f: int
+) -> dict[str, torch.Tensor]:
     """One AutoAWQ GEMM projection -> W4A16_AWQ tensors with ``zero_point``, exactly (or a refusal naming the
     tensor)."""
     what = f"{where}: tensor '{module}"
     g = fmt.group_size
     if out_f % 8 or in_f % g:
         raise CheckpointError(f"{what}.qweight': [{out_f}, {in_f}] does not pack into 8-code words with group {g}")
-    want = {"qweight": ((in_f, out_f // 8), torch.int32), "qzeros": ((in_f // g, out_f // 8), torch.int32),
-            "scales": ((in_f // g, out_f), None)}
+    want = {
+        "qweight": ((in_f, out_f // 8), torch.int32),
+        "qzeros": ((in_f // g, out_f // 8), torch.int32),
+        "scales": ((in_f // g, out_f), None),
+    }
     check_stored(t, KNOWN, ("qweight", "qzeros", "scales"), want, f"AutoAWQ GEMM group {g}", what, out_f, in_f)
     if t["qweight"].device.type == "meta":
-        return {"weight": torch.empty(out_f // 2, in_f, dtype=torch.uint8, device="meta"),
-                "weight_scale": torch.empty(out_f, in_f // g, device="meta"),
-                "zero_point": torch.empty(out_f, in_f // g, dtype=torch.int8, device="meta")}
+        return {
+            "weight": torch.empty(out_f // 2, in_f, dtype=torch.uint8, device="meta"),
+            "weight_scale": torch.empty(out_f, in_f // g, device="meta"),
+            "zero_point": torch.empty(out_f, in_f // g, dtype=torch.int8, device="meta"),
+        }
     if "bias" in t and bool(t["bias"].any()):
         raise CheckpointError(f"{what}.bias' is not zero; biases of quantized projections are not imported")
     q = (unpack_awq_words(t["qweight"]) - 8).to(torch.int8).t().contiguous()  # [out, in], -8..7
     z = (unpack_awq_words(t["qzeros"]) - 8).to(torch.int8).t().contiguous()  # [out, in/g], -8..7
-    return {"weight": pack_int4_rows(q).view(torch.uint8), "weight_scale": t["scales"].float().t().contiguous(),
-            "zero_point": z}
+    return {
+        "weight": pack_int4_rows(q).view(torch.uint8),
+        "weight_scale": t["scales"].float().t().contiguous(),
+        "zero_point": z,
+    }

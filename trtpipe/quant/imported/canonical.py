@@ -58,16 +58,18 @@ LAYOUTS: dict[str, Layout] = {
     "W8A8_SQ_PER_CHANNEL": Layout(torch.int8, "full", "channel", input_scale=True, pre_quant_scale="required"),
     "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": Layout(torch.int8, "full", "channel"),
     "W4A16_AWQ": Layout(torch.uint8, "rows/2", "group", pre_quant_scale="optional", zero_point=True),
-    "W4A8_AWQ": Layout(torch.uint8, "rows/2", "group", input_scale=True, weight_scale_2=True,
-                       pre_quant_scale="optional"),
+    "W4A8_AWQ": Layout(
+        torch.uint8, "rows/2", "group", input_scale=True, weight_scale_2=True, pre_quant_scale="optional"
+    ),
     "NVFP4": Layout(torch.uint8, "cols/2", "group", input_scale=True, weight_scale_2=True, block=16),
 }
 SCALES = ("weight_scale", "input_scale", "weight_scale_2", "pre_quant_scale", "zero_point")
 KV_SCALES = ("k_scale", "v_scale")
 
 
-def check_stored(t: dict[str, torch.Tensor], known: set, required: tuple, want: dict, label: str, what: str,
-                 out_f: int, in_f: int) -> None:
+def check_stored(
+    t: dict[str, torch.Tensor], known: set, required: tuple, want: dict, label: str, what: str, out_f: int, in_f: int
+) -> None:
     """A packed source projection's tensors (GPTQ, AutoAWQ): nothing unknown, nothing required missing, and each
     tensor of ``want`` (suffix -> (shape, dtype or None)) present with that shape and dtype; ``what`` is
     ``"<where>: tensor '<module>"``."""
@@ -79,8 +81,10 @@ def check_stored(t: dict[str, torch.Tensor], known: set, required: tuple, want: 
             raise CheckpointError(f"{what}.{k}' is missing ({label})")
     for k, (shape, dtype) in want.items():
         if k in t and (tuple(t[k].shape) != shape or dtype is not None and t[k].dtype != dtype):
-            raise CheckpointError(f"{what}.{k}' is {t[k].dtype} {list(t[k].shape)}, {label} of a [{out_f}, {in_f}] "
-                                  f"projection stores {list(shape)}" + (f" {dtype}" if dtype is not None else ""))
+            raise CheckpointError(
+                f"{what}.{k}' is {t[k].dtype} {list(t[k].shape)}, {label} of a [{out_f}, {in_f}] "
+                f"projection stores {list(shape)}" + (f" {dtype}" if dtype is not None else "")
+            )
 
 
 def stored_weight_shape(layout: Layout, out_f: int, in_f: int) -> tuple[int, int]:
@@ -92,13 +96,22 @@ def group_of(layout: Layout, in_f: int, weight_scale_shape: tuple[int, ...], wha
     if layout.weight_scale != "group":
         return None
     if len(weight_scale_shape) != 2 or weight_scale_shape[-1] == 0 or in_f % weight_scale_shape[-1]:
-        raise CheckpointError(f"{what}.weight_scale: shape {list(weight_scale_shape)} does not give a group size "
-                              f"that divides in_features {in_f}")
+        raise CheckpointError(
+            f"{what}.weight_scale: shape {list(weight_scale_shape)} does not give a group size "
+            f"that divides in_features {in_f}"
+        )
     return in_f // weight_scale_shape[-1]
 
 
-def check_projection(algo: str, module: str, tensors: dict[str, torch.Tensor], out_f: int, in_f: int,
-                     group_size: Optional[int], where: str) -> None:
+def check_projection(
+    algo: str,
+    module: str,
+    tensors: dict[str, torch.Tensor],
+    out_f: int,
+    in_f: int,
+    group_size: Optional[int],
+    where: str,
+) -> None:
     """Refuse a projection whose tensors contradict ``algo``'s canonical layout (names the tensor and the rule).
 
     ``tensors`` maps suffixes to tensors (meta tensors are fine: only dtypes and shapes are read).
@@ -114,8 +127,9 @@ def check_projection(algo: str, module: str, tensors: dict[str, torch.Tensor], o
         raise CheckpointError(f"{what}.weight': [{out_f}, {in_f}] cannot be packed two 4-bit codes per byte")
     want = stored_weight_shape(lay, out_f, in_f)
     if tuple(w.shape) != want:
-        raise CheckpointError(f"{what}.weight' has shape {list(w.shape)}, {algo} of a [{out_f}, {in_f}] "
-                              f"projection stores {list(want)}")
+        raise CheckpointError(
+            f"{what}.weight' has shape {list(w.shape)}, {algo} of a [{out_f}, {in_f}] projection stores {list(want)}"
+        )
     ws = tensors.get("weight_scale")
     if ws is None:
         raise CheckpointError(f"{what}.weight_scale' is missing ({algo})")
@@ -123,14 +137,17 @@ def check_projection(algo: str, module: str, tensors: dict[str, torch.Tensor], o
     if lay.weight_scale == "scalar" and ws.numel() != 1:
         raise CheckpointError(f"{what}.weight_scale' has shape {list(shape)}, {algo} has one scale per tensor")
     if lay.weight_scale == "channel" and shape not in ((out_f,), (out_f, 1)):
-        raise CheckpointError(f"{what}.weight_scale' has shape {list(shape)}, {algo} has one scale per output row "
-                              f"([{out_f}])")
+        raise CheckpointError(
+            f"{what}.weight_scale' has shape {list(shape)}, {algo} has one scale per output row ([{out_f}])"
+        )
     if lay.weight_scale == "group":
         g = group_of(lay, in_f, shape, f"{where}: tensor '{module}")
         expected = lay.block or group_size
         if shape[0] != out_f or (expected is not None and g != expected):
-            raise CheckpointError(f"{what}.weight_scale' has shape {list(shape)}, group size {expected} of a "
-                                  f"[{out_f}, {in_f}] projection needs [{out_f}, {in_f // (expected or g)}]")
+            raise CheckpointError(
+                f"{what}.weight_scale' has shape {list(shape)}, group size {expected} of a "
+                f"[{out_f}, {in_f}] projection needs [{out_f}, {in_f // (expected or g)}]"
+            )
     for key, needed in (("input_scale", lay.input_scale), ("weight_scale_2", lay.weight_scale_2)):
         t = tensors.get(key)
         if needed and t is None:
@@ -141,12 +158,16 @@ def check_projection(algo: str, module: str, tensors: dict[str, torch.Tensor], o
     if lay.pre_quant_scale == "required" and pqs is None:
         raise CheckpointError(f"{what}.pre_quant_scale' is missing ({algo})")
     if pqs is not None and (lay.pre_quant_scale == "none" or tuple(pqs.shape) != (in_f,)):
-        raise CheckpointError(f"{what}.pre_quant_scale' has shape {list(pqs.shape)}, {algo} has "
-                              + (f"[{in_f}]" if lay.pre_quant_scale != "none" else "none"))
+        raise CheckpointError(
+            f"{what}.pre_quant_scale' has shape {list(pqs.shape)}, {algo} has "
+            + (f"[{in_f}]" if lay.pre_quant_scale != "none" else "none")
+        )
     zp = tensors.get("zero_point")
     if zp is not None and (not lay.zero_point or zp.dtype != torch.int8 or tuple(zp.shape) != shape):
-        raise CheckpointError(f"{what}.zero_point' is {zp.dtype} {list(zp.shape)}, {algo} "
-                              + (f"zero points are int8 {list(shape)}" if lay.zero_point else "has none"))
+        raise CheckpointError(
+            f"{what}.zero_point' is {zp.dtype} {list(zp.shape)}, {algo} "
+            + (f"zero points are int8 {list(shape)}" if lay.zero_point else "has none")
+        )
     extra = set(tensors) - {"weight", "bias", *SCALES, *KV_SCALES}
     if extra:
         raise CheckpointError(f"{what}.{sorted(extra)[0]}' is not part of {algo}")

@@ -49,7 +49,13 @@ def _scheme(w: dict, a: Optional[dict]) -> tuple[str, Optional[str], Optional[in
     typ, bits, strat = w.get("type"), w.get("num_bits"), w.get("strategy")
     sym = w.get("symmetric", True)
     if typ == "float" and bits == 8:
-        if strat == "tensor" and a and a.get("type") == "float" and a.get("strategy") == "tensor" and not a.get("dynamic"):
+        if (
+            strat == "tensor"
+            and a
+            and a.get("type") == "float"
+            and a.get("strategy") == "tensor"
+            and not a.get("dynamic")
+        ):
             return "FP8 static", "FP8", None
         if strat == "channel" and a and a.get("strategy") == "token" and a.get("dynamic"):
             return "FP8 dynamic", "FP8_PER_CHANNEL_PER_TOKEN", None
@@ -57,8 +63,13 @@ def _scheme(w: dict, a: Optional[dict]) -> tuple[str, Optional[str], Optional[in
             return f"FP8 block {w.get('block_structure')}", None, None
         return f"FP8 {strat} weights", None, None
     if typ == "int" and bits == 8 and a is not None:
-        per_token = (a.get("type"), a.get("num_bits"), a.get("strategy"), bool(a.get("dynamic")),
-                     a.get("symmetric", True)) == ("int", 8, "token", True, True)
+        per_token = (
+            a.get("type"),
+            a.get("num_bits"),
+            a.get("strategy"),
+            bool(a.get("dynamic")),
+            a.get("symmetric", True),
+        ) == ("int", 8, "token", True, True)
         if strat == "channel" and sym and per_token:
             return "W8A8 INT8", "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN", None
         return f"W8A8 INT8 {strat} weights, {a.get('strategy')} activations", None, None
@@ -70,14 +81,21 @@ def _scheme(w: dict, a: Optional[dict]) -> tuple[str, Optional[str], Optional[in
     return f"int{bits} {strat}" if typ == "int" else f"{typ}{bits} {strat}", None, None
 
 
-NO_INT8_W8A8_METHOD = ("TensorRT-LLM 1.2's PyTorch backend has no INT8 W8A8 method (its compressed-tensors parser "
-                       "misroutes it to FP8); use target: engine or an FP8 checkpoint")
+NO_INT8_W8A8_METHOD = (
+    "TensorRT-LLM 1.2's PyTorch backend has no INT8 W8A8 method (its compressed-tensors parser "
+    "misroutes it to FP8); use target: engine or an FP8 checkpoint"
+)
 REFUSALS = {
-    "FP8 block": (NO_ENGINE_LAYER.format(what="block-scaled FP8"),
-                  "trtpipe does not re-lay out compressed-tensors FP8 block checkpoints yet"),
-    "W8A8 INT8": ("TensorRT-LLM's plugin SmoothQuant layers take INT8 weights per channel or per tensor with INT8 "
-                  "activations per token or per tensor; trtpipe converts per-channel symmetric weights with dynamic "
-                  "symmetric per-token activations only", NO_INT8_W8A8_METHOD),
+    "FP8 block": (
+        NO_ENGINE_LAYER.format(what="block-scaled FP8"),
+        "trtpipe does not re-lay out compressed-tensors FP8 block checkpoints yet",
+    ),
+    "W8A8 INT8": (
+        "TensorRT-LLM's plugin SmoothQuant layers take INT8 weights per channel or per tensor with INT8 "
+        "activations per token or per tensor; trtpipe converts per-channel symmetric weights with dynamic "
+        "symmetric per-token activations only",
+        NO_INT8_W8A8_METHOD,
+    ),
 }
 # scheme -> the llmapi refusal of a scheme the engine target converts but the PyTorch backend cannot load
 LLMAPI_ONLY_REFUSALS = {
@@ -88,8 +106,10 @@ ZERO_POINT_SCHEMES = ("W4A16 asymmetric",)
 # algorithms whose per-row weight_scale is checked as stored ([out, 1]), before the reshape hides a wrong shape
 STRICT_ROW_SCALES = ("W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",)
 # canonical quant_algo -> how the engine action names its conversion (default: via the ModelOpt algorithm)
-ENGINE_VIA = {"W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": "into TensorRT-LLM's plugin SmoothQuant layout "
-                                                      "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"}
+ENGINE_VIA = {
+    "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": "into TensorRT-LLM's plugin SmoothQuant layout "
+    "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"
+}
 
 
 def parse(model_dir: Path, qc: dict) -> ImportedFormat:
@@ -106,35 +126,55 @@ def parse(model_dir: Path, qc: dict) -> ImportedFormat:
         except ValueError as exc:
             raise CheckpointError(f"{where}: quantization_config.config_groups.{gname}.weights: {exc}") from None
         if g["weights"].get("actorder") == "group":
-            raise CheckpointError(f"{where}: quantization_config.config_groups.{gname}.weights.actorder 'group' "
-                                  "(a weight_g_idx per layer) is refused: kernels without g_idx cannot run it")
+            raise CheckpointError(
+                f"{where}: quantization_config.config_groups.{gname}.weights.actorder 'group' "
+                "(a weight_g_idx per layer) is refused: kernels without g_idx cannot run it"
+            )
     if len(set(schemes)) > 1:
-        raise CheckpointError(f"{where}: quantization_config.config_groups has {len(groups)} different schemes; "
-                              "one is imported (TensorRT-LLM reads group_0 only)")
+        raise CheckpointError(
+            f"{where}: quantization_config.config_groups has {len(groups)} different schemes; "
+            "one is imported (TensorRT-LLM reads group_0 only)"
+        )
     name, algo, group = schemes[0]
     kv_s = qc.get("kv_cache_scheme")
     kv = None
     if kv_s:
         if kv_s.get("type") != "float" or kv_s.get("num_bits") != 8 or kv_s.get("strategy") != "tensor":
-            raise CheckpointError(f"{where}: quantization_config.kv_cache_scheme {kv_s} is not imported "
-                                  "(FP8 per-tensor only)")
+            raise CheckpointError(
+                f"{where}: quantization_config.kv_cache_scheme {kv_s} is not imported (FP8 per-tensor only)"
+            )
         kv = "FP8"
     fmt = qc.get("format")
     zero_point = name in ZERO_POINT_SCHEMES
     if algo is not None:
-        engine = Action(CONVERTED, ENGINE_VIA.get(algo, f"via ModelOpt {algo}") + (" with zero points" if zero_point
-                                                                                  else ""))
-        llmapi = Action(REFUSED, LLMAPI_ONLY_REFUSALS[name]) if name in LLMAPI_ONLY_REFUSALS else \
-            Action(RELAID, f"ModelOpt {algo}")
+        engine = Action(
+            CONVERTED, ENGINE_VIA.get(algo, f"via ModelOpt {algo}") + (" with zero points" if zero_point else "")
+        )
+        llmapi = (
+            Action(REFUSED, LLMAPI_ONLY_REFUSALS[name])
+            if name in LLMAPI_ONLY_REFUSALS
+            else Action(RELAID, f"ModelOpt {algo}")
+        )
     else:
         key = next((k for k in REFUSALS if name.startswith(k)), None)
         e, l = REFUSALS.get(key, (f"compressed-tensors scheme '{name}' is not imported",) * 2)
         engine, llmapi = Action(REFUSED, e), Action(REFUSED, l)
     bits = int(next(iter(groups.values()))["weights"].get("num_bits") or 0) or None
     gran = "group" if group else ("per-tensor" if algo == "FP8" else "per-channel")
-    return ImportedFormat("compressed-tensors", f"{name} ({fmt})", algo, bits, group, gran,
-                          tuple(qc.get("ignore") or ()), kv, engine, llmapi, where,
-                          {"format": fmt, "zero_point": zero_point})
+    return ImportedFormat(
+        "compressed-tensors",
+        f"{name} ({fmt})",
+        algo,
+        bits,
+        group,
+        gran,
+        tuple(qc.get("ignore") or ()),
+        kv,
+        engine,
+        llmapi,
+        where,
+        {"format": fmt, "zero_point": zero_point},
+    )
 
 
 def _zero_point(zp: torch.Tensor, out_f: int, scale_shape: tuple, what: str) -> torch.Tensor:
@@ -142,15 +182,18 @@ def _zero_point(zp: torch.Tensor, out_f: int, scale_shape: tuple, what: str) -> 
     int8 ``[out, in/g]`` (compressed-tensors 0.20 ``pack_quantized/base.py``, ``packed_dim=0``)."""
     want = (-(-out_f // 8), scale_shape[1])
     if zp.dtype != torch.int32 or tuple(zp.shape) != want:
-        raise CheckpointError(f"{what}.weight_zero_point' is {zp.dtype} {list(zp.shape)}, a weight_scale of "
-                              f"{list(scale_shape)} packs its zero points into int32 {list(want)}")
+        raise CheckpointError(
+            f"{what}.weight_zero_point' is {zp.dtype} {list(zp.shape)}, a weight_scale of "
+            f"{list(scale_shape)} packs its zero points into int32 {list(want)}"
+        )
     if zp.device.type == "meta":
         return torch.empty(scale_shape, dtype=torch.int8, device="meta")
     return unpack_int32_to_int4(zp.t().contiguous(), out_f).t().contiguous()
 
 
-def canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, where: str, out_f: int,
-              in_f: int) -> dict[str, torch.Tensor]:
+def canonical(
+    fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, where: str, out_f: int, in_f: int
+) -> dict[str, torch.Tensor]:
     """One ``[out_f, in_f]`` projection's compressed-tensors tensors -> ModelOpt's (``fmt.quant_algo``), exactly
     (meta tensors give meta tensors of the right shapes)."""
     out = {k: v for k, v in t.items() if k == "bias"}
@@ -168,11 +211,14 @@ def canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, wher
             raise CheckpointError(f"{where}: tensor '{module}.weight_zero_point' is missing (asymmetric scheme)")
         shape = t["weight_shape"]
         if shape.device.type != "meta" and [int(x) for x in shape.reshape(-1).tolist()] != [out_f, in_f]:
-            raise CheckpointError(f"{where}: tensor '{module}.weight_shape' is {shape.tolist()}, config.json implies "
-                                  f"[{out_f}, {in_f}]")
+            raise CheckpointError(
+                f"{where}: tensor '{module}.weight_shape' is {shape.tolist()}, config.json implies [{out_f}, {in_f}]"
+            )
         if t["weight_packed"].dtype != torch.int32 or t["weight_packed"].shape != (out_f, -(-in_f // 8)):
-            raise CheckpointError(f"{where}: tensor '{module}.weight_packed' has shape {list(t['weight_packed'].shape)}, "
-                                  f"weight_shape [{out_f}, {in_f}] packs into [{out_f}, {-(-in_f // 8)}]")
+            raise CheckpointError(
+                f"{where}: tensor '{module}.weight_packed' has shape {list(t['weight_packed'].shape)}, "
+                f"weight_shape [{out_f}, {in_f}] packs into [{out_f}, {-(-in_f // 8)}]"
+            )
         if t["weight_packed"].device.type == "meta":
             out["weight"] = torch.empty(out_f // 2, in_f, dtype=torch.uint8, device="meta")
         else:
@@ -182,13 +228,16 @@ def canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, wher
             out["zero_point"] = _zero_point(zp, out_f, tuple(t["weight_scale"].shape), f"{where}: tensor '{module}")
         return out
     if "weight" not in t or "weight_scale" not in t:
-        raise CheckpointError(f"{where}: tensor '{module}.{'weight' if 'weight' not in t else 'weight_scale'}' "
-                              f"is missing ({fmt.name})")
+        raise CheckpointError(
+            f"{where}: tensor '{module}.{'weight' if 'weight' not in t else 'weight_scale'}' is missing ({fmt.name})"
+        )
     out["weight"] = t["weight"]
     ws = t["weight_scale"]
     if fmt.quant_algo in STRICT_ROW_SCALES and tuple(ws.shape) not in ((out_f, 1), (out_f,)):
-        raise CheckpointError(f"{where}: tensor '{module}.weight_scale' has shape {list(ws.shape)}, {fmt.name} "
-                              f"stores one scale per output row ([{out_f}, 1])")
+        raise CheckpointError(
+            f"{where}: tensor '{module}.weight_scale' has shape {list(ws.shape)}, {fmt.name} "
+            f"stores one scale per output row ([{out_f}, 1])"
+        )
     if fmt.quant_algo == "FP8":
         out["weight_scale"] = t["weight_scale"].float().reshape(())
         if "input_scale" not in t:

@@ -53,8 +53,10 @@ def detect_config(model_dir: Path, cfg: dict, hf_quant: Optional[dict] = None) -
         return modelopt.parse(model_dir, hf_quant, qc)
     method = qc.get("quant_method")
     if method not in PARSERS:
-        raise CheckpointError(f"{model_dir / 'config.json'}: quantization_config.quant_method {method!r} is not a "
-                              f"format trtpipe knows (known: modelopt, {', '.join(PARSERS)})")
+        raise CheckpointError(
+            f"{model_dir / 'config.json'}: quantization_config.quant_method {method!r} is not a "
+            f"format trtpipe knows (known: modelopt, {', '.join(PARSERS)})"
+        )
     return PARSERS[method](model_dir, qc, f"{model_dir / 'config.json'}")
 
 

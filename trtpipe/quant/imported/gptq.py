@@ -30,8 +30,10 @@ from trtpipe.quant.imported.canonical import check_stored
 from trtpipe.quant.imported.formats import CONVERTED, REFUSED, RELAID, Action, ImportedFormat
 
 KNOWN = {"qweight", "qzeros", "scales", "g_idx", "bias"}
-NO_ZERO_POINT = ("TensorRT-LLM 1.2's PyTorch W4A16_AWQ kernel has no zero point (zeros=None); use target: engine, "
-                 "or a symmetric checkpoint")
+NO_ZERO_POINT = (
+    "TensorRT-LLM 1.2's PyTorch W4A16_AWQ kernel has no zero point (zeros=None); use target: engine, "
+    "or a symmetric checkpoint"
+)
 
 
 def parse(model_dir: Path, qc: dict, where: str) -> ImportedFormat:
@@ -58,36 +60,58 @@ def parse(model_dir: Path, qc: dict, where: str) -> ImportedFormat:
         engine, llmapi = Action(CONVERTED, "via W4A16_AWQ with zero points"), Action(REFUSED, NO_ZERO_POINT)
     else:
         engine, llmapi = Action(CONVERTED, "via W4A16_AWQ"), Action(RELAID, "ModelOpt W4A16_AWQ")
-    return ImportedFormat("gptq", name, "W4A16_AWQ" if refusal is None else None, bits, group if group > 0 else None,
-                          "group", tuple(qc.get("modules_to_not_convert") or ()), None, engine, llmapi, where,
-                          {"v1": fmt == "gptq", "zero_point": not sym, "act_order": act})
+    return ImportedFormat(
+        "gptq",
+        name,
+        "W4A16_AWQ" if refusal is None else None,
+        bits,
+        group if group > 0 else None,
+        "group",
+        tuple(qc.get("modules_to_not_convert") or ()),
+        None,
+        engine,
+        llmapi,
+        where,
+        {"v1": fmt == "gptq", "zero_point": not sym, "act_order": act},
+    )
 
 
-def canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, where: str, out_f: int,
-              in_f: int) -> dict[str, torch.Tensor]:
+def canonical(
+    fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, where: str, out_f: int, in_f: int
+) -> dict[str, torch.Tensor]:
     """One GPTQ projection -> ModelOpt W4A16_AWQ tensors, exactly (or a refusal naming the tensor)."""
     what = f"{where}: tensor '{module}"
     g = fmt.group_size
     if in_f % 8 or out_f % 8 or in_f % g:
         raise CheckpointError(f"{what}.qweight': [{out_f}, {in_f}] does not pack into 8-code words with group {g}")
-    want = {"qweight": ((in_f // 8, out_f), torch.int32), "qzeros": ((in_f // g, out_f // 8), torch.int32),
-            "scales": ((in_f // g, out_f), None), "g_idx": ((in_f,), None)}
+    want = {
+        "qweight": ((in_f // 8, out_f), torch.int32),
+        "qzeros": ((in_f // g, out_f // 8), torch.int32),
+        "scales": ((in_f // g, out_f), None),
+        "g_idx": ((in_f,), None),
+    }
     check_stored(t, KNOWN, ("qweight", "qzeros", "scales"), want, f"GPTQ {fmt.bits}-bit group {g}", what, out_f, in_f)
     meta = t["qweight"].device.type == "meta"
     if meta:
-        out = {"weight": torch.empty(out_f // 2, in_f, dtype=torch.uint8, device="meta"),
-               "weight_scale": torch.empty(out_f, in_f // g, device="meta")}
+        out = {
+            "weight": torch.empty(out_f // 2, in_f, dtype=torch.uint8, device="meta"),
+            "weight_scale": torch.empty(out_f, in_f // g, device="meta"),
+        }
         if fmt.params.get("zero_point"):
             out["zero_point"] = torch.empty(out_f, in_f // g, dtype=torch.int8, device="meta")
         return out
     if "g_idx" in t and not torch.equal(t["g_idx"].to(torch.int64), torch.arange(in_f) // g):
-        raise CheckpointError(f"{what}.g_idx' is not contiguous (act-order groups): TensorRT-LLM's kernels have no "
-                              "g_idx; re-quantize without desc_act or with static_groups")
+        raise CheckpointError(
+            f"{what}.g_idx' is not contiguous (act-order groups): TensorRT-LLM's kernels have no "
+            "g_idx; re-quantize without desc_act or with static_groups"
+        )
     zeros = unpack_int32(true_zero_words(t["qzeros"], fmt.params.get("v1")), 1)  # [in/g, out], 0..15
     if not fmt.params.get("zero_point") and not bool((zeros == 8).all()):
         r, c = (zeros != 8).nonzero()[0].tolist()
-        raise CheckpointError(f"{what}.qzeros' holds zero point {int(zeros[r, c])} at group {r}, column {c}: not "
-                              "symmetric (8) as config.json's sym: true says")
+        raise CheckpointError(
+            f"{what}.qzeros' holds zero point {int(zeros[r, c])} at group {r}, column {c}: not "
+            "symmetric (8) as config.json's sym: true says"
+        )
     if "bias" in t and bool(t["bias"].any()):
         raise CheckpointError(f"{what}.bias' is not zero; biases of quantized projections are not imported")
     q = (unpack_int32(t["qweight"], 0) - 8).to(torch.int8).t().contiguous()  # [out, in], -8..7

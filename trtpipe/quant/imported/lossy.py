@@ -30,14 +30,14 @@ ZERO_POINT_ROUNDING = "zero_point_rounding"
 # step -> what it does (the recipe schema's choices and docs/reference/prequantized.md#lossy-import-steps)
 STEPS: dict[str, str] = {
     FP8_REQUANTIZE: "per-tensor FP8 members of a fused linear (q/k/v, gate/up) with different weight scales are "
-                    "requantized to the max scale (one FP8 rounding per element of the smaller-scale members)",
+    "requantized to the max scale (one FP8 rounding per element of the smaller-scale members)",
     ZERO_POINT_ROUNDING: "zero-point INT4 becomes W4A16_AWQ's zero = -zero_point * scale, rounded once to the model "
-                         "dtype (exact in float32)",
+    "dtype (exact in float32)",
 }
 # model dtype -> unit roundoff of one rounding to it (0: exact); FP8 E4M3 has 3 mantissa bits
-UNIT_ROUNDOFF = {"float32": 0.0, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
-FP8_UNIT_ROUNDOFF = 2.0 ** -4
-FP8_MIN_NORMAL = 2.0 ** -6  # of the code; below it E4M3 steps are 2^-9 (absolute, in units of the scale)
+UNIT_ROUNDOFF = {"float32": 0.0, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+FP8_UNIT_ROUNDOFF = 2.0**-4
+FP8_MIN_NORMAL = 2.0**-6  # of the code; below it E4M3 steps are 2^-9 (absolute, in units of the scale)
 
 
 def accept_hint(step: str) -> str:
@@ -59,16 +59,20 @@ def fp8_requantize_why(modules: Sequence[str], scales: Sequence[float], fused: s
         return None
     parent, names = members_label(modules)
     values = ", ".join(f"{s:.6g}" for s in scales)
-    return (f"{parent}: {names} weight scales differ ({values}); fusing them into TensorRT-LLM's {fused} requantizes "
-            "to the max (one FP8 rounding)")
+    return (
+        f"{parent}: {names} weight scales differ ({values}); fusing them into TensorRT-LLM's {fused} requantizes "
+        "to the max (one FP8 rounding)"
+    )
 
 
 def zero_point_why(fmt_name: str, dtype: str) -> Optional[str]:
     """Why a zero-point INT4 source at model dtype ``dtype`` needs ``zero_point_rounding`` (None: float32, exact)."""
     if not UNIT_ROUNDOFF.get(dtype, 1.0):
         return None
-    return (f"{fmt_name} has zero points: TensorRT-LLM's W4A16_AWQ zero = -zero_point * scale is rounded to the model "
-            f"dtype {dtype} (relative 2^{math.log2(UNIT_ROUNDOFF[dtype]):.0f}; exact only with model.dtype: float32)")
+    return (
+        f"{fmt_name} has zero points: TensorRT-LLM's W4A16_AWQ zero = -zero_point * scale is rounded to the model "
+        f"dtype {dtype} (relative 2^{math.log2(UNIT_ROUNDOFF[dtype]):.0f}; exact only with model.dtype: float32)"
+    )
 
 
 def refusal(step: str, why: str, more: int = 0) -> str:

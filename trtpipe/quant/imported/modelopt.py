@@ -23,26 +23,38 @@ GRANULARITY = {"tensor": "per-tensor", "channel": "per-channel", "group": "group
 # quant_algo -> (engine, llmapi) where a target does not take it (every other one is converted / passed; FP4 below
 # Blackwell is validate's tensor-core rule)
 REFUSED_BY: dict[str, tuple[Action, Action]] = {
-    "W8A8_SQ_PER_CHANNEL": (Action(
-        REFUSED, "trtpipe does not convert ModelOpt INT8 SmoothQuant exports yet (no producer checkpoint to check "
-                 "the conversion against); quantize the original with quantization.algo: int8_sq"), Action(
-        REFUSED, "the PyTorch backend has no W8A8_SQ_PER_CHANNEL linear method ('unsupported quant mode'); "
-                 "use target: engine")),
+    "W8A8_SQ_PER_CHANNEL": (
+        Action(
+            REFUSED,
+            "trtpipe does not convert ModelOpt INT8 SmoothQuant exports yet (no producer checkpoint to check "
+            "the conversion against); quantize the original with quantization.algo: int8_sq",
+        ),
+        Action(
+            REFUSED,
+            "the PyTorch backend has no W8A8_SQ_PER_CHANNEL linear method ('unsupported quant mode'); "
+            "use target: engine",
+        ),
+    ),
 }
 # quant_algo -> (bits, granularity, engine, llmapi): ModelOpt writes the quant_algos of the recipe's schemes
 # (trtpipe.formats.schemes), with the same names
 ALGOS: dict[Optional[str], tuple[Optional[int], str, Action, Action]] = {
     None: (None, "per-tensor", ENGINE_OK, LLMAPI_OK),  # KV-cache only
-    **{s.quant_algo: (s.bits, GRANULARITY[s.scale], *REFUSED_BY.get(s.quant_algo, (ENGINE_OK, LLMAPI_OK)))
-       for s in BY_RECIPE.values()},
+    **{
+        s.quant_algo: (s.bits, GRANULARITY[s.scale], *REFUSED_BY.get(s.quant_algo, (ENGINE_OK, LLMAPI_OK)))
+        for s in BY_RECIPE.values()
+    },
 }
 KV_ALGOS = (None, "FP8")
 
 
 def is_modelopt(hf_quant: Optional[dict], qc: Optional[dict]) -> bool:
     producer = ((hf_quant or {}).get("producer") or {}).get("name")
-    return producer == "modelopt" or (hf_quant is not None and "quantization" in hf_quant) or \
-        str((qc or {}).get("quant_method", "")).startswith("modelopt")
+    return (
+        producer == "modelopt"
+        or (hf_quant is not None and "quantization" in hf_quant)
+        or str((qc or {}).get("quant_method", "")).startswith("modelopt")
+    )
 
 
 def parse(model_dir: Path, hf_quant: Optional[dict], qc: Optional[dict]) -> ImportedFormat:
@@ -64,15 +76,20 @@ def parse(model_dir: Path, hf_quant: Optional[dict], qc: Optional[dict]) -> Impo
         known = ", ".join(a for a in ALGOS if a)
         raise CheckpointError(f"{where}: {key} '{algo}' is not a ModelOpt format trtpipe imports (known: {known})")
     if kv not in KV_ALGOS:
-        raise CheckpointError(f"{where}: kv_cache_quant_algo '{kv}' is not imported (FP8 or none; TensorRT-LLM's "
-                              "PyTorch backend refuses other pre-quantized KV caches)")
+        raise CheckpointError(
+            f"{where}: kv_cache_quant_algo '{kv}' is not imported (FP8 or none; TensorRT-LLM's "
+            "PyTorch backend refuses other pre-quantized KV caches)"
+        )
     bits, gran, engine, llmapi = ALGOS[algo]
     if gran == "group":
         group = BY_QUANT_ALGO[algo].block or group
         if not isinstance(group, int) or group < 1:
-            raise CheckpointError(f"{where}: group_size is {group!r}; {algo} needs a positive integer group size "
-                                  "(absent, TensorRT-LLM silently assumes 128)")
+            raise CheckpointError(
+                f"{where}: group_size is {group!r}; {algo} needs a positive integer group size "
+                "(absent, TensorRT-LLM silently assumes 128)"
+            )
     else:
         group = None
-    return ImportedFormat("modelopt", algo or "kv-only", algo, bits, group, gran, tuple(exclude), kv, engine, llmapi,
-                          where)
+    return ImportedFormat(
+        "modelopt", algo or "kv-only", algo, bits, group, gran, tuple(exclude), kv, engine, llmapi, where
+    )

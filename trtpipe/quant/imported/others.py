@@ -26,23 +26,38 @@ NOT_YET = "trtpipe does not convert {name} checkpoints yet"
 
 
 FBGEMM_UB = 1200.0  # transformers' FbgemmFp8Config default activation_scale_ub, as upstream's converter reads it
-NO_ENGINE_LAYER = ("TensorRT-LLM 1.2's engine quantize() has no {what} layer (FP8 per tensor, FP8 rowwise, NVFP4, "
-                   "SmoothQuant and weight-only only)")
+NO_ENGINE_LAYER = (
+    "TensorRT-LLM 1.2's engine quantize() has no {what} layer (FP8 per tensor, FP8 rowwise, NVFP4, "
+    "SmoothQuant and weight-only only)"
+)
 
 
 def parse_fbgemm(model_dir: Path, qc: dict, where: str) -> ImportedFormat:
     ub = qc.get("activation_scale_ub", FBGEMM_UB)
     if isinstance(ub, bool) or not isinstance(ub, (int, float)) or ub <= 0:
-        raise CheckpointError(f"{where}: quantization_config.activation_scale_ub is {ub!r}, a positive number is needed")
+        raise CheckpointError(
+            f"{where}: quantization_config.activation_scale_ub is {ub!r}, a positive number is needed"
+        )
     llmapi = Action(REFUSED, "trtpipe does not re-lay out fbgemm FP8 checkpoints for llmapi yet; use target: engine")
-    return ImportedFormat("fbgemm_fp8", "FP8 rowwise", "FP8_PER_CHANNEL_PER_TOKEN", 8, None, "per-channel",
-                          tuple(qc.get("modules_to_not_convert") or ()), None,
-                          Action(CONVERTED, "via FP8_PER_CHANNEL_PER_TOKEN"), llmapi, where,
-                          {"clamp_val": [-float(ub), float(ub)]})
+    return ImportedFormat(
+        "fbgemm_fp8",
+        "FP8 rowwise",
+        "FP8_PER_CHANNEL_PER_TOKEN",
+        8,
+        None,
+        "per-channel",
+        tuple(qc.get("modules_to_not_convert") or ()),
+        None,
+        Action(CONVERTED, "via FP8_PER_CHANNEL_PER_TOKEN"),
+        llmapi,
+        where,
+        {"clamp_val": [-float(ub), float(ub)]},
+    )
 
 
-def fbgemm_canonical(fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, where: str, out_f: int,
-                     in_f: int) -> dict[str, torch.Tensor]:
+def fbgemm_canonical(
+    fmt: ImportedFormat, t: dict[str, torch.Tensor], module: str, where: str, out_f: int, in_f: int
+) -> dict[str, torch.Tensor]:
     """One fbgemm FP8 projection -> ModelOpt FP8_PER_CHANNEL_PER_TOKEN tensors (codes as is, scale ``[out]`` F32)."""
     extra = set(t) - {"weight", "weight_scale", "bias"}
     if extra:
@@ -57,18 +72,56 @@ def parse_fp8(model_dir: Path, qc: dict, where: str) -> ImportedFormat:
     block = qc.get("weight_block_size")
     if block is None:
         why = NOT_YET.format(name="'fp8' (no weight_block_size)")
-        return ImportedFormat("fp8", "FP8", None, 8, None, "per-tensor", tuple(qc.get("modules_to_not_convert") or ()),
-                              None, Action(REFUSED, why), Action(REFUSED, why), where)
+        return ImportedFormat(
+            "fp8",
+            "FP8",
+            None,
+            8,
+            None,
+            "per-tensor",
+            tuple(qc.get("modules_to_not_convert") or ()),
+            None,
+            Action(REFUSED, why),
+            Action(REFUSED, why),
+            where,
+        )
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise CheckpointError(f"{where}: quantization_config.weight_block_size is {block!r}, two positive integers needed")
+        raise CheckpointError(
+            f"{where}: quantization_config.weight_block_size is {block!r}, two positive integers needed"
+        )
     engine = Action(REFUSED, NO_ENGINE_LAYER.format(what="block-scaled FP8") + "; use target: llmapi")
-    llmapi = Action(PASSED) if block == [128, 128] else Action(
-        REFUSED, f"TensorRT-LLM 1.2 loads FP8 block scales of [128, 128] only (AssertionError for {block})")
-    return ImportedFormat("fp8_block", f"FP8 block {block[0]}x{block[1]}", "FP8_BLOCK_SCALES", 8, None, "block",
-                          tuple(qc.get("modules_to_not_convert") or ()), None, engine, llmapi, where)
+    llmapi = (
+        Action(PASSED)
+        if block == [128, 128]
+        else Action(REFUSED, f"TensorRT-LLM 1.2 loads FP8 block scales of [128, 128] only (AssertionError for {block})")
+    )
+    return ImportedFormat(
+        "fp8_block",
+        f"FP8 block {block[0]}x{block[1]}",
+        "FP8_BLOCK_SCALES",
+        8,
+        None,
+        "block",
+        tuple(qc.get("modules_to_not_convert") or ()),
+        None,
+        engine,
+        llmapi,
+        where,
+    )
 
 
 def parse_mxfp4(model_dir: Path, qc: dict, where: str) -> ImportedFormat:
     engine = Action(REFUSED, NO_ENGINE_LAYER.format(what="MXFP4") + "; use target: llmapi")
-    return ImportedFormat("mxfp4", "MXFP4 experts", None, 4, 32, "group",
-                          tuple(qc.get("modules_to_not_convert") or ()), None, engine, Action(PASSED), where)
+    return ImportedFormat(
+        "mxfp4",
+        "MXFP4 experts",
+        None,
+        4,
+        32,
+        "group",
+        tuple(qc.get("modules_to_not_convert") or ()),
+        None,
+        engine,
+        Action(PASSED),
+        where,
+    )

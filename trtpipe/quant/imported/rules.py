@@ -61,18 +61,34 @@ def _imported_source(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding
     q = recipe.quantization
     lossy_key = recipe.model.allow_lossy_import and (fmt is None or recipe.target != "engine")
     if lossy_key:
-        yield lossy.KEY, ("the llmapi target loads a pre-quantized source as stored or re-laid out exactly (no lossy "
-                          "step); remove it" if fmt is not None else
-                          "lists lossy steps of converting a pre-quantized source; this source is not quantized")
+        yield (
+            lossy.KEY,
+            (
+                "the llmapi target loads a pre-quantized source as stored or re-laid out exactly (no lossy "
+                "step); remove it"
+                if fmt is not None
+                else "lists lossy steps of converting a pre-quantized source; this source is not quantized"
+            ),
+        )
     if fmt is None:
         if recipe.accuracy.reference is not None:
-            yield "accuracy.reference", ("the reference is the unquantized original of a pre-quantized model.source; "
-                                         "this source is not quantized (the gate compares against it already)")
+            yield (
+                "accuracy.reference",
+                (
+                    "the reference is the unquantized original of a pre-quantized model.source; "
+                    "this source is not quantized (the gate compares against it already)"
+                ),
+            )
         return
     for key, value in (("quantization.algo", q.algo), ("quantization.kv_cache", q.kv_cache)):
         if value != "none" and not _quantizes_only_the_rest(m):
-            yield key, (f"model.source is already quantized ({fmt.describe()}); remove {key} (trtpipe does not "
-                        "quantize a quantized checkpoint again)")
+            yield (
+                key,
+                (
+                    f"model.source is already quantized ({fmt.describe()}); remove {key} (trtpipe does not "
+                    "quantize a quantized checkpoint again)"
+                ),
+            )
     action = fmt.action(recipe.target)
     if not action.ok:
         yield "target", f"model.source is {fmt.describe()}: refused for target {recipe.target}: {action.why}"
@@ -81,8 +97,13 @@ def _imported_source(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding
 
         why = moe_refusal(fmt)
         if why:
-            yield "target", (f"model.source is {fmt.describe()}: its mixture-of-experts layers are refused for target "
-                             f"engine: {why}")
+            yield (
+                "target",
+                (
+                    f"model.source is {fmt.describe()}: its mixture-of-experts layers are refused for target "
+                    f"engine: {why}"
+                ),
+            )
     if fmt.group_size and action.ok and recipe.target == "engine":
         yield from _whole_groups(recipe, m, fmt)
     if fmt.quant_algo == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN" and action.ok and recipe.target == "engine":
@@ -92,9 +113,14 @@ def _imported_source(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding
     ref = recipe.accuracy.reference
     for key in ("max_ppl_increase_pct", "min_top1_agreement", "max_kl_divergence"):
         if ref is None and getattr(recipe.accuracy, key) is not None:
-            yield f"accuracy.{key}", ("a pre-quantized source has no unquantized model to compare against: set "
-                                      "accuracy.reference to the original, or drop the threshold (perplexity alone "
-                                      "is reported)")
+            yield (
+                f"accuracy.{key}",
+                (
+                    "a pre-quantized source has no unquantized model to compare against: set "
+                    "accuracy.reference to the original, or drop the threshold (perplexity alone "
+                    "is reported)"
+                ),
+            )
     if ref is not None and not ref.startswith("hf://"):
         path = recipe.resolve(ref)
         if not (path / "config.json").is_file():
@@ -120,8 +146,11 @@ def _whole_groups(recipe: Recipe, m: ModelDims, fmt) -> Iterable[Finding]:
 
     family = get_family(m.architecture)
     pre = m.weight_prefix + family.hf_layer_prefix.format(0)
-    hf_of = {r.trt[: -len(".weight")]: [pre + h[: -len(".weight")] for h in r.hf] for r in family.layer_rules
-             if r.when(m) and r.trt.endswith(".weight")}
+    hf_of = {
+        r.trt[: -len(".weight")]: [pre + h[: -len(".weight")] for h in r.hf]
+        for r in family.layer_rules
+        if r.when(m) and r.trt.endswith(".weight")
+    }
     layout = LAYOUTS.get(fmt.quant_algo)
     row_pairs = layout is None or layout.weight_shape == "rows/2"  # INT4 packs output rows; NVFP4 packs the inputs
     tp = recipe.parallel.tp
@@ -130,9 +159,14 @@ def _whole_groups(recipe: Recipe, m: ModelDims, fmt) -> Iterable[Finding]:
         if all(matches(h, fmt.exclude) for h in hf_of.get(name, [])):
             continue  # left unquantized by the checkpoint
         at = f"tp={tp}" + (f" (moe_tp={moe_tp})" if moe_tp is not None and name.startswith("mlp.") else "")
-        yield "parallel.tp", (f"model.source is {fmt.name} with group size {fmt.group_size}: at {at} "
-                              f"{name} {why} (the checkpoint's groups cannot be re-cut); use a smaller tp"
-                              + (" or moe_tp" if moe_tp is not None and name.startswith("mlp.") else ""))
+        yield (
+            "parallel.tp",
+            (
+                f"model.source is {fmt.name} with group size {fmt.group_size}: at {at} "
+                f"{name} {why} (the checkpoint's groups cannot be re-cut); use a smaller tp"
+                + (" or moe_tp" if moe_tp is not None and name.startswith("mlp.") else "")
+            ),
+        )
 
 
 def _sq_alignment(recipe: Recipe, m: ModelDims) -> Iterable[Finding]:
@@ -204,7 +238,9 @@ def _nvfp4_unshared(recipe: Recipe, m: ModelDims, fmt) -> list[str]:
         for layer in range(m.num_layers):
             for fused, modules in _fused_modules(m, layer):
                 names = [{s: f"{h}.{s}" for s, _ in NVFP4_SHARED} for h in modules]
-                if any(matches(h, fmt.exclude) for h in modules) or any(n not in reader for d in names for n in d.values()):
+                if any(matches(h, fmt.exclude) for h in modules) or any(
+                    n not in reader for d in names for n in d.values()
+                ):
                     continue  # unquantized, or a missing tensor the conversion names
                 why = nvfp4_unshared_why(modules, [{s: reader.get(n) for s, n in d.items()} for d in names], fused)
                 if why is not None:
@@ -241,8 +277,11 @@ def _lossy_steps(recipe: Recipe, m: ModelDims, fmt) -> Iterable[Finding]:
             if whys:
                 more = f" (and {len(whys) - 1} more fused linears)" if len(whys) > 1 else ""
                 yield "model.source", whys[0] + more
-        if fmt.params.get("zero_point") and lossy.ZERO_POINT_ROUNDING not in allowed and (
-                local or recipe.model.dtype != "auto"):
+        if (
+            fmt.params.get("zero_point")
+            and lossy.ZERO_POINT_ROUNDING not in allowed
+            and (local or recipe.model.dtype != "auto")
+        ):
             why = lossy.zero_point_why(f"{fmt.family} {fmt.name}", _source_dtype(recipe))
             if why is not None:
                 yield key, lossy.refusal(lossy.ZERO_POINT_ROUNDING, why)

@@ -123,8 +123,9 @@ def _meta(ts: list[torch.Tensor]) -> bool:
 
 def _same(ts: list[torch.Tensor], what: str) -> torch.Tensor:
     if not _meta(ts) and any(not torch.equal(ts[0].float(), t.float()) for t in ts[1:]):
-        raise CheckpointError(f"{what} differ between the projections fused into one linear; TensorRT-LLM keeps one "
-                              "per fused linear")
+        raise CheckpointError(
+            f"{what} differ between the projections fused into one linear; TensorRT-LLM keeps one per fused linear"
+        )
     return ts[0]
 
 
@@ -134,7 +135,7 @@ def requantize_fp8(q: torch.Tensor, s_from: torch.Tensor, s_to: torch.Tensor) ->
     out = torch.empty_like(q)
     step = max(1, REQUANT_BYTES // (4 * max(1, q[0].numel())))
     for r in range(0, q.shape[0], step):
-        out[r: r + step] = quantize(dequantize(q[r: r + step], s_from, "fp8", "tensor"), s_to, "fp8", "tensor")
+        out[r : r + step] = quantize(dequantize(q[r : r + step], s_from, "fp8", "tensor"), s_to, "fp8", "tensor")
     return out
 
 
@@ -152,7 +153,6 @@ def _fp8_shared(ms: list[dict], what: str) -> tuple[torch.Tensor, torch.Tensor]:
 def _stack_meta(ts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
     """Per-expert scalars stacked to ``shape`` in float32 (a meta tensor when they are)."""
     return torch.empty(shape, device="meta") if _meta(ts) else torch.stack(ts).float().reshape(shape)
-
 
 
 def _amax1(ms: list[dict], key: str) -> torch.Tensor:
@@ -188,8 +188,11 @@ def _w8a16(ms, in_f, dtype, what):
 
 
 def _sq(ms, in_f, dtype, what):
-    return {**_w8a16(ms, in_f, dtype, what), "prequant_scaling_factor": _prequant(ms, in_f, dtype, what),
-            "activation_scaling_factor": _amax1(ms, "input_scale")}
+    return {
+        **_w8a16(ms, in_f, dtype, what),
+        "prequant_scaling_factor": _prequant(ms, in_f, dtype, what),
+        "activation_scaling_factor": _amax1(ms, "input_scale"),
+    }
 
 
 def _sq_per_token(ms, in_f, dtype, what):
@@ -199,8 +202,11 @@ def _sq_per_token(ms, in_f, dtype, what):
 def sq_plugin_extras(linear: str, in_f: int, dtype: torch.dtype, meta: bool) -> dict[str, torch.Tensor]:
     """The plugin SmoothQuant layer tensors that belong to no source projection, by name relative to the layer:
     a row linear's unit ``smoother`` [1, in], the unit ``scale_to_int`` of the norm a linear group reads."""
-    make = (lambda shape, dt: torch.empty(shape, dtype=dt, device="meta")) if meta else \
-        (lambda shape, dt: torch.ones(shape, dtype=dt))
+    make = (
+        (lambda shape, dt: torch.empty(shape, dtype=dt, device="meta"))
+        if meta
+        else (lambda shape, dt: torch.ones(shape, dtype=dt))
+    )
     out = {}
     if STYLE[linear] == "row":
         out[f"{linear}.smoother"] = make((1, in_f), torch.float32)
@@ -220,8 +226,10 @@ def sq_misaligned(linear: str, in_f: int, tp: int) -> Optional[str]:
     per_rank = in_f // tp if STYLE[linear] == "row" else in_f
     if per_rank % SQ_ROW_ALIGN == 0:
         return None
-    return (f"has {per_rank} input features per rank at tp {tp}; TensorRT-LLM's SmoothQuant plugin linears need a "
-            f"multiple of {SQ_ROW_ALIGN} (use another tp)")
+    return (
+        f"has {per_rank} input features per rank at tp {tp}; TensorRT-LLM's SmoothQuant plugin linears need a "
+        f"multiple of {SQ_ROW_ALIGN} (use another tp)"
+    )
 
 
 def zero_of(zero_point: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -234,8 +242,11 @@ def zero_of(zero_point: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
 
 
 def _awq(ms, in_f, dtype, what):
-    out = {"weight": _cat(ms, "weight").view(torch.int8), "weights_scaling_factor": _cat(ms, "weight_scale").float(),
-           "prequant_scaling_factor": _prequant(ms, in_f, dtype, what)}
+    out = {
+        "weight": _cat(ms, "weight").view(torch.int8),
+        "weights_scaling_factor": _cat(ms, "weight_scale").float(),
+        "prequant_scaling_factor": _prequant(ms, in_f, dtype, what),
+    }
     zps = [m.get("zero_point") for m in ms]
     if any(z is not None for z in zps):
         if any(z is None for z in zps):
@@ -280,9 +291,11 @@ def nvfp4_unshared_why(modules: list[str], members: list[dict], fused: str) -> O
         if len(set(values)) > 1:
             parent, names = lossy.members_label(modules)
             listed = ", ".join(f"{v:.6g}" for v in values)
-            return (f"{parent}: {names} {src} differ ({listed}); TensorRT-LLM's NVFP4 {fused} keeps one per fused "
-                    "linear and trtpipe does not requantize NVFP4 codes to share one; use a checkpoint whose fused "
-                    "projections share it (ModelOpt's export does) or target: llmapi")
+            return (
+                f"{parent}: {names} {src} differ ({listed}); TensorRT-LLM's NVFP4 {fused} keeps one per fused "
+                "linear and trtpipe does not requantize NVFP4 codes to share one; use a checkpoint whose fused "
+                "projections share it (ModelOpt's export does) or target: llmapi"
+            )
     return None
 
 
@@ -308,25 +321,32 @@ NO_EXCLUDED_LINEARS = ("W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",)
 # W4A16 experts: the engine layout (trtpipe.checkpoint.quant_layouts) has ONE pre-quant scale per linear for all
 # experts. A source without pre-quant scales and without zero points maps onto it exactly (unit scale; codes and group
 # scales copied); these are the other W4A16 sources, by why they are not converted.
-MOE_INT4_PREQUANT = ("its experts carry per-expert pre_quant_scale (ModelOpt W4A16_AWQ); TensorRT-LLM 1.2's MoE layer "
-                     "reads one pre-quant scale for all the experts of a linear, so they would have to be resmoothed "
-                     "into one and requantized, which trtpipe does not do (it writes W4A16 AWQ experts from its own "
-                     "calibration: quantization.algo int4_awq on the unquantized model; or use a symmetric "
-                     "compressed-tensors / GPTQ W4A16 source, whose experts convert exactly)")
-MOE_INT4_ZERO = ("its experts have zero points, and trtpipe converts zero-point INT4 experts from compressed-tensors "
-                 "W4A16 asymmetric and GPTQ sym: false checkpoints only (no AutoAWQ mixture-of-experts checkpoint "
-                 "was checked against its producer)")
-MOE_INT4_ACT_ORDER = ("GPTQ act-order (desc_act: true) experts are not converted: whether each expert's g_idx is "
-                      "contiguous is known only from its tensors, and TensorRT-LLM's MoE kernels have no g_idx; "
-                      "re-quantize without desc_act")
+MOE_INT4_PREQUANT = (
+    "its experts carry per-expert pre_quant_scale (ModelOpt W4A16_AWQ); TensorRT-LLM 1.2's MoE layer "
+    "reads one pre-quant scale for all the experts of a linear, so they would have to be resmoothed "
+    "into one and requantized, which trtpipe does not do (it writes W4A16 AWQ experts from its own "
+    "calibration: quantization.algo int4_awq on the unquantized model; or use a symmetric "
+    "compressed-tensors / GPTQ W4A16 source, whose experts convert exactly)"
+)
+MOE_INT4_ZERO = (
+    "its experts have zero points, and trtpipe converts zero-point INT4 experts from compressed-tensors "
+    "W4A16 asymmetric and GPTQ sym: false checkpoints only (no AutoAWQ mixture-of-experts checkpoint "
+    "was checked against its producer)"
+)
+MOE_INT4_ACT_ORDER = (
+    "GPTQ act-order (desc_act: true) experts are not converted: whether each expert's g_idx is "
+    "contiguous is known only from its tensors, and TensorRT-LLM's MoE kernels have no g_idx; "
+    "re-quantize without desc_act"
+)
 # families whose symmetric W4A16 experts were checked against a producer's (or the format's) checkpoint
 MOE_INT4_FAMILIES = ("compressed-tensors", "gptq")
 # families whose zero-point W4A16 experts were (llm-compressor's asymmetric export; GPTQ sym: false packed from it)
 MOE_INT4_ZERO_FAMILIES = ("compressed-tensors", "gptq")
 # canonical quant_algo -> why its experts get no engine layout (FP8, W4A16_AWQ: see moe_refusal; absent: generic
 # line): the scheme table's moe_why["engine"]
-MOE_REFUSED: dict[str, str] = {a: BY_QUANT_ALGO[a].moe_why["engine"] for a in FUSE
-                               if "engine" in BY_QUANT_ALGO[a].moe_why}
+MOE_REFUSED: dict[str, str] = {
+    a: BY_QUANT_ALGO[a].moe_why["engine"] for a in FUSE if "engine" in BY_QUANT_ALGO[a].moe_why
+}
 MOE_FAMILIES = ("modelopt",)  # sources whose FP8 experts were checked against their producer's checkpoint
 
 
@@ -335,8 +355,10 @@ MOE_INT4_REFUSED: tuple[tuple[Callable[[ImportedFormat], bool], str], ...] = (
     (lambda f: bool(f.params.get("zero_point")) and f.family not in MOE_INT4_ZERO_FAMILIES, MOE_INT4_ZERO),  # AutoAWQ
     (lambda f: f.family == "modelopt", MOE_INT4_PREQUANT),
     (lambda f: bool(f.params.get("act_order")), MOE_INT4_ACT_ORDER),
-    (lambda f: f.family not in MOE_INT4_FAMILIES, "trtpipe converts W4A16 mixture-of-experts layers from "
-                                                  "compressed-tensors and GPTQ checkpoints only"),
+    (
+        lambda f: f.family not in MOE_INT4_FAMILIES,
+        "trtpipe converts W4A16 mixture-of-experts layers from compressed-tensors and GPTQ checkpoints only",
+    ),
 )
 
 
@@ -351,8 +373,10 @@ def moe_refusal(fmt: ImportedFormat) -> Optional[str]:
     if fmt.quant_algo is None or (fmt.quant_algo == "FP8" and fmt.family in MOE_FAMILIES):
         return None
     if fmt.quant_algo == "FP8":
-        return ("trtpipe converts FP8 mixture-of-experts layers from ModelOpt unified checkpoints only "
-                f"(no {fmt.family} MoE checkpoint was checked against its producer)")
+        return (
+            "trtpipe converts FP8 mixture-of-experts layers from ModelOpt unified checkpoints only "
+            f"(no {fmt.family} MoE checkpoint was checked against its producer)"
+        )
     if fmt.quant_algo == "W4A16_AWQ":
         return _int4_moe_refusal(fmt)
     return MOE_REFUSED.get(fmt.quant_algo, f"trtpipe has no engine layout for {fmt.quant_algo} experts")
@@ -373,9 +397,15 @@ def matches(name: str, patterns: tuple[str, ...]) -> bool:
     """Whether module ``name`` is in an exclude list: exact names, fnmatch patterns (ModelOpt), ``re:`` regexes
     (compressed-tensors), a parent module, or a run of name components (transformers' ``modules_to_not_convert``
     entries such as ``lm_head`` or ``mlp``)."""
-    return any(name == p or (p.startswith("re:") and re.fullmatch(p[3:], name)) or
-               (not p.startswith("re:") and (fnmatch.fnmatchcase(name, p) or name.startswith(p + ".")
-                                              or f".{p}." in f".{name}.")) for p in patterns)
+    return any(
+        name == p
+        or (p.startswith("re:") and re.fullmatch(p[3:], name))
+        or (
+            not p.startswith("re:")
+            and (fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") or f".{p}." in f".{name}.")
+        )
+        for p in patterns
+    )
 
 
 def module_index(keys) -> dict[str, dict[str, str]]:
@@ -391,13 +421,17 @@ def _fp8_expert(members: list[dict], modules: list[str], what: str) -> tuple[lis
     """One FP8 expert: its up and gate share the max of their scales (the other requantized, as upstream's
     ``MOEWeightWrapper.postprocess`` does); its input scale the max of theirs."""
     codes, s = _fp8_shared(members, what)
-    return list(codes.split([m["weight"].shape[0] for m in members])), {"s": s.reshape(1),
-                                                                        "input": _amax1(members, "input_scale")}
+    return list(codes.split([m["weight"].shape[0] for m in members])), {
+        "s": s.reshape(1),
+        "input": _amax1(members, "input_scale"),
+    }
 
 
 def _fp8_expert_scales(per_expert: list[dict], num: int, in_f: int, dtype, meta: bool) -> dict[str, torch.Tensor]:
-    return {"weights_scaling_factor": _stack_meta([x["s"] for x in per_expert], (num, 1)),
-            "activation_scaling_factor": _stack_meta([x["input"] for x in per_expert], (num, 1)).amax(0)}
+    return {
+        "weights_scaling_factor": _stack_meta([x["s"] for x in per_expert], (num, 1)),
+        "activation_scaling_factor": _stack_meta([x["input"] for x in per_expert], (num, 1)).amax(0),
+    }
 
 
 def _int4_expert(members: list[dict], modules: list[str], what: str) -> tuple[list[torch.Tensor], dict]:
@@ -409,9 +443,11 @@ def _int4_expert(members: list[dict], modules: list[str], what: str) -> tuple[li
             raise CheckpointError(f"{what}: tensor '{module}' has a pre_quant_scale: {MOE_INT4_PREQUANT}")
     has = ["zero_point" in m for m in members]
     if any(has) and not all(has):
-        raise CheckpointError(f"{what}: tensor '{modules[has.index(False)]}' has no zero_point and "
-                              f"'{modules[has.index(True)]}' has one; projections fused into one linear must be "
-                              "quantized alike")
+        raise CheckpointError(
+            f"{what}: tensor '{modules[has.index(False)]}' has no zero_point and "
+            f"'{modules[has.index(True)]}' has one; projections fused into one linear must be "
+            "quantized alike"
+        )
     extra = {"ws": [m["weight_scale"] for m in members]}
     if all(has):
         extra["zp"] = [m["zero_point"] for m in members]
@@ -427,8 +463,9 @@ def _int4_expert_scales(per_expert: list[dict], num: int, in_f: int, dtype, meta
     pqs = torch.empty(in_f, dtype=dtype, device="meta") if meta else torch.ones(in_f, dtype=dtype)
     out = {"weights_scaling_factor": ws, "prequant_scaling_factor": pqs}
     if "zp" in per_expert[0]:  # every expert has them: each family's canonical() refuses zeros the config lacks
-        out["zero"] = torch.stack([torch.cat([zero_of(x["zp"][i], x["ws"][i], dtype) for i in members], dim=-1)
-                                   for x in per_expert])
+        out["zero"] = torch.stack(
+            [torch.cat([zero_of(x["zp"][i], x["ws"][i], dtype) for i in members], dim=-1) for x in per_expert]
+        )
     return out
 
 
@@ -463,28 +500,41 @@ class ImportedLinears:
         self._moe_excluded: dict[int, dict[str, bool]] = {}  # layer -> expert rule -> left unquantized
 
     def _hf_modules(self, plan, rule: Rule, layer: int) -> list[str]:
-        return rule_modules(plan.info.weight_prefix + plan.family.hf_layer_prefix.format(layer), rule,
-                            plan.info.num_experts)
+        return rule_modules(
+            plan.info.weight_prefix + plan.family.hf_layer_prefix.format(layer), rule, plan.info.num_experts
+        )
 
     def owns(self, plan, rule: Rule, layer: int) -> bool:
         """Whether this layer rule's tensor is a quantized linear this importer supplies."""
-        if self.fmt.quant_algo is None or not rule.trt.endswith(".weight") or rule.trt[: -len(".weight")] not in LINEARS:
+        if (
+            self.fmt.quant_algo is None
+            or not rule.trt.endswith(".weight")
+            or rule.trt[: -len(".weight")] not in LINEARS
+        ):
             return False
         if is_experts(rule) and moe_refusal(self.fmt):
-            raise CheckpointError(f"{self.where}: {self.fmt.describe()}: mixture-of-experts layers are not converted "
-                                  f"for the engine target: {moe_refusal(self.fmt)}")
+            raise CheckpointError(
+                f"{self.where}: {self.fmt.describe()}: mixture-of-experts layers are not converted "
+                f"for the engine target: {moe_refusal(self.fmt)}"
+            )
         if rule.combine not in ("one", "cat") and not is_experts(rule):
-            raise CheckpointError(f"{self.where}: {self.fmt.describe()}: {rule.trt} ({rule.combine}) has no "
-                                  "conversion for the engine target")
+            raise CheckpointError(
+                f"{self.where}: {self.fmt.describe()}: {rule.trt} ({rule.combine}) has no "
+                "conversion for the engine target"
+            )
         modules = self._hf_modules(plan, rule, layer)
         excluded = [matches(m, self.fmt.exclude) for m in modules]
         if any(excluded) and not all(excluded):
-            raise CheckpointError(f"{self.where}: exclude_modules leaves {modules[excluded.index(False)]} quantized but "
-                                  f"{modules[excluded.index(True)]} not; fused projections must be quantized alike")
+            raise CheckpointError(
+                f"{self.where}: exclude_modules leaves {modules[excluded.index(False)]} quantized but "
+                f"{modules[excluded.index(True)]} not; fused projections must be quantized alike"
+            )
         if all(excluded) and self.fmt.quant_algo in NO_EXCLUDED_LINEARS:
-            raise CheckpointError(f"{self.where}: {modules[0]} is left unquantized, but TensorRT-LLM's "
-                                  f"{self.fmt.quant_algo} layers quantize every decoder linear (smooth_quantize_plugin "
-                                  "ignores exclude_modules)")
+            raise CheckpointError(
+                f"{self.where}: {modules[0]} is left unquantized, but TensorRT-LLM's "
+                f"{self.fmt.quant_algo} layers quantize every decoder linear (smooth_quantize_plugin "
+                "ignores exclude_modules)"
+            )
         if is_experts(rule):
             self._check_moe_alike(layer, rule, all(excluded))
         if all(excluded):
@@ -504,9 +554,11 @@ class ImportedLinears:
         if len(set(seen.values())) > 1:
             kept = next(t for t, x in seen.items() if not x).removesuffix(".weight")
             left = next(t for t, x in seen.items() if x).removesuffix(".weight")
-            raise CheckpointError(f"{self.where}: layer {layer}: exclude_modules leaves the experts of {left} "
-                                  f"unquantized but not those of {kept}; TensorRT-LLM quantizes a MoE layer as "
-                                  "a whole (exclude all of its experts or none)")
+            raise CheckpointError(
+                f"{self.where}: layer {layer}: exclude_modules leaves the experts of {left} "
+                f"unquantized but not those of {kept}; TensorRT-LLM quantizes a MoE layer as "
+                "a whole (exclude all of its experts or none)"
+            )
 
     def _tensors(self, reader, module: str, meta: bool, used: Optional[set]) -> dict[str, torch.Tensor]:
         names = self.modules.get(module, {})
@@ -543,10 +595,15 @@ class ImportedLinears:
                 members.append(c)
                 raw.extend(r)
             if not meta:
-                self._check_lossy([modules[i * num + e] for i in range(len(rule.shapes))], members,
-                                  f"{rule.trt[: -len('.weight')]} expert {e}", plan.dtype)
-            pieces, extra = fuse(members, [modules[i * num + e] for i in range(len(members))],
-                                 f"{self.where}: {trt} expert {e}")
+                self._check_lossy(
+                    [modules[i * num + e] for i in range(len(rule.shapes))],
+                    members,
+                    f"{rule.trt[: -len('.weight')]} expert {e}",
+                    plan.dtype,
+                )
+            pieces, extra = fuse(
+                members, [modules[i * num + e] for i in range(len(members))], f"{self.where}: {trt} expert {e}"
+            )
             for i, piece in enumerate(pieces):
                 parts[i].append(piece)
             per_expert.append(extra)
@@ -557,8 +614,9 @@ class ImportedLinears:
                         reader.drop_pages(v)
         names = [[self._weight_name(modules[i * num + e]) for e in range(num)] for i in range(len(rule.hf))]
         if meta:
-            weight = torch.empty(num, sum(p[0].shape[0] for p in parts), parts[0][0].shape[1],
-                                 dtype=parts[0][0].dtype, device="meta")
+            weight = torch.empty(
+                num, sum(p[0].shape[0] for p in parts), parts[0][0].shape[1], dtype=parts[0][0].dtype, device="meta"
+            )
         elif stream:
             weight = ExpertParts(tuple(map(tuple, parts)), tuple(map(tuple, names)))
         else:
@@ -575,9 +633,9 @@ class ImportedLinears:
         names = self.modules.get(module, {})
         return next((names[k] for k in WEIGHT_KEYS if k in names), module)
 
-    def layer_tensors(self, reader, plan, layer: int, rules: list[Rule], meta: bool,
-                      used: Optional[set],
-                      stream_experts: bool = False) -> Iterator[tuple[str, torch.Tensor, list[str]]]:
+    def layer_tensors(
+        self, reader, plan, layer: int, rules: list[Rule], meta: bool, used: Optional[set], stream_experts: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor, list[str]]]:
         """(TRT-LLM name, unsharded tensor, source names) of the owned ``rules`` of ``layer`` and its KV scales;
         with ``stream_experts`` a stacked expert weight comes as its :class:`ExpertParts`."""
         d = shape_symbols(plan.info)
@@ -618,8 +676,9 @@ class ImportedLinears:
         """Refuse a lossy step these members need and the recipe does not accept (the backstop of validate's)."""
         if self.fmt.quant_algo == "FP8" and len(members) > 1:
             scales = [float(m["weight_scale"].float().reshape(())) for m in members]
-            lossy.require(lossy.FP8_REQUANTIZE, lossy.fp8_requantize_why(modules, scales, fused), self.allow_lossy,
-                          self.where)
+            lossy.require(
+                lossy.FP8_REQUANTIZE, lossy.fp8_requantize_why(modules, scales, fused), self.allow_lossy, self.where
+            )
         if self.fmt.quant_algo == "NVFP4":
             why = nvfp4_unshared_why(modules, members, fused)
             if why:
