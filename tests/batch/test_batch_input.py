@@ -129,3 +129,20 @@ def test_cli_refuses_a_priority_outside_0_1(tmp_path, value):
     )
     assert r.returncode == 2 and "--priority" in r.stderr and "expected a number in [0, 1] or 'none'" in r.stderr
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_cli_refuses_the_input_as_output_and_leaves_it_whole(tmp_path):
+    p = tmp_path / "in.jsonl"
+    text = "\n".join([line("a"), line("b")])  # no final newline
+    p.write_text(text)
+    r = subprocess.run(
+        [sys.executable, "-m", "trtpipe.cli", "batch", "http://127.0.0.1:9", "-i", str(p), "-o", str(p)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"{p}: the output file is the input file ({p}); give each its own file"
+    assert p.read_text() == text and sorted(x.name for x in tmp_path.iterdir()) == ["in.jsonl"]

@@ -4,6 +4,7 @@ job's are refused by file:line, a second job on the same output is refused, the 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -139,3 +140,86 @@ def test_retry_errors_leaves_a_refused_journal_untouched(tmp_path):
     assert clean.open(reqs("a", "b", "c", "zzz")) == {"b", "zzz"}  # without the flag nothing is retried
     clean.close()
     assert clean.retried == 0 and not list(tmp_path.glob("*.retried-*"))
+
+
+def _roles(tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(b'{"custom_id": "a"}\n{"custom_id": "b"}')  # no final newline: b is a line, not torn
+    out = tmp_path / "out.jsonl"
+    return inp, out, {"input": inp, "output": out, "errors": default_errors_path(out), "state": default_state_path(out)}
+
+
+@pytest.mark.parametrize(
+    "role, other, how",
+    [
+        ("output", "input", "same path"),
+        ("output", "input", "relative"),
+        ("output", "input", "symlink"),
+        ("state", "input", "same path"),
+        ("state", "output", "same path"),
+        ("errors", "input", "hard link"),
+        ("state", "errors", "symlink"),
+    ],
+)
+def test_one_file_in_two_roles_is_refused_before_anything_is_touched(tmp_path, monkeypatch, role, other, how):
+    inp, out, paths = _roles(tmp_path)
+    paths["output"].write_bytes(rec("a"))  # an output holding a result: it must survive too
+    target = paths[other]
+    if how == "relative":
+        monkeypatch.chdir(tmp_path / "..")
+        paths[role] = target.parent.relative_to(tmp_path.parent) / ".." / target.parent.name / target.name
+    elif how in ("symlink", "hard link"):
+        alias = tmp_path / f"alias-{role}.jsonl"
+        if not target.exists():
+            target.write_bytes(b"")
+        (alias.symlink_to if how == "symlink" else alias.hardlink_to)(target)
+        paths[role] = alias
+    else:
+        paths[role] = target
+    before = {p: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    j = Journal(paths["input"], paths["output"], paths["errors"], paths["state"], "http://127.0.0.1:9")
+    with pytest.raises(BatchError, match=rf"the {role} file is the {other} file|the {other} file is the {role} file"):
+        j.open(reqs("a", "b"))
+    after = {p: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    assert after == before  # nothing created, cut or overwritten
+
+
+def test_distinct_files_are_accepted_and_the_inputs_last_line_is_a_request(tmp_path):
+    inp, out, paths = _roles(tmp_path)
+    j = Journal(inp, out, paths["errors"], paths["state"], "http://127.0.0.1:9")
+    assert j.open(reqs("a", "b")) == set() and not j.torn
+    j.close()
+    assert inp.read_bytes().endswith(b'{"custom_id": "b"}')
+
+
+def test_a_full_disk_is_one_line_with_its_own_exit_status_and_leaves_no_part_of_a_line(tmp_path, monkeypatch):
+    import errno
+
+    import trtpipe.batch.journal as journal_module
+    from trtpipe.batch.journal import DiskFullError
+
+    j = journal(tmp_path)
+    j.open(reqs("a", "b", "c"))
+    j.append(json.loads(rec("a")), failed=False)
+    whole = j.output.read_bytes()
+    real_write = os.write
+
+    def write_half_then_fill(fd, data):
+        if len(data) > 8:
+            real_write(fd, bytes(data[:8]))  # the disk fills in the middle of the line
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(journal_module.os, "write", write_half_then_fill)
+    with pytest.raises(DiskFullError) as caught:
+        j.append(json.loads(rec("b")), failed=False)
+    assert caught.value.exit_code == 4 and caught.value.exit_code not in (0, 1, 2, 3, 130)
+    assert "\n" not in str(caught.value) and str(caught.value).startswith(f"{j.output}: disk full")
+    assert j.output.read_bytes() == whole  # the half line is cut back: b stays pending
+    monkeypatch.setattr(
+        journal_module,
+        "atomic_write_json",
+        lambda *a: (_ for _ in ()).throw(OSError(errno.EDQUOT, "Disk quota exceeded")),
+    )
+    with pytest.raises(DiskFullError, match=r"state.json: disk full"):
+        j.checkpoint("running")
+    j.close()

@@ -4,7 +4,8 @@ Read and check the input (nothing is sent when a line is bad), open the journal 
 and skipping what they hold), serve the target when it is a recipe, send the rest with a progress bar, and print
 a summary. Exit status: 0 every request succeeded; 3 the job completed but some requests failed (the errors file
 has them); 1 the server stayed unreachable, or 130 Ctrl-C / SIGTERM: the job stopped before the end, and the
-same command resumes it; 2 bad input, or output files that are not this job's.
+same command resumes it; 2 bad input, or output files that are not this job's (or one file given two roles);
+4 the disk filled: the job stopped, resumable once there is space.
 """
 
 from __future__ import annotations
@@ -92,7 +93,10 @@ def run_job(job: BatchJob, echo: Callable[[str], None], warn: Callable[[str], No
         return EXIT_FAILED_REQUESTS if journal.failed else EXIT_OK
     except BaseException as exc:
         stopped = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped"
-        journal.checkpoint(stopped)
+        try:
+            journal.checkpoint(stopped)
+        except BatchError as checkpoint_exc:  # a full disk: the journal, not the state file, is the truth
+            warn(str(checkpoint_exc))
         warn(summary(journal, None, len(done), time.monotonic() - t0, stopped))
         raise
     finally:

@@ -35,6 +35,36 @@ from trtpipe.pipeline.cache import atomic_write_json, fsync_dir, sha256_file
 from trtpipe.processes import read_state
 
 STATE_FORMAT = "trtpipe-batch-state/1"
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFullError(BatchError):
+    """The disk (or quota) filled while the job wrote a result or its state: one line, its own exit status; the
+    job stops resumable (a partly written line is cut back before this is raised)."""
+
+    exit_code = 4
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file: the same resolved path (symlinks, ``..``, relative paths) or, where both
+    exist, the same inode (hard links)."""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def check_distinct(roles: dict[str, Path]) -> None:
+    """BatchError naming both roles when any two of the job's files (input, output, errors, state) are one file:
+    appending results to the input, or checkpointing over a journal, would lose data. Touches nothing."""
+    items = [(role, Path(path)) for role, path in roles.items()]
+    for i, (role_a, a) in enumerate(items):
+        for role_b, b in items[i + 1 :]:
+            if _same_file(a, b):
+                raise BatchError(f"{b}: the {role_b} file is the {role_a} file ({a}); give each its own file")
 
 
 def default_errors_path(output: Path) -> Path:
@@ -108,6 +138,15 @@ def _read_line(path: Path, n: int, raw: bytes, ids: dict[str, int]) -> None:
     ids[cid] = n
 
 
+def _disk_full(path: Path, exc: OSError) -> Exception:
+    """DiskFullError for a full disk or quota, else BatchError naming the file (one line either way)."""
+    if exc.errno in DISK_FULL_ERRNOS:
+        return DiskFullError(
+            f"{path}: disk full ({exc.strerror}); the job stopped, free space and rerun the same command to resume"
+        )
+    return BatchError(f"{path}: cannot write: {exc.strerror or exc}")
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -144,8 +183,7 @@ class Journal:
     def open(self, requests: list[BatchRequest], retry_errors: bool = False) -> set[str]:
         """Lock the output, recover both files, check them against ``requests``; return the ids already done.
         ``retry_errors``: the errors file's requests are not done (it is archived first, see the module policy)."""
-        if self.output.resolve() == self.errors.resolve():
-            raise BatchError(f"{self.output}: the output and errors files must differ")
+        check_distinct({"input": self.input_path, "output": self.output, "errors": self.errors, "state": self.state})
         self.output.parent.mkdir(parents=True, exist_ok=True)
         self.errors.parent.mkdir(parents=True, exist_ok=True)
         self._out_fd = os.open(self.output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -203,8 +241,15 @@ class Journal:
     def append(self, record: dict[str, Any], failed: bool) -> None:
         """One result line, durable (fsync'd) before this returns."""
         fd = self._err_fd if failed else self._out_fd
-        _write_all(fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
-        os.fsync(fd)
+        path = self.errors if failed else self.output
+        size = os.fstat(fd).st_size  # the one writer (flock): where this line starts
+        try:
+            _write_all(fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+            os.fsync(fd)
+        except OSError as exc:
+            if exc.errno in DISK_FULL_ERRNOS:
+                os.ftruncate(fd, size)  # no part of the line stays: its request is pending for the next run
+            raise _disk_full(path, exc) from None
         self.written_now += 1
         if failed:
             self.failed += 1
@@ -250,7 +295,10 @@ class Journal:
 
     def checkpoint(self, status: str = "running") -> None:
         """Write the state file atomically (old or new content, never a part)."""
-        atomic_write_json(self.state, self.state_doc(status))
+        try:
+            atomic_write_json(self.state, self.state_doc(status))
+        except OSError as exc:
+            raise _disk_full(self.state, exc) from None
         self._last_checkpoint = time.monotonic()
 
     def checkpoint_due(self, interval_s: float) -> bool:

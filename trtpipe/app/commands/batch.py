@@ -109,7 +109,8 @@ def batch(
     """Run an OpenAI Batch file against TARGET: a served URL (http://HOST:PORT), or a target: llmapi recipe (or
     HF directory) served for the job and stopped after it. Killed at any moment, the same command resumes:
     each custom_id is written exactly once. Exit 0 all succeeded, 3 some failed (see the errors file), 1 the
-    server stayed unreachable, 130 interrupted (both resumable), 2 bad input."""
+    server stayed unreachable, 130 interrupted (both resumable), 2 bad input (or one file in two of the roles
+    input, output, errors, state), 4 the disk filled (resumable once there is space)."""
     from trtpipe.batch.client import ClientOptions
     from trtpipe.app.batch_job import BatchJob, run_job
     from trtpipe.processes import sigterm_as_interrupt
