@@ -10,10 +10,11 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from trtpipe import supervisor as S
-from trtpipe.processes import SHM_DIR, clean_shm, pid_alive, spawn
+from trtpipe.processes import SHM_DIR, clean_shm, pid_alive, spawn, write_state
 
 HTTP = [
     sys.executable,
@@ -151,3 +152,60 @@ def test_a_group_notices_each_end_once_and_stops_in_order(tmp_path):
     S.stop_in_order((workers, [frontend]), grace=0.5)
     assert [m.notice_end() for m in (*workers, frontend)] == [False, True, True]
     assert (workers[1].cause, frontend.cause) == ("Killed (signal 9, SIGKILL)", "Killed (signal 15, SIGTERM)")
+
+
+@pytest.mark.parametrize("recorded", ["an hour earlier", "not recorded (an older trtpipe's file)"])
+def test_stop_never_signals_a_process_that_reuses_a_dead_servers_pid(cache, recorded):
+    # a detached server's state file whose pid now belongs to another process (the server died, the pid was reused)
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        region = SHM_DIR / f"trtpipe-test{stranger.pid}_region"
+        if SHM_DIR.is_dir():
+            region.write_bytes(b"x")  # the stranger's region, named like the dead server's prefix
+        state = S.state_path(cache)
+        state.parent.mkdir(parents=True)
+        started = psutil.Process(stranger.pid).create_time()
+        record = {
+            "pid": stranger.pid,
+            "started": started - 3600.0,  # the recorded server started an hour before the stranger
+            "cmdline": ["tritonserver", "--model-repository", str(cache)],
+            "repo": str(cache),
+            "bind": "127.0.0.1",
+            "log": str(cache / "x.log"),
+            "shm_prefix": f"trtpipe-test{stranger.pid}_",
+            "state_file": str(state),
+            "kind": "openai",
+            "ports": {"http": 9, "grpc": 0, "metrics": 0},
+        }
+        if recorded != "an hour earlier":
+            del record["started"], record["cmdline"]
+        write_state(state, record)
+        assert not S.load_state(state).alive()
+        S.load_state(state).stop(timeout=0.5)
+        assert stranger.poll() is None and pid_alive(stranger.pid)  # not signalled
+        assert not SHM_DIR.is_dir() or region.exists()  # nor its regions removed
+        write_state(state, record)
+        assert S.detached_servers() == [] and not state.exists()  # a stale record, dropped
+        assert stranger.poll() is None and (not SHM_DIR.is_dir() or region.exists())
+    finally:
+        stranger.kill()
+        stranger.wait(10)
+        if SHM_DIR.is_dir():
+            (SHM_DIR / f"trtpipe-test{stranger.pid}_region").unlink(missing_ok=True)
+
+
+def test_a_detached_server_records_its_start_time_and_command_line_and_stop_finds_it(cache):
+    port = S.free_ports(1)[0]
+    cmd = [*HTTP, str(port)]
+    server = S.start(cmd, cache / "http.log", cache, "127.0.0.1", S.Ports(port, 0, 0), "openai")
+    try:
+        assert S.await_ready(server, 30) is None
+        state = S.state_path(cache)
+        server.detach(state)
+        found = S.load_state(state)
+        assert found.started == psutil.Process(server.pid).create_time() and found.cmdline == cmd
+        assert found.process is None and found.alive()
+        found.stop()  # through the state file alone, as trtpipe stop does
+        assert server.process.wait(10) is not None and not state.exists()
+    finally:
+        server.stop()

@@ -122,6 +122,25 @@ def pid_alive(pid: Optional[int]) -> bool:
     return state not in ("Z", "X")
 
 
+def process_start_time(pid: Optional[int]) -> Optional[float]:
+    """When ``pid`` started (psutil ``create_time``, seconds since the epoch), or None when no such process runs
+    or it cannot be read. A pid is reused; (pid, start time) names one process."""
+    if not pid:
+        return None
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def same_process(pid: Optional[int], started: Optional[float]) -> bool:
+    """True while the process recorded as (``pid``, ``started``) runs: the pid is alive and started then (not a
+    later process that reuses the pid). A record without a start time cannot be told apart: False."""
+    return started is not None and pid_alive(pid) and process_start_time(pid) == started
+
+
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     """The last ``lines`` lines of a log, for an error message (``(no log)`` when it cannot be read)."""
     try:

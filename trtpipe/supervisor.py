@@ -6,7 +6,9 @@ A :class:`Server` is one such process (a session and process group of its own, s
 :func:`trtpipe.processes.spawn`): ``ready()`` asks the endpoint its kind answers on (``READY_PATHS``), ``stop()``
 sends SIGTERM, waits, and SIGKILLs its process group when it hangs, then removes its shared-memory files and state
 file; ``detach()`` records it where ``trtpipe stop`` finds it (one state file per served directory, whichever
-launcher started it). :func:`start` spawns one and waits until it is ready, exits, or runs out of time, never
+launcher started it) with its pid, start time (psutil ``create_time``) and command line; a server found through
+that file is the recorded process only while the pid's start time matches (pids are reused), and a process that
+does not match is never signalled. :func:`start` spawns one and waits until it is ready, exits, or runs out of time, never
 leaving a process behind that nothing can find.
 """
 
@@ -26,7 +28,17 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from trtpipe.errors import ServingError
-from trtpipe.processes import Child, cache_dir, clean_shm, pid_alive, read_state, spawn, write_state
+from trtpipe.processes import (
+    Child,
+    cache_dir,
+    clean_shm,
+    pid_alive,
+    process_start_time,
+    read_state,
+    same_process,
+    spawn,
+    write_state,
+)
 
 READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
@@ -89,6 +101,10 @@ class Server:
     shm_prefix: str
     state_file: Optional[str] = None
     kind: str = "tritonserver"  # a key of READY_PATHS
+    # which process ``pid`` is: its start time (psutil create_time) and command line, recorded by ``detach``; a
+    # server found through a state file is alive only while that pid is still that process (pids are reused)
+    started: Optional[float] = None
+    cmdline: Optional[list[str]] = None
     # the Child when this process started it (None when found through a state file): its exit status names the cause
     process: Optional[Child] = field(default=None, repr=False, compare=False)
     run_dir: Optional[Path] = field(default=None, compare=False)  # a leader-mode job's run dir (mpi_launch)
@@ -104,7 +120,7 @@ class Server:
     def alive(self) -> bool:
         if self.process is not None:
             return self.process.poll() is None
-        return pid_alive(self.pid)
+        return same_process(self.pid, self.started)
 
     def ready(self) -> bool:
         if self.kind == "dynamo":  # Dynamo's frontend answers /health before any worker exists: a listed model is
@@ -112,8 +128,10 @@ class Server:
         return http_ready(self.http_url, READY_PATHS[self.kind])
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
-        """SIGTERM, wait, SIGKILL if it hangs; then clean our shm regions and the state file."""
-        if self.alive():
+        """SIGTERM, wait, SIGKILL if it hangs; then clean our shm regions and the state file. A process that now
+        holds a recorded pid but is not the one recorded is never signalled, nor are the regions named after it."""
+        ours = self.alive()
+        if ours:
             try:
                 os.kill(self.pid, signal.SIGTERM)
             except OSError:
@@ -131,7 +149,8 @@ class Server:
                 deadline = time.monotonic() + 10  # a child of ours stays a zombie until reaped (alive() reaps it)
                 while self.alive() and time.monotonic() < deadline:
                     time.sleep(0.1)
-        clean_shm(self.shm_prefix)
+        if ours or not pid_alive(self.pid):  # a stranger holding the pid may use a prefix with that pid
+            clean_shm(self.shm_prefix)
         if self.state_file:
             Path(self.state_file).unlink(missing_ok=True)
 
@@ -147,7 +166,12 @@ class Server:
         try:
             state_file.parent.mkdir(parents=True, exist_ok=True)
             self.state_file = str(state_file)
-            d = {k: getattr(self, k) for k in ("pid", "repo", "bind", "log", "shm_prefix", "state_file", "kind")}
+            if self.process is not None:  # our unreaped child: the pid cannot have been reused yet
+                self.started = process_start_time(self.pid)
+                args = self.process.args
+                self.cmdline = [str(args)] if isinstance(args, (str, bytes, os.PathLike)) else [str(a) for a in args]
+            keys = ("pid", "started", "cmdline", "repo", "bind", "log", "shm_prefix", "state_file", "kind")
+            d = {k: getattr(self, k) for k in keys}
             write_state(state_file, {**d, "ports": asdict(self.ports)})
         except BaseException:
             self.stop()
@@ -199,7 +223,7 @@ def detached_servers() -> list[Server]:
         s = load_state(p)
         if s is None or not s.alive():
             p.unlink(missing_ok=True)
-            if s is not None:
+            if s is not None and not pid_alive(s.pid):  # not a stranger's regions (the prefix names the pid)
                 clean_shm(s.shm_prefix)
             continue
         found.append(s)
