@@ -153,3 +153,70 @@ def test_malformed_safetensors_header(model, tmp_path, header, match):
     (model / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
     msg = _fails(model, tmp_path / "out", match)
     assert msg.startswith(f"{model / 'model.safetensors'}: ")
+
+
+def _two_tensors(path, edit):
+    """A safetensors file of two 4-byte tensors (a at [0, 4), b at [4, 8)) whose header ``edit`` changes, checked
+    first against the safetensors library: what it refuses, the reader refuses."""
+    import struct
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load as st_load
+
+    header = {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
+    header["b"] = {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}
+    data = edit(header)
+    raw = json.dumps(header).encode()
+    blob = struct.pack("<Q", len(raw)) + raw + data
+    with pytest.raises(SafetensorError):
+        st_load(blob)
+    path.write_bytes(blob)
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (
+            lambda h: (h["a"].update(data_offsets=[-8, -4]), bytes(8))[1],
+            r"tensor 'a' has data_offsets \[-8, -4\]",  # the header's last bytes read as weights
+        ),
+        (lambda h: (h["b"].update(data_offsets=[8, 4]), bytes(8))[1], r"tensor 'b' has data_offsets \[8, 4\]"),
+        (
+            lambda h: (h["b"].update(data_offsets=[0, 4]), bytes(8))[1],
+            r"tensor 'b' data_offsets begin at 0, which overlaps",
+        ),
+        (
+            lambda h: (h["b"].update(data_offsets=[8, 12]), bytes(12))[1],
+            r"tensor 'b' data_offsets begin at 8, which leaves a gap",
+        ),
+        (lambda h: bytes(12), r"the tensors cover 8 of the 12 data bytes"),
+        (
+            lambda h: (h["a"].update(shape=[-1, -1]), bytes(8))[1],
+            r"tensor 'a' has data_offsets \[0, 4\] and shape \[-1, -1\]",
+        ),
+    ],
+)
+def test_safetensors_data_offsets_checked_as_the_library_checks_them(model, tmp_path, edit, match):
+    from trtpipe.checkpoint.hf import SafetensorsFile
+
+    path = tmp_path / "x.safetensors"
+    _two_tensors(path, edit)
+    with pytest.raises(CheckpointError, match=match) as err:
+        SafetensorsFile(path)
+    assert str(err.value).startswith(f"{path}: invalid safetensors header: ") and "\n" not in str(err.value)
+
+
+def test_a_negative_offset_in_a_models_checkpoint_fails_the_conversion(model, tmp_path):
+    import struct
+
+    path = model / "model.safetensors"
+    blob = path.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + n])
+    name = "model.norm.weight"
+    begin, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [begin - end - 8, -8]  # reads the header's bytes (and spaces) as weights
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + blob[8 + n :])
+    msg = _fails(model, tmp_path / "out", f"tensor '{name}' has data_offsets")
+    assert msg.startswith(f"{path}: ")

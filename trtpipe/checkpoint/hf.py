@@ -3,7 +3,10 @@
 Safetensors files are parsed here (header + ``mmap``) rather than through ``safe_open`` so a tensor is a
 zero-copy view of the page cache and its pages can be dropped from this process after use
 (``release``): peak memory stays at about the largest tensor being transformed, flat in model size.
-A header that points past the end of the file (a truncated download) is reported with the tensor name.
+The header is checked as the safetensors library checks it (``Metadata::validate``: at most 100 MB; each tensor's
+``data_offsets`` a non-negative, ordered pair whose length is its shape times its dtype; the tensors tile the data
+buffer from byte 0 to its end, no gap, overlap or tail), so no tensor reads header bytes or another tensor's bytes
+as weights. A header that points past the end of the file (a truncated download) is reported with the tensor name.
 Pickle (``.bin``) checkpoints are refused unless explicitly allowed, then loaded with ``weights_only=True``.
 """
 
@@ -20,6 +23,7 @@ from typing import Iterable
 import torch
 
 from trtpipe.errors import CheckpointError
+from trtpipe.jsonfile import refuse_special
 
 ST_DTYPES = {
     "F64": torch.float64,
@@ -37,6 +41,7 @@ ST_DTYPES = {
 }
 FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 CHECK_ROWS_BYTES = 64 << 20  # finite check granularity
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's limit (N_LEN's HeaderTooLarge)
 
 
 class SafetensorsFile:
@@ -45,6 +50,7 @@ class SafetensorsFile:
 
     def __init__(self, path: Path):
         self.path = path
+        refuse_special(path, CheckpointError)
         size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(8)
@@ -53,6 +59,8 @@ class SafetensorsFile:
             (n,) = struct.unpack("<Q", head)
             if n > size - 8:
                 raise CheckpointError(f"{path}: truncated safetensors file (header of {n} bytes, file of {size})")
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: invalid safetensors header: {n} bytes (at most {MAX_HEADER_BYTES})")
             try:
                 header = json.loads(f.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -62,6 +70,7 @@ class SafetensorsFile:
         header.pop("__metadata__", None)
         self.base = 8 + n
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        spans: dict[str, tuple[int, int]] = {}  # name -> [begin, end) in the data buffer
         for name, e in header.items():
             if not isinstance(e, dict):
                 raise CheckpointError(f"{path}: invalid safetensors header: tensor '{name}' is not an object")
@@ -76,6 +85,11 @@ class SafetensorsFile:
                     f"{path}: invalid safetensors header: tensor '{name}' needs an integer shape "
                     f"and data_offsets [begin, end]"
                 ) from None
+            if begin < 0 or end < begin or any(s < 0 for s in shape):
+                raise CheckpointError(
+                    f"{path}: invalid safetensors header: tensor '{name}' has data_offsets [{begin}, {end}] and shape "
+                    f"{list(shape)} (offsets must be 0 <= begin <= end, dimensions >= 0)"
+                )
             numel = 1
             for s in shape:
                 numel *= s
@@ -86,6 +100,8 @@ class SafetensorsFile:
             if self.base + end > size:
                 raise CheckpointError(f"{path}: truncated: tensor '{name}' ends at byte {self.base + end} of {size}")
             self.entries[name] = (dtype, shape, self.base + begin, numel)
+            spans[name] = (begin, end)
+        _check_tiling(path, spans, size - self.base)
         self._fd = os.open(path, os.O_RDONLY)
         self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ) if size else None
         self.size = size
@@ -123,6 +139,25 @@ class SafetensorsFile:
     def close(self) -> None:
         # views handed out keep the mmap alive through the buffer protocol; closing only the fd is safe
         os.close(self._fd)
+
+
+def _check_tiling(path: Path, spans: dict[str, tuple[int, int]], data_bytes: int) -> None:
+    """The tensors' ``[begin, end)`` spans, in offset order, must start at 0, each begin where the last ended, and
+    end at the data buffer's end (the safetensors library's ``InvalidOffset`` / ``MetadataIncompleteBuffer``)."""
+    at, last = 0, None
+    for name, (begin, end) in sorted(spans.items(), key=lambda kv: kv[1]):
+        if begin != at:
+            how = "overlaps" if begin < at else "leaves a gap after"
+            prev = f"tensor '{last}'" if last else "the start of the data"
+            raise CheckpointError(
+                f"{path}: invalid safetensors header: tensor '{name}' data_offsets begin at {begin}, which {how} "
+                f"{prev} (ends at {at})"
+            )
+        at, last = end, name
+    if at != data_bytes:
+        raise CheckpointError(
+            f"{path}: invalid safetensors header: the tensors cover {at} of the {data_bytes} data bytes after the header"
+        )
 
 
 class HFReader:
@@ -171,6 +206,7 @@ class HFReader:
     def _weight_files(self, single: str) -> list[str]:
         index = self.dir / f"{single}.index.json"
         if index.exists():
+            refuse_special(index, CheckpointError)
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError) as exc:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from trtpipe.errors import CheckpointError
-from trtpipe.jsonfile import read_json
+from trtpipe.jsonfile import read_json, refuse_special_files
 from trtpipe.models.hfconfig import layer_types_of, rope_of, text_config
 
 # model_type -> {the name trtpipe reads: the name this model type's config.json uses}
@@ -235,8 +235,10 @@ def parse_hf_config(
 
 
 def read_hf_config(model_dir: str | Path) -> ModelDims:
-    """Read ``<model_dir>/config.json``; a clear error when it is missing or not JSON."""
+    """Read ``<model_dir>/config.json``; a clear error when it is missing or not JSON, when any file of the
+    directory is a FIFO or device (the build reads them: it would block), or when a value is NaN or infinite."""
     path = Path(model_dir) / "config.json"
+    refuse_special_files(Path(model_dir), CheckpointError)
     cfg = read_json(path, f"{model_dir} a Hugging Face model directory", CheckpointError)
     return parse_hf_config(cfg, str(path))
 
