@@ -65,11 +65,18 @@ CASES = {
         r"must be an integer \(got 1\.5\)",
     ),
     "string-for-bool": (
-        HEAD + "  trust_remote_code: maybe\n",
+        HEAD + "  allow_pickle: maybe\n",
         4,
-        22,
-        "model.trust_remote_code",
+        17,
+        "model.allow_pickle",
         r"must be true or false \(got 'maybe'\)",
+    ),
+    "dead-key-trust-remote-code": (  # nothing read it: every tokenizer and model load passes trust_remote_code=False
+        HEAD + "  trust_remote_code: true\n",
+        4,
+        3,
+        "model.trust_remote_code",
+        r"unknown key.*",
     ),
     "int-for-string": ("name: t\nmodel:\n  source: 5\n", 3, 11, "model.source", r"must be a string \(got 5\)"),
     "mapping-for-list": (
@@ -263,6 +270,13 @@ CASES = {
         16,
         "engine.max_seq_len",
         r"engine.max_input_len 1024 exceeds engine.max_seq_len 512",
+    ),
+    "seq-len-past-the-models-context": (  # stories260k: max_position_embeddings 512, no rope_scaling
+        HEAD + "engine:\n  max_seq_len: 4096\n",
+        5,
+        16,
+        "engine.max_seq_len",
+        r"4096 exceeds the model's context of 512 tokens \(config.json max_position_embeddings, times a rope_scaling .*",
     ),
     "input-vs-deduced-seq-len": (
         HEAD + "engine:\n  max_input_len: 1024\n",

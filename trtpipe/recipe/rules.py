@@ -166,6 +166,13 @@ def _engine_limits(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
     if e.max_seq_len is not None and e.max_input_len > e.max_seq_len:
         key = _written(recipe, "engine.max_input_len", "engine.max_seq_len")
         yield key, f"engine.max_input_len {e.max_input_len} exceeds engine.max_seq_len {e.max_seq_len}"
+    if e.max_seq_len is not None and m is not None and e.max_seq_len > deduced_max_seq_len(m):
+        yield (
+            "engine.max_seq_len",
+            f"{e.max_seq_len} exceeds the model's context of {deduced_max_seq_len(m)} tokens (config.json "
+            "max_position_embeddings, times a rope_scaling factor if any): positions past it were never trained; "
+            "lower engine.max_seq_len, or use a checkpoint whose rope_scaling extends its context",
+        )
     elif e.max_seq_len is None and m is not None and recipe.written("engine.max_input_len"):
         limit = deduced_max_seq_len(m)
         if e.max_input_len > limit:

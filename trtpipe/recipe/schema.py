@@ -52,7 +52,6 @@ class ModelSection(_Section):
         description="Local Hugging Face model directory (relative to the recipe), or hf://org/name[@revision]."
     )
     dtype: DType = Field("auto", description="Model dtype; auto follows TensorRT-LLM (float32 sources become float16).")
-    trust_remote_code: bool = Field(False, description="Allow running code shipped with the checkpoint.")
     allow_pickle: bool = Field(False, description="Allow .bin (pickle) checkpoints; loaded with weights_only=True.")
     allow_lossy_import: list[LossyImportStep] = Field(
         default_factory=list,
