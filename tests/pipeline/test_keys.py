@@ -120,3 +120,17 @@ def test_extra_key_and_trtpipe_version_enter_the_key(make_recipe, monkeypatch):
     assert keys_module.stage_key(other_tool, recipe, {})[0] != base
     monkeypatch.setattr(keys_module, "__version__", "9.9.9")
     assert keys_module.stage_key(source, recipe, {})[0] != base
+
+
+def test_a_serving_setting_the_repository_carries_changes_the_repo_key():
+    """Issue 38 item 6: serving.request_timeout_s is written into the repository (the twin's executor_extras), so a
+    new value, up or down, must be a new repository, not the cached one; the engine below it is unchanged."""
+    from trtpipe.app.stage_table import STAGES as BUILD_STAGES
+
+    def real_keys(*overrides):
+        recipe = load_recipe(Path(__file__).parents[2] / "recipes" / "stories-fp16.yaml", list(overrides))
+        return {p.name: p.key for p in plan_build(recipe, BUILD_STAGES)}
+
+    base, longer, shorter = (real_keys(f"serving.request_timeout_s={t}") for t in (30, 60, 5))
+    assert len({base["repo"], longer["repo"], shorter["repo"]}) == 3
+    assert base["engine"] == longer["engine"] == shorter["engine"]

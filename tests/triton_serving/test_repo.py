@@ -350,3 +350,21 @@ def test_upstream_models_load_the_tokenizer_from_any_working_directory(tmp_path,
     assert set(paths) >= {"preprocessing", "postprocessing", "tensorrt_llm_bls"}
     for m, path in paths.items():  # the real tensorrt_llm's too (the backend reads it for guided decoding)
         assert Path(path).is_absolute() and (Path(path) / "tokenizer.json").is_file(), (m, path)
+
+
+def test_the_repo_stage_key_covers_every_recipe_field_its_writer_reads(stories_recipe, stories_engine, tmp_path):
+    """Issue 38 item 6: the repo stage wrote serving.request_timeout_s (the twin's executor_extras) without keying
+    it, so a changed timeout was served from the cached repository. Every field write_repo reads must enter the
+    repo stage's key: its own sections or those of the stages it reads."""
+    from recipe_reads import keyed_sections, recipe_reads, unkeyed
+
+    from trtpipe.app.stage_table import STAGES
+    from trtpipe.stages.repo import REPO_STAGE
+
+    engine = stories_engine(1)
+    for overrides in ((), ("triton.streaming=true",)):  # streaming adds the BLS model
+        recipe = stories_recipe(*overrides)
+        with recipe_reads(recipe) as reads:
+            R.write_repo(recipe, engine, engine / "checkpoint", tmp_path / f"repo{len(overrides)}")
+        assert "serving.request_timeout_s" in reads  # the recorder sees the read the bug left unkeyed
+        assert unkeyed(reads, keyed_sections(REPO_STAGE, STAGES)) == [], overrides

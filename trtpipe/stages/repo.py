@@ -39,7 +39,9 @@ def _extra_key(recipe):
 
 REPO_STAGE = Stage(
     name="repo",
-    sections=("triton", "engine.kv_cache"),
+    # Every recipe field write_repo reads (tests/triton_serving/test_repo.py records them): the twin's
+    # executor_extras carry serving.* (request_timeout_s, max_queue_size) and trtpipe_repo.json the recipe's name.
+    sections=("name", "triton", "engine.kv_cache", "serving"),
     inputs=("checkpoint", "engine"),
     run=_run,
     extra_key=_extra_key,
