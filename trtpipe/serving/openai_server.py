@@ -20,7 +20,8 @@ Requests are checked as trtllm-serve's pydantic models check them (``extra="forb
 ``priority`` in [0, 1], bigger first, default 0.5 — ``CompletionRequest.priority`` in tensorrt_llm/serve/
 openai_protocol.py @0076e939); a field upstream knows but this twin does not compute is accepted only at its
 default value, so nothing is silently ignored. Every failure is OpenAI-shaped (``{"error": {"message", "type",
-"param", "code"}}``): 400 for the request itself, 413 for a body over the size limit, 429 with ``Retry-After`` when
+"param", "code"}}``): 400 for the request itself (a lone surrogate included), 408 for a body not complete
+after ``BODY_TIMEOUT_S``, 413 for a body over the size limit, 429 with ``Retry-After`` when
 the executor queue is full or the request was shed for a higher priority, 503 with ``Retry-After`` once the
 executor stopped (``/health`` turns 503 at the same moment, as upstream's does when the LLM is unavailable),
 504 when the request ran past its allotted time (``serving.request_timeout_s``), 500 for anything else.
@@ -32,6 +33,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -73,6 +75,8 @@ def torch_threads() -> int:
     return torch.get_num_threads()
 
 
+BODY_TIMEOUT_S = 30.0  # a request body not complete after this long is refused (408): it would hold its connection
+LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # where a JSON escape may make a lone surrogate (not text)
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request looks whether its client is still connected
 RETRY_AFTER_S = 1  # what a refused client is told to wait at least (seconds, the Retry-After header's unit)
 RETRY_AFTER_MAX_S = 60
@@ -215,6 +219,16 @@ class ServedModel:
 
 
 # --- request translation --------------------------------------------------------------------------------------
+
+
+def _refuse_lone_surrogates(body: Any) -> None:
+    """400 when a string of ``body`` holds a lone surrogate (a ``\\ud800`` escape without its pair): JSON parses it,
+    but it is no Unicode text, and the tokenizer fails on it (it was a 500)."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start : exc.end].encode("utf-8", "backslashreplace").decode()
+        raise BadRequest(f"the request body holds a lone surrogate ({bad}), which is not Unicode text") from None
 
 
 def _num(body: dict, key: str, typ, default, lo=None, hi=None):
@@ -550,11 +564,18 @@ class OpenAIServer:
         )
 
     async def _body(self, request: web.Request, endpoint: str) -> dict:
-        raw = await request.read()
+        try:
+            raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise web.HTTPRequestTimeout(
+                text=f"{request.method} {request.path}: the request body was not complete after {BODY_TIMEOUT_S:g} s"
+            ) from None
         try:
             body = json.loads(raw.decode("utf-8"))
         except (ValueError, RecursionError):  # bad JSON, bad UTF-8 (UnicodeDecodeError), nesting past the parser
             raise BadRequest("the request body is not valid JSON (UTF-8)") from None
+        if LONE_SURROGATE.search(raw):
+            _refuse_lone_surrogates(body)
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         model = body.get("model")

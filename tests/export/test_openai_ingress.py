@@ -1,0 +1,53 @@
+"""What one client sends must not hurt the server or the others (issue 38, item 9): a prompt holding a lone
+surrogate is a 400 (it was a 500), and a body that never completes is answered 408 after the server's body timeout
+(it held its connection forever)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import requests
+from openai_helpers import serve_in_thread
+from optional import needs
+
+pytestmark = [pytest.mark.slow, needs("aiohttp")]
+
+
+@pytest.fixture(scope="module")
+def url(stories_fp16_export):
+    from trtpipe.serving.openai_server import OpenAIServer, ServedModel
+
+    with serve_in_thread(OpenAIServer(ServedModel(stories_fp16_export, "ingress")).app) as base:
+        yield base  # the app shuts the model down with it
+
+
+@pytest.mark.parametrize("prompt", ['"\\ud800"', '"a \\udfff b"', '["\\uDBFF"]'])
+def test_a_lone_surrogate_is_a_400(url, prompt):
+    body = '{"prompt": ' + prompt + ', "max_tokens": 2}'
+    r = requests.post(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "surrogate" in r.json()["error"]["message"]
+    ok = requests.post(url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_paired_surrogate_escape_is_text(url):
+    body = '{"prompt": "Once \\ud83d\\ude00", "max_tokens": 2}'  # one emoji, escaped as a valid pair
+    r = requests.post(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_a_body_that_never_completes_gets_408(url, monkeypatch):
+    from trtpipe.serving import openai_server
+
+    monkeypatch.setattr(openai_server, "BODY_TIMEOUT_S", 0.5, raising=False)
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"prompt": "Once'
+        )
+        head = s.recv(4096)  # the old server never answered: this read timed out after 60 s
+    assert head.startswith(b"HTTP/1.1 408"), head[:200]
+    assert b"request body" in head
