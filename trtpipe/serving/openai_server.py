@@ -504,6 +504,27 @@ class Generation:
         return len(self.ids)
 
 
+async def _while_connected(request: web.Request, deltas):
+    """``deltas``, item by item, raising ``ConnectionResetError`` when the client closes the connection while it
+    waits for the next one: a stream writes nothing while its request is queued, so a write cannot tell."""
+    it = deltas.__aiter__()
+    while True:
+        step = asyncio.ensure_future(it.__anext__())
+        try:
+            while not step.done():
+                await asyncio.wait({step}, timeout=DISCONNECT_POLL_S)
+                if not step.done() and (request.transport is None or request.transport.is_closing()):
+                    raise ConnectionResetError(f"{request.path}: the client left before its stream ended")
+        finally:
+            if not step.done():
+                step.cancel()
+        try:
+            delta = step.result()
+        except StopAsyncIteration:
+            return
+        yield delta
+
+
 # --- the app ---------------------------------------------------------------------------------------------------
 
 
@@ -766,7 +787,7 @@ class OpenAIServer:
         try:
             if chat:
                 await resp.write(chunk(None, None, first=True))
-            async for delta in g.deltas():
+            async for delta in _while_connected(request, g.deltas()):
                 await resp.write(chunk(delta, None))
             await resp.write(chunk(None if chat else "", g.finish))
             if include_usage:
