@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 
 import pytest
@@ -83,3 +84,31 @@ def test_a_streaming_client_that_leaves_while_queued_frees_its_slot(server, monk
     monkeypatch.undo()
     ok = requests.post(url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+def test_a_prompt_past_the_context_is_refused_untokenized_and_tokenizing_has_its_own_pool(server, monkeypatch):
+    url, served = server
+    tok, calls = served.tokenizer, []
+    encode = tok.encode
+
+    def recording(text, *a, **kw):
+        calls.append((len(text), threading.current_thread().name))
+        return encode(text, *a, **kw)
+
+    monkeypatch.setattr(tok, "encode", recording)
+    k = getattr(served, "max_chars_per_token", 1)
+    huge = "Once upon a time " * (served.max_seq_len * max(k, 16) // 17 + 1)
+    r = requests.post(url + "/v1/completions", json={"prompt": huge, "max_tokens": 2}, timeout=120)
+    assert r.status_code == 400, r.text
+    assert "characters" in r.json()["error"]["message"]
+    assert calls == []  # refused before tokenizing
+    chat = {"messages": [{"role": "user", "content": huge}], "max_tokens": 2}
+    served.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    try:
+        r = requests.post(url + "/v1/chat/completions", json=chat, timeout=120)
+    finally:
+        served.tokenizer.chat_template = None
+    assert r.status_code == 400 and calls == [], r.text
+    ok = requests.post(url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    assert [name.startswith("trtpipe-tokenize") for _, name in calls] == [True]  # not the loop's shared pool

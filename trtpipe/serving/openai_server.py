@@ -36,6 +36,7 @@ import math
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -77,6 +78,7 @@ def torch_threads() -> int:
 
 BODY_TIMEOUT_S = 30.0  # a request body not complete after this long is refused (408): it would hold its connection
 LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # where a JSON escape may make a lone surrogate (not text)
+TOKENIZER_THREADS = 2  # the tokenizer's own pool: a long prompt waits there, not in the loop's shared pool
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request looks whether its client is still connected
 RETRY_AFTER_S = 1  # what a refused client is told to wait at least (seconds, the Retry-After header's unit)
 RETRY_AFTER_MAX_S = 60
@@ -212,10 +214,27 @@ class ServedModel:
         if gen.exists():
             eos = json.loads(gen.read_text()).get("eos_token_id")
             self.eos_id = eos[0] if isinstance(eos, list) else eos if eos is not None else self.eos_id
+        # tokens >= characters / the longest token's characters: a prompt past that bound is refused untokenized
+        self.max_chars_per_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        self.tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="trtpipe-tokenize")
         self.executor = Executor(self.config, ReferenceEngine(model), threads=torch_threads())
+
+    def refuse_long_text(self, text: str, param: str) -> None:
+        """400 before tokenizing when ``text`` cannot fit the context whatever it tokenizes to: at least
+        ``ceil(chars / max_chars_per_token)`` tokens (tokenizing 4 MB costs gigabytes and seconds of every
+        request's time, only to be refused after)."""
+        k = max(1, self.max_chars_per_token)
+        least = -(-len(text) // k)
+        if least >= self.max_seq_len:
+            raise BadRequest(
+                f"the prompt ({len(text)} characters, so at least {least} tokens: this tokenizer's longest token "
+                f"has {k} characters) leaves no room in max_seq_len {self.max_seq_len}",
+                param,
+            )
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
 
 # --- request translation --------------------------------------------------------------------------------------
@@ -622,6 +641,7 @@ class OpenAIServer:
         """Token ids of a completion prompt (run off the event loop: a 1 MB prompt takes a while to encode)."""
         tok = self.served.tokenizer
         if isinstance(prompt, str):
+            self.served.refuse_long_text(prompt, "prompt")
             ids = tok.encode(prompt, add_special_tokens=True)
         elif (
             isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
@@ -634,6 +654,7 @@ class OpenAIServer:
                 )
             ids = list(prompt)
         elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            self.served.refuse_long_text(prompt[0], "prompt")
             ids = tok.encode(prompt[0], add_special_tokens=True)
         else:
             raise BadRequest("'prompt' must be a string, a list of one string, or a list of token ids", "prompt")
@@ -662,6 +683,7 @@ class OpenAIServer:
             raise BadRequest(f"chat template failed: {str(exc)[:300]}", "messages") from None
         if not isinstance(text, str):
             raise BadRequest("the chat template did not render text", "messages")
+        self.served.refuse_long_text(text, "messages")
         return tok.encode(text, add_special_tokens=False)
 
     def _refuse_early(self, body: dict) -> None:
@@ -677,14 +699,18 @@ class OpenAIServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, "completions")
         self._refuse_early(body)
-        ids = await asyncio.get_running_loop().run_in_executor(None, self._prompt_ids, body.get("prompt"))
+        ids = await asyncio.get_running_loop().run_in_executor(
+            self.served.tokenize_pool, self._prompt_ids, body.get("prompt")
+        )
         max_tokens = self._max_tokens(body, len(ids), 16, "prompt")
         return await self._serve(request, body, ids, max_tokens, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, "chat")
         self._refuse_early(body)
-        ids = await asyncio.get_running_loop().run_in_executor(None, self._chat_ids, body.get("messages"))
+        ids = await asyncio.get_running_loop().run_in_executor(
+            self.served.tokenize_pool, self._chat_ids, body.get("messages")
+        )
         max_tokens = self._max_tokens(body, len(ids), None, "messages")
         return await self._serve(request, body, ids, max_tokens, chat=True)
 
