@@ -108,6 +108,8 @@ class Server:
     # the Child when this process started it (None when found through a state file): its exit status names the cause
     process: Optional[Child] = field(default=None, repr=False, compare=False)
     run_dir: Optional[Path] = field(default=None, compare=False)  # a leader-mode job's run dir (mpi_launch)
+    # the header that opens its restricted admin APIs (tritonserver we started; never in the state file)
+    admin_headers: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def http_url(self) -> str:

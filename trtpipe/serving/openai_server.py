@@ -20,7 +20,8 @@ Requests are checked as trtllm-serve's pydantic models check them (``extra="forb
 ``priority`` in [0, 1], bigger first, default 0.5 — ``CompletionRequest.priority`` in tensorrt_llm/serve/
 openai_protocol.py @0076e939); a field upstream knows but this twin does not compute is accepted only at its
 default value, so nothing is silently ignored. Every failure is OpenAI-shaped (``{"error": {"message", "type",
-"param", "code"}}``): 400 for the request itself, 413 for a body over the size limit, 429 with ``Retry-After`` when
+"param", "code"}}``): 400 for the request itself (a lone surrogate included), 408 for a body not complete
+after ``BODY_TIMEOUT_S``, 413 for a body over the size limit, 429 with ``Retry-After`` when
 the executor queue is full or the request was shed for a higher priority, 503 with ``Retry-After`` once the
 executor stopped (``/health`` turns 503 at the same moment, as upstream's does when the LLM is unavailable),
 504 when the request ran past its allotted time (``serving.request_timeout_s``), 500 for anything else.
@@ -32,8 +33,10 @@ import asyncio
 import json
 import logging
 import math
+import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -73,6 +76,9 @@ def torch_threads() -> int:
     return torch.get_num_threads()
 
 
+BODY_TIMEOUT_S = 30.0  # a request body not complete after this long is refused (408): it would hold its connection
+LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # where a JSON escape may make a lone surrogate (not text)
+TOKENIZER_THREADS = 2  # the tokenizer's own pool: a long prompt waits there, not in the loop's shared pool
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request looks whether its client is still connected
 RETRY_AFTER_S = 1  # what a refused client is told to wait at least (seconds, the Retry-After header's unit)
 RETRY_AFTER_MAX_S = 60
@@ -208,13 +214,40 @@ class ServedModel:
         if gen.exists():
             eos = json.loads(gen.read_text()).get("eos_token_id")
             self.eos_id = eos[0] if isinstance(eos, list) else eos if eos is not None else self.eos_id
+        # tokens >= characters / the longest token's characters: a prompt past that bound is refused untokenized
+        self.max_chars_per_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        self.tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="trtpipe-tokenize")
         self.executor = Executor(self.config, ReferenceEngine(model), threads=torch_threads())
+
+    def refuse_long_text(self, text: str, param: str) -> None:
+        """400 before tokenizing when ``text`` cannot fit the context whatever it tokenizes to: at least
+        ``ceil(chars / max_chars_per_token)`` tokens (tokenizing 4 MB costs gigabytes and seconds of every
+        request's time, only to be refused after)."""
+        k = max(1, self.max_chars_per_token)
+        least = -(-len(text) // k)
+        if least >= self.max_seq_len:
+            raise BadRequest(
+                f"the prompt ({len(text)} characters, so at least {least} tokens: this tokenizer's longest token "
+                f"has {k} characters) leaves no room in max_seq_len {self.max_seq_len}",
+                param,
+            )
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
 
 # --- request translation --------------------------------------------------------------------------------------
+
+
+def _refuse_lone_surrogates(body: Any) -> None:
+    """400 when a string of ``body`` holds a lone surrogate (a ``\\ud800`` escape without its pair): JSON parses it,
+    but it is no Unicode text, and the tokenizer fails on it (it was a 500)."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start : exc.end].encode("utf-8", "backslashreplace").decode()
+        raise BadRequest(f"the request body holds a lone surrogate ({bad}), which is not Unicode text") from None
 
 
 def _num(body: dict, key: str, typ, default, lo=None, hi=None):
@@ -490,6 +523,27 @@ class Generation:
         return len(self.ids)
 
 
+async def _while_connected(request: web.Request, deltas):
+    """``deltas``, item by item, raising ``ConnectionResetError`` when the client closes the connection while it
+    waits for the next one: a stream writes nothing while its request is queued, so a write cannot tell."""
+    it = deltas.__aiter__()
+    while True:
+        step = asyncio.ensure_future(it.__anext__())
+        try:
+            while not step.done():
+                await asyncio.wait({step}, timeout=DISCONNECT_POLL_S)
+                if not step.done() and (request.transport is None or request.transport.is_closing()):
+                    raise ConnectionResetError(f"{request.path}: the client left before its stream ended")
+        finally:
+            if not step.done():
+                step.cancel()
+        try:
+            delta = step.result()
+        except StopAsyncIteration:
+            return
+        yield delta
+
+
 # --- the app ---------------------------------------------------------------------------------------------------
 
 
@@ -550,11 +604,18 @@ class OpenAIServer:
         )
 
     async def _body(self, request: web.Request, endpoint: str) -> dict:
-        raw = await request.read()
+        try:
+            raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise web.HTTPRequestTimeout(
+                text=f"{request.method} {request.path}: the request body was not complete after {BODY_TIMEOUT_S:g} s"
+            ) from None
         try:
             body = json.loads(raw.decode("utf-8"))
         except (ValueError, RecursionError):  # bad JSON, bad UTF-8 (UnicodeDecodeError), nesting past the parser
             raise BadRequest("the request body is not valid JSON (UTF-8)") from None
+        if LONE_SURROGATE.search(raw):
+            _refuse_lone_surrogates(body)
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         model = body.get("model")
@@ -580,6 +641,7 @@ class OpenAIServer:
         """Token ids of a completion prompt (run off the event loop: a 1 MB prompt takes a while to encode)."""
         tok = self.served.tokenizer
         if isinstance(prompt, str):
+            self.served.refuse_long_text(prompt, "prompt")
             ids = tok.encode(prompt, add_special_tokens=True)
         elif (
             isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
@@ -592,6 +654,7 @@ class OpenAIServer:
                 )
             ids = list(prompt)
         elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            self.served.refuse_long_text(prompt[0], "prompt")
             ids = tok.encode(prompt[0], add_special_tokens=True)
         else:
             raise BadRequest("'prompt' must be a string, a list of one string, or a list of token ids", "prompt")
@@ -620,6 +683,7 @@ class OpenAIServer:
             raise BadRequest(f"chat template failed: {str(exc)[:300]}", "messages") from None
         if not isinstance(text, str):
             raise BadRequest("the chat template did not render text", "messages")
+        self.served.refuse_long_text(text, "messages")
         return tok.encode(text, add_special_tokens=False)
 
     def _refuse_early(self, body: dict) -> None:
@@ -635,14 +699,18 @@ class OpenAIServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, "completions")
         self._refuse_early(body)
-        ids = await asyncio.get_running_loop().run_in_executor(None, self._prompt_ids, body.get("prompt"))
+        ids = await asyncio.get_running_loop().run_in_executor(
+            self.served.tokenize_pool, self._prompt_ids, body.get("prompt")
+        )
         max_tokens = self._max_tokens(body, len(ids), 16, "prompt")
         return await self._serve(request, body, ids, max_tokens, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, "chat")
         self._refuse_early(body)
-        ids = await asyncio.get_running_loop().run_in_executor(None, self._chat_ids, body.get("messages"))
+        ids = await asyncio.get_running_loop().run_in_executor(
+            self.served.tokenize_pool, self._chat_ids, body.get("messages")
+        )
         max_tokens = self._max_tokens(body, len(ids), None, "messages")
         return await self._serve(request, body, ids, max_tokens, chat=True)
 
@@ -745,7 +813,7 @@ class OpenAIServer:
         try:
             if chat:
                 await resp.write(chunk(None, None, first=True))
-            async for delta in g.deltas():
+            async for delta in _while_connected(request, g.deltas()):
                 await resp.write(chunk(delta, None))
             await resp.write(chunk(None if chat else "", g.finish))
             if include_usage:

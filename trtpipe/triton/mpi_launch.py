@@ -47,7 +47,14 @@ from trtpipe.processes import (
     write_state,
 )
 from trtpipe.supervisor import Ports, Server, http_ready, refuse_if_served
-from trtpipe.triton.server_process import endpoint_flags, prepare_server, server_command, server_env
+from trtpipe.triton.server_process import (
+    endpoint_flags,
+    new_admin_key,
+    prepare_server,
+    restricted_api_flags,
+    server_command,
+    server_env,
+)
 
 TEARDOWN_GRACE_S = 12.0  # tritonserver's exit timeout (5 s) + the twin's finalize + the workers' exit
 FAILED_GRACE_S = 2.0  # after a rank died: SIGTERM to every process of the job, SIGKILL after this
@@ -97,18 +104,21 @@ def mpirun_command(
     trtllm_models: tuple[str, ...] = ("tensorrt_llm",),
     log_file: Optional[str] = None,
     hostfile: Optional[Path] = None,
+    admin_key: Optional[str] = None,
 ) -> list[str]:
     """The leader-mode MPMD launch of upstream's launch_triton_server.py (docs/reference/multi-gpu-launch.md): one
     tritonserver per rank under one ``mpirun``.
 
-    Rank 0 serves the ports; ranks > 0 load only the TensorRT-LLM model(s) explicitly and open no endpoint.
+    Rank 0 serves the ports, its admin APIs restricted to ``admin_key`` (a fresh one when not given; see
+    :data:`trtpipe.triton.server_process.RESTRICTED_APIS`); ranks > 0 load only the TensorRT-LLM model(s)
+    explicitly and open no endpoint.
     Each rank gets its own python-backend shm prefix so their regions do not collide.
     """
     segments = []
     for rank in range(world_size):
         seg = [tritonserver, f"--model-repository={repo}"]
         if rank == 0:
-            seg += endpoint_flags(bind, ports)
+            seg += endpoint_flags(bind, ports) + restricted_api_flags(admin_key or new_admin_key())
             if log_file:
                 seg += ["--log-verbose=3", f"--log-file={log_file}"]
         else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -31,6 +32,18 @@ from trtpipe.supervisor import READY_TIMEOUT_S, Ports, Server, free_ports, refus
 from trtpipe.triton import stub_watchdog
 
 EXIT_TIMEOUT_S = 5  # how long tritonserver waits for open connections / in-flight requests on SIGTERM
+# The admin APIs no trtpipe client uses, open to anyone who reaches the port otherwise: shared memory (a client
+# could register the python backend's own /dev/shm regions, read them back and overwrite their headers: a stub
+# dies, tritonserver aborts), logging and trace. tritonserver 2.51 refuses them (HTTP 403, gRPC UNAVAILABLE)
+# unless a request carries ADMIN_HEADER with the launch's key: ``--http-restricted-api`` /
+# ``--grpc-restricted-protocol`` ``<api>,...:<key>=<value>`` (``tritonserver --help``; Triton's
+# docs/customization_guide/inference_protocols.md, "Limit Endpoint Access"). Inference, health, metadata, model
+# config, statistics and the repository index stay open (trtpipe's client lists the models; perf_analyzer reads
+# config and statistics); model load/unload is refused anyway (model control mode "none"). The key is on the
+# command line (tritonserver reads it nowhere else): it keeps out the network, not this host's users.
+RESTRICTED_APIS = ("shared-memory", "logging", "trace")
+ADMIN_HEADER = "trtpipe-admin-key"
+GRPC_HEADER_PREFIX = "triton-grpc-protocol-"  # tritonserver expects a gRPC client's restricted header so prefixed
 
 
 def _pytriton_server_dir() -> Path:
@@ -85,10 +98,39 @@ def server_env(base: Optional[dict] = None) -> dict:
     return env
 
 
+def restricted_api_flags(admin_key: str) -> list[str]:
+    """The flags that put :data:`RESTRICTED_APIS` behind the header ``ADMIN_HEADER: admin_key`` (HTTP and gRPC)."""
+    if not admin_key or not all(c.isalnum() or c in "-_" for c in admin_key):
+        raise ValueError(f"admin key {admin_key!r}: use letters, digits, '-' and '_' only (it is a header value)")
+    apis = ",".join(RESTRICTED_APIS)
+    return [
+        f"--http-restricted-api={apis}:{ADMIN_HEADER}={admin_key}",
+        f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={admin_key}",
+    ]
+
+
+def admin_headers(admin_key: str) -> dict:
+    """The headers that open the restricted APIs to a client, HTTP or gRPC (each ignores the other's)."""
+    return {ADMIN_HEADER: admin_key, GRPC_HEADER_PREFIX + ADMIN_HEADER: admin_key}
+
+
+def new_admin_key() -> str:
+    """A fresh key for one launch (nothing of trtpipe needs the restricted APIs; a test or an operator may)."""
+    return secrets.token_hex(16)
+
+
 def server_command(
-    binary: Path, backends: Path, repo: Path, bind: str, ports: Ports, shm_prefix: str, extra: tuple[str, ...] = ()
+    binary: Path,
+    backends: Path,
+    repo: Path,
+    bind: str,
+    ports: Ports,
+    shm_prefix: str,
+    extra: tuple[str, ...] = (),
+    admin_key: Optional[str] = None,
 ) -> list[str]:
-    """One tritonserver command line (CPU server, loopback by default)."""
+    """One tritonserver command line (CPU server, loopback by default); its admin APIs restricted to
+    ``admin_key`` (a fresh one when not given)."""
     return [
         str(binary),
         f"--model-repository={repo}",
@@ -99,6 +141,7 @@ def server_command(
         f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
         "--strict-readiness=true",
         f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
+        *restricted_api_flags(admin_key or new_admin_key()),
         *extra,
     ]
 
@@ -157,8 +200,9 @@ def start_server(
     for attempt in range(attempts):
         use = ports or Ports(*free_ports(3, bind if bind != "0.0.0.0" else "127.0.0.1"))
         prefix = f"trtpipe{os.getpid()}_{use.grpc}_"
-        cmd = server_command(root / "bin" / "tritonserver", root / "backends", repo, bind, use, prefix)
-        log.write_text(f"# {shlex.join(cmd)}\n")
+        key = new_admin_key()
+        cmd = server_command(root / "bin" / "tritonserver", root / "backends", repo, bind, use, prefix, admin_key=key)
+        log.write_text(f"# {shlex.join(cmd).replace(key, '<admin key>')}\n")
         server = start(cmd, log, repo, bind, use, "tritonserver", prefix, env=server_env(), cwd=log.parent)
         deadline = time.monotonic() + timeout
         try:
@@ -167,6 +211,7 @@ def start_server(
             server.stop()
             raise
         if up:
+            server.admin_headers = admin_headers(key)
             if detach:
                 server.detach(state)
             return server
