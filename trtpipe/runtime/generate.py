@@ -16,6 +16,8 @@ import torch
 
 from trtpipe.runtime.model import BatchKVCache, KVCache, ReferenceModel
 
+MIN_TEMPERATURE = 1e-5  # TensorRT-LLM's floor under the divisor (sampling_utils.py: max(temperature, 1e-5))
+
 
 def sample(
     logits: torch.Tensor,
@@ -24,11 +26,18 @@ def sample(
     top_p: float = 1.0,
     generator: Optional[torch.Generator] = None,
 ) -> int:
-    """One token from float32 logits [V]: greedy at temperature 0, else top-k then top-p (nucleus) sampling."""
+    """One token from float32 logits [V]: greedy at temperature 0, top_k 1 or top_p 0, else top-k then top-p
+    (nucleus) sampling.
+
+    As TensorRT-LLM's torch sampler does (``_torch/pyexecutor/sampling_utils.py`` @053c42c,
+    ``resolve_sampling_strategy`` and ``top_k_top_p_sampling_batch``): top_p 0 is greedy, the temperature divides
+    no less than 1e-5 (a tinier one would overflow the logits to inf), and top-p always keeps the top token (a
+    top_p that rounds to 0 in float32 would otherwise keep none: NaN probabilities).
+    """
     logits = logits.float().cpu()  # sampling on the CPU: seeded generators give the same draws everywhere
-    if temperature <= 0.0 or top_k == 1:
+    if temperature <= 0.0 or top_k == 1 or top_p <= 0.0:
         return int(logits.argmax())
-    logits = logits / temperature
+    logits = logits / max(temperature, MIN_TEMPERATURE)
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -36,6 +45,7 @@ def sample(
     if top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
         keep = sorted_p.cumsum(0) - sorted_p < top_p  # keep the smallest prefix whose mass reaches top_p
+        keep[0] = True  # the top token always stays, however small top_p is
         probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
         probs = probs / probs.sum()
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -115,7 +115,8 @@ def sampling_problem(
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 (or top_k 1) is greedy; a seed makes sampling repeatable per request."""
+    """temperature 0, top_k 1 or top_p 0 is greedy (as in TensorRT-LLM's ``params_imply_greedy_decoding``); a seed
+    makes sampling repeatable per request."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -124,7 +125,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        return self.temperature <= 0.0 or self.top_k == 1 or self.top_p <= 0.0
 
     def problem(self) -> Optional[str]:
         """What is out of range (one line), or None: see :func:`sampling_problem`."""
@@ -226,10 +227,15 @@ class StepBatch:
 
 @dataclass
 class StepResult:
-    """Sampled token per entry that asked for one, and how long the step took (measured or simulated)."""
+    """Sampled token per entry that asked for one, and how long the step took (measured or simulated).
+
+    ``errors``: one line per entry whose own row failed (e.g. its sampling); the executor fails those requests
+    alone and accepts every other entry's token.
+    """
 
     tokens: dict[int, int]
     elapsed_s: float
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 class StepEngine(Protocol):

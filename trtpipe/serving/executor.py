@@ -523,8 +523,11 @@ class ExecutorCore:
         self.clock.advance(result.elapsed_s)
         now = self.clock.now_ns()
         by_id = {r.id: r for r in chosen}
+        failed = [by_id[i] for i in result.errors]
         for e in batch.entries:
             r = by_id[e.request_id]
+            if e.request_id in result.errors:
+                continue
             if e.is_context:
                 r.context_pos += len(e.tokens)
                 if not e.sample:
@@ -534,6 +537,8 @@ class ExecutorCore:
             self._accept(r, result.tokens[e.request_id], now)
         self._record(result.elapsed_s, batch, len(decision.paused), len(chosen))
         self.iteration += 1
+        for r in failed:  # one row's failure is its own: the others keep this step's tokens
+            self._fail([r], f"Encountered an error in sampling request {r.id}: {result.errors[r.id]}")
 
     def _accept(self, r: ActiveRequest, token: int, now: int) -> None:
         """A sampled token: end id (not kept), stop word (kept), or length ends the request."""

@@ -14,7 +14,8 @@ into asyncio, detokenizes incrementally and answers as ``trtllm-serve`` does:
 
 Sampling without a ``temperature`` is greedy (TensorRT-LLM's default when no sampling parameter is set).
 String ``stop`` sequences are matched on the detokenized text; the request is then cancelled in the executor
-and the text cut before the stop string (finish_reason ``stop``).
+and the text cut before the stop string (finish_reason ``stop``). A stream holds back the end of the text that a stop
+string starts with until the next tokens decide, so its pieces join to the non-streamed text.
 
 Requests are checked as trtllm-serve's pydantic models check them (``extra="forbid"``: an unknown field is a 400;
 ``priority`` in [0, 1], bigger first, default 0.5 — ``CompletionRequest.priority`` in tensorrt_llm/serve/
@@ -397,6 +398,12 @@ def _sampling(body: dict) -> SamplingParams:
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
 
+def _stop_prefix(text: str, stops: list[str]) -> int:
+    """Length of the longest end of ``text`` that a stop string starts with: held back from a stream, since the
+    next tokens may complete the stop string (then it is cut, and none of it may have been sent)."""
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
 def _stops(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -507,8 +514,9 @@ class Generation:
                 text, self.stopped, self.finish = text[:cut], True, "stop"
                 self.cancel()
             self.text = text
-            if not text.endswith("\ufffd") and len(text) > self.sent:  # hold back a partial UTF-8 character
-                delta, self.sent = text[self.sent :], len(text)
+            upto = len(text) if self.stopped else len(text) - _stop_prefix(text, self.stops)
+            if not text[:upto].endswith("\ufffd") and upto > self.sent:  # hold back a partial UTF-8 character
+                delta, self.sent = text[self.sent : upto], upto
                 yield delta
             if resp.is_final:
                 if not self.stopped:

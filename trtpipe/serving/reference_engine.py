@@ -13,6 +13,7 @@ of the request whose table has ``block`` at index ``i``.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Optional
@@ -22,6 +23,8 @@ import torch
 from trtpipe.runtime.generate import sample
 from trtpipe.runtime.model import ReferenceModel, attention_probs
 from trtpipe.serving.api import StepBatch, StepResult
+
+log = logging.getLogger(__name__)
 
 
 def _slots(block_table: list[int], start: int, end: int, tpb: int) -> list[int]:
@@ -133,18 +136,27 @@ class PagedStep:
         return out.view(nh, N, d).transpose(0, 1).reshape(1, N, nh * d)
 
 
-def sample_entries(batch: StepBatch, logits: torch.Tensor) -> dict[int, int]:
+def sample_entries(batch: StepBatch, logits: torch.Tensor) -> tuple[dict[int, int], dict[int, str]]:
     """One token per sampling entry from its row of ``logits`` [S, V]: one argmax for every greedy row at once,
-    the request's own settings and generator for the others."""
+    the request's own settings and generator for the others.
+
+    Returns:
+        The tokens, and one line per entry whose row could not be sampled: each row is sampled under its own
+        guard, so one request's failure is its own (the executor fails that request and keeps the others).
+    """
     rows = [e for e in batch.entries if e.sample]
     greedy = logits.argmax(-1).tolist()  # what sample() returns at temperature 0, for all rows in one call
-    tokens = {}
+    tokens, errors = {}, {}
     for i, e in enumerate(rows):
         s = e.sampling
-        tokens[e.request_id] = (
-            greedy[i] if s.greedy else sample(logits[i], s.temperature, s.top_k, s.top_p, e.generator)
-        )
-    return tokens
+        try:
+            tokens[e.request_id] = (
+                greedy[i] if s.greedy else sample(logits[i], s.temperature, s.top_k, s.top_p, e.generator)
+            )
+        except Exception as exc:  # noqa: BLE001 - the row's own failure, answered to its request alone
+            log.exception("request %d could not be sampled", e.request_id)
+            errors[e.request_id] = f"{type(exc).__name__}: {exc}"
+    return tokens, errors
 
 
 class ReferenceEngine:
@@ -216,4 +228,5 @@ class ReferenceEngine:
     def step(self, batch: StepBatch) -> StepResult:
         t0 = time.perf_counter()
         logits = self.logits(batch)
-        return StepResult(sample_entries(batch, logits), time.perf_counter() - t0)
+        tokens, errors = sample_entries(batch, logits)
+        return StepResult(tokens, time.perf_counter() - t0, errors)
