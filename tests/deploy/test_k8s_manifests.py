@@ -19,6 +19,7 @@ from trtpipe.deploy import sources
 from trtpipe.deploy.k8s import render
 from trtpipe.deploy.layout import layout_of
 from trtpipe.deploy.sources import start_terms
+from trtpipe.deploy.workload import admin_secret
 from trtpipe.app.planning import planned_weight_bytes
 from trtpipe.app.validation import load_recipe
 
@@ -135,6 +136,26 @@ def test_one_node_is_a_deployment_with_four_gpus(one):
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"]
     assert shm == {"medium": "Memory", "sizeLimit": "16Gi"}
     assert k["HorizontalPodAutoscaler"][0]["spec"]["scaleTargetRef"]["kind"] == "Deployment"
+
+
+@pytest.mark.parametrize("path", [ONE_NODE, MULTI_NODE])
+def test_the_admin_key_comes_from_a_secret_and_the_manifests_are_the_same_every_run(path):
+    """tritonserver's restricted APIs (shared memory, logging, trace) take their key from a Secret the leader's env
+    reads; the manifests name it and hold no key, so two renders are identical (a random key in them was neither)."""
+    (recipe, first), again = _render(path), _render(path)[1]
+    assert yaml.safe_dump_all(first.objects) == yaml.safe_dump_all(again.objects)
+    k = _by_kind(first)
+    pod = (
+        k["Deployment"][0]["spec"]["template"]["spec"]
+        if "Deployment" in k
+        else k["LeaderWorkerSet"][0]["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]
+    )
+    c = pod["containers"][0]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["TRTPIPE_ADMIN_KEY"]["valueFrom"] == {"secretKeyRef": {"name": admin_secret(recipe), "key": "key"}}
+    command = " ".join(c["command"])
+    assert "--http-restricted-api=shared-memory,logging,trace:trtpipe-admin-key=$(TRTPIPE_ADMIN_KEY)" in command
+    assert "--grpc-restricted-protocol=shared-memory,logging,trace:trtpipe-admin-key=$(TRTPIPE_ADMIN_KEY)" in command
 
 
 def test_two_nodes_are_one_leaderworkerset_group_of_two_pods(multi):

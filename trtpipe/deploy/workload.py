@@ -31,6 +31,16 @@ PROBE_PERIOD_S = 10
 EXIT_TIMEOUT_S = 25  # below terminationGracePeriodSeconds 30 (tutorials' chart)
 KUBESSH = "/opt/trtpipe/kubessh"
 PORTS = Ports(http=8000, grpc=8001, metrics=8002)
+# tritonserver's shared-memory, logging and trace APIs answer only requests carrying this Secret's key (see
+# trtpipe.triton.server_process.RESTRICTED_APIS). The manifests name the Secret, never a key, so they are the same on
+# every run and hold nothing secret; Kubernetes puts the key into the command line through $(ADMIN_KEY_ENV).
+ADMIN_KEY_ENV = "TRTPIPE_ADMIN_KEY"
+ADMIN_SECRET_KEY = "key"
+
+
+def admin_secret(recipe: Recipe) -> str:
+    """The Secret the engine target's rank 0 reads its admin key from (created by the operator: deploy.md)."""
+    return f"{k8s_name(recipe.name)}-triton-admin"
 
 
 def k8s_name(name: str) -> str:
@@ -70,7 +80,12 @@ def resources(layout: Layout, shm: int) -> dict:
 def _engine_segments(recipe: Recipe, layout: Layout) -> list[str]:
     """The leader-mode mpirun line of the engine target (rank 0 serves, with latency histograms on)."""
     cmd = mpirun_command(
-        f"{ARTIFACTS}/triton_repo", layout.world, PORTS, bind="0.0.0.0", trtllm_models=("tensorrt_llm",)
+        f"{ARTIFACTS}/triton_repo",
+        layout.world,
+        PORTS,
+        bind="0.0.0.0",
+        trtllm_models=("tensorrt_llm",),
+        admin_key=f"$({ADMIN_KEY_ENV})",  # expanded by Kubernetes from the container's env
     )
     first = next(i for i, a in enumerate(cmd) if a.startswith("--model-repository="))
     rank0 = [
@@ -154,6 +169,9 @@ def pod_spec(
         {"name": "artifacts", "persistentVolumeClaim": {"claimName": f"{name}-cache", "readOnly": True}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm.value}Gi"}},
     ]
+    if leader and recipe.target == "engine":
+        key_ref = {"secretKeyRef": {"name": admin_secret(recipe), "key": ADMIN_SECRET_KEY}}
+        env.append({"name": ADMIN_KEY_ENV, "valueFrom": key_ref})
     if layout.multinode:
         env.append({"name": "GROUP_KEY", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{GROUP_KEY}']"}}})
         if leader:

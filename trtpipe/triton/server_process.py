@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -100,7 +101,8 @@ def server_env(base: Optional[dict] = None) -> dict:
 
 def restricted_api_flags(admin_key: str) -> list[str]:
     """The flags that put :data:`RESTRICTED_APIS` behind the header ``ADMIN_HEADER: admin_key`` (HTTP and gRPC)."""
-    if not admin_key or not all(c.isalnum() or c in "-_" for c in admin_key):
+    env_ref = re.fullmatch(r"\$\([A-Z_][A-Z0-9_]*\)", admin_key or "")  # $(VAR): Kubernetes puts a Secret's key in
+    if not env_ref and (not admin_key or not all(c.isalnum() or c in "-_" for c in admin_key)):
         raise ValueError(f"admin key {admin_key!r}: use letters, digits, '-' and '_' only (it is a header value)")
     apis = ",".join(RESTRICTED_APIS)
     return [
