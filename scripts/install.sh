@@ -9,7 +9,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install --disable-pip-version-check -q torch==2.13.0
-"$VENV/bin/python" -m pip install --disable-pip-version-check -q -e '.[serve,mpi,oracle,test,bench,deploy]'
+"$VENV/bin/python" -m pip install --disable-pip-version-check -q -e '.[serve,mpi,oracle,test,bench,deploy,agents,lora,eval]'
 "$VENV/bin/python" -m pip check >/dev/null || "$VENV/bin/python" -m pip check
 touch "$VENV/.trtpipe-installed"
 echo "installed into $VENV ($("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
