@@ -25,7 +25,7 @@ def _accuracy(recipe) -> dict:
     from trtpipe.pipeline.cache import ArtifactStore
     from trtpipe.pipeline.runner import plan_build
     from trtpipe.app.stage_table import STAGES
-    from trtpipe.quant.accuracy import Metrics, check_gate
+    from trtpipe.quant.accuracy import Metrics, check_recipe_gate, limits as gate_limits
 
     if recipe.quantization.algo == "none" and recipe.quantization.kv_cache == "none":
         return {
@@ -55,14 +55,12 @@ def _accuracy(recipe) -> dict:
     doc = json.loads((folder / "accuracy.json").read_text())
     row = doc["rows"][1]
     acc = recipe.accuracy
-    limits = {
-        "max_ppl_increase_pct": acc.max_ppl_increase_pct,
-        "min_top1_agreement": acc.min_top1_agreement,
-        "max_kl_divergence": acc.max_kl_divergence,
-    }
+    limits = gate_limits(acc)
+    slice_rows = {name: [Metrics(**r) for r in s["rows"]] for name, s in (doc.get("slices") or {}).items()}
     try:
-        check_gate(Metrics(**row), **limits)
-        gate = "pass" if any(v is not None for v in limits.values()) else "no limits"
+        check_recipe_gate(acc, [Metrics(**r) for r in doc["rows"]], slice_rows)
+        limited = any(v is not None for sl in [None, *acc.slices] for v in gate_limits(acc, sl).values())
+        gate = "pass" if limited else "no limits"
     except TrtpipeError as exc:
         gate = f"FAIL: {str(exc).split(': ', 1)[-1]}"
     cal = recipe.quantization.calibration
@@ -76,6 +74,7 @@ def _accuracy(recipe) -> dict:
         "gate": gate,
         "limits": limits,
         "rows": doc["rows"],
+        "slices": doc.get("slices"),
         "eval": {k: doc.get(k) for k in ("eval_data", "num_samples", "seq_len")},
         "calibration": {"dataset": cal.dataset, "num_samples": cal.num_samples, "seq_len": cal.seq_len},
     }

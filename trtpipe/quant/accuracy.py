@@ -54,6 +54,9 @@ class Metrics:
     greedy_match_len: Optional[float]  # None: skipped (the report says why)
 
 
+Groups = dict[str, range]  # named sample ranges of one token tensor (evaluation slices), scored separately
+
+
 def drop_kv_quant(model: ReferenceModel) -> ReferenceModel:
     """The same model with its KV cache kept in full precision (weights and activations still quantized)."""
     for layer in model.layers:
@@ -91,25 +94,34 @@ def compare(
     batch: int = 8,
     prompt_len: int = 8,
     new_tokens: int = 32,
-) -> list[Metrics]:
+    groups: Optional[Groups] = None,
+) -> list[Metrics] | dict[str, list[Metrics]]:
     """Metrics of the reference itself (first row) and of every model in ``models`` on ``tokens [N, T]``, with
-    every model whole in memory (the oracle :func:`evaluate` is tested against; small models only)."""
+    every model whole in memory (the oracle :func:`evaluate` is tested against; small models only). With
+    ``groups``, rows per named sample range, as :func:`teacher_forced` gives them."""
+    n, t = tokens.shape
     ref_logits = _logits(ref, tokens, batch)
-    ref_ppl = _ppl(ref_logits, tokens)
     prompts = [row[:prompt_len].tolist() for row in tokens]
     ref_greedy = _greedy(ref, prompts, new_tokens)
     ref_logp = F.log_softmax(ref_logits, dim=-1)
-    rows = [Metrics("unquantized", ref_ppl, 0.0, 0.0, 1.0, float(new_tokens))]
+    nll = {"unquantized": _nll_rows(ref_logits, tokens)}
+    kl, top1, match = {}, {}, {}
     for name, m in models.items():
         logits = _logits(m, tokens, batch)
         logp = F.log_softmax(logits, dim=-1)
-        kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).mean().item()
-        top1 = (ref_logits.argmax(-1) == logits.argmax(-1)).float().mean().item()
-        ppl = _ppl(logits, tokens)
+        kl[name] = (ref_logp.exp() * (ref_logp - logp)).sum(-1).double().sum(-1)
+        top1[name] = (ref_logits.argmax(-1) == logits.argmax(-1)).double().sum(-1)
+        nll[name] = _nll_rows(logits, tokens)
         greedy = _greedy(m, prompts, new_tokens)
-        match = sum(_match_len(a, b) for a, b in zip(ref_greedy, greedy)) / len(prompts)
-        rows.append(Metrics(name, ppl, 100.0 * (ppl / ref_ppl - 1.0), kl, top1, match))
-    return rows
+        match[name] = [_match_len(a, b) for a, b in zip(ref_greedy, greedy)]
+    out = {}
+    for g, idx in (groups or {"": range(n)}).items():
+        rows = _rows(list(models), nll, kl, top1, idx, t)
+        rows[0].greedy_match_len = float(new_tokens)
+        for r in rows[1:]:
+            r.greedy_match_len = sum(match[r.name][idx.start : idx.stop]) / len(idx)
+        out[g] = rows
+    return out if groups is not None else out[""]
 
 
 def perplexity(ckpt_dir: Path, tokens: torch.Tensor, batch: int = 8) -> float:
@@ -156,6 +168,25 @@ def _set_kv_quant(layer: DecoderLayer, on: bool, saved: list) -> None:
         shard.kv_quant = fn if on else None
 
 
+def _rows(names: list[str], nll: dict, kl: dict, top1: dict, idx: range, t: int) -> list[Metrics]:
+    """Rows of one sample range from per-sample sums (``nll``: every stream; ``kl``/``top1``: quantized ones)."""
+    count = len(idx)
+    ppl = {s: math.exp(float(v[idx.start : idx.stop].sum()) / (count * (t - 1))) for s, v in nll.items()}
+    rows = [Metrics("unquantized", ppl["unquantized"], 0.0, 0.0, 1.0, None)]
+    for s in names:
+        rows.append(
+            Metrics(
+                s,
+                ppl[s],
+                100.0 * (ppl[s] / ppl["unquantized"] - 1.0),
+                float(kl[s][idx.start : idx.stop].sum()) / (count * t),
+                float(top1[s][idx.start : idx.stop].sum()) / (count * t),
+                None,
+            )
+        )
+    return rows
+
+
 @torch.no_grad()
 def teacher_forced(
     ref_dir: Path,
@@ -165,9 +196,14 @@ def teacher_forced(
     spill_bytes: int = 1 << 30,
     spill_dir: Optional[Path] = None,
     progress: Optional[Callable[[str], None]] = None,
-) -> list[Metrics]:
+    groups: Optional[Groups] = None,
+) -> list[Metrics] | dict[str, list[Metrics]]:
     """Perplexity, KL and top-1 of ``quant_dir`` against ``ref_dir`` on ``tokens [N, T]``, one layer in memory at
-    a time (see the module docstring); ``greedy_match_len`` is left None. Rows as :func:`compare` gives them."""
+    a time (see the module docstring); ``greedy_match_len`` is left None. Rows as :func:`compare` gives them.
+
+    With ``groups`` (named sample ranges: the evaluation slices, stacked into one tensor), the checkpoints are
+    still read once, and the rows come back per group: ``{name: rows}``.
+    """
     ref, quant = CheckpointLayers(ref_dir), CheckpointLayers(quant_dir)
     for key in ("num_layers", "hidden_size", "vocab_size"):
         if getattr(ref.full, key) != getattr(quant.full, key):
@@ -204,38 +240,35 @@ def teacher_forced(
                 del layer, saved
                 gc.collect()
         ref_head, quant_head = _scorer(ref), _scorer(quant)
-        nll = {s: 0.0 for s in bufs}
-        kl = {s: 0.0 for s in names}
-        top1 = {s: 0 for s in names}
+        # per-sample sums (float64), so that any range of samples (a slice) can be scored afterwards
+        nll = {s: torch.zeros(n, dtype=torch.float64) for s in bufs}
+        kl = {s: torch.zeros(n, dtype=torch.float64) for s in names}
+        top1 = {s: torch.zeros(n, dtype=torch.float64) for s in names}
         for lo in range(0, n, batch):
             tok = tokens[lo : lo + batch]
-            ref_logits = ref_head.head(bufs["unquantized"].data[lo : lo + batch]).float()
+            hi = lo + len(tok)
+            ref_logits = ref_head.head(bufs["unquantized"].data[lo:hi]).float()
             ref_logp = F.log_softmax(ref_logits, dim=-1)
-            nll["unquantized"] += _nll_sum(ref_logits, tok)
+            nll["unquantized"][lo:hi] = _nll_rows(ref_logits, tok)
             for s in names:
-                logits = quant_head.head(bufs[s].data[lo : lo + batch]).float()
+                logits = quant_head.head(bufs[s].data[lo:hi]).float()
                 logp = F.log_softmax(logits, dim=-1)
-                kl[s] += (ref_logp.exp() * (ref_logp - logp)).sum(-1).double().sum().item()
-                top1[s] += int((ref_logits.argmax(-1) == logits.argmax(-1)).sum())
-                nll[s] += _nll_sum(logits, tok)
+                kl[s][lo:hi] = (ref_logp.exp() * (ref_logp - logp)).sum(-1).double().sum(-1)
+                top1[s][lo:hi] = (ref_logits.argmax(-1) == logits.argmax(-1)).double().sum(-1)
+                nll[s][lo:hi] = _nll_rows(logits, tok)
     finally:
         for b in bufs.values():
             b.close()
-    ppl = {s: math.exp(v / (n * (t - 1))) for s, v in nll.items()}
-    rows = [Metrics("unquantized", ppl["unquantized"], 0.0, 0.0, 1.0, None)]
-    for s in names:
-        rows.append(
-            Metrics(s, ppl[s], 100.0 * (ppl[s] / ppl["unquantized"] - 1.0), kl[s] / (n * t), top1[s] / (n * t), None)
-        )
-    return rows
+    if groups is None:
+        return _rows(names, nll, kl, top1, range(n), t)
+    return {g: _rows(names, nll, kl, top1, idx, t) for g, idx in groups.items()}
 
 
-def _nll_sum(logits: torch.Tensor, tokens: torch.Tensor) -> float:
-    return (
-        F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="sum")
-        .double()
-        .item()
-    )
+def _nll_rows(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token negative log-likelihood summed per sample (float64): ``[B]``."""
+    b, t, v = logits.shape
+    per_token = F.cross_entropy(logits[:, :-1].reshape(-1, v), tokens[:, 1:].reshape(-1), reduction="none")
+    return per_token.view(b, t - 1).double().sum(-1)
 
 
 PACKED = {"I32": 8, "U8": 2}  # int4 codes per int32 word (GPTQ / AWQ qweight), 4-bit codes per byte (NVFP4 / MXFP4)
@@ -256,22 +289,31 @@ def float32_bytes(ckpt_dir: Path) -> int:
 
 
 def greedy_matches(
-    ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, prompt_len: int = 8, new_tokens: int = 32
-) -> dict[str, float]:
-    """Mean greedy continuation match length per quantized row name; one whole model in memory at a time."""
+    ref_dir: Path,
+    quant_dir: Path,
+    tokens: torch.Tensor,
+    prompt_len: int = 8,
+    new_tokens: int = 32,
+    groups: Optional[Groups] = None,
+) -> dict[str, float] | dict[str, dict[str, float]]:
+    """Mean greedy continuation match length per quantized row name (per group with ``groups``); one whole model
+    in memory at a time."""
     prompts = [row[:prompt_len].tolist() for row in tokens]
     model = load_model(ref_dir)
     ref_greedy = _greedy(model, prompts, new_tokens)
     del model
     gc.collect()
     model = load_model(quant_dir)
-    out = {}
+    per = {}
     for name in stream_names((model.config.get("quantization") or {}).get("kv_cache_quant_algo")):
         if name == NO_KV:
             drop_kv_quant(model)
-        greedy = _greedy(model, prompts, new_tokens)
-        out[name] = sum(_match_len(a, b) for a, b in zip(ref_greedy, greedy)) / len(prompts)
-    return out
+        per[name] = [_match_len(a, b) for a, b in zip(ref_greedy, _greedy(model, prompts, new_tokens))]
+    out = {
+        g: {name: sum(v[idx.start : idx.stop]) / len(idx) for name, v in per.items()}
+        for g, idx in (groups or {"": range(len(prompts))}).items()
+    }
+    return out if groups is not None else out[""]
 
 
 def evaluate(
@@ -283,30 +325,40 @@ def evaluate(
     progress: Optional[Callable[[str], None]] = None,
     prompt_len: int = 8,
     new_tokens: int = 32,
-) -> tuple[list[Metrics], Optional[str]]:
+    groups: Optional[Groups] = None,
+) -> tuple[list[Metrics] | dict[str, list[Metrics]], Optional[str]]:
     """:func:`teacher_forced` rows plus the greedy match length when the whole float32 model fits in host memory.
 
     Either directory may be an HF checkpoint (see the module docstring): then the whole models are compared.
+    With ``groups``, the rows come per named sample range (``{name: rows}``), from one pass over the checkpoints.
 
     Returns:
         The rows (reference first) and, when the greedy continuation was skipped, why (else None).
     """
     if not (is_trtllm_checkpoint(ref_dir) and is_trtllm_checkpoint(quant_dir)):
-        return whole_models(ref_dir, quant_dir, tokens, batch, prompt_len, new_tokens), None
-    rows = teacher_forced(ref_dir, quant_dir, tokens, batch, spill_dir=spill_dir, progress=progress)
+        return whole_models(ref_dir, quant_dir, tokens, batch, prompt_len, new_tokens, groups), None
+    got = teacher_forced(ref_dir, quant_dir, tokens, batch, spill_dir=spill_dir, progress=progress, groups=groups)
     skipped = whole_model_misfit(float32_bytes(ref_dir))
     if skipped is None:
-        matches = greedy_matches(ref_dir, quant_dir, tokens, prompt_len, new_tokens)
-        rows[0].greedy_match_len = float(new_tokens)
-        for r in rows[1:]:
-            r.greedy_match_len = matches[r.name]
-    return rows, skipped
+        matches = greedy_matches(ref_dir, quant_dir, tokens, prompt_len, new_tokens, groups)
+        for g, rows in got.items() if groups is not None else [("", got)]:
+            m = matches[g] if groups is not None else matches
+            rows[0].greedy_match_len = float(new_tokens)
+            for r in rows[1:]:
+                r.greedy_match_len = m[r.name]
+    return got, skipped
 
 
 @torch.no_grad()
 def whole_models(
-    ref_dir: Path, quant_dir: Path, tokens: torch.Tensor, batch: int = 8, prompt_len: int = 8, new_tokens: int = 32
-) -> list[Metrics]:
+    ref_dir: Path,
+    quant_dir: Path,
+    tokens: torch.Tensor,
+    batch: int = 8,
+    prompt_len: int = 8,
+    new_tokens: int = 32,
+    groups: Optional[Groups] = None,
+) -> list[Metrics] | dict[str, list[Metrics]]:
     """:func:`compare` of two directories of either kind, with the quantized model's rows as
     :func:`teacher_forced` names them (KV quantized and not); refused, naming the size, when they do not fit."""
     why = whole_model_misfit(float32_bytes(ref_dir) + 2 * float32_bytes(quant_dir))
@@ -320,7 +372,7 @@ def whole_models(
     models = {names[0]: quant}
     if len(names) > 1:
         models[NO_KV] = drop_kv_quant(load_model(quant_dir))
-    return compare(load_model(ref_dir), models, tokens, batch, prompt_len, new_tokens)
+    return compare(load_model(ref_dir), models, tokens, batch, prompt_len, new_tokens, groups)
 
 
 def table(rows: list[Metrics], note: Optional[str] = None) -> str:
@@ -343,8 +395,10 @@ def check_gate(
     max_ppl_increase_pct: Optional[float],
     min_top1_agreement: Optional[float],
     max_kl_divergence: Optional[float],
+    where: str = "",
 ) -> None:
-    """Raise :class:`AccuracyGateError` with every failed limit and its measured number."""
+    """Raise :class:`AccuracyGateError` with every failed limit and its measured number; ``where`` names the
+    slice and its recipe key (e.g. ``slice 'code' (accuracy.slices[1])``)."""
     failed = []
     if max_ppl_increase_pct is not None and row.ppl_increase_pct > max_ppl_increase_pct:
         failed.append(f"perplexity +{row.ppl_increase_pct:.3f}% > max_ppl_increase_pct {max_ppl_increase_pct}")
@@ -353,11 +407,43 @@ def check_gate(
     if max_kl_divergence is not None and row.kl_divergence > max_kl_divergence:
         failed.append(f"KL {row.kl_divergence:.6f} > max_kl_divergence {max_kl_divergence}")
     if failed:
-        raise AccuracyGateError(f"accuracy gate failed for {row.name}: " + "; ".join(failed))
+        raise AccuracyGateError(
+            f"accuracy gate failed for {where + ', ' if where else ''}{row.name}: " + "; ".join(failed)
+        )
 
 
-def write_report(out_dir: Path, rows: list[Metrics], meta: dict, greedy_skipped: Optional[str] = None) -> None:
-    """accuracy.json (``greedy_skipped``: why the greedy match is null, or null) and accuracy.txt."""
+LIMITS = ("max_ppl_increase_pct", "min_top1_agreement", "max_kl_divergence")
+
+
+def limits(acc, sl=None) -> dict[str, Optional[float]]:
+    """The gate's limits of the recipe's ``accuracy`` section, or of its slice ``sl`` (a limit the slice leaves
+    out is the section's)."""
+    return {k: getattr(acc, k) if sl is None or getattr(sl, k) is None else getattr(sl, k) for k in LIMITS}
+
+
+def check_recipe_gate(acc, rows: list[Metrics], slices: Optional[dict[str, list[Metrics]]] = None) -> None:
+    """The recipe's whole gate: the aggregate rows against ``accuracy``'s limits, then every slice against its
+    own; the deployed configuration is the first quantized row (KV quantized when the recipe says so)."""
+    check_gate(rows[1], **limits(acc))
+    for i, sl in enumerate(acc.slices):
+        if slices and sl.name in slices:
+            check_gate(slices[sl.name][1], **limits(acc, sl), where=f"slice '{sl.name}' (accuracy.slices[{i}])")
+
+
+def write_report(
+    out_dir: Path,
+    rows: list[Metrics],
+    meta: dict,
+    greedy_skipped: Optional[str] = None,
+    slices: Optional[dict[str, tuple[dict, list[Metrics]]]] = None,
+) -> None:
+    """accuracy.json (``greedy_skipped``: why the greedy match is null, or null) and accuracy.txt; ``slices``:
+    ``{name: (meta, rows)}`` of every evaluation slice, after the aggregate rows."""
     doc = {**meta, "greedy_skipped": greedy_skipped, "rows": [asdict(r) for r in rows]}
+    text = table(rows, greedy_skipped)
+    if slices:
+        doc["slices"] = {name: {**m, "rows": [asdict(r) for r in r_]} for name, (m, r_) in slices.items()}
+        for name, (m, r_) in slices.items():
+            text += f"\n\nslice {name} ({m['data']}, {m['num_samples']} x {m['seq_len']} tokens)\n" + table(r_)
     (out_dir / "accuracy.json").write_text(json.dumps(doc, indent=2) + "\n")
-    (out_dir / "accuracy.txt").write_text(table(rows, greedy_skipped) + "\n")
+    (out_dir / "accuracy.txt").write_text(text + "\n")

@@ -4,6 +4,8 @@ Files: ``.txt`` (the whole file is one document), ``.jsonl`` (one record per lin
 ``{"data": [...]}``); records are strings or objects holding ``text_field``. A directory means every such file
 under it, in sorted order. Documents are tokenized with the model's own tokenizer, BOS-prefixed, concatenated
 and cut into ``seq_len`` windows; the first ``num_samples`` windows are used (a deterministic choice).
+Built-in sets (``prose``, ``code``, ``arithmetic``, ``chat``: :mod:`trtpipe.quant.slices`) need no file either;
+each has a held-out evaluation part and a calibration part. A file or directory named like one is written ``./code``.
 ``self``: ``num_samples`` sequences sampled from BOS with a fixed seed (works offline, with no dataset). It runs
 the whole unquantized model on the reference runtime, so for models that do not fit in host memory name a
 dataset instead (validation refuses 'self' for them: trtpipe/quant/rules.py; calibration and verification
@@ -14,11 +16,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
 from trtpipe.errors import QuantizationError
+from trtpipe.quant import slices
 
 SUFFIXES = (".txt", ".jsonl", ".json")
 
@@ -78,7 +81,7 @@ def load_tokenizer(model_dir: Path):
         raise QuantizationError(f"{model_dir}: cannot load the tokenizer: {' '.join(str(exc).split())}") from None
 
 
-def token_windows(texts: list[str], tokenizer, num_samples: int, seq_len: int, where: str) -> torch.Tensor:
+def token_windows(texts: Iterable[str], tokenizer, num_samples: int, seq_len: int, where: str) -> torch.Tensor:
     """``[n, seq_len]`` int64 windows of the concatenated, BOS-prefixed documents (n <= num_samples)."""
     bos = tokenizer.bos_token_id
     ids: list[int] = []
@@ -116,13 +119,17 @@ def token_batches(
     seq_len: int,
     generate_fn: Optional[Callable] = None,
     seed: int = 0,
+    part: slices.Part = "evaluation",
 ) -> torch.Tensor:
-    """Tokens for a recipe data spec (a path or ``self``)."""
+    """Tokens for a recipe data spec (a path, a built-in set or ``self``); ``part``: which part of a built-in set."""
     if spec == "self":
         if generate_fn is None:
             raise QuantizationError("dataset 'self' needs the model to generate from")
         bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 1
         return self_samples(lambda prompts, n, _: generate_fn(prompts, n, seed), bos, num_samples, seq_len)
+    if slices.is_builtin(spec):
+        where = f"built-in set '{spec}' ({part})"
+        return token_windows(slices.texts(spec, part, seed, tokenizer, where), tokenizer, num_samples, seq_len, where)
     path = resolve(spec)
     return token_windows(read_texts(path, text_field), tokenizer, num_samples, seq_len, str(path))
 

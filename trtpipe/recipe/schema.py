@@ -70,9 +70,25 @@ class ModelSection(_Section):
         return v
 
 
+DATA_TEXT = (
+    "A .txt/.jsonl/.json file or directory, a built-in set (prose, code, arithmetic, chat: no download), "
+    "or 'self' (text the model generates)."
+)
+
+
+class MixPart(_Section):
+    data: str = Field(description=DATA_TEXT)
+    weight: float = Field(1.0, gt=0.0, le=1e6, description="Share of the calibration samples (relative).")
+
+    _data = field_validator("data")(classmethod(lambda cls, v: _path_text(v)))
+
+
 class CalibrationSection(_Section):
-    dataset: str = Field(
-        "self", description="A .txt/.jsonl/.json file or directory, or 'self' (text the model generates)."
+    dataset: str = Field("self", description=DATA_TEXT)
+    mix: list[MixPart] = Field(
+        default_factory=list,
+        description="Calibrate on several sets at once, num_samples shared by weight (instead of dataset): fit "
+        "the scales to what the deployment will serve, e.g. prose and code.",
     )
     text_field: str = Field("text", min_length=1, description="Field holding the text in .jsonl/.json records.")
     num_samples: int = Field(64, ge=1, le=100_000, description="Calibration samples.")
@@ -82,6 +98,13 @@ class CalibrationSection(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto uses CUDA when present.")
 
     _dataset = field_validator("dataset")(classmethod(lambda cls, v: _path_text(v)))
+
+    @field_validator("mix")
+    @classmethod
+    def _mix_or_dataset(cls, v, info):
+        if v and info.data.get("dataset", "self") != "self":
+            raise ValueError("set either dataset or mix, not both (mix lists every set it calibrates on)")
+        return v
 
 
 class QuantizationSection(_Section):
@@ -185,9 +208,20 @@ class EngineSection(_Section):
         return {"preset": v} if isinstance(v, str) else v
 
 
+class AccuracySlice(_Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Names the slice in the report and the gate.")
+    data: str = Field(description=DATA_TEXT)
+    num_samples: Optional[int] = Field(None, ge=1, le=100_000, description="Samples (default: accuracy's).")
+    max_ppl_increase_pct: Optional[float] = Field(None, ge=0.0, description="Limit (default: accuracy's).")
+    min_top1_agreement: Optional[float] = Field(None, ge=0.0, le=1.0, description="Limit (default: accuracy's).")
+    max_kl_divergence: Optional[float] = Field(None, ge=0.0, description="Limit (default: accuracy's).")
+
+    _data = field_validator("data")(classmethod(lambda cls, v: _path_text(v)))
+
+
 class AccuracySection(_Section):
     enabled: bool = Field(True, description="Measure the quantized model against the unquantized one.")
-    eval_data: str = Field("self", description="Held-out text file/dir for perplexity, or 'self'.")
+    eval_data: str = Field("self", description="Held-out text for the aggregate numbers. " + DATA_TEXT)
     num_samples: int = Field(16, ge=1, le=100_000, description="Evaluation samples.")
     seq_len: int = Field(128, ge=8, le=131_072, description="Tokens per evaluation sample.")
     max_ppl_increase_pct: Optional[float] = Field(
@@ -204,8 +238,22 @@ class AccuracySection(_Section):
         description="The unquantized original of a pre-quantized model.source (directory or hf://), which the "
         "gate compares against; without it a pre-quantized source reports perplexity alone.",
     )
+    slices: list[AccuracySlice] = Field(
+        default_factory=list,
+        description="Named evaluation sets, each measured and gated on its own (e.g. prose, code): a loss the "
+        "aggregate averages away fails the build naming the slice.",
+    )
 
     _eval_data = field_validator("eval_data")(classmethod(lambda cls, v: _path_text(v)))
+
+    @field_validator("slices")
+    @classmethod
+    def _unique_names(cls, v):
+        names = [s.name for s in v]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"slice names must be unique: {', '.join(dup)} repeated")
+        return v
 
 
 class InstanceCounts(_Section):

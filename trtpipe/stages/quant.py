@@ -24,7 +24,7 @@ from trtpipe.checkpoint.convert import TOKENIZER_FILES
 from trtpipe.checkpoint.quant_layouts import ALGOS
 from trtpipe.formats.schemes import needs_calibration_data
 from trtpipe.pipeline.stage import Stage, StageContext
-from trtpipe.quant import accuracy
+from trtpipe.quant import accuracy, slices
 from trtpipe.quant.calibrate import CalibSettings, calibrate, save_layer_stats, write_meta
 from trtpipe.quant.data import batched_decode, load_tokenizer, token_batches
 from trtpipe.quant.writer import TrtllmSource, quantize_checkpoint
@@ -60,16 +60,50 @@ def awq_group_size(recipe: Recipe) -> Optional[int]:
 
 
 def _tokens(
-    spec: str, recipe: Recipe, ckpt_dir: Path, num_samples: int, seq_len: int, seed: int, text_field: str
+    spec: str,
+    recipe: Recipe,
+    ckpt_dir: Path,
+    num_samples: int,
+    seq_len: int,
+    seed: int,
+    text_field: str,
+    part: str = "evaluation",
 ) -> torch.Tensor:
     """Token samples of a data spec; ``self`` samples the checkpoint ``ckpt_dir`` (TRT-LLM or HF directory) from
-    BOS with ``seed``."""
+    BOS with ``seed``; a built-in set gives its ``part`` (evaluation or calibration)."""
     tokenizer = load_tokenizer(ckpt_dir)
     gen = None
     if spec == "self":
         model = load_model(ckpt_dir)
         gen = lambda prompts, n, s: batched_decode(model, torch.tensor(prompts), n, 1.0, s).tolist()  # noqa: E731
-    return token_batches(spec, recipe.resolve, text_field, tokenizer, num_samples, seq_len, gen, seed)
+    return token_batches(spec, recipe.resolve, text_field, tokenizer, num_samples, seq_len, gen, seed, part)
+
+
+def shares(weights: list[float], total: int) -> list[int]:
+    """``total`` split by ``weights`` (largest remainder), every part at least one when ``total`` allows."""
+    raw = [total * w / sum(weights) for w in weights]
+    out = [max(1, int(r)) for r in raw]
+    for i in sorted(range(len(raw)), key=lambda i: raw[i] - int(raw[i]), reverse=True):
+        if sum(out) >= total:
+            break
+        out[i] += 1
+    while sum(out) > total and max(out) > 1:
+        out[out.index(max(out))] -= 1
+    return out
+
+
+def calibration_tokens(recipe: Recipe, ckpt_dir: Path) -> torch.Tensor:
+    """The calibration samples: ``dataset``, or every set of ``mix`` with its share of ``num_samples``."""
+    c = recipe.quantization.calibration
+    if not c.mix:
+        return _tokens(c.dataset, recipe, ckpt_dir, c.num_samples, c.seq_len, c.seed, c.text_field, "calibration")
+    counts = shares([m.weight for m in c.mix], c.num_samples)
+    return torch.cat(
+        [
+            _tokens(m.data, recipe, ckpt_dir, k, c.seq_len, c.seed, c.text_field, "calibration")
+            for m, k in zip(c.mix, counts)
+        ]
+    )
 
 
 def run_calibration(
@@ -77,7 +111,7 @@ def run_calibration(
 ) -> dict:
     """Calibrate the unquantized checkpoint ``ckpt_dir``; write ``layer{i}.safetensors`` + ``stats.json``."""
     c = recipe.quantization.calibration
-    tokens = _tokens(c.dataset, recipe, ckpt_dir, c.num_samples, c.seq_len, c.seed, c.text_field)
+    tokens = calibration_tokens(recipe, ckpt_dir)
     settings = CalibSettings(batch_size=c.batch_size, awq_group_size=awq_group_size(recipe), device=_device(c.device))
     save_file({"tokens": tokens}, str(out_dir / "tokens.safetensors"))
     calibrate(
@@ -89,7 +123,7 @@ def run_calibration(
         spill_dir=out_dir,
     )
     meta = {
-        "dataset": c.dataset,
+        "dataset": c.dataset if not c.mix else [{"data": m.data, "weight": m.weight} for m in c.mix],
         "num_samples": int(tokens.shape[0]),
         "seq_len": int(tokens.shape[1]),
         "seed": c.seed,
@@ -144,23 +178,36 @@ def run_accuracy(
     out_dir: Optional[Path] = None,
     gate: bool = True,
     progress: Optional[Callable[[str], None]] = None,
-) -> list[accuracy.Metrics]:
-    """Accuracy report of ``quant_dir`` against ``ckpt_dir``; with the KV cache quantized and without.
+) -> tuple[list[accuracy.Metrics], dict[str, list[accuracy.Metrics]]]:
+    """Accuracy report of ``quant_dir`` against ``ckpt_dir``, with the KV cache quantized and without: the
+    aggregate rows on ``accuracy.eval_data`` and the rows of every ``accuracy.slices`` entry, all from one pass
+    over the checkpoints (the slices' samples are stacked under the aggregate's).
 
     Layer by layer for two TRT-LLM checkpoints, whole models when either is an HF directory
     (:func:`accuracy.evaluate`); activation buffers spill into ``out_dir`` when large.
     """
     acc, c = recipe.accuracy, recipe.quantization.calibration
-    tokens = _tokens(
-        acc.eval_data, recipe, ckpt_dir, acc.num_samples, acc.seq_len, c.seed + EVAL_SEED_OFFSET, c.text_field
+    seed = c.seed + EVAL_SEED_OFFSET
+    parts = [
+        ("", acc.eval_data, _tokens(acc.eval_data, recipe, ckpt_dir, acc.num_samples, acc.seq_len, seed, c.text_field))
+    ]
+    for sl in acc.slices:
+        n = sl.num_samples or acc.num_samples
+        parts.append((sl.name, sl.data, _tokens(sl.data, recipe, ckpt_dir, n, acc.seq_len, seed, c.text_field)))
+    groups, start = {}, 0
+    for name, _, t in parts:
+        groups[name] = range(start, start + len(t))
+        start += len(t)
+    tokens = torch.cat([t for _, _, t in parts])
+    got, greedy_skipped = accuracy.evaluate(
+        ckpt_dir, quant_dir, tokens, batch=c.batch_size, spill_dir=out_dir, progress=progress, groups=groups
     )
-    rows, greedy_skipped = accuracy.evaluate(
-        ckpt_dir, quant_dir, tokens, batch=c.batch_size, spill_dir=out_dir, progress=progress
-    )
+    rows = got.pop("")
     if greedy_skipped:
         log.warning("accuracy: greedy continuation match skipped: %s", greedy_skipped)
     if out_dir is not None:
         algo, kv = quant_meta(quant_dir)
+        seq_len = int(tokens.shape[1])
         accuracy.write_report(
             out_dir,
             rows,
@@ -168,14 +215,18 @@ def run_accuracy(
                 "quant_algo": algo,
                 "kv_cache_quant_algo": kv,
                 "eval_data": acc.eval_data,
-                "num_samples": int(tokens.shape[0]),
-                "seq_len": int(tokens.shape[1]),
+                "num_samples": len(groups[""]),
+                "seq_len": seq_len,
             },
             greedy_skipped,
+            {
+                name: ({"data": data, "num_samples": len(t), "seq_len": seq_len}, got[name])
+                for name, data, t in parts[1:]
+            },
         )
     if gate:
-        accuracy.check_gate(rows[1], acc.max_ppl_increase_pct, acc.min_top1_agreement, acc.max_kl_divergence)
-    return rows
+        accuracy.check_recipe_gate(acc, rows, got)
+    return rows, got
 
 
 # --- stages -------------------------------------------------------------------------------------------------
@@ -221,8 +272,7 @@ def _verify(ctx: StageContext) -> None:
                 ctx.log.info("accuracy:\n%s", (ctx.out_dir / "accuracy.txt").read_text())
         ctx.info.update(accuracy=json.loads((ctx.out_dir / "accuracy.json").read_text()))
         if rows is not None:
-            acc = ctx.recipe.accuracy
-            accuracy.check_gate(rows[1], acc.max_ppl_increase_pct, acc.min_top1_agreement, acc.max_kl_divergence)
+            accuracy.check_recipe_gate(ctx.recipe.accuracy, *rows)
         return
     try:
         with ctx.progress("verify", total=None) as bar:
@@ -239,8 +289,7 @@ def _verify(ctx: StageContext) -> None:
         if report.exists():
             ctx.log.info("accuracy:\n%s", report.read_text())
     ctx.info.update(accuracy=json.loads((ctx.out_dir / "accuracy.json").read_text())["rows"])
-    acc = ctx.recipe.accuracy
-    accuracy.check_gate(rows[1], acc.max_ppl_increase_pct, acc.min_top1_agreement, acc.max_kl_divergence)
+    accuracy.check_recipe_gate(ctx.recipe.accuracy, *rows)
 
 
 def imported(recipe: Recipe) -> bool:
@@ -263,7 +312,7 @@ def reference_dir(recipe: Recipe) -> Path:
 
 def run_imported_accuracy(
     recipe: Recipe, quant_dir: Path, out_dir: Path, progress: Optional[Callable[[str], None]] = None
-) -> Optional[list[accuracy.Metrics]]:
+) -> Optional[tuple[list[accuracy.Metrics], dict[str, list[accuracy.Metrics]]]]:
     """A pre-quantized source's report: against ``accuracy.reference`` when the recipe names one, else its
     perplexity alone (None: nothing to gate on). ``quant_dir`` is a TRT-LLM checkpoint (engine target: the
     reference is converted here at the same tp/pp and dtype, then removed) or an HF directory (llmapi target:
@@ -311,14 +360,21 @@ def run_imported_accuracy(
     return None
 
 
-def _calibration_files(recipe: Recipe) -> list[Path]:
-    ds = recipe.quantization.calibration.dataset
-    return [] if ds == "self" else [recipe.resolve(ds)]
+def _files(recipe: Recipe, specs: list[str]) -> list[Path]:
+    return [recipe.resolve(d) for d in specs if d != "self" and not slices.is_builtin(d)]
+
+
+def _calibration_specs(recipe: Recipe) -> list[str]:
+    c = recipe.quantization.calibration
+    return [m.data for m in c.mix] if c.mix else [c.dataset]
+
+
+def _eval_specs(recipe: Recipe) -> list[str]:
+    return [recipe.accuracy.eval_data] + [sl.data for sl in recipe.accuracy.slices]
 
 
 def _eval_files(recipe: Recipe) -> list[Path]:
-    ev = recipe.accuracy.eval_data
-    files = [] if ev == "self" else [recipe.resolve(ev)]
+    files = _files(recipe, _eval_specs(recipe))
     ref = recipe.accuracy.reference
     if ref is not None and not ref.startswith("hf://"):
         files += sorted(p for p in recipe.resolve(ref).iterdir() if p.is_file())
@@ -330,9 +386,12 @@ CALIBRATE_STAGE = Stage(
     sections=("quantization.calibration",),
     inputs=("checkpoint",),
     run=_calibrate,
-    files=_calibration_files,
+    files=lambda recipe: _files(recipe, _calibration_specs(recipe)),
     enabled=needs_calibration,
-    extra_key=lambda recipe: {"awq_group_size": awq_group_size(recipe)},
+    extra_key=lambda recipe: {
+        "awq_group_size": awq_group_size(recipe),
+        "builtin_data": slices.data_version(_calibration_specs(recipe)),
+    },
     description="calibration statistics (per-channel amax, KV amax, AWQ scales when needed)",
 )
 
@@ -351,6 +410,7 @@ VERIFY_STAGE = Stage(
     inputs=("checkpoint", "quantize", "export"),
     run=_verify,
     files=_eval_files,
+    extra_key=lambda recipe: {"builtin_data": slices.data_version(_eval_specs(recipe))},
     enabled=lambda recipe: recipe.accuracy.enabled and (has_trtllm_layout(recipe) or imported(recipe)),
     description="accuracy report and gate",
 )
