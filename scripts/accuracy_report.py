@@ -53,6 +53,7 @@ from trtpipe.models import get_family  # noqa: E402
 from trtpipe.models.dims import read_hf_config  # noqa: E402
 from trtpipe.models.synthetic import make_synthetic  # noqa: E402
 from trtpipe.pipeline.runner import run_build  # noqa: E402
+from trtpipe.app.stage_table import STAGES  # noqa: E402
 from trtpipe.quant import accuracy  # noqa: E402
 from trtpipe.quant.data import batched_decode, self_samples  # noqa: E402
 from trtpipe.formats.schemes import BY_RECIPE, GROUP_SIZES  # noqa: E402
@@ -136,7 +137,7 @@ class FamilyRun:
 
 def measure(run: FamilyRun, recipe) -> tuple[str, list[dict]]:
     """Build the recipe through the real stages up to what measures it; the rows its accuracy report holds."""
-    result = run_build(recipe, until="verify", quiet=True)
+    result = run_build(recipe, STAGES, until="verify", quiet=True)
     if result.stage("verify")["status"] in ("ran", "cached"):
         rows = json.loads((result.artifact("verify") / "accuracy.json").read_text())["rows"]
         return "TensorRT-LLM checkpoint (verify stage)", rows
