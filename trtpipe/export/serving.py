@@ -21,6 +21,8 @@ from typing import Any, Optional
 import yaml
 
 from trtpipe.errors import TrtpipeError
+from trtpipe.models.parsers import TABLES, TRTLLM_RELEASE, Parser
+from trtpipe.models.parsers import resolve as resolve_parser
 from trtpipe.recipe.schema import Recipe
 
 VERSIONS = ("1.0", "1.1", "1.2")
@@ -164,6 +166,26 @@ def options_yaml(options: dict, version: str) -> str:
     return head + yaml.safe_dump(checked(options, version), sort_keys=False)
 
 
+def served_parsers(recipe: Recipe) -> dict[str, Optional[Parser]]:
+    """The tool and reasoning parsers a deployment of ``recipe`` runs (``serving.*_parser``, else the model
+    family's default: :mod:`trtpipe.models.parsers`), by recipe key."""
+    from trtpipe.recipe.rules import load_model_info
+
+    info, _ = load_model_info(recipe)
+    model_type = info.model_type if info is not None else ""
+    name = recipe.model.source.rstrip("/").rsplit("/", 1)[-1]
+    return {k: resolve_parser(k, getattr(recipe.serving, k), model_type, name) for k in TABLES}
+
+
+def parser_flags(recipe: Recipe) -> list[str]:
+    """``--tool_parser`` / ``--reasoning_parser`` of trtllm-serve, for the parsers its release has."""
+    flags = []
+    for kind, parser in served_parsers(recipe).items():
+        if parser is not None and parser.trtllm is not None:
+            flags += [f"--{kind}", parser.trtllm]
+    return flags
+
+
 def serve_command(
     recipe: Recipe, model_dir: str, yaml_path: str, version: Optional[str] = None, host: Optional[str] = None
 ) -> list[str]:
@@ -190,6 +212,8 @@ def serve_command(
     if e.max_seq_len:
         cmd += ["--max_seq_len", str(e.max_seq_len)]
     cmd += [f["kv_fraction"], str(e.kv_cache.free_gpu_memory_fraction), f["yaml"], yaml_path]
+    if version == TRTLLM_RELEASE:  # the release whose parser names trtpipe read
+        cmd += parser_flags(recipe)
     return cmd
 
 
