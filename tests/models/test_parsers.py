@@ -94,3 +94,13 @@ def test_llama_defaults_reach_dynamo_only_and_none_turns_off():
     assert dynamo_parser_args(named) == ["--dyn-tool-call-parser", "qwen3", "--dyn-reasoning-parser", "deepseek_r1"]
     old = load_recipe(STORIES, ["llmapi.version='1.1'"])  # parser names were read for 1.2 only: none written
     assert "--tool_parser" not in serve_command(old, "/m", "/c.yaml")
+
+
+def test_the_twin_runs_what_trtllm_serve_would():
+    from trtpipe.app.launch_openai import twin_parser
+    from trtpipe.export.serving import served_parsers
+
+    qwen = {k: twin_parser(p) for k, p in served_parsers(load_recipe(QWEN3, ["target=llmapi"])).items()}
+    assert qwen == {"tool_parser": "qwen3", "reasoning_parser": "qwen3"}
+    llama = {k: twin_parser(p) for k, p in served_parsers(load_recipe(STORIES)).items()}
+    assert llama == {"tool_parser": None, "reasoning_parser": None}  # llama3_json is Dynamo's, not trtllm-serve's

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trtpipe.extras import require
+from trtpipe.serving.chat_output import ChatOutput, ToolRequestError, tool_request
 from trtpipe.serving.api import (
     DEFAULT_PRIORITY,
     UINT64_MAX,
@@ -195,7 +196,13 @@ class ServedModel:
     """Tokenizer + executor over the reference runtime of one model directory."""
 
     def __init__(
-        self, model_dir: Path, name: str, config: Optional[ExecutorConfig] = None, chat_template: Optional[str] = None
+        self,
+        model_dir: Path,
+        name: str,
+        config: Optional[ExecutorConfig] = None,
+        chat_template: Optional[str] = None,
+        tool_parser: Optional[str] = None,
+        reasoning_parser: Optional[str] = None,
     ):
         from transformers import AutoTokenizer
 
@@ -203,6 +210,7 @@ class ServedModel:
         from trtpipe.serving.reference_engine import ReferenceEngine
 
         self.dir, self.name, self.created = Path(model_dir), name, int(time.time())
+        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser  # trtllm-serve's names, or None
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.dir), trust_remote_code=False)
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
@@ -313,6 +321,8 @@ USED = {
         "user",
         "parallel_tool_calls",
         "reasoning_effort",
+        "tools",
+        "tool_choice",
     },
 }
 _SHARED_DEFAULTS = {
@@ -350,8 +360,6 @@ AT_DEFAULT = {
     },
     "chat": {
         **_SHARED_DEFAULTS,
-        "tools": ([],),
-        "tool_choice": ("none",),
         "add_generation_prompt": (True,),
         "add_special_tokens": (False,),
         "documents": (),
@@ -670,7 +678,7 @@ class OpenAIServer:
             raise BadRequest("the prompt is empty", "prompt")
         return ids
 
-    def _chat_ids(self, messages: Any) -> list[int]:
+    def _chat_ids(self, messages: Any, tools: Optional[list] = None) -> list[int]:
         if (
             not isinstance(messages, list)
             or not messages
@@ -686,7 +694,7 @@ class OpenAIServer:
         if not tok.chat_template:
             raise BadRequest("this model's tokenizer has no chat template (start the server with one)", "messages")
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja errors from the template itself, content it cannot render
             raise BadRequest(f"chat template failed: {str(exc)[:300]}", "messages") from None
         if not isinstance(text, str):
@@ -716,14 +724,25 @@ class OpenAIServer:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, "chat")
         self._refuse_early(body)
+        out = self._chat_output(body)
         ids = await asyncio.get_running_loop().run_in_executor(
-            self.served.tokenize_pool, self._chat_ids, body.get("messages")
+            self.served.tokenize_pool, self._chat_ids, body.get("messages"), out.tools.tools if out.tools else None
         )
         max_tokens = self._max_tokens(body, len(ids), None, "messages")
-        return await self._serve(request, body, ids, max_tokens, chat=True)
+        return await self._serve(request, body, ids, max_tokens, chat=True, out=out)
+
+    def _chat_output(self, body: dict) -> ChatOutput:
+        """The request's tools checked (400 naming the field) and its answer's parsers."""
+        try:
+            tools = tool_request(body, self.served.tool_parser)
+        except ToolRequestError as exc:
+            raise BadRequest(str(exc), exc.param) from None
+        if tools is not None and tools.constrained:
+            raise BadRequest(f"tool_choice {tools.choice!r} needs guided decoding, not in this build", "tool_choice")
+        return ChatOutput(self.served.reasoning_parser, self.served.tool_parser, tools)
 
     async def _serve(
-        self, request: web.Request, body: dict, ids: list[int], max_tokens: int, chat: bool
+        self, request: web.Request, body: dict, ids: list[int], max_tokens: int, chat: bool, out=None
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         stream, include_usage = _stream_settings(body)
@@ -739,7 +758,7 @@ class OpenAIServer:
         created = int(time.time())
         try:
             if stream:
-                return await self._stream(request, g, rid, created, chat, include_usage)
+                return await self._stream(request, g, rid, created, chat, include_usage, out)
             if not await self._finish_while_connected(request, g):
                 return web.Response(status=499)  # nobody reads it: the client closed the connection
         except asyncio.CancelledError:  # client went away: free the executor slot
@@ -752,9 +771,9 @@ class OpenAIServer:
         if chat:
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": g.text},
+                "message": out.message(g.text),
                 "logprobs": None,
-                "finish_reason": g.finish,
+                "finish_reason": out.finish_reason(g.finish),
             }
             return web.json_response(
                 {
@@ -802,14 +821,14 @@ class OpenAIServer:
             if not task.done():
                 task.cancel()
 
-    async def _stream(self, request, g: Generation, rid: str, created: int, chat: bool, include_usage: bool):
+    async def _stream(self, request, g: Generation, rid: str, created: int, chat: bool, include_usage: bool, out=None):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: Optional[str], finish: Optional[str], first: bool = False) -> bytes:
-            if chat:
-                d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta is not None else {})
+        def chunk(delta, finish: Optional[str], first: bool = False) -> bytes:
+            if chat:  # delta: a dict of the message's fields (ChatOutput's), or None
+                d = {"role": "assistant", "content": ""} if first else (delta or {})
                 choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
@@ -822,8 +841,11 @@ class OpenAIServer:
             if chat:
                 await resp.write(chunk(None, None, first=True))
             async for delta in _while_connected(request, g.deltas()):
-                await resp.write(chunk(delta, None))
-            await resp.write(chunk(None if chat else "", g.finish))
+                for piece in out.feed(delta) if chat else [delta]:
+                    await resp.write(chunk(piece, None))
+            for piece in out.finish() if chat else []:
+                await resp.write(chunk(piece, None))
+            await resp.write(chunk(None if chat else "", out.finish_reason(g.finish) if chat else g.finish))
             if include_usage:
                 payload = {
                     "id": rid,
@@ -951,9 +973,11 @@ def serve(
     name: str,
     config: Optional[ExecutorConfig] = None,
     chat_template: Optional[str] = None,
+    tool_parser: Optional[str] = None,
+    reasoning_parser: Optional[str] = None,
 ) -> None:
     """Run the server until interrupted (blocking)."""
-    served = ServedModel(model_dir, name, config, chat_template)
+    served = ServedModel(model_dir, name, config, chat_template, tool_parser, reasoning_parser)
     server = OpenAIServer(served)
     log.info("serving %s as %r on http://%s:%d (OpenAI-compatible; trtllm-serve twin)", model_dir, name, host, port)
     web.run_app(server.app, host=host, port=port, print=None, handle_signals=True, shutdown_timeout=2.0)
