@@ -147,6 +147,7 @@ class Request:
     return_perf_metrics: bool = False
     client_tag: Any = None  # opaque to the executor (the front end's handle, e.g. a Triton response sender)
     allotted_time_s: Optional[float] = None  # executor ``allottedTimeMs``; None: the config's request_timeout_s
+    guide: Any = None  # executor ``GuidedDecodingParams``: a trtpipe.serving.guided.Guide, or None
 
 
 @dataclass
@@ -207,6 +208,7 @@ class StepEntry:
     sample: bool
     sampling: SamplingParams = SamplingParams()
     generator: Any = None  # the request's own torch.Generator when sampling with a seed
+    allowed: Any = None  # guided decoding: bool [V] tensor of the tokens this row may sample (None: all)
 
 
 @dataclass
