@@ -285,6 +285,12 @@ class ServingSection(_Section):
         "running batch before new ones get 429 (-1: 8 per engine batch slot; 0: unlimited). "
         "The Triton twin's bound is triton.max_queue_size.",
     )
+    guided_decoding_backend: Optional[Literal["xgrammar", "llguidance"]] = Field(
+        None,
+        description="Structured output (JSON schema, regex, EBNF, structural tag): the grammar backend "
+        "(LlmArgs.guided_decoding_backend; Triton's tensorrt_llm guided_decoding_backend). None: off, and a "
+        "request with a guide is refused. The CPU twin runs xgrammar; llguidance is for the PyTorch backend only.",
+    )
 
 
 class LLMAPISection(_Section):

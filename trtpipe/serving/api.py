@@ -69,6 +69,7 @@ class ExecutorConfig:
     max_queue_size: int = 0  # 0: unlimited
     max_beam_width: int = 1
     request_timeout_s: float = 0.0  # a request not finished this long after submit fails (0: no limit)
+    guided_decoding_backend: Optional[str] = None  # "xgrammar" | "llguidance" | None (guided decoding off)
 
     @property
     def max_context_length(self) -> int:

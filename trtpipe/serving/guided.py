@@ -275,3 +275,63 @@ class GuidedDecoder:
         for name, kind, value in rows:
             out += [f"# TYPE {name} {kind}", f"{name}{{{labels}}} {value}"]
         return out
+
+
+# --- the OpenAI front end's response_format ----------------------------------------------------------------------
+
+RESPONSE_FORMAT_FIELDS = ("type", "schema", "json_schema", "regex", "ebnf", "format")  # ResponseFormat's fields
+RESPONSE_FORMAT_TYPES = ("text", "json", "json_schema", "json_object", "regex", "ebnf", "structural_tag")
+
+
+def response_format_guide(rf: Any) -> Optional[Guide]:
+    """trtllm-serve's ``_response_format_to_guided_decoding_params`` (``tensorrt_llm/serve/openai_protocol.py``
+    @0076e939) then :meth:`GuidedDecodingParams.guide`: ``text`` (or none) is no guide; ``json`` takes ``schema``;
+    ``json_schema`` takes ``json_schema``, unwrapping OpenAI's ``{"name", "schema", "strict"}`` wrapper to its
+    ``schema``; ``json_object``, ``regex``, ``ebnf``; ``structural_tag`` is the whole format object as JSON
+    (``model_dump_json(exclude_none=True)``). ``strict`` needs nothing more: xgrammar compiles schemas in strict
+    mode. A malformed format is a :class:`GuideError` with upstream's wording."""
+    if rf is None:
+        return None
+    if not isinstance(rf, dict):
+        raise GuideError("response_format must be an object with a 'type'")
+    extra = sorted(set(rf) - set(RESPONSE_FORMAT_FIELDS))
+    if extra:
+        raise GuideError(f"response_format.{extra[0]}: extra inputs are not permitted")
+    kind = rf.get("type")
+    if kind not in RESPONSE_FORMAT_TYPES:
+        raise GuideError(f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}, got {kind!r}")
+    need = {"json": "schema", "json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf"}.get(kind)
+    if need and rf.get(need) is None:
+        raise GuideError(f"response_format.{need} is required for response_format.type == {kind!r}, but got None.")
+    if kind == "text":
+        return None
+    if kind == "json":
+        params = GuidedDecodingParams(json=_schema_object(rf["schema"], "schema"))
+    elif kind == "json_schema":
+        schema = rf["json_schema"]
+        if isinstance(schema, dict) and "schema" in schema:  # OpenAI's wrapper: {"name", "schema", "strict"}
+            schema = schema["schema"]
+        params = GuidedDecodingParams(json=_schema_object(schema, "json_schema"))
+    elif kind == "json_object":
+        params = GuidedDecodingParams(json_object=True)
+    elif kind == "regex":
+        params = GuidedDecodingParams(regex=_text(rf["regex"], "regex"))
+    elif kind == "ebnf":
+        params = GuidedDecodingParams(grammar=_text(rf["ebnf"], "ebnf"))
+    else:
+        if not isinstance(rf.get("format"), dict):
+            raise GuideError("response_format.format is required for response_format.type == 'structural_tag'")
+        params = GuidedDecodingParams(structural_tag=json.dumps({k: v for k, v in rf.items() if v is not None}))
+    return params.guide()
+
+
+def _schema_object(schema: Any, key: str) -> dict:
+    if not isinstance(schema, dict):
+        raise GuideError(f"response_format.{key} must be a JSON schema object")
+    return schema
+
+
+def _text(value: Any, key: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise GuideError(f"response_format.{key} must be a non-empty string")
+    return value
