@@ -26,7 +26,7 @@ TOOLS = [
             "description": "Current weather in a city",
             "parameters": {
                 "type": "object",
-                "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+                "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
                 "required": ["city"],
             },
         },
@@ -38,7 +38,10 @@ TOOLS = [
             "description": "Add two integers",
             "parameters": {
                 "type": "object",
-                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "properties": {
+                    "a": {"type": "integer", "minimum": -999, "maximum": 999},
+                    "b": {"type": "integer", "minimum": -999, "maximum": 999},
+                },
                 "required": ["a", "b"],
             },
         },
@@ -56,9 +59,11 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(model_dir):
+    from trtpipe.serving.config import replace_knobs, twin_default
     from trtpipe.serving.openai_server import OpenAIServer, ServedModel
 
-    s = ServedModel(model_dir, NAME, tool_parser="qwen3", reasoning_parser="qwen3")
+    config = replace_knobs(twin_default(1024), guided_decoding_backend="xgrammar")
+    s = ServedModel(model_dir, NAME, config, tool_parser="qwen3", reasoning_parser="qwen3")
     with serve_in_thread(OpenAIServer(s).app) as url:
         yield url, s
 
@@ -93,7 +98,7 @@ def reassembled(client, kw):
 def message_fields(msg) -> tuple:
     extra = msg.model_extra or {}
     calls = [(c.function.name, c.function.arguments) for c in msg.tool_calls or []]
-    return msg.content, extra.get("reasoning_content"), calls
+    return msg.content or None, extra.get("reasoning_content"), calls  # a stream's first chunk says content ""
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -144,3 +149,50 @@ def test_bad_tool_requests_are_400(client, extra, param, pattern):
         client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4, **extra)
     body = err.value.body
     assert body["param"] == param and pattern in body["message"], json.dumps(body)
+
+
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(
+    "choice, parallel", [("required", True), ("required", False), ("get_weather", None), ("add", None)]
+)
+def test_required_and_named_choices_always_parse(client, choice, parallel, seed):
+    """A random model's calls, constrained by the tool-call grammar: each parses, names an allowed tool and has
+    arguments valid against its schema; the SDK's reassembly of the stream equals the non-streamed message.
+    With parallel calls allowed, free text may follow the calls (xgrammar's triggered tags) until max_tokens."""
+    import jsonschema
+
+    tool_choice = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+    kw = dict(model=NAME, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, max_tokens=200)
+    kw.update(temperature=1.0, seed=seed)
+    if parallel is not None:
+        kw["parallel_tool_calls"] = parallel
+    whole = client.chat.completions.create(**kw)
+    c = whole.choices[0]
+    assert c.finish_reason in (("length", "tool_calls") if parallel else ("tool_calls",)), c
+    calls = c.message.tool_calls
+    assert calls and (parallel or len(calls) == 1), c
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+        assert choice == "required" or call.function.name == choice
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    final = reassembled(client, kw)
+    assert message_fields(final.choices[0].message) == message_fields(c.message)
+    assert final.choices[0].finish_reason == c.finish_reason
+
+
+def test_constrained_choices_need_a_guided_backend(model_dir):
+    import openai
+    from openai import OpenAI
+
+    from trtpipe.serving.openai_server import OpenAIServer, ServedModel
+
+    plain = ServedModel(model_dir, NAME, tool_parser="qwen3")
+    with serve_in_thread(OpenAIServer(plain).app) as url:
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="guided_decoding_backend"):
+            client.chat.completions.create(
+                model=NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=4
+            )

@@ -295,6 +295,12 @@ class ServingSection(_Section):
         description="Parser of reasoning_content (trtllm-serve --reasoning_parser, Dynamo --dyn-reasoning-parser). "
         "Unset: the model family's default; none: off.",
     )
+    guided_decoding_backend: Optional[Literal["xgrammar", "llguidance"]] = Field(
+        None,
+        description="Structured output (JSON schema, regex, EBNF, structural tag): the grammar backend "
+        "(LlmArgs.guided_decoding_backend; Triton's tensorrt_llm guided_decoding_backend). None: off, and a "
+        "request with a guide is refused. The CPU twin runs xgrammar; llguidance is for the PyTorch backend only.",
+    )
 
 
 class LLMAPISection(_Section):

@@ -3,18 +3,20 @@ into ``reasoning_content``, ``content`` and ``tool_calls`` by the server's parse
 
 The order is trtllm-serve's: the reasoning parser first (``reasoning_content`` apart), then the tool parser on what is
 left, only when the request has tools and ``tool_choice`` is not ``none``. ``tool_choice`` ``required`` or a named
-function constrains generation with a grammar (:func:`tool_call_grammar`), so the text always parses into calls.
+function constrains generation with xgrammar's structural tag of the parser's format (:func:`tool_call_grammar`),
+so the text always parses into calls.
 Request errors use the wording of the OpenAI-compatible servers TensorRT-LLM's protocol follows (vLLM's
 ``ChatCompletionRequest.check_tool_usage``); trtllm-serve's own wording for them is unconfirmed.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from trtpipe.serving.reasoning import reasoning_parser
-from trtpipe.serving.tool_calls import QWEN3_BEGIN, QWEN3_END, ToolCall, ToolCallStream, new_call_id, tool_parser
+from trtpipe.serving.tool_calls import ToolCall, ToolCallStream, new_call_id, tool_parser
 
 
 class ToolRequestError(ValueError):
@@ -93,29 +95,39 @@ def tool_request(body: dict, parser: Optional[str]) -> Optional[ToolRequest]:
     return req
 
 
-def tool_call_grammar(parser: str, req: ToolRequest) -> dict:
-    """An xgrammar structural tag that makes the text one or more calls of the allowed tools, in ``parser``'s format.
+# tool parser -> xgrammar's builtin structural tag of the same output format (get_model_structural_tag)
+XGRAMMAR_FORMATS = {"qwen3": "qwen_3", "llama3_json": "llama"}
+MAX_WHITESPACE = 1  # consecutive whitespace inside the arguments' JSON: unbounded, a weak model can spin on it
 
-    One call of the named function, or at least one call of any tool for ``required``; the arguments follow each
-    tool's JSON schema. Built from the begin/end of TensorRT-LLM's ``Qwen3ToolParser.structure_info``
-    (``<tool_call>\\n{"name":"NAME", "arguments":`` ... ``}\\n</tool_call>``)."""
-    if parser != "qwen3":
+
+def tool_call_grammar(parser: str, req: ToolRequest, parallel_tool_calls: bool = True) -> dict:
+    """The xgrammar structural tag that makes the text calls of the allowed tools in ``parser``'s format: one call
+    of the named function, or at least one call (exactly one without ``parallel_tool_calls``) for ``required``,
+    each call's arguments valid against its tool's JSON schema.
+
+    xgrammar's own builtin (``xgrammar.get_model_structural_tag``; for ``qwen_3`` the begin/end strings are those
+    of TensorRT-LLM's ``Qwen3ToolParser.structure_info``: ``<tool_call>\n{"name": "NAME", "arguments": `` ...
+    ``}\n</tool_call>``), without a reasoning block, with runs of whitespace in the arguments capped at
+    :data:`MAX_WHITESPACE` (xgrammar's ``max_whitespace_cnt``)."""
+    from xgrammar import get_model_structural_tag
+
+    if parser not in XGRAMMAR_FORMATS:
         raise ToolRequestError(
             f"tool_choice {req.choice!r} with the {parser} tool parser is not supported", "tool_choice"
         )
-    tools = [t for t in req.tools if not req.named or t["function"]["name"] == req.choice]
-    calls = [
-        {
-            "type": "tag",
-            "begin": QWEN3_BEGIN + '{"name": "' + t["function"]["name"] + '", "arguments": ',
-            "content": {"type": "json_schema", "json_schema": t["function"].get("parameters") or {"type": "object"}},
-            "end": "}" + QWEN3_END,
-        }
-        for t in tools
-    ]
-    one = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
-    fmt = one if req.named else {"type": "sequence", "elements": [one, {"type": "star", "content": one}]}
-    return {"type": "structural_tag", "format": fmt}
+    choice = {"type": "function", "function": {"name": req.choice}} if req.named else req.choice
+    try:
+        tag = get_model_structural_tag(
+            XGRAMMAR_FORMATS[parser],
+            req.tools,
+            choice,
+            reasoning="disabled",
+            max_whitespace_cnt=MAX_WHITESPACE,
+            parallel_tool_calls=parallel_tool_calls,
+        )
+    except ValueError as exc:  # xgrammar's own check of the tools (pydantic's ValidationError included)
+        raise ToolRequestError(f"tools: {str(exc).strip().splitlines()[0]}", "tools") from None
+    return json.loads(tag.model_dump_json(exclude_none=True))
 
 
 @dataclass
@@ -126,6 +138,7 @@ class ChatOutput:
     tool: Optional[str]  # the server's tool parser name, used only when ``tools`` is set
     tools: Optional[ToolRequest]
     calls: list[ToolCall] = field(default_factory=list)
+    guide: Any = None  # the executor's guide when the calls are constrained (tool_choice required or named)
 
     def __post_init__(self):
         self._reasoning = reasoning_parser(self.reasoning) if self.reasoning else None

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trtpipe.extras import require
-from trtpipe.serving.chat_output import ChatOutput, ToolRequestError, tool_request
+from trtpipe.serving.chat_output import ChatOutput, ToolRequestError, tool_call_grammar, tool_request
 from trtpipe.serving.api import (
     DEFAULT_PRIORITY,
     UINT64_MAX,
@@ -56,6 +56,7 @@ from trtpipe.serving.api import (
 )
 from trtpipe.serving.config import twin_default
 from trtpipe.serving.executor import Executor, ExecutorStopped, QueueFullError
+from trtpipe.serving.guided import Guide, GuidedDecoder, GuideError, GuideType, response_format_guide
 from trtpipe.serving.prom_text import histograms
 
 web = require("aiohttp.web", "the OpenAI twin (trtpipe serve of an llmapi target)")
@@ -226,7 +227,8 @@ class ServedModel:
         # tokens >= characters / the longest token's characters: a prompt past that bound is refused untokenized
         self.max_chars_per_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="trtpipe-tokenize")
-        self.executor = Executor(self.config, ReferenceEngine(model), threads=torch_threads())
+        self.guided = GuidedDecoder.from_tokenizer(self.config.guided_decoding_backend, self.tokenizer, self.vocab_size)
+        self.executor = Executor(self.config, ReferenceEngine(model), threads=torch_threads(), guided=self.guided)
 
     def refuse_long_text(self, text: str, param: str) -> None:
         """400 before tokenizing when ``text`` cannot fit the context whatever it tokenizes to: at least
@@ -300,6 +302,7 @@ USED = {
         "logprobs",
         "priority",
         "user",
+        "response_format",
     },
     "chat": {
         "model",
@@ -323,6 +326,7 @@ USED = {
         "reasoning_effort",
         "tools",
         "tool_choice",
+        "response_format",
     },
 }
 _SHARED_DEFAULTS = {
@@ -344,7 +348,6 @@ _SHARED_DEFAULTS = {
     "early_stopping": (),
     "truncate_prompt_tokens": (),
     "lora_request": (),
-    "response_format": ({"type": "text"},),
     "prompt_ignore_length": (0,),
     "disaggregated_params": (),
     "conversation_params": (),
@@ -434,6 +437,14 @@ def _check_unsupported(body: dict) -> None:
             raise BadRequest(f"'{key}' must be a {kind.__name__}", key)
 
 
+def _guide(body: dict) -> Optional[Guide]:
+    """The executor's guide of ``response_format`` (trtpipe.serving.guided: one mapping, upstream's messages)."""
+    try:
+        return response_format_guide(body.get("response_format"))
+    except GuideError as exc:
+        raise BadRequest(str(exc), "response_format") from None
+
+
 def _stream_settings(body: dict) -> tuple[bool, bool]:
     """(stream, include_usage); stream_options only with stream, as upstream's validator says."""
     stream = _flag(body, "stream", False)
@@ -465,6 +476,7 @@ class Generation:
         loop: asyncio.AbstractEventLoop,
         priority: float = DEFAULT_PRIORITY,
         stream: bool = True,
+        guide: Optional[Guide] = None,
     ):
         self.served, self.prompt, self.stops = served, prompt, stops
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -486,6 +498,7 @@ class Generation:
             exclude_input_from_output=True,
             priority=priority,
             return_perf_metrics=True,
+            guide=guide,
         )
         self.perf = None  # the executor's PerfMetrics, on the final response
         try:
@@ -737,9 +750,26 @@ class OpenAIServer:
             tools = tool_request(body, self.served.tool_parser)
         except ToolRequestError as exc:
             raise BadRequest(str(exc), exc.param) from None
-        if tools is not None and tools.constrained:
-            raise BadRequest(f"tool_choice {tools.choice!r} needs guided decoding, not in this build", "tool_choice")
-        return ChatOutput(self.served.reasoning_parser, self.served.tool_parser, tools)
+        out = ChatOutput(self.served.reasoning_parser, self.served.tool_parser, tools)
+        if tools is not None and tools.constrained:  # the calls are constrained by a grammar, so they always parse
+            if self.served.guided is None:
+                raise BadRequest(
+                    f"tool_choice {tools.choice!r} needs guided decoding: start the server with a "
+                    "guided_decoding_backend (recipe serving.guided_decoding_backend: xgrammar)",
+                    "tool_choice",
+                )
+            if body.get("response_format") not in (None, {"type": "text"}):
+                raise BadRequest("Only one guide can be used for a request, but got 2.", "tool_choice")
+            try:
+                out.guide = Guide(
+                    GuideType.STRUCTURAL_TAG,
+                    json.dumps(
+                        tool_call_grammar(self.served.tool_parser, tools, body.get("parallel_tool_calls") is not False)
+                    ),
+                )
+            except ToolRequestError as exc:
+                raise BadRequest(str(exc), exc.param) from None
+        return out
 
     async def _serve(
         self, request: web.Request, body: dict, ids: list[int], max_tokens: int, chat: bool, out=None
@@ -747,8 +777,9 @@ class OpenAIServer:
         loop = asyncio.get_running_loop()
         stream, include_usage = _stream_settings(body)
         priority = _num(body, "priority", float, DEFAULT_PRIORITY, 0.0, 1.0)
+        guide = out.guide if out is not None and out.guide is not None else _guide(body)
         try:
-            g = Generation(self.served, ids, max_tokens, _sampling(body), _stops(body), loop, priority, stream)
+            g = Generation(self.served, ids, max_tokens, _sampling(body), _stops(body), loop, priority, stream, guide)
         except Refused:  # 429 / 503 at admission: a request error for trtllm_request_error_total
             self.counters.errors += 1
             raise
@@ -963,6 +994,8 @@ class OpenAIServer:
             "# TYPE trtllm_kv_cache_hit_rate gauge",
             f"trtllm_kv_cache_hit_rate{{{labels}}} {kv.cache_hit_rate if kv else 0.0}",
         ]
+        if self.served.guided is not None:
+            lines += self.served.guided.prometheus_lines(labels)
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
