@@ -10,6 +10,7 @@ streamed deltas equals the non-streamed message; bad tool requests are one-line 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from openai_helpers import serve_in_thread
@@ -118,19 +119,21 @@ def test_auto_answer_is_the_raw_text_parsed_and_the_stream_reassembles_to_it(cli
     assert final.choices[0].finish_reason == whole.choices[0].finish_reason
 
 
-def test_reasoning_content_split_from_a_thinking_answer(client, served):
-    """A reply the model is made to start inside <think> (a prior assistant turn left open is not possible in
-    Qwen3's template, so the split is checked on the raw text the server itself produced)."""
-    from trtpipe.serving.reasoning import reasoning_parser
-
-    _, raw = raw_text(client, served, None, 7, 30)
-    whole = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=30, temperature=1.0, seed=7)
-    split = reasoning_parser("qwen3").parse(raw)
-    got = whole.choices[0].message
-    assert (got.content, (got.model_extra or {}).get("reasoning_content")) == (
-        split.content,
-        split.reasoning_content or None,
-    )
+@pytest.mark.parametrize("seed", range(3))
+def test_reasoning_content_split_streamed_and_not(client, seed):
+    """An answer made to think first (a regex guide: ``<think>...</think>`` then text), split by the qwen3 reasoning
+    parser: reasoning_content is what the tags enclose, content what follows; the SDK's reassembly of the stream's
+    reasoning_content / content deltas gives the same two fields."""
+    regex = "<think>[a-z ]{1,24}</think>[a-z ]{1,24}"
+    kw = dict(model=NAME, messages=MESSAGES, max_tokens=80, temperature=1.0, seed=seed)
+    kw["response_format"] = {"type": "regex", "regex": regex}
+    whole = client.chat.completions.create(**kw)
+    msg = whole.choices[0].message
+    reasoning = (msg.model_extra or {}).get("reasoning_content")
+    assert reasoning and msg.content, msg
+    assert re.fullmatch("[a-z ]{1,24}", reasoning) and re.fullmatch("[a-z ]{1,24}", msg.content), msg
+    final = reassembled(client, kw)
+    assert message_fields(final.choices[0].message) == message_fields(msg)
 
 
 @pytest.mark.parametrize(
