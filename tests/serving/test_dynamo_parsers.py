@@ -45,3 +45,35 @@ def test_worker_args_reach_dynamos_worker_config():
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == ["llama3_json", "deepseek_r1"]
+
+
+def _netns_works() -> bool:
+    import shutil
+
+    if not shutil.which("unshare") or not shutil.which("ip"):
+        return False
+    return subprocess.run(["unshare", "-rn", "sh", "-c", "ip link set lo up"], capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DYNAMO_PY.is_file(), reason="NVIDIA Dynamo is installed in .venv-dynamo")
+def test_dynamos_frontend_splits_reasoning_with_the_workers_parser():
+    """deepseek_r1 treats everything before </think> as reasoning: Dynamo's answer is the raw text, moved whole into
+    reasoning_content (without the parser it would be the content)."""
+    import sys
+
+    if not _netns_works():
+        pytest.skip("unshare -rn (a user + network namespace) is not permitted here")
+    script = ROOT / "tests" / "tools" / "dynamo_parsers_check.py"
+    inner = f"ip link set lo up && exec {sys.executable} {script} 8123"
+    proc = subprocess.run(
+        ["unshare", "-rn", "sh", "-c", inner],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["raw"] and out["message"]["reasoning_content"] == out["raw"]
+    assert not out["message"]["content"]
