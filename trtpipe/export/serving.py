@@ -39,6 +39,7 @@ LLM_API_KEYS: dict[str, frozenset] = {
     "pipeline_parallel_size": _ALL,
     "moe_expert_parallel_size": _ALL,
     "enable_chunked_prefill": _ALL,
+    "guided_decoding_backend": _ALL,  # Optional[Literal["xgrammar", "llguidance"]], default None (off)
     "kv_cache_config.free_gpu_memory_fraction": _ALL,
     "kv_cache_config.enable_block_reuse": _ALL,
     "kv_cache_config.max_tokens": _ALL,
@@ -144,6 +145,7 @@ def llm_api_options(recipe: Recipe, version: Optional[str] = None, max_seq_len: 
         "cuda_graph_config.enable_padding": True,
         "enable_iter_perf_stats": True,  # /metrics returns per-iteration stats only with it
         "return_perf_metrics": True,  # mounts /prometheus/metrics
+        "guided_decoding_backend": recipe.serving.guided_decoding_backend,  # response_format needs a backend
     }
     if p.moe_ep > 0:
         want["moe_expert_parallel_size"] = p.moe_ep

@@ -41,6 +41,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from trtpipe.triton.xgrammar_info import upstream_tokenizer_info
+
 BACKENDS = ("xgrammar", "llguidance")  # LlmArgs.guided_decoding_backend (None: off)
 CACHE_ENTRIES = 256  # compiled grammars kept per executor
 
@@ -110,20 +112,6 @@ class GuidedDecodingParams:
 
 
 # --- tokenizer information -------------------------------------------------------------------------------------
-
-
-def upstream_tokenizer_info(tokenizer) -> dict[str, Any]:
-    """``{"encoded_vocab", "tokenizer_str", "stop_token_ids"}`` of an HF fast tokenizer, as
-    ``_xgrammar_tokenizer_info`` makes it: the vocabulary sorted by id, the backend tokenizer's JSON, the eos id."""
-    vocab = tokenizer.get_vocab()
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        raise ValueError(f"{type(tokenizer).__name__} is not a fast tokenizer: it has no backend tokenizer JSON")
-    return {
-        "encoded_vocab": [tok for tok, _ in sorted(vocab.items(), key=lambda kv: kv[1])],
-        "tokenizer_str": backend.to_str(),
-        "stop_token_ids": [tokenizer.eos_token_id],
-    }
 
 
 def tokenizer_info(info: dict[str, Any], vocab_size: int):
