@@ -60,7 +60,8 @@ def _check_tools(tools: Any) -> list[dict]:
 
 
 def tool_request(body: dict, parser: Optional[str]) -> Optional[ToolRequest]:
-    """The request's tools, or None when it has none (or ``tool_choice`` is ``none``: the template still sees them).
+    """The request's tools, or None when it has none (with ``tool_choice`` ``none`` the template still renders them;
+    the answer is not parsed for calls).
 
     Raises:
         ToolRequestError: malformed tools, a choice without tools, a named function the request lacks, or tool
