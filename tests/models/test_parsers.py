@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 DYNAMO_PYTHON = REPO / ".venv-dynamo" / "bin" / "python"
 STORIES = REPO / "recipes" / "stories-llmapi-fp8.yaml"
 QWEN3 = REPO / "recipes" / "qwen3-32b-fp8.yaml"
+LLAMA31 = REPO / "recipes" / "llama-3.1-70b-fp8-llmapi.yaml"
 
 
 @pytest.mark.skipif(not DYNAMO_PYTHON.exists(), reason="ai-dynamo 1.6.1 is installed in .venv-dynamo")
@@ -43,7 +44,8 @@ def test_dynamo_spellings_are_the_wheels_own():
 
 def test_family_defaults():
     assert default_parsers("qwen3") == ("qwen3", "qwen3")
-    assert default_parsers("llama") == ("llama3_json", None)
+    assert default_parsers("llama", vocab_size=128256) == ("llama3_json", None)  # Llama 3.x
+    assert default_parsers("llama", vocab_size=32000) == (None, None)  # Llama 2: no tool-call format
     assert default_parsers("gpt_oss") == ("harmony", "gpt_oss")
     # DeepSeek-V3 and R1 share a model_type: only R1 reasons (TensorRT-LLM's resolve_auto_reasoning_parser)
     assert default_parsers("deepseek_v3", "DeepSeek-V3-0324") == ("deepseekv3", None)
@@ -83,11 +85,12 @@ def test_serve_sh_and_dynamo_args_of_a_qwen3_recipe():
 
 
 def test_llama_defaults_reach_dynamo_only_and_none_turns_off():
-    recipe = load_recipe(STORIES)  # Llama: trtllm-serve 1.2 has no Llama tool parser; Dynamo has llama3_json
+    recipe = load_recipe(LLAMA31)  # Llama 3.1: trtllm-serve 1.2 has no Llama tool parser; Dynamo has llama3_json
     assert "--tool_parser" not in serve_command(recipe, "/m", "/c.yaml")
     assert dynamo_parser_args(recipe) == ["--dyn-tool-call-parser", "llama3_json"]
-    off = load_recipe(STORIES, ["serving.tool_parser=none"])
+    off = load_recipe(LLAMA31, ["serving.tool_parser=none"])
     assert dynamo_parser_args(off) == []
+    assert dynamo_parser_args(load_recipe(STORIES)) == []  # a Llama-2-style vocabulary: no default
     named = load_recipe(STORIES, ["serving.tool_parser=qwen3", "serving.reasoning_parser=deepseek-r1"])
     cmd = serve_command(named, "/m", "/c.yaml")
     assert cmd[-4:] == ["--tool_parser", "qwen3", "--reasoning_parser", "deepseek-r1"]

@@ -174,9 +174,9 @@ def served_parsers(recipe: Recipe) -> dict[str, Optional[Parser]]:
     from trtpipe.recipe.rules import load_model_info
 
     info, _ = load_model_info(recipe)
-    model_type = info.model_type if info is not None else ""
+    model_type, vocab = (info.model_type, info.vocab_size) if info is not None else ("", 0)
     name = recipe.model.source.rstrip("/").rsplit("/", 1)[-1]
-    return {k: resolve_parser(k, getattr(recipe.serving, k), model_type, name) for k in TABLES}
+    return {k: resolve_parser(k, getattr(recipe.serving, k), model_type, name, vocab) for k in TABLES}
 
 
 def parser_flags(recipe: Recipe) -> list[str]:

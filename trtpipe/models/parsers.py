@@ -76,7 +76,7 @@ FAMILY_DEFAULTS: dict[str, tuple[Optional[str], Optional[str]]] = {
     "qwen3": ("qwen3", "qwen3"),
     "qwen3_moe": ("qwen3", "qwen3"),
     "deepseek_v3": ("deepseekv3", "deepseek-r1"),  # reasoning only for an R1 model (see default_parsers)
-    "llama": ("llama3_json", None),
+    "llama": ("llama3_json", None),  # Llama 3.x only (see default_parsers): Llama 2 has no tool-call format
     "gpt_oss": ("harmony", "gpt_oss"),
 }
 
@@ -91,23 +91,31 @@ def names(kind: str, runtime: Optional[str] = None) -> list[str]:
     return [p.name for p in TABLES[kind] if runtime is None or getattr(p, runtime)]
 
 
-def default_parsers(model_type: str, model_name: str = "") -> tuple[Optional[str], Optional[str]]:
+LLAMA3_VOCAB = 128256  # Llama 3.0-3.3's tokenizer: what tells a Llama 3.x from a Llama 2 of the same model_type
+
+
+def default_parsers(model_type: str, model_name: str = "", vocab_size: int = 0) -> tuple[Optional[str], Optional[str]]:
     """(tool, reasoning) parser names a family gets when the recipe names none.
 
     DeepSeek-V3 and R1 share ``model_type: deepseek_v3``; as TensorRT-LLM's ``resolve_auto_reasoning_parser``
-    does, only a model whose name holds ``r1`` gets the deepseek-r1 reasoning parser."""
+    does, only a model whose name holds ``r1`` gets the deepseek-r1 reasoning parser. Llama 2 and 3 share
+    ``model_type: llama``; only Llama 3's vocabulary (:data:`LLAMA3_VOCAB`) gets Llama 3's JSON tool calls."""
+    if model_type == "llama" and vocab_size != LLAMA3_VOCAB:
+        return None, None
     tool, reasoning = FAMILY_DEFAULTS.get(model_type, (None, None))
     if model_type == "deepseek_v3" and "r1" not in model_name.lower():
         reasoning = None
     return tool, reasoning
 
 
-def resolve(kind: str, written: Optional[str], model_type: str, model_name: str = "") -> Optional[Parser]:
+def resolve(
+    kind: str, written: Optional[str], model_type: str, model_name: str = "", vocab_size: int = 0
+) -> Optional[Parser]:
     """The parser a deployment runs: the recipe's name (``none``: off), else the family default."""
     if written == OFF:
         return None
     if written is None:
-        tool, reasoning = default_parsers(model_type, model_name)
+        tool, reasoning = default_parsers(model_type, model_name, vocab_size)
         written = tool if kind == "tool_parser" else reasoning
     return by_name(kind, written) if written else None
 
