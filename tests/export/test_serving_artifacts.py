@@ -158,3 +158,19 @@ def test_triton_llmapi_config():
     ins = {i.name: i for i in c.input}
     assert not ins["text_input"].optional and ins["sampling_param_max_tokens"].optional
     assert {o.name for o in c.output} >= {"text_output", "finish_reason", "kv_cache_hit_rate", "arrival_time_ns"}
+
+
+@needs("tritonclient")
+def test_guided_decoding_backend_reaches_the_yaml_and_the_llmapi_model(recipe, tmp_path):
+    """serving.guided_decoding_backend is LlmArgs.guided_decoding_backend in both files; unset, the key is absent
+    (None: upstream's default, guided decoding off)."""
+    assert "guided_decoding_backend" not in llm_api_options(recipe)
+    r = recipe.model_copy(deep=True)
+    object.__setattr__(r, "serving", r.serving.model_copy(update={"guided_decoding_backend": "xgrammar"}))
+    write_serving(r, tmp_path / "hf", tmp_path)
+    write_llmapi_repo(r, tmp_path / "triton_repo", str(tmp_path / "hf"))
+    assert (
+        yaml.safe_load((tmp_path / "extra_llm_api_options.yaml").read_text())["guided_decoding_backend"] == "xgrammar"
+    )
+    model_yaml = yaml.safe_load((tmp_path / "triton_repo/tensorrt_llm/1/model.yaml").read_text())
+    assert model_yaml["guided_decoding_backend"] == "xgrammar"

@@ -368,3 +368,40 @@ def test_the_repo_stage_key_covers_every_recipe_field_its_writer_reads(stories_r
             R.write_repo(recipe, engine, engine / "checkpoint", tmp_path / f"repo{len(overrides)}")
         assert "serving.request_timeout_s" in reads  # the recorder sees the read the bug left unkeyed
         assert unkeyed(reads, keyed_sections(REPO_STAGE, STAGES)) == [], overrides
+
+
+def test_guided_decoding_backend_and_tokenizer_info_reach_the_tensorrt_llm_model(
+    stories_recipe, stories_engine, tmp_path
+):
+    """serving.guided_decoding_backend: xgrammar writes the backend parameter and xgrammar_tokenizer_info.json as
+    examples/generate_xgrammar_tokenizer_info.py@7ed07f06 makes it (vocabulary by id, backend tokenizer JSON, eos),
+    named by an absolute xgrammar_tokenizer_info_path; the twin's settings read both, for the real engine's
+    config too. Unset: both parameters empty, as upstream's template leaves them."""
+    import json
+
+    from google.protobuf import json_format
+    from transformers import AutoTokenizer
+
+    from trtpipe.serving.triton_adapter import guided_decoder, settings_from_model_config
+
+    engine = stories_engine(1)
+    plain = R.tensorrt_llm_config(stories_recipe(), R.EngineInfo.read(engine))
+    assert plain.parameters["guided_decoding_backend"].string_value == ""
+    assert plain.parameters["xgrammar_tokenizer_info_path"].string_value == ""
+    repo = tmp_path / "repo"
+    R.write_repo(stories_recipe("serving.guided_decoding_backend=xgrammar"), engine, engine / "checkpoint", repo)
+    config = text_format.Parse((repo / "tensorrt_llm" / "config.pbtxt").read_text(), mc.ModelConfig())
+    assert config.parameters["guided_decoding_backend"].string_value == "xgrammar"
+    path = Path(config.parameters["xgrammar_tokenizer_info_path"].string_value)
+    assert path.is_absolute() and path == (repo / "tensorrt_llm" / "xgrammar_tokenizer_info.json").resolve()
+    info = json.loads(path.read_text())
+    tok = AutoTokenizer.from_pretrained(engine / "checkpoint")
+    assert info["encoded_vocab"] == [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
+    assert info["tokenizer_str"] == tok.backend_tokenizer.to_str() and info["stop_token_ids"] == [tok.eos_token_id]
+    settings = settings_from_model_config(
+        json_format.MessageToDict(config, preserving_proto_field_name=True), str(repo / "tensorrt_llm")
+    )
+    assert settings.executor.guided_decoding_backend == "xgrammar"
+    assert guided_decoder(settings).info.vocab_size == settings.vocab_size
+    ensemble = {i.name for i in R.ensemble_config(stories_recipe()).input}
+    assert {"guided_decoding_guide_type", "guided_decoding_guide"} <= ensemble

@@ -113,5 +113,6 @@ def test_twin_refusal_names_the_input():
     assert twin_input_policy.refusal(request(**neutral)) is None
     why = twin_input_policy.refusal(request(presence_penalty=np.array([0.5], np.float32)))
     assert why.startswith("presence_penalty: the CPU twin serves only presence_penalty=0.0") and "[0.5]" in why
-    why = twin_input_policy.refusal(request(guided_decoding_guide=np.array([b"{}"], object)))
-    assert why.startswith("guided_decoding_guide: guided decoding is not supported by the CPU twin")
+    why = twin_input_policy.refusal(request(prompt_embedding_table=np.zeros((1, 2, 4), np.float16)))
+    assert why.startswith("prompt_embedding_table: prompt tuning is not supported by the CPU twin")
+    assert twin_input_policy.refusal(request(guided_decoding_guide=np.array([b"{}"], object))) is None  # honoured

@@ -74,6 +74,7 @@ class DynamoGraph:
     threads_per_worker: int = 1
     chat_template: Optional[str] = None  # for a tokenizer without one (Dynamo serves chat only with a template)
     system_ports: list[int] = field(default_factory=list)
+    parser_args: list[str] = field(default_factory=list)  # --dyn-tool-call-parser / --dyn-reasoning-parser
 
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
@@ -133,6 +134,7 @@ class DynamoGraph:
             self.endpoint_types,
             "--status-file",
             str(self.run_dir / WORKER_STATUS.format(index)),
+            *self.parser_args,
         ]
         cores = worker_cores(index, self.replicas)
         if cores and shutil.which("taskset"):
@@ -325,6 +327,7 @@ def graph_spec(g: DynamoGraph) -> dict:
         "run_dir": str(g.run_dir),
         "threads_per_worker": g.threads_per_worker,
         "chat_template": g.chat_template,
+        "parser_args": g.parser_args,
     }
 
 
@@ -367,7 +370,19 @@ def resolve_graph(
         config,
         cache_dir() / "dynamo" / state_path(t.model_dir).stem,
         chat_template=chat_template.read_text() if chat_template else None,
+        parser_args=recipe_parser_args(Path(target), overrides),
     )
+
+
+def recipe_parser_args(target: Path, overrides) -> list[str]:
+    """The Dynamo parser flags of an llmapi recipe (its serving.*_parser, else its family's defaults, in Dynamo's
+    names); none for an HF directory served as it is."""
+    if target.is_dir():
+        return []
+    from trtpipe.app.validation import load_recipe
+    from trtpipe.deploy.dynamo import dynamo_parser_args
+
+    return dynamo_parser_args(load_recipe(target, overrides))
 
 
 def has_chat_template(model_dir: Path) -> bool:

@@ -25,6 +25,7 @@ from trtpipe.processes import cache_dir, log_tail
 from trtpipe.supervisor import READY_TIMEOUT_S, Ports, Server, await_ready, refuse_if_served, start
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+log = logging.getLogger("trtpipe.openai")
 
 
 @dataclass
@@ -38,6 +39,8 @@ class OpenAITarget:
     port: int
     config: Optional[ExecutorConfig] = None  # None: the twin's defaults (an HF directory has no engine section)
     chat_template: Optional[Path] = None
+    tool_parser: Optional[str] = None  # trtllm-serve's parser names (a recipe's serving.*_parser, or its family's)
+    reasoning_parser: Optional[str] = None
 
 
 def is_openai_target(target: Path, overrides: Sequence[str] = ()) -> bool:
@@ -61,6 +64,7 @@ def resolve_openai_target(
 ) -> OpenAITarget:
     """An HF directory as is; an llmapi recipe is built up to its export (cached stages reused), and its
     ``llmapi`` section gives the defaults of name, host and port, its engine section the executor's limits."""
+    from trtpipe.export.serving import served_parsers
     from trtpipe.serving.config import from_recipe
 
     target = Path(target)
@@ -86,6 +90,7 @@ def resolve_openai_target(
         )
     model_dir = run_build(recipe, STAGES, (), None, "export", overrides=overrides).artifact("export") / "hf"
     max_pos = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings") or 2048
+    parsers = {k: twin_parser(p) for k, p in served_parsers(recipe).items()}
     return OpenAITarget(
         target,
         model_dir.resolve(),
@@ -94,14 +99,36 @@ def resolve_openai_target(
         port or recipe.llmapi.port,
         from_recipe(recipe, int(max_pos)),
         chat_template,
+        parsers["tool_parser"],
+        parsers["reasoning_parser"],
     )
+
+
+def twin_parser(parser) -> Optional[str]:
+    """The name the twin runs a deployment's parser by: trtllm-serve's (the twin stands in for it), when
+    trtllm-serve has the parser and the twin implements it; otherwise none, as trtllm-serve would run none."""
+    if parser is None or parser.trtllm is None:
+        return None
+    if not parser.twin:
+        log.warning("the OpenAI twin does not run the %s parser: answers are not split by it", parser.name)
+        return None
+    return parser.trtllm
 
 
 def serve_foreground(t: OpenAITarget) -> None:
     """Serve until Ctrl-C or SIGTERM (blocking), logging requests to stderr."""
     from trtpipe.serving.openai_server import serve
 
-    serve(t.model_dir, t.host, t.port, t.name, t.config, t.chat_template.read_text() if t.chat_template else None)
+    serve(
+        t.model_dir,
+        t.host,
+        t.port,
+        t.name,
+        t.config,
+        t.chat_template.read_text() if t.chat_template else None,
+        t.tool_parser,
+        t.reasoning_parser,
+    )
 
 
 def child_command(t: OpenAITarget, overrides: Sequence[str]) -> list[str]:

@@ -24,12 +24,21 @@ from trtpipe.export.rules import EXPORT_RULES
 from trtpipe.quant.imported.rules import IMPORT_RULES
 from trtpipe.quant.rules import QUANT_RULES
 from trtpipe.recipe import rules as recipe_rules
+from trtpipe.recipe.guided_rules import GUIDED_RULES
 from trtpipe.recipe.loader import parse_recipe
 from trtpipe.recipe.rules import RECIPE_RULES, Rule
 from trtpipe.recipe.schema import Recipe
 
 # In this order; problems are reported in file order, and rules that name the same key keep this order.
-RULES: tuple[Rule, ...] = (*RECIPE_RULES, *QUANT_RULES, *IMPORT_RULES, *ENGINE_RULES, *EXPORT_RULES, *DEPLOY_RULES)
+RULES: tuple[Rule, ...] = (
+    *RECIPE_RULES,
+    *GUIDED_RULES,
+    *QUANT_RULES,
+    *IMPORT_RULES,
+    *ENGINE_RULES,
+    *EXPORT_RULES,
+    *DEPLOY_RULES,
+)
 
 
 def check_recipe(recipe: Recipe) -> list[Problem]:

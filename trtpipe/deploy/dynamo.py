@@ -28,7 +28,7 @@ from trtpipe.deploy.k8s import derive, file_name
 from trtpipe.deploy.layout import Layout, node_selector
 from trtpipe.deploy.monitoring import dump_yaml, write_all
 from trtpipe.errors import TrtpipeError
-from trtpipe.export.serving import checked, llm_api_options, options_yaml
+from trtpipe.export.serving import checked, llm_api_options, options_yaml, served_parsers
 from trtpipe.recipe.schema import Recipe
 
 DGD_API = "nvidia.com/v1beta1"
@@ -91,6 +91,17 @@ def worker_args(recipe: Recipe, layout: Layout, role: str, model: str, engine_ya
         args += ["--gpus-per-node", str(layout.gpus_per_pod)]
     if ROLES[role][1]:
         args += ["--disaggregation-mode", ROLES[role][1]]
+    return args + dynamo_parser_args(recipe)
+
+
+def dynamo_parser_args(recipe: Recipe) -> list[str]:
+    """``--dyn-tool-call-parser`` / ``--dyn-reasoning-parser``: Dynamo 1.6.1's spelling of the deployment's parsers
+    (its frontend parses for every backend; trtpipe/models/parsers.py)."""
+    flags = {"tool_parser": "--dyn-tool-call-parser", "reasoning_parser": "--dyn-reasoning-parser"}
+    args = []
+    for kind, parser in served_parsers(recipe).items():
+        if parser is not None and parser.dynamo is not None:
+            args += [flags[kind], parser.dynamo]
     return args
 
 

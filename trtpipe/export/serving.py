@@ -21,6 +21,8 @@ from typing import Any, Optional
 import yaml
 
 from trtpipe.errors import TrtpipeError
+from trtpipe.models.parsers import TABLES, TRTLLM_RELEASE, Parser
+from trtpipe.models.parsers import resolve as resolve_parser
 from trtpipe.recipe.schema import Recipe
 
 VERSIONS = ("1.0", "1.1", "1.2")
@@ -37,6 +39,7 @@ LLM_API_KEYS: dict[str, frozenset] = {
     "pipeline_parallel_size": _ALL,
     "moe_expert_parallel_size": _ALL,
     "enable_chunked_prefill": _ALL,
+    "guided_decoding_backend": _ALL,  # Optional[Literal["xgrammar", "llguidance"]], default None (off)
     "kv_cache_config.free_gpu_memory_fraction": _ALL,
     "kv_cache_config.enable_block_reuse": _ALL,
     "kv_cache_config.max_tokens": _ALL,
@@ -142,6 +145,7 @@ def llm_api_options(recipe: Recipe, version: Optional[str] = None, max_seq_len: 
         "cuda_graph_config.enable_padding": True,
         "enable_iter_perf_stats": True,  # /metrics returns per-iteration stats only with it
         "return_perf_metrics": True,  # mounts /prometheus/metrics
+        "guided_decoding_backend": recipe.serving.guided_decoding_backend,  # response_format needs a backend
     }
     if p.moe_ep > 0:
         want["moe_expert_parallel_size"] = p.moe_ep
@@ -162,6 +166,26 @@ def options_yaml(options: dict, version: str) -> str:
         f"table: every key here is a TorchLlmArgs field of {version}.\n"
     )
     return head + yaml.safe_dump(checked(options, version), sort_keys=False)
+
+
+def served_parsers(recipe: Recipe) -> dict[str, Optional[Parser]]:
+    """The tool and reasoning parsers a deployment of ``recipe`` runs (``serving.*_parser``, else the model
+    family's default: :mod:`trtpipe.models.parsers`), by recipe key."""
+    from trtpipe.recipe.rules import load_model_info
+
+    info, _ = load_model_info(recipe)
+    model_type, vocab = (info.model_type, info.vocab_size) if info is not None else ("", 0)
+    name = recipe.model.source.rstrip("/").rsplit("/", 1)[-1]
+    return {k: resolve_parser(k, getattr(recipe.serving, k), model_type, name, vocab) for k in TABLES}
+
+
+def parser_flags(recipe: Recipe) -> list[str]:
+    """``--tool_parser`` / ``--reasoning_parser`` of trtllm-serve, for the parsers its release has."""
+    flags = []
+    for kind, parser in served_parsers(recipe).items():
+        if parser is not None and parser.trtllm is not None:
+            flags += [f"--{kind}", parser.trtllm]
+    return flags
 
 
 def serve_command(
@@ -190,6 +214,8 @@ def serve_command(
     if e.max_seq_len:
         cmd += ["--max_seq_len", str(e.max_seq_len)]
     cmd += [f["kv_fraction"], str(e.kv_cache.free_gpu_memory_fraction), f["yaml"], yaml_path]
+    if version == TRTLLM_RELEASE:  # the release whose parser names trtpipe read
+        cmd += parser_flags(recipe)
     return cmd
 
 

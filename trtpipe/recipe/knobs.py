@@ -18,8 +18,11 @@ from trtpipe.recipe.schema import KVCacheSection, Recipe, ServingSection, Triton
 DEFAULT_QUEUE_PER_SLOT = 8  # serving.max_queue_size -1 (its default): this many waiting per batch slot
 
 # Knobs that keep their upstream carrier in the Triton twin's config.pbtxt: the tensorrtllm backend's parameters
-# (batch_scheduler_policy, enable_chunked_context, enable_kv_cache_reuse) and Triton's dynamic_batching queue.
-UPSTREAM_KNOBS = frozenset({"capacity_policy", "enable_chunked_context", "enable_kv_cache_reuse", "max_queue_size"})
+# (batch_scheduler_policy, enable_chunked_context, enable_kv_cache_reuse, guided_decoding_backend) and Triton's
+# dynamic_batching queue.
+UPSTREAM_KNOBS = frozenset(
+    {"capacity_policy", "enable_chunked_context", "enable_kv_cache_reuse", "max_queue_size", "guided_decoding_backend"}
+)
 
 
 def knobs(max_batch_size: int, kv: KVCacheSection, triton: TritonSection, serving: ServingSection) -> dict[str, Any]:
@@ -33,6 +36,7 @@ def knobs(max_batch_size: int, kv: KVCacheSection, triton: TritonSection, servin
         "enable_kv_cache_reuse": kv.enable_reuse,
         "max_queue_size": DEFAULT_QUEUE_PER_SLOT * max_batch_size if queue < 0 else queue,
         "request_timeout_s": serving.request_timeout_s,
+        "guided_decoding_backend": serving.guided_decoding_backend,
     }
 
 

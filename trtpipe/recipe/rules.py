@@ -20,6 +20,7 @@ from trtpipe.errors import CheckpointError, Problem, TrtpipeError
 from trtpipe.formats.schemes import needs_calibration_data
 from trtpipe.models import get_family
 from trtpipe.models.dims import ModelDims, read_hf_config
+from trtpipe.models.parsers import problem as parser_problem
 from trtpipe.models.trtllm_config import deduce_max_seq_len, resolve_moe_sizes
 from trtpipe.recipe.schema import Recipe
 
@@ -257,7 +258,23 @@ def _data_files(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
         yield from _data_findings(recipe, "accuracy.eval_data", recipe.accuracy.eval_data)
 
 
-RECIPE_RULES: tuple[Rule, ...] = (_model_family, _parallel_layout, _engine_limits, _triton_ports, _data_files)
+def _parser_names(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
+    """serving.tool_parser / reasoning_parser name parsers the llmapi target's release has
+    (trtpipe/models/parsers.py)."""
+    for kind in ("tool_parser", "reasoning_parser"):
+        why = parser_problem(kind, getattr(recipe.serving, kind), recipe.llmapi.version)
+        if why:
+            yield f"serving.{kind}", why
+
+
+RECIPE_RULES: tuple[Rule, ...] = (
+    _model_family,
+    _parallel_layout,
+    _engine_limits,
+    _triton_ports,
+    _data_files,
+    _parser_names,
+)
 
 
 def check_recipe(recipe: Recipe, rules: Iterable[Rule]) -> list[Problem]:

@@ -333,6 +333,22 @@ class ServingSection(_Section):
         "running batch before new ones get 429 (-1: 8 per engine batch slot; 0: unlimited). "
         "The Triton twin's bound is triton.max_queue_size.",
     )
+    tool_parser: Optional[str] = Field(
+        None,
+        description="Parser of tool calls in the model's output (trtllm-serve --tool_parser, Dynamo "
+        "--dyn-tool-call-parser; names in trtpipe/models/parsers.py). Unset: the model family's default; none: off.",
+    )
+    reasoning_parser: Optional[str] = Field(
+        None,
+        description="Parser of reasoning_content (trtllm-serve --reasoning_parser, Dynamo --dyn-reasoning-parser). "
+        "Unset: the model family's default; none: off.",
+    )
+    guided_decoding_backend: Optional[Literal["xgrammar", "llguidance"]] = Field(
+        None,
+        description="Structured output (JSON schema, regex, EBNF, structural tag): the grammar backend "
+        "(LlmArgs.guided_decoding_backend; Triton's tensorrt_llm guided_decoding_backend). None: off, and a "
+        "request with a guide is refused. The CPU twin runs xgrammar; llguidance is for the PyTorch backend only.",
+    )
 
 
 class LLMAPISection(_Section):

@@ -69,6 +69,7 @@ class ExecutorConfig:
     max_queue_size: int = 0  # 0: unlimited
     max_beam_width: int = 1
     request_timeout_s: float = 0.0  # a request not finished this long after submit fails (0: no limit)
+    guided_decoding_backend: Optional[str] = None  # "xgrammar" | "llguidance" | None (guided decoding off)
 
     @property
     def max_context_length(self) -> int:
@@ -147,6 +148,7 @@ class Request:
     return_perf_metrics: bool = False
     client_tag: Any = None  # opaque to the executor (the front end's handle, e.g. a Triton response sender)
     allotted_time_s: Optional[float] = None  # executor ``allottedTimeMs``; None: the config's request_timeout_s
+    guide: Any = None  # executor ``GuidedDecodingParams``: a trtpipe.serving.guided.Guide, or None
 
 
 @dataclass
@@ -207,6 +209,7 @@ class StepEntry:
     sample: bool
     sampling: SamplingParams = SamplingParams()
     generator: Any = None  # the request's own torch.Generator when sampling with a seed
+    allowed: Any = None  # guided decoding: bool [V] tensor of the tokens this row may sample (None: all)
 
 
 @dataclass

@@ -75,6 +75,9 @@ class TwinEngine(LLMEngine):
         p.add_argument("--endpoint-types", default="chat,completions")
         p.add_argument("--discovery-backend", default="file")
         p.add_argument("--status-file", type=Path, help="where to write this worker's pid and Dynamo instance id")
+        # as dynamo.trtllm's flags: Dynamo's frontend parses tool calls and reasoning with these (its own names)
+        p.add_argument("--dyn-tool-call-parser", default=None)
+        p.add_argument("--dyn-reasoning-parser", default=None)
         args = p.parse_args(argv)
         engine = cls(args.model, args.served_model_name, from_json(args.executor_config), args.threads)
         engine.status_file = args.status_file
@@ -87,6 +90,8 @@ class TwinEngine(LLMEngine):
             endpoint_types=args.endpoint_types,
             discovery_backend=args.discovery_backend,
             enable_kv_routing=True,
+            tool_call_parser=args.dyn_tool_call_parser,
+            reasoning_parser=args.dyn_reasoning_parser,
         )
         return engine, worker
 

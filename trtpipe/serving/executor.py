@@ -35,6 +35,7 @@ from trtpipe.serving.api import (
     StepEngine,
     StepEntry,
 )
+from trtpipe.serving.guided import GuideError
 from trtpipe.serving.kv_pool import BlockPool, KVStats
 from trtpipe.serving.scheduler import ActiveRequest, ContextTooLong, capacity_schedule, insert_by_priority, micro_batch
 
@@ -124,6 +125,7 @@ class ExecutorCore:
         on_response: Callable[[Response], None],
         clock: Optional[Clock] = None,
         stats_history: int = 1000,
+        guided=None,
     ):
         if config.max_beam_width != 1:
             raise ValueError("the executor runs beam width 1 only")
@@ -134,6 +136,7 @@ class ExecutorCore:
                 f"{config.max_seq_len} ({need} blocks of {config.tokens_per_block} tokens)"
             )
         self.config, self.engine, self.on_response = config, engine, on_response
+        self.guided = guided  # trtpipe.serving.guided.GuidedDecoder, or None: guided decoding off
         self.clock = clock or Clock()
         self.pool = BlockPool(config.num_blocks, config.tokens_per_block, config.enable_kv_cache_reuse)
         engine.allocate(config.num_blocks, config.tokens_per_block)
@@ -391,6 +394,8 @@ class ExecutorCore:
                 try:
                     insert_by_priority(self.active, self._activate(q))
                     continue
+                except GuideError as exc:  # a guide that does not compile (bad schema): this request's fault
+                    problem, kind = str(exc), ErrorKind.INVALID
                 except Exception as exc:  # one request's bad settings must not end the loop for every other one
                     log.exception("request %d could not be admitted", q.id)
                     problem, kind = f"{type(exc).__name__}: {exc}", ErrorKind.INTERNAL
@@ -405,6 +410,8 @@ class ExecutorCore:
             return sampling
         if req.max_new_tokens < 1:
             return f"max_new_tokens must be at least 1, got {req.max_new_tokens}"
+        if req.guide is not None and self.guided is None:
+            return "Guided decoding is not enabled: the server was started without a guided_decoding_backend"
         if len(req.prompt) > c.max_input_len:
             return f"Prompt length ({len(req.prompt)}) exceeds maximum input length ({c.max_input_len})."
         if not c.enable_chunked_context and len(req.prompt) > c.max_num_tokens:
@@ -433,6 +440,8 @@ class ExecutorCore:
             import torch
 
             r.generator = torch.Generator().manual_seed(int(req.sampling.seed))
+        if req.guide is not None:
+            r.matcher = self.guided.matcher(req.guide)  # compiled (or cached) here: GuideError fails it alone
         return r
 
     # ---- one step ----------------------------------------------------------------------------------
@@ -501,6 +510,7 @@ class ExecutorCore:
                     end == r.context_len,
                     r.request.sampling,
                     r.generator,
+                    r.matcher.allowed() if r.matcher is not None and end == r.context_len else None,
                 )
             )
         for r in chosen:
@@ -510,7 +520,15 @@ class ExecutorCore:
                 r.perf.kv_alloc_total_blocks = len(r.block_table)
                 batch.entries.append(
                     StepEntry(
-                        r.id, [r.tokens[-1]], r.kv_len, r.block_table, False, True, r.request.sampling, r.generator
+                        r.id,
+                        [r.tokens[-1]],
+                        r.kv_len,
+                        r.block_table,
+                        False,
+                        True,
+                        r.request.sampling,
+                        r.generator,
+                        r.matcher.allowed() if r.matcher is not None else None,
                     )
                 )
         if not batch.entries:
@@ -534,7 +552,11 @@ class ExecutorCore:
                     continue
                 r.generating = True
                 self.pool.store(r.block_table, r.tokens[: r.context_len])  # early reuse: at the end of the context
-            self._accept(r, result.tokens[e.request_id], now)
+            try:
+                self._accept(r, result.tokens[e.request_id], now)
+            except GuideError as exc:  # a token its grammar refuses (an engine that ignored the mask): its own
+                result.errors[r.id] = str(exc)
+                failed.append(r)
         self._record(result.elapsed_s, batch, len(decision.paused), len(chosen))
         self.iteration += 1
         for r in failed:  # one row's failure is its own: the others keep this step's tokens
@@ -546,6 +568,11 @@ class ExecutorCore:
             r.perf.first_token_ns = now
         r.perf.last_token_ns, r.perf.last_iter = now, self.iteration
         req = r.request
+        if r.matcher is not None:
+            r.matcher.accept(token)
+            if r.matcher.terminated:  # the grammar is complete and took its stop token: not kept, as an end id
+                r.finish_reason = FinishReason.END_ID
+                return
         if req.end_id is not None and token == req.end_id:
             r.finish_reason = FinishReason.END_ID
             return
@@ -617,11 +644,16 @@ class Executor:
     """
 
     def __init__(
-        self, config: ExecutorConfig, engine: StepEngine, idle_wait_s: float = 0.05, threads: Optional[int] = None
+        self,
+        config: ExecutorConfig,
+        engine: StepEngine,
+        idle_wait_s: float = 0.05,
+        threads: Optional[int] = None,
+        guided=None,
     ):
         self._callbacks: dict[int, Callable[[Response], None]] = {}
         self._cb_lock = threading.Lock()
-        self.core = ExecutorCore(config, engine, self._dispatch)
+        self.core = ExecutorCore(config, engine, self._dispatch, guided=guided)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._idle_wait = idle_wait_s

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trtpipe.extras import require
+from trtpipe.serving.chat_output import ChatOutput, ToolRequestError, tool_call_grammar, tool_request
 from trtpipe.serving.api import (
     DEFAULT_PRIORITY,
     UINT64_MAX,
@@ -55,6 +56,7 @@ from trtpipe.serving.api import (
 )
 from trtpipe.serving.config import twin_default
 from trtpipe.serving.executor import Executor, ExecutorStopped, QueueFullError
+from trtpipe.serving.guided import Guide, GuidedDecoder, GuideError, GuideType, response_format_guide
 from trtpipe.serving.prom_text import histograms
 
 web = require("aiohttp.web", "the OpenAI twin (trtpipe serve of an llmapi target)")
@@ -195,7 +197,13 @@ class ServedModel:
     """Tokenizer + executor over the reference runtime of one model directory."""
 
     def __init__(
-        self, model_dir: Path, name: str, config: Optional[ExecutorConfig] = None, chat_template: Optional[str] = None
+        self,
+        model_dir: Path,
+        name: str,
+        config: Optional[ExecutorConfig] = None,
+        chat_template: Optional[str] = None,
+        tool_parser: Optional[str] = None,
+        reasoning_parser: Optional[str] = None,
     ):
         from transformers import AutoTokenizer
 
@@ -203,6 +211,7 @@ class ServedModel:
         from trtpipe.serving.reference_engine import ReferenceEngine
 
         self.dir, self.name, self.created = Path(model_dir), name, int(time.time())
+        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser  # trtllm-serve's names, or None
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.dir), trust_remote_code=False)
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
@@ -218,7 +227,8 @@ class ServedModel:
         # tokens >= characters / the longest token's characters: a prompt past that bound is refused untokenized
         self.max_chars_per_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="trtpipe-tokenize")
-        self.executor = Executor(self.config, ReferenceEngine(model), threads=torch_threads())
+        self.guided = GuidedDecoder.from_tokenizer(self.config.guided_decoding_backend, self.tokenizer, self.vocab_size)
+        self.executor = Executor(self.config, ReferenceEngine(model), threads=torch_threads(), guided=self.guided)
 
     def refuse_long_text(self, text: str, param: str) -> None:
         """400 before tokenizing when ``text`` cannot fit the context whatever it tokenizes to: at least
@@ -292,6 +302,7 @@ USED = {
         "logprobs",
         "priority",
         "user",
+        "response_format",
     },
     "chat": {
         "model",
@@ -313,6 +324,9 @@ USED = {
         "user",
         "parallel_tool_calls",
         "reasoning_effort",
+        "tools",
+        "tool_choice",
+        "response_format",
     },
 }
 _SHARED_DEFAULTS = {
@@ -334,7 +348,6 @@ _SHARED_DEFAULTS = {
     "early_stopping": (),
     "truncate_prompt_tokens": (),
     "lora_request": (),
-    "response_format": ({"type": "text"},),
     "prompt_ignore_length": (0,),
     "disaggregated_params": (),
     "conversation_params": (),
@@ -350,8 +363,6 @@ AT_DEFAULT = {
     },
     "chat": {
         **_SHARED_DEFAULTS,
-        "tools": ([],),
-        "tool_choice": ("none",),
         "add_generation_prompt": (True,),
         "add_special_tokens": (False,),
         "documents": (),
@@ -426,6 +437,14 @@ def _check_unsupported(body: dict) -> None:
             raise BadRequest(f"'{key}' must be a {kind.__name__}", key)
 
 
+def _guide(body: dict) -> Optional[Guide]:
+    """The executor's guide of ``response_format`` (trtpipe.serving.guided: one mapping, upstream's messages)."""
+    try:
+        return response_format_guide(body.get("response_format"))
+    except GuideError as exc:
+        raise BadRequest(str(exc), "response_format") from None
+
+
 def _stream_settings(body: dict) -> tuple[bool, bool]:
     """(stream, include_usage); stream_options only with stream, as upstream's validator says."""
     stream = _flag(body, "stream", False)
@@ -457,6 +476,7 @@ class Generation:
         loop: asyncio.AbstractEventLoop,
         priority: float = DEFAULT_PRIORITY,
         stream: bool = True,
+        guide: Optional[Guide] = None,
     ):
         self.served, self.prompt, self.stops = served, prompt, stops
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -478,6 +498,7 @@ class Generation:
             exclude_input_from_output=True,
             priority=priority,
             return_perf_metrics=True,
+            guide=guide,
         )
         self.perf = None  # the executor's PerfMetrics, on the final response
         try:
@@ -670,7 +691,7 @@ class OpenAIServer:
             raise BadRequest("the prompt is empty", "prompt")
         return ids
 
-    def _chat_ids(self, messages: Any) -> list[int]:
+    def _chat_ids(self, messages: Any, tools: Optional[list] = None) -> list[int]:
         if (
             not isinstance(messages, list)
             or not messages
@@ -686,7 +707,7 @@ class OpenAIServer:
         if not tok.chat_template:
             raise BadRequest("this model's tokenizer has no chat template (start the server with one)", "messages")
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja errors from the template itself, content it cannot render
             raise BadRequest(f"chat template failed: {str(exc)[:300]}", "messages") from None
         if not isinstance(text, str):
@@ -716,20 +737,49 @@ class OpenAIServer:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, "chat")
         self._refuse_early(body)
+        out = self._chat_output(body)
         ids = await asyncio.get_running_loop().run_in_executor(
-            self.served.tokenize_pool, self._chat_ids, body.get("messages")
+            self.served.tokenize_pool, self._chat_ids, body.get("messages"), out.tools.tools if out.tools else None
         )
         max_tokens = self._max_tokens(body, len(ids), None, "messages")
-        return await self._serve(request, body, ids, max_tokens, chat=True)
+        return await self._serve(request, body, ids, max_tokens, chat=True, out=out)
+
+    def _chat_output(self, body: dict) -> ChatOutput:
+        """The request's tools checked (400 naming the field) and its answer's parsers."""
+        try:
+            tools = tool_request(body, self.served.tool_parser)
+        except ToolRequestError as exc:
+            raise BadRequest(str(exc), exc.param) from None
+        out = ChatOutput(self.served.reasoning_parser, self.served.tool_parser, tools)
+        if tools is not None and tools.constrained:  # the calls are constrained by a grammar, so they always parse
+            if self.served.guided is None:
+                raise BadRequest(
+                    f"tool_choice {tools.choice!r} needs guided decoding: start the server with a "
+                    "guided_decoding_backend (recipe serving.guided_decoding_backend: xgrammar)",
+                    "tool_choice",
+                )
+            if body.get("response_format") not in (None, {"type": "text"}):
+                raise BadRequest("Only one guide can be used for a request, but got 2.", "tool_choice")
+            try:
+                out.guide = Guide(
+                    GuideType.STRUCTURAL_TAG,
+                    json.dumps(
+                        tool_call_grammar(self.served.tool_parser, tools, body.get("parallel_tool_calls") is not False)
+                    ),
+                )
+            except ToolRequestError as exc:
+                raise BadRequest(str(exc), exc.param) from None
+        return out
 
     async def _serve(
-        self, request: web.Request, body: dict, ids: list[int], max_tokens: int, chat: bool
+        self, request: web.Request, body: dict, ids: list[int], max_tokens: int, chat: bool, out=None
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         stream, include_usage = _stream_settings(body)
         priority = _num(body, "priority", float, DEFAULT_PRIORITY, 0.0, 1.0)
+        guide = out.guide if out is not None and out.guide is not None else _guide(body)
         try:
-            g = Generation(self.served, ids, max_tokens, _sampling(body), _stops(body), loop, priority, stream)
+            g = Generation(self.served, ids, max_tokens, _sampling(body), _stops(body), loop, priority, stream, guide)
         except Refused:  # 429 / 503 at admission: a request error for trtllm_request_error_total
             self.counters.errors += 1
             raise
@@ -739,7 +789,7 @@ class OpenAIServer:
         created = int(time.time())
         try:
             if stream:
-                return await self._stream(request, g, rid, created, chat, include_usage)
+                return await self._stream(request, g, rid, created, chat, include_usage, out)
             if not await self._finish_while_connected(request, g):
                 return web.Response(status=499)  # nobody reads it: the client closed the connection
         except asyncio.CancelledError:  # client went away: free the executor slot
@@ -752,9 +802,9 @@ class OpenAIServer:
         if chat:
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": g.text},
+                "message": out.message(g.text),
                 "logprobs": None,
-                "finish_reason": g.finish,
+                "finish_reason": out.finish_reason(g.finish),
             }
             return web.json_response(
                 {
@@ -802,14 +852,14 @@ class OpenAIServer:
             if not task.done():
                 task.cancel()
 
-    async def _stream(self, request, g: Generation, rid: str, created: int, chat: bool, include_usage: bool):
+    async def _stream(self, request, g: Generation, rid: str, created: int, chat: bool, include_usage: bool, out=None):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: Optional[str], finish: Optional[str], first: bool = False) -> bytes:
-            if chat:
-                d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta is not None else {})
+        def chunk(delta, finish: Optional[str], first: bool = False) -> bytes:
+            if chat:  # delta: a dict of the message's fields (ChatOutput's), or None
+                d = {"role": "assistant", "content": ""} if first else (delta or {})
                 choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
@@ -822,8 +872,11 @@ class OpenAIServer:
             if chat:
                 await resp.write(chunk(None, None, first=True))
             async for delta in _while_connected(request, g.deltas()):
-                await resp.write(chunk(delta, None))
-            await resp.write(chunk(None if chat else "", g.finish))
+                for piece in out.feed(delta) if chat else [delta]:
+                    await resp.write(chunk(piece, None))
+            for piece in out.finish() if chat else []:
+                await resp.write(chunk(piece, None))
+            await resp.write(chunk(None if chat else "", out.finish_reason(g.finish) if chat else g.finish))
             if include_usage:
                 payload = {
                     "id": rid,
@@ -941,6 +994,8 @@ class OpenAIServer:
             "# TYPE trtllm_kv_cache_hit_rate gauge",
             f"trtllm_kv_cache_hit_rate{{{labels}}} {kv.cache_hit_rate if kv else 0.0}",
         ]
+        if self.served.guided is not None:
+            lines += self.served.guided.prometheus_lines(labels)
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
@@ -951,9 +1006,11 @@ def serve(
     name: str,
     config: Optional[ExecutorConfig] = None,
     chat_template: Optional[str] = None,
+    tool_parser: Optional[str] = None,
+    reasoning_parser: Optional[str] = None,
 ) -> None:
     """Run the server until interrupted (blocking)."""
-    served = ServedModel(model_dir, name, config, chat_template)
+    served = ServedModel(model_dir, name, config, chat_template, tool_parser, reasoning_parser)
     server = OpenAIServer(served)
     log.info("serving %s as %r on http://%s:%d (OpenAI-compatible; trtllm-serve twin)", model_dir, name, host, port)
     web.run_app(server.app, host=host, port=port, print=None, handle_signals=True, shutdown_timeout=2.0)

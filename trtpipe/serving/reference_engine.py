@@ -145,10 +145,20 @@ def sample_entries(batch: StepBatch, logits: torch.Tensor) -> tuple[dict[int, in
         guard, so one request's failure is its own (the executor fails that request and keeps the others).
     """
     rows = [e for e in batch.entries if e.sample]
-    greedy = logits.argmax(-1).tolist()  # what sample() returns at temperature 0, for all rows in one call
     tokens, errors = {}, {}
+    for i, e in enumerate(rows):  # guided rows: what the grammar forbids cannot be sampled, greedy or not
+        if e.allowed is not None:
+            try:
+                allowed = e.allowed[: logits.shape[-1]]
+                logits[i, : allowed.numel()].masked_fill_(~allowed, float("-inf"))
+                logits[i, allowed.numel() :] = float("-inf")  # padded vocabulary past the tokenizer's
+            except Exception as exc:  # noqa: BLE001 - the row's own failure
+                errors[e.request_id] = f"{type(exc).__name__}: {exc}"
+    greedy = logits.argmax(-1).tolist()  # what sample() returns at temperature 0, for all rows in one call
     for i, e in enumerate(rows):
         s = e.sampling
+        if e.request_id in errors:
+            continue
         try:
             tokens[e.request_id] = (
                 greedy[i] if s.greedy else sample(logits[i], s.temperature, s.top_k, s.top_p, e.generator)

@@ -38,6 +38,7 @@ class ActiveRequest:
     generator: object = None
     chunk: int = 0  # context tokens scheduled this step
     num_pauses: int = 0
+    matcher: object = None  # guided decoding: the request's trtpipe.serving.guided.GuideMatcher
 
     def __post_init__(self):
         self.context_len = self.context_len or len(self.tokens)

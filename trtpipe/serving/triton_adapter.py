@@ -24,6 +24,7 @@ from trtpipe.serving.config import KV_REUSE_DEFAULT, executor_config, read_twin_
 from trtpipe.serving.executor import IterationStats
 from trtpipe.serving import request_checks
 from trtpipe.triton.upstream_io import TWIN_EXTRAS_PARAMETER
+from trtpipe.triton.xgrammar_info import TOKENIZER_INFO_FILE
 
 _TRUE = {"true", "1", "t", "y", "yes"}
 
@@ -49,6 +50,7 @@ class TwinSettings:
     cpu_threads: int
     vocab_size: int
     static_batching: bool = False
+    xgrammar_tokenizer_info: Optional[Path] = None  # the file xgrammar_tokenizer_info_path names (guided decoding)
 
 
 def _default_end_id(path: Path) -> Optional[int]:
@@ -99,6 +101,7 @@ def settings_from_model_config(model_config: dict, model_repository: str) -> Twi
         enable_chunked_context=_flag(params, "enable_chunked_context", False),
         enable_kv_cache_reuse=_flag(params, "enable_kv_cache_reuse", KV_REUSE_DEFAULT),
         max_queue_size=int(queue or 0),
+        guided_decoding_backend=param(params, "guided_decoding_backend") or None,
         **read_twin_extras(param(params, TWIN_EXTRAS_PARAMETER)),  # the twin's own knobs (request_timeout_s, ...)
     )
     return TwinSettings(
@@ -109,7 +112,36 @@ def settings_from_model_config(model_config: dict, model_repository: str) -> Twi
         cpu_threads=int(param(params, "cpu_threads", "1")),
         vocab_size=int(pretrained.get("vocab_size") or 0),
         static_batching=static,
+        xgrammar_tokenizer_info=_tokenizer_info_file(params, model_repository),
     )
+
+
+def _tokenizer_info_file(params: dict, model_repository: str) -> Optional[Path]:
+    """``xgrammar_tokenizer_info_path`` (absolute, as the repository writes it), else the copy beside the model when
+    the repository was moved (as ``tokenizer_dir`` falls back), else None."""
+    path = param(params, "xgrammar_tokenizer_info_path")
+    if not path:
+        return None
+    p = Path(path if os.path.isabs(path) else os.path.join(model_repository, path))
+    beside = Path(model_repository) / TOKENIZER_INFO_FILE
+    return p if p.exists() or not beside.exists() else beside
+
+
+def guided_decoder(s: TwinSettings):
+    """The executor's guided decoding, as the backend builds it: ``guided_decoding_backend`` with the tokenizer
+    information of ``xgrammar_tokenizer_info_path`` (None when the backend parameter is empty)."""
+    from trtpipe.serving.guided import GuidedDecoder, tokenizer_info
+
+    backend = s.executor.guided_decoding_backend
+    if not backend:
+        return None
+    if s.xgrammar_tokenizer_info is None or not s.xgrammar_tokenizer_info.exists():
+        raise ValueError(
+            f"tensorrt_llm twin: guided_decoding_backend is {backend!r} but xgrammar_tokenizer_info_path "
+            f"({s.xgrammar_tokenizer_info or 'unset'}) names no file"
+        )
+    info = json.loads(s.xgrammar_tokenizer_info.read_text())
+    return GuidedDecoder(backend, tokenizer_info(info, s.vocab_size))
 
 
 def _scalar(get: Callable[[str], Optional[np.ndarray]], name: str, default, kind):
@@ -189,6 +221,7 @@ def parse_request(get: Callable[[str], Optional[np.ndarray]], s: TwinSettings, d
     priority = _scalar(get, "priority", 0.5, float)
     if not 0.0 <= priority <= 1.0:
         raise ValueError(f"priority must be within [0, 1], got {priority}")
+    guide = _guide(get)
     request = Request(
         prompt=[int(t) for t in prompt],
         max_new_tokens=out_len,
@@ -200,6 +233,7 @@ def parse_request(get: Callable[[str], Optional[np.ndarray]], s: TwinSettings, d
         or _scalar(get, "exclude_input_in_output", s.exclude_input_default, bool),
         priority=priority,
         return_perf_metrics=_scalar(get, "return_perf_metrics", False, bool),
+        guide=guide,
     )
     return ParsedRequest(
         request,
@@ -208,6 +242,23 @@ def parse_request(get: Callable[[str], Optional[np.ndarray]], s: TwinSettings, d
         _scalar(get, "return_num_output_tokens", False, bool),
         False,
     )
+
+
+def _text(get: Callable[[str], Optional[np.ndarray]], name: str) -> Optional[str]:
+    a = get(name)
+    if a is None or a.size == 0:
+        return None
+    v = a.reshape(-1)[0]
+    return v.decode("utf-8") if isinstance(v, bytes) else str(v)
+
+
+def _guide(get: Callable[[str], Optional[np.ndarray]]):
+    """``guided_decoding_guide_type`` / ``guided_decoding_guide`` (tensorrtllm_backend docs/guided_decoding.md) as the
+    executor's guide; None without a type. A bad type is a ValueError naming the valid ones."""
+    from trtpipe.serving.guided import Guide
+
+    kind = _text(get, "guided_decoding_guide_type")
+    return None if kind is None else Guide.of(kind, _text(get, "guided_decoding_guide"))
 
 
 def response_outputs(resp: Response, parsed: ParsedRequest) -> list[tuple[str, np.ndarray]]:

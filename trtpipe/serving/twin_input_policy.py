@@ -2,7 +2,7 @@
 
 The twin declares every input the real ``tensorrtllm`` backend declares (so clients and upstream model files
 see the same model), but it computes with trtpipe's reference runtime, which has no beam search, LoRA, prompt
-tuning, speculative decoding, guided decoding or logits/log-prob outputs. A request is refused (an error
+tuning, speculative decoding or logits/log-prob outputs. A request is refused (an error
 response naming the input) when it asks for one of those, and served when such an input is absent or holds the
 value that means "off" -- the value the real backend would also treat as a no-op. Inputs that only tune the
 real engine's KV-cache eviction (``retention_*``) change no output and are accepted and ignored.
@@ -38,6 +38,8 @@ HONOURED = frozenset(
         "return_num_input_tokens",
         "return_num_output_tokens",
         "priority",
+        "guided_decoding_guide_type",  # the executor's grammar (trtpipe/serving/guided.py)
+        "guided_decoding_guide",
     }
 )
 
@@ -93,8 +95,6 @@ NEVER: dict[str, str] = {
     "lora_weights": "LoRA",
     "lora_config": "LoRA",
     "context_phase_params": "disaggregated serving",
-    "guided_decoding_guide_type": "guided decoding",
-    "guided_decoding_guide": "guided decoding",
     "lookahead_window_size": "lookahead decoding",
     "lookahead_ngram_size": "lookahead decoding",
     "lookahead_verification_set_size": "lookahead decoding",

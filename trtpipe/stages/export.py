@@ -95,7 +95,15 @@ def run_serving(ctx: StageContext) -> None:
 
 LLMAPI_STAGE = Stage(
     name="llmapi",
-    sections=("llmapi", "engine", "parallel", "triton.streaming", "triton.scheduler_policy", "quantization.kv_cache"),
+    sections=(
+        "llmapi",
+        "engine",
+        "parallel",
+        "triton.streaming",
+        "triton.scheduler_policy",
+        "quantization.kv_cache",
+        "serving.guided_decoding_backend",
+    ),
     inputs=("export",),
     run=run_serving,
     enabled=is_llmapi,

@@ -33,6 +33,8 @@ class GenerateOptions:
     end_id: Optional[int] = None
     stop_words: list[str] = field(default_factory=list)
     exclude_input_in_output: Optional[bool] = None
+    guided_decoding_guide_type: Optional[str] = None  # json, json_schema, regex, ebnf_grammar, structural_tag
+    guided_decoding_guide: Optional[str] = None
 
 
 def infer_inputs(mod, rows) -> list:
@@ -64,6 +66,9 @@ def text_inputs(mod, prompt: str, opts: GenerateOptions, stream: bool) -> list:
         ("exclude_input_in_output", opts.exclude_input_in_output, bool, "BOOL"),
     ]
     rows += [(n, np.array([[v]], dtype=dt), tt) for n, v, dt, tt in optional if v is not None]
+    for name in ("guided_decoding_guide_type", "guided_decoding_guide"):
+        if getattr(opts, name) is not None:
+            rows.append((name, np.array([[getattr(opts, name).encode("utf-8")]], dtype=object), "BYTES"))
     if opts.stop_words:
         rows.append(("stop_words", np.array([[w.encode() for w in opts.stop_words]], dtype=object), "BYTES"))
     return infer_inputs(mod, rows)

@@ -32,6 +32,7 @@ from trtpipe.errors import ServingError
 from trtpipe.extras import require
 from trtpipe.triton import upstream_io
 from trtpipe.triton.upstream_io import TWIN_EXTRAS_PARAMETER
+from trtpipe.triton.xgrammar_info import TOKENIZER_INFO_FILE, write_tokenizer_info
 from trtpipe.resources import data_dir
 from trtpipe.recipe.knobs import twin_extras
 from trtpipe.recipe.schema import Recipe
@@ -88,6 +89,9 @@ FRONT_INPUTS = [
     ("seed", T.TYPE_UINT64, [1], True, "llm:seed"),
     ("exclude_input_in_output", T.TYPE_BOOL, [1], True, "llm:exclude_input_in_output"),
     ("stream", T.TYPE_BOOL, [1], True, "llm:streaming"),
+    # guided decoding (tensorrtllm_backend docs/guided_decoding.md@395c4035 sends them to the ensemble)
+    ("guided_decoding_guide_type", T.TYPE_STRING, [1], True, "llm:guided_decoding_guide_type"),
+    ("guided_decoding_guide", T.TYPE_STRING, [1], True, "llm:guided_decoding_guide"),
 ]
 # The BLS also forwards the per-request server measurements (as upstream's BLS does) and returns them with
 # its last response: the executor's timestamps and KV counters, and exact token counts.
@@ -419,8 +423,10 @@ def trtllm_parameters(recipe: Recipe, engine: EngineInfo) -> dict:
         "lora_cache_host_memory_bytes": 1 << 30,
         "lora_prefetch_dir": "",
         "speculative_decoding_fast_logits": False,
-        "guided_decoding_backend": "",
-        "xgrammar_tokenizer_info_path": "",
+        # guided decoding: the backend, and the tokenizer information write_repo puts beside this model (the path
+        # made absolute there, as tokenizer_dir is)
+        "guided_decoding_backend": recipe.serving.guided_decoding_backend or "",
+        "xgrammar_tokenizer_info_path": TOKENIZER_INFO_FILE if recipe.serving.guided_decoding_backend else "",
         "tokenizer_dir": "../preprocessing/tokenizer",
         "executor_worker_path": EXECUTOR_WORKER,
         "recv_poll_period_ms": 0,
@@ -438,6 +444,8 @@ TWIN_PARAMETERS = (
     "exclude_input_in_output",
     "cancellation_check_period_ms",
     "stats_check_period_ms",
+    "guided_decoding_backend",
+    "xgrammar_tokenizer_info_path",
 )
 
 
@@ -619,6 +627,9 @@ def write_repo(recipe: Recipe, engine_dir: Path, tokenizer_dir: Path, out: Path)
     ids = token_ids(tokenizer_dir)
     configs = repo_configs(recipe, engine, ids)
     point_tokenizer_dirs(configs, tokenizer_dir)
+    info_param = configs["tensorrt_llm"].parameters["xgrammar_tokenizer_info_path"]
+    if info_param.string_value:  # where the file will be once the repository is in place
+        info_param.string_value = str((out / "tensorrt_llm" / TOKENIZER_INFO_FILE).resolve())
     texts = {name: to_pbtxt(c) for name, c in configs.items()}
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -636,6 +647,8 @@ def write_repo(recipe: Recipe, engine_dir: Path, tokenizer_dir: Path, out: Path)
                 (model_dir / "1" / "__pycache__").write_text(NO_PYCACHE)
             if name in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
                 copy_tokenizer(tokenizer_dir, model_dir / "tokenizer")
+            if name == "tensorrt_llm" and info_param.string_value:
+                write_tokenizer_info(tokenizer_dir, model_dir)  # generate_xgrammar_tokenizer_info.py's file
             if configs[name].model_warmup:
                 (model_dir / WARMUP_DIR).mkdir()
                 for fname, data in warmup_files(name).items():

@@ -52,7 +52,10 @@ class TritonPythonModel:
         else:
             self.engine = ReferenceEngine(load_checkpoint(self.settings.engine_dir / "checkpoint", device="cpu"))
         self.executor = Executor(
-            self.settings.executor, executor_guard.with_fault(self.engine), threads=self.settings.cpu_threads
+            self.settings.executor,
+            executor_guard.with_fault(self.engine),
+            threads=self.settings.cpu_threads,
+            guided=triton_adapter.guided_decoder(self.settings),
         )
         # tritonserver cannot see this thread: a loop that dies stops the server, so readiness fails at once
         executor_guard.guard(self.executor, pb_utils.Logger.log_error)

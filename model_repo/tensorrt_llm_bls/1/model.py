@@ -38,6 +38,8 @@ _LLM = {
     "return_perf_metrics": "return_perf_metrics",
     "return_num_input_tokens": "return_num_input_tokens",
     "return_num_output_tokens": "return_num_output_tokens",
+    "guided_decoding_guide_type": "guided_decoding_guide_type",
+    "guided_decoding_guide": "guided_decoding_guide",
 }
 # tensorrt_llm outputs passed through with the last text response when the request asked for them
 _MEASURED = (
