@@ -69,6 +69,7 @@ class ExecutorConfig:
     max_queue_size: int = 0  # 0: unlimited
     max_beam_width: int = 1
     request_timeout_s: float = 0.0  # a request not finished this long after submit fails (0: no limit)
+    max_loras: int = 0  # LoRA adapters one step may hold (the device cache, trtpipe.serving.adapters); 0: no limit
 
     @property
     def max_context_length(self) -> int:
@@ -147,6 +148,7 @@ class Request:
     return_perf_metrics: bool = False
     client_tag: Any = None  # opaque to the executor (the front end's handle, e.g. a Triton response sender)
     allotted_time_s: Optional[float] = None  # executor ``allottedTimeMs``; None: the config's request_timeout_s
+    lora: Optional[str] = None  # the LoRA adapter's name (None: the base model); KV prefix reuse is keyed by it
 
 
 @dataclass
@@ -207,6 +209,7 @@ class StepEntry:
     sample: bool
     sampling: SamplingParams = SamplingParams()
     generator: Any = None  # the request's own torch.Generator when sampling with a seed
+    lora: Optional[str] = None  # the request's LoRA adapter (None: the base model)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from trtpipe.serving.api import (
     StepEngine,
     StepEntry,
 )
+from trtpipe.serving.adapters import within_lora_cache
 from trtpipe.serving.kv_pool import BlockPool, KVStats
 from trtpipe.serving.scheduler import ActiveRequest, ContextTooLong, capacity_schedule, insert_by_priority, micro_batch
 
@@ -369,7 +370,7 @@ class ExecutorCore:
     def _release(self, r: ActiveRequest) -> None:
         """Publish the sequence's full blocks for reuse (prompt and output), then free them."""
         if r.block_table:
-            self.pool.store(r.block_table, r.tokens[: r.kv_len])
+            self.pool.store(r.block_table, r.tokens[: r.kv_len], r.request.lora)
             self.pool.release(r.block_table)
             r.block_table = []
 
@@ -464,11 +465,11 @@ class ExecutorCore:
         c, tpb = self.config, self.config.tokens_per_block
         for r in self.active:  # what the cache already holds of each first context
             if not r.started:
-                r.context_pos = len(self.pool.match_prefix(r.tokens[: r.context_len])) * tpb
+                r.context_pos = len(self.pool.match_prefix(r.tokens[: r.context_len], r.request.lora)) * tpb
         decision = capacity_schedule(self.active, self.pool.num_free, c, self.max_active, self.pool.refs)
         for r in decision.paused:
             self._pause(r)
-        return decision, micro_batch(decision.scheduled, c)
+        return decision, within_lora_cache(micro_batch(decision.scheduled, c), c.max_loras)
 
     def _run(self, decision, chosen: list[ActiveRequest]) -> None:
         tpb = self.config.tokens_per_block
@@ -479,7 +480,7 @@ class ExecutorCore:
         for r in contexts:  # reused prefixes first, so new allocations cannot evict a block matched this step
             if not r.started:
                 end = r.context_pos + r.chunk
-                r.block_table = self.pool.take_prefix(r.tokens[: r.context_len])
+                r.block_table = self.pool.take_prefix(r.tokens[: r.context_len], r.request.lora)
                 r.context_pos = len(r.block_table) * tpb
                 r.chunk = end - r.context_pos
                 r.perf.kv_reused_blocks += len(r.block_table)
@@ -501,6 +502,7 @@ class ExecutorCore:
                     end == r.context_len,
                     r.request.sampling,
                     r.generator,
+                    r.request.lora,
                 )
             )
         for r in chosen:
@@ -510,7 +512,15 @@ class ExecutorCore:
                 r.perf.kv_alloc_total_blocks = len(r.block_table)
                 batch.entries.append(
                     StepEntry(
-                        r.id, [r.tokens[-1]], r.kv_len, r.block_table, False, True, r.request.sampling, r.generator
+                        r.id,
+                        [r.tokens[-1]],
+                        r.kv_len,
+                        r.block_table,
+                        False,
+                        True,
+                        r.request.sampling,
+                        r.generator,
+                        r.request.lora,
                     )
                 )
         if not batch.entries:
@@ -533,7 +543,7 @@ class ExecutorCore:
                 if not e.sample:
                     continue
                 r.generating = True
-                self.pool.store(r.block_table, r.tokens[: r.context_len])  # early reuse: at the end of the context
+                self.pool.store(r.block_table, r.tokens[: r.context_len], r.request.lora)  # early reuse
             self._accept(r, result.tokens[e.request_id], now)
         self._record(result.elapsed_s, batch, len(decision.paused), len(chosen))
         self.iteration += 1
