@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from trtpipe.errors import ServingError
+from trtpipe.serving.adapters import LoraSettings
 from trtpipe.serving.api import ExecutorConfig
 from trtpipe.app.launch_triton import REPO_INFO
 from trtpipe.processes import cache_dir, log_tail
@@ -38,6 +39,7 @@ class OpenAITarget:
     port: int
     config: Optional[ExecutorConfig] = None  # None: the twin's defaults (an HF directory has no engine section)
     chat_template: Optional[Path] = None
+    lora: Optional[LoraSettings] = None  # the recipe's LoRA adapters (None: none)
 
 
 def is_openai_target(target: Path, overrides: Sequence[str] = ()) -> bool:
@@ -86,6 +88,13 @@ def resolve_openai_target(
         )
     model_dir = run_build(recipe, STAGES, (), None, "export", overrides=overrides).artifact("export") / "hf"
     max_pos = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings") or 2048
+    lora = None
+    if recipe.lora.adapters:
+        from trtpipe.export.lora import adapter_dirs
+
+        lora = LoraSettings(
+            adapter_dirs(recipe), recipe.lora.max_lora_rank, recipe.lora.max_loras, recipe.lora.max_cpu_loras
+        )
     return OpenAITarget(
         target,
         model_dir.resolve(),
@@ -94,6 +103,7 @@ def resolve_openai_target(
         port or recipe.llmapi.port,
         from_recipe(recipe, int(max_pos)),
         chat_template,
+        lora,
     )
 
 
@@ -101,7 +111,8 @@ def serve_foreground(t: OpenAITarget) -> None:
     """Serve until Ctrl-C or SIGTERM (blocking), logging requests to stderr."""
     from trtpipe.serving.openai_server import serve
 
-    serve(t.model_dir, t.host, t.port, t.name, t.config, t.chat_template.read_text() if t.chat_template else None)
+    template = t.chat_template.read_text() if t.chat_template else None
+    serve(t.model_dir, t.host, t.port, t.name, t.config, template, t.lora)
 
 
 def child_command(t: OpenAITarget, overrides: Sequence[str]) -> list[str]:

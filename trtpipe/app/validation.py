@@ -20,6 +20,7 @@ from typing import Iterable
 from trtpipe.deploy.rules import DEPLOY_RULES
 from trtpipe.engine.rules import ENGINE_RULES
 from trtpipe.errors import Problem, RecipeError
+from trtpipe.export.lora import LORA_RULES
 from trtpipe.export.rules import EXPORT_RULES
 from trtpipe.quant.imported.rules import IMPORT_RULES
 from trtpipe.quant.rules import QUANT_RULES
@@ -29,7 +30,15 @@ from trtpipe.recipe.rules import RECIPE_RULES, Rule
 from trtpipe.recipe.schema import Recipe
 
 # In this order; problems are reported in file order, and rules that name the same key keep this order.
-RULES: tuple[Rule, ...] = (*RECIPE_RULES, *QUANT_RULES, *IMPORT_RULES, *ENGINE_RULES, *EXPORT_RULES, *DEPLOY_RULES)
+RULES: tuple[Rule, ...] = (
+    *RECIPE_RULES,
+    *QUANT_RULES,
+    *IMPORT_RULES,
+    *ENGINE_RULES,
+    *EXPORT_RULES,
+    *LORA_RULES,
+    *DEPLOY_RULES,
+)
 
 
 def check_recipe(recipe: Recipe) -> list[Problem]:

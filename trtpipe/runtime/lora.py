@@ -31,7 +31,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from trtpipe.errors import TrtpipeError
+from trtpipe.errors import CheckpointError, TrtpipeError
 
 # TRT-LLM linear -> (DecoderLayer attribute holding the shard list, attribute of the shard)
 LINEARS = {
@@ -127,6 +127,19 @@ class BaseLayout:
         if info.is_moe:  # the experts' linears are not in this table: an adapter on them is refused
             modules = {k: v for k, v in modules.items() if not v[0].startswith("mlp.")}
         return cls(names.prefix, info.num_layers, modules)
+
+
+def resolve_source(name: str, source: str, base_dir: Path) -> Path:
+    """An adapter's directory: a path (relative to ``base_dir``) or an ``hf://`` repository (the hub cache)."""
+    if source.startswith("hf://"):
+        from trtpipe.models.hub import resolve_hf
+
+        try:
+            return resolve_hf(source)
+        except CheckpointError as exc:
+            raise CheckpointError(f"lora.adapters.{name}: {str(exc).split(': ', 1)[-1]}") from None
+    p = Path(source).expanduser()
+    return p if p.is_absolute() else (Path(base_dir) / p)
 
 
 def read_adapter_config(name: str, path: Path) -> dict:

@@ -24,9 +24,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from trtpipe.errors import CheckpointError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """What a front end serves: adapters by name (their directories) and the cache bounds (the recipe's ``lora``)."""
+
+    adapters: dict
+    max_lora_rank: int = 64
+    max_loras: int = 4
+    max_cpu_loras: int = 8
+
+    def cache(self, base_dir: Path) -> "AdapterCache":
+        """The adapter cache of ``base_dir``'s model with every adapter registered (read and checked now)."""
+        cache = AdapterCache(base_dir, self.max_loras, self.max_cpu_loras, self.max_lora_rank)
+        for name, path in self.adapters.items():
+            cache.register(name, Path(path))
+        return cache
 
 
 def within_lora_cache(chosen: list, max_loras: int) -> list:
@@ -54,19 +70,6 @@ class CacheStats:
     activations: int = 0
     device_evictions: int = 0
     host_evictions: int = 0
-
-
-def resolve_source(name: str, source: str, base_dir: Path) -> Path:
-    """An adapter's directory: a path (relative to ``base_dir``) or an ``hf://`` repository (the hub cache)."""
-    if source.startswith("hf://"):
-        from trtpipe.models.hub import resolve_hf
-
-        try:
-            return resolve_hf(source)
-        except CheckpointError as exc:
-            raise CheckpointError(f"lora.adapters.{name}: {str(exc).split(': ', 1)[-1]}") from None
-    p = Path(source).expanduser()
-    return p if p.is_absolute() else (Path(base_dir) / p)
 
 
 class AdapterCache:
@@ -215,3 +218,75 @@ class LoraStepEngine:
             result = self.inner.step(batch)
         result.errors.update(errors)
         return result
+
+
+# --- choosing a request's adapter (the OpenAI front end) ------------------------------------------------------
+
+LORA_REQUEST_KEYS = ("lora_name", "lora_int_id", "lora_path", "lora_ckpt_source")
+
+
+class AdapterRequestError(ValueError):
+    """A request that names an adapter wrongly: its message and the request field it concerns (an HTTP 400)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def select_adapter(cache: Optional[AdapterCache], base_name: str, model, lora_request) -> Optional[str]:
+    """The adapter a request asks for, by OpenAI ``model`` (an adapter name listed by /v1/models) or by
+    trtllm-serve's ``lora_request`` ``{lora_name, lora_int_id, lora_path}`` (``LoRARequest``,
+    ``tensorrt_llm/executor/request.py@08c33130``; the field of CompletionRequest / ChatCompletionRequest,
+    ``tensorrt_llm/serve/openai_protocol.py@0076e939``). A ``lora_path`` not served yet is read and checked now
+    (upstream: ``ValueError`` when the path does not exist). None: the base model.
+
+    Raises:
+        AdapterRequestError: an unknown name, a path that is not an adapter of this base, two fields that disagree.
+    """
+    by_model = None
+    if model is not None and model != base_name:
+        if cache is None or model not in cache.names:
+            raise AdapterRequestError(f"The model `{str(model)[:200]}` does not exist.", "model")
+        by_model = model
+    if lora_request is None:
+        return by_model
+    if cache is None:
+        raise AdapterRequestError(
+            "'lora_request': this server serves no LoRA adapters (no lora_config)", "lora_request"
+        )
+    if not isinstance(lora_request, dict) or set(lora_request) - set(LORA_REQUEST_KEYS):
+        raise AdapterRequestError(
+            f"'lora_request' must be an object with {', '.join(LORA_REQUEST_KEYS[:3])}", "lora_request"
+        )
+    name, int_id, path = lora_request.get("lora_name"), lora_request.get("lora_int_id"), lora_request.get("lora_path")
+    if not isinstance(name, str) or not name:
+        raise AdapterRequestError("'lora_request.lora_name' must be a non-empty string", "lora_request")
+    if isinstance(int_id, bool) or not isinstance(int_id, int) or int_id < 0:
+        raise AdapterRequestError("'lora_request.lora_int_id' must be an integer >= 0", "lora_request")
+    if lora_request.get("lora_ckpt_source", "hf") != "hf":
+        raise AdapterRequestError(
+            "'lora_request.lora_ckpt_source': only 'hf' (PEFT) adapters are served", "lora_request"
+        )
+    if by_model is not None and by_model != name:
+        raise AdapterRequestError(
+            f"'model' names adapter '{by_model}' but 'lora_request' names '{name}'", "lora_request"
+        )
+    owner = next((n for n, i in dict(cache.ids).items() if i == int_id), None)
+    if owner is not None and owner != name:
+        raise AdapterRequestError(
+            f"'lora_request.lora_int_id' {int_id} is adapter '{owner}', not '{name}'", "lora_request"
+        )
+    if name not in cache.names:
+        if not path:
+            raise AdapterRequestError(
+                f"'lora_request': adapter '{name}' is not served and no lora_path is given", "lora_request"
+            )
+        if not isinstance(path, str) or not Path(path).is_dir():
+            raise AdapterRequestError(f"lora_path ({str(path)[:200]}) does not exist.", "lora_request")
+    elif cache.ids.get(name) not in (None, int_id):
+        raise AdapterRequestError(f"adapter '{name}' is lora_int_id {cache.ids[name]}, not {int_id}", "lora_request")
+    try:
+        cache.register(name, Path(path) if path else cache.paths[name], int_id)
+    except Exception as exc:  # noqa: BLE001 - an adapter that does not fit this base: the request's own error
+        raise AdapterRequestError(f"'lora_request': {exc}", "lora_request") from None
+    return name

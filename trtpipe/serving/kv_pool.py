@@ -10,7 +10,8 @@ Accounting follows TensorRT-LLM's ``KVCacheManager`` (1.x):
   block before it, so matching walks from the root; only full blocks match, and the last prompt token is never
   taken from the cache (at least one token is always computed);
 - a block's identity also holds the LoRA adapter that computed it (``salt``: one tree per adapter, as TensorRT-LLM's
-  ``BlockKey`` carries ``loraTaskId``): two adapters never share a cached block, even on the same tokens.
+  ``BlockKey`` carries ``loraTaskId`` and ``numMatchingTokens`` matches nothing across two task ids,
+  ``cpp/include/tensorrt_llm/batch_manager/blockKey.h@2bb816c6``): two adapters never share a cached block.
 
 Storage lives in the step engine; this module only hands out block ids.
 """

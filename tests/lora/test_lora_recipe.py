@@ -1,0 +1,113 @@
+"""The recipe's ``lora:`` section: adapters checked against the base at validation (one line naming the adapter
+and key), the trtllm-serve YAML's ``lora_config`` with target modules derived from the adapters, the adapters
+copied beside the export, and Dynamo refused with its reason."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import yaml
+
+from trtpipe.app.validation import check_recipe, load_recipe
+from trtpipe.export.lora import TRTLLM_MODULES, dynamo_refusal
+from trtpipe.export.serving import write_serving
+from trtpipe.triton.llmapi_repo import write_llmapi_repo
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+def _recipe(tmp_path, stories_dir, adapters: dict, **sections) -> object:
+    doc = {
+        "name": "stories-lora",
+        "target": "llmapi",
+        "model": {"source": str(stories_dir)},
+        "accuracy": {"enabled": False},
+        "engine": {"max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512, "max_num_tokens": 2048},
+        "lora": {"adapters": {k: str(v) for k, v in adapters.items()}, "max_lora_rank": 64},
+    }
+    for key, value in sections.items():
+        doc[key] = {**doc.get(key, {}), **value} if isinstance(value, dict) else value
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return load_recipe(path, check_rules=False)
+
+
+def _problems(recipe) -> dict[str, str]:
+    return {p.key: p.message for p in check_recipe(recipe)}
+
+
+def test_valid_recipe_writes_lora_config_and_copies(tmp_path, stories_dir, adapters):
+    picked = {k: adapters[k] for k in ("r8-attn", "r64-all")}
+    recipe = _recipe(tmp_path, stories_dir, picked)
+    assert _problems(recipe) == {}
+    out = tmp_path / "out"
+    out.mkdir()
+    info = write_serving(recipe, stories_dir, out)
+    lora = yaml.safe_load((out / "extra_llm_api_options.yaml").read_text())["lora_config"]
+    assert lora == {
+        "lora_dir": [str((out / "lora" / n).resolve()) for n in picked],
+        "lora_ckpt_source": "hf",
+        "max_lora_rank": 64,
+        "max_loras": 4,
+        "max_cpu_loras": 8,
+        "lora_target_modules": list(TRTLLM_MODULES.values()),  # r64-all targets every linear: all seven, in order
+    }
+    for n, src in picked.items():
+        for f in ("adapter_config.json", "adapter_model.safetensors"):
+            assert (out / "lora" / n / f).read_bytes() == (src / f).read_bytes()
+    write_llmapi_repo(recipe, out / "triton_repo", str(stories_dir), out / "lora")
+    model = yaml.safe_load((out / "triton_repo" / "tensorrt_llm" / "1" / "model.yaml").read_text())
+    assert model["lora_config"] == lora
+    assert info["lora_dir"] == str((out / "lora").resolve())
+    only_attn = _recipe(tmp_path, stories_dir, {"r8-attn": adapters["r8-attn"]})
+    write_serving(only_attn, stories_dir, out)
+    lora = yaml.safe_load((out / "extra_llm_api_options.yaml").read_text())["lora_config"]
+    assert lora["lora_target_modules"] == ["attn_q", "attn_k", "attn_v", "attn_dense"]
+
+
+def test_refusals_name_adapter_and_key(tmp_path, stories_dir, adapters):
+    bad = tmp_path / "dora"
+    shutil.copytree(adapters["r8-attn"], bad)
+    cfg = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    recipe = _recipe(
+        tmp_path,
+        stories_dir,
+        {"r64-all": adapters["r64-all"], "dora": bad, "gone": tmp_path / "missing"},
+        lora={"max_lora_rank": 16, "max_loras": 4, "max_cpu_loras": 2},
+        quantization={"algo": "int4_awq"},
+        llmapi={"version": "1.1"},
+    )
+    problems = _problems(recipe)
+    assert problems["lora.adapters.r64-all"] == "adapter 'r64-all': rank r=64 is above lora.max_lora_rank 16"
+    assert (
+        "adapter 'dora'" in problems["lora.adapters.dora"]
+        and "key 'use_dora' is True" in problems["lora.adapters.dora"]
+    )
+    assert "adapter 'gone'" in problems["lora.adapters.gone"] and "does not exist" in problems["lora.adapters.gone"]
+    assert "FP8 base only" in problems["quantization.algo"]
+    assert "1.2 only" in problems["llmapi.version"]
+    assert "below lora.max_loras 4" in problems["lora.max_cpu_loras"]
+    engine = _recipe(tmp_path, stories_dir, {"r8-attn": adapters["r8-attn"]}, target="engine")
+    assert "target: engine with LoRA adapters" in _problems(engine)["lora.adapters"]
+
+
+def test_dynamo_refused_with_reason(tmp_path, stories_dir, adapters):
+    recipe = _recipe(tmp_path, stories_dir, {"r8-attn": adapters["r8-attn"]})
+    why = dynamo_refusal(recipe)
+    assert "Dynamo does not serve LoRA adapters on TensorRT-LLM" in why and "feature-matrix" in why
+    assert dynamo_refusal(_recipe(tmp_path, stories_dir, {})) is None
+
+
+def test_deploy_dynamo_refuses_lora_recipe(tmp_path, stories_dir, adapters):
+    from click.testing import CliRunner
+
+    from trtpipe.cli import main
+
+    _recipe(tmp_path, stories_dir, {"r8-attn": adapters["r8-attn"]})
+    result = CliRunner().invoke(main, ["deploy", "dynamo", str(tmp_path / "recipe.yaml"), "-o", str(tmp_path / "dyn")])
+    assert result.exit_code == 2, result.output
+    assert "Dynamo does not serve LoRA adapters on TensorRT-LLM" in result.output
+    assert not (tmp_path / "dyn").exists()  # nothing half-written
