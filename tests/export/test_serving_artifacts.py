@@ -57,7 +57,7 @@ CONTRACT_SUB = {
     # LoraConfig (tensorrt_llm/lora_helper.py@585c7565)
     "lora_config": set(
         """lora_dir lora_ckpt_source max_lora_rank lora_target_modules trtllm_modules_to_hf_modules max_loras
-        max_cpu_loras lora_weights_converters""".split()
+        max_cpu_loras swap_gate_up_proj_lora_b_weight""".split()
     ),
 }
 

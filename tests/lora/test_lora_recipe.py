@@ -111,3 +111,20 @@ def test_deploy_dynamo_refuses_lora_recipe(tmp_path, stories_dir, adapters):
     assert result.exit_code == 2, result.output
     assert "Dynamo does not serve LoRA adapters on TensorRT-LLM" in result.output
     assert not (tmp_path / "dyn").exists()  # nothing half-written
+
+
+def test_plan_prints_the_lora_cache_line(tmp_path, stories_dir, adapters):
+    """r64-all on stories260k: 5 layers x r 64 x (q 64+64, k 64+32, v 64+32, o 64+64, gate/up/down 64+172 each)
+    = 369,920 parameters, 0.71 MiB at the plan's float16 (a float32 source becomes float16)."""
+    from click.testing import CliRunner
+
+    from trtpipe.cli import main
+    from trtpipe.export.lora import adapter_params
+
+    recipe = _recipe(tmp_path, stories_dir, {k: adapters[k] for k in ("r8-attn", "r64-all")})
+    per_layer = 64 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 3 * (64 + 172))
+    assert adapter_params(recipe)["r64-all"] == 5 * per_layer == 369_920
+    result = CliRunner().invoke(main, ["plan", str(tmp_path / "recipe.yaml")])
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.output.splitlines() if x.startswith("LoRA cache"))
+    assert "2 adapters, largest 'r64-all' 0.71 MiB" in line and "device max_loras 4 x that = 2.82 MiB" in line

@@ -148,3 +148,38 @@ def _lora_rules(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
 
 
 LORA_RULES = (_lora_rules,)
+
+
+def adapter_params(recipe: Recipe) -> dict[str, int]:
+    """Elements of each adapter's ``lora_A`` and ``lora_B`` tensors, read from the safetensors header (no weights)."""
+    from safetensors import safe_open
+
+    out = {}
+    for name, d in adapter_dirs(recipe).items():
+        with safe_open(str(d / "adapter_model.safetensors"), "pt") as f:
+            total = 0
+            for key in f.keys():
+                if ".lora_A." in key or ".lora_B." in key:
+                    n = 1
+                    for dim in f.get_slice(key).get_shape():
+                        n *= dim
+                    total += n
+        out[name] = total
+    return out
+
+
+def cache_line(recipe: Recipe, dtype_bytes: int, tp: int) -> Optional[str]:
+    """The planner's LoRA cache line: the largest adapter at the model's dtype, per GPU (A or B of each linear is
+    split over tp), times ``max_loras`` (device) and ``max_cpu_loras`` (host). None without adapters."""
+    if not recipe.lora.adapters:
+        return None
+    sizes = {n: p * dtype_bytes for n, p in adapter_params(recipe).items()}
+    name = max(sizes, key=sizes.get)
+    largest, lora = sizes[name], recipe.lora
+    mib = 1 << 20
+    return (
+        f"LoRA cache: {len(sizes)} adapters, largest '{name}' {largest / mib:.2f} MiB (~{largest / tp / mib:.2f} MiB "
+        f"per GPU at tp {tp}); device max_loras {lora.max_loras} x that = {lora.max_loras * largest / tp / mib:.2f} MiB "
+        f"per GPU, host max_cpu_loras {lora.max_cpu_loras} x that = {lora.max_cpu_loras * largest / mib:.2f} MiB "
+        "(TensorRT-LLM sizes its PEFT cache apart from the KV pool: not deducted above)"
+    )
