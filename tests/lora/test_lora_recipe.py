@@ -128,3 +128,21 @@ def test_plan_prints_the_lora_cache_line(tmp_path, stories_dir, adapters):
     assert result.exit_code == 0, result.output
     line = next(x for x in result.output.splitlines() if x.startswith("LoRA cache"))
     assert "2 adapters, largest 'r64-all' 0.71 MiB" in line and "device max_loras 4 x that = 2.82 MiB" in line
+
+
+def test_deploy_k8s_names_the_adapters_on_the_volume(tmp_path, stories_dir, adapters):
+    """The llmapi pod serves /artifacts/hf with /artifacts/extra_llm_api_options.yaml: deploy k8s writes that YAML
+    with lora_dir under /artifacts/lora, and SOURCES.md says to copy lora/ there."""
+    from click.testing import CliRunner
+
+    from trtpipe.cli import main
+
+    _recipe(tmp_path, stories_dir, {"r8-attn": adapters["r8-attn"]})
+    result = CliRunner().invoke(main, ["deploy", "k8s", str(tmp_path / "recipe.yaml"), "-o", str(tmp_path / "k8s")])
+    assert result.exit_code == 0, result.output
+    lora = yaml.safe_load((tmp_path / "k8s" / "extra_llm_api_options.yaml").read_text())["lora_config"]
+    assert lora["lora_dir"] == ["/artifacts/lora/r8-attn"]
+    assert lora["lora_target_modules"] == ["attn_q", "attn_k", "attn_v", "attn_dense"]
+    assert "copy the `llmapi` stage's `lora/`" in (tmp_path / "k8s" / "SOURCES.md").read_text()
+    manifests = "".join(p.read_text() for p in (tmp_path / "k8s").glob("*.yaml"))
+    assert "/artifacts" in manifests  # the pod mounts the artifact volume there

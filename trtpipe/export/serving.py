@@ -128,10 +128,14 @@ def _set(d: dict, dotted: str, value: Any) -> None:
 
 
 def llm_api_options(
-    recipe: Recipe, version: Optional[str] = None, max_seq_len: Optional[int] = None, lora_dir: Optional[Path] = None
+    recipe: Recipe,
+    version: Optional[str] = None,
+    max_seq_len: Optional[int] = None,
+    lora_dir: Optional[str | Path] = None,
 ) -> dict:
     """The ``extra_llm_api_options`` dict for ``version`` (default: the recipe's ``llmapi.version``); with
-    ``lora_dir`` (where the adapters were copied, :func:`trtpipe.export.lora.copy_adapters`) its ``lora_config``."""
+    ``lora_dir`` (where the serving host finds the adapters :func:`trtpipe.export.lora.copy_adapters` copied) its
+    ``lora_config`` (target modules read from the recipe's adapters)."""
     version = version or recipe.llmapi.version
     e, kv, p, q = recipe.engine, recipe.engine.kv_cache, recipe.parallel, recipe.quantization
     want: dict[str, Any] = {
@@ -158,8 +162,8 @@ def llm_api_options(
     if lora_dir is not None and recipe.lora.adapters:
         from trtpipe.export.lora import lora_options, target_modules
 
-        dirs = {name: Path(lora_dir) / name for name in recipe.lora.adapters}
-        want.update(lora_options(recipe, [str(d) for d in dirs.values()], target_modules(recipe, dirs)))
+        served = [f"{lora_dir}/{name}" for name in recipe.lora.adapters]  # as the serving host sees them
+        want.update(lora_options(recipe, served, target_modules(recipe)))
     out: dict = {}
     for key, value in want.items():
         if value is None:
@@ -225,7 +229,9 @@ def launch_lines(recipe: Recipe, model_dir: str, yaml_path: str) -> dict[str, st
     }
 
 
-def model_yaml(recipe: Recipe, model_dir: str, version: Optional[str] = None, lora_dir: Optional[Path] = None) -> dict:
+def model_yaml(
+    recipe: Recipe, model_dir: str, version: Optional[str] = None, lora_dir: Optional[str | Path] = None
+) -> dict:
     """``1/model.yaml``: ``LLM()`` kwargs (the same TorchLlmArgs keys) plus ``triton_config``."""
     version = version or recipe.llmapi.version
     opts = llm_api_options(recipe, version, lora_dir=lora_dir)
