@@ -146,3 +146,31 @@ def test_deploy_k8s_names_the_adapters_on_the_volume(tmp_path, stories_dir, adap
     assert "copy the `llmapi` stage's `lora/`" in (tmp_path / "k8s" / "SOURCES.md").read_text()
     manifests = "".join(p.read_text() for p in (tmp_path / "k8s").glob("*.yaml"))
     assert "/artifacts" in manifests  # the pod mounts the artifact volume there
+
+
+@pytest.mark.slow
+def test_serve_target_of_a_lora_recipe(tmp_path, stories_dir, adapters):
+    """What `trtpipe serve RECIPE` runs: the export built, the recipe's adapters and max_loras handed to the twin,
+    and an adapter answered by name on the exported (float16) checkpoint."""
+    from trtpipe.app.launch_openai import resolve_openai_target
+    from trtpipe.serving.api import Request
+    from trtpipe.serving.openai_server import ServedModel
+
+    _recipe(tmp_path, stories_dir, {"r8-attn": adapters["r8-attn"]}, lora={"max_loras": 1, "max_cpu_loras": 1})
+    t = resolve_openai_target(tmp_path / "recipe.yaml")
+    assert t.lora.adapters == {"r8-attn": adapters["r8-attn"]} and t.config.max_loras == 1
+    served = ServedModel(t.model_dir, t.name, t.config, lora=t.lora)
+    try:
+        assert served.adapters.names == ["r8-attn"] and served.config.max_loras == 1
+        answers = {}
+        for lora in ("r8-attn", None):
+            done = __import__("threading").Event()
+            req = Request([1, 403, 407, 261], 8, exclude_input_from_output=True, lora=lora)
+            served.executor.submit(
+                req, lambda r, lora=lora: (answers.__setitem__(lora, r), done.set()) if r.is_final else None
+            )
+            assert done.wait(120)
+            assert not answers[lora].has_error, answers[lora].error
+        assert answers["r8-attn"].tokens != answers[None].tokens
+    finally:
+        served.shutdown()
