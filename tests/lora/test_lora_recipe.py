@@ -174,3 +174,13 @@ def test_serve_target_of_a_lora_recipe(tmp_path, stories_dir, adapters):
         assert answers["r8-attn"].tokens != answers[None].tokens
     finally:
         served.shutdown()
+
+
+def test_serve_dynamo_refuses_lora_recipe_before_building(tmp_path, stories_dir, adapters):
+    from trtpipe.app.launch_dynamo import resolve_graph
+    from trtpipe.errors import ServingError
+
+    _recipe(tmp_path, stories_dir, {"r8-attn": adapters["r8-attn"]})
+    with pytest.raises(ServingError, match="Dynamo does not serve LoRA adapters on TensorRT-LLM"):
+        resolve_graph(tmp_path / "recipe.yaml", (), None, None, None, 1, "kv")
+    assert not (tmp_path / "work").exists()  # refused before any stage ran
