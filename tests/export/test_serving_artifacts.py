@@ -54,6 +54,11 @@ CONTRACT_SUB = {
     "scheduler_config": {"capacity_scheduler_policy", "context_chunking_policy", "dynamic_batch_config"},
     # CacheTransceiverConfig of the 1.1/1.2-era llm_args.py revisions read (backend DEFAULT/UCX/NIXL/MPI)
     "cache_transceiver_config": {"backend", "max_tokens_in_buffer", "kv_transfer_timeout_ms"},
+    # LoraConfig (tensorrt_llm/lora_helper.py@585c7565)
+    "lora_config": set(
+        """lora_dir lora_ckpt_source max_lora_rank lora_target_modules trtllm_modules_to_hf_modules max_loras
+        max_cpu_loras swap_gate_up_proj_lora_b_weight""".split()
+    ),
 }
 
 

@@ -357,6 +357,13 @@ def resolve_graph(
     from trtpipe.app.launch_openai import resolve_openai_target
     from trtpipe.supervisor import state_path
 
+    if Path(target).is_file():  # before any build: Dynamo cannot serve a recipe's LoRA adapters on TensorRT-LLM
+        from trtpipe.app.validation import load_recipe
+        from trtpipe.export.lora import dynamo_refusal
+
+        refusal = dynamo_refusal(load_recipe(target, overrides, check_rules=False))
+        if refusal:
+            raise ServingError(f"{target}: {refusal}")
     t = resolve_openai_target(target, overrides, host, port, name)
     max_pos = json.loads((t.model_dir / "config.json").read_text()).get("max_position_embeddings") or 2048
     config = replace_knobs(t.config or twin_default(int(max_pos)), enable_kv_cache_reuse=True)  # what KV routing is for

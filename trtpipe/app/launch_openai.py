@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from trtpipe.errors import ServingError
+from trtpipe.serving.adapters import LoraSettings
 from trtpipe.serving.api import ExecutorConfig
 from trtpipe.app.launch_triton import REPO_INFO
 from trtpipe.processes import cache_dir, log_tail
@@ -41,6 +42,7 @@ class OpenAITarget:
     chat_template: Optional[Path] = None
     tool_parser: Optional[str] = None  # trtllm-serve's parser names (a recipe's serving.*_parser, or its family's)
     reasoning_parser: Optional[str] = None
+    lora: Optional[LoraSettings] = None  # the recipe's LoRA adapters (None: none)
 
 
 def is_openai_target(target: Path, overrides: Sequence[str] = ()) -> bool:
@@ -91,6 +93,13 @@ def resolve_openai_target(
     model_dir = run_build(recipe, STAGES, (), None, "export", overrides=overrides).artifact("export") / "hf"
     max_pos = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings") or 2048
     parsers = {k: twin_parser(p) for k, p in served_parsers(recipe).items()}
+    lora = None
+    if recipe.lora.adapters:
+        from trtpipe.export.lora import adapter_dirs
+
+        lora = LoraSettings(
+            adapter_dirs(recipe), recipe.lora.max_lora_rank, recipe.lora.max_loras, recipe.lora.max_cpu_loras
+        )
     return OpenAITarget(
         target,
         model_dir.resolve(),
@@ -101,6 +110,7 @@ def resolve_openai_target(
         chat_template,
         parsers["tool_parser"],
         parsers["reasoning_parser"],
+        lora,
     )
 
 
@@ -119,15 +129,17 @@ def serve_foreground(t: OpenAITarget) -> None:
     """Serve until Ctrl-C or SIGTERM (blocking), logging requests to stderr."""
     from trtpipe.serving.openai_server import serve
 
+    template = t.chat_template.read_text() if t.chat_template else None
     serve(
         t.model_dir,
         t.host,
         t.port,
         t.name,
         t.config,
-        t.chat_template.read_text() if t.chat_template else None,
-        t.tool_parser,
-        t.reasoning_parser,
+        template,
+        tool_parser=t.tool_parser,
+        reasoning_parser=t.reasoning_parser,
+        lora=t.lora,
     )
 
 

@@ -148,6 +148,11 @@ def render_plan(r: Resolved) -> str:
         f"(max_batch_size {p.max_batch_size}{', KV-limited' if p.concurrent_sequences < p.max_batch_size else ''})"
     )
     lines.append("host memory (estimates): " + ", ".join(f"{k} {_size(v)}" for k, v in p.host_bytes.items()))
+    from trtpipe.export.lora import cache_line
+
+    lora = cache_line(r.recipe, 4 if cfg["dtype"] == "float32" else 2, p.tp)
+    if lora:
+        lines.append(lora)
     for ch in b.changes:
         lines.append(f"adjusted: {ch}")
     lines.append("fits" if p.fits else f"REFUSED: {p.refusal}")

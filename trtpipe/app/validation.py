@@ -20,6 +20,7 @@ from typing import Iterable
 from trtpipe.deploy.rules import DEPLOY_RULES
 from trtpipe.engine.rules import ENGINE_RULES
 from trtpipe.errors import Problem, RecipeError
+from trtpipe.export.lora import LORA_RULES
 from trtpipe.export.rules import EXPORT_RULES
 from trtpipe.quant.imported.rules import IMPORT_RULES
 from trtpipe.quant.rules import QUANT_RULES
@@ -37,6 +38,7 @@ RULES: tuple[Rule, ...] = (
     *IMPORT_RULES,
     *ENGINE_RULES,
     *EXPORT_RULES,
+    *LORA_RULES,
     *DEPLOY_RULES,
 )
 

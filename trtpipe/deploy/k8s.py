@@ -94,6 +94,13 @@ def sources_md(recipe: Recipe, r: Rendered) -> str:
         "`extra_llm_api_options.yaml`) into the directory named by `artifact-key` on the volume.",
         "",
     ]
+    if recipe.target == "llmapi" and recipe.lora.adapters:
+        lines += [
+            f"LoRA adapters ({', '.join(recipe.lora.adapters)}): also copy the `llmapi` stage's `lora/` beside "
+            "`hf/`, and use this directory's `extra_llm_api_options.yaml` instead of the export's: its "
+            "`lora_config.lora_dir` names the adapters where the pod mounts them.",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -116,4 +123,9 @@ def write_k8s(
         }
     )
     files["SOURCES.md"] = sources_md(recipe, r)
+    if recipe.target == "llmapi" and recipe.lora.adapters:  # lora_config naming the adapters on the volume
+        from trtpipe.export.serving import YAML_NAME, llm_api_options, options_yaml
+
+        opts = llm_api_options(recipe, lora_dir=f"{workload.ARTIFACTS}/lora")
+        files[YAML_NAME] = options_yaml(opts, recipe.llmapi.version)
     return write_all(out_dir, files, overwrite)

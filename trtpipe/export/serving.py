@@ -55,6 +55,13 @@ LLM_API_KEYS: dict[str, frozenset] = {
     # workers run without the overlap scheduler (ai-dynamo/dynamo@2d8655dd engine_configs/qwen3/prefill.yaml)
     "cache_transceiver_config.backend": _SINCE_11,
     "disable_overlap_scheduler": _SINCE_11,
+    # LoRA (trtpipe.export.lora: LoraConfig fields of tensorrt_llm/lora_helper.py@585c7565; written for 1.2 only)
+    "lora_config.lora_dir": frozenset(("1.2",)),
+    "lora_config.lora_ckpt_source": frozenset(("1.2",)),
+    "lora_config.max_lora_rank": frozenset(("1.2",)),
+    "lora_config.max_loras": frozenset(("1.2",)),
+    "lora_config.max_cpu_loras": frozenset(("1.2",)),
+    "lora_config.lora_target_modules": frozenset(("1.2",)),
 }
 
 # trtllm-serve flags per release (1.2 adds long aliases and --config for the YAML; the short ones still work)
@@ -123,8 +130,15 @@ def _set(d: dict, dotted: str, value: Any) -> None:
     d[last] = value
 
 
-def llm_api_options(recipe: Recipe, version: Optional[str] = None, max_seq_len: Optional[int] = None) -> dict:
-    """The ``extra_llm_api_options`` dict for ``version`` (default: the recipe's ``llmapi.version``)."""
+def llm_api_options(
+    recipe: Recipe,
+    version: Optional[str] = None,
+    max_seq_len: Optional[int] = None,
+    lora_dir: Optional[str | Path] = None,
+) -> dict:
+    """The ``extra_llm_api_options`` dict for ``version`` (default: the recipe's ``llmapi.version``); with
+    ``lora_dir`` (where the serving host finds the adapters :func:`trtpipe.export.lora.copy_adapters` copied) its
+    ``lora_config`` (target modules read from the recipe's adapters)."""
     version = version or recipe.llmapi.version
     e, kv, p, q = recipe.engine, recipe.engine.kv_cache, recipe.parallel, recipe.quantization
     want: dict[str, Any] = {
@@ -149,6 +163,11 @@ def llm_api_options(recipe: Recipe, version: Optional[str] = None, max_seq_len: 
     }
     if p.moe_ep > 0:
         want["moe_expert_parallel_size"] = p.moe_ep
+    if lora_dir is not None and recipe.lora.adapters:
+        from trtpipe.export.lora import lora_options, target_modules
+
+        served = [f"{lora_dir}/{name}" for name in recipe.lora.adapters]  # as the serving host sees them
+        want.update(lora_options(recipe, served, target_modules(recipe)))
     out: dict = {}
     for key, value in want.items():
         if value is None:
@@ -236,10 +255,12 @@ def launch_lines(recipe: Recipe, model_dir: str, yaml_path: str) -> dict[str, st
     }
 
 
-def model_yaml(recipe: Recipe, model_dir: str, version: Optional[str] = None) -> dict:
+def model_yaml(
+    recipe: Recipe, model_dir: str, version: Optional[str] = None, lora_dir: Optional[str | Path] = None
+) -> dict:
     """``1/model.yaml``: ``LLM()`` kwargs (the same TorchLlmArgs keys) plus ``triton_config``."""
     version = version or recipe.llmapi.version
-    opts = llm_api_options(recipe, version)
+    opts = llm_api_options(recipe, version, lora_dir=lora_dir)
     out = {"model": model_dir, "backend": "pytorch"}
     out.update(opts)
     out["triton_config"] = {
@@ -255,7 +276,13 @@ def write_serving(recipe: Recipe, hf_dir: Path, out: Path, model_ref: Optional[s
     it (default: ``hf_dir``, absolute)."""
     version = recipe.llmapi.version
     model_ref = model_ref or str(Path(hf_dir).resolve())
-    opts = llm_api_options(recipe, version)
+    lora_dir = None
+    if recipe.lora.adapters:  # the adapters beside the export, named by lora_config.lora_dir
+        from trtpipe.export.lora import ADAPTERS_DIR, copy_adapters
+
+        copy_adapters(recipe, out)
+        lora_dir = (out / ADAPTERS_DIR).resolve()
+    opts = llm_api_options(recipe, version, lora_dir=lora_dir)
     (out / YAML_NAME).write_text(options_yaml(opts, version))
     here = '"$HERE/' + YAML_NAME + '"'  # the scripts find the YAML beside themselves
     lines = {k: v.replace(_PLACEHOLDER, here) for k, v in launch_lines(recipe, model_ref, _PLACEHOLDER).items()}
@@ -274,4 +301,4 @@ def write_serving(recipe: Recipe, hf_dir: Path, out: Path, model_ref: Optional[s
     )
     for name in ("serve.sh", "launch-slurm.sh", "launch-mpirun.sh"):
         (out / name).chmod(0o755)
-    return {"version": version, "serve": lines["single_node"], "yaml": opts}
+    return {"version": version, "serve": lines["single_node"], "yaml": opts, "lora_dir": lora_dir and str(lora_dir)}

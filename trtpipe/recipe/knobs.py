@@ -41,7 +41,9 @@ def knobs(max_batch_size: int, kv: KVCacheSection, triton: TritonSection, servin
 
 
 def executor_knobs(recipe: Recipe) -> dict[str, Any]:
-    return knobs(recipe.engine.max_batch_size, recipe.engine.kv_cache, recipe.triton, recipe.serving)
+    """:func:`knobs` of the recipe, and ``max_loras`` (adapters one step may hold) when it serves LoRA adapters."""
+    lora = {"max_loras": recipe.lora.max_loras} if recipe.lora.adapters else {}
+    return {**knobs(recipe.engine.max_batch_size, recipe.engine.kv_cache, recipe.triton, recipe.serving), **lora}
 
 
 def default_knobs(max_batch_size: int) -> dict[str, Any]:

@@ -369,6 +369,38 @@ class LLMAPISection(_Section):
     )
 
 
+class LoraSection(_Section):
+    """Many fine-tunes on one base: PEFT LoRA adapters served by name (TensorRT-LLM ``LoraConfig``, its
+    ``tensorrt_llm/lora_helper.py@585c7565``; the target modules are derived from the adapters)."""
+
+    adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="Adapter name -> PEFT adapter directory (relative to the recipe) or hf://org/name[@rev]. "
+        "Clients select one by OpenAI model name or lora_request.",
+    )
+    max_lora_rank: int = Field(
+        64, ge=1, le=1024, description="Largest adapter rank r accepted (LoraConfig.max_lora_rank)."
+    )
+    max_loras: int = Field(
+        4,
+        ge=1,
+        le=4096,
+        description="Adapters held for the running batch at once (device cache; least recently used out).",
+    )
+    max_cpu_loras: int = Field(
+        8, ge=1, le=65536, description="Adapters kept loaded in host memory (reloaded from disk on demand beyond it)."
+    )
+
+    @field_validator("adapters")
+    @classmethod
+    def _names(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, src in v.items():
+            if not re.fullmatch(r"[A-Za-z0-9][\w.:-]*", name):
+                raise ValueError(f"adapter name {name!r}: letters, digits and _ . : - only")
+            _path_text(src)
+        return v
+
+
 DNS_LABEL = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 DEFAULT_TOLERATIONS = ({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},)
 
@@ -471,6 +503,7 @@ class Recipe(_Section):
     serving: ServingSection = Field(
         default_factory=ServingSection, description="Deadlines and queue bounds of the served executor."
     )
+    lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapters served on the base model.")
 
     _path: Optional[Path] = PrivateAttr(None)
     _positions: dict = PrivateAttr(default_factory=dict)

@@ -70,6 +70,7 @@ class ExecutorConfig:
     max_beam_width: int = 1
     request_timeout_s: float = 0.0  # a request not finished this long after submit fails (0: no limit)
     guided_decoding_backend: Optional[str] = None  # "xgrammar" | "llguidance" | None (guided decoding off)
+    max_loras: int = 0  # LoRA adapters one step may hold (the device cache, trtpipe.serving.adapters); 0: no limit
 
     @property
     def max_context_length(self) -> int:
@@ -149,6 +150,7 @@ class Request:
     client_tag: Any = None  # opaque to the executor (the front end's handle, e.g. a Triton response sender)
     allotted_time_s: Optional[float] = None  # executor ``allottedTimeMs``; None: the config's request_timeout_s
     guide: Any = None  # executor ``GuidedDecodingParams``: a trtpipe.serving.guided.Guide, or None
+    lora: Optional[str] = None  # the LoRA adapter's name (None: the base model); KV prefix reuse is keyed by it
 
 
 @dataclass
@@ -210,6 +212,7 @@ class StepEntry:
     sampling: SamplingParams = SamplingParams()
     generator: Any = None  # the request's own torch.Generator when sampling with a seed
     allowed: Any = None  # guided decoding: bool [V] tensor of the tokens this row may sample (None: all)
+    lora: Optional[str] = None  # the request's LoRA adapter (None: the base model)
 
 
 @dataclass

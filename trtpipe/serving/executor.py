@@ -36,6 +36,7 @@ from trtpipe.serving.api import (
     StepEntry,
 )
 from trtpipe.serving.guided import GuideError
+from trtpipe.serving.adapters import within_lora_cache
 from trtpipe.serving.kv_pool import BlockPool, KVStats
 from trtpipe.serving.scheduler import ActiveRequest, ContextTooLong, capacity_schedule, insert_by_priority, micro_batch
 
@@ -372,7 +373,7 @@ class ExecutorCore:
     def _release(self, r: ActiveRequest) -> None:
         """Publish the sequence's full blocks for reuse (prompt and output), then free them."""
         if r.block_table:
-            self.pool.store(r.block_table, r.tokens[: r.kv_len])
+            self.pool.store(r.block_table, r.tokens[: r.kv_len], r.request.lora)
             self.pool.release(r.block_table)
             r.block_table = []
 
@@ -473,11 +474,11 @@ class ExecutorCore:
         c, tpb = self.config, self.config.tokens_per_block
         for r in self.active:  # what the cache already holds of each first context
             if not r.started:
-                r.context_pos = len(self.pool.match_prefix(r.tokens[: r.context_len])) * tpb
+                r.context_pos = len(self.pool.match_prefix(r.tokens[: r.context_len], r.request.lora)) * tpb
         decision = capacity_schedule(self.active, self.pool.num_free, c, self.max_active, self.pool.refs)
         for r in decision.paused:
             self._pause(r)
-        return decision, micro_batch(decision.scheduled, c)
+        return decision, within_lora_cache(micro_batch(decision.scheduled, c), c.max_loras)
 
     def _run(self, decision, chosen: list[ActiveRequest]) -> None:
         tpb = self.config.tokens_per_block
@@ -488,7 +489,7 @@ class ExecutorCore:
         for r in contexts:  # reused prefixes first, so new allocations cannot evict a block matched this step
             if not r.started:
                 end = r.context_pos + r.chunk
-                r.block_table = self.pool.take_prefix(r.tokens[: r.context_len])
+                r.block_table = self.pool.take_prefix(r.tokens[: r.context_len], r.request.lora)
                 r.context_pos = len(r.block_table) * tpb
                 r.chunk = end - r.context_pos
                 r.perf.kv_reused_blocks += len(r.block_table)
@@ -511,6 +512,7 @@ class ExecutorCore:
                     r.request.sampling,
                     r.generator,
                     r.matcher.allowed() if r.matcher is not None and end == r.context_len else None,
+                    r.request.lora,
                 )
             )
         for r in chosen:
@@ -529,6 +531,7 @@ class ExecutorCore:
                         r.request.sampling,
                         r.generator,
                         r.matcher.allowed() if r.matcher is not None else None,
+                        r.request.lora,
                     )
                 )
         if not batch.entries:
@@ -551,7 +554,8 @@ class ExecutorCore:
                 if not e.sample:
                     continue
                 r.generating = True
-                self.pool.store(r.block_table, r.tokens[: r.context_len])  # early reuse: at the end of the context
+                # early reuse: at the end of the context, keyed by the adapter (two adapters never share blocks)
+                self.pool.store(r.block_table, r.tokens[: r.context_len], r.request.lora)
             try:
                 self._accept(r, result.tokens[e.request_id], now)
             except GuideError as exc:  # a token its grammar refuses (an engine that ignored the mask): its own

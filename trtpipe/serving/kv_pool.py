@@ -8,7 +8,10 @@ Accounting follows TensorRT-LLM's ``KVCacheManager`` (1.x):
   released blocks go to the back, a sequence's blocks are released last block first (leaves before parents);
 - reusable blocks live in a radix tree keyed by their tokens; a block's identity is its tokens *and* every
   block before it, so matching walks from the root; only full blocks match, and the last prompt token is never
-  taken from the cache (at least one token is always computed).
+  taken from the cache (at least one token is always computed);
+- a block's identity also holds the LoRA adapter that computed it (``salt``: one tree per adapter, as TensorRT-LLM's
+  ``BlockKey`` carries ``loraTaskId`` and ``numMatchingTokens`` matches nothing across two task ids,
+  ``cpp/include/tensorrt_llm/batch_manager/blockKey.h@2bb816c6``): two adapters never share a cached block.
 
 Storage lives in the step engine; this module only hands out block ids.
 """
@@ -78,7 +81,7 @@ class BlockPool:
         self.num_blocks, self.tokens_per_block, self.enable_reuse = num_blocks, tokens_per_block, enable_reuse
         self._blocks = [_Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # front = evicted first
-        self._root = _Block(-1)
+        self._roots: dict = {None: _Block(-1)}  # salt (LoRA adapter) -> its reuse tree
         self.alloc_total = self.alloc_new = self.reused = self.missed = 0
         self.listener: Optional[ReuseListener] = None
 
@@ -107,11 +110,18 @@ class BlockPool:
             cached,
         )
 
-    def match_prefix(self, prompt: Sequence[int]) -> list[int]:
-        """Ids of the cached full blocks that prefix ``prompt[:-1]`` (read-only: nothing is taken)."""
+    def _root(self, salt) -> _Block:
+        if salt not in self._roots:
+            self._roots[salt] = _Block(-1)
+        return self._roots[salt]
+
+    def match_prefix(self, prompt: Sequence[int], salt=None) -> list[int]:
+        """Ids of the cached full blocks that prefix ``prompt[:-1]`` computed under ``salt`` (read-only)."""
         if not self.enable_reuse:
             return []
-        tpb, node, found = self.tokens_per_block, self._root, []
+        tpb, node, found = self.tokens_per_block, self._roots.get(salt), []
+        if node is None:
+            return []
         for i in range((len(prompt) - 1) // tpb):
             node = node.children.get(tuple(prompt[i * tpb : (i + 1) * tpb]))
             if node is None:
@@ -120,9 +130,9 @@ class BlockPool:
         return found
 
     # ---- allocation ------------------------------------------------------------------------------
-    def take_prefix(self, prompt: Sequence[int]) -> list[int]:
+    def take_prefix(self, prompt: Sequence[int], salt=None) -> list[int]:
         """Take the cached blocks that prefix ``prompt`` (never its last token): the start of a block table."""
-        table = [self._take(b) for b in self.match_prefix(prompt)]
+        table = [self._take(b) for b in self.match_prefix(prompt, salt)]
         self.alloc_total += len(table)
         self.reused += len(table)
         return table
@@ -142,7 +152,7 @@ class BlockPool:
             self.missed += added
         return added
 
-    def store(self, table: Sequence[int], tokens: Sequence[int]) -> None:
+    def store(self, table: Sequence[int], tokens: Sequence[int], salt=None) -> None:
         """Publish the full blocks of a sequence whose KV holds ``tokens`` (position i = tokens[i]) for reuse.
 
         A block whose key already exists under the same parent (computed twice by two requests at once) stays
@@ -150,7 +160,8 @@ class BlockPool:
         """
         if not self.enable_reuse:
             return
-        tpb, parent = self.tokens_per_block, self._root
+        tpb, root = self.tokens_per_block, self._root(salt)
+        parent = root
         for i in range(min(len(table), len(tokens) // tpb)):
             key, block = tuple(tokens[i * tpb : (i + 1) * tpb]), self._blocks[table[i]]
             existing = parent.children.get(key)
@@ -159,7 +170,7 @@ class BlockPool:
                 parent.children[key] = block
                 existing = block
                 if self.listener is not None:
-                    self.listener.stored(block.id, key, None if parent is self._root else parent.id)
+                    self.listener.stored(block.id, key, None if parent is root else parent.id)
             if existing is not block:
                 return  # the rest of this sequence hangs off a different (private) block
             parent = block

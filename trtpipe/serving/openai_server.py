@@ -54,7 +54,8 @@ from trtpipe.serving.api import (
     Response,
     SamplingParams,
 )
-from trtpipe.serving.config import twin_default
+from trtpipe.serving.adapters import AdapterRequestError, LoraSettings, LoraStepEngine, select_adapter
+from trtpipe.serving.config import replace_knobs, twin_default
 from trtpipe.serving.executor import Executor, ExecutorStopped, QueueFullError
 from trtpipe.serving.guided import Guide, GuidedDecoder, GuideError, GuideType, response_format_guide
 from trtpipe.serving.prom_text import histograms
@@ -202,8 +203,10 @@ class ServedModel:
         name: str,
         config: Optional[ExecutorConfig] = None,
         chat_template: Optional[str] = None,
+        *,
         tool_parser: Optional[str] = None,
         reasoning_parser: Optional[str] = None,
+        lora: Optional[LoraSettings] = None,
     ):
         from transformers import AutoTokenizer
 
@@ -228,7 +231,12 @@ class ServedModel:
         self.max_chars_per_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="trtpipe-tokenize")
         self.guided = GuidedDecoder.from_tokenizer(self.config.guided_decoding_backend, self.tokenizer, self.vocab_size)
-        self.executor = Executor(self.config, ReferenceEngine(model), threads=torch_threads(), guided=self.guided)
+        engine, self.adapters = ReferenceEngine(model), None  # adapters: the LoRA cache (trtpipe.serving.adapters)
+        if lora is not None:
+            self.adapters = lora.cache(self.dir)
+            engine = LoraStepEngine(engine, self.adapters)
+            self.config = replace_knobs(self.config, max_loras=self.config.max_loras or lora.max_loras)
+        self.executor = Executor(self.config, engine, threads=torch_threads(), guided=self.guided)
 
     def refuse_long_text(self, text: str, param: str) -> None:
         """400 before tokenizing when ``text`` cannot fit the context whatever it tokenizes to: at least
@@ -303,6 +311,7 @@ USED = {
         "priority",
         "user",
         "response_format",
+        "lora_request",
     },
     "chat": {
         "model",
@@ -327,6 +336,7 @@ USED = {
         "tools",
         "tool_choice",
         "response_format",
+        "lora_request",
     },
 }
 _SHARED_DEFAULTS = {
@@ -347,7 +357,6 @@ _SHARED_DEFAULTS = {
     "length_penalty": (),
     "early_stopping": (),
     "truncate_prompt_tokens": (),
-    "lora_request": (),
     "prompt_ignore_length": (0,),
     "disaggregated_params": (),
     "conversation_params": (),
@@ -476,7 +485,9 @@ class Generation:
         loop: asyncio.AbstractEventLoop,
         priority: float = DEFAULT_PRIORITY,
         stream: bool = True,
+        *,
         guide: Optional[Guide] = None,
+        lora: Optional[str] = None,
     ):
         self.served, self.prompt, self.stops = served, prompt, stops
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -499,6 +510,7 @@ class Generation:
             priority=priority,
             return_perf_metrics=True,
             guide=guide,
+            lora=lora,
         )
         self.perf = None  # the executor's PerfMetrics, on the final response
         try:
@@ -628,7 +640,10 @@ class OpenAIServer:
         return web.json_response(
             {
                 "object": "list",
-                "data": [{"id": s.name, "object": "model", "created": s.created, "owned_by": "tensorrt_llm"}],
+                "data": [
+                    {"id": n, "object": "model", "created": s.created, "owned_by": "tensorrt_llm"}
+                    for n in [s.name, *(s.adapters.names if s.adapters else ())]
+                ],
             }
         )
 
@@ -648,11 +663,22 @@ class OpenAIServer:
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         model = body.get("model")
-        if model is not None and model != self.served.name:
+        if model is not None and model != self.served.name and model not in self._adapter_names():
             raise BadRequest(f"The model `{str(model)[:200]}` does not exist.", "model")
         _check_fields(body, endpoint)
         _check_unsupported(body)
         return body
+
+    def _adapter_names(self) -> list[str]:
+        return self.served.adapters.names if self.served.adapters else []
+
+    def _lora(self, body: dict) -> Optional[str]:
+        """The request's LoRA adapter (by ``model`` or ``lora_request``), or None (run off the event loop: a new
+        ``lora_path`` is read from disk)."""
+        try:
+            return select_adapter(self.served.adapters, self.served.name, body.get("model"), body.get("lora_request"))
+        except AdapterRequestError as exc:
+            raise BadRequest(str(exc), exc.param) from None
 
     def _max_tokens(self, body: dict, prompt_len: int, default: Optional[int], param: str) -> int:
         room = self.served.max_seq_len - prompt_len
@@ -778,8 +804,20 @@ class OpenAIServer:
         stream, include_usage = _stream_settings(body)
         priority = _num(body, "priority", float, DEFAULT_PRIORITY, 0.0, 1.0)
         guide = out.guide if out is not None and out.guide is not None else _guide(body)
+        lora = await loop.run_in_executor(self.served.tokenize_pool, self._lora, body)
         try:
-            g = Generation(self.served, ids, max_tokens, _sampling(body), _stops(body), loop, priority, stream, guide)
+            g = Generation(
+                self.served,
+                ids,
+                max_tokens,
+                _sampling(body),
+                _stops(body),
+                loop,
+                priority,
+                stream,
+                guide=guide,
+                lora=lora,
+            )
         except Refused:  # 429 / 503 at admission: a request error for trtllm_request_error_total
             self.counters.errors += 1
             raise
@@ -1006,11 +1044,15 @@ def serve(
     name: str,
     config: Optional[ExecutorConfig] = None,
     chat_template: Optional[str] = None,
+    *,
     tool_parser: Optional[str] = None,
     reasoning_parser: Optional[str] = None,
+    lora: Optional[LoraSettings] = None,
 ) -> None:
     """Run the server until interrupted (blocking)."""
-    served = ServedModel(model_dir, name, config, chat_template, tool_parser, reasoning_parser)
+    served = ServedModel(
+        model_dir, name, config, chat_template, tool_parser=tool_parser, reasoning_parser=reasoning_parser, lora=lora
+    )
     server = OpenAIServer(served)
     log.info("serving %s as %r on http://%s:%d (OpenAI-compatible; trtllm-serve twin)", model_dir, name, host, port)
     web.run_app(server.app, host=host, port=port, print=None, handle_signals=True, shutdown_timeout=2.0)

@@ -9,6 +9,8 @@ tokenizer and generation files) and, optionally, ``compressed-tensors/``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from trtpipe.stages.checkpoint import imported_format, model_dir, model_files
 from trtpipe.export.unified import export_unified
 from trtpipe.pipeline.stage import Stage, StageContext
@@ -82,13 +84,21 @@ EXPORT_STAGE = Stage(
 )
 
 
+def _adapter_files(recipe: Recipe) -> list:
+    """The LoRA adapters' files (their fingerprints enter the llmapi stage's key: a retrained adapter is recopied)."""
+    from trtpipe.export.lora import adapter_dirs
+
+    return [d / f for d in adapter_dirs(recipe).values() for f in ("adapter_config.json", "adapter_model.safetensors")]
+
+
 def run_serving(ctx: StageContext) -> None:
     from trtpipe.export.serving import write_serving
     from trtpipe.triton.llmapi_repo import write_llmapi_repo
 
     hf_dir = ctx.inputs["export"] / HF_DIR
     info = write_serving(ctx.recipe, hf_dir, ctx.out_dir)
-    write_llmapi_repo(ctx.recipe, ctx.out_dir / "triton_repo", str(hf_dir.resolve()))
+    lora_dir = Path(info["lora_dir"]) if info.get("lora_dir") else None
+    write_llmapi_repo(ctx.recipe, ctx.out_dir / "triton_repo", str(hf_dir.resolve()), lora_dir)
     ctx.info.update(info)
     ctx.log.info("serve with: %s", info["serve"])
 
@@ -103,8 +113,10 @@ LLMAPI_STAGE = Stage(
         "triton.scheduler_policy",
         "quantization.kv_cache",
         "serving.guided_decoding_backend",
+        "lora",
     ),
     inputs=("export",),
+    files=lambda recipe: _adapter_files(recipe),
     run=run_serving,
     enabled=is_llmapi,
     description="extra_llm_api_options YAML, trtllm-serve / srun / mpirun lines, Triton llmapi repository",

@@ -5,6 +5,7 @@ trtllm-serve YAML (:func:`trtpipe.export.serving.model_yaml`)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -71,12 +72,14 @@ def llmapi_pbtxt() -> str:
     return to_pbtxt(c)
 
 
-def write_llmapi_repo(recipe: Recipe, repo: Path, model_ref: str) -> None:
+def write_llmapi_repo(recipe: Recipe, repo: Path, model_ref: str, lora_dir: Optional[Path] = None) -> None:
     """``repo/tensorrt_llm/{config.pbtxt,1/model.yaml}`` and a README saying where the model code comes from."""
     model = repo / "tensorrt_llm"
     (model / "1").mkdir(parents=True)
     (model / "config.pbtxt").write_text(llmapi_pbtxt())
-    (model / "1" / "model.yaml").write_text(yaml.safe_dump(model_yaml(recipe, model_ref), sort_keys=False))
+    (model / "1" / "model.yaml").write_text(
+        yaml.safe_dump(model_yaml(recipe, model_ref, lora_dir=lora_dir), sort_keys=False)
+    )
     (repo / "README.md").write_text(
         "Triton repository for TensorRT-LLM's `llmapi` Python model. Copy `model.py` and `helpers.py` from\n"
         "`triton_backend/all_models/llmapi/tensorrt_llm/1/` of the TensorRT-LLM release you serve with into\n"

@@ -89,6 +89,10 @@ def deploy_dynamo(recipe: Path, overrides, out: Path, disagg: bool, router: str,
             f"{recipe}: target: {loaded.target}; deploy dynamo serves target: llmapi recipes "
             "(use deploy k8s for the Triton repository)"
         )
+    from trtpipe.export.lora import dynamo_refusal
+
+    if dynamo_refusal(loaded):
+        raise click.UsageError(f"{recipe}: {dynamo_refusal(loaded)}")
     weights = planned_weight_bytes(recipe, overrides)
     for path in write_dynamo(loaded, out, weights, measured_ready_s(cold_start), disagg, router, overwrite):
         click.echo(path)
