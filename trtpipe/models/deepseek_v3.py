@@ -23,6 +23,12 @@ split into ``n_group`` groups, a group scores the sum of its two best biased sco
 are kept, the top-k experts chosen among them; their weights are the unbiased scores, divided by their sum when
 ``norm_topk_prob``, times ``routed_scaling_factor``.
 
+DeepSeek's checkpoints ship block-scaled FP8 (``quantization_config.quant_method: fp8``, ``weight_block_size [128,
+128]``: every decoder projection's ``weight`` in float8_e4m3fn with one float32 ``weight_scale_inv`` per 128 x 128
+block; the router, norms, embedding and lm_head unquantized): the llmapi export passes them through file for file
+(:mod:`trtpipe.export.imported`) and the reference runtime executes them as stored
+(:mod:`trtpipe.runtime.hf_loader`: weights dequantized, activations FP8 per token and group of 128 inputs).
+
 The multi-token-prediction layers (``num_nextn_predict_layers``, stored as ``model.layers.{num_hidden_layers + i}``)
 are not part of the decoder: the conversion skips them (they are read for MTP speculative decoding by the PyTorch
 backend) and the llmapi export keeps them.
@@ -155,8 +161,8 @@ def deepseek_v3_unsupported(info: ModelDims) -> Iterable[tuple[str, str]]:
     if info.attention_bias:
         yield "attention_bias", "true is not supported (the released DeepSeek-V3 and Kimi-K2 have none)"
     method = info.quant_method
-    if method is not None:
-        yield "quantization_config.quant_method", f"'{method}' is not supported for DeepSeek-V3 yet; allowed: none"
+    if method not in (None, "fp8"):
+        yield "quantization_config.quant_method", f"'{method}' is not supported for DeepSeek-V3; allowed: fp8 or none"
 
 
 DEEPSEEK_V3 = Family(
