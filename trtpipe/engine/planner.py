@@ -229,7 +229,11 @@ def expert_placement(s: Shapes, cfg: dict, pp: int) -> Optional[ExpertPlacement]
     layer = int(
         elements * QUANT_WEIGHT_BYTES[s.expert_quant_algo] if s.expert_quant_algo else _linear_bytes(s, elements)
     )
-    return ExpertPlacement(s.experts, ep, mtp, width, layer, layer * max(pp_layers(s.layers, pp)))
+    moe_layers, first = [], 0  # per pp rank, its MoE layers (DeepSeek-V3's first dense_layers hold no experts)
+    for n in pp_layers(s.layers, pp):
+        moe_layers.append(n - max(0, min(first + n, s.dense_layers) - first))
+        first += n
+    return ExpertPlacement(s.experts, ep, mtp, width, layer, layer * max(moe_layers))
 
 
 def checkpoint_weight_bytes(ckpt_dir: Path, tp: int, pp: int) -> list[int]:
