@@ -624,9 +624,10 @@ class DecoderLayer(nn.Module):
                 )
             else:
                 weights = route(flat, self.router, self.top_k, self.renormalize, self.router_bias)
-            partial = sum(s(flat, weights) for s in self.mlp)
-            if self.shared is not None:  # summed with the routed experts' partials in the one all-reduce
-                partial = partial + sum(s(flat) for s in self.shared)
+            if self.shared is None:
+                partial = sum(s(flat, weights) for s in self.mlp)
+            else:  # each rank adds its shard of the shared experts to its experts' partial: one all-reduce
+                partial = sum(s(flat, weights) + sh(flat) for s, sh in zip(self.mlp, self.shared))
             mlp = self.all_reduce(partial).view_as(h)
         else:
             mlp = self.all_reduce(sum(s(h) for s in self.mlp))
