@@ -223,3 +223,26 @@ def test_validate_refuses_what_the_family_cannot_honour(change, message, models,
     r = _validate(tmp_path, d, "target: llmapi\n")
     lines = r.output.strip().splitlines()
     assert r.exit_code == 2 and len(lines) == 1 and re.search(rf"model\.source: {message}", lines[0]), r.output
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("quantization:\n  algo: fp8\n", r"quantization\.algo: fp8 is not supported for DeepseekV3ForCausalLM: .*"),
+        ("quantization:\n  kv_cache: fp8\n", r"quantization\.kv_cache: fp8 is not supported for DeepseekV3ForCausalLM"),
+    ],
+)
+def test_validate_refuses_recipe_quantization(body, message, models, tmp_path):
+    """Calibration, the quantizers and the FP8 KV cache know q/k/v attention, not MLA: refused before any work."""
+    r = _validate(tmp_path, models["deepseek_v3"][0], "target: llmapi\n" + body)
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and re.search(message, lines[0]), r.output
+
+
+def test_runtime_refuses_a_quantized_latent_cache(models, tmp_path):
+    ckpt = convert(models["deepseek_v3"][0], tmp_path / "ckpt", dtype="float32")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantization"]["kv_cache_quant_algo"] = "FP8"
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="kv_cache_quant_algo FP8 is not supported for multi-head latent"):
+        load_checkpoint(ckpt)

@@ -174,4 +174,9 @@ DEEPSEEK_V3 = Family(
     unsupported=deepseek_v3_unsupported,
     no_engine=NO_ENGINE,
     llmapi_router_in_model_dtype=False,
+    # calibration, the quantizers and the twin's FP8 KV cache know q/k/v attention, not MLA's latent projections
+    no_recipe_quantization=(
+        "trtpipe quantizes neither MLA projections nor the latent KV cache; the shipped block FP8 is passed "
+        "through as stored"
+    ),
 )

@@ -119,6 +119,8 @@ class Family:
             ``modelopt/torch/export/quant_utils.py`` ``get_quant_config``). Gemma's
             ``Gemma3TextScaledWordEmbedding`` has a forward of its own (it multiplies by the embedding scale), so
             ModelOpt lists only ``lm_head`` for Gemma 3.
+        no_recipe_quantization: why a recipe may not quantize this family (``quantization.algo`` / ``kv_cache``
+            other than none) — "" when it may; ``trtpipe validate`` refuses it with this reason.
         shipped_quantization: the ``quantization_config.quant_method`` values whose quantized modules this family
             keeps exactly as shipped (gpt-oss's MXFP4 experts, see ``kept_unquantized``): a recipe may then quantize
             the rest (e.g. FP8 attention) without quantizing anything twice.
@@ -149,6 +151,7 @@ class Family:
     llmapi_router_in_model_dtype: bool = False
     embedding_in_exclude_modules: bool = True
     shipped_quantization: tuple[str, ...] = ()
+    no_recipe_quantization: str = ""
     qk_norm: bool = False
     norms_per_layer: int = 2
     biased_moe: bool = False

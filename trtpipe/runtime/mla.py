@@ -77,6 +77,12 @@ class MLAAttentionShard(nn.Module):
     def __init__(self, tensors: dict, prefix: str, args, rank: int, make_linear):
         super().__init__()
         a = args.mla
+        kv_algo = (args.quantization or {}).get("kv_cache_quant_algo")
+        if kv_algo:
+            raise CheckpointError(
+                f"checkpoint: kv_cache_quant_algo {kv_algo} is not supported for multi-head latent attention "
+                "(the reference runtime caches the latent unquantized)"
+            )
         self.nh = args.heads_per_rank
         self.nope, self.rope_dim, self.dv, self.kvl = (
             a.qk_nope_head_dim,
