@@ -48,3 +48,11 @@ def test_plan_on_eight_h200(recipe, heads, experts, dense, vocab):
     assert e["experts_per_gpu"] == experts // 8
     assert e["expert_bytes_per_gpu"] == (61 - dense) * (experts // 8) * 3 * 7168 * 2048
     assert p["kv_tokens"] == p["kv_pool_bytes"][0] // 70272
+
+
+def test_predict_serves_the_shipped_block_fp8_as_fp8():
+    """algo: none on DeepSeek's block-FP8 source is FP8 weights and GEMMs for the cost model, not bf16."""
+    from trtpipe.app import predictor as P
+
+    fp8 = P.recipe_setup(RECIPES / "deepseek-r1-0528-fp8.yaml", [])
+    assert fp8.deployment.precision == "fp8" and " fp8 (PyTorch backend)" in fp8.label
