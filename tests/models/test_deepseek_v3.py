@@ -42,17 +42,29 @@ IDS = torch.randint(3, 250, (2, 14), generator=torch.Generator().manual_seed(4))
 
 
 @pytest.mark.parametrize(
-    "kind,tp,ep",
-    [("deepseek_v3", 1, 1), ("deepseek_v3", 2, 1), ("deepseek_v3", 2, 2), ("kimi_k2", 1, 1), ("kimi_k2", 2, 2)]
-    + [("v2_lite_q", 2, 1)],
+    "kind,tp,pp,ep",
+    [("deepseek_v3", 1, 1, 1), ("deepseek_v3", 2, 1, 1), ("deepseek_v3", 2, 1, 2), ("kimi_k2", 1, 1, 1)]
+    + [("kimi_k2", 2, 1, 2), ("kimi_k2", 1, 2, 1), ("v2_lite_q", 2, 1, 1)],
 )
-def test_logits_as_accurate_as_transformers(models, kind, tp, ep, tmp_path):
-    """tp splits the heads of q_b / kv_b / dense, the shared experts and (moe_tp) the experts; ep the experts."""
+def test_logits_as_accurate_as_transformers(models, kind, tp, pp, ep, tmp_path):
+    """tp splits the heads of q_b / kv_b / dense, the shared experts and (moe_tp) the experts; ep the experts; pp 2
+    puts the dense layer and the first MoE layer on one stage, the last MoE layer on the other."""
     d, _, hf32, hf64 = models[kind]
-    model = load_checkpoint(convert(d, tmp_path / "ckpt", tp=tp, moe_ep=ep, dtype="float32"))
+    model = load_checkpoint(convert(d, tmp_path / "ckpt", tp=tp, pp=pp, moe_ep=ep, dtype="float32"))
     with torch.no_grad():
         ref32, ref64 = hf32(IDS).logits, hf64(IDS).logits
-    assert_as_accurate(model(IDS), ref64, error_scale(ref32, ref64), f"{kind} tp{tp} ep{ep}")
+    assert_as_accurate(model(IDS), ref64, error_scale(ref32, ref64), f"{kind} tp{tp} pp{pp} ep{ep}")
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "kimi_k2", "v2_lite_q"])
+def test_hf_checkpoint_runtime_as_accurate_as_transformers(models, kind):
+    """The runtime on the HF checkpoint as stored (what the llmapi target exports and the OpenAI twin serves)."""
+    from trtpipe.runtime.hf_loader import load_hf_checkpoint
+
+    d, _, hf32, hf64 = models[kind]
+    with torch.no_grad():
+        ref32, ref64 = hf32(IDS).logits, hf64(IDS).logits
+    assert_as_accurate(load_hf_checkpoint(d)(IDS), ref64, error_scale(ref32, ref64), f"{kind} HF checkpoint")
 
 
 def test_each_deepseek_piece_changes_the_logits(models, tmp_path):
