@@ -124,6 +124,7 @@ def test_dtype_auto_rule(src, auto):
 def test_registry_keys_and_aliases():
     assert get_family("MistralForCausalLM") is get_family("LlamaForCausalLM")
     assert set(REGISTRY) == {
+        "DeepseekV3ForCausalLM",
         "LlamaForCausalLM",
         "MistralForCausalLM",
         "Qwen2ForCausalLM",

@@ -53,14 +53,22 @@ def test_parsed_dimensions_are_the_file_s(name, cfg):
     assert d.hidden_size == text["hidden_size"] and d.num_layers == text["num_hidden_layers"]
     assert d.num_heads == text["num_attention_heads"]
     assert d.num_kv_heads == text.get("num_key_value_heads", d.num_heads)
-    assert d.head_dim == (text.get("head_dim") or d.hidden_size // d.num_heads)
-    assert d.num_experts == (text.get("num_local_experts") or text.get("num_experts") or 0)
+    if d.mla is not None:  # MLA: q/k heads are nope + rope wide; a saved DeepseekV3Config's head_dim is the rope part
+        assert (d.head_dim, d.rotary_dim) == (
+            text["qk_nope_head_dim"] + text["qk_rope_head_dim"],
+            text["qk_rope_head_dim"],
+        )
+    else:
+        assert d.head_dim == (text.get("head_dim") or d.hidden_size // d.num_heads)
+    assert d.num_experts == (
+        text.get("num_local_experts") or text.get("num_experts") or text.get("n_routed_experts") or 0
+    )
     assert d.expert_intermediate_size == (text.get("moe_intermediate_size") or text["intermediate_size"])
     if d.layer_types:
         assert len(d.layer_types) == d.num_layers
     if "sliding_attention" in d.layer_types:
         assert d.sliding_window
-    assert d.rotary_dim == d.head_dim  # no family here rotates part of a head
+    assert d.rotary_dim == (d.mla.qk_rope_head_dim if d.mla else d.head_dim)  # MLA rotates the rope part only
 
 
 @pytest.mark.parametrize("name,cfg", CASES, ids=[n for n, _ in CASES])
@@ -158,10 +166,10 @@ def test_planner_predictor_and_runtime_read_the_same_dimensions(name, cfg):
             d.hidden_size,
             d.vocab_size,
             d.num_heads,
-            d.num_kv_heads,
+            1 if d.mla else d.num_kv_heads,  # MLA: one latent shared by all heads
             d.num_layers,
         )
-        assert spec.kv_elems == 2 * d.num_kv_heads * d.head_dim
+        assert spec.kv_elems == (d.mla.kv_values_per_token if d.mla else 2 * d.num_kv_heads * d.head_dim)
         assert spec_of(d.raw, name) == spec  # the dict entry point parses through the same record
 
 
@@ -177,6 +185,8 @@ def test_parameter_count_follows_the_family_behaviour(kind):
         model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**kwargs))
     d = parse_hf_config(synthetic_config(kind))
     counted = sum(p.numel() for p in model.parameters())  # a tied weight once, as num_params counts it
+    # DeepSeek-V3's score-correction bias is a buffer in transformers and a stored tensor of the checkpoint
+    counted += sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
     bias = 0
     if kind == "qwen2":
         bias = d.num_layers * (d.num_heads + 2 * d.num_kv_heads) * d.head_dim

@@ -46,6 +46,13 @@ def precision_of(algo: str, dtype: str) -> str:
     return RECIPE_PRECISION.get(algo, "bf16" if dtype == "bfloat16" else "fp16")
 
 
+def shipped_fp8_blocks(info) -> bool:
+    """The source ships block-scaled FP8 weights (``quant_method: fp8`` with ``weight_block_size``, DeepSeek-V3/R1,
+    Kimi-K2), which a recipe with ``algo: none`` serves as stored."""
+    qc = info.raw.get("quantization_config") or {}
+    return info.quant_method == "fp8" and bool(qc.get("weight_block_size"))
+
+
 @dataclass
 class Setup:
     deployment: Deployment
@@ -110,6 +117,8 @@ def recipe_setup(
     spec = model_spec(info, rec.name)
     q = rec.quantization
     prec = precision_of(q.algo, rec.model.dtype)
+    if q.algo == "none" and shipped_fp8_blocks(info):  # DeepSeek's block FP8, served as stored: FP8 weights and GEMMs
+        prec = "fp8"
     kv = q.kv_cache if q.kv_cache != "none" else "fp16"
     p = rec.parallel
     ep = resolve_moe_sizes(p.tp, p.moe_ep, p.moe_tp)[0] if spec.is_moe else 1

@@ -208,12 +208,13 @@ def _iter_rules(
     meta: bool,
     used: Optional[set],
     stream_experts: bool = False,
+    layer: Optional[int] = None,
 ):
-    """Yield (TRT-LLM name, unsharded tensor, HF source names), one rule at a time.
+    """Yield (TRT-LLM name, unsharded tensor, HF source names), one rule at a time (of decoder ``layer``'s kind).
 
     With ``stream_experts`` a fused expert weight comes as :class:`ExpertParts` (the parts, not the stack)."""
     for rule in rules:
-        if not rule.when(plan.info):
+        if not rule.at(plan.info, layer):
             continue
         names = _sources(rule, plan.info, plan.info.weight_prefix + hf_prefix)
         parts = [
@@ -243,7 +244,7 @@ def _unit_iter(reader, plan, unit, meta, used=None, importer=None, stream_expert
     if isinstance(unit, int):
         rules = plan.family.layer_rules
         if importer is not None:  # a pre-quantized source: its quantized linears come from the importer
-            owned = [r for r in rules if r.when(plan.info) and importer.owns(plan, r, unit)]
+            owned = [r for r in rules if r.at(plan.info, unit) and importer.owns(plan, r, unit)]
             rules = [r for r in rules if r not in owned]
         yield from _iter_rules(
             rules,
@@ -254,6 +255,7 @@ def _unit_iter(reader, plan, unit, meta, used=None, importer=None, stream_expert
             meta,
             used,
             stream_experts,
+            unit,
         )
         if importer is not None:
             yield from importer.layer_tensors(reader, plan, unit, owned, meta, used, stream_experts)
@@ -362,7 +364,12 @@ def _unit_tensors(reader, plan, unit, meta, used=None, importer=None) -> dict[st
 
 def _check_extra(reader: HFReader, plan: ConversionPlan, used: set) -> None:
     ignored = plan.family.ignored + (("lm_head.weight",) if plan.info.tie_word_embeddings else ())
-    skipped = plan.family.ignored_prefixes
+    # multi-token-prediction layers after the decoder's (DeepSeek-V3 num_nextn_predict_layers): not converted
+    info = plan.info
+    mtp = tuple(
+        info.weight_prefix + plan.family.hf_layer_prefix.format(info.num_layers + i) for i in range(info.mtp_layers)
+    )
+    skipped = plan.family.ignored_prefixes + mtp
     for name in reader.keys():
         if name not in used and not any(name.endswith(s) for s in ignored) and not name.startswith(skipped):
             raise CheckpointError(

@@ -41,9 +41,11 @@ class HFNames:
         # fused experts in one tensor (gpt-oss): relative TRT-LLM name -> its rule; exported in the source's layout
         self.fused: dict[str, Rule] = {}
         self.hf_dir = Path(hf_dir)
+        self.layer_kind: dict[str, str] = {}  # relative TRT-LLM name -> "all", "dense" or "moe" (Rule.layers)
         for r in family.layer_rules:
             if r.when(self.info):
                 self.layer[r.trt] = [(h, d[s[0]]) for h, s in zip(r.hf, r.shapes)]
+                self.layer_kind[r.trt] = r.layers
                 self.offsets[r.trt] = r.offset
                 if "experts" in r.combine:
                     self.experts.add(r.trt)
@@ -53,6 +55,12 @@ class HFNames:
             if r.when(self.info) and not (r.trt == "lm_head.weight" and self.info.tie_word_embeddings):
                 self.globals[r.trt] = top + r.hf[0]
                 self.offsets[r.trt] = r.offset
+
+    def in_layer(self, trt_rel: str, layer: int) -> bool:
+        """A decoder layer holds this tensor (DeepSeek-V3's dense first layers hold no experts, the others no dense
+        MLP)."""
+        kind = self.layer_kind.get(trt_rel, "all")
+        return kind == "all" or self.info.is_moe_layer(layer) == (kind == "moe")
 
     def to_hf(self, trt: str, t: torch.Tensor, hf_name: Optional[str] = None) -> torch.Tensor:
         """A TRT-LLM tensor's values as HF stores them (float32 minus the rule's offset where it has one).

@@ -24,7 +24,7 @@ from typing import Any, Optional
 from trtpipe.engine import ckptconfig
 from trtpipe.engine.build_config import EngineBuild, builder_target
 from trtpipe.engine.enforce import rejections
-from trtpipe.models.dims import checkpoint_dims
+from trtpipe.models.dims import MLA, checkpoint_dims
 from trtpipe.errors import CheckpointError, EngineError
 from trtpipe.formats.gpus import GPU
 from trtpipe.formats.schemes import BY_QUANT_ALGO, BY_RECIPE, KV_SCHEMES, SCHEMES, quant_algos
@@ -67,6 +67,12 @@ class Shapes:
 
     sliding_window: Optional[int] = None  # the attention window (on every layer, or on the sliding layers)
     layer_types: tuple[str, ...] = ()  # per layer "sliding_attention" | "full_attention" where the model mixes them
+    # DeepSeek-V3: latent attention (its cache: kv_lora_rank + qk_rope_head_dim values per token per layer, on every
+    # tp rank), the leading dense layers (their MLP's width) and the shared experts' width
+    mla: Optional[MLA] = None
+    dense_layers: int = 0
+    dense_intermediate: int = 0
+    shared_width: int = 0
 
     @classmethod
     def of(cls, cfg: dict) -> "Shapes":
@@ -97,6 +103,10 @@ class Shapes:
             router_dtype=str(cfg.get("router_dtype", "float32")),
             sliding_window=d.sliding_window,
             layer_types=d.layer_types,
+            mla=d.mla,
+            dense_layers=d.dense_layers if d.is_moe else 0,
+            dense_intermediate=d.intermediate_size,
+            shared_width=d.expert_intermediate_size * d.shared_experts,
         )
 
     @property
@@ -112,13 +122,18 @@ def pp_layers(layers: int, pp: int) -> list[int]:
 
 
 def kv_bytes_per_token(s: Shapes, layers_on_rank: int, tp: int) -> float:
-    """2 (K and V) x layers x ceil(kv_heads / tp) x head_size x bytes(kv dtype), for one rank."""
+    """2 (K and V) x layers x ceil(kv_heads / tp) x head_size x bytes(kv dtype), for one rank. MLA: layers x
+    (kv_lora_rank + qk_rope_head_dim) x bytes, the latent and the rope key, on every tp rank (not split by heads)."""
     kv = KV_BYTES.get(s.kv_quant, s.model_bytes) if s.kv_quant else s.model_bytes
+    if s.mla is not None:
+        return layers_on_rank * s.mla.kv_values_per_token * kv
     return 2 * layers_on_rank * math.ceil(s.kv_heads / tp) * s.head_size * kv
 
 
 def weight_bytes(s: Shapes, tp: int, pp: int) -> list[int]:
     """Engine weight bytes of one TP rank on each PP rank, from shapes (lm_head and embeddings unquantized)."""
+    if s.mla is not None:
+        return _mla_weight_bytes(s, tp, pp)
     h, d = s.hidden, s.head_size
     q_local, kv_local = s.heads // tp, math.ceil(s.kv_heads / tp)
     attn = h * (q_local + 2 * kv_local) * d + q_local * d * h
@@ -139,6 +154,36 @@ def weight_bytes(s: Shapes, tp: int, pp: int) -> list[int]:
     out = []
     for r, n in enumerate(pp_layers(s.layers, pp)):
         out.append(int(n * per_layer + (embed if r == 0 else 0) + (head if r == pp - 1 else 0)))
+    return out
+
+
+def _mla_weight_bytes(s: Shapes, tp: int, pp: int) -> list[int]:
+    """DeepSeek-V3's weights per TP rank on each PP rank: q_a and kv_a (and their norms) replicated, q_b / kv_b /
+    o_proj split by heads; dense MLPs in the first ``dense_layers``; routed experts (E x I / tp), the shared experts
+    (split like a dense MLP), a router and its score bias (float32) in the others."""
+    h, a, b = s.hidden, s.mla, s.model_bytes
+    qb = s.heads * a.qk_head_dim
+    kvb = s.heads * (a.qk_nope_head_dim + a.v_head_dim)
+    if a.q_lora_rank:
+        q_rep, q_split = h * a.q_lora_rank, a.q_lora_rank * qb // tp
+    else:
+        q_rep, q_split = 0, h * qb // tp
+    attn = _linear_bytes(s, q_rep + h * a.kv_values_per_token + q_split + a.kv_lora_rank * kvb // tp)
+    attn += _linear_bytes(s, s.heads * a.v_head_dim * h // tp)
+    attn += (a.q_lora_rank + a.kv_lora_rank + 2 * h) * b  # q_a / kv_a norms, the two layer norms
+    dense = _linear_bytes(s, 3 * h * s.dense_intermediate // tp)
+    routed = 3 * h * s.intermediate * s.experts // tp
+    routed_bytes = routed * QUANT_WEIGHT_BYTES[s.expert_quant_algo] if s.expert_quant_algo else _linear_bytes(s, routed)
+    moe = routed_bytes + _linear_bytes(s, 3 * h * s.shared_width // tp) + s.experts * (h + 1) * 4
+    vocab_local = math.ceil(s.vocab / tp)
+    embed = (vocab_local if s.parallel_embedding else s.vocab) * h * b
+    head = vocab_local * h * b + h * b
+    out, first = [], 0
+    for r, n in enumerate(pp_layers(s.layers, pp)):
+        dense_n = max(0, min(first + n, s.dense_layers) - first)
+        layers = n * attn + dense_n * dense + (n - dense_n) * moe
+        out.append(int(layers + (embed if r == 0 else 0) + (head if r == pp - 1 else 0)))
+        first += n
     return out
 
 
@@ -184,7 +229,11 @@ def expert_placement(s: Shapes, cfg: dict, pp: int) -> Optional[ExpertPlacement]
     layer = int(
         elements * QUANT_WEIGHT_BYTES[s.expert_quant_algo] if s.expert_quant_algo else _linear_bytes(s, elements)
     )
-    return ExpertPlacement(s.experts, ep, mtp, width, layer, layer * max(pp_layers(s.layers, pp)))
+    moe_layers, first = [], 0  # per pp rank, its MoE layers (DeepSeek-V3's first dense_layers hold no experts)
+    for n in pp_layers(s.layers, pp):
+        moe_layers.append(n - max(0, min(first + n, s.dense_layers) - first))
+        first += n
+    return ExpertPlacement(s.experts, ep, mtp, width, layer, layer * max(moe_layers))
 
 
 def checkpoint_weight_bytes(ckpt_dir: Path, tp: int, pp: int) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from trtpipe.errors import CheckpointError
 from trtpipe.models.dims import ModelDims
 from trtpipe.models.family import Family, Rule, num_params as family_num_params
+from trtpipe.models.deepseek_v3 import DEEPSEEK_V3
 from trtpipe.models.gemma3 import GEMMA3
 from trtpipe.models.gpt_oss import GPT_OSS
 from trtpipe.models.llama import LLAMA
@@ -17,7 +18,7 @@ from trtpipe.models.qwen2 import QWEN2
 from trtpipe.models.qwen3 import QWEN3
 from trtpipe.models.qwen3_moe import QWEN3_MOE
 
-FAMILIES: tuple[Family, ...] = (LLAMA, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, GEMMA3, GPT_OSS)
+FAMILIES: tuple[Family, ...] = (LLAMA, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, GEMMA3, GPT_OSS, DEEPSEEK_V3)
 
 REGISTRY: dict[str, Family] = {arch: fam for fam in FAMILIES for arch in fam.architectures}
 PLAIN = Family("plain", (), (), ())  # the behaviour of an architecture no family handles: Llama's

@@ -29,7 +29,8 @@ KEY_ALIASES: dict[str, dict[str, str]] = {
         "max_position_embeddings": "n_positions",
     },
     "falcon": {"num_key_value_heads": "num_kv_heads"},
-    "deepseek_v3": {"num_local_experts": "n_routed_experts"},
+    "deepseek_v3": {"num_local_experts": "n_routed_experts", "mtp_layers": "num_nextn_predict_layers"},
+    "kimi_k2": {"num_local_experts": "n_routed_experts", "mtp_layers": "num_nextn_predict_layers"},
     "qwen3_moe": {"interleave_moe_layer_step": "decoder_sparse_step"},
     # Llama 4: ``intermediate_size`` is one expert's width, ``intermediate_size_mlp`` the dense layers'
     "llama4_text": {"intermediate_size": "intermediate_size_mlp", "moe_intermediate_size": "intermediate_size"},
@@ -49,6 +50,21 @@ TYPE_DEFAULTS: dict[str, Callable[[dict], dict]] = {
     "gpt_oss": lambda c: {"attention_sinks": True},  # a learned softmax logit per query head
     # Qwen3MoeConfig.norm_topk_prob defaults to false (the released models set it true)
     "qwen3_moe": lambda c: {"norm_topk_prob": False},
+    # DeepseekV3Config (transformers 5.25): sigmoid scores (DeepseekV3TopkRouter hard-codes them), interleaved rope
+    # pairs, the DeepSeek-V3 group routing; Kimi-K2's config.json spells every one of them
+    "deepseek_v3": lambda c: DEEPSEEK_V3_DEFAULTS,
+    "kimi_k2": lambda c: DEEPSEEK_V3_DEFAULTS,
+}
+
+DEEPSEEK_V3_DEFAULTS = {
+    "scoring_func": "sigmoid",
+    "rope_interleave": True,
+    "n_group": 8,
+    "topk_group": 4,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "first_k_dense_replace": 3,
+    "n_shared_experts": 1,
 }
 
 # A TensorRT-LLM checkpoint config.json key -> the HF key of the same fact (trtllm_config.build_config writes them)
@@ -68,13 +84,25 @@ CHECKPOINT_KEYS = {
 
 @dataclass(frozen=True)
 class MLA:
-    """Multi-head latent attention's ranks (DeepSeek V3): q and kv are projected through low-rank latents."""
+    """Multi-head latent attention's ranks (DeepSeek V3): q and kv are projected through low-rank latents.
+
+    ``q_lora_rank`` 0: q is one full projection (``q_proj``; DeepSeek-V2-Lite's ``q_lora_rank: null``). The KV cache
+    holds ``kv_lora_rank + qk_rope_head_dim`` values per token per layer (the latent and the shared rope key)."""
 
     q_lora_rank: int
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """Values cached per token per layer: the latent plus the rope key (576 for DeepSeek-V3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -114,6 +142,12 @@ class ModelDims:
     no_rope_layer_interval: int = 0  # layer i has no RoPE (global attention) iff (i + 1) % interval == 0 (Llama 4)
     attention_chunk: int = 0  # RoPE layers attend within chunks of this many positions (Llama 4)
     mla: Optional[MLA] = None
+    moe_scoring: str = "softmax"  # "sigmoid": DeepSeek-V3's per-expert sigmoid scores (scoring_func)
+    moe_groups: int = 1  # n_group: experts split into groups; the top topk_group groups are kept (DeepSeek-V3)
+    moe_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0  # the routed experts' weights are multiplied by this (DeepSeek-V3 2.5)
+    rope_interleave: bool = False  # rope rotates interleaved pairs (x0, x1), (x2, x3) (DeepSeek-V3)
+    mtp_layers: int = 0  # multi-token-prediction layers stored after the decoder layers (num_nextn_predict_layers)
     attention_sinks: bool = False  # one learned softmax logit per query head (gpt-oss)
     query_pre_attn_scalar: Optional[float] = None  # attention scale = this ** -0.5 (Gemma)
     final_logit_softcapping: Optional[float] = None
@@ -187,8 +221,10 @@ def parse_hf_config(
     mla = None
     if get("kv_lora_rank"):
         mla = MLA(
-            *(whole(k) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+            whole("q_lora_rank", 0) if get("q_lora_rank") is not None else 0,  # null: a full q projection
+            *(whole(k) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")),
         )
+        head_dim = mla.qk_head_dim  # q and k heads are nope + rope wide (a saved DeepseekV3Config says the rope's)
     return ModelDims(
         architecture=archs[0] if archs else ("" if "architectures" not in required else need("architectures")),
         model_type=mt,
@@ -215,7 +251,9 @@ def parse_hf_config(
         layer_types=layer_types,
         rope_local_theta=rope_of(raw, "sliding_attention")[0] if "sliding_attention" in layer_types else None,
         weight_prefix=weight_prefix,
-        rotary_dim=whole("rotary_dim", 0) or int(head_dim * number("partial_rotary_factor", 1.0)),
+        rotary_dim=mla.qk_rope_head_dim
+        if mla
+        else whole("rotary_dim", 0) or int(head_dim * number("partial_rotary_factor", 1.0)),
         moe_renormalize=bool(get("norm_topk_prob", True)),
         shared_experts=whole("n_shared_experts", 0),
         dense_layers=whole("first_k_dense_replace", 0),
@@ -223,6 +261,12 @@ def parse_hf_config(
         no_rope_layer_interval=whole("no_rope_layer_interval", 0),
         attention_chunk=whole("attention_chunk_size", 0),
         mla=mla,
+        moe_scoring=str(get("scoring_func", "softmax")),
+        moe_groups=whole("n_group", 1),
+        moe_topk_groups=whole("topk_group", 1),
+        routed_scaling_factor=number("routed_scaling_factor", 1.0),
+        rope_interleave=bool(get("rope_interleave", False)),
+        mtp_layers=whole("mtp_layers", 0),
         attention_sinks=bool(get("attention_sinks", False)),
         query_pre_attn_scalar=scalar("query_pre_attn_scalar"),
         final_logit_softcapping=scalar("final_logit_softcapping"),

@@ -29,6 +29,9 @@ COMBINES = ("one", "cat", "experts", "experts_cat", "transposed", "gate_up_t", "
 SPLITS = ("replicate", "column", "row", "qkv", "vocab", "embedding", "moe_fc", "moe_proj")
 
 
+LAYER_KINDS = ("all", "dense", "moe")
+
+
 def always(info: ModelDims) -> bool:
     return True
 
@@ -47,6 +50,9 @@ class Rule:
         combine: combine op (``COMBINES``).
         when: the rule applies to this model (e.g. biases only when config.json says so).
         dtype: force this dtype instead of the model dtype (the MoE router stays float32).
+        layers: which decoder layers hold the tensor: ``all``, or ``dense`` / ``moe`` where a model mixes dense-MLP
+            and MoE layers (DeepSeek-V3's ``first_k_dense_replace``; :meth:`ModelDims.is_moe_layer`), so a dense
+            layer's ``mlp.fc`` and an MoE layer's may be split differently.
         offset: added to the (combined) source in float32 before the cast to the checkpoint dtype, and
             subtracted when a checkpoint is turned back into HF names: Gemma's zero-centred norms store
             ``w`` for a scale of ``1 + w``, and TensorRT-LLM's Gemma checkpoints hold ``1 + w``.
@@ -60,10 +66,20 @@ class Rule:
     when: Callable[[ModelDims], bool] = always
     dtype: Optional[str] = None
     offset: float = 0.0
+    layers: str = "all"
 
     def __post_init__(self):
         assert self.combine in COMBINES and self.split in SPLITS, self
         assert len(self.hf) == len(self.shapes), self
+        assert self.layers in LAYER_KINDS, self
+
+    def at(self, info: ModelDims, layer: Optional[int] = None) -> bool:
+        """The rule applies to this model (``when``) and, for a decoder layer, to that layer (``layers``)."""
+        if not self.when(info):
+            return False
+        if layer is None or self.layers == "all":
+            return True
+        return info.is_moe_layer(layer) == (self.layers == "moe")
 
 
 @dataclass(frozen=True)
@@ -103,6 +119,8 @@ class Family:
             ``modelopt/torch/export/quant_utils.py`` ``get_quant_config``). Gemma's
             ``Gemma3TextScaledWordEmbedding`` has a forward of its own (it multiplies by the embedding scale), so
             ModelOpt lists only ``lm_head`` for Gemma 3.
+        no_recipe_quantization: why a recipe may not quantize this family (``quantization.algo`` / ``kv_cache``
+            other than none) — "" when it may; ``trtpipe validate`` refuses it with this reason.
         shipped_quantization: the ``quantization_config.quant_method`` values whose quantized modules this family
             keeps exactly as shipped (gpt-oss's MXFP4 experts, see ``kept_unquantized``): a recipe may then quantize
             the rest (e.g. FP8 attention) without quantizing anything twice.
@@ -133,6 +151,7 @@ class Family:
     llmapi_router_in_model_dtype: bool = False
     embedding_in_exclude_modules: bool = True
     shipped_quantization: tuple[str, ...] = ()
+    no_recipe_quantization: str = ""
     qk_norm: bool = False
     norms_per_layer: int = 2
     biased_moe: bool = False
@@ -157,11 +176,32 @@ def shape_symbols(info: ModelDims) -> dict[str, int]:
         "H/32": info.hidden_size // 32,
         "M/32": info.expert_intermediate_size // 32,
         "16": 16,
+        **mla_symbols(info),
+    }
+
+
+def mla_symbols(info: ModelDims) -> dict[str, int]:
+    """MLA shape symbols (DeepSeek-V3): ``QA`` q_lora_rank, ``KVA`` kv_lora_rank + qk_rope_head_dim (the latent and
+    the rope key), ``KVL`` kv_lora_rank, ``QB`` heads * (nope + rope), ``KVB`` heads * (nope + v), ``O`` heads * v,
+    ``S`` the shared experts' width (moe_intermediate_size * n_shared_experts)."""
+    a = info.mla
+    if a is None:
+        return {}
+    return {
+        "QA": a.q_lora_rank,
+        "KVA": a.kv_values_per_token,
+        "KVL": a.kv_lora_rank,
+        "QB": info.num_heads * a.qk_head_dim,
+        "KVB": info.num_heads * (a.qk_nope_head_dim + a.v_head_dim),
+        "O": info.num_heads * a.v_head_dim,
+        "S": info.expert_intermediate_size * info.shared_experts,
     }
 
 
 def num_params(info: ModelDims, family: Family) -> int:
     """Parameter count from the shapes and the family's behaviour (no weights read)."""
+    if info.mla is not None:
+        return _mla_params(info)
     h, i, d = info.hidden_size, info.intermediate_size, info.head_dim
     attn = h * (info.num_heads * d) + 2 * h * (info.num_kv_heads * d) + (info.num_heads * d) * h
     if info.is_moe:
@@ -176,3 +216,16 @@ def num_params(info: ModelDims, family: Family) -> int:
         per_layer += info.num_heads
     embed = info.vocab_size * h * (1 if info.tie_word_embeddings else 2)
     return info.num_layers * per_layer + embed + h
+
+
+def _mla_params(info: ModelDims) -> int:
+    """DeepSeek-V3: MLA attention, dense MLPs in the first layers, routed + shared experts and a router with its
+    score-correction bias in the others; MTP layers are not counted (they are not part of the decoder)."""
+    h, a, y = info.hidden_size, info.mla, mla_symbols(info)
+    q = h * y["QB"] if not a.q_lora_rank else h * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * y["QB"]
+    attn = q + h * y["KVA"] + a.kv_lora_rank + a.kv_lora_rank * y["KVB"] + y["O"] * h
+    m = info.expert_intermediate_size
+    moe = 3 * h * m * info.num_experts + h * info.num_experts + info.num_experts + 3 * h * y["S"]
+    layers = sum(moe if info.is_moe_layer(i) else 3 * h * info.intermediate_size for i in range(info.num_layers))
+    embed = info.vocab_size * h * (1 if info.tie_word_embeddings else 2)
+    return layers + info.num_layers * (attn + 2 * h) + embed + h

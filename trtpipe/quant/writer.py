@@ -82,6 +82,13 @@ class TrtllmSource(CheckpointLayers):
         return {k: unsplit(k, [r[k] for r in ranks], self.full) for k in ranks[0]}
 
 
+# DeepSeek-V3 (trtpipe.models.deepseek_v3): heads of q_b / q / kv_b, the dense first layers' and the shared experts'
+# MLPs split like Llama's (q_a, kv_a and their norms are replicated)
+MLA_COLUMN = ("attention.q_b.", "attention.q.", "attention.kv_b.", "ffn.fc.", "ffn.gate.", "mlp.shared_expert.fc.")
+MLA_COLUMN += ("mlp.shared_expert.gate.",)
+MLA_ROW = ("ffn.proj.weight", "mlp.shared_expert.proj.weight")
+
+
 def unsplit(name: str, shards: list[torch.Tensor], a: ModelArgs) -> torch.Tensor:
     """Inverse of the checkpoint's TP split of one float tensor of a layer (KV-head replicas dropped)."""
     tp = len(shards)
@@ -99,9 +106,9 @@ def unsplit(name: str, shards: list[torch.Tensor], a: ModelArgs) -> torch.Tensor
         k = torch.cat([x[1] for x in parts[::step]])
         v = torch.cat([x[2] for x in parts[::step]])
         return torch.cat([q, k, v])
-    if name in ("attention.dense.weight", "mlp.proj.weight"):
+    if name in ("attention.dense.weight", "mlp.proj.weight") + MLA_ROW:
         return torch.cat(shards, dim=1)
-    if name.startswith(("mlp.fc.", "mlp.gate.")):
+    if name.startswith(("mlp.fc.", "mlp.gate.") + MLA_COLUMN):
         return torch.cat(shards, dim=0)
     return shards[0]  # norms and row-parallel biases are replicated
 

@@ -124,6 +124,11 @@ def _model_family(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
         yield "model.source", f"config.json: {key} {why}"
     if family.no_engine and recipe.target == "engine":
         yield "target", f"engine: {family.no_engine}; use target: llmapi"
+    q = recipe.quantization
+    if family.no_recipe_quantization and (q.algo != "none" or q.kv_cache != "none"):
+        key = "quantization.algo" if q.algo != "none" else "quantization.kv_cache"
+        value = q.algo if q.algo != "none" else q.kv_cache
+        yield key, f"{value} is not supported for {m.architecture}: {family.no_recipe_quantization}; allowed: none"
 
 
 def _parallel_layout(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:

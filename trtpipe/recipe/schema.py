@@ -359,6 +359,16 @@ class LLMAPISection(_Section):
     )
     compressed_tensors: bool = Field(False, description="Also write a compressed-tensors checkpoint (vLLM, SGLang).")
     host: str = Field("127.0.0.1", description="Address trtllm-serve (and the CPU twin) listens on.")
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version_text(cls, v):
+        """``--set llmapi.version=1.1`` (and an unquoted ``version: 1.1``) arrive as the YAML number 1.1: a release
+        written as a number means the same text (1.1 -> "1.1"); anything else is left for the allowed-values check."""
+        if isinstance(v, float) and not isinstance(v, bool) and f"{v:.1f}" == repr(v):
+            return f"{v:.1f}"
+        return v
+
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of trtllm-serve (and the CPU twin).")
     served_model_name: Optional[str] = Field(
         None, pattern=r"^[A-Za-z0-9][\w.:/-]*$", description="Model name clients send (default: the recipe name)."

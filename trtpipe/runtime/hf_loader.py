@@ -320,6 +320,8 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
         pre = names.prefix.format(i)
         experts: dict[str, list[nn.Module]] = {}  # stacked-expert linear -> one module per expert
         for trt_rel, parts in names.layer.items():
+            if not names.in_layer(trt_rel, i):
+                continue
             if trt_rel in names.fused:  # fused experts (gpt-oss; MXFP4 decoded): the conversion's own combine
                 rule = names.fused[trt_rel]
                 tensors[trt_rel] = COMBINERS[rule.combine]([[r.get(pre + h)] for h in rule.hf]).float()
@@ -368,10 +370,27 @@ _LINEAR_ATTR = {
     "mlp.fc": ("mlp", "fc"),
     "mlp.gate": ("mlp", "gate"),
     "mlp.proj": ("mlp", "proj"),
+    # DeepSeek-V3 (trtpipe.runtime.mla): latent attention's projections, the dense first layers, the shared experts
+    "attention.q_a": ("attention", "q_a"),
+    "attention.q_b": ("attention", "q_b"),
+    "attention.q": ("attention", "q"),
+    "attention.kv_a": ("attention", "kv_a"),
+    "attention.kv_b": ("attention", "kv_b"),
+    "ffn.fc": ("mlp", "fc"),
+    "ffn.gate": ("mlp", "gate"),
+    "ffn.proj": ("mlp", "proj"),
+    "mlp.shared_expert.fc": ("shared", "fc"),
+    "mlp.shared_expert.gate": ("shared", "gate"),
+    "mlp.shared_expert.proj": ("shared", "proj"),
 }
 
 
-_ROW = ("attention.dense", "mlp.proj")  # row-parallel: biases added once by the layer (DecoderLayer.dense_bias ...)
+_ROW = (
+    "attention.dense",
+    "mlp.proj",
+    "ffn.proj",
+    "mlp.shared_expert.proj",
+)  # row-parallel: biases added once by the layer (DecoderLayer.dense_bias ...)
 
 
 def _weight_of(m: nn.Module) -> torch.Tensor:

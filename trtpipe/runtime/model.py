@@ -19,9 +19,10 @@ from torch import nn
 from trtpipe.checkpoint.quant_layouts import SHARED_BY_EXPERTS
 from trtpipe.errors import CheckpointError
 from trtpipe.models import REGISTRY
-from trtpipe.models.dims import checkpoint_dims
+from trtpipe.models.dims import MLA, checkpoint_dims
 from trtpipe.models.trtllm_config import resolve_moe_sizes
 from trtpipe.runtime.linear import LinearSpec, build_linear, kv_quant, module_quant_algo
+from trtpipe.runtime.mla import MLAAttentionShard, group_limited_route
 from trtpipe.runtime.rope import Rope, apply_rope
 
 
@@ -94,6 +95,15 @@ class ModelArgs:
     # gpt-oss: clamped SwiGLU experts, ((up + 1) * g * sigmoid(alpha * g)) with g = min(gate, limit) (see clamped_swiglu)
     swiglu_limit: Optional[float] = None
     swiglu_alpha: float = 1.0
+    # DeepSeek-V3 (trtpipe.runtime.mla): latent attention, leading dense layers, shared experts, sigmoid group routing
+    mla: Optional[MLA] = None
+    dense_layers: int = 0
+    shared_experts: bool = False
+    moe_scoring: str = "softmax"
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    rope_interleave: bool = False
 
     @classmethod
     def from_config(cls, cfg: dict, quant_cfg: Optional[dict] = None) -> "ModelArgs":
@@ -145,6 +155,14 @@ class ModelArgs:
             final_logit_softcapping=d.final_logit_softcapping,
             swiglu_limit=None if d.swiglu_limit is None else float(d.swiglu_limit),
             swiglu_alpha=1.0 if d.swiglu_alpha is None else float(d.swiglu_alpha),
+            mla=d.mla,
+            dense_layers=d.dense_layers if d.is_moe else 0,
+            shared_experts=d.shared_experts > 0,
+            moe_scoring=d.moe_scoring,
+            moe_groups=d.moe_groups,
+            moe_topk_groups=d.moe_topk_groups,
+            routed_scaling_factor=d.routed_scaling_factor,
+            rope_interleave=d.rope_interleave,
         )
 
     def unsharded(self) -> "ModelArgs":
@@ -258,10 +276,10 @@ class BatchKVCache:
     def from_caches(cls, caches: list[KVCache], max_len: int) -> "BatchKVCache":
         """Stack per-sequence caches (one row each, e.g. after per-sequence prefill) right-padded to ``max_len``."""
         store = {}
-        for key, (k0, _) in caches[0].store.items():
+        for key, (k0, v0) in caches[0].store.items():
             _, nkv, _, d = k0.shape
             k = torch.zeros(len(caches), nkv, max_len, d, dtype=k0.dtype, device=k0.device)  # [B, nkv, S_max, d]
-            v = torch.zeros_like(k)
+            v = k.new_zeros(*k.shape[:-1], v0.shape[-1])  # MLA caches a latent as k and nothing as v
             for b, c in enumerate(caches):
                 ck, cv = c.store[key]  # [1, nkv, S_b, d]
                 k[b, :, : ck.shape[2]], v[b, :, : cv.shape[2]] = ck[0], cv[0]
@@ -378,11 +396,11 @@ class AttentionShard(nn.Module):
 class GatedMLPShard(nn.Module):
     """proj( act(fc(x)) * gate(x) ): fc is the activated branch (HF gate_proj), gate the linear one (up_proj)."""
 
-    def __init__(self, tensors: dict, prefix: str, args: ModelArgs, rank: int):
+    def __init__(self, tensors: dict, prefix: str, args: ModelArgs, rank: int, name: str = "mlp"):
         super().__init__()
-        self.fc = _linear(tensors, prefix, "mlp.fc", "column", args, rank)
-        self.gate = _linear(tensors, prefix, "mlp.gate", "column", args, rank)
-        self.proj = _linear(tensors, prefix, "mlp.proj", "row", args, rank)
+        self.fc = _linear(tensors, prefix, f"{name}.fc", "column", args, rank)
+        self.gate = _linear(tensors, prefix, f"{name}.gate", "column", args, rank)
+        self.proj = _linear(tensors, prefix, f"{name}.proj", "row", args, rank)
         self.act = ACTIVATIONS[args.hidden_act]
 
     def forward(self, x):
@@ -509,21 +527,36 @@ class DecoderLayer(nn.Module):
         self.post_ln = t0["post_layernorm.weight"].float()
         self.pre_ff_ln = _opt_float(t0.get("pre_feedforward_layernorm.weight")) if self.inter_layernorms else None
         self.post_ff_ln = _opt_float(t0.get("post_feedforward_layernorm.weight")) if self.inter_layernorms else None
-        self.attention = nn.ModuleList(
-            AttentionShard(t, prefix, args, r, layer_idx) for r, t in zip(tp_ranks, rank_tensors)
-        )
+        if args.mla is not None:  # DeepSeek-V3's latent attention (trtpipe.runtime.mla)
+            self.attention = nn.ModuleList(
+                MLAAttentionShard(t, prefix, args, r, _linear) for r, t in zip(tp_ranks, rank_tensors)
+            )
+        else:
+            self.attention = nn.ModuleList(
+                AttentionShard(t, prefix, args, r, layer_idx) for r, t in zip(tp_ranks, rank_tensors)
+            )
         # One process per rank (trtpipe.runtime.distributed) holds one shard and sums the others' partials here.
         self.all_reduce = all_reduce or _identity
         self.dense_bias = _opt_float(t0.get("attention.dense.bias"))
-        self.is_moe, self.num_experts = args.num_experts > 0, args.num_experts
+        self.is_moe, self.num_experts = args.num_experts > 0 and layer_idx >= args.dense_layers, args.num_experts
+        self.routing = args  # group-limited sigmoid routing reads its sizes from here (DeepSeek-V3)
+        self.shared = None  # DeepSeek-V3's shared experts: a gated MLP every token goes through
         if self.is_moe:
             if "mlp.router.weight" not in t0:
                 raise CheckpointError(f"checkpoint: tensor '{prefix}mlp.router.weight' is missing")
             self.router = t0["mlp.router.weight"].float()
             self.router_bias = _opt_float(t0.get("mlp.router.bias"))
+            self.score_bias = _opt_float(t0.get("mlp.router.e_score_correction_bias"))
+            if args.moe_scoring == "sigmoid" and self.score_bias is None:
+                raise CheckpointError(f"checkpoint: tensor '{prefix}mlp.router.e_score_correction_bias' is missing")
             self.mlp = nn.ModuleList(MoEShard(t, prefix, args, r) for r, t in zip(tp_ranks, rank_tensors))
+            if args.shared_experts:
+                self.shared = nn.ModuleList(
+                    GatedMLPShard(t, prefix, args, r, "mlp.shared_expert") for r, t in zip(tp_ranks, rank_tensors)
+                )
         else:
-            self.mlp = nn.ModuleList(GatedMLPShard(t, prefix, args, r) for r, t in zip(tp_ranks, rank_tensors))
+            name = "ffn" if args.dense_layers else "mlp"  # a dense layer of a model with MoE layers after it
+            self.mlp = nn.ModuleList(GatedMLPShard(t, prefix, args, r, name) for r, t in zip(tp_ranks, rank_tensors))
         self.proj_bias = None if self.is_moe else _opt_float(t0.get("mlp.proj.bias"))  # experts add theirs
 
     @classmethod
@@ -577,8 +610,25 @@ class DecoderLayer(nn.Module):
             h = rms_norm(x, self.post_ln, self.eps)
         if self.is_moe:
             flat = h.reshape(-1, h.shape[-1])
-            weights = route(flat, self.router, self.top_k, self.renormalize, self.router_bias)
-            mlp = self.all_reduce(sum(s(flat, weights) for s in self.mlp)).view_as(h)
+            a = self.routing
+            if a.moe_scoring == "sigmoid":
+                weights = group_limited_route(
+                    flat,
+                    self.router,
+                    self.score_bias,
+                    self.top_k,
+                    a.moe_groups,
+                    a.moe_topk_groups,
+                    self.renormalize,
+                    a.routed_scaling_factor,
+                )
+            else:
+                weights = route(flat, self.router, self.top_k, self.renormalize, self.router_bias)
+            if self.shared is None:
+                partial = sum(s(flat, weights) for s in self.mlp)
+            else:  # each rank adds its shard of the shared experts to its experts' partial: one all-reduce
+                partial = sum(s(flat, weights) + sh(flat) for s, sh in zip(self.mlp, self.shared))
+            mlp = self.all_reduce(partial).view_as(h)
         else:
             mlp = self.all_reduce(sum(s(h) for s in self.mlp))
         mlp = _add_bias(mlp, self.proj_bias)

@@ -135,6 +135,29 @@ class PagedStep:
             out[:, :, self.gen_rows] = og[:, :, :, 0].permute(1, 2, 0, 3)
         return out.view(nh, N, d).transpose(0, 1).reshape(1, N, nh * d)
 
+    def attend_latent(self, key, q: torch.Tensor, latent: torch.Tensor, expand, scale: float) -> torch.Tensor:
+        """MLA (DeepSeek-V3): q [1, nh, N, qk] and the packed tokens' latents [1, 1, N, L] -> [1, N, nh * v].
+
+        Only the latents are written to the pool (L = kv_lora_rank + qk_rope_head_dim values per token); each
+        request's keys and values are expanded from its cached latents (``expand``: [.., 1, S, L] -> k [.., nh, S, qk],
+        v [.., nh, S, v]) for this step's attention."""
+        kp, _ = self.pools[key]
+        kp[self.slots] = latent[0].transpose(0, 1)  # [N, 1, L]
+        _, nh, N, _ = q.shape
+        outs = [None] * N
+        ctx_masks, gen_mask = self._mask(None)
+        for (t0, t1, kv, _), allowed in zip(self.ctx, ctx_masks):
+            k, v = expand(kp[kv].transpose(0, 1)[None])  # [1, nh, S, qk], [1, nh, S, v]
+            o = _attention(q[:, :, None, t0:t1], k, v, allowed, scale)[0, :, 0]  # [nh, T, v]
+            outs[t0:t1] = o.transpose(0, 1)
+        if len(self.gen_rows):
+            k, v = expand(kp[self.gen_slots].transpose(1, 2))  # [G, 1, S, L] -> [G, nh, S, qk], [G, nh, S, v]
+            qg = q[0][:, self.gen_rows].transpose(0, 1)[:, :, None, None]  # [G, nh, 1, 1, qk]
+            og = _attention(qg, k, v, gen_mask, scale)[:, :, 0, 0]  # [G, nh, v]
+            for i, row in enumerate(self.gen_rows.tolist()):
+                outs[row] = og[i]
+        return torch.stack(outs).reshape(1, N, -1)
+
 
 def sample_entries(batch: StepBatch, logits: torch.Tensor) -> tuple[dict[int, int], dict[int, str]]:
     """One token per sampling entry from its row of ``logits`` [S, V]: one argmax for every greedy row at once,
@@ -188,9 +211,10 @@ class ReferenceEngine:
         for layer in self.model.layers:
             for r, shard in enumerate(layer.attention):
                 shape = (num_blocks * tokens_per_block, shard.nkv, shard.d)
+                v_width = getattr(shard, "dv_cache", shard.d)  # MLA caches no value (trtpipe.runtime.mla)
                 self.pools[(layer.layer_idx, r)] = (
                     torch.zeros(shape, device=self.device),
-                    torch.zeros(shape, device=self.device),
+                    torch.zeros(shape[:-1] + (v_width,), device=self.device),
                 )
 
     def copy_block(self, src: int, dst: int, num_tokens: int) -> None:

@@ -82,3 +82,18 @@ def test_gpt_oss_rank_processes_match_the_one_process_model(run_mpi, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["equal"] and out["err_dist_vs_f64"] <= out["bound"]
+
+
+@pytest.mark.parametrize("kind,ep", [("deepseek_v3", 1), ("kimi_k2", 2)])
+def test_deepseek_rank_processes_match_the_one_process_model(run_mpi, tmp_path, kind, ep):
+    """DeepSeek-V3 / Kimi-K2 (latent attention split by heads, the dense first layer, shared experts, group-limited
+    sigmoid routing; experts split by moe_tp or placed by ep) one process per rank at tp 2: logits equal the
+    one-process model's, which tests/models/test_deepseek_v3.py holds to transformers' float64."""
+    from trtpipe.checkpoint.convert import convert
+    from trtpipe.models.synthetic import make_synthetic
+
+    ckpt = convert(make_synthetic(kind, tmp_path / "hf", seed=1), tmp_path / "ckpt", tp=2, moe_ep=ep, dtype="float32")
+    proc = run_mpi(2, "forward_check.py", ckpt, 3, 14)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["equal"] and out["err_dist_vs_f64"] <= out["bound"]
