@@ -39,6 +39,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+import numpy as np
 import torch
 
 from trtpipe.triton.xgrammar_info import upstream_tokenizer_info
@@ -159,9 +160,9 @@ class GuideMatcher:
     def allowed(self) -> torch.Tensor:
         """bool [V]: the tokens the grammar allows next (bit ``i % 32`` of word ``i // 32``, set = allowed)."""
         self._m.fill_next_token_bitmask(self._bitmask)
-        words = self._bitmask[0].to(torch.int64) & 0xFFFFFFFF  # [W], unsigned
-        bits = (words[:, None] >> torch.arange(32)) & 1  # [W, 32]
-        return bits.view(-1)[: self.vocab_size].bool()
+        # int32 words as little-endian bytes (the host order of every platform torch ships for), LSB first
+        bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little")[: self.vocab_size]
+        return torch.from_numpy(bits.astype(bool))
 
     def accept(self, token: int) -> None:
         """Advance by a sampled token; a token the grammar refuses is a :class:`GuideError` (never, when the mask
