@@ -6,7 +6,9 @@ round's output tok/s is the completion tokens it got over its wall time. Each (c
 one warm-up request of its own kind (the schema is compiled once, then cached: the rounds measure the steady state,
 and the compile time is printed from the server's own counter). Printed as one JSON summary with each constrained
 rate (the median of ``--repeats`` rounds, the two modes alternating) as a ratio of the unconstrained one at the same
-concurrency (same run: the ratio, not the absolute rate, is what carries over to another machine)::
+concurrency (same run: the ratio, not the absolute rate, is what carries over to another machine). Beside the
+wall-clock rate, the process CPU time per output token (server and client share the process): on a shared machine
+other tenants stretch the wall clock far more than the CPU time::
 
     python scripts/bench_guided.py [MODEL_DIR] [--requests 32] [--max-tokens 64] [--concurrency 1,8] [--repeats 3]
 
@@ -94,10 +96,15 @@ async def _round(url: str, concurrency: int, requests: int, max_tokens: int, sch
             while todo:
                 await one(seed0 + todo.pop())
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         await asyncio.gather(*(client() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    return {"tokens": tokens[0], "seconds": round(wall, 3), "tok_s": round(tokens[0] / wall, 2)}
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return {
+        "tokens": tokens[0],
+        "seconds": round(wall, 3),
+        "tok_s": round(tokens[0] / wall, 2),
+        "cpu_ms_per_token": round(1e3 * cpu / tokens[0], 3),
+    }
 
 
 def _counters(url: str) -> dict:
@@ -124,6 +131,7 @@ def main() -> None:
                     asyncio.run(_round(url, c, a.requests, a.max_tokens, schema, seed0=1000))
                 )
     median = {k: statistics.median(r["tok_s"] for r in v) for k, v in runs.items()}
+    cpu = {k: statistics.median(r["cpu_ms_per_token"] for r in v) for k, v in runs.items()}
     summary = {
         "model_dir": a.model_dir,
         "requests": a.requests,
@@ -137,6 +145,9 @@ def main() -> None:
                 "tok_s_each": [r["tok_s"] for r in v],
                 "tokens_each": [r["tokens"] for r in v],
                 "ratio_to_unconstrained": round(median[(c, schema)] / median[(c, False)], 3),
+                "median_cpu_ms_per_token": cpu[(c, schema)],
+                "cpu_ms_per_token_each": [r["cpu_ms_per_token"] for r in v],
+                "cpu_ratio_to_unconstrained": round(cpu[(c, schema)] / cpu[(c, False)], 3),
             }
             for (c, schema), v in runs.items()
         ],
