@@ -188,9 +188,12 @@ class GuidedDecoder:
         if self.backend not in BACKENDS:
             raise ValueError(f"guided_decoding_backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
         if self.backend == "llguidance":
+            import importlib.util
+
+            why = "" if importlib.util.find_spec("llguidance") else " (and the llguidance package is not installed)"
             raise ValueError(
-                "guided_decoding_backend llguidance: the CPU twin runs xgrammar only and the llguidance package "
-                "is not installed; set serving.guided_decoding_backend: xgrammar"
+                f"guided_decoding_backend llguidance: the CPU twin runs xgrammar only{why}; "
+                "set serving.guided_decoding_backend: xgrammar"
             )
         import xgrammar
 
