@@ -12,7 +12,6 @@ import dataclasses
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,6 @@ from optional import needs
 
 pytestmark = [pytest.mark.slow, needs("aiohttp")]
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "serving"))
 from guided_oracle import SCHEMAS  # noqa: E402
 
 NAME = "guided-twin"

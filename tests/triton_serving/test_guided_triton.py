@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -24,7 +22,6 @@ from trtpipe.triton.server_process import start_server  # noqa: E402
 
 from triton_helpers import BUILD_CONFIG  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "serving"))
 from guided_oracle import SCHEMAS  # noqa: E402
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]

@@ -10,9 +10,11 @@ with one line, never silently ignored.
 
 from __future__ import annotations
 
+import json
 from typing import Optional
 
 from trtpipe.serving.api import FinishReason, Request, SamplingParams
+from trtpipe.serving.guided import Guide, GuidedDecodingParams, GuideError
 
 
 class RequestRefused(ValueError):
@@ -68,6 +70,7 @@ def translate(request: dict, eos_id: Optional[int], max_seq_len: int) -> Request
     problem = sampling.problem()
     if problem:
         raise RequestRefused(problem)
+    guide = guided_decoding(opts.get("guided_decoding"))
     return Request(
         prompt=prompt,
         max_new_tokens=max_new,
@@ -76,4 +79,29 @@ def translate(request: dict, eos_id: Optional[int], max_seq_len: int) -> Request
         sampling=sampling,
         streaming=True,
         exclude_input_from_output=True,
+        guide=guide,
     )
+
+
+def guided_decoding(options: Optional[dict]) -> Optional[Guide]:
+    """Dynamo's ``sampling_options.guided_decoding`` as the executor's guide (trtpipe.serving.guided).
+
+    ``GuidedDecodingOptions`` (ai-dynamo/dynamo ``lib/llm/src/protocols/common.rs``@0ab24416) holds one of ``json``,
+    ``regex``, ``choice``, ``grammar``, ``structural_tag``, with the modifiers ``backend`` and ``whitespace_pattern``;
+    they are read as the LLM API's GuidedDecodingParams reads the same fields. ``choice`` and ``whitespace_pattern``,
+    which TensorRT-LLM's GuidedDecodingParams has no field for, are refused; ``backend`` is the worker's own."""
+    if not options:
+        return None
+    for key in ("choice", "whitespace_pattern"):  # an empty choice list is unset, as Dynamo's from_optional reads it
+        if options.get(key) not in (None, []):
+            raise RequestRefused(f"guided_decoding.{key} is not supported by this worker (TensorRT-LLM has no {key})")
+    tag = options.get("structural_tag")
+    try:
+        return GuidedDecodingParams(
+            json=options.get("json"),
+            regex=options.get("regex"),
+            grammar=options.get("grammar"),
+            structural_tag=tag if tag is None or isinstance(tag, str) else json.dumps(tag),
+        ).guide()
+    except GuideError as exc:
+        raise RequestRefused(f"guided_decoding: {exc}") from None

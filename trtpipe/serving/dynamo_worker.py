@@ -102,7 +102,7 @@ class TwinEngine(LLMEngine):
 
         model = await asyncio.to_thread(load_hf_checkpoint, self.model_dir)
         self.eos_id = eos_token_id(self.model_dir)
-        self.executor = Executor(self.config, ReferenceEngine(model), threads=self.threads)
+        self.executor = Executor(self.config, ReferenceEngine(model), threads=self.threads, guided=self._guided(model))
         self.executor.core.pool.listener = self.recorder
         if self.status_file is not None:  # the supervisor's evidence of which instance this process is
             write_state(self.status_file, {"pid": os.getpid(), "instance_id": int(worker_id)})
@@ -124,6 +124,18 @@ class TwinEngine(LLMEngine):
                 max_num_batched_tokens=self.config.max_num_tokens,
             ),
         )
+
+    def _guided(self, model):
+        """The executor's guided decoding (``serving.guided_decoding_backend``), on this model's tokenizer."""
+        if not self.config.guided_decoding_backend:
+            return None
+        from transformers import AutoTokenizer
+
+        from trtpipe.serving.guided import GuidedDecoder
+
+        tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir), trust_remote_code=False)
+        vocab = int(model.config.get("vocab_size") or len(tokenizer))
+        return GuidedDecoder.from_tokenizer(self.config.guided_decoding_backend, tokenizer, vocab)
 
     async def generate(self, request: dict, context: Any):
         normalize_request_token_ids(request)

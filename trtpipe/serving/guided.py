@@ -39,6 +39,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+import numpy as np
 import torch
 
 from trtpipe.triton.xgrammar_info import upstream_tokenizer_info
@@ -159,9 +160,9 @@ class GuideMatcher:
     def allowed(self) -> torch.Tensor:
         """bool [V]: the tokens the grammar allows next (bit ``i % 32`` of word ``i // 32``, set = allowed)."""
         self._m.fill_next_token_bitmask(self._bitmask)
-        words = self._bitmask[0].to(torch.int64) & 0xFFFFFFFF  # [W], unsigned
-        bits = (words[:, None] >> torch.arange(32)) & 1  # [W, 32]
-        return bits.view(-1)[: self.vocab_size].bool()
+        # int32 words as little-endian bytes (the host order of every platform torch ships for), LSB first
+        bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little")[: self.vocab_size]
+        return torch.from_numpy(bits.astype(bool))
 
     def accept(self, token: int) -> None:
         """Advance by a sampled token; a token the grammar refuses is a :class:`GuideError` (never, when the mask
@@ -187,9 +188,12 @@ class GuidedDecoder:
         if self.backend not in BACKENDS:
             raise ValueError(f"guided_decoding_backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
         if self.backend == "llguidance":
+            import importlib.util
+
+            why = "" if importlib.util.find_spec("llguidance") else " (and the llguidance package is not installed)"
             raise ValueError(
-                "guided_decoding_backend llguidance: the CPU twin runs xgrammar only and the llguidance package "
-                "is not installed; set serving.guided_decoding_backend: xgrammar"
+                f"guided_decoding_backend llguidance: the CPU twin runs xgrammar only{why}; "
+                "set serving.guided_decoding_backend: xgrammar"
             )
         import xgrammar
 
