@@ -150,3 +150,23 @@ def test_out_of_range_logprob_settings_fail_alone(model_tp1, field, value):
     core.run_until_idle()
     assert out[bad].has_error and field in out[bad].error
     assert not out[good].has_error and len(out[good].logprobs) == 4
+
+
+def test_the_mpi_wire_carries_the_rows_a_step_needs():
+    """Worker ranks run the same packed step from the broadcast batch: they must put the same rows (prompt-scoring
+    positions included) through the LM head, or the pipeline's last stage sends rank 0 the wrong shape."""
+    pytest.importorskip("trtpipe.runtime.distributed")
+    from trtpipe.serving.api import StepBatch, StepEntry
+    from trtpipe.serving.logprobs import rows_of
+    from trtpipe.serving.mpi_engine import _unwire, _wire
+
+    batch = StepBatch(
+        3,
+        [
+            StepEntry(1, [1, 403, 407, 261], 0, [0], True, False, prompt_logprobs=2, prompt_targets=[403, 407, 261, 9]),
+            StepEntry(2, [5, 6, 7], 0, [1], True, True, logprobs=1, prompt_logprobs=0, prompt_targets=[6, 7]),
+            StepEntry(3, [8], 12, [2, 3], False, True, logprobs=0),
+        ],
+    )
+    assert rows_of(_unwire(_wire(batch))) == rows_of(batch)
+    assert rows_of(batch)[0] == [0, 1, 2, 3, 4, 5, 6, 7]
