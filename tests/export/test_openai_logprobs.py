@@ -249,3 +249,24 @@ def test_bad_values_are_400_naming_the_field(server, path, body, param):
     base.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
     status, out = _post(server[0], path, {**base, **body})
     assert status == 400 and out["error"]["param"] == param, out
+
+
+def test_stop_token_ids_and_include_stop_str_in_output(server):
+    url = server[0]
+    comma = server[1].tokenizer.convert_tokens_to_ids(",")
+    base = {"prompt": "Once upon a time", "temperature": 0, "max_tokens": 20, "logprobs": 1}
+    free = _post(url, "/v1/completions", base)[1]["choices"][0]
+    assert free["text"].startswith(",")  # greedy: the first token is the comma
+    status, r = _post(url, "/v1/completions", {**base, "stop_token_ids": [comma]})
+    assert status == 200 and r["choices"][0]["finish_reason"] == "stop"
+    assert r["choices"][0]["text"] == "" and r["usage"]["completion_tokens"] == 0
+    assert r["choices"][0]["logprobs"]["tokens"] == []
+    r = _post(url, "/v1/completions", {**base, "stop_token_ids": [comma], "include_stop_str_in_output": True})[1]
+    assert r["choices"][0]["text"] == "," and r["choices"][0]["logprobs"]["tokens"] == [","]
+    stop = free["text"][4:9]
+    r = _post(url, "/v1/completions", {**base, "stop": [stop], "include_stop_str_in_output": True})[1]
+    assert r["choices"][0]["text"] == free["text"][: free["text"].index(stop) + len(stop)]
+    streamed = _post(url, "/v1/completions", {**base, "stop_token_ids": [comma], "stream": True})[1]
+    assert "".join(c["text"] for ev in _events(streamed) for c in ev["choices"]) == ""
+    status, r = _post(url, "/v1/completions", {**base, "stop_token_ids": [10**6]})
+    assert status == 400 and r["error"]["param"] == "stop_token_ids"

@@ -16,7 +16,10 @@ Upstream, as this twin follows it (NVIDIA/TensorRT-LLM @0076e9390e1ed11515f149ee
 * ``best_of`` defaults to ``n`` and may not be smaller (``SamplingParams._validate``: "best_of (B) cannot be less
   than n (N)"); greedy decoding with ``best_of`` > 1 is refused unless ``TLLM_ALLOW_N_GREEDY_DECODING`` is set
   (the same check and message); then every choice is the same greedy text;
-* choice ``index`` is ``prompt_index * n + i`` (``completion_stream_post_processor``).
+* choice ``index`` is ``prompt_index * n + i`` (``completion_stream_post_processor``);
+* ``stop_token_ids`` end the request and leave the answer unless ``include_stop_str_in_output``
+  (``GenerationResultBase._handle_sequence`` in ``tensorrt_llm/executor/result.py``
+  @a678b91aafbeff265cd0b764abb59d7def624ac2 drops the stop word's tokens); with it a stop string stays in the text.
 
 Where the twin goes past what trtllm-serve answers (its completions carry no ``logprobs`` object, and ``echo``
 prepends the prompt text only), it answers as OpenAI and vLLM do, because evaluation harnesses read exactly that:
@@ -40,6 +43,7 @@ MAX_SEQUENCES = 64  # executor requests one HTTP request may start (prompts x be
 LOGPROB_FLOOR = -9999.0  # trtllm-serve's ChatCompletionLogProb default and floor (JSON has no -Infinity)
 SEED_MOD = 1 << 64
 WINDOW = 6  # tokens of context a token's text piece is decoded in
+MAX_STOP_TOKENS = 64  # stop_token_ids per request (as the twin's MAX_STOPS for stop strings)
 
 
 class SpecError(ValueError):
@@ -58,6 +62,8 @@ class ChoiceSpec:
     echo: bool = False  # completions: the prompt (text and, with logprobs, its logprobs) leads each choice
     ignore_eos: bool = False
     min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # each ends the request; left out of the answer unless include_stop
+    include_stop: bool = False  # include_stop_str_in_output: the stop string or token stays in the text
 
     @property
     def executor_logprobs(self) -> Optional[int]:
@@ -87,7 +93,9 @@ def _bool(body: dict, key: str) -> bool:
     return v
 
 
-def choice_spec(body: dict, chat: bool, greedy: bool, stream: bool, num_prompts: int = 1) -> ChoiceSpec:
+def choice_spec(
+    body: dict, chat: bool, greedy: bool, stream: bool, num_prompts: int = 1, vocab_size: Optional[int] = None
+) -> ChoiceSpec:
     """The request's choices and logprob settings; :class:`SpecError` for a value out of range."""
     n = _int(body, "n", 1, 1)
     best_of = _int(body, "best_of", n, 1)
@@ -127,7 +135,23 @@ def choice_spec(body: dict, chat: bool, greedy: bool, stream: bool, num_prompts:
         echo=echo,
         ignore_eos=_bool(body, "ignore_eos"),
         min_tokens=_int(body, "min_tokens", 0, 0),
+        stop_token_ids=_token_ids(body, "stop_token_ids", vocab_size),
+        include_stop=_bool(body, "include_stop_str_in_output"),
     )
+
+
+def _token_ids(body: dict, key: str, vocab_size: Optional[int]) -> tuple[int, ...]:
+    v = body.get(key)
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise SpecError(f"'{key}' must be a list of token ids", key)
+    if len(v) > MAX_STOP_TOKENS:
+        raise SpecError(f"'{key}' holds {len(v)} ids; at most {MAX_STOP_TOKENS}", key)
+    bad = next((t for t in v if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+    if bad is not None:
+        raise SpecError(f"'{key}' holds token id {str(bad)[:40]}, outside the vocabulary [0, {vocab_size})", key)
+    return tuple(v)
 
 
 def choice_seed(seed: Optional[int], i: int) -> Optional[int]:

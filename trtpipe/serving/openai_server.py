@@ -302,6 +302,8 @@ USED = {
         "echo",
         "ignore_eos",
         "min_tokens",
+        "stop_token_ids",
+        "include_stop_str_in_output",
         "priority",
         "user",
     },
@@ -323,6 +325,8 @@ USED = {
         "top_logprobs",
         "ignore_eos",
         "min_tokens",
+        "stop_token_ids",
+        "include_stop_str_in_output",
         "priority",
         "user",
         "parallel_tool_calls",
@@ -337,8 +341,6 @@ _SHARED_DEFAULTS = {
     "use_beam_search": (False,),
     "min_p": (0,),
     "top_p_min": (0,),
-    "include_stop_str_in_output": (False,),
-    "stop_token_ids": ([],),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "length_penalty": (),
@@ -469,8 +471,11 @@ class Generation:
         prompt_logprobs: Optional[int] = None,
         ignore_eos: bool = False,
         min_tokens: int = 0,
+        stop_token_ids: tuple = (),
+        include_stop: bool = False,
     ):
         self.served, self.prompt, self.stops = served, prompt, stops
+        self.stop_token_ids, self.include_stop = frozenset(stop_token_ids), include_stop
         self.logprobs: list = []  # TokenLogprob per token of ids (with logprobs)
         self.prompt_logprobs: Optional[list] = None  # per prompt token, None first (with prompt_logprobs)
         self.logprobs_sent = 0  # tokens whose logprobs a stream has sent
@@ -499,6 +504,7 @@ class Generation:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             min_tokens=min_tokens,
+            stop_words=[[t] for t in sorted(self.stop_token_ids)],
         )
         self.perf = None  # the executor's PerfMetrics, on the final response
         try:
@@ -532,10 +538,20 @@ class Generation:
             self.logprobs.extend(resp.logprobs or ())
             if resp.prompt_logprobs is not None:
                 self.prompt_logprobs = resp.prompt_logprobs
+            if (
+                resp.is_final
+                and resp.finish_reason == FinishReason.STOP_WORDS
+                and not self.include_stop
+                and self.ids
+                and self.ids[-1] in self.stop_token_ids
+            ):  # a stop token leaves the output unless asked (tensorrt_llm/executor/result.py, _handle_sequence)
+                del self.ids[-1]
+                del self.logprobs[len(self.ids) :]
             text = self.served.tokenizer.decode(self.ids, skip_special_tokens=True)
-            cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-            if cut >= 0:
-                text, self.stopped, self.finish = text[:cut], True, "stop"
+            hits = [(i, s) for s in self.stops for i in (text.find(s),) if i >= 0]
+            if hits:
+                cut, stop = min(hits)
+                text, self.stopped, self.finish = text[: cut + (len(stop) if self.include_stop else 0)], True, "stop"
                 self.cancel()
             self.text = text
             upto = len(text) if self.stopped else len(text) - _stop_prefix(text, self.stops)
@@ -843,6 +859,8 @@ class OpenAIServer:
                             prompt_logprobs=spec.logprobs if spec.echo and (c == 0 or stream) else None,
                             ignore_eos=spec.ignore_eos,
                             min_tokens=spec.min_tokens,
+                            stop_token_ids=spec.stop_token_ids,
+                            include_stop=spec.include_stop,
                         )
                     )
         except Refused:  # 429 / 503 at admission: a request error for trtllm_request_error_total
@@ -856,7 +874,7 @@ class OpenAIServer:
         """``prompts``: (token ids, echo text) per prompt; answers ``n`` choices per prompt (index ``p * n + i``)."""
         stream, include_usage = _stream_settings(body)
         try:
-            spec = choice_spec(body, chat, _sampling(body).greedy, stream, len(prompts))
+            spec = choice_spec(body, chat, _sampling(body).greedy, stream, len(prompts), self.served.vocab_size)
         except SpecError as exc:
             raise BadRequest(str(exc), exc.param) from None
         gens = self._start(body, prompts, spec, chat, stream)
