@@ -144,6 +144,10 @@ def test_written_repo_parses_back_and_is_wired(llama70b_repo):
         assert set(step.output_map) <= {o.name for o in model.output}, step.model_name
         available |= set(step.output_map.values())
     assert "text_output" in available
+    # every ensemble output is produced by a step (log probs as upstream's ensemble maps them)
+    assert {o.name for o in ens.output} <= available
+    assert {"cum_log_probs", "output_log_probs"} <= {o.name for o in ens.output}
+    assert {"return_log_probs", "min_tokens"} <= {i.name for i in ens.input}
 
 
 def test_postprocessing_matches_the_golden_file(stories_recipe):

@@ -197,7 +197,11 @@ def _direct_tensorrt_llm(server, extra: dict) -> tuple[list, list]:
 @pytest.mark.parametrize(
     "name, value, needle",
     [
-        ("return_log_probs", np.array([[True]]), "return_log_probs: the CPU twin serves only return_log_probs=false"),
+        (
+            "return_context_logits",
+            np.array([[True]]),
+            "return_context_logits: the CPU twin serves only return_context_logits=false",
+        ),
         ("beam_width", np.array([[2]], np.int32), "beam_width: the CPU twin serves only beam_width=1"),
         ("lora_task_id", np.array([[7]], np.uint64), "lora_task_id: LoRA is not supported by the CPU twin"),
     ],
@@ -207,7 +211,7 @@ def test_twin_refuses_declared_inputs_it_cannot_honour(server, client, name, val
     error naming it, the neutral value is served, and the server keeps answering."""
     errors, _ = _direct_tensorrt_llm(server, {name: value})
     assert len(errors) == 1 and needle in str(errors[0])
-    neutral = {"return_log_probs": np.array([[False]]), "beam_width": np.array([[1]], np.int32)}
+    neutral = {"return_context_logits": np.array([[False]]), "beam_width": np.array([[1]], np.int32)}
     if name in neutral:
         errors, outputs = _direct_tensorrt_llm(server, {name: neutral[name]})
         assert not errors and outputs

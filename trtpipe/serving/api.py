@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence
 
+from trtpipe.serving.logprobs import TokenLogprob
+
 
 class FinishReason(enum.IntEnum):
     """executor ``FinishReason`` values, as the backend reports them."""
@@ -151,6 +153,11 @@ class Request:
     allotted_time_s: Optional[float] = None  # executor ``allottedTimeMs``; None: the config's request_timeout_s
     guide: Any = None  # executor ``GuidedDecodingParams``: a trtpipe.serving.guided.Guide, or None
     lora: Optional[str] = None  # the LoRA adapter's name (None: the base model); KV prefix reuse is keyed by it
+    # OutputConfig ``returnLogProbs`` as SamplingParams ``logprobs``: None off, k >= 0 the chosen token's logprob and
+    # the top k; ``prompt_logprobs`` the same for every prompt position (trtpipe.serving.logprobs says which values)
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    min_tokens: int = 0  # SamplingConfig ``minTokens``: the end id cannot end the request before this many tokens
 
 
 @dataclass
@@ -188,6 +195,11 @@ class Response:
     num_input_tokens: int = 0
     num_output_tokens: int = 0
     client_tag: Any = None
+    # with Request.logprobs: one per output token of ``tokens`` (the prompt part of a final response has none)
+    logprobs: Optional[list[TokenLogprob]] = None
+    cum_log_prob: Optional[float] = None  # the sum of every output token's logprob so far
+    # with Request.prompt_logprobs: one per prompt token, None for the first; on the first response only
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
     @property
     def has_error(self) -> bool:
@@ -213,6 +225,10 @@ class StepEntry:
     generator: Any = None  # the request's own torch.Generator when sampling with a seed
     allowed: Any = None  # guided decoding: bool [V] tensor of the tokens this row may sample (None: all)
     lora: Optional[str] = None  # the request's LoRA adapter (None: the base model)
+    logprobs: Optional[int] = None  # the sampled token's logprob and top k are wanted (Request.logprobs)
+    prompt_logprobs: Optional[int] = None  # top k of each prompt target (Request.prompt_logprobs)
+    prompt_targets: list[int] = field(default_factory=list)  # prompt tokens scored by this chunk's positions
+    banned: Optional[int] = None  # a token the sampled row may not choose this step (min_tokens: the end id)
 
 
 @dataclass
@@ -242,6 +258,8 @@ class StepResult:
     tokens: dict[int, int]
     elapsed_s: float
     errors: dict[int, str] = field(default_factory=dict)
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # the sampled token's, where the entry asked
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # one per prompt target
 
 
 class StepEngine(Protocol):

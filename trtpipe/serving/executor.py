@@ -38,6 +38,7 @@ from trtpipe.serving.api import (
 from trtpipe.serving.guided import GuideError
 from trtpipe.serving.adapters import within_lora_cache
 from trtpipe.serving.kv_pool import BlockPool, KVStats
+from trtpipe.serving.logprobs import MAX_LOGPROBS
 from trtpipe.serving.scheduler import ActiveRequest, ContextTooLong, capacity_schedule, insert_by_priority, micro_batch
 
 
@@ -114,6 +115,18 @@ class _Queued:
 
 def _hits_stop(tokens: list[int], stop_words) -> bool:
     return any(w and len(tokens) >= len(w) and tokens[-len(w) :] == list(w) for w in stop_words)
+
+
+def _scores_prompt(r: ActiveRequest) -> bool:
+    """The request still needs prompt logprobs: its context runs from position 0 (no reused prefix), so every
+    prompt position's logits pass through the step."""
+    return r.request.prompt_logprobs is not None and len(r.prompt_logprobs) < r.prompt_len - 1
+
+
+def _banned(r: ActiveRequest) -> Optional[int]:
+    """The end id while the request has fewer than ``min_tokens`` output tokens (``minTokens``), else None."""
+    req = r.request
+    return req.end_id if req.min_tokens > 0 and len(r.output) < req.min_tokens else None
 
 
 class ExecutorCore:
@@ -299,6 +312,7 @@ class ExecutorCore:
             if r.id in ids and not r.finish_reason:
                 r.finish_reason = FinishReason.CANCELLED
                 del r.tokens[r.prompt_len :]  # generated tokens are dropped; only the prompt stays
+                del r.logprobs[:]
 
     def _respond(self) -> None:
         keep = []
@@ -318,11 +332,11 @@ class ExecutorCore:
             elif req.streaming:
                 new = r.output[r.sent :]
                 if new or done:
+                    self._send(self._response(r, new, done, r.sent))
                     r.sent = len(r.output)
-                    self._send(self._response(r, new, done))
             elif done:
                 out = r.output if req.exclude_input_from_output else r.tokens
-                self._send(self._response(r, list(out), True))
+                self._send(self._response(r, list(out), True, 0))
             if done:
                 self._release(r)
                 self.finished_lengths.append((r.prompt_len, len(r.output)))
@@ -331,17 +345,26 @@ class ExecutorCore:
                 keep.append(r)
         self.active = keep
 
-    def _response(self, r: ActiveRequest, tokens: list[int], final: bool) -> Response:
-        return Response(
+    def _response(self, r: ActiveRequest, tokens: list[int], final: bool, first_output: int = 0) -> Response:
+        """``first_output``: the index in the output of the first output token this response carries."""
+        req = r.request
+        resp = Response(
             r.id,
             tokens,
             final,
             FinishReason(r.finish_reason) if final else FinishReason.NOT_FINISHED,
-            perf=r.perf if (final and r.request.return_perf_metrics) else None,
+            perf=r.perf if (final and req.return_perf_metrics) else None,
             num_input_tokens=r.prompt_len,
             num_output_tokens=len(r.output),
-            client_tag=r.request.client_tag,
+            client_tag=req.client_tag,
         )
+        if req.logprobs is not None:
+            resp.logprobs = r.logprobs[first_output:]
+            resp.cum_log_prob = r.cum_log_prob
+        if req.prompt_logprobs is not None and not r.prompt_logprobs_sent:
+            resp.prompt_logprobs = [None, *r.prompt_logprobs]
+            r.prompt_logprobs_sent = True
+        return resp
 
     def _send(self, response: Response) -> None:
         try:
@@ -413,6 +436,12 @@ class ExecutorCore:
             return f"max_new_tokens must be at least 1, got {req.max_new_tokens}"
         if req.guide is not None and self.guided is None:
             return "Guided decoding is not enabled: the server was started without a guided_decoding_backend"
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(req, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                return f"{name} must be None or in [0, {MAX_LOGPROBS}], got {k!r}"
+        if isinstance(req.min_tokens, bool) or not isinstance(req.min_tokens, int) or req.min_tokens < 0:
+            return f"min_tokens must be an integer >= 0, got {req.min_tokens!r}"
         if len(req.prompt) > c.max_input_len:
             return f"Prompt length ({len(req.prompt)}) exceeds maximum input length ({c.max_input_len})."
         if not c.enable_chunked_context and len(req.prompt) > c.max_num_tokens:
@@ -473,7 +502,7 @@ class ExecutorCore:
     def _schedule(self):
         c, tpb = self.config, self.config.tokens_per_block
         for r in self.active:  # what the cache already holds of each first context
-            if not r.started:
+            if not r.started and not _scores_prompt(r):
                 r.context_pos = len(self.pool.match_prefix(r.tokens[: r.context_len], r.request.lora)) * tpb
         decision = capacity_schedule(self.active, self.pool.num_free, c, self.max_active, self.pool.refs)
         for r in decision.paused:
@@ -487,7 +516,7 @@ class ExecutorCore:
         batch = StepBatch(self.iteration)
         contexts = [r for r in chosen if not r.generating]
         for r in contexts:  # reused prefixes first, so new allocations cannot evict a block matched this step
-            if not r.started:
+            if not r.started and not _scores_prompt(r):
                 end = r.context_pos + r.chunk
                 r.block_table = self.pool.take_prefix(r.tokens[: r.context_len], r.request.lora)
                 r.context_pos = len(r.block_table) * tpb
@@ -501,6 +530,7 @@ class ExecutorCore:
             r.perf.kv_missed_blocks += new
             r.perf.kv_alloc_total_blocks = len(r.block_table)
             end = r.context_pos + r.chunk
+            req = r.request
             batch.entries.append(
                 StepEntry(
                     r.id,
@@ -509,10 +539,16 @@ class ExecutorCore:
                     r.block_table,
                     True,
                     end == r.context_len,
-                    r.request.sampling,
+                    req.sampling,
                     r.generator,
-                    r.matcher.allowed() if r.matcher is not None and end == r.context_len else None,
-                    r.request.lora,
+                    allowed=r.matcher.allowed() if r.matcher is not None and end == r.context_len else None,
+                    lora=req.lora,
+                    logprobs=req.logprobs,
+                    prompt_logprobs=req.prompt_logprobs,
+                    prompt_targets=(
+                        r.tokens[r.context_pos + 1 : min(end + 1, r.prompt_len)] if _scores_prompt(r) else []
+                    ),
+                    banned=_banned(r),
                 )
             )
         for r in chosen:
@@ -530,8 +566,10 @@ class ExecutorCore:
                         True,
                         r.request.sampling,
                         r.generator,
-                        r.matcher.allowed() if r.matcher is not None else None,
-                        r.request.lora,
+                        allowed=r.matcher.allowed() if r.matcher is not None else None,
+                        lora=r.request.lora,
+                        logprobs=r.request.logprobs,
+                        banned=_banned(r),
                     )
                 )
         if not batch.entries:
@@ -551,13 +589,14 @@ class ExecutorCore:
                 continue
             if e.is_context:
                 r.context_pos += len(e.tokens)
+                r.prompt_logprobs += result.prompt_logprobs.get(e.request_id, [])
                 if not e.sample:
                     continue
                 r.generating = True
                 # early reuse: at the end of the context, keyed by the adapter (two adapters never share blocks)
                 self.pool.store(r.block_table, r.tokens[: r.context_len], r.request.lora)
             try:
-                self._accept(r, result.tokens[e.request_id], now)
+                self._accept(r, result.tokens[e.request_id], now, result.logprobs.get(e.request_id))
             except GuideError as exc:  # a token its grammar refuses (an engine that ignored the mask): its own
                 result.errors[r.id] = str(exc)
                 failed.append(r)
@@ -566,8 +605,8 @@ class ExecutorCore:
         for r in failed:  # one row's failure is its own: the others keep this step's tokens
             self._fail([r], f"Encountered an error in sampling request {r.id}: {result.errors[r.id]}")
 
-    def _accept(self, r: ActiveRequest, token: int, now: int) -> None:
-        """A sampled token: end id (not kept), stop word (kept), or length ends the request."""
+    def _accept(self, r: ActiveRequest, token: int, now: int, logprob=None) -> None:
+        """A sampled token: end id (not kept, nor its logprob), stop word (kept), or length ends the request."""
         if r.perf.first_token_ns == 0:
             r.perf.first_token_ns = now
         r.perf.last_token_ns, r.perf.last_iter = now, self.iteration
@@ -581,6 +620,9 @@ class ExecutorCore:
             r.finish_reason = FinishReason.END_ID
             return
         r.tokens.append(int(token))
+        if logprob is not None:
+            r.logprobs.append(logprob)
+            r.cum_log_prob += logprob.logprob
         if req.stop_words and _hits_stop(r.output, req.stop_words):
             r.finish_reason = FinishReason.STOP_WORDS
         elif len(r.output) >= r.max_new_tokens:
@@ -591,6 +633,8 @@ class ExecutorCore:
         self._release(r)
         r.generating, r.context_pos, r.context_len = False, 0, len(r.tokens)
         r.num_pauses += 1
+        if _scores_prompt(r):  # its context is recomputed from position 0: score the prompt again
+            r.prompt_logprobs = []
         if not self.config.enable_chunked_context and r.context_len > self.config.max_context_length:
             r.finish_reason = FinishReason.LENGTH  # its recompute could never be scheduled without chunking
 

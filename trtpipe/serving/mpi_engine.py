@@ -29,6 +29,7 @@ def _wire(batch: StepBatch) -> tuple:
             list(map(int, e.block_table)),
             bool(e.is_context),
             bool(e.sample),
+            list(map(int, e.prompt_targets)),  # which positions need logits (prompt logprobs)
         )
         for e in batch.entries
     ]
@@ -36,7 +37,7 @@ def _wire(batch: StepBatch) -> tuple:
 
 def _unwire(wire: tuple) -> StepBatch:
     iteration, entries = wire
-    return StepBatch(iteration, [StepEntry(*e) for e in entries])
+    return StepBatch(iteration, [StepEntry(*e[:6], prompt_targets=e[6]) for e in entries])
 
 
 class RankEngine(ReferenceEngine):

@@ -38,7 +38,7 @@ import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -58,6 +58,15 @@ from trtpipe.serving.adapters import AdapterRequestError, LoraSettings, LoraStep
 from trtpipe.serving.config import replace_knobs, twin_default
 from trtpipe.serving.executor import Executor, ExecutorStopped, QueueFullError
 from trtpipe.serving.guided import Guide, GuidedDecoder, GuideError, GuideType, response_format_guide
+from trtpipe.serving.openai_choices import (
+    ChoiceSpec,
+    SpecError,
+    best,
+    chat_logprobs,
+    choice_seed,
+    choice_spec,
+    completion_logprobs,
+)
 from trtpipe.serving.prom_text import histograms
 
 web = require("aiohttp.web", "the OpenAI twin (trtpipe serve of an llmapi target)")
@@ -308,6 +317,11 @@ USED = {
         "n",
         "best_of",
         "logprobs",
+        "echo",
+        "ignore_eos",
+        "min_tokens",
+        "stop_token_ids",
+        "include_stop_str_in_output",
         "priority",
         "user",
         "response_format",
@@ -329,6 +343,10 @@ USED = {
         "best_of",
         "logprobs",
         "top_logprobs",
+        "ignore_eos",
+        "min_tokens",
+        "stop_token_ids",
+        "include_stop_str_in_output",
         "priority",
         "user",
         "parallel_tool_calls",
@@ -344,14 +362,9 @@ _SHARED_DEFAULTS = {
     "presence_penalty": (0,),
     "repetition_penalty": (1,),
     "logit_bias": ({},),
-    "echo": (False,),
     "use_beam_search": (False,),
     "min_p": (0,),
     "top_p_min": (0,),
-    "min_tokens": (0,),
-    "ignore_eos": (False,),
-    "include_stop_str_in_output": (False,),
-    "stop_token_ids": ([],),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "length_penalty": (),
@@ -372,6 +385,7 @@ AT_DEFAULT = {
     },
     "chat": {
         **_SHARED_DEFAULTS,
+        "echo": (False,),  # chat's echo prepends the last message (upstream's meaning), not computed here
         "add_generation_prompt": (True,),
         "add_special_tokens": (False,),
         "documents": (),
@@ -437,10 +451,6 @@ def _stops(body: dict) -> list[str]:
 
 
 def _check_unsupported(body: dict) -> None:
-    if _num(body, "n", int, 1, 1, None) != 1 or _num(body, "best_of", int, 1, 1, None) != 1:
-        raise BadRequest("only n=1 (and best_of=1) is supported", "n")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise BadRequest("logprobs are not supported by this server", "logprobs")
     for key, kind in (("user", str), ("reasoning_effort", str), ("parallel_tool_calls", bool)):  # read, unused
         if body.get(key) is not None and not isinstance(body[key], kind):
             raise BadRequest(f"'{key}' must be a {kind.__name__}", key)
@@ -488,8 +498,21 @@ class Generation:
         *,
         guide: Optional[Guide] = None,
         lora: Optional[str] = None,
+        logprobs: Optional[int] = None,
+        prompt_logprobs: Optional[int] = None,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        stop_token_ids: tuple = (),
+        include_stop: bool = False,
     ):
         self.served, self.prompt, self.stops = served, prompt, stops
+        self.stop_token_ids, self.include_stop = frozenset(stop_token_ids), include_stop
+        self.logprobs: list = []  # TokenLogprob per token of ids (with logprobs)
+        self.prompt_logprobs: Optional[list] = None  # per prompt token, None first (with prompt_logprobs)
+        self.logprobs_sent = 0  # tokens whose logprobs a stream has sent
+        self.text_offset = 0  # the next token's text_offset in a completions stream
+        self.echoed = False  # a stream has sent the echoed prompt
+        self._prefix_len = [0]  # characters of the decoded first j tokens, as far as computed
         self.queue: asyncio.Queue = asyncio.Queue()
         self.ids: list[int] = []
         self.text = ""
@@ -503,7 +526,7 @@ class Generation:
         req = Request(
             prompt=prompt,
             max_new_tokens=max_tokens,
-            end_id=served.eos_id,
+            end_id=None if ignore_eos else served.eos_id,
             sampling=sampling,
             streaming=self.streamed,
             exclude_input_from_output=True,
@@ -511,6 +534,10 @@ class Generation:
             return_perf_metrics=True,
             guide=guide,
             lora=lora,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            min_tokens=min_tokens,
+            stop_words=[[t] for t in sorted(self.stop_token_ids)],
         )
         self.perf = None  # the executor's PerfMetrics, on the final response
         try:
@@ -541,10 +568,23 @@ class Generation:
             if resp.tokens and self.ttft is None:
                 self.ttft = time.perf_counter() - self.t0
             self.ids.extend(resp.tokens)
+            self.logprobs.extend(resp.logprobs or ())
+            if resp.prompt_logprobs is not None:
+                self.prompt_logprobs = resp.prompt_logprobs
+            if (
+                resp.is_final
+                and resp.finish_reason == FinishReason.STOP_WORDS
+                and not self.include_stop
+                and self.ids
+                and self.ids[-1] in self.stop_token_ids
+            ):  # a stop token leaves the output unless asked (tensorrt_llm/executor/result.py, _handle_sequence)
+                del self.ids[-1]
+                del self.logprobs[len(self.ids) :]
             text = self.served.tokenizer.decode(self.ids, skip_special_tokens=True)
-            cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-            if cut >= 0:
-                text, self.stopped, self.finish = text[:cut], True, "stop"
+            hits = [(i, s) for s in self.stops for i in (text.find(s),) if i >= 0]
+            if hits:
+                cut, stop = min(hits)
+                text, self.stopped, self.finish = text[: cut + (len(stop) if self.include_stop else 0)], True, "stop"
                 self.cancel()
             self.text = text
             upto = len(text) if self.stopped else len(text) - _stop_prefix(text, self.stops)
@@ -562,6 +602,71 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return len(self.ids)
+
+    def _chars(self, j: int) -> int:
+        """Characters of the decoded first ``j`` tokens (each prefix decoded once; only with stop strings)."""
+        while len(self._prefix_len) <= j:
+            m = len(self._prefix_len)
+            self._prefix_len.append(len(self.served.tokenizer.decode(self.ids[:m], skip_special_tokens=True)))
+        return self._prefix_len[j]
+
+    def kept(self) -> int:
+        """Tokens of the answer: all, or when cut at a stop string the fewest whose text reaches the cut."""
+        if not self.stopped:
+            return len(self.ids)
+        return next((j for j in range(len(self.ids) + 1) if self._chars(j) >= len(self.text)), len(self.ids))
+
+    @property
+    def cum_log_prob(self) -> float:
+        return sum(x.logprob for x in self.logprobs[: self.kept()])
+
+    def take_logprobs(self, final: bool) -> list:
+        """The logprobs a stream sends now: of every token not sent yet whose text is sent (with stop strings the
+        held-back text's tokens wait, since a stop string may still cut them), or of all kept ones at the end."""
+        if final:
+            end = self.kept()
+        elif not self.stops:
+            end = len(self.ids)
+        else:
+            end = self.logprobs_sent
+            while end < len(self.ids) and self._chars(end + 1) <= self.sent:
+                end += 1
+        out = self.logprobs[self.logprobs_sent : end]
+        self.logprobs_sent = max(self.logprobs_sent, end)
+        return out
+
+
+def _choice_output(out: Optional[ChatOutput]) -> Optional[ChatOutput]:
+    """A fresh copy of a chat request's parsers for one choice (a stream's parsers keep state per choice)."""
+    return None if out is None else ChatOutput(out.reasoning, out.tool, out.tools, guide=out.guide)
+
+
+async def _merged(gens: list):
+    """``(choice index, text delta)`` of several generations as they come, and ``(index, None)`` when one ends; the
+    first error of any is raised (the caller cancels the others)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, g: Generation):
+        try:
+            async for delta in g.deltas():
+                queue.put_nowait((i, delta, None))
+            queue.put_nowait((i, None, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            queue.put_nowait((i, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(gens)
+        while left:
+            i, delta, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            left -= delta is None
+            yield i, delta
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
 
 
 async def _while_connected(request: web.Request, deltas):
@@ -692,30 +797,44 @@ class OpenAIServer:
             return min(default, room) if default else room
         return min(n, room)
 
-    def _prompt_ids(self, prompt: Any) -> list[int]:
-        """Token ids of a completion prompt (run off the event loop: a 1 MB prompt takes a while to encode)."""
+    def _prompt_ids(self, prompt: Any) -> list[tuple[list[int], str]]:
+        """(token ids, echo text) of each completion prompt: a string, a list of strings, a list of token ids or a
+        list of lists of token ids (run off the event loop: a 1 MB prompt takes a while to encode)."""
         tok = self.served.tokenizer
-        if isinstance(prompt, str):
-            self.served.refuse_long_text(prompt, "prompt")
-            ids = tok.encode(prompt, add_special_tokens=True)
-        elif (
-            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
-            bad = next((t for t in prompt if not 0 <= t < self.served.vocab_size), None)
-            if bad is not None:  # an id outside the vocabulary would fail the whole batched step
-                raise BadRequest(
-                    f"'prompt' holds token id {str(bad)[:40]}, outside the vocabulary [0, {self.served.vocab_size})",
-                    "prompt",
-                )
-            ids = list(prompt)
-        elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            self.served.refuse_long_text(prompt[0], "prompt")
-            ids = tok.encode(prompt[0], add_special_tokens=True)
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], str)):
+            texts = [prompt] if isinstance(prompt, str) else prompt
+            if not all(isinstance(t, str) for t in texts):
+                raise BadRequest("'prompt' must be a string, a list of strings, or token ids", "prompt")
+            out = []
+            for text in texts:
+                self.served.refuse_long_text(text, "prompt")
+                out.append((tok.encode(text, add_special_tokens=True), text))
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+            out = [(self._token_prompt(p), None) for p in prompt]
+        elif isinstance(prompt, list) and prompt:
+            out = [(self._token_prompt(prompt), None)]
         else:
-            raise BadRequest("'prompt' must be a string, a list of one string, or a list of token ids", "prompt")
-        if not ids:
+            raise BadRequest(
+                "'prompt' must be a string, a list of strings, a list of token ids, or a list of lists of token ids",
+                "prompt",
+            )
+        if any(not ids for ids, _ in out):
             raise BadRequest("the prompt is empty", "prompt")
-        return ids
+        return [(ids, text if text is not None else tok.decode(ids, skip_special_tokens=False)) for ids, text in out]
+
+    def _token_prompt(self, prompt: list) -> list[int]:
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise BadRequest(
+                "'prompt' must be a string, a list of strings, a list of token ids, or a list of lists of token ids",
+                "prompt",
+            )
+        bad = next((t for t in prompt if not 0 <= t < self.served.vocab_size), None)
+        if bad is not None:  # an id outside the vocabulary would fail the whole batched step
+            raise BadRequest(
+                f"'prompt' holds token id {str(bad)[:40]}, outside the vocabulary [0, {self.served.vocab_size})",
+                "prompt",
+            )
+        return list(prompt)
 
     def _chat_ids(self, messages: Any, tools: Optional[list] = None) -> list[int]:
         if (
@@ -754,11 +873,10 @@ class OpenAIServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, "completions")
         self._refuse_early(body)
-        ids = await asyncio.get_running_loop().run_in_executor(
+        prompts = await asyncio.get_running_loop().run_in_executor(
             self.served.tokenize_pool, self._prompt_ids, body.get("prompt")
         )
-        max_tokens = self._max_tokens(body, len(ids), 16, "prompt")
-        return await self._serve(request, body, ids, max_tokens, chat=False)
+        return await self._serve(request, body, prompts, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, "chat")
@@ -767,8 +885,7 @@ class OpenAIServer:
         ids = await asyncio.get_running_loop().run_in_executor(
             self.served.tokenize_pool, self._chat_ids, body.get("messages"), out.tools.tools if out.tools else None
         )
-        max_tokens = self._max_tokens(body, len(ids), None, "messages")
-        return await self._serve(request, body, ids, max_tokens, chat=True, out=out)
+        return await self._serve(request, body, [(ids, "")], chat=True, out=out)
 
     def _chat_output(self, body: dict) -> ChatOutput:
         """The request's tools checked (400 naming the field) and its answer's parsers."""
@@ -797,74 +914,135 @@ class OpenAIServer:
                 raise BadRequest(str(exc), exc.param) from None
         return out
 
-    async def _serve(
-        self, request: web.Request, body: dict, ids: list[int], max_tokens: int, chat: bool, out=None
-    ) -> web.StreamResponse:
+    def _start(
+        self, body: dict, prompts: list, spec: ChoiceSpec, chat: bool, stream: bool, guide, lora
+    ) -> list[Generation]:
+        """One executor request per (prompt, choice), prompt-major; all cancelled if one cannot start."""
         loop = asyncio.get_running_loop()
-        stream, include_usage = _stream_settings(body)
+        sampling, stops = _sampling(body), _stops(body)
         priority = _num(body, "priority", float, DEFAULT_PRIORITY, 0.0, 1.0)
-        guide = out.guide if out is not None and out.guide is not None else _guide(body)
-        lora = await loop.run_in_executor(self.served.tokenize_pool, self._lora, body)
+        param = "messages" if chat else "prompt"
+        limits = [self._max_tokens(body, len(ids), None if chat else 16, param) for ids, _ in prompts]
+        gens: list[Generation] = []
         try:
-            g = Generation(
-                self.served,
-                ids,
-                max_tokens,
-                _sampling(body),
-                _stops(body),
-                loop,
-                priority,
-                stream,
-                guide=guide,
-                lora=lora,
-            )
+            for (ids, _), max_tokens in zip(prompts, limits):
+                for c in range(spec.best_of):
+                    gens.append(
+                        Generation(
+                            self.served,
+                            ids,
+                            max_tokens,
+                            replace(sampling, seed=choice_seed(sampling.seed, c)),
+                            stops,
+                            loop,
+                            priority,
+                            stream,
+                            guide=guide,
+                            lora=lora,
+                            logprobs=spec.executor_logprobs,
+                            prompt_logprobs=spec.logprobs if spec.echo and (c == 0 or stream) else None,
+                            ignore_eos=spec.ignore_eos,
+                            min_tokens=spec.min_tokens,
+                            stop_token_ids=spec.stop_token_ids,
+                            include_stop=spec.include_stop,
+                        )
+                    )
         except Refused:  # 429 / 503 at admission: a request error for trtllm_request_error_total
+            for g in gens:
+                g.cancel()
             self.counters.errors += 1
             raise
+        return gens
+
+    async def _serve(
+        self, request: web.Request, body: dict, prompts: list, chat: bool, out: Optional[ChatOutput] = None
+    ) -> web.StreamResponse:
+        """``prompts``: (token ids, echo text) per prompt; answers ``n`` choices per prompt (index ``p * n + i``).
+        ``out``: a chat request's parsers (tools, reasoning); each choice parses its own text with a copy."""
+        stream, include_usage = _stream_settings(body)
+        try:
+            spec = choice_spec(body, chat, _sampling(body).greedy, stream, len(prompts), self.served.vocab_size)
+        except SpecError as exc:
+            raise BadRequest(str(exc), exc.param) from None
+        guide = out.guide if out is not None and out.guide is not None else _guide(body)
+        lora = await asyncio.get_running_loop().run_in_executor(self.served.tokenize_pool, self._lora, body)
+        gens = self._start(body, prompts, spec, chat, stream, guide, lora)
+        outs = [_choice_output(out) for _ in gens] if chat else [None] * len(gens)
         self.counters.requests += 1
         self.counters.running += 1
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         try:
             if stream:
-                return await self._stream(request, g, rid, created, chat, include_usage, out)
-            if not await self._finish_while_connected(request, g):
+                return await self._stream(request, gens, prompts, spec, rid, created, chat, include_usage, outs)
+            finished = await asyncio.gather(*(self._finish_while_connected(request, g) for g in gens))
+            if not all(finished):
                 return web.Response(status=499)  # nobody reads it: the client closed the connection
-        except asyncio.CancelledError:  # client went away: free the executor slot
-            g.cancel()
+        except BaseException:  # the client went away, or one choice failed: free every executor slot
+            for g in gens:
+                g.cancel()
             raise
         finally:
             self.counters.running -= 1
-            self._account(g)
-        usage = self._usage(g)
-        if chat:
-            choice = {
-                "index": 0,
-                "message": out.message(g.text),
-                "logprobs": None,
-                "finish_reason": out.finish_reason(g.finish),
-            }
-            return web.json_response(
-                {
-                    "id": rid,
-                    "object": "chat.completion",
-                    "created": created,
-                    "model": self.served.name,
-                    "choices": [choice],
-                    "usage": usage,
-                }
-            )
-        choice = {"index": 0, "text": g.text, "logprobs": None, "finish_reason": g.finish}
+            for g in gens:
+                self._account(g)
+        choices, answered = [], []
+        for p, (ids, echo_text) in enumerate(prompts):
+            first = p * spec.best_of
+            group = gens[first : first + spec.best_of]
+            order = best([g.cum_log_prob for g in group], spec.n) if spec.best_of > spec.n else range(spec.n)
+            for i, k in enumerate(order):
+                g = group[k]
+                answered.append(g)
+                choices.append(
+                    self._choice(g, p * spec.n + i, spec, chat, echo_text, group[0].prompt_logprobs, outs[first + k])
+                )
         return web.json_response(
             {
                 "id": rid,
-                "object": "text_completion",
+                "object": "chat.completion" if chat else "text_completion",
                 "created": created,
                 "model": self.served.name,
-                "choices": [choice],
-                "usage": usage,
+                "choices": choices,
+                "usage": self._usage(prompts, answered),
             }
         )
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.served.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _choice(
+        self,
+        g: Generation,
+        index: int,
+        spec: ChoiceSpec,
+        chat: bool,
+        echo_text: str,
+        prompt_lps,
+        out: Optional[ChatOutput] = None,
+    ) -> dict:
+        decode = self._decode
+        kept = g.kept()
+        if chat:
+            logprobs = None
+            if spec.logprobs is not None:
+                logprobs = {"content": chat_logprobs(decode, g.logprobs[:kept], spec.logprobs)}
+            return {
+                "index": index,
+                "message": out.message(g.text),
+                "logprobs": logprobs,
+                "finish_reason": out.finish_reason(g.finish),
+            }
+        text, logprobs = g.text, None
+        if spec.echo:
+            text = echo_text + text
+        if spec.logprobs is not None:
+            logprobs, offset = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}, 0
+            if spec.echo:  # the prompt's pieces, then the output's (whose text is decoded on its own)
+                logprobs, offset = completion_logprobs(decode, prompt_lps or [None] * len(g.prompt), g.prompt)
+            out_lp, _ = completion_logprobs(decode, g.logprobs[:kept], g.ids[:kept], (), offset)
+            logprobs = {key: logprobs[key] + out_lp[key] for key in out_lp}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": g.finish}
 
     @staticmethod
     async def _finish_while_connected(request: web.Request, g: Generation) -> bool:
@@ -890,58 +1068,114 @@ class OpenAIServer:
             if not task.done():
                 task.cancel()
 
-    async def _stream(self, request, g: Generation, rid: str, created: int, chat: bool, include_usage: bool, out=None):
+    def _stream_logprobs(self, g: Generation, spec: ChoiceSpec, chat: bool, final: bool, prompt=None):
+        """The ``logprobs`` of one stream chunk: the tokens :meth:`Generation.take_logprobs` releases, or with
+        ``prompt`` ((tokens, records) of an echo) the prompt's."""
+        if spec.logprobs is None:
+            return None
+        context: list[int] = []
+        if prompt is not None:
+            tokens, records = prompt
+        else:
+            start = g.logprobs_sent
+            records = g.take_logprobs(final)
+            tokens, context = [r.token for r in records], g.ids[:start]
+        if chat:
+            return {"content": chat_logprobs(self._decode, records, spec.logprobs, context)}
+        out, g.text_offset = completion_logprobs(self._decode, records, tokens, context, g.text_offset)
+        return out
+
+    async def _stream(
+        self,
+        request,
+        gens: list,
+        prompts: list,
+        spec: ChoiceSpec,
+        rid: str,
+        created: int,
+        chat: bool,
+        usage: bool,
+        outs: list,
+    ):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta, finish: Optional[str], first: bool = False) -> bytes:
-            if chat:  # delta: a dict of the message's fields (ChatOutput's), or None
+        def chunk(index: int, delta, finish: Optional[str], first: bool = False, logprobs=None) -> bytes:
+            """``delta``: for chat, a dict of the message's fields (ChatOutput's) or None; else text."""
+            if chat:
                 d = {"role": "assistant", "content": ""} if first else (delta or {})
-                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
             payload = {"id": rid, "object": obj, "created": created, "model": self.served.name, "choices": [choice]}
-            if include_usage:
+            if usage:
                 payload["usage"] = None
             return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
+        async def pieces(i: int, texts: list, finish: Optional[str], logprobs) -> None:
+            """Chunks of choice ``i``: the logprobs ride on the first (an empty delta carries them when the
+            parsers hold every piece back), the finish reason on the last."""
+            texts = texts or ([None] if logprobs is not None or finish is not None else [])
+            for j, t in enumerate(texts):
+                last = j == len(texts) - 1
+                await resp.write(chunk(i, t, finish if last else None, logprobs=logprobs if j == 0 else None))
+
+        n = spec.n  # best_of == n when streaming (choice_spec)
         try:
-            if chat:
-                await resp.write(chunk(None, None, first=True))
-            async for delta in _while_connected(request, g.deltas()):
-                for piece in out.feed(delta) if chat else [delta]:
-                    await resp.write(chunk(piece, None))
-            for piece in out.finish() if chat else []:
-                await resp.write(chunk(piece, None))
-            await resp.write(chunk(None if chat else "", out.finish_reason(g.finish) if chat else g.finish))
-            if include_usage:
+            for i, g in enumerate(gens):
+                if chat:
+                    await resp.write(chunk(i, None, None, first=True))
+            async for i, delta in _while_connected(request, _merged(gens)):
+                g, out = gens[i], outs[i]
+                if spec.echo and not g.echoed:  # the prompt (and its logprobs) leads the choice's text
+                    g.echoed = True
+                    records = g.prompt_logprobs or [None] * len(g.prompt)
+                    lp = self._stream_logprobs(g, spec, chat, False, (list(g.prompt), list(records)))
+                    await resp.write(chunk(i, prompts[i // n][1], None, logprobs=lp))
+                if delta is None:  # this choice ended: what the parsers held back, then its finish reason
+                    lp = self._stream_logprobs(g, spec, chat, final=True)
+                    if chat:
+                        await pieces(i, out.finish(), None, lp)
+                        await resp.write(chunk(i, None, out.finish_reason(g.finish)))
+                    else:
+                        await resp.write(chunk(i, "", g.finish, logprobs=lp))
+                    continue
+                lp = self._stream_logprobs(g, spec, chat, final=False)
+                await pieces(i, out.feed(delta) if chat else [delta], None, lp)
+            if usage:
                 payload = {
                     "id": rid,
                     "object": obj,
                     "created": created,
                     "model": self.served.name,
                     "choices": [],
-                    "usage": self._usage(g),
+                    "usage": self._usage(prompts, gens),
                 }
                 await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
-        except ConnectionResetError:  # the client left mid-stream: free its executor slot, nothing to answer
-            g.cancel()
+        except ConnectionResetError:  # the client left mid-stream: free its executor slots, nothing to answer
+            for g in gens:
+                g.cancel()
             return resp
         except asyncio.CancelledError:
-            g.cancel()
+            for g in gens:
+                g.cancel()
             raise
         except Refused as exc:  # the status line is sent already: the error goes as the last event
+            for g in gens:
+                g.cancel()
             body = _error_body(exc.status, str(exc), exc.param, exc.etype)
             await resp.write(b"data: " + json.dumps({"error": body["error"]}).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
-    def _usage(self, g: Generation) -> dict:
-        n = g.completion_tokens
-        return {"prompt_tokens": len(g.prompt), "completion_tokens": n, "total_tokens": len(g.prompt) + n}
+    def _usage(self, prompts: list, answered: list) -> dict:
+        """Prompt tokens once per prompt; completion tokens of the choices answered (as trtllm-serve counts)."""
+        p = sum(len(ids) for ids, _ in prompts)
+        n = sum(g.completion_tokens for g in answered)
+        return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
 
     def _account(self, g: Generation) -> None:
         """Per-request metrics as trtllm-serve logs them (TPOT = decode time / (tokens - 1))."""

@@ -23,6 +23,7 @@ import torch
 from trtpipe.runtime.generate import sample
 from trtpipe.runtime.model import ReferenceModel, attention_probs
 from trtpipe.serving.api import StepBatch, StepResult
+from trtpipe.serving.logprobs import ban_tokens, chosen_logprobs, rows_of, split_rows
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,9 @@ def sample_entries(batch: StepBatch, logits: torch.Tensor) -> tuple[dict[int, in
         guard, so one request's failure is its own (the executor fails that request and keeps the others).
     """
     rows = [e for e in batch.entries if e.sample]
+    if any(e.banned is not None or e.allowed is not None for e in rows):
+        logits = logits.clone()  # min_tokens and guided rows: the caller's raw logits (logprobs) stay as they were
+        ban_tokens(batch, logits)
     tokens, errors = {}, {}
     for i, e in enumerate(rows):  # guided rows: what the grammar forbids cannot be sampled, greedy or not
         if e.allowed is not None:
@@ -240,19 +244,16 @@ class ReferenceEngine:
 
     def packed(self, batch: StepBatch):
         """The packed step's inputs: ids [1, N], the paged view of the pool, cos/sin [N, rot], and the packed
-        index of the last token of every entry that samples (shared with the one-process-per-rank engine)."""
+        indices whose logits the step needs: the last token of every entry that samples, and the positions that
+        score an entry's prompt targets (:func:`~trtpipe.serving.logprobs.rows_of`; shared with the
+        one-process-per-rank engine)."""
         ids = torch.tensor([[t for e in batch.entries for t in e.tokens]], device=self.device)  # [1, N]
         paged = PagedStep(self.pools, batch, self.tokens_per_block, self.device)
-        ends, t = [], 0
-        for e in batch.entries:
-            t += len(e.tokens)
-            if e.sample:
-                ends.append(t - 1)
-        return ids, paged, self._cos_sin(batch), ends
+        return ids, paged, self._cos_sin(batch), rows_of(batch)[0]
 
     @torch.no_grad()
     def logits(self, batch: StepBatch) -> torch.Tensor:
-        """float32 logits [S, V] of the last token of every entry that samples, in entry order."""
+        """float32 logits [R, V] of the rows :func:`~trtpipe.serving.logprobs.rows_of` names, in that order."""
         ids, paged, cos_sin, ends = self.packed(batch)
         x = self.model.embed(ids)  # [1, N, H]
         for layer in self.model.layers:
@@ -262,5 +263,8 @@ class ReferenceEngine:
     def step(self, batch: StepBatch) -> StepResult:
         t0 = time.perf_counter()
         logits = self.logits(batch)
+        _, sample_at, prompt_at = rows_of(batch)
+        logits, prompt = split_rows(batch, logits, sample_at, prompt_at) if prompt_at else (logits, {})
         tokens, errors = sample_entries(batch, logits)
-        return StepResult(tokens, time.perf_counter() - t0, errors)
+        chosen = chosen_logprobs(batch, logits, tokens)
+        return StepResult(tokens, time.perf_counter() - t0, errors, chosen, prompt)

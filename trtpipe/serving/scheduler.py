@@ -39,6 +39,10 @@ class ActiveRequest:
     chunk: int = 0  # context tokens scheduled this step
     num_pauses: int = 0
     matcher: object = None  # guided decoding: the request's trtpipe.serving.guided.GuideMatcher
+    logprobs: list = field(default_factory=list)  # TokenLogprob per output token (Request.logprobs)
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprob per prompt token after the first
+    cum_log_prob: float = 0.0
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self):
         self.context_len = self.context_len or len(self.tokens)

@@ -4,8 +4,13 @@ to executor requests, responses to output tensors, and the backend's Prometheus 
 The model file (``model_repo/tensorrt_llm/1/model.py``) only moves tensors between Triton and these functions,
 so everything here runs and is tested without Triton. Semantics are the ``tensorrtllm`` backend's: request
 inputs and defaults (``end_id`` unset means no end id; ``top_k`` 1 or ``top_k`` 0 with ``top_p`` 0 is greedy),
-per-request outputs (``output_ids`` [1, 1, L], ``sequence_length`` [1, 1], perf metrics when asked), and the
-metric families and labels of the 1.x backend.
+per-request outputs (``output_ids`` [1, 1, L], ``sequence_length`` [1, 1], perf metrics when asked;
+``return_log_probs`` adds ``cum_log_probs`` [1, 1] and ``output_log_probs`` [1, 1, L] of the output tokens this
+response carries, as upstream's python ``tensorrt_llm`` model shapes them: ``convert_response`` in
+NVIDIA/TensorRT-LLM ``triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/1/model.py``
+@0d5352f5fc5f39ee2eaed948e67236e64ff68e2a; the values are the executor's raw-logit logprobs,
+:mod:`trtpipe.serving.logprobs`, and which distribution the C++ engine path's sampler returns was not confirmed),
+and the metric families and labels of the 1.x backend.
 """
 
 from __future__ import annotations
@@ -158,6 +163,7 @@ class ParsedRequest:
     return_num_input_tokens: bool
     return_num_output_tokens: bool
     stop: bool
+    return_log_probs: bool = False
 
     @property
     def wants_outputs_at_end(self) -> bool:
@@ -218,6 +224,10 @@ def parse_request(get: Callable[[str], Optional[np.ndarray]], s: TwinSettings, d
     streaming = _scalar(get, "streaming", False, bool) and not s.static_batching
     if streaming and not decoupled:
         raise ValueError("streaming needs the decoupled tensorrt_llm model (recipe triton.streaming: true)")
+    min_tokens = _scalar(get, "min_tokens", 0, int)  # SamplingConfig minTokens: values < 1 have no effect
+    if min_tokens < 0:
+        raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
+    return_log_probs = _scalar(get, "return_log_probs", False, bool)
     priority = _scalar(get, "priority", 0.5, float)
     if not 0.0 <= priority <= 1.0:
         raise ValueError(f"priority must be within [0, 1], got {priority}")
@@ -234,6 +244,8 @@ def parse_request(get: Callable[[str], Optional[np.ndarray]], s: TwinSettings, d
         priority=priority,
         return_perf_metrics=_scalar(get, "return_perf_metrics", False, bool),
         guide=guide,
+        logprobs=0 if return_log_probs else None,
+        min_tokens=min_tokens,
     )
     return ParsedRequest(
         request,
@@ -241,6 +253,7 @@ def parse_request(get: Callable[[str], Optional[np.ndarray]], s: TwinSettings, d
         _scalar(get, "return_num_input_tokens", False, bool),
         _scalar(get, "return_num_output_tokens", False, bool),
         False,
+        return_log_probs,
     )
 
 
@@ -267,6 +280,12 @@ def response_outputs(resp: Response, parsed: ParsedRequest) -> list[tuple[str, n
         ("output_ids", np.array(resp.tokens, np.int32).reshape(1, 1, len(resp.tokens))),
         ("sequence_length", np.array([[len(resp.tokens)]], np.int32)),
     ]
+    if parsed.return_log_probs and resp.logprobs is not None:
+        values = [x.logprob for x in resp.logprobs]
+        out += [
+            ("cum_log_probs", np.array([[resp.cum_log_prob or 0.0]], np.float32)),
+            ("output_log_probs", np.array(values, np.float32).reshape(1, 1, len(values))),
+        ]
     if resp.is_final and parsed.return_perf_metrics and resp.perf is not None:
         p = resp.perf
         out += [

@@ -2,7 +2,7 @@
 
 The twin declares every input the real ``tensorrtllm`` backend declares (so clients and upstream model files
 see the same model), but it computes with trtpipe's reference runtime, which has no beam search, LoRA, prompt
-tuning, speculative decoding or logits/log-prob outputs. A request is refused (an error
+tuning, speculative decoding or logits outputs. A request is refused (an error
 response naming the input) when it asks for one of those, and served when such an input is absent or holds the
 value that means "off" -- the value the real backend would also treat as a no-op. Inputs that only tune the
 real engine's KV-cache eviction (``retention_*``) change no output and are accepted and ignored.
@@ -40,6 +40,8 @@ HONOURED = frozenset(
         "priority",
         "guided_decoding_guide_type",  # the executor's grammar (trtpipe/serving/guided.py)
         "guided_decoding_guide",
+        "return_log_probs",  # output_log_probs, cum_log_probs (trtpipe.serving.logprobs)
+        "min_tokens",
     }
 )
 
@@ -77,9 +79,7 @@ OFF_WHEN: dict[str, tuple[str, Callable[[np.ndarray], bool]]] = {
     "repetition_penalty": _equal(1.0),
     "presence_penalty": _equal(0.0),
     "frequency_penalty": _equal(0.0),
-    "min_tokens": ("0 or 1", lambda a: bool(np.all(a.astype(np.int64) <= 1))),
     "runtime_top_p_decay": _equal(1.0),
-    "return_log_probs": _FALSE,
     "return_context_logits": _FALSE,
     "return_generation_logits": _FALSE,
 }

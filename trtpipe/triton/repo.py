@@ -93,6 +93,14 @@ FRONT_INPUTS = [
     ("guided_decoding_guide_type", T.TYPE_STRING, [1], True, "llm:guided_decoding_guide_type"),
     ("guided_decoding_guide", T.TYPE_STRING, [1], True, "llm:guided_decoding_guide"),
 ]
+# The ensemble's further inputs and outputs, named and mapped as upstream's ensemble template maps them
+# (NVIDIA/TensorRT-LLM triton_backend/all_models/inflight_batcher_llm/ensemble/config.pbtxt@2a9abd95); the BLS
+# here does not carry them yet.
+ENSEMBLE_INPUTS = [
+    ("min_tokens", T.TYPE_INT32, [1], True, "llm:min_tokens"),
+    ("return_log_probs", T.TYPE_BOOL, [1], True, "llm:return_log_probs"),
+]
+ENSEMBLE_LLM_OUTPUTS = [("cum_log_probs", T.TYPE_FP32, [-1]), ("output_log_probs", T.TYPE_FP32, [-1, -1])]
 # The BLS also forwards the per-request server measurements (as upstream's BLS does) and returns them with
 # its last response: the executor's timestamps and KV counters, and exact token counts.
 BLS_PERF_INPUTS = [
@@ -479,8 +487,9 @@ def ensemble_config(recipe: Recipe) -> mc.ModelConfig:
     """pre → tensorrt_llm → post (triton-repository.md#ensemble), restricted to the inputs the models here
     implement."""
     c = mc.ModelConfig(name=recipe.triton.model_name, platform="ensemble", max_batch_size=recipe.triton.max_batch_size)
-    c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt, _ in FRONT_INPUTS)
+    c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt, _ in FRONT_INPUTS + ENSEMBLE_INPUTS)
     c.output.append(_io(mc.ModelOutput, "text_output", T.TYPE_STRING, [-1]))
+    c.output.extend(_io(mc.ModelOutput, n, d, dims) for n, d, dims in ENSEMBLE_LLM_OUTPUTS)
     steps = c.ensemble_scheduling.step
     pre = steps.add(model_name="preprocessing", model_version=-1)
     for name, *_, target in FRONT_INPUTS:
@@ -502,10 +511,11 @@ def ensemble_config(recipe: Recipe) -> mc.ModelConfig:
             "bad_words_list": "_BAD_WORDS_IDS",
         }
     )
-    for name, *_, target in FRONT_INPUTS:
+    for name, *_, target in FRONT_INPUTS + ENSEMBLE_INPUTS:
         if target.startswith("llm:"):
             llm.input_map[target[4:]] = name
     llm.output_map.update({"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH"})
+    llm.output_map.update({n: n for n, *_ in ENSEMBLE_LLM_OUTPUTS})
     post = steps.add(model_name="postprocessing", model_version=-1)
     post.input_map.update({"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH"})
     post.output_map["OUTPUT"] = "text_output"
