@@ -33,11 +33,14 @@ def _tensor(request, name):
     return None if t is None else t.as_numpy()
 
 
-def _texts(array):
-    """STRING tensor [b, k] → list of lists of str (bytes decoded as UTF-8)."""
+def _texts(array, name):
+    """STRING tensor [b, k] → list of lists of str (bytes decoded as UTF-8; ValueError names the input otherwise)."""
     out = []
     for row in array.reshape(array.shape[0], -1):
-        out.append([v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in row])
+        try:
+            out.append([v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in row])
+        except UnicodeDecodeError as exc:  # e.g. a lone surrogate written by a lenient encoder
+            raise ValueError(f"{name} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     return out
 
 
@@ -113,8 +116,9 @@ class TritonPythonModel:
         for request in requests:
             try:
                 responses.append(pb_utils.InferenceResponse(output_tensors=self._one(request)))
-            except ValueError as exc:
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))
+            except ValueError as exc:  # the request's own fault: 400 over HTTP, INVALID_ARGUMENT over gRPC
+                error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+                responses.append(pb_utils.InferenceResponse(error=error))
         return responses
 
     def _one(self, request):
@@ -124,7 +128,7 @@ class TritonPythonModel:
                 raise ValueError(
                     f"{name}: declared as in upstream's template, not implemented by trtpipe's preprocessing"
                 )
-        queries = _texts(_tensor(request, "QUERY"))
+        queries = _texts(_tensor(request, "QUERY"), "text_input (QUERY)")
         batch = len(queries)
         ids = []
         for q in queries:
@@ -142,8 +146,8 @@ class TritonPythonModel:
             raise ValueError(f"max_tokens (REQUEST_OUTPUT_LEN) must be INT32, got {out_len.dtype}")
         stop = _tensor(request, "STOP_WORDS_DICT")
         bad = _tensor(request, "BAD_WORDS_DICT")
-        stop_rows = _texts(stop) if stop is not None else [[] for _ in range(batch)]
-        bad_rows = _texts(bad) if bad is not None else [[] for _ in range(batch)]
+        stop_rows = _texts(stop, "stop_words") if stop is not None else [[] for _ in range(batch)]
+        bad_rows = _texts(bad, "bad_words") if bad is not None else [[] for _ in range(batch)]
         stop_ids = _stack_word_lists([word_list(w, self.tokenizer, self.stop_token_ids) for w in stop_rows])
         bad_ids = _stack_word_lists([word_list(w, self.tokenizer) for w in bad_rows])
 
