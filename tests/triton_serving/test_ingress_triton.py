@@ -84,3 +84,22 @@ def test_a_lone_surrogate_as_bytes_through_infer_is_a_4xx_naming_the_input(serve
         assert "400" in str(err.value.status()) and "text_input" in str(err.value), (err.value.status(), err.value)
         rows[0] = ("text_input", np.array([[b"Once upon a time"]], dtype=object), "BYTES")
         assert c.infer("ensemble", infer_inputs(httpclient, rows)).as_numpy("text_output") is not None
+
+
+def test_a_prompt_too_long_by_its_characters_is_refused_before_tokenizing(server, stories_dir):
+    """Issue 38 item 4, Triton half: a prompt whose characters alone prove it exceeds the engine's max_input_len is
+    a 400 from preprocessing with the characters rule's message (only that check words it so: nothing was
+    tokenized); a prompt at the bound is not refused by that rule."""
+    from transformers import AutoTokenizer
+
+    from triton_helpers import BUILD_CONFIG
+    from trtpipe.serving.request_checks import longest_token_chars
+
+    k = longest_token_chars(AutoTokenizer.from_pretrained(stories_dir).get_vocab())
+    limit = BUILD_CONFIG["max_input_len"]
+    url = f"{server.http_url}/v2/models/ensemble/generate"
+    r = requests.post(url, json={"text_input": "a" * (limit * k + 1), "max_tokens": 2}, timeout=120)
+    assert r.status_code == 400, (r.status_code, r.text)
+    assert f"so at least {limit + 1} tokens" in r.text and f"max_input_len {limit}" in r.text, r.text
+    r = requests.post(url, json={"text_input": "a" * (limit * k), "max_tokens": 2}, timeout=120)
+    assert "characters" not in r.text, r.text  # at the bound: tokenized (and refused by its token count, if at all)

@@ -53,6 +53,7 @@ from trtpipe.serving.api import (
     Response,
     SamplingParams,
 )
+from trtpipe.serving import request_checks
 from trtpipe.serving.config import twin_default
 from trtpipe.serving.executor import Executor, ExecutorStopped, QueueFullError
 from trtpipe.serving.prom_text import histograms
@@ -216,7 +217,7 @@ class ServedModel:
             eos = json.loads(gen.read_text()).get("eos_token_id")
             self.eos_id = eos[0] if isinstance(eos, list) else eos if eos is not None else self.eos_id
         # tokens >= characters / the longest token's characters: a prompt past that bound is refused untokenized
-        self.max_chars_per_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        self.max_chars_per_token = request_checks.longest_token_chars(self.tokenizer.get_vocab())
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="trtpipe-tokenize")
         self.executor = Executor(self.config, ReferenceEngine(model), threads=torch_threads())
 
@@ -224,14 +225,15 @@ class ServedModel:
         """400 before tokenizing when ``text`` cannot fit the context whatever it tokenizes to: at least
         ``ceil(chars / max_chars_per_token)`` tokens (tokenizing 4 MB costs gigabytes and seconds of every
         request's time, only to be refused after)."""
-        k = max(1, self.max_chars_per_token)
-        least = -(-len(text) // k)
-        if least >= self.max_seq_len:
-            raise BadRequest(
-                f"the prompt ({len(text)} characters, so at least {least} tokens: this tokenizer's longest token "
-                f"has {k} characters) leaves no room in max_seq_len {self.max_seq_len}",
-                param,
+        try:
+            request_checks.refuse_untokenized(
+                len(text),
+                self.max_chars_per_token,
+                self.max_seq_len - 1,
+                f"leaves no room in max_seq_len {self.max_seq_len}",
             )
+        except ValueError as exc:
+            raise BadRequest(str(exc), param) from None
 
     def shutdown(self) -> None:
         self.executor.shutdown()
