@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.triton, pytest.mark.slow]
 def server(stories_engine, stories_recipe, tmp_path_factory):
     engine = stories_engine(1)
     repo = tmp_path_factory.mktemp("ingress") / "repo"
-    write_repo(stories_recipe(), engine, engine / "checkpoint", repo)
+    write_repo(stories_recipe("triton.bls=true"), engine, engine / "checkpoint", repo)
     with start_server(repo, timeout=240) as s:
         yield s
 
@@ -97,9 +97,10 @@ def test_a_prompt_too_long_by_its_characters_is_refused_before_tokenizing(server
 
     k = longest_token_chars(AutoTokenizer.from_pretrained(stories_dir).get_vocab())
     limit = BUILD_CONFIG["max_input_len"]
-    url = f"{server.http_url}/v2/models/ensemble/generate"
-    r = requests.post(url, json={"text_input": "a" * (limit * k + 1), "max_tokens": 2}, timeout=120)
-    assert r.status_code == 400, (r.status_code, r.text)
-    assert f"so at least {limit + 1} tokens" in r.text and f"max_input_len {limit}" in r.text, r.text
+    for model in ("ensemble", "tensorrt_llm_bls"):  # the BLS passes preprocessing's INVALID_ARG on: 400 too
+        url = f"{server.http_url}/v2/models/{model}/generate"
+        r = requests.post(url, json={"text_input": "a" * (limit * k + 1), "max_tokens": 2}, timeout=120)
+        assert r.status_code == 400, (model, r.status_code, r.text)
+        assert f"so at least {limit + 1} tokens" in r.text and f"max_input_len {limit}" in r.text, r.text
     r = requests.post(url, json={"text_input": "a" * (limit * k), "max_tokens": 2}, timeout=120)
     assert "characters" not in r.text, r.text  # at the bound: tokenized (and refused by its token count, if at all)

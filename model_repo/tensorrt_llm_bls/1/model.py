@@ -95,7 +95,16 @@ def _start_watchdog():
 
 
 class _Failed(Exception):
-    pass
+    """A failure to pass on as it is: its message, and the error code of the model that failed (None: INTERNAL)."""
+
+    def __init__(self, message, code=None):
+        super().__init__(message)
+        self.code = code
+
+    @classmethod
+    def of(cls, error):
+        """From a ``TritonError`` of a response: a request's own fault (INVALID_ARG, 400) stays one."""
+        return cls(error.message(), error.code())
 
 
 def _pbtxt_params(text):
@@ -325,7 +334,7 @@ class TritonPythonModel:
             return self.gate.call(req)
         resp = req.exec()
         if resp.has_error():
-            raise _Failed(resp.error().message())
+            raise _Failed.of(resp.error())
         return resp
 
     def _stop(self, llm_inputs, inner_id):
@@ -404,7 +413,7 @@ class TritonPythonModel:
                         self._stop(llm_inputs, inner_id)
                     return
                 if resp.has_error():  # an error response is the stream's last
-                    raise _Failed(resp.error().message())
+                    raise _Failed.of(resp.error())
                 got = [pb_utils.get_output_tensor_by_name(resp, n) for n in _MEASURED] if asked else []
                 measured = [pb_utils.Tensor(t.name(), t.as_numpy()) for t in got if t is not None] or measured
                 ids_t = pb_utils.get_output_tensor_by_name(resp, "output_ids")
@@ -450,7 +459,9 @@ class TritonPythonModel:
             sender.send(flags=FINAL)
         except Exception as exc:  # noqa: BLE001 - every request ends with a final response, whatever failed
             message = str(exc) if isinstance(exc, _Failed) else f"tensorrt_llm_bls: {type(exc).__name__}: {exc}"
-            err = pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+            code = exc.code if isinstance(exc, _Failed) else None
+            error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+            err = pb_utils.InferenceResponse(error=error)
             if sender is None:
                 return err
             sender.send(err, flags=FINAL)
