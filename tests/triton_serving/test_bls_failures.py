@@ -24,11 +24,11 @@ HANG_S = 120  # a limit, not a timing: a stream that has not ended by then is hu
 
 
 def _stream(url: str, prompt: str, **options) -> tuple[list[str], str]:
-    """(pieces, error or '') of one BLS stream."""
+    """(pieces, error or '') of one BLS stream (8 tokens unless ``max_tokens`` says)."""
     pieces = []
     try:
         with Client(url) as c:
-            for piece in c.stream(prompt, GenerateOptions(max_tokens=8, end_id=-1, **options)):
+            for piece in c.stream(prompt, GenerateOptions(**{"max_tokens": 8, "end_id": -1, **options})):
                 pieces.append(piece)
     except Exception as exc:  # noqa: BLE001 - the error is the outcome under test
         return pieces, str(exc)
@@ -59,5 +59,41 @@ def test_poison_values_beside_six_innocents_and_the_bls_goes_on(streaming_repo):
         assert out[: len(POISON)] == [alone[0]] * len(POISON)  # each poison samples greedily, as TensorRT-LLM's does
         after = _concurrently(url, [(p, dict(temperature=0.0)) for p in INNOCENTS])  # nothing left stuck
         assert after == alone
+    finally:
+        _cleanup(proc, server_pid)
+
+
+TIMEOUT_S = 1.0  # serving.request_timeout_s of the repository below: the long streams fail after their first tokens
+LONG = dict(temperature=0.0, max_tokens=500)  # with max_seq_len 512: far more steps than fit in TIMEOUT_S
+
+
+@pytest.fixture(scope="module")
+def timeout_repo(stories_engine, stories_recipe, tmp_path_factory):
+    from trtpipe.triton.repo import write_repo
+
+    engine = stories_engine(1)
+    repo = tmp_path_factory.mktemp("bls_timeout") / "repo"
+    recipe = stories_recipe("triton.streaming=true", f"serving.request_timeout_s={TIMEOUT_S}")
+    write_repo(recipe, engine, engine / "checkpoint", repo)
+    return repo
+
+
+def test_streams_that_fail_after_tokens_end_with_their_error_and_the_bls_goes_on(timeout_repo):
+    """Issue 38 item 2: long streams time out in tensorrt_llm after they streamed tokens; each ends with its error,
+    and later streams are answered. Before, the python backend of tritonserver 2.51 delivered the error final of a
+    decoupled BLS call to no iterator (python_backend r24.10 src/infer_response.cc writes a response's id only when
+    it has no error), the BLS waited for it forever inside the request gate, and every later stream hung."""
+    proc, url, server_pid = _serve_foreground(timeout_repo)
+    try:
+        errors = []
+        for _ in range(3):  # each round: 4 failing streams at once, then 6 innocents that must still be answered
+            failed = _concurrently(url, [(p, LONG) for p in INNOCENTS[:4]])
+            for pieces, error in failed:
+                assert pieces and "timed out" in error, (pieces, error)  # the twin's error, or the BLS's "lost"
+                errors.append(error)
+            after = _concurrently(url, [(p, dict(temperature=0.0)) for p in INNOCENTS])
+            assert all("".join(p) and not e for p, e in after), after
+        lost = sum("lost its error response" in e for e in errors)
+        print(f"{len(errors) - lost} errors delivered, {lost} lost by the python backend and reported by the BLS")
     finally:
         _cleanup(proc, server_pid)

@@ -54,6 +54,7 @@ from trtpipe.serving.api import (
     Response,
     SamplingParams,
 )
+from trtpipe.serving import request_checks
 from trtpipe.serving.adapters import AdapterRequestError, LoraSettings, LoraStepEngine, select_adapter
 from trtpipe.serving.config import replace_knobs, twin_default
 from trtpipe.serving.executor import Executor, ExecutorStopped, QueueFullError
@@ -237,7 +238,7 @@ class ServedModel:
             eos = json.loads(gen.read_text()).get("eos_token_id")
             self.eos_id = eos[0] if isinstance(eos, list) else eos if eos is not None else self.eos_id
         # tokens >= characters / the longest token's characters: a prompt past that bound is refused untokenized
-        self.max_chars_per_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        self.max_chars_per_token = request_checks.longest_token_chars(self.tokenizer.get_vocab())
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="trtpipe-tokenize")
         self.guided = GuidedDecoder.from_tokenizer(self.config.guided_decoding_backend, self.tokenizer, self.vocab_size)
         engine, self.adapters = ReferenceEngine(model), None  # adapters: the LoRA cache (trtpipe.serving.adapters)
@@ -251,14 +252,15 @@ class ServedModel:
         """400 before tokenizing when ``text`` cannot fit the context whatever it tokenizes to: at least
         ``ceil(chars / max_chars_per_token)`` tokens (tokenizing 4 MB costs gigabytes and seconds of every
         request's time, only to be refused after)."""
-        k = max(1, self.max_chars_per_token)
-        least = -(-len(text) // k)
-        if least >= self.max_seq_len:
-            raise BadRequest(
-                f"the prompt ({len(text)} characters, so at least {least} tokens: this tokenizer's longest token "
-                f"has {k} characters) leaves no room in max_seq_len {self.max_seq_len}",
-                param,
+        try:
+            request_checks.refuse_untokenized(
+                len(text),
+                self.max_chars_per_token,
+                self.max_seq_len - 1,
+                f"leaves no room in max_seq_len {self.max_seq_len}",
             )
+        except ValueError as exc:
+            raise BadRequest(str(exc), param) from None
 
     def shutdown(self) -> None:
         self.executor.shutdown()

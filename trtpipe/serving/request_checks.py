@@ -55,3 +55,22 @@ def word_lists(array: Optional[np.ndarray], name: str, vocab_size: int) -> list[
     used = np.array([t for w in words for t in w], dtype=np.int64)
     check_token_ids(used, vocab_size, f"{name} ids")
     return words
+
+
+def longest_token_chars(vocab) -> int:
+    """Characters of the longest vocabulary entry (at least 1): no token spans more of a text than that."""
+    return max((len(t) for t in vocab), default=1) or 1
+
+
+def refuse_untokenized(n_chars: int, longest: int, room: int, where: str) -> None:
+    """ValueError when a text of ``n_chars`` characters cannot fit ``room`` tokens whatever it tokenizes to: it
+    makes at least ``ceil(n_chars / longest)`` tokens (``longest``: :func:`longest_token_chars`). Checked before
+    tokenizing, which for a 4 MB prompt costs gigabytes and seconds, only to be refused after (issue 38 item 4;
+    the OpenAI twin and the Triton preprocessing model)."""
+    k = max(1, longest)
+    least = -(-n_chars // k)
+    if least > room:
+        raise ValueError(
+            f"the prompt ({n_chars} characters, so at least {least} tokens: this tokenizer's longest token "
+            f"has {k} characters) {where}"
+        )

@@ -337,8 +337,9 @@ def preprocessing_config(recipe: Recipe, engine: EngineInfo, ids: TokenIds) -> m
     """Upstream's preprocessing template (I/O, flags, preferred batch size, parameter keys), text-only.
 
     Upstream's own ``model.py`` can be dropped in: it looks up every parameter key and output it expects here.
-    trtpipe's ``model.py`` reads three more keys (``end_id``, ``pad_id``, ``stop_token_ids``: the model's EOS
-    ids) and refuses the template's inputs it does not implement (embedding bias words, prompt-table ids).
+    trtpipe's ``model.py`` reads four more keys (``end_id``, ``pad_id``, ``stop_token_ids``: the model's EOS
+    ids; ``max_input_len``: the engine's, to refuse a prompt too long by its characters before tokenizing it) and
+    refuses the template's inputs it does not implement (embedding bias words, prompt-table ids).
     """
     c = _python("preprocessing", recipe, recipe.triton.instances.preprocessing)
     _batching(c, recipe, preferred=recipe.triton.max_batch_size)
@@ -355,6 +356,7 @@ def preprocessing_config(recipe: Recipe, engine: EngineInfo, ids: TokenIds) -> m
             "end_id": ids.end_id,
             "pad_id": ids.pad_id,
             "stop_token_ids": ",".join(str(i) for i in ids.stop_ids),
+            "max_input_len": engine.max_input_len,  # trtpipe's: a longer prompt is refused before tokenizing
         },
     )
     return c

@@ -9,7 +9,10 @@ one, which upstream's model.py also resolves, and an absolute one that no longer
 own ``tokenizer/``), ``add_special_tokens``,
 ``end_id`` / ``pad_id`` (from generation_config.json and the tokenizer, written by trtpipe) and
 ``stop_token_ids`` (comma list: the model's other EOS ids, e.g. Llama-3's ``<|eot_id|>``), which are appended
-to every request's stop words so generation stops on all of them by default.
+to every request's stop words so generation stops on all of them by default, and ``max_input_len`` (the engine's):
+a prompt whose characters alone prove it has more tokens is refused before it is tokenized (the rule of
+``trtpipe.serving.request_checks.refuse_untokenized``, which the OpenAI twin applies too; tokenizing 4 MB costs
+gigabytes and seconds of this model's only thread, which every request waits behind).
 """
 
 import json
@@ -33,11 +36,14 @@ def _tensor(request, name):
     return None if t is None else t.as_numpy()
 
 
-def _texts(array):
-    """STRING tensor [b, k] → list of lists of str (bytes decoded as UTF-8)."""
+def _texts(array, name):
+    """STRING tensor [b, k] → list of lists of str (bytes decoded as UTF-8; ValueError names the input otherwise)."""
     out = []
     for row in array.reshape(array.shape[0], -1):
-        out.append([v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in row])
+        try:
+            out.append([v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in row])
+        except UnicodeDecodeError as exc:  # e.g. a lone surrogate written by a lenient encoder
+            raise ValueError(f"{name} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     return out
 
 
@@ -76,11 +82,12 @@ class TritonPythonModel:
         from transformers import AutoTokenizer
 
         try:  # under trtpipe serve: end this stub if tritonserver is killed (a stock Triton image has no trtpipe)
+            from trtpipe.serving import request_checks
             from trtpipe.triton import stub_watchdog
 
             stub_watchdog.start()
         except ImportError:
-            pass
+            request_checks = None
 
         config = json.loads(args["model_config"])
         params = config.get("parameters", {})
@@ -107,14 +114,22 @@ class TritonPythonModel:
         self.pad_id = int(pad) if pad is not None else self.end_id
         stop = _param(params, "stop_token_ids", "")
         self.stop_token_ids = [int(s) for s in stop.split(",") if s.strip()]
+        limit = _param(params, "max_input_len")
+        self.max_input_len = int(limit) if limit is not None else None
+        self.checks = request_checks
+        if request_checks is not None and self.max_input_len is not None:
+            self.longest_token = request_checks.longest_token_chars(self.tokenizer.get_vocab())
+        elif self.max_input_len is not None:
+            pb_utils.Logger.log_warn("preprocessing: no trtpipe here; long prompts are tokenized before refused")
 
     def execute(self, requests):
         responses = []
         for request in requests:
             try:
                 responses.append(pb_utils.InferenceResponse(output_tensors=self._one(request)))
-            except ValueError as exc:
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))
+            except ValueError as exc:  # the request's own fault: 400 over HTTP, INVALID_ARGUMENT over gRPC
+                error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+                responses.append(pb_utils.InferenceResponse(error=error))
         return responses
 
     def _one(self, request):
@@ -124,13 +139,17 @@ class TritonPythonModel:
                 raise ValueError(
                     f"{name}: declared as in upstream's template, not implemented by trtpipe's preprocessing"
                 )
-        queries = _texts(_tensor(request, "QUERY"))
+        queries = _texts(_tensor(request, "QUERY"), "text_input (QUERY)")
         batch = len(queries)
         ids = []
         for q in queries:
             text = q[0] if q else ""
             if not text.strip():
                 raise ValueError("text_input (QUERY) is empty: send a non-empty prompt")
+            if self.checks is not None and self.max_input_len is not None:
+                self.checks.refuse_untokenized(
+                    len(text), self.longest_token, self.max_input_len, f"exceeds max_input_len {self.max_input_len}"
+                )
             ids.append(self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens))
         lengths = np.array([[len(x)] for x in ids], np.int32)
         input_ids = np.full((batch, int(lengths.max())), self.pad_id, np.int32)  # right-padded, as upstream's
@@ -142,8 +161,8 @@ class TritonPythonModel:
             raise ValueError(f"max_tokens (REQUEST_OUTPUT_LEN) must be INT32, got {out_len.dtype}")
         stop = _tensor(request, "STOP_WORDS_DICT")
         bad = _tensor(request, "BAD_WORDS_DICT")
-        stop_rows = _texts(stop) if stop is not None else [[] for _ in range(batch)]
-        bad_rows = _texts(bad) if bad is not None else [[] for _ in range(batch)]
+        stop_rows = _texts(stop, "stop_words") if stop is not None else [[] for _ in range(batch)]
+        bad_rows = _texts(bad, "bad_words") if bad is not None else [[] for _ in range(batch)]
         stop_ids = _stack_word_lists([word_list(w, self.tokenizer, self.stop_token_ids) for w in stop_rows])
         bad_ids = _stack_word_lists([word_list(w, self.tokenizer) for w in bad_rows])
 

@@ -9,7 +9,9 @@ half UTF-8 characters (a trailing U+FFFD is held back until the next token compl
 import collections
 import json
 import os
+import queue
 import re
+import signal
 import threading
 import time
 import uuid
@@ -19,6 +21,9 @@ import triton_python_backend_utils as pb_utils
 
 _TRUE = {"true", "1", "t", "y", "yes"}
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# How much longer than the CPU twin's request_timeout_s a stream may go without its final response before the BLS
+# counts that response as lost (the twin fails a late request at its next step; a step takes far less than this).
+GRACE_S = 5.0
 # front input → (model, its input name)
 _PRE = {
     "text_input": "QUERY",
@@ -92,13 +97,34 @@ def _start_watchdog():
 
 
 class _Failed(Exception):
-    pass
+    """A failure to pass on as it is: its message, and the error code of the model that failed (None: INTERNAL)."""
+
+    def __init__(self, message, code=None):
+        super().__init__(message)
+        self.code = code
+
+    @classmethod
+    def of(cls, error):
+        """From a ``TritonError`` of a response: a request's own fault (INVALID_ARG, 400) stays one."""
+        return cls(error.message(), error.code())
 
 
 def _pbtxt_params(text):
     """A config.pbtxt's string parameters, shaped as in the model config JSON (for ``_param``)."""
-    pairs = re.findall(r'key:\s*"([^"]+)"\s*value\s*\{\s*string_value:\s*"([^"]*)"', text)
-    return {key: {"string_value": value} for key, value in pairs}
+    pairs = re.findall(r'key:\s*"([^"]+)"\s*value\s*\{\s*string_value:\s*"((?:[^"\\]|\\.)*)"', text)
+    return {key: {"string_value": re.sub(r"\\(.)", r"\1", value)} for key, value in pairs}
+
+
+def _request_timeout_s(llm_config_text):
+    """The longest a request can live in the CPU twin's ``tensorrt_llm`` (its executor fails a request that has not
+    finished ``serving.request_timeout_s`` after it arrived; trtpipe writes it into ``executor_extras``). None for
+    a model without it (the TensorRT-LLM backend): then nothing bounds the wait for a final response."""
+    extras = _param(_pbtxt_params(llm_config_text), "executor_extras")
+    try:
+        timeout = float(json.loads(extras)["request_timeout_s"]) if extras else 0.0
+    except (ValueError, KeyError, TypeError):
+        return None
+    return timeout if timeout > 0 else None
 
 
 class _InnerStreaming:
@@ -136,8 +162,12 @@ class _InnerStreaming:
         return True
 
 
+class _Lost(Exception):
+    """No final response by the stream's deadline."""
+
+
 class _IteratorGate:
-    """Keeps ``exec(decoupled=True)`` and waits in a response iterator's ``next()`` apart.
+    """Keeps ``exec(decoupled=True)`` and waits in a response iterator's ``next()`` apart, and bounds every wait.
 
     The python backend's decoupled BLS (2.51, and the same locks upstream since) takes three locks in a cycle:
     a thread woken inside ``next()`` holds its iterator's mutex while it waits for the GIL; the stub's response
@@ -145,55 +175,91 @@ class _IteratorGate:
     holds the GIL while it waits for the map's mutex. With several streams in flight a new request can hang the
     whole stub (seen after a few thousand requests at concurrency 4). So a new call waits until the streams in
     flight have each taken their next response (about one engine step), and they wait until it has returned.
+
+    A wait inside ``next()`` may never end: tritonserver 2.51's python backend loses the error response of a
+    decoupled BLS call (python_backend r24.10 ``src/infer_response.cc`` ``InferResponse::SaveToSharedMemory``
+    writes the response's id only when it has no error, so the stub files it under a stale id; fixed upstream in
+    python_backend 7f21b67, r25.04). So a new call does not wait for a thread that has been inside ``next()``
+    longer than ``PATIENCE_S`` (one lost final would otherwise keep every later request out), and each stream is
+    read by a thread of its own, so its consumer can give up at a deadline while that thread reads on to the end.
     """
 
     # A finished response iterator is let go only this long after its last response (see ``_retire``).
     HOLD_S = 2.0
+    # A new call waits at most this long for the threads inside next(): much longer than an engine step.
+    PATIENCE_S = 5.0
 
-    def __init__(self):
+    def __init__(self, stuck_s=None, on_stuck=None):
         self.cv = threading.Condition()
-        self.inside = 0  # threads inside next()
-        self.calling = 0  # threads waiting for, or inside, exec(decoupled=True)
+        self.inside = {}  # reader thread id -> when it entered next()
+        self.calling = {}  # caller thread id -> when it began to wait for, or entered, exec(decoupled=True)
         self.retired = collections.deque()  # (time finished, iterator)
+        if stuck_s is not None and on_stuck is not None:
+            threading.Thread(target=self._watch, args=(stuck_s, on_stuck), daemon=True).start()
 
     def call(self, request):
+        me = threading.get_ident()
         with self.cv:
-            self.calling += 1
-            self.cv.wait_for(lambda: self.inside == 0)
+            self.calling[me] = time.monotonic()
+            while True:
+                now = time.monotonic()
+                fresh = [t for t in self.inside.values() if now - t < self.PATIENCE_S]
+                if not fresh:
+                    break
+                self.cv.wait(self.PATIENCE_S - (now - min(fresh)))
         try:
             return request.exec(decoupled=True)
         finally:
             with self.cv:
-                self.calling -= 1
+                del self.calling[me]
                 self.cv.notify_all()
 
-    def responses(self, responses):
-        """A decoupled call's responses, each wait for the next one inside the gate. Left early (an error, or
-        the consumer stopped), the rest is read here: only an iterator read to its end is let go by the stub."""
+    def responses(self, responses, deadline=None):
+        """A decoupled call's responses, read to their end by a thread of its own (only an iterator read to its end
+        is let go by the stub), each wait for the next one inside the gate. Raises ``_Lost`` when the stream has
+        not ended by ``deadline`` (``time.monotonic()``; None: no limit). The consumer may stop at any point."""
+        box = queue.SimpleQueue()
         it = iter(responses)
-        finished = False
-        try:
+
+        def read():
             while True:
                 resp = self._next(it)
+                box.put(resp)
                 if resp is None:
-                    finished = True
+                    self._retire(it)
                     return
-                yield resp
-        finally:
-            while not finished:
-                finished = self._next(it) is None
-            self._retire(it)
+
+        threading.Thread(target=read, daemon=True).start()
+        while True:
+            try:
+                resp = box.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise _Lost() from None
+            if resp is None:
+                return
+            yield resp
 
     def _next(self, it):
+        me = threading.get_ident()
         with self.cv:
-            self.cv.wait_for(lambda: self.calling == 0)
-            self.inside += 1
+            self.cv.wait_for(lambda: not self.calling)
+            self.inside[me] = time.monotonic()
         try:
             return next(it, None)
         finally:
             with self.cv:
-                self.inside -= 1
+                del self.inside[me]
                 self.cv.notify_all()
+
+    def _watch(self, stuck_s, on_stuck):
+        """Call ``on_stuck(seconds)`` once a call has waited for, or been inside, exec() longer than ``stuck_s``."""
+        while True:
+            time.sleep(1.0)
+            with self.cv:
+                oldest = min(self.calling.values(), default=None)
+            if oldest is not None and time.monotonic() - oldest > stuck_s:
+                on_stuck(time.monotonic() - oldest)
+                return
 
     def _retire(self, it):
         """Keep a finished iterator a while, so that this thread, holding the GIL, drops the last reference.
@@ -229,13 +295,31 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(f"tokenizer_dir {tok_dir} does not exist; using this model's tokenizer/")
             tok_dir = os.path.join(args["model_repository"], "tokenizer")
         self.tokenizer = AutoTokenizer.from_pretrained(tok_dir, legacy=False, trust_remote_code=False)
-        self.gate = _IteratorGate()
         _start_watchdog()
         llm_dir = os.path.join(os.path.dirname(args["model_repository"]), self.llm_name)
         with open(os.path.join(llm_dir, "config.pbtxt")) as fh:
             llm_config = fh.read()
         self.llm_decoupled = "decoupled: true" in llm_config  # then tensorrt_llm must be called as decoupled
         self.inner_streaming = _InnerStreaming(llm_config, llm_dir)
+        # Every request ends within request_timeout_s in the twin: a call to it waiting longer is stuck for good.
+        self.request_timeout_s = _request_timeout_s(llm_config)
+        stuck_s = None if self.request_timeout_s is None else self.request_timeout_s + GRACE_S
+        self.gate = _IteratorGate(stuck_s, self._stuck)
+
+    @staticmethod
+    def _stuck(seconds):
+        """A call into tensorrt_llm has not returned long after every request there must have ended. tritonserver
+        2.51 gives a python model no way to turn unready, so stop the server (as the twin does when its executor
+        loop dies, ``trtpipe.triton.executor_guard``): readiness fails at once and its supervisor takes over."""
+        server = os.getppid()
+        pb_utils.Logger.log_error(
+            f"tensorrt_llm_bls: a call into tensorrt_llm has been stuck for {seconds:.0f} s; stopping tritonserver "
+            f"(pid {server}) so the deployment turns unready and is restarted"
+        )
+        try:
+            os.kill(server, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
 
     @staticmethod
     def _text(text, measured=()):
@@ -252,14 +336,27 @@ class TritonPythonModel:
             return self.gate.call(req)
         resp = req.exec()
         if resp.has_error():
-            raise _Failed(resp.error().message())
+            raise _Failed.of(resp.error())
         return resp
+
+    def _stop(self, llm_inputs, inner_id):
+        """Cancel the inner tensorrt_llm request by its id (``stop``); its stream still ends with a final."""
+        stop = llm_inputs + [pb_utils.Tensor("stop", np.array([[True]], dtype=bool))]
+        try:
+            for _ in self.gate.responses(
+                self._call(self.llm_name, stop, [], True, inner_id), time.monotonic() + GRACE_S
+            ):
+                pass
+        except _Lost:
+            pass
 
     def _generate(self, request, cancelled=lambda: False):
         """Yield (new text, final, measurements) for one request; nothing more once ``cancelled()``.
 
-        After a client cancel the inner tensorrt_llm request is cancelled too and its remaining responses are
-        drained unread: a response nobody takes would hold up the model sending it.
+        After a client cancel the inner tensorrt_llm request is cancelled too; its remaining responses are read to
+        the end by the gate's reader thread (a response nobody takes would hold up the model sending it). An error
+        response ends the stream at once; a stream with no final response by the twin's request_timeout_s (+
+        ``GRACE_S``) lost it (see ``_IteratorGate``) and ends with an error saying so.
         """
         pre_inputs = []
         for name, target in _PRE.items():
@@ -305,40 +402,43 @@ class TritonPythonModel:
             outputs += list(_MEASURED)
         inner_id = f"bls-{uuid.uuid4().hex}"
         if self.llm_decoupled:
-            upcoming = self.gate.responses(self._call(self.llm_name, llm_inputs, outputs, True, inner_id))
+            timeout = self.request_timeout_s
+            deadline = None if timeout is None else time.monotonic() + timeout + GRACE_S
+            upcoming = self.gate.responses(self._call(self.llm_name, llm_inputs, outputs, True, inner_id), deadline)
         else:
             upcoming = iter([self._call(self.llm_name, llm_inputs, outputs, request_id=inner_id)])
-        tokens, sent, measured, gone = list(prefix), "", [], False
-        for resp in upcoming:
-            if not gone and cancelled():
-                gone = True
-                if self.llm_decoupled:  # stop the inner request by its id; its stream still ends with a final
-                    stop = llm_inputs + [pb_utils.Tensor("stop", np.array([[True]], dtype=bool))]
-                    for _ in self.gate.responses(self._call(self.llm_name, stop, [], True, inner_id)):
-                        pass
-            if gone:
-                continue
-            if resp.has_error():
-                for _ in upcoming:  # read to the end (through the gate) before the error goes out
-                    pass
-                raise _Failed(resp.error().message())
-            got = [pb_utils.get_output_tensor_by_name(resp, n) for n in _MEASURED] if asked else []
-            measured = [pb_utils.Tensor(t.name(), t.as_numpy()) for t in got if t is not None] or measured
-            ids_t = pb_utils.get_output_tensor_by_name(resp, "output_ids")
-            if ids_t is None:  # the final flag-only response
-                continue
-            ids = ids_t.as_numpy().reshape(-1)  # [1, 1, L]: one sequence, beam 1
-            n = int(pb_utils.get_output_tensor_by_name(resp, "sequence_length").as_numpy().reshape(-1)[0])
-            tokens += ids[:n].tolist()
-            if stream:
-                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-                if text.endswith("\ufffd") or not text.startswith(sent):
+        tokens, sent, measured = list(prefix), "", []
+        try:
+            for resp in upcoming:
+                if cancelled():
+                    if self.llm_decoupled:
+                        self._stop(llm_inputs, inner_id)
+                    return
+                if resp.has_error():  # an error response is the stream's last
+                    raise _Failed.of(resp.error())
+                got = [pb_utils.get_output_tensor_by_name(resp, n) for n in _MEASURED] if asked else []
+                measured = [pb_utils.Tensor(t.name(), t.as_numpy()) for t in got if t is not None] or measured
+                ids_t = pb_utils.get_output_tensor_by_name(resp, "output_ids")
+                if ids_t is None:  # the final flag-only response
                     continue
-                if len(text) > len(sent):
-                    yield text[len(sent) :], False, ()
-                    sent = text
-        if gone:
-            return
+                ids = ids_t.as_numpy().reshape(-1)  # [1, 1, L]: one sequence, beam 1
+                n = int(pb_utils.get_output_tensor_by_name(resp, "sequence_length").as_numpy().reshape(-1)[0])
+                tokens += ids[:n].tolist()
+                if stream:
+                    text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                    if text.endswith("\ufffd") or not text.startswith(sent):
+                        continue
+                    if len(text) > len(sent):
+                        yield text[len(sent) :], False, ()
+                        sent = text
+        except _Lost:
+            self._stop(llm_inputs, inner_id)  # should it still run there, end it
+            raise _Failed(
+                f"tensorrt_llm_bls: {self.llm_name} sent no final response within its request_timeout_s "
+                f"({self.request_timeout_s:g} s) + {GRACE_S:g} s: the request timed out or failed there, and "
+                f"tritonserver 2.51's python backend lost its error response (a decoupled BLS call's error "
+                f"responses carry no request id before python_backend r25.04)"
+            ) from None
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         yield (text[len(sent) :] if text.startswith(sent) else text), True, measured
 
@@ -361,7 +461,9 @@ class TritonPythonModel:
             sender.send(flags=FINAL)
         except Exception as exc:  # noqa: BLE001 - every request ends with a final response, whatever failed
             message = str(exc) if isinstance(exc, _Failed) else f"tensorrt_llm_bls: {type(exc).__name__}: {exc}"
-            err = pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+            code = exc.code if isinstance(exc, _Failed) else None
+            error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+            err = pb_utils.InferenceResponse(error=error)
             if sender is None:
                 return err
             sender.send(err, flags=FINAL)
