@@ -36,6 +36,7 @@ from trtpipe.processes import log_tail, write_state
 from trtpipe.serving.api import ExecutorConfig
 from trtpipe.serving.config import from_json, replace_knobs, to_json, twin_default
 from trtpipe.supervisor import Member, exit_cause, listed_models, spawn_member, stop_in_order
+from trtpipe.jsonfile import load_json
 
 DYNAMO_PYTHON_ENV = "TRTPIPE_DYNAMO_PYTHON"
 READY_TIMEOUT_S = 180.0
@@ -232,7 +233,7 @@ class Supervisor:
         for i in range(self.graph.replicas):
             f = self.graph.run_dir / WORKER_STATUS.format(i)
             try:
-                out[i] = json.loads(f.read_text())
+                out[i] = load_json(f)
             except (OSError, ValueError):
                 continue
         return out
@@ -355,7 +356,7 @@ def resolve_graph(
     from trtpipe.supervisor import state_path
 
     t = resolve_openai_target(target, overrides, host, port, name)
-    max_pos = json.loads((t.model_dir / "config.json").read_text()).get("max_position_embeddings") or 2048
+    max_pos = load_json(t.model_dir / "config.json", ServingError).get("max_position_embeddings") or 2048
     config = replace_knobs(t.config or twin_default(int(max_pos)), enable_kv_cache_reuse=True)  # what KV routing is for
     return DynamoGraph(
         t.model_dir,
@@ -373,7 +374,7 @@ def resolve_graph(
 def has_chat_template(model_dir: Path) -> bool:
     cfg = Path(model_dir) / "tokenizer_config.json"
     return (Path(model_dir) / "chat_template.jinja").is_file() or bool(
-        cfg.is_file() and json.loads(cfg.read_text()).get("chat_template")
+        cfg.is_file() and load_json(cfg, ServingError).get("chat_template")
     )
 
 
@@ -385,7 +386,7 @@ def link_model_with_template(model_dir: Path, out: Path, template: str) -> None:
         if f.name != "tokenizer_config.json":
             (out / f.name).symlink_to(f.resolve())
     cfg_file = Path(model_dir) / "tokenizer_config.json"
-    cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    cfg = load_json(cfg_file, ServingError) if cfg_file.is_file() else {}
     (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}, indent=1))
 
 
@@ -453,7 +454,7 @@ def run_status(run_dir: Path) -> Optional[dict]:
 def main(argv: Optional[list[str]] = None) -> None:
     """``python -m trtpipe.app.launch_dynamo GRAPH.json``: supervise a graph in the foreground (serve
     --dynamo --detach runs this as its child)."""
-    graph = graph_from_spec(json.loads(Path((argv or sys.argv[1:])[0]).read_text()))
+    graph = graph_from_spec(load_json(Path((argv or sys.argv[1:])[0]), ServingError))
     sup = Supervisor(graph, echo=lambda s: print(s, flush=True))
     try:
         sup.start()

@@ -56,6 +56,8 @@ from trtpipe.serving.api import (
 from trtpipe.serving.config import twin_default
 from trtpipe.serving.executor import Executor, ExecutorStopped, QueueFullError
 from trtpipe.serving.prom_text import histograms
+from trtpipe.errors import ServingError
+from trtpipe.jsonfile import load_json
 
 web = require("aiohttp.web", "the OpenAI twin (trtpipe serve of an llmapi target)")
 
@@ -213,7 +215,7 @@ class ServedModel:
         self.eos_id = self.tokenizer.eos_token_id
         gen = self.dir / "generation_config.json"
         if gen.exists():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
+            eos = load_json(gen, ServingError).get("eos_token_id")
             self.eos_id = eos[0] if isinstance(eos, list) else eos if eos is not None else self.eos_id
         # tokens >= characters / the longest token's characters: a prompt past that bound is refused untokenized
         self.max_chars_per_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
