@@ -42,6 +42,7 @@ DYNAMO_PYTHON_ENV = "TRTPIPE_DYNAMO_PYTHON"
 READY_TIMEOUT_S = 180.0
 STOP_GRACE_S = 15.0  # a worker's own shutdown waits 5 s before draining (Dynamo's grace period), then cleans up
 SYSTEM_PORT_RANGE = (20000, 32768)
+LOOPBACK = "127.0.0.1"
 WORKER_STATUS = "worker{}.json"  # what a worker writes about itself once started (pid, Dynamo instance id)
 
 
@@ -75,6 +76,7 @@ class DynamoGraph:
     threads_per_worker: int = 1
     chat_template: Optional[str] = None  # for a tokenizer without one (Dynamo serves chat only with a template)
     system_ports: list[int] = field(default_factory=list)
+    frontend_port: int = 0  # Dynamo's frontend, on loopback behind the ingress (chosen at start)
 
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
@@ -104,8 +106,8 @@ class DynamoGraph:
             "DYN_DISCOVERY_BACKEND": "file",
             "DYN_FILE_KV": str(self.run_dir / "discovery"),
             "DYN_NAMESPACE": "dynamo",
-            "DYN_HTTP_HOST": h,
-            "DYN_HTTP_PORT": str(self.port),
+            "DYN_HTTP_HOST": LOOPBACK,  # behind the ingress: only it talks to the frontend
+            "DYN_HTTP_PORT": str(self.frontend_port),
             "DYN_TCP_RPC_HOST": h,
             "DYN_SYSTEM_HOST": h,
             "DYN_TCP_RESPONSE_STREAM_HOST": h,
@@ -116,6 +118,25 @@ class DynamoGraph:
 
     def frontend_command(self, python: Path) -> list[str]:
         return [str(python), "-m", "dynamo.frontend", "--router-mode", self.router]
+
+    def ingress_command(self, python: Path) -> list[str]:
+        """trtpipe's completions ingress on the public port (trtpipe.serving.dynamo_ingress: a text completion
+        reaches Dynamo encoded as trtllm-serve encodes it, BOS included), in front of the frontend."""
+        return [
+            str(python),
+            "-m",
+            "trtpipe.serving.dynamo_ingress",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--upstream",
+            f"http://{LOOPBACK}:{self.frontend_port}",
+            "--model",
+            str(self.worker_model_dir),
+            "--max-seq-len",
+            str(self.config.max_seq_len),
+        ]
 
     def worker_command(self, python: Path, index: int) -> list[str]:
         cmd = [
@@ -142,7 +163,8 @@ class DynamoGraph:
 
     def describe_ports(self) -> str:
         return (
-            f"frontend http {self.url} (OpenAI API); each worker: a system port on {self.host} "
+            f"http {self.url} (OpenAI API: trtpipe's completions ingress, in front of Dynamo's frontend on "
+            f"{LOOPBACK}:{self.frontend_port}); each worker: a system port on {self.host} "
             f"({', '.join(map(str, self.system_ports))}), a request-plane port on {self.host}, and three ZMQ "
             "KV-event publishers that Dynamo 1.6.1 binds to 0.0.0.0 (firewall them, or run in a network "
             "namespace)"
@@ -156,6 +178,13 @@ def worker_cores(index: int, replicas: int) -> list[int]:
         return []
     share = len(cpus) // replicas
     return cpus[index * share : (index + 1) * share]
+
+
+def free_port(host: str) -> int:
+    """A port free a moment ago on ``host`` (the kernel's choice)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def low_free_ports(n: int, host: str) -> list[int]:
@@ -181,6 +210,7 @@ class Supervisor:
         self.graph, self.echo = graph, echo
         self.python = dynamo_python()
         self.frontend: Optional[Member] = None
+        self.ingress: Optional[Member] = None
         self.workers: list[Member] = []
         self.events: list[str] = []
 
@@ -194,8 +224,10 @@ class Supervisor:
             link_model_with_template(g.model_dir, g.worker_model_dir, g.chat_template)
         ports = low_free_ports(g.replicas, g.host)
         g.system_ports = ports
+        g.frontend_port = free_port(LOOPBACK)
         try:
             self.frontend = self._spawn("frontend", g.frontend_command(self.python), {})
+            self.ingress = self._spawn("ingress", g.ingress_command(self.python), {})
             for i in range(g.replicas):
                 w = self._spawn(f"worker{i}", g.worker_command(self.python, i), {"DYN_SYSTEM_PORT": str(ports[i])})
                 w.system_port = ports[i]
@@ -213,7 +245,7 @@ class Supervisor:
 
     def _wait_ready(self, deadline: float) -> None:
         while time.monotonic() < deadline:
-            for m in [self.frontend, *self.workers]:
+            for m in [self.frontend, self.ingress, *self.workers]:
                 if not m.alive():
                     raise ServingError(
                         f"dynamo {m.role} (pid {m.pid}) {exit_cause(m.proc.returncode)} during "
@@ -242,7 +274,7 @@ class Supervisor:
     def poll(self) -> list[str]:
         """Notice members that ended since the last call; take dead workers out of routing. Returns new events."""
         new = []
-        for m in [self.frontend, *self.workers]:
+        for m in [self.frontend, self.ingress, *self.workers]:
             if m is None or not m.notice_end():
                 continue
             line = f"dynamo {m.role} (pid {m.pid}) died: {m.cause}"
@@ -256,7 +288,11 @@ class Supervisor:
             for line in new:
                 self.echo(line)
             self._write_status(
-                "ready" if self.frontend.cause is None and any(w.cause is None for w in self.workers) else "failed"
+                "ready"
+                if self.frontend.cause is None
+                and self.ingress.cause is None
+                and any(w.cause is None for w in self.workers)
+                else "failed"
             )
         return new
 
@@ -279,7 +315,7 @@ class Supervisor:
 
         sigterm_as_interrupt()
         try:
-            while self.frontend.cause is None:
+            while self.frontend.cause is None and self.ingress.cause is None:
                 self.poll()
                 time.sleep(0.2)
         except KeyboardInterrupt:
@@ -289,14 +325,17 @@ class Supervisor:
 
     # ---- stop -------------------------------------------------------------------------------------
     def stop(self) -> None:
-        """Workers first (they unregister and drain), then the frontend; SIGKILL whatever outlives the grace."""
-        stop_in_order((self.workers, [self.frontend] if self.frontend else []), STOP_GRACE_S)
+        """Workers first (they unregister and drain), then the frontend, then the ingress; SIGKILL whatever outlives
+        the grace."""
+        stop_in_order(
+            (self.workers, [m for m in (self.frontend,) if m], [m for m in (self.ingress,) if m]), STOP_GRACE_S
+        )
         shutil.rmtree(self.graph.run_dir / "discovery", ignore_errors=True)
         if self.graph.run_dir.exists():
             self._write_status("stopped")
 
     def _write_status(self, state: str) -> None:
-        members = [self.frontend, *self.workers]
+        members = [self.frontend, self.ingress, *self.workers]
         write_state(
             self.graph.run_dir / "status.json",
             {
@@ -440,7 +479,8 @@ def serve_dynamo(
 
 def announce(g: DynamoGraph) -> str:
     return (
-        f"serving {g.model_dir} as {g.name!r} on NVIDIA Dynamo: frontend + {g.replicas} twin workers, "
+        f"serving {g.model_dir} as {g.name!r} on NVIDIA Dynamo: frontend + {g.replicas} twin workers "
+        "(completions encoded as trtllm-serve encodes them, BOS included, by trtpipe's ingress), "
         f"router {g.router}\n  http {g.url}/v1\n  ports {g.describe_ports()}\n  run  {g.run_dir}"
     )
 
