@@ -168,7 +168,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     app = make_app(args.upstream.rstrip("/"), Encoder(args.model, args.max_seq_len))
     log.info("completions ingress on %s:%d -> %s", args.host, args.port, args.upstream)
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    # a client that leaves cancels its handler, which closes the upstream request: the frontend then cancels the
+    # worker's request, as when the client talks to it directly (aiohttp does not cancel handlers by default)
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True)
 
 
 if __name__ == "__main__":
