@@ -140,7 +140,7 @@ def greedy_part(model_dir: Path, port: int, aiperf: Path | None, kill: bool = Fa
         greedy_checks(g, out, model_dir, aiperf)
         if kill:
             out["kill"] = kill_checks(g)
-            pids = [m.pid for m in [g.sup.frontend, *g.sup.workers]]
+            pids = [m.pid for m in [g.sup.frontend, g.sup.ingress, *g.sup.workers]]
     if kill:
         out["kill"].update(leftovers(pids))
     return out
@@ -343,7 +343,7 @@ def scaling_part(model_dir: Path, port: int, concurrency: int, requests: int) ->
 def kill_part(model_dir: Path, port: int) -> dict:
     with Running(model_dir, 3, "round-robin", port) as g:
         out = kill_checks(g)
-        pids = [m.pid for m in [g.sup.frontend, *g.sup.workers]]
+        pids = [m.pid for m in [g.sup.frontend, g.sup.ingress, *g.sup.workers]]
     return {**out, **leftovers(pids)}
 
 

@@ -1,7 +1,8 @@
 """Which recipe fields a piece of code reads: the check that a stage's content key covers what its writers read.
 
 :func:`recipe_reads` records, while its block runs, every field of ``recipe`` (or of a section of it) that is read by
-attribute or dumped whole (``model_dump``), as dotted paths (``"serving.request_timeout_s"``). Only the sections of
+attribute or dumped whole (``model_dump``), as dotted paths (``"serving.request_timeout_s"``); asking a section which
+fields the recipe wrote (``model_fields_set``) is recorded as ``"<section>.model_fields_set"``. Only the sections of
 this one recipe object are recorded, so recipes built inside the block (schema defaults) are not.
 :func:`unkeyed` then names the reads that no stage section covers: the stage's own sections and those of every stage
 it reads (their keys enter its key).
@@ -37,7 +38,8 @@ def recipe_reads(recipe: Recipe) -> Iterator[set[str]]:
 
     def get(self, name):
         base = paths.get(id(self))
-        if base is not None and name in type(self).model_fields:
+        # model_fields_set (which fields the recipe wrote) is a read of its own: "engine.kv_cache.model_fields_set"
+        if base is not None and (name in type(self).model_fields or name == "model_fields_set"):
             seen.add(f"{base}.{name}" if base else name)
         return object.__getattribute__(self, name)
 

@@ -1,7 +1,10 @@
 """Read a JSON file into a dict with trtpipe's one-line errors (``path:line:col: invalid JSON: ...``), and refuse
 what no reader should open: a FIFO, device or socket where a file is expected (opening or reading it blocks, or
 never ends) and a NaN or infinite number (``NaN``, ``Infinity``, ``1e999``), which Python's ``json`` accepts but
-no configuration value means."""
+no configuration value means.
+
+Every JSON file trtpipe reads goes through :func:`load_json` (any JSON value, parse errors left to the caller) or
+:func:`read_json` (an object, every error one line); ``tests/test_jsonfile_sites.py`` finds any other."""
 
 from __future__ import annotations
 
@@ -62,12 +65,29 @@ def non_finite(data: Any, where: str = "") -> Iterator[tuple[str, float]]:
             yield from non_finite(v, f"{where}[{i}]")
 
 
+class JsonFileError(TrtpipeError, ValueError):
+    """A JSON file refused by :func:`load_json` (a FIFO or device, a NaN or infinite number). A ``ValueError`` too:
+    readers that treat an unreadable file as absent (state files, markers) keep doing so, and never block."""
+
+
+def load_json(path: Path, error: type[TrtpipeError] = JsonFileError, finite: bool = True) -> Any:
+    """The JSON value in ``path`` (UTF-8). A FIFO, device or socket is refused before it is opened, and (with
+    ``finite``) a NaN or infinite number anywhere in it, naming the file and the key, as ``error``. Missing files
+    (``FileNotFoundError``) and bad JSON (``json.JSONDecodeError``) are left to the caller to word.
+    ``finite=False`` only for measurements (bench results), where NaN records "no value"."""
+    refuse_special(path, error)
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    if finite:
+        for key, value in non_finite(data):
+            raise error(f"{path}: key '{key}': {json.dumps(value)} is not a finite number")
+    return data
+
+
 def read_json(path: Path, what: str, error: type[TrtpipeError]) -> dict[str, Any]:
     """The JSON object in ``path``; ``what`` completes "not found (is X?)" when the file is missing. A FIFO or
     device, or a NaN or infinite number anywhere in it, is refused naming the file (and the key)."""
-    refuse_special(path, error)
     try:
-        data = json.loads(Path(path).read_text())
+        data = load_json(path, error, finite=False)
     except FileNotFoundError:
         raise error(f"{path}: not found (is {what}?)") from None
     except json.JSONDecodeError as exc:

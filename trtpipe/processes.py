@@ -18,6 +18,7 @@ import subprocess
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
+from trtpipe.jsonfile import load_json
 
 SHM_DIR = Path("/dev/shm")
 LOG_TAIL_LINES = 25
@@ -172,7 +173,7 @@ def remove_files(paths: Iterable[Path]) -> list[str]:
 def read_state(path: Path) -> Optional[Any]:
     """A state file's JSON, or None while it is missing, half-written by an older version, or not JSON."""
     try:
-        return json.loads(Path(path).read_text())
+        return load_json(Path(path))
     except (OSError, ValueError):
         return None
 

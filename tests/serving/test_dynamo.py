@@ -3,10 +3,12 @@
 scripts/dynamo_drill.py runs the graph in a network namespace of its own (Dynamo's workers bind their ZMQ event
 publishers to 0.0.0.0); this test runs it in its quick setting and checks what it reports:
 - greedy text through the official ``openai`` client (completions, streaming, chat, 8 at once over 3 workers)
-  equals transformers' greedy on the same float16 checkpoint and the same token ids (Dynamo's frontend tokenizes
-  with ``tokenizer.json`` but without special tokens, ai-dynamo 1.6.1 ``lib/llm/src/tokenizers/hf.rs``
-  ``encode(input, false)``: no BOS, though the tokenizer's post_processor and ``add_bos_token`` add one, and the
-  twin's own completions have it; issue 38 item 11, still open); AIPerf's chat and completions runs have no errors;
+  equals transformers' greedy on the same float16 checkpoint and the ids trtllm-serve would encode: a completion
+  with the tokenizer's BOS (Dynamo's frontend alone encodes without special tokens, ai-dynamo 1.6.1
+  ``lib/llm/src/tokenizers/hf.rs`` ``encode(input, false)``; trtpipe's ingress hands it trtllm-serve's ids,
+  trtpipe/serving/dynamo_ingress.py, issue 38 item 11), chat without (the template's text, as trtllm-serve);
+  the same completion through the twin directly gives the same text; AIPerf's chat and completions runs have no
+  errors;
 - KV-aware routing, one request at a time with a barrier on the router's own applied-events counter (so the
   router's load term is equal and overlap alone decides): the workers' own reuse counters reach exactly the hit
   rate of one cache that saw every request, and the router rejected no event;
@@ -111,17 +113,12 @@ def test_greedy_text_through_dynamo_equals_transformers(drill, hf_greedy):
     run, chat = hf_greedy
     g = drill["greedy"]
     for p in PROMPTS:
-        assert g["completions"][p] == run(p, 24)
+        assert g["completions"][p] == run(p, 24, special=True)
         assert g["stream"][p] == g["completions"][p]
         assert g["chat"][p] == chat(p, 16)
     assert g["concurrent"] == [g["completions"][p] for p in PROMPTS * 2]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 38 item 11 (open): Dynamo's frontend encodes a completion prompt without the BOS the model's "
-    "tokenizer adds (ai-dynamo 1.6.1 hf.rs encode(input, false)); the twin's completions keep it",
-)
 def test_a_completion_through_dynamo_equals_the_twin_directly(drill, hf_greedy):
     """The same completion through ``trtpipe serve --dynamo`` and through the twin (whose completions encode with
     the tokenizer's special tokens, as trtllm-serve does, and equal transformers on those ids:

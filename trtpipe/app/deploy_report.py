@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 from trtpipe.errors import TrtpipeError
 from trtpipe.extras import pyplot
+from trtpipe.jsonfile import load_json
 
 
 def _accuracy(recipe) -> dict:
@@ -52,7 +53,7 @@ def _accuracy(recipe) -> dict:
             return {"status": f"not verified yet (trtpipe build {recipe.path})"}
         folder = older[-1]
         source = f"verify artifact {folder.name} (an earlier key of this recipe: same model, other accuracy settings)"
-    doc = json.loads((folder / "accuracy.json").read_text())
+    doc = load_json(folder / "accuracy.json")
     row = doc["rows"][1]
     acc = recipe.accuracy
     limits = gate_limits(acc)
@@ -108,7 +109,7 @@ def newest_bench(recipe) -> Optional[Path]:
     found = []
     for p in root.rglob("result.json") if root.is_dir() else []:
         try:
-            doc = json.loads(p.read_text())
+            doc = load_json(p, finite=False)
         except (OSError, ValueError):
             continue
         if doc.get("format", "").startswith("trtpipe-bench/"):
@@ -120,7 +121,7 @@ def _bench(recipe, prefer_label: Optional[str] = None) -> dict:
     path = newest_bench(recipe)
     if path is None:
         return {"status": f"not benchmarked (trtpipe bench {recipe.path})"}
-    doc = json.loads(path.read_text())
+    doc = load_json(path, finite=False)
     m = doc["metrics"]
 
     def st(name, s):

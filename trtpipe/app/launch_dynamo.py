@@ -36,11 +36,13 @@ from trtpipe.processes import log_tail, write_state
 from trtpipe.serving.api import ExecutorConfig
 from trtpipe.serving.config import from_json, replace_knobs, to_json, twin_default
 from trtpipe.supervisor import Member, exit_cause, listed_models, spawn_member, stop_in_order
+from trtpipe.jsonfile import load_json
 
 DYNAMO_PYTHON_ENV = "TRTPIPE_DYNAMO_PYTHON"
 READY_TIMEOUT_S = 180.0
 STOP_GRACE_S = 15.0  # a worker's own shutdown waits 5 s before draining (Dynamo's grace period), then cleans up
 SYSTEM_PORT_RANGE = (20000, 32768)
+LOOPBACK = "127.0.0.1"
 WORKER_STATUS = "worker{}.json"  # what a worker writes about itself once started (pid, Dynamo instance id)
 
 
@@ -75,6 +77,7 @@ class DynamoGraph:
     chat_template: Optional[str] = None  # for a tokenizer without one (Dynamo serves chat only with a template)
     system_ports: list[int] = field(default_factory=list)
     parser_args: list[str] = field(default_factory=list)  # --dyn-tool-call-parser / --dyn-reasoning-parser
+    frontend_port: int = 0  # Dynamo's frontend, on loopback behind the ingress (chosen at start)
 
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
@@ -104,8 +107,8 @@ class DynamoGraph:
             "DYN_DISCOVERY_BACKEND": "file",
             "DYN_FILE_KV": str(self.run_dir / "discovery"),
             "DYN_NAMESPACE": "dynamo",
-            "DYN_HTTP_HOST": h,
-            "DYN_HTTP_PORT": str(self.port),
+            "DYN_HTTP_HOST": LOOPBACK,  # behind the ingress: only it talks to the frontend
+            "DYN_HTTP_PORT": str(self.frontend_port),
             "DYN_TCP_RPC_HOST": h,
             "DYN_SYSTEM_HOST": h,
             "DYN_TCP_RESPONSE_STREAM_HOST": h,
@@ -116,6 +119,25 @@ class DynamoGraph:
 
     def frontend_command(self, python: Path) -> list[str]:
         return [str(python), "-m", "dynamo.frontend", "--router-mode", self.router]
+
+    def ingress_command(self, python: Path) -> list[str]:
+        """trtpipe's completions ingress on the public port (trtpipe.serving.dynamo_ingress: a text completion
+        reaches Dynamo encoded as trtllm-serve encodes it, BOS included), in front of the frontend."""
+        return [
+            str(python),
+            "-m",
+            "trtpipe.serving.dynamo_ingress",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--upstream",
+            f"http://{LOOPBACK}:{self.frontend_port}",
+            "--model",
+            str(self.worker_model_dir),
+            "--max-seq-len",
+            str(self.config.max_seq_len),
+        ]
 
     def worker_command(self, python: Path, index: int) -> list[str]:
         cmd = [
@@ -143,7 +165,8 @@ class DynamoGraph:
 
     def describe_ports(self) -> str:
         return (
-            f"frontend http {self.url} (OpenAI API); each worker: a system port on {self.host} "
+            f"http {self.url} (OpenAI API: trtpipe's completions ingress, in front of Dynamo's frontend on "
+            f"{LOOPBACK}:{self.frontend_port}); each worker: a system port on {self.host} "
             f"({', '.join(map(str, self.system_ports))}), a request-plane port on {self.host}, and three ZMQ "
             "KV-event publishers that Dynamo 1.6.1 binds to 0.0.0.0 (firewall them, or run in a network "
             "namespace)"
@@ -157,6 +180,13 @@ def worker_cores(index: int, replicas: int) -> list[int]:
         return []
     share = len(cpus) // replicas
     return cpus[index * share : (index + 1) * share]
+
+
+def free_port(host: str) -> int:
+    """A port free a moment ago on ``host`` (the kernel's choice)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def low_free_ports(n: int, host: str) -> list[int]:
@@ -182,6 +212,7 @@ class Supervisor:
         self.graph, self.echo = graph, echo
         self.python = dynamo_python()
         self.frontend: Optional[Member] = None
+        self.ingress: Optional[Member] = None
         self.workers: list[Member] = []
         self.events: list[str] = []
 
@@ -195,8 +226,10 @@ class Supervisor:
             link_model_with_template(g.model_dir, g.worker_model_dir, g.chat_template)
         ports = low_free_ports(g.replicas, g.host)
         g.system_ports = ports
+        g.frontend_port = free_port(LOOPBACK)
         try:
             self.frontend = self._spawn("frontend", g.frontend_command(self.python), {})
+            self.ingress = self._spawn("ingress", g.ingress_command(self.python), {})
             for i in range(g.replicas):
                 w = self._spawn(f"worker{i}", g.worker_command(self.python, i), {"DYN_SYSTEM_PORT": str(ports[i])})
                 w.system_port = ports[i]
@@ -214,7 +247,7 @@ class Supervisor:
 
     def _wait_ready(self, deadline: float) -> None:
         while time.monotonic() < deadline:
-            for m in [self.frontend, *self.workers]:
+            for m in [self.frontend, self.ingress, *self.workers]:
                 if not m.alive():
                     raise ServingError(
                         f"dynamo {m.role} (pid {m.pid}) {exit_cause(m.proc.returncode)} during "
@@ -234,7 +267,7 @@ class Supervisor:
         for i in range(self.graph.replicas):
             f = self.graph.run_dir / WORKER_STATUS.format(i)
             try:
-                out[i] = json.loads(f.read_text())
+                out[i] = load_json(f)
             except (OSError, ValueError):
                 continue
         return out
@@ -243,7 +276,7 @@ class Supervisor:
     def poll(self) -> list[str]:
         """Notice members that ended since the last call; take dead workers out of routing. Returns new events."""
         new = []
-        for m in [self.frontend, *self.workers]:
+        for m in [self.frontend, self.ingress, *self.workers]:
             if m is None or not m.notice_end():
                 continue
             line = f"dynamo {m.role} (pid {m.pid}) died: {m.cause}"
@@ -257,7 +290,11 @@ class Supervisor:
             for line in new:
                 self.echo(line)
             self._write_status(
-                "ready" if self.frontend.cause is None and any(w.cause is None for w in self.workers) else "failed"
+                "ready"
+                if self.frontend.cause is None
+                and self.ingress.cause is None
+                and any(w.cause is None for w in self.workers)
+                else "failed"
             )
         return new
 
@@ -280,7 +317,7 @@ class Supervisor:
 
         sigterm_as_interrupt()
         try:
-            while self.frontend.cause is None:
+            while self.frontend.cause is None and self.ingress.cause is None:
                 self.poll()
                 time.sleep(0.2)
         except KeyboardInterrupt:
@@ -290,14 +327,17 @@ class Supervisor:
 
     # ---- stop -------------------------------------------------------------------------------------
     def stop(self) -> None:
-        """Workers first (they unregister and drain), then the frontend; SIGKILL whatever outlives the grace."""
-        stop_in_order((self.workers, [self.frontend] if self.frontend else []), STOP_GRACE_S)
+        """Workers first (they unregister and drain), then the frontend, then the ingress; SIGKILL whatever outlives
+        the grace."""
+        stop_in_order(
+            (self.workers, [m for m in (self.frontend,) if m], [m for m in (self.ingress,) if m]), STOP_GRACE_S
+        )
         shutil.rmtree(self.graph.run_dir / "discovery", ignore_errors=True)
         if self.graph.run_dir.exists():
             self._write_status("stopped")
 
     def _write_status(self, state: str) -> None:
-        members = [self.frontend, *self.workers]
+        members = [self.frontend, self.ingress, *self.workers]
         write_state(
             self.graph.run_dir / "status.json",
             {
@@ -365,7 +405,7 @@ def resolve_graph(
         if refusal:
             raise ServingError(f"{target}: {refusal}")
     t = resolve_openai_target(target, overrides, host, port, name)
-    max_pos = json.loads((t.model_dir / "config.json").read_text()).get("max_position_embeddings") or 2048
+    max_pos = load_json(t.model_dir / "config.json", ServingError).get("max_position_embeddings") or 2048
     config = replace_knobs(t.config or twin_default(int(max_pos)), enable_kv_cache_reuse=True)  # what KV routing is for
     return DynamoGraph(
         t.model_dir,
@@ -395,7 +435,7 @@ def recipe_parser_args(target: Path, overrides) -> list[str]:
 def has_chat_template(model_dir: Path) -> bool:
     cfg = Path(model_dir) / "tokenizer_config.json"
     return (Path(model_dir) / "chat_template.jinja").is_file() or bool(
-        cfg.is_file() and json.loads(cfg.read_text()).get("chat_template")
+        cfg.is_file() and load_json(cfg, ServingError).get("chat_template")
     )
 
 
@@ -407,7 +447,7 @@ def link_model_with_template(model_dir: Path, out: Path, template: str) -> None:
         if f.name != "tokenizer_config.json":
             (out / f.name).symlink_to(f.resolve())
     cfg_file = Path(model_dir) / "tokenizer_config.json"
-    cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    cfg = load_json(cfg_file, ServingError) if cfg_file.is_file() else {}
     (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}, indent=1))
 
 
@@ -461,7 +501,8 @@ def serve_dynamo(
 
 def announce(g: DynamoGraph) -> str:
     return (
-        f"serving {g.model_dir} as {g.name!r} on NVIDIA Dynamo: frontend + {g.replicas} twin workers, "
+        f"serving {g.model_dir} as {g.name!r} on NVIDIA Dynamo: frontend + {g.replicas} twin workers "
+        "(completions encoded as trtllm-serve encodes them, BOS included, by trtpipe's ingress), "
         f"router {g.router}\n  http {g.url}/v1\n  ports {g.describe_ports()}\n  run  {g.run_dir}"
     )
 
@@ -475,7 +516,7 @@ def run_status(run_dir: Path) -> Optional[dict]:
 def main(argv: Optional[list[str]] = None) -> None:
     """``python -m trtpipe.app.launch_dynamo GRAPH.json``: supervise a graph in the foreground (serve
     --dynamo --detach runs this as its child)."""
-    graph = graph_from_spec(json.loads(Path((argv or sys.argv[1:])[0]).read_text()))
+    graph = graph_from_spec(load_json(Path((argv or sys.argv[1:])[0]), ServingError))
     sup = Supervisor(graph, echo=lambda s: print(s, flush=True))
     try:
         sup.start()

@@ -9,7 +9,6 @@ as a :class:`~trtpipe.supervisor.Server` of kind ``openai`` whose ``repo`` is th
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -20,6 +19,7 @@ from typing import Callable, Optional, Sequence
 
 from trtpipe.errors import ServingError
 from trtpipe.serving.adapters import LoraSettings
+from trtpipe.jsonfile import load_json
 from trtpipe.serving.api import ExecutorConfig
 from trtpipe.app.launch_triton import REPO_INFO
 from trtpipe.processes import cache_dir, log_tail
@@ -91,7 +91,7 @@ def resolve_openai_target(
             "(trtpipe serve serves the Triton repository of this one)"
         )
     model_dir = run_build(recipe, STAGES, (), None, "export", overrides=overrides).artifact("export") / "hf"
-    max_pos = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings") or 2048
+    max_pos = load_json(model_dir / "config.json", ServingError).get("max_position_embeddings") or 2048
     parsers = {k: twin_parser(p) for k, p in served_parsers(recipe).items()}
     lora = None
     if recipe.lora.adapters:

@@ -8,7 +8,6 @@ it is only run when the installed TensorRT-LLM is the one that built the engine.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from trtpipe.errors import ServingError
 from trtpipe.processes import sigterm_as_interrupt
 from trtpipe.triton.mpi_launch import mpirun_command
 from trtpipe.supervisor import Ports, free_ports
+from trtpipe.jsonfile import load_json
 
 REPO_INFO = "trtpipe_repo.json"
 
@@ -25,7 +25,7 @@ REPO_INFO = "trtpipe_repo.json"
 def repo_info(repo: Path) -> dict:
     path = Path(repo) / REPO_INFO
     try:
-        return json.loads(path.read_text())
+        return load_json(path)
     except FileNotFoundError:
         raise ServingError(
             f"{repo}: not a trtpipe model repository (no {REPO_INFO}; write one with trtpipe repo)"
@@ -64,7 +64,7 @@ def engine_lock(engine_dir: Path) -> dict:
     """The build environment the engine stage recorded (``trtpipe_lock.json``: TensorRT-LLM, TensorRT, ...)."""
     path = Path(engine_dir) / "trtpipe_lock.json"
     try:
-        lock = json.loads(path.read_text())
+        lock = load_json(path)
     except (OSError, ValueError):
         return {}
     return lock.get("lockfile", lock)

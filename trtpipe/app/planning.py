@@ -21,6 +21,7 @@ from trtpipe.models.dims import ModelDims, parse_hf_config
 from trtpipe.recipe.rules import load_model_info
 from trtpipe.recipe.schema import Recipe
 from trtpipe.app.validation import RULES, load_recipe
+from trtpipe.jsonfile import load_json
 
 _SOURCE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -39,7 +40,7 @@ def model_info(recipe: Recipe, model_config: Optional[Path]) -> ModelDims:
     model not on this disk) or the recipe's model; an :class:`EngineError` that says which flag helps otherwise."""
     if model_config is not None:
         try:
-            return parse_hf_config(json.loads(Path(model_config).read_text()), str(model_config))
+            return parse_hf_config(load_json(Path(model_config), EngineError), str(model_config))
         except (OSError, json.JSONDecodeError) as exc:
             raise EngineError(f"{model_config}: cannot read config.json: {exc}") from None
     info, problems = load_model_info(recipe)

@@ -25,6 +25,7 @@ from typing import Optional
 
 from trtpipe.bench.metrics import PERF_FIELDS, BenchError, Request, server_split
 from trtpipe.bench.target import Target
+from trtpipe.jsonfile import load_json
 
 AIPERF_VERSION = "0.13.0"
 DEFAULT_VENV = ".venv-aiperf"
@@ -282,7 +283,7 @@ def read_records(out_dir: Path) -> list[Request]:
 def read_summary(out_dir: Path) -> dict:
     path = Path(out_dir) / SUMMARY
     try:
-        return json.loads(path.read_text())
+        return load_json(path, BenchError, finite=False)
     except (OSError, ValueError) as exc:
         raise BenchError(f"{path}: cannot read AIPerf's summary ({exc})") from None
 

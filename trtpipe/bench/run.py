@@ -21,6 +21,7 @@ from trtpipe.bench import aiperf
 from trtpipe.bench.metrics import METRICS, BenchError, Request, samples, server_split_summary, summarize
 from trtpipe.bench.server_view import Sampler, scrape, server_tokens, server_view
 from trtpipe.bench.target import Target, provenance
+from trtpipe.jsonfile import load_json
 
 FORMAT = "trtpipe-bench/1"
 RESULT_KEYS = ("metrics",)  # what show and compare read from every result (show also reads run, target)
@@ -205,7 +206,7 @@ def load_result(path: Path) -> dict:
     if path.is_dir():
         path = path / "result.json"
     try:
-        doc = json.loads(path.read_text())
+        doc = load_json(path, BenchError, finite=False)
     except (OSError, ValueError) as exc:
         raise BenchError(f"{path}: cannot read a bench result ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:

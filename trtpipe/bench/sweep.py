@@ -19,6 +19,8 @@ import numpy as np
 from trtpipe.bench.aiperf import Load
 from trtpipe.bench.run import load_result, run_point
 from trtpipe.extras import pyplot
+from trtpipe.bench.metrics import BenchError
+from trtpipe.jsonfile import load_json
 
 COLUMNS = (
     "label",
@@ -119,7 +121,7 @@ def load_sweep(out_dir: Path, relabel: bool = True) -> list[dict]:
     """The results of a sweep; ``relabel`` re-derives each point's limiter from its stored server view."""
     from trtpipe.bench.server_view import limiter
 
-    index = json.loads((Path(out_dir) / "sweep.json").read_text())
+    index = load_json(Path(out_dir) / "sweep.json", BenchError, finite=False)
     docs = [load_result(Path(out_dir) / p) for p in index["results"]]
     for d in docs if relabel else []:
         view = d.get("server")

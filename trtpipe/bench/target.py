@@ -23,6 +23,7 @@ from typing import Optional
 
 from trtpipe.bench.metrics import BenchError
 from trtpipe.formats.schemes import BY_RECIPE
+from trtpipe.jsonfile import load_json
 
 BLS = "tensorrt_llm_bls"
 
@@ -147,7 +148,7 @@ def resolve_target(
         raise BenchError(f"{model}: has no text_input (bench drives the ensemble or {BLS}, not token-id models)")
     max_in = max_seq = None
     if repo is not None:
-        info = json.loads((Path(repo) / "trtpipe_repo.json").read_text())
+        info = load_json(Path(repo) / "trtpipe_repo.json", BenchError)
         max_in, max_seq = info.get("max_input_len"), info.get("max_seq_len")
         tokenizer = tokenizer or str(Path(repo) / "preprocessing" / "tokenizer")
     if tokenizer is None:
@@ -214,7 +215,7 @@ def recipe_facts(recipe) -> dict:
 def repo_facts(repo: Path) -> dict:
     """The repository's engine (twin or TensorRT), its config hash, and every config.pbtxt hash."""
     repo = Path(repo)
-    info = json.loads((repo / "trtpipe_repo.json").read_text())
+    info = load_json(repo / "trtpipe_repo.json", BenchError)
     engine_cfg = repo / "tensorrt_llm" / "engine" / "config.json"
     if not engine_cfg.exists():
         engine_cfg = Path(info.get("engine", "")) / "config.json"

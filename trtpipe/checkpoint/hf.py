@@ -23,7 +23,7 @@ from typing import Iterable
 import torch
 
 from trtpipe.errors import CheckpointError
-from trtpipe.jsonfile import refuse_special
+from trtpipe.jsonfile import load_json, refuse_special
 
 ST_DTYPES = {
     "F64": torch.float64,
@@ -208,7 +208,7 @@ class HFReader:
         if index.exists():
             refuse_special(index, CheckpointError)
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
+                weight_map = load_json(index, CheckpointError)["weight_map"]
             except (json.JSONDecodeError, KeyError) as exc:
                 raise CheckpointError(f"{index}: invalid index ({exc})") from None
             self._index = weight_map

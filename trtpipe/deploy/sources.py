@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Optional
 from trtpipe.deploy.layout import Layout
 from trtpipe.errors import TrtpipeError
 from trtpipe.recipe.schema import Recipe
+from trtpipe.jsonfile import load_json
 
 SERVED_STAGE = {"engine": "repo", "llmapi": "export"}
 LOAD_MARGIN = 1.5
@@ -40,7 +40,7 @@ def artifact_key(recipe: Recipe) -> Sourced:
     manifest = recipe.work_path / "manifest.json"
     shown = f"{recipe.work_dir}/manifest.json"  # as the recipe writes it: no machine paths in manifests
     if manifest.is_file():
-        data = json.loads(manifest.read_text())
+        data = load_json(manifest)
         entry = next((s for s in data.get("stages", []) if s.get("name") == stage and s.get("files")), None)
         if entry:
             lines = "".join(f"{p} {f['sha256']}\n" for p, f in sorted(entry["files"].items()))
@@ -63,7 +63,7 @@ def measured_ready_s(cold_start: Optional[Path]) -> Optional[float]:
     if cold_start is None:
         return None
     try:
-        return float(json.loads(Path(cold_start).read_text())["ready_s"])
+        return float(load_json(Path(cold_start))["ready_s"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise TrtpipeError(f"{cold_start}: not a `trtpipe bench cold --json` result ({exc})") from None
 

@@ -17,6 +17,7 @@ from typing import Optional
 
 from trtpipe.pipeline import versions
 from trtpipe.engine.twin_engine_dir import TWIN_FILE
+from trtpipe.jsonfile import load_json
 
 LOCK_FILE = "trtpipe_lock.json"
 
@@ -86,14 +87,14 @@ def _tritonserver() -> tuple[str, bool, list[str]]:
 def _engine_needs(engine_dir: Path) -> dict:
     cfg_path = engine_dir / "config.json"
     try:
-        cfg = json.loads(cfg_path.read_text())
+        cfg = load_json(cfg_path)
     except (OSError, json.JSONDecodeError) as exc:
         from trtpipe.errors import EngineError
 
         raise EngineError(f"{cfg_path}: cannot read the engine config: {exc}") from None
     lock = {}
     if (engine_dir / LOCK_FILE).is_file():
-        lock = json.loads((engine_dir / LOCK_FILE).read_text())
+        lock = load_json(engine_dir / LOCK_FILE)
     mapping = (cfg.get("pretrained_config") or {}).get("mapping") or {}
     return {
         "twin": (engine_dir / TWIN_FILE).is_file(),
@@ -235,7 +236,7 @@ def render(checks: list[Check], engine_dir: Optional[Path]) -> str:
     head = f"engine: {engine_dir}" if engine_dir else "environment (no engine given)"
     twin = Path(engine_dir) / TWIN_FILE if engine_dir else None
     if twin is not None and twin.is_file():
-        command = json.loads(twin.read_text()).get("command", "trtpipe build RECIPE --from engine")
+        command = load_json(twin).get("command", "trtpipe build RECIPE --from engine")
         head += f" (CPU twin: served by the reference runtime; for TensorRT engines run on a GPU: {command})"
     return "\n".join([head] + [c.render() for c in checks])
 

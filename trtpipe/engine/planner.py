@@ -31,6 +31,7 @@ from trtpipe.formats.schemes import BY_QUANT_ALGO, BY_RECIPE, KV_SCHEMES, SCHEME
 from trtpipe.recipe.schema import Recipe
 
 GiB = 1 << 30
+PLAN_FILE = "trtpipe_plan.json"  # the engine stage's plan beside the engine (what the repo stage's KV pool reads)
 RUNTIME_RESERVE_BYTES = 1 * GiB  # assumption: CUDA context + cuBLAS/cuBLASLt workspaces + decoder buffers
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # bytes per element of a quantized linear weight (group scales counted separately below): the scheme table's
@@ -307,6 +308,7 @@ class Plan:
     experts: Optional[ExpertPlacement] = None
     refusal: str = ""
     kv_bytes_per_token_model: int = 0  # whole model, one copy of each KV head
+    runtime: bool = True  # the KV pool and host memory planned too (False: the engine alone, see plan_build)
 
     @property
     def fits(self) -> bool:
@@ -327,15 +329,16 @@ class Plan:
             "kv_dtype": self.kv_dtype,
             "kv_bytes_per_token_model": self.kv_bytes_per_token_model,
             "kv_bytes_per_token_per_gpu": [r.kv_bytes_per_token for r in self.ranks],
-            "kv_pool_bytes": [r.kv_pool_bytes for r in self.ranks],
-            "kv_tokens": self.kv_tokens,
-            "kv_blocks": self.kv_blocks,
+            "free_bytes_per_gpu": [r.free_bytes for r in self.ranks],
+            "kv_pool_bytes": [r.kv_pool_bytes for r in self.ranks] if self.runtime else None,
+            "kv_tokens": self.kv_tokens if self.runtime else None,
+            "kv_blocks": self.kv_blocks if self.runtime else None,
             "tokens_per_block": self.tokens_per_block,
             "max_seq_len": self.max_seq_len,
             "blocks_per_sequence": self.blocks_per_sequence,
-            "concurrent_sequences": self.concurrent_sequences,
+            "concurrent_sequences": self.concurrent_sequences if self.runtime else None,
             "max_batch_size": self.max_batch_size,
-            "host_bytes": self.host_bytes,
+            "host_bytes": self.host_bytes if self.runtime else None,
             "experts": None
             if self.experts is None
             else {
@@ -442,15 +445,25 @@ def host_estimates(
 
 
 def plan_build(
-    recipe: Recipe, cfg: dict, build: EngineBuild, checkpoint_dir: Optional[Path] = None, source_dtype_bytes: int = 2
+    recipe: Recipe,
+    cfg: dict,
+    build: EngineBuild,
+    checkpoint_dir: Optional[Path] = None,
+    source_dtype_bytes: int = 2,
+    runtime: bool = True,
 ) -> Plan:
-    """Plan one rank layout. Never raises for a recipe that does not fit: ``Plan.refusal`` says why and what to turn."""
+    """Plan one rank layout. Never raises for a recipe that does not fit: ``Plan.refusal`` says why and what to turn.
+
+    ``runtime=False`` plans what the engine alone fixes (weights, activations, the reserve, KV bytes per token,
+    blocks per sequence) and reads nothing else of the recipe: the engine stage's plan, which its key covers. The
+    KV pool (``engine.kv_cache``, a runtime setting) is then :func:`kv_pool`'s, in the repo stage, and the host
+    memory of the other stages is not estimated."""
     s = Shapes.of(cfg)
     tp, pp = ckptconfig.mapping(cfg)
     c = build.config
     gpu = build.gpu
     tpb = c.plugins["tokens_per_block"]
-    kvc = recipe.engine.kv_cache
+    kvc = recipe.engine.kv_cache if runtime else None
     if checkpoint_dir is not None and any(Path(checkpoint_dir).glob("rank*.safetensors")):
         weights, source = checkpoint_weight_bytes(Path(checkpoint_dir), tp, pp), "checkpoint"
     else:
@@ -460,9 +473,9 @@ def plan_build(
     for r, n in enumerate(pp_layers(s.layers, pp)):
         free = gpu.memory_bytes - weights[r] - act - RUNTIME_RESERVE_BYTES
         per_tok = kv_bytes_per_token(s, n, tp)
-        pool = int(max(free, 0) * kvc.free_gpu_memory_fraction)
+        pool = int(max(free, 0) * kvc.free_gpu_memory_fraction) if kvc is not None else 0
         tokens = int(pool // per_tok) if per_tok else 0
-        if kvc.max_tokens is not None:
+        if kvc is not None and kvc.max_tokens is not None:
             tokens = min(tokens, kvc.max_tokens)
         ranks.append(
             RankPlan(r, n, weights[r], act, RUNTIME_RESERVE_BYTES, free, per_tok, pool, tokens, math.ceil(tokens / tpb))
@@ -487,7 +500,8 @@ def plan_build(
         concurrent_sequences=blocks // per_seq,
         kv_bytes_per_token_model=int(kv_bytes_per_token(s, s.layers, 1)),
         experts=expert_placement(s, cfg, pp),
-        host_bytes=host_estimates(s, source_dtype_bytes, max(weights), build.workers, recipe),
+        host_bytes=host_estimates(s, source_dtype_bytes, max(weights), build.workers, recipe) if runtime else {},
+        runtime=runtime,
     )
     return replace(plan, refusal=_refusal(plan, recipe, cfg, build))
 
@@ -506,13 +520,45 @@ def _refusal(plan: Plan, recipe: Recipe, cfg: dict, build: EngineBuild) -> str:
             f"+ runtime reserve {_gib(worst.reserve_bytes)} = {_gib(need)} exceed one {plan.gpu.key} "
             f"({_gib(plan.gpu.memory_bytes)}) at tp={plan.tp} pp={plan.pp}; turn a knob: {_knobs(recipe, cfg, build, kv_only=False)}"
         )
-    if plan.kv_blocks < plan.blocks_per_sequence:
+    if plan.runtime and plan.kv_blocks < plan.blocks_per_sequence:
         return (
             f"does not fit: the KV pool ({plan.kv_tokens} tokens, {plan.kv_blocks} blocks of {plan.tokens_per_block}) "
             f"cannot hold one sequence of max_seq_len {plan.max_seq_len} ({plan.blocks_per_sequence} blocks) on {name}; "
             f"turn a knob: {_knobs(recipe, cfg, build, kv_only=True, tokens=plan.kv_tokens)}"
         )
     return ""
+
+
+def kv_pool(engine_plan: dict, kv_cache) -> tuple[dict, str]:
+    """The KV pool of a planned engine (its ``plan_build(runtime=False)`` summary) under the ``engine.kv_cache``
+    settings, as :func:`plan_build` computes it with ``runtime``: ``({kv_pool_bytes, kv_tokens, kv_blocks,
+    concurrent_sequences}, refusal)``, the refusal empty when one sequence of max_seq_len fits."""
+    tpb = engine_plan["tokens_per_block"]
+    pools, tokens = [], []
+    for free, per_tok in zip(engine_plan["free_bytes_per_gpu"], engine_plan["kv_bytes_per_token_per_gpu"]):
+        pool = int(max(free, 0) * kv_cache.free_gpu_memory_fraction)
+        n = int(pool // per_tok) if per_tok else 0
+        pools.append(pool)
+        tokens.append(n if kv_cache.max_tokens is None else min(n, kv_cache.max_tokens))
+    blocks = min(math.ceil(t / tpb) for t in tokens)
+    per_seq = engine_plan["blocks_per_sequence"]
+    out = {
+        "kv_pool_bytes": pools,
+        "kv_tokens": min(tokens),
+        "kv_blocks": blocks,
+        "concurrent_sequences": blocks // per_seq,
+    }
+    refusal = ""
+    if blocks < per_seq:
+        name = f"{engine_plan['tp'] * engine_plan['pp']}x {engine_plan['gpu']}"
+        shorter = min(tokens) // tpb * tpb
+        refusal = (
+            f"does not fit: the KV pool ({min(tokens)} tokens, {blocks} blocks of {tpb}) cannot hold one sequence of "
+            f"max_seq_len {engine_plan['max_seq_len']} ({per_seq} blocks) on {name}; turn a knob: "
+            + (f"engine.max_seq_len <= {shorter}, or " if shorter else "")
+            + "a larger engine.kv_cache.free_gpu_memory_fraction or a smaller engine.max_num_tokens"
+        )
+    return out, refusal
 
 
 def _quick_fits(recipe: Recipe, cfg: dict, build: EngineBuild) -> bool:

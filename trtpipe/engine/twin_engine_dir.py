@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from trtpipe.errors import EngineError
+from trtpipe.jsonfile import load_json
 
 TWIN_FILE = "trtpipe_twin.json"
 TWIN_KIND = "cpu-twin"
@@ -76,7 +77,7 @@ def write_twin_engine(
     else:
         from trtpipe.engine.build_config import TARGET_TRTLLM_VERSION
 
-        pretrained = json.loads((ckpt / "config.json").read_text())
+        pretrained = load_json(ckpt / "config.json")
         (pretrained.get("mapping") or {}).pop("rank", None)
         engine_cfg = {
             "version": TARGET_TRTLLM_VERSION,

@@ -27,6 +27,7 @@ from trtpipe.models.family import shape_symbols
 from trtpipe.quant.imported.canonical import check_projection
 from trtpipe.quant.imported.formats import PASSED, RELAID, ImportedFormat
 from trtpipe.quant.imported.trtllm import CANONICAL, KV_NAMES, MODEL_DTYPES, matches, module_index
+from trtpipe.jsonfile import load_json
 
 WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json")
 # HF projections whose pre_quant_scale the PyTorch backend reads (o_proj, down_proj), by their last name
@@ -65,7 +66,7 @@ def pass_through(fmt: ImportedFormat, src: Path, out: Path) -> dict:
             },
         }
         hq_path.write_text(json.dumps(hq, indent=4) + "\n")
-    return json.loads(hq_path.read_text()) if hq_path.exists() else {"quantization": {"quant_algo": fmt.quant_algo}}
+    return load_json(hq_path) if hq_path.exists() else {"quantization": {"quant_algo": fmt.quant_algo}}
 
 
 def relayout(fmt: ImportedFormat, src: Path, out: Path) -> dict:

@@ -46,6 +46,7 @@ from trtpipe.models.hfconfig import nested_rope
 from trtpipe.quant.calibrate import load_layer_stats
 from trtpipe.quant.quantize import TORCH_DTYPES, layer_params
 from trtpipe.quant.writer import TrtllmSource, excluded_fn, read_tensors
+from trtpipe.jsonfile import load_json
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 INDEX = "model.safetensors.index.json"
@@ -325,7 +326,7 @@ def global_tensors(source: TrtllmSource, names: HFNames, dt: torch.dtype) -> dic
 def hf_config(hf_dir: Path, model_dtype: str, quantization_config: Optional[dict]) -> dict:
     """The model's config.json in both transformers spellings (4.x reads ``rope_theta``/``torch_dtype``, 5.x
     ``rope_parameters``/``dtype``; TRT-LLM 1.1/1.2 pin 4.57), plus the inline quantization_config."""
-    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg = load_json(hf_dir / "config.json")
     cfg["dtype"] = cfg["torch_dtype"] = model_dtype
     info = read_hf_config(hf_dir)
     text = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg

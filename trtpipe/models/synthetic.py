@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from trtpipe.models import REGISTRY
+from trtpipe.jsonfile import load_json
 
 # kind -> (transformers config class name, model class name, config kwargs)
 SPECS: dict[str, tuple[str, str, dict]] = {
@@ -331,7 +332,7 @@ def _draw_buffers(model: torch.nn.Module, seed: int) -> None:
 
 def _to_v4_rope(path: Path) -> None:
     """Rewrite config.json's rope settings in the transformers-4 form (rope_theta + rope_scaling)."""
-    cfg = json.loads(path.read_text())
+    cfg = load_json(path)
     params = cfg.pop("rope_parameters", None) or {}
     cfg["rope_theta"] = params.pop("rope_theta", 10000.0)
     if params.get("rope_type", "default") != "default":
@@ -433,7 +434,7 @@ def _make_gpt_oss_mxfp4(out_dir, seed: int, overrides: dict) -> Path:
         tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
     save_file(tensors, str(path), metadata={"format": "pt"})
     cfg_path = out_dir / "config.json"
-    cfg = json.loads(cfg_path.read_text())
+    cfg = load_json(cfg_path)
     cfg["quantization_config"] = GPT_OSS_MXFP4_CONFIG
     cfg_path.write_text(json.dumps(cfg, indent=2))
     return out_dir

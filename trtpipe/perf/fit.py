@@ -9,7 +9,6 @@ randomness, so the same data always gives the same constants.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,6 +19,7 @@ import numpy as np
 from trtpipe.errors import TrtpipeError
 from trtpipe.perf.cost import Constants, Terms, step_time
 from trtpipe.perf.published import Case, published_value, row_case, to_published_unit
+from trtpipe.jsonfile import load_json
 
 CONSTANTS_FILE = Path(__file__).with_name("constants.json")
 # bounds keep every efficiency physical (a fraction of peak) and overheads non-negative
@@ -194,7 +194,7 @@ def family(row: dict) -> str:
 def load_constants(path: Path = CONSTANTS_FILE) -> dict[str, Constants]:
     """The fitted constants per runtime family (scripts/fit_perf.py writes them)."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = load_json(Path(path))
         return {k: Constants(**v) for k, v in data["constants"].items()}
     except FileNotFoundError:
         raise TrtpipeError(f"{path}: no fitted constants; run python scripts/fit_perf.py") from None

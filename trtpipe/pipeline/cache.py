@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trtpipe.errors import TrtpipeError
+from trtpipe.jsonfile import load_json
 
 MARKER = ".trtpipe-complete.json"
 TMP_PREFIX = ".tmp-"
@@ -165,7 +166,7 @@ class ArtifactStore:
         """The completion marker of a complete artifact, or None (missing, half-written, or damaged)."""
         folder = self.path(stage, key)
         try:
-            marker = json.loads((folder / MARKER).read_text())
+            marker = load_json(folder / MARKER)
         except (OSError, ValueError):
             return None
         if not isinstance(marker, dict) or marker.get("key") != key or marker.get("stage") != stage:

@@ -7,13 +7,13 @@ to a serving machine and still be verified there.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from trtpipe.errors import TrtpipeError
 from trtpipe.pipeline.cache import MARKER, atomic_write_json, sha256_file
+from trtpipe.jsonfile import load_json
 
 MANIFEST_FORMAT = 1
 MANIFEST_NAME = "manifest.json"
@@ -35,7 +35,7 @@ def write_manifest(work_dir: Path, manifest: dict) -> Path:
 def load_manifest(path: Path) -> dict:
     path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = load_json(path, ManifestError)
     except FileNotFoundError:
         raise ManifestError(f"{path}: no manifest (run `trtpipe build` first)") from None
     except (OSError, ValueError) as exc:

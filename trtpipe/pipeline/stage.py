@@ -45,6 +45,8 @@ class Stage:
         run: the work. Raise a ``TrtpipeError`` subclass on bad input.
         enabled: recipe -> whether this stage applies (e.g. calibrate only when quantizing).
         extra_key: recipe -> anything else that must change the key (e.g. the installed TensorRT-LLM version).
+        unkeyed: recipe fields ``run`` reads that cannot change what it writes, each with its reason in a comment
+            (tests/pipeline/test_stage_keys.py holds every other field ``run`` reads to the key).
     """
 
     name: str
@@ -54,4 +56,5 @@ class Stage:
     files: Callable[[Recipe], list[Path]] = lambda recipe: []
     enabled: Callable[[Recipe], bool] = lambda recipe: True
     extra_key: Callable[[Recipe], Any] = lambda recipe: None
+    unkeyed: tuple[str, ...] = ()
     description: str = ""

@@ -29,6 +29,7 @@ from trtpipe.quant.calibrate import LayerSource, load_layer_stats
 from trtpipe.quant.quantize import kv_scales, layer_params, rank_tensors
 from trtpipe.runtime.loader import read_config
 from trtpipe.runtime.model import ModelArgs
+from trtpipe.jsonfile import load_json
 
 ST_TO_TORCH = {v: k for k, v in TORCH_TO_ST.items()}
 
@@ -166,7 +167,7 @@ def quantize_checkpoint(
     Returns:
         The written config.json dict.
     """
-    cfg = json.loads((base_dir / "config.json").read_text())
+    cfg = load_json(base_dir / "config.json")
     args = ModelArgs.from_config(cfg)
     a = ALGOS.get(algo)
     kept = get_family(cfg["architecture"]).kept_unquantized if cfg.get("architecture") in REGISTRY else ()

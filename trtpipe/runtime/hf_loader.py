@@ -34,7 +34,6 @@ layout the decoder layer computes with.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -56,6 +55,7 @@ from trtpipe.runtime.linear import (
 )
 from trtpipe.runtime.loader import load_checkpoint
 from trtpipe.runtime.model import DecoderLayer, ModelArgs, ReferenceModel
+from trtpipe.jsonfile import load_json
 
 
 class ConcatLinear(nn.Module):
@@ -207,11 +207,7 @@ class _Reader:
 
     def __init__(self, d: Path):
         index = d / "model.safetensors.index.json"
-        files = (
-            sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            if index.exists()
-            else ["model.safetensors"]
-        )
+        files = sorted(set(load_json(index)["weight_map"].values())) if index.exists() else ["model.safetensors"]
         self.handles = []
         self.where: dict[str, object] = {}
         for f in files:
@@ -241,7 +237,7 @@ def quant_scheme(d: Path, cfg: dict) -> tuple[str, dict]:
     describes it)."""
     hq = d / "hf_quant_config.json"
     if hq.exists():  # authoritative when present (TensorRT-LLM's rule)
-        return "modelopt", json.loads(hq.read_text())["quantization"]
+        return "modelopt", load_json(hq)["quantization"]
     qc = cfg.get("quantization_config")
     if not qc:
         return "none", {}
@@ -270,7 +266,7 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
     from trtpipe.checkpoint.hf_names import HFNames
 
     d = Path(model_dir)
-    cfg = json.loads((d / "config.json").read_text())
+    cfg = load_json(d / "config.json")
     scheme, q = quant_scheme(d, cfg)
     names = HFNames(d)
     dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"

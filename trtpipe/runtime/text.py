@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable, Optional
 
 from trtpipe.errors import CheckpointError
+from trtpipe.jsonfile import load_json
 
 
 def load_tokenizer(path: str | Path):
@@ -24,7 +24,7 @@ def end_id(ckpt_dir: Path, tokenizer) -> Optional[int]:
     """eos from generation_config.json (first if a list), else the tokenizer's."""
     gen = ckpt_dir / "generation_config.json"
     if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
+        eos = load_json(gen, CheckpointError).get("eos_token_id")
         if eos is not None:
             return int(eos[0] if isinstance(eos, list) else eos)
     return tokenizer.eos_token_id

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import queue
@@ -44,6 +43,8 @@ from trtpipe.serving.api import ExecutorConfig, Response  # noqa: E402
 from trtpipe.serving.dynamo_requests import FINISH, RequestRefused, translate  # noqa: E402
 from trtpipe.serving.config import from_json  # noqa: E402
 from trtpipe.serving.kv_events import EventRecorder, Removed, Stored  # noqa: E402
+from trtpipe.errors import ServingError  # noqa: E402
+from trtpipe.jsonfile import load_json  # noqa: E402
 
 log = logging.getLogger("trtpipe.dynamo")
 POLL_S = 0.1  # how often a waiting request looks at its context (client gone) and the publisher at the pool
@@ -276,7 +277,7 @@ def eos_token_id(model_dir: Path) -> Optional[int]:
     for name in ("generation_config.json", "config.json"):
         f = Path(model_dir) / name
         if f.is_file():
-            eos = json.loads(f.read_text()).get("eos_token_id")
+            eos = load_json(f, ServingError).get("eos_token_id")
             if eos is not None:
                 return eos[0] if isinstance(eos, list) else int(eos)
     return None

@@ -69,6 +69,8 @@ from trtpipe.serving.openai_choices import (
     completion_logprobs,
 )
 from trtpipe.serving.prom_text import histograms
+from trtpipe.errors import ServingError
+from trtpipe.jsonfile import load_json
 
 web = require("aiohttp.web", "the OpenAI twin (trtpipe serve of an llmapi target)")
 
@@ -235,7 +237,7 @@ class ServedModel:
         self.eos_id = self.tokenizer.eos_token_id
         gen = self.dir / "generation_config.json"
         if gen.exists():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
+            eos = load_json(gen, ServingError).get("eos_token_id")
             self.eos_id = eos[0] if isinstance(eos, list) else eos if eos is not None else self.eos_id
         # tokens >= characters / the longest token's characters: a prompt past that bound is refused untokenized
         self.max_chars_per_token = request_checks.longest_token_chars(self.tokenizer.get_vocab())

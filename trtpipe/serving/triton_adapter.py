@@ -30,6 +30,7 @@ from trtpipe.serving.executor import IterationStats
 from trtpipe.serving import request_checks
 from trtpipe.triton.upstream_io import TWIN_EXTRAS_PARAMETER
 from trtpipe.triton.xgrammar_info import TOKENIZER_INFO_FILE
+from trtpipe.jsonfile import load_json
 
 _TRUE = {"true", "1", "t", "y", "yes"}
 
@@ -61,7 +62,7 @@ class TwinSettings:
 def _default_end_id(path: Path) -> Optional[int]:
     """The first EOS id of generation_config.json (the ensemble's preprocessing always sends end_id)."""
     try:
-        eos = json.loads(path.read_text()).get("eos_token_id")
+        eos = load_json(path).get("eos_token_id")
     except (OSError, ValueError):
         return None
     eos = eos[0] if isinstance(eos, list) and eos else eos
@@ -80,7 +81,7 @@ def settings_from_model_config(model_config: dict, model_repository: str) -> Twi
     if engine is None:
         raise ValueError("tensorrt_llm twin: parameter gpt_model_path is not set")
     engine_dir = Path(engine if os.path.isabs(engine) else os.path.join(model_repository, engine))
-    cfg = json.loads((engine_dir / "config.json").read_text())
+    cfg = load_json(engine_dir / "config.json")
     build = cfg.get("build_config", {})
     pretrained = cfg.get("pretrained_config", {})
     tpb = int((build.get("plugin_config") or {}).get("tokens_per_block") or 32)

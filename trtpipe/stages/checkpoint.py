@@ -8,7 +8,6 @@ config and tokenizer files. The artifact is the checkpoint plus the tokenizer fi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from trtpipe.checkpoint.convert import TOKENIZER_FILES, convert
@@ -16,6 +15,7 @@ from trtpipe.errors import CheckpointError
 from trtpipe.models.dims import read_hf_config
 from trtpipe.pipeline.stage import Stage, StageContext
 from trtpipe.recipe.schema import Recipe
+from trtpipe.jsonfile import load_json
 
 WEIGHT_PATTERNS = (
     "config.json",
@@ -89,7 +89,7 @@ def run(ctx: StageContext) -> None:
             progress=lambda done, total: bar.advance(1),
             importer=importer,
         )
-    config = json.loads((ctx.out_dir / "config.json").read_text())
+    config = load_json(ctx.out_dir / "config.json")
     ctx.info.update(
         architecture=info.architecture,
         dtype=config["dtype"],

@@ -39,7 +39,8 @@ def run_engine(ctx: StageContext) -> None:
         raise EngineError("; ".join(f"{k}: {m}" for k, m in problems))
     from trtpipe.engine.planner import plan_build
 
-    plan = plan_build(ctx.recipe, cfg, build, checkpoint_dir=ckpt)
+    # the engine alone (runtime=False): the KV pool is a runtime setting, planned by the repo stage (kv_pool)
+    plan = plan_build(ctx.recipe, cfg, build, checkpoint_dir=ckpt, runtime=False)
     ctx.info["plan"] = plan.summary()
     if not plan.fits:
         raise EngineError(plan.refusal)
@@ -86,7 +87,12 @@ def _check_target_gpu(target, gpus: list[dict]) -> None:
 
 
 def _write_lock(ctx: StageContext) -> None:
-    """The lockfile beside the engine (``trtpipe doctor ENGINE_DIR`` compares the environment against it)."""
+    """The lockfile beside the engine (``trtpipe doctor ENGINE_DIR`` compares the environment against it), and
+    the engine's plan."""
+    from trtpipe.engine.planner import PLAN_FILE
+
+    # the engine's own plan beside it: what the repo stage plans the KV pool from (planner.kv_pool)
+    (ctx.out_dir / PLAN_FILE).write_text(json.dumps(ctx.info["plan"], indent=2) + "\n")
     keep = ("engine", "preset", "command", "build", "lockfile")
     (ctx.out_dir / LOCK_FILE).write_text(json.dumps({k: ctx.info[k] for k in keep if k in ctx.info}, indent=2) + "\n")
 
@@ -124,6 +130,14 @@ ENGINE_STAGE = Stage(
     inputs=("checkpoint", "quantize"),
     run=run_engine,
     extra_key=_extra_key,
+    unkeyed=(
+        # trtllm-build --workers: how many engines build at once, the same engines either way (the lock file
+        # records the command that built them)
+        "engine.workers",
+        # which shape limits the recipe wrote: decides only whether bc.findings refuses a limit trtllm-build would
+        # change (validation refuses the same before every build), never a value written
+        "engine.model_fields_set",
+    ),
     enabled=lambda recipe: recipe.target == "engine",
     description="TensorRT engines (trtllm-build), or the CPU twin engine without TensorRT-LLM",
 )

@@ -30,6 +30,7 @@ from trtpipe.quant.data import batched_decode, load_tokenizer, token_batches
 from trtpipe.quant.writer import TrtllmSource, quantize_checkpoint
 from trtpipe.recipe.schema import Recipe
 from trtpipe.runtime.hf_loader import is_trtllm_checkpoint, load_model, quant_scheme
+from trtpipe.jsonfile import load_json
 
 log = logging.getLogger("trtpipe.quant")
 EVAL_SEED_OFFSET = 7919  # held-out 'self' samples use another seed than calibration
@@ -163,7 +164,7 @@ def run_quantization(
 
 def quant_meta(quant_dir: Path) -> tuple[Optional[str], Optional[str]]:
     """(quantization algorithm or format, KV cache algorithm) of a TRT-LLM or HF checkpoint directory."""
-    cfg = json.loads((quant_dir / "config.json").read_text())
+    cfg = load_json(quant_dir / "config.json")
     if is_trtllm_checkpoint(quant_dir):
         q = cfg.get("quantization") or {}
         return q.get("quant_algo"), q.get("kv_cache_quant_algo")
@@ -270,7 +271,7 @@ def _verify(ctx: StageContext) -> None:
         finally:
             if (ctx.out_dir / "accuracy.txt").exists():
                 ctx.log.info("accuracy:\n%s", (ctx.out_dir / "accuracy.txt").read_text())
-        ctx.info.update(accuracy=json.loads((ctx.out_dir / "accuracy.json").read_text()))
+        ctx.info.update(accuracy=load_json(ctx.out_dir / "accuracy.json"))
         if rows is not None:
             accuracy.check_recipe_gate(ctx.recipe.accuracy, *rows)
         return
@@ -288,7 +289,7 @@ def _verify(ctx: StageContext) -> None:
         report = ctx.out_dir / "accuracy.txt"
         if report.exists():
             ctx.log.info("accuracy:\n%s", report.read_text())
-    ctx.info.update(accuracy=json.loads((ctx.out_dir / "accuracy.json").read_text())["rows"])
+    ctx.info.update(accuracy=load_json(ctx.out_dir / "accuracy.json")["rows"])
     accuracy.check_recipe_gate(ctx.recipe.accuracy, *rows)
 
 

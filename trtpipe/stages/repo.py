@@ -13,10 +13,29 @@ from trtpipe.pipeline.stage import Stage, StageContext
 def _run(ctx: StageContext) -> None:
     from trtpipe.triton.repo import write_repo
 
+    kv_plan(ctx)
     configs = write_repo(ctx.recipe, ctx.inputs["engine"], ctx.inputs["checkpoint"], ctx.out_dir)
     ctx.info["models"] = sorted(configs)
     ctx.info["backend"] = configs["tensorrt_llm"].backend
     ctx.log.info("model repository: %s (%s)", ctx.out_dir, ", ".join(sorted(configs)))
+
+
+def kv_plan(ctx: StageContext) -> None:
+    """The KV pool the repository's ``engine.kv_cache`` settings give the engine (planner.kv_pool over the engine
+    stage's plan): refused when one sequence of max_seq_len does not fit, else recorded. Here, not in the engine
+    stage, because this stage's key holds ``engine.kv_cache`` (a runtime setting: changing it rewrites the
+    repository, never the engine). An engine without a plan file (built before it existed) is not planned."""
+    from trtpipe.engine.planner import PLAN_FILE, kv_pool
+    from trtpipe.errors import EngineError
+    from trtpipe.jsonfile import read_json
+
+    path = ctx.inputs["engine"] / PLAN_FILE
+    if not path.is_file():
+        return
+    pool, refusal = kv_pool(read_json(path, "the engine stage's plan", EngineError), ctx.recipe.engine.kv_cache)
+    if refusal:
+        raise EngineError(refusal)
+    ctx.info["kv_plan"] = pool
 
 
 def _extra_key(recipe):

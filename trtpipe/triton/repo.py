@@ -36,6 +36,7 @@ from trtpipe.triton.xgrammar_info import TOKENIZER_INFO_FILE, write_tokenizer_in
 from trtpipe.resources import data_dir
 from trtpipe.recipe.knobs import twin_extras
 from trtpipe.recipe.schema import Recipe
+from trtpipe.jsonfile import load_json
 
 # tritonclient's own protobuf messages write config.pbtxt (the serve extra)
 mc = require("tritonclient.grpc.model_config_pb2", "a Triton model repository (trtpipe repo, the repo stage)")
@@ -160,7 +161,7 @@ class EngineInfo:
     def read(cls, engine_dir: Path) -> "EngineInfo":
         cfg_path = Path(engine_dir) / "config.json"
         try:
-            cfg = json.loads(cfg_path.read_text())
+            cfg = load_json(cfg_path, ServingError)
         except (OSError, ValueError) as exc:
             raise ServingError(f"{cfg_path}: cannot read the engine config ({exc})") from exc
         build = cfg.get("build_config") or {}
@@ -213,7 +214,7 @@ def token_ids(tokenizer_dir: Path) -> TokenIds:
     pad = None
     gen = Path(tokenizer_dir) / "generation_config.json"
     if gen.exists():
-        g = json.loads(gen.read_text())
+        g = load_json(gen, ServingError)
         e = g.get("eos_token_id")
         eos += [int(x) for x in (e if isinstance(e, list) else [e] if e is not None else [])]
         pad = g.get("pad_token_id")

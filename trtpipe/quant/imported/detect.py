@@ -14,6 +14,7 @@ from typing import Callable, Optional
 from trtpipe.errors import CheckpointError
 from trtpipe.quant.imported import awq, compressed, gptq, modelopt, others
 from trtpipe.quant.imported.formats import ImportedFormat
+from trtpipe.jsonfile import load_json
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 
@@ -32,7 +33,7 @@ def _json(path: Path) -> Optional[dict]:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
+        data = load_json(path, CheckpointError)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: invalid JSON ({exc})") from None
     if not isinstance(data, dict):
