@@ -19,13 +19,13 @@ The math of TensorRT-LLM's ``examples/hf_lora_convert.py@05316d33`` (``convert_h
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import torch
+from trtpipe.jsonfile import load_json
 
 # hf_modules_to_trtllm_modules (hf_lora_convert.py@05316d33) -> LORA_MODULE_IDS (lora_manager.py@30e6fb55)
 MODULE_IDS = {
@@ -78,7 +78,7 @@ def _grouped(tensors: dict[str, torch.Tensor]) -> dict:
 
 def convert(adapter_dir: Path, dtype: str = "float16") -> tuple[np.ndarray, np.ndarray]:
     """(``lora_weights`` [1, rows, max_row] of ``dtype``, ``lora_config`` [1, rows, 3] int32) of a PEFT adapter."""
-    cfg = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    cfg = load_json(Path(adapter_dir) / "adapter_config.json")
     rank, alpha = cfg.get("r"), cfg.get("lora_alpha")
     scale = alpha / np.sqrt(rank) if cfg.get("use_rslora", False) else alpha / rank
     if dtype not in DTYPES:
@@ -119,7 +119,7 @@ def write(adapter_dir: Path, out_dir: Path, dtype: str = "float16") -> Path:
 def rank_problems(adapter_dir: Path) -> list[str]:
     """Modules whose rank is not below both of their sizes: upstream's converter writes a wrong ``adapter_size``
     for them (it takes the smaller dimension for the rank)."""
-    cfg = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    cfg = load_json(Path(adapter_dir) / "adapter_config.json")
     r = int(cfg["r"])
     out = []
     for layer, modules in _grouped(_tensors(adapter_dir)).items():

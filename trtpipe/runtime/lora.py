@@ -20,7 +20,6 @@ Policy:
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from contextlib import contextmanager
@@ -32,6 +31,7 @@ import torch
 from torch import nn
 
 from trtpipe.errors import CheckpointError, TrtpipeError
+from trtpipe.jsonfile import load_json
 
 # TRT-LLM linear -> (DecoderLayer attribute holding the shard list, attribute of the shard)
 LINEARS = {
@@ -146,7 +146,7 @@ def read_adapter_config(name: str, path: Path) -> dict:
     """adapter_config.json of a PEFT LoRA adapter, checked for what this runtime computes."""
     cfg_path = Path(path) / "adapter_config.json"
     try:
-        cfg = json.loads(cfg_path.read_text())
+        cfg = load_json(cfg_path, AdapterError)
     except FileNotFoundError:
         raise AdapterError(f"adapter '{name}': {cfg_path} does not exist (not a PEFT adapter directory)") from None
     except ValueError as exc:

@@ -146,7 +146,7 @@ def guided_decoder(s: TwinSettings):
             f"tensorrt_llm twin: guided_decoding_backend is {backend!r} but xgrammar_tokenizer_info_path "
             f"({s.xgrammar_tokenizer_info or 'unset'}) names no file"
         )
-    info = json.loads(s.xgrammar_tokenizer_info.read_text())
+    info = load_json(s.xgrammar_tokenizer_info)
     return GuidedDecoder(backend, tokenizer_info(info, s.vocab_size))
 
 
