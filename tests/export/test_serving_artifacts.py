@@ -54,6 +54,17 @@ CONTRACT_SUB = {
     "scheduler_config": {"capacity_scheduler_policy", "context_chunking_policy", "dynamic_batch_config"},
     # CacheTransceiverConfig of the 1.1/1.2-era llm_args.py revisions read (backend DEFAULT/UCX/NIXL/MPI)
     "cache_transceiver_config": {"backend", "max_tokens_in_buffer", "kv_transfer_timeout_ms"},
+    # DecodingBaseConfig and its NGram / Eagle / MTP subclasses (llm_args.py@fcd3f316; speculative_model_dir in a
+    # 1.0/1.1-era revision)
+    "speculative_config": {
+        "decoding_type",
+        "max_draft_len",
+        "speculative_model",
+        "speculative_model_dir",
+        "max_matching_ngram_size",
+        "eagle3_one_model",
+        "num_nextn_predict_layers",
+    },
 }
 
 

@@ -27,9 +27,18 @@ from trtpipe.recipe import rules as recipe_rules
 from trtpipe.recipe.loader import parse_recipe
 from trtpipe.recipe.rules import RECIPE_RULES, Rule
 from trtpipe.recipe.schema import Recipe
+from trtpipe.recipe.speculative import SPECULATIVE_RULES
 
 # In this order; problems are reported in file order, and rules that name the same key keep this order.
-RULES: tuple[Rule, ...] = (*RECIPE_RULES, *QUANT_RULES, *IMPORT_RULES, *ENGINE_RULES, *EXPORT_RULES, *DEPLOY_RULES)
+RULES: tuple[Rule, ...] = (
+    *RECIPE_RULES,
+    *SPECULATIVE_RULES,
+    *QUANT_RULES,
+    *IMPORT_RULES,
+    *ENGINE_RULES,
+    *EXPORT_RULES,
+    *DEPLOY_RULES,
+)
 
 
 def check_recipe(recipe: Recipe) -> list[Problem]:

@@ -22,6 +22,7 @@ import yaml
 
 from trtpipe.errors import TrtpipeError
 from trtpipe.recipe.schema import Recipe
+from trtpipe.recipe.speculative import speculative_config
 
 VERSIONS = ("1.0", "1.1", "1.2")
 _ALL = frozenset(VERSIONS)
@@ -52,6 +53,14 @@ LLM_API_KEYS: dict[str, frozenset] = {
     # workers run without the overlap scheduler (ai-dynamo/dynamo@2d8655dd engine_configs/qwen3/prefill.yaml)
     "cache_transceiver_config.backend": _SINCE_11,
     "disable_overlap_scheduler": _SINCE_11,
+    # speculative decoding (trtpipe/recipe/speculative.py says where each name was read)
+    "speculative_config.decoding_type": _ALL,
+    "speculative_config.max_draft_len": _ALL,
+    "speculative_config.speculative_model": frozenset(("1.2",)),
+    "speculative_config.speculative_model_dir": frozenset(("1.0", "1.1")),
+    "speculative_config.max_matching_ngram_size": _ALL,
+    "speculative_config.eagle3_one_model": _ALL,
+    "speculative_config.num_nextn_predict_layers": _ALL,
 }
 
 # trtllm-serve flags per release (1.2 adds long aliases and --config for the YAML; the short ones still work)
@@ -145,6 +154,7 @@ def llm_api_options(recipe: Recipe, version: Optional[str] = None, max_seq_len: 
     }
     if p.moe_ep > 0:
         want["moe_expert_parallel_size"] = p.moe_ep
+    want.update(speculative_config(recipe, version))
     out: dict = {}
     for key, value in want.items():
         if value is None:
