@@ -69,6 +69,15 @@ class ExecutorConfig:
     max_queue_size: int = 0  # 0: unlimited
     max_beam_width: int = 1
     request_timeout_s: float = 0.0  # a request not finished this long after submit fails (0: no limit)
+    # speculative decoding (trtpipe.serving.speculative): "" off, "NGram" or "DraftTarget" (speculative_config names)
+    speculative_decoding_type: str = ""
+    max_draft_len: int = 0
+    max_matching_ngram_size: int = 2
+
+    @property
+    def draft_reserve(self) -> int:
+        """Positions each generating request may add beyond its one token per step (scheduling reserves them)."""
+        return self.max_draft_len if self.speculative_decoding_type else 0
 
     @property
     def max_context_length(self) -> int:
@@ -164,6 +173,13 @@ class PerfMetrics:
     kv_missed_blocks: int = 0
     first_iter: int = -1
     last_iter: int = -1
+    total_draft_tokens: int = 0  # speculative decoding: drafts proposed and verified
+    total_accepted_draft_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed drafts (TensorRT-LLM's ``acceptance_rate`` output; 0 when none were proposed)."""
+        return self.total_accepted_draft_tokens / self.total_draft_tokens if self.total_draft_tokens else 0.0
 
 
 @dataclass
@@ -207,6 +223,9 @@ class StepEntry:
     sample: bool
     sampling: SamplingParams = SamplingParams()
     generator: Any = None  # the request's own torch.Generator when sampling with a seed
+    # a generation entry with drafts carries [last token, d1..dk] and asks for k + 1 rows of logits;
+    # draft_probs: the [k, V] distribution the drafts were drawn from (None: deterministic or greedy drafts)
+    draft_probs: Any = None
 
 
 @dataclass
@@ -230,12 +249,13 @@ class StepResult:
     """Sampled token per entry that asked for one, and how long the step took (measured or simulated).
 
     ``errors``: one line per entry whose own row failed (e.g. its sampling); the executor fails those requests
-    alone and accepts every other entry's token.
+    alone and accepts every other entry's token. ``accepted``: the tokens of each entry that verified drafts.
     """
 
     tokens: dict[int, int]
     elapsed_s: float
     errors: dict[int, str] = field(default_factory=dict)
+    accepted: dict[int, list[int]] = field(default_factory=dict)  # entries with drafts: every token they emit
 
 
 class StepEngine(Protocol):

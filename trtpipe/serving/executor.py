@@ -37,6 +37,7 @@ from trtpipe.serving.api import (
 )
 from trtpipe.serving.kv_pool import BlockPool, KVStats
 from trtpipe.serving.scheduler import ActiveRequest, ContextTooLong, capacity_schedule, insert_by_priority, micro_batch
+from trtpipe.serving.speculative import Speculator
 
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class ExecutorCore:
         on_response: Callable[[Response], None],
         clock: Optional[Clock] = None,
         stats_history: int = 1000,
+        draft_engine: Optional[StepEngine] = None,
     ):
         if config.max_beam_width != 1:
             raise ValueError("the executor runs beam width 1 only")
@@ -149,6 +151,8 @@ class ExecutorCore:
         self._next_id = 1
         self._shed: list[_Queued] = []  # pushed out of a full queue by a higher priority: answered next turn
         self.stalled = False  # the last turn had requests but could schedule none (waiting for blocks)
+        # speculative decoding (trtpipe.serving.speculative): drafts, verification, acceptance counters
+        self.speculator = Speculator(config, draft_engine) if config.speculative_decoding_type else None
 
     # ---- the front ends' side (any thread) ------------------------------------------------------
     def submit(self, request: Request) -> int:
@@ -372,6 +376,8 @@ class ExecutorCore:
             self.pool.store(r.block_table, r.tokens[: r.kv_len])
             self.pool.release(r.block_table)
             r.block_table = []
+        if self.speculator is not None:
+            self.speculator.forget(r.id)
 
     # ---- admission ---------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -503,16 +509,18 @@ class ExecutorCore:
                     r.generator,
                 )
             )
-        for r in chosen:
-            if r.generating:
-                new = self.pool.grow(r.block_table, r.kv_len + 1)
-                r.perf.kv_alloc_new_blocks += new
-                r.perf.kv_alloc_total_blocks = len(r.block_table)
-                batch.entries.append(
-                    StepEntry(
-                        r.id, [r.tokens[-1]], r.kv_len, r.block_table, False, True, r.request.sampling, r.generator
-                    )
+        generating = [r for r in chosen if r.generating]
+        drafts = self.speculator.propose(generating) if self.speculator is not None and generating else {}
+        for r in generating:
+            d, q = drafts.get(r.id, ([], None))
+            new = self.pool.grow(r.block_table, r.kv_len + 1 + len(d))
+            r.perf.kv_alloc_new_blocks += new
+            r.perf.kv_alloc_total_blocks = len(r.block_table)
+            batch.entries.append(
+                StepEntry(
+                    r.id, [r.tokens[-1], *d], r.kv_len, r.block_table, False, True, r.request.sampling, r.generator, q
                 )
+            )
         if not batch.entries:
             # nothing fits this turn (head-of-line blocked on KV): an empty record, then wait for the pool to change
             self._record(0.0, batch, len(decision.paused), 0)
@@ -534,7 +542,10 @@ class ExecutorCore:
                     continue
                 r.generating = True
                 self.pool.store(r.block_table, r.tokens[: r.context_len])  # early reuse: at the end of the context
-            self._accept(r, result.tokens[e.request_id], now)
+            if e.request_id in result.accepted:
+                self._accept_verified(r, e.tokens[1:], result.accepted[e.request_id], now)
+            else:
+                self._accept(r, result.tokens[e.request_id], now)
         self._record(result.elapsed_s, batch, len(decision.paused), len(chosen))
         self.iteration += 1
         for r in failed:  # one row's failure is its own: the others keep this step's tokens
@@ -554,6 +565,20 @@ class ExecutorCore:
             r.finish_reason = FinishReason.STOP_WORDS
         elif len(r.output) >= r.max_new_tokens:
             r.finish_reason = FinishReason.LENGTH
+
+    def _accept_verified(self, r: ActiveRequest, drafts: list[int], emitted: list[int], now: int) -> None:
+        """The tokens of one verification, in order, until one ends the request; then the blocks past the sequence
+        go back to the pool (the rejected drafts' slots)."""
+        for token in emitted:
+            self._accept(r, token, now)
+            if r.finish_reason:
+                break
+        self.speculator.record(r, drafts, emitted)
+        keep = self.pool.blocks_for(len(r.tokens))
+        if len(r.block_table) > keep:
+            self.pool.release(r.block_table[keep:])
+            del r.block_table[keep:]
+        self.speculator.synced(r)
 
     def _pause(self, r: ActiveRequest) -> None:
         """MAX_UTILIZATION pause: drop the KV, keep the output, recompute prompt + output later (not a swap)."""
@@ -617,11 +642,16 @@ class Executor:
     """
 
     def __init__(
-        self, config: ExecutorConfig, engine: StepEngine, idle_wait_s: float = 0.05, threads: Optional[int] = None
+        self,
+        config: ExecutorConfig,
+        engine: StepEngine,
+        idle_wait_s: float = 0.05,
+        threads: Optional[int] = None,
+        draft_engine: Optional[StepEngine] = None,
     ):
         self._callbacks: dict[int, Callable[[Response], None]] = {}
         self._cb_lock = threading.Lock()
-        self.core = ExecutorCore(config, engine, self._dispatch)
+        self.core = ExecutorCore(config, engine, self._dispatch, draft_engine=draft_engine)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._idle_wait = idle_wait_s

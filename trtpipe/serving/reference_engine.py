@@ -23,6 +23,7 @@ import torch
 from trtpipe.runtime.generate import sample
 from trtpipe.runtime.model import ReferenceModel, attention_probs
 from trtpipe.serving.api import StepBatch, StepResult
+from trtpipe.serving.speculative import is_verification, verify_entries
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class PagedStep:
         for e in batch.entries:
             n = len(e.tokens)
             slots += _slots(e.block_table, e.start_pos, e.start_pos + n, tpb)
-            if e.is_context:
+            if e.is_context or n > 1:  # a context chunk, or a token with drafts to verify: causal over its KV
                 kv = torch.tensor(_slots(e.block_table, 0, e.start_pos + n, tpb), device=device)
                 q_pos = torch.arange(e.start_pos, e.start_pos + n, device=device)
                 ctx.append((t, t + n, kv, q_pos))
@@ -212,8 +213,8 @@ class ReferenceEngine:
         ends, t = [], 0
         for e in batch.entries:
             t += len(e.tokens)
-            if e.sample:
-                ends.append(t - 1)
+            if e.sample:  # every position of an entry with drafts (trtpipe.serving.speculative), else the last
+                ends.extend(range(t - (len(e.tokens) if is_verification(e) else 1), t))
         return ids, paged, self._cos_sin(batch), ends
 
     @torch.no_grad()
@@ -228,5 +229,8 @@ class ReferenceEngine:
     def step(self, batch: StepBatch) -> StepResult:
         t0 = time.perf_counter()
         logits = self.logits(batch)
+        if any(is_verification(e) for e in batch.entries):
+            tokens, errors, accepted = verify_entries(batch, logits, sample_entries)
+            return StepResult(tokens, time.perf_counter() - t0, errors, accepted)
         tokens, errors = sample_entries(batch, logits)
         return StepResult(tokens, time.perf_counter() - t0, errors)
