@@ -183,3 +183,15 @@ def test_engine_target_builds_with_the_trtllm_build_mode(tmp_path, stories_dir):
         2,
         5,
     )  # SpeculativeDecodingMode.DRAFT_TOKENS_EXTERNAL
+
+
+def test_the_twin_executor_config_follows_the_recipe(tmp_path, stories_dir):
+    from trtpipe.serving.config import from_recipe, to_json, from_json
+
+    draft = _draft_copy(tmp_path, stories_dir, num_hidden_layers=2)
+    spec = f"  decoding_type: DraftTarget\n  max_draft_len: 4\n  speculative_model: {draft}"
+    c = from_recipe(load_recipe(_write(tmp_path, stories_dir, spec)), 512)
+    assert (c.speculative_decoding_type, c.max_draft_len, c.speculative_model) == ("DraftTarget", 4, str(draft))
+    assert from_json(to_json(c)) == c  # the one serialized form carries it to every front end
+    eagle = "  decoding_type: Eagle3\n  speculative_model: /heads"
+    assert from_recipe(load_recipe(_write(tmp_path, stories_dir, eagle), check_rules=False), 512).max_draft_len == 0

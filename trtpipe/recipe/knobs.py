@@ -36,8 +36,28 @@ def knobs(max_batch_size: int, kv: KVCacheSection, triton: TritonSection, servin
     }
 
 
+def speculative_knobs(recipe: Recipe) -> dict[str, Any]:
+    """What the twin executes of ``speculative:`` (NGram, DraftTarget; the draft as a local directory). Other types
+    (Eagle3, MTP, the engine modes) are served without speculation: the twin has no EAGLE/MTP heads."""
+    from trtpipe.recipe.speculative import TWIN_EXECUTES, draft_dir
+
+    s = recipe.speculative
+    if s.decoding_type not in TWIN_EXECUTES:
+        return {}
+    draft = draft_dir(recipe)
+    return {
+        "speculative_decoding_type": s.decoding_type,
+        "max_draft_len": s.max_draft_len,
+        "max_matching_ngram_size": s.max_matching_ngram_size,
+        "speculative_model": str(draft) if draft is not None else "",
+    }
+
+
 def executor_knobs(recipe: Recipe) -> dict[str, Any]:
-    return knobs(recipe.engine.max_batch_size, recipe.engine.kv_cache, recipe.triton, recipe.serving)
+    return {
+        **knobs(recipe.engine.max_batch_size, recipe.engine.kv_cache, recipe.triton, recipe.serving),
+        **speculative_knobs(recipe),
+    }
 
 
 def default_knobs(max_batch_size: int) -> dict[str, Any]:

@@ -73,6 +73,7 @@ class ExecutorConfig:
     speculative_decoding_type: str = ""
     max_draft_len: int = 0
     max_matching_ngram_size: int = 2
+    speculative_model: str = ""  # DraftTarget: the draft model's HF directory (loaded by the front end's process)
 
     @property
     def draft_reserve(self) -> int:

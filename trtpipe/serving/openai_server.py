@@ -56,6 +56,7 @@ from trtpipe.serving.api import (
 from trtpipe.serving.config import twin_default
 from trtpipe.serving.executor import Executor, ExecutorStopped, QueueFullError
 from trtpipe.serving.prom_text import histograms
+from trtpipe.serving.speculative import prometheus_lines, usage_extension
 
 web = require("aiohttp.web", "the OpenAI twin (trtpipe serve of an llmapi target)")
 
@@ -200,7 +201,7 @@ class ServedModel:
         from transformers import AutoTokenizer
 
         from trtpipe.runtime.hf_loader import load_hf_checkpoint
-        from trtpipe.serving.reference_engine import ReferenceEngine
+        from trtpipe.serving.reference_engine import ReferenceEngine, draft_engine
 
         self.dir, self.name, self.created = Path(model_dir), name, int(time.time())
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.dir), trust_remote_code=False)
@@ -218,7 +219,9 @@ class ServedModel:
         # tokens >= characters / the longest token's characters: a prompt past that bound is refused untokenized
         self.max_chars_per_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="trtpipe-tokenize")
-        self.executor = Executor(self.config, ReferenceEngine(model), threads=torch_threads())
+        self.executor = Executor(
+            self.config, ReferenceEngine(model), threads=torch_threads(), draft_engine=draft_engine(self.config)
+        )
 
     def refuse_long_text(self, text: str, param: str) -> None:
         """400 before tokenizing when ``text`` cannot fit the context whatever it tokenizes to: at least
@@ -850,7 +853,10 @@ class OpenAIServer:
 
     def _usage(self, g: Generation) -> dict:
         n = g.completion_tokens
-        return {"prompt_tokens": len(g.prompt), "completion_tokens": n, "total_tokens": len(g.prompt) + n}
+        usage = {"prompt_tokens": len(g.prompt), "completion_tokens": n, "total_tokens": len(g.prompt) + n}
+        if self.served.config.speculative_decoding_type and g.perf is not None:
+            usage.update(usage_extension(g.perf))
+        return usage
 
     def _account(self, g: Generation) -> None:
         """Per-request metrics as trtllm-serve logs them (TPOT = decode time / (tokens - 1))."""
@@ -923,6 +929,8 @@ class OpenAIServer:
         for h in c.hist.values():
             lines += h.lines(labels)
         kv = s.kv if s else None
+        if self.served.executor.core.speculator is not None:
+            lines += prometheus_lines(self.served.executor.core.speculator, labels)
         lines += [
             "# TYPE trtllm_num_requests_running gauge",
             f"trtllm_num_requests_running{{{labels}}} {s.num_scheduled if s else 0}",

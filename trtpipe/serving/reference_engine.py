@@ -22,8 +22,8 @@ import torch
 
 from trtpipe.runtime.generate import sample
 from trtpipe.runtime.model import ReferenceModel, attention_probs
-from trtpipe.serving.api import StepBatch, StepResult
-from trtpipe.serving.speculative import is_verification, verify_entries
+from trtpipe.serving.api import ExecutorConfig, StepBatch, StepResult
+from trtpipe.serving.speculative import DRAFT_TARGET, is_verification, verify_entries
 
 log = logging.getLogger(__name__)
 
@@ -234,3 +234,14 @@ class ReferenceEngine:
             return StepResult(tokens, time.perf_counter() - t0, errors, accepted)
         tokens, errors = sample_entries(batch, logits)
         return StepResult(tokens, time.perf_counter() - t0, errors)
+
+
+def draft_engine(config: ExecutorConfig):
+    """The draft model's step engine a front end hands the executor (None unless DraftTarget)."""
+    if config.speculative_decoding_type != DRAFT_TARGET:
+        return None
+    if not config.speculative_model:
+        raise ValueError("speculative decoding_type DraftTarget needs a draft model (speculative_model)")
+    from trtpipe.runtime.hf_loader import load_hf_checkpoint
+
+    return ReferenceEngine(load_hf_checkpoint(config.speculative_model))

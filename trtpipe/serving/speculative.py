@@ -119,6 +119,33 @@ def verify(
     return out + [_draw(p[k], generator)]
 
 
+def usage_extension(perf) -> dict:
+    """Per-request acceptance for an OpenAI ``usage`` (TensorRT-LLM's Triton output names, and OpenAI's own
+    ``completion_tokens_details`` prediction counters)."""
+    return {
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": perf.total_accepted_draft_tokens,
+            "rejected_prediction_tokens": perf.total_draft_tokens - perf.total_accepted_draft_tokens,
+        },
+        "speculative_decoding": {
+            "acceptance_rate": perf.acceptance_rate,
+            "total_accepted_draft_tokens": perf.total_accepted_draft_tokens,
+            "total_draft_tokens": perf.total_draft_tokens,
+        },
+    }
+
+
+def prometheus_lines(speculator, labels: str) -> list[str]:
+    """Cumulative acceptance counters (trtpipe's names, after vLLM's ``spec_decode_num_*_total``: trtllm-serve's
+    Prometheus endpoint exports none that this twin could copy)."""
+    rows = (
+        ("trtllm_spec_decode_draft_tokens_total", speculator.total_draft_tokens),
+        ("trtllm_spec_decode_accepted_tokens_total", speculator.total_accepted_draft_tokens),
+        ("trtllm_spec_decode_verifications_total", speculator.verifications),
+    )
+    return [line for name, v in rows for line in (f"# TYPE {name} counter", f"{name}{{{labels}}} {v}")]
+
+
 def is_verification(e: StepEntry) -> bool:
     """A generation entry carrying drafts after its token."""
     return not e.is_context and len(e.tokens) > 1
