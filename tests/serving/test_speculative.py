@@ -223,3 +223,19 @@ def test_sampled_output_distribution_unchanged_through_the_executor(model_tp1, o
     assert 0 < rate < 1  # the draft is another model: some rejected, some kept (both branches are tested)
     pv = _chi2(counts, marginal)
     assert pv > ALPHA, f"chi-square p = {pv:.3g}"
+
+
+@pytest.mark.slow
+def test_greedy_identical_at_tp2(model_tp2, oracle, model_tp1):
+    """The tp=2 checkpoint (two shards per layer, summed as the all-reduce would) with the tp=1 model as draft."""
+    prompts = _prompts(6, seed=9, repetitive=True)
+    plain, _ = _serve(model_tp2, _config(), _greedy_requests(prompts, 24))
+    for kind, draft in (("NGram", None), ("DraftTarget", model_tp1)):
+        spec, core = _serve(
+            model_tp2, _config(speculative_decoding_type=kind, max_draft_len=3), _greedy_requests(prompts, 24), draft
+        )
+        for p, a, b in zip(prompts, plain, spec):
+            assert not b.has_error, b.error
+            assert b.tokens == a.tokens
+            assert check_greedy(model_tp2, oracle, p, b.tokens, 24, EOS) == ""
+        assert core.speculator.total_accepted_draft_tokens > 0
