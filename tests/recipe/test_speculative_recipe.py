@@ -195,3 +195,21 @@ def test_the_twin_executor_config_follows_the_recipe(tmp_path, stories_dir):
     assert from_json(to_json(c)) == c  # the one serialized form carries it to every front end
     eagle = "  decoding_type: Eagle3\n  speculative_model: /heads"
     assert from_recipe(load_recipe(_write(tmp_path, stories_dir, eagle), check_rules=False), 512).max_draft_len == 0
+
+
+def test_plan_counts_the_draft_weights_kv_and_positions(tmp_path, stories_dir):
+    from trtpipe.app.planning import render_plan, resolve
+
+    draft = _draft_copy(tmp_path, stories_dir, num_hidden_layers=5)  # same files: the draft weighs what stories does
+    plain = resolve(_write(tmp_path, stories_dir, "  decoding_type: none"))
+    spec = f"  decoding_type: DraftTarget\n  max_draft_len: 4\n  speculative_model: {draft}"
+    r = resolve(_write(tmp_path, stories_dir, spec))
+    d = r.plan.draft
+    assert d.weight_bytes == (draft / "model.safetensors").stat().st_size  # tp 1: the whole draft on the GPU
+    assert d.kv_bytes_per_token == 2 * 5 * 4 * 8 * 2  # K and V x 5 layers x 4 kv heads x head 8 x 2 bytes (float16)
+    assert r.plan.ranks[0].weight_bytes == plain.plan.ranks[0].weight_bytes + d.weight_bytes
+    assert r.plan.ranks[0].kv_bytes_per_token == plain.plan.ranks[0].kv_bytes_per_token + d.kv_bytes_per_token
+    assert r.plan.blocks_per_sequence == -(-(r.plan.max_seq_len + 4) // r.plan.tokens_per_block)
+    assert "draft weights" in render_plan(r)
+    ngram = resolve(_write(tmp_path, stories_dir, "  decoding_type: NGram\n  max_draft_len: 2")).plan.draft
+    assert (ngram.weight_bytes, ngram.kv_bytes_per_token, ngram.counted_from) == (0, 0.0, "none")
