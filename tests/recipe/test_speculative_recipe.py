@@ -193,6 +193,15 @@ def test_the_twin_executor_config_follows_the_recipe(tmp_path, stories_dir):
     c = from_recipe(load_recipe(_write(tmp_path, stories_dir, spec)), 512)
     assert (c.speculative_decoding_type, c.max_draft_len, c.speculative_model) == ("DraftTarget", 4, str(draft))
     assert from_json(to_json(c)) == c  # the one serialized form carries it to every front end
+    engine = f"  decoding_type: draft_tokens_external\n  speculative_model: {draft}"  # trtllm-build's draft-target
+    c = from_recipe(load_recipe(_write(tmp_path, stories_dir, engine, target="engine"), check_rules=False), 512)
+    assert (c.speculative_decoding_type, c.max_draft_len) == ("DraftTarget", 3)
+    from trtpipe.recipe.knobs import twin_extras
+
+    extras = json.loads(
+        twin_extras(load_recipe(_write(tmp_path, stories_dir, engine, target="engine"), check_rules=False))
+    )
+    assert extras["speculative_decoding_type"] == "DraftTarget"  # the Triton twin's executor_extras carry it
     eagle = "  decoding_type: Eagle3\n  speculative_model: /heads"
     assert from_recipe(load_recipe(_write(tmp_path, stories_dir, eagle), check_rules=False), 512).max_draft_len == 0
 

@@ -37,8 +37,9 @@ def knobs(max_batch_size: int, kv: KVCacheSection, triton: TritonSection, servin
 
 
 def speculative_knobs(recipe: Recipe) -> dict[str, Any]:
-    """What the twin executes of ``speculative:`` (NGram, DraftTarget; the draft as a local directory). Other types
-    (Eagle3, MTP, the engine modes) are served without speculation: the twin has no EAGLE/MTP heads."""
+    """What the twin executes of ``speculative:`` (NGram, DraftTarget and the engine's draft_tokens_external; the
+    draft as a local HF directory). Other types (Eagle3, MTP, medusa, eagle, lookahead_decoding) are served without
+    speculation: the twin has no EAGLE/Medusa/MTP heads nor lookahead decoding."""
     from trtpipe.recipe.speculative import TWIN_EXECUTES, draft_dir
 
     s = recipe.speculative
@@ -46,7 +47,7 @@ def speculative_knobs(recipe: Recipe) -> dict[str, Any]:
         return {}
     draft = draft_dir(recipe)
     return {
-        "speculative_decoding_type": s.decoding_type,
+        "speculative_decoding_type": TWIN_EXECUTES[s.decoding_type],
         "max_draft_len": s.max_draft_len,
         "max_matching_ngram_size": s.max_matching_ngram_size,
         "speculative_model": str(draft) if draft is not None else "",

@@ -31,7 +31,9 @@ from trtpipe.recipe.schema import ENGINE_DECODING_TYPES, LLMAPI_DECODING_TYPES, 
 
 KEY = "speculative"
 NEEDS_MODEL = frozenset({"DraftTarget", "Eagle3", "draft_tokens_external", "medusa", "eagle"})
-TWIN_EXECUTES = frozenset({"NGram", "DraftTarget"})  # what the CPU twin runs (trtpipe/serving/speculative.py)
+# what the CPU twin runs (trtpipe/serving/speculative.py), by recipe spelling: the engine path's external draft
+# tokens are draft-target decoding with a second model (tensorrtllm_backend's two-model BLS)
+TWIN_EXECUTES = {"NGram": "NGram", "DraftTarget": "DraftTarget", "draft_tokens_external": "DraftTarget"}
 MTP_MIN_SM = 90
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
