@@ -59,6 +59,17 @@ CONTRACT_SUB = {
         """lora_dir lora_ckpt_source max_lora_rank lora_target_modules trtllm_modules_to_hf_modules max_loras
         max_cpu_loras swap_gate_up_proj_lora_b_weight""".split()
     ),
+    # DecodingBaseConfig and its NGram / Eagle / MTP subclasses (llm_args.py@fcd3f316; speculative_model_dir in a
+    # 1.0/1.1-era revision)
+    "speculative_config": {
+        "decoding_type",
+        "max_draft_len",
+        "speculative_model",
+        "speculative_model_dir",
+        "max_matching_ngram_size",
+        "eagle3_one_model",
+        "num_nextn_predict_layers",
+    },
 }
 
 

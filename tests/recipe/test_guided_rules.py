@@ -3,14 +3,13 @@ time (feature_combination_matrix.md@116f6ea9; llguidance on the engine target) r
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 from recipe_helpers import RECIPES
 
 from trtpipe.app.validation import load_recipe
 from trtpipe.errors import RecipeError
 from trtpipe.recipe.guided_rules import _guided_combinations
+from trtpipe.recipe.schema import SpeculativeSection
 
 
 def test_backend_values():
@@ -40,10 +39,10 @@ def test_llguidance_on_the_engine_target_is_refused_in_one_line():
     ],
 )
 def test_matrix_no_with_speculative(spec, refused):
-    """The speculative section arrives with issue 40 (its keys: decoding_type, eagle3_one_model); until this branch
-    has it, the section is given as those two fields."""
+    """The recipe's speculative section (issue 40), alone: the speculative rules of its own (MTP layers, SM) are not
+    this rule's."""
     r = load_recipe(RECIPES / "stories-llmapi-fp8.yaml", ["serving.guided_decoding_backend=xgrammar"])
-    object.__setattr__(r, "speculative", SimpleNamespace(**spec))
+    r = r.model_copy(update={"speculative": SpeculativeSection(**spec)})
     found = list(_guided_combinations(r, None))
     if refused is None:
         assert found == []

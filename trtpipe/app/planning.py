@@ -137,6 +137,13 @@ def render_plan(r: Resolved) -> str:
             f"+ runtime reserve ~{_size(x.reserve_bytes)}; free {_size(max(x.free_bytes, 0))} -> KV pool {_size(x.kv_pool_bytes)} "
             f"= {x.kv_tokens} tokens = {x.kv_blocks} blocks"
         )
+    d = p.draft
+    if d is not None:
+        lines.append(
+            f"speculative {r.recipe.speculative.decoding_type}: draft weights {_size(d.weight_bytes)} per GPU "
+            f"({d.counted_from}, included above), draft KV {int(d.kv_bytes_per_token)} bytes/token per GPU "
+            f"(included above), sequences +{d.extra_positions} positions"
+        )
     e = p.experts
     if e is not None:
         lines.append(

@@ -29,11 +29,13 @@ from trtpipe.recipe.guided_rules import GUIDED_RULES
 from trtpipe.recipe.loader import parse_recipe
 from trtpipe.recipe.rules import RECIPE_RULES, Rule
 from trtpipe.recipe.schema import Recipe
+from trtpipe.recipe.speculative import SPECULATIVE_RULES
 
 # In this order; problems are reported in file order, and rules that name the same key keep this order.
 RULES: tuple[Rule, ...] = (
     *RECIPE_RULES,
     *GUIDED_RULES,
+    *SPECULATIVE_RULES,
     *QUANT_RULES,
     *IMPORT_RULES,
     *ENGINE_RULES,

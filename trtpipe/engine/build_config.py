@@ -52,6 +52,8 @@ class BuildConfig:
     quant_algo: Optional[str] = None
     kv_cache_quant_algo: Optional[str] = None
     disable_weight_only_quant_plugin: bool = False  # the checkpoint config's flag (Llama family)
+    speculative_decoding_mode: Optional[str] = None  # trtllm-build's spelling (recipe speculative.decoding_type)
+    max_draft_len: int = 0
 
     @property
     def kv_cache_type(self) -> str:
@@ -184,6 +186,7 @@ def resolve_build(recipe: Recipe, checkpoint_config: dict, gpu: Optional[GPU] = 
         quant_algo=target.quant_algo,
         kv_cache_quant_algo=target.kv_cache_quant_algo,
         disable_weight_only_quant_plugin=bool(checkpoint_config.get("disable_weight_only_quant_plugin", False)),
+        **_speculative(recipe),
         **limits,
     )
     return EngineBuild(
@@ -198,6 +201,26 @@ def resolve_build(recipe: Recipe, checkpoint_config: dict, gpu: Optional[GPU] = 
         rejected=tuple(rejected),
         explicit=frozenset(recipe.engine.model_fields_set),
     )
+
+
+# SpeculativeDecodingMode (an IntFlag of auto() members: NONE 1, DRAFT_TOKENS_EXTERNAL 2, MEDUSA 4,
+# LOOKAHEAD_DECODING 8, EXPLICIT_DRAFT_TOKENS 16, EAGLE 32), tensorrt_llm/models/modeling_utils.py (commit not recorded)
+SPECULATIVE_MODE_VALUES = {
+    None: 1,
+    "draft_tokens_external": 2,
+    "medusa": 4,
+    "lookahead_decoding": 8,
+    "explicit_draft_tokens": 16,
+    "eagle": 32,
+}
+
+
+def _speculative(recipe: Recipe) -> dict[str, Any]:
+    """The engine's speculative mode and draft length (the llmapi target's speculation is not built in)."""
+    s = recipe.speculative
+    if recipe.target != "engine" or s.decoding_type not in SPECULATIVE_MODE_VALUES:
+        return {}
+    return {"speculative_decoding_mode": s.decoding_type, "max_draft_len": s.max_draft_len}
 
 
 def _cli_value(name: str, value: Any) -> str:
@@ -255,6 +278,8 @@ def to_argv(
         ]
     for name in build.emitted_fields():
         argv += [f"--{name}", _cli_value(name, c.plugins[name])]
+    if c.speculative_decoding_mode:
+        argv += ["--speculative_decoding_mode", c.speculative_decoding_mode, "--max_draft_len", str(c.max_draft_len)]
     argv += ["--workers", str(build.workers)]
     check_argv(argv)
     return argv
@@ -318,8 +343,8 @@ def to_json(c: BuildConfig) -> dict[str, Any]:
         "force_num_profiles": None,
         "profiling_verbosity": "layer_names_only",
         "enable_debug_output": False,
-        "max_draft_len": 0,
-        "speculative_decoding_mode": 1,  # SpeculativeDecodingMode.NONE (an IntFlag, serialized as an int)
+        "max_draft_len": c.max_draft_len,
+        "speculative_decoding_mode": SPECULATIVE_MODE_VALUES[c.speculative_decoding_mode],  # an IntFlag, as an int
         "use_refit": False,
         "input_timing_cache": None,
         "output_timing_cache": "model.cache",

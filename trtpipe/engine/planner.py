@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
 from trtpipe.engine import ckptconfig
 from trtpipe.engine.build_config import EngineBuild, builder_target
+from trtpipe.engine.draft_plan import DraftMemory, draft_memory
 from trtpipe.engine.enforce import rejections
 from trtpipe.models.dims import MLA, checkpoint_dims
 from trtpipe.errors import CheckpointError, EngineError
@@ -309,6 +310,7 @@ class Plan:
     refusal: str = ""
     kv_bytes_per_token_model: int = 0  # whole model, one copy of each KV head
     runtime: bool = True  # the KV pool and host memory planned too (False: the engine alone, see plan_build)
+    draft: Optional[DraftMemory] = None  # speculative decoding's share (trtpipe/engine/draft_plan.py)
 
     @property
     def fits(self) -> bool:
@@ -339,6 +341,7 @@ class Plan:
             "concurrent_sequences": self.concurrent_sequences if self.runtime else None,
             "max_batch_size": self.max_batch_size,
             "host_bytes": self.host_bytes if self.runtime else None,
+            "draft": None if self.draft is None else asdict(self.draft),
             "experts": None
             if self.experts is None
             else {
@@ -469,10 +472,12 @@ def plan_build(
     else:
         weights, source = weight_bytes(s, tp, pp), "config.json"
     act = activation_bytes(s, tp, c.max_num_tokens, c.max_batch_size, c.max_beam_width)
+    draft = draft_memory(recipe, tp, kv_bytes_per_token(s, 1, 1) / (2 * s.kv_heads * s.head_size))
+    weights = [w + (draft.weight_bytes if draft else 0) for w in weights]
     ranks = []
     for r, n in enumerate(pp_layers(s.layers, pp)):
         free = gpu.memory_bytes - weights[r] - act - RUNTIME_RESERVE_BYTES
-        per_tok = kv_bytes_per_token(s, n, tp)
+        per_tok = kv_bytes_per_token(s, n, tp) + (draft.kv_bytes_per_token if draft else 0)
         pool = int(max(free, 0) * kvc.free_gpu_memory_fraction) if kvc is not None else 0
         tokens = int(pool // per_tok) if per_tok else 0
         if kvc is not None and kvc.max_tokens is not None:
@@ -481,7 +486,7 @@ def plan_build(
             RankPlan(r, n, weights[r], act, RUNTIME_RESERVE_BYTES, free, per_tok, pool, tokens, math.ceil(tokens / tpb))
         )
     blocks = min(r.kv_blocks for r in ranks)
-    per_seq = sequence_blocks(s, c, tpb)
+    per_seq = sequence_blocks(s, replace(c, max_seq_len=c.max_seq_len + draft.extra_positions) if draft else c, tpb)
     plan = Plan(
         gpu=gpu,
         tp=tp,
@@ -502,6 +507,7 @@ def plan_build(
         experts=expert_placement(s, cfg, pp),
         host_bytes=host_estimates(s, source_dtype_bytes, max(weights), build.workers, recipe) if runtime else {},
         runtime=runtime,
+        draft=draft,
     )
     return replace(plan, refusal=_refusal(plan, recipe, cfg, build))
 

@@ -24,6 +24,7 @@ from trtpipe.errors import TrtpipeError
 from trtpipe.models.parsers import TABLES, TRTLLM_RELEASE, Parser
 from trtpipe.models.parsers import resolve as resolve_parser
 from trtpipe.recipe.schema import Recipe
+from trtpipe.recipe.speculative import speculative_config
 
 VERSIONS = ("1.0", "1.1", "1.2")
 _ALL = frozenset(VERSIONS)
@@ -62,6 +63,14 @@ LLM_API_KEYS: dict[str, frozenset] = {
     "lora_config.max_loras": frozenset(("1.2",)),
     "lora_config.max_cpu_loras": frozenset(("1.2",)),
     "lora_config.lora_target_modules": frozenset(("1.2",)),
+    # speculative decoding (trtpipe/recipe/speculative.py says where each name was read)
+    "speculative_config.decoding_type": _ALL,
+    "speculative_config.max_draft_len": _ALL,
+    "speculative_config.speculative_model": frozenset(("1.2",)),
+    "speculative_config.speculative_model_dir": frozenset(("1.0", "1.1")),
+    "speculative_config.max_matching_ngram_size": _ALL,
+    "speculative_config.eagle3_one_model": _ALL,
+    "speculative_config.num_nextn_predict_layers": _ALL,
 }
 
 # trtllm-serve flags per release (1.2 adds long aliases and --config for the YAML; the short ones still work)
@@ -168,6 +177,7 @@ def llm_api_options(
 
         served = [f"{lora_dir}/{name}" for name in recipe.lora.adapters]  # as the serving host sees them
         want.update(lora_options(recipe, served, target_modules(recipe)))
+    want.update(speculative_config(recipe, version))
     out: dict = {}
     for key, value in want.items():
         if value is None:

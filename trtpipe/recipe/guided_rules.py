@@ -26,8 +26,8 @@ def _guided_combinations(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Fin
         return
     if backend == "llguidance" and recipe.target == "engine":
         yield KEY, "llguidance runs on the PyTorch backend only (target: llmapi); the engine target takes xgrammar"
-    spec = getattr(recipe, "speculative", None)  # the section of issue 40, where the schema has it
-    kind = getattr(spec, "decoding_type", "none")
+    spec = recipe.speculative
+    kind = spec.decoding_type
     if kind == "MTP":
         yield (
             KEY,
@@ -36,7 +36,7 @@ def _guided_combinations(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Fin
                 "matrix: No); unset serving.guided_decoding_backend or choose another speculative.decoding_type"
             ),
         )
-    if kind == "Eagle3" and getattr(spec, "eagle3_one_model", False):
+    if kind == "Eagle3" and spec.eagle3_one_model:
         yield (
             KEY,
             (

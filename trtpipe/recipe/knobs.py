@@ -40,10 +40,33 @@ def knobs(max_batch_size: int, kv: KVCacheSection, triton: TritonSection, servin
     }
 
 
+def speculative_knobs(recipe: Recipe) -> dict[str, Any]:
+    """What the twin executes of ``speculative:`` (NGram, DraftTarget and the engine's draft_tokens_external; the
+    draft as a local HF directory). Other types (Eagle3, MTP, medusa, eagle, lookahead_decoding) are served without
+    speculation: the twin has no EAGLE/Medusa/MTP heads nor lookahead decoding."""
+    from trtpipe.recipe.speculative import TWIN_EXECUTES, draft_dir
+
+    s = recipe.speculative
+    if s.decoding_type not in TWIN_EXECUTES:
+        return {}
+    draft = draft_dir(recipe)
+    return {
+        "speculative_decoding_type": TWIN_EXECUTES[s.decoding_type],
+        "max_draft_len": s.max_draft_len,
+        "max_matching_ngram_size": s.max_matching_ngram_size,
+        "speculative_model": str(draft) if draft is not None else "",
+    }
+
+
 def executor_knobs(recipe: Recipe) -> dict[str, Any]:
-    """:func:`knobs` of the recipe, and ``max_loras`` (adapters one step may hold) when it serves LoRA adapters."""
+    """:func:`knobs` of the recipe, its speculative decoding, and ``max_loras`` (adapters one step may hold) when
+    it serves LoRA adapters."""
     lora = {"max_loras": recipe.lora.max_loras} if recipe.lora.adapters else {}
-    return {**knobs(recipe.engine.max_batch_size, recipe.engine.kv_cache, recipe.triton, recipe.serving), **lora}
+    return {
+        **knobs(recipe.engine.max_batch_size, recipe.engine.kv_cache, recipe.triton, recipe.serving),
+        **speculative_knobs(recipe),
+        **lora,
+    }
 
 
 def default_knobs(max_batch_size: int) -> dict[str, Any]:

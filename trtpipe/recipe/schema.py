@@ -351,6 +351,40 @@ class ServingSection(_Section):
     )
 
 
+# speculative_config.decoding_type of the PyTorch backend (llmapi) and trtllm-build --speculative_decoding_mode
+# (engine): tensorrt_llm/llmapi/llm_args.py@fcd3f316 DecodingBaseConfig.from_dict, tensorrt_llm/commands/build.py@65f1d153
+LLMAPI_DECODING_TYPES = ("NGram", "DraftTarget", "Eagle3", "MTP")
+ENGINE_DECODING_TYPES = ("draft_tokens_external", "lookahead_decoding", "medusa", "eagle")
+
+
+class SpeculativeSection(_Section):
+    """Speculative decoding, named as TensorRT-LLM's ``speculative_config`` (llmapi) or trtllm-build (engine).
+
+    Cross-field rules (the target's spellings, the feature-combination matrix, the draft model) are in
+    :mod:`trtpipe.recipe.speculative`."""
+
+    decoding_type: Literal[("none",) + LLMAPI_DECODING_TYPES + ENGINE_DECODING_TYPES] = Field(
+        "none",
+        description="none, or llmapi: NGram | DraftTarget | Eagle3 | MTP; engine: draft_tokens_external | "
+        "lookahead_decoding | medusa | eagle (trtllm-build --speculative_decoding_mode).",
+    )
+    max_draft_len: int = Field(3, ge=1, le=64, description="Draft tokens proposed per step (k).")
+    speculative_model: Optional[str] = Field(
+        None,
+        description="Draft model or head: a local directory or hf://org/name (DraftTarget, Eagle3, engine drafts).",
+    )
+    max_matching_ngram_size: int = Field(
+        2, ge=1, le=64, description="NGram: longest suffix of the sequence looked up for a continuation."
+    )
+    eagle3_one_model: bool = Field(True, description="Eagle3: draft head inside the target's engine (one model).")
+
+    @property
+    def enabled(self) -> bool:
+        return self.decoding_type != "none"
+
+    _model = field_validator("speculative_model")(classmethod(lambda cls, v: v if v is None else _path_text(v)))
+
+
 class LLMAPISection(_Section):
     """The TensorRT-LLM PyTorch-backend / LLM-API deployment (``target: llmapi``)."""
 
@@ -514,6 +548,9 @@ class Recipe(_Section):
         default_factory=ServingSection, description="Deadlines and queue bounds of the served executor."
     )
     lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapters served on the base model.")
+    speculative: SpeculativeSection = Field(
+        default_factory=SpeculativeSection, description="Speculative decoding (draft, verify, accept)."
+    )
 
     _path: Optional[Path] = PrivateAttr(None)
     _positions: dict = PrivateAttr(default_factory=dict)

@@ -73,6 +73,16 @@ class ExecutorConfig:
     request_timeout_s: float = 0.0  # a request not finished this long after submit fails (0: no limit)
     guided_decoding_backend: Optional[str] = None  # "xgrammar" | "llguidance" | None (guided decoding off)
     max_loras: int = 0  # LoRA adapters one step may hold (the device cache, trtpipe.serving.adapters); 0: no limit
+    # speculative decoding (trtpipe.serving.speculative): "" off, "NGram" or "DraftTarget" (speculative_config names)
+    speculative_decoding_type: str = ""
+    max_draft_len: int = 0
+    max_matching_ngram_size: int = 2
+    speculative_model: str = ""  # DraftTarget: the draft model's HF directory (loaded by the front end's process)
+
+    @property
+    def draft_reserve(self) -> int:
+        """Positions each generating request may add beyond its one token per step (scheduling reserves them)."""
+        return self.max_draft_len if self.speculative_decoding_type else 0
 
     @property
     def max_context_length(self) -> int:
@@ -175,6 +185,13 @@ class PerfMetrics:
     kv_missed_blocks: int = 0
     first_iter: int = -1
     last_iter: int = -1
+    total_draft_tokens: int = 0  # speculative decoding: drafts proposed and verified
+    total_accepted_draft_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed drafts (TensorRT-LLM's ``acceptance_rate`` output; 0 when none were proposed)."""
+        return self.total_accepted_draft_tokens / self.total_draft_tokens if self.total_draft_tokens else 0.0
 
 
 @dataclass
@@ -229,6 +246,9 @@ class StepEntry:
     prompt_logprobs: Optional[int] = None  # top k of each prompt target (Request.prompt_logprobs)
     prompt_targets: list[int] = field(default_factory=list)  # prompt tokens scored by this chunk's positions
     banned: Optional[int] = None  # a token the sampled row may not choose this step (min_tokens: the end id)
+    # a generation entry with drafts carries [last token, d1..dk] and asks for k + 1 rows of logits;
+    # draft_probs: the [k, V] distribution the drafts were drawn from (None: deterministic or greedy drafts)
+    draft_probs: Any = None
 
 
 @dataclass
@@ -252,7 +272,7 @@ class StepResult:
     """Sampled token per entry that asked for one, and how long the step took (measured or simulated).
 
     ``errors``: one line per entry whose own row failed (e.g. its sampling); the executor fails those requests
-    alone and accepts every other entry's token.
+    alone and accepts every other entry's token. ``accepted``: the tokens of each entry that verified drafts.
     """
 
     tokens: dict[int, int]
@@ -260,6 +280,7 @@ class StepResult:
     errors: dict[int, str] = field(default_factory=dict)
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # the sampled token's, where the entry asked
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # one per prompt target
+    accepted: dict[int, list[int]] = field(default_factory=dict)  # entries with drafts: every token they emit
 
 
 class StepEngine(Protocol):

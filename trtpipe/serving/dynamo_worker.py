@@ -103,7 +103,12 @@ class TwinEngine(LLMEngine):
 
         model = await asyncio.to_thread(load_hf_checkpoint, self.model_dir)
         self.eos_id = eos_token_id(self.model_dir)
-        self.executor = Executor(self.config, ReferenceEngine(model), threads=self.threads, guided=self._guided(model))
+        from trtpipe.serving.reference_engine import draft_engine
+
+        drafts = await asyncio.to_thread(draft_engine, self.config)
+        self.executor = Executor(
+            self.config, ReferenceEngine(model), threads=self.threads, guided=self._guided(model), draft_engine=drafts
+        )
         self.executor.core.pool.listener = self.recorder
         if self.status_file is not None:  # the supervisor's evidence of which instance this process is
             write_state(self.status_file, {"pid": os.getpid(), "instance_id": int(worker_id)})

@@ -40,6 +40,7 @@ from trtpipe.serving.adapters import within_lora_cache
 from trtpipe.serving.kv_pool import BlockPool, KVStats
 from trtpipe.serving.logprobs import MAX_LOGPROBS
 from trtpipe.serving.scheduler import ActiveRequest, ContextTooLong, capacity_schedule, insert_by_priority, micro_batch
+from trtpipe.serving.speculative import Speculator
 
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,14 @@ def _banned(r: ActiveRequest) -> Optional[int]:
     return req.end_id if req.min_tokens > 0 and len(r.output) < req.min_tokens else None
 
 
+def _may_draft(r: ActiveRequest) -> bool:
+    """Whether this step may verify drafts for ``r``: the twin's verification takes the target's plain rows, so a
+    request with a grammar, logprobs, an adapter or a banned end id decodes one token per step (its output is the
+    same either way; only its speed differs)."""
+    req = r.request
+    return r.matcher is None and req.logprobs is None and req.lora is None and _banned(r) is None
+
+
 class ExecutorCore:
     """The executor without a thread. ``submit``/``cancel`` are thread-safe; ``iterate`` runs on one thread."""
 
@@ -140,6 +149,7 @@ class ExecutorCore:
         clock: Optional[Clock] = None,
         stats_history: int = 1000,
         guided=None,
+        draft_engine: Optional[StepEngine] = None,
     ):
         if config.max_beam_width != 1:
             raise ValueError("the executor runs beam width 1 only")
@@ -166,6 +176,8 @@ class ExecutorCore:
         self._next_id = 1
         self._shed: list[_Queued] = []  # pushed out of a full queue by a higher priority: answered next turn
         self.stalled = False  # the last turn had requests but could schedule none (waiting for blocks)
+        # speculative decoding (trtpipe.serving.speculative): drafts, verification, acceptance counters
+        self.speculator = Speculator(config, draft_engine) if config.speculative_decoding_type else None
 
     # ---- the front ends' side (any thread) ------------------------------------------------------
     def submit(self, request: Request) -> int:
@@ -399,6 +411,8 @@ class ExecutorCore:
             self.pool.store(r.block_table, r.tokens[: r.kv_len], r.request.lora)
             self.pool.release(r.block_table)
             r.block_table = []
+        if self.speculator is not None:
+            self.speculator.forget(r.id)
 
     # ---- admission ---------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -551,27 +565,31 @@ class ExecutorCore:
                     banned=_banned(r),
                 )
             )
-        for r in chosen:
-            if r.generating:
-                new = self.pool.grow(r.block_table, r.kv_len + 1)
-                r.perf.kv_alloc_new_blocks += new
-                r.perf.kv_alloc_total_blocks = len(r.block_table)
-                batch.entries.append(
-                    StepEntry(
-                        r.id,
-                        [r.tokens[-1]],
-                        r.kv_len,
-                        r.block_table,
-                        False,
-                        True,
-                        r.request.sampling,
-                        r.generator,
-                        allowed=r.matcher.allowed() if r.matcher is not None else None,
-                        lora=r.request.lora,
-                        logprobs=r.request.logprobs,
-                        banned=_banned(r),
-                    )
+        generating = [r for r in chosen if r.generating]
+        drafting = [r for r in generating if _may_draft(r)]
+        drafts = self.speculator.propose(drafting) if self.speculator is not None and drafting else {}
+        for r in generating:
+            d, q = drafts.get(r.id, ([], None))
+            new = self.pool.grow(r.block_table, r.kv_len + 1 + len(d))
+            r.perf.kv_alloc_new_blocks += new
+            r.perf.kv_alloc_total_blocks = len(r.block_table)
+            batch.entries.append(
+                StepEntry(
+                    r.id,
+                    [r.tokens[-1], *d],
+                    r.kv_len,
+                    r.block_table,
+                    False,
+                    True,
+                    r.request.sampling,
+                    r.generator,
+                    allowed=r.matcher.allowed() if r.matcher is not None else None,
+                    lora=r.request.lora,
+                    logprobs=r.request.logprobs,
+                    banned=_banned(r),
+                    draft_probs=q,
                 )
+            )
         if not batch.entries:
             # nothing fits this turn (head-of-line blocked on KV): an empty record, then wait for the pool to change
             self._record(0.0, batch, len(decision.paused), 0)
@@ -595,6 +613,9 @@ class ExecutorCore:
                 r.generating = True
                 # early reuse: at the end of the context, keyed by the adapter (two adapters never share blocks)
                 self.pool.store(r.block_table, r.tokens[: r.context_len], r.request.lora)
+            if e.request_id in result.accepted:
+                self._accept_verified(r, e.tokens[1:], result.accepted[e.request_id], now)
+                continue
             try:
                 self._accept(r, result.tokens[e.request_id], now, result.logprobs.get(e.request_id))
             except GuideError as exc:  # a token its grammar refuses (an engine that ignored the mask): its own
@@ -627,6 +648,20 @@ class ExecutorCore:
             r.finish_reason = FinishReason.STOP_WORDS
         elif len(r.output) >= r.max_new_tokens:
             r.finish_reason = FinishReason.LENGTH
+
+    def _accept_verified(self, r: ActiveRequest, drafts: list[int], emitted: list[int], now: int) -> None:
+        """The tokens of one verification, in order, until one ends the request; then the blocks past the sequence
+        go back to the pool (the rejected drafts' slots)."""
+        for token in emitted:
+            self._accept(r, token, now)
+            if r.finish_reason:
+                break
+        self.speculator.record(r, drafts, emitted)
+        keep = self.pool.blocks_for(len(r.tokens))
+        if len(r.block_table) > keep:
+            self.pool.release(r.block_table[keep:])
+            del r.block_table[keep:]
+        self.speculator.synced(r)
 
     def _pause(self, r: ActiveRequest) -> None:
         """MAX_UTILIZATION pause: drop the KV, keep the output, recompute prompt + output later (not a swap)."""
@@ -698,10 +733,11 @@ class Executor:
         idle_wait_s: float = 0.05,
         threads: Optional[int] = None,
         guided=None,
+        draft_engine: Optional[StepEngine] = None,
     ):
         self._callbacks: dict[int, Callable[[Response], None]] = {}
         self._cb_lock = threading.Lock()
-        self.core = ExecutorCore(config, engine, self._dispatch, guided=guided)
+        self.core = ExecutorCore(config, engine, self._dispatch, guided=guided, draft_engine=draft_engine)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._idle_wait = idle_wait_s

@@ -74,7 +74,10 @@ def rows_of(batch) -> tuple[list[int], list[int], dict[int, tuple[int, int]]]:
             first = len(rows)
             rows += range(t, t + len(targets))
             prompt_at[e.request_id] = (first, len(targets))
-        if e.sample:
+        if e.sample and _verifies(e):  # a token and its drafts (trtpipe.serving.speculative): every position
+            sample_at += range(len(rows), len(rows) + n)
+            rows += range(t, t + n)
+        elif e.sample:
             last = t + n - 1
             if rows and rows[-1] == last:
                 sample_at.append(len(rows) - 1)
@@ -99,13 +102,20 @@ def split_rows(batch, logits, sample_at, prompt_at) -> tuple:
 def chosen_logprobs(batch, logits, tokens: dict) -> dict[int, TokenLogprob]:
     """The chosen token's ``TokenLogprob`` for every sampling entry that asks (``logprobs`` not None); ``logits``
     are the raw sampling rows, in sampling-entry order."""
-    out = {}
-    rows = [e for e in batch.entries if e.sample]
-    for i, e in enumerate(rows):
+    out, i = {}, 0
+    for e in batch.entries:
+        if not e.sample:
+            continue
         k: Optional[int] = e.logprobs
         if k is not None and e.request_id in tokens:
             out[e.request_id] = logprobs_of(logits[i : i + 1], [tokens[e.request_id]], k)[0]
+        i += len(e.tokens) if _verifies(e) else 1  # an entry verifying drafts has k + 1 rows
     return out
+
+
+def _verifies(e) -> bool:
+    """A generation entry carrying drafts after its token (trtpipe.serving.speculative.is_verification)."""
+    return not e.is_context and len(e.tokens) > 1
 
 
 def ban_tokens(batch, logits) -> None:

@@ -50,6 +50,7 @@ from trtpipe.serving.api import (
     ErrorKind,
     ExecutorConfig,
     FinishReason,
+    PerfMetrics,
     Request,
     Response,
     SamplingParams,
@@ -71,6 +72,7 @@ from trtpipe.serving.openai_choices import (
 from trtpipe.serving.prom_text import histograms
 from trtpipe.errors import ServingError
 from trtpipe.jsonfile import load_json
+from trtpipe.serving.speculative import prometheus_lines, usage_extension
 
 web = require("aiohttp.web", "the OpenAI twin (trtpipe serve of an llmapi target)")
 
@@ -223,7 +225,7 @@ class ServedModel:
         from transformers import AutoTokenizer
 
         from trtpipe.runtime.hf_loader import load_hf_checkpoint
-        from trtpipe.serving.reference_engine import ReferenceEngine
+        from trtpipe.serving.reference_engine import ReferenceEngine, draft_engine
 
         self.dir, self.name, self.created = Path(model_dir), name, int(time.time())
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser  # trtllm-serve's names, or None
@@ -248,7 +250,9 @@ class ServedModel:
             self.adapters = lora.cache(self.dir)
             engine = LoraStepEngine(engine, self.adapters)
             self.config = replace_knobs(self.config, max_loras=self.config.max_loras or lora.max_loras)
-        self.executor = Executor(self.config, engine, threads=torch_threads(), guided=self.guided)
+        self.executor = Executor(
+            self.config, engine, threads=torch_threads(), guided=self.guided, draft_engine=draft_engine(self.config)
+        )
 
     def refuse_long_text(self, text: str, param: str) -> None:
         """400 before tokenizing when ``text`` cannot fit the context whatever it tokenizes to: at least
@@ -1176,10 +1180,19 @@ class OpenAIServer:
         return resp
 
     def _usage(self, prompts: list, answered: list) -> dict:
-        """Prompt tokens once per prompt; completion tokens of the choices answered (as trtllm-serve counts)."""
+        """Prompt tokens once per prompt; completion tokens of the choices answered (as trtllm-serve counts); with
+        speculative decoding, the choices' acceptance summed (:func:`~trtpipe.serving.speculative.usage_extension`)."""
         p = sum(len(ids) for ids, _ in prompts)
         n = sum(g.completion_tokens for g in answered)
-        return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+        usage = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+        perfs = [g.perf for g in answered if g.perf is not None]
+        if self.served.config.speculative_decoding_type and perfs:
+            total = PerfMetrics(
+                total_draft_tokens=sum(x.total_draft_tokens for x in perfs),
+                total_accepted_draft_tokens=sum(x.total_accepted_draft_tokens for x in perfs),
+            )
+            usage.update(usage_extension(total))
+        return usage
 
     def _account(self, g: Generation) -> None:
         """Per-request metrics as trtllm-serve logs them (TPOT = decode time / (tokens - 1))."""
@@ -1252,6 +1265,8 @@ class OpenAIServer:
         for h in c.hist.values():
             lines += h.lines(labels)
         kv = s.kv if s else None
+        if self.served.executor.core.speculator is not None:
+            lines += prometheus_lines(self.served.executor.core.speculator, labels)
         lines += [
             "# TYPE trtllm_num_requests_running gauge",
             f"trtllm_num_requests_running{{{labels}}} {s.num_scheduled if s else 0}",

@@ -22,8 +22,9 @@ import torch
 
 from trtpipe.runtime.generate import sample
 from trtpipe.runtime.model import ReferenceModel, attention_probs
-from trtpipe.serving.api import StepBatch, StepResult
+from trtpipe.serving.api import ExecutorConfig, StepBatch, StepResult
 from trtpipe.serving.logprobs import ban_tokens, chosen_logprobs, rows_of, split_rows
+from trtpipe.serving.speculative import DRAFT_TARGET, is_verification, verify_entries
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class PagedStep:
         for e in batch.entries:
             n = len(e.tokens)
             slots += _slots(e.block_table, e.start_pos, e.start_pos + n, tpb)
-            if e.is_context:
+            if e.is_context or n > 1:  # a context chunk, or a token with drafts to verify: causal over its KV
                 kv = torch.tensor(_slots(e.block_table, 0, e.start_pos + n, tpb), device=device)
                 q_pos = torch.arange(e.start_pos, e.start_pos + n, device=device)
                 ctx.append((t, t + n, kv, q_pos))
@@ -265,6 +266,23 @@ class ReferenceEngine:
         logits = self.logits(batch)
         _, sample_at, prompt_at = rows_of(batch)
         logits, prompt = split_rows(batch, logits, sample_at, prompt_at) if prompt_at else (logits, {})
-        tokens, errors = sample_entries(batch, logits)
+        accepted: dict = {}
+        if any(is_verification(e) for e in batch.entries):  # k + 1 rows for each entry with drafts
+            tokens, errors, accepted = verify_entries(batch, logits, sample_entries)
+        else:
+            tokens, errors = sample_entries(batch, logits)
         chosen = chosen_logprobs(batch, logits, tokens)
-        return StepResult(tokens, time.perf_counter() - t0, errors, chosen, prompt)
+        return StepResult(
+            tokens, time.perf_counter() - t0, errors, logprobs=chosen, prompt_logprobs=prompt, accepted=accepted
+        )
+
+
+def draft_engine(config: ExecutorConfig):
+    """The draft model's step engine a front end hands the executor (None unless DraftTarget)."""
+    if config.speculative_decoding_type != DRAFT_TARGET:
+        return None
+    if not config.speculative_model:
+        raise ValueError("speculative decoding_type DraftTarget needs a draft model (speculative_model)")
+    from trtpipe.runtime.hf_loader import load_hf_checkpoint
+
+    return ReferenceEngine(load_hf_checkpoint(config.speculative_model))

@@ -66,19 +66,21 @@ class ActiveRequest:
         return len(self.tokens) - 1 if self.generating else self.context_pos
 
 
-def remaining_blocks(r: ActiveRequest, tokens_per_block: int) -> int:
-    """Blocks this request still needs to finish: its whole budget (prompt + max new tokens) minus what it holds."""
-    total = r.prompt_len + r.max_new_tokens
+def remaining_blocks(r: ActiveRequest, tokens_per_block: int, draft_reserve: int = 0) -> int:
+    """Blocks this request still needs to finish: its whole budget (prompt + max new tokens, + the positions a
+    verification step may hold beyond them) minus what it holds."""
+    total = r.prompt_len + r.max_new_tokens + draft_reserve
     return max(0, -(-total // tokens_per_block) - len(r.block_table))
 
 
-def blocks_for_next_step(r: ActiveRequest, tokens_per_block: int) -> int:
-    """Blocks the next step takes: the whole context at the first chunk, else one when a token crosses a block edge."""
+def blocks_for_next_step(r: ActiveRequest, tokens_per_block: int, draft_reserve: int = 0) -> int:
+    """Blocks the next step takes: the whole context at the first chunk, else those its token (and drafts) cross
+    into."""
     if not r.started:
         return -(-r.context_len // tokens_per_block)
     if not r.generating:
         return 0  # every context block was allocated with the first chunk
-    return 1 if r.kv_len // tokens_per_block >= len(r.block_table) else 0
+    return max(0, -(-(r.kv_len + 1 + draft_reserve) // tokens_per_block) - len(r.block_table))
 
 
 @dataclass
@@ -101,13 +103,13 @@ def capacity_schedule(
     """
     tpb = config.tokens_per_block
     if config.capacity_policy is CapacityPolicy.MAX_UTILIZATION:
-        return _max_utilization(active, free_blocks, tpb, max_requests, refs or (lambda b: 1))
+        return _max_utilization(active, free_blocks, tpb, max_requests, refs or (lambda b: 1), config.draft_reserve)
     static = config.capacity_policy is CapacityPolicy.STATIC_BATCH
     available, scheduled, pending = free_blocks, [], []
     for r in active:
         if r.generating and len(scheduled) < max_requests:
             scheduled.append(r)
-            available -= remaining_blocks(r, tpb)
+            available -= remaining_blocks(r, tpb, config.draft_reserve)
         elif not r.generating:
             pending.append(r)
     if static and any(r.generating for r in active):
@@ -115,7 +117,7 @@ def capacity_schedule(
     for r in pending:
         if len(scheduled) >= max_requests:
             break
-        need = remaining_blocks(r, tpb)
+        need = remaining_blocks(r, tpb, config.draft_reserve)
         if need > available:
             break  # strict head-of-line blocking: later requests wait too
         scheduled.append(r)
@@ -124,7 +126,12 @@ def capacity_schedule(
 
 
 def _max_utilization(
-    active: list[ActiveRequest], free_blocks: int, tpb: int, max_requests: int, refs: Callable[[int], int]
+    active: list[ActiveRequest],
+    free_blocks: int,
+    tpb: int,
+    max_requests: int,
+    refs: Callable[[int], int],
+    draft_reserve: int = 0,
 ) -> CapacityDecision:
     """Admit while next-step blocks fit; on a misfit pause the last started request at or after the current one."""
     view, scheduled, paused = free_blocks, [], []
@@ -132,7 +139,7 @@ def _max_utilization(
     end, i = len(active), 0
     while i < end and len(scheduled) < max_requests:
         r = active[i]
-        need = blocks_for_next_step(r, tpb)
+        need = blocks_for_next_step(r, tpb, draft_reserve)
         if need <= view:
             scheduled.append(r)
             view -= need
@@ -165,10 +172,10 @@ def micro_batch(scheduled: list[ActiveRequest], config: ExecutorConfig) -> list[
     budget, chosen, to_chunk = config.max_num_tokens, [], []
     used = 0
     for r in order:
-        if r.generating:
-            if used + 1 > budget:
+        if r.generating:  # its token, and the drafts it may verify
+            if used + 1 + config.draft_reserve > budget:
                 break
-            used += 1
+            used += 1 + config.draft_reserve
         elif not config.enable_chunked_context:
             need = r.context_len - r.context_pos
             if need > config.max_context_length:

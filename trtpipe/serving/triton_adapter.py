@@ -299,6 +299,9 @@ def response_outputs(resp: Response, parsed: ParsedRequest) -> list[tuple[str, n
                 ("kv_cache_alloc_new_blocks", p.kv_alloc_new_blocks, np.int32),
                 ("kv_cache_reused_blocks", p.kv_reused_blocks, np.int32),
                 ("kv_cache_alloc_total_blocks", p.kv_alloc_total_blocks, np.int32),
+                ("acceptance_rate", p.acceptance_rate, np.float32),
+                ("total_accepted_draft_tokens", p.total_accepted_draft_tokens, np.int32),
+                ("total_draft_tokens", p.total_draft_tokens, np.int32),
             )
         ]
     if resp.is_final and parsed.return_num_input_tokens:

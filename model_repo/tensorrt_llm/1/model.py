@@ -51,11 +51,14 @@ class TritonPythonModel:
             self.engine = start_leader(str(self.settings.engine_dir), run_dir)
         else:
             self.engine = ReferenceEngine(load_checkpoint(self.settings.engine_dir / "checkpoint", device="cpu"))
+        from trtpipe.serving.reference_engine import draft_engine  # the recipe's DraftTarget draft, else None
+
         self.executor = Executor(
             self.settings.executor,
             executor_guard.with_fault(self.engine),
             threads=self.settings.cpu_threads,
             guided=triton_adapter.guided_decoder(self.settings),
+            draft_engine=draft_engine(self.settings.executor),
         )
         # tritonserver cannot see this thread: a loop that dies stops the server, so readiness fails at once
         executor_guard.guard(self.executor, pb_utils.Logger.log_error)

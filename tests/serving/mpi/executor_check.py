@@ -1,6 +1,6 @@
 """Run under mpiexec: rank 0's in-flight executor drives the MPI step engine (workers follow the broadcasts);
 the tokens must equal the same executor over the one-process reference engine, scenario by scenario (in-flight,
-chunked context, prefix reuse with partial-block copies, a tiny pool that forces pauses).
+chunked context, prefix reuse with partial-block copies, a tiny pool that forces pauses, n-gram speculation).
 Prints one JSON line on rank 0; exit 1 on any difference."""
 
 import json
@@ -13,6 +13,8 @@ SCENARIOS = {
     "chunked": dict(enable_chunked_context=True, max_num_tokens=16),
     "reuse": dict(enable_kv_cache_reuse=True),
     "max-util-tiny-pool": dict(capacity_policy="max_utilization", num_blocks=17),
+    # verification entries (a token + 3 drafts) through the ranks' packed step (trtpipe/serving/speculative.py)
+    "ngram-speculation": dict(speculative_decoding_type="NGram", max_draft_len=3),
 }
 
 
@@ -70,6 +72,8 @@ def main(ckpt: str) -> int:
                 for k in torch.randint(2, 40, (10,), generator=g)
             ]
             lengths = [int(k) for k in torch.randint(4, 30, (10,), generator=g)]
+            if name.startswith("ngram"):  # a phrase said three times: the lookups find continuations
+                prompts = [p[:6] * 3 for p in prompts]
             got, core = serve(ExecutorCore, config, engine, prompts, lengths)
             want, _ = serve(ExecutorCore, config, ReferenceEngine(ref), prompts, lengths)
             stats = core.pool.stats()
@@ -78,6 +82,7 @@ def main(ckpt: str) -> int:
                 "tokens": sum(len(t) for t in got if isinstance(t, list)),
                 "reused_blocks": stats.reused_blocks,
                 "paused": max(s.num_paused for s in core.iterations),
+                "accepted_drafts": core.speculator.total_accepted_draft_tokens if core.speculator else 0,
             }
     finally:
         engine.shutdown()

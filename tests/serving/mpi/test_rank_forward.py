@@ -50,12 +50,13 @@ def test_mpi_step_engine_generates_what_the_one_process_runtime_does(run_mpi, st
 
 
 def test_in_flight_executor_over_mpi_ranks_equals_one_process(run_mpi, stories_ckpt):
-    """Rank 0's executor drives the ranks: in-flight, chunked, prefix reuse (block copies), pauses."""
+    """Rank 0's executor drives the ranks: in-flight, chunked, prefix reuse (block copies), pauses, speculation."""
     proc = run_mpi(4, "executor_check.py", stories_ckpt(2, 2), timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(r["equal"] for r in out.values()), out
     assert out["reuse"]["reused_blocks"] > 0 and out["max-util-tiny-pool"]["paused"] > 0
+    assert out["ngram-speculation"]["accepted_drafts"] > 0  # verification entries crossed the ranks
 
 
 def test_gemma3_rank_processes_match_the_one_process_model(run_mpi, tmp_path):

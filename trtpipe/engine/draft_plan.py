@@ -1,0 +1,62 @@
+"""What speculative decoding adds to a GPU's memory plan: the draft's weights and KV, and longer sequences.
+
+Counted per GPU for the recipe's ``speculative:`` section (``trtpipe/recipe/speculative.py``):
+- **weights**: a draft model or EAGLE/Medusa head given as ``speculative_model``: its safetensors bytes as stored
+  (a config-only directory has none: then 0, and the plan says the draft weights were not counted), split over the
+  target's tensor-parallel ranks and held on every pipeline rank (upper bound); n-gram / lookahead drafts have no
+  weights; MTP layers ship inside the target checkpoint, whose weights the plan already counts;
+- **KV per token**: 2 x the draft config's layers x ceil(kv heads / tp) x head size x the target's KV bytes, added to
+  the target's per-token KV (the draft caches every token the target does);
+- **sequence length**: each sequence may hold ``max_draft_len`` positions beyond max_seq_len while it verifies.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from trtpipe.recipe.schema import Recipe
+
+NO_DRAFT_WEIGHTS = frozenset({"none", "NGram", "lookahead_decoding", "MTP"})
+
+
+@dataclass(frozen=True)
+class DraftMemory:
+    weight_bytes: int  # per GPU
+    kv_bytes_per_token: float  # per GPU
+    extra_positions: int
+    counted_from: str  # "files", "none" (no draft weights), or why the weights could not be counted
+
+
+def _config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def draft_memory(recipe: Recipe, tp: int, kv_bytes: float) -> Optional[DraftMemory]:
+    """The draft's share of each GPU (None without speculation); ``kv_bytes``: bytes of one KV element."""
+    s = recipe.speculative
+    if not s.enabled:
+        return None
+    if s.decoding_type in NO_DRAFT_WEIGHTS or s.speculative_model is None:
+        return DraftMemory(0, 0.0, s.max_draft_len, "none")
+    from trtpipe.recipe.speculative import draft_dir
+
+    try:
+        path = draft_dir(recipe)
+    except Exception as exc:  # noqa: BLE001 - a hub draft not in the cache: the plan says so, it does not fail
+        return DraftMemory(0, 0.0, s.max_draft_len, f"not counted ({type(exc).__name__})")
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    weights = sum(f.stat().st_size for f in files)
+    cfg = _config(path)
+    heads = int(cfg.get("num_attention_heads") or 0)
+    head = int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or 0) // heads if heads else 0))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    per_tok = 2 * int(cfg.get("num_hidden_layers") or 0) * math.ceil(kv_heads / tp) * head * kv_bytes
+    how = "files" if files else "not counted (no *.safetensors in the draft directory)"
+    return DraftMemory(weights // tp, per_tok, s.max_draft_len, how)
