@@ -1,9 +1,8 @@
 """The recipe's guided-decoding rules: what TensorRT-LLM refuses only at runtime, refused by ``trtpipe validate``.
 
 - ``docs/source/torch/features/feature_combination_matrix.md`` (NVIDIA/TensorRT-LLM@116f6ea9): Guided Decoding x
-  MTP = No, x EAGLE-3 (one model engine) = No (x EAGLE-3 two-model = Yes). The speculative keys are the
-  ``speculative`` section's (issue 40: ``speculative.decoding_type``, ``speculative.eagle3_one_model``); a recipe
-  schema without that section has nothing to combine.
+  MTP = No, x EAGLE-3 (one model engine) = No (x EAGLE-3 two-model = Yes): ``speculative.decoding_type`` and
+  ``speculative.eagle3_one_model``.
 - ``guided_decoding_backend: llguidance`` is the PyTorch backend's only (LlmArgs: "llguidance is supported in PyTorch
   backend only"); the engine target's ``tensorrtllm`` backend takes ``xgrammar`` (tensorrtllm_backend
   ``docs/guided_decoding.md``@395c4035).
