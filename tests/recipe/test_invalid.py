@@ -577,7 +577,7 @@ def test_yaml_alias_bomb_is_reported_quickly(write, stories_dir):
     assert result.exit_code == 2
     assert (
         f"{path}:1:1: a: unknown key (allowed: name, work_dir, model, quantization, parallel, engine, accuracy, "
-        "triton, target, llmapi, deploy, serving, lora)"
+        "triton, target, llmapi, deploy, serving, lora, speculative)"
     ) in result.stderr
     # an aliased value is reported where it is defined: exclude's items are *h, anchored at line 8 column 4
     assert f"{path}:8:4: quantization.exclude.8: must be a string (got a list)" in result.stderr
