@@ -12,12 +12,13 @@ Counted per GPU for the recipe's ``speculative:`` section (``trtpipe/recipe/spec
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from trtpipe.errors import TrtpipeError
+from trtpipe.jsonfile import load_json
 from trtpipe.recipe.schema import Recipe
 
 NO_DRAFT_WEIGHTS = frozenset({"none", "NGram", "lookahead_decoding", "MTP"})
@@ -33,8 +34,8 @@ class DraftMemory:
 
 def _config(path: Path) -> dict:
     try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
+        return load_json(path / "config.json")
+    except (OSError, ValueError, TrtpipeError):  # unreadable: the plan says the weights could not be counted
         return {}
 
 

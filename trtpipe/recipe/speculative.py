@@ -20,11 +20,11 @@ target's tokenizer (compared file by file: tokenizer.json, else tokenizer.model)
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from trtpipe.errors import CheckpointError
+from trtpipe.jsonfile import load_json
 from trtpipe.models.dims import ModelDims
 from trtpipe.recipe.rules import Finding, model_dir
 from trtpipe.recipe.schema import ENGINE_DECODING_TYPES, LLMAPI_DECODING_TYPES, Recipe
@@ -52,7 +52,7 @@ def draft_dir(recipe: Recipe) -> Optional[Path]:
 
 def _raw_config(path: Path) -> dict:
     try:
-        return json.loads((path / "config.json").read_text())
+        return load_json(path / "config.json", CheckpointError)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot read {path / 'config.json'}: {exc}") from None
 

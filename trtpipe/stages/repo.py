@@ -59,9 +59,9 @@ def _extra_key(recipe):
 REPO_STAGE = Stage(
     name="repo",
     # Every recipe field write_repo reads (tests/triton_serving/test_repo.py records them): the twin's
-    # executor_extras carry serving.* (request_timeout_s, max_queue_size) and the executor knobs (lora), and
+    # executor_extras carry serving.* (request_timeout_s, max_queue_size) and the executor knobs (lora, speculative), and
     # trtpipe_repo.json the recipe's name.
-    sections=("name", "triton", "engine.kv_cache", "serving", "lora"),
+    sections=("name", "triton", "engine.kv_cache", "serving", "lora", "speculative"),
     inputs=("checkpoint", "engine"),
     run=_run,
     extra_key=_extra_key,
