@@ -43,9 +43,26 @@ KV = {"fp8": "fp8"}
 CALIB_SAMPLES, EVAL_SAMPLES, SEQ_LEN, BATCH = 32, 16, 64, 8
 
 
+def qwen3_with_tokenizer(out: Path) -> Path:
+    """A synthetic Qwen3 (Qwen3-4B ratios, random weights) that can read the built-in sets: stories260k's
+    byte-fallback BPE tokenizer (it encodes any text) with Qwen3's chat markers and Qwen/Qwen3-0.6B's chat
+    template (tests/export/data/qwen3_chat_template.jinja), so the chat slice renders as Qwen3 renders it."""
+    from transformers import AutoTokenizer
+
+    from trtpipe.models.synthetic import make_synthetic
+
+    tok = AutoTokenizer.from_pretrained(str(ROOT / "models" / "stories260k"))
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = (ROOT / "tests" / "export" / "data" / "qwen3_chat_template.jinja").read_text()
+    make_synthetic("qwen3", out, seed=0, vocab_size=len(tok))
+    tok.save_pretrained(str(out))
+    return out
+
+
 def recipe_text(name: str, run: FamilyRun, algo: str, calibration: str) -> str:
     group, extra = block_settings(read_hf_config(run.hf), algo)
-    slices = "".join(f"    - {{name: {s}, data: {s}}}\n" for s in SLICES)
+    names = SLICES + (("chat",) if run.family == "qwen3" else ())  # stories260k has no chat template
+    slices = "".join(f"    - {{name: {s}, data: {s}}}\n" for s in names)
     return (
         f"name: {name}\nwork_dir: work\ntarget: engine\nmodel:\n  source: {run.hf}\n  dtype: {run.dtype}\n"
         f"quantization:\n  algo: {algo}\n  kv_cache: {KV.get(algo, 'none')}\n  group_size: {group}\n"
@@ -78,12 +95,12 @@ def verdict(row: dict, max_kl: float, min_top1: float) -> str:
 
 
 def table(rows: list[dict], max_kl: float, min_top1: float) -> str:
-    cols = ["aggregate (self)"] + list(SLICES)
+    cols = ["aggregate (self)"] + list(SLICES) + ["chat"]
     head = "| family | algo | calibration | " + " | ".join(f"{c} KL / top-1" for c in cols) + " | gate |"
     lines = [head, "|" + "---|" * 3 + "---:|" * len(cols) + "---|"]
     for r in rows:
-        cells = [r["aggregate"]] + [r["slices"][s] for s in SLICES]
-        nums = " | ".join(f"{c['kl_divergence']:.4f} / {c['top1_agreement']:.3f}" for c in cells)
+        cells = [r["aggregate"]] + [r["slices"].get(s) for s in SLICES + ("chat",)]
+        nums = " | ".join("-" if c is None else f"{c['kl_divergence']:.4f} / {c['top1_agreement']:.3f}" for c in cells)
         lines.append(f"| {r['family']} | {r['algo']} | {r['calibration']} | {nums} | {verdict(r, max_kl, min_top1)} |")
     return "\n".join(lines)
 
@@ -101,6 +118,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="trtpipe-slices-") as tmp:
         for family in args.families:
             run = FamilyRun(family, Path(tmp) / family)
+            if family == "qwen3":
+                run.hf = qwen3_with_tokenizer(Path(tmp) / family / "hf-tok")
             for algo in args.algos:
                 for cal in args.calibrations:
                     rows.append(one(run, algo, cal))
