@@ -100,7 +100,9 @@ def table(rows: list[dict], max_kl: float, min_top1: float) -> str:
     lines = [head, "|" + "---|" * 3 + "---:|" * len(cols) + "---|"]
     for r in rows:
         cells = [r["aggregate"]] + [r["slices"].get(s) for s in SLICES + ("chat",)]
-        nums = " | ".join("-" if c is None else f"{c['kl_divergence']:.4f} / {c['top1_agreement']:.3f}" for c in cells)
+        nums = " | ".join(  # KL rounding a hair below 0 (float32 log-softmax) is shown as 0
+            "-" if c is None else f"{max(c['kl_divergence'], 0.0):.4f} / {c['top1_agreement']:.3f}" for c in cells
+        )
         lines.append(f"| {r['family']} | {r['algo']} | {r['calibration']} | {nums} | {verdict(r, max_kl, min_top1)} |")
     return "\n".join(lines)
 
@@ -113,10 +115,11 @@ def main() -> None:
     ap.add_argument("--max-kl", type=float, default=0.05, help="The gate's KL limit, aggregate and every slice.")
     ap.add_argument("--min-top1", type=float, default=0.9, help="The gate's top-1 limit, aggregate and slices.")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
+    ap.add_argument("--table-from", nargs="+", type=Path, help="Only write the table of these earlier JSON results.")
     args = ap.parse_args()
-    rows = []
+    rows = [r for p in args.table_from or [] for r in json.loads(p.read_text())]
     with tempfile.TemporaryDirectory(prefix="trtpipe-slices-") as tmp:
-        for family in args.families:
+        for family in [] if args.table_from else args.families:
             run = FamilyRun(family, Path(tmp) / family)
             if family == "qwen3":
                 run.hf = qwen3_with_tokenizer(Path(tmp) / family / "hf-tok")
