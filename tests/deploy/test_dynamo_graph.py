@@ -206,7 +206,12 @@ def test_flags_are_ones_the_installed_wheel_defines():
     """dynamo.trtllm's parser imports tensorrt_llm (not installable here), so its flag definitions are read as text:
     every flag trtpipe passes is one of them, and the disaggregation modes and router modes are its choices."""
     wheel = _wheel()
-    trtllm = _flag_names(wheel / "trtllm" / "backend_args.py")
+    # dynamo.trtllm's Config is DynamoRuntimeConfig + DynamoTrtllmConfig (trtllm/args.py): the runtime group's flags
+    # (--dyn-tool-call-parser, --dyn-reasoning-parser, ...) are the worker's too
+    assert "DynamoRuntimeArgGroup" in (wheel / "trtllm" / "args.py").read_text()
+    trtllm = _flag_names(wheel / "trtllm" / "backend_args.py") | _flag_names(
+        wheel / "common" / "configuration" / "groups" / "runtime_args.py"
+    )
     front = _flag_names(wheel / "frontend" / "frontend_args.py") | _flag_names(
         wheel / "common" / "configuration" / "groups" / "router_args.py"
     )

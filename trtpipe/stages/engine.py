@@ -126,6 +126,7 @@ ENGINE_STAGE = Stage(
         "engine.plugins",
         "engine.kv_cache.tokens_per_block",
         "parallel",
+        "speculative",  # trtllm-build --speculative_decoding_mode / --max_draft_len
     ),
     inputs=("checkpoint", "quantize"),
     run=run_engine,

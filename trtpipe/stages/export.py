@@ -113,7 +113,10 @@ LLMAPI_STAGE = Stage(
         "triton.scheduler_policy",
         "quantization.kv_cache",
         "serving.guided_decoding_backend",
+        "serving.tool_parser",  # serve.sh's --tool_parser / --reasoning_parser
+        "serving.reasoning_parser",
         "lora",
+        "speculative",  # speculative_config
     ),
     inputs=("export",),
     files=lambda recipe: _adapter_files(recipe),
