@@ -453,7 +453,7 @@ class TritonPythonModel:
                 ids = ids_t.as_numpy().reshape(-1)  # [1, 1, L]: one sequence, beam 1
                 n = int(pb_utils.get_output_tensor_by_name(resp, "sequence_length").as_numpy().reshape(-1)[0])
                 tokens += ids[:n].tolist()
-                if stream:
+                if stream and self.decoupled:  # a model that is not decoupled sends one response
                     text = self.tokenizer.decode(tokens, skip_special_tokens=True)
                     if text.endswith("\ufffd") or not text.startswith(sent):
                         continue
