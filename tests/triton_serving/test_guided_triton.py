@@ -93,3 +93,45 @@ def test_a_bad_guide_fails_its_own_request(server):
             c.generate("Once", _opts("json_schema", '{"type": "object", "properties": 3}', 0))
         text = c.generate("Once", _opts("regex", "[0-9]{4}", 1))  # the server goes on
         assert re.fullmatch("[0-9]{4}", text), text
+
+
+def _guided_counters(server) -> dict[str, float]:
+    """The tensorrt_llm model's trtpipe_guided_* counters on the metrics port."""
+    import urllib.request
+
+    url = f"http://{server.bind}:{server.ports.metrics}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    found = re.findall(r'^(trtpipe_guided_\w+)\{[^}]*model="tensorrt_llm"[^}]*\} (\S+)$', text, re.M)
+    return {name: float(value) for name, value in found}
+
+
+def test_the_triton_twin_exports_the_guided_counters(server):
+    """The OpenAI twin's trtpipe_guided_* counters (trtpipe.serving.guided.COUNTERS) as Triton metric families of
+    tensorrt_llm: a new guide compiles once, its second use is a cache hit, both are constrained requests, a guide
+    that does not compile is counted as invalid. The families refresh every stats_check_period_ms: polled."""
+    import time
+
+    from trtpipe.serving.guided import COUNTERS
+
+    before = _guided_counters(server)
+    assert sorted(before) == sorted(name for name, _, _ in COUNTERS)
+    with Client(server.grpc_url, model="ensemble") as c:
+        for seed in (0, 1):  # a regex no other test sends
+            assert re.fullmatch("[a-z]{2}=[0-9]{3}", c.generate("Once", _opts("regex", "[a-z]{2}=[0-9]{3}", seed)))
+        with pytest.raises(ServingError, match="invalid json_schema guide"):
+            c.generate("Once", _opts("json_schema", '{"type": "object", "properties": 4}', 0))
+    want = {
+        "trtpipe_guided_requests_total": 2,
+        "trtpipe_guided_grammar_compiles_total": 1,
+        "trtpipe_guided_grammar_cache_hits_total": 1,
+        "trtpipe_guided_invalid_guides_total": 1,
+    }
+    deadline = time.monotonic() + 30  # a wait for the next report, not a timing assertion
+    while True:
+        now = _guided_counters(server)
+        grown = {name: now[name] - before[name] for name in want}
+        if grown == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert grown == want
+    assert now["trtpipe_guided_grammar_compile_seconds_total"] > before["trtpipe_guided_grammar_compile_seconds_total"]

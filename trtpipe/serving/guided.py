@@ -147,6 +147,17 @@ class GuidedStats:
     failed_guides: int = 0
 
 
+# The counters every front end exports, (name, GuidedStats field, help): the OpenAI twin's /prometheus/metrics
+# (GuidedDecoder.prometheus_lines) and the Triton twin's metric families (model_repo/tensorrt_llm/1/model.py).
+COUNTERS = (
+    ("trtpipe_guided_requests_total", "constrained_requests", "Requests decoded under a guide"),
+    ("trtpipe_guided_grammar_compiles_total", "compiles", "Guides compiled (cache misses that compiled)"),
+    ("trtpipe_guided_grammar_compile_seconds_total", "compile_seconds", "Seconds spent compiling guides"),
+    ("trtpipe_guided_grammar_cache_hits_total", "cache_hits", "Guides found compiled in the cache"),
+    ("trtpipe_guided_invalid_guides_total", "failed_guides", "Guides that failed to compile"),
+)
+
+
 class GuideMatcher:
     """One request's xgrammar matcher: its next-token mask, and the tokens it accepts."""
 
@@ -252,20 +263,17 @@ class GuidedDecoder:
             self.stats.constrained_requests += 1
         return m
 
+    def snapshot(self) -> GuidedStats:
+        """A copy of the counters, taken under the lock."""
+        with self._lock:
+            return GuidedStats(**vars(self.stats))
+
     def prometheus_lines(self, labels: str) -> list[str]:
         """The counters in Prometheus text format (``trtpipe_guided_*``; trtllm-serve exports none of its own)."""
-        with self._lock:
-            s = GuidedStats(**vars(self.stats))
-        rows = [
-            ("trtpipe_guided_requests_total", "counter", s.constrained_requests),
-            ("trtpipe_guided_grammar_compiles_total", "counter", s.compiles),
-            ("trtpipe_guided_grammar_compile_seconds_total", "counter", s.compile_seconds),
-            ("trtpipe_guided_grammar_cache_hits_total", "counter", s.cache_hits),
-            ("trtpipe_guided_invalid_guides_total", "counter", s.failed_guides),
-        ]
+        s = self.snapshot()
         out = []
-        for name, kind, value in rows:
-            out += [f"# TYPE {name} {kind}", f"{name}{{{labels}}} {value}"]
+        for name, attr, _ in COUNTERS:
+            out += [f"# TYPE {name} counter", f"{name}{{{labels}}} {getattr(s, attr)}"]
         return out
 
 

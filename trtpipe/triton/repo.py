@@ -94,9 +94,10 @@ FRONT_INPUTS = [
     ("guided_decoding_guide_type", T.TYPE_STRING, [1], True, "llm:guided_decoding_guide_type"),
     ("guided_decoding_guide", T.TYPE_STRING, [1], True, "llm:guided_decoding_guide"),
 ]
-# The ensemble's further inputs and outputs, named and mapped as upstream's ensemble template maps them
-# (NVIDIA/TensorRT-LLM triton_backend/all_models/inflight_batcher_llm/ensemble/config.pbtxt@2a9abd95); the BLS
-# here does not carry them yet.
+# The ensemble's and the BLS's further inputs and outputs, named and mapped as upstream's ensemble template maps
+# them (NVIDIA/TensorRT-LLM triton_backend/all_models/inflight_batcher_llm/ensemble/config.pbtxt@2a9abd95) and as
+# upstream's BLS passes them to tensorrt_llm and back (tensorrt_llm_bls/1/lib/triton_decoder.py@07f3e442:
+# "min_tokens", "return_log_probs" in _get_llm_tensors_from_request; cum_log_probs, output_log_probs in _get_response).
 ENSEMBLE_INPUTS = [
     ("min_tokens", T.TYPE_INT32, [1], True, "llm:min_tokens"),
     ("return_log_probs", T.TYPE_BOOL, [1], True, "llm:return_log_probs"),
@@ -529,10 +530,10 @@ def bls_config(recipe: Recipe) -> mc.ModelConfig:
     """``tensorrt_llm_bls`` (triton-repository.md#tensorrt_llm_bls): the ensemble's inputs, decoupled when
     streaming, exact text deltas."""
     c = _python("tensorrt_llm_bls", recipe, recipe.triton.instances.bls, decoupled=recipe.triton.streaming)
-    c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt, _ in FRONT_INPUTS)
+    c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt, _ in FRONT_INPUTS + ENSEMBLE_INPUTS)
     c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt in BLS_PERF_INPUTS)
     c.output.append(_io(mc.ModelOutput, "text_output", T.TYPE_STRING, [-1]))
-    c.output.extend(_io(mc.ModelOutput, n, d, dims) for n, d, dims in BLS_PERF_OUTPUTS)
+    c.output.extend(_io(mc.ModelOutput, n, d, dims) for n, d, dims in ENSEMBLE_LLM_OUTPUTS + BLS_PERF_OUTPUTS)
     if recipe.triton.priority_levels:
         _batching(c, recipe, priority=True)
     _params(

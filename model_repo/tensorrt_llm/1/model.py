@@ -53,11 +53,12 @@ class TritonPythonModel:
             self.engine = ReferenceEngine(load_checkpoint(self.settings.engine_dir / "checkpoint", device="cpu"))
         from trtpipe.serving.reference_engine import draft_engine  # the recipe's DraftTarget draft, else None
 
+        self.guided = triton_adapter.guided_decoder(self.settings)
         self.executor = Executor(
             self.settings.executor,
             executor_guard.with_fault(self.engine),
             threads=self.settings.cpu_threads,
-            guided=triton_adapter.guided_decoder(self.settings),
+            guided=self.guided,
             draft_engine=draft_engine(self.settings.executor),
         )
         # tritonserver cannot see this thread: a loop that dies stops the server, so readiness fails at once
@@ -92,6 +93,16 @@ class TritonPythonModel:
             fam = pb_utils.MetricFamily(name=family, description=doc, kind=pb_utils.MetricFamily.HISTOGRAM)
             self.families.append(fam)
             self.histograms[family] = fam.Metric(labels={**labels, category: value}, buckets=self.twin.TOKEN_BUCKETS)
+        # guided decoding: the OpenAI twin's counters (trtpipe.serving.guided.COUNTERS), raised by what changed
+        self.counters = {}
+        if self.guided is not None:
+            from trtpipe.serving.guided import COUNTERS
+
+            for family, attr, doc in COUNTERS:
+                fam = pb_utils.MetricFamily(name=family, description=doc, kind=pb_utils.MetricFamily.COUNTER)
+                self.families.append(fam)
+                self.counters[attr] = fam.Metric(labels=labels)
+            self.counted = self.guided.snapshot()
 
     def _zero_stats(self):
         from trtpipe.serving.executor import IterationStats
@@ -115,6 +126,12 @@ class TritonPythonModel:
                 n_in, n_out = finished.popleft()
                 self.histograms["nv_llm_input_token_len"].observe(n_in)
                 self.histograms["nv_llm_output_token_len"].observe(n_out)
+            if self.counters:
+                now = self.guided.snapshot()
+                for attr, metric in self.counters.items():
+                    if getattr(now, attr) > getattr(self.counted, attr):
+                        metric.increment(getattr(now, attr) - getattr(self.counted, attr))
+                self.counted = now
         if log is not None:  # the last steps before the stop, then the file is closed
             log.write_new(self.executor.core.iterations)
             log.close()

@@ -4,6 +4,13 @@ preprocessing → tensorrt_llm in python.
 With ``accumulate_tokens`` (trtpipe writes true) a streamed answer is re-decoded from all tokens so far and
 only the new text is sent: the pieces join to exactly the non-streamed text, with no broken words or
 half UTF-8 characters (a trailing U+FFFD is held back until the next token completes it).
+
+``min_tokens`` and ``return_log_probs`` go to tensorrt_llm, and ``cum_log_probs`` / ``output_log_probs`` come back,
+as upstream's BLS passes them (NVIDIA/TensorRT-LLM triton_backend/all_models/inflight_batcher_llm/tensorrt_llm_bls/1/
+lib/triton_decoder.py@07f3e442: ``_get_llm_tensors_from_request``, ``_get_response``). Upstream sends one response
+per tensorrt_llm response, each with that response's tensors; here a streamed piece carries the log probs of every
+token since the previous piece (a piece held back for its U+FFFD passes its tokens' log probs on to the next), so
+the pieces' ``output_log_probs`` join to the non-streamed ones, and ``cum_log_probs`` is the latest response's.
 """
 
 import collections
@@ -45,6 +52,8 @@ _LLM = {
     "return_num_output_tokens": "return_num_output_tokens",
     "guided_decoding_guide_type": "guided_decoding_guide_type",
     "guided_decoding_guide": "guided_decoding_guide",
+    "min_tokens": "min_tokens",
+    "return_log_probs": "return_log_probs",
 }
 # tensorrt_llm outputs passed through with the last text response when the request asked for them
 _MEASURED = (
@@ -58,6 +67,8 @@ _MEASURED = (
     "num_input_tokens",
     "num_output_tokens",
 )
+# the request inputs that ask for _MEASURED
+_ASK_MEASURED = ("return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens")
 _PRE_OUT = {
     "INPUT_ID": "input_ids",
     "REQUEST_INPUT_LEN": "input_lengths",
@@ -94,6 +105,17 @@ def _start_watchdog():
                 os._exit(1)
 
     threading.Thread(target=exit_with_parent, daemon=True).start()
+
+
+def _log_prob_tensors(asked, values, cum):
+    """``output_log_probs`` [1, 1, L] of ``values`` and ``cum_log_probs`` [1, 1], as tensorrt_llm shapes them; none
+    unless the request asked (``return_log_probs``) or before tensorrt_llm sent any."""
+    if not asked or cum is None:
+        return []
+    return [
+        pb_utils.Tensor("cum_log_probs", np.array([[cum]], np.float32)),
+        pb_utils.Tensor("output_log_probs", np.array(values, np.float32).reshape(1, 1, len(values))),
+    ]
 
 
 class _Failed(Exception):
@@ -351,7 +373,7 @@ class TritonPythonModel:
             pass
 
     def _generate(self, request, cancelled=lambda: False):
-        """Yield (new text, final, measurements) for one request; nothing more once ``cancelled()``.
+        """Yield (new text, final, its output tensors) for one request; nothing more once ``cancelled()``.
 
         After a client cancel the inner tensorrt_llm request is cancelled too; its remaining responses are read to
         the end by the gate's reader thread (a response nobody takes would hold up the model sending it). An error
@@ -395,11 +417,12 @@ class TritonPythonModel:
         if "stream" in given or inner_stream:
             llm_inputs.append(pb_utils.Tensor("streaming", np.array([[inner_stream]], dtype=bool)))
         outputs = ["output_ids", "sequence_length"]
-        asked = [
-            n for n in _LLM if n.startswith("return_") and pb_utils.get_input_tensor_by_name(request, n) is not None
-        ]
+        asked = [n for n in _ASK_MEASURED if pb_utils.get_input_tensor_by_name(request, n) is not None]
         if asked:
             outputs += list(_MEASURED)
+        log_probs = "return_log_probs" in given and bool(given["return_log_probs"].reshape(-1)[0])
+        if log_probs:
+            outputs += ["cum_log_probs", "output_log_probs"]
         inner_id = f"bls-{uuid.uuid4().hex}"
         if self.llm_decoupled:
             timeout = self.request_timeout_s
@@ -408,6 +431,7 @@ class TritonPythonModel:
         else:
             upcoming = iter([self._call(self.llm_name, llm_inputs, outputs, request_id=inner_id)])
         tokens, sent, measured = list(prefix), "", []
+        pending, cum = [], None  # log probs of the tokens not yet sent; the latest cumulative log prob
         try:
             for resp in upcoming:
                 if cancelled():
@@ -418,19 +442,24 @@ class TritonPythonModel:
                     raise _Failed.of(resp.error())
                 got = [pb_utils.get_output_tensor_by_name(resp, n) for n in _MEASURED] if asked else []
                 measured = [pb_utils.Tensor(t.name(), t.as_numpy()) for t in got if t is not None] or measured
+                if log_probs:
+                    lp_t = pb_utils.get_output_tensor_by_name(resp, "output_log_probs")
+                    cum_t = pb_utils.get_output_tensor_by_name(resp, "cum_log_probs")
+                    pending += [] if lp_t is None else lp_t.as_numpy().reshape(-1).tolist()
+                    cum = cum if cum_t is None else float(cum_t.as_numpy().reshape(-1)[0])
                 ids_t = pb_utils.get_output_tensor_by_name(resp, "output_ids")
                 if ids_t is None:  # the final flag-only response
                     continue
                 ids = ids_t.as_numpy().reshape(-1)  # [1, 1, L]: one sequence, beam 1
                 n = int(pb_utils.get_output_tensor_by_name(resp, "sequence_length").as_numpy().reshape(-1)[0])
                 tokens += ids[:n].tolist()
-                if stream:
+                if stream and self.decoupled:  # a model that is not decoupled sends one response
                     text = self.tokenizer.decode(tokens, skip_special_tokens=True)
                     if text.endswith("\ufffd") or not text.startswith(sent):
                         continue
                     if len(text) > len(sent):
-                        yield text[len(sent) :], False, ()
-                        sent = text
+                        yield text[len(sent) :], False, _log_prob_tensors(log_probs, pending, cum)
+                        sent, pending = text, []
         except _Lost:
             self._stop(llm_inputs, inner_id)  # should it still run there, end it
             raise _Failed(
@@ -440,7 +469,8 @@ class TritonPythonModel:
                 f"responses carry no request id before python_backend r25.04)"
             ) from None
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        yield (text[len(sent) :] if text.startswith(sent) else text), True, measured
+        extra = [*_log_prob_tensors(log_probs, pending, cum), *measured]
+        yield (text[len(sent) :] if text.startswith(sent) else text), True, extra
 
     def _serve(self, request, sender):
         """Answer one request through ``sender`` (decoupled), or return its response."""
@@ -448,13 +478,13 @@ class TritonPythonModel:
             if sender is None:
                 parts = list(self._generate(request))
                 return self._text("".join(piece for piece, _, _ in parts), parts[-1][2])[0]
-            for piece, final, measured in self._generate(request, sender.is_cancelled):
-                if final and measured:
-                    response, tensors = self._text(piece, measured)
+            for piece, final, extra in self._generate(request, sender.is_cancelled):
+                if final and extra:
+                    response, tensors = self._text(piece, extra)
                     sender.send(response, flags=FINAL)
                     return None
                 if piece:
-                    response, tensors = self._text(piece)
+                    response, tensors = self._text(piece, extra)
                     sender.send(response)
             # Also a stream the client cancelled ends with its final flag: the server keeps the state of a stream
             # until then (about 40 KB in tritonserver per cancelled request, measured).
