@@ -160,7 +160,7 @@ def evaluate(served, tasks: Sequence[str], tm, limit: Optional[int]) -> dict:
             task_manager=tm,
             limit=limit,
             batch_size=1,
-            log_samples=False,
+            log_samples=True,  # per-document answers: how far the two models' answers differ
         )
 
 
@@ -208,6 +208,25 @@ def scores(reference: dict, quantized: dict, tasks: Sequence[str], max_drop: Opt
             row.verdict = "FAIL" if row.drop > max_drop + SE_FACTOR * (se or 0.0) else "pass"
         rows.append(row)
     return rows
+
+
+def answer_difference(reference: dict, quantized: dict, task: str) -> dict:
+    """How far the two models' per-document answers differ, beyond the metric: the largest and mean absolute
+    difference of the loglikelihoods (loglikelihood tasks), or how many generations are equal (generation tasks)."""
+    lls, gens = [], []
+    for a, b in zip(reference["samples"][task], quantized["samples"][task], strict=True):
+        for ra, rb in zip(a["resps"], b["resps"], strict=True):
+            x, y = ra[0], rb[0]
+            if isinstance(x, str):
+                gens.append(x == y)
+            else:  # (loglikelihood, is_greedy)
+                lls.append(abs(float(x[0]) - float(y[0])))
+    if lls:
+        mean = sum(lls) / len(lls)
+        text = f"{len(lls)} loglikelihoods, |quantized - reference| max {max(lls):.4g}, mean {mean:.4g}"
+        return {"loglikelihoods": len(lls), "max_abs_diff": max(lls), "mean_abs_diff": mean, "text": text}
+    same = sum(gens)
+    return {"generations": len(gens), "equal": same, "text": f"{same} of {len(gens)} generations equal"}
 
 
 def render(rows: Sequence[TaskScore]) -> str:
@@ -283,14 +302,16 @@ def run_harness(
             tm = task_manager(tasks, includes)
             target = resolve_openai_target(recipe_path, overrides)  # the build up to the export (cached reused)
             ref_dir = reference_dir(recipe)
-            outs = {}
+            t_build, outs, t_eval = time.perf_counter() - t0, {}, {}
             for label, model_dir, name, config in (
                 ("reference", ref_dir, f"{target.name}-reference", None),
                 ("quantized", target.model_dir, target.name, target.config),
             ):
                 echo(f"lm-eval {','.join(tasks)} on the {label}: {model_dir}")
                 served = ServedModel(model_dir, name, config)
+                t1 = time.perf_counter()
                 outs[label] = evaluate(served, tasks, tm, limit)
+                t_eval[label] = time.perf_counter() - t1
     finally:
         for k, v in saved.items():
             if v is None:
@@ -312,13 +333,21 @@ def run_harness(
         "max_drop": max_drop,
         "rule": f"fail when drop > max_drop + {SE_FACTOR:g} * sqrt(se_q^2 + se_r^2)",
         "seconds": seconds,
+        "seconds_build": t_build,
+        "seconds_eval": t_eval,
+        "answers": {t: answer_difference(outs["reference"], outs["quantized"], t) for t in tasks},
         "tasks": [{**asdict(r), "drop": r.drop} for r in rows],
     }
     out = recipe.work_path / "harness" / f"lm-eval-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
     echo(render(rows))
-    echo(f"lm-eval ran {seconds:.1f} s (both builds' serving and scoring); result {out}")
+    for task, diff in doc["answers"].items():
+        echo(f"{task}: {diff['text']}")
+    echo(
+        f"lm-eval ran {seconds:.1f} s: build to the export {t_build:.1f} s (cached stages reused), reference "
+        f"{t_eval['reference']:.1f} s, quantized {t_eval['quantized']:.1f} s (loading, serving, scoring); result {out}"
+    )
     failed = [r for r in rows if r.verdict == "FAIL"]
     if failed:
         r = failed[0]
