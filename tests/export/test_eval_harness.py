@@ -146,6 +146,12 @@ def test_eval_harness_int4_against_the_unquantized_model(tmp_path, stories_dir):
     for t in newest["tasks"]:
         assert t["verdict"] == ("FAIL" if t["drop"] > max_drop + 2 * t["se"] else "pass"), t
     print(bad.stdout + err[0])
+    # trtpipe report shows the newest result of the recipe in a note line
+    from trtpipe.app.deploy_report import build_report
+
+    report = build_report([RECIPE], sets, tmp_path / "report")["text"]
+    note = next(x for x in report.splitlines() if x.startswith("stories-llmapi-fp8: lm-eval "))
+    assert f"--max-drop {max_drop:g}: stories_mc acc" in note and "FAIL" in note, note
     out = os.environ.get("TRTPIPE_HARNESS_RESULT")
     if out:
         Path(out).write_text(_markdown(sets, ok.stdout, doc, max_drop, bad, err[0]))

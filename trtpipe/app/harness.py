@@ -345,7 +345,7 @@ def run_harness(
     for task, diff in doc["answers"].items():
         echo(f"{task}: {diff['text']}")
     echo(
-        f"lm-eval ran {seconds:.1f} s: build to the export {t_build:.1f} s (cached stages reused), reference "
+        f"lm-eval ran {seconds:.1f} s: build to the export {t_build:.1f} s, reference "
         f"{t_eval['reference']:.1f} s, quantized {t_eval['quantized']:.1f} s (loading, serving, scoring); result {out}"
     )
     failed = [r for r in rows if r.verdict == "FAIL"]
