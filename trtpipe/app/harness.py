@@ -123,12 +123,13 @@ def serve_in_thread(served) -> Iterator[str]:
 
 def model_args(url: str, served) -> str:
     """``local-completions`` arguments for the twin serving ``served``: token-id requests with the served model's
-    own tokenizer, BOS first when that tokenizer has one (lm_eval/models/api_models.py: ``add_bos_token`` turns on
-    ``add_special_tokens`` when encoding), its context length as the harness's ``max_length``."""
+    own tokenizer, BOS first when that tokenizer has one (lm_eval/models/api_models.py of lm-evaluation-harness
+    0.4.13: ``add_bos_token`` turns on ``add_special_tokens`` when encoding), and the executor's longest prompt
+    (``max_input_len``) as the harness's ``max_length``, so the harness truncates what the server would refuse."""
     bos = served.tokenizer.bos_token_id is not None
     return (
         f"base_url={url}/v1/completions,model={served.name},tokenizer={served.dir},tokenizer_backend=huggingface,"
-        f"tokenized_requests=True,add_bos_token={bos},max_length={served.max_seq_len},num_concurrent=1,"
+        f"tokenized_requests=True,add_bos_token={bos},max_length={served.config.max_input_len},num_concurrent=1,"
         "max_retries=1"
     )
 
@@ -304,7 +305,7 @@ def run_harness(
             ref_dir = reference_dir(recipe)
             t_build, outs, t_eval = time.perf_counter() - t0, {}, {}
             for label, model_dir, name, config in (
-                ("reference", ref_dir, f"{target.name}-reference", None),
+                ("reference", ref_dir, f"{target.name}-reference", target.config),  # the same limits
                 ("quantized", target.model_dir, target.name, target.config),
             ):
                 echo(f"lm-eval {','.join(tasks)} on the {label}: {model_dir}")
