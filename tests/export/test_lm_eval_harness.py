@@ -1,7 +1,7 @@
 """lm-evaluation-harness scores the OpenAI twin as it scores the model itself: its ``local-completions`` backend
 through the served endpoint (token-id prompts, ``echo``, ``logprobs: 1``, ``max_tokens: 1`` for every
 loglikelihood; greedy ``generate_until`` with stop strings) against its own ``hf`` backend on the same stories260k
-checkpoint, on the two small tasks under tests/data/lm_eval (no hub access).
+checkpoint, on the two small tasks trtpipe ships under tasks/lm_eval (no hub access).
 
 Per sample: each backend's loglikelihood lies within ``n_tokens x ORDER_FACTOR x`` the float32 error scale of
 transformers' float64 log-softmax on the same tokens (tests/numerics.py), ``is_greedy`` agrees, and the greedy
@@ -26,18 +26,21 @@ NAME = "stories"
 
 
 @pytest.fixture()
-def offline(monkeypatch, tmp_path, stories_dir):
+def offline(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
-    monkeypatch.chdir(stories_dir.parents[1])  # the task YAMLs name their data files from the repository root
+    return tmp_path
 
 
-def _evaluate(model: str, model_args: str):
+def _evaluate(model: str, model_args: str, tmp: Path):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    tm = TaskManager(include_path="tests/data/lm_eval")
+    from trtpipe.app.harness import shipped_include_dir
+
+    # the shipped YAMLs with their data paths made absolute: any working directory works
+    tm = TaskManager(include_path=str(shipped_include_dir(tmp / "tasks")))
     out = lm_eval.simple_evaluate(
         model=model, model_args=model_args, tasks=TASKS, task_manager=tm, log_samples=True, batch_size=1
     )
@@ -51,7 +54,7 @@ def test_local_completions_through_the_twin_equals_the_hf_backend(offline, stori
 
     # both backends put the BOS token first, as the model was trained (the hf backend's default for this tokenizer)
     t0 = time.perf_counter()
-    hf_results, hf = _evaluate("hf", f"pretrained={stories_dir},dtype=float32,add_bos_token=True,device=cpu")
+    hf_results, hf = _evaluate("hf", f"pretrained={stories_dir},dtype=float32,add_bos_token=True,device=cpu", offline)
     t_hf = time.perf_counter() - t0
     served = ServedModel(stories_dir, NAME)
     with serve_in_thread(OpenAIServer(served).app) as url:
@@ -60,7 +63,7 @@ def test_local_completions_through_the_twin_equals_the_hf_backend(offline, stori
             "tokenized_requests=True,add_bos_token=True,num_concurrent=1,max_retries=1"
         )
         t0 = time.perf_counter()
-        twin_results, twin = _evaluate("local-completions", args)
+        twin_results, twin = _evaluate("local-completions", args, offline)
         t_twin = time.perf_counter() - t0
 
     tok = AutoTokenizer.from_pretrained(stories_dir)
@@ -110,7 +113,7 @@ def _write(path: Path, rows, gens, hf_results, twin_results, worst, ratio, t_hf,
         "",
         "Written by `TRTPIPE_LM_EVAL_RESULT=docs/results/lm-eval-twin.md PYTHONPATH=$PWD .venv/bin/pytest -q "
         f"-p no:cacheprovider tests/export/test_lm_eval_harness.py` ({libs}; float32 on the CPU; the tasks "
-        "are tests/data/lm_eval/stories_mc.yaml and stories_gen.yaml). `twin`: `local-completions` against the "
+        "are tasks/lm_eval/stories_mc.yaml and stories_gen.yaml). `twin`: `local-completions` against the "
         "OpenAI twin serving models/stories260k (token-id prompts, `echo`, `logprobs: 1`, `max_tokens: 1`); `hf`: "
         "the harness's own transformers backend; `float64`: transformers in float64 on the same tokens; `bound`: "
         "continuation tokens x 4 x the float32 error scale of transformers' log-softmax (tests/numerics.py).",

@@ -4,7 +4,8 @@ For each recipe variant of a model it joins three things trtpipe already measure
 - accuracy from the verify stage (perplexity increase, KL divergence, top-1 agreement) and whether the
   recipe's accuracy gate passes (an unquantized recipe is the baseline);
 - memory from the planner (weights per GPU, KV-cache tokens on the target GPU, full-length sequences);
-- serving numbers from the newest ``trtpipe bench`` result of that recipe (TTFT, ITL, output tokens/s).
+- serving numbers from the newest ``trtpipe bench`` result of that recipe (TTFT, ITL, output tokens/s);
+- and, in a note line, the newest ``trtpipe eval --harness lm-eval`` result (per task: delta, SE, verdict).
 
 Nothing is re-measured here and nothing missing is filled in: a recipe that was never built or benched says
 so in its row, with the command that fills the gap.
@@ -144,6 +145,36 @@ def _bench(recipe, prefer_label: Optional[str] = None) -> dict:
     }
 
 
+def _harness(recipe) -> dict:
+    """The newest ``trtpipe eval --harness`` result of this recipe (trtpipe.app.harness), as written."""
+    from trtpipe.app.harness import newest_result
+
+    path = newest_result(recipe)
+    if path is None:
+        return {"status": "none"}
+    doc = load_json(path, finite=False)
+    return {
+        "status": "measured",
+        "result": str(path),
+        **{k: doc.get(k) for k in ("created", "harness", "max_drop", "tasks")},
+    }
+
+
+def harness_line(name: str, h: dict) -> Optional[str]:
+    """One note line: each task's metric, reference -> quantized, delta, SE and verdict."""
+    if h.get("status") != "measured":
+        return None
+    parts = []
+    for t in h["tasks"]:
+        se = "n/a" if t["se"] is None else f"{t['se']:.4f}"
+        parts.append(
+            f"{t['task']} {t['metric']} {t['reference']:.4f} -> {t['quantized']:.4f} "
+            f"(delta {t['delta']:+.4f}, SE {se}, {t['verdict']})"
+        )
+    gate = "" if h.get("max_drop") is None else f", --max-drop {h['max_drop']:g}"
+    return f"{name}: {h['harness']} {h['created']}{gate}: " + "; ".join(parts)
+
+
 def _fmt(v, spec: str, missing: str = "-") -> str:
     return missing if v is None else format(v, spec)
 
@@ -175,6 +206,7 @@ def render(rows: list[dict]) -> str:
                 notes.append(f"{r['recipe']}: accuracy gate {r[part]['gate']}")
             if part == "accuracy" and r[part].get("source", "").startswith("verify artifact "):
                 notes.append(f"{r['recipe']}: accuracy numbers from {r[part]['source']}")
+    notes += [line for r in rows if (line := harness_line(r["recipe"], r.get("harness") or {}))]
     gpu = next((r["memory"]["gpu"] for r in rows if r["memory"].get("gpu")), None)
     lines.append(
         f"memory: planner prediction for {gpu or 'the recipe GPU'} (weights per GPU, KV-cache tokens); "
@@ -288,6 +320,7 @@ def build_report(recipe_paths: Sequence[Path], overrides: Sequence[str], out: Pa
                 "accuracy": _accuracy(recipe),
                 "memory": _memory(Path(path), overrides),
                 "bench": _bench(recipe),
+                "harness": _harness(recipe),
             }
         )
     out = Path(out)
