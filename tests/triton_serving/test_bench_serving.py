@@ -142,7 +142,9 @@ def test_sweep_numbers_equal_aiperf_export_and_join_the_server_view(repo, server
         # stats_check_period_ms, so a delta may also hold requests that finished just before the first scrape)
         assert view["trt_llm_metrics"] is True
         assert view["histograms"]["nv_llm_output_token_len"]["count"] >= 7
-        assert doc["token_counts"]["fixed_by"] == "end_id=-1" and doc["token_counts"]["requested_osl"] == 8
+        # the front model declares min_tokens (the BLS carries it to tensorrt_llm, as upstream's does), so the bench
+        # forces the length with it rather than end_id=-1 (trtpipe/bench/target.py)
+        assert doc["token_counts"]["fixed_by"] == "min_tokens=max_tokens" and doc["token_counts"]["requested_osl"] == 8
         prov = doc["provenance"]
         assert prov["repo"]["engine"] == "cpu-twin" and len(prov["repo"]["engine_config_sha256"]) == 64
         assert set(prov["repo"]["config_pbtxt_sha256"]) >= {"tensorrt_llm", "tensorrt_llm_bls", "ensemble"}

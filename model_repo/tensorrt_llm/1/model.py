@@ -95,6 +95,7 @@ class TritonPythonModel:
             self.histograms[family] = fam.Metric(labels={**labels, category: value}, buckets=self.twin.TOKEN_BUCKETS)
         # guided decoding: the OpenAI twin's counters (trtpipe.serving.guided.COUNTERS), raised by what changed
         self.counters = {}
+        self.counted_lock = threading.Lock()
         if self.guided is not None:
             from trtpipe.serving.guided import COUNTERS
 
@@ -126,15 +127,22 @@ class TritonPythonModel:
                 n_in, n_out = finished.popleft()
                 self.histograms["nv_llm_input_token_len"].observe(n_in)
                 self.histograms["nv_llm_output_token_len"].observe(n_out)
-            if self.counters:
-                now = self.guided.snapshot()
-                for attr, metric in self.counters.items():
-                    if getattr(now, attr) > getattr(self.counted, attr):
-                        metric.increment(getattr(now, attr) - getattr(self.counted, attr))
-                self.counted = now
+            self._count_guided()
         if log is not None:  # the last steps before the stop, then the file is closed
             log.write_new(self.executor.core.iterations)
             log.close()
+
+    def _count_guided(self):
+        """Raise the guided-decoding counters by what changed since the last call. Called by the stats loop and
+        before each final response, so a client that has its answer reads metrics that include its request."""
+        if not self.counters:
+            return
+        with self.counted_lock:
+            now = self.guided.snapshot()
+            for attr, metric in self.counters.items():
+                if getattr(now, attr) > getattr(self.counted, attr):
+                    metric.increment(getattr(now, attr) - getattr(self.counted, attr))
+            self.counted = now
 
     # ---- requests --------------------------------------------------------------------------------
     def _watch_cancellation(self):
@@ -173,6 +181,7 @@ class TritonPythonModel:
             if resp.is_final:  # also a request its client cancelled: the server keeps its state until the final
                 with self.lock:
                     self.live.pop(resp.request_id, None)
+                self._count_guided()
             if resp.has_error:
                 deliver(
                     _error(
@@ -222,6 +231,7 @@ class TritonPythonModel:
                 else:
                     self._submit(request, parsed, deliver)
             except Exception as exc:  # bad input, or the executor queue is full: this request only
+                self._count_guided()  # e.g. a guide that did not compile
                 deliver(_error(str(exc)), True)
         if self.decoupled:
             return None
