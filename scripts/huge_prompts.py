@@ -56,6 +56,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def measure(url: str, normal: dict, huge_body, error_of, rss, prompts: int, mb: float) -> dict:
+    """One front's numbers: warm it with ``normal``, send ``prompts`` huge prompts (``huge_body(text)``) at once
+    and, 0.5 s later, one ``normal`` request; RSS (``rss()``) sampled every 10 ms for the peak, and 5 s after."""
+    requests.post(url, json=normal, timeout=60).raise_for_status()  # warm
+    before = rss()
+    peak, done = [before], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss())
+            time.sleep(0.01)
+
+    threading.Thread(target=sample, daemon=True).start()
+    text = huge_text(mb)
+
+    def huge(_):
+        try:
+            r = requests.post(url, json=huge_body(text), timeout=600)
+            return f"{r.status_code}: {error_of(r)[:100]}" if r.status_code != 200 else 200
+        except requests.RequestException as exc:
+            return type(exc).__name__
+
+    with ThreadPoolExecutor(prompts) as pool:
+        futures = [pool.submit(huge, i) for i in range(prompts)]
+        time.sleep(0.5)
+        t0 = time.perf_counter()
+        r = requests.post(url, json=normal, timeout=600)
+        latency = time.perf_counter() - t0
+        statuses = [f.result() for f in futures]
+    time.sleep(5)
+    done.set()
+    after = rss()
+    return {
+        "prompts": prompts,
+        "prompt_mb": mb,
+        "huge_statuses": statuses,
+        "normal_status": r.status_code,
+        "normal_latency_s": round(latency, 3),
+        "rss_before_mb": round(before / 2**20),
+        "rss_peak_mb": round(peak[0] / 2**20),
+        "rss_after_5s_mb": round(after / 2**20),
+    }
+
+
 def run(src: Path, model: Path, prompts: int, mb: float) -> dict:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
@@ -72,46 +116,15 @@ def run(src: Path, model: Path, prompts: int, mb: float) -> dict:
                 pass
             time.sleep(0.1)
         ps = psutil.Process(proc.pid)
-        normal = {"prompt": "Once upon a time", "max_tokens": 8}
-        requests.post(url + "/v1/completions", json=normal, timeout=60).raise_for_status()  # warm
-        before = ps.memory_info().rss
-        peak, done = [before], threading.Event()
-
-        def sample():
-            while not done.is_set():
-                peak[0] = max(peak[0], ps.memory_info().rss)
-                time.sleep(0.01)
-
-        threading.Thread(target=sample, daemon=True).start()
-        text = huge_text(mb)
-
-        def huge(_):
-            try:
-                r = requests.post(url + "/v1/completions", json={"prompt": text, "max_tokens": 2}, timeout=600)
-                return f"{r.status_code}: {r.json()['error']['message'][:100]}" if r.status_code != 200 else 200
-            except requests.RequestException as exc:
-                return type(exc).__name__
-
-        with ThreadPoolExecutor(prompts) as pool:
-            futures = [pool.submit(huge, i) for i in range(prompts)]
-            time.sleep(0.5)
-            t0 = time.perf_counter()
-            r = requests.post(url + "/v1/completions", json=normal, timeout=600)
-            latency = time.perf_counter() - t0
-            statuses = [f.result() for f in futures]
-        time.sleep(5)
-        done.set()
-        after = ps.memory_info().rss
-        return {
-            "prompts": prompts,
-            "prompt_mb": mb,
-            "huge_statuses": statuses,
-            "normal_status": r.status_code,
-            "normal_latency_s": round(latency, 3),
-            "rss_before_mb": round(before / 2**20),
-            "rss_peak_mb": round(peak[0] / 2**20),
-            "rss_after_5s_mb": round(after / 2**20),
-        }
+        return measure(
+            url + "/v1/completions",
+            {"prompt": "Once upon a time", "max_tokens": 8},
+            lambda text: {"prompt": text, "max_tokens": 2},
+            lambda r: r.json()["error"]["message"],
+            lambda: ps.memory_info().rss,
+            prompts,
+            mb,
+        )
     finally:
         proc.terminate()
         proc.wait(30)
@@ -182,46 +195,15 @@ def run_triton(src: Path, root: Path, prompts: int, mb: float) -> dict:
     generate = url + "/v2/models/ensemble/generate"
     try:
         (server,) = [p for p in psutil.Process(proc.pid).children() if p.name() == "tritonserver"]
-        normal = {"text_input": "Once upon a time", "max_tokens": 8}
-        requests.post(generate, json=normal, timeout=60).raise_for_status()  # warm
-        before = server_rss(server)
-        peak, done = [before], threading.Event()
-
-        def sample():
-            while not done.is_set():
-                peak[0] = max(peak[0], server_rss(server))
-                time.sleep(0.01)
-
-        threading.Thread(target=sample, daemon=True).start()
-        text = huge_text(mb)
-
-        def huge(_):
-            try:
-                r = requests.post(generate, json={"text_input": text, "max_tokens": 2}, timeout=600)
-                return f"{r.status_code}: {r.json().get('error', '')[:100]}" if r.status_code != 200 else 200
-            except requests.RequestException as exc:
-                return type(exc).__name__
-
-        with ThreadPoolExecutor(prompts) as pool:
-            futures = [pool.submit(huge, i) for i in range(prompts)]
-            time.sleep(0.5)
-            t0 = time.perf_counter()
-            r = requests.post(generate, json=normal, timeout=600)
-            latency = time.perf_counter() - t0
-            statuses = [f.result() for f in futures]
-        time.sleep(5)
-        done.set()
-        after = server_rss(server)
-        return {
-            "prompts": prompts,
-            "prompt_mb": mb,
-            "huge_statuses": statuses,
-            "normal_status": r.status_code,
-            "normal_latency_s": round(latency, 3),
-            "rss_before_mb": round(before / 2**20),
-            "rss_peak_mb": round(peak[0] / 2**20),
-            "rss_after_5s_mb": round(after / 2**20),
-        }
+        return measure(
+            generate,
+            {"text_input": "Once upon a time", "max_tokens": 8},
+            lambda text: {"text_input": text, "max_tokens": 2},
+            lambda r: r.json().get("error", ""),
+            lambda: server_rss(server),
+            prompts,
+            mb,
+        )
     finally:
         proc.send_signal(signal.SIGINT)  # serve stops its tritonserver on Ctrl-C
         try:
