@@ -3,11 +3,9 @@ the tests (a uniquely named module)."""
 
 from __future__ import annotations
 
-import asyncio
-import socket
-import threading
-from contextlib import contextmanager
 from pathlib import Path
+
+from trtpipe.serving import thread_server
 
 
 def fp16_export(stories_dir: Path, root: Path) -> Path:
@@ -24,29 +22,4 @@ def fp16_export(stories_dir: Path, root: Path) -> Path:
     return out
 
 
-@contextmanager
-def serve_in_thread(app):
-    """Yield the base URL (``http://127.0.0.1:PORT``) while ``app`` serves on a free loopback port; stop it after."""
-    from aiohttp import web
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    loop, runner, started = asyncio.new_event_loop(), web.AppRunner(app), threading.Event()
-
-    def run():
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-        started.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert started.wait(30)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+serve_in_thread = thread_server.serve_in_thread  # the app on 127.0.0.1 (port 0, no bind-then-close race)

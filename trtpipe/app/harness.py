@@ -19,13 +19,10 @@ their YAML and are made absolute in a temporary include directory, so any workin
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
-import socket
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -81,44 +78,12 @@ def shipped_include_dir(dest: Path, source: Path = TASKS_DIR) -> Path:
 
 @contextmanager
 def serve_in_thread(served) -> Iterator[str]:
-    """Yield ``http://127.0.0.1:PORT`` while the OpenAI twin serves ``served`` (a ServedModel) from a thread of this
-    process. The socket is bound to port 0 and handed to the server as is: no free port is guessed, so no other
-    process can take it between a probe and the bind."""
-    from aiohttp import web
-
+    """``http://127.0.0.1:PORT`` while the OpenAI twin serves ``served`` (a ServedModel) from a thread."""
     from trtpipe.serving.openai_server import OpenAIServer
+    from trtpipe.serving.thread_server import serve_in_thread as serve_app
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    loop, runner = asyncio.new_event_loop(), web.AppRunner(OpenAIServer(served).app)
-    started, failed = threading.Event(), []
-
-    def run():
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(runner.setup())
-            loop.run_until_complete(web.SockSite(runner, sock).start())
-        except Exception as exc:  # noqa: BLE001 - reported to the caller below
-            failed.append(exc)
-            started.set()
-            return
-        started.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=run, name="trtpipe-harness-twin", daemon=True)
-    thread.start()
-    started.wait()
-    if failed:
-        sock.close()
-        raise ServingError(f"the OpenAI twin on {served.dir} did not start: {failed[0]}")
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(60)  # shuts the executor down too
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
-        sock.close()
+    with serve_app(OpenAIServer(served).app, f"the OpenAI twin on {served.dir}") as url:
+        yield url
 
 
 def model_args(url: str, served) -> str:
