@@ -18,6 +18,51 @@ import torch
 from trtpipe.models import REGISTRY
 from trtpipe.jsonfile import load_json
 
+# DeepSeek-V3's ratios shrunk (hidden 7168 -> 64): MLA head dims nope 128 / rope 64 / v 128 -> 8 / 4 / 8 and the
+# latent kv_lora_rank 512 (4 x nope) -> 32, q_lora_rank 1536 -> 24 (both narrower than hidden), 128 heads -> 4;
+# 61 layers of which the first 3 dense -> 3 with the first 1 dense; 256 routed experts in 8 groups, 4 groups kept,
+# top-8 -> 16 in 4 groups, 2 kept, top-4 (the choice still crosses groups); expert width 2048 -> 16, the dense
+# MLP's 18432 -> 160, one shared expert; routed_scaling_factor 2.5, norm_topk_prob, sigmoid scores; YaRN factor 40
+# over 4096 original positions (mscale = mscale_all_dim = 1, so the attention scale is (0.1 ln 40 + 1)^2 / sqrt(12))
+# -> factor 40 over 64; rope_theta 10000, interleaved rope pairs, untied, eps 1e-6.
+_DEEPSEEK_V3 = dict(
+    hidden_size=64,
+    intermediate_size=160,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=32,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    vocab_size=250,
+    max_position_embeddings=2560,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    rope_interleave=True,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+)
+
+
 # kind -> (transformers config class name, model class name, config kwargs)
 SPECS: dict[str, tuple[str, str, dict]] = {
     "llama": (
@@ -192,53 +237,7 @@ SPECS: dict[str, tuple[str, str, dict]] = {
             },
         ),
     ),
-    # DeepSeek-V3's ratios shrunk (hidden 7168 -> 64): MLA head dims nope 128 / rope 64 / v 128 -> 8 / 4 / 8 and the
-    # latent kv_lora_rank 512 (4 x nope) -> 32, q_lora_rank 1536 -> 24 (both narrower than hidden), 128 heads -> 4;
-    # 61 layers of which the first 3 dense -> 3 with the first 1 dense; 256 routed experts in 8 groups, 4 groups kept,
-    # top-8 -> 16 in 4 groups, 2 kept, top-4 (the choice still crosses groups); expert width 2048 -> 16, the dense
-    # MLP's 18432 -> 160, one shared expert; routed_scaling_factor 2.5, norm_topk_prob, sigmoid scores; YaRN factor 40
-    # over 4096 original positions (mscale = mscale_all_dim = 1, so the attention scale is (0.1 ln 40 + 1)^2 / sqrt(12))
-    # -> factor 40 over 64; rope_theta 10000, interleaved rope pairs, untied, eps 1e-6.
-    "deepseek_v3": (
-        "DeepseekV3Config",
-        "DeepseekV3ForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=160,
-            moe_intermediate_size=16,
-            num_hidden_layers=3,
-            first_k_dense_replace=1,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            q_lora_rank=24,
-            kv_lora_rank=32,
-            qk_nope_head_dim=8,
-            qk_rope_head_dim=4,
-            v_head_dim=8,
-            n_routed_experts=16,
-            n_shared_experts=1,
-            num_experts_per_tok=4,
-            n_group=4,
-            topk_group=2,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
-            vocab_size=250,
-            max_position_embeddings=2560,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-            rope_interleave=True,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 40.0,
-                "original_max_position_embeddings": 64,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-            },
-        ),
-    ),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _DEEPSEEK_V3),
     # Kimi-K2's configuration (DeepseekV3ForCausalLM with half DeepSeek-V3's heads, 384 routed experts in one group,
     # routed_scaling_factor 2.827, one dense layer, rope_theta 50000, YaRN factor 32 over 4096; values as recalled
     # from moonshotai/Kimi-K2-Instruct's config.json, not checked against the hub file here) shrunk as "deepseek_v3":
@@ -246,42 +245,22 @@ SPECS: dict[str, tuple[str, str, dict]] = {
     "kimi_k2": (
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=160,
-            moe_intermediate_size=16,
-            num_hidden_layers=3,
-            first_k_dense_replace=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            q_lora_rank=24,
-            kv_lora_rank=32,
-            qk_nope_head_dim=8,
-            qk_rope_head_dim=4,
-            v_head_dim=8,
-            n_routed_experts=24,
-            n_shared_experts=1,
-            num_experts_per_tok=4,
-            n_group=1,
-            topk_group=1,
-            routed_scaling_factor=2.827,
-            norm_topk_prob=True,
-            vocab_size=250,
-            max_position_embeddings=2048,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-            rope_interleave=True,
-            rope_parameters={
-                "rope_type": "yarn",
+        {
+            **_DEEPSEEK_V3,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "n_routed_experts": 24,
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.827,
+            "max_position_embeddings": 2048,
+            "rope_parameters": {
+                **_DEEPSEEK_V3["rope_parameters"],
                 "rope_theta": 50000.0,
                 "factor": 32.0,
-                "original_max_position_embeddings": 64,
                 "beta_fast": 1.0,
-                "beta_slow": 1.0,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
             },
-        ),
+        },
     ),
     "mixtral": (
         "MixtralConfig",
