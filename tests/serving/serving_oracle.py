@@ -47,3 +47,14 @@ def check_greedy(model, hf, prompt: list[int], got: list[int], n: int, end_id=No
     if margin <= bound:
         return ""  # a tie within float32's error: either order is a correct float32 answer
     return f"token {i} differs (got {got[i : i + 3]}, transformers {ref[i : i + 3]}), margin {margin:.3g} > bound {bound:.3g}"
+
+
+def small_config(**kw):
+    """The executor limits the stories260k executor tests share (8 requests, 64-token steps, 64 blocks of 8),
+    with ``kw`` replacing any of them."""
+    from trtpipe.serving.api import ExecutorConfig
+
+    base = dict(
+        max_batch_size=8, max_num_tokens=64, max_input_len=96, max_seq_len=128, num_blocks=64, tokens_per_block=8
+    )
+    return ExecutorConfig(**{**base, **kw})

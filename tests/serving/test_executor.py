@@ -9,22 +9,17 @@ import threading
 import pytest
 import torch
 
-from trtpipe.serving.api import CapacityPolicy, ExecutorConfig, FinishReason, Request, SamplingParams
+from trtpipe.serving.api import CapacityPolicy, FinishReason, Request, SamplingParams
 from trtpipe.serving.executor import Executor, ExecutorCore, QueueFullError, SimClock
 from trtpipe.serving.reference_engine import ReferenceEngine
 
 from sampling_odds import sequence_probability
-from serving_oracle import check_greedy
+from serving_oracle import check_greedy, small_config
 
 EOS = 2
 
 
-def _config(**kw) -> ExecutorConfig:
-    base = dict(
-        max_batch_size=8, max_num_tokens=64, max_input_len=96, max_seq_len=128, num_blocks=64, tokens_per_block=8
-    )
-    base.update(kw)
-    return ExecutorConfig(**base)
+_config = small_config
 
 
 def _workload(n: int, seed: int, shared_prefix: list[int] = ()):

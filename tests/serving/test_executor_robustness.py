@@ -8,21 +8,16 @@ import threading
 
 import pytest
 
-from trtpipe.serving.api import CapacityPolicy, ErrorKind, ExecutorConfig, FinishReason, Request, StepResult
+from trtpipe.serving.api import CapacityPolicy, ErrorKind, FinishReason, Request, StepResult
 from trtpipe.serving.executor import Executor, ExecutorCore, ExecutorStopped, QueueFullError, SimClock
 from trtpipe.serving.reference_engine import ReferenceEngine
 
-from serving_oracle import check_greedy
+from serving_oracle import check_greedy, small_config
 
 PROMPT = [1, 403, 407, 261, 378]
 
 
-def _config(**kw) -> ExecutorConfig:
-    base = dict(
-        max_batch_size=8, max_num_tokens=64, max_input_len=96, max_seq_len=128, num_blocks=64, tokens_per_block=8
-    )
-    base.update(kw)
-    return ExecutorConfig(**base)
+_config = small_config
 
 
 class _Untimed(ReferenceEngine):

@@ -11,19 +11,16 @@ import pytest
 import torch
 
 from numerics import ORDER_FACTOR, U32, error_scale
-from trtpipe.serving.api import CapacityPolicy, ExecutorConfig, Request, SamplingParams
+from trtpipe.serving.api import CapacityPolicy, Request, SamplingParams
 from trtpipe.serving.executor import ExecutorCore
 from trtpipe.serving.reference_engine import ReferenceEngine
+
+from serving_oracle import small_config
 
 EOS = 2
 
 
-def _config(**kw) -> ExecutorConfig:
-    base = dict(
-        max_batch_size=8, max_num_tokens=64, max_input_len=96, max_seq_len=128, num_blocks=64, tokens_per_block=8
-    )
-    base.update(kw)
-    return ExecutorConfig(**base)
+_config = small_config
 
 
 SCENARIOS = {
