@@ -18,7 +18,7 @@ from typing import Iterable, Optional
 
 from trtpipe import slo as slo_syntax
 from trtpipe.formats.gpus import GPU, get_gpu
-from trtpipe.formats.schemes import BY_RECIPE
+from trtpipe.formats.schemes import BY_QUANT_ALGO, BY_RECIPE
 from trtpipe.errors import TrtpipeError
 from trtpipe.extras import pyplot
 from trtpipe.perf.cost import Constants, Deployment
@@ -46,11 +46,20 @@ def precision_of(algo: str, dtype: str) -> str:
     return RECIPE_PRECISION.get(algo, "bf16" if dtype == "bfloat16" else "fp16")
 
 
-def shipped_fp8_blocks(info) -> bool:
-    """The source ships block-scaled FP8 weights (``quant_method: fp8`` with ``weight_block_size``, DeepSeek-V3/R1,
-    Kimi-K2), which a recipe with ``algo: none`` serves as stored."""
-    qc = info.raw.get("quantization_config") or {}
-    return info.quant_method == "fp8" and bool(qc.get("weight_block_size"))
+def shipped_precision(info) -> Optional[str]:
+    """The cost model's precision of the weights a pre-quantized source ships, which a recipe with ``algo: none``
+    serves as stored (DeepSeek-V3's block FP8, a ModelOpt FP8 export, ...): the scheme of the format
+    :func:`trtpipe.quant.imported.detect.detect_config` reads from its config; None when the source is not
+    quantized, the format is not known, or the scheme's precision is not modelled."""
+    from trtpipe.errors import CheckpointError
+    from trtpipe.quant.imported.detect import detect_config
+
+    try:
+        fmt = detect_config(Path("config.json"), info.raw)
+    except CheckpointError:  # an unknown format: validate says so; the prediction stays at the model dtype
+        return None
+    scheme = BY_QUANT_ALGO.get(fmt.quant_algo) if fmt is not None and fmt.quant_algo else None
+    return scheme.perf if scheme is not None else None
 
 
 @dataclass
@@ -117,8 +126,8 @@ def recipe_setup(
     spec = model_spec(info, rec.name)
     q = rec.quantization
     prec = precision_of(q.algo, rec.model.dtype)
-    if q.algo == "none" and shipped_fp8_blocks(info):  # DeepSeek's block FP8, served as stored: FP8 weights and GEMMs
-        prec = "fp8"
+    if q.algo == "none":  # a pre-quantized source, served as stored
+        prec = shipped_precision(info) or prec
     kv = q.kv_cache if q.kv_cache != "none" else "fp16"
     p = rec.parallel
     ep = resolve_moe_sizes(p.tp, p.moe_ep, p.moe_tp)[0] if spec.is_moe else 1

@@ -267,7 +267,7 @@ SCHEMES: tuple[Scheme, ...] = (
         hf_config_groups={"group_0": {"input_activations": FP4_BLOCK, "weights": FP4_BLOCK, "targets": ["Linear"]}},
     ),
     # met only in pre-quantized sources and the builder's rules
-    Scheme("FP8_BLOCK_SCALES", scale="group", tensor_cores="FP8"),
+    Scheme("FP8_BLOCK_SCALES", scale="group", tensor_cores="FP8", perf="fp8", peak="tflops_fp8"),  # FP8 GEMMs
     Scheme("W8A16_GPTQ", scale="group", groupwise=True, blackwell_dc="weight-only"),
     Scheme("W8A8_SQ_PER_TENSOR_PLUGIN", blackwell_dc="SmoothQuant"),
     Scheme("W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN", blackwell_dc="SmoothQuant", moe_why={"engine": NO_SQ_EXPERTS}),
