@@ -118,7 +118,34 @@ SPECIFIC = {
     "stream_options": [{"include_usage": True}, {"include_usage": "yes"}, {"other": 1}],
     "user": ["someone", 5],
     "frequency_penalty": [0.0, 0.5],
-    "response_format": [{"type": "text"}, {"type": "json_object"}],
+    "response_format": [
+        {"type": "text"},
+        {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": 4}}},
+        {"type": "regex", "regex": "("},
+        {"type": "ebnf"},
+        {"type": "no_such_type"},
+    ],
+    "echo": [True, False, "yes"],
+    "ignore_eos": [True, False, "yes"],
+    "min_tokens": [0, 1, 4, 10**9, -1, 2**63],
+    "stop_token_ids": [[], [2], [-1], [10**30], ["x"], [[2]]],
+    "include_stop_str_in_output": [True, "yes"],
+    "lora_request": [
+        None,
+        {"lora_name": "nope", "lora_int_id": 1, "lora_path": "/nonexistent"},
+        {"lora_name": "x"},
+        {"lora_int_id": -1},
+        {"lora_path": "/etc"},
+    ],
+    "tools": [
+        [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        [{"type": "function"}],
+        [{"type": "other"}],
+        [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 4}}}],
+    ],
+    "tool_choice": ["none", "auto", "required", {"type": "function", "function": {"name": "g"}}, {"type": "x"}],
+    "parallel_tool_calls": [True, False, "yes"],
 }
 PROMPTS = [
     [1, 403, 407, 261, 378],
@@ -172,9 +199,16 @@ def cases(model: str, rng: random.Random) -> list[Case]:
             "user",
             "frequency_penalty",
             "response_format",
+            "ignore_eos",
+            "min_tokens",
+            "stop_token_ids",
+            "include_stop_str_in_output",
+            "lora_request",
         ]
+        if ep == "completions":
+            fields += ["echo"]
         if ep == "chat":
-            fields += ["max_completion_tokens", "top_logprobs"]
+            fields += ["max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"]
         body_cases = [
             ("valid", dict(b)),
             ("the issue's seed (temperature 1, seed 2^64)", {**b, "temperature": 1, "seed": ISSUE_SEED}),
