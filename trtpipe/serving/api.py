@@ -250,6 +250,16 @@ class StepEntry:
     # draft_probs: the [k, V] distribution the drafts were drawn from (None: deterministic or greedy drafts)
     draft_probs: Any = None
 
+    @property
+    def verifies_drafts(self) -> bool:
+        """A generation entry carrying drafts after its token (trtpipe.serving.speculative)."""
+        return not self.is_context and len(self.tokens) > 1
+
+    @property
+    def sample_rows(self) -> int:
+        """Logit rows a sampling entry is decided from: k + 1 when it verifies k drafts, else 1."""
+        return len(self.tokens) if self.verifies_drafts else 1
+
 
 @dataclass
 class StepBatch:

@@ -74,7 +74,7 @@ def rows_of(batch) -> tuple[list[int], list[int], dict[int, tuple[int, int]]]:
             first = len(rows)
             rows += range(t, t + len(targets))
             prompt_at[e.request_id] = (first, len(targets))
-        if e.sample and _verifies(e):  # a token and its drafts (trtpipe.serving.speculative): every position
+        if e.sample and e.verifies_drafts:  # a token and its drafts (trtpipe.serving.speculative): every position
             sample_at += range(len(rows), len(rows) + n)
             rows += range(t, t + n)
         elif e.sample:
@@ -109,13 +109,8 @@ def chosen_logprobs(batch, logits, tokens: dict) -> dict[int, TokenLogprob]:
         k: Optional[int] = e.logprobs
         if k is not None and e.request_id in tokens:
             out[e.request_id] = logprobs_of(logits[i : i + 1], [tokens[e.request_id]], k)[0]
-        i += len(e.tokens) if _verifies(e) else 1  # an entry verifying drafts has k + 1 rows
+        i += e.sample_rows  # an entry verifying drafts has k + 1 rows
     return out
-
-
-def _verifies(e) -> bool:
-    """A generation entry carrying drafts after its token (trtpipe.serving.speculative.is_verification)."""
-    return not e.is_context and len(e.tokens) > 1
 
 
 def ban_tokens(batch, logits) -> None:

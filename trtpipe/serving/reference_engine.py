@@ -24,7 +24,7 @@ from trtpipe.runtime.generate import sample
 from trtpipe.runtime.model import ReferenceModel, attention_probs
 from trtpipe.serving.api import ExecutorConfig, StepBatch, StepResult
 from trtpipe.serving.logprobs import ban_tokens, chosen_logprobs, rows_of, split_rows
-from trtpipe.serving.speculative import DRAFT_TARGET, is_verification, verify_entries
+from trtpipe.serving.speculative import DRAFT_TARGET, verify_entries
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ class ReferenceEngine:
         _, sample_at, prompt_at = rows_of(batch)
         logits, prompt = split_rows(batch, logits, sample_at, prompt_at) if prompt_at else (logits, {})
         accepted: dict = {}
-        if any(is_verification(e) for e in batch.entries):  # k + 1 rows for each entry with drafts
+        if any(e.verifies_drafts for e in batch.entries):  # k + 1 rows for each entry with drafts
             tokens, errors, accepted = verify_entries(batch, logits, sample_entries)
         else:
             tokens, errors = sample_entries(batch, logits)

@@ -146,11 +146,6 @@ def prometheus_lines(speculator, labels: str) -> list[str]:
     return [line for name, v in rows for line in (f"# TYPE {name} counter", f"{name}{{{labels}}} {v}")]
 
 
-def is_verification(e: StepEntry) -> bool:
-    """A generation entry carrying drafts after its token."""
-    return not e.is_context and len(e.tokens) > 1
-
-
 def verify_entries(batch: StepBatch, logits: torch.Tensor, sample_entries):
     """A step's tokens when some entries verify drafts: ``logits`` has k + 1 rows for those, one for every other
     sampling entry. The others go through ``sample_entries`` (the engine's own sampler) unchanged.
@@ -164,7 +159,7 @@ def verify_entries(batch: StepBatch, logits: torch.Tensor, sample_entries):
     for e in batch.entries:
         if not e.sample:
             continue
-        n = len(e.tokens) if is_verification(e) else 1
+        n = e.sample_rows
         rows = logits[i : i + n]
         i += n
         if n == 1:
