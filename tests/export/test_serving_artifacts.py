@@ -43,6 +43,9 @@ batch_wait_timeout_iters batch_wait_max_tokens_ratio torch_compile_config enable
 enable_layerwise_nvtx_marker enable_min_latency stream_interval force_dynamic_quantization allreduce_strategy
 checkpoint_loader checkpoint_format kv_connector_config mm_encoder_only ray_worker_extension_cls""".split()
 )
+# not in the 1.1-era field list: env_overrides (environment variables set for the workers), which NVIDIA's gpt-oss
+# database config uses (examples/configs/database/openai/gpt-oss-120b/B200/1k1k_tp8_conc64.yaml@029c15cb)
+CONTRACT_TOP_13 = {"env_overrides"}
 CONTRACT_SUB = {
     "kv_cache_config": set(
         """enable_block_reuse max_tokens max_attention_window sink_token_length
@@ -51,6 +54,8 @@ CONTRACT_SUB = {
         use_uvm max_gpu_total_bytes dtype mamba_ssm_cache_dtype tokens_per_block""".split()
     ),
     "cuda_graph_config": {"batch_sizes", "max_batch_size", "enable_padding"},
+    "attention_dp_config": {"enable_balance", "timeout_iters", "batching_wait_iters"},
+    "moe_config": {"backend", "max_num_tokens", "load_balancer"},
     "scheduler_config": {"capacity_scheduler_policy", "context_chunking_policy", "dynamic_batch_config"},
     # CacheTransceiverConfig of the 1.1/1.2-era llm_args.py revisions read (backend DEFAULT/UCX/NIXL/MPI)
     "cache_transceiver_config": {"backend", "max_tokens_in_buffer", "kv_transfer_timeout_ms"},
@@ -85,13 +90,16 @@ def _keys(d: dict, prefix: str = "") -> list[str]:
 def test_key_table_is_within_the_contract():
     for key in LLM_API_KEYS:
         top, _, sub = key.partition(".")
+        if top in CONTRACT_TOP_13:
+            assert LLM_API_KEYS[key] == {"1.3"}, key
+            continue
         assert top in CONTRACT_TOP, key
         if sub:
             assert sub in CONTRACT_SUB[top], key
 
 
 @needs("tritonclient")
-@pytest.mark.parametrize("version", ["1.0", "1.1", "1.2"])
+@pytest.mark.parametrize("version", ["1.0", "1.1", "1.2", "1.3"])
 def test_generated_yaml_per_version(recipe, version, tmp_path):
     opts = llm_api_options(recipe, version)
     for key in _keys(opts):
@@ -117,19 +125,22 @@ def test_generated_yaml_per_version(recipe, version, tmp_path):
 
 def test_unknown_or_too_new_keys_are_refused():
     with pytest.raises(
-        UnknownLLMAPIKey, match="'kv_cache_config.tokens_per_block' is not a TorchLlmArgs key of TensorRT-LLM 1.0"
+        UnknownLLMAPIKey,
+        match="'kv_cache_config.tokens_per_block' is a TorchLlmArgs key of TensorRT-LLM 1.1, 1.2, 1.3, not of 1.0",
     ):
         checked({"kv_cache_config": {"tokens_per_block": 32}}, "1.0")
-    with pytest.raises(UnknownLLMAPIKey, match="max_batch"):
+    with pytest.raises(UnknownLLMAPIKey, match="'max_batch' is not a TorchLlmArgs key of TensorRT-LLM 1.2"):
         checked({"max_batch": 8}, "1.2")
+    with pytest.raises(UnknownLLMAPIKey, match="'moe_confg' is not a TorchLlmArgs key"):
+        checked({"moe_confg": {}}, "1.3")  # an empty section is a key too
     with pytest.raises(UnknownLLMAPIKey, match="no key table"):
-        checked({}, "1.3")
+        checked({}, "1.4")
 
 
 @settings(max_examples=200, deadline=None)
 @given(
     st.dictionaries(st.from_regex(r"[a-z_]{1,20}", fullmatch=True), st.integers(), min_size=1, max_size=4),
-    st.sampled_from(["1.0", "1.1", "1.2"]),
+    st.sampled_from(["1.0", "1.1", "1.2", "1.3"]),
 )
 def test_no_key_outside_the_table_ever_passes(d, version):
     if all(version in LLM_API_KEYS.get(k, ()) for k in d):

@@ -13,7 +13,9 @@ from trtpipe.errors import RecipeError
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "gpt-oss-20b-mxfp4.yaml"
 
 
-@pytest.mark.parametrize("value,want", [("1.1", "1.1"), ("1.0", "1.0"), ("'1.2'", "1.2"), ("1.2", "1.2")])
+@pytest.mark.parametrize(
+    "value,want", [("1.1", "1.1"), ("1.0", "1.0"), ("'1.2'", "1.2"), ("1.2", "1.2"), ("1.3", "1.3")]
+)
 def test_a_release_given_as_a_number_is_that_release(value, want):
     assert load_recipe(RECIPE, overrides=[f"llmapi.version={value}"]).llmapi.version == want
 

@@ -21,6 +21,7 @@ from trtpipe.deploy.rules import DEPLOY_RULES
 from trtpipe.engine.rules import ENGINE_RULES
 from trtpipe.errors import Problem, RecipeError
 from trtpipe.export.lora import LORA_RULES
+from trtpipe.export.options_rules import OPTIONS_RULES
 from trtpipe.export.rules import EXPORT_RULES
 from trtpipe.quant.imported.rules import IMPORT_RULES
 from trtpipe.quant.rules import QUANT_RULES
@@ -40,6 +41,7 @@ RULES: tuple[Rule, ...] = (
     *IMPORT_RULES,
     *ENGINE_RULES,
     *EXPORT_RULES,
+    *OPTIONS_RULES,
     *LORA_RULES,
     *DEPLOY_RULES,
 )

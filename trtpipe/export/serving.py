@@ -10,6 +10,17 @@ Sources (TensorRT-LLM ``tensorrt_llm/llmapi/llm_args.py``, ``commands/serve.py``
 llmapi``): the key set was read from a 1.1-era revision; keys also present in the 1.4 reference are taken to be
 in 1.2; for 1.0 only the long-standing core keys are written (``kv_cache_config.tokens_per_block``,
 ``return_perf_metrics`` and ``enable_iter_perf_stats`` are left out there, unverified for 1.0).
+
+1.3 (what NVIDIA Dynamo's TensorRT-LLM runtime images carry: :mod:`trtpipe.deploy.trtllm_release`) takes every 1.2
+key plus the keys NVIDIA's per-model serving configs use (:data:`KEYS_13`, ``examples/configs/database/**``; the
+five imported in ``tests/export/data/database/`` name their file@commit). Confirmed in
+``tensorrt_llm/llmapi/llm_args.py@0004396720054fd8e205cbf616f21f0b57c6b412``, a 2026 revision later than 1.3 (it
+has DeepSeek-V4 configs), as fields: ``TorchLlmArgs.cuda_graph_config``, ``attention_dp_config``, ``moe_config``,
+``print_iter_log``, ``stream_interval``, ``backend`` (``Literal["pytorch"]``), ``KvCacheConfig.dtype``
+(``auto``/``fp8``/``fp8_ds_mla``/``nvfp4``/a torch dtype), ``BaseCudaGraphConfig.batch_sizes``. NOT confirmed: a
+llm_args.py at a 1.3.0rc tag (the code index holds none that names its release; PyPI's 1.3.0rc sdists are stubs),
+so the 1.3 table is "1.2 plus what NVIDIA's own database configs pass to trtllm-serve"; and that 1.2 refuses the
+1.3-only keys: trtpipe writes those for 1.3 only because that is the release they were read for.
 """
 
 from __future__ import annotations
@@ -26,9 +37,31 @@ from trtpipe.models.parsers import resolve as resolve_parser
 from trtpipe.recipe.schema import Recipe
 from trtpipe.recipe.speculative import speculative_config
 
-VERSIONS = ("1.0", "1.1", "1.2")
+VERSIONS = ("1.0", "1.1", "1.2", "1.3")
 _ALL = frozenset(VERSIONS)
-_SINCE_11 = frozenset(("1.1", "1.2"))
+_SINCE_11 = frozenset(("1.1", "1.2", "1.3"))
+_SINCE_12 = frozenset(("1.2", "1.3"))
+_V13 = frozenset(("1.3",))
+
+# keys whose value is a free-form mapping written as one leaf (env_overrides: environment variable -> value)
+LEAF_MAPPINGS = frozenset(("env_overrides",))
+
+# TorchLlmArgs keys of NVIDIA's database configs (examples/configs/database/**) that the 1.2 table does not hold
+KEYS_13: dict[str, frozenset] = {
+    "enable_attention_dp": _V13,
+    "attention_dp_config.enable_balance": _V13,
+    "attention_dp_config.timeout_iters": _V13,
+    "attention_dp_config.batching_wait_iters": _V13,
+    "moe_config.backend": _V13,
+    "stream_interval": _V13,
+    "print_iter_log": _V13,
+    "cuda_graph_config.batch_sizes": _V13,
+    "trust_remote_code": _V13,
+    "dtype": _V13,
+    "backend": _V13,  # deprecated there, Literal["pytorch"]
+    "num_postprocess_workers": _V13,
+    "env_overrides": _V13,
+}
 
 # dotted TorchLlmArgs key -> releases that accept it (only keys trtpipe writes are listed)
 LLM_API_KEYS: dict[str, frozenset] = {
@@ -66,11 +99,12 @@ LLM_API_KEYS: dict[str, frozenset] = {
     # speculative decoding (trtpipe/recipe/speculative.py says where each name was read)
     "speculative_config.decoding_type": _ALL,
     "speculative_config.max_draft_len": _ALL,
-    "speculative_config.speculative_model": frozenset(("1.2",)),
+    "speculative_config.speculative_model": _SINCE_12,
     "speculative_config.speculative_model_dir": frozenset(("1.0", "1.1")),
     "speculative_config.max_matching_ngram_size": _ALL,
     "speculative_config.eagle3_one_model": _ALL,
     "speculative_config.num_nextn_predict_layers": _ALL,
+    **KEYS_13,
 }
 
 # trtllm-serve flags per release (1.2 adds long aliases and --config for the YAML; the short ones still work)
@@ -97,6 +131,7 @@ SERVE_FLAGS: dict[str, dict[str, str]] = {
         "yaml": "--config",
     },
 }
+SERVE_FLAGS["1.3"] = SERVE_FLAGS["1.2"]  # trtllm-serve <model> --config (deployment-guide-for-deepseek-r1@7c22bbf9)
 
 YAML_NAME = "extra_llm_api_options.yaml"
 _PLACEHOLDER = "@EXTRA_LLM_API_OPTIONS@"
@@ -110,7 +145,7 @@ class UnknownLLMAPIKey(TrtpipeError):
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and v and f"{prefix}{k}" not in LEAF_MAPPINGS:  # {} is checked as a key
             out.update(_flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
@@ -124,7 +159,13 @@ def checked(options: dict, version: str) -> dict:
             f"llmapi.version: no key table for TensorRT-LLM {version} (known: {', '.join(VERSIONS)})"
         )
     for key in _flatten(options):
-        if version not in LLM_API_KEYS.get(key, frozenset()):
+        releases = LLM_API_KEYS.get(key, frozenset())
+        if releases and version not in releases:
+            raise UnknownLLMAPIKey(
+                f"extra_llm_api_options: '{key}' is a TorchLlmArgs key of TensorRT-LLM "
+                f"{', '.join(v for v in VERSIONS if v in releases)}, not of {version} (set llmapi.version)"
+            )
+        if version not in releases:
             raise UnknownLLMAPIKey(
                 f"extra_llm_api_options: '{key}' is not a TorchLlmArgs key of TensorRT-LLM "
                 f"{version} (the server would refuse the file)"
@@ -139,6 +180,34 @@ def _set(d: dict, dotted: str, value: Any) -> None:
     d[last] = value
 
 
+# keys trtpipe owns in an imported llmapi.options (set from the recipe where the imported file has them)
+OWNED_KEYS: dict[str, Any] = {
+    "tensor_parallel_size": lambda r: r.parallel.tp,
+    "moe_expert_parallel_size": lambda r: r.parallel.moe_ep,
+    "max_batch_size": lambda r: r.engine.max_batch_size,
+    "max_num_tokens": lambda r: r.engine.max_num_tokens,
+    "max_seq_len": lambda r: r.engine.max_seq_len,
+    "kv_cache_config.free_gpu_memory_fraction": lambda r: r.engine.kv_cache.free_gpu_memory_fraction,
+}
+
+
+def imported_options(recipe: Recipe, version: str) -> dict:
+    """``llmapi.options`` as written: the same keys in the same order, the :data:`OWNED_KEYS` among them set from
+    the recipe (equal to what was imported unless the recipe changed them)."""
+    import copy
+
+    out = copy.deepcopy(recipe.llmapi.options)
+    for dotted, get in OWNED_KEYS.items():
+        *parents, last = dotted.split(".")
+        d = out
+        for p in parents:
+            d = d.get(p) if isinstance(d, dict) else None
+        value = get(recipe)
+        if isinstance(d, dict) and last in d and value is not None and value != -1:
+            d[last] = value
+    return checked(out, version)
+
+
 def llm_api_options(
     recipe: Recipe,
     version: Optional[str] = None,
@@ -149,6 +218,8 @@ def llm_api_options(
     ``lora_dir`` (where the serving host finds the adapters :func:`trtpipe.export.lora.copy_adapters` copied) its
     ``lora_config`` (target modules read from the recipe's adapters)."""
     version = version or recipe.llmapi.version
+    if recipe.llmapi.options:
+        return imported_options(recipe, version)
     e, kv, p, q = recipe.engine, recipe.engine.kv_cache, recipe.parallel, recipe.quantization
     want: dict[str, Any] = {
         "max_batch_size": e.max_batch_size,

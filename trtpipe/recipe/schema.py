@@ -15,7 +15,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
@@ -388,7 +388,7 @@ class SpeculativeSection(_Section):
 class LLMAPISection(_Section):
     """The TensorRT-LLM PyTorch-backend / LLM-API deployment (``target: llmapi``)."""
 
-    version: Literal["1.0", "1.1", "1.2"] = Field(
+    version: Literal["1.0", "1.1", "1.2", "1.3"] = Field(
         "1.2", description="TensorRT-LLM release whose trtllm-serve flags and extra_llm_api_options keys are written."
     )
     compressed_tensors: bool = Field(False, description="Also write a compressed-tensors checkpoint (vLLM, SGLang).")
@@ -403,6 +403,13 @@ class LLMAPISection(_Section):
             return f"{v:.1f}"
         return v
 
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="TorchLlmArgs keys written as given (nested, in order) instead of the ones trtpipe derives: what "
+        "`trtpipe recipe import` reads from NVIDIA's examples/configs/database YAMLs. Each must be a key of version's "
+        "table; where present, tensor_parallel_size, moe_expert_parallel_size, max_batch_size, max_num_tokens, "
+        "max_seq_len and kv_cache_config.free_gpu_memory_fraction are set from parallel and engine.",
+    )
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of trtllm-serve (and the CPU twin).")
     served_model_name: Optional[str] = Field(
         None, pattern=r"^[A-Za-z0-9][\w.:/-]*$", description="Model name clients send (default: the recipe name)."

@@ -176,7 +176,7 @@ def speculative_config(recipe: Recipe, version: str) -> dict[str, Any]:
     s = recipe.speculative
     if not s.enabled or recipe.target != "llmapi":
         return {}
-    model_key = "speculative_model" if version == "1.2" else "speculative_model_dir"
+    model_key = "speculative_model_dir" if version in ("1.0", "1.1") else "speculative_model"
     out: dict[str, Any] = {
         "speculative_config.decoding_type": s.decoding_type,
         "speculative_config.max_draft_len": s.max_draft_len,
