@@ -27,6 +27,7 @@ from trtpipe.deploy import objects, sources, workload
 from trtpipe.deploy.k8s import derive, file_name
 from trtpipe.deploy.layout import Layout, node_selector
 from trtpipe.deploy.monitoring import dump_yaml, write_all
+from trtpipe.deploy.trtllm_release import runtime_mismatch
 from trtpipe.errors import TrtpipeError
 from trtpipe.export.serving import checked, llm_api_options, options_yaml, served_parsers
 from trtpipe.recipe.schema import Recipe
@@ -332,6 +333,7 @@ def write_dynamo(
     overwrite: bool = False,
 ) -> Sequence[Path]:
     r = render(recipe, weight_bytes_per_gpu, ready_s, disagg, router)
+    note = runtime_mismatch(recipe, r.engines.values(), IMAGE)  # raises before anything is written
     files = {file_name(o): dump_yaml(o) for o in r.objects}
     files["kustomization.yaml"] = dump_yaml(
         {
@@ -346,7 +348,7 @@ def write_dynamo(
         files["launch.sh"] = script
         for role, opts in r.engines.items():
             files[f"engine-{role.lower()}.yaml"] = options_yaml(opts, recipe.llmapi.version)
-    files["SOURCES.md"] = sources_md(recipe, r, script is not None)
+    files["SOURCES.md"] = sources_md(recipe, r, script is not None) + (f"\n{note}\n" if note else "")
     paths = write_all(out_dir, files, overwrite)
     if script:
         (Path(out_dir) / "launch.sh").chmod(0o755)

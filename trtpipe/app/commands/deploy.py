@@ -96,3 +96,9 @@ def deploy_dynamo(recipe: Path, overrides, out: Path, disagg: bool, router: str,
     weights = planned_weight_bytes(recipe, overrides)
     for path in write_dynamo(loaded, out, weights, measured_ready_s(cold_start), disagg, router, overwrite):
         click.echo(path)
+    from trtpipe.deploy.dynamo import IMAGE
+    from trtpipe.deploy.trtllm_release import runtime_mismatch
+
+    note = runtime_mismatch(loaded, (), IMAGE)  # the engine YAMLs were checked by write_dynamo
+    if note:
+        click.echo(note, err=True)
