@@ -15,9 +15,12 @@ in 1.2; for 1.0 only the long-standing core keys are written (``kv_cache_config.
 key plus the keys NVIDIA's per-model serving configs use (:data:`KEYS_13`, ``examples/configs/database/**``; the
 five imported in ``tests/export/data/database/`` name their file@commit). Confirmed in
 ``tensorrt_llm/llmapi/llm_args.py@0004396720054fd8e205cbf616f21f0b57c6b412``, a 2026 revision later than 1.3 (it
-has DeepSeek-V4 configs), as fields: ``TorchLlmArgs.cuda_graph_config``, ``attention_dp_config``, ``moe_config``,
-``print_iter_log``, ``stream_interval``, ``backend`` (``Literal["pytorch"]``), ``KvCacheConfig.dtype``
-(``auto``/``fp8``/``fp8_ds_mla``/``nvfp4``/a torch dtype), ``BaseCudaGraphConfig.batch_sizes``. NOT confirmed: a
+has DeepSeek-V4 configs), as fields: ``BaseLlmArgs.trust_remote_code``, ``dtype``, ``enable_attention_dp``,
+``enable_chunked_prefill``, ``num_postprocess_workers``, ``backend``, ``env_overrides`` (``Optional[Dict[str,
+str]]``, values coerced to strings); ``TorchLlmArgs.cuda_graph_config``, ``attention_dp_config``, ``moe_config``,
+``print_iter_log``, ``stream_interval``; ``KvCacheConfig.dtype`` (``auto``/``fp8``/``fp8_ds_mla``/``nvfp4``/a
+torch dtype); ``BaseCudaGraphConfig.batch_sizes``. The fields of ``AttentionDpConfig`` and ``MoeConfig.backend``
+were not read at that commit (other stored revisions: :mod:`trtpipe.export.options_rules`). NOT confirmed: a
 llm_args.py at a 1.3.0rc tag (the code index holds none that names its release; PyPI's 1.3.0rc sdists are stubs),
 so the 1.3 table is "1.2 plus what NVIDIA's own database configs pass to trtllm-serve"; and that 1.2 refuses the
 1.3-only keys: trtpipe writes those for 1.3 only because that is the release they were read for.
