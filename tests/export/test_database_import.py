@@ -141,3 +141,30 @@ def test_validate_gates_the_deepseek_recipe_by_its_block_fp8_source():
     assert "moe_config.backend DEEPGEMM does not run FP8 deepseek_v3 MoE on h200-141gb" in str(err.value)
     with pytest.raises(RecipeError, match="'moe_config.backend' is a TorchLlmArgs key of TensorRT-LLM 1.3"):
         load_recipe(path, ["llmapi.options.moe_config.backend=CUTLASS"])  # the recipe pins 1.2
+
+
+def test_plan_of_the_imported_r1_counts_the_fp8_kv_cache_it_sets(tmp_path):
+    """NVIDIA's H200 config sets kv_cache_config.dtype: fp8 (TensorRT-LLM then runs an FP8 cache whatever the
+    checkpoint says): the plan counts 61 layers x (512 + 64) values x 1 byte, and the KV pool is the file's 0.8 of
+    what is left. The model is the published config.json in recipes/configs (plan reads no weights); the plugin
+    preset is named because no preset matches block FP8 (an engine-path table)."""
+    import json
+
+    recipe = _import(tmp_path, DATA / "deepseek-ai/DeepSeek-R1-0528/H200/1k1k_tp8_conc1.yaml")
+    sets = [
+        "--set",
+        f"model.source={RECIPES / 'configs' / 'deepseek-r1-0528'}",
+        "--set",
+        "engine.plugins.preset=hopper-fp16",
+    ]
+    r = CliRunner().invoke(main, ["plan", str(recipe), *sets, "--json"])
+    assert r.exit_code == 0, r.output
+    p = json.loads(r.output)
+    assert p["kv_bytes_per_token_model"] == 61 * 576 * 1 == 35136 and p["kv_bytes_per_token_per_gpu"] == [35136]
+    assert p["kv_tokens"] == p["kv_pool_bytes"][0] // 35136
+    assert p["kv_pool_bytes"][0] == int(0.8 * p["free_bytes_per_gpu"][0])  # free_gpu_memory_fraction: 0.8
+    r = CliRunner().invoke(
+        main, ["plan", str(recipe), *sets, "--set", "llmapi.options.kv_cache_config.dtype=auto", "--json"]
+    )
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["kv_bytes_per_token_model"] == 61 * 576 * 2  # the checkpoint's bf16 cache

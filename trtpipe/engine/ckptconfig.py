@@ -46,6 +46,13 @@ def predicted_checkpoint_config(info: ModelDims, recipe: Recipe) -> dict[str, An
             if q.kv_cache != "none":
                 imported["kv_cache_quant_algo"] = cfg["quantization"]["kv_cache_quant_algo"]
             cfg["quantization"] = imported
+    if _options_kv_fp8(recipe):  # llmapi.options' kv_cache_config.dtype: fp8 overrides the checkpoint's KV algo
+        from trtpipe.export.formats import hf_quant_config
+
+        quant = (
+            cfg.get("quantization") or hf_quant_config("none", "fp8", q.group_size, list(q.exclude), {})["quantization"]
+        )
+        cfg["quantization"] = {**quant, "kv_cache_quant_algo": "FP8"}
     if recipe.target == "llmapi":  # what the PyTorch backend's model of this family holds (Family.llmapi_*)
         cfg["use_parallel_embedding"] = cfg.get("use_parallel_embedding", False) or (
             family.llmapi_vocab_parallel and p.tp > 1
@@ -53,6 +60,16 @@ def predicted_checkpoint_config(info: ModelDims, recipe: Recipe) -> dict[str, An
         if family.llmapi_router_in_model_dtype:
             cfg["router_dtype"] = dtype
     return cfg
+
+
+def _options_kv_fp8(recipe: Recipe) -> bool:
+    """``llmapi.options`` sets ``kv_cache_config.dtype: fp8``: TensorRT-LLM then runs an FP8 KV cache whatever the
+    checkpoint says (``KvCacheConfig.dtype``: "'fp8', 'fp8_ds_mla', or 'nvfp4' override it explicitly",
+    ``tensorrt_llm/llmapi/llm_args.py@0004396720054fd8e205cbf616f21f0b57c6b412``), so the plan counts FP8 KV."""
+    if recipe.target != "llmapi":
+        return False
+    kv = recipe.llmapi.options.get("kv_cache_config")
+    return isinstance(kv, dict) and str(kv.get("dtype", "")).lower() == "fp8"
 
 
 def _imported_quantization(recipe: Recipe, info: ModelDims) -> Optional[dict[str, Any]]:
