@@ -64,6 +64,9 @@ def test_round_trip_is_byte_for_byte(tmp_path, src):
     assert recipe.engine.gpu == {"H200": "h200-141gb", "B200": "b200-180gb"}[src.parts[-2]]
     assert recipe.engine.max_input_len == int(src.name.split("k")[0]) * 1024
     assert _body(_written(tmp_path, recipe)) == src.read_text()
+    # every validate rule (moe_config.backend's gate included) passes on the model's published config.json
+    local = RECIPES / "configs" / src.parts[-3].lower()
+    assert load_recipe(recipe_path, [f"model.source={local}"]).llmapi.options == options
 
 
 def test_a_key_trtpipe_sets_changes_only_its_value(tmp_path):
@@ -76,12 +79,13 @@ def test_a_key_trtpipe_sets_changes_only_its_value(tmp_path):
 
 def test_a_13_only_key_is_refused_for_12_naming_the_key_and_release(tmp_path):
     recipe_path = _import(tmp_path, DATA / "openai/gpt-oss-120b/B200/1k1k_tp8_conc64.yaml")
-    recipe = load_recipe(recipe_path, ["llmapi.version=1.2"], check_rules=False)
-    problems = [p for p in check_recipe(recipe) if p.key == "llmapi.options"]
-    assert len(problems) == 1
+    local = f"model.source={RECIPES / 'configs' / 'gpt-oss-120b'}"  # its published config.json: no hub at validate
+    recipe = load_recipe(recipe_path, [local, "llmapi.version=1.2"], check_rules=False)
+    problems = check_recipe(recipe)
+    assert [p.key for p in problems] == ["llmapi.options"], problems
     assert "'env_overrides' is a TorchLlmArgs key of TensorRT-LLM 1.3, not of 1.2" in problems[0].message
     assert "\n" not in problems[0].message
-    assert not [p for p in check_recipe(load_recipe(recipe_path, check_rules=False)) if p.key == "llmapi.options"]
+    assert load_recipe(recipe_path, [local]).llmapi.version == "1.3"  # every rule passes as imported
 
 
 def test_set_llmapi_version_13_is_accepted():
