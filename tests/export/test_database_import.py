@@ -104,6 +104,13 @@ def test_an_unknown_key_is_refused_in_one_line_and_nothing_written(tmp_path):
     assert result.exit_code != 0 and not out.exists() and not list(tmp_path.glob("*.tmp"))
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "'moe_confg' is not a TorchLlmArgs key of TensorRT-LLM 1.3" in lines[0]
+    no_org = tmp_path / "database" / "glm-4.7-fp8" / "H100" / "1k1k_tp8_conc128.yaml"  # a real layout upstream
+    no_org.parent.mkdir(parents=True)
+    no_org.write_text("tensor_parallel_size: 8\n")
+    result = CliRunner().invoke(main, ["recipe", "import", str(no_org)])
+    assert result.exit_code != 0 and "names no organisation" in result.output and "--model" in result.output
+    result = CliRunner().invoke(main, ["recipe", "import", str(no_org), "--model", "hf://some-org/glm-4.7-fp8"])
+    assert result.exit_code == 0 and "source: hf://some-org/glm-4.7-fp8" in result.output, result.output
     bad_name = tmp_path / "x.yaml"
     bad_name.write_text("tensor_parallel_size: 1\n")
     result = CliRunner().invoke(main, ["recipe", "import", str(bad_name)])

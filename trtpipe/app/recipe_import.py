@@ -41,7 +41,7 @@ def parse_path(path: Path) -> dict[str, Any]:
         )
     isl, osl, tp, conc = (int(g) for g in m.groups())
     return {
-        "org": parts[-4],
+        "org": None if parts[-4] == "database" else parts[-4],  # database/glm-4.7-fp8/H100/...: no organisation
         "model": parts[-3],
         "gpu": parts[-2],
         "isl": isl * 1024,
@@ -66,9 +66,15 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
-def recipe_data(path: Path, text: str) -> dict[str, Any]:
-    """The recipe (as a mapping, in file order) for the database YAML ``text`` found at ``path``."""
+def recipe_data(path: Path, text: str, model: Optional[str] = None) -> dict[str, Any]:
+    """The recipe (as a mapping, in file order) for the database YAML ``text`` found at ``path``; ``model`` is
+    ``model.source`` (default: ``hf://<org>/<model>`` from the path)."""
     where = parse_path(path)
+    if model is None and where["org"] is None:
+        raise DatabaseImportError(
+            f"{path}: the path names no organisation (database/<model>/<gpu>/...), so the model is unknown: "
+            "give --model (hf://org/name or a local directory)"
+        )
     try:
         options = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -94,19 +100,20 @@ def recipe_data(path: Path, text: str) -> dict[str, Any]:
         "name": name,
         "work_dir": f"work/{name}",
         "target": "llmapi",
-        "model": {"source": f"hf://{where['org']}/{where['model']}"},
+        "model": {"source": model or f"hf://{where['org']}/{where['model']}"},
         "parallel": parallel,
         "engine": engine,
         "llmapi": {"version": VERSION, "options": options},
     }
 
 
-def import_recipe(path: Path, source: Optional[str] = None) -> str:
+def import_recipe(path: Path, source: Optional[str] = None, model: Optional[str] = None) -> str:
     """The recipe text for the database YAML at ``path`` (``source``: where it came from, e.g. its file@commit,
-    written into the header). Checked by loading it as a recipe; raises :class:`DatabaseImportError` in one line."""
+    written into the header; ``model``: ``model.source`` instead of the path's). Checked by loading it as a recipe;
+    raises :class:`DatabaseImportError` in one line."""
     from trtpipe.recipe.schema import Recipe
 
-    data = recipe_data(path, Path(path).read_text())
+    data = recipe_data(path, Path(path).read_text(), model)
     try:
         Recipe.model_validate(data)
     except Exception as exc:  # pydantic's error: its first line names the key
