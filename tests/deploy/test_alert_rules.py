@@ -175,11 +175,43 @@ def llmapi_cases(recipe: str) -> list[dict]:
     return cases
 
 
+def llmapi_speculative_cases(recipe: str) -> list[dict]:
+    """The llmapi cases plus the acceptance drift alert (deploy.acceptance_drift_alert 0.8, baseline 6 h, for 5 m).
+
+    Drafts grow by 100 per 15 s step for 30 min. Drift: accepted by 80 per step for 20 min, then by 20. At 30 min
+    the 5 m rate is 20/100 = 0.2 and the baseline (all 30 min) (80 x 80 + 20 x 40) / (100 x 120) = 0.6; 0.2 < 0.8 x
+    0.6 = 0.48, true since the 5 m window is more than 8/15 in the new regime (from 22 min 40 s): over 5 m, fires.
+    Steady: 80 of 100 throughout, 0.8 = the baseline: silent. Idle: no drafts, 0/0 = NaN: silent."""
+    sel = f'job="{JOB}",model_name="m",engine_type="trtllm",instance="i"'
+    drafts, accepted = (
+        f"trtllm_spec_decode_draft_tokens_total{{{sel}}}",
+        f"trtllm_spec_decode_accepted_tokens_total{{{sel}}}",
+    )
+    summary = "draft acceptance 20%, under 0.8 x its rate over 6h (j): check the draft and the traffic"
+    return llmapi_cases(recipe) + [
+        _case(
+            "acceptance drifts",
+            [(drafts, "0+100x120"), (accepted, "0+80x80 6420+20x39")],
+            "SpeculativeAcceptanceDrift",
+            eval_time="30m",
+            fires=[_alert("warning", summary, recipe, job=JOB)],
+        ),
+        _case(
+            "acceptance steady",
+            [(drafts, "0+100x120"), (accepted, "0+80x120")],
+            "SpeculativeAcceptanceDrift",
+            eval_time="30m",
+        ),
+        _case("no drafts", [(drafts, "0x120"), (accepted, "0x120")], "SpeculativeAcceptanceDrift", eval_time="30m"),
+    ]
+
+
 @pytest.mark.parametrize(
     "path, overrides, cases",
     [
         (ONE_NODE, [], engine_cases),
         (RECIPES / "stories-llmapi-fp8.yaml", [], llmapi_cases),
+        (RECIPES / "stories-llmapi-fp8.yaml", ["speculative.decoding_type=NGram"], llmapi_speculative_cases),
     ],
 )
 def test_every_alert_fires_and_stays_silent_under_promtool(tmp_path, path, overrides, cases):
@@ -214,6 +246,25 @@ def test_a_broken_expectation_fails_promtool(tmp_path):
     )
     (tmp_path / "test.yaml").write_text(yaml.safe_dump({"rule_files": ["rules.yaml"], "tests": [wrong]}))
     assert _promtool("test", "rules", str(tmp_path / "test.yaml")).returncode == 1
+
+
+def test_the_drift_rule_follows_the_recipe():
+    """Only with speculation, on a server with acceptance counters (Triton exports none), at the recipe's fraction."""
+
+    def alerts(path, *overrides):
+        return {
+            r.get("alert") for g in rule_file(load_recipe(path, list(overrides)), JOB)["groups"] for r in g["rules"]
+        }
+
+    llmapi = RECIPES / "stories-llmapi-fp8.yaml"
+    assert "SpeculativeAcceptanceDrift" not in alerts(llmapi)
+    assert "SpeculativeAcceptanceDrift" in alerts(llmapi, "speculative.decoding_type=NGram")
+    assert "SpeculativeAcceptanceDrift" not in alerts(ONE_NODE, "speculative.decoding_type=lookahead_decoding")
+    recipe = load_recipe(llmapi, ["speculative.decoding_type=NGram", "deploy.acceptance_drift_alert=0.5"])
+    rules = {r.get("alert"): r for g in rule_file(recipe, JOB)["groups"] for r in g["rules"]}
+    assert rules["SpeculativeAcceptanceDrift"]["expr"] == (
+        "trtpipe:spec_acceptance:ratio < 0.5 * trtpipe:spec_acceptance:ratio_baseline"
+    )
 
 
 def test_multi_node_rules_page_on_its_own_slo():

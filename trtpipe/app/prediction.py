@@ -27,6 +27,7 @@ def predict_command(
     num_requests: int,
     published: Optional[Path],
     as_json: bool,
+    acceptance_length: Optional[float] = None,
 ) -> None:
     setup = P.recipe_setup(recipe, overrides, gpu=gpu, model_config=model_config)
     c = load_constants()[setup.family]
@@ -35,6 +36,12 @@ def predict_command(
     s["workload"] = {"isl": isl, "osl": osl, **({"rate": rate} if rate else {"concurrency": concurrency})}
     s["kv_pool_tokens"] = setup.kv_tokens
     s["engine_limits"] = {"max_batch_size": setup.max_batch_size, "max_num_tokens": setup.max_num_tokens}
+    if acceptance_length is not None:
+        from trtpipe.app.spec_prediction import speculative_block
+
+        batch = max(1, min(setup.max_batch_size, round(s["mean_batch"]) if rate else concurrency))
+        ov = list(overrides) + ([f"engine.gpu={gpu}"] if gpu else [])
+        s["speculative"] = speculative_block(recipe, ov, setup.deployment, c, s, batch, isl, osl, acceptance_length)
     if published:
         d = setup.deployment
         near = P.nearest_published(
@@ -76,6 +83,14 @@ def predict_command(
         f"  bounds: step time by {s['step_time_bound']} ({shares}); batch by {s['batch_bound']} "
         f"(mean batch {s['mean_batch']})"
     )
+    if "speculative" in s:
+        v = s["speculative"]
+        click.echo(
+            f"  speculative {v['decoding_type']} k={v['max_draft_len']}, acceptance length "
+            f"{v['acceptance_length']:g} at batch {v['batch']}: step {v['plain_step_ms']:.2f} ms plain, "
+            f"{v['verify_step_ms']:.2f} ms verify + {v['draft_ms']:.2f} ms draft -> decode x{v['decode_speedup']:.2f}, "
+            f"ITL p50 {v['itl_ms_p50']:.2f} ms, {v['output_tok_s']:,.1f} tok/s"
+        )
     if published and not s["nearest_published"]:
         click.echo(f"  nearest published numbers: none for this model on {setup.deployment.gpu.key} in {published}")
     if s.get("nearest_published"):

@@ -1,7 +1,7 @@
 """Prometheus recording rules and SLO alerts of one recipe, as the plain rule-file dict (``{"groups": [...]}``).
 
 Recording rules first, alerts on them: every threshold comes from the recipe (``deploy.slo``,
-``deploy.kv_cache_alert``, ``deploy.max_error_ratio``), every metric name from :mod:`trtpipe.deploy.metrics`.
+``deploy.kv_cache_alert``, ``deploy.max_error_ratio``, ``deploy.acceptance_drift_alert``: :mod:`trtpipe.deploy.acceptance`), every metric name from :mod:`trtpipe.deploy.metrics`.
 The queue/compute ratio is the Triton tutorials' ``triton:queue_compute:ratio`` (triton-inference-server/tutorials
 @e8489525 ``Deployment/Kubernetes/TensorRT-LLM_Autoscaling_and_Load_Balancing/triton-metrics_prometheus-rule.yaml``);
 for trtllm-serve compute time is end-to-end minus queue time. Series keep ``namespace``/``pod`` (Kubernetes) or
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trtpipe.deploy import acceptance
 from trtpipe.deploy.layout import slo_targets
 from trtpipe.deploy.metrics import BY_TARGET, ServerMetrics, selectors
 from trtpipe.recipe.schema import Recipe
@@ -28,6 +29,7 @@ class Timing:
     slo_for: str = "5m"
     kv_for: str = "2m"
     down_for: str = "1m"
+    drift_baseline: str = "6h"  # speculative acceptance: the window its short-term rate is compared with
 
 
 def quantile_name(q: float) -> str:
@@ -90,6 +92,8 @@ def recording_rules(recipe: Recipe, job: str, t: Timing) -> list[dict]:
             "expr": f"sum by (job) (rate({m.output_tokens % sel}[{t.short_rate}]))",
         },
     ]
+    if acceptance.applies(recipe, m):
+        rules += acceptance.recording_rules(m, sel, t.rate, t.drift_baseline)
     return rules
 
 
@@ -152,6 +156,8 @@ def alert_rules(recipe: Recipe, job: str, t: Timing) -> list[dict]:
             "annotations": {"summary": f"{m.server} of {recipe.name} is not scraped ({{{{ $labels.instance }}}})"},
         },
     ]
+    if acceptance.applies(recipe, m):
+        alerts.append(acceptance.alert_rule(recipe, t.drift_baseline, t.slo_for))
     return alerts
 
 

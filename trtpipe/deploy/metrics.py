@@ -37,6 +37,9 @@ class ServerMetrics:
     failure: str  # counter of failed requests
     output_tokens: str  # counter of generated tokens
     gpu_memory: str  # GPU memory in use (bytes)
+    # speculative decoding: cumulative draft tokens proposed and accepted (None: the server exports none)
+    spec_drafts: Optional[str] = None
+    spec_accepted: Optional[str] = None
 
 
 ENGINE = ServerMetrics(
@@ -75,6 +78,11 @@ LLMAPI = ServerMetrics(
     failure="trtllm_request_error_total{%(job)s}",
     output_tokens="trtllm_generation_tokens_total{%(job)s}",
     gpu_memory="DCGM_FI_DEV_FB_USED{%(job)s} * 1048576",
+    # the OpenAI twin's names (trtpipe/serving/speculative.py prometheus_lines, after vLLM's
+    # spec_decode_num_*_total): trtllm-serve's /prometheus/metrics has no acceptance counter to copy, so on a real
+    # trtllm-serve these series are absent and the drift alert stays silent
+    spec_drafts="trtllm_spec_decode_draft_tokens_total{%(job)s}",
+    spec_accepted="trtllm_spec_decode_accepted_tokens_total{%(job)s}",
 )
 
 BY_TARGET = {"engine": ENGINE, "llmapi": LLMAPI}

@@ -490,6 +490,13 @@ class DeploySection(_Section):
     )
     max_error_ratio: float = Field(0.01, gt=0.0, lt=1.0, description="Failed share of requests that pages.")
     kv_cache_alert: float = Field(0.9, gt=0.0, le=1.0, description="KV-cache block use (0..1) that warns.")
+    acceptance_drift_alert: float = Field(
+        0.8,
+        gt=0.0,
+        lt=1.0,
+        description="Speculative decoding: warn when the draft acceptance rate falls under this fraction of its rate "
+        "over the last 6 hours.",
+    )
     gpus_per_node: int = Field(8, ge=1, le=64, description="GPUs on each node of the GPU pool.")
     node_labels: dict[str, str] = Field(
         default_factory=dict,

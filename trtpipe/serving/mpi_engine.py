@@ -5,6 +5,10 @@ attention) on its own KV pool; tokens come back on rank 0.
 Workers (ranks > 0) run :func:`worker_loop`: they hold no scheduling state, only their KV pool, and do whatever
 rank 0 broadcasts (``allocate``, ``step``, ``copy``, ``stop``), so a dead worker means a dead job, not a confused
 one. Sampling happens on rank 0 (it holds each request's seeded generator).
+
+A speculative draft model can be sharded the same way (:func:`draft_step_engine`): every rank also loads its shard
+of the draft checkpoint, each broadcast names the model it is for (``target`` or ``draft``), and one lock orders the
+two engines' broadcasts on the one communicator.
 """
 
 from __future__ import annotations
@@ -53,13 +57,19 @@ class RankEngine(ReferenceEngine):
         return self.model.forward(ids, paged, 0, rows=torch.tensor(ends, dtype=torch.long), cos_sin=cos_sin)
 
 
-def worker_loop(model: RankModel) -> None:
-    """A worker rank: follow rank 0's broadcasts (allocate, step, copy) until ``stop``."""
-    engine = RankEngine(model)
+TARGET, DRAFT = "target", "draft"
+
+
+def worker_loop(model: RankModel, draft: Optional[RankModel] = None) -> None:
+    """A worker rank: follow rank 0's broadcasts (allocate, step, copy), each for the target or the draft model,
+    until ``stop``."""
+    engines = {TARGET: RankEngine(model), **({DRAFT: RankEngine(draft)} if draft is not None else {})}
     while True:
         kind, *rest = model.comm.bcast(None)
         if kind == "stop":
             return
+        tag, *rest = rest
+        engine = engines[tag]
         if kind == "step":
             engine.logits(_unwire(rest[0]))
         elif kind == "allocate":
@@ -75,31 +85,32 @@ class MpiStepEngine(RankEngine):
     never interleaves with a step on the same communicator.
     """
 
-    def __init__(self, model: RankModel):
+    def __init__(self, model: RankModel, tag: str = TARGET, lock: Optional[threading.Lock] = None):
         if model.layout.rank != 0:
             raise ValueError("MpiStepEngine runs on rank 0; other ranks run worker_loop")
         super().__init__(model)
         self.stopped = False
-        self._lock = threading.Lock()
+        self.tag = tag
+        self._lock = lock or threading.Lock()
 
-    def _broadcast(self, command: tuple) -> None:
+    def _broadcast(self, kind: str, *args) -> None:
         if self.stopped:
             raise RuntimeError("the MPI step engine was shut down (the worker ranks are gone)")
-        self.model.comm.bcast(command)
+        self.model.comm.bcast((kind, self.tag, *args))
 
     def allocate(self, num_blocks: int, tokens_per_block: int) -> None:
         with self._lock:
-            self._broadcast(("allocate", int(num_blocks), int(tokens_per_block)))
+            self._broadcast("allocate", int(num_blocks), int(tokens_per_block))
             super().allocate(num_blocks, tokens_per_block)
 
     def copy_block(self, src: int, dst: int, num_tokens: int) -> None:
         with self._lock:
-            self._broadcast(("copy", int(src), int(dst), int(num_tokens)))
+            self._broadcast("copy", int(src), int(dst), int(num_tokens))
             super().copy_block(src, dst, num_tokens)
 
     def logits(self, batch: StepBatch) -> torch.Tensor:
         with self._lock:
-            self._broadcast(("step", _wire(batch)))
+            self._broadcast("step", _wire(batch))
             return super().logits(batch)
 
     def step(self, batch: StepBatch) -> StepResult:
@@ -116,6 +127,17 @@ class MpiStepEngine(RankEngine):
             finally:
                 self.stopped = True
                 self._lock.release()
+
+
+def draft_step_engine(target: MpiStepEngine, draft: RankModel) -> MpiStepEngine:
+    """Rank 0's engine of a draft model sharded over the target's ranks (the workers run
+    ``worker_loop(model, draft)``): its broadcasts share the target's lock, and the target's shutdown stops both."""
+    if (draft.layout.tp, draft.layout.pp) != (target.model.layout.tp, target.model.layout.pp):
+        raise ValueError(
+            f"draft checkpoint tp {draft.layout.tp} x pp {draft.layout.pp} must be the target's layout "
+            f"(tp {target.model.layout.tp} x pp {target.model.layout.pp}): both run on the same ranks"
+        )
+    return MpiStepEngine(draft, DRAFT, target._lock)
 
 
 def generate_steps(

@@ -4,6 +4,7 @@ trtllm-serve YAML (:func:`trtpipe.export.serving.model_yaml`)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -11,7 +12,7 @@ import yaml
 
 from trtpipe.export.serving import model_yaml
 from trtpipe.recipe.schema import Recipe
-from trtpipe.triton.repo import mc, to_pbtxt
+from trtpipe.triton.repo import MODEL_CODE, mc, to_pbtxt
 
 # --- Triton llmapi model -------------------------------------------------------------------------------------
 
@@ -61,9 +62,19 @@ _OUTPUTS = [
 ]
 
 
-def llmapi_pbtxt() -> str:
+# The CPU twin's model.py (model_repo/llmapi/1/model.py, trtpipe.serving.llmapi_adapter) reads its executor
+# configuration, serialized by trtpipe.serving.config.to_json, from this parameter.
+TWIN_CONFIG_PARAMETER = "twin_executor_config"
+
+
+def llmapi_pbtxt(twin_executor_config: Optional[str] = None, decoupled: bool = False) -> str:
+    """Upstream's config.pbtxt; with ``twin_executor_config`` the twin's, which also states the transaction policy
+    (upstream's model.py sets it from model.yaml's ``triton_config`` in ``auto_complete_config``)."""
     c = mc.ModelConfig(name="tensorrt_llm", backend="python")
     c.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
+    if twin_executor_config is not None:
+        c.parameters[TWIN_CONFIG_PARAMETER].string_value = twin_executor_config
+        c.model_transaction_policy.decoupled = decoupled
     for name, dtype, dims, optional in _INPUTS:
         i = c.input.add(name=name, data_type=mc.DataType.Value(dtype), dims=dims)
         i.optional = optional
@@ -72,11 +83,21 @@ def llmapi_pbtxt() -> str:
     return to_pbtxt(c)
 
 
-def write_llmapi_repo(recipe: Recipe, repo: Path, model_ref: str, lora_dir: Optional[Path] = None) -> None:
-    """``repo/tensorrt_llm/{config.pbtxt,1/model.yaml}`` and a README saying where the model code comes from."""
+def write_llmapi_repo(
+    recipe: Recipe,
+    repo: Path,
+    model_ref: str,
+    lora_dir: Optional[Path] = None,
+    twin_executor_config: Optional[str] = None,
+) -> None:
+    """``repo/tensorrt_llm/{config.pbtxt,1/model.yaml}`` and a README saying where the model code comes from.
+    With ``twin_executor_config`` (an ExecutorConfig as ``trtpipe.serving.config.to_json`` writes it) the CPU twin's
+    ``model.py`` too, which serves ``model_ref`` on trtpipe's executor in place of TensorRT-LLM."""
     model = repo / "tensorrt_llm"
     (model / "1").mkdir(parents=True)
-    (model / "config.pbtxt").write_text(llmapi_pbtxt())
+    (model / "config.pbtxt").write_text(llmapi_pbtxt(twin_executor_config, recipe.triton.streaming))
+    if twin_executor_config is not None:
+        shutil.copy(MODEL_CODE / "llmapi" / "1" / "model.py", model / "1" / "model.py")
     (model / "1" / "model.yaml").write_text(
         yaml.safe_dump(model_yaml(recipe, model_ref, lora_dir=lora_dir), sort_keys=False)
     )

@@ -30,9 +30,28 @@ from trtpipe.app.options import MODEL_CONFIG, OVERRIDES
     help="Predict every row of a published-format CSV (first 15 columns) instead of a recipe.",
 )
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="With --scenarios: the output CSV.")
+@click.option(
+    "--acceptance-length",
+    type=float,
+    help="Speculative decoding: tokens gained per target forward (accepted drafts + 1) for the recipe's "
+    "speculative section; adds the predicted speed-up.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def predict(
-    recipe, overrides, gpu, model_config, isl, osl, concurrency, rate, num_requests, published, scenarios, out, as_json
+    recipe,
+    overrides,
+    gpu,
+    model_config,
+    isl,
+    osl,
+    concurrency,
+    rate,
+    num_requests,
+    published,
+    scenarios,
+    out,
+    acceptance_length,
+    as_json,
 ) -> None:
     """Predicted serving performance (tok/s, TTFT/ITL percentiles, bounds) from the fitted cost model."""
     from trtpipe.app import prediction as predict_command
@@ -45,5 +64,16 @@ def predict(
     if recipe is None:
         raise click.UsageError("RECIPE is required (or --scenarios FILE --out OUT)")
     predict_command.predict_command(
-        recipe, overrides, gpu, model_config, isl, osl, concurrency, rate, num_requests, published, as_json
+        recipe,
+        overrides,
+        gpu,
+        model_config,
+        isl,
+        osl,
+        concurrency,
+        rate,
+        num_requests,
+        published,
+        as_json,
+        acceptance_length,
     )

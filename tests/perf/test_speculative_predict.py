@@ -1,0 +1,95 @@
+"""The speculative step model (trtpipe/perf/speculative.py) and ``trtpipe predict --acceptance-length``.
+
+Checked by construction: a verification reads the same weights and KV as a plain step and does (k + 1) x its GEMM
+work; the speed-up is AL x plain / (verify + draft); a head is one target-shaped layer over the draft vocabulary;
+k draft forwards cost k x one draft step. The CLI's block equals the library's numbers for the recipe's drafter.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from trtpipe.cli import main
+from trtpipe.errors import TrtpipeError
+from trtpipe.formats.gpus import get_gpu
+from trtpipe.perf.cost import Constants, Deployment, group_terms, step_time
+from trtpipe.perf.models import published_spec
+from trtpipe.perf.speculative import draft_deployment, head_spec, speculative_step, verify_terms
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+LLAMA70B = RECIPES / "llama-3.1-70b-fp8-llmapi.yaml"
+C = Constants()
+
+
+@pytest.fixture(scope="module")
+def d70():
+    return Deployment(published_spec("Llama 3.3 70B"), get_gpu("h100-sxm-80gb"), "fp8", "fp8", 4)
+
+
+def test_a_verification_reads_what_a_plain_step_reads_and_computes_k_plus_1_tokens(d70):
+    plain = group_terms(d70, [], [(1024, 8)], 8)
+    v = verify_terms(d70, 8, 1024, 3)
+    assert (v.mem, v.kv) == (plain.mem, plain.kv)
+    assert v.gemm == pytest.approx(4 * plain.gemm)  # dense GEMMs and lm_head rows both scale with the tokens
+    assert v.attn > 4 * plain.attn  # each of the k + 1 queries also attends to the drafts before it
+
+
+def test_speedup_is_acceptance_length_times_plain_over_verify_and_draft(d70):
+    s = speculative_step(d70, C, 4, 1024, 3, 2.5)
+    assert s.draft_s == 0.0  # n-gram style: no drafter
+    assert s.plain_s == pytest.approx(float(step_time(group_terms(d70, [], [(1024, 4)], 4), C)))
+    assert s.verify_s == pytest.approx(float(step_time(verify_terms(d70, 4, 1024, 3), C)))
+    assert s.speedup == pytest.approx(2.5 * s.plain_s / s.verify_s)
+    assert speculative_step(d70, C, 4, 1024, 3, 1.0).speedup < 1  # nothing accepted: verification only costs
+
+
+def test_a_head_is_one_target_layer_over_the_draft_vocabulary_and_k_drafts_cost_k_steps(d70):
+    head = head_spec(d70.model, vocab=32000)
+    assert (head.num_layers, head.vocab, head.hidden) == (1, 32000, 8192)
+    assert head.layers[0].attn_params == d70.model.layers[0].attn_params
+    drafter = draft_deployment(d70, "Eagle3", draft_vocab=32000)
+    one = float(step_time(group_terms(drafter, [], [(1024, 2)], 2), C))
+    assert speculative_step(d70, C, 2, 1024, 5, 3.0, drafter).draft_s == pytest.approx(5 * one)
+    assert draft_deployment(d70, "NGram") is None
+    with pytest.raises(TrtpipeError, match="draft model's config is needed"):
+        draft_deployment(d70, "DraftTarget")
+
+
+@pytest.mark.parametrize("al", [0.5, 4.5])
+def test_an_acceptance_length_outside_1_to_k_plus_1_is_refused(d70, al):
+    with pytest.raises(TrtpipeError, match=r"outside \[1, max_draft_len \+ 1 = 4\]"):
+        speculative_step(d70, C, 1, 1024, 3, al)
+
+
+def _predict(*args: str):
+    return CliRunner().invoke(main, ["predict", str(LLAMA70B), "--isl", "256", "--osl", "32", *args])
+
+
+def test_predict_adds_the_speculative_block_of_the_recipe():
+    from trtpipe.app import predictor as P
+    from trtpipe.perf.fit import load_constants
+
+    res = _predict(
+        "--set", "speculative.decoding_type=NGram", "--concurrency", "2", "--acceptance-length", "1.8", "--json"
+    )
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.output)["speculative"]
+    setup = P.recipe_setup(LLAMA70B)
+    s = speculative_step(setup.deployment, load_constants()["pytorch"], 2, 256 + 16, 3, 1.8)
+    assert (got["decoding_type"], got["max_draft_len"], got["batch"], got["kv_len"]) == ("NGram", 3, 2, 272)
+    assert got["decode_speedup"] == round(s.speedup, 3)
+    assert got["draft_ms"] == 0.0
+
+
+def test_predict_acceptance_length_without_speculation_is_one_line():
+    res = _predict("--acceptance-length", "2")
+    assert res.exit_code != 0
+    assert (
+        res.output.strip()
+        .splitlines()[-1]
+        .endswith("--acceptance-length: the recipe has no speculative decoding (set speculative.decoding_type)")
+    )

@@ -1,0 +1,94 @@
+"""``trtpipe predict --acceptance-length``: the recipe's speculative decoding in the prediction.
+
+The recipe's ``speculative:`` section gives the kind and k (``max_draft_len``); the drafter's deployment follows it
+(:func:`trtpipe.perf.speculative.draft_deployment`): n-gram / lookahead drafts cost nothing, an EAGLE-3 / EAGLE /
+Medusa head is one target-shaped layer in 16 bits over the head's draft vocabulary (``draft_vocab_size`` of its
+config.json when the head directory is readable), an MTP module one target layer at the target's precision, a
+draft model its own config at the target's precision. The plain prediction (the simulator) stays as it is; the
+speculative block scales its decode part by the step model's speed-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Iterable, Optional
+
+from trtpipe.errors import TrtpipeError
+from trtpipe.jsonfile import load_json
+from trtpipe.perf.cost import Constants, Deployment
+from trtpipe.perf.models import spec_of
+from trtpipe.perf.speculative import HEAD_DRAFTS, draft_deployment, speculative_step
+
+HEAD_PRECISION = "bf16"  # published EAGLE-3 heads ship in BF16 (e.g. yuhuili/EAGLE3-LLaMA3.3-Instruct-70B)
+
+
+def _draft_config(recipe) -> Optional[dict]:
+    from trtpipe.recipe.speculative import draft_dir
+
+    try:
+        path = draft_dir(recipe)
+        return load_json(path / "config.json") if path is not None else None
+    except (OSError, ValueError, TrtpipeError):
+        return None
+
+
+def drafter(recipe, target: Deployment) -> Optional[Deployment]:
+    """The deployment whose k forwards draft each step (None: n-gram / lookahead)."""
+    s = recipe.speculative
+    cfg = _draft_config(recipe)
+    if s.decoding_type in HEAD_DRAFTS:
+        vocab = int(cfg.get("draft_vocab_size") or 0) if cfg else 0
+        d = draft_deployment(target, s.decoding_type, draft_vocab=vocab or None)
+        return d if s.decoding_type == "MTP" else replace(d, precision=HEAD_PRECISION)
+    if s.decoding_type in ("DraftTarget", "draft_tokens_external"):
+        if cfg is None:
+            raise TrtpipeError(
+                f"speculative.speculative_model: cannot read the draft model's config.json ({s.speculative_model}); "
+                "its forwards cannot be costed"
+            )
+        return draft_deployment(target, s.decoding_type, draft_model=spec_of(cfg, "draft"))
+    return draft_deployment(target, s.decoding_type)
+
+
+def speculative_block(
+    recipe_path: Path,
+    overrides: Iterable[str],
+    target: Deployment,
+    c: Constants,
+    summary: dict,
+    batch: int,
+    isl: int,
+    osl: int,
+    acceptance_length: float,
+) -> dict:
+    """What ``predict`` adds for ``--acceptance-length``: the step times, the decode speed-up and the simulated
+    figures scaled by it (ITL p50 divided by it; tok/s by the ratio of plain to speculative end-to-end time of a
+    request at the simulated p50 TTFT and ITL)."""
+    from trtpipe.app.validation import load_recipe
+
+    recipe = load_recipe(recipe_path, list(overrides), check_rules=False)
+    s = recipe.speculative
+    if not s.enabled:
+        raise TrtpipeError(
+            "--acceptance-length: the recipe has no speculative decoding (set speculative.decoding_type)"
+        )
+    step = speculative_step(
+        target, c, batch, isl + osl // 2, s.max_draft_len, acceptance_length, drafter(recipe, target)
+    )
+    ttft, itl = summary["ttft_ms"]["p50"], summary["itl_ms"]["p50"]
+    e2e_plain, e2e_spec = ttft + (osl - 1) * itl, ttft + (osl - 1) * itl / step.speedup
+    ms = lambda v: round(v * 1e3, 3)  # noqa: E731
+    return {
+        "decoding_type": s.decoding_type,
+        "max_draft_len": s.max_draft_len,
+        "acceptance_length": acceptance_length,
+        "batch": batch,
+        "kv_len": step.kv_len,
+        "plain_step_ms": ms(step.plain_s),
+        "verify_step_ms": ms(step.verify_s),
+        "draft_ms": ms(step.draft_s),
+        "decode_speedup": round(step.speedup, 3),
+        "itl_ms_p50": round(itl / step.speedup, 2),
+        "output_tok_s": round(summary["output_tok_s"] * e2e_plain / e2e_spec, 1),
+    }
