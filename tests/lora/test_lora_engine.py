@@ -46,13 +46,9 @@ def _recipe(tmp_path, stories_dir, adapters: dict, **sections):
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, stories_dir, adapters):
     """(recipe, engine artifact, repo artifact) of a real build through the repo stage."""
-    from trtpipe.app.stage_table import STAGES
-    from trtpipe.pipeline.runner import run_build
+    from lora_adapters import build_lora_engine
 
-    tmp = tmp_path_factory.mktemp("lora-engine")
-    recipe = _recipe(tmp, stories_dir, {k: adapters[k] for k in PICKED})
-    result = run_build(recipe, STAGES, quiet=True)
-    return recipe, result.artifact("engine"), result.artifact("repo")
+    return build_lora_engine(stories_dir, {k: adapters[k] for k in PICKED}, tmp_path_factory.mktemp("lora-engine"))
 
 
 def test_trtllm_build_command_and_engine_config(built, adapters):

@@ -102,6 +102,10 @@ FRONT_INPUTS = [
 ENSEMBLE_INPUTS = [
     ("min_tokens", T.TYPE_INT32, [1], True, "llm:min_tokens"),
     ("return_log_probs", T.TYPE_BOOL, [1], True, "llm:return_log_probs"),
+    # LoRA (the template's lora_task_id / lora_weights / lora_config, mapped by name; triton_decoder.py passes them)
+    ("lora_task_id", T.TYPE_UINT64, [1], True, "llm:lora_task_id"),
+    ("lora_weights", T.TYPE_FP16, [-1, -1], True, "llm:lora_weights"),
+    ("lora_config", T.TYPE_INT32, [-1, 3], True, "llm:lora_config"),
 ]
 ENSEMBLE_LLM_OUTPUTS = [("cum_log_probs", T.TYPE_FP32, [-1]), ("output_log_probs", T.TYPE_FP32, [-1, -1])]
 # The BLS also forwards the per-request server measurements (as upstream's BLS does) and returns them with
