@@ -142,7 +142,7 @@ def test_unknown_task_gets_the_backends_error_and_the_server_keeps_answering(ser
 
 
 def test_concurrent_mixed_batch_equals_solo_runs(server, adapters):
-    """Twelve concurrent requests over the ensemble: tasks 0, 1, 2, the sent task 7 and the base, three prompts;
+    """Fifteen concurrent requests over the ensemble: tasks 0, 1, 2, the sent task 7 and the base, three prompts;
     each equals the same request sent alone."""
     w, cfg = convert(adapters[SENT_ADAPTER[0]], "float32")
     with Client(server.grpc_url, model="ensemble") as c:
