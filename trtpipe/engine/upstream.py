@@ -145,7 +145,8 @@ BUILD_FLAGS: tuple[BuildFlag, ...] = (
     BuildFlag("logits_dtype", "choice", ("float16", "float32")),
     BuildFlag("lora_dir", "str", nargs=True),
     BuildFlag("lora_ckpt_source", "choice", ("hf", "nemo")),
-    # choices=LoraManager.LORA_MODULE_IDS.keys() (tensorrt_llm/lora_manager.py@30e6fb55)
+    # choices=LoraManager.LORA_MODULE_IDS.keys() (tensorrt_llm/lora_manager.py): the dense decoder's ids 0-7 only, the
+    # ones trtpipe emits (the table also has cross_attn_*, moe_*, mlp_router, mlp_gate_up, ...; not listed here)
     BuildFlag(
         "lora_target_modules",
         "choice",
