@@ -35,12 +35,15 @@ def adapters(tmp_path_factory, stories_dir):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, stories_dir, adapters):
+    """The server, with the twin's iteration records (``TRTPIPE_ITER_STATS``) in ``server.iterations``."""
     prefetched = {k: adapters[k] for k in ENGINE_ADAPTERS}
-    _, _, repo = build_lora_engine(
-        stories_dir, prefetched, tmp_path_factory.mktemp("build"), triton={"max_batch_size": 8, "bls": True}
-    )
-    with start_server(repo, timeout=240) as s:
-        yield s
+    tmp = tmp_path_factory.mktemp("build")
+    _, _, repo = build_lora_engine(stories_dir, prefetched, tmp, triton={"max_batch_size": 8, "bls": True})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRTPIPE_ITER_STATS", str(tmp / "iterations.jsonl"))
+        with start_server(repo, timeout=240) as s:
+            s.iterations = tmp / "iterations.jsonl"
+            yield s
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +146,7 @@ def test_unknown_task_gets_the_backends_error_and_the_server_keeps_answering(ser
 
 def test_concurrent_mixed_batch_equals_solo_runs(server, adapters):
     """Fifteen concurrent requests over the ensemble: tasks 0, 1, 2, the sent task 7 and the base, three prompts;
-    each equals the same request sent alone."""
+    each equals the same request sent alone, and the twin's iteration records show steps holding four or more."""
     w, cfg = convert(adapters[SENT_ADAPTER[0]], "float32")
     with Client(server.grpc_url, model="ensemble") as c:
         c.generate(PROMPTS[3], _opts(SENT_TASK, lora_weights=w[0], lora_config=cfg[0]))  # cache task 7
@@ -158,12 +161,26 @@ def test_concurrent_mixed_batch_equals_solo_runs(server, adapters):
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
+    import json
+    import time
+
+    def records():
+        return [json.loads(x) for x in server.iterations.read_text().splitlines()] if server.iterations.exists() else []
+
+    before = len(records())  # the solo runs' records may still come: they schedule one request each
     threads = [threading.Thread(target=one, args=(job,)) for job in jobs]
     for t in threads:
         t.start()
     for t in threads:
         t.join(300)
     assert not errors, errors
+    deadline = time.monotonic() + 60  # the stats thread writes finished steps every stats_check_period_ms
+    while True:
+        scheduled = [r["inflightBatchingStats"]["numScheduledRequests"] for r in records()[before:]]
+        if max(scheduled, default=0) >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert max(scheduled, default=0) >= 4, f"the concurrent requests must share steps: {scheduled}"
     assert results == solo
     assert len({solo[(PROMPTS[0], t)] for t in (0, 1, 2, SENT_TASK, None)}) == 5, "each adapter its own text"
     assert all(results[j] for j in jobs)
