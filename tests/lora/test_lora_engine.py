@@ -87,13 +87,13 @@ def test_prefetch_dir_holds_each_adapter_as_the_converter_writes_it(built, adapt
 
 def test_lora_cache_parameters_hold_the_recipe_bounds(built):
     """The host cache holds max_cpu_loras (8) of the largest adapter and the device cache max_loras (2), in whole
-    pages of the backend's page shape; both adapter sizes are the adapters' rank."""
+    pages of the backend's page shape, and each at least one adapter of max_lora_rank; the optimal adapter size is the adapters' rank, the largest max_lora_rank."""
     from trtpipe.engine.planner import PLAN_FILE, kv_pool
     from trtpipe.triton.repo import EngineInfo, read_configs, trtllm_parameters
 
     recipe, engine, repo = built
     params = trtllm_parameters(recipe, EngineInfo.read(engine))  # the C++ backend's model on this engine
-    assert params["lora_cache_optimal_adapter_size"] == params["lora_cache_max_adapter_size"] == 8
+    assert params["lora_cache_optimal_adapter_size"] == 8 and params["lora_cache_max_adapter_size"] == 64
     assert params["lora_prefetch_dir"] == str(engine / lora_build.PREFETCH_DIR)
     twin = {k: v.string_value for k, v in read_configs(repo)["tensorrt_llm"].parameters.items()}
     assert twin["lora_prefetch_dir"] == "engine/lora_prefetch"  # the twin: inside its engine link
@@ -113,7 +113,12 @@ def test_lora_cache_parameters_hold_the_recipe_bounds(built):
     pool, _ = kv_pool(plan, recipe.engine.kv_cache)
     left = min(f - k for f, k in zip(plan["free_bytes_per_gpu"], pool["kv_pool_bytes"]))
     device = float(params["lora_cache_gpu_memory_fraction"]) * left
-    assert device >= recipe.lora.max_loras * shape.largest_pages * shape.page_bytes > device - left * 1e-6 - 1
+    # the backend also needs room for one adapter of max_lora_rank on every module ("Not enough space allocated to
+    # device LoRA cache to hold 1 max sized LoRA"): 7 pages here, more than max_loras (2) x 1 page
+    floor = math.ceil(shape.pages.min_total_slots / shape.pages.slots_per_page)
+    assert floor == 7 and shape.largest_pages == 1
+    want = max(recipe.lora.max_loras * shape.largest_pages, floor) * shape.page_bytes
+    assert device >= want > device - left * 1e-6 - 1
 
 
 def test_engine_target_refusals_name_the_key(tmp_path, stories_dir, adapters):
@@ -125,6 +130,7 @@ def test_engine_target_refusals_name_the_key(tmp_path, stories_dir, adapters):
         {"r8-attn": adapters["r8-attn"], "r64-all": adapters["r64-all"]},
         parallel={"tp": 2},
         model={"source": str(stories_dir), "dtype": "bfloat16"},
+        engine={"plugins": {"overrides": {"lora_plugin": "disable"}}},
     )
     problems = {p.key: p.message for p in check_recipe(bad)}
     assert "the Triton twin executes LoRA at tp = pp = 1 only" in problems["parallel"]
@@ -133,6 +139,7 @@ def test_engine_target_refusals_name_the_key(tmp_path, stories_dir, adapters):
         "layer 0 k_proj: r=64 is above one of its sizes (in 64, out 32)"
     )
     assert "would write the wrong adapter_size" in problems["lora.adapters.r64-all"]
+    assert "need the LoRA plugin" in problems["engine.plugins.overrides.lora_plugin"]
     assert "lora.adapters.r8-attn" not in problems
 
 

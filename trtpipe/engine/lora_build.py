@@ -130,6 +130,13 @@ def _engine_lora_rules(recipe: Recipe, m: Optional[ModelDims]):
     smaller dimension of each tensor for the rank: :func:`trtpipe.engine.lora_convert.rank_problems`)."""
     if recipe.target != "engine" or not recipe.lora.adapters:
         return
+    if recipe.engine.plugins.overrides.get("lora_plugin") in ("disable", None) and (
+        "lora_plugin" in recipe.engine.plugins.overrides
+    ):
+        yield (
+            "engine.plugins.overrides.lora_plugin",
+            "disable with lora.adapters on target: engine: the adapters need the LoRA plugin (drop the override)",
+        )
     p = recipe.parallel
     if p.tp * p.pp > 1:
         yield (

@@ -80,7 +80,8 @@ def task_pages(config: np.ndarray, sizes: dict[str, tuple[int, int]], p: Pages) 
 class CacheShape:
     """The pages of an engine's PEFT cache and what its largest prefetched adapter takes."""
 
-    rank: int  # the adapters' largest rank (both adapter-size parameters)
+    rank: int  # the prefetched adapters' largest rank (lora_cache_optimal_adapter_size)
+    max_rank: int  # the engine's max_lora_rank (lora_cache_max_adapter_size: an adapter sent later may use it)
     pages: Pages
     largest_pages: int
     page_bytes: int
@@ -97,16 +98,19 @@ def cache_shape(engine_cfg: dict, prefetch: Path) -> CacheShape:
     if not configs:
         raise EngineError(f"{prefetch}: no LoRA task is listed in {TASKS_FILE}")
     rank = max(int(c.reshape(-1, 3)[:, 2].max()) for c in configs)
-    rank = min(rank, int(lora_cfg["max_lora_rank"]))  # the manager takes min(size, max_lora_rank) too
-    p = pages(sizes, lora_cfg["lora_target_modules"], dims.num_layers, rank, rank)
+    max_rank = int(lora_cfg["max_lora_rank"])
+    rank = min(rank, max_rank)  # the manager takes min(size, max_lora_rank) too
+    p = pages(sizes, lora_cfg["lora_target_modules"], dims.num_layers, rank, max_rank)
     largest = max(task_pages(c, sizes, p) for c in configs)
-    return CacheShape(rank, p, largest, p.page_bytes(STORAGE.get(engine_cfg["pretrained_config"]["dtype"], 2)))
+    return CacheShape(
+        rank, max_rank, p, largest, p.page_bytes(STORAGE.get(engine_cfg["pretrained_config"]["dtype"], 2))
+    )
 
 
 def cache_parameters(recipe: Recipe, engine_dir: Path) -> dict:
     """The ``lora_cache_*`` and ``lora_prefetch_dir`` parameters of the ``tensorrt_llm`` model for an engine built
-    with this recipe's adapters ({} without them): both adapter sizes the largest rank of the adapters (every
-    adapter then fits a page per row), the host cache ``max_cpu_loras`` and the device cache ``max_loras`` of the
+    with this recipe's adapters ({} without them): the optimal adapter size the largest rank of the adapters, the
+    largest the engine's ``max_lora_rank`` (so an adapter sent with a request later fits a page too), the host cache ``max_cpu_loras`` and the device cache ``max_loras`` of the
     largest adapter's pages, the device share as a fraction of the memory the engine's plan leaves after the KV pool.
 
     Raises:
@@ -137,7 +141,7 @@ def cache_parameters(recipe: Recipe, engine_dir: Path) -> dict:
         fraction = math.ceil(device / left * 1e6) / 1e6
     return {
         "lora_cache_optimal_adapter_size": s.rank,
-        "lora_cache_max_adapter_size": s.rank,
+        "lora_cache_max_adapter_size": s.max_rank,
         "lora_cache_gpu_memory_fraction": fraction,
         "lora_cache_host_memory_bytes": host,
         "lora_prefetch_dir": str(prefetch),
