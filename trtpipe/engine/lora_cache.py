@@ -110,7 +110,7 @@ def cache_shape(engine_cfg: dict, prefetch: Path) -> CacheShape:
 def cache_parameters(recipe: Recipe, engine_dir: Path) -> dict:
     """The ``lora_cache_*`` and ``lora_prefetch_dir`` parameters of the ``tensorrt_llm`` model for an engine built
     with this recipe's adapters ({} without them): the optimal adapter size the largest rank of the adapters, the
-    largest the engine's ``max_lora_rank`` (so an adapter sent with a request later fits a page too), the host cache ``max_cpu_loras`` and the device cache ``max_loras`` of the
+    largest the engine's ``max_lora_rank`` (so an adapter sent with a request later fits a page too), the host cache (at least every prefetched adapter) ``max_cpu_loras`` and the device cache ``max_loras`` of the
     largest adapter's pages, the device share as a fraction of the memory the engine's plan leaves after the KV pool.
 
     Raises:
@@ -122,7 +122,9 @@ def cache_parameters(recipe: Recipe, engine_dir: Path) -> dict:
         return {}
     s = cache_shape(load_json(engine_dir / "config.json", EngineError), prefetch)
     floor = math.ceil(s.pages.min_total_slots / s.pages.slots_per_page)
-    host = max(recipe.lora.max_cpu_loras * s.largest_pages, floor) * s.page_bytes
+    # every prefetched adapter is put into the host cache at start (prefetchLoraWeights): room for all of them
+    held = max(recipe.lora.max_cpu_loras, len(read_tasks(prefetch)))
+    host = max(held * s.largest_pages, floor) * s.page_bytes
     device = max(recipe.lora.max_loras * s.largest_pages, floor) * s.page_bytes
     fraction = 0.05  # the backend's default, kept when the engine has no plan
     from trtpipe.engine.planner import PLAN_FILE, kv_pool
