@@ -158,3 +158,25 @@ def test_check_argv_takes_nargs_flags_only_where_argparse_does():
         bc.check_argv(["trtllm-build", "--max_lora_rank", "8", "16"])
     with pytest.raises(EngineError, match="--lora_dir: takes one or more values"):
         bc.check_argv(["trtllm-build", "--lora_dir", "--max_lora_rank", "8"])
+
+
+def test_cache_bounds_rewrite_the_repository_a_retrained_adapter_rebuilds_the_engine(tmp_path, stories_dir, adapters):
+    import shutil
+
+    from lora_adapters import build_lora_engine, make_adapter
+    from trtpipe.app.stage_table import STAGES
+    from trtpipe.pipeline.runner import run_build
+
+    mine = tmp_path / "mine"
+    shutil.copytree(adapters["r8-attn"], mine)
+    build_lora_engine(stories_dir, {"mine": mine}, tmp_path)
+
+    def statuses(*overrides):
+        result = run_build(load_recipe(tmp_path / "recipe.yaml", overrides, check_rules=False), STAGES, quiet=True)
+        return {s["name"]: s["status"] for s in result.manifest["stages"]}
+
+    got = statuses("lora.max_loras=1")
+    assert got["engine"] == "cached" and got["repo"] == "ran"
+    make_adapter(stories_dir, mine, 8, 16, ("q_proj", "v_proj"), False, seed=99)  # retrained in place
+    got = statuses("lora.max_loras=1")
+    assert got["engine"] == "ran" and got["repo"] == "ran"

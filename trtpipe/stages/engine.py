@@ -145,7 +145,10 @@ ENGINE_STAGE = Stage(
         "engine.kv_cache.tokens_per_block",
         "parallel",
         "speculative",  # trtllm-build --speculative_decoding_mode / --max_draft_len
-        "lora",  # trtllm-build --lora_*, and the adapters converted into lora_prefetch/
+        # trtllm-build --lora_*, and the adapters converted into lora_prefetch/ (the cache bounds max_loras /
+        # max_cpu_loras are the repo stage's: they size lora_cache_*, never the engine)
+        "lora.adapters",
+        "lora.max_lora_rank",
     ),
     inputs=("checkpoint", "quantize"),
     run=run_engine,
