@@ -63,3 +63,50 @@ def peft_model(base_dir: Path, adapter_dir: Path, dtype=torch.float64, merged: b
 
     model = PeftModel.from_pretrained(load_hf(base_dir).to(dtype), str(adapter_dir)).to(dtype).eval()
     return model.merge_and_unload() if merged else model
+
+
+# The engine target's adapters on stories260k: ranks below every targeted module's sizes (k/v out 32), since
+# hf_lora_convert.py writes a wrong rank above them (rank 64 is refused for target: engine here).
+ENGINE_ADAPTERS = {
+    "r8-attn": ADAPTERS["r8-attn"],
+    "r8-all-rslora": ADAPTERS["r8-all-rslora"],
+    "r16-mlp": (16, 32, ("gate_proj", "up_proj", "down_proj"), False),
+}
+SENT_ADAPTER = ("r4-qv", (4, 8, ("q_proj", "v_proj"), False))  # sent with a request, not prefetched
+
+
+def make_engine_adapters(base_dir: Path, root: Path) -> dict[str, Path]:
+    """:data:`ENGINE_ADAPTERS` and :data:`SENT_ADAPTER` under ``root``/<name>."""
+    items = [*ENGINE_ADAPTERS.items(), SENT_ADAPTER]
+    return {
+        name: make_adapter(base_dir, Path(root) / name, r, alpha, targets, rslora, seed=10 + i)
+        for i, (name, (r, alpha, targets, rslora)) in enumerate(items)
+    }
+
+
+def build_lora_engine(base_dir: Path, adapters: dict[str, Path], root: Path, **sections):
+    """(recipe, engine artifact, repo artifact) of a real ``target: engine`` build of ``base_dir`` (float32) with
+    ``adapters`` (their task ids: their order), through the repo stage (the CPU twin engine without TensorRT-LLM)."""
+    import yaml
+
+    from trtpipe.app.stage_table import STAGES
+    from trtpipe.app.validation import load_recipe
+    from trtpipe.pipeline.runner import run_build
+
+    doc = {
+        "name": "stories-lora-engine",
+        "target": "engine",
+        "work_dir": str(Path(root) / "work"),
+        "model": {"source": str(base_dir), "dtype": "float32"},
+        "accuracy": {"enabled": False},
+        "engine": {"max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512, "max_num_tokens": 2048},
+        "triton": {"max_batch_size": 8},
+        "lora": {"adapters": {k: str(v) for k, v in adapters.items()}, "max_lora_rank": 64, "max_loras": 2},
+    }
+    for key, value in sections.items():
+        doc[key] = {**doc.get(key, {}), **value} if isinstance(value, dict) else value
+    path = Path(root) / "recipe.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    recipe = load_recipe(path, check_rules=False)
+    result = run_build(recipe, STAGES, quiet=True)
+    return recipe, result.artifact("engine"), result.artifact("repo")

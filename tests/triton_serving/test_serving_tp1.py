@@ -203,7 +203,7 @@ def _direct_tensorrt_llm(server, extra: dict) -> tuple[list, list]:
             "return_context_logits: the CPU twin serves only return_context_logits=false",
         ),
         ("beam_width", np.array([[2]], np.int32), "beam_width: the CPU twin serves only beam_width=1"),
-        ("lora_task_id", np.array([[7]], np.uint64), "lora_task_id: LoRA is not supported by the CPU twin"),
+        ("lora_task_id", np.array([[7]], np.uint64), "lora_task_id: this engine was built without LoRA"),
     ],
 )
 def test_twin_refuses_declared_inputs_it_cannot_honour(server, client, name, value, needle):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterable
 
 from trtpipe.deploy.rules import DEPLOY_RULES
+from trtpipe.engine.lora_build import ENGINE_LORA_RULES
 from trtpipe.engine.rules import ENGINE_RULES
 from trtpipe.errors import Problem, RecipeError
 from trtpipe.export.lora import LORA_RULES
@@ -43,6 +44,7 @@ RULES: tuple[Rule, ...] = (
     *EXPORT_RULES,
     *OPTIONS_RULES,
     *LORA_RULES,
+    *ENGINE_LORA_RULES,
     *DEPLOY_RULES,
 )
 

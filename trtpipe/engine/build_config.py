@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from trtpipe.engine import ckptconfig, upstream
 from trtpipe.engine.enforce import Change, Target, enforce, rejections
@@ -23,6 +23,9 @@ from trtpipe.engine.presets import BY_NAME, FIELDS, auto_preset, get_preset, nor
 from trtpipe.errors import EngineError
 from trtpipe.models.dims import checkpoint_dims
 from trtpipe.recipe.schema import Recipe
+
+if TYPE_CHECKING:
+    from trtpipe.engine.lora_build import LoraBuild
 
 TARGET_TRTLLM_VERSION = "1.2.1"  # the TensorRT-engine path this build config is written for (trtllm-build.md#versions)
 OPT_NUM_TOKENS_WARN = 16384
@@ -54,6 +57,7 @@ class BuildConfig:
     disable_weight_only_quant_plugin: bool = False  # the checkpoint config's flag (Llama family)
     speculative_decoding_mode: Optional[str] = None  # trtllm-build's spelling (recipe speculative.decoding_type)
     max_draft_len: int = 0
+    lora: Optional["LoraBuild"] = None  # the LoRA adapters built in (trtpipe.engine.lora_build)
 
     @property
     def kv_cache_type(self) -> str:
@@ -164,8 +168,12 @@ def resolve_limits(recipe: Recipe, cfg: dict, plugins: Mapping[str, Any]) -> tup
     return {"max_seq_len": seq, "max_input_len": inp, "max_num_tokens": tokens, "opt_num_tokens": opt}, changes
 
 
-def resolve_build(recipe: Recipe, checkpoint_config: dict, gpu: Optional[GPU] = None) -> EngineBuild:
-    """The whole build from the recipe and the checkpoint's config.json (or its prediction). Pure.
+def resolve_build(
+    recipe: Recipe, checkpoint_config: dict, gpu: Optional[GPU] = None, lora: Optional["LoraBuild"] = None
+) -> EngineBuild:
+    """The whole build from the recipe and the checkpoint's config.json (or its prediction). Pure. ``lora``: the
+    adapters to build in (:func:`trtpipe.engine.lora_build.lora_build`), which turns ``lora_plugin`` on (``auto``:
+    the model dtype) unless the recipe's overrides name its dtype.
 
     Raises:
         EngineError: unknown GPU, preset or plugin field, or a value a field does not take.
@@ -173,6 +181,8 @@ def resolve_build(recipe: Recipe, checkpoint_config: dict, gpu: Optional[GPU] = 
     gpu = gpu or get_gpu(recipe.engine.gpu)
     target = builder_target(checkpoint_config, gpu)
     preset, is_auto, values, sources = _plugins(recipe, target)
+    if lora is not None and values.get("lora_plugin") in (None, "disable"):
+        values["lora_plugin"], sources["lora_plugin"] = "auto", "lora.adapters"
     values, changes = enforce(values, target, explicit=set(sources))
     rejected = rejections(values, target)
     limits, limit_changes = resolve_limits(recipe, checkpoint_config, values)
@@ -188,6 +198,7 @@ def resolve_build(recipe: Recipe, checkpoint_config: dict, gpu: Optional[GPU] = 
         disable_weight_only_quant_plugin=bool(checkpoint_config.get("disable_weight_only_quant_plugin", False)),
         **_speculative(recipe),
         **limits,
+        lora=lora,
     )
     return EngineBuild(
         config=config,
@@ -229,24 +240,41 @@ def _cli_value(name: str, value: Any) -> str:
     return str(value)
 
 
+def _flags(argv: list[str]) -> list[tuple[str, list[str]]]:
+    """(``--flag``, its values) of a command line (a flag takes every value up to the next ``--flag``)."""
+    out: list[tuple[str, list[str]]] = []
+    for tok in argv[1:]:
+        if tok.startswith("--"):
+            out.append((tok, []))
+        elif not out:
+            raise EngineError(f"trtllm-build: {tok!r} follows no flag")
+        else:
+            out[-1][1].append(tok)
+    return out
+
+
 def check_argv(argv: list[str]) -> None:
     """Every ``--flag value`` of a trtllm-build command is a flag of the targeted version, with a value its
-    argparse accepts (the upstream table). Raises EngineError naming the flag and the allowed values."""
-    for flag, value in zip(argv[1::2], argv[2::2]):
+    argparse accepts (the upstream table); ``nargs="+"`` flags take one or more. Raises EngineError naming the
+    flag and the allowed values."""
+    for flag, values in _flags(argv):
         name = flag[2:]
         plugin = upstream.PLUGIN_BY_NAME.get(name)
         general = upstream.BUILD_FLAG_BY_NAME.get(name)
         if plugin is not None and plugin.cli:
-            kind, choices, fold = plugin.kind, plugin.choices(), False
+            kind, choices, fold, nargs = plugin.kind, plugin.choices(), False, False
         elif general is not None:
-            kind, choices, fold = general.kind, general.choices, general.case_insensitive
+            kind, choices, fold, nargs = general.kind, general.choices, general.case_insensitive, general.nargs
         else:
             raise EngineError(f"trtllm-build has no flag {flag} in TensorRT-LLM {TARGET_TRTLLM_VERSION}")
-        if kind == "int":
-            if not value.lstrip("-").isdigit():
-                raise EngineError(f"trtllm-build {flag}: {value!r} is not an integer")
-        elif choices and (value.lower() if fold else value) not in choices:
-            raise EngineError(f"trtllm-build {flag}: {value!r} is not accepted (allowed: {', '.join(choices)})")
+        if not values or (len(values) > 1 and not nargs):
+            raise EngineError(f"trtllm-build {flag}: takes {'one or more values' if nargs else 'one value'}")
+        for value in values:
+            if kind == "int":
+                if not value.lstrip("-").isdigit():
+                    raise EngineError(f"trtllm-build {flag}: {value!r} is not an integer")
+            elif choices and (value.lower() if fold else value) not in choices:
+                raise EngineError(f"trtllm-build {flag}: {value!r} is not accepted (allowed: {', '.join(choices)})")
 
 
 def to_argv(
@@ -278,6 +306,8 @@ def to_argv(
         ]
     for name in build.emitted_fields():
         argv += [f"--{name}", _cli_value(name, c.plugins[name])]
+    if c.lora is not None:  # --lora_plugin is among the plugin flags above
+        argv += c.lora.argv()
     if c.speculative_decoding_mode:
         argv += ["--speculative_decoding_mode", c.speculative_decoding_mode, "--max_draft_len", str(c.max_draft_len)]
     argv += ["--workers", str(build.workers)]
@@ -348,7 +378,10 @@ def to_json(c: BuildConfig) -> dict[str, Any]:
         "use_refit": False,
         "input_timing_cache": None,
         "output_timing_cache": "model.cache",
-        "lora_config": {name: json.loads(json.dumps(default)) for name, default, _ in upstream.LORA_CONFIG},
+        "lora_config": {
+            **{name: json.loads(json.dumps(default)) for name, default, _ in upstream.LORA_CONFIG},
+            **(c.lora.config_json() if c.lora is not None else {}),
+        },
         "weight_sparsity": False,
         "weight_streaming": False,
         "plugin_config": plugin_config_json(c),

@@ -8,8 +8,8 @@ The math of TensorRT-LLM's ``examples/hf_lora_convert.py@05316d33`` (``convert_h
 - one row per (layer, module): ``lora_A`` flattened, then ``lora_B * scale`` flattened, each cast to the storage
   dtype; upstream assumes the hidden size is the larger dimension: ``lora_A`` is transposed when its second
   dimension is the smaller, ``lora_B`` when its first is, and ``adapter_size`` is the smaller dimension of the
-  last tensor seen (``lora_B``'s). So an adapter whose rank is not below every module's in and out sizes is
-  written with a wrong ``adapter_size``: :func:`convert` reproduces that (value for value) and
+  last tensor seen (``lora_B``'s). So an adapter whose rank is above a module's in or out size is written
+  wrong (a transposed tensor, and with out < r a wrong ``adapter_size``): :func:`convert` reproduces that (value for value) and
   :func:`rank_problems` names it;
 - ``scale = lora_alpha / r``, or ``lora_alpha / np.sqrt(r)`` with ``use_rslora``;
 - rows zero-padded to the longest; ``lora_weights`` ``[1, rows, max_row]`` in the storage dtype, ``lora_config``
@@ -117,14 +117,15 @@ def write(adapter_dir: Path, out_dir: Path, dtype: str = "float16") -> Path:
 
 
 def rank_problems(adapter_dir: Path) -> list[str]:
-    """Modules whose rank is not below both of their sizes: upstream's converter writes a wrong ``adapter_size``
-    for them (it takes the smaller dimension for the rank)."""
+    """Modules whose rank is above their in or out size: upstream's converter writes them wrong (it takes the
+    smaller dimension of each tensor for the rank, so it transposes ``lora_A`` when in < r and ``lora_B`` when
+    out < r, and writes ``adapter_size`` min(out, r))."""
     cfg = load_json(Path(adapter_dir) / "adapter_config.json")
     r = int(cfg["r"])
     out = []
     for layer, modules in _grouped(_tensors(adapter_dir)).items():
         for hf_module, w in modules.items():
             fan_in, fan_out = w["in"].shape[1], w["out"].shape[0]
-            if r >= min(fan_in, fan_out):
-                out.append(f"layer {layer} {hf_module}: r={r} is not below its sizes (in {fan_in}, out {fan_out})")
+            if r > min(fan_in, fan_out):  # r equal to a size: the square tensor is not transposed, r is right
+                out.append(f"layer {layer} {hf_module}: r={r} is above one of its sizes (in {fan_in}, out {fan_out})")
     return out

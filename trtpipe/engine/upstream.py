@@ -115,6 +115,7 @@ class BuildFlag:
     choices: tuple[str, ...] = ()
     case_insensitive: bool = False
     source: str = BUILD_PY
+    nargs: bool = False  # argparse nargs="+": one or more values
 
 
 BUILD_FLAGS: tuple[BuildFlag, ...] = (
@@ -142,7 +143,16 @@ BUILD_FLAGS: tuple[BuildFlag, ...] = (
     BuildFlag("profiling_verbosity", "choice", ("layer_names_only", "detailed", "none")),
     BuildFlag("workers", "int"),
     BuildFlag("logits_dtype", "choice", ("float16", "float32")),
+    BuildFlag("lora_dir", "str", nargs=True),
     BuildFlag("lora_ckpt_source", "choice", ("hf", "nemo")),
+    # choices=LoraManager.LORA_MODULE_IDS.keys() (tensorrt_llm/lora_manager.py): the dense decoder's ids 0-7 only, the
+    # ones trtpipe emits (the table also has cross_attn_*, moe_*, mlp_router, mlp_gate_up, ...; not listed here)
+    BuildFlag(
+        "lora_target_modules",
+        "choice",
+        ("attn_qkv", "attn_q", "attn_k", "attn_v", "attn_dense", "mlp_h_to_4h", "mlp_4h_to_h", "mlp_gate"),
+        nargs=True,
+    ),
     BuildFlag("max_lora_rank", "int"),
     BuildFlag(
         "speculative_decoding_mode",

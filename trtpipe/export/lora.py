@@ -8,7 +8,7 @@ Upstream (TensorRT-LLM ``tensorrt_llm/lora_helper.py@585c7565``): ``LoraConfig``
 down_proj). The key set is written for TensorRT-LLM 1.2 only (older releases: unverified, refused).
 
 What is refused, each in one line naming the key:
-- ``target: engine`` with adapters: trtpipe does not build LoRA engines yet (``trtllm-build --lora_plugin``);
+- (``target: engine``: built by :mod:`trtpipe.engine.lora_build`, whose rules refuse what it does not build);
 - a quantized base other than FP8: TensorRT-LLM's LoRA page shows LoRA on an FP8 base only
   (``docs/source/features/lora.md@89fd9b74``, "LoRA with Quantization"); INT4 AWQ, NVFP4 and the rest are
   unconfirmed there, so refused rather than guessed;
@@ -106,14 +106,6 @@ def _lora_rules(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
     lora = recipe.lora
     if not lora.adapters:
         return
-    if recipe.target == "engine":
-        yield (
-            "lora.adapters",
-            (
-                "target: engine with LoRA adapters is not built by trtpipe yet (trtllm-build --lora_plugin/--lora_dir); "
-                "use target: llmapi"
-            ),
-        )
     if recipe.quantization.algo not in LORA_QUANT:
         yield (
             "quantization.algo",

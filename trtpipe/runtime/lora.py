@@ -244,6 +244,34 @@ def load_adapter(name: str, path: Path, layout: BaseLayout, max_rank: Optional[i
     return adapter
 
 
+def adapter_of_modules(
+    name: str, path: Path, modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], layout: BaseLayout
+) -> LoraAdapter:
+    """An adapter from per-(layer, HF module) pairs ``(a [r, in], b [out, r])`` whose ``b`` already holds the scaling
+    (the engine path's ``lora_weights`` rows, :mod:`trtpipe.engine.lora_convert`): applied with scaling 1.
+
+    Raises:
+        AdapterError: a module the base does not have, or a pair that does not fit its sizes.
+    """
+    pieces: dict[tuple[int, str], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
+    for (layer, module), (a, b) in sorted(modules.items()):
+        if module not in layout.modules or not 0 <= layer < layout.num_layers:
+            raise AdapterError(f"adapter '{name}': {module} of layer {layer} is not a linear of this base model")
+        linear, offset, out, fan_in = layout.modules[module]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != fan_in or b.shape[0] != out or a.shape[0] != b.shape[1]:
+            raise AdapterError(
+                f"adapter '{name}': {module} of layer {layer}: in {tuple(a.shape)} / out {tuple(b.shape)} do not fit "
+                f"the base's ({fan_in} in, {out} out)"
+            )
+        pieces.setdefault((layer, linear), []).append((offset, out, a.float(), b.float()))
+    rank = max((a.shape[0] for a, _ in modules.values()), default=0)
+    targets = tuple(sorted({m.rsplit(".", 1)[-1] for _, m in modules}))
+    adapter = LoraAdapter(name, Path(path), rank, float(rank), False, targets)  # alpha = r: scaling 1
+    for key, parts in pieces.items():
+        adapter.pairs[key] = _fuse(parts, layout, key[1], 1.0)
+    return adapter
+
+
 def _fuse(parts, layout: BaseLayout, linear: str, scaling: float) -> LoraPair:
     """One pair for a TRT-LLM linear from its targeted HF parts: A stacked, B block-diagonal at each part's rows."""
     total_out = sum(out for lin, _, out, _ in layout.modules.values() if lin == linear)

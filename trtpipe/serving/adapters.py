@@ -76,14 +76,17 @@ class AdapterCache:
     """Adapters by name: a bounded device cache (``max_loras``) over a bounded host cache (``max_cpu_loras``),
     each least recently used out. Thread-safe: front ends register, the executor thread activates."""
 
-    def __init__(self, base_dir: Path, max_loras: int, max_cpu_loras: int, max_rank: Optional[int] = None):
+    def __init__(
+        self, base_dir: Optional[Path], max_loras: int, max_cpu_loras: int, max_rank: Optional[int] = None, layout=None
+    ):
         from trtpipe.runtime.lora import BaseLayout
 
         if max_loras < 1 or max_cpu_loras < 1:
             raise ValueError(
                 f"LoRA caches need room for one adapter (max_loras {max_loras}, max_cpu_loras {max_cpu_loras})"
             )
-        self.layout = BaseLayout.of(Path(base_dir))
+        self.layout = layout if layout is not None else BaseLayout.of(Path(base_dir))  # layout: the base's linears
+        self.loaders: dict = {}  # name -> how to read it again (else a PEFT directory: load_adapter)
         self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max(max_cpu_loras, max_loras), max_rank
         self.paths: dict[str, Path] = {}
         self.ids: dict[str, int] = {}  # lora_int_id of each name (trtllm-serve's LoRARequest.adapter_id)
@@ -97,10 +100,14 @@ class AdapterCache:
         with self._lock:
             return list(self.paths)
 
-    def register(self, name: str, path: Path, int_id: Optional[int] = None) -> None:
+    def register(self, name: str, path: Path, int_id: Optional[int] = None, loader=None) -> None:
         """Know ``name`` as the adapter in ``path``: read and checked now (:class:`~trtpipe.runtime.lora.AdapterError`
-        when it does not fit the base), kept in the host cache. The same name again must name the same directory."""
+        when it does not fit the base), kept in the host cache. The same name again must name the same directory.
+        ``loader``: how to read it (a callable returning the adapter) when ``path`` is not a PEFT directory."""
         path = Path(path)
+        if loader is not None:
+            with self._lock:
+                self.loaders[name] = loader
         with self._lock:
             known = self.paths.get(name)
             if known is not None:
@@ -157,10 +164,26 @@ class AdapterCache:
         with self._lock:
             return list(self._host)
 
+    def put(self, name: str, adapter, loader) -> None:
+        """Hold ``adapter`` (already read) under ``name`` in the host cache, replacing one of that name; ``loader``
+        is how it is read again once it fell out (it may raise: an adapter that only came with a request)."""
+        with self._lock:
+            self.loaders[name] = loader
+            self.paths[name] = adapter.path
+            self.ids.setdefault(name, len(self.ids))
+            self._device.pop(name, None)
+            self._keep(self._host, name, adapter, self.max_cpu_loras, "host_evictions")
+
+    def is_loaded(self, name: str) -> bool:
+        """Whether ``name`` is in the host cache now."""
+        with self._lock:
+            return name in self._host
+
     def _read(self, name: str, path: Path):
         from trtpipe.runtime.lora import load_adapter
 
-        adapter = load_adapter(name, path, self.layout, self.max_rank)
+        loader = self.loaders.get(name)
+        adapter = loader() if loader is not None else load_adapter(name, path, self.layout, self.max_rank)
         with self._lock:
             self.stats.disk_loads += 1
         log.info("LoRA adapter '%s' loaded from %s (r=%d, %d linears)", name, path, adapter.rank, len(adapter.pairs))

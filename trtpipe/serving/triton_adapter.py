@@ -172,8 +172,22 @@ class ParsedRequest:
         return self.return_perf_metrics or self.return_num_input_tokens or self.return_num_output_tokens
 
 
-def parse_request(get: Callable[[str], Optional[np.ndarray]], s: TwinSettings, decoupled: bool) -> ParsedRequest:
-    """Request tensors (``get(name)`` -> numpy or None) to an executor :class:`Request`; ValueError names the input."""
+def twin_adapters(model_config: dict, model_repository: str, s: TwinSettings):
+    """The twin's LoRA tasks (:class:`trtpipe.serving.triton_lora.TwinAdapters`) when its engine was built with
+    LoRA, else None."""
+    from trtpipe.serving.triton_lora import from_parameters
+
+    params = model_config.get("parameters", {})
+    prefetch, host = param(params, "lora_prefetch_dir"), param(params, "lora_cache_host_memory_bytes")
+    return from_parameters(s.engine_dir, model_repository, prefetch, host, s.executor.max_loras)
+
+
+def parse_request(
+    get: Callable[[str], Optional[np.ndarray]], s: TwinSettings, decoupled: bool, adapters=None
+) -> ParsedRequest:
+    """Request tensors (``get(name)`` -> numpy or None) to an executor :class:`Request`; ValueError names the input.
+    ``adapters``: the engine's LoRA tasks (:func:`twin_adapters`; None: built without LoRA)."""
+    from trtpipe.serving.triton_lora import select
     from trtpipe.serving.twin_input_policy import refusal
 
     if _scalar(get, "stop", False, bool):
@@ -233,6 +247,7 @@ def parse_request(get: Callable[[str], Optional[np.ndarray]], s: TwinSettings, d
     if not 0.0 <= priority <= 1.0:
         raise ValueError(f"priority must be within [0, 1], got {priority}")
     guide = _guide(get)
+    lora = select(adapters, *(_given(get, n) for n in ("lora_task_id", "lora_weights", "lora_config")))
     request = Request(
         prompt=[int(t) for t in prompt],
         max_new_tokens=out_len,
@@ -247,6 +262,7 @@ def parse_request(get: Callable[[str], Optional[np.ndarray]], s: TwinSettings, d
         guide=guide,
         logprobs=0 if return_log_probs else None,
         min_tokens=min_tokens,
+        lora=lora,
     )
     return ParsedRequest(
         request,
@@ -256,6 +272,11 @@ def parse_request(get: Callable[[str], Optional[np.ndarray]], s: TwinSettings, d
         False,
         return_log_probs,
     )
+
+
+def _given(get: Callable[[str], Optional[np.ndarray]], name: str) -> Optional[np.ndarray]:
+    a = get(name)
+    return a if a is not None and a.size else None
 
 
 def _text(get: Callable[[str], Optional[np.ndarray]], name: str) -> Optional[str]:

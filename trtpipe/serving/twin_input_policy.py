@@ -1,7 +1,7 @@
 """Which ``tensorrt_llm`` inputs the CPU twin honours, and the one-line refusal for a request that needs more.
 
 The twin declares every input the real ``tensorrtllm`` backend declares (so clients and upstream model files
-see the same model), but it computes with trtpipe's reference runtime, which has no beam search, LoRA, prompt
+see the same model), but it computes with trtpipe's reference runtime, which has no beam search, prompt
 tuning, speculative decoding or logits outputs. A request is refused (an error
 response naming the input) when it asks for one of those, and served when such an input is absent or holds the
 value that means "off" -- the value the real backend would also treat as a no-op. Inputs that only tune the
@@ -42,6 +42,9 @@ HONOURED = frozenset(
         "guided_decoding_guide",
         "return_log_probs",  # output_log_probs, cum_log_probs (trtpipe.serving.logprobs)
         "min_tokens",
+        "lora_task_id",  # the engine's LoRA tasks (trtpipe/serving/triton_lora.py)
+        "lora_weights",
+        "lora_config",
     }
 )
 
@@ -91,9 +94,6 @@ NEVER: dict[str, str] = {
     "embedding_bias": "embedding bias",
     "prompt_embedding_table": "prompt tuning",
     "prompt_table_extra_ids": "prompt tuning",
-    "lora_task_id": "LoRA",
-    "lora_weights": "LoRA",
-    "lora_config": "LoRA",
     "context_phase_params": "disaggregated serving",
     "lookahead_window_size": "lookahead decoding",
     "lookahead_ngram_size": "lookahead decoding",

@@ -33,7 +33,9 @@ def input_checkpoint(ctx: StageContext):
 def run_engine(ctx: StageContext) -> None:
     ckpt = input_checkpoint(ctx)
     cfg = read_checkpoint_config(ckpt)
-    build = bc.resolve_build(ctx.recipe, cfg)
+    from trtpipe.engine.lora_build import PREFETCH_DIR, lora_build, write_prefetch
+
+    build = bc.resolve_build(ctx.recipe, cfg, lora=lora_build(ctx.recipe))
     problems = bc.findings(build)
     if problems:
         raise EngineError("; ".join(f"{k}: {m}" for k, m in problems))
@@ -51,6 +53,11 @@ def run_engine(ctx: StageContext) -> None:
     recipe_path = str(ctx.recipe.path) if ctx.recipe.path else "RECIPE"
     avail = trtllm.availability()
     ctx.info["lockfile"] = versions.lockfile()
+
+    def prefetch() -> None:  # the adapters as the backend's lora_prefetch_dir (the repo stage writes its parameters)
+        if build.config.lora is not None:
+            ctx.info["lora_tasks"] = write_prefetch(ctx.recipe, ctx.out_dir / PREFETCH_DIR, cfg["dtype"])
+
     if avail.ok:
         _check_target_gpu(build.gpu, ctx.info["lockfile"]["gpus"])
         (ctx.out_dir / "build_config.json").write_text(json.dumps(engine_cfg["build_config"], indent=2) + "\n")
@@ -58,6 +65,7 @@ def run_engine(ctx: StageContext) -> None:
         ctx.info["command"] = argv
         ctx.info["build"] = trtllm.run_trtllm_build(argv, ctx.out_dir, build.config.world_size, ctx.log)
         ctx.info["engine"] = "tensorrt"
+        prefetch()
         _write_lock(ctx)
         return
     argv = bc.to_argv(build, "CHECKPOINT_DIR", "ENGINE_DIR")
@@ -71,6 +79,7 @@ def run_engine(ctx: StageContext) -> None:
     ctx.log.info("the build there will run: %s", " ".join(argv))
     write_twin_engine(ckpt, ctx.out_dir, engine_cfg, reason=avail.reason, recipe_path=recipe_path)
     ctx.info["engine"] = "cpu-twin"
+    prefetch()
     _write_lock(ctx)
 
 
@@ -113,6 +122,15 @@ def _extra_key(recipe: Recipe) -> dict:
     }
 
 
+def _adapter_files(recipe: Recipe) -> list:
+    """The LoRA adapters' files: a retrained adapter is converted (and built in) again."""
+    if recipe.target != "engine" or not recipe.lora.adapters:
+        return []
+    from trtpipe.export.lora import adapter_dirs
+
+    return [d / f for d in adapter_dirs(recipe).values() for f in ("adapter_config.json", "adapter_model.safetensors")]
+
+
 ENGINE_STAGE = Stage(
     name="engine",
     # What changes the engine; the runtime-only KV settings (memory fraction, reuse, ...) and workers do not.
@@ -127,9 +145,14 @@ ENGINE_STAGE = Stage(
         "engine.kv_cache.tokens_per_block",
         "parallel",
         "speculative",  # trtllm-build --speculative_decoding_mode / --max_draft_len
+        # trtllm-build --lora_*, and the adapters converted into lora_prefetch/ (the cache bounds max_loras /
+        # max_cpu_loras are the repo stage's: they size lora_cache_*, never the engine)
+        "lora.adapters",
+        "lora.max_lora_rank",
     ),
     inputs=("checkpoint", "quantize"),
     run=run_engine,
+    files=lambda recipe: _adapter_files(recipe),
     extra_key=_extra_key,
     unkeyed=(
         # trtllm-build --workers: how many engines build at once, the same engines either way (the lock file

@@ -35,6 +35,9 @@ class GenerateOptions:
     exclude_input_in_output: Optional[bool] = None
     guided_decoding_guide_type: Optional[str] = None  # json, json_schema, regex, ebnf_grammar, structural_tag
     guided_decoding_guide: Optional[str] = None
+    lora_task_id: Optional[int] = None  # an engine's LoRA task; with lora_weights + lora_config the first time
+    lora_weights: Optional[np.ndarray] = None  # [rows, width] (hf_lora_convert.py's model.lora_weights, float16)
+    lora_config: Optional[np.ndarray] = None  # [rows, 3] int32 (module id, layer, adapter_size)
 
 
 def infer_inputs(mod, rows) -> list:
@@ -69,6 +72,14 @@ def text_inputs(mod, prompt: str, opts: GenerateOptions, stream: bool) -> list:
     for name in ("guided_decoding_guide_type", "guided_decoding_guide"):
         if getattr(opts, name) is not None:
             rows.append((name, np.array([[getattr(opts, name).encode("utf-8")]], dtype=object), "BYTES"))
+    if opts.lora_task_id is not None:
+        rows.append(("lora_task_id", np.array([[opts.lora_task_id]], dtype=np.uint64), "UINT64"))
+    if opts.lora_weights is not None:
+        w = np.asarray(opts.lora_weights, dtype=np.float16)
+        rows.append(("lora_weights", w.reshape(1, *w.shape[-2:]), "FP16"))
+    if opts.lora_config is not None:
+        c = np.asarray(opts.lora_config, dtype=np.int32)
+        rows.append(("lora_config", c.reshape(1, *c.shape[-2:]), "INT32"))
     if opts.stop_words:
         rows.append(("stop_words", np.array([[w.encode() for w in opts.stop_words]], dtype=object), "BYTES"))
     return infer_inputs(mod, rows)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from trtpipe.engine.lora_cache import cache_parameters as lora_cache_parameters
 from trtpipe.errors import ServingError
 from trtpipe.extras import require
 from trtpipe.triton import upstream_io
@@ -101,6 +102,10 @@ FRONT_INPUTS = [
 ENSEMBLE_INPUTS = [
     ("min_tokens", T.TYPE_INT32, [1], True, "llm:min_tokens"),
     ("return_log_probs", T.TYPE_BOOL, [1], True, "llm:return_log_probs"),
+    # LoRA (the template's lora_task_id / lora_weights / lora_config, mapped by name; triton_decoder.py passes them)
+    ("lora_task_id", T.TYPE_UINT64, [1], True, "llm:lora_task_id"),
+    ("lora_weights", T.TYPE_FP16, [-1, -1], True, "llm:lora_weights"),
+    ("lora_config", T.TYPE_INT32, [-1, 3], True, "llm:lora_config"),
 ]
 ENSEMBLE_LLM_OUTPUTS = [("cum_log_probs", T.TYPE_FP32, [-1]), ("output_log_probs", T.TYPE_FP32, [-1, -1])]
 # The BLS also forwards the per-request server measurements (as upstream's BLS does) and returns them with
@@ -434,6 +439,8 @@ def trtllm_parameters(recipe: Recipe, engine: EngineInfo) -> dict:
         "lora_cache_gpu_memory_fraction": 0.05,
         "lora_cache_host_memory_bytes": 1 << 30,
         "lora_prefetch_dir": "",
+        # the engine's LoRA adapters: the prefetch dir the engine stage converted them into, the caches sized by them
+        **lora_cache_parameters(recipe, engine.path),
         "speculative_decoding_fast_logits": False,
         # guided decoding: the backend, and the tokenizer information write_repo puts beside this model (the path
         # made absolute there, as tokenizer_dir is)
@@ -458,6 +465,8 @@ TWIN_PARAMETERS = (
     "stats_check_period_ms",
     "guided_decoding_backend",
     "xgrammar_tokenizer_info_path",
+    "lora_cache_host_memory_bytes",  # the twin's host adapter cache holds as many of the largest adapter
+    "lora_prefetch_dir",  # made relative to the twin's engine link below
 )
 
 
@@ -482,6 +491,12 @@ def tensorrt_llm_config(recipe: Recipe, engine: EngineInfo) -> mc.ModelConfig:
             # allottedTimeMs for every request, so no request waits forever), as one JSON object
             TWIN_EXTRAS_PARAMETER: twin_extras(recipe),
             **{k: real[k] for k in TWIN_PARAMETERS},
+            # the engine is linked in as engine/: the prefetch dir inside it, so a moved repository still finds it
+            **(
+                {"lora_prefetch_dir": "engine/" + Path(real["lora_prefetch_dir"]).name}
+                if real["lora_prefetch_dir"]
+                else {}
+            ),
         },
     )
     return c

@@ -53,6 +53,13 @@ class TritonPythonModel:
             self.engine = ReferenceEngine(load_checkpoint(self.settings.engine_dir / "checkpoint", device="cpu"))
         from trtpipe.serving.reference_engine import draft_engine  # the recipe's DraftTarget draft, else None
 
+        # an engine built with LoRA: the prefetched tasks loaded now, each entry its own adapter in a step
+        self.adapters = triton_adapter.twin_adapters(config, args["model_repository"], self.settings)
+        if self.adapters is not None:
+            if run_dir:
+                raise ValueError("tensorrt_llm twin: LoRA is applied at tp = pp = 1 only")
+            self.engine = self.adapters.wrap(self.engine)
+
         self.guided = triton_adapter.guided_decoder(self.settings)
         self.executor = Executor(
             self.settings.executor,
@@ -224,7 +231,7 @@ class TritonPythonModel:
                 return None if t is None else t.as_numpy()
 
             try:
-                parsed = self.twin.parse_request(get, self.settings, self.decoupled)
+                parsed = self.twin.parse_request(get, self.settings, self.decoupled, self.adapters)
                 if parsed.stop:
                     self._stop(request)
                     deliver(pb_utils.InferenceResponse(output_tensors=[]), True)

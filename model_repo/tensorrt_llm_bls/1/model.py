@@ -54,7 +54,11 @@ _LLM = {
     "guided_decoding_guide": "guided_decoding_guide",
     "min_tokens": "min_tokens",
     "return_log_probs": "return_log_probs",
+    "lora_task_id": "lora_task_id",
+    "lora_weights": "lora_weights",
+    "lora_config": "lora_config",
 }
+_SHAPED = ("lora_weights", "lora_config")  # passed on with their shape ([1, rows, width], [1, rows, 3])
 # tensorrt_llm outputs passed through with the last text response when the request asked for them
 _MEASURED = (
     "kv_cache_alloc_new_blocks",
@@ -394,7 +398,7 @@ class TritonPythonModel:
         for name, target in _LLM.items():
             t = pb_utils.get_input_tensor_by_name(request, name)
             if t is not None:
-                given[name] = t.as_numpy().reshape(1, -1)
+                given[name] = t.as_numpy() if name in _SHAPED else t.as_numpy().reshape(1, -1)
                 if name != "stream":
                     llm_inputs.append(pb_utils.Tensor(target, given[name]))
         stream = bool(given["stream"].reshape(-1)[0]) if "stream" in given else False
