@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trtpipe.deploy import lora_rules
 from trtpipe.deploy.layout import slo_targets
 from trtpipe.deploy.metrics import BY_TARGET, ServerMetrics, selectors
 from trtpipe.recipe.schema import Recipe
@@ -90,7 +91,7 @@ def recording_rules(recipe: Recipe, job: str, t: Timing) -> list[dict]:
             "expr": f"sum by (job) (rate({m.output_tokens % sel}[{t.short_rate}]))",
         },
     ]
-    return rules
+    return rules + lora_rules.recording_rules(recipe, job, t)
 
 
 def alert_rules(recipe: Recipe, job: str, t: Timing) -> list[dict]:
@@ -152,7 +153,7 @@ def alert_rules(recipe: Recipe, job: str, t: Timing) -> list[dict]:
             "annotations": {"summary": f"{m.server} of {recipe.name} is not scraped ({{{{ $labels.instance }}}})"},
         },
     ]
-    return alerts
+    return alerts + lora_rules.alert_rules(recipe, t)
 
 
 def rule_file(recipe: Recipe, job: str, t: Timing = Timing()) -> dict:

@@ -483,6 +483,12 @@ class DeploySection(_Section):
     )
     max_error_ratio: float = Field(0.01, gt=0.0, lt=1.0, description="Failed share of requests that pages.")
     kv_cache_alert: float = Field(0.9, gt=0.0, le=1.0, description="KV-cache block use (0..1) that warns.")
+    lora_cache_miss_alert: float = Field(
+        0.5,
+        gt=0.0,
+        lt=1.0,
+        description="Share of an adapter's steps that activate it into the device cache (lora.max_loras) that warns.",
+    )
     gpus_per_node: int = Field(8, ge=1, le=64, description="GPUs on each node of the GPU pool.")
     node_labels: dict[str, str] = Field(
         default_factory=dict,

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
-from dataclasses import dataclass
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -64,12 +65,33 @@ def within_lora_cache(chosen: list, max_loras: int) -> list:
 
 @dataclass
 class CacheStats:
-    """Counters since start: reads from disk, activations into the device cache, and what each cache evicted."""
+    """Counters per adapter name since start: reads from disk, steps that found the adapter active (hits) or had to
+    activate it into the device cache (misses), and what each cache evicted (the per-adapter series of
+    :mod:`trtpipe.serving.lora_metrics`)."""
 
-    disk_loads: int = 0
-    activations: int = 0
-    device_evictions: int = 0
-    host_evictions: int = 0
+    loads: Counter = field(default_factory=Counter)
+    hits: Counter = field(default_factory=Counter)
+    misses: Counter = field(default_factory=Counter)
+    evictions: Counter = field(default_factory=Counter)  # (cache "device" | "host", name) -> count
+
+    @property
+    def disk_loads(self) -> int:
+        return sum(self.loads.values())
+
+    @property
+    def activations(self) -> int:
+        return sum(self.misses.values())
+
+    @property
+    def device_evictions(self) -> int:
+        return sum(n for (cache, _), n in self.evictions.items() if cache == "device")
+
+    @property
+    def host_evictions(self) -> int:
+        return sum(n for (cache, _), n in self.evictions.items() if cache == "host")
+
+    def copy(self) -> "CacheStats":
+        return CacheStats(Counter(self.loads), Counter(self.hits), Counter(self.misses), Counter(self.evictions))
 
 
 class AdapterCache:
@@ -115,7 +137,7 @@ class AdapterCache:
         with self._lock:
             self.paths.setdefault(name, path)
             self.ids.setdefault(name, len(self.ids) if int_id is None else int_id)
-            self._keep(self._host, name, adapter, self.max_cpu_loras, "host_evictions")
+            self._keep(self._host, name, adapter, self.max_cpu_loras, "host")
 
     def activate(self, names: Sequence[str]) -> tuple[dict, dict[str, str]]:
         """The adapters of one step made active (at most ``max_loras`` distinct names: the executor bounds a step),
@@ -137,6 +159,7 @@ class AdapterCache:
             adapter = self._device.get(name)
             if adapter is not None:
                 self._device.move_to_end(name)
+                self.stats.hits[name] += 1
                 return adapter
             adapter, path = self._host.get(name), self.paths.get(name)
         if path is None:
@@ -144,9 +167,9 @@ class AdapterCache:
         if adapter is None:
             adapter = self._read(name, path)  # fell out of the host cache: read again
         with self._lock:
-            self._keep(self._host, name, adapter, self.max_cpu_loras, "host_evictions", protect)
-            self._keep(self._device, name, adapter, self.max_loras, "device_evictions", protect)
-            self.stats.activations += 1
+            self._keep(self._host, name, adapter, self.max_cpu_loras, "host", protect)
+            self._keep(self._device, name, adapter, self.max_loras, "device", protect)
+            self.stats.misses[name] += 1
         return adapter
 
     def active(self) -> list[str]:
@@ -162,11 +185,11 @@ class AdapterCache:
 
         adapter = load_adapter(name, path, self.layout, self.max_rank)
         with self._lock:
-            self.stats.disk_loads += 1
+            self.stats.loads[name] += 1
         log.info("LoRA adapter '%s' loaded from %s (r=%d, %d linears)", name, path, adapter.rank, len(adapter.pairs))
         return adapter
 
-    def _keep(self, cache: OrderedDict, name: str, adapter, bound: int, counter: str, protect=()) -> None:
+    def _keep(self, cache: OrderedDict, name: str, adapter, bound: int, which: str, protect=()) -> None:
         cache[name] = adapter
         cache.move_to_end(name)
         for old in list(cache):
@@ -174,7 +197,12 @@ class AdapterCache:
                 break
             if old != name and old not in protect:
                 del cache[old]
-                setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+                self.stats.evictions[which, old] += 1
+
+    def stats_copy(self) -> CacheStats:
+        """The counters now (a copy: the executor thread keeps counting)."""
+        with self._lock:
+            return self.stats.copy()
 
 
 class LoraStepEngine:
@@ -187,6 +215,7 @@ class LoraStepEngine:
 
         self.inner, self.cache = inner, cache
         self.context = attach(inner.model)
+        self.last_step: tuple[float, tuple[str, ...]] = (0.0, ())  # (unix time, adapters) of the latest step
 
     def allocate(self, num_blocks: int, tokens_per_block: int) -> None:
         self.inner.allocate(num_blocks, tokens_per_block)
@@ -214,6 +243,7 @@ class LoraStepEngine:
                 rows.setdefault(e.lora, []).extend(range(t, t + len(e.tokens)))
             t += len(e.tokens)
         groups = [(adapters[name], torch.tensor(r, dtype=torch.long)) for name, r in rows.items()]
+        self.last_step = (time.time(), tuple(rows))
         with self.context.use(groups):
             result = self.inner.step(batch)
         result.errors.update(errors)
