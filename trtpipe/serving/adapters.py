@@ -98,14 +98,17 @@ class AdapterCache:
     """Adapters by name: a bounded device cache (``max_loras``) over a bounded host cache (``max_cpu_loras``),
     each least recently used out. Thread-safe: front ends register, the executor thread activates."""
 
-    def __init__(self, base_dir: Path, max_loras: int, max_cpu_loras: int, max_rank: Optional[int] = None):
+    def __init__(
+        self, base_dir: Optional[Path], max_loras: int, max_cpu_loras: int, max_rank: Optional[int] = None, layout=None
+    ):
+        """``layout``: the base's :class:`~trtpipe.runtime.lora.BaseLayout` when given, else read from ``base_dir``."""
         from trtpipe.runtime.lora import BaseLayout
 
         if max_loras < 1 or max_cpu_loras < 1:
             raise ValueError(
                 f"LoRA caches need room for one adapter (max_loras {max_loras}, max_cpu_loras {max_cpu_loras})"
             )
-        self.layout = BaseLayout.of(Path(base_dir))
+        self.layout = layout if layout is not None else BaseLayout.of(Path(base_dir))
         self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max(max_cpu_loras, max_loras), max_rank
         self.paths: dict[str, Path] = {}
         self.ids: dict[str, int] = {}  # lora_int_id of each name (trtllm-serve's LoRARequest.adapter_id)
@@ -205,10 +208,26 @@ class AdapterCache:
             return self.stats.copy()
 
 
+def groups_of(batch, adapters: dict) -> list:
+    """(adapter, row indices) per adapter over the step's packed tokens: entry i's tokens follow entry i-1's
+    (:meth:`~trtpipe.serving.reference_engine.ReferenceEngine.packed`)."""
+    import torch
+
+    rows: dict[str, list[int]] = {}
+    t = 0
+    for e in batch.entries:
+        if e.lora is not None:
+            rows.setdefault(e.lora, []).extend(range(t, t + len(e.tokens)))
+        t += len(e.tokens)
+    return [(adapters[name], torch.tensor(r, dtype=torch.long)) for name, r in rows.items()]
+
+
 class LoraStepEngine:
     """A :class:`~trtpipe.serving.reference_engine.ReferenceEngine` whose entries each run their own adapter.
 
-    An entry whose adapter cannot be activated fails alone (its request gets the error); the others run."""
+    An entry whose adapter cannot be activated fails alone (its request gets the error); the others run. Over the
+    MPI step engine (tp/pp > 1, one process per rank) the workers attach the same adapters to their shards and follow
+    rank 0's cache decisions (:class:`RankLora`): each step's wire names every entry's adapter and its directory."""
 
     def __init__(self, inner, cache: AdapterCache):
         from trtpipe.runtime.lora import attach
@@ -216,6 +235,8 @@ class LoraStepEngine:
         self.inner, self.cache = inner, cache
         self.context = attach(inner.model)
         self.last_step: tuple[float, tuple[str, ...]] = (0.0, ())  # (unix time, adapters) of the latest step
+        if hasattr(inner, "configure_lora"):  # the MPI step engine: the workers attach theirs
+            inner.configure_lora(cache)
 
     def allocate(self, num_blocks: int, tokens_per_block: int) -> None:
         self.inner.allocate(num_blocks, tokens_per_block)
@@ -223,10 +244,9 @@ class LoraStepEngine:
     def copy_block(self, src: int, dst: int, num_tokens: int) -> None:
         self.inner.copy_block(src, dst, num_tokens)
 
-    def step(self, batch):
-        import torch
-
-        from trtpipe.serving.api import StepBatch, StepResult
+    def _prepare(self, batch):
+        """(the batch without entries whose adapter failed to activate, their errors, the step's groups)."""
+        from trtpipe.serving.api import StepBatch
 
         adapters, problems = self.cache.activate([e.lora for e in batch.entries if e.lora is not None])
         errors = {
@@ -234,20 +254,51 @@ class LoraStepEngine:
         }
         if errors:
             batch = StepBatch(batch.iteration, [e for e in batch.entries if e.request_id not in errors])
+        groups = groups_of(batch, adapters)
+        self.last_step = (time.time(), tuple(a.name for a, _ in groups))
+        return batch, errors, groups
+
+    def step(self, batch):
+        from trtpipe.serving.api import StepResult
+
+        batch, errors, groups = self._prepare(batch)
         if not batch.entries:
             return StepResult({}, 0.0, errors)
-        rows: dict[str, list[int]] = {}
-        t = 0
-        for e in batch.entries:  # packed order: entry i's tokens follow entry i-1's (ReferenceEngine.packed)
-            if e.lora is not None:
-                rows.setdefault(e.lora, []).extend(range(t, t + len(e.tokens)))
-            t += len(e.tokens)
-        groups = [(adapters[name], torch.tensor(r, dtype=torch.long)) for name, r in rows.items()]
-        self.last_step = (time.time(), tuple(rows))
         with self.context.use(groups):
             result = self.inner.step(batch)
         result.errors.update(errors)
         return result
+
+    def logits(self, batch):
+        """The inner engine's logits of a packed step, each entry under its adapter (an adapter that cannot be
+        activated raises)."""
+        batch, errors, groups = self._prepare(batch)
+        if errors:
+            raise RuntimeError("; ".join(errors.values()))
+        with self.context.use(groups):
+            return self.inner.logits(batch)
+
+
+class RankLora:
+    """A worker rank's LoRA (ranks > 0 of the MPI step engine): its shards wrapped like rank 0's, an adapter cache
+    with rank 0's bounds, fed the same activations in the same order (so the same evictions); an adapter is read
+    from the directory rank 0 names the first time a step needs it."""
+
+    def __init__(self, model, layout, max_loras: int, max_cpu_loras: int, max_rank: Optional[int]):
+        from trtpipe.runtime.lora import attach
+
+        self.cache = AdapterCache(None, max_loras, max_cpu_loras, max_rank, layout=layout)
+        self.context = attach(model)
+
+    def run(self, batch, paths: dict, forward):
+        """``forward(batch)`` with each entry's adapter applied (``paths``: name -> directory, from rank 0)."""
+        for name, path in paths.items():
+            self.cache.register(name, Path(path))
+        adapters, problems = self.cache.activate([e.lora for e in batch.entries if e.lora is not None])
+        if problems:  # rank 0 activated them: a worker that cannot ends the job (rank 0 sees the dead collective)
+            raise RuntimeError(f"LoRA on a worker rank: {problems}")
+        with self.context.use(groups_of(batch, adapters)):
+            return forward(batch)
 
 
 # --- choosing a request's adapter (the OpenAI front end) ------------------------------------------------------
