@@ -336,7 +336,7 @@ class LoraLinear(nn.Module):
             return y
         flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])  # [M, in], [M, out]
         for adapter, rows in groups:
-            pair = adapter.pair(self.key, self.rank, self.tp)
+            pair = adapter.pairs.get(self.key) if self.tp == 1 else adapter.pair(self.key, self.rank, self.tp)
             if pair is None:
                 continue
             a, b = pair.a.to(x.dtype), pair.b.to(x.dtype)
