@@ -1,4 +1,4 @@
-"""LoRA at tp 2, one process per rank under a real mpiexec: the adapters sharded with the base (row-parallel
+"""LoRA at tp 2 and tp 2 x pp 2, one process per rank under a real mpiexec: the adapters sharded with the base (row-parallel
 ``lora_A`` split along its input, every other ``lora_B`` along its output, as TensorRT-LLM's LoraManager does).
 A packed step mixing two adapters and the base: every position's logits within the float32 error of the tp 1
 model (and of peft in float64); the in-flight executor cycling four adapters through max_loras 2: greedy text
@@ -15,6 +15,7 @@ from lora_adapters import make_all, peft_model
 from numerics import assert_as_accurate, error_scale
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+LAYOUTS = [(1, 1), (2, 1), (2, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def ckpts(tmp_path_factory, stories_dir):
     from trtpipe.checkpoint.convert import convert
 
     root = tmp_path_factory.mktemp("lora_ckpt")
-    return {tp: convert(stories_dir, root / f"tp{tp}", tp=tp, dtype="float32") for tp in (1, 2)}
+    return {(tp, pp): convert(stories_dir, root / f"tp{tp}pp{pp}", tp=tp, pp=pp, dtype="float32") for tp, pp in LAYOUTS}
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +32,14 @@ def adapters(tmp_path_factory, stories_dir):
     return make_all(stories_dir, tmp_path_factory.mktemp("lora"))
 
 
-@pytest.fixture(scope="module")
-def ran(run_mpi, ckpts, stories_dir, adapters, tmp_path_factory):
+@pytest.fixture(scope="module", params=[(2, 1), (2, 2)], ids=["tp2", "tp2pp2"])
+def ran(request, run_mpi, ckpts, stories_dir, adapters, tmp_path_factory):
+    """The check run at tp 2 (2 processes) and tp 2 x pp 2 (4: every stage's shards carry their layers' adapters)."""
+    tp, pp = request.param
     tmp = tmp_path_factory.mktemp("lora_run")
     (tmp / "adapters.json").write_text(json.dumps({k: str(v) for k, v in adapters.items()}))
-    proc = run_mpi(2, "lora_check.py", ckpts[2], stories_dir, tmp / "adapters.json", tmp / "out.pt", timeout=600)
+    ckpt = ckpts[tp, pp]
+    proc = run_mpi(tp * pp, "lora_check.py", ckpt, stories_dir, tmp / "adapters.json", tmp / "out.pt", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(tmp / "out.pt", weights_only=False)
 
@@ -53,7 +57,7 @@ def test_tp2_logits_equal_tp1_within_float32_error(ran, ckpts, stories_dir, adap
     cache = AdapterCache(stories_dir, 2, 4, max_rank=64)
     for name, path in adapters.items():
         cache.register(name, path)
-    tp1 = LoraStepEngine(ReferenceEngine(load_checkpoint(ckpts[1])), cache)
+    tp1 = LoraStepEngine(ReferenceEngine(load_checkpoint(ckpts[1, 1])), cache)
     tp1.allocate(16, 8)
     loras = [names[0], names[1], None, names[0]]
     one = tp1.logits(lora_check.packed_batch(loras))
