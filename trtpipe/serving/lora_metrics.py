@@ -12,8 +12,9 @@ Names, and where they come from:
   names joined by commas), value the unix time of the step it describes. That is the label format the Gateway API
   Inference Extension's endpoint picker requires of any model server for LoRA affinity
   (kubernetes-sigs/gateway-api-inference-extension@2b934d03 ``docs/proposals/003-model-server-protocol/README.md``,
-  "LoRA Adapter Serving": metric names may differ, types and labels may not); its metric name is a flag of the
-  picker (``--lora-info-metric``), so it is exported as ``trtpipe_lora_requests_info``.
+  "LoRA Adapter Serving": metric names may differ, types and labels may not); the picker takes its name from a flag
+  (``--lora-info-metric``, "must be in vLLM label format", ``cmd/epp/runner/runner.go@e8a01172``; later releases
+  move it into the picker's config file, not read here), so it is exported as ``trtpipe_lora_requests_info``.
 - Running adapters: those of the latest step that still have requests in flight; waiting: adapters with requests in
   flight that the latest step did not run (queued, or deferred by ``max_loras``).
 - Base-model requests carry no ``lora_name``: they are the ``trtllm_*`` totals minus the sum over adapters.
