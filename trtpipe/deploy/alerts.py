@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trtpipe.deploy import acceptance
+from trtpipe.deploy import acceptance, lora_rules
 from trtpipe.deploy.layout import slo_targets
 from trtpipe.deploy.metrics import BY_TARGET, ServerMetrics, selectors
 from trtpipe.recipe.schema import Recipe
@@ -94,7 +94,7 @@ def recording_rules(recipe: Recipe, job: str, t: Timing) -> list[dict]:
     ]
     if acceptance.applies(recipe, m):
         rules += acceptance.recording_rules(m, sel, t.rate, t.drift_baseline)
-    return rules
+    return rules + lora_rules.recording_rules(recipe, job, t)
 
 
 def alert_rules(recipe: Recipe, job: str, t: Timing) -> list[dict]:
@@ -158,7 +158,7 @@ def alert_rules(recipe: Recipe, job: str, t: Timing) -> list[dict]:
     ]
     if acceptance.applies(recipe, m):
         alerts.append(acceptance.alert_rule(recipe, t.drift_baseline, t.slo_for))
-    return alerts
+    return alerts + lora_rules.alert_rules(recipe, t)
 
 
 def rule_file(recipe: Recipe, job: str, t: Timing = Timing()) -> dict:

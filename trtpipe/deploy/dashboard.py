@@ -9,6 +9,7 @@ model (``schemaVersion`` 39 as the Triton tutorials' ``grafana_inference-metrics
 
 from __future__ import annotations
 
+from trtpipe.deploy import lora_rules
 from trtpipe.deploy.alerts import metrics_of, quantile_name
 from trtpipe.deploy.layout import slo_targets
 from trtpipe.deploy.metrics import DCGM_FB_USED
@@ -45,7 +46,7 @@ def panel_specs(recipe: Recipe, job: str) -> list[tuple[str, str, list[tuple[str
             [(gpu, "{{gpu}}{{pod}}")] if DCGM_FB_USED not in gpu else [(gpu, "{{gpu}} {{Hostname}}")],
         ),
     ]
-    return out
+    return out + lora_rules.panel_specs(recipe)
 
 
 def dashboard(recipe: Recipe, job: str) -> dict:

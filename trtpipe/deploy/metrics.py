@@ -87,6 +87,17 @@ LLMAPI = ServerMetrics(
 
 BY_TARGET = {"engine": ENGINE, "llmapi": LLMAPI}
 
+# Per-adapter counters (label ``lora_name``) of the OpenAI twin (trtpipe.serving.lora_metrics writes them).
+# trtllm-serve exports no LoRA metric (tensorrt_llm/metrics/collector.py@050f80de lists none): against it the
+# per-adapter rules stay empty.
+LORA = {
+    "requests": "trtpipe_lora_request_success_total",
+    "output_tokens": "trtpipe_lora_generation_tokens_total",
+    "cache_hits": "trtpipe_lora_cache_hits_total",
+    "cache_misses": "trtpipe_lora_cache_misses_total",
+    "cache_loads": "trtpipe_lora_cache_loads_total",
+}
+
 # DCGM exporter's framebuffer use (MiB), when dcgm-exporter runs beside the servers (NVIDIA/dcgm-exporter
 # etc/default-counters.csv: DCGM_FI_DEV_FB_USED).
 DCGM_FB_USED = "DCGM_FI_DEV_FB_USED"

@@ -497,6 +497,12 @@ class DeploySection(_Section):
         description="Speculative decoding: warn when the draft acceptance rate falls under this fraction of its rate "
         "over the last 6 hours.",
     )
+    lora_cache_miss_alert: float = Field(
+        0.5,
+        gt=0.0,
+        lt=1.0,
+        description="Share of an adapter's steps that activate it into the device cache (lora.max_loras) that warns.",
+    )
     gpus_per_node: int = Field(8, ge=1, le=64, description="GPUs on each node of the GPU pool.")
     node_labels: dict[str, str] = Field(
         default_factory=dict,

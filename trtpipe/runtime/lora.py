@@ -15,7 +15,14 @@ Policy:
   two small GEMMs per adapter.
 - One step runs the base GEMM once over every packed token; each adapter's tokens are gathered, get their delta, and
   are added back (:class:`LoraLinear`): "the base GEMM once, the deltas grouped by adapter".
-- The runtime applies adapters to tp = 1 models (the OpenAI twin's HF checkpoint). A sharded model is refused.
+- At tp > 1 each rank holds its shard of every pair, split as TensorRT-LLM splits LoRA weights
+  (``tensorrt_llm/lora_manager.py@007e181b``, ``LoraManager.load_from_hf``): the row-parallel modules
+  (``attn_dense``, ``mlp_4h_to_h``) split ``lora_A`` along its input (A_r x_r per rank, summed by the layer's
+  all-reduce with the base partial), every other module splits ``lora_B`` along its output, as the base weight's rows
+  are split (:func:`shard_pair`). Upstream splits q, k and v each evenly; the fused qkv here takes the same rows the
+  base's own ``qkv`` split takes (:func:`~trtpipe.checkpoint.shard.split_linear_tensor`, KV heads replicated when
+  fewer than tp, where upstream's even split would not divide). Both the one-process model (every rank's shards)
+  and the one-process-per-rank :class:`~trtpipe.runtime.distributed.RankModel` are served.
 """
 
 from __future__ import annotations
@@ -83,6 +90,18 @@ class LoraAdapter:
     use_rslora: bool
     target_modules: tuple[str, ...]  # HF short names (q_proj, ...)
     pairs: dict[tuple[int, str], LoraPair] = field(default_factory=dict)
+    layout: Optional["BaseLayout"] = field(default=None, repr=False)
+    _shards: dict = field(default_factory=dict, repr=False)  # (layer, linear, rank, tp) -> LoraPair
+
+    def pair(self, key: tuple[int, str], rank: int = 0, tp: int = 1) -> Optional[LoraPair]:
+        """The pair of ``key`` as tp rank ``rank`` holds it (:func:`shard_pair`, computed once)."""
+        whole = self.pairs.get(key)
+        if whole is None or tp == 1:
+            return whole
+        got = self._shards.get((*key, rank, tp))
+        if got is None:
+            got = self._shards[(*key, rank, tp)] = shard_pair(whole, key[1], rank, tp, self.layout)
+        return got
 
     @property
     def scaling(self) -> float:
@@ -101,6 +120,7 @@ class BaseLayout:
     prefix: str  # "model.layers.{}."
     num_layers: int
     modules: dict[str, tuple[str, int, int, int]]  # hf module -> (trt linear, row offset, out, in)
+    heads: tuple[int, int, int] = (0, 0, 0)  # attention heads, KV heads, head size (the qkv split at tp > 1)
 
     @classmethod
     def of(cls, hf_dir: Path) -> "BaseLayout":
@@ -126,7 +146,7 @@ class BaseLayout:
                 offset += rows
         if info.is_moe:  # the experts' linears are not in this table: an adapter on them is refused
             modules = {k: v for k, v in modules.items() if not v[0].startswith("mlp.")}
-        return cls(names.prefix, info.num_layers, modules)
+        return cls(names.prefix, info.num_layers, modules, (info.num_heads, info.num_kv_heads, info.head_dim))
 
 
 def resolve_source(name: str, source: str, base_dir: Path) -> Path:
@@ -238,7 +258,7 @@ def load_adapter(name: str, path: Path, layout: BaseLayout, max_rank: Optional[i
                 f"(expected ({r}, {fan_in}) / ({out}, {r}) for r={r}): not an adapter of this model"
             )
         pieces.setdefault((layer, linear), []).append((offset, out, a, b))
-    adapter = LoraAdapter(name, Path(path), r, alpha, rslora, target_modules(name, path, layout))
+    adapter = LoraAdapter(name, Path(path), r, alpha, rslora, target_modules(name, path, layout), layout=layout)
     for key, parts in pieces.items():
         adapter.pairs[key] = _fuse(parts, layout, key[1], scaling)
     return adapter
@@ -285,6 +305,27 @@ def _fuse(parts, layout: BaseLayout, linear: str, scaling: float) -> LoraPair:
     return LoraPair(a_all, b_all, scaling)
 
 
+def shard_pair(pair: LoraPair, linear: str, rank: int, tp: int, layout: BaseLayout) -> LoraPair:
+    """Tp rank ``rank``'s part of one linear's pair: ``lora_A`` split along its input for a row-parallel linear,
+    ``lora_B`` along its output otherwise, by the rule that splits the base weight
+    (``tensorrt_llm/lora_manager.py@007e181b``: "split by row" for attn_dense / mlp_4h_to_h, "split by column"
+    else)."""
+    from trtpipe.checkpoint.quant_layouts import STYLE
+    from trtpipe.checkpoint.shard import Layout, split_linear_tensor
+
+    num_heads, num_kv_heads, head_size = layout.heads
+    split = Layout(num_heads, num_kv_heads, head_size, tp)
+    what = f"LoRA {linear} at tp {tp}"
+    if STYLE[linear] == "row":
+        return LoraPair(
+            split_linear_tensor(pair.a, "weight", "row", rank, split, what=what).contiguous(), pair.b, pair.scaling
+        )
+    style = "qkv" if linear == "attention.qkv" else STYLE[linear]
+    return LoraPair(
+        pair.a, split_linear_tensor(pair.b, "weight", style, rank, split, what=what).contiguous(), pair.scaling
+    )
+
+
 # --- applying adapters to a packed step ----------------------------------------------------------------------
 
 
@@ -308,9 +349,9 @@ class LoraLinear(nn.Module):
     """A base linear plus the deltas of the adapters in :attr:`LoraContext.groups`: the base over all tokens once,
     then per adapter ``y[rows] += (x[rows] @ A^T) @ B^T``."""
 
-    def __init__(self, base: nn.Module, key: tuple[int, str], context: LoraContext):
+    def __init__(self, base: nn.Module, key: tuple[int, str], context: LoraContext, rank: int = 0, tp: int = 1):
         super().__init__()
-        self.base, self.key, self.context = base, key, context
+        self.base, self.key, self.context, self.rank, self.tp = base, key, context, rank, tp
 
     @property
     def weight(self):  # what calibration and the loaders read off a linear
@@ -323,7 +364,7 @@ class LoraLinear(nn.Module):
             return y
         flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])  # [M, in], [M, out]
         for adapter, rows in groups:
-            pair = adapter.pairs.get(self.key)
+            pair = adapter.pairs.get(self.key) if self.tp == 1 else adapter.pair(self.key, self.rank, self.tp)
             if pair is None:
                 continue
             a, b = pair.a.to(x.dtype), pair.b.to(x.dtype)
@@ -335,20 +376,24 @@ class LoraLinear(nn.Module):
 
 
 def attach(model) -> LoraContext:
-    """Wrap every adaptable linear of a tp = 1 :class:`~trtpipe.runtime.model.ReferenceModel` in a
-    :class:`LoraLinear` sharing one :class:`LoraContext` (returned). Without groups set the model is unchanged."""
-    if model.args.tp != 1 or any(len(layer.attention) != 1 for layer in model.layers):
-        raise AdapterError(f"LoRA on the reference runtime needs tp = 1 (this model has tp = {model.args.tp})")
+    """Wrap every adaptable linear of a :class:`~trtpipe.runtime.model.ReferenceModel` (every tp rank's shard) or
+    of a :class:`~trtpipe.runtime.distributed.RankModel` (its one shard) in a :class:`LoraLinear` of that shard's tp
+    rank, sharing one :class:`LoraContext` (returned). Without groups set the model is unchanged."""
+    tp = model.args.tp
+    layout = getattr(model, "layout", None)  # a RankModel: one shard per layer, its tp rank
+    ranks = [layout.tp_rank] if layout is not None else list(range(tp))
     context = LoraContext()
     for layer in model.layers:
+        if len(layer.attention) != len(ranks):
+            raise AdapterError(f"layer {layer.layer_idx} holds {len(layer.attention)} shards for tp ranks {ranks}")
         for linear, (owner, attr) in LINEARS.items():
             if owner == "mlp" and layer.is_moe:
                 continue
-            shard = getattr(layer, owner)[0]
-            base = getattr(shard, attr)
-            if isinstance(base, LoraLinear):
-                raise AdapterError("LoRA is already attached to this model")
-            setattr(shard, attr, LoraLinear(base, (layer.layer_idx, linear), context))
+            for rank, shard in zip(ranks, getattr(layer, owner)):
+                base = getattr(shard, attr)
+                if isinstance(base, LoraLinear):
+                    raise AdapterError("LoRA is already attached to this model")
+                setattr(shard, attr, LoraLinear(base, (layer.layer_idx, linear), context, rank, tp))
     return context
 
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
-from dataclasses import dataclass
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -64,12 +65,33 @@ def within_lora_cache(chosen: list, max_loras: int) -> list:
 
 @dataclass
 class CacheStats:
-    """Counters since start: reads from disk, activations into the device cache, and what each cache evicted."""
+    """Counters per adapter name since start: reads from disk, steps that found the adapter active (hits) or had to
+    activate it into the device cache (misses), and what each cache evicted (the per-adapter series of
+    :mod:`trtpipe.serving.lora_metrics`)."""
 
-    disk_loads: int = 0
-    activations: int = 0
-    device_evictions: int = 0
-    host_evictions: int = 0
+    loads: Counter = field(default_factory=Counter)
+    hits: Counter = field(default_factory=Counter)
+    misses: Counter = field(default_factory=Counter)
+    evictions: Counter = field(default_factory=Counter)  # (cache "device" | "host", name) -> count
+
+    @property
+    def disk_loads(self) -> int:
+        return sum(self.loads.values())
+
+    @property
+    def activations(self) -> int:
+        return sum(self.misses.values())
+
+    @property
+    def device_evictions(self) -> int:
+        return sum(n for (cache, _), n in self.evictions.items() if cache == "device")
+
+    @property
+    def host_evictions(self) -> int:
+        return sum(n for (cache, _), n in self.evictions.items() if cache == "host")
+
+    def copy(self) -> "CacheStats":
+        return CacheStats(Counter(self.loads), Counter(self.hits), Counter(self.misses), Counter(self.evictions))
 
 
 class AdapterCache:
@@ -79,13 +101,14 @@ class AdapterCache:
     def __init__(
         self, base_dir: Optional[Path], max_loras: int, max_cpu_loras: int, max_rank: Optional[int] = None, layout=None
     ):
+        """``layout``: the base's :class:`~trtpipe.runtime.lora.BaseLayout` when given, else read from ``base_dir``."""
         from trtpipe.runtime.lora import BaseLayout
 
         if max_loras < 1 or max_cpu_loras < 1:
             raise ValueError(
                 f"LoRA caches need room for one adapter (max_loras {max_loras}, max_cpu_loras {max_cpu_loras})"
             )
-        self.layout = layout if layout is not None else BaseLayout.of(Path(base_dir))  # layout: the base's linears
+        self.layout = layout if layout is not None else BaseLayout.of(Path(base_dir))
         self.loaders: dict = {}  # name -> how to read it again (else a PEFT directory: load_adapter)
         self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max(max_cpu_loras, max_loras), max_rank
         self.paths: dict[str, Path] = {}
@@ -122,7 +145,7 @@ class AdapterCache:
         with self._lock:
             self.paths.setdefault(name, path)
             self.ids.setdefault(name, len(self.ids) if int_id is None else int_id)
-            self._keep(self._host, name, adapter, self.max_cpu_loras, "host_evictions")
+            self._keep(self._host, name, adapter, self.max_cpu_loras, "host")
 
     def activate(self, names: Sequence[str]) -> tuple[dict, dict[str, str]]:
         """The adapters of one step made active (at most ``max_loras`` distinct names: the executor bounds a step),
@@ -144,6 +167,7 @@ class AdapterCache:
             adapter = self._device.get(name)
             if adapter is not None:
                 self._device.move_to_end(name)
+                self.stats.hits[name] += 1
                 return adapter
             adapter, path = self._host.get(name), self.paths.get(name)
         if path is None:
@@ -151,9 +175,9 @@ class AdapterCache:
         if adapter is None:
             adapter = self._read(name, path)  # fell out of the host cache: read again
         with self._lock:
-            self._keep(self._host, name, adapter, self.max_cpu_loras, "host_evictions", protect)
-            self._keep(self._device, name, adapter, self.max_loras, "device_evictions", protect)
-            self.stats.activations += 1
+            self._keep(self._host, name, adapter, self.max_cpu_loras, "host", protect)
+            self._keep(self._device, name, adapter, self.max_loras, "device", protect)
+            self.stats.misses[name] += 1
         return adapter
 
     def active(self) -> list[str]:
@@ -185,11 +209,11 @@ class AdapterCache:
         loader = self.loaders.get(name)
         adapter = loader() if loader is not None else load_adapter(name, path, self.layout, self.max_rank)
         with self._lock:
-            self.stats.disk_loads += 1
+            self.stats.loads[name] += 1
         log.info("LoRA adapter '%s' loaded from %s (r=%d, %d linears)", name, path, adapter.rank, len(adapter.pairs))
         return adapter
 
-    def _keep(self, cache: OrderedDict, name: str, adapter, bound: int, counter: str, protect=()) -> None:
+    def _keep(self, cache: OrderedDict, name: str, adapter, bound: int, which: str, protect=()) -> None:
         cache[name] = adapter
         cache.move_to_end(name)
         for old in list(cache):
@@ -197,19 +221,43 @@ class AdapterCache:
                 break
             if old != name and old not in protect:
                 del cache[old]
-                setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+                self.stats.evictions[which, old] += 1
+
+    def stats_copy(self) -> CacheStats:
+        """The counters now (a copy: the executor thread keeps counting)."""
+        with self._lock:
+            return self.stats.copy()
+
+
+def groups_of(batch, adapters: dict) -> list:
+    """(adapter, row indices) per adapter over the step's packed tokens: entry i's tokens follow entry i-1's
+    (:meth:`~trtpipe.serving.reference_engine.ReferenceEngine.packed`)."""
+    import torch
+
+    rows: dict[str, list[int]] = {}
+    t = 0
+    for e in batch.entries:
+        if e.lora is not None:
+            rows.setdefault(e.lora, []).extend(range(t, t + len(e.tokens)))
+        t += len(e.tokens)
+    return [(adapters[name], torch.tensor(r, dtype=torch.long)) for name, r in rows.items()]
 
 
 class LoraStepEngine:
     """A :class:`~trtpipe.serving.reference_engine.ReferenceEngine` whose entries each run their own adapter.
 
-    An entry whose adapter cannot be activated fails alone (its request gets the error); the others run."""
+    An entry whose adapter cannot be activated fails alone (its request gets the error); the others run. Over the
+    MPI step engine (tp/pp > 1, one process per rank) the workers attach the same adapters to their shards and follow
+    rank 0's cache decisions (:class:`RankLora`): each step's wire names every entry's adapter and its directory."""
 
     def __init__(self, inner, cache: AdapterCache):
         from trtpipe.runtime.lora import attach
 
         self.inner, self.cache = inner, cache
         self.context = attach(inner.model)
+        self.last_step: tuple[float, tuple[str, ...]] = (0.0, ())  # (unix time, adapters) of the latest step
+        if hasattr(inner, "configure_lora"):  # the MPI step engine: the workers attach theirs
+            inner.configure_lora(cache)
 
     def allocate(self, num_blocks: int, tokens_per_block: int) -> None:
         self.inner.allocate(num_blocks, tokens_per_block)
@@ -217,10 +265,9 @@ class LoraStepEngine:
     def copy_block(self, src: int, dst: int, num_tokens: int) -> None:
         self.inner.copy_block(src, dst, num_tokens)
 
-    def step(self, batch):
-        import torch
-
-        from trtpipe.serving.api import StepBatch, StepResult
+    def _prepare(self, batch):
+        """(the batch without entries whose adapter failed to activate, their errors, the step's groups)."""
+        from trtpipe.serving.api import StepBatch
 
         adapters, problems = self.cache.activate([e.lora for e in batch.entries if e.lora is not None])
         errors = {
@@ -228,19 +275,51 @@ class LoraStepEngine:
         }
         if errors:
             batch = StepBatch(batch.iteration, [e for e in batch.entries if e.request_id not in errors])
+        groups = groups_of(batch, adapters)
+        self.last_step = (time.time(), tuple(a.name for a, _ in groups))
+        return batch, errors, groups
+
+    def step(self, batch):
+        from trtpipe.serving.api import StepResult
+
+        batch, errors, groups = self._prepare(batch)
         if not batch.entries:
             return StepResult({}, 0.0, errors)
-        rows: dict[str, list[int]] = {}
-        t = 0
-        for e in batch.entries:  # packed order: entry i's tokens follow entry i-1's (ReferenceEngine.packed)
-            if e.lora is not None:
-                rows.setdefault(e.lora, []).extend(range(t, t + len(e.tokens)))
-            t += len(e.tokens)
-        groups = [(adapters[name], torch.tensor(r, dtype=torch.long)) for name, r in rows.items()]
         with self.context.use(groups):
             result = self.inner.step(batch)
         result.errors.update(errors)
         return result
+
+    def logits(self, batch):
+        """The inner engine's logits of a packed step, each entry under its adapter (an adapter that cannot be
+        activated raises)."""
+        batch, errors, groups = self._prepare(batch)
+        if errors:
+            raise RuntimeError("; ".join(errors.values()))
+        with self.context.use(groups):
+            return self.inner.logits(batch)
+
+
+class RankLora:
+    """A worker rank's LoRA (ranks > 0 of the MPI step engine): its shards wrapped like rank 0's, an adapter cache
+    with rank 0's bounds, fed the same activations in the same order (so the same evictions); an adapter is read
+    from the directory rank 0 names the first time a step needs it."""
+
+    def __init__(self, model, layout, max_loras: int, max_cpu_loras: int, max_rank: Optional[int]):
+        from trtpipe.runtime.lora import attach
+
+        self.cache = AdapterCache(None, max_loras, max_cpu_loras, max_rank, layout=layout)
+        self.context = attach(model)
+
+    def run(self, batch, paths: dict, forward):
+        """``forward(batch)`` with each entry's adapter applied (``paths``: name -> directory, from rank 0)."""
+        for name, path in paths.items():
+            self.cache.register(name, Path(path))
+        adapters, problems = self.cache.activate([e.lora for e in batch.entries if e.lora is not None])
+        if problems:  # rank 0 activated them: a worker that cannot ends the job (rank 0 sees the dead collective)
+            raise RuntimeError(f"LoRA on a worker rank: {problems}")
+        with self.context.use(groups_of(batch, adapters)):
+            return forward(batch)
 
 
 # --- choosing a request's adapter (the OpenAI front end) ------------------------------------------------------

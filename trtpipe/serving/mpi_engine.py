@@ -23,25 +23,33 @@ from trtpipe.serving.api import SamplingParams, StepBatch, StepEntry, StepResult
 from trtpipe.serving.reference_engine import ReferenceEngine
 
 
-def _wire(batch: StepBatch) -> tuple:
-    """What the workers need of a step (no sampling state: rank 0 samples)."""
-    return batch.iteration, [
-        (
-            e.request_id,
-            list(map(int, e.tokens)),
-            int(e.start_pos),
-            list(map(int, e.block_table)),
-            bool(e.is_context),
-            bool(e.sample),
-            list(map(int, e.prompt_targets)),  # which positions need logits (prompt logprobs)
-        )
-        for e in batch.entries
-    ]
+def _wire(batch: StepBatch, lora_paths: Optional[dict] = None) -> tuple:
+    """What the workers need of a step (no sampling state: rank 0 samples); with LoRA, each entry's adapter and
+    the directories of the step's adapters (a worker reads one the first time it needs it)."""
+    names = {e.lora for e in batch.entries if e.lora is not None}
+    paths = {n: str(lora_paths[n]) for n in sorted(names)} if lora_paths is not None else {}
+    return (
+        batch.iteration,
+        paths,
+        [
+            (
+                e.request_id,
+                list(map(int, e.tokens)),
+                int(e.start_pos),
+                list(map(int, e.block_table)),
+                bool(e.is_context),
+                bool(e.sample),
+                list(map(int, e.prompt_targets)),  # which positions need logits (prompt logprobs)
+                e.lora,
+            )
+            for e in batch.entries
+        ],
+    )
 
 
 def _unwire(wire: tuple) -> StepBatch:
-    iteration, entries = wire
-    return StepBatch(iteration, [StepEntry(*e[:6], prompt_targets=e[6]) for e in entries])
+    iteration, _, entries = wire
+    return StepBatch(iteration, [StepEntry(*e[:6], prompt_targets=e[6], lora=e[7]) for e in entries])
 
 
 class RankEngine(ReferenceEngine):
@@ -61,9 +69,10 @@ TARGET, DRAFT = "target", "draft"
 
 
 def worker_loop(model: RankModel, draft: Optional[RankModel] = None) -> None:
-    """A worker rank: follow rank 0's broadcasts (allocate, step, copy), each for the target or the draft model,
-    until ``stop``."""
+    """A worker rank: follow rank 0's broadcasts (allocate, step, copy, lora), each for the target or the draft
+    model, until ``stop``. Adapters attach to the target only."""
     engines = {TARGET: RankEngine(model), **({DRAFT: RankEngine(draft)} if draft is not None else {})}
+    lora = None
     while True:
         kind, *rest = model.comm.bcast(None)
         if kind == "stop":
@@ -71,7 +80,15 @@ def worker_loop(model: RankModel, draft: Optional[RankModel] = None) -> None:
         tag, *rest = rest
         engine = engines[tag]
         if kind == "step":
-            engine.logits(_unwire(rest[0]))
+            batch = _unwire(rest[0])
+            if lora is not None and tag == TARGET:
+                lora.run(batch, rest[0][1], engine.logits)
+            else:
+                engine.logits(batch)
+        elif kind == "lora":  # rank 0 serves LoRA adapters (trtpipe.serving.adapters.LoraStepEngine)
+            from trtpipe.serving.adapters import RankLora
+
+            lora = RankLora(model, *rest)
         elif kind == "allocate":
             engine.allocate(*rest)
         elif kind == "copy":
@@ -92,6 +109,14 @@ class MpiStepEngine(RankEngine):
         self.stopped = False
         self.tag = tag
         self._lock = lock or threading.Lock()
+        self.lora_paths: Optional[dict] = None  # adapter name -> directory (the LoRA cache's), with LoRA
+
+    def configure_lora(self, cache) -> None:
+        """Serve LoRA: every worker attaches adapters to its shards with ``cache``'s bounds
+        (:class:`~trtpipe.serving.adapters.RankLora`); each step then names its adapters' directories."""
+        with self._lock:
+            self._broadcast("lora", cache.layout, cache.max_loras, cache.max_cpu_loras, cache.max_rank)
+            self.lora_paths = cache.paths
 
     def _broadcast(self, kind: str, *args) -> None:
         if self.stopped:
@@ -110,7 +135,7 @@ class MpiStepEngine(RankEngine):
 
     def logits(self, batch: StepBatch) -> torch.Tensor:
         with self._lock:
-            self._broadcast("step", _wire(batch))
+            self._broadcast("step", _wire(batch, self.lora_paths))
             return super().logits(batch)
 
     def step(self, batch: StepBatch) -> StepResult:

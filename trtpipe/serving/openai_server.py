@@ -56,7 +56,9 @@ from trtpipe.serving.api import (
     SamplingParams,
 )
 from trtpipe.serving import request_checks
+from trtpipe.serving import lora_metrics
 from trtpipe.serving.adapters import AdapterRequestError, LoraSettings, LoraStepEngine, select_adapter
+from trtpipe.serving.lora_metrics import LoraCounters
 from trtpipe.serving.config import replace_knobs, twin_default
 from trtpipe.serving.executor import Executor, ExecutorStopped, QueueFullError
 from trtpipe.serving.guided import Guide, GuidedDecoder, GuideError, GuideType, response_format_guide
@@ -206,6 +208,7 @@ class Counters:
     requests: int = 0
     running: int = 0
     hist: dict = field(default_factory=histograms)  # trtllm-serve's latency histograms
+    lora: LoraCounters = field(default_factory=LoraCounters)  # per adapter (trtpipe.serving.lora_metrics)
 
 
 class ServedModel:
@@ -513,7 +516,7 @@ class Generation:
         stop_token_ids: tuple = (),
         include_stop: bool = False,
     ):
-        self.served, self.prompt, self.stops = served, prompt, stops
+        self.served, self.prompt, self.stops, self.lora = served, prompt, stops, lora
         self.stop_token_ids, self.include_stop = frozenset(stop_token_ids), include_stop
         self.logprobs: list = []  # TokenLogprob per token of ids (with logprobs)
         self.prompt_logprobs: Optional[list] = None  # per prompt token, None first (with prompt_logprobs)
@@ -978,6 +981,7 @@ class OpenAIServer:
         outs = [_choice_output(out) for _ in gens] if chat else [None] * len(gens)
         self.counters.requests += 1
         self.counters.running += 1
+        self.counters.lora.begin(lora)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         try:
@@ -992,6 +996,7 @@ class OpenAIServer:
             raise
         finally:
             self.counters.running -= 1
+            self.counters.lora.end(lora)
             for g in gens:
                 self._account(g)
         choices, answered = [], []
@@ -1197,6 +1202,7 @@ class OpenAIServer:
     def _account(self, g: Generation) -> None:
         """Per-request metrics as trtllm-serve logs them (TPOT = decode time / (tokens - 1))."""
         c = self.counters
+        c.lora.account(g.lora, g.failed, g.finish, len(g.prompt), g.completion_tokens)
         if g.failed:
             c.errors += 1
             return
@@ -1287,6 +1293,9 @@ class OpenAIServer:
         ]
         if self.served.guided is not None:
             lines += self.served.guided.prometheus_lines(labels)
+        if self.served.adapters is not None:
+            engine = self.served.executor.core.engine
+            lines += lora_metrics.prometheus_lines(c.lora, engine, labels, self.served.config.max_loras)
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
