@@ -15,8 +15,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from trtpipe.serving.reasoning import reasoning_parser
-from trtpipe.serving.tool_calls import ToolCall, ToolCallStream, new_call_id, tool_parser
+from trtpipe.serving.reasoning import RAW_SPECIAL_TOKENS, reasoning_parser
+from trtpipe.serving.tool_calls import ToolCall, ToolCallStream, new_call_id, tool_format, tool_parser
 
 
 class ToolRequestError(ValueError):
@@ -94,6 +94,12 @@ def tool_request(body: dict, parser: Optional[str]) -> Optional[ToolRequest]:
             "tool_choice",
         )
     return req
+
+
+def raw_special_tokens(tool: Optional[str], reasoning: Optional[str]) -> bool:
+    """Whether a server with these parsers decodes chat answers with their special tokens (harmony's markers are
+    special tokens of gpt-oss's vocabulary; trtllm-serve reads them from the token ids)."""
+    return bool(tool and tool_format(tool).raw_special_tokens) or reasoning in RAW_SPECIAL_TOKENS
 
 
 # tool parser -> xgrammar's builtin structural tag of the same output format (get_model_structural_tag)
