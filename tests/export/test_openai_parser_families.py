@@ -78,6 +78,22 @@ FAMILIES = {
         [],
         None,  # DeepSeek-V3's default (deepseek-r1 would read the constrained calls as reasoning: no </think>)
     ),
+    "deepseekv3.1": (
+        [
+            "<｜tool▁calls▁begin｜>",
+            "<｜tool▁calls▁end｜>",
+            "<｜tool▁call▁begin｜>",
+            "<｜tool▁call▁end｜>",
+            "<｜tool▁sep｜>",
+        ],
+        [],
+        None,
+    ),
+    "deepseek_v32": (
+        ["<｜DSML｜function_calls>", "</｜DSML｜function_calls>", "<｜DSML｜invoke", "</｜DSML｜invoke>"],
+        [],
+        None,
+    ),
     "harmony": ([], HARMONY, "gpt_oss"),
 }
 
@@ -181,6 +197,10 @@ FORCED_CALL = {  # one call of get_weather in the family's own format, as its mo
     rf"<\|tool_call_argument_begin\|>{ARGS}<\|tool_call_end\|><\|tool_calls_section_end\|>",
     "deepseekv3": f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{ARGS}\n```"
     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    "deepseekv3.1": f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{ARGS}<｜tool▁call▁end｜>"
+    "<｜tool▁calls▁end｜>",
+    "deepseek_v32": f'<｜DSML｜function_calls><｜DSML｜invoke name="get_weather">{ARGS}</｜DSML｜invoke>'
+    "</｜DSML｜function_calls>",
     "harmony": rf"<\|channel\|>commentary to=functions\.get_weather <\|constrain\|>json<\|message\|>{ARGS}<\|call\|>",
 }
 

@@ -118,12 +118,11 @@ def test_the_twin_runs_what_trtllm_serve_would():
 
 
 def test_every_parser_trtllm_serve_runs_is_run_by_the_twin():
-    """No name the artifacts can carry into trtllm-serve (by flag or by itself) is answered unsplit by the twin,
-    except the two DeepSeek formats not ported yet, which the twin names when it starts."""
+    """No name the artifacts can carry into trtllm-serve (by flag or by itself) is answered unsplit by the twin."""
     from trtpipe.serving.reasoning import PARSERS as REASONING
     from trtpipe.serving.tool_calls import FORMATS
 
     for kind, table, twin in (("tool", TOOL_PARSERS, FORMATS), ("reasoning", REASONING_PARSERS, REASONING)):
         for p in table:
             assert p.twin == ((p.trtllm or p.name) in twin), (kind, p.name)
-    assert [p.name for p in TOOL_PARSERS if (p.trtllm or p.builtin) and not p.twin] == ["deepseekv3.1", "deepseek_v32"]
+    assert all(p.twin for p in TOOL_PARSERS + REASONING_PARSERS if p.trtllm or p.builtin)

@@ -1,7 +1,8 @@
 """The twin's tool and reasoning parsers on upstream-format texts, against the output upstream's own tests expect.
 
-Qwen3, Qwen3-Coder, Kimi-K2 and DeepSeek-V3 cases are TensorRT-LLM's (``TestQwen3ToolParser``,
-``TestQwen3CoderToolParser``, ``TestKimiK2ToolParser``, ``TestDeepSeekV3Parser`` in
+Qwen3, Qwen3-Coder, Kimi-K2 and DeepSeek-V3 / V3.1 / V3.2 cases are TensorRT-LLM's (``TestQwen3ToolParser``,
+``TestQwen3CoderToolParser``, ``TestKimiK2ToolParser``, ``TestDeepSeekV3Parser``, ``TestDeepSeekV31Parser``,
+``TestDeepSeekV32Parser`` in
 ``tests/unittest/llmapi/apps/test_tool_parsers.py``, NVIDIA/TensorRT-LLM, the revision whose imports are the six
 parsers of ``tool_parser_factory.py@34eff6ae``; the code index did not give its commit). Where that revision expects
 a call to an undefined function dropped and the ported ``parse_base_json`` (``base_tool_parser.py@01bf1923``) keeps
@@ -251,6 +252,65 @@ DSV3_CASES = [
     ),
 ]
 
+
+def dsv31_call(name: str, args: str) -> str:
+    return f"{D_CB}{name}{D_SEP}{args}{D_CE}"
+
+
+DSV31_CASES = [
+    (  # detect_and_parse_single_tool: the text is stripped
+        f"Intro {D_SB}{dsv31_call('get_weather', json.dumps({'location': 'Tokyo'}))}{D_SE}",
+        "Intro",
+        [("get_weather", {"location": "Tokyo"})],
+    ),
+    (  # detect_and_parse_multiple_tools
+        f"{D_SB}{dsv31_call('get_weather', json.dumps({'location': 'Paris'}))}"
+        f"{D_SB}{dsv31_call('search_web', json.dumps({'query': 'AI'}))}{D_SE}",
+        "",
+        [("get_weather", {"location": "Paris"}), ("search_web", {"query": "AI"})],
+    ),
+    (  # detect_and_parse_malformed_tool: the whole text is content
+        f"{D_SB}{D_CB}get_weather{D_SEP}{{'location':'Paris'}}{D_CE}{D_SE}",
+        f"{D_SB}{D_CB}get_weather{D_SEP}{{'location':'Paris'}}{D_CE}{D_SE}",
+        [],
+    ),
+    (  # detect_and_parse_with_parameters_key
+        f"{D_SB}{dsv31_call('search_web', json.dumps({'parameters': {'query': 'TensorRT'}}))}{D_SE}",
+        "",
+        [("search_web", {"parameters": {"query": "TensorRT"}})],
+    ),
+]
+
+DSML = "｜DSML｜"
+DSV32_CASES = [
+    (  # detect_and_parse_single_tool
+        f'Normal text<{DSML}function_calls> <{DSML}invoke name="get_weather"> <{DSML}parameter name="location" '
+        f'string="true">NYC</{DSML}parameter> </{DSML}invoke> </{DSML}function_calls>',
+        "Normal text",
+        [("get_weather", {"location": "NYC"})],
+    ),
+    (  # detect_and_parse_multiple_tools: parameter tags, then a JSON body
+        f'<{DSML}function_calls> <{DSML}invoke name="get_weather"> <{DSML}parameter name="location" string="true">'
+        f'NYC</{DSML}parameter> </{DSML}invoke> <{DSML}invoke name="search_web"> {{ "query": "AI" }} </{DSML}invoke>'
+        f" </{DSML}function_calls>",
+        "",
+        [("get_weather", {"location": "NYC"}), ("search_web", {"query": "AI"})],
+    ),
+    (  # detect_and_parse_malformed_tool: "|" for "｜", no call
+        '<|DSML|function_calls> <|DSML|invoke name="get_weather"> <|DSML|parameter name="location" string="true">'
+        "NYC</|DSML|parameter> </|DSML|invoke> </|DSML|function_calls>",
+        '<|DSML|function_calls> <|DSML|invoke name="get_weather"> <|DSML|parameter name="location" string="true">'
+        "NYC</|DSML|parameter> </|DSML|invoke> </|DSML|function_calls>",
+        [],
+    ),
+    (  # a non-string parameter is JSON
+        f'<{DSML}function_calls><{DSML}invoke name="search_web"><{DSML}parameter name="n" string="false">[1, 2]'
+        f"</{DSML}parameter></{DSML}invoke></{DSML}function_calls>",
+        "",
+        [("search_web", {"n": [1, 2]})],
+    ),
+]
+
 HARMONY_CASES = [
     (  # Dynamo's case_1_single_call
         '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"location":"SF"}<|call|>',
@@ -269,7 +329,14 @@ HARMONY_CASES = [
 
 @pytest.mark.parametrize(
     "name, cases",
-    [("qwen3_coder", CODER_CASES), ("kimi_k2", KIMI_CASES), ("deepseekv3", DSV3_CASES), ("harmony", HARMONY_CASES)],
+    [
+        ("qwen3_coder", CODER_CASES),
+        ("kimi_k2", KIMI_CASES),
+        ("deepseekv3", DSV3_CASES),
+        ("deepseekv3.1", DSV31_CASES),
+        ("deepseek_v32", DSV32_CASES),
+        ("harmony", HARMONY_CASES),
+    ],
 )
 def test_ported_tool_parsers_whole_and_streamed(name, cases):
     test_tool_parsers_give_upstreams_expected_output(name, cases)

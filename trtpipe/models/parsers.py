@@ -61,8 +61,8 @@ TOOL_PARSERS: tuple[Parser, ...] = (
     Parser("qwen3_coder", "qwen3_coder", "qwen3_coder", twin=True),
     Parser("kimi_k2", "kimi_k2", "kimi_k2", twin=True),
     Parser("deepseekv3", "deepseekv3", "deepseek_v3", twin=True),
-    Parser("deepseekv3.1", "deepseekv3.1", "deepseek_v3_1"),
-    Parser("deepseek_v32", "deepseek_v32", "deepseek_v3_2"),
+    Parser("deepseekv3.1", "deepseekv3.1", "deepseek_v3_1", twin=True),
+    Parser("deepseek_v32", "deepseek_v32", "deepseek_v3_2", twin=True),
     Parser("llama3_json", None, "llama3_json", twin=True),
     Parser("harmony", None, "harmony", twin=True, builtin=True),
 )

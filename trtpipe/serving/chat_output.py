@@ -109,6 +109,8 @@ XGRAMMAR_FORMATS = {
     "qwen3_coder": "qwen_3_coder",
     "kimi_k2": "kimi",
     "deepseekv3": "deepseek_r1",
+    "deepseekv3.1": "deepseek_v3_1",
+    "deepseek_v32": "deepseek_v3_2",
     "harmony": "harmony",
     "llama3_json": "llama",
 }

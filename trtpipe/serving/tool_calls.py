@@ -23,6 +23,14 @@ whole-output ``parse`` ported from the server that defines the name, and the mar
   <｜tool▁call▁end｜>...``. ``DeepSeekV3Parser.detect_and_parse`` (``deepseekv3_parser.py@205f8c25``): content is
   the text before the section marker, stripped; a call whose JSON does not parse fails them all: the whole text is
   then content, with no calls.
+- ``deepseekv3.1``: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>...``.
+  ``DeepSeekV31Parser.detect_and_parse`` (``deepseekv31_parser.py@1262edbc``): as ``deepseekv3``, without the
+  ``function`` prefix and the JSON code fence.
+- ``deepseek_v32`` (DeepSeek-V3.2's DSML): ``<｜DSML｜function_calls><｜DSML｜invoke name="NAME"><｜DSML｜parameter
+  name="KEY" string="true|false">VALUE</｜DSML｜parameter>...</｜DSML｜invoke></｜DSML｜function_calls>``, or a JSON
+  object as the invoke's body. ``DeepSeekV32Parser.detect_and_parse`` (``deepseekv32_parser.py@0c8de69a``):
+  content is the text before the section, stripped; only the first complete section is read; a ``string="true"``
+  value is the stripped text, any other JSON (else the text).
 - ``harmony`` (gpt-oss): ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{json}<|call|>``, the
   form Dynamo's ``harmony`` parser reads (ai-dynamo/dynamo ``lib/parsers/src/tool_calling/test_cases/fixtures/
   harmony.rs@9c29c8ec``) and the gpt_oss reasoning parser (:mod:`trtpipe.serving.harmony`) hands on. A call is
@@ -34,7 +42,7 @@ whole-output ``parse`` ported from the server that defines the name, and the mar
   is the calls, or it is content.
 
 Undefined functions: ``parse_base_json`` at ``base_tool_parser.py@01bf1923`` keeps a call to a function no tool
-has (and logs it), so ``qwen3``, ``qwen3_coder`` and ``deepseekv3`` keep it; ``kimi_k2`` drops it in its own code.
+has (and logs it), so ``qwen3``, ``qwen3_coder`` and the three DeepSeek formats keep it; ``kimi_k2`` drops it in its own code.
 UNCONFIRMED for the 1.2 release: upstream's test file of the same parsers (``tests/unittest/llmapi/apps/
 test_tool_parsers.py``, the revision whose imports match ``tool_parser_factory.py@34eff6ae``) expects such calls
 dropped by every parser, so 1.2's ``parse_base_json`` may drop them.
@@ -227,6 +235,74 @@ def parse_deepseekv3(text: str, tool_names: set[str]) -> tuple[str, list[ToolCal
     return text[:idx].strip(), calls
 
 
+# --- deepseekv3.1 ------------------------------------------------------------------------------------------------
+
+_DSV31_DETAIL = re.compile(r"<｜tool▁call▁begin｜>(.*)<｜tool▁sep｜>(.*)<｜tool▁call▁end｜>", re.DOTALL)
+
+
+def parse_deepseekv31(text: str, tool_names: set[str]) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a whole output in DeepSeek-V3.1's format: one bad call makes it all content."""
+    idx = text.find(DSV3_BEGIN)
+    if idx == -1:
+        return text, []
+    calls = []
+    for block in _DSV3_CALL.findall(text):
+        detail = _DSV31_DETAIL.search(block)
+        try:
+            args = json.loads(detail.group(2)) if detail else None
+        except json.JSONDecodeError:
+            args = None
+        if detail is None or args is None:
+            log.warning("a DeepSeek-V3.1 tool call does not parse: the output is content (%s)", block[:200])
+            return text, []
+        calls.extend(_calls_of({"name": detail.group(1), "parameters": args}, tool_names))
+    return text[:idx].strip(), calls
+
+
+# --- deepseek_v32 ------------------------------------------------------------------------------------------------
+
+DSML_BEGIN, DSML_END = "<｜DSML｜function_calls>", "</｜DSML｜function_calls>"
+_DSML_SECTION = re.compile(r"<｜DSML｜function_calls>(.*?)</｜DSML｜function_calls>", re.DOTALL)
+_DSML_INVOKE = re.compile(r'<｜DSML｜invoke\s+name="([^"]+)"\s*>(.*?)</｜DSML｜invoke>', re.DOTALL)
+_DSML_PARAMETER = re.compile(
+    r'<｜DSML｜parameter\s+name="([^"]+)"\s+string="([^"]+)"\s*>(.*?)</｜DSML｜parameter>', re.DOTALL
+)
+
+
+def _dsml_parameters(body: str) -> dict:
+    """An invoke's arguments: its body as a JSON object, else its parameter tags."""
+    stripped = body.strip()
+    if stripped.startswith("{") and stripped.endswith("}"):
+        try:
+            params = json.loads(stripped)
+            if isinstance(params, dict):
+                return params
+        except ValueError:
+            pass
+    params = {}
+    for name, is_string, value in _DSML_PARAMETER.findall(body):
+        if is_string == "true":
+            params[name] = value.strip()
+            continue
+        try:
+            params[name] = json.loads(value.strip())
+        except ValueError:
+            params[name] = value.strip()
+    return params
+
+
+def parse_deepseek_v32(text: str, tool_names: set[str]) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a whole output in DeepSeek-V3.2's DSML format."""
+    idx = text.find(DSML_BEGIN)
+    if idx == -1:
+        return text, []
+    section = _DSML_SECTION.search(text)
+    calls = []
+    for name, body in _DSML_INVOKE.findall(section.group(1)) if section else []:
+        calls.extend(_calls_of({"name": name, "parameters": _dsml_parameters(body)}, tool_names))
+    return text[:idx].strip(), calls
+
+
 # --- harmony -----------------------------------------------------------------------------------------------------
 
 HARMONY_BEGIN, HARMONY_CALL = "<|channel|>commentary to=functions.", "<|call|>"
@@ -313,6 +389,8 @@ FORMATS: dict[str, ToolFormat] = {
     "qwen3_coder": ToolFormat(parse_qwen3_coder, (CODER_BEGIN,), CODER_END),
     "kimi_k2": ToolFormat(parse_kimi_k2, (KIMI_BEGIN,), KIMI_CALL_END),
     "deepseekv3": ToolFormat(parse_deepseekv3, (DSV3_BEGIN,), None, strip=True),
+    "deepseekv3.1": ToolFormat(parse_deepseekv31, (DSV3_BEGIN,), None, strip=True),
+    "deepseek_v32": ToolFormat(parse_deepseek_v32, (DSML_BEGIN,), DSML_END, strip=True),
     "harmony": ToolFormat(parse_harmony, (HARMONY_BEGIN,), HARMONY_CALL, raw_special_tokens=True),
     "llama3_json": ToolFormat(parse_llama3_json, holds=_llama3_holds),
 }
