@@ -308,6 +308,7 @@ def llg_decoder(tokenizer):
     return GuidedDecoder.from_tokenizer("llguidance", tokenizer, VOCAB)
 
 
+@pytest.mark.slow  # ~8 s: transformers generates once per schema
 def test_llguidance_greedy_equals_transformers_with_llguidance(synthetic, llg_decoder, tokenizer):
     """The llguidance backend, through the same matcher interface: greedy equals transformers + llguidance's own
     mask token for token, on every schema in one in-flight batch. (Not the xgrammar path's tokens: the two
