@@ -398,3 +398,14 @@ def test_gpt_oss_then_harmony_tool_parser_gives_the_call():
     split = reasoning_parser("gpt_oss").parse(text)
     content, calls = tool_parser("harmony")(split.content, {"get_system_health"})
     assert (split.reasoning_content, content, calls_of(calls)) == (HEALTH_R, "", [("get_system_health", {})])
+
+
+def test_harmony_recipient_before_the_channel_is_the_same_call():
+    """Harmony lets the recipient come first in a header (``<|start|>assistant to=functions.NAME<|channel|>
+    commentary json<|message|>``), as xgrammar's harmony tag also allows: the same call."""
+    text = (
+        '<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"a":1}<|call|>'
+    )
+    split = reasoning_parser("gpt_oss").parse(text)
+    content, calls = tool_parser("harmony")(split.content, TOOLS)
+    assert (split.reasoning_content, content, calls_of(calls)) == ("", "", [("get_weather", {"a": 1})])
