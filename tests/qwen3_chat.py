@@ -18,16 +18,18 @@ SPECIAL = ["<|im_start|>", "<|im_end|>"]
 MARKERS = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
 
 
-def make_qwen3_chat(out: Path, seed: int = 0) -> Path:
-    """Write the model directory ``out`` and return it."""
+def make_qwen3_chat(out: Path, seed: int = 0, markers=MARKERS, special_markers=()) -> Path:
+    """Write the model directory ``out`` and return it. ``markers`` are added as plain tokens (decoding keeps them),
+    ``special_markers`` as special tokens (as gpt-oss's harmony markers are): another family's output format on the
+    same template and weights."""
     from tokenizers import AddedToken
     from transformers import AutoTokenizer
 
     from trtpipe.models.synthetic import make_synthetic
 
     tok = AutoTokenizer.from_pretrained(str(REPO / "models" / "stories260k"))
-    tok.add_special_tokens({"additional_special_tokens": SPECIAL})
-    tok.add_tokens([AddedToken(m, normalized=False, special=False) for m in MARKERS])
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL + list(special_markers)})
+    tok.add_tokens([AddedToken(m, normalized=False, special=False) for m in markers])
     tok.chat_template = TEMPLATE.read_text()
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     tok.eos_token = "<|im_end|>"

@@ -213,3 +213,41 @@ def test_guided_decoding_off_refuses_a_guide(synthetic_dir):
             c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                       response_format={"type": "json_object"})  # fmt: skip
     served.shutdown()
+
+
+def test_llguidance_backend_answers_valid_json_schema_outputs(synthetic_dir):
+    """A server started with guided_decoding_backend: llguidance: every schema, 4 seeds, each answer that ends
+    (finish_reason stop; llguidance, like xgrammar, lets whitespace run on, so a random model may reach max_tokens)
+    a valid strict RFC 8259 document; a structural tag is refused with 400 (llguidance takes none, as upstream)."""
+    import openai
+    from openai import OpenAI
+
+    from trtpipe.serving.config import twin_default
+    from trtpipe.serving.openai_server import OpenAIServer, ServedModel
+
+    pytest.importorskip("llguidance")
+    config = dataclasses.replace(twin_default(256), guided_decoding_backend="llguidance")
+    served = ServedModel(synthetic_dir, NAME, config, chat_template=TEMPLATE)
+    with serve_in_thread(OpenAIServer(served).app) as url:
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        ended = 0
+        for schema in SCHEMAS.values():
+            fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+            for seed in range(4):
+                r = client.chat.completions.create(
+                    model=NAME,
+                    messages=[{"role": "user", "content": "Tell me about Lily."}],
+                    max_tokens=200,
+                    temperature=1.0,
+                    seed=seed,
+                    response_format=fmt,
+                )
+                if r.choices[0].finish_reason == "stop":
+                    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+                    ended += 1
+        assert ended >= 2 * len(SCHEMAS), ended
+        tag = {"type": "structural_tag", "format": {"type": "const_string", "value": "x"}}
+        with pytest.raises(openai.BadRequestError, match="structural_tag"):
+            client.chat.completions.create(
+                model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, response_format=tag
+            )

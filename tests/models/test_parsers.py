@@ -107,3 +107,22 @@ def test_the_twin_runs_what_trtllm_serve_would():
     assert qwen == {"tool_parser": "qwen3", "reasoning_parser": "qwen3"}
     llama = {k: twin_parser(p) for k, p in served_parsers(load_recipe(STORIES)).items()}
     assert llama == {"tool_parser": None, "reasoning_parser": None}  # llama3_json is Dynamo's, not trtllm-serve's
+    # every parser a generated deployment runs, the twin runs too (gpt-oss's: trtllm-serve's harmony adapter)
+    for recipe, expected in [
+        ("gpt-oss-20b-mxfp4", {"tool_parser": "harmony", "reasoning_parser": "gpt_oss"}),
+        ("kimi-k2-instruct-fp8", {"tool_parser": "kimi_k2", "reasoning_parser": None}),
+        ("deepseek-r1-0528-fp8", {"tool_parser": "deepseekv3", "reasoning_parser": "deepseek-r1"}),
+    ]:
+        got = {k: twin_parser(p) for k, p in served_parsers(load_recipe(REPO / "recipes" / f"{recipe}.yaml")).items()}
+        assert got == expected, recipe
+
+
+def test_every_parser_trtllm_serve_runs_is_run_by_the_twin():
+    """No name the artifacts can carry into trtllm-serve (by flag or by itself) is answered unsplit by the twin."""
+    from trtpipe.serving.reasoning import PARSERS as REASONING
+    from trtpipe.serving.tool_calls import FORMATS
+
+    for kind, table, twin in (("tool", TOOL_PARSERS, FORMATS), ("reasoning", REASONING_PARSERS, REASONING)):
+        for p in table:
+            assert p.twin == ((p.trtllm or p.name) in twin), (kind, p.name)
+    assert all(p.twin for p in TOOL_PARSERS + REASONING_PARSERS if p.trtllm or p.builtin)

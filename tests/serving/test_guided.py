@@ -19,7 +19,6 @@ from trtpipe.serving.guided import (
     GuidedDecodingParams,
     GuideError,
     GuideType,
-    tokenizer_info,
     upstream_tokenizer_info,
 )
 from trtpipe.serving.reference_engine import ReferenceEngine
@@ -110,10 +109,10 @@ def test_triton_guide_names():
         Guide.of("regex", "")
 
 
-def test_llguidance_refused_in_one_line(tokenizer):
-    with pytest.raises(ValueError, match="llguidance.*set serving.guided_decoding_backend: xgrammar"):
-        GuidedDecoder.from_tokenizer("llguidance", tokenizer, VOCAB)
+def test_no_backend_is_no_decoder_and_an_unknown_one_is_refused(tokenizer):
     assert GuidedDecoder.from_tokenizer(None, tokenizer, VOCAB) is None
+    with pytest.raises(ValueError, match="'outlines' is not one of xgrammar, llguidance"):
+        GuidedDecoder.from_tokenizer("outlines", tokenizer, VOCAB)
 
 
 def test_upstream_tokenizer_info_gives_xgrammars_own_masks(tokenizer):
@@ -121,7 +120,7 @@ def test_upstream_tokenizer_info_gives_xgrammars_own_masks(tokenizer):
     allows exactly what xgrammar's own TokenizerInfo.from_huggingface allows, along a random walk of allowed tokens."""
     data = json.loads(json.dumps(upstream_tokenizer_info(tokenizer)))  # through the file format
     assert data["stop_token_ids"] == [EOS] and len(data["encoded_vocab"]) == VOCAB
-    ours = GuidedDecoder("xgrammar", tokenizer_info(data, VOCAB)).matcher(_schema_guide(SCHEMAS["nested"]))
+    ours = GuidedDecoder("xgrammar", data, VOCAB).matcher(_schema_guide(SCHEMAS["nested"]))
     theirs = xgr.GrammarMatcher(hf_compiled(tokenizer, VOCAB, SCHEMAS["nested"]))
     mask = xgr.allocate_token_bitmask(1, VOCAB)
     g = torch.Generator().manual_seed(0)
@@ -298,3 +297,108 @@ def test_sampled_outputs_are_valid(synthetic, decoder, tokenizer):
         assert r.finish_reason == FinishReason.END_ID, tokenizer.decode(r.tokens)
         doc, _ = parse_strictly_or_note(tokenizer.decode(r.tokens))
         jsonschema.validate(doc, schema)
+
+
+# ---- the llguidance backend ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llg_decoder(tokenizer):
+    pytest.importorskip("llguidance")
+    return GuidedDecoder.from_tokenizer("llguidance", tokenizer, VOCAB)
+
+
+@pytest.mark.slow  # ~8 s: transformers generates once per schema
+def test_llguidance_greedy_equals_transformers_with_llguidance(synthetic, llg_decoder, tokenizer):
+    """The llguidance backend, through the same matcher interface: greedy equals transformers + llguidance's own
+    mask token for token, on every schema in one in-flight batch. (Not the xgrammar path's tokens: the two
+    backends' JSON grammars admit different whitespace and token splits, so their greedy walks part.)"""
+    model, hf64 = synthetic
+    prompt = tokenizer.encode(PROMPT_TEXT)
+    n = 150
+    reqs = [
+        Request(prompt, n, end_id=EOS, exclude_input_from_output=True, guide=_schema_guide(s)) for s in SCHEMAS.values()
+    ]
+    out = _serve(model, llg_decoder, reqs)
+    completed = 0
+    for (name, schema), r in zip(SCHEMAS.items(), out):
+        assert not r.has_error, r.error
+        why = check_guided_greedy(model, hf64, tokenizer, VOCAB, prompt, schema, r.tokens, n, EOS, "llguidance")
+        assert why == "", name
+        if r.finish_reason == FinishReason.END_ID:
+            completed += 1
+            jsonschema.validate(json.loads(tokenizer.decode(r.tokens)), schema)
+    assert completed >= 2
+
+
+def test_llguidance_sampled_outputs_are_valid(synthetic, llg_decoder, tokenizer):
+    """Sampled outputs that end by the grammar are valid against their schema, 100 %, and strict JSON."""
+    model, _ = synthetic
+    prompt = tokenizer.encode(PROMPT_TEXT)
+    reqs, schemas = [], []
+    for schema in SCHEMAS.values():
+        for seed in range(6):
+            reqs.append(
+                Request(
+                    prompt,
+                    200,
+                    end_id=EOS,
+                    exclude_input_from_output=True,
+                    sampling=SamplingParams(1.0, 0, 1.0, seed),
+                    guide=_schema_guide(schema),
+                )
+            )
+            schemas.append(schema)
+    out = _serve(model, llg_decoder, reqs)
+    ended = 0
+    for r, schema in zip(out, schemas):
+        assert not r.has_error and r.finish_reason in (FinishReason.END_ID, FinishReason.LENGTH), r.error
+        if r.finish_reason == FinishReason.END_ID:
+            ended += 1
+            jsonschema.validate(json.loads(tokenizer.decode(r.tokens)), schema)
+    assert ended >= len(reqs) // 2, ended
+
+
+@pytest.mark.parametrize(
+    "guide, check",
+    [
+        (Guide(GuideType.REGEX, r"[a-z]{2,5}-[0-9]{3}"), lambda s: re.fullmatch(r"[a-z]{2,5}-[0-9]{3}", s)),
+        (Guide(GuideType.EBNF_GRAMMAR, 'start: ("yes" | "no") "!"'), lambda s: s in ("yes!", "no!")),  # Lark
+        (Guide(GuideType.JSON), lambda s: isinstance(json.loads(s), dict)),
+    ],
+    ids=["regex", "lark", "json_object"],
+)
+def test_llguidance_guide_types(synthetic, llg_decoder, tokenizer, guide, check):
+    model, _ = synthetic
+    prompt = tokenizer.encode(PROMPT_TEXT)
+    reqs = [
+        Request(
+            prompt,
+            120,
+            end_id=EOS,
+            exclude_input_from_output=True,
+            guide=guide,
+            sampling=SamplingParams(1.0, 0, 1.0, s),
+        )
+        for s in range(4)
+    ]
+    ended = 0
+    for r in _serve(model, llg_decoder, reqs):
+        assert not r.has_error and r.finish_reason in (FinishReason.END_ID, FinishReason.LENGTH), r.error
+        if r.finish_reason == FinishReason.END_ID:
+            ended += 1
+            assert check(tokenizer.decode(r.tokens)), tokenizer.decode(r.tokens)
+    assert ended >= 1
+
+
+def test_llguidance_refuses_a_structural_tag_and_a_bad_guide(model_tp1, llg_decoder, tokenizer):
+    prompt = tokenizer.encode(PROMPT_TEXT)
+    tag = Guide(
+        GuideType.STRUCTURAL_TAG, '{"type": "structural_tag", "format": {"type": "const_string", "value": "x"}}'
+    )
+    bad = Guide(GuideType.REGEX, "([a-z")
+    good = Request(prompt, 4, end_id=EOS, exclude_input_from_output=True)
+    out = _serve(model_tp1, llg_decoder, [Request(prompt, 4, guide=tag), good, Request(prompt, 4, guide=bad)])
+    assert out[0].error_kind is ErrorKind.INVALID and "takes no structural_tag guide" in out[0].error
+    assert out[2].error_kind is ErrorKind.INVALID and "invalid regex guide" in out[2].error
+    assert not out[1].has_error and len(out[1].tokens) == 4

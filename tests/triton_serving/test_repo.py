@@ -406,6 +406,6 @@ def test_guided_decoding_backend_and_tokenizer_info_reach_the_tensorrt_llm_model
         json_format.MessageToDict(config, preserving_proto_field_name=True), str(repo / "tensorrt_llm")
     )
     assert settings.executor.guided_decoding_backend == "xgrammar"
-    assert guided_decoder(settings).info.vocab_size == settings.vocab_size
+    assert guided_decoder(settings).vocab_size == settings.vocab_size
     ensemble = {i.name for i in R.ensemble_config(stories_recipe()).input}
     assert {"guided_decoding_guide_type", "guided_decoding_guide"} <= ensemble

@@ -116,13 +116,14 @@ def resolve_openai_target(
 
 def twin_parser(parser) -> Optional[str]:
     """The name the twin runs a deployment's parser by: trtllm-serve's (the twin stands in for it), when
-    trtllm-serve has the parser and the twin implements it; otherwise none, as trtllm-serve would run none."""
-    if parser is None or parser.trtllm is None:
+    trtllm-serve has the parser (by flag, or by itself for the family: gpt-oss's harmony) and the twin implements
+    it; otherwise none, as trtllm-serve would run none."""
+    if parser is None or (parser.trtllm is None and not parser.builtin):
         return None
     if not parser.twin:
         log.warning("the OpenAI twin does not run the %s parser: answers are not split by it", parser.name)
         return None
-    return parser.trtllm
+    return parser.trtllm or parser.name
 
 
 def serve_foreground(t: OpenAITarget) -> None:

@@ -22,12 +22,13 @@ Sources:
   ``get_reasoning_parser_names()`` (the ``choices`` of ``--dyn-tool-call-parser`` / ``--dyn-reasoning-parser`` in
   its ``dynamo/common/configuration/groups/runtime_args.py``); ``tests/models/test_parsers.py`` checks the table
   against the installed wheel.
-- gpt-oss: trtllm-serve answers gpt-oss through ``openai_harmony`` (``tensorrt_llm/serve/harmony_adapter.py``), not
-  through a ``--tool_parser`` name, so its row has no TensorRT-LLM spelling.
+- gpt-oss: trtllm-serve answers gpt-oss through ``openai_harmony`` (``tensorrt_llm/serve/harmony_adapter.py@02238b67``),
+  not through a ``--tool_parser`` name, so its rows have no TensorRT-LLM spelling; it runs them by itself for a
+  gpt-oss model (``builtin``).
 
 Family defaults follow TensorRT-LLM's own ``auto`` mapping of a later revision (``MODEL_TYPE_TO_TOOL_PARSER`` /
 ``MODEL_TYPE_TO_REASONING_PARSER``, ``tool_parser_factory.py@c56ef99a`` in KleinBlueC/TensorRT-LLM, a fork of it):
-Qwen2/Qwen3 -> qwen3 (reasoning qwen3 for Qwen3 only), DeepSeek-V3 -> its tool parser, with the deepseek-r1
+Qwen2/Qwen3 -> qwen3 (reasoning qwen3 for Qwen3 only), Kimi-K2 -> kimi_k2, DeepSeek-V3 -> its tool parser, with the deepseek-r1
 reasoning parser only when the model's name says R1; Llama 3.x and gpt-oss have no TensorRT-LLM 1.2 tool parser,
 and take Dynamo's ``llama3_json`` / ``harmony`` there.
 """
@@ -44,29 +45,31 @@ OFF = "none"  # a recipe's way to turn a family default off
 
 @dataclass(frozen=True)
 class Parser:
-    """One parser: trtpipe's name, its spelling in trtllm-serve 1.2 and in Dynamo 1.6.1 (None: absent), and
-    whether the OpenAI twin runs it (:mod:`trtpipe.serving.tool_calls`, :mod:`trtpipe.serving.reasoning`)."""
+    """One parser: trtpipe's name, its spelling in trtllm-serve 1.2 and in Dynamo 1.6.1 (None: absent), whether the
+    OpenAI twin runs it (:mod:`trtpipe.serving.tool_calls`, :mod:`trtpipe.serving.reasoning`), and whether
+    trtllm-serve runs it without a flag for the family it belongs to."""
 
     name: str
     trtllm: Optional[str]
     dynamo: Optional[str]
     twin: bool = False
+    builtin: bool = False
 
 
 TOOL_PARSERS: tuple[Parser, ...] = (
     Parser("qwen3", "qwen3", "qwen3", twin=True),
-    Parser("qwen3_coder", "qwen3_coder", "qwen3_coder"),
-    Parser("kimi_k2", "kimi_k2", "kimi_k2"),
-    Parser("deepseekv3", "deepseekv3", "deepseek_v3"),
-    Parser("deepseekv3.1", "deepseekv3.1", "deepseek_v3_1"),
-    Parser("deepseek_v32", "deepseek_v32", "deepseek_v3_2"),
+    Parser("qwen3_coder", "qwen3_coder", "qwen3_coder", twin=True),
+    Parser("kimi_k2", "kimi_k2", "kimi_k2", twin=True),
+    Parser("deepseekv3", "deepseekv3", "deepseek_v3", twin=True),
+    Parser("deepseekv3.1", "deepseekv3.1", "deepseek_v3_1", twin=True),
+    Parser("deepseek_v32", "deepseek_v32", "deepseek_v3_2", twin=True),
     Parser("llama3_json", None, "llama3_json", twin=True),
-    Parser("harmony", None, "harmony"),
+    Parser("harmony", None, "harmony", twin=True, builtin=True),
 )
 REASONING_PARSERS: tuple[Parser, ...] = (
     Parser("deepseek-r1", "deepseek-r1", "deepseek_r1", twin=True),
     Parser("qwen3", "qwen3", "qwen3", twin=True),
-    Parser("gpt_oss", None, "gpt_oss"),
+    Parser("gpt_oss", None, "gpt_oss", twin=True, builtin=True),
 )
 TABLES = {"tool_parser": TOOL_PARSERS, "reasoning_parser": REASONING_PARSERS}
 
@@ -76,6 +79,7 @@ FAMILY_DEFAULTS: dict[str, tuple[Optional[str], Optional[str]]] = {
     "qwen3": ("qwen3", "qwen3"),
     "qwen3_moe": ("qwen3", "qwen3"),
     "deepseek_v3": ("deepseekv3", "deepseek-r1"),  # reasoning only for an R1 model (see default_parsers)
+    "kimi_k2": ("kimi_k2", None),
     "llama": ("llama3_json", None),  # Llama 3.x only (see default_parsers): Llama 2 has no tool-call format
     "gpt_oss": ("harmony", "gpt_oss"),
 }

@@ -347,7 +347,7 @@ class ServingSection(_Section):
         None,
         description="Structured output (JSON schema, regex, EBNF, structural tag): the grammar backend "
         "(LlmArgs.guided_decoding_backend; Triton's tensorrt_llm guided_decoding_backend). None: off, and a "
-        "request with a guide is refused. The CPU twin runs xgrammar; llguidance is for the PyTorch backend only.",
+        "request with a guide is refused. llguidance is for the PyTorch backend only (the CPU twin runs both).",
     )
 
 

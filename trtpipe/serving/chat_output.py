@@ -15,8 +15,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from trtpipe.serving.reasoning import reasoning_parser
-from trtpipe.serving.tool_calls import ToolCall, ToolCallStream, new_call_id, tool_parser
+from trtpipe.serving.reasoning import RAW_SPECIAL_TOKENS, reasoning_parser
+from trtpipe.serving.tool_calls import ToolCall, ToolCallStream, new_call_id, tool_format, tool_parser
 
 
 class ToolRequestError(ValueError):
@@ -96,8 +96,24 @@ def tool_request(body: dict, parser: Optional[str]) -> Optional[ToolRequest]:
     return req
 
 
-# tool parser -> xgrammar's builtin structural tag of the same output format (get_model_structural_tag)
-XGRAMMAR_FORMATS = {"qwen3": "qwen_3", "llama3_json": "llama"}
+def raw_special_tokens(tool: Optional[str], reasoning: Optional[str]) -> bool:
+    """Whether a server with these parsers decodes chat answers with their special tokens (harmony's markers are
+    special tokens of gpt-oss's vocabulary; trtllm-serve reads them from the token ids)."""
+    return bool(tool and tool_format(tool).raw_special_tokens) or reasoning in RAW_SPECIAL_TOKENS
+
+
+# tool parser -> xgrammar's builtin structural tag of the same output format (get_model_structural_tag; deepseekv3's
+# format is DeepSeek-R1's, which xgrammar registers as deepseek_r1)
+XGRAMMAR_FORMATS = {
+    "qwen3": "qwen_3",
+    "qwen3_coder": "qwen_3_coder",
+    "kimi_k2": "kimi",
+    "deepseekv3": "deepseek_r1",
+    "deepseekv3.1": "deepseek_v3_1",
+    "deepseek_v32": "deepseek_v3_2",
+    "harmony": "harmony",
+    "llama3_json": "llama",
+}
 MAX_WHITESPACE = 1  # consecutive whitespace inside the arguments' JSON: unbounded, a weak model can spin on it
 
 
@@ -128,7 +144,23 @@ def tool_call_grammar(parser: str, req: ToolRequest, parallel_tool_calls: bool =
         )
     except ValueError as exc:  # xgrammar's own check of the tools (pydantic's ValidationError included)
         raise ToolRequestError(f"tools: {str(exc).strip().splitlines()[0]}", "tools") from None
-    return json.loads(tag.model_dump_json(exclude_none=True))
+    return _bounded(json.loads(tag.model_dump_json(exclude_none=True)))
+
+
+MAX_INDEX_DIGITS = 3  # a call index's digits (Kimi-K2's ``functions.NAME:IDX``): unbounded, a weak model spins on it
+
+
+def _bounded(node):
+    """The tag with its unbounded ``\\d+`` patterns (Kimi-K2's call index) bounded to :data:`MAX_INDEX_DIGITS`
+    digits; TensorRT-LLM's own ``KimiK2ToolParser.structure_info`` pins the index to ``0``."""
+    if isinstance(node, list):
+        return [_bounded(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _bounded(v) for k, v in node.items()}
+    if out.get("type") == "regex" and out.get("pattern") == r"\d+":
+        out["pattern"] = rf"\d{{1,{MAX_INDEX_DIGITS}}}"
+    return out
 
 
 @dataclass

@@ -13,20 +13,30 @@ Names are TensorRT-LLM's:
   dict dumped to a string, regex -> ``REGEX``, grammar -> ``EBNF_GRAMMAR``, structural_tag -> ``STRUCTURAL_TAG``).
 - :class:`Guide` is the executor's ``GuidedDecodingParams(guide_type, guide)``; the guide type names are the
   Triton ``guided_decoding_guide_type`` values (tensorrtllm_backend ``docs/guided_decoding.md``).
-- :meth:`GuidedDecoder.compile` does what ``XGrammarMatcherFactory.create`` does
-  (``tensorrt_llm/_torch/pyexecutor/grammar_matcher.py@0fccc5b9``): ``JSON`` is xgrammar's builtin JSON grammar,
-  ``JSON_SCHEMA`` ``compile_json_schema``, ``REGEX`` ``compile_regex``, ``EBNF_GRAMMAR`` ``compile_grammar``,
-  ``STRUCTURAL_TAG`` ``compile_structural_tag``; the matcher ends the request once it is terminated (it has
-  accepted a stop token after a complete match).
+- The backends are a table (:data:`BACKENDS`), one row per ``guided_decoding_backend`` value, each a port of its
+  factory in ``tensorrt_llm/_torch/pyexecutor/grammar_matcher.py@0fccc5b9``, behind one per-request matcher
+  interface (its mask before a step, the token it accepts after, whether it is terminated):
+
+  - ``xgrammar`` (``XGrammarMatcherFactory.create``): ``JSON`` is xgrammar's builtin JSON grammar, ``JSON_SCHEMA``
+    ``compile_json_schema``, ``REGEX`` ``compile_regex``, ``EBNF_GRAMMAR`` ``compile_grammar``, ``STRUCTURAL_TAG``
+    ``compile_structural_tag``;
+  - ``llguidance`` (``LLGuidanceMatcherFactory.create`` / ``LLGuidanceMatcher``): an ``LLTokenizer`` of the
+    tokenizer string with the one stop token as its EOS; ``JSON`` is the schema ``{"type": "object"}``,
+    ``JSON_SCHEMA`` / ``REGEX`` ``grammar_from_json_schema`` / ``grammar_from_regex``, ``EBNF_GRAMMAR`` is read as
+    a Lark grammar (``grammar_from_lark``: upstream's note says llguidance takes Lark, not EBNF), and a structural
+    tag is unsupported; once the grammar has stopped only the EOS token is accepted, which terminates it.
+
+  The executor ends a request once its matcher is terminated (it has accepted a stop token after a complete
+  match).
 - The tokenizer information is xgrammar's ``TokenizerInfo`` built as that factory builds it from
   ``GuidedDecodingConfig(encoded_vocab, tokenizer_str, stop_token_ids)``; :func:`upstream_tokenizer_info` writes
   that triple as ``examples/generate_xgrammar_tokenizer_info.py@7ed07f06`` does (``_xgrammar_tokenizer_info`` in
   ``tensorrt_llm/llmapi/tokenizer.py``): the file Triton's ``xgrammar_tokenizer_info_path`` names.
 
 Policy: compiled grammars are cached per (backend, guide) in a bounded LRU (:data:`CACHE_ENTRIES`); xgrammar's
-own cache is off so the hit count is what this cache did. A guide that does not compile (a bad schema) raises
-:class:`GuideError`, which fails that request alone with an ``INVALID`` error. The CPU twin runs xgrammar;
-``llguidance`` is refused with one line when its package is absent (it is not installed here).
+own cache is off so the hit count is what this cache did (llguidance's compiled form is its validated grammar
+text: its matcher compiles lazily, per request, as upstream's does). A guide that does not compile (a bad schema)
+raises :class:`GuideError`, which fails that request alone with an ``INVALID`` error.
 """
 
 from __future__ import annotations
@@ -44,7 +54,6 @@ import torch
 
 from trtpipe.triton.xgrammar_info import upstream_tokenizer_info
 
-BACKENDS = ("xgrammar", "llguidance")  # LlmArgs.guided_decoding_backend (None: off)
 CACHE_ENTRIES = 256  # compiled grammars kept per executor
 
 
@@ -158,6 +167,14 @@ COUNTERS = (
 )
 
 
+def _allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [V] of an int32 [1, ceil(V / 32)] token bitmask (bit ``i % 32`` of word ``i // 32``, set = allowed; the
+    layout xgrammar and llguidance share)."""
+    # int32 words as little-endian bytes (the host order of every platform torch ships for), LSB first
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[:vocab_size]
+    return torch.from_numpy(bits.astype(bool))
+
+
 class GuideMatcher:
     """One request's xgrammar matcher: its next-token mask, and the tokens it accepts."""
 
@@ -169,11 +186,9 @@ class GuideMatcher:
         self.vocab_size = vocab_size
 
     def allowed(self) -> torch.Tensor:
-        """bool [V]: the tokens the grammar allows next (bit ``i % 32`` of word ``i // 32``, set = allowed)."""
+        """bool [V]: the tokens the grammar allows next."""
         self._m.fill_next_token_bitmask(self._bitmask)
-        # int32 words as little-endian bytes (the host order of every platform torch ships for), LSB first
-        bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little")[: self.vocab_size]
-        return torch.from_numpy(bits.astype(bool))
+        return _allowed(self._bitmask, self.vocab_size)
 
     def accept(self, token: int) -> None:
         """Advance by a sampled token; a token the grammar refuses is a :class:`GuideError` (never, when the mask
@@ -186,64 +201,52 @@ class GuideMatcher:
         return self._m.is_terminated()
 
 
-@dataclass
-class GuidedDecoder:
-    """An executor's guided decoding: the backend, the tokenizer information, the compile cache, the counters."""
+class LLGuidanceMatcher:
+    """One request's llguidance matcher, with :class:`GuideMatcher`'s interface (``LLGuidanceMatcher``)."""
 
-    backend: str
-    info: Any  # xgrammar.TokenizerInfo
-    cache_entries: int = CACHE_ENTRIES
-    stats: GuidedStats = field(default_factory=GuidedStats)
+    def __init__(self, matcher, eos_token: int, vocab_size: int):
+        import llguidance.torch
 
-    def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ValueError(f"guided_decoding_backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
-        if self.backend == "llguidance":
-            import importlib.util
+        self._m, self._eos, self.vocab_size = matcher, eos_token, vocab_size
+        self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)  # int32 [1, ceil(V / 32)]
+        self._terminated = False
 
-            why = "" if importlib.util.find_spec("llguidance") else " (and the llguidance package is not installed)"
-            raise ValueError(
-                f"guided_decoding_backend llguidance: the CPU twin runs xgrammar only{why}; "
-                "set serving.guided_decoding_backend: xgrammar"
-            )
+    def allowed(self) -> torch.Tensor:
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask(self._m, self._bitmask, 0)
+        self._check()
+        return _allowed(self._bitmask, self.vocab_size)
+
+    def accept(self, token: int) -> None:
+        if self._m.is_stopped():  # only the EOS token is accepted now, and it terminates the grammar
+            ok = int(token) == self._eos
+            self._terminated = ok
+        else:
+            ok = self._m.try_consume_tokens([int(token)]) > 0
+            self._check()
+        if not ok:
+            raise GuideError(f"token {token} does not follow the request's grammar")
+
+    @property
+    def terminated(self) -> bool:
+        return self._terminated
+
+    def _check(self) -> None:
+        if self._m.is_error():
+            raise GuideError(f"llguidance matcher error: {self._m.get_error()}")
+
+
+class XGrammarBackend:
+    """``XGrammarMatcherFactory``: the tokenizer information, the compiler, a matcher per request."""
+
+    def __init__(self, info: dict[str, Any], vocab_size: int):
         import xgrammar
 
-        self._compiler = xgrammar.GrammarCompiler(self.info, cache_enabled=False)
-        self._cache: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()  # compiles run on the executor thread; stats are read by the server
-
-    @classmethod
-    def from_tokenizer(cls, backend: Optional[str], tokenizer, vocab_size: int) -> Optional["GuidedDecoder"]:
-        """The decoder of a served model's HF tokenizer (None when the backend is unset)."""
-        if not backend:
-            return None
-        return cls(backend, tokenizer_info(upstream_tokenizer_info(tokenizer), vocab_size))
+        self.vocab_size = vocab_size
+        self._compiler = xgrammar.GrammarCompiler(tokenizer_info(info, vocab_size), cache_enabled=False)
 
     def compile(self, guide: Guide):
-        """The compiled grammar of ``guide`` (cached); :class:`GuideError` with xgrammar's reason if it fails."""
-        key = (self.backend, guide.guide_type, guide.guide)
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                self.stats.cache_hits += 1
-                return self._cache[key]
-        t0 = time.perf_counter()
-        try:
-            compiled = self._compile(guide)
-        except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own errors for a bad guide
-            with self._lock:
-                self.stats.failed_guides += 1
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise GuideError(f"invalid {guide.guide_type.value} guide: {reason}") from exc
-        with self._lock:
-            self.stats.compiles += 1
-            self.stats.compile_seconds += time.perf_counter() - t0
-            self._cache[key] = compiled
-            while len(self._cache) > self.cache_entries:
-                self._cache.popitem(last=False)
-        return compiled
-
-    def _compile(self, guide: Guide):
         c, kind = self._compiler, guide.guide_type
         if kind is GuideType.JSON:
             return c.compile_builtin_json_grammar()
@@ -256,9 +259,111 @@ class GuidedDecoder:
             return c.compile_grammar(guide.guide)
         return c.compile_structural_tag(guide.guide)
 
-    def matcher(self, guide: Guide) -> GuideMatcher:
+    def matcher(self, compiled) -> GuideMatcher:
+        return GuideMatcher(compiled, self.vocab_size)
+
+
+class LLGuidanceBackend:
+    """``LLGuidanceMatcherFactory``: an ``LLTokenizer`` of the tokenizer string, a matcher per request."""
+
+    def __init__(self, info: dict[str, Any], vocab_size: int):
+        import llguidance
+
+        stop = info.get("stop_token_ids")
+        if info.get("tokenizer_str") is None:
+            raise ValueError("guided_decoding_backend llguidance needs the tokenizer string (tokenizer.json)")
+        if stop is not None and len(stop) != 1:
+            raise ValueError(f"guided_decoding_backend llguidance takes one stop token, not {len(stop)} ({stop})")
+        self.vocab_size = vocab_size
+        self._tokenizer = llguidance.LLTokenizer(
+            info["tokenizer_str"], n_vocab=vocab_size, eos_token=None if stop is None else stop[0]
+        )
+
+    def compile(self, guide: Guide) -> str:
+        """The validated grammar text of ``guide`` (llguidance compiles it lazily, in each matcher)."""
+        from llguidance import LLMatcher
+
+        kind = guide.guide_type
+        if kind is GuideType.STRUCTURAL_TAG:
+            raise GuideError("the llguidance backend takes no structural_tag guide (use xgrammar)")
+        if kind is GuideType.JSON_SCHEMA:
+            json.loads(guide.guide)  # a schema that is not JSON: say so
+        grammar = {
+            GuideType.JSON: lambda: LLMatcher.grammar_from_json_schema('{"type": "object"}'),
+            GuideType.JSON_SCHEMA: lambda: LLMatcher.grammar_from_json_schema(guide.guide),
+            GuideType.REGEX: lambda: LLMatcher.grammar_from_regex(guide.guide),
+            GuideType.EBNF_GRAMMAR: lambda: LLMatcher.grammar_from_lark(guide.guide),  # Lark, as upstream reads it
+        }[kind]()
+        error = LLMatcher.validate_grammar(grammar, self._tokenizer)
+        if error:
+            raise ValueError(error)
+        return grammar
+
+    def matcher(self, grammar: str) -> LLGuidanceMatcher:
+        from llguidance import LLMatcher
+
+        m = LLMatcher(self._tokenizer, grammar)
+        if m.is_error():
+            raise GuideError(f"llguidance matcher error: {m.get_error()}")
+        return LLGuidanceMatcher(m, self._tokenizer.eos_token, self.vocab_size)
+
+
+# LlmArgs.guided_decoding_backend (None: off) -> its backend
+BACKENDS = {"xgrammar": XGrammarBackend, "llguidance": LLGuidanceBackend}
+
+
+@dataclass
+class GuidedDecoder:
+    """An executor's guided decoding: the backend, the compile cache, the counters. ``info`` is the tokenizer
+    information as :func:`upstream_tokenizer_info` makes it, ``vocab_size`` the model's (padded) vocabulary."""
+
+    backend: str
+    info: dict[str, Any]
+    vocab_size: int
+    cache_entries: int = CACHE_ENTRIES
+    stats: GuidedStats = field(default_factory=GuidedStats)
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"guided_decoding_backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        self._backend = BACKENDS[self.backend](self.info, self.vocab_size)
+        self._cache: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()  # compiles run on the executor thread; stats are read by the server
+
+    @classmethod
+    def from_tokenizer(cls, backend: Optional[str], tokenizer, vocab_size: int) -> Optional["GuidedDecoder"]:
+        """The decoder of a served model's HF tokenizer (None when the backend is unset)."""
+        if not backend:
+            return None
+        return cls(backend, upstream_tokenizer_info(tokenizer), vocab_size)
+
+    def compile(self, guide: Guide):
+        """The compiled grammar of ``guide`` (cached); :class:`GuideError` with xgrammar's reason if it fails."""
+        key = (self.backend, guide.guide_type, guide.guide)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                self.stats.cache_hits += 1
+                return self._cache[key]
+        t0 = time.perf_counter()
+        try:
+            compiled = self._backend.compile(guide)
+        except Exception as exc:  # the backends raise RuntimeError / ValueError / their own errors for a bad guide
+            with self._lock:
+                self.stats.failed_guides += 1
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise GuideError(f"invalid {guide.guide_type.value} guide: {reason}") from exc
+        with self._lock:
+            self.stats.compiles += 1
+            self.stats.compile_seconds += time.perf_counter() - t0
+            self._cache[key] = compiled
+            while len(self._cache) > self.cache_entries:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, guide: Guide):
         """A fresh matcher for one request (counted as a constrained request)."""
-        m = GuideMatcher(self.compile(guide), self.info.vocab_size)
+        m = self._backend.matcher(self.compile(guide))
         with self._lock:
             self.stats.constrained_requests += 1
         return m

@@ -43,7 +43,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trtpipe.extras import require
-from trtpipe.serving.chat_output import ChatOutput, ToolRequestError, tool_call_grammar, tool_request
+from trtpipe.serving.chat_output import (
+    ChatOutput,
+    ToolRequestError,
+    raw_special_tokens,
+    tool_call_grammar,
+    tool_request,
+)
 from trtpipe.serving.api import (
     DEFAULT_PRIORITY,
     UINT64_MAX,
@@ -232,6 +238,7 @@ class ServedModel:
 
         self.dir, self.name, self.created = Path(model_dir), name, int(time.time())
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser  # trtllm-serve's names, or None
+        self.raw_special_tokens = raw_special_tokens(tool_parser, reasoning_parser)  # chat answers keep them
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.dir), trust_remote_code=False)
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
@@ -515,8 +522,10 @@ class Generation:
         min_tokens: int = 0,
         stop_token_ids: tuple = (),
         include_stop: bool = False,
+        skip_special_tokens: bool = True,
     ):
         self.served, self.prompt, self.stops, self.lora = served, prompt, stops, lora
+        self.skip_special_tokens = skip_special_tokens  # False: a chat answer for parsers that read special tokens
         self.stop_token_ids, self.include_stop = frozenset(stop_token_ids), include_stop
         self.logprobs: list = []  # TokenLogprob per token of ids (with logprobs)
         self.prompt_logprobs: Optional[list] = None  # per prompt token, None first (with prompt_logprobs)
@@ -591,7 +600,7 @@ class Generation:
             ):  # a stop token leaves the output unless asked (tensorrt_llm/executor/result.py, _handle_sequence)
                 del self.ids[-1]
                 del self.logprobs[len(self.ids) :]
-            text = self.served.tokenizer.decode(self.ids, skip_special_tokens=True)
+            text = self.served.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
             hits = [(i, s) for s in self.stops for i in (text.find(s),) if i >= 0]
             if hits:
                 cut, stop = min(hits)
@@ -618,7 +627,9 @@ class Generation:
         """Characters of the decoded first ``j`` tokens (each prefix decoded once; only with stop strings)."""
         while len(self._prefix_len) <= j:
             m = len(self._prefix_len)
-            self._prefix_len.append(len(self.served.tokenizer.decode(self.ids[:m], skip_special_tokens=True)))
+            self._prefix_len.append(
+                len(self.served.tokenizer.decode(self.ids[:m], skip_special_tokens=self.skip_special_tokens))
+            )
         return self._prefix_len[j]
 
     def kept(self) -> int:
@@ -956,6 +967,7 @@ class OpenAIServer:
                             min_tokens=spec.min_tokens,
                             stop_token_ids=spec.stop_token_ids,
                             include_stop=spec.include_stop,
+                            skip_special_tokens=not (chat and self.served.raw_special_tokens),
                         )
                     )
         except Refused:  # 429 / 503 at admission: a request error for trtllm_request_error_total

@@ -6,22 +6,20 @@ chat template ends the prompt with ``<think>\\n``, so everything before ``</thin
 (``reasoning_at_start=False``: reasoning only inside ``<think>...</think>``; text before ``<think>`` is dropped, as
 upstream drops it). ``parse`` takes a whole output, ``parse_delta`` the stream's pieces in order, ``finish`` flushes
 what a stream held back (a possible start of a tag) at its end; the pieces join to what ``parse`` gives.
+
+:data:`PARSERS` is the table of every name the twin runs, ``gpt_oss`` (gpt-oss's harmony channels) included:
+:mod:`trtpipe.serving.harmony`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from trtpipe.serving.harmony import HarmonyReasoning
+from trtpipe.serving.reasoning_result import ReasoningResult
 
 THINK_START, THINK_END = "<think>", "</think>"
 
 # trtllm-serve name -> reasoning_at_start (@register_reasoning_parser keys of DeepSeekR1Parser)
 REASONING_AT_START = {"deepseek-r1": True, "qwen3": False}
-
-
-@dataclass
-class ReasoningResult:
-    content: str = ""
-    reasoning_content: str = ""
 
 
 class ThinkParser:
@@ -75,8 +73,16 @@ class ThinkParser:
         return ReasoningResult(reasoning_content=rest) if self.in_reasoning else ReasoningResult(content=rest)
 
 
-def reasoning_parser(name: str) -> ThinkParser:
-    """A fresh parser for one request, by its trtllm-serve name (``deepseek-r1``, ``qwen3``)."""
-    if name not in REASONING_AT_START:
-        raise ValueError(f"reasoning parser {name!r}: the twin runs {', '.join(REASONING_AT_START)}")
-    return ThinkParser(REASONING_AT_START[name])
+# name -> a fresh parser for one request
+PARSERS = {
+    **{name: (lambda at_start=at_start: ThinkParser(at_start)) for name, at_start in REASONING_AT_START.items()},
+    "gpt_oss": HarmonyReasoning,
+}
+RAW_SPECIAL_TOKENS = frozenset({"gpt_oss"})  # parsers whose markers are special tokens: the answer keeps them
+
+
+def reasoning_parser(name: str):
+    """A fresh parser for one request, by its name (trtllm-serve's where it has one)."""
+    if name not in PARSERS:
+        raise ValueError(f"reasoning parser {name!r}: the twin runs {', '.join(PARSERS)}")
+    return PARSERS[name]()

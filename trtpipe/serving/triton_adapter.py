@@ -136,7 +136,7 @@ def _tokenizer_info_file(params: dict, model_repository: str) -> Optional[Path]:
 def guided_decoder(s: TwinSettings):
     """The executor's guided decoding, as the backend builds it: ``guided_decoding_backend`` with the tokenizer
     information of ``xgrammar_tokenizer_info_path`` (None when the backend parameter is empty)."""
-    from trtpipe.serving.guided import GuidedDecoder, tokenizer_info
+    from trtpipe.serving.guided import GuidedDecoder
 
     backend = s.executor.guided_decoding_backend
     if not backend:
@@ -147,7 +147,7 @@ def guided_decoder(s: TwinSettings):
             f"({s.xgrammar_tokenizer_info or 'unset'}) names no file"
         )
     info = load_json(s.xgrammar_tokenizer_info)
-    return GuidedDecoder(backend, tokenizer_info(info, s.vocab_size))
+    return GuidedDecoder(backend, info, s.vocab_size)
 
 
 def _scalar(get: Callable[[str], Optional[np.ndarray]], name: str, default, kind):
