@@ -5,6 +5,9 @@ attention) on its own KV pool; tokens come back on rank 0.
 Workers (ranks > 0) run :func:`worker_loop`: they hold no scheduling state, only their KV pool, and do whatever
 rank 0 broadcasts (``allocate``, ``step``, ``copy``, ``stop``), so a dead worker means a dead job, not a confused
 one. Sampling happens on rank 0 (it holds each request's seeded generator).
+
+Under attention data parallel each step's entries are spread over the ranks (:mod:`trtpipe.serving.attention_dp`:
+rank 0 assigns, the assignment is broadcast with the step, each rank runs its own entries).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from trtpipe.runtime.distributed import RankModel
+from trtpipe.serving import attention_dp
 from trtpipe.serving.api import SamplingParams, StepBatch, StepEntry, StepResult
 from trtpipe.serving.reference_engine import ReferenceEngine
 
@@ -48,7 +52,10 @@ class RankEngine(ReferenceEngine):
         super().__init__(model)
 
     @torch.no_grad()
-    def logits(self, batch: StepBatch) -> Optional[torch.Tensor]:
+    def logits(self, batch: StepBatch, ranks: Optional[list[int]] = None) -> Optional[torch.Tensor]:
+        """``ranks``: under attention DP, the rank of each entry (rank 0's :class:`~attention_dp.RankAssigner`)."""
+        if self.model.args.attention_dp:
+            return attention_dp.step_logits(self, batch, ranks)
         ids, paged, cos_sin, ends = self.packed(batch)
         return self.model.forward(ids, paged, 0, rows=torch.tensor(ends, dtype=torch.long), cos_sin=cos_sin)
 
@@ -61,7 +68,7 @@ def worker_loop(model: RankModel) -> None:
         if kind == "stop":
             return
         if kind == "step":
-            engine.logits(_unwire(rest[0]))
+            engine.logits(_unwire(rest[0]), *rest[1:])
         elif kind == "allocate":
             engine.allocate(*rest)
         elif kind == "copy":
@@ -81,6 +88,7 @@ class MpiStepEngine(RankEngine):
         super().__init__(model)
         self.stopped = False
         self._lock = threading.Lock()
+        self.assigner = attention_dp.RankAssigner(model.layout.tp) if model.args.attention_dp else None
 
     def _broadcast(self, command: tuple) -> None:
         if self.stopped:
@@ -96,11 +104,17 @@ class MpiStepEngine(RankEngine):
         with self._lock:
             self._broadcast(("copy", int(src), int(dst), int(num_tokens)))
             super().copy_block(src, dst, num_tokens)
+            if self.assigner is not None:
+                self.assigner.copied(src, dst)
 
     def logits(self, batch: StepBatch) -> torch.Tensor:
         with self._lock:
-            self._broadcast(("step", _wire(batch)))
-            return super().logits(batch)
+            if self.assigner is None:
+                self._broadcast(("step", _wire(batch)))
+                return super().logits(batch)
+            ranks = self.assigner.assign(batch, self.tokens_per_block)
+            self._broadcast(("step", _wire(batch), ranks))
+            return super().logits(batch, ranks)
 
     def step(self, batch: StepBatch) -> StepResult:
         if not batch.entries:
