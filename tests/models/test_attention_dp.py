@@ -69,3 +69,89 @@ def test_conversion_refuses_what_attention_dp_cannot_be(hf_dir, tmp_path, kw, me
 def test_conversion_refuses_attention_dp_of_a_dense_model(stories_dir, tmp_path):
     with pytest.raises(CheckpointError, match="needs a mixture-of-experts model at tp > 1.*got 0 experts at tp=2"):
         convert(stories_dir, tmp_path / "ckpt", tp=2, dtype="float32", attention_dp=True)
+
+
+# --- the recipe key: parallel.attention_dp ---------------------------------------------------------------------
+
+
+def _validate(tmp_path, hf_dir, body: str):
+    from click.testing import CliRunner
+
+    from trtpipe.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: t\n{body}model:\n  source: {hf_dir}\n")
+    return CliRunner().invoke(main, ["validate", str(recipe)])
+
+
+ADP = "parallel:\n  tp: 2\n  moe_ep: 2\n  attention_dp: true\n"
+
+
+def test_attention_dp_recipe_writes_enable_attention_dp(hf_dir, tmp_path):
+    from trtpipe.app.validation import load_recipe
+    from trtpipe.export.serving import llm_api_options, options_yaml
+
+    r = _validate(tmp_path, hf_dir, "target: llmapi\n" + ADP)
+    assert r.exit_code == 0, r.output
+    recipe = load_recipe(tmp_path / "r.yaml", ())
+    for version in ("1.0", "1.1", "1.2"):
+        opts = llm_api_options(recipe, version)
+        assert opts["enable_attention_dp"] is True and opts["tensor_parallel_size"] == 2
+        assert "enable_attention_dp: true" in options_yaml(opts, version)
+    plain = load_recipe(tmp_path / "r.yaml", ("parallel.attention_dp=false",))
+    assert "enable_attention_dp" not in llm_api_options(plain)
+
+
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ("target: llmapi\nparallel:\n  attention_dp: true\n", r"parallel\.attention_dp: needs tp > 1 .*; tp is 1$"),
+        (
+            "target: engine\n" + ADP,
+            r"parallel\.attention_dp: is written only into the PyTorch backend's extra_llm_api_options",
+        ),
+    ],
+)
+def test_validate_refuses_attention_dp_where_it_cannot_be(hf_dir, tmp_path, body, message):
+    import re
+
+    r = _validate(tmp_path, hf_dir, body)
+    assert r.exit_code == 2 and any(re.search(message, line) for line in r.output.splitlines()), r.output
+
+
+def test_validate_refuses_attention_dp_of_a_dense_model(stories_dir, tmp_path):
+    r = _validate(tmp_path, stories_dir, "target: llmapi\nparallel:\n  tp: 2\n  attention_dp: true\n")
+    assert r.exit_code == 2 and "parallel.attention_dp: LlamaForCausalLM has no experts" in r.output, r.output
+
+
+# --- the planner --------------------------------------------------------------------------------------------------
+
+
+def test_plan_of_deepseek_r1_at_attention_dp_8_on_h200():
+    """Every GPU holds the whole attention, dense MLPs, shared expert, embedding and lm_head (block FP8: 1 byte per
+    projection weight, bf16 norms / embedding / lm_head, float32 router and score bias) and 32 of the 256 experts of
+    each MoE layer; the latent cache is 61 x 576 bf16 values per token on each GPU, for its own requests, so the
+    deployment holds 8 pools' worth of sequences."""
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from trtpipe.cli import main
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "deepseek-r1-0528-fp8.yaml"
+    r = CliRunner().invoke(main, ["plan", str(recipe), "--set", "parallel.attention_dp=true", "--json"])
+    assert r.exit_code == 0, r.output
+    p = json.loads(r.output[r.output.index("{") :])
+    h, qa, kvl, rope, nope, v, heads, vocab = 7168, 1536, 512, 64, 128, 128, 128, 129280
+    attn = h * qa + h * (kvl + rope) + qa * heads * (nope + rope) + kvl * heads * (nope + v) + heads * v * h
+    norms = (qa + kvl + 2 * h) * 2
+    dense = 3 * h * 18432
+    moe = 3 * h * 2048 * 256 // 8 + 3 * h * 2048 + 256 * (h + 1) * 4
+    by_hand = 61 * (attn + norms) + 3 * dense + 58 * moe + vocab * h * 2 + vocab * h * 2 + h * 2
+    assert (p["tp"], p["attention_dp"], p["fits"], p["weights_from"]) == (8, True, True, "config.json")
+    assert p["weight_bytes_per_gpu"] == by_hand == 101_029_945_344
+    assert p["kv_bytes_per_token_per_gpu"] == [61 * 576 * 2]
+    assert p["experts"]["experts_per_gpu"] == 32
+    assert p["concurrent_sequences"] == 8 * (p["kv_blocks"] // p["blocks_per_sequence"])
+    tp8 = json.loads(CliRunner().invoke(main, ["plan", str(recipe), "--json"]).output)
+    assert tp8["attention_dp"] is False and tp8["weight_bytes_per_gpu"] < by_hand  # heads split 8 ways there

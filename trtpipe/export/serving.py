@@ -39,6 +39,9 @@ LLM_API_KEYS: dict[str, frozenset] = {
     "tensor_parallel_size": _ALL,
     "pipeline_parallel_size": _ALL,
     "moe_expert_parallel_size": _ALL,
+    # attention data parallel (a TorchLlmArgs / _ParallelConfig field; Mapping(enable_attention_dp) in
+    # NVIDIA/TensorRT-LLM@05ebebb2 tensorrt_llm/mapping.py; the 0.19-1.0 performance pages' MoE YAML sets it)
+    "enable_attention_dp": _ALL,
     "enable_chunked_prefill": _ALL,
     "guided_decoding_backend": _ALL,  # Optional[Literal["xgrammar", "llguidance"]], default None (off)
     "kv_cache_config.free_gpu_memory_fraction": _ALL,
@@ -172,6 +175,8 @@ def llm_api_options(
     }
     if p.moe_ep > 0:
         want["moe_expert_parallel_size"] = p.moe_ep
+    if p.attention_dp:
+        want["enable_attention_dp"] = True
     if lora_dir is not None and recipe.lora.adapters:
         from trtpipe.export.lora import lora_options, target_modules
 
