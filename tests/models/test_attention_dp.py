@@ -5,6 +5,7 @@ rank: tests/serving/mpi/test_attention_dp.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -155,3 +156,42 @@ def test_plan_of_deepseek_r1_at_attention_dp_8_on_h200():
     assert p["concurrent_sequences"] == 8 * (p["kv_blocks"] // p["blocks_per_sequence"])
     tp8 = json.loads(CliRunner().invoke(main, ["plan", str(recipe), "--json"]).output)
     assert tp8["attention_dp"] is False and tp8["weight_bytes_per_gpu"] < by_hand  # heads split 8 ways there
+
+
+# --- the predictor ------------------------------------------------------------------------------------------------
+
+
+def test_mla_generation_attention_is_flash_mla_on_hopper_only():
+    """DeepSeek-R1 at attention-DP 8: a generating request's latent attention (128 heads x (576 + 512) x 2 FLOPs per
+    cached token per layer, its rank's share of the step) is FlashMLA's work on SM 9.0, timed at 660 of 989 TFLOPS;
+    elsewhere (B200) it stays with the other attention kernels (attn_eff). Context attention is unchanged."""
+    from trtpipe.formats.gpus import get_gpu
+    from trtpipe.perf.cost import FLASH_MLA_DECODE_EFF, Constants, Deployment, group_terms, step_time
+    from trtpipe.perf.models import published_spec
+
+    spec = published_spec("DeepSeek R1 0528")
+    assert spec.mla and (spec.heads, spec.qk_dim, spec.v_dim, spec.num_layers) == (128, 576, 512, 61)
+    flops = 61 * 2 * 128 * (576 + 512) * 4001 / 8  # a request with 4,000 cached tokens: 4,001 keys; one of 8 ranks
+    h200 = Deployment(spec, get_gpu("h200-141gb"), "fp8", "fp8", 8, 1, 8, attn_dp=True, pytorch_backend=True)
+    t = group_terms(h200, [], [(4000, 1.0)], 1.0)
+    assert t.mla_decode == pytest.approx(flops / 989e12, rel=1e-12) and t.attn == 0.0
+    ctx = group_terms(h200, [(0, 1000, 1.0)], [], 1.0)  # a context chunk: the fitted attention rate, as before
+    assert ctx.mla_decode == 0.0 and ctx.attn > 0
+    moved = dataclasses.replace(t, mla_decode=0.0, attn=t.mla_decode)  # the same FLOPs at the fitted attention rate
+    same_rate = Constants(attn_eff=FLASH_MLA_DECODE_EFF)
+    assert step_time(t, same_rate) == pytest.approx(step_time(moved, same_rate), rel=1e-12)
+    assert step_time(t, Constants(attn_eff=0.9)) > step_time(moved, Constants(attn_eff=0.9))
+    b200 = Deployment(spec, get_gpu("b200-180gb"), "fp4", "fp8", 4, 1, 4, attn_dp=True, pytorch_backend=True)
+    tb = group_terms(b200, [], [(4000, 1.0)], 1.0)
+    assert tb.mla_decode == 0.0 and tb.attn == pytest.approx(61 * 2 * 128 * 1088 * 4001 / 4 / 2250e12, rel=1e-12)
+
+
+def test_recipe_prediction_at_attention_dp_runs_a_scheduler_per_gpu():
+    from pathlib import Path
+
+    from trtpipe.app import predictor as P
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "deepseek-r1-0528-fp8.yaml"
+    tp8, adp = P.recipe_setup(recipe, []), P.recipe_setup(recipe, ["parallel.attention_dp=true"])
+    assert not tp8.deployment.attn_dp and adp.deployment.attn_dp and " attention-DP " in adp.label
+    assert adp.max_batch_size == 8 * tp8.max_batch_size and adp.max_num_tokens == 8 * tp8.max_num_tokens
