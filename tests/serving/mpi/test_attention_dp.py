@@ -48,3 +48,23 @@ def test_in_flight_executor_over_attention_dp_ranks(run_mpi, adp_models):
     assert all(r["equal"] for r in out.values()), out
     assert out["reuse"]["reused_blocks"] > 0 and out["max-util-tiny-pool"]["paused"] > 0
     assert out["ngram-speculation"]["accepted_drafts"] > 0
+
+
+def test_openai_twin_over_attention_dp_ranks_serves_transformers_greedy_text(run_mpi, stories_dir, tmp_path):
+    """The OpenAI twin on rank 0 with the attention-DP ranks as its step engine: four concurrent greedy completions
+    over HTTP (both ranks hold requests) equal transformers' greedy text on the same weights."""
+    import shutil
+
+    from trtpipe.checkpoint.convert import convert
+    from trtpipe.models.synthetic import make_synthetic
+
+    hf = make_synthetic("deepseek_v3", tmp_path / "hf", seed=12, vocab_size=512, bos_token_id=1, eos_token_id=2)
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(stories_dir / name, hf / name)
+    ckpt = convert(hf, tmp_path / "adp", tp=2, moe_ep=2, dtype="float32", attention_dp=True)
+    proc = run_mpi(2, "adp_openai_check.py", hf, ckpt, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ranks_used"] == [0, 1]
+    texts = {k: v for k, v in out.items() if k != "ranks_used"}
+    assert len(texts) == 4 and all(v["got"] == v["want"] and len(v["want"]) > 20 for v in texts.values()), texts
