@@ -195,3 +195,16 @@ def test_recipe_prediction_at_attention_dp_runs_a_scheduler_per_gpu():
     tp8, adp = P.recipe_setup(recipe, []), P.recipe_setup(recipe, ["parallel.attention_dp=true"])
     assert not tp8.deployment.attn_dp and adp.deployment.attn_dp and " attention-DP " in adp.label
     assert adp.max_batch_size == 8 * tp8.max_batch_size and adp.max_num_tokens == 8 * tp8.max_num_tokens
+
+
+def test_plan_text_says_each_gpu_holds_its_own_pool():
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from trtpipe.cli import main
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "deepseek-r1-0528-fp8.yaml"
+    out = CliRunner().invoke(main, ["plan", str(recipe), "--set", "parallel.attention_dp=true"]).output
+    assert "tp=8 attention-DP pp=1" in out and "on each of 8 GPUs, for its own requests" in out, out
+    assert "(max_batch_size 64 per GPU, KV-limited)" in out, out
