@@ -208,3 +208,17 @@ def test_plan_text_says_each_gpu_holds_its_own_pool():
     out = CliRunner().invoke(main, ["plan", str(recipe), "--set", "parallel.attention_dp=true"]).output
     assert "tp=8 attention-DP pp=1" in out and "on each of 8 GPUs, for its own requests" in out, out
     assert "(max_batch_size 64 per GPU, KV-limited)" in out, out
+
+
+def test_convert_command_takes_attention_dp(hf_dir, stories_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from trtpipe.cli import main
+
+    out = tmp_path / "adp"
+    r = CliRunner().invoke(main, ["convert", str(hf_dir), str(out), "--tp", "2", "--moe-ep", "2", "--attention-dp"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "config.json").read_text())["mapping"]["enable_attention_dp"] is True
+    dense = CliRunner().invoke(main, ["convert", str(stories_dir), str(tmp_path / "d"), "--tp", "2", "--attention-dp"])
+    assert dense.exit_code == 1 and len(dense.output.strip().splitlines()) == 1, dense.output
+    assert "needs a mixture-of-experts model at tp > 1" in dense.output and not (tmp_path / "d").exists()
