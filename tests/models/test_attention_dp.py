@@ -1,7 +1,7 @@
 """Attention data parallel in the checkpoint and the one-process runtime: every rank file holds the whole attention,
 dense MLP, shared experts, embedding and lm_head and its block of routed experts (``mapping.enable_attention_dp``);
 the one-process model of such a checkpoint computes what transformers' float64 DeepseekV3 does. (One process per
-rank: tests/serving/mpi/test_attention_dp.py.)"""
+rank: tests/serving/mpi/test_attention_dp_ranks.py.)"""
 
 from __future__ import annotations
 
@@ -44,9 +44,9 @@ def test_rank_files_hold_whole_attention_and_their_experts(hf_dir, tmp_path):
             assert torch.equal(ranks[0][name], t) and torch.equal(ranks[1][name], t), name
 
 
-@pytest.mark.parametrize("kind", ["deepseek_v3", "kimi_k2"])
+@pytest.mark.parametrize("kind", ["deepseek_v3", "kimi_k2", "qwen3_moe", "gpt_oss", "mixtral"])
 def test_one_process_attention_dp_logits_as_transformers(kind, tmp_path):
-    d = make_synthetic(kind, tmp_path / kind, seed=3)
+    d = make_synthetic(kind, tmp_path / kind, seed=3 if kind in ("deepseek_v3", "kimi_k2") else 1)
     model = load_checkpoint(convert(d, tmp_path / "ckpt", tp=2, moe_ep=2, dtype="float32", attention_dp=True))
     hf32 = load_hf(d)
     with torch.no_grad():

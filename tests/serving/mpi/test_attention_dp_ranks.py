@@ -18,16 +18,18 @@ def adp_models(tmp_path_factory):
     from trtpipe.models.synthetic import make_synthetic
 
     root, out = tmp_path_factory.mktemp("adp"), {}
-    for kind in ("deepseek_v3", "kimi_k2"):
+    for kind in ("deepseek_v3", "kimi_k2", "qwen3_moe", "gpt_oss"):
         hf = make_synthetic(kind, root / kind, seed=3, vocab_size=512, bos_token_id=1, eos_token_id=2)
         out[kind] = hf, convert(hf, root / f"{kind}_adp", tp=2, moe_ep=2, dtype="float32", attention_dp=True)
     return out
 
 
-@pytest.mark.parametrize("kind", ["deepseek_v3", "kimi_k2"])
+@pytest.mark.parametrize("kind", ["deepseek_v3", "kimi_k2", "qwen3_moe", "gpt_oss"])
 def test_attention_dp_logits_and_greedy_text_as_transformers(run_mpi, adp_models, kind):
     """Three requests over two ranks (0, 1, 0): context and generation logits against transformers' float64 within
-    4x its float32 error; greedy generation token for token as transformers' generate."""
+    4x its float32 error; greedy generation token for token as transformers' generate. DeepSeek-V3 and Kimi-K2 (MLA,
+    shared experts), and two other MoE families the same mechanism serves: Qwen3-MoE (GQA, q/k norms) and gpt-oss
+    (sinks, sliding layers, expert biases added once per expert by its rank)."""
     hf, ckpt = adp_models[kind]
     proc = run_mpi(2, "adp_check.py", hf, ckpt, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
