@@ -119,7 +119,7 @@ def render_plan(r: Resolved) -> str:
     lines = [
         f"recipe {r.recipe.name}: {cfg['architecture']} {cfg['dtype']}, quant_algo {qa}, KV cache {p.kv_dtype}",
         f"target: {p.tp * p.pp} x {p.gpu.name} ({p.gpu.key}, {_size(p.gpu.memory_bytes)}, SM {p.gpu.compute_capability}, "
-        f"{p.gpu.bandwidth_gbs} GB/s), tp={p.tp} pp={p.pp}, preset {b.preset}{' (auto)' if b.preset_is_auto else ''}",
+        f"{p.gpu.bandwidth_gbs} GB/s), tp={p.tp}{' attention-DP' if p.attention_dp else ''} pp={p.pp}, preset {b.preset}{' (auto)' if b.preset_is_auto else ''}",
         *(
             [
                 f"target llmapi: TensorRT-LLM PyTorch backend (no engine); weights as the unified HF checkpoint "
@@ -150,10 +150,13 @@ def render_plan(r: Resolved) -> str:
             f"experts: {e.per_rank} of {e.experts} per GPU (moe_ep {e.moe_ep} x moe_tp {e.moe_tp}; {e.width} of each "
             f"expert's rows): {_size(e.layer_bytes)} per layer, {_size(e.gpu_bytes)} per GPU of the weights above"
         )
+    ranks = p.tp if p.attention_dp else 1  # attention DP: a pool and a max_batch_size per GPU
+    per_gpu = f" on each of {p.tp} GPUs, for its own requests" if p.attention_dp else ""
     lines.append(
-        f"KV capacity: {p.kv_tokens} tokens ({p.kv_blocks} blocks of {p.tokens_per_block}); one sequence of max_seq_len "
-        f"{p.max_seq_len} needs {p.blocks_per_sequence} blocks -> {p.concurrent_sequences} concurrent full-length sequences "
-        f"(max_batch_size {p.max_batch_size}{', KV-limited' if p.concurrent_sequences < p.max_batch_size else ''})"
+        f"KV capacity: {p.kv_tokens} tokens ({p.kv_blocks} blocks of {p.tokens_per_block}){per_gpu}; one sequence of "
+        f"max_seq_len {p.max_seq_len} needs {p.blocks_per_sequence} blocks -> {p.concurrent_sequences} concurrent "
+        f"full-length sequences (max_batch_size {p.max_batch_size}{' per GPU' if ranks > 1 else ''}"
+        f"{', KV-limited' if p.concurrent_sequences < ranks * p.max_batch_size else ''})"
     )
     lines.append("host memory (estimates): " + ", ".join(f"{k} {_size(v)}" for k, v in p.host_bytes.items()))
     from trtpipe.export.lora import cache_line

@@ -131,20 +131,24 @@ def recipe_setup(
     kv = q.kv_cache if q.kv_cache != "none" else "fp16"
     p = rec.parallel
     ep = resolve_moe_sizes(p.tp, p.moe_ep, p.moe_tp)[0] if spec.is_moe else 1
-    d = Deployment(spec, get_gpu(rec.engine.gpu), prec, kv, p.tp, p.pp, ep)
+    d = Deployment(spec, get_gpu(rec.engine.gpu), prec, kv, p.tp, p.pp, ep, attn_dp=p.attention_dp)
     c = r.build.config
     fam = "pytorch" if rec.target == "llmapi" else "engine"  # the PyTorch backend has its own fitted constants
     weights = f"mxfp4-experts+{prec}" if spec.mxfp4_experts else prec  # gpt-oss: the experts as shipped
-    label = f"{d.num_gpus}x {d.gpu.key} tp{d.tp} pp{d.pp}{f' ep{ep}' if ep > 1 else ''} {weights}" + (
+    adp = " attention-DP" if p.attention_dp else ""
+    label = f"{d.num_gpus}x {d.gpu.key} tp{d.tp} pp{d.pp}{f' ep{ep}' if ep > 1 else ''}{adp} {weights}" + (
         " (PyTorch backend)" if fam == "pytorch" else ""
     )
+    # attention DP: each of the tp ranks schedules its own batch under these limits with its own KV pool; the simulator
+    # runs them as one scheduler with tp times the limits (as trtpipe.perf.published.max_load_case does)
+    ranks = p.tp if p.attention_dp else 1
     return Setup(
         d,
-        c.max_batch_size,
-        c.max_num_tokens,
+        ranks * c.max_batch_size,
+        ranks * c.max_num_tokens,
         c.max_input_len,
         c.max_seq_len,
-        r.plan.kv_blocks * r.plan.tokens_per_block,
+        ranks * r.plan.kv_blocks * r.plan.tokens_per_block,
         r.plan.tokens_per_block,
         bool(c.plugins.get("use_paged_context_fmha", True)),
         label,

@@ -103,6 +103,7 @@ def make_plan(
     use_parallel_embedding: bool = False,
     embedding_sharding_dim: int = 0,
     source_dtype: Optional[str] = None,
+    attention_dp: bool = False,
 ) -> ConversionPlan:
     """Decide the conversion from config.json alone; errors for impossible tp/pp before any weight is read."""
     info = read_hf_config(model_dir)
@@ -110,7 +111,9 @@ def make_plan(
     if pp > info.num_layers:
         raise CheckpointError(f"pp={pp} is larger than num_hidden_layers={info.num_layers}")
     dtype = resolve_dtype(dtype, source_dtype or info.torch_dtype)
-    config = build_config(info, family, dtype, tp, pp, moe_tp, moe_ep, use_parallel_embedding, embedding_sharding_dim)
+    config = build_config(
+        info, family, dtype, tp, pp, moe_tp, moe_ep, use_parallel_embedding, embedding_sharding_dim, attention_dp
+    )
     use_parallel_embedding, embedding_sharding_dim = config["use_parallel_embedding"], config["embedding_sharding_dim"]
     m = config["mapping"]
     layout = Layout(
@@ -123,6 +126,7 @@ def make_plan(
         m["moe_ep_size"],
         use_parallel_embedding,
         embedding_sharding_dim,
+        attention_dp,
     )
     layout.check()
     rules = {rule.trt: rule for rule in family.global_rules + family.layer_rules if rule.when(info)}
@@ -313,11 +317,18 @@ SPLITTERS = {
 }
 
 
+MOE_SPLITS = ("moe_fc", "moe_proj")  # the routed experts: split by moe_ep x moe_tp whatever the attention does
+
+
 def _split(
     t: torch.Tensor, rule: Optional[Rule], suffix: str, plan: ConversionPlan, tp_rank: int, what: str
 ) -> torch.Tensor:
-    """One rank's shard; tensors no rule owns (e.g. a KV-cache scale a transform adds) are replicated."""
-    return SPLITTERS[rule.split if rule else "replicate"](t, suffix, plan, tp_rank, what)
+    """One rank's shard; tensors no rule owns (e.g. a KV-cache scale a transform adds) are replicated, and so is
+    every tensor but the routed experts' under attention data parallel."""
+    split = rule.split if rule else "replicate"
+    if plan.layout.attention_dp and split not in MOE_SPLITS:
+        split = "replicate"
+    return SPLITTERS[split](t, suffix, plan, tp_rank, what)
 
 
 def local_name(name: str, plan: ConversionPlan) -> str:
@@ -422,6 +433,7 @@ def convert(
     overwrite: bool = False,
     progress: Optional[Callable[[int, int], None]] = None,
     importer=None,
+    attention_dp: bool = False,
 ) -> Path:
     """Convert an HF model directory into a TRT-LLM checkpoint at ``out_dir`` (written atomically).
 
@@ -435,6 +447,8 @@ def convert(
         config_update: merged into config.json (e.g. the ``quantization`` dict a transform implies).
         workers: threads writing rank files in parallel (default: min(world_size, 4)).
         progress: called with (units done, units total).
+        attention_dp: every rank holds whole attention, dense and shared-expert weights, the embedding and
+            lm_head; only the routed experts are split (``mapping.enable_attention_dp`` in config.json).
         importer: ``fn(plan, reader) ->`` the linear source of a pre-quantized checkpoint
             (:class:`trtpipe.quant.imported.trtllm.ImportedLinears`): its quantized linears are taken from it
             already fused (codes and scales, never dequantized) and its ``quantization()`` goes into config.json.
@@ -460,6 +474,7 @@ def convert(
             use_parallel_embedding,
             embedding_sharding_dim,
             source_dtype=str(first).replace("torch.", ""),
+            attention_dp=attention_dp,
         )
         linears = importer(plan, reader) if importer is not None else None
         if linears is not None and transform is not None:

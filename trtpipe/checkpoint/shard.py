@@ -99,14 +99,27 @@ class Layout:
     moe_ep: int = 1
     use_parallel_embedding: bool = False
     embedding_sharding_dim: int = 0
+    # attention data parallel: every rank holds every tensor but the routed experts' whole (NVIDIA/TensorRT-LLM@000561df
+    # tensorrt_llm/_torch/models/modeling_deepseekv3.py: attention without its all-reduce, the dense MLP and the
+    # shared experts at tp 1 "instead of TP"); the experts are split by moe_ep x moe_tp as without it
+    attention_dp: bool = False
 
     def check(self) -> None:
-        if self.num_heads % self.tp:
-            raise CheckpointError(f"num_attention_heads={self.num_heads} is not divisible by tp={self.tp}")
-        if self.num_kv_heads >= self.tp and self.num_kv_heads % self.tp:
-            raise CheckpointError(f"num_key_value_heads={self.num_kv_heads} is not divisible by tp={self.tp}")
-        if self.num_kv_heads < self.tp and self.tp % self.num_kv_heads:
-            raise CheckpointError(f"tp={self.tp} is not a multiple of num_key_value_heads={self.num_kv_heads}")
+        if self.attention_dp:
+            if not self.num_experts or self.tp < 2:
+                raise CheckpointError(
+                    f"attention data parallel needs a mixture-of-experts model at tp > 1 (its MoE layers are what "
+                    f"the ranks share); got {self.num_experts} experts at tp={self.tp}"
+                )
+            if self.use_parallel_embedding:
+                raise CheckpointError("attention data parallel keeps the whole embedding on every rank")
+        else:  # attention heads are split over the tp ranks
+            if self.num_heads % self.tp:
+                raise CheckpointError(f"num_attention_heads={self.num_heads} is not divisible by tp={self.tp}")
+            if self.num_kv_heads >= self.tp and self.num_kv_heads % self.tp:
+                raise CheckpointError(f"num_key_value_heads={self.num_kv_heads} is not divisible by tp={self.tp}")
+            if self.num_kv_heads < self.tp and self.tp % self.num_kv_heads:
+                raise CheckpointError(f"tp={self.tp} is not a multiple of num_key_value_heads={self.num_kv_heads}")
         if self.num_experts:
             if self.moe_tp * self.moe_ep != self.tp:
                 raise CheckpointError(f"moe_tp={self.moe_tp} x moe_ep={self.moe_ep} must equal tp={self.tp}")

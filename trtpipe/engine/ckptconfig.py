@@ -33,7 +33,7 @@ def predicted_checkpoint_config(info: ModelDims, recipe: Recipe) -> dict[str, An
         dtype = resolve_dtype(recipe.model.dtype, info.torch_dtype)
     except CheckpointError as exc:
         raise EngineError(str(exc)) from None
-    cfg = build_config(info, family, dtype, p.tp, p.pp, p.moe_tp, p.moe_ep)
+    cfg = build_config(info, family, dtype, p.tp, p.pp, p.moe_tp, p.moe_ep, attention_dp=p.attention_dp)
     if q.algo != "none" or q.kv_cache != "none":
         cfg["quantization"] = quantization_config(q.algo, q.kv_cache, q.group_size, q.exclude)
     if recipe.target == "llmapi" and (q.algo != "none" or q.kv_cache != "none"):  # the unified HF format's algo
@@ -55,7 +55,7 @@ def predicted_checkpoint_config(info: ModelDims, recipe: Recipe) -> dict[str, An
         cfg["quantization"] = {**quant, "kv_cache_quant_algo": "FP8"}
     if recipe.target == "llmapi":  # what the PyTorch backend's model of this family holds (Family.llmapi_*)
         cfg["use_parallel_embedding"] = cfg.get("use_parallel_embedding", False) or (
-            family.llmapi_vocab_parallel and p.tp > 1
+            family.llmapi_vocab_parallel and p.tp > 1 and not p.attention_dp
         )
         if family.llmapi_router_in_model_dtype:
             cfg["router_dtype"] = dtype

@@ -66,6 +66,9 @@ class Shapes:
     expert_bias: bool = False  # gpt-oss: per-expert fc/proj biases, a router bias, one attention sink per head
     moe_ep: int = 1
     router_dtype: str = "float32"
+    # attention data parallel (mapping.enable_attention_dp): every GPU holds the attention, dense MLPs, shared experts,
+    # embedding and lm_head whole and all KV heads of its own requests; only the routed experts are split
+    attention_dp: bool = False
 
     sliding_window: Optional[int] = None  # the attention window (on every layer, or on the sliding layers)
     layer_types: tuple[str, ...] = ()  # per layer "sliding_attention" | "full_attention" where the model mixes them
@@ -101,6 +104,7 @@ class Shapes:
             attn_bias=d.attention_bias,
             expert_bias=d.attention_sinks,
             moe_ep=int((cfg.get("mapping") or {}).get("moe_ep_size") or 1),
+            attention_dp=bool((cfg.get("mapping") or {}).get("enable_attention_dp", False)),
             # the engine path keeps routers float32; a predicted llmapi config names the PyTorch backend's dtype
             router_dtype=str(cfg.get("router_dtype", "float32")),
             sliding_window=d.sliding_window,
@@ -110,6 +114,10 @@ class Shapes:
             dense_intermediate=d.intermediate_size,
             shared_width=d.expert_intermediate_size * d.shared_experts,
         )
+
+    def split(self, tp: int) -> int:
+        """GPUs the attention heads, dense MLPs, embedding and lm_head are split over: tp, or 1 under attention DP."""
+        return 1 if self.attention_dp else tp
 
     @property
     def model_bytes(self) -> int:
@@ -125,11 +133,12 @@ def pp_layers(layers: int, pp: int) -> list[int]:
 
 def kv_bytes_per_token(s: Shapes, layers_on_rank: int, tp: int) -> float:
     """2 (K and V) x layers x ceil(kv_heads / tp) x head_size x bytes(kv dtype), for one rank. MLA: layers x
-    (kv_lora_rank + qk_rope_head_dim) x bytes, the latent and the rope key, on every tp rank (not split by heads)."""
+    (kv_lora_rank + qk_rope_head_dim) x bytes, the latent and the rope key, on every tp rank (not split by heads).
+    Attention DP: every KV head, for the GPU's own requests."""
     kv = KV_BYTES.get(s.kv_quant, s.model_bytes) if s.kv_quant else s.model_bytes
     if s.mla is not None:
         return layers_on_rank * s.mla.kv_values_per_token * kv
-    return 2 * layers_on_rank * math.ceil(s.kv_heads / tp) * s.head_size * kv
+    return 2 * layers_on_rank * math.ceil(s.kv_heads / s.split(tp)) * s.head_size * kv
 
 
 def weight_bytes(s: Shapes, tp: int, pp: int) -> list[int]:
@@ -137,7 +146,7 @@ def weight_bytes(s: Shapes, tp: int, pp: int) -> list[int]:
     if s.mla is not None:
         return _mla_weight_bytes(s, tp, pp)
     h, d = s.hidden, s.head_size
-    q_local, kv_local = s.heads // tp, math.ceil(s.kv_heads / tp)
+    q_local, kv_local = s.heads // s.split(tp), math.ceil(s.kv_heads / s.split(tp))
     attn = h * (q_local + 2 * kv_local) * d + q_local * d * h
     mlp = 3 * h * s.intermediate * max(1, s.experts) // tp  # E/moe_ep experts x I/moe_tp rows = E x I / tp
     linear_bytes = _linear_bytes(s, attn + mlp)
@@ -150,7 +159,7 @@ def weight_bytes(s: Shapes, tp: int, pp: int) -> list[int]:
         biases += (s.experts // s.moe_ep) * (2 * s.intermediate // moe_tp + h) * s.model_bytes
         biases += s.experts * 4 + q_local * s.model_bytes
     per_layer = linear_bytes + router + biases + 2 * h * s.model_bytes
-    vocab_local = math.ceil(s.vocab / tp)
+    vocab_local = math.ceil(s.vocab / s.split(tp))
     embed = (vocab_local if s.parallel_embedding else s.vocab) * h * s.model_bytes
     head = vocab_local * h * s.model_bytes + h * s.model_bytes  # lm_head + ln_f
     out = []
@@ -162,22 +171,24 @@ def weight_bytes(s: Shapes, tp: int, pp: int) -> list[int]:
 def _mla_weight_bytes(s: Shapes, tp: int, pp: int) -> list[int]:
     """DeepSeek-V3's weights per TP rank on each PP rank: q_a and kv_a (and their norms) replicated, q_b / kv_b /
     o_proj split by heads; dense MLPs in the first ``dense_layers``; routed experts (E x I / tp), the shared experts
-    (split like a dense MLP), a router and its score bias (float32) in the others."""
+    (split like a dense MLP), a router and its score bias (float32) in the others. Attention DP: all but the routed
+    experts whole on every GPU (``ts`` = 1)."""
     h, a, b = s.hidden, s.mla, s.model_bytes
+    ts = s.split(tp)
     qb = s.heads * a.qk_head_dim
     kvb = s.heads * (a.qk_nope_head_dim + a.v_head_dim)
     if a.q_lora_rank:
-        q_rep, q_split = h * a.q_lora_rank, a.q_lora_rank * qb // tp
+        q_rep, q_split = h * a.q_lora_rank, a.q_lora_rank * qb // ts
     else:
-        q_rep, q_split = 0, h * qb // tp
-    attn = _linear_bytes(s, q_rep + h * a.kv_values_per_token + q_split + a.kv_lora_rank * kvb // tp)
-    attn += _linear_bytes(s, s.heads * a.v_head_dim * h // tp)
+        q_rep, q_split = 0, h * qb // ts
+    attn = _linear_bytes(s, q_rep + h * a.kv_values_per_token + q_split + a.kv_lora_rank * kvb // ts)
+    attn += _linear_bytes(s, s.heads * a.v_head_dim * h // ts)
     attn += (a.q_lora_rank + a.kv_lora_rank + 2 * h) * b  # q_a / kv_a norms, the two layer norms
-    dense = _linear_bytes(s, 3 * h * s.dense_intermediate // tp)
-    routed = 3 * h * s.intermediate * s.experts // tp
+    dense = _linear_bytes(s, 3 * h * s.dense_intermediate // ts)
+    routed = 3 * h * s.intermediate * s.experts // tp  # E / moe_ep experts x I / moe_tp rows
     routed_bytes = routed * QUANT_WEIGHT_BYTES[s.expert_quant_algo] if s.expert_quant_algo else _linear_bytes(s, routed)
-    moe = routed_bytes + _linear_bytes(s, 3 * h * s.shared_width // tp) + s.experts * (h + 1) * 4
-    vocab_local = math.ceil(s.vocab / tp)
+    moe = routed_bytes + _linear_bytes(s, 3 * h * s.shared_width // ts) + s.experts * (h + 1) * 4
+    vocab_local = math.ceil(s.vocab / ts)
     embed = (vocab_local if s.parallel_embedding else s.vocab) * h * b
     head = vocab_local * h * b + h * b
     out, first = [], 0
@@ -268,7 +279,7 @@ def _tensor_bytes(f: Path) -> int:
 
 def activation_bytes(s: Shapes, tp: int, max_num_tokens: int, max_batch: int, beam: int) -> int:
     act = 4 if s.dtype == "float32" else 2
-    qkv = (s.heads // tp + 2 * math.ceil(s.kv_heads / tp)) * s.head_size
+    qkv = (s.heads // s.split(tp) + 2 * math.ceil(s.kv_heads / s.split(tp))) * s.head_size
     mlp = 2 * s.intermediate // tp * (max(1, s.top_k) if s.experts > 1 else 1)
     logits = max_batch * beam * s.vocab * 4
     return int(max_num_tokens * (3 * s.hidden + qkv + mlp) * act + logits)
@@ -311,6 +322,7 @@ class Plan:
     kv_bytes_per_token_model: int = 0  # whole model, one copy of each KV head
     runtime: bool = True  # the KV pool and host memory planned too (False: the engine alone, see plan_build)
     draft: Optional[DraftMemory] = None  # speculative decoding's share (trtpipe/engine/draft_plan.py)
+    attention_dp: bool = False  # each GPU's KV pool holds its own requests (concurrent_sequences: all GPUs')
 
     @property
     def fits(self) -> bool:
@@ -322,6 +334,7 @@ class Plan:
             "gpu": self.gpu.key,
             "tp": self.tp,
             "pp": self.pp,
+            "attention_dp": self.attention_dp,
             "fits": self.fits,
             "refusal": self.refusal or None,
             "weights_from": self.weights_from,
@@ -467,7 +480,8 @@ def plan_build(
     gpu = build.gpu
     tpb = c.plugins["tokens_per_block"]
     kvc = recipe.engine.kv_cache if runtime else None
-    if checkpoint_dir is not None and any(Path(checkpoint_dir).glob("rank*.safetensors")):
+    # the recipe's checkpoint is converted tp-split whatever the serving layout: attention DP is planned from shapes
+    if checkpoint_dir is not None and not s.attention_dp and any(Path(checkpoint_dir).glob("rank*.safetensors")):
         weights, source = checkpoint_weight_bytes(Path(checkpoint_dir), tp, pp), "checkpoint"
     else:
         weights, source = weight_bytes(s, tp, pp), "config.json"
@@ -502,7 +516,8 @@ def plan_build(
         blocks_per_sequence=per_seq,
         kv_blocks=blocks,
         kv_tokens=min(r.kv_tokens for r in ranks),
-        concurrent_sequences=blocks // per_seq,
+        concurrent_sequences=blocks // per_seq * (tp if s.attention_dp else 1),  # attention DP: a pool per GPU
+        attention_dp=s.attention_dp,
         kv_bytes_per_token_model=int(kv_bytes_per_token(s, s.layers, 1)),
         experts=expert_placement(s, cfg, pp),
         host_bytes=host_estimates(s, source_dtype_bytes, max(weights), build.workers, recipe) if runtime else {},

@@ -50,8 +50,8 @@ _V13 = frozenset(("1.3",))
 LEAF_MAPPINGS = frozenset(("env_overrides",))
 
 # TorchLlmArgs keys of NVIDIA's database configs (examples/configs/database/**) that the 1.2 table does not hold
+# (enable_attention_dp is not among them: it predates 1.0, see LLM_API_KEYS)
 KEYS_13: dict[str, frozenset] = {
-    "enable_attention_dp": _V13,
     "attention_dp_config.enable_balance": _V13,
     "attention_dp_config.timeout_iters": _V13,
     "attention_dp_config.batching_wait_iters": _V13,
@@ -75,6 +75,9 @@ LLM_API_KEYS: dict[str, frozenset] = {
     "tensor_parallel_size": _ALL,
     "pipeline_parallel_size": _ALL,
     "moe_expert_parallel_size": _ALL,
+    # attention data parallel (a TorchLlmArgs / _ParallelConfig field; Mapping(enable_attention_dp) in
+    # NVIDIA/TensorRT-LLM@05ebebb2 tensorrt_llm/mapping.py; the 0.19-1.0 performance pages' MoE YAML sets it)
+    "enable_attention_dp": _ALL,
     "enable_chunked_prefill": _ALL,
     "guided_decoding_backend": _ALL,  # Optional[Literal["xgrammar", "llguidance"]], default None (off)
     "kv_cache_config.free_gpu_memory_fraction": _ALL,
@@ -246,6 +249,8 @@ def llm_api_options(
     }
     if p.moe_ep > 0:
         want["moe_expert_parallel_size"] = p.moe_ep
+    if p.attention_dp:
+        want["enable_attention_dp"] = True
     if lora_dir is not None and recipe.lora.adapters:
         from trtpipe.export.lora import lora_options, target_modules
 

@@ -57,10 +57,14 @@ def resolve_moe_sizes(tp: int, moe_ep: int = -1, moe_tp: int = -1) -> tuple[int,
     return moe_ep, moe_tp
 
 
-def mapping(tp: int, pp: int, moe_tp: int = -1, moe_ep: int = -1, num_experts: int = 0) -> dict:
-    """``mapping`` with the MoE sizes resolved as TensorRT-LLM's Mapping does."""
+def mapping(
+    tp: int, pp: int, moe_tp: int = -1, moe_ep: int = -1, num_experts: int = 0, attention_dp: bool = False
+) -> dict:
+    """``mapping`` with the MoE sizes resolved as TensorRT-LLM's Mapping does; ``enable_attention_dp`` (the
+    Mapping field of NVIDIA/TensorRT-LLM@05ebebb2 ``tensorrt_llm/mapping.py``) only where it is on, so that every
+    other checkpoint's config.json stays as it was."""
     moe_ep, moe_tp = resolve_moe_sizes(tp, moe_ep, moe_tp) if num_experts else (1, tp)
-    return {
+    out = {
         "world_size": tp * pp,
         "gpus_per_node": 8,
         "cp_size": 1,
@@ -72,6 +76,9 @@ def mapping(tp: int, pp: int, moe_tp: int = -1, moe_ep: int = -1, num_experts: i
         "attn_tp_size": -1,
         "attn_cp_size": -1,
     }
+    if attention_dp:
+        out["enable_attention_dp"] = True
+    return out
 
 
 def quantization(quant_algo=None, kv_cache_quant_algo=None, exclude_modules=None, **extra) -> dict:
@@ -113,10 +120,11 @@ def build_config(
     moe_ep: int = -1,
     use_parallel_embedding: bool = False,
     embedding_sharding_dim: int = 0,
+    attention_dp: bool = False,
 ) -> dict:
     """The config.json dict of the unquantized checkpoint (``Family.parallel_embedding_at_tp``: vocab-sharded
     embedding at tp > 1, as that family's TensorRT-LLM config class forces)."""
-    if family.parallel_embedding_at_tp and tp > 1:
+    if family.parallel_embedding_at_tp and tp > 1 and not attention_dp:  # attention DP: whole tables per rank
         if use_parallel_embedding and embedding_sharding_dim != 0:
             raise CheckpointError(
                 f"{info.architecture}: TensorRT-LLM shards this family's embedding over the "
@@ -155,7 +163,7 @@ def build_config(
         "use_last_layernorm": True,
         "layer_idx_offset": 0,
         "moe": {"num_experts": 0, "top_k": 0, "normalization_mode": 1},
-        "mapping": mapping(tp, pp, moe_tp, moe_ep, info.num_experts if info.is_moe else 0),
+        "mapping": mapping(tp, pp, moe_tp, moe_ep, info.num_experts if info.is_moe else 0, attention_dp),
         "quantization": quantization(),
     }
     if info.sliding_window:

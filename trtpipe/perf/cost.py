@@ -46,6 +46,11 @@ from trtpipe.perf.models import ModelSpec
 
 GB = 1e9
 TERA = 1e12
+# MLA generation attention on Hopper: TensorRT-LLM runs FlashMLA for a 576-wide latent on SM 9.0
+# (NVIDIA/TensorRT-LLM@1a0dc5f7 tensorrt_llm/_torch/model_config.py ``enable_flash_mla``), whose dense decoding kernel
+# reaches 660 TFLOPS compute-bound on H800 SXM5 (deepseek-ai/FlashMLA@066b5ba6 README.md), the H100 SXM die at 989
+# dense 16-bit TFLOPS: that measured fraction, not the fitted ``attn_eff`` of the other attention kernels
+FLASH_MLA_DECODE_EFF = 660 / 989
 ACT_BYTES = 2  # activations (all-reduce payloads) are 16-bit
 
 
@@ -201,6 +206,7 @@ class Terms:
     peak_pf: float = 0.0  # the precision's dense tensor peak in PFLOPS (what the achieved fraction of it depends on)
     expert_gemm: float = 0.0  # the routed experts' share of ``gemm`` (their grouped GEMMs)
     copies: float = 0.0  # routed token copies (tokens x top-k on this GPU) summed over the stage's MoE layers
+    mla_decode: float = 0.0  # MLA generation attention FLOPs / the 16-bit peak where FlashMLA runs it (SM 9.0)
 
     # facts of the deployment, not amounts of work: a sum of two steps' terms keeps them
     FIXED = ("layers", "pp", "peak_pf")
@@ -250,7 +256,7 @@ def step_time(t: Terms, c: Constants):
     """Seconds of one step (works on numpy arrays of terms)."""
     import numpy as np
 
-    compute = _gemm_time(t, c) + t.attn / c.attn_eff
+    compute = _gemm_time(t, c) + t.attn / c.attn_eff + t.mla_decode / FLASH_MLA_DECODE_EFF
     memory = t.mem / c.bw_eff + t.kv / c.kv_eff
     body = (
         np.maximum(memory, compute)
@@ -283,7 +289,7 @@ def bound(t: Terms, c: Constants) -> str:
     """What dominates a step: 'bandwidth', 'compute', 'communication' or 'overhead'."""
     parts = {
         "bandwidth": t.mem / c.bw_eff + t.kv / c.kv_eff,
-        "compute": _gemm_time(t, c) + t.attn / c.attn_eff,
+        "compute": _gemm_time(t, c) + t.attn / c.attn_eff + t.mla_decode / FLASH_MLA_DECODE_EFF,
         "communication": t.comm / c.link_eff,
         "routing": t.copies * c.copy_ns * 1e-9,
         "overhead": (t.layers * c.layer_us + t.seqs * t.layers * c.seq_layer_us) * 1e-6,
@@ -347,7 +353,8 @@ def group_terms(
     frac = d.stage_layers
     bw, peak16, link = g.bandwidth_gbs * GB, g.tflops_16 * TERA, g.link_gbs * GB
 
-    mem = kvr = gemm = attn = comm = expert_gemm = copies = 0.0
+    mem = kvr = gemm = attn = comm = expert_gemm = copies = mla_decode = 0.0
+    flash_mla = m.mla and g.sm == 90  # generation attention by FlashMLA (FLASH_MLA_DECODE_EFF)
     for k in m.layers:
         n = k.count * frac
         dense_params = (k.attn_params + k.mlp_params) / split
@@ -362,10 +369,15 @@ def group_terms(
             expert_gemm += n * 2 * tokens * k.top_k * k.expert_params / d.tp / d.expert_peak
             copies += n * tokens * k.top_k / d.tp  # each token's top-k copies, spread over the tp ranks
         attended = sum(_attended(k, L, 1) * c for L, c in generation)  # KV tokens the generating rows read
-        pairs = attended + sum(_attended(k, s, n) * c for s, n, c in context)
+        ctx_pairs = sum(_attended(k, s, n) * c for s, n, c in context)
         mem += n * w / bw
         kvr += n * attended * kv_local / dp / bw
-        attn += n * 2 * heads * (m.qk_dim + m.v_dim) * pairs / dp / peak16
+        gen_attn = n * 2 * heads * (m.qk_dim + m.v_dim) * attended / dp / peak16
+        if flash_mla:
+            mla_decode += gen_attn
+        else:
+            attn += gen_attn
+        attn += n * 2 * heads * (m.qk_dim + m.v_dim) * ctx_pairs / dp / peak16
         if d.attn_dp and k.experts and d.tp > 1:
             # attention DP, EP or MoE-TP alike: every rank all-gathers all ranks' tokens before its experts and
             # reduce-scatters their output after (the CUTLASS MoE without an MNNVL all-to-all); the payload is counted
@@ -379,4 +391,6 @@ def group_terms(
     mem += m.vocab * m.hidden / d.vocab_split * 2 / bw if tokens else 0.0
     gemm += 2 * sampled * head / peak16 + expert_gemm
     seqs = sum(c for _, c in generation) + sum(c for _, _, c in context)
-    return Terms(mem, kvr, gemm, attn, comm, seqs, m.num_layers * frac, d.pp, d.gemm_peak / 1e15, expert_gemm, copies)
+    return Terms(
+        mem, kvr, gemm, attn, comm, seqs, m.num_layers * frac, d.pp, d.gemm_peak / 1e15, expert_gemm, copies, mla_decode
+    )

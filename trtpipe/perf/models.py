@@ -349,6 +349,7 @@ class ModelSpec:
     layers: tuple[LayerKind, ...]
     tied_embeddings: bool = False
     mxfp4_experts: bool = False  # experts shipped in MXFP4 whatever the run's precision label
+    mla: bool = False  # multi-head latent attention (DeepSeek-V3): its generation attention runs as FlashMLA on SM 9.0
 
     @property
     def num_layers(self) -> int:
@@ -435,7 +436,7 @@ def _deepseek(m: ModelDims, name: str) -> ModelSpec:
         ),
     )
     # MLA caches one latent (kv_lora_rank + rope) per token per layer; decode attends in the latent space
-    return ModelSpec(name, h, m.vocab_size, heads, 1, kvr + rope, kvr, kvr + rope, kinds)
+    return ModelSpec(name, h, m.vocab_size, heads, 1, kvr + rope, kvr, kvr + rope, kinds, mla=True)
 
 
 def _gpt_oss(m: ModelDims, name: str) -> ModelSpec:

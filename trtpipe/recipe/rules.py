@@ -135,19 +135,12 @@ def _parallel_layout(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding
     p = recipe.parallel
     if p.world_size > 64:
         yield "parallel", f"tp*pp = {p.world_size} ranks; at most 64 are supported"
+    if p.attention_dp:
+        yield from _attention_dp(recipe, m)
     if m is None:
         return
-    if m.num_heads % p.tp:
-        yield "parallel.tp", f"the model's {m.num_heads} attention heads do not divide by tp={p.tp}"
-    if m.num_kv_heads >= p.tp and m.num_kv_heads % p.tp:
-        yield "parallel.tp", f"the model's {m.num_kv_heads} KV heads do not divide by tp={p.tp}"
-    if m.num_kv_heads < p.tp and p.tp % m.num_kv_heads:
-        yield (
-            "parallel.tp",
-            (
-                f"tp={p.tp} is not a multiple of the model's {m.num_kv_heads} KV heads (KV heads are replicated tp/kv times)"
-            ),
-        )
+    if not p.attention_dp:  # attention DP splits no heads: only the experts
+        yield from _heads_split(m, p.tp)
     if m.num_layers < p.pp:
         yield "parallel.pp", f"pp={p.pp} exceeds the model's {m.num_layers} layers"
     if not m.is_moe:
@@ -165,6 +158,39 @@ def _parallel_layout(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding
         yield key, f"the model's {m.num_experts} experts do not divide by moe_ep={ep}"
     elif m.expert_intermediate_size % mtp:
         yield key, f"the experts' intermediate size {m.expert_intermediate_size} does not divide by moe_tp={mtp}"
+
+
+def _heads_split(m: ModelDims, tp: int) -> Iterable[Finding]:
+    if m.num_heads % tp:
+        yield "parallel.tp", f"the model's {m.num_heads} attention heads do not divide by tp={tp}"
+    if m.num_kv_heads >= tp and m.num_kv_heads % tp:
+        yield "parallel.tp", f"the model's {m.num_kv_heads} KV heads do not divide by tp={tp}"
+    if m.num_kv_heads < tp and tp % m.num_kv_heads:
+        yield (
+            "parallel.tp",
+            f"tp={tp} is not a multiple of the model's {m.num_kv_heads} KV heads (KV heads are replicated tp/kv times)",
+        )
+
+
+def _attention_dp(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
+    """``parallel.attention_dp``: TensorRT-LLM's ``enable_attention_dp``, a PyTorch-backend mapping
+    (NVIDIA/TensorRT-LLM@05ebebb2 ``tensorrt_llm/mapping.py``: the MoE sizes must still multiply to tp_size) whose
+    ranks meet only in the MoE layers (@000561df ``_torch/models/modeling_deepseekv3.py``)."""
+    p = recipe.parallel
+    if recipe.target == "engine":
+        yield (
+            "parallel.attention_dp",
+            "is written only into the PyTorch backend's extra_llm_api_options (enable_attention_dp); "
+            "use target: llmapi",
+        )
+    if p.tp < 2:
+        yield "parallel.attention_dp", f"needs tp > 1 (the attention-DP ranks are the tp GPUs); tp is {p.tp}"
+    if m is not None and not m.is_moe:
+        yield (
+            "parallel.attention_dp",
+            f"{m.architecture} has no experts: its attention-DP ranks would share nothing (tp whole copies of the "
+            "model); serve replicas instead",
+        )
 
 
 def _engine_limits(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:

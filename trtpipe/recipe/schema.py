@@ -136,6 +136,12 @@ class ParallelSection(_Section):
     pp: int = Field(1, ge=1, le=64, description="Pipeline-parallel size (world size is tp*pp).")
     moe_ep: int = Field(-1, ge=-1, le=64, description="MoE expert-parallel size (-1: derived from tp and moe_tp).")
     moe_tp: int = Field(-1, ge=-1, le=64, description="MoE tensor-parallel size (-1: derived from tp and moe_ep).")
+    attention_dp: bool = Field(
+        False,
+        description="llmapi: attention data parallel (TensorRT-LLM enable_attention_dp): each of the tp GPUs runs "
+        "attention for its own requests with whole attention weights and its own KV cache; the MoE layers split the "
+        "experts by moe_ep x moe_tp. Needs a mixture-of-experts model and tp > 1.",
+    )
 
     @property
     def world_size(self) -> int:

@@ -11,7 +11,14 @@ numbers of a tp/pp layout but not what serving it takes. Here rank ``N = pp_rank
   the logits rows to global rank 0, which samples.
 
 Every rank calls :meth:`RankModel.forward` with the same arguments (rank 0 broadcasts them, see
-:mod:`trtpipe.serving.mpi_engine`); only global rank 0 gets logits back. The layers are the reference runtime's
+:mod:`trtpipe.serving.mpi_engine`); only global rank 0 gets logits back.
+
+Attention data parallel (``mapping.enable_attention_dp``, pp 1): each rank runs its own requests through whole
+attention, dense and shared-expert weights and its own KV, and gets its own logits; the MoE layers exchange tokens
+(:meth:`Comm.moe_exchange`: every rank's tokens gathered, each rank's experts run on all of them, the outputs summed
+back to the rank the tokens came from), as TensorRT-LLM's CUTLASS MoE does under attention DP
+(NVIDIA/TensorRT-LLM@000a01de ``tensorrt_llm/_torch/modules/fused_moe/fused_moe_cutlass.py``: ``allgather``,
+``fused_moe``, ``reducescatter_or_allreduce``). The layers are the reference runtime's
 own :class:`~trtpipe.runtime.model.DecoderLayer` built with one shard and an MPI all-reduce.
 """
 
@@ -108,6 +115,20 @@ class Comm:
         self.tp_comm.Allgather(t.numpy(), out.numpy())
         return torch.cat(list(out), dim=-1)
 
+    def moe_exchange(self, tokens: torch.Tensor, experts) -> torch.Tensor:
+        """Attention DP's MoE: ``experts`` (this rank's) over every tp rank's ``tokens`` [n_r, H] (all-gather, any
+        n_r including 0), then the sum of all ranks' outputs for this rank's rows (reduce-scatter)."""
+        MPI, comm = self.MPI, self.tp_comm
+        tokens = tokens.float().contiguous()
+        hidden = tokens.shape[-1]
+        counts = [int(n) * hidden for n in comm.allgather(int(tokens.shape[0]))]
+        everyone = torch.empty(sum(counts) // hidden, hidden, dtype=torch.float32)
+        comm.Allgatherv(tokens.numpy(), [everyone.numpy(), counts])
+        out = experts(everyone).float().contiguous()
+        mine = torch.empty_like(tokens)
+        comm.Reduce_scatter(out.numpy(), mine.numpy(), recvcounts=counts, op=MPI.SUM)
+        return mine
+
     def send(self, t: torch.Tensor, dest: int) -> None:
         self.world.Send(t.contiguous().numpy(), dest=dest, tag=7)
 
@@ -174,6 +195,8 @@ class RankModel:
         ``cos_sin``: rope tables of every position (a packed step's tokens are not consecutive), per rope key.
         """
         lay, comm = self.layout, self.comm
+        if self.args.attention_dp:
+            return self._forward_own(input_ids, cache, start_pos, rows, cos_sin)
         B, T = input_ids.shape
         H = self.args.hidden_size
         if lay.first_stage:
@@ -204,6 +227,27 @@ class RankModel:
             comm.send(logits, 0)
         return None
 
+    def _forward_own(self, input_ids, cache, start_pos, rows, cos_sin) -> torch.Tensor:
+        """Attention DP: this rank's own requests (``input_ids`` differ per rank) -> this rank's logits."""
+        B, T = input_ids.shape
+        x = F.embedding(input_ids, self.embedding)
+        if self.args.embed_scale != 1.0:
+            x = x * self.args.embed_scale
+        cos_sin = cos_sin if cos_sin is not None else rope_tables(self.ropes, start_pos, T)
+        for layer in self.layers:
+            x = layer(x, start_pos, cache, cos_sin)
+        h = x.reshape(B * T, -1)
+        if rows is not None:
+            h = h[rows]
+        logits = self.lm_head(rms_norm(h, self.ln_f, self.args.norm_epsilon))[:, : self.args.vocab_size]
+        logits = softcap(logits, self.args.final_logit_softcapping)
+        return logits if rows is not None else logits.view(B, T, -1)
+
+    def idle(self) -> None:
+        """Attention DP: a step with no request of this rank's own still runs its experts for the others."""
+        for layer in self.layers:
+            layer.idle(self.args.hidden_size)
+
 
 def load_rank(ckpt_dir: str | Path, comm_or_layout=None, device: str = "cpu") -> RankModel:
     """Load this process's rank of a TRT-LLM checkpoint: only ``rank{N}.safetensors`` is read.
@@ -222,6 +266,8 @@ def load_rank(ckpt_dir: str | Path, comm_or_layout=None, device: str = "cpu") ->
         rank = mpi().COMM_WORLD.Get_rank()
         comm = Comm(RankLayout(args.tp, args.pp, rank))
     lay = comm.layout
+    if args.attention_dp and args.pp > 1:
+        raise CheckpointError(f"{ckpt_dir}: attention data parallel with pp={args.pp}: the twin runs it at pp 1 only")
     path = ckpt_dir / f"rank{lay.rank}.safetensors"
     tensors = read_rank(path, device)
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -231,7 +277,17 @@ def load_rank(ckpt_dir: str | Path, comm_or_layout=None, device: str = "cpu") ->
         shard = with_prefix(tensors, f"transformer.layers.{local}.")
         if not shard:
             raise CheckpointError(f"{path}: layer {local} (global {global_idx}) has no tensors")
-        layers.append(DecoderLayer(args, [shard], global_idx, rope, tp_ranks=[lay.tp_rank], all_reduce=comm.all_reduce))
+        layers.append(
+            DecoderLayer(
+                args,
+                [shard],
+                global_idx,
+                rope,
+                tp_ranks=[lay.tp_rank],
+                all_reduce=comm.all_reduce,
+                moe_exchange=comm.moe_exchange if args.attention_dp else None,
+            )
+        )
     embedding = _rank_embedding(cfg, args, comm, tensors, path) if lay.first_stage else None
     ln_f = lm_head = None
     if lay.last_stage:
@@ -248,7 +304,7 @@ def _rank_embedding(cfg: dict, args: ModelArgs, comm: Comm, tensors: dict, path:
     if name not in tensors:
         raise CheckpointError(f"{path}: tensor '{name}' is missing")
     table = tensors[name].float()
-    if not cfg.get("use_parallel_embedding") or args.tp == 1:
+    if not cfg.get("use_parallel_embedding") or args.tp == 1 or args.attention_dp:
         return table
     # A vocab/hidden-sharded table: gathered once at load (the lookup then needs no communication).
     dim = int(cfg.get("embedding_sharding_dim", 0))
@@ -259,10 +315,14 @@ def _rank_embedding(cfg: dict, args: ModelArgs, comm: Comm, tensors: dict, path:
 
 def _rank_lm_head(args: ModelArgs, lay: RankLayout, tensors: dict, embedding, path: Path) -> torch.nn.Module:
     if "lm_head.weight" not in tensors:
-        if embedding is None or lay.tp > 1:
+        if embedding is None or (lay.tp > 1 and not args.attention_dp):
             raise CheckpointError(f"{path}: tensor 'lm_head.weight' is missing")
         return Float32Linear(embedding)  # tied embeddings, one stage, one rank
     algo = module_quant_algo("lm_head", args.quantization, args.quant_cfg)
+    if args.attention_dp:  # a whole lm_head on every rank
+        return build_linear(
+            with_prefix(tensors, "lm_head."), LinearSpec("lm_head", algo, args.quantization or {}, args.dtype)
+        )
     spec = LinearSpec("lm_head", algo, args.quantization or {}, args.dtype, "column", lay.tp_rank, args.tp)
     return build_linear(with_prefix(tensors, "lm_head."), spec)
 

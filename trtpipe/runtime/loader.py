@@ -54,6 +54,8 @@ def lm_head_linears(args: ModelArgs, last_ranks: list[dict], embedding: torch.Te
     if "lm_head.weight" not in last_ranks[0]:  # shared embedding table
         return [Float32Linear(embedding)]
     algo = module_quant_algo("lm_head", args.quantization, args.quant_cfg)
+    if args.attention_dp:  # every rank holds the whole lm_head: one copy
+        last_ranks = last_ranks[:1]
     return [
         build_linear(
             with_prefix(r, "lm_head."),

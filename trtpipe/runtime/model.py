@@ -81,6 +81,7 @@ class ModelArgs:
     pp: int = 1
     moe_tp: int = 1
     moe_ep: int = 1
+    attention_dp: bool = False  # every rank its own requests, whole attention; the experts split (runtime.distributed)
     dtype: str = "float32"
     quantization: Optional[dict] = None
     quant_cfg: Optional[dict] = None
@@ -144,6 +145,7 @@ class ModelArgs:
             pp=pp,
             moe_tp=moe_tp,
             moe_ep=moe_ep,
+            attention_dp=bool(mapping.get("enable_attention_dp", False)),
             dtype=d.torch_dtype,
             quantization=cfg.get("quantization") or {},
             quant_cfg=quant_cfg,
@@ -167,7 +169,11 @@ class ModelArgs:
 
     def unsharded(self) -> "ModelArgs":
         """The same model seen as tp=1, pp=1 (for tensors before sharding, e.g. layer-by-layer calibration)."""
-        return replace(self, tp=1, pp=1, moe_tp=1, moe_ep=1)
+        return replace(self, tp=1, pp=1, moe_tp=1, moe_ep=1, attention_dp=False)
+
+    def whole(self) -> "ModelArgs":
+        """The numbers of the modules every attention-DP rank holds whole (attention, dense MLP, shared experts)."""
+        return replace(self, tp=1)
 
     @property
     def heads_per_rank(self) -> int:
@@ -485,6 +491,11 @@ class DecoderLayer(nn.Module):
         rank_tensors: per tp rank, that rank's tensors of this layer keyed relative to the layer
             (``attention.qkv.weight``, ``mlp.fc.weight``...).
         layer_idx: global layer index (names the modules for quantization rules and keys the KV cache).
+        all_reduce: sums the tp ranks' partials (one process per rank; identity when all shards are here).
+        moe_exchange: under attention data parallel (``args.attention_dp``), ``fn(tokens, experts) -> output``: runs
+            ``experts`` (this process's routed experts over some tokens) on every rank's tokens and returns this
+            rank's rows of the sum (one process per rank: :meth:`~trtpipe.runtime.distributed.Comm.moe_exchange`);
+            default: ``experts(tokens)``, all experts being here.
     """
 
     def __init__(
@@ -495,6 +506,7 @@ class DecoderLayer(nn.Module):
         rope: Optional[Rope | dict[str, Rope]] = None,
         tp_ranks: Optional[list[int]] = None,
         all_reduce=None,
+        moe_exchange=None,
     ):
         super().__init__()
         tp_ranks = list(range(args.tp)) if tp_ranks is None else list(tp_ranks)
@@ -514,6 +526,12 @@ class DecoderLayer(nn.Module):
             ropes = {**ropes, **{k: r for k, r in args.ropes().items() if k not in ropes}}
         self.rope = ropes[self.rope_key]
         t0 = rank_tensors[0]
+        # Attention DP (NVIDIA/TensorRT-LLM@000561df tensorrt_llm/_torch/models/modeling_deepseekv3.py: no attention
+        # all-reduce, the dense MLP and the shared experts at tp 1): every rank holds those whole, so one copy
+        # (rank_tensors[0]'s) runs them; only the routed experts are split over the ranks.
+        self.attention_dp = args.attention_dp
+        own = args.whole() if self.attention_dp else args
+        owned = [(0, t0)] if self.attention_dp else list(zip(tp_ranks, rank_tensors))
         # inter_layernorms (Gemma): post_layernorm normalizes the attention OUTPUT, the MLP has its own pre/post
         # norms; otherwise (Llama) post_layernorm is the norm before the MLP.
         self.inter_layernorms = args.inter_layernorms
@@ -528,15 +546,12 @@ class DecoderLayer(nn.Module):
         self.pre_ff_ln = _opt_float(t0.get("pre_feedforward_layernorm.weight")) if self.inter_layernorms else None
         self.post_ff_ln = _opt_float(t0.get("post_feedforward_layernorm.weight")) if self.inter_layernorms else None
         if args.mla is not None:  # DeepSeek-V3's latent attention (trtpipe.runtime.mla)
-            self.attention = nn.ModuleList(
-                MLAAttentionShard(t, prefix, args, r, _linear) for r, t in zip(tp_ranks, rank_tensors)
-            )
+            self.attention = nn.ModuleList(MLAAttentionShard(t, prefix, own, r, _linear) for r, t in owned)
         else:
-            self.attention = nn.ModuleList(
-                AttentionShard(t, prefix, args, r, layer_idx) for r, t in zip(tp_ranks, rank_tensors)
-            )
+            self.attention = nn.ModuleList(AttentionShard(t, prefix, own, r, layer_idx) for r, t in owned)
         # One process per rank (trtpipe.runtime.distributed) holds one shard and sums the others' partials here.
-        self.all_reduce = all_reduce or _identity
+        self.all_reduce = _identity if self.attention_dp or all_reduce is None else all_reduce
+        self.moe_exchange = moe_exchange or _run_here
         self.dense_bias = _opt_float(t0.get("attention.dense.bias"))
         self.is_moe, self.num_experts = args.num_experts > 0 and layer_idx >= args.dense_layers, args.num_experts
         self.routing = args  # group-limited sigmoid routing reads its sizes from here (DeepSeek-V3)
@@ -551,12 +566,10 @@ class DecoderLayer(nn.Module):
                 raise CheckpointError(f"checkpoint: tensor '{prefix}mlp.router.e_score_correction_bias' is missing")
             self.mlp = nn.ModuleList(MoEShard(t, prefix, args, r) for r, t in zip(tp_ranks, rank_tensors))
             if args.shared_experts:
-                self.shared = nn.ModuleList(
-                    GatedMLPShard(t, prefix, args, r, "mlp.shared_expert") for r, t in zip(tp_ranks, rank_tensors)
-                )
+                self.shared = nn.ModuleList(GatedMLPShard(t, prefix, own, r, "mlp.shared_expert") for r, t in owned)
         else:
             name = "ffn" if args.dense_layers else "mlp"  # a dense layer of a model with MoE layers after it
-            self.mlp = nn.ModuleList(GatedMLPShard(t, prefix, args, r, name) for r, t in zip(tp_ranks, rank_tensors))
+            self.mlp = nn.ModuleList(GatedMLPShard(t, prefix, own, r, name) for r, t in owned)
         self.proj_bias = None if self.is_moe else _opt_float(t0.get("mlp.proj.bias"))  # experts add theirs
 
     @classmethod
@@ -608,22 +621,15 @@ class DecoderLayer(nn.Module):
         else:
             x = x + attn
             h = rms_norm(x, self.post_ln, self.eps)
-        if self.is_moe:
+        if self.is_moe and self.attention_dp:  # the routed experts over every rank's tokens, the shared ones here
             flat = h.reshape(-1, h.shape[-1])
-            a = self.routing
-            if a.moe_scoring == "sigmoid":
-                weights = group_limited_route(
-                    flat,
-                    self.router,
-                    self.score_bias,
-                    self.top_k,
-                    a.moe_groups,
-                    a.moe_topk_groups,
-                    self.renormalize,
-                    a.routed_scaling_factor,
-                )
-            else:
-                weights = route(flat, self.router, self.top_k, self.renormalize, self.router_bias)
+            mlp = self.moe_exchange(flat, self._routed)
+            if self.shared is not None:
+                mlp = mlp + self.shared[0](flat)
+            mlp = mlp.view_as(h)
+        elif self.is_moe:
+            flat = h.reshape(-1, h.shape[-1])
+            weights = self._weights(flat)
             if self.shared is None:
                 partial = sum(s(flat, weights) for s in self.mlp)
             else:  # each rank adds its shard of the shared experts to its experts' partial: one all-reduce
@@ -636,9 +642,39 @@ class DecoderLayer(nn.Module):
             mlp = rms_norm(mlp, self.post_ff_ln, self.eps)
         return x + mlp
 
+    def _weights(self, flat: torch.Tensor) -> torch.Tensor:
+        """Routing weights [N, E] of tokens [N, H] (0 for the experts a token does not go to)."""
+        a = self.routing
+        if a.moe_scoring == "sigmoid":
+            return group_limited_route(
+                flat,
+                self.router,
+                self.score_bias,
+                self.top_k,
+                a.moe_groups,
+                a.moe_topk_groups,
+                self.renormalize,
+                a.routed_scaling_factor,
+            )
+        return route(flat, self.router, self.top_k, self.renormalize, self.router_bias)
+
+    def _routed(self, flat: torch.Tensor) -> torch.Tensor:
+        """This process's routed experts over tokens [N, H] (routed here: the router is on every rank)."""
+        weights = self._weights(flat)
+        return sum(s(flat, weights) for s in self.mlp)
+
+    def idle(self, hidden: int) -> None:
+        """An attention-DP rank without tokens this step still serves its experts to the others' tokens."""
+        if self.is_moe and self.attention_dp:
+            self.moe_exchange(torch.zeros(0, hidden), self._routed)
+
 
 def _identity(x):
     return x
+
+
+def _run_here(tokens: torch.Tensor, experts) -> torch.Tensor:
+    return experts(tokens)
 
 
 def _opt_float(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

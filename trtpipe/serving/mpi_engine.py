@@ -9,6 +9,9 @@ one. Sampling happens on rank 0 (it holds each request's seeded generator).
 A speculative draft model can be sharded the same way (:func:`draft_step_engine`): every rank also loads its shard
 of the draft checkpoint, each broadcast names the model it is for (``target`` or ``draft``), and one lock orders the
 two engines' broadcasts on the one communicator.
+
+Under attention data parallel each step's entries are spread over the ranks (:mod:`trtpipe.serving.attention_dp`:
+rank 0 assigns, the assignment is broadcast with the step, each rank runs its own entries).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from trtpipe.runtime.distributed import RankModel
+from trtpipe.serving import attention_dp
 from trtpipe.serving.api import SamplingParams, StepBatch, StepEntry, StepResult
 from trtpipe.serving.reference_engine import ReferenceEngine
 
@@ -60,7 +64,10 @@ class RankEngine(ReferenceEngine):
         super().__init__(model)
 
     @torch.no_grad()
-    def logits(self, batch: StepBatch) -> Optional[torch.Tensor]:
+    def logits(self, batch: StepBatch, ranks: Optional[list[int]] = None) -> Optional[torch.Tensor]:
+        """``ranks``: under attention DP, the rank of each entry (rank 0's :class:`~attention_dp.RankAssigner`)."""
+        if self.model.args.attention_dp:
+            return attention_dp.step_logits(self, batch, ranks)
         ids, paged, cos_sin, ends = self.packed(batch)
         return self.model.forward(ids, paged, 0, rows=torch.tensor(ends, dtype=torch.long), cos_sin=cos_sin)
 
@@ -84,7 +91,7 @@ def worker_loop(model: RankModel, draft: Optional[RankModel] = None) -> None:
             if lora is not None and tag == TARGET:
                 lora.run(batch, rest[0][1], engine.logits)
             else:
-                engine.logits(batch)
+                engine.logits(batch, *rest[1:])  # rest[1]: each entry's rank, under attention DP
         elif kind == "lora":  # rank 0 serves LoRA adapters (trtpipe.serving.adapters.LoraStepEngine)
             from trtpipe.serving.adapters import RankLora
 
@@ -110,6 +117,7 @@ class MpiStepEngine(RankEngine):
         self.tag = tag
         self._lock = lock or threading.Lock()
         self.lora_paths: Optional[dict] = None  # adapter name -> directory (the LoRA cache's), with LoRA
+        self.assigner = attention_dp.RankAssigner(model.layout.tp) if model.args.attention_dp else None
 
     def configure_lora(self, cache) -> None:
         """Serve LoRA: every worker attaches adapters to its shards with ``cache``'s bounds
@@ -132,11 +140,17 @@ class MpiStepEngine(RankEngine):
         with self._lock:
             self._broadcast("copy", int(src), int(dst), int(num_tokens))
             super().copy_block(src, dst, num_tokens)
+            if self.assigner is not None:
+                self.assigner.copied(src, dst)
 
     def logits(self, batch: StepBatch) -> torch.Tensor:
         with self._lock:
-            self._broadcast("step", _wire(batch, self.lora_paths))
-            return super().logits(batch)
+            if self.assigner is None:
+                self._broadcast("step", _wire(batch, self.lora_paths))
+                return super().logits(batch)
+            ranks = self.assigner.assign(batch, self.tokens_per_block)
+            self._broadcast("step", _wire(batch, self.lora_paths), ranks)
+            return super().logits(batch, ranks)
 
     def step(self, batch: StepBatch) -> StepResult:
         if not batch.entries:

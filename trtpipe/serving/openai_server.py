@@ -230,7 +230,11 @@ class ServedModel:
         tool_parser: Optional[str] = None,
         reasoning_parser: Optional[str] = None,
         lora: Optional[LoraSettings] = None,
+        step_engine=None,
     ):
+        """``step_engine``: the :class:`~trtpipe.serving.api.StepEngine` to run instead of one over ``model_dir``'s
+        weights in this process (e.g. rank 0's :class:`~trtpipe.serving.mpi_engine.MpiStepEngine` of the same model
+        split over MPI ranks)."""
         from transformers import AutoTokenizer
 
         from trtpipe.runtime.hf_loader import load_hf_checkpoint
@@ -255,7 +259,8 @@ class ServedModel:
         self.max_chars_per_token = request_checks.longest_token_chars(self.tokenizer.get_vocab())
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="trtpipe-tokenize")
         self.guided = GuidedDecoder.from_tokenizer(self.config.guided_decoding_backend, self.tokenizer, self.vocab_size)
-        engine, self.adapters = ReferenceEngine(model), None  # adapters: the LoRA cache (trtpipe.serving.adapters)
+        engine = step_engine if step_engine is not None else ReferenceEngine(model)
+        self.adapters = None  # the LoRA cache (trtpipe.serving.adapters)
         if lora is not None:
             self.adapters = lora.cache(self.dir)
             engine = LoraStepEngine(engine, self.adapters)
