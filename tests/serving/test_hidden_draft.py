@@ -303,3 +303,41 @@ def test_a_checkpoint_without_mtp_layer_is_refused_in_one_line(tmp_path):
         c = json.loads((d / "config.json").read_text())
         (d / "config.json").write_text(json.dumps({**c, "num_nextn_predict_layers": 0}))
         draft_engine(cfg, model, d)
+
+
+@pytest.mark.slow
+def test_eagle3_sampled_drafts_carry_their_distribution_over_the_target_vocabulary(eagle, monkeypatch):
+    """Under sampling each draft comes with the distribution it was drawn from, over the target's ids (draft id d
+    at d + d2t[d]): what rejection sampling (speculative.verify, tested for any q) needs to keep the target's law."""
+    from trtpipe.serving.api import SamplingParams
+    from trtpipe.serving.speculative import Speculator
+
+    d, head, model, *_ = eagle
+    t2d = load_file(str(head / "model.safetensors"))["t2d"]
+    seen = []
+    original = Speculator.propose
+
+    def spy(self, requests):
+        out = original(self, requests)
+        seen.extend(out.values())
+        return out
+
+    monkeypatch.setattr(Speculator, "propose", spy)
+    cfg = _config(speculative_decoding_type="Eagle3", max_draft_len=K, speculative_model=str(head))
+    final = {}
+    core = ExecutorCore(
+        cfg,
+        ReferenceEngine(model),
+        lambda r: final.__setitem__(r.request_id, r) if r.is_final else None,
+        draft_engine=draft_engine(cfg, model, d),
+    )
+    for i, p in enumerate(_prompts(4, seed=9)):
+        core.submit(Request(p, 12, sampling=SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=i)))
+    core.run_until_idle()
+    assert all(not r.has_error for r in final.values()) and len(final) == 4
+    assert seen
+    for drafts, q in seen:
+        assert q is not None and q.shape == (len(drafts), len(t2d))
+        torch.testing.assert_close(q.sum(-1), torch.ones(len(drafts), dtype=q.dtype))
+        assert float(q[:, ~t2d].abs().max()) == 0.0  # no mass outside the draft vocabulary's target ids
+        assert all(bool(t2d[tok]) and float(q[i, tok]) > 0 for i, tok in enumerate(drafts))
