@@ -49,8 +49,9 @@ def deepened(out: Path) -> Path:
     return out
 
 
-def train_eagle3(target: Path, out: Path, steps: int, seed: int = 0) -> tuple[Path, float]:
-    """An EAGLE-3 head trained on the target's sampled text; returns its directory and the last loss."""
+def train_eagle3(target: Path, out: Path, steps: int, seed: int = 0) -> tuple[Path, float, float]:
+    """An EAGLE-3 head trained on the target's sampled text; returns its directory, the last training loss and the
+    held-out first-draft accuracy."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
@@ -62,8 +63,10 @@ def train_eagle3(target: Path, out: Path, steps: int, seed: int = 0) -> tuple[Pa
     hf = load_hf(target)
     cfg = hf.config
     H, V, eps = cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps
-    with torch.no_grad():  # the target's own text: 256 samples of 64 tokens from BOS
-        seqs = hf.generate(torch.ones(256, 1, dtype=torch.long), do_sample=True, max_new_tokens=64, min_new_tokens=64)
+    with torch.no_grad():  # the target's own text: 1,024 samples of 64 tokens from BOS, the last 128 held out
+        seqs = hf.generate(
+            torch.ones(1024, 1, dtype=torch.long), do_sample=True, max_new_tokens=64, min_new_tokens=64, pad_token_id=0
+        )
         hs = hf(seqs, output_hidden_states=True).hidden_states
         cap = torch.cat([hs[i + 1] for i in CAPTURE], -1)  # [B, T, 3H]
         emb = hf.model.embed_tokens(seqs)
@@ -115,8 +118,9 @@ def train_eagle3(target: Path, out: Path, steps: int, seed: int = 0) -> tuple[Pa
 
     opt = torch.optim.Adam(list(w.values()), lr=3e-3)
     loss = torch.tensor(0.0)
+    train = seqs.shape[0] - 128
     for step in range(steps):
-        b = torch.randint(0, seqs.shape[0], (32,))
+        b = torch.randint(0, train, (32,))
         # position j reads (t[j+1], cap[j]) and predicts t[j+2]
         logits = forward(emb[b, 1:-1], cap[b, :-2])
         labels = to_draft[seqs[b, 2:]]
@@ -124,12 +128,17 @@ def train_eagle3(target: Path, out: Path, steps: int, seed: int = 0) -> tuple[Pa
         opt.zero_grad()
         loss.backward()
         opt.step()
+    with torch.no_grad():  # held-out first-draft accuracy (labels in the draft vocabulary)
+        held = torch.arange(train, seqs.shape[0])
+        labels = to_draft[seqs[held, 2:]]
+        hit = (forward(emb[held, 1:-1], cap[held, :-2]).argmax(-1) == labels)[labels >= 0]
+        accuracy = float(hit.float().mean())
     tensors = {k: v.detach().clone() for k, v in w.items()}
     tensors["d2t"] = kept - torch.arange(dv)
     tensors["t2d"] = t2d
     save_file(tensors, str(head / "model.safetensors"), metadata={"format": "pt"})
     (head / "config.json").write_text(json.dumps(hcfg, indent=2))
-    return head, float(loss.detach())
+    return head, float(loss.detach()), accuracy
 
 
 def main() -> None:
@@ -157,8 +166,11 @@ def main() -> None:
         for n in torch.randint(4, 17, (args.requests,), generator=g)
     ]
     stories = [tok.encode(OPENINGS[i % len(OPENINGS)]) for i in range(args.requests)]
-    trained, loss = train_eagle3(deep, tmp / "head-trained", args.train_steps)
-    print(f"eagle3-trained: last training loss {loss:.3f} after {args.train_steps} steps")
+    trained, loss, accuracy = train_eagle3(deep, tmp / "head-trained", args.train_steps)
+    print(
+        f"eagle3-trained: last training loss {loss:.3f} after {args.train_steps} steps; held-out first-draft "
+        f"accuracy {accuracy:.3f}"
+    )
     workloads = {
         "mtp-random": (ds, random_prompts, {"speculative_decoding_type": "MTP", "max_draft_len": 3}),
         "eagle3-random": (
@@ -198,7 +210,9 @@ def main() -> None:
                 f"{m['output_tok_s'] / r['off']['output_tok_s']:.2f} |"
             )
     if args.json:
-        args.json.write_text(json.dumps({"train_loss": loss, "rows": rows}, indent=2))
+        args.json.write_text(
+            json.dumps({"train_loss": loss, "heldout_first_draft_accuracy": accuracy, "rows": rows}, indent=2)
+        )
 
 
 if __name__ == "__main__":
