@@ -318,7 +318,9 @@ class HiddenDrafter:
             st = self.state.get(r.id)
             n = len(r.tokens)
             if st is None or st.rows is None or st.start > st.cached or st.start + len(st.rows) < n - 1:
-                continue  # no hidden states for its unread positions (cannot happen after a target step)
+                # no hidden states for positions it has not read: a prompt prefix taken from the KV cache (reuse)
+                # was never computed, so such a request decodes without drafts
+                continue
             if st.cached >= n - 1:
                 continue
             self.pool.grow(st.table, n - 2 + ks[r.id])
