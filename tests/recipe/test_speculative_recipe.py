@@ -223,8 +223,11 @@ def test_the_twin_executor_config_follows_the_recipe(tmp_path, stories_dir):
     c = from_recipe(load_recipe(_write(tmp_path, stories_dir, eagle), check_rules=False), 512)
     assert (c.speculative_decoding_type, c.max_draft_len, c.speculative_model) == ("Eagle3", 3, "/heads")
     mtp = "  decoding_type: MTP\n  max_draft_len: 2"  # with the target checkpoint's own MTP layer
-    c = from_recipe(load_recipe(_write(tmp_path, stories_dir, mtp), check_rules=False), 512)
+    r = load_recipe(_write(tmp_path, stories_dir, mtp), check_rules=False)
+    c = from_recipe(r, 512)
     assert (c.speculative_decoding_type, c.max_draft_len, c.speculative_model) == ("MTP", 2, "")
+    written = {"decoding_type": "MTP", "max_draft_len": 2, "num_nextn_predict_layers": 2}
+    assert llm_api_options(r, "1.2")["speculative_config"] == written  # what trtllm-serve loads: no draft path
 
 
 def test_plan_counts_the_draft_weights_kv_and_positions(tmp_path, stories_dir):

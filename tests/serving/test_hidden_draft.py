@@ -294,14 +294,14 @@ def test_eagle3_capture_layers_are_upstreams_default():
 
 
 def test_a_checkpoint_without_mtp_layer_is_refused_in_one_line(tmp_path):
+    import json
+
     d = make_synthetic("deepseek_v3", tmp_path / "ds", seed=3)
+    c = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**c, "num_nextn_predict_layers": 0}))
     model = load_hf_checkpoint(d)
     cfg = _config(speculative_decoding_type="MTP", max_draft_len=K)
-    with pytest.raises(CheckpointError, match="num_nextn_predict_layers is 0"):
-        import json
-
-        c = json.loads((d / "config.json").read_text())
-        (d / "config.json").write_text(json.dumps({**c, "num_nextn_predict_layers": 0}))
+    with pytest.raises(CheckpointError, match="num_nextn_predict_layers is 0: no MTP layer to draft with"):
         draft_engine(cfg, model, d)
 
 
