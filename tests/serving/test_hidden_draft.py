@@ -20,7 +20,7 @@ from trtpipe.errors import CheckpointError
 from trtpipe.models.synthetic import load_hf, make_synthetic
 from trtpipe.models.synthetic_heads import add_mtp_layer, make_eagle3_head
 from trtpipe.runtime.hf_loader import load_hf_checkpoint
-from trtpipe.serving.api import ExecutorConfig, Request
+from trtpipe.serving.api import CapacityPolicy, ExecutorConfig, Request
 from trtpipe.serving.executor import ExecutorCore
 from trtpipe.serving.hidden_draft import HiddenDrafter, eagle3_capture_layers
 from trtpipe.serving.reference_engine import ReferenceEngine, draft_engine
@@ -341,3 +341,31 @@ def test_eagle3_sampled_drafts_carry_their_distribution_over_the_target_vocabula
         torch.testing.assert_close(q.sum(-1), torch.ones(len(drafts), dtype=q.dtype))
         assert float(q[:, ~t2d].abs().max()) == 0.0  # no mass outside the draft vocabulary's target ids
         assert all(bool(t2d[tok]) and float(q[i, tok]) > 0 for i, tok in enumerate(drafts))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(enable_chunked_context=True, max_num_tokens=16),  # prompts in chunks: the head reads every chunk's rows
+        dict(capacity_policy=CapacityPolicy.MAX_UTILIZATION, num_blocks=16, max_seq_len=48),  # pauses recompute
+    ],
+    ids=["chunked-context", "max-utilization-pauses"],
+)
+def test_mtp_through_chunks_and_pauses_keeps_greedy_output(mtp, knobs):
+    """Chunked prompts and MAX_UTILIZATION pauses (KV dropped, prompt + output recomputed) reach the head as any step
+    does; the output stays the output without speculation and the head's blocks all come back."""
+    d, model, *_ = mtp
+    g = torch.Generator().manual_seed(11)
+    prompts = [[1] + torch.randint(3, 240, (int(m),), generator=g).tolist() for m in (18, 25, 9, 30)]
+    plain, _ = _serve(model, _config(**knobs), prompts, n=16)
+    cfg = _config(speculative_decoding_type="MTP", max_draft_len=K, **knobs)
+    spec, core = _serve(model, cfg, prompts, draft_engine(cfg, model, d), n=16)
+    for a, b in zip(plain, spec):
+        assert not b.has_error, b.error
+        assert b.tokens == a.tokens
+    s = core.speculator
+    assert s.total_draft_tokens > 0
+    assert s.draft.pool.num_free == s.draft.pool.num_blocks and not s.draft.state
+    if "capacity_policy" in knobs:  # the pool is small enough that requests were paused and recomputed
+        assert sum(it.num_paused for it in core.iterations) > 0
