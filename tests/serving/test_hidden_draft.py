@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from numerics import assert_as_accurate, error_scale, hf_float64
 from trtpipe.errors import CheckpointError
@@ -369,3 +369,44 @@ def test_mtp_through_chunks_and_pauses_keeps_greedy_output(mtp, knobs):
     assert s.draft.pool.num_free == s.draft.pool.num_blocks and not s.draft.state
     if "capacity_policy" in knobs:  # the pool is small enough that requests were paused and recomputed
         assert sum(it.num_paused for it in core.iterations) > 0
+
+
+def _fp8_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's block FP8: codes and ``weight_scale_inv`` (block amax / 448, one per block x block tile)."""
+    out_f, in_f = w.shape
+    s = torch.ones(-(-out_f // block), -(-in_f // block))
+    for r in range(s.shape[0]):
+        for c in range(s.shape[1]):
+            amax = w[r * block : (r + 1) * block, c * block : (c + 1) * block].abs().max().float()
+            s[r, c] = amax / 448.0 if amax > 0 else 1.0
+    full = s.repeat_interleave(block, 0)[:out_f].repeat_interleave(block, 1)[:, :in_f]
+    return (w.float() / full).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), s
+
+
+@pytest.mark.slow
+def test_mtp_on_a_block_fp8_checkpoint_as_deepseek_ships_it(mtp, tmp_path):
+    """Every decoder projection and the MTP layer's (eh_proj included) stored block-FP8: the head's projections run
+    as the layer's own (dequantized codes, FP8 activations), and the output is still the output without MTP."""
+    import json
+
+    from trtpipe.runtime.linear import Float32Linear
+
+    src = mtp[0]
+    tensors = load_file(str(src / "model.safetensors"))
+    for k in [k for k in tensors if ".layers." in k and k.endswith(("_proj.weight", "_proj_with_mqa.weight"))]:
+        tensors[k], tensors[k[: -len("weight")] + "weight_scale_inv"] = _fp8_blocks(tensors[k])
+    d = tmp_path / "fp8"
+    d.mkdir()
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": q}))
+    model = load_hf_checkpoint(d)
+    cfg = _config(speculative_decoding_type="MTP", max_draft_len=K)
+    head = draft_engine(cfg, model, d)
+    assert not isinstance(head.eh_proj, Float32Linear)  # built from the stored FP8 codes and scales
+    prompts = _prompts(3, seed=12)
+    plain, _ = _serve(model, _config(), prompts)
+    spec, core = _serve(model, cfg, prompts, head)
+    assert [r.tokens for r in spec] == [r.tokens for r in plain]
+    assert core.speculator.total_draft_tokens > 0
