@@ -410,3 +410,17 @@ def test_mtp_on_a_block_fp8_checkpoint_as_deepseek_ships_it(mtp, tmp_path):
     spec, core = _serve(model, cfg, prompts, head)
     assert [r.tokens for r in spec] == [r.tokens for r in plain]
     assert core.speculator.total_draft_tokens > 0
+
+
+def test_a_target_without_its_hidden_states_is_refused_in_one_line(eagle):
+    """The heads read the in-process reference engine's hidden states: an engine whose forward runs elsewhere (the
+    mpirun ranks' RankEngine) or a LoRA-wrapped one is refused when the executor is built, not left to draft
+    nothing."""
+    from trtpipe.serving.mpi_engine import RankEngine
+
+    d, head, model, *_ = eagle
+    cfg = _config(speculative_decoding_type="Eagle3", max_draft_len=K, speculative_model=str(head))
+    drafter = draft_engine(cfg, model, d)
+    for engine in (RankEngine.__new__(RankEngine), object()):
+        with pytest.raises(ValueError, match="reads the target's hidden states"):
+            drafter.drafter(engine, 8, 8)

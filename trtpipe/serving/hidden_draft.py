@@ -260,14 +260,16 @@ class HiddenDrafter:
     """A head drafting from the target's hidden states, with its own paged KV and per-request block tables."""
 
     def __init__(self, head, target_engine, num_blocks: int, tokens_per_block: int):
-        if not hasattr(target_engine, "capture"):
+        if not getattr(target_engine, "captures_hidden_states", False):
             raise ValueError(
                 "MTP / Eagle3 drafting reads the target's hidden states: the twin runs it on the in-process "
                 "reference engine only (not over mpirun ranks, nor under LoRA adapters)"
             )
         self.head, self.target = head, target_engine
         target_engine.capture = head.capture
-        self.engine = type(target_engine)(head.model)  # the reference engine's packing and paged attention
+        # the reference engine's packing and paged attention (the class that defines them, not a subclass)
+        engine_cls = next(c for c in type(target_engine).__mro__ if c.__dict__.get("captures_hidden_states"))
+        self.engine = engine_cls(head.model)
         self.engine.allocate(num_blocks, tokens_per_block)
         self.pool = BlockPool(num_blocks, tokens_per_block)
         self.state: dict[int, _State] = {}

@@ -201,6 +201,9 @@ def sample_entries(batch: StepBatch, logits: torch.Tensor) -> tuple[dict[int, in
 class ReferenceEngine:
     """:class:`~trtpipe.serving.api.StepEngine` over a :class:`ReferenceModel` (any tp/pp, quantized or not)."""
 
+    # its own logits() keeps the hidden states ``capture`` names (an engine overriding logits() sets this False)
+    captures_hidden_states = True
+
     def __init__(self, model: ReferenceModel):
         self.model = model
         # a pipeline stage other than the first (trtpipe.runtime.distributed) holds no embedding
