@@ -95,14 +95,15 @@ def int4_draft(work: Path) -> Path:
     return next((work / "artifacts" / "export").glob("*/hf"))
 
 
-def run(model, prompts, tokens: int, concurrency: int, spec: dict) -> dict:
+def run(model, prompts, tokens: int, concurrency: int, spec: dict, model_dir=None) -> dict:
+    """``model_dir``: the target's checkpoint (MTP reads its MTP layer from there)."""
     from trtpipe.serving.config import replace_knobs, twin_default
     from trtpipe.serving.api import Request
     from trtpipe.serving.executor import Executor
     from trtpipe.serving.reference_engine import ReferenceEngine, draft_engine
 
     config = replace_knobs(twin_default(512, max_batch_size=8), enable_kv_cache_reuse=False, **spec)
-    ex = Executor(config, ReferenceEngine(model), threads=1, draft_engine=draft_engine(config))
+    ex = Executor(config, ReferenceEngine(model), threads=1, draft_engine=draft_engine(config, model, model_dir))
     done, lock, results = threading.Semaphore(0), threading.Lock(), []
     queue = list(prompts)
 

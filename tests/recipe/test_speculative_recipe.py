@@ -128,6 +128,16 @@ CASES = {
         {},
         "speculative.eagle3_one_model: EAGLE-3 two-model does not run with KV cache reuse",
     ),
+    "eagle3-shallow-target": (  # stories260k has 5 layers: upstream's default capture needs more
+        "  decoding_type: Eagle3\n  eagle3_one_model: true\n  speculative_model: {head}",
+        {},
+        "speculative.decoding_type: EAGLE-3 captures target layers (1, L/2 - 1, L - 4)",
+    ),
+    "eagle3-head-width": (
+        "  decoding_type: Eagle3\n  eagle3_one_model: true\n  speculative_model: {head}",
+        {},
+        "speculative.speculative_model: EAGLE-3 head: hidden_size 32 differs from the target's 64",
+    ),
     "tokens-per-step": (
         "  decoding_type: NGram\n  max_draft_len: 7",
         {"tokens": 16},
@@ -139,6 +149,13 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_misuse_is_one_line_naming_the_key(case, tmp_path, stories_dir):
     spec, kw, expected = CASES[case]
+    if "{head}" in spec:  # a head config.json as published EAGLE-3 heads carry (LlamaForCausalLMEagle3)
+        head = tmp_path / "head"
+        head.mkdir()
+        width = 32 if case == "eagle3-head-width" else 64
+        cfg = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": width, "vocab_size": 512}
+        (head / "config.json").write_text(json.dumps({**cfg, "draft_vocab_size": 128, "num_hidden_layers": 1}))
+        spec = spec.format(head=head)
     problems = _problems(_write(tmp_path, stories_dir, spec, **kw))
     assert any(p.startswith(expected) for p in problems), problems
 
@@ -202,8 +219,15 @@ def test_the_twin_executor_config_follows_the_recipe(tmp_path, stories_dir):
         twin_extras(load_recipe(_write(tmp_path, stories_dir, engine, target="engine"), check_rules=False))
     )
     assert extras["speculative_decoding_type"] == "DraftTarget"  # the Triton twin's executor_extras carry it
-    eagle = "  decoding_type: Eagle3\n  speculative_model: /heads"
-    assert from_recipe(load_recipe(_write(tmp_path, stories_dir, eagle), check_rules=False), 512).max_draft_len == 0
+    eagle = "  decoding_type: Eagle3\n  speculative_model: /heads"  # the twin drafts with the head
+    c = from_recipe(load_recipe(_write(tmp_path, stories_dir, eagle), check_rules=False), 512)
+    assert (c.speculative_decoding_type, c.max_draft_len, c.speculative_model) == ("Eagle3", 3, "/heads")
+    mtp = "  decoding_type: MTP\n  max_draft_len: 2"  # with the target checkpoint's own MTP layer
+    r = load_recipe(_write(tmp_path, stories_dir, mtp), check_rules=False)
+    c = from_recipe(r, 512)
+    assert (c.speculative_decoding_type, c.max_draft_len, c.speculative_model) == ("MTP", 2, "")
+    written = {"decoding_type": "MTP", "max_draft_len": 2, "num_nextn_predict_layers": 2}
+    assert llm_api_options(r, "1.2")["speculative_config"] == written  # what trtllm-serve loads: no draft path
 
 
 def test_plan_counts_the_draft_weights_kv_and_positions(tmp_path, stories_dir):

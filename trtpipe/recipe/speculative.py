@@ -33,7 +33,14 @@ KEY = "speculative"
 NEEDS_MODEL = frozenset({"DraftTarget", "Eagle3", "draft_tokens_external", "medusa", "eagle"})
 # what the CPU twin runs (trtpipe/serving/speculative.py), by recipe spelling: the engine path's external draft
 # tokens are draft-target decoding with a second model (tensorrtllm_backend's two-model BLS)
-TWIN_EXECUTES = {"NGram": "NGram", "DraftTarget": "DraftTarget", "draft_tokens_external": "DraftTarget"}
+TWIN_EXECUTES = {
+    "NGram": "NGram",
+    "DraftTarget": "DraftTarget",
+    "draft_tokens_external": "DraftTarget",
+    "MTP": "MTP",  # the target checkpoint's MTP layer (trtpipe/serving/hidden_draft.py)
+    "Eagle3": "Eagle3",  # an EAGLE-3 head over the target's hidden states (same module)
+}
+EAGLE3_MIN_LAYERS = 6  # _get_eagle3_default_capture_layers needs more than 5 (eagle3.py@f933a608)
 MTP_MIN_SM = 90
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
@@ -152,12 +159,44 @@ def _draft_model(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
         yield key, f"draft tokenizer ({theirs[0]}) differs from the target's: drafts must share the target's tokenizer"
 
 
+def _eagle3_head(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
+    """An EAGLE-3 head (``LlamaForCausalLMEagle3``-style config.json): the target's width and vocabulary, a target deep
+    enough for upstream's default capture layers (1, L/2 - 1, L - 4)."""
+    s = recipe.speculative
+    if s.decoding_type != "Eagle3" or s.speculative_model is None or m is None:
+        return
+    key = f"{KEY}.speculative_model"
+    try:
+        path = draft_dir(recipe)
+        if not (path / "config.json").is_file():
+            yield key, f"EAGLE-3 head: {path / 'config.json'} not found"
+            return
+        cfg = _raw_config(path)
+    except CheckpointError as exc:
+        yield key, f"EAGLE-3 head: {exc}"
+        return
+    width = int(cfg.get("target_hidden_size") or cfg.get("hidden_size") or 0)
+    if width != m.hidden_size:
+        yield key, f"EAGLE-3 head: hidden_size {width} differs from the target's {m.hidden_size}"
+    if int(cfg.get("vocab_size") or 0) != m.vocab_size:
+        yield key, f"EAGLE-3 head: vocab_size {cfg.get('vocab_size')} differs from the target's {m.vocab_size}"
+    if m.num_layers < EAGLE3_MIN_LAYERS:
+        yield (
+            f"{KEY}.decoding_type",
+            (
+                f"EAGLE-3 captures target layers (1, L/2 - 1, L - 4): {m.architecture} has {m.num_layers} layers, "
+                f"needs >= {EAGLE3_MIN_LAYERS}"
+            ),
+        )
+
+
 def _speculative(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
     if not recipe.speculative.enabled:
         return
     yield from _spelling(recipe)
     yield from _matrix(recipe, m)
     yield from _draft_model(recipe, m)
+    yield from _eagle3_head(recipe, m)
 
 
 SPECULATIVE_RULES = (_speculative,)

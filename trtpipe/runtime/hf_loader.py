@@ -260,25 +260,67 @@ def quant_scheme(d: Path, cfg: dict) -> tuple[str, dict]:
 def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
     """Build the reference model of an HF checkpoint directory of any family trtpipe converts, quantized or not
     (MoE experts as modules of their own, as ModelOpt writes them)."""
-    import fnmatch
+    return _HFBuild(Path(model_dir)).model()
 
-    from trtpipe.checkpoint.convert import COMBINERS, make_plan
-    from trtpipe.checkpoint.hf_names import HFNames
 
-    d = Path(model_dir)
-    cfg = load_json(d / "config.json")
-    scheme, q = quant_scheme(d, cfg)
-    names = HFNames(d)
-    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    trt_cfg = dict(make_plan(d, tp=1, dtype=dtype).config)
-    kv_algo = q.get("kv_cache_quant_algo") if scheme == "modelopt" else None
-    if kv_algo not in (None, "FP8"):
-        raise CheckpointError(f"{d}: kv_cache_quant_algo {kv_algo!r} is not supported (FP8 only)")
-    trt_cfg["quantization"] = {"quant_algo": None, "kv_cache_quant_algo": kv_algo}
-    args = ModelArgs.from_config(trt_cfg)
-    r = _Reader(d)
+def load_hf_layer(model_dir: str | Path, i: int) -> tuple[DecoderLayer, dict[str, torch.Tensor]]:
+    """Decoder layer ``i`` of an HF checkpoint, built as :func:`load_hf_checkpoint` builds its own, even past
+    ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layer ``model.layers.{num_hidden_layers}``), and that
+    layer's other tensors named relative to the layer: norms float32 (``enorm.weight``), projections as modules
+    dequantized as the layer's own (``eh_proj``)."""
+    b = _HFBuild(Path(model_dir))
+    pre = b.names.prefix.format(i)
+    own = {k[len(pre) :] for k in b.r.where if k.startswith(pre)}
+    layer, used = b.layer(i)
+    extra = {}
+    for k in sorted(own - used):
+        module, leaf = k.rsplit(".", 1)
+        if leaf == "weight" and k.endswith("_proj.weight"):  # a projection (eh_proj): quantized as the layer's are
+            extra[module] = b.linear(pre + module)
+        elif leaf in ("weight", "bias"):
+            extra[k] = b.r.get(pre + k).float()
+    return layer, extra
 
+
+class _HFBuild:
+    """What building a checkpoint's layers needs: its config, quantization scheme, names and tensors."""
+
+    def __init__(self, d: Path):
+        from trtpipe.checkpoint.convert import make_plan
+        from trtpipe.checkpoint.hf_names import HFNames
+
+        self.d = d
+        cfg = load_json(d / "config.json")
+        self.scheme, self.q = quant_scheme(d, cfg)
+        self.names = HFNames(d)
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        self.trt_cfg = dict(make_plan(d, tp=1, dtype=dtype).config)
+        self.kv_algo = self.q.get("kv_cache_quant_algo") if self.scheme == "modelopt" else None
+        if self.kv_algo not in (None, "FP8"):
+            raise CheckpointError(f"{d}: kv_cache_quant_algo {self.kv_algo!r} is not supported (FP8 only)")
+        self.trt_cfg["quantization"] = {"quant_algo": None, "kv_cache_quant_algo": self.kv_algo}
+        self.args = ModelArgs.from_config(self.trt_cfg)
+        self.r = _Reader(d)
+        self.rope = self.args.ropes()
+
+    def model(self) -> ReferenceModel:
+        layers = [self.layer(i)[0] for i in range(self.args.num_layers)]
+        r, names, q = self.r, self.names, self.q
+        embedding = r.get(names.globals["transformer.vocab_embedding.weight"]).float()
+        ln_f = names.from_hf("transformer.ln_f.weight", r.get(names.globals["transformer.ln_f.weight"]))
+        head_name = names.globals.get("lm_head.weight", "lm_head.weight")
+        head = r.get(head_name).float() if head_name in r else embedding
+        trt_cfg = self.trt_cfg
+        trt_cfg["hf_quantization"] = {
+            "scheme": self.scheme,
+            **({"quant_algo": q.get("quant_algo")} if self.scheme == "modelopt" else {}),
+        }
+        return ReferenceModel(trt_cfg, self.args, embedding, layers, ln_f, [Float32Linear(head)])
+
+    @staticmethod
     def excluded(module: str, patterns: list[str]) -> bool:
+        import fnmatch
+
         return any(
             module == p
             or fnmatch.fnmatchcase(module, p)
@@ -287,16 +329,17 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
             for p in patterns
         )
 
-    def build(module: str, row: bool = False) -> nn.Module:
+    def linear(self, module: str, row: bool = False) -> nn.Module:
         """``row``: a row-parallel projection, whose bias the decoder layer adds itself after the all-reduce."""
+        d, scheme, q, r = self.d, self.scheme, self.q, self.r
         t = r.module(module + ".")
         bias = None if row else _f(t.get("bias"))
         algo = q.get("quant_algo") if scheme == "modelopt" else None
         if algo == "MIXED_PRECISION":  # one quant_algo per module (MXFP4 experts as shipped beside FP8 attention)
             algo = (q.get("quantized_layers") or {}).get(module, {}).get("quant_algo")
-        if algo and not excluded(module, q.get("exclude_modules", [])):
+        if algo and not self.excluded(module, q.get("exclude_modules", [])):
             return _modelopt_module(algo, t, bias)
-        if scheme == "compressed-tensors" and not excluded(module, q.get("ignore", [])):
+        if scheme == "compressed-tensors" and not self.excluded(module, q.get("ignore", [])):
             group = next((g for g in q["config_groups"].values() if "Linear" in g.get("targets", [])), None)
             if group is not None:
                 return _ct_module(group, t, bias, module)
@@ -308,9 +351,19 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
             raise CheckpointError(f"{d}: '{module}.weight' is {t['weight'].dtype} but the module is not quantized")
         return Float32Linear(t["weight"].float(), bias)
 
-    rope = args.ropes()
-    layers = []
-    for i in range(args.num_layers):
+    def layer(self, i: int) -> tuple[DecoderLayer, set[str]]:
+        """Layer ``i`` and the names (relative to its HF prefix) of the tensors it was built from."""
+        from trtpipe.checkpoint.convert import COMBINERS
+
+        names, r, args, kv_algo = self.names, self.r, self.args, self.kv_algo
+        used: set[str] = set()
+
+        def build(module: str, row: bool = False) -> nn.Module:
+            used.update(
+                k[len(pre) :] for k in r.where if k.startswith(module + ".") and "." not in k[len(module) + 1 :]
+            )
+            return self.linear(module, row)
+
         tensors: dict[str, torch.Tensor] = {}
         modules: dict[str, nn.Module] = {}
         pre = names.prefix.format(i)
@@ -320,6 +373,7 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
                 continue
             if trt_rel in names.fused:  # fused experts (gpt-oss; MXFP4 decoded): the conversion's own combine
                 rule = names.fused[trt_rel]
+                used.update(rule.hf)
                 tensors[trt_rel] = COMBINERS[rule.combine]([[r.get(pre + h)] for h in rule.hf]).float()
                 continue
             if trt_rel in names.experts:  # MoE: each expert's projections are modules of their own
@@ -337,26 +391,17 @@ def load_hf_checkpoint(model_dir: str | Path) -> ReferenceModel:
                 modules[linear] = mods[0] if len(mods) == 1 else ConcatLinear(mods)
                 tensors[trt_rel] = torch.cat([_weight_of(m) for m in mods], dim=0)
             else:
+                used.update(h for h, _ in parts)
                 tensors[trt_rel] = names.from_hf(trt_rel, torch.cat([r.get(h).float() for h in hf_full], dim=0))
         if kv_algo:
             tensors["attention.kv_cache_scaling_factor"] = torch.ones(1)
-        layer = DecoderLayer(args, [tensors], i, rope)
+        layer = DecoderLayer(args, [tensors], i, self.rope)
         for linear, module in modules.items():
             owner, attr = _LINEAR_ATTR[linear]
             setattr(getattr(layer, owner)[0], attr, module)
         for linear, mods in experts.items():  # fc = [up; gate] of each expert, proj = its down_proj
             setattr(layer.mlp[0], linear.split(".")[1], nn.ModuleList(mods))
-        layers.append(layer)
-        del tensors
-    embedding = r.get(names.globals["transformer.vocab_embedding.weight"]).float()
-    ln_f = names.from_hf("transformer.ln_f.weight", r.get(names.globals["transformer.ln_f.weight"]))
-    head_name = names.globals.get("lm_head.weight", "lm_head.weight")
-    head = r.get(head_name).float() if head_name in r else embedding
-    trt_cfg["hf_quantization"] = {
-        "scheme": scheme,
-        **({"quant_algo": q.get("quant_algo")} if scheme == "modelopt" else {}),
-    }
-    return ReferenceModel(trt_cfg, args, embedding, layers, ln_f, [Float32Linear(head)])
+        return layer, used
 
 
 # TRT-LLM linear -> (DecoderLayer attribute holding the shard list, attribute of the shard)

@@ -73,11 +73,12 @@ class ExecutorConfig:
     request_timeout_s: float = 0.0  # a request not finished this long after submit fails (0: no limit)
     guided_decoding_backend: Optional[str] = None  # "xgrammar" | "llguidance" | None (guided decoding off)
     max_loras: int = 0  # LoRA adapters one step may hold (the device cache, trtpipe.serving.adapters); 0: no limit
-    # speculative decoding (trtpipe.serving.speculative): "" off, "NGram" or "DraftTarget" (speculative_config names)
+    # speculative decoding (trtpipe.serving.speculative): "" off, "NGram", "DraftTarget", "MTP" or "Eagle3"
+    # (speculative_config names; MTP and Eagle3 draft from the target's hidden states, trtpipe.serving.hidden_draft)
     speculative_decoding_type: str = ""
     max_draft_len: int = 0
     max_matching_ngram_size: int = 2
-    speculative_model: str = ""  # DraftTarget: the draft model's HF directory (loaded by the front end's process)
+    speculative_model: str = ""  # DraftTarget: the draft's HF directory; Eagle3: the head's (the front end loads it)
 
     @property
     def draft_reserve(self) -> int:

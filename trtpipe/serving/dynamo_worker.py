@@ -105,7 +105,7 @@ class TwinEngine(LLMEngine):
         self.eos_id = eos_token_id(self.model_dir)
         from trtpipe.serving.reference_engine import draft_engine
 
-        drafts = await asyncio.to_thread(draft_engine, self.config)
+        drafts = await asyncio.to_thread(draft_engine, self.config, model, self.model_dir)
         self.executor = Executor(
             self.config, ReferenceEngine(model), threads=self.threads, guided=self._guided(model), draft_engine=drafts
         )

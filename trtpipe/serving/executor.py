@@ -177,7 +177,7 @@ class ExecutorCore:
         self._shed: list[_Queued] = []  # pushed out of a full queue by a higher priority: answered next turn
         self.stalled = False  # the last turn had requests but could schedule none (waiting for blocks)
         # speculative decoding (trtpipe.serving.speculative): drafts, verification, acceptance counters
-        self.speculator = Speculator(config, draft_engine) if config.speculative_decoding_type else None
+        self.speculator = Speculator(config, draft_engine, engine) if config.speculative_decoding_type else None
 
     # ---- the front ends' side (any thread) ------------------------------------------------------
     def submit(self, request: Request) -> int:
@@ -597,6 +597,8 @@ class ExecutorCore:
             self.stalled = True
             return
         result = self.engine.step(batch)
+        if self.speculator is not None:  # MTP / EAGLE-3 heads read the step's hidden states
+            self.speculator.stepped(batch)
         self.clock.advance(result.elapsed_s)
         now = self.clock.now_ns()
         by_id = {r.id: r for r in chosen}

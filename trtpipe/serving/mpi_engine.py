@@ -60,6 +60,8 @@ class RankEngine(ReferenceEngine):
     """Every rank's shard of a packed step: the reference engine's packing and paged pool (this rank's KV heads
     of its stage's layers), run through :meth:`RankModel.forward` (all-reduces, pipeline sends)."""
 
+    captures_hidden_states = False  # its logits run over the ranks: MTP / EAGLE-3 heads get no hidden states
+
     def __init__(self, model: RankModel):
         super().__init__(model)
 

@@ -266,7 +266,11 @@ class ServedModel:
             engine = LoraStepEngine(engine, self.adapters)
             self.config = replace_knobs(self.config, max_loras=self.config.max_loras or lora.max_loras)
         self.executor = Executor(
-            self.config, engine, threads=torch_threads(), guided=self.guided, draft_engine=draft_engine(self.config)
+            self.config,
+            engine,
+            threads=torch_threads(),
+            guided=self.guided,
+            draft_engine=draft_engine(self.config, model, self.dir),
         )
 
     def refuse_long_text(self, text: str, param: str) -> None:

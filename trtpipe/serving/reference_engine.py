@@ -21,10 +21,11 @@ from typing import Optional
 import torch
 
 from trtpipe.runtime.generate import sample
-from trtpipe.runtime.model import ReferenceModel, attention_probs
+from trtpipe.runtime.model import ReferenceModel, attention_probs, rms_norm
 from trtpipe.serving.api import ExecutorConfig, StepBatch, StepResult
 from trtpipe.serving.logprobs import ban_tokens, chosen_logprobs, rows_of, split_rows
-from trtpipe.serving.speculative import DRAFT_TARGET, verify_entries
+from trtpipe.serving.hidden_draft import FINAL
+from trtpipe.serving.speculative import DRAFT_TARGET, EAGLE3, MTP, verify_entries
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +201,9 @@ def sample_entries(batch: StepBatch, logits: torch.Tensor) -> tuple[dict[int, in
 class ReferenceEngine:
     """:class:`~trtpipe.serving.api.StepEngine` over a :class:`ReferenceModel` (any tp/pp, quantized or not)."""
 
+    # its own logits() keeps the hidden states ``capture`` names (an engine overriding logits() sets this False)
+    captures_hidden_states = True
+
     def __init__(self, model: ReferenceModel):
         self.model = model
         # a pipeline stage other than the first (trtpipe.runtime.distributed) holds no embedding
@@ -209,6 +213,10 @@ class ReferenceEngine:
         # per rope (Gemma 3: "global" and "local"): one table for all positions unless the kind is "dynamic"
         limit = int(model.config.get("max_position_embeddings") or 0) or 4096
         self._tables = {key: rope.cos_sin(0, limit) for key, rope in model.ropes.items() if rope.kind != "dynamic"}
+        # layers whose outputs each step keeps for a hidden-state drafter (trtpipe.serving.hidden_draft), in order
+        # (FINAL: the output after the final norm); ``captured``: the last step's, [N, H x len(capture)]
+        self.capture: tuple[int, ...] = ()
+        self.captured: Optional[torch.Tensor] = None
 
     def allocate(self, num_blocks: int, tokens_per_block: int) -> None:
         self.tokens_per_block = tokens_per_block
@@ -257,8 +265,14 @@ class ReferenceEngine:
         """float32 logits [R, V] of the rows :func:`~trtpipe.serving.logprobs.rows_of` names, in that order."""
         ids, paged, cos_sin, ends = self.packed(batch)
         x = self.model.embed(ids)  # [1, N, H]
+        captured = []
         for layer in self.model.layers:
             x = layer(x, 0, paged, cos_sin)
+            if layer.layer_idx in self.capture:
+                captured.append(x[0])
+        if FINAL in self.capture:
+            captured.append(rms_norm(x[0], self.model.ln_f, self.model.args.norm_epsilon))
+        self.captured = torch.cat(captured, dim=-1) if captured else None
         return self.model.head(x[:, ends]).float()[0]
 
     def step(self, batch: StepBatch) -> StepResult:
@@ -277,12 +291,27 @@ class ReferenceEngine:
         )
 
 
-def draft_engine(config: ExecutorConfig):
-    """The draft model's step engine a front end hands the executor (None unless DraftTarget)."""
-    if config.speculative_decoding_type != DRAFT_TARGET:
+def draft_engine(config: ExecutorConfig, target: Optional[ReferenceModel] = None, target_dir=None):
+    """What drafts for the target a front end hands the executor: the draft model's step engine (DraftTarget), the
+    MTP layer of the target's checkpoint ``target_dir`` (MTP) or the EAGLE-3 head (Eagle3) over ``target``; None
+    otherwise."""
+    kind = config.speculative_decoding_type
+    if kind not in (DRAFT_TARGET, MTP, EAGLE3):
         return None
-    if not config.speculative_model:
-        raise ValueError("speculative decoding_type DraftTarget needs a draft model (speculative_model)")
-    from trtpipe.runtime.hf_loader import load_hf_checkpoint
+    if kind != MTP and not config.speculative_model:
+        raise ValueError(f"speculative decoding_type {kind} needs a draft model or head (speculative_model)")
+    if kind == DRAFT_TARGET:
+        from trtpipe.runtime.hf_loader import load_hf_checkpoint
 
-    return ReferenceEngine(load_hf_checkpoint(config.speculative_model))
+        return ReferenceEngine(load_hf_checkpoint(config.speculative_model))
+    from trtpipe.serving.hidden_draft import load_eagle3_head, load_mtp_head
+
+    if target is None:
+        raise ValueError(f"speculative decoding_type {kind} drafts from the target model: pass it")
+    if kind == MTP:
+        if target_dir is None:
+            raise ValueError(
+                "speculative decoding_type MTP reads the target checkpoint's MTP layer: pass its directory"
+            )
+        return load_mtp_head(target_dir, target)
+    return load_eagle3_head(config.speculative_model, target)

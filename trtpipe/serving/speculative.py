@@ -9,7 +9,8 @@ reference runtime:
   sequence itself and proposes what followed their earliest occurrence (a per-request pool, upstream's
   ``is_public_pool: false`` with ``is_use_oldest: true``; transformers' prompt lookup does the same). DraftTarget runs
   a draft model over its own paged KV: one packed forward catches every request's draft cache up (its first one is
-  the draft's prefill), then k - 1 packed single-token steps.
+  the draft's prefill), then k - 1 packed single-token steps. MTP and Eagle3 draft the same way with a head over the
+  target's hidden states (:mod:`trtpipe.serving.hidden_draft`).
 - **Verification.** The target reads ``[last token, d1..dk]`` at positions ``kv_len..kv_len+k`` in one entry of the
   step over the paged KV (:mod:`trtpipe.serving.reference_engine`), giving k + 1 rows of logits.
 - **Acceptance.** Greedy: the drafts up to the first that differs from the target's argmax, then the target's token
@@ -36,8 +37,9 @@ from trtpipe.runtime.generate import MIN_TEMPERATURE
 from trtpipe.serving.api import ExecutorConfig, SamplingParams, StepBatch, StepEntry
 from trtpipe.serving.kv_pool import BlockPool
 
-NGRAM, DRAFT_TARGET = "NGram", "DraftTarget"
-DECODING_TYPES = (NGRAM, DRAFT_TARGET)
+NGRAM, DRAFT_TARGET, MTP, EAGLE3 = "NGram", "DraftTarget", "MTP", "Eagle3"
+DECODING_TYPES = (NGRAM, DRAFT_TARGET, MTP, EAGLE3)
+HIDDEN_STATE_TYPES = (MTP, EAGLE3)  # drafted by a head over the target's hidden states (trtpipe.serving.hidden_draft)
 
 
 # ---- drafting ------------------------------------------------------------------------------------------------------
@@ -72,7 +74,8 @@ def sampling_probs(logits: torch.Tensor, s: SamplingParams) -> torch.Tensor:
     return p
 
 
-def _draw(p: torch.Tensor, generator) -> int:
+def draw(p: torch.Tensor, generator) -> int:
+    """One token drawn from probabilities ``p`` with the request's generator."""
     return int(torch.multinomial(p.float(), 1, generator=generator))
 
 
@@ -114,9 +117,9 @@ def verify(
             continue
         q = torch.zeros_like(p[i]).index_fill_(0, torch.tensor([d]), 1.0) if draft_probs is None else draft_probs[i]
         residual = (p[i] - q.to(p.dtype)).clamp(min=0)
-        out.append(_draw(residual / residual.sum() if residual.sum() > 0 else p[i], generator))
+        out.append(draw(residual / residual.sum() if residual.sum() > 0 else p[i], generator))
         return out
-    return out + [_draw(p[k], generator)]
+    return out + [draw(p[k], generator)]
 
 
 def usage_extension(perf) -> dict:
@@ -220,7 +223,7 @@ class DraftModel:
                     tok = int(row.argmax())
                 else:
                     q = sampling_probs(row, s)
-                    tok = _draw(q, r.generator)
+                    tok = draw(q, r.generator)
                     probs[r.id].append(q)
                 drafts[r.id].append(tok)
                 if len(drafts[r.id]) < ks[r.id]:
@@ -243,19 +246,24 @@ class DraftModel:
 class Speculator:
     """The executor's speculation: which requests draft how many tokens, the drafts, and the acceptance counters."""
 
-    def __init__(self, config: ExecutorConfig, draft_engine=None):
-        if config.speculative_decoding_type not in DECODING_TYPES:
-            raise ValueError(
-                f"speculative decoding_type {config.speculative_decoding_type!r}: the twin executes {', '.join(DECODING_TYPES)}"
-            )
-        if config.speculative_decoding_type == DRAFT_TARGET and draft_engine is None:
-            raise ValueError("speculative decoding_type DraftTarget needs a draft model (speculative_model)")
+    def __init__(self, config: ExecutorConfig, draft_engine=None, target_engine=None):
+        """``draft_engine``: the draft model's step engine (DraftTarget) or the head (MTP, Eagle3) of
+        :func:`trtpipe.serving.reference_engine.draft_engine`; ``target_engine``: the executor's own (the heads read
+        its hidden states)."""
+        kind = config.speculative_decoding_type
+        if kind not in DECODING_TYPES:
+            raise ValueError(f"speculative decoding_type {kind!r}: the twin executes {', '.join(DECODING_TYPES)}")
+        if kind in (DRAFT_TARGET, *HIDDEN_STATE_TYPES) and draft_engine is None:
+            raise ValueError(f"speculative decoding_type {kind} needs a draft model or head (speculative_model)")
         self.config = config
         self.k = config.max_draft_len
         extra = config.max_batch_size * (-(-(self.k + 1) // config.tokens_per_block) + 1)
-        self.draft = (
-            DraftModel(draft_engine, config.num_blocks + extra, config.tokens_per_block) if draft_engine else None
-        )
+        blocks = config.num_blocks + extra
+        self.draft = None
+        if kind == DRAFT_TARGET:
+            self.draft = DraftModel(draft_engine, blocks, config.tokens_per_block)
+        elif kind in HIDDEN_STATE_TYPES:  # trtpipe.serving.hidden_draft.HiddenDrafter over the target's engine
+            self.draft = draft_engine.drafter(target_engine, blocks, config.tokens_per_block)
         self.total_draft_tokens = 0
         self.total_accepted_draft_tokens = 0
         self.verifications = 0  # target forwards that verified drafts (one per request per step)
@@ -287,6 +295,12 @@ class Speculator:
         self.total_draft_tokens += len(drafts)
         self.total_accepted_draft_tokens += accepted
         self.verifications += 1
+
+    def stepped(self, batch: StepBatch) -> None:
+        """After every target step (a head keeps the step's hidden states)."""
+        if isinstance(self.draft, DraftModel) or self.draft is None:
+            return
+        self.draft.stepped(batch)
 
     def synced(self, r) -> None:
         """The request's sequence after acceptance: the draft KV stays valid up to the last shared position."""

@@ -1,0 +1,110 @@
+"""Random draft heads for tests and benchmarks: an EAGLE-3 head for a Llama target, and an MTP layer added to a
+synthetic DeepSeek-V3 checkpoint. Random weights draft badly, but speculation's greedy output never depends on what a
+head proposes, so they test the execution; acceptance measured with them is a random head's.
+
+- EAGLE-3: the layout of a published head such as ``yuhuili/EAGLE3-LLaMA3.1-Instruct-8B`` (as recalled, not checked
+  against the hub files here): config ``architectures: [LlamaForCausalLMEagle3]``, ``num_hidden_layers: 1``,
+  ``draft_vocab_size`` (32000 of Llama-3's 128256); tensors ``fc.weight`` [H, 3H], ``midlayer.*`` (``hidden_norm``,
+  ``input_layernorm``, ``post_attention_layernorm``, ``self_attn.{q,k,v,o}_proj`` with q/k/v over 2H inputs,
+  ``mlp.{gate,up,down}_proj``), ``norm.weight``, ``lm_head.weight`` [draft vocab, H], ``d2t`` (int64 offsets,
+  target id = d + d2t[d]) and ``t2d`` (bool over the target vocabulary); no embedding (the target's is used).
+- MTP: DeepSeek-V3's ``model.layers.{num_hidden_layers}.*``: a full decoder block (MLA + MoE) plus ``enorm``,
+  ``hnorm``, ``eh_proj`` [H, 2H], ``shared_head.norm``, ``shared_head.head`` and ``embed_tokens`` (copies of the
+  target's lm_head and embedding, as the released checkpoints store them); ``num_nextn_predict_layers: 1``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+EAGLE3_DRAFT_VOCAB_RATIO = 32000 / 128256  # the published Llama-3.1-8B head's draft vocabulary share
+
+
+def make_eagle3_head(target_dir: str | Path, out_dir: str | Path, seed: int = 0) -> Path:
+    """A random EAGLE-3 head for the Llama checkpoint ``target_dir`` (its width, heads and MLP ratios)."""
+    tcfg = json.loads((Path(target_dir) / "config.json").read_text())
+    H, V = int(tcfg["hidden_size"]), int(tcfg["vocab_size"])
+    nh, nkv = int(tcfg["num_attention_heads"]), int(tcfg.get("num_key_value_heads") or tcfg["num_attention_heads"])
+    d = int(tcfg.get("head_dim") or H // nh)
+    inter = int(tcfg["intermediate_size"])
+    dv = max(2, round(V * EAGLE3_DRAFT_VOCAB_RATIO))
+    g = torch.Generator().manual_seed(seed)
+
+    def w(o: int, i: int) -> torch.Tensor:
+        return torch.randn(o, i, generator=g) / i**0.5
+
+    def norm(n: int) -> torch.Tensor:
+        return 1 + 0.1 * torch.randn(n, generator=g)
+
+    kept = torch.randperm(V, generator=g)[:dv].sort().values  # the draft vocabulary: target ids, ascending
+    t = {
+        "fc.weight": w(H, 3 * H),
+        "midlayer.hidden_norm.weight": norm(H),
+        "midlayer.input_layernorm.weight": norm(H),
+        "midlayer.post_attention_layernorm.weight": norm(H),
+        "midlayer.self_attn.q_proj.weight": w(nh * d, 2 * H),
+        "midlayer.self_attn.k_proj.weight": w(nkv * d, 2 * H),
+        "midlayer.self_attn.v_proj.weight": w(nkv * d, 2 * H),
+        "midlayer.self_attn.o_proj.weight": w(H, nh * d),
+        "midlayer.mlp.gate_proj.weight": w(inter, H),
+        "midlayer.mlp.up_proj.weight": w(inter, H),
+        "midlayer.mlp.down_proj.weight": w(H, inter),
+        "norm.weight": norm(H),
+        "lm_head.weight": w(dv, H),
+        "d2t": kept - torch.arange(dv),
+        "t2d": torch.zeros(V, dtype=torch.bool).index_fill_(0, kept, True),
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": H,
+        "intermediate_size": inter,
+        "num_attention_heads": nh,
+        "num_key_value_heads": nkv,
+        "head_dim": d,
+        "num_hidden_layers": 1,
+        "max_position_embeddings": int(tcfg.get("max_position_embeddings") or 2048),
+        "rms_norm_eps": float(tcfg.get("rms_norm_eps") or 1e-5),
+        # the target's rope (the published Llama-3.1 head repeats the target's rope_theta and llama3 rope_scaling)
+        **{k: tcfg[k] for k in ("rope_parameters", "rope_theta", "rope_scaling") if k in tcfg},
+        "tie_word_embeddings": False,
+        "vocab_size": V,
+        "draft_vocab_size": dv,
+        "torch_dtype": "float32",
+    }
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def add_mtp_layer(model_dir: str | Path, block_dir: str | Path, seed: int = 0) -> Path:
+    """Give the DeepSeek-V3 checkpoint ``model_dir`` one MTP layer (in place): its decoder block is layer 0 of
+    ``block_dir`` (a one-layer synthetic DeepSeek-V3 whose layer is MoE: ``first_k_dense_replace=0``), its norms and
+    ``eh_proj`` random."""
+    d = Path(model_dir)
+    cfg = json.loads((d / "config.json").read_text())
+    n, H = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
+    tensors = load_file(str(d / "model.safetensors"))
+    block = load_file(str(Path(block_dir) / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    pre = f"model.layers.{n}."
+    for k, v in block.items():
+        if k.startswith("model.layers.0."):
+            tensors[pre + k[len("model.layers.0.") :]] = v
+    dtype = tensors["model.embed_tokens.weight"].dtype
+    tensors[pre + "enorm.weight"] = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+    tensors[pre + "hnorm.weight"] = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+    tensors[pre + "eh_proj.weight"] = (torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5).to(dtype)
+    tensors[pre + "shared_head.norm.weight"] = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+    tensors[pre + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    tensors[pre + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}, indent=2))
+    return d
