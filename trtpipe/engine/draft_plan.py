@@ -63,5 +63,8 @@ def draft_memory(recipe: Recipe, tp: int, kv_bytes: float) -> Optional[DraftMemo
     per_tok = 2 * int(cfg.get("num_hidden_layers") or 0) * math.ceil(kv_heads / tp) * head * kv_bytes
     how = "files" if files else "not counted (no *.safetensors in the draft directory)"
     if not files and is_eagle3_head(cfg):  # a published head's config.json alone (trtpipe/engine/draft_heads.py)
-        weights, how = eagle3_head_bytes(cfg), "EAGLE-3 head computed from its config.json"
+        try:
+            weights, how = eagle3_head_bytes(cfg), "EAGLE-3 head computed from its config.json"
+        except KeyError as key:  # validation names the head's problems; the plan says what it could not count
+            how = f"not counted (the head's config.json has no {key})"
     return DraftMemory(weights // tp, per_tok, s.max_draft_len, how)

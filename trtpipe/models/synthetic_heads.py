@@ -21,12 +21,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from trtpipe.jsonfile import load_json
+
 EAGLE3_DRAFT_VOCAB_RATIO = 32000 / 128256  # the published Llama-3.1-8B head's draft vocabulary share
 
 
 def make_eagle3_head(target_dir: str | Path, out_dir: str | Path, seed: int = 0) -> Path:
     """A random EAGLE-3 head for the Llama checkpoint ``target_dir`` (its width, heads and MLP ratios)."""
-    tcfg = json.loads((Path(target_dir) / "config.json").read_text())
+    tcfg = load_json(Path(target_dir) / "config.json")
     H, V = int(tcfg["hidden_size"]), int(tcfg["vocab_size"])
     nh, nkv = int(tcfg["num_attention_heads"]), int(tcfg.get("num_key_value_heads") or tcfg["num_attention_heads"])
     d = int(tcfg.get("head_dim") or H // nh)
@@ -89,7 +91,7 @@ def add_mtp_layer(model_dir: str | Path, block_dir: str | Path, seed: int = 0) -
     ``block_dir`` (a one-layer synthetic DeepSeek-V3 whose layer is MoE: ``first_k_dense_replace=0``), its norms and
     ``eh_proj`` random."""
     d = Path(model_dir)
-    cfg = json.loads((d / "config.json").read_text())
+    cfg = load_json(d / "config.json")
     n, H = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
     tensors = load_file(str(d / "model.safetensors"))
     block = load_file(str(Path(block_dir) / "model.safetensors"))
