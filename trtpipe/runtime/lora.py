@@ -91,6 +91,9 @@ class LoraAdapter:
     target_modules: tuple[str, ...]  # HF short names (q_proj, ...)
     pairs: dict[tuple[int, str], LoraPair] = field(default_factory=dict)
     layout: Optional["BaseLayout"] = field(default=None, repr=False)
+    # how a worker rank of leader mode reads it: None, the PEFT directory at ``path``; else a tuple
+    # (trtpipe.serving.triton_lora: a prefetched task's folder, or the tensors sent with a request)
+    source: Optional[tuple] = field(default=None, repr=False)
     _shards: dict = field(default_factory=dict, repr=False)  # (layer, linear, rank, tp) -> LoraPair
 
     def pair(self, key: tuple[int, str], rank: int = 0, tp: int = 1) -> Optional[LoraPair]:
@@ -286,7 +289,7 @@ def adapter_of_modules(
         pieces.setdefault((layer, linear), []).append((offset, out, a.float(), b.float()))
     rank = max((a.shape[0] for a, _ in modules.values()), default=0)
     targets = tuple(sorted({m.rsplit(".", 1)[-1] for _, m in modules}))
-    adapter = LoraAdapter(name, Path(path), rank, float(rank), False, targets)  # alpha = r: scaling 1
+    adapter = LoraAdapter(name, Path(path), rank, float(rank), False, targets, layout=layout)  # alpha = r: scaling 1
     for key, parts in pieces.items():
         adapter.pairs[key] = _fuse(parts, layout, key[1], 1.0)
     return adapter

@@ -250,14 +250,15 @@ class LoraStepEngine:
     MPI step engine (tp/pp > 1, one process per rank) the workers attach the same adapters to their shards and follow
     rank 0's cache decisions (:class:`RankLora`): each step's wire names every entry's adapter and its directory."""
 
-    def __init__(self, inner, cache: AdapterCache):
+    def __init__(self, inner, cache: AdapterCache, reader=None):
+        """``reader``: how worker ranks read adapters that are not PEFT directories (the Triton twin's tasks)."""
         from trtpipe.runtime.lora import attach
 
         self.inner, self.cache = inner, cache
         self.context = attach(inner.model)
         self.last_step: tuple[float, tuple[str, ...]] = (0.0, ())  # (unix time, adapters) of the latest step
         if hasattr(inner, "configure_lora"):  # the MPI step engine: the workers attach theirs
-            inner.configure_lora(cache)
+            inner.configure_lora(cache, reader)
 
     def allocate(self, num_blocks: int, tokens_per_block: int) -> None:
         self.inner.allocate(num_blocks, tokens_per_block)
@@ -276,6 +277,8 @@ class LoraStepEngine:
         if errors:
             batch = StepBatch(batch.iteration, [e for e in batch.entries if e.request_id not in errors])
         groups = groups_of(batch, adapters)
+        if hasattr(self.inner, "step_adapters"):  # the MPI step engine names them (and their sources) on the wire
+            self.inner.step_adapters = adapters
         self.last_step = (time.time(), tuple(a.name for a, _ in groups))
         return batch, errors, groups
 
@@ -305,16 +308,45 @@ class RankLora:
     with rank 0's bounds, fed the same activations in the same order (so the same evictions); an adapter is read
     from the directory rank 0 names the first time a step needs it."""
 
-    def __init__(self, model, layout, max_loras: int, max_cpu_loras: int, max_rank: Optional[int]):
+    def __init__(self, model, layout, max_loras: int, max_cpu_loras: int, max_rank: Optional[int], reader=None):
+        """``reader``: rank 0's :class:`~trtpipe.serving.triton_lora.Rows` (the Triton twin's tasks), else None."""
         from trtpipe.runtime.lora import attach
 
         self.cache = AdapterCache(None, max_loras, max_cpu_loras, max_rank, layout=layout)
         self.context = attach(model)
+        self.reader = reader
+        self.sent: dict = {}  # name -> (version, weights, config) of tensors rank 0 shipped (the "disk" of those)
+        self.versions: dict = {}  # name -> version of the sent adapter in the cache now
+
+    def _know(self, name: str, src) -> None:
+        if isinstance(src, str):  # a PEFT directory
+            self.cache.register(name, Path(src))
+        elif src[0] == "npy":  # a prefetched task's folder
+            reader, task, folder = self.reader, int(src[1]), Path(src[2])
+            self.cache.register(name, folder, task, loader=lambda: reader.read_npy(task, folder))
+        elif src[0] == "sent":  # tensors sent with a request: shipped once per version, replacing the task
+            task, version = int(src[1]), src[2]
+            if len(src) == 5:
+                self.sent[name] = (version, src[3], src[4])
+            if self.versions.get(name) != version:
+                held = self.sent.get(name)
+                if held is None or held[0] != version:
+                    raise RuntimeError(f"LoRA on a worker rank: {name} version {version} was never shipped")
+                reader, w, c = self.reader, held[1], held[2]
+
+                def load():
+                    return reader.decode(task, w, c, f"lora_task_id {task}")
+
+                self.cache.put(name, load(), load)
+                self.versions[name] = version
+        else:
+            raise RuntimeError(f"LoRA on a worker rank: unknown adapter source {src[0]!r} for {name}")
 
     def run(self, batch, paths: dict, forward):
-        """``forward(batch)`` with each entry's adapter applied (``paths``: name -> directory, from rank 0)."""
-        for name, path in paths.items():
-            self.cache.register(name, Path(path))
+        """``forward(batch)`` with each entry's adapter applied (``paths``: name -> source, from rank 0's
+        :meth:`~trtpipe.serving.mpi_engine.MpiStepEngine.lora_sources`)."""
+        for name, src in paths.items():
+            self._know(name, src)
         adapters, problems = self.cache.activate([e.lora for e in batch.entries if e.lora is not None])
         if problems:  # rank 0 activated them: a worker that cannot ends the job (rank 0 sees the dead collective)
             raise RuntimeError(f"LoRA on a worker rank: {problems}")

@@ -27,11 +27,11 @@ from trtpipe.serving.api import SamplingParams, StepBatch, StepEntry, StepResult
 from trtpipe.serving.reference_engine import ReferenceEngine
 
 
-def _wire(batch: StepBatch, lora_paths: Optional[dict] = None) -> tuple:
+def _wire(batch: StepBatch, lora_sources: Optional[dict] = None) -> tuple:
     """What the workers need of a step (no sampling state: rank 0 samples); with LoRA, each entry's adapter and
-    the directories of the step's adapters (a worker reads one the first time it needs it)."""
-    names = {e.lora for e in batch.entries if e.lora is not None}
-    paths = {n: str(lora_paths[n]) for n in sorted(names)} if lora_paths is not None else {}
+    where the step's adapters come from (name -> directory, or a source tuple: :meth:`MpiStepEngine.lora_sources`;
+    a worker reads one the first time it needs it)."""
+    paths = dict(sorted(lora_sources.items())) if lora_sources else {}
     return (
         batch.iteration,
         paths,
@@ -118,15 +118,40 @@ class MpiStepEngine(RankEngine):
         self.stopped = False
         self.tag = tag
         self._lock = lock or threading.Lock()
-        self.lora_paths: Optional[dict] = None  # adapter name -> directory (the LoRA cache's), with LoRA
+        self.lora_cache = None  # with LoRA: rank 0's adapter cache (the step's adapters: step_adapters)
+        self.step_adapters: dict = {}  # name -> LoraAdapter of the coming step (set by LoraStepEngine)
+        self._shipped: dict = {}  # name -> version of the sent tensors the workers already hold
         self.assigner = attention_dp.RankAssigner(model.layout.tp) if model.args.attention_dp else None
 
-    def configure_lora(self, cache) -> None:
+    def configure_lora(self, cache, reader=None) -> None:
         """Serve LoRA: every worker attaches adapters to its shards with ``cache``'s bounds
-        (:class:`~trtpipe.serving.adapters.RankLora`); each step then names its adapters' directories."""
+        (:class:`~trtpipe.serving.adapters.RankLora`); each step then names where its adapters come from.
+        ``reader``: how a worker reads adapters that are not PEFT directories (the Triton twin's
+        :class:`~trtpipe.serving.triton_lora.Rows`)."""
         with self._lock:
-            self._broadcast("lora", cache.layout, cache.max_loras, cache.max_cpu_loras, cache.max_rank)
-            self.lora_paths = cache.paths
+            self._broadcast("lora", cache.layout, cache.max_loras, cache.max_cpu_loras, cache.max_rank, reader)
+            self.lora_cache = cache
+
+    def lora_sources(self, batch: StepBatch) -> Optional[dict]:
+        """Name -> source of the step's adapters: a PEFT directory (str), a prefetched task
+        ``("npy", task, folder)``, or tensors sent with a request ``("sent", task, version, weights, config)``,
+        whose tensors travel only the first time the workers need that version (``("sent", task, version)`` after:
+        upstream broadcasts a request's LoRA tensors to every rank once; the task id names them from then on)."""
+        if self.lora_cache is None:
+            return None
+        out = {}
+        for name in {e.lora for e in batch.entries if e.lora is not None}:
+            adapter = self.step_adapters.get(name)
+            src = adapter.source if adapter is not None else None
+            if src is None:
+                out[name] = str(adapter.path if adapter is not None else self.lora_cache.paths[name])
+            elif src[0] == "sent" and self._shipped.get(name) == src[2]:
+                out[name] = src[:3]
+            else:
+                out[name] = src
+                if src[0] == "sent":
+                    self._shipped[name] = src[2]
+        return out
 
     def _broadcast(self, kind: str, *args) -> None:
         if self.stopped:
@@ -148,10 +173,10 @@ class MpiStepEngine(RankEngine):
     def logits(self, batch: StepBatch) -> torch.Tensor:
         with self._lock:
             if self.assigner is None:
-                self._broadcast("step", _wire(batch, self.lora_paths))
+                self._broadcast("step", _wire(batch, self.lora_sources(batch)))
                 return super().logits(batch)
             ranks = self.assigner.assign(batch, self.tokens_per_block)
-            self._broadcast("step", _wire(batch, self.lora_paths), ranks)
+            self._broadcast("step", _wire(batch, self.lora_sources(batch)), ranks)
             return super().logits(batch, ranks)
 
     def step(self, batch: StepBatch) -> StepResult:

@@ -21,7 +21,9 @@ KV pool (reuse keyed by adapter, as ``BlockKey::loraTaskId``).
 
 from __future__ import annotations
 
+import itertools
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -70,42 +72,26 @@ def checkpoint_layout(pretrained: dict):
                 "mlp.down_proj": ("mlp.proj", 0, h, i),
             }
         )
-    return BaseLayout("model.layers.{}.", d.num_layers, modules)
+    return BaseLayout("model.layers.{}.", d.num_layers, modules, (d.num_heads, d.num_kv_heads, d.head_dim))
 
 
-class TwinAdapters:
-    """The Triton twin's LoRA tasks: the adapter cache, the engine's LoRA limits, and the request inputs read."""
+@dataclass(frozen=True)
+class Rows:
+    """How ``lora_weights`` / ``lora_config`` rows become an adapter on this engine (its LoRA modules, its
+    ``max_lora_rank``, its linears): rank 0 decodes with it, and so does every worker rank under leader mode (it
+    travels to them once, with the LoRA bounds: :meth:`~trtpipe.serving.mpi_engine.MpiStepEngine.configure_lora`)."""
 
-    def __init__(self, engine_dir: Path, prefetch: Optional[Path], max_loras: int, host_bytes: Optional[int]):
-        from trtpipe.engine.lora_cache import host_capacity
-        from trtpipe.serving.adapters import AdapterCache
+    max_rank: int
+    modules: frozenset
+    layout: object  # trtpipe.runtime.lora.BaseLayout
 
-        cfg = load_json(Path(engine_dir) / "config.json")
-        lora = cfg["build_config"]["lora_config"]
-        self.max_rank = int(lora["max_lora_rank"])
-        self.modules = set(lora["lora_target_modules"])
-        self.layout = checkpoint_layout(cfg["pretrained_config"])
-        tasks = read_tasks(prefetch) if prefetch is not None and prefetch.is_dir() else {}
-        capacity = host_capacity(host_bytes, cfg, prefetch) if tasks and host_bytes else max(len(tasks), 1)
-        self.cache = AdapterCache(None, max(max_loras, 1), max(capacity, max_loras, 1), self.max_rank, self.layout)
-        self.prefetched = {task_name(t) for t in tasks}  # read again from their files once they fell out
-        for task in sorted(tasks):  # prefetchLoraWeights: every digit-named folder
-            folder = prefetch / str(task)
-            self.cache.register(task_name(task), folder, task, loader=self._npy_loader(task, folder))
-
-    def _npy_loader(self, task: int, folder: Path) -> Callable:
-        def load():
-            w = np.load(folder / "model.lora_weights.npy")
-            c = np.load(folder / "model.lora_config.npy")
-            return self.decode(task, w, c, f"{folder}")
-
-        return load
-
-    def wrap(self, engine):
-        """The step engine applying each entry's adapter (:class:`~trtpipe.serving.adapters.LoraStepEngine`)."""
-        from trtpipe.serving.adapters import LoraStepEngine
-
-        return LoraStepEngine(engine, self.cache)
+    def read_npy(self, task: int, folder: Path):
+        """A prefetched task read from its folder (``model.lora_weights.npy`` + ``model.lora_config.npy``)."""
+        w = np.load(Path(folder) / "model.lora_weights.npy")
+        c = np.load(Path(folder) / "model.lora_config.npy")
+        adapter = self.decode(task, w, c, f"{folder}")
+        adapter.source = ("npy", int(task), str(folder))
+        return adapter
 
     def decode(self, task: int, weights: np.ndarray, config: np.ndarray, where: str):
         """The adapter of ``lora_weights`` / ``lora_config`` tensors; ValueError (one line naming the input) when
@@ -154,6 +140,50 @@ class TwinAdapters:
             raise ValueError(f"{where}: {exc}") from None
 
 
+class TwinAdapters:
+    """The Triton twin's LoRA tasks: the adapter cache, the engine's LoRA limits, and the request inputs read."""
+
+    def __init__(self, engine_dir: Path, prefetch: Optional[Path], max_loras: int, host_bytes: Optional[int]):
+        from trtpipe.engine.lora_cache import host_capacity
+        from trtpipe.serving.adapters import AdapterCache
+
+        cfg = load_json(Path(engine_dir) / "config.json")
+        lora = cfg["build_config"]["lora_config"]
+        self.max_rank = int(lora["max_lora_rank"])
+        self.modules = set(lora["lora_target_modules"])
+        self.layout = checkpoint_layout(cfg["pretrained_config"])
+        self.rows = Rows(self.max_rank, frozenset(self.modules), self.layout)
+        self._sent = itertools.count(1)  # a version per adapter sent with a request (leader mode ships it once)
+        tasks = read_tasks(prefetch) if prefetch is not None and prefetch.is_dir() else {}
+        capacity = host_capacity(host_bytes, cfg, prefetch) if tasks and host_bytes else max(len(tasks), 1)
+        self.cache = AdapterCache(None, max(max_loras, 1), max(capacity, max_loras, 1), self.max_rank, self.layout)
+        self.prefetched = {task_name(t) for t in tasks}  # read again from their files once they fell out
+        for task in sorted(tasks):  # prefetchLoraWeights: every digit-named folder
+            folder = prefetch / str(task)
+            self.cache.register(task_name(task), folder, task, loader=self._npy_loader(task, folder))
+
+    def _npy_loader(self, task: int, folder: Path) -> Callable:
+        return lambda: self.rows.read_npy(task, folder)
+
+    def wrap(self, engine):
+        """The step engine applying each entry's adapter (:class:`~trtpipe.serving.adapters.LoraStepEngine`); over
+        the MPI step engine (leader mode, tp x pp > 1) every worker rank gets :class:`Rows` to read the tasks."""
+        from trtpipe.serving.adapters import LoraStepEngine
+
+        return LoraStepEngine(engine, self.cache, reader=self.rows)
+
+    def decode(self, task: int, weights: np.ndarray, config: np.ndarray, where: str):
+        """:meth:`Rows.decode`."""
+        return self.rows.decode(task, weights, config, where)
+
+    def sent(self, task: int, weights: np.ndarray, config: np.ndarray):
+        """The adapter of tensors sent with a request for ``task``; it carries them (and a version) so leader mode
+        can ship them to the worker ranks, as every rank's PEFT cache receives the request's weights upstream."""
+        adapter = self.decode(task, weights, config, f"lora_task_id {task}")
+        adapter.source = ("sent", int(task), next(self._sent), np.asarray(weights), np.asarray(config))
+        return adapter
+
+
 def select(adapters: Optional[TwinAdapters], task_id, weights, config) -> Optional[str]:
     """See :meth:`TwinAdapters.select`; ``adapters`` None: an engine built without LoRA."""
     if task_id is None and weights is None and config is None:
@@ -169,7 +199,7 @@ def select(adapters: Optional[TwinAdapters], task_id, weights, config) -> Option
     task = int(np.asarray(task_id).reshape(-1)[0])
     name = task_name(task)
     if weights is not None:
-        adapter = adapters.decode(task, weights, config, f"lora_task_id {task}")
+        adapter = adapters.sent(task, weights, config)
 
         def gone():  # fell out of the host cache: upstream's message for a task no longer cached
             raise KeyError(not_cached(task))

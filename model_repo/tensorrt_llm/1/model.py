@@ -55,9 +55,7 @@ class TritonPythonModel:
 
         # an engine built with LoRA: the prefetched tasks loaded now, each entry its own adapter in a step
         self.adapters = triton_adapter.twin_adapters(config, args["model_repository"], self.settings)
-        if self.adapters is not None:
-            if run_dir:
-                raise ValueError("tensorrt_llm twin: LoRA is applied at tp = pp = 1 only")
+        if self.adapters is not None:  # in leader mode the worker ranks attach their shards (RankLora)
             self.engine = self.adapters.wrap(self.engine)
 
         self.guided = triton_adapter.guided_decoder(self.settings)
