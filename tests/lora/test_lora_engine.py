@@ -128,13 +128,14 @@ def test_engine_target_refusals_name_the_key(tmp_path, stories_dir, adapters):
         tmp_path,
         stories_dir,
         {"r8-attn": adapters["r8-attn"], "r64-all": adapters["r64-all"]},
-        parallel={"tp": 2},
+        parallel={"tp": 2, "pp": 2},
         model={"source": str(stories_dir), "dtype": "bfloat16"},
         engine={"plugins": {"overrides": {"lora_plugin": "disable"}}},
     )
     problems = {p.key: p.message for p in check_recipe(bad)}
-    assert "the Triton twin executes LoRA at tp = pp = 1 only" in problems["parallel"]
-    assert "stores float16 or float32 only" in problems["model.dtype"]
+    assert problems["parallel.pp"].startswith("2 does not divide the 5 layers with lora.adapters on target: engine")
+    assert "parallel" not in problems and "parallel.tp" not in problems  # tp (and an even pp) are served
+    assert "reads prefetched LoRA tasks as float16 or float32 .npy only" in problems["model.dtype"]
     assert problems["lora.adapters.r64-all"].startswith(
         "layer 0 k_proj: r=64 is above one of its sizes (in 64, out 32)"
     )
@@ -180,3 +181,45 @@ def test_cache_bounds_rewrite_the_repository_a_retrained_adapter_rebuilds_the_en
     make_adapter(stories_dir, mine, 8, 16, ("q_proj", "v_proj"), False, seed=99)  # retrained in place
     got = statuses("lora.max_loras=1")
     assert got["engine"] == "ran" and got["repo"] == "ran"
+
+
+def test_lora_cache_is_sized_per_gpu_at_tp_and_pp(built):
+    """At tp 2 each rank's cache holds its shard of every row (getPageManagerConfig: localInDim + localOutDim of
+    createLoraModules' splits), at pp 5 each stage one layer's rows (determineNumPages): sizes worked by hand for
+    stories260k (hidden 64, 8 heads / 4 KV heads of 8, intermediate 172, 5 layers)."""
+    _, engine, _ = built
+    prefetch = engine / lora_build.PREFETCH_DIR
+    cfg = json.loads((engine / "config.json").read_text())
+    dims = checkpoint_dims(cfg["pretrained_config"])
+    assert lora_cache.module_sizes(dims, 2) == {
+        "attn_qkv": (64, 32 + 2 * 16),
+        "attn_q": (64, 32),  # out split: 64 / 2
+        "attn_k": (64, 16),
+        "attn_v": (64, 16),  # 4 KV heads / 2 x 8
+        "attn_dense": (32, 64),  # in split
+        "mlp_h_to_4h": (64, 86),
+        "mlp_4h_to_h": (86, 64),
+        "mlp_gate": (64, 86),
+    }
+
+    def at(tp, pp):
+        c = json.loads(json.dumps(cfg))
+        c["pretrained_config"]["mapping"].update(tp_size=tp, pp_size=pp, world_size=tp * pp)
+        return lora_cache.cache_shape(c, prefetch)
+
+    one, tp2, pp5 = at(1, 1), at(2, 1), at(1, 5)
+    assert (one.tp, one.pp, tp2.tp, pp5.pp) == (1, 1, 2, 5)
+    # page width: the smallest in + out of the 7 modules: k/v, 64 + 32 at tp 1, 64 + 16 at tp 2 (tp 1 per layer:
+    # q 128, k 96, v 96, dense 128, gate / up / down 236)
+    assert one.pages.page_width == 96 and tp2.pages.page_width == 80 and pp5.pages.page_width == 96
+    # slots per page: max(optimal 8 x the slots of a layer's 7 modules x local layers, one max-rank row)
+    width = 80
+    per_layer = [96, 80, 80, 96, 150, 150, 150]  # q, k, v, dense, h_to_4h, 4h_to_h, gate at tp 2
+    assert tp2.pages.slots_per_page == max(8 * sum(-(-x // width) for x in per_layer) * 5, -(-64 * 150 // width))
+    assert pp5.pages.slots_per_page == max(8 * sum(-(-x // 96) for x in [128, 96, 96, 128, 236, 236, 236]), 158)
+    # the max-rank floor per GPU: 64 x (every module's in + out) x local layers, over the page width
+    assert tp2.pages.min_total_slots == -(-64 * sum(per_layer) * 5 // width)
+    assert pp5.pages.min_total_slots == -(-64 * sum([128, 96, 96, 128, 236, 236, 236]) // 96)
+    assert one.pages.min_total_slots == -(-64 * sum([128, 96, 96, 128, 236, 236, 236]) * 5 // 96)
+    # a GPU holds a fifth of the rows at pp 5: one layer's 7 rows of r 8 (the rsLoRA adapter) fit one page
+    assert pp5.largest_pages == 1 and pp5.pages.slots_per_page < one.pages.slots_per_page

@@ -101,7 +101,7 @@ def write_prefetch(recipe: Recipe, out: Path, dtype: str) -> dict[str, int]:
     if dtype not in STORAGE:
         raise EngineError(
             f"lora.adapters: the engine dtype is {dtype}; the LoRA converter stores float16 or float32 only "
-            "(hf_lora_convert.py's bfloat16 path is not ported)"
+            "(the tensorrtllm backend's loadNpy reads no bfloat16 .npy: numpyUtils.cpp@1069bc9d)"
         )
     ids = task_ids(recipe)
     dirs = adapter_dirs(recipe)
@@ -124,10 +124,16 @@ def read_tasks(prefetch: Path) -> dict[int, str]:
 
 
 def _engine_lora_rules(recipe: Recipe, m: Optional[ModelDims]):
-    """The engine target with adapters: tp = pp = 1 (the Triton twin applies adapters at tp 1 only; the engine's
-    split of the LoRA cache over ranks is not exercised here), a float16 or float32 engine (the converter's storage
-    dtypes), and adapters whose rank is below every targeted module's sizes (``hf_lora_convert.py`` takes the
-    smaller dimension of each tensor for the rank: :func:`trtpipe.engine.lora_convert.rank_problems`)."""
+    """The engine target with adapters: pp dividing the layers evenly (a PEFT cache holds the rows of layers
+    ``ppRank * localNumLayers`` up to the next stage's, ``LoraCache::determineNumPages`` at
+    ``cpp/tensorrt_llm/runtime/loraCache.cpp@c85e8726``: upstream's ranges for an uneven split were not read, so
+    the cache sizing would be a guess), a float16 or float32 engine (upstream's limit: ``prefetchLoraWeights`` reads
+    the task files with ``utils::loadNpy``, whose ``typeFromNumpyDesc`` takes ``f2`` / ``f4`` and no bfloat16,
+    ``cpp/tensorrt_llm/runtime/utils/numpyUtils.cpp@1069bc9d``; ``hf_lora_convert.py --storage-type bfloat16``
+    writes an ``|V2`` array it refuses), and adapters whose rank is below every targeted module's sizes
+    (``hf_lora_convert.py`` takes the smaller dimension of each tensor for the rank:
+    :func:`trtpipe.engine.lora_convert.rank_problems`). tp and pp themselves are served (the Triton twin's leader
+    mode shards the adapters as TensorRT-LLM does)."""
     if recipe.target != "engine" or not recipe.lora.adapters:
         return
     if recipe.engine.plugins.overrides.get("lora_plugin") in ("disable", None) and (
@@ -138,11 +144,11 @@ def _engine_lora_rules(recipe: Recipe, m: Optional[ModelDims]):
             "disable with lora.adapters on target: engine: the adapters need the LoRA plugin (drop the override)",
         )
     p = recipe.parallel
-    if p.tp * p.pp > 1:
+    if m is not None and p.pp > 1 and m.num_layers % p.pp:
         yield (
-            "parallel",
-            f"tp {p.tp} x pp {p.pp} with lora.adapters on target: engine: the Triton twin executes LoRA at tp = pp = 1 "
-            "only, so trtpipe builds LoRA engines for one GPU",
+            "parallel.pp",
+            f"{p.pp} does not divide the {m.num_layers} layers with lora.adapters on target: engine: the PEFT cache's "
+            "layer ranges per stage are upstream's for an even split only (loraCache.cpp determineNumPages)",
         )
     if m is not None:
         dtype = recipe.model.dtype
@@ -151,8 +157,8 @@ def _engine_lora_rules(recipe: Recipe, m: Optional[ModelDims]):
         if dtype not in STORAGE:
             yield (
                 "model.dtype",
-                f"{dtype} with lora.adapters on target: engine: the LoRA converter (hf_lora_convert.py's math) "
-                "stores float16 or float32 only; set model.dtype: float16",
+                f"{dtype} with lora.adapters on target: engine: the tensorrtllm backend reads prefetched LoRA tasks "
+                "as float16 or float32 .npy only (numpyUtils.cpp loadNpy has no bfloat16); set model.dtype: float16",
             )
     from trtpipe.engine.lora_convert import rank_problems
     from trtpipe.export.lora import adapter_dirs

@@ -7,9 +7,10 @@ The cache pages (``PeftCacheManager::getPageManagerConfig`` / ``getMaxNumSlots``
   modules; a row (module, layer, rank r) takes ``ceil(r * (in + out) / page_width)`` consecutive slots, a row that
   does not fit the page's rest starts a new page. :func:`cache_parameters` sizes ``lora_cache_host_memory_bytes``
   and ``lora_cache_gpu_memory_fraction`` so the host cache holds ``max_cpu_loras`` and the device cache
-  ``max_loras`` of the largest adapter, in whole pages. Assumed, not read: each module's ``in``/``out`` (the
-  TensorRT-LLM linear's sizes below; ``LoraModule::createLoraModules`` was not read) and ``localTotalSize = r *
-  (in + out)`` for a non-DoRA row at tp 1.
+  ``max_loras`` of the largest adapter, in whole pages. Each module's ``in``/``out`` and tp split as
+  ``LoraModule::createLoraModules`` makes them (:func:`module_sizes`). At tp x pp > 1 every size is one GPU's
+  (:func:`cache_shape`), and the ``lora_cache_*`` parameters, which every rank's executor applies to its own
+  cache, are per GPU.
 """
 
 from __future__ import annotations
@@ -30,18 +31,24 @@ if TYPE_CHECKING:  # the Triton twin imports this module: no pydantic there
     from trtpipe.recipe.schema import Recipe
 
 
-def module_sizes(d: ModelDims) -> dict[str, tuple[int, int]]:
-    """(in, out) of each LoRA module on the TensorRT-LLM linears of a dense decoder (assumed; see the module doc)."""
-    h, q, kv, i = d.hidden_size, d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim, d.intermediate_size
+def module_sizes(d: ModelDims, tp: int = 1) -> dict[str, tuple[int, int]]:
+    """(in, out) of each LoRA module on one tp rank: ``LoraModule::localInDim`` / ``localOutDim``
+    (``cpp/include/tensorrt_llm/runtime/loraModule.h@16d2467e``) with the split dims of ``createLoraModules``
+    (``cpp/tensorrt_llm/runtime/loraModule.cpp@2a9abd95``): q, k, v, qkv, h_to_4h and gate split their out by tp
+    (``outTpSplitDim`` 0), dense and 4h_to_h their in (``inTpSplitDim`` 1), the rank never split. The whole sizes
+    are the linears' (dense's in is heads x head_dim here where upstream writes hidden: equal on these models); a
+    rank's KV heads are ceil(kv / tp) (replicated when fewer than tp)."""
+    h, q, i = d.hidden_size, d.num_heads * d.head_dim, d.intermediate_size
+    kv = -(-d.num_kv_heads // tp) * d.head_dim
     return {
-        "attn_qkv": (h, q + 2 * kv),
-        "attn_q": (h, q),
+        "attn_qkv": (h, q // tp + 2 * kv),
+        "attn_q": (h, q // tp),
         "attn_k": (h, kv),
         "attn_v": (h, kv),
-        "attn_dense": (q, h),
-        "mlp_h_to_4h": (h, i),
-        "mlp_4h_to_h": (i, h),
-        "mlp_gate": (h, i),
+        "attn_dense": (q // tp, h),
+        "mlp_h_to_4h": (h, i // tp),
+        "mlp_4h_to_h": (i // tp, h),
+        "mlp_gate": (h, i // tp),
     }
 
 
@@ -56,7 +63,8 @@ class Pages:
 
 
 def pages(sizes: dict[str, tuple[int, int]], modules, layers: int, optimal: int, max_adapter: int) -> Pages:
-    """``getPageManagerConfig``'s page shape for the engine's LoRA ``modules`` over ``layers`` layers at tp 1."""
+    """``getPageManagerConfig``'s page shape for the engine's LoRA ``modules`` over one GPU's ``layers`` (its pp
+    stage's), ``sizes`` that rank's (:func:`module_sizes`)."""
     one_d = [sum(sizes[m]) for m in modules]
     width = min(one_d)
     total_slots = sum(optimal * math.ceil(x / width) for x in one_d) * layers
@@ -65,10 +73,13 @@ def pages(sizes: dict[str, tuple[int, int]], modules, layers: int, optimal: int,
     return Pages(width, max(total_slots, min_num_slots), min_total)
 
 
-def task_pages(config: np.ndarray, sizes: dict[str, tuple[int, int]], p: Pages) -> int:
-    """``LoraCache::determineNumPages``: the pages one adapter's ``lora_config`` rows take."""
+def task_pages(config: np.ndarray, sizes: dict[str, tuple[int, int]], p: Pages, layers=None) -> int:
+    """``LoraCache::determineNumPages``: the pages one adapter's ``lora_config`` rows take on one GPU (only the rows
+    of its pp stage's ``layers``, a range; None: every row)."""
     page = slot = 0
-    for module_id, _layer, r in np.asarray(config).reshape(-1, 3):
+    for module_id, layer, r in np.asarray(config).reshape(-1, 3):
+        if layers is not None and int(layer) not in layers:
+            continue
         n = math.ceil(int(r) * sum(sizes[MODULE_BY_ID[int(module_id)]]) / p.page_width)
         if n + slot > p.slots_per_page:
             slot, page = 0, page + 1
@@ -81,6 +92,8 @@ class CacheShape:
     """The pages of an engine's PEFT cache and what its largest prefetched adapter takes."""
 
     rank: int  # the prefetched adapters' largest rank (lora_cache_optimal_adapter_size)
+    tp: int
+    pp: int
     max_rank: int  # the engine's max_lora_rank (lora_cache_max_adapter_size: an adapter sent later may use it)
     pages: Pages
     largest_pages: int
@@ -88,22 +101,31 @@ class CacheShape:
 
 
 def cache_shape(engine_cfg: dict, prefetch: Path) -> CacheShape:
-    """:class:`CacheShape` of an engine ``config.json`` and its prefetch directory (which must hold tasks)."""
+    """:class:`CacheShape` of an engine ``config.json`` and its prefetch directory (which must hold tasks), per GPU:
+    at tp x pp > 1 each rank's cache holds its tp shard of its pp stage's rows (``getPageManagerConfig``:
+    ``localInDim(tpSize) + localOutDim(tpSize)``, ``getNbAttentionLayers(ppSize, ppRank)`` layers; a row of layer
+    ``l`` is cached on the stage with ``ppRank * localNumLayers <= l < (ppRank + 1) * localNumLayers``:
+    ``determineNumPages``). The largest stage (ceil(layers / pp): upstream's count for an uneven split was not
+    read) sizes every GPU's cache."""
     from trtpipe.models.dims import checkpoint_dims
 
     dims = checkpoint_dims(engine_cfg["pretrained_config"])
+    mapping = engine_cfg["pretrained_config"].get("mapping") or {}
+    tp, pp = int(mapping.get("tp_size", 1)), int(mapping.get("pp_size", 1))
     lora_cfg = engine_cfg["build_config"]["lora_config"]
-    sizes = module_sizes(dims)
+    sizes = module_sizes(dims, tp)
     configs = [np.load(Path(prefetch) / str(t) / "model.lora_config.npy") for t in read_tasks(prefetch)]
     if not configs:
         raise EngineError(f"{prefetch}: no LoRA task is listed in {TASKS_FILE}")
     rank = max(int(c.reshape(-1, 3)[:, 2].max()) for c in configs)
     max_rank = int(lora_cfg["max_lora_rank"])
     rank = min(rank, max_rank)  # the manager takes min(size, max_lora_rank) too
-    p = pages(sizes, lora_cfg["lora_target_modules"], dims.num_layers, rank, max_rank)
-    largest = max(task_pages(c, sizes, p) for c in configs)
+    local = -(-dims.num_layers // pp)
+    p = pages(sizes, lora_cfg["lora_target_modules"], local, rank, max_rank)
+    stages = [range(s * local, (s + 1) * local) for s in range(pp)]
+    largest = max(task_pages(c, sizes, p, stage) for c in configs for stage in stages)
     return CacheShape(
-        rank, max_rank, p, largest, p.page_bytes(STORAGE.get(engine_cfg["pretrained_config"]["dtype"], 2))
+        rank, tp, pp, max_rank, p, largest, p.page_bytes(STORAGE.get(engine_cfg["pretrained_config"]["dtype"], 2))
     )
 
 

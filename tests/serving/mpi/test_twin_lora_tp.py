@@ -3,7 +3,10 @@ engine`` build of stories260k at tp 2 with three prefetched tasks, a fourth adap
 the base. Every worker reads the prefetched tasks from their folders and gets the sent tensors once over the step's
 wire, each rank applying its shard as TensorRT-LLM splits LoRA weights (``runtime/lora.py`` ``shard_pair``).
 Shown: the five requests in one in-flight batch equal their solo runs, the tp 1 twin's text and peft's greedy text
-on transformers in float64 (a difference only where float32's error decides a near-tie)."""
+on transformers in float64 (a difference only where float32's error decides a near-tie). tp 2 x pp 2 runs too (4
+processes): stories260k's 5 layers split unevenly, which validation refuses for ``target: engine`` (the PEFT cache's
+stage ranges for that are not upstream-confirmed; the build here skips the rules), so it shows the twin's mechanics
+across stages, not a layout trtpipe builds."""
 
 from __future__ import annotations
 
