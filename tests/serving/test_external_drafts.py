@@ -75,3 +75,32 @@ def test_drafts_beside_plain_requests_in_one_batch(model_tp1, greedy):
     assert out[0].perf.total_accepted_draft_tokens == 3 and out[1].perf.total_draft_tokens == 0
     assert out[2].perf.total_draft_tokens == 2
     assert out[2].perf.total_accepted_draft_tokens == (2 if alone.tokens[:2] == [5, 6] else int(alone.tokens[0] == 5))
+
+
+def _parse(**inputs):
+    from pathlib import Path
+
+    import numpy as np
+
+    from trtpipe.serving.triton_adapter import TwinSettings, parse_request
+
+    arrays = {
+        "input_ids": np.array([PROMPT], np.int32),
+        "input_lengths": np.array([[len(PROMPT)]], np.int32),
+        "request_output_len": np.array([[5]], np.int32),
+        **inputs,
+    }
+    return parse_request(lambda n: arrays.get(n), TwinSettings(Path("."), _config(), False, 2, 1, 512), decoupled=False)
+
+
+def test_the_twin_reads_draft_input_ids_and_refuses_bad_ones():
+    import numpy as np
+
+    assert list(_parse(draft_input_ids=np.array([[7, 8, 9]], np.int32)).request.draft_tokens) == [7, 8, 9]
+    assert list(_parse().request.draft_tokens) == []
+    with pytest.raises(ValueError, match=r"^draft_input_ids: 5 drafts need request_output_len >= 6, got 5$"):
+        _parse(draft_input_ids=np.array([[7, 8, 9, 10, 11]], np.int32))
+    with pytest.raises(ValueError, match=r"^draft_input_ids\[1\] = 600 is outside the vocabulary \[0, 512\)$"):
+        _parse(draft_input_ids=np.array([[7, 600]], np.int32))
+    with pytest.raises(ValueError, match=r"^draft_logits: speculative decoding with draft logits is not supported"):
+        _parse(draft_input_ids=np.array([[7]], np.int32), draft_logits=np.zeros((1, 1, 512), np.float32))
