@@ -20,16 +20,16 @@ The INT4 draft's measured rate: tests/triton_serving/test_speculative_int4_trito
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 pytest.importorskip("tritonclient", reason="pip install 'trtpipe[serve]'")  # before the imports that need it
 
 from trtpipe.triton.client import infer_inputs  # noqa: E402
-from trtpipe.triton.repo import write_repo  # noqa: E402
 from trtpipe.triton.server_process import start_server  # noqa: E402
 
-from triton_helpers import BUILD_CONFIG  # noqa: E402
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 
@@ -53,35 +53,38 @@ def rounds(n: int, k: int) -> tuple[int, int]:
     return drafts, steps
 
 
-def twin_engines(stories_dir, root):
-    """The float32 target engine and the model as its own draft engine (both the CPU twin)."""
-    from trtpipe.checkpoint.convert import convert
-    from trtpipe.engine.twin_engine_dir import write_twin_engine
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
-    target = write_twin_engine(
-        convert(stories_dir, root / "ckpt", tp=1, dtype="float32"),
-        root / "engine",
-        {**BUILD_CONFIG, "speculative_decoding_mode": 2, "max_draft_len": K},
+
+def build_repo(tmp: Path, model: Path, *overrides: str) -> Path:
+    """``trtpipe build`` of stories-fp16 in float32 with ``overrides``: the repository it writes."""
+    from trtpipe.app.stage_table import STAGES
+    from trtpipe.app.validation import load_recipe
+    from trtpipe.pipeline.runner import run_build
+
+    text = (RECIPES / "stories-fp16.yaml").read_text().replace("../models/stories260k", str(model))
+    path = tmp / "recipe.yaml"
+    path.write_text(text.replace("work_dir: work/", f"work_dir: {tmp}/work/"))
+    sets = ("model.dtype=float32", "triton.bls=true", *overrides)
+    return run_build(load_recipe(path, sets), STAGES, quiet=True).artifact("repo")
+
+
+def speculative(draft: Path) -> tuple[str, ...]:
+    return (
+        "speculative.decoding_type=draft_tokens_external",
+        f"speculative.speculative_model={draft}",
+        f"speculative.max_draft_len={K}",
     )
-    draft = write_twin_engine(convert(stories_dir, root / "dckpt", tp=1, dtype="float32"), root / "draft", BUILD_CONFIG)
-    return target, draft
 
 
 @pytest.fixture(scope="module")
-def servers(stories_dir, stories_recipe, tmp_path_factory):
-    """(plain, speculative): the plain repository and the two-model one on the same float32 target."""
-    root = tmp_path_factory.mktemp("spec_triton")
-    engine, draft = twin_engines(stories_dir, root)
-    base = ("model.dtype=float32", "triton.bls=true")
-    spec = (
-        "speculative.decoding_type=draft_tokens_external",
-        f"speculative.speculative_model={stories_dir}",
-        f"speculative.max_draft_len={K}",
-    )
-    write_repo(stories_recipe(*base), engine, engine / "checkpoint", root / "plain")
-    write_repo(stories_recipe(*base, *spec), engine, engine / "checkpoint", root / "spec", draft_engine_dir=draft)
-    with start_server(root / "plain", timeout=240) as plain, start_server(root / "spec", timeout=240) as s:
-        yield plain, s
+def servers(stories_dir, tmp_path_factory):
+    """(plain, speculative): the plain repository and the two-model one (the model as its own draft), both built by
+    the pipeline (checkpoint, engine, draft_engine, repo)."""
+    plain = build_repo(tmp_path_factory.mktemp("plain"), stories_dir)
+    spec = build_repo(tmp_path_factory.mktemp("spec"), stories_dir, *speculative(stories_dir))
+    with start_server(plain, timeout=240) as p, start_server(spec, timeout=240) as s:
+        yield p, s
 
 
 def bls(server, prompt: str, n: int, **extra) -> dict:
