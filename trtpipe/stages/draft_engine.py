@@ -22,7 +22,7 @@ from trtpipe.engine.ckptconfig import read_checkpoint_config
 from trtpipe.engine.twin_engine_dir import write_twin_engine
 from trtpipe.errors import EngineError
 from trtpipe.pipeline.stage import Stage, StageContext
-from trtpipe.recipe.schema import Recipe
+from trtpipe.recipe.schema import QuantizationSection, Recipe
 from trtpipe.stages.checkpoint import WEIGHT_PATTERNS
 from trtpipe.stages.engine import toolchain_key
 
@@ -51,8 +51,7 @@ def draft_build_recipe(recipe: Recipe) -> Recipe:
     """The recipe the draft is built from: the target's limits and plugins, no speculative mode, no quantization of
     the target's (a draft engine is built without ``--speculative_decoding_mode``, as upstream's README builds it)."""
     spec = recipe.speculative.model_copy(update={"decoding_type": "none"})
-    quant = type(recipe.quantization)()
-    return recipe.model_copy(update={"speculative": spec, "quantization": quant})
+    return recipe.model_copy(update={"speculative": spec, "quantization": QuantizationSection()})
 
 
 def run(ctx: StageContext) -> None:
