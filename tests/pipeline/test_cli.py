@@ -76,7 +76,17 @@ def test_status_of_the_real_stage_table_lists_every_stage_in_order(make_recipe):
     assert code == 0, err
     report = json.loads(out)
     assert [r["name"] for r in report["stages"]] == list(STAGE_NAMES)
-    assert STAGE_NAMES == ("checkpoint", "calibrate", "quantize", "export", "verify", "llmapi", "engine", "repo")
+    assert STAGE_NAMES == (
+        "checkpoint",
+        "calibrate",
+        "quantize",
+        "export",
+        "verify",
+        "llmapi",
+        "engine",
+        "draft_engine",
+        "repo",
+    )
     for row in report["stages"]:  # a stage has a key, or the reason it does not run
         assert row["key"] or row["reason"]
 

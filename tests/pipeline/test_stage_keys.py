@@ -28,6 +28,12 @@ ROOT = Path(__file__).resolve().parents[2]
 RECIPES = {
     "engine": ("stories-int8-sq.yaml", {"checkpoint", "calibrate", "quantize", "verify", "engine", "repo"}),
     "llmapi": ("stories-llmapi-fp8.yaml", {"checkpoint", "calibrate", "quantize", "export", "verify", "llmapi"}),
+    # the two-model draft-target form: the draft's own engine stage
+    "engine-draft": ("stories-fp16.yaml", {"checkpoint", "engine", "draft_engine", "repo"}),
+}
+# recipe text appended per case (the draft is the model itself)
+EXTRA = {
+    "engine-draft": "speculative:\n  decoding_type: draft_tokens_external\n  speculative_model: {model}\n",
 }
 
 
@@ -38,9 +44,9 @@ def field_value(recipe, dotted: str):
     return value
 
 
-def recorded_build(tmp_path: Path, recipe_file: str) -> tuple[dict, dict]:
+def recorded_build(tmp_path: Path, recipe_file: str, extra: str = "") -> tuple[dict, dict]:
     """({stage: fields its run read}, {stage: fields its extra_key and files read}) of one real build."""
-    text = (ROOT / "recipes" / recipe_file).read_text()
+    text = (ROOT / "recipes" / recipe_file).read_text() + extra.format(model=ROOT / "models" / "stories260k")
     text = text.replace("../models/stories260k", str(ROOT / "models" / "stories260k"))
     text = text.replace("work_dir: work/", f"work_dir: {tmp_path}/work/")
     path = tmp_path / recipe_file
@@ -72,7 +78,7 @@ def recorded_build(tmp_path: Path, recipe_file: str) -> tuple[dict, dict]:
 @pytest.mark.parametrize("target", sorted(RECIPES))
 def test_every_stage_keys_what_its_writer_reads(tmp_path, target):
     recipe_file, expected = RECIPES[target]
-    run_reads, key_reads = recorded_build(tmp_path, recipe_file)
+    run_reads, key_reads = recorded_build(tmp_path, recipe_file, EXTRA.get(target, ""))
     assert set(run_reads) == expected  # every stage of this target ran (and was recorded)
     problems = {}
     for stage in STAGES:

@@ -7,6 +7,7 @@ Adding a stage means importing it here and putting it after the stages it reads.
 from __future__ import annotations
 
 from trtpipe.stages.checkpoint import CHECKPOINT_STAGE
+from trtpipe.stages.draft_engine import DRAFT_ENGINE_STAGE
 from trtpipe.stages.engine import ENGINE_STAGE
 from trtpipe.stages.export import EXPORT_STAGE, LLMAPI_STAGE
 from trtpipe.pipeline.stage import Stage
@@ -22,6 +23,7 @@ STAGE_TABLE: tuple[tuple[str, Stage], ...] = (
     ("verify", VERIFY_STAGE),  # after export: a pre-quantized llmapi source is measured as exported
     ("llmapi", LLMAPI_STAGE),
     ("engine", ENGINE_STAGE),
+    ("draft_engine", DRAFT_ENGINE_STAGE),  # speculative draft_tokens_external: the draft's own engine
     ("repo", REPO_STAGE),
 )
 STAGE_NAMES: tuple[str, ...] = tuple(name for name, _ in STAGE_TABLE)

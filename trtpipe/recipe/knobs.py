@@ -75,7 +75,11 @@ def default_knobs(max_batch_size: int) -> dict[str, Any]:
     return knobs(max_batch_size, KVCacheSection(), TritonSection(), ServingSection())
 
 
-def twin_extras(recipe: Recipe) -> str:
+def twin_extras(recipe: Recipe, speculation: bool = True) -> str:
     """The Triton twin's ``executor_extras`` parameter: the knobs of :func:`executor_knobs` no upstream parameter
-    carries."""
-    return json.dumps({k: v for k, v in executor_knobs(recipe).items() if k not in UPSTREAM_KNOBS}, sort_keys=True)
+    carries. ``speculation`` False: without the speculative knobs (a model of the two-model draft-target form,
+    whose drafts the BLS brings as ``draft_input_ids``)."""
+    spec = () if speculation else tuple(speculative_knobs(recipe))
+    return json.dumps(
+        {k: v for k, v in executor_knobs(recipe).items() if k not in UPSTREAM_KNOBS and k not in spec}, sort_keys=True
+    )

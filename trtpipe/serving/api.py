@@ -169,6 +169,9 @@ class Request:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     min_tokens: int = 0  # SamplingConfig ``minTokens``: the end id cannot end the request before this many tokens
+    # ``draft_input_ids`` (draft-target decoding with an external draft model, upstream's two-model form): tokens
+    # proposed to follow the prompt, verified in the context step's forward (trtpipe.serving.speculative)
+    draft_tokens: Sequence[int] = ()
 
 
 @dataclass
@@ -250,16 +253,27 @@ class StepEntry:
     # a generation entry with drafts carries [last token, d1..dk] and asks for k + 1 rows of logits;
     # draft_probs: the [k, V] distribution the drafts were drawn from (None: deterministic or greedy drafts)
     draft_probs: Any = None
+    # a last context chunk with external drafts (Request.draft_tokens) ends with them: its last k + 1 positions are
+    # [last prompt token, d1..dk] and ask for k + 1 rows of logits
+    context_drafts: int = 0
 
     @property
     def verifies_drafts(self) -> bool:
-        """A generation entry carrying drafts after its token (trtpipe.serving.speculative)."""
-        return not self.is_context and len(self.tokens) > 1
+        """A generation entry carrying drafts after its token, or a context chunk ending with external drafts
+        (trtpipe.serving.speculative)."""
+        return self.context_drafts > 0 if self.is_context else len(self.tokens) > 1
+
+    @property
+    def drafts(self) -> list[int]:
+        """The drafts this entry verifies (none when it verifies none)."""
+        if not self.verifies_drafts:
+            return []
+        return self.tokens[-self.context_drafts :] if self.is_context else self.tokens[1:]
 
     @property
     def sample_rows(self) -> int:
         """Logit rows a sampling entry is decided from: k + 1 when it verifies k drafts, else 1."""
-        return len(self.tokens) if self.verifies_drafts else 1
+        return len(self.drafts) + 1
 
 
 @dataclass

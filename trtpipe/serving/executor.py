@@ -40,7 +40,7 @@ from trtpipe.serving.adapters import within_lora_cache
 from trtpipe.serving.kv_pool import BlockPool, KVStats
 from trtpipe.serving.logprobs import MAX_LOGPROBS
 from trtpipe.serving.scheduler import ActiveRequest, ContextTooLong, capacity_schedule, insert_by_priority, micro_batch
-from trtpipe.serving.speculative import Speculator
+from trtpipe.serving.speculative import Speculator, count_verification
 
 
 log = logging.getLogger(__name__)
@@ -542,13 +542,15 @@ class ExecutorCore:
             new = self.pool.grow(r.block_table, r.context_len, prompt=True)
             r.perf.kv_alloc_new_blocks += new
             r.perf.kv_missed_blocks += new
-            r.perf.kv_alloc_total_blocks = len(r.block_table)
             end = r.context_pos + r.chunk
             req = r.request
+            drafts = self._context_drafts(r, end)
+            r.perf.kv_alloc_new_blocks += self.pool.grow(r.block_table, r.context_len + len(drafts)) if drafts else 0
+            r.perf.kv_alloc_total_blocks = len(r.block_table)
             batch.entries.append(
                 StepEntry(
                     r.id,
-                    r.tokens[r.context_pos : end],
+                    r.tokens[r.context_pos : end] + drafts,
                     r.context_pos,
                     r.block_table,
                     True,
@@ -563,6 +565,7 @@ class ExecutorCore:
                         r.tokens[r.context_pos + 1 : min(end + 1, r.prompt_len)] if _scores_prompt(r) else []
                     ),
                     banned=_banned(r),
+                    context_drafts=len(drafts),
                 )
             )
         generating = [r for r in chosen if r.generating]
@@ -608,7 +611,7 @@ class ExecutorCore:
             if e.request_id in result.errors:
                 continue
             if e.is_context:
-                r.context_pos += len(e.tokens)
+                r.context_pos += len(e.tokens) - e.context_drafts
                 r.prompt_logprobs += result.prompt_logprobs.get(e.request_id, [])
                 if not e.sample:
                     continue
@@ -616,7 +619,7 @@ class ExecutorCore:
                 # early reuse: at the end of the context, keyed by the adapter (two adapters never share blocks)
                 self.pool.store(r.block_table, r.tokens[: r.context_len], r.request.lora)
             if e.request_id in result.accepted:
-                self._accept_verified(r, e.tokens[1:], result.accepted[e.request_id], now)
+                self._accept_verified(r, e.drafts, result.accepted[e.request_id], now)
                 continue
             try:
                 self._accept(r, result.tokens[e.request_id], now, result.logprobs.get(e.request_id))
@@ -658,12 +661,25 @@ class ExecutorCore:
             self._accept(r, token, now)
             if r.finish_reason:
                 break
-        self.speculator.record(r, drafts, emitted)
+        count_verification(r.perf, self.speculator, drafts, emitted)
         keep = self.pool.blocks_for(len(r.tokens))
         if len(r.block_table) > keep:
             self.pool.release(r.block_table[keep:])
             del r.block_table[keep:]
-        self.speculator.synced(r)
+        if self.speculator is not None:
+            self.speculator.synced(r)
+
+    def _context_drafts(self, r: ActiveRequest, end: int) -> list[int]:
+        """The external drafts (``draft_input_ids``) the last chunk of a request's first context verifies: none for a
+        request that may not draft, a recomputed context (after a pause) or when the pool lacks their blocks (the
+        output is the same either way)."""
+        d = list(r.request.draft_tokens)[: max(0, r.max_new_tokens - 1)]
+        if not d or end != r.context_len or len(r.tokens) != len(r.request.prompt) or not _may_draft(r):
+            return []
+        if r.request.prompt_logprobs is not None:
+            return []
+        more = self.pool.blocks_for(r.context_len + len(d)) - len(r.block_table)
+        return d if more <= self.pool.num_free else []
 
     def _pause(self, r: ActiveRequest) -> None:
         """MAX_UTILIZATION pause: drop the KV, keep the output, recompute prompt + output later (not a swap)."""

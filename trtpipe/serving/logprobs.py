@@ -74,9 +74,10 @@ def rows_of(batch) -> tuple[list[int], list[int], dict[int, tuple[int, int]]]:
             first = len(rows)
             rows += range(t, t + len(targets))
             prompt_at[e.request_id] = (first, len(targets))
-        if e.sample and e.verifies_drafts:  # a token and its drafts (trtpipe.serving.speculative): every position
-            sample_at += range(len(rows), len(rows) + n)
-            rows += range(t, t + n)
+        if e.sample and e.verifies_drafts:  # a token and its k drafts (trtpipe.serving.speculative): the last k + 1
+            m = e.sample_rows
+            sample_at += range(len(rows), len(rows) + m)
+            rows += range(t + n - m, t + n)
         elif e.sample:
             last = t + n - 1
             if rows and rows[-1] == last:

@@ -170,7 +170,7 @@ def verify_entries(batch: StepBatch, logits: torch.Tensor, sample_entries):
             plain_rows.append(rows)
             continue
         try:
-            accepted[e.request_id] = verify(e.tokens[1:], e.draft_probs, rows, e.sampling, e.generator)
+            accepted[e.request_id] = verify(e.drafts, e.draft_probs, rows, e.sampling, e.generator)
             tokens[e.request_id] = accepted[e.request_id][-1]
         except Exception as exc:  # noqa: BLE001 - the row's own failure, answered to its request alone
             errors[e.request_id] = f"{type(exc).__name__}: {exc}"
@@ -179,6 +179,16 @@ def verify_entries(batch: StepBatch, logits: torch.Tensor, sample_entries):
         tokens.update(more)
         errors.update(more_errors)
     return tokens, errors, accepted
+
+
+def count_verification(perf, speculator: Optional["Speculator"], drafts: Sequence[int], emitted: Sequence[int]) -> None:
+    """One verification of ``drafts`` that emitted ``emitted`` (accepted drafts + one target token), counted in the
+    request's ``perf`` and in the executor's ``speculator`` (None: the drafts came with the request, as
+    ``draft_input_ids``, and the executor has no drafter of its own)."""
+    perf.total_draft_tokens += len(drafts)
+    perf.total_accepted_draft_tokens += len(emitted) - 1
+    if speculator is not None:
+        speculator.record(drafts, emitted)
 
 
 @dataclass
@@ -287,11 +297,9 @@ class Speculator:
             return out
         return self.draft.propose(live, ks)
 
-    def record(self, r, drafts: Sequence[int], emitted: Sequence[int]) -> None:
+    def record(self, drafts: Sequence[int], emitted: Sequence[int]) -> None:
         """Count one verification of ``drafts`` that emitted ``emitted`` (accepted drafts + one target token)."""
         accepted = len(emitted) - 1
-        r.perf.total_draft_tokens += len(drafts)
-        r.perf.total_accepted_draft_tokens += accepted
         self.total_draft_tokens += len(drafts)
         self.total_accepted_draft_tokens += accepted
         self.verifications += 1

@@ -246,6 +246,7 @@ def parse_request(
     priority = _scalar(get, "priority", 0.5, float)
     if not 0.0 <= priority <= 1.0:
         raise ValueError(f"priority must be within [0, 1], got {priority}")
+    drafts = _drafts(get, out_len, vocab)
     guide = _guide(get)
     lora = select(adapters, *(_given(get, n) for n in ("lora_task_id", "lora_weights", "lora_config")))
     request = Request(
@@ -263,6 +264,7 @@ def parse_request(
         logprobs=0 if return_log_probs else None,
         min_tokens=min_tokens,
         lora=lora,
+        draft_tokens=drafts,
     )
     return ParsedRequest(
         request,
@@ -272,6 +274,21 @@ def parse_request(
         False,
         return_log_probs,
     )
+
+
+def _drafts(get: Callable[[str], Optional[np.ndarray]], out_len: int, vocab: int) -> list[int]:
+    """``draft_input_ids``: the tokens a draft model proposed to follow the prompt (upstream's BLS sends them with
+    ``request_output_len`` = drafts + 1, ``tensorrt_llm_bls/1/lib/triton_decoder.py@07f3e442``)."""
+    a = _given(get, "draft_input_ids")
+    if a is None:
+        return []
+    if a.dtype != np.int32:
+        raise ValueError(f"draft_input_ids must be INT32, got {a.dtype}")
+    d = a.reshape(-1)
+    request_checks.check_token_ids(d, vocab, "draft_input_ids")
+    if d.size >= out_len:
+        raise ValueError(f"draft_input_ids: {d.size} drafts need request_output_len >= {d.size + 1}, got {out_len}")
+    return [int(t) for t in d]
 
 
 def _given(get: Callable[[str], Optional[np.ndarray]], name: str) -> Optional[np.ndarray]:

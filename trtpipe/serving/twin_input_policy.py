@@ -2,7 +2,7 @@
 
 The twin declares every input the real ``tensorrtllm`` backend declares (so clients and upstream model files
 see the same model), but it computes with trtpipe's reference runtime, which has no beam search, prompt
-tuning, speculative decoding or logits outputs. A request is refused (an error
+tuning, draft logits or logits outputs. A request is refused (an error
 response naming the input) when it asks for one of those, and served when such an input is absent or holds the
 value that means "off" -- the value the real backend would also treat as a no-op. Inputs that only tune the
 real engine's KV-cache eviction (``retention_*``) change no output and are accepted and ignored.
@@ -45,6 +45,9 @@ HONOURED = frozenset(
         "lora_task_id",  # the engine's LoRA tasks (trtpipe/serving/triton_lora.py)
         "lora_weights",
         "lora_config",
+        # drafts verified in the context step's forward (upstream's two-model draft-target form: the BLS sends the
+        # draft model's tokens; trtpipe/serving/executor.py)
+        "draft_input_ids",
     }
 )
 
@@ -58,7 +61,7 @@ IGNORED = frozenset(
         "retention_decode_priority",
         "retention_decode_duration_ms",
         # only read by the real engine together with an input the twin refuses below
-        "draft_acceptance_threshold",  # draft_input_ids
+        "draft_acceptance_threshold",  # draft_logits
         "prompt_vocab_size",  # prompt_embedding_table
         "runtime_top_p_min",
         "runtime_top_p_reset_ids",  # runtime_top_p_decay < 1
@@ -89,8 +92,7 @@ OFF_WHEN: dict[str, tuple[str, Callable[[np.ndarray], bool]]] = {
 
 # Refused whenever present with data: features the reference runtime does not have.
 NEVER: dict[str, str] = {
-    "draft_input_ids": "speculative decoding",
-    "draft_logits": "speculative decoding",
+    "draft_logits": "speculative decoding with draft logits",
     "embedding_bias": "embedding bias",
     "prompt_embedding_table": "prompt tuning",
     "prompt_table_extra_ids": "prompt tuning",

@@ -106,7 +106,7 @@ def _write_lock(ctx: StageContext) -> None:
     (ctx.out_dir / LOCK_FILE).write_text(json.dumps({k: ctx.info[k] for k in keep if k in ctx.info}, indent=2) + "\n")
 
 
-def _extra_key(recipe: Recipe) -> dict:
+def toolchain_key(recipe: Recipe) -> dict:
     """The toolchain that would build (TRT-LLM version, GPUs) and the preset files' content."""
     h = hashlib.sha256()
     d = preset_dir()
@@ -153,7 +153,7 @@ ENGINE_STAGE = Stage(
     inputs=("checkpoint", "quantize"),
     run=run_engine,
     files=lambda recipe: _adapter_files(recipe),
-    extra_key=_extra_key,
+    extra_key=toolchain_key,
     unkeyed=(
         # trtllm-build --workers: how many engines build at once, the same engines either way (the lock file
         # records the command that built them)

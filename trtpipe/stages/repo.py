@@ -14,7 +14,12 @@ def _run(ctx: StageContext) -> None:
     from trtpipe.triton.repo import write_repo
 
     kv_plan(ctx)
-    configs = write_repo(ctx.recipe, ctx.inputs["engine"], ctx.inputs["checkpoint"], ctx.out_dir)
+    from trtpipe.stages.draft_engine import ENGINE_DIR
+
+    draft = ctx.inputs["draft_engine"] / ENGINE_DIR if "draft_engine" in ctx.inputs else None
+    configs = write_repo(
+        ctx.recipe, ctx.inputs["engine"], ctx.inputs["checkpoint"], ctx.out_dir, draft_engine_dir=draft
+    )
     ctx.info["models"] = sorted(configs)
     ctx.info["backend"] = configs["tensorrt_llm"].backend
     ctx.log.info("model repository: %s (%s)", ctx.out_dir, ", ".join(sorted(configs)))
@@ -62,9 +67,9 @@ REPO_STAGE = Stage(
     # executor_extras carry serving.* (request_timeout_s, max_queue_size) and the executor knobs (lora, speculative), and
     # trtpipe_repo.json the recipe's name.
     sections=("name", "triton", "engine.kv_cache", "serving", "lora", "speculative"),
-    inputs=("checkpoint", "engine"),
+    inputs=("checkpoint", "engine", "draft_engine"),
     run=_run,
     extra_key=_extra_key,
     enabled=lambda recipe: recipe.target == "engine",
-    description="Triton model repository (preprocessing, tensorrt_llm, postprocessing, ensemble[, bls])",
+    description="Triton model repository (preprocessing, tensorrt_llm, postprocessing, ensemble[, bls, draft])",
 )

@@ -17,6 +17,7 @@ falls back to the ``tokenizer/`` copy beside each model when it no longer exists
     postprocessing/  config.pbtxt  1/model.py  tokenizer/
     ensemble/        config.pbtxt  1/
     tensorrt_llm_bls/ config.pbtxt 1/model.py  tokenizer/   (when the recipe asks for it, or streams)
+    tensorrt_llm_draft/ config.pbtxt 1/model.py engine/     (speculative draft_tokens_external: the draft engine)
 """
 
 from __future__ import annotations
@@ -125,6 +126,25 @@ BLS_PERF_OUTPUTS = [
     ("num_input_tokens", T.TYPE_INT32, [1]),
     ("num_output_tokens", T.TYPE_INT32, [1]),
 ]
+
+
+# Upstream's two-model draft-target form (NVIDIA/TensorRT-LLM examples/draft_target_model/README.md@567239fc, "Triton
+# Inference Server workflow"): a second tensorrt_llm model named tensorrt_llm_draft on the draft engine, and the BLS's
+# tensorrt_llm_draft_model_name naming it; a request asks for speculation with num_draft_tokens and gets the
+# acceptance counters back (tensorrt_llm_bls/config.pbtxt@0193dbd4).
+DRAFT_MODEL = "tensorrt_llm_draft"
+BLS_DRAFT_INPUTS = [("num_draft_tokens", T.TYPE_INT32, [1], True), ("use_draft_logits", T.TYPE_BOOL, [1], True)]
+BLS_DRAFT_OUTPUTS = [
+    ("acceptance_rate", T.TYPE_FP32, [1]),
+    ("total_accepted_draft_tokens", T.TYPE_INT32, [1]),
+    ("total_draft_tokens", T.TYPE_INT32, [1]),
+]
+
+
+def two_model(recipe: Recipe) -> bool:
+    """Whether the recipe is served in the two-model draft-target form (``speculative.decoding_type``
+    draft_tokens_external: the target built with ``--speculative_decoding_mode draft_tokens_external``)."""
+    return recipe.speculative.decoding_type == "draft_tokens_external"
 
 
 @dataclass(frozen=True)
@@ -383,9 +403,9 @@ def postprocessing_config(recipe: Recipe) -> mc.ModelConfig:
     return c
 
 
-def _trtllm_skeleton(recipe: Recipe, engine: EngineInfo, backend: str) -> mc.ModelConfig:
+def _trtllm_skeleton(recipe: Recipe, engine: EngineInfo, backend: str, name: str = "tensorrt_llm") -> mc.ModelConfig:
     t = recipe.triton
-    c = mc.ModelConfig(name="tensorrt_llm", backend=backend, max_batch_size=t.max_batch_size)
+    c = mc.ModelConfig(name=name, backend=backend, max_batch_size=t.max_batch_size)
     c.model_transaction_policy.decoupled = t.streaming
     _batching(c, recipe, preferred=t.max_batch_size, queue=t.max_queue_size, priority=True)  # queue: maxQueueSize
     c.instance_group.add(count=t.instances.tensorrt_llm, kind=mc.ModelInstanceGroup.KIND_CPU)
@@ -470,26 +490,31 @@ TWIN_PARAMETERS = (
 )
 
 
-def tensorrt_llm_config(recipe: Recipe, engine: EngineInfo) -> mc.ModelConfig:
-    """The ``tensorrt_llm`` model: the C++ ``tensorrtllm`` backend on TensorRT engines, else the CPU twin.
+def tensorrt_llm_config(recipe: Recipe, engine: EngineInfo, name: str = "tensorrt_llm") -> mc.ModelConfig:
+    """The ``tensorrt_llm`` model (or, ``name`` tensorrt_llm_draft, the draft model of the two-model form on the
+    draft's engine): the C++ ``tensorrtllm`` backend on TensorRT engines, else the CPU twin.
 
-    Both declare the same I/O (upstream's template); the twin's parameters are its own.
+    Both declare the same I/O (upstream's template); the twin's parameters are its own. The draft model's KV reuse is
+    on, as upstream's README configures both models (each BLS round asks it again for the whole sequence).
     """
-    if not engine.twin:
-        c = _trtllm_skeleton(recipe, engine, "tensorrtllm")
-        _params(c, trtllm_parameters(recipe, engine))
-        return c
-    c = _trtllm_skeleton(recipe, engine, "python")
-    c.input.extend(_declare(mc.ModelInput, row, engine.placeholders()) for row in TWIN_ONLY_INPUTS)
     real = trtllm_parameters(recipe, engine)
+    if name == DRAFT_MODEL:  # reuse on; no grammar (the target's verification keeps the output the target's)
+        real.update(enable_kv_cache_reuse=True, guided_decoding_backend="", xgrammar_tokenizer_info_path="")
+    if not engine.twin:
+        c = _trtllm_skeleton(recipe, engine, "tensorrtllm", name)
+        _params(c, real)
+        return c
+    c = _trtllm_skeleton(recipe, engine, "python", name)
+    c.input.extend(_declare(mc.ModelInput, row, engine.placeholders()) for row in TWIN_ONLY_INPUTS)
     _params(
         c,
         {
             "gpt_model_path": "engine",
             "cpu_threads": 1,
             # the recipe's executor knobs the C++ backend has no parameter for (request_timeout_s: the executor's
-            # allottedTimeMs for every request, so no request waits forever), as one JSON object
-            TWIN_EXTRAS_PARAMETER: twin_extras(recipe),
+            # allottedTimeMs for every request, so no request waits forever), as one JSON object; in the two-model
+            # form neither model drafts by itself (the BLS brings the drafts)
+            TWIN_EXTRAS_PARAMETER: twin_extras(recipe, speculation=not two_model(recipe)),
             **{k: real[k] for k in TWIN_PARAMETERS},
             # the engine is linked in as engine/: the prefetch dir inside it, so a moved repository still finds it
             **(
@@ -549,6 +574,9 @@ def bls_config(recipe: Recipe) -> mc.ModelConfig:
     c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt in BLS_PERF_INPUTS)
     c.output.append(_io(mc.ModelOutput, "text_output", T.TYPE_STRING, [-1]))
     c.output.extend(_io(mc.ModelOutput, n, d, dims) for n, d, dims in ENSEMBLE_LLM_OUTPUTS + BLS_PERF_OUTPUTS)
+    # declared always, as upstream's template does: without a draft model num_draft_tokens is refused in one line
+    c.input.extend(_io(mc.ModelInput, n, d, dims, opt) for n, d, dims, opt in BLS_DRAFT_INPUTS)
+    c.output.extend(_io(mc.ModelOutput, n, d, dims) for n, d, dims in BLS_DRAFT_OUTPUTS)
     if recipe.triton.priority_levels:
         _batching(c, recipe, priority=True)
     _params(
@@ -556,7 +584,7 @@ def bls_config(recipe: Recipe) -> mc.ModelConfig:
         {
             "accumulate_tokens": True,
             "tensorrt_llm_model_name": "tensorrt_llm",
-            "tensorrt_llm_draft_model_name": "",
+            "tensorrt_llm_draft_model_name": DRAFT_MODEL if two_model(recipe) else "",
             "multimodal_encoders_name": "",
             "tokenizer_dir": "tokenizer",
         },
@@ -585,15 +613,20 @@ def point_tokenizer_dirs(configs: dict[str, mc.ModelConfig], tokenizer_dir: Path
             config.parameters["tokenizer_dir"].string_value = path
 
 
-def repo_configs(recipe: Recipe, engine: EngineInfo, ids: TokenIds) -> dict[str, mc.ModelConfig]:
-    """Model directory name → config message for everything the recipe asks for."""
+def repo_configs(
+    recipe: Recipe, engine: EngineInfo, ids: TokenIds, draft: Optional[EngineInfo] = None
+) -> dict[str, mc.ModelConfig]:
+    """Model directory name → config message for everything the recipe asks for (``draft``: the draft engine of
+    the two-model form, which also writes the BLS that drives it)."""
     configs = {
         "preprocessing": preprocessing_config(recipe, engine, ids),
         "tensorrt_llm": tensorrt_llm_config(recipe, engine),
         "postprocessing": postprocessing_config(recipe),
         recipe.triton.model_name: ensemble_config(recipe),
     }
-    if recipe.triton.bls or recipe.triton.streaming:
+    if draft is not None:
+        configs[DRAFT_MODEL] = tensorrt_llm_config(recipe, draft, DRAFT_MODEL)
+    if recipe.triton.bls or recipe.triton.streaming or draft is not None:
         configs["tensorrt_llm_bls"] = bls_config(recipe)
     if recipe.triton.warmup:
         for name in WARMUP_DATA:
@@ -638,7 +671,9 @@ def copy_tokenizer(tokenizer_dir: Path, dst: Path) -> None:
         shutil.copy2(f, dst / f.name)
 
 
-def write_repo(recipe: Recipe, engine_dir: Path, tokenizer_dir: Path, out: Path) -> dict[str, mc.ModelConfig]:
+def write_repo(
+    recipe: Recipe, engine_dir: Path, tokenizer_dir: Path, out: Path, draft_engine_dir: Optional[Path] = None
+) -> dict[str, mc.ModelConfig]:
     """Write the whole repository into ``out`` (which must not exist yet); return the configs written.
 
     Args:
@@ -647,14 +682,29 @@ def write_repo(recipe: Recipe, engine_dir: Path, tokenizer_dir: Path, out: Path)
         tokenizer_dir: directory with the tokenizer files and ``generation_config.json``.
         out: destination (absent or empty); written under a temporary name and renamed at the end, so a
             failure leaves nothing behind.
+        draft_engine_dir: the draft engine (the draft_engine stage's output) of a recipe with
+            ``speculative.decoding_type: draft_tokens_external``, served as ``tensorrt_llm_draft``; required there,
+            refused elsewhere.
     """
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ServingError(f"{out}: already exists; remove it or choose another directory")
+    if two_model(recipe) != (draft_engine_dir is not None):
+        raise ServingError(
+            "speculative.decoding_type draft_tokens_external: the repository needs the draft model's engine "
+            "(tensorrt_llm_draft)"
+            if draft_engine_dir is None
+            else f"{draft_engine_dir}: a draft engine is served only with speculative.decoding_type draft_tokens_external"
+        )
     engine = EngineInfo.read(engine_dir)
+    draft = EngineInfo.read(draft_engine_dir) if draft_engine_dir is not None else None
+    if draft is not None and draft.twin != engine.twin:
+        raise ServingError(
+            f"{draft_engine_dir}: the draft engine and the target engine must both be TensorRT or both the CPU twin"
+        )
     tokenizer_files(tokenizer_dir)
     ids = token_ids(tokenizer_dir)
-    configs = repo_configs(recipe, engine, ids)
+    configs = repo_configs(recipe, engine, ids, draft)
     point_tokenizer_dirs(configs, tokenizer_dir)
     info_param = configs["tensorrt_llm"].parameters["xgrammar_tokenizer_info_path"]
     if info_param.string_value:  # where the file will be once the repository is in place
@@ -667,9 +717,9 @@ def write_repo(recipe: Recipe, engine_dir: Path, tokenizer_dir: Path, out: Path)
             model_dir = tmp / name
             (model_dir / "1").mkdir(parents=True)
             (model_dir / "config.pbtxt").write_text(text)
-            code_name = "tensorrt_llm" if name == "tensorrt_llm" else name
+            code_name = "tensorrt_llm" if name == DRAFT_MODEL else name
             code = MODEL_CODE / code_name / "1" / "model.py"
-            if name == "tensorrt_llm" and not engine.twin:
+            if name in ("tensorrt_llm", DRAFT_MODEL) and not engine.twin:
                 (model_dir / "1" / ".gitkeep").touch()
             elif name != recipe.triton.model_name:
                 shutil.copy2(code, model_dir / "1" / "model.py")
@@ -684,11 +734,14 @@ def write_repo(recipe: Recipe, engine_dir: Path, tokenizer_dir: Path, out: Path)
                     (model_dir / WARMUP_DIR / fname).write_bytes(data)
         if engine.twin:
             _link_tree(engine.path, tmp / "tensorrt_llm" / "engine")
+        if draft is not None and draft.twin:
+            _link_tree(draft.path, tmp / DRAFT_MODEL / "engine")
         (tmp / "trtpipe_repo.json").write_text(
             json.dumps(
                 {
                     "recipe": recipe.name,
                     "engine": str(engine.path),
+                    **({"draft_engine": str(draft.path)} if draft is not None else {}),
                     "twin": engine.twin,
                     "world_size": engine.world_size,
                     "engine_version": engine.version,

@@ -11,6 +11,18 @@ lib/triton_decoder.py@07f3e442: ``_get_llm_tensors_from_request``, ``_get_respon
 per tensorrt_llm response, each with that response's tensors; here a streamed piece carries the log probs of every
 token since the previous piece (a piece held back for its U+FFFD passes its tokens' log probs on to the next), so
 the pieces' ``output_log_probs`` join to the non-streamed ones, and ``cum_log_probs`` is the latest response's.
+
+Draft-target speculative decoding in upstream's two-model form (``tensorrt_llm_draft_model_name`` names the draft
+``tensorrt_llm`` model; a request asks with ``num_draft_tokens``): the loop of upstream's
+``tensorrt_llm_bls/1/lib/decode.py@4db68284`` ``Decoder._spec_generate`` -- the draft model generates
+k = min(num_draft_tokens, tokens left - 1) tokens after the sequence so far, the target gets the sequence with those
+as ``draft_input_ids`` and ``request_output_len`` k + 1 (``triton_decoder.py@07f3e442``
+``_get_llm_tensors_from_request``), verifies them in one forward and returns the accepted drafts and its own next
+token, which are appended; until max_tokens, an end (the target returned fewer than k + 1 tokens) or a stop word.
+As upstream: not streamed, no context logits. Here also refused in one line: ``use_draft_logits`` (this BLS sends
+draft tokens only), ``return_log_probs`` and ``min_tokens`` (they would count per round, not per request).
+``acceptance_rate`` / ``total_accepted_draft_tokens`` / ``total_draft_tokens`` come back with ``return_perf_metrics``
+summed over the rounds (upstream returns the last round's target response).
 """
 
 import collections
@@ -120,6 +132,35 @@ def _log_prob_tensors(asked, values, cum):
         pb_utils.Tensor("cum_log_probs", np.array([[cum]], np.float32)),
         pb_utils.Tensor("output_log_probs", np.array(values, np.float32).reshape(1, 1, len(values))),
     ]
+
+
+# the acceptance outputs of a speculative request (tensorrt_llm_bls/config.pbtxt@0193dbd4 declares them)
+_ACCEPTANCE = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
+# inputs a speculative round sets itself (the rest of the request's tensorrt_llm inputs go to both models)
+_ROUND_SET = (
+    "input_ids",
+    "input_lengths",
+    "request_output_len",
+    "exclude_input_in_output",
+    "streaming",
+    "return_perf_metrics",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+)
+
+
+def _words(stop_words_list):
+    """The token sequences of a ``stop_words_list`` tensor [1, 2, L] (ids, then end offsets padded with -1)."""
+    if stop_words_list is None or stop_words_list.size == 0:
+        return []
+    ids, offsets = stop_words_list.reshape(2, -1)
+    words, start = [], 0
+    for end in offsets:
+        if end < 0:
+            break
+        words.append(ids[start:end].tolist())
+        start = int(end)
+    return [w for w in words if w]
 
 
 class _Failed(Exception):
@@ -314,6 +355,7 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.config)
         self.accumulate = str(_param(params, "accumulate_tokens", "false")).lower() in _TRUE
         self.llm_name = _param(params, "tensorrt_llm_model_name", "tensorrt_llm")
+        self.draft_name = _param(params, "tensorrt_llm_draft_model_name", "")
         tok_dir = _param(params, "tokenizer_dir", "tokenizer")
         if not os.path.isabs(tok_dir):
             tok_dir = os.path.join(args["model_repository"], tok_dir)
@@ -402,6 +444,12 @@ class TritonPythonModel:
                 if name != "stream":
                     llm_inputs.append(pb_utils.Tensor(target, given[name]))
         stream = bool(given["stream"].reshape(-1)[0]) if "stream" in given else False
+        k_t = pb_utils.get_input_tensor_by_name(request, "num_draft_tokens")
+        k = int(k_t.as_numpy().reshape(-1)[0]) if k_t is not None else 0
+        if k > 0:
+            self._check_speculative(request, given, stream)
+            yield from self._speculate(pre, given, llm_inputs, k, cancelled)
+            return
         prefix = []  # the prompt, for an unstreamed answer that includes it but is read as a stream
         inner_stream = stream
         if self.llm_decoupled and not stream:
@@ -475,6 +523,115 @@ class TritonPythonModel:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         extra = [*_log_prob_tensors(log_probs, pending, cum), *measured]
         yield (text[len(sent) :] if text.startswith(sent) else text), True, extra
+
+    def _check_speculative(self, request, given, stream):
+        """One line for what a speculative request cannot have (upstream's ``Request.validate`` and model.py)."""
+        invalid = getattr(pb_utils.TritonError, "INVALID_ARG", None)
+        if not self.draft_name:
+            raise _Failed("cannot perform speculative decoding without draft model", invalid)
+        if stream:
+            raise _Failed("streaming is not supported with speculative decoding", invalid)
+        logits = pb_utils.get_input_tensor_by_name(request, "use_draft_logits")
+        refused = [
+            ("use_draft_logits", logits is not None and bool(logits.as_numpy().reshape(-1)[0])),
+            ("return_log_probs", "return_log_probs" in given and bool(given["return_log_probs"].reshape(-1)[0])),
+            ("min_tokens", "min_tokens" in given and int(given["min_tokens"].reshape(-1)[0]) > 0),
+        ]
+        for name, on in refused:
+            if on:
+                raise _Failed(
+                    f"{name} is not supported with speculative decoding (num_draft_tokens) by this BLS", invalid
+                )
+
+    def _once(self, model, inputs, outputs, inner_id):
+        """One request to a tensorrt_llm model, not streamed: its response with ``output_ids``."""
+        if not self.llm_decoupled:
+            return self._call(model, inputs, outputs, request_id=inner_id)
+        timeout = self.request_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout + GRACE_S
+        got = None
+        try:
+            for resp in self.gate.responses(self._call(model, inputs, outputs, True, inner_id), deadline):
+                if resp.has_error():
+                    raise _Failed.of(resp.error())
+                if pb_utils.get_output_tensor_by_name(resp, "output_ids") is not None:
+                    got = resp
+        except _Lost:
+            raise _Failed(f"tensorrt_llm_bls: {model} sent no final response within its request_timeout_s") from None
+        if got is None:
+            raise _Failed(f"tensorrt_llm_bls: {model} returned no output_ids")
+        return got
+
+    def _speculate(self, pre, given, llm_inputs, k, cancelled):
+        """Yield the one (text, final, tensors) of a speculative request: upstream's ``_spec_generate`` rounds."""
+        in_len = int(pb_utils.get_output_tensor_by_name(pre, "REQUEST_INPUT_LEN").as_numpy().reshape(-1)[0])
+        out_len = int(pb_utils.get_output_tensor_by_name(pre, "REQUEST_OUTPUT_LEN").as_numpy().reshape(-1)[0])
+        prompt = pb_utils.get_output_tensor_by_name(pre, "INPUT_ID").as_numpy().reshape(-1)[:in_len].tolist()
+        stops = _words(pb_utils.get_output_tensor_by_name(pre, "STOP_WORDS_IDS").as_numpy())
+        shared = [t for t in llm_inputs if t.name() not in _ROUND_SET]
+        asked = any(n in given and bool(given[n].reshape(-1)[0]) for n in _ASK_MEASURED)
+        perf = [n for n in _MEASURED if asked]
+
+        def ids(seq, n, exclude=True):
+            return [
+                pb_utils.Tensor("input_ids", np.array([seq], np.int32)),
+                pb_utils.Tensor("input_lengths", np.array([[len(seq)]], np.int32)),
+                pb_utils.Tensor("request_output_len", np.array([[n]], np.int32)),
+                pb_utils.Tensor("exclude_input_in_output", np.array([[exclude]], bool)),
+            ]
+
+        def tokens_of(resp):
+            out = pb_utils.get_output_tensor_by_name(resp, "output_ids").as_numpy().reshape(-1)
+            n = int(pb_utils.get_output_tensor_by_name(resp, "sequence_length").as_numpy().reshape(-1)[0])
+            return out[:n].tolist()
+
+        generated, drafted, accepted, measured = [], 0, 0, []
+        while True:
+            if cancelled():
+                return
+            nd = min(k, out_len - len(generated) - 1)
+            drafts = []
+            if nd > 0:  # upstream sets min_tokens = k for the draft call: it drafts k tokens, end id or not
+                min_tokens = pb_utils.Tensor("min_tokens", np.array([[nd]], np.int32))
+                draft_in = [t for t in shared if t.name() != "min_tokens"] + ids(prompt + generated, nd) + [min_tokens]
+                drafts = tokens_of(self._once(self.draft_name, draft_in, ["output_ids", "sequence_length"], ""))[:nd]
+            target_in = shared + ids(prompt + generated, len(drafts) + 1)
+            target_in += [pb_utils.Tensor(n, np.array([[True]], bool)) for n in _ASK_MEASURED]
+            if drafts:
+                target_in.append(pb_utils.Tensor("draft_input_ids", np.array([drafts], np.int32)))
+            resp = self._once(self.llm_name, target_in, ["output_ids", "sequence_length", *_ACCEPTANCE, *perf], "")
+            new = tokens_of(resp)
+            counts = [pb_utils.get_output_tensor_by_name(resp, n) for n in _ACCEPTANCE[1:]]
+            accepted += int(counts[0].as_numpy().reshape(-1)[0]) if counts[0] is not None else 0
+            drafted += int(counts[1].as_numpy().reshape(-1)[0]) if counts[1] is not None else 0
+            got = [pb_utils.get_output_tensor_by_name(resp, n) for n in perf]
+            measured = [pb_utils.Tensor(t.name(), t.as_numpy()) for t in got if t is not None] or measured
+            generated += new
+            seq = prompt + generated
+            if (
+                len(generated) >= out_len
+                or len(new) < len(drafts) + 1  # ended by the end id or a stop word inside the target
+                or any(seq[len(seq) - len(w) :] == w for w in stops)
+            ):
+                break
+        exclude = (
+            bool(given["exclude_input_in_output"].reshape(-1)[0])
+            if "exclude_input_in_output" in given
+            else self.inner_streaming.exclude_default
+        )
+        text = self.tokenizer.decode(generated if exclude else prompt + generated, skip_special_tokens=True)
+        counted = {"num_input_tokens": len(prompt), "num_output_tokens": len(generated)}  # the request's, not a round's
+        extra = [
+            pb_utils.Tensor(t.name(), np.array([[counted[t.name()]]], np.int32)) if t.name() in counted else t
+            for t in measured
+        ]
+        if asked:
+            extra += [
+                pb_utils.Tensor("acceptance_rate", np.array([[accepted / drafted if drafted else 0.0]], np.float32)),
+                pb_utils.Tensor("total_accepted_draft_tokens", np.array([[accepted]], np.int32)),
+                pb_utils.Tensor("total_draft_tokens", np.array([[drafted]], np.int32)),
+            ]
+        yield text, True, extra
 
     def _serve(self, request, sender):
         """Answer one request through ``sender`` (decoupled), or return its response."""

@@ -1,0 +1,114 @@
+"""The ``draft_engine`` stage: the draft model of ``speculative.decoding_type: draft_tokens_external`` as an engine of
+its own, served as ``tensorrt_llm_draft`` beside the target (upstream's two-model form,
+``examples/draft_target_model/README.md@567239fc``: the draft converted and built like the target, the target alone
+with ``--speculative_decoding_mode draft_tokens_external --max_draft_len N``).
+
+The draft (``speculative.speculative_model``) is converted as the checkpoint stage converts the target (the
+recipe's dtype and tp x pp; a pre-quantized draft, e.g. an INT4 AWQ export, in the TensorRT-LLM layout of its own
+format, :mod:`trtpipe.quant.imported`) and built with the target's limits and plugins and no speculative mode:
+TensorRT engines where TensorRT-LLM runs, else the CPU twin engine. The recipe's ``quantization`` is the target's:
+the draft is not calibrated here (a quantized draft is given pre-quantized).
+
+Artifact: ``checkpoint/`` (the converted draft) and ``engine/`` (what the repo stage serves).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trtpipe.engine import build_config as bc
+from trtpipe.engine import trtllm
+from trtpipe.engine.ckptconfig import read_checkpoint_config
+from trtpipe.engine.twin_engine_dir import write_twin_engine
+from trtpipe.errors import EngineError
+from trtpipe.pipeline.stage import Stage, StageContext
+from trtpipe.recipe.schema import QuantizationSection, Recipe
+from trtpipe.stages.checkpoint import WEIGHT_PATTERNS
+from trtpipe.stages.engine import toolchain_key
+
+ENGINE_DIR = "engine"
+
+
+def enabled(recipe: Recipe) -> bool:
+    return recipe.target == "engine" and recipe.speculative.decoding_type == "draft_tokens_external"
+
+
+def draft_files(recipe: Recipe) -> list[Path]:
+    """The draft's weight, config and tokenizer files (an hf:// draft is keyed by its URI, in ``speculative``)."""
+    from trtpipe.checkpoint.convert import TOKENIZER_FILES
+
+    src = recipe.speculative.speculative_model
+    if not enabled(recipe) or src is None or src.startswith("hf://"):
+        return []
+    path = recipe.resolve(src)
+    if not path.is_dir():
+        return []
+    files = {p for pattern in WEIGHT_PATTERNS for p in path.glob(pattern)}
+    return sorted(files | {path / n for n in TOKENIZER_FILES if (path / n).is_file()})
+
+
+def draft_build_recipe(recipe: Recipe) -> Recipe:
+    """The recipe the draft is built from: the target's limits and plugins, no speculative mode, no quantization of
+    the target's (a draft engine is built without ``--speculative_decoding_mode``, as upstream's README builds it)."""
+    spec = recipe.speculative.model_copy(update={"decoding_type": "none"})
+    return recipe.model_copy(update={"speculative": spec, "quantization": QuantizationSection()})
+
+
+def run(ctx: StageContext) -> None:
+    from trtpipe.checkpoint.convert import convert
+    from trtpipe.quant.imported.detect import detect
+    from trtpipe.quant.imported.trtllm import ImportedLinears
+    from trtpipe.recipe.speculative import draft_dir
+
+    recipe, par = ctx.recipe, ctx.recipe.parallel
+    src = draft_dir(recipe)
+    if src is None or not src.is_dir():
+        raise EngineError(f"speculative.speculative_model: '{recipe.speculative.speculative_model}' is not a directory")
+    fmt = detect(src)
+    importer = None
+    if fmt is not None:
+        ctx.info["imported"] = fmt.describe()
+        allowed = tuple(recipe.model.allow_lossy_import)
+        importer = lambda plan, reader: ImportedLinears(fmt, reader.keys(), str(src), allowed)  # noqa: E731
+    ckpt = ctx.out_dir / "checkpoint"
+    ctx.log.info("converting the draft %s at tp=%d pp=%d dtype=%s", src, par.tp, par.pp, recipe.model.dtype)
+    convert(
+        src,
+        ckpt,
+        tp=par.tp,
+        pp=par.pp,
+        dtype=recipe.model.dtype,
+        allow_pickle=recipe.model.allow_pickle,
+        overwrite=True,
+        importer=importer,
+    )
+    cfg = read_checkpoint_config(ckpt)
+    build = bc.resolve_build(draft_build_recipe(recipe), cfg)
+    problems = bc.findings(build)
+    if problems:
+        raise EngineError("; ".join(f"draft engine: {k}: {m}" for k, m in problems))
+    engine_cfg = bc.engine_config_json(cfg, build.config)
+    out = ctx.out_dir / ENGINE_DIR
+    avail = trtllm.availability()
+    if avail.ok:
+        argv = bc.to_argv(build, ckpt, out)
+        ctx.info["command"] = argv
+        ctx.info["build"] = trtllm.run_trtllm_build(argv, out, build.config.world_size, ctx.log)
+        ctx.info["engine"] = "tensorrt"
+        return
+    ctx.info["command"] = bc.to_argv(build, "DRAFT_CHECKPOINT_DIR", "DRAFT_ENGINE_DIR")
+    write_twin_engine(ckpt, out, engine_cfg, reason=avail.reason)
+    ctx.info["engine"] = "cpu-twin"
+
+
+DRAFT_ENGINE_STAGE = Stage(
+    name="draft_engine",
+    # the draft's conversion (model.dtype, allow_pickle, allow_lossy_import; parallel) and the engine's limits
+    sections=("model", "parallel", "engine", "speculative"),
+    inputs=(),
+    run=run,
+    files=draft_files,
+    extra_key=toolchain_key,
+    enabled=enabled,
+    description="the draft model's engine (speculative draft_tokens_external: tensorrt_llm_draft)",
+)
