@@ -35,9 +35,6 @@ from trtpipe.runtime.linear import Float32Linear
 from trtpipe.runtime.model import ReferenceModel
 from trtpipe.serving.hidden_draft import FINAL, HiddenDrafter, require_hidden_states
 
-CHECKPOINT_FILES = ("medusa_lm_head.pt", "medusa_lm_head.safetensors")  # load_medusa_hf's order
-PREFIXES = ("medusa_heads.", "medusa_head.")
-
 
 def chain_choices(k: int) -> list[list[int]]:
     """The chain of ``k`` top-1 candidates: ``[[0], [0, 0], ...]``."""
@@ -96,31 +93,23 @@ class MedusaHeads(nn.Module):
 
 
 def load_medusa_heads(head_dir: str | Path, target: ReferenceModel, num_heads: Optional[int] = None) -> MedusaHeads:
-    """Medusa heads from ``head_dir`` (config.json + medusa_lm_head.pt / .safetensors) for ``target``; ``num_heads``
-    (the recipe's ``num_medusa_heads``) overrides the config's ``medusa_num_heads``, as upstream's converter does."""
+    """Medusa heads for ``target`` from a heads directory (config.json + medusa_lm_head.pt / .safetensors) or from a
+    ``MedusaForCausalLM`` TensorRT-LLM checkpoint (what the engine was built from: its ``medusa_heads.*``);
+    ``num_heads`` (the recipe's ``num_medusa_heads``) overrides the heads' ``medusa_num_heads``."""
+    from trtpipe.checkpoint.medusa import ARCHITECTURE, checkpoint_heads, read_heads
+
     d = Path(head_dir)
-    cfg = load_json(d / "config.json", CheckpointError) if (d / "config.json").is_file() else None
-    if cfg is None:
-        raise CheckpointError(f"Medusa heads: {d / 'config.json'} not found")
+    if (d / "config.json").is_file() and load_json(d / "config.json", CheckpointError).get(
+        "architecture"
+    ) == ARCHITECTURE:
+        t, n, layers = checkpoint_heads(d)
+        return MedusaHeads(target, {k: v.float() for k, v in t.items()}, n, layers, str(d))
+    t, cfg = read_heads(d)
     n = num_heads or cfg.get("medusa_num_heads")
     layers = cfg.get("medusa_num_layers")
     if not n or layers is None:
         raise CheckpointError(f"{d / 'config.json'}: medusa_num_heads and medusa_num_layers are needed")
-    path = next((d / f for f in CHECKPOINT_FILES if (d / f).is_file()), None)
-    if path is None:
-        raise CheckpointError(f"Medusa heads: no {' or '.join(CHECKPOINT_FILES)} in {d}")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        raw = load_file(str(path))
-    else:
-        raw = torch.load(path, map_location="cpu", weights_only=True)
-    t = {}
-    for k, v in raw.items():
-        for p in PREFIXES:
-            k = k[len(p) :] if k.startswith(p) else k
-        t[k] = v.float()
-    return MedusaHeads(target, t, int(n), int(layers), str(path))
+    return MedusaHeads(target, {k: v.float() for k, v in t.items()}, int(n), int(layers), str(d))
 
 
 class MedusaDrafter(HiddenDrafter):

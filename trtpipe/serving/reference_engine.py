@@ -16,10 +16,13 @@ from __future__ import annotations
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Optional
 
 import torch
 
+from trtpipe.errors import CheckpointError
+from trtpipe.jsonfile import load_json
 from trtpipe.runtime.generate import sample
 from trtpipe.runtime.model import ReferenceModel, attention_probs, rms_norm
 from trtpipe.serving.api import ExecutorConfig, StepBatch, StepResult
@@ -291,6 +294,13 @@ class ReferenceEngine:
         )
 
 
+def _is_medusa_checkpoint(path: Path) -> bool:
+    from trtpipe.checkpoint.medusa import ARCHITECTURE
+
+    cfg = path / "config.json"
+    return cfg.is_file() and load_json(cfg, CheckpointError).get("architecture") == ARCHITECTURE
+
+
 def draft_engine(config: ExecutorConfig, target: Optional[ReferenceModel] = None, target_dir=None):
     """What drafts for the target a front end hands the executor: the draft model's step engine (DraftTarget), the
     MTP layer of the target's checkpoint ``target_dir`` (MTP), the EAGLE-3 head (Eagle3) or the Medusa heads (Medusa)
@@ -317,7 +327,9 @@ def draft_engine(config: ExecutorConfig, target: Optional[ReferenceModel] = None
     if kind == MEDUSA:
         from trtpipe.serving.medusa import load_medusa_heads
 
-        heads = load_medusa_heads(config.speculative_model, target)
+        # the heads built into the engine's checkpoint when the target is one (the Triton twin), else the recipe's
+        medusa_ckpt = target_dir is not None and _is_medusa_checkpoint(Path(target_dir))
+        heads = load_medusa_heads(target_dir if medusa_ckpt else config.speculative_model, target)
         if config.max_draft_len > heads.num_heads:
             raise ValueError(
                 f"speculative.max_draft_len {config.max_draft_len}: the chain of Medusa choices needs one head per "

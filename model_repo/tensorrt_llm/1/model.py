@@ -66,7 +66,9 @@ class TritonPythonModel:
             executor_guard.with_fault(self.engine),
             threads=self.settings.cpu_threads,
             guided=self.guided,
-            draft_engine=draft_engine(self.settings.executor, getattr(self.engine, "model", None)),
+            draft_engine=draft_engine(
+                self.settings.executor, getattr(self.engine, "model", None), self.settings.engine_dir / "checkpoint"
+            ),
         )
         # tritonserver cannot see this thread: a loop that dies stops the server, so readiness fails at once
         executor_guard.guard(self.executor, pb_utils.Logger.log_error)
