@@ -176,3 +176,15 @@ def test_medusa_under_sampling_reproduces_per_seed_with_consistent_counters(mode
         assert all(0 <= r.perf.total_accepted_draft_tokens <= r.perf.total_draft_tokens for r in out)
         runs.append([r.tokens for r in out])
     assert runs[0] == runs[1]
+
+
+def test_triton_medusa_choices_are_parsed_and_only_the_chain_is_taken():
+    from trtpipe.serving.medusa import check_choices, parse_choices
+
+    assert parse_choices("{0, 0, 0}, {0, 1}") == [[0, 0, 0], [0, 1]]  # tensorrtllm_backend's own example
+    cfg = _config(speculative_decoding_type="Medusa", max_draft_len=2)
+    check_choices("{0}, {0, 0}", cfg)
+    for bad in ("{0}, {1}", "{0}", "0, 1", "{0, 0"):
+        with pytest.raises(ValueError, match=r"^tensorrt_llm twin: medusa_choices .*") as e:
+            check_choices(bad, cfg)
+        assert "\n" not in str(e.value)
