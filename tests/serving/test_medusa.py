@@ -188,3 +188,19 @@ def test_triton_medusa_choices_are_parsed_and_only_the_chain_is_taken():
         with pytest.raises(ValueError, match=r"^tensorrt_llm twin: medusa_choices .*") as e:
             check_choices(bad, cfg)
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_medusa_at_tp2_in_one_process_keeps_greedy_output(model_tp2, heads_dir):
+    prompts = _prompts(4, seed=12)
+
+    def requests():
+        return [Request(p, 24, end_id=EOS, exclude_input_from_output=True, return_perf_metrics=True) for p in prompts]
+
+    plain, _ = _serve(model_tp2, _config(), requests())
+    cfg = _config(speculative_decoding_type="Medusa", max_draft_len=K, speculative_model=str(heads_dir))
+    spec, core = _serve(model_tp2, cfg, requests(), draft_engine(cfg, model_tp2))
+    for a, b in zip(plain, spec):
+        assert not b.has_error, b.error
+        assert b.tokens == a.tokens
+    assert core.speculator.total_draft_tokens > 0
