@@ -228,3 +228,29 @@ def test_real_build_refuses_a_gpu_other_than_the_target():
         EngineError, match=r"targets h100-sxm-80gb \(SM 9.0\) but this machine has NVIDIA A10G \(SM 8.6\)"
     ):
         _check_target_gpu(get_gpu("h100-sxm-80gb"), [{"name": "NVIDIA A10G", "compute_capability": "8.6"}])
+
+
+def test_engine_stage_builds_medusa_from_the_checkpoint_with_the_heads(tmp_path, stories_tp2):
+    """speculative.decoding_type medusa: the twin engine's checkpoint is upstream's MedusaForCausalLM checkpoint (the
+    heads split over tp), the command is trtllm-build's medusa mode, the heads' files are in the stage's key, and
+    nothing is left beside the engine."""
+    from safetensors.torch import load_file
+
+    from trtpipe.models.synthetic_heads import make_medusa_heads
+
+    heads = make_medusa_heads(STORIES, tmp_path / "heads", num_heads=4, seed=1)
+    extra = f"speculative:\n  decoding_type: medusa\n  speculative_model: {heads}\n  max_draft_len: 2\n"
+    recipe = load_recipe(recipe_file(tmp_path, extra, tp=2).rename(tmp_path / "medusa.yaml"))
+    ctx = _ctx(tmp_path, recipe, {"checkpoint": stories_tp2})
+    run_engine(ctx)
+    cfg = json.loads((ctx.out_dir / "checkpoint" / "config.json").read_text())
+    assert (cfg["architecture"], cfg["num_medusa_heads"], cfg["max_draft_len"]) == ("MedusaForCausalLM", 4, 2)
+    r1 = load_file(str(ctx.out_dir / "checkpoint" / "rank1.safetensors"))
+    src = load_file(str(heads / "medusa_lm_head.safetensors"))
+    assert r1["medusa_heads.3.lm_head.weight"].shape == (256, 64)  # vocab 512 split over tp 2
+    assert (r1["medusa_heads.3.lm_head.weight"].float() == src["3.1.weight"][256:].half().float()).all()
+    argv = ctx.info["command"]
+    i = argv.index("--speculative_decoding_mode")
+    assert argv[i : i + 4] == ["--speculative_decoding_mode", "medusa", "--max_draft_len", "2"]
+    assert {p.name for p in ENGINE_STAGE.files(recipe)} == {"config.json", "medusa_lm_head.safetensors"}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".medusa")]

@@ -1,5 +1,5 @@
-"""Random draft heads for tests and benchmarks: an EAGLE-3 head for a Llama target, and an MTP layer added to a
-synthetic DeepSeek-V3 checkpoint. Random weights draft badly, but speculation's greedy output never depends on what a
+"""Random draft heads for tests and benchmarks: an EAGLE-3 head for a Llama target, Medusa heads, and an MTP layer
+added to a synthetic DeepSeek-V3 checkpoint. Random weights draft badly, but speculation's greedy output never depends on what a
 head proposes, so they test the execution; acceptance measured with them is a random head's.
 
 - EAGLE-3: the layout of a published head such as ``yuhuili/EAGLE3-LLaMA3.1-Instruct-8B`` (as recalled, not checked
@@ -110,3 +110,34 @@ def add_mtp_layer(model_dir: str | Path, block_dir: str | Path, seed: int = 0) -
     save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
     (d / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}, indent=2))
     return d
+
+
+def make_medusa_heads(
+    target_dir: str | Path, out_dir: str | Path, num_heads: int = 4, num_layers: int = 1, seed: int = 0
+) -> Path:
+    """Random Medusa heads for the checkpoint ``target_dir`` in the layout TensorRT-LLM's converter reads
+    (``load_medusa_hf``, ``tensorrt_llm/models/medusa/weight.py``): ``config.json`` with ``medusa_num_heads`` and
+    ``medusa_num_layers`` (``MedusaForCausalLm.from_hugging_face``, ``tensorrt_llm/models/medusa/model.py@02499765``)
+    and ``medusa_lm_head.safetensors`` with ``{h}.{l}.linear.weight`` / ``.bias`` (the residual blocks) and
+    ``{h}.{num_layers}.weight`` (the head's lm_head, no bias), as FasterDecoding's ``medusa_lm_head`` stores them."""
+    tcfg = load_json(Path(target_dir) / "config.json")
+    H, V = int(tcfg["hidden_size"]), int(tcfg["vocab_size"])
+    g = torch.Generator().manual_seed(seed)
+    t = {}
+    for h in range(num_heads):
+        for j in range(num_layers):
+            t[f"{h}.{j}.linear.weight"] = torch.randn(H, H, generator=g) / H**0.5
+            t[f"{h}.{j}.linear.bias"] = 0.1 * torch.randn(H, generator=g)
+        t[f"{h}.{num_layers}.weight"] = torch.randn(V, H, generator=g) / H**0.5
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in t.items()}, str(out / "medusa_lm_head.safetensors"))
+    cfg = {
+        "medusa_num_heads": num_heads,
+        "medusa_num_layers": num_layers,
+        "hidden_size": H,
+        "vocab_size": V,
+        "base_model_name_or_path": str(target_dir),
+    }
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out

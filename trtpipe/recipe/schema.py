@@ -383,6 +383,14 @@ class SpeculativeSection(_Section):
         2, ge=1, le=64, description="NGram: longest suffix of the sequence looked up for a continuation."
     )
     eagle3_one_model: bool = Field(True, description="Eagle3: draft head inside the target's engine (one model).")
+    num_medusa_heads: Optional[int] = Field(
+        None, ge=1, le=64, description="medusa: heads converted into the engine (None: the heads' medusa_num_heads)."
+    )
+    medusa_choices: Optional[list[list[int]]] = Field(
+        None,
+        description="medusa: the candidate tree (Triton medusa_choices; None: the chain [[0], [0, 0], ...] of "
+        "max_draft_len). The CPU twin executes chains only.",
+    )
 
     @property
     def enabled(self) -> bool:

@@ -39,6 +39,7 @@ TWIN_EXECUTES = {
     "draft_tokens_external": "DraftTarget",
     "MTP": "MTP",  # the target checkpoint's MTP layer (trtpipe/serving/hidden_draft.py)
     "Eagle3": "Eagle3",  # an EAGLE-3 head over the target's hidden states (same module)
+    "medusa": "Medusa",  # Medusa heads, chain-shaped medusa_choices (trtpipe/serving/medusa.py)
 }
 EAGLE3_MIN_LAYERS = 6  # _get_eagle3_default_capture_layers needs more than 5 (eagle3.py@f933a608)
 MTP_MIN_SM = 90
@@ -197,6 +198,20 @@ def _speculative(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
     yield from _matrix(recipe, m)
     yield from _draft_model(recipe, m)
     yield from _eagle3_head(recipe, m)
+    yield from _medusa(recipe, m)
+
+
+def _medusa(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
+    from trtpipe.recipe.medusa import medusa_findings
+
+    heads = None
+    if recipe.speculative.decoding_type == "medusa" and recipe.speculative.speculative_model is not None:
+        try:
+            heads = draft_dir(recipe)
+        except CheckpointError as exc:
+            yield f"{KEY}.speculative_model", f"Medusa heads: {exc}"
+            return
+    yield from medusa_findings(recipe, m, heads)
 
 
 SPECULATIVE_RULES = (_speculative,)

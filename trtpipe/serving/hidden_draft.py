@@ -256,15 +256,20 @@ class _State:
     rows: Optional[torch.Tensor] = None  # the target's captured hidden states of positions start..
 
 
+def require_hidden_states(target_engine, what: str) -> None:
+    """Refuse, in one line, a target engine that does not keep its hidden states for a head."""
+    if not getattr(target_engine, "captures_hidden_states", False):
+        raise ValueError(
+            f"{what} drafting reads the target's hidden states: the twin runs it on the in-process "
+            "reference engine only (not over mpirun ranks, nor under LoRA adapters)"
+        )
+
+
 class HiddenDrafter:
     """A head drafting from the target's hidden states, with its own paged KV and per-request block tables."""
 
     def __init__(self, head, target_engine, num_blocks: int, tokens_per_block: int):
-        if not getattr(target_engine, "captures_hidden_states", False):
-            raise ValueError(
-                "MTP / Eagle3 drafting reads the target's hidden states: the twin runs it on the in-process "
-                "reference engine only (not over mpirun ranks, nor under LoRA adapters)"
-            )
+        require_hidden_states(target_engine, "MTP / Eagle3")
         self.head, self.target = head, target_engine
         target_engine.capture = head.capture
         # the reference engine's packing and paged attention (the class that defines them, not a subclass)

@@ -16,16 +16,19 @@ from __future__ import annotations
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Optional
 
 import torch
 
+from trtpipe.errors import CheckpointError
+from trtpipe.jsonfile import load_json
 from trtpipe.runtime.generate import sample
 from trtpipe.runtime.model import ReferenceModel, attention_probs, rms_norm
 from trtpipe.serving.api import ExecutorConfig, StepBatch, StepResult
 from trtpipe.serving.logprobs import ban_tokens, chosen_logprobs, rows_of, split_rows
 from trtpipe.serving.hidden_draft import FINAL
-from trtpipe.serving.speculative import DRAFT_TARGET, EAGLE3, MTP, verify_entries
+from trtpipe.serving.speculative import DRAFT_TARGET, EAGLE3, MEDUSA, MTP, verify_entries
 
 log = logging.getLogger(__name__)
 
@@ -291,12 +294,19 @@ class ReferenceEngine:
         )
 
 
+def _is_medusa_checkpoint(path: Path) -> bool:
+    from trtpipe.checkpoint.medusa import ARCHITECTURE
+
+    cfg = path / "config.json"
+    return cfg.is_file() and load_json(cfg, CheckpointError).get("architecture") == ARCHITECTURE
+
+
 def draft_engine(config: ExecutorConfig, target: Optional[ReferenceModel] = None, target_dir=None):
     """What drafts for the target a front end hands the executor: the draft model's step engine (DraftTarget), the
-    MTP layer of the target's checkpoint ``target_dir`` (MTP) or the EAGLE-3 head (Eagle3) over ``target``; None
-    otherwise."""
+    MTP layer of the target's checkpoint ``target_dir`` (MTP), the EAGLE-3 head (Eagle3) or the Medusa heads (Medusa)
+    over ``target``; None otherwise."""
     kind = config.speculative_decoding_type
-    if kind not in (DRAFT_TARGET, MTP, EAGLE3):
+    if kind not in (DRAFT_TARGET, MTP, EAGLE3, MEDUSA):
         return None
     if kind != MTP and not config.speculative_model:
         raise ValueError(f"speculative decoding_type {kind} needs a draft model or head (speculative_model)")
@@ -314,4 +324,16 @@ def draft_engine(config: ExecutorConfig, target: Optional[ReferenceModel] = None
                 "speculative decoding_type MTP reads the target checkpoint's MTP layer: pass its directory"
             )
         return load_mtp_head(target_dir, target)
+    if kind == MEDUSA:
+        from trtpipe.serving.medusa import load_medusa_heads
+
+        # the heads built into the engine's checkpoint when the target is one (the Triton twin), else the recipe's
+        medusa_ckpt = target_dir is not None and _is_medusa_checkpoint(Path(target_dir))
+        heads = load_medusa_heads(target_dir if medusa_ckpt else config.speculative_model, target)
+        if config.max_draft_len > heads.num_heads:
+            raise ValueError(
+                f"speculative.max_draft_len {config.max_draft_len}: the chain of Medusa choices needs one head per "
+                f"draft; {config.speculative_model} has {heads.num_heads}"
+            )
+        return heads
     return load_eagle3_head(config.speculative_model, target)

@@ -37,9 +37,10 @@ from trtpipe.runtime.generate import MIN_TEMPERATURE
 from trtpipe.serving.api import ExecutorConfig, SamplingParams, StepBatch, StepEntry
 from trtpipe.serving.kv_pool import BlockPool
 
-NGRAM, DRAFT_TARGET, MTP, EAGLE3 = "NGram", "DraftTarget", "MTP", "Eagle3"
-DECODING_TYPES = (NGRAM, DRAFT_TARGET, MTP, EAGLE3)
-HIDDEN_STATE_TYPES = (MTP, EAGLE3)  # drafted by a head over the target's hidden states (trtpipe.serving.hidden_draft)
+NGRAM, DRAFT_TARGET, MTP, EAGLE3, MEDUSA = "NGram", "DraftTarget", "MTP", "Eagle3", "Medusa"
+DECODING_TYPES = (NGRAM, DRAFT_TARGET, MTP, EAGLE3, MEDUSA)
+# drafted by heads over the target's hidden states (trtpipe.serving.hidden_draft, trtpipe.serving.medusa)
+HIDDEN_STATE_TYPES = (MTP, EAGLE3, MEDUSA)
 
 
 # ---- drafting ------------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from trtpipe.engine import trtllm, versions
 from trtpipe.engine.ckptconfig import read_checkpoint_config
 from trtpipe.engine.doctor import LOCK_FILE
 from trtpipe.engine.presets import preset_dir
+from trtpipe.engine.medusa_heads import with_medusa_heads
 from trtpipe.engine.twin_engine_dir import write_twin_engine
 from trtpipe.errors import EngineError
 from trtpipe.pipeline.stage import Stage, StageContext
@@ -61,9 +62,10 @@ def run_engine(ctx: StageContext) -> None:
     if avail.ok:
         _check_target_gpu(build.gpu, ctx.info["lockfile"]["gpus"])
         (ctx.out_dir / "build_config.json").write_text(json.dumps(engine_cfg["build_config"], indent=2) + "\n")
-        argv = bc.to_argv(build, ckpt, ctx.out_dir)
-        ctx.info["command"] = argv
-        ctx.info["build"] = trtllm.run_trtllm_build(argv, ctx.out_dir, build.config.world_size, ctx.log)
+        with with_medusa_heads(ctx.recipe, ckpt, ctx.out_dir.parent) as built_from:
+            argv = bc.to_argv(build, built_from, ctx.out_dir)
+            ctx.info["command"] = argv
+            ctx.info["build"] = trtllm.run_trtllm_build(argv, ctx.out_dir, build.config.world_size, ctx.log)
         ctx.info["engine"] = "tensorrt"
         prefetch()
         _write_lock(ctx)
@@ -77,7 +79,8 @@ def run_engine(ctx: StageContext) -> None:
         recipe_path,
     )
     ctx.log.info("the build there will run: %s", " ".join(argv))
-    write_twin_engine(ckpt, ctx.out_dir, engine_cfg, reason=avail.reason, recipe_path=recipe_path)
+    with with_medusa_heads(ctx.recipe, ckpt, ctx.out_dir.parent) as built_from:
+        write_twin_engine(built_from, ctx.out_dir, engine_cfg, reason=avail.reason, recipe_path=recipe_path)
     ctx.info["engine"] = "cpu-twin"
     prefetch()
     _write_lock(ctx)
@@ -131,6 +134,17 @@ def _adapter_files(recipe: Recipe) -> list:
     return [d / f for d in adapter_dirs(recipe).values() for f in ("adapter_config.json", "adapter_model.safetensors")]
 
 
+def _medusa_files(recipe: Recipe) -> list:
+    """The Medusa heads' files (converted into the checkpoint the engine is built from)."""
+    if recipe.target != "engine" or recipe.speculative.decoding_type != "medusa":
+        return []
+    from trtpipe.recipe.medusa import HEAD_FILES
+    from trtpipe.recipe.speculative import draft_dir
+
+    d = draft_dir(recipe)
+    return [p for p in (d / f for f in ("config.json", *HEAD_FILES)) if p.is_file()] if d is not None else []
+
+
 ENGINE_STAGE = Stage(
     name="engine",
     # What changes the engine; the runtime-only KV settings (memory fraction, reuse, ...) and workers do not.
@@ -152,7 +166,7 @@ ENGINE_STAGE = Stage(
     ),
     inputs=("checkpoint", "quantize"),
     run=run_engine,
-    files=lambda recipe: _adapter_files(recipe),
+    files=lambda recipe: _adapter_files(recipe) + _medusa_files(recipe),
     extra_key=toolchain_key,
     unkeyed=(
         # trtllm-build --workers: how many engines build at once, the same engines either way (the lock file

@@ -51,7 +51,7 @@ class TritonPythonModel:
             self.engine = start_leader(str(self.settings.engine_dir), run_dir)
         else:
             self.engine = ReferenceEngine(load_checkpoint(self.settings.engine_dir / "checkpoint", device="cpu"))
-        from trtpipe.serving.reference_engine import draft_engine  # the recipe's DraftTarget draft, else None
+        from trtpipe.serving.reference_engine import draft_engine  # the recipe's draft or Medusa heads, else None
 
         # an engine built with LoRA: the prefetched tasks loaded now, each entry its own adapter in a step
         self.adapters = triton_adapter.twin_adapters(config, args["model_repository"], self.settings)
@@ -64,7 +64,9 @@ class TritonPythonModel:
             executor_guard.with_fault(self.engine),
             threads=self.settings.cpu_threads,
             guided=self.guided,
-            draft_engine=draft_engine(self.settings.executor),
+            draft_engine=draft_engine(
+                self.settings.executor, getattr(self.engine, "model", None), self.settings.engine_dir / "checkpoint"
+            ),
         )
         # tritonserver cannot see this thread: a loop that dies stops the server, so readiness fails at once
         executor_guard.guard(self.executor, pb_utils.Logger.log_error)
