@@ -103,6 +103,11 @@ CASES = {
         {"target": "engine"},
         "speculative.decoding_type: NGram is a PyTorch-backend",
     ),
+    "engine-mode-the-twin-does-not-run": (
+        "  decoding_type: lookahead_decoding",
+        {"target": "engine"},
+        "speculative.decoding_type: lookahead_decoding is not executed by trtpipe's CPU twin yet",
+    ),
     "draft-missing": (
         "  decoding_type: DraftTarget",
         {},

@@ -87,6 +87,14 @@ def _spelling(recipe: Recipe) -> Iterable[Finding]:
                 f"{', '.join(ENGINE_DECODING_TYPES)} (or set target: llmapi)"
             ),
         )
+    if s.decoding_type != "none" and s.decoding_type not in TWIN_EXECUTES:
+        # trtpipe writes only what its CPU twin executes (so every generated setting is tested): not EAGLE-1/2 heads
+        # on the engine target, nor lookahead decoding
+        yield (
+            f"{KEY}.decoding_type",
+            f"{s.decoding_type} is not executed by trtpipe's CPU twin yet, so trtpipe does not write it "
+            f"(executed: {', '.join(sorted(TWIN_EXECUTES))})",
+        )
     if s.decoding_type in NEEDS_MODEL and s.speculative_model is None:
         yield f"{KEY}.speculative_model", f"decoding_type {s.decoding_type} needs a draft model or head: set it"
     if s.decoding_type not in NEEDS_MODEL and s.speculative_model is not None:
