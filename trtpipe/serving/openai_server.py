@@ -67,6 +67,7 @@ from trtpipe.serving.adapters import AdapterRequestError, LoraSettings, LoraStep
 from trtpipe.serving.lora_metrics import LoraCounters
 from trtpipe.serving.config import replace_knobs, twin_default
 from trtpipe.serving.executor import Executor, ExecutorStopped, QueueFullError
+from trtpipe.serving.end_tokens import read_end_tokens
 from trtpipe.serving.guided import Guide, GuidedDecoder, GuideError, GuideType, response_format_guide
 from trtpipe.serving.openai_choices import (
     ChoiceSpec,
@@ -78,8 +79,6 @@ from trtpipe.serving.openai_choices import (
     completion_logprobs,
 )
 from trtpipe.serving.prom_text import histograms
-from trtpipe.errors import ServingError
-from trtpipe.jsonfile import load_json
 from trtpipe.serving.speculative import prometheus_lines, usage_extension
 
 web = require("aiohttp.web", "the OpenAI twin (trtpipe serve of an llmapi target)")
@@ -250,11 +249,8 @@ class ServedModel:
         self.max_seq_len = int(model.config.get("max_position_embeddings") or 2048)
         self.vocab_size = int(model.config.get("vocab_size") or len(self.tokenizer))
         self.config = config or twin_default(self.max_seq_len)
-        self.eos_id = self.tokenizer.eos_token_id
-        gen = self.dir / "generation_config.json"
-        if gen.exists():
-            eos = load_json(gen, ServingError).get("eos_token_id")
-            self.eos_id = eos[0] if isinstance(eos, list) else eos if eos is not None else self.eos_id
+        self.end_tokens = read_end_tokens(self.dir, self.tokenizer.eos_token_id)  # every eos id of the model
+        self.eos_id = self.end_tokens.end_id
         # tokens >= characters / the longest token's characters: a prompt past that bound is refused untokenized
         self.max_chars_per_token = request_checks.longest_token_chars(self.tokenizer.get_vocab())
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="trtpipe-tokenize")
@@ -535,6 +531,7 @@ class Generation:
     ):
         self.served, self.prompt, self.stops, self.lora = served, prompt, stops, lora
         self.skip_special_tokens = skip_special_tokens  # False: a chat answer for parsers that read special tokens
+        end_id, stop_token_ids = served.end_tokens.for_request(ignore_eos, stop_token_ids)  # end_tokens.py
         self.stop_token_ids, self.include_stop = frozenset(stop_token_ids), include_stop
         self.logprobs: list = []  # TokenLogprob per token of ids (with logprobs)
         self.prompt_logprobs: Optional[list] = None  # per prompt token, None first (with prompt_logprobs)
@@ -555,7 +552,7 @@ class Generation:
         req = Request(
             prompt=prompt,
             max_new_tokens=max_tokens,
-            end_id=None if ignore_eos else served.eos_id,
+            end_id=end_id,
             sampling=sampling,
             streaming=self.streamed,
             exclude_input_from_output=True,
