@@ -444,3 +444,20 @@ def test_long_answers_stream_as_their_whole_parse(name, cases):
         assert (content + c, calls + new) == tool_parser(name)(text, TOOLS)
         if s.format.call_end and s.format.segment is not None:
             assert before_end == len(calls + new)  # every call was sent once its end marker arrived
+
+
+def test_long_gpt_oss_answers_stream_as_their_whole_split():
+    """Long harmony answers (each case 40 times over, then all in turn, then one long analysis) fed in 1-7
+    character pieces join to the whole split: HarmonyReasoning reads each piece once, which must not change it."""
+    rng = random.Random("long-gpt-oss")
+    texts = [text * 40 for text, _, _ in GPT_OSS_CASES] + ["".join(text for text, _, _ in GPT_OSS_CASES) * 10]
+    texts.append("<|channel|>analysis<|message|>" + "a <b> <|c " * 500 + "<|end|><|start|>assistant<|channel|>final")
+    for text in texts:
+        p, reasoning, content, i = reasoning_parser("gpt_oss"), "", "", 0
+        while i < len(text):
+            n = rng.randint(1, 7)
+            out = p.parse_delta(text[i : i + n])
+            reasoning, content, i = reasoning + out.reasoning_content, content + out.content, i + n
+        out = p.finish()
+        whole = reasoning_parser("gpt_oss").parse(text)
+        assert (reasoning + out.reasoning_content, content + out.content) == (whole.reasoning_content, whole.content)
