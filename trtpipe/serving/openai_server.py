@@ -12,7 +12,10 @@ into asyncio, detokenizes incrementally and answers as ``trtllm-serve`` does:
   ``GET /prometheus/metrics``: Prometheus text (request, token and error counters, trtllm-serve's latency histograms,
   running/waiting and KV-cache gauges).
 
-Sampling without a ``temperature`` is greedy (TensorRT-LLM's default when no sampling parameter is set).
+Sampling without a ``temperature`` is greedy (the LLM API's default when no sampling parameter is set). This differs
+from trtllm-serve, whose ``CompletionRequest`` / ``ChatCompletionRequest.to_sampling_params`` send
+``temperature=1.0`` and ``top_p=1.0`` when the request has none (``tensorrt_llm/serve/openai_protocol.py@0076e939``):
+not changed yet, because many tests rely on greedy-by-omission (docs/reference/serving.md, "Default temperature").
 String ``stop`` sequences are matched on the detokenized text; the request is then cancelled in the executor
 and the text cut before the stop string (finish_reason ``stop``). A stream holds back the end of the text that a stop
 string starts with until the next tokens decide, so its pieces join to the non-streamed text.
