@@ -174,7 +174,7 @@ def test_n_choices_are_independent_seeded_samples(server, client, monkeypatch):
     r = client.completions.create(model=NAME, prompt=[[1, 403], [1, 300]], max_tokens=4, temperature=1.0, seed=2, n=2)
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
     # greedy n > 1: refused as upstream refuses it, unless TLLM_ALLOW_N_GREEDY_DECODING is set
-    status, body = _post(server[0], "/v1/completions", {"prompt": prompt, "max_tokens": 8, "n": 3})
+    status, body = _post(server[0], "/v1/completions", {"prompt": prompt, "max_tokens": 8, "n": 3, "temperature": 0})
     assert status == 400 and "TLLM_ALLOW_N_GREEDY_DECODING" in body["error"]["message"]
     monkeypatch.setenv("TLLM_ALLOW_N_GREEDY_DECODING", "1")
     r = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, n=3, temperature=0)
@@ -273,3 +273,21 @@ def test_stop_token_ids_and_include_stop_str_in_output(server):
     assert "".join(c["text"] for ev in _events(streamed) for c in ev["choices"]) == ""
     status, r = _post(url, "/v1/completions", {**base, "stop_token_ids": [10**6]})
     assert status == 400 and r["error"]["param"] == "stop_token_ids"
+
+
+def test_temperature_defaults_to_one_as_trtllm_serve(client):
+    """A request without ``temperature`` samples at 1.0 with ``top_p`` 1.0, as trtllm-serve's
+    ``CompletionRequest`` / ``ChatCompletionRequest.to_sampling_params`` default them (openai_protocol.py@0076e939):
+    the same texts as ``temperature: 1.0`` under the same seed, and n choices that differ."""
+    prompt, kw = "One day, a big", {"model": NAME, "max_tokens": 12, "seed": 11, "n": 4}
+
+    def texts(r):
+        return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+
+    omitted = texts(client.completions.create(prompt=prompt, **kw))
+    assert omitted == texts(client.completions.create(prompt=prompt, temperature=1.0, **kw))
+    assert len(set(omitted)) > 1, omitted
+    messages = [{"role": "user", "content": prompt}]
+    chat = client.chat.completions.create(messages=messages, **kw)
+    chat_t1 = client.chat.completions.create(messages=messages, temperature=1.0, top_p=1.0, **kw)
+    assert [c.message.content for c in chat.choices] == [c.message.content for c in chat_t1.choices]

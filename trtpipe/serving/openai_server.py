@@ -12,10 +12,9 @@ into asyncio, detokenizes incrementally and answers as ``trtllm-serve`` does:
   ``GET /prometheus/metrics``: Prometheus text (request, token and error counters, trtllm-serve's latency histograms,
   running/waiting and KV-cache gauges).
 
-Sampling without a ``temperature`` is greedy (the LLM API's default when no sampling parameter is set). This differs
-from trtllm-serve, whose ``CompletionRequest`` / ``ChatCompletionRequest.to_sampling_params`` send
-``temperature=1.0`` and ``top_p=1.0`` when the request has none (``tensorrt_llm/serve/openai_protocol.py@0076e939``):
-not changed yet, because many tests rely on greedy-by-omission (docs/reference/serving.md, "Default temperature").
+A request without ``temperature`` samples at 1.0 (``top_p`` 1.0, ``top_k`` off), as trtllm-serve's
+``CompletionRequest`` / ``ChatCompletionRequest.to_sampling_params`` send them
+(``tensorrt_llm/serve/openai_protocol.py@0076e939``); ``temperature: 0`` is greedy.
 String ``stop`` sequences are matched on the detokenized text; the request is then cancelled in the executor
 and the text cut before the stop string (finish_reason ``stop``). A stream holds back the end of the text that a stop
 string starts with until the next tokens decide, so its pieces join to the non-streamed text.
@@ -449,12 +448,12 @@ def _check_fields(body: dict, endpoint: str) -> None:
 
 
 def _sampling(body: dict) -> SamplingParams:
-    temperature = _num(body, "temperature", float, None, 0.0, 2.0)
+    # unset: temperature 1.0 and top_p 1.0, as trtllm-serve's to_sampling_params send them (top_k 0: off)
+    # (CompletionRequest / ChatCompletionRequest, tensorrt_llm/serve/openai_protocol.py@0076e939)
+    temperature = _num(body, "temperature", float, 1.0, 0.0, 2.0)
     top_p = _num(body, "top_p", float, 1.0, 0.0, 1.0)
     top_k = _num(body, "top_k", int, 0, 0, None)
     seed = _num(body, "seed", int, None, 0, UINT64_MAX)
-    if temperature is None:
-        temperature = 0.0 if top_k == 0 and top_p == 1.0 else 1.0
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
 
