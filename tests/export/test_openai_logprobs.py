@@ -174,7 +174,7 @@ def test_n_choices_are_independent_seeded_samples(server, client, monkeypatch):
     r = client.completions.create(model=NAME, prompt=[[1, 403], [1, 300]], max_tokens=4, temperature=1.0, seed=2, n=2)
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
     # greedy n > 1: refused as upstream refuses it, unless TLLM_ALLOW_N_GREEDY_DECODING is set
-    status, body = _post(server[0], "/v1/completions", {"prompt": prompt, "max_tokens": 8, "n": 3})
+    status, body = _post(server[0], "/v1/completions", {"prompt": prompt, "max_tokens": 8, "n": 3, "temperature": 0})
     assert status == 400 and "TLLM_ALLOW_N_GREEDY_DECODING" in body["error"]["message"]
     monkeypatch.setenv("TLLM_ALLOW_N_GREEDY_DECODING", "1")
     r = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, n=3, temperature=0)
@@ -195,8 +195,9 @@ def test_best_of_returns_the_highest_cumulative_logprob(server):
 
 @pytest.fixture(scope="module")
 def comma_server(stories_dir, tmp_path_factory):
-    """stories260k whose end id is the comma (its generation_config says so): stories260k itself practically never
-    samples its end id (log-probability about -22 even after "The end."), a comma comes within a few tokens."""
+    """stories260k whose end id is the comma (its tokenizer's eos_token and its generation_config say so, as
+    TensorRT-LLM takes the end id from the tokenizer: trtpipe/serving/end_tokens.py): stories260k itself practically
+    never samples its end id (log-probability about -22 even after "The end."), a comma comes within a few tokens."""
     import shutil
 
     from trtpipe.serving.openai_server import OpenAIServer, ServedModel
@@ -208,6 +209,8 @@ def comma_server(stories_dir, tmp_path_factory):
     served = ServedModel(d, NAME)
     comma = served.tokenizer.convert_tokens_to_ids(",")
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": comma}))
+    tok_config = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**tok_config, "eos_token": ","}))
     served.shutdown()
     served = ServedModel(d, NAME)
     assert served.eos_id == comma
@@ -220,9 +223,9 @@ def test_ignore_eos_and_min_tokens(comma_server):
     base = {"prompt": "Once upon a time", "temperature": 0, "max_tokens": 30}
     free = _post(url, "/v1/completions", base)[1]
     assert free["choices"][0]["finish_reason"] == "stop" and free["usage"]["completion_tokens"] == 0
-    r = _post(url, "/v1/completions", {**base, "ignore_eos": True})[1]
+    r = _post(url, "/v1/completions", {**base, "ignore_eos": True, "logprobs": 1})[1]
     assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 30
-    assert r["choices"][0]["text"].startswith(",")
+    assert r["choices"][0]["logprobs"]["tokens"][0] == ","  # (the text skips it: the tokenizer's eos is special)
     held = _post(url, "/v1/completions", {**base, "min_tokens": 4, "logprobs": 2})[1]
     lp = held["choices"][0]["logprobs"]
     assert held["usage"]["completion_tokens"] >= 4 and "," not in "".join(lp["tokens"][:4])
@@ -270,3 +273,21 @@ def test_stop_token_ids_and_include_stop_str_in_output(server):
     assert "".join(c["text"] for ev in _events(streamed) for c in ev["choices"]) == ""
     status, r = _post(url, "/v1/completions", {**base, "stop_token_ids": [10**6]})
     assert status == 400 and r["error"]["param"] == "stop_token_ids"
+
+
+def test_temperature_defaults_to_one_as_trtllm_serve(client):
+    """A request without ``temperature`` samples at 1.0 with ``top_p`` 1.0, as trtllm-serve's
+    ``CompletionRequest`` / ``ChatCompletionRequest.to_sampling_params`` default them (openai_protocol.py@0076e939):
+    the same texts as ``temperature: 1.0`` under the same seed, and n choices that differ."""
+    prompt, kw = "One day, a big", {"model": NAME, "max_tokens": 12, "seed": 11, "n": 4}
+
+    def texts(r):
+        return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+
+    omitted = texts(client.completions.create(prompt=prompt, **kw))
+    assert omitted == texts(client.completions.create(prompt=prompt, temperature=1.0, **kw))
+    assert len(set(omitted)) > 1, omitted
+    messages = [{"role": "user", "content": prompt}]
+    chat = client.chat.completions.create(messages=messages, **kw)
+    chat_t1 = client.chat.completions.create(messages=messages, temperature=1.0, top_p=1.0, **kw)
+    assert [c.message.content for c in chat.choices] == [c.message.content for c in chat_t1.choices]

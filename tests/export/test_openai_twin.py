@@ -132,10 +132,12 @@ def test_chat_equals_transformers_on_the_template(client, server, hf_greedy):
         tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
     )
     want = tok.decode(hf_greedy(ids, 20), skip_special_tokens=True)
-    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=20)
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0)
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want
     assert r.usage.prompt_tokens == len(ids)
-    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, stream=True))
+    chunks = list(
+        client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0, stream=True)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
@@ -173,7 +175,7 @@ def test_errors(client, server, hf_greedy):
     with pytest.raises(openai.BadRequestError, match="does not exist"):
         client.completions.create(model="other", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="TLLM_ALLOW_N_GREEDY_DECODING"):  # greedy n > 1, as upstream
-        client.completions.create(model=NAME, prompt="x", max_tokens=2, n=2)
+        client.completions.create(model=NAME, prompt="x", max_tokens=2, n=2, temperature=0)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=NAME, prompt="x", max_tokens=0)
     with pytest.raises(openai.BadRequestError, match="messages"):

@@ -409,3 +409,55 @@ def test_harmony_recipient_before_the_channel_is_the_same_call():
     split = reasoning_parser("gpt_oss").parse(text)
     content, calls = tool_parser("harmony")(split.content, TOOLS)
     assert (split.reasoning_content, content, calls_of(calls)) == ("", "", [("get_weather", {"a": 1})])
+
+
+LONG_CASES = [
+    ("qwen3", QWEN3_CASES),
+    ("llama3_json", LLAMA3_CASES),
+    ("qwen3_coder", CODER_CASES),
+    ("kimi_k2", KIMI_CASES),
+    ("deepseekv3", DSV3_CASES),
+    ("deepseekv3.1", DSV31_CASES),
+    ("deepseek_v32", DSV32_CASES),
+    ("harmony", HARMONY_CASES),
+]
+
+
+@pytest.mark.parametrize("name, cases", LONG_CASES)
+def test_long_answers_stream_as_their_whole_parse(name, cases):
+    """A long answer (each case's text 40 times over, then all of them in turn) fed in 1-7 character pieces joins
+    to the whole parse, and a format with a call end marker sends its calls before the end: the stream reads each
+    piece once (ToolCallStream.feed parses from the previous call's end), which must not change what it gives."""
+    rng = random.Random(f"long-{name}")
+    texts = [text * 40 for text, _, _ in cases] + ["".join(text for text, _, _ in cases) * 10]
+    for text in texts:
+        cuts, i = [], 0
+        while i < len(text):
+            i += rng.randint(1, 7)
+            cuts.append(min(i, len(text)))
+        s, content, calls = ToolCallStream(name, TOOLS), "", []
+        for a, b in zip([0, *cuts], cuts):
+            c, new = s.feed(text[a:b])
+            content, calls = content + c, calls + new
+        before_end = len(calls)
+        c, new = s.finish()
+        assert (content + c, calls + new) == tool_parser(name)(text, TOOLS)
+        if s.format.call_end and s.format.segment is not None:
+            assert before_end == len(calls + new)  # every call was sent once its end marker arrived
+
+
+def test_long_gpt_oss_answers_stream_as_their_whole_split():
+    """Long harmony answers (each case 40 times over, then all in turn, then one long analysis) fed in 1-7
+    character pieces join to the whole split: HarmonyReasoning reads each piece once, which must not change it."""
+    rng = random.Random("long-gpt-oss")
+    texts = [text * 40 for text, _, _ in GPT_OSS_CASES] + ["".join(text for text, _, _ in GPT_OSS_CASES) * 10]
+    texts.append("<|channel|>analysis<|message|>" + "a <b> <|c " * 500 + "<|end|><|start|>assistant<|channel|>final")
+    for text in texts:
+        p, reasoning, content, i = reasoning_parser("gpt_oss"), "", "", 0
+        while i < len(text):
+            n = rng.randint(1, 7)
+            out = p.parse_delta(text[i : i + n])
+            reasoning, content, i = reasoning + out.reasoning_content, content + out.content, i + n
+        out = p.finish()
+        whole = reasoning_parser("gpt_oss").parse(text)
+        assert (reasoning + out.reasoning_content, content + out.content) == (whole.reasoning_content, whole.content)

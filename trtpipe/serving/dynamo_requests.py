@@ -11,9 +11,11 @@ with one line, never silently ignored.
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import Optional, Union
 
 from trtpipe.serving.api import FinishReason, Request, SamplingParams
+from trtpipe.errors import ServingError
+from trtpipe.serving.end_tokens import EndTokens, end_tokens, eos_ids
 from trtpipe.serving.guided import Guide, GuidedDecodingParams, GuideError
 
 
@@ -39,7 +41,22 @@ UNSUPPORTED = (
 )
 
 
-def translate(request: dict, eos_id: Optional[int], max_seq_len: int) -> Request:
+def request_end_tokens(eos_token_ids, model: Union[EndTokens, int, None]) -> EndTokens:
+    """The end tokens of a request: every one of its ``eos_token_ids`` (the frontend's, from the model's
+    generation config) ends it, as TensorRT-LLM's ``SamplingParams._setup`` makes the generation config's ids stop
+    tokens (trtpipe/serving/end_tokens.py); the model's end id stays the end id when the list holds it. Without
+    ``eos_token_ids``, the model's own end tokens."""
+    model = model if isinstance(model, EndTokens) else EndTokens(model)
+    try:
+        ids = eos_ids(eos_token_ids, "eos_token_ids") if eos_token_ids else []
+    except ServingError as exc:
+        raise RequestRefused(str(exc)) from None
+    if not ids:
+        return model
+    return end_tokens(ids, model.end_id if model.end_id in ids else None)
+
+
+def translate(request: dict, eos_id: Union[EndTokens, int, None], max_seq_len: int) -> Request:
     """A Dynamo ``GenerateRequest`` as an executor :class:`Request`; what the executor cannot honour is refused."""
     prompt = list(request.get("token_ids") or [])
     if not prompt:
@@ -57,9 +74,9 @@ def translate(request: dict, eos_id: Optional[int], max_seq_len: int) -> Request
     max_new = room if max_new is None else int(max_new)
     if not 1 <= max_new <= room:
         raise RequestRefused(f"max_tokens must be in [1, {room}] for a {len(prompt)}-token prompt, got {max_new}")
-    eos = [t for t in (request.get("eos_token_ids") or [eos_id]) if t is not None]
-    end_id = None if stop.get("ignore_eos") else (eos[0] if eos else None)
-    stop_ids = [int(t) for t in (stop.get("stop_token_ids") or []) if t != end_id]
+    end_id, stop_ids = request_end_tokens(request.get("eos_token_ids"), eos_id).for_request(
+        bool(stop.get("ignore_eos")), stop.get("stop_token_ids") or ()
+    )
     temperature = opts.get("temperature")
     sampling = SamplingParams(
         temperature=0.0 if temperature is None else float(temperature),

@@ -42,9 +42,8 @@ from trtpipe.processes import write_state  # noqa: E402
 from trtpipe.serving.api import ExecutorConfig, Response  # noqa: E402
 from trtpipe.serving.dynamo_requests import FINISH, RequestRefused, translate  # noqa: E402
 from trtpipe.serving.config import from_json  # noqa: E402
+from trtpipe.serving.end_tokens import EndTokens, read_end_tokens  # noqa: E402
 from trtpipe.serving.kv_events import EventRecorder, Removed, Stored  # noqa: E402
-from trtpipe.errors import ServingError  # noqa: E402
-from trtpipe.jsonfile import load_json  # noqa: E402
 
 log = logging.getLogger("trtpipe.dynamo")
 POLL_S = 0.1  # how often a waiting request looks at its context (client gone) and the publisher at the pool
@@ -56,7 +55,7 @@ class TwinEngine(LLMEngine):
     def __init__(self, model_dir: Path, name: str, config: ExecutorConfig, threads: Optional[int]):
         self.model_dir, self.name, self.config, self.threads = model_dir, name, config, threads
         self.executor = None
-        self.eos_id: Optional[int] = None
+        self.eos_id: Optional[EndTokens] = None
         self.recorder = EventRecorder()
         self._snapshots = None
         self._publisher_thread: Optional[threading.Thread] = None
@@ -102,7 +101,7 @@ class TwinEngine(LLMEngine):
         from trtpipe.serving.reference_engine import ReferenceEngine
 
         model = await asyncio.to_thread(load_hf_checkpoint, self.model_dir)
-        self.eos_id = eos_token_id(self.model_dir)
+        self.eos_id = read_end_tokens(self.model_dir)  # EndTokens: every eos id of generation_config.json
         from trtpipe.serving.reference_engine import draft_engine
 
         drafts = await asyncio.to_thread(draft_engine, self.config, model, self.model_dir)
@@ -275,17 +274,6 @@ class TwinEngine(LLMEngine):
                 kv_cache_hit_rate=stats.cache_hit_rate if stats.reused_blocks + stats.missed_blocks else None,
             ),
         )
-
-
-def eos_token_id(model_dir: Path) -> Optional[int]:
-    """``generation_config.json``'s end id (its first, when a list), else ``config.json``'s."""
-    for name in ("generation_config.json", "config.json"):
-        f = Path(model_dir) / name
-        if f.is_file():
-            eos = load_json(f, ServingError).get("eos_token_id")
-            if eos is not None:
-                return eos[0] if isinstance(eos, list) else int(eos)
-    return None
 
 
 def main(argv: Optional[list[str]] = None) -> None:

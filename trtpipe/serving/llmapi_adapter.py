@@ -13,7 +13,7 @@ OpenAI twin's :class:`~trtpipe.serving.openai_server.ServedModel` (tokenizer, en
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -42,9 +42,12 @@ def prompt_of(get: Getter) -> str:
     return v.decode("utf-8") if isinstance(v, bytes) else str(v)
 
 
-def request_of(get: Getter, prompt_ids: list[int], end_id: Optional[int], streaming: bool) -> Request:
-    """The executor request of one llmapi request (greedy unless a temperature > 0 is sent); a bad sampling value
-    is a ValueError naming it."""
+def request_of(
+    get: Getter, prompt_ids: list[int], end_id: Optional[int], streaming: bool, stop_ids: Sequence[int] = ()
+) -> Request:
+    """The executor request of one llmapi request (greedy unless a temperature > 0 is sent); ``stop_ids``: the
+    model's other end tokens (:meth:`trtpipe.serving.end_tokens.EndTokens.for_request`). A bad sampling value is a
+    ValueError naming it."""
     temp = scalar(get, "sampling_param_temperature")
     top_k, top_p, seed = (scalar(get, f"sampling_param_{n}") for n in ("top_k", "top_p", "seed"))
     max_tokens = scalar(get, "sampling_param_max_tokens")
@@ -61,6 +64,7 @@ def request_of(get: Getter, prompt_ids: list[int], end_id: Optional[int], stream
         list(prompt_ids),
         int(max_tokens) if max_tokens is not None else DEFAULT_MAX_TOKENS,
         end_id=end_id,
+        stop_words=[[int(t)] for t in stop_ids],
         sampling=sampling,
         streaming=streaming,
         exclude_input_from_output=True,
@@ -98,3 +102,11 @@ def response_outputs(resp: Response, text: str, get: Getter) -> list[tuple[str, 
             )
         ]
     return out
+
+
+def drop_stop_token(tokens: list[int], resp: Response, stop_ids: Sequence[int]) -> None:
+    """A final response that ended on one of ``stop_ids`` leaves that token out of ``tokens`` (the LLM API drops a
+    stop word's tokens unless ``include_stop_str_in_output``: ``GenerationResultBase._handle_sequence``,
+    ``tensorrt_llm/executor/result.py``@a678b91a)."""
+    if resp.is_final and resp.finish_reason == FinishReason.STOP_WORDS and tokens and tokens[-1] in stop_ids:
+        tokens.pop()

@@ -12,7 +12,9 @@ into asyncio, detokenizes incrementally and answers as ``trtllm-serve`` does:
   ``GET /prometheus/metrics``: Prometheus text (request, token and error counters, trtllm-serve's latency histograms,
   running/waiting and KV-cache gauges).
 
-Sampling without a ``temperature`` is greedy (TensorRT-LLM's default when no sampling parameter is set).
+A request without ``temperature`` samples at 1.0 (``top_p`` 1.0, ``top_k`` off), as trtllm-serve's
+``CompletionRequest`` / ``ChatCompletionRequest.to_sampling_params`` send them
+(``tensorrt_llm/serve/openai_protocol.py@0076e939``); ``temperature: 0`` is greedy.
 String ``stop`` sequences are matched on the detokenized text; the request is then cancelled in the executor
 and the text cut before the stop string (finish_reason ``stop``). A stream holds back the end of the text that a stop
 string starts with until the next tokens decide, so its pieces join to the non-streamed text.
@@ -67,6 +69,7 @@ from trtpipe.serving.adapters import AdapterRequestError, LoraSettings, LoraStep
 from trtpipe.serving.lora_metrics import LoraCounters
 from trtpipe.serving.config import replace_knobs, twin_default
 from trtpipe.serving.executor import Executor, ExecutorStopped, QueueFullError
+from trtpipe.serving.end_tokens import read_end_tokens
 from trtpipe.serving.guided import Guide, GuidedDecoder, GuideError, GuideType, response_format_guide
 from trtpipe.serving.openai_choices import (
     ChoiceSpec,
@@ -78,8 +81,6 @@ from trtpipe.serving.openai_choices import (
     completion_logprobs,
 )
 from trtpipe.serving.prom_text import histograms
-from trtpipe.errors import ServingError
-from trtpipe.jsonfile import load_json
 from trtpipe.serving.speculative import prometheus_lines, usage_extension
 
 web = require("aiohttp.web", "the OpenAI twin (trtpipe serve of an llmapi target)")
@@ -250,11 +251,8 @@ class ServedModel:
         self.max_seq_len = int(model.config.get("max_position_embeddings") or 2048)
         self.vocab_size = int(model.config.get("vocab_size") or len(self.tokenizer))
         self.config = config or twin_default(self.max_seq_len)
-        self.eos_id = self.tokenizer.eos_token_id
-        gen = self.dir / "generation_config.json"
-        if gen.exists():
-            eos = load_json(gen, ServingError).get("eos_token_id")
-            self.eos_id = eos[0] if isinstance(eos, list) else eos if eos is not None else self.eos_id
+        self.end_tokens = read_end_tokens(self.dir, self.tokenizer.eos_token_id)  # every eos id of the model
+        self.eos_id = self.end_tokens.end_id
         # tokens >= characters / the longest token's characters: a prompt past that bound is refused untokenized
         self.max_chars_per_token = request_checks.longest_token_chars(self.tokenizer.get_vocab())
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="trtpipe-tokenize")
@@ -450,12 +448,12 @@ def _check_fields(body: dict, endpoint: str) -> None:
 
 
 def _sampling(body: dict) -> SamplingParams:
-    temperature = _num(body, "temperature", float, None, 0.0, 2.0)
+    # unset: temperature 1.0 and top_p 1.0, as trtllm-serve's to_sampling_params send them (top_k 0: off)
+    # (CompletionRequest / ChatCompletionRequest, tensorrt_llm/serve/openai_protocol.py@0076e939)
+    temperature = _num(body, "temperature", float, 1.0, 0.0, 2.0)
     top_p = _num(body, "top_p", float, 1.0, 0.0, 1.0)
     top_k = _num(body, "top_k", int, 0, 0, None)
     seed = _num(body, "seed", int, None, 0, UINT64_MAX)
-    if temperature is None:
-        temperature = 0.0 if top_k == 0 and top_p == 1.0 else 1.0
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
 
@@ -535,6 +533,7 @@ class Generation:
     ):
         self.served, self.prompt, self.stops, self.lora = served, prompt, stops, lora
         self.skip_special_tokens = skip_special_tokens  # False: a chat answer for parsers that read special tokens
+        end_id, stop_token_ids = served.end_tokens.for_request(ignore_eos, stop_token_ids)  # end_tokens.py
         self.stop_token_ids, self.include_stop = frozenset(stop_token_ids), include_stop
         self.logprobs: list = []  # TokenLogprob per token of ids (with logprobs)
         self.prompt_logprobs: Optional[list] = None  # per prompt token, None first (with prompt_logprobs)
@@ -555,7 +554,7 @@ class Generation:
         req = Request(
             prompt=prompt,
             max_new_tokens=max_tokens,
-            end_id=None if ignore_eos else served.eos_id,
+            end_id=end_id,
             sampling=sampling,
             streaming=self.streamed,
             exclude_input_from_output=True,

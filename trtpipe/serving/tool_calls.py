@@ -382,16 +382,19 @@ class ToolFormat:
     strip: bool = False
     holds: Callable[[str], bool] = lambda text: False
     raw_special_tokens: bool = False
+    # the text after a call's end marker up to a later one parses alone into the calls it adds, once prefixed with
+    # ``segment`` (None: only the whole text so far parses, as for a format that reads its first section only)
+    segment: Optional[str] = None
 
 
 FORMATS: dict[str, ToolFormat] = {
-    "qwen3": ToolFormat(parse_qwen3, (QWEN3_BEGIN,), QWEN3_END, strip=True, holds=_bare_json_holds),
-    "qwen3_coder": ToolFormat(parse_qwen3_coder, (CODER_BEGIN,), CODER_END),
-    "kimi_k2": ToolFormat(parse_kimi_k2, (KIMI_BEGIN,), KIMI_CALL_END),
+    "qwen3": ToolFormat(parse_qwen3, (QWEN3_BEGIN,), QWEN3_END, strip=True, holds=_bare_json_holds, segment=""),
+    "qwen3_coder": ToolFormat(parse_qwen3_coder, (CODER_BEGIN,), CODER_END, segment=""),
+    "kimi_k2": ToolFormat(parse_kimi_k2, (KIMI_BEGIN,), KIMI_CALL_END, segment=KIMI_BEGIN),
     "deepseekv3": ToolFormat(parse_deepseekv3, (DSV3_BEGIN,), None, strip=True),
     "deepseekv3.1": ToolFormat(parse_deepseekv31, (DSV3_BEGIN,), None, strip=True),
     "deepseek_v32": ToolFormat(parse_deepseek_v32, (DSML_BEGIN,), DSML_END, strip=True),
-    "harmony": ToolFormat(parse_harmony, (HARMONY_BEGIN,), HARMONY_CALL, raw_special_tokens=True),
+    "harmony": ToolFormat(parse_harmony, (HARMONY_BEGIN,), HARMONY_CALL, raw_special_tokens=True, segment=""),
     "llama3_json": ToolFormat(parse_llama3_json, holds=_llama3_holds),
 }
 
@@ -405,6 +408,13 @@ def tool_format(name: str) -> ToolFormat:
 def tool_parser(name: str):
     """The whole-output parser of a tool parser name."""
     return tool_format(name).parse
+
+
+def _rstripped(text: str, upto: int) -> int:
+    """Length of ``text[:upto].rstrip()``, without copying the text."""
+    while upto > 0 and text[upto - 1].isspace():
+        upto -= 1
+    return upto
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -424,29 +434,45 @@ class ToolCallStream:
         self.sent = 0  # characters of text sent as content
         self.calls: list[ToolCall] = []
         self.in_calls = False  # a call has started: content is decided at the end
+        self.parsed = 0  # the text up to here (after a call's end marker) gave self.calls
+        self._longest = max((len(b) for b in self.format.begin), default=0)
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        """Linear in the text: each piece is searched where a marker can newly be (the last marker's length back),
+        and the calls are parsed when an end marker arrives, from the previous call's end where the format allows
+        (``ToolFormat.segment``)."""
+        old = len(self.text)
         self.text += delta
         if self.in_calls:
-            return "", self._new_calls()
+            return "", self._new_calls(old)
         fmt, text = self.format, self.text
-        starts = [i for i in (text.find(b) for b in fmt.begin) if i >= 0]
+        lo = max(0, old - self._longest + 1)  # a marker starting before lo lay whole in the text already searched
+        starts = [i for i in (text.find(b, lo) for b in fmt.begin) if i >= 0]
         if not starts:
             if self.sent == 0 and fmt.holds(text):
                 return "", []
             keep = len(text) - max((_partial_suffix(text, b) for b in fmt.begin), default=0)
-            return self._content(len(text[:keep].rstrip()) if fmt.strip else keep), []
+            return self._content(_rstripped(text, keep) if fmt.strip else keep), []
         self.in_calls, idx = True, min(starts)
-        content = self._content(len(text[:idx].rstrip()) if fmt.strip else idx)
-        return content, self._new_calls()
+        content = self._content(_rstripped(text, idx) if fmt.strip else idx)
+        return content, self._new_calls(idx)
 
-    def _new_calls(self) -> list[ToolCall]:
-        """The calls complete so far (parsed up to the last end marker) that were not sent."""
-        end = self.text.rfind(self.format.call_end) if self.format.call_end else -1
+    def _new_calls(self, old: int) -> list[ToolCall]:
+        """The calls complete so far (parsed up to the last end marker) that were not sent; ``old``: the length of
+        the text before this piece (an end marker that ends before it was parsed already)."""
+        end_marker = self.format.call_end
+        if not end_marker:
+            return []
+        end = self.text.rfind(end_marker, max(self.parsed, old - len(end_marker) + 1))
         if end == -1:
             return []
-        _, calls = self.format.parse(self.text[: end + len(self.format.call_end)], self.tool_names)
-        new = calls[len(self.calls) :]
+        upto = end + len(end_marker)
+        if self.format.segment is None:  # the whole text so far
+            _, calls = self.format.parse(self.text[:upto], self.tool_names)
+            new = calls[len(self.calls) :]
+        else:
+            _, new = self.format.parse(self.format.segment + self.text[self.parsed : upto], self.tool_names)
+        self.parsed = upto
         self.calls.extend(new)
         return new
 

@@ -49,7 +49,8 @@ class TritonPythonModel:
         tok = self.served.tokenizer
         prompt = self.twin.prompt_of(get)
         streaming = bool(self.twin.scalar(get, "streaming")) and self.decoupled
-        req = self.twin.request_of(get, tok(prompt).input_ids, self.served.eos_id, streaming)
+        end_id, stop_ids = self.served.end_tokens.for_request()  # every eos id of generation_config.json
+        req = self.twin.request_of(get, tok(prompt).input_ids, end_id, streaming, stop_ids)
         tokens = []
 
         def on_response(resp):  # on the executor thread
@@ -57,6 +58,7 @@ class TritonPythonModel:
                 deliver(_error(f"Error generating request: {resp.error}"), True)
                 return
             tokens.extend(resp.tokens)
+            self.twin.drop_stop_token(tokens, resp, stop_ids)
             if resp.is_final or streaming:
                 text = tok.decode(tokens, skip_special_tokens=True)
                 final = resp.is_final
