@@ -30,10 +30,16 @@ RECIPES = {
     "llmapi": ("stories-llmapi-fp8.yaml", {"checkpoint", "calibrate", "quantize", "export", "verify", "llmapi"}),
     # the two-model draft-target form: the draft's own engine stage
     "engine-draft": ("stories-fp16.yaml", {"checkpoint", "engine", "draft_engine", "repo"}),
+    # the draft quantized with the recipe's INT4 AWQ (speculative.draft_quantization: recipe, the default)
+    "engine-draft-int4": (
+        "stories-int4-awq.yaml",
+        {"checkpoint", "calibrate", "quantize", "verify", "engine", "draft_engine", "repo"},
+    ),
 }
 # recipe text appended per case (the draft is the model itself)
 EXTRA = {
     "engine-draft": "speculative:\n  decoding_type: draft_tokens_external\n  speculative_model: {model}\n",
+    "engine-draft-int4": "speculative:\n  decoding_type: draft_tokens_external\n  speculative_model: {model}\n",
 }
 
 

@@ -24,6 +24,7 @@ from trtpipe.errors import Problem, RecipeError
 from trtpipe.export.lora import LORA_RULES
 from trtpipe.export.options_rules import OPTIONS_RULES
 from trtpipe.export.rules import EXPORT_RULES
+from trtpipe.quant.draft_rules import DRAFT_QUANT_RULES
 from trtpipe.quant.imported.rules import IMPORT_RULES
 from trtpipe.quant.rules import QUANT_RULES
 from trtpipe.recipe import rules as recipe_rules
@@ -40,6 +41,7 @@ RULES: tuple[Rule, ...] = (
     *SPECULATIVE_RULES,
     *QUANT_RULES,
     *IMPORT_RULES,
+    *DRAFT_QUANT_RULES,
     *ENGINE_RULES,
     *EXPORT_RULES,
     *OPTIONS_RULES,

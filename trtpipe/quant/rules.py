@@ -72,7 +72,7 @@ def int4_problems(
 MOE_MODULES = ("mlp", "mlp.fc", "mlp.proj")
 
 
-def _excluded(name: str, patterns: list[str]) -> bool:
+def excluded(name: str, patterns: list[str]) -> bool:
     full = f"transformer.layers.0.{name}"
     return any(fnmatch.fnmatchcase(full, p) for p in patterns)
 
@@ -128,12 +128,12 @@ def _quant_layout(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
         return
     tp = recipe.parallel.tp
     moe_tp = resolve_moe_sizes(tp, recipe.parallel.moe_ep, recipe.parallel.moe_tp)[1]
-    bad = {n: why for n, why in int4_problems(m, tp, q.group_size, moe_tp).items() if not _excluded(n, q.exclude)}
+    bad = {n: why for n, why in int4_problems(m, tp, q.group_size, moe_tp).items() if not excluded(n, q.exclude)}
     if not bad:
         return
     # the engine's group-wise GEMM runs only some group sizes (the scheme table's group_sizes)
     sizes = BY_RECIPE[q.algo].group_sizes_for(recipe.target)
-    remaining = {g: sorted(n for n in int4_problems(m, tp, g, moe_tp) if not _excluded(n, q.exclude)) for g in sizes}
+    remaining = {g: sorted(n for n in int4_problems(m, tp, g, moe_tp) if not excluded(n, q.exclude)) for g in sizes}
     best = min(sizes, key=lambda g: (len(remaining[g]), -g))
     parts = [f"group_size {best}"] if best != q.group_size else []
     experts = [n for n in remaining[best] if m.is_moe and n.startswith("mlp.")]  # not excludable (_moe_engine)

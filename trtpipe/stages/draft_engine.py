@@ -6,10 +6,13 @@ with ``--speculative_decoding_mode draft_tokens_external --max_draft_len N``).
 The draft (``speculative.speculative_model``) is converted as the checkpoint stage converts the target (the
 recipe's dtype and tp x pp; a pre-quantized draft, e.g. an INT4 AWQ export, in the TensorRT-LLM layout of its own
 format, :mod:`trtpipe.quant.imported`) and built with the target's limits and plugins and no speculative mode:
-TensorRT engines where TensorRT-LLM runs, else the CPU twin engine. The recipe's ``quantization`` is the target's:
-the draft is not calibrated here (a quantized draft is given pre-quantized).
+TensorRT engines where TensorRT-LLM runs, else the CPU twin engine. With ``speculative.draft_quantization: recipe``
+(the default) and a recipe that quantizes, the converted draft is calibrated on the recipe's calibration data and
+quantized by the quantize stage's own functions (:func:`trtpipe.stages.quant.run_calibration`,
+:func:`~trtpipe.stages.quant.run_quantization`) before it is built; the rules are :mod:`trtpipe.quant.draft_rules`.
 
-Artifact: ``checkpoint/`` (the converted draft) and ``engine/`` (what the repo stage serves).
+Artifact: ``checkpoint/`` (the converted draft), ``calibrate/`` and ``quantized/`` (when the draft is quantized)
+and ``engine/`` (what the repo stage serves).
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from trtpipe.engine import build_config as bc
 from trtpipe.engine import trtllm
 from trtpipe.engine.ckptconfig import read_checkpoint_config
 from trtpipe.engine.twin_engine_dir import write_twin_engine
-from trtpipe.errors import EngineError
+from trtpipe.errors import EngineError, TrtpipeError
 from trtpipe.pipeline.stage import Stage, StageContext
+from trtpipe.quant.draft_rules import builds_draft, quantizes_draft
 from trtpipe.recipe.schema import QuantizationSection, Recipe
 from trtpipe.stages.checkpoint import WEIGHT_PATTERNS
 from trtpipe.stages.engine import toolchain_key
@@ -30,7 +34,7 @@ ENGINE_DIR = "engine"
 
 
 def enabled(recipe: Recipe) -> bool:
-    return recipe.target == "engine" and recipe.speculative.decoding_type == "draft_tokens_external"
+    return builds_draft(recipe)
 
 
 def draft_files(recipe: Recipe) -> list[Path]:
@@ -48,10 +52,58 @@ def draft_files(recipe: Recipe) -> list[Path]:
 
 
 def draft_build_recipe(recipe: Recipe) -> Recipe:
-    """The recipe the draft is built from: the target's limits and plugins, no speculative mode, no quantization of
-    the target's (a draft engine is built without ``--speculative_decoding_mode``, as upstream's README builds it)."""
+    """The recipe the draft is built from: the target's limits and plugins, no speculative mode (a draft engine is
+    built without ``--speculative_decoding_mode``, as upstream's README builds it), the recipe's quantization only
+    when the draft was quantized with it (the build reads the format from the checkpoint's config either way)."""
     spec = recipe.speculative.model_copy(update={"decoding_type": "none"})
-    return recipe.model_copy(update={"speculative": spec, "quantization": QuantizationSection()})
+    quant = recipe.quantization if quantizes_draft(recipe) else QuantizationSection()
+    return recipe.model_copy(update={"speculative": spec, "quantization": quant})
+
+
+def _draft_key(recipe: Recipe) -> dict:
+    """The toolchain, and, when the draft is calibrated here, the calibration data's version (built-in sets)."""
+    from trtpipe.quant import slices
+    from trtpipe.stages.quant import calibration_specs
+
+    key = toolchain_key(recipe)
+    if quantizes_draft(recipe):
+        key["calibration_data"] = slices.data_version(calibration_specs(recipe))
+    return key
+
+
+def _key_files(recipe: Recipe) -> list[Path]:
+    """The draft's files and, when the draft is calibrated here, the calibration data files."""
+    from trtpipe.stages.quant import calibration_files, needs_calibration
+
+    files = draft_files(recipe)
+    if quantizes_draft(recipe) and needs_calibration(recipe):
+        files += calibration_files(recipe)
+    return files
+
+
+def quantize_draft(ctx: StageContext, src: Path, ckpt: Path) -> Path:
+    """The converted draft ``ckpt`` calibrated and quantized with the recipe's ``quantization`` section, by the
+    quantize stage's code; returns the quantized checkpoint. A failure is one line naming the key and the draft."""
+    from trtpipe.stages.quant import needs_calibration, run_calibration, run_quantization
+
+    recipe, q = ctx.recipe, ctx.recipe.quantization
+    stats = None
+    try:
+        if needs_calibration(recipe):
+            stats = ctx.out_dir / "calibrate"
+            stats.mkdir()
+            ctx.log.info("calibrating the draft on %s", q.calibration.dataset)
+            ctx.info["calibration"] = run_calibration(recipe, ckpt, stats)
+        out = ctx.out_dir / "quantized"
+        out.mkdir()
+        ctx.log.info("quantizing the draft: algo=%s kv_cache=%s", q.algo, q.kv_cache)
+        ctx.info["quantization"] = run_quantization(recipe, ckpt, stats, out)["quantization"]
+    except (TrtpipeError, ValueError, RuntimeError) as exc:
+        raise EngineError(
+            f"speculative.draft_quantization: recipe: quantizing the draft {src} with quantization.algo {q.algo} / "
+            f"kv_cache {q.kv_cache}: {exc}"
+        ) from exc
+    return out
 
 
 def run(ctx: StageContext) -> None:
@@ -82,6 +134,8 @@ def run(ctx: StageContext) -> None:
         overwrite=True,
         importer=importer,
     )
+    if quantizes_draft(recipe):
+        ckpt = quantize_draft(ctx, src, ckpt)
     cfg = read_checkpoint_config(ckpt)
     build = bc.resolve_build(draft_build_recipe(recipe), cfg)
     problems = bc.findings(build)
@@ -103,12 +157,13 @@ def run(ctx: StageContext) -> None:
 
 DRAFT_ENGINE_STAGE = Stage(
     name="draft_engine",
-    # the draft's conversion (model.dtype, allow_pickle, allow_lossy_import; parallel) and the engine's limits
-    sections=("model", "parallel", "engine", "speculative"),
+    # the draft's conversion (model.dtype, allow_pickle, allow_lossy_import; parallel), its quantization
+    # (draft_quantization: recipe) and the engine's limits
+    sections=("model", "parallel", "engine", "speculative", "quantization"),
     inputs=(),
     run=run,
-    files=draft_files,
-    extra_key=toolchain_key,
+    files=_key_files,
+    extra_key=_draft_key,
     enabled=enabled,
     description="the draft model's engine (speculative draft_tokens_external: tensorrt_llm_draft)",
 )

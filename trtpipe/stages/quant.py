@@ -365,7 +365,13 @@ def _files(recipe: Recipe, specs: list[str]) -> list[Path]:
     return [recipe.resolve(d) for d in specs if d != "self" and not slices.is_builtin(d)]
 
 
-def _calibration_specs(recipe: Recipe) -> list[str]:
+def calibration_files(recipe: Recipe) -> list[Path]:
+    """The calibration data files (a calibration's key: the calibrate stage's, and the draft_engine stage's when it
+    quantizes the draft)."""
+    return _files(recipe, calibration_specs(recipe))
+
+
+def calibration_specs(recipe: Recipe) -> list[str]:
     c = recipe.quantization.calibration
     return [m.data for m in c.mix] if c.mix else [c.dataset]
 
@@ -387,11 +393,11 @@ CALIBRATE_STAGE = Stage(
     sections=("quantization.calibration",),
     inputs=("checkpoint",),
     run=_calibrate,
-    files=lambda recipe: _files(recipe, _calibration_specs(recipe)),
+    files=calibration_files,
     enabled=needs_calibration,
     extra_key=lambda recipe: {
         "awq_group_size": awq_group_size(recipe),
-        "builtin_data": slices.data_version(_calibration_specs(recipe)),
+        "builtin_data": slices.data_version(calibration_specs(recipe)),
     },
     description="calibration statistics (per-channel amax, KV amax, AWQ scales when needed)",
 )

@@ -1,0 +1,108 @@
+"""The draft model's quantization (``speculative.draft_quantization``): which drafts the draft_engine stage quantizes
+with the recipe's ``quantization`` section, and the rules checked at ``trtpipe validate`` (config files only).
+
+Upstream's two-model form builds the draft like the target (``examples/draft_target_model/README.md@567239fc``);
+here the draft of ``decoding_type: draft_tokens_external`` is quantized by the same code as the target's quantize
+stage (:func:`trtpipe.stages.quant.run_calibration` / ``run_quantization``), so whatever the recipe's algorithm
+refuses for the target it refuses for the draft's own dimensions: int4 group sizes and row pairs, a family that
+takes no recipe quantization. A pre-quantized draft is not quantized twice (its codes would be rounded again
+against scales nobody calibrated): it takes ``stored`` (its own format), or ``recipe`` when the recipe quantizes
+nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from trtpipe.checkpoint.quant_layouts import ALGOS
+from trtpipe.errors import CheckpointError
+from trtpipe.models import get_family
+from trtpipe.models.dims import ModelDims, read_hf_config
+from trtpipe.quant.imported.detect import detect
+from trtpipe.quant.rules import excluded, int4_problems
+from trtpipe.recipe.rules import Finding, Rule
+from trtpipe.recipe.schema import Recipe
+from trtpipe.recipe.speculative import draft_dir
+
+KEY = "speculative.draft_quantization"
+
+
+def builds_draft(recipe: Recipe) -> bool:
+    """The recipe has a draft_engine stage (the engine target's two-model form)."""
+    return recipe.target == "engine" and recipe.speculative.decoding_type == "draft_tokens_external"
+
+
+def recipe_quantizes(recipe: Recipe) -> bool:
+    """The recipe's ``quantization`` asks for a quantized TensorRT-LLM checkpoint (the quantize stage runs)."""
+    q = recipe.quantization
+    return (q.algo != "none" or q.kv_cache != "none") and q.algo in ("none", *ALGOS)
+
+
+def quantizes_draft(recipe: Recipe) -> bool:
+    """The draft_engine stage calibrates and quantizes the draft with the recipe's ``quantization`` section."""
+    return builds_draft(recipe) and recipe.speculative.draft_quantization == "recipe" and recipe_quantizes(recipe)
+
+
+def _draft_quantization(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
+    s, q = recipe.speculative, recipe.quantization
+    if not builds_draft(recipe):
+        if recipe.written(KEY) and s.enabled:
+            yield (
+                KEY,
+                (
+                    f"only decoding_type draft_tokens_external (target: engine) builds and quantizes a draft, not "
+                    f"{s.decoding_type}: remove it"
+                ),
+            )
+        return
+    path = draft_dir(recipe) if s.speculative_model is not None else None
+    if path is None or not (path / "config.json").is_file():
+        return  # speculative.speculative_model's own rule says so
+    try:
+        fmt = detect(path)
+        draft = read_hf_config(path)
+        family = get_family(draft.architecture)
+    except CheckpointError:
+        return  # the draft-model rule reports it
+    if fmt is not None:
+        if s.draft_quantization == "none":
+            yield KEY, f"none: the draft {path} is pre-quantized ({fmt.describe()}); use stored to serve its own format"
+        elif s.draft_quantization == "recipe" and recipe_quantizes(recipe):
+            yield (
+                KEY,
+                (
+                    f"recipe: the draft {path} is pre-quantized ({fmt.describe()}) and cannot be quantized again with "
+                    f"quantization.algo {q.algo} / kv_cache {q.kv_cache}; use stored to serve its own format"
+                ),
+            )
+        return
+    if not quantizes_draft(recipe):
+        return
+    if family.no_recipe_quantization:
+        yield (
+            KEY,
+            (
+                f"recipe: {q.algo if q.algo != 'none' else q.kv_cache} is not supported for the draft's "
+                f"{draft.architecture}: {family.no_recipe_quantization}; use none"
+            ),
+        )
+        return
+    algo = ALGOS.get(q.algo)
+    if algo is None or algo.weight_fmt != "int4":
+        return
+    bad = {
+        n: why
+        for n, why in int4_problems(draft, recipe.parallel.tp, q.group_size).items()
+        if not excluded(n, list(q.exclude))
+    }
+    for name, why in bad.items():
+        yield (
+            KEY,
+            (
+                f"recipe: {q.algo} at tp={recipe.parallel.tp}: the draft's {name} {why}; add '*{name}' to "
+                "quantization.exclude, change quantization.group_size, or use none"
+            ),
+        )
+
+
+DRAFT_QUANT_RULES: tuple[Rule, ...] = (_draft_quantization,)
