@@ -35,11 +35,19 @@ RECIPES = {
         "stories-int4-awq.yaml",
         {"checkpoint", "calibrate", "quantize", "verify", "engine", "draft_engine", "repo"},
     ),
+    # an unquantized target, the draft INT4 AWQ (speculative.draft_quantization: int4_awq): only the draft calibrates
+    "engine-draft-algo": ("stories-fp16.yaml", {"checkpoint", "engine", "draft_engine", "repo"}),
 }
 # recipe text appended per case (the draft is the model itself)
 EXTRA = {
     "engine-draft": "speculative:\n  decoding_type: draft_tokens_external\n  speculative_model: {model}\n",
     "engine-draft-int4": "speculative:\n  decoding_type: draft_tokens_external\n  speculative_model: {model}\n",
+    "engine-draft-algo": (
+        "speculative:\n  decoding_type: draft_tokens_external\n  speculative_model: {model}\n"
+        "  draft_quantization: int4_awq\n"
+        'quantization:\n  group_size: 64\n  exclude: ["*lm_head", "*mlp.proj"]\n'
+        "  calibration:\n    num_samples: 8\n    seq_len: 32\n    device: cpu\n"
+    ),
 }
 
 

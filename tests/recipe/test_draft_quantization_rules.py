@@ -7,7 +7,7 @@ import json
 import shutil
 
 from trtpipe.app.validation import check_recipe, load_recipe
-from trtpipe.quant.draft_rules import KEY, quantizes_draft
+from trtpipe.quant.draft_rules import KEY, draft_quant_recipe, quantizes_draft
 
 BASE = """\
 name: draftq
@@ -61,6 +61,20 @@ def test_a_plain_draft_under_an_int4_recipe_is_quantized_with_it(tmp_path, stori
     assert found == [] and not quantizes_draft(r)
 
 
+def test_an_algorithm_named_quantizes_the_draft_of_an_unquantized_target(tmp_path, stories_dir):
+    r, found = _problems(tmp_path, stories_dir, stories_dir, algo="none", extra="  draft_quantization: int4_awq\n")
+    assert found == [] and quantizes_draft(r)
+    assert draft_quant_recipe(r).quantization.algo == "int4_awq" and r.quantization.algo == "none"
+    _, found = _problems(tmp_path, stories_dir, stories_dir, algo="none", extra="  draft_quantization: nvfp4\n")
+    assert found == [
+        f"{KEY}: nvfp4 is written only for target: llmapi; a draft engine takes recipe, none, stored, "
+        "fp8, int8_sq, int8_wo, int4_wo, int4_awq, w4a8_awq"
+    ]
+    odd = _draft_copy(tmp_path, stories_dir, "odd", intermediate_size=171)
+    _, found = _problems(tmp_path, stories_dir, odd, algo="none", extra="  draft_quantization: int4_awq\n")
+    assert len(found) == 2 and found[0].startswith(f"{KEY}: int4_awq: int4_awq at tp=1: the draft's mlp.fc 171")
+
+
 def test_a_draft_the_algorithm_cannot_take_is_one_line(tmp_path, stories_dir):
     """171 MLP rows: int4 packs row pairs, so the draft's mlp.fc / mlp.gate cannot be INT4 (the target's can)."""
     odd = _draft_copy(tmp_path, stories_dir, "odd", intermediate_size=171)
@@ -80,7 +94,7 @@ def test_a_pre_quantized_draft_is_not_quantized_twice(tmp_path, stories_dir):
     _, found = _problems(tmp_path, stories_dir, pre)
     assert len(found) == 1 and found[0].startswith(f"{KEY}: recipe: the draft {pre} is pre-quantized (awq AutoAWQ gemm")
     assert found[0].endswith(
-        "cannot be quantized again with quantization.algo int4_awq / kv_cache none; use stored to serve its own format"
+        "cannot be quantized again with algo int4_awq / kv_cache none; use stored to serve its own format"
     )
     _, found = _problems(tmp_path, stories_dir, pre, extra="  draft_quantization: none\n")
     assert len(found) == 1 and "use stored to serve its own format" in found[0]

@@ -29,23 +29,44 @@ K = 3
 EOS = 2
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory, stories_dir):
+def _build(tmp, stories_dir, recipe_file, *sets):
     from trtpipe.app.stage_table import STAGES
     from trtpipe.app.validation import load_recipe
     from trtpipe.pipeline.runner import run_build
 
-    tmp = tmp_path_factory.mktemp("draftq")
-    text = (ROOT / "recipes" / "stories-int4-awq.yaml").read_text()
+    text = (ROOT / "recipes" / recipe_file).read_text()
     text = text.replace("../models/stories260k", str(stories_dir)).replace("work_dir: work/", f"work_dir: {tmp}/work/")
     path = tmp / "recipe.yaml"
     path.write_text(text)
-    sets = (
+    spec = (
         "speculative.decoding_type=draft_tokens_external",
         f"speculative.speculative_model={stories_dir}",
         f"speculative.max_draft_len={K}",
     )
-    return run_build(load_recipe(path, sets), STAGES, until="draft_engine", quiet=True)
+    return run_build(load_recipe(path, (*spec, *sets)), STAGES, until="draft_engine", quiet=True)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, stories_dir):
+    """INT4 AWQ target and, by the default ``draft_quantization: recipe``, an INT4 AWQ draft."""
+    return _build(tmp_path_factory.mktemp("draftq"), stories_dir, "stories-int4-awq.yaml")
+
+
+@pytest.fixture(scope="module")
+def built_float_target(tmp_path_factory, stories_dir):
+    """A float32 target (no quantization) and ``draft_quantization: int4_awq``: the recipe's section with that algo."""
+    return _build(
+        tmp_path_factory.mktemp("draftq-f32"),
+        stories_dir,
+        "stories-fp16.yaml",
+        "model.dtype=float32",
+        "speculative.draft_quantization=int4_awq",
+        "quantization.group_size=64",
+        'quantization.exclude=["*lm_head","*mlp.proj"]',
+        "quantization.calibration.num_samples=16",
+        "quantization.calibration.seq_len=64",
+        "quantization.calibration.device=cpu",
+    )
 
 
 def _draft_checkpoint(built) -> Path:
@@ -109,4 +130,30 @@ def test_the_quantized_draft_serves_greedy_tokens_of_no_speculation(built):
     assert accepted == drafted  # the draft's tensors are the target's (above): every greedy draft is the target's token
     print(
         f"\nINT4-AWQ draft quantized by the pipeline, k={K}, {len(prompts)} prompts x 32 tokens: {accepted}/{drafted}"
+    )
+
+
+def test_an_int4_draft_of_an_unquantized_target_serves_its_greedy_tokens(built_float_target):
+    """The target float32 as stored; the draft INT4 AWQ (its own calibration): drafts are sometimes rejected, the
+    greedy tokens are the target's alone."""
+    assert "quantize" not in {s["name"] for s in built_float_target.manifest["stages"] if s["status"] != "skipped"}
+    ckpt = _draft_checkpoint(built_float_target)
+    assert load_json(ckpt / "config.json")["quantization"]["quant_algo"] == "W4A16_AWQ"
+    target_ckpt = built_float_target.artifact("engine") / "checkpoint"
+    assert load_json(target_ckpt / "config.json")["quantization"]["quant_algo"] is None
+    assert load_file(ckpt / "rank0.safetensors")["transformer.layers.0.attention.qkv.weight"].dtype == torch.int8
+    target, draft = load_checkpoint(target_ckpt), load_checkpoint(ckpt)
+    g = torch.Generator().manual_seed(5)
+    prompts = [[1] + torch.randint(3, 500, (8,), generator=g).tolist() for _ in range(5)]
+    plain = _serve(target, None, prompts, 32)
+    spec = _serve(target, draft, prompts, 32)
+    accepted = drafted = 0
+    for a, b in zip(plain, spec):
+        assert b.tokens == a.tokens
+        accepted += b.perf.total_accepted_draft_tokens
+        drafted += b.perf.total_draft_tokens
+    assert 0 < accepted <= drafted
+    print(
+        f"\nINT4-AWQ draft (draft_quantization: int4_awq) of a float32 target, k={K}, {len(prompts)} prompts x 32 "
+        f"tokens: {accepted}/{drafted} = {accepted / drafted:.3f}"
     )

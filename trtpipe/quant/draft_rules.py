@@ -12,6 +12,7 @@ nothing.
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Iterable, Optional
 
 from trtpipe.checkpoint.quant_layouts import ALGOS
@@ -38,13 +39,26 @@ def recipe_quantizes(recipe: Recipe) -> bool:
     return (q.algo != "none" or q.kv_cache != "none") and q.algo in ("none", *ALGOS)
 
 
+def draft_quant_recipe(recipe: Recipe) -> Optional[Recipe]:
+    """The recipe whose ``quantization`` section the draft is quantized with (None: the draft is not quantized
+    here): the recipe itself for ``recipe``, a copy with ``algo`` replaced for an algorithm name."""
+    mode = recipe.speculative.draft_quantization
+    if not builds_draft(recipe) or mode in ("none", "stored"):
+        return None
+    if mode != "recipe":
+        quant = recipe.quantization.model_copy(update={"algo": mode})
+        recipe = recipe.model_copy(update={"quantization": quant})
+    return recipe if recipe_quantizes(recipe) else None
+
+
 def quantizes_draft(recipe: Recipe) -> bool:
-    """The draft_engine stage calibrates and quantizes the draft with the recipe's ``quantization`` section."""
-    return builds_draft(recipe) and recipe.speculative.draft_quantization == "recipe" and recipe_quantizes(recipe)
+    """The draft_engine stage calibrates and quantizes the draft (:func:`draft_quant_recipe`)."""
+    return draft_quant_recipe(recipe) is not None
 
 
 def _draft_quantization(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
-    s, q = recipe.speculative, recipe.quantization
+    s = recipe.speculative
+    mode = s.draft_quantization
     if not builds_draft(recipe):
         if recipe.written(KEY) and s.enabled:
             yield (
@@ -55,6 +69,13 @@ def _draft_quantization(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Find
                 ),
             )
         return
+    if mode not in ("recipe", "none", "stored") and mode not in ALGOS:
+        yield (
+            KEY,
+            f"{mode} is written only for target: llmapi; a draft engine takes recipe, none, stored, "
+            + ", ".join(ALGOS),
+        )
+        return
     path = draft_dir(recipe) if s.speculative_model is not None else None
     if path is None or not (path / "config.json").is_file():
         return  # speculative.speculative_model's own rule says so
@@ -64,25 +85,30 @@ def _draft_quantization(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Find
         family = get_family(draft.architecture)
     except CheckpointError:
         return  # the draft-model rule reports it
+    dq = draft_quant_recipe(recipe)
     if fmt is not None:
-        if s.draft_quantization == "none":
+        if mode == "none":
             yield KEY, f"none: the draft {path} is pre-quantized ({fmt.describe()}); use stored to serve its own format"
-        elif s.draft_quantization == "recipe" and recipe_quantizes(recipe):
+        elif dq is not None:
             yield (
                 KEY,
                 (
-                    f"recipe: the draft {path} is pre-quantized ({fmt.describe()}) and cannot be quantized again with "
-                    f"quantization.algo {q.algo} / kv_cache {q.kv_cache}; use stored to serve its own format"
+                    f"{mode}: the draft {path} is pre-quantized ({fmt.describe()}) and cannot be quantized again with "
+                    f"algo {dq.quantization.algo} / kv_cache {dq.quantization.kv_cache}; use stored to serve its own format"
                 ),
             )
         return
-    if not quantizes_draft(recipe):
+    if dq is None:
+        return
+    q = dq.quantization
+    if mode != "recipe" and not any(fnmatch.fnmatchcase("lm_head", p) for p in q.exclude):
+        yield KEY, f"{mode}: lm_head is kept unquantized: keep '*lm_head' in quantization.exclude"
         return
     if family.no_recipe_quantization:
         yield (
             KEY,
             (
-                f"recipe: {q.algo if q.algo != 'none' else q.kv_cache} is not supported for the draft's "
+                f"{mode}: {q.algo if q.algo != 'none' else q.kv_cache} is not supported for the draft's "
                 f"{draft.architecture}: {family.no_recipe_quantization}; use none"
             ),
         )
@@ -99,7 +125,7 @@ def _draft_quantization(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Find
         yield (
             KEY,
             (
-                f"recipe: {q.algo} at tp={recipe.parallel.tp}: the draft's {name} {why}; add '*{name}' to "
+                f"{mode}: {q.algo} at tp={recipe.parallel.tp}: the draft's {name} {why}; add '*{name}' to "
                 "quantization.exclude, change quantization.group_size, or use none"
             ),
         )

@@ -136,8 +136,8 @@ def layer_params(
                     )
                 amax = observe_amax(w, gran)
             p = {"weight": w, "weights_scaling_factor": choose_qparams(amax, algo.weight_fmt)}
-            if pqs is not None:
-                p["prequant_scaling_factor"] = pqs
+            if pqs is not None:  # a copy: linears of one input (gate, fc) share pqs, and a float32 checkpoint keeps
+                p["prequant_scaling_factor"] = pqs.clone()  # it as is (safetensors refuses tensors sharing memory)
             if algo.act_fmt and stacked and pqs is not None:  # W4A8 experts: each from its routed tokens
                 p["activation_scaling_factor"] = choose_qparams(
                     st.expert_smoothed_amax(pqs).reshape(-1, 1), algo.act_fmt

@@ -383,12 +383,13 @@ class SpeculativeSection(_Section):
         2, ge=1, le=64, description="NGram: longest suffix of the sequence looked up for a continuation."
     )
     eagle3_one_model: bool = Field(True, description="Eagle3: draft head inside the target's engine (one model).")
-    draft_quantization: Literal["recipe", "none", "stored"] = Field(
+    draft_quantization: Literal[("recipe", "stored") + RECIPE_ALGOS] = Field(
         "recipe",
         description="draft_tokens_external: how the draft_engine stage quantizes the draft. recipe: with the recipe's "
         "quantization section (algo, group_size, exclude, kv_cache, calibration data), by the quantize stage's code; "
-        "none: unquantized at model.dtype; stored: as stored (a pre-quantized draft in its own format, a plain one "
-        "at model.dtype). A pre-quantized draft takes stored, or recipe when the recipe quantizes nothing.",
+        "an algorithm (e.g. int4_awq): that section with this algo instead (a quantized draft for an unquantized "
+        "target); none: unquantized at model.dtype; stored: as stored (a pre-quantized draft in its own format, a "
+        "plain one at model.dtype). A pre-quantized draft takes stored, or recipe when the recipe quantizes nothing.",
     )
     num_medusa_heads: Optional[int] = Field(
         None, ge=1, le=64, description="medusa: heads converted into the engine (None: the heads' medusa_num_heads)."

@@ -7,7 +7,8 @@ The draft (``speculative.speculative_model``) is converted as the checkpoint sta
 recipe's dtype and tp x pp; a pre-quantized draft, e.g. an INT4 AWQ export, in the TensorRT-LLM layout of its own
 format, :mod:`trtpipe.quant.imported`) and built with the target's limits and plugins and no speculative mode:
 TensorRT engines where TensorRT-LLM runs, else the CPU twin engine. With ``speculative.draft_quantization: recipe``
-(the default) and a recipe that quantizes, the converted draft is calibrated on the recipe's calibration data and
+(the default) and a recipe that quantizes, or an algorithm named there (e.g. ``int4_awq`` for a draft of an
+unquantized target: the recipe's section with that ``algo``), the converted draft is calibrated on the recipe's calibration data and
 quantized by the quantize stage's own functions (:func:`trtpipe.stages.quant.run_calibration`,
 :func:`~trtpipe.stages.quant.run_quantization`) before it is built; the rules are :mod:`trtpipe.quant.draft_rules`.
 
@@ -25,7 +26,7 @@ from trtpipe.engine.ckptconfig import read_checkpoint_config
 from trtpipe.engine.twin_engine_dir import write_twin_engine
 from trtpipe.errors import EngineError, TrtpipeError
 from trtpipe.pipeline.stage import Stage, StageContext
-from trtpipe.quant.draft_rules import builds_draft, quantizes_draft
+from trtpipe.quant.draft_rules import builds_draft, draft_quant_recipe, quantizes_draft
 from trtpipe.recipe.schema import QuantizationSection, Recipe
 from trtpipe.stages.checkpoint import WEIGHT_PATTERNS
 from trtpipe.stages.engine import toolchain_key
@@ -56,7 +57,8 @@ def draft_build_recipe(recipe: Recipe) -> Recipe:
     built without ``--speculative_decoding_mode``, as upstream's README builds it), the recipe's quantization only
     when the draft was quantized with it (the build reads the format from the checkpoint's config either way)."""
     spec = recipe.speculative.model_copy(update={"decoding_type": "none"})
-    quant = recipe.quantization if quantizes_draft(recipe) else QuantizationSection()
+    dq = draft_quant_recipe(recipe)
+    quant = dq.quantization if dq is not None else QuantizationSection()
     return recipe.model_copy(update={"speculative": spec, "quantization": quant})
 
 
@@ -76,17 +78,19 @@ def _key_files(recipe: Recipe) -> list[Path]:
     from trtpipe.stages.quant import calibration_files, needs_calibration
 
     files = draft_files(recipe)
-    if quantizes_draft(recipe) and needs_calibration(recipe):
+    dq = draft_quant_recipe(recipe)
+    if dq is not None and needs_calibration(dq):
         files += calibration_files(recipe)
     return files
 
 
 def quantize_draft(ctx: StageContext, src: Path, ckpt: Path) -> Path:
-    """The converted draft ``ckpt`` calibrated and quantized with the recipe's ``quantization`` section, by the
-    quantize stage's code; returns the quantized checkpoint. A failure is one line naming the key and the draft."""
+    """The converted draft ``ckpt`` calibrated and quantized with the recipe's ``quantization`` section (its
+    ``algo`` replaced when ``draft_quantization`` names one), by the quantize stage's code; returns the quantized checkpoint. A failure is one line naming the key and the draft."""
     from trtpipe.stages.quant import needs_calibration, run_calibration, run_quantization
 
-    recipe, q = ctx.recipe, ctx.recipe.quantization
+    recipe = draft_quant_recipe(ctx.recipe)
+    q, mode = recipe.quantization, recipe.speculative.draft_quantization
     stats = None
     try:
         if needs_calibration(recipe):
@@ -100,8 +104,8 @@ def quantize_draft(ctx: StageContext, src: Path, ckpt: Path) -> Path:
         ctx.info["quantization"] = run_quantization(recipe, ckpt, stats, out)["quantization"]
     except (TrtpipeError, ValueError, RuntimeError) as exc:
         raise EngineError(
-            f"speculative.draft_quantization: recipe: quantizing the draft {src} with quantization.algo {q.algo} / "
-            f"kv_cache {q.kv_cache}: {exc}"
+            f"speculative.draft_quantization: {mode}: quantizing the draft {src} with algo {q.algo} / "
+            f"kv_cache {q.kv_cache}: {' '.join(str(exc).split())}"
         ) from exc
     return out
 
