@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_speculative import OPENINGS, STORIES, run  # noqa: E402
+from bench_speculative import OPENINGS, STORIES, print_table, run  # noqa: E402
 
 CAPTURE = (1, 3, 4)  # eagle3_capture_layers(8)
 
@@ -196,19 +196,7 @@ def main() -> None:
             with_spec = run(model, prompts, args.tokens, c, spec, model_dir)
             rows.append({"workload": name, "concurrency": c, "off": base, "on": with_spec})
     shutil.rmtree(tmp)
-    print(
-        "| workload | C | spec | tokens / target forward | acceptance | ITL p50 ms | output tok/s | ITL ratio | tok/s ratio |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        for side in ("off", "on"):
-            m = r[side]
-            acc = "–" if m["acceptance_rate"] is None else f"{m['acceptance_rate']:.3f}"
-            print(
-                f"| {r['workload']} | {r['concurrency']} | {side} | {m['tokens_per_target_forward']:.2f} | {acc} | "
-                f"{m['itl_p50_ms']:.2f} | {m['output_tok_s']:.0f} | {m['itl_p50_ms'] / r['off']['itl_p50_ms']:.2f} | "
-                f"{m['output_tok_s'] / r['off']['output_tok_s']:.2f} |"
-            )
+    print_table(rows)
     if args.json:
         args.json.write_text(
             json.dumps({"train_loss": loss, "heldout_first_draft_accuracy": accuracy, "rows": rows}, indent=2)

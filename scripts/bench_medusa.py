@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_speculative import OPENINGS, STORIES, run  # noqa: E402
+from bench_speculative import OPENINGS, STORIES, print_table, run  # noqa: E402
 
 HEADS = 3
 RIDGE = 1e-2
@@ -95,19 +95,7 @@ def main() -> None:
         for name, s in workloads.items():
             rows.append({"workload": name, "concurrency": c, "off": base, "on": run(model, prompts, args.tokens, c, s)})
     shutil.rmtree(tmp)
-    print(
-        "| workload | C | spec | tokens / target forward | acceptance | ITL p50 ms | output tok/s | ITL ratio | tok/s ratio |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        for side in ("off", "on"):
-            m = r[side]
-            acc = "–" if m["acceptance_rate"] is None else f"{m['acceptance_rate']:.3f}"
-            print(
-                f"| {r['workload']} | {r['concurrency']} | {side} | {m['tokens_per_target_forward']:.2f} | {acc} | "
-                f"{m['itl_p50_ms']:.2f} | {m['output_tok_s']:.0f} | {m['itl_p50_ms'] / r['off']['itl_p50_ms']:.2f} | "
-                f"{m['output_tok_s'] / r['off']['output_tok_s']:.2f} |"
-            )
+    print_table(rows)
     if args.json:
         args.json.write_text(json.dumps({"heldout_accuracy": accuracy, "rows": rows}, indent=2))
 

@@ -146,6 +146,24 @@ def run(model, prompts, tokens: int, concurrency: int, spec: dict, model_dir=Non
     }
 
 
+def print_table(rows: list[dict]) -> None:
+    """The markdown table of docs/results/speculative.md: each workload and concurrency off and on, ratios to off."""
+    print(
+        "| workload | C | spec | tokens / target forward | acceptance | ITL p50 ms | output tok/s | ITL ratio | tok/s ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        for side in ("off", "on"):
+            m = r[side]
+            acc = "–" if m["acceptance_rate"] is None else f"{m['acceptance_rate']:.3f}"
+            ratio_itl = m["itl_p50_ms"] / r["off"]["itl_p50_ms"]
+            ratio_tps = m["output_tok_s"] / r["off"]["output_tok_s"]
+            print(
+                f"| {r['workload']} | {r['concurrency']} | {side} | {m['tokens_per_target_forward']:.2f} | {acc} | "
+                f"{m['itl_p50_ms']:.2f} | {m['output_tok_s']:.0f} | {ratio_itl:.2f} | {ratio_tps:.2f} |"
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=16)
@@ -185,20 +203,7 @@ def main() -> None:
             with_spec = run(model, prompts, args.tokens, c, spec)
             rows.append({"workload": name, "concurrency": c, "off": base, "on": with_spec})
     shutil.rmtree(tmp)
-    print(
-        "| workload | C | spec | tokens / target forward | acceptance | ITL p50 ms | output tok/s | ITL ratio | tok/s ratio |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        for side in ("off", "on"):
-            m = r[side]
-            acc = "–" if m["acceptance_rate"] is None else f"{m['acceptance_rate']:.3f}"
-            ratio_itl = m["itl_p50_ms"] / r["off"]["itl_p50_ms"]
-            ratio_tps = m["output_tok_s"] / r["off"]["output_tok_s"]
-            print(
-                f"| {r['workload']} | {r['concurrency']} | {side} | {m['tokens_per_target_forward']:.2f} | {acc} | "
-                f"{m['itl_p50_ms']:.2f} | {m['output_tok_s']:.0f} | {ratio_itl:.2f} | {ratio_tps:.2f} |"
-            )
+    print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 
