@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import subprocess
 import threading
-import time
 import urllib.parse
 import urllib.request
 
 import pytest
 from deploy_helpers import RECIPES
 from openai_helpers import serve_in_thread
+from prometheus_helpers import get, poll, prometheus, query
 
 from trtpipe.deploy.alerts import Timing, rule_file
 from trtpipe.deploy.dashboard import dashboard, expressions
@@ -46,28 +44,6 @@ OVERRIDES = [
     "triton.scheduler_policy=max_utilization",
     "deploy.kv_cache_alert=0.9",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
-
-
-def _poll(what: str, fn, deadline_s: float = 180.0, step_s: float = 0.5):
-    """Call ``fn`` until it returns something truthy; fail naming ``what`` at the deadline."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        got = fn()
-        if got:
-            return got
-        time.sleep(step_s)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -106,62 +82,46 @@ def test_kv_alert_fires_under_load_and_resolves_after_it(tmp_path, export):
 def _run(tmp_path, recipe, url):
     twin = url.removeprefix("http://")
     write_monitoring(recipe, tmp_path / "mon", targets=[twin], timing=FAST)
-    port = _free_port()
-    api = f"http://127.0.0.1:{port}/api/v1"
-    log = (tmp_path / "prometheus.log").open("w")
-    prom = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={tmp_path / 'mon' / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=tmp_path / "mon",
-    )
+    with prometheus(tmp_path / "mon", tmp_path) as api:
+        _scrape_under_load(api, recipe, url, twin)
+
+
+def _scrape_under_load(api, recipe, url, twin):
     stop, errors = threading.Event(), []
     threads = [threading.Thread(target=_load, args=(url, stop, errors), daemon=True) for _ in range(8)]
+
+    def kv_state():
+        alerts = get(f"{api}/alerts")["data"]["alerts"]
+        return [a["state"] for a in alerts if a["labels"]["alertname"] == "KVCacheNearlyFull"]
+
     try:
-
-        def query(q):
-            try:
-                return _get(f"{api}/query?query={urllib.parse.quote(q)}")["data"]["result"]
-            except OSError:  # not listening yet
-                return None
-
-        _poll(
+        poll(
             "the twin scraped (up == 1)",
-            lambda: [r for r in query(f'up{{job="{recipe.name}"}}') or [] if r["value"][1] == "1"],
+            lambda: [r for r in query(api, f'up{{job="{recipe.name}"}}') or [] if r["value"][1] == "1"],
         )
         for t in threads:
             t.start()
-
-        def kv_state():
-            alerts = _get(f"{api}/alerts")["data"]["alerts"]
-            return [a["state"] for a in alerts if a["labels"]["alertname"] == "KVCacheNearlyFull"]
-
-        _poll("KVCacheNearlyFull firing", lambda: errors or "firing" in kv_state())
+        poll("KVCacheNearlyFull firing", lambda: errors or "firing" in kv_state())
         assert not errors, errors[0]
         # the recording rules carry values read back through the API
         # (the recorded series over the last minute: the value now may already be below the threshold)
-        kv = query("max_over_time(trtpipe:kv_cache_fraction:max[1m])")
+        kv = query(api, "max_over_time(trtpipe:kv_cache_fraction:max[1m])")
         assert kv and float(kv[0]["value"][1]) > 0.9, kv
         assert kv[0]["metric"]["instance"] == twin and kv[0]["metric"]["job"] == recipe.name
         print(f"KV fraction recorded (max over 1 m): {kv[0]['value'][1]}")
-        _poll(
+        poll(
             "throughput recorded",
-            lambda: [r for r in query("trtpipe:output_tokens:rate") or [] if float(r["value"][1]) > 0],
+            lambda: [r for r in query(api, "trtpipe:output_tokens:rate") or [] if float(r["value"][1]) > 0],
         )
-        _poll(
+        poll(
             "TTFT p50 recorded",
-            lambda: [r for r in query("trtpipe:ttft_seconds:p50") or [] if float(r["value"][1]) > 0],
+            lambda: [r for r in query(api, "trtpipe:ttft_seconds:p50") or [] if float(r["value"][1]) > 0],
         )
-        _poll("queue/compute ratio recorded", lambda: query("trtpipe:queue_compute:ratio"))
+        poll("queue/compute ratio recorded", lambda: query(api, "trtpipe:queue_compute:ratio"))
         # every dashboard query parses in Prometheus, and names only what the twin exports or the rules record
         board = dashboard(recipe, recipe.name)
         for expr in expressions(board):
-            assert _get(f"{api}/query?query={urllib.parse.quote(expr)}")["status"] == "success", expr
+            assert get(f"{api}/query?query={urllib.parse.quote(expr)}")["status"] == "success", expr
         with urllib.request.urlopen(url + "/prometheus/metrics") as r:
             exported = exported_names(r.read().decode())
         recorded = {r["record"] for g in rule_file(recipe, recipe.name)["groups"] for r in g["rules"] if "record" in r}
@@ -176,11 +136,6 @@ def _run(tmp_path, recipe, url):
         for t in threads:
             if t.is_alive():
                 t.join(180)
-    try:
-        _poll("KVCacheNearlyFull resolved", lambda: not kv_state())
-        resolved = query("trtpipe:kv_cache_fraction:max")
-        assert float(resolved[0]["value"][1]) <= 0.9
-    finally:
-        prom.terminate()
-        prom.wait(30)
-        log.close()
+    poll("KVCacheNearlyFull resolved", lambda: not kv_state())
+    resolved = query(api, "trtpipe:kv_cache_fraction:max")
+    assert float(resolved[0]["value"][1]) <= 0.9

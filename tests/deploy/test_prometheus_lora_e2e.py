@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import threading
 import urllib.parse
 import urllib.request
@@ -17,7 +16,8 @@ import pytest
 import yaml
 from openai_helpers import serve_in_thread
 from optional import needs
-from test_prometheus_e2e import FAST, _free_port, _get, _poll
+from prometheus_helpers import get, poll, prometheus, query
+from test_prometheus_e2e import FAST
 
 from trtpipe.deploy.alerts import rule_file
 from trtpipe.deploy.dashboard import dashboard, expressions
@@ -87,62 +87,47 @@ def test_per_adapter_rules_record_in_prometheus(tmp_path, stories_dir):
 
 def _run(tmp_path, recipe, url):
     write_monitoring(recipe, tmp_path / "mon", targets=[url.removeprefix("http://")], timing=FAST)
-    port = _free_port()
-    api = f"http://127.0.0.1:{port}/api/v1"
-    log = (tmp_path / "prometheus.log").open("w")
-    prom = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={tmp_path / 'mon' / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=tmp_path / "mon",
-    )
+    with prometheus(tmp_path / "mon", tmp_path) as api:
+        _scrape_under_load(api, recipe, url)
+
+
+def _scrape_under_load(api, recipe, url):
     stop, errors = threading.Event(), []
     threads = [threading.Thread(target=_load, args=(url, k, stop, errors), daemon=True) for k in range(8)]
-
-    def query(q):
-        try:
-            return _get(f"{api}/query?query={urllib.parse.quote(q)}")["data"]["result"]
-        except OSError:  # not listening yet
-            return None
-
     try:
-        _poll(
-            "the twin scraped", lambda: [r for r in query(f'up{{job="{recipe.name}"}}') or [] if r["value"][1] == "1"]
+        poll(
+            "the twin scraped",
+            lambda: [r for r in query(api, f'up{{job="{recipe.name}"}}') or [] if r["value"][1] == "1"],
         )
         for t in threads:
             t.start()
 
         def per_adapter(record: str, positive: bool):
-            rows = query(record) or []
+            rows = query(api, record) or []
             return {r["metric"]["lora_name"] for r in rows if not positive or float(r["value"][1]) > 0} >= set(NAMES)
 
-        _poll(
+        poll(
             "output tokens/s recorded for every adapter",
             lambda: errors or per_adapter("trtpipe:lora_output_tokens:rate", True),
         )
         assert not errors, errors[0]
-        _poll("requests/s recorded for every adapter", lambda: per_adapter("trtpipe:lora_requests:rate", True))
-        _poll("miss ratio recorded for every adapter", lambda: per_adapter("trtpipe:lora_cache_miss:ratio", False))
+        poll("requests/s recorded for every adapter", lambda: per_adapter("trtpipe:lora_requests:rate", True))
+        poll("miss ratio recorded for every adapter", lambda: per_adapter("trtpipe:lora_cache_miss:ratio", False))
         base = "trtpipe:output_tokens:rate - on (job) sum by (job) (trtpipe:lora_output_tokens:rate)"
-        _poll("the base model's share recorded", lambda: [r for r in query(base) or [] if float(r["value"][1]) > 0])
+        poll("the base model's share recorded", lambda: [r for r in query(api, base) or [] if float(r["value"][1]) > 0])
 
         def rules_health():
-            groups = _get(f"{api}/rules")["data"]["groups"]
+            groups = get(f"{api}/rules")["data"]["groups"]
             rules = [r for g in groups for r in g["rules"]]
             return rules if rules and all(r.get("lastEvaluation", "").startswith("2") for r in rules) else None
 
-        rules = _poll("every rule evaluated", rules_health)
+        rules = poll("every rule evaluated", rules_health)
         bad = {r["name"]: r.get("lastError") for r in rules if r["health"] != "ok"}
         assert bad == {}, bad
         assert {"LoraAdapterCacheThrashing", "trtpipe:lora_cache_miss:ratio"} <= {r["name"] for r in rules}
         board = dashboard(recipe, recipe.name)
         for expr in expressions(board):
-            assert _get(f"{api}/query?query={urllib.parse.quote(expr)}")["status"] == "success", expr
+            assert get(f"{api}/query?query={urllib.parse.quote(expr)}")["status"] == "success", expr
         with urllib.request.urlopen(url + "/prometheus/metrics") as r:
             exported = exported_names(r.read().decode())
         rules_doc = rule_file(recipe, recipe.name)
@@ -157,6 +142,3 @@ def _run(tmp_path, recipe, url):
         for t in threads:
             if t.is_alive():
                 t.join(180)
-        prom.terminate()
-        prom.wait(30)
-        log.close()
