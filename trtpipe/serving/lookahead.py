@@ -3,9 +3,7 @@ set, the tree-encoded drafts with their attention mask and position ids, and acc
 
 A port of TensorRT-LLM's CPU algorithm, step for step (pure Python, no model):
 
-- ``cpp/tensorrt_llm/executor/decodingConfig.cpp@0371ba0f``: ``LookaheadDecodingConfig`` (window W, n-gram N,
-  verification set G), its legality rules and ``calculateSpeculativeResourceTuple`` (:meth:`LookaheadConfig.resource`):
-  draft tokens ``(N - 2 if N > 1 else 0) + (W - 1 + G) * (N - 1)``, decoding tokens one more, path length N.
+- the configuration (W, N, G), its legality and its draft length: :class:`trtpipe.recipe.lookahead.LookaheadConfig`.
 - ``cpp/tensorrt_llm/layers/lookaheadPoolManager.cpp@22d95135``: the pool of (N - 1)-grams keyed by the token before
   them, at most G per key, most recently inserted last (:class:`NgramPool`).
 - ``cpp/tensorrt_llm/layers/lookaheadAlgorithm.cpp@22d95135``: ``setup`` / ``accept`` / ``lookahead`` / ``guess`` /
@@ -28,53 +26,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-
-@dataclass(frozen=True)
-class LookaheadConfig:
-    """(W, N, G): ``executor::LookaheadDecodingConfig(windowSize, ngramSize, verificationSetSize)``."""
-
-    window_size: int
-    ngram_size: int
-    verification_set_size: int
-
-    def problems(self) -> list[str]:
-        """Why upstream's constructor would refuse it (``LookaheadDecodingConfig::isLegal``); [] when legal."""
-        w, n, g = self.window_size, self.ngram_size, self.verification_set_size
-        out = []
-        if n < 1:
-            out.append("ngram size must be >= 1")
-        if w < 1:
-            out.append("window size must be >= 1")
-        if g < 0:
-            out.append("verification set size must be >= 0")
-        if n == 1 and w != 1:
-            out.append("ngram size 1 requires window size 1")
-        if n == 1 and g != 0:
-            out.append("ngram size 1 requires verification set size 0")
-        return out
-
-    def resource(self) -> tuple[int, int, int, int]:
-        """``calculateSpeculativeResourceTuple``: (max decoding tokens, max path length, max draft tokens, max draft
-        path length)."""
-        w, n, g = self.window_size, self.ngram_size, self.verification_set_size
-        draft = (0 if n == 1 else n - 2) + (w - 1 + g) * (n - 1)
-        return draft + 1, n, draft, n - 1
-
-    @property
-    def max_draft_len(self) -> int:
-        """What ``trtllm-build --max_draft_len`` must be for an engine serving this configuration."""
-        return self.resource()[2]
-
-    def fits_in(self, other: "LookaheadConfig") -> bool:
-        """``isLE``: every size at most ``other``'s (a request's configuration against the executor's)."""
-        return (
-            self.window_size <= other.window_size
-            and self.ngram_size <= other.ngram_size
-            and self.verification_set_size <= other.verification_set_size
-        )
-
-    def __str__(self) -> str:
-        return f"(w {self.window_size}, n {self.ngram_size}, g {self.verification_set_size})"
+from trtpipe.recipe.lookahead import LookaheadConfig
 
 
 class NgramPool:
