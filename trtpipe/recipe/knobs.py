@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from trtpipe.recipe.lookahead import recipe_config
 from trtpipe.recipe.schema import KVCacheSection, Recipe, ServingSection, TritonSection
 
 DEFAULT_QUEUE_PER_SLOT = 8  # serving.max_queue_size -1 (its default): this many waiting per batch slot
@@ -50,6 +51,9 @@ def speculative_knobs(recipe: Recipe) -> dict[str, Any]:
     s = recipe.speculative
     if s.decoding_type not in TWIN_EXECUTES:
         return {}
+    la = recipe_config(recipe)
+    if la is not None:  # lookahead_decoding: (W, N, G) and the draft length that follows
+        return {"speculative_decoding_type": TWIN_EXECUTES[s.decoding_type], **la.executor_fields()}
     draft = draft_dir(recipe)
     return {
         "speculative_decoding_type": TWIN_EXECUTES[s.decoding_type],
@@ -79,7 +83,8 @@ def twin_extras(recipe: Recipe, speculation: bool = True) -> str:
     """The Triton twin's ``executor_extras`` parameter: the knobs of :func:`executor_knobs` no upstream parameter
     carries. ``speculation`` False: without the speculative knobs (a model of the two-model draft-target form,
     whose drafts the BLS brings as ``draft_input_ids``)."""
-    spec = () if speculation else tuple(speculative_knobs(recipe))
+    # lookahead: carried by the tensorrt_llm model's own decoding_mode and lookahead_* parameters
+    spec = () if speculation and recipe_config(recipe) is None else tuple(speculative_knobs(recipe))
     return json.dumps(
         {k: v for k, v in executor_knobs(recipe).items() if k not in UPSTREAM_KNOBS and k not in spec}, sort_keys=True
     )

@@ -88,6 +88,10 @@ class LookaheadConfig:
     def __str__(self) -> str:
         return f"(w {self.window_size}, n {self.ngram_size}, g {self.verification_set_size})"
 
+    def executor_fields(self) -> dict[str, int]:
+        """The ExecutorConfig fields of this configuration (the sizes and the draft length)."""
+        return {**self.as_parameters(), "max_draft_len": self.max_draft_len}
+
     def as_parameters(self) -> dict[str, int]:
         """The Triton ``tensorrt_llm`` parameters (or request inputs) of this configuration."""
         return dict(zip(TRITON_PARAMETERS, (self.window_size, self.ngram_size, self.verification_set_size)))

@@ -80,6 +80,11 @@ class ExecutorConfig:
     max_draft_len: int = 0
     max_matching_ngram_size: int = 2
     speculative_model: str = ""  # DraftTarget: the draft's HF directory; Eagle3: the head's (the front end loads it)
+    # "Lookahead": the executor's LookaheadDecodingConfig (W, N, G; 0: off), the Triton model's lookahead_* parameters
+    # (trtpipe.serving.lookahead; max_draft_len is its (N - 2) + (W - 1 + G) * (N - 1))
+    lookahead_window_size: int = 0
+    lookahead_ngram_size: int = 0
+    lookahead_verification_set_size: int = 0
 
     @property
     def draft_reserve(self) -> int:
@@ -173,6 +178,8 @@ class Request:
     # ``draft_input_ids`` (draft-target decoding with an external draft model, upstream's two-model form): tokens
     # proposed to follow the prompt, verified in the context step's forward (trtpipe.serving.speculative)
     draft_tokens: Sequence[int] = ()
+    # the request's LookaheadDecodingConfig (W, N, G), at most the executor's; None: the executor's
+    lookahead: Optional[tuple[int, int, int]] = None
 
 
 @dataclass

@@ -40,6 +40,7 @@ from trtpipe.serving.adapters import within_lora_cache
 from trtpipe.serving.kv_pool import BlockPool, KVStats
 from trtpipe.serving.logprobs import MAX_LOGPROBS
 from trtpipe.serving.scheduler import ActiveRequest, ContextTooLong, capacity_schedule, insert_by_priority, micro_batch
+from trtpipe.serving.lookahead import request_problem as lookahead_problem
 from trtpipe.serving.speculative import Speculator, count_verification
 
 
@@ -456,6 +457,9 @@ class ExecutorCore:
                 return f"{name} must be None or in [0, {MAX_LOGPROBS}], got {k!r}"
         if isinstance(req.min_tokens, bool) or not isinstance(req.min_tokens, int) or req.min_tokens < 0:
             return f"min_tokens must be an integer >= 0, got {req.min_tokens!r}"
+        lookahead = lookahead_problem(c, req)
+        if lookahead:
+            return lookahead
         if len(req.prompt) > c.max_input_len:
             return f"Prompt length ({len(req.prompt)}) exceeds maximum input length ({c.max_input_len})."
         if not c.enable_chunked_context and len(req.prompt) > c.max_num_tokens:

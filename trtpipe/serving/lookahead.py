@@ -308,3 +308,83 @@ class LookaheadAlgorithm:
         if f < n - 1:
             self.filling += 1
         return accepted, offsets
+
+
+# ---- configuration: the executor's, a request's, and what is refused ----------------------------------------------
+
+LOOKAHEAD = "Lookahead"  # ExecutorConfig.speculative_decoding_type
+GREEDY_ONLY = (
+    "lookahead decoding is greedy (its decoding layer takes the top-1 token: lookaheadDecodingLayer.cpp maxTopK 1); "
+    "send temperature 0 or runtime_top_k 1, or serve a model without lookahead for sampling"
+)
+
+
+def executor_lookahead(config) -> Optional[LookaheadConfig]:
+    """The executor's (max) lookahead configuration, or None when it does not run lookahead decoding."""
+    if config.speculative_decoding_type != LOOKAHEAD:
+        return None
+    return LookaheadConfig(
+        config.lookahead_window_size, config.lookahead_ngram_size, config.lookahead_verification_set_size
+    )
+
+
+def executor_knobs(decoding_mode: Optional[str], params: dict, engine_max_draft_len: Optional[int] = None) -> dict:
+    """ExecutorConfig fields of the Triton model's ``decoding_mode`` and ``lookahead_*`` parameters ({} unless
+    decoding_mode is lookahead, as the backend reads them only then). ValueError names the parameter."""
+    if str(decoding_mode or "").lower() != "lookahead":
+        return {}
+    values = {
+        k: params.get(k) for k in ("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size")
+    }
+    if any(v is None or v == "" for v in values.values()):
+        raise ValueError(
+            "decoding_mode lookahead: set lookahead_window_size, lookahead_ngram_size and "
+            f"lookahead_verification_set_size together (got {values})"
+        )
+    try:
+        cfg = LookaheadConfig(*(int(v) for v in values.values()))
+    except ValueError:
+        raise ValueError(
+            f"decoding_mode lookahead: the lookahead_* parameters must be integers, got {values}"
+        ) from None
+    bad = cfg.problems()
+    if bad:
+        raise ValueError(f"decoding_mode lookahead: lookahead {cfg}: {'; '.join(bad)}")
+    if engine_max_draft_len is not None and engine_max_draft_len != cfg.max_draft_len:
+        raise ValueError(
+            f"decoding_mode lookahead {cfg} drafts {cfg.max_draft_len} tokens per step but the engine was built with "
+            f"max_draft_len {engine_max_draft_len} (they must be equal: lookaheadDecodingLayer.cpp checks it)"
+        )
+    return {"speculative_decoding_type": LOOKAHEAD, **cfg.executor_fields()}
+
+
+def request_sizes(get) -> Optional[tuple[int, int, int]]:
+    """A Triton request's ``lookahead_*`` inputs: all three or none (``get(name)`` -> numpy array or None)."""
+    names = ("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size")
+    arrays = [get(n) for n in names]
+    given = [a is not None and a.size > 0 for a in arrays]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ValueError(f"{', '.join(names)}: give all three or none (got {[n for n, g in zip(names, given) if g]})")
+    return tuple(int(a.reshape(-1)[0]) for a in arrays)
+
+
+def request_problem(config, request) -> Optional[str]:
+    """Why the executor cannot run this request's lookahead (one line), or None."""
+    mine = executor_lookahead(config)
+    if request.lookahead is not None:
+        if mine is None:
+            return (
+                "The request lookahead decoding input tensors (window_size, ngram_size and verification_set_size) "
+                "can only be set if the model instance lookahead parameters are also specified"
+            )
+        theirs = LookaheadConfig(*request.lookahead)
+        bad = theirs.problems()
+        if bad:
+            return f"request lookahead {theirs}: {'; '.join(bad)}"
+        if not theirs.fits_in(mine):
+            return f"request lookahead {theirs} exceeds the model's {mine}: each size must be at most the model's"
+    if mine is not None and not request.sampling.greedy:
+        return GREEDY_ONLY
+    return None
