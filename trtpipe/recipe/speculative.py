@@ -41,6 +41,7 @@ TWIN_EXECUTES = {
     "MTP": "MTP",  # the target checkpoint's MTP layer (trtpipe/serving/hidden_draft.py)
     "Eagle3": "Eagle3",  # an EAGLE-3 head over the target's hidden states (same module)
     "medusa": "Medusa",  # Medusa heads, chain-shaped medusa_choices (trtpipe/serving/medusa.py)
+    "lookahead_decoding": "Lookahead",  # the window, pool and verification set (trtpipe/serving/lookahead.py)
 }
 EAGLE3_MIN_LAYERS = 6  # _get_eagle3_default_capture_layers needs more than 5 (eagle3.py@f933a608)
 MTP_MIN_SM = 90
@@ -90,7 +91,7 @@ def _spelling(recipe: Recipe) -> Iterable[Finding]:
         )
     if s.decoding_type not in ("none", LLMAPI_LOOKAHEAD) and s.decoding_type not in TWIN_EXECUTES:
         # trtpipe writes only what its CPU twin executes (so every generated setting is tested): not EAGLE-1/2 heads
-        # on the engine target, nor lookahead decoding
+        # on the engine target
         yield (
             f"{KEY}.decoding_type",
             f"{s.decoding_type} is not executed by trtpipe's CPU twin yet, so trtpipe does not write it "

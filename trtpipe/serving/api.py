@@ -322,6 +322,8 @@ class StepResult:
     accepted: dict[int, list[int]] = field(default_factory=dict)  # entries with drafts: every token they emit
     # masked entries (spec_mask): the accepted drafts' indices into the entry's tokens, whose KV the executor keeps
     kept: dict[int, list[int]] = field(default_factory=dict)
+    # masked greedy entries: the target's token at every row (lookahead's window reads them: trtpipe.serving.lookahead)
+    targets: dict[int, list[int]] = field(default_factory=dict)
 
 
 class StepEngine(Protocol):

@@ -608,7 +608,7 @@ class ExecutorCore:
             return
         result = self.engine.step(batch)
         if self.speculator is not None:  # MTP / EAGLE-3 heads read the step's hidden states
-            self.speculator.stepped(batch)
+            self.speculator.stepped(batch, result)
         self.clock.advance(result.elapsed_s)
         now = self.clock.now_ns()
         by_id = {r.id: r for r in chosen}

@@ -254,6 +254,10 @@ class LookaheadAlgorithm:
         self._drafts, self._mask, self._encode_map = enc_t, enc_m, enc_map
         return LookaheadDrafts(enc_t, enc_p, enc_m)
 
+    def drop_prepared(self) -> None:
+        """Forget the drafts :meth:`prepare` laid out (the step runs without them: only :meth:`accept` follows)."""
+        self._drafts, self._mask, self._encode_map, self._guess_len = [], [], [], 0
+
     def _verify(self, new_last: int, gold: Sequence[int], end_id: Optional[int]) -> tuple[list[int], list[int]]:
         """The longest draft path the target agrees with: (accepted tokens, the trie indices of the accepted drafts)."""
         size = len(self._drafts)
@@ -388,3 +392,117 @@ def request_problem(config, request) -> Optional[str]:
     if mine is not None and not request.sampling.greedy:
         return GREEDY_ONLY
     return None
+
+
+# ---- the executor's drafter: one LookaheadAlgorithm per request, its drafts verified as one masked token set -------
+
+
+@dataclass
+class _RequestState:
+    algo: LookaheadAlgorithm
+    synced: int  # tokens of the request's sequence the algorithm has taken
+    end_id: Optional[int] = None
+    pending: Optional[int] = None  # sequence length when the drafts now in flight were prepared
+
+
+def _paths(drafts: LookaheadDrafts, cap: int, end_id: Optional[int]) -> list[list[int]]:
+    """Candidate paths over ``[last token, drafts...]`` (indices into that list): each trie node's root path, at most
+    ``cap`` drafts long (upstream's ``mRuntimeMaxDraftPathLen`` N - 1, and the room the request has left) and cut
+    before an end-id draft (``verify`` counts no hit on one); prefixes of longer paths dropped."""
+    out: list[tuple[int, ...]] = []
+    for i in range(len(drafts.tokens)):
+        path = [j + 1 for j in range(len(drafts.tokens)) if drafts.mask[i][j]][:cap]
+        if end_id is not None and any(drafts.tokens[j - 1] == end_id for j in path):
+            path = path[: next(k for k, j in enumerate(path) if drafts.tokens[j - 1] == end_id)]
+        if path:
+            out.append(tuple(path))
+    keep = set(out)
+    for p in list(keep):
+        for k in range(1, len(p)):
+            keep.discard(p[:k])
+    return [list(p) for p in sorted(keep)]
+
+
+class LookaheadDrafter:
+    """Lookahead decoding in the in-flight batching executor (``decoding_type`` Lookahead), as upstream's decoding
+    layer drives its algorithm: the step after the context (or any step without drafts) only ``accept`` s the new
+    tokens; a step with drafts ``update`` s from the target's token at every row; then ``prepare`` lays out the next
+    drafts. All branches (the window's rows and the verification set) go into the request's one entry of the step,
+    as a token set with upstream's mask and positions (:mod:`trtpipe.serving.tree_verify`); acceptance keeps the
+    longest agreeing path and its KV."""
+
+    def __init__(self, config):
+        self.max_config = executor_lookahead(config)
+        if self.max_config is None:
+            raise ValueError("speculative decoding_type Lookahead needs lookahead_window_size / ngram / verification")
+        self.config = config
+        self.state: dict[int, _RequestState] = {}
+
+    def _state(self, r) -> _RequestState:
+        st = self.state.get(r.id)
+        if st is None:
+            req = r.request
+            cfg = LookaheadConfig(*req.lookahead) if req.lookahead is not None else self.max_config
+            algo = LookaheadAlgorithm(self.max_config)
+            seed = req.sampling.seed if req.sampling.seed is not None else 0  # DefaultDecodingParams::getSeed()
+            algo.setup(list(req.prompt), cfg, seed)
+            st = self.state[r.id] = _RequestState(algo, len(req.prompt), req.end_id)
+        return st
+
+    def propose(self, requests: list, ks: dict[int, int]) -> dict[int, tuple]:
+        """Each request's next drafts, ``(drafts, None, StepEntry fields)``; ``ks``: how many more tokens each may
+        take beyond the next one (no drafts when its drafts would pass max_seq_len)."""
+        out = {}
+        for r in requests:
+            st = self._state(r)
+            new = r.tokens[st.synced :]
+            n = st.algo.n
+            for i in range(0, len(new), max(1, n)):  # tokens decoded without drafts: into the pool
+                st.algo.accept(new[i : i + max(1, n)])
+            st.synced = len(r.tokens)
+            st.pending = None
+            drafts = st.algo.prepare(len(r.tokens), r.tokens[-1])
+            if not drafts.tokens or len(r.tokens) + len(drafts.tokens) > self.config.max_seq_len:
+                self._no_drafts(st)
+                continue
+            paths = _paths(drafts, min(st.algo.n - 1, ks.get(r.id, 0)), r.request.end_id)
+            if not paths:
+                self._no_drafts(st)
+                continue
+            base = len(r.tokens) - 1  # the last token's position: the entry's start_pos
+            fields = {
+                "spec_positions": [0] + [p - base for p in drafts.positions],
+                "spec_mask": drafts.full_mask(),
+                "spec_paths": paths,
+            }
+            st.pending = len(r.tokens)
+            out[r.id] = (list(drafts.tokens), None, fields)
+        return out
+
+    @staticmethod
+    def _no_drafts(st: _RequestState) -> None:
+        """This step decodes the request without drafts: the algorithm only accepts its token (upstream's
+        tokensPerStep == 1 branch), so the prepared layout is dropped."""
+        st.algo.drop_prepared()
+
+    def stepped(self, batch, result) -> None:
+        """After the target's forward: each request that verified drafts updates its window and pool from the
+        target's token at every row (``StepResult.targets``)."""
+        for e in batch.entries:
+            st = self.state.get(e.request_id)
+            if st is None or st.pending is None or e.spec_mask is None:
+                continue
+            rows = result.targets.get(e.request_id)
+            if rows is None:  # the entry failed: its drafts are dropped, nothing was taken
+                st.pending = None
+                st.algo.drop_prepared()
+                continue
+            accepted, _ = st.algo.update(rows, st.end_id)
+            st.synced = st.pending + len(accepted)
+            st.pending = None
+
+    def accepted(self, request_id: int, valid: int) -> None:
+        """The executor's acceptance changes nothing here (the algorithm updated from the step's rows)."""
+
+    def forget(self, request_id: int) -> None:
+        self.state.pop(request_id, None)

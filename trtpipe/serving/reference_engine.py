@@ -311,8 +311,9 @@ class ReferenceEngine:
         logits, prompt = split_rows(batch, logits, sample_at, prompt_at) if prompt_at else (logits, {})
         accepted: dict = {}
         kept: dict = {}  # masked entries: the accepted drafts' indices (trtpipe.serving.tree_verify)
+        targets: dict = {}  # masked greedy entries: every row's token (trtpipe.serving.lookahead)
         if any(e.verifies_drafts for e in batch.entries):  # k + 1 rows for each entry with drafts
-            tokens, errors, accepted = verify_entries(batch, logits, sample_entries, kept)
+            tokens, errors, accepted = verify_entries(batch, logits, sample_entries, kept, targets)
         else:
             tokens, errors = sample_entries(batch, logits)
         chosen = chosen_logprobs(batch, logits, tokens)
@@ -324,6 +325,7 @@ class ReferenceEngine:
             prompt_logprobs=prompt,
             accepted=accepted,
             kept=kept,
+            targets=targets,
         )
 
 

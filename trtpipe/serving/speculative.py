@@ -41,8 +41,8 @@ from trtpipe.serving.api import ExecutorConfig, SamplingParams, StepBatch, StepE
 from trtpipe.serving.kv_pool import BlockPool
 from trtpipe.serving.tree_verify import verify_masked
 
-NGRAM, DRAFT_TARGET, MTP, EAGLE3, MEDUSA = "NGram", "DraftTarget", "MTP", "Eagle3", "Medusa"
-DECODING_TYPES = (NGRAM, DRAFT_TARGET, MTP, EAGLE3, MEDUSA)
+NGRAM, DRAFT_TARGET, MTP, EAGLE3, MEDUSA, LOOKAHEAD = "NGram", "DraftTarget", "MTP", "Eagle3", "Medusa", "Lookahead"
+DECODING_TYPES = (NGRAM, DRAFT_TARGET, MTP, EAGLE3, MEDUSA, LOOKAHEAD)
 # drafted by heads over the target's hidden states (trtpipe.serving.hidden_draft, trtpipe.serving.medusa)
 HIDDEN_STATE_TYPES = (MTP, EAGLE3, MEDUSA)
 
@@ -154,7 +154,9 @@ def prometheus_lines(speculator, labels: str) -> list[str]:
     return [line for name, v in rows for line in (f"# TYPE {name} counter", f"{name}{{{labels}}} {v}")]
 
 
-def verify_entries(batch: StepBatch, logits: torch.Tensor, sample_entries, kept: Optional[dict] = None):
+def verify_entries(
+    batch: StepBatch, logits: torch.Tensor, sample_entries, kept: Optional[dict] = None, targets: Optional[dict] = None
+):
     """A step's tokens when some entries verify drafts: ``logits`` has k + 1 rows for those, one for every other
     sampling entry. The others go through ``sample_entries`` (the engine's own sampler) unchanged. An entry with a
     ``spec_mask`` is verified as a token set (:func:`trtpipe.serving.tree_verify.verify_masked`); its accepted drafts'
@@ -181,6 +183,8 @@ def verify_entries(batch: StepBatch, logits: torch.Tensor, sample_entries, kept:
                 idx, accepted[e.request_id] = verify_masked(e, rows)
                 if kept is not None:
                     kept[e.request_id] = idx
+                if targets is not None and e.sampling.greedy:  # every row's greedy token (lookahead's window)
+                    targets[e.request_id] = rows.argmax(-1).tolist()
             else:
                 accepted[e.request_id] = verify(e.drafts, e.draft_probs, rows, e.sampling, e.generator)
             tokens[e.request_id] = accepted[e.request_id][-1]
@@ -284,6 +288,10 @@ class Speculator:
         self.draft = None
         if kind == DRAFT_TARGET:
             self.draft = DraftModel(draft_engine, blocks, config.tokens_per_block)
+        elif kind == LOOKAHEAD:  # the window, pool and verification set of trtpipe.serving.lookahead
+            from trtpipe.serving.lookahead import LookaheadDrafter
+
+            self.draft = LookaheadDrafter(config)
         elif kind in HIDDEN_STATE_TYPES:  # trtpipe.serving.hidden_draft.HiddenDrafter over the target's engine
             self.draft = draft_engine.drafter(target_engine, blocks, config.tokens_per_block)
         self.total_draft_tokens = 0
@@ -316,9 +324,12 @@ class Speculator:
         self.total_accepted_draft_tokens += accepted
         self.verifications += 1
 
-    def stepped(self, batch: StepBatch) -> None:
-        """After every target step (a head keeps the step's hidden states)."""
+    def stepped(self, batch: StepBatch, result=None) -> None:
+        """After every target step (a head keeps the step's hidden states; lookahead reads every row's token)."""
         if isinstance(self.draft, DraftModel) or self.draft is None:
+            return
+        if self.config.speculative_decoding_type == LOOKAHEAD:
+            self.draft.stepped(batch, result)
             return
         self.draft.stepped(batch)
 
