@@ -56,8 +56,12 @@ def test_the_engine_is_built_with_upstreams_draft_length(tmp_path, stories_dir):
 
 
 def test_defaults_are_the_executors(tmp_path, stories_dir):
+    from trtpipe.engine.draft_plan import draft_memory
+
     r = _recipe(tmp_path, stories_dir, "  decoding_type: lookahead_decoding")
     assert recipe_config(r) == LookaheadConfig(4, 3, 4) and draft_len(r) == 15
+    # the plan: no draft weights, each sequence grows by the 15 draft positions
+    assert draft_memory(r, 1, 2.0) == type(draft_memory(r, 1, 2.0))(0, 0.0, 15, "none")
 
 
 def test_the_triton_model_gets_decoding_mode_lookahead_and_the_executor_sizes(tmp_path, stories_dir):
