@@ -98,6 +98,7 @@ def test_the_twin_parses_the_request_inputs():
         parse_request(arrays.get, s, decoupled=False)
 
 
+@pytest.mark.slow  # converts a checkpoint and writes an engine and a repository (seconds)
 def test_the_repository_the_recipe_writes_is_what_the_twin_reads(tmp_path):
     """recipe -> trtllm-build config -> twin engine -> Triton repository -> the stub's reading of it."""
     from google.protobuf import json_format, text_format
