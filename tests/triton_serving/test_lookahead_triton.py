@@ -142,3 +142,14 @@ def test_upstreams_refusals_and_sampling(servers):
     with pytest.raises(InferenceServerException, match="lookahead decoding is greedy"):
         _infer(spec, sampled)
     assert _infer(plain, sampled)["output_ids"].size > 0  # the same request without lookahead samples
+
+
+def test_sampling_through_http_generate_is_a_4xx(servers):
+    import requests
+
+    plain, spec = servers
+    body = {"text_input": PROMPTS[0], "max_tokens": 8, "temperature": 0.8, "top_k": 5, "seed": 1}
+    r = requests.post(f"{spec.http_url}/v2/models/ensemble/generate", json=body, timeout=120)
+    assert r.status_code == 400 and "lookahead decoding is greedy" in r.text, (r.status_code, r.text)
+    ok = requests.post(f"{plain.http_url}/v2/models/ensemble/generate", json=body, timeout=120)
+    assert ok.status_code == 200, ok.text
