@@ -142,3 +142,42 @@ def test_full_mask_lets_every_draft_attend_the_last_token():
     full = d.full_mask()
     assert len(full) == len(d.tokens) + 1 and all(row[0] for row in full)
     assert full[0] == [True] + [False] * len(d.tokens)
+
+
+@pytest.mark.parametrize(
+    "text, positions, size",
+    [  # upstream's treeEncodeTest vectors and trie sizes (cpp/tests/unit_tests/layers/lookaheadAlgorithmTest.cpp@28190dcb)
+        ("01234512345", [10, 11, 12, 13, 14, 15, 11, 12, 13, 14, 15], 6),
+        ("01234512abc", [10, 11, 12, 13, 14, 15, 11, 12, 13, 14, 15], 9),
+        ("01234512abc2aBCD", [10, 11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 12, 13, 14, 15, 16], 12),
+        ("wmplhi  folxamp", [21, 22, 23, 24, 25, 26, 27, 21, 22, 23, 24, 21, 22, 23, 24], 15),
+    ],
+)
+def test_tree_encode_on_upstreams_vectors(text, positions, size):
+    tokens = [ord(c) for c in text]
+    t, p, m, emap = tree_encode(tokens, positions, positions_to_mask(positions))
+    assert len(t) == size
+    assert [t[emap[i]] for i in range(len(tokens))] == tokens  # every input token is the node it merged into
+    assert all(p[i] == positions[0] + sum(m[i]) - 1 for i in range(size))  # a node's position is its depth
+
+
+# upstream's predict grid (the same test file): max (W, N, G) and a request's (w, n, g) at or below it
+GRID = [
+    ((1, 1, 0), (1, 1, 0)),
+    ((1, 2, 0), (1, 2, 0)),
+    ((2, 2, 0), (2, 2, 0)),
+    ((1, 2, 1), (1, 2, 1)),
+    ((2, 2, 2), (2, 2, 2)),
+    ((5, 5, 5), (5, 5, 5)),
+    ((7, 7, 7), (3, 2, 2)),
+    ((5, 5, 5), (3, 3, 0)),
+    ((7, 4, 4), (5, 3, 3)),
+]
+
+
+@pytest.mark.parametrize("max_cfg, cfg", GRID)
+def test_upstreams_grid_decodes_the_greedy_sequence(max_cfg, cfg):
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    out, forwards = run_lookahead(prompt, 48, LookaheadConfig(*cfg), max_cfg=LookaheadConfig(*max_cfg))
+    assert out == greedy(prompt, 48)
+    assert forwards <= 48
