@@ -181,3 +181,29 @@ def test_upstreams_grid_decodes_the_greedy_sequence(max_cfg, cfg):
     out, forwards = run_lookahead(prompt, 48, LookaheadConfig(*cfg), max_cfg=LookaheadConfig(*max_cfg))
     assert out == greedy(prompt, 48)
     assert forwards <= 48
+
+
+def test_pool_on_upstreams_fill_and_update_vectors():
+    """upstream's LookaheadPoolManagerTest.fillAndUpdate (cpp/tests/unit_tests/layers/lookaheadPoolManagerTest.cpp
+    @16d2467e): W 5, N 4, G 5 over characters."""
+
+    def s(text):
+        return [ord(c) for c in text]
+
+    def rows(text):
+        return [s(text[i : i + 3]) for i in range(0, 15, 3)]
+
+    def guess(key):
+        return ["".join(map(chr, g)) for g in pool.guess(ord(key), 5)]
+
+    pool = NgramPool(5)
+    pool.accept(s("hello world; hello world. live is life."), 4)
+    assert guess("l") == ["lo ", "o w", "d. ", "ive", "ife"]
+    assert guess(" ") == ["hel", "wor", "liv", "is ", "lif"]
+    keys = s("lvwxy")
+    pool.update(keys, rows("abcde12345hijkm"))
+    assert guess("w") == ["orl", "234"]
+    assert guess("l") == ["o w", "d. ", "ive", "ife", "abc"]
+    for past in ("dogde12345hijkm", "catde12345hijkm", "abcde12345hijkm"):
+        pool.update(keys, rows(past))
+    assert guess("l") == ["ive", "ife", "dog", "cat", "abc"]
