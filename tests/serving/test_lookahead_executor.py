@@ -119,3 +119,20 @@ def test_sampling_and_oversize_requests_are_refused_in_one_line(model_tp1):
     )
     out, _ = _serve(model_tp1, plain, [Request([1, 5, 6], 4, lookahead=(2, 2, 1))])
     assert "can only be set if the model instance lookahead parameters are also specified" in out[0].error
+
+
+@pytest.mark.slow
+def test_greedy_identical_at_tp2(model_tp2, oracle):
+    """The tp=2 checkpoint (two shards per layer, summed as the all-reduce would): the masked step and the accepted
+    drafts' KV move on every shard."""
+    prompts = _prompts(4, seed=9, repetitive=True)
+    plain_cfg = ExecutorConfig(
+        max_batch_size=8, max_num_tokens=128, max_input_len=96, max_seq_len=160, num_blocks=128, tokens_per_block=8
+    )
+    plain, _ = _serve(model_tp2, plain_cfg, _requests(prompts))
+    la, core = _serve(model_tp2, _config(4, 3, 4), _requests(prompts))
+    for p, a, b in zip(prompts, plain, la):
+        assert not b.has_error, b.error
+        assert b.tokens == a.tokens
+        assert check_greedy(model_tp2, oracle, p, b.tokens, N_OUT, EOS) == ""
+    assert core.speculator.total_accepted_draft_tokens > 0
