@@ -16,7 +16,8 @@ Upstream's names and numbers:
   ``trtllm-build --speculative_decoding_mode lookahead_decoding --max_draft_len D``
   (``tensorrt_llm/commands/build.py@65f1d153``), D this configuration's max draft tokens (the decoding layer checks
   ``maxTokensPerStep == decodingTokens``: ``cpp/tensorrt_llm/layers/lookaheadDecodingLayer.cpp@05cc2c11``).
-- The Triton ``tensorrt_llm`` model takes ``decoding_mode: lookahead`` and the executor's ``lookahead_window_size``,
+- The Triton ``tensorrt_llm`` model takes ``decoding_mode: lookahead`` (one of the modes tensorrtllm_backend's
+  ``docs/model_config.md@0b9d7d5a`` lists) and the executor's ``lookahead_window_size``,
   ``lookahead_ngram_size``, ``lookahead_verification_set_size`` parameters, and per request the same three inputs,
   all three or none, refused when the model has no lookahead parameters
   (``triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/1/model.py@0d5352f5``
