@@ -258,7 +258,7 @@ def test_the_drift_rule_follows_the_recipe():
     llmapi = RECIPES / "stories-llmapi-fp8.yaml"
     assert "SpeculativeAcceptanceDrift" not in alerts(llmapi)
     assert "SpeculativeAcceptanceDrift" in alerts(llmapi, "speculative.decoding_type=NGram")
-    # the engine target (the twin does not run lookahead decoding, so validation refuses it: only the rule is asked)
+    # the engine target (lookahead decoding: only the rule is asked)
     engine = alerts(ONE_NODE, "speculative.decoding_type=lookahead_decoding", check_rules=False)
     assert "SpeculativeAcceptanceDrift" not in engine
     recipe = load_recipe(llmapi, ["speculative.decoding_type=NGram", "deploy.acceptance_drift_alert=0.5"])

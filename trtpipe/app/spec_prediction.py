@@ -66,6 +66,7 @@ def speculative_block(
     figures scaled by it (ITL p50 divided by it; tok/s by the ratio of plain to speculative end-to-end time of a
     request at the simulated p50 TTFT and ITL)."""
     from trtpipe.app.validation import load_recipe
+    from trtpipe.recipe.lookahead import draft_len
 
     recipe = load_recipe(recipe_path, list(overrides), check_rules=False)
     s = recipe.speculative
@@ -74,14 +75,14 @@ def speculative_block(
             "--acceptance-length: the recipe has no speculative decoding (set speculative.decoding_type)"
         )
     step = speculative_step(
-        target, c, batch, isl + osl // 2, s.max_draft_len, acceptance_length, drafter(recipe, target)
+        target, c, batch, isl + osl // 2, draft_len(recipe), acceptance_length, drafter(recipe, target)
     )
     ttft, itl = summary["ttft_ms"]["p50"], summary["itl_ms"]["p50"]
     e2e_plain, e2e_spec = ttft + (osl - 1) * itl, ttft + (osl - 1) * itl / step.speedup
     ms = lambda v: round(v * 1e3, 3)  # noqa: E731
     return {
         "decoding_type": s.decoding_type,
-        "max_draft_len": s.max_draft_len,
+        "max_draft_len": draft_len(recipe),  # lookahead: (N - 2) + (W - 1 + G) * (N - 1)
         "acceptance_length": acceptance_length,
         "batch": batch,
         "kv_len": step.kv_len,

@@ -22,6 +22,7 @@ from trtpipe.formats.schemes import quant_algos
 from trtpipe.engine.presets import BY_NAME, FIELDS, auto_preset, get_preset, normalize
 from trtpipe.errors import EngineError
 from trtpipe.models.dims import checkpoint_dims
+from trtpipe.recipe.lookahead import draft_len
 from trtpipe.recipe.schema import Recipe
 
 if TYPE_CHECKING:
@@ -231,7 +232,8 @@ def _speculative(recipe: Recipe) -> dict[str, Any]:
     s = recipe.speculative
     if recipe.target != "engine" or s.decoding_type not in SPECULATIVE_MODE_VALUES:
         return {}
-    return {"speculative_decoding_mode": s.decoding_type, "max_draft_len": s.max_draft_len}
+    # lookahead_decoding: D = (N - 2) + (W - 1 + G) * (N - 1), the layer's maxTokensPerStep - 1 (recipe/lookahead.py)
+    return {"speculative_decoding_mode": s.decoding_type, "max_draft_len": draft_len(recipe)}
 
 
 def _cli_value(name: str, value: Any) -> str:

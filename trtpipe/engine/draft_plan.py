@@ -21,6 +21,7 @@ from typing import Optional
 from trtpipe.engine.draft_heads import eagle3_head_bytes, is_eagle3_head
 from trtpipe.errors import TrtpipeError
 from trtpipe.jsonfile import load_json
+from trtpipe.recipe.lookahead import draft_len
 from trtpipe.recipe.schema import Recipe
 
 NO_DRAFT_WEIGHTS = frozenset({"none", "NGram", "lookahead_decoding", "MTP"})
@@ -46,8 +47,8 @@ def draft_memory(recipe: Recipe, tp: int, kv_bytes: float) -> Optional[DraftMemo
     s = recipe.speculative
     if not s.enabled:
         return None
-    if s.decoding_type in NO_DRAFT_WEIGHTS or s.speculative_model is None:
-        return DraftMemory(0, 0.0, s.max_draft_len, "none")
+    if s.decoding_type in NO_DRAFT_WEIGHTS or s.speculative_model is None:  # lookahead: D from (W, N, G)
+        return DraftMemory(0, 0.0, draft_len(recipe), "none")
     from trtpipe.recipe.speculative import draft_dir
 
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from trtpipe.recipe.lookahead import recipe_config
 from trtpipe.recipe.schema import KVCacheSection, Recipe, ServingSection, TritonSection
 
 DEFAULT_QUEUE_PER_SLOT = 8  # serving.max_queue_size -1 (its default): this many waiting per batch slot
@@ -43,13 +44,16 @@ def knobs(max_batch_size: int, kv: KVCacheSection, triton: TritonSection, servin
 def speculative_knobs(recipe: Recipe) -> dict[str, Any]:
     """What the twin executes of ``speculative:`` (NGram, DraftTarget and the engine's draft_tokens_external, MTP
     with the target's MTP layer, Eagle3 with its head, the engine's medusa with its heads (chain-shaped choices,
-    which validation enforces); a draft or head as a local directory). The engine path's eagle and
-    lookahead_decoding are refused at validate: the twin has no EAGLE-1 heads nor lookahead decoding."""
+    which validation enforces), the engine's lookahead_decoding with its (W, N, G); a draft or head as a local
+    directory). The engine path's eagle is refused at validate: the twin has no EAGLE-1 heads."""
     from trtpipe.recipe.speculative import TWIN_EXECUTES, draft_dir
 
     s = recipe.speculative
     if s.decoding_type not in TWIN_EXECUTES:
         return {}
+    la = recipe_config(recipe)
+    if la is not None:  # lookahead_decoding: (W, N, G) and the draft length that follows
+        return {"speculative_decoding_type": TWIN_EXECUTES[s.decoding_type], **la.executor_fields()}
     draft = draft_dir(recipe)
     return {
         "speculative_decoding_type": TWIN_EXECUTES[s.decoding_type],
@@ -79,7 +83,8 @@ def twin_extras(recipe: Recipe, speculation: bool = True) -> str:
     """The Triton twin's ``executor_extras`` parameter: the knobs of :func:`executor_knobs` no upstream parameter
     carries. ``speculation`` False: without the speculative knobs (a model of the two-model draft-target form,
     whose drafts the BLS brings as ``draft_input_ids``)."""
-    spec = () if speculation else tuple(speculative_knobs(recipe))
+    # lookahead: carried by the tensorrt_llm model's own decoding_mode and lookahead_* parameters
+    spec = () if speculation and recipe_config(recipe) is None else tuple(speculative_knobs(recipe))
     return json.dumps(
         {k: v for k, v in executor_knobs(recipe).items() if k not in UPSTREAM_KNOBS and k not in spec}, sort_keys=True
     )

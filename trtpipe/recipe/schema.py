@@ -369,10 +369,11 @@ class SpeculativeSection(_Section):
     Cross-field rules (the target's spellings, the feature-combination matrix, the draft model) are in
     :mod:`trtpipe.recipe.speculative`."""
 
-    decoding_type: Literal[("none",) + LLMAPI_DECODING_TYPES + ENGINE_DECODING_TYPES] = Field(
+    decoding_type: Literal[("none",) + LLMAPI_DECODING_TYPES + ENGINE_DECODING_TYPES + ("Lookahead",)] = Field(
         "none",
         description="none, or llmapi: NGram | DraftTarget | Eagle3 | MTP; engine: draft_tokens_external | "
-        "lookahead_decoding | medusa | eagle (trtllm-build --speculative_decoding_mode).",
+        "lookahead_decoding | medusa | eagle (trtllm-build --speculative_decoding_mode). Lookahead (the LLM API's "
+        "name) is refused with the reason: the PyTorch backend does not run it; the engine spells it lookahead_decoding.",
     )
     max_draft_len: int = Field(3, ge=1, le=64, description="Draft tokens proposed per step (k).")
     speculative_model: Optional[str] = Field(
@@ -383,6 +384,15 @@ class SpeculativeSection(_Section):
         2, ge=1, le=64, description="NGram: longest suffix of the sequence looked up for a continuation."
     )
     eagle3_one_model: bool = Field(True, description="Eagle3: draft head inside the target's engine (one model).")
+    # lookahead_decoding: executor::LookaheadDecodingConfig (W, N, G), defaults 4 / 3 / 4 (trtpipe/recipe/lookahead.py)
+    max_window_size: int = Field(4, ge=1, le=64, description="lookahead_decoding: n-grams in the lookahead branch (W).")
+    max_ngram_size: int = Field(3, ge=1, le=64, description="lookahead_decoding: tokens per n-gram (N).")
+    max_verification_set_size: int = Field(
+        4,
+        ge=0,
+        le=64,
+        description="lookahead_decoding: n-grams verified per step (G); max_draft_len follows from W, N, G.",
+    )
     draft_quantization: Literal[("recipe", "stored") + RECIPE_ALGOS] = Field(
         "recipe",
         description="draft_tokens_external: how the draft_engine stage quantizes the draft. recipe: with the recipe's "

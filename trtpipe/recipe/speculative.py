@@ -26,6 +26,7 @@ from typing import Any, Iterable, Optional
 from trtpipe.errors import CheckpointError
 from trtpipe.jsonfile import load_json
 from trtpipe.models.dims import ModelDims
+from trtpipe.recipe.lookahead import LLMAPI_TYPE as LLMAPI_LOOKAHEAD, draft_len, lookahead_findings
 from trtpipe.recipe.rules import Finding, model_dir
 from trtpipe.recipe.schema import ENGINE_DECODING_TYPES, LLMAPI_DECODING_TYPES, Recipe
 
@@ -40,6 +41,7 @@ TWIN_EXECUTES = {
     "MTP": "MTP",  # the target checkpoint's MTP layer (trtpipe/serving/hidden_draft.py)
     "Eagle3": "Eagle3",  # an EAGLE-3 head over the target's hidden states (same module)
     "medusa": "Medusa",  # Medusa heads, chain-shaped medusa_choices (trtpipe/serving/medusa.py)
+    "lookahead_decoding": "Lookahead",  # the window, pool and verification set (trtpipe/serving/lookahead.py)
 }
 EAGLE3_MIN_LAYERS = 6  # _get_eagle3_default_capture_layers needs more than 5 (eagle3.py@f933a608)
 MTP_MIN_SM = 90
@@ -87,9 +89,9 @@ def _spelling(recipe: Recipe) -> Iterable[Finding]:
                 f"{', '.join(ENGINE_DECODING_TYPES)} (or set target: llmapi)"
             ),
         )
-    if s.decoding_type != "none" and s.decoding_type not in TWIN_EXECUTES:
+    if s.decoding_type not in ("none", LLMAPI_LOOKAHEAD) and s.decoding_type not in TWIN_EXECUTES:
         # trtpipe writes only what its CPU twin executes (so every generated setting is tested): not EAGLE-1/2 heads
-        # on the engine target, nor lookahead decoding
+        # on the engine target
         yield (
             f"{KEY}.decoding_type",
             f"{s.decoding_type} is not executed by trtpipe's CPU twin yet, so trtpipe does not write it "
@@ -127,13 +129,14 @@ def _matrix(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
                         f"{layers} (use NGram, DraftTarget or Eagle3)"
                     ),
                 )
-    need = recipe.engine.max_batch_size * (s.max_draft_len + 1)
+    k = draft_len(recipe)  # lookahead's follows from (W, N, G)
+    need = recipe.engine.max_batch_size * (k + 1)
     if recipe.engine.max_num_tokens < need:
         yield (
             "engine.max_num_tokens",
             (
                 f"{recipe.engine.max_num_tokens} tokens per step cannot verify a full batch: max_batch_size "
-                f"{recipe.engine.max_batch_size} x (max_draft_len {s.max_draft_len} + 1) = {need}; raise it or lower "
+                f"{recipe.engine.max_batch_size} x (max_draft_len {k} + 1) = {need}; raise it or lower "
                 "max_batch_size"
             ),
         )
@@ -207,6 +210,7 @@ def _speculative(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
     yield from _draft_model(recipe, m)
     yield from _eagle3_head(recipe, m)
     yield from _medusa(recipe, m)
+    yield from lookahead_findings(recipe)
 
 
 def _medusa(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:

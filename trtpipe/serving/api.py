@@ -80,6 +80,11 @@ class ExecutorConfig:
     max_draft_len: int = 0
     max_matching_ngram_size: int = 2
     speculative_model: str = ""  # DraftTarget: the draft's HF directory; Eagle3: the head's (the front end loads it)
+    # "Lookahead": the executor's LookaheadDecodingConfig (W, N, G; 0: off), the Triton model's lookahead_* parameters
+    # (trtpipe.serving.lookahead; max_draft_len is its (N - 2) + (W - 1 + G) * (N - 1))
+    lookahead_window_size: int = 0
+    lookahead_ngram_size: int = 0
+    lookahead_verification_set_size: int = 0
 
     @property
     def draft_reserve(self) -> int:
@@ -173,6 +178,8 @@ class Request:
     # ``draft_input_ids`` (draft-target decoding with an external draft model, upstream's two-model form): tokens
     # proposed to follow the prompt, verified in the context step's forward (trtpipe.serving.speculative)
     draft_tokens: Sequence[int] = ()
+    # the request's LookaheadDecodingConfig (W, N, G), at most the executor's; None: the executor's
+    lookahead: Optional[tuple[int, int, int]] = None
 
 
 @dataclass
@@ -257,6 +264,12 @@ class StepEntry:
     # a last context chunk with external drafts (Request.draft_tokens) ends with them: its last k + 1 positions are
     # [last prompt token, d1..dk] and ask for k + 1 rows of logits
     context_drafts: int = 0
+    # drafts as a token set (trtpipe.serving.tree_verify): each token's position offset from start_pos (its RoPE
+    # position), which new tokens each one sees ([n, n] bool; the cached prefix is always visible), and the candidate
+    # paths acceptance walks (indices into tokens, the root left out; None: the tree the mask describes)
+    spec_positions: Optional[list[int]] = None
+    spec_mask: Any = None
+    spec_paths: Optional[list[list[int]]] = None
 
     @property
     def verifies_drafts(self) -> bool:
@@ -307,6 +320,10 @@ class StepResult:
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # the sampled token's, where the entry asked
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # one per prompt target
     accepted: dict[int, list[int]] = field(default_factory=dict)  # entries with drafts: every token they emit
+    # masked entries (spec_mask): the accepted drafts' indices into the entry's tokens, whose KV the executor keeps
+    kept: dict[int, list[int]] = field(default_factory=dict)
+    # masked greedy entries: the target's token at every row (lookahead's window reads them: trtpipe.serving.lookahead)
+    targets: dict[int, list[int]] = field(default_factory=dict)
 
 
 class StepEngine(Protocol):
@@ -318,4 +335,8 @@ class StepEngine(Protocol):
 
     def copy_block(self, src: int, dst: int, num_tokens: int) -> None:
         """Copy the first ``num_tokens`` token slots of block ``src`` into ``dst`` (partial prefix reuse)."""
+        ...
+
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy KV slots ``src`` to ``dst`` in every layer (the accepted drafts of a masked verification)."""
         ...

@@ -21,6 +21,9 @@ reference runtime:
   :func:`trtpipe.runtime.generate.sample`). NGram drafts are deterministic: q is one-hot.
 - **KV.** Blocks past the accepted length are released after each step (the next step grows them again); KV
   positions past it inside a kept block are never read (attention is causal by position) and are overwritten.
+- **Token sets.** A drafter may propose a tree (or any masked set) instead of a chain: its entry carries
+  ``spec_positions`` / ``spec_mask`` / ``spec_paths``, acceptance keeps the longest agreeing candidate path, and the
+  executor moves the accepted drafts' KV behind the prefix (:mod:`trtpipe.serving.tree_verify`).
 
 The executor reserves ``max_draft_len`` extra positions per generating request when it schedules (tokens per step
 and KV blocks), as TensorRT-LLM requires ``max_num_tokens >= batch x (max_draft_len + 1)``.
@@ -36,9 +39,10 @@ import torch
 from trtpipe.runtime.generate import MIN_TEMPERATURE
 from trtpipe.serving.api import ExecutorConfig, SamplingParams, StepBatch, StepEntry
 from trtpipe.serving.kv_pool import BlockPool
+from trtpipe.serving.tree_verify import verify_masked
 
-NGRAM, DRAFT_TARGET, MTP, EAGLE3, MEDUSA = "NGram", "DraftTarget", "MTP", "Eagle3", "Medusa"
-DECODING_TYPES = (NGRAM, DRAFT_TARGET, MTP, EAGLE3, MEDUSA)
+NGRAM, DRAFT_TARGET, MTP, EAGLE3, MEDUSA, LOOKAHEAD = "NGram", "DraftTarget", "MTP", "Eagle3", "Medusa", "Lookahead"
+DECODING_TYPES = (NGRAM, DRAFT_TARGET, MTP, EAGLE3, MEDUSA, LOOKAHEAD)
 # drafted by heads over the target's hidden states (trtpipe.serving.hidden_draft, trtpipe.serving.medusa)
 HIDDEN_STATE_TYPES = (MTP, EAGLE3, MEDUSA)
 
@@ -150,9 +154,13 @@ def prometheus_lines(speculator, labels: str) -> list[str]:
     return [line for name, v in rows for line in (f"# TYPE {name} counter", f"{name}{{{labels}}} {v}")]
 
 
-def verify_entries(batch: StepBatch, logits: torch.Tensor, sample_entries):
+def verify_entries(
+    batch: StepBatch, logits: torch.Tensor, sample_entries, kept: Optional[dict] = None, targets: Optional[dict] = None
+):
     """A step's tokens when some entries verify drafts: ``logits`` has k + 1 rows for those, one for every other
-    sampling entry. The others go through ``sample_entries`` (the engine's own sampler) unchanged.
+    sampling entry. The others go through ``sample_entries`` (the engine's own sampler) unchanged. An entry with a
+    ``spec_mask`` is verified as a token set (:func:`trtpipe.serving.tree_verify.verify_masked`); its accepted drafts'
+    indices go into ``kept`` (request id -> indices).
 
     Returns:
         (tokens, errors, accepted): the last emitted token of every entry, one line per failed entry, and every
@@ -171,7 +179,14 @@ def verify_entries(batch: StepBatch, logits: torch.Tensor, sample_entries):
             plain_rows.append(rows)
             continue
         try:
-            accepted[e.request_id] = verify(e.drafts, e.draft_probs, rows, e.sampling, e.generator)
+            if e.spec_mask is not None:
+                idx, accepted[e.request_id] = verify_masked(e, rows)
+                if kept is not None:
+                    kept[e.request_id] = idx
+                if targets is not None and e.sampling.greedy:  # every row's greedy token (lookahead's window)
+                    targets[e.request_id] = rows.argmax(-1).tolist()
+            else:
+                accepted[e.request_id] = verify(e.drafts, e.draft_probs, rows, e.sampling, e.generator)
             tokens[e.request_id] = accepted[e.request_id][-1]
         except Exception as exc:  # noqa: BLE001 - the row's own failure, answered to its request alone
             errors[e.request_id] = f"{type(exc).__name__}: {exc}"
@@ -273,6 +288,10 @@ class Speculator:
         self.draft = None
         if kind == DRAFT_TARGET:
             self.draft = DraftModel(draft_engine, blocks, config.tokens_per_block)
+        elif kind == LOOKAHEAD:  # the window, pool and verification set of trtpipe.serving.lookahead
+            from trtpipe.serving.lookahead import LookaheadDrafter
+
+            self.draft = LookaheadDrafter(config)
         elif kind in HIDDEN_STATE_TYPES:  # trtpipe.serving.hidden_draft.HiddenDrafter over the target's engine
             self.draft = draft_engine.drafter(target_engine, blocks, config.tokens_per_block)
         self.total_draft_tokens = 0
@@ -305,11 +324,20 @@ class Speculator:
         self.total_accepted_draft_tokens += accepted
         self.verifications += 1
 
-    def stepped(self, batch: StepBatch) -> None:
-        """After every target step (a head keeps the step's hidden states)."""
+    def stepped(self, batch: StepBatch, result=None) -> None:
+        """After every target step (a head keeps the step's hidden states; lookahead reads every row's token)."""
         if isinstance(self.draft, DraftModel) or self.draft is None:
             return
+        if self.config.speculative_decoding_type == LOOKAHEAD:
+            self.draft.stepped(batch, result)
+            return
         self.draft.stepped(batch)
+
+    def kept(self, request_id: int, start_pos: int, accepted: list[int]) -> None:
+        """A masked verification kept drafts ``accepted`` (indices into its tokens at ``start_pos``): a head that
+        keeps per-position hidden states reorders them as the KV was (:func:`~trtpipe.serving.tree_verify.kept_rows`)."""
+        if self.draft is not None and hasattr(self.draft, "kept"):
+            self.draft.kept(request_id, start_pos, accepted)
 
     def synced(self, r) -> None:
         """The request's sequence after acceptance: the draft KV stays valid up to the last shared position."""

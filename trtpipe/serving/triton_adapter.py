@@ -27,7 +27,9 @@ import numpy as np
 from trtpipe.serving.api import CapacityPolicy, ExecutorConfig, Request, Response, SamplingParams
 from trtpipe.serving.config import KV_REUSE_DEFAULT, executor_config, read_twin_extras
 from trtpipe.serving.executor import IterationStats
+from trtpipe.serving.lookahead import executor_knobs as lookahead_knobs, request_sizes
 from trtpipe.serving import request_checks
+from trtpipe.recipe.lookahead import TRITON_PARAMETERS as LOOKAHEAD_PARAMETERS
 from trtpipe.triton.upstream_io import TWIN_EXTRAS_PARAMETER
 from trtpipe.triton.xgrammar_info import TOKENIZER_INFO_FILE
 from trtpipe.jsonfile import load_json
@@ -108,6 +110,12 @@ def settings_from_model_config(model_config: dict, model_repository: str) -> Twi
         enable_kv_cache_reuse=_flag(params, "enable_kv_cache_reuse", KV_REUSE_DEFAULT),
         max_queue_size=int(queue or 0),
         guided_decoding_backend=param(params, "guided_decoding_backend") or None,
+        # decoding_mode lookahead: the executor's (W, N, G) from the lookahead_* parameters, as the backend reads them
+        **lookahead_knobs(
+            param(params, "decoding_mode"),
+            {k: param(params, k) for k in LOOKAHEAD_PARAMETERS},
+            int(build.get("max_draft_len") or 0),
+        ),
         **read_twin_extras(param(params, TWIN_EXTRAS_PARAMETER)),  # the twin's own knobs (request_timeout_s, ...)
     )
     if param(params, "medusa_choices"):  # what the twin drafts is the chain of max_draft_len heads: refuse a tree
@@ -269,6 +277,7 @@ def parse_request(
         min_tokens=min_tokens,
         lora=lora,
         draft_tokens=drafts,
+        lookahead=request_sizes(get),
     )
     return ParsedRequest(
         request,

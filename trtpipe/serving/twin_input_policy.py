@@ -48,6 +48,10 @@ HONOURED = frozenset(
         # drafts verified in the context step's forward (upstream's two-model draft-target form: the BLS sends the
         # draft model's tokens; trtpipe/serving/executor.py)
         "draft_input_ids",
+        # the request's lookahead (W, N, G), at most the model's lookahead_* parameters (trtpipe/serving/lookahead.py)
+        "lookahead_window_size",
+        "lookahead_ngram_size",
+        "lookahead_verification_set_size",
     }
 )
 
@@ -97,9 +101,6 @@ NEVER: dict[str, str] = {
     "prompt_embedding_table": "prompt tuning",
     "prompt_table_extra_ids": "prompt tuning",
     "context_phase_params": "disaggregated serving",
-    "lookahead_window_size": "lookahead decoding",
-    "lookahead_ngram_size": "lookahead decoding",
-    "lookahead_verification_set_size": "lookahead decoding",
 }
 
 

@@ -36,6 +36,10 @@ from trtpipe.triton import upstream_io
 from trtpipe.triton.upstream_io import TWIN_EXTRAS_PARAMETER
 from trtpipe.triton.xgrammar_info import TOKENIZER_INFO_FILE, write_tokenizer_info
 from trtpipe.resources import data_dir
+from trtpipe.recipe.lookahead import (
+    TRITON_PARAMETERS as LOOKAHEAD_PARAMETERS,
+    triton_parameters as lookahead_parameters,
+)
 from trtpipe.recipe.medusa import triton_choices
 from trtpipe.recipe.knobs import twin_extras
 from trtpipe.recipe.schema import Recipe
@@ -442,9 +446,8 @@ def trtllm_parameters(recipe: Recipe, engine: EngineInfo) -> dict:
         "iter_stats_max_iterations": 1000,
         "request_stats_max_iterations": 0,
         "decoding_mode": "top_k_top_p" if engine.max_beam_width == 1 else "beam_search",
-        "lookahead_window_size": "",
-        "lookahead_ngram_size": "",
-        "lookahead_verification_set_size": "",
+        **dict.fromkeys(LOOKAHEAD_PARAMETERS, ""),
+        **lookahead_parameters(recipe),  # decoding_mode lookahead and the executor's (W, N, G)
         "medusa_choices": triton_choices(recipe),  # "{0}, {0, 0}" (docs/model_config.md@7bc57da0)
         "eagle_choices": "",
         "gpu_weights_percent": 1.0,
@@ -489,6 +492,8 @@ TWIN_PARAMETERS = (
     "lora_cache_host_memory_bytes",  # the twin's host adapter cache holds as many of the largest adapter
     "lora_prefetch_dir",  # made relative to the twin's engine link below
     "medusa_choices",  # the twin checks it is the chain it drafts (trtpipe.serving.medusa.check_choices)
+    "decoding_mode",  # lookahead: the executor's (W, N, G) from the lookahead_* parameters (trtpipe.serving.lookahead)
+    *LOOKAHEAD_PARAMETERS,
 )
 
 
