@@ -36,6 +36,12 @@ target's hidden states of the positions it has not read yet. After each target s
 step's captured hidden states (:meth:`HiddenDrafter.stepped`); after a verification only the positions whose input
 token was kept stay (:meth:`HiddenDrafter.accepted`). The head's KV at positions that read a draft is never kept: the
 next round's catch-up rewrites them from the target's hidden states, as TensorRT-LLM's first draft forward does.
+
+A prefix taken from the KV cache (block reuse) brings the head's KV of its positions: the request drafts from its
+first step, from the hidden states of the positions its context computes. As upstream, that KV is used as stored: a
+head layer's KV at a position near the end of the reused prefix encodes the tokens that followed it in the request
+that stored it (the same tokens when the prompts agree there), and a block stored by a request that never drafted
+(e.g. a guided one) holds no head KV; either changes what is drafted, never the output.
 """
 
 from __future__ import annotations
