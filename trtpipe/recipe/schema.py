@@ -29,6 +29,16 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
 
+def _keyed(node: BaseModel, dump: dict) -> dict:
+    """``dump`` (``node``'s model_dump) without the fields marked ``keyed: False``, at any depth."""
+    for name, f in type(node).model_fields.items():
+        if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("keyed") is False:
+            dump.pop(name, None)
+        elif isinstance(getattr(node, name), BaseModel) and isinstance(dump.get(name), dict):
+            _keyed(getattr(node, name), dump[name])
+    return dump
+
+
 DType = Literal["auto", "float16", "bfloat16", "float32"]
 # the scheme table's rows (trtpipe.formats.schemes): a new row is a new recipe value
 QuantAlgoName = Literal[RECIPE_ALGOS]
@@ -383,6 +393,13 @@ class SpeculativeSection(_Section):
         2, ge=1, le=64, description="NGram: longest suffix of the sequence looked up for a continuation."
     )
     eagle3_one_model: bool = Field(True, description="Eagle3: draft head inside the target's engine (one model).")
+    acceptance_length: Optional[float] = Field(
+        None,
+        description="trtpipe's own key (not TensorRT-LLM's): the expected tokens per target forward (accepted drafts "
+        "+ 1, 1 <= it <= max_draft_len + 1) that `trtpipe plan` and `trtpipe predict` use for the speculative "
+        "speed-up; their --acceptance-length overrides it. None: no speed-up predicted.",
+        json_schema_extra={"keyed": False},  # no stage's output depends on it: a change rebuilds nothing
+    )
     draft_quantization: Literal[("recipe", "stored") + RECIPE_ALGOS] = Field(
         "recipe",
         description="draft_tokens_external: how the draft_engine stage quantizes the draft. recipe: with the recipe's "
@@ -658,3 +675,11 @@ class Recipe(_Section):
         for part in dotted.split("."):
             node = getattr(node, part)
         return node.model_dump(mode="json") if isinstance(node, BaseModel) else node
+
+    def key_section(self, dotted: str) -> dict:
+        """:meth:`section` without the fields no stage's output depends on (``json_schema_extra={"keyed": False}``:
+        read by commands such as ``plan`` and ``predict`` only), as a stage key takes it."""
+        node: object = self
+        for part in dotted.split("."):
+            node = getattr(node, part)
+        return _keyed(node, node.model_dump(mode="json")) if isinstance(node, BaseModel) else node

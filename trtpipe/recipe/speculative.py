@@ -217,7 +217,23 @@ def _eagle3_head(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
         )
 
 
+def _acceptance(recipe: Recipe) -> Iterable[Finding]:
+    """``acceptance_length`` (trtpipe's key): accepted drafts + 1 per verification, so within [1, k + 1]."""
+    s = recipe.speculative
+    if s.acceptance_length is None:
+        return
+    if not s.enabled:
+        yield f"{KEY}.acceptance_length", "set without speculative decoding (decoding_type none): remove it"
+    elif not 1 <= s.acceptance_length <= s.max_draft_len + 1:
+        yield (
+            f"{KEY}.acceptance_length",
+            f"{s.acceptance_length:g} is outside [1, max_draft_len + 1 = {s.max_draft_len + 1}]: it counts the "
+            "accepted drafts plus the target's own token per target forward",
+        )
+
+
 def _speculative(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
+    yield from _acceptance(recipe)
     if not recipe.speculative.enabled:
         return
     yield from _spelling(recipe)
