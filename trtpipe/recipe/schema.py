@@ -15,7 +15,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
@@ -400,13 +400,16 @@ class SpeculativeSection(_Section):
         "speed-up; their --acceptance-length overrides it. None: no speed-up predicted.",
         json_schema_extra={"keyed": False},  # no stage's output depends on it: a change rebuilds nothing
     )
-    draft_quantization: Literal[("recipe", "stored") + RECIPE_ALGOS] = Field(
+    draft_quantization: Union[Literal[("recipe", "stored") + RECIPE_ALGOS], dict[str, Any]] = Field(
         "recipe",
         description="draft_tokens_external: how the draft_engine stage quantizes the draft. recipe: with the recipe's "
         "quantization section (algo, group_size, exclude, kv_cache, calibration data), by the quantize stage's code; "
         "an algorithm (e.g. int4_awq): that section with this algo instead (a quantized draft for an unquantized "
-        "target); none: unquantized at model.dtype; stored: as stored (a pre-quantized draft in its own format, a "
-        "plain one at model.dtype). A pre-quantized draft takes stored, or recipe when the recipe quantizes nothing.",
+        "target); a mapping of that section's keys (e.g. {algo: int4_awq, group_size: 64, exclude: [...], "
+        "calibration: {num_samples: 32}}): the section with those keys replaced (calibration's keys one by one), the "
+        "draft's own settings; none: unquantized at model.dtype; stored: as stored (a pre-quantized draft in its own "
+        "format, a plain one at model.dtype). A pre-quantized draft takes stored, or recipe when the recipe quantizes "
+        "nothing.",
     )
     num_medusa_heads: Optional[int] = Field(
         None, ge=1, le=64, description="medusa: heads converted into the engine (None: the heads' medusa_num_heads)."
