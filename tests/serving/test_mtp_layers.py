@@ -30,9 +30,8 @@ LAYERS = 2
 
 
 @pytest.fixture(scope="module")
-def mtp2(tmp_path_factory):
-    """(checkpoint dir with two MTP layers, the twin's model, HF main 32/64, [(block 32, block 64, tensors)] per
-    layer)."""
+def ckpt2(tmp_path_factory):
+    """(checkpoint dir with two MTP layers, the twin's model, the block directories)."""
     root = tmp_path_factory.mktemp("mtp2")
     d = make_synthetic("deepseek_v3", root / "ds", seed=3)
     blocks = [
@@ -40,6 +39,13 @@ def mtp2(tmp_path_factory):
         for i in range(LAYERS)
     ]
     add_mtp_layers(d, blocks, seed=6)
+    return d, load_hf_checkpoint(d), blocks
+
+
+@pytest.fixture(scope="module")
+def mtp2(ckpt2):
+    """(checkpoint dir, the twin's model, HF main 32/64, [(block 32, block 64, tensors)] per layer)."""
+    d, model, blocks = ckpt2
     n = json.loads((d / "config.json").read_text())["num_hidden_layers"]
     stored = load_file(str(d / "model.safetensors"))
     main = load_hf(d)
@@ -52,7 +58,7 @@ def mtp2(tmp_path_factory):
             block.model.norm.weight.copy_(t["shared_head.norm.weight"])
             block.lm_head.weight.copy_(t["shared_head.head.weight"])
         per_layer.append((block, hf_float64(block), t))
-    return d, load_hf_checkpoint(d), main, hf_float64(main), per_layer
+    return d, model, main, hf_float64(main), per_layer
 
 
 @torch.no_grad()
@@ -125,10 +131,10 @@ def test_two_mtp_layers_draft_as_float64_and_keep_greedy_output(mtp2, monkeypatc
 
 
 @pytest.mark.slow
-def test_fewer_drafts_than_layers_run_the_first_layers(mtp2):
+def test_fewer_drafts_than_layers_run_the_first_layers(ckpt2):
     """max_draft_len 1 on a two-layer checkpoint drafts with layer 1 only (upstream's loop runs
     mtp_layers[:max_draft_len]); the output is still the output without speculation."""
-    d, model, *_ = mtp2
+    d, model, _ = ckpt2
     prompts = _prompts(3, seed=9)
     plain, _ = _serve(model, _config(), prompts)
     cfg = _config(speculative_decoding_type="MTP", max_draft_len=1)
@@ -138,8 +144,8 @@ def test_fewer_drafts_than_layers_run_the_first_layers(mtp2):
     assert s.total_draft_tokens == s.verifications > 0  # one draft per verification
 
 
-def test_more_drafts_than_mtp_layers_are_refused_in_one_line(mtp2):
-    d, model, *_ = mtp2
+def test_more_drafts_than_mtp_layers_are_refused_in_one_line(ckpt2):
+    d, model, _ = ckpt2
     cfg = _config(speculative_decoding_type="MTP", max_draft_len=3)
     with pytest.raises(CheckpointError, match=r"^speculative.max_draft_len 3 drafts need 3 MTP layers: .*<= 2$"):
         draft_engine(cfg, model, d)
