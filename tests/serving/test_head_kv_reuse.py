@@ -103,6 +103,7 @@ def test_a_reused_prefix_drafts_and_accepts_as_a_cold_request(name, targets, mon
     assert not core.speculator.draft.state  # nothing kept past the requests
 
 
+@pytest.mark.slow  # the fixture builds three synthetic checkpoints (seconds)
 def test_the_heads_kv_is_extra_layers_of_the_target_pool(targets):
     """One pool tensor per head layer, sized by the target pool's blocks (no second pool of blocks)."""
     for name, layers in (("mtp-1-layer", 1), ("mtp-2-layer", 2), ("eagle3", 1)):

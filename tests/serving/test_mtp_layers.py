@@ -23,7 +23,8 @@ from trtpipe.errors import CheckpointError
 from trtpipe.models.synthetic import load_hf, make_synthetic
 from trtpipe.models.synthetic_heads import add_mtp_layers
 from trtpipe.runtime.hf_loader import load_hf_checkpoint
-from trtpipe.serving.hidden_draft import DRAFT_LAYER, check_mtp_draft_len
+from trtpipe.recipe.speculative import check_mtp_draft_len
+from trtpipe.serving.hidden_draft import DRAFT_LAYER, load_mtp_head
 from trtpipe.serving.reference_engine import draft_engine
 
 LAYERS = 2
@@ -144,10 +145,10 @@ def test_fewer_drafts_than_layers_run_the_first_layers(ckpt2):
     assert s.total_draft_tokens == s.verifications > 0  # one draft per verification
 
 
-def test_more_drafts_than_mtp_layers_are_refused_in_one_line(ckpt2):
-    d, model, _ = ckpt2
-    cfg = _config(speculative_decoding_type="MTP", max_draft_len=3)
+def test_more_drafts_than_mtp_layers_are_refused_in_one_line(tmp_path):
+    """Checked from config.json before any layer loads (the recipe rule says the same at validate)."""
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 3, "num_nextn_predict_layers": 2}))
     with pytest.raises(CheckpointError, match=r"^speculative.max_draft_len 3 drafts need 3 MTP layers: .*<= 2$"):
-        draft_engine(cfg, model, d)
+        load_mtp_head(tmp_path, None, 3)
     assert check_mtp_draft_len(1, 5) is None  # one layer (MTP-Eagle) is reused for any draft length
     assert check_mtp_draft_len(2, 2) is None
