@@ -11,7 +11,8 @@ the head its own output hidden state with the token it just drafted, one positio
   ``out = shared_head.norm(x)``; the logits are the target's lm_head over ``out`` and ``out`` is the hidden state the
   next draft reads. ``h`` is the target's output after its final norm (the last decoder layer's
   ``next_layer_layernorm`` is ``model.norm``, same file); the embedding is the target's (``embed_tokens`` is passed
-  in). Which layers draft is TensorRT-LLM's ``MTPDecodingConfig.spec_dec_mode``: a checkpoint with
+  in). Which layers draft is TensorRT-LLM's ``MTPDecodingConfig.spec_dec_mode``
+  (``tensorrt_llm/llmapi/llm_args.py@00043967``; ``mtp_eagle_one_model: false`` is ignored there): a checkpoint with
   ``num_nextn_predict_layers: 1`` (DeepSeek-V3's) reuses its one layer for every draft (MTP-Eagle,
   ``ckpt_nextn == 1 and not use_mtp_vanilla``, same file); more layers run vanilla MTP, layer d drafting the
   (d + 1)-th token over the stream shifted by d (``MTPWorker.forward``, mtp.py@000a01de), at most one draft per layer
@@ -215,7 +216,8 @@ def mtp_layer_count(model_dir: str | Path) -> int:
 def load_mtp_head(model_dir: str | Path, target: ReferenceModel, max_draft_len: Optional[int] = None) -> MTPHead:
     """The MTP layers of a DeepSeek-V3 checkpoint (``model.layers.{num_hidden_layers + i}``).
 
-    Which path runs is TensorRT-LLM's ``MTPDecodingConfig.spec_dec_mode``: one layer and ``use_mtp_vanilla`` off ->
+    Which path runs is TensorRT-LLM's ``MTPDecodingConfig.spec_dec_mode`` (``llm_args.py@00043967``): one layer and
+    ``use_mtp_vanilla`` off ->
     MTP-Eagle, that layer reused for every draft; more layers -> vanilla MTP, layer d drafting the (d + 1)-th token
     (``tensorrt_llm/_torch/speculative/utils.py@011d0933``, ``modeling_deepseekv3.py@a43cf9e3``). ``use_mtp_vanilla``
     over a one-layer checkpoint is not a trtpipe knob."""
