@@ -112,3 +112,49 @@ def test_draft_quantization_only_where_a_draft_is_built(tmp_path, stories_dir):
         f"{KEY}: only decoding_type draft_tokens_external (target: engine) builds and quantizes a draft, not NGram: "
         "remove it"
     ]
+
+
+def _mapping_problems(tmp_path, model, draft, mapping: str, algo="none"):
+    p = tmp_path / "r.yaml"
+    p.write_text(BASE.format(model=model, draft=draft, algo=algo, kind="draft_tokens_external", extra=mapping))
+    r = load_recipe(p, check_rules=False)
+    return r, [f"{x.key}: {x.message}" for x in check_recipe(r) if x.key.startswith(KEY)]
+
+
+def test_a_mapping_quantizes_the_draft_with_its_own_settings(tmp_path, stories_dir):
+    """The recipe's section with the mapping's keys replaced (calibration's one by one); the target keeps its own."""
+    own = (
+        "  draft_quantization:\n    algo: int4_awq\n    group_size: 32\n    exclude: ['*lm_head', '*mlp.proj']\n"
+        "    calibration: {num_samples: 8, seq_len: 64}\n"
+    )
+    r, found = _mapping_problems(tmp_path, stories_dir, stories_dir, own)
+    assert found == [] and quantizes_draft(r)
+    q = draft_quant_recipe(r).quantization
+    assert (q.algo, q.group_size, q.exclude) == ("int4_awq", 32, ["*lm_head", "*mlp.proj"])
+    assert (q.calibration.num_samples, q.calibration.seq_len) == (8, 64)
+    assert q.calibration.dataset == r.quantization.calibration.dataset  # the keys it does not name: the recipe's
+    assert (r.quantization.algo, r.quantization.group_size, r.quantization.calibration.num_samples) == ("none", 64, 64)
+
+
+def test_a_mapping_with_an_unknown_key_or_a_bad_value_is_one_line(tmp_path, stories_dir):
+    keys = "algo, kv_cache, group_size, smoothquant_alpha, exclude, calibration"
+    _, found = _mapping_problems(
+        tmp_path, stories_dir, stories_dir, "  draft_quantization: {algo: int4_awq, group: 32}\n"
+    )
+    assert len(found) == 1 and found[0].startswith(
+        f"{KEY}: unknown key group: a mapping takes the quantization section's keys ({keys}; calibration's: dataset"
+    )
+    _, found = _mapping_problems(
+        tmp_path, stories_dir, stories_dir, "  draft_quantization: {algo: int4_awq, calibration: {samples: 8}}\n"
+    )
+    assert len(found) == 1 and found[0].startswith(f"{KEY}: unknown key calibration.samples: ")
+    _, found = _mapping_problems(
+        tmp_path, stories_dir, stories_dir, "  draft_quantization: {algo: int4_awq, group_size: 7}\n"
+    )
+    assert found == [f"{KEY}.group_size: Input should be 32, 64, 128 or 256"]
+    # its own settings go through the same rules as an algorithm's: the draft's 172-wide mlp.proj and group 64
+    _, found = _mapping_problems(
+        tmp_path, stories_dir, stories_dir, "  draft_quantization: {algo: int4_awq, exclude: ['*lm_head']}\n"
+    )
+    assert len(found) == 1
+    assert found[0].endswith(f"add '*mlp.proj' to {KEY}.exclude, change {KEY}.group_size, or use none")

@@ -251,3 +251,38 @@ def test_plan_counts_the_draft_weights_kv_and_positions(tmp_path, stories_dir):
     assert "draft weights" in render_plan(r)
     ngram = resolve(_write(tmp_path, stories_dir, "  decoding_type: NGram\n  max_draft_len: 2")).plan.draft
     assert (ngram.weight_bytes, ngram.kv_bytes_per_token, ngram.counted_from) == (0, 0.0, "none")
+
+
+def test_mtp_drafts_beyond_the_checkpoints_layers_are_one_line(tmp_path, stories_dir):
+    """A checkpoint of two MTP layers runs vanilla MTP, one layer per draft: max_draft_len 3 is refused naming the
+    key (TensorRT-LLM would cut it to 2, speculative/utils.py@011d0933); 2 is valid; a one-layer checkpoint (MTP-Eagle)
+    reuses its layer for any max_draft_len."""
+    two = _draft_copy(tmp_path, stories_dir, num_nextn_predict_layers=2)
+    over = _problems(_write(tmp_path, stories_dir, "  decoding_type: MTP\n  max_draft_len: 3", model=two))
+    assert over == [
+        "speculative.max_draft_len: 3 drafts need 3 MTP layers: the checkpoint has num_nextn_predict_layers 2, and "
+        "TensorRT-LLM's vanilla MTP drafts one token per layer (it would cut max_draft_len to 2); set max_draft_len "
+        "<= 2"
+    ]
+    assert _problems(_write(tmp_path, stories_dir, "  decoding_type: MTP\n  max_draft_len: 2", model=two)) == []
+    shutil.rmtree(two)
+    one = _draft_copy(tmp_path, stories_dir, num_nextn_predict_layers=1)
+    assert _problems(_write(tmp_path, stories_dir, "  decoding_type: MTP\n  max_draft_len: 3", model=one)) == []
+
+
+@pytest.mark.parametrize("layers, kv_layers", [(1, 1), (2, 2)], ids=["mtp-eagle", "vanilla-mtp"])
+def test_plan_counts_the_mtp_layers_kv_in_the_pool(layers, kv_layers, tmp_path, stories_dir):
+    """MTP layers cache every token in the target's pool: get_num_spec_layers (speculative/utils.py@011d0933) adds 1
+    layer for MTP-Eagle and num_nextn_predict_layers for vanilla MTP, each the size of a target layer's KV."""
+    from trtpipe.app.planning import render_plan, resolve
+
+    model = _draft_copy(tmp_path, stories_dir, num_nextn_predict_layers=layers)
+    plain = resolve(_write(tmp_path, stories_dir, "  decoding_type: none", model=model))
+    r = resolve(_write(tmp_path, stories_dir, f"  decoding_type: MTP\n  max_draft_len: {layers}", model=model))
+    d = r.plan.draft
+    per_layer = 2 * 4 * 8 * 2  # K and V x 4 kv heads x head 8 x 2 bytes (float16): stories' one layer
+    assert plain.plan.ranks[0].kv_bytes_per_token == 5 * per_layer  # its 5 decoder layers
+    assert (d.weight_bytes, d.kv_bytes_per_token) == (0, kv_layers * per_layer)
+    assert r.plan.ranks[0].kv_bytes_per_token == (5 + kv_layers) * per_layer
+    assert r.plan.ranks[0].kv_tokens < plain.plan.ranks[0].kv_tokens  # the same memory holds fewer tokens
+    assert f"draft KV {kv_layers * per_layer} bytes/token" in render_plan(r)

@@ -23,6 +23,7 @@ from trtpipe.runtime.hf_loader import load_hf_checkpoint
 from trtpipe.serving.api import CapacityPolicy, ExecutorConfig, Request
 from trtpipe.serving.executor import ExecutorCore
 from trtpipe.serving.hidden_draft import HiddenDrafter, eagle3_capture_layers
+from trtpipe.serving.kv_pool import BlockPool
 from trtpipe.serving.reference_engine import ReferenceEngine, draft_engine
 
 K = 3
@@ -157,9 +158,11 @@ def _record(monkeypatch):
     calls = []
     original = HiddenDrafter._forward
 
-    def spy(self, entries, hidden):
-        logits, nxt = original(self, entries, hidden)
-        calls.append(([(e.request_id, list(e.tokens), e.start_pos, e.is_context) for e in entries], logits.clone()))
+    def spy(self, entries, hidden, depth=0):
+        logits, nxt = original(self, entries, hidden, depth)
+        calls.append(
+            ([(e.request_id, list(e.tokens), e.start_pos, e.is_context) for e in entries], logits.clone(), depth)
+        )
         return logits, nxt
 
     monkeypatch.setattr(HiddenDrafter, "_forward", spy)
@@ -169,7 +172,7 @@ def _record(monkeypatch):
 def _check_drafts(calls, full: dict[int, list[int]], oracle, limit: int) -> int:
     """Each catch-up forward's logits and the next step's, against ``oracle(tokens, d1)`` (float64, float32)."""
     checked = 0
-    for i, (entries, logits) in enumerate(calls):
+    for i, (entries, logits, _) in enumerate(calls):
         if not entries[0][3] or i + 1 >= len(calls):
             continue
         nxt = {rid: (row, toks[0]) for (rid, toks, _, ctx), row in zip(calls[i + 1][0], calls[i + 1][1]) if not ctx}
@@ -191,9 +194,9 @@ def _replayed_acceptance(calls, full: dict[int, list[int]]) -> dict[int, tuple[i
     drafts: dict[int, list[int]] = {}
     start: dict[int, int] = {}
     out: dict[int, list[int]] = {}
-    for entries, logits in calls:
+    for entries, logits, depth in calls:
         for (rid, toks, pos, ctx), row in zip(entries, logits):
-            if ctx:
+            if ctx and depth == 0:  # a round's first forward (a vanilla MTP round's later layers are contexts too)
                 if rid in drafts:
                     out.setdefault(rid, []).append((start[rid], drafts[rid]))
                 drafts[rid], start[rid] = [], pos + len(toks) + 1
@@ -270,7 +273,7 @@ def test_eagle3_drafts_as_float64_and_greedy_unchanged(eagle, monkeypatch):
     # the recorded d1 is a target id: the oracle embeds it; the rows are over the draft vocabulary
     assert _check_drafts(calls, full, oracle, limit=6) == 6
     d2t = t["d2t"]
-    for entries, logits in calls:  # every draft is a target id through d2t
+    for entries, logits, _ in calls:  # every draft is a target id through d2t
         assert logits.shape[-1] == len(d2t)
     _check_counters(_as_target(calls, d2t), full, spec, core)
 
@@ -278,11 +281,11 @@ def test_eagle3_drafts_as_float64_and_greedy_unchanged(eagle, monkeypatch):
 def _as_target(calls, d2t):
     """The recorded rows re-indexed over the target vocabulary (target id d + d2t[d] holds draft logit d)."""
     out = []
-    for entries, logits in calls:
+    for entries, logits, depth in calls:
         V = int((torch.arange(len(d2t)) + d2t).max()) + 1
         full = torch.full((logits.shape[0], V), float("-inf"))
         full[:, torch.arange(len(d2t)) + d2t] = logits
-        out.append((entries, full))
+        out.append((entries, full, depth))
     return out
 
 
@@ -423,4 +426,4 @@ def test_a_target_without_its_hidden_states_is_refused_in_one_line(eagle):
     drafter = draft_engine(cfg, model, d)
     for engine in (RankEngine.__new__(RankEngine), object()):
         with pytest.raises(ValueError, match="reads the target's hidden states"):
-            drafter.drafter(engine, 8, 8)
+            drafter.drafter(engine, BlockPool(8, 8))

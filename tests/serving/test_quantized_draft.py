@@ -69,6 +69,17 @@ def built_float_target(tmp_path_factory, stories_dir):
     )
 
 
+@pytest.fixture(scope="module")
+def built_own_settings(tmp_path_factory, stories_dir):
+    """A float32 target whose quantization section is untouched (group 128, only ``*lm_head`` excluded, 64 samples)
+    and a draft quantized with its own settings: ``draft_quantization`` as a mapping."""
+    own = (
+        "speculative.draft_quantization={algo: int4_awq, group_size: 64, exclude: ['*lm_head', '*mlp.proj'], "
+        "calibration: {num_samples: 8, seq_len: 64, device: cpu}}"
+    )
+    return _build(tmp_path_factory.mktemp("draftq-own"), stories_dir, "stories-fp16.yaml", "model.dtype=float32", own)
+
+
 def _draft_checkpoint(built) -> Path:
     return built.artifact("draft_engine") / "engine" / "checkpoint"
 
@@ -157,3 +168,30 @@ def test_an_int4_draft_of_an_unquantized_target_serves_its_greedy_tokens(built_f
         f"\nINT4-AWQ draft (draft_quantization: int4_awq) of a float32 target, k={K}, {len(prompts)} prompts x 32 "
         f"tokens: {accepted}/{drafted} = {accepted / drafted:.3f}"
     )
+
+
+def test_a_draft_quantized_with_its_own_settings_serves_its_greedy_tokens(built_own_settings):
+    """Group 64 and ``*mlp.proj`` excluded (the recipe's section says 128 and only ``*lm_head``), calibrated on 8
+    samples of 64 tokens; the greedy tokens are the target's alone."""
+    built = built_own_settings
+    ckpt = _draft_checkpoint(built)
+    q = load_json(ckpt / "config.json")["quantization"]
+    assert (q["quant_algo"], q["group_size"]) == ("W4A16_AWQ", 64)
+    tensors = load_file(ckpt / "rank0.safetensors")
+    assert tensors["transformer.layers.0.attention.qkv.weight"].dtype == torch.int8
+    assert tensors["transformer.layers.0.mlp.proj.weight"].dtype == torch.float32  # its own exclude
+    stage = next(s for s in built.manifest["stages"] if s["name"] == "draft_engine")
+    cal = stage["info"]["calibration"]
+    assert (cal["num_samples"], cal["seq_len"], cal["awq_group_size"]) == (8, 64, 64)  # its own calibration
+    target_ckpt = built.artifact("engine") / "checkpoint"
+    assert load_json(target_ckpt / "config.json")["quantization"]["quant_algo"] is None
+    target, draft = load_checkpoint(target_ckpt), load_checkpoint(ckpt)
+    g = torch.Generator().manual_seed(6)
+    prompts = [[1] + torch.randint(3, 500, (8,), generator=g).tolist() for _ in range(4)]
+    plain = _serve(target, None, prompts, 24)
+    spec = _serve(target, draft, prompts, 24)
+    assert [b.tokens for b in spec] == [a.tokens for a in plain]
+    accepted = sum(b.perf.total_accepted_draft_tokens for b in spec)
+    drafted = sum(b.perf.total_draft_tokens for b in spec)
+    assert 0 < drafted and accepted <= drafted
+    print(f"\nINT4-AWQ draft, its own settings (group 64), k={K}: {accepted}/{drafted}")

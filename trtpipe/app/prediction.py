@@ -36,6 +36,9 @@ def predict_command(
     s["workload"] = {"isl": isl, "osl": osl, **({"rate": rate} if rate else {"concurrency": concurrency})}
     s["kv_pool_tokens"] = setup.kv_tokens
     s["engine_limits"] = {"max_batch_size": setup.max_batch_size, "max_num_tokens": setup.max_num_tokens}
+    from trtpipe.app.spec_prediction import recipe_acceptance_length
+
+    acceptance_length = recipe_acceptance_length(recipe, overrides, acceptance_length)
     if acceptance_length is not None:
         from trtpipe.app.spec_prediction import speculative_block
 

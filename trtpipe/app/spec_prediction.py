@@ -51,6 +51,47 @@ def drafter(recipe, target: Deployment) -> Optional[Deployment]:
     return draft_deployment(target, s.decoding_type)
 
 
+def recipe_acceptance_length(recipe_path: Path, overrides: Iterable[str], flag: Optional[float]) -> Optional[float]:
+    """The acceptance length a prediction uses: the ``--acceptance-length`` flag, else the recipe's
+    ``speculative.acceptance_length`` (trtpipe's own key), else None (no speculative prediction)."""
+    if flag is not None:
+        return flag
+    from trtpipe.app.validation import load_recipe
+
+    return load_recipe(recipe_path, list(overrides), check_rules=False).speculative.acceptance_length
+
+
+def plan_block(
+    recipe_path: Path, overrides: Iterable[str], gpu, model_config, isl: int, osl: int, acceptance_length: float
+) -> dict:
+    """What ``trtpipe plan`` adds for an acceptance length: the step model's decode speed-up at the recipe's
+    max_batch_size and a KV length of isl + osl / 2 (``trtpipe predict`` gives the served figures)."""
+    from trtpipe.app import predictor as P
+    from trtpipe.app.validation import load_recipe
+    from trtpipe.perf.fit import load_constants
+
+    setup = P.recipe_setup(recipe_path, overrides, gpu=gpu, model_config=model_config)
+    recipe = load_recipe(recipe_path, list(overrides), check_rules=False)
+    s = recipe.speculative
+    if not s.enabled:
+        raise TrtpipeError(
+            "--acceptance-length: the recipe has no speculative decoding (set speculative.decoding_type)"
+        )
+    c = load_constants()[setup.family]
+    target = setup.deployment
+    step = speculative_step(
+        target, c, setup.max_batch_size, isl + osl // 2, s.max_draft_len, acceptance_length, drafter(recipe, target)
+    )
+    return {
+        "decoding_type": s.decoding_type,
+        "max_draft_len": s.max_draft_len,
+        "acceptance_length": acceptance_length,
+        "batch": step.batch,
+        "kv_len": step.kv_len,
+        "decode_speedup": round(step.speedup, 3),
+    }
+
+
 def speculative_block(
     recipe_path: Path,
     overrides: Iterable[str],

@@ -7,7 +7,11 @@ Counted per GPU for the recipe's ``speculative:`` section (``trtpipe/recipe/spec
   target's tensor-parallel ranks and held on every pipeline rank (upper bound); n-gram / lookahead drafts have no
   weights; MTP layers ship inside the target checkpoint, whose weights the plan already counts;
 - **KV per token**: 2 x the draft config's layers x ceil(kv heads / tp) x head size x the target's KV bytes, added to
-  the target's per-token KV (the draft caches every token the target does);
+  the target's per-token KV (the draft caches every token the target does); MTP: the target's own per-layer KV x the
+  layers TensorRT-LLM adds to its KV cache manager for them (``get_num_spec_layers``,
+  ``tensorrt_llm/_torch/speculative/utils.py@011d0933``: 1 for MTP-Eagle, a checkpoint of one MTP layer;
+  ``num_nextn_predict_layers`` for vanilla MTP), the layers the twin's pool holds too
+  (:mod:`trtpipe.serving.hidden_draft`);
 - **sequence length**: each sequence may hold ``max_draft_len`` positions beyond max_seq_len while it verifies.
 """
 
@@ -42,11 +46,25 @@ def _config(path: Path) -> dict:
         return {}
 
 
-def draft_memory(recipe: Recipe, tp: int, kv_bytes: float) -> Optional[DraftMemory]:
-    """The draft's share of each GPU (None without speculation); ``kv_bytes``: bytes of one KV element."""
+def mtp_kv_layers(recipe: Recipe) -> int:
+    """KV layers of the target's MTP layers in the pool: 1 (MTP-Eagle) or ``num_nextn_predict_layers`` (vanilla)."""
+    from trtpipe.recipe.rules import model_dir
+
+    try:
+        layers = int(_config(model_dir(recipe)).get("num_nextn_predict_layers") or 0)
+    except (OSError, TrtpipeError):  # an unreadable model: validation says so; nothing counted here
+        return 0
+    return 1 if layers == 1 else layers
+
+
+def draft_memory(recipe: Recipe, tp: int, kv_bytes: float, layer_kv: float = 0.0) -> Optional[DraftMemory]:
+    """The draft's share of each GPU (None without speculation); ``kv_bytes``: bytes of one KV element;
+    ``layer_kv``: the target's KV bytes per token of one layer on one GPU (what an MTP layer caches)."""
     s = recipe.speculative
     if not s.enabled:
         return None
+    if s.decoding_type == "MTP":  # weights inside the target checkpoint (counted); KV in the target's pool
+        return DraftMemory(0, mtp_kv_layers(recipe) * layer_kv, s.max_draft_len, "none")
     if s.decoding_type in NO_DRAFT_WEIGHTS or s.speculative_model is None:  # lookahead: D from (W, N, G)
         return DraftMemory(0, 0.0, draft_len(recipe), "none")
     from trtpipe.recipe.speculative import draft_dir

@@ -486,7 +486,9 @@ def plan_build(
     else:
         weights, source = weight_bytes(s, tp, pp), "config.json"
     act = activation_bytes(s, tp, c.max_num_tokens, c.max_batch_size, c.max_beam_width)
-    draft = draft_memory(recipe, tp, kv_bytes_per_token(s, 1, 1) / (2 * s.kv_heads * s.head_size))
+    draft = draft_memory(
+        recipe, tp, kv_bytes_per_token(s, 1, 1) / (2 * s.kv_heads * s.head_size), kv_bytes_per_token(s, 1, tp)
+    )
     weights = [w + (draft.weight_bytes if draft else 0) for w in weights]
     ranks = []
     for r, n in enumerate(pp_layers(s.layers, pp)):

@@ -10,7 +10,8 @@ head proposes, so they test the execution; acceptance measured with them is a ra
   target id = d + d2t[d]) and ``t2d`` (bool over the target vocabulary); no embedding (the target's is used).
 - MTP: DeepSeek-V3's ``model.layers.{num_hidden_layers}.*``: a full decoder block (MLA + MoE) plus ``enorm``,
   ``hnorm``, ``eh_proj`` [H, 2H], ``shared_head.norm``, ``shared_head.head`` and ``embed_tokens`` (copies of the
-  target's lm_head and embedding, as the released checkpoints store them); ``num_nextn_predict_layers: 1``.
+  target's lm_head and embedding, as the released checkpoints store them); ``num_nextn_predict_layers: 1``, or
+  several such layers (``add_mtp_layers``: DeepSeek-V3 ships one, TensorRT-LLM runs more as vanilla MTP).
 """
 
 from __future__ import annotations
@@ -90,25 +91,32 @@ def add_mtp_layer(model_dir: str | Path, block_dir: str | Path, seed: int = 0) -
     """Give the DeepSeek-V3 checkpoint ``model_dir`` one MTP layer (in place): its decoder block is layer 0 of
     ``block_dir`` (a one-layer synthetic DeepSeek-V3 whose layer is MoE: ``first_k_dense_replace=0``), its norms and
     ``eh_proj`` random."""
+    return add_mtp_layers(model_dir, [block_dir], seed)
+
+
+def add_mtp_layers(model_dir: str | Path, block_dirs: list, seed: int = 0) -> Path:
+    """Give ``model_dir`` one MTP layer per block directory, stored as ``model.layers.{num_hidden_layers + i}``
+    (each with its own random norms and ``eh_proj``), and ``num_nextn_predict_layers: len(block_dirs)``."""
     d = Path(model_dir)
     cfg = load_json(d / "config.json")
     n, H = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
     tensors = load_file(str(d / "model.safetensors"))
-    block = load_file(str(Path(block_dir) / "model.safetensors"))
     g = torch.Generator().manual_seed(seed)
-    pre = f"model.layers.{n}."
-    for k, v in block.items():
-        if k.startswith("model.layers.0."):
-            tensors[pre + k[len("model.layers.0.") :]] = v
     dtype = tensors["model.embed_tokens.weight"].dtype
-    tensors[pre + "enorm.weight"] = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
-    tensors[pre + "hnorm.weight"] = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
-    tensors[pre + "eh_proj.weight"] = (torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5).to(dtype)
-    tensors[pre + "shared_head.norm.weight"] = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
-    tensors[pre + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-    tensors[pre + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    for i, block_dir in enumerate(block_dirs):
+        block = load_file(str(Path(block_dir) / "model.safetensors"))
+        pre = f"model.layers.{n + i}."
+        for k, v in block.items():
+            if k.startswith("model.layers.0."):
+                tensors[pre + k[len("model.layers.0.") :]] = v
+        tensors[pre + "enorm.weight"] = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+        tensors[pre + "hnorm.weight"] = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+        tensors[pre + "eh_proj.weight"] = (torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5).to(dtype)
+        tensors[pre + "shared_head.norm.weight"] = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+        tensors[pre + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+        tensors[pre + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
-    (d / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}, indent=2))
+    (d / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": len(block_dirs)}, indent=2))
     return d
 
 

@@ -95,7 +95,7 @@ def key_material(stage: Stage, recipe: Recipe, input_keys: Mapping[str, str]) ->
         "format": KEY_FORMAT,
         "trtpipe": __version__,
         "stage": stage.name,
-        "sections": {s: recipe.section(s) for s in stage.sections},
+        "sections": {s: recipe.key_section(s) for s in stage.sections},
         "inputs": {name: input_keys[name] for name in stage.inputs if name in input_keys},
         "files": [fingerprint(p) for p in stage.files(recipe)],
         "extra": canonical(stage.extra_key(recipe)),

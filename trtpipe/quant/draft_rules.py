@@ -15,6 +15,8 @@ from __future__ import annotations
 import fnmatch
 from typing import Iterable, Optional
 
+from pydantic import ValidationError
+
 from trtpipe.checkpoint.quant_layouts import ALGOS
 from trtpipe.errors import CheckpointError
 from trtpipe.models import get_family
@@ -22,7 +24,7 @@ from trtpipe.models.dims import ModelDims, read_hf_config
 from trtpipe.quant.imported.detect import detect
 from trtpipe.quant.rules import excluded, int4_problems
 from trtpipe.recipe.rules import Finding, Rule
-from trtpipe.recipe.schema import Recipe
+from trtpipe.recipe.schema import CalibrationSection, QuantizationSection, Recipe
 from trtpipe.recipe.speculative import draft_dir
 
 KEY = "speculative.draft_quantization"
@@ -39,13 +41,57 @@ def recipe_quantizes(recipe: Recipe) -> bool:
     return (q.algo != "none" or q.kv_cache != "none") and q.algo in ("none", *ALGOS)
 
 
+def mode_label(recipe: Recipe) -> str:
+    """``draft_quantization`` as messages name it: the word, or the mapping's keys and values."""
+    mode = recipe.speculative.draft_quantization
+    if isinstance(mode, dict):
+        return "{" + ", ".join(f"{k}: {v}" for k, v in mode.items()) + "}"
+    return mode
+
+
+def mapping_problem(mode: dict) -> Optional[tuple[str, str]]:
+    """(key, message) of the first thing wrong in a ``draft_quantization`` mapping, or None: keys the
+    quantization section does not have (``calibration``'s own keys included), then a value the section refuses."""
+    keys = set(QuantizationSection.model_fields)
+    unknown = sorted(set(mode) - keys)
+    calib = mode.get("calibration")
+    if isinstance(calib, dict):
+        unknown += [f"calibration.{k}" for k in sorted(set(calib) - set(CalibrationSection.model_fields))]
+    if unknown:
+        return KEY, (
+            f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: a mapping takes the quantization "
+            f"section's keys ({', '.join(QuantizationSection.model_fields)}; calibration's: "
+            f"{', '.join(CalibrationSection.model_fields)})"
+        )
+    try:
+        QuantizationSection.model_validate(_merged(QuantizationSection(), mode))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        return f"{KEY}.{'.'.join(str(p) for p in err['loc'])}", err["msg"]
+    return None
+
+
+def _merged(base: QuantizationSection, mode: dict) -> dict:
+    """The section's values with the mapping's keys replaced (``calibration``'s one by one)."""
+    out = base.model_dump()
+    for k, v in mode.items():
+        out[k] = {**out[k], **v} if k == "calibration" and isinstance(v, dict) else v
+    return out
+
+
 def draft_quant_recipe(recipe: Recipe) -> Optional[Recipe]:
     """The recipe whose ``quantization`` section the draft is quantized with (None: the draft is not quantized
-    here): the recipe itself for ``recipe``, a copy with ``algo`` replaced for an algorithm name."""
+    here): the recipe itself for ``recipe``, a copy with ``algo`` replaced for an algorithm name, a copy with the
+    mapping's keys replaced for a mapping (an invalid mapping: None, its rule says why)."""
     mode = recipe.speculative.draft_quantization
     if not builds_draft(recipe) or mode in ("none", "stored"):
         return None
-    if mode != "recipe":
+    if isinstance(mode, dict):
+        if mapping_problem(mode) is not None:
+            return None
+        quant = QuantizationSection.model_validate(_merged(recipe.quantization, mode))
+        recipe = recipe.model_copy(update={"quantization": quant})
+    elif mode != "recipe":
         quant = recipe.quantization.model_copy(update={"algo": mode})
         recipe = recipe.model_copy(update={"quantization": quant})
     return recipe if recipe_quantizes(recipe) else None
@@ -69,7 +115,13 @@ def _draft_quantization(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Find
                 ),
             )
         return
-    if mode not in ("recipe", "none", "stored") and mode not in ALGOS:
+    if isinstance(mode, dict):
+        problem = mapping_problem(mode)
+        if problem is not None:
+            yield problem
+            return
+        mode = mode_label(recipe)
+    elif mode not in ("recipe", "none", "stored") and mode not in ALGOS:
         yield (
             KEY,
             f"{mode} is written only for target: llmapi; a draft engine takes recipe, none, stored, "
@@ -101,8 +153,11 @@ def _draft_quantization(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Find
     if dq is None:
         return
     q = dq.quantization
+    own = isinstance(s.draft_quantization, dict)
+    exclude = f"{KEY}.exclude" if own and "exclude" in s.draft_quantization else "quantization.exclude"
+    group = f"{KEY}.group_size" if own else "quantization.group_size"
     if mode != "recipe" and not any(fnmatch.fnmatchcase("lm_head", p) for p in q.exclude):
-        yield KEY, f"{mode}: lm_head is kept unquantized: keep '*lm_head' in quantization.exclude"
+        yield KEY, f"{mode}: lm_head is kept unquantized: keep '*lm_head' in {exclude}"
         return
     if family.no_recipe_quantization:
         yield (
@@ -126,7 +181,7 @@ def _draft_quantization(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Find
             KEY,
             (
                 f"{mode}: {q.algo} at tp={recipe.parallel.tp}: the draft's {name} {why}; add '*{name}' to "
-                "quantization.exclude, change quantization.group_size, or use none"
+                f"{exclude}, change {group}, or use none"
             ),
         )
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
@@ -27,6 +27,16 @@ HF_URI = re.compile(r"^hf://[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
+
+
+def _keyed(node: BaseModel, dump: dict) -> dict:
+    """``dump`` (``node``'s model_dump) without the fields marked ``keyed: False``, at any depth."""
+    for name, f in type(node).model_fields.items():
+        if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("keyed") is False:
+            dump.pop(name, None)
+        elif isinstance(getattr(node, name), BaseModel) and isinstance(dump.get(name), dict):
+            _keyed(getattr(node, name), dump[name])
+    return dump
 
 
 DType = Literal["auto", "float16", "bfloat16", "float32"]
@@ -393,13 +403,23 @@ class SpeculativeSection(_Section):
         le=64,
         description="lookahead_decoding: n-grams verified per step (G); max_draft_len follows from W, N, G.",
     )
-    draft_quantization: Literal[("recipe", "stored") + RECIPE_ALGOS] = Field(
+    acceptance_length: Optional[float] = Field(
+        None,
+        description="trtpipe's own key (not TensorRT-LLM's): the expected tokens per target forward (accepted drafts "
+        "+ 1, 1 <= it <= max_draft_len + 1) that `trtpipe plan` and `trtpipe predict` use for the speculative "
+        "speed-up; their --acceptance-length overrides it. None: no speed-up predicted.",
+        json_schema_extra={"keyed": False},  # no stage's output depends on it: a change rebuilds nothing
+    )
+    draft_quantization: Union[Literal[("recipe", "stored") + RECIPE_ALGOS], dict[str, Any]] = Field(
         "recipe",
         description="draft_tokens_external: how the draft_engine stage quantizes the draft. recipe: with the recipe's "
         "quantization section (algo, group_size, exclude, kv_cache, calibration data), by the quantize stage's code; "
         "an algorithm (e.g. int4_awq): that section with this algo instead (a quantized draft for an unquantized "
-        "target); none: unquantized at model.dtype; stored: as stored (a pre-quantized draft in its own format, a "
-        "plain one at model.dtype). A pre-quantized draft takes stored, or recipe when the recipe quantizes nothing.",
+        "target); a mapping of that section's keys (e.g. {algo: int4_awq, group_size: 64, exclude: [...], "
+        "calibration: {num_samples: 32}}): the section with those keys replaced (calibration's keys one by one), the "
+        "draft's own settings; none: unquantized at model.dtype; stored: as stored (a pre-quantized draft in its own "
+        "format, a plain one at model.dtype). A pre-quantized draft takes stored, or recipe when the recipe quantizes "
+        "nothing.",
     )
     num_medusa_heads: Optional[int] = Field(
         None, ge=1, le=64, description="medusa: heads converted into the engine (None: the heads' medusa_num_heads)."
@@ -668,3 +688,11 @@ class Recipe(_Section):
         for part in dotted.split("."):
             node = getattr(node, part)
         return node.model_dump(mode="json") if isinstance(node, BaseModel) else node
+
+    def key_section(self, dotted: str) -> dict:
+        """:meth:`section` without the fields no stage's output depends on (``json_schema_extra={"keyed": False}``:
+        read by commands such as ``plan`` and ``predict`` only), as a stage key takes it."""
+        node: object = self
+        for part in dotted.split("."):
+            node = getattr(node, part)
+        return _keyed(node, node.model_dump(mode="json")) if isinstance(node, BaseModel) else node

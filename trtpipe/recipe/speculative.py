@@ -48,6 +48,22 @@ MTP_MIN_SM = 90
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
+def check_mtp_draft_len(layers: int, max_draft_len: int) -> Optional[str]:
+    """Why ``max_draft_len`` does not run on a checkpoint of ``layers`` MTP layers, or None.
+
+    TensorRT-LLM runs vanilla MTP (one layer per draft) whenever the checkpoint has more than one MTP layer, and then
+    drafts min(max_draft_len, layers) tokens: a larger max_draft_len is cut with only a warning
+    (``update_spec_config_from_model_config``, ``tensorrt_llm/_torch/speculative/utils.py@011d0933``). trtpipe refuses
+    it rather than write a draft length that does not run. One layer (MTP-Eagle) reuses it for any draft length."""
+    if layers > 1 and max_draft_len > layers:
+        return (
+            f"{max_draft_len} drafts need {max_draft_len} MTP layers: the checkpoint has num_nextn_predict_layers "
+            f"{layers}, and TensorRT-LLM's vanilla MTP drafts one token per layer (it would cut max_draft_len to "
+            f"{layers}); set max_draft_len <= {layers}"
+        )
+    return None
+
+
 def draft_dir(recipe: Recipe) -> Optional[Path]:
     """The local directory of ``speculative.speculative_model`` (hf:// through the hub cache), or None."""
     src = recipe.speculative.speculative_model
@@ -129,6 +145,8 @@ def _matrix(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
                         f"{layers} (use NGram, DraftTarget or Eagle3)"
                     ),
                 )
+            elif why := check_mtp_draft_len(layers, s.max_draft_len):
+                yield f"{KEY}.max_draft_len", why
     k = draft_len(recipe)  # lookahead's follows from (W, N, G)
     need = recipe.engine.max_batch_size * (k + 1)
     if recipe.engine.max_num_tokens < need:
@@ -202,7 +220,23 @@ def _eagle3_head(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
         )
 
 
+def _acceptance(recipe: Recipe) -> Iterable[Finding]:
+    """``acceptance_length`` (trtpipe's key): accepted drafts + 1 per verification, so within [1, k + 1]."""
+    s = recipe.speculative
+    if s.acceptance_length is None:
+        return
+    if not s.enabled:
+        yield f"{KEY}.acceptance_length", "set without speculative decoding (decoding_type none): remove it"
+    elif not 1 <= s.acceptance_length <= s.max_draft_len + 1:
+        yield (
+            f"{KEY}.acceptance_length",
+            f"{s.acceptance_length:g} is outside [1, max_draft_len + 1 = {s.max_draft_len + 1}]: it counts the "
+            "accepted drafts plus the target's own token per target forward",
+        )
+
+
 def _speculative(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
+    yield from _acceptance(recipe)
     if not recipe.speculative.enabled:
         return
     yield from _spelling(recipe)

@@ -179,7 +179,9 @@ class ExecutorCore:
         self._shed: list[_Queued] = []  # pushed out of a full queue by a higher priority: answered next turn
         self.stalled = False  # the last turn had requests but could schedule none (waiting for blocks)
         # speculative decoding (trtpipe.serving.speculative): drafts, verification, acceptance counters
-        self.speculator = Speculator(config, draft_engine, engine) if config.speculative_decoding_type else None
+        self.speculator = (
+            Speculator(config, draft_engine, engine, self.pool) if config.speculative_decoding_type else None
+        )
 
     # ---- the front ends' side (any thread) ------------------------------------------------------
     def submit(self, request: Request) -> int:

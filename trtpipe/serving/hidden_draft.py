@@ -10,9 +10,14 @@ the head its own output hidden state with the token it just drafted, one positio
   ``x = eh_proj([enorm(emb(t)); hnorm(h)])``, one DeepSeek-V3 decoder block (MLA + MoE) over ``x``, then
   ``out = shared_head.norm(x)``; the logits are the target's lm_head over ``out`` and ``out`` is the hidden state the
   next draft reads. ``h`` is the target's output after its final norm (the last decoder layer's
-  ``next_layer_layernorm`` is ``model.norm``, same file). One MTP layer is reused for every draft, the path
-  TensorRT-LLM takes for a checkpoint with ``num_nextn_predict_layers: 1`` (MTP-Eagle: ``ckpt_nextn == 1 and not
-  use_mtp_vanilla``, same file); the embedding is the target's (``embed_tokens`` is passed in).
+  ``next_layer_layernorm`` is ``model.norm``, same file); the embedding is the target's (``embed_tokens`` is passed
+  in). Which layers draft is TensorRT-LLM's ``MTPDecodingConfig.spec_dec_mode``
+  (``tensorrt_llm/llmapi/llm_args.py@00043967``; ``mtp_eagle_one_model: false`` is ignored there): a checkpoint with
+  ``num_nextn_predict_layers: 1`` (DeepSeek-V3's) reuses its one layer for every draft (MTP-Eagle,
+  ``ckpt_nextn == 1 and not use_mtp_vanilla``, same file); more layers run vanilla MTP, layer d drafting the
+  (d + 1)-th token over the stream shifted by d (``MTPWorker.forward``, mtp.py@000a01de), at most one draft per layer
+  (``update_spec_config_from_model_config`` cuts max_draft_len to the layer count,
+  ``tensorrt_llm/_torch/speculative/utils.py@011d0933``; trtpipe refuses a larger one in one line).
 - **EAGLE-3** (``decoding_type: Eagle3``; ``Eagle3DraftModel`` / ``Eagle3DecoderLayer`` / ``Eagle3ForCausalLM`` in
   ``tensorrt_llm/_torch/models/modeling_speculative.py@00679c66``): the target's hidden states after layers
   ``(1, L // 2 - 1, L - 4)`` (``_get_eagle3_default_capture_layers``, ``tensorrt_llm/_torch/speculative/eagle3.py
@@ -24,17 +29,25 @@ the head its own output hidden state with the token it just drafted, one positio
   ``hidden_states_to_save``). The embedding is the target's unless the head stores its own; the lm_head is the
   head's unless it has none (``load_lm_head_from_target``).
 
-Executed in the in-flight executor as :class:`~trtpipe.serving.speculative.DraftModel` is: the head has its own
-paged KV (one layer), and per request it keeps the target's hidden states of the positions it has not read yet. After
-each target step the executor hands over the step's captured hidden states (:meth:`HiddenDrafter.stepped`); after a
-verification only the positions whose input token was kept stay (:meth:`HiddenDrafter.accepted`). The head's KV of
-its own drafts is never kept: the next step's catch-up rewrites those positions from the target's hidden states, as
-TensorRT-LLM's first draft forward does.
+Executed in the in-flight executor as :class:`~trtpipe.serving.speculative.DraftModel` is, except for the KV: the
+head's layers are extra layers of the target's paged pool (one per MTP layer or head layer, as TensorRT-LLM's
+``get_num_spec_layers`` counts them for its KV cache manager: 1 for MTP-Eagle, ``num_nextn_predict_layers`` for
+vanilla MTP, utils.py@011d0933), written through each request's own block table. Per request the drafter keeps the
+target's hidden states of the positions it has not read yet. After each target step the executor hands over the
+step's captured hidden states (:meth:`HiddenDrafter.stepped`); after a verification only the positions whose input
+token was kept stay (:meth:`HiddenDrafter.accepted`). The head's KV at positions that read a draft is never kept: the
+next round's catch-up rewrites them from the target's hidden states, as TensorRT-LLM's first draft forward does.
+
+A prefix taken from the KV cache (block reuse) brings the head's KV of its positions: the request drafts from its
+first step, from the hidden states of the positions its context computes. As upstream, that KV is used as stored: a
+head layer's KV at a position near the end of the reused prefix encodes the tokens that followed it in the request
+that stored it (the same tokens when the prompts agree there), and a block stored by a request that never drafted
+(e.g. a guided one) holds no head KV; either changes what is drafted, never the output.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -45,10 +58,12 @@ from trtpipe.errors import CheckpointError
 from trtpipe.jsonfile import load_json
 from trtpipe.runtime.linear import Float32Linear
 from trtpipe.runtime.model import DecoderLayer, ModelArgs, ReferenceModel, rms_norm
+from trtpipe.recipe.speculative import check_mtp_draft_len
 from trtpipe.serving.api import StepBatch, StepEntry
 from trtpipe.serving.kv_pool import BlockPool
 from trtpipe.serving.speculative import draw, sampling_probs
 
+DRAFT_LAYER = "draft"  # the target pool's key prefix of the head's KV layers
 FINAL = -1  # a capture index: the target's output after its final norm (what MTP reads)
 
 
@@ -59,28 +74,45 @@ def eagle3_capture_layers(num_layers: int) -> tuple[int, int, int]:
     return (1, num_layers // 2 - 1, num_layers - 4)
 
 
-class MTPHead(nn.Module):
-    """DeepSeek-V3's MTP layer over the target's embedding and lm_head."""
+class MTPLayer(nn.Module):
+    """One of DeepSeek-V3's MTP layers (``model.layers.{num_hidden_layers + i}``) over the target's embedding."""
 
     def __init__(self, target: ReferenceModel, layer: DecoderLayer, extra: dict):
         super().__init__()
         for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight", "eh_proj"):
             if name not in extra:
                 raise CheckpointError(f"MTP layer {layer.layer_idx}: tensor '{name}' is missing")
-        self.capture = (FINAL,)
         self.eps = target.args.norm_epsilon
         self.layer = layer
         self.enorm, self.hnorm = extra["enorm.weight"], extra["hnorm.weight"]
         self.eh_proj = extra["eh_proj"]
         self.norm = extra["shared_head.norm.weight"]
-        self.target = target
-        self.model = ReferenceModel(target.config, target.args, target.embedding, [layer], self.norm, [])
-        self.d2t = None
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, paged, cos_sin) -> torch.Tensor:
         """[1, N, H] embeddings and [1, N, H] hidden states -> [1, N, H] the normed output (the next hidden)."""
         x = self.eh_proj(torch.cat([rms_norm(emb, self.enorm, self.eps), rms_norm(hidden, self.hnorm, self.eps)], -1))
         return rms_norm(self.layer(x, 0, paged, cos_sin), self.norm, self.eps)
+
+
+class MTPHead(nn.Module):
+    """DeepSeek-V3's MTP layers over the target's embedding and lm_head: one layer reused for every draft
+    (MTP-Eagle, a checkpoint with one layer) or, ``vanilla``, layer d drafting the (d + 1)-th token."""
+
+    def __init__(self, target: ReferenceModel, layers: list[MTPLayer], vanilla: bool = False):
+        super().__init__()
+        self.capture = (FINAL,)
+        self.target = target
+        self.layers = nn.ModuleList(layers)
+        self.vanilla = vanilla
+        self.depths = len(layers) if vanilla else 1  # layers run one after another per round
+        self.eh_proj = layers[0].eh_proj
+        self.model = ReferenceModel(
+            target.config, target.args, target.embedding, [m.layer for m in layers], layers[0].norm, []
+        )
+        self.d2t = None
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, paged, cos_sin, depth: int = 0) -> torch.Tensor:
+        return self.layers[depth](emb, hidden, paged, cos_sin)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return torch.cat([m(out) for m in self.target.lm_head], dim=-1)[..., : self.target.args.vocab_size].float()
@@ -88,8 +120,8 @@ class MTPHead(nn.Module):
     def next_hidden(self, out: torch.Tensor) -> torch.Tensor:
         return out
 
-    def drafter(self, target_engine, num_blocks: int, tokens_per_block: int) -> "HiddenDrafter":
-        return HiddenDrafter(self, target_engine, num_blocks, tokens_per_block)
+    def drafter(self, target_engine, pool: BlockPool) -> "HiddenDrafter":
+        return HiddenDrafter(self, target_engine, pool)
 
 
 class Eagle3Head(nn.Module):
@@ -155,7 +187,9 @@ class Eagle3Head(nn.Module):
             {"max_position_embeddings": args.max_position_embeddings}, args, self.embedding, [self.layer], self.norm, []
         )
 
-    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, paged, cos_sin) -> torch.Tensor:
+    depths, vanilla = 1, False  # one layer, reused for every draft
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, paged, cos_sin, depth: int = 0) -> torch.Tensor:
         """[1, N, H] embeddings and [1, N, 3 x H_target] captures (or [1, N, H], a previous draft's) -> x [1, N, H]."""
         g = self.fc(hidden) if hidden.shape[-1] != self.args.hidden_size else hidden
         layer = self.layer
@@ -170,25 +204,34 @@ class Eagle3Head(nn.Module):
     def next_hidden(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def drafter(self, target_engine, num_blocks: int, tokens_per_block: int) -> "HiddenDrafter":
-        return HiddenDrafter(self, target_engine, num_blocks, tokens_per_block)
+    def drafter(self, target_engine, pool: BlockPool) -> "HiddenDrafter":
+        return HiddenDrafter(self, target_engine, pool)
 
 
-def load_mtp_head(model_dir: str | Path, target: ReferenceModel) -> MTPHead:
-    """The MTP layer of a DeepSeek-V3 checkpoint (``model.layers.{num_hidden_layers}``)."""
+def mtp_layer_count(model_dir: str | Path) -> int:
+    """``num_nextn_predict_layers`` of a checkpoint's config.json (0 when absent)."""
+    return int(load_json(Path(model_dir) / "config.json").get("num_nextn_predict_layers") or 0)
+
+
+def load_mtp_head(model_dir: str | Path, target: ReferenceModel, max_draft_len: Optional[int] = None) -> MTPHead:
+    """The MTP layers of a DeepSeek-V3 checkpoint (``model.layers.{num_hidden_layers + i}``).
+
+    Which path runs is TensorRT-LLM's ``MTPDecodingConfig.spec_dec_mode`` (``llm_args.py@00043967``): one layer and
+    ``use_mtp_vanilla`` off ->
+    MTP-Eagle, that layer reused for every draft; more layers -> vanilla MTP, layer d drafting the (d + 1)-th token
+    (``tensorrt_llm/_torch/speculative/utils.py@011d0933``, ``modeling_deepseekv3.py@a43cf9e3``). ``use_mtp_vanilla``
+    over a one-layer checkpoint is not a trtpipe knob."""
     from trtpipe.runtime.hf_loader import load_hf_layer
 
     cfg = load_json(Path(model_dir) / "config.json")
     n = int(cfg.get("num_nextn_predict_layers") or 0)
     if n < 1:
         raise CheckpointError(f"{model_dir}/config.json: num_nextn_predict_layers is {n}: no MTP layer to draft with")
-    if n > 1:
-        raise CheckpointError(
-            f"{model_dir}/config.json: num_nextn_predict_layers {n}: the twin drafts with one MTP layer reused "
-            "(TensorRT-LLM's MTP-Eagle path); MTP vanilla over several layers is not executed"
-        )
-    layer, extra = load_hf_layer(model_dir, int(cfg["num_hidden_layers"]))
-    return MTPHead(target, layer, extra)
+    if max_draft_len is not None and (why := check_mtp_draft_len(n, max_draft_len)):
+        raise CheckpointError(f"speculative.max_draft_len {why}")
+    first = int(cfg["num_hidden_layers"])
+    layers = [MTPLayer(target, *load_hf_layer(model_dir, first + i)) for i in range(n)]
+    return MTPHead(target, layers, vanilla=n > 1)
 
 
 def eagle3_args(cfg: dict, where: str) -> ModelArgs:
@@ -250,8 +293,7 @@ def load_eagle3_head(head_dir: str | Path, target: ReferenceModel) -> Eagle3Head
 
 @dataclass
 class _State:
-    table: list[int] = field(default_factory=list)
-    cached: int = 0  # head KV valid below this position
+    cached: list[int]  # per layer (depth): head KV valid below this position
     start: int = 0  # position of rows[0]
     rows: Optional[torch.Tensor] = None  # the target's captured hidden states of positions start..
 
@@ -266,24 +308,25 @@ def require_hidden_states(target_engine, what: str) -> None:
 
 
 class HiddenDrafter:
-    """A head drafting from the target's hidden states, with its own paged KV and per-request block tables."""
+    """A head drafting from the target's hidden states. Its KV is extra layers of the target's paged pool: written
+    through each request's own block table, so a prefix taken from the KV cache brings the head's KV with it."""
 
-    def __init__(self, head, target_engine, num_blocks: int, tokens_per_block: int):
+    def __init__(self, head, target_engine, pool: BlockPool):
         require_hidden_states(target_engine, "MTP / Eagle3")
-        self.head, self.target = head, target_engine
+        self.head, self.target, self.pool = head, target_engine, pool
+        self.depths, self.vanilla = head.depths, head.vanilla
         target_engine.capture = head.capture
         # the reference engine's packing and paged attention (the class that defines them, not a subclass)
         engine_cls = next(c for c in type(target_engine).__mro__ if c.__dict__.get("captures_hidden_states"))
         self.engine = engine_cls(head.model)
-        self.engine.allocate(num_blocks, tokens_per_block)
-        self.pool = BlockPool(num_blocks, tokens_per_block)
+        self.engine.allocate(pool.num_blocks, pool.tokens_per_block)
+        for (layer, rank), pair in self.engine.pools.items():  # the same tensors, as the target pool's extra layers
+            target_engine.pools[(DRAFT_LAYER, layer, rank)] = pair
         self.state: dict[int, _State] = {}
         self.vocab = target_engine.model.args.vocab_size
 
     def forget(self, request_id: int) -> None:
-        st = self.state.pop(request_id, None)
-        if st is not None and st.table:
-            self.pool.release(st.table)
+        self.state.pop(request_id, None)
 
     def stepped(self, batch: StepBatch) -> None:
         """After a target step: keep every entry's captured hidden states (the rows of its positions)."""
@@ -294,12 +337,17 @@ class HiddenDrafter:
         for e in batch.entries:
             n = len(e.tokens)
             rows, t = h[t : t + n], t + n
-            st = self.state.setdefault(e.request_id, _State())
+            st = self.state.get(e.request_id)
+            if st is None:
+                # a first context that starts past 0 took its prefix from the KV cache: the blocks hold the head's
+                # KV of those positions too (TensorRT-LLM keeps its draft layers in the target's KV cache manager)
+                st = self.state[e.request_id] = _State([e.start_pos] * self.depths, e.start_pos, rows)
+                continue
             if st.rows is None or e.start_pos < st.start:
                 st.start, st.rows = e.start_pos, rows
             else:
                 st.rows = torch.cat([st.rows[: e.start_pos - st.start], rows])
-            st.cached = min(st.cached, e.start_pos)  # a recomputed context (a paused request) starts over
+            st.cached = [min(c, e.start_pos) for c in st.cached]  # a recomputed context (a paused request) starts over
 
     def kept(self, request_id: int, start_pos: int, accepted: list[int]) -> None:
         """After a masked verification at ``start_pos``: the rows of its root and accepted drafts, in that order."""
@@ -319,59 +367,114 @@ class HiddenDrafter:
     def _map(self, d: int) -> int:
         return d if self.head.d2t is None else d + int(self.head.d2t[d])
 
-    def _forward(self, entries: list[StepEntry], hidden: torch.Tensor):
+    def _forward(self, entries: list[StepEntry], hidden: torch.Tensor, depth: int = 0):
         ids, paged, cos_sin, ends = self.engine.packed(StepBatch(-1, entries))
         emb = torch.nn.functional.embedding(ids, self.head.model.embedding)
-        out = self.head(emb, hidden[None], paged, cos_sin)[0, ends]  # [R, H]
+        out = self.head(emb, hidden[None], paged, cos_sin, depth)[0, ends]  # [R, H]
         return self.head.logits(out), self.head.next_hidden(out)
+
+    def _choose(self, r, row: torch.Tensor) -> tuple[int, Optional[torch.Tensor]]:
+        """A draft from one row of logits (argmax, or drawn under the request's sampling) and, when sampled, the
+        distribution it was drawn from over the target's vocabulary."""
+        s = r.request.sampling
+        if s.greedy:
+            return self._map(int(row.argmax())), None
+        q = sampling_probs(row, s)
+        d = draw(q, r.generator)
+        full = torch.zeros(self.vocab, dtype=q.dtype)
+        idx = torch.arange(len(q)) if self.head.d2t is None else torch.arange(len(q)) + self.head.d2t
+        return self._map(d), full.index_add_(0, idx, q)
+
+    def _ready(self, r, k: int) -> bool:
+        """The request has the target's hidden states of every position its first k layers read."""
+        st = self.state.get(r.id)
+        n = len(r.tokens)
+        if st is None or st.rows is None or st.start + len(st.rows) < n - 1:
+            return False
+        reads = [min(st.cached[d] + (d if self.vanilla else 0), n - 1) for d in range(min(k, self.depths))]
+        return all(st.cached[d] <= n - 2 and st.start <= reads[d] for d in range(len(reads)))
 
     @torch.no_grad()
     def propose(self, requests: list, ks: dict[int, int]) -> dict[int, tuple[list[int], Optional[torch.Tensor]]]:
         """k drafts per request (with the distributions they were drawn from, over the target's vocabulary, when
-        sampling): one packed catch-up forward over every request's unread positions, then k - 1 single steps."""
-        live, entries, hidden = [], [], []
-        for r in requests:
-            st = self.state.get(r.id)
-            n = len(r.tokens)
-            if st is None or st.rows is None or st.start > st.cached or st.start + len(st.rows) < n - 1:
-                # no hidden states for positions it has not read: a prompt prefix taken from the KV cache (reuse)
-                # was never computed, so such a request decodes without drafts
-                continue
-            if st.cached >= n - 1:
-                continue
-            self.pool.grow(st.table, n - 2 + ks[r.id])
-            entries.append(StepEntry(r.id, r.tokens[st.cached + 1 : n], st.cached, st.table, True, True))
-            hidden.append(st.rows[st.cached - st.start : n - 1 - st.start])
-            live.append(r)
-        drafts = {r.id: [] for r in live}
-        probs = {r.id: [] for r in live}
-        h = torch.cat(hidden) if hidden else None
-        for step in range(max((ks[r.id] for r in live), default=0)):
+        sampling)."""
+        live = [r for r in requests if self._ready(r, ks[r.id])]
+        if not live:
+            return {}
+        if self.vanilla:
+            out = self._propose_vanilla(live, ks)
+        else:
+            out = self._propose_reused(live, ks)
+        for r in live:  # rows are kept from the first position a later catch-up reads
+            st, n = self.state[r.id], len(r.tokens)
+            keep = min([n - 1] + [c + (d if self.vanilla else 0) for d, c in enumerate(st.cached)])
+            st.rows, st.start = st.rows[keep - st.start :], keep
+        return {i: (d, torch.stack(q) if q else None) for i, (d, q) in out.items()}
+
+    def _propose_reused(self, live: list, ks: dict[int, int]) -> dict:
+        """One layer reused (MTP-Eagle, EAGLE-3): one packed catch-up forward over every request's unread positions
+        (token j + 1 with the target's hidden state j), then k - 1 single steps at positions n - 1.. (the head's
+        own output with the token it drafted). Those steps' KV is rewritten by the next catch-up."""
+        entries, hidden, ks = [], [], dict(ks)
+        for r in live:
+            st, n, table = self.state[r.id], len(r.tokens), r.block_table
+            while ks[r.id] > 1 and self.pool.blocks_for(n - 2 + ks[r.id]) - len(table) > self.pool.num_free:
+                ks[r.id] -= 1  # the draft steps' positions need blocks the pool does not have: fewer drafts
+            r.perf.kv_alloc_new_blocks += self.pool.grow(table, n - 2 + ks[r.id])
+            c = st.cached[0]
+            entries.append(StepEntry(r.id, r.tokens[c + 1 : n], c, table, True, True))
+            hidden.append(st.rows[c - st.start : n - 1 - st.start])
+        out = {r.id: ([], []) for r in live}
+        h = torch.cat(hidden)
+        for step in range(max(ks[r.id] for r in live)):
             logits, nxt_hidden = self._forward(entries, h)
             nxt, nh = [], []
-            for i, r in enumerate([x for x in live if len(drafts[x.id]) < ks[x.id]]):
-                s = r.request.sampling
-                if s.greedy:
-                    d = int(logits[i].argmax())
-                else:
-                    q = sampling_probs(logits[i], s)
-                    d = draw(q, r.generator)
-                    full = torch.zeros(self.vocab, dtype=q.dtype)
-                    idx = torch.arange(len(q)) if self.head.d2t is None else torch.arange(len(q)) + self.head.d2t
-                    probs[r.id].append(full.index_add_(0, idx, q))
-                tok = self._map(d)
-                drafts[r.id].append(tok)
-                if len(drafts[r.id]) < ks[r.id]:
-                    n = len(r.tokens)
-                    nxt.append(StepEntry(r.id, [tok], n - 2 + step + 1, self.state[r.id].table, False, True))
+            for i, r in enumerate([x for x in live if len(out[x.id][0]) < ks[x.id]]):
+                tok, q = self._choose(r, logits[i])
+                out[r.id][0].append(tok)
+                if q is not None:
+                    out[r.id][1].append(q)
+                if len(out[r.id][0]) < ks[r.id]:
+                    nxt.append(StepEntry(r.id, [tok], len(r.tokens) - 1 + step, r.block_table, False, True))
                     nh.append(nxt_hidden[i : i + 1])
             if not nxt:
                 break
-            live = [x for x in live if len(drafts[x.id]) < ks[x.id]]
             entries, h = nxt, torch.cat(nh)
-        for rid in drafts:  # the head KV is the target's up to n - 2; its own drafts' positions are rewritten
-            r_len = next(len(r.tokens) for r in requests if r.id == rid)
-            st = self.state[rid]
-            st.cached = r_len - 1
-            st.rows, st.start = st.rows[r_len - 1 - st.start :], r_len - 1
-        return {i: (drafts[i], torch.stack(probs[i]) if probs[i] else None) for i in drafts}
+        for r in live:  # the head KV is the target's up to n - 2; its own drafts' positions are rewritten
+            self.state[r.id].cached[0] = len(r.tokens) - 1
+        return out
+
+    def _propose_vanilla(self, live: list, ks: dict[int, int]) -> dict:
+        """Vanilla MTP (TensorRT-LLM's ``MTPWorker.forward``, ``tensorrt_llm/_torch/speculative/mtp.py@000a01de``):
+        layer d (0-based) drafts token d + 1. Over positions j it reads the stream shifted by d: token s[j + d + 1]
+        with hidden state G[j + d], where s is the sequence then the drafts so far and G the target's hidden states
+        then, past the last position, each earlier layer's output at the last position (the docstring's MTP2 reading
+        tokens CDEF against H_B, H_C, H_D, h_E). Every layer writes positions up to n - 2 only, in its own KV; the
+        positions that read a draft (j > n - 2 - d) are rewritten by the next round's catch-up from the target's
+        hidden states (upstream keeps them when its window has moved past: a draft-quality difference only)."""
+        out = {r.id: ([], []) for r in live}
+        outs: dict[int, list[torch.Tensor]] = {r.id: [] for r in live}
+        for d in range(min(max(ks[r.id] for r in live), self.depths)):
+            batch, entries, hidden = [], [], []
+            for r in live:
+                if ks[r.id] <= d or len(out[r.id][0]) < d:
+                    continue
+                st, n = self.state[r.id], len(r.tokens)
+                c = st.cached[d]
+                seq = r.tokens + out[r.id][0]
+                settled = st.rows[c + d - st.start : n - 1 - st.start] if c + d <= n - 2 else st.rows[:0]
+                drafted = outs[r.id][max(0, c + d - (n - 1)) : d]
+                entries.append(StepEntry(r.id, seq[c + d + 1 : n + d], c, r.block_table, True, True))
+                hidden.append(torch.cat([settled, *drafted]))
+                batch.append(r)
+            if not batch:
+                break
+            logits, nxt_hidden = self._forward(entries, torch.cat(hidden), d)
+            for i, r in enumerate(batch):
+                tok, q = self._choose(r, logits[i])
+                out[r.id][0].append(tok)
+                if q is not None:
+                    out[r.id][1].append(q)
+                outs[r.id].append(nxt_hidden[i : i + 1])
+                self.state[r.id].cached[d] = len(r.tokens) - 1 - d
+        return out

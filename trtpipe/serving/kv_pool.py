@@ -13,7 +13,8 @@ Accounting follows TensorRT-LLM's ``KVCacheManager`` (1.x):
   ``BlockKey`` carries ``loraTaskId`` and ``numMatchingTokens`` matches nothing across two task ids,
   ``cpp/include/tensorrt_llm/batch_manager/blockKey.h@2bb816c6``): two adapters never share a cached block.
 
-Storage lives in the step engine; this module only hands out block ids.
+Storage lives in the step engine; this module only hands out block ids. A block holds every KV layer of its
+positions, a hidden-state head's too (:mod:`trtpipe.serving.hidden_draft`), so a reused block brings them all.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ class MedusaHeads(nn.Module):
             out.append(self.lm_heads[h](x))
         return torch.stack(out)
 
-    def drafter(self, target_engine, num_blocks: int, tokens_per_block: int) -> "MedusaDrafter":
+    def drafter(self, target_engine, pool) -> "MedusaDrafter":
         return MedusaDrafter(self, target_engine)
 
 
@@ -140,6 +140,7 @@ class MedusaDrafter(HiddenDrafter):
     def __init__(self, heads: MedusaHeads, target_engine):
         require_hidden_states(target_engine, "Medusa")
         self.head, self.target = heads, target_engine
+        self.depths, self.vanilla = 1, False
         target_engine.capture = heads.capture
         self.state = {}
         self.vocab = target_engine.model.args.vocab_size

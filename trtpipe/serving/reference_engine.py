@@ -358,7 +358,7 @@ def draft_engine(config: ExecutorConfig, target: Optional[ReferenceModel] = None
             raise ValueError(
                 "speculative decoding_type MTP reads the target checkpoint's MTP layer: pass its directory"
             )
-        return load_mtp_head(target_dir, target)
+        return load_mtp_head(target_dir, target, config.max_draft_len)
     if kind == MEDUSA:
         from trtpipe.serving.medusa import load_medusa_heads
 

@@ -272,10 +272,10 @@ class DraftModel:
 class Speculator:
     """The executor's speculation: which requests draft how many tokens, the drafts, and the acceptance counters."""
 
-    def __init__(self, config: ExecutorConfig, draft_engine=None, target_engine=None):
+    def __init__(self, config: ExecutorConfig, draft_engine=None, target_engine=None, pool: Optional[BlockPool] = None):
         """``draft_engine``: the draft model's step engine (DraftTarget) or the head (MTP, Eagle3) of
         :func:`trtpipe.serving.reference_engine.draft_engine`; ``target_engine``: the executor's own (the heads read
-        its hidden states)."""
+        its hidden states); ``pool``: the executor's block pool (a head's KV is extra layers of it)."""
         kind = config.speculative_decoding_type
         if kind not in DECODING_TYPES:
             raise ValueError(f"speculative decoding_type {kind!r}: the twin executes {', '.join(DECODING_TYPES)}")
@@ -293,7 +293,8 @@ class Speculator:
 
             self.draft = LookaheadDrafter(config)
         elif kind in HIDDEN_STATE_TYPES:  # trtpipe.serving.hidden_draft.HiddenDrafter over the target's engine
-            self.draft = draft_engine.drafter(target_engine, blocks, config.tokens_per_block)
+            pool = pool or BlockPool(config.num_blocks, config.tokens_per_block, config.enable_kv_cache_reuse)
+            self.draft = draft_engine.drafter(target_engine, pool)
         self.total_draft_tokens = 0
         self.total_accepted_draft_tokens = 0
         self.verifications = 0  # target forwards that verified drafts (one per request per step)

@@ -8,7 +8,8 @@ recipe's dtype and tp x pp; a pre-quantized draft, e.g. an INT4 AWQ export, in t
 format, :mod:`trtpipe.quant.imported`) and built with the target's limits and plugins and no speculative mode:
 TensorRT engines where TensorRT-LLM runs, else the CPU twin engine. With ``speculative.draft_quantization: recipe``
 (the default) and a recipe that quantizes, or an algorithm named there (e.g. ``int4_awq`` for a draft of an
-unquantized target: the recipe's section with that ``algo``), the converted draft is calibrated on the recipe's calibration data and
+unquantized target: the recipe's section with that ``algo``; a mapping: the section with its keys replaced, the
+draft's own group size, excludes and calibration), the converted draft is calibrated on that section's calibration data and
 quantized by the quantize stage's own functions (:func:`trtpipe.stages.quant.run_calibration`,
 :func:`~trtpipe.stages.quant.run_quantization`) before it is built; the rules are :mod:`trtpipe.quant.draft_rules`.
 
@@ -26,7 +27,7 @@ from trtpipe.engine.ckptconfig import read_checkpoint_config
 from trtpipe.engine.twin_engine_dir import write_twin_engine
 from trtpipe.errors import EngineError, TrtpipeError
 from trtpipe.pipeline.stage import Stage, StageContext
-from trtpipe.quant.draft_rules import builds_draft, draft_quant_recipe, quantizes_draft
+from trtpipe.quant.draft_rules import builds_draft, draft_quant_recipe, mode_label, quantizes_draft
 from trtpipe.recipe.schema import QuantizationSection, Recipe
 from trtpipe.stages.checkpoint import WEIGHT_PATTERNS
 from trtpipe.stages.engine import toolchain_key
@@ -68,8 +69,9 @@ def _draft_key(recipe: Recipe) -> dict:
     from trtpipe.stages.quant import calibration_specs
 
     key = toolchain_key(recipe)
-    if quantizes_draft(recipe):
-        key["calibration_data"] = slices.data_version(calibration_specs(recipe))
+    dq = draft_quant_recipe(recipe)
+    if dq is not None:  # the draft's own calibration settings when draft_quantization is a mapping
+        key["calibration_data"] = slices.data_version(calibration_specs(dq))
     return key
 
 
@@ -80,7 +82,7 @@ def _key_files(recipe: Recipe) -> list[Path]:
     files = draft_files(recipe)
     dq = draft_quant_recipe(recipe)
     if dq is not None and needs_calibration(dq):
-        files += calibration_files(recipe)
+        files += calibration_files(dq)
     return files
 
 
@@ -90,7 +92,7 @@ def quantize_draft(ctx: StageContext, src: Path, ckpt: Path) -> Path:
     from trtpipe.stages.quant import needs_calibration, run_calibration, run_quantization
 
     recipe = draft_quant_recipe(ctx.recipe)
-    q, mode = recipe.quantization, recipe.speculative.draft_quantization
+    q, mode = recipe.quantization, mode_label(recipe)
     stats = None
     try:
         if needs_calibration(recipe):
@@ -144,7 +146,9 @@ def run(ctx: StageContext) -> None:
     build = bc.resolve_build(draft_build_recipe(recipe), cfg)
     problems = bc.findings(build)
     if problems:
-        raise EngineError("; ".join(f"draft engine: {k}: {m}" for k, m in problems))
+        own = isinstance(recipe.speculative.draft_quantization, dict)  # the draft's own section: name its keys
+        name = lambda k: "speculative.draft_" + k if own and k.startswith("quantization.") else k  # noqa: E731
+        raise EngineError("; ".join(f"draft engine: {name(k)}: {m}" for k, m in problems))
     engine_cfg = bc.engine_config_json(cfg, build.config)
     out = ctx.out_dir / ENGINE_DIR
     avail = trtllm.availability()

@@ -25,13 +25,45 @@ from trtpipe.app.options import CHECKPOINT, MODEL_CONFIG, OVERRIDES
     "every request), e.g. ttft_p99=500ms,itl_p99=50ms (with --rate).",
 )
 @click.option("--rate", type=float, default=0.0, help="Poisson request rate (req/s) the SLO must hold at.")
-@click.option("--isl", type=int, default=1024, show_default=True, help="Input tokens per request (with --slo).")
-@click.option("--osl", type=int, default=256, show_default=True, help="Output tokens per request (with --slo).")
+@click.option(
+    "--isl",
+    type=int,
+    default=1024,
+    show_default=True,
+    help="Input tokens per request (with --slo or an acceptance length).",
+)
+@click.option(
+    "--osl",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Output tokens per request (with --slo or an acceptance length).",
+)
 @click.option("--gpus", help="Comma-separated catalog keys to consider (with --slo; default: every modelled GPU).")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Write throughput vs latency PNG.")
 @click.option("--precisions", help="With --slo: quantization.algo variants to compare, e.g. fp8,int4_awq,none.")
+@click.option(
+    "--acceptance-length",
+    type=float,
+    help="Speculative decoding: tokens per target forward (accepted drafts + 1); adds the decode speed-up at "
+    "max_batch_size. Overrides speculative.acceptance_length.",
+)
 def plan(
-    recipe, overrides, gpu, model_config, checkpoint, as_json, list_gpus, slo, rate, isl, osl, gpus, plot, precisions
+    recipe,
+    overrides,
+    gpu,
+    model_config,
+    checkpoint,
+    as_json,
+    list_gpus,
+    slo,
+    rate,
+    isl,
+    osl,
+    gpus,
+    plot,
+    precisions,
+    acceptance_length,
 ) -> None:
     """Memory plan per GPU: weights, activations, KV pool and concurrent sequences; exit 3 if it does not fit.
 
@@ -53,6 +85,21 @@ def plan(
     if recipe is None:
         raise click.UsageError("RECIPE is required (or --list-gpus)")
     r = planning.resolve(recipe, overrides, gpu=gpu, model_config=model_config, checkpoint=checkpoint)
-    click.echo(json.dumps(planning.plan_json(r), indent=2) if as_json else planning.render_plan(r))
+    out = planning.plan_json(r) if as_json else planning.render_plan(r)
+    if r.plan.fits:
+        from trtpipe.app.spec_prediction import plan_block, recipe_acceptance_length
+
+        al = recipe_acceptance_length(recipe, overrides, acceptance_length)
+        if al is not None:
+            v = plan_block(recipe, overrides, gpu, model_config, isl, osl, al)
+            if as_json:
+                out["speculative"] = v
+            else:
+                out += (
+                    f"\nspeculative {v['decoding_type']} k={v['max_draft_len']}, acceptance length "
+                    f"{v['acceptance_length']:g}: decode step x{v['decode_speedup']:.2f} at batch {v['batch']}, KV "
+                    f"length {v['kv_len']} (trtpipe predict gives the served figures)"
+                )
+    click.echo(json.dumps(out, indent=2) if as_json else out)
     if not r.plan.fits:
         sys.exit(3)

@@ -34,7 +34,7 @@ from trtpipe.app.options import MODEL_CONFIG, OVERRIDES
     "--acceptance-length",
     type=float,
     help="Speculative decoding: tokens gained per target forward (accepted drafts + 1) for the recipe's "
-    "speculative section; adds the predicted speed-up.",
+    "speculative section; adds the predicted speed-up. Overrides speculative.acceptance_length.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def predict(
