@@ -324,6 +324,7 @@ def test_medusa_tree_keeps_greedy_output_and_counts_a_replay(model_tp1, oracle, 
     )
     spec, core = _serve(model_tp1, cfg, requests(), draft_engine(cfg, model_tp1))
     nodes = sorted_choices(TREE)
+    t = load_file(str(fitted_heads / "medusa_lm_head.safetensors"))
     moved = 0  # verifications whose accepted path is not at slots 1.. already (its KV moved)
     for rid, (p, a, b) in enumerate(zip(prompts, plain, spec), start=1):
         assert not b.has_error, b.error
@@ -334,6 +335,13 @@ def test_medusa_tree_keeps_greedy_output_and_counts_a_replay(model_tp1, oracle, 
         for seq, drafts, parents in calls[rid]:
             n = len(seq)
             assert seq == full[:n] and parents == tree_parents(nodes[: len(drafts)])
+            # every proposal (after moved verifications too: the heads read the accepted node's hidden state): node c
+            # holds head len(c) - 1's rank-c[-1] token, as float64 ranks them (ties aside)
+            r64 = _oracle(oracle, t, seq, max(len(c) for c in nodes))
+            for c, tok in zip(nodes, drafts):
+                row = r64[len(c) - 1]
+                want = row.topk(c[-1] + 1).values[-1]
+                assert abs(float(row[tok] - want)) <= 1e-4 * float(row.abs().max()), (c, tok)
             drafted += len(drafts)
             best = 0
             for path in paths_from_parents(parents):  # replay: the longest path the output then followed
