@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Medusa heads on the CPU twin's executor (stories260k), with and without, in one run.
 
-Workloads (greedy, end id off, every request makes exactly ``--tokens`` tokens; max_draft_len 3, the chain
-``[[0], [0, 0], [0, 0, 0]]``; story openings as prompts):
-- ``medusa-random``: random heads (trtpipe.models.synthetic_heads.make_medusa_heads).
-- ``medusa-fitted``: heads fitted here by ridge regression on the target's own sampled text: head ``i`` maps the
-  target's final hidden state at position j to token j + 2 + i (one-hot targets, the residual block left at zero
-  so it is the identity: ``x + silu(0 x + 0) = x``); saved in upstream's heads layout and loaded like any heads.
-  Held-out top-1 accuracy per head is printed.
+Workloads (greedy, end id off, every request makes exactly ``--tokens`` tokens; story openings as prompts; 3 heads):
+- ``medusa-random``: random heads (trtpipe.models.synthetic_heads.make_medusa_heads), the chain
+  ``[[0], [0, 0], [0, 0, 0]]`` (max_draft_len 3).
+- ``medusa-fitted``: heads fitted by ridge regression on the target's own sampled text
+  (trtpipe.models.synthetic_heads.fit_medusa_heads; held-out top-1 accuracy per head is printed), the same chain.
+- ``medusa-fitted-tree10``: the same heads, the first 10 choices of upstream's ``mc_sim_7b_63`` (max_draft_len 10).
+- ``medusa-fitted-tree61``: the same heads, ``mc_sim_7b_63`` without its two 4-deep paths (3 heads; max_draft_len 61).
 
 Per run (scripts/bench_speculative.py's ``run``): tokens per target forward, acceptance rate, ITL p50 and output
 tok/s, and ratios against the same workload and concurrency without speculation in this run.
@@ -42,6 +42,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from trtpipe.models.synthetic_heads import fit_medusa_heads, make_medusa_heads
+    from trtpipe.recipe.medusa import MC_SIM_7B_63
     from trtpipe.runtime.hf_loader import load_hf_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-medusa-"))
@@ -50,10 +51,15 @@ def main() -> None:
     fitted, accuracy = fit_medusa_heads(STORIES, tmp / "fitted", HEADS)
     print("medusa-fitted: held-out top-1 accuracy per head " + ", ".join(f"{a:.3f}" for a in accuracy))
     spec = {"speculative_decoding_type": "Medusa", "max_draft_len": HEADS}
+    tree61 = [c for c in MC_SIM_7B_63 if len(c) <= HEADS]
     workloads = {
         "medusa-random": {**spec, "speculative_model": str(make_medusa_heads(STORIES, tmp / "random", HEADS, seed=4))},
         "medusa-fitted": {**spec, "speculative_model": str(fitted)},
+        "medusa-fitted-tree10": {**spec, "speculative_model": str(fitted), "max_draft_len": 10},
+        "medusa-fitted-tree61": {**spec, "speculative_model": str(fitted), "max_draft_len": len(tree61)},
     }
+    workloads["medusa-fitted-tree10"]["medusa_choices"] = MC_SIM_7B_63[:10]
+    workloads["medusa-fitted-tree61"]["medusa_choices"] = tree61
     model = load_hf_checkpoint(STORIES)
     rows = []
     for c in (1, 8):

@@ -237,11 +237,13 @@ def test_medusa_at_tp2_in_one_process_keeps_greedy_output(model_tp2, heads_dir):
 
 
 @pytest.mark.slow
-def test_sampled_output_distribution_unchanged_with_medusa(model_tp1, oracle, heads_dir, tmp_path):
-    """2,000 seeded requests of 3 tokens: token 2 (the first a verification emits, from the draft of head 0 or the
-    residual) follows the exact float64 marginal sum_t1 p(t1) p(t2 | t1). Head 0 reads the prompt's last hidden state
-    (the same for every request) and is set to propose the marginal's likeliest token, so drafts are kept often and
-    rejected often: both branches run."""
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_sampled_output_distribution_unchanged_with_medusa(model_tp1, oracle, heads_dir, tmp_path, tree):
+    """2,000 seeded requests: token 2 (the first a verification emits, from the draft of head 0 or the residual)
+    follows the exact float64 marginal sum_t1 p(t1) p(t2 | t1). Head 0 reads the prompt's last hidden state (the same
+    for every request) and is set to propose the marginal's likeliest token, so drafts are kept often and rejected
+    often: both branches run. ``tree``: choices [[0], [1]], head 0's top-2 (the two likeliest) as siblings, verified by
+    token matching (upstream's acceptDraftTokensByIdsWithPaths): a sibling is kept exactly when token 2 is it."""
     from test_speculative import ALPHA, _chi2
 
     from trtpipe.serving.speculative import sampling_probs
@@ -261,14 +263,19 @@ def test_sampled_output_distribution_unchanged_with_medusa(model_tp1, oracle, he
     t["0.0.linear.weight"].zero_()
     t["0.0.linear.bias"].zero_()
     t["0.1.weight"] = torch.zeros_like(t["0.1.weight"])
-    t["0.1.weight"][int(marginal.argmax())] = h / h.dot(h)  # logit 1 for that token, 0 for the rest
+    top2 = marginal.topk(2).indices.tolist()
+    t["0.1.weight"][top2[0]] = h / h.dot(h)  # logit 1 for that token, 0 for the rest
+    if tree:
+        t["0.1.weight"][top2[1]] = 0.5 * h / h.dot(h)  # logit 0.5: head 0's rank 1
     save_file(t, str(d / "medusa_lm_head.safetensors"))
     n = 2000
     reqs = [
-        Request(prompt, 3, exclude_input_from_output=True, sampling=SamplingParams(1.0, 20, 1.0, seed=3000 + i))
+        # a tree needs room for its 2 nodes in the request: 4 tokens
+        Request(prompt, 3 + tree, exclude_input_from_output=True, sampling=SamplingParams(1.0, 20, 1.0, seed=3000 + i))
         for i in range(n)
     ]
-    cfg = _config(speculative_decoding_type="Medusa", max_draft_len=2, speculative_model=str(d))
+    choices = {"medusa_choices": [[0], [1]]} if tree else {}
+    cfg = _config(speculative_decoding_type="Medusa", max_draft_len=2, speculative_model=str(d), **choices)
     out, core = _serve(model_tp1, cfg, reqs, draft_engine(cfg, model_tp1))
     counts = torch.zeros(marginal.numel())
     for r in out:
@@ -276,9 +283,13 @@ def test_sampled_output_distribution_unchanged_with_medusa(model_tp1, oracle, he
     sp = core.speculator
     rate = sp.total_accepted_draft_tokens / sp.total_draft_tokens
     # a draft d is kept exactly when the request's token 2 is d: the acceptance rate estimates marginal[d]
-    # (binomial, 4.5 standard deviations: a correct implementation fails once in 1.5e5 seeds)
+    # (binomial, 4.5 standard deviations: a correct implementation fails once in 1.5e5 seeds). A tree's requests
+    # that reject both siblings verify again with fewer nodes, so only its distribution is compared.
     want = float(marginal.max())
-    assert 0 < want < 1 and abs(rate - want) < 4.5 * (want * (1 - want) / n) ** 0.5, (rate, want)
+    if not tree:
+        assert 0 < want < 1 and abs(rate - want) < 4.5 * (want * (1 - want) / n) ** 0.5, (rate, want)
+    else:
+        assert sp.total_accepted_draft_tokens > 0
     pv = _chi2(counts, marginal)
     print(f"Medusa sampling: acceptance {rate:.3f} of {sp.total_draft_tokens} drafts; chi-square p = {pv:.3g}")
     assert pv > ALPHA, f"chi-square p = {pv:.3g}"

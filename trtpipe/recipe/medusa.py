@@ -26,6 +26,15 @@ from trtpipe.recipe.rules import Finding
 from trtpipe.recipe.schema import Recipe
 
 KEY = "speculative"
+# upstream's example tree for 4 heads (Medusa's mc_sim_7b_63), as examples/medusa/README.md@27712aa7 runs it with
+# --medusa_choices and examples/llm-api/llm_medusa_decoding.py@a7b3f310 with max_draft_len=63, num_medusa_heads=4
+MC_SIM_7B_63 = [
+    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0], [0, 5], [0, 0, 1],
+    [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8], [0, 0, 2], [3, 0], [0, 9], [8], [9], [1, 0, 0],
+    [0, 2, 0], [1, 2], [0, 0, 3], [4, 0], [2, 1], [0, 0, 4], [0, 0, 5], [0, 0, 0, 0], [0, 1, 1], [0, 0, 6], [0, 3, 0],
+    [5, 0], [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9], [6, 0], [0, 4, 0], [1, 4], [7, 0], [0, 1, 2], [2, 0, 0], [3, 1],
+    [2, 2], [8, 0], [0, 5, 0], [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0], [0, 0, 0, 1], [1, 6], [0, 7, 0],
+]  # fmt: skip
 HEAD_FILES = ("medusa_lm_head.pt", "medusa_lm_head.safetensors")  # load_medusa_hf's order
 BASE_FAMILIES = ("llama", "qwen")  # MedusaForCausalLm's base classes
 
