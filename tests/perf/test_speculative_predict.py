@@ -93,3 +93,38 @@ def test_predict_acceptance_length_without_speculation_is_one_line():
         .splitlines()[-1]
         .endswith("--acceptance-length: the recipe has no speculative decoding (set speculative.decoding_type)")
     )
+
+
+def test_medusa_heads_run_inside_the_verification_not_as_draft_forwards(d70):
+    """Upstream computes the Medusa heads in the verification forward (GenericMedusaForCausalLM.forward,
+    tensorrt_llm/models/medusa/model.py@02499765): no draft forwards; the verification reads the heads' 16-bit
+    weights once (split over tp) and runs their GEMMs over all batch x (k + 1) positions."""
+    from trtpipe.perf.cost import GB, TERA
+    from trtpipe.perf.speculative import medusa_terms
+
+    assert draft_deployment(d70, "medusa") is None
+    m, g = d70.model, d70.gpu
+    t = medusa_terms(d70, 8 * 64, num_heads=4, num_layers=1)
+    params = 4 * (m.hidden * m.hidden + m.hidden + m.hidden * m.vocab) / d70.tp
+    assert t.mem == pytest.approx(params * 2 / (g.bandwidth_gbs * GB))
+    assert t.gemm == pytest.approx(2 * 8 * 64 * params / (g.tflops_16 * TERA))
+    plain = speculative_step(d70, C, 8, 1024, 63, 3.0)
+    s = speculative_step(d70, C, 8, 1024, 63, 3.0, None, medusa_heads=4)
+    assert s.draft_s == 0.0
+    assert s.verify_s == pytest.approx(float(step_time(verify_terms(d70, 8, 1024, 63) + t, C)))
+    assert s.verify_s > plain.verify_s  # the heads are not free: they add to the one forward
+    # a sequential-forward model would have cost k = 63 target-shaped layers; the heads cost less than one plain step
+    assert s.verify_s - plain.verify_s < s.plain_s
+
+
+def test_the_recipe_names_how_many_medusa_heads_the_verification_runs():
+    from trtpipe.app.spec_prediction import medusa_heads
+    from trtpipe.app.validation import load_recipe
+
+    def recipe(*sets):
+        return load_recipe(LLAMA70B, ["speculative.decoding_type=medusa", *sets], check_rules=False)
+
+    r = recipe("speculative.max_draft_len=4", "speculative.medusa_choices=[[0],[1],[0,0],[0,0,0]]")
+    assert medusa_heads(r) == (3, 1)  # no readable heads config: the depth of the choices
+    assert medusa_heads(recipe("speculative.max_draft_len=3", "speculative.num_medusa_heads=4")) == (4, 1)
+    assert medusa_heads(load_recipe(LLAMA70B, ["speculative.decoding_type=NGram"], check_rules=False)) == (0, 1)

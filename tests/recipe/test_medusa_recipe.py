@@ -1,6 +1,7 @@
 """``speculative.decoding_type: medusa`` on the engine target: each misuse is one line naming its key; a valid one
 builds with trtllm-build's medusa mode and ``max_draft_len`` = the choices' count, writes Triton's
-``medusa_choices`` in the backend's brace format, and reaches the twin's executor as Medusa (chains only)."""
+``medusa_choices`` in the backend's brace format, and reaches the twin's executor as Medusa (a chain, or a tree
+with siblings that the executor gets as ``medusa_choices``)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,19 @@ def test_a_chain_is_valid_built_written_and_executed(tmp_path, stories_dir, head
     assert json.loads(twin_extras(r))["speculative_decoding_type"] == "Medusa"
 
 
+def test_a_tree_is_valid_and_reaches_the_executor(tmp_path, stories_dir, heads):
+    from trtpipe.recipe.knobs import twin_extras
+    from trtpipe.recipe.medusa import triton_choices
+    from trtpipe.serving.config import from_recipe
+
+    r = _recipe(tmp_path, stories_dir, heads, "  max_draft_len: 4\n  medusa_choices: [[0], [1], [0, 0], [0, 1]]\n")
+    assert _problems(r) == []
+    assert triton_choices(r) == "{0}, {1}, {0, 0}, {0, 1}"
+    assert from_recipe(r, 512).medusa_choices == [[0], [1], [0, 0], [0, 1]]
+    # Triton carries the tree in its own medusa_choices parameter, not in the twin's extras
+    assert "medusa_choices" not in json.loads(twin_extras(r))
+
+
 def test_unset_choices_are_the_chain_of_max_draft_len(tmp_path, stories_dir, heads):
     from trtpipe.recipe.medusa import choices, triton_choices
 
@@ -78,8 +92,8 @@ def test_unset_choices_are_the_chain_of_max_draft_len(tmp_path, stories_dir, hea
     "spec, line",
     [
         (
-            "  max_draft_len: 3\n  medusa_choices: [[0], [1], [0, 0]]\n",
-            "speculative.medusa_choices: the twin executes chain-shaped choices only ([[0], [0, 0], [0, 0, 0]])",
+            "  max_draft_len: 2\n  medusa_choices: [[0], [1, 0]]\n",
+            "speculative.medusa_choices: not a tree of candidates: [1, 0] has no parent [1] in the choices",
         ),
         (
             "  max_draft_len: 4\n  medusa_choices: [[0], [0, 0], [0, 0, 0]]\n",
@@ -90,7 +104,10 @@ def test_unset_choices_are_the_chain_of_max_draft_len(tmp_path, stories_dir, hea
             "  max_draft_len: 3\n  num_medusa_heads: 2\n",
             "speculative.medusa_choices: a path of depth 3 needs 3 heads; 2 are converted",
         ),
-        ("  max_draft_len: 1\n  medusa_choices: [[-1]]\n", "speculative.medusa_choices: every choice is a non-empty"),
+        (
+            "  max_draft_len: 1\n  medusa_choices: [[-1]]\n",
+            "speculative.medusa_choices: not a tree of candidates: [-1] is not a non-empty",
+        ),
     ],
 )
 def test_misuse_is_one_line_naming_the_key(tmp_path, stories_dir, heads, spec, line):

@@ -21,12 +21,33 @@ from trtpipe.models.synthetic import load_hf
 from trtpipe.models.synthetic_heads import make_medusa_heads
 from trtpipe.serving.api import ExecutorConfig, Request, SamplingParams
 from trtpipe.serving.executor import ExecutorCore
-from trtpipe.serving.medusa import MedusaDrafter, MedusaHeads, chain_choices, is_chain, load_medusa_heads
+from trtpipe.recipe.medusa import tree_problem
+from trtpipe.serving.medusa import (
+    MedusaDrafter,
+    MedusaHeads,
+    chain_choices,
+    is_chain,
+    load_medusa_heads,
+    sorted_choices,
+    tree_parents,
+)
+from trtpipe.serving.tree_verify import paths_from_parents
 from trtpipe.serving.reference_engine import ReferenceEngine, draft_engine
 
 EOS = 2
 K = 3
 HEADS = 4
+# a tree of 10 candidates over the 4 heads (top-3 of head 0, top-2 of head 1 under its top-1, ...)
+TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 0, 0, 0]]
+
+
+@pytest.fixture(scope="module")
+def fitted_heads(tmp_path_factory, stories_dir):
+    """Heads fitted to the target's own text (trtpipe.models.synthetic_heads.fit_medusa_heads): their top-1 is right
+    often enough, and their top-2/3 often when top-1 is not, so trees take sibling paths and move KV."""
+    from trtpipe.models.synthetic_heads import fit_medusa_heads
+
+    return fit_medusa_heads(stories_dir, tmp_path_factory.mktemp("fitted") / "heads", HEADS, samples=256, length=48)[0]
 
 
 @pytest.fixture(scope="module")
@@ -98,9 +119,15 @@ def _oracle(hf, t: dict, tokens: list[int], k: int) -> torch.Tensor:
     return torch.stack(out)
 
 
-def test_chain_choices_are_the_only_shape_the_twin_executes():
+def test_chain_choices_and_trees():
     assert chain_choices(3) == [[0], [0, 0], [0, 0, 0]]
     assert is_chain([[0, 0], [0]]) and not is_chain([[0], [1]]) and not is_chain([[0], [0, 0], [0, 1]])
+    tree = sorted_choices([[0, 1], [1], [0], [0, 0, 0], [0, 0]])
+    assert tree == [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
+    assert tree_parents(tree) == [-1, 0, 0, 1, 1, 3]
+    assert tree_problem(tree) == ""
+    assert tree_problem([[0], [1, 0]]) == "[1, 0] has no parent [1] in the choices"
+    assert tree_problem([[0], [0]]) == "[0] appears twice"
 
 
 @pytest.mark.slow
@@ -178,16 +205,19 @@ def test_medusa_under_sampling_reproduces_per_seed_with_consistent_counters(mode
     assert runs[0] == runs[1]
 
 
-def test_triton_medusa_choices_are_parsed_and_only_the_chain_is_taken():
+def test_triton_medusa_choices_are_parsed_and_checked():
     from trtpipe.serving.medusa import check_choices, parse_choices
 
     assert parse_choices("{0, 0, 0}, {0, 1}") == [[0, 0, 0], [0, 1]]  # tensorrtllm_backend's own example
     cfg = _config(speculative_decoding_type="Medusa", max_draft_len=2)
     check_choices("{0}, {0, 0}", cfg)
-    for bad in ("{0}, {1}", "{0}", "0, 1", "{0, 0"):
+    assert check_choices("{0}, {1}", cfg) == [[0], [1]]  # a tree with siblings
+    for bad in ("{0}, {1, 0}", "{0}", "0, 1", "{0, 0"):
         with pytest.raises(ValueError, match=r"^tensorrt_llm twin: medusa_choices .*") as e:
             check_choices(bad, cfg)
         assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="does not speculate with Medusa"):
+        check_choices("{0}", _config())
 
 
 @pytest.mark.slow
@@ -207,11 +237,13 @@ def test_medusa_at_tp2_in_one_process_keeps_greedy_output(model_tp2, heads_dir):
 
 
 @pytest.mark.slow
-def test_sampled_output_distribution_unchanged_with_medusa(model_tp1, oracle, heads_dir, tmp_path):
-    """2,000 seeded requests of 3 tokens: token 2 (the first a verification emits, from the draft of head 0 or the
-    residual) follows the exact float64 marginal sum_t1 p(t1) p(t2 | t1). Head 0 reads the prompt's last hidden state
-    (the same for every request) and is set to propose the marginal's likeliest token, so drafts are kept often and
-    rejected often: both branches run."""
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_sampled_output_distribution_unchanged_with_medusa(model_tp1, oracle, heads_dir, tmp_path, tree):
+    """2,000 seeded requests: token 2 (the first a verification emits, from the draft of head 0 or the residual)
+    follows the exact float64 marginal sum_t1 p(t1) p(t2 | t1). Head 0 reads the prompt's last hidden state (the same
+    for every request) and is set to propose the marginal's likeliest token, so drafts are kept often and rejected
+    often: both branches run. ``tree``: choices [[0], [1]], head 0's top-2 (the two likeliest) as siblings, verified by
+    token matching (upstream's acceptDraftTokensByIdsWithPaths): a sibling is kept exactly when token 2 is it."""
     from test_speculative import ALPHA, _chi2
 
     from trtpipe.serving.speculative import sampling_probs
@@ -231,14 +263,19 @@ def test_sampled_output_distribution_unchanged_with_medusa(model_tp1, oracle, he
     t["0.0.linear.weight"].zero_()
     t["0.0.linear.bias"].zero_()
     t["0.1.weight"] = torch.zeros_like(t["0.1.weight"])
-    t["0.1.weight"][int(marginal.argmax())] = h / h.dot(h)  # logit 1 for that token, 0 for the rest
+    top2 = marginal.topk(2).indices.tolist()
+    t["0.1.weight"][top2[0]] = h / h.dot(h)  # logit 1 for that token, 0 for the rest
+    if tree:
+        t["0.1.weight"][top2[1]] = 0.5 * h / h.dot(h)  # logit 0.5: head 0's rank 1
     save_file(t, str(d / "medusa_lm_head.safetensors"))
     n = 2000
     reqs = [
-        Request(prompt, 3, exclude_input_from_output=True, sampling=SamplingParams(1.0, 20, 1.0, seed=3000 + i))
+        # a tree needs room for its 2 nodes in the request: 4 tokens
+        Request(prompt, 3 + tree, exclude_input_from_output=True, sampling=SamplingParams(1.0, 20, 1.0, seed=3000 + i))
         for i in range(n)
     ]
-    cfg = _config(speculative_decoding_type="Medusa", max_draft_len=2, speculative_model=str(d))
+    choices = {"medusa_choices": [[0], [1]]} if tree else {}
+    cfg = _config(speculative_decoding_type="Medusa", max_draft_len=2, speculative_model=str(d), **choices)
     out, core = _serve(model_tp1, cfg, reqs, draft_engine(cfg, model_tp1))
     counts = torch.zeros(marginal.numel())
     for r in out:
@@ -246,9 +283,115 @@ def test_sampled_output_distribution_unchanged_with_medusa(model_tp1, oracle, he
     sp = core.speculator
     rate = sp.total_accepted_draft_tokens / sp.total_draft_tokens
     # a draft d is kept exactly when the request's token 2 is d: the acceptance rate estimates marginal[d]
-    # (binomial, 4.5 standard deviations: a correct implementation fails once in 1.5e5 seeds)
+    # (binomial, 4.5 standard deviations: a correct implementation fails once in 1.5e5 seeds). A tree's requests
+    # that reject both siblings verify again with fewer nodes, so only its distribution is compared.
     want = float(marginal.max())
-    assert 0 < want < 1 and abs(rate - want) < 4.5 * (want * (1 - want) / n) ** 0.5, (rate, want)
+    if not tree:
+        assert 0 < want < 1 and abs(rate - want) < 4.5 * (want * (1 - want) / n) ** 0.5, (rate, want)
+    else:
+        assert sp.total_accepted_draft_tokens > 0
     pv = _chi2(counts, marginal)
     print(f"Medusa sampling: acceptance {rate:.3f} of {sp.total_draft_tokens} drafts; chi-square p = {pv:.3g}")
     assert pv > ALPHA, f"chi-square p = {pv:.3g}"
+
+
+def _tree_record(monkeypatch):
+    """Every tree proposal: {request id: [(its tokens, node tokens, parents)]}."""
+    calls: dict[int, list] = {}
+    original = MedusaDrafter.propose
+
+    def spy(self, requests, ks):
+        out = original(self, requests, ks)
+        for rid, (d, _, fields) in out.items():
+            r = next(x for x in requests if x.id == rid)
+            mask = fields["spec_mask"]
+            parents = [-1] + [max(j for j in range(i) if mask[i, j]) for i in range(1, len(d) + 1)]
+            calls.setdefault(rid, []).append((list(r.tokens), d, parents))
+        return out
+
+    monkeypatch.setattr(MedusaDrafter, "propose", spy)
+    return calls
+
+
+@pytest.mark.slow
+def test_medusa_tree_keeps_greedy_output_and_counts_a_replay(model_tp1, oracle, fitted_heads, monkeypatch):
+    """medusa_choices with siblings: the heads' top-k build the tree, one target forward verifies it with the tree
+    mask, the longest agreeing path is kept (its KV moved behind the prefix). Greedy output equals the executor
+    without speculation and transformers' float64 greedy; the counters equal a replay of each recorded tree against
+    the output (the longest root-to-node path whose tokens the request then output); each tree's node tokens are
+    the heads' top-k at their ranks."""
+    prompts = _prompts(6, seed=11)
+
+    def requests():
+        return [Request(p, 24, end_id=EOS, exclude_input_from_output=True, return_perf_metrics=True) for p in prompts]
+
+    plain, _ = _serve(model_tp1, _config(), requests())
+    calls = _tree_record(monkeypatch)
+    cfg = _config(
+        speculative_decoding_type="Medusa",
+        max_draft_len=len(TREE),
+        speculative_model=str(fitted_heads),
+        medusa_choices=TREE,
+    )
+    spec, core = _serve(model_tp1, cfg, requests(), draft_engine(cfg, model_tp1))
+    nodes = sorted_choices(TREE)
+    t = load_file(str(fitted_heads / "medusa_lm_head.safetensors"))
+    moved = 0  # verifications whose accepted path is not at slots 1.. already (its KV moved)
+    for rid, (p, a, b) in enumerate(zip(prompts, plain, spec), start=1):
+        assert not b.has_error, b.error
+        assert b.tokens == a.tokens  # the tree changes nothing in greedy output
+        assert check_greedy(model_tp1, oracle, p, b.tokens, 24, EOS) == ""
+        full = p + b.tokens
+        drafted = accepted = 0
+        for seq, drafts, parents in calls[rid]:
+            n = len(seq)
+            assert seq == full[:n] and parents == tree_parents(nodes[: len(drafts)])
+            # every proposal (after moved verifications too: the heads read the accepted node's hidden state): node c
+            # holds head len(c) - 1's rank-c[-1] token, as float64 ranks them (ties aside)
+            r64 = _oracle(oracle, t, seq, max(len(c) for c in nodes))
+            for c, tok in zip(nodes, drafts):
+                row = r64[len(c) - 1]
+                want = row.topk(c[-1] + 1).values[-1]
+                assert abs(float(row[tok] - want)) <= 1e-4 * float(row.abs().max()), (c, tok)
+            drafted += len(drafts)
+            best = 0
+            for path in paths_from_parents(parents):  # replay: the longest path the output then followed
+                j = 0
+                while j < len(path) and n + j < len(full) and full[n + j] == drafts[path[j] - 1]:
+                    j += 1
+                best = max(best, j)
+            accepted += best
+            moved += best > 0 and any(
+                path[:best] != list(range(1, best + 1)) and all(full[n + j] == drafts[path[j] - 1] for j in range(best))
+                for path in paths_from_parents(parents)
+                if len(path) >= best
+            )
+        assert (b.perf.total_draft_tokens, b.perf.total_accepted_draft_tokens) == (drafted, accepted)
+    s = core.speculator
+    assert moved > 0 and s.total_accepted_draft_tokens > 0  # sibling paths were taken, their KV moved
+    assert core.pool.stats().free_blocks == core.pool.stats().max_blocks and not s.draft.state
+    print(
+        f"fitted Medusa heads, tree of {len(TREE)}: {s.total_accepted_draft_tokens} accepted in {s.verifications} "
+        f"verifications, {moved} off the first path"
+    )
+
+
+@pytest.mark.slow
+def test_medusa_tree_under_sampling_reproduces_per_seed(model_tp1, heads_dir):
+    """Token matching under sampling (upstream's acceptDraftTokensByIdsWithPaths): the same seed gives the same
+    tokens run after run, and every request completes with consistent counters."""
+    cfg = _config(
+        speculative_decoding_type="Medusa",
+        max_draft_len=len(TREE),
+        speculative_model=str(heads_dir),
+        medusa_choices=TREE,
+    )
+    s = SamplingParams(temperature=0.8, top_k=20, seed=5)
+    runs = []
+    for _ in range(2):
+        reqs = [Request([1, 40, 41, 42], 16, sampling=s, return_perf_metrics=True) for _ in range(3)]
+        out, core = _serve(model_tp1, cfg, reqs, draft_engine(cfg, model_tp1))
+        assert all(not r.has_error for r in out)
+        assert all(0 <= r.perf.total_accepted_draft_tokens <= r.perf.total_draft_tokens for r in out)
+        runs.append([r.tokens for r in out])
+    assert runs[0] == runs[1]

@@ -1,10 +1,12 @@
 """``trtpipe predict --acceptance-length``: the recipe's speculative decoding in the prediction.
 
 The recipe's ``speculative:`` section gives the kind and k (``max_draft_len``); the drafter's deployment follows it
-(:func:`trtpipe.perf.speculative.draft_deployment`): n-gram / lookahead drafts cost nothing, an EAGLE-3 / EAGLE /
-Medusa head is one target-shaped layer in 16 bits over the head's draft vocabulary (``draft_vocab_size`` of its
+(:func:`trtpipe.perf.speculative.draft_deployment`): n-gram / lookahead drafts cost nothing, an EAGLE-3 / EAGLE
+head is one target-shaped layer in 16 bits over the head's draft vocabulary (``draft_vocab_size`` of its
 config.json when the head directory is readable), an MTP module one target layer at the target's precision, a
-draft model its own config at the target's precision. The plain prediction (the simulator) stays as it is; the
+draft model its own config at the target's precision. Medusa's heads have no draft forwards: they run inside the
+verification (:func:`trtpipe.perf.speculative.medusa_terms`; ``num_medusa_heads`` or the heads' ``medusa_num_heads``,
+their ``medusa_num_layers``). The plain prediction (the simulator) stays as it is; the
 speculative block scales its decode part by the step model's speed-up.
 """
 
@@ -18,7 +20,7 @@ from trtpipe.errors import TrtpipeError
 from trtpipe.jsonfile import load_json
 from trtpipe.perf.cost import Constants, Deployment
 from trtpipe.perf.models import spec_of
-from trtpipe.perf.speculative import HEAD_DRAFTS, draft_deployment, speculative_step
+from trtpipe.perf.speculative import HEAD_DRAFTS, IN_VERIFY_HEADS, draft_deployment, speculative_step
 
 HEAD_PRECISION = "bf16"  # published EAGLE-3 heads ship in BF16 (e.g. yuhuili/EAGLE3-LLaMA3.3-Instruct-70B)
 
@@ -77,19 +79,36 @@ def plan_block(
         raise TrtpipeError(
             "--acceptance-length: the recipe has no speculative decoding (set speculative.decoding_type)"
         )
+    from trtpipe.recipe.lookahead import draft_len
+
     c = load_constants()[setup.family]
     target = setup.deployment
+    heads, layers = medusa_heads(recipe)
+    k = draft_len(recipe)  # lookahead: (N - 2) + (W - 1 + G) * (N - 1)
     step = speculative_step(
-        target, c, setup.max_batch_size, isl + osl // 2, s.max_draft_len, acceptance_length, drafter(recipe, target)
+        target, c, setup.max_batch_size, isl + osl // 2, k, acceptance_length, drafter(recipe, target), heads, layers
     )
     return {
         "decoding_type": s.decoding_type,
-        "max_draft_len": s.max_draft_len,
+        "max_draft_len": k,
         "acceptance_length": acceptance_length,
         "batch": step.batch,
         "kv_len": step.kv_len,
         "decode_speedup": round(step.speedup, 3),
     }
+
+
+def medusa_heads(recipe) -> tuple[int, int]:
+    """(heads, residual blocks per head) the verification computes: 0 heads unless the recipe speculates with
+    Medusa; the recipe's ``num_medusa_heads`` over the heads' config, else the depth of its choices."""
+    s = recipe.speculative
+    if s.decoding_type not in IN_VERIFY_HEADS:
+        return 0, 1
+    from trtpipe.recipe.medusa import choices
+
+    cfg = _draft_config(recipe) or {}
+    n = s.num_medusa_heads or int(cfg.get("medusa_num_heads") or 0) or max(len(c) for c in choices(recipe))
+    return n, int(cfg.get("medusa_num_layers") or 1)
 
 
 def speculative_block(
@@ -115,8 +134,9 @@ def speculative_block(
         raise TrtpipeError(
             "--acceptance-length: the recipe has no speculative decoding (set speculative.decoding_type)"
         )
+    heads, layers = medusa_heads(recipe)
     step = speculative_step(
-        target, c, batch, isl + osl // 2, draft_len(recipe), acceptance_length, drafter(recipe, target)
+        target, c, batch, isl + osl // 2, draft_len(recipe), acceptance_length, drafter(recipe, target), heads, layers
     )
     ttft, itl = summary["ttft_ms"]["p50"], summary["itl_ms"]["p50"]
     e2e_plain, e2e_spec = ttft + (osl - 1) * itl, ttft + (osl - 1) * itl / step.speedup

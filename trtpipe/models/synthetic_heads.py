@@ -149,3 +149,43 @@ def make_medusa_heads(
     }
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out
+
+
+def fit_medusa_heads(
+    target: str | Path, out: str | Path, num_heads: int, samples: int = 1024, length: int = 64, seed: int = 0
+) -> tuple[Path, list[float]]:
+    """Medusa heads fitted by ridge regression to the target's own sampled text (``samples`` sequences of ``length``
+    tokens from BOS, the last eighth held out): head ``i`` maps the target's final hidden state at position j to
+    token j + 2 + i (one-hot targets; the residual block left at zero, so it is the identity), saved in upstream's
+    heads layout. Returns the directory and each head's held-out top-1 accuracy."""
+    from trtpipe.models.synthetic import load_hf
+
+    ridge = 1e-2
+    torch.manual_seed(seed)
+    hf = load_hf(target)
+    V = hf.config.vocab_size
+    with torch.no_grad():
+        seqs = hf.generate(
+            torch.ones(samples, 1, dtype=torch.long),
+            do_sample=True,
+            max_new_tokens=length,
+            min_new_tokens=length,
+            pad_token_id=0,
+        )
+        h = hf.model(seqs).last_hidden_state.double()  # after the final norm: what the heads read
+    heads = make_medusa_heads(target, out, num_heads=num_heads, seed=seed)
+    t = load_file(str(heads / "medusa_lm_head.safetensors"))
+    train, accuracy = seqs.shape[0] - samples // 8, []
+    for i in range(num_heads):
+        x = h[:, : -(2 + i)]  # position j predicts t[j + 2 + i]
+        y = seqs[:, 2 + i :]
+        xt, yt = x[:train].reshape(-1, x.shape[-1]), y[:train].reshape(-1)
+        xty = torch.zeros(x.shape[-1], V, dtype=torch.float64).index_add_(1, yt, xt.T)  # x^T one-hot(y)
+        w = torch.linalg.solve(xt.T @ xt + ridge * len(yt) * torch.eye(x.shape[-1], dtype=torch.float64), xty)
+        t[f"{i}.0.linear.weight"].zero_()
+        t[f"{i}.0.linear.bias"].zero_()
+        t[f"{i}.1.weight"] = w.T.float().contiguous()
+        xh, yh = x[train:].reshape(-1, x.shape[-1]), y[train:].reshape(-1)
+        accuracy.append(float(((xh @ w).argmax(-1) == yh).double().mean()))
+    save_file(t, str(heads / "medusa_lm_head.safetensors"))
+    return heads, accuracy

@@ -3,7 +3,11 @@
 A speculative step of a batch of B generating requests at KV length L, k = ``max_draft_len``:
 - **draft**: k sequential forwards of the drafter at batch B (n-gram: none, it runs on the host or in one kernel;
   a draft model: its own deployment; an EAGLE-3 head or an MTP module: one target-shaped decoder layer and the
-  (draft) vocabulary's lm_head, :func:`head_spec`);
+  (draft) vocabulary's lm_head, :func:`head_spec`). Medusa has no draft forwards: its heads run inside the
+  verification forward, on the hidden states of all its B x (k + 1) positions (``GenericMedusaForCausalLM.forward``
+  stacks ``medusa_logits`` [num_medusa_heads, batch, num_medusa_tokens + 1, vocab] after the base model's forward,
+  ``tensorrt_llm/models/medusa/model.py@02499765``), and the next step's drafts are their top-k at the accepted
+  path (:func:`medusa_terms` adds their weights and GEMMs to the verification);
 - **verification**: one target forward of B x (k + 1) tokens: the weights are read once, the GEMMs and attention
   FLOPs are those of B chunks of k + 1 tokens starting at L, and the KV cache is read once per request as in a
   plain decode step (the k + 1 queries of a request share one pass over its cache);
@@ -23,11 +27,13 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from trtpipe.errors import TrtpipeError
-from trtpipe.perf.cost import Constants, Deployment, Terms, group_terms, step_time
+from trtpipe.perf.cost import GB, TERA, Constants, Deployment, Terms, group_terms, step_time
 from trtpipe.perf.models import ModelSpec
 
 NO_DRAFT_COST = frozenset({"NGram", "lookahead_decoding"})  # drafts from the sequence itself
-HEAD_DRAFTS = frozenset({"Eagle3", "eagle", "MTP", "medusa"})  # one decoder layer (+ lm_head) per draft token
+HEAD_DRAFTS = frozenset({"Eagle3", "eagle", "MTP"})  # one decoder layer (+ lm_head) per draft token
+IN_VERIFY_HEADS = frozenset({"medusa", "Medusa"})  # heads computed inside the verification forward
+HEAD_BYTES = 2  # Medusa heads are loaded in float16 (load_medusa_hf(dtype="float16"), model.py@02499765)
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,24 @@ def verify_terms(d: Deployment, batch: int, kv_len: int, k: int) -> Terms:
     return replace(chunks, kv=group_terms(d, [], [(kv_len, batch)], batch).kv)
 
 
+def medusa_terms(d: Deployment, tokens: float, num_heads: int, num_layers: int = 1) -> Terms:
+    """Medusa's heads inside a verification of ``tokens`` positions: each head's ``num_layers`` residual blocks
+    (hidden x hidden + bias) and its lm_head (hidden x vocab), 16-bit, split over the tp ranks (``ColumnLinear``
+    with ``gather_output``): their weights read once, their GEMMs over every position. The logits' all-gather is not
+    counted."""
+    m, g = d.model, d.gpu
+    params = num_heads * (num_layers * (m.hidden * m.hidden + m.hidden) + m.hidden * m.vocab) / d.tp
+    return Terms(
+        mem=params * HEAD_BYTES / (g.bandwidth_gbs * GB),
+        kv=0.0,
+        gemm=2 * tokens * params / (g.tflops_16 * TERA),
+        attn=0.0,
+        comm=0.0,
+        seqs=0.0,
+        layers=0.0,
+    )
+
+
 def speculative_step(
     d: Deployment,
     c: Constants,
@@ -81,12 +105,17 @@ def speculative_step(
     max_draft_len: int,
     acceptance_length: float,
     draft: Optional[Deployment] = None,
+    medusa_heads: int = 0,
+    medusa_layers: int = 1,
 ) -> SpeculativeStep:
-    """The plain, verification and draft times of one step (``draft`` None: drafts cost nothing, as n-gram's)."""
+    """The plain, verification and draft times of one step (``draft`` None: drafts cost nothing, as n-gram's;
+    ``medusa_heads`` > 0: that many Medusa heads of ``medusa_layers`` blocks run inside the verification)."""
     _check(acceptance_length, max_draft_len)
     k = max_draft_len
     plain = group_terms(d, [], [(kv_len, batch)], batch)
     verify = verify_terms(d, batch, kv_len, k)
+    if medusa_heads:
+        verify = verify + medusa_terms(d, batch * (k + 1), medusa_heads, medusa_layers)
     draft_s = 0.0
     if draft is not None:
         one = group_terms(draft, [], [(kv_len, batch)], batch)
@@ -100,8 +129,9 @@ def draft_deployment(
     target: Deployment, decoding_type: str, draft_model: Optional[ModelSpec] = None, draft_vocab: Optional[int] = None
 ) -> Optional[Deployment]:
     """The drafter's deployment beside ``target`` (same GPUs, tp and precision, one pipeline stage): None for
-    n-gram / lookahead, a head for EAGLE/MTP/Medusa, ``draft_model`` for a draft-target pair."""
-    if decoding_type in NO_DRAFT_COST:
+    n-gram / lookahead and Medusa (its heads run in the verification: :func:`medusa_terms`), a head for EAGLE/MTP,
+    ``draft_model`` for a draft-target pair."""
+    if decoding_type in NO_DRAFT_COST or decoding_type in IN_VERIFY_HEADS:
         return None
     if decoding_type in HEAD_DRAFTS:
         spec = head_spec(target.model, vocab=draft_vocab)

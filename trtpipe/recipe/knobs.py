@@ -22,7 +22,14 @@ DEFAULT_QUEUE_PER_SLOT = 8  # serving.max_queue_size -1 (its default): this many
 # (batch_scheduler_policy, enable_chunked_context, enable_kv_cache_reuse, guided_decoding_backend) and Triton's
 # dynamic_batching queue.
 UPSTREAM_KNOBS = frozenset(
-    {"capacity_policy", "enable_chunked_context", "enable_kv_cache_reuse", "max_queue_size", "guided_decoding_backend"}
+    {
+        "capacity_policy",
+        "enable_chunked_context",
+        "enable_kv_cache_reuse",
+        "max_queue_size",
+        "guided_decoding_backend",
+        "medusa_choices",  # Triton's medusa_choices parameter (trtpipe.triton.repo)
+    }
 )
 
 
@@ -44,8 +51,9 @@ def knobs(max_batch_size: int, kv: KVCacheSection, triton: TritonSection, servin
 def speculative_knobs(recipe: Recipe) -> dict[str, Any]:
     """What the twin executes of ``speculative:`` (NGram, DraftTarget and the engine's draft_tokens_external, MTP
     with the target's MTP layer, Eagle3 with its head, the engine's medusa with its heads (chain-shaped choices,
-    which validation enforces), the engine's lookahead_decoding with its (W, N, G); a draft or head as a local
-    directory). The engine path's eagle is refused at validate: the twin has no EAGLE-1 heads."""
+    or a tree of choices), the engine's lookahead_decoding with its (W, N, G), the engine's eagle with its EAGLE-1
+    head; a draft or head as a local directory)."""
+    from trtpipe.recipe.medusa import choices
     from trtpipe.recipe.speculative import TWIN_EXECUTES, draft_dir
 
     s = recipe.speculative
@@ -60,6 +68,7 @@ def speculative_knobs(recipe: Recipe) -> dict[str, Any]:
         "max_draft_len": s.max_draft_len,
         "max_matching_ngram_size": s.max_matching_ngram_size,
         "speculative_model": str(draft) if draft is not None else "",
+        **({"medusa_choices": choices(recipe)} if s.decoding_type == "medusa" and s.medusa_choices else {}),
     }
 
 

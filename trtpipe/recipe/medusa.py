@@ -10,8 +10,8 @@ reads ``medusa_num_heads`` / ``medusa_num_layers`` from the heads' ``config.json
 ``tensorrt_llm`` model takes the tree as ``medusa_choices`` in braces, ``"{0, 0, 0}, {0, 1}"``
 (``docs/model_config.md@7bc57da0`` of tensorrtllm_backend).
 
-The CPU twin executes a chain of top-1 candidates only (:mod:`trtpipe.serving.medusa`): a tree with siblings is
-refused in one line, so everything the recipe writes is what the twin runs.
+The CPU twin executes the tree (:mod:`trtpipe.serving.medusa`, verified with a tree mask:
+:mod:`trtpipe.serving.tree_verify`); choices that are not a tree (a path without its parent) are refused in one line.
 """
 
 from __future__ import annotations
@@ -26,12 +26,37 @@ from trtpipe.recipe.rules import Finding
 from trtpipe.recipe.schema import Recipe
 
 KEY = "speculative"
+# upstream's example tree for 4 heads (Medusa's mc_sim_7b_63), as examples/medusa/README.md@27712aa7 runs it with
+# --medusa_choices and examples/llm-api/llm_medusa_decoding.py@a7b3f310 with max_draft_len=63, num_medusa_heads=4
+MC_SIM_7B_63 = [
+    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0], [0, 5], [0, 0, 1],
+    [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8], [0, 0, 2], [3, 0], [0, 9], [8], [9], [1, 0, 0],
+    [0, 2, 0], [1, 2], [0, 0, 3], [4, 0], [2, 1], [0, 0, 4], [0, 0, 5], [0, 0, 0, 0], [0, 1, 1], [0, 0, 6], [0, 3, 0],
+    [5, 0], [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9], [6, 0], [0, 4, 0], [1, 4], [7, 0], [0, 1, 2], [2, 0, 0], [3, 1],
+    [2, 2], [8, 0], [0, 5, 0], [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0], [0, 0, 0, 1], [1, 6], [0, 7, 0],
+]  # fmt: skip
 HEAD_FILES = ("medusa_lm_head.pt", "medusa_lm_head.safetensors")  # load_medusa_hf's order
 BASE_FAMILIES = ("llama", "qwen")  # MedusaForCausalLm's base classes
 
 
 def chain(k: int) -> list[list[int]]:
     return [[0] * (i + 1) for i in range(k)]
+
+
+def tree_problem(choices) -> str:
+    """Why ``choices`` is not a Medusa tree ("" when it is): non-empty paths of ranks >= 0, no repeats, every
+    prefix of a path present."""
+    seen = set()
+    for c in choices:
+        if not c or any(int(i) < 0 for i in c):
+            return f"{list(c)} is not a non-empty path of top-k ranks (integers >= 0)"
+        if tuple(c) in seen:
+            return f"{list(c)} appears twice"
+        seen.add(tuple(c))
+    for c in choices:
+        if len(c) > 1 and tuple(c[:-1]) not in seen:
+            return f"{list(c)} has no parent {list(c[:-1])} in the choices"
+    return ""
 
 
 def choices(recipe: Recipe) -> list[list[int]]:
@@ -72,17 +97,10 @@ def medusa_findings(recipe: Recipe, m: Optional[ModelDims], heads_dir) -> Iterab
                 yield f"{KEY}.{key}", f"only decoding_type medusa takes {key}; remove it"
         return
     tree = choices(recipe)
-    if any(not c or any(i < 0 for i in c) for c in tree):
-        yield f"{KEY}.medusa_choices", "every choice is a non-empty path of top-k ranks (integers >= 0)"
+    problem = tree_problem(tree)
+    if problem:
+        yield f"{KEY}.medusa_choices", f"not a tree of candidates: {problem}"
         return
-    if sorted(tree, key=len) != chain(len(tree)):
-        yield (
-            f"{KEY}.medusa_choices",
-            (
-                f"the twin executes chain-shaped choices only ({chain(len(tree))}): a tree with siblings needs "
-                "tree attention in the verification forward, which the CPU twin does not have"
-            ),
-        )
     if len(tree) != s.max_draft_len:
         yield (
             f"{KEY}.max_draft_len",

@@ -427,7 +427,8 @@ class SpeculativeSection(_Section):
     medusa_choices: Optional[list[list[int]]] = Field(
         None,
         description="medusa: the candidate tree (Triton medusa_choices; None: the chain [[0], [0, 0], ...] of "
-        "max_draft_len). The CPU twin executes chains only.",
+        "max_draft_len; max_draft_len must be the number of choices). The CPU twin executes the tree, verified with a "
+        "tree attention mask.",
     )
 
     @property

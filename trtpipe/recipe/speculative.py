@@ -40,7 +40,7 @@ TWIN_EXECUTES = {
     "draft_tokens_external": "DraftTarget",
     "MTP": "MTP",  # the target checkpoint's MTP layer (trtpipe/serving/hidden_draft.py)
     "Eagle3": "Eagle3",  # an EAGLE-3 head over the target's hidden states (same module)
-    "medusa": "Medusa",  # Medusa heads, chain-shaped medusa_choices (trtpipe/serving/medusa.py)
+    "medusa": "Medusa",  # Medusa heads, medusa_choices a chain or a tree (trtpipe/serving/medusa.py)
     "lookahead_decoding": "Lookahead",  # the window, pool and verification set (trtpipe/serving/lookahead.py)
 }
 EAGLE3_MIN_LAYERS = 6  # _get_eagle3_default_capture_layers needs more than 5 (eagle3.py@f933a608)

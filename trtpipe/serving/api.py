@@ -75,7 +75,7 @@ class ExecutorConfig:
     max_loras: int = 0  # LoRA adapters one step may hold (the device cache, trtpipe.serving.adapters); 0: no limit
     # speculative decoding (trtpipe.serving.speculative): "" off, "NGram", "DraftTarget", "MTP", "Eagle3" or "Medusa"
     # (speculative_config names; MTP, Eagle3 and Medusa draft from the target's hidden states: hidden_draft, medusa;
-    # Medusa runs the chain of max_draft_len heads, medusa_choices [[0], [0, 0], ...])
+    # Medusa drafts the tree medusa_choices, or the chain of max_draft_len heads [[0], [0, 0], ...])
     speculative_decoding_type: str = ""
     max_draft_len: int = 0
     max_matching_ngram_size: int = 2
@@ -85,6 +85,7 @@ class ExecutorConfig:
     lookahead_window_size: int = 0
     lookahead_ngram_size: int = 0
     lookahead_verification_set_size: int = 0
+    medusa_choices: Optional[Sequence[Sequence[int]]] = None  # Medusa's tree (None: the chain of max_draft_len)
 
     @property
     def draft_reserve(self) -> int:

@@ -11,14 +11,20 @@ directory with ``config.json`` (``medusa_num_heads``, ``medusa_num_layers``) and
 ``medusa_lm_head.safetensors`` holding ``{h}.{l}.linear.weight`` / ``.bias`` and ``{h}.{num_layers}.weight``
 (FasterDecoding's ``medusa_lm_head`` state dict; a ``medusa_head.`` / ``medusa_heads.`` prefix is also read).
 
-``medusa_choices`` is the tree of candidates (paths of top-k ranks per head, ``examples/medusa/README.md@27712aa7``).
-The twin executes chain-shaped choices, ``[[0], [0, 0], ..., [0] * k]``: each head's top-1 after the previous one,
-verified in one target forward like any other drafts (:func:`trtpipe.serving.speculative.verify`, the one acceptance
-rule). A tree with siblings needs a tree attention mask in the verification forward, which the twin does not have:
-the recipe refuses it (:mod:`trtpipe.recipe.speculative`). Under sampling the chain's drafts are deterministic
-(top-1), so verification is rejection sampling against a one-hot draft: a draft is kept with the target's
-probability of it, which is what matching the target's sampled token gives (upstream's Medusa README: only tokens
-are matched, ``medusa_temperature=0``).
+``medusa_choices`` is the tree of candidates (paths of top-k ranks per head, ``examples/medusa/README.md@27712aa7``;
+its 63-node default is Medusa's ``mc_sim_7b_63``, and ``max_draft_len`` is the number of choices: 63 with
+``num_medusa_heads=4`` in ``examples/llm-api/llm_medusa_decoding.py@a7b3f310``). Node ``c`` (choices sorted by length,
+then by value, as Medusa's ``generate_medusa_buffers`` orders them) holds head ``len(c) - 1``'s rank-``c[-1]`` token;
+its parent is ``c[:-1]`` (the last sampled token for a one-long path). The chain ``[[0], [0, 0], ..., [0] * k]`` is
+verified like any other drafts (:func:`trtpipe.serving.speculative.verify`); a tree with siblings is verified in one
+target forward with its tree mask and depths (:mod:`trtpipe.serving.tree_verify`): the longest path whose every
+draft is the target's token at its parent, then the target's token after it, and the accepted drafts' KV moves
+behind the prefix. Under sampling upstream's Medusa samples the target's token at every node (top-k) and accepts the
+longest path of drafts equal to those samples (``MedusaDecodingLayer::samplePrimeHeadTokens`` /
+``acceptDraftTokens`` -> ``acceptDraftTokensByIdsWithPaths``, ``cpp/tensorrt_llm/layers/medusaDecodingLayer.cpp@015884d6``;
+typical acceptance is a TODO there): the twin does the same along the walk
+(:func:`trtpipe.serving.tree_verify.sampled_accept`), so every emitted token is the target's sample. The chain's
+deterministic drafts keep the one rejection-sampling rule against a one-hot draft, which is the same distribution.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from trtpipe.errors import CheckpointError
 from trtpipe.jsonfile import load_json
 from trtpipe.runtime.linear import Float32Linear
 from trtpipe.runtime.model import ReferenceModel
+from trtpipe.recipe.medusa import tree_problem
 from trtpipe.serving.hidden_draft import FINAL, HiddenDrafter, require_hidden_states
 
 
@@ -46,6 +53,17 @@ def is_chain(choices: list[list[int]]) -> bool:
     return sorted(choices, key=len) == chain_choices(len(choices))
 
 
+def sorted_choices(choices) -> list[list[int]]:
+    """The choices in node order: by length, then by value (Medusa's ``generate_medusa_buffers``)."""
+    return sorted(([int(i) for i in c] for c in choices), key=lambda c: (len(c), c))
+
+
+def tree_parents(choices) -> list[int]:
+    """Parents of the tree's nodes (node 0: the last sampled token, node i: ``choices[i - 1]``, choices sorted)."""
+    index = {tuple(c): i + 1 for i, c in enumerate(choices)}
+    return [-1] + [index[tuple(c[:-1])] if len(c) > 1 else 0 for c in choices]
+
+
 def parse_choices(text: str) -> list[list[int]]:
     """Triton's ``medusa_choices`` (``"{0}, {0, 0}"``, tensorrtllm_backend ``docs/model_config.md@7bc57da0``)."""
     import re
@@ -56,14 +74,18 @@ def parse_choices(text: str) -> list[list[int]]:
     return [[int(i) for i in g.split(",")] for g in re.findall(r"\{([^}]*)\}", body)]
 
 
-def check_choices(text: str, config) -> None:
-    """Refuse, in one line, Triton ``medusa_choices`` other than the chain of ``max_draft_len`` the twin drafts."""
+def check_choices(text: str, config) -> list[list[int]]:
+    """Triton ``medusa_choices`` as the executor's tree, or ValueError in one line: the model must speculate with
+    Medusa, the choices be a tree, and their number ``max_draft_len`` (as trtllm-build requires)."""
     got = parse_choices(text)
-    if config.speculative_decoding_type != "Medusa" or not is_chain(got) or len(got) != config.max_draft_len:
-        raise ValueError(
-            f"tensorrt_llm twin: medusa_choices {text!r}: the twin executes the chain "
-            f"{chain_choices(config.max_draft_len)} of its Medusa heads (speculative.medusa_choices)"
-        )
+    problem = tree_problem(got)
+    if config.speculative_decoding_type != "Medusa":
+        problem = "the model does not speculate with Medusa (speculative.decoding_type)"
+    elif not problem and len(got) != config.max_draft_len:
+        problem = f"{len(got)} choices; max_draft_len is {config.max_draft_len} (trtllm-build needs them equal)"
+    if problem:
+        raise ValueError(f"tensorrt_llm twin: medusa_choices {text!r}: {problem}")
+    return got
 
 
 class MedusaHeads(nn.Module):
@@ -110,6 +132,8 @@ class MedusaHeads(nn.Module):
 
     def drafter(self, target_engine, pool) -> "MedusaDrafter":
         return MedusaDrafter(self, target_engine)
+
+    choices: Optional[list[list[int]]] = None  # the tree to draft (sorted); None: the chain of top-1 candidates
 
 
 def load_medusa_heads(head_dir: str | Path, target: ReferenceModel, num_heads: Optional[int] = None) -> MedusaHeads:
@@ -163,6 +187,25 @@ class MedusaDrafter(HiddenDrafter):
             st.rows, st.start = st.rows[pos - st.start :], pos  # the next step's entry starts at pos + 1
         if not live:
             return {}
+        if self.head.choices is not None:
+            return self._tree(live, ks, torch.stack(rows))
         k = min(max(ks[r.id] for r in live), self.head.num_heads)
         best = self.head.logits(torch.stack(rows), k).argmax(-1)  # [k, R]
         return {r.id: (best[: min(ks[r.id], k), i].tolist(), None) for i, r in enumerate(live)}
+
+    def _tree(self, live: list, ks: dict[int, int], rows: torch.Tensor) -> dict:
+        """The tree's tokens per request (head ``len(c) - 1``'s rank ``c[-1]`` at node ``c``) with its mask and
+        depths; a request with room for fewer drafts than nodes takes the first ``ks`` nodes (node order keeps every
+        parent before its children)."""
+        from trtpipe.serving.tree_verify import tree_fields
+
+        choices = self.head.choices
+        depth = max(len(c) for c in choices)
+        logits = self.head.logits(rows, depth)  # [depth, R, V]
+        top = [logits[h].topk(1 + max(c[-1] for c in choices if len(c) == h + 1), dim=-1).indices for h in range(depth)]
+        parents = tree_parents(choices)
+        out = {}
+        for i, r in enumerate(live):
+            m = min(ks[r.id], len(choices))
+            out[r.id] = ([int(top[len(c) - 1][i, c[-1]]) for c in choices[:m]], None, tree_fields(parents[: m + 1]))
+        return out

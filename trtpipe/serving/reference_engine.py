@@ -360,15 +360,18 @@ def draft_engine(config: ExecutorConfig, target: Optional[ReferenceModel] = None
             )
         return load_mtp_head(target_dir, target, config.max_draft_len)
     if kind == MEDUSA:
-        from trtpipe.serving.medusa import load_medusa_heads
+        from trtpipe.serving.medusa import is_chain, load_medusa_heads, sorted_choices
 
         # the heads built into the engine's checkpoint when the target is one (the Triton twin), else the recipe's
         medusa_ckpt = target_dir is not None and _is_medusa_checkpoint(Path(target_dir))
         heads = load_medusa_heads(target_dir if medusa_ckpt else config.speculative_model, target)
-        if config.max_draft_len > heads.num_heads:
+        if config.medusa_choices and not is_chain(config.medusa_choices):  # a tree (trtpipe.serving.tree_verify)
+            heads.choices = sorted_choices(config.medusa_choices)
+        depth = max((len(c) for c in config.medusa_choices), default=0) if heads.choices else config.max_draft_len
+        if depth > heads.num_heads:
             raise ValueError(
-                f"speculative.max_draft_len {config.max_draft_len}: the chain of Medusa choices needs one head per "
-                f"draft; {config.speculative_model} has {heads.num_heads}"
+                f"speculative.max_draft_len {config.max_draft_len}: Medusa choices {depth} deep need one head per "
+                f"level; {config.speculative_model} has {heads.num_heads}"
             )
         return heads
     return load_eagle3_head(config.speculative_model, target)

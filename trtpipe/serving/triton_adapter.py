@@ -118,10 +118,12 @@ def settings_from_model_config(model_config: dict, model_repository: str) -> Twi
         ),
         **read_twin_extras(param(params, TWIN_EXTRAS_PARAMETER)),  # the twin's own knobs (request_timeout_s, ...)
     )
-    if param(params, "medusa_choices"):  # what the twin drafts is the chain of max_draft_len heads: refuse a tree
+    if param(params, "medusa_choices"):  # the tree the twin's Medusa heads draft (a chain or with siblings)
+        from dataclasses import replace
+
         from trtpipe.serving.medusa import check_choices
 
-        check_choices(str(param(params, "medusa_choices")), executor)
+        executor = replace(executor, medusa_choices=check_choices(str(param(params, "medusa_choices")), executor))
     return TwinSettings(
         engine_dir=engine_dir,
         executor=executor,

@@ -491,7 +491,7 @@ TWIN_PARAMETERS = (
     "xgrammar_tokenizer_info_path",
     "lora_cache_host_memory_bytes",  # the twin's host adapter cache holds as many of the largest adapter
     "lora_prefetch_dir",  # made relative to the twin's engine link below
-    "medusa_choices",  # the twin checks it is the chain it drafts (trtpipe.serving.medusa.check_choices)
+    "medusa_choices",  # the tree the twin drafts (trtpipe.serving.medusa.check_choices)
     "decoding_mode",  # lookahead: the executor's (W, N, G) from the lookahead_* parameters (trtpipe.serving.lookahead)
     *LOOKAHEAD_PARAMETERS,
 )
