@@ -141,3 +141,68 @@ def make_medusa_heads(
     }
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out
+
+
+def make_eagle1_head(target_dir: str | Path, out_dir: str | Path, num_layers: int = 1, seed: int = 0) -> Path:
+    """A random EAGLE-1/2 head for the Llama checkpoint ``target_dir`` in the EAGLE repository's layout
+    (``eagle/model/cnets1.py@c9292914``: ``Model`` with ``fc = Linear(2H, H, bias=True)``, ``embed_tokens`` and
+    ``layers.{l}`` Llama decoder layers whose layer 0 has no ``input_layernorm``; ``ea_model.py@2320d52e`` loads the
+    state dict from ``pytorch_model.bin`` with ``strict=True``, so the embedding, a copy of the target's, is stored).
+    The config.json is the head's LlamaConfig (the target's shapes, ``num_hidden_layers`` of the head)."""
+    tcfg = load_json(Path(target_dir) / "config.json")
+    H, V = int(tcfg["hidden_size"]), int(tcfg["vocab_size"])
+    nh, nkv = int(tcfg["num_attention_heads"]), int(tcfg.get("num_key_value_heads") or tcfg["num_attention_heads"])
+    d = int(tcfg.get("head_dim") or H // nh)
+    inter = int(tcfg["intermediate_size"])
+    g = torch.Generator().manual_seed(seed)
+
+    def w(o: int, i: int) -> torch.Tensor:
+        return torch.randn(o, i, generator=g) / i**0.5
+
+    emb = next(
+        (
+            v
+            for k, v in load_file(str(Path(target_dir) / "model.safetensors")).items()
+            if k.endswith("embed_tokens.weight")
+        ),
+        None,
+    )
+    t = {"fc.weight": w(H, 2 * H), "fc.bias": 0.1 * torch.randn(H, generator=g), "embed_tokens.weight": emb.float()}
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        t.update(
+            {
+                p + "self_attn.q_proj.weight": w(nh * d, H),
+                p + "self_attn.k_proj.weight": w(nkv * d, H),
+                p + "self_attn.v_proj.weight": w(nkv * d, H),
+                p + "self_attn.o_proj.weight": w(H, nh * d),
+                p + "mlp.gate_proj.weight": w(inter, H),
+                p + "mlp.up_proj.weight": w(inter, H),
+                p + "mlp.down_proj.weight": w(H, inter),
+                p + "post_attention_layernorm.weight": 1 + 0.1 * torch.randn(H, generator=g),
+            }
+        )
+        if i > 0:
+            t[p + "input_layernorm.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.contiguous() for k, v in t.items()}, out / "pytorch_model.bin")
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "bias": True,
+        "hidden_act": "silu",
+        "hidden_size": H,
+        "intermediate_size": inter,
+        "num_attention_heads": nh,
+        "num_key_value_heads": nkv,
+        "head_dim": d,
+        "num_hidden_layers": num_layers,
+        "max_position_embeddings": int(tcfg.get("max_position_embeddings") or 2048),
+        "rms_norm_eps": float(tcfg.get("rms_norm_eps") or 1e-5),
+        **{k: tcfg[k] for k in ("rope_parameters", "rope_theta", "rope_scaling") if k in tcfg},
+        "vocab_size": V,
+        "torch_dtype": "float32",
+    }
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out

@@ -73,8 +73,9 @@ class ExecutorConfig:
     request_timeout_s: float = 0.0  # a request not finished this long after submit fails (0: no limit)
     guided_decoding_backend: Optional[str] = None  # "xgrammar" | "llguidance" | None (guided decoding off)
     max_loras: int = 0  # LoRA adapters one step may hold (the device cache, trtpipe.serving.adapters); 0: no limit
-    # speculative decoding (trtpipe.serving.speculative): "" off, "NGram", "DraftTarget", "MTP", "Eagle3" or "Medusa"
-    # (speculative_config names; MTP, Eagle3 and Medusa draft from the target's hidden states: hidden_draft, medusa;
+    # speculative decoding (trtpipe.serving.speculative): "" off, "NGram", "DraftTarget", "MTP", "Eagle3", "Medusa" or
+    # "Eagle" (speculative_config names; MTP, Eagle3, Medusa and Eagle draft from the target's hidden states:
+    # hidden_draft, medusa, eagle1 (EAGLE-1/2: the chain of eagle_choices);
     # Medusa runs the chain of max_draft_len heads, medusa_choices [[0], [0, 0], ...])
     speculative_decoding_type: str = ""
     max_draft_len: int = 0

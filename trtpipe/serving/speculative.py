@@ -38,9 +38,10 @@ from trtpipe.serving.api import ExecutorConfig, SamplingParams, StepBatch, StepE
 from trtpipe.serving.kv_pool import BlockPool
 
 NGRAM, DRAFT_TARGET, MTP, EAGLE3, MEDUSA = "NGram", "DraftTarget", "MTP", "Eagle3", "Medusa"
-DECODING_TYPES = (NGRAM, DRAFT_TARGET, MTP, EAGLE3, MEDUSA)
-# drafted by heads over the target's hidden states (trtpipe.serving.hidden_draft, trtpipe.serving.medusa)
-HIDDEN_STATE_TYPES = (MTP, EAGLE3, MEDUSA)
+EAGLE = "Eagle"  # EAGLE-1/2 heads (the engine's eagle mode; llm_args' "Eagle" decoding type): trtpipe.serving.eagle1
+DECODING_TYPES = (NGRAM, DRAFT_TARGET, MTP, EAGLE3, MEDUSA, EAGLE)
+# drafted by heads over the target's hidden states (trtpipe.serving.hidden_draft, medusa, eagle1)
+HIDDEN_STATE_TYPES = (MTP, EAGLE3, MEDUSA, EAGLE)
 
 
 # ---- drafting ------------------------------------------------------------------------------------------------------

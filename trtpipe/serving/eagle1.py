@@ -1,0 +1,168 @@
+"""EAGLE-1/2 heads (the engine path's ``--speculative_decoding_mode eagle``): drafting from the target's features.
+
+The head, as the EAGLE repository defines it (``eagle/model/cnets1.py@c9292914``, ``Model`` and
+``LlamaDecoderLayer``): ``x = fc([emb(t[j + 1]); f[j]])`` (``fc`` a biased ``Linear(2H, H)``), then Llama decoder
+layers over ``x`` whose layer 0 has no ``input_layernorm`` (``if self.index != 0``), and no final norm; the draft
+logits are the *target's* lm_head over the output (``topK_genrate(hidden_states, input_ids, head=base_model.lm_head)``)
+and the output is the feature the next draft reads. ``f`` is the target's output after its final norm:
+``ea_model.py@2320d52e`` feeds ``base_model.model(...)`` ``outputs[0]`` (LlamaModel's normed output), the state the
+target's lm_head reads. TensorRT-LLM's engine builds the same network (``EagleNet`` over a ``LLaMAModel`` with
+``fc_after_embed``, ``use_input_layernorm_in_first_layer = False``, ``use_last_layernorm = False`` and its own copy
+of the base lm_head; ``tensorrt_llm/models/eagle/model.py@89fd9b74``).
+
+The twin drafts the chain of ``eagle_choices`` ``[[0], [0, 0], ...]`` (each draft the head's top-1 after the
+previous one) with :class:`~trtpipe.serving.hidden_draft.HiddenDrafter`, the drafter EAGLE-3 and MTP use: the head
+keeps its own paged KV, catches up on the target's features of the positions it has not read, then steps on its
+own output; the drafts are verified by the one acceptance rule (:func:`trtpipe.serving.speculative.verify`).
+
+A head is read from its published directory (``config.json`` and ``pytorch_model.bin`` or ``model.safetensors``:
+``fc.*``, ``embed_tokens.weight``, ``layers.{l}.*``; a ``model.`` prefix is also read) or from the
+``EagleForCausalLM`` TensorRT-LLM checkpoint the engine was built from (its ``eagle_nets.0.*``,
+:mod:`trtpipe.checkpoint.eagle`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trtpipe.errors import CheckpointError
+from trtpipe.jsonfile import load_json
+from trtpipe.runtime.linear import Float32Linear
+from trtpipe.runtime.model import DecoderLayer, ModelArgs, ReferenceModel, rms_norm
+from trtpipe.serving.hidden_draft import FINAL, HiddenDrafter, eagle3_args
+
+ARCHITECTURE = "EagleForCausalLM"  # the TensorRT-LLM checkpoint (tensorrt_llm/models/eagle/config.py@0382a8ac)
+HEAD_FILES = ("pytorch_model.bin", "model.safetensors")  # ea_model.py@2320d52e reads pytorch_model.bin
+LAYER_NAMES = {  # HF (cnets1.py) -> TensorRT-LLM names (convert_hf_llama, tensorrt_llm/models/eagle/weight.py@535c9cc6)
+    "self_attn.o_proj.weight": "attention.dense.weight",
+    "mlp.gate_proj.weight": "mlp.fc.weight",
+    "mlp.up_proj.weight": "mlp.gate.weight",
+    "mlp.down_proj.weight": "mlp.proj.weight",
+    "post_attention_layernorm.weight": "post_layernorm.weight",
+    "input_layernorm.weight": "input_layernorm.weight",
+}
+
+
+def read_head(head_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """A published EAGLE-1/2 head's tensors (``model.`` prefix stripped) and config.json; CheckpointError otherwise."""
+    d = Path(head_dir)
+    if not (d / "config.json").is_file():
+        raise CheckpointError(f"EAGLE head: {d / 'config.json'} not found")
+    cfg = load_json(d / "config.json", CheckpointError)
+    path = next((d / f for f in HEAD_FILES if (d / f).is_file()), None)
+    if path is None:
+        raise CheckpointError(f"EAGLE head: no {' or '.join(HEAD_FILES)} in {d}")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        raw = load_file(str(path))
+    else:
+        raw = torch.load(path, map_location="cpu", weights_only=True)
+    return {(k[len("model.") :] if k.startswith("model.") else k): v for k, v in raw.items()}, cfg
+
+
+def trt_layer_tensors(t: dict, layer: int, where: str) -> dict[str, torch.Tensor]:
+    """Layer ``layer`` of a published head in TensorRT-LLM's names (``attention.qkv`` = q, k, v concatenated);
+    layer 0 has no ``input_layernorm``."""
+    pre = f"layers.{layer}."
+    need = [f"self_attn.{p}_proj.weight" for p in "qkvo"] + [
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "post_attention_layernorm.weight",
+    ]
+    need += ["input_layernorm.weight"] if layer > 0 else []
+    for n in need:
+        if pre + n not in t:
+            raise CheckpointError(f"{where}: EAGLE head tensor '{pre}{n}' is missing")
+    out = {"attention.qkv.weight": torch.cat([t[pre + f"self_attn.{p}_proj.weight"] for p in "qkv"])}
+    for hf, trt in LAYER_NAMES.items():
+        if pre + hf in t:
+            out[trt] = t[pre + hf]
+    return out
+
+
+def head_args(cfg: dict, vocab_size: int, where: str) -> ModelArgs:
+    """The head's layer numbers from its (Llama) config.json; its logits are over the target's vocabulary."""
+    n = int(cfg.get("num_hidden_layers") or 1)
+    args = eagle3_args({**cfg, "vocab_size": vocab_size, "draft_vocab_size": vocab_size}, where)
+    return dataclasses.replace(args, num_layers=n)
+
+
+class Eagle1Head(nn.Module):
+    """An EAGLE-1/2 head over the target's final-normed output, drafting with the target's lm_head."""
+
+    def __init__(self, target: ReferenceModel, args: ModelArgs, layers: list[dict], fc: tuple, embedding, where: str):
+        super().__init__()
+        H, V = target.args.hidden_size, target.args.vocab_size
+        if args.hidden_size != H:
+            raise CheckpointError(f"{where}: EAGLE head hidden_size {args.hidden_size} differs from the target's {H}")
+        w, b = fc
+        if tuple(w.shape) != (H, 2 * H):
+            raise CheckpointError(
+                f"{where}: EAGLE head fc.weight is {tuple(w.shape)}; [emb; feature] needs {(H, 2 * H)}"
+            )
+        if embedding.shape != (V, H):
+            raise CheckpointError(
+                f"{where}: EAGLE head embed_tokens is {tuple(embedding.shape)}; the target's vocabulary needs {(V, H)}"
+            )
+        if len(target.lm_head) != 1:
+            raise CheckpointError(f"{where}: EAGLE drafts with the target's lm_head, which is split here")
+        self.capture, self.d2t, self.target, self.eps = (FINAL,), None, target, args.norm_epsilon
+        self.fc = Float32Linear(w, b)
+        ones = torch.ones(H)
+        self.layers = [
+            DecoderLayer(args, [{"input_layernorm.weight": ones, **{k: v.float() for k, v in t.items()}}], i)
+            for i, t in enumerate(layers)
+        ]
+        self.lm_head = target.lm_head[0]
+        self.model = ReferenceModel(
+            {"max_position_embeddings": args.max_position_embeddings}, args, embedding.float(), self.layers, ones, []
+        )
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, paged, cos_sin) -> torch.Tensor:
+        """[1, N, H] embeddings and [1, N, H] features -> the head's output features [1, N, H]."""
+        x = self.fc(torch.cat([emb, hidden], dim=-1))
+        first = self.layers[0]
+        cos, sin = cos_sin["global"]
+        x = x + first.attention[0](x, cos, sin, 0, paged, (0, 0))  # layer 0: no input_layernorm
+        x = x + first.mlp[0](rms_norm(x, first.post_ln, self.eps))
+        for layer in self.layers[1:]:
+            x = layer(x, 0, paged, cos_sin)
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(x)[..., : self.target.args.vocab_size].float()
+
+    def next_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def drafter(self, target_engine, num_blocks: int, tokens_per_block: int) -> HiddenDrafter:
+        return HiddenDrafter(self, target_engine, num_blocks, tokens_per_block)
+
+
+def load_eagle1_head(path: str | Path, target: ReferenceModel) -> Eagle1Head:
+    """An EAGLE-1/2 head for ``target`` from a published head directory or an ``EagleForCausalLM`` checkpoint."""
+    d = Path(path)
+    cfg = load_json(d / "config.json", CheckpointError) if (d / "config.json").is_file() else {}
+    V = target.args.vocab_size
+    if cfg.get("architecture") == ARCHITECTURE:
+        from trtpipe.checkpoint.eagle import checkpoint_head
+
+        layers, fc, emb, net = checkpoint_head(d)
+        return Eagle1Head(target, head_args(net, V, str(d / "config.json")), layers, fc, emb, str(d))
+    t, cfg = read_head(d)
+    where = str(d)
+    for n in ("fc.weight", "fc.bias"):
+        if n not in t:
+            raise CheckpointError(f"{where}: EAGLE head tensor '{n}' is missing")
+    if int(cfg.get("vocab_size") or V) != V:
+        raise CheckpointError(f"{where}: EAGLE head vocab_size {cfg.get('vocab_size')} differs from the target's {V}")
+    args = head_args(cfg, V, str(d / "config.json"))
+    layers = [trt_layer_tensors(t, i, where) for i in range(args.num_layers)]
+    emb = t.get("embed_tokens.weight", target.embedding)  # cnets1 loads the base model's embedding when absent
+    return Eagle1Head(target, args, layers, (t["fc.weight"], t["fc.bias"]), emb, where)
