@@ -399,6 +399,17 @@ class SpeculativeSection(_Section):
         description="medusa: the candidate tree (Triton medusa_choices; None: the chain [[0], [0, 0], ...] of "
         "max_draft_len). The CPU twin executes chains only.",
     )
+    eagle_choices: Optional[list[list[int]]] = Field(
+        None,
+        description="eagle: the draft tree (Triton eagle_choices, EagleDecodingConfig.eagle_choices; None: the chain "
+        "[[0], [0, 0], ...] of max_draft_len). The CPU twin executes chains only.",
+    )
+    use_dynamic_tree: bool = Field(
+        False, description="eagle: EAGLE-2's dynamic tree (EagleDecodingConfig.use_dynamic_tree); not executed yet."
+    )
+    dynamic_tree_max_top_k: Optional[int] = Field(
+        None, ge=1, description="eagle: nodes expanded per layer of the dynamic tree (dynamic_tree_max_topK)."
+    )
 
     @property
     def enabled(self) -> bool:

@@ -40,6 +40,7 @@ TWIN_EXECUTES = {
     "MTP": "MTP",  # the target checkpoint's MTP layer (trtpipe/serving/hidden_draft.py)
     "Eagle3": "Eagle3",  # an EAGLE-3 head over the target's hidden states (same module)
     "medusa": "Medusa",  # Medusa heads, chain-shaped medusa_choices (trtpipe/serving/medusa.py)
+    "eagle": "Eagle",  # an EAGLE-1/2 head, chain-shaped eagle_choices (trtpipe/serving/eagle1.py)
 }
 EAGLE3_MIN_LAYERS = 6  # _get_eagle3_default_capture_layers needs more than 5 (eagle3.py@f933a608)
 MTP_MIN_SM = 90
@@ -88,8 +89,8 @@ def _spelling(recipe: Recipe) -> Iterable[Finding]:
             ),
         )
     if s.decoding_type != "none" and s.decoding_type not in TWIN_EXECUTES:
-        # trtpipe writes only what its CPU twin executes (so every generated setting is tested): not EAGLE-1/2 heads
-        # on the engine target, nor lookahead decoding
+        # trtpipe writes only what its CPU twin executes (so every generated setting is tested): not lookahead
+        # decoding
         yield (
             f"{KEY}.decoding_type",
             f"{s.decoding_type} is not executed by trtpipe's CPU twin yet, so trtpipe does not write it "
@@ -207,6 +208,20 @@ def _speculative(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
     yield from _draft_model(recipe, m)
     yield from _eagle3_head(recipe, m)
     yield from _medusa(recipe, m)
+    yield from _eagle(recipe, m)
+
+
+def _eagle(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
+    from trtpipe.recipe.eagle import eagle_findings
+
+    head = None
+    if recipe.speculative.decoding_type == "eagle" and recipe.speculative.speculative_model is not None:
+        try:
+            head = draft_dir(recipe)
+        except CheckpointError as exc:
+            yield f"{KEY}.speculative_model", f"EAGLE head: {exc}"
+            return
+    yield from eagle_findings(recipe, m, head)
 
 
 def _medusa(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:

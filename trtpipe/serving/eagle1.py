@@ -29,61 +29,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from trtpipe.checkpoint.eagle import ARCHITECTURE, read_head, trt_layer_tensors
 from trtpipe.errors import CheckpointError
 from trtpipe.jsonfile import load_json
 from trtpipe.runtime.linear import Float32Linear
 from trtpipe.runtime.model import DecoderLayer, ModelArgs, ReferenceModel, rms_norm
 from trtpipe.serving.hidden_draft import FINAL, HiddenDrafter, eagle3_args
-
-ARCHITECTURE = "EagleForCausalLM"  # the TensorRT-LLM checkpoint (tensorrt_llm/models/eagle/config.py@0382a8ac)
-HEAD_FILES = ("pytorch_model.bin", "model.safetensors")  # ea_model.py@2320d52e reads pytorch_model.bin
-LAYER_NAMES = {  # HF (cnets1.py) -> TensorRT-LLM names (convert_hf_llama, tensorrt_llm/models/eagle/weight.py@535c9cc6)
-    "self_attn.o_proj.weight": "attention.dense.weight",
-    "mlp.gate_proj.weight": "mlp.fc.weight",
-    "mlp.up_proj.weight": "mlp.gate.weight",
-    "mlp.down_proj.weight": "mlp.proj.weight",
-    "post_attention_layernorm.weight": "post_layernorm.weight",
-    "input_layernorm.weight": "input_layernorm.weight",
-}
-
-
-def read_head(head_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """A published EAGLE-1/2 head's tensors (``model.`` prefix stripped) and config.json; CheckpointError otherwise."""
-    d = Path(head_dir)
-    if not (d / "config.json").is_file():
-        raise CheckpointError(f"EAGLE head: {d / 'config.json'} not found")
-    cfg = load_json(d / "config.json", CheckpointError)
-    path = next((d / f for f in HEAD_FILES if (d / f).is_file()), None)
-    if path is None:
-        raise CheckpointError(f"EAGLE head: no {' or '.join(HEAD_FILES)} in {d}")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        raw = load_file(str(path))
-    else:
-        raw = torch.load(path, map_location="cpu", weights_only=True)
-    return {(k[len("model.") :] if k.startswith("model.") else k): v for k, v in raw.items()}, cfg
-
-
-def trt_layer_tensors(t: dict, layer: int, where: str) -> dict[str, torch.Tensor]:
-    """Layer ``layer`` of a published head in TensorRT-LLM's names (``attention.qkv`` = q, k, v concatenated);
-    layer 0 has no ``input_layernorm``."""
-    pre = f"layers.{layer}."
-    need = [f"self_attn.{p}_proj.weight" for p in "qkvo"] + [
-        "mlp.gate_proj.weight",
-        "mlp.up_proj.weight",
-        "mlp.down_proj.weight",
-        "post_attention_layernorm.weight",
-    ]
-    need += ["input_layernorm.weight"] if layer > 0 else []
-    for n in need:
-        if pre + n not in t:
-            raise CheckpointError(f"{where}: EAGLE head tensor '{pre}{n}' is missing")
-    out = {"attention.qkv.weight": torch.cat([t[pre + f"self_attn.{p}_proj.weight"] for p in "qkv"])}
-    for hf, trt in LAYER_NAMES.items():
-        if pre + hf in t:
-            out[trt] = t[pre + hf]
-    return out
 
 
 def head_args(cfg: dict, vocab_size: int, where: str) -> ModelArgs:
@@ -110,8 +61,6 @@ class Eagle1Head(nn.Module):
             raise CheckpointError(
                 f"{where}: EAGLE head embed_tokens is {tuple(embedding.shape)}; the target's vocabulary needs {(V, H)}"
             )
-        if len(target.lm_head) != 1:
-            raise CheckpointError(f"{where}: EAGLE drafts with the target's lm_head, which is split here")
         self.capture, self.d2t, self.target, self.eps = (FINAL,), None, target, args.norm_epsilon
         self.fc = Float32Linear(w, b)
         ones = torch.ones(H)
@@ -119,7 +68,6 @@ class Eagle1Head(nn.Module):
             DecoderLayer(args, [{"input_layernorm.weight": ones, **{k: v.float() for k, v in t.items()}}], i)
             for i, t in enumerate(layers)
         ]
-        self.lm_head = target.lm_head[0]
         self.model = ReferenceModel(
             {"max_position_embeddings": args.max_position_embeddings}, args, embedding.float(), self.layers, ones, []
         )
@@ -136,7 +84,8 @@ class Eagle1Head(nn.Module):
         return x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(x)[..., : self.target.args.vocab_size].float()
+        # the target's lm_head (its tp shards' columns side by side, as MTPHead reads it)
+        return torch.cat([m(x) for m in self.target.lm_head], dim=-1)[..., : self.target.args.vocab_size].float()
 
     def next_hidden(self, x: torch.Tensor) -> torch.Tensor:
         return x

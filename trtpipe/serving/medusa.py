@@ -46,23 +46,30 @@ def is_chain(choices: list[list[int]]) -> bool:
     return sorted(choices, key=len) == chain_choices(len(choices))
 
 
-def parse_choices(text: str) -> list[list[int]]:
-    """Triton's ``medusa_choices`` (``"{0}, {0, 0}"``, tensorrtllm_backend ``docs/model_config.md@7bc57da0``)."""
+def parse_choices(text: str, key: str = "medusa_choices") -> list[list[int]]:
+    """Triton's ``medusa_choices`` / ``eagle_choices`` (``"{0}, {0, 0}"``, tensorrtllm_backend
+    ``docs/model_config.md@7bc57da0``)."""
     import re
 
     body = text.strip()
     if not re.fullmatch(r"\{\s*\d+(\s*,\s*\d+)*\s*\}(\s*,\s*\{\s*\d+(\s*,\s*\d+)*\s*\})*", body):
-        raise ValueError(f"tensorrt_llm twin: medusa_choices {text!r} is not of the form '{{0}}, {{0, 0}}'")
+        raise ValueError(f"tensorrt_llm twin: {key} {text!r} is not of the form '{{0}}, {{0, 0}}'")
     return [[int(i) for i in g.split(",")] for g in re.findall(r"\{([^}]*)\}", body)]
 
 
-def check_choices(text: str, config) -> None:
-    """Refuse, in one line, Triton ``medusa_choices`` other than the chain of ``max_draft_len`` the twin drafts."""
-    got = parse_choices(text)
-    if config.speculative_decoding_type != "Medusa" or not is_chain(got) or len(got) != config.max_draft_len:
+# Triton parameter -> (executor decoding type, what drafts): the heads whose choices the twin checks
+CHOICES = {"medusa_choices": ("Medusa", "Medusa heads"), "eagle_choices": ("Eagle", "EAGLE head")}
+
+
+def check_choices(text: str, config, key: str = "medusa_choices") -> None:
+    """Refuse, in one line, Triton ``medusa_choices`` / ``eagle_choices`` other than the chain of ``max_draft_len``
+    the twin drafts."""
+    kind, what = CHOICES[key]
+    got = parse_choices(text, key)
+    if config.speculative_decoding_type != kind or not is_chain(got) or len(got) != config.max_draft_len:
         raise ValueError(
-            f"tensorrt_llm twin: medusa_choices {text!r}: the twin executes the chain "
-            f"{chain_choices(config.max_draft_len)} of its Medusa heads (speculative.medusa_choices)"
+            f"tensorrt_llm twin: {key} {text!r}: the twin executes the chain "
+            f"{chain_choices(config.max_draft_len)} of its {what} (speculative.{key})"
         )
 
 

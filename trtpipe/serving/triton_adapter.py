@@ -110,10 +110,11 @@ def settings_from_model_config(model_config: dict, model_repository: str) -> Twi
         guided_decoding_backend=param(params, "guided_decoding_backend") or None,
         **read_twin_extras(param(params, TWIN_EXTRAS_PARAMETER)),  # the twin's own knobs (request_timeout_s, ...)
     )
-    if param(params, "medusa_choices"):  # what the twin drafts is the chain of max_draft_len heads: refuse a tree
-        from trtpipe.serving.medusa import check_choices
+    for key in ("medusa_choices", "eagle_choices"):  # what the twin drafts is the chain of max_draft_len: no tree
+        if param(params, key):
+            from trtpipe.serving.medusa import check_choices
 
-        check_choices(str(param(params, "medusa_choices")), executor)
+            check_choices(str(param(params, key)), executor, key)
     return TwinSettings(
         engine_dir=engine_dir,
         executor=executor,

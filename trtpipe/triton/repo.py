@@ -36,6 +36,7 @@ from trtpipe.triton import upstream_io
 from trtpipe.triton.upstream_io import TWIN_EXTRAS_PARAMETER
 from trtpipe.triton.xgrammar_info import TOKENIZER_INFO_FILE, write_tokenizer_info
 from trtpipe.resources import data_dir
+from trtpipe.recipe.eagle import triton_choices as eagle_triton_choices
 from trtpipe.recipe.medusa import triton_choices
 from trtpipe.recipe.knobs import twin_extras
 from trtpipe.recipe.schema import Recipe
@@ -446,7 +447,7 @@ def trtllm_parameters(recipe: Recipe, engine: EngineInfo) -> dict:
         "lookahead_ngram_size": "",
         "lookahead_verification_set_size": "",
         "medusa_choices": triton_choices(recipe),  # "{0}, {0, 0}" (docs/model_config.md@7bc57da0)
-        "eagle_choices": "",
+        "eagle_choices": eagle_triton_choices(recipe),  # the same brace format (docs/model_config.md@7bc57da0)
         "gpu_weights_percent": 1.0,
         "multi_block_mode": True,
         "enable_context_fmha_fp32_acc": False,
@@ -489,6 +490,7 @@ TWIN_PARAMETERS = (
     "lora_cache_host_memory_bytes",  # the twin's host adapter cache holds as many of the largest adapter
     "lora_prefetch_dir",  # made relative to the twin's engine link below
     "medusa_choices",  # the twin checks it is the chain it drafts (trtpipe.serving.medusa.check_choices)
+    "eagle_choices",  # likewise (trtpipe.serving.medusa.check_choices)
 )
 
 
