@@ -266,6 +266,9 @@ class LoraStepEngine:
     def copy_block(self, src: int, dst: int, num_tokens: int) -> None:
         self.inner.copy_block(src, dst, num_tokens)
 
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        self.inner.move_slots(src, dst)
+
     def _prepare(self, batch):
         """(the batch without entries whose adapter failed to activate, their errors, the step's groups)."""
         from trtpipe.serving.api import StepBatch

@@ -258,6 +258,12 @@ class StepEntry:
     # a last context chunk with external drafts (Request.draft_tokens) ends with them: its last k + 1 positions are
     # [last prompt token, d1..dk] and ask for k + 1 rows of logits
     context_drafts: int = 0
+    # drafts as a token set (trtpipe.serving.tree_verify): each token's position offset from start_pos (its RoPE
+    # position), which new tokens each one sees ([n, n] bool; the cached prefix is always visible), and the candidate
+    # paths acceptance walks (indices into tokens, the root left out; None: the tree the mask describes)
+    spec_positions: Optional[list[int]] = None
+    spec_mask: Any = None
+    spec_paths: Optional[list[list[int]]] = None
 
     @property
     def verifies_drafts(self) -> bool:
@@ -308,6 +314,8 @@ class StepResult:
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # the sampled token's, where the entry asked
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # one per prompt target
     accepted: dict[int, list[int]] = field(default_factory=dict)  # entries with drafts: every token they emit
+    # masked entries (spec_mask): the accepted drafts' indices into the entry's tokens, whose KV the executor keeps
+    kept: dict[int, list[int]] = field(default_factory=dict)
 
 
 class StepEngine(Protocol):
@@ -319,4 +327,8 @@ class StepEngine(Protocol):
 
     def copy_block(self, src: int, dst: int, num_tokens: int) -> None:
         """Copy the first ``num_tokens`` token slots of block ``src`` into ``dst`` (partial prefix reuse)."""
+        ...
+
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy KV slots ``src`` to ``dst`` in every layer (the accepted drafts of a masked verification)."""
         ...

@@ -41,6 +41,7 @@ from trtpipe.serving.kv_pool import BlockPool, KVStats
 from trtpipe.serving.logprobs import MAX_LOGPROBS
 from trtpipe.serving.scheduler import ActiveRequest, ContextTooLong, capacity_schedule, insert_by_priority, micro_batch
 from trtpipe.serving.speculative import Speculator, count_verification
+from trtpipe.serving.tree_verify import accepted_slot_moves
 
 
 log = logging.getLogger(__name__)
@@ -572,7 +573,8 @@ class ExecutorCore:
         drafting = [r for r in generating if _may_draft(r)]
         drafts = self.speculator.propose(drafting) if self.speculator is not None and drafting else {}
         for r in generating:
-            d, q = drafts.get(r.id, ([], None))
+            # (drafts, their distributions[, a token set's StepEntry fields: trtpipe.serving.tree_verify.tree_fields])
+            d, q, *spec = drafts.get(r.id, ([], None))
             new = self.pool.grow(r.block_table, r.kv_len + 1 + len(d))
             r.perf.kv_alloc_new_blocks += new
             r.perf.kv_alloc_total_blocks = len(r.block_table)
@@ -591,6 +593,7 @@ class ExecutorCore:
                     logprobs=r.request.logprobs,
                     banned=_banned(r),
                     draft_probs=q,
+                    **(spec[0] if spec and d else {}),
                 )
             )
         if not batch.entries:
@@ -619,6 +622,8 @@ class ExecutorCore:
                 # early reuse: at the end of the context, keyed by the adapter (two adapters never share blocks)
                 self.pool.store(r.block_table, r.tokens[: r.context_len], r.request.lora)
             if e.request_id in result.accepted:
+                if e.request_id in result.kept:  # a masked verification: the accepted drafts' KV follows the prefix
+                    self._keep_accepted(e, result.kept[e.request_id])
                 self._accept_verified(r, e.drafts, result.accepted[e.request_id], now)
                 continue
             try:
@@ -668,6 +673,15 @@ class ExecutorCore:
             del r.block_table[keep:]
         if self.speculator is not None:
             self.speculator.synced(r)
+
+    def _keep_accepted(self, e: StepEntry, accepted: list[int]) -> None:
+        """Move the accepted drafts' KV (written at ``start_pos`` + their index) to the positions after the entry's
+        last token, in the engine (every rank) and in a drafter's per-position hidden states."""
+        src, dst = accepted_slot_moves(e.block_table, e.start_pos, accepted, self.pool.tokens_per_block)
+        if src:
+            self.engine.move_slots(src, dst)
+        if self.speculator is not None:
+            self.speculator.kept(e.request_id, e.start_pos, accepted)
 
     def _context_drafts(self, r: ActiveRequest, end: int) -> list[int]:
         """The external drafts (``draft_input_ids``) the last chunk of a request's first context verifies: none for a

@@ -301,6 +301,15 @@ class HiddenDrafter:
                 st.rows = torch.cat([st.rows[: e.start_pos - st.start], rows])
             st.cached = min(st.cached, e.start_pos)  # a recomputed context (a paused request) starts over
 
+    def kept(self, request_id: int, start_pos: int, accepted: list[int]) -> None:
+        """After a masked verification at ``start_pos``: the rows of its root and accepted drafts, in that order."""
+        from trtpipe.serving.tree_verify import kept_rows
+
+        st = self.state.get(request_id)
+        if st is not None and st.rows is not None and st.start <= start_pos < st.start + len(st.rows):
+            off = start_pos - st.start
+            st.rows = torch.cat([st.rows[:off], kept_rows(st.rows[off:], accepted)])
+
     def accepted(self, request_id: int, valid: int) -> None:
         """After a verification: the target's hidden states are kept for positions below ``valid`` only."""
         st = self.state.get(request_id)

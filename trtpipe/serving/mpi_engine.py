@@ -25,6 +25,7 @@ from trtpipe.runtime.distributed import RankModel
 from trtpipe.serving import attention_dp
 from trtpipe.serving.api import SamplingParams, StepBatch, StepEntry, StepResult
 from trtpipe.serving.reference_engine import ReferenceEngine
+from trtpipe.serving.tree_verify import as_mask
 
 
 def _wire(batch: StepBatch, lora_sources: Optional[dict] = None) -> tuple:
@@ -45,6 +46,8 @@ def _wire(batch: StepBatch, lora_sources: Optional[dict] = None) -> tuple:
                 bool(e.sample),
                 list(map(int, e.prompt_targets)),  # which positions need logits (prompt logprobs)
                 e.lora,
+                None if e.spec_positions is None else list(map(int, e.spec_positions)),
+                None if e.spec_mask is None else as_mask(e.spec_mask, len(e.tokens)).tolist(),
             )
             for e in batch.entries
         ],
@@ -53,7 +56,10 @@ def _wire(batch: StepBatch, lora_sources: Optional[dict] = None) -> tuple:
 
 def _unwire(wire: tuple) -> StepBatch:
     iteration, _, entries = wire
-    return StepBatch(iteration, [StepEntry(*e[:6], prompt_targets=e[6], lora=e[7]) for e in entries])
+    return StepBatch(
+        iteration,
+        [StepEntry(*e[:6], prompt_targets=e[6], lora=e[7], spec_positions=e[8], spec_mask=e[9]) for e in entries],
+    )
 
 
 class RankEngine(ReferenceEngine):
@@ -102,6 +108,8 @@ def worker_loop(model: RankModel, draft: Optional[RankModel] = None) -> None:
             engine.allocate(*rest)
         elif kind == "copy":
             engine.copy_block(*rest)
+        elif kind == "move":  # a masked verification's accepted drafts (trtpipe.serving.tree_verify)
+            engine.move_slots(*rest)
 
 
 class MpiStepEngine(RankEngine):
@@ -169,6 +177,11 @@ class MpiStepEngine(RankEngine):
             super().copy_block(src, dst, num_tokens)
             if self.assigner is not None:
                 self.assigner.copied(src, dst)
+
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        with self._lock:
+            self._broadcast("move", list(map(int, src)), list(map(int, dst)))
+            super().move_slots(src, dst)
 
     def logits(self, batch: StepBatch) -> torch.Tensor:
         with self._lock:

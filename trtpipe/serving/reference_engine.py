@@ -29,6 +29,7 @@ from trtpipe.serving.api import ExecutorConfig, StepBatch, StepResult
 from trtpipe.serving.logprobs import ban_tokens, chosen_logprobs, rows_of, split_rows
 from trtpipe.serving.hidden_draft import FINAL
 from trtpipe.serving.speculative import DRAFT_TARGET, EAGLE, EAGLE3, MEDUSA, MTP, verify_entries
+from trtpipe.serving.tree_verify import as_mask, move_slots, spec_rope_positions
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,12 @@ class PagedStep:
             if e.is_context or n > 1:  # a context chunk, or a token with drafts to verify: causal over its KV
                 kv = torch.tensor(_slots(e.block_table, 0, e.start_pos + n, tpb), device=device)
                 q_pos = torch.arange(e.start_pos, e.start_pos + n, device=device)
-                ctx.append((t, t + n, kv, q_pos))
+                k_pos, spec = torch.arange(e.start_pos + n, device=device), None
+                if e.spec_mask is not None:  # drafts as a token set (trtpipe.serving.tree_verify): its own mask
+                    q_pos = torch.tensor(spec_rope_positions(e) or range(e.start_pos, e.start_pos + n), device=device)
+                    k_pos = torch.cat([k_pos[: e.start_pos], q_pos])
+                    spec = as_mask(e.spec_mask, n).to(device)
+                ctx.append((t, t + n, kv, q_pos, k_pos, spec))
             else:
                 gen_rows.append(t)
                 gen_slots.append(e.block_table)
@@ -100,9 +106,15 @@ class PagedStep:
     def _mask(self, window: Optional[int]):
         """Per-window masks (computed once per step, shared by every layer)."""
         if window not in self._masks:
-            ctx = [
-                _allowed(q_pos, torch.arange(len(kv), device=kv.device), window)[None] for _, _, kv, q_pos in self.ctx
-            ]
+            ctx = []
+            for *_, q_pos, k_pos, spec in self.ctx:
+                allowed = _allowed(q_pos, k_pos, window)
+                if spec is not None:  # the new tokens see each other as the mask says (window in positions)
+                    new = spec.clone()
+                    if window:
+                        new &= (q_pos[:, None] - q_pos[None, :]) < window
+                    allowed[:, -len(q_pos) :] = new
+                ctx.append(allowed[None])
             gen = None
             if len(self.gen_rows):
                 gen = _allowed(self.gen_pos[:, None], self.gen_kpos, window)  # [G, 1, S]; hides the padding too
@@ -129,7 +141,7 @@ class PagedStep:
         qt = q[0].view(nkv, g, N, d)
         out = torch.empty(nkv, g, N, d, dtype=q.dtype, device=q.device)
         ctx_masks, gen_mask = self._mask(window)
-        for (t0, t1, kv, _), allowed in zip(self.ctx, ctx_masks):
+        for (t0, t1, kv, *_), allowed in zip(self.ctx, ctx_masks):
             kc = kp[kv].permute(1, 0, 2)[None]  # [1, nkv, S, d]
             vc = vp[kv].permute(1, 0, 2)[None]
             out[:, :, t0:t1] = _attention(qt[None, :, :, t0:t1], kc, vc, allowed, scale, sinks)[0]
@@ -152,7 +164,7 @@ class PagedStep:
         _, nh, N, _ = q.shape
         outs = [None] * N
         ctx_masks, gen_mask = self._mask(None)
-        for (t0, t1, kv, _), allowed in zip(self.ctx, ctx_masks):
+        for (t0, t1, kv, *_), allowed in zip(self.ctx, ctx_masks):
             k, v = expand(kp[kv].transpose(0, 1)[None])  # [1, nh, S, qk], [1, nh, S, v]
             o = _attention(q[:, :, None, t0:t1], k, v, allowed, scale)[0, :, 0]  # [nh, T, v]
             outs[t0:t1] = o.transpose(0, 1)
@@ -239,6 +251,9 @@ class ReferenceEngine:
             k[dst * tpb : dst * tpb + num_tokens] = k[src * tpb : src * tpb + num_tokens]
             v[dst * tpb : dst * tpb + num_tokens] = v[src * tpb : src * tpb + num_tokens]
 
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        move_slots(self.pools, src, dst)
+
     def _cos_sin(self, batch: StepBatch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Per rope key, [N, rot] tables of every packed token's position."""
         return {key: self._rope_rows(key, rope, batch) for key, rope in self.model.ropes.items()}
@@ -248,10 +263,21 @@ class ReferenceEngine:
         table = self._tables.get(key)
         if table is not None and top > table[0].shape[0]:
             table = self._tables[key] = rope.cos_sin(0, max(top, 2 * table[0].shape[0]))
+        spec = [spec_rope_positions(e) for e in batch.entries]  # a masked entry's own positions
         if table is not None:
-            pos = torch.cat([torch.arange(e.start_pos, e.start_pos + len(e.tokens)) for e in batch.entries])
+            pos = torch.cat(
+                [
+                    torch.tensor(p) if p is not None else torch.arange(e.start_pos, e.start_pos + len(e.tokens))
+                    for e, p in zip(batch.entries, spec)
+                ]
+            )
             return table[0][pos].to(self.device), table[1][pos].to(self.device)
-        parts = [rope.cos_sin(e.start_pos, len(e.tokens)) for e in batch.entries]
+        parts = [
+            rope.cos_sin(e.start_pos, len(e.tokens))
+            if p is None
+            else tuple(x[torch.tensor(p) - e.start_pos] for x in rope.cos_sin(e.start_pos, max(p) - e.start_pos + 1))
+            for e, p in zip(batch.entries, spec)
+        ]
         return torch.cat([c for c, _ in parts]).to(self.device), torch.cat([s for _, s in parts]).to(self.device)
 
     def packed(self, batch: StepBatch):
@@ -284,13 +310,20 @@ class ReferenceEngine:
         _, sample_at, prompt_at = rows_of(batch)
         logits, prompt = split_rows(batch, logits, sample_at, prompt_at) if prompt_at else (logits, {})
         accepted: dict = {}
+        kept: dict = {}  # masked entries: the accepted drafts' indices (trtpipe.serving.tree_verify)
         if any(e.verifies_drafts for e in batch.entries):  # k + 1 rows for each entry with drafts
-            tokens, errors, accepted = verify_entries(batch, logits, sample_entries)
+            tokens, errors, accepted = verify_entries(batch, logits, sample_entries, kept)
         else:
             tokens, errors = sample_entries(batch, logits)
         chosen = chosen_logprobs(batch, logits, tokens)
         return StepResult(
-            tokens, time.perf_counter() - t0, errors, logprobs=chosen, prompt_logprobs=prompt, accepted=accepted
+            tokens,
+            time.perf_counter() - t0,
+            errors,
+            logprobs=chosen,
+            prompt_logprobs=prompt,
+            accepted=accepted,
+            kept=kept,
         )
 
 

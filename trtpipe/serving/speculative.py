@@ -21,6 +21,9 @@ reference runtime:
   :func:`trtpipe.runtime.generate.sample`). NGram drafts are deterministic: q is one-hot.
 - **KV.** Blocks past the accepted length are released after each step (the next step grows them again); KV
   positions past it inside a kept block are never read (attention is causal by position) and are overwritten.
+- **Token sets.** A drafter may propose a tree (or any masked set) instead of a chain: its entry carries
+  ``spec_positions`` / ``spec_mask`` / ``spec_paths``, acceptance keeps the longest agreeing candidate path, and the
+  executor moves the accepted drafts' KV behind the prefix (:mod:`trtpipe.serving.tree_verify`).
 
 The executor reserves ``max_draft_len`` extra positions per generating request when it schedules (tokens per step
 and KV blocks), as TensorRT-LLM requires ``max_num_tokens >= batch x (max_draft_len + 1)``.
@@ -36,6 +39,7 @@ import torch
 from trtpipe.runtime.generate import MIN_TEMPERATURE
 from trtpipe.serving.api import ExecutorConfig, SamplingParams, StepBatch, StepEntry
 from trtpipe.serving.kv_pool import BlockPool
+from trtpipe.serving.tree_verify import verify_masked
 
 NGRAM, DRAFT_TARGET, MTP, EAGLE3, MEDUSA = "NGram", "DraftTarget", "MTP", "Eagle3", "Medusa"
 EAGLE = "Eagle"  # EAGLE-1/2 heads (the engine's eagle mode; llm_args' "Eagle" decoding type): trtpipe.serving.eagle1
@@ -151,9 +155,11 @@ def prometheus_lines(speculator, labels: str) -> list[str]:
     return [line for name, v in rows for line in (f"# TYPE {name} counter", f"{name}{{{labels}}} {v}")]
 
 
-def verify_entries(batch: StepBatch, logits: torch.Tensor, sample_entries):
+def verify_entries(batch: StepBatch, logits: torch.Tensor, sample_entries, kept: Optional[dict] = None):
     """A step's tokens when some entries verify drafts: ``logits`` has k + 1 rows for those, one for every other
-    sampling entry. The others go through ``sample_entries`` (the engine's own sampler) unchanged.
+    sampling entry. The others go through ``sample_entries`` (the engine's own sampler) unchanged. An entry with a
+    ``spec_mask`` is verified as a token set (:func:`trtpipe.serving.tree_verify.verify_masked`); its accepted drafts'
+    indices go into ``kept`` (request id -> indices).
 
     Returns:
         (tokens, errors, accepted): the last emitted token of every entry, one line per failed entry, and every
@@ -172,7 +178,12 @@ def verify_entries(batch: StepBatch, logits: torch.Tensor, sample_entries):
             plain_rows.append(rows)
             continue
         try:
-            accepted[e.request_id] = verify(e.drafts, e.draft_probs, rows, e.sampling, e.generator)
+            if e.spec_mask is not None:
+                idx, accepted[e.request_id] = verify_masked(e, rows)
+                if kept is not None:
+                    kept[e.request_id] = idx
+            else:
+                accepted[e.request_id] = verify(e.drafts, e.draft_probs, rows, e.sampling, e.generator)
             tokens[e.request_id] = accepted[e.request_id][-1]
         except Exception as exc:  # noqa: BLE001 - the row's own failure, answered to its request alone
             errors[e.request_id] = f"{type(exc).__name__}: {exc}"
@@ -311,6 +322,12 @@ class Speculator:
         if isinstance(self.draft, DraftModel) or self.draft is None:
             return
         self.draft.stepped(batch)
+
+    def kept(self, request_id: int, start_pos: int, accepted: list[int]) -> None:
+        """A masked verification kept drafts ``accepted`` (indices into its tokens at ``start_pos``): a head that
+        keeps per-position hidden states reorders them as the KV was (:func:`~trtpipe.serving.tree_verify.kept_rows`)."""
+        if self.draft is not None and hasattr(self.draft, "kept"):
+            self.draft.kept(request_id, start_pos, accepted)
 
     def synced(self, r) -> None:
         """The request's sequence after acceptance: the draft KV stays valid up to the last shared position."""

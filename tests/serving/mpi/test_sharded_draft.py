@@ -58,3 +58,12 @@ def test_a_draft_in_another_layout_is_refused(run_mpi, stories_ckpt):
 
     with pytest.raises(ValueError, match=r"draft checkpoint tp 1 x pp 1 must be the target's layout \(tp 2 x pp 1\)"):
         draft_step_engine(Target(), Fake(1, 1))
+
+
+def test_tree_verification_moves_the_kv_on_every_rank(run_mpi, stories_ckpt):
+    """tests/serving/mpi/tree_check.py: a tree verified at tp 2, its accepted drafts' KV moved on both ranks, then one
+    decode step: the logits equal the one-process chain of the accepted path within its float32 error."""
+    proc = run_mpi(2, "tree_check.py", stories_ckpt(2, 1))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["rows_err"] <= out["rows_bound"] and out["after_err"] <= out["after_bound"], out
