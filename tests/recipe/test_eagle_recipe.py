@@ -70,6 +70,17 @@ def test_a_chain_is_valid_built_written_and_executed(tmp_path, stories_dir, head
     assert _problems(unset) == [] and choices(unset) == [[0], [0, 0]]
 
 
+def test_a_static_tree_is_valid_and_reaches_the_executor(tmp_path, stories_dir, head):
+    from trtpipe.recipe.eagle import choices, tree_shape, triton_choices
+    from trtpipe.serving.config import from_recipe
+
+    r = _recipe(tmp_path, stories_dir, head, "  max_draft_len: 4\n  eagle_choices: [[0], [1], [0, 0], [1, 0]]\n")
+    assert _problems(r) == []
+    assert triton_choices(r) == "{0}, {1}, {0, 0}, {1, 0}" and tree_shape(choices(r)) == (2, 2)
+    c = from_recipe(r, 512)
+    assert (c.speculative_decoding_type, c.max_draft_len, c.eagle_choices) == ("Eagle", 4, "{0}, {1}, {0, 0}, {1, 0}")
+
+
 def test_tree_shape_counts_depth_and_non_leaves_per_level():
     from trtpipe.recipe.eagle import tree_shape
 
@@ -82,10 +93,6 @@ def test_tree_shape_counts_depth_and_non_leaves_per_level():
     "spec, line",
     [
         (
-            "  max_draft_len: 3\n  eagle_choices: [[0], [1], [0, 0]]\n",
-            "speculative.eagle_choices: the twin executes chain-shaped choices only ([[0], [0, 0], [0, 0, 0]])",
-        ),
-        (
             "  max_draft_len: 4\n  eagle_choices: [[0], [0, 0], [0, 0, 0]]\n",
             "speculative.max_draft_len: 4 differs from the 3 draft tokens of eagle_choices",
         ),
@@ -96,7 +103,7 @@ def test_tree_shape_counts_depth_and_non_leaves_per_level():
         ("  max_draft_len: 1\n  eagle_choices: [[-1]]\n", "speculative.eagle_choices: every choice is a non-empty"),
         (
             "  max_draft_len: 3\n  use_dynamic_tree: true\n  dynamic_tree_max_top_k: 4\n",
-            "speculative.use_dynamic_tree: EAGLE-2's dynamic tree needs tree verification",
+            "speculative.use_dynamic_tree: EAGLE-2's dynamic tree is not executed by the CPU twin yet",
         ),
         (
             "  max_draft_len: 3\n  use_dynamic_tree: true\n  eagle_choices: [[0], [0, 0], [0, 0, 0]]\n",

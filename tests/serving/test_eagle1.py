@@ -41,11 +41,41 @@ def eagle1(tmp_path_factory, stories_dir):
     return head, load_hf_checkpoint(stories_dir), hf, hf_float64(hf), t, json.loads((head / "config.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def fitted(eagle1, tmp_path_factory):
+    """The random head with its layers' outputs zeroed (o_proj, down_proj) and ``fc`` ridge-fitted to map
+    [emb(t[j + 1]); f[j]] onto the target's next feature f[j + 1] over the target's own greedy text: a head that
+    drafts well enough to accept some drafts, so the counters and the tree's KV moves are exercised."""
+    head, model, hf, _, t, cfg = eagle1
+    g = torch.Generator().manual_seed(3)
+    xs, ys = [], []
+    with torch.no_grad():
+        for _ in range(24):
+            prompt = torch.tensor([[1] + torch.randint(3, 240, (4,), generator=g).tolist()])
+            seq = hf.generate(prompt, max_new_tokens=60, do_sample=False, eos_token_id=None, pad_token_id=0)
+            f = hf.model(seq).last_hidden_state[0]
+            e = t["embed_tokens.weight"][seq[0, 1:]]
+            xs.append(torch.cat([e[:-1], f[:-2]], -1))
+            ys.append(f[1:-1])
+    X, Y = torch.cat(xs).double(), torch.cat(ys).double()
+    X1 = torch.cat([X, torch.ones(len(X), 1, dtype=X.dtype)], -1)
+    W = torch.linalg.solve(X1.T @ X1 + 1e-3 * torch.eye(X1.shape[1], dtype=X.dtype), X1.T @ Y)  # ridge
+    out = dict(t)
+    out["fc.weight"], out["fc.bias"] = W[:-1].T.float().contiguous(), W[-1].float().contiguous()
+    for k in out:
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            out[k] = torch.zeros_like(out[k])
+    d = tmp_path_factory.mktemp("eagle1-fitted")
+    torch.save(out, d / "pytorch_model.bin")
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d, out
+
+
 @torch.no_grad()
-def eagle1_oracle(hf, t: dict, cfg: dict, tokens: list[int], d1: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The head's first draft logits after ``tokens`` and its second after ``d1``, by cnets1.py's formula in
-    ``hf``'s dtype: transformers' LlamaDecoderLayer (layer 0 without input_layernorm), the target's normed output
-    from transformers, the target's lm_head."""
+def path_logits(hf, t: dict, cfg: dict, tokens: list[int], path: list[int]) -> list[torch.Tensor]:
+    """The head's draft logits after ``tokens`` and after each prefix of the drafted ``path``, by cnets1.py's formula
+    in ``hf``'s dtype: transformers' LlamaDecoderLayer (layer 0 without input_layernorm), the target's normed output
+    from transformers, the target's lm_head; each draft reads its token and the head's output at the one before."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -63,7 +93,7 @@ def eagle1_oracle(hf, t: dict, cfg: dict, tokens: list[int], d1: int) -> tuple[t
     rope = LlamaRotaryEmbedding(lc).to(dt)
     fc_w, fc_b, E = t["fc.weight"].to(dt), t["fc.bias"].to(dt), t["embed_tokens.weight"].to(dt)
     feats = hf.model(torch.tensor([tokens[:-1]])).last_hidden_state  # the target's normed output
-    emb = E[torch.tensor([tokens[1:] + [d1]])]
+    emb = E[torch.tensor([tokens[1:] + list(path)])]
 
     def run(x):
         n = x.shape[1]
@@ -75,16 +105,26 @@ def eagle1_oracle(hf, t: dict, cfg: dict, tokens: list[int], d1: int) -> tuple[t
             x = out[0] if isinstance(out, tuple) else out
         return x
 
-    X = torch.cat([emb[:, :-1], feats], -1) @ fc_w.T + fc_b
+    m = len(tokens) - 1
+    X = torch.cat([emb[:, :m], feats], -1) @ fc_w.T + fc_b
     out = run(X)
-    X2 = torch.cat([X, torch.cat([emb[:, -1:], out[:, -1:]], -1) @ fc_w.T + fc_b], 1)
-    out2 = run(X2)
-    return hf.lm_head(out[0, -1]), hf.lm_head(out2[0, -1])
+    logits = [hf.lm_head(out[0, -1])]
+    for i in range(len(path)):
+        X = torch.cat([X, torch.cat([emb[:, m + i : m + i + 1], out[:, -1:]], -1) @ fc_w.T + fc_b], 1)
+        out = run(X)
+        logits.append(hf.lm_head(out[0, -1]))
+    return logits
+
+
+def eagle1_oracle(hf, t, cfg, tokens, d1):
+    first, second = path_logits(hf, t, cfg, tokens, [d1])
+    return first, second
 
 
 @pytest.mark.slow
-def test_eagle1_drafts_as_float64_and_greedy_unchanged(eagle1, stories_dir, monkeypatch):
-    head, model, hf32, hf64, t, cfg_head = eagle1
+def test_eagle1_drafts_as_float64_and_greedy_unchanged(eagle1, fitted, stories_dir, monkeypatch):
+    _, model, hf32, hf64, _, cfg_head = eagle1
+    head, t = fitted
     prompts = _prompts(4, seed=8)
     plain, _ = _serve(model, _config(), prompts, n=24)
     calls = _record(monkeypatch)
@@ -105,7 +145,8 @@ def test_eagle1_drafts_as_float64_and_greedy_unchanged(eagle1, stories_dir, monk
     assert _check_drafts(calls, full, oracle, limit=6) == 6
     _check_counters(calls, full, spec, core)
     s = core.speculator
-    print(f"random EAGLE-1 head: {s.total_accepted_draft_tokens} of {s.total_draft_tokens} drafts accepted")
+    assert s.total_accepted_draft_tokens > 0  # the fitted head's drafts are accepted: the replay is not all zeros
+    print(f"fitted EAGLE-1 head: {s.total_accepted_draft_tokens} of {s.total_draft_tokens} drafts accepted")
 
 
 def test_a_head_that_does_not_fit_the_target_is_refused_in_one_line(eagle1, tmp_path):
@@ -134,3 +175,113 @@ def test_a_head_that_does_not_fit_the_target_is_refused_in_one_line(eagle1, tmp_
         with pytest.raises(CheckpointError, match=why) as e:
             load_eagle1_head(write(name, tensors, config), model)
         assert "\n" not in str(e.value)
+
+
+TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0]]  # siblings at depths 1 and 2
+
+
+@pytest.mark.slow
+def test_an_eagle_tree_drafts_as_float64_keeps_greedy_output_and_counts_its_longest_path(
+    eagle1, fitted, stories_dir, monkeypatch
+):
+    """eagle_choices with siblings: each node's logits (a level forward over the non-leaf nodes with the tree mask)
+    equal the float64 chain along its path; the target verifies the tree (tree_verify) and greedy output is unchanged
+    and transformers' float64 greedy; the counters equal a replay of the longest matching path of each tree."""
+    from numerics import assert_as_accurate, error_scale
+
+    from trtpipe.recipe.medusa import braces
+    from trtpipe.serving.eagle1 import Eagle1TreeDrafter
+    from trtpipe.serving.tree_verify import parents_from_mask, paths_from_parents
+
+    _, model, hf32, hf64, _, cfg_head = eagle1
+    head, t = fitted
+    prompts = _prompts(4, seed=9)
+    plain, _ = _serve(model, _config(), prompts, n=24)
+    calls = _record(monkeypatch)
+    proposals = []
+    original = Eagle1TreeDrafter.propose
+
+    def spy(self, requests, ks):
+        out = original(self, requests, ks)
+        for r in requests:
+            if r.id in out:
+                drafts, _, fields = out[r.id]
+                proposals.append((r.id, len(r.tokens), drafts, parents_from_mask(fields["spec_mask"])))
+        return out
+
+    monkeypatch.setattr(Eagle1TreeDrafter, "propose", spy)
+    k = len(TREE)
+    cfg = _config(
+        speculative_decoding_type="Eagle", max_draft_len=k, speculative_model=str(head), eagle_choices=braces(TREE)
+    )
+    drafter = draft_engine(cfg, model, stories_dir)
+    assert drafter.tree == sorted(TREE, key=lambda c: (len(c), c))
+    spec, core = _serve(model, cfg, prompts, drafter, n=24)
+    full = {}
+    for rid, (p, a, b) in enumerate(zip(prompts, plain, spec), start=1):
+        assert not b.has_error, b.error
+        assert b.tokens == a.tokens
+        assert check_greedy(model, hf64, p, b.tokens, 24, EOS) == ""
+        full[rid] = p + b.tokens
+    checked = 0
+    for entries, rows in calls:  # the level forwards: masked entries, one row per non-leaf node
+        if checked >= 6 or entries[0][3]:
+            continue
+        for rid, toks, start, _ in entries:
+            seq = full[rid][: start + 1]
+            prop = next(p for p in proposals if p[0] == rid and p[1] == start + 1)
+            parents, drafts = prop[3], prop[2]
+            for i, tok in enumerate(toks):  # the node's path: its ancestors' tokens then its own
+                node = drafts.index(tok) + 1 if drafts.count(tok) == 1 else None
+                if node is None:
+                    continue
+                path, j = [], node
+                while j > 0:
+                    path.insert(0, drafts[j - 1])
+                    j = parents[j]
+                r64, r32 = path_logits(hf64, t, cfg_head, seq, path)[-1], path_logits(hf32, t, cfg_head, seq, path)[-1]
+                assert_as_accurate(rows[i], r64, error_scale(r32, r64), f"request {rid}: node {path} after {len(seq)}")
+                checked += 1
+            break
+    assert checked >= 6
+    drafted = {rid: 0 for rid in full}
+    accepted = {rid: 0 for rid in full}
+    for rid, n, drafts, parents in proposals:  # replay: the longest path of the tree the output followed
+        drafted[rid] += len(drafts)
+        best = 0
+        for path in paths_from_parents(parents):
+            m = 0
+            for node in path:
+                if n + m >= len(full[rid]) or full[rid][n + m] != drafts[node - 1]:
+                    break
+                m += 1
+            best = max(best, m)
+        accepted[rid] += best
+    for rid, r in enumerate(spec, start=1):
+        assert (r.perf.total_draft_tokens, r.perf.total_accepted_draft_tokens) == (drafted[rid], accepted[rid])
+    s = core.speculator
+    assert s.total_draft_tokens == sum(drafted.values()) > 0
+    assert s.total_accepted_draft_tokens == sum(accepted.values()) > 0  # the fitted head's drafts are accepted
+    assert core.pool.stats().free_blocks == core.pool.stats().max_blocks
+    assert s.draft.pool.num_free == s.draft.pool.num_blocks and not s.draft.state
+    print(f"fitted EAGLE-1 head, tree of {k}: {s.total_accepted_draft_tokens} of {s.total_draft_tokens} accepted")
+
+
+def test_triton_eagle_choices_must_be_what_the_executor_drafts():
+    from trtpipe.serving.medusa import check_choices
+    from trtpipe.serving.eagle1 import parse_tree
+
+    chain = _config(speculative_decoding_type="Eagle", max_draft_len=2)
+    check_choices("{0}, {0, 0}", chain, "eagle_choices")
+    tree = _config(speculative_decoding_type="Eagle", max_draft_len=3, eagle_choices="{0}, {1}, {0, 0}")
+    check_choices("{1}, {0}, {0, 0}", tree, "eagle_choices")  # the same tree in another order
+    for cfg, bad in ((chain, "{0}, {1}"), (tree, "{0}, {1}, {1, 0}"), (tree, "{0}, {0, 0}, {0, 0, 0}")):
+        with pytest.raises(ValueError, match=r"^tensorrt_llm twin: eagle_choices .*speculative.eagle_choices") as e:
+            check_choices(bad, cfg, "eagle_choices")
+        assert "\n" not in str(e.value)
+    assert parse_tree("{0}, {0, 0}", 2) is None and parse_tree("", 3) is None  # the chain: HiddenDrafter's
+    assert parse_tree("{1}, {0}, {0, 0}", 3) == [[0], [1], [0, 0]]
+    with pytest.raises(ValueError, match="choice \\[0, 0, 0\\] is not connected"):
+        parse_tree("{0}, {0, 0, 0}", 2)
+    with pytest.raises(ValueError, match="3 draft tokens, but max_draft_len is 4"):
+        parse_tree("{0}, {1}, {0, 0}", 4)

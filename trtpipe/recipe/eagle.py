@@ -10,8 +10,8 @@ eagle --max_draft_len L`` builds (``tensorrt_llm/commands/build.py@65f1d153``). 
 brace format; EAGLE-2's dynamic tree is ``use_dynamic_tree`` with ``dynamic_tree_max_topK`` (same class, "Mutually
 exclusive with eagle_choices"; the llm_args revision the code index holds records no commit).
 
-The CPU twin drafts the chain ``[[0], [0, 0], ...]`` (:mod:`trtpipe.serving.eagle1`): a tree with siblings and the
-dynamic tree need tree verification, which it does not have, so both are refused in one line.
+The CPU twin drafts the chain ``[[0], [0, 0], ...]`` and static trees with siblings (:mod:`trtpipe.serving.eagle1`,
+verified with a tree mask: :mod:`trtpipe.serving.tree_verify`); EAGLE-2's dynamic tree is refused in one line.
 """
 
 from __future__ import annotations
@@ -65,8 +65,7 @@ def eagle_findings(recipe: Recipe, m: Optional[ModelDims], head_dir) -> Iterable
             yield f"{KEY}.use_dynamic_tree", "use_dynamic_tree and eagle_choices are mutually exclusive (upstream)"
         yield (
             f"{KEY}.use_dynamic_tree",
-            "EAGLE-2's dynamic tree needs tree verification in the target forward, which the CPU twin does not have "
-            "(it executes the chain of eagle_choices)",
+            "EAGLE-2's dynamic tree is not executed by the CPU twin yet (it drafts the static tree of eagle_choices)",
         )
     elif s.dynamic_tree_max_top_k is not None:
         yield f"{KEY}.dynamic_tree_max_top_k", "dynamic_tree_max_top_k is read only with use_dynamic_tree: true"
@@ -78,12 +77,6 @@ def eagle_findings(recipe: Recipe, m: Optional[ModelDims], head_dir) -> Iterable
     if loose is not None:
         yield f"{KEY}.eagle_choices", f"choice {loose} is not connected: its prefix {loose[:-1]} is missing"
         return
-    if sorted(tree, key=len) != chain(len(tree)):
-        yield (
-            f"{KEY}.eagle_choices",
-            f"the twin executes chain-shaped choices only ({chain(len(tree))}): a tree with siblings needs tree "
-            "attention in the verification forward, which the CPU twin does not have",
-        )
     if len(tree) != s.max_draft_len:
         yield (
             f"{KEY}.max_draft_len",

@@ -46,6 +46,7 @@ def speculative_knobs(recipe: Recipe) -> dict[str, Any]:
     which validation enforces), the engine's eagle with its EAGLE-1/2 head (chain-shaped eagle_choices); a draft or
     head as a local directory). The engine path's lookahead_decoding is refused at validate: the twin has no
     lookahead decoding."""
+    from trtpipe.recipe.eagle import triton_choices as eagle_choices
     from trtpipe.recipe.speculative import TWIN_EXECUTES, draft_dir
 
     s = recipe.speculative
@@ -57,6 +58,7 @@ def speculative_knobs(recipe: Recipe) -> dict[str, Any]:
         "max_draft_len": s.max_draft_len,
         "max_matching_ngram_size": s.max_matching_ngram_size,
         "speculative_model": str(draft) if draft is not None else "",
+        **({"eagle_choices": eagle_choices(recipe)} if s.decoding_type == "eagle" else {}),
     }
 
 

@@ -81,6 +81,7 @@ class ExecutorConfig:
     max_draft_len: int = 0
     max_matching_ngram_size: int = 2
     speculative_model: str = ""  # DraftTarget: the draft's HF directory; Eagle3: the head's (the front end loads it)
+    eagle_choices: str = ""  # Eagle: the draft tree in Triton's brace format ("{0}, {0, 0}"; "": the chain)
 
     @property
     def draft_reserve(self) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
@@ -62,6 +63,7 @@ class Eagle1Head(nn.Module):
                 f"{where}: EAGLE head embed_tokens is {tuple(embedding.shape)}; the target's vocabulary needs {(V, H)}"
             )
         self.capture, self.d2t, self.target, self.eps = (FINAL,), None, target, args.norm_epsilon
+        self.tree: Optional[list[list[int]]] = None  # eagle_choices with siblings (None: the chain)
         self.fc = Float32Linear(w, b)
         ones = torch.ones(H)
         self.layers = [
@@ -91,7 +93,9 @@ class Eagle1Head(nn.Module):
         return x
 
     def drafter(self, target_engine, num_blocks: int, tokens_per_block: int) -> HiddenDrafter:
-        return HiddenDrafter(self, target_engine, num_blocks, tokens_per_block)
+        if self.tree is None:
+            return HiddenDrafter(self, target_engine, num_blocks, tokens_per_block)
+        return Eagle1TreeDrafter(self, target_engine, num_blocks, tokens_per_block)
 
 
 def load_eagle1_head(path: str | Path, target: ReferenceModel) -> Eagle1Head:
@@ -115,3 +119,104 @@ def load_eagle1_head(path: str | Path, target: ReferenceModel) -> Eagle1Head:
     layers = [trt_layer_tensors(t, i, where) for i in range(args.num_layers)]
     emb = t.get("embed_tokens.weight", target.embedding)  # cnets1 loads the base model's embedding when absent
     return Eagle1Head(target, args, layers, (t["fc.weight"], t["fc.bias"]), emb, where)
+
+
+def parse_tree(text: str, k: int) -> Optional[list[list[int]]]:
+    """The executor's ``eagle_choices`` (Triton's brace format) as paths in node order (by depth, then ranks), or
+    None for the chain of ``k`` (what :class:`HiddenDrafter` drafts). Checked as upstream's ``check_eagle_choices``:
+    every path's prefix is in the tree; ValueError in one line otherwise."""
+    from trtpipe.serving.medusa import chain_choices, parse_choices
+
+    if not text:
+        return None
+    tree = sorted({tuple(c) for c in parse_choices(text, "eagle_choices")}, key=lambda c: (len(c), c))
+    paths = [list(c) for c in tree]
+    loose = next((c for c in paths if len(c) > 1 and c[:-1] not in paths), None)
+    if loose is not None:
+        raise ValueError(f"eagle_choices {text!r}: choice {loose} is not connected (its prefix is missing)")
+    if len(paths) != k:
+        raise ValueError(f"eagle_choices {text!r}: {len(paths)} draft tokens, but max_draft_len is {k}")
+    return None if paths == chain_choices(k) else paths
+
+
+class Eagle1TreeDrafter(HiddenDrafter):
+    """EAGLE-1's static tree (``eagle_choices`` with siblings), drafted as TensorRT-LLM's EagleNets do
+    (``EagleForCausalLM._eagle_fwd_helper`` in ``tensorrt_llm/models/eagle/model.py@89fd9b74``): the head's
+    catch-up forward gives the root's logits, whose top-k ranks are the depth-1 nodes; then, level by level, one
+    forward over every non-leaf node up to that depth (each node reads its token and its parent's output feature, at
+    its depth's position, seeing only its ancestors: a tree mask over the catch-up's KV, "Draft2 is called for inputs
+    [FGIJ]" in upstream's docstring) gives each node's logits, whose ranks name its children. The drafts go to the
+    target as a token set (:func:`trtpipe.serving.tree_verify.tree_fields`), verified with the tree mask; a request
+    with room for fewer drafts takes the tree's first nodes in node order (still a tree)."""
+
+    def __init__(self, head: Eagle1Head, target_engine, num_blocks: int, tokens_per_block: int):
+        super().__init__(head, target_engine, num_blocks, tokens_per_block)
+        self.tree = head.tree
+        self._root = None
+
+    def _forward(self, entries, hidden):
+        logits, nxt = super()._forward(entries, hidden)
+        if self._root is None:  # the catch-up forward of propose: the roots' logits and features
+            self._root = (entries, logits, nxt)
+        return logits, nxt
+
+    @torch.no_grad()
+    def propose(self, requests: list, ks: dict[int, int]) -> dict:
+        from trtpipe.serving.api import StepEntry
+        from trtpipe.serving.tree_verify import mask_from_parents, tree_fields
+
+        self._root = None
+        super().propose(requests, {r.id: min(1, ks[r.id]) for r in requests})  # the catch-up forward alone
+        if self._root is None:
+            return {}
+        entries, root_logits, root_feats = self._root
+        self._root = None
+        by_id = {r.id: r for r in requests}
+        work = []  # per request: (id, n, paths, parents, tokens, logits per node, features per node)
+        for i, e in enumerate(entries):
+            r = by_id[e.request_id]
+            paths = self.tree[: ks[r.id]]
+            parents = [-1] + [0 if len(p) == 1 else paths.index(p[:-1]) + 1 for p in paths]
+            self.pool.grow(self.state[r.id].table, len(r.tokens) - 1 + len(paths))
+            work.append((r.id, len(r.tokens), paths, parents, {0: root_logits[i]}, {0: root_feats[i]}))
+        depth = max(len(p) for _, _, paths, *_ in work for p in paths)
+        tokens = {rid: [None] * (len(paths) + 1) for rid, _, paths, *_ in work}
+        for d in range(1, depth + 1):
+            for rid, _, paths, parents, logits, _ in work:  # depth-d nodes: the ranks of their parents' logits
+                for j, p in enumerate(paths, 1):
+                    if len(p) == d:
+                        tokens[rid][j] = int(logits[parents[j]].topk(p[-1] + 1).indices[p[-1]])
+            if d == depth:
+                break
+            step, hidden, owners = [], [], []
+            for rid, n, paths, parents, logits, feats in work:
+                has_child = set(parents[1:])
+                nodes = [j for j, p in enumerate(paths, 1) if len(p) <= d and j in has_child]
+                if not any(len(paths[j - 1]) == d for j in nodes):
+                    continue  # no node of this depth has children
+                index = {j: i for i, j in enumerate(nodes)}  # the selected nodes' own tree (ancestors are selected)
+                sub = [index.get(parents[j], -1) for j in nodes]
+                mask = mask_from_parents([-1] + [x + 1 for x in sub])[1:, 1:]
+                step.append(
+                    StepEntry(
+                        rid,
+                        [tokens[rid][j] for j in nodes],
+                        n - 1,
+                        self.state[rid].table,
+                        False,
+                        True,
+                        spec_positions=[len(paths[j - 1]) - 1 for j in nodes],
+                        spec_mask=mask,
+                    )
+                )
+                hidden.append(torch.stack([feats[parents[j]] for j in nodes]))
+                owners.append((rid, nodes))
+            if not step:
+                break
+            out_logits, out_feats = self._forward(step, torch.cat(hidden))
+            row, by_rid = 0, {w[0]: w for w in work}
+            for rid, nodes in owners:
+                for j in nodes:
+                    by_rid[rid][4][j], by_rid[rid][5][j] = out_logits[row], out_feats[row]
+                    row += 1
+        return {rid: (tokens[rid][1:], None, tree_fields(parents)) for rid, _, _, parents, _, _ in work}

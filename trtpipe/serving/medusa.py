@@ -62,15 +62,15 @@ CHOICES = {"medusa_choices": ("Medusa", "Medusa heads"), "eagle_choices": ("Eagl
 
 
 def check_choices(text: str, config, key: str = "medusa_choices") -> None:
-    """Refuse, in one line, Triton ``medusa_choices`` / ``eagle_choices`` other than the chain of ``max_draft_len``
-    the twin drafts."""
+    """Refuse, in one line, Triton ``medusa_choices`` / ``eagle_choices`` other than what the twin drafts: the chain
+    of ``max_draft_len``, or the executor's own ``eagle_choices`` tree."""
     kind, what = CHOICES[key]
     got = parse_choices(text, key)
-    if config.speculative_decoding_type != kind or not is_chain(got) or len(got) != config.max_draft_len:
-        raise ValueError(
-            f"tensorrt_llm twin: {key} {text!r}: the twin executes the chain "
-            f"{chain_choices(config.max_draft_len)} of its {what} (speculative.{key})"
-        )
+    want = chain_choices(config.max_draft_len)
+    if key == "eagle_choices" and config.eagle_choices:  # an EAGLE tree the executor drafts (trtpipe.serving.eagle1)
+        want = parse_choices(config.eagle_choices, key)
+    if config.speculative_decoding_type != kind or sorted(got) != sorted(want):
+        raise ValueError(f"tensorrt_llm twin: {key} {text!r}: the twin executes {want} of its {what} (speculative.{key})")
 
 
 class MedusaHeads(nn.Module):

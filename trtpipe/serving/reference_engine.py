@@ -370,7 +370,7 @@ def draft_engine(config: ExecutorConfig, target: Optional[ReferenceModel] = None
             )
         return heads
     if kind == EAGLE:
-        from trtpipe.serving.eagle1 import ARCHITECTURE, load_eagle1_head
+        from trtpipe.serving.eagle1 import ARCHITECTURE, load_eagle1_head, parse_tree
 
         # the head built into the engine's checkpoint when the target is one (the Triton twin), else the recipe's
         cfg = Path(target_dir or "") / "config.json"
@@ -379,5 +379,7 @@ def draft_engine(config: ExecutorConfig, target: Optional[ReferenceModel] = None
             and cfg.is_file()
             and load_json(cfg, CheckpointError).get("architecture") == ARCHITECTURE
         )
-        return load_eagle1_head(target_dir if built else config.speculative_model, target)
+        head = load_eagle1_head(target_dir if built else config.speculative_model, target)
+        head.tree = parse_tree(config.eagle_choices, config.max_draft_len)  # None: the chain
+        return head
     return load_eagle3_head(config.speculative_model, target)
