@@ -103,7 +103,7 @@ def test_tree_shape_counts_depth_and_non_leaves_per_level():
         ("  max_draft_len: 1\n  eagle_choices: [[-1]]\n", "speculative.eagle_choices: every choice is a non-empty"),
         (
             "  max_draft_len: 3\n  use_dynamic_tree: true\n  dynamic_tree_max_top_k: 4\n",
-            "speculative.use_dynamic_tree: EAGLE-2's dynamic tree is not executed by the CPU twin yet",
+            "speculative.use_dynamic_tree: Triton's tensorrt_llm model builds EagleConfig(eagle_choices) alone",
         ),
         (
             "  max_draft_len: 3\n  use_dynamic_tree: true\n  eagle_choices: [[0], [0, 0], [0, 0, 0]]\n",

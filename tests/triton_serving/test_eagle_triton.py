@@ -31,8 +31,12 @@ pytestmark = [pytest.mark.triton, pytest.mark.slow]
 K = 3
 
 
-@pytest.fixture(scope="module")
-def servers(stories_dir, stories_recipe, tmp_path_factory):
+# the chain of K, and a static tree of K nodes (siblings at depth 1), verified with h-tree's tree mask
+SHAPES = {"chain": ("{0}, {0, 0}, {0, 0, 0}", None), "tree": ("{0}, {1}, {0, 0}", "[[0], [1], [0, 0]]")}
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def servers(request, stories_dir, stories_recipe, tmp_path_factory):
     from trtpipe.checkpoint.convert import convert
     from trtpipe.engine.eagle_heads import with_eagle_head
     from trtpipe.engine.twin_engine_dir import write_twin_engine
@@ -47,6 +51,8 @@ def servers(stories_dir, stories_recipe, tmp_path_factory):
         f"speculative.speculative_model={head}",
         f"speculative.max_draft_len={K}",
     )
+    if SHAPES[request.param][1]:
+        spec += (f"speculative.eagle_choices={SHAPES[request.param][1]}",)
     plain_engine = write_twin_engine(ckpt, root / "engine", dict(BUILD_CONFIG))
     recipe = stories_recipe(*base, *spec)
     with with_eagle_head(recipe, ckpt, root) as built_from:
@@ -57,14 +63,19 @@ def servers(stories_dir, stories_recipe, tmp_path_factory):
         yield plain, s, eagle_engine
 
 
-def test_the_repository_writes_the_choices_and_the_head_is_in_the_engine(servers):
+def test_the_repository_writes_the_choices_and_the_head_is_in_the_engine(servers, request):
     import tritonclient.grpc as grpcclient
 
     _, spec, engine = servers
+    shape = request.node.callspec.params["servers"]
     with grpcclient.InferenceServerClient(spec.grpc_url) as raw:
         params = raw.get_model_config("tensorrt_llm", as_json=True)["config"]["parameters"]
-    assert params["eagle_choices"]["string_value"] == "{0}, {0, 0}, {0, 0, 0}"
+    choices = SHAPES[shape][0]
+    assert params["eagle_choices"]["string_value"] == choices
     extras = json.loads(params["executor_extras"]["string_value"])
     assert (extras["speculative_decoding_type"], extras["max_draft_len"]) == ("Eagle", K)
+    assert extras["eagle_choices"] == choices  # the twin's executor drafts this tree
     ckpt = json.loads((engine / "checkpoint" / "config.json").read_text())
-    assert (ckpt["architecture"], ckpt["num_eagle_layers"], ckpt["max_draft_len"]) == ("EagleForCausalLM", K, K)
+    depth, non_leaves = (K, 1) if shape == "chain" else (2, 1)
+    keys = ("architecture", "num_eagle_layers", "max_draft_len", "max_non_leaves_per_layer")
+    assert tuple(ckpt[k] for k in keys) == ("EagleForCausalLM", depth, K, non_leaves)

@@ -7,11 +7,15 @@ eagle --max_draft_len L`` builds (``tensorrt_llm/commands/build.py@65f1d153``). 
 ``LLaMAForCausalLM`` (``tensorrt_llm/models/eagle/model.py@89fd9b74``): the target is a Llama. The tree is
 ``eagle_choices`` (paths of top-k ranks, every prefix present: ``EagleDecodingConfig.check_eagle_choices`` in
 ``tensorrt_llm/llmapi/llm_args.py``), given to Triton's ``tensorrt_llm`` model as ``eagle_choices`` in the backend's
-brace format; EAGLE-2's dynamic tree is ``use_dynamic_tree`` with ``dynamic_tree_max_topK`` (same class, "Mutually
-exclusive with eagle_choices"; the llm_args revision the code index holds records no commit).
+brace format. EAGLE-2's dynamic tree is ``use_dynamic_tree`` with ``dynamic_tree_max_topK`` (same class, "Mutually
+exclusive with eagle_choices"; the llm_args revision the code index holds records no commit), which the executor's
+``EagleConfig`` takes and the engine reads as runtime inputs (``prepare_inputs`` of model.py@89fd9b74): not a build
+flag; but Triton's ``tensorrt_llm`` model builds ``trtllm.EagleConfig(eagle_choices)`` from the ``eagle_choices``
+parameter alone (``get_decoding_config``, tensorrtllm_backend ``all_models/inflight_batcher_llm/tensorrt_llm/1/
+model.py@01200cc4``), so the engine target cannot turn it on and the recipe refuses it.
 
 The CPU twin drafts the chain ``[[0], [0, 0], ...]`` and static trees with siblings (:mod:`trtpipe.serving.eagle1`,
-verified with a tree mask: :mod:`trtpipe.serving.tree_verify`); EAGLE-2's dynamic tree is refused in one line.
+verified with a tree mask: :mod:`trtpipe.serving.tree_verify`).
 """
 
 from __future__ import annotations
@@ -65,7 +69,8 @@ def eagle_findings(recipe: Recipe, m: Optional[ModelDims], head_dir) -> Iterable
             yield f"{KEY}.use_dynamic_tree", "use_dynamic_tree and eagle_choices are mutually exclusive (upstream)"
         yield (
             f"{KEY}.use_dynamic_tree",
-            "EAGLE-2's dynamic tree is not executed by the CPU twin yet (it drafts the static tree of eagle_choices)",
+            "Triton's tensorrt_llm model builds EagleConfig(eagle_choices) alone (tensorrtllm_backend model.py@01200cc4):"
+            " no parameter turns EAGLE-2's dynamic tree on, so trtpipe cannot write it; use eagle_choices",
         )
     elif s.dynamic_tree_max_top_k is not None:
         yield f"{KEY}.dynamic_tree_max_top_k", "dynamic_tree_max_top_k is read only with use_dynamic_tree: true"
