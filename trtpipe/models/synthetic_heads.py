@@ -206,3 +206,43 @@ def make_eagle1_head(target_dir: str | Path, out_dir: str | Path, num_layers: in
     }
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out
+
+
+def fit_eagle1_head(
+    target_dir: str | Path,
+    out_dir: str | Path,
+    samples: int = 256,
+    tokens: int = 64,
+    ridge: float = 1e-3,
+    seed: int = 0,
+) -> Path:
+    """An EAGLE-1/2 head that drafts: :func:`make_eagle1_head`'s layout with the layers' outputs zeroed (``o_proj``,
+    ``down_proj``: each layer is then the identity) and ``fc`` ridge-fitted to map [emb(t[j + 1]); f[j]] onto the
+    target's next feature f[j + 1] (its final-normed output, which its lm_head reads), over ``samples`` sequences of
+    ``tokens`` the target sampled itself from BOS. Linear, so it drafts only roughly; enough to be accepted."""
+    from trtpipe.models.synthetic import load_hf
+
+    out = make_eagle1_head(target_dir, out_dir, seed=seed)
+    t = torch.load(out / "pytorch_model.bin", weights_only=True)
+    torch.manual_seed(seed)
+    hf = load_hf(target_dir)
+    with torch.no_grad():
+        seqs = hf.generate(
+            torch.ones(samples, 1, dtype=torch.long),
+            do_sample=True,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            pad_token_id=0,
+        )
+        f = hf.model(seqs).last_hidden_state.double()
+    e = t["embed_tokens.weight"].double()[seqs[:, 1:-1]]  # emb(t[j + 1]) beside f[j], j = 0 .. n - 3
+    x = torch.cat([e, f[:, :-2]], -1).reshape(-1, 2 * f.shape[-1])
+    y = f[:, 1:-1].reshape(-1, f.shape[-1])
+    x1 = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], -1)
+    w = torch.linalg.solve(x1.T @ x1 + ridge * len(x1) * torch.eye(x1.shape[1], dtype=x.dtype), x1.T @ y)
+    t["fc.weight"], t["fc.bias"] = w[:-1].T.float().contiguous(), w[-1].float().contiguous()
+    for k in t:
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            t[k] = torch.zeros_like(t[k])
+    torch.save(t, out / "pytorch_model.bin")
+    return out
