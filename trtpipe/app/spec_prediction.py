@@ -73,8 +73,13 @@ def speculative_block(
         raise TrtpipeError(
             "--acceptance-length: the recipe has no speculative decoding (set speculative.decoding_type)"
         )
+    forwards = None
+    if s.decoding_type == "eagle":  # one EagleNet per level of the tree (num_eagle_layers), not one per node
+        from trtpipe.recipe.eagle import choices, tree_shape
+
+        forwards = tree_shape(choices(recipe))[0]
     step = speculative_step(
-        target, c, batch, isl + osl // 2, s.max_draft_len, acceptance_length, drafter(recipe, target)
+        target, c, batch, isl + osl // 2, s.max_draft_len, acceptance_length, drafter(recipe, target), forwards
     )
     ttft, itl = summary["ttft_ms"]["p50"], summary["itl_ms"]["p50"]
     e2e_plain, e2e_spec = ttft + (osl - 1) * itl, ttft + (osl - 1) * itl / step.speedup
@@ -88,6 +93,7 @@ def speculative_block(
         "plain_step_ms": ms(step.plain_s),
         "verify_step_ms": ms(step.verify_s),
         "draft_ms": ms(step.draft_s),
+        "draft_forwards": s.max_draft_len if forwards is None else forwards,
         "decode_speedup": round(step.speedup, 3),
         "itl_ms_p50": round(itl / step.speedup, 2),
         "output_tok_s": round(summary["output_tok_s"] * e2e_plain / e2e_spec, 1),

@@ -81,8 +81,11 @@ def speculative_step(
     max_draft_len: int,
     acceptance_length: float,
     draft: Optional[Deployment] = None,
+    draft_forwards: Optional[int] = None,
 ) -> SpeculativeStep:
-    """The plain, verification and draft times of one step (``draft`` None: drafts cost nothing, as n-gram's)."""
+    """The plain, verification and draft times of one step (``draft`` None: drafts cost nothing, as n-gram's).
+    ``draft_forwards``: the drafter's sequential forwards per step (default k, one per draft; an EAGLE tree runs one
+    EagleNet per level, its depth: the extra tokens of a level's forward are not costed)."""
     _check(acceptance_length, max_draft_len)
     k = max_draft_len
     plain = group_terms(d, [], [(kv_len, batch)], batch)
@@ -90,7 +93,7 @@ def speculative_step(
     draft_s = 0.0
     if draft is not None:
         one = group_terms(draft, [], [(kv_len, batch)], batch)
-        draft_s = k * float(step_time(one, c))
+        draft_s = (k if draft_forwards is None else draft_forwards) * float(step_time(one, c))
     return SpeculativeStep(
         batch, kv_len, k, acceptance_length, float(step_time(plain, c)), float(step_time(verify, c)), draft_s
     )
