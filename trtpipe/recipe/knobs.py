@@ -43,7 +43,7 @@ def knobs(max_batch_size: int, kv: KVCacheSection, triton: TritonSection, servin
 def speculative_knobs(recipe: Recipe) -> dict[str, Any]:
     """What the twin executes of ``speculative:`` (NGram, DraftTarget and the engine's draft_tokens_external, MTP
     with the target's MTP layer, Eagle3 with its head, the engine's medusa with its heads (chain-shaped choices,
-    which validation enforces), the engine's eagle with its EAGLE-1/2 head (chain-shaped eagle_choices); a draft or
+    which validation enforces), the engine's eagle with its EAGLE-1/2 head (eagle_choices: a chain or a static tree); a draft or
     head as a local directory). The engine path's lookahead_decoding is refused at validate: the twin has no
     lookahead decoding."""
     from trtpipe.recipe.eagle import triton_choices as eagle_choices

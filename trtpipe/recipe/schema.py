@@ -402,7 +402,7 @@ class SpeculativeSection(_Section):
     eagle_choices: Optional[list[list[int]]] = Field(
         None,
         description="eagle: the draft tree (Triton eagle_choices, EagleDecodingConfig.eagle_choices; None: the chain "
-        "[[0], [0, 0], ...] of max_draft_len). The CPU twin executes chains only.",
+        "[[0], [0, 0], ...] of max_draft_len); a tree with siblings is verified with a tree mask.",
     )
     use_dynamic_tree: bool = Field(
         False, description="eagle: EAGLE-2's dynamic tree (EagleDecodingConfig.use_dynamic_tree); not executed yet."

@@ -40,7 +40,7 @@ TWIN_EXECUTES = {
     "MTP": "MTP",  # the target checkpoint's MTP layer (trtpipe/serving/hidden_draft.py)
     "Eagle3": "Eagle3",  # an EAGLE-3 head over the target's hidden states (same module)
     "medusa": "Medusa",  # Medusa heads, chain-shaped medusa_choices (trtpipe/serving/medusa.py)
-    "eagle": "Eagle",  # an EAGLE-1/2 head, chain-shaped eagle_choices (trtpipe/serving/eagle1.py)
+    "eagle": "Eagle",  # an EAGLE-1/2 head, eagle_choices a chain or a static tree (trtpipe/serving/eagle1.py)
 }
 EAGLE3_MIN_LAYERS = 6  # _get_eagle3_default_capture_layers needs more than 5 (eagle3.py@f933a608)
 MTP_MIN_SM = 90

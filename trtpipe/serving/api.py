@@ -75,7 +75,7 @@ class ExecutorConfig:
     max_loras: int = 0  # LoRA adapters one step may hold (the device cache, trtpipe.serving.adapters); 0: no limit
     # speculative decoding (trtpipe.serving.speculative): "" off, "NGram", "DraftTarget", "MTP", "Eagle3", "Medusa" or
     # "Eagle" (speculative_config names; MTP, Eagle3, Medusa and Eagle draft from the target's hidden states:
-    # hidden_draft, medusa, eagle1 (EAGLE-1/2: the chain of eagle_choices);
+    # hidden_draft, medusa, eagle1 (EAGLE-1/2: the chain or static tree of eagle_choices);
     # Medusa runs the chain of max_draft_len heads, medusa_choices [[0], [0, 0], ...])
     speculative_decoding_type: str = ""
     max_draft_len: int = 0

@@ -13,7 +13,9 @@ of the base lm_head; ``tensorrt_llm/models/eagle/model.py@89fd9b74``).
 The twin drafts the chain of ``eagle_choices`` ``[[0], [0, 0], ...]`` (each draft the head's top-1 after the
 previous one) with :class:`~trtpipe.serving.hidden_draft.HiddenDrafter`, the drafter EAGLE-3 and MTP use: the head
 keeps its own paged KV, catches up on the target's features of the positions it has not read, then steps on its
-own output; the drafts are verified by the one acceptance rule (:func:`trtpipe.serving.speculative.verify`).
+own output; the drafts are verified by the one acceptance rule (:func:`trtpipe.serving.speculative.verify`). A
+static tree (``eagle_choices`` with siblings) drafts level by level (:class:`Eagle1TreeDrafter`) and is verified
+as a token set with the tree mask (:mod:`trtpipe.serving.tree_verify`).
 
 A head is read from its published directory (``config.json`` and ``pytorch_model.bin`` or ``model.safetensors``:
 ``fc.*``, ``embed_tokens.weight``, ``layers.{l}.*``; a ``model.`` prefix is also read) or from the
