@@ -333,3 +333,27 @@ def test_sampled_output_distribution_unchanged_with_an_eagle_tree(eagle1, fitted
     )
     assert sp.total_draft_tokens >= 4 * n  # the first verification drafts the whole tree
     assert sp.total_accepted_draft_tokens > 0 and pv > ALPHA, f"chi-square p = {pv:.3g}"
+
+
+@pytest.mark.slow
+def test_eagle_from_a_tp2_engine_checkpoint_keeps_greedy_output(fitted, stories_dir, tmp_path):
+    """The Triton twin's path: the target and the head both from the EagleForCausalLM checkpoint the engine is built
+    from, at tp 2 in one process (the head reads the target's lm_head shards side by side); greedy output equals
+    the output without EAGLE and drafts are accepted."""
+    from trtpipe.checkpoint.convert import convert
+    from trtpipe.checkpoint.eagle import write_eagle_checkpoint
+    from trtpipe.runtime import load_checkpoint
+
+    head, _ = fitted
+    base = convert(stories_dir, tmp_path / "ck", tp=2, pp=1, dtype="float32")
+    ckpt = write_eagle_checkpoint(base, head, tmp_path / "eagle", 3, 3, 1)
+    model = load_checkpoint(ckpt)
+    assert len(model.lm_head) == 2
+    prompts = _prompts(4, seed=10)
+    plain, _ = _serve(model, _config(), prompts, n=24)
+    # a speculative_model that does not exist: draft_engine reads the head built into the checkpoint instead
+    cfg = _config(speculative_decoding_type="Eagle", max_draft_len=3, speculative_model=str(tmp_path / "absent"))
+    drafter = draft_engine(cfg, model, ckpt)
+    spec, core = _serve(model, cfg, prompts, drafter, n=24)
+    assert [r.tokens for r in spec] == [r.tokens for r in plain]
+    assert core.speculator.total_accepted_draft_tokens > 0
