@@ -70,7 +70,9 @@ def check_choices(text: str, config, key: str = "medusa_choices") -> None:
     if key == "eagle_choices" and config.eagle_choices:  # an EAGLE tree the executor drafts (trtpipe.serving.eagle1)
         want = parse_choices(config.eagle_choices, key)
     if config.speculative_decoding_type != kind or sorted(got) != sorted(want):
-        raise ValueError(f"tensorrt_llm twin: {key} {text!r}: the twin executes {want} of its {what} (speculative.{key})")
+        raise ValueError(
+            f"tensorrt_llm twin: {key} {text!r}: the twin executes {want} of its {what} (speculative.{key})"
+        )
 
 
 class MedusaHeads(nn.Module):
