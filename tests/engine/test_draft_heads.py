@@ -68,3 +68,60 @@ def test_the_recipe_validates_and_plan_shows_the_draft_memory():
         "speculative Eagle3: draft weights 1.31 GiB per GPU (EAGLE-3 head computed from its config.json, included "
         "above), draft KV 1024 bytes/token per GPU (included above), sequences +3 positions"
     ) in res.output
+
+
+def test_an_eagle1_engine_head_is_counted_once_per_eaglenet():
+    """yuhuili/EAGLE-Vicuna-7B-v1.3's shapes (as recalled, Llama-7B: hidden 4096, 32 heads of 128, intermediate
+    11008, one layer, vocab 32000, float16) with upstream's default num_eagle_layers 4. By hand, per EagleNet:
+    fc 2 x 4096 x 4096 + 4096 = 33,558,528; the layer's q/k/v/o 4 x 4096 x 4096 = 67,108,864, MLP 3 x 4096 x 11008 =
+    135,266,304, post_layernorm 4096; embedding and lm_head 32000 x 4096 = 131,072,000 each: 498,081,792 parameters;
+    x 4 EagleNets x 2 bytes = 3,984,654,336 bytes."""
+    from trtpipe.engine.draft_heads import eagle1_engine_bytes, eagle1_engine_params
+
+    cfg = {
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 1,
+        "vocab_size": 32000,
+        "torch_dtype": "float16",
+    }
+    parts = eagle1_engine_params(cfg, 1)
+    assert parts == {
+        "fc": 33_558_528,
+        "layers": 67_108_864 + 135_266_304 + 4096,
+        "vocab_embedding": 131_072_000,
+        "lm_head": 131_072_000,
+    }
+    assert sum(parts.values()) == 498_081_792
+    assert eagle1_engine_bytes(cfg, 4) == 3_984_654_336
+    two = eagle1_engine_params({**cfg, "num_hidden_layers": 2}, 1)  # a later layer has its input_layernorm
+    assert two["layers"] == 2 * parts["layers"] + 4096
+
+
+def test_plan_counts_an_eagle1_head_and_its_kv(tmp_path, stories_dir):
+    import json
+
+    from trtpipe.app.planning import resolve
+    from trtpipe.engine.draft_heads import eagle1_engine_bytes
+    from trtpipe.models.synthetic_heads import make_eagle1_head
+
+    head = make_eagle1_head(stories_dir, tmp_path / "head", seed=1)
+    cfg = json.loads((head / "config.json").read_text())
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        f"name: eagle\ntarget: engine\nmodel:\n  source: {stories_dir}\nengine:\n  gpu: h100-sxm-80gb\n"
+        "  max_batch_size: 64\n  max_input_len: 128\n  max_seq_len: 256\n  max_num_tokens: 4096\n"
+        f"speculative:\n  decoding_type: eagle\n  speculative_model: {head}\n  max_draft_len: 3\n"
+    )
+    d = resolve(recipe).plan.draft
+    # 3 EagleNets (the chain's depth) of the float32 head; KV: 2 x 1 layer x the target's KV heads x head size x 2
+    assert d.weight_bytes == eagle1_engine_bytes(cfg, 3) and d.counted_from.startswith("EAGLE head x 3 EagleNets")
+    kv_heads, head_dim = cfg["num_key_value_heads"], cfg["head_dim"]
+    plain = resolve(recipe, ["speculative.decoding_type=none", "speculative.speculative_model=null"]).plan
+    target = json.loads((stories_dir / "config.json").read_text())
+    element = plain.ranks[0].kv_bytes_per_token / (2 * target["num_hidden_layers"] * kv_heads * head_dim)
+    assert element == 2  # model.dtype auto: a float32 source becomes float16
+    assert d.kv_bytes_per_token == 2 * 1 * kv_heads * head_dim * element
+    assert d.extra_positions == 3

@@ -254,3 +254,31 @@ def test_engine_stage_builds_medusa_from_the_checkpoint_with_the_heads(tmp_path,
     assert argv[i : i + 4] == ["--speculative_decoding_mode", "medusa", "--max_draft_len", "2"]
     assert {p.name for p in ENGINE_STAGE.files(recipe)} == {"config.json", "medusa_lm_head.safetensors"}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".medusa")]
+
+
+def test_engine_stage_builds_eagle_from_the_checkpoint_with_the_head(tmp_path, stories_tp2):
+    """speculative.decoding_type eagle: the twin engine's checkpoint is upstream's EagleForCausalLM checkpoint (the
+    head split over tp, one EagleNet per draft of the chain), the command is trtllm-build's eagle mode, the head's
+    files are in the stage's key, and nothing is left beside the engine."""
+    import torch
+    from safetensors.torch import load_file
+
+    from trtpipe.models.synthetic_heads import make_eagle1_head
+
+    head = make_eagle1_head(STORIES, tmp_path / "head", seed=1)
+    extra = f"speculative:\n  decoding_type: eagle\n  speculative_model: {head}\n  max_draft_len: 2\n"
+    recipe = load_recipe(recipe_file(tmp_path, extra, tp=2).rename(tmp_path / "eagle.yaml"))
+    ctx = _ctx(tmp_path, recipe, {"checkpoint": stories_tp2})
+    run_engine(ctx)
+    cfg = json.loads((ctx.out_dir / "checkpoint" / "config.json").read_text())
+    keys = ("architecture", "num_eagle_layers", "max_draft_len", "max_non_leaves_per_layer")
+    assert tuple(cfg[k] for k in keys) == ("EagleForCausalLM", 2, 2, 1)
+    r1 = load_file(str(ctx.out_dir / "checkpoint" / "rank1.safetensors"))
+    src = torch.load(head / "pytorch_model.bin", weights_only=True)
+    assert r1["eagle_nets.1.drafter.fc.weight"].shape == (32, 128)  # [H / tp, 2H] of the 64-wide model
+    assert torch.equal(r1["eagle_nets.1.drafter.fc.bias"].float(), src["fc.bias"][32:].half().float())
+    argv = ctx.info["command"]
+    i = argv.index("--speculative_decoding_mode")
+    assert argv[i : i + 4] == ["--speculative_decoding_mode", "eagle", "--max_draft_len", "2"]
+    assert {p.name for p in ENGINE_STAGE.files(recipe)} == {"config.json", "pytorch_model.bin"}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".eagle")]

@@ -128,3 +128,25 @@ def test_the_recipe_names_how_many_medusa_heads_the_verification_runs():
     assert medusa_heads(r) == (3, 1)  # no readable heads config: the depth of the choices
     assert medusa_heads(recipe("speculative.max_draft_len=3", "speculative.num_medusa_heads=4")) == (4, 1)
     assert medusa_heads(load_recipe(LLAMA70B, ["speculative.decoding_type=NGram"], check_rules=False)) == (0, 1)
+
+
+def test_an_eagle_tree_drafts_one_forward_per_level():
+    """engine-path EAGLE: one EagleNet per level of eagle_choices (num_eagle_layers), so a 4-node tree of depth 2
+    costs 2 head steps, where a chain of 4 costs 4 (the predictor's block for the recipe, from the library: the CLI
+    validates the head directory first)."""
+    from trtpipe.app import predictor as P
+    from trtpipe.app.spec_prediction import drafter, speculative_block
+    from trtpipe.app.validation import load_recipe
+    from trtpipe.perf.fit import load_constants
+
+    sets = ["speculative.decoding_type=eagle", "speculative.max_draft_len=4"]
+    tree = [*sets, "speculative.eagle_choices=[[0], [1], [0, 0], [1, 0]]"]
+    setup = P.recipe_setup(LLAMA70B)
+    c = load_constants()["pytorch"]
+    summary = {"ttft_ms": {"p50": 50.0}, "itl_ms": {"p50": 10.0}, "output_tok_s": 100.0}
+    got = speculative_block(LLAMA70B, tree, setup.deployment, c, summary, 1, 256, 32, 2.0)
+    head = drafter(load_recipe(LLAMA70B, tree, check_rules=False), setup.deployment)
+    s = speculative_step(setup.deployment, c, 1, 256 + 16, 4, 2.0, head, draft_forwards=2)
+    assert (got["draft_forwards"], got["draft_ms"]) == (2, round(s.draft_s * 1e3, 3))
+    chain = speculative_block(LLAMA70B, sets, setup.deployment, c, summary, 1, 256, 32, 2.0)
+    assert chain["draft_forwards"] == 4 and chain["draft_ms"] == pytest.approx(2 * got["draft_ms"], rel=1e-3)

@@ -126,7 +126,7 @@ def test_acceptance_outputs_come_from_drafting(servers):
     assert drafts >= 3 * ((n - 1) // (K + 1)) and 0 <= accepted <= drafts
     assert abs(float(got["acceptance_rate"][0]) - accepted / drafts) < 1e-6
     assert int(base["total_draft_tokens"][0]) == 0
-    print(f"random Medusa heads through tritonserver: {accepted} of {drafts} drafts accepted")
+    print(f"random heads through tritonserver: {accepted} of {drafts} drafts accepted")
 
 
 def test_a_tree_of_choices_through_tritonserver_keeps_greedy_text(servers):

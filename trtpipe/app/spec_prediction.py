@@ -135,8 +135,22 @@ def speculative_block(
             "--acceptance-length: the recipe has no speculative decoding (set speculative.decoding_type)"
         )
     heads, layers = medusa_heads(recipe)
+    forwards = None
+    if s.decoding_type == "eagle":  # one EagleNet per level of the tree (num_eagle_layers), not one per node
+        from trtpipe.recipe.eagle import choices, tree_shape
+
+        forwards = tree_shape(choices(recipe))[0]
     step = speculative_step(
-        target, c, batch, isl + osl // 2, draft_len(recipe), acceptance_length, drafter(recipe, target), heads, layers
+        target,
+        c,
+        batch,
+        isl + osl // 2,
+        draft_len(recipe),
+        acceptance_length,
+        drafter(recipe, target),
+        heads,
+        layers,
+        forwards,
     )
     ttft, itl = summary["ttft_ms"]["p50"], summary["itl_ms"]["p50"]
     e2e_plain, e2e_spec = ttft + (osl - 1) * itl, ttft + (osl - 1) * itl / step.speedup
@@ -150,6 +164,7 @@ def speculative_block(
         "plain_step_ms": ms(step.plain_s),
         "verify_step_ms": ms(step.verify_s),
         "draft_ms": ms(step.draft_s),
+        "draft_forwards": s.max_draft_len if forwards is None else forwards,
         "decode_speedup": round(step.speedup, 3),
         "itl_ms_p50": round(itl / step.speedup, 2),
         "output_tok_s": round(summary["output_tok_s"] * e2e_plain / e2e_spec, 1),

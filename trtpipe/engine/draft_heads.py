@@ -1,4 +1,5 @@
-"""The bytes of a published EAGLE-3 draft head, from its config.json alone (a head not on this disk).
+"""The bytes of a published EAGLE-3 draft head, from its config.json alone (a head not on this disk); and of an
+EAGLE-1/2 head as the engine path holds it (:func:`eagle1_engine_params`).
 
 A ``LlamaForCausalLMEagle3`` head as TensorRT-LLM's PyTorch backend builds it (``Eagle3LlamaDraftModel`` and
 ``Eagle3LlamaForCausalLM``, ``tensorrt_llm/_torch/models/modeling_speculative.py``; the revisions the code index
@@ -50,3 +51,30 @@ def eagle3_head_bytes(cfg: dict) -> int:
     vocab = int(cfg["vocab_size"])
     draft_vocab = int(cfg.get("draft_vocab_size") or vocab)
     return per * sum(eagle3_head_params(cfg).values()) + (D2T_BYTES * draft_vocab if draft_vocab != vocab else 0)
+
+
+def eagle1_engine_params(cfg: dict, num_eagle_layers: int) -> dict[str, int]:
+    """Parameter count of an EAGLE-1/2 head as an ``EagleForCausalLM`` engine holds it (unsharded): one EagleNet per
+    eagle layer, each a full copy (``load_eagle_hf`` writes ``eagle_nets.{i}`` for every ``i < num_eagle_layers``,
+    "FIXME tensors are duplicated on disk", ``tensorrt_llm/models/eagle/weight.py@535c9cc6``) of
+    - ``drafter.fc``: [hidden, 2 x hidden] and its bias,
+    - ``drafter.layers``: Llama decoder layers (q/k/v/o, a gated MLP of ``intermediate_size``, ``post_layernorm``;
+      ``input_layernorm`` on every layer but the first),
+    - ``drafter.vocab_embedding`` and ``lm_head`` (the base model's, copied), ``vocab_size`` x hidden each."""
+    h, vocab, n = int(cfg["hidden_size"]), int(cfg["vocab_size"]), int(cfg.get("num_hidden_layers") or 1)
+    heads, kv = int(cfg["num_attention_heads"]), int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    d = int(cfg.get("head_dim") or h // heads)
+    per_layer = h * (heads + 2 * kv) * d + heads * d * h + 3 * h * int(cfg["intermediate_size"]) + h
+    net = {
+        "fc": 2 * h * h + h,
+        "layers": n * per_layer + (n - 1) * h,
+        "vocab_embedding": vocab * h,
+        "lm_head": vocab * h,
+    }
+    return {k: v * num_eagle_layers for k, v in net.items()}
+
+
+def eagle1_engine_bytes(cfg: dict, num_eagle_layers: int) -> int:
+    """Bytes of :func:`eagle1_engine_params` in the head config's ``torch_dtype`` (2 bytes unless float32)."""
+    per = DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16"), 2)
+    return per * sum(eagle1_engine_params(cfg, num_eagle_layers).values())

@@ -3,7 +3,8 @@
 Counted per GPU for the recipe's ``speculative:`` section (``trtpipe/recipe/speculative.py``):
 - **weights**: a draft model or EAGLE/Medusa head given as ``speculative_model``: its safetensors bytes as stored
   (a config-only directory has none: then 0, and the plan says the draft weights were not counted; an EAGLE-3
-  head's are computed from its config.json, :mod:`trtpipe.engine.draft_heads`), split over the
+  head's are computed from its config.json, and an EAGLE-1/2 head's as the engine's EagleNets hold it, one copy per
+  eagle layer: :mod:`trtpipe.engine.draft_heads`), split over the
   target's tensor-parallel ranks and held on every pipeline rank (upper bound); n-gram / lookahead drafts have no
   weights; MTP layers ship inside the target checkpoint, whose weights the plan already counts;
 - **KV per token**: 2 x the draft config's layers x ceil(kv heads / tp) x head size x the target's KV bytes, added to
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from trtpipe.engine.draft_heads import eagle3_head_bytes, is_eagle3_head
+from trtpipe.engine.draft_heads import eagle1_engine_bytes, eagle3_head_bytes, is_eagle3_head
 from trtpipe.errors import TrtpipeError
 from trtpipe.jsonfile import load_json
 from trtpipe.recipe.lookahead import draft_len
@@ -81,7 +82,15 @@ def draft_memory(recipe: Recipe, tp: int, kv_bytes: float, layer_kv: float = 0.0
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     per_tok = 2 * int(cfg.get("num_hidden_layers") or 0) * math.ceil(kv_heads / tp) * head * kv_bytes
     how = "files" if files else "not counted (no *.safetensors in the draft directory)"
-    if not files and is_eagle3_head(cfg):  # a published head's config.json alone (trtpipe/engine/draft_heads.py)
+    if s.decoding_type == "eagle" and recipe.target == "engine":  # the EagleNets the engine holds (draft_heads.py)
+        from trtpipe.recipe.eagle import choices, tree_shape
+
+        try:
+            layers = tree_shape(choices(recipe))[0]
+            weights, how = eagle1_engine_bytes(cfg, layers), f"EAGLE head x {layers} EagleNets from its config.json"
+        except (KeyError, ValueError) as key:  # validation names the head's problems
+            weights, how = 0, f"not counted (the head's config.json lacks {key})"
+    elif not files and is_eagle3_head(cfg):  # a published head's config.json alone (trtpipe/engine/draft_heads.py)
         try:
             weights, how = eagle3_head_bytes(cfg), "EAGLE-3 head computed from its config.json"
         except KeyError as key:  # validation names the head's problems; the plan says what it could not count

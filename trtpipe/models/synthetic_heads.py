@@ -189,3 +189,108 @@ def fit_medusa_heads(
         accuracy.append(float(((xh @ w).argmax(-1) == yh).double().mean()))
     save_file(t, str(heads / "medusa_lm_head.safetensors"))
     return heads, accuracy
+
+
+def make_eagle1_head(target_dir: str | Path, out_dir: str | Path, num_layers: int = 1, seed: int = 0) -> Path:
+    """A random EAGLE-1/2 head for the Llama checkpoint ``target_dir`` in the EAGLE repository's layout
+    (``eagle/model/cnets1.py@c9292914``: ``Model`` with ``fc = Linear(2H, H, bias=True)``, ``embed_tokens`` and
+    ``layers.{l}`` Llama decoder layers whose layer 0 has no ``input_layernorm``; ``ea_model.py@2320d52e`` loads the
+    state dict from ``pytorch_model.bin`` with ``strict=True``, so the embedding, a copy of the target's, is stored).
+    The config.json is the head's LlamaConfig (the target's shapes, ``num_hidden_layers`` of the head)."""
+    tcfg = load_json(Path(target_dir) / "config.json")
+    H, V = int(tcfg["hidden_size"]), int(tcfg["vocab_size"])
+    nh, nkv = int(tcfg["num_attention_heads"]), int(tcfg.get("num_key_value_heads") or tcfg["num_attention_heads"])
+    d = int(tcfg.get("head_dim") or H // nh)
+    inter = int(tcfg["intermediate_size"])
+    g = torch.Generator().manual_seed(seed)
+
+    def w(o: int, i: int) -> torch.Tensor:
+        return torch.randn(o, i, generator=g) / i**0.5
+
+    emb = next(
+        (
+            v
+            for k, v in load_file(str(Path(target_dir) / "model.safetensors")).items()
+            if k.endswith("embed_tokens.weight")
+        ),
+        None,
+    )
+    t = {"fc.weight": w(H, 2 * H), "fc.bias": 0.1 * torch.randn(H, generator=g), "embed_tokens.weight": emb.float()}
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        t.update(
+            {
+                p + "self_attn.q_proj.weight": w(nh * d, H),
+                p + "self_attn.k_proj.weight": w(nkv * d, H),
+                p + "self_attn.v_proj.weight": w(nkv * d, H),
+                p + "self_attn.o_proj.weight": w(H, nh * d),
+                p + "mlp.gate_proj.weight": w(inter, H),
+                p + "mlp.up_proj.weight": w(inter, H),
+                p + "mlp.down_proj.weight": w(H, inter),
+                p + "post_attention_layernorm.weight": 1 + 0.1 * torch.randn(H, generator=g),
+            }
+        )
+        if i > 0:
+            t[p + "input_layernorm.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.contiguous() for k, v in t.items()}, out / "pytorch_model.bin")
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "bias": True,
+        "hidden_act": "silu",
+        "hidden_size": H,
+        "intermediate_size": inter,
+        "num_attention_heads": nh,
+        "num_key_value_heads": nkv,
+        "head_dim": d,
+        "num_hidden_layers": num_layers,
+        "max_position_embeddings": int(tcfg.get("max_position_embeddings") or 2048),
+        "rms_norm_eps": float(tcfg.get("rms_norm_eps") or 1e-5),
+        **{k: tcfg[k] for k in ("rope_parameters", "rope_theta", "rope_scaling") if k in tcfg},
+        "vocab_size": V,
+        "torch_dtype": "float32",
+    }
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+def fit_eagle1_head(
+    target_dir: str | Path,
+    out_dir: str | Path,
+    samples: int = 256,
+    tokens: int = 64,
+    ridge: float = 1e-3,
+    seed: int = 0,
+) -> Path:
+    """An EAGLE-1/2 head that drafts: :func:`make_eagle1_head`'s layout with the layers' outputs zeroed (``o_proj``,
+    ``down_proj``: each layer is then the identity) and ``fc`` ridge-fitted to map [emb(t[j + 1]); f[j]] onto the
+    target's next feature f[j + 1] (its final-normed output, which its lm_head reads), over ``samples`` sequences of
+    ``tokens`` the target sampled itself from BOS. Linear, so it drafts only roughly; enough to be accepted."""
+    from trtpipe.models.synthetic import load_hf
+
+    out = make_eagle1_head(target_dir, out_dir, seed=seed)
+    t = torch.load(out / "pytorch_model.bin", weights_only=True)
+    torch.manual_seed(seed)
+    hf = load_hf(target_dir)
+    with torch.no_grad():
+        seqs = hf.generate(
+            torch.ones(samples, 1, dtype=torch.long),
+            do_sample=True,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            pad_token_id=0,
+        )
+        f = hf.model(seqs).last_hidden_state.double()
+    e = t["embed_tokens.weight"].double()[seqs[:, 1:-1]]  # emb(t[j + 1]) beside f[j], j = 0 .. n - 3
+    x = torch.cat([e, f[:, :-2]], -1).reshape(-1, 2 * f.shape[-1])
+    y = f[:, 1:-1].reshape(-1, f.shape[-1])
+    x1 = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], -1)
+    w = torch.linalg.solve(x1.T @ x1 + ridge * len(x1) * torch.eye(x1.shape[1], dtype=x.dtype), x1.T @ y)
+    t["fc.weight"], t["fc.bias"] = w[:-1].T.float().contiguous(), w[-1].float().contiguous()
+    for k in t:
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            t[k] = torch.zeros_like(t[k])
+    torch.save(t, out / "pytorch_model.bin")
+    return out

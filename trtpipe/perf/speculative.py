@@ -107,9 +107,12 @@ def speculative_step(
     draft: Optional[Deployment] = None,
     medusa_heads: int = 0,
     medusa_layers: int = 1,
+    draft_forwards: Optional[int] = None,
 ) -> SpeculativeStep:
     """The plain, verification and draft times of one step (``draft`` None: drafts cost nothing, as n-gram's;
-    ``medusa_heads`` > 0: that many Medusa heads of ``medusa_layers`` blocks run inside the verification)."""
+    ``medusa_heads`` > 0: that many Medusa heads of ``medusa_layers`` blocks run inside the verification).
+    ``draft_forwards``: the drafter's sequential forwards per step (default k, one per draft; an EAGLE tree runs one
+    EagleNet per level, its depth: the extra tokens of a level's forward are not costed)."""
     _check(acceptance_length, max_draft_len)
     k = max_draft_len
     plain = group_terms(d, [], [(kv_len, batch)], batch)
@@ -119,7 +122,7 @@ def speculative_step(
     draft_s = 0.0
     if draft is not None:
         one = group_terms(draft, [], [(kv_len, batch)], batch)
-        draft_s = k * float(step_time(one, c))
+        draft_s = (k if draft_forwards is None else draft_forwards) * float(step_time(one, c))
     return SpeculativeStep(
         batch, kv_len, k, acceptance_length, float(step_time(plain, c)), float(step_time(verify, c)), draft_s
     )

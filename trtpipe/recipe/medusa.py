@@ -65,11 +65,16 @@ def choices(recipe: Recipe) -> list[list[int]]:
     return [list(c) for c in s.medusa_choices] if s.medusa_choices else chain(s.max_draft_len)
 
 
+def braces(tree: list[list[int]]) -> str:
+    """A choices tree in the Triton backend's format: ``{0}, {0, 0}`` (medusa_choices and eagle_choices alike)."""
+    return ", ".join("{" + ", ".join(str(i) for i in c) + "}" for c in tree)
+
+
 def triton_choices(recipe: Recipe) -> str:
     """Triton's ``medusa_choices`` parameter: ``{0}, {0, 0}`` ("" unless medusa)."""
     if recipe.speculative.decoding_type != "medusa":
         return ""
-    return ", ".join("{" + ", ".join(str(i) for i in c) + "}" for c in choices(recipe))
+    return braces(choices(recipe))
 
 
 def head_config(path: Path) -> dict:

@@ -430,6 +430,17 @@ class SpeculativeSection(_Section):
         "max_draft_len; max_draft_len must be the number of choices). The CPU twin executes the tree, verified with a "
         "tree attention mask.",
     )
+    eagle_choices: Optional[list[list[int]]] = Field(
+        None,
+        description="eagle: the draft tree (Triton eagle_choices, EagleDecodingConfig.eagle_choices; None: the chain "
+        "[[0], [0, 0], ...] of max_draft_len); a tree with siblings is verified with a tree mask.",
+    )
+    use_dynamic_tree: bool = Field(
+        False, description="eagle: EAGLE-2's dynamic tree (EagleDecodingConfig.use_dynamic_tree); not executed yet."
+    )
+    dynamic_tree_max_top_k: Optional[int] = Field(
+        None, ge=1, description="eagle: nodes expanded per layer of the dynamic tree (dynamic_tree_max_topK)."
+    )
 
     @property
     def enabled(self) -> bool:

@@ -42,6 +42,7 @@ TWIN_EXECUTES = {
     "Eagle3": "Eagle3",  # an EAGLE-3 head over the target's hidden states (same module)
     "medusa": "Medusa",  # Medusa heads, medusa_choices a chain or a tree (trtpipe/serving/medusa.py)
     "lookahead_decoding": "Lookahead",  # the window, pool and verification set (trtpipe/serving/lookahead.py)
+    "eagle": "Eagle",  # an EAGLE-1/2 head, eagle_choices a chain or a static tree (trtpipe/serving/eagle1.py)
 }
 EAGLE3_MIN_LAYERS = 6  # _get_eagle3_default_capture_layers needs more than 5 (eagle3.py@f933a608)
 MTP_MIN_SM = 90
@@ -106,8 +107,7 @@ def _spelling(recipe: Recipe) -> Iterable[Finding]:
             ),
         )
     if s.decoding_type not in ("none", LLMAPI_LOOKAHEAD) and s.decoding_type not in TWIN_EXECUTES:
-        # trtpipe writes only what its CPU twin executes (so every generated setting is tested): not EAGLE-1/2 heads
-        # on the engine target
+        # trtpipe writes only what its CPU twin executes (so every generated setting is tested)
         yield (
             f"{KEY}.decoding_type",
             f"{s.decoding_type} is not executed by trtpipe's CPU twin yet, so trtpipe does not write it "
@@ -245,6 +245,20 @@ def _speculative(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
     yield from _eagle3_head(recipe, m)
     yield from _medusa(recipe, m)
     yield from lookahead_findings(recipe)
+    yield from _eagle(recipe, m)
+
+
+def _eagle(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
+    from trtpipe.recipe.eagle import eagle_findings
+
+    head = None
+    if recipe.speculative.decoding_type == "eagle" and recipe.speculative.speculative_model is not None:
+        try:
+            head = draft_dir(recipe)
+        except CheckpointError as exc:
+            yield f"{KEY}.speculative_model", f"EAGLE head: {exc}"
+            return
+    yield from eagle_findings(recipe, m, head)
 
 
 def _medusa(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:

@@ -73,9 +73,10 @@ class ExecutorConfig:
     request_timeout_s: float = 0.0  # a request not finished this long after submit fails (0: no limit)
     guided_decoding_backend: Optional[str] = None  # "xgrammar" | "llguidance" | None (guided decoding off)
     max_loras: int = 0  # LoRA adapters one step may hold (the device cache, trtpipe.serving.adapters); 0: no limit
-    # speculative decoding (trtpipe.serving.speculative): "" off, "NGram", "DraftTarget", "MTP", "Eagle3" or "Medusa"
-    # (speculative_config names; MTP, Eagle3 and Medusa draft from the target's hidden states: hidden_draft, medusa;
-    # Medusa drafts the tree medusa_choices, or the chain of max_draft_len heads [[0], [0, 0], ...])
+    # speculative decoding (trtpipe.serving.speculative): "" off, "NGram", "DraftTarget", "MTP", "Eagle3", "Medusa",
+    # "Eagle" or "Lookahead" (speculative_config names; MTP, Eagle3, Medusa and Eagle draft from the target's hidden
+    # states: hidden_draft, medusa, eagle1; Medusa drafts the tree medusa_choices, or the chain of max_draft_len heads
+    # [[0], [0, 0], ...]; Eagle (EAGLE-1/2) the chain or static tree of eagle_choices)
     speculative_decoding_type: str = ""
     max_draft_len: int = 0
     max_matching_ngram_size: int = 2
@@ -86,6 +87,7 @@ class ExecutorConfig:
     lookahead_ngram_size: int = 0
     lookahead_verification_set_size: int = 0
     medusa_choices: Optional[Sequence[Sequence[int]]] = None  # Medusa's tree (None: the chain of max_draft_len)
+    eagle_choices: str = ""  # Eagle: the draft tree in Triton's brace format ("{0}, {0, 0}"; "": the chain)
 
     @property
     def draft_reserve(self) -> int:

@@ -64,27 +64,38 @@ def tree_parents(choices) -> list[int]:
     return [-1] + [index[tuple(c[:-1])] if len(c) > 1 else 0 for c in choices]
 
 
-def parse_choices(text: str) -> list[list[int]]:
-    """Triton's ``medusa_choices`` (``"{0}, {0, 0}"``, tensorrtllm_backend ``docs/model_config.md@7bc57da0``)."""
+def parse_choices(text: str, key: str = "medusa_choices") -> list[list[int]]:
+    """Triton's ``medusa_choices`` / ``eagle_choices`` (``"{0}, {0, 0}"``, tensorrtllm_backend
+    ``docs/model_config.md@7bc57da0``)."""
     import re
 
     body = text.strip()
     if not re.fullmatch(r"\{\s*\d+(\s*,\s*\d+)*\s*\}(\s*,\s*\{\s*\d+(\s*,\s*\d+)*\s*\})*", body):
-        raise ValueError(f"tensorrt_llm twin: medusa_choices {text!r} is not of the form '{{0}}, {{0, 0}}'")
+        raise ValueError(f"tensorrt_llm twin: {key} {text!r} is not of the form '{{0}}, {{0, 0}}'")
     return [[int(i) for i in g.split(",")] for g in re.findall(r"\{([^}]*)\}", body)]
 
 
-def check_choices(text: str, config) -> list[list[int]]:
-    """Triton ``medusa_choices`` as the executor's tree, or ValueError in one line: the model must speculate with
-    Medusa, the choices be a tree, and their number ``max_draft_len`` (as trtllm-build requires)."""
-    got = parse_choices(text)
+# Triton parameter -> (executor decoding type, what drafts): the heads whose choices the twin checks
+CHOICES = {"medusa_choices": ("Medusa", "Medusa heads"), "eagle_choices": ("Eagle", "EAGLE head")}
+
+
+def check_choices(text: str, config, key: str = "medusa_choices") -> list[list[int]]:
+    """Triton ``medusa_choices`` / ``eagle_choices`` as the tree the twin drafts, or ValueError in one line: the model
+    must speculate with those heads, the choices be a tree, their number ``max_draft_len`` (as trtllm-build requires),
+    and ``eagle_choices`` the executor's own tree (the recipe's, carried in the twin's settings)."""
+    kind, what = CHOICES[key]
+    got = parse_choices(text, key)
     problem = tree_problem(got)
-    if config.speculative_decoding_type != "Medusa":
-        problem = "the model does not speculate with Medusa (speculative.decoding_type)"
+    if config.speculative_decoding_type != kind:
+        problem = f"the model does not speculate with {kind} (speculative.decoding_type)"
     elif not problem and len(got) != config.max_draft_len:
         problem = f"{len(got)} choices; max_draft_len is {config.max_draft_len} (trtllm-build needs them equal)"
+    elif not problem and key == "eagle_choices":
+        want = parse_choices(config.eagle_choices, key) if config.eagle_choices else chain_choices(config.max_draft_len)
+        if sorted(got) != sorted(want):
+            problem = f"the twin executes {want} of its {what} (speculative.{key})"
     if problem:
-        raise ValueError(f"tensorrt_llm twin: medusa_choices {text!r}: {problem}")
+        raise ValueError(f"tensorrt_llm twin: {key} {text!r}: {problem}")
     return got
 
 

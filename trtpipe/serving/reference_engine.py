@@ -28,7 +28,7 @@ from trtpipe.runtime.model import ReferenceModel, attention_probs, rms_norm
 from trtpipe.serving.api import ExecutorConfig, StepBatch, StepResult
 from trtpipe.serving.logprobs import ban_tokens, chosen_logprobs, rows_of, split_rows
 from trtpipe.serving.hidden_draft import FINAL
-from trtpipe.serving.speculative import DRAFT_TARGET, EAGLE3, MEDUSA, MTP, verify_entries
+from trtpipe.serving.speculative import DRAFT_TARGET, EAGLE, EAGLE3, MEDUSA, MTP, verify_entries
 from trtpipe.serving.tree_verify import as_mask, move_slots, spec_rope_positions
 
 log = logging.getLogger(__name__)
@@ -338,10 +338,10 @@ def _is_medusa_checkpoint(path: Path) -> bool:
 
 def draft_engine(config: ExecutorConfig, target: Optional[ReferenceModel] = None, target_dir=None):
     """What drafts for the target a front end hands the executor: the draft model's step engine (DraftTarget), the
-    MTP layer of the target's checkpoint ``target_dir`` (MTP), the EAGLE-3 head (Eagle3) or the Medusa heads (Medusa)
-    over ``target``; None otherwise."""
+    MTP layer of the target's checkpoint ``target_dir`` (MTP), the EAGLE-3 head (Eagle3), the Medusa heads (Medusa)
+    or the EAGLE-1/2 head (Eagle) over ``target``; None otherwise."""
     kind = config.speculative_decoding_type
-    if kind not in (DRAFT_TARGET, MTP, EAGLE3, MEDUSA):
+    if kind not in (DRAFT_TARGET, MTP, EAGLE3, MEDUSA, EAGLE):
         return None
     if kind != MTP and not config.speculative_model:
         raise ValueError(f"speculative decoding_type {kind} needs a draft model or head (speculative_model)")
@@ -374,4 +374,17 @@ def draft_engine(config: ExecutorConfig, target: Optional[ReferenceModel] = None
                 f"level; {config.speculative_model} has {heads.num_heads}"
             )
         return heads
+    if kind == EAGLE:
+        from trtpipe.serving.eagle1 import ARCHITECTURE, load_eagle1_head, parse_tree
+
+        # the head built into the engine's checkpoint when the target is one (the Triton twin), else the recipe's
+        cfg = Path(target_dir or "") / "config.json"
+        built = (
+            target_dir is not None
+            and cfg.is_file()
+            and load_json(cfg, CheckpointError).get("architecture") == ARCHITECTURE
+        )
+        head = load_eagle1_head(target_dir if built else config.speculative_model, target)
+        head.tree = parse_tree(config.eagle_choices, config.max_draft_len)  # None: the chain
+        return head
     return load_eagle3_head(config.speculative_model, target)

@@ -42,9 +42,10 @@ from trtpipe.serving.kv_pool import BlockPool
 from trtpipe.serving.tree_verify import verify_masked
 
 NGRAM, DRAFT_TARGET, MTP, EAGLE3, MEDUSA, LOOKAHEAD = "NGram", "DraftTarget", "MTP", "Eagle3", "Medusa", "Lookahead"
-DECODING_TYPES = (NGRAM, DRAFT_TARGET, MTP, EAGLE3, MEDUSA, LOOKAHEAD)
-# drafted by heads over the target's hidden states (trtpipe.serving.hidden_draft, trtpipe.serving.medusa)
-HIDDEN_STATE_TYPES = (MTP, EAGLE3, MEDUSA)
+EAGLE = "Eagle"  # EAGLE-1/2 heads (the engine's eagle mode; llm_args' "Eagle" decoding type): trtpipe.serving.eagle1
+DECODING_TYPES = (NGRAM, DRAFT_TARGET, MTP, EAGLE3, MEDUSA, LOOKAHEAD, EAGLE)
+# drafted by heads over the target's hidden states (trtpipe.serving.hidden_draft, medusa, eagle1)
+HIDDEN_STATE_TYPES = (MTP, EAGLE3, MEDUSA, EAGLE)
 
 
 # ---- drafting ------------------------------------------------------------------------------------------------------

@@ -118,12 +118,15 @@ def settings_from_model_config(model_config: dict, model_repository: str) -> Twi
         ),
         **read_twin_extras(param(params, TWIN_EXTRAS_PARAMETER)),  # the twin's own knobs (request_timeout_s, ...)
     )
-    if param(params, "medusa_choices"):  # the tree the twin's Medusa heads draft (a chain or with siblings)
-        from dataclasses import replace
+    for key in ("medusa_choices", "eagle_choices"):  # the tree the twin's heads draft (a chain or with siblings)
+        if param(params, key):
+            from dataclasses import replace
 
-        from trtpipe.serving.medusa import check_choices
+            from trtpipe.serving.medusa import check_choices
 
-        executor = replace(executor, medusa_choices=check_choices(str(param(params, "medusa_choices")), executor))
+            tree = check_choices(str(param(params, key)), executor, key)
+            if key == "medusa_choices":  # Medusa's tree comes from the parameter; EAGLE's is the recipe's, checked
+                executor = replace(executor, medusa_choices=tree)
     return TwinSettings(
         engine_dir=engine_dir,
         executor=executor,

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import contextmanager
 
 from trtpipe.engine import build_config as bc
 from trtpipe.engine import trtllm, versions
 from trtpipe.engine.ckptconfig import read_checkpoint_config
 from trtpipe.engine.doctor import LOCK_FILE
 from trtpipe.engine.presets import preset_dir
+from trtpipe.engine.eagle_heads import with_eagle_head
 from trtpipe.engine.medusa_heads import with_medusa_heads
 from trtpipe.engine.twin_engine_dir import write_twin_engine
 from trtpipe.errors import EngineError
@@ -62,7 +64,7 @@ def run_engine(ctx: StageContext) -> None:
     if avail.ok:
         _check_target_gpu(build.gpu, ctx.info["lockfile"]["gpus"])
         (ctx.out_dir / "build_config.json").write_text(json.dumps(engine_cfg["build_config"], indent=2) + "\n")
-        with with_medusa_heads(ctx.recipe, ckpt, ctx.out_dir.parent) as built_from:
+        with _with_heads(ctx.recipe, ckpt, ctx.out_dir.parent) as built_from:
             argv = bc.to_argv(build, built_from, ctx.out_dir)
             ctx.info["command"] = argv
             ctx.info["build"] = trtllm.run_trtllm_build(argv, ctx.out_dir, build.config.world_size, ctx.log)
@@ -79,11 +81,18 @@ def run_engine(ctx: StageContext) -> None:
         recipe_path,
     )
     ctx.log.info("the build there will run: %s", " ".join(argv))
-    with with_medusa_heads(ctx.recipe, ckpt, ctx.out_dir.parent) as built_from:
+    with _with_heads(ctx.recipe, ckpt, ctx.out_dir.parent) as built_from:
         write_twin_engine(built_from, ctx.out_dir, engine_cfg, reason=avail.reason, recipe_path=recipe_path)
     ctx.info["engine"] = "cpu-twin"
     prefetch()
     _write_lock(ctx)
+
+
+@contextmanager
+def _with_heads(recipe: Recipe, ckpt, scratch):
+    """The checkpoint the engine is built from: with the recipe's Medusa heads or EAGLE head converted in."""
+    with with_medusa_heads(recipe, ckpt, scratch) as medusa, with_eagle_head(recipe, medusa, scratch) as built_from:
+        yield built_from
 
 
 def _check_target_gpu(target, gpus: list[dict]) -> None:
@@ -134,12 +143,16 @@ def _adapter_files(recipe: Recipe) -> list:
     return [d / f for d in adapter_dirs(recipe).values() for f in ("adapter_config.json", "adapter_model.safetensors")]
 
 
-def _medusa_files(recipe: Recipe) -> list:
-    """The Medusa heads' files (converted into the checkpoint the engine is built from)."""
-    if recipe.target != "engine" or recipe.speculative.decoding_type != "medusa":
+def _head_files(recipe: Recipe) -> list:
+    """The Medusa heads' or EAGLE head's files (converted into the checkpoint the engine is built from)."""
+    if recipe.target != "engine" or recipe.speculative.decoding_type not in ("medusa", "eagle"):
         return []
-    from trtpipe.recipe.medusa import HEAD_FILES
     from trtpipe.recipe.speculative import draft_dir
+
+    if recipe.speculative.decoding_type == "eagle":
+        from trtpipe.recipe.eagle import HEAD_FILES
+    else:
+        from trtpipe.recipe.medusa import HEAD_FILES
 
     d = draft_dir(recipe)
     return [p for p in (d / f for f in ("config.json", *HEAD_FILES)) if p.is_file()] if d is not None else []
@@ -166,7 +179,7 @@ ENGINE_STAGE = Stage(
     ),
     inputs=("checkpoint", "quantize"),
     run=run_engine,
-    files=lambda recipe: _adapter_files(recipe) + _medusa_files(recipe),
+    files=lambda recipe: _adapter_files(recipe) + _head_files(recipe),
     extra_key=toolchain_key,
     unkeyed=(
         # trtllm-build --workers: how many engines build at once, the same engines either way (the lock file

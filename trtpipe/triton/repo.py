@@ -40,6 +40,7 @@ from trtpipe.recipe.lookahead import (
     TRITON_PARAMETERS as LOOKAHEAD_PARAMETERS,
     triton_parameters as lookahead_parameters,
 )
+from trtpipe.recipe.eagle import triton_choices as eagle_triton_choices
 from trtpipe.recipe.medusa import triton_choices
 from trtpipe.recipe.knobs import twin_extras
 from trtpipe.recipe.schema import Recipe
@@ -449,7 +450,7 @@ def trtllm_parameters(recipe: Recipe, engine: EngineInfo) -> dict:
         **dict.fromkeys(LOOKAHEAD_PARAMETERS, ""),
         **lookahead_parameters(recipe),  # decoding_mode lookahead and the executor's (W, N, G)
         "medusa_choices": triton_choices(recipe),  # "{0}, {0, 0}" (docs/model_config.md@7bc57da0)
-        "eagle_choices": "",
+        "eagle_choices": eagle_triton_choices(recipe),  # the same brace format (docs/model_config.md@7bc57da0)
         "gpu_weights_percent": 1.0,
         "multi_block_mode": True,
         "enable_context_fmha_fp32_acc": False,
@@ -492,6 +493,7 @@ TWIN_PARAMETERS = (
     "lora_cache_host_memory_bytes",  # the twin's host adapter cache holds as many of the largest adapter
     "lora_prefetch_dir",  # made relative to the twin's engine link below
     "medusa_choices",  # the tree the twin drafts (trtpipe.serving.medusa.check_choices)
+    "eagle_choices",  # checked against the recipe's tree the twin drafts (trtpipe.serving.medusa.check_choices)
     "decoding_mode",  # lookahead: the executor's (W, N, G) from the lookahead_* parameters (trtpipe.serving.lookahead)
     *LOOKAHEAD_PARAMETERS,
 )

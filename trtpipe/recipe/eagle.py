@@ -1,0 +1,121 @@
+"""EAGLE-1/2 in a recipe (``speculative.decoding_type: eagle``, target engine): the checks and the draft tree.
+
+Upstream (TensorRT-LLM's engine path): ``examples/eagle/convert_checkpoint.py@04a2cacb`` converts the base model
+with the head (``--eagle_model_dir DIR --num_eagle_layers N --max_draft_len L``: N the depth of the tree, L its
+number of draft tokens) into an ``EagleForCausalLM`` checkpoint, which ``trtllm-build --speculative_decoding_mode
+eagle --max_draft_len L`` builds (``tensorrt_llm/commands/build.py@65f1d153``). ``EagleForCausalLM`` extends
+``LLaMAForCausalLM`` (``tensorrt_llm/models/eagle/model.py@89fd9b74``): the target is a Llama. The tree is
+``eagle_choices`` (paths of top-k ranks, every prefix present: ``EagleDecodingConfig.check_eagle_choices`` in
+``tensorrt_llm/llmapi/llm_args.py``), given to Triton's ``tensorrt_llm`` model as ``eagle_choices`` in the backend's
+brace format. EAGLE-2's dynamic tree is ``use_dynamic_tree`` with ``dynamic_tree_max_topK`` (same class, "Mutually
+exclusive with eagle_choices"; the llm_args revision the code index holds records no commit), which the executor's
+``EagleConfig`` takes and the engine reads as runtime inputs (``prepare_inputs`` of model.py@89fd9b74): not a build
+flag; but Triton's ``tensorrt_llm`` model builds ``trtllm.EagleConfig(eagle_choices)`` from the ``eagle_choices``
+parameter alone (``get_decoding_config``, tensorrtllm_backend ``all_models/inflight_batcher_llm/tensorrt_llm/1/
+model.py@01200cc4``), so the engine target cannot turn it on and the recipe refuses it.
+
+The CPU twin drafts the chain ``[[0], [0, 0], ...]`` and static trees with siblings (:mod:`trtpipe.serving.eagle1`,
+verified with a tree mask: :mod:`trtpipe.serving.tree_verify`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Optional
+
+from trtpipe.errors import CheckpointError
+from trtpipe.jsonfile import load_json
+from trtpipe.models.dims import ModelDims
+from trtpipe.recipe.medusa import braces, chain
+from trtpipe.recipe.rules import Finding
+from trtpipe.recipe.schema import Recipe
+
+KEY = "speculative"
+KEYS = ("eagle_choices", "dynamic_tree_max_top_k")
+HEAD_FILES = ("pytorch_model.bin", "model.safetensors")  # ea_model.py@2320d52e reads pytorch_model.bin
+
+
+def choices(recipe: Recipe) -> list[list[int]]:
+    """The recipe's EAGLE tree (the chain of ``max_draft_len`` when unset)."""
+    s = recipe.speculative
+    return [list(c) for c in s.eagle_choices] if s.eagle_choices else chain(s.max_draft_len)
+
+
+def tree_shape(tree: list[list[int]]) -> tuple[int, int]:
+    """(num_eagle_layers: the tree's depth, max_non_leaves_per_layer: the most nodes with children on one level)."""
+    parents = {tuple(c[:-1]) for c in tree if len(c) > 1} | ({()} if tree else set())
+    per_level: dict[int, int] = {}
+    for p in parents:
+        per_level[len(p)] = per_level.get(len(p), 0) + 1
+    return max(len(c) for c in tree), max(per_level.values(), default=1)
+
+
+def triton_choices(recipe: Recipe) -> str:
+    """Triton's ``eagle_choices`` parameter: ``{0}, {0, 0}`` ("" unless eagle)."""
+    return braces(choices(recipe)) if recipe.speculative.decoding_type == "eagle" else ""
+
+
+def eagle_findings(recipe: Recipe, m: Optional[ModelDims], head_dir) -> Iterable[Finding]:
+    s = recipe.speculative
+    if s.decoding_type != "eagle":
+        for key in KEYS:
+            if getattr(s, key) is not None:
+                yield f"{KEY}.{key}", f"only decoding_type eagle takes {key}; remove it"
+        if s.use_dynamic_tree:
+            yield f"{KEY}.use_dynamic_tree", "only decoding_type eagle takes use_dynamic_tree; remove it"
+        return
+    if s.use_dynamic_tree:
+        if s.eagle_choices:
+            yield f"{KEY}.use_dynamic_tree", "use_dynamic_tree and eagle_choices are mutually exclusive (upstream)"
+        yield (
+            f"{KEY}.use_dynamic_tree",
+            "Triton's tensorrt_llm model builds EagleConfig(eagle_choices) alone (tensorrtllm_backend model.py@01200cc4):"
+            " no parameter turns EAGLE-2's dynamic tree on, so trtpipe cannot write it; use eagle_choices",
+        )
+    elif s.dynamic_tree_max_top_k is not None:
+        yield f"{KEY}.dynamic_tree_max_top_k", "dynamic_tree_max_top_k is read only with use_dynamic_tree: true"
+    tree = choices(recipe)
+    if any(not c or any(i < 0 for i in c) for c in tree):
+        yield f"{KEY}.eagle_choices", "every choice is a non-empty path of top-k ranks (integers >= 0)"
+        return
+    loose = next((c for c in tree if len(c) > 1 and c[:-1] not in tree), None)
+    if loose is not None:
+        yield f"{KEY}.eagle_choices", f"choice {loose} is not connected: its prefix {loose[:-1]} is missing"
+        return
+    if len(tree) != s.max_draft_len:
+        yield (
+            f"{KEY}.max_draft_len",
+            f"{s.max_draft_len} differs from the {len(tree)} draft tokens of eagle_choices (trtllm-build "
+            "--max_draft_len is the tree's size)",
+        )
+    if m is not None and "llama" not in m.architecture.lower():
+        yield (
+            f"{KEY}.decoding_type",
+            f"TensorRT-LLM's EagleForCausalLM extends LLaMAForCausalLM; {m.architecture} is not a Llama",
+        )
+    if recipe.parallel.pp > 1:
+        yield "parallel.pp", f"EAGLE heads are converted at pp 1 only (pp {recipe.parallel.pp})"
+    if head_dir is None:
+        return
+    yield from _head(Path(head_dir), m)
+
+
+def _head(d: Path, m: Optional[ModelDims]) -> Iterable[Finding]:
+    key = f"{KEY}.speculative_model"
+    if not (d / "config.json").is_file():
+        yield key, f"EAGLE head: {d / 'config.json'} not found"
+        return
+    if not any((d / f).is_file() for f in HEAD_FILES):
+        yield key, f"EAGLE head: no {' or '.join(HEAD_FILES)} in {d}"
+        return
+    try:
+        cfg = load_json(d / "config.json", CheckpointError)
+    except CheckpointError as exc:
+        yield key, f"EAGLE head: {exc}"
+        return
+    if m is None:
+        return
+    if int(cfg.get("hidden_size") or 0) != m.hidden_size:
+        yield key, f"EAGLE head: hidden_size {cfg.get('hidden_size')} differs from the target's {m.hidden_size}"
+    if int(cfg.get("vocab_size") or 0) != m.vocab_size:
+        yield key, f"EAGLE head: vocab_size {cfg.get('vocab_size')} differs from the target's {m.vocab_size}"
