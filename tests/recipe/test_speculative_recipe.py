@@ -103,11 +103,6 @@ CASES = {
         {"target": "engine"},
         "speculative.decoding_type: NGram is a PyTorch-backend",
     ),
-    "engine-mode-the-twin-does-not-run": (
-        "  decoding_type: eagle\n  speculative_model: /x",
-        {"target": "engine"},
-        "speculative.decoding_type: eagle is not executed by trtpipe's CPU twin yet",
-    ),
     "draft-missing": (
         "  decoding_type: DraftTarget",
         {},

@@ -213,7 +213,7 @@ def test_an_eagle_tree_drafts_as_float64_keeps_greedy_output_and_counts_its_long
         assert check_greedy(model, hf64, p, b.tokens, 24, EOS) == ""
         full[rid] = p + b.tokens
     checked = 0
-    for entries, rows in calls:  # the level forwards: masked entries, one row per non-leaf node
+    for entries, rows, *_ in calls:  # the level forwards: masked entries, one row per non-leaf node
         if checked >= 6 or entries[0][3]:
             continue
         for rid, toks, start, _ in entries:

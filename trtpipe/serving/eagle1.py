@@ -76,7 +76,9 @@ class Eagle1Head(nn.Module):
             {"max_position_embeddings": args.max_position_embeddings}, args, embedding.float(), self.layers, ones, []
         )
 
-    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, paged, cos_sin) -> torch.Tensor:
+    depths, vanilla = 1, False  # its layers run as one head, reused for every draft
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, paged, cos_sin, depth: int = 0) -> torch.Tensor:
         """[1, N, H] embeddings and [1, N, H] features -> the head's output features [1, N, H]."""
         x = self.fc(torch.cat([emb, hidden], dim=-1))
         first = self.layers[0]
@@ -94,10 +96,10 @@ class Eagle1Head(nn.Module):
     def next_hidden(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def drafter(self, target_engine, num_blocks: int, tokens_per_block: int) -> HiddenDrafter:
+    def drafter(self, target_engine, pool) -> HiddenDrafter:
         if self.tree is None:
-            return HiddenDrafter(self, target_engine, num_blocks, tokens_per_block)
-        return Eagle1TreeDrafter(self, target_engine, num_blocks, tokens_per_block)
+            return HiddenDrafter(self, target_engine, pool)
+        return Eagle1TreeDrafter(self, target_engine, pool)
 
 
 def load_eagle1_head(path: str | Path, target: ReferenceModel) -> Eagle1Head:
@@ -151,13 +153,13 @@ class Eagle1TreeDrafter(HiddenDrafter):
     target as a token set (:func:`trtpipe.serving.tree_verify.tree_fields`), verified with the tree mask; a request
     with room for fewer drafts takes the tree's first nodes in node order (still a tree)."""
 
-    def __init__(self, head: Eagle1Head, target_engine, num_blocks: int, tokens_per_block: int):
-        super().__init__(head, target_engine, num_blocks, tokens_per_block)
+    def __init__(self, head: Eagle1Head, target_engine, pool):
+        super().__init__(head, target_engine, pool)
         self.tree = head.tree
         self._root = None
 
-    def _forward(self, entries, hidden):
-        logits, nxt = super()._forward(entries, hidden)
+    def _forward(self, entries, hidden, depth: int = 0):
+        logits, nxt = super()._forward(entries, hidden, depth)
         if self._root is None:  # the catch-up forward of propose: the roots' logits and features
             self._root = (entries, logits, nxt)
         return logits, nxt
@@ -177,9 +179,13 @@ class Eagle1TreeDrafter(HiddenDrafter):
         work = []  # per request: (id, n, paths, parents, tokens, logits per node, features per node)
         for i, e in enumerate(entries):
             r = by_id[e.request_id]
-            paths = self.tree[: ks[r.id]]
+            k, n = ks[r.id], len(r.tokens)
+            while k > 1 and self.pool.blocks_for(n - 1 + k) - len(r.block_table) > self.pool.num_free:
+                k -= 1  # the nodes' positions need blocks the pool does not have: the tree's first k nodes
+            paths = self.tree[:k]
             parents = [-1] + [0 if len(p) == 1 else paths.index(p[:-1]) + 1 for p in paths]
-            self.pool.grow(self.state[r.id].table, len(r.tokens) - 1 + len(paths))
+            # the head's KV of the nodes goes to the request's own blocks (its extra layers), rewritten next catch-up
+            r.perf.kv_alloc_new_blocks += self.pool.grow(r.block_table, n - 1 + len(paths))
             work.append((r.id, len(r.tokens), paths, parents, {0: root_logits[i]}, {0: root_feats[i]}))
         depth = max(len(p) for _, _, paths, *_ in work for p in paths)
         tokens = {rid: [None] * (len(paths) + 1) for rid, _, paths, *_ in work}
@@ -204,7 +210,7 @@ class Eagle1TreeDrafter(HiddenDrafter):
                         rid,
                         [tokens[rid][j] for j in nodes],
                         n - 1,
-                        self.state[rid].table,
+                        by_id[rid].block_table,
                         False,
                         True,
                         spec_positions=[len(paths[j - 1]) - 1 for j in nodes],
