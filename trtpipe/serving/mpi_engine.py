@@ -10,6 +10,10 @@ A speculative draft model can be sharded the same way (:func:`draft_step_engine`
 of the draft checkpoint, each broadcast names the model it is for (``target`` or ``draft``), and one lock orders the
 two engines' broadcasts on the one communicator.
 
+Hidden-state heads (MTP, EAGLE-3, Medusa; :mod:`trtpipe.serving.hidden_draft`) draft on rank 0 from the hidden
+states its own shard's forward keeps (:attr:`RankEngine.captures_hidden_states`: pp 1, no attention DP); the head runs
+whole there, not tp-sharded as TensorRT-LLM builds it (docs/reference/speculative.md says why).
+
 Under attention data parallel each step's entries are spread over the ranks (:mod:`trtpipe.serving.attention_dp`:
 rank 0 assigns, the assignment is broadcast with the step, each rank runs its own entries).
 """
@@ -60,10 +64,16 @@ class RankEngine(ReferenceEngine):
     """Every rank's shard of a packed step: the reference engine's packing and paged pool (this rank's KV heads
     of its stage's layers), run through :meth:`RankModel.forward` (all-reduces, pipeline sends)."""
 
-    captures_hidden_states = False  # its logits run over the ranks: MTP / EAGLE-3 heads get no hidden states
-
     def __init__(self, model: RankModel):
         super().__init__(model)
+
+    @property
+    def captures_hidden_states(self) -> bool:
+        """Rank 0 of a pp 1 job without attention DP holds every layer's whole output after its all-reduce, so it
+        keeps the hidden states a head drafts from (:mod:`trtpipe.serving.hidden_draft`); at pp > 1 they are on
+        other ranks, under attention DP only its own requests' are."""
+        lay = self.model.layout
+        return lay.rank == 0 and lay.pp == 1 and not self.model.args.attention_dp
 
     @torch.no_grad()
     def logits(self, batch: StepBatch, ranks: Optional[list[int]] = None) -> Optional[torch.Tensor]:
@@ -71,7 +81,10 @@ class RankEngine(ReferenceEngine):
         if self.model.args.attention_dp:
             return attention_dp.step_logits(self, batch, ranks)
         ids, paged, cos_sin, ends = self.packed(batch)
-        return self.model.forward(ids, paged, 0, rows=torch.tensor(ends, dtype=torch.long), cos_sin=cos_sin)
+        self.model.capture = self.capture
+        out = self.model.forward(ids, paged, 0, rows=torch.tensor(ends, dtype=torch.long), cos_sin=cos_sin)
+        self.captured = self.model.captured
+        return out
 
 
 TARGET, DRAFT = "target", "draft"
