@@ -31,7 +31,7 @@ from trtpipe.serving.api import SamplingParams, StepBatch, StepEntry, StepResult
 from trtpipe.serving.reference_engine import ReferenceEngine
 
 
-def _wire(batch: StepBatch, lora_sources: Optional[dict] = None) -> tuple:
+def wire(batch: StepBatch, lora_sources: Optional[dict] = None) -> tuple:
     """What the workers need of a step (no sampling state: rank 0 samples); with LoRA, each entry's adapter and
     where the step's adapters come from (name -> directory, or a source tuple: :meth:`MpiStepEngine.lora_sources`;
     a worker reads one the first time it needs it)."""
@@ -49,15 +49,18 @@ def _wire(batch: StepBatch, lora_sources: Optional[dict] = None) -> tuple:
                 bool(e.sample),
                 list(map(int, e.prompt_targets)),  # which positions need logits (prompt logprobs)
                 e.lora,
+                int(e.context_drafts),  # a context chunk ending with external drafts needs their k + 1 rows
             )
             for e in batch.entries
         ],
     )
 
 
-def _unwire(wire: tuple) -> StepBatch:
+def unwire(wire: tuple) -> StepBatch:
     iteration, _, entries = wire
-    return StepBatch(iteration, [StepEntry(*e[:6], prompt_targets=e[6], lora=e[7]) for e in entries])
+    return StepBatch(
+        iteration, [StepEntry(*e[:6], prompt_targets=e[6], lora=e[7], context_drafts=e[8]) for e in entries]
+    )
 
 
 class RankEngine(ReferenceEngine):
@@ -102,7 +105,7 @@ def worker_loop(model: RankModel, draft: Optional[RankModel] = None) -> None:
         tag, *rest = rest
         engine = engines[tag]
         if kind == "step":
-            batch = _unwire(rest[0])
+            batch = unwire(rest[0])
             if lora is not None and tag == TARGET:
                 lora.run(batch, rest[0][1], engine.logits)
             else:
@@ -186,10 +189,10 @@ class MpiStepEngine(RankEngine):
     def logits(self, batch: StepBatch) -> torch.Tensor:
         with self._lock:
             if self.assigner is None:
-                self._broadcast("step", _wire(batch, self.lora_sources(batch)))
+                self._broadcast("step", wire(batch, self.lora_sources(batch)))
                 return super().logits(batch)
             ranks = self.assigner.assign(batch, self.tokens_per_block)
-            self._broadcast("step", _wire(batch, self.lora_sources(batch)), ranks)
+            self._broadcast("step", wire(batch, self.lora_sources(batch)), ranks)
             return super().logits(batch, ranks)
 
     def step(self, batch: StepBatch) -> StepResult:
@@ -273,9 +276,11 @@ def generate_steps(
     return outputs
 
 
-def start_leader(engine_dir: str, run_dir: str) -> MpiStepEngine:
+def start_leader(engine_dir: str, run_dir: str, draft_dir: Optional[str] = None) -> MpiStepEngine:
     """Rank 0 inside the Triton twin: load its shard with the others, write every rank's status to
-    ``run_dir/ranks.json`` (the launcher's readiness and failure report), return the engine."""
+    ``run_dir/ranks.json`` (the launcher's readiness and failure report), return the engine. With ``draft_dir`` (the
+    two-model form's draft engine) every rank also loads its draft shard, and ``engine.draft`` is the draft's engine
+    (rank 0's twin serves it to the draft's stub: :class:`~trtpipe.serving.draft_proxy.DraftServer`)."""
     import json
     import os
 
@@ -288,4 +293,7 @@ def start_leader(engine_dir: str, run_dir: str) -> MpiStepEngine:
         os.replace(tmp, os.path.join(run_dir, "ranks.json"))
 
     model, _ = load_all_ranks(os.path.join(engine_dir, "checkpoint"), on_status=report)
-    return MpiStepEngine(model)
+    engine = MpiStepEngine(model)
+    if draft_dir:
+        engine.draft = draft_step_engine(engine, load_all_ranks(os.path.join(draft_dir, "checkpoint"), report)[0])
+    return engine
