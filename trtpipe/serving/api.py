@@ -173,6 +173,10 @@ class Request:
     # ``draft_input_ids`` (draft-target decoding with an external draft model, upstream's two-model form): tokens
     # proposed to follow the prompt, verified in the context step's forward (trtpipe.serving.speculative)
     draft_tokens: Sequence[int] = ()
+    # ``draft_logits`` ([k, V], the draft model's generation logits of draft_tokens: upstream's BLS use_draft_logits):
+    # the drafts are then verified by rejection sampling against them (trtpipe.serving.draft_logits)
+    draft_logits: Any = None
+    return_generation_logits: bool = False  # OutputConfig ``returnGenerationLogits``: each output token's logits
 
 
 @dataclass
@@ -222,6 +226,7 @@ class Response:
     cum_log_prob: Optional[float] = None  # the sum of every output token's logprob so far
     # with Request.prompt_logprobs: one per prompt token, None for the first; on the first response only
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    generation_logits: Optional[list] = None  # with Request.return_generation_logits: [V] per output token so far
 
     @property
     def has_error(self) -> bool:
@@ -257,6 +262,7 @@ class StepEntry:
     # a last context chunk with external drafts (Request.draft_tokens) ends with them: its last k + 1 positions are
     # [last prompt token, d1..dk] and ask for k + 1 rows of logits
     context_drafts: int = 0
+    keep_logits: bool = False  # return the row the token was sampled from (Request.return_generation_logits)
 
     @property
     def verifies_drafts(self) -> bool:
@@ -307,6 +313,7 @@ class StepResult:
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # the sampled token's, where the entry asked
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # one per prompt target
     accepted: dict[int, list[int]] = field(default_factory=dict)  # entries with drafts: every token they emit
+    logits: dict[int, Any] = field(default_factory=dict)  # keep_logits entries: the [V] row sampled from
 
 
 class StepEngine(Protocol):

@@ -27,6 +27,7 @@ from trtpipe.runtime.generate import sample
 from trtpipe.runtime.model import ReferenceModel, attention_probs, rms_norm
 from trtpipe.serving.api import ExecutorConfig, StepBatch, StepResult
 from trtpipe.serving.logprobs import ban_tokens, chosen_logprobs, rows_of, split_rows
+from trtpipe.serving.draft_logits import kept_rows
 from trtpipe.serving.hidden_draft import FINAL
 from trtpipe.serving.speculative import DRAFT_TARGET, EAGLE3, MEDUSA, MTP, verify_entries
 
@@ -282,6 +283,7 @@ class ReferenceEngine:
         t0 = time.perf_counter()
         logits = self.logits(batch)
         _, sample_at, prompt_at = rows_of(batch)
+        kept = kept_rows(batch, logits, sample_at) if any(e.keep_logits for e in batch.entries) else {}
         logits, prompt = split_rows(batch, logits, sample_at, prompt_at) if prompt_at else (logits, {})
         accepted: dict = {}
         if any(e.verifies_drafts for e in batch.entries):  # k + 1 rows for each entry with drafts
@@ -290,7 +292,13 @@ class ReferenceEngine:
             tokens, errors = sample_entries(batch, logits)
         chosen = chosen_logprobs(batch, logits, tokens)
         return StepResult(
-            tokens, time.perf_counter() - t0, errors, logprobs=chosen, prompt_logprobs=prompt, accepted=accepted
+            tokens,
+            time.perf_counter() - t0,
+            errors,
+            logprobs=chosen,
+            prompt_logprobs=prompt,
+            accepted=accepted,
+            logits=kept,
         )
 
 
