@@ -15,11 +15,10 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 
-from numerics import hf_float64
+from numerics import chi_square_pvalue, hf_float64
 from trtpipe.models.synthetic import load_hf
 from trtpipe.runtime.hf_loader import load_hf_checkpoint
 from trtpipe.serving.api import ExecutorConfig, Request, SamplingParams
@@ -98,18 +97,6 @@ def _verify(target, drafts, sampling, scale: float = 1.0, without: bool = False)
     )
 
 
-def _chi_square(tokens: list[int], p: np.ndarray) -> float:
-    """p-value of the counts of ``tokens`` against ``p`` (bins with expected count < 5 pooled into one)."""
-    from scipy.stats import chisquare
-
-    n = len(tokens)
-    counts = np.bincount(tokens, minlength=len(p)).astype(np.float64)
-    big = p * n >= 5
-    f_obs = np.append(counts[big], counts[~big].sum())
-    f_exp = np.append(p[big] * n, p[~big].sum() * n)
-    return float(chisquare(f_obs, f_exp).pvalue)
-
-
 @pytest.mark.slow
 def test_sampled_output_keeps_the_targets_distribution_with_draft_logits(models):
     target, draft, hf = models
@@ -120,7 +107,7 @@ def test_sampled_output_keeps_the_targets_distribution_with_draft_logits(models)
     got = _verify(target, drafts, sampling)
     first = [r.tokens[0] for r in got]
     accepted = sum(r.perf.total_accepted_draft_tokens for r in got)
-    pvalue = _chi_square(first, p)
+    pvalue = chi_square_pvalue(first, p)
     print(f"draft logits: chi-square p-value {pvalue:.4f} over {N} trials; accepted {accepted} of {K * N} drafts")
     assert pvalue > ALPHA
     assert 0 < accepted < K * N
@@ -130,7 +117,7 @@ def test_sampled_output_keeps_the_targets_distribution_with_draft_logits(models)
     # control: a verification told the wrong draft distribution (the logits tripled: a sharper q) is biased, and the
     # same test sees it
     lied = _verify(target, drafts, sampling, scale=3.0)
-    control = _chi_square([r.tokens[0] for r in lied], p)
+    control = chi_square_pvalue([r.tokens[0] for r in lied], p)
     print(f"control (logits x3): chi-square p-value {control:.3g}")
     assert control < ALPHA
 
