@@ -83,3 +83,14 @@ def test_heads_over_ranks_without_the_hidden_states_are_refused_in_one_line(tmp_
             require_hidden_states(engine, "MTP / Eagle3")
     engine.model = Model(1, False)
     require_hidden_states(engine, "MTP / Eagle3")  # accepted: rank 0 of a pp 1 job
+
+
+def test_medusa_at_tp2_through_the_openai_twin_keeps_greedy_text(run_mpi, head_models):
+    """The OpenAI twin on rank 0 over the ranks' step engine (tests/serving/mpi/heads_openai_check.py): greedy
+    completions with the Medusa heads are the text without them, and ``usage`` reports the drafts verified."""
+    hf, ckpt, heads = head_models["medusa"]
+    proc = run_mpi(2, "heads_openai_check.py", hf, ckpt, heads, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [t for t, _ in out["medusa"]] == [t for t, _ in out["plain"]]
+    assert all(u["speculative_decoding"]["total_draft_tokens"] > 0 for _, u in out["medusa"])
