@@ -162,3 +162,18 @@ def float32_scale(model, ids: torch.Tensor) -> float:
     """float32's error on this model's logits for ``ids``, measured against its float64 copy."""
     with torch.no_grad():
         return error_scale(model(ids), float64_copy(model)(ids))
+
+
+def chi_square_pvalue(samples: list[int], p) -> float:
+    """p-value of the counts of ``samples`` (token ids) against the distribution ``p`` (chi-square goodness of fit;
+    the bins whose expected count is below 5 are pooled into one)."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    p = np.asarray(p, np.float64)
+    n = len(samples)
+    counts = np.bincount(samples, minlength=len(p)).astype(np.float64)
+    big = p * n >= 5
+    f_obs = np.append(counts[big], counts[~big].sum())
+    f_exp = np.append(p[big] * n, p[~big].sum() * n)
+    return float(chisquare(f_obs, f_exp).pvalue)

@@ -200,6 +200,7 @@ def sigterm_as_interrupt() -> None:
 
 
 RUN_DIR_ENV = "TRTPIPE_MPI_RUN_DIR"  # set by the leader-mode launch (triton/mpi_launch.py); rank 0 reports there
+DRAFT_DIR_ENV = "TRTPIPE_MPI_DRAFT_DIR"  # the two-model form's draft engine dir under leader mode (draft_proxy)
 EXIT_RECORD_ENV = "TRTPIPE_EXIT_RECORD"  # where a process that ends by itself writes why (a rank's ``rank{N}.exit``)
 
 

@@ -102,5 +102,12 @@ def test_the_twin_reads_draft_input_ids_and_refuses_bad_ones():
         _parse(draft_input_ids=np.array([[7, 8, 9, 10, 11]], np.int32))
     with pytest.raises(ValueError, match=r"^draft_input_ids\[1\] = 600 is outside the vocabulary \[0, 512\)$"):
         _parse(draft_input_ids=np.array([[7, 600]], np.int32))
-    with pytest.raises(ValueError, match=r"^draft_logits: speculative decoding with draft logits is not supported"):
-        _parse(draft_input_ids=np.array([[7]], np.int32), draft_logits=np.zeros((1, 1, 512), np.float32))
+    # draft logits (upstream's use_draft_logits): one row per draft, [1, k, V] as the BLS sends them
+    logits = np.arange(2 * 512, dtype=np.float32).reshape(1, 2, 512)
+    assert _parse(draft_input_ids=np.array([[7, 8]], np.int32), draft_logits=logits).request.draft_logits.shape == (
+        2,
+        512,
+    )
+    with pytest.raises(ValueError, match=r"^draft_logits has shape \(1, 1, 512\): it needs one row of 512 logits per"):
+        _parse(draft_input_ids=np.array([[7, 8]], np.int32), draft_logits=np.zeros((1, 1, 512), np.float32))
+    assert _parse(return_generation_logits=np.array([[True]])).request.return_generation_logits

@@ -416,14 +416,17 @@ def test_mtp_on_a_block_fp8_checkpoint_as_deepseek_ships_it(mtp, tmp_path):
 
 
 def test_a_target_without_its_hidden_states_is_refused_in_one_line(eagle):
-    """The heads read the in-process reference engine's hidden states: an engine whose forward runs elsewhere (the
-    mpirun ranks' RankEngine) or a LoRA-wrapped one is refused when the executor is built, not left to draft
-    nothing."""
+    """The heads read the target's hidden states where the executor runs: an engine whose hidden states are on other
+    ranks (mpirun ranks at pp 2: rank 0 holds only its stage's layers) or a LoRA-wrapped one is refused when the
+    executor is built, not left to draft nothing (pp 1 ranks: tests/serving/mpi/test_heads_tp2.py)."""
+    from trtpipe.runtime.distributed import RankLayout
     from trtpipe.serving.mpi_engine import RankEngine
 
     d, head, model, *_ = eagle
     cfg = _config(speculative_decoding_type="Eagle3", max_draft_len=K, speculative_model=str(head))
     drafter = draft_engine(cfg, model, d)
-    for engine in (RankEngine.__new__(RankEngine), object()):
+    staged = RankEngine.__new__(RankEngine)
+    staged.model = type("M", (), {"layout": RankLayout(1, 2, 0), "args": model.args})()
+    for engine in (staged, object()):
         with pytest.raises(ValueError, match="reads the target's hidden states"):
             drafter.drafter(engine, BlockPool(8, 8))

@@ -155,7 +155,7 @@ def test_the_mpi_wire_carries_the_rows_a_step_needs():
     pytest.importorskip("trtpipe.runtime.distributed")
     from trtpipe.serving.api import StepBatch, StepEntry
     from trtpipe.serving.logprobs import rows_of
-    from trtpipe.serving.mpi_engine import _unwire, _wire
+    from trtpipe.serving.mpi_engine import unwire, wire
 
     batch = StepBatch(
         3,
@@ -163,7 +163,9 @@ def test_the_mpi_wire_carries_the_rows_a_step_needs():
             StepEntry(1, [1, 403, 407, 261], 0, [0], True, False, prompt_logprobs=2, prompt_targets=[403, 407, 261, 9]),
             StepEntry(2, [5, 6, 7], 0, [1], True, True, logprobs=1, prompt_logprobs=0, prompt_targets=[6, 7]),
             StepEntry(3, [8], 12, [2, 3], False, True, logprobs=0),
+            # the two-model form's target request: its prompt ends with 2 external drafts (k + 1 = 3 rows)
+            StepEntry(4, [1, 9, 10, 11, 12], 0, [4], True, True, context_drafts=2),
         ],
     )
-    assert rows_of(_unwire(_wire(batch))) == rows_of(batch)
-    assert rows_of(batch)[0] == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert rows_of(unwire(wire(batch))) == rows_of(batch)
+    assert rows_of(batch)[0] == [0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12]

@@ -99,9 +99,14 @@ def bls(server, prompt: str, n: int, **extra) -> dict:
         ("return_num_output_tokens", np.array([[True]]), "BOOL"),
     ]
     for name, v in extra.items():
-        rows.append(
-            (name, np.array([[v]]), "BOOL") if isinstance(v, bool) else (name, np.array([[v]], np.int32), "INT32")
-        )
+        if isinstance(v, bool):
+            rows.append((name, np.array([[v]]), "BOOL"))
+        elif isinstance(v, float):
+            rows.append((name, np.array([[v]], np.float32), "FP32"))
+        elif name == "seed":
+            rows.append((name, np.array([[v]], np.uint64), "UINT64"))
+        else:
+            rows.append((name, np.array([[v]], np.int32), "INT32"))
     names = ["text_output", "num_output_tokens"]
     if "num_draft_tokens" in extra:
         names += ["acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens"]
@@ -202,7 +207,6 @@ def test_the_target_verifies_draft_input_ids(servers):
     "extra, message",
     [
         ({"stream": True}, "streaming is not supported with speculative decoding"),
-        ({"use_draft_logits": True}, "use_draft_logits is not supported with speculative decoding"),
         ({"min_tokens": 4}, "min_tokens is not supported with speculative decoding"),
     ],
 )
@@ -210,6 +214,24 @@ def test_what_a_speculative_request_cannot_have_is_refused(servers, extra, messa
     _, spec = servers
     got = bls(spec, PROMPTS[0], 8, num_draft_tokens=K, **extra)
     assert message in got.get("error", ""), got
+
+
+def test_draft_logits_keep_greedy_text_and_the_self_drafts_acceptance(servers):
+    """``use_draft_logits``: the draft's generation_logits travel to the target as draft_logits (decode.py@4db68284);
+    greedy verification still matches tokens, so the text is the plain one and the model as its own draft keeps every
+    draft; sampled, a draft whose q equals the target's p is kept with probability min(1, p/q) = 1."""
+    plain, spec = servers
+    for prompt in PROMPTS[:3]:
+        want = bls(plain, prompt, 24)["text_output"]
+        got = bls(spec, prompt, 24, num_draft_tokens=K, use_draft_logits=True)
+        assert got.get("text_output") == want, got
+        assert float(got["acceptance_rate"].reshape(-1)[0]) == 1.0
+    sampled = bls(spec, PROMPTS[0], 20, num_draft_tokens=K, use_draft_logits=True, temperature=1.0, seed=7)
+    assert (
+        int(sampled["total_draft_tokens"].reshape(-1)[0])
+        == int(sampled["total_accepted_draft_tokens"].reshape(-1)[0])
+        > 0
+    ), sampled
 
 
 def test_speculation_without_a_draft_model_is_refused(servers):

@@ -179,6 +179,10 @@ class RankModel:
         self.rope = args.rope()
         self.ropes = args.ropes()  # Gemma 3: a "local" rope for the sliding layers too
         self.weight_bytes = weight_bytes  # bytes of this rank's safetensors tensors (what it loaded)
+        # rank 0 of a pp 1 job keeps the outputs of the layers ``capture`` names (FINAL = -1: after the final norm)
+        # for a hidden-state drafter (trtpipe.serving.hidden_draft); ``captured``: the last forward's, [N, H x n]
+        self.capture: tuple[int, ...] = ()
+        self.captured: Optional[torch.Tensor] = None
 
     @torch.no_grad()
     def forward(
@@ -206,8 +210,15 @@ class RankModel:
         else:
             x = comm.recv((B, T, H), lay.peer(lay.pp_rank - 1))
         cos_sin = cos_sin if cos_sin is not None else rope_tables(self.ropes, start_pos, T)
+        keep = self.capture if lay.rank == 0 and lay.pp == 1 else ()
+        captured = []
         for layer in self.layers:
             x = layer(x, start_pos, cache, cos_sin)
+            if layer.layer_idx in keep:  # after the all-reduce: every tp rank holds the same whole x
+                captured.append(x.reshape(B * T, H))
+        if -1 in keep:
+            captured.append(rms_norm(x.reshape(B * T, H), self.ln_f, self.args.norm_epsilon))
+        self.captured = torch.cat(captured, dim=-1) if captured else None
         n = B * T if rows is None else int(rows.numel())
         V = self.args.vocab_size
         if not lay.last_stage:

@@ -183,6 +183,10 @@ class Request:
     draft_tokens: Sequence[int] = ()
     # the request's LookaheadDecodingConfig (W, N, G), at most the executor's; None: the executor's
     lookahead: Optional[tuple[int, int, int]] = None
+    # ``draft_logits`` ([k, V], the draft model's generation logits of draft_tokens: upstream's BLS use_draft_logits):
+    # the drafts are then verified by rejection sampling against them (trtpipe.serving.draft_logits)
+    draft_logits: Any = None
+    return_generation_logits: bool = False  # OutputConfig ``returnGenerationLogits``: each output token's logits
 
 
 @dataclass
@@ -232,6 +236,7 @@ class Response:
     cum_log_prob: Optional[float] = None  # the sum of every output token's logprob so far
     # with Request.prompt_logprobs: one per prompt token, None for the first; on the first response only
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    generation_logits: Optional[list] = None  # with Request.return_generation_logits: [V] per output token so far
 
     @property
     def has_error(self) -> bool:
@@ -273,6 +278,7 @@ class StepEntry:
     spec_positions: Optional[list[int]] = None
     spec_mask: Any = None
     spec_paths: Optional[list[list[int]]] = None
+    keep_logits: bool = False  # return the row the token was sampled from (Request.return_generation_logits)
 
     @property
     def verifies_drafts(self) -> bool:
@@ -327,6 +333,7 @@ class StepResult:
     kept: dict[int, list[int]] = field(default_factory=dict)
     # masked greedy entries: the target's token at every row (lookahead's window reads them: trtpipe.serving.lookahead)
     targets: dict[int, list[int]] = field(default_factory=dict)
+    logits: dict[int, Any] = field(default_factory=dict)  # keep_logits entries: the [V] row sampled from
 
 
 class StepEngine(Protocol):

@@ -37,6 +37,7 @@ from trtpipe.serving.api import (
 )
 from trtpipe.serving.guided import GuideError
 from trtpipe.serving.adapters import within_lora_cache
+from trtpipe.serving.draft_logits import external_draft_probs
 from trtpipe.serving.kv_pool import BlockPool, KVStats
 from trtpipe.serving.logprobs import MAX_LOGPROBS
 from trtpipe.serving.scheduler import ActiveRequest, ContextTooLong, capacity_schedule, insert_by_priority, micro_batch
@@ -377,6 +378,8 @@ class ExecutorCore:
         if req.logprobs is not None:
             resp.logprobs = r.logprobs[first_output:]
             resp.cum_log_prob = r.cum_log_prob
+        if req.return_generation_logits:
+            resp.generation_logits = r.generation_logits[first_output:]
         if req.prompt_logprobs is not None and not r.prompt_logprobs_sent:
             resp.prompt_logprobs = [None, *r.prompt_logprobs]
             r.prompt_logprobs_sent = True
@@ -572,7 +575,9 @@ class ExecutorCore:
                         r.tokens[r.context_pos + 1 : min(end + 1, r.prompt_len)] if _scores_prompt(r) else []
                     ),
                     banned=_banned(r),
+                    draft_probs=external_draft_probs(req, len(drafts)),
                     context_drafts=len(drafts),
+                    keep_logits=req.return_generation_logits,
                 )
             )
         generating = [r for r in chosen if r.generating]
@@ -600,6 +605,7 @@ class ExecutorCore:
                     banned=_banned(r),
                     draft_probs=q,
                     **(spec[0] if spec and d else {}),
+                    keep_logits=r.request.return_generation_logits,
                 )
             )
         if not batch.entries:
@@ -632,6 +638,8 @@ class ExecutorCore:
                     self._keep_accepted(e, result.kept[e.request_id])
                 self._accept_verified(r, e.drafts, result.accepted[e.request_id], now)
                 continue
+            if e.request_id in result.logits:  # return_generation_logits: the row its token was sampled from
+                r.generation_logits.append(result.logits[e.request_id])
             try:
                 self._accept(r, result.tokens[e.request_id], now, result.logprobs.get(e.request_id))
             except GuideError as exc:  # a token its grammar refuses (an engine that ignored the mask): its own

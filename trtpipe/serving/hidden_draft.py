@@ -302,8 +302,9 @@ def require_hidden_states(target_engine, what: str) -> None:
     """Refuse, in one line, a target engine that does not keep its hidden states for a head."""
     if not getattr(target_engine, "captures_hidden_states", False):
         raise ValueError(
-            f"{what} drafting reads the target's hidden states: the twin runs it on the in-process "
-            "reference engine only (not over mpirun ranks, nor under LoRA adapters)"
+            f"{what} drafting reads the target's hidden states: the twin runs it on the in-process reference "
+            "engine or on rank 0 of mpirun ranks at pp 1 without attention DP (not at pp > 1, under attention DP, "
+            "nor under LoRA adapters)"
         )
 
 
@@ -316,8 +317,9 @@ class HiddenDrafter:
         self.head, self.target, self.pool = head, target_engine, pool
         self.depths, self.vanilla = head.depths, head.vanilla
         target_engine.capture = head.capture
-        # the reference engine's packing and paged attention (the class that defines them, not a subclass)
-        engine_cls = next(c for c in type(target_engine).__mro__ if c.__dict__.get("captures_hidden_states"))
+        # the reference engine's packing and paged attention in this process (the class that sets the flag True, not
+        # a subclass: under mpirun rank 0's RankEngine decides it by a property, mpi_engine.RankEngine)
+        engine_cls = next(c for c in type(target_engine).__mro__ if c.__dict__.get("captures_hidden_states") is True)
         self.engine = engine_cls(head.model)
         self.engine.allocate(pool.num_blocks, pool.tokens_per_block)
         for (layer, rank), pair in self.engine.pools.items():  # the same tensors, as the target pool's extra layers

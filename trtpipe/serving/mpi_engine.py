@@ -10,6 +10,10 @@ A speculative draft model can be sharded the same way (:func:`draft_step_engine`
 of the draft checkpoint, each broadcast names the model it is for (``target`` or ``draft``), and one lock orders the
 two engines' broadcasts on the one communicator.
 
+Hidden-state heads (MTP, EAGLE-3, Medusa; :mod:`trtpipe.serving.hidden_draft`) draft on rank 0 from the hidden
+states its own shard's forward keeps (:attr:`RankEngine.captures_hidden_states`: pp 1, no attention DP); the head runs
+whole there, not tp-sharded as TensorRT-LLM builds it (docs/reference/speculative.md says why).
+
 Under attention data parallel each step's entries are spread over the ranks (:mod:`trtpipe.serving.attention_dp`:
 rank 0 assigns, the assignment is broadcast with the step, each rank runs its own entries).
 """
@@ -28,7 +32,7 @@ from trtpipe.serving.reference_engine import ReferenceEngine
 from trtpipe.serving.tree_verify import as_mask
 
 
-def _wire(batch: StepBatch, lora_sources: Optional[dict] = None) -> tuple:
+def wire(batch: StepBatch, lora_sources: Optional[dict] = None) -> tuple:
     """What the workers need of a step (no sampling state: rank 0 samples); with LoRA, each entry's adapter and
     where the step's adapters come from (name -> directory, or a source tuple: :meth:`MpiStepEngine.lora_sources`;
     a worker reads one the first time it needs it)."""
@@ -48,17 +52,21 @@ def _wire(batch: StepBatch, lora_sources: Optional[dict] = None) -> tuple:
                 e.lora,
                 None if e.spec_positions is None else list(map(int, e.spec_positions)),
                 None if e.spec_mask is None else as_mask(e.spec_mask, len(e.tokens)).tolist(),
+                int(e.context_drafts),  # a context chunk ending with external drafts needs their k + 1 rows
             )
             for e in batch.entries
         ],
     )
 
 
-def _unwire(wire: tuple) -> StepBatch:
+def unwire(wire: tuple) -> StepBatch:
     iteration, _, entries = wire
     return StepBatch(
         iteration,
-        [StepEntry(*e[:6], prompt_targets=e[6], lora=e[7], spec_positions=e[8], spec_mask=e[9]) for e in entries],
+        [
+            StepEntry(*e[:6], prompt_targets=e[6], lora=e[7], spec_positions=e[8], spec_mask=e[9], context_drafts=e[10])
+            for e in entries
+        ],
     )
 
 
@@ -66,10 +74,16 @@ class RankEngine(ReferenceEngine):
     """Every rank's shard of a packed step: the reference engine's packing and paged pool (this rank's KV heads
     of its stage's layers), run through :meth:`RankModel.forward` (all-reduces, pipeline sends)."""
 
-    captures_hidden_states = False  # its logits run over the ranks: MTP / EAGLE-3 heads get no hidden states
-
     def __init__(self, model: RankModel):
         super().__init__(model)
+
+    @property
+    def captures_hidden_states(self) -> bool:
+        """Rank 0 of a pp 1 job without attention DP holds every layer's whole output after its all-reduce, so it
+        keeps the hidden states a head drafts from (:mod:`trtpipe.serving.hidden_draft`); at pp > 1 they are on
+        other ranks, under attention DP only its own requests' are."""
+        lay = self.model.layout
+        return lay.rank == 0 and lay.pp == 1 and not self.model.args.attention_dp
 
     @torch.no_grad()
     def logits(self, batch: StepBatch, ranks: Optional[list[int]] = None) -> Optional[torch.Tensor]:
@@ -77,7 +91,10 @@ class RankEngine(ReferenceEngine):
         if self.model.args.attention_dp:
             return attention_dp.step_logits(self, batch, ranks)
         ids, paged, cos_sin, ends = self.packed(batch)
-        return self.model.forward(ids, paged, 0, rows=torch.tensor(ends, dtype=torch.long), cos_sin=cos_sin)
+        self.model.capture = self.capture
+        out = self.model.forward(ids, paged, 0, rows=torch.tensor(ends, dtype=torch.long), cos_sin=cos_sin)
+        self.captured = self.model.captured
+        return out
 
 
 TARGET, DRAFT = "target", "draft"
@@ -95,7 +112,7 @@ def worker_loop(model: RankModel, draft: Optional[RankModel] = None) -> None:
         tag, *rest = rest
         engine = engines[tag]
         if kind == "step":
-            batch = _unwire(rest[0])
+            batch = unwire(rest[0])
             if lora is not None and tag == TARGET:
                 lora.run(batch, rest[0][1], engine.logits)
             else:
@@ -186,10 +203,10 @@ class MpiStepEngine(RankEngine):
     def logits(self, batch: StepBatch) -> torch.Tensor:
         with self._lock:
             if self.assigner is None:
-                self._broadcast("step", _wire(batch, self.lora_sources(batch)))
+                self._broadcast("step", wire(batch, self.lora_sources(batch)))
                 return super().logits(batch)
             ranks = self.assigner.assign(batch, self.tokens_per_block)
-            self._broadcast("step", _wire(batch, self.lora_sources(batch)), ranks)
+            self._broadcast("step", wire(batch, self.lora_sources(batch)), ranks)
             return super().logits(batch, ranks)
 
     def step(self, batch: StepBatch) -> StepResult:
@@ -273,9 +290,11 @@ def generate_steps(
     return outputs
 
 
-def start_leader(engine_dir: str, run_dir: str) -> MpiStepEngine:
+def start_leader(engine_dir: str, run_dir: str, draft_dir: Optional[str] = None) -> MpiStepEngine:
     """Rank 0 inside the Triton twin: load its shard with the others, write every rank's status to
-    ``run_dir/ranks.json`` (the launcher's readiness and failure report), return the engine."""
+    ``run_dir/ranks.json`` (the launcher's readiness and failure report), return the engine. With ``draft_dir`` (the
+    two-model form's draft engine) every rank also loads its draft shard, and ``engine.draft`` is the draft's engine
+    (rank 0's twin serves it to the draft's stub: :class:`~trtpipe.serving.draft_proxy.DraftServer`)."""
     import json
     import os
 
@@ -288,4 +307,7 @@ def start_leader(engine_dir: str, run_dir: str) -> MpiStepEngine:
         os.replace(tmp, os.path.join(run_dir, "ranks.json"))
 
     model, _ = load_all_ranks(os.path.join(engine_dir, "checkpoint"), on_status=report)
-    return MpiStepEngine(model)
+    engine = MpiStepEngine(model)
+    if draft_dir:
+        engine.draft = draft_step_engine(engine, load_all_ranks(os.path.join(draft_dir, "checkpoint"), report)[0])
+    return engine

@@ -1,7 +1,7 @@
 """A worker rank of a leader-mode job (``python -m mpi4py -m trtpipe.serving.mpi_worker ENGINE_DIR``).
 
-It serves nothing: it loads its shard of ``ENGINE_DIR/checkpoint`` (the collective load reports to rank 0),
-then runs its part of every step rank 0 broadcasts until rank 0 says stop. Run under ``python -m mpi4py`` so
+It serves nothing: it loads its shard of ``ENGINE_DIR/checkpoint`` (the collective load reports to rank 0), and with
+``--draft DRAFT_DIR`` its shard of the two-model form's draft (:mod:`trtpipe.serving.draft_proxy`), then runs its part of every step rank 0 broadcasts until rank 0 says stop. Run under ``python -m mpi4py`` so
 an uncaught error aborts the whole job instead of leaving the other ranks waiting.
 """
 
@@ -15,6 +15,7 @@ import sys
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="trtpipe.serving.mpi_worker")
     ap.add_argument("engine_dir", help="CPU twin engine dir (its checkpoint/ holds the rank files)")
+    ap.add_argument("--draft", help="the two-model form's draft engine dir (its shard is loaded after the target's)")
     args = ap.parse_args(argv)
     import torch
 
@@ -25,13 +26,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(int(os.environ.get("TRTPIPE_CPU_THREADS", "1")))
     try:
         model, _ = load_all_ranks(os.path.join(args.engine_dir, "checkpoint"))
+        draft = load_all_ranks(os.path.join(args.draft, "checkpoint"))[0] if args.draft else None
     except RankLoadError as exc:
         print(f"trtpipe worker: {exc}", file=sys.stderr, flush=True)
         record_exit(f"failed to load its shard: {exc}")
         return 1
     print(f"trtpipe worker: rank {model.layout.rank} loaded layers {[l.layer_idx for l in model.layers]}", flush=True)
     try:
-        worker_loop(model)
+        worker_loop(model, draft)
     except BaseException as exc:  # the leader is gone (an MPI error) or we are told to end: say so, then go
         record_exit(f"ended by {type(exc).__name__}: {exc}")
         raise

@@ -27,6 +27,7 @@ from trtpipe.runtime.generate import sample
 from trtpipe.runtime.model import ReferenceModel, attention_probs, rms_norm
 from trtpipe.serving.api import ExecutorConfig, StepBatch, StepResult
 from trtpipe.serving.logprobs import ban_tokens, chosen_logprobs, rows_of, split_rows
+from trtpipe.serving.draft_logits import kept_rows
 from trtpipe.serving.hidden_draft import FINAL
 from trtpipe.serving.speculative import DRAFT_TARGET, EAGLE, EAGLE3, MEDUSA, MTP, verify_entries
 from trtpipe.serving.tree_verify import as_mask, move_slots, spec_rope_positions
@@ -308,6 +309,7 @@ class ReferenceEngine:
         t0 = time.perf_counter()
         logits = self.logits(batch)
         _, sample_at, prompt_at = rows_of(batch)
+        sampled_rows = kept_rows(batch, logits, sample_at) if any(e.keep_logits for e in batch.entries) else {}
         logits, prompt = split_rows(batch, logits, sample_at, prompt_at) if prompt_at else (logits, {})
         accepted: dict = {}
         kept: dict = {}  # masked entries: the accepted drafts' indices (trtpipe.serving.tree_verify)
@@ -326,6 +328,7 @@ class ReferenceEngine:
             accepted=accepted,
             kept=kept,
             targets=targets,
+            logits=sampled_rows,
         )
 
 

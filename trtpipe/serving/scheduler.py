@@ -42,6 +42,7 @@ class ActiveRequest:
     logprobs: list = field(default_factory=list)  # TokenLogprob per output token (Request.logprobs)
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprob per prompt token after the first
     cum_log_prob: float = 0.0
+    generation_logits: list = field(default_factory=list)  # [V] per sampled token (Request.return_generation_logits)
     prompt_logprobs_sent: bool = False
 
     def __post_init__(self):

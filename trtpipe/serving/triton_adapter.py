@@ -24,6 +24,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from trtpipe.serving.draft_logits import check_draft_logits
 from trtpipe.serving.api import CapacityPolicy, ExecutorConfig, Request, Response, SamplingParams
 from trtpipe.serving.config import KV_REUSE_DEFAULT, executor_config, read_twin_extras
 from trtpipe.serving.executor import IterationStats
@@ -264,6 +265,8 @@ def parse_request(
     if not 0.0 <= priority <= 1.0:
         raise ValueError(f"priority must be within [0, 1], got {priority}")
     drafts = _drafts(get, out_len, vocab)
+    given_logits = _given(get, "draft_logits")  # the BLS's use_draft_logits (trtpipe/serving/draft_logits.py)
+    draft_logits = None if given_logits is None else check_draft_logits(given_logits, len(drafts), vocab)
     guide = _guide(get)
     lora = select(adapters, *(_given(get, n) for n in ("lora_task_id", "lora_weights", "lora_config")))
     request = Request(
@@ -283,6 +286,8 @@ def parse_request(
         lora=lora,
         draft_tokens=drafts,
         lookahead=request_sizes(get),
+        draft_logits=draft_logits,
+        return_generation_logits=_scalar(get, "return_generation_logits", False, bool),
     )
     return ParsedRequest(
         request,
@@ -343,6 +348,9 @@ def response_outputs(resp: Response, parsed: ParsedRequest) -> list[tuple[str, n
             ("cum_log_probs", np.array([[resp.cum_log_prob or 0.0]], np.float32)),
             ("output_log_probs", np.array(values, np.float32).reshape(1, 1, len(values))),
         ]
+    if resp.generation_logits:  # [batch 1, beam 1, tokens, vocab], as the backend returns them
+        rows = np.stack([np.asarray(x, np.float32) for x in resp.generation_logits])
+        out.append(("generation_logits", rows.reshape(1, 1, *rows.shape)))
     if resp.is_final and parsed.return_perf_metrics and resp.perf is not None:
         p = resp.perf
         out += [

@@ -52,6 +52,8 @@ HONOURED = frozenset(
         "lookahead_window_size",
         "lookahead_ngram_size",
         "lookahead_verification_set_size",
+        "draft_logits",  # the draft's generation logits: rejection sampling (trtpipe/serving/draft_logits.py)
+        "return_generation_logits",  # generation_logits: each output token's logits row
     }
 )
 
@@ -65,7 +67,7 @@ IGNORED = frozenset(
         "retention_decode_priority",
         "retention_decode_duration_ms",
         # only read by the real engine together with an input the twin refuses below
-        "draft_acceptance_threshold",  # draft_logits
+        "draft_acceptance_threshold",  # with draft_logits: the twin verifies by rejection sampling, no threshold
         "prompt_vocab_size",  # prompt_embedding_table
         "runtime_top_p_min",
         "runtime_top_p_reset_ids",  # runtime_top_p_decay < 1
@@ -91,12 +93,10 @@ OFF_WHEN: dict[str, tuple[str, Callable[[np.ndarray], bool]]] = {
     "frequency_penalty": _equal(0.0),
     "runtime_top_p_decay": _equal(1.0),
     "return_context_logits": _FALSE,
-    "return_generation_logits": _FALSE,
 }
 
 # Refused whenever present with data: features the reference runtime does not have.
 NEVER: dict[str, str] = {
-    "draft_logits": "speculative decoding with draft logits",
     "embedding_bias": "embedding bias",
     "prompt_embedding_table": "prompt tuning",
     "prompt_table_extra_ids": "prompt tuning",

@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 
 from trtpipe.errors import ServingError
 from trtpipe.processes import (
+    DRAFT_DIR_ENV,
     EXIT_RECORD_ENV,
     RUN_DIR_ENV,
     SHM_DIR,
@@ -143,11 +144,15 @@ def venv_mpiexec() -> str:
     return str(path)
 
 
-def twin_segments(repo: Path, engine_dir: Path, world: int, bind: str, ports, shm_prefix: str) -> list[list[str]]:
-    """Rank 0: the CPU tritonserver (the twin model is the leader); ranks > 0: MPI workers that serve nothing."""
+def twin_segments(
+    repo: Path, engine_dir: Path, world: int, bind: str, ports, shm_prefix: str, draft_dir: Optional[Path] = None
+) -> list[list[str]]:
+    """Rank 0: the CPU tritonserver (the twin model is the leader); ranks > 0: MPI workers that serve nothing (with
+    ``draft_dir``, the two-model form's draft engine, they also hold its shards: trtpipe.serving.draft_proxy)."""
     root = prepare_server()
     rank0 = server_command(root / "bin" / "tritonserver", root / "backends", repo, bind, ports, shm_prefix)
     worker = [sys.executable, "-m", "mpi4py", "-m", "trtpipe.serving.mpi_worker", str(engine_dir)]
+    worker += ["--draft", str(draft_dir)] if draft_dir is not None else []
     return [rank0] + [worker] * (world - 1)
 
 
@@ -514,13 +519,17 @@ def launch_spec(
     shm_prefix = f"trtpipe{os.getpid()}_{ports.grpc}_"
     engine = Path(repo) / "tensorrt_llm" / "engine"  # the copy rank 0's twin loads (gpt_model_path)
     engine = engine if engine.is_dir() else Path(info["engine"])
-    segments = twin_segments(repo, engine, world, bind, ports, shm_prefix)
+    draft = Path(repo) / "tensorrt_llm_draft" / "engine"  # the two-model form's draft (every rank holds a shard)
+    draft = draft.resolve() if draft.is_dir() else None
+    segments = twin_segments(repo, engine, world, bind, ports, shm_prefix, draft)
     command = mpmd(
         launcher_argv(mpiexec or venv_mpiexec(), hostfile),
         [rank_wrapper(seg, run_dir, r) for r, seg in enumerate(segments)],
     )
     env = server_env({})
     env[RUN_DIR_ENV] = str(run_dir)
+    if draft is not None:
+        env[DRAFT_DIR_ENV] = str(draft)  # rank 0's target stub loads it (mpi_engine.start_leader)
     env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
     return {
         "command": command,

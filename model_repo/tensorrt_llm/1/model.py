@@ -45,10 +45,18 @@ class TritonPythonModel:
         self.settings = triton_adapter.settings_from_model_config(config, args["model_repository"])
         torch.set_num_threads(self.settings.cpu_threads)
         run_dir = os.environ.get("TRTPIPE_MPI_RUN_DIR")
-        if run_dir:  # rank 0 of a leader-mode mpiexec job: its shard here, the other ranks follow each step
+        if run_dir and args["model_name"] == "tensorrt_llm_draft":  # the two-model form's draft in leader mode:
+            from trtpipe.serving.draft_proxy import DraftClient  # its shards run on the ranks, through the target
+
+            self.engine = DraftClient(run_dir)
+        elif run_dir:  # rank 0 of a leader-mode mpiexec job: its shard here, the other ranks follow each step
+            from trtpipe.processes import DRAFT_DIR_ENV
+            from trtpipe.serving.draft_proxy import DraftServer
             from trtpipe.serving.mpi_engine import start_leader
 
-            self.engine = start_leader(str(self.settings.engine_dir), run_dir)
+            self.engine = start_leader(str(self.settings.engine_dir), run_dir, os.environ.get(DRAFT_DIR_ENV))
+            if getattr(self.engine, "draft", None) is not None:  # the two-model form: serve the draft's stub
+                self.draft_server = DraftServer(self.engine.draft, run_dir)
         else:
             self.engine = ReferenceEngine(load_checkpoint(self.settings.engine_dir / "checkpoint", device="cpu"))
         from trtpipe.serving.reference_engine import draft_engine  # the recipe's draft or Medusa heads, else None

@@ -19,8 +19,9 @@ k = min(num_draft_tokens, tokens left - 1) tokens after the sequence so far, the
 as ``draft_input_ids`` and ``request_output_len`` k + 1 (``triton_decoder.py@07f3e442``
 ``_get_llm_tensors_from_request``), verifies them in one forward and returns the accepted drafts and its own next
 token, which are appended; until max_tokens, an end (the target returned fewer than k + 1 tokens) or a stop word.
-As upstream: not streamed, no context logits. Here also refused in one line: ``use_draft_logits`` (this BLS sends
-draft tokens only), ``return_log_probs`` and ``min_tokens`` (they would count per round, not per request).
+As upstream: not streamed, no context logits; ``use_draft_logits`` sends the draft's ``generation_logits`` to the
+target as ``draft_logits`` (verification by rejection sampling: trtpipe/serving/draft_logits.py). Here also refused in
+one line: ``return_log_probs`` and ``min_tokens`` (they would count per round, not per request).
 ``acceptance_rate`` / ``total_accepted_draft_tokens`` / ``total_draft_tokens`` come back with ``return_perf_metrics``
 summed over the rounds (upstream returns the last round's target response).
 """
@@ -448,7 +449,9 @@ class TritonPythonModel:
         k = int(k_t.as_numpy().reshape(-1)[0]) if k_t is not None else 0
         if k > 0:
             self._check_speculative(request, given, stream)
-            yield from self._speculate(pre, given, llm_inputs, k, cancelled)
+            logits_t = pb_utils.get_input_tensor_by_name(request, "use_draft_logits")
+            use_logits = logits_t is not None and bool(logits_t.as_numpy().reshape(-1)[0])
+            yield from self._speculate(pre, given, llm_inputs, k, cancelled, use_logits)
             return
         prefix = []  # the prompt, for an unstreamed answer that includes it but is read as a stream
         inner_stream = stream
@@ -531,9 +534,7 @@ class TritonPythonModel:
             raise _Failed("cannot perform speculative decoding without draft model", invalid)
         if stream:
             raise _Failed("streaming is not supported with speculative decoding", invalid)
-        logits = pb_utils.get_input_tensor_by_name(request, "use_draft_logits")
         refused = [
-            ("use_draft_logits", logits is not None and bool(logits.as_numpy().reshape(-1)[0])),
             ("return_log_probs", "return_log_probs" in given and bool(given["return_log_probs"].reshape(-1)[0])),
             ("min_tokens", "min_tokens" in given and int(given["min_tokens"].reshape(-1)[0]) > 0),
         ]
@@ -562,8 +563,10 @@ class TritonPythonModel:
             raise _Failed(f"tensorrt_llm_bls: {model} returned no output_ids")
         return got
 
-    def _speculate(self, pre, given, llm_inputs, k, cancelled):
-        """Yield the one (text, final, tensors) of a speculative request: upstream's ``_spec_generate`` rounds."""
+    def _speculate(self, pre, given, llm_inputs, k, cancelled, use_logits=False):
+        """Yield the one (text, final, tensors) of a speculative request: upstream's ``_spec_generate`` rounds.
+        ``use_logits`` (``use_draft_logits``): the draft's ``generation_logits`` go to the target as ``draft_logits``
+        (decode.py@4db68284: ``draft_response.generation_logits[0][0]``, the last len(drafts) rows)."""
         in_len = int(pb_utils.get_output_tensor_by_name(pre, "REQUEST_INPUT_LEN").as_numpy().reshape(-1)[0])
         out_len = int(pb_utils.get_output_tensor_by_name(pre, "REQUEST_OUTPUT_LEN").as_numpy().reshape(-1)[0])
         prompt = pb_utils.get_output_tensor_by_name(pre, "INPUT_ID").as_numpy().reshape(-1)[:in_len].tolist()
@@ -594,11 +597,20 @@ class TritonPythonModel:
             if nd > 0:  # upstream sets min_tokens = k for the draft call: it drafts k tokens, end id or not
                 min_tokens = pb_utils.Tensor("min_tokens", np.array([[nd]], np.int32))
                 draft_in = [t for t in shared if t.name() != "min_tokens"] + ids(prompt + generated, nd) + [min_tokens]
-                drafts = tokens_of(self._once(self.draft_name, draft_in, ["output_ids", "sequence_length"], ""))[:nd]
+                wanted = ["output_ids", "sequence_length"] + (["generation_logits"] if use_logits else [])
+                if use_logits:
+                    draft_in.append(pb_utils.Tensor("return_generation_logits", np.array([[True]], bool)))
+                draft_resp = self._once(self.draft_name, draft_in, wanted, "")
+                drafts = tokens_of(draft_resp)[:nd]
+                if use_logits:  # [1, beam, tokens, vocab] -> the drafts' rows
+                    rows = pb_utils.get_output_tensor_by_name(draft_resp, "generation_logits").as_numpy()[0][0]
+                    draft_logits = rows[len(rows) - len(drafts) :].astype(np.float32)
             target_in = shared + ids(prompt + generated, len(drafts) + 1)
             target_in += [pb_utils.Tensor(n, np.array([[True]], bool)) for n in _ASK_MEASURED]
             if drafts:
                 target_in.append(pb_utils.Tensor("draft_input_ids", np.array([drafts], np.int32)))
+                if use_logits:
+                    target_in.append(pb_utils.Tensor("draft_logits", draft_logits[None]))
             resp = self._once(self.llm_name, target_in, ["output_ids", "sequence_length", *_ACCEPTANCE, *perf], "")
             new = tokens_of(resp)
             counts = [pb_utils.get_output_tensor_by_name(resp, n) for n in _ACCEPTANCE[1:]]
