@@ -338,6 +338,36 @@ def _rank_lm_head(args: ModelArgs, lay: RankLayout, tensors: dict, embedding, pa
     return build_linear(with_prefix(tensors, "lm_head."), spec)
 
 
+def whole_lm_head(model, checkpoint_dir: Optional[str | Path]) -> list:
+    """The lm_head of ``model`` as one linear per tp rank (columns side by side, as
+    :class:`~trtpipe.runtime.model.ReferenceModel` holds it), for what reads the target's logits on rank 0 alone (an
+    EAGLE-1/2 head drafting there: :mod:`trtpipe.serving.eagle1`). A one-process model's list as it is; a
+    :class:`RankModel` of a pp 1 job holds only its own columns, so the other tp ranks' ``lm_head.*`` tensors (and
+    nothing else) are read from ``checkpoint_dir``'s rank files."""
+    from safetensors import SafetensorError, safe_open
+
+    from trtpipe.runtime.loader import lm_head_linears
+
+    if not isinstance(model, RankModel):
+        return list(model.lm_head)
+    lay = model.layout
+    if lay.tp == 1 or model.args.attention_dp:  # the whole lm_head on this rank
+        return [model.lm_head]
+    if lay.pp != 1 or checkpoint_dir is None:
+        raise ValueError(f"the target's whole lm_head on rank {lay.rank} needs pp 1 and its checkpoint directory")
+    ranks = []
+    for r in range(lay.tp):
+        path = Path(checkpoint_dir) / f"rank{r}.safetensors"
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                ranks.append({k: f.get_tensor(k) for k in f.keys() if k.startswith("lm_head.")})
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{path}: cannot read the lm_head: {exc}") from None
+        if "lm_head.weight" not in ranks[-1]:
+            raise CheckpointError(f"{path}: tensor 'lm_head.weight' is missing")
+    return lm_head_linears(model.args, ranks, model.embedding)
+
+
 def rank_status(model: Optional[RankModel], layout: RankLayout, error: Optional[str]) -> dict:
     """What a rank reports after loading (readiness is every rank reporting ``ok``)."""
     return {

@@ -50,7 +50,20 @@ def head_args(cfg: dict, vocab_size: int, where: str) -> ModelArgs:
 class Eagle1Head(nn.Module):
     """An EAGLE-1/2 head over the target's final-normed output, drafting with the target's lm_head."""
 
-    def __init__(self, target: ReferenceModel, args: ModelArgs, layers: list[dict], fc: tuple, embedding, where: str):
+    def __init__(
+        self,
+        target: ReferenceModel,
+        args: ModelArgs,
+        layers: list[dict],
+        fc: tuple,
+        embedding,
+        where: str,
+        checkpoint_dir=None,
+    ):
+        """``checkpoint_dir``: the target's checkpoint, read for the lm_head's other tp shards when ``target`` is
+        rank 0's shard under mpirun (:func:`~trtpipe.runtime.distributed.whole_lm_head`)."""
+        from trtpipe.runtime.distributed import whole_lm_head
+
         super().__init__()
         H, V = target.args.hidden_size, target.args.vocab_size
         if args.hidden_size != H:
@@ -65,6 +78,7 @@ class Eagle1Head(nn.Module):
                 f"{where}: EAGLE head embed_tokens is {tuple(embedding.shape)}; the target's vocabulary needs {(V, H)}"
             )
         self.capture, self.d2t, self.target, self.eps = (FINAL,), None, target, args.norm_epsilon
+        self.lm_head = whole_lm_head(target, checkpoint_dir)
         self.tree: Optional[list[list[int]]] = None  # eagle_choices with siblings (None: the chain)
         self.fc = Float32Linear(w, b)
         ones = torch.ones(H)
@@ -91,7 +105,7 @@ class Eagle1Head(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         # the target's lm_head (its tp shards' columns side by side, as MTPHead reads it)
-        return torch.cat([m(x) for m in self.target.lm_head], dim=-1)[..., : self.target.args.vocab_size].float()
+        return torch.cat([m(x) for m in self.lm_head], dim=-1)[..., : self.target.args.vocab_size].float()
 
     def next_hidden(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -102,8 +116,9 @@ class Eagle1Head(nn.Module):
         return Eagle1TreeDrafter(self, target_engine, pool)
 
 
-def load_eagle1_head(path: str | Path, target: ReferenceModel) -> Eagle1Head:
-    """An EAGLE-1/2 head for ``target`` from a published head directory or an ``EagleForCausalLM`` checkpoint."""
+def load_eagle1_head(path: str | Path, target: ReferenceModel, checkpoint_dir=None) -> Eagle1Head:
+    """An EAGLE-1/2 head for ``target`` from a published head directory or an ``EagleForCausalLM`` checkpoint
+    (``checkpoint_dir``: the target's, when it is rank 0's shard under mpirun: :class:`Eagle1Head`)."""
     d = Path(path)
     cfg = load_json(d / "config.json", CheckpointError) if (d / "config.json").is_file() else {}
     V = target.args.vocab_size
@@ -111,7 +126,7 @@ def load_eagle1_head(path: str | Path, target: ReferenceModel) -> Eagle1Head:
         from trtpipe.checkpoint.eagle import checkpoint_head
 
         layers, fc, emb, net = checkpoint_head(d)
-        return Eagle1Head(target, head_args(net, V, str(d / "config.json")), layers, fc, emb, str(d))
+        return Eagle1Head(target, head_args(net, V, str(d / "config.json")), layers, fc, emb, str(d), checkpoint_dir)
     t, cfg = read_head(d)
     where = str(d)
     for n in ("fc.weight", "fc.bias"):
@@ -122,7 +137,7 @@ def load_eagle1_head(path: str | Path, target: ReferenceModel) -> Eagle1Head:
     args = head_args(cfg, V, str(d / "config.json"))
     layers = [trt_layer_tensors(t, i, where) for i in range(args.num_layers)]
     emb = t.get("embed_tokens.weight", target.embedding)  # cnets1 loads the base model's embedding when absent
-    return Eagle1Head(target, args, layers, (t["fc.weight"], t["fc.bias"]), emb, where)
+    return Eagle1Head(target, args, layers, (t["fc.weight"], t["fc.bias"]), emb, where, checkpoint_dir)
 
 
 def parse_tree(text: str, k: int) -> Optional[list[list[int]]]:

@@ -387,7 +387,7 @@ def draft_engine(config: ExecutorConfig, target: Optional[ReferenceModel] = None
             and cfg.is_file()
             and load_json(cfg, CheckpointError).get("architecture") == ARCHITECTURE
         )
-        head = load_eagle1_head(target_dir if built else config.speculative_model, target)
+        head = load_eagle1_head(target_dir if built else config.speculative_model, target, target_dir)
         head.tree = parse_tree(config.eagle_choices, config.max_draft_len)  # None: the chain
         return head
     return load_eagle3_head(config.speculative_model, target)

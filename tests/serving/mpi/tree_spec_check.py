@@ -1,7 +1,8 @@
 """Run under mpiexec: the tree forms of speculation and lookahead for a tp 2 target split over two ranks (rank 0's MPI
 step engine verifies each step's token set with its mask and positions, the accepted drafts' KV moves on every rank;
-heads draft whole on rank 0 from its captured hidden states; the workers follow ``worker_loop(target)``). Rank 0 also
-runs the one-process (tp 1) executor over the same HF weights with the same drafter. Prints one JSON line on rank 0:
+heads draft whole on rank 0 from its captured hidden states, built over rank 0's shard and the tp 2 checkpoint as the
+Triton twin builds them in leader mode; the workers follow ``worker_loop(target)``). Rank 0 also runs the one-process
+(tp 1) executor over the same HF weights with the same heads. Prints one JSON line on rank 0:
 tokens and acceptance counters of each run; exit 1 when the greedy tokens of any run differ from tp 1 without
 speculation.
 
@@ -82,8 +83,11 @@ def main(kind: str, hf_dir: str, ckpt: str, head_dir: str) -> int:
     full = load_hf_checkpoint(hf_dir)  # the whole target in rank 0's process (what a head reads besides)
     sampled = kind != "lookahead"  # lookahead is greedy only (trtpipe.serving.lookahead.GREEDY_ONLY)
 
-    def drafter():
-        return draft_engine(spec_cfg, full, hf_dir)
+    def drafter(over=full, where=hf_dir):
+        return draft_engine(spec_cfg, over, where)
+
+    def rank_drafter():  # as the Triton twin in leader mode builds it: over rank 0's shard and its checkpoint
+        return drafter(target, ckpt)
 
     out = {
         "tp1_plain": serve(plain_cfg, ReferenceEngine(full), prompts),
@@ -94,9 +98,9 @@ def main(kind: str, hf_dir: str, ckpt: str, head_dir: str) -> int:
     engine = MpiStepEngine(target)
     try:
         out["tp2_plain"] = serve(plain_cfg, engine, prompts)
-        out["tp2_spec"] = serve(spec_cfg, engine, prompts, drafter())
+        out["tp2_spec"] = serve(spec_cfg, engine, prompts, rank_drafter())
         if sampled:
-            out["tp2_sampled"] = serve(spec_cfg, engine, prompts, drafter(), True)
+            out["tp2_sampled"] = serve(spec_cfg, engine, prompts, rank_drafter(), True)
     finally:
         engine.shutdown()
     print(json.dumps(out), flush=True)
