@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.mpi
 
@@ -49,3 +50,23 @@ def test_trees_and_lookahead_at_tp2_under_mpiexec_keep_greedy_output_and_tp1_cou
     if kind != "lookahead":
         assert out["tp2_sampled"]["tokens"] == out["tp1_sampled"]["tokens"]
         assert [out["tp2_sampled"][c] for c in counters] == [out["tp1_sampled"][c] for c in counters]
+
+
+def test_the_whole_lm_head_of_a_rank_needs_pp1_and_the_checkpoint(tmp_path):
+    """An EAGLE-1/2 head on rank 0 reads the other tp ranks' lm_head from the checkpoint: without it, or at pp > 1
+    (rank 0 holds no lm_head), one line; a missing tensor names the rank file."""
+    from safetensors.torch import save_file
+
+    from trtpipe.errors import CheckpointError
+    from trtpipe.runtime.distributed import RankLayout, RankModel, whole_lm_head
+
+    model = RankModel.__new__(RankModel)
+    model.args = type("A", (), {"attention_dp": False})()
+    for pp, where in ((2, tmp_path), (1, None)):
+        model.layout = RankLayout(2, pp, 0)
+        with pytest.raises(ValueError, match="needs pp 1 and its checkpoint directory"):
+            whole_lm_head(model, where)
+    save_file({"lm_head.weight": torch.zeros(4, 2)}, str(tmp_path / "rank0.safetensors"))
+    save_file({"transformer.ln_f.weight": torch.ones(2)}, str(tmp_path / "rank1.safetensors"))
+    with pytest.raises(CheckpointError, match=r"rank1\.safetensors: tensor 'lm_head\.weight' is missing"):
+        whole_lm_head(model, tmp_path)
