@@ -104,3 +104,25 @@ def test_orchestrator_mode_without_spawned_workers_is_refused_in_one_line(storie
     monkeypatch.setenv("TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES", "0")
     with pytest.raises(RuntimeError, match=r"^TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES=0 \(--disable-spawn-processes"):
         orchestrator_world.World(engine, "tensorrt_llm")
+
+
+def test_dry_run_of_the_twin_repository_shows_both_launches(repos):
+    """``serve --dry-run`` of the two-model twin repository at tp 2: the TensorRT-engine launch it stands for is
+    orchestrator mode (draft and target each on GPUs of their own), then the twin's own leader-mode job."""
+    import shlex
+
+    from trtpipe.app.launch_triton import dry_run_lines
+    from trtpipe.supervisor import Ports
+
+    lines = dry_run_lines(repos[1], (), "127.0.0.1", Ports(8000, 8001, 8002), "/opt/tritonserver/bin/tritonserver")
+    assert "orchestrator mode runs: world_size 2" in lines[0]
+    trt = shlex.split(lines[1].removeprefix("#   "))
+    assert trt[:7] == ["env", "TRTLLM_ORCHESTRATOR=1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES=1", "mpirun"] + [
+        "--allow-run-as-root",
+        "-n",
+        "1",
+    ]
+    assert [a for a in trt if a.startswith("--cuda-memory-pool-byte-size=")] == [
+        f"--cuda-memory-pool-byte-size={j}:0" for j in range(4)
+    ]
+    assert "leader mode" in "\n".join(lines[2:]) and "trtpipe.serving.mpi_worker" in lines[-1]
