@@ -100,6 +100,47 @@ class LaunchPlan:
     twin: bool
     world_size: int
     command: Optional[list[str]]  # the mpirun command (TensorRT engines), None for the CPU twin
+    mode: str = "leader"  # "orchestrator": the two-model form at tp x pp > 1 (trtpipe.triton.orchestrator)
+
+
+def engine_launch(
+    repo: Path,
+    world: int,
+    ports: Ports,
+    bind: str,
+    tritonserver: str,
+    hostfile: Optional[Path] = None,
+    ids: Optional[dict[str, str]] = None,
+) -> tuple[list[str], str]:
+    """The TensorRT-engine launch and its mode: leader mode, or (``ids``: each TensorRT-LLM model's gpu_device_ids,
+    the two-model form at tp x pp > 1) upstream's orchestrator mode, one tritonserver on one node."""
+    if ids is None:
+        return mpirun_command(repo, world, ports, bind, tritonserver, hostfile=hostfile), "leader"
+    from trtpipe.triton.orchestrator import gpus_needed, orchestrator_command
+    from trtpipe.triton.server_process import endpoint_flags, new_admin_key, restricted_api_flags
+
+    if hostfile is not None:
+        raise ServingError(
+            f"--hostfile {hostfile}: the two-model form at tp x pp > 1 runs in orchestrator mode, on one node"
+        )
+    endpoint = endpoint_flags(bind, ports) + restricted_api_flags(new_admin_key())
+    return orchestrator_command(repo, gpus_needed(ids), endpoint, tritonserver), "orchestrator"
+
+
+def repo_device_ids(repo: Path, info: dict) -> Optional[dict[str, str]]:
+    """A built TensorRT repository of the two-model form at tp x pp > 1: each model's gpu_device_ids, checked
+    against its engine's tp x pp; else None (leader mode)."""
+    from trtpipe.triton.orchestrator import DRAFT, TARGET, check_placement, needs_orchestrator, read_device_ids
+    from trtpipe.triton.repo import EngineInfo
+
+    world = int(info.get("world_size", 1))
+    if not needs_orchestrator(bool(info.get("draft_engine")), world):
+        return None
+    ids = read_device_ids(repo)
+    check_placement(
+        ids, {TARGET: world, DRAFT: EngineInfo.read(Path(info["draft_engine"])).world_size}, None, str(repo)
+    )
+    return ids
 
 
 def plan_launch(
@@ -114,8 +155,9 @@ def plan_launch(
         return LaunchPlan(Path(repo), True, int(info.get("world_size", 1)), None)
     ports = ports or Ports(*free_ports(3))
     world = int(info.get("world_size", 1))
-    cmd = mpirun_command(Path(repo).resolve(), world, ports, bind, tritonserver, hostfile=hostfile)
-    return LaunchPlan(Path(repo), False, world, cmd)
+    ids = repo_device_ids(Path(repo), info)
+    cmd, mode = engine_launch(Path(repo).resolve(), world, ports, bind, tritonserver, hostfile, ids)
+    return LaunchPlan(Path(repo), False, world, cmd, mode)
 
 
 def run_mpirun(plan: LaunchPlan) -> int:
@@ -190,11 +232,17 @@ def planned_launch(
     repo = ArtifactStore(recipe.work_path).path("repo", repo_plan.key)
     if repo_plan.cached and (repo / REPO_INFO).exists():
         return plan_launch(repo, bind, ports, tritonserver, hostfile), True
+    from trtpipe.triton.orchestrator import check_placement, device_ids, needs_orchestrator
+    from trtpipe.triton.repo import two_model
+
     world = recipe.parallel.world_size
     ports = ports or Ports(*free_ports(3))
-    return LaunchPlan(
-        repo, False, world, mpirun_command(repo, world, ports, bind, tritonserver, hostfile=hostfile)
-    ), False
+    ids = None
+    if needs_orchestrator(two_model(recipe), world):  # the draft engine is sharded in the recipe's tp x pp too
+        ids = device_ids(world, world)
+        check_placement(ids, {m: world for m in ids}, recipe.deploy.gpus_per_node, str(repo))
+    cmd, mode = engine_launch(repo, world, ports, bind, tritonserver, hostfile, ids)
+    return LaunchPlan(repo, False, world, cmd, mode), False
 
 
 def dry_run_lines(
@@ -230,6 +278,13 @@ def dry_run_lines(
             root / "bin" / "tritonserver", root / "backends", plan.repo, bind, ports or Ports(0, 0, 0), "trtpipe_"
         )
         lines.append("# CPU twin: one tritonserver (ports 0: free ones are chosen at start)")
+    elif plan.mode == "orchestrator":
+        cmd = plan.command
+        lines.append(
+            f"# TensorRT engines, orchestrator mode (launch_triton_server.py --multi-model): one tritonserver; the "
+            f"backend spawns tensorrt_llm's {plan.world_size} and tensorrt_llm_draft's workers on their gpu_device_ids"
+        )
+        return lines + [shlex.join(cmd)]
     else:
         cmd = plan.command
         lines.append(f"# TensorRT engines, leader mode: world_size {plan.world_size}")
@@ -265,9 +320,14 @@ def _twin_leader_lines(
     info = repo_info(plan.repo)
     run_dir = Path("<run dir>")
     spec = mpi_launch.launch_spec(plan.repo, info, bind, ports, run_dir, hostfile)
-    trt = mpirun_command(plan.repo, plan.world_size, ports, bind, tritonserver, hostfile=hostfile)
+    ids = None
+    if info.get("draft_engine"):  # the two-model form: TensorRT engines would be placed as upstream's guide does
+        from trtpipe.triton.orchestrator import device_ids
+
+        ids = device_ids(plan.world_size, plan.world_size)
+    trt, mode = engine_launch(plan.repo, plan.world_size, ports, bind, tritonserver, None if ids else hostfile, ids)
     lines = [
-        f"# with TensorRT engines (tensorrtllm backend) the same launch runs: world_size {plan.world_size}",
+        f"# with TensorRT engines (tensorrtllm backend) {mode} mode runs: world_size {plan.world_size}",
         "#   " + shlex.join(trt),
     ]
     lines += mpi_launch.slurm_lines(spec["segments"])

@@ -45,6 +45,14 @@ def layout_of(recipe: Recipe) -> Layout:
                 f"llmapi.nodes: {nodes} nodes need {world // nodes} GPUs each; deploy.gpus_per_node is {gpn}"
             )
         return Layout(world, world // nodes, nodes)
+    if orchestrated(recipe):  # one tritonserver whose backend spawns both models' workers on one node
+        if 2 * world > gpn:
+            raise TrtpipeError(
+                f"deploy.gpus_per_node: the two-model form at tp x pp {world} runs in orchestrator mode on one node "
+                f"and needs {2 * world} GPUs (draft on 0..{world - 1}, target on {world}..{2 * world - 1}); "
+                f"the node has {gpn}"
+            )
+        return Layout(world, 2 * world, 1)
     if world <= gpn:
         return Layout(world, world, 1)
     if world % gpn:
@@ -53,6 +61,13 @@ def layout_of(recipe: Recipe) -> Layout:
             f"nodes of {gpn} GPUs evenly (one pod per node)"
         )
     return Layout(world, gpn, world // gpn)
+
+
+def orchestrated(recipe: Recipe) -> bool:
+    """The engine target's two-model draft-target form at tp x pp > 1: upstream's orchestrator mode, the draft and
+    the target each on GPUs of their own (trtpipe.triton.orchestrator)."""
+    two = recipe.speculative.decoding_type == "draft_tokens_external"
+    return recipe.target == "engine" and two and recipe.parallel.world_size > 1
 
 
 def product_label(gpu: GPU) -> Optional[str]:

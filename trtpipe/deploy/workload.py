@@ -21,6 +21,15 @@ from trtpipe.deploy.sources import Sourced
 from trtpipe.export.serving import serve_command
 from trtpipe.recipe.schema import Recipe
 from trtpipe.triton.mpi_launch import mpirun_command
+from trtpipe.triton.orchestrator import (
+    check_placement,
+    device_ids,
+    gpus_needed,
+    needs_orchestrator,
+    orchestrator_command,
+)
+from trtpipe.triton.repo import two_model
+from trtpipe.triton.server_process import endpoint_flags, restricted_api_flags
 from trtpipe.supervisor import Ports
 
 DEFAULT_IMAGE = "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3"  # the pins of docs/reference/trtllm-build.md
@@ -78,15 +87,22 @@ def resources(layout: Layout, shm: int) -> dict:
 
 
 def _engine_segments(recipe: Recipe, layout: Layout) -> list[str]:
-    """The leader-mode mpirun line of the engine target (rank 0 serves, with latency histograms on)."""
-    cmd = mpirun_command(
-        f"{ARTIFACTS}/triton_repo",
-        layout.world,
-        PORTS,
-        bind="0.0.0.0",
-        trtllm_models=("tensorrt_llm",),
-        admin_key=f"$({ADMIN_KEY_ENV})",  # expanded by Kubernetes from the container's env
-    )
+    """The leader-mode mpirun line of the engine target (rank 0 serves, with latency histograms on); for the
+    two-model form at tp x pp > 1, upstream's orchestrator mode (trtpipe.triton.orchestrator) on the pod's GPUs."""
+    if needs_orchestrator(two_model(recipe), layout.world):
+        ids = device_ids(layout.world, layout.world)  # the draft is sharded in the recipe's tp x pp
+        check_placement(ids, {m: layout.world for m in ids}, recipe.deploy.gpus_per_node, f"{ARTIFACTS}/triton_repo")
+        endpoint = endpoint_flags("0.0.0.0", PORTS) + restricted_api_flags(f"$({ADMIN_KEY_ENV})")
+        cmd = orchestrator_command(f"{ARTIFACTS}/triton_repo", gpus_needed(ids), endpoint)
+    else:
+        cmd = mpirun_command(
+            f"{ARTIFACTS}/triton_repo",
+            layout.world,
+            PORTS,
+            bind="0.0.0.0",
+            trtllm_models=("tensorrt_llm",),
+            admin_key=f"$({ADMIN_KEY_ENV})",  # expanded by Kubernetes from the container's env
+        )
     first = next(i for i, a in enumerate(cmd) if a.startswith("--model-repository="))
     rank0 = [
         "--strict-readiness=true",

@@ -77,6 +77,8 @@ class DraftServer:
                         out = self.engine.allocate(*args)
                     elif op == "copy":
                         out = self.engine.copy_block(*args)
+                    elif op == "move":
+                        out = self.engine.move_slots(*args)
                     elif op == "logits":
                         out = self.engine.logits(unwire(args[0])).numpy()  # a torch tensor would travel as an fd
                     else:
@@ -119,6 +121,9 @@ class DraftClient(ReferenceEngine):
 
     def copy_block(self, src: int, dst: int, num_tokens: int) -> None:
         self._call("copy", int(src), int(dst), int(num_tokens))
+
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        self._call("move", list(map(int, src)), list(map(int, dst)))
 
     def logits(self, batch: StepBatch) -> torch.Tensor:
         return torch.from_numpy(self._call("logits", wire(batch)))

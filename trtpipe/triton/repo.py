@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Optional
 
 from trtpipe.engine.lora_cache import cache_parameters as lora_cache_parameters
+from trtpipe.triton.orchestrator import check_placement, device_ids, needs_orchestrator
 from trtpipe.errors import ServingError
 from trtpipe.extras import require
 from trtpipe.triton import upstream_io
@@ -635,6 +636,12 @@ def repo_configs(
     }
     if draft is not None:
         configs[DRAFT_MODEL] = tensorrt_llm_config(recipe, draft, DRAFT_MODEL)
+        if not engine.twin and needs_orchestrator(True, engine.world_size):  # orchestrator mode: each model placed
+            ids = device_ids(engine.world_size, draft.world_size)
+            worlds = {"tensorrt_llm": engine.world_size, DRAFT_MODEL: draft.world_size}
+            check_placement(ids, worlds, recipe.deploy.gpus_per_node, "repo")
+            for name, value in ids.items():
+                configs[name].parameters["gpu_device_ids"].string_value = value
     if recipe.triton.bls or recipe.triton.streaming or draft is not None:
         configs["tensorrt_llm_bls"] = bls_config(recipe)
     if recipe.triton.warmup:

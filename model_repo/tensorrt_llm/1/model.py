@@ -58,7 +58,14 @@ class TritonPythonModel:
             if getattr(self.engine, "draft", None) is not None:  # the two-model form: serve the draft's stub
                 self.draft_server = DraftServer(self.engine.draft, run_dir)
         else:
-            self.engine = ReferenceEngine(load_checkpoint(self.settings.engine_dir / "checkpoint", device="cpu"))
+            from trtpipe.serving import orchestrator_world
+
+            if orchestrator_world.enabled() and orchestrator_world.world_of(self.settings.engine_dir) > 1:
+                # orchestrator mode: this instance's own MPI world of rank workers, driven from here
+                self.world = orchestrator_world.World(self.settings.engine_dir, args["model_name"])
+                self.engine = self.world.client
+            else:
+                self.engine = ReferenceEngine(load_checkpoint(self.settings.engine_dir / "checkpoint", device="cpu"))
         from trtpipe.serving.reference_engine import draft_engine  # the recipe's draft or Medusa heads, else None
 
         # an engine built with LoRA: the prefetched tasks loaded now, each entry its own adapter in a step
@@ -260,3 +267,5 @@ class TritonPythonModel:
         self.outbox.put(None)
         if hasattr(self.engine, "shutdown"):  # leader mode: release the worker ranks
             self.engine.shutdown()
+        if getattr(self, "world", None) is not None:  # orchestrator mode: stop this instance's MPI world
+            self.world.close()
