@@ -108,7 +108,9 @@ def test_orchestrator_mode_without_spawned_workers_is_refused_in_one_line(storie
 
 def test_dry_run_of_the_twin_repository_shows_both_launches(repos):
     """``serve --dry-run`` of the two-model twin repository at tp 2: the TensorRT-engine launch it stands for is
-    orchestrator mode (draft and target each on GPUs of their own), then the twin's own leader-mode job."""
+    orchestrator mode (draft and target each on GPUs of their own), and the twin's own launch is orchestrator mode
+    too (one tritonserver, the environment test_two_model_form_at_tp2_in_orchestrator_mode serves under); the plain
+    tp 2 repository stays in leader mode."""
     import shlex
 
     from trtpipe.app.launch_triton import dry_run_lines
@@ -125,4 +127,10 @@ def test_dry_run_of_the_twin_repository_shows_both_launches(repos):
     assert [a for a in trt if a.startswith("--cuda-memory-pool-byte-size=")] == [
         f"--cuda-memory-pool-byte-size={j}:0" for j in range(4)
     ]
-    assert "leader mode" in "\n".join(lines[2:]) and "trtpipe.serving.mpi_worker" in lines[-1]
+    # the twin runs the same mode: `trtpipe serve` starts one tritonserver with upstream's orchestrator environment
+    assert "CPU twin, orchestrator mode" in lines[2]
+    twin = shlex.split(lines[-1])
+    assert twin[:3] == ["env", "TRTLLM_ORCHESTRATOR=1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES=1"]
+    assert twin[3].endswith("/bin/tritonserver") and "mpiexec" not in twin
+    plain = dry_run_lines(repos[0], (), "127.0.0.1", Ports(8000, 8001, 8002), "/opt/tritonserver/bin/tritonserver")
+    assert "leader mode" in "\n".join(plain) and "TRTLLM_ORCHESTRATOR" not in "\n".join(plain)

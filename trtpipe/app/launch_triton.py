@@ -160,6 +160,13 @@ def plan_launch(
     return LaunchPlan(Path(repo), False, world, cmd, mode)
 
 
+def twin_orchestrated(plan: LaunchPlan) -> bool:
+    """A CPU-twin repository of the two-model form at tp x pp > 1 runs in orchestrator mode, as its TensorRT launch
+    does (:mod:`trtpipe.triton.orchestrator`): one tritonserver whose ``tensorrt_llm`` models each start their own
+    rank world (:mod:`trtpipe.serving.orchestrator_world`)."""
+    return plan.twin and plan.world_size > 1 and bool(repo_info(plan.repo).get("draft_engine"))
+
+
 def run_mpirun(plan: LaunchPlan) -> int:
     """Run the leader-mode launch in the foreground (TensorRT-LLM container); returns mpirun's exit code."""
     from trtpipe.pipeline.versions import PACKAGES, package_version
@@ -270,13 +277,22 @@ def dry_run_lines(
                 lines.append(f"# here the build writes the CPU twin ({avail.reason}); below is the TensorRT launch")
     else:
         plan = plan_launch(Path(target).resolve(), bind, ports, tritonserver, hostfile)
-    if plan.command is None and plan.world_size > 1:
+    if plan.command is None and plan.world_size > 1 and not twin_orchestrated(plan):
         return lines + _twin_leader_lines(plan, bind, ports, tritonserver, hostfile)
     if plan.command is None:
         root = server_process.server_root()
         cmd = server_process.server_command(
             root / "bin" / "tritonserver", root / "backends", plan.repo, bind, ports or Ports(0, 0, 0), "trtpipe_"
         )
+        if twin_orchestrated(plan):
+            from trtpipe.triton.orchestrator import ORCHESTRATOR_ENV
+
+            lines += _twin_trt_lines(plan, ports, bind, tritonserver)
+            lines.append(
+                f"# CPU twin, orchestrator mode: one tritonserver; tensorrt_llm and tensorrt_llm_draft each start "
+                f"their own {plan.world_size}-rank mpiexec world (ports 0: free ones are chosen at start)"
+            )
+            return lines + [shlex.join(["env", *(f"{k}={v}" for k, v in ORCHESTRATOR_ENV.items()), *map(str, cmd)])]
         lines.append("# CPU twin: one tritonserver (ports 0: free ones are chosen at start)")
     elif plan.mode == "orchestrator":
         cmd = plan.command
@@ -308,6 +324,25 @@ def _segments(cmd: list[str]) -> list[list[str]]:
     return segs
 
 
+def _twin_trt_lines(
+    plan: LaunchPlan, ports: Optional[Ports], bind: str, tritonserver: str, hostfile: Optional[Path] = None
+) -> list[str]:
+    """The launch a CPU-twin repository stands for with TensorRT engines (two comment lines)."""
+    import shlex
+
+    ids = None
+    if repo_info(plan.repo).get("draft_engine"):  # the two-model form: placed as upstream's guide does
+        from trtpipe.triton.orchestrator import device_ids
+
+        ids = device_ids(plan.world_size, plan.world_size)
+    ports = ports or Ports(*free_ports(3))
+    trt, mode = engine_launch(plan.repo, plan.world_size, ports, bind, tritonserver, None if ids else hostfile, ids)
+    return [
+        f"# with TensorRT engines (tensorrtllm backend) {mode} mode runs: world_size {plan.world_size}",
+        "#   " + shlex.join(trt),
+    ]
+
+
 def _twin_leader_lines(
     plan: LaunchPlan, bind: str, ports: Optional[Ports], tritonserver: str, hostfile: Optional[Path]
 ) -> list[str]:
@@ -320,16 +355,7 @@ def _twin_leader_lines(
     info = repo_info(plan.repo)
     run_dir = Path("<run dir>")
     spec = mpi_launch.launch_spec(plan.repo, info, bind, ports, run_dir, hostfile)
-    ids = None
-    if info.get("draft_engine"):  # the two-model form: TensorRT engines would be placed as upstream's guide does
-        from trtpipe.triton.orchestrator import device_ids
-
-        ids = device_ids(plan.world_size, plan.world_size)
-    trt, mode = engine_launch(plan.repo, plan.world_size, ports, bind, tritonserver, None if ids else hostfile, ids)
-    lines = [
-        f"# with TensorRT engines (tensorrtllm backend) {mode} mode runs: world_size {plan.world_size}",
-        "#   " + shlex.join(trt),
-    ]
+    lines = _twin_trt_lines(plan, ports, bind, tritonserver, hostfile)
     lines += mpi_launch.slurm_lines(spec["segments"])
     lines += [
         f"# CPU twin, leader mode: {plan.world_size} ranks under mpiexec (rank 0 tritonserver + twin executor, "
@@ -400,7 +426,14 @@ def serve_repository(
         return run_mpirun(plan)
     sigterm_as_interrupt()
     t0 = time.perf_counter()
-    if plan.world_size > 1 and not single_process:  # leader mode: one process per rank under mpiexec
+    orchestrated = twin_orchestrated(plan) and not single_process
+    if orchestrated:  # as TensorRT-LLM runs it: one tritonserver, each TensorRT-LLM model spawns its own ranks
+        import os
+
+        from trtpipe.triton.orchestrator import ORCHESTRATOR_ENV
+
+        os.environ.update(ORCHESTRATOR_ENV)
+    elif plan.world_size > 1 and not single_process:  # leader mode: one process per rank under mpiexec
         from trtpipe.triton import mpi_launch
 
         server, state = mpi_launch.start_job(
@@ -420,8 +453,9 @@ def serve_repository(
         return mpi_launch.serve_job_forever(server, server.run_dir)
     server = server_process.start_server(repo, bind, ports, timeout=timeout, detach=detach)
     ready_s = time.perf_counter() - t0
+    mode = f" (orchestrator mode: each TensorRT-LLM model runs {plan.world_size} ranks)" if orchestrated else ""
     lines = [
-        f"serving {repo}\n  http {server.http_url}\n  grpc {server.grpc_url}\n  metrics http://{server.bind}:"
+        f"serving {repo}{mode}\n  http {server.http_url}\n  grpc {server.grpc_url}\n  metrics http://{server.bind}:"
         f"{server.ports.metrics}/metrics\n  log  {server.log}\n  ready in {ready_s:.1f} s (models loaded"
         f"{' and warmed up' if has_warmup(repo) else ', no warm-up'})"
     ]
