@@ -10,12 +10,15 @@ Workloads (greedy, end id off, every request makes exactly ``--tokens`` tokens; 
   target's own sampled text (teacher forcing of the first draft only: input (t[j+1], the target's layers 1, 3, 4
   at j), label t[j+2], over a draft vocabulary of the target's most frequent tokens, 1/4 of its vocabulary as the
   published Llama-3.1 head keeps); saved in the published layout and loaded by the twin like any head.
+- ``eagle3-trained-tree``: the same trained head drafting the static tree ``TREE`` (``eagle_choices``, 6 nodes, 3
+  deep as the chain: top-3 at depth 1, top-1 below the first two) instead of the chain of 3.
 
 Per run: tokens per target forward (output tokens / target forwards each request took part in), acceptance rate,
 ITL p50 and output tok/s (as scripts/bench_speculative.py, whose ``run`` this reuses), ratios against the same
 workload and concurrency without speculation in this run.
 
     .venv/bin/python scripts/bench_hidden_draft.py [--requests 16] [--tokens 64] [--train-steps 400] [--json out]
+        [--only eagle3-trained,eagle3-trained-tree]
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speculative import OPENINGS, STORIES, print_table, run  # noqa: E402
 
+TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -39,12 +44,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--train-steps", type=int, default=400)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--only", default="", help="comma-separated workload names (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from transformers import AutoTokenizer
 
     from trtpipe.models.synthetic import make_synthetic
     from trtpipe.models.synthetic_heads import add_mtp_layer, deepened_llama, make_eagle3_head, train_eagle3_head
+    from trtpipe.recipe.medusa import braces
     from trtpipe.runtime.hf_loader import load_hf_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-heads-"))
@@ -79,7 +86,19 @@ def main() -> None:
             stories,
             {"speculative_decoding_type": "Eagle3", "max_draft_len": 3, "speculative_model": str(trained)},
         ),
+        "eagle3-trained-tree": (
+            deep,
+            stories,
+            {
+                "speculative_decoding_type": "Eagle3",
+                "max_draft_len": len(TREE),
+                "speculative_model": str(trained),
+                "eagle_choices": braces(TREE),
+            },
+        ),
     }
+    if args.only:
+        workloads = {k: v for k, v in workloads.items() if k in args.only.split(",")}
     rows = []
     for name, (model_dir, prompts, spec) in workloads.items():
         model = load_hf_checkpoint(model_dir)
