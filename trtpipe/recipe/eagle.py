@@ -88,9 +88,9 @@ def eagle_findings(recipe: Recipe, m: Optional[ModelDims], head_dir) -> Iterable
     if s.decoding_type != "eagle":
         for key in KEYS:
             if getattr(s, key) is not None:
-                yield f"{KEY}.{key}", f"only decoding_type eagle takes {key}; remove it"
+                yield f"{KEY}.{key}", f"only decoding_type eagle (or Eagle3) takes {key}; remove it"
         if s.use_dynamic_tree:
-            yield f"{KEY}.use_dynamic_tree", "only decoding_type eagle takes use_dynamic_tree; remove it"
+            yield f"{KEY}.use_dynamic_tree", "only decoding_type eagle (or Eagle3) takes use_dynamic_tree; remove it"
         return
     if s.use_dynamic_tree:
         if s.eagle_choices:
