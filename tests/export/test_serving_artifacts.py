@@ -73,6 +73,7 @@ CONTRACT_SUB = {
         "speculative_model_dir",
         "max_matching_ngram_size",
         "eagle3_one_model",
+        "eagle_choices",  # EagleDecodingConfig.eagle_choices (EAGLE-3's static tree, trtpipe/recipe/eagle.py)
         "num_nextn_predict_layers",
     },
 }

@@ -145,5 +145,7 @@ def test_eagle_keys_need_decoding_type_eagle(tmp_path, stories_dir, head):
     text = BASE.format(model=stories_dir, head=head, spec="  eagle_choices: [[0]]\n  use_dynamic_tree: true\n")
     p.write_text(text.replace("decoding_type: eagle", "decoding_type: medusa"))
     problems = [f"{x.key}: {x.message}" for x in check_recipe(load_recipe(p, check_rules=False))]
-    assert any(x.startswith("speculative.eagle_choices: only decoding_type eagle takes") for x in problems)
-    assert any(x.startswith("speculative.use_dynamic_tree: only decoding_type eagle takes") for x in problems)
+    assert any(x.startswith("speculative.eagle_choices: only decoding_type eagle (or Eagle3) takes") for x in problems)
+    assert any(
+        x.startswith("speculative.use_dynamic_tree: only decoding_type eagle (or Eagle3) takes") for x in problems
+    )

@@ -109,6 +109,7 @@ LLM_API_KEYS: dict[str, frozenset] = {
     "speculative_config.speculative_model_dir": frozenset(("1.0", "1.1")),
     "speculative_config.max_matching_ngram_size": _ALL,
     "speculative_config.eagle3_one_model": _ALL,
+    "speculative_config.eagle_choices": _SINCE_12,  # Eagle3's static tree (trtpipe/recipe/eagle.py refuses 1.0/1.1)
     "speculative_config.num_nextn_predict_layers": _ALL,
     **KEYS_13,
 }

@@ -12,6 +12,9 @@ head proposes, so they test the execution; acceptance measured with them is a ra
   ``hnorm``, ``eh_proj`` [H, 2H], ``shared_head.norm``, ``shared_head.head`` and ``embed_tokens`` (copies of the
   target's lm_head and embedding, as the released checkpoints store them); ``num_nextn_predict_layers: 1``, or
   several such layers (``add_mtp_layers``: DeepSeek-V3 ships one, TensorRT-LLM runs more as vanilla MTP).
+- Heads that draft: ``fit_eagle1_head`` (ridge-fitted) and ``train_eagle3_head`` (trained with Adam on the target's
+  own text, over ``deepened_llama``'s 8-layer copy of a small Llama), for the tests and benchmarks that need
+  accepted drafts.
 """
 
 from __future__ import annotations
@@ -294,3 +297,118 @@ def fit_eagle1_head(
             t[k] = torch.zeros_like(t[k])
     torch.save(t, out / "pytorch_model.bin")
     return out
+
+
+def deepened_llama(src: str | Path, out: str | Path) -> Path:
+    """A copy of the Llama checkpoint ``src`` deepened to 8 layers (its layers 2-4 repeated as 5-7): upstream's
+    default EAGLE-3 capture layers (1, L/2 - 1, L - 4) need more than 5 (stories260k has 5)."""
+    import shutil
+
+    out = Path(out)
+    shutil.copytree(src, out)
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 8}))
+    sd = load_file(str(out / "model.safetensors"))
+    for new, old in ((5, 2), (6, 3), (7, 4)):
+        for k in [k for k in sd if k.startswith(f"model.layers.{old}.")]:
+            sd[k.replace(f"model.layers.{old}.", f"model.layers.{new}.")] = sd[k].clone()
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def train_eagle3_head(
+    target: str | Path, out: str | Path, steps: int, samples: int = 1024, tokens: int = 64, seed: int = 0
+) -> tuple[Path, float, float]:
+    """An EAGLE-3 head trained for ``steps`` Adam steps on ``samples`` sequences of ``tokens`` the 8-layer Llama
+    ``target`` sampled itself from BOS (teacher forcing of the first draft only: input (t[j+1], the target's layers
+    1, 3, 4 at j), label t[j+2], over a draft vocabulary of the target's most frequent tokens, 1/4 of its vocabulary
+    as the published Llama-3.1 head keeps), saved in the published layout; returns its directory, the last training
+    loss and the first-draft accuracy on the last 1/8 of the samples, held out."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+    from trtpipe.models.synthetic import load_hf
+
+    torch.manual_seed(seed)
+    hf = load_hf(target)
+    cfg = hf.config
+    H, V, eps = cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps
+    capture = (1, 3, 4)  # eagle3_capture_layers(8)
+    with torch.no_grad():  # the target's own text
+        seqs = hf.generate(
+            torch.ones(samples, 1, dtype=torch.long),
+            do_sample=True,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            pad_token_id=0,
+        )
+        hs = hf(seqs, output_hidden_states=True).hidden_states
+        cap = torch.cat([hs[i + 1] for i in capture], -1)  # [B, T, 3H]
+        emb = hf.model.embed_tokens(seqs)
+    counts = torch.bincount(seqs.flatten(), minlength=V)
+    dv = V // 4
+    kept = counts.topk(dv).indices.sort().values
+    t2d = torch.zeros(V, dtype=torch.bool).index_fill_(0, kept, True)
+    to_draft = torch.full((V,), -100, dtype=torch.long).index_copy_(0, kept, torch.arange(dv))
+
+    head = make_eagle3_head(target, out, seed=seed)  # the layout and config; its weights are the start
+    hcfg = json.loads((head / "config.json").read_text())
+    hcfg["draft_vocab_size"] = dv
+    w = {
+        k: torch.nn.Parameter(v.clone())
+        for k, v in load_file(str(head / "model.safetensors")).items()
+        if v.is_floating_point()
+    }
+    w["lm_head.weight"] = torch.nn.Parameter(torch.randn(dv, H) / H**0.5)
+    attn_cfg = LlamaConfig(**{**cfg.to_dict(), "hidden_size": 2 * H, "head_dim": hcfg["head_dim"]})
+    attn_cfg._attn_implementation = "eager"
+    attn = LlamaAttention(attn_cfg, 0)
+    attn.o_proj = torch.nn.Linear(hcfg["num_attention_heads"] * hcfg["head_dim"], H, bias=False)
+    for p in "qkvo":
+        getattr(attn, f"{p}_proj").weight = w[f"midlayer.self_attn.{p}_proj.weight"]
+    rope = LlamaRotaryEmbedding(LlamaConfig(**hcfg))
+
+    def rms(x, g):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * g
+
+    def forward(e, c):
+        n = c.shape[1]
+        g = c @ w["fc.weight"].T
+        cos, sin = rope(g, torch.arange(n)[None])
+        h = torch.cat([rms(e, w["midlayer.input_layernorm.weight"]), rms(g, w["midlayer.hidden_norm.weight"])], -1)
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        x = g + attn(h, (cos, sin), mask)[0]
+        m = rms(x, w["midlayer.post_attention_layernorm.weight"])
+        x = (
+            x
+            + (
+                torch.nn.functional.silu(m @ w["midlayer.mlp.gate_proj.weight"].T)
+                * (m @ w["midlayer.mlp.up_proj.weight"].T)
+            )
+            @ w["midlayer.mlp.down_proj.weight"].T
+        )
+        return rms(x, w["norm.weight"]) @ w["lm_head.weight"].T
+
+    opt = torch.optim.Adam(list(w.values()), lr=3e-3)
+    loss = torch.tensor(0.0)
+    train = seqs.shape[0] - seqs.shape[0] // 8
+    for step in range(steps):
+        b = torch.randint(0, train, (32,))
+        # position j reads (t[j+1], cap[j]) and predicts t[j+2]
+        logits = forward(emb[b, 1:-1], cap[b, :-2])
+        labels = to_draft[seqs[b, 2:]]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, dv), labels.reshape(-1), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():  # held-out first-draft accuracy (labels in the draft vocabulary)
+        held = torch.arange(train, seqs.shape[0])
+        labels = to_draft[seqs[held, 2:]]
+        hit = (forward(emb[held, 1:-1], cap[held, :-2]).argmax(-1) == labels)[labels >= 0]
+        accuracy = float(hit.float().mean())
+    tensors = {k: v.detach().clone() for k, v in w.items()}
+    tensors["d2t"] = kept - torch.arange(dv)
+    tensors["t2d"] = t2d
+    save_file(tensors, str(head / "model.safetensors"), metadata={"format": "pt"})
+    (head / "config.json").write_text(json.dumps(hcfg, indent=2))
+    return head, float(loss.detach()), accuracy

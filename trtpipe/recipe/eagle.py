@@ -16,6 +16,21 @@ model.py@01200cc4``), so the engine target cannot turn it on and the recipe refu
 
 The CPU twin drafts the chain ``[[0], [0, 0], ...]`` and static trees with siblings (:mod:`trtpipe.serving.eagle1`,
 verified with a tree mask: :mod:`trtpipe.serving.tree_verify`).
+
+EAGLE-3 (``decoding_type: Eagle3``, target llmapi) takes ``eagle_choices`` too, as the PyTorch backend runs it:
+``EagleDecodingConfig.validate_eagle_config`` (``tensorrt_llm/llmapi/llm_args.py``, a 2026 revision whose commit the
+code index does not record) sorts and checks the choices, resets ``max_draft_len`` to the tree's depth and sets
+``max_total_draft_tokens`` to their number; only the two-model form drafts the tree: ``get_spec_metadata`` gives
+``eagle_choices`` / ``is_spec_dec_tree`` to the two-model ``Eagle3SpecMetadata`` alone, the one-model metadata
+getting none (``tensorrt_llm/_torch/speculative/utils.py@3e906a0e``), and a later utils.py says so ("the one-model
+drafter never builds the tree ... Tree-aware acceptance only exists in the two-model TorchSampler path"); the tree's
+drafter layers are ``SpecTreeManager``'s (``spec_tree_manager.py@040bc9a2``). So trtpipe refuses eagle_choices with
+``eagle3_one_model: true`` in one line. EAGLE-2's dynamic tree (``use_dynamic_tree`` with ``dynamic_tree_max_topK``)
+runs upstream in the one-model form in recent revisions (``Eagle3OneModelDynamicTreeWorker``, picked by
+``get_spec_worker`` when ``dynamic_tree_max_topK > 1``); the twin does not execute it, so trtpipe refuses it. In the
+recipe ``max_draft_len`` is the tree's number of draft tokens (what the planner and the twin reserve); the YAML
+writes upstream's spelling: ``max_draft_len`` the depth and ``eagle_choices``. Upstream marks eagle_choices and the
+two-model form deprecated for removal in 1.4 (same llm_args revision).
 """
 
 from __future__ import annotations
@@ -32,6 +47,7 @@ from trtpipe.recipe.schema import Recipe
 
 KEY = "speculative"
 KEYS = ("eagle_choices", "dynamic_tree_max_top_k")
+EAGLE3_TREE_RELEASES = frozenset(("1.2", "1.3"))  # llmapi.version values that get EAGLE-3's eagle_choices
 HEAD_FILES = ("pytorch_model.bin", "model.safetensors")  # ea_model.py@2320d52e reads pytorch_model.bin
 
 
@@ -55,14 +71,26 @@ def triton_choices(recipe: Recipe) -> str:
     return braces(choices(recipe)) if recipe.speculative.decoding_type == "eagle" else ""
 
 
+def twin_choices(recipe: Recipe) -> str:
+    """The twin executor's ``eagle_choices`` (the same brace format): eagle's tree or chain, EAGLE-3's static tree
+    ("" otherwise: EAGLE-3's chain is HiddenDrafter's)."""
+    s = recipe.speculative
+    if s.decoding_type == "Eagle3":
+        return braces(choices(recipe)) if s.eagle_choices else ""
+    return triton_choices(recipe)
+
+
 def eagle_findings(recipe: Recipe, m: Optional[ModelDims], head_dir) -> Iterable[Finding]:
     s = recipe.speculative
+    if s.decoding_type == "Eagle3":
+        yield from eagle3_tree_findings(recipe)
+        return
     if s.decoding_type != "eagle":
         for key in KEYS:
             if getattr(s, key) is not None:
-                yield f"{KEY}.{key}", f"only decoding_type eagle takes {key}; remove it"
+                yield f"{KEY}.{key}", f"only decoding_type eagle (or Eagle3) takes {key}; remove it"
         if s.use_dynamic_tree:
-            yield f"{KEY}.use_dynamic_tree", "only decoding_type eagle takes use_dynamic_tree; remove it"
+            yield f"{KEY}.use_dynamic_tree", "only decoding_type eagle (or Eagle3) takes use_dynamic_tree; remove it"
         return
     if s.use_dynamic_tree:
         if s.eagle_choices:
@@ -74,6 +102,26 @@ def eagle_findings(recipe: Recipe, m: Optional[ModelDims], head_dir) -> Iterable
         )
     elif s.dynamic_tree_max_top_k is not None:
         yield f"{KEY}.dynamic_tree_max_top_k", "dynamic_tree_max_top_k is read only with use_dynamic_tree: true"
+    bad = list(_tree_findings(recipe, "trtllm-build --max_draft_len is the tree's size"))
+    yield from bad
+    if bad:
+        return
+    if m is not None and "llama" not in m.architecture.lower():
+        yield (
+            f"{KEY}.decoding_type",
+            f"TensorRT-LLM's EagleForCausalLM extends LLaMAForCausalLM; {m.architecture} is not a Llama",
+        )
+    if recipe.parallel.pp > 1:
+        yield "parallel.pp", f"EAGLE heads are converted at pp 1 only (pp {recipe.parallel.pp})"
+    if head_dir is None:
+        return
+    yield from _head(Path(head_dir), m)
+
+
+def _tree_findings(recipe: Recipe, why_size: str) -> Iterable[Finding]:
+    """The tree as upstream's ``check_eagle_choices`` checks it (every prefix present), and ``max_draft_len`` its
+    number of draft tokens."""
+    s = recipe.speculative
     tree = choices(recipe)
     if any(not c or any(i < 0 for i in c) for c in tree):
         yield f"{KEY}.eagle_choices", "every choice is a non-empty path of top-k ranks (integers >= 0)"
@@ -85,19 +133,51 @@ def eagle_findings(recipe: Recipe, m: Optional[ModelDims], head_dir) -> Iterable
     if len(tree) != s.max_draft_len:
         yield (
             f"{KEY}.max_draft_len",
-            f"{s.max_draft_len} differs from the {len(tree)} draft tokens of eagle_choices (trtllm-build "
-            "--max_draft_len is the tree's size)",
+            f"{s.max_draft_len} differs from the {len(tree)} draft tokens of eagle_choices ({why_size})",
         )
-    if m is not None and "llama" not in m.architecture.lower():
+
+
+def eagle3_tree_findings(recipe: Recipe) -> Iterable[Finding]:
+    """EAGLE-3's trees on the PyTorch backend (``decoding_type: Eagle3``, target llmapi), as upstream runs them (see
+    the module docstring): the static tree in the two-model form; the dynamic tree refused (the twin does not run
+    it)."""
+    s = recipe.speculative
+    if s.use_dynamic_tree or s.dynamic_tree_max_top_k is not None:
         yield (
-            f"{KEY}.decoding_type",
-            f"TensorRT-LLM's EagleForCausalLM extends LLaMAForCausalLM; {m.architecture} is not a Llama",
+            f"{KEY}.use_dynamic_tree" if s.use_dynamic_tree else f"{KEY}.dynamic_tree_max_top_k",
+            "EAGLE-2's dynamic tree is not executed by trtpipe's CPU twin yet, so trtpipe does not write it "
+            "(upstream runs it one-model only, Eagle3OneModelDynamicTreeWorker); use eagle_choices (a static tree)",
         )
-    if recipe.parallel.pp > 1:
-        yield "parallel.pp", f"EAGLE heads are converted at pp 1 only (pp {recipe.parallel.pp})"
-    if head_dir is None:
+    if not s.eagle_choices:
         return
-    yield from _head(Path(head_dir), m)
+    if s.eagle3_one_model:
+        yield (
+            f"{KEY}.eagle_choices",
+            "the one-model EAGLE-3 drafter never builds the static tree (upstream drafts eagle_choices in the "
+            "two-model form only: tensorrt_llm/_torch/speculative/utils.py@3e906a0e); set eagle3_one_model: false",
+        )
+    if recipe.llmapi.version not in EAGLE3_TREE_RELEASES:
+        yield (
+            f"{KEY}.eagle_choices",
+            f"llmapi.version {recipe.llmapi.version}: trtpipe writes EAGLE-3's eagle_choices for "
+            f"{', '.join(sorted(EAGLE3_TREE_RELEASES))} only (the release that first ran the PyTorch backend's static "
+            "tree is unconfirmed)",
+        )
+    yield from _tree_findings(recipe, "max_draft_len is the tree's draft tokens; the YAML writes its depth")
+
+
+def eagle3_tree_options(recipe: Recipe) -> dict:
+    """The ``speculative_config`` keys of an EAGLE-3 static tree: ``eagle_choices`` and ``max_draft_len`` its depth
+    (upstream's ``validate_eagle_config`` resets max_draft_len to the depth and counts ``max_total_draft_tokens``
+    as the number of choices; writing the depth spares its warning). {} for the chain."""
+    s = recipe.speculative
+    if s.decoding_type != "Eagle3" or not s.eagle_choices:
+        return {}
+    tree = choices(recipe)
+    return {
+        "speculative_config.max_draft_len": max(len(c) for c in tree),
+        "speculative_config.eagle_choices": tree,
+    }
 
 
 def _head(d: Path, m: Optional[ModelDims]) -> Iterable[Finding]:

@@ -52,8 +52,9 @@ def speculative_knobs(recipe: Recipe) -> dict[str, Any]:
     """What the twin executes of ``speculative:`` (NGram, DraftTarget and the engine's draft_tokens_external, MTP
     with the target's MTP layer, Eagle3 with its head, the engine's medusa with its heads (chain-shaped choices,
     or a tree of choices), the engine's lookahead_decoding with its (W, N, G), the engine's eagle with its EAGLE-1/2
-    head (eagle_choices: a chain or a static tree); a draft or head as a local directory)."""
-    from trtpipe.recipe.eagle import triton_choices as eagle_choices
+    head (eagle_choices: a chain or a static tree), Eagle3's static tree (eagle_choices, two-model); a draft or head as
+    a local directory)."""
+    from trtpipe.recipe.eagle import twin_choices as eagle_choices
     from trtpipe.recipe.medusa import choices
     from trtpipe.recipe.speculative import TWIN_EXECUTES, draft_dir
 
@@ -70,7 +71,7 @@ def speculative_knobs(recipe: Recipe) -> dict[str, Any]:
         "max_matching_ngram_size": s.max_matching_ngram_size,
         "speculative_model": str(draft) if draft is not None else "",
         **({"medusa_choices": choices(recipe)} if s.decoding_type == "medusa" and s.medusa_choices else {}),
-        **({"eagle_choices": eagle_choices(recipe)} if s.decoding_type == "eagle" else {}),
+        **({"eagle_choices": eagle_choices(recipe)} if s.decoding_type in ("eagle", "Eagle3") else {}),
     }
 
 

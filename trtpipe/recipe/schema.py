@@ -433,10 +433,12 @@ class SpeculativeSection(_Section):
     eagle_choices: Optional[list[list[int]]] = Field(
         None,
         description="eagle: the draft tree (Triton eagle_choices, EagleDecodingConfig.eagle_choices; None: the chain "
-        "[[0], [0, 0], ...] of max_draft_len); a tree with siblings is verified with a tree mask.",
+        "[[0], [0, 0], ...] of max_draft_len); a tree with siblings is verified with a tree mask. Eagle3: a static "
+        "tree (two-model only, as upstream; max_draft_len its number of draft tokens).",
     )
     use_dynamic_tree: bool = Field(
-        False, description="eagle: EAGLE-2's dynamic tree (EagleDecodingConfig.use_dynamic_tree); not executed yet."
+        False,
+        description="eagle, Eagle3: EAGLE-2's dynamic tree (EagleDecodingConfig.use_dynamic_tree); not executed yet.",
     )
     dynamic_tree_max_top_k: Optional[int] = Field(
         None, ge=1, description="eagle: nodes expanded per layer of the dynamic tree (dynamic_tree_max_topK)."

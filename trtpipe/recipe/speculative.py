@@ -300,6 +300,9 @@ def speculative_config(recipe: Recipe, version: str) -> dict[str, Any]:
         out["speculative_config.max_matching_ngram_size"] = s.max_matching_ngram_size
     if s.decoding_type == "Eagle3":
         out["speculative_config.eagle3_one_model"] = s.eagle3_one_model
+        from trtpipe.recipe.eagle import eagle3_tree_options
+
+        out.update(eagle3_tree_options(recipe))  # a static tree: eagle_choices, max_draft_len its depth
         if not s.eagle3_one_model:
             out["disable_overlap_scheduler"] = True  # matrix: EAGLE-3 two-model x overlap scheduler = No
     if s.decoding_type == "MTP":

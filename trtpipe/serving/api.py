@@ -87,7 +87,7 @@ class ExecutorConfig:
     lookahead_ngram_size: int = 0
     lookahead_verification_set_size: int = 0
     medusa_choices: Optional[Sequence[Sequence[int]]] = None  # Medusa's tree (None: the chain of max_draft_len)
-    eagle_choices: str = ""  # Eagle: the draft tree in Triton's brace format ("{0}, {0, 0}"; "": the chain)
+    eagle_choices: str = ""  # Eagle, Eagle3: the draft tree in Triton's brace format ("{0}, {0, 0}"; "": the chain)
 
     @property
     def draft_reserve(self) -> int:

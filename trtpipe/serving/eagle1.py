@@ -166,7 +166,15 @@ class Eagle1TreeDrafter(HiddenDrafter):
     its depth's position, seeing only its ancestors: a tree mask over the catch-up's KV, "Draft2 is called for inputs
     [FGIJ]" in upstream's docstring) gives each node's logits, whose ranks name its children. The drafts go to the
     target as a token set (:func:`trtpipe.serving.tree_verify.tree_fields`), verified with the tree mask; a request
-    with room for fewer drafts takes the tree's first nodes in node order (still a tree)."""
+    with room for fewer drafts takes the tree's first nodes in node order (still a tree).
+
+    EAGLE-3's static tree drafts the same way with an :class:`~trtpipe.serving.hidden_draft.Eagle3Head`: TensorRT-LLM's
+    two-model tree drafter gathers, per draft layer, every node with children and its ancestors
+    (``SpecTreeManager.tokens_gather_idx``), at position offsets ``depth - 1`` past the root
+    (``spec_dec_position_offsets_for_drafter_model``), each reading its parent's hidden state
+    (``hidden_states_read_indices_offset_for_drafter_model``), and takes each node's children from the top-k of its
+    logits (``top_k_list``; ``tensorrt_llm/_torch/speculative/spec_tree_manager.py@040bc9a2``). A head with a
+    reduced draft vocabulary ranks its own logits and maps the ranked ids through ``d2t``."""
 
     def __init__(self, head: Eagle1Head, target_engine, pool):
         super().__init__(head, target_engine, pool)
@@ -208,7 +216,7 @@ class Eagle1TreeDrafter(HiddenDrafter):
             for rid, _, paths, parents, logits, _ in work:  # depth-d nodes: the ranks of their parents' logits
                 for j, p in enumerate(paths, 1):
                     if len(p) == d:
-                        tokens[rid][j] = int(logits[parents[j]].topk(p[-1] + 1).indices[p[-1]])
+                        tokens[rid][j] = self._map(int(logits[parents[j]].topk(p[-1] + 1).indices[p[-1]]))
             if d == depth:
                 break
             step, hidden, owners = [], [], []

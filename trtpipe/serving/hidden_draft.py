@@ -186,6 +186,8 @@ class Eagle3Head(nn.Module):
         self.model = ReferenceModel(
             {"max_position_embeddings": args.max_position_embeddings}, args, self.embedding, [self.layer], self.norm, []
         )
+        self.tree: Optional[list[list[int]]] = None  # eagle_choices with siblings (None: the chain)
+        self.tree_drafter: Optional[type] = None  # what drafts the tree (None: HiddenDrafter, the chain)
 
     depths, vanilla = 1, False  # one layer, reused for every draft
 
@@ -205,7 +207,8 @@ class Eagle3Head(nn.Module):
         return x
 
     def drafter(self, target_engine, pool: BlockPool) -> "HiddenDrafter":
-        return HiddenDrafter(self, target_engine, pool)
+        # a static tree drafts level by level: the loader sets tree_drafter with tree (eagle1.Eagle1TreeDrafter)
+        return (self.tree_drafter or HiddenDrafter)(self, target_engine, pool)
 
 
 def mtp_layer_count(model_dir: str | Path) -> int:

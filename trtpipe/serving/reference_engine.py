@@ -390,4 +390,10 @@ def draft_engine(config: ExecutorConfig, target: Optional[ReferenceModel] = None
         head = load_eagle1_head(target_dir if built else config.speculative_model, target, target_dir)
         head.tree = parse_tree(config.eagle_choices, config.max_draft_len)  # None: the chain
         return head
-    return load_eagle3_head(config.speculative_model, target)
+    head = load_eagle3_head(config.speculative_model, target)
+    if config.eagle_choices:  # EAGLE-3's static tree (two-model upstream; trtpipe/recipe/eagle.py)
+        from trtpipe.serving.eagle1 import Eagle1TreeDrafter, parse_tree
+
+        head.tree = parse_tree(config.eagle_choices, config.max_draft_len)
+        head.tree_drafter = Eagle1TreeDrafter if head.tree is not None else None
+    return head
