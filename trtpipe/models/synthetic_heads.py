@@ -306,7 +306,7 @@ def deepened_llama(src: str | Path, out: str | Path) -> Path:
 
     out = Path(out)
     shutil.copytree(src, out)
-    cfg = json.loads((out / "config.json").read_text())
+    cfg = load_json(out / "config.json")
     (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 8}))
     sd = load_file(str(out / "model.safetensors"))
     for new, old in ((5, 2), (6, 3), (7, 4)):
@@ -352,7 +352,7 @@ def train_eagle3_head(
     to_draft = torch.full((V,), -100, dtype=torch.long).index_copy_(0, kept, torch.arange(dv))
 
     head = make_eagle3_head(target, out, seed=seed)  # the layout and config; its weights are the start
-    hcfg = json.loads((head / "config.json").read_text())
+    hcfg = load_json(head / "config.json")
     hcfg["draft_vocab_size"] = dv
     w = {
         k: torch.nn.Parameter(v.clone())

@@ -18,7 +18,6 @@ backend refuses it (tensorrtllm_backend ``all_models/inflight_batcher_llm/tensor
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -41,7 +40,9 @@ def enabled() -> bool:
 
 def world_of(engine_dir: str | Path) -> int:
     """tp x pp of a CPU twin engine dir (its checkpoint's ``mapping.world_size``)."""
-    cfg = json.loads((Path(engine_dir) / "checkpoint" / "config.json").read_text())
+    from trtpipe.jsonfile import load_json
+
+    cfg = load_json(Path(engine_dir) / "checkpoint" / "config.json")
     mapping = cfg.get("mapping") or {}
     return int(mapping.get("world_size") or int(mapping.get("tp_size", 1)) * int(mapping.get("pp_size", 1)))
 
