@@ -8,11 +8,9 @@ more than 5), so that it keeps its tokenizer; the head is random (trtpipe.models
 from __future__ import annotations
 
 import json
-import shutil
 import urllib.request
 
 import pytest
-from safetensors.torch import load_file, save_file
 
 from openai_helpers import serve_in_thread
 
@@ -41,18 +39,10 @@ speculative:
 
 @pytest.fixture(scope="module")
 def deep(tmp_path_factory, stories_dir):
-    from trtpipe.models.synthetic_heads import make_eagle3_head
+    from trtpipe.models.synthetic_heads import deepened_llama, make_eagle3_head
 
     root = tmp_path_factory.mktemp("eagle3-e2e")
-    d = root / "stories-8l"
-    shutil.copytree(stories_dir, d)
-    cfg = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 8}))
-    sd = load_file(str(d / "model.safetensors"))
-    for new, old in ((5, 2), (6, 3), (7, 4)):
-        for k in [k for k in sd if k.startswith(f"model.layers.{old}.")]:
-            sd[k.replace(f"model.layers.{old}.", f"model.layers.{new}.")] = sd[k].clone()
-    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    d = deepened_llama(stories_dir, root / "stories-8l")
     head = make_eagle3_head(d, root / "head", seed=4)
     recipe = root / "eagle.yaml"
     recipe.write_text(RECIPE.format(model=d, head=head))
