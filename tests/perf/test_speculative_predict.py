@@ -150,3 +150,26 @@ def test_an_eagle_tree_drafts_one_forward_per_level():
     assert (got["draft_forwards"], got["draft_ms"]) == (2, round(s.draft_s * 1e3, 3))
     chain = speculative_block(LLAMA70B, sets, setup.deployment, c, summary, 1, 256, 32, 2.0)
     assert chain["draft_forwards"] == 4 and chain["draft_ms"] == pytest.approx(2 * got["draft_ms"], rel=1e-3)
+
+
+def test_an_eagle3_tree_drafts_one_forward_per_level_too():
+    """llmapi EAGLE-3 with eagle_choices drafts level by level as the engine's EagleNets do (the twin's tree
+    drafter, trtpipe/serving/eagle1.py): a 4-node tree of depth 2 costs 2 head forwards, the chain of 4 costs 4;
+    n-gram drafts cost no forward at all."""
+    from trtpipe.app import predictor as P
+    from trtpipe.app.spec_prediction import speculative_block
+    from trtpipe.perf.fit import load_constants
+
+    sets = ["speculative.decoding_type=Eagle3", "speculative.max_draft_len=4", "speculative.eagle3_one_model=false"]
+    tree = [*sets, "speculative.eagle_choices=[[0], [1], [0, 0], [1, 0]]"]
+    setup = P.recipe_setup(LLAMA70B)
+    c = load_constants()["pytorch"]
+    summary = {"ttft_ms": {"p50": 50.0}, "itl_ms": {"p50": 10.0}, "output_tok_s": 100.0}
+    got = speculative_block(LLAMA70B, tree, setup.deployment, c, summary, 1, 256, 32, 2.0)
+    chain = speculative_block(LLAMA70B, sets, setup.deployment, c, summary, 1, 256, 32, 2.0)
+    assert (got["draft_forwards"], chain["draft_forwards"]) == (2, 4)
+    assert chain["draft_ms"] == pytest.approx(2 * got["draft_ms"], rel=1e-3)
+    ngram = speculative_block(
+        LLAMA70B, ["speculative.decoding_type=NGram"], setup.deployment, c, summary, 1, 256, 32, 2.0
+    )
+    assert (ngram["draft_forwards"], ngram["draft_ms"]) == (0, 0.0)

@@ -79,15 +79,8 @@ def plan_block(
         raise TrtpipeError(
             "--acceptance-length: the recipe has no speculative decoding (set speculative.decoding_type)"
         )
-    from trtpipe.recipe.lookahead import draft_len
-
     c = load_constants()[setup.family]
-    target = setup.deployment
-    heads, layers = medusa_heads(recipe)
-    k = draft_len(recipe)  # lookahead: (N - 2) + (W - 1 + G) * (N - 1)
-    step = speculative_step(
-        target, c, setup.max_batch_size, isl + osl // 2, k, acceptance_length, drafter(recipe, target), heads, layers
-    )
+    step, k, _ = recipe_step(recipe, setup.deployment, c, setup.max_batch_size, isl + osl // 2, acceptance_length)
     return {
         "decoding_type": s.decoding_type,
         "max_draft_len": k,
@@ -96,6 +89,25 @@ def plan_block(
         "kv_len": step.kv_len,
         "decode_speedup": round(step.speedup, 3),
     }
+
+
+def recipe_step(recipe, target: Deployment, c: Constants, batch: int, kv_len: int, acceptance_length: float):
+    """The step model for the recipe's speculation: (step, draft tokens verified per request, drafter forwards per
+    step). Lookahead verifies (N - 2) + (W - 1 + G) * (N - 1) tokens; Medusa's heads run inside the verification;
+    an EAGLE tree (engine eagle, or Eagle3 with eagle_choices) drafts one forward per level, not one per node."""
+    from trtpipe.recipe.lookahead import draft_len
+
+    s = recipe.speculative
+    k = draft_len(recipe)
+    draft = drafter(recipe, target)
+    forwards = 0 if draft is None else k  # n-gram, lookahead and Medusa run no drafter forwards
+    if draft is not None and (s.decoding_type == "eagle" or (s.decoding_type == "Eagle3" and s.eagle_choices)):
+        from trtpipe.recipe.eagle import choices, tree_shape
+
+        forwards = tree_shape(choices(recipe))[0]
+    heads, layers = medusa_heads(recipe)
+    step = speculative_step(target, c, batch, kv_len, k, acceptance_length, draft, heads, layers, forwards)
+    return step, k, forwards
 
 
 def medusa_heads(recipe) -> tuple[int, int]:
@@ -126,7 +138,6 @@ def speculative_block(
     figures scaled by it (ITL p50 divided by it; tok/s by the ratio of plain to speculative end-to-end time of a
     request at the simulated p50 TTFT and ITL)."""
     from trtpipe.app.validation import load_recipe
-    from trtpipe.recipe.lookahead import draft_len
 
     recipe = load_recipe(recipe_path, list(overrides), check_rules=False)
     s = recipe.speculative
@@ -134,37 +145,20 @@ def speculative_block(
         raise TrtpipeError(
             "--acceptance-length: the recipe has no speculative decoding (set speculative.decoding_type)"
         )
-    heads, layers = medusa_heads(recipe)
-    forwards = None
-    if s.decoding_type == "eagle":  # one EagleNet per level of the tree (num_eagle_layers), not one per node
-        from trtpipe.recipe.eagle import choices, tree_shape
-
-        forwards = tree_shape(choices(recipe))[0]
-    step = speculative_step(
-        target,
-        c,
-        batch,
-        isl + osl // 2,
-        draft_len(recipe),
-        acceptance_length,
-        drafter(recipe, target),
-        heads,
-        layers,
-        forwards,
-    )
+    step, k, forwards = recipe_step(recipe, target, c, batch, isl + osl // 2, acceptance_length)
     ttft, itl = summary["ttft_ms"]["p50"], summary["itl_ms"]["p50"]
     e2e_plain, e2e_spec = ttft + (osl - 1) * itl, ttft + (osl - 1) * itl / step.speedup
     ms = lambda v: round(v * 1e3, 3)  # noqa: E731
     return {
         "decoding_type": s.decoding_type,
-        "max_draft_len": draft_len(recipe),  # lookahead: (N - 2) + (W - 1 + G) * (N - 1)
+        "max_draft_len": k,  # lookahead: (N - 2) + (W - 1 + G) * (N - 1)
         "acceptance_length": acceptance_length,
         "batch": batch,
         "kv_len": step.kv_len,
         "plain_step_ms": ms(step.plain_s),
         "verify_step_ms": ms(step.verify_s),
         "draft_ms": ms(step.draft_s),
-        "draft_forwards": s.max_draft_len if forwards is None else forwards,
+        "draft_forwards": forwards,
         "decode_speedup": round(step.speedup, 3),
         "itl_ms_p50": round(itl / step.speedup, 2),
         "output_tok_s": round(summary["output_tok_s"] * e2e_plain / e2e_spec, 1),
