@@ -76,8 +76,27 @@ def test_plan_adds_the_decode_speedup_of_the_key():
             ("speculative.acceptance_length=2",),
             "speculative.acceptance_length: set without speculative decoding (decoding_type none): remove it",
         ),
+        (  # a tree accepts one path: 4 nodes of depth 2 give at most 3 tokens per forward, not 5
+            (
+                "speculative.decoding_type=medusa",
+                "speculative.max_draft_len=4",
+                "speculative.medusa_choices=[[0],[1],[0,0],[1,0]]",
+                "speculative.acceptance_length=3.5",
+            ),
+            "speculative.acceptance_length: 3.5 is outside [1, the depth of medusa_choices + 1 = 3]: it counts the "
+            "accepted drafts plus the target's own token per target forward",
+        ),
+        (  # lookahead accepts at most N - 1 tokens of one n-gram although it verifies 15
+            (
+                "speculative.decoding_type=lookahead_decoding",
+                "speculative.max_draft_len=15",
+                "speculative.acceptance_length=3.5",
+            ),
+            "speculative.acceptance_length: 3.5 is outside [1, max_ngram_size = 3]: it counts the accepted drafts "
+            "plus the target's own token per target forward",
+        ),
     ],
-    ids=["above-k-plus-1", "below-1", "without-speculation"],
+    ids=["above-k-plus-1", "below-1", "without-speculation", "medusa-tree-depth", "lookahead-ngram"],
 )
 def test_an_acceptance_length_out_of_range_is_one_line_naming_the_key(sets, expected):
     problems = [f"{p.key}: {p.message}" for p in check_recipe(load_recipe(LLAMA70B, list(sets), check_rules=False))]

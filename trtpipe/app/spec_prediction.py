@@ -97,7 +97,15 @@ def recipe_step(recipe, target: Deployment, c: Constants, batch: int, kv_len: in
     an EAGLE tree (engine eagle, or Eagle3 with eagle_choices) drafts one forward per level, not one per node."""
     from trtpipe.recipe.lookahead import draft_len
 
+    from trtpipe.recipe.speculative import longest_acceptance
+
     s = recipe.speculative
+    top, what = longest_acceptance(recipe)
+    if not 1 <= acceptance_length <= top:
+        raise TrtpipeError(
+            f"acceptance length {acceptance_length:g} is outside [1, {what} = {top}]: it counts the accepted drafts "
+            "plus the target's own token per target forward"
+        )
     k = draft_len(recipe)
     draft = drafter(recipe, target)
     forwards = 0 if draft is None else k  # n-gram, lookahead and Medusa run no drafter forwards

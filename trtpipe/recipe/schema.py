@@ -406,8 +406,9 @@ class SpeculativeSection(_Section):
     acceptance_length: Optional[float] = Field(
         None,
         description="trtpipe's own key (not TensorRT-LLM's): the expected tokens per target forward (accepted drafts "
-        "+ 1, 1 <= it <= max_draft_len + 1) that `trtpipe plan` and `trtpipe predict` use for the speculative "
-        "speed-up; their --acceptance-length overrides it. None: no speed-up predicted.",
+        "+ 1; at least 1, at most max_draft_len + 1, a tree's depth + 1, lookahead's max_ngram_size) that `trtpipe "
+        "plan` and `trtpipe predict` use for the speculative speed-up; their --acceptance-length overrides it. None: "
+        "no speed-up predicted.",
         json_schema_extra={"keyed": False},  # no stage's output depends on it: a change rebuilds nothing
     )
     draft_quantization: Union[Literal[("recipe", "stored") + RECIPE_ALGOS], dict[str, Any]] = Field(

@@ -220,18 +220,38 @@ def _eagle3_head(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
         )
 
 
+def longest_acceptance(recipe: Recipe) -> tuple[int, str]:
+    """The most tokens one target forward can yield (accepted drafts + the target's own) and what bounds it: a tree
+    (Medusa's medusa_choices, EAGLE's eagle_choices) accepts one path, its depth; lookahead accepts at most N - 1
+    tokens of one n-gram; a chain accepts all max_draft_len."""
+    s = recipe.speculative
+    if s.decoding_type == "lookahead_decoding":
+        return s.max_ngram_size, "max_ngram_size"
+    tree = None
+    if s.decoding_type == "medusa" and s.medusa_choices:
+        tree, key = s.medusa_choices, "medusa_choices"
+    elif s.decoding_type in ("eagle", "Eagle3") and s.eagle_choices:
+        tree, key = s.eagle_choices, "eagle_choices"
+    if tree:
+        return max(len(c) for c in tree) + 1, f"the depth of {key} + 1"
+    return s.max_draft_len + 1, "max_draft_len + 1"
+
+
 def _acceptance(recipe: Recipe) -> Iterable[Finding]:
-    """``acceptance_length`` (trtpipe's key): accepted drafts + 1 per verification, so within [1, k + 1]."""
+    """``acceptance_length`` (trtpipe's key): accepted drafts + 1 per verification, so within [1, the longest
+    accepted path + 1]."""
     s = recipe.speculative
     if s.acceptance_length is None:
         return
     if not s.enabled:
         yield f"{KEY}.acceptance_length", "set without speculative decoding (decoding_type none): remove it"
-    elif not 1 <= s.acceptance_length <= s.max_draft_len + 1:
+        return
+    top, what = longest_acceptance(recipe)
+    if not 1 <= s.acceptance_length <= top:
         yield (
             f"{KEY}.acceptance_length",
-            f"{s.acceptance_length:g} is outside [1, max_draft_len + 1 = {s.max_draft_len + 1}]: it counts the "
-            "accepted drafts plus the target's own token per target forward",
+            f"{s.acceptance_length:g} is outside [1, {what} = {top}]: it counts the accepted drafts plus the "
+            "target's own token per target forward",
         )
 
 
