@@ -106,6 +106,9 @@ def test_a_one_model_dynamic_tree_is_written_where_every_front_end_reads_it(tmp_
         assert engine_options(r, role)["speculative_config"] == written, role
     c = from_recipe(r, 512)
     assert (c.max_draft_len, c.dynamic_tree_max_top_k, c.dynamic_tree_depth, c.eagle_choices) == (8, 3, 3, "")
+    from trtpipe.recipe.lookahead import draft_len
+
+    assert draft_len(r) == 8  # the tokens one verification holds: what the planner reserves per sequence
     assert from_json(to_json(c)) == c
 
 
