@@ -12,13 +12,15 @@ Workloads (greedy, end id off, every request makes exactly ``--tokens`` tokens; 
   published Llama-3.1 head keeps); saved in the published layout and loaded by the twin like any head.
 - ``eagle3-trained-tree``: the same trained head drafting the static tree ``TREE`` (``eagle_choices``, 6 nodes, 3
   deep as the chain: top-3 at depth 1, top-1 below the first two) instead of the chain of 3.
+- ``eagle3-trained-dynamic``: the same trained head drafting EAGLE-2's dynamic tree (``dynamic_tree_max_top_k``
+  ``DYNAMIC_K``, depth 3, the 6 best nodes: the static tree's size and depth; trtpipe/serving/dynamic_tree.py).
 
 Per run: tokens per target forward (output tokens / target forwards each request took part in), acceptance rate,
 ITL p50 and output tok/s (as scripts/bench_speculative.py, whose ``run`` this reuses), ratios against the same
 workload and concurrency without speculation in this run.
 
     .venv/bin/python scripts/bench_hidden_draft.py [--requests 16] [--tokens 64] [--train-steps 400] [--json out]
-        [--only eagle3-trained,eagle3-trained-tree]
+        [--only eagle3-trained,eagle3-trained-tree,eagle3-trained-dynamic]
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speculative import OPENINGS, STORIES, print_table, run  # noqa: E402
 
 TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]
+DYNAMIC_K = 3
 
 
 def main() -> None:
@@ -94,6 +97,17 @@ def main() -> None:
                 "max_draft_len": len(TREE),
                 "speculative_model": str(trained),
                 "eagle_choices": braces(TREE),
+            },
+        ),
+        "eagle3-trained-dynamic": (
+            deep,
+            stories,
+            {
+                "speculative_decoding_type": "Eagle3",
+                "max_draft_len": len(TREE),  # the executor's: the tree's draft tokens (max_total_draft_tokens)
+                "speculative_model": str(trained),
+                "dynamic_tree_max_top_k": DYNAMIC_K,
+                "dynamic_tree_depth": max(len(c) for c in TREE),
             },
         ),
     }

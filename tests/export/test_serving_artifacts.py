@@ -74,6 +74,9 @@ CONTRACT_SUB = {
         "max_matching_ngram_size",
         "eagle3_one_model",
         "eagle_choices",  # EagleDecodingConfig.eagle_choices (EAGLE-3's static tree, trtpipe/recipe/eagle.py)
+        "use_dynamic_tree",  # EagleDecodingConfig.use_dynamic_tree / dynamic_tree_max_topK (EAGLE-3's dynamic tree)
+        "dynamic_tree_max_topK",
+        "max_total_draft_tokens",  # DecodingBaseConfig.max_total_draft_tokens
         "num_nextn_predict_layers",
     },
 }

@@ -82,21 +82,77 @@ def test_a_two_model_tree_is_written_where_every_front_end_reads_it(tmp_path, ta
     assert from_recipe(chain, 512).eagle_choices == ""
 
 
+DYN_SPEC = (
+    "  eagle3_one_model: true\n  max_draft_len: 3\n  use_dynamic_tree: true\n  dynamic_tree_max_top_k: 3\n"
+    "  max_total_draft_tokens: 8"
+)
+
+
+def test_a_one_model_dynamic_tree_is_written_where_every_front_end_reads_it(tmp_path, target_and_head):
+    """upstream's names: use_dynamic_tree, dynamic_tree_max_topK, max_total_draft_tokens, max_draft_len the depth;
+    the twin reserves the tree's draft tokens and drafts it (trtpipe/serving/dynamic_tree.py)."""
+    from trtpipe.deploy.dynamo import ROLES, engine_options
+    from trtpipe.serving.config import from_json, from_recipe, to_json
+
+    path = _write(tmp_path, target_and_head, DYN_SPEC, "1.3")
+    assert _problems(path) == []
+    r = load_recipe(path)
+    written = llm_api_options(r, "1.3")["speculative_config"]
+    assert written["use_dynamic_tree"] is True and written["dynamic_tree_max_topK"] == 3
+    assert written["max_total_draft_tokens"] == 8 and written["max_draft_len"] == 3
+    assert written["eagle3_one_model"] is True and "eagle_choices" not in written
+    assert model_yaml(r, "/m")["speculative_config"] == written  # the Triton llmapi model
+    for role in ROLES:  # the Dynamo worker's --extra-engine-args
+        assert engine_options(r, role)["speculative_config"] == written, role
+    c = from_recipe(r, 512)
+    assert (c.max_draft_len, c.dynamic_tree_max_top_k, c.dynamic_tree_depth, c.eagle_choices) == (8, 3, 3, "")
+    from trtpipe.recipe.lookahead import draft_len
+
+    assert draft_len(r) == 8  # the tokens one verification holds: what the planner reserves per sequence
+    assert from_json(to_json(c)) == c
+
+
 CASES = {
     "one-model": (
         f"  eagle3_one_model: true\n  max_draft_len: {len(TREE)}\n  eagle_choices: {TREE}",
         "1.2",
         "speculative.eagle_choices: the one-model EAGLE-3 drafter never builds the static tree",
     ),
-    "dynamic-tree": (
-        "  eagle3_one_model: true\n  use_dynamic_tree: true\n  dynamic_tree_max_top_k: 4",
-        "1.2",
-        "speculative.use_dynamic_tree: EAGLE-2's dynamic tree is not executed by trtpipe's CPU twin",
+    "dynamic-two-model": (
+        DYN_SPEC.replace("eagle3_one_model: true", "eagle3_one_model: false"),
+        "1.3",
+        "speculative.use_dynamic_tree: upstream drafts the dynamic tree in the one-model form only",
+    ),
+    "dynamic-release": (DYN_SPEC, "1.2", "speculative.use_dynamic_tree: llmapi.version 1.2: trtpipe writes EAGLE-3's"),
+    "dynamic-with-choices": (
+        DYN_SPEC + "\n  eagle_choices: [[0], [1]]",
+        "1.3",
+        "speculative.use_dynamic_tree: use_dynamic_tree and eagle_choices are mutually exclusive",
+    ),
+    "dynamic-top-k-1": (
+        DYN_SPEC.replace("dynamic_tree_max_top_k: 3", "dynamic_tree_max_top_k: 1"),
+        "1.3",
+        "speculative.dynamic_tree_max_top_k: 1: the dynamic tree needs dynamic_tree_max_topK >= 2",
+    ),
+    "dynamic-no-total": (
+        DYN_SPEC.replace("\n  max_total_draft_tokens: 8", ""),
+        "1.3",
+        "speculative.max_total_draft_tokens: the dynamic tree needs max_total_draft_tokens",
+    ),
+    "dynamic-too-many": (
+        DYN_SPEC.replace("max_total_draft_tokens: 8", "max_total_draft_tokens: 22"),
+        "1.3",
+        "speculative.max_total_draft_tokens: 22 exceeds the 21 nodes",
     ),
     "dynamic-top-k-alone": (
         "  dynamic_tree_max_top_k: 4",
         "1.2",
-        "speculative.dynamic_tree_max_top_k: EAGLE-2's dynamic tree is not executed",
+        "speculative.dynamic_tree_max_top_k: dynamic_tree_max_top_k is read only with use_dynamic_tree: true",
+    ),
+    "total-alone": (
+        "  max_total_draft_tokens: 4",
+        "1.3",
+        "speculative.max_total_draft_tokens: max_total_draft_tokens is read only with use_dynamic_tree: true",
     ),
     "release": (TREE_SPEC, "1.1", "speculative.eagle_choices: llmapi.version 1.1: trtpipe writes EAGLE-3's"),
     "not-connected": (

@@ -73,7 +73,7 @@ def draft_memory(recipe: Recipe, tp: int, kv_bytes: float, layer_kv: float = 0.0
     try:
         path = draft_dir(recipe)
     except Exception as exc:  # noqa: BLE001 - a hub draft not in the cache: the plan says so, it does not fail
-        return DraftMemory(0, 0.0, s.max_draft_len, f"not counted ({type(exc).__name__})")
+        return DraftMemory(0, 0.0, draft_len(recipe), f"not counted ({type(exc).__name__})")
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     weights = sum(f.stat().st_size for f in files)
     cfg = _config(path)
@@ -95,4 +95,4 @@ def draft_memory(recipe: Recipe, tp: int, kv_bytes: float, layer_kv: float = 0.0
             weights, how = eagle3_head_bytes(cfg), "EAGLE-3 head computed from its config.json"
         except KeyError as key:  # validation names the head's problems; the plan says what it could not count
             how = f"not counted (the head's config.json has no {key})"
-    return DraftMemory(weights // tp, per_tok, s.max_draft_len, how)
+    return DraftMemory(weights // tp, per_tok, draft_len(recipe), how)  # a dynamic tree: its draft tokens

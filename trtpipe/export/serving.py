@@ -110,6 +110,10 @@ LLM_API_KEYS: dict[str, frozenset] = {
     "speculative_config.max_matching_ngram_size": _ALL,
     "speculative_config.eagle3_one_model": _ALL,
     "speculative_config.eagle_choices": _SINCE_12,  # Eagle3's static tree (trtpipe/recipe/eagle.py refuses 1.0/1.1)
+    # Eagle3's dynamic tree (EagleDecodingConfig / DecodingBaseConfig; trtpipe/recipe/eagle.py writes it for 1.3)
+    "speculative_config.use_dynamic_tree": frozenset(("1.3",)),
+    "speculative_config.dynamic_tree_max_topK": frozenset(("1.3",)),
+    "speculative_config.max_total_draft_tokens": frozenset(("1.3",)),
     "speculative_config.num_nextn_predict_layers": _ALL,
     **KEYS_13,
 }

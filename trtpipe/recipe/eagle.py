@@ -25,11 +25,14 @@ code index does not record) sorts and checks the choices, resets ``max_draft_len
 getting none (``tensorrt_llm/_torch/speculative/utils.py@3e906a0e``), and a later utils.py says so ("the one-model
 drafter never builds the tree ... Tree-aware acceptance only exists in the two-model TorchSampler path"); the tree's
 drafter layers are ``SpecTreeManager``'s (``spec_tree_manager.py@040bc9a2``). So trtpipe refuses eagle_choices with
-``eagle3_one_model: true`` in one line. EAGLE-2's dynamic tree (``use_dynamic_tree`` with ``dynamic_tree_max_topK``)
-runs upstream in the one-model form in recent revisions (``Eagle3OneModelDynamicTreeWorker``, picked by
-``get_spec_worker`` when ``dynamic_tree_max_topK > 1``); the twin does not execute it, so trtpipe refuses it. In the
-recipe ``max_draft_len`` is the tree's number of draft tokens (what the planner and the twin reserve); the YAML
-writes upstream's spelling: ``max_draft_len`` the depth and ``eagle_choices``. Upstream marks eagle_choices and the
+``eagle3_one_model: true`` in one line. EAGLE-2's dynamic tree (``use_dynamic_tree`` with ``dynamic_tree_max_topK``
+and ``max_total_draft_tokens``) runs upstream in the one-model form in recent revisions
+(``Eagle3OneModelDynamicTreeWorker``, ``tensorrt_llm/_torch/speculative/eagle3_dynamic_tree.py@470bb720``, picked by
+``get_spec_worker`` in ``utils.py`` for the one-model EAGLE-3); trtpipe accepts it there, for llmapi 1.3 (the first
+release that has it is unconfirmed), writes upstream's keys with ``max_draft_len`` the depth as upstream's, and the
+twin drafts it (:mod:`trtpipe.serving.dynamic_tree`); every other combination is refused in one line. For a static
+tree the recipe's ``max_draft_len`` is the tree's number of draft tokens (what the planner and the twin reserve);
+the YAML writes upstream's spelling: ``max_draft_len`` the depth and ``eagle_choices``. Upstream marks eagle_choices and the
 two-model form deprecated for removal in 1.4 (same llm_args revision).
 """
 
@@ -41,13 +44,17 @@ from typing import Iterable, Optional
 from trtpipe.errors import CheckpointError
 from trtpipe.jsonfile import load_json
 from trtpipe.models.dims import ModelDims
+from trtpipe.recipe.lookahead import draft_len
 from trtpipe.recipe.medusa import braces, chain
 from trtpipe.recipe.rules import Finding
 from trtpipe.recipe.schema import Recipe
 
 KEY = "speculative"
-KEYS = ("eagle_choices", "dynamic_tree_max_top_k")
+KEYS = ("eagle_choices", "dynamic_tree_max_top_k", "max_total_draft_tokens")
 EAGLE3_TREE_RELEASES = frozenset(("1.2", "1.3"))  # llmapi.version values that get EAGLE-3's eagle_choices
+# llmapi.version values that get EAGLE-3's dynamic tree: the first release with Eagle3OneModelDynamicTreeWorker is
+# unconfirmed (the code index holds it at TensorRT-LLM commit 470bb720, whose version.py it does not hold)
+EAGLE3_DYNAMIC_TREE_RELEASES = frozenset(("1.3",))
 HEAD_FILES = ("pytorch_model.bin", "model.safetensors")  # ea_model.py@2320d52e reads pytorch_model.bin
 
 
@@ -71,6 +78,23 @@ def triton_choices(recipe: Recipe) -> str:
     return braces(choices(recipe)) if recipe.speculative.decoding_type == "eagle" else ""
 
 
+def dynamic(recipe: Recipe) -> bool:
+    """EAGLE-3's dynamic tree (EAGLE-2)."""
+    return recipe.speculative.decoding_type == "Eagle3" and recipe.speculative.use_dynamic_tree
+
+
+def dynamic_knobs(recipe: Recipe) -> dict:
+    """The twin executor's dynamic-tree fields ({} without one): max_draft_len its draft tokens."""
+    s = recipe.speculative
+    if not dynamic(recipe):
+        return {}
+    return {
+        "max_draft_len": draft_len(recipe),
+        "dynamic_tree_max_top_k": s.dynamic_tree_max_top_k or 0,
+        "dynamic_tree_depth": s.max_draft_len,
+    }
+
+
 def twin_choices(recipe: Recipe) -> str:
     """The twin executor's ``eagle_choices`` (the same brace format): eagle's tree or chain, EAGLE-3's static tree
     ("" otherwise: EAGLE-3's chain is HiddenDrafter's)."""
@@ -92,6 +116,8 @@ def eagle_findings(recipe: Recipe, m: Optional[ModelDims], head_dir) -> Iterable
         if s.use_dynamic_tree:
             yield f"{KEY}.use_dynamic_tree", "only decoding_type eagle (or Eagle3) takes use_dynamic_tree; remove it"
         return
+    if s.max_total_draft_tokens is not None:
+        yield f"{KEY}.max_total_draft_tokens", "only Eagle3's dynamic tree takes max_total_draft_tokens; remove it"
     if s.use_dynamic_tree:
         if s.eagle_choices:
             yield f"{KEY}.use_dynamic_tree", "use_dynamic_tree and eagle_choices are mutually exclusive (upstream)"
@@ -142,12 +168,12 @@ def eagle3_tree_findings(recipe: Recipe) -> Iterable[Finding]:
     the module docstring): the static tree in the two-model form; the dynamic tree refused (the twin does not run
     it)."""
     s = recipe.speculative
-    if s.use_dynamic_tree or s.dynamic_tree_max_top_k is not None:
-        yield (
-            f"{KEY}.use_dynamic_tree" if s.use_dynamic_tree else f"{KEY}.dynamic_tree_max_top_k",
-            "EAGLE-2's dynamic tree is not executed by trtpipe's CPU twin yet, so trtpipe does not write it "
-            "(upstream runs it one-model only, Eagle3OneModelDynamicTreeWorker); use eagle_choices (a static tree)",
-        )
+    if s.use_dynamic_tree:
+        yield from eagle3_dynamic_tree_findings(recipe)
+        return
+    for key in ("dynamic_tree_max_top_k", "max_total_draft_tokens"):
+        if getattr(s, key) is not None:
+            yield f"{KEY}.{key}", f"{key} is read only with use_dynamic_tree: true (EAGLE-2's dynamic tree); remove it"
     if not s.eagle_choices:
         return
     if s.eagle3_one_model:
@@ -166,11 +192,58 @@ def eagle3_tree_findings(recipe: Recipe) -> Iterable[Finding]:
     yield from _tree_findings(recipe, "max_draft_len is the tree's draft tokens; the YAML writes its depth")
 
 
+def eagle3_dynamic_tree_findings(recipe: Recipe) -> Iterable[Finding]:
+    """EAGLE-2's dynamic tree as upstream runs it: one-model only (``get_spec_worker`` picks
+    ``Eagle3OneModelDynamicTreeWorker`` for the one-model EAGLE-3, ``tensorrt_llm/_torch/speculative/utils.py``),
+    ``dynamic_tree_max_topK`` children per expanded node, ``max_draft_len`` layers, ``max_total_draft_tokens`` kept
+    out of the ``K + K*K*(max_draft_len - 1)`` nodes drafted (the history buffer of ``eagle3_dynamic_tree.py@470bb720``)."""
+    s = recipe.speculative
+    if s.eagle_choices:
+        yield f"{KEY}.use_dynamic_tree", "use_dynamic_tree and eagle_choices are mutually exclusive (upstream)"
+    if not s.eagle3_one_model:
+        yield (
+            f"{KEY}.use_dynamic_tree",
+            "upstream drafts the dynamic tree in the one-model form only (Eagle3OneModelDynamicTreeWorker); "
+            "set eagle3_one_model: true",
+        )
+    if recipe.llmapi.version not in EAGLE3_DYNAMIC_TREE_RELEASES:
+        yield (
+            f"{KEY}.use_dynamic_tree",
+            f"llmapi.version {recipe.llmapi.version}: trtpipe writes EAGLE-3's dynamic tree for "
+            f"{', '.join(sorted(EAGLE3_DYNAMIC_TREE_RELEASES))} only (the first release with "
+            "Eagle3OneModelDynamicTreeWorker is unconfirmed)",
+        )
+    k, t = s.dynamic_tree_max_top_k, s.max_total_draft_tokens
+    if k is None or k < 2:
+        yield (
+            f"{KEY}.dynamic_tree_max_top_k",
+            f"{k}: the dynamic tree needs dynamic_tree_max_topK >= 2 (upstream's dynamic worker runs for K > 1; "
+            "K = 1 is the chain of max_draft_len)",
+        )
+        return
+    if t is None:
+        yield f"{KEY}.max_total_draft_tokens", "the dynamic tree needs max_total_draft_tokens (its draft tokens)"
+        return
+    most = k + k * k * (s.max_draft_len - 1)
+    if t > most:
+        yield (
+            f"{KEY}.max_total_draft_tokens",
+            f"{t} exceeds the {most} nodes a dynamic tree of top-k {k} and depth {s.max_draft_len} drafts "
+            "(K + K*K*(max_draft_len - 1))",
+        )
+
+
 def eagle3_tree_options(recipe: Recipe) -> dict:
     """The ``speculative_config`` keys of an EAGLE-3 static tree: ``eagle_choices`` and ``max_draft_len`` its depth
     (upstream's ``validate_eagle_config`` resets max_draft_len to the depth and counts ``max_total_draft_tokens``
     as the number of choices; writing the depth spares its warning). {} for the chain."""
     s = recipe.speculative
+    if dynamic(recipe):  # EagleDecodingConfig's names; max_draft_len (the depth) is written as the recipe has it
+        return {
+            "speculative_config.use_dynamic_tree": True,
+            "speculative_config.dynamic_tree_max_topK": s.dynamic_tree_max_top_k,
+            "speculative_config.max_total_draft_tokens": s.max_total_draft_tokens,
+        }
     if s.decoding_type != "Eagle3" or not s.eagle_choices:
         return {}
     tree = choices(recipe)

@@ -54,7 +54,7 @@ def speculative_knobs(recipe: Recipe) -> dict[str, Any]:
     or a tree of choices), the engine's lookahead_decoding with its (W, N, G), the engine's eagle with its EAGLE-1/2
     head (eagle_choices: a chain or a static tree), Eagle3's static tree (eagle_choices, two-model); a draft or head as
     a local directory)."""
-    from trtpipe.recipe.eagle import twin_choices as eagle_choices
+    from trtpipe.recipe.eagle import dynamic_knobs, twin_choices as eagle_choices
     from trtpipe.recipe.medusa import choices
     from trtpipe.recipe.speculative import TWIN_EXECUTES, draft_dir
 
@@ -72,6 +72,7 @@ def speculative_knobs(recipe: Recipe) -> dict[str, Any]:
         "speculative_model": str(draft) if draft is not None else "",
         **({"medusa_choices": choices(recipe)} if s.decoding_type == "medusa" and s.medusa_choices else {}),
         **({"eagle_choices": eagle_choices(recipe)} if s.decoding_type in ("eagle", "Eagle3") else {}),
+        **dynamic_knobs(recipe),  # EAGLE-3's dynamic tree: max_draft_len its draft tokens
     }
 
 

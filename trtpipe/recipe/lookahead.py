@@ -107,9 +107,14 @@ def recipe_config(recipe: Recipe) -> Optional[LookaheadConfig]:
 
 
 def draft_len(recipe: Recipe) -> int:
-    """Draft tokens per step the engine is built and scheduled for: lookahead's from (W, N, G), else max_draft_len."""
-    cfg = recipe_config(recipe)
-    return cfg.max_draft_len if cfg is not None else recipe.speculative.max_draft_len
+    """Draft tokens per step the engine is built and scheduled for: lookahead's from (W, N, G), EAGLE-3's dynamic
+    tree's max_total_draft_tokens (its max_draft_len is the depth, as upstream), else max_draft_len."""
+    cfg, s = recipe_config(recipe), recipe.speculative
+    if cfg is not None:
+        return cfg.max_draft_len
+    if s.decoding_type == "Eagle3" and s.use_dynamic_tree and s.max_total_draft_tokens:
+        return s.max_total_draft_tokens
+    return s.max_draft_len
 
 
 def lookahead_findings(recipe: Recipe) -> Iterable[Finding]:

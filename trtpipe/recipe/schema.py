@@ -439,10 +439,17 @@ class SpeculativeSection(_Section):
     )
     use_dynamic_tree: bool = Field(
         False,
-        description="eagle, Eagle3: EAGLE-2's dynamic tree (EagleDecodingConfig.use_dynamic_tree); not executed yet.",
+        description="Eagle3 (one-model, llmapi 1.3): EAGLE-2's dynamic tree (EagleDecodingConfig.use_dynamic_tree); "
+        "max_draft_len is then its depth, as upstream. Refused for eagle (engine).",
     )
     dynamic_tree_max_top_k: Optional[int] = Field(
-        None, ge=1, description="eagle: nodes expanded per layer of the dynamic tree (dynamic_tree_max_topK)."
+        None, ge=1, description="Eagle3: nodes expanded per layer of the dynamic tree (dynamic_tree_max_topK, >= 2)."
+    )
+    max_total_draft_tokens: Optional[int] = Field(
+        None,
+        ge=1,
+        description="Eagle3 with use_dynamic_tree: the tree's draft tokens, verified in one target forward "
+        "(max_total_draft_tokens; at most K + K*K*(max_draft_len - 1)).",
     )
 
     @property

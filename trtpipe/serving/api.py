@@ -88,6 +88,10 @@ class ExecutorConfig:
     lookahead_verification_set_size: int = 0
     medusa_choices: Optional[Sequence[Sequence[int]]] = None  # Medusa's tree (None: the chain of max_draft_len)
     eagle_choices: str = ""  # Eagle, Eagle3: the draft tree in Triton's brace format ("{0}, {0, 0}"; "": the chain)
+    # Eagle3's dynamic tree (EAGLE-2, trtpipe.serving.dynamic_tree): children per expanded node (0: off) and the
+    # tree's depth (upstream's max_draft_len); max_draft_len is then its draft tokens (max_total_draft_tokens)
+    dynamic_tree_max_top_k: int = 0
+    dynamic_tree_depth: int = 0
 
     @property
     def draft_reserve(self) -> int:

@@ -187,67 +187,99 @@ class Eagle1TreeDrafter(HiddenDrafter):
             self._root = (entries, logits, nxt)
         return logits, nxt
 
-    @torch.no_grad()
-    def propose(self, requests: list, ks: dict[int, int]) -> dict:
-        from trtpipe.serving.api import StepEntry
-        from trtpipe.serving.tree_verify import mask_from_parents, tree_fields
-
+    def _catch_up(self, requests: list, ks: dict[int, int]) -> dict:
+        """The head's catch-up forward alone (one draft's worth of :meth:`HiddenDrafter.propose`): per request id,
+        (its root's logits, its root's output feature); requests not ready are absent."""
         self._root = None
-        super().propose(requests, {r.id: min(1, ks[r.id]) for r in requests})  # the catch-up forward alone
+        super().propose(requests, {r.id: min(1, ks[r.id]) for r in requests})
         if self._root is None:
             return {}
-        entries, root_logits, root_feats = self._root
+        entries, logits, feats = self._root
         self._root = None
+        return {e.request_id: (logits[i], feats[i]) for i, e in enumerate(entries)}
+
+    def _fits(self, r, nodes: int) -> bool:
+        """The pool has the blocks of the head's KV of ``nodes`` tree nodes past the request's last token."""
+        return self.pool.blocks_for(len(r.tokens) - 1 + nodes) - len(r.block_table) <= self.pool.num_free
+
+    def _grow(self, r, nodes: int) -> None:
+        """The head's KV of the nodes goes to the request's own blocks (its extra layers), rewritten next catch-up."""
+        r.perf.kv_alloc_new_blocks += self.pool.grow(r.block_table, len(r.tokens) - 1 + nodes)
+
+    def _forward_nodes(self, groups: list) -> list:
+        """One head forward over tree nodes of several requests: per group ``(request, tokens, parents, positions,
+        hidden)`` (``parents[i]`` the index of node i's parent in the group, -1 under the root; ``positions`` the
+        offsets past the last token, depth - 1; ``hidden`` ``[len(tokens), H]``, each node's parent's feature), each
+        node seeing the catch-up's KV and its ancestors in the group (a tree mask). Per group (logits, features)."""
+        from trtpipe.serving.api import StepEntry
+        from trtpipe.serving.tree_verify import mask_from_parents
+
+        step = [
+            StepEntry(
+                r.id,
+                list(tokens),
+                len(r.tokens) - 1,
+                r.block_table,
+                False,
+                True,
+                spec_positions=list(positions),
+                spec_mask=mask_from_parents([-1] + [x + 1 for x in parents])[1:, 1:],
+            )
+            for r, tokens, parents, positions, _ in groups
+        ]
+        logits, feats = self._forward(step, torch.cat([g[4] for g in groups]))
+        out, row = [], 0
+        for g in groups:
+            out.append((logits[row : row + len(g[1])], feats[row : row + len(g[1])]))
+            row += len(g[1])
+        return out
+
+    @torch.no_grad()
+    def propose(self, requests: list, ks: dict[int, int]) -> dict:
+        from trtpipe.serving.tree_verify import tree_fields
+
+        roots = self._catch_up(requests, ks)
+        if not roots:
+            return {}
         by_id = {r.id: r for r in requests}
-        work = []  # per request: (id, n, paths, parents, tokens, logits per node, features per node)
-        for i, e in enumerate(entries):
-            r = by_id[e.request_id]
-            k, n = ks[r.id], len(r.tokens)
-            while k > 1 and self.pool.blocks_for(n - 1 + k) - len(r.block_table) > self.pool.num_free:
+        work = []  # per request: (id, paths, parents, logits per node, features per node)
+        for rid, (root_logits, root_feat) in roots.items():
+            r, k = by_id[rid], ks[rid]
+            while k > 1 and not self._fits(r, k):
                 k -= 1  # the nodes' positions need blocks the pool does not have: the tree's first k nodes
+            self._grow(r, k)
             paths = self.tree[:k]
             parents = [-1] + [0 if len(p) == 1 else paths.index(p[:-1]) + 1 for p in paths]
-            # the head's KV of the nodes goes to the request's own blocks (its extra layers), rewritten next catch-up
-            r.perf.kv_alloc_new_blocks += self.pool.grow(r.block_table, n - 1 + len(paths))
-            work.append((r.id, len(r.tokens), paths, parents, {0: root_logits[i]}, {0: root_feats[i]}))
-        depth = max(len(p) for _, _, paths, *_ in work for p in paths)
-        tokens = {rid: [None] * (len(paths) + 1) for rid, _, paths, *_ in work}
+            work.append((rid, paths, parents, {0: root_logits}, {0: root_feat}))
+        depth = max(len(p) for _, paths, *_ in work for p in paths)
+        tokens = {rid: [None] * (len(paths) + 1) for rid, paths, *_ in work}
         for d in range(1, depth + 1):
-            for rid, _, paths, parents, logits, _ in work:  # depth-d nodes: the ranks of their parents' logits
+            for rid, paths, parents, logits, _ in work:  # depth-d nodes: the ranks of their parents' logits
                 for j, p in enumerate(paths, 1):
                     if len(p) == d:
                         tokens[rid][j] = self._map(int(logits[parents[j]].topk(p[-1] + 1).indices[p[-1]]))
             if d == depth:
                 break
-            step, hidden, owners = [], [], []
-            for rid, n, paths, parents, logits, feats in work:
+            groups, owners = [], []
+            for rid, paths, parents, logits, feats in work:
                 has_child = set(parents[1:])
                 nodes = [j for j, p in enumerate(paths, 1) if len(p) <= d and j in has_child]
                 if not any(len(paths[j - 1]) == d for j in nodes):
                     continue  # no node of this depth has children
                 index = {j: i for i, j in enumerate(nodes)}  # the selected nodes' own tree (ancestors are selected)
-                sub = [index.get(parents[j], -1) for j in nodes]
-                mask = mask_from_parents([-1] + [x + 1 for x in sub])[1:, 1:]
-                step.append(
-                    StepEntry(
-                        rid,
+                groups.append(
+                    (
+                        by_id[rid],
                         [tokens[rid][j] for j in nodes],
-                        n - 1,
-                        by_id[rid].block_table,
-                        False,
-                        True,
-                        spec_positions=[len(paths[j - 1]) - 1 for j in nodes],
-                        spec_mask=mask,
+                        [index.get(parents[j], -1) for j in nodes],
+                        [len(paths[j - 1]) - 1 for j in nodes],
+                        torch.stack([feats[parents[j]] for j in nodes]),
                     )
                 )
-                hidden.append(torch.stack([feats[parents[j]] for j in nodes]))
-                owners.append((rid, nodes))
-            if not step:
+                owners.append((logits, feats, nodes))
+            if not groups:
                 break
-            out_logits, out_feats = self._forward(step, torch.cat(hidden))
-            row, by_rid = 0, {w[0]: w for w in work}
-            for rid, nodes in owners:
-                for j in nodes:
-                    by_rid[rid][4][j], by_rid[rid][5][j] = out_logits[row], out_feats[row]
-                    row += 1
-        return {rid: (tokens[rid][1:], None, tree_fields(parents)) for rid, _, _, parents, _, _ in work}
+            for (logits, feats, nodes), (out_logits, out_feats) in zip(owners, self._forward_nodes(groups)):
+                for i, j in enumerate(nodes):
+                    logits[j], feats[j] = out_logits[i], out_feats[i]
+        return {rid: (tokens[rid][1:], None, tree_fields(parents)) for rid, _, parents, _, _ in work}

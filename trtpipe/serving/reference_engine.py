@@ -391,6 +391,17 @@ def draft_engine(config: ExecutorConfig, target: Optional[ReferenceModel] = None
         head.tree = parse_tree(config.eagle_choices, config.max_draft_len)  # None: the chain
         return head
     head = load_eagle3_head(config.speculative_model, target)
+    if config.dynamic_tree_max_top_k:  # EAGLE-2's dynamic tree (one-model upstream; trtpipe/recipe/eagle.py)
+        from trtpipe.serving.dynamic_tree import Eagle3DynamicTreeDrafter
+
+        if config.dynamic_tree_depth < 1 or config.max_draft_len < 1:
+            raise ValueError(
+                f"dynamic tree: dynamic_tree_depth {config.dynamic_tree_depth} and max_draft_len "
+                f"{config.max_draft_len} (its draft tokens) must be >= 1"
+            )
+        head.dynamic = (config.dynamic_tree_max_top_k, config.dynamic_tree_depth)
+        head.tree_drafter = Eagle3DynamicTreeDrafter
+        return head
     if config.eagle_choices:  # EAGLE-3's static tree (two-model upstream; trtpipe/recipe/eagle.py)
         from trtpipe.serving.eagle1 import Eagle1TreeDrafter, parse_tree
 
