@@ -173,3 +173,27 @@ def test_an_eagle3_tree_drafts_one_forward_per_level_too():
         LLAMA70B, ["speculative.decoding_type=NGram"], setup.deployment, c, summary, 1, 256, 32, 2.0
     )
     assert (ngram["draft_forwards"], ngram["draft_ms"]) == (0, 0.0)
+
+
+def test_the_dynamic_tree_drafts_one_forward_per_layer_and_verifies_all_its_tokens():
+    """EAGLE-3's dynamic tree (llmapi 1.3, one model): max_draft_len is its depth D (upstream's meaning), so D head
+    forwards per step, and the verification carries max_total_draft_tokens + 1 rows per request."""
+    from trtpipe.app import predictor as P
+    from trtpipe.app.spec_prediction import speculative_block
+    from trtpipe.perf.fit import load_constants
+
+    sets = [
+        "speculative.decoding_type=Eagle3",
+        "speculative.max_draft_len=3",
+        "speculative.eagle3_one_model=true",
+        "speculative.use_dynamic_tree=true",
+        "speculative.dynamic_tree_max_top_k=3",
+        "speculative.max_total_draft_tokens=8",
+    ]
+    setup = P.recipe_setup(LLAMA70B)
+    c = load_constants()["pytorch"]
+    summary = {"ttft_ms": {"p50": 50.0}, "itl_ms": {"p50": 10.0}, "output_tok_s": 100.0}
+    got = speculative_block(LLAMA70B, sets, setup.deployment, c, summary, 1, 256, 32, 2.0)
+    assert (got["draft_forwards"], got["max_draft_len"]) == (3, 8)
+    with pytest.raises(TrtpipeError, match=r"outside \[1, max_draft_len \+ 1 = 4\]"):
+        speculative_block(LLAMA70B, sets, setup.deployment, c, summary, 1, 256, 32, 4.5)

@@ -94,7 +94,8 @@ def plan_block(
 def recipe_step(recipe, target: Deployment, c: Constants, batch: int, kv_len: int, acceptance_length: float):
     """The step model for the recipe's speculation: (step, draft tokens verified per request, drafter forwards per
     step). Lookahead verifies (N - 2) + (W - 1 + G) * (N - 1) tokens; Medusa's heads run inside the verification;
-    an EAGLE tree (engine eagle, or Eagle3 with eagle_choices) drafts one forward per level, not one per node."""
+    an EAGLE tree (engine eagle, Eagle3 with eagle_choices or its dynamic tree) drafts one forward per level, not one
+    per node."""
     from trtpipe.recipe.lookahead import draft_len
 
     from trtpipe.recipe.speculative import longest_acceptance
@@ -113,6 +114,8 @@ def recipe_step(recipe, target: Deployment, c: Constants, batch: int, kv_len: in
         from trtpipe.recipe.eagle import choices, tree_shape
 
         forwards = tree_shape(choices(recipe))[0]
+    elif draft is not None and s.decoding_type == "Eagle3" and s.use_dynamic_tree:
+        forwards = s.max_draft_len  # the dynamic tree's depth: one forward per layer over its K best nodes
     heads, layers = medusa_heads(recipe)
     step = speculative_step(target, c, batch, kv_len, k, acceptance_length, draft, heads, layers, forwards)
     return step, k, forwards
