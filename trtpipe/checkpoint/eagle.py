@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from trtpipe.checkpoint.head_files import read_head_dir
 from trtpipe.checkpoint.shard import split_even
 from trtpipe.errors import CheckpointError
 from trtpipe.jsonfile import load_json
@@ -67,20 +68,7 @@ LAYER_NAMES = {  # HF (cnets1.py) -> TensorRT-LLM names (convert_hf_llama, tenso
 
 def read_head(head_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """A published EAGLE-1/2 head's tensors (``model.`` prefix stripped) and config.json; CheckpointError otherwise."""
-    d = Path(head_dir)
-    if not (d / "config.json").is_file():
-        raise CheckpointError(f"EAGLE head: {d / 'config.json'} not found")
-    cfg = load_json(d / "config.json", CheckpointError)
-    path = next((d / f for f in HEAD_FILES if (d / f).is_file()), None)
-    if path is None:
-        raise CheckpointError(f"EAGLE head: no {' or '.join(HEAD_FILES)} in {d}")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        raw = load_file(str(path))
-    else:
-        raw = torch.load(path, map_location="cpu", weights_only=True)
-    return {(k[len("model.") :] if k.startswith("model.") else k): v for k, v in raw.items()}, cfg
+    return read_head_dir(head_dir, "EAGLE head", HEAD_FILES, ("model.",))
 
 
 def trt_layer_tensors(t: dict, layer: int, where: str) -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from trtpipe.checkpoint.head_files import read_head_dir
 from trtpipe.checkpoint.shard import split_even
 from trtpipe.errors import CheckpointError
 from trtpipe.jsonfile import load_json
@@ -36,24 +37,7 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 
 def read_heads(heads_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """The heads' tensors (FasterDecoding / upstream names, prefixes stripped) and their config.json."""
-    d = Path(heads_dir)
-    if not (d / "config.json").is_file():
-        raise CheckpointError(f"Medusa heads: {d / 'config.json'} not found")
-    cfg = load_json(d / "config.json", CheckpointError)
-    path = next((d / f for f in HEAD_FILES if (d / f).is_file()), None)
-    if path is None:
-        raise CheckpointError(f"Medusa heads: no {' or '.join(HEAD_FILES)} in {d}")
-    raw = (
-        load_file(str(path))
-        if path.suffix == ".safetensors"
-        else torch.load(path, map_location="cpu", weights_only=True)
-    )
-    t = {}
-    for k, v in raw.items():
-        for p in PREFIXES:
-            k = k[len(p) :] if k.startswith(p) else k
-        t[k] = v
-    return t, cfg
+    return read_head_dir(heads_dir, "Medusa heads", HEAD_FILES, PREFIXES)
 
 
 def head_tensors(

@@ -263,35 +263,31 @@ def _speculative(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
     yield from _matrix(recipe, m)
     yield from _draft_model(recipe, m)
     yield from _eagle3_head(recipe, m)
-    yield from _medusa(recipe, m)
+    yield from _engine_heads(recipe, m)
     yield from lookahead_findings(recipe)
-    yield from _eagle(recipe, m)
 
 
-def _eagle(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
-    from trtpipe.recipe.eagle import eagle_findings
-
-    head = None
-    if recipe.speculative.decoding_type == "eagle" and recipe.speculative.speculative_model is not None:
-        try:
-            head = draft_dir(recipe)
-        except CheckpointError as exc:
-            yield f"{KEY}.speculative_model", f"EAGLE head: {exc}"
-            return
-    yield from eagle_findings(recipe, m, head)
+# engine-target heads built into the engine: decoding_type -> (what the errors call them, the module and function
+# ``(recipe, dims, head_dir)`` that checks them; imported when used: they import this module)
+ENGINE_HEADS = {
+    "medusa": ("Medusa heads", "trtpipe.recipe.medusa", "medusa_findings"),
+    "eagle": ("EAGLE head", "trtpipe.recipe.eagle", "eagle_findings"),
+}
 
 
-def _medusa(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
-    from trtpipe.recipe.medusa import medusa_findings
+def _engine_heads(recipe: Recipe, m: Optional[ModelDims]) -> Iterable[Finding]:
+    import importlib
 
-    heads = None
-    if recipe.speculative.decoding_type == "medusa" and recipe.speculative.speculative_model is not None:
-        try:
-            heads = draft_dir(recipe)
-        except CheckpointError as exc:
-            yield f"{KEY}.speculative_model", f"Medusa heads: {exc}"
-            return
-    yield from medusa_findings(recipe, m, heads)
+    s = recipe.speculative
+    for kind, (what, module, check) in ENGINE_HEADS.items():
+        head = None
+        if s.decoding_type == kind and s.speculative_model is not None:
+            try:
+                head = draft_dir(recipe)
+            except CheckpointError as exc:
+                yield f"{KEY}.speculative_model", f"{what}: {exc}"
+                continue
+        yield from getattr(importlib.import_module(module), check)(recipe, m, head)
 
 
 SPECULATIVE_RULES = (_speculative,)
