@@ -21,9 +21,7 @@ Pipeline parallelism is not converted (the EagleNets live on the last pp rank): 
 
 from __future__ import annotations
 
-import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -31,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from trtpipe.checkpoint.head_files import read_head_dir
 from trtpipe.checkpoint.shard import split_even
+from trtpipe.checkpoint.writer import atomic_dir, write_json
 from trtpipe.errors import CheckpointError
 from trtpipe.jsonfile import load_json
 from trtpipe.recipe.eagle import HEAD_FILES
@@ -192,8 +191,7 @@ def write_eagle_checkpoint(
         t["embed_tokens.weight"] = load_file(str(src / "rank0.safetensors"))["transformer.vocab_embedding.weight"]
     dtype_name = cfg.get("dtype", "float16")
     dtype = DTYPES.get(dtype_name, torch.float16)
-    tmp = Path(tempfile.mkdtemp(prefix=".eagle-", dir=out.parent))
-    try:
+    with atomic_dir(out, overwrite=True) as tmp:
         for f in src.iterdir():
             if f.is_file() and not f.name.startswith("rank"):
                 shutil.copy2(f, tmp / f.name)
@@ -211,13 +209,7 @@ def write_eagle_checkpoint(
             "max_non_leaves_per_layer": max_non_leaves_per_layer,
             "eagle_net_config": net_config(hcfg, args, dtype_name, tp),
         }
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        write_json(tmp / "config.json", cfg)
     return out
 
 

@@ -16,9 +16,7 @@ pp stage's are read). The lm_head rows are padded to a multiple of tp (``pad_voc
 
 from __future__ import annotations
 
-import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -26,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from trtpipe.checkpoint.head_files import read_head_dir
 from trtpipe.checkpoint.shard import split_even
+from trtpipe.checkpoint.writer import atomic_dir, write_json
 from trtpipe.errors import CheckpointError
 from trtpipe.jsonfile import load_json
 
@@ -78,8 +77,7 @@ def write_medusa_checkpoint(
     m = cfg.get("mapping", {})
     tp, pp = int(m.get("tp_size", 1)), int(m.get("pp_size", 1))
     dtype = DTYPES.get(cfg.get("dtype"), torch.float16)
-    tmp = Path(tempfile.mkdtemp(prefix=".medusa-", dir=out.parent))
-    try:
+    with atomic_dir(out, overwrite=True) as tmp:
         for f in src.iterdir():
             if f.is_file() and not f.name.startswith("rank"):
                 shutil.copy2(f, tmp / f.name)
@@ -94,13 +92,7 @@ def write_medusa_checkpoint(
             "num_medusa_layers": layers,
             "max_draft_len": max_draft_len,
         }
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        write_json(tmp / "config.json", cfg)
     return out
 
 

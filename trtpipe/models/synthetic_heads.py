@@ -154,6 +154,18 @@ def make_medusa_heads(
     return out
 
 
+def self_sampled(hf, samples: int, tokens: int) -> torch.Tensor:
+    """``samples`` sequences of exactly ``tokens`` tokens the transformers model ``hf`` samples itself from BOS (id 1),
+    the text the fitted and trained heads learn from (the caller seeds torch)."""
+    return hf.generate(
+        torch.ones(samples, 1, dtype=torch.long),
+        do_sample=True,
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        pad_token_id=0,
+    )
+
+
 def fit_medusa_heads(
     target: str | Path, out: str | Path, num_heads: int, samples: int = 1024, length: int = 64, seed: int = 0
 ) -> tuple[Path, list[float]]:
@@ -168,13 +180,7 @@ def fit_medusa_heads(
     hf = load_hf(target)
     V = hf.config.vocab_size
     with torch.no_grad():
-        seqs = hf.generate(
-            torch.ones(samples, 1, dtype=torch.long),
-            do_sample=True,
-            max_new_tokens=length,
-            min_new_tokens=length,
-            pad_token_id=0,
-        )
+        seqs = self_sampled(hf, samples, length)
         h = hf.model(seqs).last_hidden_state.double()  # after the final norm: what the heads read
     heads = make_medusa_heads(target, out, num_heads=num_heads, seed=seed)
     t = load_file(str(heads / "medusa_lm_head.safetensors"))
@@ -278,13 +284,7 @@ def fit_eagle1_head(
     torch.manual_seed(seed)
     hf = load_hf(target_dir)
     with torch.no_grad():
-        seqs = hf.generate(
-            torch.ones(samples, 1, dtype=torch.long),
-            do_sample=True,
-            max_new_tokens=tokens,
-            min_new_tokens=tokens,
-            pad_token_id=0,
-        )
+        seqs = self_sampled(hf, samples, tokens)
         f = hf.model(seqs).last_hidden_state.double()
     e = t["embed_tokens.weight"].double()[seqs[:, 1:-1]]  # emb(t[j + 1]) beside f[j], j = 0 .. n - 3
     x = torch.cat([e, f[:, :-2]], -1).reshape(-1, 2 * f.shape[-1])
@@ -335,13 +335,7 @@ def train_eagle3_head(
     H, V, eps = cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps
     capture = (1, 3, 4)  # eagle3_capture_layers(8)
     with torch.no_grad():  # the target's own text
-        seqs = hf.generate(
-            torch.ones(samples, 1, dtype=torch.long),
-            do_sample=True,
-            max_new_tokens=tokens,
-            min_new_tokens=tokens,
-            pad_token_id=0,
-        )
+        seqs = self_sampled(hf, samples, tokens)
         hs = hf(seqs, output_hidden_states=True).hidden_states
         cap = torch.cat([hs[i + 1] for i in capture], -1)  # [B, T, 3H]
         emb = hf.model.embed_tokens(seqs)
