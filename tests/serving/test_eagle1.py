@@ -277,20 +277,22 @@ def test_triton_eagle_choices_must_be_what_the_executor_drafts():
         parse_tree("{0}, {1}, {0, 0}", 4)
 
 
-@pytest.mark.slow
-def test_sampled_output_distribution_unchanged_with_an_eagle_tree(eagle1, fitted, stories_dir):
-    """2,000 seeded requests of 6 tokens under sampling (room for the whole 4-node tree, siblings at depth 1): token 2
-    is the first a tree verification emits (the target's draw at the root, kept when a depth-1 node holds it:
-    tree_verify.sampled_accept); its counts against the float64 marginal sum_x p(x | prompt) p(. | prompt, x),
-    chi-square as tests/serving/test_speculative.py does."""
+TREE_SAMPLED = [[0], [1], [2], [0, 0]]  # siblings at depth 1; 6 tokens leave room for the whole tree
+
+
+def check_tree_sampling(model, hf64, kind: str, head, source, label: str) -> None:
+    """2,000 seeded requests of 6 tokens under sampling through the 4-node tree ``TREE_SAMPLED`` drafted by ``kind``
+    ("Eagle", "Eagle3") with ``head``: token 2 is the first a tree verification emits (the target's draw at the
+    root, kept when a depth-1 node holds it: tree_verify.sampled_accept); its counts against the float64 marginal
+    sum_x p(x | prompt) p(. | prompt, x), chi-square as tests/serving/test_speculative.py does."""
     from test_speculative import ALPHA, _chi2
 
     from trtpipe.recipe.medusa import braces
     from trtpipe.serving.api import Request, SamplingParams
+    from trtpipe.serving.executor import ExecutorCore
+    from trtpipe.serving.reference_engine import ReferenceEngine
     from trtpipe.serving.speculative import sampling_probs
 
-    _, model, _, hf64, *_ = eagle1
-    head, _ = fitted
     prompt = [1, 403, 407, 261, 378]
     s = SamplingParams(temperature=1.0, top_k=20)
     with torch.no_grad():
@@ -298,25 +300,21 @@ def test_sampled_output_distribution_unchanged_with_an_eagle_tree(eagle1, fitted
         support = p1.nonzero().flatten().tolist()
         rows = hf64(torch.tensor([prompt + [x] for x in support])).logits[:, -1]
         marginal = (p1[support, None] * sampling_probs(rows, s)).sum(0)
-    tree = [[0], [1], [2], [0, 0]]
     cfg = _config(
-        speculative_decoding_type="Eagle",
-        max_draft_len=len(tree),
+        speculative_decoding_type=kind,
+        max_draft_len=len(TREE_SAMPLED),
         speculative_model=str(head),
-        eagle_choices=braces(tree),
+        eagle_choices=braces(TREE_SAMPLED),
         max_batch_size=8,
         num_blocks=128,
     )
     n = 2000
     final = {}
-    from trtpipe.serving.executor import ExecutorCore
-    from trtpipe.serving.reference_engine import ReferenceEngine
-
     core = ExecutorCore(
         cfg,
         ReferenceEngine(model),
         lambda r: final.__setitem__(r.request_id, r) if r.is_final else None,
-        draft_engine=draft_engine(cfg, model, stories_dir),
+        draft_engine=draft_engine(cfg, model, source),
     )
     for i in range(n):
         core.submit(Request(prompt, 6, exclude_input_from_output=True, sampling=SamplingParams(1.0, 20, 1.0, seed=i)))
@@ -328,11 +326,19 @@ def test_sampled_output_distribution_unchanged_with_an_eagle_tree(eagle1, fitted
     sp = core.speculator
     pv = _chi2(counts, marginal)
     print(
-        f"EAGLE tree sampling: {sp.total_accepted_draft_tokens} of {sp.total_draft_tokens} drafts accepted; "
+        f"{label} tree sampling: {sp.total_accepted_draft_tokens} of {sp.total_draft_tokens} drafts accepted; "
         f"chi-square p = {pv:.3g}"
     )
     assert sp.total_draft_tokens >= 4 * n  # the first verification drafts the whole tree
     assert sp.total_accepted_draft_tokens > 0 and pv > ALPHA, f"chi-square p = {pv:.3g}"
+
+
+@pytest.mark.slow
+def test_sampled_output_distribution_unchanged_with_an_eagle_tree(eagle1, fitted, stories_dir):
+    """The output distribution under sampling through an EAGLE-1 tree (:func:`check_tree_sampling`)."""
+    _, model, _, hf64, *_ = eagle1
+    head, _ = fitted
+    check_tree_sampling(model, hf64, "Eagle", head, stories_dir, "EAGLE")
 
 
 @pytest.mark.slow

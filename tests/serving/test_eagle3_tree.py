@@ -218,54 +218,9 @@ def _row_node(parents: list[int], drafts: list[int], toks: list[int], i: int) ->
 
 @pytest.mark.slow
 def test_sampled_output_distribution_unchanged_with_an_eagle3_tree(trained):
-    """2,000 seeded requests of 6 tokens under sampling with the 4-node tree (siblings at depth 1): token 2 is the
-    first a tree verification emits (the target's draw at the root, kept when a depth-1 node holds it:
-    tree_verify.sampled_accept); its counts against the float64 marginal sum_x p(x | prompt) p(. | prompt, x),
-    chi-square as tests/serving/test_eagle1.py does for EAGLE-1 trees."""
-    from test_speculative import ALPHA, _chi2
-
-    from trtpipe.serving.api import Request, SamplingParams
-    from trtpipe.serving.executor import ExecutorCore
-    from trtpipe.serving.reference_engine import ReferenceEngine
-    from trtpipe.serving.speculative import sampling_probs
+    """The output distribution under sampling through an EAGLE-3 tree, as tests/serving/test_eagle1.py checks
+    EAGLE-1 trees (:func:`test_eagle1.check_tree_sampling`)."""
+    from test_eagle1 import check_tree_sampling
 
     d, head, model, _, hf64, _ = trained
-    prompt = [1, 403, 407, 261, 378]
-    s = SamplingParams(temperature=1.0, top_k=20)
-    with torch.no_grad():
-        p1 = sampling_probs(hf64(torch.tensor([prompt])).logits[0, -1], s)
-        support = p1.nonzero().flatten().tolist()
-        rows = hf64(torch.tensor([prompt + [x] for x in support])).logits[:, -1]
-        marginal = (p1[support, None] * sampling_probs(rows, s)).sum(0)
-    tree = [[0], [1], [2], [0, 0]]
-    cfg = _config(
-        speculative_decoding_type="Eagle3",
-        max_draft_len=len(tree),
-        speculative_model=str(head),
-        eagle_choices=braces(tree),
-        max_batch_size=8,
-        num_blocks=128,
-    )
-    n = 2000
-    final = {}
-    core = ExecutorCore(
-        cfg,
-        ReferenceEngine(model),
-        lambda r: final.__setitem__(r.request_id, r) if r.is_final else None,
-        draft_engine=draft_engine(cfg, model, d),
-    )
-    for i in range(n):
-        core.submit(Request(prompt, 6, exclude_input_from_output=True, sampling=SamplingParams(1.0, 20, 1.0, seed=i)))
-    core.run_until_idle()
-    assert len(final) == n and all(not r.has_error for r in final.values())
-    counts = torch.zeros(marginal.numel())
-    for r in final.values():
-        counts[r.tokens[1]] += 1
-    sp = core.speculator
-    pv = _chi2(counts, marginal)
-    print(
-        f"EAGLE-3 tree sampling: {sp.total_accepted_draft_tokens} of {sp.total_draft_tokens} drafts accepted; "
-        f"chi-square p = {pv:.3g}"
-    )
-    assert sp.total_draft_tokens >= 4 * n  # the first verification drafts the whole tree
-    assert sp.total_accepted_draft_tokens > 0 and pv > ALPHA, f"chi-square p = {pv:.3g}"
+    check_tree_sampling(model, hf64, "Eagle3", head, d, "EAGLE-3")
