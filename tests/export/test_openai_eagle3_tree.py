@@ -12,40 +12,10 @@ import urllib.request
 
 import pytest
 
+from eagle3_trees import PROMPTS, RECIPE, SPECS, TREE
 from openai_helpers import serve_in_thread
 
 NAME = "stories-eagle3-tree"
-PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park.", "One day, a big"]
-TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]
-RECIPE = """\
-name: eagle3-tree
-target: llmapi
-model:
-  source: {model}
-engine:
-  gpu: h100-sxm-80gb
-  max_batch_size: 4
-  max_input_len: 256
-  max_seq_len: 512
-  max_num_tokens: 2048
-  kv_cache:
-    enable_reuse: false
-accuracy:
-  enabled: false
-llmapi:
-  version: "1.3"
-speculative:
-  decoding_type: Eagle3
-  speculative_model: {head}
-{spec}
-"""
-SPECS = {
-    "static": f"  max_draft_len: {len(TREE)}\n  eagle3_one_model: false\n  eagle_choices: {TREE}",
-    "dynamic": (
-        "  max_draft_len: 3\n  eagle3_one_model: true\n  use_dynamic_tree: true\n  dynamic_tree_max_top_k: 3\n"
-        f"  max_total_draft_tokens: {len(TREE)}"
-    ),
-}
 
 
 @pytest.fixture(scope="module", params=list(SPECS))
