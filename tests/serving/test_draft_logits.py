@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,3 +129,25 @@ def test_greedy_output_with_draft_logits_is_the_output_without_drafts(models):
     plain = _run(target, [Request(PROMPT, K + 1, exclude_input_from_output=True) for _ in drafts])
     got = _verify(target, drafts, lambda i: SamplingParams())
     assert [r.tokens for r in got] == [r.tokens for r in plain]
+
+
+@pytest.mark.parametrize(
+    "logits, why",
+    [
+        (np.zeros((2, 512), np.float32), "needs one row of 512 logits per draft token (3 in draft_input_ids)"),
+        (np.zeros((3, 100), np.float32), "needs one row of 512 logits per draft token"),
+        (np.zeros(512, np.float32), "needs one row of 512 logits per draft token"),
+        (np.full((3, 512), np.nan, np.float32), "holds a NaN or infinite value"),
+        (np.array([[np.inf] * 512] * 3, np.float32), "holds a NaN or infinite value"),
+    ],
+    ids=["rows", "vocab", "1-d", "nan", "inf"],
+)
+def test_a_misshaped_or_non_finite_draft_logits_input_is_one_line(logits, why):
+    """What the Triton twin checks before a request reaches the executor (a 4xx there, never a failed step)."""
+    from trtpipe.serving.draft_logits import check_draft_logits
+
+    with pytest.raises(ValueError, match="^draft_logits ") as info:
+        check_draft_logits(logits, 3, 512)
+    assert why in str(info.value) and "\n" not in str(info.value)
+    padded = check_draft_logits(np.zeros((1, 3, 520), np.float32), 3, 512)  # an engine's padded rows: cut
+    assert padded.shape == (3, 512)

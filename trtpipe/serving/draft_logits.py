@@ -26,15 +26,19 @@ from trtpipe.serving.speculative import sampling_probs
 
 def check_draft_logits(logits: np.ndarray, num_drafts: int, vocab: int) -> np.ndarray:
     """``draft_logits`` of a Triton request as ``[k, V]`` float32 (rows padded past the vocabulary cut); ValueError
-    (one line) when its shape does not match the request's ``draft_input_ids`` or the model's vocabulary."""
+    (one line) when its shape does not match the request's ``draft_input_ids`` or the model's vocabulary, or a value
+    is not finite."""
     a = np.asarray(logits, dtype=np.float32)
-    a = a.reshape(-1, a.shape[-1]) if a.ndim >= 2 else a.reshape(0, 0)
+    a = a.reshape(-1, a.shape[-1]) if a.ndim >= 2 else np.zeros((0, 0), np.float32)  # not rows: refused below
     if a.shape[0] != num_drafts or a.shape[1] < vocab:  # an engine's rows may be padded past the vocabulary
         raise ValueError(
             f"draft_logits has shape {tuple(np.shape(logits))}: it needs one row of {vocab} logits per draft token "
             f"({num_drafts} in draft_input_ids)"
         )
-    return a[:, :vocab]
+    a = a[:, :vocab]
+    if not np.isfinite(a).all():  # a NaN row would make the rejection sampling's distribution undefined
+        raise ValueError("draft_logits holds a NaN or infinite value: the draft's logits must be finite")
+    return a
 
 
 def external_draft_probs(request: Request, k: int) -> Optional[torch.Tensor]:
